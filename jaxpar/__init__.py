@@ -1,0 +1,26 @@
+"""jaxpar: SPMD training of Flax NNX models over one device mesh.
+
+Models name logical axes; a rules table maps them onto the mesh axes
+(data, stage, fsdp, tensor); ``jit`` does the rest. The public API:
+
+* config: :func:`load_config`, :class:`Config`
+* devices and mesh: :func:`setup_devices`, :func:`make_mesh`
+* rules: :data:`PRESETS`, :func:`resolve_rules`, :func:`constrain`
+* training: :class:`Task`, :class:`Trainer`, :func:`make_optimizer`, :func:`train`
+"""
+
+from jaxpar.config import Config, load_config
+from jaxpar.logical import constrain, spec_for
+from jaxpar.mesh import make_mesh, setup_devices
+from jaxpar.optim import decay_mask, make_optimizer, make_schedule
+from jaxpar.sharding import PRESETS, resolve_rules
+from jaxpar.task import Task, classification_loss, lm_loss
+from jaxpar.trainer import Trainer, TrainState, abstract_params_and_axes
+from jaxpar.train import train
+
+__all__ = [
+    "Config", "load_config", "constrain", "spec_for", "make_mesh", "setup_devices",
+    "decay_mask", "make_optimizer", "make_schedule", "PRESETS", "resolve_rules",
+    "Task", "classification_loss", "lm_loss", "Trainer", "TrainState", "train",
+    "abstract_params_and_axes",
+]

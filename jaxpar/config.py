@@ -1,0 +1,308 @@
+"""Typed, frozen run configuration: YAML files plus dotted ``key=value`` overrides.
+
+A config is built in three layers, later ones winning: the dataclass defaults,
+then each YAML file in order, then command-line overrides such as
+``mesh.fsdp=8`` or ``rules.mlp=tensor``. Every key is checked: an unknown key
+is an error that names the closest valid key, a value of the wrong type is an
+error that names the key and the expected type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+# A rule maps a logical axis name to mesh axes: () means "not sharded".
+RuleValue = tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Where a run writes, how it is seeded and how many devices it uses.
+
+    Attributes:
+      dir: run directory for ``config.yaml``, ``metrics.jsonl`` and events.
+      seed: seed for parameter init and data order.
+      devices: device count; 0 means all accelerators, or 8 simulated CPU
+        devices when no accelerator is present.
+    """
+
+    dir: str = "runs/gpt_tiny"
+    seed: int = 0
+    devices: int = 0
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Parallel degrees per mesh axis. One of them may be -1: it fills the rest."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+    stage: int = 1
+
+
+@dataclass(frozen=True)
+class RulesConfig:
+    """Logical-axis rules: a named preset plus per-name overrides.
+
+    ``overrides`` maps a logical axis name to a tuple of mesh axes (empty tuple:
+    not sharded). In YAML and on the command line they are written next to
+    ``preset``: ``rules.mlp=tensor``, ``rules.batch=data,fsdp``, ``rules.kv=null``.
+    """
+
+    preset: str = "auto"
+    overrides: tuple[tuple[str, RuleValue], ...] = ()
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Model choice and shape.
+
+    ``name`` is ``gpt``, ``convnet`` or ``mlp``. GPT fields: ``vocab_size``,
+    ``d_model``, ``n_layers``, ``n_heads``, ``d_ff``, ``max_seq_len``,
+    ``positions`` (learned|rotary), ``tie_embeddings``, ``remat``
+    (none|full|save_dots), ``dtype`` (float32|bfloat16; parameters stay
+    float32). Classifier fields: ``channels``, ``hidden``, ``num_classes``.
+    """
+
+    name: str = "gpt"
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    d_ff: int = 512
+    max_seq_len: int = 128
+    positions: str = "learned"
+    tie_embeddings: bool = False
+    remat: str = "none"
+    dtype: str = "float32"
+    channels: int = 20
+    hidden: int = 50
+    num_classes: int = 10
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Training data.
+
+    ``path`` empty means the built-in data: the text of Python's own
+    ``pydoc_data.topics`` module for language models (byte-level tokens), and
+    synthetic labelled images for classifiers. A ``.txt`` path is read as
+    bytes; an ``.npz`` path must hold ``images`` (N,H,W[,C]) and ``labels`` (N,).
+    """
+
+    path: str = ""
+    seq_len: int = 128
+    eval_fraction: float = 0.1
+    image_size: int = 8
+    num_examples: int = 4096
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """Optax chain: optimizer, learning-rate schedule, clipping, weight decay.
+
+    ``name``: sgd|adam|adamw|lamb|adafactor. ``schedule``: constant|cosine|
+    linear|step|rsqrt, always after ``warmup_steps`` of linear warmup from 0.
+    ``decay_steps`` 0 means "until the last training step". ``step_every`` and
+    ``step_gamma`` define StepLR-style decay. ``clip_norm`` 0 disables
+    global-norm clipping. Weight decay never applies to 1-D parameters.
+    """
+
+    name: str = "adamw"
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    schedule: str = "cosine"
+    decay_steps: int = 0
+    min_lr_ratio: float = 0.1
+    step_every: int = 1000
+    step_gamma: float = 0.1
+    momentum: float = 0.9
+    nesterov: bool = False
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    clip_norm: float = 1.0
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Loop settings. ``nonfinite``: ``stop`` raises naming the step; ``skip``
+    leaves the state unchanged for that step and counts it."""
+
+    steps: int = 200
+    batch_size: int = 32
+    grad_accum: int = 1
+    log_every: int = 10
+    eval_every: int = 50
+    eval_batches: int = 4
+    nonfinite: str = "stop"
+    progress: bool = True
+    tensorboard: bool = False
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole run configuration."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    rules: RulesConfig = field(default_factory=RulesConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model.name": ("gpt", "convnet", "mlp"),
+    "model.positions": ("learned", "rotary"),
+    "model.remat": ("none", "full", "save_dots"),
+    "model.dtype": ("float32", "bfloat16"),
+    "optim.name": ("sgd", "adam", "adamw", "lamb", "adafactor"),
+    "optim.schedule": ("constant", "cosine", "linear", "step", "rsqrt"),
+    "train.nonfinite": ("stop", "skip"),
+}
+
+
+def _closest(key: str, valid: list[str], prefix: str = "") -> str:
+    match = difflib.get_close_matches(key, valid, n=1, cutoff=0.4)
+    hint = f"did you mean '{prefix}{match[0]}'? " if match else ""
+    return f"{hint}valid keys: {', '.join(sorted(valid))}"
+
+
+def _check_type(key: str, value: Any, typ: Any) -> Any:
+    """Returns ``value`` converted to ``typ`` or raises naming ``key``."""
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if typ is float and isinstance(value, str):  # YAML reads '1e-3' as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if typ in (int, float, str, bool):
+        if isinstance(value, typ) and not (typ is int and isinstance(value, bool)):
+            return value
+        raise ValueError(
+            f"config key '{key}' expects {typ.__name__}, got {value!r} "
+            f"({type(value).__name__}); fix the value in the YAML or the override {key}=..."
+        )
+    raise AssertionError(f"unsupported config field type {typ} for {key}")
+
+
+def _parse_rule(key: str, value: Any) -> RuleValue:
+    """A rule value: None/'none'/'' → (), 'data,fsdp' or [data, fsdp] → tuple."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        parts = [p.strip() for p in value.split(",")]
+        parts = [p for p in parts if p and p.lower() not in ("none", "null")]
+        return tuple(parts)
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise ValueError(
+        f"rule 'rules.{key}' must be a mesh axis, a list of mesh axes or null, got {value!r}"
+    )
+
+
+def _merge_rules(current: RulesConfig, raw: dict[str, Any]) -> RulesConfig:
+    overrides = dict(current.overrides)
+    preset = current.preset
+    for name, value in raw.items():
+        if name == "preset":
+            preset = _check_type("rules.preset", value, str)
+        elif name == "overrides" and isinstance(value, dict):
+            overrides.update({k: _parse_rule(k, v) for k, v in value.items()})
+        else:
+            overrides[name] = _parse_rule(name, value)
+    return RulesConfig(preset=preset, overrides=tuple(sorted(overrides.items())))
+
+
+def _merge_section(section: str, current: Any, raw: Any) -> Any:
+    if not isinstance(raw, dict):
+        raise ValueError(f"config section '{section}' must be a mapping, got {raw!r}")
+    if section == "rules":
+        return _merge_rules(current, raw)
+    hints = typing.get_type_hints(type(current))
+    names = [f.name for f in dataclasses.fields(current)]
+    updates = {}
+    for key, value in raw.items():
+        dotted = f"{section}.{key}"
+        if key not in names:
+            raise ValueError(f"unknown config key '{dotted}': {_closest(key, names, section + '.')}")
+        value = _check_type(dotted, value, hints[key])
+        if dotted in CHOICES and value not in CHOICES[dotted]:
+            raise ValueError(
+                f"config key '{dotted}' must be one of {', '.join(CHOICES[dotted])}, got {value!r}"
+            )
+        updates[key] = value
+    return dataclasses.replace(current, **updates)
+
+
+def merge(config: Config, raw: dict[str, Any]) -> Config:
+    """Returns ``config`` updated by a nested mapping (as read from YAML)."""
+    sections = [f.name for f in dataclasses.fields(Config)]
+    updates = {}
+    for section, body in (raw or {}).items():
+        if section not in sections:
+            raise ValueError(f"unknown config section '{section}': {_closest(section, sections)}")
+        base = updates.get(section, getattr(config, section))
+        updates[section] = _merge_section(section, base, body)
+    return dataclasses.replace(config, **updates)
+
+
+def parse_override(text: str) -> dict[str, Any]:
+    """``'mesh.fsdp=8'`` → ``{'mesh': {'fsdp': 8}}`` (the value is parsed as YAML)."""
+    if "=" not in text:
+        raise ValueError(f"override {text!r} must look like section.key=value, e.g. mesh.fsdp=8")
+    key, value = text.split("=", 1)
+    parts = key.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ValueError(f"override key {key!r} must be section.key, e.g. train.steps=100")
+    parsed = yaml.safe_load(value) if value.strip() else None
+    return {parts[0]: {parts[1]: parsed}}
+
+
+def load_config(paths: list[str | Path] = (), overrides: list[str] = ()) -> Config:
+    """Builds a config from defaults, YAML files (in order) and overrides.
+
+    Args:
+      paths: YAML files; later files override earlier ones.
+      overrides: ``section.key=value`` strings applied last.
+
+    Returns:
+      The validated, frozen ``Config``.
+
+    Raises:
+      ValueError: on a missing file, unknown key, wrong type or bad choice.
+    """
+    config = Config()
+    for path in paths:
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"config file '{path}' does not exist; pass a YAML file from configs/")
+        raw = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ValueError(f"config file '{path}' must hold a mapping of sections")
+        config = merge(config, raw)
+    for text in overrides:
+        config = merge(config, parse_override(text))
+    return config
+
+
+def to_dict(config: Config) -> dict[str, Any]:
+    """Plain nested dict of a config, as written to a run's ``config.yaml``."""
+    out = dataclasses.asdict(config)
+    rules = {"preset": config.rules.preset}
+    rules.update({k: list(v) if v else None for k, v in config.rules.overrides})
+    out["rules"] = rules
+    return out
+

@@ -1,0 +1,109 @@
+"""Logical axis names → mesh ``PartitionSpec``s, and the activation constraint helper.
+
+Models name tensor dims with logical names only (``batch``, ``embed``, ``mlp``,
+…). A rules table maps each name to a tuple of mesh axes (empty: the dim is not
+sharded). This module is the one place that turns names into specs, so the
+checks live here too: a name with no rule, a mesh axis used twice in one array,
+and a dim that the mesh axes do not divide are errors, never silent
+replication.
+
+Models call :func:`constrain` on key activations. It is a no-op unless a
+trainer has activated rules with :func:`activation_rules` while tracing its
+step: the model stays free of mesh axis names and runs unchanged outside jaxpar.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from collections.abc import Iterator, Mapping, Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+Rules = Mapping[str, tuple[str, ...]]
+AxisNames = Sequence[str | None]
+
+_ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar(
+    "jaxpar_activation_rules", default=None
+)
+
+
+def spec_for(
+    names: AxisNames, rules: Rules, mesh: Mesh, shape: Sequence[int], what: str
+) -> PartitionSpec:
+    """The ``PartitionSpec`` of an array whose dims carry logical ``names``.
+
+    Args:
+      names: one logical name per dim; ``None`` marks a dim that is never sharded.
+      rules: logical name → mesh axes.
+      mesh: the mesh (for axis sizes).
+      shape: the array shape, checked for divisibility.
+      what: how to name the array in errors (a parameter path, an activation).
+
+    Raises:
+      ValueError: naming ``what`` for an unmapped name, a rank mismatch, a mesh
+        axis used twice, or a dim the mesh axes do not divide.
+    """
+    if len(names) != len(shape):
+        raise ValueError(
+            f"{what}: {len(names)} logical axes {tuple(names)} for an array of shape "
+            f"{tuple(shape)}; give one name per dim"
+        )
+    entries, used = [], {}
+    for dim, (name, size) in enumerate(zip(names, shape)):
+        if name is None:
+            entries.append(None)
+            continue
+        if name not in rules:
+            raise ValueError(
+                f"logical axis '{name}' of {what} (dim {dim}, shape {tuple(shape)}) has no rule; "
+                f"add one, e.g. rules.{name}=null to replicate it or rules.{name}=fsdp to shard it"
+            )
+        axes = tuple(rules[name])
+        for axis in axes:
+            if axis not in mesh.shape:
+                raise ValueError(
+                    f"rule for logical axis '{name}' names mesh axis '{axis}', which the mesh "
+                    f"does not have (mesh axes: {', '.join(mesh.shape)})"
+                )
+            if axis in used:
+                raise ValueError(
+                    f"{what}: mesh axis '{axis}' shards both '{used[axis]}' and '{name}'; "
+                    f"change the rule for one of them"
+                )
+            used[axis] = name
+        ways = math.prod(mesh.shape[a] for a in axes)
+        if size % ways:
+            raise ValueError(
+                f"{what}: dim {dim} ('{name}', size {size}) of shape {tuple(shape)} is not "
+                f"divisible by mesh axes {axes} of size {ways}; change the mesh degrees, "
+                f"the model size, or the rule rules.{name}"
+            )
+        sharded = tuple(a for a in axes if mesh.shape[a] > 1)
+        entries.append(sharded[0] if len(sharded) == 1 else (sharded or None))
+    return PartitionSpec(*entries)
+
+
+@contextlib.contextmanager
+def activation_rules(mesh: Mesh, rules: Rules) -> Iterator[None]:
+    """Activates ``rules`` for :func:`constrain` while a step is being traced."""
+    token = _ACTIVE.set((mesh, rules))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def constrain(x: jax.Array, names: AxisNames) -> jax.Array:
+    """Pins activation ``x`` to the layout its logical ``names`` map to.
+
+    Outside a jaxpar step (no active rules) this returns ``x`` unchanged.
+    """
+    active = _ACTIVE.get()
+    if active is None:
+        return x
+    mesh, rules = active
+    spec = spec_for(names, rules, mesh, x.shape, f"activation {tuple(names)}")
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

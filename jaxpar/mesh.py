@@ -1,0 +1,128 @@
+"""Devices and the device mesh.
+
+Axis types: jaxpar builds meshes with ``AxisType.Auto`` on purpose. Parameter,
+optimizer-state and batch layouts are fixed by the rules table through the
+step's ``in_shardings``/``out_shardings`` and a few activation constraints;
+XLA's SPMD partitioner propagates everything in between. ``Explicit`` axes
+would make sharding part of every array's type, so each contraction in a model
+would need an ``out_sharding`` naming mesh axes, which ties the model code to a
+layout. With Auto axes the model names logical axes only and a layout change
+stays a config change. The numerical-equivalence tests guard the result.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from jaxpar.config import MeshConfig
+
+MESH_AXES = ("data", "stage", "fsdp", "tensor")
+DEFAULT_CPU_DEVICES = 8
+_FORCE_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
+
+
+def setup_devices(count: int = 0) -> None:
+    """Chooses the simulated CPU device count before JAX starts its backend.
+
+    With ``count`` 0 and no device count set by the user (``XLA_FLAGS`` or
+    ``jax_num_cpu_devices``), the CPU backend gets 8 simulated devices so every
+    layout is real on a laptop. On an accelerator this only affects the unused
+    CPU backend; the mesh then takes the first ``count`` accelerators.
+
+    Raises:
+      ValueError: when JAX has already started with a different device count.
+    """
+    user_flag = _FORCE_FLAG.search(os.environ.get("XLA_FLAGS", ""))
+    if user_flag and count and int(user_flag.group(1)) != count:
+        raise ValueError(
+            f"--devices {count} conflicts with XLA_FLAGS "
+            f"--xla_force_host_platform_device_count={user_flag.group(1)}; drop one of them"
+        )
+    if user_flag:
+        return
+    wanted = count or DEFAULT_CPU_DEVICES
+    try:
+        jax.config.update("jax_num_cpu_devices", wanted)
+    except RuntimeError as err:  # the backend is already running
+        if jax.device_count("cpu") < wanted:
+            raise ValueError(
+                f"JAX started before jaxpar could set {wanted} CPU devices "
+                f"(it has {jax.device_count('cpu')}); call jaxpar.setup_devices() before "
+                "any JAX computation, or set XLA_FLAGS=--xla_force_host_platform_device_count="
+                f"{wanted}"
+            ) from err
+
+
+def select_devices(count: int = 0) -> list[jax.Device]:
+    """The first ``count`` devices of the default backend (all when 0)."""
+    devices = jax.devices()
+    if count and count > len(devices):
+        raise ValueError(
+            f"run.devices={count} but only {len(devices)} {devices[0].platform} devices exist; "
+            f"set run.devices (or --devices) to at most {len(devices)}"
+        )
+    return devices[:count] if count else devices
+
+
+def describe_devices(devices: list[jax.Device]) -> str:
+    """One line saying what a run is using, e.g. '8 simulated CPU devices'."""
+    platform = devices[0].platform
+    if platform == "cpu":
+        return f"{len(devices)} simulated CPU devices (no accelerator; set --devices N to change)"
+    return f"{len(devices)} × {devices[0].device_kind} ({platform})"
+
+
+def resolve_degrees(cfg: MeshConfig, device_count: int) -> dict[str, int]:
+    """Mesh degrees with the single -1 filled in, checked against the devices.
+
+    Raises:
+      ValueError: on a bad degree, more than one -1, or a product that is not
+        the device count; the message lists the degrees and the device count.
+    """
+    degrees = {axis: getattr(cfg, axis) for axis in MESH_AXES}
+    shown = ", ".join(f"{k}={v}" for k, v in degrees.items())
+    fill = [axis for axis, d in degrees.items() if d == -1]
+    bad = [axis for axis, d in degrees.items() if d == 0 or d < -1]
+    if bad:
+        raise ValueError(f"mesh degree mesh.{bad[0]}={degrees[bad[0]]} must be ≥ 1 or -1 ({shown})")
+    if len(fill) > 1:
+        raise ValueError(f"only one mesh degree may be -1, got {fill} ({shown})")
+    fixed = math.prod(d for d in degrees.values() if d != -1)
+    if fill:
+        if device_count % fixed:
+            raise ValueError(
+                f"mesh degrees ({shown}) cannot fill {device_count} devices: {device_count} "
+                f"is not divisible by {fixed}; choose degrees whose product divides it"
+            )
+        degrees[fill[0]] = device_count // fixed
+    elif fixed != device_count:
+        raise ValueError(
+            f"mesh degrees ({shown}) multiply to {fixed} but there are {device_count} devices; "
+            "make the product equal the device count or set one degree to -1"
+        )
+    return degrees
+
+
+def make_mesh(cfg: MeshConfig, devices: list[jax.Device] | None = None) -> Mesh:
+    """A ``Mesh`` over ``devices`` with axes (data, stage, fsdp, tensor), all Auto.
+
+    Axis order puts ``tensor`` innermost, so tensor-parallel groups are
+    neighbouring devices (the fastest links on a GPU host), and ``data``
+    outermost, so it is the axis that crosses hosts.
+    """
+    devices = list(devices if devices is not None else jax.devices())
+    degrees = resolve_degrees(cfg, len(devices))
+    shape = tuple(degrees[a] for a in MESH_AXES)
+    grid = np.asarray(devices, dtype=object).reshape(shape)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def describe_mesh(mesh: Mesh) -> str:
+    """e.g. 'mesh data=2 stage=1 fsdp=2 tensor=2'."""
+    return "mesh " + " ".join(f"{k}={v}" for k, v in mesh.shape.items())

@@ -1,0 +1,350 @@
+"""Optax optimizer chain and learning-rate schedules built from ``OptimConfig``.
+
+The public entry points are:
+
+* :func:`make_schedule` - linear warmup followed by constant, cosine, linear,
+  StepLR or inverse-square-root decay.
+* :func:`decay_mask` - which parameters get weight decay (matrix-like ones only).
+* :func:`make_optimizer` - optional global-norm clipping, then the optimizer.
+
+Gradient accumulation is deliberately not done here: the train step owns it, so
+the optimizer always sees one (already averaged) gradient per step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxpar.config import OptimConfig
+
+OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adamw", "lamb", "adafactor")
+SCHEDULES: tuple[str, ...] = ("constant", "cosine", "linear", "step", "rsqrt")
+
+# The logical axis name of the leading stacked-layers dimension (nnx.scan /
+# vmapped layer stacks). It does not make a parameter "matrix-like".
+LAYERS_AXIS = "layers"
+
+Mask = Any  # a pytree of bools (a prefix of the params tree) or a callable
+
+
+# --------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------
+
+
+def _bad(key: str, value: Any, need: str, fix: str) -> ValueError:
+    """Builds an error that names the config key, the rule and the fix."""
+    return ValueError(f"config key 'optim.{key}' {need}, got {value!r}; {fix}")
+
+
+def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    # config.py checks choices on load, but OptimConfig can be built directly.
+    if value not in choices:
+        need = f"must be one of {', '.join(choices)}"
+        raise _bad(key, value, need, f"set optim.{key} to one of them")
+
+
+def _check_schedule_config(cfg: OptimConfig, total_steps: int) -> None:
+    """Raises ``ValueError`` for schedule settings that cannot produce a sane lr."""
+    _check_choice("schedule", cfg.schedule, SCHEDULES)
+    if not total_steps >= 1:
+        raise ValueError(
+            f"total_steps must be >= 1, got {total_steps!r}; set train.steps to a positive count"
+        )
+    # `not x > 0` (rather than `x <= 0`) also rejects NaN.
+    if not cfg.lr > 0:
+        raise _bad("lr", cfg.lr, "must be > 0", "set e.g. optim.lr=3e-4")
+    if not cfg.warmup_steps >= 0:
+        raise _bad(
+            "warmup_steps", cfg.warmup_steps, "must be >= 0", "use optim.warmup_steps=0 to skip it"
+        )
+    if cfg.schedule != "constant" and cfg.warmup_steps >= total_steps:
+        raise _bad(
+            "warmup_steps",
+            cfg.warmup_steps,
+            f"must be < the {total_steps} training steps when optim.schedule={cfg.schedule} decays",
+            "lower optim.warmup_steps or raise train.steps",
+        )
+    if not cfg.decay_steps >= 0:
+        raise _bad(
+            "decay_steps", cfg.decay_steps, "must be >= 0", "use 0 to decay until the last step"
+        )
+    if not 0 <= cfg.min_lr_ratio <= 1:
+        raise _bad(
+            "min_lr_ratio", cfg.min_lr_ratio, "must be in [0, 1]", "set e.g. optim.min_lr_ratio=0.1"
+        )
+    if not cfg.step_every > 0:
+        raise _bad(
+            "step_every", cfg.step_every, "must be > 0", "set e.g. optim.step_every=1000"
+        )
+    if not 0 < cfg.step_gamma <= 1:
+        raise _bad(
+            "step_gamma", cfg.step_gamma, "must be in (0, 1]", "set e.g. optim.step_gamma=0.1"
+        )
+
+
+def _check_optimizer_config(cfg: OptimConfig) -> None:
+    """Raises ``ValueError`` for optimizer settings optax would accept silently."""
+    _check_choice("name", cfg.name, OPTIMIZERS)
+    if not cfg.clip_norm >= 0:
+        raise _bad(
+            "clip_norm", cfg.clip_norm, "must be >= 0", "use optim.clip_norm=0 to disable clipping"
+        )
+    for key, example in (("b1", 0.9), ("b2", 0.95), ("momentum", 0.9)):
+        value = getattr(cfg, key)
+        # 1.0 would freeze the moving average at its initial value forever.
+        if not 0 <= value < 1:
+            raise _bad(key, value, "must be in [0, 1)", f"set e.g. optim.{key}={example}")
+    if not cfg.eps >= 0:
+        raise _bad("eps", cfg.eps, "must be >= 0", "set e.g. optim.eps=1e-8")
+    if not cfg.weight_decay >= 0:
+        raise _bad(
+            "weight_decay", cfg.weight_decay, "must be >= 0", "use optim.weight_decay=0 for none"
+        )
+    if cfg.name == "adam" and cfg.weight_decay > 0:
+        raise _bad(
+            "weight_decay",
+            cfg.weight_decay,
+            "must be 0 with optim.name=adam (Adam has no decoupled weight decay)",
+            "use optim.name=adamw for weight decay, or set optim.weight_decay=0",
+        )
+    if cfg.name == "sgd" and cfg.nesterov and cfg.momentum == 0:
+        raise _bad(
+            "nesterov",
+            cfg.nesterov,
+            "needs optim.momentum > 0 with optim.name=sgd",
+            "set optim.momentum (e.g. 0.9) or optim.nesterov=false",
+        )
+
+
+# --------------------------------------------------------------------------
+# Schedules
+# --------------------------------------------------------------------------
+
+
+def _decay_length(cfg: OptimConfig, total_steps: int) -> int:
+    """Steps over which cosine/linear decay runs after warmup."""
+    if cfg.decay_steps > 0:
+        return cfg.decay_steps
+    # Decay exactly until the last training step; at least 1 so optax's
+    # schedules never divide by zero.
+    return max(total_steps - cfg.warmup_steps, 1)
+
+
+def _rsqrt_after_warmup(lr: float, warmup_steps: int) -> optax.Schedule:
+    """Inverse-sqrt decay as a function of steps since the end of warmup."""
+    ref = float(max(warmup_steps, 1))
+
+    def schedule(count: jax.Array) -> jax.Array:
+        # join_schedules passes steps relative to the boundary; rsqrt is
+        # defined on the absolute step, so shift back.
+        step = jnp.asarray(count, jnp.float32) + warmup_steps
+        return lr * jnp.sqrt(ref / jnp.maximum(step, ref))
+
+    return schedule
+
+
+def _after_warmup(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
+    """The schedule that starts at ``cfg.lr`` when warmup ends (relative steps)."""
+    lr = cfg.lr
+    if cfg.schedule == "constant":
+        return optax.constant_schedule(lr)
+    if cfg.schedule == "cosine":
+        length = _decay_length(cfg, total_steps)
+        return optax.cosine_decay_schedule(lr, length, alpha=cfg.min_lr_ratio)
+    if cfg.schedule == "linear":
+        length = _decay_length(cfg, total_steps)
+        return optax.linear_schedule(lr, lr * cfg.min_lr_ratio, length)
+    if cfg.schedule == "step":
+        return optax.exponential_decay(lr, cfg.step_every, cfg.step_gamma, staircase=True)
+    return _rsqrt_after_warmup(lr, cfg.warmup_steps)
+
+
+def make_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
+    """Learning rate as a function of the optimizer step count.
+
+    With ``w = cfg.warmup_steps``, ``lr = cfg.lr`` and ``t`` the step count:
+
+    * ``t < w``: linear warmup, ``lr * t / w`` (so step 0 uses lr 0).
+    * ``t >= w``, with ``s = t - w`` and ``D = cfg.decay_steps`` or, when that
+      is 0, ``max(total_steps - w, 1)``:
+
+      - ``constant``: ``lr``.
+      - ``cosine``: ``lr * (r + (1 - r) * 0.5 * (1 + cos(pi * min(s, D) / D)))``
+        with ``r = cfg.min_lr_ratio``; it then stays at ``lr * r``.
+      - ``linear``: ``lr * (1 - (1 - r) * min(s, D) / D)``.
+      - ``step`` (StepLR): ``lr * cfg.step_gamma ** floor(s / cfg.step_every)``.
+      - ``rsqrt``: ``lr * sqrt(max(w, 1) / max(t, w, 1))``; this equals ``lr``
+        at the end of warmup (continuous) and ``lr * sqrt(w / t)`` after it.
+        ``min_lr_ratio`` does not floor ``step`` or ``rsqrt``.
+
+    Args:
+      cfg: the optimizer config.
+      total_steps: number of training (optimizer) steps, ``train.steps``.
+
+    Returns:
+      An optax schedule, usable inside ``jit``.
+
+    Raises:
+      ValueError: naming the ``optim.*`` key of a bad value and how to fix it.
+    """
+    _check_schedule_config(cfg, total_steps)
+    after = _after_warmup(cfg, total_steps)
+    if cfg.warmup_steps == 0:
+        return after
+    warmup = optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps)
+    return optax.join_schedules([warmup, after], boundaries=[cfg.warmup_steps])
+
+
+# --------------------------------------------------------------------------
+# Weight-decay mask
+# --------------------------------------------------------------------------
+
+
+def _is_param_leaf(x: Any) -> bool:
+    # Arrays, ShapeDtypeStructs and nnx.Variable all expose `.shape`; stopping
+    # at Variables keeps the mask a prefix of both raw and Variable-wrapped trees.
+    return hasattr(x, "shape")
+
+
+def _ndim(param: Any) -> int:
+    return len(param.shape) if hasattr(param, "shape") else jnp.ndim(param)
+
+
+def _matrix_like(names: Any, param: Any) -> bool:
+    """True when a parameter has >= 2 dims besides the stacked-layers dim."""
+    if names is None:
+        return _ndim(param) >= 2
+    if not isinstance(names, (tuple, list)):
+        raise ValueError(
+            f"decay_mask: logical axes must be a tuple of names per parameter, got {names!r}"
+        )
+    # None entries are unnamed (unsharded) dimensions and still count.
+    return sum(1 for name in names if name != LAYERS_AXIS) >= 2
+
+
+def decay_mask(params: Any, axes: Any = None) -> Any:
+    """Which parameters get weight decay: only matrix-like ones.
+
+    Biases, norm scales and other vectors are never decayed, even when a
+    stacked-layers transform gives them a leading ``layers`` dimension
+    (``[L, D]`` is a stack of vectors, not a matrix).
+
+    Args:
+      params: a pytree of parameters (arrays, ``ShapeDtypeStruct`` or
+        ``nnx.Variable`` leaves), e.g. a dict of dicts.
+      axes: ``None``, or a pytree with the structure of ``params`` whose leaf
+        per parameter is a tuple of logical axis names, e.g.
+        ``("layers", "embed", "mlp")``. A parameter is matrix-like when it has
+        at least 2 names other than ``"layers"``. With ``None`` the rule is
+        ``ndim >= 2`` (a stacked ``[L, D]`` vector then counts as a matrix).
+
+    Returns:
+      A pytree of Python bools with one leaf per parameter (``True``: decay),
+      usable as the ``mask`` of :func:`make_optimizer` / ``optax.masked``.
+
+    Raises:
+      ValueError: if ``axes`` does not match the structure of ``params``.
+    """
+    if axes is None:
+        return jax.tree.map(lambda p: _matrix_like(None, p), params, is_leaf=_is_param_leaf)
+    try:
+        # params leads, so a whole tuple of names arrives as one argument.
+        return jax.tree.map(lambda p, a: _matrix_like(a, p), params, axes, is_leaf=_is_param_leaf)
+    except (ValueError, TypeError) as err:
+        if "decay_mask" in str(err):
+            raise
+        raise ValueError(
+            f"decay_mask: axes must have the same structure as params "
+            f"(one tuple of logical axis names per parameter): {err}"
+        ) from err
+
+
+# --------------------------------------------------------------------------
+# Optimizer
+# --------------------------------------------------------------------------
+
+
+def _default_mask(params: Any) -> Any:
+    return decay_mask(params, None)
+
+
+def _sgd(cfg: OptimConfig, schedule: optax.Schedule, mask: Mask) -> optax.GradientTransformation:
+    # Coupled L2 (torch.optim.SGD style): decay is added to the gradient before
+    # momentum and the lr scaling, so it is scaled by lr like the gradient.
+    parts = []
+    if cfg.weight_decay > 0:
+        parts.append(optax.add_decayed_weights(cfg.weight_decay, mask=mask))
+    momentum = cfg.momentum if cfg.momentum > 0 else None  # None: plain SGD, no state
+    parts.append(optax.sgd(schedule, momentum=momentum, nesterov=cfg.nesterov))
+    return optax.chain(*parts)
+
+
+def _base_optimizer(
+    cfg: OptimConfig, schedule: optax.Schedule, mask: Mask
+) -> optax.GradientTransformation:
+    """The optimizer named by ``cfg.name``, driven by ``schedule``."""
+    if cfg.name == "sgd":
+        return _sgd(cfg, schedule, mask)
+    if cfg.name == "adam":
+        return optax.adam(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
+    if cfg.name == "adamw":
+        return optax.adamw(
+            schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=mask
+        )
+    if cfg.name == "lamb":
+        return optax.lamb(
+            schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=mask
+        )
+    # Adafactor keeps its own defaults for b2-like decay, eps and momentum:
+    # cfg.b2/eps/momentum are tuned for Adam/SGD and would be wrong here.
+    return optax.adafactor(
+        learning_rate=schedule,
+        # Scale decay by the schedule so it is decoupled like AdamW (lr·wd·p);
+        # optax adds it after the lr scaling, where a bare rate would remove
+        # wd·p every step.
+        weight_decay_rate=(lambda t: cfg.weight_decay * schedule(t)) if cfg.weight_decay else None,
+        weight_decay_mask=mask,
+    )
+
+
+def make_optimizer(
+    cfg: OptimConfig, total_steps: int, mask: Mask = None
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """Builds ``clip_by_global_norm`` (if ``cfg.clip_norm > 0``) then the optimizer.
+
+    Weight decay per optimizer:
+
+    * ``sgd``: coupled L2, ``g + wd * p`` before momentum and lr scaling.
+    * ``adam``: none; ``weight_decay > 0`` is an error (use ``adamw``).
+    * ``adamw`` / ``lamb``: decoupled, the update includes ``-lr * wd * p``.
+    * ``adafactor``: decoupled like adamw, ``-lr(t) * wd * p`` per step.
+      Adafactor ignores ``b1``, ``b2``, ``eps`` and ``momentum``.
+
+    Args:
+      cfg: the optimizer config.
+      total_steps: number of optimizer steps (``train.steps``), for the schedule.
+      mask: weight-decay mask, a pytree of bools that is a prefix of the params
+        tree (see :func:`decay_mask`) or a callable params -> such a pytree.
+        ``None`` means :func:`decay_mask` with ``axes=None`` (``ndim >= 2``).
+
+    Returns:
+      ``(tx, schedule)``: the gradient transformation and the lr schedule
+      (for logging the lr at a step).
+
+    Raises:
+      ValueError: naming the ``optim.*`` key of a bad value and how to fix it.
+    """
+    _check_optimizer_config(cfg)
+    schedule = make_schedule(cfg, total_steps)
+    mask = _default_mask if mask is None else mask
+    parts = []
+    if cfg.clip_norm > 0:
+        # Clip the raw gradient, before any optimizer statistics see it.
+        parts.append(optax.clip_by_global_norm(cfg.clip_norm))
+    parts.append(_base_optimizer(cfg, schedule, mask))
+    return optax.chain(*parts), schedule

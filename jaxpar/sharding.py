@@ -1,0 +1,262 @@
+"""Rules presets, parameter/optimizer-state shardings and the sharding report.
+
+Layouts in scaling-book notation (``W[D_fsdp, F_tensor]``: dim D sharded over
+mesh axis ``fsdp``, F over ``tensor``), for an MLP weight ``W_in[D, F]`` and
+activations ``X[B, T, D]``:
+
+========  =====================================  ================================
+preset    parameters                             activations
+========  =====================================  ================================
+dp        ``W_in[D, F]`` (replicated)            ``X[B_data, T, D]``
+fsdp      ``W_in[D_fsdp, F]`` (ZeRO-3)           ``X[B_(data,fsdp), T, D]``
+tp        ``W_in[D, F_tensor]``, ``W_out[F_tensor, D]``  ``X[B_data, T, D]``, ``H[B_data, T, F_tensor]``
+fsdp_tp   ``W_in[D_fsdp, F_tensor]``             ``X[B_(data,fsdp), T, D]``
+auto      = fsdp_tp: every axis has a rule, so any mesh degrees work
+========  =====================================  ================================
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxpar.config import RulesConfig
+from jaxpar.logical import Rules, spec_for
+from jaxpar.mesh import MESH_AXES
+
+# Logical names every preset maps, so any built-in model works under any preset.
+_REPLICATED = {
+    "seq": (), "act_embed": (), "kv": (), "layers": (), "classes": (),
+    "conv_h": (), "conv_w": (), "conv_in": (), "conv_out": (),
+}
+
+PRESETS: dict[str, dict[str, tuple[str, ...]]] = {
+    "dp": {**_REPLICATED, "batch": ("data",), "embed": (), "mlp": (), "heads": (), "vocab": ()},
+    "fsdp": {
+        **_REPLICATED, "batch": ("data", "fsdp"), "embed": ("fsdp",),
+        "mlp": (), "heads": (), "vocab": (),
+    },
+    "tp": {
+        **_REPLICATED, "batch": ("data",), "embed": (),
+        "mlp": ("tensor",), "heads": ("tensor",), "vocab": ("tensor",),
+    },
+    "fsdp_tp": {
+        **_REPLICATED, "batch": ("data", "fsdp"), "embed": ("fsdp",),
+        "mlp": ("tensor",), "heads": ("tensor",), "vocab": ("tensor",),
+    },
+}
+PRESETS["auto"] = dict(PRESETS["fsdp_tp"])
+
+PathRules = Sequence[tuple[str, tuple[str | None, ...]]]
+
+
+def resolve_rules(cfg: RulesConfig) -> dict[str, tuple[str, ...]]:
+    """The rules table of a preset with the config's overrides applied.
+
+    Raises:
+      ValueError: for an unknown preset or an override naming an unknown mesh axis.
+    """
+    if cfg.preset not in PRESETS:
+        raise ValueError(
+            f"unknown rules.preset '{cfg.preset}'; choose one of {', '.join(sorted(PRESETS))}"
+        )
+    rules = dict(PRESETS[cfg.preset])
+    for name, axes in cfg.overrides:
+        for axis in axes:
+            if axis not in MESH_AXES:
+                raise ValueError(
+                    f"rules.{name}={','.join(axes)}: '{axis}' is not a mesh axis; "
+                    f"use some of {', '.join(MESH_AXES)} or null"
+                )
+        rules[name] = tuple(axes)
+    return rules
+
+
+def path_str(path: tuple[Any, ...]) -> str:
+    """'blocks/wq' from a pytree key path."""
+    parts = []
+    for key in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+    return "/".join(parts)
+
+
+def logical_axes(
+    abstract_state: nnx.State, path_rules: PathRules = ()
+) -> dict[str, Any]:
+    """Logical axis names of every parameter, as a pure dict like the params.
+
+    A parameter's names come from its ``axes`` metadata (``nnx.Param(v,
+    axes=(...))``); for modules without annotations, the first regex in
+    ``path_rules`` that matches the parameter path ('dense1/kernel') gives them.
+
+    Raises:
+      ValueError: naming the path of a parameter that has neither.
+    """
+
+    def names_of(path: tuple[Any, ...], var: nnx.Variable) -> tuple[str | None, ...]:
+        meta = var.get_metadata()
+        if meta.get("axes") is not None:
+            return tuple(meta["axes"])
+        where = path_str(path)
+        for pattern, names in path_rules:
+            if re.fullmatch(pattern, where):
+                return tuple(names)
+        raise ValueError(
+            f"parameter '{where}' (shape {tuple(var.shape)}) has no logical axes: annotate it "
+            f"with nnx.Param(value, axes=(...)) or add a path rule (regex, names) matching '{where}'"
+        )
+
+    out: dict[str, Any] = {}
+    leaves = jax.tree_util.tree_leaves_with_path(
+        abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    for path, var in leaves:
+        keys = path_str(path).split("/")
+        node = out
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = names_of(path, var)
+    return out
+
+
+def param_specs(abstract_params: Any, axes: Any, rules: Rules, mesh: Mesh) -> Any:
+    """``PartitionSpec`` per parameter (pure dict), with every rule check applied."""
+
+    def one(path, leaf, names):
+        return spec_for(names, rules, mesh, leaf.shape, f"parameter '{path_str(path)}'")
+
+    return jax.tree_util.tree_map_with_path(
+        one, abstract_params, axes, is_leaf=lambda x: isinstance(x, tuple)
+    )
+
+
+def _match_param(opt_path: tuple, shape: tuple[int, ...], params: dict) -> tuple | None:
+    """The param path that ``opt_path`` ends with, or None."""
+    keys = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in opt_path]
+    for start in range(len(keys)):
+        node = params
+        for key in keys[start:]:
+            if not isinstance(node, Mapping) or key not in node:
+                node = None
+                break
+            node = node[key]
+        if node is not None and not isinstance(node, Mapping):
+            return tuple(keys[start:])
+    return None
+
+
+def opt_state_specs(abstract_opt: Any, abstract_params: Any, specs: Any) -> Any:
+    """Specs for an Optax state: each leaf follows the parameter it belongs to.
+
+    Optax states hold trees shaped like the parameters (momenta), factored
+    statistics (Adafactor drops the last or second-to-last dim) and scalars
+    (step counts). A leaf is matched to its parameter by key-path suffix;
+    factored leaves drop the matching spec entry; scalars are replicated.
+    """
+
+    def lookup(tree, keys):
+        for key in keys:
+            tree = tree[key]
+        return tree
+
+    def one(path, leaf):
+        if not hasattr(leaf, "shape") or math.prod(leaf.shape) <= 1:
+            return PartitionSpec()
+        keys = _match_param(path, leaf.shape, abstract_params)
+        assert keys is not None, f"optimizer state leaf {path_str(path)} matches no parameter"
+        pshape, pspec = lookup(abstract_params, keys).shape, lookup(specs, keys)
+        entries = list(pspec) + [None] * (len(pshape) - len(pspec))
+        if tuple(leaf.shape) == tuple(pshape):
+            return PartitionSpec(*entries)
+        for drop in range(len(pshape)):  # a factored statistic drops one dim
+            if tuple(leaf.shape) == tuple(pshape[:drop] + pshape[drop + 1 :]):
+                return PartitionSpec(*(entries[:drop] + entries[drop + 1 :]))
+        # Factored statistics of dims left at size 1 keep the parameter's rank.
+        if len(leaf.shape) == len(pshape):
+            return PartitionSpec(*(e if s == p else None for e, s, p in zip(entries, leaf.shape, pshape)))
+        raise AssertionError(f"optimizer state leaf {path_str(path)} {leaf.shape} vs param {pshape}")
+
+    return jax.tree_util.tree_map_with_path(one, abstract_opt)
+
+
+def named(mesh: Mesh, specs: Any) -> Any:
+    """``NamedSharding`` tree from a ``PartitionSpec`` tree."""
+    return jax.tree.map(
+        lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )
+
+
+def check_axes_used(mesh: Mesh, specs: list[Any]) -> None:
+    """Every mesh axis larger than 1 must shard something.
+
+    Raises:
+      ValueError: naming an axis no rule uses: its devices would all hold the
+        same data and do the same work.
+    """
+    used = set()
+    for tree in specs:
+        for spec in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, PartitionSpec)):
+            for entry in spec:
+                used.update(entry if isinstance(entry, tuple) else (entry,))
+    for axis, size in mesh.shape.items():
+        if size > 1 and axis not in used:
+            hint = (
+                "pipeline parallelism over 'stage' is not available yet; set mesh.stage=1"
+                if axis == "stage"
+                else f"map a logical axis onto it (e.g. rules.batch=data,{axis}) or set mesh.{axis}=1"
+            )
+            raise ValueError(
+                f"mesh axis '{axis}' has size {size} but no rule shards anything over it, so its "
+                f"devices would duplicate all work; {hint}"
+            )
+
+
+def bytes_per_device(abstract: Any, shardings: Any) -> int:
+    """Bytes one device holds of a sharded tree (largest shard per leaf)."""
+    total = 0
+    for leaf, sharding in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)):
+        shard = sharding.shard_shape(leaf.shape)
+        total += math.prod(shard) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def total_bytes(abstract: Any) -> int:
+    """Bytes of a whole (unsharded) tree."""
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(abstract))
+
+
+@dataclass(frozen=True)
+class ParamRow:
+    """One row of the sharding report."""
+
+    path: str
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    spec: PartitionSpec
+    bytes_per_device: int
+
+
+def param_rows(abstract_params: Any, axes: Any, shardings: Any) -> list[ParamRow]:
+    """The per-parameter rows of the sharding report."""
+    rows = []
+    flat = jax.tree_util.tree_leaves_with_path(abstract_params)
+    flat_axes = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
+    for (path, leaf), names, sharding in zip(flat, flat_axes, jax.tree.leaves(shardings)):
+        shard = sharding.shard_shape(leaf.shape)
+        rows.append(
+            ParamRow(
+                path_str(path), tuple(leaf.shape), names, sharding.spec,
+                math.prod(shard) * np.dtype(leaf.dtype).itemsize,
+            )
+        )
+    return rows

@@ -1,0 +1,212 @@
+"""``jaxpar train`` as a Python API: build everything from a config, run the loop.
+
+The loop is a few named steps — :func:`build`, :func:`prepare_run_dir`,
+:func:`fit` (with :func:`log_metrics` and :func:`evaluate`) and
+:func:`summarize` — so a script can reuse any of them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import yaml
+
+from jaxpar import config as config_lib
+from jaxpar import sharding as shd
+from jaxpar.config import Config
+from jaxpar.data import ImageData, TextData, load_data
+from jaxpar.mesh import describe_devices, describe_mesh, make_mesh, select_devices
+from jaxpar.optim import decay_mask, make_optimizer
+from jaxpar.task import task_from_config
+from jaxpar.trainer import Trainer, TrainState, abstract_params_and_axes
+
+
+@dataclass
+class Run:
+    """Everything :func:`build` assembles from a config."""
+
+    config: Config
+    trainer: Trainer
+    data: TextData | ImageData
+    devices: list[jax.Device]
+
+
+@dataclass
+class History:
+    """What :func:`fit` returns: logged rows and the final state."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    eval_rows: list[dict[str, Any]] = field(default_factory=list)
+    state: TrainState | None = None
+    steps_per_s: float = 0.0
+    first_log_s: float = 0.0
+
+
+def build(config: Config) -> Run:
+    """Devices, mesh, rules, data, task, optimizer and trainer from ``config``."""
+    devices = select_devices(config.run.devices)
+    mesh = make_mesh(config.mesh, devices)
+    rules = shd.resolve_rules(config.rules)
+    data = load_data(config.data, config.model.name, config.model.num_classes, config.run.seed)
+    image_shape = data.image_shape if isinstance(data, ImageData) else None
+    task = task_from_config(config.model, config.data.seq_len, image_shape)
+    mask = decay_mask(*abstract_params_and_axes(task, config.run.seed))
+    tx, schedule = make_optimizer(config.optim, config.train.steps, mask)
+    trainer = Trainer(task, tx, mesh, rules, schedule=schedule,
+                      grad_accum=config.train.grad_accum, seed=config.run.seed)
+    return Run(config, trainer, data, devices)
+
+
+def prepare_run_dir(config: Config) -> Path:
+    """Creates the run dir, writes the resolved ``config.yaml``, truncates metrics."""
+    run_dir = Path(config.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config_lib.to_dict(config), sort_keys=False))
+    (run_dir / "metrics.jsonl").write_text("")
+    return run_dir
+
+
+def _to_host(metrics: dict[str, jax.Array]) -> dict[str, float]:
+    return {k: float(np.asarray(v)) for k, v in metrics.items()}
+
+
+def check_finite(step_rows: list[tuple[int, dict[str, float]]], policy: str) -> None:
+    """Stops the run at the first non-finite step when ``policy`` is 'stop'.
+
+    Raises:
+      FloatingPointError: naming the step, its loss and gradient norm.
+    """
+    for step, row in step_rows:
+        if not row["finite"] and policy == "stop":
+            raise FloatingPointError(
+                f"non-finite loss or gradients at step {step} (loss={row['loss']}, "
+                f"grad_norm={row['grad_norm']}); the update was not applied. Lower optim.lr, "
+                "set optim.clip_norm, or set train.nonfinite=skip to skip such steps"
+            )
+
+
+def log_metrics(run_dir: Path | None, row: dict[str, Any], writer: Any = None) -> None:
+    """Appends one row to ``metrics.jsonl`` (and TensorBoard when enabled)."""
+    if run_dir is not None:
+        with open(run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+    if writer is not None:
+        for key, value in row.items():
+            if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                writer.add_scalar(key, value, row["step"])
+
+
+def evaluate(run: Run, params: Any) -> dict[str, float]:
+    """Mean metrics over ``train.eval_batches`` held-out batches."""
+    totals: dict[str, float] = {}
+    n = run.config.train.eval_batches
+    for i in range(n):
+        batch = run.trainer.shard_batch(run.data.batch(i, run.config.train.batch_size, "eval"))
+        for k, v in _to_host(run.trainer.evaluate(params, batch)).items():
+            totals[k] = totals.get(k, 0.0) + v / n
+    return totals
+
+
+def _tensorboard(run_dir: Path | None, enabled: bool) -> Any:
+    if not enabled or run_dir is None:
+        return None
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError as err:
+        raise ValueError("train.tensorboard=true needs tensorboardX: pip install 'jaxpar[tensorboard]'") from err
+    return SummaryWriter(str(run_dir / "tensorboard"))
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    if not enabled or jax.process_index() != 0:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="step", file=sys.stderr, dynamic_ncols=True,
+                disable=not sys.stderr.isatty())
+
+
+def fit(run: Run, run_dir: Path | None = None, state: TrainState | None = None) -> History:
+    """Trains for ``train.steps`` steps, logging every ``log_every`` and evaluating.
+
+    Metrics stay on the device between log points, so the loop does not sync
+    with the host every step; ``step_time_s`` is the mean over the interval.
+    """
+    cfg, trainer = run.config.train, run.trainer
+    history = History()
+    t_start = time.perf_counter()
+    state = state if state is not None else trainer.init()
+    writer, bar = _tensorboard(run_dir, cfg.tensorboard), _progress(cfg.steps, cfg.progress)
+    pending: list[tuple[int, dict]] = []
+    t_last, last_step = time.perf_counter(), 0
+    examples = cfg.batch_size
+    tokens = examples * trainer.task.tokens_per_example
+    for step in range(1, cfg.steps + 1):
+        batch = trainer.shard_batch(run.data.batch(step - 1, cfg.batch_size))
+        state, metrics = trainer.step(state, batch)
+        pending.append((step, metrics))
+        if step % cfg.log_every and step != cfg.steps:
+            continue
+        host = [(s, _to_host(m)) for s, m in pending]
+        check_finite(host, cfg.nonfinite)
+        now = time.perf_counter()
+        dt = (now - t_last) / (step - last_step)
+        if not history.rows:
+            history.first_log_s = now - t_start
+        row = {"step": step, **host[-1][1], "step_time_s": dt, "examples_per_s": examples / dt,
+               "skipped": int(np.asarray(state.skipped))}
+        row["finite"] = bool(row["finite"])
+        if tokens:
+            row["tokens_per_s"] = tokens / dt
+        if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+            row.update({f"eval_{k}": v for k, v in evaluate(run, state.params).items()})
+        history.rows.append(row)
+        log_metrics(run_dir, row, writer)
+        if bar is not None:
+            bar.update(step - last_step)
+            bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row.get('tokens_per_s', 0):.0f}")
+        pending, t_last, last_step = [], time.perf_counter(), step
+    if bar is not None:
+        bar.close()
+    if writer is not None:
+        writer.close()
+    history.state = state
+    history.steps_per_s = cfg.steps / (time.perf_counter() - t_start)
+    return history
+
+
+def summarize(run: Run, history: History) -> str:
+    """The final summary: steps, final loss, throughput, per-device state bytes."""
+    trainer, last = run.trainer, history.rows[-1]
+    params = shd.bytes_per_device(trainer.abstract_params, trainer.state_shardings.params)
+    opt = shd.bytes_per_device(trainer.abstract_state.opt_state, trainer.state_shardings.opt_state)
+    lines = [
+        f"steps: {last['step']}  final loss: {last['loss']:.4f}"
+        + (f"  eval loss: {last['eval_loss']:.4f}" if "eval_loss" in last else ""),
+        f"throughput: {last['examples_per_s']:.1f} examples/s"
+        + (f", {last['tokens_per_s']:.0f} tokens/s" if "tokens_per_s" in last else "")
+        + f"  (first log after {history.first_log_s:.1f} s, incl. compile)",
+        f"state per device: params {params / 2**20:.2f} MiB, optimizer {opt / 2**20:.2f} MiB",
+        f"skipped non-finite steps: {last['skipped']}",
+    ]
+    return "\n".join(lines)
+
+
+def train(config: Config, echo: bool = True) -> History:
+    """Runs ``jaxpar train``: build, write the run dir, fit, summarize."""
+    run = build(config)
+    say = print if echo and jax.process_index() == 0 else (lambda *a, **k: None)
+    say(f"jaxpar: running on {describe_devices(run.devices)}; {describe_mesh(run.trainer.mesh)}")
+    say(f"jaxpar: data {run.data.name}; model {config.model.name}; rules preset {config.rules.preset}")
+    run_dir = prepare_run_dir(config) if jax.process_index() == 0 else None
+    history = fit(run, run_dir)
+    say(summarize(run, history))
+    return history

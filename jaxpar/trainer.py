@@ -1,0 +1,215 @@
+"""The sharded train state and the jitted train and eval steps.
+
+One init path: ``nnx.eval_shape`` gives the abstract model, the rules give
+every parameter and optimizer-state leaf a ``NamedSharding``, and
+``jit(init, out_shardings=...)`` creates the state already sharded, so no
+parameter is ever whole on one device. The same shardings are the step's
+``in_shardings``/``out_shardings`` (the state is donated).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxpar import sharding as shd
+from jaxpar.logical import Rules, activation_rules, spec_for
+from jaxpar.task import Batch, Task
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class TrainState:
+    """Everything a step updates. ``skipped`` counts non-finite steps not applied."""
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    skipped: jax.Array
+
+
+def abstract_model(task: Task, seed: int = 0) -> tuple[nnx.GraphDef, nnx.State]:
+    """Graph definition and abstract (shape-only) state of the task's model."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: task.model_fn(nnx.Rngs(seed))))
+    return graphdef, state
+
+
+def abstract_params_and_axes(task: Task, seed: int = 0) -> tuple[Any, Any]:
+    """Abstract parameters and their logical axes, both as pure dicts."""
+    _, state = abstract_model(task, seed)
+    _params_only(state)
+    return nnx.to_pure_dict(state), shd.logical_axes(state, task.path_rules)
+
+
+def _params_only(state: nnx.State) -> None:
+    """jaxpar trains modules whose variables are all ``nnx.Param``."""
+    others = [shd.path_str(p) for p, v in jax.tree_util.tree_leaves_with_path(
+        state, is_leaf=lambda x: isinstance(x, nnx.Variable)) if not isinstance(v, nnx.Param)]
+    if others:
+        raise ValueError(f"model has non-Param variables {others}; jaxpar trains nnx.Param only")
+
+
+def split_microbatches(x: jax.Array, k: int) -> jax.Array:
+    """[B, ...] → [k, B/k, ...] with microbatch i = rows i, i+k, …
+
+    Strided rows keep each device's rows on that device: the B/k dim keeps
+    the batch sharding of B.
+    """
+    return jnp.moveaxis(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 1, 0)
+
+
+class Trainer:
+    """Sharded state, train step and eval step for a task on a mesh.
+
+    Args:
+      task: model, loss and batch axes.
+      optimizer: the Optax transformation.
+      mesh: the device mesh.
+      rules: logical axis name → mesh axes.
+      schedule: learning-rate schedule, logged as ``lr``.
+      grad_accum: microbatches per step, accumulated inside the jitted step.
+      seed: init seed (used for the abstract model too).
+    """
+
+    def __init__(self, task: Task, optimizer: optax.GradientTransformation, mesh: Mesh,
+                 rules: Rules, *, schedule: Callable[[Any], Any] | None = None,
+                 grad_accum: int = 1, seed: int = 0):
+        self.task, self.tx, self.mesh, self.rules = task, optimizer, mesh, rules
+        self.schedule, self.grad_accum, self.seed = schedule, grad_accum, seed
+        self.graphdef, _ = abstract_model(task, seed)
+        self.abstract_params, self.axes = abstract_params_and_axes(task, seed)
+        self.param_specs = shd.param_specs(self.abstract_params, self.axes, rules, mesh)
+        abstract_opt = jax.eval_shape(optimizer.init, self.abstract_params)
+        opt_specs = shd.opt_state_specs(abstract_opt, self.abstract_params, self.param_specs)
+        scalar = NamedSharding(mesh, PartitionSpec())
+        self.state_shardings = TrainState(
+            scalar, shd.named(mesh, self.param_specs), shd.named(mesh, opt_specs), scalar)
+        self.abstract_state = TrainState(
+            jax.ShapeDtypeStruct((), jnp.int32), self.abstract_params, abstract_opt,
+            jax.ShapeDtypeStruct((), jnp.int32))
+        shd.check_axes_used(mesh, [self.param_specs, self._batch_specs(None)])
+        self._step = jax.jit(self._train_step, in_shardings=(self.state_shardings, None),
+                             out_shardings=(self.state_shardings, None), donate_argnums=0)
+        self._eval = jax.jit(self._eval_step, in_shardings=(self.state_shardings.params, None))
+
+    # ---- batches -------------------------------------------------------------------------
+    def _batch_specs(self, batch: Mapping[str, Any] | None) -> dict[str, PartitionSpec]:
+        specs = {}
+        for key, names in self.task.batch_axes.items():
+            shape = batch[key].shape if batch is not None else (None,) * len(names)
+            if batch is None:  # specs without shape checks (for the axis-usage check)
+                specs[key] = spec_for(names, self.rules, self.mesh, [0] * len(names), key)
+            else:
+                specs[key] = spec_for(names, self.rules, self.mesh, shape, f"batch '{key}'")
+        return specs
+
+    def batch_shardings(self, batch: Mapping[str, Any]) -> dict[str, NamedSharding]:
+        """Shardings of a batch, checking that its batch dim splits evenly.
+
+        Raises:
+          ValueError: when the global batch (or a microbatch of it) is not
+            divisible by the devices that share it.
+        """
+        specs = self._batch_specs(batch)
+        for key, spec in specs.items():
+            ways = math.prod(self.mesh.shape[a] for e in spec[:1] if e
+                             for a in (e if isinstance(e, tuple) else (e,)))
+            size = batch[key].shape[0]
+            if size % (ways * self.grad_accum):
+                raise ValueError(
+                    f"batch '{key}': global batch {size} must be divisible by grad_accum "
+                    f"({self.grad_accum}) × the {ways} devices sharing the batch dim "
+                    f"({spec[0]}); change train.batch_size, train.grad_accum or the mesh"
+                )
+        return shd.named(self.mesh, specs)
+
+    def shard_batch(self, host_batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Host arrays (this process's rows) → global ``jax.Array``s with the batch sharding."""
+        shardings = self.batch_shardings(host_batch)
+        return {k: jax.make_array_from_process_local_data(shardings[k], np.asarray(v))
+                for k, v in host_batch.items()}
+
+    # ---- init ----------------------------------------------------------------------------
+    def init(self) -> TrainState:
+        """A fresh state, born sharded (``jit`` with ``out_shardings``)."""
+
+        def create() -> TrainState:
+            model = self.task.model_fn(nnx.Rngs(self.seed))
+            params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+            zero = jnp.zeros((), jnp.int32)
+            return TrainState(zero, params, self.tx.init(params), zero)
+
+        with activation_rules(self.mesh, self.rules):
+            return jax.jit(create, out_shardings=self.state_shardings)()
+
+    # ---- steps ---------------------------------------------------------------------------
+    def _loss(self, params: Any, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+        return self.task.loss_fn(nnx.merge(self.graphdef, params), batch)
+
+    def _grads(self, params: Any, batch: Batch) -> tuple[jax.Array, dict, Any]:
+        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+        param_shardings = self.state_shardings.params
+        if self.grad_accum == 1:
+            (loss, aux), grads = grad_fn(params, batch)
+            return loss, aux, grads
+        micro = {k: split_microbatches(v, self.grad_accum) for k, v in batch.items()}
+
+        def body(carry, mb):
+            (loss, aux), grads = grad_fn(params, mb)
+            grads = jax.lax.with_sharding_constraint(grads, param_shardings)
+            return jax.tree.map(jnp.add, carry, (loss, aux, grads)), None
+
+        first = {k: v[0] for k, v in micro.items()}
+        zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(
+            lambda p, b: (*grad_fn(p, b)[0], p), params, first))
+        total, _ = jax.lax.scan(body, zeros, micro)
+        return jax.tree.map(lambda x: x / self.grad_accum, total)
+
+    def _train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
+        with activation_rules(self.mesh, self.rules):
+            loss, aux, grads = self._grads(state.params, batch)
+        grad_norm = optax.tree.norm(grads)
+        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+        new_state = TrainState(
+            state.step + 1, keep(params, state.params), keep(opt_state, state.opt_state),
+            state.skipped + (~finite).astype(jnp.int32))
+        lr = self.schedule(state.step) if self.schedule is not None else jnp.nan
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": jnp.asarray(lr, jnp.float32),
+                   "finite": finite, **aux}
+        return new_state, metrics
+
+    def _eval_step(self, params: Any, batch: Batch) -> dict[str, jax.Array]:
+        with activation_rules(self.mesh, self.rules):
+            loss, aux = self._loss(params, batch)
+        return {"loss": loss, **aux}
+
+    def step(self, state: TrainState, batch: Mapping[str, jax.Array]) -> tuple[TrainState, dict]:
+        """One optimizer step (donates ``state``)."""
+        return self._step(state, batch)
+
+    def evaluate(self, params: Any, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+        """Loss (and task metrics) of ``params`` on one batch."""
+        return self._eval(params, batch)
+
+    # ---- compiled program ------------------------------------------------------------------
+    def compile_step(self, batch: Mapping[str, Any]) -> jax.stages.Compiled:
+        """The compiled train step for batches shaped like ``batch`` (no data needed)."""
+        shardings = self.batch_shardings(batch)
+        abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k])
+                          for k, v in batch.items()}
+        abstract_state = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            self.abstract_state, self.state_shardings)
+        return self._step.lower(abstract_state, abstract_batch).compile()

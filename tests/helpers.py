@@ -1,0 +1,53 @@
+"""Shared test helpers: run a few steps of a config on a given number of devices."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from jaxpar.config import load_config
+from jaxpar.train import build
+
+GPT_SMALL = [
+    "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.d_ff=64",
+    "model.max_seq_len=16", "data.seq_len=16", "train.batch_size=16", "optim.warmup_steps=0",
+]
+CONVNET_SMALL = ["model.name=convnet", "model.channels=4", "model.hidden=8",
+                 "data.image_size=8", "data.num_examples=256", "train.batch_size=16",
+                 "optim.warmup_steps=0"]
+
+
+def run_steps(overrides: list[str], steps: int = 3, devices: int = 8):
+    """Losses of each step and the final params (as numpy) for a config."""
+    cfg = load_config([], [*overrides, f"train.steps={steps}", f"run.devices={devices}"])
+    run = build(cfg)
+    state = run.trainer.init()
+    run.init_params = jax.tree.map(np.asarray, state.params)
+    losses = []
+    for step in range(steps):
+        batch = run.trainer.shard_batch(run.data.batch(step, cfg.train.batch_size))
+        state, metrics = run.trainer.step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return np.array(losses), jax.tree.map(np.asarray, state.params), run
+
+
+def assert_params_close(actual, expected, elementwise: bool = True):
+    """Parameters agree to f32 summation-order noise.
+
+    ``elementwise``: every element within rtol 1e-5 (atol 1e-6) — right for
+    SGD, whose update is linear in the gradient. For Adam-family optimizers
+    use the per-tensor relative error ||a − b|| / ||b|| ≤ 1e-5: Adam divides
+    each gradient element by its own magnitude, so an element whose gradient
+    is ~0 turns a 1e-7 summation difference into an O(lr·1e-3) update
+    difference while the tensor as a whole still agrees to 1e-6.
+    """
+    flat_a = jax.tree_util.tree_leaves_with_path(actual)
+    flat_e = jax.tree.leaves(expected)
+    assert len(flat_a) == len(flat_e)
+    for (path, a), e in zip(flat_a, flat_e):
+        name = jax.tree_util.keystr(path)
+        if elementwise:
+            np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-6, err_msg=name)
+        else:
+            rel = np.linalg.norm(a - e) / max(np.linalg.norm(e), 1e-30)
+            assert rel <= 1e-5, f"{name}: relative error {rel:.2e} > 1e-5"

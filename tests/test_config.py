@@ -1,0 +1,330 @@
+"""Config loading: defaults, YAML layering, overrides, validation and the shipped configs."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from jaxpar.config import CHOICES, Config, RulesConfig, load_config, to_dict
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIG_FILES = sorted(p.resolve() for p in REPO.glob("configs/**/*.yaml"))
+
+
+def _write(path: Path, data: dict) -> Path:
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+# ---------------------------------------------------------------- layering
+
+
+def test_defaults():
+    assert load_config([]) == Config()
+    assert load_config() == Config()
+    assert load_config([], []) == Config()
+
+
+def test_yaml_layering_later_file_wins(tmp_path):
+    first = _write(tmp_path / "a.yaml", {
+        "train": {"steps": 7, "batch_size": 4},
+        "model": {"d_model": 48},
+        "rules": {"mlp": "tensor", "batch": "data"},
+    })
+    second = _write(tmp_path / "b.yaml", {
+        "train": {"steps": 11},
+        "optim": {"lr": 0.5},
+        "rules": {"batch": ["data", "fsdp"], "preset": "fsdp"},
+    })
+    cfg = load_config([first, second])
+    assert cfg.train.steps == 11  # the later file wins
+    assert cfg.train.batch_size == 4  # keys only in the earlier file survive
+    assert cfg.model.d_model == 48
+    assert cfg.optim.lr == 0.5
+    assert cfg.rules.preset == "fsdp"
+    assert dict(cfg.rules.overrides) == {"mlp": ("tensor",), "batch": ("data", "fsdp")}
+    # untouched keys keep their defaults
+    assert cfg.model.n_heads == Config().model.n_heads
+    assert cfg.run == Config().run
+    # order matters
+    assert load_config([second, first]).train.steps == 7
+    assert dict(load_config([second, first]).rules.overrides)["batch"] == ("data",)
+
+
+def test_overrides_win_over_files(tmp_path):
+    path = _write(tmp_path / "a.yaml", {"train": {"steps": 7}, "mesh": {"fsdp": 2},
+                                        "rules": {"mlp": "tensor"}})
+    cfg = load_config([path], ["train.steps=3", "rules.mlp=null"])
+    assert cfg.train.steps == 3
+    assert cfg.mesh.fsdp == 2
+    assert dict(cfg.rules.overrides) == {"mlp": ()}
+    # later overrides win over earlier ones
+    assert load_config([path], ["train.steps=3", "train.steps=5"]).train.steps == 5
+
+
+def test_config_is_frozen():
+    cfg = load_config([])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.train.steps = 3
+
+
+def test_to_dict_round_trip(tmp_path):
+    cfg = load_config([], [
+        "train.steps=17", "optim.lr=2.5e-4", "optim.eps=1e-7", "model.tie_embeddings=true",
+        "model.remat=save_dots", "mesh.fsdp=2", "data.path=some/file.txt", "run.dir=/tmp/x y",
+        "rules.preset=fsdp", "rules.batch=data,fsdp", "rules.mlp=tensor", "rules.kv=null",
+    ])
+    assert cfg != Config()
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    again = load_config([path])
+    assert again == cfg
+    assert dict(again.rules.overrides) == {"batch": ("data", "fsdp"), "mlp": ("tensor",), "kv": ()}
+    # the default config round-trips too
+    path.write_text(yaml.safe_dump(to_dict(Config())))
+    assert load_config([path]) == Config()
+
+
+def test_to_dict_is_plain_yaml():
+    out = to_dict(load_config([], ["rules.batch=data,fsdp", "rules.kv=none"]))
+    assert set(out) == {f.name for f in dataclasses.fields(Config)}
+    assert out["rules"] == {"preset": "auto", "batch": ["data", "fsdp"], "kv": None}
+    yaml.safe_dump(out)  # only plain types: safe_dump refuses tuples of tuples etc.
+
+
+# ---------------------------------------------------------------- unknown keys
+
+
+def test_unknown_key_suggests_closest():
+    with pytest.raises(ValueError) as err:
+        load_config([], ["model.n_head=3"])
+    msg = str(err.value)
+    assert "model.n_head" in msg
+    assert "did you mean 'model.n_heads'" in msg
+
+
+def test_unknown_key_in_yaml_file(tmp_path):
+    path = _write(tmp_path / "a.yaml", {"train": {"setps": 3}})
+    with pytest.raises(ValueError, match=r"train\.setps.*did you mean 'train\.steps'"):
+        load_config([path])
+
+
+def test_unknown_section_suggests_closest():
+    with pytest.raises(ValueError) as err:
+        load_config([], ["optimizer.lr=1"])
+    msg = str(err.value)
+    assert "optimizer" in msg
+    assert "did you mean 'optim'" in msg
+
+
+def test_section_must_be_mapping(tmp_path):
+    path = _write(tmp_path / "a.yaml", {"train": 3})
+    with pytest.raises(ValueError, match="train"):
+        load_config([path])
+    path.write_text("- just\n- a list\n")
+    with pytest.raises(ValueError, match="mapping"):
+        load_config([path])
+
+
+# ---------------------------------------------------------------- types
+
+
+@pytest.mark.parametrize("override, key, typ", [
+    ("train.steps=abc", "train.steps", "int"),
+    ("train.steps=1.5", "train.steps", "int"),
+    ("train.steps=true", "train.steps", "int"),
+    ("model.tie_embeddings=3", "model.tie_embeddings", "bool"),
+    ("optim.lr=fast", "optim.lr", "float"),
+    ("optim.lr=true", "optim.lr", "float"),
+    ("model.name=[gpt]", "model.name", "str"),
+])
+def test_wrong_type_names_key_and_type(override, key, typ):
+    with pytest.raises(ValueError) as err:
+        load_config([], [override])
+    msg = str(err.value)
+    assert key in msg
+    assert typ in msg
+
+
+def test_float_parsing():
+    cfg = load_config([], ["optim.lr=1e-3"])  # YAML 1.1 reads '1e-3' as a string
+    assert isinstance(cfg.optim.lr, float)
+    assert cfg.optim.lr == pytest.approx(0.001)
+    cfg = load_config([], ["optim.lr=2", "optim.weight_decay=0"])  # ints are fine for floats
+    assert isinstance(cfg.optim.lr, float) and cfg.optim.lr == 2.0
+    assert isinstance(cfg.optim.weight_decay, float) and cfg.optim.weight_decay == 0.0
+    assert load_config([], ["optim.eps=1.0e-6"]).optim.eps == pytest.approx(1e-6)
+
+
+def test_float_parsing_in_yaml_file(tmp_path):
+    path = tmp_path / "a.yaml"
+    path.write_text("optim:\n  lr: 3e-4\n  clip_norm: 1\n")
+    cfg = load_config([path])
+    assert cfg.optim.lr == pytest.approx(3e-4) and isinstance(cfg.optim.lr, float)
+    assert cfg.optim.clip_norm == 1.0 and isinstance(cfg.optim.clip_norm, float)
+
+
+def test_bools_and_ints():
+    cfg = load_config([], ["model.tie_embeddings=true", "train.progress=false", "train.steps=12"])
+    assert cfg.model.tie_embeddings is True
+    assert cfg.train.progress is False
+    assert cfg.train.steps == 12 and isinstance(cfg.train.steps, int)
+
+
+# ---------------------------------------------------------------- choices
+
+
+def test_bad_choice_lists_choices():
+    with pytest.raises(ValueError) as err:
+        load_config([], ["model.remat=sometimes"])
+    msg = str(err.value)
+    assert "model.remat" in msg and "sometimes" in msg
+    for choice in CHOICES["model.remat"]:
+        assert choice in msg
+
+
+@pytest.mark.parametrize("key", sorted(CHOICES))
+def test_every_choice_is_accepted(key):
+    for choice in CHOICES[key]:
+        cfg = load_config([], [f"{key}={choice}"])
+        section, name = key.split(".")
+        assert getattr(getattr(cfg, section), name) == choice
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        load_config([], [f"{key}=not_a_choice"])
+
+
+# ---------------------------------------------------------------- rules
+
+
+def _rules(*overrides: str) -> RulesConfig:
+    return load_config([], list(overrides)).rules
+
+
+def test_rules_parsing():
+    assert dict(_rules("rules.batch=data,fsdp").overrides) == {"batch": ("data", "fsdp")}
+    assert dict(_rules("rules.batch=data, fsdp").overrides) == {"batch": ("data", "fsdp")}
+    assert dict(_rules("rules.batch=[data, fsdp]").overrides) == {"batch": ("data", "fsdp")}
+    assert dict(_rules("rules.mlp=tensor").overrides) == {"mlp": ("tensor",)}
+    assert dict(_rules("rules.mlp=null").overrides) == {"mlp": ()}
+    assert dict(_rules("rules.mlp=none").overrides) == {"mlp": ()}
+    assert dict(_rules("rules.mlp=").overrides) == {"mlp": ()}
+    assert _rules("rules.preset=fsdp").preset == "fsdp"
+    assert _rules("rules.preset=fsdp").overrides == ()
+    assert _rules().preset == Config().rules.preset
+
+
+def test_rules_accumulate_and_are_sorted():
+    rules = _rules("rules.mlp=tensor", "rules.batch=data", "rules.mlp=fsdp")
+    assert rules.overrides == (("batch", ("data",)), ("mlp", ("fsdp",)))
+
+
+def test_rules_overrides_mapping_in_yaml(tmp_path):
+    path = _write(tmp_path / "a.yaml", {"rules": {"overrides": {"mlp": "tensor", "kv": None}}})
+    assert dict(load_config([path]).rules.overrides) == {"mlp": ("tensor",), "kv": ()}
+
+
+@pytest.mark.parametrize("value", ["3", "[1, 2]", "{a: b}", "true"])
+def test_bad_rule_value_names_rule(value):
+    with pytest.raises(ValueError, match=r"rules\.mlp"):
+        load_config([], [f"rules.mlp={value}"])
+
+
+def test_bad_rule_preset_type():
+    with pytest.raises(ValueError, match=r"rules\.preset"):
+        load_config([], ["rules.preset=3"])
+
+
+# ---------------------------------------------------------------- malformed input
+
+
+@pytest.mark.parametrize("override", ["mesh.fsdp", "fsdp=8", "a.b.c=1", "=3", ".fsdp=2", "mesh.=2"])
+def test_malformed_override(override):
+    with pytest.raises(ValueError, match="section.key"):
+        load_config([], [override])
+
+
+def test_missing_config_file(tmp_path):
+    missing = tmp_path / "nope" / "missing.yaml"
+    with pytest.raises(ValueError) as err:
+        load_config([missing])
+    assert str(missing) in str(err.value)
+
+
+def test_empty_yaml_file_is_defaults(tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text("# nothing here\n")
+    assert load_config([path]) == Config()
+
+
+# ---------------------------------------------------------------- shipped configs
+
+
+def _header(path: Path) -> list[str]:
+    """The leading comment lines of a file."""
+    lines = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line)
+    return lines
+
+
+def _header_files(path: Path) -> list[Path]:
+    """The YAML files named by the command on a config's first line, in order."""
+    words = path.read_text().splitlines()[0].lstrip("#").split()
+    return [(REPO / w).resolve() if not Path(w).is_absolute() else Path(w)
+            for w in words if w.endswith(".yaml")]
+
+
+def test_configs_exist():
+    assert CONFIG_FILES, f"no YAML config files under {REPO / 'configs'} (glob configs/**/*.yaml)"
+
+
+# When configs/ is empty the parameter list holds one sentinel, so the test fails
+# instead of being skipped silently.
+_PARAMS = [pytest.param(p, id=str(p.relative_to(REPO))) for p in CONFIG_FILES] or [
+    pytest.param(None, id="no-config-files")
+]
+
+
+@pytest.mark.parametrize("path", _PARAMS)
+def test_config_file_header(path):
+    assert path is not None, f"no YAML config files under {REPO / 'configs'}"
+    lines = path.read_text().splitlines()
+    assert lines and lines[0].startswith("#"), f"{path} must start with a '#' comment giving the command"
+    assert "jaxpar" in "\n".join(_header(path)), f"{path}: the leading comment must show the jaxpar command"
+    files = _header_files(path)
+    assert path in files, f"{path}: the command in its first line should name the file itself"
+    for file in files:
+        assert file.is_file(), f"{path}: its command names {file}, which does not exist"
+    load_config(files)
+
+
+@pytest.mark.parametrize("path", _PARAMS)
+def test_config_file_loads_and_builds(path, monkeypatch):
+    assert path is not None, f"no YAML config files under {REPO / 'configs'}"
+    monkeypatch.chdir(REPO)  # relative data paths in configs are relative to the repo root
+    cfg = load_config([path])
+    assert isinstance(cfg, Config)
+    raw = yaml.safe_load(path.read_text()) or {}
+    assert isinstance(raw, dict) and raw, f"{path} holds no settings"
+    if "GPU" in "\n".join(_header(path)):
+        return  # a large accelerator config: loading and validating is enough
+    from jaxpar.train import build
+
+    run = build(load_config([path], ["run.devices=8"]))
+    assert len(run.devices) == 8
+    assert run.config.model == cfg.model
+    # the command in the header (e.g. a layout on top of gpt_tiny.yaml) builds too
+    files = _header_files(path)
+    if files != [path]:
+        build(load_config(files, ["run.devices=8"]))
+
+
+def test_default_config_is_gpt_tiny():
+    """`jaxpar train` with no CONFIG runs exactly configs/gpt_tiny.yaml."""
+    root = Path(__file__).resolve().parent.parent
+    assert load_config([root / "configs" / "gpt_tiny.yaml"]) == load_config([])

@@ -1,0 +1,121 @@
+"""Rules presets give exactly the documented PartitionSpecs; bad rules are errors."""
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.config import load_config
+from jaxpar.train import build
+from tests.helpers import GPT_SMALL
+
+FSDP_TP = {  # the auto / fsdp_tp layout of every GPT parameter
+    "embed": P("tensor", "fsdp"), "pos": P(None, "fsdp"), "head": P("fsdp", "tensor"),
+    "ln_f_scale": P("fsdp"), "ln_f_bias": P("fsdp"),
+    "blocks": {
+        "ln1_scale": P(None, "fsdp"), "ln1_bias": P(None, "fsdp"),
+        "ln2_scale": P(None, "fsdp"), "ln2_bias": P(None, "fsdp"),
+        "wq": P(None, "fsdp", "tensor", None), "wk": P(None, "fsdp", "tensor", None),
+        "wv": P(None, "fsdp", "tensor", None), "wo": P(None, "tensor", None, "fsdp"),
+        "w_in": P(None, "fsdp", "tensor"), "b_in": P(None, "tensor"),
+        "w_out": P(None, "tensor", "fsdp"), "b_out": P(None, "fsdp"),
+    },
+}
+
+
+def _drop(tree, axis):
+    """FSDP_TP with one mesh axis removed from every spec."""
+    def strip(spec):
+        return P(*(None if e == axis else e for e in spec))
+    return jax.tree.map(strip, tree, is_leaf=lambda x: isinstance(x, P))
+
+
+def _normalize(tree):
+    """Trailing Nones do not change a PartitionSpec's meaning."""
+    def norm(spec):
+        entries = list(spec)
+        while entries and entries[-1] is None:
+            entries.pop()
+        return P(*entries)
+    return jax.tree.map(norm, tree, is_leaf=lambda x: isinstance(x, P))
+
+
+EXPECTED = {
+    ("dp", "mesh.data=8"): jax.tree.map(lambda s: P(), FSDP_TP, is_leaf=lambda x: isinstance(x, P)),
+    ("fsdp", "mesh.data=2,mesh.fsdp=4"): _drop(FSDP_TP, "tensor"),
+    ("tp", "mesh.data=4,mesh.tensor=2"): _drop(FSDP_TP, "fsdp"),
+    ("fsdp_tp", "mesh.data=2,mesh.fsdp=2,mesh.tensor=2"): FSDP_TP,
+    ("auto", "mesh.data=2,mesh.fsdp=2,mesh.tensor=2"): FSDP_TP,
+}
+BATCH = {"dp": P("data"), "fsdp": P(("data", "fsdp")), "tp": P("data"),
+         "fsdp_tp": P(("data", "fsdp")), "auto": P(("data", "fsdp"))}
+
+
+def _run(*overrides):
+    return build(load_config([], [*GPT_SMALL, *overrides]))
+
+
+@pytest.mark.parametrize("preset,mesh", list(EXPECTED))
+def test_preset_partition_specs(preset, mesh):
+    run = _run(f"rules.preset={preset}", *mesh.split(","))
+    assert _normalize(run.trainer.param_specs) == _normalize(EXPECTED[(preset, mesh)])
+    batch = run.data.batch(0, 16)
+    assert _normalize(run.trainer.batch_shardings(batch)["tokens"].spec) == BATCH[preset]
+
+
+def test_fsdp_shards_optimizer_state_like_params():
+    run = _run("mesh.data=1", "mesh.fsdp=8", "rules.preset=fsdp")
+    mu = run.trainer.state_shardings.opt_state[1][0].mu  # clip, then adamw's scale_by_adam
+    assert mu["blocks"]["w_in"].spec == run.trainer.state_shardings.params["blocks"]["w_in"].spec
+    assert mu["blocks"]["w_in"].spec == P(None, "fsdp", None)
+
+
+def test_override_single_rule_from_command_line():
+    run = _run("mesh.data=4", "mesh.tensor=2", "rules.preset=tp", "rules.mlp=null")
+    assert run.trainer.param_specs["blocks"]["w_in"] == P(None, None, None)
+    assert run.trainer.param_specs["blocks"]["wq"] == P(None, None, "tensor", None)
+
+
+def test_default_rules_work_for_any_degrees():
+    for mesh in (["mesh.fsdp=8"], ["mesh.tensor=2"], ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]):
+        run = _run(*mesh)
+        assert run.trainer.mesh.devices.size == 8
+
+
+def test_unmapped_logical_axis_is_an_error():
+    from jaxpar.config import RulesConfig
+    from jaxpar.sharding import resolve_rules
+    from jaxpar.logical import spec_for
+    from jaxpar.mesh import make_mesh
+    from jaxpar.config import MeshConfig
+
+    rules = resolve_rules(RulesConfig())
+    mesh = make_mesh(MeshConfig(data=8))
+    with pytest.raises(ValueError, match="logical axis 'experts' of parameter 'moe/w'.*rules.experts"):
+        spec_for(("experts", "embed"), rules, mesh, (8, 16), "parameter 'moe/w'")
+
+
+def test_indivisible_dim_names_parameter_shape_and_axis_size():
+    with pytest.raises(ValueError, match=r"parameter 'blocks/w.*\(2, 32, 4, 8\).*size 8"):
+        _run("mesh.data=1", "mesh.tensor=8")
+
+
+def test_indivisible_heads_error():
+    with pytest.raises(ValueError, match=r"'heads', size 4.*not divisible.*size 8"):
+        _run("mesh.data=1", "mesh.tensor=8", "rules.embed=null")
+
+
+def test_mesh_axis_used_twice_is_an_error():
+    with pytest.raises(ValueError, match="mesh axis 'tensor' shards both"):
+        _run("mesh.data=4", "mesh.tensor=2", "rules.embed=tensor")
+
+
+def test_unused_mesh_axis_is_an_error():
+    with pytest.raises(ValueError, match="mesh axis 'tensor' has size 2 but no rule"):
+        _run("mesh.data=4", "mesh.tensor=2", "rules.preset=dp")
+
+
+def test_unknown_preset_and_unknown_mesh_axis():
+    with pytest.raises(ValueError, match="unknown rules.preset 'zero3'.*fsdp"):
+        _run("rules.preset=zero3")
+    with pytest.raises(ValueError, match="rules.mlp=model: 'model' is not a mesh axis"):
+        _run("rules.mlp=model")

@@ -1,0 +1,83 @@
+"""Train-step behaviour: gradient accumulation, memory under FSDP, non-finite handling."""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxpar.config import load_config
+from jaxpar.report import layout_totals
+from jaxpar.train import build, fit
+from tests.helpers import CONVNET_SMALL, GPT_SMALL, assert_params_close, run_steps
+
+OPTIM = ["optim.lr=1e-3", "optim.warmup_steps=1"]
+
+
+@pytest.mark.parametrize("mesh", [["mesh.data=1"], ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]])
+def test_grad_accumulation_equals_full_batch(mesh):
+    devices = 1 if mesh == ["mesh.data=1"] else 8
+    full = run_steps([*GPT_SMALL, *OPTIM, *mesh], steps=2, devices=devices)
+    accum = run_steps([*GPT_SMALL, *OPTIM, *mesh, "train.grad_accum=4"], steps=2, devices=devices)
+    np.testing.assert_allclose(accum[0], full[0], rtol=1e-5)
+    assert_params_close(accum[1], full[1], elementwise=False)
+
+
+def test_grad_accumulation_batch_must_split():
+    run = build(load_config([], [*GPT_SMALL, "train.batch_size=24", "train.grad_accum=4"]))
+    with pytest.raises(ValueError, match="global batch 24 must be divisible by grad_accum \\(4\\) × the 8 devices"):
+        run.trainer.shard_batch(run.data.batch(0, 24))
+
+
+def test_fsdp_argument_bytes_near_one_eighth_of_state():
+    cfg = load_config(["configs/gpt_tiny.yaml"], ["mesh.data=1", "mesh.fsdp=8"])
+    totals = layout_totals(build(cfg))
+    state_total = totals.params_total_bytes + totals.opt_state_total_bytes
+    assert totals.step_argument_bytes <= 1.10 * state_total / 8
+    # and data parallel really holds everything on each device
+    dp = layout_totals(build(load_config(["configs/gpt_tiny.yaml"], ["mesh.data=8"])))
+    assert dp.step_argument_bytes >= state_total
+
+
+class _Poisoned:
+    """Image data whose batch at one step contains NaN."""
+
+    def __init__(self, data, bad_step):
+        self.data, self.bad_step, self.name = data, bad_step, "poisoned"
+
+    def batch(self, step, batch_size, split="train"):
+        batch = self.data.batch(step, batch_size, split)
+        if step == self.bad_step and split == "train":
+            batch["images"] = np.full_like(batch["images"], np.nan)
+        return batch
+
+
+def _poisoned_run(policy):
+    cfg = load_config([], [*CONVNET_SMALL, "train.steps=4", "train.log_every=2",
+                           "train.eval_every=0", f"train.nonfinite={policy}"])
+    run = build(cfg)
+    run.data = _Poisoned(run.data, bad_step=2)  # the third step (step 3)
+    return run
+
+
+def test_nonfinite_stop_names_the_step():
+    with pytest.raises(FloatingPointError, match="non-finite loss or gradients at step 3"):
+        fit(_poisoned_run("stop"))
+
+
+def test_nonfinite_skip_leaves_state_unchanged_and_counts():
+    run = _poisoned_run("skip")
+    trainer = run.trainer
+    state = trainer.init()
+    before = None
+    for step in range(4):
+        if step == 2:
+            before = jax.tree.map(np.asarray, state.params)
+        batch = trainer.shard_batch(run.data.batch(step, 16))
+        state, metrics = trainer.step(state, batch)
+        if step == 2:
+            assert not bool(metrics["finite"])
+            for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(before)):
+                np.testing.assert_array_equal(np.asarray(a), b)
+    assert int(state.skipped) == 1
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))
+    history = fit(_poisoned_run("skip"))
+    assert history.rows[-1]["skipped"] == 1
