@@ -11,6 +11,7 @@ code runs under any mesh: change ``MeshConfig`` below.
 import jaxpar
 
 jaxpar.setup_devices(8)  # before JAX starts: 8 simulated CPU devices when there is no GPU
+from jaxpar import MeshConfig, OptimConfig, RulesConfig  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -18,7 +19,6 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jaxpar.config import MeshConfig, OptimConfig, RulesConfig  # noqa: E402
 
 
 class Regressor(nnx.Module):
@@ -59,8 +59,10 @@ def make_batch(step: int, batch_size: int = 64) -> dict[str, np.ndarray]:
     return {"x": x, "y": y.astype(np.float32)}
 
 
-def main(steps: int = 100, mesh_cfg: MeshConfig = MeshConfig(data=4, tensor=2)) -> list[float]:
-    mesh = jaxpar.make_mesh(mesh_cfg)
+def main(steps: int = 100, mesh_cfg: MeshConfig = MeshConfig(data=4, tensor=2),
+         devices: int = 0) -> list[float]:
+    """Trains for ``steps`` on the first ``devices`` devices (0: all); returns the losses."""
+    mesh = jaxpar.make_mesh(mesh_cfg, jax.devices()[:devices] if devices else None)
     rules = jaxpar.resolve_rules(RulesConfig(preset="auto"))
     params, axes = jaxpar.abstract_params_and_axes(TASK)
     tx, schedule = jaxpar.make_optimizer(

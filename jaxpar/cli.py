@@ -41,16 +41,16 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         config = _config(args)
-        from jaxpar.mesh import setup_devices  # imports JAX; devices are set before first use
+        from jaxpar.mesh import setup_devices  # JAX is imported, but its backend not yet started
 
         setup_devices(config.run.devices)
         if args.command == "train":
-            from jaxpar.train import train
+            from jaxpar.loop import train
 
             train(config)
         else:
             from jaxpar.report import format_report, layout_totals
-            from jaxpar.train import build
+            from jaxpar.loop import build
 
             run = build(config)
             print(format_report(run, layout_totals(run)))

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import warnings
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -179,8 +181,17 @@ def _closest(key: str, valid: list[str], prefix: str = "") -> str:
     return f"{hint}valid keys: {', '.join(sorted(valid))}"
 
 
+class _Override(str):
+    """The text of a command-line value: a string field keeps it verbatim
+    (``run.dir=2024``, ``data.path=on``); other fields parse it as YAML."""
+
+
 def _check_type(key: str, value: Any, typ: Any) -> Any:
     """Returns ``value`` converted to ``typ`` or raises naming ``key``."""
+    if isinstance(value, _Override):
+        if typ is str:
+            return str(value)
+        value = yaml.safe_load(value) if value.strip() else None
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if typ is float and isinstance(value, str):  # YAML reads '1e-3' as a string
@@ -200,6 +211,8 @@ def _check_type(key: str, value: Any, typ: Any) -> Any:
 
 def _parse_rule(key: str, value: Any) -> RuleValue:
     """A rule value: None/'none'/'' → (), 'data,fsdp' or [data, fsdp] → tuple."""
+    if isinstance(value, _Override):
+        value = yaml.safe_load(value) if value.strip() else None
     if value is None:
         return ()
     if isinstance(value, str):
@@ -260,15 +273,79 @@ def merge(config: Config, raw: dict[str, Any]) -> Config:
 
 
 def parse_override(text: str) -> dict[str, Any]:
-    """``'mesh.fsdp=8'`` → ``{'mesh': {'fsdp': 8}}`` (the value is parsed as YAML)."""
+    """``'mesh.fsdp=8'`` → ``{'mesh': {'fsdp': '8'}}``; the value is typed by its field."""
     if "=" not in text:
         raise ValueError(f"override {text!r} must look like section.key=value, e.g. mesh.fsdp=8")
     key, value = text.split("=", 1)
     parts = key.strip().split(".")
     if len(parts) != 2 or not all(parts):
         raise ValueError(f"override key {key!r} must be section.key, e.g. train.steps=100")
-    parsed = yaml.safe_load(value) if value.strip() else None
-    return {parts[0]: {parts[1]: parsed}}
+    return {parts[0]: {parts[1]: _Override(value)}}
+
+
+# Keys that must be at least a bound (int fields) — checked once the config is complete.
+MINIMUM = {
+    "run.seed": 0, "run.devices": 0, "train.steps": 1, "train.batch_size": 1,
+    "train.grad_accum": 1, "train.log_every": 1, "train.eval_every": 0, "train.eval_batches": 1,
+    "model.vocab_size": 1, "model.d_model": 1, "model.n_layers": 1, "model.n_heads": 1,
+    "model.d_ff": 1, "model.max_seq_len": 1, "model.channels": 1, "model.hidden": 1,
+    "model.num_classes": 2, "data.seq_len": 1, "data.image_size": 1, "data.num_examples": 2,
+}
+
+
+def validate(config: Config) -> Config:
+    """Checks value ranges that single keys cannot (called by :func:`load_config`).
+
+    Raises:
+      ValueError: naming the key, its value and the bound.
+    """
+    for dotted, low in MINIMUM.items():
+        section, key = dotted.split(".")
+        value = getattr(getattr(config, section), key)
+        if value < low:
+            raise ValueError(f"config key '{dotted}' must be ≥ {low}, got {value}")
+    for key in ("lr", "b1", "b2", "eps", "weight_decay", "clip_norm", "min_lr_ratio", "step_gamma"):
+        value = getattr(config.optim, key)
+        if not math.isfinite(value):
+            raise ValueError(f"config key 'optim.{key}' must be a finite number, got {value}")
+    return config
+
+
+def _non_default(config: Config, dotted: str) -> bool:
+    section, key = dotted.split(".")
+    return getattr(getattr(config, section), key) != getattr(getattr(Config(), section), key)
+
+
+def unused_settings(config: Config) -> list[str]:
+    """Keys set away from their default that the chosen model/optimizer ignores."""
+    gpt_keys = ["model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads",
+                "model.d_ff", "model.max_seq_len", "model.positions", "model.tie_embeddings",
+                "model.remat", "model.dtype", "data.seq_len"]
+    image_keys = ["model.channels", "model.hidden", "model.num_classes", "data.image_size",
+                  "data.num_examples"]
+    ignored = {"gpt": image_keys, "convnet": gpt_keys, "mlp": [*gpt_keys, "model.channels"]}
+    keys = list(ignored[config.model.name])
+    if config.data.path:
+        keys += ["data.image_size", "data.num_examples"]
+    optim = config.optim.name
+    if optim != "sgd":
+        keys += ["optim.momentum", "optim.nesterov"]
+    if optim in ("sgd", "adafactor"):
+        keys += ["optim.b1", "optim.b2", "optim.eps"]
+    schedule = config.optim.schedule
+    if schedule != "step":
+        keys += ["optim.step_every", "optim.step_gamma"]
+    if schedule not in ("cosine", "linear"):
+        keys += ["optim.decay_steps", "optim.min_lr_ratio"]
+    return [k for k in dict.fromkeys(keys) if _non_default(config, k)]
+
+
+def warn_unused(config: Config) -> None:
+    """Warns once per key that is set but has no effect (STYLE: never silently ignore)."""
+    for key in unused_settings(config):
+        warnings.warn(f"config key '{key}' has no effect with model.name={config.model.name}, "
+                      f"optim.name={config.optim.name}, optim.schedule={config.optim.schedule}",
+                      stacklevel=2)
 
 
 def load_config(paths: list[str | Path] = (), overrides: list[str] = ()) -> Config:
@@ -295,7 +372,7 @@ def load_config(paths: list[str | Path] = (), overrides: list[str] = ()) -> Conf
         config = merge(config, raw)
     for text in overrides:
         config = merge(config, parse_override(text))
-    return config
+    return validate(config)
 
 
 def to_dict(config: Config) -> dict[str, Any]:

@@ -44,6 +44,8 @@ def _process_rows(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 class TextData:
     """Byte tokens (vocab 256) and fixed-length windows of ``seq_len + 1`` tokens."""
 
+    VOCAB = 256
+
     tokens: np.ndarray
     seq_len: int
     seed: int

@@ -30,21 +30,26 @@ _FORCE_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
 def setup_devices(count: int = 0) -> None:
     """Chooses the simulated CPU device count before JAX starts its backend.
 
-    With ``count`` 0 and no device count set by the user (``XLA_FLAGS`` or
-    ``jax_num_cpu_devices``), the CPU backend gets 8 simulated devices so every
-    layout is real on a laptop. On an accelerator this only affects the unused
-    CPU backend; the mesh then takes the first ``count`` accelerators.
+    With no device count set by the user (``XLA_FLAGS=--xla_force_host_platform_
+    device_count=N`` or ``JAX_NUM_CPU_DEVICES``), the CPU backend gets ``count``
+    simulated devices, 8 when ``count`` is 0, so every layout is real on a
+    laptop. When the user did set one, it stands and ``count`` (at most that
+    many) selects the first devices. On an accelerator this only affects the
+    unused CPU backend; the mesh then takes the first ``count`` accelerators.
 
     Raises:
-      ValueError: when JAX has already started with a different device count.
+      ValueError: when JAX has already started with too few devices, or
+        ``count`` exceeds the user's own setting.
     """
-    user_flag = _FORCE_FLAG.search(os.environ.get("XLA_FLAGS", ""))
-    if user_flag and count and int(user_flag.group(1)) != count:
-        raise ValueError(
-            f"--devices {count} conflicts with XLA_FLAGS "
-            f"--xla_force_host_platform_device_count={user_flag.group(1)}; drop one of them"
-        )
-    if user_flag:
+    flag = _FORCE_FLAG.search(os.environ.get("XLA_FLAGS", ""))
+    env = os.environ.get("JAX_NUM_CPU_DEVICES")
+    user_count = int(flag.group(1)) if flag else (int(env) if env else 0)
+    if user_count:  # the user chose a device count: respect it; --devices takes a subset
+        if count > user_count:
+            raise ValueError(
+                f"--devices {count} asks for more than the {user_count} CPU devices set by "
+                "XLA_FLAGS/JAX_NUM_CPU_DEVICES; lower --devices or raise that setting"
+            )
         return
     wanted = count or DEFAULT_CPU_DEVICES
     try:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxpar import sharding as shd
-from jaxpar.train import Run
+from jaxpar.loop import Run
 
 
 @dataclass(frozen=True)

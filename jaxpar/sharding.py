@@ -17,6 +17,7 @@ auto      = fsdp_tp: every axis has a rule, so any mesh degrees work
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -140,7 +141,7 @@ def param_specs(abstract_params: Any, axes: Any, rules: Rules, mesh: Mesh) -> An
     )
 
 
-def _match_param(opt_path: tuple, shape: tuple[int, ...], params: dict) -> tuple | None:
+def _match_param(opt_path: tuple, params: dict) -> tuple | None:
     """The param path that ``opt_path`` ends with, or None."""
     keys = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in opt_path]
     for start in range(len(keys)):
@@ -172,7 +173,7 @@ def opt_state_specs(abstract_opt: Any, abstract_params: Any, specs: Any) -> Any:
     def one(path, leaf):
         if not hasattr(leaf, "shape") or math.prod(leaf.shape) <= 1:
             return PartitionSpec()
-        keys = _match_param(path, leaf.shape, abstract_params)
+        keys = _match_param(path, abstract_params)
         assert keys is not None, f"optimizer state leaf {path_str(path)} matches no parameter"
         pshape, pspec = lookup(abstract_params, keys).shape, lookup(specs, keys)
         entries = list(pspec) + [None] * (len(pshape) - len(pspec))
@@ -194,6 +195,43 @@ def named(mesh: Mesh, specs: Any) -> Any:
     return jax.tree.map(
         lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
     )
+
+
+def check_rule_names(rules: Rules, used: set[str]) -> None:
+    """Every rule must name a logical axis that a preset or the model knows.
+
+    Raises:
+      ValueError: for a rule that matches nothing (a typo such as ``rules.mpl``),
+        naming the closest logical name.
+    """
+    known = set(used).union(*PRESETS.values())
+    for name in rules:
+        if name not in known:
+            match = difflib.get_close_matches(name, sorted(known), n=1)
+            hint = f"did you mean 'rules.{match[0]}'? " if match else ""
+            raise ValueError(
+                f"rule 'rules.{name}' names no logical axis of this model or of any preset; "
+                f"{hint}logical axes: {', '.join(sorted(known))}"
+            )
+
+
+def check_batch_sharded(mesh: Mesh, batch_specs: Mapping[str, PartitionSpec]) -> None:
+    """The data-parallel axes (``data``, ``fsdp``) must split the batch.
+
+    Raises:
+      ValueError: when such an axis is larger than 1 but some batch entry is not
+        split over it — those devices would compute the same examples.
+    """
+    for key, spec in batch_specs.items():
+        first = spec[0] if len(spec) else None
+        axes = set(first if isinstance(first, tuple) else (first,))
+        for axis in ("data", "fsdp"):
+            if mesh.shape[axis] > 1 and axis not in axes:
+                raise ValueError(
+                    f"batch '{key}' is not split over mesh axis '{axis}' (size {mesh.shape[axis]}), "
+                    f"so those devices would all compute the same examples; add it to the batch "
+                    f"rule, e.g. rules.batch=data,fsdp"
+                )
 
 
 def check_axes_used(mesh: Mesh, specs: list[Any]) -> None:

@@ -96,20 +96,23 @@ class Trainer:
         self.abstract_state = TrainState(
             jax.ShapeDtypeStruct((), jnp.int32), self.abstract_params, abstract_opt,
             jax.ShapeDtypeStruct((), jnp.int32))
+        used = {n for names in [*jax.tree.leaves(self.axes, is_leaf=lambda x: isinstance(x, tuple)),
+                                *task.batch_axes.values()] for n in names if n}
+        shd.check_rule_names(rules, used)
+        shd.check_batch_sharded(mesh, self._batch_specs(None))
         shd.check_axes_used(mesh, [self.param_specs, self._batch_specs(None)])
         self._step = jax.jit(self._train_step, in_shardings=(self.state_shardings, None),
                              out_shardings=(self.state_shardings, None), donate_argnums=0)
         self._eval = jax.jit(self._eval_step, in_shardings=(self.state_shardings.params, None))
+        self._init = jax.jit(self._create, out_shardings=self.state_shardings)
 
     # ---- batches -------------------------------------------------------------------------
     def _batch_specs(self, batch: Mapping[str, Any] | None) -> dict[str, PartitionSpec]:
+        """Batch specs; with ``batch`` None, without the divisibility check."""
         specs = {}
         for key, names in self.task.batch_axes.items():
-            shape = batch[key].shape if batch is not None else (None,) * len(names)
-            if batch is None:  # specs without shape checks (for the axis-usage check)
-                specs[key] = spec_for(names, self.rules, self.mesh, [0] * len(names), key)
-            else:
-                specs[key] = spec_for(names, self.rules, self.mesh, shape, f"batch '{key}'")
+            shape = batch[key].shape if batch is not None else [0] * len(names)
+            specs[key] = spec_for(names, self.rules, self.mesh, shape, f"batch '{key}'")
         return specs
 
     def batch_shardings(self, batch: Mapping[str, Any]) -> dict[str, NamedSharding]:
@@ -139,24 +142,29 @@ class Trainer:
                 for k, v in host_batch.items()}
 
     # ---- init ----------------------------------------------------------------------------
+    def _create(self) -> TrainState:
+        with activation_rules(self.mesh, self.rules):
+            model = self.task.model_fn(nnx.Rngs(self.seed))
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        zero = jnp.zeros((), jnp.int32)
+        return TrainState(zero, params, self.tx.init(params), zero)
+
     def init(self) -> TrainState:
         """A fresh state, born sharded (``jit`` with ``out_shardings``)."""
+        return self._init()
 
-        def create() -> TrainState:
-            model = self.task.model_fn(nnx.Rngs(self.seed))
-            params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-            zero = jnp.zeros((), jnp.int32)
-            return TrainState(zero, params, self.tx.init(params), zero)
-
-        with activation_rules(self.mesh, self.rules):
-            return jax.jit(create, out_shardings=self.state_shardings)()
+    def compile_init(self) -> jax.stages.Compiled:
+        """The compiled init program (its memory analysis shows what one device holds)."""
+        return self._init.lower().compile()
 
     # ---- steps ---------------------------------------------------------------------------
-    def _loss(self, params: Any, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
-        return self.task.loss_fn(nnx.merge(self.graphdef, params), batch)
+    def loss(self, params: Any, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The task's loss and metrics of ``params`` (traceable; used by the steps)."""
+        with activation_rules(self.mesh, self.rules):
+            return self.task.loss_fn(nnx.merge(self.graphdef, params), batch)
 
     def _grads(self, params: Any, batch: Batch) -> tuple[jax.Array, dict, Any]:
-        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+        grad_fn = jax.value_and_grad(self.loss, has_aux=True)
         param_shardings = self.state_shardings.params
         if self.grad_accum == 1:
             (loss, aux), grads = grad_fn(params, batch)
@@ -175,8 +183,7 @@ class Trainer:
         return jax.tree.map(lambda x: x / self.grad_accum, total)
 
     def _train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
-        with activation_rules(self.mesh, self.rules):
-            loss, aux, grads = self._grads(state.params, batch)
+        loss, aux, grads = self._grads(state.params, batch)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -185,14 +192,15 @@ class Trainer:
         new_state = TrainState(
             state.step + 1, keep(params, state.params), keep(opt_state, state.opt_state),
             state.skipped + (~finite).astype(jnp.int32))
-        lr = self.schedule(state.step) if self.schedule is not None else jnp.nan
+        # The optimizer's own step count excludes skipped steps, and so does its schedule.
+        applied = state.step - state.skipped
+        lr = self.schedule(applied) if self.schedule is not None else jnp.nan
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": jnp.asarray(lr, jnp.float32),
                    "finite": finite, **aux}
         return new_state, metrics
 
     def _eval_step(self, params: Any, batch: Batch) -> dict[str, jax.Array]:
-        with activation_rules(self.mesh, self.rules):
-            loss, aux = self._loss(params, batch)
+        loss, aux = self.loss(params, batch)
         return {"loss": loss, **aux}
 
     def step(self, state: TrainState, batch: Mapping[str, jax.Array]) -> tuple[TrainState, dict]:

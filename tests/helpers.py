@@ -6,7 +6,7 @@ import jax
 import numpy as np
 
 from jaxpar.config import load_config
-from jaxpar.train import build
+from jaxpar.loop import build
 
 GPT_SMALL = [
     "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.d_ff=64",
@@ -31,15 +31,15 @@ def run_steps(overrides: list[str], steps: int = 3, devices: int = 8):
     return np.array(losses), jax.tree.map(np.asarray, state.params), run
 
 
-def assert_params_close(actual, expected, elementwise: bool = True):
+def assert_params_close(actual, expected, elementwise: bool = True, rtol: float = 1e-5):
     """Parameters agree to f32 summation-order noise.
 
     ``elementwise``: every element within rtol 1e-5 (atol 1e-6) — right for
     SGD, whose update is linear in the gradient. For Adam-family optimizers
-    use the per-tensor relative error ||a − b|| / ||b|| ≤ 1e-5: Adam divides
+    use the per-tensor relative error ||a − b|| / ||b|| ≤ rtol: Adam divides
     each gradient element by its own magnitude, so an element whose gradient
-    is ~0 turns a 1e-7 summation difference into an O(lr·1e-3) update
-    difference while the tensor as a whole still agrees to 1e-6.
+    is ~0 turns a 1e-7 summation difference into a much larger update
+    difference while the tensor as a whole still agrees closely.
     """
     flat_a = jax.tree_util.tree_leaves_with_path(actual)
     flat_e = jax.tree.leaves(expected)
@@ -47,7 +47,7 @@ def assert_params_close(actual, expected, elementwise: bool = True):
     for (path, a), e in zip(flat_a, flat_e):
         name = jax.tree_util.keystr(path)
         if elementwise:
-            np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-6, err_msg=name)
+            np.testing.assert_allclose(a, e, rtol=rtol, atol=1e-6, err_msg=name)
         else:
             rel = np.linalg.norm(a - e) / max(np.linalg.norm(e), 1e-30)
-            assert rel <= 1e-5, f"{name}: relative error {rel:.2e} > 1e-5"
+            assert rel <= rtol, f"{name}: relative error {rel:.2e} > {rtol:.0e}"

@@ -13,17 +13,17 @@ LAYOUTS = {
     "data=2,fsdp=2,tensor=2": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
     "fsdp=4,tensor=2": ["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2"],
 }
-ADAMW = ["optim.name=adamw", "optim.lr=3e-3", "optim.weight_decay=0.1", "optim.warmup_steps=1"]
-SGD = ["optim.name=sgd", "optim.lr=0.05", "optim.momentum=0.9", "optim.nesterov=true"]
-# (overrides, compare every element?) — see helpers.assert_params_close for why
-# Adam-family results are compared per tensor.
-MODELS = {"gpt": ([*GPT_SMALL, *ADAMW], False), "convnet": ([*CONVNET_SMALL, *SGD], True)}
+SGD = ["optim.name=sgd", "optim.lr=0.2", "optim.momentum=0.9", "optim.nesterov=true",
+       "optim.weight_decay=1e-4"]
+# SGD's update is linear in the gradient, so layouts agree element by element; Adam is
+# covered below (see helpers.assert_params_close for why it is compared per tensor).
+MODELS = {"gpt": [*GPT_SMALL, *SGD], "convnet": [*CONVNET_SMALL, *SGD]}
 _reference = {}
 
 
 def reference(model):
     if model not in _reference:
-        _reference[model] = run_steps([*MODELS[model][0], "mesh.data=1"], devices=1)
+        _reference[model] = run_steps([*MODELS[model], "mesh.data=1"], devices=1)
     return _reference[model]
 
 
@@ -31,11 +31,44 @@ def reference(model):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_single_device(model, layout):
     ref_losses, ref_params, _ = reference(model)
-    overrides, elementwise = MODELS[model]
-    losses, params, run = run_steps([*overrides, *LAYOUTS[layout]])
+    losses, params, run = run_steps([*MODELS[model], *LAYOUTS[layout]])
     assert run.trainer.mesh.devices.size == 8
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     moved = [np.abs(a - b).max() for a, b in zip(jax.tree.leaves(params),
                                                   jax.tree.leaves(run.init_params))]
-    assert min(moved) > 1e-4, "every parameter should have been updated"
-    assert_params_close(params, ref_params, elementwise)
+    assert min(moved) > 1e-6, "every parameter should have been updated"
+    assert_params_close(params, ref_params)
+
+
+def _first_gradients(overrides, devices):
+    from jaxpar.config import load_config
+    from jaxpar.loop import build
+
+    run = build(load_config([], [*overrides, f"run.devices={devices}"]))
+    state = run.trainer.init()
+    batch = run.trainer.shard_batch(run.data.batch(0, 16))
+    grad = jax.jit(jax.grad(lambda p, b: run.trainer.loss(p, b)[0]))(state.params, batch)
+    return jax.tree.map(np.asarray, grad)
+
+
+def test_gpt_gradients_match_single_device_elementwise():
+    """Gradients of every layout agree element by element (to 1e-5 of each tensor's scale)."""
+    ref = _first_gradients([*GPT_SMALL, "mesh.data=1"], 1)
+    for layout in ("fsdp=8", "data=2,fsdp=2,tensor=2"):
+        grads = _first_gradients([*GPT_SMALL, *LAYOUTS[layout]], 8)
+        for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref)):
+            np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * np.abs(r).max(),
+                                       err_msg=f"{layout} {jax.tree_util.keystr(path)}")
+
+
+@pytest.mark.parametrize("layout", ["fsdp=8", "data=2,fsdp=2,tensor=2"])
+def test_gpt_adamw_matches_single_device(layout):
+    """AdamW: the loss trajectory agrees to rtol 1e-5. Parameters are compared per tensor
+    at 1e-4: Adam divides each gradient element by its own running magnitude, which for
+    elements whose gradient is ~0 magnifies the 1e-7 summation-order differences of the
+    gradients (checked element-wise above) into larger update differences."""
+    adamw = ["optim.name=adamw", "optim.lr=3e-3", "optim.weight_decay=0.1"]
+    ref_losses, ref_params, _ = run_steps([*GPT_SMALL, *adamw, "mesh.data=1"], devices=1)
+    losses, params, _ = run_steps([*GPT_SMALL, *adamw, *LAYOUTS[layout]])
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_params_close(params, ref_params, elementwise=False, rtol=1e-4)

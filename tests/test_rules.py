@@ -5,7 +5,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import load_config
-from jaxpar.train import build
+from jaxpar.loop import build
 from tests.helpers import GPT_SMALL
 
 FSDP_TP = {  # the auto / fsdp_tp layout of every GPT parameter
@@ -75,10 +75,17 @@ def test_override_single_rule_from_command_line():
     assert run.trainer.param_specs["blocks"]["wq"] == P(None, None, "tensor", None)
 
 
-def test_default_rules_work_for_any_degrees():
-    for mesh in (["mesh.fsdp=8"], ["mesh.tensor=2"], ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]):
-        run = _run(*mesh)
-        assert run.trainer.mesh.devices.size == 8
+@pytest.mark.parametrize("mesh,w_in,batch", [
+    (["mesh.fsdp=8"], P(None, "fsdp"), P("fsdp")),
+    (["mesh.tensor=2"], P(None, None, "tensor"), P("data")),
+    (["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], P(None, "fsdp", "tensor"), P(("data", "fsdp"))),
+])
+def test_default_rules_work_for_any_degrees(mesh, w_in, batch):
+    """With no preset chosen, any degrees give the fsdp_tp layout restricted to the
+    axes larger than 1."""
+    run = _run(*mesh)
+    assert _normalize(run.trainer.param_specs["blocks"]["w_in"]) == w_in
+    assert _normalize(run.trainer.batch_shardings(run.data.batch(0, 16))["tokens"].spec) == batch
 
 
 def test_unmapped_logical_axis_is_an_error():
@@ -114,8 +121,56 @@ def test_unused_mesh_axis_is_an_error():
         _run("mesh.data=4", "mesh.tensor=2", "rules.preset=dp")
 
 
+def test_unknown_rule_name_suggests_closest():
+    with pytest.raises(ValueError, match="rules.mpl' names no logical axis.*did you mean 'rules.mlp'"):
+        _run("mesh.data=4", "mesh.tensor=2", "rules.mpl=null")
+
+
+def test_batch_not_split_over_fsdp_is_an_error():
+    with pytest.raises(ValueError, match="batch 'tokens' is not split over mesh axis 'fsdp'"):
+        _run("mesh.data=1", "mesh.fsdp=8", "rules.batch=data")
+
+
 def test_unknown_preset_and_unknown_mesh_axis():
     with pytest.raises(ValueError, match="unknown rules.preset 'zero3'.*fsdp"):
         _run("rules.preset=zero3")
     with pytest.raises(ValueError, match="rules.mlp=model: 'model' is not a mesh axis"):
         _run("rules.mlp=model")
+
+
+@pytest.mark.parametrize("preset,mesh,expected", [
+    ("tp", ["mesh.data=4", "mesh.tensor=2"],
+     {"residual": P("data"), "mlp": P("data", None, "tensor"), "logits": P("data", None, "tensor")}),
+    ("fsdp", ["mesh.data=2", "mesh.fsdp=4"],
+     {"residual": P(("data", "fsdp")), "mlp": P(("data", "fsdp")), "logits": P(("data", "fsdp"))}),
+])
+def test_activation_layouts(preset, mesh, expected):
+    """constrain() pins activations to the preset's documented layout, e.g. under tp
+    X[B_data, T, D] and H[B_data, T, F_tensor]."""
+    from jaxpar.logical import activation_rules, constrain
+
+    run = _run(f"rules.preset={preset}", *mesh)
+    names = {"residual": ("batch", "seq", "act_embed"), "mlp": ("batch", "seq", "mlp"),
+             "logits": ("batch", "seq", "vocab")}
+    x = jax.numpy.zeros((16, 8, 64))
+
+    def pin(x):
+        with activation_rules(run.trainer.mesh, run.trainer.rules):
+            return {k: constrain(x, v) for k, v in names.items()}
+
+    out = jax.jit(pin)(x)
+    assert {k: _normalize(v.sharding.spec) for k, v in out.items()} == expected
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adam", "adamw", "lamb", "adafactor"])
+def test_optimizer_state_sharded_like_params_under_fsdp(optim):
+    """Under fsdp=8 every optimizer keeps about 1/8 of its state per device."""
+    from jaxpar import sharding as shd
+
+    run = _run("mesh.data=1", "mesh.fsdp=8", f"optim.name={optim}", "optim.weight_decay=0",
+               "model.d_model=64", "model.d_ff=128")
+    opt = run.trainer.abstract_state.opt_state
+    per_device = shd.bytes_per_device(opt, run.trainer.state_shardings.opt_state)
+    total = shd.total_bytes(opt)
+    assert total > 0
+    assert per_device <= 0.2 * total, f"{optim}: {per_device} of {total} bytes per device"

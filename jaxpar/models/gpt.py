@@ -143,6 +143,11 @@ class GPT(nnx.Module):
             raise ValueError(
                 f"model.d_model={cfg.d_model} is not divisible by model.n_heads={cfg.n_heads}"
             )
+        if cfg.positions == "rotary" and cfg.head_dim % 2:
+            raise ValueError(
+                f"rotary positions need an even head dim; d_model/n_heads = {cfg.head_dim}: "
+                "change model.d_model or model.n_heads, or use model.positions=learned"
+            )
         self.cfg = cfg
         V, D = cfg.vocab_size, cfg.d_model
         self.embed = _param(rngs.params(), (V, D), ("vocab", "embed"), 0.02)
@@ -163,7 +168,10 @@ class GPT(nnx.Module):
                 "raise model.max_seq_len or lower data.seq_len"
             )
         dtype = jnp.dtype(cfg.dtype)
-        x_BTD = jnp.take(self.embed[...], tokens_BT, axis=0)
+        # Gather rows from a table whose vocab dim is whole: a vocab-sharded gather
+        # would make the partitioner replicate the whole table instead.
+        table_VD = constrain(self.embed[...], (None, "embed"))
+        x_BTD = jnp.take(table_VD, tokens_BT, axis=0)
         if cfg.positions == "learned":
             x_BTD = x_BTD + self.pos[:T][None]
         x_BTD = constrain(x_BTD.astype(dtype), _RESIDUAL)

@@ -25,7 +25,7 @@ from jaxpar.config import Config
 from jaxpar.data import ImageData, TextData, load_data
 from jaxpar.mesh import describe_devices, describe_mesh, make_mesh, select_devices
 from jaxpar.optim import decay_mask, make_optimizer
-from jaxpar.task import task_from_config
+from jaxpar.builtin_tasks import task_from_config
 from jaxpar.trainer import Trainer, TrainState, abstract_params_and_axes
 
 
@@ -44,19 +44,23 @@ class History:
     """What :func:`fit` returns: logged rows and the final state."""
 
     rows: list[dict[str, Any]] = field(default_factory=list)
-    eval_rows: list[dict[str, Any]] = field(default_factory=list)
     state: TrainState | None = None
-    steps_per_s: float = 0.0
     first_log_s: float = 0.0
 
 
 def build(config: Config) -> Run:
     """Devices, mesh, rules, data, task, optimizer and trainer from ``config``."""
+    config_lib.warn_unused(config)
     devices = select_devices(config.run.devices)
     mesh = make_mesh(config.mesh, devices)
     rules = shd.resolve_rules(config.rules)
     data = load_data(config.data, config.model.name, config.model.num_classes, config.run.seed)
     image_shape = data.image_shape if isinstance(data, ImageData) else None
+    if isinstance(data, TextData) and config.model.vocab_size < TextData.VOCAB:
+        raise ValueError(
+            f"model.vocab_size={config.model.vocab_size} is smaller than the {TextData.VOCAB} "
+            f"byte values of text data '{data.name}'; set model.vocab_size ≥ {TextData.VOCAB}"
+        )
     task = task_from_config(config.model, config.data.seq_len, image_shape)
     mask = decay_mask(*abstract_params_and_axes(task, config.run.seed))
     tx, schedule = make_optimizer(config.optim, config.train.steps, mask)
@@ -134,52 +138,65 @@ def _progress(total: int, enabled: bool) -> Any:
                 disable=not sys.stderr.isatty())
 
 
+def _is_log_step(step: int, cfg: Any) -> bool:
+    """Log the first step (the starting loss), every ``log_every``, and the last."""
+    return step == 1 or step % cfg.log_every == 0 or step == cfg.steps
+
+
+def _log_row(run: Run, state: TrainState, step: int, host: dict[str, float], dt: float) -> dict:
+    """One ``metrics.jsonl`` row: the step's metrics, timing, throughput and eval."""
+    cfg = run.config.train
+    row = {"step": step, **host, "finite": bool(host["finite"]), "step_time_s": dt,
+           "examples_per_s": cfg.batch_size / dt, "skipped": int(np.asarray(state.skipped))}
+    if run.trainer.task.tokens_per_example:
+        row["tokens_per_s"] = cfg.batch_size * run.trainer.task.tokens_per_example / dt
+    if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+        row.update({f"eval_{k}": v for k, v in evaluate(run, state.params).items()})
+    return row
+
+
+def _show(bar: Any, row: dict[str, Any], steps: int) -> None:
+    if bar is None:
+        return
+    bar.update(steps)
+    rate = (f"{row['tokens_per_s']:.0f} tok/s" if "tokens_per_s" in row
+            else f"{row['examples_per_s']:.0f} ex/s")
+    bar.set_postfix_str(f"loss {row['loss']:.4f}, {rate}")
+
+
 def fit(run: Run, run_dir: Path | None = None, state: TrainState | None = None) -> History:
-    """Trains for ``train.steps`` steps, logging every ``log_every`` and evaluating.
+    """Trains for ``train.steps`` steps, logging and evaluating along the way.
 
     Metrics stay on the device between log points, so the loop does not sync
     with the host every step; ``step_time_s`` is the mean over the interval.
+    A non-finite step is never applied (the step guards itself); with
+    ``train.nonfinite=stop`` the run stops at the next log point, naming it.
     """
     cfg, trainer = run.config.train, run.trainer
-    history = History()
-    t_start = time.perf_counter()
+    history, t_start = History(), time.perf_counter()
     state = state if state is not None else trainer.init()
     writer, bar = _tensorboard(run_dir, cfg.tensorboard), _progress(cfg.steps, cfg.progress)
     pending: list[tuple[int, dict]] = []
-    t_last, last_step = time.perf_counter(), 0
-    examples = cfg.batch_size
-    tokens = examples * trainer.task.tokens_per_example
+    t_last, last_step = t_start, 0
     for step in range(1, cfg.steps + 1):
         batch = trainer.shard_batch(run.data.batch(step - 1, cfg.batch_size))
         state, metrics = trainer.step(state, batch)
         pending.append((step, metrics))
-        if step % cfg.log_every and step != cfg.steps:
+        if not _is_log_step(step, cfg):
             continue
         host = [(s, _to_host(m)) for s, m in pending]
         check_finite(host, cfg.nonfinite)
         now = time.perf_counter()
-        dt = (now - t_last) / (step - last_step)
-        if not history.rows:
-            history.first_log_s = now - t_start
-        row = {"step": step, **host[-1][1], "step_time_s": dt, "examples_per_s": examples / dt,
-               "skipped": int(np.asarray(state.skipped))}
-        row["finite"] = bool(row["finite"])
-        if tokens:
-            row["tokens_per_s"] = tokens / dt
-        if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
-            row.update({f"eval_{k}": v for k, v in evaluate(run, state.params).items()})
+        history.first_log_s = history.first_log_s or now - t_start
+        row = _log_row(run, state, step, host[-1][1], (now - t_last) / (step - last_step))
         history.rows.append(row)
         log_metrics(run_dir, row, writer)
-        if bar is not None:
-            bar.update(step - last_step)
-            bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row.get('tokens_per_s', 0):.0f}")
+        _show(bar, row, step - last_step)
         pending, t_last, last_step = [], time.perf_counter(), step
-    if bar is not None:
-        bar.close()
-    if writer is not None:
-        writer.close()
+    for closer in (bar, writer):
+        if closer is not None:
+            closer.close()
     history.state = state
-    history.steps_per_s = cfg.steps / (time.perf_counter() - t_start)
     return history
 
 
@@ -193,7 +210,7 @@ def summarize(run: Run, history: History) -> str:
         + (f"  eval loss: {last['eval_loss']:.4f}" if "eval_loss" in last else ""),
         f"throughput: {last['examples_per_s']:.1f} examples/s"
         + (f", {last['tokens_per_s']:.0f} tokens/s" if "tokens_per_s" in last else "")
-        + f"  (first log after {history.first_log_s:.1f} s, incl. compile)",
+        + f"  (first step logged after {history.first_log_s:.1f} s, incl. compile)",
         f"state per device: params {params / 2**20:.2f} MiB, optimizer {opt / 2**20:.2f} MiB",
         f"skipped non-finite steps: {last['skipped']}",
     ]
