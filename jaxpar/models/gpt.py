@@ -168,9 +168,10 @@ class GPT(nnx.Module):
                 "raise model.max_seq_len or lower data.seq_len"
             )
         dtype = jnp.dtype(cfg.dtype)
-        # Gather rows from a table whose vocab dim is whole: a vocab-sharded gather
-        # would make the partitioner replicate the whole table instead.
-        table_VD = constrain(self.embed[...], (None, "embed"))
+        # Gather rows from the whole table (FSDP gathers weights before use anyway): from a
+        # sharded table the partitioner cannot move the rows to the batch layout and falls
+        # back to replicating the gathered activations.
+        table_VD = constrain(self.embed[...], (None, None))
         x_BTD = jnp.take(table_VD, tokens_BT, axis=0)
         if cfg.positions == "learned":
             x_BTD = x_BTD + self.pos[:T][None]
