@@ -45,7 +45,10 @@ def abstract_model(task: Task, seed: int = 0) -> tuple[nnx.GraphDef, nnx.State]:
 
 def abstract_params_and_axes(task: Task, seed: int = 0) -> tuple[Any, Any]:
     """Abstract parameters and their logical axes, both as pure dicts."""
-    _, state = abstract_model(task, seed)
+    return _params_and_axes(abstract_model(task, seed)[1], task)
+
+
+def _params_and_axes(state: nnx.State, task: Task) -> tuple[Any, Any]:
     _params_only(state)
     return nnx.to_pure_dict(state), shd.logical_axes(state, task.path_rules)
 
@@ -85,8 +88,8 @@ class Trainer:
                  grad_accum: int = 1, seed: int = 0):
         self.task, self.tx, self.mesh, self.rules = task, optimizer, mesh, rules
         self.schedule, self.grad_accum, self.seed = schedule, grad_accum, seed
-        self.graphdef, _ = abstract_model(task, seed)
-        self.abstract_params, self.axes = abstract_params_and_axes(task, seed)
+        self.graphdef, abstract = abstract_model(task, seed)
+        self.abstract_params, self.axes = _params_and_axes(abstract, task)
         self.param_specs = shd.param_specs(self.abstract_params, self.axes, rules, mesh)
         abstract_opt = jax.eval_shape(optimizer.init, self.abstract_params)
         opt_specs = shd.opt_state_specs(abstract_opt, self.abstract_params, self.param_specs)
@@ -96,15 +99,20 @@ class Trainer:
         self.abstract_state = TrainState(
             jax.ShapeDtypeStruct((), jnp.int32), self.abstract_params, abstract_opt,
             jax.ShapeDtypeStruct((), jnp.int32))
-        used = {n for names in [*jax.tree.leaves(self.axes, is_leaf=lambda x: isinstance(x, tuple)),
-                                *task.batch_axes.values()] for n in names if n}
-        shd.check_rule_names(rules, used)
-        shd.check_batch_sharded(mesh, self._batch_specs(None))
-        shd.check_axes_used(mesh, [self.param_specs, self._batch_specs(None)])
+        self._check_layout()
         self._step = jax.jit(self._train_step, in_shardings=(self.state_shardings, None),
                              out_shardings=(self.state_shardings, None), donate_argnums=0)
         self._eval = jax.jit(self._eval_step, in_shardings=(self.state_shardings.params, None))
         self._init = jax.jit(self._create, out_shardings=self.state_shardings)
+
+    def _check_layout(self) -> None:
+        """Rules name real axes; the batch is split over data axes; no mesh axis idles."""
+        param_names = jax.tree.leaves(self.axes, is_leaf=lambda x: isinstance(x, tuple))
+        used = {n for names in [*param_names, *self.task.batch_axes.values()] for n in names if n}
+        shd.check_rule_names(self.rules, used)
+        batch_specs = self._batch_specs(None)
+        shd.check_batch_sharded(self.mesh, batch_specs)
+        shd.check_axes_used(self.mesh, [self.param_specs, batch_specs])
 
     # ---- batches -------------------------------------------------------------------------
     def _batch_specs(self, batch: Mapping[str, Any] | None) -> dict[str, PartitionSpec]:

@@ -1,0 +1,5 @@
+import sys
+
+from jaxpar.cli import main
+
+sys.exit(main())
