@@ -11,14 +11,12 @@ code runs under any mesh: change ``MeshConfig`` below.
 import jaxpar
 
 jaxpar.setup_devices(8)  # before JAX starts: 8 simulated CPU devices when there is no GPU
-from jaxpar import MeshConfig, OptimConfig, RulesConfig  # noqa: E402
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from jaxpar import MeshConfig, OptimConfig, RulesConfig  # noqa: E402
 
 
 class Regressor(nnx.Module):

@@ -9,21 +9,21 @@ Models name logical axes; a rules table maps them onto the mesh axes
 * training: :class:`Task`, :class:`Trainer`, :func:`make_optimizer`, :func:`train`
 """
 
+from jaxpar.builtin_tasks import classification_loss, lm_loss, task_from_config
 from jaxpar.config import (Config, DataConfig, MeshConfig, ModelConfig, OptimConfig,
                            RulesConfig, RunConfig, TrainConfig, load_config)
 from jaxpar.logical import constrain, spec_for
+from jaxpar.loop import train
 from jaxpar.mesh import make_mesh, setup_devices
 from jaxpar.optim import decay_mask, make_optimizer, make_schedule
 from jaxpar.sharding import PRESETS, resolve_rules
-from jaxpar.builtin_tasks import classification_loss, lm_loss, task_from_config
 from jaxpar.task import Task
 from jaxpar.trainer import Trainer, TrainState, abstract_params_and_axes
-from jaxpar.loop import train
 
 __all__ = [
     "Config", "DataConfig", "MeshConfig", "ModelConfig", "OptimConfig", "RulesConfig",
     "RunConfig", "TrainConfig", "load_config", "constrain", "spec_for", "make_mesh", "setup_devices",
     "decay_mask", "make_optimizer", "make_schedule", "PRESETS", "resolve_rules",
     "Task", "classification_loss", "lm_loss", "Trainer", "TrainState", "train",
-    "abstract_params_and_axes",
+    "abstract_params_and_axes", "task_from_config",
 ]

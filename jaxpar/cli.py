@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         config = _config(args)
-        from jaxpar.mesh import setup_devices  # JAX is imported, but its backend not yet started
+        # JAX is imported by now, but its backend starts only at first use.
+        from jaxpar.mesh import setup_devices
 
         setup_devices(config.run.devices)
         if args.command == "train":
@@ -49,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
 
             train(config)
         else:
-            from jaxpar.report import format_report, layout_totals
             from jaxpar.loop import build
+            from jaxpar.report import format_report, layout_totals
 
             run = build(config)
             print(format_report(run, layout_totals(run)))

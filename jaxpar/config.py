@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-import warnings
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any

@@ -21,11 +21,11 @@ import yaml
 
 from jaxpar import config as config_lib
 from jaxpar import sharding as shd
+from jaxpar.builtin_tasks import task_from_config
 from jaxpar.config import Config
 from jaxpar.data import ImageData, TextData, load_data
 from jaxpar.mesh import describe_devices, describe_mesh, make_mesh, select_devices
 from jaxpar.optim import decay_mask, make_optimizer
-from jaxpar.builtin_tasks import task_from_config
 from jaxpar.trainer import Trainer, TrainState, abstract_params_and_axes
 
 

@@ -346,7 +346,9 @@ def test_config_file_loads_and_builds(path, monkeypatch):
     assert isinstance(cfg, Config)
     raw = yaml.safe_load(path.read_text()) or {}
     assert isinstance(raw, dict) and raw, f"{path} holds no settings"
-    from jaxpar.loop import build  # abstract: builds even the GPU-sized configs on the CPU
+    from jaxpar.loop import (
+        build,  # abstract: builds even the GPU-sized configs on the CPU
+    )
 
     run = build(load_config([path], ["run.devices=8"]))
     assert len(run.devices) == 8

@@ -89,11 +89,10 @@ def test_default_rules_work_for_any_degrees(mesh, w_in, batch):
 
 
 def test_unmapped_logical_axis_is_an_error():
-    from jaxpar.config import RulesConfig
-    from jaxpar.sharding import resolve_rules
+    from jaxpar.config import MeshConfig, RulesConfig
     from jaxpar.logical import spec_for
     from jaxpar.mesh import make_mesh
-    from jaxpar.config import MeshConfig
+    from jaxpar.sharding import resolve_rules
 
     rules = resolve_rules(RulesConfig())
     mesh = make_mesh(MeshConfig(data=8))

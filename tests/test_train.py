@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from jaxpar.config import load_config
-from jaxpar.report import layout_totals
 from jaxpar.loop import build, fit
+from jaxpar.report import layout_totals
 from tests.helpers import CONVNET_SMALL, GPT_SMALL, assert_params_close, run_steps
 
 OPTIM = ["optim.name=sgd", "optim.lr=0.05", "optim.momentum=0.9"]
