@@ -19,10 +19,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxpar.config import OptimConfig
+from jaxpar.config import CHOICES, OptimConfig
 
-OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adamw", "lamb", "adafactor")
-SCHEDULES: tuple[str, ...] = ("constant", "cosine", "linear", "step", "rsqrt")
+OPTIMIZERS: tuple[str, ...] = CHOICES["optim.name"]
+SCHEDULES: tuple[str, ...] = CHOICES["optim.schedule"]
 
 # The logical axis name of the leading stacked-layers dimension (nnx.scan /
 # vmapped layer stacks). It does not make a parameter "matrix-like".

@@ -182,9 +182,6 @@ def opt_state_specs(abstract_opt: Any, abstract_params: Any, specs: Any) -> Any:
         for drop in range(len(pshape)):  # a factored statistic drops one dim
             if tuple(leaf.shape) == tuple(pshape[:drop] + pshape[drop + 1 :]):
                 return PartitionSpec(*(entries[:drop] + entries[drop + 1 :]))
-        # Factored statistics of dims left at size 1 keep the parameter's rank.
-        if len(leaf.shape) == len(pshape):
-            return PartitionSpec(*(e if s == p else None for e, s, p in zip(entries, leaf.shape, pshape)))
         raise AssertionError(f"optimizer state leaf {path_str(path)} {leaf.shape} vs param {pshape}")
 
     return jax.tree_util.tree_map_with_path(one, abstract_opt)
