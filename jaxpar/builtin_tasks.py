@@ -13,15 +13,26 @@ from flax import nnx
 from jaxpar.config import ModelConfig
 from jaxpar.models.classifiers import ConvNet, MLPClassifier
 from jaxpar.models.gpt import GPT, GPTConfig
-from jaxpar.task import Batch, Task
+from jaxpar.task import Batch, StageSplit, Task
 
 
 def lm_loss(model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Next-token cross entropy over ``batch['tokens']`` [B, T+1]."""
-    tokens = batch["tokens"]
-    logits = model(tokens[:, :-1])
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+    return _lm_head(model, model.run_blocks(_lm_embed(model, batch)), batch)
+
+
+def _lm_embed(model: nnx.Module, batch: Batch) -> jax.Array:
+    return model.embed_tokens(batch["tokens"][:, :-1])
+
+
+def _lm_head(model: nnx.Module, x: jax.Array, batch: Batch) -> tuple[jax.Array, dict]:
+    logits = model.logits(x)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:]).mean()
     return loss, {}
+
+
+#: GPT cut into pipeline stages: embedding first, the stacked blocks split, head and loss last.
+GPT_STAGES = StageSplit("blocks", _lm_embed, lambda model, x: model.run_blocks(x), _lm_head)
 
 
 def classification_loss(model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -50,7 +61,7 @@ def task_from_config(cfg: ModelConfig, seq_len: int = 0,
     if cfg.name == "gpt":
         gcfg = gpt_config(cfg)
         return Task(lambda rngs: GPT(gcfg, rngs=rngs), lm_loss,
-                    {"tokens": ("batch", None)}, tokens_per_example=seq_len)
+                    {"tokens": ("batch", None)}, tokens_per_example=seq_len, stages=GPT_STAGES)
     if image_shape is None:
         raise ValueError(f"model.name={cfg.name} needs image data (data.path to an .npz, or empty)")
     axes: dict[str, Any] = {"images": ("batch", None, None, None), "labels": ("batch",)}

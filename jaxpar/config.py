@@ -152,6 +152,21 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class PipelineConfig:
+    """Pipeline parallelism over mesh axis ``stage`` (used when ``mesh.stage > 1``).
+
+    ``schedule``: gpipe, 1f1b, interleaved or zb_h1 (see ``jaxpar/pipeline``);
+    ``microbatches``: how many microbatches one step's batch is cut into (0:
+    twice ``mesh.stage``); ``virtual_stages``: layer chunks per device, for
+    ``interleaved`` (≥ 2) only.
+    """
+
+    schedule: str = "1f1b"
+    microbatches: int = 0
+    virtual_stages: int = 1
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole run configuration."""
 
@@ -162,6 +177,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -172,6 +188,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optim.name": ("sgd", "adam", "adamw", "lamb", "adafactor"),
     "optim.schedule": ("constant", "cosine", "linear", "step", "rsqrt"),
     "train.nonfinite": ("stop", "skip"),
+    "pipeline.schedule": ("gpipe", "1f1b", "interleaved", "zb_h1"),
 }
 
 
@@ -290,6 +307,7 @@ MINIMUM = {
     "model.vocab_size": 1, "model.d_model": 1, "model.n_layers": 1, "model.n_heads": 1,
     "model.d_ff": 1, "model.max_seq_len": 1, "model.channels": 1, "model.hidden": 1,
     "model.num_classes": 2, "data.seq_len": 1, "data.image_size": 1, "data.num_examples": 2,
+    "pipeline.microbatches": 0, "pipeline.virtual_stages": 1,
 }
 
 
@@ -337,6 +355,8 @@ def unused_settings(config: Config) -> list[str]:
         keys += ["optim.step_every", "optim.step_gamma"]
     if schedule not in ("cosine", "linear"):
         keys += ["optim.decay_steps", "optim.min_lr_ratio"]
+    if config.mesh.stage == 1:
+        keys += [f"pipeline.{f.name}" for f in dataclasses.fields(PipelineConfig)]
     return [k for k in dict.fromkeys(keys) if _non_default(config, k)]
 
 
@@ -344,8 +364,8 @@ def warn_unused(config: Config) -> None:
     """Warns once per key that is set but has no effect (STYLE: never silently ignore)."""
     for key in unused_settings(config):
         warnings.warn(f"config key '{key}' has no effect with model.name={config.model.name}, "
-                      f"optim.name={config.optim.name}, optim.schedule={config.optim.schedule}",
-                      stacklevel=2)
+                      f"optim.name={config.optim.name}, optim.schedule={config.optim.schedule}, "
+                      f"mesh.stage={config.mesh.stage}", stacklevel=2)
 
 
 def load_config(paths: list[str | Path] = (), overrides: list[str] = ()) -> Config:

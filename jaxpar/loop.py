@@ -65,7 +65,8 @@ def build(config: Config) -> Run:
     mask = decay_mask(*abstract_params_and_axes(task, config.run.seed))
     tx, schedule = make_optimizer(config.optim, config.train.steps, mask)
     trainer = Trainer(task, tx, mesh, rules, schedule=schedule,
-                      grad_accum=config.train.grad_accum, seed=config.run.seed)
+                      grad_accum=config.train.grad_accum, seed=config.run.seed,
+                      pipeline=config.pipeline)
     return Run(config, trainer, data, devices)
 
 

@@ -33,9 +33,10 @@ from jaxpar.config import RulesConfig
 from jaxpar.logical import Rules, spec_for
 from jaxpar.mesh import MESH_AXES
 
-# Logical names every preset maps, so any built-in model works under any preset.
+# Logical names every preset maps, so any built-in model works under any preset. Stacked
+# layers go over 'stage' (a no-op while mesh.stage = 1): pipeline stages are layer ranges.
 _REPLICATED = {
-    "seq": (), "act_embed": (), "kv": (), "layers": (), "classes": (),
+    "seq": (), "act_embed": (), "kv": (), "layers": ("stage",), "classes": (),
     "conv_h": (), "conv_w": (), "conv_in": (), "conv_out": (),
 }
 
@@ -246,8 +247,8 @@ def check_axes_used(mesh: Mesh, specs: list[Any]) -> None:
     for axis, size in mesh.shape.items():
         if size > 1 and axis not in used:
             hint = (
-                "pipeline parallelism over 'stage' is not available yet; set mesh.stage=1"
-                if axis == "stage"
+                "pipeline stages split the stacked layers: set rules.layers=stage, or "
+                "mesh.stage=1" if axis == "stage"
                 else f"map a logical axis onto it (e.g. rules.batch=data,{axis}) or set mesh.{axis}=1"
             )
             raise ValueError(

@@ -11,10 +11,34 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 Batch = Mapping[str, jax.Array]
 LossFn = Callable[[nnx.Module, Batch], tuple[jax.Array, dict[str, jax.Array]]]
+
+
+@dataclass(frozen=True)
+class StageSplit:
+    """How a model cuts into pipeline stages (see ``jaxpar/pipeline/executor.py``).
+
+    The model keeps its layers stacked on a leading ``layers`` dim under the
+    parameter key ``layers_key``; each stage runs a contiguous chunk of them.
+    The three functions receive the model rebuilt with only that chunk of
+    layers stacked under ``layers_key``:
+
+    Attributes:
+      layers_key: top-level parameter key of the stacked layers (``'blocks'``).
+      embed: ``(model, microbatch) -> x`` — what runs before the first layer.
+      stage: ``(model, x) -> x`` — the model's stacked layers, in order.
+      head: ``(model, x, microbatch) -> (loss, metrics)`` — after the last
+        layer; the same loss as the task's ``loss_fn`` (a mean over examples).
+    """
+
+    layers_key: str
+    embed: Callable[[nnx.Module, Batch], jax.Array]
+    stage: Callable[[nnx.Module, jax.Array], jax.Array]
+    head: Callable[[nnx.Module, jax.Array, Batch], tuple[jax.Array, dict[str, jax.Array]]]
 
 
 @dataclass(frozen=True)
@@ -32,6 +56,8 @@ class Task:
         ``axes`` metadata, matched against paths like ``'dense1/kernel'``.
       tokens_per_example: tokens one example carries (0 for non-sequence
         tasks), for the throughput metric.
+      stages: how to cut the model for pipeline parallelism (None: it cannot
+        be pipelined, and ``mesh.stage`` must stay 1).
     """
 
     model_fn: Callable[[nnx.Rngs], nnx.Module]
@@ -39,3 +65,13 @@ class Task:
     batch_axes: Mapping[str, tuple[str | None, ...]]
     path_rules: tuple[tuple[str, tuple[str | None, ...]], ...] = ()
     tokens_per_example: int = 0
+    stages: StageSplit | None = None
+
+
+def split_microbatches(x: jax.Array, k: int) -> jax.Array:
+    """[B, ...] → [k, B/k, ...] with microbatch i = rows i, i+k, …
+
+    Strided rows keep each device's rows on that device: the B/k dim keeps
+    the batch sharding of B.
+    """
+    return jnp.moveaxis(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 1, 0)

@@ -22,8 +22,11 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpar import sharding as shd
+from jaxpar.config import PipelineConfig
 from jaxpar.logical import Rules, activation_rules, spec_for
-from jaxpar.task import Batch, Task
+from jaxpar.pipeline.executor import pipeline_grads
+from jaxpar.pipeline.schedule import TickTable, tick_table
+from jaxpar.task import Batch, Task, split_microbatches
 
 
 @jax.tree_util.register_dataclass
@@ -61,15 +64,6 @@ def _params_only(state: nnx.State) -> None:
         raise ValueError(f"model has non-Param variables {others}; jaxpar trains nnx.Param only")
 
 
-def split_microbatches(x: jax.Array, k: int) -> jax.Array:
-    """[B, ...] → [k, B/k, ...] with microbatch i = rows i, i+k, …
-
-    Strided rows keep each device's rows on that device: the B/k dim keeps
-    the batch sharding of B.
-    """
-    return jnp.moveaxis(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 1, 0)
-
-
 class Trainer:
     """Sharded state, train step and eval step for a task on a mesh.
 
@@ -81,11 +75,12 @@ class Trainer:
       schedule: learning-rate schedule, logged as ``lr``.
       grad_accum: microbatches per step, accumulated inside the jitted step.
       seed: init seed (used for the abstract model too).
+      pipeline: the schedule used when ``mesh.shape['stage'] > 1``.
     """
 
     def __init__(self, task: Task, optimizer: optax.GradientTransformation, mesh: Mesh,
                  rules: Rules, *, schedule: Callable[[Any], Any] | None = None,
-                 grad_accum: int = 1, seed: int = 0):
+                 grad_accum: int = 1, seed: int = 0, pipeline: PipelineConfig | None = None):
         self.task, self.tx, self.mesh, self.rules = task, optimizer, mesh, rules
         self.schedule, self.grad_accum, self.seed = schedule, grad_accum, seed
         self.graphdef, abstract = abstract_model(task, seed)
@@ -99,11 +94,14 @@ class Trainer:
         self.abstract_state = TrainState(
             jax.ShapeDtypeStruct((), jnp.int32), self.abstract_params, abstract_opt,
             jax.ShapeDtypeStruct((), jnp.int32))
+        self.pipeline: TickTable | None = self._pipeline_table(pipeline or PipelineConfig())
         self._check_layout()
+        self.microbatches = self.pipeline.m if self.pipeline else grad_accum
         self._step = jax.jit(self._train_step, in_shardings=(self.state_shardings, None),
                              out_shardings=(self.state_shardings, None), donate_argnums=0)
         self._eval = jax.jit(self._eval_step, in_shardings=(self.state_shardings.params, None))
         self._init = jax.jit(self._create, out_shardings=self.state_shardings)
+        self._grads_jit = jax.jit(self._grads, in_shardings=(self.state_shardings.params, None))
 
     def _check_layout(self) -> None:
         """Rules name real axes; the batch is split over data axes; no mesh axis idles."""
@@ -113,6 +111,37 @@ class Trainer:
         batch_specs = self._batch_specs(None)
         shd.check_batch_sharded(self.mesh, batch_specs)
         shd.check_axes_used(self.mesh, [self.param_specs, batch_specs])
+
+    def _pipeline_table(self, cfg: PipelineConfig) -> TickTable | None:
+        """The schedule's tick table when the mesh has pipeline stages, after the checks.
+
+        Raises:
+          ValueError: for a model that cannot be split, layers not divisible by
+            stages × virtual stages, or gradient accumulation on top of microbatches.
+        """
+        p = self.mesh.shape["stage"]
+        if p == 1:
+            return None
+        split = self.task.stages
+        if split is None:
+            raise ValueError(
+                f"mesh.stage={p}, but this model cannot be split into pipeline stages (its task "
+                "has no StageSplit: stacked layers with embed/stage/head functions); "
+                "set mesh.stage=1 or use model.name=gpt")
+        if self.grad_accum > 1:
+            raise ValueError(
+                f"train.grad_accum={self.grad_accum} with mesh.stage={p}: the pipeline already "
+                "splits the batch into pipeline.microbatches; set train.grad_accum=1 and raise "
+                "pipeline.microbatches instead")
+        m = cfg.microbatches or 2 * p
+        v = cfg.virtual_stages
+        n_layers = jax.tree.leaves(self.abstract_params[split.layers_key])[0].shape[0]
+        if n_layers % (p * v):
+            raise ValueError(
+                f"{n_layers} layers cannot be cut into mesh.stage × pipeline.virtual_stages = "
+                f"{p}×{v} = {p * v} equal chunks; change model.n_layers, mesh.stage or "
+                "pipeline.virtual_stages")
+        return tick_table(cfg.schedule, p, m, v)
 
     # ---- batches -------------------------------------------------------------------------
     def _batch_specs(self, batch: Mapping[str, Any] | None) -> dict[str, PartitionSpec]:
@@ -135,11 +164,13 @@ class Trainer:
             ways = math.prod(self.mesh.shape[a] for e in spec[:1] if e
                              for a in (e if isinstance(e, tuple) else (e,)))
             size = batch[key].shape[0]
-            if size % (ways * self.grad_accum):
+            if size % (ways * self.microbatches):
+                what = "pipeline.microbatches" if self.pipeline else "train.grad_accum"
                 raise ValueError(
-                    f"batch '{key}': global batch {size} must be divisible by grad_accum "
-                    f"({self.grad_accum}) × the {ways} devices sharing the batch dim "
-                    f"({spec[0]}); change train.batch_size, train.grad_accum or the mesh"
+                    f"batch '{key}': global batch {size} must be divisible by {what} "
+                    f"({self.microbatches}) × the {ways} devices sharing the batch dim "
+                    f"({spec[0]}) = {self.microbatches * ways}; change train.batch_size, "
+                    f"{what} or the mesh"
                 )
         return shd.named(self.mesh, specs)
 
@@ -172,6 +203,10 @@ class Trainer:
             return self.task.loss_fn(nnx.merge(self.graphdef, params), batch)
 
     def _grads(self, params: Any, batch: Batch) -> tuple[jax.Array, dict, Any]:
+        if self.pipeline is not None:
+            with activation_rules(self.mesh, self.rules):
+                return pipeline_grads(self.task.stages, self.graphdef, params, batch,
+                                      table=self.pipeline, mesh=self.mesh, rules=self.rules)
         grad_fn = jax.value_and_grad(self.loss, has_aux=True)
         param_shardings = self.state_shardings.params
         if self.grad_accum == 1:
@@ -214,6 +249,10 @@ class Trainer:
     def step(self, state: TrainState, batch: Mapping[str, jax.Array]) -> tuple[TrainState, dict]:
         """One optimizer step (donates ``state``)."""
         return self._step(state, batch)
+
+    def grads(self, params: Any, batch: Mapping[str, jax.Array]) -> tuple[jax.Array, dict, Any]:
+        """Loss, metrics and gradients of one step's batch, as the train step computes them."""
+        return self._grads_jit(params, batch)
 
     def evaluate(self, params: Any, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
         """Loss (and task metrics) of ``params`` on one batch."""

@@ -160,6 +160,10 @@ class GPT(nnx.Module):
             self.head = _param(rngs.params(), (D, V), ("embed", "vocab"), 0.02)
 
     def __call__(self, tokens_BT: jax.Array) -> jax.Array:
+        return self.logits(self.run_blocks(self.embed_tokens(tokens_BT)))
+
+    def embed_tokens(self, tokens_BT: jax.Array) -> jax.Array:
+        """Token (+ learned position) embeddings [B, T, D] in the compute dtype."""
         cfg = self.cfg
         T = tokens_BT.shape[1]
         if T > cfg.max_seq_len:
@@ -167,7 +171,6 @@ class GPT(nnx.Module):
                 f"sequence length {T} exceeds model.max_seq_len={cfg.max_seq_len}; "
                 "raise model.max_seq_len or lower data.seq_len"
             )
-        dtype = jnp.dtype(cfg.dtype)
         # Gather rows from the whole table (FSDP gathers weights before use anyway): from a
         # sharded table the partitioner cannot move the rows to the batch layout and falls
         # back to replicating the gathered activations.
@@ -175,14 +178,17 @@ class GPT(nnx.Module):
         x_BTD = jnp.take(table_VD, tokens_BT, axis=0)
         if cfg.positions == "learned":
             x_BTD = x_BTD + self.pos[:T][None]
-        x_BTD = constrain(x_BTD.astype(dtype), _RESIDUAL)
-        x_BTD = self._run_blocks(x_BTD)
+        return constrain(x_BTD.astype(jnp.dtype(cfg.dtype)), _RESIDUAL)
+
+    def logits(self, x_BTD: jax.Array) -> jax.Array:
+        """Final norm and output projection: [B, T, D] → float32 logits [B, T, V]."""
         h = layer_norm(x_BTD, self.ln_f_scale[...], self.ln_f_bias[...])
-        head_DV = self.embed[...].T if cfg.tie_embeddings else self.head[...]
-        logits = jnp.einsum("btd,dv->btv", h, head_DV.astype(dtype))
+        head_DV = self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
+        logits = jnp.einsum("btd,dv->btv", h, head_DV.astype(x_BTD.dtype))
         return constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))
 
-    def _run_blocks(self, x_BTD: jax.Array) -> jax.Array:
+    def run_blocks(self, x_BTD: jax.Array) -> jax.Array:
+        """All blocks of ``self.blocks`` (however many are stacked there), in order."""
         dtype, use_rotary = x_BTD.dtype, self.cfg.positions == "rotary"
 
         def body(x, p):

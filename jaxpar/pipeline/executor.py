@@ -1,0 +1,267 @@
+"""Runs a pipeline schedule table as one SPMD program: loss and gradients of a step.
+
+``shard_map`` makes the ``stage`` axis (and the batch axes ``data``/``fsdp``)
+manual; ``tensor`` stays automatic, so tensor parallelism inside a stage comes
+from the same rules as without a pipeline. Inside, a ``lax.scan`` runs one
+tick of :class:`~jaxpar.pipeline.schedule.TickTable` per iteration on every
+device:
+
+1. the activation arriving from the left neighbour and the gradient arriving
+   from the right one are written into their buffer slots (or a trash slot);
+2. ``lax.switch`` runs this device's action — forward, backward (a
+   ``jax.vjp`` recomputed from the stashed stage input), input- or
+   weight-gradient — on its microbatch and chunk of layers;
+3. the outputs move one stage right (activations) and left (gradients) with
+   ``ppermute``; every device runs the same two collectives every tick.
+
+The embedding runs on the device holding chunk 0, head and loss on the one
+holding the last chunk. Gradients accumulate per device and are reduced once,
+after the scan: summed over ``stage`` for the parameters outside the stacked
+layers, over the batch axes for all. A bubble tick computes nothing, and
+nothing computed from a bubble's buffers reaches the results (tested by
+filling bubbles with NaN).
+
+Layout of the stacked layers: ``[L, …]`` is viewed as ``[v, p, L/(p·v), …]``
+with ``p`` over ``stage``, so device ``d`` holds chunks ``d, d+p, …``. For
+``v = 1`` that is exactly the ``stage`` sharding of ``L`` (no data moves); for
+interleaved schedules (``v > 1``) the view is a transpose of the stored layout,
+which costs an all-to-all of the layer weights and of their gradients per step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jaxpar.logical import Rules, activation_rules
+from jaxpar.pipeline.schedule import KINDS, TickTable
+from jaxpar.task import Batch, StageSplit, split_microbatches
+
+#: Axes the executor makes manual: the pipeline axis and the batch axes.
+MANUAL_AXES = ("stage", "data", "fsdp")
+
+# lax.switch branches: kind × position of the chunk (middle, first, last).
+_IDLE, _F, _F_FIRST, _F_LAST, _B, _B_FIRST, _B_LAST = range(7)
+_I, _I_FIRST, _I_LAST, _W, _W_LAST = range(7, 12)
+
+
+def branch_table(table: TickTable) -> np.ndarray:
+    """[ticks, p] switch branch per device and tick (what to run, where in the model)."""
+    p, last = table.p, table.p * table.v - 1
+    chunk = table.chunk * p + np.arange(p)[None, :]
+    pos = np.where(chunk == 0, 1, np.where(chunk == last, 2, 0))
+    kind = np.asarray(KINDS)[table.kind]
+    out = np.zeros_like(table.kind)
+    out[kind == "F"] = (_F + pos)[kind == "F"]
+    out[kind == "B"] = (_B + pos)[kind == "B"]
+    out[kind == "I"] = (_I + pos)[kind == "I"]
+    out[kind == "W"] = np.where(pos == 2, _W_LAST, _W)[kind == "W"]
+    return out.astype(np.int32)
+
+
+@dataclass(frozen=True)
+class _Parts:
+    """The model's stage functions as pure functions of parameter trees."""
+
+    split: StageSplit
+    graphdef: nnx.GraphDef
+
+    def _model(self, rest: Any, chunk: Any) -> nnx.Module:
+        return nnx.merge(self.graphdef, {**rest, self.split.layers_key: chunk})
+
+    def embed(self, rest, chunk, mb):
+        return self.split.embed(self._model(rest, chunk), mb)
+
+    def stage(self, chunk, rest, x):
+        return self.split.stage(self._model(rest, chunk), x)
+
+    def head(self, chunk, rest, x, mb):
+        return self.split.head(self._model(rest, chunk), x, mb)
+
+
+def pipeline_grads(split: StageSplit, graphdef: nnx.GraphDef, params: Any, batch: Batch, *,
+                   table: TickTable, mesh: Mesh, rules: Rules,
+                   bubble_value: float = 0.0) -> tuple[jax.Array, dict, Any]:
+    """Loss, metrics and gradients of ``params`` on ``batch`` through the pipeline.
+
+    Traceable (called inside the jitted train step). The result equals
+    ``jax.value_and_grad`` of the task's loss on the whole batch.
+
+    Args:
+      split: how the model cuts into stages.
+      graphdef: the model's graph definition.
+      params: pure-dict parameters; ``params[split.layers_key]`` stacked on ``L``.
+      batch: the global batch (batch dim sharded over data/fsdp).
+      table: the schedule's tick table (p = mesh.stage).
+      mesh, rules: the mesh and the rules (activation constraints inside stages).
+      bubble_value: what bubble buffers and messages hold (NaN in tests).
+    """
+    p, v, m = table.p, table.v, table.m
+    key = split.layers_key
+    rest = {k: x for k, x in params.items() if k != key}
+    layers = jax.tree.map(lambda w: w.reshape(v, p, w.shape[0] // (p * v), *w.shape[1:]),
+                          params[key])
+    batch_axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1)
+    shards = math.prod(mesh.shape[a] for a in batch_axes)
+    inner_rules = {n: tuple(a for a in axes if a not in MANUAL_AXES) for n, axes in rules.items()}
+    parts = _Parts(split, graphdef)
+    # only the branches this schedule uses are compiled
+    full = branch_table(table)
+    used = np.unique(full)
+    branches = jnp.asarray(np.searchsorted(used, full).astype(np.int32))
+    columns = [jnp.asarray(a) for a in (table.chunk, table.mb, table.act_slot,
+                                        table.grad_slot, table.recv_act, table.recv_grad)]
+
+    def body(layers, rest, batch):
+        layers = jax.tree.map(lambda w: w[:, 0], layers)  # [v, Lc, …]: this device's chunks
+        micro = {k: split_microbatches(x, m) for k, x in batch.items()}
+        with activation_rules(jax.sharding.get_abstract_mesh(), inner_rules):
+            return _run(parts, table, layers, rest, micro, branches, used, columns,
+                        scale=1.0 / (m * shards), fill=bubble_value)
+
+    def reduce(loss, metrics, g_layers, g_rest):
+        everywhere = ("stage", *batch_axes)
+        loss, metrics, g_rest = jax.lax.psum((loss, metrics, g_rest), everywhere)
+        if batch_axes:
+            g_layers = jax.lax.psum(g_layers, batch_axes)
+        return loss, metrics, jax.tree.map(lambda g: g[:, None], g_layers), g_rest
+
+    batch_spec = P(batch_axes or None)
+    fn = jax.shard_map(
+        lambda w, r, b: reduce(*body(w, r, b)), mesh=mesh,
+        in_specs=(P(None, "stage"), P(), batch_spec),
+        out_specs=(P(), P(), P(None, "stage"), P()),
+        axis_names=set(MANUAL_AXES), check_vma=False)
+    loss, metrics, g_layers, g_rest = fn(layers, rest, dict(batch))
+    g_layers = jax.tree.map(lambda g: g.reshape(-1, *g.shape[3:]), g_layers)
+    return loss, metrics, {**g_rest, key: g_layers}
+
+
+def _run(parts: _Parts, table: TickTable, layers, rest, micro, branches, used, columns, *,
+         scale: float, fill: float):
+    """The per-device scan over the table (inside ``shard_map``)."""
+    p = table.p
+    d = jax.lax.axis_index("stage")
+    first_mb = {k: x[0] for k, x in micro.items()}
+    chunk0 = jax.tree.map(lambda w: w[0], layers)
+    x_shape = jax.eval_shape(parts.embed, rest, chunk0, first_mb)
+    _, aux_shape = jax.eval_shape(
+        lambda: parts.head(chunk0, rest, jnp.zeros(x_shape.shape, x_shape.dtype), first_mb))
+    message = jnp.full(x_shape.shape, fill, x_shape.dtype)
+    zeros_like = lambda t: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), t)
+    carry = dict(
+        acts=jnp.full((table.act_slots + 1, *x_shape.shape), fill, x_shape.dtype),
+        grads=jnp.full((table.grad_slots + 1, *x_shape.shape), fill, x_shape.dtype),
+        in_act=message, in_grad=message,
+        g_layers=zeros_like(layers), g_rest=zeros_like(rest),
+        loss=jnp.zeros((), jnp.float32), metrics=zeros_like(aux_shape))
+    seed = jnp.asarray(scale, jnp.float32)
+    right = [(i, (i + 1) % p) for i in range(p)]
+    left = [(i, (i - 1) % p) for i in range(p)]
+
+    def tick(c, row):
+        branch, (k, j, a_slot, g_slot, recv_a, recv_g) = row[0][d], [r[d] for r in row[1]]
+        acts = c["acts"].at[recv_a].set(c["in_act"])
+        grads = c["grads"].at[recv_g].set(c["in_grad"])
+        w = jax.tree.map(lambda t: t[k], layers)
+        mb = {name: x[j] for name, x in micro.items()}
+        ops = (w, rest, acts[a_slot], grads[g_slot], mb)
+        fns = _branches(parts, message, seed, zeros_like(w), zeros_like(rest),
+                        zeros_like(aux_shape))
+        out = jax.lax.switch(branch, [fns[u] for u in used], *ops)
+        send_act, send_grad, stash, dw, drest, loss, aux = out
+        # chunk 0's forward stashes its embedding output; every other branch writes to trash
+        stash_slot = jnp.where(jnp.asarray(used)[branch] == _F_FIRST, a_slot, table.act_slots)
+        acts = acts.at[stash_slot].set(stash)
+        g_layers = jax.tree.map(lambda g, u: g.at[k].add(u), c["g_layers"], dw)
+        new = dict(
+            acts=acts, grads=grads,
+            in_act=jax.lax.ppermute(send_act, "stage", right),
+            in_grad=jax.lax.ppermute(send_grad, "stage", left),
+            g_layers=g_layers, g_rest=jax.tree.map(jnp.add, c["g_rest"], drest),
+            loss=c["loss"] + loss, metrics=jax.tree.map(jnp.add, c["metrics"], aux))
+        return new, None
+
+    carry, _ = jax.lax.scan(tick, carry, (branches, columns))
+    return carry["loss"], carry["metrics"], carry["g_layers"], carry["g_rest"]
+
+
+def _branches(parts: _Parts, message, seed, no_dw, no_drest, no_aux):
+    """The 12 switch branches. Each returns
+    (send right, send left, stash, d chunk, d rest, loss, metrics)."""
+    no_loss = jnp.zeros((), jnp.float32)
+
+    def result(send_act=message, send_grad=message, stash=message, dw=no_dw, drest=no_drest,
+               loss=no_loss, aux=no_aux):
+        return (send_act.astype(message.dtype), send_grad.astype(message.dtype),
+                stash.astype(message.dtype), dw, drest, loss, aux)
+
+    def loss_of(w, r, x, mb):
+        loss, aux = parts.head(w, r, parts.stage(w, r, x), mb)
+        return loss * seed, jax.tree.map(lambda a: a * seed, aux)
+
+    def idle(w, r, x, dy, mb):
+        return result()
+
+    def f_mid(w, r, x, dy, mb):
+        return result(send_act=parts.stage(w, r, x))
+
+    def f_first(w, r, x, dy, mb):
+        x0 = parts.embed(r, w, mb)
+        return result(send_act=parts.stage(w, r, x0), stash=x0)
+
+    def f_last(w, r, x, dy, mb):  # the backward recomputes this chunk with its head
+        return result()
+
+    def b_mid(w, r, x, dy, mb):
+        _, vjp = jax.vjp(lambda w, x: parts.stage(w, r, x), w, x)
+        dw, dx = vjp(dy)
+        return result(send_grad=dx, dw=dw)
+
+    def b_first(w, r, x, dy, mb):
+        _, vjp = jax.vjp(lambda w, x: parts.stage(w, r, x), w, x)
+        dw, dx = vjp(dy)
+        return result(dw=dw, drest=_embed_grad(parts, w, r, mb, dx))
+
+    def b_last(w, r, x, dy, mb):
+        (loss, aux), vjp = jax.vjp(lambda w, r, x: loss_of(w, r, x, mb), w, r, x)
+        dw, drest, dx = vjp((jnp.ones_like(loss), jax.tree.map(jnp.zeros_like, aux)))
+        return result(send_grad=dx, dw=dw, drest=drest, loss=loss, aux=aux)
+
+    def i_mid(w, r, x, dy, mb):
+        _, vjp = jax.vjp(lambda x: parts.stage(w, r, x), x)
+        return result(send_grad=vjp(dy)[0])
+
+    def i_first(w, r, x, dy, mb):
+        _, vjp = jax.vjp(lambda x: parts.stage(w, r, x), x)
+        return result(drest=_embed_grad(parts, w, r, mb, vjp(dy)[0]))
+
+    def i_last(w, r, x, dy, mb):
+        (loss, aux), vjp = jax.vjp(lambda x: loss_of(w, r, x, mb), x)
+        (dx,) = vjp((jnp.ones_like(loss), jax.tree.map(jnp.zeros_like, aux)))
+        return result(send_grad=dx, loss=loss, aux=aux)
+
+    def w_mid(w, r, x, dy, mb):
+        _, vjp = jax.vjp(lambda w: parts.stage(w, r, x), w)
+        return result(dw=vjp(dy)[0])
+
+    def w_last(w, r, x, dy, mb):
+        (loss, aux), vjp = jax.vjp(lambda w, r: loss_of(w, r, x, mb), w, r)
+        dw, drest = vjp((jnp.ones_like(loss), jax.tree.map(jnp.zeros_like, aux)))
+        return result(dw=dw, drest=drest)
+
+    return [idle, f_mid, f_first, f_last, b_mid, b_first, b_last,
+            i_mid, i_first, i_last, w_mid, w_last]
+
+
+def _embed_grad(parts: _Parts, w, r, mb, dx0):
+    """Gradient of the embedding parameters given d(loss)/d(embedding output)."""
+    _, vjp = jax.vjp(lambda r: parts.embed(r, w, mb), r)
+    return vjp(dx0)[0]
