@@ -1,7 +1,8 @@
 """The ``jaxpar`` command: a thin layer that parses arguments and calls the Python API.
 
-    jaxpar train   [CONFIG.yaml …] [section.key=value …] [--devices N]
-    jaxpar inspect [CONFIG.yaml …] [section.key=value …] [--devices N]
+    jaxpar train    [CONFIG.yaml …] [section.key=value …] [--devices N]
+    jaxpar inspect  [CONFIG.yaml …] [section.key=value …] [--devices N]
+    jaxpar pipeline [CONFIG.yaml …] [section.key=value …] [--devices N] [--png PATH] [--width N]
 
 With no CONFIG the default config (``configs/gpt_tiny.yaml``'s settings) is used.
 """
@@ -19,13 +20,33 @@ def _parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in (("train", "train a model"),
-                       ("inspect", "print where every parameter lives, without training")):
+                       ("inspect", "print where every parameter lives, without training"),
+                       ("pipeline", "print (and draw) the pipeline schedule of a config")):
         cmd = sub.add_parser(name, help=text)
         cmd.add_argument("args", nargs="*", metavar="CONFIG.yaml | section.key=value",
                          help="YAML files (later ones win), then overrides such as mesh.fsdp=8")
         cmd.add_argument("--devices", type=int, default=None,
                          help="device count (simulated CPU devices when there is no accelerator)")
+        if name == "pipeline":
+            cmd.add_argument("--png", default=None, metavar="PATH",
+                             help="also write the schedule chart as a PNG")
+            cmd.add_argument("--width", type=int, default=None,
+                             help="wrap the text grid at this many columns")
     return parser
+
+
+def _show_pipeline(config: Config, png: str | None, width: int | None) -> None:
+    from jaxpar.loop import build
+    from jaxpar.pipeline import chart
+
+    table = build(config).trainer.pipeline
+    if table is None:
+        raise ValueError(f"mesh.stage={config.mesh.stage}: there is no pipeline to show; "
+                         "set mesh.stage to 2 or more")
+    print(chart.text_grid(table, width))
+    print(chart.summary(table))
+    if png:
+        print(f"chart written to {chart.write_png(table, png)}")
 
 
 def _config(args: argparse.Namespace) -> Config:
@@ -49,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
             from jaxpar.loop import train
 
             train(config)
+        elif args.command == "pipeline":
+            _show_pipeline(config, args.png, args.width)
         else:
             from jaxpar.loop import build
             from jaxpar.report import format_report, layout_totals

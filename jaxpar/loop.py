@@ -26,6 +26,7 @@ from jaxpar.config import Config
 from jaxpar.data import ImageData, TextData, load_data
 from jaxpar.mesh import describe_devices, describe_mesh, make_mesh, select_devices
 from jaxpar.optim import decay_mask, make_optimizer
+from jaxpar.pipeline.chart import describe_pipeline
 from jaxpar.trainer import Trainer, TrainState, abstract_params_and_axes
 
 
@@ -224,6 +225,8 @@ def train(config: Config, echo: bool = True) -> History:
     say = print if echo and jax.process_index() == 0 else (lambda *a, **k: None)
     say(f"jaxpar: running on {describe_devices(run.devices)}; {describe_mesh(run.trainer.mesh)}")
     say(f"jaxpar: data {run.data.name}; model {config.model.name}; rules preset {config.rules.preset}")
+    if run.trainer.pipeline is not None:
+        say(f"jaxpar: {describe_pipeline(run.trainer.pipeline)}")
     run_dir = prepare_run_dir(config) if jax.process_index() == 0 else None
     history = fit(run, run_dir)
     say(summarize(run, history))

@@ -85,6 +85,7 @@ class Trainer:
         self.schedule, self.grad_accum, self.seed = schedule, grad_accum, seed
         self.graphdef, abstract = abstract_model(task, seed)
         self.abstract_params, self.axes = _params_and_axes(abstract, task)
+        self.pipeline: TickTable | None = self._pipeline_table(pipeline or PipelineConfig())
         self.param_specs = shd.param_specs(self.abstract_params, self.axes, rules, mesh)
         abstract_opt = jax.eval_shape(optimizer.init, self.abstract_params)
         opt_specs = shd.opt_state_specs(abstract_opt, self.abstract_params, self.param_specs)
@@ -94,7 +95,6 @@ class Trainer:
         self.abstract_state = TrainState(
             jax.ShapeDtypeStruct((), jnp.int32), self.abstract_params, abstract_opt,
             jax.ShapeDtypeStruct((), jnp.int32))
-        self.pipeline: TickTable | None = self._pipeline_table(pipeline or PipelineConfig())
         self._check_layout()
         self.microbatches = self.pipeline.m if self.pipeline else grad_accum
         self._step = jax.jit(self._train_step, in_shardings=(self.state_shardings, None),
@@ -206,7 +206,8 @@ class Trainer:
         if self.pipeline is not None:
             with activation_rules(self.mesh, self.rules):
                 return pipeline_grads(self.task.stages, self.graphdef, params, batch,
-                                      table=self.pipeline, mesh=self.mesh, rules=self.rules)
+                                      table=self.pipeline, mesh=self.mesh, rules=self.rules,
+                                      param_specs=self.param_specs)
         grad_fn = jax.value_and_grad(self.loss, has_aux=True)
         param_shardings = self.state_shardings.params
         if self.grad_accum == 1:

@@ -38,7 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jaxpar.logical import Rules, activation_rules
 from jaxpar.pipeline.schedule import KINDS, TickTable
@@ -47,23 +48,22 @@ from jaxpar.task import Batch, StageSplit, split_microbatches
 #: Axes the executor makes manual: the pipeline axis and the batch axes.
 MANUAL_AXES = ("stage", "data", "fsdp")
 
-# lax.switch branches: kind × position of the chunk (middle, first, last).
-_IDLE, _F, _F_FIRST, _F_LAST, _B, _B_FIRST, _B_LAST = range(7)
-_I, _I_FIRST, _I_LAST, _W, _W_LAST = range(7, 12)
+# lax.switch branches. The forward of the last chunk is folded into its backward (which
+# recomputes it with the head), so it is idle; chunk 0's embedding runs inside F, B and I,
+# selected by a flag.
+_IDLE, _F, _B, _B_LAST, _I, _I_LAST, _W, _W_LAST = range(8)
 
 
 def branch_table(table: TickTable) -> np.ndarray:
     """[ticks, p] switch branch per device and tick (what to run, where in the model)."""
-    p, last = table.p, table.p * table.v - 1
-    chunk = table.chunk * p + np.arange(p)[None, :]
-    pos = np.where(chunk == 0, 1, np.where(chunk == last, 2, 0))
+    p = table.p
+    last = (table.chunk * p + np.arange(p)[None, :]) == p * table.v - 1
     kind = np.asarray(KINDS)[table.kind]
-    out = np.zeros_like(table.kind)
-    out[kind == "F"] = (_F + pos)[kind == "F"]
-    out[kind == "B"] = (_B + pos)[kind == "B"]
-    out[kind == "I"] = (_I + pos)[kind == "I"]
-    out[kind == "W"] = np.where(pos == 2, _W_LAST, _W)[kind == "W"]
-    return out.astype(np.int32)
+    out = np.full(table.kind.shape, _IDLE, np.int32)
+    out[(kind == "F") & ~last] = _F
+    for k, mid, end in (("B", _B, _B_LAST), ("I", _I, _I_LAST), ("W", _W, _W_LAST)):
+        out[kind == k] = np.where(last, end, mid)[kind == k]
+    return out
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class _Parts:
 
 
 def pipeline_grads(split: StageSplit, graphdef: nnx.GraphDef, params: Any, batch: Batch, *,
-                   table: TickTable, mesh: Mesh, rules: Rules,
+                   table: TickTable, mesh: Mesh, rules: Rules, param_specs: Any = None,
                    bubble_value: float = 0.0) -> tuple[jax.Array, dict, Any]:
     """Loss, metrics and gradients of ``params`` on ``batch`` through the pipeline.
 
@@ -101,6 +101,8 @@ def pipeline_grads(split: StageSplit, graphdef: nnx.GraphDef, params: Any, batch
       batch: the global batch (batch dim sharded over data/fsdp).
       table: the schedule's tick table (p = mesh.stage).
       mesh, rules: the mesh and the rules (activation constraints inside stages).
+      param_specs: the parameters' PartitionSpecs; gradients of parameters sharded
+        over ``fsdp`` leave reduce-scattered over it (default: all-reduced).
       bubble_value: what bubble buffers and messages hold (NaN in tests).
     """
     p, v, m = table.p, table.v, table.m
@@ -126,22 +128,74 @@ def pipeline_grads(split: StageSplit, graphdef: nnx.GraphDef, params: Any, batch
             return _run(parts, table, layers, rest, micro, branches, used, columns,
                         scale=1.0 / (m * shards), fill=bubble_value)
 
-    def reduce(loss, metrics, g_layers, g_rest):
-        everywhere = ("stage", *batch_axes)
-        loss, metrics, g_rest = jax.lax.psum((loss, metrics, g_rest), everywhere)
-        if batch_axes:
-            g_layers = jax.lax.psum(g_layers, batch_axes)
-        return loss, metrics, jax.tree.map(lambda g: g[:, None], g_layers), g_rest
+    # fsdp-sharded gradients leave reduce-scattered on their fsdp dim (in the local layout:
+    # stacked layers are [v, 1, Lc, …], so their dims move by 2)
+    scatter = _fsdp_dims(param_specs, key) if "fsdp" in batch_axes else None
+    data_axes = tuple(a for a in batch_axes if a != "fsdp")
 
+    def reduce_grad(g, dim):
+        if dim < 0:
+            return jax.lax.psum(g, batch_axes) if batch_axes else g
+        g = jax.lax.psum(g, data_axes) if data_axes else g
+        return jax.lax.psum_scatter(g, "fsdp", scatter_dimension=dim, tiled=True)
+
+    def reduce(loss, metrics, g_layers, g_rest):
+        loss, metrics = jax.lax.psum((loss, metrics), ("stage", *batch_axes))
+        g_rest = jax.lax.psum(g_rest, "stage")
+        g_layers = jax.tree.map(lambda g: g[:, None], g_layers)
+        if scatter is None:
+            g_rest, g_layers = jax.tree.map(lambda g: reduce_grad(g, -1), (g_rest, g_layers))
+        else:
+            g_rest = jax.tree.map(reduce_grad, g_rest, scatter[0])
+            g_layers = jax.tree.map(reduce_grad, g_layers, scatter[1])
+        return loss, metrics, g_layers, g_rest
+
+    def out_spec(dim, rank, lead=()):
+        entries = [*lead, *[None] * (rank - len(lead))]
+        if dim >= 0:
+            entries[dim] = "fsdp"
+        return P(*entries)
+
+    if scatter is None:
+        layer_specs, rest_specs = P(None, "stage"), P()
+    else:
+        layer_specs = jax.tree.map(lambda w, dim: out_spec(dim, w.ndim, (None, "stage")),
+                                   layers, scatter[1])
+        rest_specs = jax.tree.map(lambda w, dim: out_spec(dim, w.ndim), rest, scatter[0])
     batch_spec = P(batch_axes or None)
     fn = jax.shard_map(
         lambda w, r, b: reduce(*body(w, r, b)), mesh=mesh,
         in_specs=(P(None, "stage"), P(), batch_spec),
-        out_specs=(P(), P(), P(None, "stage"), P()),
+        out_specs=(P(), P(), layer_specs, rest_specs),
         axis_names=set(MANUAL_AXES), check_vma=False)
     loss, metrics, g_layers, g_rest = fn(layers, rest, dict(batch))
     g_layers = jax.tree.map(lambda g: g.reshape(-1, *g.shape[3:]), g_layers)
     return loss, metrics, {**g_rest, key: g_layers}
+
+
+def _fsdp_dims(specs: Any, key: str) -> tuple[Any, Any] | None:
+    """Per gradient leaf, the dim to reduce-scatter over ``fsdp`` (−1: all-reduce).
+
+    Returns (rest dims, stacked-layer dims in the [v, 1, Lc, …] layout), or None
+    without specs. A dim sharded over fsdp together with other axes is all-reduced.
+    """
+    if specs is None:
+        return None
+
+    def dim_of(spec, shift):
+        for i, entry in enumerate(spec):
+            if entry == "fsdp" and (i > 0 or shift == 0):
+                return i + shift
+        return -1
+
+    rest = {k: jax.tree.map(lambda s: dim_of(s, 0), v, is_leaf=_is_spec)
+            for k, v in specs.items() if k != key}
+    layers = jax.tree.map(lambda s: dim_of(s, 2), specs[key], is_leaf=_is_spec)
+    return rest, layers
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, P)
 
 
 def _run(parts: _Parts, table: TickTable, layers, rest, micro, branches, used, columns, *,
@@ -156,112 +210,102 @@ def _run(parts: _Parts, table: TickTable, layers, rest, micro, branches, used, c
         lambda: parts.head(chunk0, rest, jnp.zeros(x_shape.shape, x_shape.dtype), first_mb))
     message = jnp.full(x_shape.shape, fill, x_shape.dtype)
     zeros_like = lambda t: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), t)
-    carry = dict(
-        acts=jnp.full((table.act_slots + 1, *x_shape.shape), fill, x_shape.dtype),
-        grads=jnp.full((table.grad_slots + 1, *x_shape.shape), fill, x_shape.dtype),
-        in_act=message, in_grad=message,
-        g_layers=zeros_like(layers), g_rest=zeros_like(rest),
-        loss=jnp.zeros((), jnp.float32), metrics=zeros_like(aux_shape))
+    carry = {
+        "acts": jnp.full((table.act_slots + 1, *x_shape.shape), fill, x_shape.dtype),
+        "grads": jnp.full((table.grad_slots + 1, *x_shape.shape), fill, x_shape.dtype),
+        "in_act": message, "in_grad": message,
+        "g_layers": zeros_like(layers), "g_rest": zeros_like(rest),
+        "loss": jnp.zeros((), jnp.float32), "metrics": zeros_like(aux_shape)}
     seed = jnp.asarray(scale, jnp.float32)
     right = [(i, (i + 1) % p) for i in range(p)]
     left = [(i, (i - 1) % p) for i in range(p)]
 
     def tick(c, row):
         branch, (k, j, a_slot, g_slot, recv_a, recv_g) = row[0][d], [r[d] for r in row[1]]
+        first = (k == 0) & (d == 0)  # this device's chunk k is chunk 0: embedding inside
         acts = c["acts"].at[recv_a].set(c["in_act"])
         grads = c["grads"].at[recv_g].set(c["in_grad"])
         w = jax.tree.map(lambda t: t[k], layers)
         mb = {name: x[j] for name, x in micro.items()}
-        ops = (w, rest, acts[a_slot], grads[g_slot], mb)
-        fns = _branches(parts, message, seed, zeros_like(w), zeros_like(rest),
+        fns = _branches(parts, message, seed, first, zeros_like(w), zeros_like(rest),
                         zeros_like(aux_shape))
-        out = jax.lax.switch(branch, [fns[u] for u in used], *ops)
-        send_act, send_grad, stash, dw, drest, loss, aux = out
-        # chunk 0's forward stashes its embedding output; every other branch writes to trash
-        stash_slot = jnp.where(jnp.asarray(used)[branch] == _F_FIRST, a_slot, table.act_slots)
+        send_act, send_grad, stash, dw, drest, loss, aux = jax.lax.switch(
+            branch, [fns[u] for u in used], w, rest, acts[a_slot], grads[g_slot], mb)
+        # chunk 0's forward stashes the embedding it computed; every other tick writes trash
+        stash_slot = jnp.where(first & (jnp.asarray(used)[branch] == _F), a_slot,
+                               table.act_slots)
         acts = acts.at[stash_slot].set(stash)
-        g_layers = jax.tree.map(lambda g, u: g.at[k].add(u), c["g_layers"], dw)
-        new = dict(
-            acts=acts, grads=grads,
-            in_act=jax.lax.ppermute(send_act, "stage", right),
-            in_grad=jax.lax.ppermute(send_grad, "stage", left),
-            g_layers=g_layers, g_rest=jax.tree.map(jnp.add, c["g_rest"], drest),
-            loss=c["loss"] + loss, metrics=jax.tree.map(jnp.add, c["metrics"], aux))
+        new = {
+            "acts": acts, "grads": grads,
+            "in_act": jax.lax.ppermute(send_act, "stage", right),
+            "in_grad": jax.lax.ppermute(send_grad, "stage", left),
+            "g_layers": jax.tree.map(lambda g, u: g.at[k].add(u), c["g_layers"], dw),
+            "g_rest": jax.tree.map(jnp.add, c["g_rest"], drest),
+            "loss": c["loss"] + loss, "metrics": jax.tree.map(jnp.add, c["metrics"], aux)}
         return new, None
 
     carry, _ = jax.lax.scan(tick, carry, (branches, columns))
     return carry["loss"], carry["metrics"], carry["g_layers"], carry["g_rest"]
 
 
-def _branches(parts: _Parts, message, seed, no_dw, no_drest, no_aux):
-    """The 12 switch branches. Each returns
-    (send right, send left, stash, d chunk, d rest, loss, metrics)."""
+def _branches(parts: _Parts, message, seed, first, no_dw, no_drest, no_aux):
+    """The switch branches, indexed by ``_IDLE … _W_LAST``. Each takes (chunk params,
+    other params, stashed input, incoming gradient, microbatch) and returns
+    (send right, send left, stash, d chunk, d other params, loss, metrics)."""
     no_loss = jnp.zeros((), jnp.float32)
 
     def result(send_act=message, send_grad=message, stash=message, dw=no_dw, drest=no_drest,
                loss=no_loss, aux=no_aux):
-        return (send_act.astype(message.dtype), send_grad.astype(message.dtype),
-                stash.astype(message.dtype), dw, drest, loss, aux)
+        cast = lambda x: x.astype(message.dtype)
+        return cast(send_act), cast(send_grad), cast(stash), dw, drest, loss, aux
 
     def loss_of(w, r, x, mb):
         loss, aux = parts.head(w, r, parts.stage(w, r, x), mb)
         return loss * seed, jax.tree.map(lambda a: a * seed, aux)
 
+    def seed_of(loss, aux):
+        return jnp.ones_like(loss), jax.tree.map(jnp.zeros_like, aux)
+
+    def embed_grad(w, r, mb, dx0):
+        """Embedding gradients on chunk 0 (zeros elsewhere; ``where``, so NaN cannot leak)."""
+        _, vjp = jax.vjp(lambda r: parts.embed(r, w, mb), r)
+        return jax.tree.map(lambda g: jnp.where(first, g, 0), vjp(dx0)[0])
+
     def idle(w, r, x, dy, mb):
         return result()
 
-    def f_mid(w, r, x, dy, mb):
-        return result(send_act=parts.stage(w, r, x))
+    def forward(w, r, x, dy, mb):
+        x = jnp.where(first, parts.embed(r, w, mb).astype(x.dtype), x)
+        return result(send_act=parts.stage(w, r, x), stash=x)
 
-    def f_first(w, r, x, dy, mb):
-        x0 = parts.embed(r, w, mb)
-        return result(send_act=parts.stage(w, r, x0), stash=x0)
-
-    def f_last(w, r, x, dy, mb):  # the backward recomputes this chunk with its head
-        return result()
-
-    def b_mid(w, r, x, dy, mb):
+    def backward(w, r, x, dy, mb):
         _, vjp = jax.vjp(lambda w, x: parts.stage(w, r, x), w, x)
         dw, dx = vjp(dy)
-        return result(send_grad=dx, dw=dw)
+        return result(send_grad=dx, dw=dw, drest=embed_grad(w, r, mb, dx))
 
-    def b_first(w, r, x, dy, mb):
-        _, vjp = jax.vjp(lambda w, x: parts.stage(w, r, x), w, x)
-        dw, dx = vjp(dy)
-        return result(dw=dw, drest=_embed_grad(parts, w, r, mb, dx))
-
-    def b_last(w, r, x, dy, mb):
+    def backward_last(w, r, x, dy, mb):
         (loss, aux), vjp = jax.vjp(lambda w, r, x: loss_of(w, r, x, mb), w, r, x)
-        dw, drest, dx = vjp((jnp.ones_like(loss), jax.tree.map(jnp.zeros_like, aux)))
+        dw, drest, dx = vjp(seed_of(loss, aux))
         return result(send_grad=dx, dw=dw, drest=drest, loss=loss, aux=aux)
 
-    def i_mid(w, r, x, dy, mb):
+    def input_grad(w, r, x, dy, mb):
         _, vjp = jax.vjp(lambda x: parts.stage(w, r, x), x)
-        return result(send_grad=vjp(dy)[0])
+        (dx,) = vjp(dy)
+        return result(send_grad=dx, drest=embed_grad(w, r, mb, dx))
 
-    def i_first(w, r, x, dy, mb):
-        _, vjp = jax.vjp(lambda x: parts.stage(w, r, x), x)
-        return result(drest=_embed_grad(parts, w, r, mb, vjp(dy)[0]))
-
-    def i_last(w, r, x, dy, mb):
+    def input_grad_last(w, r, x, dy, mb):
         (loss, aux), vjp = jax.vjp(lambda x: loss_of(w, r, x, mb), x)
-        (dx,) = vjp((jnp.ones_like(loss), jax.tree.map(jnp.zeros_like, aux)))
+        (dx,) = vjp(seed_of(loss, aux))
         return result(send_grad=dx, loss=loss, aux=aux)
 
-    def w_mid(w, r, x, dy, mb):
+    def weight_grad(w, r, x, dy, mb):
         _, vjp = jax.vjp(lambda w: parts.stage(w, r, x), w)
         return result(dw=vjp(dy)[0])
 
-    def w_last(w, r, x, dy, mb):
+    def weight_grad_last(w, r, x, dy, mb):
         (loss, aux), vjp = jax.vjp(lambda w, r: loss_of(w, r, x, mb), w, r)
-        dw, drest = vjp((jnp.ones_like(loss), jax.tree.map(jnp.zeros_like, aux)))
+        dw, drest = vjp(seed_of(loss, aux))
         return result(dw=dw, drest=drest)
 
-    return [idle, f_mid, f_first, f_last, b_mid, b_first, b_last,
-            i_mid, i_first, i_last, w_mid, w_last]
-
-
-def _embed_grad(parts: _Parts, w, r, mb, dx0):
-    """Gradient of the embedding parameters given d(loss)/d(embedding output)."""
-    _, vjp = jax.vjp(lambda r: parts.embed(r, w, mb), r)
-    return vjp(dx0)[0]
+    return [idle, forward, backward, backward_last, input_grad, input_grad_last,
+            weight_grad, weight_grad_last]

@@ -22,6 +22,7 @@ Pure NumPy, no JAX. Vocabulary (``p`` stages/devices, ``m`` microbatches,
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -432,7 +433,7 @@ def validate(table: TickTable) -> None:
             raise ValueError(f"the table writes {name} messages that no action reads")
         for (d, slot), spans in lives.items():
             spans.sort()
-            for (_, hi1, k1), (lo2, _, k2) in zip(spans, spans[1:]):
+            for (_, hi1, k1), (lo2, _, k2) in itertools.pairwise(spans):
                 if lo2 <= hi1:
                     raise ValueError(
                         f"device {d} {name} slot {slot} is overwritten at tick {lo2} by "

@@ -1,0 +1,219 @@
+"""Pipeline parallelism: every schedule gives the non-pipelined loss and gradients.
+
+The reference is the same model on one device. Gradients come from
+``Trainer.grads`` — in a pipelined trainer that is the shard_map executor, the
+very function its train step calls.
+"""
+
+import functools
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from jaxpar import hlo
+from jaxpar.config import load_config
+from jaxpar.loop import build
+from jaxpar.pipeline.executor import pipeline_grads
+from jaxpar.pipeline.schedule import SCHEDULES
+from tests.helpers import assert_params_close, run_steps
+
+TINY = ["model.d_model=16", "model.n_heads=2", "model.d_ff=32", "model.max_seq_len=8",
+        "data.seq_len=8", "train.batch_size=32", "optim.warmup_steps=0"]
+LR = 0.5
+
+
+def build_run(p=1, m=0, schedule="1f1b", v=1, data=1, tensor=1, fsdp=1, extra=()):
+    layers = max(4, p * v)
+    overrides = [*TINY, f"model.n_layers={layers}", f"mesh.stage={p}", f"mesh.data={data}",
+                 f"mesh.tensor={tensor}", f"mesh.fsdp={fsdp}", *extra,
+                 f"run.devices={p * data * tensor * fsdp}"]
+    if p > 1:
+        overrides += [f"pipeline.schedule={schedule}", f"pipeline.microbatches={m}",
+                      f"pipeline.virtual_stages={v}"]
+    return build(load_config([], overrides))
+
+
+@functools.cache
+def reference(layers):
+    """One device: initial params, 3 batches, and per-step (loss, grads), final params.
+
+    Plain SGD driven by ``Trainer.grads``; the update runs on the host so that a
+    pipelined run compiles exactly one program (its gradient function).
+    """
+    run = build_run(p=1, extra=[f"model.n_layers={layers}"])
+    init = jax.tree.map(np.asarray, run.trainer.init().params)
+    batches = [run.data.batch(step, run.config.train.batch_size) for step in range(3)]
+    return init, batches, sgd_steps(run, init, batches)
+
+
+def sgd_steps(run, init, batches, fill=None):
+    """Per-step (loss, grads) and final params of SGD from ``init`` over ``batches``."""
+    trainer = run.trainer
+    grads_fn = trainer.grads if fill is None else jax.jit(
+        lambda p, b: pipeline_grads(trainer.task.stages, trainer.graphdef, p, b,
+                                    table=trainer.pipeline, mesh=trainer.mesh,
+                                    rules=trainer.rules, bubble_value=fill))
+    params, history = init, []
+    for batch in batches:
+        sharded = jax.device_put(params, trainer.state_shardings.params)
+        loss, _, grads = grads_fn(sharded, trainer.shard_batch(batch))
+        grads = jax.tree.map(np.asarray, grads)
+        history.append((float(loss), grads))
+        params = jax.tree.map(lambda a, g: a - LR * g, params, grads)
+    return history, params
+
+
+def assert_matches_reference(run, fill=None):
+    init, batches, (ref_history, ref_params) = reference(run.config.model.n_layers)
+    history, params = sgd_steps(run, init, batches, fill)
+    for (loss, grads), (ref_loss, ref_grads) in zip(history, ref_history):
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+        assert_params_close(grads, ref_grads, rtol=1e-5)
+    assert_params_close(params, ref_params, rtol=1e-5)
+
+
+# m = 2p always runs; m = p and 4p are marked `exhaustive` (CI runs them on one interpreter).
+CASES = [pytest.param(s, p, k * p, v, id=f"{s}-p{p}-m{k * p}",
+                      marks=() if k == 2 else pytest.mark.exhaustive)
+         for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb_h1", 1))
+         for p in (2, 4) for k in (1, 2, 4)]
+assert {c.values[0] for c in CASES} == set(SCHEDULES)
+
+
+@pytest.mark.parametrize("combo", ["alone", "data=2", "tensor=2"])
+@pytest.mark.parametrize("schedule,p,m,v", CASES)
+def test_schedule_matches_unpipelined(schedule, p, m, v, combo):
+    """Loss and every gradient at each of 3 SGD steps, and the final params."""
+    extra = {"alone": {}, "data=2": {"data": 2}, "tensor=2": {"tensor": 2}}[combo]
+    run = build_run(p, m, schedule, v, **extra)
+    assert run.trainer.pipeline.p == p and run.trainer.pipeline.m == m
+    assert_matches_reference(run)
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("zb_h1", 1)])
+def test_pipeline_with_fsdp_and_all_axes(schedule, v):
+    """stage=2 with fsdp=2, and with data=2 × tensor=2 on all 8 devices."""
+    assert_matches_reference(build_run(2, 4, schedule, v, fsdp=2))
+    assert_matches_reference(build_run(2, 4, schedule, v, data=2, tensor=2))
+
+
+ADAMW = ["optim.name=adamw", "optim.lr=3e-3", "optim.weight_decay=0.1", "optim.clip_norm=1.0"]
+
+
+@functools.cache
+def adamw_reference(layers):
+    return run_steps([*TINY, *ADAMW, f"model.n_layers={layers}", "mesh.data=1"], devices=1)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_train_step_matches_unpipelined(schedule, p):
+    """The real train step (AdamW, clipping, weight decay): 3 steps like one device."""
+    v = 2 if schedule == "interleaved" else 1
+    layers = max(4, p * v)
+    common = [*TINY, *ADAMW, f"model.n_layers={layers}"]
+    ref_losses, ref_params, _ = adamw_reference(layers)
+    losses, params, run = run_steps(
+        [*common, f"mesh.stage={p}", f"mesh.data={8 // p}", f"pipeline.schedule={schedule}",
+         f"pipeline.virtual_stages={v}", f"pipeline.microbatches={2 * p}"])
+    assert run.trainer.mesh.shape["stage"] == p
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_params_close(params, ref_params, elementwise=False, rtol=1e-4)
+
+
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2),
+                                        ("zb_h1", 1)])
+def test_bubbles_filled_with_nan_change_nothing(schedule, v):
+    """Bubble buffers and messages hold NaN: every loss and gradient is still exact."""
+    assert_matches_reference(build_run(4, 8, schedule, v, data=2), fill=float("nan"))
+
+
+def test_gradients_reduced_once_per_step():
+    """With data=2 no all-reduce runs inside the tick loop, whatever m is."""
+    counts = []
+    for m in (4, 8):
+        run = build_run(2, m, "1f1b", data=2)
+        trainer = run.trainer
+        batch = run.data.batch(0, 32)
+        text = trainer._grads_jit.lower(trainer.init().params,
+                                        trainer.shard_batch(batch)).compile().as_text()
+        assert hlo.count_ops(text, "all-reduce", in_loops=True) == 0
+        assert hlo.count_ops(text, "collective-permute", in_loops=True) == 2
+        counts.append(hlo.count_ops(text, "all-reduce", in_loops=False))
+    assert counts[0] == counts[1] >= 1
+
+
+def test_fsdp_gathers_and_scatters_once_per_step():
+    """stage=2 × fsdp=2: weights gathered, gradients reduce-scattered, outside the loop."""
+    run = build_run(2, 4, "1f1b", fsdp=2)
+    text = run.trainer.compile_step(run.data.batch(0, 32)).as_text()
+    for op in ("all-reduce", "all-gather", "reduce-scatter"):
+        assert hlo.count_ops(text, op, in_loops=True) == 0, op
+    assert hlo.count_ops(text, "reduce-scatter", in_loops=False) >= 1
+    assert hlo.count_ops(text, "all-gather", in_loops=False) >= 1
+
+
+def temp_bytes(schedule, m):
+    """Compiled temporary bytes per device of the train step, microbatch of 2 rows."""
+    run = build_run(4, m, schedule, extra=[
+        f"train.batch_size={2 * m}", "model.d_model=64", "model.d_ff=256", "model.n_heads=4",
+        "model.max_seq_len=64", "data.seq_len=64"])
+    batch = run.data.batch(0, 2 * m)
+    return run.trainer.compile_step(batch).memory_analysis().temp_size_in_bytes
+
+
+def test_1f1b_memory_flat_gpipe_linear():
+    """1F1B holds ≤ p microbatches of activations whatever m is; GPipe holds all m.
+
+    The executor stashes one stage input per in-flight microbatch: 2 rows × 64
+    tokens × 64 dims × 4 bytes. GPipe's temporaries must grow by that much per
+    extra microbatch, 1F1B's by at most 10% from m = 8 to m = 32.
+    """
+    stash = 2 * 64 * 64 * 4
+    f8, f32 = temp_bytes("1f1b", 8), temp_bytes("1f1b", 32)
+    g8, g16, g32 = (temp_bytes("gpipe", m) for m in (8, 16, 32))
+    assert f32 <= 1.10 * f8, (f8, f32)
+    slopes = [(g16 - g8) / 8, (g32 - g16) / 16]
+    np.testing.assert_allclose(slopes, [stash, stash], rtol=0.05)
+    assert g32 - g8 > 5 * (f32 - f8), (g8, g32, f8, f32)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["mesh.stage=2", "model.n_layers=3"], r"3 layers cannot be cut into .* 2×1 = 2"),
+    (["mesh.stage=2", "pipeline.schedule=interleaved", "pipeline.virtual_stages=2",
+      "model.n_layers=6"], r"6 layers cannot be cut into .* 2×2 = 4 equal chunks"),
+    (["mesh.stage=4", "pipeline.schedule=interleaved", "pipeline.virtual_stages=2",
+      "pipeline.microbatches=6", "model.n_layers=8"], r"microbatches=6 is not a multiple of 4"),
+    (["mesh.stage=2", "pipeline.virtual_stages=2"], r"virtual_stages=2 applies to .*interleaved"),
+    (["mesh.stage=2", "model.name=convnet"], r"cannot be split into pipeline stages"),
+    (["mesh.stage=2", "train.grad_accum=2"], r"train.grad_accum=2 with mesh.stage=2"),
+    (["mesh.stage=2", "rules.layers=null"], r"mesh axis 'stage' .* rules.layers=stage"),
+])
+def test_pipeline_errors(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        build(load_config([], [*TINY, "model.n_layers=4", *overrides]))
+
+
+def test_batch_not_divisible_by_microbatches_times_data():
+    run = build_run(2, 8, "1f1b", data=4)
+    with pytest.raises(ValueError, match=r"global batch 16 .* pipeline.microbatches \(8\) × the 4 "
+                                         r"devices .* = 32"):
+        run.trainer.shard_batch(run.data.batch(0, 16))
+
+
+def test_pipeline_trains_gpt_through_cli(tmp_path):
+    """`jaxpar train` with mesh.stage=2 logs the same losses as without a pipeline."""
+    from jaxpar.cli import main
+
+    rows = {}
+    for name, extra in (("pp", ["mesh.stage=2", "pipeline.schedule=zb_h1"]), ("dp", [])):
+        code = main(["train", *TINY, "model.n_layers=4", "train.steps=4", "train.log_every=1",
+                     "train.eval_every=0", "train.progress=false", f"run.dir={tmp_path / name}",
+                     *extra])
+        assert code == 0
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        rows[name] = [json.loads(line)["loss"] for line in lines if "loss" in line]
+    assert len(rows["pp"]) == 4
+    np.testing.assert_allclose(rows["pp"], rows["dp"], rtol=1e-5)
