@@ -6,7 +6,9 @@ Trains ``configs/gpt_tiny.yaml`` made 8 layers deep (so interleaved can run
 2 chunks per device) on ``--stages`` devices with ``mesh.stage = --stages``
 and the default global batch (32 × 128 tokens), for every schedule and
 microbatch count. Per row: the schedule's bubble fraction and peak in-flight
-activations (from the schedule table, F = I = W = 1 and B = 2), the compiled
+activations (from the schedule table, F = I = W = 1 and B = 2), the bubble of
+the tick table the executor runs (every action one tick, devices in lockstep),
+the compiled
 train step's temporary bytes per device (``memory_analysis``), and the median
 step time over ``--steps`` steps after one warm-up step. A last row gives the
 same model without a pipeline (``mesh.data = --stages``) for reference.
@@ -29,8 +31,7 @@ import jax
 
 from jaxpar.config import load_config
 from jaxpar.loop import build
-from jaxpar.pipeline.schedule import SCHEDULES, simulate
-from jaxpar.pipeline.schedule import build as build_orders
+from jaxpar.pipeline.schedule import SCHEDULES, simulate, tick_table
 
 CONFIG = "configs/gpt_tiny.yaml"
 
@@ -61,21 +62,25 @@ def main() -> None:
     p = args.stages
     print(f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices; "
           f"gpt_tiny × 8 layers, batch 32×128, stage={p}")
-    print(f"{'schedule':<12}{'m':>4}{'bubble':>9}{'peak act':>10}{'temp MiB':>10}"
-          f"{'step s':>9}")
+    print(f"{'schedule':<12}{'m':>4}{'bubble':>9}{'ticks':>7}{'tick bubble':>13}"
+          f"{'peak act':>10}{'temp MiB':>10}{'step s':>9}")
     for schedule in SCHEDULES:
         v = 2 if schedule == "interleaved" else 1
         for m in args.microbatches:
-            timing = simulate(build_orders(schedule, p, m, v), v)
+            table = tick_table(schedule, p, m, v)
+            timing = simulate(table.orders, v)
+            tick_bubble = 1 - (table.kind != 0).sum() / table.kind.size
             temp, step = measure(
                 [f"mesh.stage={p}", "mesh.data=1", f"run.devices={p}",
                  f"pipeline.schedule={schedule}", f"pipeline.microbatches={m}",
                  f"pipeline.virtual_stages={v}"], args.steps)
             peak = max(timing.peak_in_flight) / v
-            print(f"{schedule:<12}{m:>4}{timing.bubble:>9.3f}{peak:>10g}"
-                  f"{temp / 2**20:>10.2f}{step:>9.3f}", flush=True)
+            print(f"{schedule:<12}{m:>4}{timing.bubble:>9.3f}{table.ticks:>7}"
+                  f"{tick_bubble:>13.3f}{peak:>10g}{temp / 2**20:>10.2f}{step:>9.3f}",
+                  flush=True)
     temp, step = measure([f"mesh.data={p}", f"run.devices={p}"], args.steps)
-    print(f"{'no pipeline':<12}{'-':>4}{'-':>9}{'-':>10}{temp / 2**20:>10.2f}{step:>9.3f}")
+    print(f"{'no pipeline':<12}{'-':>4}{'-':>9}{'-':>7}{'-':>13}{'-':>10}{temp / 2**20:>10.2f}"
+          f"{step:>9.3f}")
 
 
 if __name__ == "__main__":

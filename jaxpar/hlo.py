@@ -14,7 +14,9 @@ import re
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_CALLEE = re.compile(r"(?:body|condition|to_apply|calls|branch_computations)=\{?([^,}\s]+(?:,\s*%[\w.\-]+)*)\}?")
+_CALLEE = re.compile(
+    r"(?:body|condition|to_apply|calls|branch_computations|true_computation|false_computation"
+    r"|called_computations)=\{?(%?[\w.\-]+(?:,\s*%?[\w.\-]+)*)\}?")
 
 
 def computations(hlo: str) -> dict[str, list[str]]:

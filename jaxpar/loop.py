@@ -68,6 +68,8 @@ def build(config: Config) -> Run:
     trainer = Trainer(task, tx, mesh, rules, schedule=schedule,
                       grad_accum=config.train.grad_accum, seed=config.run.seed,
                       pipeline=config.pipeline)
+    # the global batch must split over microbatches × batch devices: say so before training
+    trainer.batch_shardings(data.batch(0, config.train.batch_size))
     return Run(config, trainer, data, devices)
 
 

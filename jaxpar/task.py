@@ -27,6 +27,11 @@ class StageSplit:
     The three functions receive the model rebuilt with only that chunk of
     layers stacked under ``layers_key``:
 
+    Contract (gradients rely on it): ``stage`` reads only the chunk's layer
+    parameters, ``embed`` and ``head`` only the parameters outside
+    ``layers_key``. A parameter read elsewhere would get no gradient from
+    that use.
+
     Attributes:
       layers_key: top-level parameter key of the stacked layers (``'blocks'``).
       embed: ``(model, microbatch) -> x`` — what runs before the first layer.

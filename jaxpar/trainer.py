@@ -133,6 +133,10 @@ class Trainer:
                 f"train.grad_accum={self.grad_accum} with mesh.stage={p}: the pipeline already "
                 "splits the batch into pipeline.microbatches; set train.grad_accum=1 and raise "
                 "pipeline.microbatches instead")
+        if tuple(self.rules.get("layers", ())) != ("stage",):
+            raise ValueError(
+                f"mesh.stage={p} needs the stacked layers split over it, but rules.layers="
+                f"{','.join(self.rules.get('layers', ())) or 'null'}; set rules.layers=stage")
         m = cfg.microbatches or 2 * p
         v = cfg.virtual_stages
         n_layers = jax.tree.leaves(self.abstract_params[split.layers_key])[0].shape[0]

@@ -22,8 +22,12 @@ def test_grad_accumulation_equals_full_batch(mesh):
 
 
 def test_grad_accumulation_batch_must_split():
-    run = build(load_config([], [*GPT_SMALL, "train.batch_size=24", "train.grad_accum=4"]))
-    with pytest.raises(ValueError, match="global batch 24 must be divisible by grad_accum \\(4\\) × the 8 devices"):
+    """Caught when the run is built (and again for any batch handed to the trainer)."""
+    message = r"global batch 24 must be divisible by train.grad_accum \(4\) × the 8 devices"
+    with pytest.raises(ValueError, match=message):
+        build(load_config([], [*GPT_SMALL, "train.batch_size=24", "train.grad_accum=4"]))
+    run = build(load_config([], [*GPT_SMALL, "train.batch_size=32", "train.grad_accum=4"]))
+    with pytest.raises(ValueError, match=message):
         run.trainer.shard_batch(run.data.batch(0, 24))
 
 

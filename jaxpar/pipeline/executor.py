@@ -17,7 +17,10 @@ device:
 The embedding runs on the device holding chunk 0, head and loss on the one
 holding the last chunk. Gradients accumulate per device and are reduced once,
 after the scan: summed over ``stage`` for the parameters outside the stacked
-layers, over the batch axes for all. A bubble tick computes nothing, and
+layers; all-reduced over ``data`` and reduce-scattered over ``fsdp`` (for
+parameters sharded over it). Under ``fsdp`` the weights enter the shard_map
+gathered, once per step (ZeRO-1/2-like inside the pipeline: not per
+microbatch). A bubble tick computes nothing, and
 nothing computed from a bubble's buffers reaches the results (tested by
 filling bubbles with NaN).
 

@@ -66,7 +66,8 @@ def check_shape(schedule: str, p: int, m: int, v: int) -> None:
         if m % p:
             raise ValueError(
                 f"pipeline.schedule=interleaved runs microbatches in groups of mesh.stage={p}: "
-                f"pipeline.microbatches={m} is not a multiple of {p}")
+                f"pipeline.microbatches={m} is not a multiple of {p}; use "
+                f"{max(p, m - m % p)} or {m - m % p + p}")
     elif v != 1:
         raise ValueError(
             f"pipeline.virtual_stages={v} applies to schedule=interleaved only; "
