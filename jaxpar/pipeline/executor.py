@@ -131,59 +131,64 @@ def pipeline_grads(split: StageSplit, graphdef: nnx.GraphDef, params: Any, batch
             return _run(parts, table, layers, rest, micro, branches, used, columns,
                         scale=1.0 / (m * shards), fill=bubble_value)
 
-    # fsdp-sharded gradients leave reduce-scattered on their fsdp dim (in the local layout:
-    # stacked layers are [v, 1, Lc, …], so their dims move by 2)
-    scatter = _fsdp_dims(param_specs, key) if "fsdp" in batch_axes else None
-    data_axes = tuple(a for a in batch_axes if a != "fsdp")
-
-    def reduce_grad(g, dim):
-        if dim < 0:
-            return jax.lax.psum(g, batch_axes) if batch_axes else g
-        g = jax.lax.psum(g, data_axes) if data_axes else g
-        return jax.lax.psum_scatter(g, "fsdp", scatter_dimension=dim, tiled=True)
-
-    def reduce(loss, metrics, g_layers, g_rest):
-        loss, metrics = jax.lax.psum((loss, metrics), ("stage", *batch_axes))
-        g_rest = jax.lax.psum(g_rest, "stage")
-        g_layers = jax.tree.map(lambda g: g[:, None], g_layers)
-        if scatter is None:
-            g_rest, g_layers = jax.tree.map(lambda g: reduce_grad(g, -1), (g_rest, g_layers))
-        else:
-            g_rest = jax.tree.map(reduce_grad, g_rest, scatter[0])
-            g_layers = jax.tree.map(reduce_grad, g_layers, scatter[1])
-        return loss, metrics, g_layers, g_rest
-
-    def out_spec(dim, rank, lead=()):
-        entries = [*lead, *[None] * (rank - len(lead))]
-        if dim >= 0:
-            entries[dim] = "fsdp"
-        return P(*entries)
-
-    if scatter is None:
-        layer_specs, rest_specs = P(None, "stage"), P()
-    else:
-        layer_specs = jax.tree.map(lambda w, dim: out_spec(dim, w.ndim, (None, "stage")),
-                                   layers, scatter[1])
-        rest_specs = jax.tree.map(lambda w, dim: out_spec(dim, w.ndim), rest, scatter[0])
-    batch_spec = P(batch_axes or None)
+    reduction = _Reduction(batch_axes, _fsdp_dims(param_specs, key, layers, rest, batch_axes))
     fn = jax.shard_map(
-        lambda w, r, b: reduce(*body(w, r, b)), mesh=mesh,
-        in_specs=(P(None, "stage"), P(), batch_spec),
-        out_specs=(P(), P(), layer_specs, rest_specs),
+        lambda w, r, b: reduction(*body(w, r, b)), mesh=mesh,
+        in_specs=(P(None, "stage"), P(), P(batch_axes or None)),
+        out_specs=(P(), P(), *reduction.out_specs(layers, rest)),
         axis_names=set(MANUAL_AXES), check_vma=False)
     loss, metrics, g_layers, g_rest = fn(layers, rest, dict(batch))
     g_layers = jax.tree.map(lambda g: g.reshape(-1, *g.shape[3:]), g_layers)
     return loss, metrics, {**g_rest, key: g_layers}
 
 
-def _fsdp_dims(specs: Any, key: str) -> tuple[Any, Any] | None:
-    """Per gradient leaf, the dim to reduce-scatter over ``fsdp`` (−1: all-reduce).
+@dataclass(frozen=True)
+class _Reduction:
+    """How results leave the shard_map, once per step after the scan.
 
-    Returns (rest dims, stacked-layer dims in the [v, 1, Lc, …] layout), or None
-    without specs. A dim sharded over fsdp together with other axes is all-reduced.
+    ``dims``: per gradient leaf of (other params, stacked layers as [v, 1, Lc, …]),
+    the dim to reduce-scatter over ``fsdp``, or −1 to all-reduce over the batch axes.
     """
-    if specs is None:
-        return None
+
+    batch_axes: tuple[str, ...]
+    dims: tuple[Any, Any]
+
+    def grad(self, g: jax.Array, dim: int) -> jax.Array:
+        if dim < 0:
+            return jax.lax.psum(g, self.batch_axes) if self.batch_axes else g
+        data_axes = tuple(a for a in self.batch_axes if a != "fsdp")
+        g = jax.lax.psum(g, data_axes) if data_axes else g
+        return jax.lax.psum_scatter(g, "fsdp", scatter_dimension=dim, tiled=True)
+
+    def __call__(self, loss, metrics, g_layers, g_rest):
+        loss, metrics = jax.lax.psum((loss, metrics), ("stage", *self.batch_axes))
+        g_rest = jax.tree.map(self.grad, jax.lax.psum(g_rest, "stage"), self.dims[0])
+        g_layers = jax.tree.map(lambda g, dim: self.grad(g[:, None], dim), g_layers,
+                                self.dims[1])
+        return loss, metrics, g_layers, g_rest
+
+    def out_specs(self, layers: Any, rest: Any) -> tuple[Any, Any]:
+        """Specs of the (stacked-layer, other) gradients: 'stage' on the chunk dim of the
+        layers, 'fsdp' where reduce-scattered."""
+        def spec(dim, rank, lead=()):
+            entries = [*lead, *[None] * (rank - len(lead))]
+            if dim >= 0:
+                entries[dim] = "fsdp"
+            return P(*entries)
+
+        return (jax.tree.map(lambda w, d: spec(d, w.ndim, (None, "stage")), layers, self.dims[1]),
+                jax.tree.map(lambda w, d: spec(d, w.ndim), rest, self.dims[0]))
+
+
+def _fsdp_dims(specs: Any, key: str, layers: Any, rest: Any,
+               batch_axes: tuple[str, ...]) -> tuple[Any, Any]:
+    """Reduce-scatter dims for :class:`_Reduction` from the parameters' specs.
+
+    Without specs or without an ``fsdp`` axis every gradient is all-reduced (−1). A
+    stored dim i of a stacked layer is dim i + 2 of its [v, 1, Lc, …] view.
+    """
+    if specs is None or "fsdp" not in batch_axes:
+        return jax.tree.map(lambda _: -1, rest), jax.tree.map(lambda _: -1, layers)
 
     def dim_of(spec, shift):
         for i, entry in enumerate(spec):
@@ -191,14 +196,10 @@ def _fsdp_dims(specs: Any, key: str) -> tuple[Any, Any] | None:
                 return i + shift
         return -1
 
-    rest = {k: jax.tree.map(lambda s: dim_of(s, 0), v, is_leaf=_is_spec)
-            for k, v in specs.items() if k != key}
-    layers = jax.tree.map(lambda s: dim_of(s, 2), specs[key], is_leaf=_is_spec)
-    return rest, layers
-
-
-def _is_spec(x: Any) -> bool:
-    return isinstance(x, P)
+    is_spec = lambda x: isinstance(x, P)
+    rest_dims = {k: jax.tree.map(lambda s: dim_of(s, 0), v, is_leaf=is_spec)
+                 for k, v in specs.items() if k != key}
+    return rest_dims, jax.tree.map(lambda s: dim_of(s, 2), specs[key], is_leaf=is_spec)
 
 
 def _run(parts: _Parts, table: TickTable, layers, rest, micro, branches, used, columns, *,
