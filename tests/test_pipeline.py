@@ -66,12 +66,18 @@ def sgd_steps(run, init, batches, fill=None):
 
 
 def assert_close(actual, expected):
-    """Every element within rtol 1e-5, plus an atol of 1e-6 × the tensor's largest value
-    (elements that cancel to ~0 carry summation-order noise of the summands' size)."""
+    """Every element within rtol 1e-5 of itself or within 1e-5 of the tensor's largest value.
+
+    Elements that cancel to ~0 carry f32 summation-order noise of the summands' size, so
+    they cannot be held to their own relative precision: the worst seen (JAX 0.12, tied
+    embeddings + rotary + remat) is one w_in gradient element of 4e-6 off by 5.5e-10, i.e.
+    1.2e-6 of the tensor's largest value. (The core layout tests use atol 1e-6 absolute,
+    about 2e-3 of these tensors' largest values.)
+    """
     flat = jax.tree_util.tree_leaves_with_path(actual)
     assert len(flat) == len(jax.tree.leaves(expected))
     for (path, a), e in zip(flat, jax.tree.leaves(expected)):
-        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-6 * np.abs(e).max(),
+        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5 * np.abs(e).max(),
                                    err_msg=jax.tree_util.keystr(path))
 
 
@@ -232,6 +238,7 @@ def test_1f1b_memory_flat_gpipe_linear():
     (["mesh.stage=2", "train.grad_accum=2"], r"train.grad_accum=2 with mesh.stage=2"),
     (["mesh.stage=2", "rules.layers=null"], r"rules.layers=null; set rules.layers=stage"),
 ])
+@pytest.mark.filterwarnings("ignore:config key .* has no effect")  # GPT keys with convnet
 def test_pipeline_errors(overrides, match):
     with pytest.raises(ValueError, match=match):
         build(load_config([], [*TINY, "model.n_layers=4", *overrides]))
