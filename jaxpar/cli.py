@@ -3,8 +3,10 @@
     jaxpar train    [CONFIG.yaml …] [section.key=value …] [--devices N]
     jaxpar inspect  [CONFIG.yaml …] [section.key=value …] [--devices N]
     jaxpar pipeline [CONFIG.yaml …] [section.key=value …] [--devices N] [--png PATH] [--width N]
+    jaxpar export   [CONFIG.yaml …] [section.key=value …] [--devices N] --out PARAMS.npz [--step N]
 
 With no CONFIG the default config (``configs/gpt_tiny.yaml``'s settings) is used.
+Exit status: 0 done, 2 bad input, 3 non-finite stop, 4 preempted (SIGTERM; checkpoint written).
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ import sys
 
 from jaxpar.config import Config, load_config
 
+#: Exit status after a SIGTERM: the checkpoint of the current step is complete on disk.
+PREEMPTED = 4
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxpar", description=__doc__,
@@ -21,7 +26,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in (("train", "train a model"),
                        ("inspect", "print where every parameter lives, without training"),
-                       ("pipeline", "print (and draw) the pipeline schedule of a config")):
+                       ("pipeline", "print (and draw) the pipeline schedule of a config"),
+                       ("export", "write a checkpoint's parameters to an .npz file")):
         cmd = sub.add_parser(name, help=text)
         cmd.add_argument("args", nargs="*", metavar="CONFIG.yaml | section.key=value",
                          help="YAML files (later ones win), then overrides such as mesh.fsdp=8")
@@ -32,7 +38,19 @@ def _parser() -> argparse.ArgumentParser:
                              help="also write the schedule chart as a PNG")
             cmd.add_argument("--width", type=int, default=None,
                              help="wrap the text grid at this many columns")
+        if name == "export":
+            cmd.add_argument("--out", required=True, metavar="PARAMS.npz",
+                             help="where to write the parameters ('blocks/w_in' → array)")
+            cmd.add_argument("--step", type=int, default=None,
+                             help="the checkpoint step (default: the latest)")
     return parser
+
+
+def _export(config: Config, out: str, step: int | None) -> None:
+    from jaxpar.loop import export_params
+
+    path, step = export_params(config, out, step)
+    print(f"parameters of step {step} written to {path}")
 
 
 def _show_pipeline(config: Config, png: str | None, width: int | None) -> None:
@@ -72,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
             train(config)
         elif args.command == "pipeline":
             _show_pipeline(config, args.png, args.width)
+        elif args.command == "export":
+            _export(config, args.out, args.step)
         else:
             from jaxpar.loop import build
             from jaxpar.report import format_report, layout_totals
@@ -84,6 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     except FloatingPointError as err:  # train.nonfinite=stop
         print(f"jaxpar: stopped: {err}", file=sys.stderr)
         return 3
+    except Exception as err:
+        from jaxpar.loop import Preempted
+
+        if not isinstance(err, Preempted):
+            raise
+        print(f"jaxpar: {err}", file=sys.stderr)
+        return PREEMPTED
     return 0
 
 

@@ -167,6 +167,25 @@ class PipelineConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpoints of the train state (see ``jaxpar/checkpoint.py``).
+
+    ``dir``: where checkpoints go (empty: ``<run.dir>/checkpoints``);
+    ``every_steps``: save every this many steps (0: only after the last step);
+    ``keep``: how many of the latest to keep; ``async_save``: write in the
+    background; ``resume``: ``auto`` (continue from the latest complete
+    checkpoint in ``dir`` if there is one), ``never``, a step number in
+    ``dir``, or the path of a checkpoint directory.
+    """
+
+    dir: str = ""
+    every_steps: int = 0
+    keep: int = 3
+    async_save: bool = True
+    resume: str = "auto"
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole run configuration."""
 
@@ -178,6 +197,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -308,6 +328,7 @@ MINIMUM = {
     "model.d_ff": 1, "model.max_seq_len": 1, "model.channels": 1, "model.hidden": 1,
     "model.num_classes": 2, "data.seq_len": 1, "data.image_size": 1, "data.num_examples": 2,
     "pipeline.microbatches": 0, "pipeline.virtual_stages": 1,
+    "checkpoint.every_steps": 0, "checkpoint.keep": 1,
 }
 
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +24,7 @@ import yaml
 from jaxpar import config as config_lib
 from jaxpar import sharding as shd
 from jaxpar.builtin_tasks import task_from_config
+from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import Config
 from jaxpar.data import ImageData, TextData, load_data
 from jaxpar.mesh import describe_devices, describe_mesh, make_mesh, select_devices
@@ -38,6 +41,32 @@ class Run:
     trainer: Trainer
     data: TextData | ImageData
     devices: list[jax.Device]
+
+
+class Preempted(Exception):
+    """Raised by :func:`fit` after a SIGTERM: a checkpoint of ``step`` is written."""
+
+    def __init__(self, step: int, directory: Path):
+        super().__init__(f"preempted (SIGTERM): checkpoint of step {step} written to "
+                         f"{directory}; run the same command to resume")
+        self.step = step
+
+
+_SIGTERM = threading.Event()
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    _SIGTERM.set()
+
+
+def _preempted(step: int) -> bool:
+    """Whether to stop after ``step``: SIGTERM here, or JAX's preemption sync point when
+    several processes must agree on the step."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        return multihost_utils.reached_preemption_sync_point(step)
+    return _SIGTERM.is_set()
 
 
 @dataclass
@@ -73,13 +102,59 @@ def build(config: Config) -> Run:
     return Run(config, trainer, data, devices)
 
 
-def prepare_run_dir(config: Config) -> Path:
-    """Creates the run dir, writes the resolved ``config.yaml``, truncates metrics."""
+def prepare_run_dir(config: Config, start_step: int = 0) -> Path:
+    """Creates the run dir and writes the resolved ``config.yaml``.
+
+    ``metrics.jsonl`` keeps the rows of steps ≤ ``start_step`` (a resumed run
+    appends after them without duplicating steps) and loses the rest.
+    """
     run_dir = Path(config.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config_lib.to_dict(config), sort_keys=False))
-    (run_dir / "metrics.jsonl").write_text("")
+    metrics = run_dir / "metrics.jsonl"
+    kept = []
+    if start_step and metrics.exists():
+        kept = [line for line in metrics.read_text().splitlines()
+                if line.strip() and json.loads(line)["step"] <= start_step]
+    metrics.write_text("".join(line + "\n" for line in kept))
     return run_dir
+
+
+def checkpoint_dir(config: Config) -> Path:
+    """``checkpoint.dir``, or ``<run.dir>/checkpoints``."""
+    return Path(config.checkpoint.dir or Path(config.run.dir) / "checkpoints")
+
+
+def resume(config: Config, run: Run, ckpt: Checkpointer) -> tuple[TrainState | None, int]:
+    """The state to start from and its step, per ``checkpoint.resume``.
+
+    Raises:
+      ValueError: for a step or path that holds no complete checkpoint, or a
+        checkpoint of another model (listing the mismatched paths).
+    """
+    how = config.checkpoint.resume
+    if how == "never":
+        if ckpt.steps():
+            raise ValueError(
+                f"{ckpt.directory} already holds checkpoints (steps {ckpt.steps()}) and "
+                "checkpoint.resume=never: use a new run.dir or checkpoint.dir, or "
+                "checkpoint.resume=auto to continue")
+        return None, 0
+    if how == "auto":
+        if ckpt.latest_step() is None:
+            return None, 0
+        state, _ = ckpt.restore()
+    elif how.isdigit():
+        state, _ = ckpt.restore(int(how))
+    else:
+        path = Path(how)
+        if not path.exists():
+            raise ValueError(f"checkpoint.resume={how}: no such checkpoint directory")
+        source = Checkpointer(path.parent if path.name.isdigit() else path, run.trainer,
+                              keep=config.checkpoint.keep)
+        state, _ = source.restore(int(path.name) if path.name.isdigit() else None)
+        source.close()
+    return state, int(np.asarray(state.step))
 
 
 def _to_host(metrics: dict[str, jax.Array]) -> dict[str, float]:
@@ -168,25 +243,39 @@ def _show(bar: Any, row: dict[str, Any], steps: int) -> None:
     bar.set_postfix_str(f"loss {row['loss']:.4f}, {rate}")
 
 
-def fit(run: Run, run_dir: Path | None = None, state: TrainState | None = None) -> History:
+def fit(run: Run, run_dir: Path | None = None, state: TrainState | None = None,
+        ckpt: Checkpointer | None = None) -> History:
     """Trains for ``train.steps`` steps, logging and evaluating along the way.
 
     Metrics stay on the device between log points, so the loop does not sync
     with the host every step; ``step_time_s`` is the mean over the interval.
     A non-finite step is never applied (the step guards itself); with
     ``train.nonfinite=stop`` the run stops at the next log point, naming it.
+    A ``state`` passed in continues from its step (batches are a function of
+    the step, so a resumed run sees what the uninterrupted one would have);
+    with ``ckpt`` the state is saved every ``checkpoint.every_steps`` and
+    after the last step.
     """
     cfg, trainer = run.config.train, run.trainer
     history, t_start = History(), time.perf_counter()
     state = state if state is not None else trainer.init()
+    first = int(np.asarray(state.step)) + 1
     writer, bar = _tensorboard(run_dir, cfg.tensorboard), _progress(cfg.steps, cfg.progress)
     pending: list[tuple[int, dict]] = []
-    t_last, last_step = t_start, 0
-    for step in range(1, cfg.steps + 1):
+    t_last, last_step = t_start, first - 1
+    every = run.config.checkpoint.every_steps
+    for step in range(first, cfg.steps + 1):
         batch = trainer.shard_batch(run.data.batch(step - 1, cfg.batch_size))
         state, metrics = trainer.step(state, batch)
         pending.append((step, metrics))
-        if not _is_log_step(step, cfg):
+        stop = ckpt is not None and _preempted(step)
+        if ckpt is not None and ((every and step % every == 0) or step == cfg.steps or stop):
+            meta = {"step": step, "seed": run.config.run.seed, "metrics": _to_host(metrics),
+                    "config": config_lib.to_dict(run.config)}
+            ckpt.save(step, state, meta)
+        if stop:
+            ckpt.wait()  # the checkpoint is complete before the process exits
+        if not (_is_log_step(step, cfg) or stop):
             continue
         host = [(s, _to_host(m)) for s, m in pending]
         check_finite(host, cfg.nonfinite)
@@ -197,6 +286,8 @@ def fit(run: Run, run_dir: Path | None = None, state: TrainState | None = None) 
         log_metrics(run_dir, row, writer)
         _show(bar, row, step - last_step)
         pending, t_last, last_step = [], time.perf_counter(), step
+        if stop:
+            raise Preempted(step, ckpt.directory)
     for closer in (bar, writer):
         if closer is not None:
             closer.close()
@@ -229,7 +320,46 @@ def train(config: Config, echo: bool = True) -> History:
     say(f"jaxpar: data {run.data.name}; model {config.model.name}; rules preset {config.rules.preset}")
     if run.trainer.pipeline is not None:
         say(f"jaxpar: {describe_pipeline(run.trainer.pipeline)}")
-    run_dir = prepare_run_dir(config) if jax.process_index() == 0 else None
-    history = fit(run, run_dir)
+    ckpt = Checkpointer(checkpoint_dir(config), run.trainer, keep=config.checkpoint.keep,
+                        async_save=config.checkpoint.async_save)
+    _SIGTERM.clear()
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
+    try:
+        state, start = resume(config, run, ckpt)
+        if start:
+            say(f"jaxpar: resumed from the checkpoint of step {start} in {ckpt.directory}")
+        run_dir = prepare_run_dir(config, start) if jax.process_index() == 0 else None
+        if start >= config.train.steps:
+            say(f"jaxpar: the run is already at step {start} of train.steps="
+                f"{config.train.steps}; nothing to train")
+            return History(state=state)
+        history = fit(run, run_dir, state, ckpt)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+        ckpt.close()  # waits for pending saves; a failed save raises here
     say(summarize(run, history))
     return history
+
+
+def export_params(config: Config, out: str | Path, step: int | None = None) -> tuple[Path, int]:
+    """Writes the parameters of a checkpoint of ``config``'s run to an ``.npz`` file.
+
+    Keys are parameter paths (``'blocks/w_in'``); values are whole numpy arrays.
+
+    Raises:
+      ValueError: when the run has no such checkpoint or it does not fit the model.
+    """
+    run = build(config)
+    ckpt = Checkpointer(checkpoint_dir(config), run.trainer)
+    try:
+        state, _ = ckpt.restore(step)
+    finally:
+        ckpt.close()
+    flat = {shd.path_str(path): np.asarray(leaf)
+            for path, leaf in jax.tree_util.tree_leaves_with_path(state.params)}
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(out, **flat)
+    return out, int(np.asarray(state.step))

@@ -1,0 +1,134 @@
+"""Orbax checkpoints of a train state: async saves, restore onto any layout, checked restores.
+
+A checkpoint is an Orbax ``CheckpointManager`` step directory with two items:
+``state`` (step, params, optimizer state, skipped-step count; standard Orbax
+array format) and ``meta`` (JSON: the resolved config and the metrics of that
+step). Saves are asynchronous by default: the caller pays for the
+device-to-host copy, Orbax writes in the background, and any write error is
+raised by the next :meth:`Checkpointer.save`, :meth:`Checkpointer.wait` or
+:meth:`Checkpointer.close` — never swallowed. A save in progress lives in a
+temporary directory that Orbax renames only when complete, so an interrupted
+save is never listed.
+
+Restoring builds the target from the *current* trainer's shardings, so a
+checkpoint saved under one mesh and rules restores under any other valid mesh,
+rules and device count. Before reading any array, the stored tree is compared
+with the trainer's: a different model is an error listing every mismatched
+path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jaxpar.sharding import path_str
+from jaxpar.trainer import Trainer, TrainState
+
+
+def _as_tree(state: TrainState) -> dict[str, Any]:
+    return {"step": state.step, "params": state.params, "opt_state": state.opt_state,
+            "skipped": state.skipped}
+
+
+class Checkpointer:
+    """Saves and restores a :class:`~jaxpar.trainer.Trainer`'s state under ``directory``.
+
+    Args:
+      directory: where step directories go (created).
+      trainer: gives the restore target (abstract state and shardings).
+      keep: how many of the latest checkpoints to keep.
+      async_save: write in the background (the default).
+    """
+
+    def __init__(self, directory: str | Path, trainer: Trainer, *, keep: int = 3,
+                 async_save: bool = True):
+        self.directory = Path(directory).absolute()
+        self.trainer = trainer
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options,
+            item_handlers={"state": ocp.StandardCheckpointHandler(),
+                           "meta": ocp.JsonCheckpointHandler()})
+
+    # ---- saving --------------------------------------------------------------------------
+    def save(self, step: int, state: TrainState, meta: dict[str, Any] | None = None,
+             force: bool = True) -> None:
+        """Starts saving ``state`` as ``step`` (returns once the arrays are copied to host)."""
+        args = ocp.args.Composite(state=ocp.args.StandardSave(_as_tree(state)),
+                                  meta=ocp.args.JsonSave(meta or {}))
+        self._manager.save(step, args=args, force=force)
+
+    def wait(self) -> None:
+        """Blocks until pending saves are written; raises their error if one failed."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Waits for pending saves (raising their error) and releases the manager."""
+        self._manager.close()
+
+    # ---- restoring -----------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        """Complete checkpoints, oldest first."""
+        return sorted(self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        """The newest complete checkpoint, or None."""
+        return self._manager.latest_step()
+
+    def restore(self, step: int | None = None) -> tuple[TrainState, dict[str, Any]]:
+        """The state (sharded for this trainer's mesh and rules) and meta of ``step``.
+
+        Raises:
+          ValueError: when there is no such checkpoint, or when it holds a
+            different model or optimizer: every mismatched path is listed.
+        """
+        step = self.latest_step() if step is None else step
+        if step is None or step not in self.steps():
+            raise ValueError(f"no complete checkpoint {'' if step is None else step} in "
+                             f"{self.directory} (have: {self.steps() or 'none'})")
+        target = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            _as_tree(self.trainer.abstract_state), _as_tree(self.trainer.state_shardings))
+        self._check_compatible(step, target)
+        restored = self._manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+        tree = restored.state
+        state = TrainState(tree["step"], tree["params"], tree["opt_state"], tree["skipped"])
+        return state, dict(restored.meta or {})
+
+    def _check_compatible(self, step: int, target: dict[str, Any]) -> None:
+        """Compares the stored tree's paths, shapes and dtypes with ``target``."""
+        stored = self._manager.item_metadata(step).state
+        have = _leaves(stored)
+        want = _leaves(target)
+        problems = []
+        for path in sorted(set(want) - set(have)):
+            problems.append(f"{path}: missing in the checkpoint (model expects {want[path]})")
+        for path in sorted(set(have) - set(want)):
+            problems.append(f"{path}: in the checkpoint {have[path]} but not in the model")
+        for path in sorted(set(have) & set(want)):
+            if have[path] != want[path]:
+                problems.append(f"{path}: checkpoint {have[path]}, model {want[path]}")
+        if problems:
+            raise ValueError(
+                f"checkpoint {self.directory / str(step)} does not fit this model/optimizer "
+                f"({len(problems)} mismatches):\n  " + "\n  ".join(problems)
+                + "\nrestore it with the config it was saved with, or start without it "
+                "(checkpoint.resume=never)")
+
+
+def _leaves(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Path → (shape, dtype) of every array leaf (Orbax metadata or abstract arrays)."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        shape = getattr(leaf, "shape", None)
+        if shape is None:
+            continue
+        out[path_str(path)] = (tuple(shape), str(np.dtype(leaf.dtype)))
+    return out

@@ -1,0 +1,189 @@
+"""Checkpoints: bitwise resume across processes, restore onto other layouts, mismatch errors."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from jaxpar.checkpoint import Checkpointer
+from jaxpar.config import load_config
+from jaxpar.loop import build
+from jaxpar.sharding import path_str
+from tests.helpers import GPT_SMALL
+
+# The schedule's horizon is fixed (decay_steps), so a 4-step run and the first 4 steps of an
+# 8-step run are the same computation.
+RESUMABLE = [*GPT_SMALL, "optim.schedule=cosine", "optim.decay_steps=8", "optim.warmup_steps=2",
+             "train.log_every=1", "train.eval_every=0", "train.progress=false",
+             "checkpoint.every_steps=2"]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def train_process(run_dir: Path, steps: int, *extra: str) -> None:
+    """`python -m jaxpar train` in a fresh process (8 simulated devices)."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    subprocess.run([sys.executable, "-m", "jaxpar", "train", *RESUMABLE, *extra,
+                    f"train.steps={steps}", f"run.dir={run_dir}"],
+                   check=True, cwd=ROOT, env=env, capture_output=True, text=True)
+
+
+def losses(run_dir: Path) -> list[tuple[int, float]]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(row["step"], row["loss"]) for row in rows]
+
+
+def final_arrays(run_dir: Path, layout: list[str]) -> list[np.ndarray]:
+    run = build(load_config([], [*RESUMABLE, *layout, "train.steps=8"]))
+    ckpt = Checkpointer(run_dir / "checkpoints", run.trainer)
+    state, meta = ckpt.restore()
+    ckpt.close()
+    assert meta["step"] == 8 and int(state.step) == 8
+    return [np.asarray(x) for x in jax.tree.leaves(state)]
+
+
+@pytest.mark.parametrize("layout", [["mesh.data=8"],
+                                    ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]],
+                         ids=["data", "fsdp_tp"])
+def test_resume_is_bitwise_identical(tmp_path, layout):
+    """8 steps straight vs 4 steps, exit, resume for 4 more: same losses and params, bit for bit."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train_process(straight, 8, *layout)
+    train_process(resumed, 4, *layout)
+    assert [s for s, _ in losses(resumed)] == [1, 2, 3, 4]
+    train_process(resumed, 8, *layout)
+    assert losses(resumed) == losses(straight)  # steps 1…8 once each, same floats
+    assert [s for s, _ in losses(resumed)] == list(range(1, 9))
+    for a, b in zip(final_arrays(straight, layout), final_arrays(resumed, layout)):
+        np.testing.assert_array_equal(a, b)
+
+
+def saved_run(tmp_path):
+    run = build(load_config([], [*GPT_SMALL, "mesh.data=1", "mesh.fsdp=8"]))
+    state = run.trainer.init()
+    state, _ = run.trainer.step(state, run.trainer.shard_batch(run.data.batch(0, 16)))
+    ckpt = Checkpointer(tmp_path / "ckpt", run.trainer)
+    ckpt.save(1, state, {"step": 1})
+    ckpt.close()
+    return [np.asarray(x) for x in jax.tree.leaves(state)]
+
+
+@pytest.mark.parametrize("layout,devices", [(["mesh.data=2", "mesh.tensor=4"], 8),
+                                            (["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2"], 4)])
+def test_restore_onto_another_layout(tmp_path, layout, devices):
+    """Saved under fsdp=8; restored under data=2×tensor=4 and on 4 devices: same values,
+    new shardings, and training goes on."""
+    saved = saved_run(tmp_path)
+    run = build(load_config([], [*GPT_SMALL, *layout, f"run.devices={devices}"]))
+    ckpt = Checkpointer(tmp_path / "ckpt", run.trainer)
+    state, _ = ckpt.restore()
+    for a, b in zip(saved, jax.tree.leaves(state)):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    w_in = state.params["blocks"]["w_in"]
+    assert w_in.sharding == run.trainer.state_shardings.params["blocks"]["w_in"]
+    assert len(w_in.sharding.device_set) == devices
+    state, metrics = run.trainer.step(state, run.trainer.shard_batch(run.data.batch(1, 16)))
+    assert int(state.step) == 2 and np.isfinite(float(metrics["loss"]))
+
+
+def test_incompatible_checkpoint_lists_every_mismatch(tmp_path):
+    saved_run(tmp_path)
+    run = build(load_config([], [*GPT_SMALL, "model.d_ff=128", "model.tie_embeddings=true"]))
+    with pytest.raises(ValueError) as err:
+        Checkpointer(tmp_path / "ckpt", run.trainer).restore()
+    text = str(err.value)
+    assert "does not fit this model/optimizer" in text
+    assert "params/blocks/w_in: checkpoint ((2, 32, 64), 'float32'), model ((2, 32, 128)" in text
+    assert "params/head: in the checkpoint ((32, 256), 'float32') but not in the model" in text
+    assert "opt_state/1/0/mu/blocks/b_in" in text
+
+
+def test_resume_settings(tmp_path):
+    """never refuses to overwrite; a step or a path picks that checkpoint; a missing one errors."""
+    from jaxpar.cli import main
+
+    base = [*RESUMABLE, "train.steps=4", f"run.dir={tmp_path / 'a'}"]
+    assert main(["train", *base]) == 0
+    assert main(["train", *base, "checkpoint.resume=never"]) == 2
+    assert main(["train", *base, "checkpoint.resume=3"]) == 2  # saved: 2 and 4
+    other = [*RESUMABLE, "train.steps=8", f"run.dir={tmp_path / 'b'}"]
+    assert main(["train", *other, f"checkpoint.resume={tmp_path / 'a' / 'checkpoints' / '2'}"]) == 0
+    assert [s for s, _ in losses(tmp_path / "b")] == list(range(3, 9))
+    assert losses(tmp_path / "b")[:2] == losses(tmp_path / "a")[2:4]
+
+
+def test_sigterm_checkpoints_the_current_step_and_resume_continues(tmp_path):
+    """SIGTERM mid-run: exit 4 with a complete checkpoint of the step it was on; resuming
+    gives the losses of an uninterrupted run."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    run_dir = tmp_path / "preempted"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxpar", "train", *RESUMABLE, "train.steps=100000",
+         f"run.dir={run_dir}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and len(losses(run_dir)) >= 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 4, err
+    step = int(err.split("checkpoint of step ")[1].split()[0])
+    assert step >= 3
+    run = build(load_config([], [*RESUMABLE, "train.steps=100000"]))
+    ckpt = Checkpointer(run_dir / "checkpoints", run.trainer)
+    assert ckpt.latest_step() == step
+    ckpt.close()
+    train_process(run_dir, step + 3)  # resume=auto, 3 more steps
+    assert [s for s, _ in losses(run_dir)] == list(range(1, step + 4))
+    straight = tmp_path / "straight"
+    train_process(straight, step + 3)
+    assert losses(run_dir)[-3:] == losses(straight)[-3:]
+
+
+PLAIN_ORBAX = """
+import sys
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+path = sys.argv[1]  # <checkpoint dir>/<step>/state
+checkpointer = ocp.PyTreeCheckpointer()
+tree = checkpointer.metadata(path).item_metadata.tree
+as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+state = checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
+assert "jaxpar" not in sys.modules
+np.savez(sys.argv[2], w_in=state["params"]["blocks"]["w_in"], step=state["step"])
+"""
+
+
+def test_checkpoint_reads_with_plain_orbax_and_exports(tmp_path):
+    """The README's snippet (orbax only, one device) and `jaxpar export` give the saved values."""
+    from jaxpar.cli import main
+
+    saved = saved_run(tmp_path)
+    script = tmp_path / "read.py"
+    script.write_text(PLAIN_ORBAX)
+    subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt" / "1" / "state"),
+                    str(tmp_path / "plain.npz")], check=True, cwd=tmp_path,
+                   env={**os.environ, "XLA_FLAGS": ""}, capture_output=True)
+    plain = np.load(tmp_path / "plain.npz")
+    run = build(load_config([], [*GPT_SMALL, "mesh.data=1", "mesh.fsdp=8"]))
+    names = [p for p, _ in jax.tree_util.tree_leaves_with_path(run.trainer.abstract_state)]
+    w_in = saved[[jax.tree_util.keystr(p) for p in names].index(".params['blocks']['w_in']")]
+    np.testing.assert_array_equal(plain["w_in"], w_in)
+    assert int(plain["step"]) == 1
+    out = tmp_path / "params.npz"
+    assert main(["export", *GPT_SMALL, "mesh.data=1", "mesh.fsdp=8",
+                 f"checkpoint.dir={tmp_path / 'ckpt'}", "--out", str(out)]) == 0
+    exported = np.load(out)
+    np.testing.assert_array_equal(exported["blocks/w_in"], w_in)
+    expected = {path_str(p) for p, _ in
+                jax.tree_util.tree_leaves_with_path(run.trainer.abstract_params)}
+    assert set(exported.files) == expected and "blocks/w_in" in expected
