@@ -187,3 +187,41 @@ def test_checkpoint_reads_with_plain_orbax_and_exports(tmp_path):
     expected = {path_str(p) for p, _ in
                 jax.tree_util.tree_leaves_with_path(run.trainer.abstract_params)}
     assert set(exported.files) == expected and "blocks/w_in" in expected
+
+
+def test_sigkill_during_a_save_leaves_nothing_resume_would_pick(tmp_path):
+    """SIGKILL while an async save is being written (saves every step, a model big enough
+    that a save outlasts a step): the half-written save stays a temporary directory that
+    is never listed, and the next run resumes from the last complete checkpoint with the
+    losses of an uninterrupted run."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    big = ["model.d_model=256", "model.d_ff=1024", "checkpoint.every_steps=1"]
+    for attempt in range(5):
+        run_dir = tmp_path / f"killed{attempt}"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "jaxpar", "train", *RESUMABLE, *big, "train.steps=100000",
+             f"run.dir={run_dir}"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL)
+        deadline = time.time() + 120
+        while time.time() < deadline and not (
+                (run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= 3):
+            time.sleep(0.05)
+        time.sleep(0.1 * attempt)
+        proc.kill()
+        proc.wait(timeout=60)
+        names = os.listdir(run_dir / "checkpoints")
+        if any("tmp" in name for name in names):
+            break
+    else:
+        pytest.fail(f"no save was in flight at any of 5 kills (last: {names})")
+    complete = sorted(int(n) for n in names if n.isdigit())
+    run = build(load_config([], [*RESUMABLE, *big, "train.steps=100000"]))
+    ckpt = Checkpointer(run_dir / "checkpoints", run.trainer)
+    assert ckpt.steps() == complete and ckpt.latest_step() == complete[-1]
+    ckpt.close()
+    last = complete[-1]
+    train_process(run_dir, last + 2, *big)  # resume=auto
+    assert [s for s, _ in losses(run_dir)] == list(range(1, last + 3))  # each step once
+    straight = tmp_path / "straight"
+    train_process(straight, last + 2, *big)
+    assert losses(run_dir)[-2:] == losses(straight)[-2:]
