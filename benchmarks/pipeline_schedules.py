@@ -30,8 +30,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax
 
 from jaxpar.config import load_config
-from jaxpar.loop import build
 from jaxpar.pipeline.schedule import SCHEDULES, simulate, tick_table
+from jaxpar.run import build
 
 CONFIG = "configs/gpt_tiny.yaml"
 

@@ -10,8 +10,17 @@ Models name logical axes; a rules table maps them onto the mesh axes
 """
 
 from jaxpar.builtin_tasks import classification_loss, lm_loss, task_from_config
-from jaxpar.config import (Config, DataConfig, MeshConfig, ModelConfig, OptimConfig,
-                           RulesConfig, RunConfig, TrainConfig, load_config)
+from jaxpar.config import (
+                           Config,
+                           DataConfig,
+                           MeshConfig,
+                           ModelConfig,
+                           OptimConfig,
+                           RulesConfig,
+                           RunConfig,
+                           TrainConfig,
+                           load_config,
+)
 from jaxpar.logical import constrain, spec_for
 from jaxpar.loop import train
 from jaxpar.mesh import make_mesh, setup_devices
@@ -21,9 +30,30 @@ from jaxpar.task import Task
 from jaxpar.trainer import Trainer, TrainState, abstract_params_and_axes
 
 __all__ = [
-    "Config", "DataConfig", "MeshConfig", "ModelConfig", "OptimConfig", "RulesConfig",
-    "RunConfig", "TrainConfig", "load_config", "constrain", "spec_for", "make_mesh", "setup_devices",
-    "decay_mask", "make_optimizer", "make_schedule", "PRESETS", "resolve_rules",
-    "Task", "classification_loss", "lm_loss", "Trainer", "TrainState", "train",
-    "abstract_params_and_axes", "task_from_config",
+                           "PRESETS",
+                           "Config",
+                           "DataConfig",
+                           "MeshConfig",
+                           "ModelConfig",
+                           "OptimConfig",
+                           "RulesConfig",
+                           "RunConfig",
+                           "Task",
+                           "TrainConfig",
+                           "TrainState",
+                           "Trainer",
+                           "abstract_params_and_axes",
+                           "classification_loss",
+                           "constrain",
+                           "decay_mask",
+                           "lm_loss",
+                           "load_config",
+                           "make_mesh",
+                           "make_optimizer",
+                           "make_schedule",
+                           "resolve_rules",
+                           "setup_devices",
+                           "spec_for",
+                           "task_from_config",
+                           "train",
 ]

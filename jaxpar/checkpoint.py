@@ -2,13 +2,17 @@
 
 A checkpoint is an Orbax ``CheckpointManager`` step directory with two items:
 ``state`` (step, params, optimizer state, skipped-step count; standard Orbax
-array format) and ``meta`` (JSON: the resolved config and the metrics of that
-step). Saves are asynchronous by default: the caller pays for the
+array format) and ``meta`` (JSON: the seed, the resolved config and the metrics
+of that step). Saves are asynchronous by default: the caller pays for the
 device-to-host copy, Orbax writes in the background, and any write error is
-raised by the next :meth:`Checkpointer.save`, :meth:`Checkpointer.wait` or
-:meth:`Checkpointer.close` — never swallowed. A save in progress lives in a
-temporary directory that Orbax renames only when complete, so an interrupted
-save is never listed.
+raised as a :class:`CheckpointError` by the next :meth:`Checkpointer.save`,
+:meth:`Checkpointer.wait` or :meth:`Checkpointer.close` — never swallowed. A
+save in progress lives in a temporary directory that Orbax renames only when
+complete, so an interrupted save is never listed.
+
+Which checkpoints stay is an Orbax preservation policy: the latest ``keep``,
+plus (with ``keep_best``) the ``keep_best`` best by an eval metric passed to
+:meth:`Checkpointer.save`.
 
 Restoring builds the target from the *current* trainer's shardings, so a
 checkpoint saved under one mesh and rules restores under any other valid mesh,
@@ -19,6 +23,8 @@ path.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +34,10 @@ import orbax.checkpoint as ocp
 
 from jaxpar.sharding import path_str
 from jaxpar.trainer import Trainer, TrainState
+
+
+class CheckpointError(RuntimeError):
+    """Writing a checkpoint failed (raised where the failure becomes known)."""
 
 
 def _as_tree(state: TrainState) -> dict[str, Any]:
@@ -43,14 +53,33 @@ class Checkpointer:
       trainer: gives the restore target (abstract state and shardings).
       keep: how many of the latest checkpoints to keep.
       async_save: write in the background (the default).
+      keep_best: also keep this many best checkpoints by ``best_metric`` (0: off).
+      best_metric: the key of the ``metrics`` given to :meth:`save` that ranks them.
+      best_mode: ``min`` (a loss) or ``max`` (an accuracy).
     """
 
     def __init__(self, directory: str | Path, trainer: Trainer, *, keep: int = 3,
-                 async_save: bool = True):
+                 async_save: bool = True, keep_best: int = 0,
+                 best_metric: str = "eval_loss", best_mode: str = "min"):
         self.directory = Path(directory).absolute()
         self.trainer = trainer
+        self.best_metric = best_metric if keep_best else None
+        policies = [ocp.checkpoint_managers.LatestN(n=keep)]
+        rank = None
+        if keep_best:
+            def rank(metrics: dict[str, float]) -> float:
+                return metrics[best_metric]
+
+            policies.append(ocp.checkpoint_managers.BestN(
+                get_metric_fn=rank, n=keep_best,
+                reverse=best_mode == "min",  # BestN keeps the end of the sorted list
+                keep_checkpoints_without_metrics=False))
+        # ``best_fn`` makes Orbax write each step's metrics to disk (a restarted run must
+        # still rank the older checkpoints); which steps stay is the policy's alone.
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
+            preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
+            best_fn=rank, best_mode=best_mode, enable_async_checkpointing=async_save,
+            create=True)
         self._manager = ocp.CheckpointManager(
             self.directory, options=options,
             item_handlers={"state": ocp.StandardCheckpointHandler(),
@@ -58,19 +87,43 @@ class Checkpointer:
 
     # ---- saving --------------------------------------------------------------------------
     def save(self, step: int, state: TrainState, meta: dict[str, Any] | None = None,
-             force: bool = True) -> None:
-        """Starts saving ``state`` as ``step`` (returns once the arrays are copied to host)."""
+             metrics: dict[str, float] | None = None) -> None:
+        """Starts saving ``state`` as ``step`` (returns once the arrays are copied to host).
+
+        Raises:
+          ValueError: with ``keep_best``, when ``metrics`` lacks the ranking metric.
+          CheckpointError: when an earlier asynchronous save failed.
+        """
+        if self.best_metric and self.best_metric not in (metrics or {}):
+            raise ValueError(
+                f"checkpoint.best_metric={self.best_metric} is not among the metrics of step "
+                f"{step} ({', '.join(sorted(metrics or {})) or 'none'}); pick one of them")
         args = ocp.args.Composite(state=ocp.args.StandardSave(_as_tree(state)),
                                   meta=ocp.args.JsonSave(meta or {}))
-        self._manager.save(step, args=args, force=force)
+        with self._errors("saving"):
+            self._manager.save(step, args=args, metrics=metrics, force=True)
 
     def wait(self) -> None:
         """Blocks until pending saves are written; raises their error if one failed."""
-        self._manager.wait_until_finished()
+        with self._errors("writing"):
+            self._manager.wait_until_finished()
 
     def close(self) -> None:
         """Waits for pending saves (raising their error) and releases the manager."""
-        self._manager.close()
+        with self._errors("writing"):
+            self._manager.close()
+
+    @contextlib.contextmanager
+    def _errors(self, doing: str) -> Iterator[None]:
+        """Turns an Orbax write failure (now or from a background save) into CheckpointError."""
+        try:
+            yield
+        except Exception as err:
+            raise CheckpointError(
+                f"{doing} a checkpoint in {self.directory} failed: {type(err).__name__}: {err}. "
+                "The checkpoints listed there are complete; fix the cause (disk space, "
+                "permissions, the file system) and resume with checkpoint.resume=auto"
+            ) from err
 
     # ---- restoring -----------------------------------------------------------------------
     def steps(self) -> list[int]:

@@ -4,9 +4,13 @@
     jaxpar inspect  [CONFIG.yaml …] [section.key=value …] [--devices N]
     jaxpar pipeline [CONFIG.yaml …] [section.key=value …] [--devices N] [--png PATH] [--width N]
     jaxpar export   [CONFIG.yaml …] [section.key=value …] [--devices N] --out PARAMS.npz [--step N]
+    jaxpar prepare-data INPUT… --out PATH [--tokenizer byte|TOKENIZER.json] [--glob PATTERN]
 
 With no CONFIG the default config (``configs/gpt_tiny.yaml``'s settings) is used.
-Exit status: 0 done, 2 bad input, 3 non-finite stop, 4 preempted (SIGTERM; checkpoint written).
+``prepare-data`` takes no config: it turns local text files and folders into a token file
+(``PATH`` plus ``PATH.json``) that training memory-maps.
+Exit status: 0 done, 2 bad input, 3 non-finite stop, 4 preempted (SIGTERM; checkpoint
+written), 5 a checkpoint could not be written (the complete ones stay usable).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from jaxpar.config import Config, load_config
 
 #: Exit status after a SIGTERM: the checkpoint of the current step is complete on disk.
 PREEMPTED = 4
+#: Exit status when writing a checkpoint failed (also an asynchronous save found at exit).
+CHECKPOINT_FAILED = 5
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,19 +49,37 @@ def _parser() -> argparse.ArgumentParser:
                              help="where to write the parameters ('blocks/w_in' → array)")
             cmd.add_argument("--step", type=int, default=None,
                              help="the checkpoint step (default: the latest)")
+    prep = sub.add_parser("prepare-data", help="tokenize local text files into a token file")
+    prep.add_argument("inputs", nargs="+", metavar="INPUT",
+                      help="text files and/or folders (every non-hidden file below, sorted)")
+    prep.add_argument("--out", required=True, metavar="PATH",
+                      help="the token file to write, e.g. corpus.tokens (plus PATH.json)")
+    prep.add_argument("--tokenizer", default="byte", metavar="byte|TOKENIZER.json",
+                      help="'byte' (vocab 256) or a local Hugging Face tokenizers JSON file")
+    prep.add_argument("--glob", default=None, metavar="PATTERN",
+                      help="keep only folder files matching this pattern, e.g. '*.txt'")
     return parser
 
 
 def _export(config: Config, out: str, step: int | None) -> None:
-    from jaxpar.loop import export_params
+    from jaxpar.resume import export_params
 
     path, step = export_params(config, out, step)
     print(f"parameters of step {step} written to {path}")
 
 
+def _prepare_data(args: argparse.Namespace) -> None:
+    from jaxpar.data.prepare import prepare_data
+
+    tf = prepare_data(args.inputs, args.out, args.tokenizer, args.glob)
+    size, docs = tf.num_tokens * tf.tokens.dtype.itemsize, len(tf.documents)
+    print(f"{tf.num_tokens:,} tokens from {docs:,} document{'s' * (docs != 1)} "
+          f"(vocab {tf.vocab_size:,}, {tf.tokens.dtype.name}, {size:,} bytes) written to {tf.path}")
+
+
 def _show_pipeline(config: Config, png: str | None, width: int | None) -> None:
-    from jaxpar.loop import build
     from jaxpar.pipeline import chart
+    from jaxpar.run import build
 
     table = build(config).trainer.pipeline
     if table is None:
@@ -79,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``jaxpar`` console script; returns the exit status."""
     args = _parser().parse_args(argv)
     try:
+        if args.command == "prepare-data":  # needs no config
+            _prepare_data(args)
+            return 0
         config = _config(args)
         # JAX is imported by now, but its backend starts only at first use.
         from jaxpar.mesh import setup_devices
@@ -93,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "export":
             _export(config, args.out, args.step)
         else:
-            from jaxpar.loop import build
             from jaxpar.report import format_report, layout_totals
+            from jaxpar.run import build
 
             run = build(config)
             print(format_report(run, layout_totals(run)))
@@ -105,8 +132,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxpar: stopped: {err}", file=sys.stderr)
         return 3
     except Exception as err:
-        from jaxpar.loop import Preempted
+        from jaxpar.checkpoint import CheckpointError
+        from jaxpar.resume import Preempted
 
+        if isinstance(err, CheckpointError):
+            print(f"jaxpar: checkpoint error: {err}", file=sys.stderr)
+            return CHECKPOINT_FAILED
         if not isinstance(err, Preempted):
             raise
         print(f"jaxpar: {err}", file=sys.stderr)

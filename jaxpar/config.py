@@ -92,19 +92,31 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Training data.
+    """Training data and its loader (see ``jaxpar/data/``).
 
-    ``path`` empty means the built-in data: the text of Python's own
-    ``pydoc_data.topics`` module for language models (byte-level tokens), and
-    synthetic labelled images for classifiers. A ``.txt`` path is read as
-    bytes; an ``.npz`` path must hold ``images`` (N,H,W[,C]) and ``labels`` (N,).
+    ``path``: a token file made by ``jaxpar prepare-data`` (or any other file,
+    read as byte tokens) for language models, an ``.npz`` with ``images``
+    (N,H,W[,C]) and ``labels`` (N,) for classifiers; empty means the built-in
+    data (Python's ``pydoc_data.topics`` text; synthetic images).
+    ``dataset``: ``auto`` (``path`` or the built-in data), ``digits``
+    (scikit-learn's handwritten digits) or ``synthetic`` (random tokens /
+    template images of ``num_examples`` examples, for benchmarks).
+    ``eval_fraction``: the held-out share. ``threads`` / ``prefetch`` /
+    ``workers``: grain reader threads, batches read ahead, worker processes.
+    ``wait_warn``: warn once when the loop spends more than this fraction of
+    its time waiting for data (0: never).
     """
 
     path: str = ""
+    dataset: str = "auto"
     seq_len: int = 128
     eval_fraction: float = 0.1
     image_size: int = 8
     num_examples: int = 4096
+    threads: int = 2
+    prefetch: int = 4
+    workers: int = 0
+    wait_warn: float = 0.1
 
 
 @dataclass(frozen=True)
@@ -172,15 +184,20 @@ class CheckpointConfig:
 
     ``dir``: where checkpoints go (empty: ``<run.dir>/checkpoints``);
     ``every_steps``: save every this many steps (0: only after the last step);
-    ``keep``: how many of the latest to keep; ``async_save``: write in the
-    background; ``resume``: ``auto`` (continue from the latest complete
-    checkpoint in ``dir`` if there is one), ``never``, a step number in
-    ``dir``, or the path of a checkpoint directory.
+    ``keep``: how many of the latest to keep; ``keep_best``: also keep this
+    many best by ``best_metric`` (an ``eval_*`` metric, evaluated at every
+    save; 0: off), ``best_mode`` ``min`` or ``max``; ``async_save`` (alias
+    ``async``): write in the background; ``resume``: ``auto`` (continue from
+    the latest complete checkpoint in ``dir`` if there is one), ``never``, a
+    step number in ``dir``, or the path of a checkpoint directory.
     """
 
     dir: str = ""
     every_steps: int = 0
     keep: int = 3
+    keep_best: int = 0
+    best_metric: str = "eval_loss"
+    best_mode: str = "min"
     async_save: bool = True
     resume: str = "auto"
 
@@ -209,7 +226,13 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optim.schedule": ("constant", "cosine", "linear", "step", "rsqrt"),
     "train.nonfinite": ("stop", "skip"),
     "pipeline.schedule": ("gpipe", "1f1b", "interleaved", "zb_h1"),
+    "checkpoint.best_mode": ("min", "max"),
+    "data.dataset": ("auto", "digits", "synthetic"),
 }
+
+#: Other spellings of a key. ``async`` is the natural name but a Python keyword, so the
+#: field is ``async_save``; YAML and overrides may use either.
+ALIASES = {"checkpoint.async": "async_save"}
 
 
 def _closest(key: str, valid: list[str], prefix: str = "") -> str:
@@ -285,6 +308,7 @@ def _merge_section(section: str, current: Any, raw: Any) -> Any:
     names = [f.name for f in dataclasses.fields(current)]
     updates = {}
     for key, value in raw.items():
+        key = ALIASES.get(f"{section}.{key}", key)
         dotted = f"{section}.{key}"
         if key not in names:
             raise ValueError(f"unknown config key '{dotted}': {_closest(key, names, section + '.')}")
@@ -327,8 +351,9 @@ MINIMUM = {
     "model.vocab_size": 1, "model.d_model": 1, "model.n_layers": 1, "model.n_heads": 1,
     "model.d_ff": 1, "model.max_seq_len": 1, "model.channels": 1, "model.hidden": 1,
     "model.num_classes": 2, "data.seq_len": 1, "data.image_size": 1, "data.num_examples": 2,
+    "data.threads": 0, "data.prefetch": 0, "data.workers": 0,
     "pipeline.microbatches": 0, "pipeline.virtual_stages": 1,
-    "checkpoint.every_steps": 0, "checkpoint.keep": 1,
+    "checkpoint.every_steps": 0, "checkpoint.keep": 1, "checkpoint.keep_best": 0,
 }
 
 
@@ -347,6 +372,9 @@ def validate(config: Config) -> Config:
         value = getattr(config.optim, key)
         if not math.isfinite(value):
             raise ValueError(f"config key 'optim.{key}' must be a finite number, got {value}")
+    if not 0.0 <= config.data.wait_warn <= 1.0:
+        raise ValueError(f"config key 'data.wait_warn' must be a fraction in [0, 1], got "
+                         f"{config.data.wait_warn}")
     return config
 
 
@@ -364,8 +392,13 @@ def unused_settings(config: Config) -> list[str]:
                   "data.num_examples"]
     ignored = {"gpt": image_keys, "convnet": gpt_keys, "mlp": [*gpt_keys, "model.channels"]}
     keys = list(ignored[config.model.name])
-    if config.data.path:
-        keys += ["data.image_size", "data.num_examples"]
+    data = config.data
+    synthetic = data.dataset == "synthetic" or (data.dataset == "auto" and not data.path
+                                                and config.model.name != "gpt")
+    if not synthetic:
+        keys += ["data.num_examples", "data.image_size"]
+    elif config.model.name == "gpt":
+        keys = [k for k in keys if k != "data.num_examples"]
     optim = config.optim.name
     if optim != "sgd":
         keys += ["optim.momentum", "optim.nesterov"]
@@ -378,6 +411,8 @@ def unused_settings(config: Config) -> list[str]:
         keys += ["optim.decay_steps", "optim.min_lr_ratio"]
     if config.mesh.stage == 1:
         keys += [f"pipeline.{f.name}" for f in dataclasses.fields(PipelineConfig)]
+    if not config.checkpoint.keep_best:
+        keys += ["checkpoint.best_metric", "checkpoint.best_mode"]
     return [k for k in dict.fromkeys(keys) if _non_default(config, k)]
 
 
@@ -386,7 +421,8 @@ def warn_unused(config: Config) -> None:
     for key in unused_settings(config):
         warnings.warn(f"config key '{key}' has no effect with model.name={config.model.name}, "
                       f"optim.name={config.optim.name}, optim.schedule={config.optim.schedule}, "
-                      f"mesh.stage={config.mesh.stage}", stacklevel=2)
+                      f"mesh.stage={config.mesh.stage}, checkpoint.keep_best={config.checkpoint.keep_best}",
+                      stacklevel=2)
 
 
 def load_config(paths: list[str | Path] = (), overrides: list[str] = ()) -> Config:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxpar import sharding as shd
-from jaxpar.loop import Run
+from jaxpar.run import Run
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 
 from jaxpar.config import load_config
-from jaxpar.loop import build
+from jaxpar.run import build
 
 GPT_SMALL = [
     "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.d_ff=64",

@@ -14,7 +14,7 @@ import pytest
 
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import load_config
-from jaxpar.loop import build
+from jaxpar.run import build
 from jaxpar.sharding import path_str
 from tests.helpers import GPT_SMALL
 
@@ -45,6 +45,7 @@ def final_arrays(run_dir: Path, layout: list[str]) -> list[np.ndarray]:
     state, meta = ckpt.restore()
     ckpt.close()
     assert meta["step"] == 8 and int(state.step) == 8
+    assert meta["data"]["batches_consumed"] == 8  # the loader's position travels with it
     return [np.asarray(x) for x in jax.tree.leaves(state)]
 
 
@@ -225,3 +226,83 @@ def test_sigkill_during_a_save_leaves_nothing_resume_would_pick(tmp_path):
     straight = tmp_path / "straight"
     train_process(straight, last + 2, *big)
     assert losses(run_dir)[-2:] == losses(straight)[-2:]
+
+
+class _FailingWrite:
+    """An Orbax commit future whose background write fails (a full disk)."""
+
+    def result(self, timeout=None):
+        raise OSError(28, "No space left on device (simulated)")
+
+
+@pytest.mark.parametrize("every", [2, 0], ids=["next_save", "at_exit"])
+def test_failed_async_save_exits_nonzero_with_the_error(tmp_path, monkeypatch, capsys, every):
+    """A background write that fails is raised at the next save (the run stops there) or,
+    for the last save, when the run waits at exit: exit status 5 with the error."""
+    import orbax.checkpoint as ocp
+
+    from jaxpar.cli import CHECKPOINT_FAILED, main
+
+    original = ocp.StandardCheckpointHandler.async_save
+
+    async def failing(self, *args, **kwargs):
+        return [*(await original(self, *args, **kwargs) or []), _FailingWrite()]
+
+    monkeypatch.setattr(ocp.StandardCheckpointHandler, "async_save", failing)
+    run_dir = tmp_path / "run"
+    code = main(["train", *RESUMABLE, "train.steps=6", f"checkpoint.every_steps={every}",
+                 f"run.dir={run_dir}"])
+    assert code == CHECKPOINT_FAILED
+    err = capsys.readouterr().err
+    assert "checkpoint error" in err and "No space left on device (simulated)" in err
+    assert str(run_dir / "checkpoints") in err
+    logged = [s for s, _ in losses(run_dir)]
+    # every=2: the save of step 4 finds step 2's failure and the run stops before logging 4
+    assert logged == ([1, 2, 3] if every else [1, 2, 3, 4, 5, 6])
+    assert not [n for n in os.listdir(run_dir / "checkpoints") if n.isdigit()]
+
+
+BEST = [*GPT_SMALL, "optim.lr=0.03", "optim.schedule=constant", "train.log_every=2",
+        "train.eval_every=2", "train.eval_batches=1", "train.progress=false",
+        "checkpoint.every_steps=2", "checkpoint.keep=2", "checkpoint.keep_best=2"]
+
+
+def test_keep_and_keep_best_retain_exactly_the_expected_steps(tmp_path):
+    """keep=2, keep_best=2 by eval_loss over three runs of one run dir (resumed twice): the
+    kept steps are exactly the latest 2 ∪ the best 2 of all saves, ranked with metrics that
+    Orbax reads back from disk after each restart (a policy that forgot them would drop the
+    older best checkpoint)."""
+    from jaxpar.cli import main
+
+    run_dir = tmp_path / "best"
+    for steps in (12, 14, 20):
+        assert main(["train", *BEST, f"train.steps={steps}", f"run.dir={run_dir}"]) == 0
+        evals = {row["step"]: row["eval_loss"] for row in
+                 map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+                 if "eval_loss" in row}
+        saved = sorted(evals)
+        assert saved == list(range(2, steps + 1, 2))
+        best = sorted(saved, key=evals.get)[:2]
+        kept = sorted(int(n) for n in os.listdir(run_dir / "checkpoints"))
+        assert kept == sorted({*saved[-2:], *best}), (steps, evals)
+    assert min(best) < saved[-2]  # a best checkpoint older than the latest ones was kept
+
+
+def test_keep_best_metric_must_exist_and_async_alias(tmp_path, capsys):
+    from jaxpar.cli import main
+
+    code = main(["train", *BEST, "checkpoint.best_metric=eval_acc", f"run.dir={tmp_path}"])
+    assert code == 2
+    assert "checkpoint.best_metric=eval_acc" in capsys.readouterr().err
+    config = load_config([], ["checkpoint.async=false"])
+    assert config.checkpoint.async_save is False
+
+
+def test_resume_in_place_keeps_the_seed(tmp_path, capsys):
+    """Batches are a function of (seed, step): continuing a run under another seed is an error."""
+    from jaxpar.cli import main
+
+    base = [*RESUMABLE, "train.steps=3", f"run.dir={tmp_path}"]
+    assert main(["train", *base]) == 0
+    assert main(["train", *base, "train.steps=4", "run.seed=7"]) == 2
+    assert "saved with run.seed=0" in capsys.readouterr().err

@@ -89,3 +89,28 @@ def test_unannotated_parameter_without_path_rule_is_an_error():
     task = Task(lambda rngs: nnx.Linear(4, 4, rngs=rngs), lambda m, b: (0.0, {}), {})
     with pytest.raises(ValueError, match="parameter '(kernel|bias)' .*has no logical axes"):
         jaxpar.abstract_params_and_axes(task)
+
+
+@pytest.mark.slow
+def test_train_on_a_corpus_made_by_prepare_data(tmp_path, capsys):
+    """`jaxpar prepare-data` on local text, then `jaxpar train data.path=…`: the run reads the
+    token file through the same loader as the default corpus, and its loss falls."""
+    from jaxpar.data import builtin_text
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    text = builtin_text()
+    (corpus / "a.txt").write_bytes(text[:60_000])
+    (corpus / "b.txt").write_bytes(text[60_000:120_000])
+    tokens = tmp_path / "corpus.tokens"
+    assert main(["prepare-data", str(corpus), "--out", str(tokens)]) == 0
+    assert "120,000 tokens from 2 documents" in capsys.readouterr().out
+    run_dir = tmp_path / "run"
+    assert main(["train", "model.d_model=32", "model.n_layers=2", "model.n_heads=4",
+                 "model.d_ff=64", "model.max_seq_len=32", "data.seq_len=32",
+                 "train.batch_size=16", "train.steps=30", "train.log_every=10",
+                 "train.eval_every=30", "train.progress=false", "optim.warmup_steps=5",
+                 f"data.path={tokens}", f"run.dir={run_dir}"]) == 0
+    assert f"data {tokens}" in capsys.readouterr().out
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["loss"] < rows[0]["loss"] - 1.0 and "eval_loss" in rows[-1]

@@ -42,7 +42,7 @@ def test_layout_matches_single_device(model, layout):
 
 def _first_gradients(overrides, devices):
     from jaxpar.config import load_config
-    from jaxpar.loop import build
+    from jaxpar.run import build
 
     run = build(load_config([], [*overrides, f"run.devices={devices}"]))
     state = run.trainer.init()

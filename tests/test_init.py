@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar import sharding as shd
 from jaxpar.config import load_config
-from jaxpar.loop import build
+from jaxpar.run import build
 from tests.helpers import GPT_SMALL
 
 

@@ -37,7 +37,7 @@ def test_remat_changes_memory_not_numbers(remat):
 def test_remat_lowers_compiled_temporaries():
     """Same numbers (above), less activation memory: full < save_dots < none."""
     from jaxpar.config import load_config
-    from jaxpar.loop import build
+    from jaxpar.run import build
 
     def temp_bytes(remat):
         run = build(load_config(["configs/gpt_tiny.yaml"], [f"model.remat={remat}"]))

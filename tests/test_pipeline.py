@@ -14,9 +14,9 @@ import pytest
 
 from jaxpar import hlo
 from jaxpar.config import load_config
-from jaxpar.loop import build
 from jaxpar.pipeline.executor import pipeline_grads
 from jaxpar.pipeline.schedule import SCHEDULES
+from jaxpar.run import build
 from tests.helpers import assert_params_close, run_steps
 
 TINY = ["model.d_model=16", "model.n_heads=2", "model.d_ff=32", "model.max_seq_len=8",

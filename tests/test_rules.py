@@ -5,7 +5,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import load_config
-from jaxpar.loop import build
+from jaxpar.run import build
 from tests.helpers import GPT_SMALL
 
 FSDP_TP = {  # the auto / fsdp_tp layout of every GPT parameter

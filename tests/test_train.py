@@ -41,24 +41,34 @@ def test_fsdp_argument_bytes_near_one_eighth_of_state():
     assert dp.step_argument_bytes >= state_total
 
 
-class _Poisoned:
-    """Image data whose batch at one step contains NaN."""
+class _PoisonedLoader:
+    """A loader whose batch ``bad`` (0-based) is all NaN images; the rest passes through."""
 
-    def __init__(self, data, bad_step):
-        self.data, self.bad_step, self.name = data, bad_step, "poisoned"
+    def __init__(self, loader, bad):
+        self.loader, self.bad = loader, bad
 
-    def batch(self, step, batch_size, split="train"):
-        batch = self.data.batch(step, batch_size, split)
-        if step == self.bad_step and split == "train":
-            batch["images"] = np.full_like(batch["images"], np.nan)
-        return batch
+    def __next__(self):
+        index = self.loader.batches_consumed
+        return _poison(next(self.loader), index == self.bad)
+
+    def __getattr__(self, name):
+        return getattr(self.loader, name)
 
 
-def _poisoned_run(policy):
+def _poison(batch, bad):
+    if bad:
+        batch = {**batch, "images": np.full_like(batch["images"], np.nan)}
+    return batch
+
+
+def _poisoned_run(policy, bad=2):
+    """A convnet run whose training batch of step 3 (batch index 2) is all NaN."""
     cfg = load_config([], [*CONVNET_SMALL, "train.steps=4", "train.log_every=2",
                            "train.eval_every=0", f"train.nonfinite={policy}"])
     run = build(cfg)
-    run.data = _Poisoned(run.data, bad_step=2)  # the third step (step 3)
+    make_loader = run.data.loader
+    run.data.loader = lambda *args: _PoisonedLoader(make_loader(*args), bad)
+    run.poisoned_batch = lambda step: _poison(run.data.batch(step, 16), step == bad)
     return run
 
 
@@ -75,7 +85,7 @@ def test_nonfinite_skip_leaves_state_unchanged_and_counts():
     for step in range(4):
         if step == 2:
             before = jax.tree.map(np.asarray, state.params)
-        batch = trainer.shard_batch(run.data.batch(step, 16))
+        batch = trainer.shard_batch(run.poisoned_batch(step))
         state, metrics = trainer.step(state, batch)
         if step == 2:
             assert not bool(metrics["finite"])
@@ -90,5 +100,5 @@ def test_nonfinite_skip_leaves_state_unchanged_and_counts():
 
 
 def test_vocab_smaller_than_bytes_is_an_error():
-    with pytest.raises(ValueError, match="model.vocab_size=100 is smaller than the 256 byte values"):
+    with pytest.raises(ValueError, match="has vocab_size 256 but model.vocab_size=100"):
         build(load_config([], [*GPT_SMALL, "model.vocab_size=100"]))

@@ -3,4 +3,4 @@
 from jaxpar.models.classifiers import ConvNet, MLPClassifier
 from jaxpar.models.gpt import GPT, GPTConfig
 
-__all__ = ["GPT", "GPTConfig", "ConvNet", "MLPClassifier"]
+__all__ = ["GPT", "ConvNet", "GPTConfig", "MLPClassifier"]

@@ -1,0 +1,432 @@
+"""Token files: local text turned into a memory-mapped array of token ids plus JSON metadata.
+
+``prepare_data(["notes/", "book.txt"], "corpus.tokens")`` writes two files:
+
+    corpus.tokens       raw little-endian token ids: uint16 when vocab_size ≤ 65536, else uint32
+    corpus.tokens.json  {"format": "jaxpar-tokens", "version": 1, "dtype": "uint16",
+                         "vocab_size": 256, "num_tokens": N,
+                         "tokenizer": "byte" | {"file": "/abs/tok.json", "sha256": "…"},
+                         "documents": [{"source": "/abs/notes/a.txt", "start": 0, "end": 812}, …]}
+
+Documents are concatenated in input order with no separator tokens; their boundaries live
+only in the metadata (``tokens[start:end]`` is one document). Nothing is ever downloaded:
+the tokenizer is ``byte`` (UTF-8 bytes, vocab 256) or a local Hugging Face ``tokenizers``
+JSON file. ``open_tokens`` maps the file back read-only, so training can read fixed-length
+windows without loading the corpus into memory.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+FORMAT = "jaxpar-tokens"
+VERSION = 1
+BUILTIN_NAME = "pydoc_data.topics"
+_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+
+
+class Tokenizer(Protocol):
+    """What ``encode_documents`` needs from a tokenizer."""
+
+    vocab_size: int
+
+    def encode(self, data: bytes, source: str) -> np.ndarray:
+        """Token ids of one document's raw bytes (``source`` names it in errors)."""
+
+    def decode(self, ids: np.ndarray) -> str | bytes:
+        """The text of ``ids``."""
+
+    def describe(self) -> str | dict[str, str]:
+        """The metadata's ``tokenizer`` entry."""
+
+
+@dataclass(frozen=True)
+class ByteTokenizer:
+    """Each byte is a token (vocab 256); any file is valid input, UTF-8 or not."""
+
+    vocab_size: int = 256
+
+    def encode(self, data: bytes, source: str) -> np.ndarray:
+        return np.frombuffer(data, np.uint8)
+
+    def decode(self, ids: np.ndarray) -> bytes:
+        return np.asarray(ids, np.uint8).tobytes()
+
+    def describe(self) -> str:
+        return "byte"
+
+
+@dataclass(frozen=True, eq=False)
+class HFTokenizer:
+    """A local Hugging Face ``tokenizers`` JSON file; documents must be UTF-8."""
+
+    file: str
+    sha256: str
+    tokenizer: Any = field(repr=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size()
+
+    def encode(self, data: bytes, source: str) -> np.ndarray:
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"input '{source}' is not UTF-8 text ({err}); the tokenizer "
+                             f"'{self.file}' needs UTF-8, so convert the file or use "
+                             "--tokenizer byte") from None
+        # Documents are concatenated raw: no BOS/EOS or other special tokens per document.
+        return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, np.int64)
+
+    def decode(self, ids: np.ndarray) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def describe(self) -> dict[str, str]:
+        return {"file": self.file, "sha256": self.sha256}
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@functools.lru_cache(maxsize=8)
+def _load_hf(file: str, sha256: str) -> HFTokenizer:
+    try:
+        from tokenizers import Tokenizer as _HF
+    except ImportError:
+        raise ValueError(f"tokenizer '{file}' needs the 'tokenizers' package: "
+                         "pip install 'jaxpar[text]'") from None
+    try:
+        return HFTokenizer(file, sha256, _HF.from_file(file))
+    except Exception as err:  # noqa: BLE001 (the Rust side raises bare Exception)
+        raise ValueError(f"tokenizer '{file}' is not a valid Hugging Face tokenizer JSON "
+                         f"file: {err}") from None
+
+
+def load_tokenizer(spec: str | Tokenizer) -> Tokenizer:
+    """``"byte"``, or the path of a local ``tokenizers`` JSON file (loaded lazily).
+
+    Raises:
+      ValueError: for a missing or malformed file, or when ``tokenizers`` is not installed.
+    """
+    if not isinstance(spec, str):
+        return spec
+    if spec == "byte":
+        return ByteTokenizer()
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(f"tokenizer '{spec}' is neither 'byte' nor an existing tokenizer "
+                         "JSON file; pass --tokenizer byte or the path of a tokenizer.json")
+    path = path.absolute()
+    return _load_hf(str(path), _sha256(path))
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest stored dtype for ids in [0, vocab_size): little-endian uint16 or uint32."""
+    if not 0 < vocab_size <= 2**32:
+        raise ValueError(f"vocab_size {vocab_size} must be in [1, 2**32]")
+    return _DTYPES["uint16" if vocab_size <= 2**16 else "uint32"]
+
+
+def _metadata(tok: Tokenizer, num_tokens: int, documents: list[dict]) -> dict[str, Any]:
+    return {"format": FORMAT, "version": VERSION, "dtype": token_dtype(tok.vocab_size).name,
+            "vocab_size": tok.vocab_size, "num_tokens": num_tokens,
+            "tokenizer": tok.describe(), "documents": documents}
+
+
+def _encode_stream(docs: Iterable[tuple[str, bytes]], tok: Tokenizer
+                   ) -> Iterator[tuple[np.ndarray, dict]]:
+    """Each document's stored ids and its metadata entry, offsets counted across documents."""
+    dtype, start = token_dtype(tok.vocab_size), 0
+    for source, data in docs:
+        ids = tok.encode(data, source)
+        assert ids.size == 0 or int(ids.max()) < tok.vocab_size, (source, int(ids.max()))
+        yield ids.astype(dtype), {"source": source, "start": start, "end": start + ids.size}
+        start += ids.size
+
+
+def _check_nonempty(num_tokens: int, sources: list[str]) -> None:
+    if num_tokens == 0:
+        shown = ", ".join(f"'{s}'" for s in sources[:5]) + (" …" if len(sources) > 5 else "")
+        raise ValueError(f"the inputs ({shown}) hold zero tokens; add files with text in them")
+
+
+def encode_documents(docs: list[tuple[str, bytes]], tokenizer: str | Tokenizer
+                     ) -> tuple[np.ndarray, dict[str, Any]]:
+    """Token ids of ``(source, raw bytes)`` documents, concatenated, and their metadata.
+
+    Pure: nothing is read or written besides (for a tokenizer path) the tokenizer file.
+
+    Returns:
+      ``(tokens, meta)``: a 1-D little-endian uint16/uint32 array and the metadata dict that
+      ``prepare_data`` writes next to a token file.
+
+    Raises:
+      ValueError: when the documents hold no tokens, or a document is not UTF-8 for a
+        Hugging Face tokenizer.
+    """
+    tok = load_tokenizer(tokenizer)
+    parts, documents = [], []
+    for ids, entry in _encode_stream(docs, tok):
+        parts.append(ids)
+        documents.append(entry)
+    tokens = np.concatenate(parts) if parts else np.zeros(0, token_dtype(tok.vocab_size))
+    _check_nonempty(tokens.size, [d["source"] for d in documents])
+    return tokens, _metadata(tok, int(tokens.size), documents)
+
+
+def _is_hidden(rel: Path) -> bool:
+    return any(part.startswith(".") for part in rel.parts)
+
+
+def find_inputs(inputs: Iterable[str | os.PathLike], glob: str | None = None,
+                exclude: Iterable[Path] = ()) -> list[Path]:
+    """The files to tokenize, in order: each file as given, each folder's files sorted.
+
+    A folder contributes every regular, non-hidden file below it (hidden folders are skipped
+    too), sorted by path and, when ``glob`` is given (e.g. ``"*.txt"``), matching it. Files
+    named directly are always used. Paths in ``exclude`` (compared resolved) are skipped, so
+    an output written inside an input folder is not read back on the next run.
+    """
+    inputs = list(inputs)
+    if not inputs:
+        raise ValueError("no inputs given; name text files or folders to tokenize")
+    skip = {Path(p).resolve() for p in exclude}
+    found: list[Path] = []
+    for item in inputs:
+        path = Path(item)
+        if path.is_file():
+            found.append(path.absolute())
+            continue
+        if not path.is_dir():
+            raise ValueError(f"input '{item}' does not exist (or is not a file or folder); "
+                             "check the path")
+        files = []
+        for root, dirs, names in os.walk(path):
+            dirs[:] = [d for d in dirs if not d.startswith(".")]
+            for name in names:
+                full = Path(root, name)
+                rel = full.relative_to(path)
+                if (_is_hidden(rel) or not full.is_file() or full.resolve() in skip
+                        or (glob is not None and not rel.match(glob))):
+                    continue
+                files.append(full)
+        if not files:
+            what = f"matching --glob '{glob}'" if glob is not None else "(hidden files are skipped)"
+            raise ValueError(f"folder '{item}' holds no files {what}; add text files or "
+                             "change the pattern")
+        found.extend(f.absolute() for f in sorted(files, key=lambda f: f.relative_to(path).parts))
+    return found
+
+
+@dataclass(frozen=True, eq=False)
+class TokenFile:
+    """Token ids and their metadata, memory-mapped from a token file or held in memory.
+
+    Attributes:
+      tokens: 1-D ids, ``np.memmap`` (read-only) for files, ``np.ndarray`` otherwise.
+      vocab_size: every id is below it.
+      meta: the metadata dict (see the module docstring).
+      name: the file's path, or a name such as ``"pydoc_data.topics"`` for in-memory data.
+      path: the token file, or None for in-memory data.
+    """
+
+    tokens: np.ndarray
+    vocab_size: int
+    meta: dict[str, Any]
+    name: str
+    path: Path | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.size)
+
+    @property
+    def documents(self) -> list[dict[str, Any]]:
+        return self.meta["documents"]
+
+
+def prepare_data(inputs: Iterable[str | os.PathLike], out: str | os.PathLike,
+                 tokenizer: str | Tokenizer = "byte", glob: str | None = None) -> TokenFile:
+    """Tokenize local files and folders into ``out`` and ``out + ".json"``.
+
+    Files are read and encoded one at a time and the ids streamed to disk, so memory holds
+    one document, not the corpus. The token file is written under a temporary name and
+    renamed, and the metadata written last, so a crash never leaves a valid-looking pair.
+
+    Args:
+      inputs: files and/or folders (see ``find_inputs``).
+      out: the token file to write, e.g. ``corpus.tokens``; parent folders are created.
+      tokenizer: ``"byte"`` or the path of a Hugging Face ``tokenizers`` JSON file.
+      glob: keep only folder files matching this pattern, e.g. ``"*.txt"``.
+
+    Returns:
+      The written file, opened with ``open_tokens``.
+
+    Raises:
+      ValueError: for a missing input, a folder without matching files, a non-UTF-8 file
+        with a Hugging Face tokenizer, or inputs holding zero tokens.
+    """
+    tok = load_tokenizer(tokenizer)
+    out = Path(out).absolute()
+    meta_path, tmp = _meta_path(out), out.with_name(out.name + ".tmp")
+    files = find_inputs(inputs, glob, exclude=(out, meta_path, tmp))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    documents: list[dict] = []
+    try:
+        with open(tmp, "wb") as f:
+            docs = ((str(p), p.read_bytes()) for p in files)
+            for ids, entry in _encode_stream(docs, tok):
+                ids.tofile(f)  # already little-endian: the dtype says so explicitly
+                documents.append(entry)
+        num_tokens = documents[-1]["end"] if documents else 0
+        _check_nonempty(num_tokens, [str(p) for p in files])
+        meta_path.unlink(missing_ok=True)  # an old pair must not describe the new tokens
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    meta_path.write_text(json.dumps(_metadata(tok, num_tokens, documents), indent=1))
+    return open_tokens(out)
+
+
+def _meta_path(path: Path) -> Path:
+    return path.with_name(path.name + ".json")
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    meta_path = _meta_path(path)
+    fix = f"re-create it with: jaxpar prepare-data TEXT… --out {path}"
+    if not meta_path.is_file():
+        raise ValueError(f"metadata file '{meta_path}' of token file '{path}' is missing; {fix}")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"metadata file '{meta_path}' is not valid JSON ({err}); {fix}") from None
+    found = meta.get("format") if isinstance(meta, dict) else None
+    if found != FORMAT:
+        raise ValueError(f"metadata file '{meta_path}' is not a {FORMAT} file "
+                         f"(format={found!r}); {fix}")
+    if meta.get("version") != VERSION:
+        raise ValueError(f"metadata file '{meta_path}' has unknown version {meta.get('version')!r}"
+                         f" (this jaxpar reads version {VERSION}); {fix}")
+    if meta.get("dtype") not in _DTYPES:
+        raise ValueError(f"metadata file '{meta_path}': dtype {meta.get('dtype')!r} must be "
+                         f"one of {sorted(_DTYPES)}; {fix}")
+    for key, least in (("vocab_size", 1), ("num_tokens", 0)):
+        value = meta.get(key)
+        if type(value) is not int or value < least:
+            raise ValueError(f"metadata file '{meta_path}': {key}={value!r} must be an integer "
+                             f">= {least}; {fix}")
+    if meta["vocab_size"] - 1 > np.iinfo(_DTYPES[meta["dtype"]]).max:
+        raise ValueError(f"metadata file '{meta_path}': vocab_size={meta['vocab_size']} does not "
+                         f"fit dtype {meta['dtype']}; {fix}")
+    return meta
+
+
+def open_tokens(path: str | os.PathLike, validate: bool = False) -> TokenFile:
+    """Memory-map a token file written by ``prepare_data`` (read-only).
+
+    Args:
+      path: the token file (its metadata is ``path + ".json"``).
+      validate: also check every id is below ``vocab_size`` (one pass over the file) and that
+        the documents tile ``[0, num_tokens)``.
+
+    Raises:
+      ValueError: for a missing token or metadata file, metadata that is not jaxpar-tokens
+        version 1, a dtype other than uint16/uint32, a file size that does not match
+        ``num_tokens`` (truncated or corrupt), or (with ``validate``) an id out of range.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"token file '{path}' does not exist; create it with: "
+                         f"jaxpar prepare-data TEXT… --out {path}")
+    meta = _read_meta(path)
+    dtype, num_tokens = _DTYPES[meta["dtype"]], meta["num_tokens"]
+    size = path.stat().st_size
+    if size != num_tokens * dtype.itemsize:
+        raise ValueError(f"token file '{path}' has {size} bytes but its metadata says "
+                         f"{num_tokens} {meta['dtype']} tokens = {num_tokens * dtype.itemsize} "
+                         "bytes: it is truncated or corrupt; re-create it with jaxpar prepare-data")
+    if num_tokens == 0:  # np.memmap cannot map an empty file
+        raise ValueError(f"token file '{path}' holds zero tokens; re-create it from non-empty text")
+    tokens = np.memmap(path, dtype=dtype, mode="r", shape=(num_tokens,))
+    token_file = TokenFile(tokens, meta["vocab_size"], meta, str(path), path)
+    if validate:
+        _validate(token_file)
+    return token_file
+
+
+def _validate(tf: TokenFile) -> None:
+    top = int(np.max(tf.tokens))
+    if top >= tf.vocab_size:
+        raise ValueError(f"token file '{tf.name}' holds token id {top} but its vocab_size is "
+                         f"{tf.vocab_size}: it is corrupt; re-create it with jaxpar prepare-data")
+    edges = [(d.get("start"), d.get("end")) for d in tf.documents]
+    expected = [0] + [e for _, e in edges[:-1]]
+    if ([s for s, _ in edges] != expected or (edges and edges[-1][1] != tf.num_tokens)
+            or any(not isinstance(s, int) or not isinstance(e, int) or e < s for s, e in edges)):
+        raise ValueError(f"token file '{tf.name}': the metadata's documents do not tile "
+                         f"[0, {tf.num_tokens}); re-create it with jaxpar prepare-data")
+
+
+def decode(token_file: TokenFile, start: int = 0, end: int | None = None) -> str | bytes:
+    """The text of ``tokens[start:end]``: bytes for the byte tokenizer, else str.
+
+    Raises:
+      ValueError: for a range outside the file, or a tokenizer file that is missing or has
+        changed since the token file was written.
+    """
+    end = token_file.num_tokens if end is None else end
+    if not 0 <= start <= end <= token_file.num_tokens:
+        raise ValueError(f"range [{start}, {end}) is outside token file '{token_file.name}' "
+                         f"of {token_file.num_tokens} tokens")
+    spec = token_file.meta["tokenizer"]
+    if spec == "byte":
+        tok: Tokenizer = ByteTokenizer()
+    else:
+        file = Path(spec["file"])
+        if not file.is_file():
+            raise ValueError(f"tokenizer file '{file}' of token file '{token_file.name}' is "
+                             "missing; restore it to decode")
+        if _sha256(file) != spec["sha256"]:
+            raise ValueError(f"tokenizer file '{file}' changed since token file "
+                             f"'{token_file.name}' was written (sha256 differs); restore it")
+        tok = _load_hf(str(file), spec["sha256"])
+    return tok.decode(token_file.tokens[start:end])
+
+
+def check_vocab(token_file: TokenFile, model_vocab_size: int) -> None:
+    """Raise when the file's ids do not all fit the model's embedding table."""
+    if token_file.vocab_size > model_vocab_size:
+        where = f"data.path '{token_file.name}'" if token_file.path else f"data '{token_file.name}'"
+        raise ValueError(f"{where} has vocab_size {token_file.vocab_size} "
+                         f"but model.vocab_size={model_vocab_size}; set model.vocab_size to at "
+                         f"least {token_file.vocab_size}")
+
+
+def builtin_text() -> bytes:
+    """The Python reference topics shipped in ``pydoc_data.topics`` (≈466 kB of English
+    technical prose), as UTF-8."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics)).encode("utf-8")
+
+
+def builtin_corpus() -> TokenFile:
+    """The built-in text (``pydoc_data.topics``), byte-tokenized, as an in-memory TokenFile."""
+
+    tokens, meta = encode_documents([(BUILTIN_NAME, builtin_text())], "byte")
+    return TokenFile(tokens, meta["vocab_size"], meta, BUILTIN_NAME)

@@ -1,0 +1,214 @@
+"""The data a config asks for: a train and an eval source plus what the model must match.
+
+``data.dataset=auto`` reads ``data.path`` — a token file made by ``jaxpar
+prepare-data``, any other file as text (byte tokens, same encoder), or an ``.npz``
+of images and labels — or, without a path, the built-in data: Python's own
+``pydoc_data.topics`` text for language models and SYNTHETIC labelled images for
+classifiers. ``digits`` is scikit-learn's handwritten digits (8×8, 10 classes;
+``pip install 'jaxpar[digits]'``); ``synthetic`` is random tokens or template
+images, for benchmarks, labelled as such wherever the run names its data.
+
+Text splits by position (the last ``eval_fraction`` of the tokens is held out);
+images split by index after one fixed shuffle (seed 0, the same for every run).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxpar.config import DataConfig
+from jaxpar.data.loader import ArrayExamples, Loader, TokenWindows, fixed_batches
+from jaxpar.data.prepare import (
+    TokenFile,
+    builtin_corpus,
+    check_vocab,
+    encode_documents,
+    open_tokens,
+)
+
+
+@dataclass
+class Data:
+    """Train and eval sources and the settings that turn them into batches.
+
+    ``batch(i, B)`` is global batch ``i`` (0-based) of the training stream
+    (this process's rows) by random access — exactly what the ``i + 1``-th
+    batch of :meth:`loader` is; ``batch(i, B, "eval")`` is the ``i``-th fixed
+    held-out batch.
+    """
+
+    name: str
+    train: TokenWindows | ArrayExamples
+    eval: TokenWindows | ArrayExamples
+    seed: int
+    vocab_size: int | None = None
+    image_shape: tuple[int, int, int] | None = None
+    _streams: dict[int, Loader] = field(default_factory=dict, repr=False)
+    _eval: dict[int, list[dict[str, np.ndarray]]] = field(default_factory=dict, repr=False)
+
+    def loader(self, batch_size: int, cfg: DataConfig | None = None) -> Loader:
+        """A fresh training stream of global batches of ``batch_size`` rows (this process's)."""
+        cfg = cfg or DataConfig()
+        return Loader(self.train, global_batch_size=batch_size, seed=self.seed,
+                      process_index=jax.process_index(), process_count=jax.process_count(),
+                      threads=cfg.threads, prefetch=cfg.prefetch, workers=cfg.workers)
+
+    def batch(self, index: int, batch_size: int, split: str = "train") -> dict[str, np.ndarray]:
+        if split == "eval":
+            cached = self._eval.get(batch_size, [])
+            if len(cached) <= index:
+                cached = self._eval[batch_size] = fixed_batches(
+                    self.eval, batch_size, index + 1, jax.process_index(), jax.process_count())
+            return cached[index]
+        if batch_size not in self._streams:
+            self._streams[batch_size] = self.loader(batch_size, DataConfig(threads=0, prefetch=0))
+        return self._streams[batch_size].batch_at(index)
+
+
+def _cut(n: int, eval_fraction: float, what: str) -> int:
+    if not 0.0 < eval_fraction < 1.0:
+        raise ValueError(f"data.eval_fraction={eval_fraction} must be in (0, 1)")
+    cut = int(n * (1.0 - eval_fraction))
+    if cut == 0 or cut == n:
+        raise ValueError(f"{what} of {n} items is too small to split with "
+                         f"data.eval_fraction={eval_fraction}")
+    return cut
+
+
+def text_data(tf: TokenFile, cfg: DataConfig, vocab_size: int, seed: int) -> Data:
+    """Windows of ``data.seq_len + 1`` tokens; the last ``eval_fraction`` held out."""
+    check_vocab(tf, vocab_size)
+    n = tf.num_tokens
+    cut = _cut(n, cfg.eval_fraction, f"text '{tf.name}'")
+    shortest = min(cut, n - cut)
+    if cfg.seq_len + 1 > shortest:
+        raise ValueError(f"data.seq_len={cfg.seq_len} is longer than the {shortest}-token split "
+                         f"of '{tf.name}'; lower data.seq_len or use more text")
+    return Data(tf.name, TokenWindows(tf.tokens, cfg.seq_len, 0, cut),
+                TokenWindows(tf.tokens, cfg.seq_len, cut, n), seed, vocab_size=tf.vocab_size)
+
+
+def image_data(images: np.ndarray, labels: np.ndarray, cfg: DataConfig, seed: int,
+               name: str) -> Data:
+    """Examples split by index after a fixed shuffle (the same split for every seed)."""
+    order = np.random.default_rng(0).permutation(len(labels))
+    images, labels = images[order], labels[order]
+    cut = _cut(len(labels), cfg.eval_fraction, f"image set '{name}'")
+    return Data(name, ArrayExamples(images, labels, 0, cut),
+                ArrayExamples(images, labels, cut, len(labels)), seed,
+                image_shape=tuple(images.shape[1:]))
+
+
+def synthetic_images(n: int, size: int, num_classes: int, seed: int = 1234
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """SYNTHETIC labelled images: a fixed random template per class plus noise."""
+    rng = np.random.default_rng(seed)
+    templates = rng.normal(size=(num_classes, size, size, 1)).astype(np.float32)
+    labels = rng.integers(0, num_classes, size=n).astype(np.int32)
+    noise = rng.normal(scale=2.0, size=(n, size, size, 1)).astype(np.float32)
+    return templates[labels] + noise, labels
+
+
+def synthetic_tokens(n: int, vocab_size: int, seed: int = 1234) -> TokenFile:
+    """SYNTHETIC text: ``n`` uniformly random token ids (nothing to learn; for benchmarks)."""
+    tokens = np.random.default_rng(seed).integers(0, vocab_size, n).astype(np.uint32)
+    meta = {"vocab_size": vocab_size, "num_tokens": n, "tokenizer": "synthetic",
+            "documents": [{"source": "synthetic", "start": 0, "end": n}]}
+    return TokenFile(tokens, vocab_size, meta, "SYNTHETIC random tokens")
+
+
+def _check_labels(labels: np.ndarray, num_classes: int, where: str) -> None:
+    if labels.min() < 0 or labels.max() >= num_classes:
+        raise ValueError(f"{where}: labels span [{labels.min()}, {labels.max()}] but "
+                         f"model.num_classes={num_classes}; set model.num_classes ≥ "
+                         f"{labels.max() + 1}")
+
+
+def load_npz(path: Path, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Images and labels from an ``.npz`` with arrays ``images`` and ``labels``."""
+    try:
+        with np.load(path) as f:
+            files = list(f.files)
+            if {"images", "labels"} <= set(files):
+                images, labels = f["images"].astype(np.float32), f["labels"].astype(np.int32)
+    except Exception as err:
+        raise ValueError(f"data.path '{path}' is not a readable .npz file "
+                         f"({type(err).__name__}: {str(err).split('. ')[0]}); re-create it "
+                         "with numpy.savez(path, images=..., labels=...)") from err
+    missing = {"images", "labels"} - set(files)
+    if missing:
+        raise ValueError(f"data.path '{path}' lacks arrays {sorted(missing)}; it has {files}")
+    if images.ndim == 3:
+        images = images[..., None]
+    if images.ndim != 4 or labels.ndim != 1 or len(images) != len(labels) or not len(labels):
+        raise ValueError(f"data.path '{path}': images {images.shape} and labels {labels.shape} "
+                         "must be (N,H,W[,C]) and (N,) with N > 0")
+    _check_labels(labels, num_classes, f"data.path '{path}'")
+    return images, labels
+
+
+def load_digits(num_classes: int) -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's handwritten digits: 1,797 images 8×8×1 scaled to [0, 1], labels 0–9."""
+    try:
+        from sklearn.datasets import load_digits as sklearn_digits
+    except ImportError as err:
+        raise ValueError("data.dataset=digits needs scikit-learn: "
+                         "pip install 'jaxpar[digits]'") from err
+    digits = sklearn_digits()
+    images = (digits.images / 16.0).astype(np.float32)[..., None]
+    labels = digits.target.astype(np.int32)
+    _check_labels(labels, num_classes, "data.dataset=digits")
+    return images, labels
+
+
+def _text_file(path: Path) -> TokenFile:
+    """A prepared token file (it has ``PATH.json``, or is named ``*.tokens``), else the
+    file's bytes as byte tokens."""
+    if Path(f"{path}.json").exists() or path.suffix == ".tokens":
+        return open_tokens(path)  # a .tokens file without its metadata is an error there
+    tokens, meta = encode_documents([(str(path), path.read_bytes())], "byte")
+    return TokenFile(tokens, meta["vocab_size"], meta, str(path), path)
+
+
+def load_data(cfg: DataConfig, model: Any, seed: int) -> Data:
+    """The data ``cfg`` asks for, checked against the model (``config.model``).
+
+    Raises:
+      ValueError: a missing or unreadable file, a file of the wrong kind for the model, an
+        empty corpus, a sequence longer than the text, a vocabulary larger than the model's
+        or labels outside ``model.num_classes`` — each naming the file or key.
+    """
+    is_text = model.name == "gpt"
+    path = Path(cfg.path) if cfg.path else None
+    if cfg.dataset != "auto" and path is not None:
+        raise ValueError(f"data.path '{cfg.path}' and data.dataset={cfg.dataset} both name "
+                         "the data; set one of them")
+    if path is not None and not path.is_file():
+        raise ValueError(f"data.path '{cfg.path}' does not exist or is not a file")
+    if cfg.dataset == "synthetic":
+        if is_text:
+            tf = synthetic_tokens(cfg.num_examples * cfg.seq_len + 1, model.vocab_size)
+            return text_data(tf, cfg, model.vocab_size, seed)
+        images, labels = synthetic_images(cfg.num_examples, cfg.image_size, model.num_classes)
+        return image_data(images, labels, cfg, seed, "SYNTHETIC images")
+    if cfg.dataset == "digits":
+        if is_text:
+            raise ValueError("data.dataset=digits is an image set; model.name=gpt needs text")
+        return image_data(*load_digits(model.num_classes), cfg, seed, "scikit-learn digits")
+    if is_text:
+        if path is not None and path.suffix == ".npz":
+            raise ValueError(f"data.path '{cfg.path}' is an image set; model.name=gpt needs text")
+        tf = _text_file(path) if path else builtin_corpus()
+        return text_data(tf, cfg, model.vocab_size, seed)
+    if path is None:
+        images, labels = synthetic_images(cfg.num_examples, cfg.image_size, model.num_classes)
+        return image_data(images, labels, cfg, seed, "SYNTHETIC images")
+    if path.suffix != ".npz":
+        raise ValueError(f"data.path '{cfg.path}': classifiers read an .npz with images and "
+                         "labels (or set data.dataset=digits)")
+    return image_data(*load_npz(path, model.num_classes), cfg, seed, str(path))
