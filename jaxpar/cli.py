@@ -5,6 +5,7 @@
     jaxpar pipeline [CONFIG.yaml …] [section.key=value …] [--devices N] [--png PATH] [--width N]
     jaxpar export   [CONFIG.yaml …] [section.key=value …] [--devices N] --out PARAMS.npz [--step N]
     jaxpar prepare-data INPUT… --out PATH [--tokenizer byte|TOKENIZER.json] [--glob PATTERN]
+    jaxpar launch   -n N [--devices-per-process K] [--port P] -- COMMAND [ARGS…]
 
 With no CONFIG the default config (``configs/gpt_tiny.yaml``'s settings) is used.
 ``prepare-data`` takes no config: it turns local text files and folders into a token file
@@ -58,7 +59,26 @@ def _parser() -> argparse.ArgumentParser:
                       help="'byte' (vocab 256) or a local Hugging Face tokenizers JSON file")
     prep.add_argument("--glob", default=None, metavar="PATTERN",
                       help="keep only folder files matching this pattern, e.g. '*.txt'")
+    run = sub.add_parser("launch", help="run a jaxpar command in N local processes "
+                                        "(one jax.distributed run)")
+    run.add_argument("-n", "--processes", type=int, required=True, metavar="N")
+    run.add_argument("--devices-per-process", type=int, default=0, metavar="K",
+                     help="simulated CPU devices per process (0: leave the backend alone)")
+    run.add_argument("--port", type=int, default=0, help="coordinator port (0: a free one)")
+    run.add_argument("--grace", type=float, default=10.0, metavar="SECONDS",
+                     help="after a failure, how long the others get to stop before SIGKILL")
+    run.add_argument("jaxpar_args", nargs=argparse.REMAINDER, metavar="-- COMMAND",
+                     help="after --: the jaxpar command and its arguments, e.g. train mesh.fsdp=8")
     return parser
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from jaxpar.launch import launch
+
+    command = args.jaxpar_args
+    command = command[1:] if command[:1] == ["--"] else command
+    return launch(args.processes, command, devices_per_process=args.devices_per_process,
+                  port=args.port, grace_s=args.grace)
 
 
 def _export(config: Config, out: str, step: int | None) -> None:
@@ -106,10 +126,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "prepare-data":  # needs no config
             _prepare_data(args)
             return 0
+        if args.command == "launch":
+            return _launch(args)
         config = _config(args)
         # JAX is imported by now, but its backend starts only at first use.
+        from jaxpar.distributed import initialize
         from jaxpar.mesh import setup_devices
 
+        initialize(config.distributed)  # before anything touches a device
         setup_devices(config.run.devices)
         if args.command == "train":
             from jaxpar.loop import train

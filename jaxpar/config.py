@@ -203,6 +203,25 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class DistributedConfig:
+    """JAX's multi-process runtime (see ``jaxpar/distributed.py``).
+
+    Empty/0/-1 (the defaults) mean: take them from ``jaxpar launch``'s
+    environment, or let JAX detect the cluster (SLURM, Open MPI, Kubernetes),
+    or run one process. ``coordinator``: ``host:port`` of process 0;
+    ``num_processes``; ``process_id``; ``local_device_ids``: comma-separated
+    ids of the devices this process uses (empty: all); ``timeout_s``: how long
+    to wait for the coordinator.
+    """
+
+    coordinator: str = ""
+    num_processes: int = 0
+    process_id: int = -1
+    local_device_ids: str = ""
+    timeout_s: int = 120
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole run configuration."""
 
@@ -215,6 +234,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -354,6 +374,7 @@ MINIMUM = {
     "data.threads": 0, "data.prefetch": 0, "data.workers": 0,
     "pipeline.microbatches": 0, "pipeline.virtual_stages": 1,
     "checkpoint.every_steps": 0, "checkpoint.keep": 1, "checkpoint.keep_best": 0,
+    "distributed.num_processes": 0, "distributed.process_id": -1, "distributed.timeout_s": 1,
 }
 
 

@@ -30,7 +30,7 @@ from jaxpar.data import Loader
 from jaxpar.mesh import describe_devices, describe_mesh
 from jaxpar.pipeline.chart import describe_pipeline
 from jaxpar.resume import Preempted, export_params, save_checkpoint
-from jaxpar.run import Run, build, evaluate, is_eval_step, to_host
+from jaxpar.run import Run, build, evaluate, host_value, is_eval_step, to_host
 from jaxpar.trainer import TrainState
 
 __all__ = ["DataWait", "History", "Preempted", "Run", "build", "check_finite", "evaluate",
@@ -121,7 +121,7 @@ def _log_row(run: Run, state: TrainState, step: int, host: dict[str, float], dt:
     (``evals`` when the checkpoint save already computed them)."""
     cfg = run.config.train
     row = {"step": step, **host, "finite": bool(host["finite"]), "step_time_s": dt,
-           "examples_per_s": cfg.batch_size / dt, "skipped": int(np.asarray(state.skipped))}
+           "examples_per_s": cfg.batch_size / dt, "skipped": int(host_value(state.skipped))}
     if run.trainer.task.tokens_per_example:
         row["tokens_per_s"] = cfg.batch_size * run.trainer.task.tokens_per_example / dt
     if is_eval_step(step, cfg):
@@ -214,7 +214,7 @@ def fit(run: Run, run_dir: Path | None = None, state: TrainState | None = None,
     cfg, trainer = run.config.train, run.trainer
     history, t_start = History(), time.perf_counter()
     state = state if state is not None else trainer.init()
-    first = int(np.asarray(state.step)) + 1
+    first = int(host_value(state.step)) + 1
     loader = open_loader(run, data_state)
     if loader.batches_consumed != first - 1:
         loader.close()

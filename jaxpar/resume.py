@@ -22,7 +22,9 @@ from jaxpar import config as config_lib
 from jaxpar import sharding as shd
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import Config
-from jaxpar.run import Run, build, eval_metric_names, evaluate, is_eval_step, to_host
+from jaxpar.run import (
+    Run, build, eval_metric_names, evaluate, host_value, is_eval_step, to_host,
+)
 from jaxpar.trainer import TrainState
 
 
@@ -129,7 +131,7 @@ def resume(config: Config, run: Run, ckpt: Checkpointer
                               keep=config.checkpoint.keep)
         state, meta = source.restore(int(path.name) if path.name.isdigit() else None)
         source.close()
-    return state, int(np.asarray(state.step)), meta
+    return state, int(host_value(state.step)), meta
 
 
 def save_checkpoint(run: Run, ckpt: Checkpointer, step: int, state: TrainState,
@@ -166,9 +168,9 @@ def export_params(config: Config, out: str | Path, step: int | None = None) -> t
         state, _ = ckpt.restore(step)
     finally:
         ckpt.close()
-    flat = {shd.path_str(path): np.asarray(leaf)
+    flat = {shd.path_str(path): host_value(leaf)
             for path, leaf in jax.tree_util.tree_leaves_with_path(state.params)}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     np.savez(out, **flat)
-    return out, int(np.asarray(state.step))
+    return out, int(host_value(state.step))

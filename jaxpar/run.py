@@ -19,7 +19,7 @@ from jaxpar.config import Config
 from jaxpar.data import Data, load_data
 from jaxpar.mesh import make_mesh, select_devices
 from jaxpar.optim import decay_mask, make_optimizer
-from jaxpar.trainer import Trainer, abstract_params_and_axes
+from jaxpar.trainer import Trainer, abstract_params_and_axes, global_batch_shapes
 
 
 @dataclass
@@ -46,13 +46,25 @@ def build(config: Config) -> Run:
                       grad_accum=config.train.grad_accum, seed=config.run.seed,
                       pipeline=config.pipeline)
     # the global batch must split over microbatches × batch devices: say so before training
-    trainer.batch_shardings(data.batch(0, config.train.batch_size))
+    trainer.batch_shardings(global_batch_shapes(data.batch(0, config.train.batch_size)))
     return Run(config, trainer, data, devices)
+
+
+def host_value(x: Any) -> np.ndarray:
+    """A (global) array as numpy on this host — also one that spans other processes'
+    devices: a replicated one is read from a local copy, a sharded one all-gathered."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        if x.sharding.is_fully_replicated:
+            return np.asarray(x.addressable_data(0))
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
 
 
 def to_host(metrics: dict[str, jax.Array]) -> dict[str, float]:
     """Device scalars → Python floats (a host sync)."""
-    return {k: float(np.asarray(v)) for k, v in metrics.items()}
+    return {k: float(host_value(v)) for k, v in metrics.items()}
 
 
 def evaluate(run: Run, params: Any) -> dict[str, float]:

@@ -64,6 +64,14 @@ def _params_only(state: nnx.State) -> None:
         raise ValueError(f"model has non-Param variables {others}; jaxpar trains nnx.Param only")
 
 
+def global_batch_shapes(host_batch: Mapping[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
+    """The global shapes of a batch of which this process holds ``host_batch``: each of the
+    ``jax.process_count()`` processes loads an equal share of the rows."""
+    count = jax.process_count()
+    return {k: jax.ShapeDtypeStruct((v.shape[0] * count, *v.shape[1:]), v.dtype)
+            for k, v in host_batch.items()}
+
+
 class Trainer:
     """Sharded state, train step and eval step for a task on a mesh.
 
@@ -180,8 +188,10 @@ class Trainer:
 
     def shard_batch(self, host_batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
         """Host arrays (this process's rows) → global ``jax.Array``s with the batch sharding."""
-        shardings = self.batch_shardings(host_batch)
-        return {k: jax.make_array_from_process_local_data(shardings[k], np.asarray(v))
+        shapes = global_batch_shapes(host_batch)
+        shardings = self.batch_shardings(shapes)
+        return {k: jax.make_array_from_process_local_data(shardings[k], np.asarray(v),
+                                                          shapes[k].shape)
                 for k, v in host_batch.items()}
 
     # ---- init ----------------------------------------------------------------------------

@@ -1,0 +1,138 @@
+"""``jaxpar launch``: N jaxpar processes on this machine, one JAX distributed run.
+
+    jaxpar launch -n 2 --devices-per-process 4 -- train configs/gpt_tiny.yaml mesh.fsdp=8
+
+Each process gets ``JAXPAR_COORDINATOR`` (a free local port), ``JAXPAR_NUM_PROCESSES``
+and ``JAXPAR_PROCESS_ID`` (read by :mod:`jaxpar.distributed`) and, with
+``--devices-per-process K``, K simulated CPU devices. Their output is forwarded line by
+line with a ``[i]`` prefix. When a process fails, the others are stopped (SIGTERM, then
+SIGKILL after ``--grace`` seconds) and the launcher exits with the failed process's
+status; a SIGTERM or Ctrl-C to the launcher is passed on the same way. This is how to
+rehearse a multi-host layout on one machine; clusters start processes with their own
+tools (see the README's Multi-host section).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import IO
+
+ENV_COORDINATOR = "JAXPAR_COORDINATOR"
+ENV_NUM_PROCESSES = "JAXPAR_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAXPAR_PROCESS_ID"
+_FORCE_FLAG = re.compile(r"--xla_force_host_platform_device_count=\d+")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def process_env(index: int, count: int, port: int, devices_per_process: int,
+                base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of process ``index`` of ``count``."""
+    env = dict(os.environ if base is None else base)
+    env.update({ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: str(count),
+                ENV_PROCESS_ID: str(index)})
+    if devices_per_process:
+        flags = _FORCE_FLAG.sub("", env.get("XLA_FLAGS", "")).strip()
+        env["XLA_FLAGS"] = (f"{flags} --xla_force_host_platform_device_count="
+                            f"{devices_per_process}").strip()
+        env.pop("JAX_NUM_CPU_DEVICES", None)
+    return env
+
+
+def _forward(stream: IO[str], prefix: str, out: IO[str], lock: threading.Lock) -> None:
+    for line in stream:
+        with lock:
+            out.write(f"{prefix}{line}")
+            out.flush()
+
+
+def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM every live process group, then SIGKILL what is left after ``grace_s``."""
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def launch(count: int, args: Sequence[str], *, devices_per_process: int = 0, port: int = 0,
+           grace_s: float = 10.0, out: IO[str] | None = None) -> int:
+    """Runs ``python -m jaxpar ARGS`` in ``count`` processes; returns the launch's status.
+
+    0 when every process exits 0; otherwise the status of the first process that failed
+    (the others are stopped), or 128 + the signal number when the launcher was signalled.
+
+    Raises:
+      ValueError: for a count below 1, a negative device count or no command.
+    """
+    if count < 1:
+        raise ValueError(f"-n {count}: launch at least one process")
+    if devices_per_process < 0:
+        raise ValueError(f"--devices-per-process {devices_per_process} must be ≥ 0")
+    if not args:
+        raise ValueError("nothing to launch: give a jaxpar command after --, e.g. "
+                         "jaxpar launch -n 2 -- train")
+    out = out or sys.stdout
+    port = port or free_port()
+    lock = threading.Lock()
+    procs, threads = [], []
+    for index in range(count):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "jaxpar", *args],
+            env=process_env(index, count, port, devices_per_process),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+            start_new_session=True)  # its own process group: stopping it stops its children
+        procs.append(proc)
+        thread = threading.Thread(target=_forward, args=(proc.stdout, f"[{index}] ", out, lock),
+                                  daemon=True)
+        thread.start()
+        threads.append(thread)
+    received: list[int] = []
+
+    def on_signal(signum: int, frame: object) -> None:
+        received.append(signum)
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)} \
+        if main_thread else {}
+    try:
+        status = _watch(procs, received)
+    finally:
+        _stop(procs, grace_s)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for thread in threads:
+            thread.join(timeout=5)
+    return status
+
+
+def _watch(procs: list[subprocess.Popen], received: list[int]) -> int:
+    """Waits until all processes succeed, one fails, or the launcher gets a signal."""
+    while True:
+        if received:
+            return 128 + received[0]
+        codes = [proc.poll() for proc in procs]
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed:
+            return failed[0] if failed[0] > 0 else 128 - failed[0]
+        if all(c == 0 for c in codes):
+            return 0
+        time.sleep(0.1)

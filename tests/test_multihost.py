@@ -1,0 +1,132 @@
+"""Multi-process runs with real processes: `jaxpar launch` on this machine (CPU collectives).
+
+Every test here starts JAX processes that join one `jax.distributed` run over free local
+ports, and cleans them up (the launcher stops its processes; a timeout bounds each run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.helpers import GPT_SMALL
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
+ROOT = Path(__file__).resolve().parents[1]
+RUN = [*GPT_SMALL, "train.log_every=1", "train.eval_every=0", "train.progress=false",
+       "optim.schedule=cosine", "optim.decay_steps=6", "checkpoint.every_steps=2"]
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
+def launch(n: int, run_dir: Path, steps: int, *extra: str, timeout: float = 400):
+    cmd = [sys.executable, "-m", "jaxpar", "launch", "-n", str(n), "--devices-per-process",
+           str(8 // n), "--", "train", *RUN, *extra, f"train.steps={steps}",
+           f"run.dir={run_dir}"]
+    return subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def single(run_dir: Path, steps: int, *extra: str):
+    env = {**_env(), "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    cmd = [sys.executable, "-m", "jaxpar", "train", *RUN, *extra, f"train.steps={steps}",
+           f"run.dir={run_dir}"]
+    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=400)
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: row["loss"] for row in rows}
+
+
+@pytest.mark.parametrize("layout", [["mesh.data=8"],
+                                    ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]],
+                         ids=["data", "fsdp_tp"])
+def test_two_processes_match_one(tmp_path, layout):
+    """2 processes × 4 devices give the per-step losses of 1 process × 8 devices."""
+    two = launch(2, tmp_path / "two", 4, *layout)
+    assert two.returncode == 0, two.stdout[-3000:]
+    assert "[0] steps: 4" in two.stdout and "[1] steps" not in two.stdout  # process 0 reports
+    one = single(tmp_path / "one", 4, *layout)
+    assert one.returncode == 0, one.stderr[-3000:]
+    a, b = losses(tmp_path / "two"), losses(tmp_path / "one")
+    assert sorted(a) == [1, 2, 3, 4]
+    np.testing.assert_allclose([a[s] for s in sorted(a)], [b[s] for s in sorted(b)], rtol=1e-6)
+
+
+def test_checkpoint_moves_between_process_counts(tmp_path):
+    """Saved by 2 processes, resumed by 1 (and the reverse): the loader position is global,
+    so the resumed losses equal an uninterrupted single-process run's."""
+    straight = single(tmp_path / "straight", 6)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    reference = losses(tmp_path / "straight")
+
+    two_then_one = tmp_path / "two_then_one"
+    assert launch(2, two_then_one, 2).returncode == 0
+    assert single(two_then_one, 4).returncode == 0
+    one_then_two = tmp_path / "one_then_two"
+    assert single(one_then_two, 2).returncode == 0
+    assert launch(2, one_then_two, 4).returncode == 0
+    for run_dir in (two_then_one, one_then_two):
+        got = losses(run_dir)
+        assert sorted(got) == [1, 2, 3, 4]  # each step once
+        np.testing.assert_allclose([got[s] for s in (3, 4)], [reference[s] for s in (3, 4)],
+                                   rtol=1e-6)
+
+
+def _processes_with(marker: str) -> dict[int, int]:
+    """pid → JAXPAR_PROCESS_ID of the live processes whose command line holds ``marker``."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            environ = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmdline and "\0train\0" in cmdline:
+            for var in environ.split("\0"):
+                if var.startswith("JAXPAR_PROCESS_ID="):
+                    found[int(pid)] = int(var.split("=", 1)[1])
+    return found
+
+
+def test_killing_one_process_stops_the_launch(tmp_path):
+    """SIGKILL one of 2 training processes: the launcher exits non-zero within a bounded
+    time and no process of the run is left behind."""
+    run_dir = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "jaxpar", "launch", "-n", "2", "--devices-per-process", "4",
+           "--grace", "5", "--", "train", *RUN, "train.steps=100000", f"run.dir={run_dir}"]
+    launcher = subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and not (
+                (run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= 2):
+            time.sleep(0.2)
+        workers = _processes_with(str(run_dir))
+        assert sorted(workers.values()) == [0, 1], workers
+        victim = next(pid for pid, index in workers.items() if index == 1)
+        killed_at = time.time()
+        os.kill(victim, signal.SIGKILL)
+        code = launcher.wait(timeout=60)
+        assert code != 0
+        assert time.time() - killed_at < 60
+        time.sleep(0.5)
+        assert _processes_with(str(run_dir)) == {}
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for pid in _processes_with(str(run_dir)):
+            os.kill(pid, signal.SIGKILL)
