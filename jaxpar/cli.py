@@ -5,7 +5,7 @@
     jaxpar pipeline [CONFIG.yaml …] [section.key=value …] [--devices N] [--png PATH] [--width N]
     jaxpar export   [CONFIG.yaml …] [section.key=value …] [--devices N] --out PARAMS.npz [--step N]
     jaxpar prepare-data INPUT… --out PATH [--tokenizer byte|TOKENIZER.json] [--glob PATTERN]
-    jaxpar launch   -n N [--devices-per-process K] [--port P] -- COMMAND [ARGS…]
+    jaxpar launch   -n N [--devices-per-process K] [--cpus-per-process C] -- COMMAND [ARGS…]
 
 With no CONFIG the default config (``configs/gpt_tiny.yaml``'s settings) is used.
 ``prepare-data`` takes no config: it turns local text files and folders into a token file
@@ -64,6 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("-n", "--processes", type=int, required=True, metavar="N")
     run.add_argument("--devices-per-process", type=int, default=0, metavar="K",
                      help="simulated CPU devices per process (0: leave the backend alone)")
+    run.add_argument("--cpus-per-process", type=int, default=0, metavar="C",
+                     help="pin process i to CPU cores [i*C, (i+1)*C) (0: no pinning)")
     run.add_argument("--port", type=int, default=0, help="coordinator port (0: a free one)")
     run.add_argument("--grace", type=float, default=10.0, metavar="SECONDS",
                      help="after a failure, how long the others get to stop before SIGKILL")
@@ -78,7 +80,7 @@ def _launch(args: argparse.Namespace) -> int:
     command = args.jaxpar_args
     command = command[1:] if command[:1] == ["--"] else command
     return launch(args.processes, command, devices_per_process=args.devices_per_process,
-                  port=args.port, grace_s=args.grace)
+                  cpus_per_process=args.cpus_per_process, port=args.port, grace_s=args.grace)
 
 
 def _export(config: Config, out: str, step: int | None) -> None:
@@ -122,6 +124,9 @@ def _config(args: argparse.Namespace) -> Config:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``jaxpar`` console script; returns the exit status."""
     args = _parser().parse_args(argv)
+    from jaxpar.launch import pin_from_env
+
+    pin_from_env()  # a process started by `jaxpar launch --cpus-per-process`
     try:
         if args.command == "prepare-data":  # needs no config
             _prepare_data(args)

@@ -42,12 +42,23 @@ class RunConfig:
 
 @dataclass(frozen=True)
 class MeshConfig:
-    """Parallel degrees per mesh axis. One of them may be -1: it fills the rest."""
+    """Parallel degrees per mesh axis. One of them may be -1: it fills the rest.
+
+    ``hosts_<axis>``: with several processes (hosts), how many of an axis's
+    degree run across hosts — the slow network — while the rest stays within
+    a host. 0 for every axis (default) lets the outermost axes cross hosts
+    (``data`` first: data parallelism needs the least bandwidth). Otherwise
+    they must multiply to the process count and each divide its axis.
+    """
 
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
     stage: int = 1
+    hosts_data: int = 0
+    hosts_stage: int = 0
+    hosts_fsdp: int = 0
+    hosts_tensor: int = 0
 
 
 @dataclass(frozen=True)
@@ -374,6 +385,7 @@ MINIMUM = {
     "data.threads": 0, "data.prefetch": 0, "data.workers": 0,
     "pipeline.microbatches": 0, "pipeline.virtual_stages": 1,
     "checkpoint.every_steps": 0, "checkpoint.keep": 1, "checkpoint.keep_best": 0,
+    "mesh.hosts_data": 0, "mesh.hosts_stage": 0, "mesh.hosts_fsdp": 0, "mesh.hosts_tensor": 0,
     "distributed.num_processes": 0, "distributed.process_id": -1, "distributed.timeout_s": 1,
 }
 

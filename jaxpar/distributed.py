@@ -18,6 +18,8 @@ a device; ``jaxpar`` does it first thing. A coordinator that cannot be reached w
 from __future__ import annotations
 
 import os
+import socket
+import time
 
 import jax
 
@@ -62,6 +64,32 @@ def settings(cfg: DistributedConfig) -> dict | None:
     return kwargs
 
 
+def wait_for_coordinator(address: str, timeout_s: float) -> None:
+    """Returns once ``host:port`` accepts TCP connections.
+
+    JAX aborts the whole process (a C++ fatal error, no Python exception) when it cannot
+    register with the coordinator in time, so processes other than 0 check first.
+
+    Raises:
+      ValueError: naming the address, when nothing listens there within ``timeout_s``.
+    """
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"distributed.coordinator={address!r} must be host:port")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=1.0):
+                return
+        except OSError as err:
+            if time.monotonic() >= deadline:
+                raise ValueError(
+                    f"no coordinator answered at {address} within distributed.timeout_s="
+                    f"{timeout_s:g} s ({err}); start process 0 there first, check the "
+                    "address and the network, or raise distributed.timeout_s") from err
+            time.sleep(0.2)
+
+
 def initialize(cfg: DistributedConfig) -> bool:
     """Starts ``jax.distributed`` when asked to; returns whether the run is multi-process.
 
@@ -73,6 +101,8 @@ def initialize(cfg: DistributedConfig) -> bool:
     if kwargs is None:
         return False
     where = kwargs.get("coordinator_address", "the cluster's coordinator")
+    if kwargs.get("process_id", 0) != 0:
+        wait_for_coordinator(kwargs["coordinator_address"], cfg.timeout_s)
     try:
         jax.distributed.initialize(**kwargs, initialization_timeout=cfg.timeout_s)
     except RuntimeError as err:

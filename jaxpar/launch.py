@@ -4,16 +4,20 @@
 
 Each process gets ``JAXPAR_COORDINATOR`` (a free local port), ``JAXPAR_NUM_PROCESSES``
 and ``JAXPAR_PROCESS_ID`` (read by :mod:`jaxpar.distributed`) and, with
-``--devices-per-process K``, K simulated CPU devices. Their output is forwarded line by
+``--devices-per-process K``, K simulated CPU devices (with ``--cpus-per-process C``,
+process i is pinned to cores ``[i*C, (i+1)*C)``). Their output is forwarded line by
 line with a ``[i]`` prefix. When a process fails, the others are stopped (SIGTERM, then
 SIGKILL after ``--grace`` seconds) and the launcher exits with the failed process's
-status; a SIGTERM or Ctrl-C to the launcher is passed on the same way. This is how to
+status. A SIGTERM or Ctrl-C to the launcher is passed on to every process and the
+launcher exits with their status: after a SIGTERM, jaxpar processes agree on a step,
+checkpoint it and exit 4, as a single process does. This is how to
 rehearse a multi-host layout on one machine; clusters start processes with their own
 tools (see the README's Multi-host section).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -28,6 +32,7 @@ from typing import IO
 ENV_COORDINATOR = "JAXPAR_COORDINATOR"
 ENV_NUM_PROCESSES = "JAXPAR_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAXPAR_PROCESS_ID"
+ENV_CPUS = "JAXPAR_CPUS"
 _FORCE_FLAG = re.compile(r"--xla_force_host_platform_device_count=\d+")
 
 
@@ -39,17 +44,29 @@ def free_port() -> int:
 
 
 def process_env(index: int, count: int, port: int, devices_per_process: int,
-                base: dict[str, str] | None = None) -> dict[str, str]:
+                cpus_per_process: int = 0, base: dict[str, str] | None = None
+                ) -> dict[str, str]:
     """The environment of process ``index`` of ``count``."""
     env = dict(os.environ if base is None else base)
     env.update({ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: str(count),
                 ENV_PROCESS_ID: str(index)})
+    if cpus_per_process:
+        first = index * cpus_per_process
+        env[ENV_CPUS] = ",".join(str(c) for c in range(first, first + cpus_per_process))
     if devices_per_process:
         flags = _FORCE_FLAG.sub("", env.get("XLA_FLAGS", "")).strip()
         env["XLA_FLAGS"] = (f"{flags} --xla_force_host_platform_device_count="
                             f"{devices_per_process}").strip()
         env.pop("JAX_NUM_CPU_DEVICES", None)
     return env
+
+
+def pin_from_env() -> None:
+    """Restricts this process to the CPU cores in ``JAXPAR_CPUS`` (set by ``--cpus-per-
+    process``) — call before JAX starts, so its thread pools see only those cores."""
+    cpus = os.environ.get(ENV_CPUS)
+    if cpus:
+        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
 
 
 def _forward(stream: IO[str], prefix: str, out: IO[str], lock: threading.Lock) -> None:
@@ -59,22 +76,29 @@ def _forward(stream: IO[str], prefix: str, out: IO[str], lock: threading.Lock) -
             out.flush()
 
 
-def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
-    """SIGTERM every live process group, then SIGKILL what is left after ``grace_s``."""
+def _stop(procs: list[subprocess.Popen], grace_s: float, sig: int = signal.SIGTERM) -> None:
+    """Sends ``sig`` to every live process group, then SIGKILL to what is left after
+    ``grace_s``."""
     for proc in procs:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
+            _signal_group(proc, sig)
     deadline = time.monotonic() + grace_s
     for proc in procs:
         try:
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            _signal_group(proc, signal.SIGKILL)
             proc.wait()
 
 
-def launch(count: int, args: Sequence[str], *, devices_per_process: int = 0, port: int = 0,
-           grace_s: float = 10.0, out: IO[str] | None = None) -> int:
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # it exited in the meantime
+        os.killpg(proc.pid, sig)
+
+
+def launch(count: int, args: Sequence[str], *, devices_per_process: int = 0,
+           cpus_per_process: int = 0, port: int = 0, grace_s: float = 10.0,
+           out: IO[str] | None = None) -> int:
     """Runs ``python -m jaxpar ARGS`` in ``count`` processes; returns the launch's status.
 
     0 when every process exits 0; otherwise the status of the first process that failed
@@ -87,6 +111,10 @@ def launch(count: int, args: Sequence[str], *, devices_per_process: int = 0, por
         raise ValueError(f"-n {count}: launch at least one process")
     if devices_per_process < 0:
         raise ValueError(f"--devices-per-process {devices_per_process} must be ≥ 0")
+    cores = os.cpu_count() or 1
+    if cpus_per_process < 0 or count * cpus_per_process > cores:
+        raise ValueError(f"--cpus-per-process {cpus_per_process} × -n {count} must be within "
+                         f"the {cores} CPU cores of this machine")
     if not args:
         raise ValueError("nothing to launch: give a jaxpar command after --, e.g. "
                          "jaxpar launch -n 2 -- train")
@@ -97,7 +125,7 @@ def launch(count: int, args: Sequence[str], *, devices_per_process: int = 0, por
     for index in range(count):
         proc = subprocess.Popen(
             [sys.executable, "-m", "jaxpar", *args],
-            env=process_env(index, count, port, devices_per_process),
+            env=process_env(index, count, port, devices_per_process, cpus_per_process),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
             start_new_session=True)  # its own process group: stopping it stops its children
         procs.append(proc)
@@ -114,7 +142,7 @@ def launch(count: int, args: Sequence[str], *, devices_per_process: int = 0, por
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)} \
         if main_thread else {}
     try:
-        status = _watch(procs, received)
+        status = _watch(procs, received, grace_s)
     finally:
         _stop(procs, grace_s)
         for sig, handler in previous.items():
@@ -124,11 +152,15 @@ def launch(count: int, args: Sequence[str], *, devices_per_process: int = 0, por
     return status
 
 
-def _watch(procs: list[subprocess.Popen], received: list[int]) -> int:
-    """Waits until all processes succeed, one fails, or the launcher gets a signal."""
+def _watch(procs: list[subprocess.Popen], received: list[int], grace_s: float) -> int:
+    """Waits until all processes succeed, one fails, or the launcher gets a signal — which
+    is passed on (a SIGTERM lets jaxpar checkpoint and exit 4); then the children's
+    status counts, or 128 + the signal for those that had to be killed."""
     while True:
         if received:
-            return 128 + received[0]
+            _stop(procs, grace_s, received[0])
+            codes = [proc.returncode for proc in procs]
+            return next((c for c in codes if c > 0), 128 + received[0])
         codes = [proc.poll() for proc in procs]
         failed = [c for c in codes if c not in (None, 0)]
         if failed:

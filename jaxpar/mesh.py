@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import warnings
 
 import jax
 import numpy as np
@@ -114,17 +115,64 @@ def resolve_degrees(cfg: MeshConfig, device_count: int) -> dict[str, int]:
     return degrees
 
 
+def host_degrees(cfg: MeshConfig, degrees: dict[str, int], hosts: int) -> dict[str, int] | None:
+    """How many of each axis's degree cross hosts (``mesh.hosts_*``), or None for the
+    default (devices in process order, outer axes across hosts).
+
+    Raises:
+      ValueError: when the host degrees do not multiply to the process count or one does
+        not divide its axis.
+    """
+    chosen = {axis: getattr(cfg, f"hosts_{axis}") for axis in MESH_AXES}
+    if not any(chosen.values()):
+        return None
+    if hosts == 1:  # the same config runs in one process: nothing crosses hosts
+        warnings.warn("mesh.hosts_* have no effect in a single-process run", stacklevel=3)
+        return None
+    chosen = {axis: d or 1 for axis, d in chosen.items()}
+    shown = ", ".join(f"mesh.hosts_{a}={d}" for a, d in chosen.items())
+    if math.prod(chosen.values()) != hosts:
+        raise ValueError(f"host degrees ({shown}) multiply to {math.prod(chosen.values())} but "
+                         f"the run has {hosts} processes; make their product {hosts}")
+    for axis, d in chosen.items():
+        if degrees[axis] % d:
+            raise ValueError(f"mesh.hosts_{axis}={d} does not divide mesh.{axis}="
+                             f"{degrees[axis]}; pick a divisor")
+    return chosen
+
+
+def device_grid(devices: list, degrees: dict[str, int],
+                hosts: dict[str, int] | None = None) -> np.ndarray:
+    """The devices laid out as the (data, stage, fsdp, tensor) grid.
+
+    Without ``hosts``: in the given order, so the outermost axes change process first.
+    With ``hosts`` (a hybrid mesh): axis ``a`` is ``hosts[a]`` groups of processes × the
+    rest within each process, so only the named degrees cross the slow network.
+    """
+    shape = tuple(degrees[a] for a in MESH_AXES)
+    if hosts is None:
+        return np.asarray(devices, dtype=object).reshape(shape)
+    by_process = sorted(devices, key=lambda d: (d.process_index, d.id))
+    outer = tuple(hosts[a] for a in MESH_AXES)
+    inner = tuple(degrees[a] // hosts[a] for a in MESH_AXES)
+    grid = np.asarray(by_process, dtype=object).reshape(outer + inner)
+    n = len(MESH_AXES)  # interleave (host part, local part) per axis, host part major
+    grid = grid.transpose([i for pair in zip(range(n), range(n, 2 * n)) for i in pair])
+    return grid.reshape(shape)
+
+
 def make_mesh(cfg: MeshConfig, devices: list[jax.Device] | None = None) -> Mesh:
     """A ``Mesh`` over ``devices`` with axes (data, stage, fsdp, tensor), all Auto.
 
     Axis order puts ``tensor`` innermost, so tensor-parallel groups are
     neighbouring devices (the fastest links on a GPU host), and ``data``
-    outermost, so it is the axis that crosses hosts.
+    outermost, so it is the axis that crosses hosts — unless ``mesh.hosts_*``
+    choose which degrees cross hosts (:func:`device_grid`).
     """
     devices = list(devices if devices is not None else jax.devices())
     degrees = resolve_degrees(cfg, len(devices))
-    shape = tuple(degrees[a] for a in MESH_AXES)
-    grid = np.asarray(devices, dtype=object).reshape(shape)
+    processes = len({d.process_index for d in devices})
+    grid = device_grid(devices, degrees, host_degrees(cfg, degrees, processes))
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 

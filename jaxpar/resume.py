@@ -23,7 +23,13 @@ from jaxpar import sharding as shd
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import Config
 from jaxpar.run import (
-    Run, build, eval_metric_names, evaluate, host_value, is_eval_step, to_host,
+    Run,
+    build,
+    eval_metric_names,
+    evaluate,
+    host_value,
+    is_eval_step,
+    to_host,
 )
 from jaxpar.trainer import TrainState
 
@@ -58,9 +64,10 @@ def preempted(step: int) -> bool:
 def sigterm_checkpoints() -> Iterator[None]:
     """Inside, a SIGTERM makes :func:`preempted` true: the loop checkpoints the step it is
     on and stops. Signal handlers can only be set in the main thread; elsewhere this only
-    clears the flag."""
+    clears the flag. With several processes JAX's own preemption notifier handles SIGTERM
+    (and agrees on the step across processes), so no Python handler is installed."""
     _SIGTERM.clear()
-    if threading.current_thread() is not threading.main_thread():
+    if jax.process_count() > 1 or threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = signal.signal(signal.SIGTERM, on_sigterm)

@@ -1,11 +1,12 @@
 """Mesh degrees: -1 fills the rest, the product must equal the device count."""
 
 import jax
+import numpy as np
 import pytest
 from jax.sharding import AxisType
 
 from jaxpar.config import MeshConfig
-from jaxpar.mesh import make_mesh, resolve_degrees, select_devices
+from jaxpar.mesh import MESH_AXES, make_mesh, resolve_degrees, select_devices
 
 
 def test_fill_and_axis_order():
@@ -34,3 +35,58 @@ def test_too_many_devices_requested():
     with pytest.raises(ValueError, match="run.devices=16 but only 8 cpu devices"):
         select_devices(16)
     assert len(select_devices(4)) == 4 and len(select_devices(0)) == jax.device_count()
+
+
+class _FakeDevice:
+    def __init__(self, process_index, id):
+        self.process_index, self.id = process_index, id
+
+    def __repr__(self):
+        return f"p{self.process_index}d{self.id}"
+
+
+def _fake_devices(processes, per_process):
+    return [_FakeDevice(p, p * per_process + i) for p in range(processes)
+            for i in range(per_process)]
+
+
+def _processes_along(grid, axis):
+    """For each position along ``axis``, the set of processes found there."""
+    index = MESH_AXES.index(axis)
+    return [{d.process_index for d in np.take(grid, i, axis=index).ravel()}
+            for i in range(grid.shape[index])]
+
+
+def test_hybrid_grid_puts_only_the_chosen_degrees_across_hosts():
+    """4 hosts × 4 devices, data=4 × fsdp=4: by default data crosses hosts (each data slice
+    within one host); with hosts_fsdp=4 it is fsdp that crosses them instead."""
+    from jaxpar.config import MeshConfig
+    from jaxpar.mesh import device_grid, host_degrees
+
+    devices = _fake_devices(4, 4)
+    degrees = {"data": 4, "stage": 1, "fsdp": 4, "tensor": 1}
+    default = device_grid(devices, degrees, host_degrees(MeshConfig(data=4, fsdp=4), degrees, 4))
+    assert _processes_along(default, "data") == [{0}, {1}, {2}, {3}]
+    cfg = MeshConfig(data=4, fsdp=4, hosts_fsdp=4)
+    hybrid = device_grid(devices, degrees, host_degrees(cfg, degrees, 4))
+    assert _processes_along(hybrid, "fsdp") == [{0}, {1}, {2}, {3}]
+    assert all(s == {0, 1, 2, 3} for s in _processes_along(hybrid, "data"))
+    assert sorted(d.id for d in hybrid.ravel()) == list(range(16))  # each device once
+    mixed = MeshConfig(data=4, fsdp=4, hosts_data=2, hosts_fsdp=2)
+    grid = device_grid(devices, degrees, host_degrees(mixed, degrees, 4))
+    # data index 0,1 on hosts {0,1}; 2,3 on {2,3}: 2 host groups along data, 2 along fsdp
+    assert _processes_along(grid, "data") == [{0, 1}, {0, 1}, {2, 3}, {2, 3}]
+    assert _processes_along(grid, "fsdp") == [{0, 2}, {0, 2}, {1, 3}, {1, 3}]
+
+
+def test_host_degrees_errors():
+    from jaxpar.config import MeshConfig
+    from jaxpar.mesh import host_degrees
+
+    degrees = {"data": 4, "stage": 1, "fsdp": 2, "tensor": 1}
+    with pytest.raises(ValueError, match="multiply to 2 but the run has 4 processes"):
+        host_degrees(MeshConfig(hosts_data=2), degrees, 4)
+    with pytest.raises(ValueError, match="mesh.hosts_fsdp=4 does not divide mesh.fsdp=2"):
+        host_degrees(MeshConfig(hosts_fsdp=4), degrees, 4)
+    with pytest.warns(UserWarning, match="no effect in a single-process run"):
+        assert host_degrees(MeshConfig(hosts_data=2), degrees, 1) is None

@@ -130,3 +130,37 @@ def test_killing_one_process_stops_the_launch(tmp_path):
             launcher.kill()
         for pid in _processes_with(str(run_dir)):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_sigterm_to_a_launch_checkpoints_an_agreed_step(tmp_path):
+    """SIGTERM to the launcher reaches both processes; JAX's preemption sync point makes
+    them save the same step and exit 4; the launch exits 4 and resuming continues with the
+    losses of an uninterrupted run."""
+    run_dir = tmp_path / "preempted"
+    cmd = [sys.executable, "-m", "jaxpar", "launch", "-n", "2", "--devices-per-process", "4",
+           "--grace", "60", "--", "train", *RUN, "train.steps=100000", f"run.dir={run_dir}"]
+    launcher = subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and not (
+                (run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= 3):
+            time.sleep(0.2)
+        launcher.send_signal(signal.SIGTERM)
+        out, _ = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 4, out[-3000:]
+    steps = {int(line.split("checkpoint of step ")[1].split()[0])
+             for line in out.splitlines() if "checkpoint of step " in line}
+    assert len(steps) == 1, out[-3000:]  # both processes name the same step
+    step = steps.pop()
+    assert (run_dir / "checkpoints" / str(step)).is_dir()
+    assert single(run_dir, step + 2).returncode == 0  # resume in one process
+    straight = tmp_path / "straight"
+    assert single(straight, step + 2).returncode == 0
+    got, want = losses(run_dir), losses(straight)
+    assert sorted(got) == list(range(1, step + 3))
+    np.testing.assert_allclose([got[s] for s in (step + 1, step + 2)],
+                               [want[s] for s in (step + 1, step + 2)], rtol=1e-6)
