@@ -4,6 +4,10 @@
     jaxpar inspect  [CONFIG.yaml …] [section.key=value …] [--devices N]
     jaxpar pipeline [CONFIG.yaml …] [section.key=value …] [--devices N] [--png PATH] [--width N]
     jaxpar export   [CONFIG.yaml …] [section.key=value …] [--devices N] --out PARAMS.npz [--step N]
+    jaxpar sweep    [CONFIG.yaml …] [section.key=value …] (--layouts L … | --all) [--out DIR]
+                    [--steps N] [--hardware NAME] [--memory-gb G] [--devices N]
+    jaxpar plan     [CONFIG.yaml …] [section.key=value …] --devices N [--hardware NAME]
+                    [--memory-gb G] [--layouts L …]
     jaxpar prepare-data INPUT… --out PATH [--tokenizer byte|TOKENIZER.json] [--glob PATTERN]
     jaxpar launch   -n N [--devices-per-process K] [--cpus-per-process C] -- COMMAND [ARGS…]
 
@@ -50,6 +54,7 @@ def _parser() -> argparse.ArgumentParser:
                              help="where to write the parameters ('blocks/w_in' → array)")
             cmd.add_argument("--step", type=int, default=None,
                              help="the checkpoint step (default: the latest)")
+    _lab_parsers(sub)
     prep = sub.add_parser("prepare-data", help="tokenize local text files into a token file")
     prep.add_argument("inputs", nargs="+", metavar="INPUT",
                       help="text files and/or folders (every non-hidden file below, sorted)")
@@ -72,6 +77,68 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("jaxpar_args", nargs=argparse.REMAINDER, metavar="-- COMMAND",
                      help="after --: the jaxpar command and its arguments, e.g. train mesh.fsdp=8")
     return parser
+
+
+def _lab_parsers(sub: argparse._SubParsersAction) -> None:
+    """``sweep`` and ``plan`` (the layout lab, ``jaxpar/lab/``)."""
+    sweep = sub.add_parser("sweep", help="compile, measure and predict several layouts side by "
+                                         "side (table, sweep.csv, sweep.md, sweep.png)")
+    plan = sub.add_parser("plan", help="rank every layout of N devices by predicted step time "
+                                       "on a hardware profile, without training")
+    for cmd in (sweep, plan):
+        cmd.add_argument("args", nargs="*", metavar="CONFIG.yaml | section.key=value",
+                         help="YAML files (later ones win), then overrides")
+        cmd.add_argument("--hardware", default="h100",
+                         help="hardware profile for the predicted step time (h100, h200, a100, "
+                              "or one from --hardware-file)")
+        cmd.add_argument("--hardware-file", default=None, metavar="PATH",
+                         help="a YAML file of extra hardware profiles (see "
+                              "jaxpar/lab/hardware.yaml)")
+        cmd.add_argument("--memory-gb", type=float, default=None, metavar="G",
+                         help="device memory that 'fits' is judged against (default: the "
+                              "hardware profile's)")
+        cmd.add_argument("--layouts", nargs="+", default=None, metavar="LAYOUT",
+                         help='layouts such as "data=8" "fsdp=4,stage=2" (axes left out are 1)')
+    sweep.add_argument("--all", action="store_true",
+                       help="every way to factor the device count over data/fsdp/tensor/stage")
+    sweep.add_argument("--out", default=None, metavar="DIR",
+                       help="where sweep.csv, sweep.md and sweep.png go (default: <run.dir>/sweep)")
+    sweep.add_argument("--steps", type=int, default=5,
+                       help="timed steps per layout after 2 warm-up steps (0: compile only)")
+    sweep.add_argument("--devices", type=int, default=None,
+                       help="device count (simulated CPU devices when there is no accelerator)")
+    plan.add_argument("--devices", type=int, required=True,
+                      help="how many devices to plan for (simulated on the CPU to compile)")
+
+
+def _sweep(args: argparse.Namespace, config: Config) -> None:
+    from jaxpar.lab import sweep
+    from jaxpar.lab.hardware import get_profile
+    from jaxpar.mesh import select_devices
+
+    if bool(args.layouts) == bool(args.all):
+        raise ValueError("jaxpar sweep needs either --layouts L … or --all (not both)")
+    hw = get_profile(args.hardware, args.hardware_file)
+    layouts = args.layouts or sweep.all_layouts(len(select_devices(config.run.devices)))
+    memory = args.memory_gb * 1e9 if args.memory_gb else None
+    print(f"sweeping {len(layouts)} layout{'s' * (len(layouts) != 1)} of {config.model.name} "
+          f"(global batch {config.train.batch_size})", flush=True)
+    rows = sweep.sweep(config, layouts, hw, args.steps, memory, echo=True)
+    print(sweep.format_table(rows, hw))
+    for path in sweep.write_outputs(rows, hw, args.out or f"{config.run.dir}/sweep"):
+        print(f"wrote {path}")
+
+
+def _plan(args: argparse.Namespace, config: Config) -> None:
+    from jaxpar.lab.hardware import get_profile
+    from jaxpar.lab.plan import format_plan, plan
+
+    hw = get_profile(args.hardware, args.hardware_file)
+    memory = args.memory_gb * 1e9 if args.memory_gb else hw.memory_bytes
+    print(f"planning {config.model.name} (global batch {config.train.batch_size}) on "
+          f"{args.devices} × {hw.name}", flush=True)
+    print(format_plan(plan(config, args.devices, hw, memory, args.layouts, echo=True), hw,
+                      memory))
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -148,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
             _show_pipeline(config, args.png, args.width)
         elif args.command == "export":
             _export(config, args.out, args.step)
+        elif args.command == "sweep":
+            _sweep(args, config)
+        elif args.command == "plan":
+            _plan(args, config)
         else:
             from jaxpar.report import format_report, layout_totals
             from jaxpar.run import build

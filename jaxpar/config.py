@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import typing
 import warnings
 from dataclasses import dataclass, field
@@ -160,8 +161,16 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Loop settings. ``nonfinite``: ``stop`` raises naming the step; ``skip``
-    leaves the state unchanged for that step and counts it."""
+    """Loop settings.
+
+    ``nonfinite``: ``stop`` raises naming the step; ``skip`` leaves the state
+    unchanged for that step and counts it. ``profile_steps``: ``"START:STOP"``
+    captures a JAX profiler trace of steps START to STOP-1 into
+    ``<run.dir>/profile`` (steps are numbered from 1, as in ``metrics.jsonl``:
+    ``"5:8"`` traces steps 5, 6 and 7); empty: off. Quote it in YAML
+    (``profile_steps: "5:8"``), which otherwise reads ``5:8`` as the base-60
+    number 308.
+    """
 
     steps: int = 200
     batch_size: int = 32
@@ -172,6 +181,7 @@ class TrainConfig:
     nonfinite: str = "stop"
     progress: bool = True
     tensorboard: bool = False
+    profile_steps: str = ""
 
 
 @dataclass(frozen=True)
@@ -293,9 +303,12 @@ def _check_type(key: str, value: Any, typ: Any) -> Any:
     if typ in (int, float, str, bool):
         if isinstance(value, typ) and not (typ is int and isinstance(value, bool)):
             return value
+        # YAML 1.1 reads some text as numbers (5:8 is base-60 for 308): quoting keeps it text.
+        quote = (f" (quote it in YAML: {key.split('.')[-1]}: \"...\")"
+                 if typ is str and isinstance(value, (int, float)) else "")
         raise ValueError(
             f"config key '{key}' expects {typ.__name__}, got {value!r} "
-            f"({type(value).__name__}); fix the value in the YAML or the override {key}=..."
+            f"({type(value).__name__}); fix the value in the YAML{quote} or the override {key}=..."
         )
     raise AssertionError(f"unsupported config field type {typ} for {key}")
 
@@ -375,6 +388,39 @@ def parse_override(text: str) -> dict[str, Any]:
     return {parts[0]: {parts[1]: _Override(value)}}
 
 
+_PROFILE_STEPS = re.compile(r"\s*(-?\d+)\s*:\s*(-?\d+)\s*")
+
+
+def parse_profile_steps(text: str) -> tuple[int, int] | None:
+    """The steps ``train.profile_steps`` asks to trace.
+
+    Args:
+      text: ``"START:STOP"`` (steps numbered from 1, STOP excluded), or empty.
+
+    Returns:
+      ``(START, STOP)``, or None when ``text`` is empty (profiling off).
+
+    Raises:
+      ValueError: on bad syntax, START < 1 or STOP ≤ START.
+    """
+    if not text.strip():
+        return None
+    fix = ("set train.profile_steps=START:STOP with 1 ≤ START < STOP — steps are numbered "
+           "from 1 and STOP is excluded, so 5:8 traces steps 5, 6 and 7 — or leave it empty")
+    match = _PROFILE_STEPS.fullmatch(text)
+    if match is None:
+        raise ValueError(f"config key 'train.profile_steps' must look like START:STOP, "
+                         f"got {text!r}; {fix}")
+    start, stop = int(match[1]), int(match[2])
+    if start < 1:
+        raise ValueError(f"config key 'train.profile_steps' starts at step {start}, but the "
+                         f"first step is 1; {fix}")
+    if stop <= start:
+        raise ValueError(f"config key 'train.profile_steps'={text!r} traces no step "
+                         f"(STOP {stop} ≤ START {start}); {fix}")
+    return start, stop
+
+
 # Keys that must be at least a bound (int fields) — checked once the config is complete.
 MINIMUM = {
     "run.seed": 0, "run.devices": 0, "train.steps": 1, "train.batch_size": 1,
@@ -408,6 +454,7 @@ def validate(config: Config) -> Config:
     if not 0.0 <= config.data.wait_warn <= 1.0:
         raise ValueError(f"config key 'data.wait_warn' must be a fraction in [0, 1], got "
                          f"{config.data.wait_warn}")
+    parse_profile_steps(config.train.profile_steps)
     return config
 
 
@@ -480,6 +527,11 @@ def load_config(paths: list[str | Path] = (), overrides: list[str] = ()) -> Conf
         if not isinstance(raw, dict):
             raise ValueError(f"config file '{path}' must hold a mapping of sections")
         config = merge(config, raw)
+    return apply_overrides(config, overrides)
+
+
+def apply_overrides(config: Config, overrides: list[str] = ()) -> Config:
+    """``config`` with ``section.key=value`` overrides applied, validated."""
     for text in overrides:
         config = merge(config, parse_override(text))
     return validate(config)

@@ -178,6 +178,59 @@ class DataWait:
         return frac
 
 
+def _warn_profile_span(cfg: config_lib.TrainConfig, has_run_dir: bool) -> None:
+    """Warns when ``train.profile_steps`` traces less than it names, or nothing."""
+    start, stop = config_lib.parse_profile_steps(cfg.profile_steps)
+    setting = f"train.profile_steps={cfg.profile_steps!r}"
+    if not has_run_dir:
+        message = f"{setting} has no effect without a run dir: pass run_dir to fit()"
+    elif start > cfg.steps:
+        message = (f"{setting} has no effect: it starts after the last step (train.steps="
+                   f"{cfg.steps}); lower START to trace")
+    elif stop > cfg.steps + 1:
+        message = (f"{setting} reaches past the last step (train.steps={cfg.steps}): steps "
+                   f"{start} to {cfg.steps} are traced, until the end of the run")
+    else:
+        return
+    warnings.warn(message, stacklevel=4)
+
+
+class _Profiler:
+    """A JAX profiler trace of the steps ``train.profile_steps`` names, in ``<run.dir>/profile``.
+
+    The trace starts before the first traced step fetches its batch and stops once the
+    last traced step's device work is done (its logging, evaluation and checkpoint are
+    left out). Without a run dir (processes other than 0) nothing is traced.
+    """
+
+    def __init__(self, run_dir: Path | None, cfg: config_lib.TrainConfig):
+        span = config_lib.parse_profile_steps(cfg.profile_steps)
+        self.directory = run_dir / "profile" if run_dir is not None and span else None
+        self.start, self.stop = span or (0, 0)
+        self.active = False
+        if span and jax.process_index() == 0:
+            _warn_profile_span(cfg, run_dir is not None)
+        self.stop = min(self.stop, cfg.steps + 1)
+
+    def before(self, step: int) -> None:
+        """Starts the trace when ``step`` is the first traced one (or a resumed run's first)."""
+        if self.directory is not None and not self.active and self.start <= step < self.stop:
+            jax.profiler.start_trace(str(self.directory), create_perfetto_trace=True)
+            self.active = True
+
+    def after(self, step: int, state: TrainState) -> None:
+        """Stops the trace after the last traced step, once its device work is done."""
+        if self.active and step + 1 >= self.stop:
+            jax.block_until_ready(state)
+            self.close()
+
+    def close(self) -> None:
+        """Stops (and writes) the trace if it is running — also when the run ends early."""
+        if self.active:
+            self.active = False
+            jax.profiler.stop_trace()
+
+
 def open_loader(run: Run, data_state: dict[str, Any] | None = None) -> Loader:
     """The training stream, positioned after the batches a checkpoint's loader had read.
 
@@ -210,11 +263,15 @@ def fit(run: Run, run_dir: Path | None = None, state: TrainState | None = None,
     loader position saved with it) makes the loader yield the batches the
     uninterrupted run would have; with ``ckpt`` the state and the loader
     position are saved every ``checkpoint.every_steps`` and after the last step.
+    With ``train.profile_steps`` and a ``run_dir``, the steps it names are traced
+    into ``run_dir / "profile"``; every step is marked ``train`` (with its
+    ``step_num``) in profiler traces.
     """
     cfg, trainer = run.config.train, run.trainer
     history, t_start = History(), time.perf_counter()
     state = state if state is not None else trainer.init()
     first = int(host_value(state.step)) + 1
+    profiler = _Profiler(run_dir, cfg)
     loader = open_loader(run, data_state)
     if loader.batches_consumed != first - 1:
         loader.close()
@@ -228,8 +285,11 @@ def fit(run: Run, run_dir: Path | None = None, state: TrainState | None = None,
     every = run.config.checkpoint.every_steps
     try:
         for step in range(first, cfg.steps + 1):
-            batch = trainer.shard_batch(wait.next(loader))
-            state, metrics = trainer.step(state, batch)
+            profiler.before(step)
+            with jax.profiler.StepTraceAnnotation("train", step_num=step):
+                batch = trainer.shard_batch(wait.next(loader))
+                state, metrics = trainer.step(state, batch)
+            profiler.after(step, state)
             pending.append((step, metrics))
             stop = ckpt is not None and resume_lib.preempted(step)
             evals = None
@@ -257,6 +317,7 @@ def fit(run: Run, run_dir: Path | None = None, state: TrainState | None = None,
         for closer in (bar, writer):
             if closer is not None:
                 closer.close()
+        profiler.close()
     history.state = state
     return history
 

@@ -72,6 +72,23 @@ def global_batch_shapes(host_batch: Mapping[str, Any]) -> dict[str, jax.ShapeDty
             for k, v in host_batch.items()}
 
 
+def _accumulate(grad_fn: Callable, params: Any, batch: Batch, k: int,
+                param_shardings: Any) -> tuple[jax.Array, dict, Any]:
+    """Sums of loss, metrics and gradients over ``k`` microbatches of ``batch`` (a scan;
+    the gradient carry keeps the parameters' sharding, so FSDP accumulates shards)."""
+    micro = {key: split_microbatches(v, k) for key, v in batch.items()}
+
+    def body(carry, mb):
+        (loss, aux), grads = grad_fn(params, mb)
+        grads = jax.lax.with_sharding_constraint(grads, param_shardings)
+        return jax.tree.map(jnp.add, carry, (loss, aux, grads)), None
+
+    first = {key: v[0] for key, v in micro.items()}
+    zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(
+        lambda p, b: (*grad_fn(p, b)[0], p), params, first))
+    return jax.lax.scan(body, zeros, micro)[0]
+
+
 class Trainer:
     """Sharded state, train step and eval step for a task on a mesh.
 
@@ -222,23 +239,61 @@ class Trainer:
                 return pipeline_grads(self.task.stages, self.graphdef, params, batch,
                                       table=self.pipeline, mesh=self.mesh, rules=self.rules,
                                       param_specs=self.param_specs)
-        grad_fn = jax.value_and_grad(self.loss, has_aux=True)
-        param_shardings = self.state_shardings.params
         if self.grad_accum == 1:
-            (loss, aux), grads = grad_fn(params, batch)
+            (loss, aux), grads = jax.value_and_grad(self.loss, has_aux=True)(params, batch)
             return loss, aux, grads
-        micro = {k: split_microbatches(v, self.grad_accum) for k, v in batch.items()}
-
-        def body(carry, mb):
-            (loss, aux), grads = grad_fn(params, mb)
-            grads = jax.lax.with_sharding_constraint(grads, param_shardings)
-            return jax.tree.map(jnp.add, carry, (loss, aux, grads)), None
-
-        first = {k: v[0] for k, v in micro.items()}
-        zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(
-            lambda p, b: (*grad_fn(p, b)[0], p), params, first))
-        total, _ = jax.lax.scan(body, zeros, micro)
+        if self.accumulates_per_data_shard:
+            return self._accumulate_over_data(params, batch)
+        total = _accumulate(jax.value_and_grad(self.loss, has_aux=True), params, batch,
+                            self.grad_accum, self.state_shardings.params)
         return jax.tree.map(lambda x: x / self.grad_accum, total)
+
+    @property
+    def accumulates_per_data_shard(self) -> bool:
+        """Whether gradient accumulation keeps microbatch gradients unreduced over ``data``
+        until the step's end (one all-reduce per step instead of one per microbatch).
+
+        It needs a data axis and no parameter sharded over it. With ``fsdp`` and
+        ``tensor`` both above 1, XLA 0.10's SPMD partitioner aborts on the partly
+        manual program (a failed check in spmd_partitioner_util.cc), so that layout
+        keeps the automatic path.
+        """
+        if self.grad_accum == 1 or self.pipeline is not None or self.mesh.shape["data"] == 1:
+            return False
+        if self.mesh.shape["fsdp"] > 1 and self.mesh.shape["tensor"] > 1:
+            return False
+        specs = jax.tree.leaves(self.param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+        return not any("data" in (e if isinstance(e, tuple) else (e,))
+                       for s in specs for e in s if e)
+
+    def _accumulate_over_data(self, params: Any, batch: Batch) -> tuple[jax.Array, dict, Any]:
+        """Gradient accumulation with one all-reduce over ``data`` per step.
+
+        Under ``shard_map`` with ``data`` manual (``fsdp``/``tensor`` stay automatic,
+        so FSDP still gathers weights and reduce-scatters gradients per microbatch),
+        each data shard sums its microbatches' gradients locally and the sums are
+        all-reduced once. The automatic path would all-reduce every microbatch's
+        gradients: the accumulator is replicated over ``data``, and a partial sum
+        cannot be carried through the loop.
+        """
+        n, k = self.mesh.shape["data"], self.grad_accum
+        inner = {name: tuple(a for a in axes if a != "data") for name, axes in self.rules.items()}
+
+        def local(params, batch):
+            mesh = jax.sharding.get_abstract_mesh()
+            shardings = shd.named(mesh, self.param_specs)
+
+            def loss(p, b):
+                with activation_rules(mesh, inner):
+                    return self.task.loss_fn(nnx.merge(self.graphdef, p), b)
+
+            total = _accumulate(jax.value_and_grad(loss, has_aux=True), params, batch, k,
+                                shardings)
+            return jax.tree.map(lambda x: jax.lax.psum(x, "data") / (n * k), total)
+
+        fn = jax.shard_map(local, mesh=self.mesh, in_specs=(PartitionSpec(), PartitionSpec("data")),
+                           out_specs=PartitionSpec(), axis_names={"data"}, check_vma=False)
+        return fn(params, dict(batch))
 
     def _train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
         loss, aux, grads = self._grads(state.params, batch)

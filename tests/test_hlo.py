@@ -62,3 +62,119 @@ def test_count_ops_inside_and_outside_loops():
 def test_branch_names_without_percent_signs():
     plain = MODULE.replace("%branch_0, %branch_1", "branch_0, branch_1")
     assert hlo.loop_computations(plain) >= {"branch_0", "branch_1"}
+
+
+def test_program_cost_counts_loop_trips_and_the_costliest_branch():
+    # the loop records no trip count: counted once, and reported as unknown
+    cost = hlo.program_cost(MODULE)
+    assert cost.unknown_loops == 1
+    ar, cp = cost.collectives["all-reduce"], cost.collectives["collective-permute"]
+    # branch 0's all-reduce of 16 B inside the loop + the tuple of 2 × 16 B outside
+    assert (ar.count, ar.payload_bytes) == (2, 48)
+    assert ar.wire_bytes == 48 * 2 * (2 - 1) / 2
+    assert (cp.count, cp.payload_bytes) == (1, 16)
+    assert cp.wire_bytes == 16 * 2 / 1  # 2 pairs over num_partitions (1 when not printed)
+    with_trips = MODULE.replace("body=%body", 'body=%body, backend_config={"known_trip_count"'
+                                ':{"n":"5"}}')
+    looped = hlo.program_cost(with_trips).collectives["all-reduce"]
+    assert (looped.count, looped.payload_bytes) == (6, 5 * 16 + 32)
+
+
+ASYNC = """HloModule async, num_partitions=8
+
+ENTRY %main (p: f32[16,4]) -> f32[128,16] {
+  %p = f32[16,4]{1,0} parameter(0)
+  %ags = (f32[16,4]{1,0}, f32[128,4]{1,0}) all-gather-start(%p), replica_groups=[1,8]<=[8], dimensions={0}
+  %agd = f32[128,4]{1,0} all-gather-done(%ags)
+  %ars = f32[128,4]{1,0} all-reduce-start(%agd), replica_groups={{0,1,2,3},{4,5,6,7}}, to_apply=%add
+  %ard = f32[128,4]{1,0} all-reduce-done(%ars)
+  %rs = f32[32,4]{1,0} reduce-scatter(%ard), replica_groups=mesh['a'=2,'b'=4] {'b'}, dimensions={0}, to_apply=%add
+  %cps = (f32[32,4]{1,0}, f32[32,4]{1,0}, u32[], u32[]) collective-permute-start(%rs), source_target_pairs={{0,1},{1,2},{2,3},{3,0}}
+  %cpd = f32[32,4]{1,0} collective-permute-done(%cps)
+  %a2a = bf16[32,4]{1,0} all-to-all(%cpd), replica_groups=mesh['a'=2,'b'=4], device_ids=([2,4]T(1,0)) {'a'}, dimensions={0}
+  ROOT %d = f32[128,16]{1,0} dot(%agd, %p), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+}
+"""
+
+
+def test_async_forms_and_every_replica_group_syntax_give_exact_bytes():
+    stats = hlo.program_cost(ASYNC).collectives
+    assert stats["all-gather"] == hlo.CollectiveStat(1, 128 * 4 * 4, 128 * 4 * 4 * 7 / 8)
+    assert stats["all-reduce"] == hlo.CollectiveStat(1, 2048, 2048 * 2 * 3 / 4)
+    # reduce-scatter: payload = n × result over the 4 devices of axis 'b'
+    assert stats["reduce-scatter"] == hlo.CollectiveStat(1, 4 * 512, 4 * 512 * 3 / 4)
+    # 4 of 8 devices send 512 B: 256 B per device on average
+    assert stats["collective-permute"] == hlo.CollectiveStat(1, 512, 256)
+    assert stats["all-to-all"] == hlo.CollectiveStat(1, 256, 256 * 1 / 2)  # bf16, axis 'a' = 2
+
+
+def test_dot_flops_use_the_contracting_dims():
+    # [128, 4] · [16, 4]ᵀ → [128, 16]: 2 · 128 · 16 · 4
+    assert hlo.program_cost(ASYNC).flops == 2 * 128 * 16 * 4
+
+
+# ---- real compiled programs: known collectives of known sizes ------------------------------
+def _compiled_text(fn, *args):
+    import jax
+
+    return jax.jit(fn).lower(*args).compile().as_text()
+
+
+def _mesh():
+    import jax
+
+    return jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def test_compiled_psum_all_gather_and_ppermute_byte_counts():
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    mesh = _mesh()
+
+    def body(x):  # per device: x is f32[256]
+        total = jax.lax.psum(x, "x")  # all-reduce of 1 KiB
+        gathered = jax.lax.all_gather(x[:32], "x", tiled=True)  # f32[256] result
+        shifted = jax.lax.ppermute(x[:64], "x", [(i, (i + 1) % 8) for i in range(8)])
+        return total + gathered + jnp.tile(shifted, 4)
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    stats = hlo.collective_stats(_compiled_text(fn, jnp.ones(2048, jnp.float32)))
+    assert stats["all-reduce"] == hlo.CollectiveStat(1, 1024, 1024 * 2 * 7 / 8)
+    assert stats["all-gather"] == hlo.CollectiveStat(1, 1024, 1024 * 7 / 8)
+    assert stats["collective-permute"] == hlo.CollectiveStat(1, 256, 256)
+    assert stats["reduce-scatter"].count == stats["all-to-all"].count == 0
+
+
+def test_compiled_collectives_in_a_scan_count_once_per_iteration():
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    def body(x):  # f32[64] per device, reduced in each of 5 iterations
+        def step(c, _):
+            return c + jax.lax.psum(c, "x") * 1e-3, None
+
+        return jax.lax.scan(step, x, None, length=5)[0]
+
+    fn = jax.shard_map(body, mesh=_mesh(), in_specs=P("x"), out_specs=P("x"))
+    cost = hlo.program_cost(_compiled_text(fn, jnp.ones(512, jnp.float32)))
+    assert cost.unknown_loops == 0
+    assert cost.collectives["all-reduce"] == hlo.CollectiveStat(5, 5 * 256, 5 * 256 * 2 * 7 / 8)
+
+
+def test_compiled_matmul_flops_match_cost_analysis_and_scale_with_a_scan():
+    import jax
+    import jax.numpy as jnp
+
+    a, b = jnp.ones((64, 32)), jnp.ones((32, 32))
+    text = _compiled_text(jnp.dot, a, b)
+    xla = jax.jit(jnp.dot).lower(a, b).compile().cost_analysis()
+    xla = xla[0] if isinstance(xla, list) else xla
+    assert hlo.program_cost(text).flops == 2 * 64 * 32 * 32 == xla["flops"]
+
+    def looped(a, b):  # each iteration multiplies the carry: 4 dots, one loop body
+        return jax.lax.scan(lambda c, _: (jnp.tanh(jnp.dot(c, b)), None), a, None, length=4)[0]
+
+    assert hlo.program_cost(_compiled_text(looped, a, b)).flops == 4 * 2 * 64 * 32 * 32

@@ -6,8 +6,6 @@ definitions (each action exactly once, dependencies, textbook bubble formulas).
 
 import dataclasses
 import functools
-import struct
-import zlib
 from collections import Counter
 
 import numpy as np
@@ -24,6 +22,7 @@ from jaxpar.pipeline.schedule import (
     tick_table,
     validate,
 )
+from tests.helpers import decode_png
 
 PS = (2, 4)
 SHAPES = [(s, p, m, 1) for s in ("gpipe", "1f1b", "zb_h1") for p in PS for m in (p, 2 * p, 4 * p)]
@@ -252,36 +251,11 @@ def test_summary_numbers():
     assert "F = I = W = 1" in text
 
 
-def _png_chunks(data: bytes) -> list[tuple[bytes, bytes]]:
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    chunks, pos = [], 8
-    while pos < len(data):
-        (n,) = struct.unpack(">I", data[pos:pos + 4])
-        tag, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + n]
-        (crc,) = struct.unpack(">I", data[pos + 8 + n:pos + 12 + n])
-        assert crc == zlib.crc32(tag + body) & 0xFFFFFFFF, tag
-        chunks.append((tag, body))
-        pos += 12 + n
-    return chunks
-
-
-def _decode_png(path) -> np.ndarray:
-    chunks = _png_chunks(path.read_bytes())
-    assert chunks[0][0] == b"IHDR" and chunks[-1][0] == b"IEND"
-    width, height, depth, colour, _, _, _ = struct.unpack(">IIBBBBB", chunks[0][1])
-    assert (depth, colour) == (8, 2)
-    raw = zlib.decompress(b"".join(body for tag, body in chunks if tag == b"IDAT"))
-    assert len(raw) == height * (1 + 3 * width)
-    rows = np.frombuffer(raw, np.uint8).reshape(height, 1 + 3 * width)
-    assert not rows[:, 0].any()  # filter type 0 on every row
-    return rows[:, 1:].reshape(height, width, 3)
-
-
 def test_write_png(tmp_path):
     table = _table("1f1b", 4, 8, 1)
     path = chart.write_png(table, tmp_path / "a" / "b" / "1f1b.png")
     assert path.exists()
-    img = _decode_png(path)
+    img = decode_png(path.read_bytes())
     gap, cw, ch = chart.GAP, chart.CELL_W, chart.CELL_H
     assert img.shape == (gap + 4 * (ch + gap) + chart.LEGEND_H, gap + table.ticks * (cw + gap), 3)
     # the cell of F0 on device 0 (tick 0) has F's colour; device 3 idles at tick 0
@@ -294,7 +268,7 @@ def test_write_png(tmp_path):
 
 
 def test_png_differs_between_schedules(tmp_path):
-    a = _decode_png(chart.write_png(_table("gpipe", 4, 8, 1), tmp_path / "gpipe.png"))
-    b = _decode_png(chart.write_png(_table("1f1b", 4, 8, 1), tmp_path / "1f1b.png"))
+    a = decode_png(chart.write_png(_table("gpipe", 4, 8, 1), tmp_path / "g.png").read_bytes())
+    b = decode_png(chart.write_png(_table("1f1b", 4, 8, 1), tmp_path / "f.png").read_bytes())
     assert a.shape == b.shape  # same tick count, so the difference is in the cells
     assert (a != b).any()

@@ -12,13 +12,34 @@ from tests.helpers import CONVNET_SMALL, GPT_SMALL, assert_params_close, run_ste
 OPTIM = ["optim.name=sgd", "optim.lr=0.05", "optim.momentum=0.9"]
 
 
-@pytest.mark.parametrize("mesh", [["mesh.data=1"], ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]])
+@pytest.mark.parametrize("mesh", [
+    ["mesh.data=1"], ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
+    # the data-local accumulation path (one all-reduce over data per step)
+    ["mesh.data=8", "train.batch_size=32"], ["mesh.data=4", "mesh.fsdp=2", "train.batch_size=32"],
+    ["mesh.data=4", "mesh.tensor=2"]])
 def test_grad_accumulation_equals_full_batch(mesh):
     devices = 1 if mesh == ["mesh.data=1"] else 8
     full = run_steps([*GPT_SMALL, *OPTIM, *mesh], steps=2, devices=devices)
     accum = run_steps([*GPT_SMALL, *OPTIM, *mesh, "train.grad_accum=4"], steps=2, devices=devices)
     np.testing.assert_allclose(accum[0], full[0], rtol=1e-5)
     assert_params_close(accum[1], full[1])
+
+
+def test_grad_accumulation_all_reduces_over_data_once_per_step():
+    from jaxpar import hlo
+    from jaxpar.trainer import global_batch_shapes
+
+    def all_reduce_bytes(accum):
+        run = build(load_config([], [*GPT_SMALL, "mesh.data=8", "train.batch_size=32",
+                                     f"train.grad_accum={accum}"]))
+        batch = global_batch_shapes(run.data.batch(0, run.config.train.batch_size))
+        text = run.trainer.compile_step(batch).as_text()
+        return run.trainer.accumulates_per_data_shard, hlo.collective_stats(text)["all-reduce"]
+
+    local, accumulated = all_reduce_bytes(4)
+    assert local and not all_reduce_bytes(1)[0]
+    # the same bytes as without accumulation (not 4×): the sums stay local until the end
+    assert accumulated.wire_bytes == pytest.approx(all_reduce_bytes(1)[1].wire_bytes, rel=1e-3)
 
 
 def test_grad_accumulation_batch_must_split():

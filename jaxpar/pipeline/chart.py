@@ -25,13 +25,12 @@ kind present, in the order F, B, I, W, idle.
 from __future__ import annotations
 
 import colorsys
-import struct
-import zlib
 from pathlib import Path
 
 import numpy as np
 
 from jaxpar.pipeline.schedule import KINDS, TickTable, simulate
+from jaxpar.png import write_png_file
 
 #: PNG layout in pixels: cell size, gap between cells, legend strip height.
 CELL_W, CELL_H, GAP = 16, 24, 1
@@ -44,7 +43,6 @@ IDLE_RGB = (220, 220, 220)
 BACKGROUND_RGB = (255, 255, 255)
 #: Ticks between tick numbers in the text header.
 TICK_EVERY = 5
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 # ---- text ----------------------------------------------------------------------------------
@@ -204,31 +202,6 @@ def render(table: TickTable) -> np.ndarray:
     return img
 
 
-def _png_chunk(tag: bytes, data: bytes) -> bytes:
-    """One PNG chunk: length, tag, data, CRC-32 of tag + data."""
-    crc = zlib.crc32(tag + data) & 0xFFFFFFFF
-    return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", crc)
-
-
-def encode_png(rgb: np.ndarray) -> bytes:
-    """A minimal PNG (RGB8, no interlace, filter 0 on every row) of an ``[h, w, 3]`` array.
-
-    Raises:
-      ValueError: if ``rgb`` is not a non-empty uint8 ``[h, w, 3]`` array.
-    """
-    if rgb.dtype != np.uint8 or rgb.ndim != 3 or rgb.shape[2] != 3 or 0 in rgb.shape:
-        raise ValueError(f"encode_png needs a non-empty uint8 [h, w, 3] array, got "
-                         f"{rgb.dtype} {rgb.shape}; convert with np.asarray(x, np.uint8)")
-    height, width, _ = rgb.shape
-    rows = np.concatenate([np.zeros((height, 1), np.uint8), rgb.reshape(height, -1)], axis=1)
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (PNG_SIGNATURE + _png_chunk(b"IHDR", header)
-            + _png_chunk(b"IDAT", zlib.compress(rows.tobytes(), 9)) + _png_chunk(b"IEND", b""))
-
-
 def write_png(table: TickTable, path: str | Path) -> Path:
     """Writes the chart of ``table`` as a PNG at ``path`` (parent folders created)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(encode_png(render(table)))
-    return path
+    return write_png_file(render(table), path)

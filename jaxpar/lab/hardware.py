@@ -1,0 +1,114 @@
+"""Accelerator profiles (``hardware.yaml``) and the roofline that predicts a step's time.
+
+A profile is a chip's datasheet: peak matmul FLOP/s, HBM bandwidth, memory, and
+interconnect bandwidth. The roofline of one step on one device is::
+
+    compute = max(FLOPs / peak FLOP/s, memory traffic / HBM bandwidth)
+    predicted step time = compute + collective wire bytes / interconnect bandwidth
+
+Communication is added, not overlapped: a conservative bound, and the one that
+tells layouts apart when all of them are compute-bound on paper.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import yaml
+
+_BUILTIN = Path(__file__).with_name("hardware.yaml")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator's datasheet figures (see ``hardware.yaml`` for units)."""
+
+    key: str
+    name: str
+    flops_bf16: float
+    flops_f32: float
+    hbm_bandwidth: float
+    memory_bytes: float
+    link_bandwidth: float
+    links: int
+    network_bandwidth: float
+    source: str = ""
+
+    @property
+    def interconnect_bandwidth(self) -> float:
+        """Bytes/s one chip sends to its host's other chips (all links, one direction)."""
+        return self.link_bandwidth * self.links
+
+    def peak_flops(self, dtype: str) -> float:
+        """Peak matmul FLOP/s for the model's compute dtype."""
+        return self.flops_bf16 if dtype in ("bfloat16", "bf16", "float16") else self.flops_f32
+
+
+def load_profiles(extra: str | Path | None = None) -> dict[str, Hardware]:
+    """The built-in profiles, plus (replacing same-named ones) those in ``extra``.
+
+    Raises:
+      ValueError: when ``extra`` is missing or an entry lacks a field.
+    """
+    raw = yaml.safe_load(_BUILTIN.read_text())
+    if extra:
+        path = Path(extra)
+        if not path.is_file():
+            raise ValueError(f"--hardware-file {path}: no such file")
+        raw.update(yaml.safe_load(path.read_text()) or {})
+    names = {f.name for f in fields(Hardware)} - {"key"}
+    profiles = {}
+    for key, entry in raw.items():
+        missing = sorted(n for n in names - {"source"} if n not in (entry or {}))
+        if missing:
+            raise ValueError(f"hardware profile '{key}' lacks {', '.join(missing)}; "
+                             f"see {_BUILTIN} for the fields")
+        profiles[key] = Hardware(key=key, **{f: _typed(key, f, entry[f]) for f in names if f in entry})
+    return profiles
+
+
+def _typed(profile: str, field: str, value: object) -> object:
+    """A profile value as its field's type (YAML reads ``80.0e9`` as a string)."""
+    if field in ("name", "source"):
+        return str(value)
+    try:
+        return int(value) if field == "links" else float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"hardware profile '{profile}': {field}={value!r} is not a number") \
+            from None
+
+
+def get_profile(key: str, extra: str | Path | None = None) -> Hardware:
+    """The profile named ``key`` (e.g. ``h100``).
+
+    Raises:
+      ValueError: for an unknown name, listing the known ones.
+    """
+    profiles = load_profiles(extra)
+    if key not in profiles:
+        raise ValueError(f"unknown hardware '{key}'; choose one of {', '.join(sorted(profiles))} "
+                         "or add it with --hardware-file")
+    return profiles[key]
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """The roofline terms of one step, in seconds."""
+
+    compute_s: float
+    memory_s: float
+    comm_s: float
+
+    @property
+    def total_s(self) -> float:
+        return max(self.compute_s, self.memory_s) + self.comm_s
+
+
+def roofline(hw: Hardware, flops: float, traffic_bytes: float, comm_bytes: float,
+             dtype: str, cross_host_bytes: float = 0.0) -> StepTime:
+    """Predicted step time on ``hw`` from per-device FLOPs, memory traffic and wire bytes
+    (``cross_host_bytes`` of them over the network, the rest over the host's links)."""
+    return StepTime(flops / hw.peak_flops(dtype), traffic_bytes / hw.hbm_bandwidth,
+                    (comm_bytes - cross_host_bytes) / hw.interconnect_bandwidth
+                    + cross_host_bytes / hw.network_bandwidth)

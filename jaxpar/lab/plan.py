@@ -1,0 +1,126 @@
+"""``jaxpar plan``: rank every layout of N devices by predicted step time, without training.
+
+Each layout's step is compiled on simulated devices (:func:`jaxpar.lab.sweep.measure`
+with no timed steps); layouts are ranked by the roofline step time on a hardware
+profile, those that fit the device memory first. For a layout that does not
+fit, the plan says why (arguments — parameters, optimizer state, batch — versus
+temporaries, mostly activations) and tries the usual fixes in the order the
+numbers suggest — activation recomputation (``model.remat=full``), gradient
+accumulation (``train.grad_accum``), sharding the state further
+(``fsdp``) — compiling each until one fits. A suggestion is therefore a
+compiled, measured layout, not a rule of thumb.
+
+The memory is that of the program XLA compiles for the CPU backend: GPU
+programs differ in fusion and temporaries, so treat a margin of a few percent
+as none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jaxpar.config import Config
+from jaxpar.lab.chart import fmt_value
+from jaxpar.lab.hardware import Hardware
+from jaxpar.lab.sweep import Row, all_layouts, layout_overrides, measure
+
+
+@dataclass
+class Planned:
+    """One ranked layout: its measurements, why it does not fit, what would make it fit."""
+
+    row: Row
+    why: str = ""
+    suggestion: str = ""
+    suggestion_row: Row | None = None
+
+
+def _degrees(layout: str) -> dict[str, int]:
+    overrides = layout_overrides(layout)
+    return {o.split("=")[0][5:]: int(o.split("=")[1]) for o in overrides
+            if o.startswith("mesh.")}
+
+
+def _why(row: Row, memory: float) -> str:
+    return (f"needs {fmt_value(row.mem_total_bytes, 'B')} > {fmt_value(memory, 'B')}: "
+            f"arguments {fmt_value(row.mem_args_bytes, 'B')} (parameters, optimizer state, "
+            f"batch), temporaries {fmt_value(row.mem_temp_bytes, 'B')} (activations)")
+
+
+def fixes(config: Config, layout: str, row: Row) -> list[str]:
+    """Variants of ``layout`` to try, most promising first."""
+    deg = _degrees(layout)
+    recompute, accum, shard = [], [], []
+    if config.model.name == "gpt" and config.model.remat == "none":
+        recompute.append(f"{layout},model.remat=full")
+    if deg["stage"] == 1:
+        accum += [f"{layout},train.grad_accum={k}" for k in (2, 4, 8)
+                  if config.train.batch_size % (k * deg["data"] * deg["fsdp"]) == 0]
+    if deg["data"] > 1:  # move the data degree into fsdp: the state gets sharded that much more
+        moved = {**deg, "fsdp": deg["fsdp"] * deg["data"], "data": 1}
+        shard.append(",".join(f"{a}={d}" for a, d in moved.items() if d > 1))
+    activations_dominate = (row.mem_temp_bytes or 0) > (row.mem_args_bytes or 0)
+    return recompute + accum + shard if activations_dominate else shard + recompute + accum
+
+
+def _suggest(config: Config, planned: Planned, hw: Hardware, memory: float) -> None:
+    for variant in fixes(config, planned.row.layout, planned.row):
+        row = measure(config, variant, hw, memory_bytes=memory)
+        if row.ok and row.fits:
+            planned.suggestion, planned.suggestion_row = variant, row
+            return
+    planned.suggestion = "none of remat, gradient accumulation or more FSDP fits; " \
+                         "use more devices or a smaller model/batch"
+
+
+def plan(config: Config, devices: int, hw: Hardware, memory_bytes: float | None = None,
+         layouts: list[str] | None = None, echo: bool = False) -> list[Planned]:
+    """Every layout of ``devices`` devices (or ``layouts``), ranked: fitting ones by
+    predicted step time, then those that do not fit (with a suggestion), then invalid."""
+    memory = memory_bytes or hw.memory_bytes
+    planned = []
+    for layout in layouts or all_layouts(devices):
+        row = measure(config, layout, hw, memory_bytes=memory)
+        if echo:
+            print(f"  {layout}: {'invalid' if not row.ok else 'fits' if row.fits else 'too big'}",
+                  flush=True)
+        planned.append(Planned(row))
+    for p in planned:
+        if p.row.ok and not p.row.fits:
+            p.why = _why(p.row, memory)
+            _suggest(config, p, hw, memory)
+
+    def key(p: Planned) -> tuple[int, float]:
+        group = 0 if p.row.ok and p.row.fits else 1 if p.row.ok else 2
+        return group, p.row.predicted_step_time_s or 0.0
+
+    return sorted(planned, key=key)
+
+
+def format_plan(planned: list[Planned], hw: Hardware, memory: float) -> str:
+    """The ranked table, then a note per layout that does not fit or cannot run."""
+    head = ["#", "layout", "memory/device", "fits", "pred. step", "pred. comm", "measured/pred"]
+    body = []
+    for i, p in enumerate(planned, 1):
+        r = p.row
+        if not r.ok:
+            body.append([str(i), r.layout, "", "invalid", "", "", ""])
+            continue
+        body.append([str(i), r.layout, fmt_value(r.mem_total_bytes, "B"),
+                     "yes" if r.fits else "NO", fmt_value(r.predicted_step_time_s, "s"),
+                     fmt_value(r.predicted_comm_bytes, "B"),
+                     "" if r.comm_ratio is None else f"{r.comm_ratio:.2f}"])
+    widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
+             for row in [head, ["-" * w for w in widths], *body]]
+    lines.append(f"ranked by predicted step time on {hw.name}; memory judged against "
+                 f"{fmt_value(memory, 'B')} per device")
+    for p in planned:
+        if not p.row.ok:
+            lines.append(f"- {p.row.layout}: cannot run: {p.row.error}")
+        elif not p.row.fits:
+            fix = (f"fits as `{p.suggestion}` ({fmt_value(p.suggestion_row.mem_total_bytes, 'B')}"
+                   f", predicted {fmt_value(p.suggestion_row.predicted_step_time_s, 's')})"
+                   if p.suggestion_row else p.suggestion)
+            lines.append(f"- {p.row.layout}: {p.why}; {fix}")
+    return "\n".join(lines)

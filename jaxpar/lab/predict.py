@@ -1,0 +1,210 @@
+"""The textbook's collective bytes and memory of a layout, from its shardings alone.
+
+Every term is wire bytes per device under ring algorithms (see :mod:`jaxpar.hlo`
+for the same accounting applied to a compiled program), for one train step of
+global batch ``B`` (``b`` rows per device), sequence ``T``, width ``D``:
+
+* **gradient reduction** — a parameter's gradient is partial over every batch
+  axis (``data``, ``fsdp``) and, in a pipeline, over ``stage`` for parameters
+  outside the stacked layers. Axes that shard the parameter reduce-scatter it
+  (FSDP: (n−1)/n·S, per microbatch with ``train.grad_accum``); the others
+  all-reduce what is left (2(n−1)/n·S), once per step (per microbatch only on
+  the layouts where :attr:`~jaxpar.trainer.Trainer.accumulates_per_data_shard`
+  is false). XLA:CPU has no reduce-scatter pass: there the partitioner
+  all-reduces the gradient and slices it, and the prediction for a CPU program
+  says so (``backend="cpu"``); GPU and TPU programs reduce-scatter.
+* **FSDP weight gathers** — every parameter sharded over a batch axis is
+  all-gathered before use, per microbatch with ``train.grad_accum``. Weights of
+  the scanned layers are gathered in the forward scan and again in the
+  backward scan (the scan saves the shards, not the gathered weights — ZeRO-3);
+  weights outside the scan (embedding, head) are gathered once and the copy
+  serves the backward pass too. Inside a pipeline everything is gathered once
+  per step.
+* **Megatron activations** (GPT under ``tensor``) — per layer two all-reduces of
+  ``[b, T, D]`` forward (attention and MLP outputs) and two backward (their
+  inputs), one more for the head's input gradient; the vocab-sharded embedding
+  table is gathered; the cross-entropy over sharded logits all-reduces three
+  ``[b, T]`` statistics.
+* **pipeline sends** — the SPMD executor sends one activation ``[b/m, T, D]``
+  right and one gradient left every tick (bubbles included).
+
+Scalar reductions (loss, gradient norm) are left out: a few bytes. XLA:CPU
+computes bfloat16 in float32 (its float-normalization pass), so a CPU program
+moves bfloat16 activations as float32, twice the bytes: the CPU prediction
+says so.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from jaxpar import sharding as shd
+from jaxpar.run import Run
+
+BATCH_AXES = ("data", "fsdp")
+
+
+@dataclass(frozen=True)
+class Term:
+    """One predicted collective: what it moves, how often, over how many devices."""
+
+    kind: str
+    what: str
+    payload_bytes: float
+    group: int
+    times: int = 1
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes one device sends for all ``times`` executions (ring algorithms)."""
+        n, s = self.group, self.payload_bytes
+        factor = {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(
+            self.kind, (n - 1) / n)
+        return self.times * s * factor
+
+
+@dataclass(frozen=True)
+class CommPrediction:
+    """The predicted collectives of one step."""
+
+    terms: tuple[Term, ...]
+
+    def by_kind(self) -> dict[str, float]:
+        """Wire bytes per collective kind."""
+        out: dict[str, float] = {}
+        for t in self.terms:
+            out[t.kind] = out.get(t.kind, 0.0) + t.wire_bytes
+        return out
+
+    @property
+    def total_bytes(self) -> float:
+        return sum(t.wire_bytes for t in self.terms)
+
+
+def _spec_axes(spec: PartitionSpec) -> list[str]:
+    return [a for e in spec if e for a in (e if isinstance(e, tuple) else (e,))]
+
+
+def _param_leaves(run: Run) -> list[tuple[str, float, list[str]]]:
+    """(top-level key, bytes, mesh axes sharding it) per parameter."""
+    trainer = run.trainer
+    leaves = jax.tree_util.tree_leaves_with_path(trainer.abstract_params)
+    specs = jax.tree.leaves(trainer.param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return [(str(getattr(path[0], "key", "")), math.prod(leaf.shape)
+             * np.dtype(leaf.dtype).itemsize, _spec_axes(spec))
+            for (path, leaf), spec in zip(leaves, specs)]
+
+
+def _gradient_terms(run: Run, sizes: dict[str, int], cpu: bool) -> list[Term]:
+    trainer = run.trainer
+    pipelined = trainer.pipeline is not None
+    batch = [a for a in BATCH_AXES if sizes[a] > 1]
+    accum = 1 if pipelined else trainer.grad_accum
+    once = accum == 1 or trainer.accumulates_per_data_shard  # the data all-reduce
+    split = trainer.task.stages
+    layers_key = split.layers_key if split is not None else None
+    # jaxpar's GPT looks tokens up in the whole embedding table (gathered over every axis):
+    # its gradient is a whole-table gradient, reduced before it is sliced to its shard.
+    whole = {"embed"} if run.config.model.name == "gpt" else set()
+    terms = []
+    for key, nbytes, axes in _param_leaves(run):
+        in_layers = key == layers_key
+        local = nbytes / math.prod(sizes[a] for a in axes if a not in batch and key not in whole)
+        gather = math.prod(sizes[a] for a in axes if a in batch)
+        rest = math.prod(sizes[a] for a in batch if a not in axes)
+        if pipelined and not in_layers and sizes["stage"] > 1:  # the executor's psum
+            terms.append(Term("all-reduce", "gradient all-reduce over stage", local,
+                              sizes["stage"]))
+        if gather > 1:
+            twice = in_layers and not pipelined
+            terms.append(Term("all-gather", "FSDP weight gathers", local, gather,
+                              (2 if twice else 1) * accum))
+            if not cpu or pipelined:
+                terms.append(Term("reduce-scatter", "gradient reduce-scatter", local, gather,
+                                  accum))
+            elif accum > 1:  # XLA:CPU: an all-reduce over fsdp per microbatch, then a slice
+                terms.append(Term("all-reduce", "gradient all-reduce over fsdp", local, gather,
+                                  accum))
+            else:  # XLA:CPU: one all-reduce over every batch axis, then a slice
+                rest, gather = rest * gather, 1
+            local /= gather
+        if rest > 1:
+            terms.append(Term("all-reduce", "gradient all-reduce", local, rest,
+                              1 if once else accum))
+    return terms
+
+
+def _gpt_shape(run: Run) -> tuple[int, int, int, int, int]:
+    """(rows per device, T, D, activation bytes, layers) of a GPT run."""
+    cfg = run.config
+    sizes = dict(run.trainer.mesh.shape)
+    ways = math.prod(sizes[a] for a in run.trainer.rules.get("batch", ()) if a in sizes)
+    act = np.dtype(cfg.model.dtype).itemsize
+    return cfg.train.batch_size // ways, cfg.data.seq_len, cfg.model.d_model, act, \
+        cfg.model.n_layers
+
+
+def _tensor_terms(run: Run, sizes: dict[str, int], cpu: bool) -> list[Term]:
+    trainer, cfg = run.trainer, run.config
+    t = sizes["tensor"]
+    if t == 1 or cfg.model.name != "gpt":
+        return []
+    rows, seq, d, act, layers = _gpt_shape(run)
+    activation = rows * seq * d * (4 if cpu else act)
+    # Without a pipeline: once per microbatch over all layers. In a pipeline every tick
+    # counts as its costliest branch, the last stage's backward: its layers' recomputed
+    # forward and backward plus the head, and the embedding of the first stage.
+    table = trainer.pipeline
+    times, layers, div = (table.ticks, layers // (table.p * table.v), table.m) \
+        if table is not None else (trainer.grad_accum, layers, trainer.grad_accum)
+    terms = [Term("all-reduce", "Megatron activation all-reduces", activation / div, t,
+                  times * (4 * layers + 1)),
+             Term("all-reduce", "cross-entropy statistics", rows * seq * 4 / div, t, 3 * times)]
+    if "tensor" in trainer.rules.get("vocab", ()):
+        # loop-invariant: XLA gathers the table once for all microbatches
+        terms.append(Term("all-gather", "embedding table gather", cfg.model.vocab_size * d * 4,
+                          t, times if table is not None else 1))
+    return terms
+
+
+def _pipeline_terms(run: Run, cpu: bool) -> list[Term]:
+    table = run.trainer.pipeline
+    if table is None or run.config.model.name != "gpt":
+        return []
+    rows, seq, d, act, _ = _gpt_shape(run)
+    message = rows // table.m * seq * d * (4 if cpu else act)
+    return [Term("collective-permute", "pipeline sends (activation right, gradient left)",
+                 2 * message, table.p, table.ticks)]
+
+
+def predict_comm(run: Run, backend: str = "gpu") -> CommPrediction:
+    """The textbook's collectives of one train step of ``run``'s layout.
+
+    Args:
+      run: a built run (its mesh, rules, shardings, batch and model shape).
+      backend: ``gpu`` (or ``tpu``): FSDP gradients are reduce-scattered and bfloat16
+        activations move as bfloat16; ``cpu``: what XLA:CPU compiles instead
+        (all-reduce + slice; bfloat16 activations as float32).
+    """
+    sizes = dict(run.trainer.mesh.shape)
+    cpu = backend == "cpu"
+    terms = [*_gradient_terms(run, sizes, cpu), *_tensor_terms(run, sizes, cpu),
+             *_pipeline_terms(run, cpu)]
+    return CommPrediction(tuple(terms))
+
+
+def predict_argument_bytes(run: Run, batch: dict[str, Any]) -> int:
+    """Per-device bytes of the step's arguments: parameters, optimizer state and batch
+    shards (from the shardings; the compiled program's argument size should match)."""
+    trainer = run.trainer
+    state = shd.bytes_per_device(trainer.abstract_state, trainer.state_shardings)
+    shardings = trainer.batch_shardings(batch)
+    data = sum(math.prod(shardings[k].shard_shape(v.shape)) * np.dtype(v.dtype).itemsize
+               for k, v in batch.items())
+    return state + data

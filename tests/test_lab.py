@@ -1,0 +1,185 @@
+"""The layout lab: predictions against compiled programs, the sweep's files, the plan."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+from jaxpar.cli import main
+from jaxpar.config import load_config
+from jaxpar.lab import hardware, predict, sweep
+from jaxpar.lab.plan import format_plan, plan
+from tests.helpers import GPT_SMALL
+
+LAYOUTS = ["data=8", "fsdp=8", "data=4,tensor=2", "data=2,fsdp=2,tensor=2", "data=4,stage=2",
+           "data=2,fsdp=2,stage=2"]
+
+
+@pytest.fixture(scope="module")
+def h100():
+    return hardware.get_profile("h100")
+
+
+@pytest.fixture(scope="module")
+def rows(h100):
+    """Each layout of a tiny GPT compiled once (no timing) for the tests below."""
+    config = load_config([], GPT_SMALL)
+    return {layout: sweep.measure(config, layout, h100) for layout in LAYOUTS}
+
+
+def test_data_and_fsdp_collective_bytes_match_the_textbook(rows):
+    for layout in ("data=8", "fsdp=8"):
+        row = rows[layout]
+        assert row.ok, row.error
+        assert row.comm_bytes == pytest.approx(row.predicted_comm_bytes, rel=0.10), layout
+    # data parallel: exactly one ring all-reduce of every gradient, 2·7/8 of the parameters
+    run_params = rows["data=8"].predicted_comm_bytes / (2 * 7 / 8)
+    assert rows["data=8"].all_reduce_bytes == pytest.approx(2 * 7 / 8 * run_params, rel=0.01)
+    assert rows["data=8"].all_gather_bytes == 0
+    # FSDP: every weight gathered once (embedding, head) or twice (the scanned layers, in
+    # the forward and the backward scan) on top of the gradient reduction
+    assert 7 / 8 * run_params < rows["fsdp=8"].all_gather_bytes < 2 * 7 / 8 * run_params
+    assert rows["fsdp=8"].all_reduce_bytes == pytest.approx(2 * 7 / 8 * run_params, rel=0.01)
+
+
+def test_fsdp_holds_an_eighth_of_the_state(rows):
+    ratio = rows["fsdp=8"].mem_args_bytes / rows["data=8"].mem_args_bytes
+    assert ratio == pytest.approx(1 / 8, rel=0.08)  # the batch and step scalars add a little
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_layout_matches_its_prediction(rows, layout):
+    row = rows[layout]
+    assert row.ok, row.error
+    assert row.comm_ratio == pytest.approx(1.0, abs=0.10)
+    assert row.mem_args_bytes == pytest.approx(row.predicted_mem_args_bytes, rel=0.01)
+    kinds = {k for k in ("all_reduce", "all_gather", "reduce_scatter", "collective_permute")
+             if getattr(row, f"{k}_bytes")}
+    expected = {"data=8": {"all_reduce"}, "fsdp=8": {"all_reduce", "all_gather"},
+                "data=4,stage=2": {"all_reduce", "collective_permute"},
+                "data=2,fsdp=2,stage=2": {"all_reduce", "all_gather", "reduce_scatter",
+                                          "collective_permute"}}
+    assert kinds == expected.get(layout, kinds)
+
+
+def test_megatron_term_counts_four_activation_all_reduces_per_layer(rows):
+    config = load_config([], GPT_SMALL)
+    from jaxpar.run import build
+
+    run = build(sweep_config(config, "data=4,tensor=2"))
+    terms = predict.predict_comm(run, "cpu").terms
+    act = next(t for t in terms if t.what == "Megatron activation all-reduces")
+    layers, rows_per_device = config.model.n_layers, config.train.batch_size // 4
+    assert act.times == 4 * layers + 1
+    assert act.payload_bytes == rows_per_device * config.data.seq_len * config.model.d_model * 4
+    assert rows["data=4,tensor=2"].all_reduce_bytes == pytest.approx(
+        sum(t.wire_bytes for t in terms if t.kind == "all-reduce"), rel=0.10)
+
+
+def sweep_config(config, layout):
+    from jaxpar.config import apply_overrides
+
+    return apply_overrides(config, sweep.layout_overrides(layout))
+
+
+def test_reduce_scatter_prediction_for_gpu_moves_less_than_the_cpu_form():
+    from jaxpar.run import build
+
+    run = build(sweep_config(load_config([], GPT_SMALL), "fsdp=8"))
+    cpu, gpu = predict.predict_comm(run, "cpu"), predict.predict_comm(run, "gpu")
+    # the gradients of FSDP-sharded weights: all-reduced (2·7/8·S) on CPU, reduce-scattered
+    # (7/8·S) on GPU; b_in [L, F] is not sharded over fsdp and is all-reduced on both
+    moved = cpu.by_kind()["all-reduce"] - gpu.by_kind()["all-reduce"]
+    assert moved == pytest.approx(2 * gpu.by_kind()["reduce-scatter"])
+    assert gpu.by_kind()["all-gather"] == cpu.by_kind()["all-gather"]
+    assert gpu.total_bytes < cpu.total_bytes
+
+
+def test_predicted_step_time_is_the_roofline_of_the_measured_program(rows, h100):
+    row = rows["data=8"]
+    traffic = row.mem_args_bytes + row.mem_output_bytes + 2 * row.mem_temp_bytes
+    assert row.mem_traffic_bytes == traffic
+    compute = max(row.flops / h100.flops_f32, traffic / h100.hbm_bandwidth)
+    assert row.predicted_step_time_s == pytest.approx(
+        compute + row.comm_bytes / (h100.link_bandwidth * h100.links))
+    # the pipeline does more FLOPs per device per step than data=8 here (bubbles count)
+    assert rows["data=4,stage=2"].flops > row.flops
+
+
+def test_layouts_enumerate_every_factorization():
+    layouts = sweep.all_layouts(8)
+    assert len(layouts) == len(set(layouts)) == 20  # ordered 4-way factorizations of 2³
+    for layout in layouts:
+        degrees = [int(x.split("=")[1]) for x in layout.split(",")]
+        assert eval("*".join(map(str, degrees))) == 8
+    assert sweep.layout_overrides("fsdp=4,stage=2,model.remat=full") == [
+        "mesh.data=1", "mesh.stage=2", "mesh.fsdp=4", "mesh.tensor=1", "rules.preset=auto",
+        "model.remat=full"]
+    with pytest.raises(ValueError, match="unknown mesh axis 'pipe'.*data, stage, fsdp, tensor"):
+        sweep.layout_overrides("pipe=2")
+
+
+def test_sweep_command_writes_csv_md_and_png_and_reports_invalid_layouts(tmp_path, capsys):
+    out = tmp_path / "lab"
+    code = main(["sweep", *GPT_SMALL, "--layouts", "data=8", "fsdp=8", "tensor=8", "data=3",
+                 "--steps", "2", "--out", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "tensor=8" in printed and "invalid" in printed
+    with (out / "sweep.csv").open() as f:
+        table = list(csv.DictReader(f))
+    header = list(table[0])
+    assert header[:len(sweep.COLUMNS)] == list(sweep.COLUMNS)
+    assert [r["layout"] for r in table] == ["data=8", "fsdp=8", "tensor=8", "data=3"]
+    good, bad = table[:2], table[2:]
+    for r in good:
+        assert float(r["step_time_s"]) > 0 and float(r["mem_total_bytes"]) > 0
+        assert r["fits"] == "true" and r["error"] == ""
+    assert "heads" in bad[0]["error"] and bad[0]["mem_total_bytes"] == ""
+    assert "mesh" in bad[1]["error"] and "8" in bad[1]["error"]
+    assert float(good[1]["mem_args_bytes"]) < float(good[0]["mem_args_bytes"]) / 4
+    md = (out / "sweep.md").read_text()
+    assert sum(line.startswith("| ") for line in md.splitlines()) == 5  # header + 4 rows
+    assert (out / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sweep_needs_layouts_or_all(capsys):
+    assert main(["sweep", *GPT_SMALL]) == 2
+    assert "--layouts" in capsys.readouterr().err
+
+
+def test_plan_ranks_fitting_layouts_and_fixes_one_that_does_not(h100):
+    config = load_config([], GPT_SMALL)
+    memory = sweep.measure(config, "fsdp=8", h100).mem_total_bytes * 1.02
+    planned = plan(config, 8, h100, memory, ["data=8", "fsdp=8", "tensor=8"])
+    by = {p.row.layout: p for p in planned}
+    assert by["fsdp=8"].row.fits and not by["data=8"].row.fits
+    assert [p.row.layout for p in planned] == ["fsdp=8", "data=8", "tensor=8"]
+    fix = by["data=8"]
+    assert "arguments" in fix.why and "temporaries" in fix.why
+    assert fix.suggestion_row is not None and fix.suggestion_row.fits
+    assert fix.suggestion_row.mem_total_bytes <= memory < fix.row.mem_total_bytes
+    text = format_plan(planned, h100, memory)
+    assert f"fits as `{fix.suggestion}`" in text and "tensor=8: cannot run" in text
+
+
+def test_hardware_profiles_load_and_extend(tmp_path):
+    profiles = hardware.load_profiles()
+    assert {"h100", "h200", "a100"} <= set(profiles)
+    h100, a100 = profiles["h100"], profiles["a100"]
+    assert h100.peak_flops("bfloat16") == 989.4e12 and h100.interconnect_bandwidth == 450e9
+    assert a100.peak_flops("float32") < h100.peak_flops("float32")
+    extra = tmp_path / "hw.yaml"
+    extra.write_text("mychip:\n  name: My chip\n  flops_bf16: 1e15\n  flops_f32: 5e14\n"
+                     "  hbm_bandwidth: 2e12\n  memory_bytes: 4e10\n  link_bandwidth: 1e11\n"
+                     "  links: 4\n  network_bandwidth: 1e10\n")
+    mine = hardware.get_profile("mychip", extra)
+    assert mine.memory_bytes == 4e10 and mine.links == 4
+    t = hardware.roofline(mine, flops=1e15, traffic_bytes=1e12, comm_bytes=4e11, dtype="bfloat16")
+    assert (t.compute_s, t.memory_s, t.comm_s, t.total_s) == (1.0, 0.5, 1.0, 2.0)
+    with pytest.raises(ValueError, match="unknown hardware 'tpu'.*a100, h100, h200"):
+        hardware.get_profile("tpu")
+    extra.write_text("bad:\n  name: x\n")
+    with pytest.raises(ValueError, match="'bad' lacks flops_bf16"):
+        hardware.load_profiles(extra)
