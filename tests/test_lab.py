@@ -9,7 +9,7 @@ import pytest
 from jaxpar.cli import main
 from jaxpar.config import load_config
 from jaxpar.lab import hardware, predict, sweep
-from jaxpar.lab.plan import format_plan, plan
+from jaxpar.lab.plan import best, format_plan, plan
 from tests.helpers import GPT_SMALL
 
 LAYOUTS = ["data=8", "fsdp=8", "data=4,tensor=2", "data=2,fsdp=2,tensor=2", "data=4,stage=2",
@@ -162,6 +162,10 @@ def test_plan_ranks_fitting_layouts_and_fixes_one_that_does_not(h100):
     assert fix.suggestion_row.mem_total_bytes <= memory < fix.row.mem_total_bytes
     text = format_plan(planned, h100, memory)
     assert f"fits as `{fix.suggestion}`" in text and "tensor=8: cannot run" in text
+    top = best(planned)
+    assert top[1].fits and top[1].predicted_step_time_s == min(
+        r.predicted_step_time_s for r in (by["fsdp=8"].row, fix.suggestion_row))
+    assert f"fastest that fits: `{top[0]}`" in text
 
 
 def test_hardware_profiles_load_and_extend(tmp_path):

@@ -4,11 +4,11 @@ Each layout's step is compiled on simulated devices (:func:`jaxpar.lab.sweep.mea
 with no timed steps); layouts are ranked by the roofline step time on a hardware
 profile, those that fit the device memory first. For a layout that does not
 fit, the plan says why (arguments — parameters, optimizer state, batch — versus
-temporaries, mostly activations) and tries the usual fixes in the order the
-numbers suggest — activation recomputation (``model.remat=full``), gradient
-accumulation (``train.grad_accum``), sharding the state further
-(``fsdp``) — compiling each until one fits. A suggestion is therefore a
-compiled, measured layout, not a rule of thumb.
+temporaries, mostly activations) and compiles the usual fixes — activation
+recomputation (``model.remat=full``), gradient accumulation
+(``train.grad_accum``), sharding the state further (``fsdp``) — and suggests
+the fastest of those that fit. A suggestion is therefore a compiled, measured
+layout, not a rule of thumb.
 
 The memory is that of the program XLA compiles for the CPU backend: GPU
 programs differ in fusion and temporaries, so treat a margin of a few percent
@@ -48,14 +48,15 @@ def _why(row: Row, memory: float) -> str:
 
 
 def fixes(config: Config, layout: str, row: Row) -> list[str]:
-    """Variants of ``layout`` to try, most promising first."""
+    """Variants of ``layout`` that need less memory, most promising first."""
     deg = _degrees(layout)
     recompute, accum, shard = [], [], []
-    if config.model.name == "gpt" and config.model.remat == "none":
+    if config.model.name == "gpt" and config.model.remat != "full":
         recompute.append(f"{layout},model.remat=full")
     if deg["stage"] == 1:
         accum += [f"{layout},train.grad_accum={k}" for k in (2, 4, 8)
-                  if config.train.batch_size % (k * deg["data"] * deg["fsdp"]) == 0]
+                  if k > config.train.grad_accum
+                  and config.train.batch_size % (k * deg["data"] * deg["fsdp"]) == 0]
     if deg["data"] > 1:  # move the data degree into fsdp: the state gets sharded that much more
         moved = {**deg, "fsdp": deg["fsdp"] * deg["data"], "data": 1}
         shard.append(",".join(f"{a}={d}" for a, d in moved.items() if d > 1))
@@ -64,13 +65,16 @@ def fixes(config: Config, layout: str, row: Row) -> list[str]:
 
 
 def _suggest(config: Config, planned: Planned, hw: Hardware, memory: float) -> None:
-    for variant in fixes(config, planned.row.layout, planned.row):
-        row = measure(config, variant, hw, memory_bytes=memory)
-        if row.ok and row.fits:
-            planned.suggestion, planned.suggestion_row = variant, row
-            return
-    planned.suggestion = "none of remat, gradient accumulation or more FSDP fits; " \
-                         "use more devices or a smaller model/batch"
+    """Compiles every fix of a layout that does not fit; keeps the fastest that fits."""
+    rows = [measure(config, v, hw, memory_bytes=memory)
+            for v in fixes(config, planned.row.layout, planned.row)]
+    fitting = [r for r in rows if r.ok and r.fits]
+    if fitting:
+        planned.suggestion_row = min(fitting, key=lambda r: r.predicted_step_time_s)
+        planned.suggestion = planned.suggestion_row.layout
+    else:
+        planned.suggestion = "none of remat, gradient accumulation or more FSDP fits; " \
+                             "use more devices or a smaller model/batch"
 
 
 def plan(config: Config, devices: int, hw: Hardware, memory_bytes: float | None = None,
@@ -97,8 +101,20 @@ def plan(config: Config, devices: int, hw: Hardware, memory_bytes: float | None 
     return sorted(planned, key=key)
 
 
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms"
+
+
+def best(planned: list[Planned]) -> tuple[str, Row] | None:
+    """The fastest predicted layout that fits, counting the suggested fixes."""
+    options = [(p.row.layout, p.row) for p in planned if p.row.ok and p.row.fits]
+    options += [(p.suggestion, p.suggestion_row) for p in planned if p.suggestion_row]
+    return min(options, key=lambda o: o[1].predicted_step_time_s, default=None)
+
+
 def format_plan(planned: list[Planned], hw: Hardware, memory: float) -> str:
-    """The ranked table, then a note per layout that does not fit or cannot run."""
+    """The ranked table, then a note per layout that does not fit or cannot run, then the
+    fastest layout that fits."""
     head = ["#", "layout", "memory/device", "fits", "pred. step", "pred. comm", "measured/pred"]
     body = []
     for i, p in enumerate(planned, 1):
@@ -107,20 +123,23 @@ def format_plan(planned: list[Planned], hw: Hardware, memory: float) -> str:
             body.append([str(i), r.layout, "", "invalid", "", "", ""])
             continue
         body.append([str(i), r.layout, fmt_value(r.mem_total_bytes, "B"),
-                     "yes" if r.fits else "NO", fmt_value(r.predicted_step_time_s, "s"),
+                     "yes" if r.fits else "NO", _ms(r.predicted_step_time_s),
                      fmt_value(r.predicted_comm_bytes, "B"),
                      "" if r.comm_ratio is None else f"{r.comm_ratio:.2f}"])
     widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
              for row in [head, ["-" * w for w in widths], *body]]
     lines.append(f"ranked by predicted step time on {hw.name}; memory judged against "
-                 f"{fmt_value(memory, 'B')} per device")
+                 f"{memory / 1e9:.3g} GB ({fmt_value(memory, 'B')}) per device")
     for p in planned:
         if not p.row.ok:
             lines.append(f"- {p.row.layout}: cannot run: {p.row.error}")
         elif not p.row.fits:
             fix = (f"fits as `{p.suggestion}` ({fmt_value(p.suggestion_row.mem_total_bytes, 'B')}"
-                   f", predicted {fmt_value(p.suggestion_row.predicted_step_time_s, 's')})"
+                   f", predicted {_ms(p.suggestion_row.predicted_step_time_s)})"
                    if p.suggestion_row else p.suggestion)
             lines.append(f"- {p.row.layout}: {p.why}; {fix}")
+    top = best(planned)
+    lines.append(f"fastest that fits: `{top[0]}`, predicted {_ms(top[1].predicted_step_time_s)}"
+                 if top else "no layout fits")
     return "\n".join(lines)
