@@ -106,9 +106,8 @@ class StepTime:
 
 
 def roofline(hw: Hardware, flops: float, traffic_bytes: float, comm_bytes: float,
-             dtype: str, cross_host_bytes: float = 0.0) -> StepTime:
-    """Predicted step time on ``hw`` from per-device FLOPs, memory traffic and wire bytes
-    (``cross_host_bytes`` of them over the network, the rest over the host's links)."""
+             dtype: str) -> StepTime:
+    """Predicted step time on ``hw`` from per-device FLOPs, memory traffic and collective
+    wire bytes (all over the host's links: the lab does not price cross-host axes yet)."""
     return StepTime(flops / hw.peak_flops(dtype), traffic_bytes / hw.hbm_bandwidth,
-                    (comm_bytes - cross_host_bytes) / hw.interconnect_bandwidth
-                    + cross_host_bytes / hw.network_bandwidth)
+                    comm_bytes / hw.interconnect_bandwidth)
