@@ -23,7 +23,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 Rules = Mapping[str, tuple[str, ...]]
-AxisNames = Sequence[str | None]
+AxisNames = Sequence[str | tuple[str, ...] | None]
 
 _ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar(
     "jaxpar_activation_rules", default=None
@@ -36,7 +36,8 @@ def spec_for(
     """The ``PartitionSpec`` of an array whose dims carry logical ``names``.
 
     Args:
-      names: one logical name per dim; ``None`` marks a dim that is never sharded.
+      names: one logical name per dim (or a tuple of names, whose mesh axes are joined);
+        ``None`` marks a dim that is never sharded.
       rules: logical name → mesh axes.
       mesh: the mesh (for axis sizes).
       shape: the array shape, checked for divisibility.
@@ -52,16 +53,21 @@ def spec_for(
             f"{tuple(shape)}; give one name per dim"
         )
     entries, used = [], {}
-    for dim, (name, size) in enumerate(zip(names, shape)):
-        if name is None:
+    for dim, (entry, size) in enumerate(zip(names, shape)):
+        if entry is None:
             entries.append(None)
             continue
-        if name not in rules:
-            raise ValueError(
-                f"logical axis '{name}' of {what} (dim {dim}, shape {tuple(shape)}) has no rule; "
-                f"add one, e.g. rules.{name}=null to replicate it or rules.{name}=fsdp to shard it"
-            )
-        axes = tuple(rules[name])
+        # A dim may carry several logical names (Flax allows a tuple): their axes, in order.
+        group = entry if isinstance(entry, tuple) else (entry,)
+        for name in group:
+            if name not in rules:
+                raise ValueError(
+                    f"logical axis '{name}' of {what} (dim {dim}, shape {tuple(shape)}) has no "
+                    f"rule; add one, e.g. rules.{name}=null to replicate it or rules.{name}=fsdp "
+                    f"to shard it"
+                )
+        name = "+".join(group)
+        axes = tuple(a for n in group for a in rules[n])
         for axis in axes:
             if axis not in mesh.shape:
                 raise ValueError(

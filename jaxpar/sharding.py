@@ -93,31 +93,56 @@ def path_str(path: tuple[Any, ...]) -> str:
     return "/".join(parts)
 
 
-def logical_axes(
-    abstract_state: nnx.State, path_rules: PathRules = ()
-) -> dict[str, Any]:
-    """Logical axis names of every parameter, as a pure dict like the params.
+#: Where Flax keeps the logical names that ``nnx.with_partitioning(init, names)`` and
+#: ``nnx.Param(value, out_sharding=names)`` attach to a variable: ``out_sharding`` (Flax
+#: 0.12), ``sharding_names`` (0.11) and ``sharding`` (0.10 and older).
+FLAX_NAME_KEYS = ("out_sharding", "sharding_names", "sharding")
 
-    A parameter's names come from its ``axes`` metadata (``nnx.Param(v,
-    axes=(...))``); for modules without annotations, the first regex in
-    ``path_rules`` that matches the parameter path ('dense1/kernel') gives them.
+
+def variable_names(var: nnx.Variable, where: str) -> tuple[Any, ...] | None:
+    """The logical names Flax's metadata gives ``var`` (one per dim), or None.
 
     Raises:
-      ValueError: naming the path of a parameter that has neither.
+      ValueError: when the metadata holds a concrete sharding instead of names.
     """
+    meta = var.get_metadata()
+    for key in FLAX_NAME_KEYS:
+        names = meta.get(key)
+        if names is None:
+            continue
+        if isinstance(names, PartitionSpec | list):
+            names = tuple(names)
+        if not isinstance(names, tuple):
+            raise ValueError(
+                f"variable '{where}' carries {key}={names!r}, a concrete sharding; jaxpar needs "
+                f"logical names, e.g. nnx.with_partitioning(init, ('embed', 'mlp')), which the "
+                f"rules table maps onto the mesh")
+        return names
+    return None
 
-    def names_of(path: tuple[Any, ...], var: nnx.Variable) -> tuple[str | None, ...]:
-        meta = var.get_metadata()
-        if meta.get("axes") is not None:
-            return tuple(meta["axes"])
+
+def logical_axes(abstract_state: nnx.State, path_rules: PathRules = ()
+                 ) -> tuple[dict[str, Any], list[str]]:
+    """Logical names of every variable, as a pure dict like the state, and the paths of
+    the variables that have none.
+
+    A variable's names come from Flax's sharding metadata (:data:`FLAX_NAME_KEYS`);
+    for one without, the first regex of ``path_rules`` that matches its path
+    ('dense1/kernel') gives them. A variable with neither gets ``None`` for every
+    dim (replicated); its path is returned so the caller can say so.
+    """
+    unnamed: list[str] = []
+
+    def names_of(path: tuple[Any, ...], var: nnx.Variable) -> tuple[Any, ...]:
         where = path_str(path)
-        for pattern, names in path_rules:
+        names = variable_names(var, where)
+        if names is not None:
+            return names
+        for pattern, rule_names in path_rules:
             if re.fullmatch(pattern, where):
-                return tuple(names)
-        raise ValueError(
-            f"parameter '{where}' (shape {tuple(var.shape)}) has no logical axes: annotate it "
-            f"with nnx.Param(value, axes=(...)) or add a path rule (regex, names) matching '{where}'"
-        )
+                return tuple(rule_names)
+        unnamed.append(where)
+        return (None,) * len(var.shape)
 
     out: dict[str, Any] = {}
     leaves = jax.tree_util.tree_leaves_with_path(
@@ -128,7 +153,7 @@ def logical_axes(
         for key in keys[:-1]:
             node = node.setdefault(key, {})
         node[keys[-1]] = names_of(path, var)
-    return out
+    return out, unnamed
 
 
 def param_specs(abstract_params: Any, axes: Any, rules: Rules, mesh: Mesh) -> Any:

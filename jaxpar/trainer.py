@@ -42,7 +42,8 @@ class TrainState:
 
 def abstract_model(task: Task, seed: int = 0) -> tuple[nnx.GraphDef, nnx.State]:
     """Graph definition and abstract (shape-only) state of the task's model."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: task.model_fn(nnx.Rngs(seed))))
+    with nnx.use_eager_sharding(False):
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: task.model_fn(nnx.Rngs(seed))))
     return graphdef, state
 
 
@@ -53,7 +54,7 @@ def abstract_params_and_axes(task: Task, seed: int = 0) -> tuple[Any, Any]:
 
 def _params_and_axes(state: nnx.State, task: Task) -> tuple[Any, Any]:
     _params_only(state)
-    return nnx.to_pure_dict(state), shd.logical_axes(state, task.path_rules)
+    return nnx.to_pure_dict(state), shd.logical_axes(state, task.path_rules)[0]
 
 
 def _params_only(state: nnx.State) -> None:
@@ -213,7 +214,7 @@ class Trainer:
 
     # ---- init ----------------------------------------------------------------------------
     def _create(self) -> TrainState:
-        with activation_rules(self.mesh, self.rules):
+        with activation_rules(self.mesh, self.rules), nnx.use_eager_sharding(False):
             model = self.task.model_fn(nnx.Rngs(self.seed))
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         zero = jnp.zeros((), jnp.int32)

@@ -14,6 +14,14 @@ CFG = GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_s
 TOKENS = jax.random.randint(jax.random.key(1), (4, 16), 0, 64)
 
 
+@pytest.fixture(autouse=True)
+def logical_names_only():
+    """The GPT's parameters carry logical names, not mesh axes: built outside jaxpar (no
+    mesh), Flax must not try to shard them at construction."""
+    with nnx.use_eager_sharding(False):
+        yield
+
+
 def _loss_and_grads(cfg):
     model = GPT(cfg, rngs=nnx.Rngs(0))
 

@@ -18,17 +18,17 @@ from jaxpar.logical import constrain
 def _dense(key: jax.Array, fan_in: int, fan_out: int, axes: tuple[str, str]) -> nnx.Param:
     limit = (6.0 / (fan_in + fan_out)) ** 0.5  # Glorot uniform
     w = jax.random.uniform(key, (fan_in, fan_out), jnp.float32, -limit, limit)
-    return nnx.Param(w, axes=axes)
+    return nnx.Param(w, out_sharding=axes)
 
 
 def _conv(key: jax.Array, size: int, c_in: int, c_out: int) -> nnx.Param:
     fan_in = size * size * c_in
     w = jax.random.normal(key, (size, size, c_in, c_out), jnp.float32) * (2.0 / fan_in) ** 0.5
-    return nnx.Param(w, axes=("conv_h", "conv_w", "conv_in", "conv_out"))
+    return nnx.Param(w, out_sharding=("conv_h", "conv_w", "conv_in", "conv_out"))
 
 
 def _bias(size: int, axis: str) -> nnx.Param:
-    return nnx.Param(jnp.zeros((size,), jnp.float32), axes=(axis,))
+    return nnx.Param(jnp.zeros((size,), jnp.float32), out_sharding=(axis,))
 
 
 class ConvNet(nnx.Module):

@@ -45,11 +45,11 @@ class GPTConfig:
 
 
 def _param(key: jax.Array, shape: tuple[int, ...], axes: tuple[str, ...], scale: float) -> nnx.Param:
-    return nnx.Param(scale * jax.random.normal(key, shape, jnp.float32), axes=axes)
+    return nnx.Param(scale * jax.random.normal(key, shape, jnp.float32), out_sharding=axes)
 
 
 def _const(value: float, shape: tuple[int, ...], axes: tuple[str, ...]) -> nnx.Param:
-    return nnx.Param(jnp.full(shape, value, jnp.float32), axes=axes)
+    return nnx.Param(jnp.full(shape, value, jnp.float32), out_sharding=axes)
 
 
 class Blocks(nnx.Module):
