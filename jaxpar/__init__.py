@@ -6,7 +6,8 @@ Models name logical axes; a rules table maps them onto the mesh axes
 * config: :func:`load_config`, :class:`Config`
 * devices and mesh: :func:`setup_devices`, :func:`make_mesh`
 * rules: :data:`PRESETS`, :func:`resolve_rules`, :func:`constrain`
-* training: :class:`Task`, :class:`Trainer`, :func:`make_optimizer`, :func:`train`
+* training: :class:`Task`, :func:`train` (the whole loop), :class:`Hook` (extend it),
+  :class:`Trainer` (the sharded state and steps alone), :func:`make_optimizer`
 """
 
 from jaxpar.builtin_tasks import classification_loss, lm_loss, task_from_config
@@ -21,6 +22,7 @@ from jaxpar.config import (
                            TrainConfig,
                            load_config,
 )
+from jaxpar.hooks import Hook
 from jaxpar.logical import constrain, spec_for
 from jaxpar.loop import train
 from jaxpar.mesh import make_mesh, setup_devices
@@ -33,6 +35,7 @@ __all__ = [
                            "PRESETS",
                            "Config",
                            "DataConfig",
+                           "Hook",
                            "MeshConfig",
                            "ModelConfig",
                            "OptimConfig",

@@ -11,6 +11,7 @@ import optax
 from flax import nnx
 
 from jaxpar.config import ModelConfig
+from jaxpar.data.sources import DataNeeds
 from jaxpar.models.classifiers import ConvNet, MLPClassifier
 from jaxpar.models.gpt import GPT, GPTConfig
 from jaxpar.task import Batch, StageSplit, Task
@@ -49,6 +50,13 @@ def gpt_config(cfg: ModelConfig) -> GPTConfig:
     return GPTConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(GPTConfig)})
 
 
+def data_needs(cfg: ModelConfig) -> DataNeeds:
+    """What the built-in model ``cfg.name`` takes from the config's data."""
+    if cfg.name == "gpt":
+        return DataNeeds("text", vocab_size=cfg.vocab_size)
+    return DataNeeds("images", num_classes=cfg.num_classes)
+
+
 def task_from_config(cfg: ModelConfig, seq_len: int = 0,
                      image_shape: tuple[int, int, int] | None = None) -> Task:
     """The built-in task named by ``cfg.name``.
@@ -61,12 +69,13 @@ def task_from_config(cfg: ModelConfig, seq_len: int = 0,
     if cfg.name == "gpt":
         gcfg = gpt_config(cfg)
         return Task(lambda rngs: GPT(gcfg, rngs=rngs), lm_loss,
-                    {"tokens": ("batch", None)}, tokens_per_example=seq_len, stages=GPT_STAGES)
+                    {"tokens": ("batch", None)}, tokens_per_example=seq_len, stages=GPT_STAGES,
+                    name="gpt")
     if image_shape is None:
         raise ValueError(f"model.name={cfg.name} needs image data (data.path to an .npz, or empty)")
     axes: dict[str, Any] = {"images": ("batch", None, None, None), "labels": ("batch",)}
     if cfg.name == "convnet":
         return Task(lambda rngs: ConvNet(image_shape, cfg.channels, cfg.hidden, cfg.num_classes,
-                                         rngs=rngs), classification_loss, axes)
+                                         rngs=rngs), classification_loss, axes, name="convnet")
     return Task(lambda rngs: MLPClassifier(image_shape, cfg.hidden, cfg.num_classes, rngs=rngs),
-                classification_loss, axes)
+                classification_loss, axes, name="mlp")

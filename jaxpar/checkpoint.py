@@ -1,8 +1,9 @@
 """Orbax checkpoints of a train state: async saves, restore onto any layout, checked restores.
 
 A checkpoint is an Orbax ``CheckpointManager`` step directory with two items:
-``state`` (step, params, optimizer state, skipped-step count; standard Orbax
-array format) and ``meta`` (JSON: the seed, the resolved config and the metrics
+``state`` (step, params, optimizer state, skipped-step count and, for models that
+have it, the non-parameter model state — BatchNorm statistics, RNG keys and
+counts; standard Orbax array format) and ``meta`` (JSON: the seed, the resolved config and the metrics
 of that step). Saves are asynchronous by default: the caller pays for the
 device-to-host copy, Orbax writes in the background, and any write error is
 raised as a :class:`CheckpointError` by the next :meth:`Checkpointer.save`,
@@ -41,8 +42,18 @@ class CheckpointError(RuntimeError):
 
 
 def _as_tree(state: TrainState) -> dict[str, Any]:
-    return {"step": state.step, "params": state.params, "opt_state": state.opt_state,
+    """The saved tree; ``model_state`` (BatchNorm statistics, RNG streams) only when the
+    model has such state, so checkpoints of parameter-only models keep their layout."""
+    tree = {"step": state.step, "params": state.params, "opt_state": state.opt_state,
             "skipped": state.skipped}
+    if jax.tree.leaves(state.model_state):
+        tree["model_state"] = state.model_state
+    return tree
+
+
+def _from_tree(tree: dict[str, Any]) -> TrainState:
+    return TrainState(tree["step"], tree["params"], tree["opt_state"], tree["skipped"],
+                      tree.get("model_state", {}))
 
 
 class Checkpointer:
@@ -151,9 +162,7 @@ class Checkpointer:
         self._check_compatible(step, target)
         restored = self._manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
-        tree = restored.state
-        state = TrainState(tree["step"], tree["params"], tree["opt_state"], tree["skipped"])
-        return state, dict(restored.meta or {})
+        return _from_tree(restored.state), dict(restored.meta or {})
 
     def _check_compatible(self, step: int, target: dict[str, Any]) -> None:
         """Compares the stored tree's paths, shapes and dtypes with ``target``."""
@@ -177,11 +186,14 @@ class Checkpointer:
 
 
 def _leaves(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Path → (shape, dtype) of every array leaf (Orbax metadata or abstract arrays)."""
+    """Path → (shape, dtype) of every array leaf (Orbax metadata or abstract arrays); a
+    typed PRNG key as Orbax stores it, its key data."""
     out = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
         shape = getattr(leaf, "shape", None)
         if shape is None:
             continue
-        out[path_str(path)] = (tuple(shape), str(np.dtype(leaf.dtype)))
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape, leaf.dtype))
+        out[path_str(path)] = (tuple(leaf.shape), str(np.dtype(leaf.dtype)))
     return out

@@ -1,7 +1,7 @@
 """The ``jaxpar`` command: a thin layer that parses arguments and calls the Python API.
 
-    jaxpar train    [CONFIG.yaml …] [section.key=value …] [--devices N]
-    jaxpar inspect  [CONFIG.yaml …] [section.key=value …] [--devices N]
+    jaxpar train    [CONFIG.yaml …] [section.key=value …] [--devices N] [--task FILE.py:NAME]
+    jaxpar inspect  [CONFIG.yaml …] [section.key=value …] [--devices N] [--task FILE.py:NAME]
     jaxpar pipeline [CONFIG.yaml …] [section.key=value …] [--devices N] [--png PATH] [--width N]
     jaxpar export   [CONFIG.yaml …] [section.key=value …] [--devices N] --out PARAMS.npz [--step N]
     jaxpar sweep    [CONFIG.yaml …] [section.key=value …] (--layouts L … | --all) [--out DIR]
@@ -10,8 +10,11 @@
                     [--memory-gb G] [--layouts L …]
     jaxpar prepare-data INPUT… --out PATH [--tokenizer byte|TOKENIZER.json] [--glob PATTERN]
     jaxpar launch   -n N [--devices-per-process K] [--cpus-per-process C] -- COMMAND [ARGS…]
+    jaxpar plot     RUN_DIR [RUN_DIR …] [--out PATH]
 
 With no CONFIG the default config (``configs/gpt_tiny.yaml``'s settings) is used.
+``--task FILE.py:NAME`` (or ``package.module:NAME``) trains a user's jaxpar.Task instead
+of the built-in model (every command that takes a config accepts it).
 ``prepare-data`` takes no config: it turns local text files and folders into a token file
 (``PATH`` plus ``PATH.json``) that training memory-maps.
 Exit status: 0 done, 2 bad input, 3 non-finite stop, 4 preempted (SIGTERM; checkpoint
@@ -21,9 +24,16 @@ written), 5 a checkpoint could not be written (the complete ones stay usable).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import warnings
 
-from jaxpar.config import Config, load_config
+from typing import TYPE_CHECKING
+
+from jaxpar.config import Config, load_config, run_dir_for
+
+if TYPE_CHECKING:
+    from jaxpar.task import Task
 
 #: Exit status after a SIGTERM: the checkpoint of the current step is complete on disk.
 PREEMPTED = 4
@@ -44,9 +54,11 @@ def _parser() -> argparse.ArgumentParser:
                          help="YAML files (later ones win), then overrides such as mesh.fsdp=8")
         cmd.add_argument("--devices", type=int, default=None,
                          help="device count (simulated CPU devices when there is no accelerator)")
+        _task_argument(cmd)
         if name == "pipeline":
             cmd.add_argument("--png", default=None, metavar="PATH",
-                             help="also write the schedule chart as a PNG")
+                             help="also write the schedule chart (PNG; a path ending in .svg "
+                                  "writes SVG)")
             cmd.add_argument("--width", type=int, default=None,
                              help="wrap the text grid at this many columns")
         if name == "export":
@@ -55,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
             cmd.add_argument("--step", type=int, default=None,
                              help="the checkpoint step (default: the latest)")
     _lab_parsers(sub)
+    from jaxpar import plot
+
+    plot.add_parser(sub)
     prep = sub.add_parser("prepare-data", help="tokenize local text files into a token file")
     prep.add_argument("inputs", nargs="+", metavar="INPUT",
                       help="text files and/or folders (every non-hidden file below, sorted)")
@@ -79,6 +94,12 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _task_argument(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument("--task", default=None, metavar="FILE.py:NAME",
+                     help="train your own model: a jaxpar.Task (or a function returning one) "
+                          "in a Python file or module (package.module:NAME)")
+
+
 def _lab_parsers(sub: argparse._SubParsersAction) -> None:
     """``sweep`` and ``plan`` (the layout lab, ``jaxpar/lab/``)."""
     sweep = sub.add_parser("sweep", help="compile, measure and predict several layouts side by "
@@ -99,6 +120,7 @@ def _lab_parsers(sub: argparse._SubParsersAction) -> None:
                               "hardware profile's)")
         cmd.add_argument("--layouts", nargs="+", default=None, metavar="LAYOUT",
                          help='layouts such as "data=8" "fsdp=4,stage=2" (axes left out are 1)')
+        _task_argument(cmd)
     sweep.add_argument("--all", action="store_true",
                        help="every way to factor the device count over data/fsdp/tensor/stage")
     sweep.add_argument("--out", default=None, metavar="DIR",
@@ -111,7 +133,7 @@ def _lab_parsers(sub: argparse._SubParsersAction) -> None:
                       help="how many devices to plan for (simulated on the CPU to compile)")
 
 
-def _sweep(args: argparse.Namespace, config: Config) -> None:
+def _sweep(args: argparse.Namespace, config: Config, task: Task | None) -> None:
     from jaxpar.lab import sweep
     from jaxpar.lab.hardware import get_profile
     from jaxpar.mesh import select_devices
@@ -121,24 +143,26 @@ def _sweep(args: argparse.Namespace, config: Config) -> None:
     hw = get_profile(args.hardware, args.hardware_file)
     layouts = args.layouts or sweep.all_layouts(len(select_devices(config.run.devices)))
     memory = args.memory_gb * 1e9 if args.memory_gb else None
-    print(f"sweeping {len(layouts)} layout{'s' * (len(layouts) != 1)} of {config.model.name} "
+    what = task.name if task is not None else config.model.name
+    print(f"sweeping {len(layouts)} layout{'s' * (len(layouts) != 1)} of {what} "
           f"(global batch {config.train.batch_size})", flush=True)
-    rows = sweep.sweep(config, layouts, hw, args.steps, memory, echo=True)
+    rows = sweep.sweep(config, layouts, hw, args.steps, memory, echo=True, task=task)
     print(sweep.format_table(rows, hw))
     for path in sweep.write_outputs(rows, hw, args.out or f"{config.run.dir}/sweep"):
         print(f"wrote {path}")
 
 
-def _plan(args: argparse.Namespace, config: Config) -> None:
+def _plan(args: argparse.Namespace, config: Config, task: Task | None) -> None:
     from jaxpar.lab.hardware import get_profile
     from jaxpar.lab.plan import format_plan, plan
 
     hw = get_profile(args.hardware, args.hardware_file)
     memory = args.memory_gb * 1e9 if args.memory_gb else hw.memory_bytes
-    print(f"planning {config.model.name} (global batch {config.train.batch_size}) on "
+    what = task.name if task is not None else config.model.name
+    print(f"planning {what} (global batch {config.train.batch_size}) on "
           f"{args.devices} × {hw.name}", flush=True)
-    print(format_plan(plan(config, args.devices, hw, memory, args.layouts, echo=True), hw,
-                      memory))
+    print(format_plan(plan(config, args.devices, hw, memory, args.layouts, echo=True,
+                           task=task), hw, memory))
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -150,10 +174,10 @@ def _launch(args: argparse.Namespace) -> int:
                   cpus_per_process=args.cpus_per_process, port=args.port, grace_s=args.grace)
 
 
-def _export(config: Config, out: str, step: int | None) -> None:
+def _export(config: Config, out: str, step: int | None, task: Task | None) -> None:
     from jaxpar.resume import export_params
 
-    path, step = export_params(config, out, step)
+    path, step = export_params(config, out, step, task=task)
     print(f"parameters of step {step} written to {path}")
 
 
@@ -166,11 +190,12 @@ def _prepare_data(args: argparse.Namespace) -> None:
           f"(vocab {tf.vocab_size:,}, {tf.tokens.dtype.name}, {size:,} bytes) written to {tf.path}")
 
 
-def _show_pipeline(config: Config, png: str | None, width: int | None) -> None:
+def _show_pipeline(config: Config, png: str | None, width: int | None,
+                   task: Task | None) -> None:
     from jaxpar.pipeline import chart
     from jaxpar.run import build
 
-    table = build(config).trainer.pipeline
+    table = build(config, task).trainer.pipeline
     if table is None:
         raise ValueError(f"mesh.stage={config.mesh.stage}: there is no pipeline to show; "
                          "set mesh.stage to 2 or more")
@@ -188,44 +213,80 @@ def _config(args: argparse.Namespace) -> Config:
     return load_config(files, overrides)
 
 
+def _run(args: argparse.Namespace) -> None:
+    """A command that takes a config (and optionally --task)."""
+    config = _config(args)
+    task = None
+    if args.task:
+        from jaxpar.user_code import load_task
+
+        task = load_task(args.task, config)
+        config = run_dir_for(config, task.name)
+    # JAX is imported by now, but its backend starts only at first use.
+    from jaxpar.distributed import initialize
+    from jaxpar.mesh import setup_devices
+
+    initialize(config.distributed)  # before anything touches a device
+    setup_devices(config.run.devices)
+    if args.command == "train":
+        from jaxpar.loop import train
+
+        train(config, task=task)
+    elif args.command == "pipeline":
+        _show_pipeline(config, args.png, args.width, task)
+    elif args.command == "export":
+        _export(config, args.out, args.step, task)
+    elif args.command == "sweep":
+        _sweep(args, config, task)
+    elif args.command == "plan":
+        _plan(args, config, task)
+    else:
+        from jaxpar.report import format_report, layout_totals
+        from jaxpar.run import build
+
+        run = build(config, task)
+        print(format_report(run, layout_totals(run)))
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The arguments; configs and overrides may come before or after options
+    (``jaxpar train --task f.py:TASK mesh.fsdp=8``)."""
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not hasattr(args, "args") or any(e.startswith("-") for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.args = [*args.args, *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``jaxpar`` console script; returns the exit status."""
-    args = _parser().parse_args(argv)
+    """Entry point of the ``jaxpar`` console script; returns the exit status.
+
+    Errors a user can fix print one line (``JAXPAR_DEBUG=1``: the traceback too).
+    """
+    args = _parse(argv)
     from jaxpar.launch import pin_from_env
 
     pin_from_env()  # a process started by `jaxpar launch --cpus-per-process`
+    debug = os.environ.get("JAXPAR_DEBUG", "") not in ("", "0")
+    if not debug:  # a warning is one line that says what to change, like an error
+        warnings.formatwarning = lambda message, *_: f"jaxpar: warning: {message}\n"
     try:
         if args.command == "prepare-data":  # needs no config
             _prepare_data(args)
             return 0
         if args.command == "launch":
             return _launch(args)
-        config = _config(args)
-        # JAX is imported by now, but its backend starts only at first use.
-        from jaxpar.distributed import initialize
-        from jaxpar.mesh import setup_devices
+        if args.command == "plot":  # needs no config
+            from jaxpar.plot import run as plot
 
-        initialize(config.distributed)  # before anything touches a device
-        setup_devices(config.run.devices)
-        if args.command == "train":
-            from jaxpar.loop import train
-
-            train(config)
-        elif args.command == "pipeline":
-            _show_pipeline(config, args.png, args.width)
-        elif args.command == "export":
-            _export(config, args.out, args.step)
-        elif args.command == "sweep":
-            _sweep(args, config)
-        elif args.command == "plan":
-            _plan(args, config)
-        else:
-            from jaxpar.report import format_report, layout_totals
-            from jaxpar.run import build
-
-            run = build(config)
-            print(format_report(run, layout_totals(run)))
+            plot(args)
+            return 0
+        _run(args)
     except ValueError as err:  # a user mistake: the message says what to fix
+        if debug:
+            raise
         print(f"jaxpar: error: {err}", file=sys.stderr)
         return 2
     except FloatingPointError as err:  # train.nonfinite=stop

@@ -83,7 +83,10 @@ class ModelConfig:
     ``d_model``, ``n_layers``, ``n_heads``, ``d_ff``, ``max_seq_len``,
     ``positions`` (learned|rotary), ``tie_embeddings``, ``remat``
     (none|full|save_dots), ``dtype`` (float32|bfloat16; parameters stay
-    float32). Classifier fields: ``channels``, ``hidden``, ``num_classes``.
+    float32), ``attention`` (auto|xla|cudnn: ``jax.nn.dot_product_attention``'s
+    implementation; auto = cuDNN's fused kernel on a GPU with bfloat16 compute and
+    a head dim that is a multiple of 8 up to 128, XLA elsewhere). Classifier
+    fields: ``channels``, ``hidden``, ``num_classes``.
     """
 
     name: str = "gpt"
@@ -97,6 +100,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     remat: str = "none"
     dtype: str = "float32"
+    attention: str = "auto"
     channels: int = 20
     hidden: int = 50
     num_classes: int = 10
@@ -136,7 +140,8 @@ class OptimConfig:
     """Optax chain: optimizer, learning-rate schedule, clipping, weight decay.
 
     ``name``: sgd|adam|adamw|lamb|adafactor. ``schedule``: constant|cosine|
-    linear|step|rsqrt, always after ``warmup_steps`` of linear warmup from 0.
+    linear|step|rsqrt, always after ``warmup_steps`` of linear warmup from 0
+    (below 1: that fraction of the run; longer than the run: clamped, with a warning).
     ``decay_steps`` 0 means "until the last training step". ``step_every`` and
     ``step_gamma`` define StepLR-style decay. ``clip_norm`` 0 disables
     global-norm clipping. Weight decay never applies to 1-D parameters.
@@ -144,7 +149,7 @@ class OptimConfig:
 
     name: str = "adamw"
     lr: float = 3e-3
-    warmup_steps: int = 20
+    warmup_steps: float = 20
     schedule: str = "cosine"
     decay_steps: int = 0
     min_lr_ratio: float = 0.1
@@ -169,7 +174,10 @@ class TrainConfig:
     ``<run.dir>/profile`` (steps are numbered from 1, as in ``metrics.jsonl``:
     ``"5:8"`` traces steps 5, 6 and 7); empty: off. Quote it in YAML
     (``profile_steps: "5:8"``), which otherwise reads ``5:8`` as the base-60
-    number 308.
+    number 308. ``hooks``: a user's loop hooks, each ``path/to/file.py:NAME`` or
+    ``package.module:NAME`` naming a :class:`jaxpar.Hook` subclass (built with no
+    arguments), an instance, or a function returning one; called after the built-in
+    hooks, in order.
     """
 
     steps: int = 200
@@ -182,6 +190,7 @@ class TrainConfig:
     progress: bool = True
     tensorboard: bool = False
     profile_steps: str = ""
+    hooks: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -263,6 +272,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.positions": ("learned", "rotary"),
     "model.remat": ("none", "full", "save_dots"),
     "model.dtype": ("float32", "bfloat16"),
+    "model.attention": ("auto", "xla", "cudnn"),
     "optim.name": ("sgd", "adam", "adamw", "lamb", "adafactor"),
     "optim.schedule": ("constant", "cosine", "linear", "step", "rsqrt"),
     "train.nonfinite": ("stop", "skip"),
@@ -300,6 +310,8 @@ def _check_type(key: str, value: Any, typ: Any) -> Any:
             return float(value)
         except ValueError:
             pass
+    if typ == tuple[str, ...]:
+        return _string_list(key, value)
     if typ in (int, float, str, bool):
         if isinstance(value, typ) and not (typ is int and isinstance(value, bool)):
             return value
@@ -311,6 +323,18 @@ def _check_type(key: str, value: Any, typ: Any) -> Any:
             f"({type(value).__name__}); fix the value in the YAML{quote} or the override {key}=..."
         )
     raise AssertionError(f"unsupported config field type {typ} for {key}")
+
+
+def _string_list(key: str, value: Any) -> tuple[str, ...]:
+    """A list of strings: a YAML list, one string, or a comma-separated string."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return tuple(v.strip() for v in value.split(",") if v.strip())
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise ValueError(f"config key '{key}' expects a list of strings, got {value!r}; write "
+                     f"e.g. {key}=[my_hooks.py:Tracker]")
 
 
 def _parse_rule(key: str, value: Any) -> RuleValue:
@@ -463,23 +487,34 @@ def _non_default(config: Config, dotted: str) -> bool:
     return getattr(getattr(config, section), key) != getattr(getattr(Config(), section), key)
 
 
-def unused_settings(config: Config) -> list[str]:
-    """Keys set away from their default that the chosen model/optimizer ignores."""
+def unused_settings(config: Config, *, user_task: bool = False, own_data: bool = False,
+                    own_optimizer: bool = False) -> list[str]:
+    """Keys set away from their default that the run ignores: another model's keys, the
+    ``model`` section for a user's task, ``data`` keys when the task brings its data,
+    ``optim`` keys when it brings its optimizer, and options of other choices."""
     gpt_keys = ["model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads",
                 "model.d_ff", "model.max_seq_len", "model.positions", "model.tie_embeddings",
                 "model.remat", "model.dtype", "data.seq_len"]
     image_keys = ["model.channels", "model.hidden", "model.num_classes", "data.image_size",
                   "data.num_examples"]
     ignored = {"gpt": image_keys, "convnet": gpt_keys, "mlp": [*gpt_keys, "model.channels"]}
-    keys = list(ignored[config.model.name])
+    if user_task:
+        keys = [f"model.{f.name}" for f in dataclasses.fields(ModelConfig)]
+    else:
+        keys = list(ignored[config.model.name])
     data = config.data
     synthetic = data.dataset == "synthetic" or (data.dataset == "auto" and not data.path
                                                 and config.model.name != "gpt")
-    if not synthetic:
+    if own_data:
+        keys += [f"data.{f.name}" for f in dataclasses.fields(DataConfig)
+                 if f.name not in ("threads", "prefetch", "workers", "wait_warn")]
+    elif not synthetic:
         keys += ["data.num_examples", "data.image_size"]
-    elif config.model.name == "gpt":
+    elif config.model.name == "gpt" and not user_task:
         keys = [k for k in keys if k != "data.num_examples"]
     optim = config.optim.name
+    if own_optimizer:
+        keys += [f"optim.{f.name}" for f in dataclasses.fields(OptimConfig)]
     if optim != "sgd":
         keys += ["optim.momentum", "optim.nesterov"]
     if optim in ("sgd", "adafactor"):
@@ -496,12 +531,20 @@ def unused_settings(config: Config) -> list[str]:
     return [k for k in dict.fromkeys(keys) if _non_default(config, k)]
 
 
-def warn_unused(config: Config) -> None:
-    """Warns once per key that is set but has no effect (STYLE: never silently ignore)."""
-    for key in unused_settings(config):
-        warnings.warn(f"config key '{key}' has no effect with model.name={config.model.name}, "
-                      f"optim.name={config.optim.name}, optim.schedule={config.optim.schedule}, "
-                      f"mesh.stage={config.mesh.stage}, checkpoint.keep_best={config.checkpoint.keep_best}",
+def warn_unused(config: Config, **run: bool) -> None:
+    """Warns once per key that is set but has no effect (STYLE: never silently ignore);
+    ``run`` says what the run brings itself (see :func:`unused_settings`)."""
+    why = {"user_task": "the task is a user's (its model is its own)",
+           "own_data": "the task brings its own data",
+           "own_optimizer": "the run brings its own Optax optimizer"}
+    context = [why[k] for k, on in run.items() if on] + [
+        f"model.name={config.model.name}, optim.name={config.optim.name}, "
+        f"optim.schedule={config.optim.schedule}, mesh.stage={config.mesh.stage}, "
+        f"checkpoint.keep_best={config.checkpoint.keep_best}"]
+    if run.get("user_task"):
+        context.pop()
+    for key in unused_settings(config, **run):
+        warnings.warn(f"config key '{key}' has no effect with {'; '.join(context)}",
                       stacklevel=2)
 
 
@@ -537,11 +580,20 @@ def apply_overrides(config: Config, overrides: list[str] = ()) -> Config:
     return validate(config)
 
 
+def run_dir_for(config: Config, name: str) -> Config:
+    """``config`` with ``run.dir`` = ``runs/<name>`` when it is still the default (a user's
+    task gets its own run directory, named after it)."""
+    if config.run.dir != RunConfig().dir or not name:
+        return config
+    return dataclasses.replace(config, run=dataclasses.replace(config.run, dir=f"runs/{name}"))
+
+
 def to_dict(config: Config) -> dict[str, Any]:
     """Plain nested dict of a config, as written to a run's ``config.yaml``."""
     out = dataclasses.asdict(config)
     rules = {"preset": config.rules.preset}
     rules.update({k: list(v) if v else None for k, v in config.rules.overrides})
     out["rules"] = rules
+    out["train"]["hooks"] = list(config.train.hooks)
     return out
 

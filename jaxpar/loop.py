@@ -1,24 +1,26 @@
-"""``jaxpar train`` as a Python API: build everything from a config, run the loop.
+"""``jaxpar train`` as a Python API: a loop of train steps with hooks.
 
-The loop is a few named steps — :func:`~jaxpar.run.build`, :func:`prepare_run_dir`,
-:func:`fit` (with :func:`log_metrics` and :func:`~jaxpar.run.evaluate`) and
-:func:`summarize` — so a script can reuse any of them; checkpoint handling is in
-:mod:`jaxpar.resume`.
+:func:`train` builds a run from a config — the built-in model it names, or a user's
+:class:`~jaxpar.task.Task` with its own data and Optax optimizer — prepares the run
+dir, resumes from a checkpoint, and calls :func:`fit`: a loop that fetches a batch,
+runs the step and calls the hooks (``jaxpar/hooks/``). The metrics file, progress,
+TensorBoard, evaluation, checkpoints, the profiler and the non-finite guard are hooks
+on that loop, and so is any hook a user passes or names in ``train.hooks``.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import sys
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
+import optax
 import yaml
 
 from jaxpar import config as config_lib
@@ -27,24 +29,32 @@ from jaxpar import sharding as shd
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import Config
 from jaxpar.data import Loader
-from jaxpar.mesh import describe_devices, describe_mesh
+from jaxpar.hooks import Context, Hook, default_hooks
+from jaxpar.mesh import describe_devices, describe_mesh, setup_devices
 from jaxpar.pipeline.chart import describe_pipeline
-from jaxpar.resume import Preempted, export_params, save_checkpoint
-from jaxpar.run import Run, build, evaluate, host_value, is_eval_step, to_host
+from jaxpar.resume import Preempted, export_params
+from jaxpar.run import Run, build, evaluate, host_value
+from jaxpar.task import Task
 from jaxpar.trainer import TrainState
 
-__all__ = ["DataWait", "History", "Preempted", "Run", "build", "check_finite", "evaluate",
-           "export_params", "fit", "log_metrics", "open_loader", "prepare_run_dir",
-           "summarize", "train"]
+__all__ = ["DataWait", "History", "Preempted", "Run", "build", "evaluate", "export_params",
+           "fit", "open_loader", "prepare_run_dir", "summarize", "train"]
 
 
 @dataclass
 class History:
-    """What :func:`fit` returns: logged rows and the final state."""
+    """What :func:`fit` returns: the logged rows (``metrics.jsonl``) and the final state."""
 
     rows: list[dict[str, Any]] = field(default_factory=list)
     state: TrainState | None = None
-    first_log_s: float = 0.0
+
+    @property
+    def train_rows(self) -> list[dict[str, Any]]:
+        return [r for r in self.rows if "loss" in r]
+
+    @property
+    def eval_rows(self) -> list[dict[str, Any]]:
+        return [r for r in self.rows if "loss" not in r]
 
 
 def prepare_run_dir(config: Config, start_step: int = 0) -> Path:
@@ -63,79 +73,6 @@ def prepare_run_dir(config: Config, start_step: int = 0) -> Path:
                 if line.strip() and json.loads(line)["step"] <= start_step]
     metrics.write_text("".join(line + "\n" for line in kept))
     return run_dir
-
-
-def check_finite(step_rows: list[tuple[int, dict[str, float]]], policy: str) -> None:
-    """Stops the run at the first non-finite step when ``policy`` is 'stop'.
-
-    Raises:
-      FloatingPointError: naming the step, its loss and gradient norm.
-    """
-    for step, row in step_rows:
-        if not row["finite"] and policy == "stop":
-            raise FloatingPointError(
-                f"non-finite loss or gradients at step {step} (loss={row['loss']}, "
-                f"grad_norm={row['grad_norm']}); the update was not applied. Lower optim.lr, "
-                "set optim.clip_norm, or set train.nonfinite=skip to skip such steps"
-            )
-
-
-def log_metrics(run_dir: Path | None, row: dict[str, Any], writer: Any = None) -> None:
-    """Appends one row to ``metrics.jsonl`` (and TensorBoard when enabled)."""
-    if run_dir is not None:
-        with open(run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(row) + "\n")
-    if writer is not None:
-        for key, value in row.items():
-            if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                writer.add_scalar(key, value, row["step"])
-
-
-def _tensorboard(run_dir: Path | None, enabled: bool) -> Any:
-    if not enabled or run_dir is None:
-        return None
-    try:
-        from tensorboardX import SummaryWriter
-    except ImportError as err:
-        raise ValueError("train.tensorboard=true needs tensorboardX: pip install 'jaxpar[tensorboard]'") from err
-    return SummaryWriter(str(run_dir / "tensorboard"))
-
-
-def _progress(total: int, enabled: bool) -> Any:
-    if not enabled or jax.process_index() != 0:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="step", file=sys.stderr, dynamic_ncols=True,
-                disable=not sys.stderr.isatty())
-
-
-def _is_log_step(step: int, cfg: Any) -> bool:
-    """Log the first step (the starting loss), every ``log_every``, and the last."""
-    return step == 1 or step % cfg.log_every == 0 or step == cfg.steps
-
-
-def _log_row(run: Run, state: TrainState, step: int, host: dict[str, float], dt: float,
-             evals: dict[str, float] | None = None) -> dict:
-    """One ``metrics.jsonl`` row: the step's metrics, timing, throughput and eval
-    (``evals`` when the checkpoint save already computed them)."""
-    cfg = run.config.train
-    row = {"step": step, **host, "finite": bool(host["finite"]), "step_time_s": dt,
-           "examples_per_s": cfg.batch_size / dt, "skipped": int(host_value(state.skipped))}
-    if run.trainer.task.tokens_per_example:
-        row["tokens_per_s"] = cfg.batch_size * run.trainer.task.tokens_per_example / dt
-    if is_eval_step(step, cfg):
-        row.update(evals or {f"eval_{k}": v for k, v in evaluate(run, state.params).items()})
-    return row
-
-
-def _show(bar: Any, row: dict[str, Any], steps: int) -> None:
-    if bar is None:
-        return
-    bar.update(steps)
-    rate = (f"{row['tokens_per_s']:.0f} tok/s" if "tokens_per_s" in row
-            else f"{row['examples_per_s']:.0f} ex/s")
-    bar.set_postfix_str(f"loss {row['loss']:.4f}, {rate}")
 
 
 class DataWait:
@@ -178,59 +115,6 @@ class DataWait:
         return frac
 
 
-def _warn_profile_span(cfg: config_lib.TrainConfig, has_run_dir: bool) -> None:
-    """Warns when ``train.profile_steps`` traces less than it names, or nothing."""
-    start, stop = config_lib.parse_profile_steps(cfg.profile_steps)
-    setting = f"train.profile_steps={cfg.profile_steps!r}"
-    if not has_run_dir:
-        message = f"{setting} has no effect without a run dir: pass run_dir to fit()"
-    elif start > cfg.steps:
-        message = (f"{setting} has no effect: it starts after the last step (train.steps="
-                   f"{cfg.steps}); lower START to trace")
-    elif stop > cfg.steps + 1:
-        message = (f"{setting} reaches past the last step (train.steps={cfg.steps}): steps "
-                   f"{start} to {cfg.steps} are traced, until the end of the run")
-    else:
-        return
-    warnings.warn(message, stacklevel=4)
-
-
-class _Profiler:
-    """A JAX profiler trace of the steps ``train.profile_steps`` names, in ``<run.dir>/profile``.
-
-    The trace starts before the first traced step fetches its batch and stops once the
-    last traced step's device work is done (its logging, evaluation and checkpoint are
-    left out). Without a run dir (processes other than 0) nothing is traced.
-    """
-
-    def __init__(self, run_dir: Path | None, cfg: config_lib.TrainConfig):
-        span = config_lib.parse_profile_steps(cfg.profile_steps)
-        self.directory = run_dir / "profile" if run_dir is not None and span else None
-        self.start, self.stop = span or (0, 0)
-        self.active = False
-        if span and jax.process_index() == 0:
-            _warn_profile_span(cfg, run_dir is not None)
-        self.stop = min(self.stop, cfg.steps + 1)
-
-    def before(self, step: int) -> None:
-        """Starts the trace when ``step`` is the first traced one (or a resumed run's first)."""
-        if self.directory is not None and not self.active and self.start <= step < self.stop:
-            jax.profiler.start_trace(str(self.directory), create_perfetto_trace=True)
-            self.active = True
-
-    def after(self, step: int, state: TrainState) -> None:
-        """Stops the trace after the last traced step, once its device work is done."""
-        if self.active and step + 1 >= self.stop:
-            jax.block_until_ready(state)
-            self.close()
-
-    def close(self) -> None:
-        """Stops (and writes) the trace if it is running — also when the run ends early."""
-        if self.active:
-            self.active = False
-            jax.profiler.stop_trace()
-
-
 def open_loader(run: Run, data_state: dict[str, Any] | None = None) -> Loader:
     """The training stream, positioned after the batches a checkpoint's loader had read.
 
@@ -251,115 +135,131 @@ def open_loader(run: Run, data_state: dict[str, Any] | None = None) -> Loader:
 
 
 def fit(run: Run, run_dir: Path | None = None, state: TrainState | None = None,
-        ckpt: Checkpointer | None = None, data_state: dict[str, Any] | None = None) -> History:
-    """Trains for ``train.steps`` steps, logging and evaluating along the way.
+        ckpt: Checkpointer | None = None, data_state: dict[str, Any] | None = None,
+        hooks: Sequence[Hook] = ()) -> History:
+    """Trains for ``train.steps`` steps, calling the built-in hooks and then ``hooks``.
 
-    Metrics stay on the device between log points, so the loop does not sync
-    with the host every step; ``step_time_s`` is the mean over the interval and
-    ``data_wait`` the share of it spent waiting for the loader. A non-finite
-    step is never applied (the step guards itself); with
-    ``train.nonfinite=stop`` the run stops at the next log point, naming it.
-    A ``state`` passed in continues from its step, and ``data_state`` (the
-    loader position saved with it) makes the loader yield the batches the
-    uninterrupted run would have; with ``ckpt`` the state and the loader
-    position are saved every ``checkpoint.every_steps`` and after the last step.
-    With ``train.profile_steps`` and a ``run_dir``, the steps it names are traced
-    into ``run_dir / "profile"``; every step is marked ``train`` (with its
-    ``step_num``) in profiler traces.
+    Each step's metrics reach the hooks' ``on_step`` one step late (read while the next
+    step runs), so the loop never waits for the device on the hot path. A ``state``
+    passed in continues from its step, and ``data_state`` (the loader position saved
+    with it) makes the loader yield the batches the uninterrupted run would have; with
+    ``ckpt`` the state and the loader position are saved every
+    ``checkpoint.every_steps``, after the last step and when the run is preempted
+    (SIGTERM: then :class:`~jaxpar.resume.Preempted` is raised once the save is
+    complete). Every step is marked ``train`` (with its ``step_num``) in profiler traces.
     """
     cfg, trainer = run.config.train, run.trainer
-    history, t_start = History(), time.perf_counter()
     state = state if state is not None else trainer.init()
     first = int(host_value(state.step)) + 1
-    profiler = _Profiler(run_dir, cfg)
-    loader = open_loader(run, data_state)
-    if loader.batches_consumed != first - 1:
-        loader.close()
+    stream = open_loader(run, data_state)
+    if stream.batches_consumed != first - 1:
+        stream.close()
         raise ValueError(f"the checkpoint of step {first - 1} holds a data position after "
-                         f"{loader.batches_consumed} batches; it is not a jaxpar train checkpoint "
-                         "of this run — start afresh (checkpoint.resume=never)")
-    writer, bar = _tensorboard(run_dir, cfg.tensorboard), _progress(cfg.steps, cfg.progress)
+                         f"{stream.batches_consumed} batches; it is not a jaxpar train "
+                         "checkpoint of this run — start afresh (checkpoint.resume=never)")
     wait = DataWait(run.config.data.wait_warn)
-    pending: list[tuple[int, dict]] = []
-    t_last, last_step = t_start, first - 1
-    every = run.config.checkpoint.every_steps
+    ctx = Context(run, run_dir, state, first, cfg.steps, stream,
+                  [*default_hooks(run, run_dir, ckpt, wait), *hooks])
     try:
+        ctx.emit("on_start")
         for step in range(first, cfg.steps + 1):
-            profiler.before(step)
+            ctx.current_step = step
+            ctx.emit("before_step", step)
             with jax.profiler.StepTraceAnnotation("train", step_num=step):
-                batch = trainer.shard_batch(wait.next(loader))
-                state, metrics = trainer.step(state, batch)
-            profiler.after(step, state)
-            pending.append((step, metrics))
-            stop = ckpt is not None and resume_lib.preempted(step)
-            evals = None
-            if ckpt is not None and ((every and step % every == 0) or step == cfg.steps or stop):
-                evals = save_checkpoint(run, ckpt, step, state, metrics, loader.get_state())
-            if stop:
-                ckpt.wait()  # the checkpoint is complete before the process exits
-            if not (_is_log_step(step, cfg) or stop):
-                continue
-            host = [(s, to_host(m)) for s, m in pending]
-            check_finite(host, cfg.nonfinite)
-            now = time.perf_counter()
-            history.first_log_s = history.first_log_s or now - t_start
-            steps = step - last_step
-            row = _log_row(run, state, step, host[-1][1], (now - t_last) / steps, evals)
-            row["data_wait"] = wait.fraction(now - t_last, steps, run.config)
-            history.rows.append(row)
-            log_metrics(run_dir, row, writer)
-            _show(bar, row, steps)
-            pending, t_last, last_step = [], time.perf_counter(), step
-            if stop:
+                batch = trainer.shard_batch(wait.next(stream))
+                ctx.state, ctx.step_metrics = trainer.step(ctx.state, batch)
+            ctx.stopping = ckpt is not None and resume_lib.preempted(step)
+            ctx.flush()  # the previous step's metrics, read while this step runs
+            ctx.pending.append((step, ctx.step_metrics))
+            ctx.emit("on_state", step)
+            if step == cfg.steps or ctx.stopping:
+                ctx.flush()
+            if ctx.stopping:
                 raise Preempted(step, ckpt.directory)
+    except BaseException as err:
+        ctx.error = err
+        raise
     finally:
-        loader.close()
-        for closer in (bar, writer):
-            if closer is not None:
-                closer.close()
-        profiler.close()
-    history.state = state
-    return history
+        stream.close()
+        ctx.emit("on_end")
+    return History(ctx.rows, ctx.state)
 
 
 def summarize(run: Run, history: History) -> str:
     """The final summary: steps, final loss, throughput, per-device state bytes."""
-    trainer, last = run.trainer, history.rows[-1]
+    trainer, rows = run.trainer, history.train_rows
+    if not rows:
+        return "no step was logged"
+    last, evals = rows[-1], history.eval_rows
     params = shd.bytes_per_device(trainer.abstract_params, trainer.state_shardings.params)
     opt = shd.bytes_per_device(trainer.abstract_state.opt_state, trainer.state_shardings.opt_state)
+    shown = "".join(f"  {k.replace('_', ' ')}: {v:.4f}" for k, v in (evals[-1] if evals else {})
+                    .items() if k.startswith("eval_") and k != "eval_time_s")
     lines = [
-        f"steps: {last['step']}  final loss: {last['loss']:.4f}"
-        + (f"  eval loss: {last['eval_loss']:.4f}" if "eval_loss" in last else ""),
+        f"steps: {last['step']}  final loss: {last['loss']:.4f}{shown}",
         f"throughput: {last['examples_per_s']:.1f} examples/s"
         + (f", {last['tokens_per_s']:.0f} tokens/s" if "tokens_per_s" in last else "")
-        + f"  (first step logged after {history.first_log_s:.1f} s, incl. compile)",
+        + f"  (first step logged after {rows[0]['time']:.1f} s, incl. compile)",
         f"state per device: params {params / 2**20:.2f} MiB, optimizer {opt / 2**20:.2f} MiB",
         f"skipped non-finite steps: {last['skipped']}",
     ]
     return "\n".join(lines)
 
 
-def train(config: Config, echo: bool = True) -> History:
-    """Runs ``jaxpar train``: build, write the run dir, fit, summarize."""
-    run = build(config)
+def _setup_devices(count: int) -> None:
+    """Simulated CPU devices for a script that calls :func:`train` before using JAX (the
+    CLI does this itself); on an accelerator, or once JAX runs, the devices stand."""
+    try:
+        setup_devices(count)
+    except ValueError:
+        if jax.default_backend() == "cpu":
+            raise
+
+
+def train(config: Config | None = None, *, task: Task | None = None,
+          optimizer: optax.GradientTransformation | None = None, hooks: Sequence[Hook] = (),
+          echo: bool = True) -> History:
+    """Runs ``jaxpar train``: build, resume, write the run dir, fit, summarize.
+
+    Args:
+      config: the run configuration (default: ``jaxpar.load_config()``).
+      task: a user's :class:`~jaxpar.task.Task` (default: the built-in model
+        ``config.model.name``).
+      optimizer: any Optax transformation (default: ``task.optimizer``, else the config's
+        ``optim`` section).
+      hooks: extra hooks, called after the built-in ones and those named in
+        ``train.hooks``.
+      echo: print the start-up lines and the summary (process 0).
+    """
+    from jaxpar.user_code import load_hooks
+
+    config = config if config is not None else config_lib.load_config()
+    if task is not None:
+        config = config_lib.run_dir_for(config, task.name)
+    hooks = [*load_hooks(config.train.hooks), *hooks]
+    _setup_devices(config.run.devices)
+    run = build(config, task, optimizer)
     say = print if echo and jax.process_index() == 0 else (lambda *a, **k: None)
-    say(f"jaxpar: running on {describe_devices(run.devices)}; {describe_mesh(run.trainer.mesh)}")
-    say(f"jaxpar: data {run.data.name}; model {config.model.name}; rules preset {config.rules.preset}")
+    say(f"jaxpar: running on {describe_devices(run.devices)}; {describe_mesh(run.trainer.mesh)}",
+        flush=True)
+    say(f"jaxpar: data {run.data.name}; model {run.name}; rules preset {config.rules.preset}",
+        flush=True)
     if run.trainer.pipeline is not None:
-        say(f"jaxpar: {describe_pipeline(run.trainer.pipeline)}")
+        say(f"jaxpar: {describe_pipeline(run.trainer.pipeline)}", flush=True)
     ckpt = resume_lib.open_checkpoints(run)
     try:
         state, start, meta = resume_lib.resume(config, run, ckpt)
         if start:
-            say(f"jaxpar: resumed from the checkpoint of step {start} in {ckpt.directory}")
+            say(f"jaxpar: resumed from the checkpoint of step {start} in {ckpt.directory}",
+                flush=True)
         run_dir = prepare_run_dir(config, start) if jax.process_index() == 0 else None
         if start >= config.train.steps:
             say(f"jaxpar: the run is already at step {start} of train.steps="
                 f"{config.train.steps}; nothing to train")
             return History(state=state)
         with resume_lib.sigterm_checkpoints():
-            history = fit(run, run_dir, state, ckpt, meta.get("data"))
+            history = fit(run, run_dir, state, ckpt, meta.get("data"), hooks)
     finally:
         ckpt.close()  # waits for pending saves; a failed save raises here
-    say(summarize(run, history))
+    say(summarize(run, history), flush=True)
     return history

@@ -13,6 +13,8 @@ the optimizer always sees one (already averaged) gradient per step.
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from typing import Any
 
 import jax
@@ -58,17 +60,12 @@ def _check_schedule_config(cfg: OptimConfig, total_steps: int) -> None:
     # `not x > 0` (rather than `x <= 0`) also rejects NaN.
     if not cfg.lr > 0:
         raise _bad("lr", cfg.lr, "must be > 0", "set e.g. optim.lr=3e-4")
-    if not cfg.warmup_steps >= 0:
-        raise _bad(
-            "warmup_steps", cfg.warmup_steps, "must be >= 0", "use optim.warmup_steps=0 to skip it"
-        )
-    if cfg.schedule != "constant" and cfg.warmup_steps >= total_steps:
-        raise _bad(
-            "warmup_steps",
-            cfg.warmup_steps,
-            f"must be < the {total_steps} training steps when optim.schedule={cfg.schedule} decays",
-            "lower optim.warmup_steps or raise train.steps",
-        )
+    w = cfg.warmup_steps
+    if not w >= 0:
+        raise _bad("warmup_steps", w, "must be >= 0", "use optim.warmup_steps=0 to skip it")
+    if w >= 1 and w != int(w):
+        raise _bad("warmup_steps", w, "must be a whole number of steps, or a fraction of the "
+                   "run below 1", "set e.g. optim.warmup_steps=20 or optim.warmup_steps=0.1")
     if not cfg.decay_steps >= 0:
         raise _bad(
             "decay_steps", cfg.decay_steps, "must be >= 0", "use 0 to decay until the last step"
@@ -164,10 +161,26 @@ def _after_warmup(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     return _rsqrt_after_warmup(lr, cfg.warmup_steps)
 
 
+def resolve_warmup(cfg: OptimConfig, total_steps: int) -> int:
+    """Warmup steps for a run of ``total_steps``: ``warmup_steps`` below 1 is a fraction of
+    the run (rounded); a warmup that would leave a decaying schedule no step to decay in is
+    clamped to ``total_steps - 1``, with a warning saying so."""
+    w = cfg.warmup_steps
+    steps = round(w * total_steps) if 0 < w < 1 else int(w)
+    if cfg.schedule != "constant" and steps >= total_steps:
+        clamped = max(total_steps - 1, 0)
+        warnings.warn(f"optim.warmup_steps={w:g} is not shorter than train.steps={total_steps}: "
+                      f"warming up for {clamped} steps instead (set optim.warmup_steps, e.g. "
+                      "0.1 for a tenth of the run)", stacklevel=3)
+        steps = clamped
+    return steps
+
+
 def make_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     """Learning rate as a function of the optimizer step count.
 
-    With ``w = cfg.warmup_steps``, ``lr = cfg.lr`` and ``t`` the step count:
+    With ``w`` the warmup steps (:func:`resolve_warmup`: ``cfg.warmup_steps``, or that
+    fraction of ``total_steps`` when below 1), ``lr = cfg.lr`` and ``t`` the step count:
 
     * ``t < w``: linear warmup, ``lr * t / w`` (so step 0 uses lr 0).
     * ``t >= w``, with ``s = t - w`` and ``D = cfg.decay_steps`` or, when that
@@ -193,6 +206,7 @@ def make_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
       ValueError: naming the ``optim.*`` key of a bad value and how to fix it.
     """
     _check_schedule_config(cfg, total_steps)
+    cfg = dataclasses.replace(cfg, warmup_steps=resolve_warmup(cfg, total_steps))
     after = _after_warmup(cfg, total_steps)
     if cfg.warmup_steps == 0:
         return after

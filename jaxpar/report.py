@@ -13,6 +13,7 @@ import numpy as np
 
 from jaxpar import sharding as shd
 from jaxpar.run import Run
+from jaxpar.trainer import Trainer
 
 
 @dataclass(frozen=True)
@@ -70,16 +71,40 @@ def _fmt_axes(names: tuple) -> str:
     return "(" + ", ".join("-" if n is None else n for n in names) + ")"
 
 
-def format_report(run: Run, totals: Totals) -> str:
-    """The ``jaxpar inspect`` text: one row per parameter, then per-device totals."""
-    trainer = run.trainer
-    rows = shd.param_rows(trainer.abstract_params, trainer.axes, trainer.state_shardings.params)
-    table = [("parameter", "shape", "logical axes", "PartitionSpec", "bytes/device")]
-    table += [(r.path, "×".join(map(str, r.shape)), _fmt_axes(r.axes), _fmt_spec(r.spec),
-               _fmt_bytes(r.bytes_per_device)) for r in rows]
+def _table(rows: list[shd.ParamRow], unnamed: set[str], head: str) -> list[str]:
+    table = [(head, "shape", "logical axes", "PartitionSpec", "bytes/device")]
+    table += [(r.path, "×".join(map(str, r.shape)) or "scalar",
+               "(none: replicated)" if r.path in unnamed else _fmt_axes(r.axes),
+               _fmt_spec(r.spec), _fmt_bytes(r.bytes_per_device)) for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(5)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
+
+
+def _opt_note(trainer: Trainer) -> list[str]:
+    """Which optimizer-state leaves are replicated because they are not parameter-shaped."""
+    leaves = trainer.opt_replicated
+    if not leaves:
+        return []
+    shown = ", ".join(f"{path} {'×'.join(map(str, shape))}" for path, shape in leaves[:8])
+    more = f" and {len(leaves) - 8} more" if len(leaves) > 8 else ""
+    return [f"note: {len(leaves)} optimizer-state arrays are not parameter-shaped and are "
+            f"replicated on every device: {shown}{more}"]
+
+
+def format_report(run: Run, totals: Totals) -> str:
+    """The ``jaxpar inspect`` text: one row per parameter (and per variable of the model's
+    other state), then per-device totals and what is replicated."""
+    trainer = run.trainer
+    unnamed = set(trainer.model.unnamed)
+    rows = shd.param_rows(trainer.abstract_params, trainer.axes, trainer.state_shardings.params)
+    lines = _table(rows, unnamed, "parameter")
+    if trainer.stateful:
+        state_rows = shd.param_rows(trainer.model.state, trainer.model.state_axes,
+                                    trainer.state_shardings.model_state)
+        lines += ["", *_table(state_rows, set(), "model state (" + ", ".join(
+            trainer.model.state_kinds) + ")")]
     n_dev = trainer.mesh.devices.size
     lines += [
         "",
@@ -91,4 +116,7 @@ def format_report(run: Run, totals: Totals) -> str:
         f"train step per device (compiled): arguments {_fmt_bytes(totals.step_argument_bytes)}, "
         f"outputs {_fmt_bytes(totals.step_output_bytes)}, temporaries {_fmt_bytes(totals.step_temp_bytes)}",
     ]
-    return "\n".join(lines)
+    if unnamed:
+        lines.append(f"note: {len(unnamed)} parameters carry no logical axes and are replicated "
+                     "(annotate them with nnx.with_partitioning to shard them)")
+    return "\n".join(lines + _opt_note(trainer))

@@ -22,15 +22,7 @@ from jaxpar import config as config_lib
 from jaxpar import sharding as shd
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import Config
-from jaxpar.run import (
-    Run,
-    build,
-    eval_metric_names,
-    evaluate,
-    host_value,
-    is_eval_step,
-    to_host,
-)
+from jaxpar.run import Run, build, eval_metric_names, host_value, to_host
 from jaxpar.trainer import TrainState
 
 
@@ -89,10 +81,13 @@ def open_checkpoints(run: Run) -> Checkpointer:
       ValueError: when ``checkpoint.best_metric`` is not a metric evaluation logs.
     """
     cfg = run.config.checkpoint
+    if cfg.keep_best and not getattr(run.data, "has_eval", True):
+        raise ValueError(f"checkpoint.keep_best={cfg.keep_best} ranks checkpoints by an "
+                         f"evaluation metric, but the task {run.name} has no eval_data; give "
+                         "the Task eval_data or set checkpoint.keep_best=0")
     if cfg.keep_best and cfg.best_metric not in (names := eval_metric_names(run)):
         raise ValueError(f"checkpoint.best_metric={cfg.best_metric} is not an evaluation "
-                         f"metric of model.name={run.config.model.name}; use one of "
-                         f"{', '.join(names)}")
+                         f"metric of {run.name}; use one of {', '.join(names)}")
     return Checkpointer(checkpoint_dir(run.config), run.trainer, keep=cfg.keep,
                         async_save=cfg.async_save, keep_best=cfg.keep_best,
                         best_metric=cfg.best_metric, best_mode=cfg.best_mode)
@@ -142,34 +137,28 @@ def resume(config: Config, run: Run, ckpt: Checkpointer
 
 
 def save_checkpoint(run: Run, ckpt: Checkpointer, step: int, state: TrainState,
-                    metrics: dict[str, jax.Array], data_state: dict[str, Any] | None = None
-                    ) -> dict[str, float] | None:
-    """Starts saving ``step``; returns the eval metrics it computed (``eval_*``), if any.
-
-    The step's metrics, seed, loader position and config go into the checkpoint's
-    JSON item. With
-    ``checkpoint.keep_best`` the held-out metrics are computed here (also off the
-    eval schedule), because they rank the checkpoints.
-    """
-    evals = None
-    if ckpt.best_metric or is_eval_step(step, run.config.train):
-        evals = {f"eval_{k}": v for k, v in evaluate(run, state.params).items()}
+                    metrics: dict[str, jax.Array], data_state: dict[str, Any] | None = None,
+                    evals: dict[str, float] | None = None) -> None:
+    """Starts saving ``step``: the state, and in the checkpoint's JSON item the step's
+    metrics (with ``evals``, the held-out ones that rank checkpoints under
+    ``checkpoint.keep_best``), the seed, the loader position and the config."""
     meta = {"step": step, "seed": run.config.run.seed, "data": data_state,
             "metrics": {**to_host(metrics), **(evals or {})},
             "config": config_lib.to_dict(run.config)}
     ckpt.save(step, state, meta, metrics=evals)
-    return evals
 
 
-def export_params(config: Config, out: str | Path, step: int | None = None) -> tuple[Path, int]:
-    """Writes the parameters of a checkpoint of ``config``'s run to an ``.npz`` file.
+def export_params(config: Config, out: str | Path, step: int | None = None,
+                  task: Any = None) -> tuple[Path, int]:
+    """Writes the parameters of a checkpoint of ``config``'s run (of ``task``, a user's
+    task, when given) to an ``.npz`` file.
 
     Keys are parameter paths (``'blocks/w_in'``); values are whole numpy arrays.
 
     Raises:
       ValueError: when the run has no such checkpoint or it does not fit the model.
     """
-    run = build(config)
+    run = build(config, task)
     ckpt = Checkpointer(checkpoint_dir(config), run.trainer)
     try:
         state, _ = ckpt.restore(step)

@@ -1,4 +1,5 @@
-"""A run assembled from a config: devices, mesh, rules, data, task, optimizer, trainer.
+"""A run assembled from a config (and a user's task): devices, mesh, rules, data, task,
+optimizer, trainer.
 
 :func:`build` is the one place a config becomes objects; :func:`evaluate` gives
 the held-out metrics of a run's parameters.
@@ -11,43 +12,84 @@ from typing import Any
 
 import jax
 import numpy as np
+import optax
 
 from jaxpar import config as config_lib
 from jaxpar import sharding as shd
-from jaxpar.builtin_tasks import task_from_config
+from jaxpar.builtin_tasks import data_needs, task_from_config
 from jaxpar.config import Config
 from jaxpar.data import Data, load_data
+from jaxpar.data.sources import needs_of_batch
+from jaxpar.data.task_data import task_data
 from jaxpar.mesh import make_mesh, select_devices
 from jaxpar.optim import decay_mask, make_optimizer
-from jaxpar.trainer import Trainer, abstract_params_and_axes, global_batch_shapes
+from jaxpar.task import Task
+from jaxpar.trainer import Trainer, TrainState, abstract_params_and_axes, global_batch_shapes
 
 
 @dataclass
 class Run:
-    """Everything :func:`build` assembles from a config."""
+    """Everything :func:`build` assembles from a config (and a user's task)."""
 
     config: Config
     trainer: Trainer
-    data: Data
+    data: Any
     devices: list[jax.Device]
+    #: the built-in model family (``config.model.name``), or "" for a user's task
+    family: str = ""
+
+    @property
+    def name(self) -> str:
+        """The task's name, for messages (``gpt``, or a user task's name)."""
+        return self.trainer.task.name or "task"
 
 
-def build(config: Config) -> Run:
-    """Devices, mesh, rules, data, task, optimizer and trainer from ``config``."""
-    config_lib.warn_unused(config)
+def build(config: Config, task: Task | None = None,
+          optimizer: optax.GradientTransformation | None = None) -> Run:
+    """Devices, mesh, rules, data, task, optimizer and trainer from ``config``.
+
+    Args:
+      config: the run configuration.
+      task: a user's task; None builds the built-in model ``config.model.name``.
+      optimizer: any Optax transformation; None takes ``task.optimizer``, else the one
+        the config's ``optim`` section describes.
+    """
+    own_optimizer = optimizer is not None or (task is not None and task.optimizer is not None)
+    config_lib.warn_unused(config, user_task=task is not None,
+                           own_data=task is not None and task.data is not None,
+                           own_optimizer=own_optimizer)
     devices = select_devices(config.run.devices)
     mesh = make_mesh(config.mesh, devices)
     rules = shd.resolve_rules(config.rules)
-    data = load_data(config.data, config.model, config.run.seed)
-    task = task_from_config(config.model, config.data.seq_len, data.image_shape)
-    mask = decay_mask(*abstract_params_and_axes(task, config.run.seed))
-    tx, schedule = make_optimizer(config.optim, config.train.steps, mask)
+    family = ""
+    if task is None:
+        family = config.model.name
+        data = load_data(config.data, data_needs(config.model), config.run.seed)
+        task = task_from_config(config.model, config.data.seq_len, data.image_shape)
+    else:
+        data = task_data(task, config.run.seed) or _config_data(config, task)
+    tx, schedule = optimizer or task.optimizer, None
+    if tx is None:
+        mask = decay_mask(*abstract_params_and_axes(task, config.run.seed))
+        tx, schedule = make_optimizer(config.optim, config.train.steps, mask)
     trainer = Trainer(task, tx, mesh, rules, schedule=schedule,
                       grad_accum=config.train.grad_accum, seed=config.run.seed,
                       pipeline=config.pipeline)
     # the global batch must split over microbatches × batch devices: say so before training
     trainer.batch_shardings(global_batch_shapes(data.batch(0, config.train.batch_size)))
-    return Run(config, trainer, data, devices)
+    return Run(config, trainer, data, devices, family)
+
+
+def _config_data(config: Config, task: Task) -> Data:
+    """The config's data for a user's task that brings none: its batch entries say which."""
+    needs = needs_of_batch(task.batch_axes)
+    if needs is None:
+        raise ValueError(
+            f"the task {task.name or ''} brings no data and its batch entries "
+            f"({', '.join(sorted(task.batch_axes))}) are neither jaxpar's text batches "
+            "('tokens') nor its image batches ('images', 'labels'); give the Task a data "
+            "function (step, global_batch_size) -> dict of arrays, or a grain dataset")
+    return load_data(config.data, needs, config.run.seed)
 
 
 def host_value(x: Any) -> np.ndarray:
@@ -67,13 +109,25 @@ def to_host(metrics: dict[str, jax.Array]) -> dict[str, float]:
     return {k: float(host_value(v)) for k, v in metrics.items()}
 
 
-def evaluate(run: Run, params: Any) -> dict[str, float]:
-    """Mean metrics over ``train.eval_batches`` held-out batches."""
+def host_metrics(metrics: dict[str, jax.Array]) -> dict[str, Any]:
+    """A step's metrics as Python numbers (one transfer): floats, ``finite`` a bool and
+    ``skipped`` an int."""
+    values = jax.device_get({k: v if v.is_fully_addressable else host_value(v)
+                             for k, v in metrics.items()})
+    out = {k: float(v) for k, v in values.items()}
+    out["finite"] = bool(out["finite"])
+    if "skipped" in out:
+        out["skipped"] = int(out["skipped"])
+    return out
+
+
+def evaluate(run: Run, state: TrainState) -> dict[str, float]:
+    """Mean metrics over ``train.eval_batches`` held-out batches, in evaluation mode."""
     totals: dict[str, float] = {}
     n = run.config.train.eval_batches
     for i in range(n):
         batch = run.trainer.shard_batch(run.data.batch(i, run.config.train.batch_size, "eval"))
-        for k, v in to_host(run.trainer.evaluate(params, batch)).items():
+        for k, v in to_host(run.trainer.evaluate(state, batch)).items():
             totals[k] = totals.get(k, 0.0) + v / n
     return totals
 
@@ -82,10 +136,6 @@ def eval_metric_names(run: Run) -> list[str]:
     """The ``eval_*`` keys an evaluation logs (from shapes only: nothing is computed)."""
     batch = run.data.batch(0, run.config.train.batch_size, "eval")
     abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
-    shapes = jax.eval_shape(run.trainer.evaluate, run.trainer.abstract_params, abstract)
+    trainer = run.trainer
+    shapes = jax.eval_shape(trainer.evaluate, trainer.abstract_state, abstract)
     return sorted(f"eval_{k}" for k in shapes)
-
-
-def is_eval_step(step: int, cfg: Any) -> bool:
-    """Whether ``step`` evaluates (every ``train.eval_every`` and the last step)."""
-    return bool(cfg.eval_every) and (step % cfg.eval_every == 0 or step == cfg.steps)

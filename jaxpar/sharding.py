@@ -26,6 +26,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -156,61 +157,73 @@ def logical_axes(abstract_state: nnx.State, path_rules: PathRules = ()
     return out, unnamed
 
 
-def param_specs(abstract_params: Any, axes: Any, rules: Rules, mesh: Mesh) -> Any:
-    """``PartitionSpec`` per parameter (pure dict), with every rule check applied."""
+def param_specs(abstract_params: Any, axes: Any, rules: Rules, mesh: Mesh,
+                what: str = "parameter") -> Any:
+    """``PartitionSpec`` per parameter (pure dict), with every rule check applied; ``what``
+    names the arrays in errors (``parameter``, ``model state``)."""
 
     def one(path, leaf, names):
-        return spec_for(names, rules, mesh, leaf.shape, f"parameter '{path_str(path)}'")
+        return spec_for(names, rules, mesh, leaf.shape, f"{what} '{path_str(path)}'")
 
     return jax.tree_util.tree_map_with_path(
         one, abstract_params, axes, is_leaf=lambda x: isinstance(x, tuple)
     )
 
 
-def _match_param(opt_path: tuple, params: dict) -> tuple | None:
-    """The param path that ``opt_path`` ends with, or None."""
-    keys = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in opt_path]
-    for start in range(len(keys)):
-        node = params
-        for key in keys[start:]:
-            if not isinstance(node, Mapping) or key not in node:
-                node = None
-                break
-            node = node[key]
-        if node is not None and not isinstance(node, Mapping):
-            return tuple(keys[start:])
-    return None
+def opt_state_specs(abstract_opt: Any, abstract_params: Any, specs: Any
+                    ) -> tuple[Any, list[tuple[str, tuple[int, ...]]]]:
+    """Specs for an Optax state, from its structure, and the leaves left replicated.
 
+    Optax keeps per-parameter statistics (momenta, accumulated gradients) in subtrees
+    with the parameters' structure — ``optax.masked`` puts a ``MaskedNode`` where a
+    parameter is left out. Each such subtree is matched to the parameters position by
+    position, and a leaf of its parameter's shape gets that parameter's spec. Any other
+    leaf (step counts, injected hyperparameters, Adafactor's factored rows and columns)
+    is replicated. Nothing is guessed from key names or shapes alone.
 
-def opt_state_specs(abstract_opt: Any, abstract_params: Any, specs: Any) -> Any:
-    """Specs for an Optax state: each leaf follows the parameter it belongs to.
+    ``optax.tree_utils.tree_map_params`` finds the same subtrees by calling the
+    optimizer's ``init`` on an opaque placeholder, which fails for optimizers whose
+    ``init`` reads the parameters (Adafactor, ``MultiSteps``, a callable mask); the
+    structural match here works from the abstract state itself.
 
-    Optax states hold trees shaped like the parameters (momenta), factored
-    statistics (Adafactor drops the last or second-to-last dim) and scalars
-    (step counts). A leaf is matched to its parameter by key-path suffix;
-    factored leaves drop the matching spec entry; scalars are replicated.
+    Returns:
+      The spec tree (with the state's structure) and ``(path, shape)`` of every
+      non-scalar leaf that is replicated because it is not parameter-shaped.
     """
+    is_masked = lambda x: isinstance(x, optax.MaskedNode)
+    params_def = jax.tree.structure(abstract_params)
+    param_leaves = jax.tree.leaves(abstract_params)
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    replicated: list[tuple[str, tuple[int, ...]]] = []
 
-    def lookup(tree, keys):
-        for key in keys:
-            tree = tree[key]
-        return tree
+    def params_like(node: Any) -> bool:
+        if node is None or is_masked(node):
+            return False
+        try:
+            return jax.tree.structure(node, is_leaf=is_masked) == params_def
+        except Exception:  # a node JAX cannot flatten is no parameter tree
+            return False
 
-    def one(path, leaf):
-        if not hasattr(leaf, "shape") or math.prod(leaf.shape) <= 1:
-            return PartitionSpec()
-        keys = _match_param(path, abstract_params)
-        assert keys is not None, f"optimizer state leaf {path_str(path)} matches no parameter"
-        pshape, pspec = lookup(abstract_params, keys).shape, lookup(specs, keys)
-        entries = list(pspec) + [None] * (len(pshape) - len(pspec))
-        if tuple(leaf.shape) == tuple(pshape):
-            return PartitionSpec(*entries)
-        for drop in range(len(pshape)):  # a factored statistic drops one dim
-            if tuple(leaf.shape) == tuple(pshape[:drop] + pshape[drop + 1 :]):
-                return PartitionSpec(*(entries[:drop] + entries[drop + 1 :]))
-        raise AssertionError(f"optimizer state leaf {path_str(path)} {leaf.shape} vs param {pshape}")
+    def leaf_spec(where: str, leaf: Any, param: Any = None, spec: Any = None) -> Any:
+        if is_masked(leaf):
+            return leaf
+        if param is not None and tuple(leaf.shape) == tuple(param.shape):
+            return spec
+        if math.prod(getattr(leaf, "shape", ())) > 1:
+            replicated.append((where, tuple(leaf.shape)))
+        return PartitionSpec()
 
-    return jax.tree_util.tree_map_with_path(one, abstract_opt)
+    def one(path: tuple, node: Any) -> Any:
+        where = path_str(path)
+        if not params_like(node):
+            return leaf_spec(where, node)
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(node, is_leaf=is_masked)
+        out = [leaf_spec("/".join(filter(None, (where, path_str(sub)))), leaf, param, spec)
+               for (sub, leaf), param, spec in zip(leaves, param_leaves, spec_leaves)]
+        return jax.tree.unflatten(treedef, out)
+
+    tree = jax.tree_util.tree_map_with_path(one, abstract_opt, is_leaf=params_like)
+    return tree, replicated
 
 
 def named(mesh: Mesh, specs: Any) -> Any:
@@ -282,18 +295,26 @@ def check_axes_used(mesh: Mesh, specs: list[Any]) -> None:
             )
 
 
+def itemsize(dtype: Any) -> int:
+    """Bytes per element, also of typed PRNG keys (stored as their key data)."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), dtype))
+        return math.prod(data.shape) * np.dtype(data.dtype).itemsize
+    return np.dtype(dtype).itemsize
+
+
 def bytes_per_device(abstract: Any, shardings: Any) -> int:
     """Bytes one device holds of a sharded tree (largest shard per leaf)."""
     total = 0
     for leaf, sharding in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)):
         shard = sharding.shard_shape(leaf.shape)
-        total += math.prod(shard) * np.dtype(leaf.dtype).itemsize
+        total += math.prod(shard) * itemsize(leaf.dtype)
     return total
 
 
 def total_bytes(abstract: Any) -> int:
     """Bytes of a whole (unsharded) tree."""
-    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(abstract))
+    return sum(math.prod(x.shape) * itemsize(x.dtype) for x in jax.tree.leaves(abstract))
 
 
 @dataclass(frozen=True)
@@ -317,7 +338,7 @@ def param_rows(abstract_params: Any, axes: Any, shardings: Any) -> list[ParamRow
         rows.append(
             ParamRow(
                 path_str(path), tuple(leaf.shape), names, sharding.spec,
-                math.prod(shard) * np.dtype(leaf.dtype).itemsize,
+                math.prod(shard) * itemsize(leaf.dtype),
             )
         )
     return rows

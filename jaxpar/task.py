@@ -2,7 +2,7 @@
 
 A :class:`Task` is all jaxpar needs to train any Flax NNX module: the built-in
 GPT and classifiers are Tasks (``jaxpar/builtin_tasks.py``), and so is a user's
-own model (see ``examples/custom_model.py``).
+own model (see ``examples/research_cnn.py``).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 
 Batch = Mapping[str, jax.Array]
@@ -48,21 +49,42 @@ class StageSplit:
 
 @dataclass(frozen=True)
 class Task:
-    """A trainable problem.
+    """A trainable problem: any Flax NNX model, its loss, and optionally its own data and
+    optimizer.
 
     Attributes:
-      model_fn: builds the module from ``nnx.Rngs`` (called under
-        ``nnx.eval_shape`` and under ``jit`` — never eagerly on one device).
-      loss_fn: ``(model, batch) -> (scalar loss, {name: scalar metric})``; the
-        loss must be a mean over examples so gradient accumulation is exact.
-      batch_axes: logical axes of each batch entry, e.g.
-        ``{"tokens": ("batch", None)}`` (``None``: never sharded).
-      path_rules: ``(regex, logical names)`` pairs for parameters without
-        ``axes`` metadata, matched against paths like ``'dense1/kernel'``.
-      tokens_per_example: tokens one example carries (0 for non-sequence
-        tasks), for the throughput metric.
-      stages: how to cut the model for pipeline parallelism (None: it cannot
-        be pipelined, and ``mesh.stage`` must stay 1).
+      model_fn: builds the module from ``nnx.Rngs`` (called under ``nnx.eval_shape`` and
+        under ``jit`` — never eagerly on one device). Its parameters name their dims with
+        Flax's sharding metadata (``kernel_init=nnx.with_partitioning(init, ("embed",
+        "mlp"))`` or ``nnx.Param(value, out_sharding=(...))``), which jaxpar's rules map
+        onto the mesh. Any other variable (``nnx.BatchStat``, the RNG streams of
+        ``nnx.Dropout(rate, rngs=rngs)``) is carried and updated by the train step.
+      loss_fn: ``(model, batch) -> (scalar loss, {name: scalar metric})``; the loss must
+        be a mean over examples so gradient accumulation is exact. The model arrives in
+        NNX's training mode in the train step and evaluation mode in eval.
+      batch_axes: logical axes of each batch entry, e.g. ``{"tokens": ("batch", None)}``
+        (``None``: never sharded).
+      path_rules: ``(regex, logical names)`` pairs for parameters without sharding
+        metadata, matched against paths like ``'dense1/kernel'``.
+      tokens_per_example: tokens one example carries (0 for non-sequence tasks), for the
+        throughput metric.
+      stages: how to cut the model for pipeline parallelism (None: it cannot be
+        pipelined, and ``mesh.stage`` must stay 1).
+      data: the training data, if the task brings its own (else the config's ``data``
+        section applies): a function ``(step, global_batch_size) -> {name: numpy
+        array}`` giving the batch of the step that follows ``step`` steps (pure in
+        ``step``, so a run resumes by step number; a function that also takes
+        ``rows=`` gets the slice of rows this process loads, and returns only those),
+        or a grain dataset of examples — a ``grain.MapDataset`` (shuffled per epoch by
+        ``run.seed``, each process reading only its rows, resumed by position) or a
+        ``grain.IterDataset`` (read in order, resumed from grain's iterator state;
+        single-process runs).
+      eval_data: held-out data in the same forms (a function is called for steps
+        ``0 … train.eval_batches-1``); None: no evaluation unless the config's data
+        is used.
+      optimizer: the task's own Optax transformation (the config's ``optim`` section
+        then has no effect).
+      name: names the run (``runs/<name>``) and the task in messages.
     """
 
     model_fn: Callable[[nnx.Rngs], nnx.Module]
@@ -71,6 +93,10 @@ class Task:
     path_rules: tuple[tuple[str, tuple[str | None, ...]], ...] = ()
     tokens_per_example: int = 0
     stages: StageSplit | None = None
+    data: Any = None
+    eval_data: Any = None
+    optimizer: optax.GradientTransformation | None = None
+    name: str = ""
 
 
 def split_microbatches(x: jax.Array, k: int) -> jax.Array:

@@ -10,8 +10,9 @@ parameter is ever whole on one device. The same shardings are the step's
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -21,48 +22,69 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxpar import gradients
 from jaxpar import sharding as shd
 from jaxpar.config import PipelineConfig
 from jaxpar.logical import Rules, activation_rules, spec_for
-from jaxpar.pipeline.executor import pipeline_grads
 from jaxpar.pipeline.schedule import TickTable, tick_table
-from jaxpar.task import Batch, Task, split_microbatches
+from jaxpar.task import Batch, Task
 
 
 @jax.tree_util.register_dataclass
 @dataclass
 class TrainState:
-    """Everything a step updates. ``skipped`` counts non-finite steps not applied."""
+    """Everything a step updates. ``skipped`` counts non-finite steps not applied;
+    ``model_state`` holds the model's variables other than ``nnx.Param`` (BatchNorm
+    statistics, the RNG streams of dropout, …) as a pure dict — empty for most models."""
 
     step: jax.Array
     params: Any
     opt_state: Any
     skipped: jax.Array
+    model_state: Any = field(default_factory=dict)
 
 
-def abstract_model(task: Task, seed: int = 0) -> tuple[nnx.GraphDef, nnx.State]:
-    """Graph definition and abstract (shape-only) state of the task's model."""
+@dataclass(frozen=True)
+class AbstractModel:
+    """A task's model without any array: its graph, its variables' shapes and their
+    logical names (pure dicts), split into trainable ``params`` and the other ``state``.
+
+    ``unnamed`` lists the parameters without logical names (replicated); ``state_kinds``
+    the variable types of the state (``BatchStat``, ``RngKey``, …)."""
+
+    graphdef: nnx.GraphDef
+    params: Any
+    state: Any
+    param_axes: Any
+    state_axes: Any
+    unnamed: tuple[str, ...]
+    state_kinds: tuple[str, ...]
+
+
+def build_model(task: Task, seed: int) -> nnx.Module:
+    """The task's model, built with logical names only: Flax 0.12 would otherwise try to
+    shard each annotated variable at construction over a mesh named by its logical names."""
     with nnx.use_eager_sharding(False):
-        graphdef, state = nnx.split(nnx.eval_shape(lambda: task.model_fn(nnx.Rngs(seed))))
-    return graphdef, state
+        return task.model_fn(nnx.Rngs(seed))
+
+
+def abstract_model(task: Task, seed: int = 0) -> AbstractModel:
+    """The task's model as shapes and names (``nnx.eval_shape``: nothing is allocated)."""
+    with nnx.use_eager_sharding(False):
+        model = nnx.eval_shape(lambda: task.model_fn(nnx.Rngs(seed)))
+    graphdef, params, state = nnx.split(model, nnx.Param, ...)
+    param_axes, unnamed = shd.logical_axes(params, task.path_rules)
+    state_axes, _ = shd.logical_axes(state)
+    kinds = sorted({type(v).__name__ for v in jax.tree.leaves(
+        state, is_leaf=lambda x: isinstance(x, nnx.Variable))})
+    return AbstractModel(graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(state),
+                         param_axes, state_axes, tuple(unnamed), tuple(kinds))
 
 
 def abstract_params_and_axes(task: Task, seed: int = 0) -> tuple[Any, Any]:
     """Abstract parameters and their logical axes, both as pure dicts."""
-    return _params_and_axes(abstract_model(task, seed)[1], task)
-
-
-def _params_and_axes(state: nnx.State, task: Task) -> tuple[Any, Any]:
-    _params_only(state)
-    return nnx.to_pure_dict(state), shd.logical_axes(state, task.path_rules)[0]
-
-
-def _params_only(state: nnx.State) -> None:
-    """jaxpar trains modules whose variables are all ``nnx.Param``."""
-    others = [shd.path_str(p) for p, v in jax.tree_util.tree_leaves_with_path(
-        state, is_leaf=lambda x: isinstance(x, nnx.Variable)) if not isinstance(v, nnx.Param)]
-    if others:
-        raise ValueError(f"model has non-Param variables {others}; jaxpar trains nnx.Param only")
+    model = abstract_model(task, seed)
+    return model.params, model.param_axes
 
 
 def global_batch_shapes(host_batch: Mapping[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
@@ -73,21 +95,12 @@ def global_batch_shapes(host_batch: Mapping[str, Any]) -> dict[str, jax.ShapeDty
             for k, v in host_batch.items()}
 
 
-def _accumulate(grad_fn: Callable, params: Any, batch: Batch, k: int,
-                param_shardings: Any) -> tuple[jax.Array, dict, Any]:
-    """Sums of loss, metrics and gradients over ``k`` microbatches of ``batch`` (a scan;
-    the gradient carry keeps the parameters' sharding, so FSDP accumulates shards)."""
-    micro = {key: split_microbatches(v, k) for key, v in batch.items()}
-
-    def body(carry, mb):
-        (loss, aux), grads = grad_fn(params, mb)
-        grads = jax.lax.with_sharding_constraint(grads, param_shardings)
-        return jax.tree.map(jnp.add, carry, (loss, aux, grads)), None
-
-    first = {key: v[0] for key, v in micro.items()}
-    zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(
-        lambda p, b: (*grad_fn(p, b)[0], p), params, first))
-    return jax.lax.scan(body, zeros, micro)[0]
+def injected_lr(opt_state: Any) -> jax.Array | None:
+    """The learning rate ``optax.inject_hyperparams`` recorded in ``opt_state`` (the one
+    the last update used), or None when there is not exactly one."""
+    found = [v for _, v in optax.tree_utils.tree_get_all_with_path(opt_state, "learning_rate")
+             if getattr(v, "shape", None) == ()]
+    return found[0] if len(found) == 1 else None
 
 
 class Trainer:
@@ -95,10 +108,11 @@ class Trainer:
 
     Args:
       task: model, loss and batch axes.
-      optimizer: the Optax transformation.
+      optimizer: any Optax transformation.
       mesh: the device mesh.
       rules: logical axis name → mesh axes.
-      schedule: learning-rate schedule, logged as ``lr``.
+      schedule: jaxpar's learning-rate schedule, logged as ``lr``; without it ``lr`` is
+        read from ``optax.inject_hyperparams`` state when there is one, else not logged.
       grad_accum: microbatches per step, accumulated inside the jitted step.
       seed: init seed (used for the abstract model too).
       pipeline: the schedule used when ``mesh.shape['stage'] > 1``.
@@ -109,30 +123,46 @@ class Trainer:
                  grad_accum: int = 1, seed: int = 0, pipeline: PipelineConfig | None = None):
         self.task, self.tx, self.mesh, self.rules = task, optimizer, mesh, rules
         self.schedule, self.grad_accum, self.seed = schedule, grad_accum, seed
-        self.graphdef, abstract = abstract_model(task, seed)
-        self.abstract_params, self.axes = _params_and_axes(abstract, task)
+        self.model = abstract_model(task, seed)
+        self.graphdef, self.abstract_params, self.axes = (
+            self.model.graphdef, self.model.params, self.model.param_axes)
+        self.stateful = bool(jax.tree.leaves(self.model.state))
+        if self.model.unnamed:
+            _warn_unnamed(self.model.unnamed)
         self.pipeline: TickTable | None = self._pipeline_table(pipeline or PipelineConfig())
         self.param_specs = shd.param_specs(self.abstract_params, self.axes, rules, mesh)
+        self.state_specs = shd.param_specs(self.model.state, self.model.state_axes, rules, mesh,
+                                           what="model state")
         abstract_opt = jax.eval_shape(optimizer.init, self.abstract_params)
-        opt_specs = shd.opt_state_specs(abstract_opt, self.abstract_params, self.param_specs)
+        opt_specs, self.opt_replicated = shd.opt_state_specs(
+            abstract_opt, self.abstract_params, self.param_specs)
         scalar = NamedSharding(mesh, PartitionSpec())
         self.state_shardings = TrainState(
-            scalar, shd.named(mesh, self.param_specs), shd.named(mesh, opt_specs), scalar)
+            scalar, shd.named(mesh, self.param_specs), shd.named(mesh, opt_specs), scalar,
+            shd.named(mesh, self.state_specs))
         self.abstract_state = TrainState(
             jax.ShapeDtypeStruct((), jnp.int32), self.abstract_params, abstract_opt,
-            jax.ShapeDtypeStruct((), jnp.int32))
+            jax.ShapeDtypeStruct((), jnp.int32), self.model.state)
         self._check_layout()
-        self.microbatches = self.pipeline.m if self.pipeline else grad_accum
+        self.microbatches = grad_accum * (self.pipeline.m if self.pipeline else 1)
+        self.gradients = gradients.choose(
+            make_loss=self._loss_under, mesh=mesh, rules=rules, param_specs=self.param_specs,
+            param_shardings=self.state_shardings.params, grad_accum=grad_accum,
+            stateful=self.stateful, pipeline=self._pipelined())
         self._step = jax.jit(self._train_step, in_shardings=(self.state_shardings, None),
                              out_shardings=(self.state_shardings, None), donate_argnums=0)
-        self._eval = jax.jit(self._eval_step, in_shardings=(self.state_shardings.params, None))
+        self._eval = jax.jit(self._eval_step, in_shardings=(
+            self.state_shardings.params, self.state_shardings.model_state, None))
         self._init = jax.jit(self._create, out_shardings=self.state_shardings)
-        self._grads_jit = jax.jit(self._grads, in_shardings=(self.state_shardings.params, None))
+        self._grads_jit = jax.jit(self._grads, in_shardings=(
+            self.state_shardings.params, None, self.state_shardings.model_state))
 
     def _check_layout(self) -> None:
         """Rules name real axes; the batch is split over data axes; no mesh axis idles."""
-        param_names = jax.tree.leaves(self.axes, is_leaf=lambda x: isinstance(x, tuple))
-        used = {n for names in [*param_names, *self.task.batch_axes.values()] for n in names if n}
+        names = jax.tree.leaves([self.axes, self.model.state_axes],
+                                is_leaf=lambda x: isinstance(x, tuple))
+        used = {n for group in [*names, *self.task.batch_axes.values()] for entry in group
+                if entry for n in (entry if isinstance(entry, tuple) else (entry,))}
         shd.check_rule_names(self.rules, used)
         batch_specs = self._batch_specs(None)
         shd.check_batch_sharded(self.mesh, batch_specs)
@@ -142,8 +172,8 @@ class Trainer:
         """The schedule's tick table when the mesh has pipeline stages, after the checks.
 
         Raises:
-          ValueError: for a model that cannot be split, layers not divisible by
-            stages × virtual stages, or gradient accumulation on top of microbatches.
+          ValueError: for a model that cannot be split or has non-parameter state, or
+            layers not divisible by stages × virtual stages.
         """
         p = self.mesh.shape["stage"]
         if p == 1:
@@ -153,12 +183,12 @@ class Trainer:
             raise ValueError(
                 f"mesh.stage={p}, but this model cannot be split into pipeline stages (its task "
                 "has no StageSplit: stacked layers with embed/stage/head functions); "
-                "set mesh.stage=1 or use model.name=gpt")
-        if self.grad_accum > 1:
+                "set mesh.stage=1")
+        if self.stateful:
             raise ValueError(
-                f"train.grad_accum={self.grad_accum} with mesh.stage={p}: the pipeline already "
-                "splits the batch into pipeline.microbatches; set train.grad_accum=1 and raise "
-                "pipeline.microbatches instead")
+                f"mesh.stage={p}: the pipeline runs models whose variables are all nnx.Param, "
+                f"but this one also has {', '.join(self.model.state_kinds)}; set mesh.stage=1 "
+                "(data, fsdp and tensor parallelism carry such state)")
         if tuple(self.rules.get("layers", ())) != ("stage",):
             raise ValueError(
                 f"mesh.stage={p} needs the stacked layers split over it, but rules.layers="
@@ -169,9 +199,21 @@ class Trainer:
         if n_layers % (p * v):
             raise ValueError(
                 f"{n_layers} layers cannot be cut into mesh.stage × pipeline.virtual_stages = "
-                f"{p}×{v} = {p * v} equal chunks; change model.n_layers, mesh.stage or "
+                f"{p}×{v} = {p * v} equal chunks; change the number of layers, mesh.stage or "
                 "pipeline.virtual_stages")
         return tick_table(cfg.schedule, p, m, v)
+
+    def _pipelined(self) -> gradients.Pipelined | None:
+        if self.pipeline is None:
+            return None
+        return gradients.Pipelined(self.task.stages, self.graphdef, self.pipeline, self.mesh,
+                                   self.rules, self.param_specs)
+
+    @property
+    def accumulates_per_data_shard(self) -> bool:
+        """Whether gradient accumulation keeps microbatch gradients unreduced over ``data``
+        until the step's end (one all-reduce per step instead of one per microbatch)."""
+        return isinstance(self.gradients, gradients.AccumulatedPerDataShard)
 
     # ---- batches -------------------------------------------------------------------------
     def _batch_specs(self, batch: Mapping[str, Any] | None) -> dict[str, PartitionSpec]:
@@ -183,19 +225,27 @@ class Trainer:
         return specs
 
     def batch_shardings(self, batch: Mapping[str, Any]) -> dict[str, NamedSharding]:
-        """Shardings of a batch, checking that its batch dim splits evenly.
+        """Shardings of a batch, checking its keys and that its batch dim splits evenly.
 
         Raises:
-          ValueError: when the global batch (or a microbatch of it) is not
-            divisible by the devices that share it.
+          ValueError: for a batch whose keys are not the task's ``batch_axes``, or when
+            the global batch (or a microbatch of it) is not divisible by the devices
+            that share it.
         """
+        if set(batch) != set(self.task.batch_axes):
+            raise ValueError(
+                f"the batch has entries {sorted(batch)} but the task's batch_axes name "
+                f"{sorted(self.task.batch_axes)}; give every batch entry its logical axes in "
+                "Task.batch_axes (and only those entries)")
         specs = self._batch_specs(batch)
         for key, spec in specs.items():
             ways = math.prod(self.mesh.shape[a] for e in spec[:1] if e
                              for a in (e if isinstance(e, tuple) else (e,)))
             size = batch[key].shape[0]
             if size % (ways * self.microbatches):
-                what = "pipeline.microbatches" if self.pipeline else "train.grad_accum"
+                what = " × ".join(name for name, on in (
+                    ("train.grad_accum", self.grad_accum > 1 or not self.pipeline),
+                    ("pipeline.microbatches", self.pipeline is not None)) if on)
                 raise ValueError(
                     f"batch '{key}': global batch {size} must be divisible by {what} "
                     f"({self.microbatches}) × the {ways} devices sharing the batch dim "
@@ -214,11 +264,13 @@ class Trainer:
 
     # ---- init ----------------------------------------------------------------------------
     def _create(self) -> TrainState:
-        with activation_rules(self.mesh, self.rules), nnx.use_eager_sharding(False):
-            model = self.task.model_fn(nnx.Rngs(self.seed))
-        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        with activation_rules(self.mesh, self.rules):
+            model = build_model(self.task, self.seed)
+        _, params, model_state = nnx.split(model, nnx.Param, ...)
+        params = nnx.to_pure_dict(params)
         zero = jnp.zeros((), jnp.int32)
-        return TrainState(zero, params, self.tx.init(params), zero)
+        return TrainState(zero, params, self.tx.init(params), zero,
+                          nnx.to_pure_dict(model_state))
 
     def init(self) -> TrainState:
         """A fresh state, born sharded (``jit`` with ``out_shardings``)."""
@@ -228,76 +280,46 @@ class Trainer:
         """The compiled init program (its memory analysis shows what one device holds)."""
         return self._init.lower().compile()
 
+    # ---- the model as a function -----------------------------------------------------------
+    def apply(self, params: Any, model_state: Any, batch: Batch, *, train: bool,
+              mesh: Any = None, rules: Rules | None = None) -> tuple[jax.Array, dict, Any]:
+        """The task's loss, metrics and the model's new state (traceable).
+
+        The model runs in NNX's training mode (``model.train()``: dropout on, BatchNorm on
+        batch statistics, updating its running averages) or evaluation mode
+        (``model.eval()``), with the activation rules of ``mesh``/``rules`` (default:
+        the trainer's).
+        """
+        model = nnx.merge(self.graphdef, params, model_state)
+        model.train() if train else model.eval()
+        with activation_rules(self.mesh if mesh is None else mesh,
+                              self.rules if rules is None else rules):
+            loss, metrics = self.task.loss_fn(model, batch)
+        return loss, metrics, nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
+
+    def _loss_under(self, mesh: Any, rules: Rules) -> gradients.StateLoss:
+        return lambda p, s, b: self.apply(p, s, b, train=True, mesh=mesh, rules=rules)
+
+    def loss(self, params: Any, batch: Batch, model_state: Any = None
+             ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The task's loss and metrics of ``params`` in training mode (traceable)."""
+        return self.apply(params, self._state_or_empty(model_state), batch, train=True)[:2]
+
+    def _state_or_empty(self, model_state: Any) -> Any:
+        if model_state is None and self.stateful:
+            raise ValueError("this model has state besides its parameters "
+                             f"({', '.join(self.model.state_kinds)}): pass model_state "
+                             "(TrainState.model_state)")
+        return {} if model_state is None else model_state
+
     # ---- steps ---------------------------------------------------------------------------
-    def loss(self, params: Any, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """The task's loss and metrics of ``params`` (traceable; used by the steps)."""
-        with activation_rules(self.mesh, self.rules):
-            return self.task.loss_fn(nnx.merge(self.graphdef, params), batch)
-
-    def _grads(self, params: Any, batch: Batch) -> tuple[jax.Array, dict, Any]:
-        if self.pipeline is not None:
-            with activation_rules(self.mesh, self.rules):
-                return pipeline_grads(self.task.stages, self.graphdef, params, batch,
-                                      table=self.pipeline, mesh=self.mesh, rules=self.rules,
-                                      param_specs=self.param_specs)
-        if self.grad_accum == 1:
-            (loss, aux), grads = jax.value_and_grad(self.loss, has_aux=True)(params, batch)
-            return loss, aux, grads
-        if self.accumulates_per_data_shard:
-            return self._accumulate_over_data(params, batch)
-        total = _accumulate(jax.value_and_grad(self.loss, has_aux=True), params, batch,
-                            self.grad_accum, self.state_shardings.params)
-        return jax.tree.map(lambda x: x / self.grad_accum, total)
-
-    @property
-    def accumulates_per_data_shard(self) -> bool:
-        """Whether gradient accumulation keeps microbatch gradients unreduced over ``data``
-        until the step's end (one all-reduce per step instead of one per microbatch).
-
-        It needs a data axis and no parameter sharded over it. With ``fsdp`` and
-        ``tensor`` both above 1, XLA 0.10's SPMD partitioner aborts on the partly
-        manual program (a failed check in spmd_partitioner_util.cc), so that layout
-        keeps the automatic path.
-        """
-        if self.grad_accum == 1 or self.pipeline is not None or self.mesh.shape["data"] == 1:
-            return False
-        if self.mesh.shape["fsdp"] > 1 and self.mesh.shape["tensor"] > 1:
-            return False
-        specs = jax.tree.leaves(self.param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-        return not any("data" in (e if isinstance(e, tuple) else (e,))
-                       for s in specs for e in s if e)
-
-    def _accumulate_over_data(self, params: Any, batch: Batch) -> tuple[jax.Array, dict, Any]:
-        """Gradient accumulation with one all-reduce over ``data`` per step.
-
-        Under ``shard_map`` with ``data`` manual (``fsdp``/``tensor`` stay automatic,
-        so FSDP still gathers weights and reduce-scatters gradients per microbatch),
-        each data shard sums its microbatches' gradients locally and the sums are
-        all-reduced once. The automatic path would all-reduce every microbatch's
-        gradients: the accumulator is replicated over ``data``, and a partial sum
-        cannot be carried through the loop.
-        """
-        n, k = self.mesh.shape["data"], self.grad_accum
-        inner = {name: tuple(a for a in axes if a != "data") for name, axes in self.rules.items()}
-
-        def local(params, batch):
-            mesh = jax.sharding.get_abstract_mesh()
-            shardings = shd.named(mesh, self.param_specs)
-
-            def loss(p, b):
-                with activation_rules(mesh, inner):
-                    return self.task.loss_fn(nnx.merge(self.graphdef, p), b)
-
-            total = _accumulate(jax.value_and_grad(loss, has_aux=True), params, batch, k,
-                                shardings)
-            return jax.tree.map(lambda x: jax.lax.psum(x, "data") / (n * k), total)
-
-        fn = jax.shard_map(local, mesh=self.mesh, in_specs=(PartitionSpec(), PartitionSpec("data")),
-                           out_specs=PartitionSpec(), axis_names={"data"}, check_vma=False)
-        return fn(params, dict(batch))
+    def _grads(self, params: Any, batch: Batch, model_state: Any = None):
+        loss, metrics, grads, _ = self.gradients(params, self._state_or_empty(model_state),
+                                                 batch)
+        return loss, metrics, grads
 
     def _train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
-        loss, aux, grads = self._grads(state.params, batch)
+        loss, aux, grads, model_state = self.gradients(state.params, state.model_state, batch)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -305,29 +327,43 @@ class Trainer:
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
         new_state = TrainState(
             state.step + 1, keep(params, state.params), keep(opt_state, state.opt_state),
-            state.skipped + (~finite).astype(jnp.int32))
-        # The optimizer's own step count excludes skipped steps, and so does its schedule.
-        applied = state.step - state.skipped
-        lr = self.schedule(applied) if self.schedule is not None else jnp.nan
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": jnp.asarray(lr, jnp.float32),
-                   "finite": finite, **aux}
+            state.skipped + (~finite).astype(jnp.int32),
+            keep(model_state, state.model_state))
+        metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite,
+                   "skipped": new_state.skipped, **aux}
+        lr = self._lr(state, opt_state)
+        if lr is not None:
+            metrics["lr"] = jnp.asarray(lr, jnp.float32)
         return new_state, metrics
 
-    def _eval_step(self, params: Any, batch: Batch) -> dict[str, jax.Array]:
-        loss, aux = self.loss(params, batch)
+    def _lr(self, state: TrainState, opt_state: Any) -> Any:
+        """The learning rate of this step: jaxpar's schedule at the optimizer's own step
+        count (skipped steps excluded), or what ``inject_hyperparams`` recorded."""
+        if self.schedule is not None:
+            return self.schedule(state.step - state.skipped)
+        return injected_lr(opt_state)
+
+    def _eval_step(self, params: Any, model_state: Any, batch: Batch) -> dict[str, jax.Array]:
+        loss, aux, _ = self.apply(params, model_state, batch, train=False)
         return {"loss": loss, **aux}
 
     def step(self, state: TrainState, batch: Mapping[str, jax.Array]) -> tuple[TrainState, dict]:
         """One optimizer step (donates ``state``)."""
         return self._step(state, batch)
 
-    def grads(self, params: Any, batch: Mapping[str, jax.Array]) -> tuple[jax.Array, dict, Any]:
+    def grads(self, params: Any, batch: Mapping[str, jax.Array], model_state: Any = None
+              ) -> tuple[jax.Array, dict, Any]:
         """Loss, metrics and gradients of one step's batch, as the train step computes them."""
-        return self._grads_jit(params, batch)
+        return self._grads_jit(params, batch, self._state_or_empty(model_state))
 
-    def evaluate(self, params: Any, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-        """Loss (and task metrics) of ``params`` on one batch."""
-        return self._eval(params, batch)
+    def evaluate(self, state: TrainState | Any, batch: Mapping[str, jax.Array]
+                 ) -> dict[str, jax.Array]:
+        """Loss (and task metrics) on one batch in evaluation mode (``model.eval()``: no
+        dropout, BatchNorm on its running averages). ``state`` is a :class:`TrainState`,
+        or the parameters of a model without other state."""
+        if isinstance(state, TrainState):
+            return self._eval(state.params, state.model_state, batch)
+        return self._eval(state, self._state_or_empty(None), batch)
 
     # ---- compiled program ------------------------------------------------------------------
     def compile_step(self, batch: Mapping[str, Any]) -> jax.stages.Compiled:
@@ -339,3 +375,13 @@ class Trainer:
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
             self.abstract_state, self.state_shardings)
         return self._step.lower(abstract_state, abstract_batch).compile()
+
+
+def _warn_unnamed(paths: tuple[str, ...]) -> None:
+    """Says which parameters carry no logical names (they are replicated on every device)."""
+    shown = ", ".join(paths[:6]) + (f" and {len(paths) - 6} more" if len(paths) > 6 else "")
+    warnings.warn(
+        f"{len(paths)} parameter{'s' * (len(paths) != 1)} carry no logical axes and are "
+        f"replicated on every device: {shown}; to shard them, annotate them "
+        "(kernel_init=nnx.with_partitioning(init, ('embed', 'mlp')) or nnx.Param(value, "
+        "out_sharding=(...))) or give the Task path_rules", stacklevel=3)

@@ -1,10 +1,6 @@
-"""Shared test helpers: run a few steps of a config on a given number of devices; decode
-the PNGs jaxpar writes."""
+"""Shared test helpers: run a few steps of a config on a given number of devices."""
 
 from __future__ import annotations
-
-import struct
-import zlib
 
 import jax
 import numpy as np
@@ -55,33 +51,3 @@ def assert_params_close(actual, expected, elementwise: bool = True, rtol: float 
         else:
             rel = np.linalg.norm(a - e) / max(np.linalg.norm(e), 1e-30)
             assert rel <= rtol, f"{name}: relative error {rel:.2e} > {rtol:.0e}"
-
-
-# ---- a tiny PNG decoder (RGB8, filter type 0 only) -------------------------------------------
-
-
-def _png_chunks(data: bytes) -> list[tuple[bytes, bytes]]:
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    chunks, pos = [], 8
-    while pos < len(data):
-        (n,) = struct.unpack(">I", data[pos:pos + 4])
-        tag, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + n]
-        (crc,) = struct.unpack(">I", data[pos + 8 + n:pos + 12 + n])
-        assert crc == zlib.crc32(tag + body) & 0xFFFFFFFF, tag
-        chunks.append((tag, body))
-        pos += 12 + n
-    assert pos == len(data)
-    return chunks
-
-
-def decode_png(data: bytes) -> np.ndarray:
-    """An RGB8 PNG (filter type 0 rows, as jaxpar.png writes) → [H, W, 3] uint8."""
-    chunks = _png_chunks(data)
-    assert chunks[0][0] == b"IHDR" and chunks[-1] == (b"IEND", b"")
-    width, height, depth, colour, comp, filt, interlace = struct.unpack(">IIBBBBB", chunks[0][1])
-    assert (depth, colour, comp, filt, interlace) == (8, 2, 0, 0, 0)
-    raw = zlib.decompress(b"".join(body for tag, body in chunks if tag == b"IDAT"))
-    assert len(raw) == height * (1 + 3 * width)
-    rows = np.frombuffer(raw, np.uint8).reshape(height, 1 + 3 * width)
-    assert not rows[:, 0].any()  # encode_png writes filter type 0 (None) on every row
-    return rows[:, 1:].reshape(height, width, 3)

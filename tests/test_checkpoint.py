@@ -36,7 +36,7 @@ def train_process(run_dir: Path, steps: int, *extra: str) -> None:
 
 def losses(run_dir: Path) -> list[tuple[int, float]]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [(row["step"], row["loss"]) for row in rows]
+    return [(row["step"], row["loss"]) for row in rows if "loss" in row]
 
 
 def final_arrays(run_dir: Path, layout: list[str]) -> list[np.ndarray]:

@@ -16,7 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from jaxpar.builtin_tasks import data_needs
 from jaxpar.config import DataConfig, ModelConfig, load_config
+from jaxpar.data.sources import DataNeeds
 from jaxpar.data import (
     Data,
     TokenFile,
@@ -35,8 +37,9 @@ def _data(**kw) -> DataConfig:
     return dataclasses.replace(DataConfig(), **kw)
 
 
-def _model(name: str = "gpt", **kw) -> ModelConfig:
-    return dataclasses.replace(ModelConfig(), name=name, **kw)
+def _model(name: str = "gpt", **kw) -> DataNeeds:
+    """What the built-in model ``name`` (with ``kw`` set) needs from the config's data."""
+    return data_needs(dataclasses.replace(ModelConfig(), name=name, **kw))
 
 
 def _bytes(row: np.ndarray) -> bytes:
@@ -67,7 +70,7 @@ def _write(folder: Path, files: dict[str, str]) -> Path:
 
 @pytest.fixture(scope="module")
 def pydoc() -> Data:
-    return load_data(DataConfig(), ModelConfig(), seed=0)
+    return load_data(DataConfig(), _model(), seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -114,15 +117,15 @@ def test_default_corpus_is_pydoc_topics(pydoc):
 def test_text_batches_are_deterministic(pydoc):
     a = pydoc.batch(3, 8)["tokens"]
     assert a.shape == (8, DataConfig().seq_len + 1) and a.dtype == np.int32
-    np.testing.assert_array_equal(a, load_data(DataConfig(), ModelConfig(), seed=0).batch(3, 8)["tokens"])
+    np.testing.assert_array_equal(a, load_data(DataConfig(), _model(), seed=0).batch(3, 8)["tokens"])
     np.testing.assert_array_equal(a, pydoc.batch(3, 8)["tokens"])
     e = pydoc.batch(1, 8, "eval")["tokens"]
-    np.testing.assert_array_equal(e, load_data(DataConfig(), ModelConfig(), seed=5).batch(1, 8, "eval")["tokens"])
+    np.testing.assert_array_equal(e, load_data(DataConfig(), _model(), seed=5).batch(1, 8, "eval")["tokens"])
 
 
 def test_text_batches_differ_by_seed_step_and_split(pydoc):
     a = pydoc.batch(3, 8)["tokens"]
-    assert not np.array_equal(a, load_data(DataConfig(), ModelConfig(), seed=1).batch(3, 8)["tokens"])
+    assert not np.array_equal(a, load_data(DataConfig(), _model(), seed=1).batch(3, 8)["tokens"])
     assert not np.array_equal(a, pydoc.batch(4, 8)["tokens"])
     assert not np.array_equal(a, pydoc.batch(3, 8, "eval")["tokens"])
 
@@ -394,7 +397,7 @@ def test_digits_errors():
         load_data(_data(dataset="digits"), _model("convnet", num_classes=5), seed=0)
     for part in ("data.dataset=digits", "model.num_classes=5", "≥ 10"):
         assert part in str(err.value)
-    with pytest.raises(ValueError, match="data.dataset=digits is an image set; model.name=gpt"):
+    with pytest.raises(ValueError, match="data.dataset=digits is an image set; a language model needs text"):
         load_data(_data(dataset="digits"), _model("gpt"), seed=0)
 
 
@@ -408,11 +411,11 @@ def test_convnet_learns_digits():
         "train.log_every=20", "train.eval_every=60", "train.eval_batches=4",
         "train.progress=false", "data.wait_warn=0"])  # a shared CPU's hiccups aren't news here
     history = fit(build(cfg))
-    last = history.rows[-1]
+    last = history.eval_rows[-1]
     assert last["step"] == 60
     # chance is 0.1; measured ≈ 0.94 when written
     assert last["eval_accuracy"] > 0.6, last
-    assert last["eval_loss"] < history.rows[0]["loss"]
+    assert last["eval_loss"] < history.train_rows[0]["loss"]
 
 
 # ---------------------------------------------------------------- npz errors
@@ -487,7 +490,7 @@ def test_gpt_rejects_npz(tmp_path):
     np.savez(path, images=np.zeros((20, 4, 4), np.float32), labels=np.zeros(20, np.int64))
     with pytest.raises(ValueError) as err:
         load_data(_data(path=str(path)), _model("gpt"), seed=0)
-    assert str(path) in str(err.value) and "model.name=gpt needs text" in str(err.value)
+    assert str(path) in str(err.value) and "a language model needs text" in str(err.value)
 
 
 @pytest.mark.parametrize("model", ["convnet", "mlp"])

@@ -48,7 +48,7 @@ def single(run_dir: Path, steps: int, *extra: str):
 
 def losses(run_dir: Path) -> dict[int, float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {row["step"]: row["loss"] for row in rows}
+    return {row["step"]: row["loss"] for row in rows if "loss" in row}
 
 
 @pytest.mark.parametrize("layout", [["mesh.data=8"],
@@ -64,6 +64,28 @@ def test_two_processes_match_one(tmp_path, layout):
     a, b = losses(tmp_path / "two"), losses(tmp_path / "one")
     assert sorted(a) == [1, 2, 3, 4]
     np.testing.assert_allclose([a[s] for s in sorted(a)], [b[s] for s in sorted(b)], rtol=1e-6)
+
+
+def test_user_task_two_processes_match_one(tmp_path):
+    """`jaxpar launch -n 2 -- train --task …`: a user's model (BatchNorm, dropout) with its own
+    data function, each process loading its rows, gives the losses of one process."""
+    task = ["--task", "examples/research_cnn.py:TASK", "train.batch_size=16",
+            "train.log_every=1", "train.eval_every=2", "train.progress=false", "train.steps=4"]
+    cmd = [sys.executable, "-m", "jaxpar", "launch", "-n", "2", "--devices-per-process", "4",
+           "--", "train", *task, f"run.dir={tmp_path / 'two'}"]
+    two = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert two.returncode == 0, two.stdout[-3000:]
+    env = {**_env(), "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    one = subprocess.run([sys.executable, "-m", "jaxpar", "train", *task,
+                          f"run.dir={tmp_path / 'one'}"], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=400)
+    assert one.returncode == 0, one.stderr[-3000:]
+    a, b = losses(tmp_path / "two"), losses(tmp_path / "one")
+    assert sorted(a) == [1, 2, 3, 4]
+    np.testing.assert_allclose([a[s] for s in sorted(a)], [b[s] for s in sorted(b)], rtol=1e-6)
+    evals = lambda d: [json.loads(line)["eval_loss"] for line in
+                       (d / "metrics.jsonl").read_text().splitlines() if "eval_loss" in line]
+    np.testing.assert_allclose(evals(tmp_path / "two"), evals(tmp_path / "one"), rtol=1e-6)
 
 
 def test_checkpoint_moves_between_process_counts(tmp_path):

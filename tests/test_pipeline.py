@@ -173,8 +173,8 @@ def test_gradients_reduced_once_per_step():
         run = build_run(2, m, "1f1b", data=2)
         trainer = run.trainer
         batch = run.data.batch(0, 32)
-        text = trainer._grads_jit.lower(trainer.init().params,
-                                        trainer.shard_batch(batch)).compile().as_text()
+        text = trainer._grads_jit.lower(trainer.init().params, trainer.shard_batch(batch),
+                                        {}).compile().as_text()
         assert hlo.count_ops(text, "all-reduce", in_loops=True) == 0
         # the loop and its switch branches were found: the per-tick sends, a real conditional
         assert hlo.count_ops(text, "collective-permute", in_loops=True) == 2

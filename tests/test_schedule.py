@@ -1,4 +1,5 @@
-"""Pipeline schedules: tick tables, bubbles, peak memory, the validator and the charts.
+"""Pipeline schedules: tick tables, bubbles, peak memory, the validator and the text
+charts (the drawn chart: tests/test_charts.py).
 
 Pure NumPy; every expectation is recomputed here, independently of the module, from the
 definitions (each action exactly once, dependencies, textbook bubble formulas).
@@ -22,7 +23,6 @@ from jaxpar.pipeline.schedule import (
     tick_table,
     validate,
 )
-from tests.helpers import decode_png
 
 PS = (2, 4)
 SHAPES = [(s, p, m, 1) for s in ("gpipe", "1f1b", "zb_h1") for p in PS for m in (p, 2 * p, 4 * p)]
@@ -249,26 +249,3 @@ def test_summary_numbers():
     assert "chunks 11 9 7 5; stages (chunks / v) 5.5 4.5 3.5 2.5" in text
     assert "activations 11, gradients 2" in text
     assert "F = I = W = 1" in text
-
-
-def test_write_png(tmp_path):
-    table = _table("1f1b", 4, 8, 1)
-    path = chart.write_png(table, tmp_path / "a" / "b" / "1f1b.png")
-    assert path.exists()
-    img = decode_png(path.read_bytes())
-    gap, cw, ch = chart.GAP, chart.CELL_W, chart.CELL_H
-    assert img.shape == (gap + 4 * (ch + gap) + chart.LEGEND_H, gap + table.ticks * (cw + gap), 3)
-    # the cell of F0 on device 0 (tick 0) has F's colour; device 3 idles at tick 0
-    assert tuple(img[gap + ch // 2, gap + cw // 2]) == chart.kind_rgb("F", 0)
-    y3 = gap + 3 * (ch + gap) + ch // 2
-    assert tuple(img[y3, gap + cw // 2]) == chart.IDLE_RGB
-    # neighbouring microbatches differ
-    assert tuple(img[gap + ch // 2, gap + (cw + gap) + cw // 2]) == chart.kind_rgb("F", 1)
-    assert chart.kind_rgb("F", 0) != chart.kind_rgb("F", 1)
-
-
-def test_png_differs_between_schedules(tmp_path):
-    a = decode_png(chart.write_png(_table("gpipe", 4, 8, 1), tmp_path / "g.png").read_bytes())
-    b = decode_png(chart.write_png(_table("1f1b", 4, 8, 1), tmp_path / "f.png").read_bytes())
-    assert a.shape == b.shape  # same tick count, so the difference is in the cells
-    assert (a != b).any()

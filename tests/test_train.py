@@ -117,7 +117,7 @@ def test_nonfinite_skip_leaves_state_unchanged_and_counts():
     assert float(metrics["lr"]) == pytest.approx(float(trainer.schedule(2)))
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))
     history = fit(_poisoned_run("skip"))
-    assert history.rows[-1]["skipped"] == 1
+    assert history.train_rows[-1]["skipped"] == 1
 
 
 def test_vocab_smaller_than_bytes_is_an_error():

@@ -49,6 +49,7 @@ class Data:
     vocab_size: int | None = None
     image_shape: tuple[int, int, int] | None = None
     _streams: dict[int, Loader] = field(default_factory=dict, repr=False)
+    has_eval = True
     _eval: dict[int, list[dict[str, np.ndarray]]] = field(default_factory=dict, repr=False)
 
     def loader(self, batch_size: int, cfg: DataConfig | None = None) -> Loader:
@@ -80,9 +81,11 @@ def _cut(n: int, eval_fraction: float, what: str) -> int:
     return cut
 
 
-def text_data(tf: TokenFile, cfg: DataConfig, vocab_size: int, seed: int) -> Data:
-    """Windows of ``data.seq_len + 1`` tokens; the last ``eval_fraction`` held out."""
-    check_vocab(tf, vocab_size)
+def text_data(tf: TokenFile, cfg: DataConfig, vocab_size: int | None, seed: int) -> Data:
+    """Windows of ``data.seq_len + 1`` tokens; the last ``eval_fraction`` held out (the
+    vocabulary checked against ``vocab_size`` unless it is None)."""
+    if vocab_size is not None:
+        check_vocab(tf, vocab_size)
     n = tf.num_tokens
     cut = _cut(n, cfg.eval_fraction, f"text '{tf.name}'")
     shortest = min(cut, n - cut)
@@ -122,14 +125,17 @@ def synthetic_tokens(n: int, vocab_size: int, seed: int = 1234) -> TokenFile:
     return TokenFile(tokens, vocab_size, meta, "SYNTHETIC random tokens")
 
 
-def _check_labels(labels: np.ndarray, num_classes: int, where: str) -> None:
-    if labels.min() < 0 or labels.max() >= num_classes:
-        raise ValueError(f"{where}: labels span [{labels.min()}, {labels.max()}] but "
-                         f"model.num_classes={num_classes}; set model.num_classes ≥ "
-                         f"{labels.max() + 1}")
+def _check_labels(labels: np.ndarray, num_classes: int | None, where: str) -> None:
+    too_big = num_classes is not None and labels.max() >= num_classes
+    if labels.min() < 0 or too_big:
+        bound = "" if num_classes is None else f" with model.num_classes={num_classes}"
+        fix = (f"; set model.num_classes ≥ {labels.max() + 1}" if too_big and labels.min() >= 0
+               else "")
+        raise ValueError(f"{where}: labels span [{labels.min()}, {labels.max()}] but class "
+                         f"labels must be 0, 1, …{bound}{fix}")
 
 
-def load_npz(path: Path, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
+def load_npz(path: Path, num_classes: int | None) -> tuple[np.ndarray, np.ndarray]:
     """Images and labels from an ``.npz`` with arrays ``images`` and ``labels``."""
     try:
         with np.load(path) as f:
@@ -152,7 +158,7 @@ def load_npz(path: Path, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
     return images, labels
 
 
-def load_digits(num_classes: int) -> tuple[np.ndarray, np.ndarray]:
+def load_digits(num_classes: int | None) -> tuple[np.ndarray, np.ndarray]:
     """scikit-learn's handwritten digits: 1,797 images 8×8×1 scaled to [0, 1], labels 0–9."""
     try:
         from sklearn.datasets import load_digits as sklearn_digits
@@ -175,15 +181,38 @@ def _text_file(path: Path) -> TokenFile:
     return TokenFile(tokens, meta["vocab_size"], meta, str(path), path)
 
 
-def load_data(cfg: DataConfig, model: Any, seed: int) -> Data:
-    """The data ``cfg`` asks for, checked against the model (``config.model``).
+@dataclass(frozen=True)
+class DataNeeds:
+    """What a model takes from the config's data: ``text`` (batches ``{"tokens": [B,
+    T+1]}``) or ``images`` (``{"images": [B, H, W, C], "labels": [B]}``), and the sizes
+    the data must fit (None: not checked)."""
+
+    kind: str
+    vocab_size: int | None = None
+    num_classes: int | None = None
+
+
+def needs_of_batch(batch_keys: Any) -> DataNeeds | None:
+    """The data a task's batch entries ask for, or None when they are neither jaxpar's
+    text batches (``tokens``) nor its image batches (``images``, ``labels``)."""
+    keys = set(batch_keys)
+    if keys == {"tokens"}:
+        return DataNeeds("text")
+    if keys == {"images", "labels"}:
+        return DataNeeds("images")
+    return None
+
+
+def load_data(cfg: DataConfig, needs: DataNeeds, seed: int) -> Data:
+    """The data ``cfg`` asks for, checked against what the model needs.
 
     Raises:
       ValueError: a missing or unreadable file, a file of the wrong kind for the model, an
         empty corpus, a sequence longer than the text, a vocabulary larger than the model's
         or labels outside ``model.num_classes`` — each naming the file or key.
     """
-    is_text = model.name == "gpt"
+    is_text = needs.kind == "text"
+    vocab, classes = needs.vocab_size, needs.num_classes
     path = Path(cfg.path) if cfg.path else None
     if cfg.dataset != "auto" and path is not None:
         raise ValueError(f"data.path '{cfg.path}' and data.dataset={cfg.dataset} both name "
@@ -192,23 +221,24 @@ def load_data(cfg: DataConfig, model: Any, seed: int) -> Data:
         raise ValueError(f"data.path '{cfg.path}' does not exist or is not a file")
     if cfg.dataset == "synthetic":
         if is_text:
-            tf = synthetic_tokens(cfg.num_examples * cfg.seq_len + 1, model.vocab_size)
-            return text_data(tf, cfg, model.vocab_size, seed)
-        images, labels = synthetic_images(cfg.num_examples, cfg.image_size, model.num_classes)
+            tf = synthetic_tokens(cfg.num_examples * cfg.seq_len + 1, vocab or 256)
+            return text_data(tf, cfg, vocab, seed)
+        images, labels = synthetic_images(cfg.num_examples, cfg.image_size, classes or 10)
         return image_data(images, labels, cfg, seed, "SYNTHETIC images")
     if cfg.dataset == "digits":
         if is_text:
-            raise ValueError("data.dataset=digits is an image set; model.name=gpt needs text")
-        return image_data(*load_digits(model.num_classes), cfg, seed, "scikit-learn digits")
+            raise ValueError("data.dataset=digits is an image set; a language model needs text")
+        return image_data(*load_digits(classes), cfg, seed, "scikit-learn digits")
     if is_text:
         if path is not None and path.suffix == ".npz":
-            raise ValueError(f"data.path '{cfg.path}' is an image set; model.name=gpt needs text")
+            raise ValueError(f"data.path '{cfg.path}' is an image set; a language model needs "
+                             "text")
         tf = _text_file(path) if path else builtin_corpus()
-        return text_data(tf, cfg, model.vocab_size, seed)
+        return text_data(tf, cfg, vocab, seed)
     if path is None:
-        images, labels = synthetic_images(cfg.num_examples, cfg.image_size, model.num_classes)
+        images, labels = synthetic_images(cfg.num_examples, cfg.image_size, classes or 10)
         return image_data(images, labels, cfg, seed, "SYNTHETIC images")
     if path.suffix != ".npz":
         raise ValueError(f"data.path '{cfg.path}': classifiers read an .npz with images and "
                          "labels (or set data.dataset=digits)")
-    return image_data(*load_npz(path, model.num_classes), cfg, seed, str(path))
+    return image_data(*load_npz(path, classes), cfg, seed, str(path))

@@ -1,46 +1,48 @@
-"""Comparison charts of layouts: one horizontal-bar panel per metric, drawn with NumPy.
+"""Comparison charts of layouts: one horizontal-bar panel per metric, drawn with matplotlib.
 
-How to read a chart from :func:`render_bars`:
+How to read a chart from :func:`chart_figure` (``sweep.png`` of ``jaxpar sweep``):
 
-* panels are stacked top to bottom, one per metric; each starts with its title;
+* one panel per metric, two panels a row; each has its title and, on its x axis, the
+  quantity and its unit (bytes in B/KiB/MiB/GiB…, seconds in s/ms/us, chosen per panel);
 * inside a panel there is one row per label (a layout, e.g. ``data=2,fsdp=2,tensor=2``),
-  the label on the left, then a bar whose length is the value over the largest value
-  of that panel (so bars compare within a panel, never across panels), then the value
-  as text (see :func:`fmt_value`);
+  the labels down the left edge, a bar whose length is the value, then the value as text
+  (see :func:`fmt_value`); bars compare within a panel, never across panels;
 * ``n/a`` with no bar marks a missing value — e.g. a layout that is invalid;
-* a panel whose values are pairs ``(measured, predicted)`` draws two thin bars per
-  row, measured (blue) above predicted (orange), with a legend line under its title;
-  the value text reads ``measured / predicted``.
+* a panel whose values are pairs ``(measured, predicted)`` draws two bars per row,
+  measured (blue) above predicted (orange), with a legend.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
 
-import numpy as np
+from jaxpar.plot import new_figure, save_figure
 
-from jaxpar.png import draw_text, text_height, text_width, write_png_file
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 #: One value of a panel: a number, ``None`` (missing), or a ``(measured, predicted)`` pair.
 Value = float | None | tuple[float | None, float | None]
-#: One panel: (title, one value per label, unit for :func:`fmt_value`).
-Panel = tuple[str, list[Value], str]
 
-#: Text scale (font pixels → image pixels), margins and sizes in pixels.
-SCALE = 2
-MARGIN, BAR_W, ROW_GAP, PANEL_GAP, TEXT_GAP = 12, 320, 6, 16, 6
-#: Height of each of the two thin bars of a pair, and the gap between them.
-PAIR_BAR_H, PAIR_GAP = 6, 2
-BACKGROUND_RGB = (255, 255, 255)
-TEXT_RGB = (40, 40, 40)
-TITLE_RGB = (0, 0, 0)
-RULE_RGB = (200, 200, 200)
-NA_RGB = (150, 150, 150)
-#: Bar colours: single values and measured values; predicted values.
-BAR_RGB = (66, 120, 200)
-PREDICTED_RGB = (232, 140, 40)
+
+class Panel(NamedTuple):
+    """One metric: its title, one value per label, the unit for :func:`fmt_value`
+    (``"B"``, ``"s"``, or any other) and what the x axis measures (e.g. ``"bytes per
+    device"``; its unit is added in parentheses)."""
+
+    title: str
+    values: list[Value]
+    unit: str
+    quantity: str = ""
+
+
+#: Bar colours: single values and measured values; predicted values; missing-value text.
+BAR_COLOUR, PREDICTED_COLOUR, NA_COLOUR = "#4378c8", "#e88c28", "#969696"
+#: Inches: panel width, per label row, room for a panel's title and axis; text size (pt).
+PANEL_W_IN, ROW_IN, PANEL_EXTRA_IN, LABEL_CHAR_IN, FONT_PT = 4.6, 0.39, 1.1, 0.075, 9.0
 _BYTE_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
 
 
@@ -127,177 +129,128 @@ def _pair(v: Value) -> tuple[float | None, float | None]:
     return v, None
 
 
-def _value_text(v: Value, unit: str, paired: bool) -> str:
-    """The text after a bar: the value, or ``measured / predicted`` in a paired panel."""
-    if not paired:
-        return fmt_value(v, unit)
-    measured, predicted = _pair(v)
-    if measured is None and predicted is None:
-        return "n/a"
-    return f"{fmt_value(measured, unit)} / {fmt_value(predicted, unit)}"
+def _finite(x: float | None) -> bool:
+    return x is not None and math.isfinite(float(x))
 
 
 def _panel_max(values: list[Value]) -> float:
     """The largest finite value of a panel (both halves of pairs), 0 when there is none."""
-    flat = [x for v in values for x in _pair(v)]
-    finite = [float(x) for x in flat if x is not None and math.isfinite(float(x))]
-    return max(finite, default=0.0)
+    return max((abs(float(x)) for v in values for x in _pair(v) if _finite(x)), default=0.0)
 
 
-def bar_length(v: float | None, vmax: float) -> int:
-    """Pixels of the bar of ``v`` when ``vmax`` gets :data:`BAR_W`; 0 for missing or ≤ 0."""
-    if v is None or vmax <= 0 or not math.isfinite(float(v)) or v <= 0:
-        return 0
-    return max(1, round(BAR_W * float(v) / vmax))
+def axis_unit(vmax: float, unit: str) -> tuple[float, str]:
+    """(divisor, unit text) for an axis whose largest value is ``vmax``.
+
+    Bytes take the largest binary unit that keeps ``vmax`` ≥ 1 (``B``, ``KiB``, ``MiB``…),
+    seconds ``s`` from 0.01 s up, ``ms`` from 10 µs, ``us`` below (as :func:`fmt_value`);
+    any other unit is kept as it is (divisor 1).
+    """
+    if unit == "B":
+        divisor, name = 1.0, "B"
+        for next_name in _BYTE_UNITS:
+            if vmax < divisor * 1024:
+                break
+            divisor, name = divisor * 1024, next_name
+        return divisor, name
+    if unit == "s":
+        if vmax == 0 or vmax >= 0.01:
+            return 1.0, "s"
+        return (1e-3, "ms") if vmax >= 1e-5 else (1e-6, "us")
+    return 1.0, unit
 
 
 def _check(labels: list[str], panels: list[Panel]) -> None:
     """Raises ValueError unless there are labels, panels, and one value per label."""
     if not labels or not panels:
-        raise ValueError(f"render_bars needs at least one label and one panel, got "
+        raise ValueError(f"chart_figure needs at least one label and one panel, got "
                          f"{len(labels)} labels and {len(panels)} panels")
-    for title, values, _ in panels:
-        if len(values) != len(labels):
-            raise ValueError(f"panel {title!r} has {len(values)} values for {len(labels)} "
-                             "labels; give one value (or None) per label")
-        bad = [v for v in values if isinstance(v, (tuple, list)) and len(v) != 2]
+    for panel in panels:
+        if len(panel.values) != len(labels):
+            raise ValueError(f"panel {panel.title!r} has {len(panel.values)} values for "
+                             f"{len(labels)} labels; give one value (or None) per label")
+        bad = [v for v in panel.values if isinstance(v, (tuple, list)) and len(v) != 2]
         if bad:
-            raise ValueError(f"panel {title!r}: pairs must be (measured, predicted), got {bad[0]}")
-
-
-# ---- layout --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where things go, in pixels.
-
-    Attributes:
-      width: image width.
-      height: image height.
-      bar_x: column where every bar starts.
-      title_y: top row of each panel's title.
-      legend_y: top row of each panel's legend line, ``None`` for unpaired panels.
-      row_y: ``row_y[panel][label]``: top row of that label's bar(s) and text.
-    """
-
-    width: int
-    height: int
-    bar_x: int
-    title_y: tuple[int, ...]
-    legend_y: tuple[int | None, ...]
-    row_y: tuple[tuple[int, ...], ...]
-
-
-LEGEND = ("measured", " / ", "predicted")
-
-
-def _content_width(labels: list[str], panels: list[Panel]) -> tuple[int, int]:
-    """(bar_x, image width) fitting the labels, bars, value texts, titles and legends."""
-    bar_x = MARGIN + max(text_width(s, SCALE) for s in labels) + MARGIN
-    texts = [_value_text(v, unit, _is_paired(values))
-             for _, values, unit in panels for v in values]
-    right = bar_x + BAR_W + TEXT_GAP + max(text_width(t, SCALE) for t in texts) + MARGIN
-    titles = max(text_width(title, SCALE) for title, _, _ in panels) + 1 + 2 * MARGIN
-    legend = text_width("".join(LEGEND), SCALE) + 2 * text_height(SCALE) + 2 * MARGIN
-    return bar_x, max(right, titles, legend)
-
-
-def layout(labels: list[str], panels: list[Panel]) -> Layout:
-    """The :class:`Layout` of the chart :func:`render_bars` draws for these arguments."""
-    _check(labels, panels)
-    th = text_height(SCALE)
-    bar_x, width = _content_width(labels, panels)
-    y, title_y, legend_y, row_y = MARGIN, [], [], []
-    for _, values, _ in panels:
-        title_y.append(y)
-        y += th + ROW_GAP
-        legend_y.append(y if _is_paired(values) else None)
-        y += th + ROW_GAP if _is_paired(values) else 0
-        row_y.append(tuple(y + i * (th + ROW_GAP) for i in range(len(labels))))
-        y += len(labels) * (th + ROW_GAP) + PANEL_GAP
-    height = y - PANEL_GAP - ROW_GAP + MARGIN
-    return Layout(width, height, bar_x, tuple(title_y), tuple(legend_y), tuple(row_y))
+            raise ValueError(f"panel {panel.title!r}: pairs must be (measured, predicted), "
+                             f"got {bad[0]}")
 
 
 # ---- drawing -------------------------------------------------------------------------------
 
 
-def _draw_legend(img: np.ndarray, y: int) -> None:
-    """``■ measured / ■ predicted``, each word after a swatch in its bar colour."""
-    th = text_height(SCALE)
-    x = MARGIN
-    for word, rgb in zip(LEGEND, (BAR_RGB, None, PREDICTED_RGB)):
-        if rgb is not None:
-            img[y + 2:y + th - 2, x:x + th - 4] = rgb
-            x += th
-        x = draw_text(img, x, y, word, TEXT_RGB, SCALE)
+def _bars(ax: Axes, ys: list[float], values: list[float | None], divisor: float,
+          height: float, colour: str, unit: str, label: str | None,
+          quiet: list[bool] | None = None) -> None:
+    """One bar per value at rows ``ys`` (none for a missing value), each with its text;
+    ``quiet[i]``: no ``n/a`` text for a missing value ``i`` (its row says it already)."""
+    widths = [float(v) / divisor if _finite(v) else 0.0 for v in values]
+    bars = ax.barh(ys, widths, height=height, color=colour, label=label)
+    quiet = quiet or [False] * len(values)
+    texts = ["" if q and not _finite(v) else fmt_value(v if _finite(v) else None, unit)
+             for v, q in zip(values, quiet)]
+    for text in ax.bar_label(bars, texts, padding=3, fontsize=FONT_PT - 1):
+        if text.get_text() == "n/a":
+            text.set_color(NA_COLOUR)
 
 
-def _draw_bars(img: np.ndarray, x: int, y: int, v: Value, vmax: float, paired: bool) -> int:
-    """The bar(s) of one row from ``(x, y)``; returns the column just past the longest."""
-    if not paired:
-        n = bar_length(v, vmax)
-        img[y:y + text_height(SCALE), x:x + n] = BAR_RGB
-        return x + n
-    measured, predicted = _pair(v)
-    n, k = bar_length(measured, vmax), bar_length(predicted, vmax)
-    img[y:y + PAIR_BAR_H, x:x + n] = BAR_RGB
-    y2 = y + PAIR_BAR_H + PAIR_GAP
-    img[y2:y2 + PAIR_BAR_H, x:x + k] = PREDICTED_RGB
-    return x + max(n, k)
+def _draw_panel(ax: Axes, labels: list[str], panel: Panel) -> None:
+    """The bars of one panel, its title, its x axis label with the unit."""
+    divisor, unit_text = axis_unit(_panel_max(panel.values), panel.unit)
+    rows = list(range(len(labels)))
+    if _is_paired(panel.values):
+        pairs = [_pair(v) for v in panel.values]
+        _bars(ax, [y - 0.2 for y in rows], [m for m, _ in pairs], divisor, 0.38, BAR_COLOUR,
+              panel.unit, "measured")
+        _bars(ax, [y + 0.2 for y in rows], [p for _, p in pairs], divisor, 0.38,
+              PREDICTED_COLOUR, panel.unit, "predicted", [not _finite(m) for m, _ in pairs])
+        ax.legend(loc="best", fontsize="small")
+    else:
+        _bars(ax, rows, list(panel.values), divisor, 0.6, BAR_COLOUR, panel.unit, None)
+    ax.set_title(panel.title, fontsize="medium", loc="left")
+    ax.set_xlabel(f"{panel.quantity} ({unit_text})" if panel.quantity else unit_text)
+    ax.margins(x=0.3)  # room for the value texts right of the longest bar
+    ax.set_xlim(left=0)
+    ax.grid(axis="x", alpha=0.3)
+    ax.spines[["top", "right"]].set_visible(False)
 
 
-def _draw_row(img: np.ndarray, lay: Layout, y: int, label: str, v: Value,
-              unit: str, vmax: float, paired: bool) -> None:
-    """One label row: the label right-aligned before the bars, the bars, the value text."""
-    draw_text(img, lay.bar_x - MARGIN - text_width(label, SCALE), y, label, TEXT_RGB, SCALE)
-    text = _value_text(v, unit, paired)
-    if text == "n/a":
-        draw_text(img, lay.bar_x, y, text, NA_RGB, SCALE)
-        return
-    end = _draw_bars(img, lay.bar_x, y, v, vmax, paired)
-    draw_text(img, end + TEXT_GAP, y, text, TEXT_RGB, SCALE)
-
-
-def _draw_panel(img: np.ndarray, lay: Layout, i: int, labels: list[str], panel: Panel) -> None:
-    """Panel ``i``: bold title and a rule under it, the legend if paired, one row per label."""
-    title, values, unit = panel
-    for dx in (0, 1):  # drawn twice, a pixel apart: bold
-        draw_text(img, MARGIN + dx, lay.title_y[i], title, TITLE_RGB, SCALE)
-    rule_y = lay.title_y[i] + text_height(SCALE) + ROW_GAP // 2
-    img[rule_y, MARGIN:lay.width - MARGIN] = RULE_RGB
-    if lay.legend_y[i] is not None:
-        _draw_legend(img, lay.legend_y[i])
-    vmax, paired = _panel_max(values), _is_paired(values)
-    for y, label, v in zip(lay.row_y[i], labels, values):
-        _draw_row(img, lay, y, label, v, unit, vmax, paired)
-
-
-def render_bars(labels: list[str], panels: list[Panel]) -> np.ndarray:
+def chart_figure(labels: list[str], panels: list[Panel | tuple]) -> Figure:
     """A comparison chart of ``labels`` over several metrics (see the module docstring).
 
     Args:
-      labels: one name per compared item (e.g. per layout), drawn left of the bars.
-      panels: ``(title, values, unit)`` per metric; ``values`` has one entry per label:
-        a number, ``None`` (drawn as ``n/a``), or a ``(measured, predicted)`` pair (either
-        half may be ``None``). ``unit`` is passed to :func:`fmt_value`.
+      labels: one name per compared item (e.g. per layout), down the left edge.
+      panels: :class:`Panel` s (or tuples of its fields) per metric; ``values`` has one
+        entry per label: a number, ``None`` (drawn as ``n/a``), or a ``(measured,
+        predicted)`` pair (either half may be ``None``).
 
     Returns:
-      The chart as an RGB uint8 array ``[height, width, 3]`` on a white background.
+      The figure: one axes per panel, in order (unused grid cells removed); in each, one
+      :class:`~matplotlib.container.BarContainer` per series (``measured`` and
+      ``predicted`` in a paired panel) with a bar per label, label ``i`` on row ``i``
+      (top to bottom), bar lengths in the x axis' unit.
 
     Raises:
       ValueError: if there are no labels or panels, or a panel's values do not match
         the labels one to one.
     """
-    lay = layout(labels, panels)
-    img = np.empty((lay.height, lay.width, 3), np.uint8)
-    img[:] = BACKGROUND_RGB
-    for i, panel in enumerate(panels):
-        _draw_panel(img, lay, i, labels, panel)
-    return img
+    panels = [Panel(*p) for p in panels]
+    _check(labels, panels)
+    ncols = min(2, len(panels))
+    nrows = math.ceil(len(panels) / ncols)
+    label_in = LABEL_CHAR_IN * max(len(s) for s in labels)
+    fig = new_figure(label_in + ncols * PANEL_W_IN,
+                     nrows * (PANEL_EXTRA_IN + ROW_IN * len(labels)))
+    grid = fig.subplots(nrows, ncols, sharey=True, squeeze=False)
+    axes = grid.ravel()
+    for ax, panel in zip(axes, panels):
+        _draw_panel(ax, labels, panel)
+    for ax in axes[len(panels):]:
+        fig.delaxes(ax)
+    axes[0].set_yticks(range(len(labels)), labels)
+    axes[0].set_ylim(len(labels) - 0.5, -0.5)  # first label on top
+    return fig
 
 
-def write_chart(labels: list[str], panels: list[Panel], path: str | Path) -> Path:
-    """Renders :func:`render_bars` and writes it as a PNG at ``path`` (folders created)."""
-    return write_png_file(render_bars(labels, panels), path)
+def write_chart(labels: list[str], panels: list[Panel | tuple], path: str | Path) -> Path:
+    """Writes :func:`chart_figure` at ``path`` (folders created; format from the suffix:
+    ``.png``, ``.svg`` …), mode 0644."""
+    return save_figure(chart_figure(labels, panels), path)

@@ -23,6 +23,7 @@ from jaxpar.config import Config
 from jaxpar.lab.chart import fmt_value
 from jaxpar.lab.hardware import Hardware
 from jaxpar.lab.sweep import Row, all_layouts, layout_overrides, measure
+from jaxpar.task import Task
 
 
 @dataclass
@@ -47,11 +48,12 @@ def _why(row: Row, memory: float) -> str:
             f"batch), temporaries {fmt_value(row.mem_temp_bytes, 'B')} (activations)")
 
 
-def fixes(config: Config, layout: str, row: Row) -> list[str]:
-    """Variants of ``layout`` that need less memory, most promising first."""
+def fixes(config: Config, layout: str, row: Row, task: Task | None = None) -> list[str]:
+    """Variants of ``layout`` that need less memory, most promising first (recomputation
+    only for the built-in GPT, which has the ``model.remat`` setting)."""
     deg = _degrees(layout)
     recompute, accum, shard = [], [], []
-    if config.model.name == "gpt" and config.model.remat != "full":
+    if task is None and config.model.name == "gpt" and config.model.remat != "full":
         recompute.append(f"{layout},model.remat=full")
     if deg["stage"] == 1:
         accum += [f"{layout},train.grad_accum={k}" for k in (2, 4, 8)
@@ -64,10 +66,11 @@ def fixes(config: Config, layout: str, row: Row) -> list[str]:
     return recompute + accum + shard if activations_dominate else shard + recompute + accum
 
 
-def _suggest(config: Config, planned: Planned, hw: Hardware, memory: float) -> None:
+def _suggest(config: Config, planned: Planned, hw: Hardware, memory: float,
+             task: Task | None) -> None:
     """Compiles every fix of a layout that does not fit; keeps the fastest that fits."""
-    rows = [measure(config, v, hw, memory_bytes=memory)
-            for v in fixes(config, planned.row.layout, planned.row)]
+    rows = [measure(config, v, hw, memory_bytes=memory, task=task)
+            for v in fixes(config, planned.row.layout, planned.row, task)]
     fitting = [r for r in rows if r.ok and r.fits]
     if fitting:
         planned.suggestion_row = min(fitting, key=lambda r: r.predicted_step_time_s)
@@ -78,13 +81,15 @@ def _suggest(config: Config, planned: Planned, hw: Hardware, memory: float) -> N
 
 
 def plan(config: Config, devices: int, hw: Hardware, memory_bytes: float | None = None,
-         layouts: list[str] | None = None, echo: bool = False) -> list[Planned]:
+         layouts: list[str] | None = None, echo: bool = False,
+         task: Task | None = None) -> list[Planned]:
     """Every layout of ``devices`` devices (or ``layouts``), ranked: fitting ones by
-    predicted step time, then those that do not fit (with a suggestion), then invalid."""
+    predicted step time, then those that do not fit (with a suggestion), then invalid.
+    ``task``: a user's task (default: the built-in model the config names)."""
     memory = memory_bytes or hw.memory_bytes
     planned = []
     for layout in layouts or all_layouts(devices):
-        row = measure(config, layout, hw, memory_bytes=memory)
+        row = measure(config, layout, hw, memory_bytes=memory, task=task)
         if echo:
             print(f"  {layout}: {'invalid' if not row.ok else 'fits' if row.fits else 'too big'}",
                   flush=True)
@@ -92,7 +97,7 @@ def plan(config: Config, devices: int, hw: Hardware, memory_bytes: float | None 
     for p in planned:
         if p.row.ok and not p.row.fits:
             p.why = _why(p.row, memory)
-            _suggest(config, p, hw, memory)
+            _suggest(config, p, hw, memory, task)
 
     def key(p: Planned) -> tuple[int, float]:
         group = 0 if p.row.ok and p.row.fits else 1 if p.row.ok else 2

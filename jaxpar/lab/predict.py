@@ -111,7 +111,7 @@ def _gradient_terms(run: Run, sizes: dict[str, int], cpu: bool) -> list[Term]:
     layers_key = split.layers_key if split is not None else None
     # jaxpar's GPT looks tokens up in the whole embedding table (gathered over every axis):
     # its gradient is a whole-table gradient, reduced before it is sliced to its shard.
-    whole = {"embed"} if run.config.model.name == "gpt" else set()
+    whole = {"embed"} if run.family == "gpt" else set()
     terms = []
     for key, nbytes, axes in _param_leaves(run):
         in_layers = key == layers_key
@@ -153,7 +153,7 @@ def _gpt_shape(run: Run) -> tuple[int, int, int, int, int]:
 def _tensor_terms(run: Run, sizes: dict[str, int], cpu: bool) -> list[Term]:
     trainer, cfg = run.trainer, run.config
     t = sizes["tensor"]
-    if t == 1 or cfg.model.name != "gpt":
+    if t == 1 or run.family != "gpt":
         return []
     rows, seq, d, act, layers = _gpt_shape(run)
     activation = rows * seq * d * (4 if cpu else act)
@@ -175,7 +175,7 @@ def _tensor_terms(run: Run, sizes: dict[str, int], cpu: bool) -> list[Term]:
 
 def _pipeline_terms(run: Run, cpu: bool) -> list[Term]:
     table = run.trainer.pipeline
-    if table is None or run.config.model.name != "gpt":
+    if table is None or run.family != "gpt":
         return []
     rows, seq, d, act, _ = _gpt_shape(run)
     message = rows // table.m * seq * d * (4 if cpu else act)

@@ -33,6 +33,7 @@ from jaxpar.lab.predict import predict_argument_bytes, predict_comm
 from jaxpar.mesh import MESH_AXES
 from jaxpar.pipeline.executor import branch_table
 from jaxpar.run import Run, build
+from jaxpar.task import Task
 from jaxpar.trainer import global_batch_shapes
 
 #: The documented columns of ``sweep.csv``, in order; more follow them.
@@ -176,15 +177,15 @@ def _fill_comm(row: Row, cost: hlo.ProgramCost, run: Run) -> float:
 
 
 def measure(config: Config, layout: str, hw: Hardware, steps: int = 0,
-            memory_bytes: float | None = None) -> Row:
+            memory_bytes: float | None = None, task: Task | None = None) -> Row:
     """Compile (and with ``steps`` > 0, time) the train step of ``config`` under ``layout``.
 
     ``memory_bytes`` is the device memory that ``fits`` is judged against (default:
-    the hardware profile's).
+    the hardware profile's); ``task`` is a user's task (default: the built-in model).
     """
     row = Row(layout, hardware=hw.key)
     try:
-        run = build(apply_overrides(config, layout_overrides(layout)))
+        run = build(apply_overrides(config, layout_overrides(layout)), task)
         batch = global_batch_shapes(run.data.batch(0, run.config.train.batch_size))
         start = time.perf_counter()
         compiled = run.trainer.compile_step(batch)
@@ -215,11 +216,12 @@ def measure(config: Config, layout: str, hw: Hardware, steps: int = 0,
 
 
 def sweep(config: Config, layouts: list[str], hw: Hardware, steps: int = 0,
-          memory_bytes: float | None = None, echo: bool = False) -> list[Row]:
+          memory_bytes: float | None = None, echo: bool = False,
+          task: Task | None = None) -> list[Row]:
     """:func:`measure` of every layout, in order."""
     rows = []
     for layout in layouts:
-        rows.append(measure(config, layout, hw, steps, memory_bytes))
+        rows.append(measure(config, layout, hw, steps, memory_bytes, task))
         if echo:
             print(f"  {layout}: {'ok' if rows[-1].ok else 'invalid'}", flush=True)
     return rows
@@ -306,9 +308,11 @@ def format_markdown(rows: list[Row], hw: Hardware) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_outputs(rows: list[Row], hw: Hardware, out_dir: str | Path) -> list[Path]:
-    """``sweep.csv``, ``sweep.md`` and the chart ``sweep.png`` in ``out_dir``."""
-    from jaxpar.lab.chart import write_chart
+def write_outputs(rows: list[Row], hw: Hardware, out_dir: str | Path,
+                  chart: str = "sweep.png") -> list[Path]:
+    """``sweep.csv``, ``sweep.md`` and the chart (``sweep.png``; a ``chart`` name ending in
+    ``.svg`` writes SVG) in ``out_dir``."""
+    from jaxpar.lab.chart import Panel, write_chart
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -316,13 +320,16 @@ def write_outputs(rows: list[Row], hw: Hardware, out_dir: str | Path) -> list[Pa
     md.write_text(format_markdown(rows, hw))
     labels = [r.layout for r in rows]
     panels = [
-        ("memory per device (peak)", [r.mem_total_bytes for r in rows], "B"),
-        ("collective bytes per step: measured / predicted",
-         [(r.comm_bytes, r.predicted_comm_bytes) if r.ok else None for r in rows], "B"),
-        ("measured step time (this machine)", [r.step_time_s for r in rows], "s"),
-        (f"predicted step time ({hw.key})", [r.predicted_step_time_s for r in rows], "s"),
+        Panel("peak memory per device", [r.mem_total_bytes for r in rows], "B",
+              "bytes per device"),
+        Panel("collective bytes per step: measured vs predicted",
+              [(r.comm_bytes, r.predicted_comm_bytes) if r.ok else None for r in rows], "B",
+              "bytes sent per device per step"),
+        Panel("measured step time (this machine)", [r.step_time_s for r in rows], "s",
+              "time per step"),
+        Panel(f"predicted step time ({hw.key}, roofline)",
+              [r.predicted_step_time_s for r in rows], "s", "time per step"),
     ]
     if all(r.step_time_s is None for r in rows):
         panels.pop(2)
-    return [write_csv(rows, out / "sweep.csv"), md, write_chart(labels, panels, out / "sweep.png")]
-
+    return [write_csv(rows, out / "sweep.csv"), md, write_chart(labels, panels, out / chart)]

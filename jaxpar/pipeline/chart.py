@@ -1,4 +1,4 @@
-"""Pictures of a pipeline tick table: a text grid, a summary and a PNG.
+"""Pictures of a pipeline tick table: a text grid, a summary and a Gantt chart.
 
 How to read the charts (``p`` devices, ``m`` microbatches, ``v`` chunks per device):
 
@@ -14,33 +14,34 @@ How to read the charts (``p`` devices, ``m`` microbatches, ``v`` chunks per devi
   the device's first chunk (global chunk ``d``), ``F3b`` on its second (global
   chunk ``d + p``), and so on. ``.`` is an idle tick — the bubble.
 
-In the PNG the same grid is drawn as coloured cells: F blue, B green, I orange,
-W purple, idle light grey. Lightness cycles with the microbatch index so that
-neighbouring microbatches differ; for ``v > 1`` a dark bar along the top of a
-cell grows with the local chunk (a short bar for chunk ``a``, the full cell
-width for the last chunk). A legend strip at the bottom shows one swatch per
-kind present, in the order F, B, I, W, idle.
+The chart (:func:`figure`, written by :func:`write_png`) draws the same grid with
+matplotlib as a Gantt chart: a bar per cell, coloured by kind — F blue, B green,
+I orange, W purple, idle light grey — with a legend of the kinds present, the
+microbatch (and for ``v > 1`` the chunk letter) written on each bar where it fits,
+tick numbers along the x axis, and the schedule's shape, bubble fraction and peak
+in-flight microbatches (the numbers of :func:`summary`) in the title.
 """
 
 from __future__ import annotations
 
-import colorsys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
+from jaxpar.pipeline.schedule import KINDS, TickTable, Timing, simulate
+from jaxpar.plot import new_figure, save_figure
 
-from jaxpar.pipeline.schedule import KINDS, TickTable, simulate
-from jaxpar.png import write_png_file
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
-#: PNG layout in pixels: cell size, gap between cells, legend strip height.
-CELL_W, CELL_H, GAP = 16, 24, 1
-SWATCH_W, SWATCH_H, LEGEND_H = 16, 10, 14
-#: Height of the chunk bar drawn at the top of a cell when v > 1.
-CHUNK_BAR_H = 4
-#: Hue (degrees) per action kind; idle is drawn grey.
-HUES = {"F": 215.0, "B": 130.0, "I": 32.0, "W": 280.0}
-IDLE_RGB = (220, 220, 220)
-BACKGROUND_RGB = (255, 255, 255)
+#: Bar colour per cell kind, and the legend's name of each kind.
+COLOURS = {"F": "#4378c8", "B": "#3f9a4f", "I": "#e88c28", "W": "#8e5bbf", "idle": "#dcdcdc"}
+KIND_NAMES = {"F": "F forward", "B": "B backward", "I": "I input gradient",
+              "W": "W weight gradient", "idle": "idle (bubble)"}
+#: Chart size: inches per tick (bounded), per stage row, and the room around the axes.
+TICK_IN, MIN_W_IN, MAX_W_IN = 0.32, 6.0, 24.0
+ROW_IN, EXTRA_H_IN, MARGIN_W_IN = 0.42, 1.9, 1.3
+#: Font size (points) of the text on the bars, and a digit's width in ems (DejaVu Sans).
+BAR_FONT_PT, CHAR_EM = 7.0, 0.64
 #: Ticks between tick numbers in the text header.
 TICK_EVERY = 5
 
@@ -118,11 +119,16 @@ def _fmt(values) -> str:
     return " ".join(f"{x:g}" for x in values)
 
 
+def _tick_bubble(table: TickTable) -> tuple[int, float]:
+    """(busy cells, idle fraction) of the tick table, where every action lasts one tick."""
+    busy_cells = int((table.kind != 0).sum())
+    return busy_cells, 1.0 - busy_cells / (table.ticks * table.p)
+
+
 def summary(table: TickTable) -> str:
     """Shape, bubble, idle time, peak in-flight activations and buffer slots, as text lines."""
     timing = simulate(table.orders, table.v)
-    busy_cells = int((table.kind != 0).sum())
-    tick_bubble = 1.0 - busy_cells / (table.ticks * table.p)
+    busy_cells, tick_bubble = _tick_bubble(table)
     peaks = timing.peak_in_flight
     shape = (f"schedule {table.schedule}: p={table.p} devices, m={table.m} microbatches, "
              f"v={table.v} chunks per device, {table.ticks} ticks")
@@ -150,58 +156,95 @@ def describe_pipeline(table: TickTable) -> str:
             "(`jaxpar pipeline` draws the schedule)")
 
 
-# ---- PNG -----------------------------------------------------------------------------------
+# ---- the Gantt chart -----------------------------------------------------------------------
 
 
-def kind_rgb(kind: str, mb: int = 0) -> tuple[int, int, int]:
-    """The fill colour of a cell: the kind's hue, lightness cycling with the microbatch."""
-    if kind == "idle":
-        return IDLE_RGB
-    lightness = 0.36 + 0.09 * (mb % 4)
-    r, g, b = colorsys.hls_to_rgb(HUES[kind] / 360.0, lightness, 0.75)
-    return round(r * 255), round(g * 255), round(b * 255)
+def chart_title(table: TickTable, timing: Timing | None = None) -> str:
+    """The chart's two title lines: shape; bubble and peak in-flight microbatches.
+
+    The numbers are :func:`summary`'s: the bubble of
+    :func:`~jaxpar.pipeline.schedule.simulate` under ``UNIT_TIMES`` (and the drawn
+    table's own idle share when it differs), the peak in-flight activations per device
+    in stages' worth (chunks / v) — microbatches when v = 1.
+    """
+    timing = timing or simulate(table.orders, table.v)
+    _, tick_bubble = _tick_bubble(table)
+    shape = (f"schedule {table.schedule}: p={table.p} stages, m={table.m} microbatches, "
+             f"v={table.v} chunk{'s' * (table.v > 1)} per device, {table.ticks} ticks")
+    bubble = f"bubble {timing.bubble:.4f} (F = I = W = 1, B = 2)"
+    if f"{tick_bubble:.4f}" != f"{timing.bubble:.4f}":
+        bubble += f", {tick_bubble:.4f} of the drawn ticks"
+    worth = "" if table.v == 1 else " (stages' worth: chunks / v)"
+    peaks = _fmt(x / table.v for x in timing.peak_in_flight)
+    return f"{shape}\n{bubble}; peak in-flight microbatches per device{worth}: {peaks}"
 
 
-def image_size(ticks: int, p: int) -> tuple[int, int]:
-    """(width, height) in pixels of the chart of a ``[ticks, p]`` table."""
-    legend_w = GAP + len(KINDS) * (SWATCH_W + 4 * GAP)
-    width = max(GAP + ticks * (CELL_W + GAP), legend_w)
-    height = GAP + p * (CELL_H + GAP) + LEGEND_H
-    return width, height
+def _chart_width(ticks: int) -> float:
+    """Figure width in inches: TICK_IN per tick plus margins, within [MIN_W_IN, MAX_W_IN]."""
+    return min(max(MARGIN_W_IN + ticks * TICK_IN, MIN_W_IN), MAX_W_IN)
 
 
-def _draw_cell(img: np.ndarray, t: int, d: int, rgb, bar: float) -> None:
-    """Fills cell (tick t, device d); ``bar`` > 0 adds a dark top bar that wide (fraction)."""
-    x0, y0 = GAP + t * (CELL_W + GAP), GAP + d * (CELL_H + GAP)
-    img[y0:y0 + CELL_H, x0:x0 + CELL_W] = rgb
-    if bar > 0:
-        dark = tuple(int(c * 0.45) for c in rgb)
-        img[y0:y0 + CHUNK_BAR_H, x0:x0 + max(1, round(CELL_W * bar))] = dark
+def _bar_text(table: TickTable, t: int, d: int) -> str:
+    """The text on a busy bar: the microbatch, plus the local chunk's letter for v > 1."""
+    label = cell_label("F", int(table.mb[t, d]), int(table.chunk[t, d]), table.v)
+    return label[1:]
 
 
-def _draw_legend(img: np.ndarray, present: list[str], p: int) -> None:
-    """One swatch per present kind along the bottom strip."""
-    y0 = GAP + p * (CELL_H + GAP) + (LEGEND_H - SWATCH_H) // 2
-    for i, kind in enumerate(present):
-        x0 = GAP + i * (SWATCH_W + 4 * GAP)
-        img[y0:y0 + SWATCH_H, x0:x0 + SWATCH_W] = kind_rgb(kind)
+def _cells_of(table: TickTable, kind: str) -> list[tuple[int, int]]:
+    """(tick, device) of every cell of ``kind`` (``"idle"`` for idle ones), tick-major."""
+    code = 0 if kind == "idle" else KINDS.index(kind)
+    ts, ds = (table.kind == code).nonzero()
+    return list(zip(ts.tolist(), ds.tolist()))
 
 
-def render(table: TickTable) -> np.ndarray:
-    """The chart as an RGB uint8 array ``[height, width, 3]``."""
-    width, height = image_size(table.ticks, table.p)
-    img = np.empty((height, width, 3), np.uint8)
-    img[:] = BACKGROUND_RGB
-    for t in range(table.ticks):
-        for d in range(table.p):
-            kind = KINDS[int(table.kind[t, d])]
-            bar = (int(table.chunk[t, d]) + 1) / table.v if table.v > 1 and kind != "idle" else 0
-            _draw_cell(img, t, d, kind_rgb(kind, int(table.mb[t, d])), bar)
-    kinds = {KINDS[int(k)] for k in np.unique(table.kind)}
-    _draw_legend(img, [k for k in (*KINDS[1:], "idle") if k in kinds], table.p)
-    return img
+def figure(table: TickTable) -> Figure:
+    """The schedule as a Gantt chart (see the module docstring), as a matplotlib Figure.
+
+    Bars: one :class:`~matplotlib.container.BarContainer` per kind present (``F``, ``B``,
+    ``I``, ``W``, then ``idle``), labelled as in the legend (``"F forward"`` …); bar
+    ``(t, d)`` spans ticks ``t ± 0.5`` on row ``d`` (``stage d``, top to bottom).
+    """
+    width = _chart_width(table.ticks)
+    fig = new_figure(width, EXTRA_H_IN + ROW_IN * table.p)
+    ax = fig.add_subplot()
+    cell_pt = (width - MARGIN_W_IN) * 72.0 / table.ticks
+    edge = 0.6 if cell_pt >= 8 else 0.0  # white gaps between bars, unless they would hide them
+    present = [k for k in (*KINDS[1:], "idle") if _cells_of(table, k)]
+    texts = 0
+    for kind in present:
+        cells = _cells_of(table, kind)
+        ax.barh([d for _, d in cells], 1.0, left=[t - 0.5 for t, _ in cells], height=0.8,
+                color=COLOURS[kind], edgecolor="white", linewidth=edge, label=KIND_NAMES[kind])
+        if kind == "idle":
+            continue
+        for t, d in cells:
+            text = _bar_text(table, t, d)
+            if len(text) * CHAR_EM * BAR_FONT_PT <= cell_pt - 2:
+                ax.text(t, d, text, ha="center", va="center", fontsize=BAR_FONT_PT,
+                        color="white")
+                texts += 1
+    ax.set_yticks(range(table.p), [f"stage {d}" for d in range(table.p)])
+    ax.set_ylim(table.p - 0.5, -0.5)  # stage 0 on top, as in the text grid
+    ax.set_xlim(-0.5, table.ticks - 0.5)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_xlabel("tick (every action lasts one tick, as the executor runs the table)")
+    ax.set_ylabel("pipeline stage (device)")
+    ax.set_title(chart_title(table), fontsize="medium")
+    ax.spines[["top", "right"]].set_visible(False)
+    what = "microbatch" if table.v == 1 else "microbatch + local chunk (a = first, …)"
+    note = (f"text on a bar: {what}" if texts else
+            "bars too narrow for microbatch numbers: `jaxpar pipeline` prints them as text")
+    fig.legend(loc="outside lower center", ncols=len(present), fontsize="small",
+               title=note, title_fontsize="small", frameon=False)
+    return fig
 
 
 def write_png(table: TickTable, path: str | Path) -> Path:
-    """Writes the chart of ``table`` as a PNG at ``path`` (parent folders created)."""
-    return write_png_file(render(table), path)
+    """Writes the chart of ``table`` at ``path`` (parent folders created), mode 0644.
+
+    The suffix picks the format: ``.png`` (also when there is none), ``.svg``, ``.pdf`` …
+
+    Raises:
+      ValueError: for a suffix matplotlib cannot write.
+    """
+    return save_figure(figure(table), path)

@@ -1,0 +1,38 @@
+"""Hooks on the training loop (see :mod:`jaxpar.hooks.base` for the protocol).
+
+Built in: :class:`MetricsLog` (``metrics.jsonl``), :class:`Progress`,
+:class:`TensorBoard`, :class:`Evaluation`, :class:`Checkpointing`, :class:`Profiler` and
+:class:`NonFiniteGuard`; :func:`default_hooks` assembles them from a run's config.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from jaxpar.hooks.base import Context, Hook
+from jaxpar.hooks.checkpointing import Checkpointing
+from jaxpar.hooks.evaluation import Evaluation, is_eval_step
+from jaxpar.hooks.metrics import MetricsLog, NonFiniteGuard, TensorBoard
+from jaxpar.hooks.profiling import Profiler
+from jaxpar.hooks.progress import Progress
+
+__all__ = ["Checkpointing", "Context", "Evaluation", "Hook", "MetricsLog", "NonFiniteGuard",
+           "Profiler", "Progress", "TensorBoard", "default_hooks", "is_eval_step"]
+
+
+def default_hooks(run: Any, run_dir: Path | None, ckpt: Any = None, wait: Any = None
+                  ) -> list[Hook]:
+    """The built-in hooks a run's config asks for, in calling order: the profiler, eval,
+    checkpoints (with ``ckpt``), the non-finite guard, the metrics log, TensorBoard and
+    the progress display."""
+    cfg = run.config.train
+    hooks: list[Hook] = [Profiler(run_dir, cfg), Evaluation()]
+    if ckpt is not None:
+        hooks.append(Checkpointing(ckpt))
+    hooks += [NonFiniteGuard(), MetricsLog(wait)]
+    if cfg.tensorboard and run_dir is not None:
+        hooks.append(TensorBoard(run_dir))
+    if cfg.progress:
+        hooks.append(Progress())
+    return hooks

@@ -1,0 +1,35 @@
+"""Checkpoints every ``checkpoint.every_steps``, after the last step and at a preemption."""
+
+from __future__ import annotations
+
+from jaxpar.checkpoint import Checkpointer
+from jaxpar.hooks.base import Context, Hook
+from jaxpar.hooks.evaluation import is_eval_step
+
+
+class Checkpointing(Hook):
+    """Saves the state after each checkpoint step with the loader's position, the seed,
+    the step's metrics and the config (see :func:`jaxpar.resume.save_checkpoint`).
+
+    With ``checkpoint.keep_best`` every save is evaluated (the metric ranks the
+    checkpoints). After a preemption the save is waited for, so it is complete before
+    the process exits.
+    """
+
+    def __init__(self, ckpt: Checkpointer):
+        self.ckpt = ckpt
+
+    def on_state(self, ctx: Context, step: int) -> None:
+        from jaxpar.resume import save_checkpoint
+
+        every = ctx.config.checkpoint.every_steps
+        if not ((every and step % every == 0) or step == ctx.last_step or ctx.stopping):
+            return
+        evals = None
+        if self.ckpt.best_metric or (ctx.can_evaluate and is_eval_step(step, ctx.config.train)):
+            evals = ctx.evaluate(step)
+        save_checkpoint(ctx.run, self.ckpt, step, ctx.state, ctx.step_metrics,
+                        ctx.stream.get_state(), evals)
+        ctx.emit("on_save", step)
+        if ctx.stopping:
+            self.ckpt.wait()

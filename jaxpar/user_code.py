@@ -1,0 +1,159 @@
+"""A user's code named on the command line or in a config: ``path/to/file.py:NAME`` or
+``package.module:NAME`` — a Task (``--task``) or a loop hook (``train.hooks``).
+
+A file is imported as a module named after it (its folder goes at the end of
+``sys.path``, so its own imports work without shadowing installed packages), once per
+process. Import failures and wrong names are one-line errors naming the file and what
+it defines; ``JAXPAR_DEBUG=1`` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from jaxpar.task import Task
+
+
+def _split(spec: str, what: str) -> tuple[str, str]:
+    where, sep, name = spec.rpartition(":")
+    if not sep or not where or not name.isidentifier():
+        raise ValueError(f"{what} '{spec}' must look like path/to/file.py:NAME or "
+                         "package.module:NAME")
+    return where, name
+
+
+def _import_file(path: Path, what: str) -> ModuleType:
+    name = path.stem if path.stem.isidentifier() else "jaxpar_user_module"
+    loaded = sys.modules.get(name)
+    if loaded is not None and Path(getattr(loaded, "__file__", "") or "").resolve() == path:
+        return loaded
+    if name in sys.modules:  # another module holds the name: keep it, load under a new one
+        name = f"jaxpar_user_{name}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    folder = str(path.parent)
+    if folder not in sys.path:
+        sys.path.append(folder)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:
+        del sys.modules[name]
+        raise _ImportFailed(what, str(path), err) from err
+    return module
+
+
+class _ImportFailed(ValueError):
+    """Importing a user's module failed inside the user's code."""
+
+    def __init__(self, what: str, where: str, err: BaseException):
+        frames = [f for f in _frames(err) if not f.filename.startswith(str(Path(__file__).parent))]
+        line = f" (line {frames[-1].lineno} of {frames[-1].filename})" if frames else ""
+        super().__init__(f"{what}: importing '{where}' failed: {type(err).__name__}: "
+                         f"{err}{line}; fix the file, or set JAXPAR_DEBUG=1 for the traceback")
+
+
+def _frames(err: BaseException) -> list[Any]:
+    import traceback
+
+    return list(traceback.extract_tb(err.__traceback__))
+
+
+def _module(where: str, what: str) -> ModuleType:
+    if where.endswith(".py") or "/" in where or "\\" in where:
+        path = Path(where)
+        if not path.is_file():
+            raise ValueError(f"{what} file '{where}' does not exist; give the path of a Python "
+                             "file, e.g. examples/research_cnn.py:TASK")
+        return _import_file(path.resolve(), what)
+    try:
+        return importlib.import_module(where)
+    except ModuleNotFoundError as err:
+        if err.name and where.startswith(err.name):
+            raise ValueError(f"{what}: no module named '{where}'; give FILE.py:NAME, or make "
+                             "the package importable (pip install it, or set PYTHONPATH)") from err
+        raise _ImportFailed(what, where, err) from err
+    except Exception as err:
+        raise _ImportFailed(what, where, err) from err
+
+
+def load_object(spec: str, what: str) -> Any:
+    """The object ``NAME`` of ``path/to/file.py:NAME`` or ``package.module:NAME``.
+
+    Raises:
+      ValueError: naming the spec, for a missing file or module, an import that failed,
+        or a name the module does not define (listing what it does define).
+    """
+    where, name = _split(spec, what)
+    module = _module(where, what)
+    if not hasattr(module, name):
+        public = [n for n in vars(module) if not n.startswith("_")
+                  and not inspect.ismodule(getattr(module, n))]
+        raise ValueError(f"{what} '{spec}': '{where}' defines no '{name}'; it defines "
+                         f"{', '.join(sorted(public)) or 'nothing public'}")
+    return getattr(module, name)
+
+
+def _call(fn: Any, config: Any, spec: str) -> Any:
+    """``fn()`` or, when it takes one argument, ``fn(config)``."""
+    try:
+        params = [p for p in inspect.signature(fn).parameters.values()
+                  if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY,
+                                                         p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    if len(params) > 1:
+        raise ValueError(f"--task '{spec}' is a function of {len(params)} arguments; point "
+                         "--task at a jaxpar.Task, or at a function of no arguments or of one "
+                         "(the config) that returns one")
+    return fn(config) if params else fn()
+
+
+def load_task(spec: str, config: Any = None) -> Task:
+    """The :class:`~jaxpar.task.Task` that ``spec`` names: a Task, or a function returning
+    one (called with the config when it takes an argument). A task without a name is
+    named after ``NAME``'s file or module (``research_cnn``), which names its run dir.
+
+    Raises:
+      ValueError: see :func:`load_object`; also when ``NAME`` is not a Task and does not
+        return one.
+    """
+    obj = load_object(spec, "--task")
+    where, name = _split(spec, "--task")
+    task = obj
+    if not isinstance(obj, Task):
+        if not callable(obj) or inspect.isclass(obj):
+            raise ValueError(f"--task '{spec}' is a {type(obj).__name__}, not a jaxpar.Task or a "
+                             "function returning one; point --task at a Task")
+        task = _call(obj, config, spec)
+        if not isinstance(task, Task):
+            raise ValueError(f"--task '{spec}' returned a {type(task).__name__}, not a "
+                             "jaxpar.Task; make it return jaxpar.Task(model_fn, loss_fn, "
+                             "batch_axes, …)")
+    if not task.name:
+        task = dataclasses.replace(task, name=Path(where).stem.split(".")[-1] or name)
+    return task
+
+
+def load_hooks(specs: tuple[str, ...] | list[str]) -> list[Any]:
+    """The hooks ``train.hooks`` names: a class is built with no arguments, a function
+    called, an instance used as it is."""
+    hooks = []
+    for spec in specs:
+        obj = load_object(spec, "train.hooks")
+        hook = obj() if callable(obj) else obj
+        events = ("on_start", "before_step", "on_state", "on_step", "on_eval", "on_save",
+                  "on_end")
+        if not any(callable(getattr(hook, e, None)) for e in events):
+            raise ValueError(f"train.hooks entry '{spec}' gave a {type(hook).__name__}, which "
+                             f"has none of the hook methods ({', '.join(events)}); subclass "
+                             "jaxpar.Hook")
+        hooks.append(hook)
+    return hooks
