@@ -27,7 +27,6 @@ import argparse
 import os
 import sys
 import warnings
-
 from typing import TYPE_CHECKING
 
 from jaxpar.config import Config, load_config, run_dir_for

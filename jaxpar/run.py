@@ -24,7 +24,12 @@ from jaxpar.data.task_data import task_data
 from jaxpar.mesh import make_mesh, select_devices
 from jaxpar.optim import decay_mask, make_optimizer
 from jaxpar.task import Task
-from jaxpar.trainer import Trainer, TrainState, abstract_params_and_axes, global_batch_shapes
+from jaxpar.trainer import (
+    Trainer,
+    TrainState,
+    abstract_params_and_axes,
+    global_batch_shapes,
+)
 
 
 @dataclass
