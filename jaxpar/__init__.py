@@ -6,11 +6,11 @@ Models name logical axes; a rules table maps them onto the mesh axes
 * config: :func:`load_config`, :class:`Config`
 * devices and mesh: :func:`setup_devices`, :func:`make_mesh`
 * rules: :data:`PRESETS`, :func:`resolve_rules`, :func:`constrain`
+* models: :class:`Family`, :func:`register_model` (``model.name``), the built-in losses
 * training: :class:`Task`, :func:`train` (the whole loop), :class:`Hook` (extend it),
   :class:`Trainer` (the sharded state and steps alone), :func:`make_optimizer`
 """
 
-from jaxpar.builtin_tasks import classification_loss, lm_loss, task_from_config
 from jaxpar.config import (
                            Config,
                            DataConfig,
@@ -26,6 +26,8 @@ from jaxpar.hooks import Hook
 from jaxpar.logical import constrain, spec_for
 from jaxpar.loop import train
 from jaxpar.mesh import make_mesh, setup_devices
+from jaxpar.models import Family, classification_loss, lm_loss, mlm_loss
+from jaxpar.models import register as register_model
 from jaxpar.optim import decay_mask, make_optimizer, make_schedule
 from jaxpar.sharding import PRESETS, resolve_rules
 from jaxpar.task import Task
@@ -35,6 +37,7 @@ __all__ = [
                            "PRESETS",
                            "Config",
                            "DataConfig",
+                           "Family",
                            "Hook",
                            "MeshConfig",
                            "ModelConfig",
@@ -54,9 +57,10 @@ __all__ = [
                            "make_mesh",
                            "make_optimizer",
                            "make_schedule",
+                           "mlm_loss",
+                           "register_model",
                            "resolve_rules",
                            "setup_devices",
                            "spec_for",
-                           "task_from_config",
                            "train",
 ]

@@ -20,25 +20,84 @@ checkpoint saved under one mesh and rules restores under any other valid mesh,
 rules and device count. Before reading any array, the stored tree is compared
 with the trainer's: a different model is an error listing every mismatched
 path.
+
+Every checkpoint is verified (:mod:`jaxpar.integrity`): the digest of each of its files
+is recorded before Orbax commits it, and checked before it is restored; the restored
+values are checked finite. A checkpoint that fails is a :class:`CorruptCheckpoint`
+naming its step, its path and what is wrong.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import json
+import os
+import shutil
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxpar import integrity
 from jaxpar.sharding import path_str
 from jaxpar.trainer import Trainer, TrainState
 
 
 class CheckpointError(RuntimeError):
-    """Writing a checkpoint failed (raised where the failure becomes known)."""
+    """Writing a checkpoint failed (raised where the failure becomes known).
+
+    ``disk_full`` is True when the cause is a full file system (``ENOSPC``)."""
+
+    disk_full: bool = False
+
+
+class CorruptCheckpoint(ValueError):
+    """A checkpoint failed verification: a file differs from its integrity record, is
+    missing or cannot be decoded, or a restored value is not finite.
+
+    Attributes:
+      step: the checkpoint's step; path: its directory; reason: what is wrong.
+    """
+
+    def __init__(self, step: int, path: Path, reason: str):
+        super().__init__(f"the checkpoint of step {step} in {path} failed verification: "
+                         f"{reason}")
+        self.step, self.path, self.reason = step, path, reason
+
+
+def free_space(path: Path) -> str:
+    """The free space of the file system holding ``path`` (its nearest existing parent),
+    e.g. ``'12.0 MiB free'``."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return "free space unknown"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if free < 1024 or unit == "TiB":
+            return f"{free:.0f} {unit} free" if unit == "B" else f"{free:.1f} {unit} free"
+        free /= 1024
+    return "free space unknown"
+
+
+def disk_full_cause(err: BaseException | None) -> BaseException | None:
+    """``err`` or the exception it was raised from that is ``ENOSPC`` (a full disk), if any."""
+    seen = 0
+    while err is not None and seen < 20:
+        if (isinstance(err, OSError) and err.errno == errno.ENOSPC) \
+                or "No space left on device" in str(err):
+            return err
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    return None
 
 
 def _as_tree(state: TrainState) -> dict[str, Any]:
@@ -67,14 +126,21 @@ class Checkpointer:
       keep_best: also keep this many best checkpoints by ``best_metric`` (0: off).
       best_metric: the key of the ``metrics`` given to :meth:`save` that ranks them.
       best_mode: ``min`` (a loss) or ``max`` (an accuracy).
+      verify: check a checkpoint's files against its integrity record before restoring
+        it (its values are checked finite either way).
     """
 
     def __init__(self, directory: str | Path, trainer: Trainer, *, keep: int = 3,
                  async_save: bool = True, keep_best: int = 0,
-                 best_metric: str = "eval_loss", best_mode: str = "min"):
+                 best_metric: str = "eval_loss", best_mode: str = "min",
+                 verify: bool = True):
         self.directory = Path(directory).absolute()
         self.trainer = trainer
         self.best_metric = best_metric if keep_best else None
+        self.async_save, self.verify = async_save, verify
+        self._saving: int | None = None
+        #: seconds and bytes of the last verification (for the README's cost figure)
+        self.last_verification: integrity.Verification | None = None
         policies = [ocp.checkpoint_managers.LatestN(n=keep)]
         rank = None
         if keep_best:
@@ -87,14 +153,20 @@ class Checkpointer:
                 keep_checkpoints_without_metrics=False))
         # ``best_fn`` makes Orbax write each step's metrics to disk (a restarted run must
         # still rank the older checkpoints); which steps stay is the policy's alone.
+        # Saves always go through Orbax's async checkpointer, whose post-finalization
+        # callback runs in its background thread after every file of the step is written
+        # and before the temporary directory is renamed: there the integrity record is
+        # written (a synchronous save just waits for it).
         options = ocp.CheckpointManagerOptions(
             preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
-            best_fn=rank, best_mode=best_mode, enable_async_checkpointing=async_save,
+            best_fn=rank, best_mode=best_mode, enable_async_checkpointing=True,
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._write_record),
             create=True)
-        self._manager = ocp.CheckpointManager(
-            self.directory, options=options,
-            item_handlers={"state": ocp.StandardCheckpointHandler(),
-                           "meta": ocp.JsonCheckpointHandler()})
+        with self._errors("creating the checkpoint directory"):
+            self._manager = ocp.CheckpointManager(
+                self.directory, options=options,
+                item_handlers={"state": ocp.StandardCheckpointHandler(),
+                               "meta": ocp.JsonCheckpointHandler()})
 
     # ---- saving --------------------------------------------------------------------------
     def save(self, step: int, state: TrainState, meta: dict[str, Any] | None = None,
@@ -113,6 +185,18 @@ class Checkpointer:
                                   meta=ocp.args.JsonSave(meta or {}))
         with self._errors("saving"):
             self._manager.save(step, args=args, metrics=metrics, force=True)
+            self._saving = step  # Orbax waited for the previous save: this one is next
+        if not self.async_save:
+            self.wait()
+
+    def _write_record(self) -> None:
+        """Orbax's post-finalization callback (background thread, primary process): the
+        integrity record of the step being saved, inside its still temporary directory."""
+        step = self._saving
+        tmp = sorted(self.directory.glob(f"{step}.orbax-checkpoint-tmp*"),
+                     key=lambda p: p.stat().st_mtime)
+        target = tmp[-1] if tmp else self.directory / str(step)
+        integrity.write_record(target)
 
     def wait(self) -> None:
         """Blocks until pending saves are written; raises their error if one failed."""
@@ -130,10 +214,19 @@ class Checkpointer:
         try:
             yield
         except Exception as err:
+            if (cause := disk_full_cause(err)) is not None:
+                error = CheckpointError(
+                    f"disk full: {doing} a checkpoint in {self.directory} failed: "
+                    f"{str(cause).splitlines()[0]} ({free_space(self.directory)} there). The "
+                    "checkpoints listed there are complete; free space (or lower "
+                    "checkpoint.keep) and resume with checkpoint.resume=auto")
+                error.disk_full = True
+                raise error from err
+            text = str(err).splitlines()[0] if str(err) else ""
             raise CheckpointError(
-                f"{doing} a checkpoint in {self.directory} failed: {type(err).__name__}: {err}. "
-                "The checkpoints listed there are complete; fix the cause (disk space, "
-                "permissions, the file system) and resume with checkpoint.resume=auto"
+                f"{doing} a checkpoint in {self.directory} failed: {type(err).__name__}: "
+                f"{text}. The checkpoints listed there are complete; fix the cause (disk "
+                "space, permissions, the file system) and resume with checkpoint.resume=auto"
             ) from err
 
     # ---- restoring -----------------------------------------------------------------------
@@ -145,10 +238,18 @@ class Checkpointer:
         """The newest complete checkpoint, or None."""
         return self._manager.latest_step()
 
+    def path(self, step: int) -> Path:
+        """The directory of checkpoint ``step``."""
+        return self.directory / str(step)
+
     def restore(self, step: int | None = None) -> tuple[TrainState, dict[str, Any]]:
-        """The state (sharded for this trainer's mesh and rules) and meta of ``step``.
+        """The state (sharded for this trainer's mesh and rules) and meta of ``step``,
+        verified: its files match its integrity record (unless ``verify`` is off) and every
+        restored value is finite.
 
         Raises:
+          CorruptCheckpoint: when the checkpoint fails verification, cannot be decoded
+            or holds non-finite values.
           ValueError: when there is no such checkpoint, or when it holds a
             different model or optimizer: every mismatched path is listed.
         """
@@ -156,13 +257,85 @@ class Checkpointer:
         if step is None or step not in self.steps():
             raise ValueError(f"no complete checkpoint {'' if step is None else step} in "
                              f"{self.directory} (have: {self.steps() or 'none'})")
+        if self.verify:
+            self.verify_step(step)
         target = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
             _as_tree(self.trainer.abstract_state), _as_tree(self.trainer.state_shardings))
-        self._check_compatible(step, target)
-        restored = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+        try:
+            self._check_compatible(step, target)
+            restored = self._manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+        except ValueError as err:
+            if "does not fit this model" in str(err) or not self._unverified(step):
+                raise
+            raise CorruptCheckpoint(step, self.path(step), _first_line(err)) from err
+        except Exception as err:  # a damaged file Orbax or TensorStore cannot decode
+            raise CorruptCheckpoint(step, self.path(step),
+                                    f"it cannot be read ({type(err).__name__}: "
+                                    f"{_first_line(err)})") from err
+        self._check_finite(step, restored.state)
         return _from_tree(restored.state), dict(restored.meta or {})
+
+    def _unverified(self, step: int) -> bool:
+        record = self.last_verification
+        return record is None or not record.recorded
+
+    def verify_step(self, step: int) -> integrity.Verification:
+        """Checks checkpoint ``step``'s files against its integrity record; with several
+        processes each reads its share of the files and all agree on the result.
+
+        Warns when the checkpoint has no record (written before jaxpar kept them).
+
+        Raises:
+          CorruptCheckpoint: naming the step, the path and the first problems found.
+        """
+        path = self.path(step)
+        result = integrity.verify(path, (jax.process_index(), jax.process_count()))
+        if jax.process_count() > 1:
+            result.problems = _gather_problems(result.problems)
+        self.last_verification = result
+        if result.problems:
+            raise CorruptCheckpoint(step, path, integrity.summarize(result.problems))
+        if not result.recorded:
+            warnings.warn(f"the checkpoint of step {step} in {path} has no integrity record "
+                          f"({integrity.RECORD}: it was written by an older jaxpar); it is "
+                          "restored unverified (its values are still checked finite)",
+                          stacklevel=3)
+        return result
+
+    def _check_finite(self, step: int, tree: dict[str, Any]) -> None:
+        """One jitted reduction per floating leaf; names the leaves that are not finite."""
+        leaves = [(path_str(p), x) for p, x in jax.tree_util.tree_leaves_with_path(tree)
+                  if jnp.issubdtype(x.dtype, jnp.inexact)]
+        if not leaves:
+            return
+        replicated = NamedSharding(self.trainer.mesh, PartitionSpec())
+        flags = jax.jit(lambda xs: jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]),
+                        out_shardings=replicated)([x for _, x in leaves])
+        flags = np.asarray(flags.addressable_data(0))
+        bad = [name for (name, _), ok in zip(leaves, flags) if not ok]
+        if bad:
+            raise CorruptCheckpoint(step, self.path(step), "non-finite values (inf or NaN) "
+                                    f"in {integrity.summarize(bad)}")
+
+    def set_aside(self, step: int) -> Path:
+        """Renames checkpoint ``step`` to ``<step>.corrupt`` (kept for inspection, never
+        listed, never pruned) and returns the new path."""
+        src = self.path(step)
+        dst = self.directory / f"{step}.corrupt"
+        n = 1
+        while dst.exists():
+            n += 1
+            dst = self.directory / f"{step}.corrupt-{n}"
+        if jax.process_index() == 0:
+            os.replace(src, dst)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"jaxpar set aside checkpoint {step}")
+        self._manager.reload()
+        return dst
 
     def _check_compatible(self, step: int, target: dict[str, Any]) -> None:
         """Compares the stored tree's paths, shapes and dtypes with ``target``."""
@@ -183,6 +356,25 @@ class Checkpointer:
                 f"({len(problems)} mismatches):\n  " + "\n  ".join(problems)
                 + "\nrestore it with the config it was saved with, or start without it "
                 "(checkpoint.resume=never)")
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:300] if text else type(err).__name__
+
+
+def _gather_problems(problems: list[str]) -> list[str]:
+    """Every process's problems, on every process (a fixed-size all-gather of JSON)."""
+    from jax.experimental import multihost_utils
+
+    size = 4096
+    text = json.dumps(problems[:20]).encode()
+    while len(text) > size:  # keep it valid JSON: drop problems until it fits
+        problems = problems[:-1]
+        text = json.dumps(problems[:20]).encode()
+    local = np.frombuffer(text.ljust(size, b" "), np.uint8)
+    every = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, size)
+    return [p for row in every for p in json.loads(row.tobytes().decode())]
 
 
 def _leaves(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:

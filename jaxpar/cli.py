@@ -17,16 +17,27 @@ With no CONFIG the default config (``configs/gpt_tiny.yaml``'s settings) is used
 of the built-in model (every command that takes a config accepts it).
 ``prepare-data`` takes no config: it turns local text files and folders into a token file
 (``PATH`` plus ``PATH.json``) that training memory-maps.
-Exit status: 0 done, 2 bad input, 3 non-finite stop, 4 preempted (SIGTERM; checkpoint
-written), 5 a checkpoint could not be written (the complete ones stay usable).
+Exit status: 0 done; 2 bad input (the one-line message says what to fix); 3 a non-finite
+step with train.nonfinite=stop; 4 stopped by SIGTERM or a first Ctrl-C, with a checkpoint
+of the current step written (run the same command to resume); 5 a checkpoint or a file
+could not be written (disk full, I/O error; the complete checkpoints stay usable); 6 more
+steps skipped than train.max_skipped / train.max_consecutive_skipped allow; 130 stopped
+by Ctrl-C before training began, or by a second Ctrl-C (no checkpoint of the current
+step). Errors print one line; --debug (or JAXPAR_DEBUG=1) prints the traceback too.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
+import logging
 import os
 import sys
+import threading
+import traceback
 import warnings
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from jaxpar.config import Config, load_config, run_dir_for
@@ -34,15 +45,30 @@ from jaxpar.config import Config, load_config, run_dir_for
 if TYPE_CHECKING:
     from jaxpar.task import Task
 
-#: Exit status after a SIGTERM: the checkpoint of the current step is complete on disk.
+#: Exit status of a user mistake (a bad setting, file or path): the message says the fix.
+BAD_INPUT = 2
+#: Exit status of a non-finite step under ``train.nonfinite=stop``.
+NONFINITE_STOP = 3
+#: Exit status after a SIGTERM or a first Ctrl-C: the checkpoint of the current step is
+#: complete on disk.
 PREEMPTED = 4
-#: Exit status when writing a checkpoint failed (also an asynchronous save found at exit).
+#: Exit status when writing a checkpoint (or another file) failed — also an asynchronous
+#: save found at exit, and a full disk.
 CHECKPOINT_FAILED = 5
+#: Exit status when ``train.nonfinite=skip`` skipped more steps than its limits allow.
+TOO_MANY_SKIPPED = 6
+#: Exit status of a Ctrl-C before training began, or of a second Ctrl-C (128 + SIGINT).
+INTERRUPTED = 130
+_PATH_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR,
+                errno.EISDIR, errno.EEXIST, errno.ENAMETOOLONG, errno.ENOTEMPTY}
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxpar", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--debug", action="store_true",
+                        help="print the full traceback of an error (also JAXPAR_DEBUG=1); "
+                             "may be given anywhere before a launch's --")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in (("train", "train a model"),
                        ("inspect", "print where every parameter lives, without training"),
@@ -85,7 +111,11 @@ def _parser() -> argparse.ArgumentParser:
                      help="simulated CPU devices per process (0: leave the backend alone)")
     run.add_argument("--cpus-per-process", type=int, default=0, metavar="C",
                      help="pin process i to CPU cores [i*C, (i+1)*C) (0: no pinning)")
-    run.add_argument("--port", type=int, default=0, help="coordinator port (0: a free one)")
+    run.add_argument("--port", type=int, default=0, help="coordinator port (0: a free one; "
+                                                          "retried if another program takes it)")
+    run.add_argument("--bind", default="127.0.0.1", metavar="ADDRESS",
+                     help="the address the coordinator listens on (default: loopback only; "
+                          "0.0.0.0 or :: for every interface)")
     run.add_argument("--grace", type=float, default=10.0, metavar="SECONDS",
                      help="after a failure, how long the others get to stop before SIGKILL")
     run.add_argument("jaxpar_args", nargs=argparse.REMAINDER, metavar="-- COMMAND",
@@ -170,11 +200,15 @@ def _launch(args: argparse.Namespace) -> int:
     command = args.jaxpar_args
     command = command[1:] if command[:1] == ["--"] else command
     return launch(args.processes, command, devices_per_process=args.devices_per_process,
-                  cpus_per_process=args.cpus_per_process, port=args.port, grace_s=args.grace)
+                  cpus_per_process=args.cpus_per_process, port=args.port, grace_s=args.grace,
+                  bind=args.bind)
 
 
 def _export(config: Config, out: str, step: int | None, task: Task | None) -> None:
     from jaxpar.resume import export_params
+    from jaxpar.rundir import check_output_file
+
+    check_output_file(out, "--out")  # before building the run
 
     path, step = export_params(config, out, step, task=task)
     print(f"parameters of step {step} written to {path}")
@@ -259,49 +293,122 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _debug_flag(argv: list[str]) -> tuple[list[str], bool]:
+    """``argv`` without ``--debug`` (anywhere before a launch's ``--``), and whether it
+    was there."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    head = [a for a in argv[:end] if a != "--debug"]
+    return head + argv[end:], len(head) != end
+
+
+@contextlib.contextmanager
+def _one_line_reports(debug: bool) -> Iterator[None]:
+    """Keeps a failure's report to one line: warnings print as ``jaxpar: warning: …``, and
+    the exceptions that libraries' background threads (Orbax's writer, grain's readers)
+    log with tracebacks are left to the main thread, which reports the same error once.
+    ``--debug`` keeps all of it. Everything is restored on return (``main`` may be called
+    from Python)."""
+    if debug:
+        yield
+        return
+    saved = (warnings.formatwarning, threading.excepthook,
+             {name: logging.getLogger(name).level for name in _NOISY_LOGGERS})
+    warnings.formatwarning = lambda message, *_: f"jaxpar: warning: {message}\n"
+    for name in _NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+    def excepthook(args: threading.ExceptHookArgs) -> None:
+        if not issubclass(args.exc_type, Exception):
+            saved[1](args)
+
+    threading.excepthook = excepthook
+    try:
+        yield
+    finally:
+        warnings.formatwarning, threading.excepthook = saved[0], saved[1]
+        for name, level in saved[2].items():
+            logging.getLogger(name).setLevel(level)
+
+
+_NOISY_LOGGERS = ("absl", "orbax", "jax._src.distributed", "grain")
+
+
+def _failure(err: BaseException) -> tuple[int, str] | None:
+    """The exit status and the one-line message of an error, or None for one that is a
+    bug (its traceback is printed)."""
+    from jaxpar.checkpoint import CheckpointError, disk_full_cause, free_space
+    from jaxpar.hooks.metrics import TooManySkipped
+    from jaxpar.resume import Preempted
+
+    if isinstance(err, KeyboardInterrupt):
+        return INTERRUPTED, ("jaxpar: interrupted (Ctrl-C); no checkpoint was written by this "
+                             "interruption (the complete ones stay usable)")
+    if isinstance(err, Preempted):
+        return PREEMPTED, f"jaxpar: {err}"
+    if isinstance(err, CheckpointError):
+        return CHECKPOINT_FAILED, f"jaxpar: checkpoint error: {err}"
+    if isinstance(err, TooManySkipped):
+        return TOO_MANY_SKIPPED, f"jaxpar: stopped: {err}"
+    if isinstance(err, FloatingPointError):  # train.nonfinite=stop
+        return NONFINITE_STOP, f"jaxpar: stopped: {err}"
+    if isinstance(err, ValueError):  # a user mistake: the message says what to fix
+        from jaxpar.distributed import PortInUse
+        from jaxpar.launch import ENV_RETRY_PORT, PORT_TAKEN
+
+        if isinstance(err, PortInUse) and os.environ.get(ENV_RETRY_PORT):
+            return PORT_TAKEN, f"jaxpar: {err} (jaxpar launch tries another port)"
+        return BAD_INPUT, f"jaxpar: error: {err}"
+    if isinstance(err, OSError):
+        where = f" '{err.filename}'" if err.filename else ""
+        if disk_full_cause(err) is not None:
+            space = free_space(err.filename) if err.filename else "free space unknown"
+            return CHECKPOINT_FAILED, (
+                f"jaxpar: disk full: writing{where} failed: No space left on device ({space} "
+                "there); free space and run the same command to resume from the last "
+                "checkpoint")
+        text = err.strerror or str(err)
+        status = BAD_INPUT if err.errno in _PATH_ERRNOS else CHECKPOINT_FAILED
+        return status, f"jaxpar: error: {text}:{where}" if where else f"jaxpar: error: {text}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``jaxpar`` console script; returns the exit status.
 
-    Errors a user can fix print one line (``JAXPAR_DEBUG=1``: the traceback too).
+    Errors a user can fix, faults (disk full, a failed save, a non-finite run) and
+    Ctrl-C print one line and return their exit status (see the module docstring);
+    ``--debug`` or ``JAXPAR_DEBUG=1`` prints the traceback as well.
     """
+    argv, debug_flag = _debug_flag(list(sys.argv[1:] if argv is None else argv))
+    if debug_flag:
+        os.environ["JAXPAR_DEBUG"] = "1"  # also for the processes of `jaxpar launch`
     args = _parse(argv)
     from jaxpar.launch import pin_from_env
 
     pin_from_env()  # a process started by `jaxpar launch --cpus-per-process`
     debug = os.environ.get("JAXPAR_DEBUG", "") not in ("", "0")
-    if not debug:  # a warning is one line that says what to change, like an error
-        warnings.formatwarning = lambda message, *_: f"jaxpar: warning: {message}\n"
     try:
-        if args.command == "prepare-data":  # needs no config
-            _prepare_data(args)
-            return 0
-        if args.command == "launch":
-            return _launch(args)
-        if args.command == "plot":  # needs no config
-            from jaxpar.plot import run as plot
+        with _one_line_reports(debug):
+            if args.command == "prepare-data":  # needs no config
+                _prepare_data(args)
+                return 0
+            if args.command == "launch":
+                return _launch(args)
+            if args.command == "plot":  # needs no config
+                from jaxpar.plot import run as plot
 
-            plot(args)
-            return 0
-        _run(args)
-    except ValueError as err:  # a user mistake: the message says what to fix
+                plot(args)
+                return 0
+            _run(args)
+    except BaseException as err:
+        failure = _failure(err) if not isinstance(err, SystemExit) else None
+        if failure is None:
+            raise
         if debug:
-            raise
-        print(f"jaxpar: error: {err}", file=sys.stderr)
-        return 2
-    except FloatingPointError as err:  # train.nonfinite=stop
-        print(f"jaxpar: stopped: {err}", file=sys.stderr)
-        return 3
-    except Exception as err:
-        from jaxpar.checkpoint import CheckpointError
-        from jaxpar.resume import Preempted
-
-        if isinstance(err, CheckpointError):
-            print(f"jaxpar: checkpoint error: {err}", file=sys.stderr)
-            return CHECKPOINT_FAILED
-        if not isinstance(err, Preempted):
-            raise
-        print(f"jaxpar: {err}", file=sys.stderr)
-        return PREEMPTED
+            traceback.print_exc()
+        status, message = failure
+        print(message, file=sys.stderr, flush=True)
+        return status
     return 0
 
 

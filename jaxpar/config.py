@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import re
 import typing
@@ -75,35 +76,69 @@ class RulesConfig:
     overrides: tuple[tuple[str, RuleValue], ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ModelConfig:
-    """Model choice and shape.
+    """The model section: ``name`` picks a model family (``jaxpar/models/``: ``gpt``,
+    ``bert``, ``resnet``, ``convnet``, ``mlp``; empty: ``gpt``; or ``FILE.py:FAMILY``
+    for your own); every other key is that family's own, declared once in its config
+    class and checked when the config is complete (:meth:`typed`).
 
-    ``name`` is ``gpt``, ``convnet`` or ``mlp``. GPT fields: ``vocab_size``,
-    ``d_model``, ``n_layers``, ``n_heads``, ``d_ff``, ``max_seq_len``,
-    ``positions`` (learned|rotary), ``tie_embeddings``, ``remat``
-    (none|full|save_dots), ``dtype`` (float32|bfloat16; parameters stay
-    float32), ``attention`` (auto|xla|cudnn: ``jax.nn.dot_product_attention``'s
-    implementation; auto = cuDNN's fused kernel on a GPU with bfloat16 compute and
-    a head dim that is a multiple of 8 up to 128, XLA elsewhere). Classifier
-    fields: ``channels``, ``hidden``, ``num_classes``.
+    ``settings`` holds the keys set by the config files and overrides, as given;
+    ``config.model.<key>`` reads a key of the family's typed config (defaults included).
+    Two sections are equal when they select the same family with the same typed config.
     """
 
-    name: str = "gpt"
-    vocab_size: int = 256
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    d_ff: int = 512
-    max_seq_len: int = 128
-    positions: str = "learned"
-    tie_embeddings: bool = False
-    remat: str = "none"
-    dtype: str = "float32"
-    attention: str = "auto"
-    channels: int = 20
-    hidden: int = 50
-    num_classes: int = 10
+    name: str = ""
+    settings: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def family(self) -> Any:
+        """The :class:`jaxpar.models.family.Family` that ``name`` selects."""
+        from jaxpar.models import family
+
+        return family.get(self.name)
+
+    @property
+    def typed(self) -> Any:
+        """The family's typed config: its defaults with this section's keys applied.
+
+        Raises:
+          ValueError: for a key no family has (naming the closest of this one's), or a
+            value of the wrong type, outside its choices or below its bound.
+        """
+        return _typed_model(self.name, self.settings)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ModelConfig):
+            return NotImplemented
+        return (self.family.name, self.typed) == (other.family.name, other.typed)
+
+    def __hash__(self) -> int:
+        return hash((self.family.name, self.typed))
+
+    def __getattr__(self, key: str) -> Any:
+        if key.startswith("_"):
+            raise AttributeError(key)
+        typed = self.typed
+        if not hasattr(typed, key):
+            raise AttributeError(f"model.{key}: model family {self.family.name} has no such "
+                                 f"key (its keys: {', '.join(self.family.keys())})")
+        return getattr(typed, key)
+
+
+@functools.lru_cache(maxsize=64)
+def _typed_model(name: str, settings: tuple[tuple[str, Any], ...]) -> Any:
+    from jaxpar.models import family as family_lib
+
+    family = family_lib.get(name)
+    own = set(family.keys())
+    values = {}
+    for key, value in settings:
+        if key in own:
+            values[key] = value
+        elif not family_lib.key_owners(key):  # no family has it: a typo
+            family.make_config({key: value}, _check_type)  # raises, naming the closest key
+    return family.make_config(values, _check_type)
 
 
 @dataclass(frozen=True)
@@ -128,6 +163,7 @@ class DataConfig:
     seq_len: int = 128
     eval_fraction: float = 0.1
     image_size: int = 8
+    channels: int = 1
     num_examples: int = 4096
     threads: int = 2
     prefetch: int = 4
@@ -168,8 +204,13 @@ class OptimConfig:
 class TrainConfig:
     """Loop settings.
 
-    ``nonfinite``: ``stop`` raises naming the step; ``skip`` leaves the state
-    unchanged for that step and counts it. ``profile_steps``: ``"START:STOP"``
+    ``nonfinite``: ``stop`` raises naming the step (exit status 3); ``skip`` leaves the
+    state unchanged for that step and counts it. A step is non-finite when its loss, its
+    gradients, its update or the new parameters hold an inf or a NaN.
+    ``max_skipped``: with ``skip``, how many steps may be skipped in all (counting the
+    steps of the run before it resumed) before the run fails (exit status 6): a count,
+    or below 1 a fraction of ``steps``; 0: no limit. ``max_consecutive_skipped``: how
+    many steps in a row may be skipped (0: no limit). ``profile_steps``: ``"START:STOP"``
     captures a JAX profiler trace of steps START to STOP-1 into
     ``<run.dir>/profile`` (steps are numbered from 1, as in ``metrics.jsonl``:
     ``"5:8"`` traces steps 5, 6 and 7); empty: off. Quote it in YAML
@@ -187,6 +228,8 @@ class TrainConfig:
     eval_every: int = 50
     eval_batches: int = 4
     nonfinite: str = "stop"
+    max_skipped: float = 0.1
+    max_consecutive_skipped: int = 10
     progress: bool = True
     tensorboard: bool = False
     profile_steps: str = ""
@@ -219,7 +262,10 @@ class CheckpointConfig:
     save; 0: off), ``best_mode`` ``min`` or ``max``; ``async_save`` (alias
     ``async``): write in the background; ``resume``: ``auto`` (continue from
     the latest complete checkpoint in ``dir`` if there is one), ``never``, a
-    step number in ``dir``, or the path of a checkpoint directory.
+    step number in ``dir``, or the path of a checkpoint directory. ``verify``:
+    check each file of a checkpoint against the digests recorded when it was
+    written before restoring it (``auto`` falls back to the newest checkpoint
+    that verifies); restored values are checked finite either way.
     """
 
     dir: str = ""
@@ -230,6 +276,7 @@ class CheckpointConfig:
     best_mode: str = "min"
     async_save: bool = True
     resume: str = "auto"
+    verify: bool = True
 
 
 @dataclass(frozen=True)
@@ -240,15 +287,19 @@ class DistributedConfig:
     environment, or let JAX detect the cluster (SLURM, Open MPI, Kubernetes),
     or run one process. ``coordinator``: ``host:port`` of process 0;
     ``num_processes``; ``process_id``; ``local_device_ids``: comma-separated
-    ids of the devices this process uses (empty: all); ``timeout_s``: how long
-    to wait for the coordinator.
+    ids of the devices this process uses (empty: all); ``init_timeout`` (alias
+    ``timeout_s``): seconds to wait for the coordinator and for every process to
+    join (then the error names the missing ones); ``bind_address``: the
+    ``host:port`` process 0's coordinator listens on (empty: every interface, as
+    other hosts must reach it; ``jaxpar launch`` sets the loopback address).
     """
 
     coordinator: str = ""
     num_processes: int = 0
     process_id: int = -1
     local_device_ids: str = ""
-    timeout_s: int = 120
+    init_timeout: int = 120
+    bind_address: str = ""
 
 
 @dataclass(frozen=True)
@@ -268,11 +319,6 @@ class Config:
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
-    "model.name": ("gpt", "convnet", "mlp"),
-    "model.positions": ("learned", "rotary"),
-    "model.remat": ("none", "full", "save_dots"),
-    "model.dtype": ("float32", "bfloat16"),
-    "model.attention": ("auto", "xla", "cudnn"),
     "optim.name": ("sgd", "adam", "adamw", "lamb", "adafactor"),
     "optim.schedule": ("constant", "cosine", "linear", "step", "rsqrt"),
     "train.nonfinite": ("stop", "skip"),
@@ -283,7 +329,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
 
 #: Other spellings of a key. ``async`` is the natural name but a Python keyword, so the
 #: field is ``async_save``; YAML and overrides may use either.
-ALIASES = {"checkpoint.async": "async_save"}
+ALIASES = {"checkpoint.async": "async_save", "distributed.timeout_s": "init_timeout"}
 
 
 def _closest(key: str, valid: list[str], prefix: str = "") -> str:
@@ -367,11 +413,34 @@ def _merge_rules(current: RulesConfig, raw: dict[str, Any]) -> RulesConfig:
     return RulesConfig(preset=preset, overrides=tuple(sorted(overrides.items())))
 
 
+def _freeze(value: Any) -> Any:
+    """A YAML value made hashable (lists → tuples) so a section stays a frozen value."""
+    if isinstance(value, list):
+        return tuple(_freeze(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    return value
+
+
+def _merge_model(current: ModelConfig, raw: dict[str, Any]) -> ModelConfig:
+    """The model section's keys are typed by the family named at the end (a file may set
+    ``model.name`` after other keys): here they are only collected."""
+    name, settings = current.name, dict(current.settings)
+    for key, value in raw.items():
+        if key == "name":
+            name = _check_type("model.name", value, str)
+        else:
+            settings[key] = _freeze(value)
+    return ModelConfig(name, tuple(sorted(settings.items())))
+
+
 def _merge_section(section: str, current: Any, raw: Any) -> Any:
     if not isinstance(raw, dict):
         raise ValueError(f"config section '{section}' must be a mapping, got {raw!r}")
     if section == "rules":
         return _merge_rules(current, raw)
+    if section == "model":
+        return _merge_model(current, raw)
     hints = typing.get_type_hints(type(current))
     names = [f.name for f in dataclasses.fields(current)]
     updates = {}
@@ -449,15 +518,19 @@ def parse_profile_steps(text: str) -> tuple[int, int] | None:
 MINIMUM = {
     "run.seed": 0, "run.devices": 0, "train.steps": 1, "train.batch_size": 1,
     "train.grad_accum": 1, "train.log_every": 1, "train.eval_every": 0, "train.eval_batches": 1,
-    "model.vocab_size": 1, "model.d_model": 1, "model.n_layers": 1, "model.n_heads": 1,
-    "model.d_ff": 1, "model.max_seq_len": 1, "model.channels": 1, "model.hidden": 1,
-    "model.num_classes": 2, "data.seq_len": 1, "data.image_size": 1, "data.num_examples": 2,
+    "data.seq_len": 1, "data.channels": 1, "data.image_size": 1, "data.num_examples": 2,
     "data.threads": 0, "data.prefetch": 0, "data.workers": 0,
     "pipeline.microbatches": 0, "pipeline.virtual_stages": 1,
     "checkpoint.every_steps": 0, "checkpoint.keep": 1, "checkpoint.keep_best": 0,
     "mesh.hosts_data": 0, "mesh.hosts_stage": 0, "mesh.hosts_fsdp": 0, "mesh.hosts_tensor": 0,
-    "distributed.num_processes": 0, "distributed.process_id": -1, "distributed.timeout_s": 1,
+    "distributed.num_processes": 0, "distributed.process_id": -1,
+    "distributed.init_timeout": 1, "train.max_skipped": 0, "train.max_consecutive_skipped": 0,
 }
+#: The largest finite float32: a setting above it is inf inside the step.
+FLOAT32_MAX = 3.4028234663852886e38
+#: optim keys that enter the step as float32 numbers
+FLOAT32_KEYS = ("lr", "b1", "b2", "eps", "weight_decay", "clip_norm", "min_lr_ratio",
+                "step_gamma", "momentum")
 
 
 def validate(config: Config) -> Config:
@@ -471,47 +544,62 @@ def validate(config: Config) -> Config:
         value = getattr(getattr(config, section), key)
         if value < low:
             raise ValueError(f"config key '{dotted}' must be ≥ {low}, got {value}")
-    for key in ("lr", "b1", "b2", "eps", "weight_decay", "clip_norm", "min_lr_ratio", "step_gamma"):
+    for key in FLOAT32_KEYS:
         value = getattr(config.optim, key)
         if not math.isfinite(value):
             raise ValueError(f"config key 'optim.{key}' must be a finite number, got {value}")
+        if abs(value) > FLOAT32_MAX:
+            raise ValueError(f"config key 'optim.{key}'={value:g} overflows float32 (largest "
+                             f"{FLOAT32_MAX:.4g}): the step would compute inf; set "
+                             f"optim.{key} to a value in range")
+        if value and abs(value) < 7.006e-46:  # half the smallest float32: rounds to 0
+            raise ValueError(f"config key 'optim.{key}'={value:g} is 0 in float32 (smallest "
+                             "1.4e-45); set a larger value, or 0 to mean none")
+    if config.optim.lr * config.optim.weight_decay > FLOAT32_MAX:
+        raise ValueError(
+            f"config keys 'optim.lr'={config.optim.lr:g} × 'optim.weight_decay'="
+            f"{config.optim.weight_decay:g} overflow float32 (the decay step lr × "
+            "weight_decay × parameter would be inf); lower one of them")
     if not 0.0 <= config.data.wait_warn <= 1.0:
         raise ValueError(f"config key 'data.wait_warn' must be a fraction in [0, 1], got "
                          f"{config.data.wait_warn}")
     parse_profile_steps(config.train.profile_steps)
+    config.model.typed  # the family's keys, types, choices and bounds  # noqa: B018
     return config
 
 
 def _non_default(config: Config, dotted: str) -> bool:
     section, key = dotted.split(".")
+    if section == "model":
+        return key == "name" and bool(config.model.name)
     return getattr(getattr(config, section), key) != getattr(getattr(Config(), section), key)
 
 
 def unused_settings(config: Config, *, user_task: bool = False, own_data: bool = False,
                     own_optimizer: bool = False) -> list[str]:
-    """Keys set away from their default that the run ignores: another model's keys, the
-    ``model`` section for a user's task, ``data`` keys when the task brings its data,
-    ``optim`` keys when it brings its optimizer, and options of other choices."""
-    gpt_keys = ["model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads",
-                "model.d_ff", "model.max_seq_len", "model.positions", "model.tie_embeddings",
-                "model.remat", "model.dtype", "data.seq_len"]
-    image_keys = ["model.channels", "model.hidden", "model.num_classes", "data.image_size",
-                  "data.num_examples"]
-    ignored = {"gpt": image_keys, "convnet": gpt_keys, "mlp": [*gpt_keys, "model.channels"]}
+    """Keys set away from their default that the run ignores: another model family's keys,
+    the ``model`` section for a user's task, ``data`` keys the model does not read (or all
+    of them when the task brings its data), ``optim`` keys when the run brings its own
+    optimizer, and the options of other choices."""
+    keys: list[str] = []
+    model = config.model
+    explicit = [f"model.{k}" for k, _ in model.settings]
     if user_task:
-        keys = [f"model.{f.name}" for f in dataclasses.fields(ModelConfig)]
+        keys += explicit + ["model.name"]
     else:
-        keys = list(ignored[config.model.name])
+        own = set(model.family.keys())
+        keys += [k for k in explicit if k.split(".", 1)[1] not in own]
     data = config.data
-    synthetic = data.dataset == "synthetic" or (data.dataset == "auto" and not data.path
-                                                and config.model.name != "gpt")
     if own_data:
         keys += [f"data.{f.name}" for f in dataclasses.fields(DataConfig)
                  if f.name not in ("threads", "prefetch", "workers", "wait_warn")]
-    elif not synthetic:
-        keys += ["data.num_examples", "data.image_size"]
-    elif config.model.name == "gpt" and not user_task:
-        keys = [k for k in keys if k != "data.num_examples"]
+    elif not user_task:
+        text = model.family.needs(model.typed).kind == "text"
+        synthetic = data.dataset == "synthetic" or (data.dataset == "auto" and not data.path
+                                                    and not text)
+        keys += ["data.image_size", "data.channels"] if text else ["data.seq_len"]
+        if not synthetic:
+            keys += ["data.num_examples", "data.image_size", "data.channels"]
     optim = config.optim.name
     if own_optimizer:
         keys += [f"optim.{f.name}" for f in dataclasses.fields(OptimConfig)]
@@ -528,7 +616,7 @@ def unused_settings(config: Config, *, user_task: bool = False, own_data: bool =
         keys += [f"pipeline.{f.name}" for f in dataclasses.fields(PipelineConfig)]
     if not config.checkpoint.keep_best:
         keys += ["checkpoint.best_metric", "checkpoint.best_mode"]
-    return [k for k in dict.fromkeys(keys) if _non_default(config, k)]
+    return [k for k in dict.fromkeys(keys) if k in explicit or _non_default(config, k)]
 
 
 def warn_unused(config: Config, **run: bool) -> None:
@@ -538,7 +626,7 @@ def warn_unused(config: Config, **run: bool) -> None:
            "own_data": "the task brings its own data",
            "own_optimizer": "the run brings its own Optax optimizer"}
     context = [why[k] for k, on in run.items() if on] + [
-        f"model.name={config.model.name}, optim.name={config.optim.name}, "
+        f"model.name={config.model.family.name}, optim.name={config.optim.name}, "
         f"optim.schedule={config.optim.schedule}, mesh.stage={config.mesh.stage}, "
         f"checkpoint.keep_best={config.checkpoint.keep_best}"]
     if run.get("user_task"):
@@ -564,19 +652,95 @@ def load_config(paths: list[str | Path] = (), overrides: list[str] = ()) -> Conf
     config = Config()
     for path in paths:
         path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"config file '{path}' does not exist; pass a YAML file from configs/")
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = read_yaml(path) or {}
         if not isinstance(raw, dict):
-            raise ValueError(f"config file '{path}' must hold a mapping of sections")
-        config = merge(config, raw)
+            raise ValueError(f"config file '{path}' must hold a mapping of sections, got "
+                             f"{type(raw).__name__}")
+        try:
+            config = merge(config, raw)
+        except ValueError as err:
+            raise ValueError(f"config file '{path}': {err}") from err
     return apply_overrides(config, overrides)
+
+
+class _DuplicateKey(yaml.MarkedYAMLError):
+    """A key given twice in one YAML mapping."""
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error
+    (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<:` merges may be overridden
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                first = seen.setdefault(key, key_node.start_mark.line + 1)
+            except TypeError:  # an unhashable key: PyYAML's own error follows
+                continue
+            if first != key_node.start_mark.line + 1:
+                raise _DuplicateKey(None, None, f"key '{key}' appears twice in one mapping "
+                                    f"(lines {first} and {key_node.start_mark.line + 1}); keep "
+                                    "one of them", key_node.start_mark)
+        return super().construct_mapping(node, deep)
+
+
+def read_yaml(path: Path) -> Any:
+    """A YAML file's content, with every way it can be unreadable a one-line error.
+
+    Raises:
+      ValueError: for a missing file or a folder, a binary or non-UTF-8 file, malformed
+        YAML (naming the line and column), a key given twice in one mapping, or a YAML
+        tag (``!foo``): configs are plain YAML.
+    """
+    if path.is_dir():
+        raise ValueError(f"config file '{path}' is a directory; pass a YAML file from configs/")
+    if not path.is_file():
+        raise ValueError(f"config file '{path}' does not exist; pass a YAML file from configs/")
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise ValueError(f"config file '{path}' cannot be read: {err.strerror}") from None
+    nul = data.find(b"\0")
+    if nul >= 0:
+        raise ValueError(f"config file '{path}' is a binary file, not YAML text (it holds NUL "
+                         f"bytes, the first at offset {nul})")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[:err.start].count(b"\n") + 1
+        raise ValueError(f"config file '{path}' is not UTF-8 text (byte 0x{data[err.start]:02x} "
+                         f"at line {line}); save it as UTF-8") from None
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = err.problem or err.context or "malformed YAML"
+        if "could not determine a constructor for the tag" in problem:
+            tag = problem.split("tag", 1)[1].strip()
+            problem = (f"unknown YAML tag {tag}: jaxpar configs are plain YAML (quote the "
+                       "value if it is text)")
+        elif not isinstance(err, _DuplicateKey):
+            problem = f"invalid YAML: {problem}"
+        raise ValueError(f"config file '{path}'{where}: {problem}") from None
+    except yaml.YAMLError as err:  # e.g. a control character (ReaderError)
+        raise ValueError(f"config file '{path}': invalid YAML: "
+                         f"{str(err).splitlines()[0]}") from None
 
 
 def apply_overrides(config: Config, overrides: list[str] = ()) -> Config:
     """``config`` with ``section.key=value`` overrides applied, validated."""
     for text in overrides:
-        config = merge(config, parse_override(text))
+        try:
+            config = merge(config, parse_override(text))
+        except yaml.YAMLError as err:  # the value is read as YAML for non-text keys
+            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise ValueError(f"override {text!r}: the value is not valid YAML ({problem}); "
+                             "quote it or fix it") from None
     return validate(config)
 
 
@@ -591,6 +755,8 @@ def run_dir_for(config: Config, name: str) -> Config:
 def to_dict(config: Config) -> dict[str, Any]:
     """Plain nested dict of a config, as written to a run's ``config.yaml``."""
     out = dataclasses.asdict(config)
+    out["model"] = {"name": config.model.name or config.model.family.name,
+                    **dataclasses.asdict(config.model.typed)}
     rules = {"preset": config.rules.preset}
     rules.update({k: list(v) if v else None for k, v in config.rules.overrides})
     out["rules"] = rules

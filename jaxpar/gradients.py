@@ -30,7 +30,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxpar import sharding as shd
 from jaxpar.logical import Rules, activation_rules
-from jaxpar.pipeline.executor import pipeline_grads
+from jaxpar.pipeline.executor import advance_counts, pipeline_grads
 from jaxpar.pipeline.schedule import TickTable
 from jaxpar.task import Batch, StageSplit, split_microbatches
 
@@ -126,7 +126,8 @@ class AccumulatedPerDataShard:
 
 @dataclass(frozen=True)
 class Pipelined:
-    """Loss and gradients through the pipeline executor (models without state)."""
+    """Loss and gradients through the pipeline executor. The model's state may hold RNG
+    streams only; ``rng_counts`` marks their counts, which advance by one per microbatch."""
 
     split: StageSplit
     graphdef: nnx.GraphDef
@@ -134,13 +135,16 @@ class Pipelined:
     mesh: Mesh
     rules: Rules
     param_specs: Any
+    rng_counts: Any = None
 
     def __call__(self, params: Any, model_state: Any, batch: Batch):
         with activation_rules(self.mesh, self.rules):
             loss, metrics, grads = pipeline_grads(
                 self.split, self.graphdef, params, batch, table=self.table, mesh=self.mesh,
-                rules=self.rules, param_specs=self.param_specs)
-        return loss, metrics, grads, model_state
+                rules=self.rules, param_specs=self.param_specs, model_state=model_state,
+                rng_counts=self.rng_counts)
+        counts = self.rng_counts or jax.tree.map(lambda _: False, model_state)
+        return loss, metrics, grads, advance_counts(model_state, counts, self.table.m)
 
 
 def per_data_shard_possible(mesh: Mesh, param_specs: Any, stateful: bool) -> bool:

@@ -3,16 +3,21 @@
     jaxpar launch -n 2 --devices-per-process 4 -- train configs/gpt_tiny.yaml mesh.fsdp=8
 
 Each process gets ``JAXPAR_COORDINATOR`` (a free local port), ``JAXPAR_NUM_PROCESSES``
-and ``JAXPAR_PROCESS_ID`` (read by :mod:`jaxpar.distributed`) and, with
-``--devices-per-process K``, K simulated CPU devices (with ``--cpus-per-process C``,
-process i is pinned to cores ``[i*C, (i+1)*C)``). Their output is forwarded line by
-line with a ``[i]`` prefix. When a process fails, the others are stopped (SIGTERM, then
-SIGKILL after ``--grace`` seconds) and the launcher exits with the failed process's
-status. A SIGTERM or Ctrl-C to the launcher is passed on to every process and the
-launcher exits with their status: after a SIGTERM, jaxpar processes agree on a step,
-checkpoint it and exit 4, as a single process does. This is how to
-rehearse a multi-host layout on one machine; clusters start processes with their own
-tools (see the README's Multi-host section).
+and ``JAXPAR_PROCESS_ID`` (read by :mod:`jaxpar.distributed`), ``JAXPAR_COORDINATOR_BIND``
+(the coordinator listens on the loopback address only, unless ``--bind`` says otherwise)
+and, with ``--devices-per-process K``, K simulated CPU devices (with
+``--cpus-per-process C``, process i is pinned to cores ``[i*C, (i+1)*C)``). Their output
+is forwarded line by line with a ``[i]`` prefix. When a process fails, the launcher
+prints its rank and status, stops the others (SIGTERM, then SIGKILL after ``--grace``
+seconds) and exits with the failed process's status. When the port it picked is taken
+by another program before process 0 binds it, it starts again on another port.
+
+A SIGTERM or a first Ctrl-C to the launcher becomes a SIGTERM to every process: jaxpar
+processes agree on a step, checkpoint it and exit 4, as a single process does, and the
+launcher waits for them (however long the save takes) and exits with their status. A
+second Ctrl-C kills them at once (exit 130). This is how to rehearse a multi-host layout
+on one machine; clusters start processes with their own tools (see the README's
+Multi-host section).
 """
 
 from __future__ import annotations
@@ -33,6 +38,12 @@ ENV_COORDINATOR = "JAXPAR_COORDINATOR"
 ENV_NUM_PROCESSES = "JAXPAR_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAXPAR_PROCESS_ID"
 ENV_CPUS = "JAXPAR_CPUS"
+ENV_BIND = "JAXPAR_COORDINATOR_BIND"
+#: set by the launcher: process 0 exits with PORT_TAKEN when the coordinator port is taken
+ENV_RETRY_PORT = "JAXPAR_LAUNCH_RETRY_PORT"
+#: exit status of process 0 when the launcher's port was taken (EX_TEMPFAIL): try again
+PORT_TAKEN = 75
+_PORT_TRIES = 5
 _FORCE_FLAG = re.compile(r"--xla_force_host_platform_device_count=\d+")
 
 
@@ -44,12 +55,13 @@ def free_port() -> int:
 
 
 def process_env(index: int, count: int, port: int, devices_per_process: int,
-                cpus_per_process: int = 0, base: dict[str, str] | None = None
-                ) -> dict[str, str]:
+                cpus_per_process: int = 0, base: dict[str, str] | None = None,
+                bind: str = "127.0.0.1") -> dict[str, str]:
     """The environment of process ``index`` of ``count``."""
     env = dict(os.environ if base is None else base)
+    host = f"[{bind}]" if ":" in bind else bind
     env.update({ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: str(count),
-                ENV_PROCESS_ID: str(index)})
+                ENV_PROCESS_ID: str(index), ENV_BIND: f"{host}:{port}", ENV_RETRY_PORT: "1"})
     if cpus_per_process:
         first = index * cpus_per_process
         env[ENV_CPUS] = ",".join(str(c) for c in range(first, first + cpus_per_process))
@@ -98,11 +110,12 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 
 def launch(count: int, args: Sequence[str], *, devices_per_process: int = 0,
            cpus_per_process: int = 0, port: int = 0, grace_s: float = 10.0,
-           out: IO[str] | None = None) -> int:
+           out: IO[str] | None = None, bind: str = "127.0.0.1") -> int:
     """Runs ``python -m jaxpar ARGS`` in ``count`` processes; returns the launch's status.
 
     0 when every process exits 0; otherwise the status of the first process that failed
-    (the others are stopped), or 128 + the signal number when the launcher was signalled.
+    (the others are stopped), or 128 + the signal number when the launcher was signalled
+    and its processes had to be killed.
 
     Raises:
       ValueError: for a count below 1, a negative device count or no command.
@@ -119,52 +132,105 @@ def launch(count: int, args: Sequence[str], *, devices_per_process: int = 0,
         raise ValueError("nothing to launch: give a jaxpar command after --, e.g. "
                          "jaxpar launch -n 2 -- train")
     out = out or sys.stdout
-    port = port or free_port()
     lock = threading.Lock()
-    procs, threads = [], []
-    for index in range(count):
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "jaxpar", *args],
-            env=process_env(index, count, port, devices_per_process, cpus_per_process),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-            start_new_session=True)  # its own process group: stopping it stops its children
-        procs.append(proc)
-        thread = threading.Thread(target=_forward, args=(proc.stdout, f"[{index}] ", out, lock),
-                                  daemon=True)
-        thread.start()
-        threads.append(thread)
     received: list[int] = []
 
     def on_signal(signum: int, frame: object) -> None:
         received.append(signum)
+        if signum == signal.SIGINT and received.count(signal.SIGINT) == 1:
+            _say(out, lock, "Ctrl-C: asking every process to checkpoint and stop (Ctrl-C "
+                            "again to kill them at once)")
 
     main_thread = threading.current_thread() is threading.main_thread()
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)} \
         if main_thread else {}
     try:
-        status = _watch(procs, received, grace_s)
+        for attempt in range(_PORT_TRIES):
+            chosen = port or free_port()
+            status = _run_once(count, args, chosen, devices_per_process, cpus_per_process,
+                               bind, grace_s, received, out, lock)
+            if status != PORT_TAKEN or port or received:
+                return status
+            _say(out, lock, f"port {chosen} was taken by another program before the "
+                            "coordinator could listen on it; starting again on another port")
+        return status
     finally:
-        _stop(procs, grace_s)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _say(out: IO[str], lock: threading.Lock, text: str) -> None:
+    with lock:
+        out.write(f"[launch] {text}\n")
+        out.flush()
+
+
+def _run_once(count: int, args: Sequence[str], port: int, devices_per_process: int,
+              cpus_per_process: int, bind: str, grace_s: float, received: list[int],
+              out: IO[str], lock: threading.Lock) -> int:
+    procs, threads = [], []
+    try:
+        for index in range(count):
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "jaxpar", *args],
+                env=process_env(index, count, port, devices_per_process, cpus_per_process,
+                                bind=bind),
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                start_new_session=True)  # its own process group: stopping it stops its children
+            procs.append(proc)
+            thread = threading.Thread(target=_forward,
+                                      args=(proc.stdout, f"[{index}] ", out, lock), daemon=True)
+            thread.start()
+            threads.append(thread)
+        return _watch(procs, received, grace_s, out, lock)
+    finally:
+        _stop(procs, grace_s)
         for thread in threads:
             thread.join(timeout=5)
-    return status
 
 
-def _watch(procs: list[subprocess.Popen], received: list[int], grace_s: float) -> int:
-    """Waits until all processes succeed, one fails, or the launcher gets a signal — which
-    is passed on (a SIGTERM lets jaxpar checkpoint and exit 4); then the children's
+def describe_status(code: int) -> str:
+    """``'exit status 3'`` or ``'killed by SIGKILL'`` for a Popen return code."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+        return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+def _watch(procs: list[subprocess.Popen], received: list[int], grace_s: float,
+           out: IO[str], lock: threading.Lock) -> int:
+    """Waits until all processes succeed, one fails, or the launcher gets a signal.
+
+    A failure is reported (rank, pid, status) and the others are stopped within
+    ``grace_s``. A first SIGTERM or Ctrl-C becomes a SIGTERM to every process (jaxpar
+    processes checkpoint an agreed step and exit 4), and the launcher waits for them
+    however long that takes; a second signal kills them at once. Then the children's
     status counts, or 128 + the signal for those that had to be killed."""
+    forwarded = False
     while True:
-        if received:
-            _stop(procs, grace_s, received[0])
-            codes = [proc.returncode for proc in procs]
-            return next((c for c in codes if c > 0), 128 + received[0])
+        if received and not forwarded:
+            for proc in procs:
+                if proc.poll() is None:
+                    _signal_group(proc, signal.SIGTERM)
+            forwarded = True
+        if len(received) > 1:
+            _say(out, lock, "killing every process now")
+            _stop(procs, 0.0, signal.SIGKILL)
+            return 128 + received[-1]
         codes = [proc.poll() for proc in procs]
-        failed = [c for c in codes if c not in (None, 0)]
+        fine = (0, 4) if forwarded else (0,)
+        failed = [(i, c) for i, c in enumerate(codes) if c is not None and c not in fine]
         if failed:
-            return failed[0] if failed[0] > 0 else 128 - failed[0]
-        if all(c == 0 for c in codes):
-            return 0
+            index, code = failed[0]
+            alive = sum(c is None for c in codes)
+            if code != PORT_TAKEN:
+                _say(out, lock, f"process {index} (pid {procs[index].pid}) ended with "
+                                f"{describe_status(code)}"
+                                + (f"; stopping the other {alive} (grace {grace_s:g} s)"
+                                   if alive else ""))
+            _stop(procs, grace_s)
+            return code if code > 0 else 128 - code
+        if all(c is not None for c in codes):
+            return next((c for c in codes if c > 0), 0)
         time.sleep(0.1)

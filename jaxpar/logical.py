@@ -102,6 +102,19 @@ def activation_rules(mesh: Mesh, rules: Rules) -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
+def shards(name: str) -> int:
+    """How many ways the active rules split logical axis ``name`` (1 outside a jaxpar step).
+
+    For a model that keeps one value per shard of an axis, e.g. one copy of a table per
+    batch shard, W[G_batch, V, D] constrained to ``("batch", None, None)``.
+    """
+    active = _ACTIVE.get()
+    if active is None:
+        return 1
+    mesh, rules = active
+    return math.prod(mesh.shape[a] for a in rules.get(name, ()) if a in mesh.shape)
+
+
 def constrain(x: jax.Array, names: AxisNames) -> jax.Array:
     """Pins activation ``x`` to the layout its logical ``names`` map to.
 

@@ -10,7 +10,6 @@ on that loop, and so is any hook a user passes or names in ``train.hooks``.
 
 from __future__ import annotations
 
-import json
 import time
 import warnings
 from collections.abc import Sequence
@@ -21,10 +20,10 @@ from typing import Any
 import jax
 import numpy as np
 import optax
-import yaml
 
 from jaxpar import config as config_lib
 from jaxpar import resume as resume_lib
+from jaxpar import rundir
 from jaxpar import sharding as shd
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import Config
@@ -57,21 +56,27 @@ class History:
         return [r for r in self.rows if "loss" not in r]
 
 
-def prepare_run_dir(config: Config, start_step: int = 0) -> Path:
-    """Creates the run dir and writes the resolved ``config.yaml``.
+def prepare_run_dir(config: Config, start_step: int = 0,
+                    saved_config: dict[str, Any] | None = None, echo: bool = True) -> Path:
+    """Creates the run dir and readies it for a run starting after ``start_step``
+    (see :mod:`jaxpar.rundir`: nothing there is overwritten).
 
-    ``metrics.jsonl`` keeps the rows of steps ≤ ``start_step`` (a resumed run
-    appends after them without duplicating steps) and loses the rest.
+    ``metrics.jsonl`` keeps the rows of steps ≤ ``start_step`` (a resumed run appends
+    after them without duplicating steps; later rows move to
+    ``metrics.discarded.jsonl``); a fresh start keeps an earlier run's files as
+    ``metrics.old-N.jsonl`` / ``config.old-N.yaml``. ``config.yaml`` is written on a
+    fresh start; a resumed run whose settings differ from ``saved_config`` (its
+    checkpoint's) writes ``config.<start_step>.yaml`` and says what changed.
+
+    Raises:
+      ValueError: when the run dir cannot be created or written, or ``metrics.jsonl``
+        has a damaged line before its last.
     """
-    run_dir = Path(config.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(config_lib.to_dict(config), sort_keys=False))
-    metrics = run_dir / "metrics.jsonl"
-    kept = []
-    if start_step and metrics.exists():
-        kept = [line for line in metrics.read_text().splitlines()
-                if line.strip() and json.loads(line)["step"] <= start_step]
-    metrics.write_text("".join(line + "\n" for line in kept))
+    run_dir = rundir.ensure_dir(config.run.dir, "run.dir")
+    for note in rundir.prepare(run_dir, config_lib.to_dict(config), start_step,
+                               saved_config):
+        if echo:
+            print(f"jaxpar: {note}", flush=True)
     return run_dir
 
 
@@ -115,11 +120,14 @@ class DataWait:
         return frac
 
 
-def open_loader(run: Run, data_state: dict[str, Any] | None = None) -> Loader:
-    """The training stream, positioned after the batches a checkpoint's loader had read.
+def open_loader(run: Run, data_state: dict[str, Any] | None = None,
+                step: int | None = None) -> Loader:
+    """The training stream, positioned after the batches a checkpoint's loader had read
+    (with ``step``, the step that checkpoint holds: the position must match it).
 
     Raises:
-      ValueError: when the saved position comes from other data settings.
+      ValueError: when the saved position comes from other data settings, or does not
+        belong to ``step``.
     """
     loader = run.data.loader(run.config.train.batch_size, run.config.data)
     if data_state:
@@ -131,12 +139,17 @@ def open_loader(run: Run, data_state: dict[str, Any] | None = None) -> Loader:
                 f"the checkpoint's data position does not fit this run ({err}) — keep "
                 "train.batch_size, run.seed and the data settings of the run you resume, "
                 "or start afresh (checkpoint.resume=never with a new run.dir)") from err
+    if step is not None and loader.batches_consumed != step:
+        loader.close()
+        raise ValueError(f"the checkpoint of step {step} holds a data position after "
+                         f"{loader.batches_consumed} batches; it is not a jaxpar train "
+                         "checkpoint of this run — start afresh (checkpoint.resume=never)")
     return loader
 
 
 def fit(run: Run, run_dir: Path | None = None, state: TrainState | None = None,
         ckpt: Checkpointer | None = None, data_state: dict[str, Any] | None = None,
-        hooks: Sequence[Hook] = ()) -> History:
+        hooks: Sequence[Hook] = (), stream: Loader | None = None) -> History:
     """Trains for ``train.steps`` steps, calling the built-in hooks and then ``hooks``.
 
     Each step's metrics reach the hooks' ``on_step`` one step late (read while the next
@@ -145,18 +158,16 @@ def fit(run: Run, run_dir: Path | None = None, state: TrainState | None = None,
     with it) makes the loader yield the batches the uninterrupted run would have; with
     ``ckpt`` the state and the loader position are saved every
     ``checkpoint.every_steps``, after the last step and when the run is preempted
-    (SIGTERM: then :class:`~jaxpar.resume.Preempted` is raised once the save is
-    complete). Every step is marked ``train`` (with its ``step_num``) in profiler traces.
+    (inside :func:`~jaxpar.resume.sigterm_checkpoints`, a SIGTERM or a first Ctrl-C:
+    then :class:`~jaxpar.resume.Preempted` is raised once the save is complete, unless
+    the step was the last). ``stream`` is the training stream already positioned (by
+    :func:`open_loader`); fit opens it otherwise, and closes it at the end. Every step
+    is marked ``train`` (with its ``step_num``) in profiler traces.
     """
     cfg, trainer = run.config.train, run.trainer
     state = state if state is not None else trainer.init()
     first = int(host_value(state.step)) + 1
-    stream = open_loader(run, data_state)
-    if stream.batches_consumed != first - 1:
-        stream.close()
-        raise ValueError(f"the checkpoint of step {first - 1} holds a data position after "
-                         f"{stream.batches_consumed} batches; it is not a jaxpar train "
-                         "checkpoint of this run — start afresh (checkpoint.resume=never)")
+    stream = stream if stream is not None else open_loader(run, data_state, first - 1)
     wait = DataWait(run.config.data.wait_warn)
     ctx = Context(run, run_dir, state, first, cfg.steps, stream,
                   [*default_hooks(run, run_dir, ckpt, wait), *hooks])
@@ -174,8 +185,8 @@ def fit(run: Run, run_dir: Path | None = None, state: TrainState | None = None,
             ctx.emit("on_state", step)
             if step == cfg.steps or ctx.stopping:
                 ctx.flush()
-            if ctx.stopping:
-                raise Preempted(step, ckpt.directory)
+            if ctx.stopping and step < cfg.steps:
+                raise Preempted(step, ckpt.directory, resume_lib.stop_signal())
     except BaseException as err:
         ctx.error = err
         raise
@@ -238,28 +249,61 @@ def train(config: Config | None = None, *, task: Task | None = None,
         config = config_lib.run_dir_for(config, task.name)
     hooks = [*load_hooks(config.train.hooks), *hooks]
     _setup_devices(config.run.devices)
-    run = build(config, task, optimizer)
-    say = print if echo and jax.process_index() == 0 else (lambda *a, **k: None)
-    say(f"jaxpar: running on {describe_devices(run.devices)}; {describe_mesh(run.trainer.mesh)}",
-        flush=True)
-    say(f"jaxpar: data {run.data.name}; model {run.name}; rules preset {config.rules.preset}",
-        flush=True)
-    if run.trainer.pipeline is not None:
-        say(f"jaxpar: {describe_pipeline(run.trainer.pipeline)}", flush=True)
+    with _locked_run_dirs(config):
+        run = build(config, task, optimizer)
+        say = print if echo and jax.process_index() == 0 else (lambda *a, **k: None)
+        say(f"jaxpar: running on {describe_devices(run.devices)}; "
+            f"{describe_mesh(run.trainer.mesh)}", flush=True)
+        say(f"jaxpar: data {run.data.name}; model {run.name}; rules preset "
+            f"{config.rules.preset}", flush=True)
+        if run.trainer.pipeline is not None:
+            say(f"jaxpar: {describe_pipeline(run.trainer.pipeline)}", flush=True)
+        history = _resume_and_fit(run, hooks, say, echo)
+    if history.rows:
+        say(summarize(run, history), flush=True)
+    return history
+
+
+def _locked_run_dirs(config: Config) -> Any:
+    """The run dir's lock, and the checkpoint dir's when it lies elsewhere (process 0
+    takes them; every process learns whether it could)."""
+    run_dir = Path(config.run.dir).absolute()
+    ckpt_dir = resume_lib.checkpoint_dir(config).absolute()
+    dirs = [(run_dir, "run.dir")]
+    if run_dir != ckpt_dir and run_dir not in ckpt_dir.parents:
+        dirs.append((ckpt_dir, "checkpoint.dir"))
+    return rundir.locked(dirs)
+
+
+def _resume_and_fit(run: Run, hooks: Sequence[Hook], say: Any, echo: bool) -> History:
+    """Resume (falling back past checkpoints that fail verification), position the data,
+    and only then write the run dir; fit; wait for the last save."""
+    config = run.config
     ckpt = resume_lib.open_checkpoints(run)
+    closed = False
     try:
         state, start, meta = resume_lib.resume(config, run, ckpt)
-        if start:
-            say(f"jaxpar: resumed from the checkpoint of step {start} in {ckpt.directory}",
-                flush=True)
-        run_dir = prepare_run_dir(config, start) if jax.process_index() == 0 else None
         if start >= config.train.steps:
             say(f"jaxpar: the run is already at step {start} of train.steps="
                 f"{config.train.steps}; nothing to train")
             return History(state=state)
-        with resume_lib.sigterm_checkpoints():
-            history = fit(run, run_dir, state, ckpt, meta.get("data"), hooks)
+        stream = open_loader(run, meta.get("data"), start) if start else None
+        try:
+            if start:
+                say(f"jaxpar: resumed from the checkpoint of step {start} in "
+                    f"{ckpt.directory}", flush=True)
+            run_dir = (prepare_run_dir(config, start, meta.get("config"), echo)
+                       if jax.process_index() == 0 else None)
+        except BaseException:
+            if stream is not None:
+                stream.close()
+            raise
+        with resume_lib.sigterm_checkpoints():  # also while the last save is written
+            try:
+                return fit(run, run_dir, state, ckpt, meta.get("data"), hooks, stream)
+            finally:
+                closed = True
+                ckpt.close()  # waits for pending saves; a failed save raises here
     finally:
-        ckpt.close()  # waits for pending saves; a failed save raises here
-    say(summarize(run, history), flush=True)
-    return history
+        if not closed:
+            ckpt.close()

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxpar.config import CHOICES, OptimConfig
+from jaxpar.config import CHOICES, FLOAT32_KEYS, FLOAT32_MAX, OptimConfig
 
 OPTIMIZERS: tuple[str, ...] = CHOICES["optim.name"]
 SCHEDULES: tuple[str, ...] = CHOICES["optim.schedule"]
@@ -50,9 +50,24 @@ def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
         raise _bad(key, value, need, f"set optim.{key} to one of them")
 
 
+def _check_float32(cfg: OptimConfig) -> None:
+    """Raises ``ValueError`` for a setting the float32 step would turn into inf (an
+    OptimConfig built in Python skips :func:`jaxpar.config.validate`)."""
+    for key in FLOAT32_KEYS:
+        value = getattr(cfg, key)
+        if not abs(value) <= FLOAT32_MAX:  # also NaN
+            raise _bad(key, value, f"must be a finite float32 (at most {FLOAT32_MAX:.4g})",
+                       "every update would be inf or NaN; set a value in range")
+    if cfg.lr * cfg.weight_decay > FLOAT32_MAX:
+        raise _bad("weight_decay", cfg.weight_decay,
+                   f"times optim.lr={cfg.lr:g} must stay below {FLOAT32_MAX:.4g}",
+                   "the decay step would be inf; lower optim.lr or optim.weight_decay")
+
+
 def _check_schedule_config(cfg: OptimConfig, total_steps: int) -> None:
     """Raises ``ValueError`` for schedule settings that cannot produce a sane lr."""
     _check_choice("schedule", cfg.schedule, SCHEDULES)
+    _check_float32(cfg)
     if not total_steps >= 1:
         raise ValueError(
             f"total_steps must be >= 1, got {total_steps!r}; set train.steps to a positive count"
@@ -87,6 +102,7 @@ def _check_schedule_config(cfg: OptimConfig, total_steps: int) -> None:
 def _check_optimizer_config(cfg: OptimConfig) -> None:
     """Raises ``ValueError`` for optimizer settings optax would accept silently."""
     _check_choice("name", cfg.name, OPTIMIZERS)
+    _check_float32(cfg)
     if not cfg.clip_norm >= 0:
         raise _bad(
             "clip_norm", cfg.clip_norm, "must be >= 0", "use optim.clip_norm=0 to disable clipping"

@@ -1,16 +1,20 @@
 """A run's checkpoints: when to save, how to resume, preemption, export.
 
 The glue between :mod:`jaxpar.checkpoint` (Orbax) and the training loop: which
-checkpoint a run starts from (``checkpoint.resume``), what a save holds besides
-the train state (the loader position, the seed, metrics, the config), SIGTERM
-handling, and ``jaxpar export``.
+checkpoint a run starts from (``checkpoint.resume``, falling back past checkpoints
+that fail verification), what a save holds besides the train state (the loader
+position, the seed, metrics, the config), SIGTERM and Ctrl-C handling, and
+``jaxpar export``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import sys
 import threading
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,31 +24,54 @@ import numpy as np
 
 from jaxpar import config as config_lib
 from jaxpar import sharding as shd
-from jaxpar.checkpoint import Checkpointer
+from jaxpar.checkpoint import Checkpointer, CorruptCheckpoint
 from jaxpar.config import Config
 from jaxpar.run import Run, build, eval_metric_names, host_value, to_host
 from jaxpar.trainer import TrainState
 
 
 class Preempted(Exception):
-    """Raised by :func:`jaxpar.loop.fit` after a SIGTERM: a checkpoint of ``step`` is written."""
+    """Raised by :func:`jaxpar.loop.fit` after a SIGTERM or a first Ctrl-C (SIGINT): a
+    checkpoint of ``step`` is written."""
 
-    def __init__(self, step: int, directory: Path):
-        super().__init__(f"preempted (SIGTERM): checkpoint of step {step} written to "
-                         f"{directory}; run the same command to resume")
-        self.step = step
+    def __init__(self, step: int, directory: Path, signame: str = "SIGTERM"):
+        what = "interrupted (Ctrl-C)" if signame == "SIGINT" else f"preempted ({signame})"
+        super().__init__(f"{what}: checkpoint of step {step} written to {directory}; run "
+                         "the same command to resume")
+        self.step, self.signame = step, signame
 
 
 _SIGTERM = threading.Event()
+_SIGNAL: list[str] = []  # the name of the first stop signal received
 
 
 def on_sigterm(signum: int, frame: Any) -> None:
+    _SIGNAL[:] = _SIGNAL or [signal.Signals(signum).name]
     _SIGTERM.set()
 
 
+def on_sigint(signum: int, frame: Any) -> None:
+    """The first Ctrl-C asks for a checkpoint and a stop, like SIGTERM; from then on
+    SIGINT has its default action, so a second Ctrl-C ends the process at once."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    print("\njaxpar: Ctrl-C: finishing this step and writing a checkpoint (press Ctrl-C "
+          "again to stop at once, without it)", file=sys.stderr, flush=True)
+    if jax.process_count() > 1:  # JAX's preemption notifier listens for SIGTERM
+        _SIGNAL[:] = _SIGNAL or ["SIGINT"]
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    on_sigterm(signum, frame)
+
+
+def stop_signal() -> str:
+    """The name of the signal that stopped the run (``SIGTERM`` when none was seen here:
+    another process received it)."""
+    return _SIGNAL[0] if _SIGNAL else "SIGTERM"
+
+
 def preempted(step: int) -> bool:
-    """Whether to stop after ``step``: SIGTERM here, or JAX's preemption sync point when
-    several processes must agree on the step."""
+    """Whether to stop after ``step``: SIGTERM or a first Ctrl-C here, or JAX's
+    preemption sync point when several processes must agree on the step."""
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
@@ -54,19 +81,27 @@ def preempted(step: int) -> bool:
 
 @contextlib.contextmanager
 def sigterm_checkpoints() -> Iterator[None]:
-    """Inside, a SIGTERM makes :func:`preempted` true: the loop checkpoints the step it is
-    on and stops. Signal handlers can only be set in the main thread; elsewhere this only
-    clears the flag. With several processes JAX's own preemption notifier handles SIGTERM
-    (and agrees on the step across processes), so no Python handler is installed."""
+    """Inside, a SIGTERM or a first Ctrl-C (SIGINT) makes :func:`preempted` true: the loop
+    checkpoints the step it is on and stops; a second Ctrl-C ends the process at once.
+
+    Signal handlers can only be set in the main thread; elsewhere this only clears the
+    flag. With several processes JAX's own preemption notifier handles SIGTERM (and
+    agrees on the step across processes), so only the Ctrl-C handler is installed: it
+    sends this process a SIGTERM."""
     _SIGTERM.clear()
-    if jax.process_count() > 1 or threading.current_thread() is not threading.main_thread():
+    _SIGNAL.clear()
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    previous = {signal.SIGINT: signal.signal(signal.SIGINT, on_sigint)}
+    if jax.process_count() == 1:
+        previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            if sig != signal.SIGINT or signal.getsignal(sig) is on_sigint:
+                signal.signal(sig, handler)
 
 
 def checkpoint_dir(config: Config) -> Path:
@@ -90,7 +125,8 @@ def open_checkpoints(run: Run) -> Checkpointer:
                          f"metric of {run.name}; use one of {', '.join(names)}")
     return Checkpointer(checkpoint_dir(run.config), run.trainer, keep=cfg.keep,
                         async_save=cfg.async_save, keep_best=cfg.keep_best,
-                        best_metric=cfg.best_metric, best_mode=cfg.best_mode)
+                        best_metric=cfg.best_metric, best_mode=cfg.best_mode,
+                        verify=cfg.verify)
 
 
 def _check_seed(config: Config, meta: dict[str, Any], where: Path) -> None:
@@ -120,20 +156,69 @@ def resume(config: Config, run: Run, ckpt: Checkpointer
                 "checkpoint.resume=never: use a new run.dir or checkpoint.dir, or "
                 "checkpoint.resume=auto to continue")
         return None, 0, {}
-    if how == "auto" or how.isdigit():
-        if how == "auto" and ckpt.latest_step() is None:
+    if how == "auto":
+        if ckpt.latest_step() is None:
             return None, 0, {}
-        state, meta = ckpt.restore(None if how == "auto" else int(how))
+        state, meta = newest_verified(ckpt)
+        _check_seed(config, meta, ckpt.directory)
+    elif how.isdigit():
+        state, meta = _restore_named(ckpt, int(how), f"checkpoint.resume={how}")
         _check_seed(config, meta, ckpt.directory)
     else:
         path = Path(how)
         if not path.exists():
             raise ValueError(f"checkpoint.resume={how}: no such checkpoint directory")
         source = Checkpointer(path.parent if path.name.isdigit() else path, run.trainer,
-                              keep=config.checkpoint.keep)
-        state, meta = source.restore(int(path.name) if path.name.isdigit() else None)
-        source.close()
+                              keep=config.checkpoint.keep, verify=config.checkpoint.verify)
+        try:
+            state, meta = _restore_named(
+                source, int(path.name) if path.name.isdigit() else None,
+                f"checkpoint.resume={how}")
+        finally:
+            source.close()
     return state, int(host_value(state.step)), meta
+
+
+def _restore_named(ckpt: Checkpointer, step: int | None, what: str
+                   ) -> tuple[TrainState, dict[str, Any]]:
+    """The checkpoint a setting (``what``) names; no fallback: a checkpoint that fails
+    verification is a ValueError (exit status 2) that lists the others."""
+    try:
+        return ckpt.restore(step)
+    except CorruptCheckpoint as err:
+        others = [s for s in ckpt.steps() if s != err.step]
+        fix = ("use checkpoint.resume=auto, which continues from the newest checkpoint that "
+               "verifies" if what.startswith("checkpoint.") else "pass --step N")
+        raise ValueError(f"{what}: {err}; name another checkpoint (have: {others or 'none'}) "
+                         f"or {fix}") from err
+
+
+def newest_verified(ckpt: Checkpointer) -> tuple[TrainState, dict[str, Any]]:
+    """The newest checkpoint that verifies. Each one that fails is reported, set aside as
+    ``<step>.corrupt`` (so it is neither resumed nor counted by ``checkpoint.keep``) and
+    the next older one tried; only the checkpoint restored is read whole.
+
+    Raises:
+      ValueError: when no checkpoint verifies (each failure is listed).
+    """
+    failures: list[CorruptCheckpoint] = []
+    for step in sorted(ckpt.steps(), reverse=True):
+        try:
+            state, meta = ckpt.restore(step)
+        except CorruptCheckpoint as err:
+            failures.append(err)
+            continue
+        if failures:
+            moved = [ckpt.set_aside(err.step) for err in failures]
+            warnings.warn(
+                "skipped checkpoint" + "s" * (len(failures) > 1) + " that failed verification: "
+                + "; ".join(f"{err} (moved to {dst})" for err, dst in zip(failures, moved))
+                + f"; training continues from step {step}", stacklevel=3)
+        return state, meta
+    raise ValueError(
+        f"no checkpoint in {ckpt.directory} verifies: " + "; ".join(
+            f"step {err.step}: {err.reason}" for err in failures)
+        + ". Restore the files from a copy, or move the directory away and start afresh")
 
 
 def save_checkpoint(run: Run, ckpt: Checkpointer, step: int, state: TrainState,
@@ -158,15 +243,23 @@ def export_params(config: Config, out: str | Path, step: int | None = None,
     Raises:
       ValueError: when the run has no such checkpoint or it does not fit the model.
     """
+    from jaxpar.rundir import check_output_file
+
+    out = check_output_file(out, "--out")
     run = build(config, task)
-    ckpt = Checkpointer(checkpoint_dir(config), run.trainer)
+    ckpt = Checkpointer(checkpoint_dir(config), run.trainer, verify=config.checkpoint.verify)
     try:
-        state, _ = ckpt.restore(step)
+        state, _ = _restore_named(ckpt, step, "jaxpar export" + (
+            f" --step {step}" if step is not None else ""))
     finally:
         ckpt.close()
     flat = {shd.path_str(path): host_value(leaf)
             for path, leaf in jax.tree_util.tree_leaves_with_path(state.params)}
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    np.savez(out, **flat)
+    if jax.process_index() == 0:
+        tmp = out.with_name(out.name + ".tmp.npz")
+        try:
+            np.savez(tmp, **flat)
+            os.replace(tmp, out)
+        finally:
+            tmp.unlink(missing_ok=True)
     return out, int(host_value(state.step))

@@ -16,12 +16,12 @@ import optax
 
 from jaxpar import config as config_lib
 from jaxpar import sharding as shd
-from jaxpar.builtin_tasks import data_needs, task_from_config
 from jaxpar.config import Config
 from jaxpar.data import Data, load_data
 from jaxpar.data.sources import needs_of_batch
 from jaxpar.data.task_data import task_data
 from jaxpar.mesh import make_mesh, select_devices
+from jaxpar.models.family import Family
 from jaxpar.optim import decay_mask, make_optimizer
 from jaxpar.task import Task
 from jaxpar.trainer import (
@@ -40,8 +40,8 @@ class Run:
     trainer: Trainer
     data: Any
     devices: list[jax.Device]
-    #: the built-in model family (``config.model.name``), or "" for a user's task
-    family: str = ""
+    #: the model family (``config.model.family``), or None for a user's task
+    family: Family | None = None
 
     @property
     def name(self) -> str:
@@ -55,7 +55,7 @@ def build(config: Config, task: Task | None = None,
 
     Args:
       config: the run configuration.
-      task: a user's task; None builds the built-in model ``config.model.name``.
+      task: a user's task; None builds the model family ``config.model.name``.
       optimizer: any Optax transformation; None takes ``task.optimizer``, else the one
         the config's ``optim`` section describes.
     """
@@ -66,11 +66,11 @@ def build(config: Config, task: Task | None = None,
     devices = select_devices(config.run.devices)
     mesh = make_mesh(config.mesh, devices)
     rules = shd.resolve_rules(config.rules)
-    family = ""
+    family = None
     if task is None:
-        family = config.model.name
-        data = load_data(config.data, data_needs(config.model), config.run.seed)
-        task = task_from_config(config.model, config.data.seq_len, data.image_shape)
+        family, model = config.model.family, config.model.typed
+        data = load_data(config.data, family.needs(model), config.run.seed)
+        task = family.task(model, data)
     else:
         data = task_data(task, config.run.seed) or _config_data(config, task)
     tx, schedule = optimizer or task.optimizer, None

@@ -145,16 +145,12 @@ def logical_axes(abstract_state: nnx.State, path_rules: PathRules = ()
         unnamed.append(where)
         return (None,) * len(var.shape)
 
-    out: dict[str, Any] = {}
     leaves = jax.tree_util.tree_leaves_with_path(
         abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    for path, var in leaves:
-        keys = path_str(path).split("/")
-        node = out
-        for key in keys[:-1]:
-            node = node.setdefault(key, {})
-        node[keys[-1]] = names_of(path, var)
-    return out, unnamed
+    names = [names_of(path, var) for path, var in leaves]
+    # the structure of nnx.to_pure_dict(state), with a tuple of names for each variable
+    structure = jax.tree.structure(nnx.to_pure_dict(abstract_state))
+    return jax.tree.unflatten(structure, names), unnamed
 
 
 def param_specs(abstract_params: Any, axes: Any, rules: Rules, mesh: Mesh,

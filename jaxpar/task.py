@@ -32,19 +32,24 @@ class StageSplit:
     Contract (gradients rely on it): ``stage`` reads only the chunk's layer
     parameters, ``embed`` and ``head`` only the parameters outside
     ``layers_key``. A parameter read elsewhere would get no gradient from
-    that use.
+    that use. The model's state may hold RNG streams only (no BatchNorm
+    statistics); microbatch ``j`` runs with the step's RNG counts advanced by
+    ``j``, so a model whose forward advances each count by one (e.g. the loss
+    calls it once) draws the same randomness pipelined or not.
 
     Attributes:
       layers_key: top-level parameter key of the stacked layers (``'blocks'``).
       embed: ``(model, microbatch) -> x`` — what runs before the first layer.
-      stage: ``(model, x) -> x`` — the model's stacked layers, in order.
+      stage: ``(model, x, microbatch, first_layer) -> x`` — the model's stacked layers,
+        in order; the chunk's first layer is layer ``first_layer`` of the whole model
+        (for per-layer randomness; may be traced).
       head: ``(model, x, microbatch) -> (loss, metrics)`` — after the last
         layer; the same loss as the task's ``loss_fn`` (a mean over examples).
     """
 
     layers_key: str
     embed: Callable[[nnx.Module, Batch], jax.Array]
-    stage: Callable[[nnx.Module, jax.Array], jax.Array]
+    stage: Callable[[nnx.Module, jax.Array, Batch, Any], jax.Array]
     head: Callable[[nnx.Module, jax.Array, Batch], tuple[jax.Array, dict[str, jax.Array]]]
 
 

@@ -50,7 +50,8 @@ class AbstractModel:
     logical names (pure dicts), split into trainable ``params`` and the other ``state``.
 
     ``unnamed`` lists the parameters without logical names (replicated); ``state_kinds``
-    the variable types of the state (``BatchStat``, ``RngKey``, …)."""
+    the variable types of the state (``BatchStat``, ``RngKey``, …); ``rng_counts`` is True
+    for each ``RngCount`` of the state (like ``state``)."""
 
     graphdef: nnx.GraphDef
     params: Any
@@ -59,6 +60,7 @@ class AbstractModel:
     state_axes: Any
     unnamed: tuple[str, ...]
     state_kinds: tuple[str, ...]
+    rng_counts: Any
 
 
 def build_model(task: Task, seed: int) -> nnx.Module:
@@ -75,10 +77,13 @@ def abstract_model(task: Task, seed: int = 0) -> AbstractModel:
     graphdef, params, state = nnx.split(model, nnx.Param, ...)
     param_axes, unnamed = shd.logical_axes(params, task.path_rules)
     state_axes, _ = shd.logical_axes(state)
-    kinds = sorted({type(v).__name__ for v in jax.tree.leaves(
-        state, is_leaf=lambda x: isinstance(x, nnx.Variable))})
-    return AbstractModel(graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(state),
-                         param_axes, state_axes, tuple(unnamed), tuple(kinds))
+    variables = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    kinds = sorted({type(v).__name__ for v in variables})
+    pure = nnx.to_pure_dict(state)
+    counts = jax.tree.unflatten(jax.tree.structure(pure),
+                                [isinstance(v, nnx.RngCount) for v in variables])
+    return AbstractModel(graphdef, nnx.to_pure_dict(params), pure, param_axes, state_axes,
+                         tuple(unnamed), tuple(kinds), counts)
 
 
 def abstract_params_and_axes(task: Task, seed: int = 0) -> tuple[Any, Any]:
@@ -184,11 +189,13 @@ class Trainer:
                 f"mesh.stage={p}, but this model cannot be split into pipeline stages (its task "
                 "has no StageSplit: stacked layers with embed/stage/head functions); "
                 "set mesh.stage=1")
-        if self.stateful:
+        other = [k for k in self.model.state_kinds if k not in ("RngKey", "RngCount")]
+        if other:
             raise ValueError(
-                f"mesh.stage={p}: the pipeline runs models whose variables are all nnx.Param, "
-                f"but this one also has {', '.join(self.model.state_kinds)}; set mesh.stage=1 "
-                "(data, fsdp and tensor parallelism carry such state)")
+                f"mesh.stage={p}: the pipeline runs models whose state besides nnx.Param is RNG "
+                f"streams only, but this one also has {', '.join(other)} (statistics of the whole "
+                "batch cannot be split into stages); set mesh.stage=1 (data, fsdp and tensor "
+                "parallelism carry such state)")
         if tuple(self.rules.get("layers", ())) != ("stage",):
             raise ValueError(
                 f"mesh.stage={p} needs the stacked layers split over it, but rules.layers="
@@ -207,7 +214,7 @@ class Trainer:
         if self.pipeline is None:
             return None
         return gradients.Pipelined(self.task.stages, self.graphdef, self.pipeline, self.mesh,
-                                   self.rules, self.param_specs)
+                                   self.rules, self.param_specs, self.model.rng_counts)
 
     @property
     def accumulates_per_data_shard(self) -> bool:
@@ -323,7 +330,14 @@ class Trainer:
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        # The loss and the gradient norm miss what the optimizer makes of finite gradients
+        # (a huge lr or weight decay, a user's transformation): the update and the new
+        # parameters are checked too, reduced on device with the rest (no host sync).
+        checked = [jnp.isfinite(x).all() for x in jax.tree.leaves((updates, params))
+                   if jnp.issubdtype(x.dtype, jnp.inexact)]
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        if checked:
+            finite = finite & jnp.stack(checked).all()
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
         new_state = TrainState(
             state.step + 1, keep(params, state.params), keep(opt_state, state.opt_state),

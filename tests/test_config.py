@@ -181,8 +181,27 @@ def test_bad_choice_lists_choices():
         load_config([], ["model.remat=sometimes"])
     msg = str(err.value)
     assert "model.remat" in msg and "sometimes" in msg
-    for choice in CHOICES["model.remat"]:
+    for choice in ("none", "full", "save_dots"):
         assert choice in msg
+
+
+def _model_choices():
+    """Every model family's keys with choices, declared once in its config class."""
+    from jaxpar.models import families
+
+    return [(name, f.name, f.metadata["choices"]) for name, family in sorted(families().items())
+            for f in dataclasses.fields(family.config) if f.metadata.get("choices")]
+
+
+@pytest.mark.parametrize("family,key,choices", _model_choices(),
+                         ids=lambda x: x if isinstance(x, str) else None)
+def test_every_model_choice_is_accepted(family, key, choices):
+    for choice in choices:
+        cfg = load_config([], [f"model.name={family}", f"model.{key}={choice}"])
+        assert getattr(cfg.model, key) == choice
+    wrong = 999 if isinstance(choices[0], int) else "not_a_choice"
+    with pytest.raises(ValueError, match=rf"model\.{key}' must be one of"):
+        load_config([], [f"model.name={family}", f"model.{key}={wrong}"])
 
 
 @pytest.mark.parametrize("key", sorted(CHOICES))

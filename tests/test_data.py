@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxpar.builtin_tasks import data_needs
-from jaxpar.config import DataConfig, ModelConfig, load_config
+from jaxpar.config import DataConfig, load_config
 from jaxpar.data.sources import DataNeeds
+from jaxpar.models import families
 from jaxpar.data import (
     Data,
     TokenFile,
@@ -38,8 +38,9 @@ def _data(**kw) -> DataConfig:
 
 
 def _model(name: str = "gpt", **kw) -> DataNeeds:
-    """What the built-in model ``name`` (with ``kw`` set) needs from the config's data."""
-    return data_needs(dataclasses.replace(ModelConfig(), name=name, **kw))
+    """What the model family ``name`` (with ``kw`` set) needs from the config's data."""
+    family = families()[name]
+    return family.needs(family.config(**kw))
 
 
 def _bytes(row: np.ndarray) -> bytes:

@@ -43,6 +43,30 @@ def test_data_and_fsdp_collective_bytes_match_the_textbook(rows):
     assert rows["fsdp=8"].all_reduce_bytes == pytest.approx(2 * 7 / 8 * run_params, rel=0.01)
 
 
+@pytest.fixture(scope="module")
+def tied_fsdp(h100):
+    """A tied-embedding tiny GPT under ``fsdp=8``, compiled once, and its prediction."""
+    from jaxpar.run import build
+
+    config = load_config([], [*GPT_SMALL, "model.tie_embeddings=true"])
+    run = build(sweep_config(config, "fsdp=8"))
+    return sweep.measure(config, "fsdp=8", h100), predict.predict_comm(run, "cpu")
+
+
+def test_tied_table_is_gathered_once_under_fsdp(tied_fsdp):
+    """The lookup and the head read one gather of the tied table (the textbook's count)."""
+    row, predicted = tied_fsdp
+    assert row.ok, row.error
+    assert row.all_gather_bytes == pytest.approx(predicted.by_kind()["all-gather"], rel=0.01)
+
+
+def test_tied_table_collectives_match_the_textbook_under_fsdp(tied_fsdp):
+    """One gather and one gradient reduction of the tied table, as the textbook counts."""
+    row, predicted = tied_fsdp
+    assert row.ok, row.error
+    assert row.comm_bytes == pytest.approx(predicted.total_bytes, rel=0.05)
+
+
 def test_fsdp_holds_an_eighth_of_the_state(rows):
     ratio = rows["fsdp=8"].mem_args_bytes / rows["data=8"].mem_args_bytes
     assert ratio == pytest.approx(1 / 8, rel=0.08)  # the batch and step scalars add a little
@@ -142,6 +166,7 @@ def test_sweep_command_writes_csv_md_and_png_and_reports_invalid_layouts(tmp_pat
     md = (out / "sweep.md").read_text()
     assert sum(line.startswith("| ") for line in md.splitlines()) == 5  # header + 4 rows
     assert (out / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "sweep.png").stat().st_mode & 0o777 == 0o644  # readable by others
 
 
 def test_sweep_needs_layouts_or_all(capsys):

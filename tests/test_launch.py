@@ -81,7 +81,7 @@ def test_too_late_and_unreachable_coordinator_are_clear_errors():
     the timeout (checked before JAX, which would abort the process instead)."""
     import jax
 
-    from jaxpar.distributed import initialize, wait_for_coordinator
+    from jaxpar.distributed import _rendezvous_peer, initialize
     from jaxpar.launch import free_port
 
     jax.devices()
@@ -90,5 +90,5 @@ def test_too_late_and_unreachable_coordinator_are_clear_errors():
                                      process_id=0))
     address = f"127.0.0.1:{free_port()}"
     with pytest.raises(ValueError, match=f"no coordinator answered at {address} within "
-                                         "distributed.timeout_s=1 s"):
-        wait_for_coordinator(address, 1)
+                                         "distributed.init_timeout=1 s"):
+        _rendezvous_peer(address, 1, 2, 1)

@@ -1,5 +1,7 @@
 """Model options: remat and rotary/tied variants keep the numbers; bfloat16 compute keeps
-float32 master weights; the layer scan keeps the compiled program size flat in depth."""
+float32 master weights; the layer scan keeps the compiled program size flat in depth;
+attention through ``jax.nn.dot_product_attention`` computes what the hand-written
+softmax(Q·Kᵀ)·V did, and ``model.attention`` picks its implementation per backend."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxpar.models import GPT, GPTConfig
+from jaxpar.models import GPT, GPTConfig, gpt
 from tests.helpers import GPT_SMALL, assert_params_close, run_steps
 
 CFG = GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=16)
@@ -119,3 +121,121 @@ def test_layer_scan_keeps_program_size_flat_in_depth():
         return len(fn.lower(state, TOKENS).as_text())
 
     assert hlo_size(16) < 1.1 * hlo_size(2)
+
+
+# ---- attention through jax.nn.dot_product_attention ------------------------------------------
+def hand_written_attention(h_BTD, p, use_rotary, implementation="xla"):
+    """jaxpar's attention before ``jax.nn.dot_product_attention``: the reference the new
+    form must reproduce (``implementation`` is ignored)."""
+    w_D3NH = jnp.stack([p["wq"], p["wk"], p["wv"]], axis=1)
+    qkv = jnp.einsum("btd,dcnh->btcnh", h_BTD, w_D3NH)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    if use_rotary:
+        q, k = gpt.rotary(q), gpt.rotary(k)
+    T, H = q.shape[1], q.shape[-1]
+    logits_BNTS = jnp.einsum("btnh,bsnh->bnts", q, k).astype(jnp.float32) / jnp.sqrt(H)
+    causal = jnp.tril(jnp.ones((T, T), bool))
+    logits_BNTS = jnp.where(causal, logits_BNTS, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits_BNTS, axis=-1).astype(v.dtype)
+    o_BTNH = jnp.einsum("bnts,bsnh->btnh", probs, v)
+    return jnp.einsum("btnh,nhd->btd", o_BTNH, p["wo"])
+
+
+def _attention_inputs(dtype):
+    D, N = CFG.d_model, CFG.n_heads
+    H = D // N
+    keys = jax.random.split(jax.random.key(3), 5)
+    h = jax.random.normal(keys[0], (4, 16, D))
+    p = {name: 0.2 * jax.random.normal(k, shape) for name, k, shape in (
+        ("wq", keys[1], (D, N, H)), ("wk", keys[2], (D, N, H)), ("wv", keys[3], (D, N, H)),
+        ("wo", keys[4], (N, H, D)))}
+    return h.astype(dtype), {k: v.astype(dtype) for k, v in p.items()}
+
+
+def _attention_value_and_grads(fn, h, p, use_rotary):
+    loss = lambda h, p: jnp.sum(jnp.square(fn(h, p, use_rotary).astype(jnp.float32)))
+    out = fn(h, p, use_rotary)
+    grads = jax.grad(loss, argnums=(0, 1))(h, p)
+    return jax.tree.map(lambda x: np.asarray(x, np.float32), (out, grads))
+
+
+@pytest.mark.parametrize("use_rotary", [False, True], ids=["learned", "rotary"])
+def test_attention_matches_the_hand_written_form_float32(use_rotary):
+    h, p = _attention_inputs(jnp.float32)
+    new = _attention_value_and_grads(gpt.attention, h, p, use_rotary)
+    ref = _attention_value_and_grads(hand_written_attention, h, p, use_rotary)
+    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(ref)):
+        # summation-order noise: relative to each tensor's scale (gradients reach ~20 here)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(b).max())
+
+
+@pytest.mark.parametrize("use_rotary", [False, True], ids=["learned", "rotary"])
+def test_attention_matches_the_hand_written_form_bfloat16(use_rotary):
+    """bfloat16 inputs: both forms agree to bfloat16 rounding, and the new one is at least as
+    close to the float32 result. (They cannot agree to float32 tolerance: the hand-written
+    form rounds Q·Kᵀ to bfloat16 before its float32 softmax, jax's keeps the float32
+    accumulation.)"""
+    h, p = _attention_inputs(jnp.bfloat16)
+    new = _attention_value_and_grads(gpt.attention, h, p, use_rotary)
+    ref = _attention_value_and_grads(hand_written_attention, h, p, use_rotary)
+    exact = _attention_value_and_grads(hand_written_attention, h.astype(jnp.float32),
+                                       jax.tree.map(lambda x: x.astype(jnp.float32), p),
+                                       use_rotary)
+    rms = lambda x: float(np.sqrt(np.mean(np.square(x))))
+    for a, b, e in zip(jax.tree.leaves(new), jax.tree.leaves(ref), jax.tree.leaves(exact)):
+        scale = np.abs(e).max()
+        np.testing.assert_allclose(a, b, rtol=0, atol=2 ** -6 * scale)  # 2 bf16 ulps of max
+        assert rms(a - e) <= 1.1 * rms(b - e), (rms(a - e), rms(b - e))  # no less accurate
+
+
+@pytest.mark.parametrize("variant", [{}, {"positions": "rotary"}, {"tie_embeddings": True},
+                                     {"remat": "save_dots"}],
+                         ids=["learned", "rotary", "tied", "save_dots"])
+def test_gpt_loss_and_grads_unchanged_from_the_hand_written_attention(variant, monkeypatch):
+    cfg = GPTConfig(**{**CFG.__dict__, **variant})
+    loss, grads = _loss_and_grads(cfg)
+    monkeypatch.setattr(gpt, "attention", hand_written_attention)
+    ref_loss, ref_grads = _loss_and_grads(cfg)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_attention_implementation_per_backend():
+    """``auto`` is cuDNN only on a GPU with bfloat16 compute and a head dim cuDNN takes."""
+    def pick(backend, **kw):
+        return gpt.attention_implementation(GPTConfig(**{**CFG.__dict__, **kw}), backend)
+
+    bf16 = {"dtype": "bfloat16", "d_model": 256, "n_heads": 4}  # head dim 64
+    assert pick("gpu", **bf16) == "cudnn"
+    assert pick("cpu", **bf16) == pick("tpu", **bf16) == pick("rocm", **bf16) == "xla"
+    assert pick("gpu", **{**bf16, "dtype": "float32"}) == "xla"
+    assert pick("gpu", **{**bf16, "d_model": 48, "n_heads": 4}) == "xla"  # head dim 12
+    assert pick("gpu", **{**bf16, "d_model": 1024, "n_heads": 4}) == "xla"  # head dim 256
+    assert pick("cpu", attention="xla") == "xla"
+    assert pick("gpu", **bf16, attention="cudnn") == "cudnn"
+    assert GPT(CFG, rngs=nnx.Rngs(0)).attention_impl == "xla"  # auto, on this CPU
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"attention": "cudnn"}, "model.attention=cudnn needs an NVIDIA GPU.*model.attention=xla"),
+    ({"attention": "flash"}, "model.attention must be one of auto, xla, cudnn"),
+])
+def test_attention_setting_errors_name_the_key_and_the_fix(kw, match):
+    with pytest.raises(ValueError, match=match):
+        GPT(GPTConfig(**{**CFG.__dict__, **kw}), rngs=nnx.Rngs(0))
+    cfg = GPTConfig(**{**CFG.__dict__, "attention": "cudnn"})
+    with pytest.raises(ValueError, match="needs bfloat16 compute, got model.dtype=float32"):
+        gpt.attention_implementation(cfg, "gpu")
+
+
+def test_attention_key_reaches_the_model():
+    from jaxpar.config import load_config
+    from jaxpar.run import build
+
+    run = build(load_config(["configs/gpt_tiny.yaml"], ["model.attention=xla"]))
+    assert nnx.eval_shape(lambda: run.trainer.task.model_fn(nnx.Rngs(0))).attention_impl == "xla"
+    with pytest.raises(ValueError, match="model.attention=cudnn needs an NVIDIA GPU"):
+        build(load_config(["configs/gpt_tiny.yaml"], ["model.attention=cudnn"]))
+    with pytest.raises(ValueError, match="'model.attention' must be one of auto, xla, cudnn"):
+        load_config([], ["model.attention=flash"])

@@ -64,7 +64,8 @@ def _check_range(start: int, end: int | None, n: int, what: str) -> int:
 class TokenWindows:
     """Non-overlapping windows of ``seq_len + 1`` tokens from a 1-D token array.
 
-    Item ``i`` is ``{"tokens": int32[seq_len + 1]}`` holding
+    Item ``i`` is ``{"tokens": int32[seq_len + 1]}`` (with ``with_index``, also
+    ``"index": i``, a stable id of the example for per-example randomness) holding
     ``tokens[start + i*seq_len : start + (i+1)*seq_len + 1]``: consecutive windows
     share one boundary token (the last target of one is the first input of the
     next), and ``len = (end - start - 1) // seq_len``.
@@ -74,12 +75,14 @@ class TokenWindows:
     processes) as its file name, not its contents.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, start: int = 0, end: int | None = None):
+    def __init__(self, tokens: np.ndarray, seq_len: int, start: int = 0, end: int | None = None,
+                 with_index: bool = False):
         if tokens.ndim != 1:
             raise ValueError(f"tokens must be a 1-D array of token ids, got shape {tokens.shape}")
         if seq_len < 1:
             raise ValueError(f"data.seq_len={seq_len} must be at least 1")
         self.tokens, self.seq_len, self.start = tokens, seq_len, start
+        self.with_index = with_index
         self.end = _check_range(start, end, tokens.size, "TokenWindows")
         self._len = max(0, (self.end - start - 1) // seq_len)
         if self._len == 0:
@@ -95,7 +98,10 @@ class TokenWindows:
         if not 0 <= index < self._len:
             raise IndexError(f"window {index} out of range for {self._len} windows")
         lo = self.start + index * self.seq_len
-        return {"tokens": np.asarray(self.tokens[lo:lo + self.seq_len + 1], dtype=np.int32)}
+        item = {"tokens": np.asarray(self.tokens[lo:lo + self.seq_len + 1], dtype=np.int32)}
+        if self.with_index:
+            item["index"] = np.int32(index)
+        return item
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

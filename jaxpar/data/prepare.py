@@ -17,6 +17,7 @@ windows without loading the corpus into memory.
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import json
@@ -280,15 +281,16 @@ def prepare_data(inputs: Iterable[str | os.PathLike], out: str | os.PathLike,
       ValueError: for a missing input, a folder without matching files, a non-UTF-8 file
         with a Hugging Face tokenizer, or inputs holding zero tokens.
     """
+    from jaxpar.rundir import check_output_file
+
     tok = load_tokenizer(tokenizer)
-    out = Path(out).absolute()
+    out = check_output_file(Path(out).absolute(), "--out")
     meta_path, tmp = _meta_path(out), out.with_name(out.name + ".tmp")
     files = find_inputs(inputs, glob, exclude=(out, meta_path, tmp))
-    out.parent.mkdir(parents=True, exist_ok=True)
     documents: list[dict] = []
     try:
         with open(tmp, "wb") as f:
-            docs = ((str(p), p.read_bytes()) for p in files)
+            docs = ((str(p), _read_input(p)) for p in files)
             for ids, entry in _encode_stream(docs, tok):
                 ids.tofile(f)  # already little-endian: the dtype says so explicitly
                 documents.append(entry)
@@ -296,10 +298,22 @@ def prepare_data(inputs: Iterable[str | os.PathLike], out: str | os.PathLike,
         _check_nonempty(num_tokens, [str(p) for p in files])
         meta_path.unlink(missing_ok=True)  # an old pair must not describe the new tokens
         os.replace(tmp, out)
+        meta_path.write_text(json.dumps(_metadata(tok, num_tokens, documents), indent=1))
+    except OSError as err:
+        if err.errno == errno.ENOSPC:  # name the file (tofile's error does not)
+            out.unlink(missing_ok=True)
+            raise OSError(errno.ENOSPC, "No space left on device", str(out)) from err
+        raise
     finally:
         tmp.unlink(missing_ok=True)
-    meta_path.write_text(json.dumps(_metadata(tok, num_tokens, documents), indent=1))
     return open_tokens(out)
+
+
+def _read_input(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as err:
+        raise ValueError(f"input '{path}' cannot be read: {err.strerror}") from None
 
 
 def _meta_path(path: Path) -> Path:
@@ -357,9 +371,15 @@ def open_tokens(path: str | os.PathLike, validate: bool = False) -> TokenFile:
     dtype, num_tokens = _DTYPES[meta["dtype"]], meta["num_tokens"]
     size = path.stat().st_size
     if size != num_tokens * dtype.itemsize:
+        other = [name for name, d in _DTYPES.items()
+                 if d != dtype and size == num_tokens * d.itemsize]
+        why = (f"it holds {num_tokens} {other[0]} ids: it was written with another dtype than "
+               f"its metadata's {meta['dtype']}" if other else
+               "it is truncated" if size < num_tokens * dtype.itemsize else
+               "it is longer than its metadata says (corrupt, or the metadata is stale)")
         raise ValueError(f"token file '{path}' has {size} bytes but its metadata says "
                          f"{num_tokens} {meta['dtype']} tokens = {num_tokens * dtype.itemsize} "
-                         "bytes: it is truncated or corrupt; re-create it with jaxpar prepare-data")
+                         f"bytes: {why}; re-create it with jaxpar prepare-data")
     if num_tokens == 0:  # np.memmap cannot map an empty file
         raise ValueError(f"token file '{path}' holds zero tokens; re-create it from non-empty text")
     tokens = np.memmap(path, dtype=dtype, mode="r", shape=(num_tokens,))
@@ -408,13 +428,36 @@ def decode(token_file: TokenFile, start: int = 0, end: int | None = None) -> str
     return tok.decode(token_file.tokens[start:end])
 
 
-def check_vocab(token_file: TokenFile, model_vocab_size: int) -> None:
-    """Raise when the file's ids do not all fit the model's embedding table."""
+def check_vocab(token_file: TokenFile, model_vocab_size: int | None) -> None:
+    """Raise when the file's ids do not all fit the model's embedding table (None: no
+    model bound, only the file's own vocabulary): its declared vocabulary, and (for a
+    token file) the largest id it actually holds — an id at or above the vocabulary would
+    read past the embedding table and surface only later as a NaN loss."""
+    where = f"data.path '{token_file.name}'" if token_file.path else f"data '{token_file.name}'"
+    if model_vocab_size is None:
+        model_vocab_size = token_file.vocab_size
     if token_file.vocab_size > model_vocab_size:
-        where = f"data.path '{token_file.name}'" if token_file.path else f"data '{token_file.name}'"
         raise ValueError(f"{where} has vocab_size {token_file.vocab_size} "
                          f"but model.vocab_size={model_vocab_size}; set model.vocab_size to at "
                          f"least {token_file.vocab_size}")
+    if token_file.path is None or token_file.tokens.size == 0:
+        return
+    top = largest_id(token_file)
+    if top >= token_file.vocab_size or top >= model_vocab_size:
+        bound = min(token_file.vocab_size, model_vocab_size)
+        whose = ("its metadata's vocab_size" if token_file.vocab_size <= model_vocab_size
+                 else "model.vocab_size")
+        raise ValueError(f"{where} holds token id {top} (its largest), at or above {whose} "
+                         f"{bound}: ids must be below it; the file is corrupt or was made with "
+                         f"another tokenizer — re-create it with jaxpar prepare-data, or set "
+                         f"model.vocab_size ≥ {top + 1} if the ids are right")
+
+
+def largest_id(token_file: TokenFile, chunk: int = 1 << 24) -> int:
+    """The largest id in a token file: one sequential pass over the mapped file, in chunks
+    (≈1 s per GB here)."""
+    tokens = token_file.tokens
+    return max(int(tokens[i:i + chunk].max()) for i in range(0, tokens.size, chunk))
 
 
 def builtin_text() -> bytes:

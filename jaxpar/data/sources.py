@@ -48,6 +48,7 @@ class Data:
     seed: int
     vocab_size: int | None = None
     image_shape: tuple[int, int, int] | None = None
+    seq_len: int = 0
     _streams: dict[int, Loader] = field(default_factory=dict, repr=False)
     has_eval = True
     _eval: dict[int, list[dict[str, np.ndarray]]] = field(default_factory=dict, repr=False)
@@ -81,19 +82,21 @@ def _cut(n: int, eval_fraction: float, what: str) -> int:
     return cut
 
 
-def text_data(tf: TokenFile, cfg: DataConfig, vocab_size: int | None, seed: int) -> Data:
+def text_data(tf: TokenFile, cfg: DataConfig, vocab_size: int | None, seed: int,
+              example_ids: bool = False) -> Data:
     """Windows of ``data.seq_len + 1`` tokens; the last ``eval_fraction`` held out (the
-    vocabulary checked against ``vocab_size`` unless it is None)."""
-    if vocab_size is not None:
-        check_vocab(tf, vocab_size)
+    vocabulary checked against ``vocab_size`` unless it is None; ``example_ids``: each
+    window also carries its ``index``)."""
+    check_vocab(tf, vocab_size)  # also the ids a token file holds, when it is opened
     n = tf.num_tokens
     cut = _cut(n, cfg.eval_fraction, f"text '{tf.name}'")
     shortest = min(cut, n - cut)
     if cfg.seq_len + 1 > shortest:
         raise ValueError(f"data.seq_len={cfg.seq_len} is longer than the {shortest}-token split "
                          f"of '{tf.name}'; lower data.seq_len or use more text")
-    return Data(tf.name, TokenWindows(tf.tokens, cfg.seq_len, 0, cut),
-                TokenWindows(tf.tokens, cfg.seq_len, cut, n), seed, vocab_size=tf.vocab_size)
+    return Data(tf.name, TokenWindows(tf.tokens, cfg.seq_len, 0, cut, example_ids),
+                TokenWindows(tf.tokens, cfg.seq_len, cut, n, example_ids), seed,
+                vocab_size=tf.vocab_size, seq_len=cfg.seq_len)
 
 
 def image_data(images: np.ndarray, labels: np.ndarray, cfg: DataConfig, seed: int,
@@ -107,13 +110,13 @@ def image_data(images: np.ndarray, labels: np.ndarray, cfg: DataConfig, seed: in
                 image_shape=tuple(images.shape[1:]))
 
 
-def synthetic_images(n: int, size: int, num_classes: int, seed: int = 1234
+def synthetic_images(n: int, size: int, num_classes: int, seed: int = 1234, channels: int = 1
                      ) -> tuple[np.ndarray, np.ndarray]:
     """SYNTHETIC labelled images: a fixed random template per class plus noise."""
     rng = np.random.default_rng(seed)
-    templates = rng.normal(size=(num_classes, size, size, 1)).astype(np.float32)
+    templates = rng.normal(size=(num_classes, size, size, channels)).astype(np.float32)
     labels = rng.integers(0, num_classes, size=n).astype(np.int32)
-    noise = rng.normal(scale=2.0, size=(n, size, size, 1)).astype(np.float32)
+    noise = rng.normal(scale=2.0, size=(n, size, size, channels)).astype(np.float32)
     return templates[labels] + noise, labels
 
 
@@ -190,6 +193,9 @@ class DataNeeds:
     kind: str
     vocab_size: int | None = None
     num_classes: int | None = None
+    #: text examples also carry ``index``, their window's position in the split (a stable
+    #: id: per-example randomness keyed by it does not depend on how a batch is sharded)
+    example_ids: bool = False
 
 
 def needs_of_batch(batch_keys: Any) -> DataNeeds | None:
@@ -222,8 +228,9 @@ def load_data(cfg: DataConfig, needs: DataNeeds, seed: int) -> Data:
     if cfg.dataset == "synthetic":
         if is_text:
             tf = synthetic_tokens(cfg.num_examples * cfg.seq_len + 1, vocab or 256)
-            return text_data(tf, cfg, vocab, seed)
-        images, labels = synthetic_images(cfg.num_examples, cfg.image_size, classes or 10)
+            return text_data(tf, cfg, vocab, seed, needs.example_ids)
+        images, labels = synthetic_images(cfg.num_examples, cfg.image_size, classes or 10,
+                                          channels=cfg.channels)
         return image_data(images, labels, cfg, seed, "SYNTHETIC images")
     if cfg.dataset == "digits":
         if is_text:
@@ -234,9 +241,10 @@ def load_data(cfg: DataConfig, needs: DataNeeds, seed: int) -> Data:
             raise ValueError(f"data.path '{cfg.path}' is an image set; a language model needs "
                              "text")
         tf = _text_file(path) if path else builtin_corpus()
-        return text_data(tf, cfg, vocab, seed)
+        return text_data(tf, cfg, vocab, seed, needs.example_ids)
     if path is None:
-        images, labels = synthetic_images(cfg.num_examples, cfg.image_size, classes or 10)
+        images, labels = synthetic_images(cfg.num_examples, cfg.image_size, classes or 10,
+                                          channels=cfg.channels)
         return image_data(images, labels, cfg, seed, "SYNTHETIC images")
     if path.suffix != ".npz":
         raise ValueError(f"data.path '{cfg.path}': classifiers read an .npz with images and "

@@ -88,13 +88,76 @@ class TensorBoard(Hook):
         self.writer.close()
 
 
+class NonFiniteStop(FloatingPointError):
+    """A step was not finite and ``train.nonfinite=stop`` (exit status 3)."""
+
+
+class TooManySkipped(FloatingPointError):
+    """``train.nonfinite=skip`` skipped more steps than ``train.max_skipped`` or
+    ``train.max_consecutive_skipped`` allow (exit status 6)."""
+
+
+def _what_was_not_finite(metrics: dict[str, Any]) -> str:
+    if not math.isfinite(metrics["loss"]):
+        return "loss"
+    if not math.isfinite(metrics["grad_norm"]):
+        return "gradients"
+    return "update or new parameters (the loss and gradients were finite)"
+
+
+def skip_budget(cfg: Any) -> int:
+    """How many skipped steps ``train.max_skipped`` allows in all (0: no limit)."""
+    limit = cfg.max_skipped
+    if 0 < limit < 1:
+        return max(1, math.ceil(limit * cfg.steps))
+    return int(limit)
+
+
 class NonFiniteGuard(Hook):
-    """Stops the run at the first step whose loss or gradients were not finite, when
-    ``train.nonfinite=stop``. (The step itself never applies such an update.)"""
+    """Acts on steps whose loss, gradients, update or new parameters were not finite (the
+    step itself never applies them): with ``train.nonfinite=stop`` the run stops at the
+    first; with ``skip`` it fails once more steps were skipped than ``train.max_skipped``
+    allows in all (the run's earlier, resumed steps included) or
+    ``train.max_consecutive_skipped`` in a row, naming the first skipped step."""
+
+    def __init__(self) -> None:
+        self.first: tuple[int, str] | None = None
+        self.in_a_row = 0
+        self.before: int | None = None  # steps skipped before this run resumed
 
     def on_step(self, ctx: Context, step: int, metrics: dict[str, Any]) -> None:
-        if not metrics["finite"] and ctx.config.train.nonfinite == "stop":
-            raise FloatingPointError(
-                f"non-finite loss or gradients at step {step} (loss={metrics['loss']}, "
-                f"grad_norm={metrics['grad_norm']}); the update was not applied. Lower "
-                "optim.lr, set optim.clip_norm, or set train.nonfinite=skip to skip such steps")
+        cfg = ctx.config.train
+        skipped = int(metrics.get("skipped", 0))
+        if self.before is None:
+            self.before = skipped - (not metrics["finite"])
+        if metrics["finite"]:
+            self.in_a_row = 0
+            return
+        what = _what_was_not_finite(metrics)
+        if cfg.nonfinite == "stop":
+            raise NonFiniteStop(
+                f"non-finite {what} at step {step} (loss={metrics['loss']}, grad_norm="
+                f"{metrics['grad_norm']}); the update was not applied. Lower optim.lr, set "
+                "optim.clip_norm, check the data, or set train.nonfinite=skip to skip such "
+                "steps")
+        self.in_a_row += 1
+        if self.first is None:
+            self.first = (step, what)
+        total, budget = skipped, skip_budget(cfg)
+        over = []
+        if budget and total > budget:
+            share = (f"={cfg.max_skipped:g} of train.steps={cfg.steps}, i.e. {budget}"
+                     if cfg.max_skipped < 1 else f"={budget}")
+            earlier = f", {self.before} of them before this run resumed" if self.before else ""
+            over.append(f"{total} steps were skipped{earlier}, more than "
+                        f"train.max_skipped{share}")
+        if cfg.max_consecutive_skipped and self.in_a_row > cfg.max_consecutive_skipped:
+            over.append(f"{self.in_a_row} steps in a row were skipped, more than "
+                        f"train.max_consecutive_skipped={cfg.max_consecutive_skipped}")
+        if over:
+            first, first_what = self.first
+            raise TooManySkipped(
+                f"train.nonfinite=skip: {' and '.join(over)}, up to step {step}. The first "
+                f"bad step of this run was {first} (non-finite {first_what}); the last "
+                "checkpoint holds no skipped update. Lower optim.lr, set optim.clip_norm or "
+                "check the data; or raise the limits")

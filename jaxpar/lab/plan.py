@@ -5,7 +5,7 @@ with no timed steps); layouts are ranked by the roofline step time on a hardware
 profile, those that fit the device memory first. For a layout that does not
 fit, the plan says why (arguments — parameters, optimizer state, batch — versus
 temporaries, mostly activations) and compiles the usual fixes — activation
-recomputation (``model.remat=full``), gradient accumulation
+recomputation (the model family's setting, e.g. ``model.remat=full``), gradient accumulation
 (``train.grad_accum``), sharding the state further (``fsdp``) — and suggests
 the fastest of those that fit. A suggestion is therefore a compiled, measured
 layout, not a rule of thumb.
@@ -49,12 +49,13 @@ def _why(row: Row, memory: float) -> str:
 
 
 def fixes(config: Config, layout: str, row: Row, task: Task | None = None) -> list[str]:
-    """Variants of ``layout`` that need less memory, most promising first (recomputation
-    only for the built-in GPT, which has the ``model.remat`` setting)."""
+    """Variants of ``layout`` that need less memory, most promising first: the model
+    family's own (recomputation, e.g. ``model.remat=full``), gradient accumulation, and
+    the data degree moved into FSDP."""
     deg = _degrees(layout)
-    recompute, accum, shard = [], [], []
-    if task is None and config.model.name == "gpt" and config.model.remat != "full":
-        recompute.append(f"{layout},model.remat=full")
+    accum, shard = [], []
+    recompute = [] if task is not None else [
+        f"{layout},{fix}" for fix in config.model.family.memory_fixes(config.model.typed)]
     if deg["stage"] == 1:
         accum += [f"{layout},train.grad_accum={k}" for k in (2, 4, 8)
                   if k > config.train.grad_accum

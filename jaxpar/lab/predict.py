@@ -20,13 +20,14 @@ global batch ``B`` (``b`` rows per device), sequence ``T``, width ``D``:
   weights outside the scan (embedding, head) are gathered once and the copy
   serves the backward pass too. Inside a pipeline everything is gathered once
   per step.
-* **Megatron activations** (GPT under ``tensor``) — per layer two all-reduces of
-  ``[b, T, D]`` forward (attention and MLP outputs) and two backward (their
-  inputs), one more for the head's input gradient; the vocab-sharded embedding
-  table is gathered; the cross-entropy over sharded logits all-reduces three
-  ``[b, T]`` statistics.
-* **pipeline sends** — the SPMD executor sends one activation ``[b/m, T, D]``
-  right and one gradient left every tick (bubbles included).
+* **activations under ``tensor``** — where a model's activations cross devices is
+  model knowledge: the run's model family gives these terms
+  (:class:`jaxpar.models.family.LabModel`; GPT: per layer two all-reduces of
+  ``[b, T, D]`` forward and two backward, Megatron's count; ResNet: one
+  all-reduce per block each way). A user's task without a family gets none.
+* **pipeline sends** — the SPMD executor sends one activation (the first stage's
+  output for one microbatch, e.g. ``[b/m, T, D]``) right and one gradient left
+  every tick (bubbles included).
 
 Scalar reductions (loss, gradient norm) are left out: a few bytes. XLA:CPU
 computes bfloat16 in float32 (its float-normalization pass), so a CPU program
@@ -42,6 +43,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxpar import sharding as shd
@@ -105,13 +107,13 @@ def _gradient_terms(run: Run, sizes: dict[str, int], cpu: bool) -> list[Term]:
     trainer = run.trainer
     pipelined = trainer.pipeline is not None
     batch = [a for a in BATCH_AXES if sizes[a] > 1]
-    accum = 1 if pipelined else trainer.grad_accum
+    accum = trainer.grad_accum  # with a pipeline: one pipelined pass per microbatch
     once = accum == 1 or trainer.accumulates_per_data_shard  # the data all-reduce
     split = trainer.task.stages
     layers_key = split.layers_key if split is not None else None
     # jaxpar's GPT looks tokens up in the whole embedding table (gathered over every axis):
     # its gradient is a whole-table gradient, reduced before it is sliced to its shard.
-    whole = {"embed"} if run.family == "gpt" else set()
+    whole = run.family.lab.whole_params if run.family is not None else frozenset()
     terms = []
     for key, nbytes, axes in _param_leaves(run):
         in_layers = key == layers_key
@@ -120,7 +122,7 @@ def _gradient_terms(run: Run, sizes: dict[str, int], cpu: bool) -> list[Term]:
         rest = math.prod(sizes[a] for a in batch if a not in axes)
         if pipelined and not in_layers and sizes["stage"] > 1:  # the executor's psum
             terms.append(Term("all-reduce", "gradient all-reduce over stage", local,
-                              sizes["stage"]))
+                              sizes["stage"], accum))
         if gather > 1:
             twice = in_layers and not pipelined
             terms.append(Term("all-gather", "FSDP weight gathers", local, gather,
@@ -140,47 +142,30 @@ def _gradient_terms(run: Run, sizes: dict[str, int], cpu: bool) -> list[Term]:
     return terms
 
 
-def _gpt_shape(run: Run) -> tuple[int, int, int, int, int]:
-    """(rows per device, T, D, activation bytes, layers) of a GPT run."""
-    cfg = run.config
-    sizes = dict(run.trainer.mesh.shape)
-    ways = math.prod(sizes[a] for a in run.trainer.rules.get("batch", ()) if a in sizes)
-    act = np.dtype(cfg.model.dtype).itemsize
-    return cfg.train.batch_size // ways, cfg.data.seq_len, cfg.model.d_model, act, \
-        cfg.model.n_layers
-
-
 def _tensor_terms(run: Run, sizes: dict[str, int], cpu: bool) -> list[Term]:
-    trainer, cfg = run.trainer, run.config
-    t = sizes["tensor"]
-    if t == 1 or run.family != "gpt":
-        return []
-    rows, seq, d, act, layers = _gpt_shape(run)
-    activation = rows * seq * d * (4 if cpu else act)
-    # Without a pipeline: once per microbatch over all layers. In a pipeline every tick
-    # counts as its costliest branch, the last stage's backward: its layers' recomputed
-    # forward and backward plus the head, and the embedding of the first stage.
-    table = trainer.pipeline
-    times, layers, div = (table.ticks, layers // (table.p * table.v), table.m) \
-        if table is not None else (trainer.grad_accum, layers, trainer.grad_accum)
-    terms = [Term("all-reduce", "Megatron activation all-reduces", activation / div, t,
-                  times * (4 * layers + 1)),
-             Term("all-reduce", "cross-entropy statistics", rows * seq * 4 / div, t, 3 * times)]
-    if "tensor" in trainer.rules.get("vocab", ()):
-        # loop-invariant: XLA gathers the table once for all microbatches
-        terms.append(Term("all-gather", "embedding table gather", cfg.model.vocab_size * d * 4,
-                          t, times if table is not None else 1))
-    return terms
+    """Activation collectives under tensor parallelism: where they are is model knowledge,
+    which the run's model family has (a user's task brings none: no terms)."""
+    return run.family.lab.tensor_terms(run, sizes, cpu) if run.family is not None else []
 
 
 def _pipeline_terms(run: Run, cpu: bool) -> list[Term]:
-    table = run.trainer.pipeline
-    if table is None or run.family != "gpt":
+    """One activation right and one gradient left every tick: the message is what the
+    model's first stage hands the next (its ``StageSplit.embed`` output) for one microbatch
+    of one device's rows."""
+    trainer, table = run.trainer, run.trainer.pipeline
+    if table is None:
         return []
-    rows, seq, d, act, _ = _gpt_shape(run)
-    message = rows // table.m * seq * d * (4 if cpu else act)
+    sizes = dict(trainer.mesh.shape)
+    ways = math.prod(sizes[a] for a in trainer.rules.get("batch", ()) if a in sizes)
+    batch = run.data.batch(0, run.config.train.batch_size)
+    rows = run.config.train.batch_size // ways // (table.m * trainer.grad_accum)
+    micro = {k: jax.ShapeDtypeStruct((rows, *v.shape[1:]), v.dtype) for k, v in batch.items()}
+    message = jax.eval_shape(
+        lambda p, s, b: trainer.task.stages.embed(nnx.merge(trainer.graphdef, p, s), b),
+        trainer.abstract_params, trainer.model.state, micro)
+    size = math.prod(message.shape) * (4 if cpu else np.dtype(message.dtype).itemsize)
     return [Term("collective-permute", "pipeline sends (activation right, gradient left)",
-                 2 * message, table.p, table.ticks)]
+                 2 * size, table.p, table.ticks * trainer.grad_accum)]
 
 
 def predict_comm(run: Run, backend: str = "gpu") -> CommPrediction:

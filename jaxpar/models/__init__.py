@@ -1,6 +1,13 @@
-"""Built-in Flax NNX models. They name logical axes only (see ``jaxpar.logical``)."""
+"""Model families, one module each: the model (Flax NNX, logical axes only), its typed
+config, its Task builder, its counts and lab knowledge, registered by name (see
+``jaxpar/models/family.py``). Importing this package registers the built-in ones."""
 
-from jaxpar.models.classifiers import ConvNet, MLPClassifier
-from jaxpar.models.gpt import GPT, GPTConfig
+from jaxpar.models.bert import BERT, BERTConfig, mlm_loss
+from jaxpar.models.classifiers import ConvNet, MLPClassifier, classification_loss
+from jaxpar.models.family import Counts, Family, LabModel, families, option, register
+from jaxpar.models.gpt import GPT, GPTConfig, lm_loss
+from jaxpar.models.resnet import ResNet, ResNetConfig
 
-__all__ = ["GPT", "ConvNet", "GPTConfig", "MLPClassifier"]
+__all__ = ["BERT", "GPT", "BERTConfig", "ConvNet", "Counts", "Family", "GPTConfig", "LabModel",
+           "MLPClassifier", "ResNet", "ResNetConfig", "classification_loss", "families",
+           "lm_loss", "mlm_loss", "option", "register"]

@@ -1,4 +1,5 @@
-"""Image classifiers in Flax NNX: the classic MNIST-style convnet and an MLP.
+"""Image classifiers in Flax NNX: the classic MNIST-style convnet and an MLP — two model
+families, ``model.name=convnet`` and ``model.name=mlp``.
 
 Images are NHWC float arrays [B, H, W, C]; outputs are logits [B, classes].
 Logical axes: conv kernels (conv_h, conv_w, conv_in, conv_out); the first
@@ -8,11 +9,17 @@ W[F, K] (mlp, classes) — column- then row-parallel under tensor rules.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 
 from jaxpar.logical import constrain
+from jaxpar.models.family import Counts, Family, option, register
 
 
 def _dense(key: jax.Array, fan_in: int, fan_out: int, axes: tuple[str, str]) -> nnx.Param:
@@ -74,3 +81,82 @@ class MLPClassifier(nnx.Module):
         x_BD = constrain(images_BHWC.reshape(images_BHWC.shape[0], -1), ("batch", None))
         h_BF = constrain(jax.nn.relu(x_BD @ self.dense1_w[...] + self.dense1_b[...]), ("batch", "mlp"))
         return h_BF @ self.dense2_w[...] + self.dense2_b[...]
+
+
+# ---- the families -------------------------------------------------------------------------
+#: Batch entries of an image task and their logical axes.
+IMAGE_AXES = {"images": ("batch", None, None, None), "labels": ("batch",)}
+
+
+def classification_loss(model: nnx.Module, batch: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Softmax cross entropy and accuracy over ``batch['images']``, ``batch['labels']``."""
+    logits = model(batch["images"])
+    labels = batch["labels"]
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    accuracy = (jnp.argmax(logits, -1) == labels).astype(jnp.float32).mean()
+    return loss, {"accuracy": accuracy}
+
+
+def _images(cfg: Any) -> Any:
+    from jaxpar.data.sources import DataNeeds
+
+    return DataNeeds("images", num_classes=cfg.num_classes)
+
+
+@dataclass(frozen=True)
+class ConvNetConfig:
+    """``model.*`` keys of ``model.name=convnet``."""
+
+    channels: int = option(20, minimum=1, doc="channels of both 5×5 convolutions")
+    hidden: int = option(50, minimum=1, doc="units of the hidden dense layer")
+    num_classes: int = option(10, minimum=2, doc="classes (labels 0 … num_classes−1)")
+
+
+def _convnet_counts(cfg: ConvNetConfig, data: Any) -> Counts:
+    H, W, C = data.image_shape
+    k, c, f, n = 25, cfg.channels, cfg.hidden, cfg.num_classes
+    params = k * C * c + c + k * c * c + c + H * W * c * f + f + f * n + n
+    # multiply-adds of one forward pass; backward: weight and input gradients (twice the
+    # forward) except the first convolution's input gradient (the images need none)
+    first, rest = H * W * k * C * c, H * W * k * c * c + H * W * c * f + f * n
+    return Counts(params, 2 * (3 * (first + rest) - first))
+
+
+def _convnet_task(cfg: ConvNetConfig, data: Any) -> Any:
+    from jaxpar.task import Task
+
+    return Task(lambda rngs: ConvNet(data.image_shape, cfg.channels, cfg.hidden,
+                                     cfg.num_classes, rngs=rngs),
+                classification_loss, IMAGE_AXES, name="convnet")
+
+
+CONVNET = register(Family("convnet", ConvNetConfig, _convnet_task, _images,
+                          counts=_convnet_counts,
+                          doc="conv 5×5 → conv 5×5 → dense → dense, on images"))
+
+
+@dataclass(frozen=True)
+class MLPConfig:
+    """``model.*`` keys of ``model.name=mlp``."""
+
+    hidden: int = option(50, minimum=1, doc="units of the hidden dense layer")
+    num_classes: int = option(10, minimum=2, doc="classes (labels 0 … num_classes−1)")
+
+
+def _mlp_counts(cfg: MLPConfig, data: Any) -> Counts:
+    d, f, n = math.prod(data.image_shape), cfg.hidden, cfg.num_classes
+    params = d * f + f + f * n + n
+    # forward d·f + f·n multiply-adds; backward: all weight gradients, the hidden input gradient
+    return Counts(params, 2 * (2 * (d * f + f * n) + f * n))
+
+
+def _mlp_task(cfg: MLPConfig, data: Any) -> Any:
+    from jaxpar.task import Task
+
+    return Task(lambda rngs: MLPClassifier(data.image_shape, cfg.hidden, cfg.num_classes,
+                                           rngs=rngs),
+                classification_loss, IMAGE_AXES, name="mlp")
+
+
+MLP = register(Family("mlp", MLPConfig, _mlp_task, _images, counts=_mlp_counts,
+                      doc="flatten → dense → dense, on images"))

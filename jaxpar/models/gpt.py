@@ -9,35 +9,49 @@ Parameters (logical axes):
   per layer: ln scales/biases [L, D], wq/wk/wv [L, D, N, H] (layers, embed,
   heads, kv), wo [L, N, H, D], w_in [L, D, F] (layers, embed, mlp), b_in [L, F],
   w_out [L, F, D], b_out [L, D]; final norm [D]; head [D, V] unless tied.
+
+Attention runs through ``jax.nn.dot_product_attention``: cuDNN's fused kernel on a
+GPU (no [B, N, T, T] logits in memory, the masked half skipped), XLA's einsum +
+softmax elsewhere (see :func:`attention_implementation`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 
-from jaxpar.logical import constrain
+from jaxpar.logical import constrain, shards
+from jaxpar.models.family import Counts, Family, LabModel, option, register
 
 _RESIDUAL = ("batch", "seq", "act_embed")
 
 
 @dataclass(frozen=True)
 class GPTConfig:
-    """GPT shape and numerics; see ``jaxpar.config.ModelConfig`` for meanings."""
+    """``model.*`` keys of ``model.name=gpt``: shape and numerics."""
 
-    vocab_size: int = 256
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    d_ff: int = 512
-    max_seq_len: int = 128
-    positions: str = "learned"
-    tie_embeddings: bool = False
-    remat: str = "none"
-    dtype: str = "float32"
+    vocab_size: int = option(256, minimum=1, doc="vocabulary (at least the data's)")
+    d_model: int = option(128, minimum=1, doc="width D")
+    n_layers: int = option(4, minimum=1, doc="transformer blocks L")
+    n_heads: int = option(4, minimum=1, doc="attention heads N (divides d_model)")
+    d_ff: int = option(512, minimum=1, doc="MLP width F")
+    max_seq_len: int = option(128, minimum=1, doc="longest sequence")
+    positions: str = option("learned", choices=("learned", "rotary"), doc="position encoding")
+    tie_embeddings: bool = option(False, doc="the output layer is the embedding table's "
+                                             "transpose")
+    remat: str = option("none", choices=("none", "full", "save_dots"),
+                        doc="what each block recomputes in the backward pass")
+    dtype: str = option("float32", choices=("float32", "bfloat16"),
+                        doc="compute dtype (parameters stay float32)")
+    attention: str = option("auto", choices=("auto", "xla", "cudnn"),
+                            doc="jax.nn.dot_product_attention's implementation (auto: cuDNN "
+                                "on a GPU where it runs, XLA elsewhere)")
 
     @property
     def head_dim(self) -> int:
@@ -98,8 +112,65 @@ def rotary(x_BTNH: jax.Array) -> jax.Array:
     return out.astype(x_BTNH.dtype)
 
 
-def attention(h_BTD: jax.Array, p: dict[str, jax.Array], use_rotary: bool) -> jax.Array:
-    """Causal multi-head self-attention; softmax in float32."""
+#: ``model.attention`` values; ``auto`` resolves per backend (:func:`attention_implementation`).
+ATTENTION = ("auto", "xla", "cudnn")
+#: What cuDNN's flash attention takes (jax's ``check_is_flash_attention``): 16-bit inputs and
+#: a head dim that is a multiple of 8, at most 128 (256 from Hopper on; ``auto`` keeps to 128).
+_CUDNN_DTYPES = ("bfloat16", "float16")
+_CUDNN_MAX_HEAD_DIM = 128
+
+
+def _default_backend() -> str:
+    """``jax.default_backend()``, except that a ROCm GPU (no cuDNN) reads ``rocm``."""
+    backend = jax.default_backend()
+    if backend == "gpu" and "rocm" in jax.devices()[0].client.platform_version.lower():
+        return "rocm"
+    return backend
+
+
+def attention_implementation(cfg: GPTConfig, backend: str | None = None) -> str:
+    """The ``jax.nn.dot_product_attention`` implementation (``xla`` or ``cudnn``) that
+    ``cfg.attention`` means on ``backend`` (default: JAX's default backend).
+
+    ``auto`` is ``cudnn`` on a GPU when the compute dtype and head dim suit cuDNN's fused
+    kernel, else ``xla``; ``xla`` and ``cudnn`` are taken as they are.
+
+    Raises:
+      ValueError: for an unknown value, or ``cudnn`` where it cannot run (no CUDA GPU,
+        float32 compute, an unsupported head dim), with the fix.
+    """
+    if cfg.attention not in ATTENTION:
+        raise ValueError(f"model.attention must be one of {', '.join(ATTENTION)}, "
+                         f"got {cfg.attention!r}")
+    backend = backend or _default_backend()
+    H = cfg.head_dim
+    fits = cfg.dtype in _CUDNN_DTYPES and H % 8 == 0 and H <= _CUDNN_MAX_HEAD_DIM
+    if cfg.attention == "auto":
+        return "cudnn" if backend == "gpu" and fits else "xla"
+    if cfg.attention == "cudnn":
+        if backend != "gpu":
+            raise ValueError(
+                f"model.attention=cudnn needs an NVIDIA GPU (cuDNN); JAX's backend here is "
+                f"{backend}: use model.attention=auto (cuDNN where it runs, XLA elsewhere) "
+                "or model.attention=xla")
+        if cfg.dtype not in _CUDNN_DTYPES:
+            raise ValueError(
+                f"model.attention=cudnn needs bfloat16 compute, got model.dtype={cfg.dtype}: "
+                "set model.dtype=bfloat16, or use model.attention=auto or xla")
+        if H % 8:
+            raise ValueError(
+                f"model.attention=cudnn needs a head dim that is a multiple of 8; "
+                f"model.d_model/model.n_heads = {H}: change them, or use model.attention=xla")
+    return cfg.attention
+
+
+def attention(h_BTD: jax.Array, p: dict[str, jax.Array], use_rotary: bool,
+              implementation: str = "xla", causal: bool = True) -> jax.Array:
+    """Causal multi-head self-attention through ``jax.nn.dot_product_attention``.
+
+    ``implementation`` is ``xla`` (logits and softmax in float32, [B, N, T, T] in memory)
+    or ``cudnn`` (the fused kernel; 16-bit inputs, float32 accumulation inside).
+    """
     # One projection for q, k and v: under tensor parallelism the backward pass then sums
     # the three input gradients before its one all-reduce (Megatron's count), instead of
     # all-reducing three partial sums.
@@ -109,12 +180,9 @@ def attention(h_BTD: jax.Array, p: dict[str, jax.Array], use_rotary: bool) -> ja
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     if use_rotary:
         q, k = rotary(q), rotary(k)
-    T, H = q.shape[1], q.shape[-1]
-    logits_BNTS = jnp.einsum("btnh,bsnh->bnts", q, k).astype(jnp.float32) / jnp.sqrt(H)
-    causal = jnp.tril(jnp.ones((T, T), bool))
-    logits_BNTS = jnp.where(causal, logits_BNTS, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits_BNTS, axis=-1).astype(v.dtype)
-    o_BTNH = constrain(jnp.einsum("bnts,bsnh->btnh", probs, v), ("batch", "seq", "heads", "kv"))
+    o_BTNH = jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                          implementation=implementation)
+    o_BTNH = constrain(o_BTNH, ("batch", "seq", "heads", "kv"))
     return jnp.einsum("btnh,nhd->btd", o_BTNH, p["wo"])
 
 
@@ -125,10 +193,11 @@ def mlp(h_BTD: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
     return jnp.einsum("btf,fd->btd", u_BTF, p["w_out"]) + p["b_out"]
 
 
-def block(x_BTD: jax.Array, p: dict[str, jax.Array], use_rotary: bool) -> jax.Array:
-    """One pre-norm transformer block."""
+def block(x_BTD: jax.Array, p: dict[str, jax.Array], use_rotary: bool,
+          implementation: str = "xla") -> jax.Array:
+    """One pre-norm transformer block (``implementation``: see :func:`attention`)."""
     h = layer_norm(x_BTD, p["ln1_scale"], p["ln1_bias"])
-    x_BTD = constrain(x_BTD + attention(h, p, use_rotary), _RESIDUAL)
+    x_BTD = constrain(x_BTD + attention(h, p, use_rotary, implementation), _RESIDUAL)
     h = layer_norm(x_BTD, p["ln2_scale"], p["ln2_bias"])
     return constrain(x_BTD + mlp(h, p), _RESIDUAL)
 
@@ -153,6 +222,7 @@ class GPT(nnx.Module):
                 "change model.d_model or model.n_heads, or use model.positions=learned"
             )
         self.cfg = cfg
+        self.attention_impl = attention_implementation(cfg)
         V, D = cfg.vocab_size, cfg.d_model
         self.embed = _param(rngs.params(), (V, D), ("vocab", "embed"), 0.02)
         if cfg.positions == "learned":
@@ -164,10 +234,27 @@ class GPT(nnx.Module):
             self.head = _param(rngs.params(), (D, V), ("embed", "vocab"), 0.02)
 
     def __call__(self, tokens_BT: jax.Array) -> jax.Array:
-        return self.logits(self.run_blocks(self.embed_tokens(tokens_BT)))
+        """Logits [B, T, V] (float32) of tokens [B, T].
 
-    def embed_tokens(self, tokens_BT: jax.Array) -> jax.Array:
-        """Token (+ learned position) embeddings [B, T, D] in the compute dtype."""
+        A tied table is read once for the lookup and the head, as one gathered copy per
+        batch shard, W[G, V, D] with G over the ``batch`` axes (each device holds one copy,
+        as it holds one gathered table anyway): its two gradient contributions then add
+        up on each device and are reduced once. Read twice, the partitioner would reduce
+        each where it is computed: one table-sized all-reduce more per step.
+        """
+        tables_GVD = self._tables_per_batch_shard() if self.cfg.tie_embeddings else None
+        return self.logits(self.run_blocks(self.embed_tokens(tokens_BT, tables_GVD)),
+                           tables_GVD)
+
+    def _tables_per_batch_shard(self) -> jax.Array:
+        table_VD = self.table()
+        tables_GVD = jnp.broadcast_to(table_VD[None], (shards("batch"), *table_VD.shape))
+        return constrain(tables_GVD, ("batch", None, None))
+
+    def embed_tokens(self, tokens_BT: jax.Array, tables_GVD: jax.Array | None = None
+                     ) -> jax.Array:
+        """Token (+ learned position) embeddings [B, T, D] in the compute dtype; rows of
+        ``tables_GVD`` (one table per batch shard, see ``__call__``) when given."""
         cfg = self.cfg
         T = tokens_BT.shape[1]
         if T > cfg.max_seq_len:
@@ -175,20 +262,47 @@ class GPT(nnx.Module):
                 f"sequence length {T} exceeds model.max_seq_len={cfg.max_seq_len}; "
                 "raise model.max_seq_len or lower data.seq_len"
             )
-        # Gather rows from the whole table (FSDP gathers weights before use anyway): from a
-        # sharded table the partitioner cannot move the rows to the batch layout and falls
-        # back to replicating the gathered activations.
-        table_VD = constrain(self.embed[...], (None, None))
-        x_BTD = jnp.take(table_VD, tokens_BT, axis=0)
+        if tables_GVD is None:
+            x_BTD = jnp.take(self.table(), tokens_BT, axis=0)
+        else:
+            B, G = tokens_BT.shape[0], tables_GVD.shape[0]
+            take = jax.vmap(lambda table_VD, ids: jnp.take(table_VD, ids, axis=0))
+            x_BTD = take(tables_GVD, tokens_BT.reshape(G, B // G, T)).reshape(B, T, -1)
         if cfg.positions == "learned":
             x_BTD = x_BTD + self.pos[:T][None]
         return constrain(x_BTD.astype(jnp.dtype(cfg.dtype)), _RESIDUAL)
 
-    def logits(self, x_BTD: jax.Array) -> jax.Array:
-        """Final norm and output projection: [B, T, D] → float32 logits [B, T, V]."""
+    def table(self) -> jax.Array:
+        """The whole embedding table W[V, D], gathered over every mesh axis.
+
+        Tokens are looked up in the whole table (FSDP gathers weights before use anyway):
+        from a sharded table the partitioner cannot move the rows to the batch layout and
+        falls back to replicating the gathered activations. A tied table is gathered in
+        two steps, through the head's layout (:meth:`_tied_head_table`), so that the lookup and
+        the head share one gather of its ``embed`` dim.
+        """
+        table_VD = self._tied_head_table() if self.cfg.tie_embeddings else self.embed[...]
+        return constrain(table_VD, (None, None))
+
+    def _tied_head_table(self) -> jax.Array:
+        """A tied table in the head's layout, W[V_vocab, D]: its ``embed`` dim gathered
+        (FSDP), ``vocab`` as the rules shard it (tensor parallelism: the logits' vocab
+        dim). The same constraint on the same parameter in :meth:`table`, which XLA's
+        CSE folds into one all-gather instead of one for the lookup and one for the head.
+        """
+        return constrain(self.embed[...], ("vocab", None))
+
+    def logits(self, x_BTD: jax.Array, tables_GVD: jax.Array | None = None) -> jax.Array:
+        """Final norm and output projection: [B, T, D] → float32 logits [B, T, V]; through
+        ``tables_GVD`` (a tied table per batch shard, see ``__call__``) when given."""
         h = layer_norm(x_BTD, self.ln_f_scale[...], self.ln_f_bias[...])
-        head_DV = self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
-        logits = jnp.einsum("btd,dv->btv", h, head_DV.astype(x_BTD.dtype))
+        if tables_GVD is not None:
+            (B, T, D), G = h.shape, tables_GVD.shape[0]
+            logits = jnp.einsum("gbtd,gvd->gbtv", h.reshape(G, B // G, T, D),
+                                tables_GVD.astype(h.dtype)).reshape(B, T, -1)
+        else:
+            head_DV = self._tied_head_table().T if self.cfg.tie_embeddings else self.head[...]
+            logits = jnp.einsum("btd,dv->btv", h, head_DV.astype(x_BTD.dtype))
         return constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))
 
     def run_blocks(self, x_BTD: jax.Array) -> jax.Array:
@@ -197,9 +311,122 @@ class GPT(nnx.Module):
 
         def body(x, p):
             p = jax.tree.map(lambda a: a.astype(dtype), p)
-            return block(x, p, use_rotary), None
+            return block(x, p, use_rotary, self.attention_impl), None
 
         if self.cfg.remat != "none":
             body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat])
         x_BTD, _ = jax.lax.scan(body, x_BTD, self.blocks.stacked())
         return x_BTD
+
+
+# ---- the loss, cut into pipeline stages -----------------------------------------------------
+def _lm_embed(model: GPT, batch: Any) -> jax.Array:
+    return model.embed_tokens(batch["tokens"][:, :-1])
+
+
+def _lm_head(model: GPT, x: jax.Array, batch: Any) -> tuple[jax.Array, dict]:
+    return _loss_of_logits(model.logits(x), batch)
+
+
+def lm_loss(model: GPT, batch: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Next-token cross entropy over ``batch['tokens']`` [B, T+1].
+
+    The whole model in one call (not embed, blocks, head one by one as a pipeline stage
+    runs them): a tied table is then read once by the lookup and the head, and its
+    gradient reduced once (see ``GPT.__call__``).
+    """
+    return _loss_of_logits(model(batch["tokens"][:, :-1]), batch)
+
+
+def _loss_of_logits(logits: jax.Array, batch: Any) -> tuple[jax.Array, dict]:
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:]).mean()
+    return loss, {}
+
+
+def _stages() -> Any:
+    """The GPT cut into pipeline stages: embedding first, the stacked blocks split, head and
+    loss last."""
+    from jaxpar.task import StageSplit
+
+    return StageSplit("blocks", _lm_embed, lambda model, x, batch, first: model.run_blocks(x),
+                      _lm_head)
+
+
+# ---- what the layout lab knows of a transformer (shared with jaxpar/models/bert.py) ----------
+def transformer_counts(cfg: Any, seq_len: int, head: bool = True) -> tuple[int, float]:
+    """Parameters and training FLOPs per example of the stacked blocks, the token embedding,
+    the final norm and (``head``) an untied output layer: every matmul, attention's two
+    [T, T] products included (XLA computes the masked half too); the backward pass twice
+    the forward, except that no gradient flows into the token lookup."""
+    L, D, F, V, T = cfg.n_layers, cfg.d_model, cfg.d_ff, cfg.vocab_size, seq_len
+    per_layer = 4 * D + 4 * D * D + 2 * D * F + F + D  # norms, q/k/v/o, MLP
+    params = V * D + L * per_layer + 2 * D
+    macs = L * (4 * D * D + 2 * D * F + 2 * T * D) + D * V  # per token, forward
+    if head and not getattr(cfg, "tie_embeddings", False):
+        params += D * V
+    return params, 2 * 3 * T * macs
+
+
+def transformer_tensor_terms(run: Any, sizes: dict[str, int], cpu: bool) -> list[Any]:
+    """Megatron's activation all-reduces: per layer two of ``[b, T, D]`` forward (attention
+    and MLP outputs) and two backward (their inputs), one more for the head's input
+    gradient; the cross-entropy over vocab-sharded logits all-reduces three ``[b, T]``
+    statistics; a vocab-sharded embedding table is gathered."""
+    from jaxpar.lab.predict import Term
+
+    t = sizes["tensor"]
+    if t == 1:
+        return []
+    trainer, cfg = run.trainer, run.config.model.typed
+    ways = math.prod(sizes[a] for a in trainer.rules.get("batch", ()) if a in sizes)
+    rows, seq, d = run.config.train.batch_size // ways, run.data.seq_len, cfg.d_model
+    activation = rows * seq * d * (4 if cpu else jnp.dtype(cfg.dtype).itemsize)
+    # Without a pipeline: once per microbatch over all layers. In a pipeline every tick
+    # counts as its costliest branch, the last stage's backward: its layers' recomputed
+    # forward and backward plus the head, and the embedding of the first stage.
+    table, k = trainer.pipeline, trainer.grad_accum
+    times, layers, div = ((table.ticks * k, cfg.n_layers // (table.p * table.v), table.m * k)
+                          if table is not None else (k, cfg.n_layers, k))
+    terms = [Term("all-reduce", "Megatron activation all-reduces", activation / div, t,
+                  times * (4 * layers + 1)),
+             Term("all-reduce", "cross-entropy statistics", rows * seq * 4 / div, t, 3 * times)]
+    if "tensor" in trainer.rules.get("vocab", ()):
+        # loop-invariant: XLA gathers the table once for all microbatches
+        terms.append(Term("all-gather", "embedding table gather", cfg.vocab_size * d * 4,
+                          t, times if table is not None else 1))
+    return terms
+
+
+class _GPTLab(LabModel):
+    whole_params = frozenset({"embed"})  # tokens are looked up in the whole table
+
+    def tensor_terms(self, run: Any, sizes: dict[str, int], cpu: bool) -> list[Any]:
+        return transformer_tensor_terms(run, sizes, cpu)
+
+
+# ---- the family ------------------------------------------------------------------------------
+def _task(cfg: GPTConfig, data: Any) -> Any:
+    from jaxpar.task import Task
+
+    return Task(lambda rngs: GPT(cfg, rngs=rngs), lm_loss, {"tokens": ("batch", None)},
+                tokens_per_example=data.seq_len, stages=_stages(), name="gpt")
+
+
+def _needs(cfg: GPTConfig) -> Any:
+    from jaxpar.data.sources import DataNeeds
+
+    return DataNeeds("text", vocab_size=cfg.vocab_size)
+
+
+def _counts(cfg: GPTConfig, data: Any) -> Counts:
+    params, flops = transformer_counts(cfg, data.seq_len)
+    if cfg.positions == "learned":
+        params += cfg.max_seq_len * cfg.d_model
+    return Counts(params, flops)
+
+
+GPT_FAMILY = register(Family(
+    "gpt", GPTConfig, _task, _needs, counts=_counts, lab=_GPTLab(),
+    memory_fixes=lambda cfg: [] if cfg.remat == "full" else ["model.remat=full"],
+    compute_dtype=lambda cfg: cfg.dtype,
+    doc="decoder-only transformer LM; pipelines (stacked layers)"))

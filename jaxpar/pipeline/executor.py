@@ -71,31 +71,48 @@ def branch_table(table: TickTable) -> np.ndarray:
 
 @dataclass(frozen=True)
 class _Parts:
-    """The model's stage functions as pure functions of parameter trees."""
+    """The model's stage functions as pure functions of parameter trees and the model
+    state of one microbatch (its RNG counts advanced to that microbatch's)."""
 
     split: StageSplit
     graphdef: nnx.GraphDef
 
-    def _model(self, rest: Any, chunk: Any) -> nnx.Module:
-        return nnx.merge(self.graphdef, {**rest, self.split.layers_key: chunk})
+    def _model(self, rest: Any, chunk: Any, state: Any) -> nnx.Module:
+        model = nnx.merge(self.graphdef, {**rest, self.split.layers_key: chunk}, state)
+        model.train()
+        return model
 
-    def embed(self, rest, chunk, mb):
-        return self.split.embed(self._model(rest, chunk), mb)
+    def embed(self, rest, chunk, state, mb):
+        return self.split.embed(self._model(rest, chunk, state), mb)
 
-    def stage(self, chunk, rest, x):
-        return self.split.stage(self._model(rest, chunk), x)
+    def stage(self, chunk, rest, state, x, mb, first_layer):
+        return self.split.stage(self._model(rest, chunk, state), x, mb, first_layer)
 
-    def head(self, chunk, rest, x, mb):
-        return self.split.head(self._model(rest, chunk), x, mb)
+    def head(self, chunk, rest, state, x, mb):
+        return self.split.head(self._model(rest, chunk, state), x, mb)
+
+
+def advance_counts(state: Any, counts: Any, by: Any) -> Any:
+    """``state`` with every RNG count (where ``counts`` is True) advanced by ``by``."""
+    return jax.tree.map(lambda v, c: v + jnp.asarray(by).astype(v.dtype) if c else v,
+                        state, counts)
 
 
 def pipeline_grads(split: StageSplit, graphdef: nnx.GraphDef, params: Any, batch: Batch, *,
                    table: TickTable, mesh: Mesh, rules: Rules, param_specs: Any = None,
-                   bubble_value: float = 0.0) -> tuple[jax.Array, dict, Any]:
+                   bubble_value: float = 0.0, model_state: Any = None,
+                   rng_counts: Any = None) -> tuple[jax.Array, dict, Any]:
     """Loss, metrics and gradients of ``params`` on ``batch`` through the pipeline.
 
     Traceable (called inside the jitted train step). The result equals
-    ``jax.value_and_grad`` of the task's loss on the whole batch.
+    ``jax.value_and_grad`` of the task's loss on the whole batch, run as ``m``
+    microbatches in order.
+
+    Model state (RNG streams only: BatchNorm statistics cannot be split into stages) is
+    read, not updated: microbatch ``j`` sees every RNG count (``rng_counts`` True) advanced
+    by ``j`` — what a model whose forward advances its counts by one would see run
+    microbatch after microbatch — whatever tick runs it; the caller advances the counts by
+    ``m`` for the step.
 
     Args:
       split: how the model cuts into stages.
@@ -107,8 +124,12 @@ def pipeline_grads(split: StageSplit, graphdef: nnx.GraphDef, params: Any, batch
       param_specs: the parameters' PartitionSpecs; gradients of parameters sharded
         over ``fsdp`` leave reduce-scattered over it (default: all-reduced).
       bubble_value: what bubble buffers and messages hold (NaN in tests).
+      model_state: the model's non-parameter state (pure dict; RNG streams).
+      rng_counts: like ``model_state``, True for each RNG count.
     """
     p, v, m = table.p, table.v, table.m
+    model_state = {} if model_state is None else model_state
+    rng_counts = jax.tree.map(lambda _: False, model_state) if rng_counts is None else rng_counts
     key = split.layers_key
     rest = {k: x for k, x in params.items() if k != key}
     layers = jax.tree.map(lambda w: w.reshape(v, p, w.shape[0] // (p * v), *w.shape[1:]),
@@ -124,20 +145,20 @@ def pipeline_grads(split: StageSplit, graphdef: nnx.GraphDef, params: Any, batch
     columns = [jnp.asarray(a) for a in (table.chunk, table.mb, table.act_slot,
                                         table.grad_slot, table.recv_act, table.recv_grad)]
 
-    def body(layers, rest, batch):
+    def body(layers, rest, state, batch):
         layers = jax.tree.map(lambda w: w[:, 0], layers)  # [v, Lc, …]: this device's chunks
         micro = {k: split_microbatches(x, m) for k, x in batch.items()}
         with activation_rules(jax.sharding.get_abstract_mesh(), inner_rules):
-            return _run(parts, table, layers, rest, micro, branches, used, columns,
-                        scale=1.0 / (m * shards), fill=bubble_value)
+            return _run(parts, table, layers, rest, (state, rng_counts), micro, branches, used,
+                        columns, scale=1.0 / (m * shards), fill=bubble_value)
 
     reduction = _Reduction(batch_axes, _fsdp_dims(param_specs, key, layers, rest, batch_axes))
     fn = jax.shard_map(
-        lambda w, r, b: reduction(*body(w, r, b)), mesh=mesh,
-        in_specs=(P(None, "stage"), P(), P(batch_axes or None)),
+        lambda w, r, s, b: reduction(*body(w, r, s, b)), mesh=mesh,
+        in_specs=(P(None, "stage"), P(), P(), P(batch_axes or None)),
         out_specs=(P(), P(), *reduction.out_specs(layers, rest)),
         axis_names=set(MANUAL_AXES), check_vma=False)
-    loss, metrics, g_layers, g_rest = fn(layers, rest, dict(batch))
+    loss, metrics, g_layers, g_rest = fn(layers, rest, model_state, dict(batch))
     g_layers = jax.tree.map(lambda g: g.reshape(-1, *g.shape[3:]), g_layers)
     return loss, metrics, {**g_rest, key: g_layers}
 
@@ -204,16 +225,20 @@ def _fsdp_dims(specs: Any, key: str, layers: Any, rest: Any,
     return rest_dims, jax.tree.map(lambda s: dim_of(s, 2), specs[key], is_leaf=is_spec)
 
 
-def _run(parts: _Parts, table: TickTable, layers, rest, micro, branches, used, columns, *,
-         scale: float, fill: float):
-    """The per-device scan over the table (inside ``shard_map``)."""
+def _run(parts: _Parts, table: TickTable, layers, rest, state, micro, branches, used, columns,
+         *, scale: float, fill: float):
+    """The per-device scan over the table (inside ``shard_map``); ``state`` is the model
+    state and its RNG-count mask."""
     p = table.p
     d = jax.lax.axis_index("stage")
+    state, counts = state
     first_mb = {k: x[0] for k, x in micro.items()}
     chunk0 = jax.tree.map(lambda w: w[0], layers)
-    x_shape = jax.eval_shape(parts.embed, rest, chunk0, first_mb)
+    per_chunk = jax.tree.leaves(chunk0)[0].shape[0]
+    x_shape = jax.eval_shape(parts.embed, rest, chunk0, state, first_mb)
     _, aux_shape = jax.eval_shape(
-        lambda: parts.head(chunk0, rest, jnp.zeros(x_shape.shape, x_shape.dtype), first_mb))
+        lambda: parts.head(chunk0, rest, state, jnp.zeros(x_shape.shape, x_shape.dtype),
+                           first_mb))
     message = jnp.full(x_shape.shape, fill, x_shape.dtype)
     zeros_like = lambda t: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), t)
     carry = {
@@ -233,10 +258,11 @@ def _run(parts: _Parts, table: TickTable, layers, rest, micro, branches, used, c
         grads = c["grads"].at[recv_g].set(c["in_grad"])
         w = jax.tree.map(lambda t: t[k], layers)
         mb = {name: x[j] for name, x in micro.items()}
+        where = (advance_counts(state, counts, j), (k * p + d) * per_chunk)
         fns = _branches(parts, message, seed, first, zeros_like(w), zeros_like(rest),
                         zeros_like(aux_shape))
         send_act, send_grad, stash, dw, drest, loss, aux = jax.lax.switch(
-            branch, [fns[u] for u in used], w, rest, acts[a_slot], grads[g_slot], mb)
+            branch, [fns[u] for u in used], w, rest, acts[a_slot], grads[g_slot], mb, where)
         # chunk 0's forward stashes the embedding it computed; every other tick writes trash
         stash_slot = jnp.where(first & (jnp.asarray(used)[branch] == _F), a_slot,
                                table.act_slots)
@@ -256,8 +282,9 @@ def _run(parts: _Parts, table: TickTable, layers, rest, micro, branches, used, c
 
 def _branches(parts: _Parts, message, seed, first, no_dw, no_drest, no_aux):
     """The switch branches, indexed by ``_IDLE … _W_LAST``. Each takes (chunk params,
-    other params, stashed input, incoming gradient, microbatch) and returns
-    (send right, send left, stash, d chunk, d other params, loss, metrics)."""
+    other params, stashed input, incoming gradient, microbatch, (the microbatch's model
+    state, the chunk's first layer)) and returns (send right, send left, stash, d chunk,
+    d other params, loss, metrics)."""
     no_loss = jnp.zeros((), jnp.float32)
 
     def result(send_act=message, send_grad=message, stash=message, dw=no_dw, drest=no_drest,
@@ -265,51 +292,54 @@ def _branches(parts: _Parts, message, seed, first, no_dw, no_drest, no_aux):
         cast = lambda x: x.astype(message.dtype)
         return cast(send_act), cast(send_grad), cast(stash), dw, drest, loss, aux
 
-    def loss_of(w, r, x, mb):
-        loss, aux = parts.head(w, r, parts.stage(w, r, x), mb)
+    def stage(w, r, x, mb, where):
+        return parts.stage(w, r, where[0], x, mb, where[1])
+
+    def loss_of(w, r, x, mb, where):
+        loss, aux = parts.head(w, r, where[0], stage(w, r, x, mb, where), mb)
         return loss * seed, jax.tree.map(lambda a: a * seed, aux)
 
     def seed_of(loss, aux):
         return jnp.ones_like(loss), jax.tree.map(jnp.zeros_like, aux)
 
-    def embed_grad(w, r, mb, dx0):
+    def embed_grad(w, r, mb, where, dx0):
         """Embedding gradients on chunk 0 (zeros elsewhere; ``where``, so NaN cannot leak)."""
-        _, vjp = jax.vjp(lambda r: parts.embed(r, w, mb), r)
+        _, vjp = jax.vjp(lambda r: parts.embed(r, w, where[0], mb), r)
         return jax.tree.map(lambda g: jnp.where(first, g, 0), vjp(dx0)[0])
 
-    def idle(w, r, x, dy, mb):
+    def idle(w, r, x, dy, mb, where):
         return result()
 
-    def forward(w, r, x, dy, mb):
-        x = jnp.where(first, parts.embed(r, w, mb).astype(x.dtype), x)
-        return result(send_act=parts.stage(w, r, x), stash=x)
+    def forward(w, r, x, dy, mb, where):
+        x = jnp.where(first, parts.embed(r, w, where[0], mb).astype(x.dtype), x)
+        return result(send_act=stage(w, r, x, mb, where), stash=x)
 
-    def backward(w, r, x, dy, mb):
-        _, vjp = jax.vjp(lambda w, x: parts.stage(w, r, x), w, x)
+    def backward(w, r, x, dy, mb, where):
+        _, vjp = jax.vjp(lambda w, x: stage(w, r, x, mb, where), w, x)
         dw, dx = vjp(dy)
-        return result(send_grad=dx, dw=dw, drest=embed_grad(w, r, mb, dx))
+        return result(send_grad=dx, dw=dw, drest=embed_grad(w, r, mb, where, dx))
 
-    def backward_last(w, r, x, dy, mb):
-        (loss, aux), vjp = jax.vjp(lambda w, r, x: loss_of(w, r, x, mb), w, r, x)
+    def backward_last(w, r, x, dy, mb, where):
+        (loss, aux), vjp = jax.vjp(lambda w, r, x: loss_of(w, r, x, mb, where), w, r, x)
         dw, drest, dx = vjp(seed_of(loss, aux))
         return result(send_grad=dx, dw=dw, drest=drest, loss=loss, aux=aux)
 
-    def input_grad(w, r, x, dy, mb):
-        _, vjp = jax.vjp(lambda x: parts.stage(w, r, x), x)
+    def input_grad(w, r, x, dy, mb, where):
+        _, vjp = jax.vjp(lambda x: stage(w, r, x, mb, where), x)
         (dx,) = vjp(dy)
-        return result(send_grad=dx, drest=embed_grad(w, r, mb, dx))
+        return result(send_grad=dx, drest=embed_grad(w, r, mb, where, dx))
 
-    def input_grad_last(w, r, x, dy, mb):
-        (loss, aux), vjp = jax.vjp(lambda x: loss_of(w, r, x, mb), x)
+    def input_grad_last(w, r, x, dy, mb, where):
+        (loss, aux), vjp = jax.vjp(lambda x: loss_of(w, r, x, mb, where), x)
         (dx,) = vjp(seed_of(loss, aux))
         return result(send_grad=dx, loss=loss, aux=aux)
 
-    def weight_grad(w, r, x, dy, mb):
-        _, vjp = jax.vjp(lambda w: parts.stage(w, r, x), w)
+    def weight_grad(w, r, x, dy, mb, where):
+        _, vjp = jax.vjp(lambda w: stage(w, r, x, mb, where), w)
         return result(dw=vjp(dy)[0])
 
-    def weight_grad_last(w, r, x, dy, mb):
-        (loss, aux), vjp = jax.vjp(lambda w, r: loss_of(w, r, x, mb), w, r)
+    def weight_grad_last(w, r, x, dy, mb, where):
+        (loss, aux), vjp = jax.vjp(lambda w, r: loss_of(w, r, x, mb, where), w, r)
         dw, drest = vjp(seed_of(loss, aux))
         return result(dw=dw, drest=drest)
 

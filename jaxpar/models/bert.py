@@ -1,0 +1,301 @@
+"""A BERT-style encoder (Devlin et al., 2019) with a masked-LM loss — the family
+``model.name=bert``.
+
+Token, learned position and token-type embeddings; pre-norm transformer blocks with
+bidirectional attention (the GPT's blocks, ``jaxpar/models/gpt.py``, without the causal
+mask), stacked on a ``layers`` dim and scanned, so the model pipelines like the GPT; dropout
+after the embeddings and after each attention and MLP output; a masked-LM head tied to the
+token embedding. Shape suffixes as in the GPT: B batch, T sequence, D embed, V vocab.
+
+**Masked LM.** Each example is a window of ``data.seq_len`` tokens of text prepared by
+``jaxpar prepare-data``; its first half has token type 0, its second half type 1. In every
+example ``round(mask_rate · T)`` positions (at least one) are chosen; of those 80 % become
+the mask token (the last id of the vocabulary, ``model.vocab_size − 1``), 10 % a random token
+of the data's vocabulary and 10 % stay; the loss is the cross entropy at the chosen positions
+(a fixed count per example, so the mean over microbatches is the mean over the batch).
+
+**Randomness.** Masking and dropout draw from keys derived from (the model's RNG key, the
+RNG count, the example's id, the layer): the count is the microbatch's — the loss advances
+it by one per microbatch, and the pipeline executor gives microbatch ``j`` of a step the
+count ``c + j`` — and the example id is the window's position in the corpus. So no call
+order enters: every layout and every pipeline schedule draws the same masks as one device
+with the same microbatches, and a resumed run draws those of the uninterrupted one.
+Evaluation masks with a fixed key (the same held-out positions every time) and no dropout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxpar.logical import constrain
+from jaxpar.models.family import Counts, Family, option, register
+from jaxpar.models.gpt import (
+    ATTENTION,
+    REMAT_POLICIES,
+    Blocks,
+    attention,
+    attention_implementation,
+    layer_norm,
+    mlp,
+    transformer_counts,
+    transformer_tensor_terms,
+)
+
+_RESIDUAL = ("batch", "seq", "act_embed")
+#: fold-in tags of the draws that are not per layer
+_MASKING, _EMBEDDING = 0, 1
+_EVAL_KEY = 2024
+
+
+@dataclass(frozen=True)
+class BERTConfig:
+    """``model.*`` keys of ``model.name=bert``."""
+
+    vocab_size: int = option(264, minimum=2, doc="vocabulary: the data's, plus the mask token "
+                                                 "(the last id); 264 = 256 bytes + 1, rounded "
+                                                 "up to a multiple of 8 for tensor splits")
+    d_model: int = option(128, minimum=1, doc="width D")
+    n_layers: int = option(4, minimum=1, doc="encoder blocks L")
+    n_heads: int = option(4, minimum=1, doc="attention heads N (divides d_model)")
+    d_ff: int = option(512, minimum=1, doc="MLP width F")
+    max_seq_len: int = option(128, minimum=1, doc="longest sequence (learned positions)")
+    dropout: float = option(0.1, minimum=0.0, doc="dropout rate (embeddings, attention and "
+                                                  "MLP outputs)")
+    mask_rate: float = option(0.15, minimum=0.0, doc="share of each sequence's positions "
+                                                     "the masked-LM loss predicts")
+    remat: str = option("none", choices=tuple(REMAT_POLICIES) + ("none",),
+                        doc="recompute each block in the backward pass")
+    dtype: str = option("float32", choices=("float32", "bfloat16"),
+                        doc="compute dtype (parameters stay float32)")
+    attention: str = option("auto", choices=ATTENTION, doc="jax.nn.dot_product_attention's "
+                            "implementation (auto: cuDNN on a GPU where it runs)")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def mask_token(self) -> int:
+        return self.vocab_size - 1
+
+
+def _param(key: jax.Array, shape: tuple[int, ...], axes: tuple, scale: float) -> nnx.Param:
+    return nnx.Param(scale * jax.random.normal(key, shape, jnp.float32), out_sharding=axes)
+
+
+def _const(value: float, shape: tuple[int, ...], axes: tuple) -> nnx.Param:
+    return nnx.Param(jnp.full(shape, value, jnp.float32), out_sharding=axes)
+
+
+def _dropout(x: jax.Array, keys_B: jax.Array, rate: float) -> jax.Array:
+    """Inverted dropout with one key per example (``keys_B`` [B]): an example's mask does
+    not depend on which device holds it or which rows share its batch."""
+    if rate == 0.0:
+        return x
+    keep = jax.vmap(lambda k: jax.random.bernoulli(k, 1.0 - rate, x.shape[1:]))(keys_B)
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+
+
+def _fold(keys_B: jax.Array, tags: Any) -> jax.Array:
+    """Each example's key folded with its tag (one tag for all, or one per example)."""
+    tags = jnp.broadcast_to(jnp.asarray(tags, jnp.uint32), keys_B.shape)
+    return jax.vmap(jax.random.fold_in)(keys_B, tags)
+
+
+class BERT(nnx.Module):
+    """Encoder: tokens [B, T] (+ types) → masked-LM logits [B, T, V] (float32)."""
+
+    def __init__(self, cfg: BERTConfig, data_vocab: int | None = None, *, rngs: nnx.Rngs):
+        if cfg.d_model % cfg.n_heads:
+            raise ValueError(f"model.d_model={cfg.d_model} is not divisible by "
+                             f"model.n_heads={cfg.n_heads}")
+        if not 0.0 <= cfg.dropout < 1.0 or not 0.0 < cfg.mask_rate < 1.0:
+            raise ValueError(f"model.dropout={cfg.dropout} must be in [0, 1) and "
+                             f"model.mask_rate={cfg.mask_rate} in (0, 1)")
+        self.cfg = cfg
+        #: the data's vocabulary: the random replacements of masking are drawn from it
+        self.data_vocab = data_vocab or cfg.vocab_size - 1
+        if self.data_vocab >= cfg.vocab_size:
+            raise ValueError(f"model.vocab_size={cfg.vocab_size} leaves no id for the mask "
+                             f"token after the data's {self.data_vocab}; set model.vocab_size "
+                             f"≥ {self.data_vocab + 1}")
+        self.attention_impl = attention_implementation(cfg)
+        V, D, T = cfg.vocab_size, cfg.d_model, cfg.max_seq_len
+        self.embed = _param(rngs.params(), (V, D), ("vocab", "embed"), 0.02)
+        self.pos = _param(rngs.params(), (T, D), ("seq", "embed"), 0.02)
+        self.types = _param(rngs.params(), (2, D), (None, "embed"), 0.02)
+        self.blocks = Blocks(cfg, rngs=rngs)
+        self.ln_f_scale = _const(1.0, (D,), ("embed",))
+        self.ln_f_bias = _const(0.0, (D,), ("embed",))
+        self.mlm_w = _param(rngs.params(), (D, D), ("embed", None), 0.02)
+        self.mlm_b = _const(0.0, (D,), (None,))
+        self.mlm_ln_scale = _const(1.0, (D,), (None,))
+        self.mlm_ln_bias = _const(0.0, (D,), (None,))
+        self.out_bias = _const(0.0, (V,), ("vocab",))
+        self.noise = nnx.Rngs(dropout=rngs.params())  # RNG key and count: model state
+        self.deterministic = False  # NNX's train()/eval() switch it
+
+    # ---- randomness ----------------------------------------------------------------------
+    def example_keys(self, index_B: jax.Array) -> jax.Array:
+        """One key per example: (RNG key, count, example id); in evaluation a fixed key."""
+        stream = self.noise.dropout
+        base = (jax.random.key(_EVAL_KEY) if self.deterministic
+                else jax.random.fold_in(stream.key[...], stream.count[...]))
+        return _fold(jnp.broadcast_to(base, index_B.shape), index_B)
+
+    def advance(self) -> None:
+        """One microbatch done: the next draws from the next count."""
+        if not self.deterministic:
+            self.noise.dropout.count[...] += 1
+
+    # ---- the network -----------------------------------------------------------------------
+    def mask(self, tokens_BT: jax.Array, keys_B: jax.Array, data_vocab: int
+             ) -> tuple[jax.Array, jax.Array]:
+        """Masked inputs and the chosen positions (float weights [B, T]) of each example."""
+        cfg, T = self.cfg, tokens_BT.shape[1]
+        n = max(1, round(cfg.mask_rate * T))
+
+        def one(key, tokens):
+            pick, kind, rand = jax.random.split(jax.random.fold_in(key, _MASKING), 3)
+            chosen = jnp.zeros(T, bool).at[jax.random.permutation(pick, T)[:n]].set(True)
+            u = jax.random.uniform(kind, (T,))
+            random = jax.random.randint(rand, (T,), 0, data_vocab)
+            masked = jnp.where(u < 0.8, cfg.mask_token, jnp.where(u < 0.9, random, tokens))
+            return jnp.where(chosen, masked, tokens), chosen.astype(jnp.float32)
+
+        return jax.vmap(one)(keys_B, tokens_BT)
+
+    def embed_tokens(self, inputs_BT: jax.Array, keys_B: jax.Array) -> jax.Array:
+        """Token + position + type embeddings [B, T, D] (type 1 for the second half)."""
+        cfg, T = self.cfg, inputs_BT.shape[1]
+        if T > cfg.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds model.max_seq_len={cfg.max_seq_len}; "
+                             "raise model.max_seq_len or lower data.seq_len")
+        table_VD = constrain(self.embed[...], (None, None))
+        types_T = (jnp.arange(T) >= T // 2).astype(jnp.int32)
+        x = jnp.take(table_VD, inputs_BT, axis=0) + self.pos[:T][None] + self.types[...][types_T]
+        x = _dropout(x, _fold(keys_B, _EMBEDDING), self._rate())
+        return constrain(x.astype(jnp.dtype(cfg.dtype)), _RESIDUAL)
+
+    def _rate(self) -> float:
+        return 0.0 if self.deterministic else self.cfg.dropout
+
+    def run_blocks(self, x_BTD: jax.Array, keys_B: jax.Array, first_layer: Any = 0) -> jax.Array:
+        """The stacked blocks of ``self.blocks``; block ``i`` is layer ``first_layer + i``
+        of the whole model (its dropout keys), however the layers are cut into stages."""
+        dtype, rate, impl = x_BTD.dtype, self._rate(), self.attention_impl
+        stacked = self.blocks.stacked()
+        layers = jnp.asarray(first_layer) + jnp.arange(jax.tree.leaves(stacked)[0].shape[0])
+
+        def body(x, inputs):
+            p, layer = inputs
+            p = jax.tree.map(lambda a: a.astype(dtype), p)
+            keys = _fold(keys_B, 2 + 2 * layer)
+            h = layer_norm(x, p["ln1_scale"], p["ln1_bias"])
+            a = attention(h, p, False, impl, causal=False)
+            x = constrain(x + _dropout(a, keys, rate), _RESIDUAL)
+            h = layer_norm(x, p["ln2_scale"], p["ln2_bias"])
+            x = constrain(x + _dropout(mlp(h, p), _fold(keys_B, 3 + 2 * layer), rate),
+                          _RESIDUAL)
+            return x, None
+
+        if self.cfg.remat != "none":
+            body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat])
+        return jax.lax.scan(body, x_BTD, (stacked, layers))[0]
+
+    def logits(self, x_BTD: jax.Array) -> jax.Array:
+        """Final norm, the MLM transform and the tied output: [B, T, D] → [B, T, V]."""
+        h = layer_norm(x_BTD, self.ln_f_scale[...], self.ln_f_bias[...])
+        h = jax.nn.gelu(jnp.einsum("btd,de->bte", h, self.mlm_w[...].astype(h.dtype))
+                        + self.mlm_b[...].astype(h.dtype))
+        h = layer_norm(h, self.mlm_ln_scale[...], self.mlm_ln_bias[...])
+        logits = jnp.einsum("btd,vd->btv", h, self.embed[...].astype(h.dtype))
+        logits = logits.astype(jnp.float32) + self.out_bias[...]
+        return constrain(logits, ("batch", "seq", "vocab"))
+
+
+# ---- the loss, cut into pipeline stages -------------------------------------------------------
+def _inputs(model: BERT, batch: Any) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(example keys, masked inputs, original tokens, chosen-position weights)."""
+    tokens = batch["tokens"][:, :-1]  # windows carry T + 1 tokens; the encoder reads T
+    keys = model.example_keys(batch["index"])
+    inputs, weights = model.mask(tokens, keys, model.data_vocab)
+    return keys, inputs, tokens, weights
+
+
+def _embed(model: BERT, batch: Any) -> jax.Array:
+    keys, inputs, _, _ = _inputs(model, batch)
+    return model.embed_tokens(inputs, keys)
+
+
+def _stage(model: BERT, x: jax.Array, batch: Any, first_layer: Any = 0) -> jax.Array:
+    return model.run_blocks(x, model.example_keys(batch["index"]), first_layer)
+
+
+def _head(model: BERT, x: jax.Array, batch: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+    _, _, tokens, weights = _inputs(model, batch)
+    logits = model.logits(x)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, tokens)
+    count = weights.sum()
+    correct = (jnp.argmax(logits, -1) == tokens).astype(jnp.float32)
+    return (losses * weights).sum() / count, {"masked_accuracy": (correct * weights).sum() / count}
+
+
+def mlm_loss(model: BERT, batch: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Masked-LM cross entropy and accuracy at the chosen positions; advances the RNG count."""
+    out = _head(model, _stage(model, _embed(model, batch), batch), batch)
+    model.advance()
+    return out
+
+
+# ---- the family ------------------------------------------------------------------------------
+def _stages() -> Any:
+    from jaxpar.task import StageSplit
+
+    return StageSplit("blocks", _embed, _stage, _head)
+
+
+def _task(cfg: BERTConfig, data: Any) -> Any:
+    from jaxpar.task import Task
+
+    return Task(lambda rngs: BERT(cfg, data.vocab_size, rngs=rngs), mlm_loss,
+                {"tokens": ("batch", None), "index": ("batch",)},
+                tokens_per_example=data.seq_len, stages=_stages(), name="bert")
+
+
+def _needs(cfg: BERTConfig) -> Any:
+    from jaxpar.data.sources import DataNeeds
+
+    return DataNeeds("text", vocab_size=cfg.vocab_size - 1, example_ids=True)
+
+
+def _counts(cfg: BERTConfig, data: Any) -> Counts:
+    D = cfg.d_model
+    params, flops = transformer_counts(cfg, data.seq_len, head=False)
+    params += cfg.max_seq_len * D + 2 * D + D * D + 3 * D + cfg.vocab_size  # pos, types, MLM
+    T = data.seq_len
+    flops += 2 * 3 * T * D * D  # the MLM transform
+    return Counts(params, flops)
+
+
+class _BERTLab:
+    whole_params = frozenset({"embed"})
+
+    def tensor_terms(self, run: Any, sizes: dict[str, int], cpu: bool) -> list[Any]:
+        return transformer_tensor_terms(run, sizes, cpu)
+
+    def pipeline_terms(self, run: Any, cpu: bool) -> list[Any]:
+        return []
+
+
+BERT_FAMILY = register(Family(
+    "bert", BERTConfig, _task, _needs, counts=_counts, lab=_BERTLab(),
+    memory_fixes=lambda cfg: [] if cfg.remat == "full" else ["model.remat=full"],
+    compute_dtype=lambda cfg: cfg.dtype,
+    doc="BERT-style encoder with a masked-LM loss (dropout, token types); pipelines"))

@@ -1,0 +1,390 @@
+"""One run per directory, nothing overwritten: the run-dir lock, path checks, and what a
+(re)started run does with the files a run dir already holds.
+
+* **Lock.** A run holds ``<run.dir>/.jaxpar.lock`` (an exclusive ``flock`` on it, and
+  the holder's pid, host and start time inside) from before it reads a checkpoint
+  until it exits. A second run in that directory is refused, naming the holder. The
+  kernel drops the lock when the holder dies, however it dies, so a lock file left by
+  a crashed run is taken over, with a note naming the dead holder.
+* **metrics.jsonl.** A resumed run keeps the rows up to its checkpoint's step and
+  appends; rows logged after that step (the run went on past its last checkpoint) are
+  moved to ``metrics.discarded.jsonl``, not deleted. A truncated last line (a crash
+  mid-write) is dropped with a warning. A fresh start where rows exist keeps them as
+  ``metrics.old-N.jsonl`` (with the ``config.yaml`` beside them as
+  ``config.old-N.yaml``).
+* **config.yaml** is written only once the resume decision is accepted. A run resumed
+  with settings that differ from its checkpoint's keeps ``config.yaml`` and writes the
+  new settings to ``config.K.yaml`` (K: the step it resumed from), printing the
+  differences.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import socket
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Self
+
+LOCK = ".jaxpar.lock"
+METRICS = "metrics.jsonl"
+DISCARDED = "metrics.discarded.jsonl"
+
+
+# ---- paths ---------------------------------------------------------------------------------
+def _why_not_dir(path: Path, err: OSError) -> str:
+    if err.errno in (errno.EROFS,):
+        return "it is on a read-only file system"
+    if err.errno in (errno.EACCES, errno.EPERM):
+        return "permission denied"
+    if err.errno == errno.ENOSPC:
+        return "the disk is full"
+    for parent in [path, *path.parents]:
+        if parent.exists() and not parent.is_dir():
+            return f"'{parent}' is a file, not a directory"
+    return err.strerror or type(err).__name__
+
+
+def ensure_dir(path: str | Path, what: str) -> Path:
+    """Creates directory ``path`` (and its parents) if needed and checks that files can be
+    written in it.
+
+    Args:
+      what: the setting that names it, for the message (``run.dir``, ``--out``).
+
+    Raises:
+      ValueError: one line naming ``what``, the path and why it is unusable.
+    """
+    path = Path(path)
+    fix = f"choose another {what}" if not what.startswith("-") else f"choose another {what} path"
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{what} '{path}' is a file, not a directory; {fix}")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"{what} '{path}' cannot be created: {_why_not_dir(path, err)}; "
+                         f"{fix}") from err
+    probe = path / f".jaxpar-write-test-{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise ValueError(f"{what} '{path}' is not writable: {_why_not_dir(path, err)}; "
+                         f"{fix}") from err
+    return path
+
+
+def check_output_file(path: str | Path, what: str) -> Path:
+    """Checks that file ``path`` can be written (creating its parent folders).
+
+    Raises:
+      ValueError: when ``path`` is a directory, or its folder cannot be created or
+        written (read-only, a file in the way, permission denied).
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{what} '{path}' is a directory; give a file path, e.g. "
+                         f"{path / 'out'}")
+    ensure_dir(path.parent if str(path.parent) else Path("."), f"the folder of {what}")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ValueError(f"{what} '{path}' exists and is not writable; choose another path")
+    return path
+
+
+# ---- the lock ------------------------------------------------------------------------------
+class RunDirBusy(ValueError):
+    """Another live run holds the run directory."""
+
+
+def _holder(text: str) -> dict[str, Any]:
+    try:
+        info = json.loads(text)
+        return info if isinstance(info, dict) else {}
+    except ValueError:
+        return {}
+
+
+def _describe(info: dict[str, Any]) -> str:
+    when = info.get("started")
+    since = f", started {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(when))}" \
+        if isinstance(when, (int, float)) else ""
+    return f"pid {info.get('pid', '?')} on host {info.get('host', '?')}{since}"
+
+
+def _pid_alive(pid: Any) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class RunDirLock:
+    """An exclusive lock on a run directory (see the module docstring).
+
+    Where the file system has no ``flock`` (some network file systems), the lock falls
+    back to the pid in the file: a holder on this host that no longer runs is taken
+    over; one on another host must be removed by hand (the message says how).
+    """
+
+    def __init__(self, directory: str | Path, what: str = "run.dir"):
+        self.directory = Path(directory)
+        self.path = self.directory / LOCK
+        self.what = what
+        self._fd: int | None = None
+        self.took_over: dict[str, Any] | None = None
+
+    def acquire(self) -> Self:
+        """Takes the lock.
+
+        Raises:
+          RunDirBusy: when another live run holds it, naming its pid and host.
+          ValueError: when the directory cannot be created or written.
+        """
+        ensure_dir(self.directory, self.what)
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            if not self._flock(fd):
+                info = _holder(os.pread(fd, 4096, 0).decode(errors="replace"))
+                raise RunDirBusy(
+                    f"{self.what} '{self.directory}' is in use by another jaxpar run "
+                    f"({_describe(info)}); wait for it to finish or stop it, or give this "
+                    f"run another {self.what}")
+            old = _holder(os.pread(fd, 4096, 0).decode(errors="replace"))
+            if old and old.get("pid") and (old.get("pid"), old.get("host")) != (
+                    me["pid"], me["host"]):
+                self.took_over = old
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(me).encode(), 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        if self.took_over:
+            print(f"jaxpar: note: took over the lock {self.path} left by a run that is no "
+                  f"longer running ({_describe(self.took_over)})", flush=True)
+        return self
+
+    def _flock(self, fd: int) -> bool:
+        """flock when the file system has it; else the pid check (see the class doc)."""
+        import fcntl
+
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+        except OSError as err:
+            if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
+        info = _holder(os.pread(fd, 4096, 0).decode(errors="replace"))
+        if not info:
+            return True
+        if info.get("host") == socket.gethostname():
+            return not _pid_alive(info.get("pid")) or info.get("pid") == os.getpid()
+        raise RunDirBusy(
+            f"{self.what} '{self.directory}' has a lock file left by {_describe(info)} and "
+            "this file system cannot tell whether that run still runs; if it does not, "
+            f"delete {self.path} and start again")
+
+    def release(self) -> None:
+        """Empties the lock file (a clean exit leaves no holder behind) and unlocks."""
+        if self._fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.ftruncate(self._fd, 0)
+        os.close(self._fd)  # closing the descriptor drops the flock
+        self._fd = None
+
+    def __enter__(self) -> Self:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+@contextlib.contextmanager
+def locked(directories: list[tuple[Path, str]]) -> Iterator[list[RunDirLock]]:
+    """Holds the locks of several directories (the run dir, and the checkpoint dir when
+    it lies outside it) — on process 0 only; the other processes of a run share its
+    directories."""
+    import jax
+
+    locks: list[RunDirLock] = []
+    try:
+        error: ValueError | None = None
+        if jax.process_index() == 0:
+            try:
+                for directory, what in directories:
+                    locks.append(RunDirLock(directory, what).acquire())
+            except ValueError as err:
+                error = err
+        if jax.process_count() > 1:  # every process stops, not just the one that knows
+            import numpy as np
+            from jax.experimental import multihost_utils
+
+            ok = int(multihost_utils.broadcast_one_to_all(np.int32(error is None)))
+            if not ok and error is None:
+                raise ValueError("process 0 could not take the run directory (its message "
+                                 "says why)")
+        if error is not None:
+            raise error
+        yield locks
+    finally:
+        for lock in reversed(locks):
+            lock.release()
+
+
+# ---- metrics.jsonl ---------------------------------------------------------------------------
+def read_rows(path: Path, repair: bool = True) -> list[tuple[int, str]]:
+    """``(step, line)`` of each row of a metrics file. A last line that is not JSON (the
+    writer died mid-line) is dropped with a warning.
+
+    Raises:
+      ValueError: for a line before the last that is not a JSON row with a ``step``.
+    """
+    try:
+        text = path.read_bytes().decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return []
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    rows = []
+    for i, (n, line) in enumerate(lines):
+        try:
+            row = json.loads(line)
+            step = int(row["step"])
+        except (ValueError, KeyError, TypeError):
+            if i == len(lines) - 1 and repair:
+                shown = line if len(line) <= 60 else line[:57] + "..."
+                warnings.warn(f"{path}: the last line is cut short ({shown!r}, the run that "
+                              "wrote it stopped mid-line); it is dropped", stacklevel=2)
+                break
+            raise ValueError(f"{path}, line {n}: not a metrics row ({line[:60]!r}); fix or "
+                             "delete that line, or move the file away") from None
+        rows.append((step, line))
+    return rows
+
+
+def _set_aside_old_run(run_dir: Path) -> str | None:
+    """Renames the metrics and config of a run that left no checkpoint to
+    ``metrics.old-N.jsonl`` / ``config.old-N.yaml``; returns a note, or None."""
+    metrics, config = run_dir / METRICS, run_dir / "config.yaml"
+    has_metrics = metrics.exists() and metrics.stat().st_size > 0
+    if not has_metrics and not config.exists():
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a cut-short line is kept with the rest here
+            rows = read_rows(metrics) if has_metrics else []
+    except ValueError:  # a damaged file is kept as it is
+        rows = []
+    n = 1
+    while (run_dir / f"metrics.old-{n}.jsonl").exists() or \
+            (run_dir / f"config.old-{n}.yaml").exists():
+        n += 1
+    kept = []
+    for path, name in ((metrics, f"metrics.old-{n}.jsonl"), (config, f"config.old-{n}.yaml")):
+        if path.exists() and (path is config or has_metrics):
+            os.replace(path, run_dir / name)
+            kept.append(name)
+    steps = [s for s, _ in rows]
+    what = (f"the metrics of an earlier run (steps {min(steps)}–{max(steps)})" if steps
+            else "the files of an earlier run")
+    return (f"{run_dir} held {what} but no checkpoint to continue it: starting from step 1; "
+            f"the earlier files are kept as {' and '.join(kept)}")
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def keep_rows_until(run_dir: Path, start_step: int) -> str | None:
+    """A resumed run's ``metrics.jsonl``: rows of steps ≤ ``start_step`` stay, later ones
+    move to ``metrics.discarded.jsonl``. Returns a note when rows moved."""
+    metrics = run_dir / METRICS
+    if not metrics.exists():
+        return None
+    rows = read_rows(metrics)
+    kept = [line for step, line in rows if step <= start_step]
+    later = [(step, line) for step, line in rows if step > start_step]
+    text = "".join(line + "\n" for line in kept)
+    if later:
+        with open(run_dir / DISCARDED, "a") as f:
+            f.write("".join(line + "\n" for _, line in later))
+    if later or metrics.read_bytes() != text.encode():
+        _atomic_write(metrics, text)
+    if not later:
+        return None
+    steps = [s for s, _ in later]
+    return (f"metrics.jsonl held rows of steps {min(steps)}–{max(steps)}, logged after the "
+            f"checkpoint of step {start_step} that this run continues from; they are "
+            f"re-logged as the steps run again (the old rows are kept in {DISCARDED})")
+
+
+# ---- config.yaml -----------------------------------------------------------------------------
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def config_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """``key: old → new`` for every setting that differs."""
+    a, b = _flat(old), _flat(new)
+    return [f"{k}: {a.get(k, '(unset)')} → {b.get(k, '(unset)')}"
+            for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
+def write_config(run_dir: Path, config: dict[str, Any], start_step: int,
+                 saved: dict[str, Any] | None) -> str | None:
+    """Writes ``config.yaml`` (a fresh start, or a run dir that has none), or, for a
+    resumed run whose settings differ from those its checkpoint was saved with,
+    ``config.<start_step>.yaml``; returns a note listing the differences, or None."""
+    import yaml
+
+    text = yaml.safe_dump(config, sort_keys=False)
+    main = run_dir / "config.yaml"
+    if not start_step or not main.exists():
+        _atomic_write(main, text)
+        return None
+    before = saved if saved is not None else (yaml.safe_load(main.read_text()) or {})
+    changes = config_differences(before, config)
+    if not changes:
+        return None
+    name = f"config.{start_step}.yaml"
+    _atomic_write(run_dir / name, text)
+    shown = "; ".join(changes[:8]) + (f"; and {len(changes) - 8} more" if len(changes) > 8
+                                      else "")
+    return (f"the settings differ from those the checkpoint of step {start_step} was saved "
+            f"with: {shown} (kept as {name}; config.yaml is unchanged)")
+
+
+def prepare(run_dir: Path, config: dict[str, Any], start_step: int,
+            saved_config: dict[str, Any] | None = None) -> list[str]:
+    """Readies an (already locked) run dir once the resume decision stands; returns the
+    notes to print. See the module docstring for what happens to existing files."""
+    notes = []
+    if start_step:
+        notes.append(keep_rows_until(run_dir, start_step))
+    else:
+        notes.append(_set_aside_old_run(run_dir))
+    notes.append(write_config(run_dir, config, start_step, saved_config))
+    return [n for n in notes if n]
