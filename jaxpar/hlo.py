@@ -263,7 +263,12 @@ def _flops(inst: Instruction, types: dict[str, str]) -> float:
     kernel = rhs[0][1] if rhs else ()
     labels = re.search(r"dim_labels=\w+_(\w+)->", inst.attrs)
     out_features = kernel[labels.group(1).index("o")] if labels and kernel else 1
-    return 2.0 * out_elems * math.prod(kernel) / max(out_features, 1)
+    # An input gradient of a strided convolution reads its output gradient with zeros
+    # inserted (lhs_dilate=s): of each window only 1/s per dim is data, as a GPU's
+    # backward-data kernel computes it.
+    dilate = re.search(r"lhs_dilate=([\dx]+)", inst.attrs)
+    zeros = math.prod(int(d) for d in dilate.group(1).split("x")) if dilate else 1
+    return 2.0 * out_elems * math.prod(kernel) / max(out_features, 1) / zeros
 
 
 # ---- the whole program -----------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -382,3 +383,32 @@ def test_default_config_is_gpt_tiny():
     """`jaxpar train` with no CONFIG runs exactly configs/gpt_tiny.yaml."""
     root = Path(__file__).resolve().parent.parent
     assert load_config([root / "configs" / "gpt_tiny.yaml"]) == load_config([])
+
+
+_STEP_ONE = re.compile(r"step-1 loss (\d+\.\d+)")
+_STATED = [pytest.param(p, float(m.group(1)), id=str(p.relative_to(REPO)))
+           for p in CONFIG_FILES
+           if (m := _STEP_ONE.search("\n".join(_header(p))))]
+
+
+def test_cpu_configs_state_their_step_one_loss():
+    """Every config meant for this machine says what its first step logs."""
+    stated = {str(p.values[0].relative_to(REPO)) for p in _STATED}
+    for name in ("gpt_tiny", "bert_tiny", "resnet_digits", "convnet", "mlp", "digits"):
+        assert f"configs/{name}.yaml" in stated, f"configs/{name}.yaml states no step-1 loss"
+
+
+@pytest.mark.parametrize("path,loss", _STATED)
+def test_config_step_one_loss_is_what_it_says(path, loss, monkeypatch):
+    """One step of the config (its own layout, batch and data): the loss its comment
+    states, to the digits it states. Update the comment when a change moves it."""
+    pytest.importorskip("sklearn")  # the digits configs
+    monkeypatch.chdir(REPO)
+    from jaxpar.run import build
+
+    run = build(load_config(_header_files(path), ["train.steps=1"]))
+    state = run.trainer.init()
+    batch = run.trainer.shard_batch(run.data.batch(0, run.config.train.batch_size))
+    _, metrics = run.trainer.step(state, batch)
+    digits = len(str(loss).split(".")[1])
+    assert round(float(metrics["loss"]), digits) == loss, path

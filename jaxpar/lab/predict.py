@@ -47,6 +47,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxpar import sharding as shd
+from jaxpar.models.family import LabModel
 from jaxpar.run import Run
 
 BATCH_AXES = ("data", "fsdp")
@@ -93,14 +94,32 @@ def _spec_axes(spec: PartitionSpec) -> list[str]:
     return [a for e in spec if e for a in (e if isinstance(e, tuple) else (e,))]
 
 
-def _param_leaves(run: Run) -> list[tuple[str, float, list[str]]]:
-    """(top-level key, bytes, mesh axes sharding it) per parameter."""
+def _param_leaves(run: Run) -> list[tuple[str, float, list[str], bool]]:
+    """(top-level key, bytes, mesh axes sharding it, stacked on ``layers``) per parameter.
+    A stacked parameter runs in a layer scan: FSDP gathers it in the forward scan and
+    again in the backward scan (the scan keeps the shards, not the gathered weights)."""
     trainer = run.trainer
     leaves = jax.tree_util.tree_leaves_with_path(trainer.abstract_params)
     specs = jax.tree.leaves(trainer.param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    names = jax.tree.leaves(trainer.axes, is_leaf=lambda x: isinstance(x, tuple))
     return [(str(getattr(path[0], "key", "")), math.prod(leaf.shape)
-             * np.dtype(leaf.dtype).itemsize, _spec_axes(spec))
-            for (path, leaf), spec in zip(leaves, specs)]
+             * np.dtype(leaf.dtype).itemsize, _spec_axes(spec), "layers" in axes)
+            for (path, leaf), spec, axes in zip(leaves, specs, names)]
+
+
+def _gathers(trainer: Any, pipelined: bool, scanned: bool, outside: int) -> int:
+    """How often FSDP all-gathers one weight per step.
+
+    A pipeline gathers every weight once, at the executor's entry; so does
+    ``train.fsdp_gather=once``, before the accumulation loop. Otherwise a weight in a
+    layer scan is gathered by each microbatch's forward and backward scans, and one
+    outside the scans ``outside`` times per step, however many microbatches: its gather is
+    loop-invariant, and XLA hoists it out of the accumulation loop.
+    """
+    accum = trainer.grad_accum
+    if pipelined or (accum > 1 and trainer.fsdp_gather_once):
+        return 1
+    return 2 * accum if scanned else outside
 
 
 def _gradient_terms(run: Run, sizes: dict[str, int], cpu: bool) -> list[Term]:
@@ -113,9 +132,10 @@ def _gradient_terms(run: Run, sizes: dict[str, int], cpu: bool) -> list[Term]:
     layers_key = split.layers_key if split is not None else None
     # jaxpar's GPT looks tokens up in the whole embedding table (gathered over every axis):
     # its gradient is a whole-table gradient, reduced before it is sliced to its shard.
-    whole = run.family.lab.whole_params if run.family is not None else frozenset()
+    lab = run.family.lab if run.family is not None else LabModel()
+    whole, outside = lab.whole_params, lab.gathers_outside_scans
     terms = []
-    for key, nbytes, axes in _param_leaves(run):
+    for key, nbytes, axes, scanned in _param_leaves(run):
         in_layers = key == layers_key
         local = nbytes / math.prod(sizes[a] for a in axes if a not in batch and key not in whole)
         gather = math.prod(sizes[a] for a in axes if a in batch)
@@ -124,9 +144,8 @@ def _gradient_terms(run: Run, sizes: dict[str, int], cpu: bool) -> list[Term]:
             terms.append(Term("all-reduce", "gradient all-reduce over stage", local,
                               sizes["stage"], accum))
         if gather > 1:
-            twice = in_layers and not pipelined
             terms.append(Term("all-gather", "FSDP weight gathers", local, gather,
-                              (2 if twice else 1) * accum))
+                              _gathers(trainer, pipelined, scanned, outside)))
             if not cpu or pipelined:
                 terms.append(Term("reduce-scatter", "gradient reduce-scatter", local, gather,
                                   accum))

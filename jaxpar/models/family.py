@@ -61,6 +61,10 @@ class LabModel:
     #: top-level parameter keys that the model reads whole (gathered over every axis) even
     #: where the rules shard them, so their gradient is reduced before it is sliced
     whole_params: frozenset[str] = frozenset()
+    #: how often FSDP gathers a weight outside a layer scan per step: XLA keeps one gathered
+    #: copy for the backward pass (1, measured for the transformers and small CNNs) or gathers
+    #: it again there (2, ZeRO-3's textbook count; measured for the ResNet's convolutions)
+    gathers_outside_scans: int = 1
 
     def tensor_terms(self, run: Any, sizes: dict[str, int], cpu: bool) -> list[Any]:
         """Activation collectives under tensor parallelism (:class:`jaxpar.lab.predict.Term`)."""

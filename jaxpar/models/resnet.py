@@ -222,7 +222,10 @@ def _counts(cfg: ResNetConfig, data: Any) -> Counts:
 
 class _ResNetLab(LabModel):
     """Under ``tensor``, each block all-reduces its row-parallel convolution's output in the
-    forward pass and its column-parallel convolution's input gradient in the backward."""
+    forward pass and its column-parallel convolution's input gradient in the backward.
+    Under ``fsdp``, XLA gathers a convolution's weights again for the backward pass."""
+
+    gathers_outside_scans = 2
 
     def tensor_terms(self, run: Any, sizes: dict[str, int], cpu: bool) -> list[Any]:
         from jaxpar.lab.predict import Term
