@@ -184,8 +184,11 @@ class Checkpointer:
         args = ocp.args.Composite(state=ocp.args.StandardSave(_as_tree(state)),
                                   meta=ocp.args.JsonSave(meta or {}))
         with self._errors("saving"):
+            # Orbax waits for the previous save before starting this one anyway; waiting
+            # here first tells the record callback which step it is writing for.
+            self._manager.wait_until_finished()
+            self._saving = step
             self._manager.save(step, args=args, metrics=metrics, force=True)
-            self._saving = step  # Orbax waited for the previous save: this one is next
         if not self.async_save:
             self.wait()
 
@@ -266,20 +269,21 @@ class Checkpointer:
             self._check_compatible(step, target)
             restored = self._manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
-        except ValueError as err:
-            if "does not fit this model" in str(err) or not self._unverified(step):
+        except Exception as err:
+            # Files that match their record are intact: then the error is the error (another
+            # model, memory, …). Without a record, a file Orbax cannot decode is damage.
+            if "does not fit this model" in str(err) or not self._unverified():
                 raise
-            raise CorruptCheckpoint(step, self.path(step), _first_line(err)) from err
-        except Exception as err:  # a damaged file Orbax or TensorStore cannot decode
             raise CorruptCheckpoint(step, self.path(step),
                                     f"it cannot be read ({type(err).__name__}: "
                                     f"{_first_line(err)})") from err
         self._check_finite(step, restored.state)
         return _from_tree(restored.state), dict(restored.meta or {})
 
-    def _unverified(self, step: int) -> bool:
+    def _unverified(self) -> bool:
+        """Whether the checkpoint being restored was not checked against a record."""
         record = self.last_verification
-        return record is None or not record.recorded
+        return not self.verify or record is None or not record.recorded
 
     def verify_step(self, step: int) -> integrity.Verification:
         """Checks checkpoint ``step``'s files against its integrity record; with several

@@ -262,9 +262,14 @@ def _run(args: argparse.Namespace) -> None:
     initialize(config.distributed)  # before anything touches a device
     setup_devices(config.run.devices)
     if args.command == "train":
+        from jaxpar import resume
         from jaxpar.loop import train
 
-        train(config, task=task)
+        resume.HARD_SECOND_CTRL_C = True  # a second Ctrl-C ends the command at once
+        try:
+            train(config, task=task)
+        finally:
+            resume.HARD_SECOND_CTRL_C = False
     elif args.command == "pipeline":
         _show_pipeline(config, args.png, args.width, task)
     elif args.command == "export":

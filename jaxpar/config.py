@@ -218,12 +218,17 @@ class TrainConfig:
     number 308. ``hooks``: a user's loop hooks, each ``path/to/file.py:NAME`` or
     ``package.module:NAME`` naming a :class:`jaxpar.Hook` subclass (built with no
     arguments), an instance, or a function returning one; called after the built-in
-    hooks, in order.
+    hooks, in order. ``fsdp_gather``: with ``grad_accum`` > 1, when parameters sharded
+    over a batch axis (FSDP) are gathered: ``per_microbatch`` (in every microbatch's
+    forward and backward: least memory) or ``once`` per step and kept through the
+    accumulation loop (every device holds the parameters whole over data and fsdp;
+    1/``grad_accum`` of the gather traffic, or less).
     """
 
     steps: int = 200
     batch_size: int = 32
     grad_accum: int = 1
+    fsdp_gather: str = "per_microbatch"
     log_every: int = 10
     eval_every: int = 50
     eval_batches: int = 4
@@ -322,6 +327,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optim.name": ("sgd", "adam", "adamw", "lamb", "adafactor"),
     "optim.schedule": ("constant", "cosine", "linear", "step", "rsqrt"),
     "train.nonfinite": ("stop", "skip"),
+    "train.fsdp_gather": ("per_microbatch", "once"),
     "pipeline.schedule": ("gpipe", "1f1b", "interleaved", "zb_h1"),
     "checkpoint.best_mode": ("min", "max"),
     "data.dataset": ("auto", "digits", "synthetic"),
@@ -643,13 +649,19 @@ def load_config(paths: list[str | Path] = (), overrides: list[str] = ()) -> Conf
       paths: YAML files; later files override earlier ones.
       overrides: ``section.key=value`` strings applied last.
 
+    A layout other than the first file's (from ``mesh.*``, ``rules.*`` or ``pipeline.*``
+    overrides, or a later file such as ``configs/layouts/tp.yaml``) gets a run directory of
+    its own, named after it — ``runs/gpt_tiny-fsdp8``, ``runs/gpt_tiny-data4-tensor2``,
+    ``runs/gpt_tiny-tp``, ``runs/gpt_tiny-stage4-zb_h1-m8`` — unless ``run.dir`` is given
+    after the first file. So layouts tried one after another never resume each other's run.
+
     Returns:
       The validated, frozen ``Config``.
 
     Raises:
       ValueError: on a missing file, unknown key, wrong type or bad choice.
     """
-    config = Config()
+    config, named, names = Config(), None, []
     for path in paths:
         path = Path(path)
         raw = read_yaml(path) or {}
@@ -660,7 +672,36 @@ def load_config(paths: list[str | Path] = (), overrides: list[str] = ()) -> Conf
             config = merge(config, raw)
         except ValueError as err:
             raise ValueError(f"config file '{path}': {err}") from err
-    return apply_overrides(config, overrides)
+        if named is None:
+            named = config
+        elif _layout(config) != _layout(named) and "dir" not in (raw.get("run") or {}):
+            names.append(path.stem)
+    named = named or config
+    final = apply_overrides(config, overrides)
+    names += [_override_name(text) for text in overrides if text.split("=")[0].split(".")[0]
+              in _LAYOUT_SECTIONS and text.partition("=")[2]]
+    if final.run.dir != named.run.dir or _layout(final) == _layout(named) or not names:
+        return final  # a run.dir of its own, or the config's own layout
+    return dataclasses.replace(final, run=dataclasses.replace(
+        final.run, dir="-".join([named.run.dir, *names])))
+
+
+_LAYOUT_SECTIONS = ("mesh", "rules", "pipeline")
+# short names of layout overrides in a run directory's name (others: key and value)
+_SHORT = {"pipeline.schedule": "", "pipeline.microbatches": "m", "pipeline.virtual_stages": "v",
+          "rules.preset": ""}
+
+
+def _layout(config: Config) -> tuple:
+    return tuple(getattr(config, section) for section in _LAYOUT_SECTIONS)
+
+
+def _override_name(text: str) -> str:
+    """``mesh.fsdp=8`` → ``fsdp8``, ``pipeline.schedule=zb_h1`` → ``zb_h1``,
+    ``pipeline.microbatches=8`` → ``m8``, ``rules.mlp=tensor`` → ``mlptensor``."""
+    key, _, value = text.partition("=")
+    short = _SHORT.get(key.strip(), key.strip().split(".", 1)[1])
+    return re.sub(r"[^A-Za-z0-9_.]+", "", f"{short}{value.strip()}".replace("-1", "auto"))
 
 
 class _DuplicateKey(yaml.MarkedYAMLError):
@@ -746,10 +787,13 @@ def apply_overrides(config: Config, overrides: list[str] = ()) -> Config:
 
 def run_dir_for(config: Config, name: str) -> Config:
     """``config`` with ``run.dir`` = ``runs/<name>`` when it is still the default (a user's
-    task gets its own run directory, named after it)."""
-    if config.run.dir != RunConfig().dir or not name:
+    task gets its own run directory, named after it; ``runs/<name>-fsdp8`` when the
+    default was given a layout's name, see :func:`load_config`)."""
+    default = RunConfig().dir
+    if not name or not (config.run.dir == default or config.run.dir.startswith(default + "-")):
         return config
-    return dataclasses.replace(config, run=dataclasses.replace(config.run, dir=f"runs/{name}"))
+    return dataclasses.replace(config, run=dataclasses.replace(
+        config.run, dir=f"runs/{name}" + config.run.dir[len(default):]))
 
 
 def to_dict(config: Config) -> dict[str, Any]:

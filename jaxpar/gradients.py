@@ -30,7 +30,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxpar import sharding as shd
 from jaxpar.logical import Rules, activation_rules
-from jaxpar.pipeline.executor import advance_counts, pipeline_grads
+from jaxpar.pipeline.executor import advance_counts, pipeline_eval, pipeline_grads
 from jaxpar.pipeline.schedule import TickTable
 from jaxpar.task import Batch, StageSplit, split_microbatches
 
@@ -61,14 +61,21 @@ class Accumulated:
 
     Microbatch ``i`` is rows ``i, i+k, …`` of the batch, so each device's rows stay on
     that device. ``grad_shardings`` pins the gradient carry to the parameters' sharding,
-    so under FSDP each device accumulates its shard only.
+    so under FSDP each device accumulates its shard only. ``gathered_shardings``
+    (``train.fsdp_gather=once``): the parameters are resharded to these (the FSDP
+    shardings without their batch axes) before the loop, so their all-gathers run once per
+    step and the whole weights stay on every device through the loop; without it each
+    microbatch gathers them again (and frees them: less memory).
     """
 
     inner: Strategy
     k: int
     grad_shardings: Any = None
+    gathered_shardings: Any = None
 
     def __call__(self, params: Any, model_state: Any, batch: Batch):
+        if self.gathered_shardings is not None:
+            params = jax.lax.with_sharding_constraint(params, self.gathered_shardings)
         micro = {key: split_microbatches(v, self.k) for key, v in batch.items()}
         first = {key: v[0] for key, v in micro.items()}
         shapes = jax.eval_shape(self.inner, params, model_state, first)
@@ -103,6 +110,7 @@ class AccumulatedPerDataShard:
     mesh: Mesh
     rules: Rules
     param_specs: Any
+    gather_once: bool = False
 
     def __call__(self, params: Any, model_state: Any, batch: Batch):
         n = self.mesh.shape["data"]
@@ -110,8 +118,10 @@ class AccumulatedPerDataShard:
 
         def local(params, model_state, batch):
             mesh = jax.sharding.get_abstract_mesh()
+            gathered = shd.named(mesh, gathered_specs(self.param_specs)) \
+                if self.gather_once else None
             acc = Accumulated(Plain(self.make_loss(mesh, inner)), self.k,
-                              shd.named(mesh, self.param_specs))
+                              shd.named(mesh, self.param_specs), gathered)
             loss, metrics, grads, _ = acc(params, model_state, batch)
             loss, metrics, grads = jax.tree.map(lambda x: jax.lax.psum(x, "data") / n,
                                                 (loss, metrics, grads))
@@ -146,6 +156,15 @@ class Pipelined:
         counts = self.rng_counts or jax.tree.map(lambda _: False, model_state)
         return loss, metrics, grads, advance_counts(model_state, counts, self.table.m)
 
+    def evaluate(self, params: Any, model_state: Any, batch: Batch) -> tuple[jax.Array, dict]:
+        """Loss and metrics in evaluation mode through the stages (forward only, the
+        table's ``m`` microbatches): no device holds the whole model."""
+        t = self.table
+        with activation_rules(self.mesh, self.rules):
+            return pipeline_eval(self.split, self.graphdef, params, batch, p=t.p, m=t.m,
+                                 v=t.v, mesh=self.mesh, rules=self.rules,
+                                 model_state=model_state)
+
 
 def per_data_shard_possible(mesh: Mesh, param_specs: Any, stateful: bool) -> bool:
     """Whether :class:`AccumulatedPerDataShard` applies: a data axis, no parameter sharded
@@ -160,15 +179,41 @@ def per_data_shard_possible(mesh: Mesh, param_specs: Any, stateful: bool) -> boo
     return not any("data" in (e if isinstance(e, tuple) else (e,)) for s in specs for e in s if e)
 
 
+BATCH_AXES = ("data", "fsdp")
+
+
+def gathered_specs(param_specs: Any) -> Any:
+    """The parameters' specs without the batch axes (``data``, ``fsdp``): FSDP-sharded
+    parameters gathered, tensor and stage splits kept."""
+    def drop(spec: PartitionSpec) -> PartitionSpec:
+        entries = []
+        for e in spec:
+            kept = tuple(a for a in (e if isinstance(e, tuple) else (e,)) if a and
+                         a not in BATCH_AXES)
+            entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+        return PartitionSpec(*entries)
+
+    return jax.tree.map(drop, param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def gathers_weights(param_specs: Any) -> bool:
+    """Whether any parameter is sharded over a batch axis (and so gathered before use)."""
+    return gathered_specs(param_specs) != param_specs
+
+
 def choose(*, make_loss: Callable[[Any, Rules], StateLoss], mesh: Mesh, rules: Rules,
            param_specs: Any, param_shardings: Any, grad_accum: int, stateful: bool,
-           pipeline: Pipelined | None) -> Strategy:
+           pipeline: Pipelined | None, fsdp_gather: str = "per_microbatch") -> Strategy:
     """The strategy for a layout: the pipeline or a plain step, accumulated over
-    ``grad_accum`` microbatches when it is above 1 (locally per data shard when possible)."""
+    ``grad_accum`` microbatches when it is above 1 (locally per data shard when possible);
+    ``fsdp_gather`` (``per_microbatch`` or ``once``) says when the accumulation gathers
+    FSDP-sharded weights."""
     inner: Strategy = pipeline or Plain(make_loss(mesh, rules))
     if grad_accum == 1:
         return inner
+    once = fsdp_gather == "once" and gathers_weights(param_specs)
     if pipeline is None and per_data_shard_possible(mesh, param_specs, stateful):
-        return AccumulatedPerDataShard(make_loss, grad_accum, mesh, rules, param_specs)
-    return Accumulated(inner, grad_accum, param_shardings)
+        return AccumulatedPerDataShard(make_loss, grad_accum, mesh, rules, param_specs, once)
+    gathered = shd.named(mesh, gathered_specs(param_specs)) if once else None
+    return Accumulated(inner, grad_accum, param_shardings, gathered)
 

@@ -56,12 +56,16 @@ def free_port() -> int:
 
 def process_env(index: int, count: int, port: int, devices_per_process: int,
                 cpus_per_process: int = 0, base: dict[str, str] | None = None,
-                bind: str = "127.0.0.1") -> dict[str, str]:
-    """The environment of process ``index`` of ``count``."""
+                bind: str = "127.0.0.1", retry_port: bool = False) -> dict[str, str]:
+    """The environment of process ``index`` of ``count`` (``retry_port``: the launcher
+    picked the port and starts again on another when it is taken)."""
     env = dict(os.environ if base is None else base)
     host = f"[{bind}]" if ":" in bind else bind
     env.update({ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: str(count),
-                ENV_PROCESS_ID: str(index), ENV_BIND: f"{host}:{port}", ENV_RETRY_PORT: "1"})
+                ENV_PROCESS_ID: str(index), ENV_BIND: f"{host}:{port}"})
+    env.pop(ENV_RETRY_PORT, None)
+    if retry_port:
+        env[ENV_RETRY_PORT] = "1"
     if cpus_per_process:
         first = index * cpus_per_process
         env[ENV_CPUS] = ",".join(str(c) for c in range(first, first + cpus_per_process))
@@ -136,19 +140,16 @@ def launch(count: int, args: Sequence[str], *, devices_per_process: int = 0,
     received: list[int] = []
 
     def on_signal(signum: int, frame: object) -> None:
-        received.append(signum)
-        if signum == signal.SIGINT and received.count(signal.SIGINT) == 1:
-            _say(out, lock, "Ctrl-C: asking every process to checkpoint and stop (Ctrl-C "
-                            "again to kill them at once)")
+        received.append(signum)  # acted on (and reported) by _watch, outside the handler
 
     main_thread = threading.current_thread() is threading.main_thread()
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)} \
         if main_thread else {}
     try:
-        for attempt in range(_PORT_TRIES):
+        for _ in range(_PORT_TRIES):
             chosen = port or free_port()
             status = _run_once(count, args, chosen, devices_per_process, cpus_per_process,
-                               bind, grace_s, received, out, lock)
+                               bind, grace_s, received, out, lock, retry_port=not port)
             if status != PORT_TAKEN or port or received:
                 return status
             _say(out, lock, f"port {chosen} was taken by another program before the "
@@ -167,14 +168,14 @@ def _say(out: IO[str], lock: threading.Lock, text: str) -> None:
 
 def _run_once(count: int, args: Sequence[str], port: int, devices_per_process: int,
               cpus_per_process: int, bind: str, grace_s: float, received: list[int],
-              out: IO[str], lock: threading.Lock) -> int:
+              out: IO[str], lock: threading.Lock, retry_port: bool) -> int:
     procs, threads = [], []
     try:
         for index in range(count):
             proc = subprocess.Popen(
                 [sys.executable, "-m", "jaxpar", *args],
                 env=process_env(index, count, port, devices_per_process, cpus_per_process,
-                                bind=bind),
+                                bind=bind, retry_port=retry_port),
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                 start_new_session=True)  # its own process group: stopping it stops its children
             procs.append(proc)
@@ -210,6 +211,9 @@ def _watch(procs: list[subprocess.Popen], received: list[int], grace_s: float,
     forwarded = False
     while True:
         if received and not forwarded:
+            what = "Ctrl-C" if received[0] == signal.SIGINT else signal.Signals(received[0]).name
+            _say(out, lock, f"{what}: asking every process to checkpoint and stop (Ctrl-C "
+                            "again to kill them at once)")
             for proc in procs:
                 if proc.poll() is None:
                     _signal_group(proc, signal.SIGTERM)
@@ -225,7 +229,7 @@ def _watch(procs: list[subprocess.Popen], received: list[int], grace_s: float,
             index, code = failed[0]
             alive = sum(c is None for c in codes)
             if code != PORT_TAKEN:
-                _say(out, lock, f"process {index} (pid {procs[index].pid}) ended with "
+                _say(out, lock, f"process {index} (pid {procs[index].pid}) ended: "
                                 f"{describe_status(code)}"
                                 + (f"; stopping the other {alive} (grace {grace_s:g} s)"
                                    if alive else ""))

@@ -10,6 +10,8 @@ on that loop, and so is any hook a user passes or names in ``train.hooks``.
 
 from __future__ import annotations
 
+import errno
+import statistics
 import time
 import warnings
 from collections.abc import Sequence
@@ -46,6 +48,8 @@ class History:
 
     rows: list[dict[str, Any]] = field(default_factory=list)
     state: TrainState | None = None
+    #: seconds spent on evaluation and checkpoints (``Context.paused``)
+    paused: dict[str, float] = field(default_factory=dict)
 
     @property
     def train_rows(self) -> list[dict[str, Any]]:
@@ -193,11 +197,13 @@ def fit(run: Run, run_dir: Path | None = None, state: TrainState | None = None,
     finally:
         stream.close()
         ctx.emit("on_end")
-    return History(ctx.rows, ctx.state)
+    return History(ctx.rows, ctx.state, dict(ctx.paused))
 
 
 def summarize(run: Run, history: History) -> str:
-    """The final summary: steps, final loss, throughput, per-device state bytes."""
+    """The final summary: steps, final loss and the last eval metrics, throughput (the median
+    over the logged intervals after the first, which holds the compile; evaluation and
+    checkpoint time left out and reported apart), per-device state bytes."""
     trainer, rows = run.trainer, history.train_rows
     if not rows:
         return "no step was logged"
@@ -206,11 +212,16 @@ def summarize(run: Run, history: History) -> str:
     opt = shd.bytes_per_device(trainer.abstract_state.opt_state, trainer.state_shardings.opt_state)
     shown = "".join(f"  {k.replace('_', ' ')}: {v:.4f}" for k, v in (evals[-1] if evals else {})
                     .items() if k.startswith("eval_") and k != "eval_time_s")
+    steady = rows[1:] or rows
+    examples = statistics.median(r["examples_per_s"] for r in steady)
+    tokens = (f", {statistics.median(r['tokens_per_s'] for r in steady):,.0f} tokens/s"
+              if "tokens_per_s" in last else "")
+    apart = ", ".join(f"{kind} {seconds:.1f} s" for kind, seconds in history.paused.items())
     lines = [
         f"steps: {last['step']}  final loss: {last['loss']:.4f}{shown}",
-        f"throughput: {last['examples_per_s']:.1f} examples/s"
-        + (f", {last['tokens_per_s']:.0f} tokens/s" if "tokens_per_s" in last else "")
-        + f"  (first step logged after {rows[0]['time']:.1f} s, incl. compile)",
+        f"throughput: {examples:,.1f} examples/s{tokens} (median of {len(steady)} logged "
+        f"interval{'s' * (len(steady) != 1)}); first step logged after {rows[0]['time']:.1f} s "
+        f"(compile included)" + (f"; not counted: {apart}" if apart else ""),
         f"state per device: params {params / 2**20:.2f} MiB, optimizer {opt / 2**20:.2f} MiB",
         f"skipped non-finite steps: {last['skipped']}",
     ]
@@ -230,7 +241,13 @@ def _setup_devices(count: int) -> None:
 def train(config: Config | None = None, *, task: Task | None = None,
           optimizer: optax.GradientTransformation | None = None, hooks: Sequence[Hook] = (),
           echo: bool = True) -> History:
-    """Runs ``jaxpar train``: build, resume, write the run dir, fit, summarize.
+    """Runs ``jaxpar train``: lock the run dir, build, resume, write the run dir, fit,
+    summarize.
+
+    The run holds the lock of ``run.dir`` (and of ``checkpoint.dir`` when it lies
+    elsewhere) throughout; ``checkpoint.resume=auto`` falls back past checkpoints that
+    fail verification; the run dir is written only once the resume decision stands (see
+    :mod:`jaxpar.rundir`); a SIGTERM or a first Ctrl-C checkpoints the current step.
 
     Args:
       config: the run configuration (default: ``jaxpar.load_config()``).
@@ -241,6 +258,12 @@ def train(config: Config | None = None, *, task: Task | None = None,
       hooks: extra hooks, called after the built-in ones and those named in
         ``train.hooks``.
       echo: print the start-up lines and the summary (process 0).
+
+    Raises:
+      ValueError: a bad setting, path or checkpoint, or a run dir another run holds.
+      Preempted: after a SIGTERM or a first Ctrl-C, once the checkpoint is written.
+      FloatingPointError: a non-finite step (``NonFiniteStop``, ``TooManySkipped``).
+      CheckpointError: a checkpoint could not be written.
     """
     from jaxpar.user_code import load_hooks
 
@@ -284,8 +307,10 @@ def _resume_and_fit(run: Run, hooks: Sequence[Hook], say: Any, echo: bool) -> Hi
     try:
         state, start, meta = resume_lib.resume(config, run, ckpt)
         if start >= config.train.steps:
-            say(f"jaxpar: the run is already at step {start} of train.steps="
-                f"{config.train.steps}; nothing to train")
+            say(f"jaxpar: the run in {config.run.dir} is finished (step {start} of "
+                f"train.steps={config.train.steps}); to train it longer, run again with "
+                f"train.steps=N (N > {start}); to start fresh, pass run.dir=NEW_DIR (or "
+                f"delete {config.run.dir})")
             return History(state=state)
         stream = open_loader(run, meta.get("data"), start) if start else None
         try:
@@ -301,6 +326,11 @@ def _resume_and_fit(run: Run, hooks: Sequence[Hook], say: Any, echo: bool) -> Hi
         with resume_lib.sigterm_checkpoints():  # also while the last save is written
             try:
                 return fit(run, run_dir, state, ckpt, meta.get("data"), hooks, stream)
+            except OSError as err:
+                if err.errno == errno.ENOSPC and not err.filename:  # say where
+                    raise OSError(errno.ENOSPC, err.strerror or "No space left on device",
+                                  str(config.run.dir)) from err
+                raise
             finally:
                 closed = True
                 ckpt.close()  # waits for pending saves; a failed save raises here

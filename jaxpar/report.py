@@ -2,23 +2,40 @@
 
 Nothing is trained and no parameter is allocated: shapes come from
 ``nnx.eval_shape``, shardings from the rules, and the compiled step's memory
-from ``jit(...).lower(...).compile().memory_analysis()`` on abstract inputs.
+from ``jit(...).lower(...).compile().memory_analysis()`` on abstract inputs, its
+collective bytes from the compiled HLO (:func:`jaxpar.hlo.program_cost`).
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
 
+from jaxpar import gradients, hlo
 from jaxpar import sharding as shd
+from jaxpar.config import CHOICES
 from jaxpar.run import Run
 from jaxpar.trainer import Trainer
 
 
 @dataclass(frozen=True)
+class GatherOption:
+    """The compiled step under one ``train.fsdp_gather`` setting: temporaries and wire
+    bytes per collective kind, per device."""
+
+    setting: str
+    step_temp_bytes: int
+    collective_bytes: dict[str, float]
+
+
+@dataclass(frozen=True)
 class Totals:
-    """Per-device byte totals of a layout."""
+    """Per-device byte totals of a layout. ``collective_bytes``: wire bytes per collective
+    kind of one step; ``fsdp_gather``: the step under each ``train.fsdp_gather`` setting
+    (the run's first), when the setting matters (accumulation over FSDP-sharded weights
+    outside a pipeline), else empty."""
 
     params_bytes: int
     opt_state_bytes: int
@@ -27,6 +44,8 @@ class Totals:
     step_argument_bytes: int
     step_output_bytes: int
     step_temp_bytes: int
+    collective_bytes: dict[str, float] | None = None
+    fsdp_gather: tuple[GatherOption, ...] = ()
 
 
 def _example_batch(run: Run) -> dict[str, np.ndarray]:
@@ -34,10 +53,36 @@ def _example_batch(run: Run) -> dict[str, np.ndarray]:
     return run.data.batch(0, run.config.train.batch_size)
 
 
-def layout_totals(run: Run) -> Totals:
-    """State bytes per device from the shardings; step bytes from the compiled program."""
+def _collective_bytes(compiled) -> dict[str, float]:
+    stats = hlo.program_cost(compiled.as_text()).collectives
+    return {kind: stat.wire_bytes for kind, stat in stats.items() if stat.count}
+
+
+def _gather_trade(run: Run, compiled, batch) -> tuple[GatherOption, ...]:
+    """The step under both ``train.fsdp_gather`` settings (the run's first) when it
+    accumulates over weights that FSDP gathers, outside a pipeline (which gathers once)."""
     trainer = run.trainer
-    compiled = trainer.compile_step(_example_batch(run))
+    if (trainer.grad_accum == 1 or trainer.pipeline is not None
+            or not gradients.gathers_weights(trainer.param_specs)):
+        return ()
+    mine = "once" if trainer.fsdp_gather_once else "per_microbatch"
+    other = next(s for s in CHOICES["train.fsdp_gather"] if s != mine)
+    with warnings.catch_warnings():  # the run's own warnings were given when it was built
+        warnings.simplefilter("ignore")
+        alternative = Trainer(trainer.task, trainer.tx, trainer.mesh, trainer.rules,
+                              schedule=trainer.schedule, grad_accum=trainer.grad_accum,
+                              seed=trainer.seed, fsdp_gather=other).compile_step(batch)
+    return tuple(GatherOption(setting, int(c.memory_analysis().temp_size_in_bytes),
+                              _collective_bytes(c))
+                 for setting, c in ((mine, compiled), (other, alternative)))
+
+
+def layout_totals(run: Run) -> Totals:
+    """State bytes per device from the shardings; step bytes and collectives from the
+    compiled program (and from the other ``train.fsdp_gather`` setting's, when it matters)."""
+    trainer = run.trainer
+    batch = _example_batch(run)
+    compiled = trainer.compile_step(batch)
     mem = compiled.memory_analysis()
     opt_abstract, opt_shardings = trainer.abstract_state.opt_state, trainer.state_shardings.opt_state
     return Totals(
@@ -48,6 +93,8 @@ def layout_totals(run: Run) -> Totals:
         step_argument_bytes=int(mem.argument_size_in_bytes),
         step_output_bytes=int(mem.output_size_in_bytes),
         step_temp_bytes=int(mem.temp_size_in_bytes),
+        collective_bytes=_collective_bytes(compiled),
+        fsdp_gather=_gather_trade(run, compiled, batch),
     )
 
 
@@ -93,6 +140,22 @@ def _opt_note(trainer: Trainer) -> list[str]:
             f"replicated on every device: {shown}{more}"]
 
 
+def _gather_lines(trainer: Trainer, options: tuple[GatherOption, ...]) -> list[str]:
+    """The memory/communication trade of ``train.fsdp_gather``, one row per setting."""
+    if not options:
+        return []
+    kinds = [k for k in hlo.COLLECTIVES if any(k in o.collective_bytes for o in options)]
+    rows = [("train.fsdp_gather", "temporaries", *kinds)]
+    rows += [(o.setting + (" (this run)" if i == 0 else ""), _fmt_bytes(o.step_temp_bytes),
+              *(_fmt_bytes(int(o.collective_bytes.get(k, 0))) for k in kinds))
+             for i, o in enumerate(options)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["", f"FSDP weight gathers with train.grad_accum={trainer.grad_accum} "
+                "(per_microbatch: gathered in every microbatch, least memory; once: gathered "
+                "once per step and kept):",
+            *("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)]
+
+
 def format_report(run: Run, totals: Totals) -> str:
     """The ``jaxpar inspect`` text: one row per parameter (and per variable of the model's
     other state), then per-device totals and what is replicated."""
@@ -116,6 +179,11 @@ def format_report(run: Run, totals: Totals) -> str:
         f"train step per device (compiled): arguments {_fmt_bytes(totals.step_argument_bytes)}, "
         f"outputs {_fmt_bytes(totals.step_output_bytes)}, temporaries {_fmt_bytes(totals.step_temp_bytes)}",
     ]
+    if totals.collective_bytes is not None:
+        lines.append("collectives per step per device (compiled, wire bytes): " + (", ".join(
+            f"{kind} {_fmt_bytes(int(n))}" for kind, n in totals.collective_bytes.items())
+            or "none"))
+    lines += _gather_lines(trainer, totals.fsdp_gather)
     if unnamed:
         lines.append(f"note: {len(unnamed)} parameters carry no logical axes and are replicated "
                      "(annotate them with nnx.with_partitioning to shard them)")

@@ -43,6 +43,9 @@ class Preempted(Exception):
 
 _SIGTERM = threading.Event()
 _SIGNAL: list[str] = []  # the name of the first stop signal received
+#: what a second Ctrl-C does: end the process at once (the ``jaxpar`` command), or raise
+#: KeyboardInterrupt (``jaxpar.train`` called from Python: a notebook's kernel survives)
+HARD_SECOND_CTRL_C = False
 
 
 def on_sigterm(signum: int, frame: Any) -> None:
@@ -51,9 +54,11 @@ def on_sigterm(signum: int, frame: Any) -> None:
 
 
 def on_sigint(signum: int, frame: Any) -> None:
-    """The first Ctrl-C asks for a checkpoint and a stop, like SIGTERM; from then on
-    SIGINT has its default action, so a second Ctrl-C ends the process at once."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    """The first Ctrl-C asks for a checkpoint and a stop, like SIGTERM. A second one ends
+    the process at once (SIGINT's default action: no Python code needs to run, so also in
+    the middle of a long compiled step) — or, from Python, raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL if HARD_SECOND_CTRL_C
+                  else signal.default_int_handler)
     print("\njaxpar: Ctrl-C: finishing this step and writing a checkpoint (press Ctrl-C "
           "again to stop at once, without it)", file=sys.stderr, flush=True)
     if jax.process_count() > 1:  # JAX's preemption notifier listens for SIGTERM
@@ -100,8 +105,7 @@ def sigterm_checkpoints() -> Iterator[None]:
         yield
     finally:
         for sig, handler in previous.items():
-            if sig != signal.SIGINT or signal.getsignal(sig) is on_sigint:
-                signal.signal(sig, handler)
+            signal.signal(sig, handler)
 
 
 def checkpoint_dir(config: Config) -> Path:

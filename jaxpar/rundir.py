@@ -50,18 +50,19 @@ def _why_not_dir(path: Path, err: OSError) -> str:
     return err.strerror or type(err).__name__
 
 
-def ensure_dir(path: str | Path, what: str) -> Path:
+def ensure_dir(path: str | Path, what: str, fix: str | None = None) -> Path:
     """Creates directory ``path`` (and its parents) if needed and checks that files can be
     written in it.
 
     Args:
-      what: the setting that names it, for the message (``run.dir``, ``--out``).
+      what: the setting that names it, for the message (``run.dir``, ``checkpoint.dir``).
+      fix: what to do instead (default: choose another ``what``).
 
     Raises:
       ValueError: one line naming ``what``, the path and why it is unusable.
     """
     path = Path(path)
-    fix = f"choose another {what}" if not what.startswith("-") else f"choose another {what} path"
+    fix = fix or f"choose another {what}"
     if path.exists() and not path.is_dir():
         raise ValueError(f"{what} '{path}' is a file, not a directory; {fix}")
     try:
@@ -90,7 +91,7 @@ def check_output_file(path: str | Path, what: str) -> Path:
     if path.is_dir():
         raise ValueError(f"{what} '{path}' is a directory; give a file path, e.g. "
                          f"{path / 'out'}")
-    ensure_dir(path.parent if str(path.parent) else Path("."), f"the folder of {what}")
+    ensure_dir(path.parent, f"the folder of {what}", f"choose another {what} path")
     if path.exists() and not os.access(path, os.W_OK):
         raise ValueError(f"{what} '{path}' exists and is not writable; choose another path")
     return path
@@ -222,12 +223,12 @@ def locked(directories: list[tuple[Path, str]]) -> Iterator[list[RunDirLock]]:
 
     locks: list[RunDirLock] = []
     try:
-        error: ValueError | None = None
+        error: Exception | None = None
         if jax.process_index() == 0:
             try:
                 for directory, what in directories:
                     locks.append(RunDirLock(directory, what).acquire())
-            except ValueError as err:
+            except (ValueError, OSError) as err:
                 error = err
         if jax.process_count() > 1:  # every process stops, not just the one that knows
             import numpy as np
@@ -346,11 +347,15 @@ def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+#: where the run lives, not how it trains: a moved run dir is not a changed config
+_NOT_COMPARED = {"run.dir"}
+
+
 def config_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """``key: old → new`` for every setting that differs."""
+    """``key: old → new`` for every setting that differs (``run.dir`` aside)."""
     a, b = _flat(old), _flat(new)
     return [f"{k}: {a.get(k, '(unset)')} → {b.get(k, '(unset)')}"
-            for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+            for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k) and k not in _NOT_COMPARED]
 
 
 def write_config(run_dir: Path, config: dict[str, Any], start_step: int,

@@ -119,13 +119,16 @@ class Trainer:
       schedule: jaxpar's learning-rate schedule, logged as ``lr``; without it ``lr`` is
         read from ``optax.inject_hyperparams`` state when there is one, else not logged.
       grad_accum: microbatches per step, accumulated inside the jitted step.
+      fsdp_gather: with ``grad_accum`` > 1, whether FSDP-sharded weights are gathered
+        ``per_microbatch`` or ``once`` per step (kept gathered through the loop).
       seed: init seed (used for the abstract model too).
       pipeline: the schedule used when ``mesh.shape['stage'] > 1``.
     """
 
     def __init__(self, task: Task, optimizer: optax.GradientTransformation, mesh: Mesh,
                  rules: Rules, *, schedule: Callable[[Any], Any] | None = None,
-                 grad_accum: int = 1, seed: int = 0, pipeline: PipelineConfig | None = None):
+                 grad_accum: int = 1, seed: int = 0, pipeline: PipelineConfig | None = None,
+                 fsdp_gather: str = "per_microbatch"):
         self.task, self.tx, self.mesh, self.rules = task, optimizer, mesh, rules
         self.schedule, self.grad_accum, self.seed = schedule, grad_accum, seed
         self.model = abstract_model(task, seed)
@@ -150,10 +153,19 @@ class Trainer:
             jax.ShapeDtypeStruct((), jnp.int32), self.model.state)
         self._check_layout()
         self.microbatches = grad_accum * (self.pipeline.m if self.pipeline else 1)
+        self.pipelined = self._pipelined()  # also evaluates through the stages
         self.gradients = gradients.choose(
             make_loss=self._loss_under, mesh=mesh, rules=rules, param_specs=self.param_specs,
             param_shardings=self.state_shardings.params, grad_accum=grad_accum,
-            stateful=self.stateful, pipeline=self._pipelined())
+            stateful=self.stateful, pipeline=self.pipelined, fsdp_gather=fsdp_gather)
+        self.fsdp_gather_once = fsdp_gather == "once"
+        if self.fsdp_gather_once and (grad_accum == 1
+                                      or not gradients.gathers_weights(self.param_specs)):
+            why = ("train.grad_accum=1" if grad_accum == 1
+                   else "no parameter sharded over data or fsdp")
+            warnings.warn(f"config key 'train.fsdp_gather' has no effect with {why}",
+                          stacklevel=2)
+            self.fsdp_gather_once = False
         self._step = jax.jit(self._train_step, in_shardings=(self.state_shardings, None),
                              out_shardings=(self.state_shardings, None), donate_argnums=0)
         self._eval = jax.jit(self._eval_step, in_shardings=(
@@ -358,7 +370,10 @@ class Trainer:
         return injected_lr(opt_state)
 
     def _eval_step(self, params: Any, model_state: Any, batch: Batch) -> dict[str, jax.Array]:
-        loss, aux, _ = self.apply(params, model_state, batch, train=False)
+        if self.pipelined is not None:  # through the stages: no device gathers every layer
+            loss, aux = self.pipelined.evaluate(params, model_state, batch)
+        else:
+            loss, aux, _ = self.apply(params, model_state, batch, train=False)
         return {"loss": loss, **aux}
 
     def step(self, state: TrainState, batch: Mapping[str, jax.Array]) -> tuple[TrainState, dict]:
@@ -374,10 +389,30 @@ class Trainer:
                  ) -> dict[str, jax.Array]:
         """Loss (and task metrics) on one batch in evaluation mode (``model.eval()``: no
         dropout, BatchNorm on its running averages). ``state`` is a :class:`TrainState`,
-        or the parameters of a model without other state."""
+        or the parameters of a model without other state. With pipeline stages the batch
+        runs through them as ``pipeline.microbatches`` microbatches.
+
+        Raises:
+          ValueError: with stages, for a batch that does not split into that many
+            microbatches on each device sharing its batch dim.
+        """
+        if self.pipelined is not None:
+            self._check_pipelined_eval_batch(batch)
         if isinstance(state, TrainState):
             return self._eval(state.params, state.model_state, batch)
         return self._eval(state, self._state_or_empty(None), batch)
+
+    def _check_pipelined_eval_batch(self, batch: Mapping[str, Any]) -> None:
+        m = self.pipeline.m
+        for key, spec in self._batch_specs(batch).items():
+            ways = math.prod(self.mesh.shape[a] for e in spec[:1] if e
+                             for a in (e if isinstance(e, tuple) else (e,)))
+            size = batch[key].shape[0]
+            if size % (ways * m):
+                raise ValueError(
+                    f"batch '{key}': an evaluation batch of {size} runs through the pipeline "
+                    f"as pipeline.microbatches ({m}) × the {ways} devices sharing the batch "
+                    f"dim = {m * ways} equal parts; give it a multiple of {m * ways} rows")
 
     # ---- compiled program ------------------------------------------------------------------
     def compile_step(self, batch: Mapping[str, Any]) -> jax.stages.Compiled:

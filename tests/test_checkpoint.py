@@ -256,6 +256,10 @@ def test_failed_async_save_exits_nonzero_with_the_error(tmp_path, monkeypatch, c
     err = capsys.readouterr().err
     assert "checkpoint error" in err and "No space left on device (simulated)" in err
     assert str(run_dir / "checkpoints") in err
+    line = [x for x in err.splitlines() if "checkpoint error" in x]
+    assert len(line) == 1 and line[0].startswith(
+        "jaxpar: checkpoint error: disk full: ") and " free there)" in line[0]
+    assert "Traceback" not in err
     logged = [s for s, _ in losses(run_dir)]
     # every=2: the save of step 4 finds step 2's failure and the run stops before logging 4
     assert logged == ([1, 2, 3] if every else [1, 2, 3, 4, 5, 6])

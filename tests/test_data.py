@@ -17,8 +17,6 @@ import numpy as np
 import pytest
 
 from jaxpar.config import DataConfig, load_config
-from jaxpar.data.sources import DataNeeds
-from jaxpar.models import families
 from jaxpar.data import (
     Data,
     TokenFile,
@@ -28,8 +26,9 @@ from jaxpar.data import (
     synthetic_images,
 )
 from jaxpar.data.prepare import load_tokenizer
-from jaxpar.data.sources import image_data, text_data
+from jaxpar.data.sources import DataNeeds, image_data, text_data
 from jaxpar.loop import Run, build, fit
+from jaxpar.models import families
 from tests.helpers import GPT_SMALL
 
 
@@ -274,7 +273,7 @@ def test_corrupt_token_file(tmp_path):
     tf = prepare_data([tmp_path / "a.txt"], tmp_path / "c.tokens")
     with open(tf.path, "r+b") as f:
         f.truncate(100)
-    with pytest.raises(ValueError, match="truncated or corrupt") as err:
+    with pytest.raises(ValueError, match=": it is truncated; re-create it") as err:
         load_data(_data(path=str(tf.path), seq_len=16), _model(), seed=0)
     assert str(tf.path) in str(err.value)
 

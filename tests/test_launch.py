@@ -20,6 +20,11 @@ def test_process_env_sets_coordinator_devices_and_cores():
     assert env["JAXPAR_NUM_PROCESSES"] == "2" and env["JAXPAR_PROCESS_ID"] == "1"
     assert env["XLA_FLAGS"] == "--foo --xla_force_host_platform_device_count=4"
     assert "JAX_NUM_CPU_DEVICES" not in env and env["JAXPAR_CPUS"] == "1"
+    # the coordinator listens on the loopback address unless --bind says otherwise
+    assert env["JAXPAR_COORDINATOR_BIND"] == "127.0.0.1:1234"
+    assert "JAXPAR_LAUNCH_RETRY_PORT" not in env  # a port the user chose is not retried
+    env = process_env(0, 2, 99, 0, bind="::", retry_port=True, base={})
+    assert env["JAXPAR_COORDINATOR_BIND"] == "[::]:99" and env["JAXPAR_LAUNCH_RETRY_PORT"] == "1"
 
 
 def test_launch_forwards_output_with_prefixes(tmp_path):
@@ -54,7 +59,7 @@ def test_launch_argument_errors():
 
 def test_distributed_settings_precedence_and_errors(monkeypatch):
     for var in ("JAXPAR_COORDINATOR", "JAXPAR_NUM_PROCESSES", "JAXPAR_PROCESS_ID",
-                "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_ADDRESS"):
+                "JAXPAR_COORDINATOR_BIND", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_ADDRESS"):
         monkeypatch.delenv(var, raising=False)
     assert settings(DistributedConfig()) is None  # one process
     monkeypatch.setenv("SLURM_NTASKS", "4")
@@ -64,6 +69,9 @@ def test_distributed_settings_precedence_and_errors(monkeypatch):
     monkeypatch.setenv("JAXPAR_PROCESS_ID", "0")
     assert settings(DistributedConfig()) == {"coordinator_address": "127.0.0.1:9",
                                              "num_processes": 2, "process_id": 0}
+    monkeypatch.setenv("JAXPAR_COORDINATOR_BIND", "127.0.0.1:9")  # as jaxpar launch sets it
+    assert settings(DistributedConfig())["coordinator_bind_address"] == "127.0.0.1:9"
+    monkeypatch.delenv("JAXPAR_COORDINATOR_BIND")
     cfg = DistributedConfig(coordinator="host:1", num_processes=4, process_id=3,
                             local_device_ids="0,1")
     assert settings(cfg) == {"coordinator_address": "host:1", "num_processes": 4,

@@ -82,10 +82,12 @@ def test_user_task_two_processes_match_one(tmp_path):
     assert one.returncode == 0, one.stderr[-3000:]
     a, b = losses(tmp_path / "two"), losses(tmp_path / "one")
     assert sorted(a) == [1, 2, 3, 4]
-    np.testing.assert_allclose([a[s] for s in sorted(a)], [b[s] for s in sorted(b)], rtol=1e-6)
+    # BatchNorm's batch statistics are summed across the processes (gloo) in another order
+    # than on one: f32 summation noise, as in the suite's other BatchNorm layout tests
+    np.testing.assert_allclose([a[s] for s in sorted(a)], [b[s] for s in sorted(b)], rtol=1e-5)
     evals = lambda d: [json.loads(line)["eval_loss"] for line in
                        (d / "metrics.jsonl").read_text().splitlines() if "eval_loss" in line]
-    np.testing.assert_allclose(evals(tmp_path / "two"), evals(tmp_path / "one"), rtol=1e-6)
+    np.testing.assert_allclose(evals(tmp_path / "two"), evals(tmp_path / "one"), rtol=1e-5)
 
 
 def test_checkpoint_moves_between_process_counts(tmp_path):
@@ -125,13 +127,13 @@ def _processes_with(marker: str) -> dict[int, int]:
 
 
 def test_killing_one_process_stops_the_launch(tmp_path):
-    """SIGKILL one of 2 training processes: the launcher exits non-zero within a bounded
-    time and no process of the run is left behind."""
+    """SIGKILL one of 2 training processes: the launcher says which one died and how,
+    exits non-zero within a bounded time, and no process of the run is left behind."""
     run_dir = tmp_path / "killed"
     cmd = [sys.executable, "-m", "jaxpar", "launch", "-n", "2", "--devices-per-process", "4",
            "--grace", "5", "--", "train", *RUN, "train.steps=100000", f"run.dir={run_dir}"]
-    launcher = subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
+    launcher = subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 300
         while time.time() < deadline and not (
@@ -142,9 +144,11 @@ def test_killing_one_process_stops_the_launch(tmp_path):
         victim = next(pid for pid, index in workers.items() if index == 1)
         killed_at = time.time()
         os.kill(victim, signal.SIGKILL)
-        code = launcher.wait(timeout=60)
-        assert code != 0
+        out, _ = launcher.communicate(timeout=60)
+        assert launcher.returncode == 128 + signal.SIGKILL, out[-3000:]
         assert time.time() - killed_at < 60
+        assert (f"[launch] process 1 (pid {victim}) ended: killed by SIGKILL; stopping the "
+                "other 1 (grace 5 s)") in out
         time.sleep(0.5)
         assert _processes_with(str(run_dir)) == {}
     finally:
@@ -186,3 +190,64 @@ def test_sigterm_to_a_launch_checkpoints_an_agreed_step(tmp_path):
     assert sorted(got) == list(range(1, step + 3))
     np.testing.assert_allclose([got[s] for s in (step + 1, step + 2)],
                                [want[s] for s in (step + 1, step + 2)], rtol=1e-6)
+
+
+SLOW_STOP_HOOK = """
+import time
+import jaxpar
+
+
+class SlowStop(jaxpar.Hook):
+    def on_save(self, ctx, step):
+        if ctx.stopping:
+            time.sleep(60)
+"""
+
+
+def test_ctrl_c_to_a_launch_checkpoints_once_and_kills_twice(tmp_path):
+    """A first Ctrl-C (SIGINT) to the launcher: every process checkpoints the same step and
+    the launch exits 4; on another launch, a second Ctrl-C kills every process at once
+    (exit 130) and none is left behind."""
+    cmd = [sys.executable, "-m", "jaxpar", "launch", "-n", "2", "--devices-per-process", "4",
+           "--grace", "60", "--", "train", *RUN, "train.steps=100000"]
+    outputs = {}
+    (tmp_path / "slow_stop.py").write_text(SLOW_STOP_HOOK)
+    for presses in (1, 2):
+        run_dir = tmp_path / f"ctrl_c_{presses}"
+        # with 2 presses, a hook holds the processes after their checkpoint starts, so the
+        # second Ctrl-C surely finds them running
+        hook = [f"train.hooks=[{tmp_path / 'slow_stop.py'}:SlowStop]"] if presses == 2 else []
+        launcher = subprocess.Popen([*cmd, *hook, f"run.dir={run_dir}"], env=_env(), cwd=ROOT,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.time() + 300
+            while time.time() < deadline and not (
+                    (run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= 2):
+                time.sleep(0.2)
+            launcher.send_signal(signal.SIGINT)
+            if presses == 2:
+                time.sleep(2)
+                assert launcher.poll() is None
+                launcher.send_signal(signal.SIGINT)
+                second = time.time()
+            outputs[presses], _ = launcher.communicate(timeout=120)
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
+            for pid in _processes_with(str(run_dir)):
+                os.kill(pid, signal.SIGKILL)
+        if presses == 2:
+            assert time.time() - second < 15
+            assert launcher.returncode == 130, outputs[2][-3000:]
+            assert "[launch] killing every process now" in outputs[2]
+            time.sleep(0.5)
+            assert _processes_with(str(run_dir)) == {}
+        else:
+            out = outputs[1]
+            assert launcher.returncode == 4, out[-3000:]
+            assert "[launch] Ctrl-C: asking every process to checkpoint and stop" in out
+            steps = {int(line.split("checkpoint of step ")[1].split()[0])
+                     for line in out.splitlines() if "checkpoint of step " in line}
+            assert len(steps) == 1, out[-3000:]
+            assert (run_dir / "checkpoints" / str(steps.pop())).is_dir()
+            assert "Traceback" not in out

@@ -14,7 +14,8 @@ import pytest
 
 from jaxpar import hlo
 from jaxpar.config import load_config
-from jaxpar.pipeline.executor import pipeline_grads
+from jaxpar.pipeline import executor
+from jaxpar.pipeline.executor import branch_table, forward_table, pipeline_grads
 from jaxpar.pipeline.schedule import SCHEDULES
 from jaxpar.run import build
 from tests.helpers import assert_params_close, run_steps
@@ -152,13 +153,18 @@ def test_train_step_matches_unpipelined(schedule, p):
     v = 2 if schedule == "interleaved" else 1
     layers = max(4, p * v)
     common = [*TINY, *ADAMW, f"model.n_layers={layers}"]
-    ref_losses, ref_params, _ = adamw_reference(layers)
+    ref_losses, ref_params, ref_run = adamw_reference(layers)
     losses, params, run = run_steps(
         [*common, f"mesh.stage={p}", f"mesh.data={8 // p}", f"pipeline.schedule={schedule}",
          f"pipeline.virtual_stages={v}", f"pipeline.microbatches={2 * p}"])
     assert run.trainer.mesh.shape["stage"] == p
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_params_close(params, ref_params, elementwise=False, rtol=1e-4)
+    # evaluation runs through the stages (forward only) and equals one device's
+    batch = run.data.batch(0, 32, "eval")
+    got = run.trainer.evaluate(ref_params, run.trainer.shard_batch(batch))
+    want = ref_run.trainer.evaluate(ref_params, ref_run.trainer.shard_batch(batch))
+    np.testing.assert_allclose(float(got["loss"]), float(want["loss"]), rtol=1e-6)
 
 
 @pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2),
@@ -212,13 +218,18 @@ def test_fsdp_gathers_and_scatters_once_per_step():
     assert hlo.count_ops(text, "all-gather", in_loops=False) >= 1
 
 
-def temp_bytes(schedule, m):
-    """Compiled temporary bytes per device of the train step, microbatch of 2 rows."""
+@functools.cache
+def compiled_step(schedule, m):
+    """A 4-stage run and its compiled train step, microbatch of 2 rows."""
     run = build_run(4, m, schedule, extra=[
         f"train.batch_size={2 * m}", "model.d_model=64", "model.d_ff=256", "model.n_heads=4",
         "model.max_seq_len=64", "data.seq_len=64"])
-    batch = run.data.batch(0, 2 * m)
-    return run.trainer.compile_step(batch).memory_analysis().temp_size_in_bytes
+    return run, run.trainer.compile_step(run.data.batch(0, 2 * m))
+
+
+def temp_bytes(schedule, m):
+    """Compiled temporary bytes per device of the train step, microbatch of 2 rows."""
+    return compiled_step(schedule, m)[1].memory_analysis().temp_size_in_bytes
 
 
 def test_1f1b_memory_flat_gpipe_linear():
@@ -235,6 +246,105 @@ def test_1f1b_memory_flat_gpipe_linear():
     slopes = [(g16 - g8) / 8, (g32 - g16) / 16]
     np.testing.assert_allclose(slopes, [stash, stash], rtol=0.05)
     assert g32 - g8 > 5 * (f32 - f8), (g8, g32, f8, f32)
+
+
+def _opcodes(module, computation):
+    """Every opcode ``computation`` runs, through the computations it calls."""
+    out = []
+    for inst in module.computations.get(computation, []):
+        out.append(inst.opcode)
+        for callee in hlo._callees(inst):
+            out += _opcodes(module, callee)
+    return out
+
+
+def test_embedding_and_other_gradients_only_where_produced():
+    """1F1B over 4 stages: the embedding lookup (gather) and its gradient (scatter-add) run
+    in chunk 0's branches of the tick switch only, not in every forward and backward; and
+    no tick adds (or copies) a [V, D] gradient outside the two-way conditionals that run on
+    the ticks producing one (the executor used to add every tick, zeros on most)."""
+    run, compiled = compiled_step("1f1b", 8)
+    module = hlo.parse(compiled.as_text())
+    used = [int(u) for u in np.unique(branch_table(run.trainer.pipeline))]
+    body, switch = next((name, inst) for name, insts in module.computations.items()
+                        for inst in insts if inst.opcode == "conditional"
+                        and len(hlo._callees(inst)) == len(used))
+    ops = {u: _opcodes(module, c) for u, c in zip(used, hlo._callees(switch))}
+    assert ops[executor._F].count("gather") == 0 < ops[executor._F_FIRST].count("gather")
+    assert ops[executor._B].count("scatter") == 0 < ops[executor._B_FIRST].count("scatter")
+    vocab, width = run.trainer.abstract_params["embed"].shape
+    per_tick = [inst.opcode for inst in module.computations[body]
+                if inst.type.startswith(f"f32[{vocab},{width}]")
+                and inst.opcode not in ("parameter", "get-tuple-element", "tuple")]
+    assert per_tick == []
+    adds = [inst for inst in module.computations[body] if inst.opcode == "conditional"
+            and len(hlo._callees(inst)) == 2 and f"f32[{vocab},{width}]" in inst.type]
+    assert len(adds) == 1
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 4, 1), (4, 8, 1), (4, 5, 1), (2, 4, 2), (4, 8, 2),
+                                   (2, 6, 3)])
+def test_eval_table_runs_every_forward_once_with_the_formulas_bubble(p, m, v):
+    """The forward-only table of evaluation: every microbatch through every chunk once, on
+    the chunk's device, the tick after the left neighbour computed its input (which so
+    arrives as it is used); the embedding with chunk 0, the head with the last chunk;
+    bubble (p−1)/(v·m+p−1), interleaved 1F1B's formula."""
+    branch, chunk, mb = forward_table(p, m, v)
+    ticks = {}
+    for t, d in zip(*np.nonzero(branch != executor._IDLE)):
+        j, c = int(mb[t, d]), int(chunk[t, d]) * p + int(d)
+        assert (j, c) not in ticks
+        ticks[(j, c)] = int(t)
+        assert branch[t, d] == (executor._F_FIRST if c == 0 else
+                                executor._F_LAST if c == p * v - 1 else executor._F)
+    assert set(ticks) == {(j, c) for j in range(m) for c in range(p * v)}
+    assert all(ticks[(j, c - 1)] == t - 1 for (j, c), t in ticks.items() if c)
+    assert (branch == executor._IDLE).mean() == pytest.approx((p - 1) / (v * m + p - 1))
+    if v > 1:
+        with pytest.raises(ValueError, match=f"not a multiple of {p}"):
+            forward_table(p, m + 1, v)
+
+
+def test_eval_runs_through_the_stages():
+    """stage=2 × data=2: the eval step gathers no weight (each device keeps its own
+    layers; the replicated eval gathered every layer) and sends one activation per tick;
+    its loss equals one device's."""
+    run, one = build_run(2, 4, "1f1b", data=2), build_run(1)
+    params = reference(4)[0]
+    batch = run.data.batch(0, 32, "eval")
+    sharded = run.trainer.shard_batch(batch)
+    text = run.trainer._eval.lower(params, {}, sharded).compile().as_text()
+    assert hlo.count_ops(text, "all-gather") == 0
+    assert hlo.count_ops(text, "collective-permute", in_loops=True) == 1
+    got = run.trainer.evaluate(params, sharded)
+    want = one.trainer.evaluate(params, one.trainer.shard_batch(batch))
+    np.testing.assert_allclose(float(got["loss"]), float(want["loss"]), rtol=1e-6)
+    with pytest.raises(ValueError, match=r"evaluation batch of 20 .* multiple of 8 rows"):
+        run.trainer.evaluate(params, {"tokens": np.zeros((20, 9), np.int32)})
+
+
+BERT = ["model.name=bert", "model.d_model=16", "model.n_heads=2", "model.d_ff=32",
+        "model.n_layers=4", "model.max_seq_len=16", "data.seq_len=16", "train.batch_size=32",
+        "optim.warmup_steps=0"]
+
+
+@pytest.mark.parametrize("layout", [
+    ["mesh.data=2", "mesh.fsdp=2", "mesh.stage=2", "pipeline.schedule=interleaved",
+     "pipeline.virtual_stages=2"],
+    ["mesh.data=2", "mesh.stage=4", "pipeline.schedule=zb_h1"]], ids=["interleaved", "zb_h1"])
+def test_bert_evaluates_through_the_stages_like_one_device(layout):
+    """BERT (dropout in training, masked-LM masks keyed by example id): its pipelined eval
+    over 4 microbatches — no dropout, the evaluation key's masks — equals one device's eval
+    of the whole batch, loss and masked accuracy."""
+    one = build(load_config([], [*BERT, "mesh.data=1", "run.devices=1"]))
+    run = build(load_config([], [*BERT, *layout, "pipeline.microbatches=4", "run.devices=8"]))
+    state = jax.tree.map(np.asarray, one.trainer.init())
+    batch = one.data.batch(0, 32, "eval")
+    want = one.trainer.evaluate(state, one.trainer.shard_batch(batch))
+    got = run.trainer.evaluate(state, run.trainer.shard_batch(batch))
+    assert set(got) == set(want) == {"loss", "masked_accuracy"}
+    for key in want:
+        np.testing.assert_allclose(float(got[key]), float(want[key]), rtol=1e-6, err_msg=key)
 
 
 @pytest.mark.parametrize("overrides,match", [

@@ -309,7 +309,7 @@ def test_metadata_not_json(written):
 def test_truncated_token_file(written):
     data = written.read_bytes()
     written.write_bytes(data[:-2])
-    with pytest.raises(ValueError, match="truncated or corrupt") as err:
+    with pytest.raises(ValueError, match=": it is truncated; re-create it") as err:
         open_tokens(written)
     assert str(written) in str(err.value) and f"{len(data) - 2} bytes" in str(err.value)
 

@@ -42,6 +42,45 @@ def test_grad_accumulation_all_reduces_over_data_once_per_step():
     assert accumulated.wire_bytes == pytest.approx(all_reduce_bytes(1)[1].wire_bytes, rel=1e-3)
 
 
+@pytest.mark.parametrize("mesh", [["mesh.fsdp=8"], ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]])
+def test_fsdp_gather_once_trades_memory_for_gathers(mesh):
+    """train.fsdp_gather with grad_accum=4 over FSDP-sharded weights: per_microbatch gathers
+    the weights in each of the 4 microbatches, once gathers them once per step and keeps them
+    (more temporaries). Both train the same numbers as the full batch, and `jaxpar inspect`
+    shows the trade, this run's setting first."""
+    from jaxpar.report import format_report
+
+    common = [*GPT_SMALL, *OPTIM, "mesh.data=1", *mesh, "train.batch_size=32",
+              "train.grad_accum=4"]
+    full = run_steps([*GPT_SMALL, *OPTIM, "mesh.data=1", *mesh, "train.batch_size=32"],
+                     steps=2)
+    once = run_steps([*common, "train.fsdp_gather=once"], steps=2)
+    per_mb = run_steps([*common, "train.fsdp_gather=per_microbatch"], steps=2)
+    for losses, params, _ in (once, per_mb):
+        np.testing.assert_allclose(losses, full[0], rtol=1e-5)
+        assert_params_close(params, full[1])
+    totals = layout_totals(once[2])
+    first, other = totals.fsdp_gather
+    assert (first.setting, other.setting) == ("once", "per_microbatch")
+    assert first.collective_bytes == totals.collective_bytes
+    # the weight gathers: 4 per step (forward) become 1; their bytes at most a third
+    assert first.collective_bytes["all-gather"] < other.collective_bytes["all-gather"] / 3
+    assert first.step_temp_bytes > other.step_temp_bytes  # the kept whole weights
+    report = format_report(once[2], totals)
+    assert "FSDP weight gathers with train.grad_accum=4" in report
+    assert "once (this run)" in report and "per_microbatch" in report
+
+
+def test_fsdp_gather_without_effect_warns():
+    with pytest.warns(UserWarning, match="'train.fsdp_gather' has no effect with "
+                                         "train.grad_accum=1"):
+        build(load_config([], [*GPT_SMALL, "mesh.data=1", "mesh.fsdp=8",
+                               "train.fsdp_gather=once"]))
+    with pytest.warns(UserWarning, match="no parameter sharded over data or fsdp"):
+        build(load_config([], [*GPT_SMALL, "mesh.data=8", "train.batch_size=32",
+                               "train.grad_accum=4", "train.fsdp_gather=once"]))
+
+
 def test_grad_accumulation_batch_must_split():
     """Caught when the run is built (and again for any batch handed to the trainer)."""
     message = r"global batch 24 must be divisible by train.grad_accum \(4\) × the 8 devices"
@@ -123,3 +162,35 @@ def test_nonfinite_skip_leaves_state_unchanged_and_counts():
 def test_vocab_smaller_than_bytes_is_an_error():
     with pytest.raises(ValueError, match="has vocab_size 256 but model.vocab_size=100"):
         build(load_config([], [*GPT_SMALL, "model.vocab_size=100"]))
+
+
+def test_throughput_leaves_out_evaluation_and_checkpoints(tmp_path, monkeypatch):
+    """Evaluation made to take 0.5 s: no logged interval's step time holds it, the
+    evaluation rows carry their own duration, and the summary reports the median of the
+    steady intervals and the time left out."""
+    import statistics
+    import time as clock
+
+    import jaxpar.run
+    from jaxpar.loop import summarize, train
+
+    slow = jaxpar.run.evaluate
+
+    def evaluate(run, state):
+        clock.sleep(0.5)
+        return slow(run, state)
+
+    monkeypatch.setattr(jaxpar.run, "evaluate", evaluate)
+    cfg = load_config([], [*GPT_SMALL, "train.steps=8", "train.log_every=2",
+                           "train.eval_every=3", "train.eval_batches=1", "train.progress=false",
+                           f"run.dir={tmp_path}", "checkpoint.every_steps=4"])
+    history = train(cfg, echo=False)
+    train_rows, eval_rows = history.train_rows, history.eval_rows
+    assert [r["step"] for r in eval_rows] == [3, 6, 8]
+    assert all(r["eval_time_s"] >= 0.5 for r in eval_rows)
+    assert all(r["step_time_s"] < 0.25 for r in train_rows[1:]), train_rows
+    assert history.paused["eval"] >= 1.5 and history.paused["checkpoint"] > 0
+    text = summarize(build(cfg), history)
+    median = statistics.median(r["examples_per_s"] for r in train_rows[1:])
+    assert f"throughput: {median:,.1f} examples/s" in text
+    assert "not counted: eval" in text and "checkpoint" in text

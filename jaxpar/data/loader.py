@@ -226,6 +226,15 @@ def _let_grain_read_its_flags() -> None:
         flags.FLAGS.mark_as_parsed()
 
 
+def _workers_ignore_ctrl_c(worker_index: int, worker_count: int) -> None:
+    """In each grain worker process: a Ctrl-C at a terminal reaches the whole process
+    group, but only the trainer acts on it (it finishes the step and checkpoints); a
+    worker that died of it would print a traceback and starve that step of data."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def shuffle_seed(seed: int) -> int:
     """The 32-bit grain shuffle seed for a user seed (epoch ``e`` uses this ``+ e``)."""
     if seed < 0:
@@ -309,7 +318,8 @@ class Loader(Iterator[dict[str, np.ndarray]]):
             grain.ReadOptions(num_threads=threads, prefetch_buffer_size=prefetch))
         if workers > 0:
             _let_grain_read_its_flags()
-            ids = ids.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+            ids = ids.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers),
+                                  worker_init_fn=_workers_ignore_ctrl_c)
         return iter(ids)
 
     def __iter__(self) -> Loader:

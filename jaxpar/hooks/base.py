@@ -102,6 +102,8 @@ class Context:
     step_metrics: dict[str, jax.Array] = field(default_factory=dict)
     #: (step, device metrics) not yet delivered to ``on_step``
     pending: list[tuple[int, dict[str, jax.Array]]] = field(default_factory=list)
+    #: seconds the loop spent on other work than training, by kind (``eval``, ``checkpoint``)
+    paused: dict[str, float] = field(default_factory=dict)
     _evals: dict[int, dict[str, float]] = field(default_factory=dict)
 
     @property
@@ -133,7 +135,9 @@ class Context:
             start = time.perf_counter()
             evals = {f"eval_{k}": v for k, v in evaluate(self.run, self.state).items()}
             self._evals = {step: evals}
-            self.emit("on_eval", step, {**evals, "eval_time_s": time.perf_counter() - start})
+            seconds = time.perf_counter() - start
+            self.pause("eval", seconds)
+            self.emit("on_eval", step, {**evals, "eval_time_s": seconds})
         return self._evals[step]
 
     @property
@@ -145,6 +149,11 @@ class Context:
         cfg = self.config.train
         return step == 1 or step % cfg.log_every == 0 or step == self.last_step or (
             self.stopping and step == self.current_step)
+
+    def pause(self, kind: str, seconds: float) -> None:
+        """Records ``seconds`` spent on ``kind`` of work other than training steps (left
+        out of the step time and the throughput)."""
+        self.paused[kind] = self.paused.get(kind, 0.0) + seconds
 
     def elapsed(self) -> float:
         """Seconds since the loop started."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.hooks.base import Context, Hook
 from jaxpar.hooks.evaluation import is_eval_step
@@ -28,8 +30,10 @@ class Checkpointing(Hook):
         evals = None
         if self.ckpt.best_metric or (ctx.can_evaluate and is_eval_step(step, ctx.config.train)):
             evals = ctx.evaluate(step)
+        start = time.perf_counter()
         save_checkpoint(ctx.run, self.ckpt, step, ctx.state, ctx.step_metrics,
                         ctx.stream.get_state(), evals)
-        ctx.emit("on_save", step)
+        ctx.pause("checkpoint", time.perf_counter() - start)  # the copy to host; the write
+        ctx.emit("on_save", step)                             # goes on in the background
         if ctx.stopping:
             self.ckpt.wait()

@@ -17,7 +17,8 @@ class MetricsLog(Hook):
     ``<run_dir>/metrics.jsonl`` when there is a run dir.
 
     A train row holds the step's metrics, ``time`` (seconds since the loop started),
-    ``step_time_s`` (mean over the interval since the last row), ``examples_per_s``,
+    ``step_time_s`` (mean over the interval since the last row, evaluation and checkpoint
+    time left out: see :meth:`Context.pause`), ``examples_per_s``,
     ``tokens_per_s`` and ``tokens`` (tokens seen) for sequence tasks, and ``data_wait``
     (the share of the interval spent waiting for the data). An eval row holds ``step``,
     ``time``, the ``eval_*`` metrics and ``eval_time_s``.
@@ -26,9 +27,11 @@ class MetricsLog(Hook):
     def __init__(self, wait: Any = None):
         self.wait = wait
         self._last_time = self._last_step = None
+        self._paused = 0.0
 
     def on_start(self, ctx: Context) -> None:
         self._last_time, self._last_step = time.perf_counter(), ctx.first_step - 1
+        self._paused = sum(ctx.paused.values())
 
     def _write(self, ctx: Context, row: dict[str, Any]) -> None:
         ctx.rows.append(row)
@@ -39,9 +42,10 @@ class MetricsLog(Hook):
     def on_step(self, ctx: Context, step: int, metrics: dict[str, Any]) -> None:
         if not ctx.is_log_step(step):
             return
-        now = time.perf_counter()
+        now, paused = time.perf_counter(), sum(ctx.paused.values())
         steps = step - self._last_step
-        dt = (now - self._last_time) / steps
+        interval = max(now - self._last_time - (paused - self._paused), 1e-9)
+        dt = interval / steps
         batch = ctx.config.train.batch_size
         row = {"step": step, **metrics, "time": ctx.elapsed(), "step_time_s": dt,
                "examples_per_s": batch / dt}
@@ -50,14 +54,12 @@ class MetricsLog(Hook):
             row["tokens_per_s"] = batch * per_example / dt
             row["tokens"] = step * batch * per_example
         if self.wait is not None:
-            row["data_wait"] = self.wait.fraction(now - self._last_time, steps, ctx.config)
+            row["data_wait"] = self.wait.fraction(interval, steps, ctx.config)
         self._write(ctx, row)
-        self._last_time, self._last_step = time.perf_counter(), step
+        self._last_time, self._last_step, self._paused = now, step, paused
 
     def on_eval(self, ctx: Context, step: int, metrics: dict[str, float]) -> None:
         self._write(ctx, {"step": step, "time": ctx.elapsed(), **metrics})
-        # evaluation time is not training time: the next interval starts after it
-        self._last_time = time.perf_counter()
 
 
 class TensorBoard(Hook):

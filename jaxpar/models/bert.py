@@ -34,7 +34,7 @@ import optax
 from flax import nnx
 
 from jaxpar.logical import constrain
-from jaxpar.models.family import Counts, Family, option, register
+from jaxpar.models.family import Counts, Family, LabModel, option, register
 from jaxpar.models.gpt import (
     ATTENTION,
     REMAT_POLICIES,
@@ -284,14 +284,11 @@ def _counts(cfg: BERTConfig, data: Any) -> Counts:
     return Counts(params, flops)
 
 
-class _BERTLab:
+class _BERTLab(LabModel):
     whole_params = frozenset({"embed"})
 
     def tensor_terms(self, run: Any, sizes: dict[str, int], cpu: bool) -> list[Any]:
         return transformer_tensor_terms(run, sizes, cpu)
-
-    def pipeline_terms(self, run: Any, cpu: bool) -> list[Any]:
-        return []
 
 
 BERT_FAMILY = register(Family(

@@ -52,34 +52,72 @@ from jaxpar.task import Batch, StageSplit, split_microbatches
 MANUAL_AXES = ("stage", "data", "fsdp")
 
 # lax.switch branches. The forward of the last chunk is folded into its backward (which
-# recomputes it with the head), so it is idle; chunk 0's embedding runs inside F, B and I,
-# selected by a flag.
-_IDLE, _F, _B, _B_LAST, _I, _I_LAST, _W, _W_LAST = range(8)
+# recomputes it with the head), so it is idle in training. Chunk 0 has branches of its own:
+# the embedding runs there and nowhere else (its backward recomputes the embedding, a
+# lookup, instead of stashing it). The forward-only evaluation table
+# (:func:`forward_table`) uses _F_FIRST, _F and _F_LAST.
+(_IDLE, _F, _F_FIRST, _F_LAST, _B, _B_FIRST, _B_LAST, _I, _I_FIRST, _I_LAST, _W, _W_FIRST,
+ _W_LAST) = range(13)
+#: the branches that produce a layer gradient, and those that produce other parameters'
+_ADDS_LAYER_GRADS = (_B, _B_FIRST, _B_LAST, _W, _W_FIRST, _W_LAST)
+_ADDS_OTHER_GRADS = (_B_FIRST, _B_LAST, _I_FIRST, _W_LAST)
+
+
+def _chunk_ends(table_chunk: np.ndarray, p: int, v: int) -> tuple[np.ndarray, np.ndarray]:
+    """Masks [ticks, p] of the ticks that run chunk 0 and the last chunk."""
+    chunk = table_chunk * p + np.arange(p)[None, :]
+    return chunk == 0, chunk == p * v - 1
 
 
 def branch_table(table: TickTable) -> np.ndarray:
     """[ticks, p] switch branch per device and tick (what to run, where in the model)."""
-    p = table.p
-    last = (table.chunk * p + np.arange(p)[None, :]) == p * table.v - 1
+    first, last = _chunk_ends(table.chunk, table.p, table.v)
     kind = np.asarray(KINDS)[table.kind]
     out = np.full(table.kind.shape, _IDLE, np.int32)
-    out[(kind == "F") & ~last] = _F
-    for k, mid, end in (("B", _B, _B_LAST), ("I", _I, _I_LAST), ("W", _W, _W_LAST)):
-        out[kind == k] = np.where(last, end, mid)[kind == k]
+    for k, mid, start, end in (("F", _F, _F_FIRST, _IDLE), ("B", _B, _B_FIRST, _B_LAST),
+                               ("I", _I, _I_FIRST, _I_LAST), ("W", _W, _W_FIRST, _W_LAST)):
+        out[kind == k] = np.select([first, last], [start, end], mid)[kind == k]
     return out
+
+
+def forward_table(p: int, m: int, v: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(switch branch, device-local chunk, microbatch), each [ticks, p], of a forward-only
+    pass (evaluation): ``m·v + p − 1`` ticks, bubble ``(p−1)/(v·m+p−1)``.
+
+    Device ``d`` runs its ``u``-th forward at tick ``u + d``: microbatches in groups of
+    ``p``, each group through the device's chunks ``k = 0 … v−1`` in turn (microbatch
+    ``g·p + r`` of chunk ``k`` is its forward ``u = g·p·v + k·p + r``). The input of
+    every forward but chunk 0's is the left neighbour's output of the tick before, so it
+    arrives the very tick it is used: no buffers. ``v > 1`` needs ``m`` divisible by
+    ``p`` (as the interleaved schedule does).
+    """
+    if v > 1 and m % p:
+        raise ValueError(f"a forward pass over {v} chunks per device runs microbatches in "
+                         f"groups of mesh.stage={p}: {m} microbatches is not a multiple of {p}")
+    ticks = m * v + p - 1
+    u = np.arange(ticks)[:, None] - np.arange(p)[None, :]
+    active = (u >= 0) & (u < m * v)
+    group, rest = np.divmod(np.clip(u, 0, m * v - 1), p * v)
+    chunk = np.where(active, rest // p, 0).astype(np.int32)
+    mb = np.where(active, group * p + rest % p, 0).astype(np.int32)
+    first, last = _chunk_ends(chunk, p, v)
+    branch = np.select([~active, first, last], [_IDLE, _F_FIRST, _F_LAST], _F).astype(np.int32)
+    return branch, chunk, mb
 
 
 @dataclass(frozen=True)
 class _Parts:
     """The model's stage functions as pure functions of parameter trees and the model
-    state of one microbatch (its RNG counts advanced to that microbatch's)."""
+    state of one microbatch (its RNG counts advanced to that microbatch's), in NNX's
+    training mode or (``train`` False) its evaluation mode."""
 
     split: StageSplit
     graphdef: nnx.GraphDef
+    train: bool = True
 
     def _model(self, rest: Any, chunk: Any, state: Any) -> nnx.Module:
         model = nnx.merge(self.graphdef, {**rest, self.split.layers_key: chunk}, state)
-        model.train()
+        model.train() if self.train else model.eval()
         return model
 
     def embed(self, rest, chunk, state, mb):
@@ -163,6 +201,95 @@ def pipeline_grads(split: StageSplit, graphdef: nnx.GraphDef, params: Any, batch
     return loss, metrics, {**g_rest, key: g_layers}
 
 
+def pipeline_eval(split: StageSplit, graphdef: nnx.GraphDef, params: Any, batch: Batch, *,
+                  p: int, m: int, v: int, mesh: Mesh, rules: Rules, model_state: Any = None
+                  ) -> tuple[jax.Array, dict]:
+    """Loss and metrics of ``params`` on ``batch`` in evaluation mode, through the stages.
+
+    A forward-only pass (:func:`forward_table`): each device holds only its chunks of
+    layers (no device gathers the whole model), and the result equals the task's loss on
+    the whole batch in evaluation mode, as a mean over ``m`` equal microbatches. The model
+    state is read as it is by every microbatch (evaluation advances no RNG count).
+    Traceable; ``p, m, v`` as in the training table.
+    """
+    model_state = {} if model_state is None else model_state
+    key = split.layers_key
+    rest = {k: x for k, x in params.items() if k != key}
+    layers = jax.tree.map(lambda w: w.reshape(v, p, w.shape[0] // (p * v), *w.shape[1:]),
+                          params[key])
+    batch_axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1)
+    shards = math.prod(mesh.shape[a] for a in batch_axes)
+    inner_rules = {n: tuple(a for a in axes if a not in MANUAL_AXES) for n, axes in rules.items()}
+    parts = _Parts(split, graphdef, train=False)
+    full, chunk, mb = forward_table(p, m, v)
+    used = np.unique(full)
+    rows = (jnp.asarray(np.searchsorted(used, full).astype(np.int32)), jnp.asarray(chunk),
+            jnp.asarray(mb))
+
+    def body(layers, rest, state, batch):
+        layers = jax.tree.map(lambda w: w[:, 0], layers)  # [v, Lc, …]: this device's chunks
+        micro = {k: split_microbatches(x, m) for k, x in batch.items()}
+        with activation_rules(jax.sharding.get_abstract_mesh(), inner_rules):
+            loss, metrics = _run_forward(parts, p, layers, rest, state, micro, rows, used)
+        scale = 1.0 / (m * shards)
+        return jax.lax.psum((loss * scale, jax.tree.map(lambda a: a * scale, metrics)),
+                            ("stage", *batch_axes))
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(None, "stage"), P(), P(),
+                                                  P(batch_axes or None)),
+                       out_specs=(P(), P()), axis_names=set(MANUAL_AXES), check_vma=False)
+    return fn(layers, rest, model_state, dict(batch))
+
+
+def _run_forward(parts: _Parts, p: int, layers, rest, state, micro, rows, used):
+    """The per-device scan of a forward-only pass: the input arriving from the left
+    neighbour is used the tick it arrives (see :func:`forward_table`); the device holding
+    the last chunk adds each microbatch's loss and metrics."""
+    d = jax.lax.axis_index("stage")
+    first_mb = {k: x[0] for k, x in micro.items()}
+    chunk0 = jax.tree.map(lambda w: w[0], layers)
+    per_chunk = jax.tree.leaves(chunk0)[0].shape[0]
+    x_shape = jax.eval_shape(parts.embed, rest, chunk0, state, first_mb)
+    _, aux_shape = jax.eval_shape(
+        lambda: parts.head(chunk0, rest, state, jnp.zeros(x_shape.shape, x_shape.dtype),
+                           first_mb))
+    message = jnp.zeros(x_shape.shape, x_shape.dtype)
+    aux = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shape)
+    right = [(i, (i + 1) % p) for i in range(p)]
+
+    def stage(w, x, mb, first_layer):
+        return parts.stage(w, rest, state, x, mb, first_layer).astype(message.dtype)
+
+    def idle(w, x, mb, first_layer):
+        return message, jnp.zeros((), jnp.float32), aux
+
+    def forward(w, x, mb, first_layer):
+        return stage(w, x, mb, first_layer), *idle(w, x, mb, first_layer)[1:]
+
+    def forward_first(w, x, mb, first_layer):
+        x = parts.embed(rest, w, state, mb).astype(message.dtype)
+        return forward(w, x, mb, first_layer)
+
+    def forward_last(w, x, mb, first_layer):
+        loss, aux = parts.head(w, rest, state, stage(w, x, mb, first_layer), mb)
+        return message, loss.astype(jnp.float32), aux
+
+    fns = {_IDLE: idle, _F: forward, _F_FIRST: forward_first, _F_LAST: forward_last}
+
+    def tick(c, row):
+        branch, k, j = (r[d] for r in row)
+        w = jax.tree.map(lambda t: t[k], layers)
+        mb = {name: x[j] for name, x in micro.items()}
+        send, loss, metrics = jax.lax.switch(branch, [fns[u] for u in used], w, c["in"], mb,
+                                             (k * p + d) * per_chunk)
+        return {"in": jax.lax.ppermute(send, "stage", right), "loss": c["loss"] + loss,
+                "metrics": jax.tree.map(jnp.add, c["metrics"], metrics)}, None
+
+    carry = {"in": message, "loss": jnp.zeros((), jnp.float32), "metrics": aux}
+    carry, _ = jax.lax.scan(tick, carry, rows)
+    return carry["loss"], carry["metrics"]
+
+
 @dataclass(frozen=True)
 class _Reduction:
     """How results leave the shard_map, once per step after the scan.
@@ -228,7 +355,15 @@ def _fsdp_dims(specs: Any, key: str, layers: Any, rest: Any,
 def _run(parts: _Parts, table: TickTable, layers, rest, state, micro, branches, used, columns,
          *, scale: float, fill: float):
     """The per-device scan over the table (inside ``shard_map``); ``state`` is the model
-    state and its RNG-count mask."""
+    state and its RNG-count mask.
+
+    A gradient term is added into its accumulator only on the ticks that produce one (a
+    two-way ``lax.cond`` after the switch, which XLA updates in place): layer gradients
+    on B and W ticks, the other parameters' on chunk 0's B and I ticks (the embedding) and
+    the last chunk's B and W ticks (the head). Every other tick leaves the accumulators
+    untouched. (Passing them through the switch itself would not do: XLA copies what a
+    conditional of more than two branches passes through, every tick.)
+    """
     p = table.p
     d = jax.lax.axis_index("stage")
     state, counts = state
@@ -250,29 +385,31 @@ def _run(parts: _Parts, table: TickTable, layers, rest, state, micro, branches, 
     seed = jnp.asarray(scale, jnp.float32)
     right = [(i, (i + 1) % p) for i in range(p)]
     left = [(i, (i - 1) % p) for i in range(p)]
+    fns = _branches(parts, message, seed, zeros_like(chunk0), zeros_like(rest),
+                    zeros_like(aux_shape))
+    adds_dw = jnp.asarray(np.isin(used, _ADDS_LAYER_GRADS))
+    adds_drest = jnp.asarray(np.isin(used, _ADDS_OTHER_GRADS))
 
     def tick(c, row):
         branch, (k, j, a_slot, g_slot, recv_a, recv_g) = row[0][d], [r[d] for r in row[1]]
-        first = (k == 0) & (d == 0)  # this device's chunk k is chunk 0: embedding inside
         acts = c["acts"].at[recv_a].set(c["in_act"])
         grads = c["grads"].at[recv_g].set(c["in_grad"])
         w = jax.tree.map(lambda t: t[k], layers)
         mb = {name: x[j] for name, x in micro.items()}
         where = (advance_counts(state, counts, j), (k * p + d) * per_chunk)
-        fns = _branches(parts, message, seed, first, zeros_like(w), zeros_like(rest),
-                        zeros_like(aux_shape))
-        send_act, send_grad, stash, dw, drest, loss, aux = jax.lax.switch(
+        send_act, send_grad, dw, drest, loss, aux = jax.lax.switch(
             branch, [fns[u] for u in used], w, rest, acts[a_slot], grads[g_slot], mb, where)
-        # chunk 0's forward stashes the embedding it computed; every other tick writes trash
-        stash_slot = jnp.where(first & (jnp.asarray(used)[branch] == _F), a_slot,
-                               table.act_slots)
-        acts = acts.at[stash_slot].set(stash)
+        g_layers = jax.lax.cond(
+            adds_dw[branch], lambda g: jax.tree.map(lambda g, u: g.at[k].add(u), g, dw),
+            lambda g: g, c["g_layers"])
+        g_rest = jax.lax.cond(adds_drest[branch],
+                              lambda g: jax.tree.map(jnp.add, g, drest), lambda g: g,
+                              c["g_rest"])
         new = {
             "acts": acts, "grads": grads,
             "in_act": jax.lax.ppermute(send_act, "stage", right),
             "in_grad": jax.lax.ppermute(send_grad, "stage", left),
-            "g_layers": jax.tree.map(lambda g, u: g.at[k].add(u), c["g_layers"], dw),
-            "g_rest": jax.tree.map(jnp.add, c["g_rest"], drest),
+            "g_layers": g_layers, "g_rest": g_rest,
             "loss": c["loss"] + loss, "metrics": jax.tree.map(jnp.add, c["metrics"], aux)}
         return new, None
 
@@ -280,20 +417,24 @@ def _run(parts: _Parts, table: TickTable, layers, rest, state, micro, branches, 
     return carry["loss"], carry["metrics"], carry["g_layers"], carry["g_rest"]
 
 
-def _branches(parts: _Parts, message, seed, first, no_dw, no_drest, no_aux):
-    """The switch branches, indexed by ``_IDLE … _W_LAST``. Each takes (chunk params,
-    other params, stashed input, incoming gradient, microbatch, (the microbatch's model
-    state, the chunk's first layer)) and returns (send right, send left, stash, d chunk,
-    d other params, loss, metrics)."""
+def _branches(parts: _Parts, message, seed, no_dw, no_drest, no_aux):
+    """The switch branches, keyed by ``_IDLE … _W_LAST``. Each takes (chunk params, other
+    params, stashed input, incoming gradient, microbatch, (the microbatch's model state,
+    the chunk's first layer)) and returns (send right, send left, d chunk, d other params,
+    loss, metrics), zeros where it produces none. Chunk 0's branches recompute the
+    embedding (a lookup) rather than read a stashed copy."""
     no_loss = jnp.zeros((), jnp.float32)
 
-    def result(send_act=message, send_grad=message, stash=message, dw=no_dw, drest=no_drest,
-               loss=no_loss, aux=no_aux):
+    def result(send_act=message, send_grad=message, dw=no_dw, drest=no_drest, loss=no_loss,
+               aux=no_aux):
         cast = lambda x: x.astype(message.dtype)
-        return cast(send_act), cast(send_grad), cast(stash), dw, drest, loss, aux
+        return cast(send_act), cast(send_grad), dw, drest, loss, aux
 
     def stage(w, r, x, mb, where):
         return parts.stage(w, r, where[0], x, mb, where[1])
+
+    def embed(w, r, mb, where):
+        return parts.embed(r, w, where[0], mb).astype(message.dtype)
 
     def loss_of(w, r, x, mb, where):
         loss, aux = parts.head(w, r, where[0], stage(w, r, x, mb, where), mb)
@@ -302,22 +443,25 @@ def _branches(parts: _Parts, message, seed, first, no_dw, no_drest, no_aux):
     def seed_of(loss, aux):
         return jnp.ones_like(loss), jax.tree.map(jnp.zeros_like, aux)
 
-    def embed_grad(w, r, mb, where, dx0):
-        """Embedding gradients on chunk 0 (zeros elsewhere; ``where``, so NaN cannot leak)."""
-        _, vjp = jax.vjp(lambda r: parts.embed(r, w, where[0], mb), r)
-        return jax.tree.map(lambda g: jnp.where(first, g, 0), vjp(dx0)[0])
-
     def idle(w, r, x, dy, mb, where):
         return result()
 
     def forward(w, r, x, dy, mb, where):
-        x = jnp.where(first, parts.embed(r, w, where[0], mb).astype(x.dtype), x)
-        return result(send_act=stage(w, r, x, mb, where), stash=x)
+        return result(send_act=stage(w, r, x, mb, where))
+
+    def forward_first(w, r, x, dy, mb, where):
+        return result(send_act=stage(w, r, embed(w, r, mb, where), mb, where))
 
     def backward(w, r, x, dy, mb, where):
         _, vjp = jax.vjp(lambda w, x: stage(w, r, x, mb, where), w, x)
         dw, dx = vjp(dy)
-        return result(send_grad=dx, dw=dw, drest=embed_grad(w, r, mb, where, dx))
+        return result(send_grad=dx, dw=dw)
+
+    def backward_first(w, r, x, dy, mb, where):
+        """Chunk 0: the stage's and the embedding's vector-Jacobian products in one."""
+        _, vjp = jax.vjp(lambda w, r: stage(w, r, embed(w, r, mb, where), mb, where), w, r)
+        dw, drest = vjp(dy)
+        return result(dw=dw, drest=drest)
 
     def backward_last(w, r, x, dy, mb, where):
         (loss, aux), vjp = jax.vjp(lambda w, r, x: loss_of(w, r, x, mb, where), w, r, x)
@@ -327,7 +471,11 @@ def _branches(parts: _Parts, message, seed, first, no_dw, no_drest, no_aux):
     def input_grad(w, r, x, dy, mb, where):
         _, vjp = jax.vjp(lambda x: stage(w, r, x, mb, where), x)
         (dx,) = vjp(dy)
-        return result(send_grad=dx, drest=embed_grad(w, r, mb, where, dx))
+        return result(send_grad=dx)
+
+    def input_grad_first(w, r, x, dy, mb, where):
+        _, vjp = jax.vjp(lambda r: stage(w, r, embed(w, r, mb, where), mb, where), r)
+        return result(drest=vjp(dy)[0])
 
     def input_grad_last(w, r, x, dy, mb, where):
         (loss, aux), vjp = jax.vjp(lambda x: loss_of(w, r, x, mb, where), x)
@@ -338,10 +486,16 @@ def _branches(parts: _Parts, message, seed, first, no_dw, no_drest, no_aux):
         _, vjp = jax.vjp(lambda w: stage(w, r, x, mb, where), w)
         return result(dw=vjp(dy)[0])
 
+    def weight_grad_first(w, r, x, dy, mb, where):
+        _, vjp = jax.vjp(lambda w: stage(w, r, embed(w, r, mb, where), mb, where), w)
+        return result(dw=vjp(dy)[0])
+
     def weight_grad_last(w, r, x, dy, mb, where):
         (loss, aux), vjp = jax.vjp(lambda w, r: loss_of(w, r, x, mb, where), w, r)
         dw, drest = vjp(seed_of(loss, aux))
         return result(dw=dw, drest=drest)
 
-    return [idle, forward, backward, backward_last, input_grad, input_grad_last,
-            weight_grad, weight_grad_last]
+    return {_IDLE: idle, _F: forward, _F_FIRST: forward_first, _B: backward,
+            _B_FIRST: backward_first, _B_LAST: backward_last, _I: input_grad,
+            _I_FIRST: input_grad_first, _I_LAST: input_grad_last, _W: weight_grad,
+            _W_FIRST: weight_grad_first, _W_LAST: weight_grad_last}

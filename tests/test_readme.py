@@ -1,0 +1,81 @@
+"""The README's commands do what they say when pasted in order on a fresh clone.
+
+Every ``jaxpar train`` and ``jaxpar inspect`` line of the README's ```` ```bash ```` blocks
+runs (``train.steps=2``: a short run, the rest of the command as written) from a fresh
+directory holding the repository's ``configs/`` and ``examples/``; each train exits 0 and
+logs its 2 steps in a run directory of its own, so no layout resumes another's run. The
+``plan`` and ``sweep`` lines are left out here (their numbers are tested in
+``test_families.py`` and ``test_lab.py``).
+"""
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from jaxpar.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+SHORT = ["train.steps=2", "train.log_every=1", "train.progress=false"]
+
+
+def readme_commands(kinds=("train", "inspect")) -> list[list[str]]:
+    """The argument lists of the README's ``jaxpar KIND …`` lines in ```bash blocks."""
+    text = (REPO / "README.md").read_text()
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.splitlines():
+            match = re.search(r"(?:^|&& )jaxpar (\w[\w-]*)(.*)", line.split("#")[0])
+            if match and match.group(1) in kinds:
+                out.append([match.group(1), *shlex.split(match.group(2))])
+    return out
+
+
+def steps_logged(run_dir: Path) -> list[int]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in rows if "loss" in r]
+
+
+@pytest.fixture()
+def clone(tmp_path, monkeypatch):
+    """A directory that looks like a fresh clone to the commands (configs/, examples/)."""
+    for name in ("configs", "examples"):
+        (tmp_path / name).symlink_to(REPO / name)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_readme_lists_the_quickstart_and_layout_commands():
+    commands = [" ".join(c) for c in readme_commands()]
+    for expected in ("train", "train mesh.fsdp=8", "train mesh.data=4 mesh.tensor=2",
+                     "train mesh.stage=4 pipeline.schedule=zb_h1 pipeline.microbatches=8",
+                     "train --task examples/research_cnn.py:TASK mesh.data=8"):
+        assert expected in commands
+
+
+@pytest.mark.slow
+def test_readme_commands_pasted_in_order_each_train(clone, capsys):
+    dirs = []
+    for command in readme_commands():
+        before = {p for p in (clone / "runs").glob("*")} if (clone / "runs").exists() else set()
+        assert main([*command, *(SHORT if command[0] == "train" else [])]) == 0, command
+        out = capsys.readouterr().out
+        if command[0] == "inspect":
+            assert "params per device" in out, command
+            continue
+        new = {p for p in (clone / "runs").glob("*")} - before
+        assert len(new) == 1, (command, new)  # a run directory of its own
+        run_dir = new.pop()
+        assert steps_logged(run_dir) == [1, 2], command
+        dirs.append(run_dir.name)
+    assert "gpt_tiny" in dirs and "gpt_tiny-fsdp8" in dirs and "gpt_tiny-tp" in dirs
+
+    # the Quickstart again: finished, and says how to go on; then it trains longer
+    assert main(["train", *SHORT]) == 0
+    out = capsys.readouterr().out
+    assert ("the run in runs/gpt_tiny is finished (step 2 of train.steps=2); to train it "
+            "longer, run again with train.steps=N (N > 2)") in out
+    assert main(["train", *SHORT, "train.steps=3"]) == 0
+    assert steps_logged(clone / "runs" / "gpt_tiny") == [1, 2, 3]
