@@ -32,9 +32,10 @@ def _train(run_dir, *overrides: str) -> None:
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    """A 2-step run of a tiny byte-level GPT on data=8 (the default layout)."""
+    """A 2-step run of a tiny byte-level GPT on one device (half the compile time of 8;
+    layouts are the business of test_sharded_run_samples_as_on_one_device)."""
     path = tmp_path_factory.mktemp("sample") / "run"
-    _train(path)
+    _train(path, "run.devices=1")
     return path
 
 
@@ -119,6 +120,7 @@ def test_sampling_is_deterministic_for_a_seed(restored, greedy):
     np.testing.assert_array_equal(draw(5, top_k=1), greedy[:, :12])  # top-1 is greedy
 
 
+@pytest.mark.slow  # trains on 8 devices: ~20 s of compiling on 2 busy cores
 def test_sharded_run_samples_as_on_one_device(tmp_path):
     path = tmp_path / "run"
     _train(path, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
@@ -131,7 +133,7 @@ def test_sharded_run_samples_as_on_one_device(tmp_path):
 
 
 def test_sample_command_prints_the_text(run_dir, greedy, capsys):
-    assert main(["--devices", "8", "sample", str(run_dir), "--prompt", "The ", "--tokens", "6",
+    assert main(["--devices", "1", "sample", str(run_dir), "--prompt", "The ", "--tokens", "6",
                  "--temperature", "0"]) == 0
     out, err = capsys.readouterr()
     assert out == "The " + bytes(greedy[0, :6].tolist()).decode(errors="replace") + "\n"
