@@ -8,6 +8,8 @@
                     [--steps N] [--hardware NAME] [--memory-gb G] [--devices N]
     jaxpar plan     [CONFIG.yaml …] [section.key=value …] --devices N [--hardware NAME]
                     [--memory-gb G] [--layouts L …]
+    jaxpar sample   RUN_DIR --prompt TEXT [--tokens N] [--temperature T] [--top-k K]
+                    [--seed S] [--step N] [--samples N] [section.key=value …] [--devices N]
     jaxpar prepare-data INPUT… --out PATH [--tokenizer byte|TOKENIZER.json] [--glob PATTERN]
     jaxpar launch   -n N [--devices-per-process K] [--cpus-per-process C] -- COMMAND [ARGS…]
     jaxpar plot     RUN_DIR [RUN_DIR …] [--out PATH]
@@ -15,6 +17,9 @@
 With no CONFIG the default config (``configs/gpt_tiny.yaml``'s settings) is used.
 ``--task FILE.py:NAME`` (or ``package.module:NAME``) trains a user's jaxpar.Task instead
 of the built-in model (every command that takes a config accepts it).
+``sample`` continues a prompt with a run's language model: its config is the run dir's
+``config.yaml`` (overrides apply on top, e.g. another layout: ``mesh.data=1 --devices 1``).
+Options (``--devices``, ``--task``, …) may come anywhere: before the command too.
 ``prepare-data`` takes no config: it turns local text files and folders into a token file
 (``PATH`` plus ``PATH.json``) that training memory-maps.
 Exit status: 0 done; 2 bad input (the one-line message says what to fix); 3 a non-finite
@@ -92,6 +97,7 @@ def _parser() -> argparse.ArgumentParser:
             cmd.add_argument("--step", type=int, default=None,
                              help="the checkpoint step (default: the latest)")
     _lab_parsers(sub)
+    _sample_parser(sub)
     from jaxpar import plot
 
     plot.add_parser(sub)
@@ -121,6 +127,46 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("jaxpar_args", nargs=argparse.REMAINDER, metavar="-- COMMAND",
                      help="after --: the jaxpar command and its arguments, e.g. train mesh.fsdp=8")
     return parser
+
+
+def _sample_parser(sub: argparse._SubParsersAction) -> None:
+    cmd = sub.add_parser("sample", help="continue a prompt with a trained language model "
+                                        "(a run dir's latest checkpoint)")
+    cmd.add_argument("run_dir", metavar="RUN_DIR", help="the run.dir of a trained run")
+    cmd.add_argument("args", nargs="*", metavar="section.key=value",
+                     help="settings over the run's config.yaml, e.g. mesh.data=1")
+    cmd.add_argument("--prompt", required=True, help="the text to continue")
+    cmd.add_argument("--tokens", type=int, default=200, help="tokens to generate (200)")
+    cmd.add_argument("--temperature", type=float, default=1.0,
+                     help="0: greedy (the most likely token); higher: more random (1.0)")
+    cmd.add_argument("--top-k", type=int, default=0, metavar="K",
+                     help="draw from the K most likely tokens only (0: all)")
+    cmd.add_argument("--seed", type=int, default=0, help="random seed (0)")
+    cmd.add_argument("--step", type=int, default=None,
+                     help="the checkpoint step (default: the latest)")
+    cmd.add_argument("--samples", type=int, default=1, help="continuations to draw (1)")
+    cmd.add_argument("--devices", type=int, default=None,
+                     help="device count (simulated CPU devices when there is no accelerator)")
+
+
+def _sample(args: argparse.Namespace) -> None:
+    from jaxpar.mesh import setup_devices
+    from jaxpar.sample import load_run_config, sample_config
+
+    overrides = [*args.args, *([f"run.devices={args.devices}"] if args.devices else [])]
+    bad = [a for a in args.args if "=" not in a]
+    if bad:
+        raise ValueError(f"jaxpar sample takes one RUN_DIR, then section.key=value settings; "
+                         f"got also {' '.join(bad)}")
+    config = load_run_config(args.run_dir, overrides)
+    setup_devices(config.run.devices)
+    out = sample_config(config, args.prompt, tokens=args.tokens, temperature=args.temperature,
+                        top_k=args.top_k, seed=args.seed, step=args.step, samples=args.samples)
+    print(f"jaxpar: step {out.step} of {config.run.dir}", file=sys.stderr, flush=True)
+    for i, text in enumerate(out.texts):
+        if i:
+            print("\n---")
+        print(args.prompt + text, flush=True)
 
 
 def _task_argument(cmd: argparse.ArgumentParser) -> None:
@@ -290,12 +336,25 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     """The arguments; configs and overrides may come before or after options
     (``jaxpar train --task f.py:TASK mesh.fsdp=8``)."""
     parser = _parser()
-    args, extra = parser.parse_known_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, extra = parser.parse_known_args(_command_first(parser, argv))
     if extra:
         if not hasattr(args, "args") or any(e.startswith("-") for e in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.args = [*args.args, *extra]
     return args
+
+
+def _command_first(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``argv`` with the options given before the command moved after it: a command's
+    options may come anywhere (``jaxpar --devices 8 train`` = ``jaxpar train --devices
+    8``). ``-h`` before the command keeps the top-level help."""
+    commands = next(a for a in parser._actions
+                    if isinstance(a, argparse._SubParsersAction)).choices
+    at = next((i for i, a in enumerate(argv) if a in commands), 0)
+    if not at or {"-h", "--help"} & set(argv[:at]):
+        return argv
+    return [argv[at], *argv[:at], *argv[at + 1:]]
 
 
 def _debug_flag(argv: list[str]) -> tuple[list[str], bool]:
@@ -399,6 +458,9 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             if args.command == "launch":
                 return _launch(args)
+            if args.command == "sample":  # the run dir's config
+                _sample(args)
+                return 0
             if args.command == "plot":  # needs no config
                 from jaxpar.plot import run as plot
 

@@ -237,6 +237,25 @@ def save_checkpoint(run: Run, ckpt: Checkpointer, step: int, state: TrainState,
     ckpt.save(step, state, meta, metrics=evals)
 
 
+def restore_state(run: Run, step: int | None, command: str) -> TrainState:
+    """The state of ``run``'s checkpoint ``step`` (None: the latest), restored with the
+    run's shardings (on its mesh, whatever mesh the checkpoint was saved from).
+    ``command`` names the caller in errors (``jaxpar export``).
+
+    Raises:
+      ValueError: when the run has no such checkpoint, it fails verification, or it does
+        not fit the model.
+    """
+    config = run.config
+    ckpt = Checkpointer(checkpoint_dir(config), run.trainer, verify=config.checkpoint.verify)
+    try:
+        state, _ = _restore_named(ckpt, step, command + (
+            f" --step {step}" if step is not None else ""))
+    finally:
+        ckpt.close()
+    return state
+
+
 def export_params(config: Config, out: str | Path, step: int | None = None,
                   task: Any = None) -> tuple[Path, int]:
     """Writes the parameters of a checkpoint of ``config``'s run (of ``task``, a user's
@@ -250,13 +269,7 @@ def export_params(config: Config, out: str | Path, step: int | None = None,
     from jaxpar.rundir import check_output_file
 
     out = check_output_file(out, "--out")
-    run = build(config, task)
-    ckpt = Checkpointer(checkpoint_dir(config), run.trainer, verify=config.checkpoint.verify)
-    try:
-        state, _ = _restore_named(ckpt, step, "jaxpar export" + (
-            f" --step {step}" if step is not None else ""))
-    finally:
-        ckpt.close()
+    state = restore_state(build(config, task), step, "jaxpar export")
     flat = {shd.path_str(path): host_value(leaf)
             for path, leaf in jax.tree_util.tree_leaves_with_path(state.params)}
     if jax.process_index() == 0:

@@ -99,3 +99,22 @@ def test_train_on_a_corpus_made_by_prepare_data(tmp_path, capsys):
     train = [r for r in rows if "loss" in r]
     assert train[-1]["loss"] < train[0]["loss"] - 1.0 and rows[-1]["step"] == 30
     assert "eval_loss" in rows[-1]
+
+
+@pytest.mark.parametrize("command", [
+    ["train", "mesh.fsdp=8", "--devices", "8", "--task", "t.py:TASK"],
+    ["export", "configs/gpt_tiny.yaml", "mesh.fsdp=8", "--out", "p.npz", "--devices", "8"],
+    ["sample", "runs/x", "mesh.data=1", "--prompt", "The ", "--devices", "1", "--top-k", "5"],
+])
+def test_options_may_come_anywhere(command):
+    """Options after the overrides, between them, or before the command parse alike."""
+    from jaxpar.cli import _parse
+
+    name, rest = command[0], command[1:]
+    positional = [a for a in rest if "=" in a or a.endswith((".yaml",)) or a == "runs/x"]
+    options = [a for a in rest if a not in positional]
+    expected = _parse([name, *positional, *options])
+    assert _parse([name, *options, *positional]) == expected
+    assert _parse([*options, name, *positional]) == expected
+    assert _parse([name, positional[0], *options, *positional[1:]]) == expected
+    assert expected.devices == int(options[options.index("--devices") + 1])

@@ -413,19 +413,30 @@ def decode(token_file: TokenFile, start: int = 0, end: int | None = None) -> str
     if not 0 <= start <= end <= token_file.num_tokens:
         raise ValueError(f"range [{start}, {end}) is outside token file '{token_file.name}' "
                          f"of {token_file.num_tokens} tokens")
-    spec = token_file.meta["tokenizer"]
+    return tokenizer_of(token_file).decode(token_file.tokens[start:end])
+
+
+def tokenizer_of(token_file: TokenFile) -> Tokenizer:
+    """The tokenizer a token file was written with (its metadata's ``tokenizer``).
+
+    Raises:
+      ValueError: for a tokenizer file that is missing or has changed since the token
+        file was written, or ids that no tokenizer made (synthetic data).
+    """
+    spec = token_file.meta.get("tokenizer")
     if spec == "byte":
-        tok: Tokenizer = ByteTokenizer()
-    else:
-        file = Path(spec["file"])
-        if not file.is_file():
-            raise ValueError(f"tokenizer file '{file}' of token file '{token_file.name}' is "
-                             "missing; restore it to decode")
-        if _sha256(file) != spec["sha256"]:
-            raise ValueError(f"tokenizer file '{file}' changed since token file "
-                             f"'{token_file.name}' was written (sha256 differs); restore it")
-        tok = _load_hf(str(file), spec["sha256"])
-    return tok.decode(token_file.tokens[start:end])
+        return ByteTokenizer()
+    if not isinstance(spec, dict) or "file" not in spec:
+        raise ValueError(f"the ids of '{token_file.name}' come from no tokenizer "
+                         f"(tokenizer {spec!r}), so they have no text")
+    file = Path(spec["file"])
+    if not file.is_file():
+        raise ValueError(f"tokenizer file '{file}' of token file '{token_file.name}' is "
+                         "missing; restore it to decode")
+    if _sha256(file) != spec["sha256"]:
+        raise ValueError(f"tokenizer file '{file}' changed since token file "
+                         f"'{token_file.name}' was written (sha256 differs); restore it")
+    return _load_hf(str(file), spec["sha256"])
 
 
 def check_vocab(token_file: TokenFile, model_vocab_size: int | None) -> None:

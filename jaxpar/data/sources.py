@@ -24,11 +24,14 @@ import numpy as np
 from jaxpar.config import DataConfig
 from jaxpar.data.loader import ArrayExamples, Loader, TokenWindows, fixed_batches
 from jaxpar.data.prepare import (
+    ByteTokenizer,
     TokenFile,
+    Tokenizer,
     builtin_corpus,
     check_vocab,
     encode_documents,
     open_tokens,
+    tokenizer_of,
 )
 
 
@@ -182,6 +185,23 @@ def _text_file(path: Path) -> TokenFile:
         return open_tokens(path)  # a .tokens file without its metadata is an error there
     tokens, meta = encode_documents([(str(path), path.read_bytes())], "byte")
     return TokenFile(tokens, meta["vocab_size"], meta, str(path), path)
+
+
+def text_tokenizer(cfg: DataConfig) -> Tokenizer:
+    """The tokenizer of the text ``cfg`` names (what turns a prompt into the ids a model
+    trained on it reads): a token file's own, else bytes.
+
+    Raises:
+      ValueError: for synthetic data (ids without text) or a token file whose tokenizer
+        file is missing or changed.
+    """
+    if cfg.dataset == "synthetic":
+        raise ValueError("the run trained on data.dataset=synthetic: random token ids "
+                         "without text; train on text (data.path=… or the built-in corpus)")
+    path = Path(cfg.path) if cfg.path else None
+    if path is not None and (Path(f"{path}.json").exists() or path.suffix == ".tokens"):
+        return tokenizer_of(open_tokens(path))
+    return ByteTokenizer()
 
 
 @dataclass(frozen=True)

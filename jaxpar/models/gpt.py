@@ -101,11 +101,13 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-
     return y.astype(x.dtype)
 
 
-def rotary(x_BTNH: jax.Array) -> jax.Array:
-    """Rotary position embedding (half-split form) over the head dim."""
+def rotary(x_BTNH: jax.Array, positions_T: jax.Array | None = None) -> jax.Array:
+    """Rotary position embedding (half-split form) over the head dim, at ``positions_T``
+    (default 0 … T-1; a KV-cache step passes its own)."""
     T, H = x_BTNH.shape[1], x_BTNH.shape[-1]
     freq = 1.0 / (10000.0 ** (jnp.arange(0, H // 2, dtype=jnp.float32) / (H // 2)))
-    angle_TK = jnp.arange(T, dtype=jnp.float32)[:, None] * freq[None, :]
+    pos_T = jnp.arange(T) if positions_T is None else positions_T
+    angle_TK = pos_T.astype(jnp.float32)[:, None] * freq[None, :]
     sin, cos = jnp.sin(angle_TK)[None, :, None, :], jnp.cos(angle_TK)[None, :, None, :]
     x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
@@ -317,6 +319,85 @@ class GPT(nnx.Module):
             body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat])
         x_BTD, _ = jax.lax.scan(body, x_BTD, self.blocks.stacked())
         return x_BTD
+
+    # ---- generation with a KV cache (jaxpar sample) ---------------------------------------
+    def init_cache(self, batch: int) -> dict[str, jax.Array]:
+        """An empty KV cache for ``batch`` sequences (see :func:`init_cache`)."""
+        return init_cache(self.cfg, batch)
+
+    def decode(self, tokens_BT: jax.Array, cache: dict[str, jax.Array], start: jax.Array
+               ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Logits [B, T, V] (float32) of T tokens at positions ``start`` … ``start+T-1``,
+        given a cache that holds positions ``< start``; returns them and the cache with
+        the new positions written. One call with the prompt (``start`` 0) fills the cache,
+        then one call per generated token (T = 1). The logits equal the last T rows of
+        ``self(all tokens so far)``.
+        """
+        cfg, T = self.cfg, tokens_BT.shape[1]
+        x_BTD = jnp.take(self.table(), tokens_BT, axis=0)
+        if cfg.positions == "learned":
+            x_BTD = x_BTD + jax.lax.dynamic_slice_in_dim(self.pos[...], start, T)[None]
+        x_BTD = constrain(x_BTD.astype(jnp.dtype(cfg.dtype)), _RESIDUAL)
+        use_rotary = cfg.positions == "rotary"
+
+        def body(x, layer):
+            p, k, v = layer
+            p = jax.tree.map(lambda a: a.astype(x.dtype), p)
+            x, k, v = decode_block(x, p, k, v, start, use_rotary)
+            return x, (k, v)
+
+        x_BTD, (k, v) = jax.lax.scan(body, x_BTD, (self.blocks.stacked(), cache["k"],
+                                                    cache["v"]))
+        return self.logits(x_BTD), {"k": k, "v": v}
+
+
+# ---- generation with a KV cache --------------------------------------------------------------
+#: logical names of one layer's cache K[B, S, N, H]: batch and heads sharded as the
+#: activations are; S (the cache positions) never, as each step writes one position
+_CACHE = ("batch", None, "heads", "kv")
+
+
+def init_cache(cfg: GPTConfig, batch: int) -> dict[str, jax.Array]:
+    """An empty KV cache: K and V [L, B, S, N, H] in the compute dtype, S = max_seq_len."""
+    shape = (cfg.n_layers, batch, cfg.max_seq_len, cfg.n_heads, cfg.head_dim)
+    zeros = jnp.zeros(shape, jnp.dtype(cfg.dtype))
+    return {"k": zeros, "v": zeros}
+
+
+def cached_attention(h_BTD: jax.Array, p: dict[str, jax.Array], k_BSNH: jax.Array,
+                     v_BSNH: jax.Array, start: jax.Array, use_rotary: bool
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`attention` of T tokens at positions ``start`` … ``start+T-1`` over one
+    layer's cache: their K and V are written into it at ``start``, and each query
+    attends to every cached position up to its own. Returns the output [B, T, D] and
+    the layer's updated K and V."""
+    w_D3NH = jnp.stack([p["wq"], p["wk"], p["wv"]], axis=1)
+    qkv = constrain(jnp.einsum("btd,dcnh->btcnh", h_BTD, w_D3NH),
+                    ("batch", "seq", None, "heads", "kv"))
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    pos_T = start + jnp.arange(q.shape[1])
+    if use_rotary:
+        q, k = rotary(q, pos_T), rotary(k, pos_T)
+    k_BSNH = constrain(jax.lax.dynamic_update_slice_in_dim(
+        k_BSNH, k.astype(k_BSNH.dtype), start, axis=1), _CACHE)
+    v_BSNH = constrain(jax.lax.dynamic_update_slice_in_dim(
+        v_BSNH, v.astype(v_BSNH.dtype), start, axis=1), _CACHE)
+    mask_TS = jnp.arange(k_BSNH.shape[1])[None, :] <= pos_T[:, None]
+    o_BTNH = jax.nn.dot_product_attention(q, k_BSNH, v_BSNH, mask=mask_TS[None, None],
+                                          implementation="xla")
+    o_BTNH = constrain(o_BTNH, ("batch", "seq", "heads", "kv"))
+    return jnp.einsum("btnh,nhd->btd", o_BTNH, p["wo"]), k_BSNH, v_BSNH
+
+
+def decode_block(x_BTD: jax.Array, p: dict[str, jax.Array], k_BSNH: jax.Array,
+                 v_BSNH: jax.Array, start: jax.Array, use_rotary: bool
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`block` over one layer's KV cache (see :func:`cached_attention`)."""
+    h = layer_norm(x_BTD, p["ln1_scale"], p["ln1_bias"])
+    a_BTD, k_BSNH, v_BSNH = cached_attention(h, p, k_BSNH, v_BSNH, start, use_rotary)
+    x_BTD = constrain(x_BTD + a_BTD, _RESIDUAL)
+    h = layer_norm(x_BTD, p["ln2_scale"], p["ln2_bias"])
+    return constrain(x_BTD + mlp(h, p), _RESIDUAL), k_BSNH, v_BSNH
 
 
 # ---- the loss, cut into pipeline stages -----------------------------------------------------

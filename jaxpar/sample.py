@@ -1,0 +1,285 @@
+"""Text from a trained language model: ``jaxpar sample RUN_DIR --prompt TEXT``.
+
+The run dir's ``config.yaml`` gives the model, the layout and the data (hence the
+tokenizer: bytes, or the Hugging Face ``tokenizers`` file of a token file made by
+``jaxpar prepare-data``); the parameters are its latest checkpoint (or ``step``'s),
+restored with the run's shardings — on the layout it trained on, or on another one
+given as overrides (``mesh.data=1 run.devices=1``).
+
+Generation keeps a KV cache, K/V[L, B_batch, S, N_heads, H] with S = the model's
+longest sequence: the prompt runs through the model once, filling it; then each token
+is one step of a jitted ``lax.fori_loop`` — choose a token from the last logits
+(greedy at temperature 0, else a draw from softmax(logits / temperature), over the
+``top_k`` largest when set), run it through the model at its position. When the cache
+is full the window slides: the last S/2 tokens run again as a fresh prompt (positions
+from 0), so every token is predicted from between S/2 and S tokens before it.
+
+Token j of a generation draws with ``fold_in(PRNGKey(seed), j)``: a seed gives the same
+text however the generation is cut into windows, and on any layout.
+
+A model samples here when its module has ``init_cache(batch)`` and
+``decode(tokens_BT, cache, start) -> (logits_BTV, cache)`` and ``cfg.max_seq_len``
+(the GPT family, ``jaxpar/models/gpt.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxpar.config import Config, apply_overrides, load_config
+from jaxpar.logical import Rules, activation_rules
+from jaxpar.run import Run, host_value
+
+
+@dataclass(frozen=True)
+class Samples:
+    """What :func:`sample` generated.
+
+    Attributes:
+      texts: each sample's continuation of the prompt (the prompt not included).
+      tokens: the generated ids [samples, tokens].
+      prompt_tokens: the prompt's ids.
+      step: the checkpoint's step.
+    """
+
+    texts: list[str]
+    tokens: np.ndarray
+    prompt_tokens: np.ndarray
+    step: int
+
+
+def sample(run_dir: str | Path, prompt: str, *, tokens: int = 200, temperature: float = 1.0,
+           top_k: int = 0, seed: int = 0, step: int | None = None, samples: int = 1,
+           overrides: Sequence[str] = ()) -> Samples:
+    """Continues ``prompt`` with a run's language model (see the module docstring).
+
+    Args:
+      run_dir: a run directory written by ``jaxpar train`` (its ``config.yaml`` and
+        checkpoints).
+      prompt: the text to continue (at least one token, at most the model's longest
+        sequence).
+      tokens: how many tokens to generate.
+      temperature: 0 picks the most likely token each time (greedy); higher is more random.
+      top_k: draw only from the ``top_k`` most likely tokens (0: from all).
+      seed: the random seed (the same seed gives the same text).
+      step: the checkpoint step (None: the latest).
+      samples: how many continuations to draw at once (rows of one batch).
+      overrides: ``section.key=value`` settings over the run's config, e.g. another
+        layout: ``("mesh.data=1", "run.devices=1")``.
+
+    Raises:
+      ValueError: for a missing run dir or checkpoint, a model that is not a language
+        model, or a prompt or setting out of range — one line saying what to fix.
+    """
+    return sample_config(load_run_config(run_dir, overrides), prompt, tokens=tokens,
+                         temperature=temperature, top_k=top_k, seed=seed, step=step,
+                         samples=samples)
+
+
+def load_run_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> Config:
+    """A run dir's ``config.yaml`` with ``overrides`` applied; ``run.dir`` is ``run_dir``
+    (wherever the run was when it trained).
+
+    Raises:
+      ValueError: when ``run_dir`` is not a run directory.
+    """
+    path = Path(run_dir)
+    if not path.is_dir():
+        raise ValueError(f"run dir '{path}' does not exist; pass the run.dir of a trained run "
+                         "(e.g. runs/gpt_tiny)")
+    if not (path / "config.yaml").is_file():
+        raise ValueError(f"'{path}' holds no config.yaml, so it is not a jaxpar run dir; pass "
+                         "the run.dir of a run that jaxpar train wrote")
+    config = apply_overrides(load_config([path / "config.yaml"]), list(overrides))
+    return dataclasses.replace(config, run=dataclasses.replace(config.run, dir=str(path)))
+
+
+def sample_config(config: Config, prompt: str, *, tokens: int = 200,
+                  temperature: float = 1.0, top_k: int = 0, seed: int = 0,
+                  step: int | None = None, samples: int = 1) -> Samples:
+    """:func:`sample` of the run ``config`` describes (``run.dir`` is where it lives)."""
+    from jaxpar.data.sources import text_tokenizer
+    from jaxpar.resume import checkpoint_dir, restore_state
+    from jaxpar.run import build
+
+    _check_settings(tokens, temperature, top_k, samples)
+    where = config.run.dir
+    if not checkpoint_dir(config).is_dir():
+        raise ValueError(f"run dir '{where}' holds no checkpoints ({checkpoint_dir(config)} "
+                         "does not exist); train it first, or pass another run dir")
+    tokenizer = text_tokenizer(config.data)
+    run = build(config)
+    model = _abstract_model(run)
+    name = config.model.name or config.model.family.name
+    if not (callable(getattr(model, "decode", None)) and callable(getattr(model, "init_cache",
+                                                                           None))):
+        raise ValueError(f"jaxpar sample needs a language model; {where} trains "
+                         f"model.name={name}")
+    vocab = min(tokenizer.vocab_size, run.data.vocab_size or tokenizer.vocab_size)
+    prompt_ids = _encode(tokenizer, prompt, vocab, model.cfg.max_seq_len, name)
+    state = restore_state(run, step, "jaxpar sample")
+    out = generate(run, state, np.tile(prompt_ids, (samples, 1)), tokens,
+                   temperature=temperature, top_k=top_k, seed=seed, vocab_limit=vocab)
+    texts = [_text(tokenizer.decode(row)) for row in out]
+    return Samples(texts, out, prompt_ids, int(host_value(state.step)))
+
+
+def _check_settings(tokens: int, temperature: float, top_k: int, samples: int) -> None:
+    if tokens < 1:
+        raise ValueError(f"--tokens {tokens}: generate at least 1 token")
+    if not temperature >= 0:
+        raise ValueError(f"--temperature {temperature} must be ≥ 0 (0: greedy)")
+    if top_k < 0:
+        raise ValueError(f"--top-k {top_k} must be ≥ 0 (0: every token)")
+    if samples < 1:
+        raise ValueError(f"--samples {samples} must be ≥ 1")
+
+
+def _abstract_model(run: Run) -> nnx.Module:
+    """The run's model with shapes for arrays (what it can do, not its values)."""
+    trainer = run.trainer
+    return nnx.merge(trainer.graphdef, trainer.abstract_params, trainer.model.state)
+
+
+def _encode(tokenizer: Any, prompt: str, vocab: int, max_len: int, model: str) -> np.ndarray:
+    ids = np.asarray(tokenizer.encode(prompt.encode("utf-8"), "--prompt"), np.int32)
+    if ids.size == 0:
+        raise ValueError("--prompt is empty; give at least one character to continue")
+    if ids.size > max_len:
+        raise ValueError(f"--prompt is {ids.size} tokens, longer than the model's "
+                         f"max_seq_len={max_len}; shorten it")
+    if int(ids.max()) >= vocab:
+        at = int(np.argmax(ids >= vocab))
+        raise ValueError(f"--prompt holds token id {int(ids[at])} (at token {at}), outside the "
+                         f"{vocab} tokens {model} was trained on; use characters the training "
+                         "text has (a byte-level model of vocab < 256 reads ASCII only)")
+    return ids
+
+
+def _text(decoded: str | bytes) -> str:
+    return decoded.decode("utf-8", errors="replace") if isinstance(decoded, bytes) else decoded
+
+
+# ---- generation --------------------------------------------------------------------------------
+def generate(run: Run, state: Any, prompt_BP: np.ndarray, tokens: int, *,
+             temperature: float = 1.0, top_k: int = 0, seed: int = 0,
+             vocab_limit: int | None = None) -> np.ndarray:
+    """``tokens`` ids [B, tokens] continuing each row of ``prompt_BP`` (see the module
+    docstring) by ``run``'s model with ``state``'s parameters, on ``run``'s mesh.
+    ``vocab_limit``: draw only ids below it (those the tokenizer can decode)."""
+    return Generator(run, vocab_limit).generate(state, prompt_BP, tokens,
+                                                temperature=temperature, top_k=top_k, seed=seed)
+
+
+class Generator:
+    """The jitted prefill and decode loop of a run's model, compiled once for every
+    temperature, top-k and seed (they are traced), and once per prompt length.
+
+    Args:
+      run: the built run (its model, mesh, rules and state shardings).
+      vocab_limit: draw only ids below it (None: any id of the model's vocabulary).
+    """
+
+    def __init__(self, run: Run, vocab_limit: int | None = None):
+        trainer = run.trainer
+        self.graphdef, self.mesh, self.rules = trainer.graphdef, trainer.mesh, trainer.rules
+        self.vocab_limit = vocab_limit
+        self.max_len = _abstract_model(run).cfg.max_seq_len
+        shardings = trainer.state_shardings
+        self._prefill = jax.jit(self._prefill_fn,
+                                in_shardings=(shardings.params, shardings.model_state, None))
+        self._decode = jax.jit(self._decode_fn, in_shardings=(
+            shardings.params, shardings.model_state, *[None] * 8))
+
+    def generate(self, state: Any, prompt_BP: np.ndarray, tokens: int, *,
+                 temperature: float = 1.0, top_k: int = 0, seed: int = 0) -> np.ndarray:
+        """:func:`generate` with this run's compiled functions."""
+        params, model_state = state.params, state.model_state
+        B, S = prompt_BP.shape[0], self.max_len
+        keep = max(1, S // 2)
+        settings = (jnp.float32(temperature), jnp.int32(top_k), jax.random.key(seed))
+        prompt_BP = np.asarray(prompt_BP, np.int32)
+        out = np.zeros((B, tokens), np.int32)
+        window, done = prompt_BP, 0
+        while done < tokens:
+            logits_BV, cache = self._prefill(params, model_state, window)
+            filled = window.shape[1]
+            # this window's tokens: the first from the prompt's logits, one more per
+            # position left in the cache; the last one is not run (the next window has it)
+            count = min(tokens - done, S - filled + 1)
+            got = self._decode(params, model_state, cache, logits_BV, jnp.int32(filled),
+                               jnp.int32(count), jnp.int32(done), *settings)
+            out[:, done:done + count] = host_value(got)[:, :count]
+            done += count
+            window = np.concatenate([prompt_BP, out[:, :done]], axis=1)[:, -keep:]
+        return out
+
+    def _model(self, params: Any, model_state: Any) -> Any:
+        model = nnx.merge(self.graphdef, params, model_state)
+        model.eval()
+        return model
+
+    def _rules(self, batch: int) -> Rules:
+        """The run's rules, except that a batch the ``batch`` axes do not divide (one
+        sample on data=8) is replicated."""
+        ways = math.prod(self.mesh.shape[a] for a in self.rules.get("batch", ())
+                         if a in self.mesh.shape)
+        return self.rules if batch % ways == 0 else {**self.rules, "batch": ()}
+
+    def _prefill_fn(self, params: Any, model_state: Any, tokens_BP: jax.Array
+                    ) -> tuple[jax.Array, Any]:
+        """The logits [B, V] after the prompt, and the cache it filled."""
+        with activation_rules(self.mesh, self._rules(tokens_BP.shape[0])):
+            model = self._model(params, model_state)
+            cache = model.init_cache(tokens_BP.shape[0])
+            logits_BPV, cache = model.decode(tokens_BP, cache, jnp.int32(0))
+        return logits_BPV[:, -1], cache
+
+    def _decode_fn(self, params: Any, model_state: Any, cache: Any, logits_BV: jax.Array,
+                   start: jax.Array, count: jax.Array, first: jax.Array,
+                   temperature: jax.Array, top_k: jax.Array, key: jax.Array) -> jax.Array:
+        """``count`` tokens [B, S] (the first ``count`` columns): each chosen from the
+        logits, then run at position ``start`` + its index to give the next logits —
+        all but the last. Token i draws with ``fold_in(key, first + i)``."""
+        B = logits_BV.shape[0]
+
+        def choose(logits_BV: jax.Array, i: jax.Array) -> jax.Array:
+            return choose_token(logits_BV[:, :self.vocab_limit], temperature, top_k,
+                                jax.random.fold_in(key, first + i))
+
+        with activation_rules(self.mesh, self._rules(B)):
+            model = self._model(params, model_state)
+
+            def body(i, carry):
+                out_BS, cache, logits_BV = carry
+                token_B = choose(logits_BV, i)
+                logits_B1V, cache = model.decode(token_B[:, None], cache, start + i)
+                return out_BS.at[:, i].set(token_B), cache, logits_B1V[:, -1]
+
+            out_BS = jnp.zeros((B, self.max_len), jnp.int32)
+            out_BS, _, logits_BV = jax.lax.fori_loop(0, count - 1, body,
+                                                     (out_BS, cache, logits_BV))
+            return out_BS.at[:, count - 1].set(choose(logits_BV, count - 1))
+
+
+def choose_token(logits_BV: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                 key: jax.Array) -> jax.Array:
+    """The next token [B]: the argmax at temperature 0, else a draw from
+    softmax(logits / temperature) over the ``top_k`` largest logits (all when 0; ties
+    with the k-th largest are kept)."""
+    V = logits_BV.shape[-1]
+    greedy_B = jnp.argmax(logits_BV, axis=-1)
+    kth_B1 = jnp.sort(logits_BV, axis=-1)[:, V - jnp.clip(top_k, 1, V)][:, None]
+    kept_BV = jnp.where((top_k > 0) & (logits_BV < kth_B1), -jnp.inf, logits_BV)
+    drawn_B = jax.random.categorical(key, kept_BV / jnp.maximum(temperature, 1e-6), axis=-1)
+    return jnp.where(temperature > 0, drawn_B, greedy_B).astype(jnp.int32)

@@ -1,0 +1,178 @@
+"""``jaxpar sample``: KV-cache generation from a run's checkpoint (jaxpar/sample.py)."""
+
+from __future__ import annotations
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import yaml
+from flax import nnx
+
+from jaxpar import sample as sampling
+from jaxpar.cli import main
+from jaxpar.config import load_config, to_dict
+from jaxpar.data.prepare import ByteTokenizer
+from jaxpar.loop import train
+from jaxpar.models.gpt import GPT, GPTConfig
+from jaxpar.resume import restore_state
+from jaxpar.run import build
+
+TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.d_ff=64",
+        "model.max_seq_len=32", "data.seq_len=32", "train.batch_size=8", "train.steps=2",
+        "train.eval_every=0", "train.log_every=1", "train.progress=false",
+        "optim.warmup_steps=0", "optim.lr=1e-2", "checkpoint.async_save=false"]
+
+
+def _train(run_dir, *overrides: str) -> None:
+    train(load_config([], [*TINY, *overrides, f"run.dir={run_dir}"]), echo=False)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A 2-step run of a tiny byte-level GPT on one device (half the compile time of 8;
+    layouts are the business of test_sharded_run_samples_as_on_one_device)."""
+    path = tmp_path_factory.mktemp("sample") / "run"
+    _train(path, "run.devices=1")
+    return path
+
+
+@pytest.mark.parametrize("positions", ["learned", "rotary"])
+def test_decode_with_cache_matches_forward(positions):
+    cfg = GPTConfig(d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=16,
+                    positions=positions)
+    with nnx.use_eager_sharding(False):
+        model = GPT(cfg, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 10), 0, 256)
+    decode = jax.jit(model.decode)
+    logits, cache = decode(tokens[:, :6], model.init_cache(2), jnp.int32(0))
+    rows = [logits]
+    for i in range(6, 10):
+        logits, cache = decode(tokens[:, i:i + 1], cache, jnp.int32(i))
+        rows.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(rows, 1), jax.jit(model)(tokens), atol=1e-5)
+
+
+def _restored(run_dir, *overrides: str):
+    run = build(sampling.load_run_config(run_dir, overrides))
+    return run, restore_state(run, None, "test"), sampling.Generator(run, vocab_limit=256)
+
+
+@pytest.fixture(scope="module")
+def restored(run_dir):
+    """The fixture run's model, its checkpoint's state and its compiled generator."""
+    return _restored(run_dir)
+
+
+PROMPT = np.array([list(b"The ")] * 2)
+
+
+@pytest.fixture(scope="module")
+def greedy(restored):
+    """40 greedy tokens after "The ": more than the 32-position cache holds."""
+    _, state, generator = restored
+    return generator.generate(state, PROMPT, 40, temperature=0)
+
+
+def _argmax_loop(run, state, prompt: list[int], n: int) -> list[int]:
+    """Greedy tokens without a cache: the whole forward pass (``__call__``) per token, on
+    the window :func:`jaxpar.sample.generate` documents (the last S/2 tokens once S are
+    exceeded)."""
+    S = 32
+    graphdef = run.trainer.graphdef
+
+    @jax.jit
+    def last_logits(params, model_state, tokens_1S, length):
+        logits = nnx.merge(graphdef, params, model_state)(tokens_1S)  # causal: padding after
+        return logits[0, length - 1]                                   # `length` is unseen
+
+    seq, start = list(prompt), 0
+    for _ in range(n):
+        context = seq[start:]
+        padded = np.zeros((1, S), np.int32)
+        padded[0, :len(context)] = context
+        seq.append(int(jnp.argmax(last_logits(state.params, state.model_state, padded,
+                                              len(context))[:256])))
+        if len(seq) - start > S:
+            start = len(seq) - S // 2
+    return seq[len(prompt):]
+
+
+def test_greedy_with_kv_cache_equals_argmax_loop_without(restored, greedy):
+    run, state, _ = restored
+    assert greedy.shape == (2, 40)
+    assert greedy[0].tolist() == greedy[1].tolist() == _argmax_loop(run, state, list(b"The "),
+                                                                    40)
+
+
+def test_sampling_is_deterministic_for_a_seed(restored, greedy):
+    _, state, generator = restored
+
+    def draw(seed, top_k=0):
+        return generator.generate(state, PROMPT, 12, temperature=1.0, top_k=top_k, seed=seed)
+
+    first = draw(0)
+    np.testing.assert_array_equal(first, draw(0))
+    assert not np.array_equal(first, draw(1))
+    assert not np.array_equal(first[0], first[1])  # rows draw independently
+    np.testing.assert_array_equal(draw(5, top_k=1), greedy[:, :12])  # top-1 is greedy
+
+
+@pytest.mark.slow  # trains on 8 devices: ~20 s of compiling on 2 busy cores
+def test_sharded_run_samples_as_on_one_device(tmp_path):
+    path = tmp_path / "run"
+    _train(path, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
+    sharded = _restored(path)
+    single = _restored(path, "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "run.devices=1")
+    assert len(single[0].devices) == 1 and dict(sharded[0].trainer.mesh.shape)["tensor"] == 2
+    for settings in ({"temperature": 0}, {"temperature": 0.8, "top_k": 20, "seed": 3}):
+        a, b = (g.generate(state, PROMPT, 10, **settings) for _, state, g in (sharded, single))
+        np.testing.assert_array_equal(a, b)
+
+
+def test_sample_command_prints_the_text(run_dir, greedy, capsys):
+    assert main(["--devices", "1", "sample", str(run_dir), "--prompt", "The ", "--tokens", "6",
+                 "--temperature", "0"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "The " + bytes(greedy[0, :6].tolist()).decode(errors="replace") + "\n"
+    assert "step 2 of" in err
+
+
+def _one_line_error(capsys, argv: list[str], *expected: str) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("jaxpar: error: "), err
+    for text in expected:
+        assert text in err, err
+
+
+def test_sample_errors_are_one_line(run_dir, tmp_path, capsys):
+    _one_line_error(capsys, ["sample", str(tmp_path / "nope"), "--prompt", "a"],
+                    "does not exist")
+    _one_line_error(capsys, ["sample", str(tmp_path), "--prompt", "a"], "no config.yaml")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(run_dir / "config.yaml", bare / "config.yaml")
+    _one_line_error(capsys, ["sample", str(bare), "--prompt", "a"], "holds no checkpoints")
+    _one_line_error(capsys, ["sample", str(run_dir), "--prompt", "x" * 33],
+                    "33 tokens", "max_seq_len=32")
+    _one_line_error(capsys, ["sample", str(run_dir), "--prompt", ""], "--prompt is empty")
+    _one_line_error(capsys, ["sample", str(run_dir), "--prompt", "a", "--step", "7"],
+                    "no complete checkpoint 7", "have: [2]")
+    _one_line_error(capsys, ["sample", str(run_dir), "--prompt", "a", "--temperature", "-1"],
+                    "--temperature")
+
+
+def test_sample_needs_a_language_model(tmp_path, capsys):
+    config = load_config([], ["model.name=mlp", f"run.dir={tmp_path}"])
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+    (tmp_path / "checkpoints").mkdir()
+    _one_line_error(capsys, ["sample", str(tmp_path), "--prompt", "a"],
+                    f"jaxpar sample needs a language model; {tmp_path} trains model.name=mlp")
+
+
+def test_prompt_outside_the_vocabulary_is_refused():
+    with pytest.raises(ValueError, match="token id 195 .* outside the 128 tokens"):
+        sampling._encode(ByteTokenizer(), "é", 128, 32, "gpt")
