@@ -49,7 +49,8 @@ def test_yaml_layering_later_file_wins(tmp_path):
     assert dict(cfg.rules.overrides) == {"mlp": ("tensor",), "batch": ("data", "fsdp")}
     # untouched keys keep their defaults
     assert cfg.model.n_heads == Config().model.n_heads
-    assert cfg.run == Config().run
+    # a later file that changes the layout names the run dir (runs/gpt_tiny-b)
+    assert cfg.run == dataclasses.replace(Config().run, dir=Config().run.dir + "-b")
     # order matters
     assert load_config([second, first]).train.steps == 7
     assert dict(load_config([second, first]).rules.overrides)["batch"] == ("data",)
@@ -423,3 +424,29 @@ def test_config_step_one_loss_is_what_it_says(path, loss, monkeypatch):
     _, metrics = run.trainer.step(state, batch)
     digits = len(loss.split(".")[1])
     assert f"{float(metrics['loss']):.{digits}f}" == loss, path
+
+
+@pytest.mark.parametrize("files,overrides,run_dir", [
+    ([], [], "runs/gpt_tiny"),
+    ([], ["optim.lr=0.1", "mesh.data=-1"], "runs/gpt_tiny"),  # the config's own layout
+    ([], ["mesh.fsdp=8"], "runs/gpt_tiny-fsdp8"),
+    ([], ["mesh.data=4", "mesh.tensor=2"], "runs/gpt_tiny-data4-tensor2"),
+    (["configs/gpt_tiny.yaml", "configs/layouts/tp.yaml"], [], "runs/gpt_tiny-tp"),
+    ([], ["mesh.stage=4", "pipeline.schedule=zb_h1", "pipeline.microbatches=8"],
+     "runs/gpt_tiny-stage4-zb_h1-m8"),
+    (["configs/resnet_digits.yaml"], ["mesh.data=2", "mesh.tensor=4"],
+     "runs/resnet_digits-data2-tensor4"),
+    ([], ["mesh.fsdp=8", "run.dir=mine"], "mine"),  # given: kept
+])
+def test_each_layout_gets_a_run_dir_of_its_own(files, overrides, run_dir, monkeypatch):
+    """Layouts tried one after another (README's Quickstart) never resume each other's run."""
+    monkeypatch.chdir(Path(__file__).resolve().parent.parent)
+    assert load_config(files, overrides).run.dir == run_dir
+
+
+def test_a_users_task_names_its_run_dir_with_the_layout():
+    from jaxpar.config import run_dir_for
+
+    assert run_dir_for(load_config([], ["mesh.fsdp=8"]), "TASK").run.dir == "runs/TASK-fsdp8"
+    assert run_dir_for(load_config([], []), "TASK").run.dir == "runs/TASK"
+    assert run_dir_for(load_config([], ["run.dir=x"]), "TASK").run.dir == "x"
