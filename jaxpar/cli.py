@@ -3,7 +3,8 @@
     jaxpar train    [CONFIG.yaml …] [section.key=value …] [--devices N] [--task FILE.py:NAME]
     jaxpar inspect  [CONFIG.yaml …] [section.key=value …] [--devices N] [--task FILE.py:NAME]
     jaxpar pipeline [CONFIG.yaml …] [section.key=value …] [--devices N] [--png PATH] [--width N]
-    jaxpar export   [CONFIG.yaml …] [section.key=value …] [--devices N] --out PARAMS.npz [--step N]
+    jaxpar export   [RUN_DIR | CONFIG.yaml …] [section.key=value …] [--devices N]
+                    [--format npz|hf] --out PARAMS.npz|DIR [--step N]
     jaxpar sweep    [CONFIG.yaml …] [section.key=value …] (--layouts L … | --all) [--out DIR]
                     [--steps N] [--hardware NAME] [--memory-gb G] [--devices N]
     jaxpar plan     [CONFIG.yaml …] [section.key=value …] --devices N [--hardware NAME]
@@ -14,7 +15,9 @@
     jaxpar launch   -n N [--devices-per-process K] [--cpus-per-process C] -- COMMAND [ARGS…]
     jaxpar plot     RUN_DIR [RUN_DIR …] [--out PATH]
 
-With no CONFIG the default config (``configs/gpt_tiny.yaml``'s settings) is used.
+With no CONFIG the default config (``configs/gpt_tiny.yaml``'s settings) is used; a
+RUN_DIR (a directory holding a run's ``config.yaml``) in its place means that run's config,
+with ``run.dir`` = RUN_DIR.
 ``--task FILE.py:NAME`` (or ``package.module:NAME``) trains a user's jaxpar.Task instead
 of the built-in model (every command that takes a config accepts it).
 ``sample`` continues a prompt with a run's language model: its config is the run dir's
@@ -92,8 +95,13 @@ def _parser() -> argparse.ArgumentParser:
             cmd.add_argument("--width", type=int, default=None,
                              help="wrap the text grid at this many columns")
         if name == "export":
-            cmd.add_argument("--out", required=True, metavar="PARAMS.npz",
-                             help="where to write the parameters ('blocks/w_in' → array)")
+            cmd.add_argument("--out", required=True, metavar="PARAMS.npz|DIR",
+                             help="where to write the parameters: an .npz file ('blocks/w_in' "
+                                  "→ array), or with --format hf a directory")
+            cmd.add_argument("--format", choices=("npz", "hf"), default="npz",
+                             help="npz (jaxpar's parameter paths) or hf (config.json + "
+                                  "model.safetensors in GPT-2's layout, for transformers' "
+                                  "GPT2LMHeadModel; the GPT with tied embeddings only)")
             cmd.add_argument("--step", type=int, default=None,
                              help="the checkpoint step (default: the latest)")
     _lab_parsers(sub)
@@ -250,14 +258,13 @@ def _launch(args: argparse.Namespace) -> int:
                   bind=args.bind)
 
 
-def _export(config: Config, out: str, step: int | None, task: Task | None) -> None:
+def _export(config: Config, out: str, step: int | None, task: Task | None,
+            format: str = "npz") -> None:
     from jaxpar.resume import export_params
-    from jaxpar.rundir import check_output_file
 
-    check_output_file(out, "--out")  # before building the run
-
-    path, step = export_params(config, out, step, task=task)
-    print(f"parameters of step {step} written to {path}")
+    path, step = export_params(config, out, step, task=task, format=format)
+    what = "GPT-2 (Hugging Face) files of" if format == "hf" else "parameters of"
+    print(f"{what} step {step} written to {path}")
 
 
 def _prepare_data(args: argparse.Namespace) -> None:
@@ -289,7 +296,18 @@ def _config(args: argparse.Namespace) -> Config:
     overrides = [a for a in args.args if "=" in a]
     if args.devices is not None:
         overrides.append(f"run.devices={args.devices}")
-    return load_config(files, overrides)
+    run_dirs = [f for f in files if os.path.isdir(f)]
+    if not run_dirs:
+        return load_config(files, overrides)
+    if len(files) > 1 or not os.path.isfile(os.path.join(run_dirs[0], "config.yaml")):
+        raise ValueError(f"'{run_dirs[0]}' is a directory: give a run directory (one holding "
+                         "config.yaml) alone, or config files")
+    import dataclasses
+
+    config = load_config([os.path.join(run_dirs[0], "config.yaml")], overrides)
+    if any(o.startswith("run.dir=") for o in overrides):
+        return config
+    return dataclasses.replace(config, run=dataclasses.replace(config.run, dir=run_dirs[0]))
 
 
 def _run(args: argparse.Namespace) -> None:
@@ -319,7 +337,7 @@ def _run(args: argparse.Namespace) -> None:
     elif args.command == "pipeline":
         _show_pipeline(config, args.png, args.width, task)
     elif args.command == "export":
-        _export(config, args.out, args.step, task)
+        _export(config, args.out, args.step, task, args.format)
     elif args.command == "sweep":
         _sweep(args, config, task)
     elif args.command == "plan":

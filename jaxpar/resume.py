@@ -257,26 +257,55 @@ def restore_state(run: Run, step: int | None, command: str) -> TrainState:
 
 
 def export_params(config: Config, out: str | Path, step: int | None = None,
-                  task: Any = None) -> tuple[Path, int]:
+                  task: Any = None, format: str = "npz") -> tuple[Path, int]:
     """Writes the parameters of a checkpoint of ``config``'s run (of ``task``, a user's
-    task, when given) to an ``.npz`` file.
+    task, when given).
 
-    Keys are parameter paths (``'blocks/w_in'``); values are whole numpy arrays.
+    ``format``: ``npz``, one ``.npz`` file whose keys are parameter paths
+    (``'blocks/w_in'``) and values whole numpy arrays; or ``hf``, a directory of
+    ``config.json`` + ``model.safetensors`` in GPT-2's layout (:mod:`jaxpar.hf`; the GPT
+    with tied embeddings and learned positions only).
 
     Raises:
-      ValueError: when the run has no such checkpoint or it does not fit the model.
+      ValueError: when the run has no such checkpoint or it does not fit the model, or
+        its model cannot be written in the format.
     """
-    from jaxpar.rundir import check_output_file
+    from jaxpar.rundir import check_output_file, ensure_dir
 
-    out = check_output_file(out, "--out")
+    if format not in ("npz", "hf"):
+        raise ValueError(f"--format must be npz or hf, got {format!r}")
+    if format == "hf":
+        from jaxpar import hf
+
+        family = "" if task is not None else config.model.family.name
+        hf.check_exportable(family, None if task is not None else config.model.typed)
+        out = ensure_dir(out, "--out", "choose another --out directory")
+    else:
+        out = check_output_file(out, "--out")
+    config = _without_init_from(config) if task is None else config
     state = restore_state(build(config, task), step, "jaxpar export")
-    flat = {shd.path_str(path): host_value(leaf)
-            for path, leaf in jax.tree_util.tree_leaves_with_path(state.params)}
+    params = jax.tree.map(host_value, state.params)
     if jax.process_index() == 0:
-        tmp = out.with_name(out.name + ".tmp.npz")
-        try:
-            np.savez(tmp, **flat)
-            os.replace(tmp, out)
-        finally:
-            tmp.unlink(missing_ok=True)
+        if format == "hf":
+            hf.write(out, params, config.model.typed)
+        else:
+            _write_npz(out, {shd.path_str(path): leaf for path, leaf
+                             in jax.tree_util.tree_leaves_with_path(params)})
     return out, int(host_value(state.step))
+
+
+def _without_init_from(config: Config) -> Config:
+    """The weights a run started from play no part in exporting its checkpoint: its
+    ``model.init_from`` directory need not be there any more."""
+    if "init_from" not in config.model.family.keys() or not config.model.init_from:
+        return config
+    return config_lib.apply_overrides(config, ["model.init_from="])
+
+
+def _write_npz(out: Path, flat: dict[str, np.ndarray]) -> None:
+    tmp = out.with_name(out.name + ".tmp.npz")
+    try:
+        np.savez(tmp, **flat)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)

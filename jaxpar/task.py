@@ -91,6 +91,11 @@ class Task:
       optimizer: the task's own Optax transformation (the config's ``optim`` section
         then has no effect).
       name: names the run (``runs/<name>``) and the task in messages.
+      init_params: parameters a fresh run starts from instead of the model's initializers
+        (pretrained weights): a function ``() -> pure dict of host (numpy) arrays``
+        shaped like the model's parameters (``nnx.to_pure_dict``). Each process calls it
+        and places only its devices' slices; the optimizer state starts fresh. A run
+        resumed from a checkpoint does not call it.
     """
 
     model_fn: Callable[[nnx.Rngs], nnx.Module]
@@ -103,6 +108,7 @@ class Task:
     eval_data: Any = None
     optimizer: optax.GradientTransformation | None = None
     name: str = ""
+    init_params: Callable[[], Any] | None = None
 
 
 def split_microbatches(x: jax.Array, k: int) -> jax.Array:

@@ -291,9 +291,30 @@ class Trainer:
         return TrainState(zero, params, self.tx.init(params), zero,
                           nnx.to_pure_dict(model_state))
 
+    def _create_from(self, params: Any) -> TrainState:
+        # the model's own parameters are built too, unused (XLA drops them): the other
+        # state (RNG streams, statistics) comes from the same init path
+        state = self._create()
+        return TrainState(state.step, params, self.tx.init(params), state.skipped,
+                          state.model_state)
+
     def init(self) -> TrainState:
-        """A fresh state, born sharded (``jit`` with ``out_shardings``)."""
-        return self._init()
+        """A fresh state, born sharded (``jit`` with ``out_shardings``).
+
+        With the task's ``init_params`` (pretrained weights) the parameters are those,
+        each device receiving only its slice (:func:`place_params`); the optimizer state
+        starts fresh.
+
+        Raises:
+          ValueError: when ``init_params`` gives parameters that do not fit the model.
+        """
+        if self.task.init_params is None:
+            return self._init()
+        params = place_params(self.task.init_params(), self.abstract_params,
+                              self.state_shardings.params)
+        create = jax.jit(self._create_from, in_shardings=(self.state_shardings.params,),
+                         out_shardings=self.state_shardings, donate_argnums=0)
+        return create(params)
 
     def compile_init(self) -> jax.stages.Compiled:
         """The compiled init program (its memory analysis shows what one device holds)."""
@@ -424,6 +445,35 @@ class Trainer:
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
             self.abstract_state, self.state_shardings)
         return self._step.lower(abstract_state, abstract_batch).compile()
+
+
+def place_params(host: Any, abstract: Any, shardings: Any) -> Any:
+    """Host (numpy) parameters as global arrays with ``shardings``: each process copies
+    only the slices its devices hold (``jax.make_array_from_callback``).
+
+    Args:
+      host: a pure dict of arrays with the structure of ``abstract``.
+      abstract: the model's abstract parameters (``ShapeDtypeStruct`` leaves).
+      shardings: a ``NamedSharding`` per parameter.
+
+    Raises:
+      ValueError: naming each parameter that is missing, extra or of another shape.
+    """
+    given = {shd.path_str(p): x for p, x in jax.tree_util.tree_leaves_with_path(host)}
+    wanted = {shd.path_str(p): a for p, a in jax.tree_util.tree_leaves_with_path(abstract)}
+    problems = [f"{k} missing" for k in wanted if k not in given]
+    problems += [f"{k} is not a parameter of the model" for k in given if k not in wanted]
+    problems += [f"{k} has shape {tuple(np.shape(given[k]))}, the model's is {a.shape}"
+                 for k, a in wanted.items() if k in given and np.shape(given[k]) != a.shape]
+    if problems:
+        raise ValueError("the initial parameters do not fit the model: " + "; ".join(problems))
+
+    def place(path: Any, a: jax.ShapeDtypeStruct, sharding: NamedSharding) -> jax.Array:
+        x = given[shd.path_str(path)]
+        return jax.make_array_from_callback(
+            a.shape, sharding, lambda index: np.asarray(x[index], dtype=a.dtype))
+
+    return jax.tree_util.tree_map_with_path(place, abstract, shardings)
 
 
 def _warn_unnamed(paths: tuple[str, ...]) -> None:

@@ -39,12 +39,17 @@ def run_dir(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("positions", ["learned", "rotary"])
-def test_decode_with_cache_matches_forward(positions):
+@pytest.mark.parametrize("positions,attn_bias", [("learned", False), ("rotary", False),
+                                                  ("learned", True)])
+def test_decode_with_cache_matches_forward(positions, attn_bias):
     cfg = GPTConfig(d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=16,
-                    positions=positions)
+                    positions=positions, attn_bias=attn_bias)
     with nnx.use_eager_sharding(False):
         model = GPT(cfg, rngs=nnx.Rngs(0))
+    if attn_bias:  # GPT-2's projection biases (zero at init): made nonzero to count
+        for i, name in enumerate(("bq", "bk", "bv", "bo")):
+            bias = getattr(model.blocks, name)
+            bias.value = jax.random.normal(jax.random.key(10 + i), bias.value.shape)
     tokens = jax.random.randint(jax.random.key(1), (2, 10), 0, 256)
     decode = jax.jit(model.decode)
     logits, cache = decode(tokens[:, :6], model.init_cache(2), jnp.int32(0))

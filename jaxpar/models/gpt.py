@@ -8,7 +8,9 @@ Parameters (logical axes):
   embed W[V, D] (vocab, embed); pos W[T, D] (seq, embed) when learned;
   per layer: ln scales/biases [L, D], wq/wk/wv [L, D, N, H] (layers, embed,
   heads, kv), wo [L, N, H, D], w_in [L, D, F] (layers, embed, mlp), b_in [L, F],
-  w_out [L, F, D], b_out [L, D]; final norm [D]; head [D, V] unless tied.
+  w_out [L, F, D], b_out [L, D]; final norm [D]; head [D, V] unless tied; with
+  ``attn_bias`` also bq/bk/bv [L, N·H] (layers, heads; head-major, kept vectors so they
+  are not decayed) and bo [L, D] (layers, embed), as GPT-2 has them (see ``jaxpar/hf.py``).
 
 Attention runs through ``jax.nn.dot_product_attention``: cuDNN's fused kernel on a
 GPU (no [B, N, T, T] logits in memory, the masked half skipped), XLA's einsum +
@@ -52,6 +54,11 @@ class GPTConfig:
     attention: str = option("auto", choices=("auto", "xla", "cudnn"),
                             doc="jax.nn.dot_product_attention's implementation (auto: cuDNN "
                                 "on a GPU where it runs, XLA elsewhere)")
+    attn_bias: bool = option(False, doc="biases on the q/k/v and output projections "
+                                        "(GPT-2 has them)")
+    init_from: str = option("", doc="a Hugging Face GPT-2 directory (config.json + "
+                                    "model.safetensors) whose weights a fresh run starts "
+                                    "from (jaxpar/hf.py)")
 
     @property
     def head_dim(self) -> int:
@@ -84,11 +91,17 @@ class Blocks(nnx.Module):
         self.b_in = _const(0.0, (L, F), ("layers", "mlp"))
         self.w_out = _param(rngs.params(), (L, F, D), ("layers", "mlp", "embed"), out_std)
         self.b_out = _const(0.0, (L, D), ("layers", "embed"))
+        if getattr(cfg, "attn_bias", False):  # BERT's config shares these blocks
+            self.bq = _const(0.0, (L, N * H), ("layers", "heads"))
+            self.bk = _const(0.0, (L, N * H), ("layers", "heads"))
+            self.bv = _const(0.0, (L, N * H), ("layers", "heads"))
+            self.bo = _const(0.0, (L, D), ("layers", "embed"))
 
     def stacked(self) -> dict[str, jax.Array]:
         """The stacked parameter arrays by name (what the layer scan slices)."""
         names = ("ln1_scale", "ln1_bias", "wq", "wk", "wv", "wo",
                  "ln2_scale", "ln2_bias", "w_in", "b_in", "w_out", "b_out")
+        names += ("bq", "bk", "bv", "bo") if hasattr(self, "bq") else ()
         return {n: getattr(self, n)[...] for n in names}
 
 
@@ -173,19 +186,32 @@ def attention(h_BTD: jax.Array, p: dict[str, jax.Array], use_rotary: bool,
     ``implementation`` is ``xla`` (logits and softmax in float32, [B, N, T, T] in memory)
     or ``cudnn`` (the fused kernel; 16-bit inputs, float32 accumulation inside).
     """
-    # One projection for q, k and v: under tensor parallelism the backward pass then sums
-    # the three input gradients before its one all-reduce (Megatron's count), instead of
-    # all-reducing three partial sums.
-    w_D3NH = jnp.stack([p["wq"], p["wk"], p["wv"]], axis=1)
-    qkv = constrain(jnp.einsum("btd,dcnh->btcnh", h_BTD, w_D3NH),
-                    ("batch", "seq", None, "heads", "kv"))
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    q, k, v = _qkv(h_BTD, p)
     if use_rotary:
         q, k = rotary(q), rotary(k)
     o_BTNH = jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                           implementation=implementation)
+    return _attention_out(o_BTNH, p)
+
+
+def _qkv(h_BTD: jax.Array, p: dict[str, jax.Array]) -> tuple[jax.Array, ...]:
+    """q, k, v [B, T, N, H] of the attention input (with ``model.attn_bias``'s biases)."""
+    # One projection for q, k and v: under tensor parallelism the backward pass then sums
+    # the three input gradients before its one all-reduce (Megatron's count), instead of
+    # all-reducing three partial sums.
+    w_D3NH = jnp.stack([p["wq"], p["wk"], p["wv"]], axis=1)
+    qkv = jnp.einsum("btd,dcnh->btcnh", h_BTD, w_D3NH)
+    if "bq" in p:  # model.attn_bias
+        qkv = qkv + jnp.stack([p["bq"], p["bk"], p["bv"]]).reshape(w_D3NH.shape[1:])
+    qkv = constrain(qkv, ("batch", "seq", None, "heads", "kv"))
+    return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+
+
+def _attention_out(o_BTNH: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
+    """The output projection [B, T, D] of the heads' outputs."""
     o_BTNH = constrain(o_BTNH, ("batch", "seq", "heads", "kv"))
-    return jnp.einsum("btnh,nhd->btd", o_BTNH, p["wo"])
+    out_BTD = jnp.einsum("btnh,nhd->btd", o_BTNH, p["wo"])
+    return out_BTD + p["bo"] if "bo" in p else out_BTD
 
 
 def mlp(h_BTD: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
@@ -371,10 +397,7 @@ def cached_attention(h_BTD: jax.Array, p: dict[str, jax.Array], k_BSNH: jax.Arra
     layer's cache: their K and V are written into it at ``start``, and each query
     attends to every cached position up to its own. Returns the output [B, T, D] and
     the layer's updated K and V."""
-    w_D3NH = jnp.stack([p["wq"], p["wk"], p["wv"]], axis=1)
-    qkv = constrain(jnp.einsum("btd,dcnh->btcnh", h_BTD, w_D3NH),
-                    ("batch", "seq", None, "heads", "kv"))
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    q, k, v = _qkv(h_BTD, p)
     pos_T = start + jnp.arange(q.shape[1])
     if use_rotary:
         q, k = rotary(q, pos_T), rotary(k, pos_T)
@@ -385,8 +408,7 @@ def cached_attention(h_BTD: jax.Array, p: dict[str, jax.Array], k_BSNH: jax.Arra
     mask_TS = jnp.arange(k_BSNH.shape[1])[None, :] <= pos_T[:, None]
     o_BTNH = jax.nn.dot_product_attention(q, k_BSNH, v_BSNH, mask=mask_TS[None, None],
                                           implementation="xla")
-    o_BTNH = constrain(o_BTNH, ("batch", "seq", "heads", "kv"))
-    return jnp.einsum("btnh,nhd->btd", o_BTNH, p["wo"]), k_BSNH, v_BSNH
+    return _attention_out(o_BTNH, p), k_BSNH, v_BSNH
 
 
 def decode_block(x_BTD: jax.Array, p: dict[str, jax.Array], k_BSNH: jax.Array,
@@ -489,8 +511,14 @@ class _GPTLab(LabModel):
 def _task(cfg: GPTConfig, data: Any) -> Any:
     from jaxpar.task import Task
 
+    init_params = None
+    if cfg.init_from:
+        from jaxpar import hf
+
+        init_params = hf.params_loader(cfg)  # checks config.json now, reads weights later
     return Task(lambda rngs: GPT(cfg, rngs=rngs), lm_loss, {"tokens": ("batch", None)},
-                tokens_per_example=data.seq_len, stages=_stages(), name="gpt")
+                tokens_per_example=data.seq_len, stages=_stages(), name="gpt",
+                init_params=init_params)
 
 
 def _needs(cfg: GPTConfig) -> Any:
@@ -503,6 +531,8 @@ def _counts(cfg: GPTConfig, data: Any) -> Counts:
     params, flops = transformer_counts(cfg, data.seq_len)
     if cfg.positions == "learned":
         params += cfg.max_seq_len * cfg.d_model
+    if cfg.attn_bias:
+        params += cfg.n_layers * 4 * cfg.d_model
     return Counts(params, flops)
 
 

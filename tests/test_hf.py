@@ -1,0 +1,262 @@
+"""Hugging Face interchange (jaxpar/hf.py): ``jaxpar export --format hf`` writes GPT-2's
+layout, ``model.init_from`` reads it on any layout, and an independent numpy GPT-2 forward
+pass written from the HF tensors gives the logits jaxpar's model gives."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
+
+from jaxpar.cli import main
+from jaxpar.config import load_config
+from jaxpar.logical import activation_rules
+from jaxpar.run import build
+from tests.helpers import GPT_SMALL
+
+GPT2 = [*GPT_SMALL, "model.tie_embeddings=true", "model.positions=learned",
+        "model.attn_bias=true", "train.eval_every=0"]
+FSDP8 = ["mesh.data=1", "mesh.fsdp=8"]
+MIXED = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
+
+
+def one_line(err: str) -> str:
+    lines = [line for line in err.strip().splitlines() if not line.startswith("jaxpar: warning")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+# ---- an independent GPT-2 forward pass, straight from the HF tensors ------------------------
+def gelu_new(x):
+    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
+
+
+def layer_norm(x, w, b, eps=1e-5):
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + eps) * w + b
+
+
+def gpt2_logits(tensors: dict, config: dict, tokens: np.ndarray) -> np.ndarray:
+    """GPT2LMHeadModel's forward pass in float64 numpy: Conv1D is x @ W + b, the lm_head
+    is wte's transpose."""
+    t = {k.removeprefix("transformer."): v.astype(np.float64) for k, v in tensors.items()}
+    D, N = config["n_embd"], config["n_head"]
+    H, (B, T) = D // N, tokens.shape
+    x = t["wte.weight"][tokens] + t["wpe.weight"][:T]
+    causal = np.tril(np.ones((T, T), bool))
+    for i in range(config["n_layer"]):
+        p = lambda name: t[f"h.{i}.{name}"]  # noqa: E731
+        h = layer_norm(x, p("ln_1.weight"), p("ln_1.bias"))
+        qkv = h @ p("attn.c_attn.weight") + p("attn.c_attn.bias")
+        q, k, v = (a.reshape(B, T, N, H).transpose(0, 2, 1, 3) for a in np.split(qkv, 3, -1))
+        s = np.where(causal, q @ k.transpose(0, 1, 3, 2) / math.sqrt(H), -np.inf)
+        s = np.exp(s - s.max(-1, keepdims=True))
+        o = (s / s.sum(-1, keepdims=True)) @ v
+        o = o.transpose(0, 2, 1, 3).reshape(B, T, D)
+        x = x + o @ p("attn.c_proj.weight") + p("attn.c_proj.bias")
+        h = layer_norm(x, p("ln_2.weight"), p("ln_2.bias"))
+        u = gelu_new(h @ p("mlp.c_fc.weight") + p("mlp.c_fc.bias"))
+        x = x + u @ p("mlp.c_proj.weight") + p("mlp.c_proj.bias")
+    return layer_norm(x, t["ln_f.weight"], t["ln_f.bias"]) @ t["wte.weight"].T
+
+
+def jaxpar_logits(run, params, tokens: np.ndarray) -> np.ndarray:
+    """The run's model on ``tokens`` with ``params``, on the run's mesh and rules."""
+    trainer = run.trainer
+
+    @jax.jit
+    def forward(params, tokens):
+        with activation_rules(trainer.mesh, trainer.rules):
+            return nnx.merge(trainer.graphdef, params, {})(tokens)
+
+    return np.asarray(forward(params, tokens))
+
+
+def assert_logits_close(actual, expected):
+    scale = np.abs(expected).max()
+    np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5 * scale)
+
+
+TOKENS = np.random.default_rng(0).integers(0, 256, (8, 16)).astype(np.int32)
+
+
+# ---- a trained run, exported ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A GPT with GPT-2's options trained 2 steps on mesh.fsdp=8, exported as HF files
+    (from its run dir) and as .npz."""
+    root = tmp_path_factory.mktemp("hf")
+    run_dir = root / "run"
+    assert main(["train", *GPT2, *FSDP8, f"run.dir={run_dir}", "train.steps=2"]) == 0
+    assert main(["export", str(run_dir), "--format", "hf", "--out", str(root / "hf")]) == 0
+    assert main(["export", str(run_dir), "--out", str(root / "params.npz")]) == 0
+    npz = np.load(root / "params.npz")
+    return {"run": run_dir, "hf": root / "hf", "params": {k: npz[k] for k in npz.files}}
+
+
+def nested(flat: dict) -> dict:
+    out: dict = {}
+    for key, value in flat.items():
+        *parents, leaf = key.split("/")
+        d = out
+        for p in parents:
+            d = d.setdefault(p, {})
+        d[leaf] = value
+    return out
+
+
+def test_export_writes_gpt2_layout_files(exported):
+    """config.json and model.safetensors in GPT2LMHeadModel's layout; the numpy GPT-2 of
+    those files gives the logits of the run's checkpoint."""
+    hf = exported["hf"]
+    config = json.loads((hf / "config.json").read_text())
+    assert config["architectures"] == ["GPT2LMHeadModel"] and config["model_type"] == "gpt2"
+    assert {k: config[k] for k in ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions",
+                                   "n_ctx", "n_inner")} == {
+        "vocab_size": 256, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 16,
+        "n_ctx": 16, "n_inner": 64}
+    assert config["activation_function"] == "gelu_new"
+    assert config["layer_norm_epsilon"] == 1e-5 and config["tie_word_embeddings"] is True
+    with safe_open(hf / "model.safetensors", "numpy") as f:
+        assert f.metadata() == {"format": "pt"}  # transformers refuses a file without it
+    tensors = load_file(hf / "model.safetensors")
+    assert all(k.startswith("transformer.") for k in tensors)  # lm_head: tied, not stored
+    shapes = {k.removeprefix("transformer."): v.shape for k, v in tensors.items()}
+    assert shapes["wte.weight"] == (256, 32) and shapes["wpe.weight"] == (16, 32)
+    assert shapes["h.1.attn.c_attn.weight"] == (32, 96) and shapes["h.1.attn.c_attn.bias"] == (96,)
+    assert shapes["h.0.attn.c_proj.weight"] == (32, 32) and shapes["h.0.mlp.c_fc.weight"] == (32, 64)
+    assert shapes["h.0.mlp.c_proj.weight"] == (64, 32) and shapes["ln_f.bias"] == (32,)
+    assert len(tensors) == 4 + 2 * 12
+    assert np.abs(tensors["transformer.h.0.attn.c_attn.bias"]).min() > 0  # trained biases
+    run = build(load_config([], [*GPT2, *FSDP8]))
+    expected = gpt2_logits(tensors, config, TOKENS)
+    assert_logits_close(jaxpar_logits(run, nested(exported["params"]), TOKENS), expected)
+
+
+def test_init_from_export_on_another_layout(exported, tmp_path, capsys):
+    """model.init_from on data=2,fsdp=2,tensor=2: the checkpoint's parameters exactly, placed
+    with the run's shardings, a fresh optimizer state, the same logits and step loss."""
+    cfg = load_config([], [*GPT2, *MIXED, f"model.init_from={exported['hf']}"])
+    run = build(cfg)
+    counts = run.family.counts(run.config.model.typed, run.data)
+    assert counts.params == sum(x.size for x in jax.tree.leaves(run.trainer.abstract_params))
+    state = run.trainer.init()
+    flat = {"/".join(str(k.key) for k in path): leaf
+            for path, leaf in jax.tree_util.tree_leaves_with_path(state.params)}
+    assert flat.keys() == exported["params"].keys()
+    for key, value in flat.items():
+        np.testing.assert_array_equal(np.asarray(value), exported["params"][key], err_msg=key)
+    shardings = jax.tree.leaves(run.trainer.state_shardings.params)
+    assert [x.sharding for x in jax.tree.leaves(state.params)] == shardings
+    assert int(state.step) == 0
+    assert all(not np.asarray(x).any() for x in jax.tree.leaves(state.opt_state)
+               if np.ndim(x) > 0)  # Adam's moments start at zero
+    reference = build(load_config([], [*GPT2, *FSDP8]))
+    expected = jaxpar_logits(reference, nested(exported["params"]), TOKENS)
+    assert_logits_close(jaxpar_logits(run, state.params, TOKENS), expected)
+    # one step from there: its loss is the numpy GPT-2's on the exported files
+    tokens = run.data.batch(0, cfg.train.batch_size)["tokens"]
+    hf = exported["hf"]
+    logits = gpt2_logits(load_file(hf / "model.safetensors"),
+                         json.loads((hf / "config.json").read_text()), tokens[:, :-1])
+    logits = logits - logits.max(-1, keepdims=True)
+    log_p = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    want = -np.take_along_axis(log_p, tokens[:, 1:, None], -1).mean()
+    _, metrics = run.trainer.step(state, run.trainer.shard_batch({"tokens": tokens}))
+    np.testing.assert_allclose(float(metrics["loss"]), want, rtol=1e-5)
+
+
+def random_gpt2(rng, V=256, D=32, L=2, N=4, T=16, F=128) -> dict[str, np.ndarray]:
+    """A GPT-2 as the hub's gpt2 files hold it: no ``transformer.`` prefix, the attention
+    mask buffers, lm_head stored equal to wte; every tensor random (biases and norms too)."""
+    r = lambda *shape, s=0.2: (s * rng.standard_normal(shape)).astype(np.float32)  # noqa: E731
+    t = {"wte.weight": r(V, D, s=0.5), "wpe.weight": r(T, D, s=0.5),
+         "ln_f.weight": 1 + r(D), "ln_f.bias": r(D)}
+    for i in range(L):
+        t |= {f"h.{i}.{k}": v for k, v in {
+            "ln_1.weight": 1 + r(D), "ln_1.bias": r(D), "attn.c_attn.weight": r(D, 3 * D),
+            "attn.c_attn.bias": r(3 * D), "attn.c_proj.weight": r(D, D),
+            "attn.c_proj.bias": r(D), "ln_2.weight": 1 + r(D), "ln_2.bias": r(D),
+            "mlp.c_fc.weight": r(D, F), "mlp.c_fc.bias": r(F), "mlp.c_proj.weight": r(F, D),
+            "mlp.c_proj.bias": r(D),
+            "attn.bias": np.tril(np.ones((1, 1, T, T), np.float32)),
+            "attn.masked_bias": np.array(-1e4, np.float32)}.items()}
+    t["lm_head.weight"] = t["wte.weight"].copy()
+    return t
+
+
+def test_init_from_hub_style_gpt2_matches_numpy_forward(tmp_path):
+    """Files laid out as the hub's gpt2 (n_inner null: 4·n_embd): jaxpar's logits are the
+    numpy GPT-2's, on fsdp=8 and on data=2,fsdp=2,tensor=2."""
+    tensors = random_gpt2(np.random.default_rng(1))
+    config = {"model_type": "gpt2", "vocab_size": 256, "n_embd": 32, "n_layer": 2,
+              "n_head": 4, "n_positions": 16, "n_ctx": 16, "n_inner": None,
+              "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5}
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    expected = gpt2_logits({k: v for k, v in tensors.items() if not k.endswith(
+        (".attn.bias", ".attn.masked_bias", "lm_head.weight"))}, config, TOKENS)
+    for mesh in (FSDP8, MIXED):
+        run = build(load_config([], [*GPT2, *mesh, "model.d_ff=128",
+                                     f"model.init_from={tmp_path}"]))
+        assert_logits_close(jaxpar_logits(run, run.trainer.init().params, TOKENS), expected)
+
+
+def test_init_from_refuses_a_mismatched_config_naming_each_difference(tmp_path, capsys):
+    config = {"model_type": "gpt2", "vocab_size": 50257, "n_embd": 768, "n_layer": 12,
+              "n_head": 12, "n_positions": 1024, "n_inner": None,
+              "activation_function": "gelu", "layer_norm_epsilon": 1e-6}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["inspect", *GPT_SMALL, "model.positions=rotary",
+                 f"model.init_from={tmp_path}"]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith(f"jaxpar: error: model.init_from={tmp_path}: config.json does not "
+                           "match this run's model: ")
+    for text in ("vocab_size=50257 but model.vocab_size=256 (set model.vocab_size=50257)",
+                 "n_embd=768 but model.d_model=32 (set model.d_model=768)",
+                 "n_layer=12 but model.n_layers=2", "n_head=12 but model.n_heads=4",
+                 "n_positions=1024 but model.max_seq_len=16",
+                 "n_inner=3072 but model.d_ff=64 (set model.d_ff=3072)",
+                 "model.tie_embeddings=false (set model.tie_embeddings=true)",
+                 "model.attn_bias=false (set model.attn_bias=true)",
+                 "model.positions=rotary (set model.positions=learned)",
+                 "activation_function=gelu", "layer_norm_epsilon=1e-06"):
+        assert text in line, text
+    assert line.endswith(
+        "to match it, pass model.vocab_size=50257 model.d_model=768 model.n_layers=12 "
+        "model.n_heads=12 model.max_seq_len=1024 model.d_ff=3072 model.tie_embeddings=true "
+        "model.attn_bias=true model.positions=learned")
+    # a directory without config.json, and weights that do not fit
+    assert main(["inspect", *GPT2, f"model.init_from={tmp_path / 'nothing'}"]) == 2
+    assert "no config.json there" in one_line(capsys.readouterr().err)
+    from jaxpar import hf
+
+    cfg = load_config([], GPT2).model.typed
+    tensors = hf.to_hf(hf.from_hf(random_gpt2(np.random.default_rng(2), F=64), cfg), cfg)
+    del tensors["transformer.h.1.mlp.c_fc.bias"]
+    tensors["transformer.wpe.weight"] = tensors["transformer.wpe.weight"][:8]
+    tensors["transformer.extra"] = np.zeros(3, np.float32)
+    with pytest.raises(ValueError, match="h.1.mlp.c_fc.bias missing; unexpected tensor extra; "
+                                         r"wpe.weight has shape \(8, 32\), expected \(16, 32\)"):
+        hf.from_hf(tensors, cfg)
+
+
+def test_export_refuses_what_gpt2_layout_cannot_hold(tmp_path, capsys):
+    out = ["--format", "hf", "--out", str(tmp_path / "hf")]
+    cases = [([*GPT_SMALL], "model.tie_embeddings=false (GPT-2's output layer is the token "
+                            "table wte itself"),
+             ([*GPT_SMALL, "model.tie_embeddings=true", "model.positions=rotary"],
+              "model.positions=rotary (GPT-2 adds learned positions"),
+             (["model.name=convnet"], "this run is model.name=convnet: use --format npz")]
+    for args, text in cases:
+        assert main(["export", *args, f"run.dir={tmp_path}", *out]) == 2
+        line = one_line(capsys.readouterr().err)
+        assert text in line, line
+    assert not (tmp_path / "hf").exists()
