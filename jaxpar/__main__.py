@@ -1,5 +1,3 @@
-import sys
+from jaxpar.cli import console
 
-from jaxpar.cli import main
-
-sys.exit(main())
+console()

@@ -404,15 +404,22 @@ def _one_line_reports(debug: bool) -> Iterator[None]:
             saved[1](args)
 
     threading.excepthook = excepthook
+    failed = False
     try:
         yield
+    except BaseException:
+        failed = True
+        raise
     finally:
         warnings.formatwarning, threading.excepthook = saved[0], saved[1]
         for name, level in saved[2].items():
-            logging.getLogger(name).setLevel(level)
+            # after a failure, a failed background write's asyncio task is logged when it is
+            # collected, at exit: that stays silent (the failure was reported once)
+            if not (failed and name == "asyncio"):
+                logging.getLogger(name).setLevel(level)
 
 
-_NOISY_LOGGERS = ("absl", "orbax", "jax._src.distributed", "grain")
+_NOISY_LOGGERS = ("absl", "orbax", "jax._src.distributed", "grain", "asyncio")
 
 
 def _failure(err: BaseException) -> tuple[int, str] | None:
@@ -499,3 +506,16 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def console() -> None:
+    """The ``jaxpar`` command (and ``python -m jaxpar``): :func:`main`, then exit with its
+    status. After a failed checkpoint write the process ends without Python's shutdown,
+    where the writer's leftover background tasks (tensorstore, asyncio) would print
+    tracebacks about their closed event loop after the one-line report."""
+    status = main()
+    if status == CHECKPOINT_FAILED and os.environ.get("JAXPAR_DEBUG", "") in ("", "0"):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)

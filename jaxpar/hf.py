@@ -67,7 +67,9 @@ def check_exportable(family: str, cfg: Any) -> None:
       family: the run's ``model.name`` (``""`` for a user's task).
       cfg: its typed model config.
     """
-    if family != "gpt":
+    from jaxpar.models.gpt import GPTConfig
+
+    if not isinstance(cfg, GPTConfig):
         what = f"model.name={family}" if family else "a user's task (--task)"
         raise ValueError(f"--format hf writes GPT-2's layout (GPT2LMHeadModel, a decoder-only "
                          f"transformer LM, jaxpar's model.name=gpt); this run is {what}: use "

@@ -338,10 +338,11 @@ def test_bert_evaluates_through_the_stages_like_one_device(layout):
     of the whole batch, loss and masked accuracy."""
     one = build(load_config([], [*BERT, "mesh.data=1", "run.devices=1"]))
     run = build(load_config([], [*BERT, *layout, "pipeline.microbatches=4", "run.devices=8"]))
-    state = jax.tree.map(np.asarray, one.trainer.init())
+    state = one.trainer.init()  # parameters and the dropout RNG streams
     batch = one.data.batch(0, 32, "eval")
     want = one.trainer.evaluate(state, one.trainer.shard_batch(batch))
-    got = run.trainer.evaluate(state, run.trainer.shard_batch(batch))
+    got = run.trainer.evaluate(jax.device_put(state, run.trainer.state_shardings),
+                               run.trainer.shard_batch(batch))
     assert set(got) == set(want) == {"loss", "masked_accuracy"}
     for key in want:
         np.testing.assert_allclose(float(got[key]), float(want[key]), rtol=1e-6, err_msg=key)

@@ -1,9 +1,9 @@
 """The README's commands do what they say when pasted in order on a fresh clone.
 
 Every ``jaxpar train`` and ``jaxpar inspect`` line of the README's ```` ```bash ```` blocks
-runs (``train.steps=2``: a short run, the rest of the command as written) from a fresh
+runs (``train.steps=1``, no eval: a short run, the rest of the command as written) from a fresh
 directory holding the repository's ``configs/`` and ``examples/``; each train exits 0 and
-logs its 2 steps in a run directory of its own, so no layout resumes another's run. The
+logs its step in a run directory of its own, so no layout resumes another's run. The
 ``plan`` and ``sweep`` lines are left out here (their numbers are tested in
 ``test_families.py`` and ``test_lab.py``).
 """
@@ -18,7 +18,7 @@ import pytest
 from jaxpar.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
-SHORT = ["train.steps=2", "train.log_every=1", "train.progress=false"]
+SHORT = ["train.steps=1", "train.eval_every=0", "train.progress=false"]  # a short run
 
 
 def readme_commands(kinds=("train", "inspect")) -> list[list[str]]:
@@ -68,14 +68,14 @@ def test_readme_commands_pasted_in_order_each_train(clone, capsys):
         new = {p for p in (clone / "runs").glob("*")} - before
         assert len(new) == 1, (command, new)  # a run directory of its own
         run_dir = new.pop()
-        assert steps_logged(run_dir) == [1, 2], command
+        assert steps_logged(run_dir) == [1], command
         dirs.append(run_dir.name)
     assert "gpt_tiny" in dirs and "gpt_tiny-fsdp8" in dirs and "gpt_tiny-tp" in dirs
 
     # the Quickstart again: finished, and says how to go on; then it trains longer
     assert main(["train", *SHORT]) == 0
     out = capsys.readouterr().out
-    assert ("the run in runs/gpt_tiny is finished (step 2 of train.steps=2); to train it "
-            "longer, run again with train.steps=N (N > 2)") in out
-    assert main(["train", *SHORT, "train.steps=3"]) == 0
-    assert steps_logged(clone / "runs" / "gpt_tiny") == [1, 2, 3]
+    assert ("the run in runs/gpt_tiny is finished (step 1 of train.steps=1); to train it "
+            "longer, run again with train.steps=N (N > 1)") in out
+    assert main(["train", *SHORT, "train.steps=2"]) == 0
+    assert steps_logged(clone / "runs" / "gpt_tiny") == [1, 2]

@@ -169,12 +169,8 @@ def pipeline_grads(split: StageSplit, graphdef: nnx.GraphDef, params: Any, batch
     model_state = {} if model_state is None else model_state
     rng_counts = jax.tree.map(lambda _: False, model_state) if rng_counts is None else rng_counts
     key = split.layers_key
-    rest = {k: x for k, x in params.items() if k != key}
-    layers = jax.tree.map(lambda w: w.reshape(v, p, w.shape[0] // (p * v), *w.shape[1:]),
-                          params[key])
-    batch_axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1)
-    shards = math.prod(mesh.shape[a] for a in batch_axes)
-    inner_rules = {n: tuple(a for a in axes if a not in MANUAL_AXES) for n, axes in rules.items()}
+    rest, layers, batch_axes, shards, inner_rules = _split_for_stages(split, params, p, v,
+                                                                      mesh, rules)
     parts = _Parts(split, graphdef)
     # only the branches this schedule uses are compiled
     full = branch_table(table)
@@ -201,6 +197,20 @@ def pipeline_grads(split: StageSplit, graphdef: nnx.GraphDef, params: Any, batch
     return loss, metrics, {**g_rest, key: g_layers}
 
 
+def _split_for_stages(split: StageSplit, params: Any, p: int, v: int, mesh: Mesh,
+                      rules: Rules) -> tuple[Any, Any, tuple[str, ...], int, Rules]:
+    """(the non-layer parameters, the layers as [v, p, L/(p·v), …], the batch axes in use,
+    how many batch shards they make, the rules inside the stages' manual axes)."""
+    key = split.layers_key
+    rest = {k: x for k, x in params.items() if k != key}
+    layers = jax.tree.map(lambda w: w.reshape(v, p, w.shape[0] // (p * v), *w.shape[1:]),
+                          params[key])
+    batch_axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1)
+    shards = math.prod(mesh.shape[a] for a in batch_axes)
+    inner_rules = {n: tuple(a for a in axes if a not in MANUAL_AXES) for n, axes in rules.items()}
+    return rest, layers, batch_axes, shards, inner_rules
+
+
 def pipeline_eval(split: StageSplit, graphdef: nnx.GraphDef, params: Any, batch: Batch, *,
                   p: int, m: int, v: int, mesh: Mesh, rules: Rules, model_state: Any = None
                   ) -> tuple[jax.Array, dict]:
@@ -213,13 +223,8 @@ def pipeline_eval(split: StageSplit, graphdef: nnx.GraphDef, params: Any, batch:
     Traceable; ``p, m, v`` as in the training table.
     """
     model_state = {} if model_state is None else model_state
-    key = split.layers_key
-    rest = {k: x for k, x in params.items() if k != key}
-    layers = jax.tree.map(lambda w: w.reshape(v, p, w.shape[0] // (p * v), *w.shape[1:]),
-                          params[key])
-    batch_axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1)
-    shards = math.prod(mesh.shape[a] for a in batch_axes)
-    inner_rules = {n: tuple(a for a in axes if a not in MANUAL_AXES) for n, axes in rules.items()}
+    rest, layers, batch_axes, shards, inner_rules = _split_for_stages(split, params, p, v,
+                                                                      mesh, rules)
     parts = _Parts(split, graphdef, train=False)
     full, chunk, mb = forward_table(p, m, v)
     used = np.unique(full)
