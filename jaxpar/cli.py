@@ -46,7 +46,7 @@ import threading
 import traceback
 import warnings
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from jaxpar.config import Config, load_config, run_dir_for
 
@@ -394,7 +394,7 @@ def _one_line_reports(debug: bool) -> Iterator[None]:
         yield
         return
     saved = (warnings.formatwarning, threading.excepthook,
-             {name: logging.getLogger(name).level for name in _NOISY_LOGGERS})
+             {name: logging.getLogger(name).level for name in _NOISY_LOGGERS}, sys.stderr)
     warnings.formatwarning = lambda message, *_: f"jaxpar: warning: {message}\n"
     for name in _NOISY_LOGGERS:
         logging.getLogger(name).setLevel(logging.CRITICAL)
@@ -404,6 +404,10 @@ def _one_line_reports(debug: bool) -> Iterator[None]:
             saved[1](args)
 
     threading.excepthook = excepthook
+    # a library's native thread prints the traceback of its Python callback straight to
+    # sys.stderr (tensorstore's write callbacks after Orbax's event loop closed on a failed
+    # save): the main thread reports the failure itself
+    sys.stderr = _QuietNativeThreads(saved[3])
     failed = False
     try:
         yield
@@ -412,11 +416,29 @@ def _one_line_reports(debug: bool) -> Iterator[None]:
         raise
     finally:
         warnings.formatwarning, threading.excepthook = saved[0], saved[1]
+        if not failed:  # after a failure the writer's callbacks may still fire, at exit
+            sys.stderr = saved[3]
         for name, level in saved[2].items():
             # after a failure, a failed background write's asyncio task is logged when it is
             # collected, at exit: that stays silent (the failure was reported once)
             if not (failed and name == "asyncio"):
                 logging.getLogger(name).setLevel(level)
+
+
+class _QuietNativeThreads:
+    """``sys.stderr`` that drops what threads started outside Python write (native
+    library threads, seen by Python as dummy threads); everything else passes through."""
+
+    def __init__(self, stream: Any):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        if isinstance(threading.current_thread(), threading._DummyThread):
+            return len(text)
+        return self._stream.write(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 _NOISY_LOGGERS = ("absl", "orbax", "jax._src.distributed", "grain", "asyncio")
