@@ -246,11 +246,9 @@ def pipeline_eval(split: StageSplit, graphdef: nnx.GraphDef, params: Any, batch:
     return fn(layers, rest, model_state, dict(batch))
 
 
-def _run_forward(parts: _Parts, p: int, layers, rest, state, micro, rows, used):
-    """The per-device scan of a forward-only pass: the input arriving from the left
-    neighbour is used the tick it arrives (see :func:`forward_table`); the device holding
-    the last chunk adds each microbatch's loss and metrics."""
-    d = jax.lax.axis_index("stage")
+def _message_shapes(parts: _Parts, layers, rest, state, micro):
+    """(this device's first chunk, layers per chunk, the shape of a message between stages,
+    the shapes of the head's metrics), from the first microbatch."""
     first_mb = {k: x[0] for k, x in micro.items()}
     chunk0 = jax.tree.map(lambda w: w[0], layers)
     per_chunk = jax.tree.leaves(chunk0)[0].shape[0]
@@ -258,6 +256,15 @@ def _run_forward(parts: _Parts, p: int, layers, rest, state, micro, rows, used):
     _, aux_shape = jax.eval_shape(
         lambda: parts.head(chunk0, rest, state, jnp.zeros(x_shape.shape, x_shape.dtype),
                            first_mb))
+    return chunk0, per_chunk, x_shape, aux_shape
+
+
+def _run_forward(parts: _Parts, p: int, layers, rest, state, micro, rows, used):
+    """The per-device scan of a forward-only pass: the input arriving from the left
+    neighbour is used the tick it arrives (see :func:`forward_table`); the device holding
+    the last chunk adds each microbatch's loss and metrics."""
+    d = jax.lax.axis_index("stage")
+    chunk0, per_chunk, x_shape, aux_shape = _message_shapes(parts, layers, rest, state, micro)
     message = jnp.zeros(x_shape.shape, x_shape.dtype)
     aux = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shape)
     right = [(i, (i + 1) % p) for i in range(p)]
@@ -372,13 +379,7 @@ def _run(parts: _Parts, table: TickTable, layers, rest, state, micro, branches, 
     p = table.p
     d = jax.lax.axis_index("stage")
     state, counts = state
-    first_mb = {k: x[0] for k, x in micro.items()}
-    chunk0 = jax.tree.map(lambda w: w[0], layers)
-    per_chunk = jax.tree.leaves(chunk0)[0].shape[0]
-    x_shape = jax.eval_shape(parts.embed, rest, chunk0, state, first_mb)
-    _, aux_shape = jax.eval_shape(
-        lambda: parts.head(chunk0, rest, state, jnp.zeros(x_shape.shape, x_shape.dtype),
-                           first_mb))
+    chunk0, per_chunk, x_shape, aux_shape = _message_shapes(parts, layers, rest, state, micro)
     message = jnp.full(x_shape.shape, fill, x_shape.dtype)
     zeros_like = lambda t: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), t)
     carry = {
