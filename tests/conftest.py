@@ -1,6 +1,8 @@
 """Test setup: 8 simulated CPU devices, set before JAX starts its backend."""
 
 import os
+import shutil
+import tempfile
 
 # LLVM optimization level 0 halves XLA:CPU compile time, which dominates the suite; every
 # comparison is between programs compiled with the same flags.
@@ -8,6 +10,17 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
     + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 ).strip()
+
+# One persistent compilation cache for the whole run, shared by the pytest-xdist workers
+# and every `jaxpar` subprocess a test starts (they inherit the environment): the same
+# program (a resumed run, a layout trained again by another test) compiles once. A cached
+# executable is the one XLA compiled, so no comparison changes.
+# The pytest process sets it first; the xdist workers it starts inherit it.
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR",
+    os.path.join(tempfile.gettempdir(), f"jaxpar-test-compile-cache-{os.getpid()}"),
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -18,3 +31,9 @@ jax.config.update("jax_enable_x64", False)
 @pytest.fixture(scope="session", autouse=True)
 def eight_devices():
     assert jax.device_count() == 8, "tests need 8 simulated CPU devices"
+
+
+def pytest_sessionfinish(session):
+    """The controller (not an xdist worker) removes the run's compilation cache."""
+    if not hasattr(session.config, "workerinput"):
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
