@@ -1,6 +1,7 @@
 """Data-parallel scaling over processes: 2 processes on one core each vs 1 process on one core.
 
     python benchmarks/multiprocess_scaling.py [--steps 40] [--batch-per-process 16]
+                                              [--psum-mib 3.33]
 
 Trains ``configs/gpt_tiny.yaml`` with the same per-process batch (``--batch-per-
 process`` sequences of 128 tokens) twice, side by side in one run:
@@ -10,9 +11,19 @@ process`` sequences of 128 tokens) twice, side by side in one run:
   each pinned to its own core with one CPU device, ``mesh.data=2`` across processes
   (gradients all-reduced over gloo on the loopback network), twice the global batch.
 
+* the same launch without ``--cpus-per-process``: each process may use either core, so
+  the threads that are not the step's compute (gloo's and the distributed runtime's) run
+  where there is room.
+
 Throughput is the median ``examples_per_s`` of the logged intervals after the first
 (compile) one and before the last (which includes the final checkpoint). The published
 rule of thumb for 2 GPUs is 1.7–1.9×.
+
+Then, to read the figures: the time of a bare ``psum`` of ``--psum-mib`` MiB (gpt_tiny's
+gradient, float32) across 2 processes pinned to a core each (gloo over loopback TCP; median
+of 30 calls after a warm-up), and the time of a compute-only program (no collective) in
+those 2 pinned processes with and without ``jax.distributed`` started (median of 15 calls):
+what the idle runtime's threads cost the compute on a shared core.
 """
 
 from __future__ import annotations
@@ -20,13 +31,65 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+PROBE_CALLS = {"psum": 30, "compute": 15}
+
+
+def probe(kind: str, index: int, port: int, mib: float, distributed: bool) -> None:
+    """One process of the bare-collective / compute probes: pinned to core ``index``, one CPU
+    device; prints the median milliseconds of a call."""
+    os.sched_setaffinity(0, {index})
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    if distributed:
+        jax.distributed.initialize(f"127.0.0.1:{port}", 2, index)
+    if kind == "psum":
+        mesh = Mesh(np.array(jax.devices()), ("data",))
+        x = jax.make_array_from_process_local_data(
+            NamedSharding(mesh, P("data")), np.ones((1, int(mib * 2**20 / 4)), np.float32))
+        fn = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "data"), mesh=mesh,
+                                   in_specs=P("data"), out_specs=P("data")))
+    else:
+        x = jnp.ones((512, 512), jnp.float32, device=jax.local_devices()[0])
+        fn = jax.jit(lambda a: jax.lax.fori_loop(0, 100, lambda _, b: jnp.tanh(b @ a), a))
+    fn(x).block_until_ready()
+    times = []
+    for _ in range(PROBE_CALLS[kind]):
+        start = time.perf_counter()
+        fn(x).block_until_ready()
+        times.append(time.perf_counter() - start)
+    print(f"{statistics.median(times) * 1e3:.2f}", flush=True)
+    if distributed:
+        jax.distributed.shutdown()
+
+
+def _probe_pair(kind: str, mib: float, distributed: bool) -> list[float]:
+    """Milliseconds per call of the probe in 2 processes at once (core 0 and core 1)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    procs = [subprocess.Popen([sys.executable, __file__, "--probe", kind, str(i), str(port),
+                               str(mib), str(int(distributed))], env=env, cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+             for i in range(2)]
+    outs = [p.communicate()[0] for p in procs]
+    if any(p.returncode for p in procs):
+        sys.exit(f"the {kind} probe failed: {outs}")
+    return [float(out.split()[-1]) for out in outs]
 
 
 def _throughput(run_dir: Path) -> float:
@@ -44,26 +107,47 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch-per-process", type=int, default=16)
+    parser.add_argument("--psum-mib", type=float, default=3.33,
+                        help="size of the bare psum (default: gpt_tiny's gradient)")
+    parser.add_argument("--probe", nargs=5, help=argparse.SUPPRESS)  # a probe's process
     args = parser.parse_args()
+    if args.probe:
+        kind, index, port, mib, distributed = args.probe
+        probe(kind, int(index), int(port), float(mib), distributed == "1")
+        return
     b, steps = args.batch_per_process, args.steps
     common = ["train", "configs/gpt_tiny.yaml", f"train.steps={steps}", "train.log_every=5",
               "train.eval_every=0", "train.progress=false", "optim.decay_steps=1000"]
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
     with tempfile.TemporaryDirectory() as tmp:
-        one, two = Path(tmp) / "one", Path(tmp) / "two"
+        one, two, free = Path(tmp) / "one", Path(tmp) / "two", Path(tmp) / "free"
         _run([sys.executable, "-m", "jaxpar", *common, "mesh.data=1", f"train.batch_size={b}",
               f"run.dir={one}"],
              {**env, "JAXPAR_CPUS": "0", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
         _run([sys.executable, "-m", "jaxpar", "launch", "-n", "2", "--devices-per-process", "1",
               "--cpus-per-process", "1", "--", *common, "mesh.data=2",
               f"train.batch_size={2 * b}", f"run.dir={two}"], env)
-        a, c = _throughput(one), _throughput(two)
+        _run([sys.executable, "-m", "jaxpar", "launch", "-n", "2", "--devices-per-process", "1",
+              "--", *common, "mesh.data=2", f"train.batch_size={2 * b}", f"run.dir={free}"],
+             env)
+        a, c, f = _throughput(one), _throughput(two), _throughput(free)
+    psum = _probe_pair("psum", args.psum_mib, True)
+    solo, shared = _probe_pair("compute", 0, False), _probe_pair("compute", 0, True)
     print(f"gpt_tiny, {b} × 128 tokens per process, {steps} steps, examples/s "
           "(median of the logged intervals)")
     print("| run | global batch | examples/s | speed-up |")
     print("|---|---|---|---|")
     print(f"| 1 process, 1 core | {b} | {a:.1f} | 1.00× |")
     print(f"| 2 processes, 1 core each | {2 * b} | {c:.1f} | {c / a:.2f}× |")
+    print(f"| 2 processes, not pinned (2 cores) | {2 * b} | {f:.1f} | {f / a:.2f}× |")
+    print(f"\nstep time: 1 process {b / a * 1e3:.0f} ms, 2 pinned processes "
+          f"{2 * b / c * 1e3:.0f} ms (+{(2 * b / c - b / a) * 1e3:.0f} ms)")
+    print(f"bare psum of {args.psum_mib} MiB across the 2 pinned processes (gloo): "
+          f"{max(psum):.1f} ms per call")
+    print("compute-only program, 2 pinned processes, ms per call (core 0 / core 1): "
+          f"alone {solo[0]:.0f} / {solo[1]:.0f}; with jax.distributed started "
+          f"{shared[0]:.0f} / {shared[1]:.0f} "
+          f"({statistics.mean(shared) / statistics.mean(solo):.3f}×)")
 
 
 if __name__ == "__main__":
