@@ -21,6 +21,9 @@ os.environ.setdefault(
     os.path.join(tempfile.gettempdir(), f"jaxpar-test-compile-cache-{os.getpid()}"),
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# A size limit makes JAX read and write entries under a file lock (filelock): without it a
+# process could read an entry another is still writing, and warn on stderr.
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 * 2**30))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
