@@ -11,15 +11,16 @@ os.environ["XLA_FLAGS"] = (
     + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 ).strip()
 
-# One persistent compilation cache for the whole run, shared by the pytest-xdist workers
-# and every `jaxpar` subprocess a test starts (they inherit the environment): the same
-# program (a resumed run, a layout trained again by another test) compiles once. A cached
-# executable is the one XLA compiled, so no comparison changes.
-# The pytest process sets it first; the xdist workers it starts inherit it.
-os.environ.setdefault(
-    "JAX_COMPILATION_CACHE_DIR",
-    os.path.join(tempfile.gettempdir(), f"jaxpar-test-compile-cache-{os.getpid()}"),
-)
+# One persistent compilation cache for the whole run: the pytest process sets it, and the
+# xdist workers and every `jaxpar` subprocess a test starts inherit it, so the same program
+# (a resumed run, a layout trained again by another test) compiles once. A cached
+# executable is the one XLA compiled, so no comparison changes. A cache directory the user
+# set is used as it is and kept.
+_OWN_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _OWN_CACHE = os.path.join(tempfile.gettempdir(),
+                              f"jaxpar-test-compile-cache-{os.getpid()}")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # A size limit makes JAX read and write entries under a file lock (filelock): without it a
 # process could read an entry another is still writing, and warn on stderr.
@@ -37,6 +38,6 @@ def eight_devices():
 
 
 def pytest_sessionfinish(session):
-    """The controller (not an xdist worker) removes the run's compilation cache."""
-    if not hasattr(session.config, "workerinput"):
-        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+    """The pytest process (not an xdist worker) removes the cache directory it made."""
+    if _OWN_CACHE and not hasattr(session.config, "workerinput"):
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
