@@ -50,6 +50,25 @@ from jaxpar.sharding import path_str
 from jaxpar.trainer import Trainer, TrainState
 
 
+def _write_whole_shards_in_one_process() -> None:
+    """In a single process, Orbax's stock array handler without replica-parallel saving.
+
+    Replica-parallel saving (Orbax's default off GPU) splits every replicated array into
+    one slice per replica, so that hosts holding replicas share the writing; in one
+    process the same process writes every slice, and each slice is a separately compiled
+    and dispatched ``jit_slice`` — a 0.15 MiB GPT state on 8 devices took 3.6 s to save
+    (80 slice programs), 0.1 s without. The files written are the same. Orbax's handler
+    registry is process-wide, so only its stock handler is replaced (a handler a user
+    registered is left alone), and multi-process runs keep the default."""
+    if jax.process_count() != 1:
+        return
+    handler = ocp.type_handlers.get_type_handler(jax.Array)
+    if type(handler) is ocp.type_handlers.ArrayHandler:
+        ocp.type_handlers.register_type_handler(
+            jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False),
+            override=True)
+
+
 class CheckpointError(RuntimeError):
     """Writing a checkpoint failed (raised where the failure becomes known).
 
@@ -162,6 +181,7 @@ class Checkpointer:
             best_fn=rank, best_mode=best_mode, enable_async_checkpointing=True,
             async_options=ocp.AsyncOptions(post_finalization_callback=self._write_record),
             create=True)
+        _write_whole_shards_in_one_process()
         with self._errors("creating the checkpoint directory"):
             self._manager = ocp.CheckpointManager(
                 self.directory, options=options,

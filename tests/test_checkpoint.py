@@ -16,7 +16,7 @@ from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import load_config
 from jaxpar.run import build
 from jaxpar.sharding import path_str
-from tests.helpers import GPT_SMALL
+from tests.helpers import GPT_SMALL, child_env
 
 # The schedule's horizon is fixed (decay_steps), so a 4-step run and the first 4 steps of an
 # 8-step run are the same computation.
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def train_process(run_dir: Path, steps: int, *extra: str) -> None:
     """`python -m jaxpar train` in a fresh process (8 simulated devices)."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = child_env(8)
     subprocess.run([sys.executable, "-m", "jaxpar", "train", *RESUMABLE, *extra,
                     f"train.steps={steps}", f"run.dir={run_dir}"],
                    check=True, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -122,7 +122,7 @@ def test_resume_settings(tmp_path):
 def test_sigterm_checkpoints_the_current_step_and_resume_continues(tmp_path):
     """SIGTERM mid-run: exit 4 with a complete checkpoint of the step it was on; resuming
     gives the losses of an uninterrupted run."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = child_env(8)
     run_dir = tmp_path / "preempted"
     proc = subprocess.Popen(
         [sys.executable, "-m", "jaxpar", "train", *RESUMABLE, "train.steps=100000",
@@ -169,7 +169,7 @@ def test_checkpoint_reads_with_plain_orbax_and_exports(tmp_path):
     script = tmp_path / "read.py"
     script.write_text(plain_orbax_script("ckpt/1/state"))  # relative to where it runs
     subprocess.run([sys.executable, str(script), str(tmp_path / "plain.npz")], check=True,
-                   cwd=tmp_path, env={**os.environ, "XLA_FLAGS": ""}, capture_output=True)
+                   cwd=tmp_path, env=child_env(None), capture_output=True)
     plain = np.load(tmp_path / "plain.npz")
     run = build(load_config([], [*GPT_SMALL, "mesh.data=1", "mesh.fsdp=8"]))
     names = [p for p, _ in jax.tree_util.tree_leaves_with_path(run.trainer.abstract_state)]
@@ -191,7 +191,7 @@ def test_sigkill_during_a_save_leaves_nothing_resume_would_pick(tmp_path):
     that a save outlasts a step): the half-written save stays a temporary directory that
     is never listed, and the next run resumes from the last complete checkpoint with the
     losses of an uninterrupted run."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = child_env(8)
     big = ["model.d_model=256", "model.d_ff=1024", "checkpoint.every_steps=1"]
     for attempt in range(5):
         run_dir = tmp_path / f"killed{attempt}"

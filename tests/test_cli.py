@@ -1,7 +1,6 @@
 """End to end: the `jaxpar` command and the run directory."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,22 +9,17 @@ import numpy as np
 import pytest
 
 from jaxpar.cli import main
+from tests.helpers import child_env
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _clean_env():
-    """Environment of a fresh shell: no device count forced by the test setup."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = str(ROOT)
-    return env
 
 
 @pytest.mark.slow
 def test_default_train_writes_metrics_and_loss_falls(tmp_path):
     cmd = [sys.executable, "-m", "jaxpar.cli", "train", f"run.dir={tmp_path}",
            "train.steps=40", "train.log_every=5", "train.eval_every=20", "train.tensorboard=true"]
-    out = subprocess.run(cmd, env=_clean_env(), capture_output=True, text=True, timeout=600)
+    out = subprocess.run(cmd, env=child_env(None), capture_output=True, text=True,
+                         timeout=600)  # a fresh shell: no device count forced
     assert out.returncode == 0, out.stderr
     assert "8 simulated CPU devices" in out.stdout
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -53,7 +47,8 @@ def test_devices_flag_sets_simulated_device_count(tmp_path):
     cmd = [sys.executable, "-m", "jaxpar.cli", "train", "--devices", "4", f"run.dir={tmp_path}",
            "train.steps=1", "optim.warmup_steps=0", "model.n_layers=1", "model.d_model=32", "data.seq_len=16",
            "train.batch_size=4", "train.eval_every=0"]
-    out = subprocess.run(cmd, env=_clean_env(), capture_output=True, text=True, timeout=600)
+    out = subprocess.run(cmd, env=child_env(None), capture_output=True, text=True,
+                         timeout=600)  # a fresh shell: no device count forced
     assert out.returncode == 0, out.stderr
     assert "4 simulated CPU devices" in out.stdout and "data=4" in out.stdout
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import GPT_SMALL
+from tests.helpers import GPT_SMALL, child_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,22 +25,16 @@ RUN = [*GPT_SMALL, "train.log_every=1", "train.eval_every=0", "train.progress=fa
        "optim.schedule=cosine", "optim.decay_steps=6", "checkpoint.every_steps=2"]
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
-    env["PYTHONPATH"] = str(ROOT)
-    return env
-
-
 def launch(n: int, run_dir: Path, steps: int, *extra: str, timeout: float = 400):
     cmd = [sys.executable, "-m", "jaxpar", "launch", "-n", str(n), "--devices-per-process",
            str(8 // n), "--", "train", *RUN, *extra, f"train.steps={steps}",
            f"run.dir={run_dir}"]
-    return subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run(cmd, env=child_env(None), cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout)
 
 
 def single(run_dir: Path, steps: int, *extra: str):
-    env = {**_env(), "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = child_env(8)
     cmd = [sys.executable, "-m", "jaxpar", "train", *RUN, *extra, f"train.steps={steps}",
            f"run.dir={run_dir}"]
     return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=400)
@@ -51,19 +45,47 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in rows if "loss" in row}
 
 
-# data × fsdp × tensor: the data-parallel axis and the sharded ones at once
-@pytest.mark.parametrize("layout", [["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]],
-                         ids=["fsdp_tp"])
-def test_two_processes_match_one(tmp_path, layout):
-    """2 processes × 4 devices give the per-step losses of 1 process × 8 devices."""
-    two = launch(2, tmp_path / "two", 4, *layout)
+# data × fsdp × tensor: the data-parallel axis (across the processes) and the sharded ones
+LAYOUT = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
+STRAIGHT_STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """Losses of an uninterrupted 1-process × 8-device run of LAYOUT, the reference of the
+    tests below (one run for the module)."""
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    out = single(run_dir, STRAIGHT_STEPS, *LAYOUT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return losses(run_dir)
+
+
+def reference(straight, tmp_path, steps: int) -> dict[int, float]:
+    """The module's straight run, or (when a preemption landed later) a longer one."""
+    if steps <= STRAIGHT_STEPS:
+        return straight
+    assert single(tmp_path / "longer", steps, *LAYOUT).returncode == 0
+    return losses(tmp_path / "longer")
+
+
+def test_two_processes_match_one_and_hand_over_to_one(tmp_path, straight):
+    """2 processes × 4 devices give the per-step losses of 1 process × 8 devices; their
+    checkpoint, resumed by 1 process (the loader position is global), continues with the
+    losses of the uninterrupted run."""
+    run_dir = tmp_path / "two_then_one"
+    two = launch(2, run_dir, 4, *LAYOUT)
     assert two.returncode == 0, two.stdout[-3000:]
     assert "[0] steps: 4" in two.stdout and "[1] steps" not in two.stdout  # process 0 reports
-    one = single(tmp_path / "one", 4, *layout)
+    got = losses(run_dir)
+    assert sorted(got) == [1, 2, 3, 4]
+    np.testing.assert_allclose([got[s] for s in range(1, 5)],
+                               [straight[s] for s in range(1, 5)], rtol=1e-6)
+    one = single(run_dir, 6, *LAYOUT)  # resumes the 2-process checkpoint of step 4
     assert one.returncode == 0, one.stderr[-3000:]
-    a, b = losses(tmp_path / "two"), losses(tmp_path / "one")
-    assert sorted(a) == [1, 2, 3, 4]
-    np.testing.assert_allclose([a[s] for s in sorted(a)], [b[s] for s in sorted(b)], rtol=1e-6)
+    got = losses(run_dir)
+    assert sorted(got) == [1, 2, 3, 4, 5, 6]  # each step once
+    np.testing.assert_allclose([got[s] for s in (5, 6)], [straight[s] for s in (5, 6)],
+                               rtol=1e-6)
 
 
 def test_user_task_two_processes_match_one(tmp_path):
@@ -73,9 +95,10 @@ def test_user_task_two_processes_match_one(tmp_path):
             "train.log_every=1", "train.eval_every=2", "train.progress=false", "train.steps=4"]
     cmd = [sys.executable, "-m", "jaxpar", "launch", "-n", "2", "--devices-per-process", "4",
            "--", "train", *task, f"run.dir={tmp_path / 'two'}"]
-    two = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=400)
+    two = subprocess.run(cmd, env=child_env(None), cwd=ROOT, capture_output=True, text=True,
+                         timeout=400)
     assert two.returncode == 0, two.stdout[-3000:]
-    env = {**_env(), "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = child_env(8)
     one = subprocess.run([sys.executable, "-m", "jaxpar", "train", *task,
                           f"run.dir={tmp_path / 'one'}"], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=400)
@@ -88,23 +111,6 @@ def test_user_task_two_processes_match_one(tmp_path):
     evals = lambda d: [json.loads(line)["eval_loss"] for line in
                        (d / "metrics.jsonl").read_text().splitlines() if "eval_loss" in line]
     np.testing.assert_allclose(evals(tmp_path / "two"), evals(tmp_path / "one"), rtol=1e-5)
-
-
-def test_checkpoint_moves_between_process_counts(tmp_path):
-    """Saved by 2 processes, resumed by 1: the loader position is global,
-    so the resumed losses equal an uninterrupted single-process run's."""
-    straight = single(tmp_path / "straight", 6)
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    reference = losses(tmp_path / "straight")
-
-    two_then_one = tmp_path / "two_then_one"
-    assert launch(2, two_then_one, 2).returncode == 0
-    assert single(two_then_one, 4).returncode == 0
-    for run_dir in (two_then_one,):  # (the other way round, 1 then 2, reads the same way)
-        got = losses(run_dir)
-        assert sorted(got) == [1, 2, 3, 4]  # each step once
-        np.testing.assert_allclose([got[s] for s in (3, 4)], [reference[s] for s in (3, 4)],
-                                   rtol=1e-6)
 
 
 def _processes_with(marker: str) -> dict[int, int]:
@@ -129,7 +135,7 @@ def test_killing_one_process_stops_the_launch(tmp_path):
     run_dir = tmp_path / "killed"
     cmd = [sys.executable, "-m", "jaxpar", "launch", "-n", "2", "--devices-per-process", "4",
            "--grace", "5", "--", "train", *RUN, "train.steps=100000", f"run.dir={run_dir}"]
-    launcher = subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=subprocess.PIPE,
+    launcher = subprocess.Popen(cmd, env=child_env(None), cwd=ROOT, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 300
@@ -155,14 +161,15 @@ def test_killing_one_process_stops_the_launch(tmp_path):
             os.kill(pid, signal.SIGKILL)
 
 
-def test_sigterm_to_a_launch_checkpoints_an_agreed_step(tmp_path):
+def test_sigterm_to_a_launch_checkpoints_an_agreed_step(tmp_path, straight):
     """SIGTERM to the launcher reaches both processes; JAX's preemption sync point makes
     them save the same step and exit 4; the launch exits 4 and resuming continues with the
     losses of an uninterrupted run."""
     run_dir = tmp_path / "preempted"
     cmd = [sys.executable, "-m", "jaxpar", "launch", "-n", "2", "--devices-per-process", "4",
-           "--grace", "60", "--", "train", *RUN, "train.steps=100000", f"run.dir={run_dir}"]
-    launcher = subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=subprocess.PIPE,
+           "--grace", "60", "--", "train", *RUN, *LAYOUT, "train.steps=100000",
+           f"run.dir={run_dir}"]
+    launcher = subprocess.Popen(cmd, env=child_env(None), cwd=ROOT, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 300
@@ -180,10 +187,8 @@ def test_sigterm_to_a_launch_checkpoints_an_agreed_step(tmp_path):
     assert len(steps) == 1, out[-3000:]  # both processes name the same step
     step = steps.pop()
     assert (run_dir / "checkpoints" / str(step)).is_dir()
-    assert single(run_dir, step + 2).returncode == 0  # resume in one process
-    straight = tmp_path / "straight"
-    assert single(straight, step + 2).returncode == 0
-    got, want = losses(run_dir), losses(straight)
+    assert single(run_dir, step + 2, *LAYOUT).returncode == 0  # resume in one process
+    got, want = losses(run_dir), reference(straight, tmp_path, step + 2)
     assert sorted(got) == list(range(1, step + 3))
     np.testing.assert_allclose([got[s] for s in (step + 1, step + 2)],
                                [want[s] for s in (step + 1, step + 2)], rtol=1e-6)
@@ -214,7 +219,8 @@ def test_ctrl_c_to_a_launch_checkpoints_once_and_kills_twice(tmp_path):
         # with 2 presses, a hook holds the processes after their checkpoint starts, so the
         # second Ctrl-C surely finds them running
         hook = [f"train.hooks=[{tmp_path / 'slow_stop.py'}:SlowStop]"] if presses == 2 else []
-        launcher = subprocess.Popen([*cmd, *hook, f"run.dir={run_dir}"], env=_env(), cwd=ROOT,
+        launcher = subprocess.Popen([*cmd, *hook, f"run.dir={run_dir}"], env=child_env(None),
+                                    cwd=ROOT,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             deadline = time.time() + 300

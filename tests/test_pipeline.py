@@ -93,16 +93,19 @@ def assert_matches_reference(run, fill=None, extra=()):
     return history
 
 
-# m = 2p always runs; m = p and 4p are marked `exhaustive` (CI runs them on one interpreter).
-CASES = [pytest.param(s, p, k * p, v, id=f"{s}-p{p}-m{k * p}",
+# Every schedule × p ∈ {2, 4}: alone with m ∈ {p, 2p, 4p}, and with data=2 and with tensor=2
+# at m = 2p (the other axes do not interact with the microbatch count: they shard inside a
+# tick). m = p and 4p are marked `exhaustive` (CI runs them on one interpreter).
+CASES = [pytest.param(s, p, k * p, v, combo, id=f"{s}-p{p}-m{k * p}-{combo}",
                       marks=() if k == 2 else pytest.mark.exhaustive)
          for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb_h1", 1))
-         for p in (2, 4) for k in (1, 2, 4)]
+         for p in (2, 4)
+         for k, combo in ((1, "alone"), (2, "alone"), (4, "alone"), (2, "data=2"),
+                          (2, "tensor=2"))]
 assert {c.values[0] for c in CASES} == set(SCHEDULES)
 
 
-@pytest.mark.parametrize("combo", ["alone", "data=2", "tensor=2"])
-@pytest.mark.parametrize("schedule,p,m,v", CASES)
+@pytest.mark.parametrize("schedule,p,m,v,combo", CASES)
 def test_schedule_matches_unpipelined(schedule, p, m, v, combo):
     """Loss and every gradient at each of 3 SGD steps, and the final params."""
     extra = {"alone": {}, "data=2": {"data": 2}, "tensor=2": {"tensor": 2}}[combo]

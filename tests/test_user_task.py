@@ -22,6 +22,7 @@ from jaxpar.cli import main
 from jaxpar.config import load_config
 from jaxpar.run import build
 from jaxpar.user_code import load_task
+from tests.helpers import child_env
 from tests.test_research import host
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +43,7 @@ def losses(run_dir: Path) -> list[tuple[int, float]]:
 
 
 def task_process(run_dir: Path, steps: int, *extra: str, wait: bool = True):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = child_env(8)
     cmd = [sys.executable, "-m", "jaxpar", "train", "--task", SPEC, *SHORT, *extra,
            f"train.steps={steps}", f"run.dir={run_dir}"]
     if not wait:
