@@ -70,11 +70,18 @@ def process_env(index: int, count: int, port: int, devices_per_process: int,
         first = index * cpus_per_process
         env[ENV_CPUS] = ",".join(str(c) for c in range(first, first + cpus_per_process))
     if devices_per_process:
-        flags = _FORCE_FLAG.sub("", env.get("XLA_FLAGS", "")).strip()
-        env["XLA_FLAGS"] = (f"{flags} --xla_force_host_platform_device_count="
-                            f"{devices_per_process}").strip()
-        env.pop("JAX_NUM_CPU_DEVICES", None)
+        force_device_count(env, devices_per_process)
     return env
+
+
+def force_device_count(env: dict[str, str], devices: int | None) -> None:
+    """Makes ``env``'s JAX see ``devices`` simulated CPU devices, or (``None``) as many as
+    it would by itself: replaces the count in ``XLA_FLAGS``, keeps its other flags."""
+    flags = _FORCE_FLAG.sub("", env.get("XLA_FLAGS", ""))
+    if devices:
+        flags += f" --xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = " ".join(flags.split())
+    env.pop("JAX_NUM_CPU_DEVICES", None)
 
 
 def pin_from_env() -> None:

@@ -438,13 +438,17 @@ class Trainer:
     # ---- compiled program ------------------------------------------------------------------
     def compile_step(self, batch: Mapping[str, Any]) -> jax.stages.Compiled:
         """The compiled train step for batches shaped like ``batch`` (no data needed)."""
+        return self.lower_step(batch).compile()
+
+    def lower_step(self, batch: Mapping[str, Any]) -> jax.stages.Lowered:
+        """The train step for batches shaped like ``batch``, lowered (not yet compiled)."""
         shardings = self.batch_shardings(batch)
         abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k])
                           for k, v in batch.items()}
         abstract_state = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
             self.abstract_state, self.state_shardings)
-        return self._step.lower(abstract_state, abstract_batch).compile()
+        return self._step.lower(abstract_state, abstract_batch)
 
 
 def place_params(host: Any, abstract: Any, shardings: Any) -> Any:

@@ -3,29 +3,30 @@
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 import jax
 import numpy as np
 
 from jaxpar.config import load_config
+from jaxpar.launch import force_device_count
 from jaxpar.run import build
+from tests.conftest import TEST_XLA_FLAGS
 
 ROOT = Path(__file__).resolve().parents[1]
-_DEVICE_FLAG = re.compile(r"--xla_force_host_platform_device_count=\d+")
 
 
-def child_env(devices: int | None = 8) -> dict[str, str]:
+def child_env(devices: int | None = 8, test_flags: bool = True) -> dict[str, str]:
     """A subprocess's environment: this process's compiler flags (``tests/conftest.py``'s
-    LLVM level 0, so that a child compiles as fast as the tests do) with ``devices``
-    simulated CPU devices, or none forced (``None``: jaxpar or ``jaxpar launch`` choose,
-    as in a fresh shell); the repository on ``PYTHONPATH``."""
-    env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
-    flags = _DEVICE_FLAG.sub("", env.get("XLA_FLAGS", ""))
-    if devices:
-        flags += f" --xla_force_host_platform_device_count={devices}"
-    env["XLA_FLAGS"] = " ".join(flags.split())
+    compile-for-speed flags, so that a child compiles as fast as the tests do; without
+    ``test_flags`` the compiler's defaults, for a child that mostly computes) with
+    ``devices`` simulated CPU devices, or none forced (``None``: jaxpar or ``jaxpar
+    launch`` choose, as in a fresh shell); the repository on ``PYTHONPATH``."""
+    env = dict(os.environ)
+    if not test_flags:
+        env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                    if f not in TEST_XLA_FLAGS)
+    force_device_count(env, devices)
     env["PYTHONPATH"] = str(ROOT)
     return env
 

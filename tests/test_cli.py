@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_default_train_writes_metrics_and_loss_falls(tmp_path):
     cmd = [sys.executable, "-m", "jaxpar.cli", "train", f"run.dir={tmp_path}",
            "train.steps=40", "train.log_every=5", "train.eval_every=20", "train.tensorboard=true"]
-    out = subprocess.run(cmd, env=child_env(None), capture_output=True, text=True,
-                         timeout=600)  # a fresh shell: no device count forced
+    out = subprocess.run(cmd, env=child_env(None, test_flags=False), capture_output=True,
+                         text=True, timeout=600)  # a fresh shell: no flags set
     assert out.returncode == 0, out.stderr
     assert "8 simulated CPU devices" in out.stdout
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
