@@ -24,6 +24,13 @@ gradient, float32) across 2 processes pinned to a core each (gloo over loopback 
 of 30 calls after a warm-up), and the time of a compute-only program (no collective) in
 those 2 pinned processes with and without ``jax.distributed`` started (median of 15 calls):
 what the idle runtime's threads cost the compute on a shared core.
+
+Last, the train step alone (no loop, one batch, ``benchmarks/step_overhead.py``'s
+interleaved timing of jaxpar's ``Trainer.step`` and a plain hand-written ``jax.jit`` step):
+in 1 process on core 0 alone; in 2 pinned processes at once that do not communicate
+(``mesh.data=1`` each: what the two cores cost each other); and in 2 pinned processes with
+``mesh.data=2`` (the data-parallel step). The speed-up column is 2 × the 1-process time
+over the 2-process time (twice the examples per step).
 """
 
 from __future__ import annotations
@@ -56,6 +63,11 @@ def probe(kind: str, index: int, port: int, mib: float, distributed: bool) -> No
 
     if distributed:
         jax.distributed.initialize(f"127.0.0.1:{port}", 2, index)
+    if kind == "step":
+        print(step_probe(int(mib), jax.process_count()), flush=True)
+        if distributed:
+            jax.distributed.shutdown()
+        return
     if kind == "psum":
         mesh = Mesh(np.array(jax.devices()), ("data",))
         x = jax.make_array_from_process_local_data(
@@ -76,6 +88,47 @@ def probe(kind: str, index: int, port: int, mib: float, distributed: bool) -> No
         jax.distributed.shutdown()
 
 
+def step_probe(rows: int, processes: int) -> str:
+    """Milliseconds per train step of gpt_tiny, ``rows`` sequences per process,
+    ``mesh.data=processes``: jaxpar's ``Trainer.step`` and a plain hand-written ``jax.jit``
+    step (``benchmarks/step_overhead.py``: same model, shardings and loss), alternating
+    blocks of 5 steps on one batch, medians of 4 rounds."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from step_overhead import (
+        check_same_losses,
+        copy_tree,
+        interleaved,
+        jaxpar_stepper,
+        make_plain_step,
+        plain_stepper,
+    )
+
+    from jaxpar.config import load_config
+    from jaxpar.run import build
+
+    os.chdir(ROOT)
+    run = build(load_config(["configs/gpt_tiny.yaml"], [
+        f"mesh.data={processes}", f"train.batch_size={rows * processes}"]))
+    trainer = run.trainer
+    batch = trainer.shard_batch(run.data.batch(0, rows * processes))  # this process's rows
+    state = trainer.init()
+    plain = plain_stepper(make_plain_step(trainer), state.params, state.opt_state, batch)
+    ours = jaxpar_stepper(trainer, copy_tree(state), batch)
+    check_same_losses(ours, plain)
+    times = interleaved(ours, plain, steps=5, rounds=4)
+    return f"{times['t'] * 1e3:.1f} {times['t_plain'] * 1e3:.1f}"
+
+
+def _probe_one(kind: str, arg: float) -> list[float]:
+    """The probe in 1 process on core 0, alone on the machine."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    out = subprocess.run([sys.executable, __file__, "--probe", kind, "0", "0", str(arg), "0"],
+                         env=env, cwd=ROOT, capture_output=True, text=True)
+    if out.returncode:
+        sys.exit(f"the {kind} probe failed: {out.stdout[-2000:]}{out.stderr[-2000:]}")
+    return [float(x) for x in out.stdout.split()[-2:]]
+
+
 def _probe_pair(kind: str, mib: float, distributed: bool) -> list[float]:
     """Milliseconds per call of the probe in 2 processes at once (core 0 and core 1)."""
     with socket.socket() as sock:
@@ -89,7 +142,7 @@ def _probe_pair(kind: str, mib: float, distributed: bool) -> list[float]:
     outs = [p.communicate()[0] for p in procs]
     if any(p.returncode for p in procs):
         sys.exit(f"the {kind} probe failed: {outs}")
-    return [float(out.split()[-1]) for out in outs]
+    return [float(x) for out in outs for x in out.split()[-(2 if kind == "step" else 1):]]
 
 
 def _throughput(run_dir: Path) -> float:
@@ -131,6 +184,9 @@ def main() -> None:
               "--", *common, "mesh.data=2", f"train.batch_size={2 * b}", f"run.dir={free}"],
              env)
         a, c, f = _throughput(one), _throughput(two), _throughput(free)
+    alone = _probe_one("step", b)
+    independent = _probe_pair("step", b, False)
+    data_parallel = _probe_pair("step", b, True)
     psum = _probe_pair("psum", args.psum_mib, True)
     solo, shared = _probe_pair("compute", 0, False), _probe_pair("compute", 0, True)
     print(f"gpt_tiny, {b} × 128 tokens per process, {steps} steps, examples/s "
@@ -148,6 +204,15 @@ def main() -> None:
           f"alone {solo[0]:.0f} / {solo[1]:.0f}; with jax.distributed started "
           f"{shared[0]:.0f} / {shared[1]:.0f} "
           f"({statistics.mean(shared) / statistics.mean(solo):.3f}×)")
+    print(f"\ntrain step alone, ms (jaxpar's Trainer.step / a plain jax.jit step), {b} rows "
+          "per process:")
+    print("| processes | jaxpar | plain jax.jit | speed-up (jaxpar) |")
+    print("|---|---|---|---|")
+    print(f"| 1, core 0, alone | {alone[0]:.0f} | {alone[1]:.0f} | 1.00× |")
+    for name, t in (("2 at once, independent (mesh.data=1 each, no communication)",
+                     independent), ("2, mesh.data=2 (all-reduce over gloo)", data_parallel)):
+        ours, plain = max(t[0], t[2]), max(t[1], t[3])
+        print(f"| {name} | {ours:.0f} | {plain:.0f} | {2 * alone[0] / ours:.2f}× |")
 
 
 if __name__ == "__main__":
