@@ -29,7 +29,9 @@ Last, the train step alone (no loop, one batch, ``benchmarks/step_overhead.py``'
 interleaved timing of jaxpar's ``Trainer.step`` and a plain hand-written ``jax.jit`` step):
 in 1 process on core 0 alone; in 2 pinned processes at once that do not communicate
 (``mesh.data=1`` each: what the two cores cost each other); and in 2 pinned processes with
-``mesh.data=2`` (the data-parallel step). The speed-up column is 2 × the 1-process time
+``mesh.data=2`` (the data-parallel step); and the same data-parallel step in 1 process
+with 2 simulated devices on the 2 cores (its all-reduce stays inside the process, no gloo).
+The speed-up column is 2 × the 1-process time
 over the 2-process time (twice the examples per step).
 """
 
@@ -53,8 +55,9 @@ PROBE_CALLS = {"psum": 30, "compute": 15}
 def probe(kind: str, index: int, port: int, mib: float, distributed: bool) -> None:
     """One process of the bare-collective / compute probes: pinned to core ``index``, one CPU
     device; prints the median milliseconds of a call."""
-    os.sched_setaffinity(0, {index})
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    devices = 2 if kind == "step2" else 1  # step2: 1 process, 2 devices on cores 0 and 1
+    os.sched_setaffinity(0, set(range(devices)) if devices > 1 else {index})
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -63,8 +66,8 @@ def probe(kind: str, index: int, port: int, mib: float, distributed: bool) -> No
 
     if distributed:
         jax.distributed.initialize(f"127.0.0.1:{port}", 2, index)
-    if kind == "step":
-        print(step_probe(int(mib), jax.process_count()), flush=True)
+    if kind in ("step", "step2"):
+        print(step_probe(int(mib), jax.device_count()), flush=True)
         if distributed:
             jax.distributed.shutdown()
         return
@@ -88,11 +91,11 @@ def probe(kind: str, index: int, port: int, mib: float, distributed: bool) -> No
         jax.distributed.shutdown()
 
 
-def step_probe(rows: int, processes: int) -> str:
-    """Milliseconds per train step of gpt_tiny, ``rows`` sequences per process,
-    ``mesh.data=processes``: jaxpar's ``Trainer.step`` and a plain hand-written ``jax.jit``
-    step (``benchmarks/step_overhead.py``: same model, shardings and loss), alternating
-    blocks of 5 steps on one batch, medians of 4 rounds."""
+def step_probe(rows: int, ways: int) -> str:
+    """Milliseconds per train step of gpt_tiny, ``rows`` sequences per device,
+    ``mesh.data=ways`` (every device): jaxpar's ``Trainer.step`` and a plain hand-written
+    ``jax.jit`` step (``benchmarks/step_overhead.py``: same model, shardings and loss),
+    alternating blocks of 5 steps on one batch, medians of 4 rounds."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from step_overhead import (
         check_same_losses,
@@ -108,9 +111,9 @@ def step_probe(rows: int, processes: int) -> str:
 
     os.chdir(ROOT)
     run = build(load_config(["configs/gpt_tiny.yaml"], [
-        f"mesh.data={processes}", f"train.batch_size={rows * processes}"]))
+        f"mesh.data={ways}", f"train.batch_size={rows * ways}"]))
     trainer = run.trainer
-    batch = trainer.shard_batch(run.data.batch(0, rows * processes))  # this process's rows
+    batch = trainer.shard_batch(run.data.batch(0, rows * ways))  # this process's rows
     state = trainer.init()
     plain = plain_stepper(make_plain_step(trainer), state.params, state.opt_state, batch)
     ours = jaxpar_stepper(trainer, copy_tree(state), batch)
@@ -187,6 +190,7 @@ def main() -> None:
     alone = _probe_one("step", b)
     independent = _probe_pair("step", b, False)
     data_parallel = _probe_pair("step", b, True)
+    in_process = _probe_one("step2", b)
     psum = _probe_pair("psum", args.psum_mib, True)
     solo, shared = _probe_pair("compute", 0, False), _probe_pair("compute", 0, True)
     print(f"gpt_tiny, {b} × 128 tokens per process, {steps} steps, examples/s "
@@ -213,6 +217,8 @@ def main() -> None:
                      independent), ("2, mesh.data=2 (all-reduce over gloo)", data_parallel)):
         ours, plain = max(t[0], t[2]), max(t[1], t[3])
         print(f"| {name} | {ours:.0f} | {plain:.0f} | {2 * alone[0] / ours:.2f}× |")
+    print(f"| 1 process, 2 devices on cores 0 and 1, mesh.data=2 (in-process all-reduce) | "
+          f"{in_process[0]:.0f} | {in_process[1]:.0f} | {2 * alone[0] / in_process[0]:.2f}× |")
 
 
 if __name__ == "__main__":
