@@ -122,9 +122,14 @@ def step_probe(rows: int, ways: int) -> str:
     return f"{times['t'] * 1e3:.1f} {times['t_plain'] * 1e3:.1f}"
 
 
+def _env_without_device_settings() -> dict[str, str]:
+    """This environment less the device count and XLA flags (each child sets its own)."""
+    return {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+
+
 def _probe_one(kind: str, arg: float) -> list[float]:
     """The probe in 1 process on core 0, alone on the machine."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    env = _env_without_device_settings()
     out = subprocess.run([sys.executable, __file__, "--probe", kind, "0", "0", str(arg), "0"],
                          env=env, cwd=ROOT, capture_output=True, text=True)
     if out.returncode:
@@ -137,7 +142,7 @@ def _probe_pair(kind: str, mib: float, distributed: bool) -> list[float]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    env = _env_without_device_settings()
     procs = [subprocess.Popen([sys.executable, __file__, "--probe", kind, str(i), str(port),
                                str(mib), str(int(distributed))], env=env, cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -174,7 +179,7 @@ def main() -> None:
     b, steps = args.batch_per_process, args.steps
     common = ["train", "configs/gpt_tiny.yaml", f"train.steps={steps}", "train.log_every=5",
               "train.eval_every=0", "train.progress=false", "optim.decay_steps=1000"]
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    env = _env_without_device_settings()
     with tempfile.TemporaryDirectory() as tmp:
         one, two, free = Path(tmp) / "one", Path(tmp) / "two", Path(tmp) / "free"
         _run([sys.executable, "-m", "jaxpar", *common, "mesh.data=1", f"train.batch_size={b}",
