@@ -19,9 +19,12 @@ Throughput is the median ``examples_per_s`` of the logged intervals after the fi
 (compile) one and before the last (which includes the final checkpoint). The published
 rule of thumb for 2 GPUs is 1.7–1.9×.
 
-Then, to read the figures: the time of a bare ``psum`` of ``--psum-mib`` MiB (gpt_tiny's
-gradient, float32) across 2 processes pinned to a core each (gloo over loopback TCP; median
-of 30 calls after a warm-up), and the time of a compute-only program (no collective) in
+Then, to read the figures: the time of a bare ``psum`` across 2 processes pinned to a core
+each (gloo over loopback TCP; median of 30 calls after a warm-up) of ``--psum-mib`` MiB
+(gpt_tiny's gradient, float32) in one array, of one float, and of the same bytes as 10
+arrays (as many as one layer's gradient); a profiler trace of the plain data-parallel step
+in those 2 processes (the time inside its all-reduce ops, and how many arrays they reduce:
+XLA:CPU makes one gloo call per array of a combined all-reduce); and the time of a compute-only program (no collective) in
 those 2 pinned processes with and without ``jax.distributed`` started (median of 15 calls):
 what the idle runtime's threads cost the compute on a shared core.
 
@@ -38,8 +41,10 @@ over the 2-process time (twice the examples per step).
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
+import re
 import socket
 import statistics
 import subprocess
@@ -47,9 +52,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE_CALLS = {"psum": 30, "compute": 15}
+PSUM_PARTS = 10  # arrays of the split psum: as many as one layer's gradient in the step
 
 
 def probe(kind: str, index: int, port: int, mib: float, distributed: bool) -> None:
@@ -71,24 +78,39 @@ def probe(kind: str, index: int, port: int, mib: float, distributed: bool) -> No
         if distributed:
             jax.distributed.shutdown()
         return
-    if kind == "psum":
+    if kind == "trace":
+        print(trace_probe(int(mib)), flush=True)
+        jax.distributed.shutdown()
+        return
+    if kind == "psum":  # one array of `mib` MiB, one float, `mib` MiB as 10 arrays
         mesh = Mesh(np.array(jax.devices()), ("data",))
-        x = jax.make_array_from_process_local_data(
-            NamedSharding(mesh, P("data")), np.ones((1, int(mib * 2**20 / 4)), np.float32))
-        fn = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "data"), mesh=mesh,
-                                   in_specs=P("data"), out_specs=P("data")))
+        local = lambda n: jax.make_array_from_process_local_data(
+            NamedSharding(mesh, P("data")), np.ones((1, n), np.float32))
+        floats = int(mib * 2**20 / 4)
+        psum = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "data"), mesh=mesh,
+                                     in_specs=P("data"), out_specs=P("data")))
+        calls = [(psum, local(floats)), (psum, local(1)),
+                 (psum, tuple(local(floats // PSUM_PARTS) for _ in range(PSUM_PARTS)))]
     else:
         x = jnp.ones((512, 512), jnp.float32, device=jax.local_devices()[0])
-        fn = jax.jit(lambda a: jax.lax.fori_loop(0, 100, lambda _, b: jnp.tanh(b @ a), a))
-    fn(x).block_until_ready()
-    times = []
-    for _ in range(PROBE_CALLS[kind]):
-        start = time.perf_counter()
-        fn(x).block_until_ready()
-        times.append(time.perf_counter() - start)
-    print(f"{statistics.median(times) * 1e3:.2f}", flush=True)
+        calls = [(jax.jit(lambda a: jax.lax.fori_loop(0, 100, lambda _, b: jnp.tanh(b @ a), a)),
+                  x)]
+    print(" ".join(f"{median_ms(fn, x, PROBE_CALLS[kind]):.2f}" for fn, x in calls), flush=True)
     if distributed:
         jax.distributed.shutdown()
+
+
+def median_ms(fn: Any, x: Any, calls: int) -> float:
+    """Median milliseconds of ``fn(x)`` until ready, after one warm-up call."""
+    import jax
+
+    jax.block_until_ready(fn(x))
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(x))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
 
 
 def step_probe(rows: int, ways: int) -> str:
@@ -122,6 +144,47 @@ def step_probe(rows: int, ways: int) -> str:
     return f"{times['t'] * 1e3:.1f} {times['t_plain'] * 1e3:.1f}"
 
 
+def trace_probe(rows: int) -> str:
+    """Where the data-parallel step's time goes, from a profiler trace of this process:
+    ms per step, ms per step inside all-reduce ops, all-reduce ops executed per step and
+    the arrays they reduce per step (XLA:CPU reduces each array of a combined all-reduce
+    with its own gloo call). The plain ``jax.jit`` step, ``mesh.data=2``, 5 steps."""
+    import jax
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from step_overhead import make_plain_step, plain_stepper
+
+    from jaxpar.config import load_config
+    from jaxpar.run import build
+
+    os.chdir(ROOT)
+    run = build(load_config(["configs/gpt_tiny.yaml"], ["mesh.data=2",
+                                                        f"train.batch_size={2 * rows}"]))
+    trainer, steps = run.trainer, 5
+    batch = trainer.shard_batch(run.data.batch(0, 2 * rows))
+    state = trainer.init()
+    step = make_plain_step(trainer)
+    arrays = all_reduce_arrays(step.lower(state.params, state.opt_state, batch)
+                               .compile().as_text())
+    plain = plain_stepper(step, state.params, state.opt_state, batch)
+    plain.block(3)
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            per_step = plain.block(steps)[0]
+        (path,) = Path(tmp).rglob("*.trace.json.gz")
+        events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
+    reduces = [e for e in events if e.get("ph") == "X" and e["name"] in arrays]
+    ms = sum(e["dur"] for e in reduces) / 1e3 / steps
+    return (f"{per_step * 1e3:.1f} {ms:.1f} {len(reduces) / steps:.1f} "
+            f"{sum(arrays[e['name']] for e in reduces) / steps:.1f}")
+
+
+def all_reduce_arrays(hlo: str) -> dict[str, int]:
+    """Each all-reduce op of a compiled program's text and the number of arrays it reduces."""
+    found = re.findall(r"%(all-reduce[\w.-]*) = .*? all-reduce\(([^)]*)\)", hlo)
+    return {name: operands.count("%") for name, operands in found}
+
+
 def _env_without_device_settings() -> dict[str, str]:
     """This environment less the device count and XLA flags (each child sets its own)."""
     return {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
@@ -134,7 +197,7 @@ def _probe_one(kind: str, arg: float) -> list[float]:
                          env=env, cwd=ROOT, capture_output=True, text=True)
     if out.returncode:
         sys.exit(f"the {kind} probe failed: {out.stdout[-2000:]}{out.stderr[-2000:]}")
-    return [float(x) for x in out.stdout.split()[-2:]]
+    return [float(x) for x in out.stdout.strip().splitlines()[-1].split()]
 
 
 def _probe_pair(kind: str, mib: float, distributed: bool) -> list[float]:
@@ -150,7 +213,7 @@ def _probe_pair(kind: str, mib: float, distributed: bool) -> list[float]:
     outs = [p.communicate()[0] for p in procs]
     if any(p.returncode for p in procs):
         sys.exit(f"the {kind} probe failed: {outs}")
-    return [float(x) for out in outs for x in out.split()[-(2 if kind == "step" else 1):]]
+    return [float(x) for out in outs for x in out.strip().splitlines()[-1].split()]
 
 
 def _throughput(run_dir: Path) -> float:
@@ -197,6 +260,7 @@ def main() -> None:
     data_parallel = _probe_pair("step", b, True)
     in_process = _probe_one("step2", b)
     psum = _probe_pair("psum", args.psum_mib, True)
+    traced = _probe_pair("trace", b, True)
     solo, shared = _probe_pair("compute", 0, False), _probe_pair("compute", 0, True)
     print(f"gpt_tiny, {b} × 128 tokens per process, {steps} steps, examples/s "
           "(median of the logged intervals)")
@@ -207,8 +271,14 @@ def main() -> None:
     print(f"| 2 processes, not pinned (2 cores) | {2 * b} | {f:.1f} | {f / a:.2f}× |")
     print(f"\nstep time: 1 process {b / a * 1e3:.0f} ms, 2 pinned processes "
           f"{2 * b / c * 1e3:.0f} ms (+{(2 * b / c - b / a) * 1e3:.0f} ms)")
-    print(f"bare psum of {args.psum_mib} MiB across the 2 pinned processes (gloo): "
-          f"{max(psum):.1f} ms per call")
+    big, tiny, split = (max(psum[i], psum[i + 3]) for i in range(3))
+    print(f"bare psum across the 2 pinned processes (gloo), ms per call: {args.psum_mib} MiB "
+          f"in one array {big:.1f}; one float {tiny:.1f}; {args.psum_mib} MiB as "
+          f"{PSUM_PARTS} arrays {split:.1f}")
+    print("data-parallel plain step traced (jax.profiler, 5 steps; process 0 / process 1): "
+          + " / ".join(f"{t[0]:.0f} ms per step, {t[1]:.0f} ms in all-reduce ops ({t[2]:.0f} "
+                       f"ops reducing {t[3]:.0f} arrays per step, "
+                       f"{t[1] / t[3]:.1f} ms per array)" for t in (traced[:4], traced[4:])))
     print("compute-only program, 2 pinned processes, ms per call (core 0 / core 1): "
           f"alone {solo[0]:.0f} / {solo[1]:.0f}; with jax.distributed started "
           f"{shared[0]:.0f} / {shared[1]:.0f} "

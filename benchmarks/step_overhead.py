@@ -7,7 +7,8 @@ For each layout (``data=8``, ``fsdp=8``; e.g. ``data=2,fsdp=2,tensor=2`` too) of
 ``--config`` on 8 simulated CPU devices, two steps of the same model, mesh and
 shardings start from the same ``trainer.init()`` state:
 
-* jaxpar: ``Trainer.step`` (``TrainState``, grad norm, the non-finite guard, lr);
+* jaxpar: ``Trainer.step`` (``TrainState``, grad norm, the non-finite guard as
+  ``train.nonfinite_guard=auto`` picks it — ``cond`` on the CPU — lr);
 * plain: ``jax.jit`` of value_and_grad of the task loss (traced under the same
   activation rules as ``Trainer.loss``), ``tx.update``, ``optax.apply_updates``,
   with the trainer's param/opt shardings as in/out shardings, params and
@@ -32,9 +33,10 @@ and the returning Python thread waits its turn.
 
 ``--breakdown`` adds rows for the plain step plus each of jaxpar's extras in
 turn, timed interleaved with the plain step: the grad norm as an output; grad
-norm + the ``jnp.where`` non-finite guard over params and optimizer state (what
-``Trainer`` does); grad norm + the same guard as a ``lax.cond`` around the
-update (a candidate replacement). Next to the timings, XLA's own cost analysis
+norm + each of ``jaxpar/guard.py``'s non-finite guards (``where``: a
+``jnp.where`` over params and optimizer state; ``cond``: the update again
+inside a ``lax.cond``), checking the loss, the grad norm and the new
+parameters as ``Trainer`` does. Next to the timings, XLA's own cost analysis
 of each compiled program (flops, bytes accessed, per device) relative to the
 plain step's: deterministic, so it shows small costs that timing noise hides.
 """
@@ -57,6 +59,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxpar import guard
 from jaxpar.config import load_config
 from jaxpar.logical import activation_rules
 from jaxpar.run import Run, build
@@ -73,13 +76,12 @@ def layout_overrides(layout: str) -> list[str]:
 
 
 def make_plain_step(trainer: Trainer, *, grad_norm: bool = False,
-                    guard: str | None = None) -> Callable[..., Any]:
+                    keep: guard.Keep | None = None) -> Callable[..., Any]:
     """The hand-written step ``(params, opt_state, batch) → (params, opt_state, out)``.
 
-    ``out`` is the loss; with ``grad_norm`` or a ``guard`` also the global grad
-    norm. ``guard`` keeps the update only when loss and grad norm are finite:
-    ``"where"`` by a ``jnp.where`` over every leaf of the new and old state, as
-    ``Trainer`` does; ``"cond"`` by computing the update inside ``lax.cond``.
+    ``out`` is the loss; with ``grad_norm`` or a guard ``keep`` also the global grad
+    norm. ``keep`` (``guard.keep_where`` or ``guard.keep_cond``) keeps the update only
+    when the loss, the grad norm and the new parameters are finite, as ``Trainer`` does.
     """
     task, graphdef, mesh, rules, tx = (trainer.task, trainer.graphdef, trainer.mesh,
                                        trainer.rules, trainer.tx)
@@ -94,18 +96,14 @@ def make_plain_step(trainer: Trainer, *, grad_norm: bool = False,
 
     def step(params: Any, opt_state: Any, batch: dict[str, jax.Array]) -> tuple:
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-        if not (grad_norm or guard):
-            return (*update(params, opt_state, grads), loss)
+        new_params, new_opt = update(params, opt_state, grads)
+        if not (grad_norm or keep):
+            return new_params, new_opt, loss
         norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(norm)
-        if guard == "cond":
-            new_params, new_opt = jax.lax.cond(finite, update, lambda p, o, _: (p, o),
-                                               params, opt_state, grads)
-        else:
-            new_params, new_opt = update(params, opt_state, grads)
-        if guard == "where":
-            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-            new_params, new_opt = keep(new_params, params), keep(new_opt, opt_state)
+        if keep is not None:
+            finite = jnp.isfinite(loss) & jnp.isfinite(norm) & guard.all_finite(new_params)
+            new_params, new_opt = keep(finite, lambda: update(params, opt_state, grads),
+                                       lambda: (params, opt_state))
         return new_params, new_opt, (loss, norm)
 
     sh = trainer.state_shardings
@@ -221,8 +219,8 @@ def xla_cost(compiled: jax.stages.Compiled) -> tuple[float, float]:
 
 
 BREAKDOWN = (("plain + grad norm", {"grad_norm": True}),
-             ("plain + grad norm + where guard (as jaxpar)", {"guard": "where"}),
-             ("plain + grad norm + lax.cond guard", {"guard": "cond"}))
+             ("plain + grad norm + where guard", {"keep": guard.keep_where}),
+             ("plain + grad norm + cond guard", {"keep": guard.keep_cond}))
 
 
 def measure(config: str, layout: str, steps: int, rounds: int, breakdown: bool) -> list[dict]:

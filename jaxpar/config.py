@@ -207,6 +207,11 @@ class TrainConfig:
     ``nonfinite``: ``stop`` raises naming the step (exit status 3); ``skip`` leaves the
     state unchanged for that step and counts it. A step is non-finite when its loss, its
     gradients, its update or the new parameters hold an inf or a NaN.
+    ``nonfinite_guard``: how the step keeps the old state of a non-finite step, the same
+    numbers either way: ``cond`` (the update computed again inside a ``lax.cond``: the
+    least memory traffic), ``where`` (one ``jnp.where`` per state leaf: no conditional
+    in the step), ``auto`` (``where`` on a GPU, ``cond`` elsewhere); see
+    ``jaxpar/guard.py``.
     ``max_skipped``: with ``skip``, how many steps may be skipped in all (counting the
     steps of the run before it resumed) before the run fails (exit status 6): a count,
     or below 1 a fraction of ``steps``; 0: no limit. ``max_consecutive_skipped``: how
@@ -233,6 +238,7 @@ class TrainConfig:
     eval_every: int = 50
     eval_batches: int = 4
     nonfinite: str = "stop"
+    nonfinite_guard: str = "auto"
     max_skipped: float = 0.1
     max_consecutive_skipped: int = 10
     progress: bool = True
@@ -327,6 +333,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optim.name": ("sgd", "adam", "adamw", "lamb", "adafactor"),
     "optim.schedule": ("constant", "cosine", "linear", "step", "rsqrt"),
     "train.nonfinite": ("stop", "skip"),
+    "train.nonfinite_guard": ("auto", "cond", "where"),
     "train.fsdp_gather": ("per_microbatch", "once"),
     "pipeline.schedule": ("gpipe", "1f1b", "interleaved", "zb_h1"),
     "checkpoint.best_mode": ("min", "max"),

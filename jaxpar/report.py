@@ -71,7 +71,8 @@ def _gather_trade(run: Run, compiled, batch) -> tuple[GatherOption, ...]:
         warnings.simplefilter("ignore")
         alternative = Trainer(trainer.task, trainer.tx, trainer.mesh, trainer.rules,
                               schedule=trainer.schedule, grad_accum=trainer.grad_accum,
-                              seed=trainer.seed, fsdp_gather=other).compile_step(batch)
+                              seed=trainer.seed, fsdp_gather=other,
+                              nonfinite_guard=trainer.nonfinite_guard).compile_step(batch)
     return tuple(GatherOption(setting, int(c.memory_analysis().temp_size_in_bytes),
                               _collective_bytes(c))
                  for setting, c in ((mine, compiled), (other, alternative)))

@@ -79,7 +79,8 @@ def build(config: Config, task: Task | None = None,
         tx, schedule = make_optimizer(config.optim, config.train.steps, mask)
     trainer = Trainer(task, tx, mesh, rules, schedule=schedule,
                       grad_accum=config.train.grad_accum, seed=config.run.seed,
-                      pipeline=config.pipeline, fsdp_gather=config.train.fsdp_gather)
+                      pipeline=config.pipeline, fsdp_gather=config.train.fsdp_gather,
+                      nonfinite_guard=config.train.nonfinite_guard)
     # the global batch must split over microbatches × batch devices: say so before training
     trainer.batch_shardings(global_batch_shapes(data.batch(0, config.train.batch_size)))
     return Run(config, trainer, data, devices, family)

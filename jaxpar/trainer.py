@@ -22,7 +22,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxpar import gradients
+from jaxpar import gradients, guard
 from jaxpar import sharding as shd
 from jaxpar.config import PipelineConfig
 from jaxpar.logical import Rules, activation_rules, spec_for
@@ -123,13 +123,17 @@ class Trainer:
         ``per_microbatch`` or ``once`` per step (kept gathered through the loop).
       seed: init seed (used for the abstract model too).
       pipeline: the schedule used when ``mesh.shape['stage'] > 1``.
+      nonfinite_guard: how a non-finite step keeps the old state: ``cond``, ``where``
+        or ``auto`` (``where`` on a GPU, ``cond`` elsewhere); see ``jaxpar/guard.py``.
     """
 
     def __init__(self, task: Task, optimizer: optax.GradientTransformation, mesh: Mesh,
                  rules: Rules, *, schedule: Callable[[Any], Any] | None = None,
                  grad_accum: int = 1, seed: int = 0, pipeline: PipelineConfig | None = None,
-                 fsdp_gather: str = "per_microbatch"):
+                 fsdp_gather: str = "per_microbatch", nonfinite_guard: str = "auto"):
         self.task, self.tx, self.mesh, self.rules = task, optimizer, mesh, rules
+        self.nonfinite_guard = nonfinite_guard
+        self.keep = guard.choose(nonfinite_guard, mesh.devices.flat[0].platform)
         self.schedule, self.grad_accum, self.seed = schedule, grad_accum, seed
         self.model = abstract_model(task, seed)
         self.graphdef, self.abstract_params, self.axes = (
@@ -361,21 +365,22 @@ class Trainer:
     def _train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
         loss, aux, grads, model_state = self.gradients(state.params, state.model_state, batch)
         grad_norm = optax.tree.norm(grads)
-        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+
+        def update() -> tuple[Any, Any]:
+            updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+            return optax.apply_updates(state.params, updates), opt_state
+
         # The loss and the gradient norm miss what the optimizer makes of finite gradients
-        # (a huge lr or weight decay, a user's transformation): the update and the new
-        # parameters are checked too, reduced on device with the rest (no host sync).
-        checked = [jnp.isfinite(x).all() for x in jax.tree.leaves((updates, params))
-                   if jnp.issubdtype(x.dtype, jnp.inexact)]
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        if checked:
-            finite = finite & jnp.stack(checked).all()
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-        new_state = TrainState(
-            state.step + 1, keep(params, state.params), keep(opt_state, state.opt_state),
-            state.skipped + (~finite).astype(jnp.int32),
-            keep(model_state, state.model_state))
+        # (a huge lr or weight decay, a user's transformation): the new parameters are
+        # checked too, reduced on device with the rest (no host sync); the guard keeps
+        # the old state when anything is not finite (jaxpar/guard.py).
+        params, opt_state = update()
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & guard.all_finite(params)
+        new_params, new_opt_state, new_model_state = self.keep(
+            finite, lambda: (*update(), model_state),
+            lambda: (state.params, state.opt_state, state.model_state))
+        new_state = TrainState(state.step + 1, new_params, new_opt_state,
+                               state.skipped + (~finite).astype(jnp.int32), new_model_state)
         metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite,
                    "skipped": new_state.skipped, **aux}
         lr = self._lr(state, opt_state)

@@ -8,6 +8,7 @@ from jaxpar.config import load_config
 from jaxpar.loop import build, fit
 from jaxpar.report import layout_totals
 from tests.helpers import CONVNET_SMALL, GPT_SMALL, assert_params_close, run_steps
+from tests.test_families import RESNET
 
 OPTIM = ["optim.name=sgd", "optim.lr=0.05", "optim.momentum=0.9"]
 
@@ -157,6 +158,52 @@ def test_nonfinite_skip_leaves_state_unchanged_and_counts():
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))
     history = fit(_poisoned_run("skip"))
     assert history.train_rows[-1]["skipped"] == 1
+
+
+def _guarded_steps(guard):
+    """Every state leaf before and after each of 3 ResNet steps (BatchNorm statistics, SGD
+    momentum, ``data=2,fsdp=2,tensor=2``) under ``train.nonfinite_guard=guard``, the
+    batch of step 2 all NaN; and each step's ``finite``."""
+    run = build(load_config([], [*RESNET, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
+                                 "train.nonfinite=skip", f"train.nonfinite_guard={guard}"]))
+    state = run.trainer.init()
+    states, finite = [jax.tree.map(np.asarray, state)], []
+    for step in range(3):
+        batch = _poison(run.data.batch(step, run.config.train.batch_size), step == 1)
+        state, metrics = run.trainer.step(state, run.trainer.shard_batch(batch))
+        states.append(jax.tree.map(np.asarray, state))
+        finite.append(bool(metrics["finite"]))
+    return states, finite
+
+
+@pytest.fixture(scope="module")
+def guarded():
+    return {guard: _guarded_steps(guard) for guard in ("cond", "where")}
+
+
+@pytest.mark.parametrize("guard", ["cond", "where"])
+def test_a_skipped_step_leaves_every_state_leaf_unchanged(guarded, guard):
+    """Parameters, momentum and BatchNorm statistics after the NaN step equal those before
+    it; the step count advances and the skip is counted; the next step applies."""
+    states, finite = guarded[guard]
+    assert finite == [True, False, True]
+    before, after = states[1], states[2]
+    for name in ("params", "opt_state", "model_state"):
+        leaves = jax.tree.leaves(getattr(before, name))
+        assert leaves, name
+        for a, b in zip(jax.tree.leaves(getattr(after, name)), leaves, strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=name)
+    assert jax.tree.leaves(before.model_state) != [] and (after.step, after.skipped) == (2, 1)
+    assert not all(np.array_equal(a, b) for a, b in zip(
+        jax.tree.leaves(states[3].params), jax.tree.leaves(after.params), strict=True))
+
+
+def test_both_nonfinite_guards_give_the_same_numbers(guarded):
+    """``cond`` computes the update inside a conditional, ``where`` selects after it: the
+    same state, bit for bit, after every step."""
+    for cond, where in zip(guarded["cond"][0], guarded["where"][0], strict=True):
+        for a, b in zip(jax.tree.leaves(cond), jax.tree.leaves(where), strict=True):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_vocab_smaller_than_bytes_is_an_error():
