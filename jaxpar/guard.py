@@ -1,8 +1,8 @@
 """The non-finite guard: a train step keeps its new state only when the step was finite.
 
-A step is finite when its loss, its gradient norm and the new parameters are (new
-parameters ``p + u`` of finite ``p`` are finite exactly when the update ``u`` is, so
-checking them checks the update too). The new state cannot overwrite the old one in
+A step is finite when its loss, its gradient norm and the new parameters are (an inf or
+NaN in a floating update ``u`` makes ``p + u`` non-finite, so checking the new parameters
+checks the update too; integer parameter leaves are not checked). The new state cannot overwrite the old one in
 place before that is known, so keeping the old state costs memory traffic; two ways to
 pay it, the same numbers either way:
 
