@@ -278,7 +278,8 @@ def main() -> None:
     print("data-parallel plain step traced (jax.profiler, 5 steps; process 0 / process 1): "
           + " / ".join(f"{t[0]:.0f} ms per step, {t[1]:.0f} ms in all-reduce ops ({t[2]:.0f} "
                        f"ops reducing {t[3]:.0f} arrays per step, "
-                       f"{t[1] / t[3]:.1f} ms per array)" for t in (traced[:4], traced[4:])))
+                       f"{t[1] / t[3] if t[3] else float('nan'):.1f} ms per array)"
+                       for t in (traced[:4], traced[4:])))
     print("compute-only program, 2 pinned processes, ms per call (core 0 / core 1): "
           f"alone {solo[0]:.0f} / {solo[1]:.0f}; with jax.distributed started "
           f"{shared[0]:.0f} / {shared[1]:.0f} "

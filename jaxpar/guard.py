@@ -2,9 +2,9 @@
 
 A step is finite when its loss, its gradient norm and the new parameters are (an inf or
 NaN in a floating update ``u`` makes ``p + u`` non-finite, so checking the new parameters
-checks the update too; integer parameter leaves are not checked). The new state cannot overwrite the old one in
-place before that is known, so keeping the old state costs memory traffic; two ways to
-pay it, the same numbers either way:
+checks the update too; integer parameter leaves are not checked). The new state cannot
+overwrite the old one in place before that is known, so keeping the old state costs
+memory traffic; two ways to pay it, the same numbers either way:
 
 * ``where`` — the new state is computed once and ``jnp.where(finite, new, old)`` selects,
   leaf by leaf: every state byte read twice more and written once more (on ``gpt_tiny``
