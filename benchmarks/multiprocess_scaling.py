@@ -24,9 +24,10 @@ each (gloo over loopback TCP; median of 30 calls after a warm-up) of ``--psum-mi
 (gpt_tiny's gradient, float32) in one array, of one float, and of the same bytes as 10
 arrays (as many as one layer's gradient); a profiler trace of the plain data-parallel step
 in those 2 processes (the time inside its all-reduce ops, and how many arrays they reduce:
-XLA:CPU makes one gloo call per array of a combined all-reduce); and the time of a compute-only program (no collective) in
-those 2 pinned processes with and without ``jax.distributed`` started (median of 15 calls):
-what the idle runtime's threads cost the compute on a shared core.
+XLA:CPU makes one gloo call per array of a combined all-reduce); and the time of a
+compute-only program (no collective) in those 2 pinned processes with and without
+``jax.distributed`` started (median of 15 calls): what the idle runtime's threads cost
+the compute on a shared core.
 
 Last, the train step alone (no loop, one batch, ``benchmarks/step_overhead.py``'s
 interleaved timing of jaxpar's ``Trainer.step`` and a plain hand-written ``jax.jit`` step):
