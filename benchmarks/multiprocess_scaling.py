@@ -61,8 +61,8 @@ PSUM_PARTS = 10  # arrays of the split psum: as many as one layer's gradient in 
 
 
 def probe(kind: str, index: int, port: int, mib: float, distributed: bool) -> None:
-    """One process of the bare-collective / compute probes: pinned to core ``index``, one CPU
-    device; prints the median milliseconds of a call."""
+    """One process of a probe: pinned to core ``index`` (``step2``: cores 0 and 1), one CPU
+    device (``step2``: two); prints one line of numbers (the probe's medians in ms)."""
     devices = 2 if kind == "step2" else 1  # step2: 1 process, 2 devices on cores 0 and 1
     os.sched_setaffinity(0, set(range(devices)) if devices > 1 else {index})
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
@@ -172,7 +172,10 @@ def trace_probe(rows: int) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp, create_perfetto_trace=True):
             per_step = plain.block(steps)[0]
-        (path,) = Path(tmp).rglob("*.trace.json.gz")
+        paths = list(Path(tmp).rglob("*.trace.json.gz"))
+        if len(paths) != 1:
+            sys.exit(f"expected one perfetto trace under {tmp}, found {len(paths)}")
+        path = paths[0]
         events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
     reduces = [e for e in events if e.get("ph") == "X" and e["name"] in arrays]
     ms = sum(e["dur"] for e in reduces) / 1e3 / steps
@@ -198,7 +201,16 @@ def _probe_one(kind: str, arg: float) -> list[float]:
                          env=env, cwd=ROOT, capture_output=True, text=True)
     if out.returncode:
         sys.exit(f"the {kind} probe failed: {out.stdout[-2000:]}{out.stderr[-2000:]}")
-    return [float(x) for x in out.stdout.strip().splitlines()[-1].split()]
+    return _numbers(kind, out.stdout)
+
+
+def _numbers(kind: str, stdout: str) -> list[float]:
+    """The numbers on the last line a probe printed."""
+    lines = stdout.strip().splitlines()
+    try:
+        return [float(x) for x in lines[-1].split()]
+    except (IndexError, ValueError):
+        sys.exit(f"the {kind} probe printed no numbers: {stdout[-2000:]!r}")
 
 
 def _probe_pair(kind: str, mib: float, distributed: bool) -> list[float]:
@@ -214,7 +226,7 @@ def _probe_pair(kind: str, mib: float, distributed: bool) -> list[float]:
     outs = [p.communicate()[0] for p in procs]
     if any(p.returncode for p in procs):
         sys.exit(f"the {kind} probe failed: {outs}")
-    return [float(x) for out in outs for x in out.strip().splitlines()[-1].split()]
+    return [x for out in outs for x in _numbers(kind, out)]
 
 
 def _throughput(run_dir: Path) -> float:

@@ -1,9 +1,10 @@
 """Train-step overhead: jaxpar's step against a plain hand-written ``jax.jit`` step.
 
-    python benchmarks/step_overhead.py [--layouts data=8 fsdp=8] [--steps 20] [--rounds 5]
+    python benchmarks/step_overhead.py [--layouts data=8 fsdp=8 data=2,fsdp=2,tensor=2]
+                                       [--steps 5] [--rounds 20]
                                        [--config configs/gpt_tiny.yaml] [--breakdown]
 
-For each layout (``data=8``, ``fsdp=8``; e.g. ``data=2,fsdp=2,tensor=2`` too) of
+For each layout (by default ``data=8``, ``fsdp=8`` and ``data=2,fsdp=2,tensor=2``) of
 ``--config`` on 8 simulated CPU devices, two steps of the same model, mesh and
 shardings start from the same ``trainer.init()`` state:
 
@@ -102,8 +103,9 @@ def make_plain_step(trainer: Trainer, *, grad_norm: bool = False,
         norm = optax.tree.norm(grads)
         if keep is not None:
             finite = jnp.isfinite(loss) & jnp.isfinite(norm) & guard.all_finite(new_params)
-            new_params, new_opt = keep(finite, lambda: update(params, opt_state, grads),
-                                       lambda: (params, opt_state))
+            new_params, new_opt = keep(finite, (new_params, new_opt),
+                                       lambda: update(params, opt_state, grads),
+                                       (params, opt_state))
         return new_params, new_opt, (loss, norm)
 
     sh = trainer.state_shardings
@@ -257,10 +259,13 @@ def measure(config: str, layout: str, steps: int, rounds: int, breakdown: bool) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layouts", nargs="+", default=["data=8", "fsdp=8"],
+    parser.add_argument("--layouts", nargs="+",
+                        default=["data=8", "fsdp=8", "data=2,fsdp=2,tensor=2"],
                         help="mesh degrees per layout, e.g. data=2,fsdp=2,tensor=2")
-    parser.add_argument("--steps", type=int, default=20, help="steps per timed block")
-    parser.add_argument("--rounds", type=int, default=5, help="alternating blocks of each")
+    parser.add_argument("--steps", type=int, default=5, help="steps per timed block")
+    parser.add_argument("--rounds", type=int, default=20,
+                        help="alternating blocks of each (many short blocks: a slow spell "
+                             "of a shared machine spoils few of them)")
     parser.add_argument("--config", default="configs/gpt_tiny.yaml")
     parser.add_argument("--breakdown", action="store_true",
                         help="also time the plain step plus each of jaxpar's extras")

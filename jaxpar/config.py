@@ -207,11 +207,11 @@ class TrainConfig:
     ``nonfinite``: ``stop`` raises naming the step (exit status 3); ``skip`` leaves the
     state unchanged for that step and counts it. A step is non-finite when its loss, its
     gradients, its update or the new parameters hold an inf or a NaN.
-    ``nonfinite_guard``: how the step keeps the old state of a non-finite step, the same
-    numbers either way: ``cond`` (the update computed again inside a ``lax.cond``: the
-    least memory traffic), ``where`` (one ``jnp.where`` per state leaf: no conditional
-    in the step), ``auto`` (``where`` on a GPU, ``cond`` elsewhere); see
-    ``jaxpar/guard.py``.
+    ``nonfinite_guard``: how the step keeps the old state of a non-finite step: ``cond``
+    (the update computed again inside a ``lax.cond``: the least memory traffic; agrees
+    with ``where`` to float32 rounding), ``where`` (one ``jnp.where`` per state leaf: a
+    finite step's numbers are the unguarded update's), ``auto`` (``where`` on a GPU,
+    ``cond`` elsewhere); see ``jaxpar/guard.py``.
     ``max_skipped``: with ``skip``, how many steps may be skipped in all (counting the
     steps of the run before it resumed) before the run fails (exit status 6): a count,
     or below 1 a fraction of ``steps``; 0: no limit. ``max_consecutive_skipped``: how

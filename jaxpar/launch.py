@@ -44,7 +44,8 @@ ENV_RETRY_PORT = "JAXPAR_LAUNCH_RETRY_PORT"
 #: exit status of process 0 when the launcher's port was taken (EX_TEMPFAIL): try again
 PORT_TAKEN = 75
 _PORT_TRIES = 5
-_FORCE_FLAG = re.compile(r"--xla_force_host_platform_device_count=\d+")
+#: ``XLA_FLAGS``' simulated CPU device count (group 1: the count); :mod:`jaxpar.mesh` reads it.
+FORCE_DEVICES_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
 
 
 def free_port() -> int:
@@ -77,7 +78,7 @@ def process_env(index: int, count: int, port: int, devices_per_process: int,
 def force_device_count(env: dict[str, str], devices: int | None) -> None:
     """Makes ``env``'s JAX see ``devices`` simulated CPU devices, or (``None``) as many as
     it would by itself: replaces the count in ``XLA_FLAGS``, keeps its other flags."""
-    flags = _FORCE_FLAG.sub("", env.get("XLA_FLAGS", ""))
+    flags = FORCE_DEVICES_FLAG.sub("", env.get("XLA_FLAGS", ""))
     if devices:
         flags += f" --xla_force_host_platform_device_count={devices}"
     env["XLA_FLAGS"] = " ".join(flags.split())

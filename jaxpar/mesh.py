@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import warnings
 
 import jax
@@ -22,10 +21,10 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from jaxpar.config import MeshConfig
+from jaxpar.launch import FORCE_DEVICES_FLAG
 
 MESH_AXES = ("data", "stage", "fsdp", "tensor")
 DEFAULT_CPU_DEVICES = 8
-_FORCE_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
 
 
 def setup_devices(count: int = 0) -> None:
@@ -42,7 +41,7 @@ def setup_devices(count: int = 0) -> None:
       ValueError: when JAX has already started with too few devices, or
         ``count`` exceeds the user's own setting.
     """
-    flag = _FORCE_FLAG.search(os.environ.get("XLA_FLAGS", ""))
+    flag = FORCE_DEVICES_FLAG.search(os.environ.get("XLA_FLAGS", ""))
     env = os.environ.get("JAX_NUM_CPU_DEVICES")
     user_count = int(flag.group(1)) if flag else (int(env) if env else 0)
     if user_count:  # the user chose a device count: respect it; --devices takes a subset

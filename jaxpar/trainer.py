@@ -370,17 +370,20 @@ class Trainer:
             updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
             return optax.apply_updates(state.params, updates), opt_state
 
+        def named(params: Any, opt_state: Any, model_state: Any) -> dict[str, Any]:
+            return {"params": params, "opt_state": opt_state, "model_state": model_state}
+
         # The loss and the gradient norm miss what the optimizer makes of finite gradients
         # (a huge lr or weight decay, a user's transformation): the new parameters are
         # checked too, reduced on device with the rest (no host sync); the guard keeps
         # the old state when anything is not finite (jaxpar/guard.py).
         params, opt_state = update()
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & guard.all_finite(params)
-        new_params, new_opt_state, new_model_state = self.keep(
-            finite, lambda: (*update(), model_state),
-            lambda: (state.params, state.opt_state, state.model_state))
-        new_state = TrainState(state.step + 1, new_params, new_opt_state,
-                               state.skipped + (~finite).astype(jnp.int32), new_model_state)
+        kept = self.keep(finite, named(params, opt_state, model_state),
+                         lambda: named(*update(), model_state),
+                         named(state.params, state.opt_state, state.model_state))
+        new_state = TrainState(state.step + 1, kept["params"], kept["opt_state"],
+                               state.skipped + (~finite).astype(jnp.int32), kept["model_state"])
         metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite,
                    "skipped": new_state.skipped, **aux}
         lr = self._lr(state, opt_state)

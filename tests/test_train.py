@@ -1,14 +1,20 @@
 """Train-step behaviour: gradient accumulation, memory under FSDP, non-finite handling."""
 
+import re
+
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
+from jaxpar import guard
 from jaxpar.config import load_config
 from jaxpar.loop import build, fit
 from jaxpar.report import layout_totals
 from tests.helpers import CONVNET_SMALL, GPT_SMALL, assert_params_close, run_steps
 from tests.test_families import RESNET
+from tests.test_optimizer_state import LAYOUT, TASK
 
 OPTIM = ["optim.name=sgd", "optim.lr=0.05", "optim.momentum=0.9"]
 
@@ -198,12 +204,96 @@ def test_a_skipped_step_leaves_every_state_leaf_unchanged(guarded, guard):
         jax.tree.leaves(states[3].params), jax.tree.leaves(after.params), strict=True))
 
 
-def test_both_nonfinite_guards_give_the_same_numbers(guarded):
-    """``cond`` computes the update inside a conditional, ``where`` selects after it: the
-    same state, bit for bit, after every step."""
+def test_both_nonfinite_guards_give_the_same_numbers_without_optimizer_reductions(guarded):
+    """``cond`` computes the update inside a conditional, ``where`` selects after it; with
+    an optimizer that reduces nothing (SGD with momentum, no clipping): the same state,
+    BatchNorm statistics included, bit for bit after every step."""
     for cond, where in zip(guarded["cond"][0], guarded["where"][0], strict=True):
         for a, b in zip(jax.tree.leaves(cond), jax.tree.leaves(where), strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+def _guarded_states(optim: list[str], name: str) -> list:
+    run = build(load_config([], [*LAYOUT, *optim, "optim.lr=0.05", "optim.warmup_steps=0",
+                                 f"train.nonfinite_guard={name}"]), TASK)
+    state, out = run.trainer.init(), []
+    for step in range(3):
+        state, metrics = run.trainer.step(state, run.trainer.shard_batch(run.data.batch(step, 16)))
+        assert bool(metrics["finite"])
+        out.append(jax.tree.map(np.asarray, (state.params, state.opt_state)))
+    return out
+
+
+@pytest.mark.parametrize("optim", [
+    ["optim.name=adam", "optim.weight_decay=0", "optim.clip_norm=0.5"],
+    ["optim.name=adamw", "optim.weight_decay=0.1"], ["optim.name=lamb"],
+    ["optim.name=adafactor", "optim.clip_norm=0.5"]], ids=["adam", "adamw", "lamb", "adafactor"])
+def test_both_nonfinite_guards_agree_to_float32_rounding_for_every_optimizer(optim):
+    """Under ``data=2,fsdp=2,tensor=2`` (sharded moments; the clipping, trust-ratio and
+    factored norms reduced across devices): after every step, the parameters and optimizer
+    state of ``cond`` and ``where`` differ by at most 8 float32 ulps of each leaf's largest
+    value. ``cond`` runs the optimizer's own reductions again inside the conditional, and
+    XLA may sum them in another order (seen: Adam with active clipping, 1 ulp; Adafactor
+    under the tests' compile-for-speed flags)."""
+    cond, where = _guarded_states(optim, "cond"), _guarded_states(optim, "where")
+    assert not np.array_equal(cond[0][0]["a"], cond[-1][0]["a"])  # the steps applied
+    for a, b in zip(jax.tree.leaves(cond), jax.tree.leaves(where), strict=True):
+        ulp = np.finfo(np.float32).eps * np.abs(b).max() if b.dtype == np.float32 else 0
+        np.testing.assert_allclose(a, b, rtol=0, atol=8 * ulp)
+
+
+def _updates_turn_nan(first: int) -> optax.GradientTransformation:
+    """Finite gradients in, NaN updates out from its own ``first`` step on."""
+    def update(updates, state, params=None):
+        count = state + 1
+        return jax.tree.map(lambda u: jnp.where(count >= first, jnp.nan, u), updates), count
+
+    return optax.GradientTransformation(lambda params: jnp.zeros((), jnp.int32), update)
+
+
+@pytest.mark.parametrize("name", ["cond", "where"])
+def test_a_nonfinite_update_of_finite_gradients_is_skipped(name):
+    """The setting reaches the trainer; an optimizer that makes NaN of finite gradients
+    (finite loss and grad norm) has its step skipped: every state leaf as before it."""
+    run = build(load_config([], [*LAYOUT, "train.nonfinite=skip",
+                                 f"train.nonfinite_guard={name}"]),
+                TASK, optax.chain(optax.adam(0.01), _updates_turn_nan(2)))
+    assert run.trainer.keep is {"cond": guard.keep_cond, "where": guard.keep_where}[name]
+    state = run.trainer.init()
+    batches = [run.trainer.shard_batch(run.data.batch(step, 16)) for step in range(2)]
+    state, first = run.trainer.step(state, batches[0])
+    before = jax.tree.map(np.asarray, (state.params, state.opt_state))
+    state, second = run.trainer.step(state, batches[1])
+    assert bool(first["finite"]) and not bool(second["finite"])
+    assert np.isfinite(float(second["loss"])) and np.isfinite(float(second["grad_norm"]))
+    for a, b in zip(jax.tree.leaves((state.params, state.opt_state)), jax.tree.leaves(before),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    assert (int(state.step), int(state.skipped)) == (2, 1)
+
+
+def test_auto_guard_is_where_on_a_gpu_and_cond_elsewhere():
+    assert guard.choose("auto", "gpu") is guard.keep_where
+    assert guard.choose("auto", "cpu") is guard.keep_cond
+    assert guard.choose("auto", "tpu") is guard.keep_cond
+
+
+def _state_turns_float(params):
+    """An optimizer whose state is born int32 and comes back float32."""
+    return optax.GradientTransformation(
+        lambda params: {"count": jnp.zeros((), jnp.int32)},
+        lambda u, state, params=None: (u, {"count": state["count"] + 1.0}))
+
+
+@pytest.mark.parametrize("name", ["cond", "where"])
+def test_an_optimizer_that_changes_its_state_dtype_is_a_one_line_error(name):
+    run = build(load_config([], [*LAYOUT, f"train.nonfinite_guard={name}"]), TASK,
+                optax.chain(optax.sgd(0.01), _state_turns_float(None)))
+    with pytest.raises(ValueError) as raised:
+        run.trainer.step(run.trainer.init(), run.trainer.shard_batch(run.data.batch(0, 16)))
+    assert re.fullmatch(r"the train step changed state leaf \['opt_state'\]\[1\]\['count'\] "
+                        r"from int32\[\] to float32\[\]: .*dtypes of its init",
+                        str(raised.value)), str(raised.value)
 
 
 def test_vocab_smaller_than_bytes_is_an_error():
