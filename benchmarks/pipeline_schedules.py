@@ -1,6 +1,7 @@
 """Pipeline schedules side by side: bubble, peak activations, compiled memory, step time.
 
     python benchmarks/pipeline_schedules.py [--stages 4] [--microbatches 4 8 16 32] [--steps 5]
+                                            [--schedules gpipe 1f1b interleaved zb_h1]
 
 Trains ``configs/gpt_tiny.yaml`` made 8 layers deep (so interleaved can run
 2 chunks per device) on ``--stages`` devices with ``mesh.stage = --stages``
@@ -58,13 +59,15 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16, 32])
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES),
+                        help="the schedules to measure (default: all)")
     args = parser.parse_args()
     p = args.stages
     print(f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices; "
           f"gpt_tiny × 8 layers, batch 32×128, stage={p}")
     print(f"{'schedule':<12}{'m':>4}{'bubble':>9}{'ticks':>7}{'tick bubble':>13}"
           f"{'peak act':>10}{'temp MiB':>10}{'step s':>9}")
-    for schedule in SCHEDULES:
+    for schedule in args.schedules:
         v = 2 if schedule == "interleaved" else 1
         for m in args.microbatches:
             table = tick_table(schedule, p, m, v)

@@ -278,7 +278,7 @@ def test_auto_guard_is_where_on_a_gpu_and_cond_elsewhere():
     assert guard.choose("auto", "tpu") is guard.keep_cond
 
 
-def _state_turns_float(params):
+def _state_turns_float() -> optax.GradientTransformation:
     """An optimizer whose state is born int32 and comes back float32."""
     return optax.GradientTransformation(
         lambda params: {"count": jnp.zeros((), jnp.int32)},
@@ -288,7 +288,7 @@ def _state_turns_float(params):
 @pytest.mark.parametrize("name", ["cond", "where"])
 def test_an_optimizer_that_changes_its_state_dtype_is_a_one_line_error(name):
     run = build(load_config([], [*LAYOUT, f"train.nonfinite_guard={name}"]), TASK,
-                optax.chain(optax.sgd(0.01), _state_turns_float(None)))
+                optax.chain(optax.sgd(0.01), _state_turns_float()))
     with pytest.raises(ValueError) as raised:
         run.trainer.step(run.trainer.init(), run.trainer.shard_batch(run.data.batch(0, 16)))
     assert re.fullmatch(r"the train step changed state leaf \['opt_state'\]\[1\]\['count'\] "
