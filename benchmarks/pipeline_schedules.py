@@ -2,6 +2,7 @@
 
     python benchmarks/pipeline_schedules.py [--stages 4] [--microbatches 4 8 16 32] [--steps 5]
                                             [--schedules gpipe 1f1b interleaved zb_h1]
+                                            [--attention library|reference]
 
 Trains ``configs/gpt_tiny.yaml`` made 8 layers deep (so interleaved can run
 2 chunks per device) on ``--stages`` devices with ``mesh.stage = --stages``
@@ -17,11 +18,16 @@ same model without a pipeline (``mesh.data = --stages``) for reference.
 On CPU the simulated devices share the host's cores, so step time measures the
 total work (including the per-microbatch recomputation the executor does), not
 the bubble; the bubble shows on real accelerators.
+
+``--attention reference`` traces the model with the hand-written attention of
+``benchmarks/attention_memory.py`` instead of ``jax.nn.dot_product_attention``
+(the model's), to separate the attention's CPU cost from the executor's.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
@@ -29,6 +35,10 @@ import time
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax
+from attention_memory import (  # benchmarks/ (script dir)
+    attention_swapped,
+    reference_attention,
+)
 
 from jaxpar.config import load_config
 from jaxpar.pipeline.schedule import SCHEDULES, simulate, tick_table
@@ -37,8 +47,15 @@ from jaxpar.run import build
 CONFIG = "configs/gpt_tiny.yaml"
 
 
-def measure(overrides: list[str], steps: int) -> tuple[int, float]:
+def measure(overrides: list[str], steps: int, attention: str = "library") -> tuple[int, float]:
     """(temp bytes per device, median step seconds) of the config's train step."""
+    swap = attention_swapped(reference_attention) if attention == "reference" \
+        else contextlib.nullcontext()
+    with swap:
+        return _measure(overrides, steps)
+
+
+def _measure(overrides: list[str], steps: int) -> tuple[int, float]:
     run = build(load_config([CONFIG], [*overrides, "model.n_layers=8"]))
     trainer, size = run.trainer, run.config.train.batch_size
     batch = run.data.batch(0, size)
@@ -61,10 +78,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES),
                         help="the schedules to measure (default: all)")
+    parser.add_argument("--attention", choices=("library", "reference"), default="library",
+                        help="the model's jax.nn.dot_product_attention (default) or the "
+                             "hand-written reference attention")
     args = parser.parse_args()
     p = args.stages
     print(f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices; "
-          f"gpt_tiny × 8 layers, batch 32×128, stage={p}")
+          f"gpt_tiny × 8 layers, batch 32×128, stage={p}, {args.attention} attention")
     print(f"{'schedule':<12}{'m':>4}{'bubble':>9}{'ticks':>7}{'tick bubble':>13}"
           f"{'peak act':>10}{'temp MiB':>10}{'step s':>9}")
     for schedule in args.schedules:
@@ -76,12 +96,12 @@ def main() -> None:
             temp, step = measure(
                 [f"mesh.stage={p}", "mesh.data=1", f"run.devices={p}",
                  f"pipeline.schedule={schedule}", f"pipeline.microbatches={m}",
-                 f"pipeline.virtual_stages={v}"], args.steps)
+                 f"pipeline.virtual_stages={v}"], args.steps, args.attention)
             peak = max(timing.peak_in_flight) / v
             print(f"{schedule:<12}{m:>4}{timing.bubble:>9.3f}{table.ticks:>7}"
                   f"{tick_bubble:>13.3f}{peak:>10g}{temp / 2**20:>10.2f}{step:>9.3f}",
                   flush=True)
-    temp, step = measure([f"mesh.data={p}", f"run.devices={p}"], args.steps)
+    temp, step = measure([f"mesh.data={p}", f"run.devices={p}"], args.steps, args.attention)
     print(f"{'no pipeline':<12}{'-':>4}{'-':>9}{'-':>7}{'-':>13}{'-':>10}{temp / 2**20:>10.2f}"
           f"{step:>9.3f}")
 
