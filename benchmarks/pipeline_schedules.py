@@ -30,19 +30,19 @@ import argparse
 import contextlib
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling attention_memory module
 
-import jax
-from attention_memory import (  # benchmarks/ (script dir)
-    attention_swapped,
-    reference_attention,
-)
+import jax  # noqa: E402
+from attention_memory import attention_swapped, reference_attention  # noqa: E402
 
-from jaxpar.config import load_config
-from jaxpar.pipeline.schedule import SCHEDULES, simulate, tick_table
-from jaxpar.run import build
+from jaxpar.config import load_config  # noqa: E402
+from jaxpar.pipeline.schedule import SCHEDULES, simulate, tick_table  # noqa: E402
+from jaxpar.run import build  # noqa: E402
 
 CONFIG = "configs/gpt_tiny.yaml"
 
