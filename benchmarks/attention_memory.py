@@ -66,11 +66,15 @@ def reference_attention(h_BTD: jax.Array, p: dict[str, jax.Array], use_rotary: b
 
 
 @contextlib.contextmanager
-def attention_swapped(fn):
-    """``jaxpar.models.gpt.attention`` replaced by ``fn`` (the blocks look it up by name
-    when they are traced)."""
+def attention_traced(mode: str):
+    """While inside: ``jaxpar.models.gpt.attention`` is :func:`reference_attention` for
+    ``mode == "reference"`` (the blocks look it up by name when they are traced), the
+    model's own otherwise."""
+    if mode != "reference":
+        yield
+        return
     saved = gpt.attention
-    gpt.attention = fn
+    gpt.attention = reference_attention
     try:
         yield
     finally:
@@ -84,10 +88,8 @@ def temp_bytes(config: str, seq: int, mode: str, extra: list[str]) -> tuple[int,
                  f"model.attention={attention}", *extra]
     run = build(load_config([config], overrides))
     batch = run.data.batch(0, run.config.train.batch_size)
-    swap = attention_swapped(reference_attention) if mode == "reference" \
-        else contextlib.nullcontext()
     start = time.perf_counter()
-    with swap:
+    with attention_traced(mode):
         compiled = run.trainer.compile_step(batch)
     return compiled.memory_analysis().temp_size_in_bytes, time.perf_counter() - start
 

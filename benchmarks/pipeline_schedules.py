@@ -27,7 +27,6 @@ the bubble; the bubble shows on real accelerators.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import sys
@@ -38,7 +37,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling attention_memory module
 
 import jax  # noqa: E402
-from attention_memory import attention_swapped, reference_attention  # noqa: E402
+from attention_memory import attention_traced  # noqa: E402
 
 from jaxpar.config import load_config  # noqa: E402
 from jaxpar.pipeline.schedule import SCHEDULES, simulate, tick_table  # noqa: E402
@@ -48,10 +47,9 @@ CONFIG = "configs/gpt_tiny.yaml"
 
 
 def measure(overrides: list[str], steps: int, attention: str = "library") -> tuple[int, float]:
-    """(temp bytes per device, median step seconds) of the config's train step."""
-    swap = attention_swapped(reference_attention) if attention == "reference" \
-        else contextlib.nullcontext()
-    with swap:
+    """(temp bytes per device, median step seconds) of the config's train step, traced
+    with ``attention`` (``library`` or ``reference``)."""
+    with attention_traced(attention):
         return _measure(overrides, steps)
 
 
