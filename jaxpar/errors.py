@@ -1,0 +1,114 @@
+"""jaxpar's exception types: whose problem it is, and the ``jaxpar`` command's exit status.
+
+Every failure jaxpar explains is a :class:`JaxparError`: its message is one line that
+names the key, axis, path or file and says the fix, and ``exit_status`` is what the
+``jaxpar`` command returns for it. The kinds a user can fix subclass ``ValueError`` too
+(the public API raised ``ValueError`` for them before), so ``except ValueError`` keeps
+working. Any other exception is a bug — in jaxpar, in JAX, or in a model's own code — and
+the command reports it as an internal error, never as the user's bad input
+(:data:`INTERNAL`).
+"""
+
+from __future__ import annotations
+
+#: Exit status of a user mistake (a bad setting, file, path or layout).
+BAD_INPUT = 2
+#: Exit status of a non-finite step under ``train.nonfinite=stop``.
+NONFINITE_STOP = 3
+#: Exit status after a SIGTERM or a first Ctrl-C: the checkpoint of the current step is
+#: complete on disk.
+PREEMPTED = 4
+#: Exit status when writing a checkpoint or another file failed (disk full, I/O error).
+WRITE_FAILED = 5
+#: Exit status when ``train.nonfinite=skip`` skipped more steps than its limits allow.
+TOO_MANY_SKIPPED = 6
+#: Exit status of an unexpected exception: a bug, not the user's input (BSD's EX_SOFTWARE).
+INTERNAL = 70
+#: Exit status of a Ctrl-C before training began, or of a second Ctrl-C (128 + SIGINT).
+INTERRUPTED = 130
+
+
+class JaxparError(Exception):
+    """A failure jaxpar explains in one line; ``exit_status`` is the command's."""
+
+    exit_status: int = BAD_INPUT
+
+
+class ConfigError(JaxparError, ValueError):
+    """A setting is wrong: an unknown key, a value of the wrong type or out of range, a
+    malformed config file or override, or settings that contradict each other."""
+
+
+class LayoutError(JaxparError, ValueError):
+    """The mesh, the rules or the pipeline schedule do not fit the model, the batch or the
+    devices (an axis that does not divide a dim, a rule naming no axis, an idle axis…)."""
+
+
+class DataError(JaxparError, ValueError):
+    """The data cannot be read or does not fit the model or the task: a missing or damaged
+    file, a vocabulary or label range the model cannot hold, a batch of the wrong shape."""
+
+
+class TaskError(JaxparError, ValueError):
+    """A user's task, hook or model family is not what jaxpar needs: a file that does not
+    import, a name it does not define, a loss or batch of the wrong form."""
+
+
+class PathError(JaxparError, ValueError):
+    """A path named by a setting or an option cannot be used: a run directory that cannot
+    be created, an output file that would overwrite something, a directory another run
+    holds."""
+
+
+class RestoreError(JaxparError, ValueError):
+    """A checkpoint cannot be resumed or restored: none is there, it belongs to another
+    model or seed, or its saved position does not fit this run."""
+
+
+class CorruptCheckpoint(RestoreError):
+    """A checkpoint failed verification: a file differs from its integrity record, is
+    missing or cannot be decoded, or a restored value is not finite.
+
+    Attributes:
+      step: the checkpoint's step; path: its directory; reason: what is wrong.
+    """
+
+    def __init__(self, step: int, path: object, reason: str):
+        super().__init__(f"the checkpoint of step {step} in {path} failed verification: "
+                         f"{reason}")
+        self.step, self.path, self.reason = step, path, reason
+
+
+class CheckpointError(JaxparError, RuntimeError):
+    """Writing a checkpoint failed (raised where the failure becomes known).
+
+    ``disk_full`` is True when the cause is a full file system (``ENOSPC``)."""
+
+    exit_status = WRITE_FAILED
+    disk_full: bool = False
+
+
+class Preempted(JaxparError):
+    """A SIGTERM or a first Ctrl-C stopped training after a checkpoint of ``step`` was
+    written; the same command resumes it."""
+
+    exit_status = PREEMPTED
+
+    def __init__(self, step: int, directory: object, signame: str = "SIGTERM"):
+        what = "interrupted (Ctrl-C)" if signame == "SIGINT" else f"preempted ({signame})"
+        super().__init__(f"{what}: checkpoint of step {step} written to {directory}; run "
+                         "the same command to resume")
+        self.step, self.signame = step, signame
+
+
+class NonFiniteStop(JaxparError, FloatingPointError):
+    """A step had a non-finite loss, gradient or update under ``train.nonfinite=stop``."""
+
+    exit_status = NONFINITE_STOP
+
+
+class TooManySkipped(NonFiniteStop):
+    """``train.nonfinite=skip`` skipped more steps than ``train.max_skipped`` or
+    ``train.max_consecutive_skipped`` allow."""
+
+    exit_status = TOO_MANY_SKIPPED
