@@ -44,7 +44,7 @@ def measure(config: str, async_save: bool, saves: int, gap: float) -> dict[str, 
                                            s), donate_argnums=0)
     nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = Checkpointer(tmp, trainer, keep=2, async_save=async_save)
+        ckpt = Checkpointer(tmp, run.plan, keep=2, async_save=async_save)
         blocked = []
         for step in range(1, saves + 1):
             time.sleep(gap)  # training steps on an accelerator: the host mostly waits

@@ -56,7 +56,7 @@ def main() -> None:
     jax.block_until_ready(state)
     root = Path(args.dir or tempfile.mkdtemp(prefix="jaxpar-verify-"))
     shutil.rmtree(root / "ckpt", ignore_errors=True)
-    ckpt = Checkpointer(root / "ckpt", run.trainer, async_save=False)
+    ckpt = Checkpointer(root / "ckpt", run.plan, async_save=False)
     ckpt.save(1, state, {"step": 1})
     ckpt.close()
     step_dir = root / "ckpt" / "1"
@@ -76,7 +76,7 @@ def main() -> None:
                 result = integrity.verify(step_dir)
                 assert result.ok, result.problems
             else:
-                reader = Checkpointer(root / "ckpt", run.trainer, verify=what == "verify on")
+                reader = Checkpointer(root / "ckpt", run.plan, verify=what == "verify on")
                 restored, _ = reader.restore(1)
                 jax.block_until_ready(restored)
                 reader.close()

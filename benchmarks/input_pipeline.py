@@ -68,7 +68,7 @@ def tiny_step_rate(steps: int) -> float:
 
 def gpt2_predicted_step_rate() -> float:
     run = build(load_config(["configs/gpt2_small.yaml"], ["mesh.data=8", "train.grad_accum=1"]))
-    params = sum(x.size for x in jax.tree.leaves(run.trainer.abstract_params))
+    params = sum(x.size for x in jax.tree.leaves(run.plan.model.params))
     tokens = run.config.train.batch_size * run.config.data.seq_len
     return H100_BF16_FLOPS * MFU / (6 * params * tokens)
 

@@ -96,7 +96,7 @@ def measure(name: str, batch: int, seq: int, steps: int, rounds: int) -> dict:
     host_batch = run.data.batch(0, batch)
     sharded = trainer.shard_batch(host_batch)
     state = trainer.init()
-    plain_step = make_plain_step(trainer)
+    plain_step = make_plain_step(run.plan)
     plain = plain_stepper(plain_step, state.params, state.opt_state, sharded)
     ours = jaxpar_stepper(trainer, state, sharded)
     check_same_losses(ours, plain)

@@ -138,7 +138,7 @@ def step_probe(rows: int, ways: int) -> str:
     trainer = run.trainer
     batch = trainer.shard_batch(run.data.batch(0, rows * ways))  # this process's rows
     state = trainer.init()
-    plain = plain_stepper(make_plain_step(trainer), state.params, state.opt_state, batch)
+    plain = plain_stepper(make_plain_step(run.plan), state.params, state.opt_state, batch)
     ours = jaxpar_stepper(trainer, copy_tree(state), batch)
     check_same_losses(ours, plain)
     times = interleaved(ours, plain, steps=5, rounds=4)
@@ -164,7 +164,7 @@ def trace_probe(rows: int) -> str:
     trainer, steps = run.trainer, 5
     batch = trainer.shard_batch(run.data.batch(0, 2 * rows))
     state = trainer.init()
-    step = make_plain_step(trainer)
+    step = make_plain_step(run.plan)
     arrays = all_reduce_arrays(step.lower(state.params, state.opt_state, batch)
                                .compile().as_text())
     plain = plain_stepper(step, state.params, state.opt_state, batch)

@@ -63,8 +63,8 @@ from flax import nnx
 from jaxpar import guard
 from jaxpar.config import load_config
 from jaxpar.logical import activation_rules
+from jaxpar.plan import Plan
 from jaxpar.run import Run, build
-from jaxpar.trainer import Trainer
 
 MESH_AXES = ("data", "fsdp", "tensor", "stage")
 DISPATCH_CALLS = 20
@@ -76,7 +76,7 @@ def layout_overrides(layout: str) -> list[str]:
     return [f"mesh.{axis}={named.get(axis, 1)}" for axis in MESH_AXES]
 
 
-def make_plain_step(trainer: Trainer, *, grad_norm: bool = False,
+def make_plain_step(plan: Plan, *, grad_norm: bool = False,
                     keep: guard.Keep | None = None) -> Callable[..., Any]:
     """The hand-written step ``(params, opt_state, batch) → (params, opt_state, out)``.
 
@@ -84,8 +84,8 @@ def make_plain_step(trainer: Trainer, *, grad_norm: bool = False,
     norm. ``keep`` (``guard.keep_where`` or ``guard.keep_cond``) keeps the update only
     when the loss, the grad norm and the new parameters are finite, as ``Trainer`` does.
     """
-    task, graphdef, mesh, rules, tx = (trainer.task, trainer.graphdef, trainer.mesh,
-                                       trainer.rules, trainer.tx)
+    task, graphdef, mesh, rules, tx = (plan.task, plan.model.graphdef, plan.mesh, plan.rules,
+                                       plan.optimizer)
 
     def loss_fn(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
         with activation_rules(mesh, rules):  # the activation layout is part of the model's
@@ -108,7 +108,7 @@ def make_plain_step(trainer: Trainer, *, grad_norm: bool = False,
                                        (params, opt_state))
         return new_params, new_opt, (loss, norm)
 
-    sh = trainer.state_shardings
+    sh = plan.state_shardings
     return jax.jit(step, in_shardings=(sh.params, sh.opt_state, None),
                    out_shardings=(sh.params, sh.opt_state, None), donate_argnums=(0, 1))
 
@@ -155,7 +155,7 @@ def copy_tree(tree: Any) -> Any:
     return jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False), tree)
 
 
-def jaxpar_stepper(trainer: Trainer, state: Any, batch: Any) -> Stepper:
+def jaxpar_stepper(trainer: Any, state: Any, batch: Any) -> Stepper:
     return Stepper(lambda s, b: trainer.step(s, b), state, batch)
 
 
@@ -232,7 +232,7 @@ def measure(config: str, layout: str, steps: int, rounds: int, breakdown: bool) 
     host_batch = run.data.batch(0, run.config.train.batch_size)
     batch = trainer.shard_batch(host_batch)
     state = trainer.init()
-    plain_step = make_plain_step(trainer)
+    plain_step = make_plain_step(run.plan)
     plain = plain_stepper(plain_step, state.params, state.opt_state, batch)
     ours = jaxpar_stepper(trainer, state, batch)
     losses = check_same_losses(ours, plain)
@@ -247,7 +247,7 @@ def measure(config: str, layout: str, steps: int, rounds: int, breakdown: bool) 
     rows[0]["cost"] = [x / y for x, y in zip(xla_cost(trainer.compile_step(host_batch)), base,
                                              strict=True)]
     for name, kw in BREAKDOWN:
-        step = make_plain_step(trainer, **kw)
+        step = make_plain_step(run.plan, **kw)
         extra = plain_stepper(step, *plain.carry, batch)
         check_same_losses(extra, plain, steps=1)
         rows.append({"layout": layout, "name": name, **interleaved(extra, plain, steps, rounds),

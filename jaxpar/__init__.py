@@ -31,10 +31,13 @@ from jaxpar.models import register as register_model
 from jaxpar.optim import decay_mask, make_optimizer, make_schedule
 from jaxpar.sharding import PRESETS, resolve_rules
 from jaxpar.task import Task
-from jaxpar.trainer import Trainer, TrainState, abstract_params_and_axes
+from jaxpar.plan import Plan, abstract_model, make_plan
+from jaxpar.state import TrainState
+from jaxpar.trainer import Trainer
 
 __all__ = [
                            "PRESETS",
+                           "Plan",
                            "Config",
                            "DataConfig",
                            "Family",
@@ -48,7 +51,7 @@ __all__ = [
                            "TrainConfig",
                            "TrainState",
                            "Trainer",
-                           "abstract_params_and_axes",
+                           "abstract_model",
                            "classification_loss",
                            "constrain",
                            "decay_mask",
@@ -56,6 +59,7 @@ __all__ = [
                            "load_config",
                            "make_mesh",
                            "make_optimizer",
+                           "make_plan",
                            "make_schedule",
                            "mlm_loss",
                            "register_model",

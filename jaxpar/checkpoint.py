@@ -15,10 +15,10 @@ Which checkpoints stay is an Orbax preservation policy: the latest ``keep``,
 plus (with ``keep_best``) the ``keep_best`` best by an eval metric passed to
 :meth:`Checkpointer.save`.
 
-Restoring builds the target from the *current* trainer's shardings, so a
+Restoring builds the target from the *current* plan's shardings, so a
 checkpoint saved under one mesh and rules restores under any other valid mesh,
 rules and device count. Before reading any array, the stored tree is compared
-with the trainer's: a different model is an error listing every mismatched
+with the plan's: a different model is an error listing every mismatched
 path.
 
 Every checkpoint is verified (:mod:`jaxpar.integrity`): the digest of each of its files
@@ -46,8 +46,10 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar import integrity
+from jaxpar.errors import CheckpointError, CorruptCheckpoint, RestoreError
+from jaxpar.plan import Plan
 from jaxpar.sharding import path_str
-from jaxpar.trainer import Trainer, TrainState
+from jaxpar.state import TrainState
 
 
 def _write_whole_shards_in_one_process() -> None:
@@ -67,28 +69,6 @@ def _write_whole_shards_in_one_process() -> None:
         ocp.type_handlers.register_type_handler(
             jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False),
             override=True)
-
-
-class CheckpointError(RuntimeError):
-    """Writing a checkpoint failed (raised where the failure becomes known).
-
-    ``disk_full`` is True when the cause is a full file system (``ENOSPC``)."""
-
-    disk_full: bool = False
-
-
-class CorruptCheckpoint(ValueError):
-    """A checkpoint failed verification: a file differs from its integrity record, is
-    missing or cannot be decoded, or a restored value is not finite.
-
-    Attributes:
-      step: the checkpoint's step; path: its directory; reason: what is wrong.
-    """
-
-    def __init__(self, step: int, path: Path, reason: str):
-        super().__init__(f"the checkpoint of step {step} in {path} failed verification: "
-                         f"{reason}")
-        self.step, self.path, self.reason = step, path, reason
 
 
 def free_space(path: Path) -> str:
@@ -135,11 +115,12 @@ def _from_tree(tree: dict[str, Any]) -> TrainState:
 
 
 class Checkpointer:
-    """Saves and restores a :class:`~jaxpar.trainer.Trainer`'s state under ``directory``.
+    """Saves and restores the train state of a :class:`~jaxpar.plan.Plan` under
+    ``directory``.
 
     Args:
       directory: where step directories go (created).
-      trainer: gives the restore target (abstract state and shardings).
+      plan: gives the restore target (abstract state and shardings).
       keep: how many of the latest checkpoints to keep.
       async_save: write in the background (the default).
       keep_best: also keep this many best checkpoints by ``best_metric`` (0: off).
@@ -149,12 +130,12 @@ class Checkpointer:
         it (its values are checked finite either way).
     """
 
-    def __init__(self, directory: str | Path, trainer: Trainer, *, keep: int = 3,
+    def __init__(self, directory: str | Path, plan: Plan, *, keep: int = 3,
                  async_save: bool = True, keep_best: int = 0,
                  best_metric: str = "eval_loss", best_mode: str = "min",
                  verify: bool = True):
         self.directory = Path(directory).absolute()
-        self.trainer = trainer
+        self.plan = plan
         self.best_metric = best_metric if keep_best else None
         self.async_save, self.verify = async_save, verify
         self._saving: int | None = None
@@ -266,25 +247,25 @@ class Checkpointer:
         return self.directory / str(step)
 
     def restore(self, step: int | None = None) -> tuple[TrainState, dict[str, Any]]:
-        """The state (sharded for this trainer's mesh and rules) and meta of ``step``,
+        """The state (sharded for the plan's mesh and rules) and meta of ``step``,
         verified: its files match its integrity record (unless ``verify`` is off) and every
         restored value is finite.
 
         Raises:
           CorruptCheckpoint: when the checkpoint fails verification, cannot be decoded
             or holds non-finite values.
-          ValueError: when there is no such checkpoint, or when it holds a
+          RestoreError: when there is no such checkpoint, or when it holds a
             different model or optimizer: every mismatched path is listed.
         """
         step = self.latest_step() if step is None else step
         if step is None or step not in self.steps():
-            raise ValueError(f"no complete checkpoint {'' if step is None else step} in "
+            raise RestoreError(f"no complete checkpoint {'' if step is None else step} in "
                              f"{self.directory} (have: {self.steps() or 'none'})")
         if self.verify:
             self.verify_step(step)
         target = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            _as_tree(self.trainer.abstract_state), _as_tree(self.trainer.state_shardings))
+            _as_tree(self.plan.abstract_state), _as_tree(self.plan.state_shardings))
         try:
             self._check_compatible(step, target)
             restored = self._manager.restore(step, args=ocp.args.Composite(
@@ -334,7 +315,7 @@ class Checkpointer:
                   if jnp.issubdtype(x.dtype, jnp.inexact)]
         if not leaves:
             return
-        replicated = NamedSharding(self.trainer.mesh, PartitionSpec())
+        replicated = NamedSharding(self.plan.mesh, PartitionSpec())
         flags = jax.jit(lambda xs: jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]),
                         out_shardings=replicated)([x for _, x in leaves])
         flags = np.asarray(flags.addressable_data(0))
@@ -375,7 +356,7 @@ class Checkpointer:
             if have[path] != want[path]:
                 problems.append(f"{path}: checkpoint {have[path]}, model {want[path]}")
         if problems:
-            raise ValueError(
+            raise RestoreError(
                 f"checkpoint {self.directory / str(step)} does not fit this model/optimizer "
                 f"({len(problems)} mismatches):\n  " + "\n  ".join(problems)
                 + "\nrestore it with the config it was saved with, or start without it "

@@ -281,7 +281,7 @@ def _show_pipeline(config: Config, png: str | None, width: int | None,
     from jaxpar.pipeline import chart
     from jaxpar.run import build
 
-    table = build(config, task).trainer.pipeline
+    table = build(config, task).plan.pipeline
     if table is None:
         raise ValueError(f"mesh.stage={config.mesh.stage}: there is no pipeline to show; "
                          "set mesh.stage to 2 or more")

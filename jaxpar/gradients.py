@@ -1,8 +1,10 @@
 """Gradient strategies: how a train step turns a batch into loss, metrics and gradients.
 
-A strategy is a callable ``(params, model_state, batch) -> (loss, metrics, grads,
-model_state)``; the trainer picks one when it is built (:func:`choose`) and the step
-composes it with the optimizer, with no branch on the layout inside the step:
+A strategy is a small frozen object, chosen once by the :class:`~jaxpar.plan.Plan`
+(:func:`jaxpar.plan.make_plan`), and called by the step with no branch on the layout:
+``strategy(params, model_state, batch) -> (loss, metrics, grads, model_state)``; its
+``evaluate(params, model_state, batch) -> (loss, metrics)`` runs the same layout in
+evaluation mode.
 
 * :class:`Plain` — one ``value_and_grad`` over the whole batch.
 * :class:`Accumulated` — ``k`` microbatches in a ``lax.scan``, each through an inner
@@ -13,46 +15,80 @@ composes it with the optimizer, with no branch on the layout inside the step:
   once per step instead of once per microbatch.
 * :class:`Pipelined` — the pipeline executor (``jaxpar/pipeline/executor.py``).
 
-``model_state`` is the pure dict of the model's non-``Param`` variables; a loss
-function returns its new value, and ``grads`` are taken with respect to ``params`` only.
+``model_state`` is the pure dict of the model's non-``Param`` variables; a strategy
+returns its new value, and ``grads`` are taken with respect to ``params`` only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxpar import sharding as shd
 from jaxpar.logical import Rules, activation_rules
 from jaxpar.pipeline.executor import advance_counts, pipeline_eval, pipeline_grads
 from jaxpar.pipeline.schedule import TickTable
-from jaxpar.task import Batch, StageSplit, split_microbatches
+from jaxpar.sharding import named
+from jaxpar.task import Batch, LossFn, StageSplit, split_microbatches
 
-#: ``(params, model_state, batch) -> (loss, metrics, new model_state)``
-StateLoss = Callable[[Any, Any, Batch], tuple[jax.Array, dict, Any]]
-#: ``(params, model_state, batch) -> (loss, metrics, grads, new model_state)``
-Strategy = Callable[[Any, Any, Batch], tuple[jax.Array, dict, Any, Any]]
+
+class Strategy(Protocol):
+    """What the train and eval steps call (see the module docstring)."""
+
+    def __call__(self, params: Any, model_state: Any, batch: Batch
+                 ) -> tuple[jax.Array, dict, Any, Any]: ...
+
+    def evaluate(self, params: Any, model_state: Any, batch: Batch
+                 ) -> tuple[jax.Array, dict]: ...
+
+
+@dataclass(frozen=True)
+class ModelLoss:
+    """The task's loss of the model given as its graph and pure-dict variables."""
+
+    graphdef: nnx.GraphDef
+    loss_fn: LossFn
+
+    def __call__(self, params: Any, model_state: Any, batch: Batch, *, train: bool,
+                 mesh: Any, rules: Rules) -> tuple[jax.Array, dict, Any]:
+        """Loss, metrics and the model's new state (traceable).
+
+        The model runs in NNX's training mode (``model.train()``: dropout on, BatchNorm on
+        batch statistics, updating its running averages) or evaluation mode
+        (``model.eval()``), with the activation rules of ``mesh``/``rules``.
+        """
+        model = nnx.merge(self.graphdef, params, model_state)
+        model.train() if train else model.eval()
+        with activation_rules(mesh, rules):
+            loss, metrics = self.loss_fn(model, batch)
+        return loss, metrics, nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
 
 
 @dataclass(frozen=True)
 class Plain:
-    """One ``value_and_grad`` of ``loss`` over the whole batch."""
+    """One ``value_and_grad`` of the loss over the whole batch."""
 
-    loss: StateLoss
+    loss: ModelLoss
+    mesh: Any
+    rules: Rules
 
     def __call__(self, params: Any, model_state: Any, batch: Batch):
         def value(p):
-            loss, metrics, new_state = self.loss(p, model_state, batch)
+            loss, metrics, new_state = self.loss(p, model_state, batch, train=True,
+                                                 mesh=self.mesh, rules=self.rules)
             return loss, (metrics, new_state)
 
         (loss, (metrics, new_state)), grads = jax.value_and_grad(value, has_aux=True)(params)
         return loss, metrics, grads, new_state
+
+    def evaluate(self, params: Any, model_state: Any, batch: Batch):
+        loss, metrics, _ = self.loss(params, model_state, batch, train=False, mesh=self.mesh,
+                                     rules=self.rules)
+        return loss, metrics
 
 
 @dataclass(frozen=True)
@@ -92,6 +128,9 @@ class Accumulated:
         loss, metrics, grads = jax.tree.map(lambda x: x / self.k, sums)
         return loss, metrics, grads, state
 
+    def evaluate(self, params: Any, model_state: Any, batch: Batch):
+        return self.inner.evaluate(params, model_state, batch)
+
 
 @dataclass(frozen=True)
 class AccumulatedPerDataShard:
@@ -103,14 +142,16 @@ class AccumulatedPerDataShard:
     The automatic path would all-reduce every microbatch's gradients: the accumulator is
     replicated over ``data``, and a partial sum cannot be carried through the loop.
     Only for models without state: BatchNorm statistics would become per-shard ones.
+    ``gathered_specs``: the parameters' specs without their batch axes, for
+    ``train.fsdp_gather=once`` (None: gathered per microbatch).
     """
 
-    make_loss: Callable[[Any, Rules], StateLoss]
+    loss: ModelLoss
     k: int
     mesh: Mesh
     rules: Rules
     param_specs: Any
-    gather_once: bool = False
+    gathered_specs: Any = None
 
     def __call__(self, params: Any, model_state: Any, batch: Batch):
         n = self.mesh.shape["data"]
@@ -118,10 +159,10 @@ class AccumulatedPerDataShard:
 
         def local(params, model_state, batch):
             mesh = jax.sharding.get_abstract_mesh()
-            gathered = shd.named(mesh, gathered_specs(self.param_specs)) \
-                if self.gather_once else None
-            acc = Accumulated(Plain(self.make_loss(mesh, inner)), self.k,
-                              shd.named(mesh, self.param_specs), gathered)
+            gathered = (named(mesh, self.gathered_specs) if self.gathered_specs is not None
+                        else None)
+            acc = Accumulated(Plain(self.loss, mesh, inner), self.k,
+                              named(mesh, self.param_specs), gathered)
             loss, metrics, grads, _ = acc(params, model_state, batch)
             loss, metrics, grads = jax.tree.map(lambda x: jax.lax.psum(x, "data") / n,
                                                 (loss, metrics, grads))
@@ -132,6 +173,9 @@ class AccumulatedPerDataShard:
                            out_specs=PartitionSpec(), axis_names={"data"}, check_vma=False)
         loss, metrics, grads = fn(params, model_state, dict(batch))
         return loss, metrics, grads, model_state
+
+    def evaluate(self, params: Any, model_state: Any, batch: Batch):
+        return Plain(self.loss, self.mesh, self.rules).evaluate(params, model_state, batch)
 
 
 @dataclass(frozen=True)
@@ -164,56 +208,3 @@ class Pipelined:
             return pipeline_eval(self.split, self.graphdef, params, batch, p=t.p, m=t.m,
                                  v=t.v, mesh=self.mesh, rules=self.rules,
                                  model_state=model_state)
-
-
-def per_data_shard_possible(mesh: Mesh, param_specs: Any, stateful: bool) -> bool:
-    """Whether :class:`AccumulatedPerDataShard` applies: a data axis, no parameter sharded
-    over it, a model without state, and not ``fsdp`` × ``tensor`` together (there XLA
-    0.10's SPMD partitioner aborts on the partly manual program: a failed check in
-    spmd_partitioner_util.cc)."""
-    if mesh.shape["data"] == 1 or stateful:
-        return False
-    if mesh.shape["fsdp"] > 1 and mesh.shape["tensor"] > 1:
-        return False
-    specs = jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-    return not any("data" in (e if isinstance(e, tuple) else (e,)) for s in specs for e in s if e)
-
-
-BATCH_AXES = ("data", "fsdp")
-
-
-def gathered_specs(param_specs: Any) -> Any:
-    """The parameters' specs without the batch axes (``data``, ``fsdp``): FSDP-sharded
-    parameters gathered, tensor and stage splits kept."""
-    def drop(spec: PartitionSpec) -> PartitionSpec:
-        entries = []
-        for e in spec:
-            kept = tuple(a for a in (e if isinstance(e, tuple) else (e,)) if a and
-                         a not in BATCH_AXES)
-            entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
-        return PartitionSpec(*entries)
-
-    return jax.tree.map(drop, param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-
-
-def gathers_weights(param_specs: Any) -> bool:
-    """Whether any parameter is sharded over a batch axis (and so gathered before use)."""
-    return gathered_specs(param_specs) != param_specs
-
-
-def choose(*, make_loss: Callable[[Any, Rules], StateLoss], mesh: Mesh, rules: Rules,
-           param_specs: Any, param_shardings: Any, grad_accum: int, stateful: bool,
-           pipeline: Pipelined | None, fsdp_gather: str = "per_microbatch") -> Strategy:
-    """The strategy for a layout: the pipeline or a plain step, accumulated over
-    ``grad_accum`` microbatches when it is above 1 (locally per data shard when possible);
-    ``fsdp_gather`` (``per_microbatch`` or ``once``) says when the accumulation gathers
-    FSDP-sharded weights."""
-    inner: Strategy = pipeline or Plain(make_loss(mesh, rules))
-    if grad_accum == 1:
-        return inner
-    once = fsdp_gather == "once" and gathers_weights(param_specs)
-    if pipeline is None and per_data_shard_possible(mesh, param_specs, stateful):
-        return AccumulatedPerDataShard(make_loss, grad_accum, mesh, rules, param_specs, once)
-    gathered = shd.named(mesh, gathered_specs(param_specs)) if once else None
-    return Accumulated(inner, grad_accum, param_shardings, gathered)
-

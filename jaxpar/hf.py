@@ -50,6 +50,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxpar.models.gpt import GPTConfig
+
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -67,8 +69,6 @@ def check_exportable(family: str, cfg: Any) -> None:
       family: the run's ``model.name`` (``""`` for a user's task).
       cfg: its typed model config.
     """
-    from jaxpar.models.gpt import GPTConfig
-
     if not isinstance(cfg, GPTConfig):
         what = f"model.name={family}" if family else "a user's task (--task)"
         raise ValueError(f"--format hf writes GPT-2's layout (GPT2LMHeadModel, a decoder-only "
@@ -279,6 +279,14 @@ def read_tensors(directory: str | Path) -> dict[str, np.ndarray]:
     for f in files:
         tensors |= load_file(str(f))
     return tensors
+
+
+def init_params_for(cfg: Any) -> Callable[[], dict[str, Any]] | None:
+    """The pretrained weights a run of model config ``cfg`` starts from
+    (``Task.init_params``): those of ``model.init_from``, for the GPT; None otherwise."""
+    if not isinstance(cfg, GPTConfig) or not cfg.init_from:
+        return None
+    return params_loader(cfg)  # checks config.json now, reads the weights later
 
 
 def params_loader(cfg: Any) -> Callable[[], dict[str, Any]]:

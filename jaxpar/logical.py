@@ -22,12 +22,27 @@ from collections.abc import Iterator, Mapping, Sequence
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxpar.errors import LayoutError
+
 Rules = Mapping[str, tuple[str, ...]]
 AxisNames = Sequence[str | tuple[str, ...] | None]
 
 _ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar(
     "jaxpar_activation_rules", default=None
 )
+
+
+def names_of(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    """The names one entry of a spec or of a dim's logical names holds: a ``None`` entry
+    none, a string itself, a tuple its members."""
+    if entry is None:
+        return ()
+    return entry if isinstance(entry, tuple) else (entry,)
+
+
+def spec_axes(spec: PartitionSpec | Sequence) -> tuple[str, ...]:
+    """Every mesh axis a ``PartitionSpec`` shards over, in order."""
+    return tuple(a for entry in spec for a in names_of(entry))
 
 
 def spec_for(
@@ -44,11 +59,11 @@ def spec_for(
       what: how to name the array in errors (a parameter path, an activation).
 
     Raises:
-      ValueError: naming ``what`` for an unmapped name, a rank mismatch, a mesh
+      LayoutError: naming ``what`` for an unmapped name, a rank mismatch, a mesh
         axis used twice, or a dim the mesh axes do not divide.
     """
     if len(names) != len(shape):
-        raise ValueError(
+        raise LayoutError(
             f"{what}: {len(names)} logical axes {tuple(names)} for an array of shape "
             f"{tuple(shape)}; give one name per dim"
         )
@@ -58,10 +73,10 @@ def spec_for(
             entries.append(None)
             continue
         # A dim may carry several logical names (Flax allows a tuple): their axes, in order.
-        group = entry if isinstance(entry, tuple) else (entry,)
+        group = names_of(entry)
         for name in group:
             if name not in rules:
-                raise ValueError(
+                raise LayoutError(
                     f"logical axis '{name}' of {what} (dim {dim}, shape {tuple(shape)}) has no "
                     f"rule; add one, e.g. rules.{name}=null to replicate it or rules.{name}=fsdp "
                     f"to shard it"
@@ -70,19 +85,19 @@ def spec_for(
         axes = tuple(a for n in group for a in rules[n])
         for axis in axes:
             if axis not in mesh.shape:
-                raise ValueError(
+                raise LayoutError(
                     f"rule for logical axis '{name}' names mesh axis '{axis}', which the mesh "
                     f"does not have (mesh axes: {', '.join(mesh.shape)})"
                 )
             if axis in used:
-                raise ValueError(
+                raise LayoutError(
                     f"{what}: mesh axis '{axis}' shards both '{used[axis]}' and '{name}'; "
                     f"change the rule for one of them"
                 )
             used[axis] = name
         ways = math.prod(mesh.shape[a] for a in axes)
         if size % ways:
-            raise ValueError(
+            raise LayoutError(
                 f"{what}: dim {dim} ('{name}', size {size}) of shape {tuple(shape)} is not "
                 f"divisible by mesh axes {axes} of size {ways}; change the mesh degrees, "
                 f"the model size, or the rule rules.{name}"

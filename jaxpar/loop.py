@@ -26,7 +26,6 @@ import optax
 from jaxpar import config as config_lib
 from jaxpar import resume as resume_lib
 from jaxpar import rundir
-from jaxpar import sharding as shd
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import Config
 from jaxpar.data import Loader
@@ -35,8 +34,8 @@ from jaxpar.mesh import describe_devices, describe_mesh, setup_devices
 from jaxpar.pipeline.chart import describe_pipeline
 from jaxpar.resume import Preempted, export_params
 from jaxpar.run import Run, build, evaluate, host_value
+from jaxpar.state import TrainState
 from jaxpar.task import Task
-from jaxpar.trainer import TrainState
 
 __all__ = ["DataWait", "History", "Preempted", "Run", "build", "evaluate", "export_params",
            "fit", "open_loader", "prepare_run_dir", "summarize", "train"]
@@ -204,12 +203,11 @@ def summarize(run: Run, history: History) -> str:
     """The final summary: steps, final loss and the last eval metrics, throughput (the median
     over the logged intervals after the first, which holds the compile; evaluation and
     checkpoint time left out and reported apart), per-device state bytes."""
-    trainer, rows = run.trainer, history.train_rows
+    rows = history.train_rows
     if not rows:
         return "no step was logged"
     last, evals = rows[-1], history.eval_rows
-    params = shd.bytes_per_device(trainer.abstract_params, trainer.state_shardings.params)
-    opt = shd.bytes_per_device(trainer.abstract_state.opt_state, trainer.state_shardings.opt_state)
+    state = run.plan.state_bytes()
     shown = "".join(f"  {k.replace('_', ' ')}: {v:.4f}" for k, v in (evals[-1] if evals else {})
                     .items() if k.startswith("eval_") and k != "eval_time_s")
     steady = rows[1:] or rows
@@ -222,7 +220,8 @@ def summarize(run: Run, history: History) -> str:
         f"throughput: {examples:,.1f} examples/s{tokens} (median of {len(steady)} logged "
         f"interval{'s' * (len(steady) != 1)}); first step logged after {rows[0]['time']:.1f} s "
         f"(compile included)" + (f"; not counted: {apart}" if apart else ""),
-        f"state per device: params {params / 2**20:.2f} MiB, optimizer {opt / 2**20:.2f} MiB",
+        f"state per device: params {state.params / 2**20:.2f} MiB, optimizer "
+        f"{state.opt_state / 2**20:.2f} MiB",
         f"skipped non-finite steps: {last['skipped']}",
     ]
     return "\n".join(lines)
@@ -276,11 +275,11 @@ def train(config: Config | None = None, *, task: Task | None = None,
         run = build(config, task, optimizer)
         say = print if echo and jax.process_index() == 0 else (lambda *a, **k: None)
         say(f"jaxpar: running on {describe_devices(run.devices)}; "
-            f"{describe_mesh(run.trainer.mesh)}", flush=True)
+            f"{describe_mesh(run.plan.mesh)}", flush=True)
         say(f"jaxpar: data {run.data.name}; model {run.name}; rules preset "
             f"{config.rules.preset}", flush=True)
-        if run.trainer.pipeline is not None:
-            say(f"jaxpar: {describe_pipeline(run.trainer.pipeline)}", flush=True)
+        if run.plan.pipeline is not None:
+            say(f"jaxpar: {describe_pipeline(run.plan.pipeline)}", flush=True)
         history = _resume_and_fit(run, hooks, say, echo)
     if history.rows:
         say(summarize(run, history), flush=True)

@@ -378,3 +378,11 @@ def make_optimizer(
         parts.append(optax.clip_by_global_norm(cfg.clip_norm))
     parts.append(_base_optimizer(cfg, schedule, mask))
     return optax.chain(*parts), schedule
+
+
+def injected_lr(opt_state: Any) -> jax.Array | None:
+    """The learning rate ``optax.inject_hyperparams`` recorded in ``opt_state`` (the one
+    the last update used), or None when there is not exactly one."""
+    found = [v for _, v in optax.tree_utils.tree_get_all_with_path(opt_state, "learning_rate")
+             if getattr(v, "shape", None) == ()]
+    return found[0] if len(found) == 1 else None

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import get_args
 
 import numpy as np
 
-from jaxpar import gradients, hlo
+from jaxpar import hlo
 from jaxpar import sharding as shd
-from jaxpar.config import CHOICES
+from jaxpar.plan import FsdpGather, Plan
+from jaxpar.plan.plan import gathers_weights
 from jaxpar.run import Run
-from jaxpar.trainer import Trainer
 
 
 @dataclass(frozen=True)
@@ -61,18 +62,14 @@ def _collective_bytes(compiled) -> dict[str, float]:
 def _gather_trade(run: Run, compiled, batch) -> tuple[GatherOption, ...]:
     """The step under both ``train.fsdp_gather`` settings (the run's first) when it
     accumulates over weights that FSDP gathers, outside a pipeline (which gathers once)."""
-    trainer = run.trainer
-    if (trainer.grad_accum == 1 or trainer.pipeline is not None
-            or not gradients.gathers_weights(trainer.param_specs)):
+    plan = run.plan
+    if plan.grad_accum == 1 or plan.pipeline is not None or not gathers_weights(plan.param_specs):
         return ()
-    mine = "once" if trainer.fsdp_gather_once else "per_microbatch"
-    other = next(s for s in CHOICES["train.fsdp_gather"] if s != mine)
+    mine = "once" if plan.fsdp_gather_once else "per_microbatch"
+    other = next(s for s in get_args(FsdpGather) if s != mine)
     with warnings.catch_warnings():  # the run's own warnings were given when it was built
         warnings.simplefilter("ignore")
-        alternative = Trainer(trainer.task, trainer.tx, trainer.mesh, trainer.rules,
-                              schedule=trainer.schedule, grad_accum=trainer.grad_accum,
-                              seed=trainer.seed, fsdp_gather=other,
-                              nonfinite_guard=trainer.nonfinite_guard).compile_step(batch)
+        alternative = run.trainer.with_plan(plan.replan(fsdp_gather=other)).compile_step(batch)
     return tuple(GatherOption(setting, int(c.memory_analysis().temp_size_in_bytes),
                               _collective_bytes(c))
                  for setting, c in ((mine, compiled), (other, alternative)))
@@ -81,16 +78,13 @@ def _gather_trade(run: Run, compiled, batch) -> tuple[GatherOption, ...]:
 def layout_totals(run: Run) -> Totals:
     """State bytes per device from the shardings; step bytes and collectives from the
     compiled program (and from the other ``train.fsdp_gather`` setting's, when it matters)."""
-    trainer = run.trainer
     batch = _example_batch(run)
-    compiled = trainer.compile_step(batch)
+    compiled = run.trainer.compile_step(batch)
     mem = compiled.memory_analysis()
-    opt_abstract, opt_shardings = trainer.abstract_state.opt_state, trainer.state_shardings.opt_state
+    state = run.plan.state_bytes()
     return Totals(
-        params_bytes=shd.bytes_per_device(trainer.abstract_params, trainer.state_shardings.params),
-        opt_state_bytes=shd.bytes_per_device(opt_abstract, opt_shardings),
-        params_total_bytes=shd.total_bytes(trainer.abstract_params),
-        opt_state_total_bytes=shd.total_bytes(opt_abstract),
+        params_bytes=state.params, opt_state_bytes=state.opt_state,
+        params_total_bytes=state.params_total, opt_state_total_bytes=state.opt_state_total,
         step_argument_bytes=int(mem.argument_size_in_bytes),
         step_output_bytes=int(mem.output_size_in_bytes),
         step_temp_bytes=int(mem.temp_size_in_bytes),
@@ -130,9 +124,9 @@ def _table(rows: list[shd.ParamRow], unnamed: set[str], head: str) -> list[str]:
     return lines
 
 
-def _opt_note(trainer: Trainer) -> list[str]:
+def _opt_note(plan: Plan) -> list[str]:
     """Which optimizer-state leaves are replicated because they are not parameter-shaped."""
-    leaves = trainer.opt_replicated
+    leaves = plan.opt_replicated
     if not leaves:
         return []
     shown = ", ".join(f"{path} {'×'.join(map(str, shape))}" for path, shape in leaves[:8])
@@ -141,7 +135,7 @@ def _opt_note(trainer: Trainer) -> list[str]:
             f"replicated on every device: {shown}{more}"]
 
 
-def _gather_lines(trainer: Trainer, options: tuple[GatherOption, ...]) -> list[str]:
+def _gather_lines(plan: Plan, options: tuple[GatherOption, ...]) -> list[str]:
     """The memory/communication trade of ``train.fsdp_gather``, one row per setting."""
     if not options:
         return []
@@ -151,7 +145,7 @@ def _gather_lines(trainer: Trainer, options: tuple[GatherOption, ...]) -> list[s
               *(_fmt_bytes(int(o.collective_bytes.get(k, 0))) for k in kinds))
              for i, o in enumerate(options)]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["", f"FSDP weight gathers with train.grad_accum={trainer.grad_accum} "
+    return ["", f"FSDP weight gathers with train.grad_accum={plan.grad_accum} "
                 "(per_microbatch: gathered in every microbatch, least memory; once: gathered "
                 "once per step and kept):",
             *("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)]
@@ -160,19 +154,19 @@ def _gather_lines(trainer: Trainer, options: tuple[GatherOption, ...]) -> list[s
 def format_report(run: Run, totals: Totals) -> str:
     """The ``jaxpar inspect`` text: one row per parameter (and per variable of the model's
     other state), then per-device totals and what is replicated."""
-    trainer = run.trainer
-    unnamed = set(trainer.model.unnamed)
-    rows = shd.param_rows(trainer.abstract_params, trainer.axes, trainer.state_shardings.params)
+    plan = run.plan
+    model, shardings = plan.model, plan.state_shardings
+    unnamed = set(model.unnamed)
+    rows = shd.param_rows(model.params, model.param_axes, shardings.params)
     lines = _table(rows, unnamed, "parameter")
-    if trainer.stateful:
-        state_rows = shd.param_rows(trainer.model.state, trainer.model.state_axes,
-                                    trainer.state_shardings.model_state)
+    if model.stateful:
+        state_rows = shd.param_rows(model.state, model.state_axes, shardings.model_state)
         lines += ["", *_table(state_rows, set(), "model state (" + ", ".join(
-            trainer.model.state_kinds) + ")")]
-    n_dev = trainer.mesh.devices.size
+            model.state_kinds) + ")")]
     lines += [
         "",
-        f"devices: {n_dev}  mesh: " + " ".join(f"{k}={v}" for k, v in trainer.mesh.shape.items()),
+        f"devices: {plan.mesh.devices.size}  mesh: "
+        + " ".join(f"{k}={v}" for k, v in plan.mesh.shape.items()),
         f"params per device:           {_fmt_bytes(totals.params_bytes)}"
         f"  (total {_fmt_bytes(totals.params_total_bytes)})",
         f"optimizer state per device:  {_fmt_bytes(totals.opt_state_bytes)}"
@@ -184,8 +178,8 @@ def format_report(run: Run, totals: Totals) -> str:
         lines.append("collectives per step per device (compiled, wire bytes): " + (", ".join(
             f"{kind} {_fmt_bytes(int(n))}" for kind, n in totals.collective_bytes.items())
             or "none"))
-    lines += _gather_lines(trainer, totals.fsdp_gather)
+    lines += _gather_lines(plan, totals.fsdp_gather)
     if unnamed:
         lines.append(f"note: {len(unnamed)} parameters carry no logical axes and are replicated "
                      "(annotate them with nnx.with_partitioning to shard them)")
-    return "\n".join(lines + _opt_note(trainer))
+    return "\n".join(lines + _opt_note(plan))

@@ -27,7 +27,7 @@ from jaxpar import sharding as shd
 from jaxpar.checkpoint import Checkpointer, CorruptCheckpoint
 from jaxpar.config import Config
 from jaxpar.run import Run, build, eval_metric_names, host_value, to_host
-from jaxpar.trainer import TrainState
+from jaxpar.state import TrainState
 
 
 class Preempted(Exception):
@@ -127,7 +127,7 @@ def open_checkpoints(run: Run) -> Checkpointer:
     if cfg.keep_best and cfg.best_metric not in (names := eval_metric_names(run)):
         raise ValueError(f"checkpoint.best_metric={cfg.best_metric} is not an evaluation "
                          f"metric of {run.name}; use one of {', '.join(names)}")
-    return Checkpointer(checkpoint_dir(run.config), run.trainer, keep=cfg.keep,
+    return Checkpointer(checkpoint_dir(run.config), run.plan, keep=cfg.keep,
                         async_save=cfg.async_save, keep_best=cfg.keep_best,
                         best_metric=cfg.best_metric, best_mode=cfg.best_mode,
                         verify=cfg.verify)
@@ -172,7 +172,7 @@ def resume(config: Config, run: Run, ckpt: Checkpointer
         path = Path(how)
         if not path.exists():
             raise ValueError(f"checkpoint.resume={how}: no such checkpoint directory")
-        source = Checkpointer(path.parent if path.name.isdigit() else path, run.trainer,
+        source = Checkpointer(path.parent if path.name.isdigit() else path, run.plan,
                               keep=config.checkpoint.keep, verify=config.checkpoint.verify)
         try:
             state, meta = _restore_named(
@@ -247,7 +247,7 @@ def restore_state(run: Run, step: int | None, command: str) -> TrainState:
         not fit the model.
     """
     config = run.config
-    ckpt = Checkpointer(checkpoint_dir(config), run.trainer, verify=config.checkpoint.verify)
+    ckpt = Checkpointer(checkpoint_dir(config), run.plan, verify=config.checkpoint.verify)
     try:
         state, _ = _restore_named(ckpt, step, command + (
             f" --step {step}" if step is not None else ""))

@@ -7,6 +7,7 @@ the held-out metrics of a run's parameters.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,7 @@ import numpy as np
 import optax
 
 from jaxpar import config as config_lib
+from jaxpar import hf
 from jaxpar import sharding as shd
 from jaxpar.config import Config
 from jaxpar.data import Data, load_data
@@ -23,13 +25,10 @@ from jaxpar.data.task_data import task_data
 from jaxpar.mesh import make_mesh, select_devices
 from jaxpar.models.family import Family
 from jaxpar.optim import decay_mask, make_optimizer
+from jaxpar.plan import Plan, abstract_model, global_batch_shapes, make_plan
+from jaxpar.state import TrainState
 from jaxpar.task import Task
-from jaxpar.trainer import (
-    Trainer,
-    TrainState,
-    abstract_params_and_axes,
-    global_batch_shapes,
-)
+from jaxpar.trainer import Trainer
 
 
 @dataclass
@@ -37,6 +36,7 @@ class Run:
     """Everything :func:`build` assembles from a config (and a user's task)."""
 
     config: Config
+    plan: Plan
     trainer: Trainer
     data: Any
     devices: list[jax.Device]
@@ -46,7 +46,7 @@ class Run:
     @property
     def name(self) -> str:
         """The task's name, for messages (``gpt``, or a user task's name)."""
-        return self.trainer.task.name or "task"
+        return self.plan.task.name or "task"
 
 
 def build(config: Config, task: Task | None = None,
@@ -71,19 +71,23 @@ def build(config: Config, task: Task | None = None,
         family, model = config.model.family, config.model.typed
         data = load_data(config.data, family.needs(model), config.run.seed)
         task = family.task(model, data)
+        init_params = hf.init_params_for(model)  # model.init_from: Hugging Face weights
+        if init_params is not None:
+            task = dataclasses.replace(task, init_params=init_params)
     else:
         data = task_data(task, config.run.seed) or _config_data(config, task)
     tx, schedule = optimizer or task.optimizer, None
     if tx is None:
-        mask = decay_mask(*abstract_params_and_axes(task, config.run.seed))
+        model = abstract_model(task)
+        mask = decay_mask(model.params, model.param_axes)
         tx, schedule = make_optimizer(config.optim, config.train.steps, mask)
-    trainer = Trainer(task, tx, mesh, rules, schedule=schedule,
-                      grad_accum=config.train.grad_accum, seed=config.run.seed,
-                      pipeline=config.pipeline, fsdp_gather=config.train.fsdp_gather,
-                      nonfinite_guard=config.train.nonfinite_guard)
+    plan = make_plan(task, tx, mesh, rules, grad_accum=config.train.grad_accum,
+                     pipeline=config.pipeline, fsdp_gather=config.train.fsdp_gather)
     # the global batch must split over microbatches × batch devices: say so before training
-    trainer.batch_shardings(global_batch_shapes(data.batch(0, config.train.batch_size)))
-    return Run(config, trainer, data, devices, family)
+    plan.batch_shardings(global_batch_shapes(data.batch(0, config.train.batch_size)))
+    trainer = Trainer(plan, schedule=schedule, seed=config.run.seed,
+                      nonfinite_guard=config.train.nonfinite_guard)
+    return Run(config, plan, trainer, data, devices, family)
 
 
 def _config_data(config: Config, task: Task) -> Data:
@@ -143,5 +147,5 @@ def eval_metric_names(run: Run) -> list[str]:
     batch = run.data.batch(0, run.config.train.batch_size, "eval")
     abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
     trainer = run.trainer
-    shapes = jax.eval_shape(trainer.evaluate, trainer.abstract_state, abstract)
+    shapes = jax.eval_shape(trainer.evaluate, run.plan.abstract_state, abstract)
     return sorted(f"eval_{k}" for k in shapes)

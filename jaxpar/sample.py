@@ -147,8 +147,8 @@ def _check_settings(tokens: int, temperature: float, top_k: int, samples: int) -
 
 def _abstract_model(run: Run) -> nnx.Module:
     """The run's model with shapes for arrays (what it can do, not its values)."""
-    trainer = run.trainer
-    return nnx.merge(trainer.graphdef, trainer.abstract_params, trainer.model.state)
+    model = run.plan.model
+    return nnx.merge(model.graphdef, model.params, model.state)
 
 
 def _encode(tokenizer: Any, prompt: str, vocab: int, max_len: int, model: str) -> np.ndarray:
@@ -191,11 +191,11 @@ class Generator:
     """
 
     def __init__(self, run: Run, vocab_limit: int | None = None):
-        trainer = run.trainer
-        self.graphdef, self.mesh, self.rules = trainer.graphdef, trainer.mesh, trainer.rules
+        plan = run.plan
+        self.graphdef, self.mesh, self.rules = plan.model.graphdef, plan.mesh, plan.rules
         self.vocab_limit = vocab_limit
         self.max_len = _abstract_model(run).cfg.max_seq_len
-        shardings = trainer.state_shardings
+        shardings = plan.state_shardings
         self._prefill = jax.jit(self._prefill_fn,
                                 in_shardings=(shardings.params, shardings.model_state, None))
         self._decode = jax.jit(self._decode_fn, in_shardings=(

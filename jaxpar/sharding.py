@@ -17,10 +17,9 @@ auto      = fsdp_tp: every axis has a rule, so any mesh degrees work
 
 from __future__ import annotations
 
-import difflib
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +30,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpar.config import RulesConfig
+from jaxpar.errors import TaskError
 from jaxpar.logical import Rules, spec_for
 from jaxpar.mesh import MESH_AXES
 
@@ -229,68 +229,6 @@ def named(mesh: Mesh, specs: Any) -> Any:
     )
 
 
-def check_rule_names(rules: Rules, used: set[str]) -> None:
-    """Every rule must name a logical axis that a preset or the model knows.
-
-    Raises:
-      ValueError: for a rule that matches nothing (a typo such as ``rules.mpl``),
-        naming the closest logical name.
-    """
-    known = set(used).union(*PRESETS.values())
-    for name in rules:
-        if name not in known:
-            match = difflib.get_close_matches(name, sorted(known), n=1)
-            hint = f"did you mean 'rules.{match[0]}'? " if match else ""
-            raise ValueError(
-                f"rule 'rules.{name}' names no logical axis of this model or of any preset; "
-                f"{hint}logical axes: {', '.join(sorted(known))}"
-            )
-
-
-def check_batch_sharded(mesh: Mesh, batch_specs: Mapping[str, PartitionSpec]) -> None:
-    """The data-parallel axes (``data``, ``fsdp``) must split the batch.
-
-    Raises:
-      ValueError: when such an axis is larger than 1 but some batch entry is not
-        split over it — those devices would compute the same examples.
-    """
-    for key, spec in batch_specs.items():
-        first = spec[0] if len(spec) else None
-        axes = set(first if isinstance(first, tuple) else (first,))
-        for axis in ("data", "fsdp"):
-            if mesh.shape[axis] > 1 and axis not in axes:
-                raise ValueError(
-                    f"batch '{key}' is not split over mesh axis '{axis}' (size {mesh.shape[axis]}), "
-                    f"so those devices would all compute the same examples; add it to the batch "
-                    f"rule, e.g. rules.batch=data,fsdp"
-                )
-
-
-def check_axes_used(mesh: Mesh, specs: list[Any]) -> None:
-    """Every mesh axis larger than 1 must shard something.
-
-    Raises:
-      ValueError: naming an axis no rule uses: its devices would all hold the
-        same data and do the same work.
-    """
-    used = set()
-    for tree in specs:
-        for spec in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, PartitionSpec)):
-            for entry in spec:
-                used.update(entry if isinstance(entry, tuple) else (entry,))
-    for axis, size in mesh.shape.items():
-        if size > 1 and axis not in used:
-            hint = (
-                "pipeline stages split the stacked layers: set rules.layers=stage, or "
-                "mesh.stage=1" if axis == "stage"
-                else f"map a logical axis onto it (e.g. rules.batch=data,{axis}) or set mesh.{axis}=1"
-            )
-            raise ValueError(
-                f"mesh axis '{axis}' has size {size} but no rule shards anything over it, so its "
-                f"devices would duplicate all work; {hint}"
-            )
-
-
 def itemsize(dtype: Any) -> int:
     """Bytes per element, also of typed PRNG keys (stored as their key data)."""
     if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
@@ -338,3 +276,27 @@ def param_rows(abstract_params: Any, axes: Any, shardings: Any) -> list[ParamRow
             )
         )
     return rows
+
+
+def place_params(host: Any, abstract: Any, shardings: Any) -> Any:
+    """Host (numpy) parameters as global arrays with ``shardings``: each process copies
+    only the slices its devices hold (``jax.make_array_from_callback``).
+
+    Raises:
+      TaskError: naming each parameter that is missing, extra or of another shape.
+    """
+    given = {path_str(p): x for p, x in jax.tree_util.tree_leaves_with_path(host)}
+    wanted = {path_str(p): a for p, a in jax.tree_util.tree_leaves_with_path(abstract)}
+    problems = [f"{k} missing" for k in wanted if k not in given]
+    problems += [f"{k} is not a parameter of the model" for k in given if k not in wanted]
+    problems += [f"{k} has shape {tuple(np.shape(given[k]))}, the model's is {a.shape}"
+                 for k, a in wanted.items() if k in given and np.shape(given[k]) != a.shape]
+    if problems:
+        raise TaskError("the initial parameters do not fit the model: " + "; ".join(problems))
+
+    def place(path: Any, a: jax.ShapeDtypeStruct, sharding: NamedSharding) -> jax.Array:
+        x = given[path_str(path)]
+        return jax.make_array_from_callback(
+            a.shape, sharding, lambda index: np.asarray(x[index], dtype=a.dtype))
+
+    return jax.tree_util.tree_map_with_path(place, abstract, shardings)

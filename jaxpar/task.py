@@ -1,8 +1,10 @@
 """What to train: a model constructor, a loss, and the logical axes of a batch.
 
-A :class:`Task` is all jaxpar needs to train any Flax NNX module: the built-in
-GPT and classifiers are Tasks (``jaxpar/builtin_tasks.py``), and so is a user's
-own model (see ``examples/research_cnn.py``).
+A :class:`Task` is all jaxpar needs to train any Flax NNX module: each built-in model
+family builds one (``jaxpar/models/``: e.g. ``jaxpar.models.gpt.task(GPTConfig(),
+seq_len=128)``), and so is a user's own model (see ``examples/research_cnn.py``).
+:class:`StageSplit` says how a model cuts into pipeline stages; :class:`DataNeeds`
+what a model family takes from the config's ``data`` section.
 """
 
 from __future__ import annotations
@@ -109,6 +111,20 @@ class Task:
     optimizer: optax.GradientTransformation | None = None
     name: str = ""
     init_params: Callable[[], Any] | None = None
+
+
+@dataclass(frozen=True)
+class DataNeeds:
+    """What a model takes from the config's data: ``text`` (batches ``{"tokens": [B,
+    T+1]}``) or ``images`` (``{"images": [B, H, W, C], "labels": [B]}``), and the sizes
+    the data must fit (None: not checked)."""
+
+    kind: str
+    vocab_size: int | None = None
+    num_classes: int | None = None
+    #: text examples also carry ``index``, their window's position in the split (a stable
+    #: id: per-example randomness keyed by it does not depend on how a batch is sharded)
+    example_ids: bool = False
 
 
 def split_microbatches(x: jax.Array, k: int) -> jax.Array:

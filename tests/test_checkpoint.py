@@ -41,7 +41,7 @@ def losses(run_dir: Path) -> list[tuple[int, float]]:
 
 def final_arrays(run_dir: Path, layout: list[str]) -> list[np.ndarray]:
     run = build(load_config([], [*RESUMABLE, *layout, "train.steps=8"]))
-    ckpt = Checkpointer(run_dir / "checkpoints", run.trainer)
+    ckpt = Checkpointer(run_dir / "checkpoints", run.plan)
     state, meta = ckpt.restore()
     ckpt.close()
     assert meta["step"] == 8 and int(state.step) == 8
@@ -69,7 +69,7 @@ def saved_run(tmp_path):
     run = build(load_config([], [*GPT_SMALL, "mesh.data=1", "mesh.fsdp=8"]))
     state = run.trainer.init()
     state, _ = run.trainer.step(state, run.trainer.shard_batch(run.data.batch(0, 16)))
-    ckpt = Checkpointer(tmp_path / "ckpt", run.trainer)
+    ckpt = Checkpointer(tmp_path / "ckpt", run.plan)
     ckpt.save(1, state, {"step": 1})
     ckpt.close()
     return [np.asarray(x) for x in jax.tree.leaves(state)]
@@ -82,12 +82,12 @@ def test_restore_onto_another_layout(tmp_path, layout, devices):
     new shardings, and training goes on."""
     saved = saved_run(tmp_path)
     run = build(load_config([], [*GPT_SMALL, *layout, f"run.devices={devices}"]))
-    ckpt = Checkpointer(tmp_path / "ckpt", run.trainer)
+    ckpt = Checkpointer(tmp_path / "ckpt", run.plan)
     state, _ = ckpt.restore()
     for a, b in zip(saved, jax.tree.leaves(state)):
         np.testing.assert_array_equal(a, np.asarray(b))
     w_in = state.params["blocks"]["w_in"]
-    assert w_in.sharding == run.trainer.state_shardings.params["blocks"]["w_in"]
+    assert w_in.sharding == run.plan.state_shardings.params["blocks"]["w_in"]
     assert len(w_in.sharding.device_set) == devices
     state, metrics = run.trainer.step(state, run.trainer.shard_batch(run.data.batch(1, 16)))
     assert int(state.step) == 2 and np.isfinite(float(metrics["loss"]))
@@ -97,7 +97,7 @@ def test_incompatible_checkpoint_lists_every_mismatch(tmp_path):
     saved_run(tmp_path)
     run = build(load_config([], [*GPT_SMALL, "model.d_ff=128", "model.tie_embeddings=true"]))
     with pytest.raises(ValueError) as err:
-        Checkpointer(tmp_path / "ckpt", run.trainer).restore()
+        Checkpointer(tmp_path / "ckpt", run.plan).restore()
     text = str(err.value)
     assert "does not fit this model/optimizer" in text
     assert "params/blocks/w_in: checkpoint ((2, 32, 64), 'float32'), model ((2, 32, 128)" in text
@@ -138,7 +138,7 @@ def test_sigterm_checkpoints_the_current_step_and_resume_continues(tmp_path):
     step = int(err.split("checkpoint of step ")[1].split()[0])
     assert step >= 3
     run = build(load_config([], [*RESUMABLE, "train.steps=100000"]))
-    ckpt = Checkpointer(run_dir / "checkpoints", run.trainer)
+    ckpt = Checkpointer(run_dir / "checkpoints", run.plan)
     assert ckpt.latest_step() == step
     ckpt.close()
     train_process(run_dir, step + 3)  # resume=auto, 3 more steps
@@ -172,7 +172,7 @@ def test_checkpoint_reads_with_plain_orbax_and_exports(tmp_path):
                    cwd=tmp_path, env=child_env(None), capture_output=True)
     plain = np.load(tmp_path / "plain.npz")
     run = build(load_config([], [*GPT_SMALL, "mesh.data=1", "mesh.fsdp=8"]))
-    names = [p for p, _ in jax.tree_util.tree_leaves_with_path(run.trainer.abstract_state)]
+    names = [p for p, _ in jax.tree_util.tree_leaves_with_path(run.plan.abstract_state)]
     w_in = saved[[jax.tree_util.keystr(p) for p in names].index(".params['blocks']['w_in']")]
     np.testing.assert_array_equal(plain["w_in"], w_in)
     assert int(plain["step"]) == 1
@@ -182,7 +182,7 @@ def test_checkpoint_reads_with_plain_orbax_and_exports(tmp_path):
     exported = np.load(out)
     np.testing.assert_array_equal(exported["blocks/w_in"], w_in)
     expected = {path_str(p) for p, _ in
-                jax.tree_util.tree_leaves_with_path(run.trainer.abstract_params)}
+                jax.tree_util.tree_leaves_with_path(run.plan.model.params)}
     assert set(exported.files) == expected and "blocks/w_in" in expected
 
 
@@ -213,7 +213,7 @@ def test_sigkill_during_a_save_leaves_nothing_resume_would_pick(tmp_path):
         pytest.fail(f"no save was in flight at any of 5 kills (last: {names})")
     complete = sorted(int(n) for n in names if n.isdigit())
     run = build(load_config([], [*RESUMABLE, *big, "train.steps=100000"]))
-    ckpt = Checkpointer(run_dir / "checkpoints", run.trainer)
+    ckpt = Checkpointer(run_dir / "checkpoints", run.plan)
     assert ckpt.steps() == complete and ckpt.latest_step() == complete[-1]
     ckpt.close()
     last = complete[-1]

@@ -32,7 +32,7 @@ def reference(model):
 def test_layout_matches_single_device(model, layout):
     ref_losses, ref_params, _ = reference(model)
     losses, params, run = run_steps([*MODELS[model], *LAYOUTS[layout]])
-    assert run.trainer.mesh.devices.size == 8
+    assert run.plan.mesh.devices.size == 8
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     moved = [np.abs(a - b).max() for a, b in zip(jax.tree.leaves(params),
                                                   jax.tree.leaves(run.init_params))]

@@ -61,7 +61,7 @@ def test_resnet_layouts_match_one_device(layout):
     np.testing.assert_allclose(losses, ref[0], rtol=1e-5)
     assert_params_close(params, ref[1])
     assert_params_close(stats, ref[2])
-    assert run.trainer.model.state_kinds == ("BatchStat",)
+    assert run.plan.model.state_kinds == ("BatchStat",)
     moved = [np.abs(s).max() for s in jax.tree.leaves(stats) if s.ndim]
     assert min(moved) > 0  # every BatchNorm's running statistics were updated
 
@@ -73,17 +73,17 @@ def test_resnet_splits_convolutions_by_channel_and_matches_the_lab():
     from jaxpar.lab import hardware, sweep
 
     run = build(load_config([], [*RESNET, *LAYOUTS["data=4,tensor=2"]]))
-    sh = run.trainer.state_shardings.params
+    sh = run.plan.state_shardings.params
     halves = 0
-    for stage in run.trainer.abstract_params["stages"].values():
+    for stage in run.plan.model.params["stages"].values():
         for block_key in ("first", "rest"):
             if block_key not in stage:
                 continue
             block, specs = stage[block_key], None
             for conv, dim in (("conv1", -1), ("conv2", -2)):
                 shape = block[conv]["kernel"].shape
-                sharding = sh["stages"][list(run.trainer.abstract_params["stages"]).index(
-                    next(k for k, v in run.trainer.abstract_params["stages"].items()
+                sharding = sh["stages"][list(run.plan.model.params["stages"]).index(
+                    next(k for k, v in run.plan.model.params["stages"].items()
                          if v is stage))]
                 sharding = sharding[block_key][conv]["kernel"]
                 shard = sharding.shard_shape(shape)
@@ -162,11 +162,11 @@ def test_family_counts_match_the_compiled_program(name):
     """A family's parameter count equals the model's; its FLOPs per example times the
     examples a device computes equal the compiled step's matmul/convolution FLOPs (2%)."""
     from jaxpar import hlo
-    from jaxpar.trainer import global_batch_shapes
+    from jaxpar.plan import global_batch_shapes
 
     run = build(load_config([], [*FAMILY_RUNS[name], "mesh.data=8"]))
     counts = run.family.counts(run.config.model.typed, run.data)
-    assert counts.params == sum(x.size for x in jax.tree.leaves(run.trainer.abstract_params))
+    assert counts.params == sum(x.size for x in jax.tree.leaves(run.plan.model.params))
     batch = global_batch_shapes(run.data.batch(0, run.config.train.batch_size))
     flops = hlo.program_cost(run.trainer.compile_step(batch).as_text()).flops
     per_device = run.config.train.batch_size // 8
@@ -274,7 +274,7 @@ def test_plan_memory_of_the_seeds_models(config, per_param):
                             ["run.devices=2", "mesh.data=2"]))
     counts = run.family.counts(run.config.model.typed, run.data)
     batch = run.data.batch(0, run.config.train.batch_size)
-    expected = (4 * per_param * counts.params + total_bytes(run.trainer.model.state)
+    expected = (4 * per_param * counts.params + total_bytes(run.plan.model.state)
                 + sum(v.nbytes for v in batch.values()) // 2)
     assert row.mem_args_bytes == pytest.approx(expected, rel=0.01)
     assert row.mem_total_bytes >= row.mem_args_bytes + row.mem_temp_bytes

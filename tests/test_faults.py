@@ -167,7 +167,7 @@ def test_each_damage_is_named_by_step_path_and_file(trained, trainer, tmp_path, 
     damage, reason = DAMAGE[kind]
     shutil.copytree(trained / "checkpoints", tmp_path / "ckpt")
     path = damage(tmp_path / "ckpt" / "8")
-    ckpt = Checkpointer(tmp_path / "ckpt", trainer)
+    ckpt = Checkpointer(tmp_path / "ckpt", trainer.plan)
     try:
         with pytest.raises(CorruptCheckpoint) as err:
             ckpt.restore(8)
@@ -188,7 +188,7 @@ def test_verification_reads_each_file_once_and_a_missing_record_warns(trained, t
     page cache); a checkpoint without a record (an older jaxpar's) restores with a
     warning; a damaged record fails."""
     shutil.copytree(trained / "checkpoints", tmp_path / "ckpt")
-    ckpt = Checkpointer(tmp_path / "ckpt", trainer)
+    ckpt = Checkpointer(tmp_path / "ckpt", trainer.plan)
     try:
         ckpt.restore(8)
         record = json.loads((tmp_path / "ckpt" / "8" / "jaxpar_integrity.json").read_text())
@@ -209,7 +209,7 @@ def test_non_finite_values_in_a_checkpoint_fail_verification(trainer, tmp_path):
     state = trainer.init()
     bad = jax.tree.map(lambda x: x, state.params)
     bad["blocks"]["w_in"] = bad["blocks"]["w_in"].at[0, 0, 0].set(np.inf)
-    ckpt = Checkpointer(tmp_path / "ckpt", trainer)
+    ckpt = Checkpointer(tmp_path / "ckpt", trainer.plan)
     try:
         ckpt.save(1, dataclasses.replace(state, params=bad), {"step": 1})
         ckpt.wait()

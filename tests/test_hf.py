@@ -69,12 +69,12 @@ def gpt2_logits(tensors: dict, config: dict, tokens: np.ndarray) -> np.ndarray:
 
 def jaxpar_logits(run, params, tokens: np.ndarray) -> np.ndarray:
     """The run's model on ``tokens`` with ``params``, on the run's mesh and rules."""
-    trainer = run.trainer
+    plan = run.plan
 
     @jax.jit
     def forward(params, tokens):
-        with activation_rules(trainer.mesh, trainer.rules):
-            return nnx.merge(trainer.graphdef, params, {})(tokens)
+        with activation_rules(plan.mesh, plan.rules):
+            return nnx.merge(plan.model.graphdef, params, {})(tokens)
 
     return np.asarray(forward(params, tokens))
 
@@ -146,14 +146,14 @@ def test_init_from_export_on_another_layout(exported, tmp_path, capsys):
     cfg = load_config([], [*GPT2, *MIXED, f"model.init_from={exported['hf']}"])
     run = build(cfg)
     counts = run.family.counts(run.config.model.typed, run.data)
-    assert counts.params == sum(x.size for x in jax.tree.leaves(run.trainer.abstract_params))
+    assert counts.params == sum(x.size for x in jax.tree.leaves(run.plan.model.params))
     state = run.trainer.init()
     flat = {"/".join(str(k.key) for k in path): leaf
             for path, leaf in jax.tree_util.tree_leaves_with_path(state.params)}
     assert flat.keys() == exported["params"].keys()
     for key, value in flat.items():
         np.testing.assert_array_equal(np.asarray(value), exported["params"][key], err_msg=key)
-    shardings = jax.tree.leaves(run.trainer.state_shardings.params)
+    shardings = jax.tree.leaves(run.plan.state_shardings.params)
     assert [x.sharding for x in jax.tree.leaves(state.params)] == shardings
     assert int(state.step) == 0
     assert all(not np.asarray(x).any() for x in jax.tree.leaves(state.opt_state)

@@ -27,16 +27,16 @@ def test_init_program_never_holds_a_whole_parameter():
     """Per device, the compiled init program's outputs and temporaries together stay far
     below the whole state: random values are generated shard by shard."""
     run = build(load_config(["configs/gpt_tiny.yaml"], ["mesh.data=1", "mesh.fsdp=8"]))
-    trainer = run.trainer
-    whole = shd.total_bytes(trainer.abstract_state)
-    per_device = shd.bytes_per_device(trainer.abstract_state, trainer.state_shardings)
+    trainer, plan = run.trainer, run.plan
+    whole = shd.total_bytes(plan.abstract_state)
+    per_device = shd.bytes_per_device(plan.abstract_state, plan.state_shardings)
     mem = trainer.compile_init().memory_analysis()
     assert per_device <= mem.output_size_in_bytes <= per_device + 1024  # + tuple tables
-    biggest = max(math.prod(x.shape) * 4 for x in jax.tree.leaves(trainer.abstract_params))
+    biggest = max(math.prod(x.shape) * 4 for x in jax.tree.leaves(plan.model.params))
     assert mem.temp_size_in_bytes < biggest, "a whole parameter was materialized"
     assert per_device < 0.15 * whole
     state = trainer.init()
-    device0 = trainer.mesh.devices.flat[0]
+    device0 = plan.mesh.devices.flat[0]
     on_device0 = sum(s.data.nbytes for x in jax.tree.leaves(state)
                      for s in x.addressable_shards if s.device == device0)
     assert on_device0 == per_device

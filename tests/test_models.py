@@ -223,7 +223,7 @@ def test_attention_key_reaches_the_model():
     from jaxpar.run import build
 
     run = build(load_config(["configs/gpt_tiny.yaml"], ["model.attention=xla"]))
-    assert nnx.eval_shape(lambda: run.trainer.task.model_fn(nnx.Rngs(0))).attention_impl == "xla"
+    assert nnx.eval_shape(lambda: run.plan.task.model_fn(nnx.Rngs(0))).attention_impl == "xla"
     with pytest.raises(ValueError, match="model.attention=cudnn needs an NVIDIA GPU"):
         build(load_config(["configs/gpt_tiny.yaml"], ["model.attention=cudnn"]))
     with pytest.raises(ValueError, match="'model.attention' must be one of auto, xla, cudnn"):

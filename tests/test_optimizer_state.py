@@ -56,12 +56,12 @@ def _param_of(opt_path, params):
 def check_leaf_by_leaf(run):
     """Every optimizer-state leaf has its parameter's sharding when it has its parameter's
     shape, and is replicated otherwise. Returns (sharded, replicated) leaf counts."""
-    trainer = run.trainer
-    params, param_sh = trainer.abstract_params, trainer.state_shardings.params
+    trainer, plan = run.trainer, run.plan
+    params, param_sh = plan.model.params, plan.state_shardings.params
     specs = {path_str(p): s.spec for p, s in jax.tree_util.tree_leaves_with_path(param_sh)}
     sharded = replicated = 0
-    leaves = jax.tree_util.tree_leaves_with_path(trainer.abstract_state.opt_state)
-    for (path, leaf), sharding in zip(leaves, jax.tree.leaves(trainer.state_shardings.opt_state)):
+    leaves = jax.tree_util.tree_leaves_with_path(plan.abstract_state.opt_state)
+    for (path, leaf), sharding in zip(leaves, jax.tree.leaves(plan.state_shardings.opt_state)):
         name, param = _param_of(path, params)
         where = path_str(path)
         if param is not None and leaf.shape == param.shape:
@@ -72,7 +72,7 @@ def check_leaf_by_leaf(run):
             replicated += 1
     state = trainer.init()  # and the state really is born with those shardings
     for leaf, sharding in zip(jax.tree.leaves(state.opt_state),
-                              jax.tree.leaves(trainer.state_shardings.opt_state)):
+                              jax.tree.leaves(plan.state_shardings.opt_state)):
         assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
     return sharded, replicated
 
@@ -82,14 +82,14 @@ def test_builtin_optimizers_state_follows_parameters(name, moments):
     """gpt_tiny's dims (128, 512) are large enough for Adafactor to factor its second
     moments (it factors dims ≥ 128)."""
     run = build(load_config(["configs/gpt_tiny.yaml"], [*LAYOUT[:3], f"optim.name={name}"]))
-    n_params = len(jax.tree.leaves(run.trainer.abstract_params))
+    n_params = len(jax.tree.leaves(run.plan.model.params))
     sharded, replicated = check_leaf_by_leaf(run)
     if moments:
-        assert sharded == moments * n_params and run.trainer.opt_replicated == []
+        assert sharded == moments * n_params and run.plan.opt_replicated == []
     else:  # Adafactor: factored rows/columns are not parameter-shaped → replicated, noted
-        assert sharded >= 1 and run.trainer.opt_replicated
+        assert sharded >= 1 and run.plan.opt_replicated
         assert all("v_row" in p or "v_col" in p or "v" in p.split("/")
-                   for p, _ in run.trainer.opt_replicated)
+                   for p, _ in run.plan.opt_replicated)
 
 
 def test_user_chain_with_masked_and_multisteps():
@@ -106,7 +106,7 @@ def test_user_chain_with_masked_and_multisteps():
     sharded, _ = check_leaf_by_leaf(run)
     # acc_grads (3) + adamw mu, nu (2 × 2 matrices) + sgd trace (1 vector)
     assert sharded == 3 + 4 + 1
-    mu = run.trainer.state_shardings.opt_state.inner_opt_state[1].inner_state[0].mu
+    mu = run.plan.state_shardings.opt_state.inner_opt_state[1].inner_state[0].mu
     assert mu["a"].spec == P("fsdp", "tensor") and mu["b"].spec == P("tensor", "fsdp")
     state = run.trainer.init()
     losses = []

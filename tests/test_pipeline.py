@@ -51,14 +51,14 @@ def reference(layers, extra=()):
 
 def sgd_steps(run, init, batches, fill=None):
     """Per-step (loss, grads) and final params of SGD from ``init`` over ``batches``."""
-    trainer = run.trainer
+    trainer, plan = run.trainer, run.plan
     grads_fn = trainer.grads if fill is None else jax.jit(
-        lambda p, b: pipeline_grads(trainer.task.stages, trainer.graphdef, p, b,
-                                    table=trainer.pipeline, mesh=trainer.mesh,
-                                    rules=trainer.rules, bubble_value=fill))
+        lambda p, b: pipeline_grads(plan.task.stages, plan.model.graphdef, p, b,
+                                    table=plan.pipeline, mesh=plan.mesh,
+                                    rules=plan.rules, bubble_value=fill))
     params, history = init, []
     for batch in batches:
-        sharded = jax.device_put(params, trainer.state_shardings.params)
+        sharded = jax.device_put(params, plan.state_shardings.params)
         loss, _, grads = grads_fn(sharded, trainer.shard_batch(batch))
         grads = jax.tree.map(np.asarray, grads)
         history.append((float(loss), grads))
@@ -110,7 +110,7 @@ def test_schedule_matches_unpipelined(schedule, p, m, v, combo):
     """Loss and every gradient at each of 3 SGD steps, and the final params."""
     extra = {"alone": {}, "data=2": {"data": 2}, "tensor=2": {"tensor": 2}}[combo]
     run = build_run(p, m, schedule, v, **extra)
-    assert run.trainer.pipeline.p == p and run.trainer.pipeline.m == m
+    assert run.plan.pipeline.p == p and run.plan.pipeline.m == m
     assert_matches_reference(run)
 
 
@@ -126,8 +126,8 @@ def test_grad_accumulation_composes_with_microbatches(schedule, v):
     """train.grad_accum=2 over a pipeline of 4 microbatches (8 in all): the one-device
     full-batch loss and gradients (the loss is a mean over examples)."""
     run = build_run(2, 4, schedule, v, data=2, extra=("train.grad_accum=2",))
-    assert run.trainer.microbatches == 8
-    assert type(run.trainer.gradients).__name__ == "Accumulated"
+    assert run.plan.microbatches == 8
+    assert type(run.plan.gradients).__name__ == "Accumulated"
     assert_matches_reference(run)
 
 
@@ -137,7 +137,7 @@ def test_tied_rotary_remat_model(schedule, v):
     positions and full remat inside stages."""
     extra = ("model.tie_embeddings=true", "model.positions=rotary", "model.remat=full")
     run = build_run(2, 4, schedule, v, data=2, extra=extra)
-    assert "head" not in run.trainer.abstract_params
+    assert "head" not in run.plan.model.params
     assert_matches_reference(run, extra=extra)
 
 
@@ -160,7 +160,7 @@ def test_train_step_matches_unpipelined(schedule, p):
     losses, params, run = run_steps(
         [*common, f"mesh.stage={p}", f"mesh.data={8 // p}", f"pipeline.schedule={schedule}",
          f"pipeline.virtual_stages={v}", f"pipeline.microbatches={2 * p}"])
-    assert run.trainer.mesh.shape["stage"] == p
+    assert run.plan.mesh.shape["stage"] == p
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_params_close(params, ref_params, elementwise=False, rtol=1e-4)
     # evaluation runs through the stages (forward only) and equals one device's
@@ -271,7 +271,7 @@ def test_embedding_and_other_gradients_only_where_produced():
     older code generator, which the tests compile with, rewrites a scatter into a loop);
     the per-tick adds from the compiled program."""
     run, compiled = compiled_step("1f1b", 8)
-    used = [int(u) for u in np.unique(branch_table(run.trainer.pipeline))]
+    used = [int(u) for u in np.unique(branch_table(run.plan.pipeline))]
 
     def tick_switch(module):
         return next((name, inst) for name, insts in module.computations.items()
@@ -284,7 +284,7 @@ def test_embedding_and_other_gradients_only_where_produced():
     assert ops[executor._B].count("scatter") == 0 < ops[executor._B_FIRST].count("scatter")
     module = hlo.parse(compiled.as_text())
     body, _ = tick_switch(module)
-    vocab, width = run.trainer.abstract_params["embed"].shape
+    vocab, width = run.plan.model.params["embed"].shape
     per_tick = [inst.opcode for inst in module.computations[body]
                 if inst.type.startswith(f"f32[{vocab},{width}]")
                 and inst.opcode not in ("parameter", "get-tuple-element", "tuple")]
@@ -353,7 +353,7 @@ def test_bert_evaluates_through_the_stages_like_one_device(layout):
     state = one.trainer.init()  # parameters and the dropout RNG streams
     batch = one.data.batch(0, 32, "eval")
     want = one.trainer.evaluate(state, one.trainer.shard_batch(batch))
-    got = run.trainer.evaluate(jax.device_put(state, run.trainer.state_shardings),
+    got = run.trainer.evaluate(jax.device_put(state, run.plan.state_shardings),
                                run.trainer.shard_batch(batch))
     assert set(got) == set(want) == {"loss", "masked_accuracy"}
     for key in want:

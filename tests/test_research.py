@@ -84,7 +84,7 @@ def test_flax_sharding_metadata_is_read_by_the_rules():
     """The names `nnx.with_partitioning` attached map through the rules table: nothing is
     written as path rules; the BatchNorm statistics and RNG state (no names) replicate."""
     run = research_run(LAYOUTS["data=2,fsdp=2,tensor=2"])
-    specs, state_specs = run.trainer.param_specs, run.trainer.state_specs
+    specs, state_specs = run.plan.param_specs, run.plan.state_specs
     assert TASK.path_rules == ()
     assert specs["hidden"]["kernel"] == P("fsdp", "tensor")
     assert specs["out"]["kernel"] == P("tensor", None)
@@ -92,7 +92,7 @@ def test_flax_sharding_metadata_is_read_by_the_rules():
     assert state_specs["bn"]["mean"] == P(None) and state_specs["drop"]["rngs"]["count"] == P()
     shard = run.trainer.init().params["hidden"]["kernel"].addressable_shards[0]
     assert shard.data.shape == (16 * 8 * 8 // 2, 64 // 2)
-    assert run.trainer.model.state_kinds == ("BatchStat", "RngCount", "RngKey")
+    assert run.plan.model.state_kinds == ("BatchStat", "RngCount", "RngKey")
 
 
 def test_dropout_masks_change_every_step_and_nothing_else_does():
@@ -164,7 +164,7 @@ def test_accumulation_with_batchnorm_matches_one_device():
 
     one = accumulated(["mesh.data=1"], 1)
     many = accumulated(LAYOUTS["data=2,fsdp=2,tensor=2"], 8)
-    assert not many[3].trainer.accumulates_per_data_shard  # stateful: the automatic path
+    assert not many[3].plan.accumulates_per_data_shard  # stateful: the automatic path
     np.testing.assert_allclose(many[0], one[0], rtol=1e-5)
     assert_params_close(many[1], one[1])
     np.testing.assert_allclose(many[2]["bn"]["var"], one[2]["bn"]["var"], rtol=1e-5)

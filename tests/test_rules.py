@@ -57,22 +57,22 @@ def _run(*overrides):
 @pytest.mark.parametrize("preset,mesh", list(EXPECTED))
 def test_preset_partition_specs(preset, mesh):
     run = _run(f"rules.preset={preset}", *mesh.split(","))
-    assert _normalize(run.trainer.param_specs) == _normalize(EXPECTED[(preset, mesh)])
+    assert _normalize(run.plan.param_specs) == _normalize(EXPECTED[(preset, mesh)])
     batch = run.data.batch(0, 16)
-    assert _normalize(run.trainer.batch_shardings(batch)["tokens"].spec) == BATCH[preset]
+    assert _normalize(run.plan.batch_shardings(batch)["tokens"].spec) == BATCH[preset]
 
 
 def test_fsdp_shards_optimizer_state_like_params():
     run = _run("mesh.data=1", "mesh.fsdp=8", "rules.preset=fsdp")
-    mu = run.trainer.state_shardings.opt_state[1][0].mu  # clip, then adamw's scale_by_adam
-    assert mu["blocks"]["w_in"].spec == run.trainer.state_shardings.params["blocks"]["w_in"].spec
+    mu = run.plan.state_shardings.opt_state[1][0].mu  # clip, then adamw's scale_by_adam
+    assert mu["blocks"]["w_in"].spec == run.plan.state_shardings.params["blocks"]["w_in"].spec
     assert mu["blocks"]["w_in"].spec == P(None, "fsdp", None)
 
 
 def test_override_single_rule_from_command_line():
     run = _run("mesh.data=4", "mesh.tensor=2", "rules.preset=tp", "rules.mlp=null")
-    assert run.trainer.param_specs["blocks"]["w_in"] == P(None, None, None)
-    assert run.trainer.param_specs["blocks"]["wq"] == P(None, None, "tensor", None)
+    assert run.plan.param_specs["blocks"]["w_in"] == P(None, None, None)
+    assert run.plan.param_specs["blocks"]["wq"] == P(None, None, "tensor", None)
 
 
 @pytest.mark.parametrize("mesh,w_in,batch", [
@@ -84,8 +84,8 @@ def test_default_rules_work_for_any_degrees(mesh, w_in, batch):
     """With no preset chosen, any degrees give the fsdp_tp layout restricted to the
     axes larger than 1."""
     run = _run(*mesh)
-    assert _normalize(run.trainer.param_specs["blocks"]["w_in"]) == w_in
-    assert _normalize(run.trainer.batch_shardings(run.data.batch(0, 16))["tokens"].spec) == batch
+    assert _normalize(run.plan.param_specs["blocks"]["w_in"]) == w_in
+    assert _normalize(run.plan.batch_shardings(run.data.batch(0, 16))["tokens"].spec) == batch
 
 
 def test_unmapped_logical_axis_is_an_error():
@@ -154,7 +154,7 @@ def test_activation_layouts(preset, mesh, expected):
     x = jax.numpy.zeros((16, 8, 64))
 
     def pin(x):
-        with activation_rules(run.trainer.mesh, run.trainer.rules):
+        with activation_rules(run.plan.mesh, run.plan.rules):
             return {k: constrain(x, v) for k, v in names.items()}
 
     out = jax.jit(pin)(x)
@@ -168,8 +168,8 @@ def test_optimizer_state_sharded_like_params_under_fsdp(optim):
 
     run = _run("mesh.data=1", "mesh.fsdp=8", f"optim.name={optim}", "optim.weight_decay=0",
                "model.d_model=64", "model.d_ff=128")
-    opt = run.trainer.abstract_state.opt_state
-    per_device = shd.bytes_per_device(opt, run.trainer.state_shardings.opt_state)
+    opt = run.plan.abstract_state.opt_state
+    per_device = shd.bytes_per_device(opt, run.plan.state_shardings.opt_state)
     total = shd.total_bytes(opt)
     assert total > 0
     assert per_device <= 0.2 * total, f"{optim}: {per_device} of {total} bytes per device"

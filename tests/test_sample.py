@@ -86,7 +86,7 @@ def _argmax_loop(run, state, prompt: list[int], n: int) -> list[int]:
     the window :func:`jaxpar.sample.generate` documents (the last S/2 tokens once S are
     exceeded)."""
     S = 32
-    graphdef = run.trainer.graphdef
+    graphdef = run.plan.model.graphdef
 
     @jax.jit
     def last_logits(params, model_state, tokens_1S, length):
@@ -131,7 +131,7 @@ def test_sharded_run_samples_as_on_one_device(tmp_path):
     _train(path, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
     sharded = _restored(path)
     single = _restored(path, "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "run.devices=1")
-    assert len(single[0].devices) == 1 and dict(sharded[0].trainer.mesh.shape)["tensor"] == 2
+    assert len(single[0].devices) == 1 and dict(sharded[0].plan.mesh.shape)["tensor"] == 2
     for settings in ({"temperature": 0}, {"temperature": 0.8, "top_k": 20, "seed": 3}):
         a, b = (g.generate(state, PROMPT, 10, **settings) for _, state, g in (sharded, single))
         np.testing.assert_array_equal(a, b)

@@ -34,14 +34,14 @@ def test_grad_accumulation_equals_full_batch(mesh):
 
 def test_grad_accumulation_all_reduces_over_data_once_per_step():
     from jaxpar import hlo
-    from jaxpar.trainer import global_batch_shapes
+    from jaxpar.plan import global_batch_shapes
 
     def all_reduce_bytes(accum):
         run = build(load_config([], [*GPT_SMALL, "mesh.data=8", "train.batch_size=32",
                                      f"train.grad_accum={accum}"]))
         batch = global_batch_shapes(run.data.batch(0, run.config.train.batch_size))
         text = run.trainer.compile_step(batch).as_text()
-        return run.trainer.accumulates_per_data_shard, hlo.collective_stats(text)["all-reduce"]
+        return run.plan.accumulates_per_data_shard, hlo.collective_stats(text)["all-reduce"]
 
     local, accumulated = all_reduce_bytes(4)
     assert local and not all_reduce_bytes(1)[0]

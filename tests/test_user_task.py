@@ -54,7 +54,7 @@ def task_process(run_dir: Path, steps: int, *extra: str, wait: bool = True):
 
 def final_state(run_dir: Path, layout=("mesh.data=8",)):
     run = build(load_config([], [*SHORT, *layout]), TASK)
-    ckpt = Checkpointer(run_dir / "checkpoints", run.trainer)
+    ckpt = Checkpointer(run_dir / "checkpoints", run.plan)
     state, meta = ckpt.restore()
     ckpt.close()
     return run, state, meta
@@ -90,7 +90,7 @@ def test_sigterm_then_resume_is_bitwise_identical_and_restores_onto_another_layo
     for a, b in zip(jax.tree.leaves(host(moved)), jax.tree.leaves(host(uninterrupted))):
         np.testing.assert_array_equal(a, b)
     kernel = moved.params["hidden"]["kernel"]
-    assert kernel.sharding == other.trainer.state_shardings.params["hidden"]["kernel"]
+    assert kernel.sharding == other.plan.state_shardings.params["hidden"]["kernel"]
     assert kernel.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
 
 
@@ -296,7 +296,7 @@ def test_unannotated_parameters_replicate_with_a_warning_and_show_in_inspect(cap
     with pytest.warns(UserWarning, match=r"2 parameters carry no logical axes and are "
                                          r"replicated on every device: bias, kernel"):
         run = build(load_config([], ["train.batch_size=16"]), task)
-    assert run.trainer.param_specs["kernel"] == jax.sharding.PartitionSpec(None, None)
+    assert run.plan.param_specs["kernel"] == jax.sharding.PartitionSpec(None, None)
     from jaxpar.report import format_report, layout_totals
 
     text = format_report(run, layout_totals(run))

@@ -33,6 +33,7 @@ from jaxpar.data.prepare import (
     open_tokens,
     tokenizer_of,
 )
+from jaxpar.task import DataNeeds
 
 
 @dataclass
@@ -202,20 +203,6 @@ def text_tokenizer(cfg: DataConfig) -> Tokenizer:
     if path is not None and (Path(f"{path}.json").exists() or path.suffix == ".tokens"):
         return tokenizer_of(open_tokens(path))
     return ByteTokenizer()
-
-
-@dataclass(frozen=True)
-class DataNeeds:
-    """What a model takes from the config's data: ``text`` (batches ``{"tokens": [B,
-    T+1]}``) or ``images`` (``{"images": [B, H, W, C], "labels": [B]}``), and the sizes
-    the data must fit (None: not checked)."""
-
-    kind: str
-    vocab_size: int | None = None
-    num_classes: int | None = None
-    #: text examples also carry ``index``, their window's position in the split (a stable
-    #: id: per-example randomness keyed by it does not depend on how a batch is sharded)
-    example_ids: bool = False
 
 
 def needs_of_batch(batch_keys: Any) -> DataNeeds | None:

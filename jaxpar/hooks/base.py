@@ -34,7 +34,7 @@ import jax
 
 if TYPE_CHECKING:
     from jaxpar.run import Run
-    from jaxpar.trainer import TrainState
+    from jaxpar.state import TrainState
 
 
 class Hook:

@@ -49,7 +49,7 @@ class MetricsLog(Hook):
         batch = ctx.config.train.batch_size
         row = {"step": step, **metrics, "time": ctx.elapsed(), "step_time_s": dt,
                "examples_per_s": batch / dt}
-        per_example = ctx.run.trainer.task.tokens_per_example
+        per_example = ctx.run.plan.task.tokens_per_example
         if per_example:
             row["tokens_per_s"] = batch * per_example / dt
             row["tokens"] = step * batch * per_example

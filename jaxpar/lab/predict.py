@@ -9,7 +9,7 @@ global batch ``B`` (``b`` rows per device), sequence ``T``, width ``D``:
   outside the stacked layers. Axes that shard the parameter reduce-scatter it
   (FSDP: (n−1)/n·S, per microbatch with ``train.grad_accum``); the others
   all-reduce what is left (2(n−1)/n·S), once per step (per microbatch only on
-  the layouts where :attr:`~jaxpar.trainer.Trainer.accumulates_per_data_shard`
+  the layouts where :attr:`~jaxpar.plan.Plan.accumulates_per_data_shard`
   is false). XLA:CPU has no reduce-scatter pass: there the partitioner
   all-reduces the gradient and slices it, and the prediction for a CPU program
   says so (``backend="cpu"``); GPU and TPU programs reduce-scatter.
@@ -44,32 +44,12 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec
 
-from jaxpar import sharding as shd
-from jaxpar.models.family import LabModel
+from jaxpar.logical import spec_axes
+from jaxpar.models.family import LabLayout, LabModel, Term
+from jaxpar.plan import Plan
+from jaxpar.plan.checks import BATCH_AXES, spec_leaves
 from jaxpar.run import Run
-
-BATCH_AXES = ("data", "fsdp")
-
-
-@dataclass(frozen=True)
-class Term:
-    """One predicted collective: what it moves, how often, over how many devices."""
-
-    kind: str
-    what: str
-    payload_bytes: float
-    group: int
-    times: int = 1
-
-    @property
-    def wire_bytes(self) -> float:
-        """Bytes one device sends for all ``times`` executions (ring algorithms)."""
-        n, s = self.group, self.payload_bytes
-        factor = {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(
-            self.kind, (n - 1) / n)
-        return self.times * s * factor
 
 
 @dataclass(frozen=True)
@@ -90,24 +70,18 @@ class CommPrediction:
         return sum(t.wire_bytes for t in self.terms)
 
 
-def _spec_axes(spec: PartitionSpec) -> list[str]:
-    return [a for e in spec if e for a in (e if isinstance(e, tuple) else (e,))]
-
-
-def _param_leaves(run: Run) -> list[tuple[str, float, list[str], bool]]:
+def _param_leaves(plan: Plan) -> list[tuple[str, float, tuple[str, ...], bool]]:
     """(top-level key, bytes, mesh axes sharding it, stacked on ``layers``) per parameter.
     A stacked parameter runs in a layer scan: FSDP gathers it in the forward scan and
     again in the backward scan (the scan keeps the shards, not the gathered weights)."""
-    trainer = run.trainer
-    leaves = jax.tree_util.tree_leaves_with_path(trainer.abstract_params)
-    specs = jax.tree.leaves(trainer.param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-    names = jax.tree.leaves(trainer.axes, is_leaf=lambda x: isinstance(x, tuple))
+    leaves = jax.tree_util.tree_leaves_with_path(plan.model.params)
+    names = jax.tree.leaves(plan.model.param_axes, is_leaf=lambda x: isinstance(x, tuple))
     return [(str(getattr(path[0], "key", "")), math.prod(leaf.shape)
-             * np.dtype(leaf.dtype).itemsize, _spec_axes(spec), "layers" in axes)
-            for (path, leaf), spec, axes in zip(leaves, specs, names)]
+             * np.dtype(leaf.dtype).itemsize, spec_axes(spec), "layers" in axes)
+            for (path, leaf), spec, axes in zip(leaves, spec_leaves(plan.param_specs), names)]
 
 
-def _gathers(trainer: Any, pipelined: bool, scanned: bool, outside: int) -> int:
+def _gathers(plan: Plan, pipelined: bool, scanned: bool, outside: int) -> int:
     """How often FSDP all-gathers one weight per step.
 
     A pipeline gathers every weight once, at the executor's entry; so does
@@ -116,26 +90,25 @@ def _gathers(trainer: Any, pipelined: bool, scanned: bool, outside: int) -> int:
     outside the scans ``outside`` times per step, however many microbatches: its gather is
     loop-invariant, and XLA hoists it out of the accumulation loop.
     """
-    accum = trainer.grad_accum
-    if pipelined or (accum > 1 and trainer.fsdp_gather_once):
+    accum = plan.grad_accum
+    if pipelined or (accum > 1 and plan.fsdp_gather_once):
         return 1
     return 2 * accum if scanned else outside
 
 
-def _gradient_terms(run: Run, sizes: dict[str, int], cpu: bool) -> list[Term]:
-    trainer = run.trainer
-    pipelined = trainer.pipeline is not None
+def _gradient_terms(plan: Plan, lab: LabModel, sizes: dict[str, int], cpu: bool
+                    ) -> list[Term]:
+    pipelined = plan.pipeline is not None
     batch = [a for a in BATCH_AXES if sizes[a] > 1]
-    accum = trainer.grad_accum  # with a pipeline: one pipelined pass per microbatch
-    once = accum == 1 or trainer.accumulates_per_data_shard  # the data all-reduce
-    split = trainer.task.stages
+    accum = plan.grad_accum  # with a pipeline: one pipelined pass per microbatch
+    once = accum == 1 or plan.accumulates_per_data_shard  # the data all-reduce
+    split = plan.task.stages
     layers_key = split.layers_key if split is not None else None
     # jaxpar's GPT looks tokens up in the whole embedding table (gathered over every axis):
     # its gradient is a whole-table gradient, reduced before it is sliced to its shard.
-    lab = run.family.lab if run.family is not None else LabModel()
     whole, outside = lab.whole_params, lab.gathers_outside_scans
     terms = []
-    for key, nbytes, axes, scanned in _param_leaves(run):
+    for key, nbytes, axes, scanned in _param_leaves(plan):
         in_layers = key == layers_key
         local = nbytes / math.prod(sizes[a] for a in axes if a not in batch and key not in whole)
         gather = math.prod(sizes[a] for a in axes if a in batch)
@@ -145,7 +118,7 @@ def _gradient_terms(run: Run, sizes: dict[str, int], cpu: bool) -> list[Term]:
                               sizes["stage"], accum))
         if gather > 1:
             terms.append(Term("all-gather", "FSDP weight gathers", local, gather,
-                              _gathers(trainer, pipelined, scanned, outside)))
+                              _gathers(plan, pipelined, scanned, outside)))
             if not cpu or pipelined:
                 terms.append(Term("reduce-scatter", "gradient reduce-scatter", local, gather,
                                   accum))
@@ -161,54 +134,61 @@ def _gradient_terms(run: Run, sizes: dict[str, int], cpu: bool) -> list[Term]:
     return terms
 
 
-def _tensor_terms(run: Run, sizes: dict[str, int], cpu: bool) -> list[Term]:
-    """Activation collectives under tensor parallelism: where they are is model knowledge,
-    which the run's model family has (a user's task brings none: no terms)."""
-    return run.family.lab.tensor_terms(run, sizes, cpu) if run.family is not None else []
+def lab_layout(run: Run, cpu: bool) -> LabLayout:
+    """What the model family is told of ``run``'s layout (plain values)."""
+    plan, data = run.plan, run.data
+    table = plan.pipeline
+    return LabLayout(
+        sizes=dict(plan.mesh.shape), rules=plan.rules,
+        rows=run.config.train.batch_size // plan.batch_ways(), grad_accum=plan.grad_accum,
+        stages=(table.ticks, table.p, table.v, table.m) if table is not None else None,
+        seq_len=getattr(data, "seq_len", 0), image_shape=getattr(data, "image_shape", None),
+        cpu=cpu)
 
 
 def _pipeline_terms(run: Run, cpu: bool) -> list[Term]:
     """One activation right and one gradient left every tick: the message is what the
     model's first stage hands the next (its ``StageSplit.embed`` output) for one microbatch
     of one device's rows."""
-    trainer, table = run.trainer, run.trainer.pipeline
+    plan, table = run.plan, run.plan.pipeline
     if table is None:
         return []
-    sizes = dict(trainer.mesh.shape)
-    ways = math.prod(sizes[a] for a in trainer.rules.get("batch", ()) if a in sizes)
     batch = run.data.batch(0, run.config.train.batch_size)
-    rows = run.config.train.batch_size // ways // (table.m * trainer.grad_accum)
+    rows = run.config.train.batch_size // plan.batch_ways() // (table.m * plan.grad_accum)
     micro = {k: jax.ShapeDtypeStruct((rows, *v.shape[1:]), v.dtype) for k, v in batch.items()}
     message = jax.eval_shape(
-        lambda p, s, b: trainer.task.stages.embed(nnx.merge(trainer.graphdef, p, s), b),
-        trainer.abstract_params, trainer.model.state, micro)
+        lambda p, s, b: plan.task.stages.embed(nnx.merge(plan.model.graphdef, p, s), b),
+        plan.model.params, plan.model.state, micro)
     size = math.prod(message.shape) * (4 if cpu else np.dtype(message.dtype).itemsize)
     return [Term("collective-permute", "pipeline sends (activation right, gradient left)",
-                 2 * size, table.p, table.ticks * trainer.grad_accum)]
+                 2 * size, table.p, table.ticks * plan.grad_accum)]
 
 
 def predict_comm(run: Run, backend: str = "gpu") -> CommPrediction:
     """The textbook's collectives of one train step of ``run``'s layout.
 
     Args:
-      run: a built run (its mesh, rules, shardings, batch and model shape).
+      run: a built run (its plan, batch and model shape).
       backend: ``gpu`` (or ``tpu``): FSDP gradients are reduce-scattered and bfloat16
         activations move as bfloat16; ``cpu``: what XLA:CPU compiles instead
         (all-reduce + slice; bfloat16 activations as float32).
     """
-    sizes = dict(run.trainer.mesh.shape)
+    sizes = dict(run.plan.mesh.shape)
     cpu = backend == "cpu"
-    terms = [*_gradient_terms(run, sizes, cpu), *_tensor_terms(run, sizes, cpu),
-             *_pipeline_terms(run, cpu)]
+    # a user's task brings no family: no activation terms (where they are is model knowledge)
+    lab = run.family.lab if run.family is not None else LabModel()
+    tensor = (lab.tensor_terms(run.config.model.typed, lab_layout(run, cpu))
+              if run.family is not None else [])
+    terms = [*_gradient_terms(run.plan, lab, sizes, cpu), *tensor, *_pipeline_terms(run, cpu)]
     return CommPrediction(tuple(terms))
 
 
 def predict_argument_bytes(run: Run, batch: dict[str, Any]) -> int:
     """Per-device bytes of the step's arguments: parameters, optimizer state and batch
     shards (from the shardings; the compiled program's argument size should match)."""
-    trainer = run.trainer
-    state = shd.bytes_per_device(trainer.abstract_state, trainer.state_shardings)
-    shardings = trainer.batch_shardings(batch)
+    plan = run.plan
+    state = plan.state_bytes()
+    shardings = plan.batch_shardings(batch)
     data = sum(math.prod(shardings[k].shard_shape(v.shape)) * np.dtype(v.dtype).itemsize
                for k, v in batch.items())
-    return state + data
+    return state.total + data

@@ -32,9 +32,9 @@ from jaxpar.lab.hardware import Hardware, roofline
 from jaxpar.lab.predict import predict_argument_bytes, predict_comm
 from jaxpar.mesh import MESH_AXES
 from jaxpar.pipeline.executor import branch_table
+from jaxpar.plan import global_batch_shapes
 from jaxpar.run import Run, build
 from jaxpar.task import Task
-from jaxpar.trainer import global_batch_shapes
 
 #: The documented columns of ``sweep.csv``, in order; more follow them.
 COLUMNS = ("layout", "mem_args_bytes", "mem_temp_bytes", "mem_total_bytes", "flops",
@@ -147,7 +147,7 @@ def _scheduled_flops(text: str, cost: hlo.ProgramCost, run: Run) -> float:
     (every device waits for the slowest at the next send): the sum over ticks of
     the largest branch among the devices, bubbles free.
     """
-    table = run.trainer.pipeline
+    table = run.plan.pipeline
     if table is None:
         return cost.flops
     full = branch_table(table)
@@ -211,7 +211,7 @@ def measure(config: Config, layout: str, hw: Hardware, steps: int = 0,
         row.step_time_s = _time_steps(run, compiled, steps)
         examples = run.config.train.batch_size
         row.examples_per_s = examples / row.step_time_s
-        per_example = run.trainer.task.tokens_per_example
+        per_example = run.plan.task.tokens_per_example
         row.tokens_per_s = examples * per_example / row.step_time_s if per_example else None
     return row
 

@@ -34,18 +34,19 @@ import optax
 from flax import nnx
 
 from jaxpar.logical import constrain
-from jaxpar.models.family import Counts, Family, LabModel, option, register
+from jaxpar.models.family import Counts, Family, option, register
 from jaxpar.models.gpt import (
     ATTENTION,
     REMAT_POLICIES,
     Blocks,
+    TransformerLab,
     attention,
     attention_implementation,
     layer_norm,
     mlp,
     transformer_counts,
-    transformer_tensor_terms,
 )
+from jaxpar.task import DataNeeds, StageSplit, Task
 
 _RESIDUAL = ("batch", "seq", "act_embed")
 #: fold-in tags of the draws that are not per layer
@@ -255,23 +256,21 @@ def mlm_loss(model: BERT, batch: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
 
 
 # ---- the family ------------------------------------------------------------------------------
-def _stages() -> Any:
-    from jaxpar.task import StageSplit
+#: BERT cut into pipeline stages: masking and embedding first, the stacked blocks split, the
+#: MLM head and loss last.
+STAGES = StageSplit("blocks", _embed, _stage, _head)
 
-    return StageSplit("blocks", _embed, _stage, _head)
 
-
-def _task(cfg: BERTConfig, data: Any) -> Any:
-    from jaxpar.task import Task
-
-    return Task(lambda rngs: BERT(cfg, data.vocab_size, rngs=rngs), mlm_loss,
+def task(cfg: BERTConfig, seq_len: int, data_vocab: int | None = None) -> Task:
+    """BERT's task: masked-LM on windows of ``seq_len`` tokens (each example carries its
+    ``index``, which keys its masking); ``data_vocab``: the ids the data holds (default:
+    all but the mask token, ``vocab_size - 1``)."""
+    return Task(lambda rngs: BERT(cfg, data_vocab, rngs=rngs), mlm_loss,
                 {"tokens": ("batch", None), "index": ("batch",)},
-                tokens_per_example=data.seq_len, stages=_stages(), name="bert")
+                tokens_per_example=seq_len, stages=STAGES, name="bert")
 
 
-def _needs(cfg: BERTConfig) -> Any:
-    from jaxpar.data.sources import DataNeeds
-
+def _needs(cfg: BERTConfig) -> DataNeeds:
     return DataNeeds("text", vocab_size=cfg.vocab_size - 1, example_ids=True)
 
 
@@ -284,15 +283,9 @@ def _counts(cfg: BERTConfig, data: Any) -> Counts:
     return Counts(params, flops)
 
 
-class _BERTLab(LabModel):
-    whole_params = frozenset({"embed"})
-
-    def tensor_terms(self, run: Any, sizes: dict[str, int], cpu: bool) -> list[Any]:
-        return transformer_tensor_terms(run, sizes, cpu)
-
-
 BERT_FAMILY = register(Family(
-    "bert", BERTConfig, _task, _needs, counts=_counts, lab=_BERTLab(),
+    "bert", BERTConfig, lambda cfg, data: task(cfg, data.seq_len, data.vocab_size), _needs,
+    counts=_counts, lab=TransformerLab(),
     memory_fixes=lambda cfg: [] if cfg.remat == "full" else ["model.remat=full"],
     compute_dtype=lambda cfg: cfg.dtype,
     doc="BERT-style encoder with a masked-LM loss (dropout, token types); pipelines"))

@@ -20,6 +20,7 @@ from flax import nnx
 
 from jaxpar.logical import constrain
 from jaxpar.models.family import Counts, Family, option, register
+from jaxpar.task import DataNeeds, Task
 
 
 def _dense(key: jax.Array, fan_in: int, fan_out: int, axes: tuple[str, str]) -> nnx.Param:
@@ -97,9 +98,7 @@ def classification_loss(model: nnx.Module, batch: Any) -> tuple[jax.Array, dict[
     return loss, {"accuracy": accuracy}
 
 
-def _images(cfg: Any) -> Any:
-    from jaxpar.data.sources import DataNeeds
-
+def _images(cfg: Any) -> DataNeeds:
     return DataNeeds("images", num_classes=cfg.num_classes)
 
 
@@ -122,15 +121,15 @@ def _convnet_counts(cfg: ConvNetConfig, data: Any) -> Counts:
     return Counts(params, 2 * (3 * (first + rest) - first))
 
 
-def _convnet_task(cfg: ConvNetConfig, data: Any) -> Any:
-    from jaxpar.task import Task
-
-    return Task(lambda rngs: ConvNet(data.image_shape, cfg.channels, cfg.hidden,
-                                     cfg.num_classes, rngs=rngs),
+def convnet_task(cfg: ConvNetConfig, image_shape: tuple[int, int, int]) -> Task:
+    """The ConvNet's task: classify images of ``image_shape`` (H, W, C)."""
+    return Task(lambda rngs: ConvNet(image_shape, cfg.channels, cfg.hidden, cfg.num_classes,
+                                     rngs=rngs),
                 classification_loss, IMAGE_AXES, name="convnet")
 
 
-CONVNET = register(Family("convnet", ConvNetConfig, _convnet_task, _images,
+CONVNET = register(Family("convnet", ConvNetConfig,
+                          lambda cfg, data: convnet_task(cfg, data.image_shape), _images,
                           counts=_convnet_counts,
                           doc="conv 5×5 → conv 5×5 → dense → dense, on images"))
 
@@ -150,13 +149,13 @@ def _mlp_counts(cfg: MLPConfig, data: Any) -> Counts:
     return Counts(params, 2 * (2 * (d * f + f * n) + f * n))
 
 
-def _mlp_task(cfg: MLPConfig, data: Any) -> Any:
-    from jaxpar.task import Task
-
-    return Task(lambda rngs: MLPClassifier(data.image_shape, cfg.hidden, cfg.num_classes,
+def mlp_task(cfg: MLPConfig, image_shape: tuple[int, int, int]) -> Task:
+    """The MLP's task: classify images of ``image_shape`` (H, W, C)."""
+    return Task(lambda rngs: MLPClassifier(image_shape, cfg.hidden, cfg.num_classes,
                                            rngs=rngs),
                 classification_loss, IMAGE_AXES, name="mlp")
 
 
-MLP = register(Family("mlp", MLPConfig, _mlp_task, _images, counts=_mlp_counts,
+MLP = register(Family("mlp", MLPConfig, lambda cfg, data: mlp_task(cfg, data.image_shape),
+                      _images, counts=_mlp_counts,
                       doc="flatten → dense → dense, on images"))

@@ -22,13 +22,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from jaxpar.data.sources import DataNeeds
-    from jaxpar.task import Task
+from jaxpar.task import DataNeeds, Task
 
 #: The family ``model.name`` names when a config does not.
 DEFAULT = "gpt"
@@ -50,12 +48,56 @@ class Counts:
     train_flops_per_example: float
 
 
+@dataclass(frozen=True)
+class Term:
+    """One collective of a train step the layout lab predicts: what it moves, how often,
+    over how many devices."""
+
+    kind: str
+    what: str
+    payload_bytes: float
+    group: int
+    times: int = 1
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes one device sends for all ``times`` executions (ring algorithms)."""
+        n, s = self.group, self.payload_bytes
+        factor = {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(
+            self.kind, (n - 1) / n)
+        return self.times * s * factor
+
+
+@dataclass(frozen=True)
+class LabLayout:
+    """What the layout lab tells a family about one layout (plain values).
+
+    Attributes:
+      sizes: the mesh degrees by axis.
+      rules: logical axis name → mesh axes.
+      rows: examples per device per step (the global batch over the batch axes).
+      grad_accum: microbatches accumulated per step.
+      stages: ``(ticks, p, v, m)`` of the pipeline's tick table, or None.
+      seq_len: tokens per example (text), image_shape: ``(H, W, C)`` (images).
+      cpu: the program is XLA:CPU's (bfloat16 activations move as float32).
+    """
+
+    sizes: Mapping[str, int]
+    rules: Mapping[str, tuple[str, ...]]
+    rows: int
+    grad_accum: int
+    stages: tuple[int, int, int, int] | None
+    seq_len: int = 0
+    image_shape: tuple[int, ...] | None = None
+    cpu: bool = False
+
+
 class LabModel:
     """Model knowledge for the layout lab's textbook prediction (``jaxpar/lab/predict.py``).
 
     The lab predicts the gradient and weight collectives of any model from its shardings
     alone; what it cannot know is where a model's *activations* cross devices. A family
-    that knows says so here; every method receives the built run.
+    that knows says so here, from its config and a :class:`LabLayout`.
     """
 
     #: top-level parameter keys that the model reads whole (gathered over every axis) even
@@ -66,12 +108,8 @@ class LabModel:
     #: it again there (2, ZeRO-3's textbook count; measured for the ResNet's convolutions)
     gathers_outside_scans: int = 1
 
-    def tensor_terms(self, run: Any, sizes: dict[str, int], cpu: bool) -> list[Any]:
-        """Activation collectives under tensor parallelism (:class:`jaxpar.lab.predict.Term`)."""
-        return []
-
-    def pipeline_terms(self, run: Any, cpu: bool) -> list[Any]:
-        """The pipeline's sends of activations and gradients between stages."""
+    def tensor_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
+        """Activation collectives under tensor parallelism."""
         return []
 
 

@@ -19,7 +19,6 @@ softmax elsewhere (see :func:`attention_implementation`).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +28,16 @@ import optax
 from flax import nnx
 
 from jaxpar.logical import constrain, shards
-from jaxpar.models.family import Counts, Family, LabModel, option, register
+from jaxpar.models.family import (
+    Counts,
+    Family,
+    LabLayout,
+    LabModel,
+    Term,
+    option,
+    register,
+)
+from jaxpar.task import DataNeeds, StageSplit, Task
 
 _RESIDUAL = ("batch", "seq", "act_embed")
 
@@ -446,13 +454,10 @@ def _loss_of_logits(logits: jax.Array, batch: Any) -> tuple[jax.Array, dict]:
     return loss, {}
 
 
-def _stages() -> Any:
-    """The GPT cut into pipeline stages: embedding first, the stacked blocks split, head and
-    loss last."""
-    from jaxpar.task import StageSplit
-
-    return StageSplit("blocks", _lm_embed, lambda model, x, batch, first: model.run_blocks(x),
-                      _lm_head)
+#: The GPT cut into pipeline stages: embedding first, the stacked blocks split, head and loss
+#: last.
+STAGES = StageSplit("blocks", _lm_embed, lambda model, x, batch, first: model.run_blocks(x),
+                    _lm_head)
 
 
 # ---- what the layout lab knows of a transformer (shared with jaxpar/models/bert.py) ----------
@@ -470,60 +475,53 @@ def transformer_counts(cfg: Any, seq_len: int, head: bool = True) -> tuple[int, 
     return params, 2 * 3 * T * macs
 
 
-def transformer_tensor_terms(run: Any, sizes: dict[str, int], cpu: bool) -> list[Any]:
+def transformer_tensor_terms(cfg: Any, layout: LabLayout) -> list[Term]:
     """Megatron's activation all-reduces: per layer two of ``[b, T, D]`` forward (attention
     and MLP outputs) and two backward (their inputs), one more for the head's input
     gradient; the cross-entropy over vocab-sharded logits all-reduces three ``[b, T]``
     statistics; a vocab-sharded embedding table is gathered."""
-    from jaxpar.lab.predict import Term
-
-    t = sizes["tensor"]
+    t = layout.sizes["tensor"]
     if t == 1:
         return []
-    trainer, cfg = run.trainer, run.config.model.typed
-    ways = math.prod(sizes[a] for a in trainer.rules.get("batch", ()) if a in sizes)
-    rows, seq, d = run.config.train.batch_size // ways, run.data.seq_len, cfg.d_model
-    activation = rows * seq * d * (4 if cpu else jnp.dtype(cfg.dtype).itemsize)
+    rows, seq, d = layout.rows, layout.seq_len, cfg.d_model
+    activation = rows * seq * d * (4 if layout.cpu else jnp.dtype(cfg.dtype).itemsize)
     # Without a pipeline: once per microbatch over all layers. In a pipeline every tick
     # counts as its costliest branch, the last stage's backward: its layers' recomputed
     # forward and backward plus the head, and the embedding of the first stage.
-    table, k = trainer.pipeline, trainer.grad_accum
-    times, layers, div = ((table.ticks * k, cfg.n_layers // (table.p * table.v), table.m * k)
-                          if table is not None else (k, cfg.n_layers, k))
+    k = layout.grad_accum
+    if layout.stages is not None:
+        ticks, p, v, m = layout.stages
+        times, layers, div = ticks * k, cfg.n_layers // (p * v), m * k
+    else:
+        times, layers, div = k, cfg.n_layers, k
     terms = [Term("all-reduce", "Megatron activation all-reduces", activation / div, t,
                   times * (4 * layers + 1)),
              Term("all-reduce", "cross-entropy statistics", rows * seq * 4 / div, t, 3 * times)]
-    if "tensor" in trainer.rules.get("vocab", ()):
+    if "tensor" in layout.rules.get("vocab", ()):
         # loop-invariant: XLA gathers the table once for all microbatches
         terms.append(Term("all-gather", "embedding table gather", cfg.vocab_size * d * 4,
-                          t, times if table is not None else 1))
+                          t, times if layout.stages is not None else 1))
     return terms
 
 
-class _GPTLab(LabModel):
+class TransformerLab(LabModel):
+    """What the lab knows of jaxpar's transformers (GPT and BERT)."""
+
     whole_params = frozenset({"embed"})  # tokens are looked up in the whole table
 
-    def tensor_terms(self, run: Any, sizes: dict[str, int], cpu: bool) -> list[Any]:
-        return transformer_tensor_terms(run, sizes, cpu)
+    def tensor_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
+        return transformer_tensor_terms(cfg, layout)
 
 
 # ---- the family ------------------------------------------------------------------------------
-def _task(cfg: GPTConfig, data: Any) -> Any:
-    from jaxpar.task import Task
-
-    init_params = None
-    if cfg.init_from:
-        from jaxpar import hf
-
-        init_params = hf.params_loader(cfg)  # checks config.json now, reads weights later
+def task(cfg: GPTConfig, seq_len: int) -> Task:
+    """The GPT's task: next-token prediction on windows of ``seq_len + 1`` tokens
+    (``model.init_from``'s weights are wired in by :func:`jaxpar.run.build`)."""
     return Task(lambda rngs: GPT(cfg, rngs=rngs), lm_loss, {"tokens": ("batch", None)},
-                tokens_per_example=data.seq_len, stages=_stages(), name="gpt",
-                init_params=init_params)
+                tokens_per_example=seq_len, stages=STAGES, name="gpt")
 
 
-def _needs(cfg: GPTConfig) -> Any:
-    from jaxpar.data.sources import DataNeeds
-
+def _needs(cfg: GPTConfig) -> DataNeeds:
     return DataNeeds("text", vocab_size=cfg.vocab_size)
 
 
@@ -537,7 +535,8 @@ def _counts(cfg: GPTConfig, data: Any) -> Counts:
 
 
 GPT_FAMILY = register(Family(
-    "gpt", GPTConfig, _task, _needs, counts=_counts, lab=_GPTLab(),
+    "gpt", GPTConfig, lambda cfg, data: task(cfg, data.seq_len), _needs, counts=_counts,
+    lab=TransformerLab(),
     memory_fixes=lambda cfg: [] if cfg.remat == "full" else ["model.remat=full"],
     compute_dtype=lambda cfg: cfg.dtype,
     doc="decoder-only transformer LM; pipelines (stacked layers)"))

@@ -34,7 +34,16 @@ from flax import nnx
 
 from jaxpar.logical import constrain
 from jaxpar.models.classifiers import IMAGE_AXES, classification_loss
-from jaxpar.models.family import Counts, Family, LabModel, option, register
+from jaxpar.models.family import (
+    Counts,
+    Family,
+    LabLayout,
+    LabModel,
+    Term,
+    option,
+    register,
+)
+from jaxpar.task import DataNeeds, Task
 
 #: blocks per stage, and whether they are bottlenecks, by depth
 DEPTHS = {10: ((1, 1, 1, 1), False), 18: ((2, 2, 2, 2), False), 34: ((3, 4, 6, 3), False),
@@ -227,21 +236,14 @@ class _ResNetLab(LabModel):
 
     gathers_outside_scans = 2
 
-    def tensor_terms(self, run: Any, sizes: dict[str, int], cpu: bool) -> list[Any]:
-        from jaxpar.lab.predict import Term
-
-        t = sizes["tensor"]
+    def tensor_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
+        t = layout.sizes["tensor"]
         if t == 1:
             return []
-        cfg, trainer = run.config.model.typed, run.trainer
-        batch_ways = 1
-        for axis in trainer.rules.get("batch", ()):
-            batch_ways *= sizes.get(axis, 1)
-        rows = run.config.train.batch_size // batch_ways
-        act = 4 if cpu else jnp.dtype(cfg.dtype).itemsize
-        k = trainer.grad_accum
+        rows, k = layout.rows, layout.grad_accum
+        act = 4 if layout.cpu else jnp.dtype(cfg.dtype).itemsize
         forward = backward = 0.0
-        for h, w, c_in, width, stride, c_out in _blocks(cfg, run.data.image_shape):
+        for h, w, c_in, width, stride, c_out in _blocks(cfg, layout.image_shape):
             forward += rows * -(-h // stride) * -(-w // stride) * c_out * act
             # conv1's input: the block's (basic), the 1×1 reduction's output (bottleneck)
             backward += rows * h * w * (width if DEPTHS[cfg.depth][1] else c_in) * act
@@ -250,21 +252,18 @@ class _ResNetLab(LabModel):
                      backward / k, t, k)]
 
 
-def _task(cfg: ResNetConfig, data: Any) -> Any:
-    from jaxpar.task import Task
-
-    channels = data.image_shape[-1]
+def task(cfg: ResNetConfig, channels: int) -> Task:
+    """The ResNet's task: classify images of ``channels`` channels (any height and width)."""
     return Task(lambda rngs: ResNet(cfg, channels, rngs=rngs), classification_loss, IMAGE_AXES,
                 name=f"resnet{cfg.depth}")
 
 
-def _needs(cfg: ResNetConfig) -> Any:
-    from jaxpar.data.sources import DataNeeds
-
+def _needs(cfg: ResNetConfig) -> DataNeeds:
     return DataNeeds("images", num_classes=cfg.num_classes)
 
 
-RESNET = register(Family("resnet", ResNetConfig, _task, _needs, counts=_counts,
+RESNET = register(Family("resnet", ResNetConfig,
+                         lambda cfg, data: task(cfg, data.image_shape[-1]), _needs, counts=_counts,
                          lab=_ResNetLab(), compute_dtype=lambda cfg: cfg.dtype,
                          doc="ResNet-10 … 152 with BatchNorm; convolutions split by channel "
                              "under tensor"))

@@ -1,0 +1,74 @@
+"""A task's model as shapes and logical names, and a batch's global shapes (nothing is
+allocated: ``nnx.eval_shape``)."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+from flax import nnx
+
+from jaxpar import sharding as shd
+from jaxpar.task import Task
+
+
+@dataclass(frozen=True)
+class AbstractModel:
+    """A task's model without any array: its graph, its variables' shapes and their
+    logical names (pure dicts), split into trainable ``params`` and the other ``state``.
+
+    ``unnamed`` lists the parameters without logical names (replicated); ``state_kinds``
+    the variable types of the state (``BatchStat``, ``RngKey``, …); ``rng_counts`` is True
+    for each ``RngCount`` of the state (like ``state``)."""
+
+    graphdef: nnx.GraphDef
+    params: Any
+    state: Any
+    param_axes: Any
+    state_axes: Any
+    unnamed: tuple[str, ...]
+    state_kinds: tuple[str, ...]
+    rng_counts: Any
+
+    @property
+    def stateful(self) -> bool:
+        """Whether the model has variables besides its parameters."""
+        return bool(jax.tree.leaves(self.state))
+
+
+def abstract_model(task: Task, seed: int = 0) -> AbstractModel:
+    """The task's model as shapes and names (``nnx.eval_shape``: nothing is allocated)."""
+    with nnx.use_eager_sharding(False):
+        model = nnx.eval_shape(lambda: task.model_fn(nnx.Rngs(seed)))
+    graphdef, params, state = nnx.split(model, nnx.Param, ...)
+    param_axes, unnamed = shd.logical_axes(params, task.path_rules)
+    state_axes, _ = shd.logical_axes(state)
+    variables = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    kinds = sorted({type(v).__name__ for v in variables})
+    pure = nnx.to_pure_dict(state)
+    counts = jax.tree.unflatten(jax.tree.structure(pure),
+                                [isinstance(v, nnx.RngCount) for v in variables])
+    return AbstractModel(graphdef, nnx.to_pure_dict(params), pure, param_axes, state_axes,
+                         tuple(unnamed), tuple(kinds), counts)
+
+
+def global_batch_shapes(host_batch: Mapping[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
+    """The global shapes of a batch of which this process holds ``host_batch``: each of the
+    ``jax.process_count()`` processes loads an equal share of the rows."""
+    count = jax.process_count()
+    return {k: jax.ShapeDtypeStruct((v.shape[0] * count, *v.shape[1:]), v.dtype)
+            for k, v in host_batch.items()}
+
+
+
+def warn_unnamed(paths: tuple[str, ...]) -> None:
+    """Says which parameters carry no logical names (they are replicated on every device)."""
+    shown = ", ".join(paths[:6]) + (f" and {len(paths) - 6} more" if len(paths) > 6 else "")
+    warnings.warn(
+        f"{len(paths)} parameter{'s' * (len(paths) != 1)} carry no logical axes and are "
+        f"replicated on every device: {shown}; to shard them, annotate them "
+        "(kernel_init=nnx.with_partitioning(init, ('embed', 'mlp')) or nnx.Param(value, "
+        "out_sharding=(...))) or give the Task path_rules", stacklevel=4)

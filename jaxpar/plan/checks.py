@@ -1,0 +1,151 @@
+"""The layout checks of a plan: each refuses, in one line naming the fix, a layout whose
+devices would idle, duplicate work or not divide what they share."""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, PartitionSpec
+
+from jaxpar import sharding as shd
+from jaxpar.errors import LayoutError
+from jaxpar.logical import Rules, names_of, spec_axes, spec_for
+from jaxpar.pipeline.schedule import TickTable, tick_table
+from jaxpar.plan.abstract import AbstractModel
+from jaxpar.task import Task
+
+#: The mesh axes a batch is split over (data parallelism: ``data`` and ``fsdp``).
+BATCH_AXES = ("data", "fsdp")
+
+
+def spec_leaves(tree: Any) -> list[PartitionSpec]:
+    """The ``PartitionSpec`` leaves of a tree."""
+    return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def batch_specs(task: Task, rules: Rules, mesh: Mesh, batch: Mapping[str, Any] | None
+                 ) -> dict[str, PartitionSpec]:
+    """Batch specs; with ``batch`` None, without the divisibility check."""
+    specs = {}
+    for key, names in task.batch_axes.items():
+        shape = batch[key].shape if batch is not None else [0] * len(names)
+        specs[key] = spec_for(names, rules, mesh, shape, f"batch '{key}'")
+    return specs
+
+
+def check_rows(mesh: Mesh, specs: Mapping[str, PartitionSpec], batch: Mapping[str, Any],
+                parts: int, message: Any) -> None:
+    """Each entry's rows split into ``parts`` equal parts on each device sharing them;
+    ``message(key, rows, ways)`` says what to change."""
+    for key, spec in specs.items():
+        ways = math.prod(mesh.shape[a] for a in spec_axes(spec[:1]))
+        size = batch[key].shape[0]
+        if size % (ways * parts):
+            raise LayoutError(message(key, size, ways))
+
+
+def check_layout(task: Task, model: AbstractModel, rules: Rules, mesh: Mesh,
+                  param_specs: Any, batch_specs: dict[str, PartitionSpec]) -> None:
+    """Rules name real logical axes; the batch is split over data axes; no mesh axis idles."""
+    names = jax.tree.leaves([model.param_axes, model.state_axes],
+                            is_leaf=lambda x: isinstance(x, tuple))
+    used = {n for group in [*names, *task.batch_axes.values()] for entry in group
+            for n in names_of(entry)}
+    check_rule_names(rules, used)
+    check_batch_sharded(mesh, batch_specs)
+    check_axes_used(mesh, [param_specs, batch_specs])
+
+
+def check_rule_names(rules: Rules, used: set[str]) -> None:
+    """Every rule must name a logical axis that a preset or the model knows.
+
+    Raises:
+      LayoutError: for a rule that matches nothing (a typo such as ``rules.mpl``),
+        naming the closest logical name.
+    """
+    known = set(used).union(*shd.PRESETS.values())
+    for name in rules:
+        if name not in known:
+            match = difflib.get_close_matches(name, sorted(known), n=1)
+            hint = f"did you mean 'rules.{match[0]}'? " if match else ""
+            raise LayoutError(
+                f"rule 'rules.{name}' names no logical axis of this model or of any preset; "
+                f"{hint}logical axes: {', '.join(sorted(known))}")
+
+
+def check_batch_sharded(mesh: Mesh, batch_specs: Mapping[str, PartitionSpec]) -> None:
+    """The data-parallel axes (``data``, ``fsdp``) must split the batch.
+
+    Raises:
+      LayoutError: when such an axis is larger than 1 but some batch entry is not split
+        over it — those devices would compute the same examples.
+    """
+    for key, spec in batch_specs.items():
+        axes = set(spec_axes(spec[:1]))
+        for axis in BATCH_AXES:
+            if mesh.shape[axis] > 1 and axis not in axes:
+                raise LayoutError(
+                    f"batch '{key}' is not split over mesh axis '{axis}' (size "
+                    f"{mesh.shape[axis]}), so those devices would all compute the same "
+                    "examples; add it to the batch rule, e.g. rules.batch=data,fsdp")
+
+
+def check_axes_used(mesh: Mesh, specs: list[Any]) -> None:
+    """Every mesh axis larger than 1 must shard something.
+
+    Raises:
+      LayoutError: naming an axis no rule uses: its devices would all hold the same data
+        and do the same work.
+    """
+    used = {a for tree in specs for spec in spec_leaves(tree) for a in spec_axes(spec)}
+    for axis, size in mesh.shape.items():
+        if size > 1 and axis not in used:
+            hint = ("pipeline stages split the stacked layers: set rules.layers=stage, or "
+                    "mesh.stage=1" if axis == "stage" else
+                    f"map a logical axis onto it (e.g. rules.batch=data,{axis}) or set "
+                    f"mesh.{axis}=1")
+            raise LayoutError(
+                f"mesh axis '{axis}' has size {size} but no rule shards anything over it, so "
+                f"its devices would duplicate all work; {hint}")
+
+
+def pipeline_table(task: Task, model: AbstractModel, mesh: Mesh, rules: Rules,
+                    cfg: Any) -> TickTable | None:
+    """The schedule's tick table when the mesh has pipeline stages, after the checks.
+
+    Raises:
+      LayoutError: for a model that cannot be split or has non-parameter state, or
+        layers not divisible by stages × virtual stages.
+    """
+    p = mesh.shape["stage"]
+    if p == 1:
+        return None
+    split = task.stages
+    if split is None:
+        raise LayoutError(
+            f"mesh.stage={p}, but this model cannot be split into pipeline stages (its task "
+            "has no StageSplit: stacked layers with embed/stage/head functions); "
+            "set mesh.stage=1")
+    other = [k for k in model.state_kinds if k not in ("RngKey", "RngCount")]
+    if other:
+        raise LayoutError(
+            f"mesh.stage={p}: the pipeline runs models whose state besides nnx.Param is RNG "
+            f"streams only, but this one also has {', '.join(other)} (statistics of the whole "
+            "batch cannot be split into stages); set mesh.stage=1 (data, fsdp and tensor "
+            "parallelism carry such state)")
+    if tuple(rules.get("layers", ())) != ("stage",):
+        raise LayoutError(
+            f"mesh.stage={p} needs the stacked layers split over it, but rules.layers="
+            f"{','.join(rules.get('layers', ())) or 'null'}; set rules.layers=stage")
+    m, v = cfg.microbatches or 2 * p, cfg.virtual_stages
+    n_layers = jax.tree.leaves(model.params[split.layers_key])[0].shape[0]
+    if n_layers % (p * v):
+        raise LayoutError(
+            f"{n_layers} layers cannot be cut into mesh.stage × pipeline.virtual_stages = "
+            f"{p}×{v} = {p * v} equal chunks; change the number of layers, mesh.stage or "
+            "pipeline.virtual_stages")
+    return tick_table(cfg.schedule, p, m, v)
