@@ -29,10 +29,10 @@ from jaxpar.mesh import make_mesh, setup_devices
 from jaxpar.models import Family, classification_loss, lm_loss, mlm_loss
 from jaxpar.models import register as register_model
 from jaxpar.optim import decay_mask, make_optimizer, make_schedule
-from jaxpar.sharding import PRESETS, resolve_rules
-from jaxpar.task import Task
 from jaxpar.plan import Plan, abstract_model, make_plan
+from jaxpar.sharding import PRESETS, resolve_rules
 from jaxpar.state import TrainState
+from jaxpar.task import Task
 from jaxpar.trainer import Trainer
 
 __all__ = [

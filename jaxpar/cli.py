@@ -237,7 +237,7 @@ def _sweep(args: argparse.Namespace, config: Config, task: Task | None) -> None:
 
 def _plan(args: argparse.Namespace, config: Config, task: Task | None) -> None:
     from jaxpar.lab.hardware import get_profile
-    from jaxpar.lab.plan import format_plan, plan
+    from jaxpar.lab.planner import format_plan, plan
 
     hw = get_profile(args.hardware, args.hardware_file)
     memory = args.memory_gb * 1e9 if args.memory_gb else hw.memory_bytes

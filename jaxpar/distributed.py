@@ -32,7 +32,7 @@ import time
 import jax
 
 from jaxpar.config import DistributedConfig
-from jaxpar.launch import ENV_BIND, ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from jaxpar.environ import ENV_BIND, ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 
 
 class PortInUse(ValueError):

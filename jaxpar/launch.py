@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -34,18 +33,18 @@ import time
 from collections.abc import Sequence
 from typing import IO
 
-ENV_COORDINATOR = "JAXPAR_COORDINATOR"
-ENV_NUM_PROCESSES = "JAXPAR_NUM_PROCESSES"
-ENV_PROCESS_ID = "JAXPAR_PROCESS_ID"
-ENV_CPUS = "JAXPAR_CPUS"
-ENV_BIND = "JAXPAR_COORDINATOR_BIND"
-#: set by the launcher: process 0 exits with PORT_TAKEN when the coordinator port is taken
-ENV_RETRY_PORT = "JAXPAR_LAUNCH_RETRY_PORT"
-#: exit status of process 0 when the launcher's port was taken (EX_TEMPFAIL): try again
-PORT_TAKEN = 75
+from jaxpar.environ import (
+    ENV_BIND,
+    ENV_COORDINATOR,
+    ENV_CPUS,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+    ENV_RETRY_PORT,
+    PORT_TAKEN,
+    force_device_count,
+)
+
 _PORT_TRIES = 5
-#: ``XLA_FLAGS``' simulated CPU device count (group 1: the count); :mod:`jaxpar.mesh` reads it.
-FORCE_DEVICES_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
 
 
 def free_port() -> int:
@@ -73,16 +72,6 @@ def process_env(index: int, count: int, port: int, devices_per_process: int,
     if devices_per_process:
         force_device_count(env, devices_per_process)
     return env
-
-
-def force_device_count(env: dict[str, str], devices: int | None) -> None:
-    """Makes ``env``'s JAX see ``devices`` simulated CPU devices, or (``None``) as many as
-    it would by itself: replaces the count in ``XLA_FLAGS``, keeps its other flags."""
-    flags = FORCE_DEVICES_FLAG.sub("", env.get("XLA_FLAGS", ""))
-    if devices:
-        flags += f" --xla_force_host_platform_device_count={devices}"
-    env["XLA_FLAGS"] = " ".join(flags.split())
-    env.pop("JAX_NUM_CPU_DEVICES", None)
 
 
 def pin_from_env() -> None:

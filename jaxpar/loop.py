@@ -36,6 +36,7 @@ from jaxpar.resume import Preempted, export_params
 from jaxpar.run import Run, build, evaluate, host_value
 from jaxpar.state import TrainState
 from jaxpar.task import Task
+from jaxpar.user_code import load_hooks
 
 __all__ = ["DataWait", "History", "Preempted", "Run", "build", "evaluate", "export_params",
            "fit", "open_loader", "prepare_run_dir", "summarize", "train"]
@@ -264,8 +265,6 @@ def train(config: Config | None = None, *, task: Task | None = None,
       FloatingPointError: a non-finite step (``NonFiniteStop``, ``TooManySkipped``).
       CheckpointError: a checkpoint could not be written.
     """
-    from jaxpar.user_code import load_hooks
-
     config = config if config is not None else config_lib.load_config()
     if task is not None:
         config = config_lib.run_dir_for(config, task.name)

@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from jaxpar.config import MeshConfig
-from jaxpar.launch import FORCE_DEVICES_FLAG
+from jaxpar.environ import FORCE_DEVICES_FLAG
 
 MESH_AXES = ("data", "stage", "fsdp", "tensor")
 DEFAULT_CPU_DEVICES = 8

@@ -1,10 +1,4 @@
-"""Figures drawn with matplotlib, and ``jaxpar plot``: the loss curves of runs side by side.
-
-matplotlib is imported inside the functions that draw, so ``import jaxpar`` stays fast.
-Figures are :class:`matplotlib.figure.Figure` objects on the Agg canvas, made without
-pyplot: no global figure registry to leak into, no GUI backend chosen behind a user's back,
-nothing to close. :func:`save_figure` writes one atomically in the format its path's
-suffix names (``.png``, ``.svg``, ``.pdf``, …), readable by everyone (mode 0644).
+"""``jaxpar plot``: the loss curves of runs side by side.
 
 ``jaxpar plot RUN_DIR [RUN_DIR …] [--out PATH]`` reads each run's ``metrics.jsonl`` and
 draws the train loss and the eval loss against the step — and, when the rows carry
@@ -16,81 +10,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from jaxpar.figures import DPI, image_format, new_figure, save_figure  # noqa: F401 (DPI)
+
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-#: Pixels per inch of raster images (PNG).
-DPI = 100
-#: File mode of written images: readable by everyone, whatever the umask.
-IMAGE_MODE = 0o644
 METRICS_FILE = "metrics.jsonl"
-
-
-# ---- figures -------------------------------------------------------------------------------
-
-
-def new_figure(width: float, height: float) -> Figure:
-    """An empty figure of ``width × height`` inches on the Agg canvas, constrained layout."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
-    FigureCanvasAgg(fig)
-    return fig
-
-
-def image_format(path: str | Path) -> str:
-    """The format matplotlib writes for ``path``: its suffix, or ``png`` when it has none.
-
-    Raises:
-      ValueError: for a suffix matplotlib cannot write, listing the ones it can.
-    """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    suffix = Path(path).suffix.lower().lstrip(".")
-    if not suffix:
-        return "png"
-    formats = FigureCanvasAgg.get_supported_filetypes()
-    if suffix not in formats:
-        others = ", ".join("." + f for f in sorted(formats) if f not in ("png", "svg"))
-        raise ValueError(f"cannot write an image to '{path}': end the path in .png or .svg "
-                         f"(matplotlib also writes {others})")
-    return suffix
-
-
-def save_figure(fig: Figure, path: str | Path) -> Path:
-    """Writes ``fig`` at ``path`` (parent folders created) and returns the path.
-
-    The format follows the suffix (see :func:`image_format`). The image goes to a
-    temporary file in the same folder, which then replaces ``path``, so a reader never
-    sees a half-written image; the file is then made mode 0644 (a temporary file is
-    created 0600).
-
-    Raises:
-      ValueError: for a suffix matplotlib cannot write.
-    """
-    path = Path(path)
-    fmt = image_format(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            # no creation date in vector formats: the same figure gives the same file
-            metadata = {"Date": None} if fmt in ("svg", "pdf") else None
-            fig.savefig(f, format=fmt, dpi=DPI, metadata=metadata)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    os.chmod(path, IMAGE_MODE)
-    return path
 
 
 # ---- reading metrics.jsonl -----------------------------------------------------------------

@@ -23,9 +23,11 @@ import jax
 import numpy as np
 
 from jaxpar import config as config_lib
+from jaxpar import hf
 from jaxpar import sharding as shd
 from jaxpar.checkpoint import Checkpointer, CorruptCheckpoint
 from jaxpar.config import Config
+from jaxpar.files import check_output_file, ensure_dir
 from jaxpar.run import Run, build, eval_metric_names, host_value, to_host
 from jaxpar.state import TrainState
 
@@ -270,13 +272,9 @@ def export_params(config: Config, out: str | Path, step: int | None = None,
       ValueError: when the run has no such checkpoint or it does not fit the model, or
         its model cannot be written in the format.
     """
-    from jaxpar.rundir import check_output_file, ensure_dir
-
     if format not in ("npz", "hf"):
         raise ValueError(f"--format must be npz or hf, got {format!r}")
     if format == "hf":
-        from jaxpar import hf
-
         family = "" if task is not None else config.model.family.name
         hf.check_exportable(family, None if task is not None else config.model.typed)
         out = ensure_dir(out, "--out", "choose another --out directory")

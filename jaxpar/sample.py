@@ -37,8 +37,10 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.config import Config, apply_overrides, load_config
+from jaxpar.data.sources import text_tokenizer
 from jaxpar.logical import Rules, activation_rules
-from jaxpar.run import Run, host_value
+from jaxpar.resume import checkpoint_dir, restore_state
+from jaxpar.run import Run, build, host_value
 
 
 @dataclass(frozen=True)
@@ -108,10 +110,6 @@ def sample_config(config: Config, prompt: str, *, tokens: int = 200,
                   temperature: float = 1.0, top_k: int = 0, seed: int = 0,
                   step: int | None = None, samples: int = 1) -> Samples:
     """:func:`sample` of the run ``config`` describes (``run.dir`` is where it lives)."""
-    from jaxpar.data.sources import text_tokenizer
-    from jaxpar.resume import checkpoint_dir, restore_state
-    from jaxpar.run import build
-
     _check_settings(tokens, temperature, top_k, samples)
     where = config.run.dir
     if not checkpoint_dir(config).is_dir():

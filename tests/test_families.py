@@ -264,7 +264,7 @@ def test_plan_memory_of_the_seeds_models(config, per_param):
     BatchNorm statistics and the device's half of the batch — within 1%; the plan's
     memory is the compiled program's."""
     from jaxpar.lab import hardware
-    from jaxpar.lab.plan import plan
+    from jaxpar.lab.planner import plan
     from jaxpar.sharding import total_bytes
 
     cfg = load_config([ROOT / "configs" / f"{config}.yaml"], ["run.devices=2"])

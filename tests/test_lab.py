@@ -9,7 +9,7 @@ import pytest
 from jaxpar.cli import main
 from jaxpar.config import load_config
 from jaxpar.lab import hardware, predict, sweep
-from jaxpar.lab.plan import best, format_plan, plan
+from jaxpar.lab.planner import best, format_plan, plan
 from tests.helpers import GPT_SMALL
 
 LAYOUTS = ["data=8", "fsdp=8", "data=4,tensor=2", "data=2,fsdp=2,tensor=2", "data=4,stage=2",

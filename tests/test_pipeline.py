@@ -14,7 +14,7 @@ import pytest
 
 from jaxpar import hlo
 from jaxpar.config import load_config
-from jaxpar.pipeline import executor
+from jaxpar.pipeline import branches
 from jaxpar.pipeline.executor import branch_table, forward_table, pipeline_grads
 from jaxpar.pipeline.schedule import SCHEDULES
 from jaxpar.run import build
@@ -280,8 +280,8 @@ def test_embedding_and_other_gradients_only_where_produced():
 
     lowered = hlo.parse(run.trainer.lower_step(run.data.batch(0, 16)).as_text(dialect="hlo"))
     ops = {u: _opcodes(lowered, c) for u, c in zip(used, hlo._callees(tick_switch(lowered)[1]))}
-    assert ops[executor._F].count("gather") == 0 < ops[executor._F_FIRST].count("gather")
-    assert ops[executor._B].count("scatter") == 0 < ops[executor._B_FIRST].count("scatter")
+    assert ops[branches.F].count("gather") == 0 < ops[branches.F_FIRST].count("gather")
+    assert ops[branches.B].count("scatter") == 0 < ops[branches.B_FIRST].count("scatter")
     module = hlo.parse(compiled.as_text())
     body, _ = tick_switch(module)
     vocab, width = run.plan.model.params["embed"].shape
@@ -303,15 +303,15 @@ def test_eval_table_runs_every_forward_once_with_the_formulas_bubble(p, m, v):
     bubble (p−1)/(v·m+p−1), interleaved 1F1B's formula."""
     branch, chunk, mb = forward_table(p, m, v)
     ticks = {}
-    for t, d in zip(*np.nonzero(branch != executor._IDLE)):
+    for t, d in zip(*np.nonzero(branch != branches.IDLE)):
         j, c = int(mb[t, d]), int(chunk[t, d]) * p + int(d)
         assert (j, c) not in ticks
         ticks[(j, c)] = int(t)
-        assert branch[t, d] == (executor._F_FIRST if c == 0 else
-                                executor._F_LAST if c == p * v - 1 else executor._F)
+        assert branch[t, d] == (branches.F_FIRST if c == 0 else
+                                branches.F_LAST if c == p * v - 1 else branches.F)
     assert set(ticks) == {(j, c) for j in range(m) for c in range(p * v)}
     assert all(ticks[(j, c - 1)] == t - 1 for (j, c), t in ticks.items() if c)
-    assert (branch == executor._IDLE).mean() == pytest.approx((p - 1) / (v * m + p - 1))
+    assert (branch == branches.IDLE).mean() == pytest.approx((p - 1) / (v * m + p - 1))
     if v > 1:
         with pytest.raises(ValueError, match=f"not a multiple of {p}"):
             forward_table(p, m + 1, v)

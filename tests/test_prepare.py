@@ -241,7 +241,7 @@ def test_bad_tokenizer_spec(corpus, tmp_path):
 def test_missing_tokenizers_package_names_the_extra(monkeypatch, tmp_path, corpus):
     import builtins
 
-    from jaxpar.data import prepare
+    from jaxpar.data import tokenizers
 
     real_import = builtins.__import__
 
@@ -250,7 +250,7 @@ def test_missing_tokenizers_package_names_the_extra(monkeypatch, tmp_path, corpu
             raise ImportError("no tokenizers")
         return real_import(name, *args, **kwargs)
 
-    prepare._load_hf.cache_clear()
+    tokenizers.load_hf.cache_clear()
     monkeypatch.setattr(builtins, "__import__", no_tokenizers)
     tok = tmp_path / "t.json"
     tok.write_text("{}")

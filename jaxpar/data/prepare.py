@@ -18,121 +18,28 @@ windows without loading the corpus into memory.
 from __future__ import annotations
 
 import errno
-import functools
-import hashlib
 import json
 import os
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
+
+from jaxpar.data.tokenizers import (
+    ByteTokenizer,
+    Tokenizer,
+    load_hf,
+    load_tokenizer,
+    sha256_of,
+)
+from jaxpar.files import check_output_file
 
 FORMAT = "jaxpar-tokens"
 VERSION = 1
 BUILTIN_NAME = "pydoc_data.topics"
 _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
-
-
-class Tokenizer(Protocol):
-    """What ``encode_documents`` needs from a tokenizer."""
-
-    vocab_size: int
-
-    def encode(self, data: bytes, source: str) -> np.ndarray:
-        """Token ids of one document's raw bytes (``source`` names it in errors)."""
-
-    def decode(self, ids: np.ndarray) -> str | bytes:
-        """The text of ``ids``."""
-
-    def describe(self) -> str | dict[str, str]:
-        """The metadata's ``tokenizer`` entry."""
-
-
-@dataclass(frozen=True)
-class ByteTokenizer:
-    """Each byte is a token (vocab 256); any file is valid input, UTF-8 or not."""
-
-    vocab_size: int = 256
-
-    def encode(self, data: bytes, source: str) -> np.ndarray:
-        return np.frombuffer(data, np.uint8)
-
-    def decode(self, ids: np.ndarray) -> bytes:
-        return np.asarray(ids, np.uint8).tobytes()
-
-    def describe(self) -> str:
-        return "byte"
-
-
-@dataclass(frozen=True, eq=False)
-class HFTokenizer:
-    """A local Hugging Face ``tokenizers`` JSON file; documents must be UTF-8."""
-
-    file: str
-    sha256: str
-    tokenizer: Any = field(repr=False)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.tokenizer.get_vocab_size()
-
-    def encode(self, data: bytes, source: str) -> np.ndarray:
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as err:
-            raise ValueError(f"input '{source}' is not UTF-8 text ({err}); the tokenizer "
-                             f"'{self.file}' needs UTF-8, so convert the file or use "
-                             "--tokenizer byte") from None
-        # Documents are concatenated raw: no BOS/EOS or other special tokens per document.
-        return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, np.int64)
-
-    def decode(self, ids: np.ndarray) -> str:
-        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
-
-    def describe(self) -> dict[str, str]:
-        return {"file": self.file, "sha256": self.sha256}
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-@functools.lru_cache(maxsize=8)
-def _load_hf(file: str, sha256: str) -> HFTokenizer:
-    try:
-        from tokenizers import Tokenizer as _HF
-    except ImportError:
-        raise ValueError(f"tokenizer '{file}' needs the 'tokenizers' package: "
-                         "pip install 'jaxpar[text]'") from None
-    try:
-        return HFTokenizer(file, sha256, _HF.from_file(file))
-    except Exception as err:  # noqa: BLE001 (the Rust side raises bare Exception)
-        raise ValueError(f"tokenizer '{file}' is not a valid Hugging Face tokenizer JSON "
-                         f"file: {err}") from None
-
-
-def load_tokenizer(spec: str | Tokenizer) -> Tokenizer:
-    """``"byte"``, or the path of a local ``tokenizers`` JSON file (loaded lazily).
-
-    Raises:
-      ValueError: for a missing or malformed file, or when ``tokenizers`` is not installed.
-    """
-    if not isinstance(spec, str):
-        return spec
-    if spec == "byte":
-        return ByteTokenizer()
-    path = Path(spec)
-    if not path.is_file():
-        raise ValueError(f"tokenizer '{spec}' is neither 'byte' nor an existing tokenizer "
-                         "JSON file; pass --tokenizer byte or the path of a tokenizer.json")
-    path = path.absolute()
-    return _load_hf(str(path), _sha256(path))
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -281,8 +188,6 @@ def prepare_data(inputs: Iterable[str | os.PathLike], out: str | os.PathLike,
       ValueError: for a missing input, a folder without matching files, a non-UTF-8 file
         with a Hugging Face tokenizer, or inputs holding zero tokens.
     """
-    from jaxpar.rundir import check_output_file
-
     tok = load_tokenizer(tokenizer)
     out = check_output_file(Path(out).absolute(), "--out")
     meta_path, tmp = _meta_path(out), out.with_name(out.name + ".tmp")
@@ -433,10 +338,10 @@ def tokenizer_of(token_file: TokenFile) -> Tokenizer:
     if not file.is_file():
         raise ValueError(f"tokenizer file '{file}' of token file '{token_file.name}' is "
                          "missing; restore it to decode")
-    if _sha256(file) != spec["sha256"]:
+    if sha256_of(file) != spec["sha256"]:
         raise ValueError(f"tokenizer file '{file}' changed since token file "
                          f"'{token_file.name}' was written (sha256 differs); restore it")
-    return _load_hf(str(file), spec["sha256"])
+    return load_hf(str(file), spec["sha256"])
 
 
 def check_vocab(token_file: TokenFile, model_vocab_size: int | None) -> None:

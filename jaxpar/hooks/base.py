@@ -28,13 +28,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 
-if TYPE_CHECKING:
-    from jaxpar.run import Run
-    from jaxpar.state import TrainState
+from jaxpar.run import Run, evaluate, host_metrics
+from jaxpar.state import TrainState
 
 
 class Hook:
@@ -119,8 +118,6 @@ class Context:
 
     def flush(self) -> None:
         """Delivers every pending step's metrics to ``on_step`` now (a host sync)."""
-        from jaxpar.run import host_metrics
-
         while self.pending:
             step, metrics = self.pending.pop(0)
             self.emit("on_step", step, host_metrics(metrics))
@@ -129,8 +126,6 @@ class Context:
         """Held-out metrics of the current state (the state after ``step``), computed once
         per step however many hooks ask, and announced with ``on_eval``."""
         if step not in self._evals:
-            from jaxpar.run import evaluate
-
             self.flush()  # rows stay in step order
             start = time.perf_counter()
             evals = {f"eval_{k}": v for k, v in evaluate(self.run, self.state).items()}

@@ -7,6 +7,7 @@ import time
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.hooks.base import Context, Hook
 from jaxpar.hooks.evaluation import is_eval_step
+from jaxpar.resume import save_checkpoint
 
 
 class Checkpointing(Hook):
@@ -22,8 +23,6 @@ class Checkpointing(Hook):
         self.ckpt = ckpt
 
     def on_state(self, ctx: Context, step: int) -> None:
-        from jaxpar.resume import save_checkpoint
-
         every = ctx.config.checkpoint.every_steps
         if not ((every and step % every == 0) or step == ctx.last_step or ctx.stopping):
             return

@@ -18,7 +18,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-from jaxpar.plot import new_figure, save_figure
+from jaxpar.figures import new_figure, save_figure
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

@@ -28,6 +28,7 @@ import numpy as np
 
 from jaxpar import hlo
 from jaxpar.config import Config, apply_overrides
+from jaxpar.lab.chart import Panel, write_chart
 from jaxpar.lab.hardware import Hardware, roofline
 from jaxpar.lab.predict import predict_argument_bytes, predict_comm
 from jaxpar.mesh import MESH_AXES
@@ -313,8 +314,6 @@ def write_outputs(rows: list[Row], hw: Hardware, out_dir: str | Path,
                   chart: str = "sweep.png") -> list[Path]:
     """``sweep.csv``, ``sweep.md`` and the chart (``sweep.png``; a ``chart`` name ending in
     ``.svg`` writes SVG) in ``out_dir``."""
-    from jaxpar.lab.chart import Panel, write_chart
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     md = out / "sweep.md"

@@ -27,8 +27,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from jaxpar.figures import new_figure, save_figure
 from jaxpar.pipeline.schedule import KINDS, TickTable, Timing, simulate
-from jaxpar.plot import new_figure, save_figure
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

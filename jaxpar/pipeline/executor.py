@@ -45,90 +45,23 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.logical import Rules, activation_rules
-from jaxpar.pipeline.schedule import KINDS, TickTable
+from jaxpar.pipeline.branches import (
+    ADDS_LAYER_GRADS,
+    ADDS_OTHER_GRADS,
+    F_FIRST,
+    F_LAST,
+    IDLE,
+    F,
+    Parts,
+    branch_functions,
+    branch_table,
+    forward_table,
+)
+from jaxpar.pipeline.schedule import TickTable
 from jaxpar.task import Batch, StageSplit, split_microbatches
 
 #: Axes the executor makes manual: the pipeline axis and the batch axes.
 MANUAL_AXES = ("stage", "data", "fsdp")
-
-# lax.switch branches. The forward of the last chunk is folded into its backward (which
-# recomputes it with the head), so it is idle in training. Chunk 0 has branches of its own:
-# the embedding runs there and nowhere else (its backward recomputes the embedding, a
-# lookup, instead of stashing it). The forward-only evaluation table
-# (:func:`forward_table`) uses _F_FIRST, _F and _F_LAST.
-(_IDLE, _F, _F_FIRST, _F_LAST, _B, _B_FIRST, _B_LAST, _I, _I_FIRST, _I_LAST, _W, _W_FIRST,
- _W_LAST) = range(13)
-#: the branches that produce a layer gradient, and those that produce other parameters'
-_ADDS_LAYER_GRADS = (_B, _B_FIRST, _B_LAST, _W, _W_FIRST, _W_LAST)
-_ADDS_OTHER_GRADS = (_B_FIRST, _B_LAST, _I_FIRST, _W_LAST)
-
-
-def _chunk_ends(table_chunk: np.ndarray, p: int, v: int) -> tuple[np.ndarray, np.ndarray]:
-    """Masks [ticks, p] of the ticks that run chunk 0 and the last chunk."""
-    chunk = table_chunk * p + np.arange(p)[None, :]
-    return chunk == 0, chunk == p * v - 1
-
-
-def branch_table(table: TickTable) -> np.ndarray:
-    """[ticks, p] switch branch per device and tick (what to run, where in the model)."""
-    first, last = _chunk_ends(table.chunk, table.p, table.v)
-    kind = np.asarray(KINDS)[table.kind]
-    out = np.full(table.kind.shape, _IDLE, np.int32)
-    for k, mid, start, end in (("F", _F, _F_FIRST, _IDLE), ("B", _B, _B_FIRST, _B_LAST),
-                               ("I", _I, _I_FIRST, _I_LAST), ("W", _W, _W_FIRST, _W_LAST)):
-        out[kind == k] = np.select([first, last], [start, end], mid)[kind == k]
-    return out
-
-
-def forward_table(p: int, m: int, v: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(switch branch, device-local chunk, microbatch), each [ticks, p], of a forward-only
-    pass (evaluation): ``m·v + p − 1`` ticks, bubble ``(p−1)/(v·m+p−1)``.
-
-    Device ``d`` runs its ``u``-th forward at tick ``u + d``: microbatches in groups of
-    ``p``, each group through the device's chunks ``k = 0 … v−1`` in turn (microbatch
-    ``g·p + r`` of chunk ``k`` is its forward ``u = g·p·v + k·p + r``). The input of
-    every forward but chunk 0's is the left neighbour's output of the tick before, so it
-    arrives the very tick it is used: no buffers. ``v > 1`` needs ``m`` divisible by
-    ``p`` (as the interleaved schedule does).
-    """
-    if v > 1 and m % p:
-        raise ValueError(f"a forward pass over {v} chunks per device runs microbatches in "
-                         f"groups of mesh.stage={p}: {m} microbatches is not a multiple of {p}")
-    ticks = m * v + p - 1
-    u = np.arange(ticks)[:, None] - np.arange(p)[None, :]
-    active = (u >= 0) & (u < m * v)
-    group, rest = np.divmod(np.clip(u, 0, m * v - 1), p * v)
-    chunk = np.where(active, rest // p, 0).astype(np.int32)
-    mb = np.where(active, group * p + rest % p, 0).astype(np.int32)
-    first, last = _chunk_ends(chunk, p, v)
-    branch = np.select([~active, first, last], [_IDLE, _F_FIRST, _F_LAST], _F).astype(np.int32)
-    return branch, chunk, mb
-
-
-@dataclass(frozen=True)
-class _Parts:
-    """The model's stage functions as pure functions of parameter trees and the model
-    state of one microbatch (its RNG counts advanced to that microbatch's), in NNX's
-    training mode or (``train`` False) its evaluation mode."""
-
-    split: StageSplit
-    graphdef: nnx.GraphDef
-    train: bool = True
-
-    def _model(self, rest: Any, chunk: Any, state: Any) -> nnx.Module:
-        model = nnx.merge(self.graphdef, {**rest, self.split.layers_key: chunk}, state)
-        model.train() if self.train else model.eval()
-        return model
-
-    def embed(self, rest, chunk, state, mb):
-        return self.split.embed(self._model(rest, chunk, state), mb)
-
-    def stage(self, chunk, rest, state, x, mb, first_layer):
-        return self.split.stage(self._model(rest, chunk, state), x, mb, first_layer)
-
-    def head(self, chunk, rest, state, x, mb):
-        return self.split.head(self._model(rest, chunk, state), x, mb)
-
 
 def advance_counts(state: Any, counts: Any, by: Any) -> Any:
     """``state`` with every RNG count (where ``counts`` is True) advanced by ``by``."""
@@ -171,7 +104,7 @@ def pipeline_grads(split: StageSplit, graphdef: nnx.GraphDef, params: Any, batch
     key = split.layers_key
     rest, layers, batch_axes, shards, inner_rules = _split_for_stages(split, params, p, v,
                                                                       mesh, rules)
-    parts = _Parts(split, graphdef)
+    parts = Parts(split, graphdef)
     # only the branches this schedule uses are compiled
     full = branch_table(table)
     used = np.unique(full)
@@ -225,7 +158,7 @@ def pipeline_eval(split: StageSplit, graphdef: nnx.GraphDef, params: Any, batch:
     model_state = {} if model_state is None else model_state
     rest, layers, batch_axes, shards, inner_rules = _split_for_stages(split, params, p, v,
                                                                       mesh, rules)
-    parts = _Parts(split, graphdef, train=False)
+    parts = Parts(split, graphdef, train=False)
     full, chunk, mb = forward_table(p, m, v)
     used = np.unique(full)
     rows = (jnp.asarray(np.searchsorted(used, full).astype(np.int32)), jnp.asarray(chunk),
@@ -246,7 +179,7 @@ def pipeline_eval(split: StageSplit, graphdef: nnx.GraphDef, params: Any, batch:
     return fn(layers, rest, model_state, dict(batch))
 
 
-def _message_shapes(parts: _Parts, layers, rest, state, micro):
+def _message_shapes(parts: Parts, layers, rest, state, micro):
     """(this device's first chunk, layers per chunk, the shape of a message between stages,
     the shapes of the head's metrics), from the first microbatch."""
     first_mb = {k: x[0] for k, x in micro.items()}
@@ -259,7 +192,7 @@ def _message_shapes(parts: _Parts, layers, rest, state, micro):
     return chunk0, per_chunk, x_shape, aux_shape
 
 
-def _run_forward(parts: _Parts, p: int, layers, rest, state, micro, rows, used):
+def _run_forward(parts: Parts, p: int, layers, rest, state, micro, rows, used):
     """The per-device scan of a forward-only pass: the input arriving from the left
     neighbour is used the tick it arrives (see :func:`forward_table`); the device holding
     the last chunk adds each microbatch's loss and metrics."""
@@ -286,7 +219,7 @@ def _run_forward(parts: _Parts, p: int, layers, rest, state, micro, rows, used):
         loss, aux = parts.head(w, rest, state, stage(w, x, mb, first_layer), mb)
         return message, loss.astype(jnp.float32), aux
 
-    fns = {_IDLE: idle, _F: forward, _F_FIRST: forward_first, _F_LAST: forward_last}
+    fns = {IDLE: idle, F: forward, F_FIRST: forward_first, F_LAST: forward_last}
 
     def tick(c, row):
         branch, k, j = (r[d] for r in row)
@@ -364,7 +297,7 @@ def _fsdp_dims(specs: Any, key: str, layers: Any, rest: Any,
     return rest_dims, jax.tree.map(lambda s: dim_of(s, 2), specs[key], is_leaf=is_spec)
 
 
-def _run(parts: _Parts, table: TickTable, layers, rest, state, micro, branches, used, columns,
+def _run(parts: Parts, table: TickTable, layers, rest, state, micro, branches, used, columns,
          *, scale: float, fill: float):
     """The per-device scan over the table (inside ``shard_map``); ``state`` is the model
     state and its RNG-count mask.
@@ -391,10 +324,10 @@ def _run(parts: _Parts, table: TickTable, layers, rest, state, micro, branches, 
     seed = jnp.asarray(scale, jnp.float32)
     right = [(i, (i + 1) % p) for i in range(p)]
     left = [(i, (i - 1) % p) for i in range(p)]
-    fns = _branches(parts, message, seed, zeros_like(chunk0), zeros_like(rest),
-                    zeros_like(aux_shape))
-    adds_dw = jnp.asarray(np.isin(used, _ADDS_LAYER_GRADS))
-    adds_drest = jnp.asarray(np.isin(used, _ADDS_OTHER_GRADS))
+    fns = branch_functions(parts, message, seed, zeros_like(chunk0), zeros_like(rest),
+                           zeros_like(aux_shape))
+    adds_dw = jnp.asarray(np.isin(used, ADDS_LAYER_GRADS))
+    adds_drest = jnp.asarray(np.isin(used, ADDS_OTHER_GRADS))
 
     def tick(c, row):
         branch, (k, j, a_slot, g_slot, recv_a, recv_g) = row[0][d], [r[d] for r in row[1]]
@@ -421,87 +354,3 @@ def _run(parts: _Parts, table: TickTable, layers, rest, state, micro, branches, 
 
     carry, _ = jax.lax.scan(tick, carry, (branches, columns))
     return carry["loss"], carry["metrics"], carry["g_layers"], carry["g_rest"]
-
-
-def _branches(parts: _Parts, message, seed, no_dw, no_drest, no_aux):
-    """The switch branches, keyed by ``_IDLE … _W_LAST``. Each takes (chunk params, other
-    params, stashed input, incoming gradient, microbatch, (the microbatch's model state,
-    the chunk's first layer)) and returns (send right, send left, d chunk, d other params,
-    loss, metrics), zeros where it produces none. Chunk 0's branches recompute the
-    embedding (a lookup) rather than read a stashed copy."""
-    no_loss = jnp.zeros((), jnp.float32)
-
-    def result(send_act=message, send_grad=message, dw=no_dw, drest=no_drest, loss=no_loss,
-               aux=no_aux):
-        cast = lambda x: x.astype(message.dtype)
-        return cast(send_act), cast(send_grad), dw, drest, loss, aux
-
-    def stage(w, r, x, mb, where):
-        return parts.stage(w, r, where[0], x, mb, where[1])
-
-    def embed(w, r, mb, where):
-        return parts.embed(r, w, where[0], mb).astype(message.dtype)
-
-    def loss_of(w, r, x, mb, where):
-        loss, aux = parts.head(w, r, where[0], stage(w, r, x, mb, where), mb)
-        return loss * seed, jax.tree.map(lambda a: a * seed, aux)
-
-    def seed_of(loss, aux):
-        return jnp.ones_like(loss), jax.tree.map(jnp.zeros_like, aux)
-
-    def idle(w, r, x, dy, mb, where):
-        return result()
-
-    def forward(w, r, x, dy, mb, where):
-        return result(send_act=stage(w, r, x, mb, where))
-
-    def forward_first(w, r, x, dy, mb, where):
-        return result(send_act=stage(w, r, embed(w, r, mb, where), mb, where))
-
-    def backward(w, r, x, dy, mb, where):
-        _, vjp = jax.vjp(lambda w, x: stage(w, r, x, mb, where), w, x)
-        dw, dx = vjp(dy)
-        return result(send_grad=dx, dw=dw)
-
-    def backward_first(w, r, x, dy, mb, where):
-        """Chunk 0: the stage's and the embedding's vector-Jacobian products in one."""
-        _, vjp = jax.vjp(lambda w, r: stage(w, r, embed(w, r, mb, where), mb, where), w, r)
-        dw, drest = vjp(dy)
-        return result(dw=dw, drest=drest)
-
-    def backward_last(w, r, x, dy, mb, where):
-        (loss, aux), vjp = jax.vjp(lambda w, r, x: loss_of(w, r, x, mb, where), w, r, x)
-        dw, drest, dx = vjp(seed_of(loss, aux))
-        return result(send_grad=dx, dw=dw, drest=drest, loss=loss, aux=aux)
-
-    def input_grad(w, r, x, dy, mb, where):
-        _, vjp = jax.vjp(lambda x: stage(w, r, x, mb, where), x)
-        (dx,) = vjp(dy)
-        return result(send_grad=dx)
-
-    def input_grad_first(w, r, x, dy, mb, where):
-        _, vjp = jax.vjp(lambda r: stage(w, r, embed(w, r, mb, where), mb, where), r)
-        return result(drest=vjp(dy)[0])
-
-    def input_grad_last(w, r, x, dy, mb, where):
-        (loss, aux), vjp = jax.vjp(lambda x: loss_of(w, r, x, mb, where), x)
-        (dx,) = vjp(seed_of(loss, aux))
-        return result(send_grad=dx, loss=loss, aux=aux)
-
-    def weight_grad(w, r, x, dy, mb, where):
-        _, vjp = jax.vjp(lambda w: stage(w, r, x, mb, where), w)
-        return result(dw=vjp(dy)[0])
-
-    def weight_grad_first(w, r, x, dy, mb, where):
-        _, vjp = jax.vjp(lambda w: stage(w, r, embed(w, r, mb, where), mb, where), w)
-        return result(dw=vjp(dy)[0])
-
-    def weight_grad_last(w, r, x, dy, mb, where):
-        (loss, aux), vjp = jax.vjp(lambda w, r: loss_of(w, r, x, mb, where), w, r)
-        dw, drest = vjp(seed_of(loss, aux))
-        return result(dw=dw, drest=drest)
-
-    return {_IDLE: idle, _F: forward, _F_FIRST: forward_first, _B: backward,
-            _B_FIRST: backward_first, _B_LAST: backward_last, _I: input_grad,
-            _I_FIRST: input_grad_first, _I_LAST: input_grad_last, _W: weight_grad,
-            _W_FIRST: weight_grad_first, _W_LAST: weight_grad_last}
