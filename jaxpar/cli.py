@@ -29,9 +29,11 @@ Exit status: 0 done; 2 bad input (the one-line message says what to fix); 3 a no
 step with train.nonfinite=stop; 4 stopped by SIGTERM or a first Ctrl-C, with a checkpoint
 of the current step written (run the same command to resume); 5 a checkpoint or a file
 could not be written (disk full, I/O error; the complete checkpoints stay usable); 6 more
-steps skipped than train.max_skipped / train.max_consecutive_skipped allow; 130 stopped
-by Ctrl-C before training began, or by a second Ctrl-C (no checkpoint of the current
-step). Errors print one line; --debug (or JAXPAR_DEBUG=1) prints the traceback too.
+steps skipped than train.max_skipped / train.max_consecutive_skipped allow; 70 an
+internal error (a bug in jaxpar, JAX or the model's own code, not bad input: the line says
+where its traceback was written); 130 stopped by Ctrl-C before training began, or by a
+second Ctrl-C (no checkpoint of the current step). Errors print one line; --debug (or
+JAXPAR_DEBUG=1) prints the traceback too.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import errno
 import logging
 import os
 import sys
+import tempfile
 import threading
 import traceback
 import warnings
@@ -49,24 +52,22 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from jaxpar.config import Config, load_config, run_dir_for
+from jaxpar.errors import (
+    BAD_INPUT,
+    INTERNAL,
+    INTERRUPTED,
+    WRITE_FAILED,
+    CheckpointError,
+    JaxparError,
+    NonFiniteStop,
+    Preempted,
+)
 
 if TYPE_CHECKING:
     from jaxpar.task import Task
 
-#: Exit status of a user mistake (a bad setting, file or path): the message says the fix.
-BAD_INPUT = 2
-#: Exit status of a non-finite step under ``train.nonfinite=stop``.
-NONFINITE_STOP = 3
-#: Exit status after a SIGTERM or a first Ctrl-C: the checkpoint of the current step is
-#: complete on disk.
-PREEMPTED = 4
-#: Exit status when writing a checkpoint (or another file) failed — also an asynchronous
-#: save found at exit, and a full disk.
-CHECKPOINT_FAILED = 5
-#: Exit status when ``train.nonfinite=skip`` skipped more steps than its limits allow.
-TOO_MANY_SKIPPED = 6
-#: Exit status of a Ctrl-C before training began, or of a second Ctrl-C (128 + SIGINT).
-INTERRUPTED = 130
+#: Exit status when writing a checkpoint (or another file) failed (tests import it here).
+CHECKPOINT_FAILED = WRITE_FAILED
 _PATH_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR,
                 errno.EISDIR, errno.EEXIST, errno.ENAMETOOLONG, errno.ENOTEMPTY}
 
@@ -445,42 +446,53 @@ _NOISY_LOGGERS = ("absl", "orbax", "jax._src.distributed", "grain", "asyncio")
 
 
 def _failure(err: BaseException) -> tuple[int, str] | None:
-    """The exit status and the one-line message of an error, or None for one that is a
-    bug (its traceback is printed)."""
-    from jaxpar.checkpoint import CheckpointError, disk_full_cause, free_space
-    from jaxpar.hooks.metrics import TooManySkipped
-    from jaxpar.resume import Preempted
+    """The exit status and the one-line message of an error jaxpar explains, or None for
+    one it does not (a bug: reported by :func:`_internal`)."""
+    from jaxpar.checkpoint import disk_full_cause, free_space
 
     if isinstance(err, KeyboardInterrupt):
         return INTERRUPTED, ("jaxpar: interrupted (Ctrl-C); no checkpoint was written by this "
                              "interruption (the complete ones stay usable)")
-    if isinstance(err, Preempted):
-        return PREEMPTED, f"jaxpar: {err}"
-    if isinstance(err, CheckpointError):
-        return CHECKPOINT_FAILED, f"jaxpar: checkpoint error: {err}"
-    if isinstance(err, TooManySkipped):
-        return TOO_MANY_SKIPPED, f"jaxpar: stopped: {err}"
-    if isinstance(err, FloatingPointError):  # train.nonfinite=stop
-        return NONFINITE_STOP, f"jaxpar: stopped: {err}"
-    if isinstance(err, ValueError):  # a user mistake: the message says what to fix
+    if isinstance(err, JaxparError):
         from jaxpar.distributed import PortInUse
         from jaxpar.launch import ENV_RETRY_PORT, PORT_TAKEN
 
         if isinstance(err, PortInUse) and os.environ.get(ENV_RETRY_PORT):
             return PORT_TAKEN, f"jaxpar: {err} (jaxpar launch tries another port)"
-        return BAD_INPUT, f"jaxpar: error: {err}"
+        kind = ("" if isinstance(err, Preempted) else "checkpoint error: "
+                if isinstance(err, CheckpointError) else "stopped: "
+                if isinstance(err, NonFiniteStop) else "error: ")
+        return err.exit_status, f"jaxpar: {kind}{err}"
     if isinstance(err, OSError):
         where = f" '{err.filename}'" if err.filename else ""
         if disk_full_cause(err) is not None:
             space = free_space(err.filename) if err.filename else "free space unknown"
-            return CHECKPOINT_FAILED, (
+            return WRITE_FAILED, (
                 f"jaxpar: disk full: writing{where} failed: No space left on device ({space} "
                 "there); free space and run the same command to resume from the last "
                 "checkpoint")
         text = err.strerror or str(err)
-        status = BAD_INPUT if err.errno in _PATH_ERRNOS else CHECKPOINT_FAILED
+        status = BAD_INPUT if err.errno in _PATH_ERRNOS else WRITE_FAILED
         return status, f"jaxpar: error: {text}:{where}" if where else f"jaxpar: error: {text}"
     return None
+
+
+def _internal(err: BaseException, debug: bool) -> tuple[int, str]:
+    """An exception jaxpar does not explain is a bug — in jaxpar, in JAX or in a model's own
+    code — never the user's bad input: one line saying so and where the traceback is."""
+    text = "".join(traceback.format_exception(err))
+    if debug:
+        where = "above"
+        print(text, file=sys.stderr, end="", flush=True)
+    else:
+        fd, path = tempfile.mkstemp(prefix="jaxpar-internal-error-", suffix=".txt")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        where = f"in {path} (or run with JAXPAR_DEBUG=1)"
+    first = (str(err).strip().splitlines() or [""])[0]
+    return INTERNAL, (f"jaxpar: internal error: {type(err).__name__}: {first} — not a setting "
+                      "jaxpar checks, but a bug in jaxpar, JAX or the model's own code; the "
+                      f"traceback is {where}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -514,11 +526,13 @@ def main(argv: list[str] | None = None) -> int:
                 plot(args)
                 return 0
             _run(args)
+    except SystemExit:
+        raise
     except BaseException as err:
-        failure = _failure(err) if not isinstance(err, SystemExit) else None
+        failure = _failure(err)
         if failure is None:
-            raise
-        if debug:
+            failure = _internal(err, debug)
+        elif debug:
             traceback.print_exc()
         status, message = failure
         print(message, file=sys.stderr, flush=True)
@@ -536,7 +550,7 @@ def console() -> None:
     where the writer's leftover background tasks (tensorstore, asyncio) would print
     tracebacks about their closed event loop after the one-line report."""
     status = main()
-    if status == CHECKPOINT_FAILED and os.environ.get("JAXPAR_DEBUG", "") in ("", "0"):
+    if status == WRITE_FAILED and os.environ.get("JAXPAR_DEBUG", "") in ("", "0"):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)

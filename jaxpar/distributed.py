@@ -33,9 +33,10 @@ import jax
 
 from jaxpar.config import DistributedConfig
 from jaxpar.environ import ENV_BIND, ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from jaxpar.errors import JaxparError
 
 
-class PortInUse(ValueError):
+class PortInUse(JaxparError, ValueError):
     """The coordinator's port is taken by another program."""
 
 

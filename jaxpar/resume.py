@@ -31,18 +31,6 @@ from jaxpar.files import check_output_file, ensure_dir
 from jaxpar.run import Run, build, eval_metric_names, host_value, to_host
 from jaxpar.state import TrainState
 
-
-class Preempted(Exception):
-    """Raised by :func:`jaxpar.loop.fit` after a SIGTERM or a first Ctrl-C (SIGINT): a
-    checkpoint of ``step`` is written."""
-
-    def __init__(self, step: int, directory: Path, signame: str = "SIGTERM"):
-        what = "interrupted (Ctrl-C)" if signame == "SIGINT" else f"preempted ({signame})"
-        super().__init__(f"{what}: checkpoint of step {step} written to {directory}; run "
-                         "the same command to resume")
-        self.step, self.signame = step, signame
-
-
 _SIGTERM = threading.Event()
 _SIGNAL: list[str] = []  # the name of the first stop signal received
 #: what a second Ctrl-C does: end the process at once (the ``jaxpar`` command), or raise

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from jaxpar.errors import NonFiniteStop, TooManySkipped
 from jaxpar.hooks.base import Context, Hook
 
 
@@ -88,15 +89,6 @@ class TensorBoard(Hook):
 
     def on_end(self, ctx: Context) -> None:
         self.writer.close()
-
-
-class NonFiniteStop(FloatingPointError):
-    """A step was not finite and ``train.nonfinite=stop`` (exit status 3)."""
-
-
-class TooManySkipped(FloatingPointError):
-    """``train.nonfinite=skip`` skipped more steps than ``train.max_skipped`` or
-    ``train.max_consecutive_skipped`` allow (exit status 6)."""
 
 
 def _what_was_not_finite(metrics: dict[str, Any]) -> str:

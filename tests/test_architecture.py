@@ -1,0 +1,79 @@
+"""The architecture as a test: the import-linter contracts in pyproject.toml hold (imports
+flow down the layers of README → "Repository layout", no circles, models know models),
+they fail when an upward import is added, no jaxpar import hides inside a function, and no
+module outgrows a few screens."""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "jaxpar"
+#: the command-line entry point may import lazily (start-up time, Ctrl-C before JAX starts)
+LAZY_IMPORTS_ALLOWED = {"cli.py"}
+MAX_LINES = 400
+
+
+def _lint(root: Path) -> subprocess.CompletedProcess:
+    """``lint-imports`` with the contracts of ``root``'s pyproject.toml over ``root``'s
+    package (a fresh analysis: no cache)."""
+    code = ("import sys; from importlinter.cli import lint_imports; "
+            "sys.exit(lint_imports(config_filename='pyproject.toml', no_cache=True, "
+            "no_logo=True))")
+    return subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
+                          text=True, env={"PYTHONPATH": str(root), "PATH": ""}, timeout=300)
+
+
+def test_import_contracts_hold():
+    out = _lint(ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "BROKEN" not in out.stdout and "KEPT" in out.stdout
+
+
+@pytest.mark.parametrize("module,imports,broken", [
+    ("mesh.py", "import jaxpar.loop", "jaxpar.mesh -> jaxpar.loop"),  # upward
+    ("models/gpt.py", "import jaxpar.data.sources", "jaxpar.models.gpt -> jaxpar.data.sources"),
+    ("plan/checks.py", "import jaxpar.plan.plan", "No cycles are allowed in jaxpar.plan"),
+])
+def test_import_contracts_catch_a_bad_import(tmp_path, module, imports, broken):
+    """The contracts can fail: the same tree with one bad import added is refused, naming it."""
+    shutil.copytree(PACKAGE, tmp_path / "jaxpar", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    target = tmp_path / "jaxpar" / module
+    target.write_text(target.read_text() + f"\n{imports}  # added by the test\n")
+    out = _lint(tmp_path)
+    assert out.returncode != 0
+    assert "BROKEN" in out.stdout and broken in out.stdout, out.stdout
+
+
+def _modules() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def test_no_jaxpar_import_inside_a_function():
+    """A function-level import hides a circle: only the command line imports lazily."""
+    found = []
+    for path in _modules():
+        if path.name in LAZY_IMPORTS_ALLOWED:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for sub in ast.walk(node):
+                names = ([sub.module or ""] if isinstance(sub, ast.ImportFrom) else
+                         [a.name for a in sub.names] if isinstance(sub, ast.Import) else [])
+                if any(n == "jaxpar" or n.startswith("jaxpar.") for n in names):
+                    found.append(f"{path.relative_to(ROOT)}:{sub.lineno}")
+    assert not found, f"jaxpar imported inside a function: {', '.join(found)}"
+
+
+def test_no_module_over_400_lines():
+    long = {str(p.relative_to(ROOT)): n for p in _modules()
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
