@@ -50,6 +50,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxpar.errors import ConfigError, DataError
 from jaxpar.models.gpt import GPTConfig
 
 CONFIG = "config.json"
@@ -71,7 +72,7 @@ def check_exportable(family: str, cfg: Any) -> None:
     """
     if not isinstance(cfg, GPTConfig):
         what = f"model.name={family}" if family else "a user's task (--task)"
-        raise ValueError(f"--format hf writes GPT-2's layout (GPT2LMHeadModel, a decoder-only "
+        raise ConfigError(f"--format hf writes GPT-2's layout (GPT2LMHeadModel, a decoder-only "
                          f"transformer LM, jaxpar's model.name=gpt); this run is {what}: use "
                          "--format npz")
     why = []
@@ -82,7 +83,7 @@ def check_exportable(family: str, cfg: Any) -> None:
         why.append(f"model.positions={cfg.positions} (GPT-2 adds learned positions, wpe; it "
                    "has no rotary embedding)")
     if why:
-        raise ValueError("--format hf: GPT-2's layout cannot hold this model: "
+        raise ConfigError("--format hf: GPT-2's layout cannot hold this model: "
                          + "; ".join(why) + "; use --format npz")
 
 
@@ -146,7 +147,7 @@ def from_hf(tensors: dict[str, np.ndarray], cfg: Any, where: str = "") -> dict[s
     """HF GPT-2 tensors by name → jaxpar GPT parameters (a pure dict of float32 arrays).
 
     Raises:
-      ValueError: naming the missing, unexpected and misshapen tensors, or an untied
+      DataError: naming the missing, unexpected and misshapen tensors, or an untied
         ``lm_head.weight``.
     """
     L, D, N, H, F = cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.d_ff
@@ -172,7 +173,7 @@ def from_hf(tensors: dict[str, np.ndarray], cfg: Any, where: str = "") -> dict[s
         problems.append("lm_head.weight differs from wte.weight (an untied output layer; "
                         "GPT-2's is tied, as jaxpar's model.tie_embeddings=true)")
     if problems:
-        raise ValueError(f"model.init_from={where}: the weights do not fit GPT-2's layout for "
+        raise DataError(f"model.init_from={where}: the weights do not fit GPT-2's layout for "
                          "this model: " + "; ".join(problems))
     t = {k: np.asarray(v, np.float32) for k, v in t.items()}
 
@@ -240,23 +241,23 @@ def read_config(directory: str | Path, cfg: Any) -> dict[str, Any]:
     """``directory/config.json``, checked against the run's model config.
 
     Raises:
-      ValueError: one line naming the missing file, or each difference and the
+      DataError: one line naming the missing file, or each difference and the
         override that fixes it.
     """
     where = f"model.init_from={directory}"
     path = Path(directory) / CONFIG
     if not path.is_file():
-        raise ValueError(f"{where}: no {CONFIG} there; give a directory holding a Hugging "
+        raise DataError(f"{where}: no {CONFIG} there; give a directory holding a Hugging "
                          f"Face GPT-2 model ({CONFIG} and {WEIGHTS})")
     try:
         hf = json.loads(path.read_text())
     except (OSError, ValueError) as err:
-        raise ValueError(f"{where}: {CONFIG} cannot be read: {err}") from None
+        raise DataError(f"{where}: {CONFIG} cannot be read: {err}") from None
     diffs = config_differences(hf, cfg)
     if diffs:
         fixes = [d.rsplit("(set ", 1)[1].rstrip(")") for d in diffs if "(set " in d]
         tail = f"; to match it, pass {' '.join(fixes)}" if fixes else ""
-        raise ValueError(f"{where}: {CONFIG} does not match this run's model: "
+        raise DataError(f"{where}: {CONFIG} does not match this run's model: "
                          + "; ".join(diffs) + tail)
     return hf
 
@@ -272,7 +273,7 @@ def read_tensors(directory: str | Path) -> dict[str, np.ndarray]:
         weight_map = json.loads((directory / INDEX).read_text())["weight_map"]
         files = [directory / name for name in sorted(set(weight_map.values()))]
     else:
-        raise ValueError(f"model.init_from={directory}: no {WEIGHTS} there (only safetensors "
+        raise DataError(f"model.init_from={directory}: no {WEIGHTS} there (only safetensors "
                          "files are read; convert a pytorch_model.bin with transformers' "
                          "save_pretrained(safe_serialization=True))")
     tensors: dict[str, np.ndarray] = {}
@@ -295,7 +296,7 @@ def params_loader(cfg: Any) -> Callable[[], dict[str, Any]]:
     trainer initializes a fresh run.
 
     Raises:
-      ValueError: see :func:`read_config`.
+      DataError: see :func:`read_config`.
     """
     directory = cfg.init_from
     read_config(directory, cfg)

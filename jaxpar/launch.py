@@ -43,6 +43,7 @@ from jaxpar.environ import (
     PORT_TAKEN,
     force_device_count,
 )
+from jaxpar.errors import ConfigError
 
 _PORT_TRIES = 5
 
@@ -119,18 +120,18 @@ def launch(count: int, args: Sequence[str], *, devices_per_process: int = 0,
     and its processes had to be killed.
 
     Raises:
-      ValueError: for a count below 1, a negative device count or no command.
+      ConfigError: for a count below 1, a negative device count or no command.
     """
     if count < 1:
-        raise ValueError(f"-n {count}: launch at least one process")
+        raise ConfigError(f"-n {count}: launch at least one process")
     if devices_per_process < 0:
-        raise ValueError(f"--devices-per-process {devices_per_process} must be ≥ 0")
+        raise ConfigError(f"--devices-per-process {devices_per_process} must be ≥ 0")
     cores = os.cpu_count() or 1
     if cpus_per_process < 0 or count * cpus_per_process > cores:
-        raise ValueError(f"--cpus-per-process {cpus_per_process} × -n {count} must be within "
+        raise ConfigError(f"--cpus-per-process {cpus_per_process} × -n {count} must be within "
                          f"the {cores} CPU cores of this machine")
     if not args:
-        raise ValueError("nothing to launch: give a jaxpar command after --, e.g. "
+        raise ConfigError("nothing to launch: give a jaxpar command after --, e.g. "
                          "jaxpar launch -n 2 -- train")
     out = out or sys.stdout
     lock = threading.Lock()

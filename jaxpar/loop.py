@@ -29,7 +29,7 @@ from jaxpar import rundir
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import Config
 from jaxpar.data import Loader
-from jaxpar.errors import Preempted
+from jaxpar.errors import Preempted, RestoreError
 from jaxpar.hooks import Context, Hook, default_hooks
 from jaxpar.mesh import describe_devices, describe_mesh, setup_devices
 from jaxpar.pipeline.chart import describe_pipeline
@@ -74,7 +74,7 @@ def prepare_run_dir(config: Config, start_step: int = 0,
     checkpoint's) writes ``config.<start_step>.yaml`` and says what changed.
 
     Raises:
-      ValueError: when the run dir cannot be created or written, or ``metrics.jsonl``
+      RestoreError: when the run dir cannot be created or written, or ``metrics.jsonl``
         has a damaged line before its last.
     """
     run_dir = rundir.ensure_dir(config.run.dir, "run.dir")
@@ -131,7 +131,7 @@ def open_loader(run: Run, data_state: dict[str, Any] | None = None,
     (with ``step``, the step that checkpoint holds: the position must match it).
 
     Raises:
-      ValueError: when the saved position comes from other data settings, or does not
+      RestoreError: when the saved position comes from other data settings, or does not
         belong to ``step``.
     """
     loader = run.data.loader(run.config.train.batch_size, run.config.data)
@@ -140,13 +140,13 @@ def open_loader(run: Run, data_state: dict[str, Any] | None = None,
             loader.set_state(data_state)
         except ValueError as err:
             loader.close()
-            raise ValueError(
+            raise RestoreError(
                 f"the checkpoint's data position does not fit this run ({err}) — keep "
                 "train.batch_size, run.seed and the data settings of the run you resume, "
                 "or start afresh (checkpoint.resume=never with a new run.dir)") from err
     if step is not None and loader.batches_consumed != step:
         loader.close()
-        raise ValueError(f"the checkpoint of step {step} holds a data position after "
+        raise RestoreError(f"the checkpoint of step {step} holds a data position after "
                          f"{loader.batches_consumed} batches; it is not a jaxpar train "
                          "checkpoint of this run — start afresh (checkpoint.resume=never)")
     return loader
@@ -261,7 +261,7 @@ def train(config: Config | None = None, *, task: Task | None = None,
       echo: print the start-up lines and the summary (process 0).
 
     Raises:
-      ValueError: a bad setting, path or checkpoint, or a run dir another run holds.
+      RestoreError: a bad setting, path or checkpoint, or a run dir another run holds.
       Preempted: after a SIGTERM or a first Ctrl-C, once the checkpoint is written.
       FloatingPointError: a non-finite step (``NonFiniteStop``, ``TooManySkipped``).
       CheckpointError: a checkpoint could not be written.

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from jaxpar.errors import PathError
 from jaxpar.figures import DPI, image_format, new_figure, save_figure  # noqa: F401 (DPI)
 
 if TYPE_CHECKING:
@@ -32,11 +33,11 @@ def _metrics_path(run_dir: str | Path) -> Path:
     if path.is_file():
         return path
     if not path.is_dir():
-        raise ValueError(f"{path}: no such run directory; give the run.dir of a training run "
+        raise PathError(f"{path}: no such run directory; give the run.dir of a training run "
                          f"(the folder holding {METRICS_FILE})")
     metrics = path / METRICS_FILE
     if not metrics.is_file():
-        raise ValueError(f"{metrics} not found: {path} is not a run directory; give the run.dir "
+        raise PathError(f"{metrics} not found: {path} is not a run directory; give the run.dir "
                          "of a run that `jaxpar train` has logged into")
     return metrics
 
@@ -48,7 +49,7 @@ def read_rows(run_dir: str | Path) -> list[dict[str, Any]]:
     one still running) is skipped with a warning.
 
     Raises:
-      ValueError: if there is no such file, it holds no row, or a line before the last
+      PathError: if there is no such file, it holds no row, or a line before the last
         is not a JSON object with a ``step``; the message names the path.
     """
     path = _metrics_path(run_dir)
@@ -67,10 +68,10 @@ def read_rows(run_dir: str | Path) -> list[dict[str, Any]]:
             warnings.warn(f"{path}:{number}: skipped the last line, {problem} (a truncated "
                           "write?)", stacklevel=2)
         else:
-            raise ValueError(f"{path}:{number}: {problem}; each line must be a JSON object "
+            raise PathError(f"{path}:{number}: {problem}; each line must be a JSON object "
                              "with a 'step' (fix or delete that line)")
     if not rows:
-        raise ValueError(f"{path} holds no rows: the run has logged no step yet; plot it "
+        raise PathError(f"{path} holds no rows: the run has logged no step yet; plot it "
                          "after its first log step (train.log_every)")
     return rows
 
@@ -119,14 +120,14 @@ def load_run(run_dir: str | Path, name: str | None = None) -> RunCurves:
     rows of their own (``step`` and the ``eval_*`` metrics) or in a train row.
 
     Raises:
-      ValueError: as :func:`read_rows`, or if no row has ``loss`` or ``eval_loss``.
+      PathError: as :func:`read_rows`, or if no row has ``loss`` or ``eval_loss``.
     """
     path = _metrics_path(run_dir)
     rows = read_rows(path)
     train = [r for r in rows if isinstance(r.get("loss"), (int, float))]
     evals = [r for r in rows if isinstance(r.get("eval_loss"), (int, float))]
     if not train and not evals:
-        raise ValueError(f"{path}: no row has 'loss' or 'eval_loss' (keys seen: "
+        raise PathError(f"{path}: no row has 'loss' or 'eval_loss' (keys seen: "
                          f"{', '.join(sorted({k for r in rows for k in r}))}); give the "
                          "metrics of a training run")
     train_tokens = [r["tokens"] for r in train] if all("tokens" in r for r in train) else None
@@ -199,11 +200,11 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path = "plot.png") -> Path:
     """Draws :func:`loss_figure` of the runs in ``run_dirs`` and writes it at ``out``.
 
     Raises:
-      ValueError: for a directory without ``metrics.jsonl``, an empty or malformed one, or
+      PathError: for a directory without ``metrics.jsonl``, an empty or malformed one, or
         an image suffix matplotlib cannot write; the message names the path.
     """
     if not run_dirs:
-        raise ValueError("jaxpar plot needs at least one run directory")
+        raise PathError("jaxpar plot needs at least one run directory")
     image_format(out)  # a bad suffix fails before any reading
     runs = [load_run(d, name) for d, name in zip(run_dirs, run_names(run_dirs))]
     return save_figure(loss_figure(runs), out)

@@ -91,7 +91,7 @@ class RunDirLock:
 
         Raises:
           RunDirBusy: when another live run holds it, naming its pid and host.
-          ValueError: when the directory cannot be created or written.
+          PathError: when the directory cannot be created or written.
         """
         ensure_dir(self.directory, self.what)
         me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
@@ -178,7 +178,7 @@ def locked(directories: list[tuple[Path, str]]) -> Iterator[list[RunDirLock]]:
 
             ok = int(multihost_utils.broadcast_one_to_all(np.int32(error is None)))
             if not ok and error is None:
-                raise ValueError("process 0 could not take the run directory (its message "
+                raise PathError("process 0 could not take the run directory (its message "
                                  "says why)")
         if error is not None:
             raise error
@@ -194,7 +194,7 @@ def read_rows(path: Path, repair: bool = True) -> list[tuple[int, str]]:
     writer died mid-line) is dropped with a warning.
 
     Raises:
-      ValueError: for a line before the last that is not a JSON row with a ``step``.
+      PathError: for a line before the last that is not a JSON row with a ``step``.
     """
     try:
         text = path.read_bytes().decode("utf-8", errors="replace")
@@ -212,7 +212,7 @@ def read_rows(path: Path, repair: bool = True) -> list[tuple[int, str]]:
                 warnings.warn(f"{path}: the last line is cut short ({shown!r}, the run that "
                               "wrote it stopped mid-line); it is dropped", stacklevel=2)
                 break
-            raise ValueError(f"{path}, line {n}: not a metrics row ({line[:60]!r}); fix or "
+            raise PathError(f"{path}, line {n}: not a metrics row ({line[:60]!r}); fix or "
                              "delete that line, or move the file away") from None
         rows.append((step, line))
     return rows

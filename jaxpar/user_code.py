@@ -18,13 +18,14 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from jaxpar.errors import TaskError
 from jaxpar.task import Task
 
 
 def _split(spec: str, what: str) -> tuple[str, str]:
     where, sep, name = spec.rpartition(":")
     if not sep or not where or not name.isidentifier():
-        raise ValueError(f"{what} '{spec}' must look like path/to/file.py:NAME or "
+        raise TaskError(f"{what} '{spec}' must look like path/to/file.py:NAME or "
                          "package.module:NAME")
     return where, name
 
@@ -50,7 +51,7 @@ def _import_file(path: Path, what: str) -> ModuleType:
     return module
 
 
-class _ImportFailed(ValueError):
+class _ImportFailed(TaskError):
     """Importing a user's module failed inside the user's code."""
 
     def __init__(self, what: str, where: str, err: BaseException):
@@ -70,14 +71,14 @@ def _module(where: str, what: str) -> ModuleType:
     if where.endswith(".py") or "/" in where or "\\" in where:
         path = Path(where)
         if not path.is_file():
-            raise ValueError(f"{what} file '{where}' does not exist; give the path of a Python "
+            raise TaskError(f"{what} file '{where}' does not exist; give the path of a Python "
                              "file, e.g. examples/research_cnn.py:TASK")
         return _import_file(path.resolve(), what)
     try:
         return importlib.import_module(where)
     except ModuleNotFoundError as err:
         if err.name and where.startswith(err.name):
-            raise ValueError(f"{what}: no module named '{where}'; give FILE.py:NAME, or make "
+            raise TaskError(f"{what}: no module named '{where}'; give FILE.py:NAME, or make "
                              "the package importable (pip install it, or set PYTHONPATH)") from err
         raise _ImportFailed(what, where, err) from err
     except Exception as err:
@@ -88,7 +89,7 @@ def load_object(spec: str, what: str) -> Any:
     """The object ``NAME`` of ``path/to/file.py:NAME`` or ``package.module:NAME``.
 
     Raises:
-      ValueError: naming the spec, for a missing file or module, an import that failed,
+      TaskError: naming the spec, for a missing file or module, an import that failed,
         or a name the module does not define (listing what it does define).
     """
     where, name = _split(spec, what)
@@ -96,7 +97,7 @@ def load_object(spec: str, what: str) -> Any:
     if not hasattr(module, name):
         public = [n for n in vars(module) if not n.startswith("_")
                   and not inspect.ismodule(getattr(module, n))]
-        raise ValueError(f"{what} '{spec}': '{where}' defines no '{name}'; it defines "
+        raise TaskError(f"{what} '{spec}': '{where}' defines no '{name}'; it defines "
                          f"{', '.join(sorted(public)) or 'nothing public'}")
     return getattr(module, name)
 
@@ -110,7 +111,7 @@ def _call(fn: Any, config: Any, spec: str) -> Any:
     except (TypeError, ValueError):
         params = []
     if len(params) > 1:
-        raise ValueError(f"--task '{spec}' is a function of {len(params)} arguments; point "
+        raise TaskError(f"--task '{spec}' is a function of {len(params)} arguments; point "
                          "--task at a jaxpar.Task, or at a function of no arguments or of one "
                          "(the config) that returns one")
     return fn(config) if params else fn()
@@ -122,7 +123,7 @@ def load_task(spec: str, config: Any = None) -> Task:
     named after ``NAME``'s file or module (``research_cnn``), which names its run dir.
 
     Raises:
-      ValueError: see :func:`load_object`; also when ``NAME`` is not a Task and does not
+      TaskError: see :func:`load_object`; also when ``NAME`` is not a Task and does not
         return one.
     """
     obj = load_object(spec, "--task")
@@ -130,11 +131,11 @@ def load_task(spec: str, config: Any = None) -> Task:
     task = obj
     if not isinstance(obj, Task):
         if not callable(obj) or inspect.isclass(obj):
-            raise ValueError(f"--task '{spec}' is a {type(obj).__name__}, not a jaxpar.Task or a "
+            raise TaskError(f"--task '{spec}' is a {type(obj).__name__}, not a jaxpar.Task or a "
                              "function returning one; point --task at a Task")
         task = _call(obj, config, spec)
         if not isinstance(task, Task):
-            raise ValueError(f"--task '{spec}' returned a {type(task).__name__}, not a "
+            raise TaskError(f"--task '{spec}' returned a {type(task).__name__}, not a "
                              "jaxpar.Task; make it return jaxpar.Task(model_fn, loss_fn, "
                              "batch_axes, …)")
     if not task.name:
@@ -152,7 +153,7 @@ def load_hooks(specs: tuple[str, ...] | list[str]) -> list[Any]:
         events = ("on_start", "before_step", "on_state", "on_step", "on_eval", "on_save",
                   "on_end")
         if not any(callable(getattr(hook, e, None)) for e in events):
-            raise ValueError(f"train.hooks entry '{spec}' gave a {type(hook).__name__}, which "
+            raise TaskError(f"train.hooks entry '{spec}' gave a {type(hook).__name__}, which "
                              f"has none of the hook methods ({', '.join(events)}); subclass "
                              "jaxpar.Hook")
         hooks.append(hook)

@@ -36,6 +36,8 @@ from typing import Any, Protocol, Self
 import grain
 import numpy as np
 
+from jaxpar.errors import DataError
+
 _STATE_VERSION = 2
 # Fields of the state dict that must match the restoring loader: they fix the global batch
 # sequence. The process count and index, `workers`, `threads`, `prefetch` and `num_epochs`
@@ -57,7 +59,7 @@ class RandomAccessSource(Protocol):
 def _check_range(start: int, end: int | None, n: int, what: str) -> int:
     end = n if end is None else end
     if not 0 <= start <= end <= n:
-        raise ValueError(f"{what}: start={start}, end={end} must satisfy 0 <= start <= end <= {n}")
+        raise DataError(f"{what}: start={start}, end={end} must satisfy 0 <= start <= end <= {n}")
     return end
 
 
@@ -78,15 +80,15 @@ class TokenWindows:
     def __init__(self, tokens: np.ndarray, seq_len: int, start: int = 0, end: int | None = None,
                  with_index: bool = False):
         if tokens.ndim != 1:
-            raise ValueError(f"tokens must be a 1-D array of token ids, got shape {tokens.shape}")
+            raise DataError(f"tokens must be a 1-D array of token ids, got shape {tokens.shape}")
         if seq_len < 1:
-            raise ValueError(f"data.seq_len={seq_len} must be at least 1")
+            raise DataError(f"data.seq_len={seq_len} must be at least 1")
         self.tokens, self.seq_len, self.start = tokens, seq_len, start
         self.with_index = with_index
         self.end = _check_range(start, end, tokens.size, "TokenWindows")
         self._len = max(0, (self.end - start - 1) // seq_len)
         if self._len == 0:
-            raise ValueError(
+            raise DataError(
                 f"data.seq_len={seq_len} needs {seq_len + 1} tokens for one window but the span "
                 f"[{start}, {self.end}) holds {self.end - start} tokens; lower data.seq_len or "
                 "use more text")
@@ -134,7 +136,7 @@ class ArrayExamples:
     def __init__(self, images: np.ndarray, labels: np.ndarray, start: int = 0,
                  end: int | None = None):
         if images.ndim not in (3, 4) or labels.ndim != 1 or len(images) != len(labels):
-            raise ValueError(f"images {images.shape} and labels {labels.shape} must be "
+            raise DataError(f"images {images.shape} and labels {labels.shape} must be "
                              "(N,H,W[,C]) and (N,)")
         self.images, self.labels, self.start = images, labels, start
         self.end = _check_range(start, end, len(labels), "ArrayExamples")
@@ -161,14 +163,14 @@ def _check_batch(num_items: int, global_batch_size: int, process_index: int,
                  process_count: int) -> int:
     """Validates the batch against the processes and the source; returns rows per process."""
     if process_count < 1 or not 0 <= process_index < process_count:
-        raise ValueError(f"process_index={process_index} must be in [0, {process_count}) "
+        raise DataError(f"process_index={process_index} must be in [0, {process_count}) "
                          f"with process_count={process_count} >= 1")
     if global_batch_size < 1 or global_batch_size % process_count:
-        raise ValueError(
+        raise DataError(
             f"train.batch_size={global_batch_size} must be a positive multiple of the process "
             f"count {process_count} (each process loads batch_size / process_count rows)")
     if num_items < global_batch_size:
-        raise ValueError(
+        raise DataError(
             f"the data source has {num_items} items, fewer than one global batch of "
             f"train.batch_size={global_batch_size}; lower train.batch_size or use more data")
     return global_batch_size // process_count
@@ -238,7 +240,7 @@ def _workers_ignore_ctrl_c(worker_index: int, worker_count: int) -> None:
 def shuffle_seed(seed: int) -> int:
     """The 32-bit grain shuffle seed for a user seed (epoch ``e`` uses this ``+ e``)."""
     if seed < 0:
-        raise ValueError(f"seed={seed} must be a non-negative integer")
+        raise DataError(f"seed={seed} must be a non-negative integer")
     return int(np.random.SeedSequence(seed).generate_state(1, dtype=np.uint32)[0])
 
 
@@ -286,7 +288,7 @@ class Loader(Iterator[dict[str, np.ndarray]]):
       workers: grain worker processes (``mp_prefetch``); ``0`` uses none.
 
     Raises:
-      ValueError: ``B`` not divisible by ``P``, fewer items than ``B``, or a bad argument.
+      DataError: ``B`` not divisible by ``P``, fewer items than ``B``, or a bad argument.
     """
 
     def __init__(self, source: RandomAccessSource, *, global_batch_size: int, seed: int,
@@ -296,9 +298,9 @@ class Loader(Iterator[dict[str, np.ndarray]]):
         n = len(source)
         rows = _check_batch(n, global_batch_size, process_index, process_count)
         if num_epochs is not None and num_epochs < 1:
-            raise ValueError(f"num_epochs={num_epochs} must be >= 1, or None to run forever")
+            raise DataError(f"num_epochs={num_epochs} must be >= 1, or None to run forever")
         if min(threads, prefetch, workers) < 0:
-            raise ValueError(f"threads={threads}, prefetch={prefetch} and workers={workers} "
+            raise DataError(f"threads={threads}, prefetch={prefetch} and workers={workers} "
                              "must be >= 0")
         self.local_batch_size = rows
         self.steps_per_epoch = n // global_batch_size
@@ -350,12 +352,12 @@ class Loader(Iterator[dict[str, np.ndarray]]):
         """Continues after the ``batches_consumed`` global batches of a saved state.
 
         Raises:
-          ValueError: the state comes from a loader with another global batch sequence.
+          DataError: the state comes from a loader with another global batch sequence.
         """
         differ = [f"{k}: saved {state.get(k)!r}, here {self._meta[k]!r}"
                   for k in ("version", *_STATE_MUST_MATCH) if state.get(k) != self._meta[k]]
         if differ:
-            raise ValueError("loader state comes from another batch sequence — "
+            raise DataError("loader state comes from another batch sequence — "
                              + "; ".join(differ))
         self._iter.close()
         self.batches_consumed = int(state["batches_consumed"])

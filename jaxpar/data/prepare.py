@@ -34,6 +34,7 @@ from jaxpar.data.tokenizers import (
     load_tokenizer,
     sha256_of,
 )
+from jaxpar.errors import DataError
 from jaxpar.files import check_output_file
 
 FORMAT = "jaxpar-tokens"
@@ -45,7 +46,7 @@ _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 def token_dtype(vocab_size: int) -> np.dtype:
     """The narrowest stored dtype for ids in [0, vocab_size): little-endian uint16 or uint32."""
     if not 0 < vocab_size <= 2**32:
-        raise ValueError(f"vocab_size {vocab_size} must be in [1, 2**32]")
+        raise DataError(f"vocab_size {vocab_size} must be in [1, 2**32]")
     return _DTYPES["uint16" if vocab_size <= 2**16 else "uint32"]
 
 
@@ -69,7 +70,7 @@ def _encode_stream(docs: Iterable[tuple[str, bytes]], tok: Tokenizer
 def _check_nonempty(num_tokens: int, sources: list[str]) -> None:
     if num_tokens == 0:
         shown = ", ".join(f"'{s}'" for s in sources[:5]) + (" …" if len(sources) > 5 else "")
-        raise ValueError(f"the inputs ({shown}) hold zero tokens; add files with text in them")
+        raise DataError(f"the inputs ({shown}) hold zero tokens; add files with text in them")
 
 
 def encode_documents(docs: list[tuple[str, bytes]], tokenizer: str | Tokenizer
@@ -83,7 +84,7 @@ def encode_documents(docs: list[tuple[str, bytes]], tokenizer: str | Tokenizer
       ``prepare_data`` writes next to a token file.
 
     Raises:
-      ValueError: when the documents hold no tokens, or a document is not UTF-8 for a
+      DataError: when the documents hold no tokens, or a document is not UTF-8 for a
         Hugging Face tokenizer.
     """
     tok = load_tokenizer(tokenizer)
@@ -111,7 +112,7 @@ def find_inputs(inputs: Iterable[str | os.PathLike], glob: str | None = None,
     """
     inputs = list(inputs)
     if not inputs:
-        raise ValueError("no inputs given; name text files or folders to tokenize")
+        raise DataError("no inputs given; name text files or folders to tokenize")
     skip = {Path(p).resolve() for p in exclude}
     found: list[Path] = []
     for item in inputs:
@@ -120,7 +121,7 @@ def find_inputs(inputs: Iterable[str | os.PathLike], glob: str | None = None,
             found.append(path.absolute())
             continue
         if not path.is_dir():
-            raise ValueError(f"input '{item}' does not exist (or is not a file or folder); "
+            raise DataError(f"input '{item}' does not exist (or is not a file or folder); "
                              "check the path")
         files = []
         for root, dirs, names in os.walk(path):
@@ -134,7 +135,7 @@ def find_inputs(inputs: Iterable[str | os.PathLike], glob: str | None = None,
                 files.append(full)
         if not files:
             what = f"matching --glob '{glob}'" if glob is not None else "(hidden files are skipped)"
-            raise ValueError(f"folder '{item}' holds no files {what}; add text files or "
+            raise DataError(f"folder '{item}' holds no files {what}; add text files or "
                              "change the pattern")
         found.extend(f.absolute() for f in sorted(files, key=lambda f: f.relative_to(path).parts))
     return found
@@ -185,7 +186,7 @@ def prepare_data(inputs: Iterable[str | os.PathLike], out: str | os.PathLike,
       The written file, opened with ``open_tokens``.
 
     Raises:
-      ValueError: for a missing input, a folder without matching files, a non-UTF-8 file
+      DataError: for a missing input, a folder without matching files, a non-UTF-8 file
         with a Hugging Face tokenizer, or inputs holding zero tokens.
     """
     tok = load_tokenizer(tokenizer)
@@ -218,7 +219,7 @@ def _read_input(path: Path) -> bytes:
     try:
         return path.read_bytes()
     except OSError as err:
-        raise ValueError(f"input '{path}' cannot be read: {err.strerror}") from None
+        raise DataError(f"input '{path}' cannot be read: {err.strerror}") from None
 
 
 def _meta_path(path: Path) -> Path:
@@ -229,28 +230,28 @@ def _read_meta(path: Path) -> dict[str, Any]:
     meta_path = _meta_path(path)
     fix = f"re-create it with: jaxpar prepare-data TEXT… --out {path}"
     if not meta_path.is_file():
-        raise ValueError(f"metadata file '{meta_path}' of token file '{path}' is missing; {fix}")
+        raise DataError(f"metadata file '{meta_path}' of token file '{path}' is missing; {fix}")
     try:
         meta = json.loads(meta_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"metadata file '{meta_path}' is not valid JSON ({err}); {fix}") from None
+        raise DataError(f"metadata file '{meta_path}' is not valid JSON ({err}); {fix}") from None
     found = meta.get("format") if isinstance(meta, dict) else None
     if found != FORMAT:
-        raise ValueError(f"metadata file '{meta_path}' is not a {FORMAT} file "
+        raise DataError(f"metadata file '{meta_path}' is not a {FORMAT} file "
                          f"(format={found!r}); {fix}")
     if meta.get("version") != VERSION:
-        raise ValueError(f"metadata file '{meta_path}' has unknown version {meta.get('version')!r}"
+        raise DataError(f"metadata file '{meta_path}' has unknown version {meta.get('version')!r}"
                          f" (this jaxpar reads version {VERSION}); {fix}")
     if meta.get("dtype") not in _DTYPES:
-        raise ValueError(f"metadata file '{meta_path}': dtype {meta.get('dtype')!r} must be "
+        raise DataError(f"metadata file '{meta_path}': dtype {meta.get('dtype')!r} must be "
                          f"one of {sorted(_DTYPES)}; {fix}")
     for key, least in (("vocab_size", 1), ("num_tokens", 0)):
         value = meta.get(key)
         if type(value) is not int or value < least:
-            raise ValueError(f"metadata file '{meta_path}': {key}={value!r} must be an integer "
+            raise DataError(f"metadata file '{meta_path}': {key}={value!r} must be an integer "
                              f">= {least}; {fix}")
     if meta["vocab_size"] - 1 > np.iinfo(_DTYPES[meta["dtype"]]).max:
-        raise ValueError(f"metadata file '{meta_path}': vocab_size={meta['vocab_size']} does not "
+        raise DataError(f"metadata file '{meta_path}': vocab_size={meta['vocab_size']} does not "
                          f"fit dtype {meta['dtype']}; {fix}")
     return meta
 
@@ -264,13 +265,13 @@ def open_tokens(path: str | os.PathLike, validate: bool = False) -> TokenFile:
         the documents tile ``[0, num_tokens)``.
 
     Raises:
-      ValueError: for a missing token or metadata file, metadata that is not jaxpar-tokens
+      DataError: for a missing token or metadata file, metadata that is not jaxpar-tokens
         version 1, a dtype other than uint16/uint32, a file size that does not match
         ``num_tokens`` (truncated or corrupt), or (with ``validate``) an id out of range.
     """
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"token file '{path}' does not exist; create it with: "
+        raise DataError(f"token file '{path}' does not exist; create it with: "
                          f"jaxpar prepare-data TEXT… --out {path}")
     meta = _read_meta(path)
     dtype, num_tokens = _DTYPES[meta["dtype"]], meta["num_tokens"]
@@ -282,11 +283,11 @@ def open_tokens(path: str | os.PathLike, validate: bool = False) -> TokenFile:
                f"its metadata's {meta['dtype']}" if other else
                "it is truncated" if size < num_tokens * dtype.itemsize else
                "it is longer than its metadata says (corrupt, or the metadata is stale)")
-        raise ValueError(f"token file '{path}' has {size} bytes but its metadata says "
+        raise DataError(f"token file '{path}' has {size} bytes but its metadata says "
                          f"{num_tokens} {meta['dtype']} tokens = {num_tokens * dtype.itemsize} "
                          f"bytes: {why}; re-create it with jaxpar prepare-data")
     if num_tokens == 0:  # np.memmap cannot map an empty file
-        raise ValueError(f"token file '{path}' holds zero tokens; re-create it from non-empty text")
+        raise DataError(f"token file '{path}' holds zero tokens; re-create it from non-empty text")
     tokens = np.memmap(path, dtype=dtype, mode="r", shape=(num_tokens,))
     token_file = TokenFile(tokens, meta["vocab_size"], meta, str(path), path)
     if validate:
@@ -297,13 +298,13 @@ def open_tokens(path: str | os.PathLike, validate: bool = False) -> TokenFile:
 def _validate(tf: TokenFile) -> None:
     top = int(np.max(tf.tokens))
     if top >= tf.vocab_size:
-        raise ValueError(f"token file '{tf.name}' holds token id {top} but its vocab_size is "
+        raise DataError(f"token file '{tf.name}' holds token id {top} but its vocab_size is "
                          f"{tf.vocab_size}: it is corrupt; re-create it with jaxpar prepare-data")
     edges = [(d.get("start"), d.get("end")) for d in tf.documents]
     expected = [0] + [e for _, e in edges[:-1]]
     if ([s for s, _ in edges] != expected or (edges and edges[-1][1] != tf.num_tokens)
             or any(not isinstance(s, int) or not isinstance(e, int) or e < s for s, e in edges)):
-        raise ValueError(f"token file '{tf.name}': the metadata's documents do not tile "
+        raise DataError(f"token file '{tf.name}': the metadata's documents do not tile "
                          f"[0, {tf.num_tokens}); re-create it with jaxpar prepare-data")
 
 
@@ -311,12 +312,12 @@ def decode(token_file: TokenFile, start: int = 0, end: int | None = None) -> str
     """The text of ``tokens[start:end]``: bytes for the byte tokenizer, else str.
 
     Raises:
-      ValueError: for a range outside the file, or a tokenizer file that is missing or has
+      DataError: for a range outside the file, or a tokenizer file that is missing or has
         changed since the token file was written.
     """
     end = token_file.num_tokens if end is None else end
     if not 0 <= start <= end <= token_file.num_tokens:
-        raise ValueError(f"range [{start}, {end}) is outside token file '{token_file.name}' "
+        raise DataError(f"range [{start}, {end}) is outside token file '{token_file.name}' "
                          f"of {token_file.num_tokens} tokens")
     return tokenizer_of(token_file).decode(token_file.tokens[start:end])
 
@@ -325,21 +326,21 @@ def tokenizer_of(token_file: TokenFile) -> Tokenizer:
     """The tokenizer a token file was written with (its metadata's ``tokenizer``).
 
     Raises:
-      ValueError: for a tokenizer file that is missing or has changed since the token
+      DataError: for a tokenizer file that is missing or has changed since the token
         file was written, or ids that no tokenizer made (synthetic data).
     """
     spec = token_file.meta.get("tokenizer")
     if spec == "byte":
         return ByteTokenizer()
     if not isinstance(spec, dict) or "file" not in spec:
-        raise ValueError(f"the ids of '{token_file.name}' come from no tokenizer "
+        raise DataError(f"the ids of '{token_file.name}' come from no tokenizer "
                          f"(tokenizer {spec!r}), so they have no text")
     file = Path(spec["file"])
     if not file.is_file():
-        raise ValueError(f"tokenizer file '{file}' of token file '{token_file.name}' is "
+        raise DataError(f"tokenizer file '{file}' of token file '{token_file.name}' is "
                          "missing; restore it to decode")
     if sha256_of(file) != spec["sha256"]:
-        raise ValueError(f"tokenizer file '{file}' changed since token file "
+        raise DataError(f"tokenizer file '{file}' changed since token file "
                          f"'{token_file.name}' was written (sha256 differs); restore it")
     return load_hf(str(file), spec["sha256"])
 
@@ -353,7 +354,7 @@ def check_vocab(token_file: TokenFile, model_vocab_size: int | None) -> None:
     if model_vocab_size is None:
         model_vocab_size = token_file.vocab_size
     if token_file.vocab_size > model_vocab_size:
-        raise ValueError(f"{where} has vocab_size {token_file.vocab_size} "
+        raise DataError(f"{where} has vocab_size {token_file.vocab_size} "
                          f"but model.vocab_size={model_vocab_size}; set model.vocab_size to at "
                          f"least {token_file.vocab_size}")
     if token_file.path is None or token_file.tokens.size == 0:
@@ -363,7 +364,7 @@ def check_vocab(token_file: TokenFile, model_vocab_size: int | None) -> None:
         bound = min(token_file.vocab_size, model_vocab_size)
         whose = ("its metadata's vocab_size" if token_file.vocab_size <= model_vocab_size
                  else "model.vocab_size")
-        raise ValueError(f"{where} holds token id {top} (its largest), at or above {whose} "
+        raise DataError(f"{where} holds token id {top} (its largest), at or above {whose} "
                          f"{bound}: ids must be below it; the file is corrupt or was made with "
                          f"another tokenizer — re-create it with jaxpar prepare-data, or set "
                          f"model.vocab_size ≥ {top + 1} if the ids are right")

@@ -11,6 +11,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from jaxpar.errors import DataError
+
 
 class Tokenizer(Protocol):
     """What ``encode_documents`` needs from a tokenizer."""
@@ -59,7 +61,7 @@ class HFTokenizer:
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as err:
-            raise ValueError(f"input '{source}' is not UTF-8 text ({err}); the tokenizer "
+            raise DataError(f"input '{source}' is not UTF-8 text ({err}); the tokenizer "
                              f"'{self.file}' needs UTF-8, so convert the file or use "
                              "--tokenizer byte") from None
         # Documents are concatenated raw: no BOS/EOS or other special tokens per document.
@@ -85,12 +87,12 @@ def load_hf(file: str, sha256: str) -> HFTokenizer:
     try:
         from tokenizers import Tokenizer as _HF
     except ImportError:
-        raise ValueError(f"tokenizer '{file}' needs the 'tokenizers' package: "
+        raise DataError(f"tokenizer '{file}' needs the 'tokenizers' package: "
                          "pip install 'jaxpar[text]'") from None
     try:
         return HFTokenizer(file, sha256, _HF.from_file(file))
     except Exception as err:  # noqa: BLE001 (the Rust side raises bare Exception)
-        raise ValueError(f"tokenizer '{file}' is not a valid Hugging Face tokenizer JSON "
+        raise DataError(f"tokenizer '{file}' is not a valid Hugging Face tokenizer JSON "
                          f"file: {err}") from None
 
 
@@ -98,7 +100,7 @@ def load_tokenizer(spec: str | Tokenizer) -> Tokenizer:
     """``"byte"``, or the path of a local ``tokenizers`` JSON file (loaded lazily).
 
     Raises:
-      ValueError: for a missing or malformed file, or when ``tokenizers`` is not installed.
+      DataError: for a missing or malformed file, or when ``tokenizers`` is not installed.
     """
     if not isinstance(spec, str):
         return spec
@@ -106,7 +108,7 @@ def load_tokenizer(spec: str | Tokenizer) -> Tokenizer:
         return ByteTokenizer()
     path = Path(spec)
     if not path.is_file():
-        raise ValueError(f"tokenizer '{spec}' is neither 'byte' nor an existing tokenizer "
+        raise DataError(f"tokenizer '{spec}' is neither 'byte' nor an existing tokenizer "
                          "JSON file; pass --tokenizer byte or the path of a tokenizer.json")
     path = path.absolute()
     return load_hf(str(path), sha256_of(path))

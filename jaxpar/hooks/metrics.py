@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from jaxpar.errors import NonFiniteStop, TooManySkipped
+from jaxpar.errors import ConfigError, NonFiniteStop, TooManySkipped
 from jaxpar.hooks.base import Context, Hook
 
 
@@ -70,7 +70,7 @@ class TensorBoard(Hook):
         try:
             from tensorboardX import SummaryWriter
         except ImportError as err:
-            raise ValueError("train.tensorboard=true needs tensorboardX: "
+            raise ConfigError("train.tensorboard=true needs tensorboardX: "
                              "pip install 'jaxpar[tensorboard]'") from err
         self.writer = SummaryWriter(str(Path(run_dir) / "tensorboard"))
 

@@ -229,7 +229,7 @@ def chart_figure(labels: list[str], panels: list[Panel | tuple]) -> Figure:
       (top to bottom), bar lengths in the x axis' unit.
 
     Raises:
-      ValueError: if there are no labels or panels, or a panel's values do not match
+      TaskError: if there are no labels or panels, or a panel's values do not match
         the labels one to one.
     """
     panels = [Panel(*p) for p in panels]

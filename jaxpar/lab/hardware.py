@@ -17,6 +17,8 @@ from pathlib import Path
 
 import yaml
 
+from jaxpar.errors import ConfigError
+
 _BUILTIN = Path(__file__).with_name("hardware.yaml")
 
 
@@ -49,20 +51,20 @@ def load_profiles(extra: str | Path | None = None) -> dict[str, Hardware]:
     """The built-in profiles, plus (replacing same-named ones) those in ``extra``.
 
     Raises:
-      ValueError: when ``extra`` is missing or an entry lacks a field.
+      ConfigError: when ``extra`` is missing or an entry lacks a field.
     """
     raw = yaml.safe_load(_BUILTIN.read_text())
     if extra:
         path = Path(extra)
         if not path.is_file():
-            raise ValueError(f"--hardware-file {path}: no such file")
+            raise ConfigError(f"--hardware-file {path}: no such file")
         raw.update(yaml.safe_load(path.read_text()) or {})
     names = {f.name for f in fields(Hardware)} - {"key"}
     profiles = {}
     for key, entry in raw.items():
         missing = sorted(n for n in names - {"source"} if n not in (entry or {}))
         if missing:
-            raise ValueError(f"hardware profile '{key}' lacks {', '.join(missing)}; "
+            raise ConfigError(f"hardware profile '{key}' lacks {', '.join(missing)}; "
                              f"see {_BUILTIN} for the fields")
         profiles[key] = Hardware(key=key, **{f: _typed(key, f, entry[f]) for f in names if f in entry})
     return profiles
@@ -75,7 +77,7 @@ def _typed(profile: str, field: str, value: object) -> object:
     try:
         return int(value) if field == "links" else float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"hardware profile '{profile}': {field}={value!r} is not a number") \
+        raise ConfigError(f"hardware profile '{profile}': {field}={value!r} is not a number") \
             from None
 
 
@@ -83,11 +85,11 @@ def get_profile(key: str, extra: str | Path | None = None) -> Hardware:
     """The profile named ``key`` (e.g. ``h100``).
 
     Raises:
-      ValueError: for an unknown name, listing the known ones.
+      ConfigError: for an unknown name, listing the known ones.
     """
     profiles = load_profiles(extra)
     if key not in profiles:
-        raise ValueError(f"unknown hardware '{key}'; choose one of {', '.join(sorted(profiles))} "
+        raise ConfigError(f"unknown hardware '{key}'; choose one of {', '.join(sorted(profiles))} "
                          "or add it with --hardware-file")
     return profiles[key]
 

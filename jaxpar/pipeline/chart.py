@@ -27,6 +27,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from jaxpar.errors import ConfigError
 from jaxpar.figures import new_figure, save_figure
 from jaxpar.pipeline.schedule import KINDS, TickTable, Timing, simulate
 
@@ -91,7 +92,7 @@ def text_grid(table: TickTable, width: int | None = None) -> str:
         characters; ``None`` keeps every tick on one line.
 
     Raises:
-      ValueError: if ``width`` cannot hold even one tick column.
+      ConfigError: if ``width`` cannot hold even one tick column.
     """
     labels = _labels(table)
     names = [f"stage {d}" for d in range(table.p)]
@@ -101,7 +102,7 @@ def text_grid(table: TickTable, width: int | None = None) -> str:
     if width is not None:
         per_block = (width - indent + 1) // (cell + 1)
         if per_block < 1:
-            raise ValueError(f"text_grid width={width} is too narrow for one tick column; "
+            raise ConfigError(f"text_grid width={width} is too narrow for one tick column; "
                              f"use width ≥ {indent + cell}")
     blocks = []
     for first in range(0, table.ticks, per_block):
@@ -245,6 +246,6 @@ def write_png(table: TickTable, path: str | Path) -> Path:
     The suffix picks the format: ``.png`` (also when there is none), ``.svg``, ``.pdf`` …
 
     Raises:
-      ValueError: for a suffix matplotlib cannot write.
+      ConfigError: for a suffix matplotlib cannot write.
     """
     return save_figure(figure(table), path)
