@@ -171,8 +171,10 @@ def format_report(run: Run, totals: Totals) -> str:
         f"  (total {_fmt_bytes(totals.params_total_bytes)})",
         f"optimizer state per device:  {_fmt_bytes(totals.opt_state_bytes)}"
         f"  (total {_fmt_bytes(totals.opt_state_total_bytes)})",
-        f"train step per device (compiled): arguments {_fmt_bytes(totals.step_argument_bytes)}, "
-        f"outputs {_fmt_bytes(totals.step_output_bytes)}, temporaries {_fmt_bytes(totals.step_temp_bytes)}",
+        f"train step per device (compiled): arguments "
+        f"{_fmt_bytes(totals.step_argument_bytes)}, outputs "
+        f"{_fmt_bytes(totals.step_output_bytes)}, temporaries "
+        f"{_fmt_bytes(totals.step_temp_bytes)}",
     ]
     if totals.collective_bytes is not None:
         lines.append("collectives per step per device (compiled, wire bytes): " + (", ".join(

@@ -157,11 +157,11 @@ class Plan:
             ("train.grad_accum", self.grad_accum > 1 or not self.pipeline),
             ("pipeline.microbatches", self.pipeline is not None)) if on)
         checks.check_rows(self.mesh, specs, batch, self.microbatches,
-                    lambda key, size, ways: (
-                        f"batch '{key}': global batch {size} must be divisible by {what} "
-                        f"({self.microbatches}) × the {ways} devices sharing the batch dim "
-                        f"({specs[key][0]}) = {self.microbatches * ways}; change "
-                        f"train.batch_size, {what} or the mesh"))
+                          lambda key, size, ways: (
+                              f"batch '{key}': global batch {size} must be divisible by {what} "
+                              f"({self.microbatches}) × the {ways} devices sharing the batch "
+                              f"dim ({specs[key][0]}) = {self.microbatches * ways}; change "
+                              f"train.batch_size, {what} or the mesh"))
         return shd.named(self.mesh, specs)
 
     def check_eval_batch(self, batch: Mapping[str, Any]) -> None:
@@ -174,12 +174,11 @@ class Plan:
         if self.pipeline is None:
             return
         m = self.pipeline.m
-        checks.check_rows(self.mesh, checks.batch_specs(self.task, self.rules, self.mesh, batch), batch, m,
-                    lambda key, size, ways: (
-                        f"batch '{key}': an evaluation batch of {size} runs through the "
-                        f"pipeline as pipeline.microbatches ({m}) × the {ways} devices sharing "
-                        f"the batch dim = {m * ways} equal parts; give it a multiple of "
-                        f"{m * ways} rows"))
+        specs = checks.batch_specs(self.task, self.rules, self.mesh, batch)
+        checks.check_rows(self.mesh, specs, batch, m, lambda key, size, ways: (
+            f"batch '{key}': an evaluation batch of {size} runs through the pipeline as "
+            f"pipeline.microbatches ({m}) × the {ways} devices sharing the batch dim = "
+            f"{m * ways} equal parts; give it a multiple of {m * ways} rows"))
 
     def state_bytes(self) -> StateBytes:
         """Bytes of the train state per device and in all, from the shardings."""
