@@ -8,6 +8,7 @@ collective bytes from the compiled HLO (:func:`jaxpar.hlo.program_cost`).
 
 from __future__ import annotations
 
+import typing
 import warnings
 from dataclasses import dataclass
 
@@ -15,7 +16,7 @@ import numpy as np
 
 from jaxpar import gradients, hlo
 from jaxpar import sharding as shd
-from jaxpar.config import CHOICES
+from jaxpar.config import FsdpGather
 from jaxpar.run import Run
 from jaxpar.trainer import Trainer
 
@@ -66,7 +67,7 @@ def _gather_trade(run: Run, compiled, batch) -> tuple[GatherOption, ...]:
             or not gradients.gathers_weights(trainer.param_specs)):
         return ()
     mine = "once" if trainer.fsdp_gather_once else "per_microbatch"
-    other = next(s for s in CHOICES["train.fsdp_gather"] if s != mine)
+    other = next(s for s in typing.get_args(FsdpGather) if s != mine)
     with warnings.catch_warnings():  # the run's own warnings were given when it was built
         warnings.simplefilter("ignore")
         alternative = Trainer(trainer.task, trainer.tx, trainer.mesh, trainer.rules,

@@ -24,9 +24,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpar import gradients, guard
 from jaxpar import sharding as shd
-from jaxpar.config import PipelineConfig
 from jaxpar.logical import Rules, activation_rules, spec_for
-from jaxpar.pipeline.schedule import TickTable, tick_table
+from jaxpar.pipeline.schedule import PipelineConfig, TickTable, tick_table
 from jaxpar.task import Batch, Task
 
 
