@@ -424,6 +424,15 @@ def test_a_key_of_another_family_is_kept_for_a_later_model_name(tmp_path):
     assert load_config([path], ["model.name=resnet"]).model.depth == 18
 
 
+def test_the_config_reference_is_current(capsys):
+    """docs/config.md is `jaxpar train --help-config`: regenerate it when a key changes."""
+    from jaxpar.cli import main
+
+    assert main(["train", "--help-config"]) == 0
+    assert (REPO / "docs" / "config.md").read_text() == capsys.readouterr().out, (
+        "docs/config.md is stale: run `jaxpar train --help-config > docs/config.md`")
+
+
 # ---------------------------------------------------------------- shipped configs
 
 
