@@ -37,19 +37,44 @@ import shutil
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
+from pydantic import Field
 
 from jaxpar import integrity
 from jaxpar.errors import CheckpointError, CorruptCheckpoint, RestoreError
 from jaxpar.plan import Plan
+from jaxpar.schema import section
 from jaxpar.sharding import path_str
 from jaxpar.state import TrainState
+
+
+@section("checkpoint")
+class CheckpointConfig:
+    """Orbax checkpoints of the train state (see ``jaxpar/checkpoint.py``)."""
+
+    dir: str = Field("", description="where checkpoints go (empty: <run.dir>/checkpoints)")
+    every_steps: int = Field(0, ge=0, description="save every this many steps (0: only after "
+                                                  "the last step)")
+    keep: int = Field(3, ge=1, description="how many of the latest to keep")
+    keep_best: int = Field(0, ge=0, description="also keep this many best by best_metric, "
+                                                "evaluated at every save (0: off)")
+    best_metric: str = Field("eval_loss", description="the eval_* metric keep_best ranks by")
+    best_mode: Literal["min", "max"] = Field("min", description="whether the best best_metric "
+                                                                "is the lowest or the highest")
+    async_save: bool = Field(True, description="write in the background")
+    resume: str = Field("auto", description="auto (continue from the latest complete "
+                        "checkpoint in dir if there is one), never, a step number in dir, or "
+                        "the path of a checkpoint directory")
+    verify: bool = Field(True, description="check each file of a checkpoint against the digests "
+                         "recorded when it was written before restoring it (auto falls back to "
+                         "the newest checkpoint that verifies); restored values are checked "
+                         "finite either way")
 
 
 def _write_whole_shards_in_one_process() -> None:

@@ -89,6 +89,10 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument("--devices", type=int, default=None,
                          help="device count (simulated CPU devices when there is no accelerator)")
         _task_argument(cmd)
+        if name == "train":
+            cmd.add_argument("--help-config", action="store_true",
+                             help="print the reference of every config key (Markdown, as in "
+                                  "docs/config.md) and exit")
         if name == "pipeline":
             cmd.add_argument("--png", default=None, metavar="PATH",
                              help="also write the schedule chart (PNG; a path ending in .svg "
@@ -524,6 +528,11 @@ def main(argv: list[str] | None = None) -> int:
                 from jaxpar.plot import run as plot
 
                 plot(args)
+                return 0
+            if getattr(args, "help_config", False):  # the keys, not a config
+                from jaxpar.config_reference import reference
+
+                print(reference(), end="")
                 return 0
             _run(args)
     except SystemExit:

@@ -28,15 +28,16 @@ state stands in for it): a one-line error names the first leaf that changed.
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 
-from jaxpar.config import CHOICES
-
-GUARDS: tuple[str, ...] = CHOICES["train.nonfinite_guard"]
+#: ``train.nonfinite_guard`` values: ``auto`` picks one of the others per platform.
+Guard = Literal["auto", "cond", "where"]
+GUARDS: tuple[str, ...] = typing.get_args(Guard)
 
 #: ``(finite, new, recompute, old) -> state``: ``new`` is the step's new state as computed
 #: for the check, ``recompute()`` computes it again, ``old`` is the state before the step.
@@ -84,15 +85,8 @@ def check_same_types(new: Any, old: Any) -> None:
                 f"{fix}")
 
 
-def choose(name: str, platform: str) -> Keep:
-    """The guard ``name`` (``auto``: ``where`` on a GPU, ``cond`` elsewhere).
-
-    Raises:
-      ValueError: for a name not in :data:`GUARDS`.
-    """
-    if name not in GUARDS:
-        raise ValueError(f"config key 'train.nonfinite_guard' must be one of "
-                         f"{', '.join(GUARDS)}, got {name!r}")
+def choose(name: Guard, platform: str) -> Keep:
+    """The guard ``name`` (``auto``: ``where`` on a GPU, ``cond`` elsewhere)."""
     if name == "auto":
         name = "where" if platform == "gpu" else "cond"
     return keep_where if name == "where" else keep_cond

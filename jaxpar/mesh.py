@@ -19,12 +19,37 @@ import warnings
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
+from pydantic import Field
 
-from jaxpar.config import MeshConfig
 from jaxpar.environ import FORCE_DEVICES_FLAG
+from jaxpar.schema import section
 
 MESH_AXES = ("data", "stage", "fsdp", "tensor")
 DEFAULT_CPU_DEVICES = 8
+
+_DEGREE = "parallel degree over mesh axis {}; one degree may be -1: it fills the rest"
+_HOSTS = "how much of mesh.{}'s degree runs across hosts (0 for every axis: the default)"
+
+
+@section("mesh")
+class MeshConfig:
+    """Parallel degrees per mesh axis. One of them may be -1: it fills the rest.
+
+    ``hosts_<axis>``: with several processes (hosts), how many of an axis's degree run
+    across hosts — the slow network — while the rest stays within a host. 0 for every
+    axis (default) lets the outermost axes cross hosts (``data`` first: data parallelism
+    needs the least bandwidth). Otherwise they must multiply to the process count and each
+    divide its axis.
+    """
+
+    data: int = Field(-1, description=_DEGREE.format("data"))
+    fsdp: int = Field(1, description=_DEGREE.format("fsdp"))
+    tensor: int = Field(1, description=_DEGREE.format("tensor"))
+    stage: int = Field(1, description=_DEGREE.format("stage") + " (pipeline stages)")
+    hosts_data: int = Field(0, ge=0, description=_HOSTS.format("data"))
+    hosts_stage: int = Field(0, ge=0, description=_HOSTS.format("stage"))
+    hosts_fsdp: int = Field(0, ge=0, description=_HOSTS.format("fsdp"))
+    hosts_tensor: int = Field(0, ge=0, description=_HOSTS.format("tensor"))
 
 
 def setup_devices(count: int = 0) -> None:

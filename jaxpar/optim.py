@@ -14,17 +14,24 @@ the optimizer always sees one (already averaged) gradient per step.
 from __future__ import annotations
 
 import dataclasses
+import typing
 import warnings
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import optax
+from pydantic import Field, field_validator, model_validator
 
-from jaxpar.config import CHOICES, FLOAT32_KEYS, FLOAT32_MAX, OptimConfig
+from jaxpar.errors import ConfigError
+from jaxpar.schema import FLOAT32_MAX, Float, Float32, section
 
-OPTIMIZERS: tuple[str, ...] = CHOICES["optim.name"]
-SCHEDULES: tuple[str, ...] = CHOICES["optim.schedule"]
+#: ``optim.name`` values.
+Optimizer = Literal["sgd", "adam", "adamw", "lamb", "adafactor"]
+#: ``optim.schedule`` values (after the warmup).
+Schedule = Literal["constant", "cosine", "linear", "step", "rsqrt"]
+OPTIMIZERS: tuple[str, ...] = typing.get_args(Optimizer)
+SCHEDULES: tuple[str, ...] = typing.get_args(Schedule)
 
 # The logical axis name of the leading stacked-layers dimension (nnx.scan /
 # vmapped layer stacks). It does not make a parameter "matrix-like".
@@ -33,105 +40,68 @@ LAYERS_AXIS = "layers"
 Mask = Any  # a pytree of bools (a prefix of the params tree) or a callable
 
 
-# --------------------------------------------------------------------------
-# Validation
-# --------------------------------------------------------------------------
+@section("optim")
+class OptimConfig:
+    """Optax chain: optimizer, learning-rate schedule, clipping, weight decay.
 
+    Every schedule starts with ``warmup_steps`` of linear warmup from 0. Weight decay never
+    applies to 1-D parameters.
+    """
 
-def _bad(key: str, value: Any, need: str, fix: str) -> ValueError:
-    """Builds an error that names the config key, the rule and the fix."""
-    return ValueError(f"config key 'optim.{key}' {need}, got {value!r}; {fix}")
+    name: Optimizer = Field("adamw", description="the optimizer (adam has no weight decay: "
+                                                 "use adamw for it)")
+    lr: Float32 = Field(3e-3, gt=0, description="peak learning rate")
+    warmup_steps: Float = Field(20, ge=0, description="steps of linear warmup from 0 (below 1: "
+                                "that fraction of the run; longer than the run: clamped, with "
+                                "a warning)")
+    schedule: Schedule = Field("cosine", description="the learning rate after the warmup")
+    decay_steps: int = Field(0, ge=0, description="cosine/linear decay length (0: until the "
+                                                  "last training step)")
+    min_lr_ratio: Float32 = Field(0.1, ge=0, le=1, description="cosine/linear decay ends at "
+                                                               "lr × min_lr_ratio")
+    step_every: int = Field(1000, gt=0, description="step schedule: decay every this many steps")
+    step_gamma: Float32 = Field(0.1, gt=0, le=1, description="step schedule: the factor of "
+                                                             "each decay")
+    momentum: Float32 = Field(0.9, ge=0, lt=1, description="sgd's momentum (0: none)")
+    nesterov: bool = Field(False, description="sgd: Nesterov momentum")
+    b1: Float32 = Field(0.9, ge=0, lt=1, description="first-moment decay (adam, adamw, lamb)")
+    b2: Float32 = Field(0.95, ge=0, lt=1, description="second-moment decay (adam, adamw, lamb)")
+    eps: Float32 = Field(1e-8, ge=0, description="denominator epsilon (adam, adamw, lamb)")
+    weight_decay: Float32 = Field(0.1, ge=0, description="decoupled for adamw, lamb and "
+                                  "adafactor, L2 for sgd; must be 0 for adam")
+    clip_norm: Float32 = Field(1.0, ge=0, description="global-norm gradient clipping (0: off)")
 
+    @field_validator("warmup_steps")
+    @classmethod
+    def _whole_or_fraction(cls, value: float) -> float:
+        if value >= 1 and value != int(value):
+            raise ConfigError(f"config key 'optim.warmup_steps' must be a whole number of "
+                              f"steps, or a fraction of the run below 1, got {value!r}; set "
+                              "e.g. optim.warmup_steps=20 or optim.warmup_steps=0.1")
+        return value
 
-def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
-    # config.py checks choices on load, but OptimConfig can be built directly.
-    if value not in choices:
-        need = f"must be one of {', '.join(choices)}"
-        raise _bad(key, value, need, f"set optim.{key} to one of them")
+    @model_validator(mode="after")
+    def _consistent(self) -> OptimConfig:
+        if self.name == "sgd" and self.nesterov and self.momentum == 0:
+            raise ConfigError("config key 'optim.nesterov' needs optim.momentum > 0 with "
+                              "optim.name=sgd; set optim.momentum (e.g. 0.9) or "
+                              "optim.nesterov=false")
+        if self.lr * self.weight_decay > FLOAT32_MAX:
+            raise ConfigError(
+                f"config keys 'optim.lr'={self.lr:g} × 'optim.weight_decay'="
+                f"{self.weight_decay:g} overflow float32 (the decay step lr × weight_decay × "
+                "parameter would be inf); lower one of them")
+        return self
 
-
-def _check_float32(cfg: OptimConfig) -> None:
-    """Raises ``ValueError`` for a setting the float32 step would turn into inf (an
-    OptimConfig built in Python skips :func:`jaxpar.config.validate`)."""
-    for key in FLOAT32_KEYS:
-        value = getattr(cfg, key)
-        if not abs(value) <= FLOAT32_MAX:  # also NaN
-            raise _bad(key, value, f"must be a finite float32 (at most {FLOAT32_MAX:.4g})",
-                       "every update would be inf or NaN; set a value in range")
-    if cfg.lr * cfg.weight_decay > FLOAT32_MAX:
-        raise _bad("weight_decay", cfg.weight_decay,
-                   f"times optim.lr={cfg.lr:g} must stay below {FLOAT32_MAX:.4g}",
-                   "the decay step would be inf; lower optim.lr or optim.weight_decay")
-
-
-def _check_schedule_config(cfg: OptimConfig, total_steps: int) -> None:
-    """Raises ``ValueError`` for schedule settings that cannot produce a sane lr."""
-    _check_choice("schedule", cfg.schedule, SCHEDULES)
-    _check_float32(cfg)
-    if not total_steps >= 1:
-        raise ValueError(
-            f"total_steps must be >= 1, got {total_steps!r}; set train.steps to a positive count"
-        )
-    # `not x > 0` (rather than `x <= 0`) also rejects NaN.
-    if not cfg.lr > 0:
-        raise _bad("lr", cfg.lr, "must be > 0", "set e.g. optim.lr=3e-4")
-    w = cfg.warmup_steps
-    if not w >= 0:
-        raise _bad("warmup_steps", w, "must be >= 0", "use optim.warmup_steps=0 to skip it")
-    if w >= 1 and w != int(w):
-        raise _bad("warmup_steps", w, "must be a whole number of steps, or a fraction of the "
-                   "run below 1", "set e.g. optim.warmup_steps=20 or optim.warmup_steps=0.1")
-    if not cfg.decay_steps >= 0:
-        raise _bad(
-            "decay_steps", cfg.decay_steps, "must be >= 0", "use 0 to decay until the last step"
-        )
-    if not 0 <= cfg.min_lr_ratio <= 1:
-        raise _bad(
-            "min_lr_ratio", cfg.min_lr_ratio, "must be in [0, 1]", "set e.g. optim.min_lr_ratio=0.1"
-        )
-    if not cfg.step_every > 0:
-        raise _bad(
-            "step_every", cfg.step_every, "must be > 0", "set e.g. optim.step_every=1000"
-        )
-    if not 0 < cfg.step_gamma <= 1:
-        raise _bad(
-            "step_gamma", cfg.step_gamma, "must be in (0, 1]", "set e.g. optim.step_gamma=0.1"
-        )
-
-
-def _check_optimizer_config(cfg: OptimConfig) -> None:
-    """Raises ``ValueError`` for optimizer settings optax would accept silently."""
-    _check_choice("name", cfg.name, OPTIMIZERS)
-    _check_float32(cfg)
-    if not cfg.clip_norm >= 0:
-        raise _bad(
-            "clip_norm", cfg.clip_norm, "must be >= 0", "use optim.clip_norm=0 to disable clipping"
-        )
-    for key, example in (("b1", 0.9), ("b2", 0.95), ("momentum", 0.9)):
-        value = getattr(cfg, key)
-        # 1.0 would freeze the moving average at its initial value forever.
-        if not 0 <= value < 1:
-            raise _bad(key, value, "must be in [0, 1)", f"set e.g. optim.{key}={example}")
-    if not cfg.eps >= 0:
-        raise _bad("eps", cfg.eps, "must be >= 0", "set e.g. optim.eps=1e-8")
-    if not cfg.weight_decay >= 0:
-        raise _bad(
-            "weight_decay", cfg.weight_decay, "must be >= 0", "use optim.weight_decay=0 for none"
-        )
-    if cfg.name == "adam" and cfg.weight_decay > 0:
-        raise _bad(
-            "weight_decay",
-            cfg.weight_decay,
-            "must be 0 with optim.name=adam (Adam has no decoupled weight decay)",
-            "use optim.name=adamw for weight decay, or set optim.weight_decay=0",
-        )
-    if cfg.name == "sgd" and cfg.nesterov and cfg.momentum == 0:
-        raise _bad(
-            "nesterov",
-            cfg.nesterov,
-            "needs optim.momentum > 0 with optim.name=sgd",
-            "set optim.momentum (e.g. 0.9) or optim.nesterov=false",
-        )
+    def check_weight_decay(self) -> None:
+        """Raises for ``weight_decay`` > 0 with ``adam``. Checked when the optimizer is built,
+        not with the other rules: ``optim.name=adam`` alone (the default weight decay is
+        0.1) must load, so that the error names the key to change."""
+        if self.name == "adam" and self.weight_decay > 0:
+            raise ConfigError(
+                f"config key 'optim.weight_decay' must be 0 with optim.name=adam (Adam has no "
+                f"decoupled weight decay), got {self.weight_decay!r}; use optim.name=adamw for "
+                "weight decay, or set optim.weight_decay=0")
 
 
 # --------------------------------------------------------------------------
@@ -219,9 +189,12 @@ def make_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
       An optax schedule, usable inside ``jit``.
 
     Raises:
-      ValueError: naming the ``optim.*`` key of a bad value and how to fix it.
+      ValueError: for ``total_steps`` below 1 (``cfg`` was checked when it was built).
     """
-    _check_schedule_config(cfg, total_steps)
+    if not total_steps >= 1:
+        raise ValueError(
+            f"total_steps must be >= 1, got {total_steps!r}; set train.steps to a positive count"
+        )
     cfg = dataclasses.replace(cfg, warmup_steps=resolve_warmup(cfg, total_steps))
     after = _after_warmup(cfg, total_steps)
     if cfg.warmup_steps == 0:
@@ -367,9 +340,9 @@ def make_optimizer(
       (for logging the lr at a step).
 
     Raises:
-      ValueError: naming the ``optim.*`` key of a bad value and how to fix it.
+      ValueError: for ``total_steps`` below 1, or weight decay with ``adam``.
     """
-    _check_optimizer_config(cfg)
+    cfg.check_weight_decay()
     schedule = make_schedule(cfg, total_steps)
     mask = _default_mask if mask is None else mask
     parts = []

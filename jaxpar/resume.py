@@ -263,8 +263,8 @@ def export_params(config: Config, out: str | Path, step: int | None = None,
     if format not in ("npz", "hf"):
         raise ValueError(f"--format must be npz or hf, got {format!r}")
     if format == "hf":
-        family = "" if task is not None else config.model.family.name
-        hf.check_exportable(family, None if task is not None else config.model.typed)
+        family = "" if task is not None else config.family.name
+        hf.check_exportable(family, None if task is not None else config.model)
         out = ensure_dir(out, "--out", "choose another --out directory")
     else:
         out = check_output_file(out, "--out")
@@ -273,7 +273,7 @@ def export_params(config: Config, out: str | Path, step: int | None = None,
     params = jax.tree.map(host_value, state.params)
     if jax.process_index() == 0:
         if format == "hf":
-            hf.write(out, params, config.model.typed)
+            hf.write(out, params, config.model)
         else:
             _write_npz(out, {shd.path_str(path): leaf for path, leaf
                              in jax.tree_util.tree_leaves_with_path(params)})
@@ -283,7 +283,7 @@ def export_params(config: Config, out: str | Path, step: int | None = None,
 def _without_init_from(config: Config) -> Config:
     """The weights a run started from play no part in exporting its checkpoint: its
     ``model.init_from`` directory need not be there any more."""
-    if "init_from" not in config.model.family.keys() or not config.model.init_from:
+    if "init_from" not in config.family.keys() or not config.model.init_from:
         return config
     return config_lib.apply_overrides(config, ["model.init_from="])
 

@@ -15,7 +15,6 @@ import jax
 import numpy as np
 import optax
 
-from jaxpar import config as config_lib
 from jaxpar import hf
 from jaxpar import sharding as shd
 from jaxpar.config import Config
@@ -29,6 +28,7 @@ from jaxpar.plan import Plan, abstract_model, global_batch_shapes, make_plan
 from jaxpar.state import TrainState
 from jaxpar.task import Task
 from jaxpar.trainer import Trainer
+from jaxpar.unused import warn_unused
 
 
 @dataclass
@@ -40,7 +40,7 @@ class Run:
     trainer: Trainer
     data: Any
     devices: list[jax.Device]
-    #: the model family (``config.model.family``), or None for a user's task
+    #: the model family (``config.family``), or None for a user's task
     family: Family | None = None
 
     @property
@@ -60,15 +60,14 @@ def build(config: Config, task: Task | None = None,
         the config's ``optim`` section describes.
     """
     own_optimizer = optimizer is not None or (task is not None and task.optimizer is not None)
-    config_lib.warn_unused(config, user_task=task is not None,
-                           own_data=task is not None and task.data is not None,
-                           own_optimizer=own_optimizer)
+    warn_unused(config, user_task=task is not None,
+                own_data=task is not None and task.data is not None, own_optimizer=own_optimizer)
     devices = select_devices(config.run.devices)
     mesh = make_mesh(config.mesh, devices)
     rules = shd.resolve_rules(config.rules)
     family = None
     if task is None:
-        family, model = config.model.family, config.model.typed
+        family, model = config.family, config.model
         data = load_data(config.data, family.needs(model), config.run.seed)
         task = family.task(model, data)
         init_params = hf.init_params_for(model)  # model.init_from: Hugging Face weights

@@ -118,7 +118,7 @@ def sample_config(config: Config, prompt: str, *, tokens: int = 200,
     tokenizer = text_tokenizer(config.data)
     run = build(config)
     model = _abstract_model(run)
-    name = config.model.name or config.model.family.name
+    name = config.model.name or config.family.name
     if not (callable(getattr(model, "decode", None)) and callable(getattr(model, "init_cache",
                                                                            None))):
         raise ValueError(f"jaxpar sample needs a language model; {where} trains "

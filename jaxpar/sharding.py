@@ -19,20 +19,21 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import jax
 import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from pydantic import BeforeValidator, Field
 
-from jaxpar.config import RulesConfig
-from jaxpar.errors import TaskError
+from jaxpar.errors import ConfigError, TaskError
 from jaxpar.logical import Rules, spec_for
 from jaxpar.mesh import MESH_AXES
+from jaxpar.schema import section
 
 # Logical names every preset maps, so any built-in model works under any preset. Stacked
 # layers go over 'stage' (a no-op while mesh.stage = 1): pipeline stages are layer ranges.
@@ -57,6 +58,45 @@ PRESETS: dict[str, dict[str, tuple[str, ...]]] = {
     },
 }
 PRESETS["auto"] = dict(PRESETS["fsdp_tp"])
+
+
+def _axes(name: str, value: Any) -> tuple[str, ...]:
+    """A rule's mesh axes: ``tensor``, ``data,fsdp`` or ``[data, fsdp]``; None, ``none``,
+    ``null`` or empty: not sharded."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        parts = [p.strip() for p in value.split(",")]
+        return tuple(p for p in parts if p and p.lower() not in ("none", "null"))
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise ConfigError(f"rule 'rules.{name}' must be a mesh axis, a list of mesh axes or null, "
+                      f"got {value!r}")
+
+
+def _rule_table(value: Any) -> Any:
+    """Overrides given as a mapping (logical name → mesh axes) as sorted pairs."""
+    if isinstance(value, Mapping):
+        return tuple(sorted((str(name), _axes(name, v)) for name, v in value.items()))
+    return value
+
+
+@section("rules")
+class RulesConfig:
+    """Logical-axis rules: a named preset plus per-name overrides.
+
+    In YAML and on the command line the overrides are written next to ``preset``, one key
+    per logical axis name: ``rules.mlp=tensor``, ``rules.batch=data,fsdp``,
+    ``rules.kv=null`` (not sharded).
+    """
+
+    preset: str = Field("auto", description="the rules table to start from: auto, dp, fsdp, "
+                                            "tp or fsdp_tp (see jaxpar/sharding.py)")
+    overrides: Annotated[tuple[tuple[str, tuple[str, ...]], ...],
+                         BeforeValidator(_rule_table)] = Field(
+        (), description="rules.<logical axis name>=<mesh axes>: a mesh axis, a list of mesh "
+                        "axes, or null for not sharded; replaces that name's rule in the preset",
+        json_schema_extra={"type": "name → mesh axes"})
 
 PathRules = Sequence[tuple[str, tuple[str | None, ...]]]
 

@@ -52,6 +52,26 @@ def test_import_contracts_catch_a_bad_import(tmp_path, module, imports, broken):
     assert "BROKEN" in out.stdout and broken in out.stdout, out.stdout
 
 
+def test_every_module_has_a_layer():
+    """A module the layers contract does not name is not checked: every one is named."""
+    import tomllib
+
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    layers = next(c for c in contracts["contracts"] if c["type"] == "layers")["layers"]
+    listed = {m.strip().strip("()") for layer in layers
+              for m in layer.replace("|", ":").split(":")}
+    missing = []
+    for path in _modules():
+        parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+        if parts[-1] == "__init__" and (len(parts) == 1 or not (path.parent / "__init__.py")
+                                        .read_text().strip()):
+            continue  # the package itself, or an empty package face
+        name = ".".join(p for p in parts if p != "__init__")
+        if not any(name == m or name.startswith(m + ".") for m in listed):
+            missing.append(name)
+    assert not missing, f"modules in no layer of pyproject.toml: {missing}"
+
+
 def _modules() -> list[Path]:
     return sorted(PACKAGE.rglob("*.py"))
 

@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jaxpar.config import CHOICES, Config, RulesConfig, load_config, to_dict
+from jaxpar.config import Config, RulesConfig, load_config, to_dict
+from jaxpar.config_reference import choices
 
+CHOICES = choices()  # every key with a Literal type, read from the declarations
 REPO = Path(__file__).resolve().parent.parent
 CONFIG_FILES = sorted(p.resolve() for p in REPO.glob("configs/**/*.yaml"))
 
@@ -191,8 +193,8 @@ def _model_choices():
     """Every model family's keys with choices, declared once in its config class."""
     from jaxpar.models import families
 
-    return [(name, f.name, f.metadata["choices"]) for name, family in sorted(families().items())
-            for f in dataclasses.fields(family.config) if f.metadata.get("choices")]
+    return [(name, key.split(".")[1], values) for name in sorted(families())
+            for key, values in choices(name).items()]
 
 
 @pytest.mark.parametrize("family,key,choices", _model_choices(),
@@ -275,14 +277,14 @@ def test_out_of_range_values_name_the_key(override, bound):
 
 
 def test_settings_without_effect_warn():
-    from jaxpar.config import unused_settings
+    from jaxpar.unused import unused_settings
 
     cfg = load_config([], ["model.name=convnet", "model.d_model=64", "optim.momentum=0.5"])
     assert unused_settings(cfg) == ["model.d_model", "optim.momentum"]
     assert unused_settings(load_config([])) == []
     import warnings
 
-    from jaxpar.config import warn_unused
+    from jaxpar.unused import warn_unused
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -313,6 +315,122 @@ def test_empty_yaml_file_is_defaults(tmp_path):
     path = tmp_path / "empty.yaml"
     path.write_text("# nothing here\n")
     assert load_config([path]) == Config()
+
+
+# ---------------------------------------------------------------- the declarations
+
+
+def _keys():
+    """(section, key, section class, family name) of every declared key, each built-in
+    model family's included."""
+    import typing
+
+    from jaxpar.models import families
+
+    found = []
+    for section, cls in typing.get_type_hints(Config).items():
+        found += [(section, key, cls, "") for key in cls.__pydantic_fields__
+                  if (section, key) != ("rules", "overrides")]
+    for name, family in sorted(families().items()):
+        if family.config.__module__.startswith("jaxpar.models."):
+            found += [("model", key, family.config, name) for key in family.keys()]
+    return found
+
+
+def _outside(cls, key):
+    """Values just outside a key's declared bounds (none when it declares none)."""
+    from annotated_types import Ge, Gt, Le, Lt
+
+    info = cls.__pydantic_fields__[key]
+    step = 1 if info.annotation is int else 0.5
+    limits = {Ge: lambda b: b - step, Gt: lambda b: b, Le: lambda b: b + step,
+              Lt: lambda b: b}
+    names = {Ge: "ge", Gt: "gt", Le: "le", Lt: "lt"}
+    return [limits[type(m)](getattr(m, names[type(m)])) for m in info.metadata
+            if type(m) in limits]
+
+
+def _load_one(tmp_path, section, key, family, value):
+    body = {key: value, **({"name": family} if family else {})}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({section: body}))
+    return load_config([path])
+
+
+@pytest.mark.parametrize("section,key,cls,family", _keys(),
+                         ids=lambda x: x if isinstance(x, str) else None)
+def test_every_bad_value_is_one_line_naming_the_key(section, key, cls, family, tmp_path):
+    """A value of the wrong type, outside a key's choices or beyond its bounds is one
+    ConfigError line naming the key."""
+    from jaxpar.errors import ConfigError
+
+    wrong = [[1, 2]] + _outside(cls, key)  # no key takes a list of numbers
+    if f"{section}.{key}" in (choices(family) if family else CHOICES):
+        wrong.append("not_a_choice")
+    for value in wrong:
+        with pytest.raises(ConfigError) as err:
+            _load_one(tmp_path, section, key, family, value)
+        message = str(err.value)
+        assert "\n" not in message and f"{section}.{key}" in message, (value, message)
+
+
+@pytest.mark.parametrize("section", [f.name for f in dataclasses.fields(Config)
+                                     if f.name not in ("rules", "model")])
+def test_a_misspelt_key_of_every_section_names_the_closest(section):
+    key = dataclasses.fields(getattr(Config(), section))[0].name
+    with pytest.raises(ValueError, match=rf"unknown config key '{section}\.{key}x': did you "
+                                         rf"mean '{section}\.{key}'\? valid keys: "):
+        load_config([], [f"{section}.{key}x=1"])
+
+
+def test_a_section_built_in_python_is_validated():
+    """Not only the loader: a section built in Python, or replaced, is checked the same way,
+    and stays frozen."""
+    from jaxpar.errors import ConfigError
+    from jaxpar.optim import OptimConfig
+
+    with pytest.raises(ConfigError, match=r"^config key 'optim\.lr' must be > 0, got -1"):
+        OptimConfig(lr=-1)
+    with pytest.raises(ConfigError, match=r"unknown config key 'optim\.rl': did you mean "
+                                          r"'optim\.lr'\?"):
+        OptimConfig(rl=1)
+    cfg = OptimConfig(lr=1)
+    assert cfg.lr == 1.0 and isinstance(cfg.lr, float)
+    with pytest.raises(ConfigError, match=r"'optim\.b1' must be in \[0, 1\), got 1"):
+        dataclasses.replace(cfg, b1=1.0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.lr = 2.0
+    assert dataclasses.asdict(cfg)["lr"] == 1.0
+
+
+def test_yaml_keys_given_twice_and_tags_are_refused(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  steps: 3\n  steps: 4\n")
+    with pytest.raises(ValueError, match=r"line 3, column 3: key 'steps' appears twice in one "
+                                         r"mapping \(lines 2 and 3\)"):
+        load_config([path])
+    path.write_text("train:\n  steps: !!python/int 3\n")
+    with pytest.raises(ValueError, match=r"unknown YAML tag .*: jaxpar configs are plain YAML"):
+        load_config([path])
+
+
+def test_a_key_of_another_family_is_kept_for_a_later_model_name(tmp_path):
+    """model.depth is the ResNet's: with the default GPT it only warns (no effect), and a
+    later model.name=resnet takes it."""
+    path = _write(tmp_path / "a.yaml", {"model": {"depth": 18}})
+    from jaxpar.unused import unused_settings
+
+    assert unused_settings(load_config([path])) == ["model.depth"]
+    assert load_config([path], ["model.name=resnet"]).model.depth == 18
+
+
+def test_the_config_reference_is_current(capsys):
+    """docs/config.md is `jaxpar train --help-config`: regenerate it when a key changes."""
+    from jaxpar.cli import main
+
+    assert main(["train", "--help-config"]) == 0
+    assert (REPO / "docs" / "config.md").read_text() == capsys.readouterr().out, (
+        "docs/config.md is stale: run `jaxpar train --help-config > docs/config.md`")
 
 
 # ---------------------------------------------------------------- shipped configs

@@ -165,7 +165,7 @@ def test_family_counts_match_the_compiled_program(name):
     from jaxpar.plan import global_batch_shapes
 
     run = build(load_config([], [*FAMILY_RUNS[name], "mesh.data=8"]))
-    counts = run.family.counts(run.config.model.typed, run.data)
+    counts = run.family.counts(run.config.model, run.data)
     assert counts.params == sum(x.size for x in jax.tree.leaves(run.plan.model.params))
     batch = global_batch_shapes(run.data.batch(0, run.config.train.batch_size))
     flops = hlo.program_cost(run.trainer.compile_step(batch).as_text()).flops
@@ -176,20 +176,21 @@ def test_family_counts_match_the_compiled_program(name):
 USER_FAMILY = '''
 """A user's model family in one file: its config, its model, its task; nothing else changes."""
 import math
-from dataclasses import dataclass
 
 import optax
 from flax import nnx
+from pydantic import Field
 
 import jaxpar
 from jaxpar.data.sources import DataNeeds
-from jaxpar.models import Family, option
+from jaxpar.models import Family, ModelConfig
+from jaxpar.schema import section
 
 
-@dataclass(frozen=True)
-class WideConfig:
-    hidden: int = option(64, minimum=8, doc="hidden units")
-    num_classes: int = option(10, minimum=2, doc="classes")
+@section("model")
+class WideConfig(ModelConfig):
+    hidden: int = Field(64, ge=8, description="hidden units")
+    num_classes: int = Field(10, ge=2, description="classes")
 
 
 class Wide(nnx.Module):
@@ -272,7 +273,7 @@ def test_plan_memory_of_the_seeds_models(config, per_param):
     assert row.ok, row.error
     run = build(load_config([ROOT / "configs" / f"{config}.yaml"],
                             ["run.devices=2", "mesh.data=2"]))
-    counts = run.family.counts(run.config.model.typed, run.data)
+    counts = run.family.counts(run.config.model, run.data)
     batch = run.data.batch(0, run.config.train.batch_size)
     expected = (4 * per_param * counts.params + total_bytes(run.plan.model.state)
                 + sum(v.nbytes for v in batch.values()) // 2)

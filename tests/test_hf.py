@@ -145,7 +145,7 @@ def test_init_from_export_on_another_layout(exported, tmp_path, capsys):
     with the run's shardings, a fresh optimizer state, the same logits and step loss."""
     cfg = load_config([], [*GPT2, *MIXED, f"model.init_from={exported['hf']}"])
     run = build(cfg)
-    counts = run.family.counts(run.config.model.typed, run.data)
+    counts = run.family.counts(run.config.model, run.data)
     assert counts.params == sum(x.size for x in jax.tree.leaves(run.plan.model.params))
     state = run.trainer.init()
     flat = {"/".join(str(k.key) for k in path): leaf
@@ -238,7 +238,7 @@ def test_init_from_refuses_a_mismatched_config_naming_each_difference(tmp_path, 
     assert "no config.json there" in one_line(capsys.readouterr().err)
     from jaxpar import hf
 
-    cfg = load_config([], GPT2).model.typed
+    cfg = load_config([], GPT2).model
     tensors = hf.to_hf(hf.from_hf(random_gpt2(np.random.default_rng(2), F=64), cfg), cfg)
     del tensors["transformer.h.1.mlp.c_fc.bias"]
     tensors["transformer.wpe.weight"] = tensors["transformer.wpe.weight"][:8]

@@ -208,7 +208,7 @@ def test_attention_implementation_per_backend():
 
 @pytest.mark.parametrize("kw, match", [
     ({"attention": "cudnn"}, "model.attention=cudnn needs an NVIDIA GPU.*model.attention=xla"),
-    ({"attention": "flash"}, "model.attention must be one of auto, xla, cudnn"),
+    ({"attention": "flash"}, "model.attention' must be one of auto, xla, cudnn"),
 ])
 def test_attention_setting_errors_name_the_key_and_the_fix(kw, match):
     with pytest.raises(ValueError, match=match):

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import numpy as np
+from pydantic import Field, field_validator
 
-from jaxpar.config import DataConfig
 from jaxpar.data.loader import ArrayExamples, Loader, TokenWindows, fixed_batches
 from jaxpar.data.prepare import (
     ByteTokenizer,
@@ -33,7 +33,43 @@ from jaxpar.data.prepare import (
     open_tokens,
     tokenizer_of,
 )
+from jaxpar.errors import ConfigError
+from jaxpar.schema import Float, section
 from jaxpar.task import DataNeeds
+
+#: ``data.dataset`` values (see the module docstring).
+Dataset = Literal["auto", "digits", "synthetic"]
+
+
+@section("data")
+class DataConfig:
+    """Training data and its loader (see ``jaxpar/data/``)."""
+
+    path: str = Field("", description="a token file made by jaxpar prepare-data (or any other "
+                      "file, read as byte tokens) for language models, an .npz with images "
+                      "(N,H,W[,C]) and labels (N,) for classifiers; empty: the built-in data "
+                      "(Python's pydoc_data.topics text; synthetic images)")
+    dataset: Dataset = Field("auto", description="auto (path or the built-in data), digits "
+                             "(scikit-learn's handwritten digits) or synthetic (random tokens / "
+                             "template images of num_examples examples, for benchmarks)")
+    seq_len: int = Field(128, ge=1, description="tokens per example (language models)")
+    eval_fraction: Float = Field(0.1, description="the held-out share, in (0, 1)")
+    image_size: int = Field(8, ge=1, description="height and width of synthetic images")
+    channels: int = Field(1, ge=1, description="channels of synthetic images")
+    num_examples: int = Field(4096, ge=2, description="examples of synthetic data")
+    threads: int = Field(2, ge=0, description="grain reader threads")
+    prefetch: int = Field(4, ge=0, description="batches read ahead")
+    workers: int = Field(0, ge=0, description="grain worker processes")
+    wait_warn: Float = Field(0.1, ge=0, le=1, description="warn once when the loop spends more "
+                             "than this fraction of its time waiting for data (0: never)")
+
+    @field_validator("eval_fraction")
+    @classmethod
+    def _a_share(cls, value: float) -> float:
+        if not 0.0 < value < 1.0:
+            raise ConfigError(f"data.eval_fraction={value} must be in (0, 1); set e.g. "
+                              "data.eval_fraction=0.1")
+        return value
 
 
 @dataclass
@@ -77,8 +113,6 @@ class Data:
 
 
 def _cut(n: int, eval_fraction: float, what: str) -> int:
-    if not 0.0 < eval_fraction < 1.0:
-        raise ValueError(f"data.eval_fraction={eval_fraction} must be in (0, 1)")
     cut = int(n * (1.0 - eval_fraction))
     if cut == 0 or cut == n:
         raise ValueError(f"{what} of {n} items is too small to split with "

@@ -32,8 +32,8 @@ import grain
 import jax
 import numpy as np
 
-from jaxpar.config import DataConfig
 from jaxpar.data.loader import Loader, fixed_batches
+from jaxpar.data.sources import DataConfig
 
 BatchFn = Callable[..., Mapping[str, Any]]
 

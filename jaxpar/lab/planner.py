@@ -55,7 +55,7 @@ def fixes(config: Config, layout: str, row: Row, task: Task | None = None) -> li
     deg = _degrees(layout)
     accum, shard = [], []
     recompute = [] if task is not None else [
-        f"{layout},{fix}" for fix in config.model.family.memory_fixes(config.model.typed)]
+        f"{layout},{fix}" for fix in config.family.memory_fixes(config.model)]
     if deg["stage"] == 1:
         accum += [f"{layout},train.grad_accum={k}" for k in (2, 4, 8)
                   if k > config.train.grad_accum

@@ -177,7 +177,7 @@ def predict_comm(run: Run, backend: str = "gpu") -> CommPrediction:
     cpu = backend == "cpu"
     # a user's task brings no family: no activation terms (where they are is model knowledge)
     lab = run.family.lab if run.family is not None else LabModel()
-    tensor = (lab.tensor_terms(run.config.model.typed, lab_layout(run, cpu))
+    tensor = (lab.tensor_terms(run.config.model, lab_layout(run, cpu))
               if run.family is not None else [])
     terms = [*_gradient_terms(run.plan, lab, sizes, cpu), *tensor, *_pipeline_terms(run, cpu)]
     return CommPrediction(tuple(terms))

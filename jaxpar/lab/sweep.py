@@ -205,7 +205,7 @@ def measure(config: Config, layout: str, hw: Hardware, steps: int = 0,
     # read back once (an unfused CPU program's op-by-op traffic would say far more)
     row.mem_traffic_bytes = row.mem_args_bytes + row.mem_output_bytes + 2 * row.mem_temp_bytes
     comm_gpu = _fill_comm(row, cost, run)
-    dtype = run.family.compute_dtype(run.config.model.typed) if run.family else "float32"
+    dtype = run.family.compute_dtype(run.config.model) if run.family else "float32"
     row.predicted_step_time_s = roofline(hw, row.flops, row.mem_traffic_bytes, comm_gpu,
                                          dtype).total_s
     if steps > 0:

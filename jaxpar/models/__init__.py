@@ -4,10 +4,17 @@ config, its Task builder, its counts and lab knowledge, registered by name (see
 
 from jaxpar.models.bert import BERT, BERTConfig, mlm_loss
 from jaxpar.models.classifiers import ConvNet, MLPClassifier, classification_loss
-from jaxpar.models.family import Counts, Family, LabModel, families, option, register
+from jaxpar.models.family import (
+           Counts,
+           Family,
+           LabModel,
+           ModelConfig,
+           families,
+           register,
+)
 from jaxpar.models.gpt import GPT, GPTConfig, lm_loss
 from jaxpar.models.resnet import ResNet, ResNetConfig
 
 __all__ = ["BERT", "GPT", "BERTConfig", "ConvNet", "Counts", "Family", "GPTConfig", "LabModel",
-           "MLPClassifier", "ResNet", "ResNetConfig", "classification_loss", "families",
-           "lm_loss", "mlm_loss", "option", "register"]
+           "MLPClassifier", "ModelConfig", "ResNet", "ResNetConfig", "classification_loss",
+           "families", "lm_loss", "mlm_loss", "register"]

@@ -25,20 +25,21 @@ Evaluation masks with a fixed key (the same held-out positions every time) and n
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from pydantic import Field
 
 from jaxpar.logical import constrain
-from jaxpar.models.family import Counts, Family, option, register
+from jaxpar.models.family import Counts, Dtype, Family, ModelConfig, register
 from jaxpar.models.gpt import (
-    ATTENTION,
     REMAT_POLICIES,
+    Attention,
     Blocks,
+    Remat,
     TransformerLab,
     attention,
     attention_implementation,
@@ -46,6 +47,7 @@ from jaxpar.models.gpt import (
     mlp,
     transformer_counts,
 )
+from jaxpar.schema import Float, section
 from jaxpar.task import DataNeeds, StageSplit, Task
 
 _RESIDUAL = ("batch", "seq", "act_embed")
@@ -54,28 +56,27 @@ _MASKING, _EMBEDDING = 0, 1
 _EVAL_KEY = 2024
 
 
-@dataclass(frozen=True)
-class BERTConfig:
+@section("model")
+class BERTConfig(ModelConfig):
     """``model.*`` keys of ``model.name=bert``."""
 
-    vocab_size: int = option(264, minimum=2, doc="vocabulary: the data's, plus the mask token "
-                                                 "(the last id); 264 = 256 bytes + 1, rounded "
-                                                 "up to a multiple of 8 for tensor splits")
-    d_model: int = option(128, minimum=1, doc="width D")
-    n_layers: int = option(4, minimum=1, doc="encoder blocks L")
-    n_heads: int = option(4, minimum=1, doc="attention heads N (divides d_model)")
-    d_ff: int = option(512, minimum=1, doc="MLP width F")
-    max_seq_len: int = option(128, minimum=1, doc="longest sequence (learned positions)")
-    dropout: float = option(0.1, minimum=0.0, doc="dropout rate (embeddings, attention and "
-                                                  "MLP outputs)")
-    mask_rate: float = option(0.15, minimum=0.0, doc="share of each sequence's positions "
-                                                     "the masked-LM loss predicts")
-    remat: str = option("none", choices=tuple(REMAT_POLICIES) + ("none",),
-                        doc="recompute each block in the backward pass")
-    dtype: str = option("float32", choices=("float32", "bfloat16"),
-                        doc="compute dtype (parameters stay float32)")
-    attention: str = option("auto", choices=ATTENTION, doc="jax.nn.dot_product_attention's "
-                            "implementation (auto: cuDNN on a GPU where it runs)")
+    vocab_size: int = Field(264, ge=2, description="vocabulary: the data's, plus the mask "
+                                                   "token (the last id); 264 = 256 bytes + 1, "
+                                                   "rounded up to a multiple of 8 for tensor "
+                                                   "splits")
+    d_model: int = Field(128, ge=1, description="width D")
+    n_layers: int = Field(4, ge=1, description="encoder blocks L")
+    n_heads: int = Field(4, ge=1, description="attention heads N (divides d_model)")
+    d_ff: int = Field(512, ge=1, description="MLP width F")
+    max_seq_len: int = Field(128, ge=1, description="longest sequence (learned positions)")
+    dropout: Float = Field(0.1, ge=0, description="dropout rate (embeddings, attention and MLP "
+                                                  "outputs)")
+    mask_rate: Float = Field(0.15, ge=0, description="share of each sequence's positions the "
+                                                     "masked-LM loss predicts")
+    remat: Remat = Field("none", description="recompute each block in the backward pass")
+    dtype: Dtype = Field("float32", description="compute dtype (parameters stay float32)")
+    attention: Attention = Field("auto", description="jax.nn.dot_product_attention's "
+                                 "implementation (auto: cuDNN on a GPU where it runs)")
 
     @property
     def head_dim(self) -> int:

@@ -10,16 +10,17 @@ W[F, K] (mlp, classes) — column- then row-parallel under tensor rules.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from pydantic import Field
 
 from jaxpar.logical import constrain
-from jaxpar.models.family import Counts, Family, option, register
+from jaxpar.models.family import Counts, Family, ModelConfig, register
+from jaxpar.schema import section
 from jaxpar.task import DataNeeds, Task
 
 
@@ -102,13 +103,13 @@ def _images(cfg: Any) -> DataNeeds:
     return DataNeeds("images", num_classes=cfg.num_classes)
 
 
-@dataclass(frozen=True)
-class ConvNetConfig:
+@section("model")
+class ConvNetConfig(ModelConfig):
     """``model.*`` keys of ``model.name=convnet``."""
 
-    channels: int = option(20, minimum=1, doc="channels of both 5×5 convolutions")
-    hidden: int = option(50, minimum=1, doc="units of the hidden dense layer")
-    num_classes: int = option(10, minimum=2, doc="classes (labels 0 … num_classes−1)")
+    channels: int = Field(20, ge=1, description="channels of both 5×5 convolutions")
+    hidden: int = Field(50, ge=1, description="units of the hidden dense layer")
+    num_classes: int = Field(10, ge=2, description="classes (labels 0 … num_classes−1)")
 
 
 def _convnet_counts(cfg: ConvNetConfig, data: Any) -> Counts:
@@ -134,12 +135,12 @@ CONVNET = register(Family("convnet", ConvNetConfig,
                           doc="conv 5×5 → conv 5×5 → dense → dense, on images"))
 
 
-@dataclass(frozen=True)
-class MLPConfig:
+@section("model")
+class MLPConfig(ModelConfig):
     """``model.*`` keys of ``model.name=mlp``."""
 
-    hidden: int = option(50, minimum=1, doc="units of the hidden dense layer")
-    num_classes: int = option(10, minimum=2, doc="classes (labels 0 … num_classes−1)")
+    hidden: int = Field(50, ge=1, description="units of the hidden dense layer")
+    num_classes: int = Field(10, ge=2, description="classes (labels 0 … num_classes−1)")
 
 
 def _mlp_counts(cfg: MLPConfig, data: Any) -> Counts:

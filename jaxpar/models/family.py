@@ -3,8 +3,10 @@
 A family lives in one module under ``jaxpar/models/`` and registers there
 (:func:`register`) everything jaxpar needs to know about it:
 
-* its typed config — a frozen dataclass of the family's own ``model.*`` keys, each declared
-  once with :func:`option` (type, default, choices, lower bound, doc);
+* its typed config — a subclass of :class:`ModelConfig` declared with
+  ``@section("model")`` (``jaxpar/schema.py``): the family's own ``model.*`` keys, each
+  declared once with its type, default, choices (a ``Literal``), bound and doc
+  (``pydantic.Field``);
 * its Task builder — config and data → :class:`~jaxpar.task.Task` (the model, the loss, the
   batch axes, the pipeline split);
 * what it takes from the config's ``data`` section (text or images);
@@ -14,29 +16,45 @@ A family lives in one module under ``jaxpar/models/`` and registers there
 
 The rest of the package never compares a model name: it asks the family. A user's family
 registers the same way (``jaxpar.register_model``), or is named in a config as
-``model.name=path/to/file.py:FAMILY`` (or ``package.module:FAMILY``).
+``model.name=path/to/file.py:FAMILY`` (or ``package.module:FAMILY``; ``jaxpar/config.py``
+loads it).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Literal
 
+from jaxpar.errors import TaskError
+from jaxpar.schema import section
 from jaxpar.task import DataNeeds, Task
 
 #: The family ``model.name`` names when a config does not.
 DEFAULT = "gpt"
 
+#: The compute dtype of a family's matmuls and convolutions (parameters stay float32).
+Dtype = Literal["float32", "bfloat16"]
 
-def option(default: Any, *, choices: tuple[Any, ...] = (), minimum: float | None = None,
-           doc: str = "") -> Any:
-    """A config field with its checks declared next to it: allowed ``choices``, a lower
-    bound ``minimum`` and a one-line ``doc`` (shown when a value is refused)."""
-    return field(default=default, metadata={"choices": choices, "minimum": minimum, "doc": doc})
+
+@section("model")
+class ModelConfig:
+    """The ``model`` section: ``name`` picks the model family; every other key is the
+    family's own, declared in its config class, which subclasses this one (with
+    ``@section("model")``). Two model configs are equal when they are of the same family
+    with the same keys, however ``name`` spelled the family."""
+
+    name: str = dataclasses.field(default="", compare=False, metadata={"description": (
+        "the model family: gpt, bert, resnet, convnet, mlp (empty: gpt), or "
+        "path/to/file.py:FAMILY / package.module:FAMILY naming a jaxpar.models.Family "
+        "of your own; with --task the section has no effect")})
+
+    #: The model keys the config files and overrides gave, as given (another family's
+    #: included: they warn that they have no effect, and apply if a later ``model.name``
+    #: has them). Set by ``jaxpar/config.py`` on the section it builds; not a field, so
+    #: equality, ``asdict`` and the docs leave it out.
+    given: ClassVar[tuple[tuple[str, Any], ...]] = ()
 
 
 @dataclass(frozen=True)
@@ -119,7 +137,7 @@ class Family:
 
     Attributes:
       name: the ``model.name`` that selects it.
-      config: the frozen dataclass of its ``model.*`` keys (fields made with :func:`option`).
+      config: its :class:`ModelConfig` subclass (the ``model.*`` keys it has).
       task: ``(config, data) -> Task``; ``data`` is the loaded :class:`jaxpar.data.Data`
         (``seq_len`` for text, ``image_shape`` for images).
       needs: ``config -> DataNeeds``: what it takes from the config's ``data`` section.
@@ -143,36 +161,8 @@ class Family:
     doc: str = ""
 
     def keys(self) -> list[str]:
-        """The family's ``model.*`` keys."""
-        return [f.name for f in dataclasses.fields(self.config)]
-
-    def make_config(self, values: dict[str, Any], check: Callable[[str, Any, Any], Any]
-                    ) -> Any:
-        """The typed config from ``values`` (key → raw value), each value converted by
-        ``check(dotted_key, value, type)`` and held to its field's choices and bound.
-
-        Raises:
-          ValueError: naming the key, for a key the family does not have (with the closest
-            one), a value of the wrong type, outside the choices or below the bound.
-        """
-        hints = typing.get_type_hints(self.config)
-        fields = {f.name: f for f in dataclasses.fields(self.config)}
-        typed = {}
-        for key, value in values.items():
-            if key not in fields:
-                match = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.4)
-                hint = f"did you mean 'model.{match[0]}'? " if match else ""
-                raise ValueError(f"unknown config key 'model.{key}' for model.name={self.name}: "
-                                 f"{hint}its keys: {', '.join(sorted(fields))}")
-            typed[key] = check(f"model.{key}", value, hints[key])
-            meta = fields[key].metadata
-            if meta.get("choices") and typed[key] not in meta["choices"]:
-                raise ValueError(f"config key 'model.{key}' must be one of "
-                                 f"{', '.join(map(str, meta['choices']))}, got {typed[key]!r}")
-            if meta.get("minimum") is not None and typed[key] < meta["minimum"]:
-                raise ValueError(f"config key 'model.{key}' must be ≥ {meta['minimum']:g}, "
-                                 f"got {typed[key]}")
-        return self.config(**typed)
+        """The family's own ``model.*`` keys (``name`` aside)."""
+        return [f.name for f in dataclasses.fields(self.config) if f.name != "name"]
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -182,8 +172,15 @@ def register(family: Family) -> Family:
     """Makes ``family`` what ``model.name=<family.name>`` means; returns it.
 
     Raises:
-      ValueError: when another family already has that name.
+      ValueError: when another family already has that name, or its config is not a
+        :class:`ModelConfig` section.
     """
+    config = family.config
+    if not (isinstance(config, type) and issubclass(config, ModelConfig)
+            and "__pydantic_fields__" in vars(config)):
+        raise TaskError(f"model family '{family.name}': its config {config!r} must subclass "
+                        "jaxpar.models.ModelConfig, declared with @section(\"model\") "
+                        "(from jaxpar.schema import section)")
     known = _FAMILIES.get(family.name)
     if known is not None and known is not family:
         raise ValueError(f"model family '{family.name}' is registered already "
@@ -193,35 +190,9 @@ def register(family: Family) -> Family:
 
 
 def families() -> dict[str, Family]:
-    """Every registered family by name (the built-in ones included)."""
-    import jaxpar.models  # noqa: F401  (registers the built-in families)
-
+    """Every registered family by name: the built-in ones (importing this module runs
+    ``jaxpar/models/__init__.py`` first, which registers them) and the user's."""
     return dict(_FAMILIES)
-
-
-def get(name: str) -> Family:
-    """The family ``model.name`` names: a registered name, or ``path/to/file.py:FAMILY``
-    / ``package.module:FAMILY`` naming a :class:`Family` object (registered on first use).
-
-    Raises:
-      ValueError: for a name that is neither, listing the registered families.
-    """
-    known = families()
-    name = name or DEFAULT
-    if name in known:
-        return known[name]
-    if ":" in name:
-        from jaxpar.user_code import load_object
-
-        obj = load_object(name, "model.name")
-        if not isinstance(obj, Family):
-            raise ValueError(f"model.name={name} is a {type(obj).__name__}, not a "
-                             "jaxpar.models.Family; point it at a registered family object")
-        return register(obj)
-    match = difflib.get_close_matches(name, list(known), n=1)
-    hint = f"did you mean '{match[0]}'? " if match else ""
-    raise ValueError(f"config key 'model.name' names no model family: {name!r}; {hint}choose "
-                     f"one of {', '.join(sorted(known))}, or FILE.py:FAMILY for your own")
 
 
 def key_owners(key: str) -> list[str]:

@@ -19,54 +19,60 @@ softmax elsewhere (see :func:`attention_implementation`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from pydantic import Field
 
 from jaxpar.logical import constrain, shards
 from jaxpar.models.family import (
     Counts,
+    Dtype,
     Family,
     LabLayout,
     LabModel,
+    ModelConfig,
     Term,
-    option,
     register,
 )
+from jaxpar.schema import section
 from jaxpar.task import DataNeeds, StageSplit, Task
 
 _RESIDUAL = ("batch", "seq", "act_embed")
 
 
-@dataclass(frozen=True)
-class GPTConfig:
+#: ``model.attention`` values; ``auto`` resolves per backend (:func:`attention_implementation`).
+Attention = Literal["auto", "xla", "cudnn"]
+#: ``model.remat`` values: what a block recomputes in the backward pass (:data:`REMAT_POLICIES`)
+Remat = Literal["none", "full", "save_dots"]
+
+
+@section("model")
+class GPTConfig(ModelConfig):
     """``model.*`` keys of ``model.name=gpt``: shape and numerics."""
 
-    vocab_size: int = option(256, minimum=1, doc="vocabulary (at least the data's)")
-    d_model: int = option(128, minimum=1, doc="width D")
-    n_layers: int = option(4, minimum=1, doc="transformer blocks L")
-    n_heads: int = option(4, minimum=1, doc="attention heads N (divides d_model)")
-    d_ff: int = option(512, minimum=1, doc="MLP width F")
-    max_seq_len: int = option(128, minimum=1, doc="longest sequence")
-    positions: str = option("learned", choices=("learned", "rotary"), doc="position encoding")
-    tie_embeddings: bool = option(False, doc="the output layer is the embedding table's "
-                                             "transpose")
-    remat: str = option("none", choices=("none", "full", "save_dots"),
-                        doc="what each block recomputes in the backward pass")
-    dtype: str = option("float32", choices=("float32", "bfloat16"),
-                        doc="compute dtype (parameters stay float32)")
-    attention: str = option("auto", choices=("auto", "xla", "cudnn"),
-                            doc="jax.nn.dot_product_attention's implementation (auto: cuDNN "
-                                "on a GPU where it runs, XLA elsewhere)")
-    attn_bias: bool = option(False, doc="biases on the q/k/v and output projections "
-                                        "(GPT-2 has them)")
-    init_from: str = option("", doc="a Hugging Face GPT-2 directory (config.json + "
-                                    "model.safetensors) whose weights a fresh run starts "
-                                    "from (jaxpar/hf.py)")
+    vocab_size: int = Field(256, ge=1, description="vocabulary (at least the data's)")
+    d_model: int = Field(128, ge=1, description="width D")
+    n_layers: int = Field(4, ge=1, description="transformer blocks L")
+    n_heads: int = Field(4, ge=1, description="attention heads N (divides d_model)")
+    d_ff: int = Field(512, ge=1, description="MLP width F")
+    max_seq_len: int = Field(128, ge=1, description="longest sequence")
+    positions: Literal["learned", "rotary"] = Field("learned", description="position encoding")
+    tie_embeddings: bool = Field(False, description="the output layer is the embedding "
+                                                    "table's transpose")
+    remat: Remat = Field("none", description="what each block recomputes in the backward pass")
+    dtype: Dtype = Field("float32", description="compute dtype (parameters stay float32)")
+    attention: Attention = Field("auto", description="jax.nn.dot_product_attention's "
+                                 "implementation (auto: cuDNN on a GPU where it runs, XLA "
+                                 "elsewhere)")
+    attn_bias: bool = Field(False, description="biases on the q/k/v and output projections "
+                                               "(GPT-2 has them)")
+    init_from: str = Field("", description="a Hugging Face GPT-2 directory (config.json + "
+                                           "model.safetensors) whose weights a fresh run "
+                                           "starts from (jaxpar/hf.py)")
 
     @property
     def head_dim(self) -> int:
@@ -135,8 +141,6 @@ def rotary(x_BTNH: jax.Array, positions_T: jax.Array | None = None) -> jax.Array
     return out.astype(x_BTNH.dtype)
 
 
-#: ``model.attention`` values; ``auto`` resolves per backend (:func:`attention_implementation`).
-ATTENTION = ("auto", "xla", "cudnn")
 #: What cuDNN's flash attention takes (jax's ``check_is_flash_attention``): 16-bit inputs and
 #: a head dim that is a multiple of 8, at most 128 (256 from Hopper on; ``auto`` keeps to 128).
 _CUDNN_DTYPES = ("bfloat16", "float16")
@@ -159,12 +163,9 @@ def attention_implementation(cfg: GPTConfig, backend: str | None = None) -> str:
     kernel, else ``xla``; ``xla`` and ``cudnn`` are taken as they are.
 
     Raises:
-      ValueError: for an unknown value, or ``cudnn`` where it cannot run (no CUDA GPU,
-        float32 compute, an unsupported head dim), with the fix.
+      ValueError: for ``cudnn`` where it cannot run (no CUDA GPU, float32 compute, an
+        unsupported head dim), with the fix.
     """
-    if cfg.attention not in ATTENTION:
-        raise ValueError(f"model.attention must be one of {', '.join(ATTENTION)}, "
-                         f"got {cfg.attention!r}")
     backend = backend or _default_backend()
     H = cfg.head_dim
     fits = cfg.dtype in _CUDNN_DTYPES and H % 8 == 0 and H <= _CUDNN_MAX_HEAD_DIM

@@ -25,46 +25,51 @@ of ``data``/``fsdp``), and every layout gives the one-device numbers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import typing
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from pydantic import Field
 
 from jaxpar.logical import constrain
 from jaxpar.models.classifiers import IMAGE_AXES, classification_loss
 from jaxpar.models.family import (
     Counts,
+    Dtype,
     Family,
     LabLayout,
     LabModel,
+    ModelConfig,
     Term,
-    option,
     register,
 )
+from jaxpar.schema import section
 from jaxpar.task import DataNeeds, Task
 
+#: ``model.depth`` values
+Depth = Literal[10, 18, 34, 50, 101, 152]
 #: blocks per stage, and whether they are bottlenecks, by depth
 DEPTHS = {10: ((1, 1, 1, 1), False), 18: ((2, 2, 2, 2), False), 34: ((3, 4, 6, 3), False),
           50: ((3, 4, 6, 3), True), 101: ((3, 4, 23, 3), True), 152: ((3, 8, 36, 3), True)}
+assert tuple(DEPTHS) == typing.get_args(Depth)
 _STREAM = ("batch", None, None, "act_embed")
 _SPLIT = ("batch", None, None, "mlp")
 
 
-@dataclass(frozen=True)
-class ResNetConfig:
+@section("model")
+class ResNetConfig(ModelConfig):
     """``model.*`` keys of ``model.name=resnet``."""
 
-    depth: int = option(50, choices=tuple(DEPTHS), doc="ResNet-10/18/34 (basic blocks) or "
-                        "50/101/152 (bottlenecks)")
-    width: int = option(64, minimum=1, doc="channels of the first stage (doubling per stage)")
-    stem: str = option("imagenet", choices=("imagenet", "small"),
-                       doc="imagenet: 7×7 stride-2 conv and 3×3 max pool; small: one 3×3 conv "
-                           "(8×8 or 32×32 images)")
-    num_classes: int = option(1000, minimum=2, doc="classes (labels 0 … num_classes−1)")
-    dtype: str = option("float32", choices=("float32", "bfloat16"),
-                        doc="compute dtype (parameters stay float32)")
+    depth: Depth = Field(50, description="ResNet-10/18/34 (basic blocks) or 50/101/152 "
+                                         "(bottlenecks)")
+    width: int = Field(64, ge=1, description="channels of the first stage (doubling per stage)")
+    stem: Literal["imagenet", "small"] = Field(
+        "imagenet", description="imagenet: 7×7 stride-2 conv and 3×3 max pool; small: one 3×3 "
+                                "conv (8×8 or 32×32 images)")
+    num_classes: int = Field(1000, ge=2, description="classes (labels 0 … num_classes−1)")
+    dtype: Dtype = Field("float32", description="compute dtype (parameters stay float32)")
 
 
 def _named(*names: str | None, init: Any = nnx.initializers.lecun_normal()) -> Any:

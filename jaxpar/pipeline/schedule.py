@@ -23,16 +23,34 @@ Pure NumPy, no JAX. Vocabulary (``p`` stages/devices, ``m`` microbatches,
 from __future__ import annotations
 
 import itertools
+import typing
 from collections import deque
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import numpy as np
+from pydantic import Field
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1")
+from jaxpar.schema import section
+
+#: ``pipeline.schedule`` values.
+Schedule = Literal["gpipe", "1f1b", "interleaved", "zb_h1"]
+SCHEDULES: tuple[str, ...] = typing.get_args(Schedule)
 KINDS = ("idle", "F", "B", "I", "W")
 #: Durations used for reported bubbles: F = I = W = 1, a fused backward B = I + W.
 UNIT_TIMES = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+
+
+@section("pipeline")
+class PipelineConfig:
+    """Pipeline parallelism over mesh axis ``stage`` (used when ``mesh.stage > 1``)."""
+
+    schedule: Schedule = Field("1f1b", description="the order of the microbatches' forward and "
+                               "backward passes on each stage (see jaxpar/pipeline)")
+    microbatches: int = Field(0, ge=0, description="how many microbatches one step's batch is "
+                                                   "cut into (0: twice mesh.stage)")
+    virtual_stages: int = Field(1, ge=1, description="layer chunks per device, for interleaved "
+                                                     "(≥ 2) only")
 
 
 class Action(NamedTuple):

@@ -1,7 +1,7 @@
 """Every layout decision of a run, in one place (see :mod:`jaxpar.plan.plan`)."""
 
 from jaxpar.plan.abstract import AbstractModel, abstract_model, global_batch_shapes
-from jaxpar.plan.plan import FsdpGather, PipelineSettings, Plan, StateBytes, make_plan
+from jaxpar.plan.plan import FsdpGather, Plan, StateBytes, make_plan
 
-__all__ = ["AbstractModel", "FsdpGather", "PipelineSettings", "Plan", "StateBytes",
+__all__ = ["AbstractModel", "FsdpGather", "Plan", "StateBytes",
            "abstract_model", "global_batch_shapes", "make_plan"]

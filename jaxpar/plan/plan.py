@@ -44,7 +44,7 @@ from jaxpar.gradients import (
     Strategy,
 )
 from jaxpar.logical import Rules, names_of, spec_axes
-from jaxpar.pipeline.schedule import TickTable
+from jaxpar.pipeline.schedule import PipelineConfig, TickTable
 from jaxpar.plan import checks
 from jaxpar.plan.abstract import AbstractModel, abstract_model, warn_unnamed
 from jaxpar.plan.checks import BATCH_AXES
@@ -67,15 +67,6 @@ class StateBytes:
     total: int
     params_total: int
     opt_state_total: int
-
-
-@dataclass(frozen=True)
-class PipelineSettings:
-    """The pipeline schedule a plan uses when ``mesh.stage > 1`` (``pipeline.*`` keys)."""
-
-    schedule: str = "1f1b"
-    microbatches: int = 0
-    virtual_stages: int = 1
 
 
 @dataclass(frozen=True, eq=False)
@@ -197,7 +188,7 @@ class Plan:
 
 
 def make_plan(task: Task, optimizer: optax.GradientTransformation, mesh: Mesh, rules: Rules,
-              *, grad_accum: int = 1, pipeline: Any = None,
+              *, grad_accum: int = 1, pipeline: PipelineConfig | None = None,
               fsdp_gather: str = "per_microbatch") -> Plan:
     """Decides the layout of ``task`` trained by ``optimizer`` on ``mesh`` under ``rules``.
 
@@ -207,16 +198,15 @@ def make_plan(task: Task, optimizer: optax.GradientTransformation, mesh: Mesh, r
         state's specs).
       mesh, rules: the device mesh and logical axis name → mesh axes.
       grad_accum: microbatches accumulated per step.
-      pipeline: the schedule used when ``mesh.shape['stage'] > 1`` (anything with
-        ``schedule``, ``microbatches`` and ``virtual_stages``; default
-        :class:`PipelineSettings`).
+      pipeline: the schedule used when ``mesh.shape['stage'] > 1`` (default: 1F1B over
+        twice as many microbatches as stages).
       fsdp_gather: with ``grad_accum`` > 1, whether FSDP-sharded weights are gathered
         ``per_microbatch`` or ``once`` per step.
 
     Raises:
       LayoutError: for every layout that cannot run (see the module docstring).
     """
-    pipeline = pipeline if pipeline is not None else PipelineSettings()
+    pipeline = pipeline if pipeline is not None else PipelineConfig()
     model = abstract_model(task)
     if model.unnamed:
         warn_unnamed(model.unnamed)

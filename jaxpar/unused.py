@@ -1,0 +1,73 @@
+"""Settings that have no effect in a run: each one set is named, and warned of once
+(STYLE: a setting is never silently ignored). What has no effect depends on the run:
+another model family's keys, the ``model`` section for a user's task, the ``data`` keys
+the model does not read, the ``optim`` keys when the run brings its own optimizer, and
+the options of choices not taken."""
+
+from __future__ import annotations
+
+import warnings
+
+from jaxpar import schema
+from jaxpar.config import Config, model_settings
+from jaxpar.data.sources import DataConfig
+from jaxpar.optim import OptimConfig
+from jaxpar.pipeline.schedule import PipelineConfig
+
+
+def _non_default(config: Config, dotted: str) -> bool:
+    section_name, key = dotted.split(".")
+    if section_name == "model":
+        return key == "name" and bool(config.model.name)
+    default = getattr(Config(), section_name)
+    return getattr(getattr(config, section_name), key) != getattr(default, key)
+
+
+def unused_settings(config: Config, *, user_task: bool = False, own_data: bool = False,
+                    own_optimizer: bool = False) -> list[str]:
+    """Keys set away from their default that the run ignores: another model family's keys,
+    the ``model`` section for a user's task, ``data`` keys the model does not read (or all
+    of them when the task brings its data), ``optim`` keys when the run brings its own
+    optimizer, and the options of other choices."""
+    explicit = [f"model.{k}" for k in model_settings(config.model)]
+    keys = explicit + ["model.name"] if user_task else [
+        k for k in explicit if k.split(".", 1)[1] not in config.family.keys()]
+    data = config.data
+    if own_data:
+        keys += [f"data.{k}" for k in schema.keys(DataConfig)
+                 if k not in ("threads", "prefetch", "workers", "wait_warn")]
+    elif not user_task:
+        text = config.family.needs(config.model).kind == "text"
+        synthetic = data.dataset == "synthetic" or (data.dataset == "auto" and not data.path
+                                                    and not text)
+        keys += ["data.image_size", "data.channels"] if text else ["data.seq_len"]
+        if not synthetic:
+            keys += ["data.num_examples", "data.image_size", "data.channels"]
+    keys += [f"optim.{k}" for k in schema.keys(OptimConfig)] if own_optimizer else []
+    optim, schedule = config.optim.name, config.optim.schedule
+    keys += ["optim.momentum", "optim.nesterov"] if optim != "sgd" else []
+    keys += ["optim.b1", "optim.b2", "optim.eps"] if optim in ("sgd", "adafactor") else []
+    keys += ["optim.step_every", "optim.step_gamma"] if schedule != "step" else []
+    if schedule not in ("cosine", "linear"):
+        keys += ["optim.decay_steps", "optim.min_lr_ratio"]
+    if config.mesh.stage == 1:
+        keys += [f"pipeline.{k}" for k in schema.keys(PipelineConfig)]
+    if not config.checkpoint.keep_best:
+        keys += ["checkpoint.best_metric", "checkpoint.best_mode"]
+    return [k for k in dict.fromkeys(keys) if k in explicit or _non_default(config, k)]
+
+
+def warn_unused(config: Config, **run: bool) -> None:
+    """Warns once per key that is set but has no effect (STYLE: never silently ignore);
+    ``run`` says what the run brings itself (see :func:`unused_settings`)."""
+    why = {"user_task": "the task is a user's (its model is its own)",
+           "own_data": "the task brings its own data",
+           "own_optimizer": "the run brings its own Optax optimizer"}
+    context = [why[k] for k, on in run.items() if on]
+    if not run.get("user_task"):
+        context.append(f"model.name={config.family.name}, optim.name={config.optim.name}, "
+                       f"optim.schedule={config.optim.schedule}, mesh.stage="
+                       f"{config.mesh.stage}, checkpoint.keep_best={config.checkpoint.keep_best}")
+    for key in unused_settings(config, **run):
+        warnings.warn(f"config key '{key}' has no effect with {'; '.join(context)}",
+                      stacklevel=2)
