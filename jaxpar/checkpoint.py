@@ -47,7 +47,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from pydantic import Field
 
 from jaxpar import integrity
-from jaxpar.errors import CheckpointError, CorruptCheckpoint, RestoreError
+from jaxpar.errors import CheckpointError, ConfigError, CorruptCheckpoint, RestoreError
 from jaxpar.plan import Plan
 from jaxpar.schema import section
 from jaxpar.sharding import path_str
@@ -200,11 +200,11 @@ class Checkpointer:
         """Starts saving ``state`` as ``step`` (returns once the arrays are copied to host).
 
         Raises:
-          ValueError: with ``keep_best``, when ``metrics`` lacks the ranking metric.
+          ConfigError: with ``keep_best``, when ``metrics`` lacks the ranking metric.
           CheckpointError: when an earlier asynchronous save failed.
         """
         if self.best_metric and self.best_metric not in (metrics or {}):
-            raise ValueError(
+            raise ConfigError(
                 f"checkpoint.best_metric={self.best_metric} is not among the metrics of step "
                 f"{step} ({', '.join(sorted(metrics or {})) or 'none'}); pick one of them")
         args = ocp.args.Composite(state=ocp.args.StandardSave(_as_tree(state)),
@@ -285,7 +285,7 @@ class Checkpointer:
         step = self.latest_step() if step is None else step
         if step is None or step not in self.steps():
             raise RestoreError(f"no complete checkpoint {'' if step is None else step} in "
-                             f"{self.directory} (have: {self.steps() or 'none'})")
+                               f"{self.directory} (have: {self.steps() or 'none'})")
         if self.verify:
             self.verify_step(step)
         target = jax.tree.map(

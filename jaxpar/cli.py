@@ -58,6 +58,7 @@ from jaxpar.errors import (
     INTERRUPTED,
     WRITE_FAILED,
     CheckpointError,
+    ConfigError,
     JaxparError,
     NonFiniteStop,
     Preempted,
@@ -169,8 +170,8 @@ def _sample(args: argparse.Namespace) -> None:
     overrides = [*args.args, *([f"run.devices={args.devices}"] if args.devices else [])]
     bad = [a for a in args.args if "=" not in a]
     if bad:
-        raise ValueError(f"jaxpar sample takes one RUN_DIR, then section.key=value settings; "
-                         f"got also {' '.join(bad)}")
+        raise ConfigError(f"jaxpar sample takes one RUN_DIR, then section.key=value settings; "
+                          f"got also {' '.join(bad)}")
     config = load_run_config(args.run_dir, overrides)
     setup_devices(config.run.devices)
     out = sample_config(config, args.prompt, tokens=args.tokens, temperature=args.temperature,
@@ -227,7 +228,7 @@ def _sweep(args: argparse.Namespace, config: Config, task: Task | None) -> None:
     from jaxpar.mesh import select_devices
 
     if bool(args.layouts) == bool(args.all):
-        raise ValueError("jaxpar sweep needs either --layouts L … or --all (not both)")
+        raise ConfigError("jaxpar sweep needs either --layouts L … or --all (not both)")
     hw = get_profile(args.hardware, args.hardware_file)
     layouts = args.layouts or sweep.all_layouts(len(select_devices(config.run.devices)))
     memory = args.memory_gb * 1e9 if args.memory_gb else None
@@ -288,8 +289,8 @@ def _show_pipeline(config: Config, png: str | None, width: int | None,
 
     table = build(config, task).plan.pipeline
     if table is None:
-        raise ValueError(f"mesh.stage={config.mesh.stage}: there is no pipeline to show; "
-                         "set mesh.stage to 2 or more")
+        raise ConfigError(f"mesh.stage={config.mesh.stage}: there is no pipeline to show; "
+                          "set mesh.stage to 2 or more")
     print(chart.text_grid(table, width))
     print(chart.summary(table))
     if png:
@@ -305,8 +306,8 @@ def _config(args: argparse.Namespace) -> Config:
     if not run_dirs:
         return load_config(files, overrides)
     if len(files) > 1 or not os.path.isfile(os.path.join(run_dirs[0], "config.yaml")):
-        raise ValueError(f"'{run_dirs[0]}' is a directory: give a run directory (one holding "
-                         "config.yaml) alone, or config files")
+        raise ConfigError(f"'{run_dirs[0]}' is a directory: give a run directory (one holding "
+                          "config.yaml) alone, or config files")
     import dataclasses
 
     config = load_config([os.path.join(run_dirs[0], "config.yaml")], overrides)

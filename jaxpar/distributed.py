@@ -33,7 +33,7 @@ import jax
 
 from jaxpar.config import DistributedConfig
 from jaxpar.environ import ENV_BIND, ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
-from jaxpar.errors import JaxparError
+from jaxpar.errors import ConfigError, JaxparError
 
 
 class PortInUse(JaxparError, ValueError):
@@ -52,7 +52,7 @@ def settings(cfg: DistributedConfig) -> dict | None:
     cluster), or None for a single-process run.
 
     Raises:
-      ValueError: for an incomplete explicit setting, naming the missing keys.
+      ConfigError: for an incomplete explicit setting, naming the missing keys.
     """
     env = os.environ
     coordinator = cfg.coordinator or env.get(ENV_COORDINATOR, "")
@@ -64,13 +64,13 @@ def settings(cfg: DistributedConfig) -> dict | None:
                                       ("distributed.num_processes", not count),
                                       ("distributed.process_id", index < 0)) if unset]
     if missing:
-        raise ValueError(
+        raise ConfigError(
             "a multi-process run needs distributed.coordinator (host:port), "
             "distributed.num_processes and distributed.process_id; missing: "
             + ", ".join(missing) + " (or start the processes with jaxpar launch)")
     if not 0 <= index < count:
-        raise ValueError(f"distributed.process_id={index} must be in "
-                         f"[0, distributed.num_processes={count})")
+        raise ConfigError(f"distributed.process_id={index} must be in "
+                          f"[0, distributed.num_processes={count})")
     _host_port(coordinator, "distributed.coordinator")
     kwargs = {"coordinator_address": coordinator, "num_processes": count, "process_id": index}
     if cfg.local_device_ids:
@@ -85,7 +85,7 @@ def settings(cfg: DistributedConfig) -> dict | None:
 def _host_port(address: str, key: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
-        raise ValueError(f"{key}={address!r} must be host:port")
+        raise ConfigError(f"{key}={address!r} must be host:port")
     return host.strip("[]"), int(port)
 
 
@@ -111,8 +111,8 @@ def _bind(address: str) -> socket.socket:
                 f"the coordinator's port {port} is in use by another program (binding "
                 f"{address}: {err.strerror}); choose another port in distributed.coordinator "
                 "(jaxpar launch picks a free one)") from err
-        raise ValueError(f"the coordinator cannot listen on {address}: {err.strerror}; "
-                         "check distributed.bind_address / distributed.coordinator") from err
+        raise ConfigError(f"the coordinator cannot listen on {address}: {err.strerror}; "
+                          "check distributed.bind_address / distributed.coordinator") from err
     return sock
 
 
@@ -132,7 +132,7 @@ def _rendezvous_coordinator(address: str, bind: str, count: int, timeout_s: floa
 
     Raises:
       PortInUse: when the port is taken.
-      ValueError: naming the processes that did not arrive in ``timeout_s``, or a
+      ConfigError: naming the processes that did not arrive in ``timeout_s``, or a
         process id claimed twice.
     """
     server = _bind(bind)
@@ -191,14 +191,14 @@ def _rendezvous_coordinator(address: str, bind: str, count: int, timeout_s: floa
             conn.close()
         server.close()
     if error is not None:
-        raise ValueError(f"distributed: {error}")
+        raise ConfigError(f"distributed: {error}")
 
 
 def _rendezvous_peer(address: str, index: int, count: int, timeout_s: float) -> None:
     """A process other than 0: checks in with process 0 and waits for all to arrive.
 
     Raises:
-      ValueError: when process 0 cannot be reached within ``timeout_s``, or reports
+      ConfigError: when process 0 cannot be reached within ``timeout_s``, or reports
         that the run cannot start (naming the missing processes).
     """
     host, port = _host_port(address, "distributed.coordinator")
@@ -209,7 +209,7 @@ def _rendezvous_peer(address: str, index: int, count: int, timeout_s: float) -> 
             break
         except OSError as err:
             if time.monotonic() >= deadline:
-                raise ValueError(
+                raise ConfigError(
                     f"no coordinator answered at {address} within distributed.init_timeout="
                     f"{timeout_s:g} s ({err.strerror or err}); start process 0 there first, "
                     "check the address and the network, or raise distributed.init_timeout"
@@ -230,16 +230,16 @@ def _rendezvous_peer(address: str, index: int, count: int, timeout_s: float) -> 
         except OSError:
             pass
         if not ack:
-            raise ValueError(
+            raise ConfigError(
                 f"distributed: the program listening at {address} did not answer jaxpar's "
                 "check-in: it is not process 0 of this run (another program may use the "
                 "port); check distributed.coordinator and that process 0 runs there")
     if reply == "go":
         return
     if reply.startswith("fail "):
-        raise ValueError(f"distributed: {reply[5:]}")
-    raise ValueError(f"distributed: the coordinator at {address} stopped before every "
-                     "process joined (see process 0's output)")
+        raise ConfigError(f"distributed: {reply[5:]}")
+    raise ConfigError(f"distributed: the coordinator at {address} stopped before every "
+                      "process joined (see process 0's output)")
 
 
 def initialize(cfg: DistributedConfig) -> bool:
@@ -250,7 +250,7 @@ def initialize(cfg: DistributedConfig) -> bool:
 
     Raises:
       PortInUse: when process 0 finds the coordinator's port taken.
-      ValueError: when JAX's backend already started, when the coordinator is not
+      ConfigError: when JAX's backend already started, when the coordinator is not
         reached or not every process arrives in ``distributed.init_timeout``, or for
         incomplete settings.
     """
@@ -263,7 +263,7 @@ def initialize(cfg: DistributedConfig) -> bool:
         from jax._src import xla_bridge
 
         if xla_bridge.backends_are_initialized():
-            raise ValueError(
+            raise ConfigError(
                 "jax.distributed could not start: JAX's backend is already running. Initialize "
                 "it before any JAX computation — jaxpar does it first thing in `jaxpar train`; "
                 "in a script call jaxpar.distributed.initialize(config.distributed) before "
@@ -279,12 +279,12 @@ def initialize(cfg: DistributedConfig) -> bool:
     except RuntimeError as err:
         text = str(err)
         if "before" in text or "already" in text:
-            raise ValueError(
+            raise ConfigError(
                 f"jax.distributed could not start: {text}. Initialize it before any JAX "
                 "computation — jaxpar does it first thing in `jaxpar train`; in a script "
                 "call jaxpar.distributed.initialize(config.distributed) before "
                 "jaxpar.setup_devices()") from err
-        raise ValueError(
+        raise ConfigError(
             f"could not join the distributed run at {where} within distributed.init_timeout="
             f"{timeout} s ({text.splitlines()[0] if text else type(err).__name__}); "
             "check that process 0 is running and the address is reachable") from err

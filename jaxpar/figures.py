@@ -50,7 +50,7 @@ def image_format(path: str | Path) -> str:
     if suffix not in formats:
         others = ", ".join("." + f for f in sorted(formats) if f not in ("png", "svg"))
         raise PathError(f"cannot write an image to '{path}': end the path in .png or .svg "
-                         f"(matplotlib also writes {others})")
+                        f"(matplotlib also writes {others})")
     return suffix
 
 

@@ -42,14 +42,14 @@ def ensure_dir(path: str | Path, what: str, fix: str | None = None) -> Path:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise PathError(f"{what} '{path}' cannot be created: {_why_not_dir(path, err)}; "
-                         f"{fix}") from err
+                        f"{fix}") from err
     probe = path / f".jaxpar-write-test-{os.getpid()}"
     try:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as err:
         raise PathError(f"{what} '{path}' is not writable: {_why_not_dir(path, err)}; "
-                         f"{fix}") from err
+                        f"{fix}") from err
     return path
 
 
@@ -63,7 +63,7 @@ def check_output_file(path: str | Path, what: str) -> Path:
     path = Path(path)
     if path.is_dir():
         raise PathError(f"{what} '{path}' is a directory; give a file path, e.g. "
-                         f"{path / 'out'}")
+                        f"{path / 'out'}")
     ensure_dir(path.parent, f"the folder of {what}", f"choose another {what} path")
     if path.exists() and not os.access(path, os.W_OK):
         raise PathError(f"{what} '{path}' exists and is not writable; choose another path")

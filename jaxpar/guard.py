@@ -35,6 +35,8 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
+from jaxpar.errors import TaskError
+
 #: ``train.nonfinite_guard`` values: ``auto`` picks one of the others per platform.
 Guard = Literal["auto", "cond", "where"]
 GUARDS: tuple[str, ...] = typing.get_args(Guard)
@@ -76,10 +78,10 @@ def check_same_types(new: Any, old: Any) -> None:
     if old_paths != new_paths:
         first = next((f"{o} → {n}" for o, n in zip(old_paths, new_paths) if o != n),
                      f"{len(old_paths)} leaves → {len(new_paths)}")
-        raise ValueError(f"the train step changed the structure of its state ({first}): {fix}")
+        raise TaskError(f"the train step changed the structure of its state ({first}): {fix}")
     for path, (_, n), (_, o) in zip(new_paths, new_leaves, old_leaves):
         if (jnp.shape(n), jnp.result_type(n)) != (jnp.shape(o), jnp.result_type(o)):
-            raise ValueError(
+            raise TaskError(
                 f"the train step changed state leaf {path} from {jnp.result_type(o).name}"
                 f"{list(jnp.shape(o))} to {jnp.result_type(n).name}{list(jnp.shape(n))}: "
                 f"{fix}")

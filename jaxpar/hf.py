@@ -73,8 +73,8 @@ def check_exportable(family: str, cfg: Any) -> None:
     if not isinstance(cfg, GPTConfig):
         what = f"model.name={family}" if family else "a user's task (--task)"
         raise ConfigError(f"--format hf writes GPT-2's layout (GPT2LMHeadModel, a decoder-only "
-                         f"transformer LM, jaxpar's model.name=gpt); this run is {what}: use "
-                         "--format npz")
+                          f"transformer LM, jaxpar's model.name=gpt); this run is {what}: use "
+                          "--format npz")
     why = []
     if not cfg.tie_embeddings:
         why.append("model.tie_embeddings=false (GPT-2's output layer is the token table "
@@ -84,7 +84,7 @@ def check_exportable(family: str, cfg: Any) -> None:
                    "has no rotary embedding)")
     if why:
         raise ConfigError("--format hf: GPT-2's layout cannot hold this model: "
-                         + "; ".join(why) + "; use --format npz")
+                          + "; ".join(why) + "; use --format npz")
 
 
 def hf_config(cfg: Any) -> dict[str, Any]:
@@ -174,7 +174,7 @@ def from_hf(tensors: dict[str, np.ndarray], cfg: Any, where: str = "") -> dict[s
                         "GPT-2's is tied, as jaxpar's model.tie_embeddings=true)")
     if problems:
         raise DataError(f"model.init_from={where}: the weights do not fit GPT-2's layout for "
-                         "this model: " + "; ".join(problems))
+                        "this model: " + "; ".join(problems))
     t = {k: np.asarray(v, np.float32) for k, v in t.items()}
 
     def stack(name: str, fn: Callable[[np.ndarray], np.ndarray] = lambda x: x) -> np.ndarray:
@@ -248,7 +248,7 @@ def read_config(directory: str | Path, cfg: Any) -> dict[str, Any]:
     path = Path(directory) / CONFIG
     if not path.is_file():
         raise DataError(f"{where}: no {CONFIG} there; give a directory holding a Hugging "
-                         f"Face GPT-2 model ({CONFIG} and {WEIGHTS})")
+                        f"Face GPT-2 model ({CONFIG} and {WEIGHTS})")
     try:
         hf = json.loads(path.read_text())
     except (OSError, ValueError) as err:
@@ -258,7 +258,7 @@ def read_config(directory: str | Path, cfg: Any) -> dict[str, Any]:
         fixes = [d.rsplit("(set ", 1)[1].rstrip(")") for d in diffs if "(set " in d]
         tail = f"; to match it, pass {' '.join(fixes)}" if fixes else ""
         raise DataError(f"{where}: {CONFIG} does not match this run's model: "
-                         + "; ".join(diffs) + tail)
+                        + "; ".join(diffs) + tail)
     return hf
 
 
@@ -274,8 +274,8 @@ def read_tensors(directory: str | Path) -> dict[str, np.ndarray]:
         files = [directory / name for name in sorted(set(weight_map.values()))]
     else:
         raise DataError(f"model.init_from={directory}: no {WEIGHTS} there (only safetensors "
-                         "files are read; convert a pytorch_model.bin with transformers' "
-                         "save_pretrained(safe_serialization=True))")
+                        "files are read; convert a pytorch_model.bin with transformers' "
+                        "save_pretrained(safe_serialization=True))")
     tensors: dict[str, np.ndarray] = {}
     for f in files:
         tensors |= load_file(str(f))

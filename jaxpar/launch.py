@@ -129,10 +129,10 @@ def launch(count: int, args: Sequence[str], *, devices_per_process: int = 0,
     cores = os.cpu_count() or 1
     if cpus_per_process < 0 or count * cpus_per_process > cores:
         raise ConfigError(f"--cpus-per-process {cpus_per_process} × -n {count} must be within "
-                         f"the {cores} CPU cores of this machine")
+                          f"the {cores} CPU cores of this machine")
     if not args:
         raise ConfigError("nothing to launch: give a jaxpar command after --, e.g. "
-                         "jaxpar launch -n 2 -- train")
+                          "jaxpar launch -n 2 -- train")
     out = out or sys.stdout
     lock = threading.Lock()
     received: list[int] = []

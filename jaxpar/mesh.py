@@ -22,6 +22,7 @@ from jax.sharding import AxisType, Mesh
 from pydantic import Field
 
 from jaxpar.environ import FORCE_DEVICES_FLAG
+from jaxpar.errors import ConfigError, LayoutError
 from jaxpar.schema import section
 
 MESH_AXES = ("data", "stage", "fsdp", "tensor")
@@ -71,7 +72,7 @@ def setup_devices(count: int = 0) -> None:
     user_count = int(flag.group(1)) if flag else (int(env) if env else 0)
     if user_count:  # the user chose a device count: respect it; --devices takes a subset
         if count > user_count:
-            raise ValueError(
+            raise ConfigError(
                 f"--devices {count} asks for more than the {user_count} CPU devices set by "
                 "XLA_FLAGS/JAX_NUM_CPU_DEVICES; lower --devices or raise that setting"
             )
@@ -81,7 +82,7 @@ def setup_devices(count: int = 0) -> None:
         jax.config.update("jax_num_cpu_devices", wanted)
     except RuntimeError as err:  # the backend is already running
         if jax.device_count("cpu") < wanted:
-            raise ValueError(
+            raise ConfigError(
                 f"JAX started before jaxpar could set {wanted} CPU devices "
                 f"(it has {jax.device_count('cpu')}); call jaxpar.setup_devices() before "
                 "any JAX computation, or set XLA_FLAGS=--xla_force_host_platform_device_count="
@@ -93,7 +94,7 @@ def select_devices(count: int = 0) -> list[jax.Device]:
     """The first ``count`` devices of the default backend (all when 0)."""
     devices = jax.devices()
     if count and count > len(devices):
-        raise ValueError(
+        raise ConfigError(
             f"run.devices={count} but only {len(devices)} {devices[0].platform} devices exist; "
             f"set run.devices (or --devices) to at most {len(devices)}"
         )
@@ -120,19 +121,20 @@ def resolve_degrees(cfg: MeshConfig, device_count: int) -> dict[str, int]:
     fill = [axis for axis, d in degrees.items() if d == -1]
     bad = [axis for axis, d in degrees.items() if d == 0 or d < -1]
     if bad:
-        raise ValueError(f"mesh degree mesh.{bad[0]}={degrees[bad[0]]} must be ≥ 1 or -1 ({shown})")
+        raise LayoutError(f"mesh degree mesh.{bad[0]}={degrees[bad[0]]} must be ≥ 1 or -1 "
+                          f"({shown})")
     if len(fill) > 1:
-        raise ValueError(f"only one mesh degree may be -1, got {fill} ({shown})")
+        raise LayoutError(f"only one mesh degree may be -1, got {fill} ({shown})")
     fixed = math.prod(d for d in degrees.values() if d != -1)
     if fill:
         if device_count % fixed:
-            raise ValueError(
+            raise LayoutError(
                 f"mesh degrees ({shown}) cannot fill {device_count} devices: {device_count} "
                 f"is not divisible by {fixed}; choose degrees whose product divides it"
             )
         degrees[fill[0]] = device_count // fixed
     elif fixed != device_count:
-        raise ValueError(
+        raise LayoutError(
             f"mesh degrees ({shown}) multiply to {fixed} but there are {device_count} devices; "
             "make the product equal the device count or set one degree to -1"
         )
@@ -156,12 +158,12 @@ def host_degrees(cfg: MeshConfig, degrees: dict[str, int], hosts: int) -> dict[s
     chosen = {axis: d or 1 for axis, d in chosen.items()}
     shown = ", ".join(f"mesh.hosts_{a}={d}" for a, d in chosen.items())
     if math.prod(chosen.values()) != hosts:
-        raise ValueError(f"host degrees ({shown}) multiply to {math.prod(chosen.values())} but "
-                         f"the run has {hosts} processes; make their product {hosts}")
+        raise LayoutError(f"host degrees ({shown}) multiply to {math.prod(chosen.values())} but "
+                          f"the run has {hosts} processes; make their product {hosts}")
     for axis, d in chosen.items():
         if degrees[axis] % d:
-            raise ValueError(f"mesh.hosts_{axis}={d} does not divide mesh.{axis}="
-                             f"{degrees[axis]}; pick a divisor")
+            raise LayoutError(f"mesh.hosts_{axis}={d} does not divide mesh.{axis}="
+                              f"{degrees[axis]}; pick a divisor")
     return chosen
 
 

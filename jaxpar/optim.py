@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import optax
 from pydantic import Field, field_validator, model_validator
 
-from jaxpar.errors import ConfigError
+from jaxpar.errors import ConfigError, TaskError
 from jaxpar.schema import FLOAT32_MAX, Float, Float32, section
 
 #: ``optim.name`` values.
@@ -76,16 +76,16 @@ class OptimConfig:
     def _whole_or_fraction(cls, value: float) -> float:
         if value >= 1 and value != int(value):
             raise ConfigError(f"config key 'optim.warmup_steps' must be a whole number of "
-                              f"steps, or a fraction of the run below 1, got {value!r}; set "
-                              "e.g. optim.warmup_steps=20 or optim.warmup_steps=0.1")
+                               f"steps, or a fraction of the run below 1, got {value!r}; set "
+                               "e.g. optim.warmup_steps=20 or optim.warmup_steps=0.1")
         return value
 
     @model_validator(mode="after")
     def _consistent(self) -> OptimConfig:
         if self.name == "sgd" and self.nesterov and self.momentum == 0:
             raise ConfigError("config key 'optim.nesterov' needs optim.momentum > 0 with "
-                              "optim.name=sgd; set optim.momentum (e.g. 0.9) or "
-                              "optim.nesterov=false")
+                               "optim.name=sgd; set optim.momentum (e.g. 0.9) or "
+                               "optim.nesterov=false")
         if self.lr * self.weight_decay > FLOAT32_MAX:
             raise ConfigError(
                 f"config keys 'optim.lr'={self.lr:g} × 'optim.weight_decay'="
@@ -192,7 +192,7 @@ def make_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
       ValueError: for ``total_steps`` below 1 (``cfg`` was checked when it was built).
     """
     if not total_steps >= 1:
-        raise ValueError(
+        raise ConfigError(
             f"total_steps must be >= 1, got {total_steps!r}; set train.steps to a positive count"
         )
     cfg = dataclasses.replace(cfg, warmup_steps=resolve_warmup(cfg, total_steps))
@@ -223,7 +223,7 @@ def _matrix_like(names: Any, param: Any) -> bool:
     if names is None:
         return _ndim(param) >= 2
     if not isinstance(names, (tuple, list)):
-        raise ValueError(
+        raise TaskError(
             f"decay_mask: logical axes must be a tuple of names per parameter, got {names!r}"
         )
     # None entries are unnamed (unsharded) dimensions and still count.
@@ -261,7 +261,7 @@ def decay_mask(params: Any, axes: Any = None) -> Any:
     except (ValueError, TypeError) as err:
         if "decay_mask" in str(err):
             raise
-        raise ValueError(
+        raise TaskError(
             f"decay_mask: axes must have the same structure as params "
             f"(one tuple of logical axis names per parameter): {err}"
         ) from err

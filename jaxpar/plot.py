@@ -34,11 +34,11 @@ def _metrics_path(run_dir: str | Path) -> Path:
         return path
     if not path.is_dir():
         raise PathError(f"{path}: no such run directory; give the run.dir of a training run "
-                         f"(the folder holding {METRICS_FILE})")
+                        f"(the folder holding {METRICS_FILE})")
     metrics = path / METRICS_FILE
     if not metrics.is_file():
         raise PathError(f"{metrics} not found: {path} is not a run directory; give the run.dir "
-                         "of a run that `jaxpar train` has logged into")
+                        "of a run that `jaxpar train` has logged into")
     return metrics
 
 
@@ -69,10 +69,10 @@ def read_rows(run_dir: str | Path) -> list[dict[str, Any]]:
                           "write?)", stacklevel=2)
         else:
             raise PathError(f"{path}:{number}: {problem}; each line must be a JSON object "
-                             "with a 'step' (fix or delete that line)")
+                            "with a 'step' (fix or delete that line)")
     if not rows:
         raise PathError(f"{path} holds no rows: the run has logged no step yet; plot it "
-                         "after its first log step (train.log_every)")
+                        "after its first log step (train.log_every)")
     return rows
 
 
@@ -128,8 +128,8 @@ def load_run(run_dir: str | Path, name: str | None = None) -> RunCurves:
     evals = [r for r in rows if isinstance(r.get("eval_loss"), (int, float))]
     if not train and not evals:
         raise PathError(f"{path}: no row has 'loss' or 'eval_loss' (keys seen: "
-                         f"{', '.join(sorted({k for r in rows for k in r}))}); give the "
-                         "metrics of a training run")
+                        f"{', '.join(sorted({k for r in rows for k in r}))}); give the "
+                        "metrics of a training run")
     train_tokens = [r["tokens"] for r in train] if all("tokens" in r for r in train) else None
     eval_steps = [r["step"] for r in evals]
     if evals and all("tokens" in r for r in evals):

@@ -27,6 +27,7 @@ from jaxpar import hf
 from jaxpar import sharding as shd
 from jaxpar.checkpoint import Checkpointer, CorruptCheckpoint
 from jaxpar.config import Config
+from jaxpar.errors import ConfigError, RestoreError
 from jaxpar.files import check_output_file, ensure_dir
 from jaxpar.run import Run, build, eval_metric_names, host_value, to_host
 from jaxpar.state import TrainState
@@ -111,12 +112,12 @@ def open_checkpoints(run: Run) -> Checkpointer:
     """
     cfg = run.config.checkpoint
     if cfg.keep_best and not getattr(run.data, "has_eval", True):
-        raise ValueError(f"checkpoint.keep_best={cfg.keep_best} ranks checkpoints by an "
-                         f"evaluation metric, but the task {run.name} has no eval_data; give "
-                         "the Task eval_data or set checkpoint.keep_best=0")
+        raise ConfigError(f"checkpoint.keep_best={cfg.keep_best} ranks checkpoints by an "
+                          f"evaluation metric, but the task {run.name} has no eval_data; give "
+                          "the Task eval_data or set checkpoint.keep_best=0")
     if cfg.keep_best and cfg.best_metric not in (names := eval_metric_names(run)):
-        raise ValueError(f"checkpoint.best_metric={cfg.best_metric} is not an evaluation "
-                         f"metric of {run.name}; use one of {', '.join(names)}")
+        raise ConfigError(f"checkpoint.best_metric={cfg.best_metric} is not an evaluation "
+                          f"metric of {run.name}; use one of {', '.join(names)}")
     return Checkpointer(checkpoint_dir(run.config), run.plan, keep=cfg.keep,
                         async_save=cfg.async_save, keep_best=cfg.keep_best,
                         best_metric=cfg.best_metric, best_mode=cfg.best_mode,
@@ -127,7 +128,7 @@ def _check_seed(config: Config, meta: dict[str, Any], where: Path) -> None:
     """A run resumed in place must keep its seed: it fixes the batch order."""
     saved = meta.get("seed", config.run.seed)
     if saved != config.run.seed:
-        raise ValueError(
+        raise RestoreError(
             f"the checkpoint in {where} was saved with run.seed={saved} but this run has "
             f"run.seed={config.run.seed}; set run.seed={saved} to continue it, or start "
             "afresh with a new run.dir")
@@ -145,7 +146,7 @@ def resume(config: Config, run: Run, ckpt: Checkpointer
     how = config.checkpoint.resume
     if how == "never":
         if ckpt.steps():
-            raise ValueError(
+            raise RestoreError(
                 f"{ckpt.directory} already holds checkpoints (steps {ckpt.steps()}) and "
                 "checkpoint.resume=never: use a new run.dir or checkpoint.dir, or "
                 "checkpoint.resume=auto to continue")
@@ -161,7 +162,7 @@ def resume(config: Config, run: Run, ckpt: Checkpointer
     else:
         path = Path(how)
         if not path.exists():
-            raise ValueError(f"checkpoint.resume={how}: no such checkpoint directory")
+            raise RestoreError(f"checkpoint.resume={how}: no such checkpoint directory")
         source = Checkpointer(path.parent if path.name.isdigit() else path, run.plan,
                               keep=config.checkpoint.keep, verify=config.checkpoint.verify)
         try:
@@ -183,8 +184,8 @@ def _restore_named(ckpt: Checkpointer, step: int | None, what: str
         others = [s for s in ckpt.steps() if s != err.step]
         fix = ("use checkpoint.resume=auto, which continues from the newest checkpoint that "
                "verifies" if what.startswith("checkpoint.") else "pass --step N")
-        raise ValueError(f"{what}: {err}; name another checkpoint (have: {others or 'none'}) "
-                         f"or {fix}") from err
+        raise RestoreError(f"{what}: {err}; name another checkpoint (have: {others or 'none'}) "
+                           f"or {fix}") from err
 
 
 def newest_verified(ckpt: Checkpointer) -> tuple[TrainState, dict[str, Any]]:
@@ -209,7 +210,7 @@ def newest_verified(ckpt: Checkpointer) -> tuple[TrainState, dict[str, Any]]:
                 + "; ".join(f"{err} (moved to {dst})" for err, dst in zip(failures, moved))
                 + f"; training continues from step {step}", stacklevel=3)
         return state, meta
-    raise ValueError(
+    raise RestoreError(
         f"no checkpoint in {ckpt.directory} verifies: " + "; ".join(
             f"step {err.step}: {err.reason}" for err in failures)
         + ". Restore the files from a copy, or move the directory away and start afresh")
@@ -261,7 +262,7 @@ def export_params(config: Config, out: str | Path, step: int | None = None,
         its model cannot be written in the format.
     """
     if format not in ("npz", "hf"):
-        raise ValueError(f"--format must be npz or hf, got {format!r}")
+        raise ConfigError(f"--format must be npz or hf, got {format!r}")
     if format == "hf":
         family = "" if task is not None else config.family.name
         hf.check_exportable(family, None if task is not None else config.model)

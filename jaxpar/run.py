@@ -21,6 +21,7 @@ from jaxpar.config import Config
 from jaxpar.data import Data, load_data
 from jaxpar.data.sources import needs_of_batch
 from jaxpar.data.task_data import task_data
+from jaxpar.errors import TaskError
 from jaxpar.mesh import make_mesh, select_devices
 from jaxpar.models.family import Family
 from jaxpar.optim import decay_mask, make_optimizer
@@ -93,7 +94,7 @@ def _config_data(config: Config, task: Task) -> Data:
     """The config's data for a user's task that brings none: its batch entries say which."""
     needs = needs_of_batch(task.batch_axes)
     if needs is None:
-        raise ValueError(
+        raise TaskError(
             f"the task {task.name or ''} brings no data and its batch entries "
             f"({', '.join(sorted(task.batch_axes))}) are neither jaxpar's text batches "
             "('tokens') nor its image batches ('images', 'labels'); give the Task a data "

@@ -179,7 +179,7 @@ def locked(directories: list[tuple[Path, str]]) -> Iterator[list[RunDirLock]]:
             ok = int(multihost_utils.broadcast_one_to_all(np.int32(error is None)))
             if not ok and error is None:
                 raise PathError("process 0 could not take the run directory (its message "
-                                 "says why)")
+                                "says why)")
         if error is not None:
             raise error
         yield locks
@@ -213,7 +213,7 @@ def read_rows(path: Path, repair: bool = True) -> list[tuple[int, str]]:
                               "wrote it stopped mid-line); it is dropped", stacklevel=2)
                 break
             raise PathError(f"{path}, line {n}: not a metrics row ({line[:60]!r}); fix or "
-                             "delete that line, or move the file away") from None
+                            "delete that line, or move the file away") from None
         rows.append((step, line))
     return rows
 

@@ -38,6 +38,7 @@ from flax import nnx
 
 from jaxpar.config import Config, apply_overrides, load_config
 from jaxpar.data.sources import text_tokenizer
+from jaxpar.errors import ConfigError, PathError
 from jaxpar.logical import Rules, activation_rules
 from jaxpar.resume import checkpoint_dir, restore_state
 from jaxpar.run import Run, build, host_value
@@ -97,11 +98,11 @@ def load_run_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> Confi
     """
     path = Path(run_dir)
     if not path.is_dir():
-        raise ValueError(f"run dir '{path}' does not exist; pass the run.dir of a trained run "
-                         "(e.g. runs/gpt_tiny)")
+        raise PathError(f"run dir '{path}' does not exist; pass the run.dir of a trained run "
+                        "(e.g. runs/gpt_tiny)")
     if not (path / "config.yaml").is_file():
-        raise ValueError(f"'{path}' holds no config.yaml, so it is not a jaxpar run dir; pass "
-                         "the run.dir of a run that jaxpar train wrote")
+        raise PathError(f"'{path}' holds no config.yaml, so it is not a jaxpar run dir; pass "
+                        "the run.dir of a run that jaxpar train wrote")
     config = apply_overrides(load_config([path / "config.yaml"]), list(overrides))
     return dataclasses.replace(config, run=dataclasses.replace(config.run, dir=str(path)))
 
@@ -113,16 +114,16 @@ def sample_config(config: Config, prompt: str, *, tokens: int = 200,
     _check_settings(tokens, temperature, top_k, samples)
     where = config.run.dir
     if not checkpoint_dir(config).is_dir():
-        raise ValueError(f"run dir '{where}' holds no checkpoints ({checkpoint_dir(config)} "
-                         "does not exist); train it first, or pass another run dir")
+        raise PathError(f"run dir '{where}' holds no checkpoints ({checkpoint_dir(config)} "
+                        "does not exist); train it first, or pass another run dir")
     tokenizer = text_tokenizer(config.data)
     run = build(config)
     model = _abstract_model(run)
     name = config.model.name or config.family.name
     if not (callable(getattr(model, "decode", None)) and callable(getattr(model, "init_cache",
                                                                            None))):
-        raise ValueError(f"jaxpar sample needs a language model; {where} trains "
-                         f"model.name={name}")
+        raise ConfigError(f"jaxpar sample needs a language model; {where} trains "
+                          f"model.name={name}")
     vocab = min(tokenizer.vocab_size, run.data.vocab_size or tokenizer.vocab_size)
     prompt_ids = _encode(tokenizer, prompt, vocab, model.cfg.max_seq_len, name)
     state = restore_state(run, step, "jaxpar sample")
@@ -134,13 +135,13 @@ def sample_config(config: Config, prompt: str, *, tokens: int = 200,
 
 def _check_settings(tokens: int, temperature: float, top_k: int, samples: int) -> None:
     if tokens < 1:
-        raise ValueError(f"--tokens {tokens}: generate at least 1 token")
+        raise ConfigError(f"--tokens {tokens}: generate at least 1 token")
     if not temperature >= 0:
-        raise ValueError(f"--temperature {temperature} must be ≥ 0 (0: greedy)")
+        raise ConfigError(f"--temperature {temperature} must be ≥ 0 (0: greedy)")
     if top_k < 0:
-        raise ValueError(f"--top-k {top_k} must be ≥ 0 (0: every token)")
+        raise ConfigError(f"--top-k {top_k} must be ≥ 0 (0: every token)")
     if samples < 1:
-        raise ValueError(f"--samples {samples} must be ≥ 1")
+        raise ConfigError(f"--samples {samples} must be ≥ 1")
 
 
 def _abstract_model(run: Run) -> nnx.Module:
@@ -152,15 +153,15 @@ def _abstract_model(run: Run) -> nnx.Module:
 def _encode(tokenizer: Any, prompt: str, vocab: int, max_len: int, model: str) -> np.ndarray:
     ids = np.asarray(tokenizer.encode(prompt.encode("utf-8"), "--prompt"), np.int32)
     if ids.size == 0:
-        raise ValueError("--prompt is empty; give at least one character to continue")
+        raise ConfigError("--prompt is empty; give at least one character to continue")
     if ids.size > max_len:
-        raise ValueError(f"--prompt is {ids.size} tokens, longer than the model's "
-                         f"max_seq_len={max_len}; shorten it")
+        raise ConfigError(f"--prompt is {ids.size} tokens, longer than the model's "
+                          f"max_seq_len={max_len}; shorten it")
     if int(ids.max()) >= vocab:
         at = int(np.argmax(ids >= vocab))
-        raise ValueError(f"--prompt holds token id {int(ids[at])} (at token {at}), outside the "
-                         f"{vocab} tokens {model} was trained on; use characters the training "
-                         "text has (a byte-level model of vocab < 256 reads ASCII only)")
+        raise ConfigError(f"--prompt holds token id {int(ids[at])} (at token {at}), outside the "
+                          f"{vocab} tokens {model} was trained on; use characters the training "
+                          "text has (a byte-level model of vocab < 256 reads ASCII only)")
     return ids
 
 

@@ -71,7 +71,7 @@ def _axes(name: str, value: Any) -> tuple[str, ...]:
     if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
         return tuple(value)
     raise ConfigError(f"rule 'rules.{name}' must be a mesh axis, a list of mesh axes or null, "
-                      f"got {value!r}")
+                       f"got {value!r}")
 
 
 def _rule_table(value: Any) -> Any:
@@ -108,14 +108,14 @@ def resolve_rules(cfg: RulesConfig) -> dict[str, tuple[str, ...]]:
       ValueError: for an unknown preset or an override naming an unknown mesh axis.
     """
     if cfg.preset not in PRESETS:
-        raise ValueError(
+        raise ConfigError(
             f"unknown rules.preset '{cfg.preset}'; choose one of {', '.join(sorted(PRESETS))}"
         )
     rules = dict(PRESETS[cfg.preset])
     for name, axes in cfg.overrides:
         for axis in axes:
             if axis not in MESH_AXES:
-                raise ValueError(
+                raise ConfigError(
                     f"rules.{name}={','.join(axes)}: '{axis}' is not a mesh axis; "
                     f"use some of {', '.join(MESH_AXES)} or null"
                 )
@@ -154,7 +154,7 @@ def variable_names(var: nnx.Variable, where: str) -> tuple[Any, ...] | None:
         if isinstance(names, PartitionSpec | list):
             names = tuple(names)
         if not isinstance(names, tuple):
-            raise ValueError(
+            raise TaskError(
                 f"variable '{where}' carries {key}={names!r}, a concrete sharding; jaxpar needs "
                 f"logical names, e.g. nnx.with_partitioning(init, ('embed', 'mlp')), which the "
                 f"rules table maps onto the mesh")

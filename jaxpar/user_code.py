@@ -26,7 +26,7 @@ def _split(spec: str, what: str) -> tuple[str, str]:
     where, sep, name = spec.rpartition(":")
     if not sep or not where or not name.isidentifier():
         raise TaskError(f"{what} '{spec}' must look like path/to/file.py:NAME or "
-                         "package.module:NAME")
+                        "package.module:NAME")
     return where, name
 
 
@@ -72,14 +72,14 @@ def _module(where: str, what: str) -> ModuleType:
         path = Path(where)
         if not path.is_file():
             raise TaskError(f"{what} file '{where}' does not exist; give the path of a Python "
-                             "file, e.g. examples/research_cnn.py:TASK")
+                            "file, e.g. examples/research_cnn.py:TASK")
         return _import_file(path.resolve(), what)
     try:
         return importlib.import_module(where)
     except ModuleNotFoundError as err:
         if err.name and where.startswith(err.name):
             raise TaskError(f"{what}: no module named '{where}'; give FILE.py:NAME, or make "
-                             "the package importable (pip install it, or set PYTHONPATH)") from err
+                            "the package importable (pip install it, or set PYTHONPATH)") from err
         raise _ImportFailed(what, where, err) from err
     except Exception as err:
         raise _ImportFailed(what, where, err) from err
@@ -98,7 +98,7 @@ def load_object(spec: str, what: str) -> Any:
         public = [n for n in vars(module) if not n.startswith("_")
                   and not inspect.ismodule(getattr(module, n))]
         raise TaskError(f"{what} '{spec}': '{where}' defines no '{name}'; it defines "
-                         f"{', '.join(sorted(public)) or 'nothing public'}")
+                        f"{', '.join(sorted(public)) or 'nothing public'}")
     return getattr(module, name)
 
 
@@ -112,8 +112,8 @@ def _call(fn: Any, config: Any, spec: str) -> Any:
         params = []
     if len(params) > 1:
         raise TaskError(f"--task '{spec}' is a function of {len(params)} arguments; point "
-                         "--task at a jaxpar.Task, or at a function of no arguments or of one "
-                         "(the config) that returns one")
+                        "--task at a jaxpar.Task, or at a function of no arguments or of one "
+                        "(the config) that returns one")
     return fn(config) if params else fn()
 
 
@@ -132,12 +132,12 @@ def load_task(spec: str, config: Any = None) -> Task:
     if not isinstance(obj, Task):
         if not callable(obj) or inspect.isclass(obj):
             raise TaskError(f"--task '{spec}' is a {type(obj).__name__}, not a jaxpar.Task or a "
-                             "function returning one; point --task at a Task")
+                            "function returning one; point --task at a Task")
         task = _call(obj, config, spec)
         if not isinstance(task, Task):
             raise TaskError(f"--task '{spec}' returned a {type(task).__name__}, not a "
-                             "jaxpar.Task; make it return jaxpar.Task(model_fn, loss_fn, "
-                             "batch_axes, …)")
+                            "jaxpar.Task; make it return jaxpar.Task(model_fn, loss_fn, "
+                            "batch_axes, …)")
     if not task.name:
         task = dataclasses.replace(task, name=Path(where).stem.split(".")[-1] or name)
     return task
@@ -154,7 +154,7 @@ def load_hooks(specs: tuple[str, ...] | list[str]) -> list[Any]:
                   "on_end")
         if not any(callable(getattr(hook, e, None)) for e in events):
             raise TaskError(f"train.hooks entry '{spec}' gave a {type(hook).__name__}, which "
-                             f"has none of the hook methods ({', '.join(events)}); subclass "
-                             "jaxpar.Hook")
+                            f"has none of the hook methods ({', '.join(events)}); subclass "
+                            "jaxpar.Hook")
         hooks.append(hook)
     return hooks

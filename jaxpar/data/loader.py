@@ -137,7 +137,7 @@ class ArrayExamples:
                  end: int | None = None):
         if images.ndim not in (3, 4) or labels.ndim != 1 or len(images) != len(labels):
             raise DataError(f"images {images.shape} and labels {labels.shape} must be "
-                             "(N,H,W[,C]) and (N,)")
+                            "(N,H,W[,C]) and (N,)")
         self.images, self.labels, self.start = images, labels, start
         self.end = _check_range(start, end, len(labels), "ArrayExamples")
 
@@ -164,7 +164,7 @@ def _check_batch(num_items: int, global_batch_size: int, process_index: int,
     """Validates the batch against the processes and the source; returns rows per process."""
     if process_count < 1 or not 0 <= process_index < process_count:
         raise DataError(f"process_index={process_index} must be in [0, {process_count}) "
-                         f"with process_count={process_count} >= 1")
+                        f"with process_count={process_count} >= 1")
     if global_batch_size < 1 or global_batch_size % process_count:
         raise DataError(
             f"train.batch_size={global_batch_size} must be a positive multiple of the process "
@@ -301,7 +301,7 @@ class Loader(Iterator[dict[str, np.ndarray]]):
             raise DataError(f"num_epochs={num_epochs} must be >= 1, or None to run forever")
         if min(threads, prefetch, workers) < 0:
             raise DataError(f"threads={threads}, prefetch={prefetch} and workers={workers} "
-                             "must be >= 0")
+                            "must be >= 0")
         self.local_batch_size = rows
         self.steps_per_epoch = n // global_batch_size
         self._meta = {"version": _STATE_VERSION, "global_batch_size": global_batch_size,
@@ -358,7 +358,7 @@ class Loader(Iterator[dict[str, np.ndarray]]):
                   for k in ("version", *_STATE_MUST_MATCH) if state.get(k) != self._meta[k]]
         if differ:
             raise DataError("loader state comes from another batch sequence — "
-                             + "; ".join(differ))
+                            + "; ".join(differ))
         self._iter.close()
         self.batches_consumed = int(state["batches_consumed"])
         self._iter = self._stream(self.batches_consumed)

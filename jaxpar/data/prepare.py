@@ -122,7 +122,7 @@ def find_inputs(inputs: Iterable[str | os.PathLike], glob: str | None = None,
             continue
         if not path.is_dir():
             raise DataError(f"input '{item}' does not exist (or is not a file or folder); "
-                             "check the path")
+                            "check the path")
         files = []
         for root, dirs, names in os.walk(path):
             dirs[:] = [d for d in dirs if not d.startswith(".")]
@@ -136,7 +136,7 @@ def find_inputs(inputs: Iterable[str | os.PathLike], glob: str | None = None,
         if not files:
             what = f"matching --glob '{glob}'" if glob is not None else "(hidden files are skipped)"
             raise DataError(f"folder '{item}' holds no files {what}; add text files or "
-                             "change the pattern")
+                            "change the pattern")
         found.extend(f.absolute() for f in sorted(files, key=lambda f: f.relative_to(path).parts))
     return found
 
@@ -238,21 +238,21 @@ def _read_meta(path: Path) -> dict[str, Any]:
     found = meta.get("format") if isinstance(meta, dict) else None
     if found != FORMAT:
         raise DataError(f"metadata file '{meta_path}' is not a {FORMAT} file "
-                         f"(format={found!r}); {fix}")
+                        f"(format={found!r}); {fix}")
     if meta.get("version") != VERSION:
         raise DataError(f"metadata file '{meta_path}' has unknown version {meta.get('version')!r}"
-                         f" (this jaxpar reads version {VERSION}); {fix}")
+                        f" (this jaxpar reads version {VERSION}); {fix}")
     if meta.get("dtype") not in _DTYPES:
         raise DataError(f"metadata file '{meta_path}': dtype {meta.get('dtype')!r} must be "
-                         f"one of {sorted(_DTYPES)}; {fix}")
+                        f"one of {sorted(_DTYPES)}; {fix}")
     for key, least in (("vocab_size", 1), ("num_tokens", 0)):
         value = meta.get(key)
         if type(value) is not int or value < least:
             raise DataError(f"metadata file '{meta_path}': {key}={value!r} must be an integer "
-                             f">= {least}; {fix}")
+                            f">= {least}; {fix}")
     if meta["vocab_size"] - 1 > np.iinfo(_DTYPES[meta["dtype"]]).max:
         raise DataError(f"metadata file '{meta_path}': vocab_size={meta['vocab_size']} does not "
-                         f"fit dtype {meta['dtype']}; {fix}")
+                        f"fit dtype {meta['dtype']}; {fix}")
     return meta
 
 
@@ -272,7 +272,7 @@ def open_tokens(path: str | os.PathLike, validate: bool = False) -> TokenFile:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"token file '{path}' does not exist; create it with: "
-                         f"jaxpar prepare-data TEXT… --out {path}")
+                        f"jaxpar prepare-data TEXT… --out {path}")
     meta = _read_meta(path)
     dtype, num_tokens = _DTYPES[meta["dtype"]], meta["num_tokens"]
     size = path.stat().st_size
@@ -284,8 +284,8 @@ def open_tokens(path: str | os.PathLike, validate: bool = False) -> TokenFile:
                "it is truncated" if size < num_tokens * dtype.itemsize else
                "it is longer than its metadata says (corrupt, or the metadata is stale)")
         raise DataError(f"token file '{path}' has {size} bytes but its metadata says "
-                         f"{num_tokens} {meta['dtype']} tokens = {num_tokens * dtype.itemsize} "
-                         f"bytes: {why}; re-create it with jaxpar prepare-data")
+                        f"{num_tokens} {meta['dtype']} tokens = {num_tokens * dtype.itemsize} "
+                        f"bytes: {why}; re-create it with jaxpar prepare-data")
     if num_tokens == 0:  # np.memmap cannot map an empty file
         raise DataError(f"token file '{path}' holds zero tokens; re-create it from non-empty text")
     tokens = np.memmap(path, dtype=dtype, mode="r", shape=(num_tokens,))
@@ -299,13 +299,13 @@ def _validate(tf: TokenFile) -> None:
     top = int(np.max(tf.tokens))
     if top >= tf.vocab_size:
         raise DataError(f"token file '{tf.name}' holds token id {top} but its vocab_size is "
-                         f"{tf.vocab_size}: it is corrupt; re-create it with jaxpar prepare-data")
+                        f"{tf.vocab_size}: it is corrupt; re-create it with jaxpar prepare-data")
     edges = [(d.get("start"), d.get("end")) for d in tf.documents]
     expected = [0] + [e for _, e in edges[:-1]]
     if ([s for s, _ in edges] != expected or (edges and edges[-1][1] != tf.num_tokens)
             or any(not isinstance(s, int) or not isinstance(e, int) or e < s for s, e in edges)):
         raise DataError(f"token file '{tf.name}': the metadata's documents do not tile "
-                         f"[0, {tf.num_tokens}); re-create it with jaxpar prepare-data")
+                        f"[0, {tf.num_tokens}); re-create it with jaxpar prepare-data")
 
 
 def decode(token_file: TokenFile, start: int = 0, end: int | None = None) -> str | bytes:
@@ -318,7 +318,7 @@ def decode(token_file: TokenFile, start: int = 0, end: int | None = None) -> str
     end = token_file.num_tokens if end is None else end
     if not 0 <= start <= end <= token_file.num_tokens:
         raise DataError(f"range [{start}, {end}) is outside token file '{token_file.name}' "
-                         f"of {token_file.num_tokens} tokens")
+                        f"of {token_file.num_tokens} tokens")
     return tokenizer_of(token_file).decode(token_file.tokens[start:end])
 
 
@@ -334,14 +334,14 @@ def tokenizer_of(token_file: TokenFile) -> Tokenizer:
         return ByteTokenizer()
     if not isinstance(spec, dict) or "file" not in spec:
         raise DataError(f"the ids of '{token_file.name}' come from no tokenizer "
-                         f"(tokenizer {spec!r}), so they have no text")
+                        f"(tokenizer {spec!r}), so they have no text")
     file = Path(spec["file"])
     if not file.is_file():
         raise DataError(f"tokenizer file '{file}' of token file '{token_file.name}' is "
-                         "missing; restore it to decode")
+                        "missing; restore it to decode")
     if sha256_of(file) != spec["sha256"]:
         raise DataError(f"tokenizer file '{file}' changed since token file "
-                         f"'{token_file.name}' was written (sha256 differs); restore it")
+                        f"'{token_file.name}' was written (sha256 differs); restore it")
     return load_hf(str(file), spec["sha256"])
 
 
@@ -355,8 +355,8 @@ def check_vocab(token_file: TokenFile, model_vocab_size: int | None) -> None:
         model_vocab_size = token_file.vocab_size
     if token_file.vocab_size > model_vocab_size:
         raise DataError(f"{where} has vocab_size {token_file.vocab_size} "
-                         f"but model.vocab_size={model_vocab_size}; set model.vocab_size to at "
-                         f"least {token_file.vocab_size}")
+                        f"but model.vocab_size={model_vocab_size}; set model.vocab_size to at "
+                        f"least {token_file.vocab_size}")
     if token_file.path is None or token_file.tokens.size == 0:
         return
     top = largest_id(token_file)
@@ -365,9 +365,9 @@ def check_vocab(token_file: TokenFile, model_vocab_size: int | None) -> None:
         whose = ("its metadata's vocab_size" if token_file.vocab_size <= model_vocab_size
                  else "model.vocab_size")
         raise DataError(f"{where} holds token id {top} (its largest), at or above {whose} "
-                         f"{bound}: ids must be below it; the file is corrupt or was made with "
-                         f"another tokenizer — re-create it with jaxpar prepare-data, or set "
-                         f"model.vocab_size ≥ {top + 1} if the ids are right")
+                        f"{bound}: ids must be below it; the file is corrupt or was made with "
+                        f"another tokenizer — re-create it with jaxpar prepare-data, or set "
+                        f"model.vocab_size ≥ {top + 1} if the ids are right")
 
 
 def largest_id(token_file: TokenFile, chunk: int = 1 << 24) -> int:

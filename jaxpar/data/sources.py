@@ -33,7 +33,7 @@ from jaxpar.data.prepare import (
     open_tokens,
     tokenizer_of,
 )
-from jaxpar.errors import ConfigError
+from jaxpar.errors import ConfigError, DataError
 from jaxpar.schema import Float, section
 from jaxpar.task import DataNeeds
 
@@ -68,7 +68,7 @@ class DataConfig:
     def _a_share(cls, value: float) -> float:
         if not 0.0 < value < 1.0:
             raise ConfigError(f"data.eval_fraction={value} must be in (0, 1); set e.g. "
-                              "data.eval_fraction=0.1")
+                               "data.eval_fraction=0.1")
         return value
 
 
@@ -115,8 +115,8 @@ class Data:
 def _cut(n: int, eval_fraction: float, what: str) -> int:
     cut = int(n * (1.0 - eval_fraction))
     if cut == 0 or cut == n:
-        raise ValueError(f"{what} of {n} items is too small to split with "
-                         f"data.eval_fraction={eval_fraction}")
+        raise DataError(f"{what} of {n} items is too small to split with "
+                        f"data.eval_fraction={eval_fraction}")
     return cut
 
 
@@ -130,8 +130,8 @@ def text_data(tf: TokenFile, cfg: DataConfig, vocab_size: int | None, seed: int,
     cut = _cut(n, cfg.eval_fraction, f"text '{tf.name}'")
     shortest = min(cut, n - cut)
     if cfg.seq_len + 1 > shortest:
-        raise ValueError(f"data.seq_len={cfg.seq_len} is longer than the {shortest}-token split "
-                         f"of '{tf.name}'; lower data.seq_len or use more text")
+        raise DataError(f"data.seq_len={cfg.seq_len} is longer than the {shortest}-token split "
+                        f"of '{tf.name}'; lower data.seq_len or use more text")
     return Data(tf.name, TokenWindows(tf.tokens, cfg.seq_len, 0, cut, example_ids),
                 TokenWindows(tf.tokens, cfg.seq_len, cut, n, example_ids), seed,
                 vocab_size=tf.vocab_size, seq_len=cfg.seq_len)
@@ -172,8 +172,8 @@ def _check_labels(labels: np.ndarray, num_classes: int | None, where: str) -> No
         bound = "" if num_classes is None else f" with model.num_classes={num_classes}"
         fix = (f"; set model.num_classes ≥ {labels.max() + 1}" if too_big and labels.min() >= 0
                else "")
-        raise ValueError(f"{where}: labels span [{labels.min()}, {labels.max()}] but class "
-                         f"labels must be 0, 1, …{bound}{fix}")
+        raise DataError(f"{where}: labels span [{labels.min()}, {labels.max()}] but class "
+                        f"labels must be 0, 1, …{bound}{fix}")
 
 
 def load_npz(path: Path, num_classes: int | None) -> tuple[np.ndarray, np.ndarray]:
@@ -184,17 +184,17 @@ def load_npz(path: Path, num_classes: int | None) -> tuple[np.ndarray, np.ndarra
             if {"images", "labels"} <= set(files):
                 images, labels = f["images"].astype(np.float32), f["labels"].astype(np.int32)
     except Exception as err:
-        raise ValueError(f"data.path '{path}' is not a readable .npz file "
-                         f"({type(err).__name__}: {str(err).split('. ')[0]}); re-create it "
-                         "with numpy.savez(path, images=..., labels=...)") from err
+        raise DataError(f"data.path '{path}' is not a readable .npz file "
+                        f"({type(err).__name__}: {str(err).split('. ')[0]}); re-create it "
+                        "with numpy.savez(path, images=..., labels=...)") from err
     missing = {"images", "labels"} - set(files)
     if missing:
-        raise ValueError(f"data.path '{path}' lacks arrays {sorted(missing)}; it has {files}")
+        raise DataError(f"data.path '{path}' lacks arrays {sorted(missing)}; it has {files}")
     if images.ndim == 3:
         images = images[..., None]
     if images.ndim != 4 or labels.ndim != 1 or len(images) != len(labels) or not len(labels):
-        raise ValueError(f"data.path '{path}': images {images.shape} and labels {labels.shape} "
-                         "must be (N,H,W[,C]) and (N,) with N > 0")
+        raise DataError(f"data.path '{path}': images {images.shape} and labels {labels.shape} "
+                        "must be (N,H,W[,C]) and (N,) with N > 0")
     _check_labels(labels, num_classes, f"data.path '{path}'")
     return images, labels
 
@@ -204,8 +204,8 @@ def load_digits(num_classes: int | None) -> tuple[np.ndarray, np.ndarray]:
     try:
         from sklearn.datasets import load_digits as sklearn_digits
     except ImportError as err:
-        raise ValueError("data.dataset=digits needs scikit-learn: "
-                         "pip install 'jaxpar[digits]'") from err
+        raise DataError("data.dataset=digits needs scikit-learn: "
+                        "pip install 'jaxpar[digits]'") from err
     digits = sklearn_digits()
     images = (digits.images / 16.0).astype(np.float32)[..., None]
     labels = digits.target.astype(np.int32)
@@ -227,12 +227,12 @@ def text_tokenizer(cfg: DataConfig) -> Tokenizer:
     trained on it reads): a token file's own, else bytes.
 
     Raises:
-      ValueError: for synthetic data (ids without text) or a token file whose tokenizer
+      DataError: for synthetic data (ids without text) or a token file whose tokenizer
         file is missing or changed.
     """
     if cfg.dataset == "synthetic":
-        raise ValueError("the run trained on data.dataset=synthetic: random token ids "
-                         "without text; train on text (data.path=… or the built-in corpus)")
+        raise DataError("the run trained on data.dataset=synthetic: random token ids "
+                        "without text; train on text (data.path=… or the built-in corpus)")
     path = Path(cfg.path) if cfg.path else None
     if path is not None and (Path(f"{path}.json").exists() or path.suffix == ".tokens"):
         return tokenizer_of(open_tokens(path))
@@ -254,7 +254,7 @@ def load_data(cfg: DataConfig, needs: DataNeeds, seed: int) -> Data:
     """The data ``cfg`` asks for, checked against what the model needs.
 
     Raises:
-      ValueError: a missing or unreadable file, a file of the wrong kind for the model, an
+      DataError: a missing or unreadable file, a file of the wrong kind for the model, an
         empty corpus, a sequence longer than the text, a vocabulary larger than the model's
         or labels outside ``model.num_classes`` — each naming the file or key.
     """
@@ -262,10 +262,10 @@ def load_data(cfg: DataConfig, needs: DataNeeds, seed: int) -> Data:
     vocab, classes = needs.vocab_size, needs.num_classes
     path = Path(cfg.path) if cfg.path else None
     if cfg.dataset != "auto" and path is not None:
-        raise ValueError(f"data.path '{cfg.path}' and data.dataset={cfg.dataset} both name "
-                         "the data; set one of them")
+        raise DataError(f"data.path '{cfg.path}' and data.dataset={cfg.dataset} both name "
+                        "the data; set one of them")
     if path is not None and not path.is_file():
-        raise ValueError(f"data.path '{cfg.path}' does not exist or is not a file")
+        raise DataError(f"data.path '{cfg.path}' does not exist or is not a file")
     if cfg.dataset == "synthetic":
         if is_text:
             tf = synthetic_tokens(cfg.num_examples * cfg.seq_len + 1, vocab or 256)
@@ -275,12 +275,12 @@ def load_data(cfg: DataConfig, needs: DataNeeds, seed: int) -> Data:
         return image_data(images, labels, cfg, seed, "SYNTHETIC images")
     if cfg.dataset == "digits":
         if is_text:
-            raise ValueError("data.dataset=digits is an image set; a language model needs text")
+            raise DataError("data.dataset=digits is an image set; a language model needs text")
         return image_data(*load_digits(classes), cfg, seed, "scikit-learn digits")
     if is_text:
         if path is not None and path.suffix == ".npz":
-            raise ValueError(f"data.path '{cfg.path}' is an image set; a language model needs "
-                             "text")
+            raise DataError(f"data.path '{cfg.path}' is an image set; a language model needs "
+                            "text")
         tf = _text_file(path) if path else builtin_corpus()
         return text_data(tf, cfg, vocab, seed, needs.example_ids)
     if path is None:
@@ -288,6 +288,6 @@ def load_data(cfg: DataConfig, needs: DataNeeds, seed: int) -> Data:
                                           channels=cfg.channels)
         return image_data(images, labels, cfg, seed, "SYNTHETIC images")
     if path.suffix != ".npz":
-        raise ValueError(f"data.path '{cfg.path}': classifiers read an .npz with images and "
-                         "labels (or set data.dataset=digits)")
+        raise DataError(f"data.path '{cfg.path}': classifiers read an .npz with images and "
+                        "labels (or set data.dataset=digits)")
     return image_data(*load_npz(path, classes), cfg, seed, str(path))

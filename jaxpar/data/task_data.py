@@ -34,6 +34,7 @@ import numpy as np
 
 from jaxpar.data.loader import Loader, fixed_batches
 from jaxpar.data.sources import DataConfig
+from jaxpar.errors import DataError, RestoreError
 
 BatchFn = Callable[..., Mapping[str, Any]]
 
@@ -55,22 +56,22 @@ class BatchCheck:
 
     def __call__(self, batch: Any, rows: int, where: str) -> dict[str, np.ndarray]:
         if not isinstance(batch, Mapping):
-            raise ValueError(f"{self.what}{where} returned {type(batch).__name__}; it must "
-                             "return a dict of numpy arrays, one per batch entry")
+            raise DataError(f"{self.what}{where} returned {type(batch).__name__}; it must "
+                            "return a dict of numpy arrays, one per batch entry")
         if set(batch) != self.keys:
-            raise ValueError(f"{self.what}{where} returned entries {sorted(batch)}, but the "
-                             f"task's batch_axes name {sorted(self.keys)}; return exactly "
-                             "those entries (or change Task.batch_axes)")
+            raise DataError(f"{self.what}{where} returned entries {sorted(batch)}, but the "
+                            f"task's batch_axes name {sorted(self.keys)}; return exactly "
+                            "those entries (or change Task.batch_axes)")
         out = {}
         for key, value in batch.items():
             array = np.asarray(value)
             if array.ndim == 0 or array.shape[0] != rows:
                 got = "a scalar" if array.ndim == 0 else f"{array.shape[0]} rows"
-                raise ValueError(f"{self.what}{where} returned '{key}' with {got} (shape "
-                                 f"{array.shape}); it must have {rows} rows")
+                raise DataError(f"{self.what}{where} returned '{key}' with {got} (shape "
+                                f"{array.shape}); it must have {rows} rows")
             seen = self.shapes.setdefault(key, (array.shape, array.dtype))
             if seen != (array.shape, array.dtype):
-                raise ValueError(
+                raise DataError(
                     f"{self.what}{where} returned '{key}' of shape {array.shape} "
                     f"{array.dtype}, but earlier batches had {seen[0]} {seen[1]}; every "
                     "batch must have the same shapes and dtypes (the step is compiled once)")
@@ -90,8 +91,8 @@ class FunctionStream(Iterator[dict[str, np.ndarray]]):
                  threads: int = 1, prefetch: int = 2):
         count, index = jax.process_count(), jax.process_index()
         if global_batch_size % count:
-            raise ValueError(f"train.batch_size={global_batch_size} must be a multiple of the "
-                             f"process count {count}")
+            raise DataError(f"train.batch_size={global_batch_size} must be a multiple of the "
+                            f"process count {count}")
         self.fn, self.global_batch_size, self.check = fn, global_batch_size, check
         rows = global_batch_size // count
         self.rows = slice(index * rows, (index + 1) * rows)
@@ -153,7 +154,7 @@ class IterStream(Iterator[dict[str, np.ndarray]]):
 
     def __init__(self, dataset: grain.IterDataset, global_batch_size: int, check: BatchCheck):
         if jax.process_count() > 1:
-            raise ValueError(
+            raise DataError(
                 "Task.data is a grain.IterDataset, which jaxpar reads in order in one process; "
                 "with several processes give a grain.MapDataset (random access: each process "
                 "reads only its rows of every batch) or a batch function")
@@ -165,7 +166,7 @@ class IterStream(Iterator[dict[str, np.ndarray]]):
         try:
             batch = next(self._iter)
         except StopIteration:
-            raise ValueError(
+            raise DataError(
                 f"Task.data (a grain.IterDataset) ran out after {self.batches_consumed} "
                 f"batches of {self.global_batch_size}; repeat it (e.g. "
                 "MapDataset.repeat() before to_iter_dataset()) or lower train.steps") from None
@@ -191,9 +192,9 @@ class IterStream(Iterator[dict[str, np.ndarray]]):
 def _check_kind(state: dict[str, Any], kind: str, global_batch_size: int) -> None:
     saved = (state.get("kind"), state.get("global_batch_size"))
     if saved != (kind, global_batch_size):
-        raise ValueError(f"loader state comes from another stream — saved {saved[0]} data with "
-                         f"batch size {saved[1]}, here {kind} data with batch size "
-                         f"{global_batch_size}")
+        raise RestoreError(f"loader state comes from another stream — saved {saved[0]} data with "
+                           f"batch size {saved[1]}, here {kind} data with batch size "
+                           f"{global_batch_size}")
 
 
 class _CheckedLoader(Loader):
@@ -218,9 +219,9 @@ def _kind(source: Any, what: str) -> str:
         return "iter"
     if callable(source):
         return "function"
-    raise ValueError(f"{what} is a {type(source).__name__}; give a function (step, "
-                     "global_batch_size) -> dict of numpy arrays, a grain.MapDataset or a "
-                     "grain.IterDataset of examples")
+    raise DataError(f"{what} is a {type(source).__name__}; give a function (step, "
+                    "global_batch_size) -> dict of numpy arrays, a grain.MapDataset or a "
+                    "grain.IterDataset of examples")
 
 
 @dataclass
@@ -307,8 +308,8 @@ def task_data(task: Any, seed: int) -> TaskData | None:
     """The task's own data, or None when it brings none (the config's data applies)."""
     if task.data is None:
         if task.eval_data is not None:
-            raise ValueError("the task has eval_data but no data; give Task.data too, or "
-                             "neither to use the config's data section")
+            raise DataError("the task has eval_data but no data; give Task.data too, or "
+                            "neither to use the config's data section")
         return None
     _kind(task.data, "Task.data")
     if task.eval_data is not None:

@@ -62,8 +62,8 @@ class HFTokenizer:
             text = data.decode("utf-8")
         except UnicodeDecodeError as err:
             raise DataError(f"input '{source}' is not UTF-8 text ({err}); the tokenizer "
-                             f"'{self.file}' needs UTF-8, so convert the file or use "
-                             "--tokenizer byte") from None
+                            f"'{self.file}' needs UTF-8, so convert the file or use "
+                            "--tokenizer byte") from None
         # Documents are concatenated raw: no BOS/EOS or other special tokens per document.
         return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, np.int64)
 
@@ -88,12 +88,12 @@ def load_hf(file: str, sha256: str) -> HFTokenizer:
         from tokenizers import Tokenizer as _HF
     except ImportError:
         raise DataError(f"tokenizer '{file}' needs the 'tokenizers' package: "
-                         "pip install 'jaxpar[text]'") from None
+                        "pip install 'jaxpar[text]'") from None
     try:
         return HFTokenizer(file, sha256, _HF.from_file(file))
     except Exception as err:  # noqa: BLE001 (the Rust side raises bare Exception)
         raise DataError(f"tokenizer '{file}' is not a valid Hugging Face tokenizer JSON "
-                         f"file: {err}") from None
+                        f"file: {err}") from None
 
 
 def load_tokenizer(spec: str | Tokenizer) -> Tokenizer:
@@ -109,6 +109,6 @@ def load_tokenizer(spec: str | Tokenizer) -> Tokenizer:
     path = Path(spec)
     if not path.is_file():
         raise DataError(f"tokenizer '{spec}' is neither 'byte' nor an existing tokenizer "
-                         "JSON file; pass --tokenizer byte or the path of a tokenizer.json")
+                        "JSON file; pass --tokenizer byte or the path of a tokenizer.json")
     path = path.absolute()
     return load_hf(str(path), sha256_of(path))

@@ -71,7 +71,7 @@ class TensorBoard(Hook):
             from tensorboardX import SummaryWriter
         except ImportError as err:
             raise ConfigError("train.tensorboard=true needs tensorboardX: "
-                             "pip install 'jaxpar[tensorboard]'") from err
+                              "pip install 'jaxpar[tensorboard]'") from err
         self.writer = SummaryWriter(str(Path(run_dir) / "tensorboard"))
 
     def _scalars(self, row: dict[str, Any]) -> None:

@@ -65,7 +65,7 @@ def load_profiles(extra: str | Path | None = None) -> dict[str, Hardware]:
         missing = sorted(n for n in names - {"source"} if n not in (entry or {}))
         if missing:
             raise ConfigError(f"hardware profile '{key}' lacks {', '.join(missing)}; "
-                             f"see {_BUILTIN} for the fields")
+                              f"see {_BUILTIN} for the fields")
         profiles[key] = Hardware(key=key, **{f: _typed(key, f, entry[f]) for f in names if f in entry})
     return profiles
 
@@ -90,7 +90,7 @@ def get_profile(key: str, extra: str | Path | None = None) -> Hardware:
     profiles = load_profiles(extra)
     if key not in profiles:
         raise ConfigError(f"unknown hardware '{key}'; choose one of {', '.join(sorted(profiles))} "
-                         "or add it with --hardware-file")
+                          "or add it with --hardware-file")
     return profiles[key]
 
 

@@ -28,6 +28,7 @@ import numpy as np
 
 from jaxpar import hlo
 from jaxpar.config import Config, apply_overrides
+from jaxpar.errors import ConfigError, JaxparError
 from jaxpar.lab.chart import Panel, write_chart
 from jaxpar.lab.hardware import Hardware, roofline
 from jaxpar.lab.predict import predict_argument_bytes, predict_comm
@@ -84,22 +85,22 @@ def layout_overrides(layout: str) -> list[str]:
     ``rules.preset=auto`` unless named, then the layout's own dotted overrides.
 
     Raises:
-      ValueError: for an entry that is neither ``axis=N`` nor ``section.key=value``.
+      ConfigError: for an entry that is neither ``axis=N`` nor ``section.key=value``.
     """
     degrees = dict.fromkeys(MESH_AXES, "1")
     extra, preset = [], "auto"
     for item in (x.strip() for x in layout.split(",") if x.strip()):
         key, sep, value = item.partition("=")
         if not sep or not value:
-            raise ValueError(f"layout '{layout}': '{item}' must look like axis=N, e.g. fsdp=8")
+            raise ConfigError(f"layout '{layout}': '{item}' must look like axis=N, e.g. fsdp=8")
         if "." in key:
             extra.append(item)
             preset = value if key == "rules.preset" else preset
         elif key in degrees:
             degrees[key] = value
         else:
-            raise ValueError(f"layout '{layout}': unknown mesh axis '{key}'; the axes are "
-                             f"{', '.join(MESH_AXES)} (or give a section.key=value override)")
+            raise ConfigError(f"layout '{layout}': unknown mesh axis '{key}'; the axes are "
+                              f"{', '.join(MESH_AXES)} (or give a section.key=value override)")
     return [*(f"mesh.{a}={v}" for a, v in degrees.items()), f"rules.preset={preset}", *extra]
 
 
@@ -191,7 +192,7 @@ def measure(config: Config, layout: str, hw: Hardware, steps: int = 0,
         start = time.perf_counter()
         compiled = run.trainer.compile_step(batch)
         row.compile_s = time.perf_counter() - start
-    except ValueError as err:
+    except JaxparError as err:  # a layout that cannot run; anything else is a bug: raised
         row.error = str(err)
         return row
     row.mem_args_bytes, row.mem_temp_bytes, row.mem_output_bytes, row.mem_total_bytes = \

@@ -33,6 +33,7 @@ import optax
 from flax import nnx
 from pydantic import Field
 
+from jaxpar.errors import ConfigError
 from jaxpar.logical import constrain
 from jaxpar.models.family import Counts, Dtype, Family, ModelConfig, register
 from jaxpar.models.gpt import (
@@ -115,18 +116,18 @@ class BERT(nnx.Module):
 
     def __init__(self, cfg: BERTConfig, data_vocab: int | None = None, *, rngs: nnx.Rngs):
         if cfg.d_model % cfg.n_heads:
-            raise ValueError(f"model.d_model={cfg.d_model} is not divisible by "
-                             f"model.n_heads={cfg.n_heads}")
+            raise ConfigError(f"model.d_model={cfg.d_model} is not divisible by "
+                              f"model.n_heads={cfg.n_heads}")
         if not 0.0 <= cfg.dropout < 1.0 or not 0.0 < cfg.mask_rate < 1.0:
-            raise ValueError(f"model.dropout={cfg.dropout} must be in [0, 1) and "
-                             f"model.mask_rate={cfg.mask_rate} in (0, 1)")
+            raise ConfigError(f"model.dropout={cfg.dropout} must be in [0, 1) and "
+                              f"model.mask_rate={cfg.mask_rate} in (0, 1)")
         self.cfg = cfg
         #: the data's vocabulary: the random replacements of masking are drawn from it
         self.data_vocab = data_vocab or cfg.vocab_size - 1
         if self.data_vocab >= cfg.vocab_size:
-            raise ValueError(f"model.vocab_size={cfg.vocab_size} leaves no id for the mask "
-                             f"token after the data's {self.data_vocab}; set model.vocab_size "
-                             f"≥ {self.data_vocab + 1}")
+            raise ConfigError(f"model.vocab_size={cfg.vocab_size} leaves no id for the mask "
+                              f"token after the data's {self.data_vocab}; set model.vocab_size "
+                              f"≥ {self.data_vocab + 1}")
         self.attention_impl = attention_implementation(cfg)
         V, D, T = cfg.vocab_size, cfg.d_model, cfg.max_seq_len
         self.embed = _param(rngs.params(), (V, D), ("vocab", "embed"), 0.02)
@@ -177,8 +178,8 @@ class BERT(nnx.Module):
         """Token + position + type embeddings [B, T, D] (type 1 for the second half)."""
         cfg, T = self.cfg, inputs_BT.shape[1]
         if T > cfg.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds model.max_seq_len={cfg.max_seq_len}; "
-                             "raise model.max_seq_len or lower data.seq_len")
+            raise ConfigError(f"sequence length {T} exceeds model.max_seq_len={cfg.max_seq_len}; "
+                              "raise model.max_seq_len or lower data.seq_len")
         table_VD = constrain(self.embed[...], (None, None))
         types_T = (jnp.arange(T) >= T // 2).astype(jnp.int32)
         x = jnp.take(table_VD, inputs_BT, axis=0) + self.pos[:T][None] + self.types[...][types_T]

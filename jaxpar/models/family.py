@@ -172,7 +172,7 @@ def register(family: Family) -> Family:
     """Makes ``family`` what ``model.name=<family.name>`` means; returns it.
 
     Raises:
-      ValueError: when another family already has that name, or its config is not a
+      TaskError: when another family already has that name, or its config is not a
         :class:`ModelConfig` section.
     """
     config = family.config
@@ -183,8 +183,8 @@ def register(family: Family) -> Family:
                         "(from jaxpar.schema import section)")
     known = _FAMILIES.get(family.name)
     if known is not None and known is not family:
-        raise ValueError(f"model family '{family.name}' is registered already "
-                         f"({known.config.__module__}); give yours another name")
+        raise TaskError(f"model family '{family.name}' is registered already "
+                        f"({known.config.__module__}); give yours another name")
     _FAMILIES[family.name] = family
     return family
 

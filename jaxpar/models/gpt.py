@@ -27,6 +27,7 @@ import optax
 from flax import nnx
 from pydantic import Field
 
+from jaxpar.errors import ConfigError
 from jaxpar.logical import constrain, shards
 from jaxpar.models.family import (
     Counts,
@@ -163,7 +164,7 @@ def attention_implementation(cfg: GPTConfig, backend: str | None = None) -> str:
     kernel, else ``xla``; ``xla`` and ``cudnn`` are taken as they are.
 
     Raises:
-      ValueError: for ``cudnn`` where it cannot run (no CUDA GPU, float32 compute, an
+      ConfigError: for ``cudnn`` where it cannot run (no CUDA GPU, float32 compute, an
         unsupported head dim), with the fix.
     """
     backend = backend or _default_backend()
@@ -173,16 +174,16 @@ def attention_implementation(cfg: GPTConfig, backend: str | None = None) -> str:
         return "cudnn" if backend == "gpu" and fits else "xla"
     if cfg.attention == "cudnn":
         if backend != "gpu":
-            raise ValueError(
+            raise ConfigError(
                 f"model.attention=cudnn needs an NVIDIA GPU (cuDNN); JAX's backend here is "
                 f"{backend}: use model.attention=auto (cuDNN where it runs, XLA elsewhere) "
                 "or model.attention=xla")
         if cfg.dtype not in _CUDNN_DTYPES:
-            raise ValueError(
+            raise ConfigError(
                 f"model.attention=cudnn needs bfloat16 compute, got model.dtype={cfg.dtype}: "
                 "set model.dtype=bfloat16, or use model.attention=auto or xla")
         if H % 8:
-            raise ValueError(
+            raise ConfigError(
                 f"model.attention=cudnn needs a head dim that is a multiple of 8; "
                 f"model.d_model/model.n_heads = {H}: change them, or use model.attention=xla")
     return cfg.attention
@@ -250,11 +251,11 @@ class GPT(nnx.Module):
 
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         if cfg.d_model % cfg.n_heads:
-            raise ValueError(
+            raise ConfigError(
                 f"model.d_model={cfg.d_model} is not divisible by model.n_heads={cfg.n_heads}"
             )
         if cfg.positions == "rotary" and cfg.head_dim % 2:
-            raise ValueError(
+            raise ConfigError(
                 f"rotary positions need an even head dim; d_model/n_heads = {cfg.head_dim}: "
                 "change model.d_model or model.n_heads, or use model.positions=learned"
             )
@@ -295,7 +296,7 @@ class GPT(nnx.Module):
         cfg = self.cfg
         T = tokens_BT.shape[1]
         if T > cfg.max_seq_len:
-            raise ValueError(
+            raise ConfigError(
                 f"sequence length {T} exceeds model.max_seq_len={cfg.max_seq_len}; "
                 "raise model.max_seq_len or lower data.seq_len"
             )

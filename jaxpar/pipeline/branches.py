@@ -64,7 +64,7 @@ def forward_table(p: int, m: int, v: int = 1) -> tuple[np.ndarray, np.ndarray, n
     """
     if v > 1 and m % p:
         raise LayoutError(f"a forward pass over {v} chunks per device runs microbatches in "
-                         f"groups of mesh.stage={p}: {m} microbatches is not a multiple of {p}")
+                          f"groups of mesh.stage={p}: {m} microbatches is not a multiple of {p}")
     ticks = m * v + p - 1
     u = np.arange(ticks)[:, None] - np.arange(p)[None, :]
     active = (u >= 0) & (u < m * v)

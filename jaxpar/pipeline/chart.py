@@ -103,7 +103,7 @@ def text_grid(table: TickTable, width: int | None = None) -> str:
         per_block = (width - indent + 1) // (cell + 1)
         if per_block < 1:
             raise ConfigError(f"text_grid width={width} is too narrow for one tick column; "
-                             f"use width ≥ {indent + cell}")
+                              f"use width ≥ {indent + cell}")
     blocks = []
     for first in range(0, table.ticks, per_block):
         count = min(per_block, table.ticks - first)

@@ -31,6 +31,7 @@ from typing import Literal, NamedTuple
 import numpy as np
 from pydantic import Field
 
+from jaxpar.errors import LayoutError
 from jaxpar.schema import section
 
 #: ``pipeline.schedule`` values.
@@ -71,23 +72,24 @@ def check_shape(schedule: str, p: int, m: int, v: int) -> None:
       ValueError: naming the numbers and what to change.
     """
     if schedule not in SCHEDULES:
-        raise ValueError(f"unknown pipeline.schedule '{schedule}'; choose one of {', '.join(SCHEDULES)}")
+        raise LayoutError(f"unknown pipeline.schedule '{schedule}'; choose one of "
+                          f"{', '.join(SCHEDULES)}")
     if p < 2:
-        raise ValueError(f"a pipeline needs mesh.stage ≥ 2 (got {p})")
+        raise LayoutError(f"a pipeline needs mesh.stage ≥ 2 (got {p})")
     if m < 1:
-        raise ValueError(f"pipeline.microbatches must be ≥ 1 (got {m})")
+        raise LayoutError(f"pipeline.microbatches must be ≥ 1 (got {m})")
     if schedule == "interleaved":
         if v < 2:
-            raise ValueError(
+            raise LayoutError(
                 f"pipeline.schedule=interleaved needs pipeline.virtual_stages ≥ 2 (got {v}); "
                 "with one chunk per device use 1f1b")
         if m % p:
-            raise ValueError(
+            raise LayoutError(
                 f"pipeline.schedule=interleaved runs microbatches in groups of mesh.stage={p}: "
                 f"pipeline.microbatches={m} is not a multiple of {p}; use "
                 f"{max(p, m - m % p)} or {m - m % p + p}")
     elif v != 1:
-        raise ValueError(
+        raise LayoutError(
             f"pipeline.virtual_stages={v} applies to schedule=interleaved only; "
             f"set pipeline.virtual_stages=1 for schedule={schedule}")
 
