@@ -15,7 +15,7 @@ device. Modes:
 
 * ``reference`` — the attention jaxpar had before ``model.attention``: softmax(Q·Kᵀ)
   written out (einsum, causal ``where``, float32 softmax, einsum). It lives only here:
-  this script swaps it in for ``jaxpar.models.gpt.attention`` while the step is traced.
+  this script swaps it in for ``jaxpar.models.transformer.attention`` while the step is traced.
 * ``xla``, ``cudnn``, ``auto`` — ``model.attention=…``. ``cudnn`` needs a GPU and
   bfloat16 compute (``--set model.dtype=bfloat16``); where it cannot run its row says why.
 
@@ -38,7 +38,7 @@ import jax.numpy as jnp
 
 from jaxpar.config import load_config
 from jaxpar.logical import constrain
-from jaxpar.models import gpt
+from jaxpar.models import transformer
 from jaxpar.run import build
 
 BASE = ["mesh.data=8", "train.batch_size=8", "train.grad_accum=1", "data.dataset=synthetic",
@@ -55,7 +55,7 @@ def reference_attention(h_BTD: jax.Array, p: dict[str, jax.Array], use_rotary: b
                     ("batch", "seq", None, "heads", "kv"))
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     if use_rotary:
-        q, k = gpt.rotary(q), gpt.rotary(k)
+        q, k = transformer.rotary(q), transformer.rotary(k)
     T, H = q.shape[1], q.shape[-1]
     logits_BNTS = jnp.einsum("btnh,bsnh->bnts", q, k).astype(jnp.float32) / jnp.sqrt(H)
     causal = jnp.tril(jnp.ones((T, T), bool))
@@ -67,18 +67,18 @@ def reference_attention(h_BTD: jax.Array, p: dict[str, jax.Array], use_rotary: b
 
 @contextlib.contextmanager
 def attention_traced(mode: str):
-    """While inside: ``jaxpar.models.gpt.attention`` is :func:`reference_attention` for
+    """While inside: ``jaxpar.models.transformer.attention`` is :func:`reference_attention` for
     ``mode == "reference"`` (the blocks look it up by name when they are traced), the
     model's own otherwise."""
     if mode != "reference":
         yield
         return
-    saved = gpt.attention
-    gpt.attention = reference_attention
+    saved = transformer.attention
+    transformer.attention = reference_attention
     try:
         yield
     finally:
-        gpt.attention = saved
+        transformer.attention = saved
 
 
 def temp_bytes(config: str, seq: int, mode: str, extra: list[str]) -> tuple[int, float]:

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from benchmarks.attention_memory import reference_attention
-from jaxpar.models import GPT, GPTConfig, gpt
+from jaxpar.models import GPT, GPTConfig, gpt, transformer
 from tests.helpers import GPT_SMALL, assert_params_close, run_steps
 
 CFG = GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=16)
@@ -151,7 +151,7 @@ def _attention_value_and_grads(fn, h, p, use_rotary):
 @pytest.mark.parametrize("use_rotary", [False, True], ids=["learned", "rotary"])
 def test_attention_matches_the_hand_written_form_float32(use_rotary):
     h, p = _attention_inputs(jnp.float32)
-    new = _attention_value_and_grads(gpt.attention, h, p, use_rotary)
+    new = _attention_value_and_grads(transformer.attention, h, p, use_rotary)
     ref = _attention_value_and_grads(hand_written_attention, h, p, use_rotary)
     for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(ref)):
         # summation-order noise: relative to each tensor's scale (gradients reach ~20 here)
@@ -165,7 +165,7 @@ def test_attention_matches_the_hand_written_form_bfloat16(use_rotary):
     form rounds Q·Kᵀ to bfloat16 before its float32 softmax, jax's keeps the float32
     accumulation.)"""
     h, p = _attention_inputs(jnp.bfloat16)
-    new = _attention_value_and_grads(gpt.attention, h, p, use_rotary)
+    new = _attention_value_and_grads(transformer.attention, h, p, use_rotary)
     ref = _attention_value_and_grads(hand_written_attention, h, p, use_rotary)
     exact = _attention_value_and_grads(hand_written_attention, h.astype(jnp.float32),
                                        jax.tree.map(lambda x: x.astype(jnp.float32), p),

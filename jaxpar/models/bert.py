@@ -36,22 +36,24 @@ from pydantic import Field
 from jaxpar.errors import ConfigError
 from jaxpar.logical import constrain
 from jaxpar.models.family import Counts, Dtype, Family, ModelConfig, register
-from jaxpar.models.gpt import (
+from jaxpar.models.transformer import (
     REMAT_POLICIES,
+    RESIDUAL,
     Attention,
     Blocks,
     Remat,
     TransformerLab,
     attention,
     attention_implementation,
+    const,
     layer_norm,
     mlp,
+    param,
     transformer_counts,
 )
 from jaxpar.schema import Float, section
 from jaxpar.task import DataNeeds, StageSplit, Task
 
-_RESIDUAL = ("batch", "seq", "act_embed")
 #: fold-in tags of the draws that are not per layer
 _MASKING, _EMBEDDING = 0, 1
 _EVAL_KEY = 2024
@@ -88,14 +90,6 @@ class BERTConfig(ModelConfig):
         return self.vocab_size - 1
 
 
-def _param(key: jax.Array, shape: tuple[int, ...], axes: tuple, scale: float) -> nnx.Param:
-    return nnx.Param(scale * jax.random.normal(key, shape, jnp.float32), out_sharding=axes)
-
-
-def _const(value: float, shape: tuple[int, ...], axes: tuple) -> nnx.Param:
-    return nnx.Param(jnp.full(shape, value, jnp.float32), out_sharding=axes)
-
-
 def _dropout(x: jax.Array, keys_B: jax.Array, rate: float) -> jax.Array:
     """Inverted dropout with one key per example (``keys_B`` [B]): an example's mask does
     not depend on which device holds it or which rows share its batch."""
@@ -130,17 +124,17 @@ class BERT(nnx.Module):
                               f"≥ {self.data_vocab + 1}")
         self.attention_impl = attention_implementation(cfg)
         V, D, T = cfg.vocab_size, cfg.d_model, cfg.max_seq_len
-        self.embed = _param(rngs.params(), (V, D), ("vocab", "embed"), 0.02)
-        self.pos = _param(rngs.params(), (T, D), ("seq", "embed"), 0.02)
-        self.types = _param(rngs.params(), (2, D), (None, "embed"), 0.02)
+        self.embed = param(rngs.params(), (V, D), ("vocab", "embed"), 0.02)
+        self.pos = param(rngs.params(), (T, D), ("seq", "embed"), 0.02)
+        self.types = param(rngs.params(), (2, D), (None, "embed"), 0.02)
         self.blocks = Blocks(cfg, rngs=rngs)
-        self.ln_f_scale = _const(1.0, (D,), ("embed",))
-        self.ln_f_bias = _const(0.0, (D,), ("embed",))
-        self.mlm_w = _param(rngs.params(), (D, D), ("embed", None), 0.02)
-        self.mlm_b = _const(0.0, (D,), (None,))
-        self.mlm_ln_scale = _const(1.0, (D,), (None,))
-        self.mlm_ln_bias = _const(0.0, (D,), (None,))
-        self.out_bias = _const(0.0, (V,), ("vocab",))
+        self.ln_f_scale = const(1.0, (D,), ("embed",))
+        self.ln_f_bias = const(0.0, (D,), ("embed",))
+        self.mlm_w = param(rngs.params(), (D, D), ("embed", None), 0.02)
+        self.mlm_b = const(0.0, (D,), (None,))
+        self.mlm_ln_scale = const(1.0, (D,), (None,))
+        self.mlm_ln_bias = const(0.0, (D,), (None,))
+        self.out_bias = const(0.0, (V,), ("vocab",))
         self.noise = nnx.Rngs(dropout=rngs.params())  # RNG key and count: model state
         self.deterministic = False  # NNX's train()/eval() switch it
 
@@ -184,7 +178,7 @@ class BERT(nnx.Module):
         types_T = (jnp.arange(T) >= T // 2).astype(jnp.int32)
         x = jnp.take(table_VD, inputs_BT, axis=0) + self.pos[:T][None] + self.types[...][types_T]
         x = _dropout(x, _fold(keys_B, _EMBEDDING), self._rate())
-        return constrain(x.astype(jnp.dtype(cfg.dtype)), _RESIDUAL)
+        return constrain(x.astype(jnp.dtype(cfg.dtype)), RESIDUAL)
 
     def _rate(self) -> float:
         return 0.0 if self.deterministic else self.cfg.dropout
@@ -202,10 +196,10 @@ class BERT(nnx.Module):
             keys = _fold(keys_B, 2 + 2 * layer)
             h = layer_norm(x, p["ln1_scale"], p["ln1_bias"])
             a = attention(h, p, False, impl, causal=False)
-            x = constrain(x + _dropout(a, keys, rate), _RESIDUAL)
+            x = constrain(x + _dropout(a, keys, rate), RESIDUAL)
             h = layer_norm(x, p["ln2_scale"], p["ln2_bias"])
             x = constrain(x + _dropout(mlp(h, p), _fold(keys_B, 3 + 2 * layer), rate),
-                          _RESIDUAL)
+                          RESIDUAL)
             return x, None
 
         if self.cfg.remat != "none":
