@@ -40,7 +40,8 @@ import jax  # noqa: E402
 from attention_memory import attention_traced  # noqa: E402
 
 from jaxpar.config import load_config  # noqa: E402
-from jaxpar.pipeline.schedule import SCHEDULES, simulate, tick_table  # noqa: E402
+from jaxpar.pipeline.schedule import SCHEDULES, simulate  # noqa: E402
+from jaxpar.pipeline.ticks import tick_table  # noqa: E402
 from jaxpar.run import build  # noqa: E402
 
 CONFIG = "configs/gpt_tiny.yaml"

@@ -31,7 +31,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxpar.logical import Rules, activation_rules
 from jaxpar.pipeline.executor import advance_counts, pipeline_eval, pipeline_grads
-from jaxpar.pipeline.schedule import TickTable
+from jaxpar.pipeline.ticks import TickTable
 from jaxpar.sharding import named
 from jaxpar.task import Batch, LossFn, StageSplit, split_microbatches
 

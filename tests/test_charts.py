@@ -25,7 +25,8 @@ from jaxpar import plot
 from jaxpar.lab import chart as lab_chart
 from jaxpar.lab import hardware, sweep
 from jaxpar.pipeline import chart
-from jaxpar.pipeline.schedule import simulate, tick_table
+from jaxpar.pipeline.schedule import simulate
+from jaxpar.pipeline.ticks import tick_table
 
 KIND_CODE = {"F": 1, "B": 2, "I": 3, "W": 4, "idle": 0}
 LEGEND = {"F": "F forward", "B": "B backward", "I": "I input gradient",

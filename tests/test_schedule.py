@@ -13,16 +13,8 @@ import numpy as np
 import pytest
 
 from jaxpar.pipeline import chart
-from jaxpar.pipeline.schedule import (
-    KINDS,
-    Action,
-    TickTable,
-    build,
-    check_shape,
-    simulate,
-    tick_table,
-    validate,
-)
+from jaxpar.pipeline.schedule import KINDS, Action, build, check_shape, simulate
+from jaxpar.pipeline.ticks import TickTable, tick_table, validate
 
 PS = (2, 4)
 SHAPES = [(s, p, m, 1) for s in ("gpipe", "1f1b", "zb_h1") for p in PS for m in (p, 2 * p, 4 * p)]

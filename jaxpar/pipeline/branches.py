@@ -19,7 +19,8 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.errors import LayoutError
-from jaxpar.pipeline.schedule import KINDS, TickTable
+from jaxpar.pipeline.schedule import KINDS
+from jaxpar.pipeline.ticks import TickTable
 from jaxpar.task import StageSplit
 
 # lax.switch branches. The forward of the last chunk is folded into its backward (which

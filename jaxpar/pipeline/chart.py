@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING
 
 from jaxpar.errors import ConfigError
 from jaxpar.figures import new_figure, save_figure
-from jaxpar.pipeline.schedule import KINDS, TickTable, Timing, simulate
+from jaxpar.pipeline.schedule import KINDS, Timing, simulate
+from jaxpar.pipeline.ticks import TickTable
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -57,7 +57,7 @@ from jaxpar.pipeline.branches import (
     branch_table,
     forward_table,
 )
-from jaxpar.pipeline.schedule import TickTable
+from jaxpar.pipeline.ticks import TickTable
 from jaxpar.task import Batch, StageSplit, split_microbatches
 
 #: Axes the executor makes manual: the pipeline axis and the batch axes.

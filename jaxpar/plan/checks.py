@@ -14,7 +14,7 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxpar import sharding as shd
 from jaxpar.errors import LayoutError
 from jaxpar.logical import Rules, names_of, spec_axes, spec_for
-from jaxpar.pipeline.schedule import TickTable, tick_table
+from jaxpar.pipeline.ticks import TickTable, tick_table
 from jaxpar.plan.abstract import AbstractModel
 from jaxpar.task import Task
 

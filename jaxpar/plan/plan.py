@@ -44,7 +44,8 @@ from jaxpar.gradients import (
     Strategy,
 )
 from jaxpar.logical import Rules, names_of, spec_axes
-from jaxpar.pipeline.schedule import PipelineConfig, TickTable
+from jaxpar.pipeline.schedule import PipelineConfig
+from jaxpar.pipeline.ticks import TickTable
 from jaxpar.plan import checks
 from jaxpar.plan.abstract import AbstractModel, abstract_model, warn_unnamed
 from jaxpar.plan.checks import BATCH_AXES
