@@ -30,10 +30,8 @@ naming its step, its path and what is wrong.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
-import shutil
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,6 +46,7 @@ from pydantic import Field
 
 from jaxpar import integrity
 from jaxpar.errors import CheckpointError, ConfigError, CorruptCheckpoint, RestoreError
+from jaxpar.files import disk_full_cause, free_space
 from jaxpar.plan import Plan
 from jaxpar.schema import section
 from jaxpar.sharding import path_str
@@ -94,34 +93,6 @@ def _write_whole_shards_in_one_process() -> None:
         ocp.type_handlers.register_type_handler(
             jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False),
             override=True)
-
-
-def free_space(path: Path) -> str:
-    """The free space of the file system holding ``path`` (its nearest existing parent),
-    e.g. ``'12.0 MiB free'``."""
-    path = Path(path).absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    try:
-        free = shutil.disk_usage(path).free
-    except OSError:
-        return "free space unknown"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if free < 1024 or unit == "TiB":
-            return f"{free:.0f} {unit} free" if unit == "B" else f"{free:.1f} {unit} free"
-        free /= 1024
-    return "free space unknown"
-
-
-def disk_full_cause(err: BaseException | None) -> BaseException | None:
-    """``err`` or the exception it was raised from that is ``ENOSPC`` (a full disk), if any."""
-    seen = 0
-    while err is not None and seen < 20:
-        if (isinstance(err, OSError) and err.errno == errno.ENOSPC) \
-                or "No space left on device" in str(err):
-            return err
-        err, seen = err.__cause__ or err.__context__, seen + 1
-    return None
 
 
 def _as_tree(state: TrainState) -> dict[str, Any]:

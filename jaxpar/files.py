@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 from pathlib import Path
 
 from jaxpar.errors import PathError
@@ -68,3 +69,31 @@ def check_output_file(path: str | Path, what: str) -> Path:
     if path.exists() and not os.access(path, os.W_OK):
         raise PathError(f"{what} '{path}' exists and is not writable; choose another path")
     return path
+
+
+def free_space(path: Path) -> str:
+    """The free space of the file system holding ``path`` (its nearest existing parent),
+    e.g. ``'12.0 MiB free'``."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return "free space unknown"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if free < 1024 or unit == "TiB":
+            return f"{free:.0f} {unit} free" if unit == "B" else f"{free:.1f} {unit} free"
+        free /= 1024
+    return "free space unknown"
+
+
+def disk_full_cause(err: BaseException | None) -> BaseException | None:
+    """``err`` or the exception it was raised from that is ``ENOSPC`` (a full disk), if any."""
+    seen = 0
+    while err is not None and seen < 20:
+        if (isinstance(err, OSError) and err.errno == errno.ENOSPC) \
+                or "No space left on device" in str(err):
+            return err
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    return None

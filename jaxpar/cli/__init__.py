@@ -1,0 +1,239 @@
+"""The ``jaxpar`` command: a thin layer that parses arguments (:mod:`jaxpar.cli.parser`,
+whose help text lists every command and the exit statuses) and calls the Python API;
+failures are reported by :mod:`jaxpar.cli.failures`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import traceback
+from typing import TYPE_CHECKING
+
+from jaxpar.cli.failures import failure_of, internal, one_line_reports
+from jaxpar.cli.parser import _debug_flag, _parse
+from jaxpar.config import Config, load_config, run_dir_for
+from jaxpar.errors import WRITE_FAILED, ConfigError
+
+if TYPE_CHECKING:
+    from jaxpar.task import Task
+
+#: Exit status when writing a checkpoint (or another file) failed (tests import it here).
+CHECKPOINT_FAILED = WRITE_FAILED
+
+
+def _sample(args: argparse.Namespace) -> None:
+    from jaxpar.mesh import setup_devices
+    from jaxpar.sample import load_run_config, sample_config
+
+    overrides = [*args.args, *([f"run.devices={args.devices}"] if args.devices else [])]
+    bad = [a for a in args.args if "=" not in a]
+    if bad:
+        raise ConfigError(f"jaxpar sample takes one RUN_DIR, then section.key=value settings; "
+                          f"got also {' '.join(bad)}")
+    config = load_run_config(args.run_dir, overrides)
+    setup_devices(config.run.devices)
+    out = sample_config(config, args.prompt, tokens=args.tokens, temperature=args.temperature,
+                        top_k=args.top_k, seed=args.seed, step=args.step, samples=args.samples)
+    print(f"jaxpar: step {out.step} of {config.run.dir}", file=sys.stderr, flush=True)
+    for i, text in enumerate(out.texts):
+        if i:
+            print("\n---")
+        print(args.prompt + text, flush=True)
+
+
+def _sweep(args: argparse.Namespace, config: Config, task: Task | None) -> None:
+    from jaxpar.lab import sweep
+    from jaxpar.lab.hardware import get_profile
+    from jaxpar.mesh import select_devices
+
+    if bool(args.layouts) == bool(args.all):
+        raise ConfigError("jaxpar sweep needs either --layouts L … or --all (not both)")
+    hw = get_profile(args.hardware, args.hardware_file)
+    layouts = args.layouts or sweep.all_layouts(len(select_devices(config.run.devices)))
+    memory = args.memory_gb * 1e9 if args.memory_gb else None
+    what = task.name if task is not None else config.model.name
+    print(f"sweeping {len(layouts)} layout{'s' * (len(layouts) != 1)} of {what} "
+          f"(global batch {config.train.batch_size})", flush=True)
+    rows = sweep.sweep(config, layouts, hw, args.steps, memory, echo=True, task=task)
+    print(sweep.format_table(rows, hw))
+    for path in sweep.write_outputs(rows, hw, args.out or f"{config.run.dir}/sweep"):
+        print(f"wrote {path}")
+
+
+def _plan(args: argparse.Namespace, config: Config, task: Task | None) -> None:
+    from jaxpar.lab.hardware import get_profile
+    from jaxpar.lab.planner import format_plan, plan
+
+    hw = get_profile(args.hardware, args.hardware_file)
+    memory = args.memory_gb * 1e9 if args.memory_gb else hw.memory_bytes
+    what = task.name if task is not None else config.model.name
+    print(f"planning {what} (global batch {config.train.batch_size}) on "
+          f"{args.devices} × {hw.name}", flush=True)
+    print(format_plan(plan(config, args.devices, hw, memory, args.layouts, echo=True,
+                           task=task), hw, memory))
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from jaxpar.launch import launch
+
+    command = args.jaxpar_args
+    command = command[1:] if command[:1] == ["--"] else command
+    return launch(args.processes, command, devices_per_process=args.devices_per_process,
+                  cpus_per_process=args.cpus_per_process, port=args.port, grace_s=args.grace,
+                  bind=args.bind)
+
+
+def _export(config: Config, out: str, step: int | None, task: Task | None,
+            format: str = "npz") -> None:
+    from jaxpar.resume import export_params
+
+    path, step = export_params(config, out, step, task=task, format=format)
+    what = "GPT-2 (Hugging Face) files of" if format == "hf" else "parameters of"
+    print(f"{what} step {step} written to {path}")
+
+
+def _prepare_data(args: argparse.Namespace) -> None:
+    from jaxpar.data.prepare import prepare_data
+
+    tf = prepare_data(args.inputs, args.out, args.tokenizer, args.glob)
+    size, docs = tf.num_tokens * tf.tokens.dtype.itemsize, len(tf.documents)
+    print(f"{tf.num_tokens:,} tokens from {docs:,} document{'s' * (docs != 1)} "
+          f"(vocab {tf.vocab_size:,}, {tf.tokens.dtype.name}, {size:,} bytes) written to {tf.path}")
+
+
+def _show_pipeline(config: Config, png: str | None, width: int | None,
+                   task: Task | None) -> None:
+    from jaxpar.pipeline import chart
+    from jaxpar.run import build
+
+    table = build(config, task).plan.pipeline
+    if table is None:
+        raise ConfigError(f"mesh.stage={config.mesh.stage}: there is no pipeline to show; "
+                          "set mesh.stage to 2 or more")
+    print(chart.text_grid(table, width))
+    print(chart.summary(table))
+    if png:
+        print(f"chart written to {chart.write_png(table, png)}")
+
+
+def _config(args: argparse.Namespace) -> Config:
+    files = [a for a in args.args if "=" not in a]
+    overrides = [a for a in args.args if "=" in a]
+    if args.devices is not None:
+        overrides.append(f"run.devices={args.devices}")
+    run_dirs = [f for f in files if os.path.isdir(f)]
+    if not run_dirs:
+        return load_config(files, overrides)
+    if len(files) > 1 or not os.path.isfile(os.path.join(run_dirs[0], "config.yaml")):
+        raise ConfigError(f"'{run_dirs[0]}' is a directory: give a run directory (one holding "
+                          "config.yaml) alone, or config files")
+
+    config = load_config([os.path.join(run_dirs[0], "config.yaml")], overrides)
+    if any(o.startswith("run.dir=") for o in overrides):
+        return config
+    return dataclasses.replace(config, run=dataclasses.replace(config.run, dir=run_dirs[0]))
+
+
+def _run(args: argparse.Namespace) -> None:
+    """A command that takes a config (and optionally --task)."""
+    config = _config(args)
+    task = None
+    if args.task:
+        from jaxpar.user_code import load_task
+
+        task = load_task(args.task, config)
+        config = run_dir_for(config, task.name)
+    # JAX is imported by now, but its backend starts only at first use.
+    from jaxpar.distributed import initialize
+    from jaxpar.mesh import setup_devices
+
+    initialize(config.distributed)  # before anything touches a device
+    setup_devices(config.run.devices)
+    if args.command == "train":
+        from jaxpar import resume
+        from jaxpar.loop import train
+
+        resume.HARD_SECOND_CTRL_C = True  # a second Ctrl-C ends the command at once
+        try:
+            train(config, task=task)
+        finally:
+            resume.HARD_SECOND_CTRL_C = False
+    elif args.command == "pipeline":
+        _show_pipeline(config, args.png, args.width, task)
+    elif args.command == "export":
+        _export(config, args.out, args.step, task, args.format)
+    elif args.command == "sweep":
+        _sweep(args, config, task)
+    elif args.command == "plan":
+        _plan(args, config, task)
+    else:
+        from jaxpar.report import format_report, layout_totals
+        from jaxpar.run import build
+
+        run = build(config, task)
+        print(format_report(run, layout_totals(run)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``jaxpar`` console script; returns the exit status.
+
+    Errors a user can fix, faults (disk full, a failed save, a non-finite run) and
+    Ctrl-C print one line and return their exit status (see the module docstring);
+    ``--debug`` or ``JAXPAR_DEBUG=1`` prints the traceback as well.
+    """
+    argv, debug_flag = _debug_flag(list(sys.argv[1:] if argv is None else argv))
+    if debug_flag:
+        os.environ["JAXPAR_DEBUG"] = "1"  # also for the processes of `jaxpar launch`
+    args = _parse(argv)
+    from jaxpar.launch import pin_from_env
+
+    pin_from_env()  # a process started by `jaxpar launch --cpus-per-process`
+    debug = os.environ.get("JAXPAR_DEBUG", "") not in ("", "0")
+    try:
+        with one_line_reports(debug):
+            if args.command == "prepare-data":  # needs no config
+                _prepare_data(args)
+                return 0
+            if args.command == "launch":
+                return _launch(args)
+            if args.command == "sample":  # the run dir's config
+                _sample(args)
+                return 0
+            if args.command == "plot":  # needs no config
+                from jaxpar.plot import run as plot
+
+                plot(args)
+                return 0
+            if getattr(args, "help_config", False):  # the keys, not a config
+                from jaxpar.config_reference import reference
+
+                print(reference(), end="")
+                return 0
+            _run(args)
+    except SystemExit:
+        raise
+    except BaseException as err:
+        failure = failure_of(err)
+        if failure is None:
+            failure = internal(err, debug)
+        elif debug:
+            traceback.print_exc()
+        status, message = failure
+        print(message, file=sys.stderr, flush=True)
+        return status
+    return 0
+
+
+def console() -> None:
+    """The ``jaxpar`` command (and ``python -m jaxpar``): :func:`main`, then exit with its
+    status. After a failed checkpoint write the process ends without Python's shutdown,
+    where the writer's leftover background tasks (tensorstore, asyncio) would print
+    tracebacks about their closed event loop after the one-line report."""
+    status = main()
+    if status == WRITE_FAILED and os.environ.get("JAXPAR_DEBUG", "") in ("", "0"):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)

@@ -1,0 +1,3 @@
+from jaxpar.cli import console
+
+console()

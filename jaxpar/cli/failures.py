@@ -1,0 +1,142 @@
+"""How the ``jaxpar`` command reports a failure: one line and an exit status for every
+error jaxpar explains (:class:`jaxpar.errors.JaxparError`, OS errors, Ctrl-C), one line
+saying "internal error" and where the traceback went for anything else (a bug), and the
+quieting of libraries' background threads while a command runs."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import sys
+import tempfile
+import threading
+import traceback
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+from jaxpar.errors import (
+    BAD_INPUT,
+    INTERNAL,
+    INTERRUPTED,
+    WRITE_FAILED,
+    CheckpointError,
+    JaxparError,
+    NonFiniteStop,
+    Preempted,
+)
+from jaxpar.files import disk_full_cause, free_space
+
+_PATH_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR,
+                errno.EISDIR, errno.EEXIST, errno.ENAMETOOLONG, errno.ENOTEMPTY}
+
+
+@contextlib.contextmanager
+def one_line_reports(debug: bool) -> Iterator[None]:
+    """Keeps a failure's report to one line: warnings print as ``jaxpar: warning: …``, and
+    the exceptions that libraries' background threads (Orbax's writer, grain's readers)
+    log with tracebacks are left to the main thread, which reports the same error once.
+    ``--debug`` keeps all of it. Everything is restored on return (``main`` may be called
+    from Python)."""
+    if debug:
+        yield
+        return
+    saved = (warnings.formatwarning, threading.excepthook,
+             {name: logging.getLogger(name).level for name in _NOISY_LOGGERS}, sys.stderr)
+    warnings.formatwarning = lambda message, *_: f"jaxpar: warning: {message}\n"
+    for name in _NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+    def excepthook(args: threading.ExceptHookArgs) -> None:
+        if not issubclass(args.exc_type, Exception):
+            saved[1](args)
+
+    threading.excepthook = excepthook
+    # a library's native thread prints the traceback of its Python callback straight to
+    # sys.stderr (tensorstore's write callbacks after Orbax's event loop closed on a failed
+    # save): the main thread reports the failure itself
+    sys.stderr = _QuietNativeThreads(saved[3])
+    failed = False
+    try:
+        yield
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        warnings.formatwarning, threading.excepthook = saved[0], saved[1]
+        if not failed:  # after a failure the writer's callbacks may still fire, at exit
+            sys.stderr = saved[3]
+        for name, level in saved[2].items():
+            # after a failure, a failed background write's asyncio task is logged when it is
+            # collected, at exit: that stays silent (the failure was reported once)
+            if not (failed and name == "asyncio"):
+                logging.getLogger(name).setLevel(level)
+
+
+class _QuietNativeThreads:
+    """``sys.stderr`` that drops what threads started outside Python write (native
+    library threads, seen by Python as dummy threads); everything else passes through."""
+
+    def __init__(self, stream: Any):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        if isinstance(threading.current_thread(), threading._DummyThread):
+            return len(text)
+        return self._stream.write(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+_NOISY_LOGGERS = ("absl", "orbax", "jax._src.distributed", "grain", "asyncio")
+
+
+def failure_of(err: BaseException) -> tuple[int, str] | None:
+    """The exit status and the one-line message of an error jaxpar explains, or None for
+    one it does not (a bug: reported by :func:`_internal`)."""
+    if isinstance(err, KeyboardInterrupt):
+        return INTERRUPTED, ("jaxpar: interrupted (Ctrl-C); no checkpoint was written by this "
+                             "interruption (the complete ones stay usable)")
+    if isinstance(err, JaxparError):
+        from jaxpar.distributed import PortInUse
+        from jaxpar.launch import ENV_RETRY_PORT, PORT_TAKEN
+
+        if isinstance(err, PortInUse) and os.environ.get(ENV_RETRY_PORT):
+            return PORT_TAKEN, f"jaxpar: {err} (jaxpar launch tries another port)"
+        kind = ("" if isinstance(err, Preempted) else "checkpoint error: "
+                if isinstance(err, CheckpointError) else "stopped: "
+                if isinstance(err, NonFiniteStop) else "error: ")
+        return err.exit_status, f"jaxpar: {kind}{err}"
+    if isinstance(err, OSError):
+        where = f" '{err.filename}'" if err.filename else ""
+        if disk_full_cause(err) is not None:
+            space = free_space(err.filename) if err.filename else "free space unknown"
+            return WRITE_FAILED, (
+                f"jaxpar: disk full: writing{where} failed: No space left on device ({space} "
+                "there); free space and run the same command to resume from the last "
+                "checkpoint")
+        text = err.strerror or str(err)
+        status = BAD_INPUT if err.errno in _PATH_ERRNOS else WRITE_FAILED
+        return status, f"jaxpar: error: {text}:{where}" if where else f"jaxpar: error: {text}"
+    return None
+
+
+def internal(err: BaseException, debug: bool) -> tuple[int, str]:
+    """An exception jaxpar does not explain is a bug — in jaxpar, in JAX or in a model's own
+    code — never the user's bad input: one line saying so and where the traceback is."""
+    text = "".join(traceback.format_exception(err))
+    if debug:
+        where = "above"
+        print(text, file=sys.stderr, end="", flush=True)
+    else:
+        fd, path = tempfile.mkstemp(prefix="jaxpar-internal-error-", suffix=".txt")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        where = f"in {path} (or run with JAXPAR_DEBUG=1)"
+    first = (str(err).strip().splitlines() or [""])[0]
+    return INTERNAL, (f"jaxpar: internal error: {type(err).__name__}: {first} — not a setting "
+                      "jaxpar checks, but a bug in jaxpar, JAX or the model's own code; the "
+                      f"traceback is {where}")

@@ -1,0 +1,206 @@
+"""The ``jaxpar`` command's arguments (argparse): every command, its options, and options
+given before the command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jaxpar import plot
+
+#: ``jaxpar --help``: the commands, their arguments and the exit statuses.
+HELP = """    jaxpar train    [CONFIG.yaml …] [section.key=value …] [--devices N] [--task FILE.py:NAME]
+    jaxpar inspect  [CONFIG.yaml …] [section.key=value …] [--devices N] [--task FILE.py:NAME]
+    jaxpar pipeline [CONFIG.yaml …] [section.key=value …] [--devices N] [--png PATH] [--width N]
+    jaxpar export   [RUN_DIR | CONFIG.yaml …] [section.key=value …] [--devices N]
+                    [--format npz|hf] --out PARAMS.npz|DIR [--step N]
+    jaxpar sweep    [CONFIG.yaml …] [section.key=value …] (--layouts L … | --all) [--out DIR]
+                    [--steps N] [--hardware NAME] [--memory-gb G] [--devices N]
+    jaxpar plan     [CONFIG.yaml …] [section.key=value …] --devices N [--hardware NAME]
+                    [--memory-gb G] [--layouts L …]
+    jaxpar sample   RUN_DIR --prompt TEXT [--tokens N] [--temperature T] [--top-k K]
+                    [--seed S] [--step N] [--samples N] [section.key=value …] [--devices N]
+    jaxpar prepare-data INPUT… --out PATH [--tokenizer byte|TOKENIZER.json] [--glob PATTERN]
+    jaxpar launch   -n N [--devices-per-process K] [--cpus-per-process C] -- COMMAND [ARGS…]
+    jaxpar plot     RUN_DIR [RUN_DIR …] [--out PATH]
+
+With no CONFIG the default config (``configs/gpt_tiny.yaml``'s settings) is used; a
+RUN_DIR (a directory holding a run's ``config.yaml``) in its place means that run's config,
+with ``run.dir`` = RUN_DIR.
+``--task FILE.py:NAME`` (or ``package.module:NAME``) trains a user's jaxpar.Task instead
+of the built-in model (every command that takes a config accepts it).
+``sample`` continues a prompt with a run's language model: its config is the run dir's
+``config.yaml`` (overrides apply on top, e.g. another layout: ``mesh.data=1 --devices 1``).
+Options (``--devices``, ``--task``, …) may come anywhere: before the command too.
+``prepare-data`` takes no config: it turns local text files and folders into a token file
+(``PATH`` plus ``PATH.json``) that training memory-maps.
+Exit status: 0 done; 2 bad input (the one-line message says what to fix); 3 a non-finite
+step with train.nonfinite=stop; 4 stopped by SIGTERM or a first Ctrl-C, with a checkpoint
+of the current step written (run the same command to resume); 5 a checkpoint or a file
+could not be written (disk full, I/O error; the complete checkpoints stay usable); 6 more
+steps skipped than train.max_skipped / train.max_consecutive_skipped allow; 70 an
+internal error (a bug in jaxpar, JAX or the model's own code, not bad input: the line says
+where its traceback was written); 130 stopped by Ctrl-C before training began, or by a
+second Ctrl-C (no checkpoint of the current step). Errors print one line; --debug (or
+JAXPAR_DEBUG=1) prints the traceback too.
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxpar", description=HELP,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--debug", action="store_true",
+                        help="print the full traceback of an error (also JAXPAR_DEBUG=1); "
+                             "may be given anywhere before a launch's --")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, text in (("train", "train a model"),
+                       ("inspect", "print where every parameter lives, without training"),
+                       ("pipeline", "print (and draw) the pipeline schedule of a config"),
+                       ("export", "write a checkpoint's parameters to an .npz file")):
+        cmd = sub.add_parser(name, help=text)
+        cmd.add_argument("args", nargs="*", metavar="CONFIG.yaml | section.key=value",
+                         help="YAML files (later ones win), then overrides such as mesh.fsdp=8")
+        cmd.add_argument("--devices", type=int, default=None,
+                         help="device count (simulated CPU devices when there is no accelerator)")
+        _task_argument(cmd)
+        if name == "train":
+            cmd.add_argument("--help-config", action="store_true",
+                             help="print the reference of every config key (Markdown, as in "
+                                  "docs/config.md) and exit")
+        if name == "pipeline":
+            cmd.add_argument("--png", default=None, metavar="PATH",
+                             help="also write the schedule chart (PNG; a path ending in .svg "
+                                  "writes SVG)")
+            cmd.add_argument("--width", type=int, default=None,
+                             help="wrap the text grid at this many columns")
+        if name == "export":
+            cmd.add_argument("--out", required=True, metavar="PARAMS.npz|DIR",
+                             help="where to write the parameters: an .npz file ('blocks/w_in' "
+                                  "→ array), or with --format hf a directory")
+            cmd.add_argument("--format", choices=("npz", "hf"), default="npz",
+                             help="npz (jaxpar's parameter paths) or hf (config.json + "
+                                  "model.safetensors in GPT-2's layout, for transformers' "
+                                  "GPT2LMHeadModel; the GPT with tied embeddings only)")
+            cmd.add_argument("--step", type=int, default=None,
+                             help="the checkpoint step (default: the latest)")
+    _lab_parsers(sub)
+    _sample_parser(sub)
+    plot.add_parser(sub)
+    prep = sub.add_parser("prepare-data", help="tokenize local text files into a token file")
+    prep.add_argument("inputs", nargs="+", metavar="INPUT",
+                      help="text files and/or folders (every non-hidden file below, sorted)")
+    prep.add_argument("--out", required=True, metavar="PATH",
+                      help="the token file to write, e.g. corpus.tokens (plus PATH.json)")
+    prep.add_argument("--tokenizer", default="byte", metavar="byte|TOKENIZER.json",
+                      help="'byte' (vocab 256) or a local Hugging Face tokenizers JSON file")
+    prep.add_argument("--glob", default=None, metavar="PATTERN",
+                      help="keep only folder files matching this pattern, e.g. '*.txt'")
+    run = sub.add_parser("launch", help="run a jaxpar command in N local processes "
+                                        "(one jax.distributed run)")
+    run.add_argument("-n", "--processes", type=int, required=True, metavar="N")
+    run.add_argument("--devices-per-process", type=int, default=0, metavar="K",
+                     help="simulated CPU devices per process (0: leave the backend alone)")
+    run.add_argument("--cpus-per-process", type=int, default=0, metavar="C",
+                     help="pin process i to CPU cores [i*C, (i+1)*C) (0: no pinning)")
+    run.add_argument("--port", type=int, default=0, help="coordinator port (0: a free one; "
+                                                          "retried if another program takes it)")
+    run.add_argument("--bind", default="127.0.0.1", metavar="ADDRESS",
+                     help="the address the coordinator listens on (default: loopback only; "
+                          "0.0.0.0 or :: for every interface)")
+    run.add_argument("--grace", type=float, default=10.0, metavar="SECONDS",
+                     help="after a failure, how long the others get to stop before SIGKILL")
+    run.add_argument("jaxpar_args", nargs=argparse.REMAINDER, metavar="-- COMMAND",
+                     help="after --: the jaxpar command and its arguments, e.g. train mesh.fsdp=8")
+    return parser
+
+
+def _sample_parser(sub: argparse._SubParsersAction) -> None:
+    cmd = sub.add_parser("sample", help="continue a prompt with a trained language model "
+                                        "(a run dir's latest checkpoint)")
+    cmd.add_argument("run_dir", metavar="RUN_DIR", help="the run.dir of a trained run")
+    cmd.add_argument("args", nargs="*", metavar="section.key=value",
+                     help="settings over the run's config.yaml, e.g. mesh.data=1")
+    cmd.add_argument("--prompt", required=True, help="the text to continue")
+    cmd.add_argument("--tokens", type=int, default=200, help="tokens to generate (200)")
+    cmd.add_argument("--temperature", type=float, default=1.0,
+                     help="0: greedy (the most likely token); higher: more random (1.0)")
+    cmd.add_argument("--top-k", type=int, default=0, metavar="K",
+                     help="draw from the K most likely tokens only (0: all)")
+    cmd.add_argument("--seed", type=int, default=0, help="random seed (0)")
+    cmd.add_argument("--step", type=int, default=None,
+                     help="the checkpoint step (default: the latest)")
+    cmd.add_argument("--samples", type=int, default=1, help="continuations to draw (1)")
+    cmd.add_argument("--devices", type=int, default=None,
+                     help="device count (simulated CPU devices when there is no accelerator)")
+
+
+def _task_argument(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument("--task", default=None, metavar="FILE.py:NAME",
+                     help="train your own model: a jaxpar.Task (or a function returning one) "
+                          "in a Python file or module (package.module:NAME)")
+
+
+def _lab_parsers(sub: argparse._SubParsersAction) -> None:
+    """``sweep`` and ``plan`` (the layout lab, ``jaxpar/lab/``)."""
+    sweep = sub.add_parser("sweep", help="compile, measure and predict several layouts side by "
+                                         "side (table, sweep.csv, sweep.md, sweep.png)")
+    plan = sub.add_parser("plan", help="rank every layout of N devices by predicted step time "
+                                       "on a hardware profile, without training")
+    for cmd in (sweep, plan):
+        cmd.add_argument("args", nargs="*", metavar="CONFIG.yaml | section.key=value",
+                         help="YAML files (later ones win), then overrides")
+        cmd.add_argument("--hardware", default="h100",
+                         help="hardware profile for the predicted step time (h100, h200, a100, "
+                              "or one from --hardware-file)")
+        cmd.add_argument("--hardware-file", default=None, metavar="PATH",
+                         help="a YAML file of extra hardware profiles (see "
+                              "jaxpar/lab/hardware.yaml)")
+        cmd.add_argument("--memory-gb", type=float, default=None, metavar="G",
+                         help="device memory that 'fits' is judged against (default: the "
+                              "hardware profile's)")
+        cmd.add_argument("--layouts", nargs="+", default=None, metavar="LAYOUT",
+                         help='layouts such as "data=8" "fsdp=4,stage=2" (axes left out are 1)')
+        _task_argument(cmd)
+    sweep.add_argument("--all", action="store_true",
+                       help="every way to factor the device count over data/fsdp/tensor/stage")
+    sweep.add_argument("--out", default=None, metavar="DIR",
+                       help="where sweep.csv, sweep.md and sweep.png go (default: <run.dir>/sweep)")
+    sweep.add_argument("--steps", type=int, default=5,
+                       help="timed steps per layout after 2 warm-up steps (0: compile only)")
+    sweep.add_argument("--devices", type=int, default=None,
+                       help="device count (simulated CPU devices when there is no accelerator)")
+    plan.add_argument("--devices", type=int, required=True,
+                      help="how many devices to plan for (simulated on the CPU to compile)")
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The arguments; configs and overrides may come before or after options
+    (``jaxpar train --task f.py:TASK mesh.fsdp=8``)."""
+    parser = _parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, extra = parser.parse_known_args(_command_first(parser, argv))
+    if extra:
+        if not hasattr(args, "args") or any(e.startswith("-") for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.args = [*args.args, *extra]
+    return args
+
+
+def _command_first(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``argv`` with the options given before the command moved after it: a command's
+    options may come anywhere (``jaxpar --devices 8 train`` = ``jaxpar train --devices
+    8``). ``-h`` before the command keeps the top-level help."""
+    commands = next(a for a in parser._actions
+                    if isinstance(a, argparse._SubParsersAction)).choices
+    at = next((i for i, a in enumerate(argv) if a in commands), 0)
+    if not at or {"-h", "--help"} & set(argv[:at]):
+        return argv
+    return [argv[at], *argv[:at], *argv[at + 1:]]
+
+
+def _debug_flag(argv: list[str]) -> tuple[list[str], bool]:
+    """``argv`` without ``--debug`` (anywhere before a launch's ``--``), and whether it
+    was there."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    head = [a for a in argv[:end] if a != "--debug"]
+    return head + argv[end:], len(head) != end
