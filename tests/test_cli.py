@@ -113,3 +113,36 @@ def test_options_may_come_anywhere(command):
     assert _parse([*options, name, *positional]) == expected
     assert _parse([name, positional[0], *options, *positional[1:]]) == expected
     assert expected.devices == int(options[options.index("--devices") + 1])
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_bug_is_an_internal_error_not_bad_input(monkeypatch, tmp_path, capsys, debug):
+    """A ValueError raised inside JAX (here: a monkeypatched JAX function) is not the user's
+    mistake: one line says it is an internal error and where its traceback is, with its own
+    exit status — never exit 2 and 'error: …' as for bad input."""
+    import re
+
+    import jax
+
+    from jaxpar.errors import BAD_INPUT, INTERNAL
+    from tests.helpers import GPT_SMALL
+
+    def broken(*args, **kwargs):
+        raise ValueError("boom inside JAX")
+
+    monkeypatch.setattr(jax, "make_array_from_process_local_data", broken)
+    monkeypatch.setenv("JAXPAR_DEBUG", "1" if debug else "0")
+    code = main(["train", f"run.dir={tmp_path / 'run'}", "train.steps=1", *GPT_SMALL])
+    err = capsys.readouterr().err
+    assert code == INTERNAL != BAD_INPUT
+    line = next(x for x in err.splitlines() if x.startswith("jaxpar:"))
+    assert line.startswith("jaxpar: internal error: ValueError: boom inside JAX — not a setting "
+                           "jaxpar checks, but a bug in jaxpar, JAX or the model's own code")
+    assert "jaxpar: error:" not in err
+    if debug:  # the traceback is printed above the line
+        assert "Traceback (most recent call last)" in err and "in broken" in err
+    else:
+        path = Path(re.search(r"the traceback is in (\S+) ", line).group(1))
+        assert "in broken" in path.read_text() and "shard_batch" in path.read_text()
+        assert "Traceback" not in err
+        path.unlink()
