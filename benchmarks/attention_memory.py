@@ -36,10 +36,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax
 import jax.numpy as jnp
 
-from jaxpar.config import load_config
-from jaxpar.logical import constrain
+from jaxpar import build, constrain, load_config
 from jaxpar.models import transformer
-from jaxpar.run import build
 
 BASE = ["mesh.data=8", "train.batch_size=8", "train.grad_accum=1", "data.dataset=synthetic",
         "data.num_examples=64"]

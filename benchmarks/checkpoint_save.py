@@ -27,9 +27,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax
 
-from jaxpar.checkpoint import Checkpointer
-from jaxpar.config import load_config
-from jaxpar.run import build
+from jaxpar import Checkpointer, build, load_config
 
 CONFIGS = {"tiny": "configs/gpt_tiny.yaml", "gpt2_small": "configs/gpt2_small.yaml"}
 

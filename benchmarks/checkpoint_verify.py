@@ -25,10 +25,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax
 
-from jaxpar import integrity
-from jaxpar.checkpoint import Checkpointer
-from jaxpar.config import load_config
-from jaxpar.run import build
+from jaxpar import Checkpointer, build, integrity, load_config
 
 
 def _drop_caches() -> bool:

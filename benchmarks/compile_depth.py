@@ -46,7 +46,7 @@ def layout_overrides(layout: str) -> list[str]:
 
 def child(config: str, layout: str, depth: int, unrolled: bool) -> dict[str, float]:
     """In a fresh process: seconds to lower and compile the train step at ``depth``."""
-    from jaxpar.mesh import setup_devices
+    from jaxpar import setup_devices
 
     setup_devices()  # 8 simulated CPU devices, before JAX starts its backend
     import jax
@@ -54,8 +54,7 @@ def child(config: str, layout: str, depth: int, unrolled: bool) -> dict[str, flo
     jax.config.update("jax_enable_compilation_cache", False)
     if unrolled:  # hypothetical: what the step would cost to compile without the layer scan
         jax.lax.scan = functools.partial(jax.lax.scan, unroll=True)
-    from jaxpar.config import load_config
-    from jaxpar.run import build
+    from jaxpar import build, load_config
 
     run = build(load_config([config], [*layout_overrides(layout), f"model.n_layers={depth}",
                                        "train.grad_accum=1"]))

@@ -39,8 +39,7 @@ def main() -> None:
     os.chdir(ROOT)
     import jax
 
-    from jaxpar.config import load_config
-    from jaxpar.run import build
+    from jaxpar import build, load_config
 
     jax.jit(lambda x: x + 1)(1.0).block_until_ready()
     print(f"| layout | compile, {OPTION}=true (s CPU) | =false | ratio |")

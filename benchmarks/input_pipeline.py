@@ -29,8 +29,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax
 
-from jaxpar.config import DataConfig, load_config
-from jaxpar.run import build
+from jaxpar import DataConfig, build, load_config
 
 H100_BF16_FLOPS = 989e12
 MFU = 0.4
@@ -39,9 +38,7 @@ MFU = 0.4
 def loader_rate(config: str, batches: int, threads: int, prefetch: int) -> float:
     """Batches per second of the training loader of ``config`` (data only, no model)."""
     cfg = load_config([config], ["mesh.data=8", "train.grad_accum=1"])
-    from jaxpar.data import load_data
-
-    data = load_data(cfg.data, cfg.model, cfg.run.seed)
+    data = build(cfg).data
     loader = data.loader(cfg.train.batch_size, DataConfig(threads=threads, prefetch=prefetch))
     for _ in range(5):
         next(loader)

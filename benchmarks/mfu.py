@@ -50,9 +50,11 @@ from step_overhead import (  # noqa: E402  (sets up the simulated CPU devices fi
     plain_stepper,
 )
 
-from jaxpar.config import load_config  # noqa: E402
-from jaxpar.hlo import program_cost  # noqa: E402
-from jaxpar.run import build  # noqa: E402
+from jaxpar import (
+    build,  # noqa: E402
+    load_config,  # noqa: E402
+    program_cost,  # noqa: E402
+)
 
 # Dense bfloat16 peak TFLOP/s per device, by the start of ``jax.Device.device_kind``.
 PEAK_BF16_TFLOPS = (

@@ -129,8 +129,7 @@ def step_probe(rows: int, ways: int) -> str:
         plain_stepper,
     )
 
-    from jaxpar.config import load_config
-    from jaxpar.run import build
+    from jaxpar import build, load_config
 
     os.chdir(ROOT)
     run = build(load_config(["configs/gpt_tiny.yaml"], [
@@ -155,8 +154,7 @@ def trace_probe(rows: int) -> str:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from step_overhead import make_plain_step, plain_stepper
 
-    from jaxpar.config import load_config
-    from jaxpar.run import build
+    from jaxpar import build, load_config
 
     os.chdir(ROOT)
     run = build(load_config(["configs/gpt_tiny.yaml"], ["mesh.data=2",

@@ -39,10 +39,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling attentio
 import jax  # noqa: E402
 from attention_memory import attention_traced  # noqa: E402
 
-from jaxpar.config import load_config  # noqa: E402
-from jaxpar.pipeline.schedule import SCHEDULES, simulate  # noqa: E402
-from jaxpar.pipeline.ticks import tick_table  # noqa: E402
-from jaxpar.run import build  # noqa: E402
+from jaxpar import (
+    build,  # noqa: E402
+    load_config,  # noqa: E402
+)
+from jaxpar.pipeline import (  # noqa: E402
+    SCHEDULES,
+    simulate,
+    tick_table,  # noqa: E402
+)
 
 CONFIG = "configs/gpt_tiny.yaml"
 

@@ -50,7 +50,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from jaxpar.mesh import setup_devices
+from jaxpar import setup_devices
 
 setup_devices()  # 8 simulated CPU devices, before JAX starts its backend
 
@@ -60,11 +60,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxpar import guard
-from jaxpar.config import load_config
-from jaxpar.logical import activation_rules
-from jaxpar.plan import Plan
-from jaxpar.run import Run, build
+from jaxpar import Plan, Run, activation_rules, build, guard, load_config
 
 MESH_AXES = ("data", "fsdp", "tensor", "stage")
 DISPATCH_CALLS = 20

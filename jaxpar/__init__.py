@@ -1,70 +1,72 @@
-"""jaxpar: SPMD training of Flax NNX models over one device mesh.
+"""jaxpar: SPMD training of Flax models over one device mesh, from one description of the
+layout.
 
-Models name logical axes; a rules table maps them onto the mesh axes
-(data, stage, fsdp, tensor); ``jit`` does the rest. The public API:
+Models name logical axes; a rules table maps them onto the mesh axes (data, stage, fsdp,
+tensor); a :class:`Plan` makes every layout decision; ``jit`` does the rest. This module
+lists the whole public API:
 
-* config: :func:`load_config`, :class:`Config`
-* devices and mesh: :func:`setup_devices`, :func:`make_mesh`
-* rules: :data:`PRESETS`, :func:`resolve_rules`, :func:`constrain`
-* models: :class:`Family`, :func:`register_model` (``model.name``), the built-in losses
-* training: :class:`Task`, :func:`train` (the whole loop), :class:`Hook` (extend it),
-  :class:`Trainer` (the sharded state and steps alone), :func:`make_optimizer`
+* config: :func:`load_config`, :class:`Config` and its sections
+* devices, mesh and rules: :func:`setup_devices`, :func:`make_mesh`, :data:`PRESETS`,
+  :func:`resolve_rules`, :func:`constrain`, :func:`activation_rules`, :func:`spec_for`
+* models: :class:`Task`, :class:`StageSplit`, :class:`Family`, :class:`ModelConfig`,
+  :func:`register_model`, :func:`task_for` (a built-in model's task), the built-in losses;
+  the families themselves are the modules of :mod:`jaxpar.models`
+* layout and steps: :func:`make_plan` / :class:`Plan` (every layout decision),
+  :class:`Trainer` (the jitted steps), :class:`TrainState`, :func:`abstract_model`
+* optimizers: :func:`make_optimizer`, :func:`make_schedule`, :func:`decay_mask`
+* training: :func:`train` (the whole loop), :func:`build` / :class:`Run` (a run from a
+  config), :func:`fit` (the loop of a built run), :class:`Hook` (extend it),
+  :class:`Checkpointer`
+* measuring: :func:`program_cost` (collectives, FLOPs and bytes of a compiled program)
+* errors: :class:`JaxparError` and its kinds
+* modules for those who study one mechanism: :mod:`jaxpar.models`, :mod:`jaxpar.pipeline`
+  (schedules as data), :mod:`jaxpar.lab` (the layout lab), :mod:`jaxpar.guard` (the
+  non-finite guard), :mod:`jaxpar.integrity` (checkpoint integrity records)
 """
 
-from jaxpar.config import (
-                           Config,
-                           DataConfig,
-                           MeshConfig,
-                           ModelConfig,
-                           OptimConfig,
-                           RulesConfig,
-                           RunConfig,
-                           TrainConfig,
-                           load_config,
+from jaxpar import guard, integrity, lab, models, pipeline
+from jaxpar.checkpoint import CheckpointConfig, Checkpointer
+from jaxpar.config import Config, DistributedConfig, RunConfig, TrainConfig, load_config
+from jaxpar.data.sources import DataConfig
+from jaxpar.errors import (
+    CheckpointError,
+    ConfigError,
+    CorruptCheckpoint,
+    DataError,
+    JaxparError,
+    LayoutError,
+    NonFiniteStop,
+    PathError,
+    Preempted,
+    RestoreError,
+    TaskError,
+    TooManySkipped,
 )
+from jaxpar.hlo import program_cost
 from jaxpar.hooks import Hook
-from jaxpar.logical import constrain, spec_for
-from jaxpar.loop import train
-from jaxpar.mesh import make_mesh, setup_devices
-from jaxpar.models import Family, classification_loss, lm_loss, mlm_loss
+from jaxpar.logical import activation_rules, constrain, spec_for
+from jaxpar.loop import fit, train
+from jaxpar.mesh import MeshConfig, make_mesh, setup_devices
+from jaxpar.models import Family, ModelConfig, classification_loss, lm_loss, mlm_loss
 from jaxpar.models import register as register_model
-from jaxpar.optim import decay_mask, make_optimizer, make_schedule
+from jaxpar.optim import OptimConfig, decay_mask, make_optimizer, make_schedule
+from jaxpar.pipeline.schedule import PipelineConfig
 from jaxpar.plan import Plan, abstract_model, make_plan
-from jaxpar.sharding import PRESETS, resolve_rules
+from jaxpar.run import Run, build, task_for
+from jaxpar.sharding import PRESETS, RulesConfig, resolve_rules
 from jaxpar.state import TrainState
-from jaxpar.task import Task
+from jaxpar.task import StageSplit, Task
 from jaxpar.trainer import Trainer
 
 __all__ = [
-                           "PRESETS",
-                           "Plan",
-                           "Config",
-                           "DataConfig",
-                           "Family",
-                           "Hook",
-                           "MeshConfig",
-                           "ModelConfig",
-                           "OptimConfig",
-                           "RulesConfig",
-                           "RunConfig",
-                           "Task",
-                           "TrainConfig",
-                           "TrainState",
-                           "Trainer",
-                           "abstract_model",
-                           "classification_loss",
-                           "constrain",
-                           "decay_mask",
-                           "lm_loss",
-                           "load_config",
-                           "make_mesh",
-                           "make_optimizer",
-                           "make_plan",
-                           "make_schedule",
-                           "mlm_loss",
-                           "register_model",
-                           "resolve_rules",
-                           "setup_devices",
-                           "spec_for",
-                           "train",
+    "PRESETS", "CheckpointConfig", "CheckpointError", "Checkpointer", "Config",
+    "ConfigError", "CorruptCheckpoint", "DataConfig", "DataError", "DistributedConfig",
+    "Family", "Hook", "JaxparError", "LayoutError", "MeshConfig", "ModelConfig",
+    "NonFiniteStop", "OptimConfig", "PathError", "PipelineConfig", "Plan", "Preempted",
+    "RestoreError", "RulesConfig", "Run", "RunConfig", "StageSplit", "Task", "TaskError",
+    "TooManySkipped", "TrainConfig", "TrainState", "Trainer", "abstract_model",
+    "activation_rules", "build", "classification_loss", "constrain", "decay_mask", "fit",
+    "guard", "integrity", "lab", "lm_loss", "load_config", "make_mesh", "make_optimizer",
+    "make_plan", "make_schedule", "mlm_loss", "models", "pipeline", "program_cost",
+    "register_model", "resolve_rules", "setup_devices", "spec_for", "task_for", "train",
 ]

@@ -68,12 +68,8 @@ def build(config: Config, task: Task | None = None,
     rules = shd.resolve_rules(config.rules)
     family = None
     if task is None:
-        family, model = config.family, config.model
-        data = load_data(config.data, family.needs(model), config.run.seed)
-        task = family.task(model, data)
-        init_params = hf.init_params_for(model)  # model.init_from: Hugging Face weights
-        if init_params is not None:
-            task = dataclasses.replace(task, init_params=init_params)
+        family = config.family
+        task, data = _family_task(config)
     else:
         data = task_data(task, config.run.seed) or _config_data(config, task)
     tx, schedule = optimizer or task.optimizer, None
@@ -88,6 +84,28 @@ def build(config: Config, task: Task | None = None,
     trainer = Trainer(plan, schedule=schedule, seed=config.run.seed,
                       nonfinite_guard=config.train.nonfinite_guard)
     return Run(config, plan, trainer, data, devices, family)
+
+
+def task_for(config: Config) -> Task:
+    """The task of the built-in (or registered) model family ``config`` names — its model,
+    loss, batch axes and pipeline split for the config's data (``model.init_from``'s
+    weights included) — e.g. to train it with your own loop or hooks.
+
+    Raises:
+      ConfigError, DataError: for a model or data setting that does not fit.
+    """
+    return _family_task(config)[0]
+
+
+def _family_task(config: Config) -> tuple[Task, Data]:
+    """The family's task and the config's data it reads."""
+    family, model = config.family, config.model
+    data = load_data(config.data, family.needs(model), config.run.seed)
+    task = family.task(model, data)
+    init_params = hf.init_params_for(model)  # model.init_from: Hugging Face weights
+    if init_params is not None:
+        task = dataclasses.replace(task, init_params=init_params)
+    return task, data
 
 
 def _config_data(config: Config, task: Task) -> Data:

@@ -63,9 +63,10 @@ def test_every_module_has_a_layer():
     missing = []
     for path in _modules():
         parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
-        if parts[-1] == "__init__" and (len(parts) == 1 or not (path.parent / "__init__.py")
-                                        .read_text().strip()):
-            continue  # the package itself, or an empty package face
+        tree = ast.parse(path.read_text())
+        defines = any(isinstance(n, (ast.FunctionDef, ast.ClassDef)) for n in tree.body)
+        if parts[-1] == "__init__" and (len(parts) == 1 or not defines):
+            continue  # the package itself, or a package's face (it only hands names on)
         name = ".".join(p for p in parts if p != "__init__")
         if not any(name == m or name.startswith(m + ".") for m in listed):
             missing.append(name)
@@ -97,3 +98,35 @@ def test_no_module_over_400_lines():
     long = {str(p.relative_to(ROOT)): n for p in _modules()
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_the_package_lists_exactly_its_public_api():
+    import jaxpar
+
+    public = {n for n in vars(jaxpar) if not n.startswith("_")}
+    # submodules Python binds on the package as they are imported are not API unless listed
+    modules = {n for n in public if type(getattr(jaxpar, n)).__name__ == "module"}
+    assert set(jaxpar.__all__) <= public
+    assert public - modules == set(jaxpar.__all__) - modules
+    assert {"Plan", "make_plan", "StageSplit", "task_for", "Task", "train"} <= set(jaxpar.__all__)
+
+
+def test_examples_and_benchmarks_use_only_the_public_api():
+    """``from jaxpar import NAME`` (NAME in ``jaxpar.__all__``), a model family's module
+    (``jaxpar.models``), or a public module's own list (``jaxpar.pipeline``)."""
+    import importlib
+
+    found = []
+    for path in sorted([*ROOT.glob("examples/**/*.py"), *ROOT.glob("benchmarks/*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxpar"):
+                module = node.module
+                if module == "jaxpar.models" or module.startswith("jaxpar.models."):
+                    continue
+                listed = getattr(importlib.import_module(module), "__all__", ())
+                found += [f"{path.name}: from {module} import {a.name}" for a in node.names
+                          if module not in ("jaxpar", "jaxpar.pipeline") or a.name not in listed]
+            elif isinstance(node, ast.Import):
+                found += [f"{path.name}: import {a.name}" for a in node.names
+                          if a.name.startswith("jaxpar.")]
+    assert not found, found

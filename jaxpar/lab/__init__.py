@@ -1,1 +1,3 @@
-"""The layout lab: measure and predict memory, communication and step time of layouts."""
+"""The layout lab: measure (:mod:`~jaxpar.lab.sweep`), predict
+(:mod:`~jaxpar.lab.predict`, :mod:`~jaxpar.lab.hardware`) and rank
+(:mod:`~jaxpar.lab.planner`) the layouts of a model."""
