@@ -183,7 +183,7 @@ def test_attention_matches_the_hand_written_form_bfloat16(use_rotary):
 def test_gpt_loss_and_grads_unchanged_from_the_hand_written_attention(variant, monkeypatch):
     cfg = GPTConfig(**{**CFG.__dict__, **variant})
     loss, grads = _loss_and_grads(cfg)
-    monkeypatch.setattr(gpt, "attention", hand_written_attention)
+    monkeypatch.setattr(transformer, "attention", hand_written_attention)
     ref_loss, ref_grads = _loss_and_grads(cfg)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):

@@ -32,7 +32,8 @@ from typing import Any
 
 import jax
 
-from jaxpar.run import Run, evaluate, host_metrics
+from jaxpar import run as run_lib
+from jaxpar.run import Run
 from jaxpar.state import TrainState
 
 
@@ -120,7 +121,7 @@ class Context:
         """Delivers every pending step's metrics to ``on_step`` now (a host sync)."""
         while self.pending:
             step, metrics = self.pending.pop(0)
-            self.emit("on_step", step, host_metrics(metrics))
+            self.emit("on_step", step, run_lib.host_metrics(metrics))
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Held-out metrics of the current state (the state after ``step``), computed once
@@ -128,7 +129,7 @@ class Context:
         if step not in self._evals:
             self.flush()  # rows stay in step order
             start = time.perf_counter()
-            evals = {f"eval_{k}": v for k, v in evaluate(self.run, self.state).items()}
+            evals = {f"eval_{k}": v for k, v in run_lib.evaluate(self.run, self.state).items()}
             self._evals = {step: evals}
             seconds = time.perf_counter() - start
             self.pause("eval", seconds)
