@@ -161,37 +161,22 @@ def fit(run: Run, run_dir: Path | None = None, state: TrainState | None = None,
     step runs), so the loop never waits for the device on the hot path. A ``state``
     passed in continues from its step, and ``data_state`` (the loader position saved
     with it) makes the loader yield the batches the uninterrupted run would have; with
-    ``ckpt`` the state and the loader position are saved every
-    ``checkpoint.every_steps``, after the last step and when the run is preempted
-    (inside :func:`~jaxpar.resume.sigterm_checkpoints`, a SIGTERM or a first Ctrl-C:
-    then :class:`~jaxpar.resume.Preempted` is raised once the save is complete, unless
-    the step was the last). ``stream`` is the training stream already positioned (by
-    :func:`open_loader`); fit opens it otherwise, and closes it at the end. Every step
-    is marked ``train`` (with its ``step_num``) in profiler traces.
+    ``ckpt`` the state and the loader position are saved every ``checkpoint.every_steps``,
+    after the last step and when the run is preempted (then :class:`~jaxpar.errors.
+    Preempted` is raised once the save is complete, unless the step was the last).
+    ``stream`` is the training stream already positioned (by :func:`open_loader`); fit
+    opens it otherwise, and closes it at the end.
     """
-    cfg, trainer = run.config.train, run.trainer
-    state = state if state is not None else trainer.init()
+    state = state if state is not None else run.trainer.init()
     first = int(host_value(state.step)) + 1
     stream = stream if stream is not None else open_loader(run, data_state, first - 1)
     wait = DataWait(run.config.data.wait_warn)
-    ctx = Context(run, run_dir, state, first, cfg.steps, stream,
+    ctx = Context(run, run_dir, state, first, run.config.train.steps, stream,
                   [*default_hooks(run, run_dir, ckpt, wait), *hooks])
     try:
         ctx.emit("on_start")
-        for step in range(first, cfg.steps + 1):
-            ctx.current_step = step
-            ctx.emit("before_step", step)
-            with jax.profiler.StepTraceAnnotation("train", step_num=step):
-                batch = trainer.shard_batch(wait.next(stream))
-                ctx.state, ctx.step_metrics = trainer.step(ctx.state, batch)
-            ctx.stopping = ckpt is not None and resume_lib.preempted(step)
-            ctx.flush()  # the previous step's metrics, read while this step runs
-            ctx.pending.append((step, ctx.step_metrics))
-            ctx.emit("on_state", step)
-            if step == cfg.steps or ctx.stopping:
-                ctx.flush()
-            if ctx.stopping and step < cfg.steps:
-                raise Preempted(step, ckpt.directory, resume_lib.stop_signal())
+        for step in range(first, ctx.last_step + 1):
+            _train_step(ctx, step, wait, ckpt)
     except BaseException as err:
         ctx.error = err
         raise
@@ -199,6 +184,26 @@ def fit(run: Run, run_dir: Path | None = None, state: TrainState | None = None,
         stream.close()
         ctx.emit("on_end")
     return History(ctx.rows, ctx.state, dict(ctx.paused))
+
+
+def _train_step(ctx: Context, step: int, wait: DataWait, ckpt: Checkpointer | None) -> None:
+    """One step of :func:`fit`: fetch, step (marked ``train`` with its ``step_num`` in
+    profiler traces), deliver the previous step's metrics, raise the step's events, and
+    stop after a checkpoint when the run is preempted."""
+    trainer = ctx.run.trainer
+    ctx.current_step = step
+    ctx.emit("before_step", step)
+    with jax.profiler.StepTraceAnnotation("train", step_num=step):
+        batch = trainer.shard_batch(wait.next(ctx.stream))
+        ctx.state, ctx.step_metrics = trainer.step(ctx.state, batch)
+    ctx.stopping = ckpt is not None and resume_lib.preempted(step)
+    ctx.flush()  # the previous step's metrics, read while this step runs
+    ctx.pending.append((step, ctx.step_metrics))
+    ctx.emit("on_state", step)
+    if step == ctx.last_step or ctx.stopping:
+        ctx.flush()
+    if ctx.stopping and step < ctx.last_step:
+        raise Preempted(step, ckpt.directory, resume_lib.stop_signal())
 
 
 def summarize(run: Run, history: History) -> str:
