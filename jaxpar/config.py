@@ -73,14 +73,14 @@ def parse_profile_steps(text: str) -> tuple[int, int] | None:
     match = _PROFILE_STEPS.fullmatch(text)
     if match is None:
         raise ConfigError(f"config key 'train.profile_steps' must look like START:STOP, "
-                           f"got {text!r}; {fix}")
+                          f"got {text!r}; {fix}")
     start, stop = int(match[1]), int(match[2])
     if start < 1:
         raise ConfigError(f"config key 'train.profile_steps' starts at step {start}, but the "
-                           f"first step is 1; {fix}")
+                          f"first step is 1; {fix}")
     if stop <= start:
         raise ConfigError(f"config key 'train.profile_steps'={text!r} traces no step "
-                           f"(STOP {stop} ≤ START {start}); {fix}")
+                          f"(STOP {stop} ≤ START {start}); {fix}")
     return start, stop
 
 
@@ -186,11 +186,11 @@ def family_of(name: str) -> Family:
         obj = load_object(name, "model.name")
         if not isinstance(obj, Family):
             raise ConfigError(f"model.name={name} is a {type(obj).__name__}, not a "
-                               "jaxpar.models.Family; point it at a registered family object")
+                              "jaxpar.models.Family; point it at a registered family object")
         return register(obj)
     raise ConfigError(f"config key 'model.name' names no model family: {name!r}; "
-                       f"{schema.closest(name, known, label='choose one of', cutoff=0.6)}, "
-                       "or FILE.py:FAMILY for your own")
+                      f"{schema.closest(name, known, label='choose one of', cutoff=0.6)}, "
+                      "or FILE.py:FAMILY for your own")
 
 
 # ---------------------------------------------------------------- merging raw values
@@ -229,7 +229,7 @@ def _merge_model(current: ModelConfig, raw: dict[str, Any]) -> ModelConfig:
     for key in given:
         if key not in own and not key_owners(key):
             raise ConfigError(f"unknown config key 'model.{key}' for model.name={family.name}: "
-                               f"{schema.closest(key, own, 'model.', 'its keys:')}")
+                              f"{schema.closest(key, own, 'model.', 'its keys:')}")
     model = family.config(name=name, **{k: schema.typed(family.config, k, v)
                                         for k, v in given.items() if k in own})
     object.__setattr__(model, "given", tuple(given.items()))  # not a field: see ModelConfig
@@ -258,7 +258,7 @@ def merge(config: Config, raw: dict[str, Any]) -> Config:
     for name, body in (raw or {}).items():
         if name not in sections:
             raise ConfigError(f"unknown config section '{name}': "
-                               f"{schema.closest(str(name), sections)}")
+                              f"{schema.closest(str(name), sections)}")
         updates[name] = _merge_section(name, updates.get(name, getattr(config, name)), body)
     return dataclasses.replace(config, **updates)
 
@@ -305,7 +305,7 @@ def load_config(paths: list[str | Path] = (), overrides: list[str] = ()) -> Conf
         raw = read_yaml(path) or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"config file '{path}' must hold a mapping of sections, got "
-                               f"{type(raw).__name__}")
+                              f"{type(raw).__name__}")
         try:
             config = merge(config, raw)
         except ConfigError as err:

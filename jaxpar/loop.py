@@ -147,8 +147,8 @@ def open_loader(run: Run, data_state: dict[str, Any] | None = None,
     if step is not None and loader.batches_consumed != step:
         loader.close()
         raise RestoreError(f"the checkpoint of step {step} holds a data position after "
-                             f"{loader.batches_consumed} batches; it is not a jaxpar train "
-                             "checkpoint of this run — start afresh (checkpoint.resume=never)")
+                           f"{loader.batches_consumed} batches; it is not a jaxpar train "
+                           "checkpoint of this run — start afresh (checkpoint.resume=never)")
     return loader
 
 

@@ -76,16 +76,16 @@ class OptimConfig:
     def _whole_or_fraction(cls, value: float) -> float:
         if value >= 1 and value != int(value):
             raise ConfigError(f"config key 'optim.warmup_steps' must be a whole number of "
-                               f"steps, or a fraction of the run below 1, got {value!r}; set "
-                               "e.g. optim.warmup_steps=20 or optim.warmup_steps=0.1")
+                              f"steps, or a fraction of the run below 1, got {value!r}; set "
+                              "e.g. optim.warmup_steps=20 or optim.warmup_steps=0.1")
         return value
 
     @model_validator(mode="after")
     def _consistent(self) -> OptimConfig:
         if self.name == "sgd" and self.nesterov and self.momentum == 0:
             raise ConfigError("config key 'optim.nesterov' needs optim.momentum > 0 with "
-                               "optim.name=sgd; set optim.momentum (e.g. 0.9) or "
-                               "optim.nesterov=false")
+                              "optim.name=sgd; set optim.momentum (e.g. 0.9) or "
+                              "optim.nesterov=false")
         if self.lr * self.weight_decay > FLOAT32_MAX:
             raise ConfigError(
                 f"config keys 'optim.lr'={self.lr:g} × 'optim.weight_decay'="

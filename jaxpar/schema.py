@@ -173,7 +173,7 @@ class Override(str):
         except yaml.YAMLError as err:
             problem = getattr(err, "problem", None) or str(err).splitlines()[0]
             raise ConfigError(f"override {self.source!r}: the value is not valid YAML "
-                               f"({problem}); quote it or fix it") from None
+                              f"({problem}); quote it or fix it") from None
 
 
 def typed(cls: type, key: str, value: Any) -> Any:

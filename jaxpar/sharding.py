@@ -71,7 +71,7 @@ def _axes(name: str, value: Any) -> tuple[str, ...]:
     if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
         return tuple(value)
     raise ConfigError(f"rule 'rules.{name}' must be a mesh axis, a list of mesh axes or null, "
-                       f"got {value!r}")
+                      f"got {value!r}")
 
 
 def _rule_table(value: Any) -> Any:

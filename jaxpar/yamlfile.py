@@ -50,13 +50,13 @@ def _text(path: Path) -> str:
     nul = data.find(b"\0")
     if nul >= 0:
         raise ConfigError(f"config file '{path}' is a binary file, not YAML text (it holds NUL "
-                           f"bytes, the first at offset {nul})")
+                          f"bytes, the first at offset {nul})")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
         line = data[:err.start].count(b"\n") + 1
         raise ConfigError(f"config file '{path}' is not UTF-8 text (byte "
-                           f"0x{data[err.start]:02x} at line {line}); save it as UTF-8") from None
+                          f"0x{data[err.start]:02x} at line {line}); save it as UTF-8") from None
 
 
 def read_yaml(path: Path) -> Any:
@@ -83,6 +83,6 @@ def read_yaml(path: Path) -> Any:
         raise ConfigError(f"config file '{path}'{where}: {problem}") from None
     except yaml.YAMLError as err:  # e.g. a control character (ReaderError)
         raise ConfigError(f"config file '{path}': invalid YAML: "
-                           f"{str(err).splitlines()[0]}") from None
+                          f"{str(err).splitlines()[0]}") from None
 
 

@@ -68,7 +68,7 @@ class DataConfig:
     def _a_share(cls, value: float) -> float:
         if not 0.0 < value < 1.0:
             raise ConfigError(f"data.eval_fraction={value} must be in (0, 1); set e.g. "
-                               "data.eval_fraction=0.1")
+                              "data.eval_fraction=0.1")
         return value
 
 

@@ -287,7 +287,7 @@ def _gather_once(setting: str, grad_accum: int, param_specs: Any) -> bool:
     """Whether ``train.fsdp_gather=once`` has an effect (a warning says when it has none)."""
     if setting not in get_args(FsdpGather):
         raise LayoutError(f"train.fsdp_gather must be one of {', '.join(get_args(FsdpGather))}"
-                           f", got {setting!r}")
+                          f", got {setting!r}")
     if setting != "once":
         return False
     if grad_accum == 1 or not gathers_weights(param_specs):
