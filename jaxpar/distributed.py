@@ -149,37 +149,10 @@ def _rendezvous_coordinator(address: str, bind: str, count: int, timeout_s: floa
                 conn, _ = server.accept()
             except TimeoutError:
                 break
-            try:
-                parts = _recv_line(conn, min(deadline, time.monotonic() + 5)).split()
-            except OSError:
-                conn.close()
-                continue
-            if len(parts) != 5 or parts[0] != "jaxpar-join" or not parts[1].isdigit():
-                conn.close()  # not one of ours
-                continue
-            index, n, who = int(parts[1]), parts[2], f"{parts[3]} pid {parts[4]}"
-            if n != str(count):
-                error = (f"process {index} ({who}) was started with num_processes={n}, "
-                         f"process 0 with {count}; start every process with the same "
-                         "distributed.num_processes")
-            elif index in arrived or not 0 < index < count:
-                error = (f"process_id {index} was claimed twice ({who} and "
-                         f"{arrived[index][1]})" if index in arrived else
-                         f"process_id {index} is not in [1, {count})")
-            arrived.setdefault(index, (conn, who))
-            try:
-                conn.sendall(b"wait\n")  # "this is process 0": the wait for the rest begins
-            except OSError:
-                pass
+            error = _check_in(conn, count, arrived, deadline)
         missing = [i for i in range(1, count) if i not in arrived]
         if error is None and missing:
-            shown = ", ".join(map(str, missing))
-            came = ", ".join(f"{i} ({arrived[i][1]})" for i in sorted(arrived)) or "none"
-            error = (f"only {len(arrived) + 1} of {count} processes joined the run at {address} "
-                     f"within distributed.init_timeout={timeout_s:g} s; missing: process"
-                     f"{'es' * (len(missing) > 1)} {shown} (arrived besides process 0: "
-                     f"{came}). Start the missing ones with the same coordinator and "
-                     "num_processes, check their logs, or raise distributed.init_timeout")
+            error = _missing(address, count, timeout_s, arrived, missing)
         reply = "go\n" if error is None else f"fail {error}\n"
         for conn, _ in arrived.values():
             try:
@@ -192,6 +165,47 @@ def _rendezvous_coordinator(address: str, bind: str, count: int, timeout_s: floa
         server.close()
     if error is not None:
         raise ConfigError(f"distributed: {error}")
+
+
+def _check_in(conn: socket.socket, count: int, arrived: dict[int, tuple[socket.socket, str]],
+              deadline: float) -> str | None:
+    """Reads one process's check-in into ``arrived`` (a connection that is not one of
+    ours is closed); returns what is wrong with it, or None."""
+    try:
+        parts = _recv_line(conn, min(deadline, time.monotonic() + 5)).split()
+    except OSError:
+        conn.close()
+        return None
+    if len(parts) != 5 or parts[0] != "jaxpar-join" or not parts[1].isdigit():
+        conn.close()  # not one of ours
+        return None
+    index, n, who = int(parts[1]), parts[2], f"{parts[3]} pid {parts[4]}"
+    error = None
+    if n != str(count):
+        error = (f"process {index} ({who}) was started with num_processes={n}, "
+                 f"process 0 with {count}; start every process with the same "
+                 "distributed.num_processes")
+    elif index in arrived or not 0 < index < count:
+        error = (f"process_id {index} was claimed twice ({who} and "
+                 f"{arrived[index][1]})" if index in arrived else
+                 f"process_id {index} is not in [1, {count})")
+    arrived.setdefault(index, (conn, who))
+    try:
+        conn.sendall(b"wait\n")  # "this is process 0": the wait for the rest begins
+    except OSError:
+        pass
+    return error
+
+
+def _missing(address: str, count: int, timeout_s: float,
+             arrived: dict[int, tuple[socket.socket, str]], missing: list[int]) -> str:
+    shown = ", ".join(map(str, missing))
+    came = ", ".join(f"{i} ({arrived[i][1]})" for i in sorted(arrived)) or "none"
+    return (f"only {len(arrived) + 1} of {count} processes joined the run at {address} "
+            f"within distributed.init_timeout={timeout_s:g} s; missing: process"
+            f"{'es' * (len(missing) > 1)} {shown} (arrived besides process 0: "
+            f"{came}). Start the missing ones with the same coordinator and "
+            "num_processes, check their logs, or raise distributed.init_timeout")
 
 
 def _rendezvous_peer(address: str, index: int, count: int, timeout_s: float) -> None:

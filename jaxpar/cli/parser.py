@@ -53,6 +53,17 @@ def _parser() -> argparse.ArgumentParser:
                         help="print the full traceback of an error (also JAXPAR_DEBUG=1); "
                              "may be given anywhere before a launch's --")
     sub = parser.add_subparsers(dest="command", required=True)
+    _config_parsers(sub)
+    _lab_parsers(sub)
+    _sample_parser(sub)
+    plot.add_parser(sub)
+    _prepare_parser(sub)
+    _launch_parser(sub)
+    return parser
+
+
+def _config_parsers(sub: argparse._SubParsersAction) -> None:
+    """``train``, ``inspect``, ``pipeline`` and ``export``: commands that take a config."""
     for name, text in (("train", "train a model"),
                        ("inspect", "print where every parameter lives, without training"),
                        ("pipeline", "print (and draw) the pipeline schedule of a config"),
@@ -74,18 +85,22 @@ def _parser() -> argparse.ArgumentParser:
             cmd.add_argument("--width", type=int, default=None,
                              help="wrap the text grid at this many columns")
         if name == "export":
-            cmd.add_argument("--out", required=True, metavar="PARAMS.npz|DIR",
-                             help="where to write the parameters: an .npz file ('blocks/w_in' "
-                                  "→ array), or with --format hf a directory")
-            cmd.add_argument("--format", choices=("npz", "hf"), default="npz",
-                             help="npz (jaxpar's parameter paths) or hf (config.json + "
-                                  "model.safetensors in GPT-2's layout, for transformers' "
-                                  "GPT2LMHeadModel; the GPT with tied embeddings only)")
-            cmd.add_argument("--step", type=int, default=None,
-                             help="the checkpoint step (default: the latest)")
-    _lab_parsers(sub)
-    _sample_parser(sub)
-    plot.add_parser(sub)
+            _export_arguments(cmd)
+
+
+def _export_arguments(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument("--out", required=True, metavar="PARAMS.npz|DIR",
+                     help="where to write the parameters: an .npz file ('blocks/w_in' → "
+                          "array), or with --format hf a directory")
+    cmd.add_argument("--format", choices=("npz", "hf"), default="npz",
+                     help="npz (jaxpar's parameter paths) or hf (config.json + "
+                          "model.safetensors in GPT-2's layout, for transformers' "
+                          "GPT2LMHeadModel; the GPT with tied embeddings only)")
+    cmd.add_argument("--step", type=int, default=None,
+                     help="the checkpoint step (default: the latest)")
+
+
+def _prepare_parser(sub: argparse._SubParsersAction) -> None:
     prep = sub.add_parser("prepare-data", help="tokenize local text files into a token file")
     prep.add_argument("inputs", nargs="+", metavar="INPUT",
                       help="text files and/or folders (every non-hidden file below, sorted)")
@@ -95,6 +110,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="'byte' (vocab 256) or a local Hugging Face tokenizers JSON file")
     prep.add_argument("--glob", default=None, metavar="PATTERN",
                       help="keep only folder files matching this pattern, e.g. '*.txt'")
+
+
+def _launch_parser(sub: argparse._SubParsersAction) -> None:
     run = sub.add_parser("launch", help="run a jaxpar command in N local processes "
                                         "(one jax.distributed run)")
     run.add_argument("-n", "--processes", type=int, required=True, metavar="N")
@@ -111,7 +129,6 @@ def _parser() -> argparse.ArgumentParser:
                      help="after a failure, how long the others get to stop before SIGKILL")
     run.add_argument("jaxpar_args", nargs=argparse.REMAINDER, metavar="-- COMMAND",
                      help="after --: the jaxpar command and its arguments, e.g. train mesh.fsdp=8")
-    return parser
 
 
 def _sample_parser(sub: argparse._SubParsersAction) -> None:

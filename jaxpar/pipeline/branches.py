@@ -102,85 +102,101 @@ class Parts:
         return self.split.head(self._model(rest, chunk, state), x, mb)
 
 
-def branch_functions(parts: Parts, message, seed, no_dw, no_drest, no_aux):
+def branch_functions(parts: Parts, message: Any, seed: Any, no_dw: Any, no_drest: Any,
+                     no_aux: Any) -> dict[int, Any]:
     """The switch branches, keyed by ``IDLE … W_LAST``. Each takes (chunk params, other
     params, stashed input, incoming gradient, microbatch, (the microbatch's model state,
     the chunk's first layer)) and returns (send right, send left, d chunk, d other params,
     loss, metrics), zeros where it produces none. Chunk 0's branches recompute the
     embedding (a lookup) rather than read a stashed copy."""
-    no_loss = jnp.zeros((), jnp.float32)
+    b = _Branches(parts, message, seed, (message, message, no_dw, no_drest,
+                                         jnp.zeros((), jnp.float32), no_aux))
+    return {IDLE: b.idle, F: b.forward, F_FIRST: b.forward_first, B: b.backward,
+            B_FIRST: b.backward_first, B_LAST: b.backward_last, I: b.input_grad,
+            I_FIRST: b.input_grad_first, I_LAST: b.input_grad_last, W: b.weight_grad,
+            W_FIRST: b.weight_grad_first, W_LAST: b.weight_grad_last}
 
-    def result(send_act=message, send_grad=message, dw=no_dw, drest=no_drest, loss=no_loss,
-               aux=no_aux):
-        cast = lambda x: x.astype(message.dtype)
-        return cast(send_act), cast(send_grad), dw, drest, loss, aux
 
-    def stage(w, r, x, mb, where):
-        return parts.stage(w, r, where[0], x, mb, where[1])
+@dataclass(frozen=True)
+class _Branches:
+    """The branch functions of :func:`branch_functions` (``w`` the chunk's parameters,
+    ``r`` the others, ``x`` the stashed input, ``dy`` the incoming gradient, ``mb`` the
+    microbatch, ``where`` its model state and the chunk's first layer)."""
 
-    def embed(w, r, mb, where):
-        return parts.embed(r, w, where[0], mb).astype(message.dtype)
+    parts: Parts
+    message: Any
+    seed: Any
+    zeros: tuple  # send right, send left, d chunk, d others, loss, metrics of a branch
 
-    def loss_of(w, r, x, mb, where):
-        loss, aux = parts.head(w, r, where[0], stage(w, r, x, mb, where), mb)
-        return loss * seed, jax.tree.map(lambda a: a * seed, aux)
+    def result(self, **given: Any) -> tuple:
+        names = ("send_act", "send_grad", "dw", "drest", "loss", "aux")
+        out = [given.get(n, z) for n, z in zip(names, self.zeros)]
+        out[0], out[1] = (x.astype(self.message.dtype) for x in out[:2])
+        return tuple(out)
 
+    def stage(self, w, r, x, mb, where):
+        return self.parts.stage(w, r, where[0], x, mb, where[1])
+
+    def embed(self, w, r, mb, where):
+        return self.parts.embed(r, w, where[0], mb).astype(self.message.dtype)
+
+    def loss_of(self, w, r, x, mb, where):
+        loss, aux = self.parts.head(w, r, where[0], self.stage(w, r, x, mb, where), mb)
+        return loss * self.seed, jax.tree.map(lambda a: a * self.seed, aux)
+
+    @staticmethod
     def seed_of(loss, aux):
         return jnp.ones_like(loss), jax.tree.map(jnp.zeros_like, aux)
 
-    def idle(w, r, x, dy, mb, where):
-        return result()
+    def idle(self, w, r, x, dy, mb, where):
+        return self.result()
 
-    def forward(w, r, x, dy, mb, where):
-        return result(send_act=stage(w, r, x, mb, where))
+    def forward(self, w, r, x, dy, mb, where):
+        return self.result(send_act=self.stage(w, r, x, mb, where))
 
-    def forward_first(w, r, x, dy, mb, where):
-        return result(send_act=stage(w, r, embed(w, r, mb, where), mb, where))
+    def forward_first(self, w, r, x, dy, mb, where):
+        return self.result(send_act=self.stage(w, r, self.embed(w, r, mb, where), mb, where))
 
-    def backward(w, r, x, dy, mb, where):
-        _, vjp = jax.vjp(lambda w, x: stage(w, r, x, mb, where), w, x)
+    def backward(self, w, r, x, dy, mb, where):
+        _, vjp = jax.vjp(lambda w, x: self.stage(w, r, x, mb, where), w, x)
         dw, dx = vjp(dy)
-        return result(send_grad=dx, dw=dw)
+        return self.result(send_grad=dx, dw=dw)
 
-    def backward_first(w, r, x, dy, mb, where):
+    def backward_first(self, w, r, x, dy, mb, where):
         """Chunk 0: the stage's and the embedding's vector-Jacobian products in one."""
-        _, vjp = jax.vjp(lambda w, r: stage(w, r, embed(w, r, mb, where), mb, where), w, r)
+        _, vjp = jax.vjp(lambda w, r: self.stage(w, r, self.embed(w, r, mb, where), mb, where),
+                         w, r)
         dw, drest = vjp(dy)
-        return result(dw=dw, drest=drest)
+        return self.result(dw=dw, drest=drest)
 
-    def backward_last(w, r, x, dy, mb, where):
-        (loss, aux), vjp = jax.vjp(lambda w, r, x: loss_of(w, r, x, mb, where), w, r, x)
-        dw, drest, dx = vjp(seed_of(loss, aux))
-        return result(send_grad=dx, dw=dw, drest=drest, loss=loss, aux=aux)
+    def backward_last(self, w, r, x, dy, mb, where):
+        (loss, aux), vjp = jax.vjp(lambda w, r, x: self.loss_of(w, r, x, mb, where), w, r, x)
+        dw, drest, dx = vjp(self.seed_of(loss, aux))
+        return self.result(send_grad=dx, dw=dw, drest=drest, loss=loss, aux=aux)
 
-    def input_grad(w, r, x, dy, mb, where):
-        _, vjp = jax.vjp(lambda x: stage(w, r, x, mb, where), x)
+    def input_grad(self, w, r, x, dy, mb, where):
+        _, vjp = jax.vjp(lambda x: self.stage(w, r, x, mb, where), x)
         (dx,) = vjp(dy)
-        return result(send_grad=dx)
+        return self.result(send_grad=dx)
 
-    def input_grad_first(w, r, x, dy, mb, where):
-        _, vjp = jax.vjp(lambda r: stage(w, r, embed(w, r, mb, where), mb, where), r)
-        return result(drest=vjp(dy)[0])
+    def input_grad_first(self, w, r, x, dy, mb, where):
+        _, vjp = jax.vjp(lambda r: self.stage(w, r, self.embed(w, r, mb, where), mb, where), r)
+        return self.result(drest=vjp(dy)[0])
 
-    def input_grad_last(w, r, x, dy, mb, where):
-        (loss, aux), vjp = jax.vjp(lambda x: loss_of(w, r, x, mb, where), x)
-        (dx,) = vjp(seed_of(loss, aux))
-        return result(send_grad=dx, loss=loss, aux=aux)
+    def input_grad_last(self, w, r, x, dy, mb, where):
+        (loss, aux), vjp = jax.vjp(lambda x: self.loss_of(w, r, x, mb, where), x)
+        (dx,) = vjp(self.seed_of(loss, aux))
+        return self.result(send_grad=dx, loss=loss, aux=aux)
 
-    def weight_grad(w, r, x, dy, mb, where):
-        _, vjp = jax.vjp(lambda w: stage(w, r, x, mb, where), w)
-        return result(dw=vjp(dy)[0])
+    def weight_grad(self, w, r, x, dy, mb, where):
+        _, vjp = jax.vjp(lambda w: self.stage(w, r, x, mb, where), w)
+        return self.result(dw=vjp(dy)[0])
 
-    def weight_grad_first(w, r, x, dy, mb, where):
-        _, vjp = jax.vjp(lambda w: stage(w, r, embed(w, r, mb, where), mb, where), w)
-        return result(dw=vjp(dy)[0])
+    def weight_grad_first(self, w, r, x, dy, mb, where):
+        _, vjp = jax.vjp(lambda w: self.stage(w, r, self.embed(w, r, mb, where), mb, where), w)
+        return self.result(dw=vjp(dy)[0])
 
-    def weight_grad_last(w, r, x, dy, mb, where):
-        (loss, aux), vjp = jax.vjp(lambda w, r: loss_of(w, r, x, mb, where), w, r)
-        dw, drest = vjp(seed_of(loss, aux))
-        return result(dw=dw, drest=drest)
-
-    return {IDLE: idle, F: forward, F_FIRST: forward_first, B: backward,
-            B_FIRST: backward_first, B_LAST: backward_last, I: input_grad,
-            I_FIRST: input_grad_first, I_LAST: input_grad_last, W: weight_grad,
-            W_FIRST: weight_grad_first, W_LAST: weight_grad_last}
+    def weight_grad_last(self, w, r, x, dy, mb, where):
+        (loss, aux), vjp = jax.vjp(lambda w, r: self.loss_of(w, r, x, mb, where), w, r)
+        dw, drest = vjp(self.seed_of(loss, aux))
+        return self.result(dw=dw, drest=drest)

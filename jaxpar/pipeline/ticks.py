@@ -146,8 +146,27 @@ def validate(table: TickTable) -> None:
       ValueError: describing the first violation.
     """
     p, num_chunks, split = table.p, table.p * table.v, table.split_backward
-    # exactly once (from the arrays, not from the dict the arrays were made of)
-    seen: dict[Action, int] = {}
+    seen = _actions_once(table)
+    check_complete(table.orders, num_chunks, split, table.m)
+    if set(seen) != set(table.tick):
+        raise ValueError("the table does not hold every action of the schedule")
+    for action, t in seen.items():
+        for dep in dependencies(action, num_chunks, split):
+            lag = 0 if dep.chunk % p == action.chunk % p else 1
+            if dep not in seen or seen[dep] + lag > t:
+                raise ValueError(f"{action} at tick {t} runs before {dep} is available")
+    acts, grads = _intervals(seen, num_chunks, table.m, split)
+    back = ("I", "W") if split else ("B",)
+    _check_slots(table, seen, "activation", acts, table.act_slot, table.recv_act,
+                 table.act_slots, ("F", *back))
+    _check_slots(table, seen, "gradient", grads, table.grad_slot, table.recv_grad,
+                 table.grad_slots, back)
+
+
+def _actions_once(table: TickTable) -> dict[Action, int]:
+    """The tick of every action, read from the arrays (not from the dict they were made
+    of); an action code out of range or an action run twice is an error."""
+    p, seen = table.p, {}
     for t in range(table.ticks):
         for d in range(p):
             k = int(table.kind[t, d])
@@ -159,43 +178,35 @@ def validate(table: TickTable) -> None:
             if action in seen:
                 raise ValueError(f"{action} runs twice (ticks {seen[action]} and {t})")
             seen[action] = t
-    check_complete(table.orders, num_chunks, split, table.m)
-    if set(seen) != set(table.tick):
-        raise ValueError("the table does not hold every action of the schedule")
-    for action, t in seen.items():
-        for dep in dependencies(action, num_chunks, split):
-            lag = 0 if dep.chunk % p == action.chunk % p else 1
-            if dep not in seen or seen[dep] + lag > t:
-                raise ValueError(f"{action} at tick {t} runs before {dep} is available")
-    # slots: every reader of an entry uses one slot, arrivals are written to it, and
-    # no two entries of one slot are live at once
-    acts, grads = _intervals(seen, num_chunks, table.m, split)
-    back = ("I", "W") if split else ("B",)
-    for name, intervals, reads, recv, trash, kinds in (
-        ("activation", acts, table.act_slot, table.recv_act, table.act_slots, ("F", *back)),
-        ("gradient", grads, table.grad_slot, table.recv_grad, table.grad_slots, back),
-    ):
-        lives: dict[tuple[int, int], list[tuple[int, int, tuple[int, int]]]] = {}
-        arrivals = 0
-        for (j, c), (lo, hi) in intervals.items():
-            d = c % p
-            slots = {int(reads[seen[Action(k, j, c)], d]) for k in kinds}
-            if len(slots) != 1 or trash in slots:
-                raise ValueError(f"{name} of microbatch {j} chunk {c} is read from slots {slots}")
-            slot = slots.pop()
-            if c > 0 or name == "gradient":
-                arrivals += 1
-                if int(recv[lo, d]) != slot:
-                    raise ValueError(f"{name} of microbatch {j} chunk {c} is not written to "
-                                     f"slot {slot} when it arrives (tick {lo})")
-            lives.setdefault((d, slot), []).append((lo, hi, (j, c)))
-        if int((recv != trash).sum()) != arrivals:
-            raise ValueError(f"the table writes {name} messages that no action reads")
-        for (d, slot), spans in lives.items():
-            spans.sort()
-            for (_, hi1, k1), (lo2, _, k2) in itertools.pairwise(spans):
-                if lo2 <= hi1:
-                    raise ValueError(
-                        f"device {d} {name} slot {slot} is overwritten at tick {lo2} by "
-                        f"microbatch {k2[0]} chunk {k2[1]} while microbatch {k1[0]} chunk "
-                        f"{k1[1]} needs it until tick {hi1}")
+    return seen
+
+
+def _check_slots(table: TickTable, seen: dict[Action, int], name: str, intervals: dict,
+                 reads: np.ndarray, recv: np.ndarray, trash: int, kinds: tuple[str, ...]
+                 ) -> None:
+    """Every reader of a message entry uses one slot, arrivals are written to it, and no
+    two entries of one slot are live at once."""
+    lives: dict[tuple[int, int], list[tuple[int, int, tuple[int, int]]]] = {}
+    arrivals = 0
+    for (j, c), (lo, hi) in intervals.items():
+        d = c % table.p
+        slots = {int(reads[seen[Action(k, j, c)], d]) for k in kinds}
+        if len(slots) != 1 or trash in slots:
+            raise ValueError(f"{name} of microbatch {j} chunk {c} is read from slots {slots}")
+        slot = slots.pop()
+        if c > 0 or name == "gradient":
+            arrivals += 1
+            if int(recv[lo, d]) != slot:
+                raise ValueError(f"{name} of microbatch {j} chunk {c} is not written to "
+                                 f"slot {slot} when it arrives (tick {lo})")
+        lives.setdefault((d, slot), []).append((lo, hi, (j, c)))
+    if int((recv != trash).sum()) != arrivals:
+        raise ValueError(f"the table writes {name} messages that no action reads")
+    for (d, slot), spans in lives.items():
+        spans.sort()
+        for (_, hi1, k1), (lo2, _, k2) in itertools.pairwise(spans):
+            if lo2 <= hi1:
+                raise ValueError(
+                    f"device {d} {name} slot {slot} is overwritten at tick {lo2} by "
+                    f"microbatch {k2[0]} chunk {k2[1]} while microbatch {k1[0]} chunk "
+                    f"{k1[1]} needs it until tick {hi1}")
