@@ -21,6 +21,7 @@ returns its new value, and ``grads`` are taken with respect to ``params`` only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -33,17 +34,58 @@ from jaxpar.logical import Rules, activation_rules
 from jaxpar.pipeline.executor import advance_counts, pipeline_eval, pipeline_grads
 from jaxpar.pipeline.ticks import TickTable
 from jaxpar.sharding import named
+from jaxpar.state import TrainState
 from jaxpar.task import Batch, LossFn, StageSplit, split_microbatches
 
 
 class Strategy(Protocol):
-    """What the train and eval steps call (see the module docstring)."""
+    """What the trainer builds its programs from (see the module docstring)."""
 
     def __call__(self, params: Any, model_state: Any, batch: Batch
                  ) -> tuple[jax.Array, dict, Any, Any]: ...
 
     def evaluate(self, params: Any, model_state: Any, batch: Batch
                  ) -> tuple[jax.Array, dict]: ...
+
+    def build_step(self, update: Any, shardings: TrainState) -> Callable: ...
+
+    def build_eval(self, shardings: TrainState) -> Callable: ...
+
+    def build_grads(self, shardings: TrainState) -> Callable: ...
+
+    def build_init(self, create: Callable[[], TrainState], shardings: TrainState
+                   ) -> Callable: ...
+
+
+class Traced:
+    """A strategy that runs inside one jitted program over the whole mesh — every one
+    here: the train step is ``update`` composed with its loss and gradients, in one
+    ``jit`` whose in/out shardings are the state's (the state donated)."""
+
+    def build_step(self, update: Any, shardings: TrainState) -> Callable:
+        """``(state, batch) -> (state, metrics)``: ``update`` (:class:`jaxpar.update.Update`)
+        after this strategy's loss and gradients."""
+        return jax.jit(lambda s, b: update(s, *self(s.params, s.model_state, b)),
+                       in_shardings=(shardings, None), out_shardings=(shardings, None),
+                       donate_argnums=0)
+
+    def build_eval(self, shardings: TrainState) -> Callable:
+        """``(params, model_state, batch) -> {"loss": …, **metrics}`` in evaluation mode."""
+        def evaluate(params, model_state, batch):
+            loss, aux = self.evaluate(params, model_state, batch)
+            return {"loss": loss, **aux}
+
+        return jax.jit(evaluate, in_shardings=(shardings.params, shardings.model_state, None))
+
+    def build_grads(self, shardings: TrainState) -> Callable:
+        """``(params, batch, model_state) -> (loss, metrics, grads)`` as the step has them."""
+        return jax.jit(lambda p, b, s: self(p, s, b)[:3],
+                       in_shardings=(shardings.params, None, shardings.model_state))
+
+    def build_init(self, create: Callable[[], TrainState], shardings: TrainState
+                   ) -> Callable:
+        """``() -> state``, born sharded."""
+        return jax.jit(create, out_shardings=shardings)
 
 
 @dataclass(frozen=True)
@@ -69,7 +111,7 @@ class ModelLoss:
 
 
 @dataclass(frozen=True)
-class Plain:
+class Plain(Traced):
     """One ``value_and_grad`` of the loss over the whole batch."""
 
     loss: ModelLoss
@@ -92,7 +134,7 @@ class Plain:
 
 
 @dataclass(frozen=True)
-class Accumulated:
+class Accumulated(Traced):
     """The mean over ``k`` microbatches of ``inner`` (a ``lax.scan``).
 
     Microbatch ``i`` is rows ``i, i+k, …`` of the batch, so each device's rows stay on
@@ -133,7 +175,7 @@ class Accumulated:
 
 
 @dataclass(frozen=True)
-class AccumulatedPerDataShard:
+class AccumulatedPerDataShard(Traced):
     """Gradient accumulation with one all-reduce over ``data`` per step.
 
     Under ``shard_map`` with ``data`` manual (``fsdp``/``tensor`` stay automatic, so
@@ -179,7 +221,7 @@ class AccumulatedPerDataShard:
 
 
 @dataclass(frozen=True)
-class Pipelined:
+class Pipelined(Traced):
     """Loss and gradients through the pipeline executor. The model's state may hold RNG
     streams only; ``rng_counts`` marks their counts, which advance by one per microbatch."""
 

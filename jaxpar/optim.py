@@ -348,9 +348,28 @@ def make_optimizer(
     parts = []
     if cfg.clip_norm > 0:
         # Clip the raw gradient, before any optimizer statistics see it.
-        parts.append(optax.clip_by_global_norm(cfg.clip_norm))
+        parts.append(clip_by_global_norm(cfg.clip_norm))
     parts.append(_base_optimizer(cfg, schedule, mask))
     return optax.chain(*parts), schedule
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
+    """``optax.clip_by_global_norm`` (the same numbers) that also takes the norm as the
+    extra argument ``global_norm``: an update that sees part of the model (one pipeline
+    stage's parameters, ``jaxpar/pipeline/mpmd.py``) then clips by the whole model's."""
+
+    def update(updates: Any, state: Any, params: Any = None, *, global_norm: Any = None,
+               **extra: Any) -> tuple[Any, Any]:
+        del params, extra
+        norm = optax.tree.norm(updates) if global_norm is None else global_norm
+        trigger = jnp.squeeze(norm < max_norm)
+
+        def clip(t: jax.Array) -> jax.Array:
+            return jax.lax.select(trigger, t, (t / norm.astype(t.dtype)) * max_norm)
+
+        return jax.tree.map(clip, updates), state
+
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update)
 
 
 def injected_lr(opt_state: Any) -> jax.Array | None:

@@ -103,6 +103,27 @@ Float32 = Annotated[Float, AfterValidator(_fits_float32)]
 StrList = Annotated[tuple[str, ...], BeforeValidator(_string_list)]
 
 
+def _int_list(value: Any) -> Any:
+    """A YAML list of ints, one int, or a comma-separated string of them, as a tuple."""
+    if value is None or value == "":
+        return ()
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value,)
+    if isinstance(value, str):
+        parts = [v.strip() for v in value.strip("[]").split(",") if v.strip()]
+        if all(v.lstrip("-").isdigit() for v in parts):
+            return tuple(int(v) for v in parts)
+    if isinstance(value, (list, tuple)) and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return tuple(value)
+    raise ValueError(f" expects a list of integers, got {value!r}; write e.g. "
+                     "{key}=[3, 2]")
+
+
+#: A tuple of ints, given as a YAML list, one int or a comma-separated string.
+IntList = Annotated[tuple[int, ...], BeforeValidator(_int_list)]
+
+
 # ---------------------------------------------------------------- one-line errors
 
 _TYPE_NAMES = {"int_type": "int", "int_parsing": "int", "int_from_float": "int",

@@ -9,14 +9,16 @@ what a model family takes from the config's ``data`` section.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+
+from jaxpar.errors import TaskError
 
 Batch = Mapping[str, jax.Array]
 LossFn = Callable[[nnx.Module, Batch], tuple[jax.Array, dict[str, jax.Array]]]
@@ -55,6 +57,66 @@ class StageSplit:
     head: Callable[[nnx.Module, jax.Array, Batch], tuple[jax.Array, dict[str, jax.Array]]]
 
 
+def _sequence_of(model: nnx.Module) -> Sequence[Any]:
+    """``model.layers``: the layers of an ``nnx.Sequential`` (or of any module that keeps
+    them in an attribute of that name)."""
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        raise TaskError(f"Task.layers: the model ({type(model).__name__}) has no attribute "
+                        "'layers'; make it an nnx.Sequential, or give Layers(of=lambda model: "
+                        "[its layers in order])")
+    return list(layers)
+
+
+@dataclass(frozen=True)
+class Layers:
+    """A model whose forward is a sequence of layers: what the sub-mesh pipeline executor
+    (``pipeline.executor=mpmd``) cuts into stages of any shapes, by layer.
+
+    The model's loss is ``loss(layer_n(… layer_1(layer_0(inputs(batch)))), batch)``: the
+    batch enters the first layer, the last layer's output and the batch give the loss.
+    A layer is a module (its parameters and state — BatchNorm statistics, dropout RNG
+    streams — live in its stage) or a plain function such as ``nnx.relu``. Every
+    variable of the model must belong to exactly one layer.
+
+    Attributes:
+      inputs: the batch entry the first layer reads (``"images"``), or a function
+        ``batch -> x``.
+      loss: ``(outputs, batch) -> loss`` or ``(loss, {name: metric})``: a mean over the
+        examples, like :attr:`Task.loss_fn`.
+      of: ``model -> [layers in order]`` (default: ``model.layers``, as an
+        ``nnx.Sequential`` keeps them).
+
+    Example — the 784→512→10 model of the texts, split over two devices::
+
+        jaxpar.Task(lambda rngs: nnx.Sequential(nnx.Linear(784, 512, rngs=rngs), nnx.relu,
+                                                nnx.Linear(512, 10, rngs=rngs)),
+                    batch_axes={"x": ("batch", None), "y": ("batch",)},
+                    layers=jaxpar.Layers(inputs="x", loss=lambda logits, batch: optax.
+                        softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()))
+    """
+
+    inputs: str | Callable[[Batch], Any]
+    loss: Callable[[Any, Batch], Any]
+    of: Callable[[nnx.Module], Sequence[Any]] = _sequence_of
+
+    def input_of(self, batch: Batch) -> Any:
+        """The first layer's input."""
+        return batch[self.inputs] if isinstance(self.inputs, str) else self.inputs(batch)
+
+    def loss_of(self, outputs: Any, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The loss and metrics of the last layer's outputs."""
+        out = self.loss(outputs, batch)
+        return out if isinstance(out, tuple) else (out, {})
+
+    def loss_fn(self, model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict]:
+        """The whole model's loss: every layer in order (the task's ``loss_fn``)."""
+        x = self.input_of(batch)
+        for layer in self.of(model):
+            x = layer(x)
+        return self.loss_of(x, batch)
+
+
 @dataclass(frozen=True)
 class Task:
     """A trainable problem: any Flax NNX model, its loss, and optionally its own data and
@@ -69,15 +131,19 @@ class Task:
         ``nnx.Dropout(rate, rngs=rngs)``) is carried and updated by the train step.
       loss_fn: ``(model, batch) -> (scalar loss, {name: scalar metric})``; the loss must
         be a mean over examples so gradient accumulation is exact. The model arrives in
-        NNX's training mode in the train step and evaluation mode in eval.
+        NNX's training mode in the train step and evaluation mode in eval. May be left
+        out when ``layers`` is given (it is then the layers' loss).
       batch_axes: logical axes of each batch entry, e.g. ``{"tokens": ("batch", None)}``
         (``None``: never sharded).
       path_rules: ``(regex, logical names)`` pairs for parameters without sharding
         metadata, matched against paths like ``'dense1/kernel'``.
       tokens_per_example: tokens one example carries (0 for non-sequence tasks), for the
         throughput metric.
-      stages: how to cut the model for pipeline parallelism (None: it cannot be
-        pipelined, and ``mesh.stage`` must stay 1).
+      stages: how to cut a model whose layers are stacked into pipeline stages (both
+        pipeline executors run it).
+      layers: the model as a sequence of layers of any shapes, which the sub-mesh
+        executor (``pipeline.executor=mpmd``) cuts into stages by layer. A task with
+        neither cannot be pipelined (``mesh.stage`` must stay 1).
       data: the training data, if the task brings its own (else the config's ``data``
         section applies): a function ``(step, global_batch_size) -> {name: numpy
         array}`` giving the batch of the step that follows ``step`` steps (pure in
@@ -101,8 +167,8 @@ class Task:
     """
 
     model_fn: Callable[[nnx.Rngs], nnx.Module]
-    loss_fn: LossFn
-    batch_axes: Mapping[str, tuple[str | None, ...]]
+    loss_fn: LossFn | None = None
+    batch_axes: Mapping[str, tuple[str | None, ...]] = field(default_factory=dict)
     path_rules: tuple[tuple[str, tuple[str | None, ...]], ...] = ()
     tokens_per_example: int = 0
     stages: StageSplit | None = None
@@ -111,6 +177,18 @@ class Task:
     optimizer: optax.GradientTransformation | None = None
     name: str = ""
     init_params: Callable[[], Any] | None = None
+    layers: Layers | None = None
+
+    def __post_init__(self) -> None:
+        if self.loss_fn is None:
+            if self.layers is None:
+                raise TaskError("a Task needs a loss: give loss_fn=(model, batch) -> (loss, "
+                                "metrics), or layers=jaxpar.Layers(inputs=…, loss=…)")
+            object.__setattr__(self, "loss_fn", self.layers.loss_fn)
+        if not self.batch_axes:
+            raise TaskError("a Task needs batch_axes: the logical axes of each batch entry, "
+                            "e.g. {'images': ('batch', None, None, None), 'labels': "
+                            "('batch',)}")
 
 
 @dataclass(frozen=True)

@@ -16,17 +16,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 from jaxpar import guard
 from jaxpar.errors import TaskError
 from jaxpar.logical import activation_rules
-from jaxpar.optim import injected_lr
 from jaxpar.plan import Plan, global_batch_shapes
 from jaxpar.sharding import place_params
 from jaxpar.state import TrainState
 from jaxpar.task import Batch
+from jaxpar.update import Update
 
 
 class Trainer:
@@ -46,14 +45,11 @@ class Trainer:
         self.plan, self.schedule, self.seed = plan, schedule, seed
         self.nonfinite_guard = nonfinite_guard
         self.keep = guard.choose(nonfinite_guard, plan.mesh.devices.flat[0].platform)
-        shardings = plan.state_shardings
-        self._step = jax.jit(self._train_step, in_shardings=(shardings, None),
-                             out_shardings=(shardings, None), donate_argnums=0)
-        self._eval = jax.jit(self._eval_step,
-                             in_shardings=(shardings.params, shardings.model_state, None))
-        self._init = jax.jit(self._create, out_shardings=shardings)
-        self._grads_jit = jax.jit(lambda p, b, s: plan.gradients(p, s, b)[:3],
-                                  in_shardings=(shardings.params, None, shardings.model_state))
+        shardings, programs = plan.state_shardings, plan.gradients
+        self._step = programs.build_step(Update(plan.optimizer, self.keep, schedule), shardings)
+        self._eval = programs.build_eval(shardings)
+        self._init = programs.build_init(self._create, shardings)
+        self._grads_jit = programs.build_grads(shardings)
 
     def with_plan(self, plan: Plan) -> Trainer:
         """A trainer of another plan with this one's schedule, seed and guard."""
@@ -127,38 +123,6 @@ class Trainer:
                             f"({', '.join(self.plan.model.state_kinds)}): pass model_state "
                             "(TrainState.model_state)")
         return {} if model_state is None else model_state
-
-    def _train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
-        loss, aux, grads, model_state = self.plan.gradients(state.params, state.model_state,
-                                                            batch)
-        grad_norm, tx = optax.tree.norm(grads), self.plan.optimizer
-
-        def update() -> dict[str, Any]:
-            updates, opt_state = tx.update(grads, state.opt_state, state.params)
-            return {"params": optax.apply_updates(state.params, updates),
-                    "opt_state": opt_state, "model_state": model_state}
-
-        # The loss and the gradient norm miss what the optimizer makes of finite gradients
-        # (a huge lr or weight decay, a user's transformation): the new parameters are
-        # checked too, reduced on device with the rest (no host sync); the guard keeps
-        # the old state when anything is not finite (jaxpar/guard.py).
-        new = update()
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & guard.all_finite(new["params"])
-        old = {"params": state.params, "opt_state": state.opt_state,
-               "model_state": state.model_state}
-        kept = self.keep(finite, new, update, old)
-        new_state = TrainState(state.step + 1, kept["params"], kept["opt_state"],
-                               state.skipped + (~finite).astype(jnp.int32), kept["model_state"])
-        metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite,
-                   "skipped": new_state.skipped, **aux}
-        lr = (self.schedule(state.step - state.skipped) if self.schedule is not None
-              else injected_lr(new["opt_state"]))  # the schedule at the optimizer's count
-        metrics.update({"lr": jnp.asarray(lr, jnp.float32)} if lr is not None else {})
-        return new_state, metrics
-
-    def _eval_step(self, params: Any, model_state: Any, batch: Batch) -> dict[str, jax.Array]:
-        loss, aux = self.plan.gradients.evaluate(params, model_state, batch)
-        return {"loss": loss, **aux}
 
     def step(self, state: TrainState, batch: Mapping[str, jax.Array]) -> tuple[TrainState, dict]:
         """One optimizer step (donates ``state``)."""

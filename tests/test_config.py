@@ -364,7 +364,7 @@ def test_every_bad_value_is_one_line_naming_the_key(section, key, cls, family, t
     ConfigError line naming the key."""
     from jaxpar.errors import ConfigError
 
-    wrong = [[1, 2]] + _outside(cls, key)  # no key takes a list of numbers
+    wrong = [[{"a": 1}]] + _outside(cls, key)  # no key takes a list of mappings
     if f"{section}.{key}" in (choices(family) if family else CHOICES):
         wrong.append("not_a_choice")
     for value in wrong:

@@ -30,8 +30,10 @@ from typing import Literal, NamedTuple
 from pydantic import Field
 
 from jaxpar.errors import LayoutError
-from jaxpar.schema import section
+from jaxpar.schema import IntList, section
 
+#: ``pipeline.executor`` values (see :class:`PipelineConfig`).
+Executor = Literal["auto", "spmd", "mpmd"]
 #: ``pipeline.schedule`` values.
 Schedule = Literal["gpipe", "1f1b", "interleaved", "zb_h1"]
 SCHEDULES: tuple[str, ...] = typing.get_args(Schedule)
@@ -50,6 +52,14 @@ class PipelineConfig:
                                                    "cut into (0: twice mesh.stage)")
     virtual_stages: int = Field(1, ge=1, description="layer chunks per device, for interleaved "
                                                      "(≥ 2) only")
+    executor: Executor = Field("auto", description="spmd: one program over the whole mesh, "
+                               "a stack of identical layers (Task.stages) split over stage; "
+                               "mpmd: one program per stage on its sub-mesh, any model split "
+                               "by layer (Task.layers) or a stack of layers; auto: spmd for a "
+                               "stack, mpmd for a model given by its layers")
+    split: IntList = Field((), description="with the mpmd executor, layers per chunk (one "
+                           "number per stage × virtual stage, in order, summing to the "
+                           "model's layers); empty: balanced by parameter bytes")
 
 
 class Action(NamedTuple):
