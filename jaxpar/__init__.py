@@ -8,7 +8,7 @@ lists the whole public API:
 * config: :func:`load_config`, :class:`Config` and its sections
 * devices, mesh and rules: :func:`setup_devices`, :func:`make_mesh`, :data:`PRESETS`,
   :func:`resolve_rules`, :func:`constrain`, :func:`activation_rules`, :func:`spec_for`
-* models: :class:`Task`, :class:`StageSplit`, :class:`Family`, :class:`ModelConfig`,
+* models: :class:`Task`, :class:`StageSplit`, :class:`Layers`, :class:`Family`, :class:`ModelConfig`,
   :func:`register_model`, :func:`task_for` (a built-in model's task), the built-in losses;
   the families themselves are the modules of :mod:`jaxpar.models`
 * layout and steps: :func:`make_plan` / :class:`Plan` (every layout decision),
@@ -55,13 +55,13 @@ from jaxpar.plan import Plan, abstract_model, make_plan
 from jaxpar.run import Run, build, task_for
 from jaxpar.sharding import PRESETS, RulesConfig, resolve_rules
 from jaxpar.state import TrainState
-from jaxpar.task import StageSplit, Task
+from jaxpar.task import Layers, StageSplit, Task
 from jaxpar.trainer import Trainer
 
 __all__ = [
     "PRESETS", "CheckpointConfig", "CheckpointError", "Checkpointer", "Config",
     "ConfigError", "CorruptCheckpoint", "DataConfig", "DataError", "DistributedConfig",
-    "Family", "Hook", "JaxparError", "LayoutError", "MeshConfig", "ModelConfig",
+    "Family", "Hook", "JaxparError", "Layers", "LayoutError", "MeshConfig", "ModelConfig",
     "NonFiniteStop", "OptimConfig", "PathError", "PipelineConfig", "Plan", "Preempted",
     "RestoreError", "RulesConfig", "Run", "RunConfig", "StageSplit", "Task", "TaskError",
     "TooManySkipped", "TrainConfig", "TrainState", "Trainer", "abstract_model",

@@ -206,31 +206,23 @@ def param_specs(abstract_params: Any, axes: Any, rules: Rules, mesh: Mesh,
     )
 
 
-def opt_state_specs(abstract_opt: Any, abstract_params: Any, specs: Any
-                    ) -> tuple[Any, list[tuple[str, tuple[int, ...]]]]:
-    """Specs for an Optax state, from its structure, and the leaves left replicated.
+def param_positions(abstract_opt: Any, abstract_params: Any) -> Any:
+    """Which parameter each leaf of an Optax state belongs to: a tree like the state with,
+    for each leaf, the index of its parameter among the parameters' leaves, or -1.
 
     Optax keeps per-parameter statistics (momenta, accumulated gradients) in subtrees
     with the parameters' structure — ``optax.masked`` puts a ``MaskedNode`` where a
-    parameter is left out. Each such subtree is matched to the parameters position by
-    position, and a leaf of its parameter's shape gets that parameter's spec. Any other
-    leaf (step counts, injected hyperparameters, Adafactor's factored rows and columns)
-    is replicated. Nothing is guessed from key names or shapes alone.
+    parameter is left out (kept as it is here). Each such subtree is matched to the
+    parameters position by position; any other leaf (step counts, injected
+    hyperparameters) belongs to none. Nothing is guessed from key names or shapes alone.
 
     ``optax.tree_utils.tree_map_params`` finds the same subtrees by calling the
     optimizer's ``init`` on an opaque placeholder, which fails for optimizers whose
     ``init`` reads the parameters (Adafactor, ``MultiSteps``, a callable mask); the
     structural match here works from the abstract state itself.
-
-    Returns:
-      The spec tree (with the state's structure) and ``(path, shape)`` of every
-      non-scalar leaf that is replicated because it is not parameter-shaped.
     """
     is_masked = lambda x: isinstance(x, optax.MaskedNode)
     params_def = jax.tree.structure(abstract_params)
-    param_leaves = jax.tree.leaves(abstract_params)
-    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-    replicated: list[tuple[str, tuple[int, ...]]] = []
 
     def params_like(node: Any) -> bool:
         if node is None or is_masked(node):
@@ -240,25 +232,44 @@ def opt_state_specs(abstract_opt: Any, abstract_params: Any, specs: Any
         except Exception:  # a node JAX cannot flatten is no parameter tree
             return False
 
-    def leaf_spec(where: str, leaf: Any, param: Any = None, spec: Any = None) -> Any:
+    def one(node: Any) -> Any:
+        if not params_like(node):
+            return node if is_masked(node) else -1
+        leaves, treedef = jax.tree.flatten(node, is_leaf=is_masked)
+        return jax.tree.unflatten(treedef, [leaf if is_masked(leaf) else i
+                                            for i, leaf in enumerate(leaves)])
+
+    return jax.tree.map(one, abstract_opt, is_leaf=params_like)
+
+
+def opt_state_specs(abstract_opt: Any, abstract_params: Any, specs: Any
+                    ) -> tuple[Any, list[tuple[str, tuple[int, ...]]]]:
+    """Specs for an Optax state, from its structure (:func:`param_positions`), and the
+    leaves left replicated: a leaf of its parameter's shape gets that parameter's spec;
+    any other leaf (step counts, injected hyperparameters, Adafactor's factored rows and
+    columns) is replicated.
+
+    Returns:
+      The spec tree (with the state's structure) and ``(path, shape)`` of every
+      non-scalar leaf that is replicated because it is not parameter-shaped.
+    """
+    is_masked = lambda x: isinstance(x, optax.MaskedNode)
+    param_leaves = jax.tree.leaves(abstract_params)
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    replicated: list[tuple[str, tuple[int, ...]]] = []
+
+    def leaf_spec(path: tuple, leaf: Any, index: Any) -> Any:
         if is_masked(leaf):
             return leaf
-        if param is not None and tuple(leaf.shape) == tuple(param.shape):
-            return spec
+        if index >= 0 and tuple(leaf.shape) == tuple(param_leaves[index].shape):
+            return spec_leaves[index]
         if math.prod(getattr(leaf, "shape", ())) > 1:
-            replicated.append((where, tuple(leaf.shape)))
+            replicated.append((path_str(path), tuple(leaf.shape)))
         return PartitionSpec()
 
-    def one(path: tuple, node: Any) -> Any:
-        where = path_str(path)
-        if not params_like(node):
-            return leaf_spec(where, node)
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(node, is_leaf=is_masked)
-        out = [leaf_spec("/".join(filter(None, (where, path_str(sub)))), leaf, param, spec)
-               for (sub, leaf), param, spec in zip(leaves, param_leaves, spec_leaves)]
-        return jax.tree.unflatten(treedef, out)
-
-    tree = jax.tree_util.tree_map_with_path(one, abstract_opt, is_leaf=params_like)
+    positions = param_positions(abstract_opt, abstract_params)
+    tree = jax.tree_util.tree_map_with_path(leaf_spec, abstract_opt, positions,
+                                            is_leaf=is_masked)
     return tree, replicated
 
 

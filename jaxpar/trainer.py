@@ -56,8 +56,11 @@ class Trainer:
         return Trainer(plan, schedule=self.schedule, seed=self.seed,
                        nonfinite_guard=self.nonfinite_guard)
 
-    def _create(self) -> TrainState:
-        with activation_rules(self.plan.mesh, self.plan.rules), nnx.use_eager_sharding(False):
+    def _create(self, mesh: Any = None) -> TrainState:
+        """The fresh state (traced); ``mesh``: the mesh of the activation rules while the
+        model is built (default: the plan's; a stage's sub-mesh under the mpmd executor)."""
+        mesh = self.plan.mesh if mesh is None else mesh
+        with activation_rules(mesh, self.plan.rules), nnx.use_eager_sharding(False):
             # logical names only: Flax would otherwise shard each annotated variable at
             # construction over a mesh named by its logical names
             model = self.plan.task.model_fn(nnx.Rngs(self.seed))

@@ -49,15 +49,18 @@ def check_rows(mesh: Mesh, specs: Mapping[str, PartitionSpec], batch: Mapping[st
 
 
 def check_layout(task: Task, model: AbstractModel, rules: Rules, mesh: Mesh,
-                  param_specs: Any, batch_specs: dict[str, PartitionSpec]) -> None:
-    """Rules name real logical axes; the batch is split over data axes; no mesh axis idles."""
+                  param_specs: Any, batch_specs: dict[str, PartitionSpec],
+                  run_by_executor: tuple[str, ...] = ()) -> None:
+    """Rules name real logical axes; the batch is split over data axes; no mesh axis idles
+    (``run_by_executor``: axes an executor uses itself, such as the sub-mesh pipeline's
+    ``stage``)."""
     names = jax.tree.leaves([model.param_axes, model.state_axes],
                             is_leaf=lambda x: isinstance(x, tuple))
     used = {n for group in [*names, *task.batch_axes.values()] for entry in group
             for n in names_of(entry)}
     check_rule_names(rules, used)
     check_batch_sharded(mesh, batch_specs)
-    check_axes_used(mesh, [param_specs, batch_specs])
+    check_axes_used(mesh, [param_specs, batch_specs], run_by_executor)
 
 
 def check_rule_names(rules: Rules, used: set[str]) -> None:
@@ -94,7 +97,7 @@ def check_batch_sharded(mesh: Mesh, batch_specs: Mapping[str, PartitionSpec]) ->
                     "examples; add it to the batch rule, e.g. rules.batch=data,fsdp")
 
 
-def check_axes_used(mesh: Mesh, specs: list[Any]) -> None:
+def check_axes_used(mesh: Mesh, specs: list[Any], skip: tuple[str, ...] = ()) -> None:
     """Every mesh axis larger than 1 must shard something.
 
     Raises:
@@ -103,7 +106,7 @@ def check_axes_used(mesh: Mesh, specs: list[Any]) -> None:
     """
     used = {a for tree in specs for spec in spec_leaves(tree) for a in spec_axes(spec)}
     for axis, size in mesh.shape.items():
-        if size > 1 and axis not in used:
+        if size > 1 and axis not in used and axis not in skip:
             hint = ("pipeline stages split the stacked layers: set rules.layers=stage, or "
                     "mesh.stage=1" if axis == "stage" else
                     f"map a logical axis onto it (e.g. rules.batch=data,{axis}) or set "

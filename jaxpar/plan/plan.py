@@ -49,6 +49,7 @@ from jaxpar.pipeline.ticks import TickTable
 from jaxpar.plan import checks
 from jaxpar.plan.abstract import AbstractModel, abstract_model, warn_unnamed
 from jaxpar.plan.checks import BATCH_AXES
+from jaxpar.plan.submesh import executor_of, sub_mesh_layout
 from jaxpar.state import TrainState
 from jaxpar.task import Task
 
@@ -211,26 +212,34 @@ def make_plan(task: Task, optimizer: optax.GradientTransformation, mesh: Mesh, r
     model = abstract_model(task)
     if model.unnamed:
         warn_unnamed(model.unnamed)
+    abstract_opt = jax.eval_shape(optimizer.init, model.params)
+    counter = jax.ShapeDtypeStruct((), jnp.int32)
+    abstract = TrainState(counter, model.params, abstract_opt, counter, model.state)
+    batch_specs = checks.batch_specs(task, rules, mesh, None)
+    loss = ModelLoss(model.graphdef, task.loss_fn)
+    settings = {"grad_accum": grad_accum, "pipeline": pipeline, "fsdp_gather": fsdp_gather}
+    if executor_of(task, pipeline, mesh.shape["stage"]) == "mpmd":
+        layout = sub_mesh_layout(task, model, abstract_opt, mesh, rules, pipeline, grad_accum)
+        checks.check_layout(task, model, rules, mesh, layout.param_specs, batch_specs,
+                            run_by_executor=("stage",))
+        return Plan(task, optimizer, mesh, rules, model, layout.param_specs,
+                    layout.state_specs, layout.opt_specs, layout.opt_replicated, abstract,
+                    layout.shardings, batch_specs, grad_accum, layout.executor.table, False,
+                    loss, layout.executor, settings)
     table = checks.pipeline_table(task, model, mesh, rules, pipeline)
     param_specs = shd.param_specs(model.params, model.param_axes, rules, mesh)
     state_specs = shd.param_specs(model.state, model.state_axes, rules, mesh,
                                   what="model state")
-    abstract_opt = jax.eval_shape(optimizer.init, model.params)
     opt_specs, replicated = shd.opt_state_specs(abstract_opt, model.params, param_specs)
     scalar = NamedSharding(mesh, PartitionSpec())
     shardings = TrainState(scalar, shd.named(mesh, param_specs), shd.named(mesh, opt_specs),
                            scalar, shd.named(mesh, state_specs))
-    counter = jax.ShapeDtypeStruct((), jnp.int32)
-    abstract = TrainState(counter, model.params, abstract_opt, counter, model.state)
-    batch_specs = checks.batch_specs(task, rules, mesh, None)
     checks.check_layout(task, model, rules, mesh, param_specs, batch_specs)
     once = _gather_once(fsdp_gather, grad_accum, param_specs)
-    loss = ModelLoss(model.graphdef, task.loss_fn)
     pipelined = (Pipelined(task.stages, model.graphdef, table, mesh, rules, param_specs,
                            model.rng_counts) if table is not None else None)
     strategy = _gradient_strategy(loss, mesh, rules, param_specs, shardings.params,
                                   grad_accum, model.stateful, pipelined, once)
-    settings = {"grad_accum": grad_accum, "pipeline": pipeline, "fsdp_gather": fsdp_gather}
     return Plan(task, optimizer, mesh, rules, model, param_specs, state_specs, opt_specs,
                 replicated, abstract, shardings, batch_specs, grad_accum, table, once, loss,
                 strategy, settings)

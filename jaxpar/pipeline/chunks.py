@@ -1,0 +1,214 @@
+"""The sub-mesh executor's programs per chunk, and one step's play of the tick table
+(see :mod:`jaxpar.pipeline.mpmd`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.logical import activation_rules
+from jaxpar.pipeline.views import get_path, put_path, view_of
+from jaxpar.task import Batch, split_microbatches
+
+
+def chunk_program(ex: Any, kind: str, c: int) -> Callable:
+    """Chunk ``c``'s jitted program ``kind``: ``F`` (forward: the activation it sends and
+    its model state after), ``B`` (backward recomputed from the stashed input: the
+    gradient it sends and its gradient sums), ``I`` / ``W`` (the input and the weight
+    halves of the backward, zero-bubble), ``eval`` (forward in evaluation mode)."""
+    last = c == len(ex.cut.chunks) - 1
+    mesh = ex.meshes[c % len(ex.meshes)]
+    total = ex.k * ex.table.m
+
+    def run(params, state, x, batch, j, train=True, count=total):
+        with activation_rules(mesh, ex.rules):
+            mb = {k: jax.lax.dynamic_index_in_dim(split_microbatches(v, count), j, 0, False)
+                  for k, v in batch.items()}
+            y, new_state = _chunk_forward(ex, c, params, state,
+                                          ex.layers.input_of(mb) if c == 0 else x, train)
+            return (ex.layers.loss_of(y, mb) if last else y), new_state
+
+    if kind == "F":
+        return jax.jit(lambda p, s, x, b, j: _forward_out(run(p, s, x, b, j), last))
+    if kind == "eval":
+        return jax.jit(lambda p, s, x, b, j: run(p, s, x, b, j, False, ex.table.m)[0])
+    seed = 1.0 / total
+
+    def vjp(p, s, x, b, j, dy):
+        out, back = jax.vjp(lambda p, x: run(p, s, x, b, j)[0], p, x)
+        if last:  # the loss (mean over this microbatch) seeds the backward, 1/total each
+            loss, aux = out
+            return back((jnp.full_like(loss, seed), jax.tree.map(jnp.zeros_like, aux))), out
+        return back(dy), None
+
+    def accumulate(acc, dp):
+        return jax.tree.map(jnp.add, acc, dp)
+
+    if kind == "B":
+        return jax.jit(lambda p, s, x, b, j, dy, acc: _backward(vjp(p, s, x, b, j, dy), acc,
+                                                                accumulate), donate_argnums=6)
+    if kind == "I":
+        return jax.jit(lambda p, s, x, b, j, dy: _input_grad(vjp(p, s, x, b, j, dy)))
+    return jax.jit(lambda p, s, x, b, j, dy, acc: accumulate(acc, vjp(p, s, x, b, j, dy)[0][0]),
+                   donate_argnums=6)
+
+
+def _forward_out(result: tuple, last: bool) -> tuple:
+    """What a forward sends on (nothing from the last chunk) and its model state after."""
+    out, new_state = result
+    return (None if last else out), new_state
+
+
+def _backward(result: Any, acc: Any, accumulate: Callable) -> tuple:
+    (dp, dx), out = result
+    return dx, accumulate(acc, dp), out
+
+
+def _input_grad(result: Any) -> tuple:
+    (_, dx), out = result
+    return dx, out
+
+
+def _chunk_forward(ex: Any, c: int, params: dict, state: dict, x: Any,
+                   train: bool) -> tuple[Any, dict]:
+    """Chunk ``c``'s layers in order on ``x``; ``params``/``state`` by layer index. The
+    model state each layer ends with (its BatchNorm statistics, RNG counts)."""
+    start, stop = ex.cut.chunks[c]
+    new_state = {}
+    for idx in range(start, stop):
+        layer = ex.cut.layers[idx]
+        if layer.graphdef is None:
+            x = layer.fn(x)
+            continue
+        module = nnx.merge(layer.graphdef, params[idx], state.get(idx, {}))
+        module.train() if train else module.eval()
+        x = module(x)
+        new_state[idx] = nnx.to_pure_dict(nnx.state(module, nnx.Not(nnx.Param)))
+    return x, new_state
+
+
+class Run:
+    """One step's play of the table: inboxes of activations and gradients between chunks,
+    the stash of each chunk's inputs and model state, the gradient sums."""
+
+    def __init__(self, ex: Any, params: Any, model_state: Any, batch: Batch,
+                 train: bool):
+        self.ex, self.train = ex, train
+        p, chunks = len(ex.meshes), len(ex.cut.chunks)
+        params = [ex.share(params, ex.homes.params, s) for s in range(p)]
+        model_state = [ex.share(model_state, ex.homes.model_state, s) for s in range(p)]
+        self.batch = [{k: view_of(v, m) for k, v in batch.items()} for m in ex.meshes]
+        self.params = [self._by_layer(params[c % p], c) for c in range(chunks)]
+        self.state = [self._by_layer(model_state[c % p], c) for c in range(chunks)]
+        self.acc = [_zeros(self.params[c]) for c in range(chunks)] if train else []
+        self.loss: Any = None
+        self.aux: Any = None
+        self.acts, self.grads, self.stash, self.dys = {}, {}, {}, {}
+
+    def _by_layer(self, tree: Any, c: int) -> dict:
+        start, stop = self.ex.cut.chunks[c]
+        return {i: get_path(tree, self.ex.cut.layers[i].path) for i in range(start, stop)
+                if self.ex.cut.layers[i].path is not None}
+
+    def _send(self, value: Any, c: int) -> Any:
+        """``value`` moved to chunk ``c``'s stage, its rows split as the batch's."""
+        mesh = self.ex.meshes[c % len(self.ex.meshes)]
+        spec = _batch_spec(self.ex, mesh)
+        return jax.tree.map(lambda v: jax.device_put(
+            v, NamedSharding(mesh, P(spec, *[None] * (v.ndim - 1)))), value)
+
+    def play(self, r: int) -> None:
+        """The table once: microbatches ``r·m … r·m + m − 1`` of the step."""
+        table, last = self.ex.table, len(self.ex.cut.chunks) - 1
+        for action in sorted(table.tick, key=table.tick.get):
+            c, mb, j = action.chunk, action.mb, r * table.m + action.mb
+            getattr(self, f"_{action.kind}")(c, mb, jnp.int32(j), c == last)
+
+    def _F(self, c: int, mb: int, j: Any, last: bool) -> None:
+        x = self.acts.pop((c, mb), None)
+        self.stash[(c, mb)] = (x, self.state[c])
+        y, self.state[c] = self.ex.program("F", c)(self.params[c], self.state[c], x,
+                                                    self.batch[c % len(self.ex.meshes)], j)
+        if not last:
+            self.acts[(c + 1, mb)] = self._send(y, c + 1)
+
+    def _B(self, c: int, mb: int, j: Any, last: bool) -> None:
+        x, state = self.stash.pop((c, mb))
+        dy = self.grads.pop((c, mb), None)
+        dx, self.acc[c], out = self.ex.program("B", c)(
+            self.params[c], state, x, self.batch[c % len(self.ex.meshes)], j, dy, self.acc[c])
+        self._received(c, mb, dx, out)
+
+    def _I(self, c: int, mb: int, j: Any, last: bool) -> None:
+        x, state = self.stash[(c, mb)]
+        dy = self.dys[(c, mb)] = self.grads.pop((c, mb), None)
+        dx, out = self.ex.program("I", c)(self.params[c], state, x,
+                                           self.batch[c % len(self.ex.meshes)], j, dy)
+        self._received(c, mb, dx, out)
+
+    def _W(self, c: int, mb: int, j: Any, last: bool) -> None:
+        x, state = self.stash.pop((c, mb))
+        dy = self.dys.pop((c, mb))
+        self.acc[c] = self.ex.program("W", c)(self.params[c], state, x,
+                                               self.batch[c % len(self.ex.meshes)], j, dy,
+                                               self.acc[c])
+
+    def _received(self, c: int, mb: int, dx: Any, out: Any) -> None:
+        if c > 0:
+            self.grads[(c - 1, mb)] = self._send(dx, c - 1)
+        if out is not None:  # the last chunk: this microbatch's loss and metrics
+            self.loss = out[0] if self.loss is None else self.loss + out[0]
+            self.aux = out[1] if self.aux is None else jax.tree.map(jnp.add, self.aux, out[1])
+
+    def results(self) -> tuple[jax.Array, dict, Any, Any]:
+        """Mean loss and metrics, gradients and the model state, as trees like the
+        parameters and the model state (each leaf on its stage)."""
+        total = self.ex.k * self.ex.table.m
+        grads, state = {}, {}
+        for c in range(len(self.ex.cut.chunks)):
+            for idx, tree in self.acc[c].items():
+                put_path(grads, self.ex.cut.layers[idx].path, tree)
+            for idx, tree in self.state[c].items():
+                if jax.tree.leaves(tree):
+                    put_path(state, self.ex.cut.layers[idx].path, tree)
+        grads = _ordered(grads, self.ex.homes.params)
+        model_state = _ordered(state, self.ex.homes.model_state)
+        return (self.loss / total, jax.tree.map(lambda a: a / total, self.aux), grads,
+                model_state)
+
+    def forward_only(self) -> tuple[jax.Array, dict]:
+        m, chunks, p = self.ex.table.m, len(self.ex.cut.chunks), len(self.ex.meshes)
+        for j in range(m):
+            x = None
+            for c in range(chunks):
+                x = self.ex.program("eval", c)(self.params[c], self.state[c], x,
+                                                self.batch[c % p], jnp.int32(j))
+                if c < chunks - 1:
+                    x = self._send(x, c + 1)
+            self._received(0, j, None, x)
+        return self.loss / m, jax.tree.map(lambda a: a / m, self.aux)
+
+
+@jax.jit
+def _zeros(tree: Any) -> Any:
+    """Zeros like ``tree``, on its devices (a gradient sum's start)."""
+    return jax.tree.map(jnp.zeros_like, tree)
+
+
+def _ordered(tree: dict, like: Any) -> Any:
+    """``tree`` (nested dicts) with the key order of ``like`` (the state's pure dicts)."""
+    if not isinstance(like, dict):
+        return tree
+    return {k: _ordered(tree[k], v) for k, v in like.items()}
+
+
+def _batch_spec(ex: Any, mesh: Mesh) -> Any:
+    """The mesh axes a batch's rows are split over on a stage's sub-mesh."""
+    axes = tuple(a for a in ex.rules.get("batch", ()) if mesh.shape.get(a, 1) > 1)
+    return axes[0] if len(axes) == 1 else (axes or None)

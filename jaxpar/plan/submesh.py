@@ -1,0 +1,104 @@
+"""The layout of the sub-mesh pipeline executor (``pipeline.executor=mpmd``): which stage
+holds each variable, and its sharding on that stage's sub-mesh.
+
+A layer's parameters, optimizer statistics and model state (BatchNorm statistics, RNG
+streams) live on the stage of the chunk that holds the layer, sharded there by the rules
+(the sub-mesh has every axis but ``stage``); the step counters and the optimizer's
+scalars (step counts, injected hyperparameters) live on the whole mesh, replicated, where
+every stage reads them in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, get_args
+
+import jax
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxpar import sharding as shd
+from jaxpar.errors import LayoutError
+from jaxpar.logical import Rules
+from jaxpar.pipeline.cut import LayerCut, cut_by_layer, stage_meshes
+from jaxpar.pipeline.mpmd import SubMeshPipeline
+from jaxpar.pipeline.schedule import Executor, PipelineConfig, check_shape
+from jaxpar.pipeline.ticks import tick_table
+from jaxpar.pipeline.views import WHOLE
+from jaxpar.state import TrainState
+from jaxpar.task import Task
+
+
+@dataclass(frozen=True)
+class SubMeshLayout:
+    """What :func:`jaxpar.plan.make_plan` takes from the sub-mesh layout."""
+
+    param_specs: Any
+    state_specs: Any
+    opt_specs: Any
+    opt_replicated: list
+    shardings: TrainState
+    executor: SubMeshPipeline
+
+
+def executor_of(task: Task, pipeline: PipelineConfig, stages: int) -> str | None:
+    """The executor a layout runs (None without pipeline stages): ``pipeline.executor``,
+    ``auto`` meaning spmd for a stack of layers (``Task.stages``) and mpmd for a model
+    given by its layers (``Task.layers``)."""
+    if stages == 1:
+        return None
+    chosen = pipeline.executor
+    if chosen not in get_args(Executor):
+        raise LayoutError(f"pipeline.executor must be one of {', '.join(get_args(Executor))}, "
+                          f"got {chosen!r}")
+    if chosen == "auto":
+        return "mpmd" if task.stages is None and task.layers is not None else "spmd"
+    return chosen
+
+
+def sub_mesh_layout(task: Task, model: Any, abstract_opt: Any, mesh: Mesh, rules: Rules,
+                    pipeline: PipelineConfig, grad_accum: int) -> SubMeshLayout:
+    """Where every variable lives under the sub-mesh executor, and the executor.
+
+    Raises:
+      TaskError, LayoutError: for a model that cannot be cut by layer, or a cut that does
+        not fit the schedule.
+    """
+    p, v = mesh.shape["stage"], pipeline.virtual_stages
+    m = pipeline.microbatches or 2 * p
+    check_shape(pipeline.schedule, p, m, v)
+    cut = cut_by_layer(task, model.params, model.state, p * v, tuple(pipeline.split))
+    meshes = tuple(stage_meshes(mesh))
+    param_specs = shd.param_specs(model.params, model.param_axes, rules, meshes[0])
+    state_specs = shd.param_specs(model.state, model.state_axes, rules, meshes[0],
+                                  what="model state")
+    opt_specs, replicated = shd.opt_state_specs(abstract_opt, model.params, param_specs)
+    homes = _homes(cut, p, model.params, model.state, abstract_opt)
+    specs = TrainState(PartitionSpec(), param_specs, opt_specs, PartitionSpec(), state_specs)
+    shardings = jax.tree.map(
+        lambda home, spec: NamedSharding(mesh if home == WHOLE else meshes[home], spec),
+        homes, specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    executor = SubMeshPipeline(task.layers, cut, tick_table(pipeline.schedule, p, m, v), mesh,
+                               meshes, rules, homes, grad_accum)
+    return SubMeshLayout(param_specs, state_specs, opt_specs, replicated, shardings, executor)
+
+
+def _homes(cut: LayerCut, p: int, params: Any, state: Any, abstract_opt: Any) -> TrainState:
+    """The stage of every leaf of the train state (:data:`WHOLE`: the whole mesh)."""
+    owners = {}
+    for c in range(len(cut.chunks)):
+        for path in cut.paths(c):
+            owners[path] = c % p
+
+    def stage_of(path: tuple, _: Any) -> int:
+        keys = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)
+        return next(s for owned, s in owners.items() if keys[:len(owned)] == owned)
+
+    param_homes = jax.tree_util.tree_map_with_path(stage_of, params)
+    flat = jax.tree.leaves(param_homes)
+    positions = shd.param_positions(abstract_opt, params)
+    is_masked = lambda x: isinstance(x, optax.MaskedNode)
+    opt_homes = jax.tree.map(lambda i: i if is_masked(i) else (flat[i] if i >= 0 else WHOLE),
+                             positions, is_leaf=is_masked)
+    return TrainState(WHOLE, param_homes, opt_homes, WHOLE,
+                      jax.tree_util.tree_map_with_path(stage_of, state))
