@@ -12,7 +12,7 @@ shardings start from the same ``trainer.init()`` state:
   ``train.nonfinite_guard=auto`` picks it — ``cond`` on the CPU — lr);
 * plain: ``jax.jit`` of value_and_grad of the task loss (traced under the same
   activation rules as ``Trainer.loss``), ``tx.update``, ``optax.apply_updates``,
-  with the trainer's param/opt shardings as in/out shardings, params and
+  with the plan's param/opt shardings as in/out shardings, params and
   optimizer state donated, returning the loss only.
 
 Both must give the same loss on steps 1-3 (rtol 1e-5; step 1 runs at lr 0 under

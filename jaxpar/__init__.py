@@ -17,6 +17,8 @@ lists the whole public API:
 * training: :func:`train` (the whole loop), :func:`build` / :class:`Run` (a run from a
   config), :func:`fit` (the loop of a built run), :class:`Hook` (extend it),
   :class:`Checkpointer`
+* several processes: :func:`initialize_distributed` (JAX's distributed runtime from the
+  config's ``distributed`` section, ``jaxpar launch`` or the cluster)
 * measuring: :func:`program_cost` (collectives, FLOPs and bytes of a compiled program)
 * errors: :class:`JaxparError` and its kinds
 * modules for those who study one mechanism: :mod:`jaxpar.models`, :mod:`jaxpar.pipeline`
@@ -28,6 +30,7 @@ from jaxpar import guard, integrity, lab, models, pipeline
 from jaxpar.checkpoint import CheckpointConfig, Checkpointer
 from jaxpar.config import Config, DistributedConfig, RunConfig, TrainConfig, load_config
 from jaxpar.data.sources import DataConfig
+from jaxpar.distributed import initialize as initialize_distributed
 from jaxpar.errors import (
     CheckpointError,
     ConfigError,
@@ -59,14 +62,15 @@ from jaxpar.task import Layers, StageSplit, Task
 from jaxpar.trainer import Trainer
 
 __all__ = [
-    "PRESETS", "CheckpointConfig", "CheckpointError", "Checkpointer", "Config",
-    "ConfigError", "CorruptCheckpoint", "DataConfig", "DataError", "DistributedConfig",
-    "Family", "Hook", "JaxparError", "Layers", "LayoutError", "MeshConfig", "ModelConfig",
-    "NonFiniteStop", "OptimConfig", "PathError", "PipelineConfig", "Plan", "Preempted",
+    "CheckpointConfig", "CheckpointError", "Checkpointer", "Config", "ConfigError",
+    "CorruptCheckpoint", "DataConfig", "DataError", "DistributedConfig", "Family", "Hook",
+    "JaxparError", "Layers", "LayoutError", "MeshConfig", "ModelConfig", "NonFiniteStop",
+    "OptimConfig", "PRESETS", "PathError", "PipelineConfig", "Plan", "Preempted",
     "RestoreError", "RulesConfig", "Run", "RunConfig", "StageSplit", "Task", "TaskError",
     "TooManySkipped", "TrainConfig", "TrainState", "Trainer", "abstract_model",
     "activation_rules", "build", "classification_loss", "constrain", "decay_mask", "fit",
-    "guard", "integrity", "lab", "lm_loss", "load_config", "make_mesh", "make_optimizer",
-    "make_plan", "make_schedule", "mlm_loss", "models", "pipeline", "program_cost",
-    "register_model", "resolve_rules", "setup_devices", "spec_for", "task_for", "train",
+    "guard", "initialize_distributed", "integrity", "lab", "lm_loss", "load_config",
+    "make_mesh", "make_optimizer", "make_plan", "make_schedule", "mlm_loss", "models",
+    "pipeline", "program_cost", "register_model", "resolve_rules", "setup_devices", "spec_for",
+    "task_for", "train",
 ]

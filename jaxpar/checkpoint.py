@@ -269,7 +269,7 @@ class Checkpointer:
         except Exception as err:
             # Files that match their record are intact: then the error is the error (another
             # model, memory, …). Without a record, a file Orbax cannot decode is damage.
-            if "does not fit this model" in str(err) or not self._unverified():
+            if isinstance(err, RestoreError) or not self._unverified():
                 raise
             raise CorruptCheckpoint(step, self.path(step),
                                     f"it cannot be read ({type(err).__name__}: "

@@ -35,7 +35,7 @@ from jaxpar.models.family import (
 from jaxpar.optim import OptimConfig
 from jaxpar.pipeline.schedule import PipelineConfig
 from jaxpar.plan import FsdpGather
-from jaxpar.schema import Float, StrList, section
+from jaxpar.schema import Float, IntList, StrList, section
 from jaxpar.sharding import RulesConfig
 from jaxpar.user_code import load_object
 from jaxpar.yamlfile import read_yaml
@@ -140,8 +140,8 @@ class DistributedConfig:
     coordinator: str = Field("", description="host:port of process 0")
     num_processes: int = Field(0, ge=0, description="how many processes")
     process_id: int = Field(-1, ge=-1, description="this process's index")
-    local_device_ids: str = Field("", description="comma-separated ids of the devices this "
-                                                  "process uses (empty: all)")
+    local_device_ids: IntList = Field((), description="ids of the devices this process uses, "
+                                      "a list or comma-separated (empty: all)")
     init_timeout: int = Field(120, ge=1, description="seconds to wait for the coordinator and "
                               "for every process to join (then the error names the missing ones)")
     bind_address: str = Field("", description="the host:port process 0's coordinator listens "
@@ -258,7 +258,7 @@ def merge(config: Config, raw: dict[str, Any]) -> Config:
     for name, body in (raw or {}).items():
         if name not in sections:
             raise ConfigError(f"unknown config section '{name}': "
-                              f"{schema.closest(str(name), sections)}")
+                              f"{schema.closest(str(name), sections, label='sections:')}")
         updates[name] = _merge_section(name, updates.get(name, getattr(config, name)), body)
     return dataclasses.replace(config, **updates)
 

@@ -74,7 +74,7 @@ def settings(cfg: DistributedConfig) -> dict | None:
     _host_port(coordinator, "distributed.coordinator")
     kwargs = {"coordinator_address": coordinator, "num_processes": count, "process_id": index}
     if cfg.local_device_ids:
-        kwargs["local_device_ids"] = [int(i) for i in cfg.local_device_ids.split(",")]
+        kwargs["local_device_ids"] = list(cfg.local_device_ids)
     bind = cfg.bind_address or env.get(ENV_BIND, "")
     if bind:
         _host_port(bind, "distributed.bind_address")
@@ -280,7 +280,7 @@ def initialize(cfg: DistributedConfig) -> bool:
             raise ConfigError(
                 "jax.distributed could not start: JAX's backend is already running. Initialize "
                 "it before any JAX computation — jaxpar does it first thing in `jaxpar train`; "
-                "in a script call jaxpar.distributed.initialize(config.distributed) before "
+                "in a script call jaxpar.initialize_distributed(config.distributed) before "
                 "jaxpar.setup_devices()")
         if kwargs["process_id"] == 0:
             port = _host_port(where, "distributed.coordinator")[1]
@@ -296,7 +296,7 @@ def initialize(cfg: DistributedConfig) -> bool:
             raise ConfigError(
                 f"jax.distributed could not start: {text}. Initialize it before any JAX "
                 "computation — jaxpar does it first thing in `jaxpar train`; in a script "
-                "call jaxpar.distributed.initialize(config.distributed) before "
+                "call jaxpar.initialize_distributed(config.distributed) before "
                 "jaxpar.setup_devices()") from err
         raise ConfigError(
             f"could not join the distributed run at {where} within distributed.init_timeout="

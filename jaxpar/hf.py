@@ -270,15 +270,24 @@ def read_tensors(directory: str | Path) -> dict[str, np.ndarray]:
     if (directory / WEIGHTS).is_file():
         files = [directory / WEIGHTS]
     elif (directory / INDEX).is_file():
-        weight_map = json.loads((directory / INDEX).read_text())["weight_map"]
-        files = [directory / name for name in sorted(set(weight_map.values()))]
+        try:
+            weight_map = json.loads((directory / INDEX).read_text())["weight_map"]
+            files = [directory / name for name in sorted(set(weight_map.values()))]
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise DataError(f"model.init_from={directory}: {INDEX} is not a safetensors "
+                            f"index ({type(err).__name__}: {err}); re-save the model") from None
     else:
         raise DataError(f"model.init_from={directory}: no {WEIGHTS} there (only safetensors "
                         "files are read; convert a pytorch_model.bin with transformers' "
                         "save_pretrained(safe_serialization=True))")
     tensors: dict[str, np.ndarray] = {}
     for f in files:
-        tensors |= load_file(str(f))
+        try:
+            tensors |= load_file(str(f))
+        except Exception as err:  # safetensors raises its own error types for damaged files
+            raise DataError(f"model.init_from={directory}: {f.name} cannot be read as "
+                            f"safetensors ({type(err).__name__}: {err}); re-save the "
+                            "model") from None
     return tensors
 
 

@@ -18,6 +18,7 @@ import contextlib
 import contextvars
 import math
 from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -30,6 +31,15 @@ AxisNames = Sequence[str | tuple[str, ...] | None]
 _ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar(
     "jaxpar_activation_rules", default=None
 )
+
+
+#: The mesh axes a batch is split over (data parallelism: ``data`` and ``fsdp``).
+BATCH_AXES = ("data", "fsdp")
+
+
+def spec_leaves(tree: Any) -> list[PartitionSpec]:
+    """The ``PartitionSpec`` leaves of a tree."""
+    return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 def names_of(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:

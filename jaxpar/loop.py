@@ -266,9 +266,11 @@ def train(config: Config | None = None, *, task: Task | None = None,
       echo: print the start-up lines and the summary (process 0).
 
     Raises:
-      RestoreError: a bad setting, path or checkpoint, or a run dir another run holds.
+      ConfigError, LayoutError, DataError, TaskError, PathError, RestoreError: a bad
+        setting, layout, data, task, path (a run dir another run holds: ``RunDirBusy``)
+        or checkpoint (all ``jaxpar.errors.JaxparError`` and ``ValueError``).
       Preempted: after a SIGTERM or a first Ctrl-C, once the checkpoint is written.
-      FloatingPointError: a non-finite step (``NonFiniteStop``, ``TooManySkipped``).
+      NonFiniteStop: a non-finite step (``TooManySkipped`` under ``train.nonfinite=skip``).
       CheckpointError: a checkpoint could not be written.
     """
     config = config if config is not None else config_lib.load_config()

@@ -64,7 +64,7 @@ def setup_devices(count: int = 0) -> None:
     unused CPU backend; the mesh then takes the first ``count`` accelerators.
 
     Raises:
-      ValueError: when JAX has already started with too few devices, or
+      ConfigError: when JAX has already started with too few devices, or
         ``count`` exceeds the user's own setting.
     """
     flag = FORCE_DEVICES_FLAG.search(os.environ.get("XLA_FLAGS", ""))
@@ -113,7 +113,7 @@ def resolve_degrees(cfg: MeshConfig, device_count: int) -> dict[str, int]:
     """Mesh degrees with the single -1 filled in, checked against the devices.
 
     Raises:
-      ValueError: on a bad degree, more than one -1, or a product that is not
+      LayoutError: on a bad degree, more than one -1, or a product that is not
         the device count; the message lists the degrees and the device count.
     """
     degrees = {axis: getattr(cfg, axis) for axis in MESH_AXES}
@@ -146,7 +146,7 @@ def host_degrees(cfg: MeshConfig, degrees: dict[str, int], hosts: int) -> dict[s
     default (devices in process order, outer axes across hosts).
 
     Raises:
-      ValueError: when the host degrees do not multiply to the process count or one does
+      LayoutError: when the host degrees do not multiply to the process count or one does
         not divide its axis.
     """
     chosen = {axis: getattr(cfg, f"hosts_{axis}") for axis in MESH_AXES}

@@ -189,7 +189,7 @@ def make_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
       An optax schedule, usable inside ``jit``.
 
     Raises:
-      ValueError: for ``total_steps`` below 1 (``cfg`` was checked when it was built).
+      ConfigError: for ``total_steps`` below 1 (``cfg`` was checked when it was built).
     """
     if not total_steps >= 1:
         raise ConfigError(
@@ -251,7 +251,7 @@ def decay_mask(params: Any, axes: Any = None) -> Any:
       usable as the ``mask`` of :func:`make_optimizer` / ``optax.masked``.
 
     Raises:
-      ValueError: if ``axes`` does not match the structure of ``params``.
+      TaskError: if ``axes`` does not match the structure of ``params``.
     """
     if axes is None:
         return jax.tree.map(lambda p: _matrix_like(None, p), params, is_leaf=_is_param_leaf)
@@ -340,7 +340,7 @@ def make_optimizer(
       (for logging the lr at a step).
 
     Raises:
-      ValueError: for ``total_steps`` below 1, or weight decay with ``adam``.
+      ConfigError: for ``total_steps`` below 1, or weight decay with ``adam``.
     """
     cfg.check_weight_decay()
     schedule = make_schedule(cfg, total_steps)

@@ -108,7 +108,7 @@ def open_checkpoints(run: Run) -> Checkpointer:
     """The run's :class:`Checkpointer` per the ``checkpoint`` section.
 
     Raises:
-      ValueError: when ``checkpoint.best_metric`` is not a metric evaluation logs.
+      ConfigError: when ``checkpoint.best_metric`` is not a metric evaluation logs.
     """
     cfg = run.config.checkpoint
     if cfg.keep_best and not getattr(run.data, "has_eval", True):
@@ -140,7 +140,7 @@ def resume(config: Config, run: Run, ckpt: Checkpointer
     fresh start), per ``checkpoint.resume``.
 
     Raises:
-      ValueError: for a step or path that holds no complete checkpoint, or a
+      RestoreError: for a step or path that holds no complete checkpoint, or a
         checkpoint of another model (listing the mismatched paths).
     """
     how = config.checkpoint.resume
@@ -194,7 +194,7 @@ def newest_verified(ckpt: Checkpointer) -> tuple[TrainState, dict[str, Any]]:
     the next older one tried; only the checkpoint restored is read whole.
 
     Raises:
-      ValueError: when no checkpoint verifies (each failure is listed).
+      RestoreError: when no checkpoint verifies (each failure is listed).
     """
     failures: list[CorruptCheckpoint] = []
     for step in sorted(ckpt.steps(), reverse=True):
@@ -234,7 +234,7 @@ def restore_state(run: Run, step: int | None, command: str) -> TrainState:
     ``command`` names the caller in errors (``jaxpar export``).
 
     Raises:
-      ValueError: when the run has no such checkpoint, it fails verification, or it does
+      RestoreError: when the run has no such checkpoint, it fails verification, or it does
         not fit the model.
     """
     config = run.config
@@ -258,7 +258,7 @@ def export_params(config: Config, out: str | Path, step: int | None = None,
     with tied embeddings and learned positions only).
 
     Raises:
-      ValueError: when the run has no such checkpoint or it does not fit the model, or
+      RestoreError, ConfigError: when the run has no such checkpoint or it does not fit the model, or
         its model cannot be written in the format.
     """
     if format not in ("npz", "hf"):

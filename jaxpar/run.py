@@ -37,12 +37,16 @@ class Run:
     """Everything :func:`build` assembles from a config (and a user's task)."""
 
     config: Config
-    plan: Plan
     trainer: Trainer
     data: Any
     devices: list[jax.Device]
     #: the model family (``config.family``), or None for a user's task
     family: Family | None = None
+
+    @property
+    def plan(self) -> Plan:
+        """Every layout decision of the run (the trainer's plan)."""
+        return self.trainer.plan
 
     @property
     def name(self) -> str:
@@ -72,18 +76,18 @@ def build(config: Config, task: Task | None = None,
         task, data = _family_task(config)
     else:
         data = task_data(task, config.run.seed) or _config_data(config, task)
-    tx, schedule = optimizer or task.optimizer, None
+    tx, schedule, model = optimizer or task.optimizer, None, abstract_model(task)
     if tx is None:
-        model = abstract_model(task)
         mask = decay_mask(model.params, model.param_axes)
         tx, schedule = make_optimizer(config.optim, config.train.steps, mask)
     plan = make_plan(task, tx, mesh, rules, grad_accum=config.train.grad_accum,
-                     pipeline=config.pipeline, fsdp_gather=config.train.fsdp_gather)
+                     pipeline=config.pipeline, fsdp_gather=config.train.fsdp_gather,
+                     model=model)
     # the global batch must split over microbatches × batch devices: say so before training
     plan.batch_shardings(global_batch_shapes(data.batch(0, config.train.batch_size)))
     trainer = Trainer(plan, schedule=schedule, seed=config.run.seed,
                       nonfinite_guard=config.train.nonfinite_guard)
-    return Run(config, plan, trainer, data, devices, family)
+    return Run(config, trainer, data, devices, family)
 
 
 def task_for(config: Config) -> Task:

@@ -25,7 +25,6 @@ A model samples here when its module has ``init_cache(batch)`` and
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,7 +80,7 @@ def sample(run_dir: str | Path, prompt: str, *, tokens: int = 200, temperature: 
         layout: ``("mesh.data=1", "run.devices=1")``.
 
     Raises:
-      ValueError: for a missing run dir or checkpoint, a model that is not a language
+      PathError, ConfigError: for a missing run dir or checkpoint, a model that is not a language
         model, or a prompt or setting out of range — one line saying what to fix.
     """
     return sample_config(load_run_config(run_dir, overrides), prompt, tokens=tokens,
@@ -94,7 +93,7 @@ def load_run_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> Confi
     (wherever the run was when it trained).
 
     Raises:
-      ValueError: when ``run_dir`` is not a run directory.
+      PathError: when ``run_dir`` is not a run directory.
     """
     path = Path(run_dir)
     if not path.is_dir():
@@ -190,7 +189,7 @@ class Generator:
     """
 
     def __init__(self, run: Run, vocab_limit: int | None = None):
-        plan = run.plan
+        self.plan = plan = run.plan
         self.graphdef, self.mesh, self.rules = plan.model.graphdef, plan.mesh, plan.rules
         self.vocab_limit = vocab_limit
         self.max_len = _abstract_model(run).cfg.max_seq_len
@@ -231,9 +230,7 @@ class Generator:
     def _rules(self, batch: int) -> Rules:
         """The run's rules, except that a batch the ``batch`` axes do not divide (one
         sample on data=8) is replicated."""
-        ways = math.prod(self.mesh.shape[a] for a in self.rules.get("batch", ())
-                         if a in self.mesh.shape)
-        return self.rules if batch % ways == 0 else {**self.rules, "batch": ()}
+        return self.rules if batch % self.plan.batch_ways() == 0 else {**self.rules, "batch": ()}
 
     def _prefill_fn(self, params: Any, model_state: Any, tokens_BP: jax.Array
                     ) -> tuple[jax.Array, Any]:

@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from pydantic import BeforeValidator, Field
 
 from jaxpar.errors import ConfigError, TaskError
-from jaxpar.logical import Rules, spec_for
+from jaxpar.logical import Rules, spec_for, spec_leaves
 from jaxpar.mesh import MESH_AXES
 from jaxpar.schema import section
 
@@ -105,7 +105,7 @@ def resolve_rules(cfg: RulesConfig) -> dict[str, tuple[str, ...]]:
     """The rules table of a preset with the config's overrides applied.
 
     Raises:
-      ValueError: for an unknown preset or an override naming an unknown mesh axis.
+      ConfigError: for an unknown preset or an override naming an unknown mesh axis.
     """
     if cfg.preset not in PRESETS:
         raise ConfigError(
@@ -144,7 +144,7 @@ def variable_names(var: nnx.Variable, where: str) -> tuple[Any, ...] | None:
     """The logical names Flax's metadata gives ``var`` (one per dim), or None.
 
     Raises:
-      ValueError: when the metadata holds a concrete sharding instead of names.
+      TaskError: when the metadata holds a concrete sharding instead of names.
     """
     meta = var.get_metadata()
     for key in FLAX_NAME_KEYS:
@@ -255,14 +255,14 @@ def opt_state_specs(abstract_opt: Any, abstract_params: Any, specs: Any
     """
     is_masked = lambda x: isinstance(x, optax.MaskedNode)
     param_leaves = jax.tree.leaves(abstract_params)
-    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    specs = spec_leaves(specs)
     replicated: list[tuple[str, tuple[int, ...]]] = []
 
     def leaf_spec(path: tuple, leaf: Any, index: Any) -> Any:
         if is_masked(leaf):
             return leaf
         if index >= 0 and tuple(leaf.shape) == tuple(param_leaves[index].shape):
-            return spec_leaves[index]
+            return specs[index]
         if math.prod(getattr(leaf, "shape", ())) > 1:
             replicated.append((path_str(path), tuple(leaf.shape)))
         return PartitionSpec()

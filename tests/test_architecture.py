@@ -15,7 +15,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "jaxpar"
-#: the command line (jaxpar/cli/) may import lazily: start-up time, Ctrl-C before JAX starts
+#: the command line (jaxpar/cli/) imports each command's modules when that command runs, so
+#: that a command loads only what it needs
 LAZY_IMPORTS_ALLOWED = "cli"
 MAX_LINES = 400
 
@@ -40,6 +41,7 @@ def test_import_contracts_hold():
     ("mesh.py", "import jaxpar.loop", "jaxpar.mesh -> jaxpar.loop"),  # upward
     ("models/gpt.py", "import jaxpar.data.sources", "jaxpar.models.gpt -> jaxpar.data.sources"),
     ("plan/checks.py", "import jaxpar.plan.plan", "No cycles are allowed in jaxpar.plan"),
+    ("optim.py", "def _later():\n    from jaxpar.run import build", "jaxpar.optim -> jaxpar.run"),
 ])
 def test_import_contracts_catch_a_bad_import(tmp_path, module, imports, broken):
     """The contracts can fail: the same tree with one bad import added is refused, naming it."""

@@ -103,15 +103,15 @@ def test_train_on_a_corpus_made_by_prepare_data(tmp_path, capsys):
 ])
 def test_options_may_come_anywhere(command):
     """Options after the overrides, between them, or before the command parse alike."""
-    from jaxpar.cli import _parse
+    from jaxpar.cli import parse
 
     name, rest = command[0], command[1:]
     positional = [a for a in rest if "=" in a or a.endswith((".yaml",)) or a == "runs/x"]
     options = [a for a in rest if a not in positional]
-    expected = _parse([name, *positional, *options])
-    assert _parse([name, *options, *positional]) == expected
-    assert _parse([*options, name, *positional]) == expected
-    assert _parse([name, positional[0], *options, *positional[1:]]) == expected
+    expected = parse([name, *positional, *options])
+    assert parse([name, *options, *positional]) == expected
+    assert parse([*options, name, *positional]) == expected
+    assert parse([name, positional[0], *options, *positional[1:]]) == expected
     assert expected.devices == int(options[options.index("--devices") + 1])
 
 

@@ -182,9 +182,7 @@ from flax import nnx
 from pydantic import Field
 
 import jaxpar
-from jaxpar.data.sources import DataNeeds
-from jaxpar.models import Family, ModelConfig
-from jaxpar.schema import section
+from jaxpar.models import DataNeeds, Family, ModelConfig, section
 
 
 @section("model")

@@ -41,7 +41,8 @@ def no_compilation():
     compiled = []
 
     def listener(event: str, duration: float, **_) -> None:
-        if "backend_compile" in event:
+        # lowering to MLIR happens before any compilation, also on a compilation-cache hit
+        if "backend_compile" in event or "jaxpr_to_mlir_module" in event:
             compiled.append(event)
 
     jax.monitoring.register_event_duration_secs_listener(listener)
@@ -91,6 +92,26 @@ def test_each_preset_gives_its_specs(preset, degrees, w_in, wo, embed, batch):
     assert mu == specs and p.opt_replicated == []
     # and the shardings are the same specs on the plan's mesh
     assert p.state_shardings.params["blocks"]["w_in"].spec == p.param_specs["blocks"]["w_in"]
+
+
+FSDP_TP = {"embed": P("tensor", "fsdp"), "pos": P(None, "fsdp"), "head": P("fsdp", "tensor"),
+           "ln_f_scale": P("fsdp"), "ln_f_bias": P("fsdp"), "blocks": FSDP_TP_BLOCKS}
+
+
+def _without(tree, axis):
+    return jax.tree.map(lambda s: _strip(P(*(None if e == axis else e for e in s))), tree,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+@pytest.mark.parametrize("preset,degrees,expected", [
+    ("dp", {"data": 8}, jax.tree.map(lambda s: P(), FSDP_TP, is_leaf=lambda x: isinstance(x, P))),
+    ("fsdp", {"data": 2, "fsdp": 4}, _without(FSDP_TP, "tensor")),
+    ("tp", {"data": 4, "tensor": 2}, _without(FSDP_TP, "fsdp")),
+    ("fsdp_tp", {"data": 2, "fsdp": 2, "tensor": 2}, FSDP_TP),
+    ("auto", {"data": 2, "fsdp": 2, "tensor": 2}, FSDP_TP),
+])
+def test_every_parameter_spec_of_each_preset(preset, degrees, expected):
+    assert _specs(plan(preset=preset, **degrees).param_specs) == expected
 
 
 def test_auto_preset_on_all_axes_and_its_state_bytes():
@@ -200,3 +221,22 @@ def test_replan_changes_only_the_settings_named():
     assert q.fsdp_gather_once and not p.fsdp_gather_once
     assert q.mesh is p.mesh and q.rules == p.rules and q.grad_accum == 2
     assert _specs(q.param_specs) == _specs(p.param_specs)
+
+
+def test_a_built_in_models_task_in_one_call():
+    """``jaxpar.task_for(config)`` and the family's own ``task`` give the same task; a GPT
+    config that names Hugging Face weights is read by ``task_for``, not by ``gpt.task``."""
+    from jaxpar import load_config, task_for
+    from jaxpar.errors import ConfigError
+
+    config = load_config([], ["model.d_model=32", "model.n_heads=4", "data.seq_len=16",
+                              "model.max_seq_len=16"])
+    made = task_for(config)
+    direct = gpt.task(config.model, seq_len=16)
+    assert (made.batch_axes, made.tokens_per_example, made.stages) == (
+        direct.batch_axes, direct.tokens_per_example, direct.stages) == (
+        {"tokens": ("batch", None)}, 16, gpt.STAGES)
+    shapes = lambda t: jax.tree.map(lambda a: a.shape, plan(task=t, data=8).model.params)
+    assert shapes(made) == shapes(direct) and made.init_params is None
+    with pytest.raises(ConfigError, match="model.init_from=some/dir: .*jaxpar.task_for"):
+        gpt.task(GPTConfig(init_from="some/dir"), seq_len=16)

@@ -12,7 +12,7 @@ import traceback
 from typing import TYPE_CHECKING
 
 from jaxpar.cli.failures import failure_of, internal, one_line_reports
-from jaxpar.cli.parser import _debug_flag, _parse
+from jaxpar.cli.parser import debug_flag, parse
 from jaxpar.config import Config, load_config, run_dir_for
 from jaxpar.errors import WRITE_FAILED, ConfigError
 
@@ -183,10 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     Ctrl-C print one line and return their exit status (see the module docstring);
     ``--debug`` or ``JAXPAR_DEBUG=1`` prints the traceback as well.
     """
-    argv, debug_flag = _debug_flag(list(sys.argv[1:] if argv is None else argv))
-    if debug_flag:
+    argv, debug_given = debug_flag(list(sys.argv[1:] if argv is None else argv))
+    if debug_given:
         os.environ["JAXPAR_DEBUG"] = "1"  # also for the processes of `jaxpar launch`
-    args = _parse(argv)
+    args = parse(argv)
     from jaxpar.launch import pin_from_env
 
     pin_from_env()  # a process started by `jaxpar launch --cpus-per-process`

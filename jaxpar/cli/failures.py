@@ -132,10 +132,14 @@ def internal(err: BaseException, debug: bool) -> tuple[int, str]:
         where = "above"
         print(text, file=sys.stderr, end="", flush=True)
     else:
-        fd, path = tempfile.mkstemp(prefix="jaxpar-internal-error-", suffix=".txt")
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        where = f"in {path} (or run with JAXPAR_DEBUG=1)"
+        try:
+            fd, path = tempfile.mkstemp(prefix="jaxpar-internal-error-", suffix=".txt")
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            where = f"in {path} (or run with JAXPAR_DEBUG=1)"
+        except OSError:  # no writable temporary directory: the traceback goes to stderr
+            print(text, file=sys.stderr, end="", flush=True)
+            where = "above (it could not be written to a file)"
     first = (str(err).strip().splitlines() or [""])[0]
     return INTERNAL, (f"jaxpar: internal error: {type(err).__name__}: {first} — not a setting "
                       "jaxpar checks, but a bug in jaxpar, JAX or the model's own code; the "

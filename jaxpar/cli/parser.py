@@ -190,7 +190,7 @@ def _lab_parsers(sub: argparse._SubParsersAction) -> None:
                       help="how many devices to plan for (simulated on the CPU to compile)")
 
 
-def _parse(argv: list[str] | None) -> argparse.Namespace:
+def parse(argv: list[str] | None) -> argparse.Namespace:
     """The arguments; configs and overrides may come before or after options
     (``jaxpar train --task f.py:TASK mesh.fsdp=8``)."""
     parser = _parser()
@@ -215,7 +215,7 @@ def _command_first(parser: argparse.ArgumentParser, argv: list[str]) -> list[str
     return [argv[at], *argv[:at], *argv[at + 1:]]
 
 
-def _debug_flag(argv: list[str]) -> tuple[list[str], bool]:
+def debug_flag(argv: list[str]) -> tuple[list[str], bool]:
     """``argv`` without ``--debug`` (anywhere before a launch's ``--``), and whether it
     was there."""
     end = argv.index("--") if "--" in argv else len(argv)

@@ -75,7 +75,7 @@ class Context:
     """What the loop shares with its hooks.
 
     Attributes:
-      run: the run (config, trainer, data).
+      run: the run (config, plan, trainer, data).
       run_dir: where files go (None on processes other than 0).
       state: the latest train state.
       first_step, last_step: the steps this loop runs (``last_step`` = ``train.steps``).

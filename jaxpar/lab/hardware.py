@@ -58,7 +58,11 @@ def load_profiles(extra: str | Path | None = None) -> dict[str, Hardware]:
         path = Path(extra)
         if not path.is_file():
             raise ConfigError(f"--hardware-file {path}: no such file")
-        raw.update(yaml.safe_load(path.read_text()) or {})
+        given = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(given, dict) or not all(isinstance(e, dict) for e in given.values()):
+            raise ConfigError(f"--hardware-file {path} must map profile names to their fields "
+                              f"(see {_BUILTIN})")
+        raw.update(given)
     names = {f.name for f in fields(Hardware)} - {"key"}
     profiles = {}
     for key, entry in raw.items():
@@ -66,7 +70,8 @@ def load_profiles(extra: str | Path | None = None) -> dict[str, Hardware]:
         if missing:
             raise ConfigError(f"hardware profile '{key}' lacks {', '.join(missing)}; "
                               f"see {_BUILTIN} for the fields")
-        profiles[key] = Hardware(key=key, **{f: _typed(key, f, entry[f]) for f in names if f in entry})
+        profiles[key] = Hardware(key=key, **{f: _typed(key, f, entry[f]) for f in names
+                                             if f in entry})
     return profiles
 
 

@@ -45,10 +45,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxpar.logical import spec_axes
+from jaxpar.logical import BATCH_AXES, spec_axes, spec_leaves
 from jaxpar.models.family import LabLayout, LabModel, Term
 from jaxpar.plan import Plan
-from jaxpar.plan.checks import BATCH_AXES, spec_leaves
 from jaxpar.run import Run
 
 
@@ -104,8 +103,8 @@ def _gradient_terms(plan: Plan, lab: LabModel, sizes: dict[str, int], cpu: bool
     once = accum == 1 or plan.accumulates_per_data_shard  # the data all-reduce
     split = plan.task.stages
     layers_key = split.layers_key if split is not None else None
-    # jaxpar's GPT looks tokens up in the whole embedding table (gathered over every axis):
-    # its gradient is a whole-table gradient, reduced before it is sliced to its shard.
+    # a parameter the model reads whole (LabModel.whole_params: gathered over every axis, as
+    # a transformer's token table) has a whole-table gradient, reduced before it is sliced
     whole, outside = lab.whole_params, lab.gathers_outside_scans
     terms = []
     for key, nbytes, axes, scanned in _param_leaves(plan):

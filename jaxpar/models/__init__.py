@@ -1,20 +1,29 @@
 """Model families, one module each: the model (Flax NNX, logical axes only), its typed
 config, its Task builder, its counts and lab knowledge, registered by name (see
-``jaxpar/models/family.py``). Importing this package registers the built-in ones."""
+``jaxpar/models/family.py``). Importing this package registers the built-in ones.
+
+What a family of your own needs is here too: :class:`Family`, :class:`ModelConfig` and
+:func:`section` (its config's declaration), :class:`DataNeeds`, and the lab's
+:class:`Counts`, :class:`LabModel`, :class:`LabLayout` and :class:`Term`."""
 
 from jaxpar.models.bert import BERT, BERTConfig, mlm_loss
 from jaxpar.models.classifiers import ConvNet, MLPClassifier, classification_loss
 from jaxpar.models.family import (
-           Counts,
-           Family,
-           LabModel,
-           ModelConfig,
-           families,
-           register,
+    Counts,
+    Family,
+    LabLayout,
+    LabModel,
+    ModelConfig,
+    Term,
+    families,
+    register,
 )
 from jaxpar.models.gpt import GPT, GPTConfig, lm_loss
 from jaxpar.models.resnet import ResNet, ResNetConfig
+from jaxpar.schema import section
+from jaxpar.task import DataNeeds
 
-__all__ = ["BERT", "GPT", "BERTConfig", "ConvNet", "Counts", "Family", "GPTConfig", "LabModel",
-           "MLPClassifier", "ModelConfig", "ResNet", "ResNetConfig", "classification_loss",
-           "families", "lm_loss", "mlm_loss", "register"]
+__all__ = ["BERT", "GPT", "BERTConfig", "ConvNet", "Counts", "DataNeeds", "Family", "GPTConfig",
+           "LabLayout", "LabModel", "MLPClassifier", "ModelConfig", "ResNet", "ResNetConfig",
+           "Term", "classification_loss", "families", "lm_loss", "mlm_loss", "register",
+           "section"]

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from jaxpar.errors import ConfigError
 from jaxpar.logical import constrain
@@ -45,6 +45,7 @@ from jaxpar.models.transformer import (
     TransformerLab,
     attention,
     attention_implementation,
+    check_heads,
     const,
     layer_norm,
     mlp,
@@ -72,10 +73,10 @@ class BERTConfig(ModelConfig):
     n_heads: int = Field(4, ge=1, description="attention heads N (divides d_model)")
     d_ff: int = Field(512, ge=1, description="MLP width F")
     max_seq_len: int = Field(128, ge=1, description="longest sequence (learned positions)")
-    dropout: Float = Field(0.1, ge=0, description="dropout rate (embeddings, attention and MLP "
-                                                  "outputs)")
-    mask_rate: Float = Field(0.15, ge=0, description="share of each sequence's positions the "
-                                                     "masked-LM loss predicts")
+    dropout: Float = Field(0.1, ge=0, lt=1, description="dropout rate (embeddings, attention "
+                                                        "and MLP outputs)")
+    mask_rate: Float = Field(0.15, gt=0, lt=1, description="share of each sequence's positions "
+                                                           "the masked-LM loss predicts")
     remat: Remat = Field("none", description="recompute each block in the backward pass")
     dtype: Dtype = Field("float32", description="compute dtype (parameters stay float32)")
     attention: Attention = Field("auto", description="jax.nn.dot_product_attention's "
@@ -84,6 +85,11 @@ class BERTConfig(ModelConfig):
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @model_validator(mode="after")
+    def _heads(self) -> BERTConfig:
+        check_heads(self)
+        return self
 
     @property
     def mask_token(self) -> int:
@@ -109,12 +115,6 @@ class BERT(nnx.Module):
     """Encoder: tokens [B, T] (+ types) → masked-LM logits [B, T, V] (float32)."""
 
     def __init__(self, cfg: BERTConfig, data_vocab: int | None = None, *, rngs: nnx.Rngs):
-        if cfg.d_model % cfg.n_heads:
-            raise ConfigError(f"model.d_model={cfg.d_model} is not divisible by "
-                              f"model.n_heads={cfg.n_heads}")
-        if not 0.0 <= cfg.dropout < 1.0 or not 0.0 < cfg.mask_rate < 1.0:
-            raise ConfigError(f"model.dropout={cfg.dropout} must be in [0, 1) and "
-                              f"model.mask_rate={cfg.mask_rate} in (0, 1)")
         self.cfg = cfg
         #: the data's vocabulary: the random replacements of masking are drawn from it
         self.data_vocab = data_vocab or cfg.vocab_size - 1

@@ -180,7 +180,7 @@ def register(family: Family) -> Family:
             and "__pydantic_fields__" in vars(config)):
         raise TaskError(f"model family '{family.name}': its config {config!r} must subclass "
                         "jaxpar.models.ModelConfig, declared with @section(\"model\") "
-                        "(from jaxpar.schema import section)")
+                        "(from jaxpar.models import section)")
     known = _FAMILIES.get(family.name)
     if known is not None and known is not family:
         raise TaskError(f"model family '{family.name}' is registered already "

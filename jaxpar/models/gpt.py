@@ -16,13 +16,14 @@ Parameters (logical axes):
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from jaxpar.errors import ConfigError
 from jaxpar.logical import constrain, shards
@@ -43,6 +44,7 @@ from jaxpar.models.transformer import (
     attention_implementation,
     attention_out,
     block,
+    check_heads,
     const,
     layer_norm,
     mlp,
@@ -83,20 +85,16 @@ class GPTConfig(ModelConfig):
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
+    @model_validator(mode="after")
+    def _heads(self) -> GPTConfig:
+        check_heads(self, rotary=self.positions == "rotary")
+        return self
+
 
 class GPT(nnx.Module):
     """Decoder-only transformer LM: tokens [B, T] → logits [B, T, V] (float32)."""
 
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
-        if cfg.d_model % cfg.n_heads:
-            raise ConfigError(
-                f"model.d_model={cfg.d_model} is not divisible by model.n_heads={cfg.n_heads}"
-            )
-        if cfg.positions == "rotary" and cfg.head_dim % 2:
-            raise ConfigError(
-                f"rotary positions need an even head dim; d_model/n_heads = {cfg.head_dim}: "
-                "change model.d_model or model.n_heads, or use model.positions=learned"
-            )
         self.cfg = cfg
         self.attention_impl = attention_implementation(cfg)
         V, D = cfg.vocab_size, cfg.d_model
@@ -302,10 +300,24 @@ STAGES = StageSplit("blocks", _lm_embed, lambda model, x, batch, first: model.ru
 
 # ---- the family ------------------------------------------------------------------------------
 def task(cfg: GPTConfig, seq_len: int) -> Task:
-    """The GPT's task: next-token prediction on windows of ``seq_len + 1`` tokens
-    (``model.init_from``'s weights are wired in by :func:`jaxpar.run.build`)."""
+    """The GPT's task: next-token prediction on windows of ``seq_len + 1`` tokens, the
+    parameters from the model's initializers.
+
+    Raises:
+      ConfigError: for ``cfg.init_from``: Hugging Face files are read where the config is
+        (:func:`jaxpar.task_for`, :func:`jaxpar.build`), not by the model's own module.
+    """
+    if cfg.init_from:
+        raise ConfigError(f"model.init_from={cfg.init_from}: the weights of a Hugging Face "
+                          "directory are read by jaxpar.task_for(config) (and jaxpar.build); "
+                          "call that, or build this task without init_from")
     return Task(lambda rngs: GPT(cfg, rngs=rngs), lm_loss, {"tokens": ("batch", None)},
                 tokens_per_example=seq_len, stages=STAGES, name="gpt")
+
+
+def _without_init_from(cfg: GPTConfig) -> GPTConfig:
+    """The family's task starts from initializers; ``jaxpar.run`` wires ``init_from`` in."""
+    return dataclasses.replace(cfg, init_from="")
 
 
 def _needs(cfg: GPTConfig) -> DataNeeds:
@@ -322,7 +334,8 @@ def _counts(cfg: GPTConfig, data: Any) -> Counts:
 
 
 GPT_FAMILY = register(Family(
-    "gpt", GPTConfig, lambda cfg, data: task(cfg, data.seq_len), _needs, counts=_counts,
+    "gpt", GPTConfig, lambda cfg, data: task(_without_init_from(cfg), data.seq_len), _needs,
+    counts=_counts,
     lab=TransformerLab(),
     memory_fixes=lambda cfg: [] if cfg.remat == "full" else ["model.remat=full"],
     compute_dtype=lambda cfg: cfg.dtype,

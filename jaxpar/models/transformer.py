@@ -33,6 +33,24 @@ Attention = Literal["auto", "xla", "cudnn"]
 Remat = Literal["none", "full", "save_dots"]
 
 
+def check_heads(cfg: Any, rotary: bool = False) -> None:
+    """``model.n_heads`` divides ``model.d_model`` (and, with rotary positions, the head dim
+    is even): what a transformer config's validator checks.
+
+    Raises:
+      ConfigError: naming the keys and the fix.
+    """
+    if cfg.d_model % cfg.n_heads:
+        raise ConfigError(
+            f"model.d_model={cfg.d_model} is not divisible by model.n_heads={cfg.n_heads}; "
+            "change one of them")
+    if rotary and (cfg.d_model // cfg.n_heads) % 2:
+        raise ConfigError(
+            f"rotary positions need an even head dim; d_model/n_heads = "
+            f"{cfg.d_model // cfg.n_heads}: change model.d_model or model.n_heads, or use "
+            "model.positions=learned")
+
+
 def param(key: jax.Array, shape: tuple[int, ...], axes: tuple[str, ...], scale: float) -> nnx.Param:
     return nnx.Param(scale * jax.random.normal(key, shape, jnp.float32), out_sharding=axes)
 

@@ -4,7 +4,7 @@ How to read the charts (``p`` devices, ``m`` microbatches, ``v`` chunks per devi
 
 * one row per device — ``stage d`` is device ``d``; for ``v > 1`` it holds the
   chunks ``d, d+p, d+2p, …`` (the interleaved layout);
-* one column per tick of :func:`~jaxpar.pipeline.schedule.tick_table`, i.e. the
+* one column per tick of :func:`~jaxpar.pipeline.ticks.tick_table`, i.e. the
   schedule played with every action lasting one tick — the table the executor
   scans over;
 * a cell is the action the device runs in that tick: ``F3`` forward of
@@ -88,7 +88,7 @@ def text_grid(table: TickTable, width: int | None = None) -> str:
     """A text chart: one row per device, one column per tick (see the module docstring).
 
     Args:
-      table: from :func:`~jaxpar.pipeline.schedule.tick_table`.
+      table: from :func:`~jaxpar.pipeline.ticks.tick_table`.
       width: wrap into blocks of ticks so no line is longer than this many
         characters; ``None`` keeps every tick on one line.
 

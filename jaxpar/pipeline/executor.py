@@ -3,7 +3,7 @@
 ``shard_map`` makes the ``stage`` axis (and the batch axes ``data``/``fsdp``)
 manual; ``tensor`` stays automatic, so tensor parallelism inside a stage comes
 from the same rules as without a pipeline. Inside, a ``lax.scan`` runs one
-tick of :class:`~jaxpar.pipeline.schedule.TickTable` per iteration on every
+tick of :class:`~jaxpar.pipeline.ticks.TickTable` per iteration on every
 device:
 
 1. the activation arriving from the left neighbour and the gradient arriving
@@ -44,7 +44,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.logical import Rules, activation_rules
+from jaxpar.logical import BATCH_AXES, Rules, activation_rules
 from jaxpar.pipeline.branches import (
     ADDS_LAYER_GRADS,
     ADDS_OTHER_GRADS,
@@ -138,7 +138,7 @@ def _split_for_stages(split: StageSplit, params: Any, p: int, v: int, mesh: Mesh
     rest = {k: x for k, x in params.items() if k != key}
     layers = jax.tree.map(lambda w: w.reshape(v, p, w.shape[0] // (p * v), *w.shape[1:]),
                           params[key])
-    batch_axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1)
+    batch_axes = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1)
     shards = math.prod(mesh.shape[a] for a in batch_axes)
     inner_rules = {n: tuple(a for a in axes if a not in MANUAL_AXES) for n, axes in rules.items()}
     return rest, layers, batch_axes, shards, inner_rules

@@ -1,4 +1,4 @@
-"""Pipeline schedules as data: per-device action lists, a time table, a validator.
+"""Pipeline schedules as data: per-device action lists and their simulation.
 
 Pure NumPy, no JAX. Vocabulary (``p`` stages/devices, ``m`` microbatches,
 ``v`` virtual stages per device):
@@ -13,11 +13,8 @@ Pure NumPy, no JAX. Vocabulary (``p`` stages/devices, ``m`` microbatches,
 * :func:`build` gives each device its ordered action list; :func:`simulate`
   plays the lists against their dependencies with given action durations and
   returns the start times, the bubble fraction and the peak number of
-  in-flight activations; :func:`tick_table` plays them with unit durations —
-  the table the executor scans over, one row per tick — and assigns every
-  activation and gradient message a buffer slot; :func:`validate` checks that
-  table (every action exactly once, dependencies respected, no slot reused
-  while live).
+  in-flight activations. :mod:`jaxpar.pipeline.ticks` plays them with unit
+  durations — the table both executors run — and checks that table.
 """
 
 from __future__ import annotations
@@ -77,7 +74,7 @@ def check_shape(schedule: str, p: int, m: int, v: int) -> None:
     """Rejects (schedule, p, m, v) combinations the schedule cannot run.
 
     Raises:
-      ValueError: naming the numbers and what to change.
+      LayoutError: naming the numbers and what to change.
     """
     if schedule not in SCHEDULES:
         raise LayoutError(f"unknown pipeline.schedule '{schedule}'; choose one of "

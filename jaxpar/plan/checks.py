@@ -13,18 +13,10 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxpar import sharding as shd
 from jaxpar.errors import LayoutError
-from jaxpar.logical import Rules, names_of, spec_axes, spec_for
+from jaxpar.logical import BATCH_AXES, Rules, names_of, spec_axes, spec_for, spec_leaves
 from jaxpar.pipeline.ticks import TickTable, tick_table
 from jaxpar.plan.abstract import AbstractModel
 from jaxpar.task import Task
-
-#: The mesh axes a batch is split over (data parallelism: ``data`` and ``fsdp``).
-BATCH_AXES = ("data", "fsdp")
-
-
-def spec_leaves(tree: Any) -> list[PartitionSpec]:
-    """The ``PartitionSpec`` leaves of a tree."""
-    return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 def batch_specs(task: Task, rules: Rules, mesh: Mesh, batch: Mapping[str, Any] | None

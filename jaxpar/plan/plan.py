@@ -34,7 +34,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpar import sharding as shd
-from jaxpar.errors import LayoutError, TaskError
+from jaxpar.errors import ConfigError, TaskError
 from jaxpar.gradients import (
     Accumulated,
     AccumulatedPerDataShard,
@@ -43,12 +43,11 @@ from jaxpar.gradients import (
     Plain,
     Strategy,
 )
-from jaxpar.logical import Rules, names_of, spec_axes
+from jaxpar.logical import BATCH_AXES, Rules, names_of, spec_axes, spec_leaves
 from jaxpar.pipeline.schedule import PipelineConfig
 from jaxpar.pipeline.ticks import TickTable
 from jaxpar.plan import checks
 from jaxpar.plan.abstract import AbstractModel, abstract_model, warn_unnamed
-from jaxpar.plan.checks import BATCH_AXES
 from jaxpar.plan.submesh import executor_of, sub_mesh_layout
 from jaxpar.state import TrainState
 from jaxpar.task import Task
@@ -191,7 +190,7 @@ class Plan:
 
 def make_plan(task: Task, optimizer: optax.GradientTransformation, mesh: Mesh, rules: Rules,
               *, grad_accum: int = 1, pipeline: PipelineConfig | None = None,
-              fsdp_gather: str = "per_microbatch") -> Plan:
+              fsdp_gather: str = "per_microbatch", model: AbstractModel | None = None) -> Plan:
     """Decides the layout of ``task`` trained by ``optimizer`` on ``mesh`` under ``rules``.
 
     Args:
@@ -204,12 +203,16 @@ def make_plan(task: Task, optimizer: optax.GradientTransformation, mesh: Mesh, r
         twice as many microbatches as stages).
       fsdp_gather: with ``grad_accum`` > 1, whether FSDP-sharded weights are gathered
         ``per_microbatch`` or ``once`` per step.
+      model: the task's abstract model, when the caller has it already.
 
     Raises:
       LayoutError: for every layout that cannot run (see the module docstring).
+      ConfigError: for a ``grad_accum`` below 1 or an unknown ``fsdp_gather``.
     """
+    if grad_accum < 1:
+        raise ConfigError(f"train.grad_accum={grad_accum} must be ≥ 1")
     pipeline = pipeline if pipeline is not None else PipelineConfig()
-    model = abstract_model(task)
+    model = model if model is not None else abstract_model(task)
     if model.unnamed:
         warn_unnamed(model.unnamed)
     abstract_opt = jax.eval_shape(optimizer.init, model.params)
@@ -271,7 +274,7 @@ def per_data_shard_possible(mesh: Mesh, param_specs: Any, stateful: bool) -> boo
         return False
     if mesh.shape["fsdp"] > 1 and mesh.shape["tensor"] > 1:
         return False
-    return not any("data" in spec_axes(s) for s in checks.spec_leaves(param_specs))
+    return not any("data" in spec_axes(s) for s in spec_leaves(param_specs))
 
 
 def gathered_specs(param_specs: Any) -> Any:
@@ -295,7 +298,7 @@ def gathers_weights(param_specs: Any) -> bool:
 def _gather_once(setting: str, grad_accum: int, param_specs: Any) -> bool:
     """Whether ``train.fsdp_gather=once`` has an effect (a warning says when it has none)."""
     if setting not in get_args(FsdpGather):
-        raise LayoutError(f"train.fsdp_gather must be one of {', '.join(get_args(FsdpGather))}"
+        raise ConfigError(f"train.fsdp_gather must be one of {', '.join(get_args(FsdpGather))}"
                           f", got {setting!r}")
     if setting != "once":
         return False
