@@ -13,7 +13,8 @@ lists the whole public API:
   the families themselves are the modules of :mod:`jaxpar.models`
 * layout and steps: :func:`make_plan` / :class:`Plan` (every layout decision),
   :class:`Trainer` (the jitted steps), :class:`TrainState`, :func:`abstract_model`
-* optimizers: :func:`make_optimizer`, :func:`make_schedule`, :func:`decay_mask`
+* optimizers: :func:`make_optimizer`, :func:`make_schedule`, :func:`decay_mask`,
+  :func:`clip_by_global_norm` (also across the stages of the sub-mesh executor)
 * training: :func:`train` (the whole loop), :func:`build` / :class:`Run` (a run from a
   config), :func:`fit` (the loop of a built run), :class:`Hook` (extend it),
   :class:`Checkpointer`
@@ -52,7 +53,13 @@ from jaxpar.loop import fit, train
 from jaxpar.mesh import MeshConfig, make_mesh, setup_devices
 from jaxpar.models import Family, ModelConfig, classification_loss, lm_loss, mlm_loss
 from jaxpar.models import register as register_model
-from jaxpar.optim import OptimConfig, decay_mask, make_optimizer, make_schedule
+from jaxpar.optim import (
+    OptimConfig,
+    clip_by_global_norm,
+    decay_mask,
+    make_optimizer,
+    make_schedule,
+)
 from jaxpar.pipeline.schedule import PipelineConfig
 from jaxpar.plan import Plan, abstract_model, make_plan
 from jaxpar.run import Run, build, task_for
@@ -68,9 +75,9 @@ __all__ = [
     "OptimConfig", "PRESETS", "PathError", "PipelineConfig", "Plan", "Preempted",
     "RestoreError", "RulesConfig", "Run", "RunConfig", "StageSplit", "Task", "TaskError",
     "TooManySkipped", "TrainConfig", "TrainState", "Trainer", "abstract_model",
-    "activation_rules", "build", "classification_loss", "constrain", "decay_mask", "fit",
-    "guard", "initialize_distributed", "integrity", "lab", "lm_loss", "load_config",
-    "make_mesh", "make_optimizer", "make_plan", "make_schedule", "mlm_loss", "models",
-    "pipeline", "program_cost", "register_model", "resolve_rules", "setup_devices", "spec_for",
-    "task_for", "train",
+    "activation_rules", "build", "classification_loss", "clip_by_global_norm", "constrain",
+    "decay_mask", "fit", "guard", "initialize_distributed", "integrity", "lab", "lm_loss",
+    "load_config", "make_mesh", "make_optimizer", "make_plan", "make_schedule", "mlm_loss",
+    "models", "pipeline", "program_cost", "register_model", "resolve_rules", "setup_devices",
+    "spec_for", "task_for", "train",
 ]

@@ -122,16 +122,18 @@ def pipeline_table(task: Task, model: AbstractModel, mesh: Mesh, rules: Rules,
     split = task.stages
     if split is None:
         raise LayoutError(
-            f"mesh.stage={p}, but this model cannot be split into pipeline stages (its task "
-            "has no StageSplit: stacked layers with embed/stage/head functions); "
-            "set mesh.stage=1")
+            f"mesh.stage={p}, but this model cannot be split into pipeline stages: its task "
+            "declares neither its layers (Task.layers=jaxpar.Layers(inputs=…, loss=…): any "
+            "sequence of layers, run by pipeline.executor=mpmd) nor a StageSplit (a stack of "
+            "identical layers); give it one, or set mesh.stage=1")
     other = [k for k in model.state_kinds if k not in ("RngKey", "RngCount")]
     if other:
         raise LayoutError(
             f"mesh.stage={p}: the pipeline runs models whose state besides nnx.Param is RNG "
             f"streams only, but this one also has {', '.join(other)} (statistics of the whole "
-            "batch cannot be split into stages); set mesh.stage=1 (data, fsdp and tensor "
-            "parallelism carry such state)")
+            "batch cannot be split into stages there); give the Task its layers and use "
+            "pipeline.executor=mpmd (each stage keeps its own statistics), or set "
+            "mesh.stage=1 (data, fsdp and tensor parallelism carry such state)")
     if tuple(rules.get("layers", ())) != ("stage",):
         raise LayoutError(
             f"mesh.stage={p} needs the stacked layers split over it, but rules.layers="

@@ -222,7 +222,8 @@ def make_plan(task: Task, optimizer: optax.GradientTransformation, mesh: Mesh, r
     loss = ModelLoss(model.graphdef, task.loss_fn)
     settings = {"grad_accum": grad_accum, "pipeline": pipeline, "fsdp_gather": fsdp_gather}
     if executor_of(task, pipeline, mesh.shape["stage"]) == "mpmd":
-        layout = sub_mesh_layout(task, model, abstract_opt, mesh, rules, pipeline, grad_accum)
+        layout = sub_mesh_layout(task, model, optimizer, abstract_opt, mesh, rules, pipeline,
+                                 grad_accum)
         checks.check_layout(task, model, rules, mesh, layout.param_specs, batch_specs,
                             run_by_executor=("stage",))
         return Plan(task, optimizer, mesh, rules, model, layout.param_specs,

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Any, get_args
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -27,6 +29,7 @@ from jaxpar.pipeline.ticks import tick_table
 from jaxpar.pipeline.views import WHOLE
 from jaxpar.state import TrainState
 from jaxpar.task import Task
+from jaxpar.update import optimizer_update
 
 
 @dataclass(frozen=True)
@@ -56,8 +59,9 @@ def executor_of(task: Task, pipeline: PipelineConfig, stages: int) -> str | None
     return chosen
 
 
-def sub_mesh_layout(task: Task, model: Any, abstract_opt: Any, mesh: Mesh, rules: Rules,
-                    pipeline: PipelineConfig, grad_accum: int) -> SubMeshLayout:
+def sub_mesh_layout(task: Task, model: Any, optimizer: optax.GradientTransformation,
+                    abstract_opt: Any, mesh: Mesh, rules: Rules, pipeline: PipelineConfig,
+                    grad_accum: int) -> SubMeshLayout:
     """Where every variable lives under the sub-mesh executor, and the executor.
 
     Raises:
@@ -74,6 +78,7 @@ def sub_mesh_layout(task: Task, model: Any, abstract_opt: Any, mesh: Mesh, rules
                                   what="model state")
     opt_specs, replicated = shd.opt_state_specs(abstract_opt, model.params, param_specs)
     homes = _homes(cut, p, model.params, model.state, abstract_opt)
+    _check_per_stage_update(optimizer, homes.params, p)
     specs = TrainState(PartitionSpec(), param_specs, opt_specs, PartitionSpec(), state_specs)
     shardings = jax.tree.map(
         lambda home, spec: NamedSharding(mesh if home == WHOLE else meshes[home], spec),
@@ -81,6 +86,38 @@ def sub_mesh_layout(task: Task, model: Any, abstract_opt: Any, mesh: Mesh, rules
     executor = SubMeshPipeline(task.layers, cut, tick_table(pipeline.schedule, p, m, v), mesh,
                                meshes, rules, homes, grad_accum)
     return SubMeshLayout(param_specs, state_specs, opt_specs, replicated, shardings, executor)
+
+
+def _check_per_stage_update(tx: optax.GradientTransformation, homes: Any, p: int) -> None:
+    """Each stage updates its own parameters: the optimizer's update of one parameter must
+    not read another stage's gradients. Checked on a probe (the parameters' structure and
+    ranks, 2 elements a dim, large gradients): the update of the whole probe against each
+    stage's share updated alone, with the whole probe's gradient norm.
+
+    Raises:
+      LayoutError: naming the first parameter whose update differs.
+    """
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda h: jnp.asarray(rng.normal(size=(2, 2)), jnp.float32), homes)
+    grads = jax.tree.map(lambda x: 1e3 * x, params)
+    norm = optax.tree.norm(grads)
+    whole, _ = optimizer_update(tx, grads, tx.init(params), params, norm)
+    positions = shd.param_positions(jax.eval_shape(tx.init, params), params)
+    flat = jax.tree.leaves(homes)
+    for s in range(p):
+        mine = lambda tree, s=s: jax.tree.map(lambda h, x: x if h == s else None, homes, tree)
+        opt = jax.tree.map(lambda i, x, s=s: x if i < 0 or flat[i] == s else None, positions,
+                           tx.init(params), is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+        alone, _ = optimizer_update(tx, mine(grads), opt, mine(params), norm)
+        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(alone),
+                                jax.tree.leaves(mine(whole))):
+            if not np.allclose(a, b, rtol=1e-5, atol=1e-6):
+                raise LayoutError(
+                    f"pipeline.executor=mpmd updates each stage's parameters on its own "
+                    f"devices, but this optimizer's update of {shd.path_str(path)} depends on "
+                    "other stages' gradients (a global-norm clip inside the optax chain, "
+                    "say): clip with jaxpar.clip_by_global_norm(max_norm) (or optim.clip_norm), "
+                    "which clips by the whole model's norm, or use pipeline.executor=spmd")
 
 
 def _homes(cut: LayerCut, p: int, params: Any, state: Any, abstract_opt: Any) -> TrainState:

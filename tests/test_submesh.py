@@ -1,0 +1,205 @@
+"""The sub-mesh pipeline executor (``pipeline.executor=mpmd``): any model split by layer over
+stages of different shapes equals one device running the same microbatches with
+``train.grad_accum`` — losses, parameters, optimizer state, BatchNorm statistics, RNG
+counts and evaluation — under every schedule; bad cuts are one-line errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxpar
+from jaxpar.errors import LayoutError, TaskError
+from tests.helpers import assert_params_close
+
+M = 4  # microbatches per step
+BATCH = 16
+
+
+def _mlp(*widths: int):
+    """The texts' model: Dense(784→512) → relu → Dense(512→10), or any widths."""
+    def model_fn(rngs: nnx.Rngs) -> nnx.Sequential:
+        layers = []
+        for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
+            layers += [nnx.Linear(a, b, rngs=rngs)] + ([nnx.relu] if i < len(widths) - 2 else [])
+        return nnx.Sequential(*layers)
+
+    return model_fn
+
+
+def _sparse_ce(logits, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def _digits(step: int, n: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(step)
+    return {"x": rng.normal(size=(n, 784)).astype(np.float32),
+            "y": rng.integers(0, 10, n).astype(np.int32)}
+
+
+MLP = jaxpar.Task(_mlp(784, 512, 10), batch_axes={"x": ("batch", None), "y": ("batch",)},
+                  layers=jaxpar.Layers(inputs="x", loss=_sparse_ce), data=_digits,
+                  name="two_device_mlp")
+
+
+def _cnn(rngs: nnx.Rngs) -> nnx.Sequential:
+    """A stock NNX CNN as a sequence: Conv, BatchNorm, relu, Dropout, flatten, Dense ×2."""
+    return nnx.Sequential(nnx.Conv(1, 8, (3, 3), rngs=rngs), nnx.BatchNorm(8, rngs=rngs),
+                          nnx.relu, nnx.Dropout(0.2, rngs=rngs),
+                          lambda x: x.reshape(x.shape[0], -1),
+                          nnx.Linear(8 * 8 * 8, 32, rngs=rngs), nnx.relu,
+                          nnx.Linear(32, 4, rngs=rngs))
+
+
+def _images(step: int, n: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(step)
+    labels = rng.integers(0, 4, n)
+    images = rng.normal(size=(n, 8, 8, 1)).astype(np.float32)
+    images[np.arange(n), labels * 2, labels * 2] += 3.0
+    return {"images": images, "labels": labels.astype(np.int32)}
+
+
+def _ce_accuracy(logits, batch):
+    labels = batch["labels"]
+    return (optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(),
+            {"accuracy": (logits.argmax(-1) == labels).mean()})
+
+
+CNN = jaxpar.Task(_cnn, batch_axes={"images": ("batch", None, None, None), "labels": ("batch",)},
+                  layers=jaxpar.Layers(inputs="images", loss=_ce_accuracy), data=_images,
+                  eval_data=lambda step, n: _images(10**6 + step, n), name="bn_cnn")
+
+
+def _host(tree):
+    def one(x):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        return np.asarray(x)
+
+    return jax.tree.map(one, tree)
+
+
+def _train(task, overrides, optimizer, devices=8, steps=3):
+    config = jaxpar.load_config([], [*overrides, f"train.batch_size={BATCH}",
+                                     f"run.devices={devices}"])
+    run = jaxpar.build(config, task, optimizer)
+    state, losses = run.trainer.init(), []
+    for step in range(steps):
+        state, metrics = run.trainer.step(state, run.trainer.shard_batch(task.data(step, BATCH)))
+        losses.append(float(metrics["loss"]))
+    return run, state, np.array(losses)
+
+
+def _one_device(task, optimizer):
+    return _train(task, ["mesh.data=1", f"train.grad_accum={M}"], optimizer, devices=1)
+
+
+def _staged(task, optimizer, stages, schedule, virtual=1, extra=()):
+    return _train(task, [f"mesh.stage={stages}", f"mesh.data={8 // stages}",
+                         f"pipeline.schedule={schedule}", f"pipeline.microbatches={M}",
+                         f"pipeline.virtual_stages={virtual}", *extra], optimizer)
+
+
+@pytest.mark.parametrize("schedule,widths,virtual", [
+    ("gpipe", (784, 512, 10), 1), ("1f1b", (784, 512, 10), 1), ("zb_h1", (784, 512, 10), 1),
+    ("interleaved", (784, 256, 128, 64, 10), 2),  # 2 chunks per device: 4 chunks, 7 layers
+])
+def test_the_two_device_model_equals_one_device(schedule, widths, virtual):
+    """The texts' 784→512→10 model split by layer over 2 stages of 4 devices, with Adam:
+    losses, parameters and optimizer state equal one device accumulating 4 microbatches."""
+    task = dataclasses.replace(MLP, model_fn=_mlp(*widths))
+    adam = optax.adam(1e-3)
+    ref_run, ref, ref_losses = _one_device(task, adam)
+    run, got, losses = _staged(task, adam, 2, schedule, virtual)
+    assert type(run.plan.gradients).__name__ == "SubMeshPipeline"
+    assert len(run.plan.gradients.cut.chunks) == 2 * virtual
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    assert_params_close(_host(got.params), _host(ref.params), elementwise=False)
+    assert_params_close(_host(got.opt_state), _host(ref.opt_state), elementwise=False)
+
+
+def test_each_layer_lives_on_its_stage():
+    run, state, _ = _staged(MLP, optax.sgd(0.1, momentum=0.9), 2, "1f1b")
+    meshes = run.plan.gradients.meshes
+    first, second = (set(m.devices.flat) for m in meshes)
+    assert state.params["layers"][0]["kernel"].sharding.device_set == first
+    assert state.params["layers"][2]["kernel"].sharding.device_set == second
+    assert state.opt_state[0].trace["layers"][2]["kernel"].sharding.device_set == second
+    assert state.step.sharding.device_set == first | second  # read in place by every stage
+
+
+@pytest.mark.parametrize("stages,schedule,virtual", [(2, "1f1b", 1), (2, "zb_h1", 1),
+                                                     (4, "gpipe", 1), (2, "interleaved", 2)])
+def test_batchnorm_and_dropout_live_in_their_stage(stages, schedule, virtual):
+    """A BatchNorm + Dropout CNN in 2 and 4 stages equals one device with 4 accumulated
+    microbatches: losses, parameters, running statistics, RNG counts, and evaluation on the
+    running averages without dropout."""
+    sgd = optax.sgd(0.1, momentum=0.9)
+    ref_run, ref, ref_losses = _one_device(CNN, sgd)
+    run, got, losses = _staged(CNN, sgd, stages, schedule, virtual)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    assert_params_close(_host(got.params), _host(ref.params))
+    got_state, ref_state = _host(got.model_state), _host(ref.model_state)
+    assert jax.tree.structure(got_state) == jax.tree.structure(ref_state)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got_state),
+                            jax.tree.leaves(ref_state)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=str(path))
+    assert int(got_state["layers"][3]["rngs"]["count"]) == 3 * M  # one draw per microbatch
+    held_out = _images(10**6, BATCH)
+    evals = [r.trainer.evaluate(s, r.trainer.shard_batch(held_out))
+             for r, s in ((run, got), (ref_run, ref))]
+    np.testing.assert_allclose(float(evals[0]["loss"]), float(evals[1]["loss"]), rtol=1e-5)
+    np.testing.assert_allclose(float(evals[0]["accuracy"]), float(evals[1]["accuracy"]))
+
+
+def test_balanced_and_explicit_cuts():
+    """The cut balances parameter bytes; pipeline.split overrides it."""
+    from jaxpar.pipeline.cut import _balanced
+
+    assert _balanced([401_408, 1, 5_130], 2) == [1, 2]  # the big layer alone
+    assert _balanced([1, 1, 1, 1], 2) == [2, 2]
+    run, _, _ = _staged(CNN, optax.sgd(0.1), 2, "1f1b", extra=["pipeline.split=[2, 6]"])
+    assert run.plan.gradients.cut.chunks == ((0, 2), (2, 8))
+
+
+@pytest.mark.parametrize("extra,task,error,message", [
+    (["pipeline.split=[1, 1]"], MLP, LayoutError,
+     r"pipeline.split=\[1, 1\] must give 2 chunks .* summing to the model's 3 layers; "
+     r"e.g. pipeline.split=\[2, 1\]"),
+    (["pipeline.split=[3, 0]"], MLP, LayoutError, r"each of at least one layer"),
+    (["mesh.stage=4", "mesh.data=2"], MLP, LayoutError,
+     r"the model has 3 layers, fewer than the 4 chunks"),
+    ([], dataclasses.replace(MLP, layers=None, loss_fn=lambda m, b: (0.0, {})), LayoutError,
+     r"mesh.stage=2, but this model cannot be split into pipeline stages"),
+    (["pipeline.executor=mpmd"], dataclasses.replace(MLP, layers=None,
+                                                     loss_fn=lambda m, b: (0.0, {})),
+     TaskError, r"pipeline.executor=mpmd cuts a model by layer, but this task declares no "
+                r"layers; give the Task layers=jaxpar.Layers"),
+])
+def test_a_cut_that_cannot_be_made_is_one_line(extra, task, error, message):
+    overrides = ["mesh.stage=2", "mesh.data=4", *extra]
+    with pytest.raises(error, match=message) as err:
+        jaxpar.build(jaxpar.load_config([], [*overrides, f"train.batch_size={BATCH}"]), task,
+                     optax.sgd(0.1))
+    assert "\n" not in str(err.value)
+
+
+def test_clipping_spans_the_stages():
+    """jaxpar's global-norm clip reads the whole model's norm on every stage: clipped steps
+    equal one device's; optax's own clip inside a chain would see one stage's norm, and is
+    refused in one line naming the fix."""
+    clipped = optax.chain(jaxpar.clip_by_global_norm(0.05), optax.sgd(0.1))
+    _, ref, ref_losses = _one_device(MLP, clipped)
+    run, got, losses = _staged(MLP, clipped, 2, "1f1b")
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    assert_params_close(_host(got.params), _host(ref.params))
+    norm = float(run.trainer.step(got, run.trainer.shard_batch(_digits(3, BATCH)))[1]["grad_norm"])
+    assert norm > 0.05  # the clip was active
+    with pytest.raises(LayoutError, match=r"this optimizer's update of layers/0/bias depends on "
+                                          r"other stages' gradients .* jaxpar.clip_by_global_norm"):
+        _staged(MLP, optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1)), 2, "1f1b")
