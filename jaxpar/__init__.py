@@ -8,8 +8,9 @@ lists the whole public API:
 * config: :func:`load_config`, :class:`Config` and its sections
 * devices, mesh and rules: :func:`setup_devices`, :func:`make_mesh`, :data:`PRESETS`,
   :func:`resolve_rules`, :func:`constrain`, :func:`activation_rules`, :func:`spec_for`
-* models: :class:`Task`, :class:`StageSplit`, :class:`Layers`, :class:`Family`, :class:`ModelConfig`,
-  :func:`register_model`, :func:`task_for` (a built-in model's task), the built-in losses;
+* models: :class:`Task`, :class:`StageSplit`, :class:`Layers`, :class:`Family`,
+  :class:`ModelConfig`, :func:`register_model`, :func:`task_for` (a built-in model's task),
+  the built-in losses;
   the families themselves are the modules of :mod:`jaxpar.models`
 * layout and steps: :func:`make_plan` / :class:`Plan` (every layout decision),
   :class:`Trainer` (the jitted steps), :class:`TrainState`, :func:`abstract_model`

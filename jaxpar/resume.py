@@ -258,8 +258,8 @@ def export_params(config: Config, out: str | Path, step: int | None = None,
     with tied embeddings and learned positions only).
 
     Raises:
-      RestoreError, ConfigError: when the run has no such checkpoint or it does not fit the model, or
-        its model cannot be written in the format.
+      RestoreError, ConfigError: when the run has no such checkpoint or it does not fit
+        the model, or its model cannot be written in the format.
     """
     if format not in ("npz", "hf"):
         raise ConfigError(f"--format must be npz or hf, got {format!r}")
