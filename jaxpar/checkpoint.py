@@ -311,11 +311,16 @@ class Checkpointer:
                   if jnp.issubdtype(x.dtype, jnp.inexact)]
         if not leaves:
             return
-        replicated = NamedSharding(self.plan.mesh, PartitionSpec())
-        flags = jax.jit(lambda xs: jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]),
-                        out_shardings=replicated)([x for _, x in leaves])
-        flags = np.asarray(flags.addressable_data(0))
-        bad = [name for (name, _), ok in zip(leaves, flags) if not ok]
+        groups: dict[Any, list[tuple[str, jax.Array]]] = {}
+        for name, x in leaves:  # one program per device set (a pipeline stage's sub-mesh)
+            groups.setdefault(x.sharding.mesh, []).append((name, x))
+        bad = []
+        for mesh, group in groups.items():
+            flags = jax.jit(lambda xs: jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]),
+                            out_shardings=NamedSharding(mesh, PartitionSpec()))(
+                                [x for _, x in group])
+            flags = np.asarray(flags.addressable_data(0))
+            bad += [name for (name, _), ok in zip(group, flags) if not ok]
         if bad:
             raise CorruptCheckpoint(step, self.path(step), "non-finite values (inf or NaN) "
                                     f"in {integrity.summarize(bad)}")

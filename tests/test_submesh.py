@@ -203,3 +203,37 @@ def test_clipping_spans_the_stages():
     with pytest.raises(LayoutError, match=r"this optimizer's update of layers/0/bias depends on "
                                           r"other stages' gradients .* jaxpar.clip_by_global_norm"):
         _staged(MLP, optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1)), 2, "1f1b")
+
+
+def test_checkpoints_resume_bitwise_and_restore_onto_another_layout(tmp_path):
+    """The train state spans the sub-meshes as one tree: a run stopped at a checkpoint and
+    resumed ends bitwise where the uninterrupted run does, and its checkpoint restores onto
+    a layout without stages (and that one's back onto the stages) with equal values."""
+    from jaxpar.resume import restore_state
+
+    adam = optax.adam(1e-3)
+    common = ["train.log_every=1", "train.eval_every=0", "train.progress=false",
+              "checkpoint.every_steps=2", "checkpoint.async_save=false",
+              f"train.batch_size={BATCH}"]
+    staged = ["mesh.stage=2", "mesh.data=4", f"pipeline.microbatches={M}"]
+
+    def train(steps, run_dir, layout=staged):
+        config = jaxpar.load_config([], [*common, *layout, f"train.steps={steps}",
+                                         f"run.dir={run_dir}"])
+        return jaxpar.train(config, task=CNN, optimizer=adam, echo=False)
+
+    whole = train(4, tmp_path / "whole")
+    train(2, tmp_path / "split")
+    resumed = train(4, tmp_path / "split")
+    assert [r["loss"] for r in resumed.train_rows] == [r["loss"] for r in whole.train_rows[2:]]
+    for a, b in zip(jax.tree.leaves(_host(whole.state)), jax.tree.leaves(_host(resumed.state))):
+        np.testing.assert_array_equal(a, b)
+    flat = ["mesh.data=8", "train.grad_accum=2"]
+    for source, target in ((staged, flat), (flat, staged)):
+        run_dir = tmp_path / f"from-{source[0]}"
+        done = train(2, run_dir, source)
+        config = jaxpar.load_config([], [*common, *target, "train.steps=2", f"run.dir={run_dir}"])
+        restored = restore_state(jaxpar.build(config, CNN, adam), 2, "test")
+        for a, b in zip(jax.tree.leaves(_host(done.state)), jax.tree.leaves(_host(restored))):
+            np.testing.assert_array_equal(a, b)
+        assert restored.params["layers"][0]["kernel"].sharding.mesh.shape["stage"] == 1
