@@ -6,6 +6,7 @@ counts and evaluation — under every schedule; bad cuts are one-line errors."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import jax
 import numpy as np
@@ -15,7 +16,7 @@ from flax import nnx
 
 import jaxpar
 from jaxpar.errors import LayoutError, TaskError
-from tests.helpers import assert_params_close
+from tests.helpers import assert_params_close, run_steps
 
 M = 4  # microbatches per step
 BATCH = 16
@@ -25,7 +26,7 @@ def _mlp(*widths: int):
     """The texts' model: Dense(784→512) → relu → Dense(512→10), or any widths."""
     def model_fn(rngs: nnx.Rngs) -> nnx.Sequential:
         layers = []
-        for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
+        for i, (a, b) in enumerate(itertools.pairwise(widths)):
             layers += [nnx.Linear(a, b, rngs=rngs)] + ([nnx.relu] if i < len(widths) - 2 else [])
         return nnx.Sequential(*layers)
 
@@ -114,7 +115,7 @@ def test_the_two_device_model_equals_one_device(schedule, widths, virtual):
     losses, parameters and optimizer state equal one device accumulating 4 microbatches."""
     task = dataclasses.replace(MLP, model_fn=_mlp(*widths))
     adam = optax.adam(1e-3)
-    ref_run, ref, ref_losses = _one_device(task, adam)
+    _ref_run, ref, ref_losses = _one_device(task, adam)
     run, got, losses = _staged(task, adam, 2, schedule, virtual)
     assert type(run.plan.gradients).__name__ == "SubMeshPipeline"
     assert len(run.plan.gradients.cut.chunks) == 2 * virtual
@@ -169,8 +170,8 @@ def test_balanced_and_explicit_cuts():
 
 @pytest.mark.parametrize("extra,task,error,message", [
     (["pipeline.split=[1, 1]"], MLP, LayoutError,
-     r"pipeline.split=\[1, 1\] must give 2 chunks .* summing to the model's 3 layers; "
-     r"e.g. pipeline.split=\[2, 1\]"),
+     (r"pipeline.split=\[1, 1\] must give 2 chunks .* summing to the model's 3 layers; "
+     r"e.g. pipeline.split=\[2, 1\]")),
     (["pipeline.split=[3, 0]"], MLP, LayoutError, r"each of at least one layer"),
     (["mesh.stage=4", "mesh.data=2"], MLP, LayoutError,
      r"the model has 3 layers, fewer than the 4 chunks"),
@@ -178,8 +179,8 @@ def test_balanced_and_explicit_cuts():
      r"mesh.stage=2, but this model cannot be split into pipeline stages"),
     (["pipeline.executor=mpmd"], dataclasses.replace(MLP, layers=None,
                                                      loss_fn=lambda m, b: (0.0, {})),
-     TaskError, r"pipeline.executor=mpmd cuts a model by layer, but this task declares no "
-                r"layers; give the Task layers=jaxpar.Layers"),
+     TaskError, (r"pipeline.executor=mpmd cuts a model by layer, but this task declares no "
+                r"layers; give the Task layers=jaxpar.Layers")),
 ])
 def test_a_cut_that_cannot_be_made_is_one_line(extra, task, error, message):
     overrides = ["mesh.stage=2", "mesh.data=4", *extra]
@@ -237,3 +238,51 @@ def test_checkpoints_resume_bitwise_and_restore_onto_another_layout(tmp_path):
         for a, b in zip(jax.tree.leaves(_host(done.state)), jax.tree.leaves(_host(restored))):
             np.testing.assert_array_equal(a, b)
         assert restored.params["layers"][0]["kernel"].sharding.mesh.shape["stage"] == 1
+
+
+GPT = ["model.d_model=16", "model.n_heads=2", "model.d_ff=32", "model.max_seq_len=8",
+       "data.seq_len=8", "train.batch_size=32", "model.n_layers=4", "optim.name=adamw",
+       "optim.lr=3e-3", "optim.weight_decay=0.1", "optim.clip_norm=1.0",
+       "optim.warmup_steps=0"]
+
+
+@pytest.mark.parametrize("layout", [
+    ["mesh.stage=2", "mesh.data=4", "pipeline.schedule=1f1b"],
+    ["mesh.stage=2", "mesh.data=2", "mesh.tensor=2", "pipeline.schedule=gpipe"],
+    ["mesh.stage=4", "mesh.data=2", "pipeline.schedule=zb_h1"],
+], ids=["data4", "data2-tensor2", "stage4-zb_h1"])
+def test_gpt_under_both_executors_equals_one_device(layout):
+    """The GPT (a StageSplit stack, AdamW with clipping and weight decay) under the sub-mesh
+    executor = under the spmd executor = one device: losses and parameters; the two
+    executors' states are laid out alike (a checkpoint of one restores onto the other)."""
+    one = run_steps([*GPT, "mesh.data=1", "train.grad_accum=4"], devices=1)
+    common = [*GPT, *layout, "pipeline.microbatches=4"]
+    spmd = run_steps([*common, "pipeline.executor=spmd"])
+    mpmd = run_steps([*common, "pipeline.executor=mpmd"])
+    assert type(mpmd[2].plan.gradients).__name__ == "SubMeshPipeline"
+    assert type(spmd[2].plan.gradients).__name__ == "Pipelined"
+    for losses, params, _ in (spmd, mpmd):
+        np.testing.assert_allclose(losses, one[0], rtol=1e-5)
+        assert_params_close(params, one[1], elementwise=False, rtol=1e-4)
+    assert_params_close(mpmd[1], spmd[1], elementwise=False, rtol=1e-4)
+    specs = lambda run: jax.tree.map(lambda s: (s.spec, s.mesh.shape),
+                                     run.plan.state_shardings)
+    assert specs(mpmd[2]) == specs(spmd[2])
+
+
+def test_bert_dropout_and_masks_under_both_executors():
+    """BERT (dropout and masks keyed by the RNG stream's count and the example id) under the
+    sub-mesh executor: losses and parameters equal the spmd executor's (the same dropout
+    and masks); evaluation through the stages agrees."""
+    common = [*GPT, "model.name=bert", "mesh.stage=2", "mesh.data=4",
+              "pipeline.microbatches=4"]
+    spmd = run_steps([*common, "pipeline.executor=spmd"])
+    mpmd = run_steps([*common, "pipeline.executor=mpmd"])
+    np.testing.assert_allclose(mpmd[0], spmd[0], rtol=1e-5)
+    assert_params_close(mpmd[1], spmd[1], elementwise=False, rtol=1e-4)
+    run = mpmd[2]
+    batch = run.trainer.shard_batch(run.data.batch(0, 32, "eval"))
+    state = run.trainer.init()
+    got = run.trainer.evaluate(state, batch)
+    want = spmd[2].trainer.evaluate(state, batch)
+    np.testing.assert_allclose(float(got["loss"]), float(want["loss"]), rtol=1e-6)

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -13,15 +15,24 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.logical import activation_rules
-from jaxpar.pipeline.views import get_path, put_path, view_of
-from jaxpar.task import Batch, split_microbatches
+from jaxpar.pipeline.cut import LayerCut
+from jaxpar.pipeline.executor import advance_counts
+from jaxpar.pipeline.views import (
+    STACKED,
+    get_path,
+    put_path,
+    stack_of,
+    view_of,
+)
+from jaxpar.task import Batch, Layers, StageSplit, split_microbatches
 
 
 def chunk_program(ex: Any, kind: str, c: int) -> Callable:
     """Chunk ``c``'s jitted program ``kind``: ``F`` (forward: the activation it sends and
     its model state after), ``B`` (backward recomputed from the stashed input: the
     gradient it sends and its gradient sums), ``I`` / ``W`` (the input and the weight
-    halves of the backward, zero-bubble), ``eval`` (forward in evaluation mode)."""
+    halves of the backward, zero-bubble), ``eval`` (forward in evaluation mode), ``zeros``
+    (zeros placed as its parameters: a gradient sum's start)."""
     last = c == len(ex.cut.chunks) - 1
     mesh = ex.meshes[c % len(ex.meshes)]
     total = ex.k * ex.table.m
@@ -30,9 +41,7 @@ def chunk_program(ex: Any, kind: str, c: int) -> Callable:
         with activation_rules(mesh, ex.rules):
             mb = {k: jax.lax.dynamic_index_in_dim(split_microbatches(v, count), j, 0, False)
                   for k, v in batch.items()}
-            y, new_state = _chunk_forward(ex, c, params, state,
-                                          ex.layers.input_of(mb) if c == 0 else x, train)
-            return (ex.layers.loss_of(y, mb) if last else y), new_state
+            return ex.cut.forward(c, params, state, x, mb, j, train, last)
 
     if kind == "F":
         return jax.jit(lambda p, s, x, b, j: _forward_out(run(p, s, x, b, j), last))
@@ -47,8 +56,12 @@ def chunk_program(ex: Any, kind: str, c: int) -> Callable:
             return back((jnp.full_like(loss, seed), jax.tree.map(jnp.zeros_like, aux))), out
         return back(dy), None
 
-    def accumulate(acc, dp):
-        return jax.tree.map(jnp.add, acc, dp)
+    placed = ex.param_shardings(c)
+    if kind == "zeros":  # a gradient sum's start
+        return jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=placed)
+
+    def accumulate(acc, dp):  # a gradient sum placed as its parameters
+        return jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, acc, dp), placed)
 
     if kind == "B":
         return jax.jit(lambda p, s, x, b, j, dy, acc: _backward(vjp(p, s, x, b, j, dy), acc,
@@ -75,22 +88,108 @@ def _input_grad(result: Any) -> tuple:
     return dx, out
 
 
-def _chunk_forward(ex: Any, c: int, params: dict, state: dict, x: Any,
-                   train: bool) -> tuple[Any, dict]:
-    """Chunk ``c``'s layers in order on ``x``; ``params``/``state`` by layer index. The
-    model state each layer ends with (its BatchNorm statistics, RNG counts)."""
-    start, stop = ex.cut.chunks[c]
-    new_state = {}
-    for idx in range(start, stop):
-        layer = ex.cut.layers[idx]
-        if layer.graphdef is None:
-            x = layer.fn(x)
-            continue
-        module = nnx.merge(layer.graphdef, params[idx], state.get(idx, {}))
-        module.train() if train else module.eval()
-        x = module(x)
-        new_state[idx] = nnx.to_pure_dict(nnx.state(module, nnx.Not(nnx.Param)))
-    return x, new_state
+@dataclass(frozen=True)
+class ByLayer:
+    """A model given by its layers (``Task.layers``) cut into chunks of any shapes: a
+    chunk's parameters and model state by layer index, each on its stage."""
+
+    cut: LayerCut
+    spec: Layers
+
+    @property
+    def chunks(self) -> tuple[tuple[int, int], ...]:
+        return self.cut.chunks
+
+    def chunk_tree(self, share: Any, c: int) -> dict:
+        """Chunk ``c``'s variables of a stage's share, by layer index."""
+        start, stop = self.cut.chunks[c]
+        return {i: get_path(share, self.cut.layers[i].path) for i in range(start, stop)
+                if self.cut.layers[i].path is not None}
+
+    def forward(self, c: int, params: dict, state: dict, x: Any, mb: Batch, j: Any,
+                train: bool, last: bool) -> tuple[Any, dict]:
+        """Chunk ``c``'s layers in order (the first reads the batch, the last gives the
+        loss), and the model state each layer ends with (BatchNorm statistics, RNG counts)."""
+        x = self.spec.input_of(mb) if c == 0 else x
+        new_state = {}
+        for idx in range(*self.cut.chunks[c]):
+            layer = self.cut.layers[idx]
+            if layer.graphdef is None:
+                x = layer.fn(x)
+                continue
+            module = nnx.merge(layer.graphdef, params[idx], state.get(idx, {}))
+            module.train() if train else module.eval()
+            x = module(x)
+            new_state[idx] = nnx.to_pure_dict(nnx.state(module, nnx.Not(nnx.Param)))
+        return (self.spec.loss_of(x, mb) if last else x), new_state
+
+    def collect(self, ex: Any, acc: list, states: list, model_state: Any, total: int
+                ) -> tuple[Any, Any]:
+        """The gradients and the model state as trees like the state's (each leaf on its
+        stage)."""
+        grads, model_state = {}, {}
+        for c in range(len(self.cut.chunks)):
+            for idx, tree in acc[c].items():
+                put_path(grads, self.cut.layers[idx].path, tree)
+            for idx, tree in states[c].items():
+                if jax.tree.leaves(tree):
+                    put_path(model_state, self.cut.layers[idx].path, tree)
+        return _ordered(grads, ex.homes.params), _ordered(model_state, ex.homes.model_state)
+
+
+@dataclass(frozen=True)
+class ByStack:
+    """A stack of identical layers (``Task.stages``): stage ``s`` holds the ``s``-th
+    contiguous chunk of the stack (the spmd executor's layout of it), and reads the other
+    parameters (embedding, head) and the RNG streams in place; microbatch ``j`` draws with
+    the step's RNG counts advanced by ``j``, as under the spmd executor."""
+
+    split: StageSplit
+    graphdef: nnx.GraphDef
+    chunks: tuple[tuple[int, int], ...]
+    rng_counts: Any
+
+    def chunk_tree(self, share: Any, c: int) -> Any:
+        return share
+
+    def forward(self, c: int, params: Any, state: Any, x: Any, mb: Batch, j: Any, train: bool,
+                last: bool) -> tuple[Any, Any]:
+        model = nnx.merge(self.graphdef, params,
+                          advance_counts(state, self.rng_counts, j) if train else state)
+        model.train() if train else model.eval()
+        x = self.split.embed(model, mb) if c == 0 else x
+        x = self.split.stage(model, x, mb, self.chunks[c][0])
+        return (self.split.head(model, x, mb) if last else x), state
+
+    def collect(self, ex: Any, acc: list, states: list, model_state: Any, total: int
+                ) -> tuple[Any, Any]:
+        """Each stack's chunks side by side; the other parameters' gradients summed over the
+        stages (a whole-mesh program); the RNG counts advanced by the step's microbatches."""
+        def one(home: int, *parts: jax.Array) -> jax.Array:
+            if home == STACKED:
+                return stack_of(list(parts), ex.mesh)
+            rows = stack_of([_row(part.sharding)(part) for part in parts], ex.mesh)
+            return _summed(NamedSharding(ex.mesh, parts[0].sharding.spec))(rows)
+
+        grads = jax.tree.map(one, ex.homes.params, *acc)
+        return grads, self.advanced(model_state, total)
+
+    @functools.cached_property
+    def advanced(self) -> Callable:
+        return jax.jit(lambda state, by: advance_counts(state, self.rng_counts, by))
+
+
+@functools.cache
+def _summed(sharding: NamedSharding) -> Callable:
+    """Rows ``[p, …]`` summed over the stages, placed as ``sharding``."""
+    return jax.jit(lambda rows: rows.sum(0), out_shardings=sharding)
+
+
+@functools.cache
+def _row(sharding: NamedSharding) -> Callable:
+    """``x`` as a row ``[1, …]`` (a stage's part of rows to sum over the stages)."""
+    spec = P(None, *sharding.spec)
+    return jax.jit(lambda x: x[None], out_shardings=NamedSharding(sharding.mesh, spec))
 
 
 class Run:
@@ -102,19 +201,16 @@ class Run:
         self.ex, self.train = ex, train
         p, chunks = len(ex.meshes), len(ex.cut.chunks)
         params = [ex.share(params, ex.homes.params, s) for s in range(p)]
-        model_state = [ex.share(model_state, ex.homes.model_state, s) for s in range(p)]
+        shares = [ex.share(model_state, ex.homes.model_state, s) for s in range(p)]
         self.batch = [{k: view_of(v, m) for k, v in batch.items()} for m in ex.meshes]
-        self.params = [self._by_layer(params[c % p], c) for c in range(chunks)]
-        self.state = [self._by_layer(model_state[c % p], c) for c in range(chunks)]
-        self.acc = [_zeros(self.params[c]) for c in range(chunks)] if train else []
+        self.params = [ex.cut.chunk_tree(params[c % p], c) for c in range(chunks)]
+        self.state = [ex.cut.chunk_tree(shares[c % p], c) for c in range(chunks)]
+        self.model_state = model_state
+        self.acc = [ex.program("zeros", c)(self.params[c]) for c in range(chunks)
+                    ] if train else []
         self.loss: Any = None
         self.aux: Any = None
         self.acts, self.grads, self.stash, self.dys = {}, {}, {}, {}
-
-    def _by_layer(self, tree: Any, c: int) -> dict:
-        start, stop = self.ex.cut.chunks[c]
-        return {i: get_path(tree, self.ex.cut.layers[i].path) for i in range(start, stop)
-                if self.ex.cut.layers[i].path is not None}
 
     def _send(self, value: Any, c: int) -> Any:
         """``value`` moved to chunk ``c``'s stage, its rows split as the batch's."""
@@ -168,17 +264,10 @@ class Run:
 
     def results(self) -> tuple[jax.Array, dict, Any, Any]:
         """Mean loss and metrics, gradients and the model state, as trees like the
-        parameters and the model state (each leaf on its stage)."""
+        parameters and the model state."""
         total = self.ex.k * self.ex.table.m
-        grads, state = {}, {}
-        for c in range(len(self.ex.cut.chunks)):
-            for idx, tree in self.acc[c].items():
-                put_path(grads, self.ex.cut.layers[idx].path, tree)
-            for idx, tree in self.state[c].items():
-                if jax.tree.leaves(tree):
-                    put_path(state, self.ex.cut.layers[idx].path, tree)
-        grads = _ordered(grads, self.ex.homes.params)
-        model_state = _ordered(state, self.ex.homes.model_state)
+        grads, model_state = self.ex.cut.collect(self.ex, self.acc, self.state, self.model_state,
+                                                 total)
         return (self.loss / total, jax.tree.map(lambda a: a / total, self.aux), grads,
                 model_state)
 
@@ -193,12 +282,6 @@ class Run:
                     x = self._send(x, c + 1)
             self._received(0, j, None, x)
         return self.loss / m, jax.tree.map(lambda a: a / m, self.aux)
-
-
-@jax.jit
-def _zeros(tree: Any) -> Any:
-    """Zeros like ``tree``, on its devices (a gradient sum's start)."""
-    return jax.tree.map(jnp.zeros_like, tree)
 
 
 def _ordered(tree: dict, like: Any) -> Any:

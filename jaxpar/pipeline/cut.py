@@ -12,6 +12,7 @@ cannot be cut and is refused.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -96,7 +97,7 @@ def cut_by_layer(task: Task, params: Any, state: Any, chunks: int,
             "mesh.stage × pipeline.virtual_stages; lower mesh.stage (each stage needs a "
             "layer)")
     ends = np.cumsum([0, *sizes])
-    return LayerCut(layers, tuple((int(a), int(b)) for a, b in zip(ends[:-1], ends[1:])))
+    return LayerCut(layers, tuple((int(a), int(b)) for a, b in itertools.pairwise(ends)))
 
 
 def _layer(item: Any, paths: dict[int, Path]) -> Layer:
@@ -109,7 +110,7 @@ def _layer(item: Any, paths: dict[int, Path]) -> Layer:
     if id(item) not in paths:
         raise TaskError(f"Task.layers: a {type(item).__name__} in the list is not a "
                         "submodule of the model; list the model's own layers")
-    graphdef, variables = nnx.split(item)
+    graphdef, _variables = nnx.split(item)
     nbytes = sum(math.prod(x.shape) * shd.itemsize(x.dtype)
                  for x in jax.tree.leaves(nnx.to_pure_dict(nnx.state(item, nnx.Param))))
     return Layer(graphdef, paths[id(item)], None, nbytes)

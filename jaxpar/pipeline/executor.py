@@ -197,7 +197,7 @@ def _run_forward(parts: Parts, p: int, layers, rest, state, micro, rows, used):
     neighbour is used the tick it arrives (see :func:`forward_table`); the device holding
     the last chunk adds each microbatch's loss and metrics."""
     d = jax.lax.axis_index("stage")
-    chunk0, per_chunk, x_shape, aux_shape = _message_shapes(parts, layers, rest, state, micro)
+    _chunk0, per_chunk, x_shape, aux_shape = _message_shapes(parts, layers, rest, state, micro)
     message = jnp.zeros(x_shape.shape, x_shape.dtype)
     aux = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shape)
     right = [(i, (i + 1) % p) for i in range(p)]

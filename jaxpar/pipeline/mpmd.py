@@ -39,12 +39,19 @@ from jax.sharding import PartitionSpec as P
 from jaxpar import guard
 from jaxpar.errors import LayoutError
 from jaxpar.logical import Rules
-from jaxpar.pipeline.chunks import Run, chunk_program
-from jaxpar.pipeline.cut import LayerCut
+from jaxpar.pipeline.chunks import ByLayer, ByStack, Run, chunk_program
 from jaxpar.pipeline.ticks import TickTable
-from jaxpar.pipeline.views import WHOLE, stacked_of, view_of, whole_of
+from jaxpar.pipeline.views import (
+    STACKED,
+    WHOLE,
+    chunk_spec,
+    chunk_view,
+    stack_of,
+    view_of,
+    whole_of,
+)
 from jaxpar.state import TrainState
-from jaxpar.task import Batch, Layers
+from jaxpar.task import Batch
 from jaxpar.update import Update, optimizer_update
 
 
@@ -52,15 +59,15 @@ from jaxpar.update import Update, optimizer_update
 class SubMeshPipeline:
     """The executor (a gradient strategy of the plan: the trainer builds its programs from
     it). ``homes`` holds, for each leaf of the train state, the stage it lives on or
-    :data:`WHOLE`; ``k`` is ``train.grad_accum`` (the table runs ``k`` times per step)."""
+    :data:`WHOLE` or :data:`STACKED`; ``cut`` says what each chunk runs; ``k`` is ``train.grad_accum`` (the table runs ``k`` times per step)."""
 
-    layers: Layers
-    cut: LayerCut
+    cut: ByLayer | ByStack
     table: TickTable
     mesh: Mesh
     meshes: tuple[Mesh, ...]
     rules: Rules
     homes: TrainState
+    shardings: TrainState
     k: int = 1
     _programs: dict = field(default_factory=dict, repr=False)
 
@@ -85,6 +92,9 @@ class SubMeshPipeline:
             shares = []
             for s, mesh in enumerate(self.meshes):
                 def keep(home: int, leaf: Any, s: int = s) -> Any:
+                    if home == STACKED:  # this stage's chunk of the stack
+                        n = leaf.shape[0] // len(self.meshes)
+                        return leaf[s * n:(s + 1) * n]
                     return leaf if home in (s, WHOLE) else None
 
                 out = self.share_shardings(shardings, self.homes, s)
@@ -99,32 +109,44 @@ class SubMeshPipeline:
                           "into one program (use the trainer's step, grads and evaluate)")
 
     # ---- each stage's share: its own leaves, the whole-mesh ones read in place -------------
-    def share(self, tree: Any, homes: Any, s: int) -> Any:
+    def share(self, tree: Any, homes: Any, s: int, whole: bool = True) -> Any:
         """Stage ``s``'s share of ``tree`` (leaves placed as ``homes`` says): its own
-        leaves, the whole-mesh ones as views on its devices, None elsewhere."""
+        leaves, its chunk of the stacked ones, the whole-mesh ones as views on its devices
+        (None with ``whole=False``), None elsewhere."""
         def one(home: int, leaf: Any) -> Any:
             if home == s:
                 return leaf
-            return view_of(leaf, self.meshes[s]) if home == WHOLE else None
+            if home == STACKED:
+                return chunk_view(leaf, self.meshes[s])
+            return view_of(leaf, self.meshes[s]) if home == WHOLE and whole else None
 
         return jax.tree.map(one, homes, tree)
 
     def share_shardings(self, shardings: Any, homes: Any, s: int) -> Any:
         """The shardings of :meth:`share`'s leaves (a whole-mesh one moved to stage ``s``)."""
         def one(home: int, sharding: NamedSharding) -> Any:
-            if home not in (s, WHOLE):
+            if home not in (s, WHOLE, STACKED):
                 return None
-            return NamedSharding(self.meshes[s], sharding.spec)
+            spec = chunk_spec(sharding.spec) if home == STACKED else sharding.spec
+            return NamedSharding(self.meshes[s], spec)
 
         return jax.tree.map(one, homes, shardings)
 
     def assemble(self, shares: list[Any], homes: Any) -> Any:
-        """One tree from the stages' shares: each leaf from its stage, a whole-mesh leaf
-        from every stage's replica."""
+        """One tree from the stages' shares: each leaf from its stage, a stacked one from
+        every stage's chunk, a whole-mesh leaf from every stage's replica."""
         def one(home: int, *leaves: Any) -> Any:
+            if home == STACKED:
+                return stack_of(list(leaves), self.mesh)
             return leaves[home] if home != WHOLE else whole_of(list(leaves), self.mesh)
 
         return jax.tree.map(one, homes, *shares, is_leaf=lambda x: x is None)
+
+    def param_shardings(self, c: int) -> Any:
+        """The shardings of chunk ``c``'s parameters on its stage."""
+        s = c % len(self.meshes)
+        return self.cut.chunk_tree(self.share_shardings(self.shardings.params, self.homes.params,
+                                                        s), c)
 
     @property
     def last_stage(self) -> int:
@@ -179,15 +201,16 @@ class _Stepper:
         stages = range(len(ex.meshes))
         grad_shares = [ex.share(grads, homes.params, s) for s in stages]
         zero = jnp.zeros((), jnp.float32)
-        rows = [self.norm[s](grad_shares[s], loss if s == ex.last_stage else zero)
+        rows = [self.norm[s](ex.share(grads, homes.params, s, whole=s == 0),
+                             loss if s == ex.last_stage else zero)
                 for s in stages]
-        grad_norm, clean = self.reduce_norm(stacked_of(rows, ex.mesh))
+        grad_norm, clean = self.reduce_norm(stack_of(rows, ex.mesh))
         proposed = [self.propose[s](ex.share(state.params, homes.params, s),
                                     ex.share(state.opt_state, homes.opt_state, s),
                                     grad_shares[s], view_of(grad_norm, ex.meshes[s]))
                     for s in stages]
         finite, step, skipped = self.reduce_finite(
-            stacked_of([flag for *_, flag in proposed], ex.mesh), clean, state.step,
+            stack_of([flag for *_, flag in proposed], ex.mesh), clean, state.step,
             state.skipped)
         kept = [self.keep(view_of(finite, ex.meshes[s]),
                           proposed[s][:2], ex.share(model_state, homes.model_state, s),

@@ -22,11 +22,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxpar import sharding as shd
 from jaxpar.errors import LayoutError
 from jaxpar.logical import Rules
+from jaxpar.pipeline.chunks import ByLayer, ByStack
 from jaxpar.pipeline.cut import LayerCut, cut_by_layer, stage_meshes
 from jaxpar.pipeline.mpmd import SubMeshPipeline
 from jaxpar.pipeline.schedule import Executor, PipelineConfig, check_shape
 from jaxpar.pipeline.ticks import tick_table
-from jaxpar.pipeline.views import WHOLE
+from jaxpar.pipeline.views import STACKED, WHOLE
+from jaxpar.plan import checks
 from jaxpar.state import TrainState
 from jaxpar.task import Task
 from jaxpar.update import optimizer_update
@@ -71,42 +73,95 @@ def sub_mesh_layout(task: Task, model: Any, optimizer: optax.GradientTransformat
     p, v = mesh.shape["stage"], pipeline.virtual_stages
     m = pipeline.microbatches or 2 * p
     check_shape(pipeline.schedule, p, m, v)
-    cut = cut_by_layer(task, model.params, model.state, p * v, tuple(pipeline.split))
     meshes = tuple(stage_meshes(mesh))
-    param_specs = shd.param_specs(model.params, model.param_axes, rules, meshes[0])
-    state_specs = shd.param_specs(model.state, model.state_axes, rules, meshes[0],
-                                  what="model state")
+    if task.layers is None and task.stages is not None:
+        cut, homes, param_specs, state_specs = _by_stack(task, model, mesh, rules, pipeline)
+    else:
+        layer_cut = cut_by_layer(task, model.params, model.state, p * v, tuple(pipeline.split))
+        cut = ByLayer(layer_cut, task.layers)
+        param_specs = shd.param_specs(model.params, model.param_axes, rules, meshes[0])
+        state_specs = shd.param_specs(model.state, model.state_axes, rules, meshes[0],
+                                      what="model state")
+        homes = _by_layer_homes(layer_cut, p, model.params, model.state)
     opt_specs, replicated = shd.opt_state_specs(abstract_opt, model.params, param_specs)
-    homes = _homes(cut, p, model.params, model.state, abstract_opt)
+    homes = TrainState(WHOLE, homes[0], _opt_homes(homes[0], model.params, abstract_opt),
+                       WHOLE, homes[1])
     _check_per_stage_update(optimizer, homes.params, p)
     specs = TrainState(PartitionSpec(), param_specs, opt_specs, PartitionSpec(), state_specs)
     shardings = jax.tree.map(
-        lambda home, spec: NamedSharding(mesh if home == WHOLE else meshes[home], spec),
+        lambda home, spec: NamedSharding(mesh if home < 0 else meshes[home], spec),
         homes, specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-    executor = SubMeshPipeline(task.layers, cut, tick_table(pipeline.schedule, p, m, v), mesh,
-                               meshes, rules, homes, grad_accum)
+    executor = SubMeshPipeline(cut, tick_table(pipeline.schedule, p, m, v), mesh, meshes, rules,
+                               homes, shardings, grad_accum)
     return SubMeshLayout(param_specs, state_specs, opt_specs, replicated, shardings, executor)
+
+
+def _by_stack(task: Task, model: Any, mesh: Mesh, rules: Rules, pipeline: PipelineConfig
+              ) -> tuple[ByStack, tuple, Any, Any]:
+    """A stack of layers (``Task.stages``) under the sub-mesh executor: stage ``s`` holds the
+    ``s``-th chunk of the stack, split over ``stage`` as under the spmd executor (so the
+    two executors' states are alike); the other variables live on the whole mesh.
+
+    Raises:
+      LayoutError: for virtual stages, or a variable outside the stack split over ``stage``.
+    """
+    p = mesh.shape["stage"]
+    table = checks.pipeline_table(task, model, mesh, rules, pipeline)
+    if table.v > 1:
+        raise LayoutError(
+            f"pipeline.executor=mpmd runs a stack of layers (StageSplit) with one chunk per "
+            f"stage, but pipeline.virtual_stages={table.v}; set pipeline.virtual_stages=1, or "
+            "use pipeline.executor=spmd for the interleaved layout")
+    key = task.stages.layers_key
+    param_specs = shd.param_specs(model.params, model.param_axes, rules, mesh)
+    state_specs = shd.param_specs(model.state, model.state_axes, rules, mesh,
+                                  what="model state")
+
+    def home(path: tuple, spec: PartitionSpec) -> int:
+        stacked = _key(path[0]) == key
+        if stacked and tuple(spec)[:1] == ("stage",):
+            return STACKED
+        if not stacked and "stage" not in jax.tree.leaves(tuple(spec)):
+            return WHOLE
+        raise LayoutError(
+            f"pipeline.executor=mpmd: {shd.path_str(path)} has spec {spec}, but the stacked "
+            f"layers ('{key}') must be split over 'stage' on their first dim and nothing else "
+            "over it; map only the logical 'layers' axis to stage (rules.layers=stage)")
+
+    specs = lambda tree: jax.tree_util.tree_map_with_path(
+        home, tree, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    n = jax.tree.leaves(model.params[key])[0].shape[0] // p
+    cut = ByStack(task.stages, model.graphdef, tuple((s * n, (s + 1) * n) for s in range(p)),
+                  model.rng_counts)
+    return cut, (specs(param_specs), specs(state_specs)), param_specs, state_specs
 
 
 def _check_per_stage_update(tx: optax.GradientTransformation, homes: Any, p: int) -> None:
     """Each stage updates its own parameters: the optimizer's update of one parameter must
-    not read another stage's gradients. Checked on a probe (the parameters' structure and
-    ranks, 2 elements a dim, large gradients): the update of the whole probe against each
-    stage's share updated alone, with the whole probe's gradient norm.
+    not read another stage's gradients (nor, for a stack split over the stages, the rest
+    of its own leaf). Checked on a probe (the parameters' structure, 2 rows a stage, large
+    gradients): the update of the whole probe against each stage's share updated alone,
+    with the whole probe's gradient norm.
 
     Raises:
       LayoutError: naming the first parameter whose update differs.
     """
     rng = np.random.default_rng(0)
-    params = jax.tree.map(lambda h: jnp.asarray(rng.normal(size=(2, 2)), jnp.float32), homes)
+    params = jax.tree.map(lambda h: jnp.asarray(
+        rng.normal(size=(2 * p if h == STACKED else 2, 2)), jnp.float32), homes)
     grads = jax.tree.map(lambda x: 1e3 * x, params)
     norm = optax.tree.norm(grads)
     whole, _ = optimizer_update(tx, grads, tx.init(params), params, norm)
     positions = shd.param_positions(jax.eval_shape(tx.init, params), params)
     flat = jax.tree.leaves(homes)
     for s in range(p):
-        mine = lambda tree, s=s: jax.tree.map(lambda h, x: x if h == s else None, homes, tree)
-        opt = jax.tree.map(lambda i, x, s=s: x if i < 0 or flat[i] == s else None, positions,
+        def part(home: int, x: Any, s: int = s) -> Any:
+            if home == STACKED:
+                return x[2 * s:2 * s + 2]
+            return x if home in (s, WHOLE) else None
+
+        mine = lambda tree: jax.tree.map(part, homes, tree)
+        opt = jax.tree.map(lambda i, x: part(flat[i], x) if i >= 0 else x, positions,
                            tx.init(params), is_leaf=lambda x: isinstance(x, optax.MaskedNode))
         alone, _ = optimizer_update(tx, mine(grads), opt, mine(params), norm)
         for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(alone),
@@ -120,22 +175,29 @@ def _check_per_stage_update(tx: optax.GradientTransformation, homes: Any, p: int
                     "which clips by the whole model's norm, or use pipeline.executor=spmd")
 
 
-def _homes(cut: LayerCut, p: int, params: Any, state: Any, abstract_opt: Any) -> TrainState:
-    """The stage of every leaf of the train state (:data:`WHOLE`: the whole mesh)."""
+def _by_layer_homes(cut: LayerCut, p: int, params: Any, state: Any) -> tuple[Any, Any]:
+    """The stage of every parameter and model-state leaf: that of the layer it lies in."""
     owners = {}
     for c in range(len(cut.chunks)):
         for path in cut.paths(c):
             owners[path] = c % p
 
     def stage_of(path: tuple, _: Any) -> int:
-        keys = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)
+        keys = tuple(map(_key, path))
         return next(s for owned, s in owners.items() if keys[:len(owned)] == owned)
 
-    param_homes = jax.tree_util.tree_map_with_path(stage_of, params)
+    return (jax.tree_util.tree_map_with_path(stage_of, params),
+            jax.tree_util.tree_map_with_path(stage_of, state))
+
+
+def _opt_homes(param_homes: Any, params: Any, abstract_opt: Any) -> Any:
+    """An optimizer statistic lives where its parameter does; a scalar on the whole mesh."""
     flat = jax.tree.leaves(param_homes)
     positions = shd.param_positions(abstract_opt, params)
     is_masked = lambda x: isinstance(x, optax.MaskedNode)
-    opt_homes = jax.tree.map(lambda i: i if is_masked(i) else (flat[i] if i >= 0 else WHOLE),
-                             positions, is_leaf=is_masked)
-    return TrainState(WHOLE, param_homes, opt_homes, WHOLE,
-                      jax.tree_util.tree_map_with_path(stage_of, state))
+    return jax.tree.map(lambda i: i if is_masked(i) else (flat[i] if i >= 0 else WHOLE),
+                        positions, is_leaf=is_masked)
+
+
+def _key(entry: Any) -> Any:
+    return getattr(entry, "key", getattr(entry, "idx", None))
