@@ -289,12 +289,14 @@ def itemsize(dtype: Any) -> int:
 
 
 def bytes_per_device(abstract: Any, shardings: Any) -> int:
-    """Bytes one device holds of a sharded tree (largest shard per leaf)."""
-    total = 0
+    """Bytes the most loaded device holds of a sharded tree (each leaf's shard on every
+    device of its sharding: all of them, or one pipeline stage's)."""
+    held: dict[Any, int] = {}
     for leaf, sharding in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)):
-        shard = sharding.shard_shape(leaf.shape)
-        total += math.prod(shard) * itemsize(leaf.dtype)
-    return total
+        nbytes = math.prod(sharding.shard_shape(leaf.shape)) * itemsize(leaf.dtype)
+        for device in sharding.device_set:
+            held[device] = held.get(device, 0) + nbytes
+    return max(held.values(), default=0)
 
 
 def total_bytes(abstract: Any) -> int:

@@ -66,6 +66,25 @@ def test_resnet_layouts_match_one_device(layout):
     assert min(moved) > 0  # every BatchNorm's running statistics were updated
 
 
+@pytest.mark.parametrize("layout", [
+    ["mesh.stage=2", "mesh.data=4", "pipeline.schedule=1f1b"],
+    ["mesh.stage=4", "mesh.data=2", "pipeline.schedule=gpipe"],
+], ids=["stage=2", "stage=4"])
+def test_resnet_pipelines_by_layer_from_its_config(layout):
+    """ResNet's layers (stem, stages, pool, head) cut over 2 and 4 stages by its config
+    alone: losses, parameters and BatchNorm statistics equal one device accumulating the
+    same 4 microbatches (each normalized by its own statistics). 16 rows a microbatch: with
+    4, the last stage's BatchNorm (1×1 pixels) normalizes 4 values and amplifies summation
+    noise 10⁴-fold in any layout (data=4 with accumulation as much as the pipeline)."""
+    rows = ["train.batch_size=64", "data.num_examples=256"]
+    ref = one_device("resnet-accumulating", [*RESNET, *rows, "train.grad_accum=4"])
+    losses, params, stats, run = train([*RESNET, *rows, *layout, "pipeline.microbatches=4"])
+    assert type(run.plan.gradients).__name__ == "SubMeshPipeline"
+    np.testing.assert_allclose(losses, ref[0], rtol=1e-5)
+    assert_params_close(params, ref[1])
+    assert_params_close(stats, ref[2])
+
+
 def test_resnet_splits_convolutions_by_channel_and_matches_the_lab():
     """Under tensor=2 the paired convolutions of every block hold half their channels per
     device — conv1 its output channels, conv2 its input channels — and the step's

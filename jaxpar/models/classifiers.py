@@ -92,7 +92,12 @@ IMAGE_AXES = {"images": ("batch", None, None, None), "labels": ("batch",)}
 
 def classification_loss(model: nnx.Module, batch: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Softmax cross entropy and accuracy over ``batch['images']``, ``batch['labels']``."""
-    logits = model(batch["images"])
+    return logits_loss(model(batch["images"]), batch)
+
+
+def logits_loss(logits: jax.Array, batch: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Softmax cross entropy and accuracy of ``logits`` against ``batch['labels']`` (the
+    loss of a classifier given by its layers, ``jaxpar.Layers(loss=…)``)."""
     labels = batch["labels"]
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
     accuracy = (jnp.argmax(logits, -1) == labels).astype(jnp.float32).mean()

@@ -1,5 +1,8 @@
 """ResNet (He et al., 2016) in Flax NNX — the family ``model.name=resnet``.
 
+Its forward is a sequence of layers (stem, the four stages, pool, head: ``ResNet.layers``),
+so ``mesh.stage`` pipelines it by layer, each stage keeping its BatchNorm statistics.
+
 Built from stock ``nnx.Conv``, ``nnx.BatchNorm`` and ``nnx.Linear``, every parameter named
 through Flax's own metadata (``nnx.with_partitioning``). The blocks of a stage after its
 first are stacked on a leading ``layers`` dim (``nnx.vmap``) and run with ``nnx.scan``, so
@@ -34,7 +37,7 @@ from flax import nnx
 from pydantic import Field
 
 from jaxpar.logical import constrain
-from jaxpar.models.classifiers import IMAGE_AXES, classification_loss
+from jaxpar.models.classifiers import IMAGE_AXES, classification_loss, logits_loss
 from jaxpar.models.family import (
     Counts,
     Dtype,
@@ -46,7 +49,7 @@ from jaxpar.models.family import (
     register,
 )
 from jaxpar.schema import section
-from jaxpar.task import DataNeeds, Task
+from jaxpar.task import DataNeeds, Layers, Task
 
 #: ``model.depth`` values
 Depth = Literal[10, 18, 34, 50, 101, 152]
@@ -177,16 +180,22 @@ class ResNet(nnx.Module):
                                bias_init=_named("classes", init=nnx.initializers.zeros_init()),
                                rngs=rngs)
 
-    def __call__(self, images_BHWC: jax.Array) -> jax.Array:
-        x = constrain(images_BHWC.astype(jnp.dtype(self.cfg.dtype)), ("batch", None, None, None))
-        x = nnx.relu(self.stem_norm(self.stem(x)))
+    def layers(self) -> list[Any]:
+        """The forward as a sequence of layers (modules and functions), in order: what a
+        pipeline cuts into stages by layer (``jaxpar.Layers``)."""
+        dtype = jnp.dtype(self.cfg.dtype)
+        layers = [lambda x: constrain(x.astype(dtype), ("batch", None, None, None)),
+                  self.stem, self.stem_norm, nnx.relu]
         if self.cfg.stem == "imagenet":
-            x = nnx.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
-        x = constrain(x, _STREAM)
-        for stage in self.stages:
-            x = stage(x)
-        pooled = x.astype(jnp.float32).mean(axis=(1, 2))
-        return self.head(pooled)
+            layers.append(lambda x: nnx.max_pool(x, (3, 3), strides=(2, 2), padding="SAME"))
+        return [*layers, lambda x: constrain(x, _STREAM), *self.stages,
+                lambda x: x.astype(jnp.float32).mean(axis=(1, 2)), self.head]
+
+    def __call__(self, images_BHWC: jax.Array) -> jax.Array:
+        x = images_BHWC
+        for layer in self.layers():
+            x = layer(x)
+        return x
 
 
 # ---- the family -----------------------------------------------------------------------------
@@ -260,7 +269,8 @@ class _ResNetLab(LabModel):
 def task(cfg: ResNetConfig, channels: int) -> Task:
     """The ResNet's task: classify images of ``channels`` channels (any height and width)."""
     return Task(lambda rngs: ResNet(cfg, channels, rngs=rngs), classification_loss, IMAGE_AXES,
-                name=f"resnet{cfg.depth}")
+                name=f"resnet{cfg.depth}",
+                layers=Layers(inputs="images", loss=logits_loss, of=ResNet.layers))
 
 
 def _needs(cfg: ResNetConfig) -> DataNeeds:
