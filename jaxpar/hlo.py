@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from typing import Any
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 
@@ -284,6 +285,13 @@ class ProgramCost:
 def _add(total: dict[str, float], part: dict[str, float], times: float = 1.0) -> None:
     for k, v in part.items():
         total[k] = total.get(k, 0.0) + times * v
+
+
+def step_cost(compiled: Any) -> ProgramCost:
+    """What one execution of a compiled train step does on each device: read from its HLO,
+    or given by the step itself when it is several programs (the sub-mesh pipeline's)."""
+    own = getattr(compiled, "program_cost", None)
+    return own() if own is not None else program_cost(compiled.as_text())
 
 
 class _Walker:

@@ -47,6 +47,7 @@ class Totals:
     step_temp_bytes: int
     collective_bytes: dict[str, float] | None = None
     fsdp_gather: tuple[GatherOption, ...] = ()
+    stages: tuple = ()
 
 
 def _example_batch(run: Run) -> dict[str, np.ndarray]:
@@ -55,7 +56,7 @@ def _example_batch(run: Run) -> dict[str, np.ndarray]:
 
 
 def _collective_bytes(compiled) -> dict[str, float]:
-    stats = hlo.program_cost(compiled.as_text()).collectives
+    stats = hlo.step_cost(compiled).collectives
     return {kind: stat.wire_bytes for kind, stat in stats.items() if stat.count}
 
 
@@ -90,6 +91,7 @@ def layout_totals(run: Run) -> Totals:
         step_temp_bytes=int(mem.temp_size_in_bytes),
         collective_bytes=_collective_bytes(compiled),
         fsdp_gather=_gather_trade(run, compiled, batch),
+        stages=tuple(getattr(compiled, "stages", ())),
     )
 
 
@@ -151,6 +153,23 @@ def _gather_lines(plan: Plan, options: tuple[GatherOption, ...]) -> list[str]:
             *("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)]
 
 
+def _stage_lines(stages: tuple) -> list[str]:
+    """Per stage of the sub-mesh pipeline executor: what one of its devices holds and
+    sends in a step (:mod:`jaxpar.pipeline.programs`)."""
+    if not stages:
+        return []
+    rows = [("stage", "chunks", "state+batch", "program temp", "grad sums", "stash (peak)",
+             "sent/step")]
+    rows += [(str(s.stage), ",".join(map(str, s.chunks)),
+              _fmt_bytes(s.memory.argument_size_in_bytes), _fmt_bytes(s.program_temp_bytes),
+              _fmt_bytes(s.grad_sum_bytes), f"{_fmt_bytes(s.stash_bytes)} ({s.stash_peak})",
+              _fmt_bytes(s.sent_bytes)) for s in stages]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["", "per stage, one device (pipeline.executor=mpmd: a program per chunk and "
+                "action; the stash holds each forward's input until its backward):",
+            *("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)]
+
+
 def format_report(run: Run, totals: Totals) -> str:
     """The ``jaxpar inspect`` text: one row per parameter (and per variable of the model's
     other state), then per-device totals and what is replicated."""
@@ -181,6 +200,7 @@ def format_report(run: Run, totals: Totals) -> str:
             f"{kind} {_fmt_bytes(int(n))}" for kind, n in totals.collective_bytes.items())
             or "none"))
     lines += _gather_lines(plan, totals.fsdp_gather)
+    lines += _stage_lines(totals.stages)
     if unnamed:
         lines.append(f"note: {len(unnamed)} parameters carry no logical axes and are replicated "
                      "(annotate them with nnx.with_partitioning to shard them)")

@@ -12,8 +12,9 @@ from jaxpar.lab import hardware, predict, sweep
 from jaxpar.lab.planner import best, format_plan, plan
 from tests.helpers import GPT_SMALL
 
+MPMD = "pipeline.executor=mpmd"
 LAYOUTS = ["data=8", "fsdp=8", "data=4,tensor=2", "data=2,fsdp=2,tensor=2", "data=4,stage=2",
-           "data=2,fsdp=2,stage=2"]
+           "data=2,fsdp=2,stage=2", f"data=4,stage=2,{MPMD}", f"data=2,tensor=2,stage=2,{MPMD}"]
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +84,9 @@ def test_every_layout_matches_its_prediction(rows, layout):
     expected = {"data=8": {"all_reduce"}, "fsdp=8": {"all_reduce", "all_gather"},
                 "data=4,stage=2": {"all_reduce", "collective_permute"},
                 "data=2,fsdp=2,stage=2": {"all_reduce", "all_gather", "reduce_scatter",
-                                          "collective_permute"}}
+                                          "collective_permute"},
+                # the sub-mesh executor moves activations with device_put, not collectives
+                f"data=4,stage=2,{MPMD}": {"all_reduce"}}
     assert kinds == expected.get(layout, kinds)
 
 

@@ -286,3 +286,41 @@ def test_bert_dropout_and_masks_under_both_executors():
     got = run.trainer.evaluate(state, batch)
     want = spmd[2].trainer.evaluate(state, batch)
     np.testing.assert_allclose(float(got["loss"]), float(want["loss"]), rtol=1e-6)
+
+
+def test_inspect_and_the_lab_measure_each_stage(capsys):
+    """``jaxpar inspect`` and ``sweep`` read the sub-mesh step: per stage, one device's
+    state (the first stage holds the 784×512 layer, the second the 512×10 one), gradient
+    sums the size of its parameters, and the activations and gradients it sends — a
+    microbatch's 512-wide hidden activation, every microbatch."""
+    from jaxpar.lab import hardware, sweep
+    from jaxpar.report import layout_totals
+
+    config = jaxpar.load_config([], ["mesh.stage=2", "mesh.data=4", f"train.batch_size={BATCH}",
+                                     f"pipeline.microbatches={M}"])
+    run = jaxpar.build(config, MLP)
+    totals = layout_totals(run)
+    first, second = totals.stages
+    assert first.grad_sum_bytes == (784 * 512 + 512) * 4
+    assert second.grad_sum_bytes == (512 * 10 + 10) * 4
+    rows = BATCH // M // 4  # a microbatch's rows on one device (data=4)
+    assert first.sent_bytes == second.sent_bytes == M * rows * 512 * 4
+    assert totals.params_bytes == first.grad_sum_bytes  # the most loaded device's
+    row = sweep.measure(config, "stage=2,data=4", hardware.get_profile("h100"), task=MLP)
+    assert row.ok, row.error
+    assert row.mem_args_bytes == row.predicted_mem_args_bytes
+    # each microbatch's backward all-reduces its chunk's gradients over data (4 per step)
+    assert row.all_reduce_bytes == pytest.approx(M * 2 * 3 / 4 * first.grad_sum_bytes,
+                                                 rel=0.01)
+    assert row.comm_ratio == pytest.approx(1.0, abs=0.01)
+
+
+def test_sweep_all_leaves_out_stage_layouts_of_a_model_that_cannot_be_split():
+    from jaxpar.lab import sweep
+
+    config = jaxpar.load_config([], [])
+    plain = dataclasses.replace(MLP, layers=None, loss_fn=lambda m, b: (0.0, {}))
+    kept, note = sweep.default_layouts(config, 8, plain)
+    assert kept == [x for x in sweep.all_layouts(8) if "stage=" not in x] and len(kept) == 10
+    assert note.startswith(f"note: 10 layouts with mesh.stage > 1 left out: {MLP.name} cannot")
+    assert sweep.default_layouts(config, 8, MLP) == (sweep.all_layouts(8), None)

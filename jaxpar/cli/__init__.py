@@ -51,11 +51,16 @@ def _sweep(args: argparse.Namespace, config: Config, task: Task | None) -> None:
     if bool(args.layouts) == bool(args.all):
         raise ConfigError("jaxpar sweep needs either --layouts L … or --all (not both)")
     hw = get_profile(args.hardware, args.hardware_file)
-    layouts = args.layouts or sweep.all_layouts(len(select_devices(config.run.devices)))
+    layouts, note = args.layouts, None
+    if not layouts:
+        layouts, note = sweep.default_layouts(config, len(select_devices(config.run.devices)),
+                                              task)
     memory = args.memory_gb * 1e9 if args.memory_gb else None
     what = task.name if task is not None else config.model.name
     print(f"sweeping {len(layouts)} layout{'s' * (len(layouts) != 1)} of {what} "
           f"(global batch {config.train.batch_size})", flush=True)
+    if note:
+        print(note, flush=True)
     rows = sweep.sweep(config, layouts, hw, args.steps, memory, echo=True, task=task)
     print(sweep.format_table(rows, hw))
     for path in sweep.write_outputs(rows, hw, args.out or f"{config.run.dir}/sweep"):

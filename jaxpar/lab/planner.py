@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from jaxpar.config import Config
 from jaxpar.lab.chart import fmt_value
 from jaxpar.lab.hardware import Hardware
-from jaxpar.lab.sweep import Row, all_layouts, layout_overrides, measure
+from jaxpar.lab.sweep import Row, default_layouts, layout_overrides, measure
 from jaxpar.task import Task
 
 
@@ -89,7 +89,11 @@ def plan(config: Config, devices: int, hw: Hardware, memory_bytes: float | None 
     ``task``: a user's task (default: the built-in model the config names)."""
     memory = memory_bytes or hw.memory_bytes
     planned = []
-    for layout in layouts or all_layouts(devices):
+    if not layouts:
+        layouts, note = default_layouts(config, devices, task)
+        if note and echo:
+            print(note, flush=True)
+    for layout in layouts:
         row = measure(config, layout, hw, memory_bytes=memory, task=task)
         if echo:
             print(f"  {layout}: {'invalid' if not row.ok else 'fits' if row.fits else 'too big'}",

@@ -47,6 +47,7 @@ from flax import nnx
 
 from jaxpar.logical import BATCH_AXES, spec_axes, spec_leaves
 from jaxpar.models.family import LabLayout, LabModel, Term
+from jaxpar.pipeline.views import STACKED, WHOLE
 from jaxpar.plan import Plan
 from jaxpar.run import Run
 
@@ -69,37 +70,86 @@ class CommPrediction:
         return sum(t.wire_bytes for t in self.terms)
 
 
-def _param_leaves(plan: Plan) -> list[tuple[str, float, tuple[str, ...], bool]]:
+def _param_leaves(plan: Plan, batch: dict) -> list[tuple[str, float, tuple[str, ...], bool]]:
     """(top-level key, bytes, mesh axes sharding it, stacked on ``layers``) per parameter.
     A stacked parameter runs in a layer scan: FSDP gathers it in the forward scan and
     again in the backward scan (the scan keeps the shards, not the gathered weights)."""
     leaves = jax.tree_util.tree_leaves_with_path(plan.model.params)
     names = jax.tree.leaves(plan.model.param_axes, is_leaf=lambda x: isinstance(x, tuple))
-    return [(str(getattr(path[0], "key", "")), math.prod(leaf.shape)
-             * np.dtype(leaf.dtype).itemsize, spec_axes(spec), "layers" in axes)
-            for (path, leaf), spec, axes in zip(leaves, spec_leaves(plan.param_specs), names)]
+    mine = _held_by_heaviest_stage(plan, len(leaves), batch)
+    return [(str(getattr(path[0], "key", "")) if held else None,
+             math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize, spec_axes(spec),
+             "layers" in axes)
+            for (path, leaf), spec, axes, held in zip(leaves, spec_leaves(plan.param_specs),
+                                                      names, mine)]
+
+
+def _held_by_heaviest_stage(plan: Plan, n: int, batch: dict) -> list[bool]:
+    """Which parameters a device of the sub-mesh pipeline's heaviest stage holds and
+    reduces the gradient of (all of them under another executor): its own layers', and of
+    the parameters outside a stack those its embedding (first stage) or head (last stage)
+    reads."""
+    if plan.executor != "mpmd":
+        return [True] * n
+    ex = plan.gradients
+    stage, homes = ex.heaviest_stage, jax.tree.leaves(ex.homes.params)
+    read = _read_outside_stack(plan, stage, batch) if WHOLE in homes else set()
+    return [home == stage or home == STACKED or (home == WHOLE and i in read)
+            for i, home in enumerate(homes)]
+
+
+def _read_outside_stack(plan: Plan, stage: int, batch: dict) -> set[int]:
+    """The parameters (leaf indices) a stack's embedding reads on the first stage and its
+    head on the last: the inputs of their traced programs that any equation uses."""
+    split, model = plan.task.stages, plan.model
+    rows = {k: jax.ShapeDtypeStruct((1, *v.shape[1:]), v.dtype) for k, v in batch.items()}
+    embed = lambda p, s, b: split.embed(nnx.merge(model.graphdef, p, s), b)
+    used: set[int] = set()
+    if stage == 0:
+        used |= _used_inputs(embed, model.params, model.state, rows)
+    if stage == len(plan.gradients.meshes) - 1:
+        x = jax.eval_shape(embed, model.params, model.state, rows)
+        used |= _used_inputs(lambda p, s, b: split.head(nnx.merge(model.graphdef, p, s), x, b),
+                             model.params, model.state, rows)
+    return used
+
+
+def _used_inputs(fn: Any, params: Any, state: Any, batch: Any) -> set[int]:
+    """The leaves of ``params`` that ``fn(params, state, batch)``'s jaxpr reads."""
+    closed = jax.make_jaxpr(fn)(params, state, batch)
+    read = {id(v) for eqn in closed.jaxpr.eqns for v in eqn.invars}
+    read |= {id(v) for v in closed.jaxpr.outvars}
+    n = len(jax.tree.leaves(params))
+    return {i for i, v in enumerate(closed.jaxpr.invars[:n]) if id(v) in read}
 
 
 def _gathers(plan: Plan, pipelined: bool, scanned: bool, outside: int) -> int:
     """How often FSDP all-gathers one weight per step.
 
-    A pipeline gathers every weight once, at the executor's entry; so does
-    ``train.fsdp_gather=once``, before the accumulation loop. Otherwise a weight in a
-    layer scan is gathered by each microbatch's forward and backward scans, and one
-    outside the scans ``outside`` times per step, however many microbatches: its gather is
-    loop-invariant, and XLA hoists it out of the accumulation loop.
+    The spmd pipeline gathers every weight once, at the executor's entry; so does
+    ``train.fsdp_gather=once``, before the accumulation loop. The sub-mesh pipeline runs a
+    program per action, each gathering its chunk's weights: forward and backward (or its
+    two halves) of every microbatch. Otherwise a weight in a layer scan is gathered by each
+    microbatch's forward and backward scans, and one outside the scans ``outside`` times
+    per step, however many microbatches: its gather is loop-invariant, and XLA hoists it
+    out of the accumulation loop.
     """
     accum = plan.grad_accum
+    if plan.executor == "mpmd":
+        return plan.microbatches * len({a.kind for a in plan.pipeline.tick})
     if pipelined or (accum > 1 and plan.fsdp_gather_once):
         return 1
     return 2 * accum if scanned else outside
 
 
-def _gradient_terms(plan: Plan, lab: LabModel, sizes: dict[str, int], cpu: bool
-                    ) -> list[Term]:
+def _gradient_terms(plan: Plan, lab: LabModel, sizes: dict[str, int], cpu: bool,
+                    example: dict) -> list[Term]:
     pipelined = plan.pipeline is not None
+    mpmd = plan.executor == "mpmd"
     batch = [a for a in BATCH_AXES if sizes[a] > 1]
-    accum = plan.grad_accum  # with a pipeline: one pipelined pass per microbatch
+    # with a pipeline: one pipelined pass per microbatch; the sub-mesh pipeline reduces each
+    # microbatch's gradients in its backward program
+    accum = plan.microbatches if mpmd else plan.grad_accum
     once = accum == 1 or plan.accumulates_per_data_shard  # the data all-reduce
     split = plan.task.stages
     layers_key = split.layers_key if split is not None else None
@@ -107,18 +157,22 @@ def _gradient_terms(plan: Plan, lab: LabModel, sizes: dict[str, int], cpu: bool
     # a transformer's token table) has a whole-table gradient, reduced before it is sliced
     whole, outside = lab.whole_params, lab.gathers_outside_scans
     terms = []
-    for key, nbytes, axes, scanned in _param_leaves(plan):
+    for key, nbytes, axes, scanned in _param_leaves(plan, example):
+        if key is None:  # under the sub-mesh pipeline, a parameter of another stage
+            continue
         in_layers = key == layers_key
         local = nbytes / math.prod(sizes[a] for a in axes if a not in batch and key not in whole)
         gather = math.prod(sizes[a] for a in axes if a in batch)
         rest = math.prod(sizes[a] for a in batch if a not in axes)
-        if pipelined and not in_layers and sizes["stage"] > 1:  # the executor's psum
+        if pipelined and not in_layers and sizes["stage"] > 1 and layers_key:
+            # the stages' gradients of the parameters outside the stack, summed: after
+            # every pass (spmd), once per step (mpmd)
             terms.append(Term("all-reduce", "gradient all-reduce over stage", local,
-                              sizes["stage"], accum))
+                              sizes["stage"], 1 if mpmd else accum))
         if gather > 1:
             terms.append(Term("all-gather", "FSDP weight gathers", local, gather,
                               _gathers(plan, pipelined, scanned, outside)))
-            if not cpu or pipelined:
+            if not cpu or (pipelined and not mpmd):  # one program reduces: scatters
                 terms.append(Term("reduce-scatter", "gradient reduce-scatter", local, gather,
                                   accum))
             elif accum > 1:  # XLA:CPU: an all-reduce over fsdp per microbatch, then a slice
@@ -142,7 +196,7 @@ def lab_layout(run: Run, cpu: bool) -> LabLayout:
         rows=run.config.train.batch_size // plan.batch_ways(), grad_accum=plan.grad_accum,
         stages=(table.ticks, table.p, table.v, table.m) if table is not None else None,
         seq_len=getattr(data, "seq_len", 0), image_shape=getattr(data, "image_shape", None),
-        cpu=cpu)
+        cpu=cpu, sub_mesh=plan.executor == "mpmd")
 
 
 def _pipeline_terms(run: Run, cpu: bool) -> list[Term]:
@@ -150,7 +204,7 @@ def _pipeline_terms(run: Run, cpu: bool) -> list[Term]:
     model's first stage hands the next (its ``StageSplit.embed`` output) for one microbatch
     of one device's rows."""
     plan, table = run.plan, run.plan.pipeline
-    if table is None:
+    if table is None or plan.executor == "mpmd":  # no collective: device_put between stages
         return []
     batch = run.data.batch(0, run.config.train.batch_size)
     rows = run.config.train.batch_size // plan.batch_ways() // (table.m * plan.grad_accum)
@@ -178,7 +232,9 @@ def predict_comm(run: Run, backend: str = "gpu") -> CommPrediction:
     lab = run.family.lab if run.family is not None else LabModel()
     tensor = (lab.tensor_terms(run.config.model, lab_layout(run, cpu))
               if run.family is not None else [])
-    terms = [*_gradient_terms(run.plan, lab, sizes, cpu), *tensor, *_pipeline_terms(run, cpu)]
+    batch = run.data.batch(0, run.config.train.batch_size)
+    terms = [*_gradient_terms(run.plan, lab, sizes, cpu, batch), *tensor,
+             *_pipeline_terms(run, cpu)]
     return CommPrediction(tuple(terms))
 
 

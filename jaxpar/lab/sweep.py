@@ -22,6 +22,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -35,7 +36,7 @@ from jaxpar.lab.predict import predict_argument_bytes, predict_comm
 from jaxpar.mesh import MESH_AXES
 from jaxpar.pipeline.executor import branch_table
 from jaxpar.plan import global_batch_shapes
-from jaxpar.run import Run, build
+from jaxpar.run import Run, build, task_for
 from jaxpar.task import Task
 
 #: The documented columns of ``sweep.csv``, in order; more follow them.
@@ -116,6 +117,21 @@ def all_layouts(devices: int) -> list[str]:
             for combo in split(devices, ("data", "fsdp", "tensor", "stage"))]
 
 
+def default_layouts(config: Config, devices: int, task: Task | None = None
+                    ) -> tuple[list[str], str | None]:
+    """:func:`all_layouts` of ``devices``, less those with pipeline stages when the model
+    cannot be split into stages (its task declares neither ``Task.layers`` nor a
+    ``StageSplit``), and a note saying so (None when nothing was left out)."""
+    layouts = all_layouts(devices)
+    task = task if task is not None else task_for(config)
+    if task.layers is not None or task.stages is not None:
+        return layouts, None
+    kept = [x for x in layouts if "stage=" not in x]
+    return kept, (f"note: {len(layouts) - len(kept)} layouts with mesh.stage > 1 left out: "
+                  f"{task.name} cannot be split into pipeline stages (its task declares "
+                  "neither Task.layers nor a StageSplit; README → Pipeline parallelism)")
+
+
 # ---- measuring one layout --------------------------------------------------------------------
 def _memory(compiled: jax.stages.Compiled) -> tuple[int, int, int, int]:
     """(arguments, temporaries, outputs, peak) bytes per device; donated outputs alias
@@ -141,7 +157,7 @@ def _time_steps(run: Run, compiled: jax.stages.Compiled, steps: int) -> float:
     return statistics.median(times)
 
 
-def _scheduled_flops(text: str, cost: hlo.ProgramCost, run: Run) -> float:
+def _scheduled_flops(compiled: Any, cost: hlo.ProgramCost, run: Run) -> float:
     """FLOPs per device in the step-time view.
 
     :func:`hlo.program_cost` prices every tick of a pipeline at its costliest
@@ -152,6 +168,9 @@ def _scheduled_flops(text: str, cost: hlo.ProgramCost, run: Run) -> float:
     table = run.plan.pipeline
     if table is None:
         return cost.flops
+    if hasattr(compiled, "scheduled_flops"):  # a step of one program per stage
+        return compiled.scheduled_flops
+    text = compiled.as_text()
     full = branch_table(table)
     used = np.unique(full)
     found = hlo.loop_branch_costs(text, len(used))
@@ -199,9 +218,8 @@ def measure(config: Config, layout: str, hw: Hardware, steps: int = 0,
         _memory(compiled)
     row.predicted_mem_args_bytes = predict_argument_bytes(run, batch)
     row.fits = row.mem_total_bytes <= (memory_bytes or hw.memory_bytes)
-    text = compiled.as_text()
-    cost = hlo.program_cost(text)
-    row.flops = _scheduled_flops(text, cost, run)
+    cost = hlo.step_cost(compiled)
+    row.flops = _scheduled_flops(compiled, cost, run)
     # HBM traffic, roughly: the state is read and written once, activations written and
     # read back once (an unfused CPU program's op-by-op traffic would say far more)
     row.mem_traffic_bytes = row.mem_args_bytes + row.mem_output_bytes + 2 * row.mem_temp_bytes

@@ -96,6 +96,8 @@ class LabLayout:
       rows: examples per device per step (the global batch over the batch axes).
       grad_accum: microbatches accumulated per step.
       stages: ``(ticks, p, v, m)`` of the pipeline's tick table, or None.
+      sub_mesh: the sub-mesh pipeline (``pipeline.executor=mpmd``) runs the layout: a
+        program per action, and the lab reports a device of its first stage.
       seq_len: tokens per example (text), image_shape: ``(H, W, C)`` (images).
       cpu: the program is XLA:CPU's (bfloat16 activations move as float32).
     """
@@ -108,6 +110,7 @@ class LabLayout:
     seq_len: int = 0
     image_shape: tuple[int, ...] | None = None
     cpu: bool = False
+    sub_mesh: bool = False
 
 
 class LabModel:

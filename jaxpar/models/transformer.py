@@ -246,6 +246,8 @@ def transformer_tensor_terms(cfg: Any, layout: LabLayout) -> list[Term]:
     # counts as its costliest branch, the last stage's backward: its layers' recomputed
     # forward and backward plus the head, and the embedding of the first stage.
     k = layout.grad_accum
+    if layout.sub_mesh:
+        return _first_stage_terms(cfg, layout, activation)
     if layout.stages is not None:
         ticks, p, v, m = layout.stages
         times, layers, div = ticks * k, cfg.n_layers // (p * v), m * k
@@ -258,6 +260,22 @@ def transformer_tensor_terms(cfg: Any, layout: LabLayout) -> list[Term]:
         # loop-invariant: XLA gathers the table once for all microbatches
         terms.append(Term("all-gather", "embedding table gather", cfg.vocab_size * d * 4,
                           t, times if layout.stages is not None else 1))
+    return terms
+
+
+def _first_stage_terms(cfg: Any, layout: LabLayout, activation: float) -> list[Term]:
+    """A device of the first stage under the sub-mesh pipeline, a program per action: each
+    microbatch's forward all-reduces twice a layer, its backward (or weight-gradient half:
+    the first chunk has no input gradient) four times — the recomputed forward's and both
+    input gradients' — and each of the two gathers a vocab-sharded table."""
+    t, k = layout.sizes["tensor"], layout.grad_accum
+    _, p, v, m = layout.stages
+    layers = cfg.n_layers // (p * v)
+    terms = [Term("all-reduce", "Megatron activation all-reduces", activation / (m * k), t,
+                  m * k * 6 * layers)]
+    if "tensor" in layout.rules.get("vocab", ()):
+        terms.append(Term("all-gather", "embedding table gather",
+                          cfg.vocab_size * cfg.d_model * 4, t, 2 * m * k))
     return terms
 
 

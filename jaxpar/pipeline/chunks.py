@@ -22,6 +22,7 @@ from jaxpar.pipeline.views import (
     get_path,
     put_path,
     stack_of,
+    sum_over_stages,
     view_of,
 )
 from jaxpar.task import Batch, Layers, StageSplit, split_microbatches
@@ -168,21 +169,16 @@ class ByStack:
         def one(home: int, *parts: jax.Array) -> jax.Array:
             if home == STACKED:
                 return stack_of(list(parts), ex.mesh)
-            rows = stack_of([_row(part.sharding)(part) for part in parts], ex.mesh)
-            return _summed(NamedSharding(ex.mesh, parts[0].sharding.spec))(rows)
+            rows = stack_of([ex.ordered(_row(part.sharding))(part) for part in parts], ex.mesh)
+            return ex.ordered(sum_over_stages(NamedSharding(ex.mesh, parts[0].sharding.spec)))(
+                rows)
 
         grads = jax.tree.map(one, ex.homes.params, *acc)
-        return grads, self.advanced(model_state, total)
+        return grads, ex.ordered(self.advanced)(model_state, total)
 
     @functools.cached_property
     def advanced(self) -> Callable:
         return jax.jit(lambda state, by: advance_counts(state, self.rng_counts, by))
-
-
-@functools.cache
-def _summed(sharding: NamedSharding) -> Callable:
-    """Rows ``[p, …]`` summed over the stages, placed as ``sharding``."""
-    return jax.jit(lambda rows: rows.sum(0), out_shardings=sharding)
 
 
 @functools.cache

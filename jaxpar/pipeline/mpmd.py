@@ -40,6 +40,7 @@ from jaxpar import guard
 from jaxpar.errors import LayoutError
 from jaxpar.logical import Rules
 from jaxpar.pipeline.chunks import ByLayer, ByStack, Run, chunk_program
+from jaxpar.pipeline.programs import Lowered
 from jaxpar.pipeline.ticks import TickTable
 from jaxpar.pipeline.views import (
     STACKED,
@@ -59,7 +60,9 @@ from jaxpar.update import Update, optimizer_update
 class SubMeshPipeline:
     """The executor (a gradient strategy of the plan: the trainer builds its programs from
     it). ``homes`` holds, for each leaf of the train state, the stage it lives on or
-    :data:`WHOLE` or :data:`STACKED`; ``cut`` says what each chunk runs; ``k`` is ``train.grad_accum`` (the table runs ``k`` times per step)."""
+    :data:`WHOLE` or :data:`STACKED`; ``cut`` says what each chunk runs; ``heaviest_stage``
+    is the one whose devices hold the most parameter bytes (the layout lab reports its
+    collectives); ``k`` is ``train.grad_accum`` (the table runs ``k`` times per step)."""
 
     cut: ByLayer | ByStack
     table: TickTable
@@ -69,6 +72,8 @@ class SubMeshPipeline:
     homes: TrainState
     shardings: TrainState
     k: int = 1
+    heaviest_stage: int = 0
+    in_order: bool = False
     _programs: dict = field(default_factory=dict, repr=False)
 
     # ---- the trainer's programs --------------------------------------------------------------
@@ -98,8 +103,8 @@ class SubMeshPipeline:
                     return leaf if home in (s, WHOLE) else None
 
                 out = self.share_shardings(shardings, self.homes, s)
-                shares.append(jax.jit(lambda mesh=mesh, keep=keep: jax.tree.map(
-                    keep, self.homes, create(mesh)), out_shardings=out)())
+                shares.append(self.ordered(jax.jit(lambda mesh=mesh, keep=keep: jax.tree.map(
+                    keep, self.homes, create(mesh)), out_shardings=out))())
             return self.assemble(shares, self.homes)
 
         return init
@@ -169,11 +174,31 @@ class SubMeshPipeline:
         return Run(self, params, model_state, batch, train=False).forward_only()
 
     def program(self, kind: str, c: int) -> Callable:
-        """Chunk ``c``'s jitted program ``kind`` (``F``, ``B``, ``I``, ``W``, ``eval``),
-        built once."""
+        """Chunk ``c``'s jitted program ``kind`` (``F``, ``B``, ``I``, ``W``, ``eval``,
+        ``zeros``), built once."""
         if (kind, c) not in self._programs:
-            self._programs[(kind, c)] = chunk_program(self, kind, c)
+            self._programs[(kind, c)] = self.ordered(chunk_program(self, kind, c))
         return self._programs[(kind, c)]
+
+    def ordered(self, program: Callable) -> Callable:
+        """``program``, run to its end before the call returns when ``in_order`` (the CPU
+        backend: it does not run one device's programs in the order they are dispatched,
+        and two programs whose collectives share devices can wait on each other forever).
+        On a GPU each device runs its programs in dispatch order, and the stages overlap."""
+        return _InOrder(program) if self.in_order else program
+
+
+class _InOrder:
+    """A jitted program whose calls block until their results are ready."""
+
+    def __init__(self, program: Callable):
+        self.program = program
+
+    def __call__(self, *args: Any) -> Any:
+        return jax.block_until_ready(self.program(*args))
+
+    def __getattr__(self, name: str) -> Any:  # lower, eval_shape, …
+        return getattr(self.program, name)
 
 
 class _Stepper:
@@ -184,16 +209,17 @@ class _Stepper:
         self.ex, self.update = ex, update
         replicated = [NamedSharding(m, P()) for m in ex.meshes]
         whole = NamedSharding(ex.mesh, P())
-        self.norm = [jax.jit(_sum_of_squares, out_shardings=r) for r in replicated]
-        self.propose = [jax.jit(functools.partial(_propose, update.tx),
+        jit = lambda fn, **kw: ex.ordered(jax.jit(fn, **kw))
+        self.norm = [jit(_sum_of_squares, out_shardings=r) for r in replicated]
+        self.propose = [jit(functools.partial(_propose, update.tx),
                                 out_shardings=(ex.share_shardings(shardings.params,
                                                                   ex.homes.params, s),
                                                ex.share_shardings(shardings.opt_state,
                                                                   ex.homes.opt_state, s), r))
                         for s, r in enumerate(replicated)]
-        self.keep = jax.jit(_keep)
-        self.reduce_norm = jax.jit(_reduce_norm, out_shardings=(whole, whole))
-        self.reduce_finite = jax.jit(_reduce_finite, out_shardings=(whole, whole, whole))
+        self.keep = jit(_keep)
+        self.reduce_norm = jit(_reduce_norm, out_shardings=(whole, whole))
+        self.reduce_finite = jit(_reduce_finite, out_shardings=(whole, whole, whole))
 
     def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
         ex, homes = self.ex, self.ex.homes
@@ -225,10 +251,9 @@ class _Stepper:
         return new_state, self.update.metrics(state, new_state, opt_state, loss, grad_norm,
                                               finite, aux)
 
-    def lower(self, *args: Any) -> Any:
-        raise LayoutError("pipeline.executor=mpmd runs one program per stage, not one step "
-                          "program: jaxpar inspect, sweep and plan measure the spmd executor; "
-                          "use pipeline.executor=spmd to compile the step")
+    def lower(self, state: TrainState, batch: dict) -> Lowered:
+        """The step for abstract arguments: compiling it compiles every chunk program."""
+        return Lowered(self, state, batch)
 
 
 def _sum_of_squares(grads: Any, loss: jax.Array) -> jax.Array:

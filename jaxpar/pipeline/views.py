@@ -4,6 +4,8 @@ of the same buffers: nothing is copied."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -62,6 +64,13 @@ def stack_of(chunks: list[jax.Array], mesh: Mesh) -> jax.Array:
     shape = (chunks[0].shape[0] * len(chunks), *chunks[0].shape[1:])
     spec = P("stage", *tuple(chunks[0].sharding.spec)[1:])
     return _array(shape, NamedSharding(mesh, spec), shards)
+
+
+@functools.cache
+def sum_over_stages(sharding: NamedSharding) -> Callable:
+    """Rows ``[p, …]`` split over ``stage`` summed over the stages, placed as ``sharding``
+    (a whole-mesh program)."""
+    return jax.jit(lambda rows: rows.sum(0), out_shardings=sharding)
 
 
 def get_path(tree: Any, path: tuple) -> Any:

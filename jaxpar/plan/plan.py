@@ -125,6 +125,11 @@ class Plan:
         until the step's end (one all-reduce per step instead of one per microbatch)."""
         return isinstance(self.gradients, AccumulatedPerDataShard)
 
+    @property
+    def executor(self) -> str | None:
+        """The pipeline executor (``spmd`` or ``mpmd``), None without pipeline stages."""
+        return executor_of(self.task, self.settings["pipeline"], self.mesh.shape["stage"])
+
     def batch_ways(self) -> int:
         """Devices the batch dim is split over (the mesh axes of the ``batch`` rule)."""
         return math.prod(self.mesh.shape[a] for a in self.rules.get("batch", ())

@@ -10,6 +10,7 @@ every stage reads them in place.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, get_args
 
@@ -92,7 +93,9 @@ def sub_mesh_layout(task: Task, model: Any, optimizer: optax.GradientTransformat
         lambda home, spec: NamedSharding(mesh if home < 0 else meshes[home], spec),
         homes, specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
     executor = SubMeshPipeline(cut, tick_table(pipeline.schedule, p, m, v), mesh, meshes, rules,
-                               homes, shardings, grad_accum)
+                               homes, shardings, grad_accum,
+                               _heaviest(homes.params, shardings.params, model.params, p),
+                               in_order=mesh.devices.flat[0].platform == "cpu")
     return SubMeshLayout(param_specs, state_specs, opt_specs, replicated, shardings, executor)
 
 
@@ -173,6 +176,16 @@ def _check_per_stage_update(tx: optax.GradientTransformation, homes: Any, p: int
                     "other stages' gradients (a global-norm clip inside the optax chain, "
                     "say): clip with jaxpar.clip_by_global_norm(max_norm) (or optim.clip_norm), "
                     "which clips by the whole model's norm, or use pipeline.executor=spmd")
+
+
+def _heaviest(homes: Any, shardings: Any, params: Any, p: int) -> int:
+    """The stage whose devices hold the most parameter bytes."""
+    held = [0] * p
+    for home, sharding, leaf in zip(jax.tree.leaves(homes), jax.tree.leaves(shardings),
+                                    jax.tree.leaves(params)):
+        for s in range(p) if home < 0 else [home]:
+            held[s] += math.prod(sharding.shard_shape(leaf.shape)) * shd.itemsize(leaf.dtype)
+    return max(range(p), key=held.__getitem__)
 
 
 def _by_layer_homes(cut: LayerCut, p: int, params: Any, state: Any) -> tuple[Any, Any]:

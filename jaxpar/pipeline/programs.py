@@ -1,0 +1,230 @@
+"""The sub-mesh executor's step compiled for the layout lab (``jaxpar inspect``, ``sweep``,
+``plan``): every chunk program the tick table runs, compiled for one batch shape, and what
+a device of each stage holds and does in one step.
+
+Per stage, on one of its devices:
+
+* **arguments** and **outputs** — its share of the train state (parameters, optimizer and
+  model state of its layers, the whole-mesh scalars) and of the batch; the step writes a
+  new state next to the old one (as the spmd step does without donation);
+* **temporaries** — the largest temporaries of its compiled chunk programs, plus what the
+  executor keeps between programs: the gradient sums (one per chunk, the size of its
+  parameters) and the stash (each forward's input and model state, kept until its
+  backward; the peak count read off the tick table);
+* **FLOPs and collectives** — each program's (from its compiled HLO) times the actions of
+  the table that run it, times ``train.grad_accum``, and the whole-mesh program that sums
+  the stages' gradients of the parameters outside a stack (embedding, head) once a step;
+* **transfers** — the activations it sends right and the gradients it sends left
+  (``jax.device_put`` between sub-meshes), from the programs' output shapes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpar import hlo
+from jaxpar.pipeline.views import STACKED, WHOLE, chunk_spec, sum_over_stages
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes per device, as ``Compiled.memory_analysis()`` names them."""
+
+    argument_size_in_bytes: int
+    output_size_in_bytes: int
+    alias_size_in_bytes: int
+    temp_size_in_bytes: int
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One stage's step on one of its devices (see the module docstring)."""
+
+    stage: int
+    chunks: tuple[int, ...]
+    memory: Memory
+    program_temp_bytes: int
+    grad_sum_bytes: int
+    stash_bytes: int
+    stash_peak: int
+    sent_bytes: int
+    cost: hlo.ProgramCost
+
+
+@dataclass(frozen=True)
+class Lowered:
+    """The step for abstract arguments, as ``jax.stages.Lowered`` (compile to measure it)."""
+
+    step: Any
+    state: Any
+    batch: dict
+
+    def compile(self) -> StagePrograms:
+        return StagePrograms(self.step, self.state, self.batch)
+
+
+class StagePrograms:
+    """The step's programs compiled; quacks like ``jax.stages.Compiled`` where the lab reads
+    one (``memory_analysis``, calling it) and gives :meth:`program_cost` in place of the
+    HLO text. Figures are the most loaded stage's (largest peak bytes; most FLOPs)."""
+
+    def __init__(self, step: Any, abstract_state: Any, abstract_batch: dict):
+        self.step = step
+        ex = step.ex
+        self.stages = _stage_costs(ex, abstract_state, abstract_batch)
+
+    def __call__(self, state: Any, batch: Any) -> Any:
+        return self.step(state, batch)
+
+    def memory_analysis(self) -> Memory:
+        peak = lambda m: m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+        return max((s.memory for s in self.stages), key=peak)
+
+    def program_cost(self) -> hlo.ProgramCost:
+        """The FLOPs and collectives of a device of the stage holding the most parameter
+        bytes (the one :func:`jaxpar.lab.predict.predict_comm` predicts)."""
+        return self.stages[self.step.ex.heaviest_stage].cost
+
+    @property
+    def scheduled_flops(self) -> float:
+        """FLOPs per device in the step-time view: the busiest stage's, its actions spread
+        over every tick of the table (a stage waits for its inputs in the bubbles)."""
+        ex = self.step.ex
+        busiest = max(self.stages, key=lambda s: s.cost.flops)
+        actions = sum(1 for a in ex.table.tick if a.chunk in busiest.chunks)
+        return busiest.cost.flops * ex.table.ticks / actions
+
+    @property
+    def transfer_bytes(self) -> int:
+        """Bytes the busiest stage sends to its neighbours in one step."""
+        return max(s.sent_bytes for s in self.stages)
+
+
+def _nbytes(x: Any) -> int:
+    """Bytes one device holds of an abstract array (with its sharding)."""
+    if x is None:
+        return 0
+    return math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+
+
+def _tree_bytes(tree: Any) -> int:
+    return sum(_nbytes(x) for x in jax.tree.leaves(tree))
+
+
+def _abstract_share(ex: Any, tree: Any, homes: Any, s: int) -> Any:
+    """Stage ``s``'s share of an abstract tree (as :meth:`SubMeshPipeline.share`)."""
+    mesh = ex.meshes[s]
+
+    def one(home: int, x: Any) -> Any:
+        if home == STACKED:
+            shape = (x.shape[0] // len(ex.meshes), *x.shape[1:])
+            return jax.ShapeDtypeStruct(shape, x.dtype, sharding=NamedSharding(
+                mesh, chunk_spec(x.sharding.spec)))
+        if home in (s, WHOLE):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                        sharding=NamedSharding(mesh, x.sharding.spec))
+        return None
+
+    return jax.tree.map(one, homes, tree)
+
+
+def _stage_costs(ex: Any, state: Any, batch: dict) -> list[StageCost]:
+    p, chunks, table = len(ex.meshes), len(ex.cut.chunks), ex.table
+    j = jax.ShapeDtypeStruct((), np.int32)
+    counts: dict[tuple[str, int], int] = {}
+    for action in table.tick:
+        counts[(action.kind, action.chunk)] = counts.get((action.kind, action.chunk), 0) + ex.k
+    shares = [_abstract_share(ex, state, ex.homes, s) for s in range(p)]
+    batches = [{k: jax.ShapeDtypeStruct(v.shape, v.dtype,
+                                        sharding=NamedSharding(m, v.sharding.spec))
+                for k, v in batch.items()} for m in ex.meshes]
+    x, compiled, outputs, inputs = None, {}, {}, {}
+    for c in range(chunks):
+        s = c % p
+        params = ex.cut.chunk_tree(shares[s].params, c)
+        model_state = ex.cut.chunk_tree(shares[s].model_state, c)
+        inputs[c] = (x, model_state)
+        y, _ = jax.eval_shape(ex.program("F", c), params, model_state, x, batches[s], j)
+        dy = None if c == chunks - 1 else _placed(y, ex.meshes[s], ex)
+        args = {"F": (params, model_state, x, batches[s], j),
+                "B": (params, model_state, x, batches[s], j, dy, params),
+                "I": (params, model_state, x, batches[s], j, dy),
+                "W": (params, model_state, x, batches[s], j, dy, params)}
+        for kind in {k for k, cc in counts if cc == c}:
+            compiled[(kind, c)] = ex.program(kind, c).lower(*args[kind]).compile()
+        outputs[c] = dy
+        x = None if dy is None else _placed(y, ex.meshes[(c + 1) % p], ex)
+    out = []
+    for s in range(p):
+        mine = [c for c in range(chunks) if c % p == s]
+        state_bytes = _tree_bytes(shares[s]) + _tree_bytes(batches[s])
+        temp = max(int(compiled[key].memory_analysis().temp_size_in_bytes)
+                   for key in compiled if key[1] in mine)
+        grads = sum(_tree_bytes(ex.cut.chunk_tree(shares[s].params, c)) for c in mine)
+        peak, stash = _stash_peak(table, mine, {c: _tree_bytes(inputs[c]) for c in mine})
+        # the activation each forward sends right and the gradient each backward sends left
+        sent = sum(counts.get(("F", c), 0) * _tree_bytes(outputs[c]) for c in mine) + sum(
+            n * _tree_bytes(inputs[c][0]) for (kind, c), n in counts.items()
+            if c in mine and kind in ("B", "I"))
+        cost = _summed([(compiled[key], counts[key]) for key in compiled if key[1] in mine]
+                       + [(whole, 1) for whole in _stage_sums(ex, state.params)])
+        memory = Memory(state_bytes, state_bytes, 0, temp + grads + stash)
+        out.append(StageCost(s, tuple(mine), memory, temp, grads, stash, peak, sent, cost))
+    return out
+
+
+def _stage_sums(ex: Any, params: Any) -> list[Any]:
+    """The compiled sums over the stages of the whole-mesh parameters' gradients."""
+    out = []
+    for home, x in zip(jax.tree.leaves(ex.homes.params), jax.tree.leaves(params)):
+        if home == WHOLE:
+            rows = jax.ShapeDtypeStruct((len(ex.meshes), *x.shape), x.dtype, sharding=NamedSharding(
+                ex.mesh, P("stage", *x.sharding.spec)))
+            out.append(sum_over_stages(x.sharding).lower(rows).compile())
+    return out
+
+
+def _placed(y: Any, mesh: Any, ex: Any) -> Any:
+    """An activation (or its gradient) as it arrives on ``mesh``: rows split as the batch."""
+    axes = tuple(a for a in ex.rules.get("batch", ()) if mesh.shape.get(a, 1) > 1)
+    spec = axes[0] if len(axes) == 1 else (axes or None)
+    return jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(
+        mesh, P(spec, *[None] * (len(v.shape) - 1)))), y)
+
+
+def _stash_peak(table: Any, chunks: list[int], nbytes: dict[int, int]) -> tuple[int, int]:
+    """The most microbatches a stage holds stashed at once (a forward stashes its input
+    until its backward, or weight-gradient half, is done), and their bytes then."""
+    held, peak, peak_bytes = {c: 0 for c in chunks}, 0, 0
+    for action in sorted(table.tick, key=table.tick.get):
+        if action.chunk not in held:
+            continue
+        held[action.chunk] += 1 if action.kind == "F" else -(action.kind in ("B", "W"))
+        total = sum(held.values())
+        if total > peak:
+            peak, peak_bytes = total, sum(held[c] * nbytes[c] for c in chunks)
+    return peak, peak_bytes
+
+
+def _summed(programs: list[tuple[Any, int]]) -> hlo.ProgramCost:
+    """The cost of running each compiled program its number of times."""
+    flops, stats, unknown = 0.0, {}, 0
+    for compiled, times in programs:
+        cost = hlo.program_cost(compiled.as_text())
+        flops += times * cost.flops
+        unknown += cost.unknown_loops
+        for kind, stat in cost.collectives.items():
+            old = stats.get(kind, hlo.CollectiveStat())
+            stats[kind] = hlo.CollectiveStat(old.count + times * stat.count,
+                                             old.payload_bytes + times * stat.payload_bytes,
+                                             old.wire_bytes + times * stat.wire_bytes)
+    for kind in hlo.COLLECTIVES:
+        stats.setdefault(kind, hlo.CollectiveStat())
+    return hlo.ProgramCost(flops, stats, unknown)
