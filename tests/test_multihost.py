@@ -254,3 +254,23 @@ def test_ctrl_c_to_a_launch_checkpoints_once_and_kills_twice(tmp_path):
             assert len(steps) == 1, out[-3000:]
             assert (run_dir / "checkpoints" / str(steps.pop())).is_dir()
             assert "Traceback" not in out
+
+
+def test_sub_mesh_pipeline_two_processes_match_one(tmp_path):
+    """The GPT under the sub-mesh executor (stage=2 × data=4) from 2 processes: each stage
+    has devices in both, and each process moves its own shards between the stages; the
+    losses are one process's. Processes split along stage instead are refused in one line
+    (each process loads its own rows, which stage does not split)."""
+    mpmd = ["mesh.stage=2", "mesh.data=4", "pipeline.executor=mpmd", "pipeline.microbatches=4",
+            "checkpoint.every_steps=0"]
+    two = launch(2, tmp_path / "two", 3, *mpmd)
+    assert two.returncode == 0, two.stdout[-3000:]
+    one = single(tmp_path / "one", 3, *mpmd)
+    assert one.returncode == 0, one.stderr[-3000:]
+    a, b = losses(tmp_path / "two"), losses(tmp_path / "one")
+    assert sorted(a) == [1, 2, 3]
+    np.testing.assert_allclose([a[s] for s in (1, 2, 3)], [b[s] for s in (1, 2, 3)], rtol=1e-6)
+    across = launch(2, tmp_path / "across", 1, *mpmd, "mesh.hosts_stage=2", "mesh.hosts_data=1")
+    assert across.returncode == 2
+    assert ("processes split the mesh along stage, which does not split the batch rows"
+            in across.stdout)

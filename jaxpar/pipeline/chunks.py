@@ -20,6 +20,7 @@ from jaxpar.pipeline.executor import advance_counts
 from jaxpar.pipeline.views import (
     STACKED,
     get_path,
+    moved,
     put_path,
     stack_of,
     sum_over_stages,
@@ -212,8 +213,8 @@ class Run:
         """``value`` moved to chunk ``c``'s stage, its rows split as the batch's."""
         mesh = self.ex.meshes[c % len(self.ex.meshes)]
         spec = _batch_spec(self.ex, mesh)
-        return jax.tree.map(lambda v: jax.device_put(
-            v, NamedSharding(mesh, P(spec, *[None] * (v.ndim - 1)))), value)
+        return jax.tree.map(lambda v: moved(_laid_out(v, spec), mesh,
+                                            P(spec, *[None] * (v.ndim - 1))), value)
 
     def play(self, r: int) -> None:
         """The table once: microbatches ``r·m … r·m + m − 1`` of the step."""
@@ -285,6 +286,13 @@ def _ordered(tree: dict, like: Any) -> Any:
     if not isinstance(like, dict):
         return tree
     return {k: _ordered(tree[k], v) for k, v in like.items()}
+
+
+def _laid_out(v: jax.Array, spec: Any) -> jax.Array:
+    """``v`` with its rows split as ``spec`` on its own sub-mesh (as a program left it, or
+    moved there)."""
+    sharding = NamedSharding(v.sharding.mesh, P(spec, *[None] * (v.ndim - 1)))
+    return v if v.sharding == sharding else jax.device_put(v, sharding)
 
 
 def _batch_spec(ex: Any, mesh: Mesh) -> Any:

@@ -42,6 +42,16 @@ def whole_of(views: list[jax.Array], mesh: Mesh) -> jax.Array:
     return _array(views[0].shape, NamedSharding(mesh, views[0].sharding.spec), shards)
 
 
+def moved(x: jax.Array, mesh: Mesh, spec: P) -> jax.Array:
+    """``x`` (on another stage's sub-mesh, laid out by ``spec``) on the sub-mesh ``mesh``:
+    each shard copied to the device at the same place of ``mesh`` — a device of the same
+    process when the stages lie within hosts, so every process moves its own shards."""
+    sharding = NamedSharding(mesh, spec)
+    target = dict(zip(x.sharding.mesh.devices.flat, mesh.devices.flat))
+    return _array(x.shape, sharding, [jax.device_put(s.data, target[s.device])
+                                      for s in x.addressable_shards])
+
+
 def chunk_spec(spec: P) -> P:
     """The spec of a stage's chunk of a leaf split over ``stage`` on its first dim."""
     entries = list(spec)

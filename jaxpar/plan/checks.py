@@ -29,6 +29,31 @@ def batch_specs(task: Task, rules: Rules, mesh: Mesh, batch: Mapping[str, Any] |
     return specs
 
 
+def check_processes_own_rows(mesh: Mesh, specs: Mapping[str, PartitionSpec]) -> None:
+    """Each process loads its own ``1/processes`` of a batch's rows, so devices holding the
+    same rows (the same place along the axes splitting them) must be one process's.
+
+    Raises:
+      LayoutError: for processes split along an axis that does not split the batch.
+    """
+    if len({d.process_index for d in mesh.devices.flat}) == 1:
+        return
+    for key, spec in specs.items():
+        axes = spec_axes(spec[:1])
+        keep = [mesh.axis_names.index(a) for a in axes]
+        rest = [i for i in range(mesh.devices.ndim) if i not in keep]
+        groups = mesh.devices.transpose(*keep, *rest).reshape(
+            math.prod(mesh.shape[a] for a in axes), -1)
+        for group in groups:
+            if len({d.process_index for d in group}) > 1:
+                across = [a for a in mesh.axis_names if a not in axes and mesh.shape[a] > 1]
+                raise LayoutError(
+                    f"batch '{key}': processes split the mesh along {', '.join(across)}, which "
+                    "does not split the batch rows, but each process loads its own share of "
+                    "them; put the batch axes (data, fsdp) across hosts (mesh.hosts_data / "
+                    "mesh.hosts_fsdp) and keep the other axes within a host")
+
+
 def check_rows(mesh: Mesh, specs: Mapping[str, PartitionSpec], batch: Mapping[str, Any],
                 parts: int, message: Any) -> None:
     """Each entry's rows split into ``parts`` equal parts on each device sharing them;

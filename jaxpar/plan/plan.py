@@ -224,6 +224,7 @@ def make_plan(task: Task, optimizer: optax.GradientTransformation, mesh: Mesh, r
     counter = jax.ShapeDtypeStruct((), jnp.int32)
     abstract = TrainState(counter, model.params, abstract_opt, counter, model.state)
     batch_specs = checks.batch_specs(task, rules, mesh, None)
+    checks.check_processes_own_rows(mesh, batch_specs)
     loss = ModelLoss(model.graphdef, task.loss_fn)
     settings = {"grad_accum": grad_accum, "pipeline": pipeline, "fsdp_gather": fsdp_gather}
     if executor_of(task, pipeline, mesh.shape["stage"]) == "mpmd":
