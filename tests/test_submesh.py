@@ -6,6 +6,8 @@ counts and evaluation — under every schedule; bad cuts are one-line errors."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
 import itertools
 
 import jax
@@ -324,3 +326,53 @@ def test_sweep_all_leaves_out_stage_layouts_of_a_model_that_cannot_be_split():
     assert kept == [x for x in sweep.all_layouts(8) if "stage=" not in x] and len(kept) == 10
     assert note.startswith(f"note: 10 layouts with mesh.stage > 1 left out: {MLP.name} cannot")
     assert sweep.default_layouts(config, 8, MLP) == (sweep.all_layouts(8), None)
+
+
+class _StopAt(jaxpar.Hook):
+    """Sends this process a SIGTERM when it sees ``step``'s metrics (a preemption)."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step(self, ctx, step, metrics):
+        if step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_then_resume_is_bitwise(tmp_path):
+    """A SIGTERM mid-run checkpoints the step it stopped at; resuming ends bitwise where
+    the uninterrupted run does: parameters, Adam's moments, BatchNorm statistics and the
+    dropout stream's key and count, each on its stage."""
+    common = ["train.log_every=1", "train.eval_every=0", "train.progress=false",
+              "checkpoint.every_steps=100", f"train.batch_size={BATCH}", "mesh.stage=2",
+              "mesh.data=4", f"pipeline.microbatches={M}", "pipeline.schedule=zb_h1",
+              "train.steps=8"]
+    config = lambda run_dir: jaxpar.load_config([], [*common, f"run.dir={run_dir}"])
+    adam = optax.adam(1e-3)
+    whole = jaxpar.train(config(tmp_path / "whole"), task=CNN, optimizer=adam, echo=False)
+    with pytest.raises(jaxpar.loop.Preempted) as stop:
+        jaxpar.train(config(tmp_path / "cut"), task=CNN, optimizer=adam, hooks=[_StopAt(3)],
+                     echo=False)
+    assert 3 <= stop.value.step < 8
+    resumed = jaxpar.train(config(tmp_path / "cut"), task=CNN, optimizer=adam, echo=False)
+    assert resumed.train_rows[0]["step"] == stop.value.step + 1
+    for a, b in zip(jax.tree.leaves(_host(whole.state)), jax.tree.leaves(_host(resumed.state))):
+        np.testing.assert_array_equal(a, b)
+    assert int(_host(resumed.state.model_state)["layers"][3]["rngs"]["count"]) == 8 * M
+
+
+def test_gpt_checkpoint_restores_across_executors(tmp_path):
+    """A GPT checkpoint of the sub-mesh executor restores under the spmd executor (and one
+    of the spmd executor under the sub-mesh one) with identical values."""
+    from jaxpar.resume import restore_state
+
+    common = [*GPT, "mesh.stage=2", "mesh.data=4", "pipeline.microbatches=4", "train.steps=2",
+              "train.eval_every=0", "train.progress=false", "checkpoint.async_save=false"]
+    for source, target in (("mpmd", "spmd"), ("spmd", "mpmd")):
+        run_dir = tmp_path / source
+        config = lambda executor: jaxpar.load_config([], [
+            *common, f"pipeline.executor={executor}", f"run.dir={run_dir}"])
+        done = jaxpar.train(config(source), echo=False)
+        restored = restore_state(jaxpar.build(config(target)), 2, "test")
+        for a, b in zip(jax.tree.leaves(_host(done.state)), jax.tree.leaves(_host(restored))):
+            np.testing.assert_array_equal(a, b)

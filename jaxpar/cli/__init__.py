@@ -108,17 +108,25 @@ def _prepare_data(args: argparse.Namespace) -> None:
           f"(vocab {tf.vocab_size:,}, {tf.tokens.dtype.name}, {size:,} bytes) written to {tf.path}")
 
 
+_EXECUTORS = {
+    "spmd": "executor: spmd (one program; every device runs one action a tick, in lockstep)",
+    "mpmd": "executor: mpmd (a program per action on its stage's devices, dispatched in tick "
+            "order; a stage waits only for its inputs)"}
+
+
 def _show_pipeline(config: Config, png: str | None, width: int | None,
                    task: Task | None) -> None:
     from jaxpar.pipeline import chart
     from jaxpar.run import build
 
-    table = build(config, task).plan.pipeline
+    plan = build(config, task).plan
+    table = plan.pipeline
     if table is None:
         raise ConfigError(f"mesh.stage={config.mesh.stage}: there is no pipeline to show; "
                           "set mesh.stage to 2 or more")
     print(chart.text_grid(table, width))
     print(chart.summary(table))
+    print(_EXECUTORS[plan.executor])
     if png:
         print(f"chart written to {chart.write_png(table, png)}")
 
