@@ -72,6 +72,7 @@ class Row:
     tokens_per_s: float | None = None
     examples_per_s: float | None = None
     compile_s: float | None = None
+    transfer_bytes: float | None = None
     hardware: str = ""
     error: str = ""
 
@@ -219,6 +220,8 @@ def measure(config: Config, layout: str, hw: Hardware, steps: int = 0,
     row.predicted_mem_args_bytes = predict_argument_bytes(run, batch)
     row.fits = row.mem_total_bytes <= (memory_bytes or hw.memory_bytes)
     cost = hlo.step_cost(compiled)
+    # the sub-mesh pipeline moves activations between stages with device_put
+    row.transfer_bytes = getattr(compiled, "transfer_bytes", None)
     row.flops = _scheduled_flops(compiled, cost, run)
     # HBM traffic, roughly: the state is read and written once, activations written and
     # read back once (an unfused CPU program's op-by-op traffic would say far more)
