@@ -5,9 +5,12 @@ by layer saves per device.
                                             [--schedule 1f1b] [--steps 5]
 
 1. **The same GPT layout under both executors** (``configs/gpt_tiny.yaml``, 4 layers,
-   global batch 32 × 128 tokens, ``pipeline.microbatches=4``): per device, the peak
+   global batch 32 × 128 tokens, ``pipeline.microbatches=4``; the sub-mesh executor with
+   each backward recomputing its forward, and keeping the forward's residuals instead,
+   ``pipeline.backward=residuals``): per device, the peak
    memory of the step (arguments + outputs + temporaries, from the compiled programs),
-   the collective bytes of one step (from their HLO), the bytes the sub-mesh executor
+   the FLOPs in the step-time view (the busiest device's, bubbles counted), the collective
+   bytes of one step (from their HLO), the bytes the sub-mesh executor
    moves between stages with ``device_put`` (from its programs' output shapes), and the
    median step time over ``--steps`` steps — measured by ``jaxpar sweep``'s own
    ``measure``, one row per executor, in one run.
@@ -46,18 +49,20 @@ def executors(layouts: list[str], schedule: str, steps: int) -> None:
     hw = lab.hardware.get_profile("h100")
     print(f"1. gpt_tiny, batch 32×128, pipeline.schedule={schedule}, 4 microbatches; "
           "per device")
-    print(f"{'layout':<22}{'executor':>9}{'peak MiB':>10}{'collectives MiB':>17}"
+    print(f"{'layout':<18}{'executor':>16}{'peak MiB':>10}{'GFLOP':>8}{'collectives MiB':>17}"
           f"{'moved MiB':>11}{'step s':>9}")
     config = load_config([CONFIG], [f"pipeline.schedule={schedule}",
                                     "pipeline.microbatches=4"])
+    variants = {"spmd": "pipeline.executor=spmd", "mpmd": "pipeline.executor=mpmd",
+                "mpmd, residuals": "pipeline.executor=mpmd,pipeline.backward=residuals"}
     for layout in layouts:
-        for executor in ("spmd", "mpmd"):
-            row = lab.sweep.measure(config, f"{layout},pipeline.executor={executor}", hw, steps)
+        for name, executor in variants.items():
+            row = lab.sweep.measure(config, f"{layout},{executor}", hw, steps)
             assert row.ok, row.error
             moved = f"{row.transfer_bytes / MiB:.2f}" if row.transfer_bytes else "-"
-            print(f"{layout:<22}{executor:>9}{row.mem_total_bytes / MiB:>10.2f}"
-                  f"{row.comm_bytes / MiB:>17.2f}{moved:>11}{row.step_time_s:>9.3f}",
-                  flush=True)
+            print(f"{layout:<18}{name:>16}{row.mem_total_bytes / MiB:>10.2f}"
+                  f"{row.flops / 1e9:>8.2f}{row.comm_bytes / MiB:>17.2f}{moved:>11}"
+                  f"{row.step_time_s:>9.3f}", flush=True)
 
 
 def _step_time(run, steps: int) -> float:

@@ -6,9 +6,10 @@ counts and evaluation — under every schedule; bad cuts are one-line errors."""
 from __future__ import annotations
 
 import dataclasses
-import os
-import signal
 import itertools
+import os
+import re
+import signal
 
 import jax
 import numpy as np
@@ -376,3 +377,27 @@ def test_gpt_checkpoint_restores_across_executors(tmp_path):
         restored = restore_state(jaxpar.build(config(target)), 2, "test")
         for a, b in zip(jax.tree.leaves(_host(done.state)), jax.tree.leaves(_host(restored))):
             np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_a_backward_from_kept_residuals_equals_one_device(schedule):
+    """``pipeline.backward=residuals``: each forward keeps its backward's residuals (no
+    second forward): the BatchNorm + Dropout CNN still equals one device accumulating —
+    losses, parameters, statistics, RNG counts."""
+    sgd = optax.sgd(0.1, momentum=0.9)
+    _, ref, ref_losses = _one_device(CNN, sgd)
+    run, got, losses = _staged(CNN, sgd, 2, schedule, extra=["pipeline.backward=residuals"])
+    assert run.plan.gradients.residuals
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    assert_params_close(_host(got.params), _host(ref.params))
+    for a, b in zip(jax.tree.leaves(_host(got.model_state)),
+                    jax.tree.leaves(_host(ref.model_state))):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_mpmd_settings_under_the_spmd_executor_are_refused():
+    for setting in ("pipeline.backward=residuals", "pipeline.split=[2,2]"):
+        with pytest.raises(LayoutError, match=rf"{re.escape(setting.split('=')[0])}.* apply to "
+                                              r"pipeline.executor=mpmd, but this layout runs "
+                                              r"the spmd executor"):
+            jaxpar.build(jaxpar.load_config([], [*GPT, "mesh.stage=2", "mesh.data=4", setting]))

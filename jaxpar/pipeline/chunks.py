@@ -30,14 +30,17 @@ from jaxpar.task import Batch, Layers, StageSplit, split_microbatches
 
 
 def chunk_program(ex: Any, kind: str, c: int) -> Callable:
-    """Chunk ``c``'s jitted program ``kind``: ``F`` (forward: the activation it sends and
-    its model state after), ``B`` (backward recomputed from the stashed input: the
-    gradient it sends and its gradient sums), ``I`` / ``W`` (the input and the weight
-    halves of the backward, zero-bubble), ``eval`` (forward in evaluation mode), ``zeros``
-    (zeros placed as its parameters: a gradient sum's start)."""
+    """Chunk ``c``'s jitted program ``kind``: ``F`` (forward: the activation it sends, its
+    model state after, and with ``ex.residuals`` the backward's residuals and the last
+    chunk's loss), ``B`` (backward: the gradient it sends, its gradient sums and the last
+    chunk's loss — recomputed from the stashed input, or from the residuals), ``I`` / ``W``
+    (the input and the weight halves of the backward, zero-bubble), ``eval`` (forward in
+    evaluation mode), ``zeros`` (zeros placed as its parameters: a gradient sum's start).
+    A backward takes what :func:`kept` stashed of its forward, then ``dy`` (and the sums)."""
     last = c == len(ex.cut.chunks) - 1
     mesh = ex.meshes[c % len(ex.meshes)]
     total = ex.k * ex.table.m
+    seed = 1.0 / total  # each microbatch's loss (a mean) seeds the backward with 1/total
 
     def run(params, state, x, batch, j, train=True, count=total):
         with activation_rules(mesh, ex.rules):
@@ -45,33 +48,57 @@ def chunk_program(ex: Any, kind: str, c: int) -> Callable:
                   for k, v in batch.items()}
             return ex.cut.forward(c, params, state, x, mb, j, train, last)
 
-    if kind == "F":
-        return jax.jit(lambda p, s, x, b, j: _forward_out(run(p, s, x, b, j), last))
+    def seeded(back, out, dy):
+        return back(_seed(out, seed) if last else dy)
+
     if kind == "eval":
         return jax.jit(lambda p, s, x, b, j: run(p, s, x, b, j, False, ex.table.m)[0])
-    seed = 1.0 / total
+    if kind == "F" and ex.residuals:
+        def forward_keeping(p, s, x, b, j):
+            out, back, new_state = jax.vjp(lambda p, x: run(p, s, x, b, j), p, x, has_aux=True)
+            return (None if last else out), new_state, back, (out if last else None)
 
-    def vjp(p, s, x, b, j, dy):
+        return jax.jit(forward_keeping)
+    if kind == "F":
+        return jax.jit(lambda p, s, x, b, j: _forward_out(run(p, s, x, b, j), last))
+
+    def grads(*args):  # (parameter and input gradients, the last chunk's loss or None)
+        if ex.residuals:
+            back, out, dy = args
+            return seeded(back, out, dy), None
+        p, s, x, b, j, dy = args
         out, back = jax.vjp(lambda p, x: run(p, s, x, b, j)[0], p, x)
-        if last:  # the loss (mean over this microbatch) seeds the backward, 1/total each
-            loss, aux = out
-            return back((jnp.full_like(loss, seed), jax.tree.map(jnp.zeros_like, aux))), out
-        return back(dy), None
+        return seeded(back, out, dy), (out if last else None)
 
     placed = ex.param_shardings(c)
-    if kind == "zeros":  # a gradient sum's start
+    if kind == "zeros":
         return jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=placed)
 
     def accumulate(acc, dp):  # a gradient sum placed as its parameters
         return jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, acc, dp), placed)
 
+    n = 3 if ex.residuals else 6  # the backward's arguments before the sums
     if kind == "B":
-        return jax.jit(lambda p, s, x, b, j, dy, acc: _backward(vjp(p, s, x, b, j, dy), acc,
-                                                                accumulate), donate_argnums=6)
+        return jax.jit(lambda *a: _backward(grads(*a[:n]), a[n], accumulate), donate_argnums=n)
     if kind == "I":
-        return jax.jit(lambda p, s, x, b, j, dy: _input_grad(vjp(p, s, x, b, j, dy)))
-    return jax.jit(lambda p, s, x, b, j, dy, acc: accumulate(acc, vjp(p, s, x, b, j, dy)[0][0]),
-                   donate_argnums=6)
+        return jax.jit(lambda *a: _input_grad(grads(*a)))
+    return jax.jit(lambda *a: accumulate(a[n], grads(*a[:n])[0][0]), donate_argnums=n)
+
+
+def kept(ex: Any, args: tuple, result: tuple) -> tuple[Any, Any, tuple, Any]:
+    """A forward's activation to send, its model state after, what its backward reads
+    (its residuals and the last chunk's loss, or its arguments to recompute from) and the
+    last chunk's loss when the forward gives it."""
+    if ex.residuals:
+        y, new_state, back, out = result
+        return y, new_state, (back, out), out
+    y, new_state = result
+    return y, new_state, args, None
+
+
+def _seed(out: tuple, seed: float) -> tuple:
+    loss, aux = out
+    return jnp.full_like(loss, seed), jax.tree.map(jnp.zeros_like, aux)
 
 
 def _forward_out(result: tuple, last: bool) -> tuple:
@@ -224,32 +251,27 @@ class Run:
             getattr(self, f"_{action.kind}")(c, mb, jnp.int32(j), c == last)
 
     def _F(self, c: int, mb: int, j: Any, last: bool) -> None:
-        x = self.acts.pop((c, mb), None)
-        self.stash[(c, mb)] = (x, self.state[c])
-        y, self.state[c] = self.ex.program("F", c)(self.params[c], self.state[c], x,
-                                                    self.batch[c % len(self.ex.meshes)], j)
+        args = (self.params[c], self.state[c], self.acts.pop((c, mb), None),
+                self.batch[c % len(self.ex.meshes)], j)
+        y, self.state[c], self.stash[(c, mb)], out = kept(
+            self.ex, args, self.ex.program("F", c)(*args))
+        self._received(0, mb, None, out)
         if not last:
             self.acts[(c + 1, mb)] = self._send(y, c + 1)
 
     def _B(self, c: int, mb: int, j: Any, last: bool) -> None:
-        x, state = self.stash.pop((c, mb))
         dy = self.grads.pop((c, mb), None)
-        dx, self.acc[c], out = self.ex.program("B", c)(
-            self.params[c], state, x, self.batch[c % len(self.ex.meshes)], j, dy, self.acc[c])
+        dx, self.acc[c], out = self.ex.program("B", c)(*self.stash.pop((c, mb)), dy,
+                                                       self.acc[c])
         self._received(c, mb, dx, out)
 
     def _I(self, c: int, mb: int, j: Any, last: bool) -> None:
-        x, state = self.stash[(c, mb)]
         dy = self.dys[(c, mb)] = self.grads.pop((c, mb), None)
-        dx, out = self.ex.program("I", c)(self.params[c], state, x,
-                                           self.batch[c % len(self.ex.meshes)], j, dy)
+        dx, out = self.ex.program("I", c)(*self.stash[(c, mb)], dy)
         self._received(c, mb, dx, out)
 
     def _W(self, c: int, mb: int, j: Any, last: bool) -> None:
-        x, state = self.stash.pop((c, mb))
-        dy = self.dys.pop((c, mb))
-        self.acc[c] = self.ex.program("W", c)(self.params[c], state, x,
-                                               self.batch[c % len(self.ex.meshes)], j, dy,
+        self.acc[c] = self.ex.program("W", c)(*self.stash.pop((c, mb)), self.dys.pop((c, mb)),
                                                self.acc[c])
 
     def _received(self, c: int, mb: int, dx: Any, out: Any) -> None:

@@ -74,6 +74,7 @@ class SubMeshPipeline:
     k: int = 1
     heaviest_stage: int = 0
     in_order: bool = False
+    residuals: bool = False
     _programs: dict = field(default_factory=dict, repr=False)
 
     # ---- the trainer's programs --------------------------------------------------------------

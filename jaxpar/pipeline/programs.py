@@ -9,8 +9,9 @@ Per stage, on one of its devices:
   new state next to the old one (as the spmd step does without donation);
 * **temporaries** — the largest temporaries of its compiled chunk programs, plus what the
   executor keeps between programs: the gradient sums (one per chunk, the size of its
-  parameters) and the stash (each forward's input and model state, kept until its
-  backward; the peak count read off the tick table);
+  parameters) and the stash (each forward's input and model state, or with
+  ``pipeline.backward=residuals`` its residuals, kept until its backward; the peak count
+  read off the tick table);
 * **FLOPs and collectives** — each program's (from its compiled HLO) times the actions of
   the table that run it, times ``train.grad_accum``, and the whole-mesh program that sums
   the stages' gradients of the parameters outside a stack (embedding, head) once a step;
@@ -30,6 +31,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import hlo
+from jaxpar.pipeline.chunks import kept
 from jaxpar.pipeline.views import STACKED, WHOLE, chunk_spec, sum_over_stages
 
 
@@ -145,19 +147,20 @@ def _stage_costs(ex: Any, state: Any, batch: dict) -> list[StageCost]:
     batches = [{k: jax.ShapeDtypeStruct(v.shape, v.dtype,
                                         sharding=NamedSharding(m, v.sharding.spec))
                 for k, v in batch.items()} for m in ex.meshes]
-    x, compiled, outputs, inputs = None, {}, {}, {}
+    x, compiled, outputs, inputs, stashed = None, {}, {}, {}, {}
     for c in range(chunks):
         s = c % p
         params = ex.cut.chunk_tree(shares[s].params, c)
         model_state = ex.cut.chunk_tree(shares[s].model_state, c)
-        inputs[c] = (x, model_state)
-        y, _ = jax.eval_shape(ex.program("F", c), params, model_state, x, batches[s], j)
+        inputs[c] = x
+        forward = (params, model_state, x, batches[s], j)
+        compiled[("F", c)] = ex.program("F", c).lower(*forward).compile()
+        result = jax.tree.map(_abstract, compiled[("F", c)].out_info)
+        y, _, keep, _ = kept(ex, forward, result)
+        stashed[c] = keep[0] if ex.residuals else (x, model_state)
         dy = None if c == chunks - 1 else _placed(y, ex.meshes[s], ex)
-        args = {"F": (params, model_state, x, batches[s], j),
-                "B": (params, model_state, x, batches[s], j, dy, params),
-                "I": (params, model_state, x, batches[s], j, dy),
-                "W": (params, model_state, x, batches[s], j, dy, params)}
-        for kind in {k for k, cc in counts if cc == c}:
+        args = {"B": (*keep, dy, params), "I": (*keep, dy), "W": (*keep, dy, params)}
+        for kind in {k for k, cc in counts if cc == c} - {"F"}:
             compiled[(kind, c)] = ex.program(kind, c).lower(*args[kind]).compile()
         outputs[c] = dy
         x = None if dy is None else _placed(y, ex.meshes[(c + 1) % p], ex)
@@ -168,10 +171,10 @@ def _stage_costs(ex: Any, state: Any, batch: dict) -> list[StageCost]:
         temp = max(int(compiled[key].memory_analysis().temp_size_in_bytes)
                    for key in compiled if key[1] in mine)
         grads = sum(_tree_bytes(ex.cut.chunk_tree(shares[s].params, c)) for c in mine)
-        peak, stash = _stash_peak(table, mine, {c: _tree_bytes(inputs[c]) for c in mine})
+        peak, stash = _stash_peak(table, mine, {c: _tree_bytes(stashed[c]) for c in mine})
         # the activation each forward sends right and the gradient each backward sends left
         sent = sum(counts.get(("F", c), 0) * _tree_bytes(outputs[c]) for c in mine) + sum(
-            n * _tree_bytes(inputs[c][0]) for (kind, c), n in counts.items()
+            n * _tree_bytes(inputs[c]) for (kind, c), n in counts.items()
             if c in mine and kind in ("B", "I"))
         cost = _summed([(compiled[key], counts[key]) for key in compiled if key[1] in mine]
                        + [(whole, 1) for whole in _stage_sums(ex, state.params)])
@@ -189,6 +192,11 @@ def _stage_sums(ex: Any, params: Any) -> list[Any]:
                 ex.mesh, P("stage", *x.sharding.spec)))
             out.append(sum_over_stages(x.sharding).lower(rows).compile())
     return out
+
+
+def _abstract(x: Any) -> Any:
+    """A compiled program's output as an abstract argument of the next (its sharding)."""
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
 
 
 def _placed(y: Any, mesh: Any, ex: Any) -> Any:

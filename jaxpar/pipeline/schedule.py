@@ -31,6 +31,8 @@ from jaxpar.schema import IntList, section
 
 #: ``pipeline.executor`` values (see :class:`PipelineConfig`).
 Executor = Literal["auto", "spmd", "mpmd"]
+#: ``pipeline.backward`` values (see :class:`PipelineConfig`).
+Backward = Literal["recompute", "residuals"]
 #: ``pipeline.schedule`` values.
 Schedule = Literal["gpipe", "1f1b", "interleaved", "zb_h1"]
 SCHEDULES: tuple[str, ...] = typing.get_args(Schedule)
@@ -57,6 +59,10 @@ class PipelineConfig:
     split: IntList = Field((), description="with the mpmd executor, layers per chunk (one "
                            "number per stage × virtual stage, in order, summing to the "
                            "model's layers); empty: balanced by parameter bytes")
+    backward: Backward = Field("recompute", description="with the mpmd executor, what a "
+                               "backward starts from: recompute (the chunk's forward again, "
+                               "from its stashed input: least memory) or residuals (kept by "
+                               "the forward: no second forward, more memory)")
 
 
 class Action(NamedTuple):

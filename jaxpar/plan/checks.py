@@ -133,6 +133,22 @@ def check_axes_used(mesh: Mesh, specs: list[Any], skip: tuple[str, ...] = ()) ->
                 f"its devices would duplicate all work; {hint}")
 
 
+def check_spmd_settings(cfg: Any) -> None:
+    """The spmd executor cuts a stack into equal chunks and recomputes each backward's
+    forward: ``pipeline.split`` and ``pipeline.backward`` are the mpmd executor's.
+
+    Raises:
+      LayoutError: naming the setting that would have no effect.
+    """
+    given = [f"pipeline.split={list(cfg.split)}"] if cfg.split else []
+    given += [f"pipeline.backward={cfg.backward}"] if cfg.backward != "recompute" else []
+    if given:
+        raise LayoutError(
+            f"{' and '.join(given)} apply to pipeline.executor=mpmd, but this layout runs the "
+            f"spmd executor (pipeline.executor={cfg.executor}, a stack of layers); set "
+            "pipeline.executor=mpmd, or leave them out")
+
+
 def pipeline_table(task: Task, model: AbstractModel, mesh: Mesh, rules: Rules,
                     cfg: Any) -> TickTable | None:
     """The schedule's tick table when the mesh has pipeline stages, after the checks.

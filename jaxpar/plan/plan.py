@@ -237,6 +237,8 @@ def make_plan(task: Task, optimizer: optax.GradientTransformation, mesh: Mesh, r
                     layout.shardings, batch_specs, grad_accum, layout.executor.table, False,
                     loss, layout.executor, settings)
     table = checks.pipeline_table(task, model, mesh, rules, pipeline)
+    if table is not None:
+        checks.check_spmd_settings(pipeline)
     param_specs = shd.param_specs(model.params, model.param_axes, rules, mesh)
     state_specs = shd.param_specs(model.state, model.state_axes, rules, mesh,
                                   what="model state")

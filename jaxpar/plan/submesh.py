@@ -95,7 +95,8 @@ def sub_mesh_layout(task: Task, model: Any, optimizer: optax.GradientTransformat
     executor = SubMeshPipeline(cut, tick_table(pipeline.schedule, p, m, v), mesh, meshes, rules,
                                homes, shardings, grad_accum,
                                _heaviest(homes.params, shardings.params, model.params, p),
-                               in_order=mesh.devices.flat[0].platform == "cpu")
+                               in_order=mesh.devices.flat[0].platform == "cpu",
+                               residuals=pipeline.backward == "residuals")
     return SubMeshLayout(param_specs, state_specs, opt_specs, replicated, shardings, executor)
 
 
