@@ -8,6 +8,8 @@ lists the whole public API:
 * config: :func:`load_config`, :class:`Config` and its sections
 * devices, mesh and rules: :func:`setup_devices`, :func:`make_mesh`, :data:`PRESETS`,
   :func:`resolve_rules`, :func:`constrain`, :func:`activation_rules`, :func:`spec_for`
+* a sequence split over devices (context parallelism): :func:`attend`, :func:`positions`,
+  :func:`order`, :func:`restore`, :class:`ContextConfig`
 * models: :class:`Task`, :class:`StageSplit`, :class:`Layers`, :class:`Family`,
   :class:`ModelConfig`, :func:`register_model`, :func:`task_for` (a built-in model's task),
   the built-in losses;
@@ -31,6 +33,7 @@ lists the whole public API:
 from jaxpar import guard, integrity, lab, models, pipeline
 from jaxpar.checkpoint import CheckpointConfig, Checkpointer
 from jaxpar.config import Config, DistributedConfig, RunConfig, TrainConfig, load_config
+from jaxpar.context import ContextConfig, attend, order, positions, restore
 from jaxpar.data.sources import DataConfig
 from jaxpar.distributed import initialize as initialize_distributed
 from jaxpar.errors import (
@@ -71,6 +74,7 @@ from jaxpar.trainer import Trainer
 
 __all__ = [
     "CheckpointConfig", "CheckpointError", "Checkpointer", "Config", "ConfigError",
+    "ContextConfig", "attend", "order", "positions", "restore",
     "CorruptCheckpoint", "DataConfig", "DataError", "DistributedConfig", "Family", "Hook",
     "JaxparError", "Layers", "LayoutError", "MeshConfig", "ModelConfig", "NonFiniteStop",
     "OptimConfig", "PRESETS", "PathError", "PipelineConfig", "Plan", "Preempted",

@@ -20,6 +20,7 @@ from pydantic import Field, field_validator
 
 from jaxpar import schema
 from jaxpar.checkpoint import CheckpointConfig
+from jaxpar.context import ContextConfig
 from jaxpar.data.sources import DataConfig
 from jaxpar.errors import ConfigError
 from jaxpar.guard import Guard
@@ -161,6 +162,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    context: ContextConfig = field(default_factory=ContextConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
@@ -324,7 +326,7 @@ def load_config(paths: list[str | Path] = (), overrides: list[str] = ()) -> Conf
         final.run, dir="-".join([named.run.dir, *names])))
 
 
-_LAYOUT_SECTIONS = ("mesh", "rules", "pipeline")
+_LAYOUT_SECTIONS = ("mesh", "rules", "pipeline", "context")
 # short names of layout overrides in a run directory's name (others: key and value)
 _SHORT = {"pipeline.schedule": "", "pipeline.microbatches": "m", "pipeline.virtual_stages": "v",
           "rules.preset": ""}

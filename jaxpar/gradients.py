@@ -94,6 +94,7 @@ class ModelLoss:
 
     graphdef: nnx.GraphDef
     loss_fn: LossFn
+    context: Any = None  # how attention runs across a split sequence (jaxpar.context)
 
     def __call__(self, params: Any, model_state: Any, batch: Batch, *, train: bool,
                  mesh: Any, rules: Rules) -> tuple[jax.Array, dict, Any]:
@@ -105,7 +106,7 @@ class ModelLoss:
         """
         model = nnx.merge(self.graphdef, params, model_state)
         model.train() if train else model.eval()
-        with activation_rules(mesh, rules):
+        with activation_rules(mesh, rules, self.context):
             loss, metrics = self.loss_fn(model, batch)
         return loss, metrics, nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
 
@@ -232,13 +233,14 @@ class Pipelined(Traced):
     rules: Rules
     param_specs: Any
     rng_counts: Any = None
+    context: Any = None
 
     def __call__(self, params: Any, model_state: Any, batch: Batch):
-        with activation_rules(self.mesh, self.rules):
+        with activation_rules(self.mesh, self.rules, self.context):
             loss, metrics, grads = pipeline_grads(
                 self.split, self.graphdef, params, batch, table=self.table, mesh=self.mesh,
                 rules=self.rules, param_specs=self.param_specs, model_state=model_state,
-                rng_counts=self.rng_counts)
+                rng_counts=self.rng_counts, context=self.context)
         counts = self.rng_counts or jax.tree.map(lambda _: False, model_state)
         return loss, metrics, grads, advance_counts(model_state, counts, self.table.m)
 
@@ -246,7 +248,7 @@ class Pipelined(Traced):
         """Loss and metrics in evaluation mode through the stages (forward only, the
         table's ``m`` microbatches): no device holds the whole model."""
         t = self.table
-        with activation_rules(self.mesh, self.rules):
+        with activation_rules(self.mesh, self.rules, self.context):
             return pipeline_eval(self.split, self.graphdef, params, batch, p=t.p, m=t.m,
                                  v=t.v, mesh=self.mesh, rules=self.rules,
-                                 model_state=model_state)
+                                 model_state=model_state, context=self.context)

@@ -28,7 +28,7 @@ from jaxpar.errors import LayoutError
 Rules = Mapping[str, tuple[str, ...]]
 AxisNames = Sequence[str | tuple[str, ...] | None]
 
-_ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar(
+_ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules, Any] | None] = contextvars.ContextVar(
     "jaxpar_activation_rules", default=None
 )
 
@@ -118,13 +118,20 @@ def spec_for(
 
 
 @contextlib.contextmanager
-def activation_rules(mesh: Mesh, rules: Rules) -> Iterator[None]:
-    """Activates ``rules`` for :func:`constrain` while a step is being traced."""
-    token = _ACTIVE.set((mesh, rules))
+def activation_rules(mesh: Mesh, rules: Rules, context: Any = None) -> Iterator[None]:
+    """Activates ``rules`` for :func:`constrain` while a step is being traced;
+    ``context``: how attention runs across a split sequence (a
+    :class:`jaxpar.context.ContextConfig`, its defaults when None)."""
+    token = _ACTIVE.set((mesh, rules, context))
     try:
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+def active_layout() -> tuple[Mesh, Rules, Any] | None:
+    """The mesh, rules and context options of the step being traced (None outside one)."""
+    return _ACTIVE.get()
 
 
 def shards(name: str) -> int:
@@ -136,7 +143,7 @@ def shards(name: str) -> int:
     active = _ACTIVE.get()
     if active is None:
         return 1
-    mesh, rules = active
+    mesh, rules, _ = active
     return math.prod(mesh.shape[a] for a in rules.get(name, ()) if a in mesh.shape)
 
 
@@ -148,6 +155,6 @@ def constrain(x: jax.Array, names: AxisNames) -> jax.Array:
     active = _ACTIVE.get()
     if active is None:
         return x
-    mesh, rules = active
+    mesh, rules, _ = active
     spec = spec_for(names, rules, mesh, x.shape, f"activation {tuple(names)}")
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

@@ -25,7 +25,7 @@ from jaxpar.environ import FORCE_DEVICES_FLAG
 from jaxpar.errors import ConfigError, LayoutError
 from jaxpar.schema import section
 
-MESH_AXES = ("data", "stage", "fsdp", "tensor")
+MESH_AXES = ("data", "stage", "fsdp", "context", "tensor")
 DEFAULT_CPU_DEVICES = 8
 
 _DEGREE = "parallel degree over mesh axis {}; one degree may be -1: it fills the rest"
@@ -47,9 +47,12 @@ class MeshConfig:
     fsdp: int = Field(1, description=_DEGREE.format("fsdp"))
     tensor: int = Field(1, description=_DEGREE.format("tensor"))
     stage: int = Field(1, description=_DEGREE.format("stage") + " (pipeline stages)")
+    context: int = Field(1, description=_DEGREE.format("context") + " (each sequence split "
+                                                                   "over it)")
     hosts_data: int = Field(0, ge=0, description=_HOSTS.format("data"))
     hosts_stage: int = Field(0, ge=0, description=_HOSTS.format("stage"))
     hosts_fsdp: int = Field(0, ge=0, description=_HOSTS.format("fsdp"))
+    hosts_context: int = Field(0, ge=0, description=_HOSTS.format("context"))
     hosts_tensor: int = Field(0, ge=0, description=_HOSTS.format("tensor"))
 
 
@@ -169,7 +172,7 @@ def host_degrees(cfg: MeshConfig, degrees: dict[str, int], hosts: int) -> dict[s
 
 def device_grid(devices: list, degrees: dict[str, int],
                 hosts: dict[str, int] | None = None) -> np.ndarray:
-    """The devices laid out as the (data, stage, fsdp, tensor) grid.
+    """The devices laid out as the (data, stage, fsdp, context, tensor) grid.
 
     Without ``hosts``: in the given order, so the outermost axes change process first.
     With ``hosts`` (a hybrid mesh): axis ``a`` is ``hosts[a]`` groups of processes × the
@@ -188,12 +191,16 @@ def device_grid(devices: list, degrees: dict[str, int],
 
 
 def make_mesh(cfg: MeshConfig, devices: list[jax.Device] | None = None) -> Mesh:
-    """A ``Mesh`` over ``devices`` with axes (data, stage, fsdp, tensor), all Auto.
+    """A ``Mesh`` over ``devices`` with axes (data, stage, fsdp, context, tensor), all Auto.
 
-    Axis order puts ``tensor`` innermost, so tensor-parallel groups are
-    neighbouring devices (the fastest links on a GPU host), and ``data``
-    outermost, so it is the axis that crosses hosts — unless ``mesh.hosts_*``
-    choose which degrees cross hosts (:func:`device_grid`).
+    Axis order follows how often and how much each axis communicates. ``tensor`` is
+    innermost, so tensor-parallel groups are neighbouring devices (the fastest links on a
+    GPU host): it all-reduces activations around every matmul. ``context`` comes next: it
+    gathers (or passes round) each layer's keys and values, activation-sized traffic once
+    per layer, on the critical path of attention. ``fsdp`` gathers weights a layer ahead
+    (XLA overlaps them with compute), ``stage`` sends one activation per microbatch, and
+    ``data`` all-reduces gradients once a step: it is outermost, the axis that crosses
+    hosts — unless ``mesh.hosts_*`` choose which degrees cross hosts (:func:`device_grid`).
     """
     devices = list(devices if devices is not None else jax.devices())
     degrees = resolve_degrees(cfg, len(devices))
@@ -203,5 +210,5 @@ def make_mesh(cfg: MeshConfig, devices: list[jax.Device] | None = None) -> Mesh:
 
 
 def describe_mesh(mesh: Mesh) -> str:
-    """e.g. 'mesh data=2 stage=1 fsdp=2 tensor=2'."""
+    """e.g. 'mesh data=2 stage=1 fsdp=2 context=1 tensor=2'."""
     return "mesh " + " ".join(f"{k}={v}" for k, v in mesh.shape.items())

@@ -8,9 +8,10 @@ collective bytes from the compiled HLO (:func:`jaxpar.hlo.program_cost`).
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
-from typing import get_args
+from typing import Any, get_args
 
 import numpy as np
 
@@ -126,6 +127,20 @@ def _table(rows: list[shd.ParamRow], unnamed: set[str], head: str) -> list[str]:
     return lines
 
 
+def _context_lines(plan: Any, batch: int, seq_len: int) -> list[str]:
+    """With the sequence split over devices: the share each holds and how attention runs."""
+    axes = [a for a in plan.rules.get("seq", ()) if plan.mesh.shape.get(a, 1) > 1]
+    if not axes:
+        return []
+    ways = math.prod(plan.mesh.shape[a] for a in axes)
+    context = plan.settings["context"]
+    order = ("a causal one reordered to balance the work" if context.balance
+             else "in order")
+    return [f"sequence split over {', '.join(axes)}: {seq_len // ways} of {seq_len} tokens "
+            f"of each of {batch // plan.batch_ways()} sequences per device, {order}; "
+            f"attention {context.attention}"]
+
+
 def _opt_note(plan: Plan) -> list[str]:
     """Which optimizer-state leaves are replicated because they are not parameter-shaped."""
     leaves = plan.opt_replicated
@@ -200,6 +215,7 @@ def format_report(run: Run, totals: Totals) -> str:
             f"{kind} {_fmt_bytes(int(n))}" for kind, n in totals.collective_bytes.items())
             or "none"))
     lines += _gather_lines(plan, totals.fsdp_gather)
+    lines += _context_lines(plan, run.config.train.batch_size, getattr(run.data, "seq_len", 0))
     lines += _stage_lines(totals.stages)
     if unnamed:
         lines.append(f"note: {len(unnamed)} parameters carry no logical axes and are replicated "

@@ -82,7 +82,7 @@ def build(config: Config, task: Task | None = None,
         tx, schedule = make_optimizer(config.optim, config.train.steps, mask)
     plan = make_plan(task, tx, mesh, rules, grad_accum=config.train.grad_accum,
                      pipeline=config.pipeline, fsdp_gather=config.train.fsdp_gather,
-                     model=model)
+                     model=model, context=config.context)
     # the global batch must split over microbatches × batch devices: say so before training
     plan.batch_shardings(global_batch_shapes(data.batch(0, config.train.batch_size)))
     trainer = Trainer(plan, schedule=schedule, seed=config.run.seed,

@@ -229,8 +229,11 @@ class Generator:
 
     def _rules(self, batch: int) -> Rules:
         """The run's rules, except that a batch the ``batch`` axes do not divide (one
-        sample on data=8) is replicated."""
-        return self.rules if batch % self.plan.batch_ways() == 0 else {**self.rules, "batch": ()}
+        sample on data=8) is replicated, and the sequence is never split: generation writes
+        one position at a time into a KV cache that every device of a ``context`` group
+        holds whole (a run trained with context parallelism samples so)."""
+        rules = {**self.rules, "seq": ()}
+        return rules if batch % self.plan.batch_ways() == 0 else {**rules, "batch": ()}
 
     def _prefill_fn(self, params: Any, model_state: Any, tokens_BP: jax.Array
                     ) -> tuple[jax.Array, Any]:

@@ -36,9 +36,10 @@ from jaxpar.mesh import MESH_AXES
 from jaxpar.schema import section
 
 # Logical names every preset maps, so any built-in model works under any preset. Stacked
-# layers go over 'stage' (a no-op while mesh.stage = 1): pipeline stages are layer ranges.
+# layers go over 'stage' (a no-op while mesh.stage = 1): pipeline stages are layer ranges;
+# the sequence of activations over 'context' (a no-op while mesh.context = 1).
 _REPLICATED = {
-    "seq": (), "act_embed": (), "kv": (), "layers": ("stage",), "classes": (),
+    "seq": ("context",), "act_embed": (), "kv": (), "layers": ("stage",), "classes": (),
     "conv_h": (), "conv_w": (), "conv_in": (), "conv_out": (),
 }
 

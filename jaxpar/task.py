@@ -159,6 +159,10 @@ class Task:
       optimizer: the task's own Optax transformation (the config's ``optim`` section
         then has no effect).
       name: names the run (``runs/<name>``) and the task in messages.
+      context_parallel: the model runs with each sequence split over the ``context`` mesh
+        axis (``mesh.context`` > 1): its per-token layers name the sequence dim ``seq``
+        and its attention calls :func:`jaxpar.attend` with the tokens' positions (from
+        :func:`jaxpar.positions`, reordered with :func:`jaxpar.order` when it is causal).
       init_params: parameters a fresh run starts from instead of the model's initializers
         (pretrained weights): a function ``() -> pure dict of host (numpy) arrays``
         shaped like the model's parameters (``nnx.to_pure_dict``). Each process calls it
@@ -178,6 +182,7 @@ class Task:
     name: str = ""
     init_params: Callable[[], Any] | None = None
     layers: Layers | None = None
+    context_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.loss_fn is None:

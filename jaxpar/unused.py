@@ -10,6 +10,7 @@ import warnings
 
 from jaxpar import schema
 from jaxpar.config import Config, model_settings
+from jaxpar.context import ContextConfig
 from jaxpar.data.sources import DataConfig
 from jaxpar.optim import OptimConfig
 from jaxpar.pipeline.schedule import PipelineConfig
@@ -52,6 +53,8 @@ def unused_settings(config: Config, *, user_task: bool = False, own_data: bool =
         keys += ["optim.decay_steps", "optim.min_lr_ratio"]
     if config.mesh.stage == 1:
         keys += [f"pipeline.{k}" for k in schema.keys(PipelineConfig)]
+    if config.mesh.context == 1:
+        keys += [f"context.{k}" for k in schema.keys(ContextConfig)]
     if not config.checkpoint.keep_best:
         keys += ["checkpoint.best_metric", "checkpoint.best_mode"]
     return [k for k in dict.fromkeys(keys) if k in explicit or _non_default(config, k)]

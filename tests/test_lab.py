@@ -136,14 +136,15 @@ def test_predicted_step_time_is_the_roofline_of_the_measured_program(rows, h100)
 
 def test_layouts_enumerate_every_factorization():
     layouts = sweep.all_layouts(8)
-    assert len(layouts) == len(set(layouts)) == 20  # ordered 4-way factorizations of 2³
+    assert len(layouts) == len(set(layouts)) == 35  # ordered 5-way factorizations of 2³
     for layout in layouts:
         degrees = [int(x.split("=")[1]) for x in layout.split(",")]
         assert eval("*".join(map(str, degrees))) == 8
     assert sweep.layout_overrides("fsdp=4,stage=2,model.remat=full") == [
-        "mesh.data=1", "mesh.stage=2", "mesh.fsdp=4", "mesh.tensor=1", "rules.preset=auto",
+        "mesh.data=1", "mesh.stage=2", "mesh.fsdp=4", "mesh.context=1", "mesh.tensor=1",
+        "rules.preset=auto",
         "model.remat=full"]
-    with pytest.raises(ValueError, match="unknown mesh axis 'pipe'.*data, stage, fsdp, tensor"):
+    with pytest.raises(ValueError, match="unknown mesh axis 'pipe'.*data, stage, fsdp, context, tensor"):
         sweep.layout_overrides("pipe=2")
 
 

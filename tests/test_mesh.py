@@ -11,14 +11,17 @@ from jaxpar.mesh import MESH_AXES, make_mesh, resolve_degrees, select_devices
 
 def test_fill_and_axis_order():
     mesh = make_mesh(MeshConfig(data=-1, fsdp=2, tensor=2))
-    assert dict(mesh.shape) == {"data": 2, "stage": 1, "fsdp": 2, "tensor": 2}
+    assert dict(mesh.shape) == {"data": 2, "stage": 1, "fsdp": 2, "context": 1, "tensor": 2}
     assert all(t == AxisType.Auto for t in mesh.axis_types)
     # tensor is innermost: a tensor group is two neighbouring devices
-    assert [d.id for d in mesh.devices[0, 0, 0, :]] == [0, 1]
+    assert [d.id for d in mesh.devices[0, 0, 0, 0, :]] == [0, 1]
+    # context next: a context group of two is two tensor groups apart
+    mesh = make_mesh(MeshConfig(data=-1, context=2, tensor=2))
+    assert [d.id for d in mesh.devices[0, 0, 0, :, 0]] == [0, 2]
 
 
 def test_product_must_equal_device_count():
-    with pytest.raises(ValueError, match=r"data=2, stage=1, fsdp=2, tensor=1\) multiply to 4 but there are 8 devices"):
+    with pytest.raises(ValueError, match=r"data=2, stage=1, fsdp=2, context=1, tensor=1\) multiply to 4 but there are 8 devices"):
         resolve_degrees(MeshConfig(data=2, fsdp=2), 8)
 
 
@@ -64,7 +67,7 @@ def test_hybrid_grid_puts_only_the_chosen_degrees_across_hosts():
     from jaxpar.mesh import device_grid, host_degrees
 
     devices = _fake_devices(4, 4)
-    degrees = {"data": 4, "stage": 1, "fsdp": 4, "tensor": 1}
+    degrees = {"data": 4, "stage": 1, "fsdp": 4, "context": 1, "tensor": 1}
     default = device_grid(devices, degrees, host_degrees(MeshConfig(data=4, fsdp=4), degrees, 4))
     assert _processes_along(default, "data") == [{0}, {1}, {2}, {3}]
     cfg = MeshConfig(data=4, fsdp=4, hosts_fsdp=4)

@@ -69,11 +69,21 @@ def _sweep(args: argparse.Namespace, config: Config, task: Task | None) -> None:
 
 def _plan(args: argparse.Namespace, config: Config, task: Task | None) -> None:
     from jaxpar.lab.hardware import get_profile
-    from jaxpar.lab.planner import format_plan, plan
+    from jaxpar.lab.planner import format_longest, format_plan, longest_sequence, plan
 
     hw = get_profile(args.hardware, args.hardware_file)
     memory = args.memory_gb * 1e9 if args.memory_gb else hw.memory_bytes
     what = task.name if task is not None else config.model.name
+    if args.longest:
+        if not args.layouts:
+            raise ConfigError("jaxpar plan --longest needs --layouts L …: the layouts whose "
+                              "longest sequence to find")
+        print(f"the longest sequence of {what} (global batch {config.train.batch_size}, "
+              f"from data.seq_len={config.data.seq_len}, doubling) on {args.devices} × "
+              f"{hw.name}", flush=True)
+        found = [longest_sequence(config, layout, hw, memory, task) for layout in args.layouts]
+        print(format_longest(found, memory))
+        return
     print(f"planning {what} (global batch {config.train.batch_size}) on "
           f"{args.devices} × {hw.name}", flush=True)
     print(format_plan(plan(config, args.devices, hw, memory, args.layouts, echo=True,

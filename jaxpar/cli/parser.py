@@ -17,7 +17,7 @@ HELP = """    jaxpar train    [CONFIG.yaml …] [section.key=value …] [--devic
     jaxpar sweep    [CONFIG.yaml …] [section.key=value …] (--layouts L … | --all) [--out DIR]
                     [--steps N] [--hardware NAME] [--memory-gb G] [--devices N]
     jaxpar plan     [CONFIG.yaml …] [section.key=value …] --devices N [--hardware NAME]
-                    [--memory-gb G] [--layouts L …]
+                    [--memory-gb G] [--layouts L …] [--longest]
     jaxpar sample   RUN_DIR --prompt TEXT [--tokens N] [--temperature T] [--top-k K]
                     [--seed S] [--step N] [--samples N] [section.key=value …] [--devices N]
     jaxpar prepare-data INPUT… --out PATH [--tokenizer byte|TOKENIZER.json] [--glob PATTERN]
@@ -178,6 +178,9 @@ def _lab_parsers(sub: argparse._SubParsersAction) -> None:
         cmd.add_argument("--layouts", nargs="+", default=None, metavar="LAYOUT",
                          help='layouts such as "data=8" "fsdp=4,stage=2" (axes left out are 1)')
         _task_argument(cmd)
+    plan.add_argument("--longest", action="store_true",
+                      help="for each of --layouts, the longest data.seq_len that fits "
+                           "(doubling from the config's)")
     sweep.add_argument("--all", action="store_true",
                        help="every way to factor the device count over data/fsdp/tensor/stage")
     sweep.add_argument("--out", default=None, metavar="DIR",

@@ -17,12 +17,14 @@ as none.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from jaxpar.config import Config
 from jaxpar.lab.chart import fmt_value
 from jaxpar.lab.hardware import Hardware
 from jaxpar.lab.sweep import Row, default_layouts, layout_overrides, measure
+from jaxpar.run import task_for
 from jaxpar.task import Task
 
 
@@ -50,10 +52,11 @@ def _why(row: Row, memory: float) -> str:
 
 def fixes(config: Config, layout: str, row: Row, task: Task | None = None) -> list[str]:
     """Variants of ``layout`` that need less memory, most promising first: the model
-    family's own (recomputation, e.g. ``model.remat=full``), gradient accumulation, and
-    the data degree moved into FSDP."""
+    family's own (recomputation, e.g. ``model.remat=full``), gradient accumulation, the
+    data degree moved into context parallelism (each sequence split: activations shrink
+    with it) and into FSDP."""
     deg = _degrees(layout)
-    accum, shard = [], []
+    accum, shard, context = [], [], []
     recompute = [] if task is not None else [
         f"{layout},{fix}" for fix in config.family.memory_fixes(config.model)]
     if deg["stage"] == 1:
@@ -63,8 +66,14 @@ def fixes(config: Config, layout: str, row: Row, task: Task | None = None) -> li
     if deg["data"] > 1:  # move the data degree into fsdp: the state gets sharded that much more
         moved = {**deg, "fsdp": deg["fsdp"] * deg["data"], "data": 1}
         shard.append(",".join(f"{a}={d}" for a, d in moved.items() if d > 1))
+        tokens = (task or task_for(config)).tokens_per_example
+        moved = {**deg, "context": deg["context"] * deg["data"], "data": 1}
+        if (task or task_for(config)).context_parallel and tokens % moved["context"] == 0:
+            context.append(",".join(f"{a}={d}" for a, d in moved.items() if d > 1))
     activations_dominate = (row.mem_temp_bytes or 0) > (row.mem_args_bytes or 0)
-    return recompute + accum + shard if activations_dominate else shard + recompute + accum
+    if activations_dominate:
+        return recompute + context + accum + shard
+    return shard + recompute + context + accum
 
 
 def _suggest(config: Config, planned: Planned, hw: Hardware, memory: float,
@@ -77,7 +86,8 @@ def _suggest(config: Config, planned: Planned, hw: Hardware, memory: float,
         planned.suggestion_row = min(fitting, key=lambda r: r.predicted_step_time_s)
         planned.suggestion = planned.suggestion_row.layout
     else:
-        planned.suggestion = "none of remat, gradient accumulation or more FSDP fits; " \
+        planned.suggestion = "none of remat, more context parallelism, gradient accumulation " \
+                             "or more FSDP fits; " \
                              "use more devices or a smaller model/batch"
 
 
@@ -109,6 +119,53 @@ def plan(config: Config, devices: int, hw: Hardware, memory_bytes: float | None 
         return group, p.row.predicted_step_time_s or 0.0
 
     return sorted(planned, key=key)
+
+
+@dataclass
+class Longest:
+    """The longest sequence one layout fits (doubling from the config's ``data.seq_len``):
+    ``row`` measured at ``tokens``; ``beyond``: the row of twice as many (too big or
+    invalid), None when the search stopped at its limit."""
+
+    layout: str
+    tokens: int = 0
+    row: Row | None = None
+    beyond: Row | None = None
+
+
+def longest_sequence(config: Config, layout: str, hw: Hardware, memory: float,
+                     task: Task | None = None, limit: int = 2**20) -> Longest:
+    """The longest ``data.seq_len`` (the config's, doubled while it fits, up to ``limit``)
+    with which ``layout`` fits in ``memory`` per device; ``model.max_seq_len`` follows it
+    where the model has that key."""
+    found, tokens = Longest(layout), config.data.seq_len
+    stretch = "max_seq_len" in {f.name for f in dataclasses.fields(config.model)}
+    while tokens <= limit:
+        longer = f"{layout},data.seq_len={tokens}" + (
+            f",model.max_seq_len={tokens}" if stretch else "")
+        row = measure(config, longer, hw, memory_bytes=memory, task=task)
+        if not row.ok or not row.fits:
+            found.beyond = row
+            break
+        found.tokens, found.row = tokens, row
+        tokens *= 2
+    return found
+
+
+def format_longest(found: list[Longest], memory: float) -> str:
+    """One line per layout: the longest sequence that fits and what twice as long needs."""
+    lines = []
+    for f in found:
+        fits = (f"{f.tokens:,} tokens fit ({fmt_value(f.row.mem_total_bytes, 'B')})"
+                if f.row else "nothing fits")
+        b = f.beyond
+        after = ("" if b is None else f"; {'twice as many' if f.row else 'the first'} "
+                 + (f"cannot run: {b.error}" if not b.ok
+                    else f"needs {fmt_value(b.mem_total_bytes, 'B')}"))
+        lines.append(f"{f.layout}: {fits}{after}")
+    lines.append(f"memory judged against {memory / 1e9:.3g} GB ({fmt_value(memory, 'B')}) "
+                 "per device")
+    return "\n".join(lines)
 
 
 def _ms(seconds: float) -> str:

@@ -146,7 +146,9 @@ def _gradient_terms(plan: Plan, lab: LabModel, sizes: dict[str, int], cpu: bool,
                     example: dict) -> list[Term]:
     pipelined = plan.pipeline is not None
     mpmd = plan.executor == "mpmd"
-    batch = [a for a in BATCH_AXES if sizes[a] > 1]
+    # every axis that splits the examples or their sequences sums gradients
+    seq = tuple(a for a in plan.rules.get("seq", ()) if a not in BATCH_AXES)
+    batch = [a for a in (*BATCH_AXES, *seq) if sizes[a] > 1]
     # with a pipeline: one pipelined pass per microbatch; the sub-mesh pipeline reduces each
     # microbatch's gradients in its backward program
     accum = plan.microbatches if mpmd else plan.grad_accum
@@ -181,6 +183,13 @@ def _gradient_terms(plan: Plan, lab: LabModel, sizes: dict[str, int], cpu: bool,
             else:  # XLA:CPU: one all-reduce over every batch axis, then a slice
                 rest, gather = rest * gather, 1
             local /= gather
+        # data × context: XLA reduces over the sequence's axes first, then over the batch's
+        # (measured, with or without tensor; with fsdp it reduces once, as the textbook does)
+        split_seq = math.prod(sizes[a] for a in seq if a in batch)
+        if 1 < split_seq < rest and sizes["fsdp"] == 1:
+            terms.append(Term("all-reduce", "gradient all-reduce over context", local,
+                              split_seq, 1 if once else accum))
+            rest //= split_seq
         if rest > 1:
             terms.append(Term("all-reduce", "gradient all-reduce", local, rest,
                               1 if once else accum))
@@ -196,7 +205,8 @@ def lab_layout(run: Run, cpu: bool) -> LabLayout:
         rows=run.config.train.batch_size // plan.batch_ways(), grad_accum=plan.grad_accum,
         stages=(table.ticks, table.p, table.v, table.m) if table is not None else None,
         seq_len=getattr(data, "seq_len", 0), image_shape=getattr(data, "image_shape", None),
-        cpu=cpu, sub_mesh=plan.executor == "mpmd")
+        cpu=cpu, sub_mesh=plan.executor == "mpmd",
+        context=plan.settings["context"].attention)
 
 
 def _pipeline_terms(run: Run, cpu: bool) -> list[Term]:
@@ -230,10 +240,12 @@ def predict_comm(run: Run, backend: str = "gpu") -> CommPrediction:
     cpu = backend == "cpu"
     # a user's task brings no family: no activation terms (where they are is model knowledge)
     lab = run.family.lab if run.family is not None else LabModel()
-    tensor = (lab.tensor_terms(run.config.model, lab_layout(run, cpu))
-              if run.family is not None else [])
+    layout = lab_layout(run, cpu)
+    activations = ([*lab.tensor_terms(run.config.model, layout),
+                    *lab.context_terms(run.config.model, layout)]
+                   if run.family is not None else [])
     batch = run.data.batch(0, run.config.train.batch_size)
-    terms = [*_gradient_terms(run.plan, lab, sizes, cpu, batch), *tensor,
+    terms = [*_gradient_terms(run.plan, lab, sizes, cpu, batch), *activations,
              *_pipeline_terms(run, cpu)]
     return CommPrediction(tuple(terms))
 

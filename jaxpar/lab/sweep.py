@@ -18,6 +18,7 @@ layers not by ``stage``…) becomes a row with the reason, not a crash.
 from __future__ import annotations
 
 import csv
+import re
 import statistics
 import time
 from dataclasses import asdict, dataclass, fields
@@ -115,22 +116,47 @@ def all_layouts(devices: int) -> list[str]:
                 for rest in split(n // d, axes[1:])]
 
     return [",".join(f"{a}={d}" for a, d in combo if d > 1) or "data=1"
-            for combo in split(devices, ("data", "fsdp", "tensor", "stage"))]
+            for combo in split(devices, ("data", "fsdp", "context", "tensor", "stage"))]
 
 
 def default_layouts(config: Config, devices: int, task: Task | None = None
                     ) -> tuple[list[str], str | None]:
-    """:func:`all_layouts` of ``devices``, less those with pipeline stages when the model
-    cannot be split into stages (its task declares neither ``Task.layers`` nor a
-    ``StageSplit``), and a note saying so (None when nothing was left out)."""
+    """:func:`all_layouts` of ``devices``, less those the model cannot run, and a note
+    saying what was left out and why (None when nothing was): layouts with pipeline stages
+    when the task declares neither ``Task.layers`` nor a ``StageSplit``, and layouts with
+    context parallelism when its model's attention does not run across a split sequence
+    (``Task.context_parallel``) or its sequence does not divide."""
     layouts = all_layouts(devices)
     task = task if task is not None else task_for(config)
-    if task.layers is not None or task.stages is not None:
-        return layouts, None
-    kept = [x for x in layouts if "stage=" not in x]
-    return kept, (f"note: {len(layouts) - len(kept)} layouts with mesh.stage > 1 left out: "
-                  f"{task.name} cannot be split into pipeline stages (its task declares "
-                  "neither Task.layers nor a StageSplit; README → Pipeline parallelism)")
+    notes = []
+    if task.layers is None and task.stages is None:
+        notes.append(("stage", f"{task.name} cannot be split into pipeline stages (its task "
+                               "declares neither Task.layers nor a StageSplit; README → "
+                               "Pipeline parallelism)"))
+    tokens = task.tokens_per_example
+    if not task.context_parallel or not tokens:
+        notes.append(("context", f"{task.name} does not run with its sequences split (Task."
+                                 "context_parallel; README → Context parallelism)"))
+    kept, lines = layouts, []
+    for axis, why in notes:
+        before = kept
+        kept = [x for x in kept if f"{axis}=" not in x]
+        if len(kept) < len(before):
+            lines.append(f"note: {len(before) - len(kept)} layouts with mesh.{axis} > 1 left "
+                         f"out: {why}")
+    if task.context_parallel and tokens:
+        before = kept
+        kept = [x for x in kept if tokens % _degree(x, "context") == 0]
+        if len(kept) < len(before):
+            lines.append(f"note: {len(before) - len(kept)} layouts left out whose mesh.context "
+                         f"does not divide the {tokens}-token sequences")
+    return kept, "\n".join(lines) or None
+
+
+def _degree(layout: str, axis: str) -> int:
+    """The degree ``layout`` gives mesh ``axis`` (1 when it names none)."""
+    found = re.search(rf"\b{axis}=(\d+)", layout)
+    return int(found.group(1)) if found else 1
 
 
 # ---- measuring one layout --------------------------------------------------------------------

@@ -125,7 +125,7 @@ class BERT(nnx.Module):
         self.attention_impl = attention_implementation(cfg)
         V, D, T = cfg.vocab_size, cfg.d_model, cfg.max_seq_len
         self.embed = param(rngs.params(), (V, D), ("vocab", "embed"), 0.02)
-        self.pos = param(rngs.params(), (T, D), ("seq", "embed"), 0.02)
+        self.pos = param(rngs.params(), (T, D), (None, "embed"), 0.02)
         self.types = param(rngs.params(), (2, D), (None, "embed"), 0.02)
         self.blocks = Blocks(cfg, rngs=rngs)
         self.ln_f_scale = const(1.0, (D,), ("embed",))
@@ -263,7 +263,7 @@ def task(cfg: BERTConfig, seq_len: int, data_vocab: int | None = None) -> Task:
     all but the mask token, ``vocab_size - 1``)."""
     return Task(lambda rngs: BERT(cfg, data_vocab, rngs=rngs), mlm_loss,
                 {"tokens": ("batch", None), "index": ("batch",)},
-                tokens_per_example=seq_len, stages=STAGES, name="bert")
+                tokens_per_example=seq_len, stages=STAGES, name="bert", context_parallel=True)
 
 
 def _needs(cfg: BERTConfig) -> DataNeeds:

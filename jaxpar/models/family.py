@@ -100,6 +100,8 @@ class LabLayout:
         program per action, and the lab reports a device of its first stage.
       seq_len: tokens per example (text), image_shape: ``(H, W, C)`` (images).
       cpu: the program is XLA:CPU's (bfloat16 activations move as float32).
+      context: how attention runs across a split sequence (``context.attention``:
+        ``all_gather`` or ``ring``).
     """
 
     sizes: Mapping[str, int]
@@ -111,6 +113,7 @@ class LabLayout:
     image_shape: tuple[int, ...] | None = None
     cpu: bool = False
     sub_mesh: bool = False
+    context: str = "all_gather"
 
 
 class LabModel:
@@ -131,6 +134,10 @@ class LabModel:
 
     def tensor_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
         """Activation collectives under tensor parallelism."""
+        return []
+
+    def context_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
+        """Activation collectives of a sequence split over devices (``mesh.context``)."""
         return []
 
 

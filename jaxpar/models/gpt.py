@@ -21,10 +21,12 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from pydantic import Field, model_validator
 
+from jaxpar.context import is_natural, order, positions
 from jaxpar.errors import ConfigError
 from jaxpar.logical import constrain, shards
 from jaxpar.models.family import (
@@ -100,15 +102,19 @@ class GPT(nnx.Module):
         V, D = cfg.vocab_size, cfg.d_model
         self.embed = param(rngs.params(), (V, D), ("vocab", "embed"), 0.02)
         if cfg.positions == "learned":
-            self.pos = param(rngs.params(), (cfg.max_seq_len, D), ("seq", "embed"), 0.01)
+            # positions are read by index (a load-balanced layout reorders them), so the
+            # table's rows are not split with the sequence
+            self.pos = param(rngs.params(), (cfg.max_seq_len, D), (None, "embed"), 0.01)
         self.blocks = Blocks(cfg, rngs=rngs)
         self.ln_f_scale = const(1.0, (D,), ("embed",))
         self.ln_f_bias = const(0.0, (D,), ("embed",))
         if not cfg.tie_embeddings:
             self.head = param(rngs.params(), (D, V), ("embed", "vocab"), 0.02)
 
-    def __call__(self, tokens_BT: jax.Array) -> jax.Array:
-        """Logits [B, T, V] (float32) of tokens [B, T].
+    def __call__(self, tokens_BT: jax.Array, positions_T: np.ndarray | None = None
+                 ) -> jax.Array:
+        """Logits [B, T, V] (float32) of tokens [B, T] at ``positions_T`` (0 … T-1 when
+        None; a context-parallel layout runs them in its balanced order).
 
         A tied table is read once for the lookup and the head, as one gathered copy per
         batch shard, W[G, V, D] with G over the ``batch`` axes (each device holds one copy,
@@ -117,18 +123,19 @@ class GPT(nnx.Module):
         each where it is computed: one table-sized all-reduce more per step.
         """
         tables_GVD = self._tables_per_batch_shard() if self.cfg.tie_embeddings else None
-        return self.logits(self.run_blocks(self.embed_tokens(tokens_BT, tables_GVD)),
-                           tables_GVD)
+        x_BTD = self.embed_tokens(tokens_BT, tables_GVD, positions_T)
+        return self.logits(self.run_blocks(x_BTD, positions_T), tables_GVD)
 
     def _tables_per_batch_shard(self) -> jax.Array:
         table_VD = self.table()
         tables_GVD = jnp.broadcast_to(table_VD[None], (shards("batch"), *table_VD.shape))
         return constrain(tables_GVD, ("batch", None, None))
 
-    def embed_tokens(self, tokens_BT: jax.Array, tables_GVD: jax.Array | None = None
-                     ) -> jax.Array:
+    def embed_tokens(self, tokens_BT: jax.Array, tables_GVD: jax.Array | None = None,
+                     positions_T: np.ndarray | None = None) -> jax.Array:
         """Token (+ learned position) embeddings [B, T, D] in the compute dtype; rows of
-        ``tables_GVD`` (one table per batch shard, see ``__call__``) when given."""
+        ``tables_GVD`` (one table per batch shard, see ``__call__``) when given; the
+        tokens sit at ``positions_T`` (0 … T-1 when None)."""
         cfg = self.cfg
         T = tokens_BT.shape[1]
         if T > cfg.max_seq_len:
@@ -143,7 +150,9 @@ class GPT(nnx.Module):
             take = jax.vmap(lambda table_VD, ids: jnp.take(table_VD, ids, axis=0))
             x_BTD = take(tables_GVD, tokens_BT.reshape(G, B // G, T)).reshape(B, T, -1)
         if cfg.positions == "learned":
-            x_BTD = x_BTD + self.pos[:T][None]
+            natural = positions_T is None or is_natural(positions_T)
+            rows = self.pos[:T] if natural else self.pos[jnp.asarray(positions_T)]
+            x_BTD = x_BTD + rows[None]
         return constrain(x_BTD.astype(jnp.dtype(cfg.dtype)), RESIDUAL)
 
     def table(self) -> jax.Array:
@@ -179,13 +188,14 @@ class GPT(nnx.Module):
             logits = jnp.einsum("btd,dv->btv", h, head_DV.astype(x_BTD.dtype))
         return constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))
 
-    def run_blocks(self, x_BTD: jax.Array) -> jax.Array:
-        """All blocks of ``self.blocks`` (however many are stacked there), in order."""
+    def run_blocks(self, x_BTD: jax.Array, positions_T: np.ndarray | None = None) -> jax.Array:
+        """All blocks of ``self.blocks`` (however many are stacked there), in order, over
+        tokens at ``positions_T`` (0 … T-1 when None)."""
         dtype, use_rotary = x_BTD.dtype, self.cfg.positions == "rotary"
 
         def body(x, p):
             p = jax.tree.map(lambda a: a.astype(dtype), p)
-            return block(x, p, use_rotary, self.attention_impl), None
+            return block(x, p, use_rotary, self.attention_impl, positions_T), None
 
         if self.cfg.remat != "none":
             body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat])
@@ -269,33 +279,48 @@ def decode_block(x_BTD: jax.Array, p: dict[str, jax.Array], k_BSNH: jax.Array,
 
 
 # ---- the loss, cut into pipeline stages -----------------------------------------------------
+def _sequence(batch: Any) -> tuple[jax.Array, jax.Array, np.ndarray]:
+    """Inputs and targets [B, T] of ``batch['tokens']`` [B, T+1] and their positions, in
+    the order the layout runs a sequence (balanced under context parallelism:
+    :func:`jaxpar.context.positions`)."""
+    tokens = batch["tokens"]
+    pos_T = positions(tokens.shape[1] - 1)
+    return order(tokens[:, :-1], pos_T), order(tokens[:, 1:], pos_T), pos_T
+
+
 def _lm_embed(model: GPT, batch: Any) -> jax.Array:
-    return model.embed_tokens(batch["tokens"][:, :-1])
+    inputs, _, pos_T = _sequence(batch)
+    return model.embed_tokens(inputs, positions_T=pos_T)
+
+
+def _lm_stage(model: GPT, x: jax.Array, batch: Any, first: Any) -> jax.Array:
+    return model.run_blocks(x, _sequence(batch)[2])
 
 
 def _lm_head(model: GPT, x: jax.Array, batch: Any) -> tuple[jax.Array, dict]:
-    return _loss_of_logits(model.logits(x), batch)
+    return _loss_of_logits(model.logits(x), _sequence(batch)[1])
 
 
 def lm_loss(model: GPT, batch: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Next-token cross entropy over ``batch['tokens']`` [B, T+1].
+    """Next-token cross entropy over ``batch['tokens']`` [B, T+1] (a mean over tokens:
+    the same in any order the layout runs them).
 
     The whole model in one call (not embed, blocks, head one by one as a pipeline stage
     runs them): a tied table is then read once by the lookup and the head, and its
     gradient reduced once (see ``GPT.__call__``).
     """
-    return _loss_of_logits(model(batch["tokens"][:, :-1]), batch)
+    inputs, targets, pos_T = _sequence(batch)
+    return _loss_of_logits(model(inputs, pos_T), targets)
 
 
-def _loss_of_logits(logits: jax.Array, batch: Any) -> tuple[jax.Array, dict]:
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:]).mean()
+def _loss_of_logits(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, dict]:
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
     return loss, {}
 
 
 #: The GPT cut into pipeline stages: embedding first, the stacked blocks split, head and loss
 #: last.
-STAGES = StageSplit("blocks", _lm_embed, lambda model, x, batch, first: model.run_blocks(x),
-                    _lm_head)
+STAGES = StageSplit("blocks", _lm_embed, _lm_stage, _lm_head)
 
 
 # ---- the family ------------------------------------------------------------------------------
@@ -312,7 +337,7 @@ def task(cfg: GPTConfig, seq_len: int) -> Task:
                           "directory are read by jaxpar.task_for(config) (and jaxpar.build); "
                           "call that, or build this task without init_from")
     return Task(lambda rngs: GPT(cfg, rngs=rngs), lm_loss, {"tokens": ("batch", None)},
-                tokens_per_example=seq_len, stages=STAGES, name="gpt")
+                tokens_per_example=seq_len, stages=STAGES, name="gpt", context_parallel=True)
 
 
 def _without_init_from(cfg: GPTConfig) -> GPTConfig:

@@ -12,12 +12,15 @@ elsewhere (see :func:`attention_implementation`).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from jaxpar.context import attend
 from jaxpar.errors import ConfigError
 from jaxpar.logical import constrain
 from jaxpar.models.family import LabLayout, LabModel, Term
@@ -161,17 +164,21 @@ def attention_implementation(cfg: Any, backend: str | None = None) -> str:
 
 
 def attention(h_BTD: jax.Array, p: dict[str, jax.Array], use_rotary: bool,
-              implementation: str = "xla", causal: bool = True) -> jax.Array:
-    """Causal multi-head self-attention through ``jax.nn.dot_product_attention``.
+              implementation: str = "xla", causal: bool = True,
+              positions_T: np.ndarray | None = None) -> jax.Array:
+    """Multi-head self-attention (causal or not) through ``jax.nn.dot_product_attention``,
+    across the ``context`` axis when the layout splits the sequence
+    (:func:`jaxpar.context.attend`); ``positions_T``: the tokens' positions (their
+    natural order when None; a load-balanced layout reorders them).
 
     ``implementation`` is ``xla`` (logits and softmax in float32, [B, N, T, T] in memory)
     or ``cudnn`` (the fused kernel; 16-bit inputs, float32 accumulation inside).
     """
     q, k, v = qkv(h_BTD, p)
     if use_rotary:
-        q, k = rotary(q), rotary(k)
-    o_BTNH = jax.nn.dot_product_attention(q, k, v, is_causal=causal,
-                                          implementation=implementation)
+        pos = None if positions_T is None else jnp.asarray(positions_T)
+        q, k = rotary(q, pos), rotary(k, pos)
+    o_BTNH = attend(q, k, v, positions_T, causal=causal, implementation=implementation)
     return attention_out(o_BTNH, p)
 
 
@@ -203,10 +210,12 @@ def mlp(h_BTD: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
 
 
 def block(x_BTD: jax.Array, p: dict[str, jax.Array], use_rotary: bool,
-          implementation: str = "xla") -> jax.Array:
-    """One pre-norm transformer block (``implementation``: see :func:`attention`)."""
+          implementation: str = "xla", positions_T: np.ndarray | None = None) -> jax.Array:
+    """One pre-norm causal transformer block (``implementation``, ``positions_T``: see
+    :func:`attention`)."""
     h = layer_norm(x_BTD, p["ln1_scale"], p["ln1_bias"])
-    x_BTD = constrain(x_BTD + attention(h, p, use_rotary, implementation), RESIDUAL)
+    a_BTD = attention(h, p, use_rotary, implementation, positions_T=positions_T)
+    x_BTD = constrain(x_BTD + a_BTD, RESIDUAL)
     h = layer_norm(x_BTD, p["ln2_scale"], p["ln2_bias"])
     return constrain(x_BTD + mlp(h, p), RESIDUAL)
 
@@ -240,7 +249,9 @@ def transformer_tensor_terms(cfg: Any, layout: LabLayout) -> list[Term]:
     t = layout.sizes["tensor"]
     if t == 1:
         return []
-    rows, seq, d = layout.rows, layout.seq_len, cfg.d_model
+    # a sequence split over the context axes: each device holds its part of every sequence
+    split = math.prod(layout.sizes[a] for a in layout.rules.get("seq", ()))
+    rows, seq, d = layout.rows, layout.seq_len // split, cfg.d_model
     activation = rows * seq * d * (4 if layout.cpu else jnp.dtype(cfg.dtype).itemsize)
     # Without a pipeline: once per microbatch over all layers. In a pipeline every tick
     # counts as its costliest branch, the last stage's backward: its layers' recomputed
@@ -279,6 +290,40 @@ def _first_stage_terms(cfg: Any, layout: LabLayout, activation: float) -> list[T
     return terms
 
 
+def transformer_context_terms(cfg: Any, layout: LabLayout) -> list[Term]:
+    """Attention across ``c`` devices of a split sequence, per layer. ``all_gather``: K and
+    V gathered in the forward (again in a rematerialized backward), dK and dV
+    reduce-scattered in the backward, the positions gathered once. ``ring``: K and V pass
+    c−1 blocks on in the forward and again in the backward, where dK and dV travel with
+    them and home (c sends); the positions' c−1 sends are the same for every layer.
+    Without a pipeline (inside one, the lab predicts no context terms yet)."""
+    c = math.prod(layout.sizes[a] for a in layout.rules.get("seq", ()))
+    if c == 1 or layout.stages is not None:
+        return []
+    k, L, T = layout.grad_accum, cfg.n_layers, layout.seq_len
+    heads = math.prod(layout.sizes[a] for a in layout.rules.get("heads", ()))
+    itemsize = 4 if layout.cpu else jnp.dtype(cfg.dtype).itemsize
+    kv = layout.rows * T * cfg.d_model // heads * itemsize / k  # one of K, V: whole sequence
+    # measured: a tied table's two gradients (the lookup's, the head's) reduced apart
+    tied = ([Term("all-reduce", "context: tied table gradient reduced over context",
+                  cfg.vocab_size * cfg.d_model * 4, c)]
+            if getattr(cfg, "tie_embeddings", False) else [])
+    if layout.context == "ring":  # a custom VJP: a rematerialized block keeps its result
+        block = kv / c
+        return [*tied,
+                Term("collective-permute", "context: K and V blocks round the ring", block, c,
+                     k * L * 2 * (c - 1) * 2),
+                Term("collective-permute", "context: dK and dV blocks home", block, c,
+                     k * L * 2 * c),
+                Term("collective-permute", "context: positions round the ring", T // c * 4,
+                     c, c - 1)]
+    forward = 2 if cfg.remat != "none" else 1
+    return [*tied,
+            Term("all-gather", "context: K and V gathered", kv, c, k * L * 2 * forward),
+            Term("reduce-scatter", "context: dK and dV reduce-scattered", kv, c, k * L * 2),
+            Term("all-gather", "context: positions gathered", T * 4, c, 1)]
+
+
 class TransformerLab(LabModel):
     """What the lab knows of jaxpar's transformers (GPT and BERT)."""
 
@@ -286,3 +331,6 @@ class TransformerLab(LabModel):
 
     def tensor_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
         return transformer_tensor_terms(cfg, layout)
+
+    def context_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
+        return transformer_context_terms(cfg, layout)

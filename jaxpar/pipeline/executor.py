@@ -72,7 +72,7 @@ def advance_counts(state: Any, counts: Any, by: Any) -> Any:
 def pipeline_grads(split: StageSplit, graphdef: nnx.GraphDef, params: Any, batch: Batch, *,
                    table: TickTable, mesh: Mesh, rules: Rules, param_specs: Any = None,
                    bubble_value: float = 0.0, model_state: Any = None,
-                   rng_counts: Any = None) -> tuple[jax.Array, dict, Any]:
+                   rng_counts: Any = None, context: Any = None) -> tuple[jax.Array, dict, Any]:
     """Loss, metrics and gradients of ``params`` on ``batch`` through the pipeline.
 
     Traceable (called inside the jitted train step). The result equals
@@ -97,6 +97,7 @@ def pipeline_grads(split: StageSplit, graphdef: nnx.GraphDef, params: Any, batch
       bubble_value: what bubble buffers and messages hold (NaN in tests).
       model_state: the model's non-parameter state (pure dict; RNG streams).
       rng_counts: like ``model_state``, True for each RNG count.
+      context: how attention runs across a split sequence (:mod:`jaxpar.context`).
     """
     p, v, m = table.p, table.v, table.m
     model_state = {} if model_state is None else model_state
@@ -115,7 +116,7 @@ def pipeline_grads(split: StageSplit, graphdef: nnx.GraphDef, params: Any, batch
     def body(layers, rest, state, batch):
         layers = jax.tree.map(lambda w: w[:, 0], layers)  # [v, Lc, …]: this device's chunks
         micro = {k: split_microbatches(x, m) for k, x in batch.items()}
-        with activation_rules(jax.sharding.get_abstract_mesh(), inner_rules):
+        with activation_rules(jax.sharding.get_abstract_mesh(), inner_rules, context):
             return _run(parts, table, layers, rest, (state, rng_counts), micro, branches, used,
                         columns, scale=1.0 / (m * shards), fill=bubble_value)
 
@@ -145,8 +146,8 @@ def _split_for_stages(split: StageSplit, params: Any, p: int, v: int, mesh: Mesh
 
 
 def pipeline_eval(split: StageSplit, graphdef: nnx.GraphDef, params: Any, batch: Batch, *,
-                  p: int, m: int, v: int, mesh: Mesh, rules: Rules, model_state: Any = None
-                  ) -> tuple[jax.Array, dict]:
+                  p: int, m: int, v: int, mesh: Mesh, rules: Rules, model_state: Any = None,
+                  context: Any = None) -> tuple[jax.Array, dict]:
     """Loss and metrics of ``params`` on ``batch`` in evaluation mode, through the stages.
 
     A forward-only pass (:func:`forward_table`): each device holds only its chunks of
@@ -167,7 +168,7 @@ def pipeline_eval(split: StageSplit, graphdef: nnx.GraphDef, params: Any, batch:
     def body(layers, rest, state, batch):
         layers = jax.tree.map(lambda w: w[:, 0], layers)  # [v, Lc, …]: this device's chunks
         micro = {k: split_microbatches(x, m) for k, x in batch.items()}
-        with activation_rules(jax.sharding.get_abstract_mesh(), inner_rules):
+        with activation_rules(jax.sharding.get_abstract_mesh(), inner_rules, context):
             loss, metrics = _run_forward(parts, p, layers, rest, state, micro, rows, used)
         scale = 1.0 / (m * shards)
         return jax.lax.psum((loss * scale, jax.tree.map(lambda a: a * scale, metrics)),

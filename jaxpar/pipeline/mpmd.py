@@ -75,6 +75,7 @@ class SubMeshPipeline:
     heaviest_stage: int = 0
     in_order: bool = False
     residuals: bool = False
+    context: Any = None  # how attention runs across a split sequence (jaxpar.context)
     _programs: dict = field(default_factory=dict, repr=False)
 
     # ---- the trainer's programs --------------------------------------------------------------

@@ -77,7 +77,38 @@ def check_layout(task: Task, model: AbstractModel, rules: Rules, mesh: Mesh,
             for n in names_of(entry)}
     check_rule_names(rules, used)
     check_batch_sharded(mesh, batch_specs)
-    check_axes_used(mesh, [param_specs, batch_specs], run_by_executor)
+    check_axes_used(mesh, [param_specs, batch_specs],
+                    run_by_executor + check_context(task, rules, mesh))
+
+
+def check_context(task: Task, rules: Rules, mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes that split each sequence (the rule of the logical ``seq`` axis), for a
+    task that can run so.
+
+    Raises:
+      LayoutError: for a task without sequences, a model whose attention does not run
+        across a split sequence, or a sequence length those axes do not divide.
+    """
+    axes = tuple(a for a in rules.get("seq", ()) if mesh.shape.get(a, 1) > 1)
+    if not axes:
+        return ()
+    ways = math.prod(mesh.shape[a] for a in axes)
+    split = f"mesh axes {', '.join(axes)} (size {ways}) split each sequence"
+    fix = "set mesh.context=1" if axes == ("context",) else "set rules.seq=null"
+    name = f"task '{task.name}'" if task.name else "the task"
+    if not task.tokens_per_example:
+        batch = ", ".join(f"{k} {tuple(v)}" for k, v in task.batch_axes.items())
+        raise LayoutError(f"{split}, but {name} has no sequences (its batch: {batch}); {fix}")
+    if not task.context_parallel:
+        raise LayoutError(
+            f"{split}, but the attention of {name} does not run across a split sequence; "
+            f"{fix}, or give its attention jaxpar.attend with the tokens' positions and "
+            "declare Task(context_parallel=True) (README: context parallelism)")
+    if task.tokens_per_example % ways:
+        raise LayoutError(
+            f"{split}, but its sequences of {task.tokens_per_example} tokens do not divide "
+            f"into {ways}; change data.seq_len or mesh.context")
+    return axes
 
 
 def check_rule_names(rules: Rules, used: set[str]) -> None:

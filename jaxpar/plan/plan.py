@@ -34,6 +34,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpar import sharding as shd
+from jaxpar.context import ContextConfig
 from jaxpar.errors import ConfigError, TaskError
 from jaxpar.gradients import (
     Accumulated,
@@ -195,7 +196,8 @@ class Plan:
 
 def make_plan(task: Task, optimizer: optax.GradientTransformation, mesh: Mesh, rules: Rules,
               *, grad_accum: int = 1, pipeline: PipelineConfig | None = None,
-              fsdp_gather: str = "per_microbatch", model: AbstractModel | None = None) -> Plan:
+              fsdp_gather: str = "per_microbatch", model: AbstractModel | None = None,
+              context: ContextConfig | None = None) -> Plan:
     """Decides the layout of ``task`` trained by ``optimizer`` on ``mesh`` under ``rules``.
 
     Args:
@@ -209,6 +211,8 @@ def make_plan(task: Task, optimizer: optax.GradientTransformation, mesh: Mesh, r
       fsdp_gather: with ``grad_accum`` > 1, whether FSDP-sharded weights are gathered
         ``per_microbatch`` or ``once`` per step.
       model: the task's abstract model, when the caller has it already.
+      context: how attention runs when ``mesh.context`` > 1 splits each sequence
+        (default: all-gathered keys and values, causal load balancing).
 
     Raises:
       LayoutError: for every layout that cannot run (see the module docstring).
@@ -217,6 +221,7 @@ def make_plan(task: Task, optimizer: optax.GradientTransformation, mesh: Mesh, r
     if grad_accum < 1:
         raise ConfigError(f"train.grad_accum={grad_accum} must be ≥ 1")
     pipeline = pipeline if pipeline is not None else PipelineConfig()
+    context = context if context is not None else ContextConfig()
     model = model if model is not None else abstract_model(task)
     if model.unnamed:
         warn_unnamed(model.unnamed)
@@ -225,11 +230,12 @@ def make_plan(task: Task, optimizer: optax.GradientTransformation, mesh: Mesh, r
     abstract = TrainState(counter, model.params, abstract_opt, counter, model.state)
     batch_specs = checks.batch_specs(task, rules, mesh, None)
     checks.check_processes_own_rows(mesh, batch_specs)
-    loss = ModelLoss(model.graphdef, task.loss_fn)
-    settings = {"grad_accum": grad_accum, "pipeline": pipeline, "fsdp_gather": fsdp_gather}
+    loss = ModelLoss(model.graphdef, task.loss_fn, context)
+    settings = {"grad_accum": grad_accum, "pipeline": pipeline, "fsdp_gather": fsdp_gather,
+                "context": context}
     if executor_of(task, pipeline, mesh.shape["stage"]) == "mpmd":
         layout = sub_mesh_layout(task, model, optimizer, abstract_opt, mesh, rules, pipeline,
-                                 grad_accum)
+                                 grad_accum, context)
         checks.check_layout(task, model, rules, mesh, layout.param_specs, batch_specs,
                             run_by_executor=("stage",))
         return Plan(task, optimizer, mesh, rules, model, layout.param_specs,
@@ -249,7 +255,7 @@ def make_plan(task: Task, optimizer: optax.GradientTransformation, mesh: Mesh, r
     checks.check_layout(task, model, rules, mesh, param_specs, batch_specs)
     once = _gather_once(fsdp_gather, grad_accum, param_specs)
     pipelined = (Pipelined(task.stages, model.graphdef, table, mesh, rules, param_specs,
-                           model.rng_counts) if table is not None else None)
+                           model.rng_counts, context) if table is not None else None)
     strategy = _gradient_strategy(loss, mesh, rules, param_specs, shardings.params,
                                   grad_accum, model.stateful, pipelined, once)
     return Plan(task, optimizer, mesh, rules, model, param_specs, state_specs, opt_specs,

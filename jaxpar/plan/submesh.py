@@ -64,7 +64,7 @@ def executor_of(task: Task, pipeline: PipelineConfig, stages: int) -> str | None
 
 def sub_mesh_layout(task: Task, model: Any, optimizer: optax.GradientTransformation,
                     abstract_opt: Any, mesh: Mesh, rules: Rules, pipeline: PipelineConfig,
-                    grad_accum: int) -> SubMeshLayout:
+                    grad_accum: int, context: Any = None) -> SubMeshLayout:
     """Where every variable lives under the sub-mesh executor, and the executor.
 
     Raises:
@@ -96,7 +96,7 @@ def sub_mesh_layout(task: Task, model: Any, optimizer: optax.GradientTransformat
                                homes, shardings, grad_accum,
                                _heaviest(homes.params, shardings.params, model.params, p),
                                in_order=mesh.devices.flat[0].platform == "cpu",
-                               residuals=pipeline.backward == "residuals")
+                               residuals=pipeline.backward == "residuals", context=context)
     return SubMeshLayout(param_specs, state_specs, opt_specs, replicated, shardings, executor)
 
 

@@ -1,0 +1,272 @@
+"""Context parallelism: attention across the ``context`` mesh axis, and the load-balancing
+order of a causal sequence.
+
+With ``mesh.context=c`` the rules map the logical ``seq`` axis of activations to the
+``context`` mesh axis: every per-token operation (embeddings, norms, MLPs, the loss) runs
+on a device's own slice of each sequence, unchanged. Attention is the one operation that
+reads across the sequence; a model calls :func:`attend` for it, with each token's position,
+and it runs inside ``shard_map`` over the mesh (the query's sequence dim manual) with the
+layout's strategy (``context.attention``):
+
+* ``all_gather`` (default, as MaxText's and torchtitan's): the queries stay local; keys,
+  values and their positions are all-gathered over ``context``; the mask is built from the
+  positions. Autodiff turns the gather into a reduce-scatter of dK and dV.
+* ``ring``: key/value blocks travel round the ring with ``ppermute``; each block's partial
+  result is merged by its log-sum-exp; a block wholly in a query's future is skipped; a
+  query row with no visible key in a block contributes nothing. Memory O(local block): the
+  backward pass sends the blocks round again, their dK and dV travelling with them (a
+  ``custom_vjp``), instead of keeping every block's probabilities.
+
+Causal attention gives the device with the last chunk of a sequence the most work. With
+``context.balance`` (default) a causal model reorders each sequence once, before its first
+layer (:func:`order`): cut into 2c chunks, device r holds chunks r and 2c−1−r (the
+"dual-chunk swap"), so every device has the same number of visible query–key pairs.
+Tokens, targets and positions move together; the loss, a mean over tokens, does not see
+the order; a per-token output that leaves the step is put back with :func:`restore`.
+
+Outside a jaxpar step, or when ``seq`` is not sharded, :func:`attend` is
+``jax.nn.dot_product_attention`` with ``is_causal`` and :func:`order` is the identity.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+from pydantic import Field
+
+from jaxpar.errors import LayoutError
+from jaxpar.logical import active_layout, spec_for
+from jaxpar.schema import section
+
+#: ``context.attention`` values.
+Strategy = Literal["all_gather", "ring"]
+
+
+@section("context")
+class ContextConfig:
+    """How attention runs when ``mesh.context`` > 1 splits each sequence over devices."""
+
+    attention: Strategy = Field("all_gather", description="all_gather: keys and values "
+                                "gathered over the context axis for each layer; ring: their "
+                                "blocks passed round the devices (memory of one block)")
+    balance: bool = Field(True, description="causal models reorder each sequence so that "
+                                            "every context device does the same attention "
+                                            "work (dual-chunk swap)")
+
+
+def _options() -> ContextConfig:
+    layout = active_layout()
+    options = layout[2] if layout is not None else None
+    return options if isinstance(options, ContextConfig) else ContextConfig()
+
+
+def sequence_axes() -> tuple[str, ...]:
+    """The mesh axes (of size > 1) the active rules split the logical ``seq`` axis over;
+    empty outside a jaxpar step."""
+    layout = active_layout()
+    if layout is None:
+        return ()
+    mesh, rules, _ = layout
+    return tuple(a for a in rules.get("seq", ()) if mesh.shape.get(a, 1) > 1)
+
+
+def degree() -> int:
+    """How many devices share each sequence (1 without context parallelism)."""
+    layout = active_layout()
+    return math.prod(layout[0].shape[a] for a in sequence_axes()) if layout else 1
+
+
+# ---- the load-balancing order ---------------------------------------------------------------
+def balanced_order(length: int, ways: int) -> np.ndarray:
+    """Positions in dual-chunk-swap order: ``length`` cut into 2·``ways`` chunks, device r
+    holding chunks r and 2·ways−1−r (so that the causal work is equal on every device).
+
+    Raises:
+      LayoutError: when ``length`` does not split into 2·``ways`` chunks.
+    """
+    if length % (2 * ways):
+        raise LayoutError(
+            f"sequence length {length} does not split into 2 × mesh.context = {2 * ways} "
+            "equal chunks (context.balance reorders them); change data.seq_len or "
+            "mesh.context, or set context.balance=false")
+    chunks = np.arange(length).reshape(2 * ways, -1)
+    return np.concatenate([np.concatenate([chunks[r], chunks[2 * ways - 1 - r]])
+                           for r in range(ways)])
+
+
+def positions(length: int, causal: bool = True) -> np.ndarray:
+    """The positions of a sequence of ``length`` tokens in the order the active layout
+    runs it: balanced for a causal model under context parallelism with
+    ``context.balance``, else ``0 … length−1``."""
+    ways = degree()
+    if causal and ways > 1 and _options().balance:
+        return balanced_order(length, ways)
+    if length % ways:
+        raise LayoutError(
+            f"sequence length {length} is not divisible by the {ways} devices of mesh axes "
+            f"{sequence_axes()} that split it; change data.seq_len or mesh.context")
+    return np.arange(length)
+
+
+def is_natural(positions_T: np.ndarray) -> bool:
+    """Whether positions are ``0 … T-1`` in order."""
+    return bool(np.array_equal(positions_T, np.arange(len(positions_T))))
+
+
+def order(x: jax.Array, order_T: np.ndarray, axis: int = 1) -> jax.Array:
+    """``x`` with its sequence ``axis`` in ``order_T`` (from :func:`positions`); a no-op for
+    the natural order."""
+    if is_natural(order_T):
+        return x
+    return jnp.take(x, jnp.asarray(order_T), axis=axis)
+
+
+def restore(x: jax.Array, order_T: np.ndarray, axis: int = 1) -> jax.Array:
+    """The inverse of :func:`order`: a per-token output back in sequence order."""
+    return order(x, np.argsort(order_T), axis)
+
+
+# ---- attention ------------------------------------------------------------------------------
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions_T: np.ndarray | None = None,
+           *, causal: bool = True, implementation: str = "xla") -> jax.Array:
+    """Multi-head attention of q, k, v [B, T, N, H] whose tokens sit at ``positions_T``
+    (their natural order when None): ``jax.nn.dot_product_attention``, across the context
+    axis when the active rules split ``seq`` (see the module docstring)."""
+    axes = sequence_axes()
+    if not axes:
+        if positions_T is not None and not is_natural(positions_T):
+            mask = _visible(jnp.asarray(positions_T), jnp.asarray(positions_T), causal)
+            return jax.nn.dot_product_attention(q, k, v, mask=mask,
+                                                implementation=implementation)
+        return jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                            implementation=implementation)
+    mesh, rules, _ = active_layout()
+    spec = spec_for(("batch", "seq", "heads", "kv"), rules, mesh, q.shape,
+                    "attention q/k/v [B, T, N, H]")
+    pos = jnp.asarray(positions_T if positions_T is not None else np.arange(q.shape[1]))
+    run = _all_gather if _options().attention == "all_gather" else _ring
+    body = functools.partial(run, axes=axes, causal=causal, implementation=implementation)
+    seq_spec = PartitionSpec(spec[1])
+    return jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, seq_spec),
+                         out_specs=spec, check_vma=False)(q, k, v, pos)
+
+
+def _visible(pos_q: jax.Array, pos_k: jax.Array, causal: bool) -> jax.Array:
+    """[1, 1, Tq, Tk] True where a query may see a key."""
+    if not causal:
+        return jnp.ones((1, 1, pos_q.shape[0], pos_k.shape[0]), bool)
+    return (pos_q[:, None] >= pos_k[None, :])[None, None]
+
+
+def _all_gather(q, k, v, pos, *, axes, causal, implementation):
+    gather = functools.partial(jax.lax.all_gather, axis_name=axes, tiled=True)
+    k_all, v_all, pos_k = gather(k, axis=1), gather(v, axis=1), gather(pos, axis=0)
+    return jax.nn.dot_product_attention(q, k_all, v_all, mask=_visible(pos, pos_k, causal),
+                                        implementation=implementation)
+
+
+def _ring(q, k, v, pos, *, axes, causal, implementation):
+    return _ring_attention(q, k, v, pos, axes, degree(), causal, implementation)
+
+
+def _shift(tree, axes, ways):
+    """Each device's blocks to the next device of the ring."""
+    perm = [(j, (j + 1) % ways) for j in range(ways)]
+    return jax.tree.map(lambda x: jax.lax.ppermute(x, axes, perm), tree)
+
+
+def _block(q, k, v, pos_q, pos_k, causal, implementation):
+    """One key/value block: output (float32) and log-sum-exp [B, T, N]; rows that see no
+    key of the block give 0 and −inf."""
+    mask = _visible(pos_q, pos_k, causal)
+    rows = jnp.any(mask, axis=-1)[0, 0]  # [T]
+    out, lse = jax.nn.dot_product_attention(q, k, v, mask=mask, return_residual=True,
+                                            implementation=implementation)
+    out = jnp.where(rows[None, :, None, None], out.astype(jnp.float32), 0.0)
+    lse = jnp.where(rows[None, :, None], lse.astype(jnp.float32), -jnp.inf)
+    return out, lse
+
+
+def _merge(out, lse, out_b, lse_b):
+    """Two partial attention results merged by their log-sum-exps."""
+    top = jnp.maximum(lse, lse_b)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    a, b = jnp.exp(lse - top), jnp.exp(lse_b - top)
+    total = a + b
+    safe = jnp.where(total > 0, total, 1.0)
+    out = (out * a[..., None] + out_b * b[..., None]) / safe[..., None]
+    return out, jnp.where(total > 0, top + jnp.log(safe), -jnp.inf)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _ring_attention(q, k, v, pos, axes, ways, causal, implementation):
+    return _ring_forward(q, k, v, pos, axes, ways, causal, implementation)[0]
+
+
+def _ring_forward(q, k, v, pos, axes, ways, causal, implementation):
+    B, T, N, _ = q.shape
+    out, lse = jnp.zeros(q.shape, jnp.float32), jnp.full((B, T, N), -jnp.inf, jnp.float32)
+    block = (k, v, pos)
+    for step in range(ways):
+        kb, vb, pb = block
+        seen = _visible(pos, pb, causal).any() if causal else True
+        out_b, lse_b = jax.lax.cond(
+            seen, lambda q, kb, vb, pb: _block(q, kb, vb, pos, pb, causal, implementation),
+            lambda q, kb, vb, pb: (jnp.zeros(q.shape, jnp.float32),
+                                   jnp.full((B, T, N), -jnp.inf, jnp.float32)),
+            q, kb, vb, pb)
+        out, lse = _merge(out, lse, out_b, lse_b)
+        if step < ways - 1:
+            block = _shift(block, axes, ways)
+    return out.astype(q.dtype), lse
+
+
+def _ring_fwd(q, k, v, pos, axes, ways, causal, implementation):
+    out, lse = _ring_forward(q, k, v, pos, axes, ways, causal, implementation)
+    return out, (q, k, v, pos, out, lse)
+
+
+def _ring_bwd(axes, ways, causal, implementation, residuals, d_out):
+    """Flash attention's backward, block by block round the ring: each block's dK and dV
+    travel with it and arrive home after the last step."""
+    q, k, v, pos, out, lse = residuals
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
+    qf, do = f32(q), f32(d_out)
+    delta = jnp.einsum("btnh,btnh->bnt", do, f32(out))[..., None]  # [B, N, T, 1]
+    lse_n = jnp.where(jnp.isfinite(lse), lse, jnp.inf).transpose(0, 2, 1)[..., None]
+
+    def grads(kb, vb, pb):
+        mask = _visible(pos, pb, causal)
+        s = jnp.einsum("btnh,bsnh->bnts", qf, f32(kb)) * scale
+        p = jnp.where(mask, jnp.exp(s - lse_n), 0.0)
+        dv = jnp.einsum("bnts,btnh->bsnh", p, do)
+        ds = p * (jnp.einsum("btnh,bsnh->bnts", do, f32(vb)) - delta)
+        return (jnp.einsum("bnts,bsnh->btnh", ds, f32(kb)) * scale,
+                jnp.einsum("bnts,btnh->bsnh", ds, qf) * scale, dv)
+
+    def nothing(kb, vb, pb):
+        return jnp.zeros(q.shape, jnp.float32), jnp.zeros(kb.shape, jnp.float32), \
+            jnp.zeros(vb.shape, jnp.float32)
+
+    dq = jnp.zeros(q.shape, jnp.float32)
+    block, dkv = (k, v, pos), (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    for step in range(ways):
+        kb, vb, pb = block
+        seen = _visible(pos, pb, causal).any() if causal else True
+        dq_b, dk_b, dv_b = jax.lax.cond(seen, grads, nothing, kb, vb, pb)
+        dq = dq + dq_b
+        dkv = (dkv[0] + dk_b, dkv[1] + dv_b)
+        dkv = _shift(dkv, axes, ways)  # a block's gradients travel with it, and home last
+        if step < ways - 1:
+            block = _shift(block, axes, ways)
+    return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None
+
+
+_ring_attention.defvjp(_ring_fwd, _ring_bwd)
