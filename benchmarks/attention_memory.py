@@ -35,6 +35,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpar import build, constrain, load_config
 from jaxpar.models import transformer
@@ -44,10 +45,13 @@ BASE = ["mesh.data=8", "train.batch_size=8", "train.grad_accum=1", "data.dataset
 
 
 def reference_attention(h_BTD: jax.Array, p: dict[str, jax.Array], use_rotary: bool,
-                        implementation: str = "xla") -> jax.Array:
-    """jaxpar's attention before ``jax.nn.dot_product_attention`` (``implementation``
-    is ignored)."""
+                        implementation: str = "xla", causal: bool = True,
+                        positions_T: np.ndarray | None = None) -> jax.Array:
+    """jaxpar's causal attention before ``jax.nn.dot_product_attention``, for tokens in
+    their natural order (``implementation`` is ignored)."""
     del implementation
+    assert causal and (positions_T is None or np.array_equal(
+        positions_T, np.arange(len(positions_T)))), "the reference runs tokens in order"
     w_D3NH = jnp.stack([p["wq"], p["wk"], p["wv"]], axis=1)
     qkv = constrain(jnp.einsum("btd,dcnh->btcnh", h_BTD, w_D3NH),
                     ("batch", "seq", None, "heads", "kv"))

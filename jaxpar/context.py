@@ -148,12 +148,21 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions_T: np.ndarray | N
                                             implementation=implementation)
     mesh, rules, _ = active_layout()
     spec = spec_for(("batch", "seq", "heads", "kv"), rules, mesh, q.shape,
-                    "attention q/k/v [B, T, N, H]")
+                    "attention q [B, T, N, H]")
+    ring = _options().attention == "ring"
+    grouped = k.shape[2] != q.shape[2]  # grouped-query attention: K key/value heads
+    if grouped and (ring or rules.get("kv_heads", ()) != rules.get("heads", ())):
+        # each device needs the key/value heads of its query heads: give every query head
+        # its own (the ring's blocks then match the queries head for head)
+        k, v = (jnp.repeat(x, q.shape[2] // k.shape[2], axis=2) for x in (k, v))
+        grouped = False
+    kv_spec = spec if not grouped else spec_for(
+        ("batch", "seq", "kv_heads", "kv"), rules, mesh, k.shape, "attention k, v [B, T, K, H]")
     pos = jnp.asarray(positions_T if positions_T is not None else np.arange(q.shape[1]))
-    run = _all_gather if _options().attention == "all_gather" else _ring
+    run = _ring if ring else _all_gather
     body = functools.partial(run, axes=axes, causal=causal, implementation=implementation)
     seq_spec = PartitionSpec(spec[1])
-    return jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, seq_spec),
+    return jax.shard_map(body, mesh=mesh, in_specs=(spec, kv_spec, kv_spec, seq_spec),
                          out_specs=spec, check_vma=False)(q, k, v, pos)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -44,18 +45,19 @@ _REPLICATED = {
 }
 
 PRESETS: dict[str, dict[str, tuple[str, ...]]] = {
-    "dp": {**_REPLICATED, "batch": ("data",), "embed": (), "mlp": (), "heads": (), "vocab": ()},
+    "dp": {**_REPLICATED, "batch": ("data",), "embed": (), "mlp": (), "heads": (),
+           "kv_heads": (), "vocab": ()},
     "fsdp": {
         **_REPLICATED, "batch": ("data", "fsdp"), "embed": ("fsdp",),
-        "mlp": (), "heads": (), "vocab": (),
+        "mlp": (), "heads": (), "kv_heads": (), "vocab": (),
     },
     "tp": {
         **_REPLICATED, "batch": ("data",), "embed": (),
-        "mlp": ("tensor",), "heads": ("tensor",), "vocab": ("tensor",),
+        "mlp": ("tensor",), "heads": ("tensor",), "kv_heads": ("tensor",), "vocab": ("tensor",),
     },
     "fsdp_tp": {
         **_REPLICATED, "batch": ("data", "fsdp"), "embed": ("fsdp",),
-        "mlp": ("tensor",), "heads": ("tensor",), "vocab": ("tensor",),
+        "mlp": ("tensor",), "heads": ("tensor",), "kv_heads": ("tensor",), "vocab": ("tensor",),
     },
 }
 PRESETS["auto"] = dict(PRESETS["fsdp_tp"])
@@ -192,6 +194,37 @@ def logical_axes(abstract_state: nnx.State, path_rules: PathRules = ()
     # the structure of nnx.to_pure_dict(state), with a tuple of names for each variable
     structure = jax.tree.structure(nnx.to_pure_dict(abstract_state))
     return jax.tree.unflatten(structure, names), unnamed
+
+
+#: Logical names whose rule falls back to not sharded, with a warning, where its mesh axes do
+#: not divide a parameter's dim: grouped-query attention's key/value heads when the tensor
+#: degree exceeds them (each device of a tensor group then holds every key/value head, as
+#: Megatron and MaxText replicate them).
+SOFT_NAMES = ("kv_heads",)
+
+
+def fit_soft_rules(rules: Rules, abstract_params: Any, axes: Any, mesh: Mesh) -> Rules:
+    """``rules`` with the rule of each :data:`SOFT_NAMES` name dropped (and a warning
+    saying so) where its mesh axes do not divide a parameter dim of that name."""
+    fitted = dict(rules)
+
+    def check(path, leaf, names):
+        for dim, entry in enumerate(names):
+            for name in (entry if isinstance(entry, tuple) else (entry,)):
+                axes_ = fitted.get(name, ()) if name in SOFT_NAMES else ()
+                ways = math.prod(mesh.shape.get(a, 1) for a in axes_)
+                if ways > 1 and leaf.shape[dim] % ways:
+                    warnings.warn(
+                        f"rules.{name}={','.join(axes_)}: {leaf.shape[dim]} {name} of "
+                        f"'{path_str(path)}' do not split {ways} ways, so they are not sharded "
+                        f"(every device of the group holds them all); set rules.{name}=null "
+                        "to say so", stacklevel=4)
+                    fitted[name] = ()
+        return None
+
+    jax.tree_util.tree_map_with_path(check, abstract_params, axes,
+                                     is_leaf=lambda x: isinstance(x, tuple))
+    return fitted
 
 
 def param_specs(abstract_params: Any, axes: Any, rules: Rules, mesh: Mesh,

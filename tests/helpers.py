@@ -74,3 +74,17 @@ def assert_params_close(actual, expected, elementwise: bool = True, rtol: float 
         else:
             rel = np.linalg.norm(a - e) / max(np.linalg.norm(e), 1e-30)
             assert rel <= rtol, f"{name}: relative error {rel:.2e} > {rtol:.0e}"
+
+
+def decode_stepwise(model, tokens, prompt: int):
+    """A model's logits of ``tokens`` through its KV cache: the first ``prompt`` tokens in one
+    call, then one token a call (``model.decode``), concatenated."""
+    import jax.numpy as jnp
+
+    decode = jax.jit(model.decode)
+    logits, cache = decode(tokens[:, :prompt], model.init_cache(tokens.shape[0]), jnp.int32(0))
+    rows = [logits]
+    for i in range(prompt, tokens.shape[1]):
+        logits, cache = decode(tokens[:, i:i + 1], cache, jnp.int32(i))
+        rows.append(logits)
+    return jnp.concatenate(rows, 1)

@@ -524,7 +524,8 @@ _STATED = [pytest.param(p, _stated_loss(m), id=str(p.relative_to(REPO)))
 def test_cpu_configs_state_their_step_one_loss():
     """Every config meant for this machine says what its first step logs."""
     stated = {str(p.values[0].relative_to(REPO)) for p in _STATED}
-    for name in ("gpt_tiny", "bert_tiny", "resnet_digits", "convnet", "mlp", "digits"):
+    for name in ("gpt_tiny", "llama_tiny", "bert_tiny", "resnet_digits", "convnet", "mlp",
+                 "digits"):
         assert f"configs/{name}.yaml" in stated, f"configs/{name}.yaml states no step-1 loss"
 
 

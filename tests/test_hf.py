@@ -1,6 +1,7 @@
-"""Hugging Face interchange (jaxpar/hf.py): ``jaxpar export --format hf`` writes GPT-2's
-layout, ``model.init_from`` reads it on any layout, and an independent numpy GPT-2 forward
-pass written from the HF tensors gives the logits jaxpar's model gives."""
+"""Hugging Face interchange (jaxpar/hf/): ``jaxpar export --format hf`` writes GPT-2's
+layout (tied or untied), ``model.init_from`` reads it on any layout, and an independent numpy
+GPT-2 forward pass written from the HF tensors gives the logits jaxpar's model gives. The
+Llama family's layout: tests/test_hf_llama.py."""
 
 from __future__ import annotations
 
@@ -64,7 +65,8 @@ def gpt2_logits(tensors: dict, config: dict, tokens: np.ndarray) -> np.ndarray:
         h = layer_norm(x, p("ln_2.weight"), p("ln_2.bias"))
         u = gelu_new(h @ p("mlp.c_fc.weight") + p("mlp.c_fc.bias"))
         x = x + u @ p("mlp.c_proj.weight") + p("mlp.c_proj.bias")
-    return layer_norm(x, t["ln_f.weight"], t["ln_f.bias"]) @ t["wte.weight"].T
+    head = t.get("lm_head.weight", t["wte.weight"])  # untied: its own
+    return layer_norm(x, t["ln_f.weight"], t["ln_f.bias"]) @ head.T
 
 
 def jaxpar_logits(run, params, tokens: np.ndarray) -> np.ndarray:
@@ -250,9 +252,7 @@ def test_init_from_refuses_a_mismatched_config_naming_each_difference(tmp_path, 
 
 def test_export_refuses_what_gpt2_layout_cannot_hold(tmp_path, capsys):
     out = ["--format", "hf", "--out", str(tmp_path / "hf")]
-    cases = [([*GPT_SMALL], "model.tie_embeddings=false (GPT-2's output layer is the token "
-                            "table wte itself"),
-             ([*GPT_SMALL, "model.tie_embeddings=true", "model.positions=rotary"],
+    cases = [([*GPT_SMALL, "model.tie_embeddings=true", "model.positions=rotary"],
               "model.positions=rotary (GPT-2 adds learned positions"),
              (["model.name=convnet"], "this run is model.name=convnet: use --format npz")]
     for args, text in cases:
@@ -260,3 +260,26 @@ def test_export_refuses_what_gpt2_layout_cannot_hold(tmp_path, capsys):
         line = one_line(capsys.readouterr().err)
         assert text in line, line
     assert not (tmp_path / "hf").exists()
+
+
+def test_the_default_untied_gpt_exports_with_its_own_lm_head(tmp_path):
+    """The default GPT (untied, no attention biases) trained 2 steps exports: config.json
+    says tie_word_embeddings false, lm_head.weight is its head, and the numpy GPT-2 of the
+    files gives the run's logits; init_from reads the directory back exactly."""
+    run_dir, out = tmp_path / "run", tmp_path / "hf"
+    assert main(["train", *GPT_SMALL, "train.eval_every=0", f"run.dir={run_dir}",
+                 "train.steps=2"]) == 0
+    assert main(["export", str(run_dir), "--format", "hf", "--out", str(out)]) == 0
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "params.npz")]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False
+    tensors = load_file(out / "model.safetensors")
+    npz = np.load(tmp_path / "params.npz")
+    np.testing.assert_array_equal(tensors["lm_head.weight"], npz["head"].T)
+    run = build(load_config([], GPT_SMALL))
+    params = nested({k: npz[k] for k in npz.files})
+    assert_logits_close(jaxpar_logits(run, params, TOKENS), gpt2_logits(tensors, config, TOKENS))
+    back = build(load_config([], [*GPT_SMALL, *MIXED, "model.attn_bias=true",
+                                  f"model.init_from={out}"])).trainer.init().params
+    np.testing.assert_array_equal(np.asarray(back["head"]), npz["head"])
+    np.testing.assert_array_equal(np.asarray(back["blocks"]["wq"]), npz["blocks/wq"])

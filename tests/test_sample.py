@@ -19,6 +19,7 @@ from jaxpar.loop import train
 from jaxpar.models.gpt import GPT, GPTConfig
 from jaxpar.resume import restore_state
 from jaxpar.run import build
+from tests.helpers import decode_stepwise
 
 TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.d_ff=64",
         "model.max_seq_len=32", "data.seq_len=32", "train.batch_size=8", "train.steps=2",
@@ -51,13 +52,8 @@ def test_decode_with_cache_matches_forward(positions, attn_bias):
             bias = getattr(model.blocks, name)
             bias.value = jax.random.normal(jax.random.key(10 + i), bias.value.shape)
     tokens = jax.random.randint(jax.random.key(1), (2, 10), 0, 256)
-    decode = jax.jit(model.decode)
-    logits, cache = decode(tokens[:, :6], model.init_cache(2), jnp.int32(0))
-    rows = [logits]
-    for i in range(6, 10):
-        logits, cache = decode(tokens[:, i:i + 1], cache, jnp.int32(i))
-        rows.append(logits)
-    np.testing.assert_allclose(jnp.concatenate(rows, 1), jax.jit(model)(tokens), atol=1e-5)
+    np.testing.assert_allclose(decode_stepwise(model, tokens, 6), jax.jit(model)(tokens),
+                               atol=1e-5)
 
 
 def _restored(run_dir, *overrides: str):

@@ -19,11 +19,12 @@ from jaxpar.models.family import (
     register,
 )
 from jaxpar.models.gpt import GPT, GPTConfig, lm_loss
+from jaxpar.models.llama import Llama, LlamaConfig, llama_loss
 from jaxpar.models.resnet import ResNet, ResNetConfig
 from jaxpar.schema import section
 from jaxpar.task import DataNeeds
 
 __all__ = ["BERT", "GPT", "BERTConfig", "ConvNet", "Counts", "DataNeeds", "Family", "GPTConfig",
-           "LabLayout", "LabModel", "MLPClassifier", "ModelConfig", "ResNet", "ResNetConfig",
-           "Term", "classification_loss", "families", "lm_loss", "mlm_loss", "register",
-           "section"]
+           "LabLayout", "LabModel", "Llama", "LlamaConfig", "MLPClassifier", "ModelConfig",
+           "ResNet", "ResNetConfig", "Term", "classification_loss", "families", "llama_loss",
+           "lm_loss", "mlm_loss", "register", "section"]

@@ -11,7 +11,7 @@ Parameters (logical axes):
   heads, kv), wo [L, N, H, D], w_in [L, D, F] (layers, embed, mlp), b_in [L, F],
   w_out [L, F, D], b_out [L, D]; final norm [D]; head [D, V] unless tied; with
   ``attn_bias`` also bq/bk/bv [L, N·H] (layers, heads; head-major, kept vectors so they
-  are not decayed) and bo [L, D] (layers, embed), as GPT-2 has them (see ``jaxpar/hf.py``).
+  are not decayed) and bo [L, D] (layers, embed), as GPT-2 has them (see ``jaxpar/hf/gpt2.py``).
 """
 
 from __future__ import annotations
@@ -22,11 +22,10 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 from pydantic import Field, model_validator
 
-from jaxpar.context import is_natural, order, positions
+from jaxpar.context import is_natural
 from jaxpar.errors import ConfigError
 from jaxpar.logical import constrain, shards
 from jaxpar.models.family import (
@@ -48,10 +47,14 @@ from jaxpar.models.transformer import (
     block,
     check_heads,
     const,
+    kv_cache,
     layer_norm,
+    lm_sequence,
     mlp,
+    next_token_loss,
     param,
     qkv,
+    refuse_init_from,
     rotary,
     transformer_counts,
 )
@@ -81,7 +84,7 @@ class GPTConfig(ModelConfig):
                                                "(GPT-2 has them)")
     init_from: str = Field("", description="a Hugging Face GPT-2 directory (config.json + "
                                            "model.safetensors) whose weights a fresh run "
-                                           "starts from (jaxpar/hf.py)")
+                                           "starts from (jaxpar/hf/gpt2.py)")
 
     @property
     def head_dim(self) -> int:
@@ -204,8 +207,8 @@ class GPT(nnx.Module):
 
     # ---- generation with a KV cache (jaxpar sample) ---------------------------------------
     def init_cache(self, batch: int) -> dict[str, jax.Array]:
-        """An empty KV cache for ``batch`` sequences (see :func:`init_cache`)."""
-        return init_cache(self.cfg, batch)
+        """An empty KV cache for ``batch`` sequences: K and V [L, B, S, N, H]."""
+        return kv_cache(self.cfg, batch, self.cfg.n_heads)
 
     def decode(self, tokens_BT: jax.Array, cache: dict[str, jax.Array], start: jax.Array
                ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -237,13 +240,6 @@ class GPT(nnx.Module):
 #: logical names of one layer's cache K[B, S, N, H]: batch and heads sharded as the
 #: activations are; S (the cache positions) never, as each step writes one position
 _CACHE = ("batch", None, "heads", "kv")
-
-
-def init_cache(cfg: GPTConfig, batch: int) -> dict[str, jax.Array]:
-    """An empty KV cache: K and V [L, B, S, N, H] in the compute dtype, S = max_seq_len."""
-    shape = (cfg.n_layers, batch, cfg.max_seq_len, cfg.n_heads, cfg.head_dim)
-    zeros = jnp.zeros(shape, jnp.dtype(cfg.dtype))
-    return {"k": zeros, "v": zeros}
 
 
 def cached_attention(h_BTD: jax.Array, p: dict[str, jax.Array], k_BSNH: jax.Array,
@@ -279,26 +275,17 @@ def decode_block(x_BTD: jax.Array, p: dict[str, jax.Array], k_BSNH: jax.Array,
 
 
 # ---- the loss, cut into pipeline stages -----------------------------------------------------
-def _sequence(batch: Any) -> tuple[jax.Array, jax.Array, np.ndarray]:
-    """Inputs and targets [B, T] of ``batch['tokens']`` [B, T+1] and their positions, in
-    the order the layout runs a sequence (balanced under context parallelism:
-    :func:`jaxpar.context.positions`)."""
-    tokens = batch["tokens"]
-    pos_T = positions(tokens.shape[1] - 1)
-    return order(tokens[:, :-1], pos_T), order(tokens[:, 1:], pos_T), pos_T
-
-
 def _lm_embed(model: GPT, batch: Any) -> jax.Array:
-    inputs, _, pos_T = _sequence(batch)
+    inputs, _, pos_T = lm_sequence(batch)
     return model.embed_tokens(inputs, positions_T=pos_T)
 
 
 def _lm_stage(model: GPT, x: jax.Array, batch: Any, first: Any) -> jax.Array:
-    return model.run_blocks(x, _sequence(batch)[2])
+    return model.run_blocks(x, lm_sequence(batch)[2])
 
 
 def _lm_head(model: GPT, x: jax.Array, batch: Any) -> tuple[jax.Array, dict]:
-    return _loss_of_logits(model.logits(x), _sequence(batch)[1])
+    return next_token_loss(model.logits(x), lm_sequence(batch)[1])
 
 
 def lm_loss(model: GPT, batch: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -309,13 +296,8 @@ def lm_loss(model: GPT, batch: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
     runs them): a tied table is then read once by the lookup and the head, and its
     gradient reduced once (see ``GPT.__call__``).
     """
-    inputs, targets, pos_T = _sequence(batch)
-    return _loss_of_logits(model(inputs, pos_T), targets)
-
-
-def _loss_of_logits(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, dict]:
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-    return loss, {}
+    inputs, targets, pos_T = lm_sequence(batch)
+    return next_token_loss(model(inputs, pos_T), targets)
 
 
 #: The GPT cut into pipeline stages: embedding first, the stacked blocks split, head and loss
@@ -332,10 +314,7 @@ def task(cfg: GPTConfig, seq_len: int) -> Task:
       ConfigError: for ``cfg.init_from``: Hugging Face files are read where the config is
         (:func:`jaxpar.task_for`, :func:`jaxpar.build`), not by the model's own module.
     """
-    if cfg.init_from:
-        raise ConfigError(f"model.init_from={cfg.init_from}: the weights of a Hugging Face "
-                          "directory are read by jaxpar.task_for(config) (and jaxpar.build); "
-                          "call that, or build this task without init_from")
+    refuse_init_from(cfg)
     return Task(lambda rngs: GPT(cfg, rngs=rngs), lm_loss, {"tokens": ("batch", None)},
                 tokens_per_example=seq_len, stages=STAGES, name="gpt", context_parallel=True)
 

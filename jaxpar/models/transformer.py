@@ -18,9 +18,10 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 
-from jaxpar.context import attend
+from jaxpar.context import attend, order, positions
 from jaxpar.errors import ConfigError
 from jaxpar.logical import constrain
 from jaxpar.models.family import LabLayout, LabModel, Term
@@ -103,11 +104,13 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-
     return y.astype(x.dtype)
 
 
-def rotary(x_BTNH: jax.Array, positions_T: jax.Array | None = None) -> jax.Array:
-    """Rotary position embedding (half-split form) over the head dim, at ``positions_T``
-    (default 0 … T-1; a KV-cache step passes its own)."""
+def rotary(x_BTNH: jax.Array, positions_T: jax.Array | None = None,
+           theta: float = 10000.0) -> jax.Array:
+    """Rotary position embedding (half-split form, as Hugging Face's ``rotate_half``) over
+    the head dim, at ``positions_T`` (default 0 … T-1; a KV-cache step passes its own),
+    with base ``theta``."""
     T, H = x_BTNH.shape[1], x_BTNH.shape[-1]
-    freq = 1.0 / (10000.0 ** (jnp.arange(0, H // 2, dtype=jnp.float32) / (H // 2)))
+    freq = 1.0 / (theta ** (jnp.arange(0, H // 2, dtype=jnp.float32) / (H // 2)))
     pos_T = jnp.arange(T) if positions_T is None else positions_T
     angle_TK = pos_T.astype(jnp.float32)[:, None] * freq[None, :]
     sin, cos = jnp.sin(angle_TK)[None, :, None, :], jnp.cos(angle_TK)[None, :, None, :]
@@ -195,6 +198,41 @@ def qkv(h_BTD: jax.Array, p: dict[str, jax.Array]) -> tuple[jax.Array, ...]:
     return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
 
 
+def refuse_init_from(cfg: Any) -> None:
+    """A family's task builder starts from initializers: Hugging Face weights
+    (``model.init_from``) are read where the config is.
+
+    Raises:
+      ConfigError: for a config with ``init_from`` set.
+    """
+    if cfg.init_from:
+        raise ConfigError(f"model.init_from={cfg.init_from}: the weights of a Hugging Face "
+                          "directory are read by jaxpar.task_for(config) (and jaxpar.build); "
+                          "call that, or build this task without init_from")
+
+
+def kv_cache(cfg: Any, batch: int, heads: int) -> dict[str, jax.Array]:
+    """An empty KV cache for generation: K and V [L, B, S, heads, H] in the compute dtype,
+    S = ``max_seq_len``."""
+    shape = (cfg.n_layers, batch, cfg.max_seq_len, heads, cfg.head_dim)
+    zeros = jnp.zeros(shape, jnp.dtype(cfg.dtype))
+    return {"k": zeros, "v": zeros}
+
+
+def lm_sequence(batch: Any) -> tuple[jax.Array, jax.Array, np.ndarray]:
+    """Inputs and targets [B, T] of ``batch['tokens']`` [B, T+1] and their positions, in
+    the order the layout runs a sequence (balanced under context parallelism:
+    :func:`jaxpar.context.positions`)."""
+    tokens = batch["tokens"]
+    pos_T = positions(tokens.shape[1] - 1)
+    return order(tokens[:, :-1], pos_T), order(tokens[:, 1:], pos_T), pos_T
+
+
+def next_token_loss(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, dict]:
+    """Mean next-token cross entropy (the same in any order the layout runs the tokens)."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean(), {}
+
+
 def attention_out(o_BTNH: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
     """The output projection [B, T, D] of the heads' outputs."""
     o_BTNH = constrain(o_BTNH, ("batch", "seq", "heads", "kv"))
@@ -241,7 +279,7 @@ def transformer_counts(cfg: Any, seq_len: int, head: bool = True) -> tuple[int, 
     return params, 2 * 3 * T * macs
 
 
-def transformer_tensor_terms(cfg: Any, layout: LabLayout) -> list[Term]:
+def transformer_tensor_terms(cfg: Any, layout: LabLayout, backward: int = 2) -> list[Term]:
     """Megatron's activation all-reduces: per layer two of ``[b, T, D]`` forward (attention
     and MLP outputs) and two backward (their inputs), one more for the head's input
     gradient; the cross-entropy over vocab-sharded logits all-reduces three ``[b, T]``
@@ -258,14 +296,17 @@ def transformer_tensor_terms(cfg: Any, layout: LabLayout) -> list[Term]:
     # forward and backward plus the head, and the embedding of the first stage.
     k = layout.grad_accum
     if layout.sub_mesh:
-        return _first_stage_terms(cfg, layout, activation)
+        return _first_stage_terms(cfg, layout, activation, backward)
+    # a rematerialized block all-reduces its attention output again (the MLP output it
+    # recomputes feeds nothing in the backward pass: dead code)
+    forward_again = 1 if cfg.remat == "full" else 0
     if layout.stages is not None:
         ticks, p, v, m = layout.stages
         times, layers, div = ticks * k, cfg.n_layers // (p * v), m * k
     else:
         times, layers, div = k, cfg.n_layers, k
     terms = [Term("all-reduce", "Megatron activation all-reduces", activation / div, t,
-                  times * (4 * layers + 1)),
+                  times * ((2 + backward + forward_again) * layers + 1)),
              Term("all-reduce", "cross-entropy statistics", rows * seq * 4 / div, t, 3 * times)]
     if "tensor" in layout.rules.get("vocab", ()):
         # loop-invariant: XLA gathers the table once for all microbatches
@@ -274,7 +315,8 @@ def transformer_tensor_terms(cfg: Any, layout: LabLayout) -> list[Term]:
     return terms
 
 
-def _first_stage_terms(cfg: Any, layout: LabLayout, activation: float) -> list[Term]:
+def _first_stage_terms(cfg: Any, layout: LabLayout, activation: float, backward: int
+                       ) -> list[Term]:
     """A device of the first stage under the sub-mesh pipeline, a program per action: each
     microbatch's forward all-reduces twice a layer, its backward (or weight-gradient half:
     the first chunk has no input gradient) four times — the recomputed forward's and both
@@ -283,7 +325,7 @@ def _first_stage_terms(cfg: Any, layout: LabLayout, activation: float) -> list[T
     _, p, v, m = layout.stages
     layers = cfg.n_layers // (p * v)
     terms = [Term("all-reduce", "Megatron activation all-reduces", activation / (m * k), t,
-                  m * k * 6 * layers)]
+                  m * k * (4 + backward) * layers)]
     if "tensor" in layout.rules.get("vocab", ()):
         terms.append(Term("all-gather", "embedding table gather",
                           cfg.vocab_size * cfg.d_model * 4, t, 2 * m * k))
@@ -301,9 +343,15 @@ def transformer_context_terms(cfg: Any, layout: LabLayout) -> list[Term]:
     if c == 1 or layout.stages is not None:
         return []
     k, L, T = layout.grad_accum, cfg.n_layers, layout.seq_len
-    heads = math.prod(layout.sizes[a] for a in layout.rules.get("heads", ()))
+    # grouped-query attention gathers its K key/value heads, unless they are repeated to
+    # the query heads first (ring, or key/value heads not split as the query heads are)
+    rules, n_kv = layout.rules, getattr(cfg, "n_kv_heads", cfg.n_heads)
+    grouped = (n_kv != cfg.n_heads and layout.context != "ring"
+               and rules.get("kv_heads", ()) == rules.get("heads", ()))
+    width = (n_kv if grouped else cfg.n_heads) * cfg.head_dim
+    heads = math.prod(layout.sizes[a] for a in rules.get("kv_heads" if grouped else "heads", ()))
     itemsize = 4 if layout.cpu else jnp.dtype(cfg.dtype).itemsize
-    kv = layout.rows * T * cfg.d_model // heads * itemsize / k  # one of K, V: whole sequence
+    kv = layout.rows * T * width // heads * itemsize / k  # one of K, V: whole sequence
     # measured: a tied table's two gradients (the lookup's, the head's) reduced apart
     tied = ([Term("all-reduce", "context: tied table gradient reduced over context",
                   cfg.vocab_size * cfg.d_model * 4, c)]
@@ -328,9 +376,13 @@ class TransformerLab(LabModel):
     """What the lab knows of jaxpar's transformers (GPT and BERT)."""
 
     whole_params = frozenset({"embed"})  # tokens are looked up in the whole table
+    #: activation all-reduces per layer in the backward pass under tensor parallelism: the
+    #: input gradients of the attention's projection (q, k, v stacked: one sum) and of the
+    #: MLP's first matmul
+    backward_all_reduces = 2
 
     def tensor_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
-        return transformer_tensor_terms(cfg, layout)
+        return transformer_tensor_terms(cfg, layout, self.backward_all_reduces)
 
     def context_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
         return transformer_context_terms(cfg, layout)

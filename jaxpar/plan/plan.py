@@ -225,6 +225,7 @@ def make_plan(task: Task, optimizer: optax.GradientTransformation, mesh: Mesh, r
     model = model if model is not None else abstract_model(task)
     if model.unnamed:
         warn_unnamed(model.unnamed)
+    rules = shd.fit_soft_rules(rules, model.params, model.param_axes, mesh)
     abstract_opt = jax.eval_shape(optimizer.init, model.params)
     counter = jax.ShapeDtypeStruct((), jnp.int32)
     abstract = TrainState(counter, model.params, abstract_opt, counter, model.state)

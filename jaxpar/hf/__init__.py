@@ -1,0 +1,96 @@
+"""Hugging Face interchange: ``jaxpar export RUN_DIR --format hf`` and ``model.init_from``.
+
+Each model family with a Hugging Face counterpart has its layout here, one module each —
+:mod:`jaxpar.hf.gpt2` (``GPT2LMHeadModel``) and :mod:`jaxpar.hf.llama`
+(``LlamaForCausalLM``) — as data (:class:`~jaxpar.hf.layout.Layout`); the files are
+:mod:`jaxpar.hf.files`' (safetensors through ``safetensors.numpy``: torch is never needed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from jaxpar.errors import ConfigError, DataError
+from jaxpar.hf import files
+from jaxpar.hf.gpt2 import LAYOUT as GPT2
+from jaxpar.hf.layout import Layout
+from jaxpar.hf.llama import LAYOUT as LLAMA
+
+LAYOUTS: tuple[Layout, ...] = (GPT2, LLAMA)
+
+
+def layout_of(cfg: Any) -> Layout | None:
+    """The Hugging Face layout of a model config (None: the family has none)."""
+    return next((x for x in LAYOUTS if isinstance(cfg, x.config_type)), None)
+
+
+def check_exportable(family: str, cfg: Any) -> None:
+    """Raises a one-line ConfigError when a run's model has no Hugging Face layout or its
+    layout cannot hold it.
+
+    Args:
+      family: the run's ``model.name`` (``""`` for a user's task).
+      cfg: its typed model config (None for a user's task).
+    """
+    layout = layout_of(cfg)
+    if layout is None:
+        what = f"model.name={family}" if family else "a user's task (--task)"
+        known = ", ".join(f"{x.name} ({x.architecture})" for x in LAYOUTS)
+        raise ConfigError(f"--format hf writes the Hugging Face layouts of {known}; this run "
+                          f"is {what}: use --format npz")
+    why = layout.cannot_hold(cfg)
+    if why:
+        raise ConfigError(f"--format hf: {layout.name}'s layout cannot hold this model: "
+                          + "; ".join(why) + "; use --format npz")
+
+
+def write(out: str | Path, params: dict[str, Any], cfg: Any,
+          max_shard_bytes: int = files.MAX_SHARD_BYTES) -> Path:
+    """Writes the Hugging Face directory of a model's parameters (host arrays)."""
+    layout = layout_of(cfg)
+    return files.write_dir(out, layout.to_hf(params, cfg), layout.hf_config(cfg),
+                           max_shard_bytes)
+
+
+def read_config(directory: str | Path, cfg: Any) -> dict[str, Any]:
+    """``directory/config.json``, checked against the run's model config.
+
+    Raises:
+      DataError: one line naming the missing file, or each difference and the override
+        that fixes it.
+    """
+    layout = layout_of(cfg)
+    hf = files.read_json(directory, layout.name)
+    diffs = layout.differences(hf, cfg)
+    if diffs:
+        fixes = [d.rsplit("(set ", 1)[1].rstrip(")") for d in diffs if "(set " in d]
+        tail = f"; to match it, pass {' '.join(fixes)}" if fixes else ""
+        raise DataError(f"model.init_from={directory}: {files.CONFIG} does not match this "
+                        "run's model: " + "; ".join(diffs) + tail)
+    return hf
+
+
+def init_params_for(cfg: Any) -> Callable[[], dict[str, Any]] | None:
+    """The pretrained weights a run of model config ``cfg`` starts from
+    (``Task.init_params``): those of ``model.init_from``; None without it. ``config.json``
+    is checked now (a mismatch fails before anything runs); the weights are read when the
+    trainer initializes a fresh run."""
+    directory = getattr(cfg, "init_from", "")
+    layout = layout_of(cfg)
+    if not directory or layout is None:
+        return None
+    read_config(directory, cfg)
+    return lambda: layout.from_hf(files.read_tensors(directory), cfg, directory)
+
+
+def to_hf(params: dict[str, Any], cfg: Any) -> dict[str, Any]:
+    """The Hugging Face tensors of a model's parameters."""
+    return layout_of(cfg).to_hf(params, cfg)
+
+
+def from_hf(tensors: dict[str, Any], cfg: Any, where: str = "") -> dict[str, Any]:
+    """A model's parameters from Hugging Face tensors (a ``DataError`` naming what does not
+    fit)."""
+    return layout_of(cfg).from_hf(tensors, cfg, where)

@@ -1,0 +1,113 @@
+"""A Hugging Face model directory as files: ``config.json`` and safetensors weights (one
+``model.safetensors``, or shards named by ``model.safetensors.index.json``), read with
+``safetensors.numpy`` (torch is never needed) and written whole (aside, then renamed)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxpar.errors import DataError
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+#: transformers' default ``max_shard_size`` (5 GB): larger weights are written in shards
+MAX_SHARD_BYTES = 5 * 10**9
+
+
+def read_json(directory: str | Path, what: str) -> dict[str, Any]:
+    """``directory/config.json``.
+
+    Raises:
+      DataError: one line naming the missing or unreadable file.
+    """
+    where = f"model.init_from={directory}"
+    path = Path(directory) / CONFIG
+    if not path.is_file():
+        raise DataError(f"{where}: no {CONFIG} there; give a directory holding a Hugging "
+                        f"Face {what} model ({CONFIG} and {WEIGHTS})")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise DataError(f"{where}: {CONFIG} cannot be read: {err}") from None
+
+
+def read_tensors(directory: str | Path) -> dict[str, np.ndarray]:
+    """All tensors of ``model.safetensors`` (or of the files a sharded index names)."""
+    from safetensors.numpy import load_file
+
+    directory = Path(directory)
+    if (directory / WEIGHTS).is_file():
+        files = [directory / WEIGHTS]
+    elif (directory / INDEX).is_file():
+        try:
+            weight_map = json.loads((directory / INDEX).read_text())["weight_map"]
+            files = [directory / name for name in sorted(set(weight_map.values()))]
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise DataError(f"model.init_from={directory}: {INDEX} is not a safetensors "
+                            f"index ({type(err).__name__}: {err}); re-save the model") from None
+    else:
+        raise DataError(f"model.init_from={directory}: no {WEIGHTS} there (only safetensors "
+                        "files are read; convert a pytorch_model.bin with transformers' "
+                        "save_pretrained(safe_serialization=True))")
+    tensors: dict[str, np.ndarray] = {}
+    for f in files:
+        try:
+            tensors |= load_file(str(f))
+        except Exception as err:  # safetensors raises its own error types for damaged files
+            raise DataError(f"model.init_from={directory}: {f.name} cannot be read as "
+                            f"safetensors ({type(err).__name__}: {err}); re-save the "
+                            "model") from None
+    return tensors
+
+
+def _shards(tensors: dict[str, np.ndarray], limit: int) -> list[dict[str, np.ndarray]]:
+    """The tensors in order, cut into groups of at most ``limit`` bytes (a larger tensor
+    alone), as transformers' ``save_pretrained`` cuts them."""
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, value in tensors.items():
+        if shards[-1] and size + value.nbytes > limit:
+            shards.append({})
+            size = 0
+        shards[-1][name] = value
+        size += value.nbytes
+    return shards
+
+
+def write_dir(out: str | Path, tensors: dict[str, np.ndarray], config: dict[str, Any],
+              max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+    """Writes ``config.json`` and the weights (float32, ``{"format": "pt"}`` metadata) to
+    the directory ``out``: one ``model.safetensors``, or shards and their index above
+    ``max_shard_bytes``. Each file appears whole (written aside, then renamed)."""
+    from safetensors.numpy import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    shards = _shards(tensors, max_shard_bytes)
+    names = ([WEIGHTS] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    files: list[tuple[Path, Any]] = [(out / n, s) for n, s in zip(names, shards)]
+    files.append((out / CONFIG, json.dumps(config, indent=2) + "\n"))
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())},
+                 "weight_map": {k: n for n, s in zip(names, shards) for k in s}}
+        files.append((out / INDEX, json.dumps(index, indent=2) + "\n"))
+    temporary = [path.with_name(path.name + ".tmp") for path, _ in files]
+    try:
+        for (path, body), tmp in zip(files, temporary):
+            if isinstance(body, str):
+                tmp.write_text(body)
+            else:  # transformers refuses safetensors files without a "format" entry
+                save_file(body, str(tmp), metadata={"format": "pt"})
+        for (path, _), tmp in zip(files, temporary):
+            os.replace(tmp, path)
+    finally:
+        for tmp in temporary:
+            tmp.unlink(missing_ok=True)
+    return out

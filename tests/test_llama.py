@@ -1,0 +1,105 @@
+"""The Llama-style family (``model.name=llama``): every layout and both pipeline executors
+equal one device; grouped-query attention with more tensor devices than key/value heads;
+KV-cache decoding equals the forward pass; counts equal the compiled program; bad input is
+one line."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxpar
+from jaxpar.errors import ConfigError
+from jaxpar.models.llama import Llama, LlamaConfig
+from tests.helpers import assert_params_close, decode_stepwise, run_steps
+
+LLAMA = ["model.name=llama", "model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2",
+         "model.d_ff=48", "model.n_layers=4", "model.max_seq_len=16", "data.seq_len=16",
+         "train.batch_size=16", "optim.name=adamw", "optim.lr=3e-3", "optim.warmup_steps=0",
+         "optim.weight_decay=0.1", "optim.clip_norm=1.0"]
+STAGES = ["pipeline.microbatches=4"]
+
+
+@pytest.mark.parametrize("layout", [
+    ["mesh.data=8"],
+    ["mesh.data=1", "mesh.fsdp=8"],
+    ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
+    ["mesh.data=2", "mesh.stage=2", "mesh.tensor=2", "pipeline.executor=spmd", *STAGES],
+    ["mesh.data=4", "mesh.stage=2", "pipeline.executor=mpmd", *STAGES],
+    ["mesh.data=2", "mesh.context=4", "context.attention=ring"],
+], ids=["data8", "fsdp8", "data2-fsdp2-tensor2", "stage2-spmd-tensor2", "stage2-mpmd",
+        "context4-ring"])
+def test_llama_layouts_equal_one_device(layout):
+    """Losses of 3 AdamW steps and the final parameters equal one device's (with a
+    pipeline: one device accumulating the same 4 microbatches)."""
+    micro = 4 if any("stage" in x for x in layout) else 1
+    one = run_steps([*LLAMA, "mesh.data=1", f"train.grad_accum={micro}"], devices=1)
+    losses, params, run = run_steps([*LLAMA, *layout])
+    np.testing.assert_allclose(losses, one[0], rtol=1e-5)
+    assert_params_close(params, one[1], elementwise=False, rtol=1e-4)
+
+
+def test_more_tensor_devices_than_key_value_heads():
+    """``tensor=4`` over 2 key/value heads: they cannot split 4 ways, so a warning says
+    every device of the tensor group holds both; the query heads still split; the numbers
+    equal one device's."""
+    with pytest.warns(UserWarning, match=r"rules.kv_heads=tensor: 2 kv_heads of 'blocks/wk' "
+                                         r"do not split 4 ways, so they are not sharded"):
+        losses, params, run = run_steps([*LLAMA, "mesh.data=2", "mesh.tensor=4"])
+    specs = run.plan.param_specs["blocks"]
+    assert specs["wk"] == jax.sharding.PartitionSpec(None, None, None, None)
+    assert specs["wq"] == jax.sharding.PartitionSpec(None, None, "tensor", None)
+    one = run_steps([*LLAMA, "mesh.data=1"], devices=1)
+    np.testing.assert_allclose(losses, one[0], rtol=1e-5)
+    assert_params_close(params, one[1], elementwise=False, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_decode_with_cache_matches_forward(kv_heads):
+    """A prompt, then one token at a time through the KV cache: the logits of the full
+    forward pass (grouped-query attention with 1, 2 and 4 key/value heads)."""
+    cfg = LlamaConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=kv_heads, d_ff=48,
+                      max_seq_len=16, rope_theta=500000.0)
+    with nnx.use_eager_sharding(False):
+        model = Llama(cfg, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 10), 0, 256)
+    np.testing.assert_allclose(decode_stepwise(model, tokens, 6), jax.jit(model)(tokens),
+                               atol=1e-5)
+
+
+def test_counts_match_the_compiled_program():
+    """Parameters equal the model's; FLOPs per example × the examples a device computes
+    equal the compiled step's (2%); the untied head counts."""
+    from jaxpar import hlo
+    from jaxpar.plan import global_batch_shapes
+
+    for tied in ("false", "true"):
+        run = jaxpar.build(jaxpar.load_config([], [*LLAMA, "mesh.data=8",
+                                                   f"model.tie_embeddings={tied}"]))
+        counts = run.family.counts(run.config.model, run.data)
+        assert counts.params == sum(x.size for x in jax.tree.leaves(run.plan.model.params))
+        batch = global_batch_shapes(run.data.batch(0, run.config.train.batch_size))
+        flops = hlo.program_cost(run.trainer.compile_step(batch).as_text()).flops
+        assert flops == pytest.approx(counts.train_flops_per_example * 2, rel=0.02)
+
+
+def test_bad_shapes_are_one_line():
+    with pytest.raises(ConfigError, match=r"model.n_kv_heads=3 does not divide model.n_heads=4"):
+        jaxpar.load_config([], ["model.name=llama", "model.n_kv_heads=3"])
+    with pytest.raises(ConfigError, match=r"d_model=30 is not divisible by model.n_heads=4"):
+        jaxpar.load_config([], ["model.name=llama", "model.d_model=30"])
+
+
+def test_the_lab_predicts_llama_collectives():
+    """Under tensor parallelism the Llama's backward all-reduces five input gradients a
+    layer (q, k, v, gate, up): the step's collective bytes equal the lab's prediction (2%)."""
+    from jaxpar.lab import hardware, sweep
+
+    config = jaxpar.load_config([], LLAMA)
+    h100 = hardware.get_profile("h100")
+    for layout in ("data=8", "data=4,tensor=2", "data=2,fsdp=2,tensor=2"):
+        row = sweep.measure(config, layout, h100)
+        assert row.ok, row.error
+        assert row.comm_ratio == pytest.approx(1.0, abs=0.02), layout
