@@ -40,7 +40,7 @@ from jaxpar.schema import section
 # layers go over 'stage' (a no-op while mesh.stage = 1): pipeline stages are layer ranges;
 # the sequence of activations over 'context' (a no-op while mesh.context = 1).
 _REPLICATED = {
-    "seq": ("context",), "act_embed": (), "kv": (), "layers": ("stage",), "classes": (),
+    "seq": ("context",), "experts": (), "act_embed": (), "kv": (), "layers": ("stage",), "classes": (),
     "conv_h": (), "conv_w": (), "conv_in": (), "conv_out": (),
 }
 

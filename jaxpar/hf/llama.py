@@ -187,5 +187,13 @@ def config_differences(hf: dict[str, Any], cfg: LlamaConfig) -> list[str]:
 
 
 #: LlamaForCausalLM's layout for jaxpar's Llama family (see :mod:`jaxpar.hf`).
-LAYOUT = Layout(LlamaConfig, "Llama", "LlamaForCausalLM", lambda cfg: [], hf_config, to_hf,
+def cannot_hold(cfg: LlamaConfig) -> list[str]:
+    """What of the model LlamaForCausalLM's layout cannot hold (empty: it exports)."""
+    if cfg.n_experts:
+        return [f"model.n_experts={cfg.n_experts} (a mixture of experts; LlamaForCausalLM's "
+                "MLPs are dense, and jaxpar writes no Mixtral layout yet)"]
+    return []
+
+
+LAYOUT = Layout(LlamaConfig, "Llama", "LlamaForCausalLM", cannot_hold, hf_config, to_hf,
                 from_hf, config_differences)

@@ -70,16 +70,20 @@ class CommPrediction:
         return sum(t.wire_bytes for t in self.terms)
 
 
-def _param_leaves(plan: Plan, batch: dict) -> list[tuple[str, float, tuple[str, ...], bool]]:
-    """(top-level key, bytes, mesh axes sharding it, stacked on ``layers``) per parameter.
-    A stacked parameter runs in a layer scan: FSDP gathers it in the forward scan and
-    again in the backward scan (the scan keeps the shards, not the gathered weights)."""
+def _param_leaves(plan: Plan, batch: dict
+                  ) -> list[tuple[str, float, tuple[str, ...], bool, tuple[str, ...]]]:
+    """(top-level key, bytes, mesh axes sharding it, stacked on ``layers``, the axes that
+    split its experts) per parameter. A stacked parameter runs in a layer scan: FSDP
+    gathers it in the forward scan and again in the backward scan (the scan keeps the
+    shards, not the gathered weights). A device keeps its own experts (never gathered) and
+    their gradients whole (the dispatch brought them every token routed to them)."""
     leaves = jax.tree_util.tree_leaves_with_path(plan.model.params)
     names = jax.tree.leaves(plan.model.param_axes, is_leaf=lambda x: isinstance(x, tuple))
     mine = _held_by_heaviest_stage(plan, len(leaves), batch)
     return [(str(getattr(path[0], "key", "")) if held else None,
              math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize, spec_axes(spec),
-             "layers" in axes)
+             "layers" in axes,
+             plan.rules.get("experts", ()) if "experts" in axes else ())
             for (path, leaf), spec, axes, held in zip(leaves, spec_leaves(plan.param_specs),
                                                       names, mine)]
 
@@ -159,12 +163,13 @@ def _gradient_terms(plan: Plan, lab: LabModel, sizes: dict[str, int], cpu: bool,
     # a transformer's token table) has a whole-table gradient, reduced before it is sliced
     whole, outside = lab.whole_params, lab.gathers_outside_scans
     terms = []
-    for key, nbytes, axes, scanned in _param_leaves(plan, example):
+    for key, nbytes, axes, scanned, own in _param_leaves(plan, example):
         if key is None:  # under the sub-mesh pipeline, a parameter of another stage
             continue
         in_layers = key == layers_key
-        local = nbytes / math.prod(sizes[a] for a in axes if a not in batch and key not in whole)
-        gather = math.prod(sizes[a] for a in axes if a in batch)
+        local = nbytes / math.prod(sizes[a] for a in axes if (a not in batch or a in own)
+                                   and key not in whole)
+        gather = math.prod(sizes[a] for a in axes if a in batch and a not in own)
         rest = math.prod(sizes[a] for a in batch if a not in axes)
         if pipelined and not in_layers and sizes["stage"] > 1 and layers_key:
             # the stages' gradients of the parameters outside the stack, summed: after
@@ -242,7 +247,8 @@ def predict_comm(run: Run, backend: str = "gpu") -> CommPrediction:
     lab = run.family.lab if run.family is not None else LabModel()
     layout = lab_layout(run, cpu)
     activations = ([*lab.tensor_terms(run.config.model, layout),
-                    *lab.context_terms(run.config.model, layout)]
+                    *lab.context_terms(run.config.model, layout),
+                    *lab.expert_terms(run.config.model, layout)]
                    if run.family is not None else [])
     batch = run.data.batch(0, run.config.train.batch_size)
     terms = [*_gradient_terms(run.plan, lab, sizes, cpu, batch), *activations,

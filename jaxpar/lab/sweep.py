@@ -36,7 +36,7 @@ from jaxpar.lab.hardware import Hardware, roofline
 from jaxpar.lab.predict import predict_argument_bytes, predict_comm
 from jaxpar.mesh import MESH_AXES
 from jaxpar.pipeline.executor import branch_table
-from jaxpar.plan import global_batch_shapes
+from jaxpar.plan import abstract_model, global_batch_shapes
 from jaxpar.run import Run, build, task_for
 from jaxpar.task import Task
 
@@ -150,7 +150,21 @@ def default_layouts(config: Config, devices: int, task: Task | None = None
         if len(kept) < len(before):
             lines.append(f"note: {len(before) - len(kept)} layouts left out whose mesh.context "
                          f"does not divide the {tokens}-token sequences")
-    return kept, "\n".join(lines) or None
+    return kept + _expert_variants(task, kept), "\n".join(lines) or None
+
+
+def _expert_variants(task: Task, layouts: list[str]) -> list[str]:
+    """For a model with experts (a parameter dim named ``experts``): each layout whose
+    ``data`` degree (above 1) divides the experts again with them split over ``data``
+    (expert parallelism, ``rules.experts=data``)."""
+    model = abstract_model(task)
+    sizes = {leaf.shape[names.index("experts")] for leaf, names in zip(
+        jax.tree.leaves(model.params), jax.tree.leaves(
+            model.param_axes, is_leaf=lambda x: isinstance(x, tuple))) if "experts" in names}
+    if not sizes:
+        return []
+    return [f"{x},rules.experts=data" for x in layouts
+            if _degree(x, "data") > 1 and all(n % _degree(x, "data") == 0 for n in sizes)]
 
 
 def _degree(layout: str, axis: str) -> int:

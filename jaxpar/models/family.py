@@ -140,6 +140,10 @@ class LabModel:
         """Activation collectives of a sequence split over devices (``mesh.context``)."""
         return []
 
+    def expert_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
+        """Token dispatch to experts split over devices (``rules.experts``)."""
+        return []
+
 
 @dataclass(frozen=True)
 class Family:

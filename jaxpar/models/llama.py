@@ -3,6 +3,9 @@ only: RMSNorm, a SwiGLU MLP, rotary positions with base ``rope_theta``, grouped-
 attention (``n_kv_heads`` key/value heads shared by groups of ``n_heads / n_kv_heads``
 query heads), no biases, an untied (or tied) output layer; bfloat16 compute over float32
 parameters when ``model.dtype=bfloat16``. Hugging Face interchange: ``jaxpar/hf/llama.py``.
+With ``model.n_experts`` > 0 every ``moe_every``-th MLP is a mixture of experts
+(:mod:`jaxpar.models.moe`; its parameters router [G, D, E], e_gate, e_up [G, E, D, F],
+e_down [G, E, F, D] with G = L / moe_every), and the layers scan in groups of moe_every.
 
 Shape suffixes: B batch, T sequence, D embed, N heads, K key/value heads, H head dim,
 F mlp, V vocab, L layers. The blocks are stacked on a leading ``layers`` dim and scanned.
@@ -19,6 +22,7 @@ Parameters (logical axes):
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -30,6 +34,7 @@ from pydantic import Field, model_validator
 from jaxpar.context import attend
 from jaxpar.errors import ConfigError
 from jaxpar.logical import constrain
+from jaxpar.models import moe
 from jaxpar.models.family import (
     Counts,
     Dtype,
@@ -53,6 +58,7 @@ from jaxpar.models.transformer import (
     next_token_loss,
     param,
     refuse_init_from,
+    rms_norm,
     rotary,
     transformer_tensor_terms,
 )
@@ -83,6 +89,19 @@ class LlamaConfig(ModelConfig):
                                  "elsewhere)")
     init_from: str = Field("", description="a Hugging Face Llama directory (config.json + "
                                            "model.safetensors) a fresh run starts from")
+    n_experts: int = Field(0, ge=0, description="experts of each mixture-of-experts MLP (0: "
+                                                "dense MLPs only)")
+    top_k: int = Field(2, ge=1, description="experts each token is routed to")
+    moe_every: int = Field(1, ge=1, description="every moe_every-th layer's MLP is a mixture "
+                                                "of experts (1: all of them)")
+    n_shared_experts: int = Field(0, ge=0, description="experts every token also passes "
+                                                       "through (one SwiGLU of that many "
+                                                       "times d_ff)")
+    capacity_factor: Float = Field(0.0, ge=0, description="0: dropless; else each expert "
+                                   "takes at most factor · T · top_k / n_experts assignments "
+                                   "of a sequence (the rest are dropped and counted)")
+    aux_loss_coef: Float = Field(0.01, ge=0, description="weight of the load-balancing loss")
+    z_loss_coef: Float = Field(0.001, ge=0, description="weight of the router z-loss")
 
     @property
     def head_dim(self) -> int:
@@ -92,11 +111,20 @@ class LlamaConfig(ModelConfig):
     def _heads(self) -> LlamaConfig:
         check_heads(self, rotary=True)
         if self.n_heads % self.n_kv_heads:
-            raise ConfigError(
-                f"model.n_kv_heads={self.n_kv_heads} does not divide model.n_heads="
-                f"{self.n_heads}: each key/value head serves a group of query heads; pick a "
-                "divisor of n_heads")
+            raise ConfigError(f"model.n_kv_heads={self.n_kv_heads} does not divide model."
+                              f"n_heads={self.n_heads}: each key/value head serves a group of "
+                              "query heads; pick a divisor of n_heads")
+        if self.n_experts and self.top_k > self.n_experts:
+            raise ConfigError(f"model.top_k={self.top_k} is more than model.n_experts="
+                              f"{self.n_experts}: route each token to at most n_experts")
+        if self.n_experts and self.n_layers % self.moe_every:
+            raise ConfigError(f"model.moe_every={self.moe_every} does not divide "
+                              f"model.n_layers={self.n_layers}; pick a divisor")
         return self
+
+    @property
+    def group(self) -> int:  # layers a scan step runs: moe_every (the last MoE), 1 if dense
+        return self.moe_every if self.n_experts else 1
 
 
 class LlamaBlocks(nnx.Module):
@@ -112,21 +140,36 @@ class LlamaBlocks(nnx.Module):
         self.wv = param(rngs.params(), (L, D, K, H), ("layers", "embed", "kv_heads", "kv"), std)
         self.wo = param(rngs.params(), (L, N, H, D), ("layers", "heads", "kv", "embed"), out_std)
         self.mlp_norm = const(1.0, (L, D), ("layers", "embed"))
-        self.w_gate = param(rngs.params(), (L, D, F), ("layers", "embed", "mlp"), std)
-        self.w_up = param(rngs.params(), (L, D, F), ("layers", "embed", "mlp"), std)
-        self.w_down = param(rngs.params(), (L, F, D), ("layers", "mlp", "embed"), out_std)
+        # dense MLPs [L, …]; in a mixture-of-experts model the groups' first moe_every − 1
+        # layers' [G, moe_every − 1, …], and each group's experts [G, E, …]
+        G, E, S = L // cfg.group, cfg.n_experts, cfg.n_shared_experts
+        dense = (L,) if not E else (G, cfg.moe_every - 1)
+        lead = ("layers",) if not E else ("layers", None)
+        if math.prod(dense):
+            self.w_gate = param(rngs.params(), (*dense, D, F), (*lead, "embed", "mlp"), std)
+            self.w_up = param(rngs.params(), (*dense, D, F), (*lead, "embed", "mlp"), std)
+            self.w_down = param(rngs.params(), (*dense, F, D), (*lead, "mlp", "embed"), out_std)
+        if E:
+            self.router = param(rngs.params(), (G, D, E), ("layers", "embed", None), std)
+            experts = ("layers", "experts")
+            self.e_gate = param(rngs.params(), (G, E, D, F), (*experts, "embed", "mlp"), std)
+            self.e_up = param(rngs.params(), (G, E, D, F), (*experts, "embed", "mlp"), std)
+            self.e_down = param(rngs.params(), (G, E, F, D), (*experts, "mlp", "embed"), out_std)
+        if E and S:
+            self.s_gate = param(rngs.params(), (G, D, S * F), ("layers", "embed", "mlp"), std)
+            self.s_up = param(rngs.params(), (G, D, S * F), ("layers", "embed", "mlp"), std)
+            self.s_down = param(rngs.params(), (G, S * F, D), ("layers", "mlp", "embed"), out_std)
 
     def stacked(self) -> dict[str, jax.Array]:
         """The stacked parameter arrays by name (what the layer scan slices)."""
-        names = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
-        return {n: getattr(self, n)[...] for n in names}
+        return {n: getattr(self, n)[...] for n in (*ATTENTION, *DENSE, *EXPERTS, *SHARED)
+                if hasattr(self, n)}
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm computed in float32, returned in ``x``'s dtype."""
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + eps) * scale
-    return y.astype(x.dtype)
+ATTENTION = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm")
+DENSE = ("w_gate", "w_up", "w_down")
+EXPERTS = ("router", "e_gate", "e_up", "e_down")
+SHARED = ("s_gate", "s_up", "s_down")
 
 
 def _qkv(h: jax.Array, p: dict[str, jax.Array], pos: jax.Array, theta: float
@@ -142,23 +185,34 @@ def _out(o_BTNH: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
     return jnp.einsum("btnh,nhd->btd", o_BTNH, p["wo"])
 
 
-def swiglu(h: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
-    """``down(silu(gate(h)) · up(h))``: column-parallel in, row-parallel out under TP."""
-    gate = jnp.einsum("btd,df->btf", h, p["w_gate"])
-    up = jnp.einsum("btd,df->btf", h, p["w_up"])
-    u = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
-    return jnp.einsum("btf,fd->btd", u, p["w_down"])
+def grouped(stacked: dict[str, jax.Array], cfg: LlamaConfig) -> dict[str, jax.Array]:
+    """The stacked parameters by group of ``cfg.group`` layers: [L, …] → [G, group, …]."""
+    m = cfg.group
+    return {n: a.reshape(a.shape[0] // m, m, *a.shape[1:])
+            if n in ATTENTION or (n in DENSE and not cfg.n_experts) else a
+            for n, a in stacked.items()}
 
 
-def block(x: jax.Array, p: dict[str, jax.Array], cfg: LlamaConfig, implementation: str,
-          positions_T: np.ndarray) -> jax.Array:
-    """One pre-norm block: grouped-query attention (across the context axis when the layout
-    splits the sequence) and the SwiGLU MLP."""
-    h = rms_norm(x, p["attn_norm"], cfg.norm_eps)
-    q, k, v = _qkv(h, p, jnp.asarray(positions_T), cfg.rope_theta)
-    o = attend(q, k, v, positions_T, causal=True, implementation=implementation)
-    x = constrain(x + _out(o, p), RESIDUAL)
-    return constrain(x + swiglu(rms_norm(x, p["mlp_norm"], cfg.norm_eps), p), RESIDUAL)
+def layer_group(x: jax.Array, p: dict[str, jax.Array], cfg: LlamaConfig, attention: Any
+                ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """One group's pre-norm blocks: ``attention(h, layer params, j)`` then the SwiGLU MLP,
+    the last block's a mixture of experts in an MoE model (its router statistics
+    returned)."""
+    m, stats = p["wq"].shape[0], {}
+    for j in range(m):
+        pj = {n: p[n][j] for n in ATTENTION}
+        x = constrain(x + attention(rms_norm(x, pj["attn_norm"], cfg.norm_eps), pj, j),
+                      RESIDUAL)
+        h = rms_norm(x, pj["mlp_norm"], cfg.norm_eps)
+        if cfg.n_experts and j == m - 1:
+            experts = dict(zip(("router", *DENSE), (p[n] for n in EXPERTS)))
+            y, stats = moe.moe_mlp(h, experts, cfg.top_k, cfg.capacity_factor)
+            if cfg.n_shared_experts:
+                y = y + moe.swiglu(h, dict(zip(DENSE, (p[n] for n in SHARED))))
+        else:
+            y = moe.swiglu(h, {n: p[n][j] for n in DENSE})
+        x = constrain(x + y, RESIDUAL)
+    return x, stats
 
 
 class Llama(nnx.Module):
@@ -177,8 +231,16 @@ class Llama(nnx.Module):
     def __call__(self, tokens_BT: jax.Array, positions_T: np.ndarray | None = None
                  ) -> jax.Array:
         """Logits [B, T, V] of tokens at ``positions_T`` (0 … T-1 when None)."""
+        return self.forward(tokens_BT, positions_T)[0]
+
+    def forward(self, tokens_BT: jax.Array, positions_T: np.ndarray | None = None
+                ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Logits and the routers' statistics (empty for a dense model): the load-balancing
+        and z-losses averaged over the MoE layers, the dropped assignments summed, each
+        expert's share of the assignments averaged."""
         pos = np.arange(tokens_BT.shape[1]) if positions_T is None else positions_T
-        return self.logits(self.run_blocks(self.embed_tokens(tokens_BT), pos))
+        x, stats = self.blocks_and_stats(self.embed_tokens(tokens_BT), pos)
+        return self.logits(x), stats
 
     def embed_tokens(self, tokens_BT: jax.Array) -> jax.Array:
         """Token embeddings [B, T, D] in the compute dtype (looked up in the whole table)."""
@@ -189,16 +251,25 @@ class Llama(nnx.Module):
         return constrain(x.astype(jnp.dtype(self.cfg.dtype)), RESIDUAL)
 
     def run_blocks(self, x_BTD: jax.Array, positions_T: np.ndarray) -> jax.Array:
-        """All blocks stacked in ``self.blocks``, in order."""
-        cfg, dtype = self.cfg, x_BTD.dtype
+        return self.blocks_and_stats(x_BTD, positions_T)[0]
+
+    def blocks_and_stats(self, x_BTD: jax.Array, positions_T: np.ndarray
+                         ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """All blocks, in order, and the routers' statistics (see :meth:`forward`)."""
+        cfg, dtype, pos = self.cfg, x_BTD.dtype, jnp.asarray(positions_T)
+
+        def attention(h, p, j):
+            q, k, v = _qkv(h, p, pos, cfg.rope_theta)
+            return _out(attend(q, k, v, positions_T, causal=True,
+                               implementation=self.attention_impl), p)
 
         def body(x, p):
-            p = jax.tree.map(lambda a: a.astype(dtype), p)
-            return block(x, p, cfg, self.attention_impl, positions_T), None
+            return layer_group(x, moe.in_compute_dtype(p, dtype), cfg, attention)
 
         if cfg.remat != "none":
             body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat])
-        return jax.lax.scan(body, x_BTD, self.blocks.stacked())[0]
+        x, stats = jax.lax.scan(body, x_BTD, grouped(self.blocks.stacked(), cfg))
+        return x, moe.over_layers(stats)
 
     def logits(self, x_BTD: jax.Array) -> jax.Array:
         """Final RMSNorm and output layer: float32 logits [B, T, V]."""
@@ -224,29 +295,45 @@ class Llama(nnx.Module):
         names = ("batch", None, "kv_heads", "kv")
 
         def body(x, layer):
-            p, k_cache, v_cache = layer
-            p = jax.tree.map(lambda a: a.astype(x.dtype), p)
-            h = rms_norm(x, p["attn_norm"], cfg.norm_eps)
-            q, k, v = _qkv(h, p, pos, cfg.rope_theta)
-            write = lambda c, new: constrain(jax.lax.dynamic_update_slice_in_dim(
-                c, new.astype(c.dtype), start, axis=1), names)
-            k_cache, v_cache = write(k_cache, k), write(v_cache, v)
-            mask = jnp.arange(k_cache.shape[1])[None, :] <= pos[:, None]
-            o = jax.nn.dot_product_attention(q, k_cache, v_cache, mask=mask[None, None],
-                                             implementation="xla")
-            x = constrain(x + _out(o, p), RESIDUAL)
-            x = constrain(x + swiglu(rms_norm(x, p["mlp_norm"], cfg.norm_eps), p), RESIDUAL)
-            return x, (k_cache, v_cache)
+            p, k_group, v_group = layer
+            caches = []
 
-        x, (k, v) = jax.lax.scan(body, x, (self.blocks.stacked(), cache["k"], cache["v"]))
+            def attention(h, pj, j):
+                q, k, v = _qkv(h, pj, pos, cfg.rope_theta)
+                write = lambda c, new: constrain(jax.lax.dynamic_update_slice_in_dim(
+                    c, new.astype(c.dtype), start, axis=1), names)
+                k_cache, v_cache = write(k_group[j], k), write(v_group[j], v)
+                caches.append((k_cache, v_cache))
+                mask = jnp.arange(k_cache.shape[1])[None, :] <= pos[:, None]
+                return _out(jax.nn.dot_product_attention(
+                    q, k_cache, v_cache, mask=mask[None, None], implementation="xla"), pj)
+
+            x, _ = layer_group(x, moe.in_compute_dtype(p, x.dtype), cfg, attention)
+            return x, tuple(jnp.stack(c) for c in zip(*caches))
+
+        m = cfg.group
+        by_group = lambda c: c.reshape(c.shape[0] // m, m, *c.shape[1:])  # noqa: E731
+        x, (k, v) = jax.lax.scan(body, x, (grouped(self.blocks.stacked(), cfg),
+                                           by_group(cache["k"]), by_group(cache["v"])))
+        k, v = (c.reshape(-1, *c.shape[2:]) for c in (k, v))
         return self.logits(x), {"k": k, "v": v}
 
 
 # ---- the loss, cut into pipeline stages -----------------------------------------------------
 def llama_loss(model: Llama, batch: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Next-token cross entropy over ``batch['tokens']`` [B, T+1]."""
+    """Next-token cross entropy over ``batch['tokens']`` [B, T+1]; with experts, plus the
+    weighted load-balancing and z-losses, each reported as a metric with the dropped
+    assignments and each expert's load (``moe_load_<e>``)."""
     inputs, targets, pos_T = lm_sequence(batch)
-    return next_token_loss(model(inputs, pos_T), targets)
+    logits, stats = model.forward(inputs, pos_T)
+    loss, metrics = next_token_loss(logits, targets)
+    if not stats:
+        return loss, metrics
+    cfg = model.cfg
+    metrics = {"ce": loss, "moe_balance": stats["balance"], "moe_z": stats["z"],
+               "moe_dropped": stats["dropped"].astype(jnp.float32),
+               **{f"moe_load_{e}": stats["load"][e] for e in range(cfg.n_experts)}}
+    return loss + cfg.aux_loss_coef * stats["balance"] + cfg.z_loss_coef * stats["z"], metrics
 
 
 def _embed(model: Llama, batch: Any) -> jax.Array:
@@ -269,7 +356,8 @@ def task(cfg: LlamaConfig, seq_len: int) -> Task:
     """The Llama's task: next-token prediction on windows of ``seq_len + 1`` tokens."""
     refuse_init_from(cfg)
     return Task(lambda rngs: Llama(cfg, rngs=rngs), llama_loss, {"tokens": ("batch", None)},
-                tokens_per_example=seq_len, stages=STAGES, name="llama", context_parallel=True)
+                tokens_per_example=seq_len, name="llama", context_parallel=True,
+                stages=None if cfg.n_experts else STAGES)  # MoE: its statistics cross no stage
 
 
 def llama_counts(cfg: LlamaConfig, seq_len: int) -> tuple[int, float]:
@@ -277,33 +365,34 @@ def llama_counts(cfg: LlamaConfig, seq_len: int) -> tuple[int, float]:
     products included; the backward twice the forward, no gradient into the lookup."""
     L, D, N, K, H, F, V, T = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads,
                               cfg.head_dim, cfg.d_ff, cfg.vocab_size, seq_len)
-    per_layer = 2 * D + 2 * D * N * H + 2 * D * K * H + 3 * D * F
-    params = V * D + L * per_layer + D + (0 if cfg.tie_embeddings else D * V)
-    macs = L * (2 * D * N * H + 2 * D * K * H + 3 * D * F + 2 * T * N * H) + D * V
+    attention = 2 * D * N * H + 2 * D * K * H
+    mlp_params, mlp_macs = moe.mlp_counts(L, D, F, cfg.n_experts and L // cfg.group,
+                                      cfg.n_experts, cfg.top_k, cfg.n_shared_experts)
+    params = V * D + L * (2 * D + attention) + mlp_params + D + (
+        0 if cfg.tie_embeddings else D * V)
+    macs = L * (attention + 2 * T * N * H) + mlp_macs + D * V
     return params, 2 * 3 * T * macs
-
-
-def _counts(cfg: LlamaConfig, data: Any) -> Counts:
-    return Counts(*llama_counts(cfg, data.seq_len))
 
 
 class LlamaLab(TransformerLab):
     """The lab's Llama: its q, k and v projections (different head counts: not stacked)
-    and SwiGLU's gate and up matmuls each give the backward pass an input gradient that XLA
-    all-reduces apart under tensor parallelism — 5 per layer (measured), not 2; 4 where the
-    key/value heads are not split (more tensor devices than key/value heads: there XLA also
-    gathers some of their activations, and the step measures 0.96× this prediction)."""
+    and SwiGLU's gate and up each give the backward an input gradient that XLA all-reduces
+    apart under tensor parallelism: 5 a layer (measured); 4 where the key/value heads are
+    not split (there XLA also gathers some: the step measures 0.96× the prediction)."""
 
     def tensor_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
         split_kv = layout.rules.get("kv_heads", ()) == layout.rules.get("heads", ())
         return transformer_tensor_terms(cfg, layout, 5 if split_kv else 4)
+
+    def expert_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
+        return moe.dispatch_terms(cfg, layout)
 
 
 LLAMA_FAMILY = register(Family(
     "llama", LlamaConfig,
     lambda cfg, data: task(dataclasses.replace(cfg, init_from=""), data.seq_len),
     lambda cfg: DataNeeds("text", vocab_size=cfg.vocab_size),
-    counts=_counts,
+    counts=lambda cfg, data: Counts(*llama_counts(cfg, data.seq_len)),
     lab=LlamaLab(),
     memory_fixes=lambda cfg: [] if cfg.remat == "full" else ["model.remat=full"],
     compute_dtype=lambda cfg: cfg.dtype,

@@ -104,6 +104,13 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-
     return y.astype(x.dtype)
 
 
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in float32, returned in ``x``'s dtype."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + eps) * scale
+    return y.astype(x.dtype)
+
+
 def rotary(x_BTNH: jax.Array, positions_T: jax.Array | None = None,
            theta: float = 10000.0) -> jax.Array:
     """Rotary position embedding (half-split form, as Hugging Face's ``rotate_half``) over
