@@ -191,12 +191,17 @@ def _shift(tree, axes, ways):
 
 
 def _block(q, k, v, pos_q, pos_k, causal, implementation):
-    """One key/value block: output (float32) and log-sum-exp [B, T, N]; rows that see no
-    key of the block give 0 and −inf."""
+    """One key/value block: output and log-sum-exp [B, T, N], both float32 (the kernel
+    returns the log-sum-exp in its inputs' dtype, and the merge weights are its
+    exponentials: so the block runs on float32 inputs, through XLA's attention); rows that
+    see no key of the block give 0 and −inf."""
+    del implementation  # cuDNN's kernel takes no float32 inputs
     mask = _visible(pos_q, pos_k, causal)
     rows = jnp.any(mask, axis=-1)[0, 0]  # [T]
-    out, lse = jax.nn.dot_product_attention(q, k, v, mask=mask, return_residual=True,
-                                            implementation=implementation)
+    f32 = jnp.float32
+    out, lse = jax.nn.dot_product_attention(q.astype(f32), k.astype(f32), v.astype(f32),
+                                            mask=mask, return_residual=True,
+                                            implementation="xla")
     out = jnp.where(rows[None, :, None, None], out.astype(jnp.float32), 0.0)
     lse = jnp.where(rows[None, :, None], lse.astype(jnp.float32), -jnp.inf)
     return out, lse

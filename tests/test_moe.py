@@ -149,14 +149,16 @@ def test_bad_input_is_one_line():
 
 
 def test_the_lab_predicts_the_expert_dispatch():
-    """With experts split over data (8, and 4 beside fsdp=2) the step's collective bytes —
-    the tokens and routing gathered, the outputs reduce-scattered, their transposes in the
-    backward, the experts' gradients kept whole — equal the lab's prediction (1%)."""
+    """With experts split over data (8, and 4 beside fsdp=2; with remat, which gathers the
+    tokens again) the step's collective bytes — the tokens and routing gathered, the
+    outputs reduce-scattered, their transposes in the backward, the experts' gradients
+    kept whole — equal the lab's prediction (1%)."""
     from jaxpar.lab import hardware, sweep
 
     config = jaxpar.load_config([], MOE)
     h100 = hardware.get_profile("h100")
-    for layout in ("data=8,rules.experts=data", "data=4,fsdp=2,rules.experts=data"):
+    for layout in ("data=8,rules.experts=data", "data=4,fsdp=2,rules.experts=data",
+                   "data=8,rules.experts=data,model.remat=full"):
         row = sweep.measure(config, layout, h100)
         assert row.ok, row.error
         assert row.reduce_scatter_bytes > 0 and row.comm_ratio == pytest.approx(1, abs=0.01)
@@ -182,3 +184,20 @@ def test_bfloat16_experts_track_one_device():
     one = run_steps([*bf16, "mesh.data=1"], devices=1)
     losses, _, _ = run_steps([*bf16, "mesh.data=8", "rules.experts=data"])
     np.testing.assert_allclose(losses, one[0], rtol=2e-2)
+
+
+def test_a_capacity_factor_drops_the_same_assignments_on_every_layout():
+    """With a capacity factor, context parallelism (its sequences reordered for balance)
+    and expert parallelism drop what one device drops: the same count, losses and
+    parameters."""
+    capped = [*MOE, "model.capacity_factor=1.0"]
+    config = jaxpar.load_config([], [*capped, "mesh.data=1", "run.devices=1"])
+    run = jaxpar.build(config)
+    _, metrics = run.trainer.step(run.trainer.init(),
+                                  run.trainer.shard_batch(run.data.batch(0, 16)))
+    assert float(metrics["moe_dropped"]) > 0  # the cap binds
+    one = run_steps([*capped, "mesh.data=1"], devices=1)
+    for layout in (["mesh.data=2", "mesh.context=4"], ["mesh.data=8", "rules.experts=data"]):
+        losses, params, _ = run_steps([*capped, *layout])
+        np.testing.assert_allclose(losses, one[0], rtol=1e-5)
+        assert_params_close(params, one[1], elementwise=False, rtol=1e-4)

@@ -193,8 +193,8 @@ def grouped(stacked: dict[str, jax.Array], cfg: LlamaConfig) -> dict[str, jax.Ar
             for n, a in stacked.items()}
 
 
-def layer_group(x: jax.Array, p: dict[str, jax.Array], cfg: LlamaConfig, attention: Any
-                ) -> tuple[jax.Array, dict[str, jax.Array]]:
+def layer_group(x: jax.Array, p: dict[str, jax.Array], cfg: LlamaConfig, attention: Any,
+                positions_T: Any = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """One group's pre-norm blocks: ``attention(h, layer params, j)`` then the SwiGLU MLP,
     the last block's a mixture of experts in an MoE model (its router statistics
     returned)."""
@@ -206,7 +206,7 @@ def layer_group(x: jax.Array, p: dict[str, jax.Array], cfg: LlamaConfig, attenti
         h = rms_norm(x, pj["mlp_norm"], cfg.norm_eps)
         if cfg.n_experts and j == m - 1:
             experts = dict(zip(("router", *DENSE), (p[n] for n in EXPERTS)))
-            y, stats = moe.moe_mlp(h, experts, cfg.top_k, cfg.capacity_factor)
+            y, stats = moe.moe_mlp(h, experts, cfg.top_k, cfg.capacity_factor, positions_T)
             if cfg.n_shared_experts:
                 y = y + moe.swiglu(h, dict(zip(DENSE, (p[n] for n in SHARED))))
         else:
@@ -264,7 +264,7 @@ class Llama(nnx.Module):
                                implementation=self.attention_impl), p)
 
         def body(x, p):
-            return layer_group(x, moe.in_compute_dtype(p, dtype), cfg, attention)
+            return layer_group(x, moe.in_compute_dtype(p, dtype), cfg, attention, positions_T)
 
         if cfg.remat != "none":
             body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat])

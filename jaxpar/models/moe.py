@@ -29,6 +29,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxpar.logical import active_layout, constrain
@@ -104,29 +105,37 @@ def grouped_swiglu(x_TD: jax.Array, experts_Tk: jax.Array, weights_Tk: jax.Array
     xs = x_TD[order // k]
     h = (jax.nn.silu(jax.lax.ragged_dot(xs, w["w_gate"], sizes))
          * jax.lax.ragged_dot(xs, w["w_up"], sizes))
-    out = jnp.zeros((T * k, x_TD.shape[-1]), x_TD.dtype).at[order].set(
-        jax.lax.ragged_dot(h, w["w_down"], sizes))
+    rows = jax.lax.ragged_dot(h, w["w_down"], sizes)
+    rows = jnp.where((jnp.arange(T * k) < sizes.sum())[:, None], rows, 0)  # others: 0
+    out = jnp.zeros((T * k, x_TD.shape[-1]), x_TD.dtype).at[order].set(rows)
     return (out * weights_Tk.reshape(-1, 1).astype(out.dtype)).reshape(T, k, -1).sum(1)
 
 
-def capacity_mask(experts_BTk: jax.Array, n_experts: int, factor: float) -> jax.Array:
+def capacity_mask(experts_BTk: jax.Array, n_experts: int, factor: float,
+                  positions_T: Any = None) -> jax.Array:
     """True for each assignment within its expert's capacity in its sequence,
-    ``ceil(factor · T · k / n_experts)``, earliest tokens first (per sequence, so every
-    layout drops the same assignments)."""
+    ``ceil(factor · T · k / n_experts)``, earliest positions first (per sequence and by
+    position — ``positions_T``, when a context-parallel layout runs the tokens in another
+    order — so every layout drops the same assignments)."""
     B, T, k = experts_BTk.shape
     capacity = math.ceil(factor * T * k / n_experts)
-    onehot = jax.nn.one_hot(experts_BTk.reshape(B, T * k), n_experts, dtype=jnp.int32)
+    by_position = np.argsort(positions_T) if positions_T is not None else np.arange(T)
+    in_order = experts_BTk[:, by_position].reshape(B, T * k)
+    onehot = jax.nn.one_hot(in_order, n_experts, dtype=jnp.int32)
     rank = ((jnp.cumsum(onehot, axis=1) - onehot) * onehot).sum(-1)
-    return (rank < capacity).reshape(B, T, k)
+    keep = (rank < capacity).reshape(B, T, k)
+    return keep[:, np.argsort(by_position)]
 
 
 def moe_mlp(h_BTD: jax.Array, p: dict[str, jax.Array], top_k: int,
-            capacity_factor: float = 0.0) -> tuple[jax.Array, dict[str, jax.Array]]:
+            capacity_factor: float = 0.0, positions_T: Any = None
+            ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The MoE SwiGLU of ``h`` [B, T, D] with router ``p['router']`` [D, E] and experts
     ``p['w_gate']``, ``p['w_up']`` [E, D, F], ``p['w_down']`` [E, F, D]; returns the
     output [B, T, D] and the router statistics (:func:`route`) with ``dropped`` (the
-    assignments a capacity factor dropped). Routing, like the experts, runs on each
-    device's own tokens; the statistics are summed over the devices."""
+    assignments a capacity factor dropped, counted by the tokens' ``positions_T``).
+    Routing, like the experts, runs on each device's own tokens; the statistics are summed
+    over the devices."""
     B, T, D = h_BTD.shape
     E = p["router"].shape[-1]
     w = {n: p[n] for n in ("w_gate", "w_up", "w_down")}
@@ -142,7 +151,7 @@ def moe_mlp(h_BTD: jax.Array, p: dict[str, jax.Array], top_k: int,
         experts, weights = experts.reshape(b, T, top_k), weights.reshape(b, T, top_k)
         stats["dropped"] = jnp.zeros((), jnp.int32)
         if capacity_factor:
-            keep = capacity_mask(experts, E, capacity_factor)
+            keep = capacity_mask(experts, E, capacity_factor, positions_T)
             weights, dropped = jnp.where(keep, weights, 0.0), jnp.sum(~keep)
             stats["dropped"] = jax.lax.psum(dropped, batch_axes) if batch_axes else dropped
         dtype = h.dtype
@@ -195,8 +204,11 @@ def dispatch_terms(cfg: Any, layout: LabLayout) -> list[Term]:
     itemsize = 4 if layout.cpu else jnp.dtype(cfg.dtype).itemsize
     tokens = layout.rows * e * seq / k  # a group's tokens, per microbatch
     times = k * layers
+    # a rematerialized forward gathers again; its reduce-scatter feeds nothing the backward
+    # reads (the next group's input is kept): dead code
+    again = times * (2 if cfg.remat != "none" else 1)
     return [Term("all-gather", "experts: tokens and routing gathered",
-                 tokens * (cfg.d_model * itemsize + 8 * cfg.top_k), e, times),
+                 tokens * (cfg.d_model * itemsize + 8 * cfg.top_k), e, again),
             Term("reduce-scatter", "experts: outputs reduce-scattered",
                  tokens * cfg.d_model * itemsize, e, times),
             Term("all-gather", "experts: output gradients gathered",

@@ -368,8 +368,8 @@ def transformer_context_terms(cfg: Any, layout: LabLayout) -> list[Term]:
         return [*tied,
                 Term("collective-permute", "context: K and V blocks round the ring", block, c,
                      k * L * 2 * (c - 1) * 2),
-                Term("collective-permute", "context: dK and dV blocks home", block, c,
-                     k * L * 2 * c),
+                Term("collective-permute", "context: dK and dV blocks home",  # float32
+                     block * 4 / itemsize, c, k * L * 2 * c),
                 Term("collective-permute", "context: positions round the ring", T // c * 4,
                      c, c - 1)]
     forward = 2 if cfg.remat != "none" else 1
