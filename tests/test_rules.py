@@ -96,8 +96,10 @@ def test_unmapped_logical_axis_is_an_error():
 
     rules = resolve_rules(RulesConfig())
     mesh = make_mesh(MeshConfig(data=8))
-    with pytest.raises(ValueError, match="logical axis 'experts' of parameter 'moe/w'.*rules.experts"):
-        spec_for(("experts", "embed"), rules, mesh, (8, 16), "parameter 'moe/w'")
+    # "lora_rank" (a LoRA adapter's rank dim) is a name no preset maps
+    with pytest.raises(ValueError, match="logical axis 'lora_rank' of parameter 'lora/a'.*"
+                                         "rules.lora_rank"):
+        spec_for(("lora_rank", "embed"), rules, mesh, (8, 16), "parameter 'lora/a'")
 
 
 def test_indivisible_dim_names_parameter_shape_and_axis_size():
