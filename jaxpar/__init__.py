@@ -30,7 +30,11 @@ lists the whole public API:
   non-finite guard), :mod:`jaxpar.integrity` (checkpoint integrity records)
 """
 
-from jaxpar import guard, integrity, lab, models, pipeline
+from jaxpar import signals  # first: a stop signal while the command starts is one line
+
+signals.guard_imports()
+
+from jaxpar import guard, integrity, lab, models, pipeline  # noqa: E402
 from jaxpar.checkpoint import CheckpointConfig, Checkpointer
 from jaxpar.config import Config, DistributedConfig, RunConfig, TrainConfig, load_config
 from jaxpar.context import ContextConfig, attend, order, positions, restore
@@ -48,6 +52,7 @@ from jaxpar.errors import (
     Preempted,
     RestoreError,
     TaskError,
+    Terminated,
     TooManySkipped,
 )
 from jaxpar.hlo import program_cost
@@ -79,7 +84,7 @@ __all__ = [
     "JaxparError", "Layers", "LayoutError", "MeshConfig", "ModelConfig", "NonFiniteStop",
     "OptimConfig", "PRESETS", "PathError", "PipelineConfig", "Plan", "Preempted",
     "RestoreError", "RulesConfig", "Run", "RunConfig", "StageSplit", "Task", "TaskError",
-    "TooManySkipped", "TrainConfig", "TrainState", "Trainer", "abstract_model",
+    "Terminated", "TooManySkipped", "TrainConfig", "TrainState", "Trainer", "abstract_model",
     "activation_rules", "build", "classification_loss", "clip_by_global_norm", "constrain",
     "decay_mask", "fit", "guard", "initialize_distributed", "integrity", "lab", "lm_loss",
     "load_config", "make_mesh", "make_optimizer", "make_plan", "make_schedule", "mlm_loss",

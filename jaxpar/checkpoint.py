@@ -1,39 +1,38 @@
 """Orbax checkpoints of a train state: async saves, restore onto any layout, checked restores.
 
-A checkpoint is an Orbax ``CheckpointManager`` step directory with two items:
-``state`` (step, params, optimizer state, skipped-step count and, for models that
-have it, the non-parameter model state — BatchNorm statistics, RNG keys and
-counts; standard Orbax array format) and ``meta`` (JSON: the seed, the resolved config and the metrics
-of that step). Saves are asynchronous by default: the caller pays for the
-device-to-host copy, Orbax writes in the background, and any write error is
-raised as a :class:`CheckpointError` by the next :meth:`Checkpointer.save`,
-:meth:`Checkpointer.wait` or :meth:`Checkpointer.close` — never swallowed. A
-save in progress lives in a temporary directory that Orbax renames only when
+A checkpoint is an Orbax ``CheckpointManager`` step directory with two items: ``state``
+(step, params, optimizer state, skipped-step count and, for models that have it, the
+non-parameter model state — BatchNorm statistics, RNG keys and counts; standard Orbax array
+format) and ``meta`` (JSON: the seed, the resolved config and the metrics of that step).
+Saves are asynchronous by default: the caller pays for the device-to-host copy, Orbax writes
+in the background, and any write error is raised as a :class:`CheckpointError` by the next
+:meth:`Checkpointer.save`, :meth:`Checkpointer.wait` or :meth:`Checkpointer.close` — never
+swallowed. A save in progress lives in a temporary directory that Orbax renames only when
 complete, so an interrupted save is never listed.
 
-Which checkpoints stay is an Orbax preservation policy: the latest ``keep``,
-plus (with ``keep_best``) the ``keep_best`` best by an eval metric passed to
-:meth:`Checkpointer.save`.
+Which checkpoints stay is an Orbax preservation policy: the latest ``keep``, plus (with
+``keep_best``) the ``keep_best`` best by an eval metric passed to :meth:`Checkpointer.save`;
+an older one that cannot be deleted (read-only, immutable) is a warning, not a failed save.
 
-Restoring builds the target from the *current* plan's shardings, so a
-checkpoint saved under one mesh and rules restores under any other valid mesh,
-rules and device count. Before reading any array, the stored tree is compared
-with the plan's: a different model is an error listing every mismatched
-path.
+Restoring builds the target from the *current* plan's shardings, so a checkpoint saved under
+one mesh and rules restores under any other valid mesh, rules and device count. Before
+reading any array, the stored tree is compared with the plan's: a different model is an
+error listing every mismatched path.
 
-Every checkpoint is verified (:mod:`jaxpar.integrity`): the digest of each of its files
-is recorded before Orbax commits it, and checked before it is restored; the restored
-values are checked finite. A checkpoint that fails is a :class:`CorruptCheckpoint`
-naming its step, its path and what is wrong.
+Every checkpoint is verified (:mod:`jaxpar.integrity`): the digest of each of its files is
+recorded before Orbax commits it, and checked before it is restored; the restored values are
+checked finite. A checkpoint that fails is a :class:`CorruptCheckpoint` naming its step, its
+path and what is wrong.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -41,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 from pydantic import Field
 
@@ -76,16 +76,21 @@ class CheckpointConfig:
                          "finite either way")
 
 
+#: files every checkpoint jaxpar writes holds (Orbax's metadata of its two items): one without
+#: them and without an integrity record was emptied or partly copied, not written by an older jaxpar
+_REQUIRED = ("state/_METADATA", "meta/metadata")
+
+
 def _write_whole_shards_in_one_process() -> None:
     """In a single process, Orbax's stock array handler without replica-parallel saving.
 
-    Replica-parallel saving (Orbax's default off GPU) splits every replicated array into
-    one slice per replica, so that hosts holding replicas share the writing; in one
-    process the same process writes every slice, and each slice is a separately compiled
-    and dispatched ``jit_slice`` — a 0.15 MiB GPT state on 8 devices took 3.6 s to save
-    (80 slice programs), 0.1 s without. The files written are the same. Orbax's handler
-    registry is process-wide, so only its stock handler is replaced (a handler a user
-    registered is left alone), and multi-process runs keep the default."""
+    Replica-parallel saving (Orbax's default off GPU) splits every replicated array into one
+    slice per replica, so that hosts holding replicas share the writing; in one process the
+    same process writes every slice, and each slice is a separately compiled and dispatched
+    ``jit_slice`` — a 0.15 MiB GPT state on 8 devices took 3.6 s to save (80 slice programs),
+    0.1 s without. The files written are the same. Orbax's handler registry is process-wide,
+    so only its stock handler is replaced (a handler a user registered is left alone), and
+    multi-process runs keep the default."""
     if jax.process_count() != 1:
         return
     handler = ocp.type_handlers.get_type_handler(jax.Array)
@@ -111,8 +116,7 @@ def _from_tree(tree: dict[str, Any]) -> TrainState:
 
 
 class Checkpointer:
-    """Saves and restores the train state of a :class:`~jaxpar.plan.Plan` under
-    ``directory``.
+    """Saves and restores the train state of a :class:`~jaxpar.plan.Plan` under ``directory``.
 
     Args:
       directory: where step directories go (created).
@@ -130,29 +134,26 @@ class Checkpointer:
                  async_save: bool = True, keep_best: int = 0,
                  best_metric: str = "eval_loss", best_mode: str = "min",
                  verify: bool = True):
-        self.directory = Path(directory).absolute()
-        self.plan = plan
+        self.directory, self.plan = Path(directory).absolute(), plan
         self.best_metric = best_metric if keep_best else None
         self.async_save, self.verify = async_save, verify
         self._saving: int | None = None
         #: seconds and bytes of the last verification (for the README's cost figure)
         self.last_verification: integrity.Verification | None = None
-        policies = [ocp.checkpoint_managers.LatestN(n=keep)]
-        rank = None
+        policies, rank = [ocp.checkpoint_managers.LatestN(n=keep)], None
         if keep_best:
             def rank(metrics: dict[str, float]) -> float:
                 return metrics[best_metric]
-
             policies.append(ocp.checkpoint_managers.BestN(
                 get_metric_fn=rank, n=keep_best,
                 reverse=best_mode == "min",  # BestN keeps the end of the sorted list
                 keep_checkpoints_without_metrics=False))
-        # ``best_fn`` makes Orbax write each step's metrics to disk (a restarted run must
-        # still rank the older checkpoints); which steps stay is the policy's alone.
-        # Saves always go through Orbax's async checkpointer, whose post-finalization
-        # callback runs in its background thread after every file of the step is written
-        # and before the temporary directory is renamed: there the integrity record is
-        # written (a synchronous save just waits for it).
+        # ``best_fn`` makes Orbax write each step's metrics to disk (a restarted run must still
+        # rank the older checkpoints); which steps stay is the policy's alone. Saves always go
+        # through Orbax's async checkpointer, whose post-finalization callback runs in its
+        # background thread after every file of the step is written and before the temporary
+        # directory is renamed: there the integrity record is written (a synchronous save just
+        # waits for it); then it deletes the checkpoints past ``keep`` (``_delete_or_warn``).
         options = ocp.CheckpointManagerOptions(
             preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
             best_fn=rank, best_mode=best_mode, enable_async_checkpointing=True,
@@ -164,6 +165,8 @@ class Checkpointer:
                 self.directory, options=options,
                 item_handlers={"state": ocp.StandardCheckpointHandler(),
                                "meta": ocp.JsonCheckpointHandler()})
+        if hasattr(deleter := getattr(self._manager, "_checkpoint_deleter", None), "delete"):
+            deleter.delete = functools.partial(_delete_or_warn, deleter.delete, self.directory)
 
     # ---- saving --------------------------------------------------------------------------
     def save(self, step: int, state: TrainState, meta: dict[str, Any] | None = None,
@@ -195,8 +198,7 @@ class Checkpointer:
         step = self._saving
         tmp = sorted(self.directory.glob(f"{step}.orbax-checkpoint-tmp*"),
                      key=lambda p: p.stat().st_mtime)
-        target = tmp[-1] if tmp else self.directory / str(step)
-        integrity.write_record(target)
+        integrity.write_record(tmp[-1] if tmp else self.path(step))
 
     def wait(self) -> None:
         """Blocks until pending saves are written; raises their error if one failed."""
@@ -222,12 +224,11 @@ class Checkpointer:
                     "checkpoint.keep) and resume with checkpoint.resume=auto")
                 error.disk_full = True
                 raise error from err
-            text = str(err).splitlines()[0] if str(err) else ""
             raise CheckpointError(
                 f"{doing} a checkpoint in {self.directory} failed: {type(err).__name__}: "
-                f"{text}. The checkpoints listed there are complete; fix the cause (disk "
-                "space, permissions, the file system) and resume with checkpoint.resume=auto"
-            ) from err
+                f"{str(err).splitlines()[0] if str(err) else ''}. The checkpoints listed there "
+                "are complete; fix the cause (disk space, permissions, the file system) and "
+                "resume with checkpoint.resume=auto") from err
 
     # ---- restoring -----------------------------------------------------------------------
     def steps(self) -> list[int]:
@@ -243,9 +244,9 @@ class Checkpointer:
         return self.directory / str(step)
 
     def restore(self, step: int | None = None) -> tuple[TrainState, dict[str, Any]]:
-        """The state (sharded for the plan's mesh and rules) and meta of ``step``,
-        verified: its files match its integrity record (unless ``verify`` is off) and every
-        restored value is finite.
+        """The state (sharded for the plan's mesh and rules) and meta of ``step``, verified:
+        its files match its integrity record (unless ``verify`` is off) and every restored
+        value is finite.
 
         Raises:
           CorruptCheckpoint: when the checkpoint fails verification, cannot be decoded
@@ -267,32 +268,29 @@ class Checkpointer:
             restored = self._manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
         except Exception as err:
-            # Files that match their record are intact: then the error is the error (another
-            # model, memory, …). Without a record, a file Orbax cannot decode is damage.
+            # verified files are intact: the error is the error; else an unreadable file is damage
             if isinstance(err, RestoreError) or not self._unverified():
                 raise
-            raise CorruptCheckpoint(step, self.path(step),
-                                    f"it cannot be read ({type(err).__name__}: "
-                                    f"{_first_line(err)})") from err
+            raise CorruptCheckpoint(step, self.path(step), "it cannot be read "
+                                    f"({type(err).__name__}: {_first_line(err)})") from err
         self._check_finite(step, restored.state)
         return _from_tree(restored.state), dict(restored.meta or {})
 
     def _unverified(self) -> bool:
         """Whether the checkpoint being restored was not checked against a record."""
-        record = self.last_verification
-        return not self.verify or record is None or not record.recorded
+        return not self.verify or not getattr(self.last_verification, "recorded", False)
 
     def verify_step(self, step: int) -> integrity.Verification:
         """Checks checkpoint ``step``'s files against its integrity record; with several
-        processes each reads its share of the files and all agree on the result.
-
-        Warns when the checkpoint has no record (written before jaxpar kept them).
+        processes each reads its share of the files and all agree on the result. Warns when
+        the checkpoint has no record (written before jaxpar kept them).
 
         Raises:
           CorruptCheckpoint: naming the step, the path and the first problems found.
         """
         path = self.path(step)
-        result = integrity.verify(path, (jax.process_index(), jax.process_count()))
+        result = integrity.verify(path, (jax.process_index(), jax.process_count()),
+                                  required=_REQUIRED)
         if jax.process_count() > 1:
             result.problems = _gather_problems(result.problems)
         self.last_verification = result
@@ -309,8 +307,6 @@ class Checkpointer:
         """One jitted reduction per floating leaf; names the leaves that are not finite."""
         leaves = [(path_str(p), x) for p, x in jax.tree_util.tree_leaves_with_path(tree)
                   if jnp.issubdtype(x.dtype, jnp.inexact)]
-        if not leaves:
-            return
         groups: dict[Any, list[tuple[str, jax.Array]]] = {}
         for name, x in leaves:  # one program per device set (a pipeline stage's sub-mesh)
             groups.setdefault(x.sharding.mesh, []).append((name, x))
@@ -327,41 +323,51 @@ class Checkpointer:
 
     def set_aside(self, step: int) -> Path:
         """Renames checkpoint ``step`` to ``<step>.corrupt`` (kept for inspection, never
-        listed, never pruned) and returns the new path."""
-        src = self.path(step)
-        dst = self.directory / f"{step}.corrupt"
-        n = 1
+        listed, never pruned) and returns the new path; a RestoreError if it cannot."""
+        src, dst, n = self.path(step), self.directory / f"{step}.corrupt", 1
         while dst.exists():
             n += 1
             dst = self.directory / f"{step}.corrupt-{n}"
         if jax.process_index() == 0:
-            os.replace(src, dst)
+            try:
+                os.replace(src, dst)
+            except OSError as err:  # e.g. an immutable directory
+                raise RestoreError(f"moving the checkpoint of step {step} in {src} aside (it "
+                                   f"failed verification) failed: {err.strerror or err}: "
+                                   f"{err.filename}; make it writable or move it away by "
+                                   "hand") from err
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices(f"jaxpar set aside checkpoint {step}")
         self._manager.reload()
         return dst
 
     def _check_compatible(self, step: int, target: dict[str, Any]) -> None:
         """Compares the stored tree's paths, shapes and dtypes with ``target``."""
-        stored = self._manager.item_metadata(step).state
-        have = _leaves(stored)
-        want = _leaves(target)
-        problems = []
-        for path in sorted(set(want) - set(have)):
-            problems.append(f"{path}: missing in the checkpoint (model expects {want[path]})")
-        for path in sorted(set(have) - set(want)):
-            problems.append(f"{path}: in the checkpoint {have[path]} but not in the model")
-        for path in sorted(set(have) & set(want)):
-            if have[path] != want[path]:
-                problems.append(f"{path}: checkpoint {have[path]}, model {want[path]}")
+        have, want = _leaves(self._manager.item_metadata(step).state), _leaves(target)
+        problems = {path: f"{path}: missing in the checkpoint (model expects {want[path]})"
+                    for path in set(want) - set(have)}
+        problems |= {path: f"{path}: in the checkpoint {have[path]} but not in the model"
+                     for path in set(have) - set(want)}
+        problems |= {path: f"{path}: checkpoint {have[path]}, model {want[path]}"
+                     for path in set(have) & set(want) if have[path] != want[path]}
+        problems = [problems[p] for p in sorted(problems, key=lambda p: (
+            not p.startswith("params"), p))]  # the parameters first: they say the most
         if problems:
             raise RestoreError(
                 f"checkpoint {self.directory / str(step)} does not fit this model/optimizer "
-                f"({len(problems)} mismatches):\n  " + "\n  ".join(problems)
-                + "\nrestore it with the config it was saved with, or start without it "
-                "(checkpoint.resume=never)")
+                f"({len(problems)} mismatches: {integrity.summarize(problems, 6)}); run with the "
+                "settings it was saved with (a run dir's config.yaml edited by hand no longer "
+                "holds them), or start afresh in a new run.dir")
+
+
+def _delete_or_warn(delete: Callable[[int], None], directory: Path, step: int) -> None:
+    """Orbax's deletion of an old checkpoint; a failure only leaves it on disk: a warning."""
+    try:
+        delete(step)
+    except OSError as err:
+        warnings.warn(f"could not delete the old checkpoint of step {step} in {directory}/{step} "
+                      f"({err.strerror or err}: {err.filename}); delete it by hand — training "
+                      "goes on", stacklevel=2)
 
 
 def _first_line(err: BaseException) -> str:
@@ -371,8 +377,6 @@ def _first_line(err: BaseException) -> str:
 
 def _gather_problems(problems: list[str]) -> list[str]:
     """Every process's problems, on every process (a fixed-size all-gather of JSON)."""
-    from jax.experimental import multihost_utils
-
     size = 4096
     text = json.dumps(problems[:20]).encode()
     while len(text) > size:  # keep it valid JSON: drop problems until it fits
@@ -388,10 +392,9 @@ def _leaves(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
     typed PRNG key as Orbax stores it, its key data."""
     out = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        shape = getattr(leaf, "shape", None)
-        if shape is None:
+        if getattr(leaf, "shape", None) is None:
             continue
         if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            leaf = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape, leaf.dtype))
+            leaf = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
         out[path_str(path)] = (tuple(leaf.shape), str(np.dtype(leaf.dtype)))
     return out

@@ -23,8 +23,9 @@ from jaxpar.checkpoint import CheckpointConfig
 from jaxpar.context import ContextConfig
 from jaxpar.data.sources import DataConfig
 from jaxpar.errors import ConfigError
+from jaxpar.files import name_too_long
 from jaxpar.guard import Guard
-from jaxpar.mesh import MeshConfig
+from jaxpar.mesh import MAX_CPU_DEVICES, MAX_DEVICES, MeshConfig
 from jaxpar.models.family import (
     DEFAULT,
     Family,
@@ -41,6 +42,10 @@ from jaxpar.sharding import RulesConfig
 from jaxpar.user_code import load_object
 from jaxpar.yamlfile import read_yaml
 
+#: Bounds beyond any run (a larger number is a typo, refused in one line): steps (and step
+#: intervals), a trillion; a global batch, 2**31 examples.
+MAX_STEPS, MAX_BATCH = 10**12, 2**31
+
 #: ``train.nonfinite`` values.
 Nonfinite = Literal["stop", "skip"]
 #: Other spellings of a key. ``async`` is the natural name but a Python keyword, so the
@@ -55,9 +60,20 @@ class RunConfig:
     dir: str = Field("runs/gpt_tiny", description="run directory for config.yaml, "
                      "metrics.jsonl and events; a layout other than the first config file's "
                      "gets one of its own unless given (runs/gpt_tiny-fsdp8)")
-    seed: int = Field(0, ge=0, description="seed for parameter init and data order")
-    devices: int = Field(0, ge=0, description="device count; 0: all accelerators, or 8 "
-                                              "simulated CPU devices when there is none")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="seed for parameter init and data "
+                      "order (32 bits: JAX's keys hold no more)")
+    devices: int = Field(0, ge=0, le=MAX_DEVICES, description="device count; 0: all "
+                         "accelerators, or 8 simulated CPU devices when there is none; at most "
+                         f"{MAX_CPU_DEVICES:,} simulated CPU devices (each costs host memory and "
+                         "start-up time), and on an accelerator at most the devices there are")
+
+    @field_validator("dir")
+    @classmethod
+    def _fits_the_file_system(cls, value: str) -> str:
+        too_long = name_too_long(value, "run.dir")
+        if too_long:
+            raise ConfigError(f"{too_long}: choose a shorter run.dir")
+        return value
 
 
 _PROFILE_STEPS = re.compile(r"\s*(-?\d+)\s*:\s*(-?\d+)\s*")
@@ -90,18 +106,21 @@ class TrainConfig:
     """Loop settings. A step is non-finite when its loss, its gradients, its update or the
     new parameters hold an inf or a NaN."""
 
-    steps: int = Field(200, ge=1, description="training steps")
-    batch_size: int = Field(32, ge=1, description="global batch: examples per step, all devices")
-    grad_accum: int = Field(1, ge=1, description="microbatches per step (gradients averaged "
-                                                 "inside the step)")
+    steps: int = Field(200, ge=1, le=MAX_STEPS, description="training steps")
+    batch_size: int = Field(32, ge=1, le=MAX_BATCH, description="global batch: examples per "
+                            "step, all devices")
+    grad_accum: int = Field(1, ge=1, le=MAX_DEVICES, description="microbatches per step "
+                            "(gradients averaged inside the step)")
     fsdp_gather: FsdpGather = Field("per_microbatch", description="with grad_accum > 1, when "
         "parameters sharded over a batch axis (FSDP) are gathered: per_microbatch (in every "
         "microbatch's forward and backward: least memory) or once per step, kept through the "
         "accumulation loop (1/grad_accum of the gather traffic, or less)")
-    log_every: int = Field(10, ge=1, description="log a metrics row every this many steps")
-    eval_every: int = Field(50, ge=0, description="evaluate every this many steps and after "
-                                                  "the last (0: never)")
-    eval_batches: int = Field(4, ge=1, description="held-out batches per evaluation")
+    log_every: int = Field(10, ge=1, le=MAX_STEPS, description="log a metrics row every this "
+                           "many steps")
+    eval_every: int = Field(50, ge=0, le=MAX_STEPS, description="evaluate every this many "
+                            "steps and after the last (0: never)")
+    eval_batches: int = Field(4, ge=1, le=MAX_DEVICES, description="held-out batches per "
+                              "evaluation")
     nonfinite: Nonfinite = Field("stop", description="stop raises naming the step (exit status "
                                  "3); skip leaves the state unchanged for that step and counts it")
     nonfinite_guard: Guard = Field("auto", description="how the step keeps the old state of a "
@@ -112,8 +131,8 @@ class TrainConfig:
     max_skipped: Float = Field(0.1, ge=0, description="with skip, how many steps may be skipped "
         "in all (counting the steps before a resume) before the run fails (exit status 6): a "
         "count, or below 1 a fraction of steps; 0: no limit")
-    max_consecutive_skipped: int = Field(10, ge=0, description="how many steps in a row may be "
-                                                               "skipped (0: no limit)")
+    max_consecutive_skipped: int = Field(10, ge=0, le=MAX_STEPS, description="how many steps "
+                                         "in a row may be skipped (0: no limit)")
     progress: bool = Field(True, description="a progress bar on a terminal (plain lines else)")
     tensorboard: bool = Field(False, description="also write TensorBoard event files to "
                                                  "<run.dir>/tensorboard")
@@ -139,12 +158,13 @@ class DistributedConfig:
     cluster (SLURM, Open MPI, Kubernetes), or run one process."""
 
     coordinator: str = Field("", description="host:port of process 0")
-    num_processes: int = Field(0, ge=0, description="how many processes")
-    process_id: int = Field(-1, ge=-1, description="this process's index")
+    num_processes: int = Field(0, ge=0, le=MAX_DEVICES, description="how many processes")
+    process_id: int = Field(-1, ge=-1, le=MAX_DEVICES, description="this process's index")
     local_device_ids: IntList = Field((), description="ids of the devices this process uses, "
                                       "a list or comma-separated (empty: all)")
-    init_timeout: int = Field(120, ge=1, description="seconds to wait for the coordinator and "
-                              "for every process to join (then the error names the missing ones)")
+    init_timeout: int = Field(120, ge=1, le=7 * 24 * 3600, description="seconds to wait for "
+                              "the coordinator and for every process to join (then the error "
+                              "names the missing ones); at most a week")
     bind_address: str = Field("", description="the host:port process 0's coordinator listens "
         "on (empty: every interface, as other hosts must reach it; jaxpar launch sets the "
         "loopback address)")

@@ -11,6 +11,8 @@ the command reports it as an internal error, never as the user's bad input
 
 from __future__ import annotations
 
+#: Exit status when the user's own code (a loss, a data function, a hook) raised.
+USER_CODE = 1
 #: Exit status of a user mistake (a bad setting, file, path or layout).
 BAD_INPUT = 2
 #: Exit status of a non-finite step under ``train.nonfinite=stop``.
@@ -22,10 +24,15 @@ PREEMPTED = 4
 WRITE_FAILED = 5
 #: Exit status when ``train.nonfinite=skip`` skipped more steps than its limits allow.
 TOO_MANY_SKIPPED = 6
+#: Exit status of a process of a multi-process run whose collectives failed because another
+#: process stopped or cannot be reached (that process's own status says why).
+PEER_LOST = 7
 #: Exit status of an unexpected exception: a bug, not the user's input (BSD's EX_SOFTWARE).
 INTERNAL = 70
 #: Exit status of a Ctrl-C before training began, or of a second Ctrl-C (128 + SIGINT).
 INTERRUPTED = 130
+#: Exit status of a SIGTERM before training began (128 + SIGTERM).
+TERMINATED = 143
 
 
 class JaxparError(Exception):
@@ -99,6 +106,67 @@ class Preempted(JaxparError):
         super().__init__(f"{what}: checkpoint of step {step} written to {directory}; run "
                          "the same command to resume")
         self.step, self.signame = step, signame
+
+
+class Terminated(JaxparError):
+    """A SIGTERM before training began (or after it ended): nothing of this run's was
+    being written, so none was checkpointed; the same command starts or resumes it."""
+
+    exit_status = TERMINATED
+
+    def __init__(self) -> None:
+        super().__init__("stopped (SIGTERM) before training began: no checkpoint was written "
+                         "by this stop; run the same command to resume from the last complete "
+                         "checkpoint")
+
+
+class UserCodeFailed(JaxparError):
+    """The user's own code raised: a task's ``loss_fn``, its data, a hook. The message
+    names the function, where (``at step 7``) and the exception's own message; the
+    original is ``__cause__`` (``JAXPAR_DEBUG=1`` prints its traceback).
+
+    Attributes:
+      what: the function (``loss_fn (my_task.loss)``, ``hook Upload.on_save``);
+      error: the exception it raised; at: where, or "" when not yet known.
+    """
+
+    exit_status = USER_CODE
+
+    def __init__(self, what: str, error: BaseException, at: str = ""):
+        first = (str(error).strip().splitlines() or [""])[0]
+        super().__init__(f"{what} raised {type(error).__name__}{' ' + at if at else ''}: "
+                         f"{first or '(no message)'} — fix it and run the same command (it "
+                         "resumes from the last checkpoint); JAXPAR_DEBUG=1 shows the "
+                         "traceback")
+        self.what, self.error, self.at = what, error, at
+
+    def where(self, at: str) -> UserCodeFailed:
+        """This failure, placed ``at`` (when it was not placed yet)."""
+        if self.at:
+            return self
+        placed = UserCodeFailed(self.what, self.error, at)
+        placed.__cause__ = self.__cause__
+        return placed
+
+
+def code_name(fn: object) -> str:
+    """``file.py:qualname`` of a function or a callable object's class (``module.qualname``
+    when it has no file)."""
+    import inspect
+    import os
+
+    target = fn if hasattr(fn, "__qualname__") else type(fn)
+    name = getattr(target, "__qualname__", "?")
+    try:
+        return f"{os.path.basename(inspect.getfile(target))}:{name}"
+    except (TypeError, OSError):
+        return f"{getattr(target, '__module__', '?')}.{name}"
+
+
+def is_own(fn: object) -> bool:
+    """Whether ``fn`` (or its class) is jaxpar's own code, not the user's."""
+    target = fn if hasattr(fn, "__module__") else type(fn)
+    return (getattr(target, "__module__", "") or "").split(".")[0] == "jaxpar"
 
 
 class NonFiniteStop(JaxparError, FloatingPointError):

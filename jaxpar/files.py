@@ -10,6 +10,51 @@ from pathlib import Path
 
 from jaxpar.errors import PathError
 
+#: Room kept below a directory a setting names for the files jaxpar writes inside it (a
+#: checkpoint's deepest file adds about 130 characters to ``checkpoint.dir``, 145 to
+#: ``run.dir``): a directory whose path leaves less is refused up front, not half-way
+#: through the first save.
+ROOM = 512
+
+
+def shorten(text: str, limit: int = 200) -> str:
+    """``text`` if it has at most ``limit`` characters, else its start and end around an
+    ellipsis (``'/tmp/aaaa…aaaa'``), ``limit`` characters in all."""
+    if len(text) <= limit:
+        return text
+    head = limit // 2
+    return f"{text[:head]}…{text[len(text) - (limit - 1 - head):]}"
+
+
+def _limits(path: Path) -> tuple[int, int]:
+    """The longest path component and the longest path (bytes) of the file system that
+    would hold ``path`` (its nearest existing parent's; 255 and 4096 when unknown)."""
+    for parent in path.parents:
+        try:
+            return os.pathconf(parent, "PC_NAME_MAX"), os.pathconf(parent, "PC_PATH_MAX")
+        except (OSError, ValueError):  # not there (yet), or too long itself
+            continue
+    return 255, 4096
+
+
+def name_too_long(path: str | Path, what: str, room: int = ROOM) -> str | None:
+    """Why ``path`` (named by ``what``: ``run.dir``) is too long for its file system,
+    starting with the cause (``File name too long: run.dir '/tmp/aaaa…aaaa' (3,990
+    characters; a path component may have at most 255)``), or None when it fits with
+    ``room`` characters to spare for the files written inside it. Touches no file."""
+    full = os.path.abspath(path)
+    name_max, path_max = _limits(Path(full))
+    shown = shorten(str(path), 60)
+    if max((len(os.fsencode(p)) for p in Path(full).parts), default=0) > name_max:
+        why = f"{len(str(path)):,} characters; a path component may have at most {name_max}"
+    elif len(os.fsencode(full)) + room > path_max:
+        inside = ", with the files jaxpar writes inside it" if room else ""
+        why = (f"{len(full):,} characters as an absolute path{inside}; a path may have at "
+               f"most {path_max - room:,}")
+    else:
+        return None
+    return f"File name too long: {what} '{shown}' ({why})"
+
 
 def _why_not_dir(path: Path, err: OSError) -> str:
     if err.errno in (errno.EROFS,):
@@ -33,9 +78,13 @@ def ensure_dir(path: str | Path, what: str, fix: str | None = None) -> Path:
       fix: what to do instead (default: choose another ``what``).
 
     Raises:
-      PathError: one line naming ``what``, the path and why it is unusable.
+      PathError: one line naming ``what``, the path and why it is unusable (too long for
+        its file system, with :data:`ROOM` to spare, first).
     """
     path = Path(path)
+    too_long = name_too_long(path, what)
+    if too_long:
+        raise PathError(f"{too_long}: choose a shorter {what}")
     fix = fix or f"choose another {what}"
     if path.exists() and not path.is_dir():
         raise PathError(f"{what} '{path}' is a file, not a directory; {fix}")

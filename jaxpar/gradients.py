@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
+from jaxpar.errors import JaxparError, TaskError, UserCodeFailed, code_name, is_own
 from jaxpar.logical import Rules, activation_rules
 from jaxpar.pipeline.executor import advance_counts, pipeline_eval, pipeline_grads
 from jaxpar.pipeline.ticks import TickTable
@@ -107,8 +108,45 @@ class ModelLoss:
         model = nnx.merge(self.graphdef, params, model_state)
         model.train() if train else model.eval()
         with activation_rules(mesh, rules, self.context):
-            loss, metrics = self.loss_fn(model, batch)
+            loss, metrics = _checked(_call_loss(self.loss_fn, model, batch), self.loss_fn)
         return loss, metrics, nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
+
+
+def _call_loss(loss_fn: LossFn, model: Any, batch: Batch) -> Any:
+    """``loss_fn(model, batch)``; an exception of the user's loss names it."""
+    if is_own(loss_fn):
+        return loss_fn(model, batch)
+    try:
+        return loss_fn(model, batch)
+    except JaxparError:
+        raise
+    except Exception as err:
+        raise UserCodeFailed(f"loss_fn ({code_name(loss_fn)})", err) from err
+
+
+def _checked(out: Any, loss_fn: LossFn) -> tuple[jax.Array, dict]:
+    """``out`` when it is ``(scalar loss, {name: metric})``, checked as the step is traced,
+    before it first runs.
+
+    Raises:
+      TaskError: naming the loss function and what it returned instead.
+    """
+    must = ("; loss_fn must return (loss, metrics): a scalar loss (average the "
+            "per-example losses, e.g. loss.mean()) and a dict of scalar metrics ({} for none)")
+    name = f"loss_fn ({code_name(loss_fn)})"
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        got = (f"a {len(out)}-tuple" if isinstance(out, (tuple, list)) else
+               f"one array of shape {tuple(out.shape)}" if hasattr(out, "shape") else
+               f"a {type(out).__name__}")
+        raise TaskError(f"{name} returned {got}{must}")
+    loss, metrics = out
+    if not hasattr(loss, "shape") or tuple(loss.shape) != ():
+        got = (f"a loss of shape {tuple(loss.shape)}" if hasattr(loss, "shape") else
+               f"a {type(loss).__name__} as its loss")
+        raise TaskError(f"{name} returned {got}{must}")
+    if not isinstance(metrics, dict):
+        raise TaskError(f"{name} returned a {type(metrics).__name__} as its metrics{must}")
+    return loss, metrics
 
 
 @dataclass(frozen=True)

@@ -141,13 +141,16 @@ def check_file(directory: Path, name: str, size: int, sha: str) -> tuple[str | N
     return None, got[0]
 
 
-def verify(directory: str | Path, part: tuple[int, int] = (0, 1)) -> Verification:
+def verify(directory: str | Path, part: tuple[int, int] = (0, 1),
+           required: tuple[str, ...] = ()) -> Verification:
     """Checks the files under ``directory`` against its record.
 
     Args:
       directory: a checkpoint step directory.
       part: ``(i, n)``: check only the recorded files ``i, i+n, i+2n, …`` (so ``n``
         processes share the reading); the default checks every file.
+      required: files any checkpoint holds: without a record, their absence is a problem
+        (the directory was emptied or partly copied) rather than an older checkpoint.
     """
     start = time.perf_counter()
     directory = Path(directory)
@@ -156,7 +159,10 @@ def verify(directory: str | Path, part: tuple[int, int] = (0, 1)) -> Verificatio
     except ValueError as err:
         return Verification([str(err)])
     if files is None:
-        return Verification(recorded=False)
+        gone = [name for name in required if not (directory / name).is_file()]
+        return Verification([f"{RECORD} and {', '.join(gone)} are missing (the checkpoint "
+                             "was emptied or only partly copied)"] if gone else [],
+                            recorded=False)
     names = sorted(files)
     index, count = part
     mine = names[index::count]

@@ -8,9 +8,13 @@ and ``JAXPAR_PROCESS_ID`` (read by :mod:`jaxpar.distributed`), ``JAXPAR_COORDINA
 and, with ``--devices-per-process K``, K simulated CPU devices (with
 ``--cpus-per-process C``, process i is pinned to cores ``[i*C, (i+1)*C)``). Their output
 is forwarded line by line with a ``[i]`` prefix. When a process fails, the launcher
-prints its rank and status, stops the others (SIGTERM, then SIGKILL after ``--grace``
-seconds) and exits with the failed process's status. When the port it picked is taken
-by another program before process 0 binds it, it starts again on another port.
+prints its rank and status on stderr, stops the others (SIGTERM, then SIGKILL after
+``--grace`` seconds), says on stderr that each was stopped because of it, and exits with
+the failed process's status. What the others' native runtime then prints (glog lines, a
+"Check failure stack trace" and its frames, as JAX's distributed runtime aborts when a
+peer dies) is not relayed, unless ``--debug`` or ``JAXPAR_DEBUG=1``. When the port it
+picked is taken by another program before process 0 binds it, it starts again on another
+port.
 
 A SIGTERM or a first Ctrl-C to the launcher becomes a SIGTERM to every process: jaxpar
 processes agree on a step, checkpoint it and exit 4, as a single process does, and the
@@ -24,13 +28,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import IO
 
 from jaxpar.environ import (
@@ -46,6 +51,11 @@ from jaxpar.environ import (
 from jaxpar.errors import ConfigError
 
 _PORT_TRIES = 5
+#: a line of a native runtime's crash report: glog (``F1125 12:00:00.123 42 client.cc:88]``),
+#: ``*** Check failure stack trace: ***``, ``@ 0x…`` frames, Python's faulthandler dump
+_NATIVE = re.compile(r"[IWEF]\d{4} [\d:.]+ +\d+ \S+:\d+\] |\*\*\* |\s*@ +0x[0-9a-f]+"
+                     r"|.*Check failure stack trace|Fatal Python error: |Extension modules: "
+                     r"|(Current thread|Thread) 0x[0-9a-f]+ |  File \".*\", line \d+ in ")
 
 
 def free_port() -> int:
@@ -83,8 +93,13 @@ def pin_from_env() -> None:
         os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
 
 
-def _forward(stream: IO[str], prefix: str, out: IO[str], lock: threading.Lock) -> None:
+def _forward(stream: IO[str], prefix: str, out: IO[str], lock: threading.Lock,
+             peer_failed: Callable[[], bool]) -> None:
+    """Relays ``stream`` line by line with ``prefix``, less native crash reports once
+    ``peer_failed()`` (the launcher then says why the process was stopped)."""
     for line in stream:
+        if _NATIVE.match(line) and peer_failed():
+            continue
         with lock:
             out.write(f"{prefix}{line}")
             out.flush()
@@ -112,12 +127,14 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 
 def launch(count: int, args: Sequence[str], *, devices_per_process: int = 0,
            cpus_per_process: int = 0, port: int = 0, grace_s: float = 10.0,
-           out: IO[str] | None = None, bind: str = "127.0.0.1") -> int:
+           out: IO[str] | None = None, bind: str = "127.0.0.1",
+           err: IO[str] | None = None) -> int:
     """Runs ``python -m jaxpar ARGS`` in ``count`` processes; returns the launch's status.
 
     0 when every process exits 0; otherwise the status of the first process that failed
     (the others are stopped), or 128 + the signal number when the launcher was signalled
-    and its processes had to be killed.
+    and its processes had to be killed. The processes' output goes to ``out`` (stdout),
+    the launcher's lines about a failed process to ``err`` (stderr).
 
     Raises:
       ConfigError: for a count below 1, a negative device count or no command.
@@ -133,7 +150,7 @@ def launch(count: int, args: Sequence[str], *, devices_per_process: int = 0,
     if not args:
         raise ConfigError("nothing to launch: give a jaxpar command after --, e.g. "
                           "jaxpar launch -n 2 -- train")
-    out = out or sys.stdout
+    out, err = out or sys.stdout, err or sys.stderr
     lock = threading.Lock()
     received: list[int] = []
 
@@ -147,7 +164,7 @@ def launch(count: int, args: Sequence[str], *, devices_per_process: int = 0,
         for _ in range(_PORT_TRIES):
             chosen = port or free_port()
             status = _run_once(count, args, chosen, devices_per_process, cpus_per_process,
-                               bind, grace_s, received, out, lock, retry_port=not port)
+                               bind, grace_s, received, (out, err), lock, retry_port=not port)
             if status != PORT_TAKEN or port or received:
                 return status
             _say(out, lock, f"port {chosen} was taken by another program before the "
@@ -166,8 +183,15 @@ def _say(out: IO[str], lock: threading.Lock, text: str) -> None:
 
 def _run_once(count: int, args: Sequence[str], port: int, devices_per_process: int,
               cpus_per_process: int, bind: str, grace_s: float, received: list[int],
-              out: IO[str], lock: threading.Lock, retry_port: bool) -> int:
-    procs, threads = [], []
+              streams: tuple[IO[str], IO[str]], lock: threading.Lock, retry_port: bool) -> int:
+    (out, err), procs, threads = streams, [], []
+    stopped: list[tuple[int, list[int]]] = []  # the failed process and those it stopped
+    debug = os.environ.get("JAXPAR_DEBUG", "") not in ("", "0")
+
+    def peer_failed(index: int) -> bool:
+        return not debug and (any(i != index for i, _ in stopped) or any(
+            i != index and p.poll() not in (None, 0, 4) for i, p in enumerate(procs)))
+
     try:
         for index in range(count):
             proc = subprocess.Popen(
@@ -177,15 +201,20 @@ def _run_once(count: int, args: Sequence[str], port: int, devices_per_process: i
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                 start_new_session=True)  # its own process group: stopping it stops its children
             procs.append(proc)
-            thread = threading.Thread(target=_forward,
-                                      args=(proc.stdout, f"[{index}] ", out, lock), daemon=True)
+            thread = threading.Thread(
+                target=_forward, daemon=True, args=(proc.stdout, f"[{index}] ", out, lock,
+                                                    lambda index=index: peer_failed(index)))
             thread.start()
             threads.append(thread)
-        return _watch(procs, received, grace_s, out, lock)
+        return _watch(procs, received, grace_s, streams, lock, stopped)
     finally:
         _stop(procs, grace_s)
         for thread in threads:
             thread.join(timeout=5)
+        for index, others in stopped:
+            for other in others:
+                _say(err, lock, f"process {other} (pid {procs[other].pid}) was stopped because "
+                                f"process {index} failed ({describe_status(procs[other].poll())})")
 
 
 def describe_status(code: int) -> str:
@@ -198,15 +227,17 @@ def describe_status(code: int) -> str:
 
 
 def _watch(procs: list[subprocess.Popen], received: list[int], grace_s: float,
-           out: IO[str], lock: threading.Lock) -> int:
+           streams: tuple[IO[str], IO[str]], lock: threading.Lock,
+           stopped: list[tuple[int, list[int]]]) -> int:
     """Waits until all processes succeed, one fails, or the launcher gets a signal.
 
-    A failure is reported (rank, pid, status) and the others are stopped within
-    ``grace_s``. A first SIGTERM or Ctrl-C becomes a SIGTERM to every process (jaxpar
-    processes checkpoint an agreed step and exit 4), and the launcher waits for them
-    however long that takes; a second signal kills them at once. Then the children's
-    status counts, or 128 + the signal for those that had to be killed."""
-    forwarded = False
+    A failure is reported on stderr (rank, pid, status), recorded in ``stopped`` with the
+    processes still running, and those are stopped within ``grace_s``. A first SIGTERM or
+    Ctrl-C becomes a SIGTERM to every process (jaxpar processes checkpoint an agreed step
+    and exit 4), and the launcher waits for them however long that takes; a second signal
+    kills them at once. Then the children's status counts, or 128 + the signal for those
+    that had to be killed."""
+    (out, err), forwarded = streams, False
     while True:
         if received and not forwarded:
             what = "Ctrl-C" if received[0] == signal.SIGINT else signal.Signals(received[0]).name
@@ -225,11 +256,12 @@ def _watch(procs: list[subprocess.Popen], received: list[int], grace_s: float,
         failed = [(i, c) for i, c in enumerate(codes) if c is not None and c not in fine]
         if failed:
             index, code = failed[0]
-            alive = sum(c is None for c in codes)
+            alive = [i for i, c in enumerate(codes) if c is None]
             if code != PORT_TAKEN:
-                _say(out, lock, f"process {index} (pid {procs[index].pid}) ended: "
+                stopped.append((index, alive))
+                _say(err, lock, f"process {index} (pid {procs[index].pid}) ended: "
                                 f"{describe_status(code)}"
-                                + (f"; stopping the other {alive} (grace {grace_s:g} s)"
+                                + (f"; stopping the other {len(alive)} (grace {grace_s:g} s)"
                                    if alive else ""))
             _stop(procs, grace_s)
             return code if code > 0 else 128 - code

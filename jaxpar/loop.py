@@ -29,15 +29,14 @@ from jaxpar import rundir
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import Config
 from jaxpar.data import Loader
-from jaxpar.errors import Preempted, RestoreError
-from jaxpar.hooks import Context, Hook, default_hooks
+from jaxpar.errors import Preempted, RestoreError, UserCodeFailed
+from jaxpar.hooks import Context, Hook, default_hooks, load_hooks
 from jaxpar.mesh import describe_devices, describe_mesh, setup_devices
 from jaxpar.pipeline.chart import describe_pipeline
 from jaxpar.resume import export_params
 from jaxpar.run import Run, build, evaluate, host_value
 from jaxpar.state import TrainState
 from jaxpar.task import Task
-from jaxpar.user_code import load_hooks
 
 __all__ = ["DataWait", "History", "Preempted", "Run", "build", "evaluate", "export_params",
            "fit", "open_loader", "prepare_run_dir", "summarize", "train"]
@@ -143,12 +142,12 @@ def open_loader(run: Run, data_state: dict[str, Any] | None = None,
             raise RestoreError(
                 f"the checkpoint's data position does not fit this run ({err}) — keep "
                 "train.batch_size, run.seed and the data settings of the run you resume, "
-                "or start afresh (checkpoint.resume=never with a new run.dir)") from err
+                "or start afresh in a new run.dir") from err
     if step is not None and loader.batches_consumed != step:
         loader.close()
         raise RestoreError(f"the checkpoint of step {step} holds a data position after "
                            f"{loader.batches_consumed} batches; it is not a jaxpar train "
-                           "checkpoint of this run — start afresh (checkpoint.resume=never)")
+                           "checkpoint of this run — start afresh in a new run.dir")
     return loader
 
 
@@ -177,6 +176,9 @@ def fit(run: Run, run_dir: Path | None = None, state: TrainState | None = None,
         ctx.emit("on_start")
         for step in range(first, ctx.last_step + 1):
             _train_step(ctx, step, wait, ckpt)
+    except UserCodeFailed as err:  # a loss traced as the step compiles: say which step
+        ctx.error = err.where(f"at step {ctx.current_step}")
+        raise ctx.error from err.__cause__
     except BaseException as err:
         ctx.error = err
         raise
@@ -250,8 +252,7 @@ def train(config: Config | None = None, *, task: Task | None = None,
     """Runs ``jaxpar train``: lock the run dir, build, resume, write the run dir, fit,
     summarize.
 
-    The run holds the lock of ``run.dir`` (and of ``checkpoint.dir`` when it lies
-    elsewhere) throughout; ``checkpoint.resume=auto`` falls back past checkpoints that
+    The run holds the locks of ``run.dir`` and ``checkpoint.dir`` throughout; ``checkpoint.resume=auto`` falls back past checkpoints that
     fail verification; the run dir is written only once the resume decision stands (see
     :mod:`jaxpar.rundir`); a SIGTERM or a first Ctrl-C checkpoints the current step.
 
@@ -294,12 +295,13 @@ def train(config: Config | None = None, *, task: Task | None = None,
 
 
 def _locked_run_dirs(config: Config) -> Any:
-    """The run dir's lock, and the checkpoint dir's when it lies elsewhere (process 0
-    takes them; every process learns whether it could)."""
+    """The locks of the run dir and of the checkpoint dir, wherever it lies (process 0
+    takes them; every process learns whether it could): a run whose ``checkpoint.dir``
+    points into another run's directory is refused, not let write there."""
     run_dir = Path(config.run.dir).absolute()
     ckpt_dir = resume_lib.checkpoint_dir(config).absolute()
     dirs = [(run_dir, "run.dir")]
-    if run_dir != ckpt_dir and run_dir not in ckpt_dir.parents:
+    if run_dir.resolve() != ckpt_dir.resolve():
         dirs.append((ckpt_dir, "checkpoint.dir"))
     return rundir.locked(dirs)
 

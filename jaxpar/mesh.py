@@ -27,6 +27,16 @@ from jaxpar.schema import section
 
 MESH_AXES = ("data", "stage", "fsdp", "context", "tensor")
 DEFAULT_CPU_DEVICES = 8
+#: The most devices a setting may name (``run.devices``, a mesh degree): 2**20 =
+#: 1,048,576, beyond any machine built, so a larger number is a typo, refused in one line.
+MAX_DEVICES = 2**20
+#: The most simulated CPU devices a run without an accelerator gets. Each costs XLA host
+#: memory and start-up time that grows faster than their number (1,024 start in 0.7 s;
+#: 4,096 in 8 s and 0.6 GB on one laptop core; 2**31 took 23.7 GB before the kernel killed
+#: the process), and every step is compiled for all of them — while 4,096 still plans a
+#: large cluster (``jaxpar plan --devices 4096``). An accelerator has no such cap: there a
+#: count is checked against the devices that exist.
+MAX_CPU_DEVICES = 4096
 
 _DEGREE = "parallel degree over mesh axis {}; one degree may be -1: it fills the rest"
 _HOSTS = "how much of mesh.{}'s degree runs across hosts (0 for every axis: the default)"
@@ -43,21 +53,25 @@ class MeshConfig:
     divide its axis.
     """
 
-    data: int = Field(-1, description=_DEGREE.format("data"))
-    fsdp: int = Field(1, description=_DEGREE.format("fsdp"))
-    tensor: int = Field(1, description=_DEGREE.format("tensor"))
-    stage: int = Field(1, description=_DEGREE.format("stage") + " (pipeline stages)")
-    context: int = Field(1, description=_DEGREE.format("context") + " (each sequence split "
-                                                                   "over it)")
-    hosts_data: int = Field(0, ge=0, description=_HOSTS.format("data"))
-    hosts_stage: int = Field(0, ge=0, description=_HOSTS.format("stage"))
-    hosts_fsdp: int = Field(0, ge=0, description=_HOSTS.format("fsdp"))
-    hosts_context: int = Field(0, ge=0, description=_HOSTS.format("context"))
-    hosts_tensor: int = Field(0, ge=0, description=_HOSTS.format("tensor"))
+    data: int = Field(-1, le=MAX_DEVICES, description=_DEGREE.format("data"))
+    fsdp: int = Field(1, le=MAX_DEVICES, description=_DEGREE.format("fsdp"))
+    tensor: int = Field(1, le=MAX_DEVICES, description=_DEGREE.format("tensor"))
+    stage: int = Field(1, le=MAX_DEVICES,
+                       description=_DEGREE.format("stage") + " (pipeline stages)")
+    context: int = Field(1, le=MAX_DEVICES, description=_DEGREE.format("context")
+                         + " (each sequence split over it)")
+    hosts_data: int = Field(0, ge=0, le=MAX_DEVICES, description=_HOSTS.format("data"))
+    hosts_stage: int = Field(0, ge=0, le=MAX_DEVICES, description=_HOSTS.format("stage"))
+    hosts_fsdp: int = Field(0, ge=0, le=MAX_DEVICES, description=_HOSTS.format("fsdp"))
+    hosts_context: int = Field(0, ge=0, le=MAX_DEVICES, description=_HOSTS.format("context"))
+    hosts_tensor: int = Field(0, ge=0, le=MAX_DEVICES, description=_HOSTS.format("tensor"))
 
 
 def setup_devices(count: int = 0) -> None:
     """Chooses the simulated CPU device count before JAX starts its backend.
+
+    A ``count`` above :data:`MAX_CPU_DEVICES` is for an accelerator only: the CPU backend
+    keeps its default, and without an accelerator it is refused at once (never tried).
 
     With no device count set by the user (``XLA_FLAGS=--xla_force_host_platform_
     device_count=N`` or ``JAX_NUM_CPU_DEVICES``), the CPU backend gets ``count``
@@ -67,8 +81,9 @@ def setup_devices(count: int = 0) -> None:
     unused CPU backend; the mesh then takes the first ``count`` accelerators.
 
     Raises:
-      ConfigError: when JAX has already started with too few devices, or
-        ``count`` exceeds the user's own setting.
+      ConfigError: when JAX has already started with too few devices, ``count``
+        exceeds the user's own setting, or there is no accelerator and ``count``
+        exceeds :data:`MAX_CPU_DEVICES`.
     """
     flag = FORCE_DEVICES_FLAG.search(os.environ.get("XLA_FLAGS", ""))
     env = os.environ.get("JAX_NUM_CPU_DEVICES")
@@ -79,6 +94,13 @@ def setup_devices(count: int = 0) -> None:
                 f"--devices {count} asks for more than the {user_count} CPU devices set by "
                 "XLA_FLAGS/JAX_NUM_CPU_DEVICES; lower --devices or raise that setting"
             )
+        return
+    if count > MAX_CPU_DEVICES:  # only an accelerator has that many: see MAX_CPU_DEVICES
+        if jax.default_backend() == "cpu":
+            raise ConfigError(
+                f"run.devices={count} (--devices): without an accelerator jaxpar simulates at "
+                f"most {MAX_CPU_DEVICES:,} CPU devices (each costs host memory and start-up "
+                f"time); set --devices (or run.devices) to at most {MAX_CPU_DEVICES:,}")
         return
     wanted = count or DEFAULT_CPU_DEVICES
     try:

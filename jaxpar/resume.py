@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from jaxpar import config as config_lib
-from jaxpar import hf
+from jaxpar import hf, signals
 from jaxpar import sharding as shd
 from jaxpar.checkpoint import Checkpointer, CorruptCheckpoint
 from jaxpar.config import Config
@@ -89,6 +89,7 @@ def sigterm_checkpoints() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    signals.raise_pending()  # a stop signal during start-up that a library swallowed
     previous = {signal.SIGINT: signal.signal(signal.SIGINT, on_sigint)}
     if jax.process_count() == 1:
         previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, on_sigterm)

@@ -1,11 +1,12 @@
 """One run per directory, nothing overwritten: the run-dir lock, path checks, and what a
 (re)started run does with the files a run dir already holds.
 
-* **Lock.** A run holds ``<run.dir>/.jaxpar.lock`` (an exclusive ``flock`` on it, and
-  the holder's pid, host and start time inside) from before it reads a checkpoint
-  until it exits. A second run in that directory is refused, naming the holder. The
-  kernel drops the lock when the holder dies, however it dies, so a lock file left by
-  a crashed run is taken over, with a note naming the dead holder.
+* **Lock.** A run holds ``.jaxpar.lock`` in its run dir and in its checkpoint dir (an
+  exclusive ``flock`` on it, and the holder's pid, host and start time inside) from
+  before it reads a checkpoint until it exits. A second run in either directory — or
+  in a directory inside one (paths resolved through symlinks) — is refused, naming the
+  holder. The kernel drops the lock when the holder dies, however it dies, so a lock
+  file left by a crashed run is taken over, with a note naming the dead holder.
 * **metrics.jsonl.** A resumed run keeps the rows up to its checkpoint's step and
   appends; rows logged after that step (the run went on past its last checkpoint) are
   moved to ``metrics.discarded.jsonl``, not deleted. A truncated last line (a crash
@@ -80,7 +81,7 @@ class RunDirLock:
     """
 
     def __init__(self, directory: str | Path, what: str = "run.dir"):
-        self.directory = Path(directory)
+        self.directory = Path(directory).resolve()
         self.path = self.directory / LOCK
         self.what = what
         self._fd: int | None = None
@@ -93,16 +94,13 @@ class RunDirLock:
           RunDirBusy: when another live run holds it, naming its pid and host.
           PathError: when the directory cannot be created or written.
         """
+        _refuse_inside_held(self.directory, self.what)  # before anything is created
         ensure_dir(self.directory, self.what)
         me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             if not self._flock(fd):
-                info = _holder(os.pread(fd, 4096, 0).decode(errors="replace"))
-                raise RunDirBusy(
-                    f"{self.what} '{self.directory}' is in use by another jaxpar run "
-                    f"({_describe(info)}); wait for it to finish or stop it, or give this "
-                    f"run another {self.what}")
+                raise _busy(self.directory, self.what, fd)
             old = _holder(os.pread(fd, 4096, 0).decode(errors="replace"))
             if old and old.get("pid") and (old.get("pid"), old.get("host")) != (
                     me["pid"], me["host"]):
@@ -113,6 +111,7 @@ class RunDirLock:
             os.close(fd)
             raise
         self._fd = fd
+        _HELD.add(self.directory)
         if self.took_over:
             print(f"jaxpar: note: took over the lock {self.path} left by a run that is no "
                   f"longer running ({_describe(self.took_over)})", flush=True)
@@ -148,6 +147,7 @@ class RunDirLock:
             os.ftruncate(self._fd, 0)
         os.close(self._fd)  # closing the descriptor drops the flock
         self._fd = None
+        _HELD.discard(self.directory)
 
     def __enter__(self) -> Self:
         return self.acquire()
@@ -156,10 +156,47 @@ class RunDirLock:
         self.release()
 
 
+def _busy(directory: Path, what: str, fd: int) -> RunDirBusy:
+    info = _holder(os.pread(fd, 4096, 0).decode(errors="replace"))
+    return RunDirBusy(f"{what} '{directory}' is in use by another jaxpar run "
+                      f"({_describe(info)}); wait for it to finish or stop it, or give this "
+                      f"run another {what}")
+
+
+_HELD: set[Path] = set()  # the directories this process holds locks on
+
+
+def _refuse_inside_held(directory: Path, what: str) -> None:
+    """Refuses a directory inside one that another live run holds (``flock`` is per open
+    file, so this process's own locks are known from ``_HELD``)."""
+    import fcntl
+
+    for parent in (directory, *directory.parents):
+        lock = parent / LOCK
+        if parent in _HELD or not lock.is_file():
+            continue
+        try:
+            fd = os.open(lock, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if parent == directory:
+                raise _busy(directory, what, fd) from None
+            info = _holder(os.pread(fd, 4096, 0).decode(errors="replace"))
+            raise RunDirBusy(f"{what} '{directory}' lies inside '{parent}', which another "
+                             f"jaxpar run holds ({_describe(info)}); give this run a "
+                             f"{what} of its own") from None
+        except OSError:
+            pass  # no flock here: nothing to tell
+        finally:
+            os.close(fd)
+
+
 @contextlib.contextmanager
 def locked(directories: list[tuple[Path, str]]) -> Iterator[list[RunDirLock]]:
-    """Holds the locks of several directories (the run dir, and the checkpoint dir when
-    it lies outside it) — on process 0 only; the other processes of a run share its
+    """Holds the locks of several directories (the run dir and the checkpoint dir) — on process 0 only; the other processes of a run share its
     directories."""
     import jax
 

@@ -41,6 +41,7 @@ from jaxpar.errors import ConfigError, PathError
 from jaxpar.logical import Rules, activation_rules
 from jaxpar.resume import checkpoint_dir, restore_state
 from jaxpar.run import Run, build, host_value
+from jaxpar.user_code import refuse_run_dir_code
 
 
 @dataclass(frozen=True)
@@ -88,12 +89,15 @@ def sample(run_dir: str | Path, prompt: str, *, tokens: int = 200, temperature: 
                          samples=samples)
 
 
-def load_run_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> Config:
+def load_run_config(run_dir: str | Path, overrides: Sequence[str] = (),
+                    trust_code: bool = False) -> Config:
     """A run dir's ``config.yaml`` with ``overrides`` applied; ``run.dir`` is ``run_dir``
-    (wherever the run was when it trained).
+    (wherever the run was when it trained). A ``model.name=FILE:NAME`` it names is
+    imported only when ``overrides`` name it too or ``trust_code`` is set.
 
     Raises:
       PathError: when ``run_dir`` is not a run directory.
+      ConfigError: when it names code that is not trusted.
     """
     path = Path(run_dir)
     if not path.is_dir():
@@ -102,6 +106,7 @@ def load_run_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> Confi
     if not (path / "config.yaml").is_file():
         raise PathError(f"'{path}' holds no config.yaml, so it is not a jaxpar run dir; pass "
                         "the run.dir of a run that jaxpar train wrote")
+    refuse_run_dir_code(path / "config.yaml", overrides, hooks=False, trust=trust_code)
     config = apply_overrides(load_config([path / "config.yaml"]), list(overrides))
     return dataclasses.replace(config, run=dataclasses.replace(config.run, dir=str(path)))
 

@@ -20,12 +20,13 @@ from collections.abc import Callable, Iterable
 from typing import Annotated, Any, Literal, Self
 
 import pydantic
-import yaml
 from annotated_types import Ge, Gt, Le, Lt
 from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
+from jaxpar import yamlfile
 from jaxpar.errors import ConfigError
+from jaxpar.files import shorten
 
 #: The largest finite float32: a setting above it is inf inside the step.
 FLOAT32_MAX = 3.4028234663852886e38
@@ -188,13 +189,12 @@ class Override(str):
         return value
 
     def parsed(self) -> Any:
-        """The text read as YAML (empty: None)."""
-        try:
-            return yaml.safe_load(self) if self.strip() else None
-        except yaml.YAMLError as err:
-            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-            raise ConfigError(f"override {self.source!r}: the value is not valid YAML "
-                              f"({problem}); quote it or fix it") from None
+        """The text read as YAML (empty: None), strictly and within a config file's bounds
+        (:mod:`jaxpar.yamlfile`: no alias bomb, no deep nesting)."""
+        if not self.strip():
+            return None
+        return yamlfile.load(self, f"override {shorten(self.source, 100)!r}",
+                             "quote the value or fix it")
 
 
 def typed(cls: type, key: str, value: Any) -> Any:
@@ -241,12 +241,20 @@ def bounds(cls: type, key: str) -> str:
     names = {Ge: "ge", Gt: "gt", Le: "le", Lt: "lt"}
     found = {type(m): getattr(m, names[type(m)]) for m in cls.__pydantic_fields__[key].metadata
              if type(m) in names}
-    low = next(((s, found[t]) for t, s in ((Ge, "["), (Gt, "(")) if t in found), None)
-    high = next(((s, found[t]) for t, s in ((Le, "]"), (Lt, ")")) if t in found), None)
+    low = next(((s, _number(found[t])) for t, s in ((Ge, "["), (Gt, "(")) if t in found), None)
+    high = next(((s, _number(found[t])) for t, s in ((Le, "]"), (Lt, ")")) if t in found), None)
     if low and high:
-        return f"in {low[0]}{low[1]:g}, {high[1]:g}{high[0]}"
+        return f"in {low[0]}{low[1]}, {high[1]}{high[0]}"
     sign = {"[": "≥", "(": ">", "]": "≤", ")": "<"}[(low or high)[0]]
-    return f"{sign} {(low or high)[1]:g}"
+    return f"{sign} {(low or high)[1]}"
+
+
+def _number(bound: float) -> str:
+    """A bound as written in a message: an int exactly (``1_000_000_000_000``, as YAML and
+    Python read it back), a float short (``0.5``, ``1e-08``)."""
+    if isinstance(bound, int) and not isinstance(bound, bool):
+        return f"{bound:_}" if abs(bound) >= 10_000 else str(bound)
+    return f"{bound:g}"
 
 
 # ---------------------------------------------------------------- the reference

@@ -46,7 +46,10 @@ class StageSplit:
       embed: ``(model, microbatch) -> x`` — what runs before the first layer.
       stage: ``(model, x, microbatch, first_layer) -> x`` — the model's stacked layers,
         in order; the chunk's first layer is layer ``first_layer`` of the whole model
-        (for per-layer randomness; may be traced).
+        (for per-layer randomness; may be traced). Layers that add a term of their own to
+        the loss (a mixture of experts' load-balancing loss) return ``(x, (loss, {name:
+        metric}))``: the chunk's share of that term and of its metrics (summed over the
+        stages, as the head's are over nothing), added to the head's loss and metrics.
       head: ``(model, x, microbatch) -> (loss, metrics)`` — after the last
         layer; the same loss as the task's ``loss_fn`` (a mean over examples).
     """
@@ -208,6 +211,15 @@ class DataNeeds:
     #: text examples also carry ``index``, their window's position in the split (a stable
     #: id: per-example randomness keyed by it does not depend on how a batch is sharded)
     example_ids: bool = False
+
+
+def stage_output(out: Any) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """``(x, loss term, metrics)`` of what a :attr:`StageSplit.stage` returned (a stage
+    without a loss of its own: a zero term and no metrics)."""
+    if isinstance(out, tuple):
+        x, (loss, metrics) = out
+        return x, jnp.asarray(loss, jnp.float32), dict(metrics)
+    return out, jnp.zeros((), jnp.float32), {}
 
 
 def split_microbatches(x: jax.Array, k: int) -> jax.Array:

@@ -1,7 +1,8 @@
 """A user's code named on the command line or in a config: ``path/to/file.py:NAME`` or
 ``package.module:NAME`` — a Task (``--task``) or a loop hook (``train.hooks``).
 
-A file is imported as a module named after it (its folder goes at the end of
+Code is imported only where the user names it: a run directory's saved ``config.yaml``
+is not trusted to name code (:func:`refuse_run_dir_code`). A file is imported as a module named after it (its folder goes at the end of
 ``sys.path``, so its own imports work without shadowing installed packages), once per
 process. Import failures and wrong names are one-line errors naming the file and what
 it defines; ``JAXPAR_DEBUG=1`` shows the traceback.
@@ -14,12 +15,14 @@ import importlib
 import importlib.util
 import inspect
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from jaxpar.errors import TaskError
+from jaxpar.errors import ConfigError, TaskError
 from jaxpar.task import Task
+from jaxpar.yamlfile import read_yaml
 
 
 def _split(spec: str, what: str) -> tuple[str, str]:
@@ -143,18 +146,41 @@ def load_task(spec: str, config: Any = None) -> Task:
     return task
 
 
-def load_hooks(specs: tuple[str, ...] | list[str]) -> list[Any]:
-    """The hooks ``train.hooks`` names: a class is built with no arguments, a function
-    called, an instance used as it is."""
-    hooks = []
-    for spec in specs:
-        obj = load_object(spec, "train.hooks")
-        hook = obj() if callable(obj) else obj
-        events = ("on_start", "before_step", "on_state", "on_step", "on_eval", "on_save",
-                  "on_end")
-        if not any(callable(getattr(hook, e, None)) for e in events):
-            raise TaskError(f"train.hooks entry '{spec}' gave a {type(hook).__name__}, which "
-                            f"has none of the hook methods ({', '.join(events)}); subclass "
-                            "jaxpar.Hook")
-        hooks.append(hook)
-    return hooks
+def _given(key: str, overrides: Sequence[str], value: str | None = None) -> bool:
+    """Whether an override sets ``key`` (to ``value``, when given)."""
+    for text in overrides:
+        name, _, given = text.partition("=")
+        if name.strip() == key and (value is None or given.strip().strip("'\"") == value):
+            return True
+    return False
+
+
+def refuse_run_dir_code(config_file: Path, overrides: Sequence[str], hooks: bool,
+                        trust: bool) -> None:
+    """Refuses a run directory's ``config.yaml`` that names code to import
+    (``model.name=FILE:NAME``; ``train.hooks`` when ``hooks``, i.e. for training) which
+    the command line does not name too: a run directory someone shares is data, not code.
+    ``trust`` (``--trust-code``) lets it through.
+
+    Raises:
+      ConfigError: naming the file, the code and the two ways on.
+    """
+    raw = read_yaml(config_file)
+    if trust or not isinstance(raw, dict):
+        return
+    model_section, train_section = (raw.get(k) if isinstance(raw.get(k), dict) else {}
+                                     for k in ("model", "train"))
+    named = []
+    model = model_section.get("name")
+    # the file's model.name is loaded before overrides apply: only the same name passes
+    if isinstance(model, str) and ":" in model and not _given("model.name", overrides, model):
+        named.append(f"model.name={model}")
+    entries = train_section.get("hooks")
+    if hooks and entries and not _given("train.hooks", overrides):
+        shown = [str(e) for e in entries][:4] if isinstance(entries, list) else [str(entries)]
+        named.append(f"train.hooks=[{','.join(shown)}]")
+    if named:
+        raise ConfigError(f"{config_file} names code to import ({'; '.join(named)}); code "
+                          "named by a run directory is not run: name it on the command line "
+                          f"({named[0]}), or pass --trust-code if you trust who wrote "
+                          f"{config_file.parent}")

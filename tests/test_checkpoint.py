@@ -93,16 +93,22 @@ def test_restore_onto_another_layout(tmp_path, layout, devices):
     assert int(state.step) == 2 and np.isfinite(float(metrics["loss"]))
 
 
-def test_incompatible_checkpoint_lists_every_mismatch(tmp_path):
+def test_incompatible_checkpoint_names_the_mismatches_in_one_line(tmp_path):
+    """The parameters' mismatches first, a count of the rest, and advice that works (no
+    checkpoint.resume=never, which a directory holding checkpoints refuses)."""
     saved_run(tmp_path)
     run = build(load_config([], [*GPT_SMALL, "model.d_ff=128", "model.tie_embeddings=true"]))
     with pytest.raises(ValueError) as err:
         Checkpointer(tmp_path / "ckpt", run.plan).restore()
     text = str(err.value)
-    assert "does not fit this model/optimizer" in text
+    assert "\n" not in text and "resume=never" not in text
+    assert "does not fit this model/optimizer (12 mismatches: params/blocks/b_in:" in text
+    assert text.endswith("and 6 more); run with the settings it was saved with (a run dir's "
+                         "config.yaml edited by hand no longer holds them), or start afresh "
+                         "in a new run.dir")
     assert "params/blocks/w_in: checkpoint ((2, 32, 64), 'float32'), model ((2, 32, 128)" in text
     assert "params/head: in the checkpoint ((32, 256), 'float32') but not in the model" in text
-    assert "opt_state/1/0/mu/blocks/b_in" in text
+    assert "opt_state/1/0/mu/blocks/b_in: checkpoint ((2, 64), 'float32')" in text
 
 
 def test_resume_settings(tmp_path):
@@ -283,7 +289,7 @@ def test_keep_and_keep_best_retain_exactly_the_expected_steps(tmp_path):
         saved = sorted(evals)
         assert saved == list(range(2, steps + 1, 2))
         best = sorted(saved, key=evals.get)[:2]
-        kept = sorted(int(n) for n in os.listdir(run_dir / "checkpoints"))
+        kept = sorted(int(n) for n in os.listdir(run_dir / "checkpoints") if n != ".jaxpar.lock")
         assert kept == sorted({*saved[-2:], *best}), (steps, evals)
     assert min(best) < saved[-2]  # a best checkpoint older than the latest ones was kept
 
@@ -306,3 +312,65 @@ def test_resume_in_place_keeps_the_seed(tmp_path, capsys):
     assert main(["train", *base]) == 0
     assert main(["train", *base, "train.steps=4", "run.seed=7"]) == 2
     assert "saved with run.seed=0" in capsys.readouterr().err
+
+
+def test_an_old_checkpoint_that_cannot_be_deleted_is_a_warning(tmp_path, monkeypatch, recwarn):
+    """keep=1 past a checkpoint whose deletion fails (an immutable or read-only directory,
+    simulated): the write succeeded, so it is one warning naming the step, its directory
+    and the cause; the run finishes and the newest checkpoint is on disk."""
+    import errno
+    import shutil
+
+    from jaxpar.cli import main
+
+    run_dir = tmp_path / "run"
+    ckpts = run_dir / "checkpoints"
+    rmtree = shutil.rmtree
+
+    def refuse(path, *args, **kwargs):
+        if Path(path) == ckpts / "2":
+            raise PermissionError(errno.EPERM, "Operation not permitted",
+                                  str(ckpts / "2" / "_CHECKPOINT_METADATA"))
+        return rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", refuse)
+    assert main(["train", *RESUMABLE, "train.steps=6", "checkpoint.keep=1",
+                 f"run.dir={run_dir}"]) == 0
+    warned = [str(w.message) for w in recwarn if "could not delete" in str(w.message)]
+    assert warned == [f"could not delete the old checkpoint of step 2 in {ckpts / '2'} "
+                      f"(Operation not permitted: {ckpts / '2' / '_CHECKPOINT_METADATA'}); "
+                      "delete it by hand — training goes on"]
+    assert sorted(n for n in os.listdir(ckpts) if n.isdigit()) == ["2", "6"]
+    assert [s for s, _ in losses(run_dir)] == list(range(1, 7))
+
+
+def test_a_damaged_checkpoint_that_cannot_be_moved_aside_says_so(tmp_path, monkeypatch,
+                                                                 capsys):
+    """The newest checkpoint truncated and immutable (its rename refused, simulated): one
+    line saying which checkpoint could not be moved aside, why, and what to do."""
+    import errno
+
+    from jaxpar.cli import main
+
+    run_dir = tmp_path / "run"
+    ckpts = run_dir / "checkpoints"
+    assert main(["train", *RESUMABLE, "train.steps=4", f"run.dir={run_dir}"]) == 0
+    largest = max((p for p in (ckpts / "4" / "state").rglob("*") if p.is_file()),
+                  key=lambda p: p.stat().st_size)
+    os.truncate(largest, largest.stat().st_size // 2)
+    replace = os.replace
+
+    def refuse(src, dst, *args, **kwargs):
+        if Path(src) == ckpts / "4":
+            raise PermissionError(errno.EPERM, "Operation not permitted", str(src), str(dst))
+        return replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", refuse)
+    capsys.readouterr()
+    assert main(["train", *RESUMABLE, "train.steps=6", f"run.dir={run_dir}"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines()
+           if not line.startswith("jaxpar: warning")]
+    assert err == [f"jaxpar: error: moving the checkpoint of step 4 in {ckpts / '4'} aside (it "
+                   f"failed verification) failed: Operation not permitted: {ckpts / '4'}; make "
+                   "it writable or move it away by hand"]
+    assert (ckpts / "4").is_dir() and (ckpts / "2").is_dir()

@@ -146,3 +146,107 @@ def test_a_bug_is_an_internal_error_not_bad_input(monkeypatch, tmp_path, capsys,
         assert "in broken" in path.read_text() and "shard_batch" in path.read_text()
         assert "Traceback" not in err
         path.unlink()
+
+
+# ---- bounds (issue 34, item 7) --------------------------------------------------------------
+def _one_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("args,text", [
+    (["train", "--devices", "99999999999999999999"],
+     "argument --devices: expects an integer from 0 to 1_048_576, got '99999999999999999999'; "
+     "see jaxpar train --help"),
+    (["train", "--devices", "2147483647"], "argument --devices: expects an integer from 0 to "),
+    (["inspect", "--devices", "abc"],
+     "argument --devices: expects an integer from 0 to 1_048_576, got 'abc'"),
+    (["plan", "--devices", "0"], "argument --devices: expects an integer from 1 to 1_048_576"),
+    (["plan", "--devices", "1" * 5000], "argument --devices: expects an integer from 1 to "),
+    (["sweep", "--all", "--steps", "10000000"],
+     "argument --steps: expects an integer from 0 to 1_000_000, got '10000000'"),
+])
+def test_bad_counts_on_the_command_line_are_one_line(args, text, capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(args)
+    assert exit.value.code == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith(f"jaxpar: error: {text}") and len(line) < 300, line
+
+
+@pytest.mark.parametrize("override,text", [
+    ("run.devices=99999999999999999999", "config key 'run.devices' must be in [0, 1_048_576], "
+                                         "got 99999999999999999999"),
+    ("train.steps=99999999999999999999999999999", "config key 'train.steps' must be in "
+                                                  "[1, 1_000_000_000_000]"),
+])
+def test_huge_settings_are_one_line(override, text, tmp_path, capsys):
+    assert main(["train", override, f"run.dir={tmp_path / 'run'}"]) == 2
+    assert _one_line(capsys.readouterr().err).startswith(f"jaxpar: error: {text}")
+    assert not (tmp_path / "run").exists()
+
+
+def test_more_simulated_devices_than_the_cap_are_refused_before_any_is_made():
+    """Without an accelerator (and no device count forced), --devices above 4,096 is one
+    line and exit 2 within seconds: the devices are never created (2**31 of them ate
+    23.7 GB before the process was killed)."""
+    import time
+
+    start = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "jaxpar.cli", "inspect", "--devices", "5000"],
+                         env=child_env(None), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert _one_line(out.stderr) == (
+        "jaxpar: error: run.devices=5000 (--devices): without an accelerator jaxpar simulates "
+        "at most 4,096 CPU devices (each costs host memory and start-up time); set --devices "
+        "(or run.devices) to at most 4,096")
+    assert time.perf_counter() - start < 30
+
+
+def test_a_run_dir_of_3990_characters_is_one_short_line_naming_the_cause(tmp_path, capsys):
+    run_dir = tmp_path / ("a" * 3990)
+    assert main(["train", f"run.dir={run_dir}"]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith("jaxpar: error: File name too long: run.dir '"), line
+    assert line.endswith(f"({len(str(run_dir)):,} characters; a path component may have at "
+                         "most 255): choose a shorter run.dir")
+    assert len(line) < 300 and "disk" not in line
+    deep = tmp_path.joinpath(*["b" * 200] * 19)  # components fit, the checkpoints' paths not
+    assert main(["train", f"run.dir={deep}", "train.steps=1"]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith("jaxpar: error: File name too long: run.dir '"), line
+    assert len(line) < 300 and "disk" not in line
+    assert not deep.parent.parent.exists()
+
+
+def test_every_report_is_capped_with_the_cause_first(tmp_path, capsys):
+    """A report embedding something huge (a value's repr, a path, a library's text) stays
+    under 2,000 characters, its start (the cause) kept; an alias bomb given as an override
+    is refused at once in a short line."""
+    import errno
+    import time
+
+    from jaxpar.cli.failures import MAX_MESSAGE, failure_of, internal
+    from jaxpar.errors import ConfigError
+
+    status, line = failure_of(ConfigError("config key 'train.hooks' expects a list of strings, "
+                                          f"got {['x'] * 200_000!r}\nand a second line"))
+    assert status == 2 and len(line) <= MAX_MESSAGE == 2000 and "\n" not in line
+    assert line.startswith("jaxpar: error: config key 'train.hooks' expects a list of strings, "
+                           "got ['x', 'x'") and "…" in line and line.endswith("second line")
+    long = str(tmp_path / ("c" * 3990))
+    status, line = failure_of(OSError(errno.ENAMETOOLONG, "File name too long", long))
+    assert status == 2 and line.startswith("jaxpar: error: File name too long: path '")
+    assert len(line) < 300 and f"{len(long):,} characters" in line
+    status, line = internal(RuntimeError("z" * 10**6), debug=False)
+    assert len(line) <= MAX_MESSAGE and line.startswith("jaxpar: internal error: RuntimeError: zz")
+    Path(line.split("the traceback is in ")[1].split(" ")[0]).unlink()
+
+    anchors = ", ".join(f"&{n} [{', '.join([f'*{p}' if p else 'x'] * 9)}]"
+                        for p, n in zip(["", *"abcdefgh"], "abcdefghi"))
+    start = time.perf_counter()
+    assert main(["train", f"train.hooks=[{anchors}, *i]", f"run.dir={tmp_path / 'r'}"]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert time.perf_counter() - start < 1.0 and len(line) < MAX_MESSAGE
+    assert "more than 100,000 values with its aliases expanded" in line

@@ -268,8 +268,9 @@ def test_string_fields_keep_override_text_verbatim():
 
 
 @pytest.mark.parametrize("override,bound", [
-    ("train.log_every=0", "≥ 1"), ("train.grad_accum=0", "≥ 1"), ("train.batch_size=0", "≥ 1"),
-    ("model.n_layers=0", "≥ 1"), ("run.devices=-1", "≥ 0"), ("optim.lr=.inf", "finite"),
+    ("train.log_every=0", r"in \[1, "), ("train.grad_accum=0", r"in \[1, "),
+    ("train.batch_size=0", r"in \[1, "), ("model.n_layers=0", "≥ 1"),
+    ("run.devices=-1", r"in \[0, "), ("optim.lr=.inf", "finite"),
 ])
 def test_out_of_range_values_name_the_key(override, bound):
     with pytest.raises(ValueError, match=f"'{override.split('=')[0]}' must be .*{bound}"):
@@ -569,3 +570,116 @@ def test_a_users_task_names_its_run_dir_with_the_layout():
     assert run_dir_for(load_config([], ["mesh.fsdp=8"]), "TASK").run.dir == "runs/TASK-fsdp8"
     assert run_dir_for(load_config([], []), "TASK").run.dir == "runs/TASK"
     assert run_dir_for(load_config([], ["run.dir=x"]), "TASK").run.dir == "x"
+
+
+# ---------------------------------------------------------------- bounds (issue 34, item 7)
+
+
+def _nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+def _alias_bomb(levels: int) -> list[str]:
+    """Anchors whose aliases multiply: level ``i`` stands for 9**(i+1) strings."""
+    names = "abcdefghij"
+    lines = [f"{names[0]}: &{names[0]} [x, x, x, x, x, x, x, x, x]"]
+    for i in range(1, levels):
+        lines.append(f"{names[i]}: &{names[i]} [{', '.join([f'*{names[i - 1]}'] * 9)}]")
+    return lines
+
+
+@pytest.mark.parametrize("override,bound", [
+    ("train.steps=99999999999999999999999999999", "in [1, 1_000_000_000_000]"),
+    ("train.batch_size=4294967296", "in [1, 2_147_483_648]"),
+    ("train.eval_every=10000000000000", "in [0, 1_000_000_000_000]"),
+    ("mesh.fsdp=2097152", "≤ 1_048_576"),
+    ("data.seq_len=100000000", "in [1, 16_777_216]"),
+    ("run.devices=99999999999999999999", "in [0, 1_048_576]"),
+])
+def test_integer_keys_are_bounded_where_a_huge_value_is_meaningless(override, bound):
+    from jaxpar.errors import ConfigError
+
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError) as err:
+        load_config([], [override])
+    assert str(err.value) == (f"config key '{key}' must be {bound}, got "
+                              f"{override.split('=')[1]}")
+
+
+def test_yaml_nested_5000_deep_is_one_line_naming_the_file_and_line(tmp_path):
+    from jaxpar.errors import ConfigError
+
+    path = tmp_path / "deep.yaml"
+    path.write_text(f"train:\n  hooks: {_nested(5000)}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config([path])
+    # the document, train's mapping and 62 lists are 64 levels: the 63rd list is refused
+    assert str(err.value) == (f"config file '{path}', line 2, column 72: values nested deeper "
+                              "than 64 levels; a config needs a few")
+    with pytest.raises(ConfigError, match=r"^override 'train\.hooks=\[\[\[.*….*\]\]\]', line 1, "
+                                          r"column 65: values nested deeper than 64 levels"):
+        load_config([], [f"train.hooks={_nested(5000)}"])
+    path.write_text(f"train:\n  hooks: {_nested(62)}\n")  # 64 levels: read, then checked
+    with pytest.raises(ConfigError, match="'train.hooks' expects a list of strings"):
+        load_config([path])
+
+
+def test_alias_bombs_and_recursive_aliases_are_refused_at_once(tmp_path):
+    """The issue's 330-byte bomb (9 levels: 387 million strings) in train.hooks, in a file
+    and as an override, is refused while it is read: in well under a second, in one short
+    line. Anchors and merges that stay small keep working."""
+    import time
+
+    from jaxpar.errors import ConfigError
+
+    path = tmp_path / "bomb.yaml"
+    path.write_text("\n".join([*_alias_bomb(9), "train:", "  hooks: *i"]) + "\n")
+    assert len(path.read_bytes()) < 400
+    flow = ", ".join(line.split(": ", 1)[1] for line in _alias_bomb(6))  # &a [...], &b [...]
+    for files, overrides in (([path], []), ([], [f"train.hooks=[{flow}, *f]"])):
+        start = time.perf_counter()
+        with pytest.raises(ConfigError) as err:
+            load_config(files, overrides)
+        assert time.perf_counter() - start < 1.0
+        message = str(err.value)
+        assert "more than 100,000 values with its aliases expanded" in message, message
+        assert len(message) < 600 and "\n" not in message
+    with pytest.raises(ConfigError, match=r"alias \*a is inside its own anchor &a"):
+        load_config([], ["train.hooks=&a [*a]"])
+    merged = tmp_path / "merge.yaml"
+    merged.write_text("base: &b {steps: 3, batch_size: 8}\n")
+    with pytest.raises(ConfigError, match="unknown config section 'base'"):  # read, then checked
+        load_config([merged])
+    small = tmp_path / "small.yaml"
+    small.write_text("train: &t {steps: 3, batch_size: 8}\ncheckpoint: {every_steps: 2}\n")
+    assert load_config([small]).train.steps == 3
+
+
+def test_a_config_file_over_1_mib_and_a_huge_integer_are_one_line(tmp_path):
+    from jaxpar.errors import ConfigError
+
+    big = tmp_path / "big.yaml"
+    big.write_text("# padding\n" * 120_000)
+    with pytest.raises(ConfigError, match=rf"^config file '{re.escape(str(big))}' is larger "
+                                          r"than 1,048,576 bytes \(1 MiB\)"):
+        load_config([big])
+    digits = tmp_path / "digits.yaml"
+    digits.write_text(f"train:\n  steps: {'9' * 5000}\n")
+    with pytest.raises(ConfigError, match=r"line 2, column 10: an integer of 5,000 digits"):
+        load_config([digits])
+
+
+def test_a_run_dir_too_long_for_the_file_system_is_refused_on_load(tmp_path):
+    from jaxpar.errors import ConfigError
+
+    one_name = tmp_path / ("a" * 3990)
+    with pytest.raises(ConfigError) as err:
+        load_config([], [f"run.dir={one_name}"])
+    message = str(err.value)
+    assert message.startswith("File name too long: run.dir '") and "…" in message
+    assert message.endswith(f"({len(str(one_name)):,} characters; a path component may have "
+                            "at most 255): choose a shorter run.dir")
+    deep = tmp_path.joinpath(*["b" * 200] * 19)
+    with pytest.raises(ConfigError, match=r"characters as an absolute path, with the files "
+                                          r"jaxpar writes inside it; a path may have at most"):
+        load_config([], [f"run.dir={deep}"])

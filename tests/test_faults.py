@@ -157,6 +157,32 @@ def test_damaged_checkpoints_fall_back_to_the_newest_good_one_bitwise(trained, t
     assert sorted(int(n) for n in os.listdir(ckpts) if n.isdigit()) == [2, 4, 6, 8]
 
 
+def test_an_emptied_checkpoint_falls_back_like_a_corrupt_one(trained, tmp_path, capsys,
+                                                           recwarn):
+    """Step 8 with every file gone (its directories kept) and step 6 without its record and
+    Orbax's metadata (a partial copy): both fail verification, are set aside, and the run
+    continues from step 4 to the losses of the uninterrupted run."""
+    run_dir = tmp_path / "emptied"
+    shutil.copytree(trained, run_dir)
+    ckpts = run_dir / "checkpoints"
+    for path in (ckpts / "8").rglob("*"):
+        if path.is_file():
+            path.unlink()
+    for name in ("jaxpar_integrity.json", "state/_METADATA"):
+        (ckpts / "6" / name).unlink()
+    capsys.readouterr()
+    assert main(["train", *RUN8, f"run.dir={run_dir}"]) == 0
+    warned = "\n".join(str(w.message) for w in recwarn)
+    assert (f"the checkpoint of step 8 in {ckpts / '8'} failed verification: "
+            "jaxpar_integrity.json and state/_METADATA, meta/metadata are missing (the "
+            "checkpoint was emptied or only partly copied)") in warned
+    assert (f"the checkpoint of step 6 in {ckpts / '6'} failed verification: "
+            "jaxpar_integrity.json and state/_METADATA are missing") in warned
+    assert "training continues from step 4" in warned
+    assert f"resumed from the checkpoint of step 4 in {ckpts}" in capsys.readouterr().out
+    assert losses(run_dir) == losses(trained)
+
+
 @pytest.fixture(scope="module")
 def trainer(trained):
     return build(load_config([], RUN8)).trainer
@@ -247,7 +273,7 @@ def test_a_refused_resume_changes_nothing(trained, tmp_path, capsys):
     assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()
             and p.name != ".jaxpar.lock"} == {k: v for k, v in before.items()
                                                 if k != ".jaxpar.lock"}
-    assert sorted(os.listdir(run_dir / "checkpoints")) == ["2", "4", "6", "8"]
+    assert sorted(os.listdir(run_dir / "checkpoints")) == [".jaxpar.lock", "2", "4", "6", "8"]
 
 
 # ---- guarded updates ---------------------------------------------------------------------
@@ -326,20 +352,31 @@ def test_a_non_finite_update_is_caught(tmp_path, capsys, policy, status, text):
 # ---- one run per directory ---------------------------------------------------------------
 def test_a_second_run_in_a_busy_run_dir_is_refused_and_the_first_is_unharmed(tmp_path,
                                                                             capsys):
-    run_dir = tmp_path / "shared"
+    """A second run in the run dir, in its checkpoint dir (``checkpoint.dir=<A>/checkpoints``
+    from another run dir) or in a directory inside it is refused; the first keeps every
+    step."""
+    run_dir = (tmp_path / "shared").resolve()
     first = subprocess.Popen(
         [sys.executable, "-m", "jaxpar", "train", *RESUMABLE, "train.steps=12",
          f"run.dir={run_dir}"], cwd=ROOT, env=env8(), stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True)
+    holder = f"(pid {first.pid} on host {socket.gethostname()}, started "
+    ckpts = run_dir / "checkpoints"
     try:
-        lock = run_dir / ".jaxpar.lock"
+        lock = ckpts / ".jaxpar.lock"
         deadline = time.time() + 120
         while time.time() < deadline and not (lock.exists() and lock.read_text()):
             time.sleep(0.1)
-        assert main(["train", *RESUMABLE, "train.steps=12", f"run.dir={run_dir}"]) == 2
-        line = one_line(capsys.readouterr().err)
-        assert line.startswith(f"jaxpar: error: run.dir '{run_dir}' is in use by another jaxpar "
-                               f"run (pid {first.pid} on host {socket.gethostname()}, started ")
+        for where, text in (
+                ([f"run.dir={run_dir}"], f"run.dir '{run_dir}' is in use by another jaxpar run "),
+                ([f"run.dir={tmp_path / 'b'}", f"checkpoint.dir={ckpts}"],
+                 f"checkpoint.dir '{ckpts}' is in use by another jaxpar run "),
+                ([f"run.dir={tmp_path / 'c'}", f"checkpoint.dir={ckpts / 'mine'}"],
+                 f"checkpoint.dir '{ckpts / 'mine'}' lies inside '{ckpts}', which another "
+                 "jaxpar run holds ")):
+            assert main(["train", *RESUMABLE, "train.steps=12", *where]) == 2
+            line = one_line(capsys.readouterr().err)
+            assert line.startswith(f"jaxpar: error: {text}{holder}"), line
         _, err = first.communicate(timeout=300)
     finally:
         if first.poll() is None:
@@ -348,6 +385,7 @@ def test_a_second_run_in_a_busy_run_dir_is_refused_and_the_first_is_unharmed(tmp
     assert first.returncode == 0, err
     assert [s for s, _ in losses(run_dir)] == list(range(1, 13))  # each step exactly once
     assert (run_dir / ".jaxpar.lock").read_text() == ""  # released
+    assert not (ckpts / "mine").exists()
 
 
 def test_the_lock_of_a_dead_run_is_taken_over_with_a_note(tmp_path, capsys):

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import io
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
 
 from jaxpar.config import DistributedConfig
 from jaxpar.distributed import settings
 from jaxpar.launch import launch, process_env
+from tests.helpers import GPT_SMALL, ROOT, child_env
 
 
 def test_process_env_sets_coordinator_devices_and_cores():
@@ -100,3 +104,107 @@ def test_too_late_and_unreachable_coordinator_are_clear_errors():
     with pytest.raises(ValueError, match=f"no coordinator answered at {address} within "
                                          "distributed.init_timeout=1 s"):
         _rendezvous_peer(address, 1, 2, 1)
+
+
+#: stands in for ``python -m jaxpar …``: process 1 dies by SIGKILL; process 0 answers the
+#: launcher's SIGTERM as JAX's distributed runtime does when its peer is gone — a glog
+#: fatal line and a native stack trace, then SIGABRT
+FAKE_RANKS = r"""
+import os, signal, sys, time
+
+rank = int(os.environ["JAXPAR_PROCESS_ID"])
+print(f"rank {rank} up", flush=True)
+if rank == 1:
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+def abort(signum, frame):
+    print("F1125 18:12:54.370208   12389 client.cc:90] Terminating process because the JAX "
+          "distributed service detected fatal errors", file=sys.stderr)
+    print("*** Check failure stack trace: ***", file=sys.stderr)
+    print("    @     0x7f5e2b1c3d4e  absl::log_internal::LogMessageFatal::~LogMessageFatal()",
+          file=sys.stderr, flush=True)
+    os.abort()
+
+signal.signal(signal.SIGTERM, abort)
+time.sleep(60)
+"""
+
+
+def test_a_failed_rank_is_reported_on_stderr_and_its_peer_stopped_without_native_traces(
+        tmp_path, monkeypatch, capsys):
+    """Process 1 is SIGKILLed: the launcher's failure line is on stderr (not among the
+    processes' output), process 0 is stopped, and the native stack trace it prints as it
+    goes is replaced by one line saying it was stopped because process 1 failed."""
+    script = tmp_path / "ranks.py"
+    script.write_text(FAKE_RANKS)
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{script}" "$@"\n')
+    python.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(python))
+    monkeypatch.delenv("JAXPAR_DEBUG", raising=False)
+    out = io.StringIO()
+    code = launch(2, ["train"], out=out, grace_s=5)
+    assert code == 128 + signal.SIGKILL
+    stdout, stderr = out.getvalue(), capsys.readouterr().err
+    assert "[0] rank 0 up" in stdout and "[1] rank 1 up" in stdout
+    assert "[launch] process 1 (pid " in stderr and "ended: killed by SIGKILL; stopping the " \
+        "other 1 (grace 5 s)" in stderr
+    assert "process 0 (pid " in stderr and "was stopped because process 1 failed (killed by " \
+        "SIGABRT)" in stderr
+    assert "[launch]" not in stdout and len(stderr.splitlines()) == 2
+    for native in ("Check failure stack trace", "F1125", "@     0x"):
+        assert native not in stdout + stderr
+
+
+KILL_RANK_1 = """
+import os, signal
+import jax
+import jaxpar
+
+class KillRank1(jaxpar.Hook):
+    def on_step(self, ctx, step, metrics):
+        if step == 2 and jax.process_index() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_jaxpar_launch_of_a_run_whose_rank_is_killed_says_so_on_stderr(tmp_path):
+    """A real 2-process training run whose process 1 is SIGKILLed at step 2: the launch
+    exits 137, its failure line is on stderr and not on stdout, and no native stack trace
+    of process 0 comes through."""
+    hook = tmp_path / "kill.py"
+    hook.write_text(KILL_RANK_1)
+    cmd = [sys.executable, "-m", "jaxpar", "launch", "-n", "2", "--devices-per-process", "1",
+           "--grace", "5", "--", "train", *GPT_SMALL, "train.steps=1000", "train.progress=false",
+           f"train.hooks=[{hook}:KillRank1]", f"run.dir={tmp_path / 'run'}"]
+    env = {k: v for k, v in child_env(None).items() if k != "JAXPAR_DEBUG"}
+    done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 128 + signal.SIGKILL, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "[launch] process 1 (pid " in done.stderr and "killed by SIGKILL" in done.stderr
+    assert "was stopped because process 1 failed" in done.stderr
+    assert "[launch]" not in done.stdout
+    assert "Check failure stack trace" not in done.stdout + done.stderr
+    assert "internal error" not in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("text", [
+    "INTERNAL: Gloo all-reduce failed: [external/gloo/gloo/transport/tcp/pair.cc:534] "
+    "Connection closed by peer [127.0.0.1]:40195",
+    "UNAVAILABLE: The coordination service has stopped: the heartbeat of task 1 timed out",
+])
+def test_a_collective_failed_by_a_lost_peer_is_one_line_not_an_internal_error(text):
+    """A surviving process whose collective fails because another process died says so in
+    one line (exit 7), not as jaxpar's internal error with a native message."""
+    from jaxpar.cli.failures import failure_of
+    from jaxpar.errors import PEER_LOST
+
+    status, line = failure_of(RuntimeError(text))
+    assert status == PEER_LOST == 7
+    assert line.startswith("jaxpar: error: another process of this run stopped or cannot be "
+                           "reached (a collective failed: ")
+    assert line.endswith("run the same command to resume from the last checkpoint")
+    assert "\n" not in line and len(line) < 400
+    assert failure_of(RuntimeError("a model's own bug")) is None  # still an internal error

@@ -99,7 +99,9 @@ def test_a_capacity_factor_drops_exactly_the_assignments_beyond_it():
     ["mesh.data=4", "mesh.fsdp=2", "rules.experts=data"],
     ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "rules.experts=data"],
     ["mesh.data=2", "mesh.context=4"],
-], ids=["data8", "fsdp8", "expert8", "expert4-fsdp2", "expert2-fsdp2-tensor2", "context4"])
+    ["mesh.data=4", "mesh.context=2", "rules.experts=data", "context.attention=ring"],
+], ids=["data8", "fsdp8", "expert8", "expert4-fsdp2", "expert2-fsdp2-tensor2", "context4",
+        "expert4-context2-ring"])
 def test_moe_layouts_equal_one_device(layout):
     """An MoE Llama (8 experts, top-2, every 2nd layer, a shared expert): losses and
     parameters of 3 AdamW steps equal one device's, with experts split over data (8, 4 and
@@ -111,6 +113,48 @@ def test_moe_layouts_equal_one_device(layout):
     if "rules.experts=data" in layout:
         spec = run.plan.param_specs["blocks"]["e_gate"]
         assert spec[1] == "data" and run.plan.mesh.shape["data"] > 1
+
+
+def _steps_with_metrics(overrides: list[str], devices: int = 8, steps: int = 3):
+    """Losses, final parameters and the last step's metrics (as numbers)."""
+    config = jaxpar.load_config([], [*overrides, f"train.steps={steps}",
+                                     f"run.devices={devices}"])
+    run = jaxpar.build(config)
+    state, losses = run.trainer.init(), []
+    for step in range(steps):
+        state, metrics = run.trainer.step(state, run.trainer.shard_batch(
+            run.data.batch(step, config.train.batch_size)))
+        losses.append(float(metrics["loss"]))
+    return (np.array(losses), jax.tree.map(np.asarray, state.params),
+            {k: float(v) for k, v in metrics.items()})
+
+
+@pytest.fixture(scope="module")
+def accumulated():
+    """One device, the batch as 2 microbatches (a pipeline's routing sees a microbatch)."""
+    return _steps_with_metrics([*MOE, "mesh.data=1", "train.grad_accum=2"], devices=1)
+
+
+@pytest.mark.parametrize("layout", [
+    ["mesh.data=4"],
+    ["mesh.data=4", "pipeline.executor=mpmd"],
+    ["mesh.data=4", "pipeline.schedule=zb_h1", "rules.experts=data"],
+    ["mesh.data=2", "mesh.fsdp=2", "pipeline.executor=mpmd", "pipeline.backward=residuals",
+     "rules.experts=data"],
+], ids=["spmd", "mpmd", "spmd-zb_h1-expert4", "mpmd-residuals-expert2-fsdp2"])
+def test_moe_pipelines_equal_one_device(accumulated, layout):
+    """An MoE Llama cut into 2 stages of 2 MoE layers each (both executors, a zero-bubble
+    schedule, experts split over data): every stage adds its share of the routers' losses
+    and metrics, so losses, parameters and the load-balancing, z-loss, dropped and
+    per-expert load metrics of 3 AdamW steps equal one device's with the same 2
+    microbatches."""
+    losses, params, metrics = _steps_with_metrics(
+        [*MOE, "mesh.stage=2", "pipeline.microbatches=2", *layout])
+    np.testing.assert_allclose(losses, accumulated[0], rtol=1e-5)
+    assert_params_close(params, accumulated[1], elementwise=False, rtol=1e-4)
+    assert set(metrics) == set(accumulated[2])
+    for name, value in accumulated[2].items():
+        np.testing.assert_allclose(metrics[name], value, rtol=1e-5, atol=1e-7, err_msg=name)
 
 
 def test_metrics_decoding_and_counts():

@@ -357,3 +357,57 @@ def test_cli_missing_input_exits_2(tmp_path, capsys):
     assert main(["prepare-data", str(missing), "--out", str(tmp_path / "o.tokens")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("jaxpar: error:") and str(missing) in err
+
+
+# ---------------------------------------------------------------- never onto an input
+
+
+@pytest.mark.parametrize("name,out", [("ok.txt", "ok.txt"), ("ok.txt", "link.txt"),
+                                      ("ok.txt", "hard.txt"), ("notes.json", "notes")])
+def test_cli_prepare_data_onto_its_own_input_is_refused(tmp_path, capsys, monkeypatch, name,
+                                                        out):
+    """The same file, through a symlink or a hard link, or as the metadata written beside
+    ``--out``: refused in one line naming both paths, the input unchanged."""
+    monkeypatch.chdir(tmp_path)
+    text = Path(name)
+    text.write_bytes(b"the only copy of my notes\n")
+    Path("link.txt").symlink_to(text)
+    Path("hard.txt").hardlink_to(text)
+    assert main(["prepare-data", name, "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxpar: error:") and err.count("\n") == 1
+    assert f"is the input file '{tmp_path / name}'" in err and "choose an --out" in err
+    assert text.read_bytes() == b"the only copy of my notes\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, "link.txt", "hard.txt"])
+
+
+def test_cli_out_inside_input_folder_onto_one_of_its_texts_is_refused(corpus, capsys):
+    before = {p: p.read_bytes() for p in corpus.rglob("*") if p.is_file()}
+    assert main(["prepare-data", str(corpus), "--out", str(corpus / "a.txt")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--out '{corpus / 'a.txt'}' is the input file" in err
+    assert {p: p.read_bytes() for p in corpus.rglob("*") if p.is_file()} == before
+    # a file the --glob leaves out is no input (and nothing of the corpus is lost)
+    assert main(["prepare-data", str(corpus), "--out", str(corpus / "sub" / "c.md"),
+                 "--glob", "*.txt"]) == 0
+
+
+def test_folder_holding_an_earlier_output_is_tokenized_without_it(corpus, tmp_path):
+    clean = prepare_data([corpus], tmp_path / "clean.tokens")
+    prepare_data([corpus / "a.txt"], corpus / "earlier.bin")  # token ids + earlier.bin.json
+    (corpus / "sub" / "old.tokens").write_bytes(b"\x01\x00\x02\x00")  # metadata lost
+    (corpus / "new.tokens.tmp").write_bytes(b"\x01\x00")  # an interrupted run's leftover
+    with pytest.warns(UserWarning, match=r"skipped 4 jaxpar token file\(s\) in the input "
+                      r"folders \(earlier prepare-data outputs, not text\)"):
+        again = prepare_data([corpus], tmp_path / "again.tokens")
+    assert again.num_tokens == clean.num_tokens and again.documents == clean.documents
+    assert np.array_equal(again.tokens, clean.tokens)
+
+
+@pytest.mark.parametrize("named", ["x.tokens", "x.tokens.json"])
+def test_a_token_file_named_as_an_input_is_refused(corpus, tmp_path, capsys, named):
+    prepare_data([corpus], tmp_path / "x.tokens")
+    assert main(["prepare-data", str(tmp_path / named), "--out", str(tmp_path / "y")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"input '{tmp_path / named}' is a jaxpar token file" in err
+    assert not (tmp_path / "y").exists()

@@ -9,8 +9,10 @@ import dataclasses
 import os
 import sys
 import traceback
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from jaxpar import signals
 from jaxpar.cli.failures import failure_of, internal, one_line_reports
 from jaxpar.cli.parser import debug_flag, parse
 from jaxpar.config import Config, load_config, run_dir_for
@@ -32,7 +34,7 @@ def _sample(args: argparse.Namespace) -> None:
     if bad:
         raise ConfigError(f"jaxpar sample takes one RUN_DIR, then section.key=value settings; "
                           f"got also {' '.join(bad)}")
-    config = load_run_config(args.run_dir, overrides)
+    config = load_run_config(args.run_dir, overrides, trust_code=args.trust_code)
     setup_devices(config.run.devices)
     out = sample_config(config, args.prompt, tokens=args.tokens, temperature=args.temperature,
                         top_k=args.top_k, seed=args.seed, step=args.step, samples=args.samples)
@@ -153,7 +155,12 @@ def _config(args: argparse.Namespace) -> Config:
         raise ConfigError(f"'{run_dirs[0]}' is a directory: give a run directory (one holding "
                           "config.yaml) alone, or config files")
 
-    config = load_config([os.path.join(run_dirs[0], "config.yaml")], overrides)
+    from jaxpar.user_code import refuse_run_dir_code
+
+    saved = Path(run_dirs[0]) / "config.yaml"
+    refuse_run_dir_code(saved, overrides, hooks=args.command == "train",
+                        trust=args.trust_code)
+    config = load_config([saved], overrides)
     if any(o.startswith("run.dir=") for o in overrides):
         return config
     return dataclasses.replace(config, run=dataclasses.replace(config.run, dir=run_dirs[0]))
@@ -215,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     pin_from_env()  # a process started by `jaxpar launch --cpus-per-process`
     debug = os.environ.get("JAXPAR_DEBUG", "") not in ("", "0")
     try:
-        with one_line_reports(debug):
+        with one_line_reports(debug), signals.raising():
             if args.command == "prepare-data":  # needs no config
                 _prepare_data(args)
                 return 0
@@ -235,9 +242,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(reference(), end="")
                 return 0
             _run(args)
+            signals.raise_pending()  # a signal whose exception a library swallowed
     except SystemExit:
         raise
     except BaseException as err:
+        signals.clear()
         failure = failure_of(err)
         if failure is None:
             failure = internal(err, debug)

@@ -9,6 +9,7 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -21,13 +22,23 @@ from jaxpar.errors import (
     BAD_INPUT,
     INTERNAL,
     INTERRUPTED,
+    PEER_LOST,
     WRITE_FAILED,
     CheckpointError,
     JaxparError,
     NonFiniteStop,
     Preempted,
+    Terminated,
 )
-from jaxpar.files import disk_full_cause, free_space
+from jaxpar.files import disk_full_cause, free_space, name_too_long, shorten
+
+#: The longest report jaxpar prints (characters). A message embedding something long — a
+#: path, a value's repr, a library's error text — keeps its start (the cause) and end
+#: (the fix), each long word shortened in the middle, and the middle of what is left.
+MAX_MESSAGE = 2000
+#: The longest run of non-blank characters (a path, a repr) kept whole in a report.
+_LONG_WORD = 200
+_WORD = re.compile(r"\S{%d,}" % (_LONG_WORD + 1))
 
 _PATH_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR,
                 errno.EISDIR, errno.EEXIST, errno.ENAMETOOLONG, errno.ENOTEMPTY}
@@ -45,7 +56,7 @@ def one_line_reports(debug: bool) -> Iterator[None]:
         return
     saved = (warnings.formatwarning, threading.excepthook,
              {name: logging.getLogger(name).level for name in _NOISY_LOGGERS}, sys.stderr)
-    warnings.formatwarning = lambda message, *_: f"jaxpar: warning: {message}\n"
+    warnings.formatwarning = lambda message, *_: capped(f"jaxpar: warning: {message}") + "\n"
     for name in _NOISY_LOGGERS:
         logging.getLogger(name).setLevel(logging.CRITICAL)
 
@@ -91,12 +102,35 @@ class _QuietNativeThreads:
         return getattr(self._stream, name)
 
 
+#: What a collective's error says when the process at the other end went away (Gloo on CPU,
+#: the coordination service's heartbeats, a closed socket).
+_PEER_GONE = re.compile(r"\bGloo\b|gloo::|[Cc]onnection (closed|reset) by peer|"
+                        r"coordination service|heartbeat|[Bb]roken pipe")
+
 _NOISY_LOGGERS = ("absl", "orbax", "jax._src.distributed", "grain", "asyncio")
 
 
+def capped(message: str, limit: int = MAX_MESSAGE) -> str:
+    """``message`` as one line of at most ``limit`` characters: line breaks become spaces,
+    each word longer than 200 characters (a path, a repr) is shortened in the middle with
+    "…", then the middle of the whole if it is still too long — its start, which says the
+    cause, is kept."""
+    if len(message) > 16 * limit:  # a runaway text: only its ends can be shown anyway
+        message = f"{message[:8 * limit]} … {message[-8 * limit:]}"
+    message = " ".join(message.splitlines())
+    message = _WORD.sub(lambda m: shorten(m.group(0), _LONG_WORD), message)
+    return shorten(message, limit)
+
+
 def failure_of(err: BaseException) -> tuple[int, str] | None:
-    """The exit status and the one-line message of an error jaxpar explains, or None for
-    one it does not (a bug: reported by :func:`_internal`)."""
+    """The exit status and the one-line message (at most :data:`MAX_MESSAGE` characters)
+    of an error jaxpar explains, or None for one it does not (a bug: reported by
+    :func:`internal`)."""
+    failure = _failure(err)
+    return None if failure is None else (failure[0], capped(failure[1]))
+
+
+def _failure(err: BaseException) -> tuple[int, str] | None:
     if isinstance(err, KeyboardInterrupt):
         return INTERRUPTED, ("jaxpar: interrupted (Ctrl-C); no checkpoint was written by this "
                              "interruption (the complete ones stay usable)")
@@ -106,12 +140,23 @@ def failure_of(err: BaseException) -> tuple[int, str] | None:
 
         if isinstance(err, PortInUse) and os.environ.get(ENV_RETRY_PORT):
             return PORT_TAKEN, f"jaxpar: {err} (jaxpar launch tries another port)"
-        kind = ("" if isinstance(err, Preempted) else "checkpoint error: "
+        kind = ("" if isinstance(err, (Preempted, Terminated)) else "checkpoint error: "
                 if isinstance(err, CheckpointError) else "stopped: "
                 if isinstance(err, NonFiniteStop) else "error: ")
         return err.exit_status, f"jaxpar: {kind}{err}"
+    if not isinstance(err, OSError) and _PEER_GONE.search(str(err)):
+        return PEER_LOST, (
+            "jaxpar: error: another process of this run stopped or cannot be reached (a "
+            f"collective failed: {shorten(str(err).strip().splitlines()[0], 160)}); its own "
+            "message says why (jaxpar launch names it); run the same command to resume from "
+            "the last checkpoint")
     if isinstance(err, OSError):
-        where = f" '{err.filename}'" if err.filename else ""
+        if err.errno == errno.ENAMETOOLONG and err.filename:
+            why = name_too_long(str(err.filename), "path", room=0) or (
+                f"File name too long: '{shorten(str(err.filename), 60)}' "
+                f"({len(str(err.filename)):,} characters)")
+            return BAD_INPUT, f"jaxpar: error: {why}: choose a shorter path"
+        where = f" '{shorten(str(err.filename))}'" if err.filename else ""
         if disk_full_cause(err) is not None:
             space = free_space(err.filename) if err.filename else "free space unknown"
             return WRITE_FAILED, (
@@ -140,7 +185,7 @@ def internal(err: BaseException, debug: bool) -> tuple[int, str]:
         except OSError:  # no writable temporary directory: the traceback goes to stderr
             print(text, file=sys.stderr, end="", flush=True)
             where = "above (it could not be written to a file)"
-    first = (str(err).strip().splitlines() or [""])[0]
-    return INTERNAL, (f"jaxpar: internal error: {type(err).__name__}: {first} — not a setting "
-                      "jaxpar checks, but a bug in jaxpar, JAX or the model's own code; the "
-                      f"traceback is {where}")
+    first = shorten(str(err).strip().split("\n", 1)[0], 500)
+    return INTERNAL, capped(f"jaxpar: internal error: {type(err).__name__}: {first} — not a "
+                            "setting jaxpar checks, but a bug in jaxpar, JAX or the model's own "
+                            f"code; the traceback is {where}")

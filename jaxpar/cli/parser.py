@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from typing import NoReturn
 
 from jaxpar import plot
+from jaxpar.config import MAX_STEPS
+from jaxpar.files import shorten
+from jaxpar.mesh import MAX_CPU_DEVICES, MAX_DEVICES
 
 #: ``jaxpar --help``: the commands, their arguments and the exit statuses.
 HELP = """    jaxpar train    [CONFIG.yaml …] [section.key=value …] [--devices N] [--task FILE.py:NAME]
@@ -46,9 +51,41 @@ JAXPAR_DEBUG=1) prints the traceback too.
 """
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, except that a bad argument is one line, ``jaxpar: error: …``
+    (exit status 2), not the usage followed by the error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"jaxpar: error: {shorten(message, 500)}; see {self.prog} --help\n")
+
+
+def _count(high: int, low: int | None = 0) -> Callable[[str], int]:
+    """An option's integer type: a whole number in [``low``, ``high``] (``low`` None: no
+    lower bound here — the command checks it), else one line saying so."""
+    def count(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:  # not an integer, or beyond Python's 4,300 digits
+            value = None
+        if value is None or value > high or (low is not None and value < low):
+            span = f"from {low} to {high:_}" if low is not None else f"at most {high:_}"
+            raise argparse.ArgumentTypeError(f"expects an integer {span}, got "
+                                             f"{shorten(text, 40)!r}")
+        return value
+
+    return count
+
+
+#: ``--devices``' type: a device count (0: all), at most MAX_DEVICES (the same bound as
+#: run.devices; without an accelerator jaxpar.mesh refuses more than MAX_CPU_DEVICES).
+_DEVICES = _count(MAX_DEVICES)
+#: ``--step``'s type: a checkpoint's step.
+_STEP = _count(MAX_STEPS)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxpar", description=HELP,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="jaxpar", description=HELP,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug", action="store_true",
                         help="print the full traceback of an error (also JAXPAR_DEBUG=1); "
                              "may be given anywhere before a launch's --")
@@ -71,7 +108,7 @@ def _config_parsers(sub: argparse._SubParsersAction) -> None:
         cmd = sub.add_parser(name, help=text)
         cmd.add_argument("args", nargs="*", metavar="CONFIG.yaml | section.key=value",
                          help="YAML files (later ones win), then overrides such as mesh.fsdp=8")
-        cmd.add_argument("--devices", type=int, default=None,
+        cmd.add_argument("--devices", type=_DEVICES, default=None,
                          help="device count (simulated CPU devices when there is no accelerator)")
         _task_argument(cmd)
         if name == "train":
@@ -82,7 +119,7 @@ def _config_parsers(sub: argparse._SubParsersAction) -> None:
             cmd.add_argument("--png", default=None, metavar="PATH",
                              help="also write the schedule chart (PNG; a path ending in .svg "
                                   "writes SVG)")
-            cmd.add_argument("--width", type=int, default=None,
+            cmd.add_argument("--width", type=_count(100_000, 1), default=None,
                              help="wrap the text grid at this many columns")
         if name == "export":
             _export_arguments(cmd)
@@ -96,7 +133,7 @@ def _export_arguments(cmd: argparse.ArgumentParser) -> None:
                      help="npz (jaxpar's parameter paths) or hf (config.json + "
                           "model.safetensors in GPT-2's layout, for transformers' "
                           "GPT2LMHeadModel; the GPT with tied embeddings only)")
-    cmd.add_argument("--step", type=int, default=None,
+    cmd.add_argument("--step", type=_STEP, default=None,
                      help="the checkpoint step (default: the latest)")
 
 
@@ -115,12 +152,14 @@ def _prepare_parser(sub: argparse._SubParsersAction) -> None:
 def _launch_parser(sub: argparse._SubParsersAction) -> None:
     run = sub.add_parser("launch", help="run a jaxpar command in N local processes "
                                         "(one jax.distributed run)")
-    run.add_argument("-n", "--processes", type=int, required=True, metavar="N")
-    run.add_argument("--devices-per-process", type=int, default=0, metavar="K",
+    run.add_argument("-n", "--processes", type=_count(MAX_CPU_DEVICES, 1), required=True,
+                     metavar="N")
+    run.add_argument("--devices-per-process", type=_count(MAX_CPU_DEVICES), default=0,
+                     metavar="K",
                      help="simulated CPU devices per process (0: leave the backend alone)")
-    run.add_argument("--cpus-per-process", type=int, default=0, metavar="C",
+    run.add_argument("--cpus-per-process", type=_count(2**16), default=0, metavar="C",
                      help="pin process i to CPU cores [i*C, (i+1)*C) (0: no pinning)")
-    run.add_argument("--port", type=int, default=0, help="coordinator port (0: a free one; "
+    run.add_argument("--port", type=_count(65535), default=0, help="coordinator port (0: a free one; "
                                                           "retried if another program takes it)")
     run.add_argument("--bind", default="127.0.0.1", metavar="ADDRESS",
                      help="the address the coordinator listens on (default: loopback only; "
@@ -138,20 +177,30 @@ def _sample_parser(sub: argparse._SubParsersAction) -> None:
     cmd.add_argument("args", nargs="*", metavar="section.key=value",
                      help="settings over the run's config.yaml, e.g. mesh.data=1")
     cmd.add_argument("--prompt", required=True, help="the text to continue")
-    cmd.add_argument("--tokens", type=int, default=200, help="tokens to generate (200)")
+    cmd.add_argument("--tokens", type=_count(2**24, None), default=200, help="tokens to generate (200)")
     cmd.add_argument("--temperature", type=float, default=1.0,
                      help="0: greedy (the most likely token); higher: more random (1.0)")
-    cmd.add_argument("--top-k", type=int, default=0, metavar="K",
+    cmd.add_argument("--top-k", type=_count(2**31, None), default=0, metavar="K",
                      help="draw from the K most likely tokens only (0: all)")
-    cmd.add_argument("--seed", type=int, default=0, help="random seed (0)")
-    cmd.add_argument("--step", type=int, default=None,
+    cmd.add_argument("--seed", type=_count(2**32 - 1), default=0, help="random seed (0)")
+    cmd.add_argument("--step", type=_STEP, default=None,
                      help="the checkpoint step (default: the latest)")
-    cmd.add_argument("--samples", type=int, default=1, help="continuations to draw (1)")
-    cmd.add_argument("--devices", type=int, default=None,
+    cmd.add_argument("--samples", type=_count(2**16, None), default=1,
+                     help="continuations to draw (1)")
+    _trust_argument(cmd)
+    cmd.add_argument("--devices", type=_DEVICES, default=None,
                      help="device count (simulated CPU devices when there is no accelerator)")
 
 
+def _trust_argument(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument("--trust-code", action="store_true",
+                     help="import the code a run directory's config.yaml names (model.name="
+                          "FILE:NAME, train.hooks); without it only code named on the command "
+                          "line runs")
+
+
 def _task_argument(cmd: argparse.ArgumentParser) -> None:
+    _trust_argument(cmd)
     cmd.add_argument("--task", default=None, metavar="FILE.py:NAME",
                      help="train your own model: a jaxpar.Task (or a function returning one) "
                           "in a Python file or module (package.module:NAME)")
@@ -185,11 +234,11 @@ def _lab_parsers(sub: argparse._SubParsersAction) -> None:
                        help="every way to factor the device count over data/fsdp/tensor/stage")
     sweep.add_argument("--out", default=None, metavar="DIR",
                        help="where sweep.csv, sweep.md and sweep.png go (default: <run.dir>/sweep)")
-    sweep.add_argument("--steps", type=int, default=5,
+    sweep.add_argument("--steps", type=_count(10**6), default=5,
                        help="timed steps per layout after 2 warm-up steps (0: compile only)")
-    sweep.add_argument("--devices", type=int, default=None,
+    sweep.add_argument("--devices", type=_DEVICES, default=None,
                        help="device count (simulated CPU devices when there is no accelerator)")
-    plan.add_argument("--devices", type=int, required=True,
+    plan.add_argument("--devices", type=_count(MAX_DEVICES, 1), required=True,
                       help="how many devices to plan for (simulated on the CPU to compile)")
 
 

@@ -12,7 +12,8 @@ Documents are concatenated in input order with no separator tokens; their bounda
 only in the metadata (``tokens[start:end]`` is one document). Nothing is ever downloaded:
 the tokenizer is ``byte`` (UTF-8 bytes, vocab 256) or a local Hugging Face ``tokenizers``
 JSON file. ``open_tokens`` maps the file back read-only, so training can read fixed-length
-windows without loading the corpus into memory.
+windows without loading the corpus into memory. What is read comes from ``find_inputs``
+(``jaxpar/data/inputs.py``): never an earlier output, and ``out`` is never an input.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxpar.data.inputs import FORMAT, check_not_an_input, find_inputs
 from jaxpar.data.tokenizers import (
     ByteTokenizer,
     Tokenizer,
@@ -37,7 +39,6 @@ from jaxpar.data.tokenizers import (
 from jaxpar.errors import DataError
 from jaxpar.files import check_output_file
 
-FORMAT = "jaxpar-tokens"
 VERSION = 1
 BUILTIN_NAME = "pydoc_data.topics"
 _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
@@ -51,6 +52,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def _metadata(tok: Tokenizer, num_tokens: int, documents: list[dict]) -> dict[str, Any]:
+    """The metadata dict; ``format`` comes first (``is_token_output`` reads the start)."""
     return {"format": FORMAT, "version": VERSION, "dtype": token_dtype(tok.vocab_size).name,
             "vocab_size": tok.vocab_size, "num_tokens": num_tokens,
             "tokenizer": tok.describe(), "documents": documents}
@@ -97,50 +99,6 @@ def encode_documents(docs: list[tuple[str, bytes]], tokenizer: str | Tokenizer
     return tokens, _metadata(tok, int(tokens.size), documents)
 
 
-def _is_hidden(rel: Path) -> bool:
-    return any(part.startswith(".") for part in rel.parts)
-
-
-def find_inputs(inputs: Iterable[str | os.PathLike], glob: str | None = None,
-                exclude: Iterable[Path] = ()) -> list[Path]:
-    """The files to tokenize, in order: each file as given, each folder's files sorted.
-
-    A folder contributes every regular, non-hidden file below it (hidden folders are skipped
-    too), sorted by path and, when ``glob`` is given (e.g. ``"*.txt"``), matching it. Files
-    named directly are always used. Paths in ``exclude`` (compared resolved) are skipped, so
-    an output written inside an input folder is not read back on the next run.
-    """
-    inputs = list(inputs)
-    if not inputs:
-        raise DataError("no inputs given; name text files or folders to tokenize")
-    skip = {Path(p).resolve() for p in exclude}
-    found: list[Path] = []
-    for item in inputs:
-        path = Path(item)
-        if path.is_file():
-            found.append(path.absolute())
-            continue
-        if not path.is_dir():
-            raise DataError(f"input '{item}' does not exist (or is not a file or folder); "
-                            "check the path")
-        files = []
-        for root, dirs, names in os.walk(path):
-            dirs[:] = [d for d in dirs if not d.startswith(".")]
-            for name in names:
-                full = Path(root, name)
-                rel = full.relative_to(path)
-                if (_is_hidden(rel) or not full.is_file() or full.resolve() in skip
-                        or (glob is not None and not rel.match(glob))):
-                    continue
-                files.append(full)
-        if not files:
-            what = f"matching --glob '{glob}'" if glob is not None else "(hidden files are skipped)"
-            raise DataError(f"folder '{item}' holds no files {what}; add text files or "
-                            "change the pattern")
-        found.extend(f.absolute() for f in sorted(files, key=lambda f: f.relative_to(path).parts))
-    return found
-
-
 @dataclass(frozen=True, eq=False)
 class TokenFile:
     """Token ids and their metadata, memory-mapped from a token file or held in memory.
@@ -177,7 +135,7 @@ def prepare_data(inputs: Iterable[str | os.PathLike], out: str | os.PathLike,
     renamed, and the metadata written last, so a crash never leaves a valid-looking pair.
 
     Args:
-      inputs: files and/or folders (see ``find_inputs``).
+      inputs: files and/or folders (see ``jaxpar.data.inputs.find_inputs``).
       out: the token file to write, e.g. ``corpus.tokens``; parent folders are created.
       tokenizer: ``"byte"`` or the path of a Hugging Face ``tokenizers`` JSON file.
       glob: keep only folder files matching this pattern, e.g. ``"*.txt"``.
@@ -186,13 +144,17 @@ def prepare_data(inputs: Iterable[str | os.PathLike], out: str | os.PathLike,
       The written file, opened with ``open_tokens``.
 
     Raises:
-      DataError: for a missing input, a folder without matching files, a non-UTF-8 file
-        with a Hugging Face tokenizer, or inputs holding zero tokens.
+      DataError: for a missing input, a folder without matching files, a token file named
+        as an input, a non-UTF-8 file with a Hugging Face tokenizer, or inputs holding zero
+        tokens.
+      PathError: for an ``out`` (or its metadata or temporary file) that is an input file.
     """
     tok = load_tokenizer(tokenizer)
     out = check_output_file(Path(out).absolute(), "--out")
     meta_path, tmp = _meta_path(out), out.with_name(out.name + ".tmp")
-    files = find_inputs(inputs, glob, exclude=(out, meta_path, tmp))
+    files = find_inputs(inputs, glob)
+    check_not_an_input({out: "--out", meta_path: "the metadata file of --out",
+                        tmp: "the temporary file of --out"}, files)
     documents: list[dict] = []
     try:
         with open(tmp, "wb") as f:

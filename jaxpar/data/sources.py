@@ -52,14 +52,16 @@ class DataConfig:
     dataset: Dataset = Field("auto", description="auto (path or the built-in data), digits "
                              "(scikit-learn's handwritten digits) or synthetic (random tokens / "
                              "template images of num_examples examples, for benchmarks)")
-    seq_len: int = Field(128, ge=1, description="tokens per example (language models)")
+    seq_len: int = Field(128, ge=1, le=2**24, description="tokens per example (language "
+                         "models)")
     eval_fraction: Float = Field(0.1, description="the held-out share, in (0, 1)")
-    image_size: int = Field(8, ge=1, description="height and width of synthetic images")
-    channels: int = Field(1, ge=1, description="channels of synthetic images")
-    num_examples: int = Field(4096, ge=2, description="examples of synthetic data")
-    threads: int = Field(2, ge=0, description="grain reader threads")
-    prefetch: int = Field(4, ge=0, description="batches read ahead")
-    workers: int = Field(0, ge=0, description="grain worker processes")
+    image_size: int = Field(8, ge=1, le=2**16, description="height and width of synthetic "
+                            "images")
+    channels: int = Field(1, ge=1, le=2**16, description="channels of synthetic images")
+    num_examples: int = Field(4096, ge=2, le=2**40, description="examples of synthetic data")
+    threads: int = Field(2, ge=0, le=1024, description="grain reader threads")
+    prefetch: int = Field(4, ge=0, le=2**16, description="batches read ahead")
+    workers: int = Field(0, ge=0, le=1024, description="grain worker processes")
     wait_warn: Float = Field(0.1, ge=0, le=1, description="warn once when the loop spends more "
                              "than this fraction of its time waiting for data (0: never)")
 

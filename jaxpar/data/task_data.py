@@ -34,7 +34,13 @@ import numpy as np
 
 from jaxpar.data.loader import Loader, fixed_batches
 from jaxpar.data.sources import DataConfig
-from jaxpar.errors import DataError, RestoreError
+from jaxpar.errors import (
+    DataError,
+    JaxparError,
+    RestoreError,
+    UserCodeFailed,
+    code_name,
+)
 
 BatchFn = Callable[..., Mapping[str, Any]]
 
@@ -107,14 +113,23 @@ class FunctionStream(Iterator[dict[str, np.ndarray]]):
         """This process's rows of batch ``index`` (what the ``index+1``-th ``next`` gives)."""
         where = f"(step={index}, global_batch_size={self.global_batch_size})"
         if self.takes_rows:
-            batch = self.fn(index, self.global_batch_size, rows=self.rows)
+            batch = self._call(index, rows=self.rows)
             return self.check(batch, self.rows.stop - self.rows.start,
                               f"{where[:-1]}, rows={self.rows})")
-        batch = self.check(self.fn(index, self.global_batch_size), self.global_batch_size,
-                           where)
+        batch = self.check(self._call(index), self.global_batch_size, where)
         if self.rows.stop - self.rows.start == self.global_batch_size:
             return batch
         return {k: v[self.rows] for k, v in batch.items()}
+
+    def _call(self, index: int, **rows: Any) -> Any:
+        """The function's batch ``index``; an exception it raises names it and the step."""
+        try:
+            return self.fn(index, self.global_batch_size, **rows)
+        except JaxparError:
+            raise
+        except Exception as err:
+            raise UserCodeFailed(f"{self.check.what} ({code_name(self.fn)})", err,
+                                 f"for batch {index} (step {index + 1})") from err
 
     def __next__(self) -> dict[str, np.ndarray]:
         index = self.batches_consumed
@@ -170,6 +185,12 @@ class IterStream(Iterator[dict[str, np.ndarray]]):
                 f"Task.data (a grain.IterDataset) ran out after {self.batches_consumed} "
                 f"batches of {self.global_batch_size}; repeat it (e.g. "
                 "MapDataset.repeat() before to_iter_dataset()) or lower train.steps") from None
+        except JaxparError:
+            raise
+        except Exception as err:
+            raise UserCodeFailed(f"{self.check.what} (a grain.IterDataset)", err,
+                                 f"for batch {self.batches_consumed} (step "
+                                 f"{self.batches_consumed + 1})") from err
         batch = self.check(batch, self.global_batch_size, f" (batch {self.batches_consumed})")
         self.batches_consumed += 1
         return batch

@@ -10,15 +10,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from jaxpar.errors import TaskError
 from jaxpar.hooks.base import Context, Hook
 from jaxpar.hooks.checkpointing import Checkpointing
 from jaxpar.hooks.evaluation import Evaluation, is_eval_step
 from jaxpar.hooks.metrics import MetricsLog, NonFiniteGuard, TensorBoard
 from jaxpar.hooks.profiling import Profiler
 from jaxpar.hooks.progress import Progress
+from jaxpar.user_code import load_object
 
 __all__ = ["Checkpointing", "Context", "Evaluation", "Hook", "MetricsLog", "NonFiniteGuard",
-           "Profiler", "Progress", "TensorBoard", "default_hooks", "is_eval_step"]
+           "Profiler", "Progress", "TensorBoard", "default_hooks", "is_eval_step",
+           "load_hooks"]
 
 
 def default_hooks(run: Any, run_dir: Path | None, ckpt: Any = None, wait: Any = None
@@ -35,4 +38,28 @@ def default_hooks(run: Any, run_dir: Path | None, ckpt: Any = None, wait: Any = 
         hooks.append(TensorBoard(run_dir))
     if cfg.progress:
         hooks.append(Progress())
+    return hooks
+
+
+def load_hooks(specs: tuple[str, ...] | list[str]) -> list[Hook]:
+    """The hooks ``train.hooks`` names: a :class:`Hook` subclass (built with no
+    arguments) or instance. What a name gives is checked before anything is called, so
+    naming another callable (``os:abort``) runs nothing.
+
+    Raises:
+      TaskError: naming the entry, for what :func:`~jaxpar.user_code.load_object` refuses
+        or an object that is not a Hook subclass or instance.
+    """
+    hooks = []
+    for spec in specs:
+        obj = load_object(spec, "train.hooks")
+        if isinstance(obj, type) and issubclass(obj, Hook):
+            obj = obj()
+        elif not isinstance(obj, Hook):
+            kind = f"the class {obj.__name__}" if isinstance(obj, type) else \
+                f"a {type(obj).__name__}"
+            raise TaskError(f"train.hooks entry '{spec}' is {kind}, not a jaxpar.Hook "
+                            "subclass or instance, so it is not called; name a class that "
+                            "subclasses jaxpar.Hook")
+        hooks.append(obj)
     return hooks

@@ -33,6 +33,7 @@ from typing import Any
 import jax
 
 from jaxpar import run as run_lib
+from jaxpar.errors import JaxparError, UserCodeFailed, code_name, is_own
 from jaxpar.run import Run
 from jaxpar.state import TrainState
 
@@ -111,11 +112,23 @@ class Context:
         return self.run.config
 
     def emit(self, event: str, *args: Any) -> None:
-        """Calls ``event`` on every hook, in order."""
+        """Calls ``event`` on every hook, in order. An exception a user's hook raises
+        names the hook, the event and the step (:class:`~jaxpar.errors.UserCodeFailed`)."""
         for hook in self.hooks:
             method = getattr(hook, event, None)  # a hook may define only the events it needs
-            if method is not None:
+            if method is None:
+                continue
+            if is_own(hook):
                 method(self, *args)
+                continue
+            try:
+                method(self, *args)
+            except JaxparError:
+                raise
+            except Exception as err:
+                step = args[0] if args else self.current_step
+                at = f"at step {step}" if step else "before the first step"
+                raise UserCodeFailed(f"hook {code_name(hook)}.{event}", err, at) from err
 
     def flush(self) -> None:
         """Delivers every pending step's metrics to ``on_step`` now (a host sync)."""

@@ -26,8 +26,14 @@ global batch ``B`` (``b`` rows per device), sequence ``T``, width ``D``:
   ``[b, T, D]`` forward and two backward, Megatron's count; ResNet: one
   all-reduce per block each way). A user's task without a family gets none.
 * **pipeline sends** — the SPMD executor sends one activation (the first stage's
-  output for one microbatch, e.g. ``[b/m, T, D]``) right and one gradient left
-  every tick (bubbles included).
+  output for one microbatch, e.g. ``[b/m, T, D]``, its part of the sequence under
+  ``context``) right and one gradient left every tick (bubbles included).
+* **context** — the sequence's axes sum gradients as the batch axes do (XLA reduces
+  over them first, then over the batch axes: see :func:`_gradient_terms`); inside the
+  spmd pipeline they stay automatic, and every tick sums its gradients over them (the
+  last stage's: its chunk's layers and its head's parameters). The attention's
+  collectives are the family's (:meth:`LabModel.context_terms`), counted as a pipeline
+  runs them by :mod:`jaxpar.lab.staged`.
 
 Scalar reductions (loss, gradient norm) are left out: a few bytes. XLA:CPU
 computes bfloat16 in float32 (its float-normalization pass), so a CPU program
@@ -45,6 +51,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxpar.lab.staged import context_terms_in_pipeline, first_stage_message
 from jaxpar.logical import BATCH_AXES, spec_axes, spec_leaves
 from jaxpar.models.family import LabLayout, LabModel, Term
 from jaxpar.pipeline.views import STACKED, WHOLE
@@ -71,19 +78,20 @@ class CommPrediction:
 
 
 def _param_leaves(plan: Plan, batch: dict
-                  ) -> list[tuple[str, float, tuple[str, ...], bool, tuple[str, ...]]]:
+                  ) -> list[tuple[str, float, tuple[str, ...], bool, tuple[str, ...], int]]:
     """(top-level key, bytes, mesh axes sharding it, stacked on ``layers``, the axes that
-    split its experts) per parameter. A stacked parameter runs in a layer scan: FSDP
-    gathers it in the forward scan and again in the backward scan (the scan keeps the
-    shards, not the gathered weights). A device keeps its own experts (never gathered) and
-    their gradients whole (the dispatch brought them every token routed to them)."""
+    split its experts, its dims a layer) per parameter. A stacked parameter runs in a layer
+    scan: FSDP gathers it in the forward scan and again in the backward scan (the scan keeps
+    the shards, not the gathered weights). A device keeps its own experts (never gathered)
+    and their gradients whole (the dispatch brought them every token routed to them)."""
     leaves = jax.tree_util.tree_leaves_with_path(plan.model.params)
     names = jax.tree.leaves(plan.model.param_axes, is_leaf=lambda x: isinstance(x, tuple))
     mine = _held_by_heaviest_stage(plan, len(leaves), batch)
     return [(str(getattr(path[0], "key", "")) if held else None,
              math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize, spec_axes(spec),
              "layers" in axes,
-             plan.rules.get("experts", ()) if "experts" in axes else ())
+             plan.rules.get("experts", ()) if "experts" in axes else (),
+             leaf.ndim - ("layers" in axes))
             for (path, leaf), spec, axes, held in zip(leaves, spec_leaves(plan.param_specs),
                                                       names, mine)]
 
@@ -111,10 +119,10 @@ def _read_outside_stack(plan: Plan, stage: int, batch: dict) -> set[int]:
     used: set[int] = set()
     if stage == 0:
         used |= _used_inputs(embed, model.params, model.state, rows)
-    if stage == len(plan.gradients.meshes) - 1:
+    if stage == plan.mesh.shape["stage"] - 1:
         x = jax.eval_shape(embed, model.params, model.state, rows)
-        used |= _used_inputs(lambda p, s, b: split.head(nnx.merge(model.graphdef, p, s), x, b),
-                             model.params, model.state, rows)
+        head = lambda p, s, xb: split.head(nnx.merge(model.graphdef, p, s), *xb)
+        used |= _used_inputs(head, model.params, model.state, (x, rows))
     return used
 
 
@@ -151,8 +159,11 @@ def _gradient_terms(plan: Plan, lab: LabModel, sizes: dict[str, int], cpu: bool,
     pipelined = plan.pipeline is not None
     mpmd = plan.executor == "mpmd"
     # every axis that splits the examples or their sequences sums gradients
-    seq = tuple(a for a in plan.rules.get("seq", ()) if a not in BATCH_AXES)
-    batch = [a for a in (*BATCH_AXES, *seq) if sizes[a] > 1]
+    seq = tuple(a for a in plan.rules.get("seq", ()) if a not in BATCH_AXES and sizes[a] > 1)
+    # the spmd pipeline's shard_map leaves the sequence's axes automatic: the partitioner
+    # sums a tick's gradients over them inside the tick (measured), not once a step
+    in_ticks = pipelined and not mpmd and bool(seq)
+    batch = [a for a in (*BATCH_AXES, *(() if in_ticks else seq)) if sizes[a] > 1]
     # with a pipeline: one pipelined pass per microbatch; the sub-mesh pipeline reduces each
     # microbatch's gradients in its backward program
     accum = plan.microbatches if mpmd else plan.grad_accum
@@ -162,9 +173,17 @@ def _gradient_terms(plan: Plan, lab: LabModel, sizes: dict[str, int], cpu: bool,
     # a parameter the model reads whole (LabModel.whole_params: gathered over every axis, as
     # a transformer's token table) has a whole-table gradient, reduced before it is sliced
     whole, outside = lab.whole_params, lab.gathers_outside_scans
+    head = _read_outside_stack(plan, sizes["stage"] - 1, example) if in_ticks else set()
+    homes = jax.tree.leaves(plan.gradients.homes.params) if mpmd else []
     terms = []
-    for key, nbytes, axes, scanned, own in _param_leaves(plan, example):
+    for i, (key, nbytes, axes, scanned, own, rank) in enumerate(_param_leaves(plan, example)):
+        # the sub-mesh pipeline sums the stages' gradients of a parameter on the whole mesh
+        # (every device, whichever stage reads it), sharded as the parameter is
+        shard = nbytes / math.prod(sizes[a] for a in axes)
         if key is None:  # under the sub-mesh pipeline, a parameter of another stage
+            if homes[i] == WHOLE:
+                terms.append(Term("all-reduce", "gradient all-reduce over stage", shard,
+                                  sizes["stage"]))
             continue
         in_layers = key == layers_key
         local = nbytes / math.prod(sizes[a] for a in axes if (a not in batch or a in own)
@@ -174,24 +193,31 @@ def _gradient_terms(plan: Plan, lab: LabModel, sizes: dict[str, int], cpu: bool,
         if pipelined and not in_layers and sizes["stage"] > 1 and layers_key:
             # the stages' gradients of the parameters outside the stack, summed: after
             # every pass (spmd), once per step (mpmd)
-            terms.append(Term("all-reduce", "gradient all-reduce over stage", local,
-                              sizes["stage"], 1 if mpmd else accum))
+            terms.append(Term("all-reduce", "gradient all-reduce over stage",
+                              shard if mpmd else local, sizes["stage"], 1 if mpmd else accum))
+        if in_ticks and (in_layers or i in head):
+            terms.append(_tick_reduction(plan, sizes, seq, local, in_layers))
         if gather > 1:
             terms.append(Term("all-gather", "FSDP weight gathers", local, gather,
                               _gathers(plan, pipelined, scanned, outside)))
             if not cpu or (pipelined and not mpmd):  # one program reduces: scatters
                 terms.append(Term("reduce-scatter", "gradient reduce-scatter", local, gather,
                                   accum))
-            elif accum > 1:  # XLA:CPU: an all-reduce over fsdp per microbatch, then a slice
+            elif accum > 1 and not mpmd:  # XLA:CPU: an all-reduce over fsdp per microbatch
                 terms.append(Term("all-reduce", "gradient all-reduce over fsdp", local, gather,
                                   accum))
-            else:  # XLA:CPU: one all-reduce over every batch axis, then a slice
+            else:  # XLA:CPU: one all-reduce over every batch axis (per program), then a slice
                 rest, gather = rest * gather, 1
             local /= gather
-        # data × context: XLA reduces over the sequence's axes first, then over the batch's
-        # (measured, with or without tensor; with fsdp it reduces once, as the textbook does)
+        # data × context: XLA reduces over the sequence's axes (c devices) first, then over
+        # the batch's (b), both of the whole gradient: 2(b−1)(c−1)/(bc)·S more than one
+        # all-reduce over the b·c devices (measured, with or without tensor). Under fsdp ×
+        # context XLA:CPU does so for a gradient summed over the tokens (a bias, a norm's
+        # scale: one dim a layer) or of a table read whole; a matmul's gradient it reduces
+        # over fsdp first and the slice over the rest (measured): one all-reduce's bytes.
         split_seq = math.prod(sizes[a] for a in seq if a in batch)
-        if 1 < split_seq < rest and sizes["fsdp"] == 1:
+        summed = cpu and (accum == 1 or mpmd) and (key in whole or rank == 1)
+        if 1 < split_seq < rest and (sizes["fsdp"] == 1 or summed):
             terms.append(Term("all-reduce", "gradient all-reduce over context", local,
                               split_seq, 1 if once else accum))
             rest //= split_seq
@@ -199,6 +225,18 @@ def _gradient_terms(plan: Plan, lab: LabModel, sizes: dict[str, int], cpu: bool,
             terms.append(Term("all-reduce", "gradient all-reduce", local, rest,
                               1 if once else accum))
     return terms
+
+
+def _tick_reduction(plan: Plan, sizes: dict[str, int], seq: tuple[str, ...], local: float,
+                    in_layers: bool) -> Term:
+    """A gradient the spmd pipeline's ticks sum over the sequence's axes. Every tick counts
+    as its costliest branch (:func:`jaxpar.hlo.program_cost`): the last stage's backward,
+    whose gradients are its chunk's layers and its head's parameters (the first stage's
+    embedding gathers its output gradient instead: :mod:`jaxpar.lab.staged`)."""
+    table = plan.pipeline
+    chunk = local / table.v if in_layers else local  # a device holds v chunks, runs one
+    return Term("all-reduce", "context: a tick's gradients all-reduced over context", chunk,
+                math.prod(sizes[a] for a in seq), table.ticks * plan.grad_accum)
 
 
 def lab_layout(run: Run, cpu: bool) -> LabLayout:
@@ -217,17 +255,11 @@ def lab_layout(run: Run, cpu: bool) -> LabLayout:
 def _pipeline_terms(run: Run, cpu: bool) -> list[Term]:
     """One activation right and one gradient left every tick: the message is what the
     model's first stage hands the next (its ``StageSplit.embed`` output) for one microbatch
-    of one device's rows."""
+    of one device's rows, and of its part of their sequences under context parallelism."""
     plan, table = run.plan, run.plan.pipeline
     if table is None or plan.executor == "mpmd":  # no collective: device_put between stages
         return []
-    batch = run.data.batch(0, run.config.train.batch_size)
-    rows = run.config.train.batch_size // plan.batch_ways() // (table.m * plan.grad_accum)
-    micro = {k: jax.ShapeDtypeStruct((rows, *v.shape[1:]), v.dtype) for k, v in batch.items()}
-    message = jax.eval_shape(
-        lambda p, s, b: plan.task.stages.embed(nnx.merge(plan.model.graphdef, p, s), b),
-        plan.model.params, plan.model.state, micro)
-    size = math.prod(message.shape) * (4 if cpu else np.dtype(message.dtype).itemsize)
+    _, size = first_stage_message(run, cpu)
     return [Term("collective-permute", "pipeline sends (activation right, gradient left)",
                  2 * size, table.p, table.ticks * plan.grad_accum)]
 
@@ -248,6 +280,7 @@ def predict_comm(run: Run, backend: str = "gpu") -> CommPrediction:
     layout = lab_layout(run, cpu)
     activations = ([*lab.tensor_terms(run.config.model, layout),
                     *lab.context_terms(run.config.model, layout),
+                    *context_terms_in_pipeline(run, lab, layout, cpu),
                     *lab.expert_terms(run.config.model, layout)]
                    if run.family is not None else [])
     batch = run.data.batch(0, run.config.train.batch_size)

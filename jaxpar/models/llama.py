@@ -4,11 +4,12 @@ attention (``n_kv_heads`` key/value heads shared by groups of ``n_heads / n_kv_h
 query heads), no biases, an untied (or tied) output layer; bfloat16 compute over float32
 parameters when ``model.dtype=bfloat16``. Hugging Face interchange: ``jaxpar/hf/llama.py``.
 With ``model.n_experts`` > 0 every ``moe_every``-th MLP is a mixture of experts
-(:mod:`jaxpar.models.moe`; its parameters router [G, D, E], e_gate, e_up [G, E, D, F],
-e_down [G, E, F, D] with G = L / moe_every), and the layers scan in groups of moe_every.
+(:mod:`jaxpar.models.moe`: router [G, D, E], e_gate, e_up [G, E, D, F], e_down [G, E, F, D]
+for G = L / moe_every), the layers scanned in groups of moe_every; a pipeline stage adds
+its share of the routers' losses (:attr:`~jaxpar.task.StageSplit.stage`).
 
-Shape suffixes: B batch, T sequence, D embed, N heads, K key/value heads, H head dim,
-F mlp, V vocab, L layers. The blocks are stacked on a leading ``layers`` dim and scanned.
+Shape suffixes: B batch, T sequence, D embed, N heads, K key/value heads, H head dim, F
+mlp, V vocab, L layers (stacked on a leading ``layers`` dim and scanned).
 
 Parameters (logical axes):
   embed W[V, D] (vocab, embed); per layer: attn_norm, mlp_norm [L, D] (layers, embed);
@@ -74,29 +75,24 @@ class LlamaConfig(ModelConfig):
     d_model: int = Field(128, ge=1, description="width D")
     n_layers: int = Field(4, ge=1, description="transformer blocks L")
     n_heads: int = Field(4, ge=1, description="query heads N (divides d_model)")
-    n_kv_heads: int = Field(2, ge=1, description="key/value heads K (divides n_heads; "
-                                                 "n_heads: multi-head attention)")
+    n_kv_heads: int = Field(2, ge=1, description="key/value heads K (divides n_heads)")
     d_ff: int = Field(344, ge=1, description="SwiGLU MLP width F")
     max_seq_len: int = Field(128, ge=1, description="longest sequence (the KV cache)")
     rope_theta: Float = Field(10000.0, gt=0, description="rotary base (Llama 3: 500000)")
     norm_eps: Float = Field(1e-5, gt=0, description="RMSNorm epsilon")
-    tie_embeddings: bool = Field(False, description="the output layer is the token "
-                                                    "table's transpose")
+    tie_embeddings: bool = Field(False, description="output layer: the token table's transpose")
     remat: Remat = Field("none", description="what each block recomputes in the backward pass")
     dtype: Dtype = Field("float32", description="compute dtype (parameters stay float32)")
     attention: Attention = Field("auto", description="jax.nn.dot_product_attention's "
                                  "implementation (auto: cuDNN on a GPU where it runs, XLA "
                                  "elsewhere)")
     init_from: str = Field("", description="a Hugging Face Llama directory (config.json + "
-                                           "model.safetensors) a fresh run starts from")
-    n_experts: int = Field(0, ge=0, description="experts of each mixture-of-experts MLP (0: "
-                                                "dense MLPs only)")
+                           "model.safetensors) a fresh run starts from")
+    n_experts: int = Field(0, ge=0, description="experts of each mixture-of-experts MLP (0: none)")
     top_k: int = Field(2, ge=1, description="experts each token is routed to")
-    moe_every: int = Field(1, ge=1, description="every moe_every-th layer's MLP is a mixture "
-                                                "of experts (1: all of them)")
+    moe_every: int = Field(1, ge=1, description="every moe_every-th MLP is a mixture of experts")
     n_shared_experts: int = Field(0, ge=0, description="experts every token also passes "
-                                                       "through (one SwiGLU of that many "
-                                                       "times d_ff)")
+                                  "through (one SwiGLU of that many times d_ff)")
     capacity_factor: Float = Field(0.0, ge=0, description="0: dropless; else each expert "
                                    "takes at most factor · T · top_k / n_experts assignments "
                                    "of a sequence (the rest are dropped and counted)")
@@ -330,22 +326,27 @@ def llama_loss(model: Llama, batch: Any) -> tuple[jax.Array, dict[str, jax.Array
     if not stats:
         return loss, metrics
     cfg = model.cfg
-    metrics = {"ce": loss, "moe_balance": stats["balance"], "moe_z": stats["z"],
-               "moe_dropped": stats["dropped"].astype(jnp.float32),
-               **{f"moe_load_{e}": stats["load"][e] for e in range(cfg.n_experts)}}
-    return loss + cfg.aux_loss_coef * stats["balance"] + cfg.z_loss_coef * stats["z"], metrics
+    extra, moe_metrics = moe.loss_terms(stats, 1.0, cfg.aux_loss_coef, cfg.z_loss_coef)
+    return loss + extra, {"ce": loss, **moe_metrics}
 
 
 def _embed(model: Llama, batch: Any) -> jax.Array:
     return model.embed_tokens(lm_sequence(batch)[0])
 
 
-def _stage(model: Llama, x: jax.Array, batch: Any, first: Any) -> jax.Array:
-    return model.run_blocks(x, lm_sequence(batch)[2])
+def _stage(model: Llama, x: jax.Array, batch: Any, first: Any) -> Any:
+    """The chunk's blocks; with experts, also its share of the routers' terms."""
+    x, stats = model.blocks_and_stats(x, lm_sequence(batch)[2])
+    if not stats:
+        return x
+    cfg, groups = model.cfg, model.blocks.router.shape[0]  # the chunk's MoE layers
+    return x, moe.loss_terms(stats, groups * cfg.group / cfg.n_layers, cfg.aux_loss_coef,
+                             cfg.z_loss_coef)
 
 
 def _head(model: Llama, x: jax.Array, batch: Any) -> tuple[jax.Array, dict]:
-    return next_token_loss(model.logits(x), lm_sequence(batch)[1])
+    loss, metrics = next_token_loss(model.logits(x), lm_sequence(batch)[1])
+    return loss, ({"ce": loss} if model.cfg.n_experts else metrics)
 
 
 STAGES = StageSplit("blocks", _embed, _stage, _head)
@@ -356,8 +357,7 @@ def task(cfg: LlamaConfig, seq_len: int) -> Task:
     """The Llama's task: next-token prediction on windows of ``seq_len + 1`` tokens."""
     refuse_init_from(cfg)
     return Task(lambda rngs: Llama(cfg, rngs=rngs), llama_loss, {"tokens": ("batch", None)},
-                tokens_per_example=seq_len, name="llama", context_parallel=True,
-                stages=None if cfg.n_experts else STAGES)  # MoE: its statistics cross no stage
+                tokens_per_example=seq_len, name="llama", context_parallel=True, stages=STAGES)
 
 
 def llama_counts(cfg: LlamaConfig, seq_len: int) -> tuple[int, float]:
@@ -375,10 +375,9 @@ def llama_counts(cfg: LlamaConfig, seq_len: int) -> tuple[int, float]:
 
 
 class LlamaLab(TransformerLab):
-    """The lab's Llama: its q, k and v projections (different head counts: not stacked)
-    and SwiGLU's gate and up each give the backward an input gradient that XLA all-reduces
-    apart under tensor parallelism: 5 a layer (measured); 4 where the key/value heads are
-    not split (there XLA also gathers some: the step measures 0.96× the prediction)."""
+    """The lab's Llama: q, k, v and SwiGLU's gate and up each give the backward an input
+    gradient that XLA all-reduces apart under tensor parallelism: 5 a layer (measured); 4
+    where the key/value heads are not split (and XLA gathers some: measured 0.96×)."""
 
     def tensor_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
         split_kv = layout.rules.get("kv_heads", ()) == layout.rules.get("heads", ())

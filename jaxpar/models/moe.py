@@ -61,6 +61,17 @@ def over_layers(stats: dict[str, jax.Array]) -> dict[str, jax.Array]:
             "dropped": stats["dropped"].sum(), "load": stats["load"].mean(0)}
 
 
+def loss_terms(stats: dict[str, jax.Array], share: float, balance_coef: float,
+               z_coef: float) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The routers' weighted losses and their metrics (``moe_balance``, ``moe_z``,
+    ``moe_dropped``, ``moe_load_<e>``) for ``share`` of the MoE layers, whose statistics
+    ``stats`` averages (:func:`over_layers`): what a pipeline stage holding them adds."""
+    loss = share * (balance_coef * stats["balance"] + z_coef * stats["z"])
+    return loss, {"moe_balance": share * stats["balance"], "moe_z": share * stats["z"],
+                  "moe_dropped": stats["dropped"].astype(jnp.float32),
+                  **{f"moe_load_{e}": share * v for e, v in enumerate(stats["load"])}}
+
+
 def mlp_counts(L: int, D: int, F: int, G: int, E: int, top_k: int, S: int
                ) -> tuple[int, int]:
     """Parameters and multiply-adds per token of L SwiGLU MLPs of width F, G of them a
@@ -144,16 +155,19 @@ def moe_mlp(h_BTD: jax.Array, p: dict[str, jax.Array], top_k: int,
     batch_axes = tuple(a for a in rules.get("batch", ()) if mesh is not None
                        and mesh.shape.get(a, 1) > 1)
     ep_axes = tuple(a for a in rules.get("experts", ()) if a in batch_axes)
+    # inside a program already manual over batch axes (the spmd pipeline's stages), the
+    # statistics are summed over those: the routing sees the whole (micro)batch
+    stat_axes = batch_axes or _manual_batch_axes(mesh)
 
     def local(h, router, w):
         b = h.shape[0]
-        experts, weights, stats = route(h.reshape(b * T, D), router, top_k, batch_axes)
+        experts, weights, stats = route(h.reshape(b * T, D), router, top_k, stat_axes)
         experts, weights = experts.reshape(b, T, top_k), weights.reshape(b, T, top_k)
         stats["dropped"] = jnp.zeros((), jnp.int32)
         if capacity_factor:
             keep = capacity_mask(experts, E, capacity_factor, positions_T)
             weights, dropped = jnp.where(keep, weights, 0.0), jnp.sum(~keep)
-            stats["dropped"] = jax.lax.psum(dropped, batch_axes) if batch_axes else dropped
+            stats["dropped"] = jax.lax.psum(dropped, stat_axes) if stat_axes else dropped
         dtype = h.dtype
         w = {n: a.astype(dtype) for n, a in w.items()}
         if ep_axes:  # gather the group's tokens: each device runs its experts on them all
@@ -179,6 +193,13 @@ def moe_mlp(h_BTD: jax.Array, p: dict[str, jax.Array], top_k: int,
                               check_vma=False)
     y, stats = local(h_BTD, p["router"], w)
     return constrain(y, ("batch", "seq", "act_embed")), stats
+
+
+def _manual_batch_axes(mesh: Any) -> tuple[str, ...]:
+    """The batch axes (``data``, ``fsdp``) the program being traced is manual over."""
+    manual = getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) or ()
+    return tuple(a for a in ("data", "fsdp") if a in manual and mesh is not None
+                 and mesh.shape.get(a, 1) > 1)
 
 
 def _wire(dtype: Any) -> Any:

@@ -21,7 +21,7 @@ from flax import nnx
 from jaxpar.errors import LayoutError
 from jaxpar.pipeline.schedule import KINDS
 from jaxpar.pipeline.ticks import TickTable
-from jaxpar.task import StageSplit
+from jaxpar.task import StageSplit, stage_output
 
 # lax.switch branches. The forward of the last chunk is folded into its backward (which
 # recomputes it with the head), so it is idle in training. Chunk 0 has branches of its own:
@@ -96,10 +96,22 @@ class Parts:
         return self.split.embed(self._model(rest, chunk, state), mb)
 
     def stage(self, chunk, rest, state, x, mb, first_layer):
-        return self.split.stage(self._model(rest, chunk, state), x, mb, first_layer)
+        """(x, the chunk's loss term, its metrics): see :attr:`StageSplit.stage`."""
+        return stage_output(self.split.stage(self._model(rest, chunk, state), x, mb,
+                                             first_layer))
 
     def head(self, chunk, rest, state, x, mb):
         return self.split.head(self._model(rest, chunk, state), x, mb)
+
+
+def merged(template: dict, *metrics: dict) -> dict:
+    """Metrics dicts summed key by key into the keys of ``template`` (zeros where none
+    gives one): every branch returns the same structure."""
+    out = dict(template)
+    for given in metrics:
+        for k, v in given.items():
+            out[k] = out[k] + v.astype(out[k].dtype)
+    return out
 
 
 def branch_functions(parts: Parts, message: Any, seed: Any, no_dw: Any, no_drest: Any,
@@ -108,7 +120,9 @@ def branch_functions(parts: Parts, message: Any, seed: Any, no_dw: Any, no_drest
     params, stashed input, incoming gradient, microbatch, (the microbatch's model state,
     the chunk's first layer)) and returns (send right, send left, d chunk, d other params,
     loss, metrics), zeros where it produces none. Chunk 0's branches recompute the
-    embedding (a lookup) rather than read a stashed copy."""
+    embedding (a lookup) rather than read a stashed copy. A chunk's own loss term (see
+    :attr:`StageSplit.stage`) is counted by its forward (the last chunk's: by the branch
+    its forward is folded into) and seeds its backward."""
     b = _Branches(parts, message, seed, (message, message, no_dw, no_drest,
                                          jnp.zeros((), jnp.float32), no_aux))
     return {IDLE: b.idle, F: b.forward, F_FIRST: b.forward_first, B: b.backward,
@@ -132,41 +146,56 @@ class _Branches:
         names = ("send_act", "send_grad", "dw", "drest", "loss", "aux")
         out = [given.get(n, z) for n, z in zip(names, self.zeros)]
         out[0], out[1] = (x.astype(self.message.dtype) for x in out[:2])
+        out[5] = merged(self.zeros[5], given.get("aux", {}))
         return tuple(out)
 
     def stage(self, w, r, x, mb, where):
-        return self.parts.stage(w, r, where[0], x, mb, where[1])
+        """(x, the chunk's loss term and metrics, scaled as the loss is)."""
+        y, loss, aux = self.parts.stage(w, r, where[0], x, mb, where[1])
+        return y, loss * self.seed, jax.tree.map(lambda a: a * self.seed, aux)
 
     def embed(self, w, r, mb, where):
         return self.parts.embed(r, w, where[0], mb).astype(self.message.dtype)
 
+    def first(self, w, r, mb, where):
+        return self.stage(w, r, self.embed(w, r, mb, where), mb, where)
+
     def loss_of(self, w, r, x, mb, where):
-        loss, aux = self.parts.head(w, r, where[0], self.stage(w, r, x, mb, where), mb)
-        return loss * self.seed, jax.tree.map(lambda a: a * self.seed, aux)
+        y, stage_loss, stage_aux = self.stage(w, r, x, mb, where)
+        loss, aux = self.parts.head(w, r, where[0], y, mb)
+        return loss * self.seed + stage_loss, merged(
+            self.zeros[5], jax.tree.map(lambda a: a * self.seed, aux), stage_aux)
 
     @staticmethod
     def seed_of(loss, aux):
         return jnp.ones_like(loss), jax.tree.map(jnp.zeros_like, aux)
 
+    @staticmethod
+    def seeded(out, dy):
+        """The cotangent of a chunk's (x, loss term, metrics): ``dy``, and its loss seeded."""
+        y, loss, aux = out
+        return dy.astype(y.dtype), jnp.ones_like(loss), jax.tree.map(jnp.zeros_like, aux)
+
     def idle(self, w, r, x, dy, mb, where):
         return self.result()
 
     def forward(self, w, r, x, dy, mb, where):
-        return self.result(send_act=self.stage(w, r, x, mb, where))
+        y, loss, aux = self.stage(w, r, x, mb, where)
+        return self.result(send_act=y, loss=loss, aux=aux)
 
     def forward_first(self, w, r, x, dy, mb, where):
-        return self.result(send_act=self.stage(w, r, self.embed(w, r, mb, where), mb, where))
+        y, loss, aux = self.first(w, r, mb, where)
+        return self.result(send_act=y, loss=loss, aux=aux)
 
     def backward(self, w, r, x, dy, mb, where):
-        _, vjp = jax.vjp(lambda w, x: self.stage(w, r, x, mb, where), w, x)
-        dw, dx = vjp(dy)
+        out, vjp = jax.vjp(lambda w, x: self.stage(w, r, x, mb, where), w, x)
+        dw, dx = vjp(self.seeded(out, dy))
         return self.result(send_grad=dx, dw=dw)
 
     def backward_first(self, w, r, x, dy, mb, where):
         """Chunk 0: the stage's and the embedding's vector-Jacobian products in one."""
-        _, vjp = jax.vjp(lambda w, r: self.stage(w, r, self.embed(w, r, mb, where), mb, where),
-                         w, r)
-        dw, drest = vjp(dy)
+        out, vjp = jax.vjp(lambda w, r: self.first(w, r, mb, where), w, r)
+        dw, drest = vjp(self.seeded(out, dy))
         return self.result(dw=dw, drest=drest)
 
     def backward_last(self, w, r, x, dy, mb, where):
@@ -175,13 +204,13 @@ class _Branches:
         return self.result(send_grad=dx, dw=dw, drest=drest, loss=loss, aux=aux)
 
     def input_grad(self, w, r, x, dy, mb, where):
-        _, vjp = jax.vjp(lambda x: self.stage(w, r, x, mb, where), x)
-        (dx,) = vjp(dy)
+        out, vjp = jax.vjp(lambda x: self.stage(w, r, x, mb, where), x)
+        (dx,) = vjp(self.seeded(out, dy))
         return self.result(send_grad=dx)
 
     def input_grad_first(self, w, r, x, dy, mb, where):
-        _, vjp = jax.vjp(lambda r: self.stage(w, r, self.embed(w, r, mb, where), mb, where), r)
-        return self.result(drest=vjp(dy)[0])
+        out, vjp = jax.vjp(lambda r: self.first(w, r, mb, where), r)
+        return self.result(drest=vjp(self.seeded(out, dy))[0])
 
     def input_grad_last(self, w, r, x, dy, mb, where):
         (loss, aux), vjp = jax.vjp(lambda x: self.loss_of(w, r, x, mb, where), x)
@@ -189,12 +218,12 @@ class _Branches:
         return self.result(send_grad=dx, loss=loss, aux=aux)
 
     def weight_grad(self, w, r, x, dy, mb, where):
-        _, vjp = jax.vjp(lambda w: self.stage(w, r, x, mb, where), w)
-        return self.result(dw=vjp(dy)[0])
+        out, vjp = jax.vjp(lambda w: self.stage(w, r, x, mb, where), w)
+        return self.result(dw=vjp(self.seeded(out, dy))[0])
 
     def weight_grad_first(self, w, r, x, dy, mb, where):
-        _, vjp = jax.vjp(lambda w: self.stage(w, r, self.embed(w, r, mb, where), mb, where), w)
-        return self.result(dw=vjp(dy)[0])
+        out, vjp = jax.vjp(lambda w: self.first(w, r, mb, where), w)
+        return self.result(dw=vjp(self.seeded(out, dy))[0])
 
     def weight_grad_last(self, w, r, x, dy, mb, where):
         (loss, aux), vjp = jax.vjp(lambda w, r: self.loss_of(w, r, x, mb, where), w, r)

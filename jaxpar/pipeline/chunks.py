@@ -26,7 +26,7 @@ from jaxpar.pipeline.views import (
     sum_over_stages,
     view_of,
 )
-from jaxpar.task import Batch, Layers, StageSplit, split_microbatches
+from jaxpar.task import Batch, Layers, StageSplit, split_microbatches, stage_output
 
 
 def chunk_program(ex: Any, kind: str, c: int) -> Callable:
@@ -49,14 +49,17 @@ def chunk_program(ex: Any, kind: str, c: int) -> Callable:
             return ex.cut.forward(c, params, state, x, mb, j, train, last)
 
     def seeded(back, out, dy):
-        return back(_seed(out, seed) if last else dy)
+        if last:
+            return back(_seed(out, seed))
+        return back((dy, _seed(out[1], seed)) if isinstance(out, tuple) else dy)
 
     if kind == "eval":
         return jax.jit(lambda p, s, x, b, j: run(p, s, x, b, j, False, ex.table.m)[0])
     if kind == "F" and ex.residuals:
         def forward_keeping(p, s, x, b, j):
             out, back, new_state = jax.vjp(lambda p, x: run(p, s, x, b, j), p, x, has_aux=True)
-            return (None if last else out), new_state, back, (out if last else None)
+            send, counted = sent_and_counted(out, last)
+            return send, new_state, back, out, counted
 
         return jax.jit(forward_keeping)
     if kind == "F":
@@ -85,13 +88,23 @@ def chunk_program(ex: Any, kind: str, c: int) -> Callable:
     return jax.jit(lambda *a: accumulate(a[n], grads(*a[:n])[0][0]), donate_argnums=n)
 
 
+def sent_and_counted(out: Any, last: bool) -> tuple[Any, Any]:
+    """What a chunk's forward output sends on (the last chunk: nothing) and what it adds
+    to the loss and metrics — the last chunk's (loss, metrics), another chunk's own loss
+    term (see :attr:`~jaxpar.task.StageSplit.stage`), or None."""
+    if last:
+        return None, out
+    return out if not isinstance(out, tuple) else out[0], (
+        out[1] if isinstance(out, tuple) else None)
+
+
 def kept(ex: Any, args: tuple, result: tuple) -> tuple[Any, Any, tuple, Any]:
     """A forward's activation to send, its model state after, what its backward reads
-    (its residuals and the last chunk's loss, or its arguments to recompute from) and the
-    last chunk's loss when the forward gives it."""
+    (its residuals and output, or its arguments to recompute from) and the loss and
+    metrics the forward adds (:func:`sent_and_counted`)."""
     if ex.residuals:
-        y, new_state, back, out = result
-        return y, new_state, (back, out), out
+        y, new_state, back, out, counted = result
+        return y, new_state, (back, out), counted
     y, new_state = result
     return y, new_state, args, None
 
@@ -102,7 +115,8 @@ def _seed(out: tuple, seed: float) -> tuple:
 
 
 def _forward_out(result: tuple, last: bool) -> tuple:
-    """What a forward sends on (nothing from the last chunk) and its model state after."""
+    """What a forward sends on (nothing from the last chunk; a chunk's own loss term too,
+    counted by :meth:`Run._F`) and its model state after."""
     out, new_state = result
     return (None if last else out), new_state
 
@@ -187,8 +201,14 @@ class ByStack:
                           advance_counts(state, self.rng_counts, j) if train else state)
         model.train() if train else model.eval()
         x = self.split.embed(model, mb) if c == 0 else x
-        x = self.split.stage(model, x, mb, self.chunks[c][0])
-        return (self.split.head(model, x, mb) if last else x), state
+        out = self.split.stage(model, x, mb, self.chunks[c][0])
+        if not last:
+            return out, state
+        x, stage_loss, stage_metrics = stage_output(out)
+        loss, metrics = self.split.head(model, x, mb)
+        return (loss + stage_loss, {**stage_metrics, **{
+            k: v + stage_metrics[k] if k in stage_metrics else v for k, v in metrics.items()}}
+                ), state
 
     def collect(self, ex: Any, acc: list, states: list, model_state: Any, total: int
                 ) -> tuple[Any, Any]:
@@ -234,6 +254,8 @@ class Run:
                     ] if train else []
         self.loss: Any = None
         self.aux: Any = None
+        #: where the loss and metrics add up: the last chunk's stage
+        self.home = NamedSharding(ex.meshes[(chunks - 1) % p], P())
         self.acts, self.grads, self.stash, self.dys = {}, {}, {}, {}
 
     def _send(self, value: Any, c: int) -> Any:
@@ -255,6 +277,8 @@ class Run:
                 self.batch[c % len(self.ex.meshes)], j)
         y, self.state[c], self.stash[(c, mb)], out = kept(
             self.ex, args, self.ex.program("F", c)(*args))
+        if not self.ex.residuals and not last:
+            y, out = sent_and_counted(y, last)
         self._received(0, mb, None, out)
         if not last:
             self.acts[(c + 1, mb)] = self._send(y, c + 1)
@@ -277,9 +301,12 @@ class Run:
     def _received(self, c: int, mb: int, dx: Any, out: Any) -> None:
         if c > 0:
             self.grads[(c - 1, mb)] = self._send(dx, c - 1)
-        if out is not None:  # the last chunk: this microbatch's loss and metrics
+        if out is not None:  # a microbatch's loss and metrics (or a chunk's own term)
+            out = jax.tree.map(lambda v: jax.device_put(v, self.home), out)
             self.loss = out[0] if self.loss is None else self.loss + out[0]
-            self.aux = out[1] if self.aux is None else jax.tree.map(jnp.add, self.aux, out[1])
+            self.aux = out[1] if self.aux is None else {
+                k: self.aux[k] + out[1][k] if k in self.aux and k in out[1]
+                else self.aux.get(k, out[1].get(k)) for k in {**self.aux, **out[1]}}
 
     def results(self) -> tuple[jax.Array, dict, Any, Any]:
         """Mean loss and metrics, gradients and the model state, as trees like the
@@ -298,6 +325,8 @@ class Run:
                 x = self.ex.program("eval", c)(self.params[c], self.state[c], x,
                                                 self.batch[c % p], jnp.int32(j))
                 if c < chunks - 1:
+                    x, counted = sent_and_counted(x, False)
+                    self._received(0, j, None, counted)
                     x = self._send(x, c + 1)
             self._received(0, j, None, x)
         return self.loss / m, jax.tree.map(lambda a: a / m, self.aux)

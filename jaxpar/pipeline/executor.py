@@ -56,6 +56,7 @@ from jaxpar.pipeline.branches import (
     branch_functions,
     branch_table,
     forward_table,
+    merged,
 )
 from jaxpar.pipeline.ticks import TickTable
 from jaxpar.task import Batch, StageSplit, split_microbatches
@@ -182,15 +183,16 @@ def pipeline_eval(split: StageSplit, graphdef: nnx.GraphDef, params: Any, batch:
 
 def _message_shapes(parts: Parts, layers, rest, state, micro):
     """(this device's first chunk, layers per chunk, the shape of a message between stages,
-    the shapes of the head's metrics), from the first microbatch."""
+    the shapes of the metrics: the head's and the chunks' own), from the first
+    microbatch."""
     first_mb = {k: x[0] for k, x in micro.items()}
     chunk0 = jax.tree.map(lambda w: w[0], layers)
     per_chunk = jax.tree.leaves(chunk0)[0].shape[0]
     x_shape = jax.eval_shape(parts.embed, rest, chunk0, state, first_mb)
-    _, aux_shape = jax.eval_shape(
-        lambda: parts.head(chunk0, rest, state, jnp.zeros(x_shape.shape, x_shape.dtype),
-                           first_mb))
-    return chunk0, per_chunk, x_shape, aux_shape
+    x0 = jnp.zeros(x_shape.shape, x_shape.dtype)
+    _, _, stage_shape = jax.eval_shape(lambda: parts.stage(chunk0, rest, state, x0, first_mb, 0))
+    _, head_shape = jax.eval_shape(lambda: parts.head(chunk0, rest, state, x0, first_mb))
+    return chunk0, per_chunk, x_shape, {**stage_shape, **head_shape}
 
 
 def _run_forward(parts: Parts, p: int, layers, rest, state, micro, rows, used):
@@ -204,21 +206,23 @@ def _run_forward(parts: Parts, p: int, layers, rest, state, micro, rows, used):
     right = [(i, (i + 1) % p) for i in range(p)]
 
     def stage(w, x, mb, first_layer):
-        return parts.stage(w, rest, state, x, mb, first_layer).astype(message.dtype)
+        y, loss, metrics = parts.stage(w, rest, state, x, mb, first_layer)
+        return y.astype(message.dtype), loss, merged(aux, metrics)
 
     def idle(w, x, mb, first_layer):
         return message, jnp.zeros((), jnp.float32), aux
 
     def forward(w, x, mb, first_layer):
-        return stage(w, x, mb, first_layer), *idle(w, x, mb, first_layer)[1:]
+        return stage(w, x, mb, first_layer)
 
     def forward_first(w, x, mb, first_layer):
         x = parts.embed(rest, w, state, mb).astype(message.dtype)
         return forward(w, x, mb, first_layer)
 
     def forward_last(w, x, mb, first_layer):
-        loss, aux = parts.head(w, rest, state, stage(w, x, mb, first_layer), mb)
-        return message, loss.astype(jnp.float32), aux
+        y, stage_loss, stage_metrics = stage(w, x, mb, first_layer)
+        loss, metrics = parts.head(w, rest, state, y, mb)
+        return message, loss.astype(jnp.float32) + stage_loss, merged(stage_metrics, metrics)
 
     fns = {IDLE: idle, F: forward, F_FIRST: forward_first, F_LAST: forward_last}
 

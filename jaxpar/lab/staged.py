@@ -1,0 +1,135 @@
+"""Context parallelism inside a pipeline: what a stage's attention moves over ``context``.
+
+Without a pipeline the model family gives a step's context terms
+(:meth:`~jaxpar.models.family.LabModel.context_terms`). Inside one, a stage runs its chunk
+of ``Lc = L/(p·v)`` layers once per microbatch in each of its programs. The family is asked
+for the terms of one microbatch (``b/m`` of a device's rows) through the whole model
+without a pipeline — what one layer moves, and what a pass moves once — and the
+executor's programs are counted here (all measured on XLA:CPU, ``tests/test_context.py``):
+
+* **spmd executor** — every tick counts as its costliest branch
+  (:func:`jaxpar.hlo.program_cost`), a backward: ``jax.vjp`` recomputes the chunk's
+  forward from its stashed input, then runs the backward. ``all_gather``: per layer K and
+  V gathered (again in a rematerialized block) and dK, dV reduce-scattered; the positions
+  gathered once. ``ring``: the recomputed forward's block sends serve the backward too (one
+  program: XLA merges the identical sends), so per layer 2(c−1) K/V block sends and 2c dK/dV
+  sends home; the positions' c−1. The first stage's backward also gathers its embedding's
+  output gradient (one message, ``[b/m, T, D]``) and the token ids it looked up: the
+  table's scatter-add gathers its updates over ``context`` rather than reduce the table.
+  The gradients a tick sums over ``context`` are :mod:`jaxpar.lab.predict`'s.
+* **mpmd executor** (a device of the heaviest stage) — per microbatch a forward program (K
+  and V gathered once per layer, the positions once; ``ring``: 2(c−1) block sends per
+  layer, the positions' c−1) and a backward program: as the spmd backward, but XLA merges a
+  rematerialized block's forward with the recompute (K and V gathered once per layer with
+  or without ``model.remat``), and with ``pipeline.backward=residuals`` it gathers
+  nothing (the forward kept K and V); ``ring``'s sends are the spmd backward's either way.
+
+Left out: a learned position table's gradient, which the first stage's backward also
+gathers (its ``T`` rows of ``D``, with their indices: about 1% of a tiny GPT's step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxpar.models.family import LabLayout, LabModel, Term
+from jaxpar.run import Run
+
+#: The family's context terms (``jaxpar/models/transformer.py``) this module counts.
+KV_GATHERED = "context: K and V gathered"
+DKV_SCATTERED = "context: dK and dV reduce-scattered"
+POSITIONS_GATHERED = "context: positions gathered"
+KV_RING = "context: K and V blocks round the ring"
+DKV_HOME = "context: dK and dV blocks home"
+POSITIONS_RING = "context: positions round the ring"
+
+
+def first_stage_message(run: Run, cpu: bool) -> tuple[tuple[int, ...], float]:
+    """The shape of what the first stage hands the next for one microbatch of one device's
+    rows (its ``StageSplit.embed`` output, the whole sequence) and one device's bytes of it
+    (its part of the sequence under context parallelism; float32 on XLA:CPU)."""
+    plan, table = run.plan, run.plan.pipeline
+    batch = run.data.batch(0, run.config.train.batch_size)
+    rows = run.config.train.batch_size // plan.batch_ways() // (table.m * plan.grad_accum)
+    micro = {k: jax.ShapeDtypeStruct((rows, *v.shape[1:]), v.dtype) for k, v in batch.items()}
+    message = jax.eval_shape(
+        lambda p, s, b: plan.task.stages.embed(nnx.merge(plan.model.graphdef, p, s), b),
+        plan.model.params, plan.model.state, micro)
+    itemsize = 4 if cpu else np.dtype(message.dtype).itemsize
+    return message.shape, math.prod(message.shape) * itemsize / _degree(run)
+
+
+def _degree(run: Run) -> int:
+    """Devices a sequence is split over (``c``)."""
+    return math.prod(run.plan.mesh.shape[a] for a in run.plan.rules.get("seq", ()))
+
+
+def context_terms_in_pipeline(run: Run, lab: LabModel, layout: LabLayout,
+                              cpu: bool) -> list[Term]:
+    """The attention's context collectives of one step of a pipelined layout (the module
+    docstring); none without a pipeline or a split sequence."""
+    plan, table = run.plan, run.plan.pipeline
+    c = _degree(run)
+    if table is None or c == 1:
+        return []
+    k, m = plan.grad_accum, table.m
+    one = dataclasses.replace(layout, stages=None, sub_mesh=False, grad_accum=1,
+                              rows=layout.rows // (m * k))
+    family = {t.what: t for t in lab.context_terms(run.config.model, one)}
+    if not family:
+        return []
+    share = 1 / (table.p * table.v)  # of the layers, one chunk's
+    if plan.executor == "mpmd":
+        return _sub_mesh(family, share, m * k, plan.gradients.residuals)
+    shape, message = first_stage_message(run, cpu)
+    return _ticks(family, share, table.ticks * k, shape, message, c)
+
+
+def _scaled(t: Term, what: str, times: float) -> Term:
+    return Term(t.kind, what, t.payload_bytes, t.group, round(times))
+
+
+def _ticks(family: dict[str, Term], share: float, ticks: int, shape: tuple[int, ...],
+           message: float, c: int) -> list[Term]:
+    """Every tick of the spmd executor as its costliest branch, a backward."""
+    out = []
+    if KV_GATHERED in family:
+        kv, rs, pos = family[KV_GATHERED], family[DKV_SCATTERED], family[POSITIONS_GATHERED]
+        out += [_scaled(kv, KV_GATHERED, ticks * kv.times * share),
+                _scaled(rs, DKV_SCATTERED, ticks * rs.times * share),
+                _scaled(pos, POSITIONS_GATHERED, ticks * pos.times)]
+    if KV_RING in family:
+        kv, home, pos = family[KV_RING], family[DKV_HOME], family[POSITIONS_RING]
+        out += [_scaled(kv, KV_RING, ticks * kv.times * share / 2),
+                _scaled(home, DKV_HOME, ticks * home.times * share),
+                _scaled(pos, POSITIONS_RING, ticks * pos.times)]
+    ids = math.prod(shape[:-1]) * 4  # an int32 token id per row of the message
+    out += [Term("all-gather", "context: the first stage's embedding gradient gathered",
+                 message * c, c, ticks),
+            Term("all-gather", "context: the first stage's token ids gathered", ids, c, ticks)]
+    return out
+
+
+def _sub_mesh(family: dict[str, Term], share: float, microbatches: int,
+              residuals: bool) -> list[Term]:
+    """A device of the sub-mesh pipeline's heaviest stage: a forward and a backward
+    program per microbatch (its one chunk: ``v = 1``)."""
+    out = []
+    if KV_GATHERED in family:
+        kv, rs, pos = family[KV_GATHERED], family[DKV_SCATTERED], family[POSITIONS_GATHERED]
+        # K and V once per layer in each program that runs the forward (as many as dK, dV)
+        passes = 1 if residuals else 2  # the forward's; the backward's recompute
+        out += [_scaled(kv, KV_GATHERED, microbatches * rs.times * share * passes),
+                _scaled(rs, DKV_SCATTERED, microbatches * rs.times * share),
+                _scaled(pos, POSITIONS_GATHERED, microbatches * pos.times * passes)]
+    if KV_RING in family:
+        kv, home, pos = family[KV_RING], family[DKV_HOME], family[POSITIONS_RING]
+        out += [_scaled(kv, KV_RING, microbatches * kv.times * share),  # forward, backward
+                _scaled(home, DKV_HOME, microbatches * home.times * share),
+                _scaled(pos, POSITIONS_RING, microbatches * pos.times * 2)]
+    return out

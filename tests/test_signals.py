@@ -1,0 +1,100 @@
+"""Stop signals at any moment of start-up, and right after a resume: one line, the
+documented exit status (130 for Ctrl-C, 143 for SIGTERM before training, 4 once a
+checkpoint of the current step is written), never a traceback, never a lost interrupt;
+the run stays resumable."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import child_env
+from tests.test_checkpoint import RESUMABLE
+
+ROOT = Path(__file__).resolve().parents[1]
+STARTING = {signal.SIGINT: (130, "jaxpar: interrupted (Ctrl-C) while starting; nothing was "
+                                 "written: run the same command again"),
+            signal.SIGTERM: (143, "jaxpar: stopped (SIGTERM) while starting; nothing was "
+                                  "written: run the same command again")}
+BEFORE_TRAINING = {
+    signal.SIGINT: (130, "jaxpar: interrupted (Ctrl-C); no checkpoint was written by this "
+                         "interruption (the complete ones stay usable)"),
+    signal.SIGTERM: (143, "jaxpar: stopped (SIGTERM) before training began: no checkpoint was "
+                          "written by this stop; run the same command to resume from the last "
+                          "complete checkpoint")}
+
+
+def _start(run_dir: Path, steps: int) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "jaxpar", "train", *RESUMABLE, f"train.steps={steps}",
+         f"run.dir={run_dir}"], cwd=ROOT, env=child_env(8), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+
+
+def _steps(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [r["step"] for r in rows if "loss" in r]
+
+
+def _lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_signal_during_start_up_is_one_line(tmp_path, sig):
+    """Sent while Python imports jaxpar and JAX (0.5 s), and later while the run is built
+    (once the run dir's lock is taken): one line, 130 / 143, nothing left to resume
+    wrongly — the same command then trains every step once."""
+    for i, moment in enumerate((0.5, "locked")):
+        run_dir = tmp_path / f"run{i}"
+        proc = _start(run_dir, 4)
+        if moment == "locked":
+            lock = run_dir / ".jaxpar.lock"
+            deadline = time.time() + 120
+            while time.time() < deadline and not (lock.exists() and lock.read_text()):
+                time.sleep(0.02)
+        else:
+            time.sleep(moment)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=120)
+        status, line = (STARTING if moment != "locked" else BEFORE_TRAINING)[sig]
+        assert (proc.returncode, _lines(err)) == (status, [line]), (moment, err)
+        done = _start(run_dir, 4)
+        _, err = done.communicate(timeout=300)
+        assert done.returncode == 0, err
+        assert _steps(run_dir) == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_signal_right_after_a_resume_is_one_line_and_resumable(tmp_path, sig):
+    run_dir = tmp_path / "run"
+    first = _start(run_dir, 4)
+    assert first.wait(timeout=300) == 0
+    proc = _start(run_dir, 8)
+    seen = ""
+    while "jaxpar: resumed from" not in seen:
+        line = proc.stdout.readline()
+        assert line, proc.communicate()
+        seen += line
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    lines = [line for line in _lines(err) if not line.startswith("jaxpar: Ctrl-C: finishing")]
+    assert "Traceback" not in err and len(lines) == 1, err
+    if proc.returncode == 4:  # training had begun: the current step's checkpoint is written
+        assert lines[0].startswith("jaxpar: interrupted (Ctrl-C): checkpoint of step "
+                                   if sig == signal.SIGINT else
+                                   "jaxpar: preempted (SIGTERM): checkpoint of step "), err
+    else:
+        assert (proc.returncode, lines) == BEFORE_TRAINING[sig][:1] + ([
+            BEFORE_TRAINING[sig][1]],), err
+    done = _start(run_dir, 8)
+    _, err = done.communicate(timeout=300)
+    assert done.returncode == 0, err
+    assert _steps(run_dir) == list(range(1, 9))
