@@ -10,7 +10,8 @@ lists the whole public API:
   :func:`resolve_rules`, :func:`constrain`, :func:`activation_rules`, :func:`spec_for`
 * a sequence split over devices (context parallelism): :func:`attend`, :func:`positions`,
   :func:`order`, :func:`restore`, :class:`ContextConfig`
-* models: :class:`Task`, :class:`StageSplit`, :class:`Layers`, :class:`Family`,
+* models: :class:`Task`, :class:`StageSplit`, :class:`Layers`, :class:`Linen` (a Flax
+  Linen module as the model), :class:`Family`,
   :class:`ModelConfig`, :func:`register_model`, :func:`task_for` (a built-in model's task),
   the built-in losses;
   the families themselves are the modules of :mod:`jaxpar.models`
@@ -57,6 +58,7 @@ from jaxpar.errors import (
 )
 from jaxpar.hlo import program_cost
 from jaxpar.hooks import Hook
+from jaxpar.linen import Linen
 from jaxpar.logical import activation_rules, constrain, spec_for
 from jaxpar.loop import fit, train
 from jaxpar.mesh import MeshConfig, make_mesh, setup_devices
@@ -81,7 +83,7 @@ __all__ = [
     "CheckpointConfig", "CheckpointError", "Checkpointer", "Config", "ConfigError",
     "ContextConfig", "attend", "order", "positions", "restore",
     "CorruptCheckpoint", "DataConfig", "DataError", "DistributedConfig", "Family", "Hook",
-    "JaxparError", "Layers", "LayoutError", "MeshConfig", "ModelConfig", "NonFiniteStop",
+    "JaxparError", "Layers", "LayoutError", "Linen", "MeshConfig", "ModelConfig", "NonFiniteStop",
     "OptimConfig", "PRESETS", "PathError", "PipelineConfig", "Plan", "Preempted",
     "RestoreError", "RulesConfig", "Run", "RunConfig", "StageSplit", "Task", "TaskError",
     "Terminated", "TooManySkipped", "TrainConfig", "TrainState", "Trainer", "abstract_model",

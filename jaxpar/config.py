@@ -46,8 +46,8 @@ from jaxpar.yamlfile import read_yaml
 #: intervals), a trillion; a global batch, 2**31 examples.
 MAX_STEPS, MAX_BATCH = 10**12, 2**31
 
-#: ``train.nonfinite`` values.
-Nonfinite = Literal["stop", "skip"]
+#: ``train.nonfinite`` values; ``train.trackers`` names (their hooks: jaxpar/hooks/trackers.py).
+Nonfinite, TRACKERS = Literal["stop", "skip"], ("wandb", "mlflow")
 #: Other spellings of a key. ``async`` is the natural name but a Python keyword, so the
 #: field is ``async_save``; YAML and overrides may use either.
 ALIASES = {"checkpoint.async": "async_save", "distributed.timeout_s": "init_timeout"}
@@ -136,6 +136,8 @@ class TrainConfig:
     progress: bool = Field(True, description="a progress bar on a terminal (plain lines else)")
     tensorboard: bool = Field(False, description="also write TensorBoard event files to "
                                                  "<run.dir>/tensorboard")
+    trackers: StrList = Field((), description="log the config, rows, evals and run dir to "
+        "experiment trackers: wandb, mlflow (pip install 'jaxpar[NAME]'); resumed runs continue")
     profile_steps: str = Field("", description="START:STOP captures a JAX profiler trace of "
         "steps START to STOP-1 into <run.dir>/profile (steps numbered from 1, as in "
         "metrics.jsonl: 5:8 traces steps 5, 6 and 7); empty: off. Quote it in YAML "
@@ -148,6 +150,12 @@ class TrainConfig:
     @classmethod
     def _a_span(cls, value: str) -> str:
         parse_profile_steps(value)
+        return value
+
+    @field_validator("trackers")
+    def _known_trackers(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for name in (n for n in value if n not in TRACKERS):
+            raise ConfigError(f"config key 'train.trackers' takes {', '.join(TRACKERS)}, got {name!r}")
         return value
 
 

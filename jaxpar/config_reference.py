@@ -33,8 +33,8 @@ _HEAD = """# Configuration reference
 Every key of a jaxpar config, generated from the declarations of the config sections by
 `jaxpar train --help-config > docs/config.md` (a test checks that this file is current: do
 not edit it by hand). A key is set in a YAML file (`section:` then `key: value`) or on the
-command line (`section.key=value`, after the config files); see the README's Configuration
-section for how files and overrides combine."""
+command line (`section.key=value`, after the config files); see docs/configuration.md for
+how files and overrides combine."""
 
 
 def reference() -> str:

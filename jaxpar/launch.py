@@ -7,7 +7,9 @@ and ``JAXPAR_PROCESS_ID`` (read by :mod:`jaxpar.distributed`), ``JAXPAR_COORDINA
 (the coordinator listens on the loopback address only, unless ``--bind`` says otherwise)
 and, with ``--devices-per-process K``, K simulated CPU devices (with
 ``--cpus-per-process C``, process i is pinned to cores ``[i*C, (i+1)*C)``). Their output
-is forwarded line by line with a ``[i]`` prefix. When a process fails, the launcher
+is forwarded line by line with a ``[i]`` prefix — one voice: the runtime's ``[Gloo]``
+connection lines and the warnings every process repeats are relayed from process 0 only
+(everything with ``--debug`` or ``JAXPAR_ALL_RANKS=1``). When a process fails, the launcher
 prints its rank and status on stderr, stops the others (SIGTERM, then SIGKILL after
 ``--grace`` seconds), says on stderr that each was stopped because of it, and exits with
 the failed process's status. What the others' native runtime then prints (glog lines, a
@@ -20,8 +22,7 @@ A SIGTERM or a first Ctrl-C to the launcher becomes a SIGTERM to every process: 
 processes agree on a step, checkpoint it and exit 4, as a single process does, and the
 launcher waits for them (however long the save takes) and exits with their status. A
 second Ctrl-C kills them at once (exit 130). This is how to rehearse a multi-host layout
-on one machine; clusters start processes with their own tools (see the README's
-Multi-host section).
+on one machine; clusters start processes with their own tools (see docs/multi-host.md).
 """
 
 from __future__ import annotations
@@ -93,12 +94,32 @@ def pin_from_env() -> None:
         os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
 
 
+#: What the runtime prints while the processes connect (``[Gloo] Rank 0 is connected to 1
+#: peer ranks. Expected number of connected peer ranks is : 1``, on stdout; a process's
+#: stdout and stderr are read apart, so that such lines arrive whole): relayed only with
+#: ``--debug`` or ``JAXPAR_ALL_RANKS=1``.
+_CONNECTING = re.compile(r"\[Gloo\] ")
+#: What every process of a run says alike (its warnings and notes): relayed from process 0
+#: only, unless ``JAXPAR_ALL_RANKS=1``.
+_ECHOED = re.compile(r"jaxpar: (warning|note): ")
+
+
+def muted(index: int, line: str, everything: bool) -> bool:
+    """Whether the launcher leaves out ``line`` of process ``index``: the runtime's
+    connection chatter, and what another process than 0 repeats of process 0's warnings
+    (one voice), unless ``everything`` (``--debug``, ``JAXPAR_ALL_RANKS=1``)."""
+    if everything:
+        return False
+    return bool(_CONNECTING.match(line)) or (index > 0 and bool(_ECHOED.match(line)))
+
+
 def _forward(stream: IO[str], prefix: str, out: IO[str], lock: threading.Lock,
-             peer_failed: Callable[[], bool]) -> None:
-    """Relays ``stream`` line by line with ``prefix``, less native crash reports once
-    ``peer_failed()`` (the launcher then says why the process was stopped)."""
+             peer_failed: Callable[[], bool], mute: Callable[[str], bool] = bool) -> None:
+    """Relays ``stream`` line by line with ``prefix``, less what ``mute`` leaves out and
+    native crash reports once ``peer_failed()`` (the launcher then says why the process
+    was stopped)."""
     for line in stream:
-        if _NATIVE.match(line) and peer_failed():
+        if (_NATIVE.match(line) and peer_failed()) or mute(line):
             continue
         with lock:
             out.write(f"{prefix}{line}")
@@ -187,6 +208,7 @@ def _run_once(count: int, args: Sequence[str], port: int, devices_per_process: i
     (out, err), procs, threads = streams, [], []
     stopped: list[tuple[int, list[int]]] = []  # the failed process and those it stopped
     debug = os.environ.get("JAXPAR_DEBUG", "") not in ("", "0")
+    everything = debug or os.environ.get("JAXPAR_ALL_RANKS", "") not in ("", "0")
 
     def peer_failed(index: int) -> bool:
         return not debug and (any(i != index for i, _ in stopped) or any(
@@ -198,14 +220,17 @@ def _run_once(count: int, args: Sequence[str], port: int, devices_per_process: i
                 [sys.executable, "-m", "jaxpar", *args],
                 env=process_env(index, count, port, devices_per_process, cpus_per_process,
                                 bind=bind, retry_port=retry_port),
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
                 start_new_session=True)  # its own process group: stopping it stops its children
             procs.append(proc)
-            thread = threading.Thread(
-                target=_forward, daemon=True, args=(proc.stdout, f"[{index}] ", out, lock,
-                                                    lambda index=index: peer_failed(index)))
-            thread.start()
-            threads.append(thread)
+            for stream in (proc.stdout, proc.stderr):  # apart: their lines arrive whole
+                thread = threading.Thread(
+                    target=_forward, daemon=True,
+                    args=(stream, f"[{index}] ", out, lock,
+                          lambda index=index: peer_failed(index),
+                          lambda line, index=index: muted(index, line, everything)))
+                thread.start()
+                threads.append(thread)
         return _watch(procs, received, grace_s, streams, lock, stopped)
     finally:
         _stop(procs, grace_s)

@@ -23,9 +23,9 @@ import jax
 import numpy as np
 import optax
 
+from jaxpar import compiler_notes, rundir
 from jaxpar import config as config_lib
 from jaxpar import resume as resume_lib
-from jaxpar import rundir
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import Config
 from jaxpar.data import Loader
@@ -153,7 +153,8 @@ def open_loader(run: Run, data_state: dict[str, Any] | None = None,
 
 def fit(run: Run, run_dir: Path | None = None, state: TrainState | None = None,
         ckpt: Checkpointer | None = None, data_state: dict[str, Any] | None = None,
-        hooks: Sequence[Hook] = (), stream: Loader | None = None) -> History:
+        hooks: Sequence[Hook] = (), stream: Loader | None = None, echo: bool = True
+        ) -> History:
     """Trains for ``train.steps`` steps, calling the built-in hooks and then ``hooks``.
 
     Each step's metrics reach the hooks' ``on_step`` one step late (read while the next
@@ -164,18 +165,22 @@ def fit(run: Run, run_dir: Path | None = None, state: TrainState | None = None,
     after the last step and when the run is preempted (then :class:`~jaxpar.errors.
     Preempted` is raised once the save is complete, unless the step was the last).
     ``stream`` is the training stream already positioned (by :func:`open_loader`); fit
-    opens it otherwise, and closes it at the end.
+    opens it otherwise, and closes it at the end. ``echo=False`` shows no progress.
     """
     state = state if state is not None else run.trainer.init()
     first = int(host_value(state.step)) + 1
     stream = stream if stream is not None else open_loader(run, data_state, first - 1)
     wait = DataWait(run.config.data.wait_warn)
     ctx = Context(run, run_dir, state, first, run.config.train.steps, stream,
-                  [*default_hooks(run, run_dir, ckpt, wait), *hooks])
+                  [*default_hooks(run, run_dir, ckpt, wait, echo), *hooks])
     try:
         ctx.emit("on_start")
         for step in range(first, ctx.last_step + 1):
-            _train_step(ctx, step, wait, ckpt)
+            if step == first:  # its compilation: XLA's warnings explained
+                with compiler_notes.explained(_parameters_by_shape(run)):
+                    _train_step(ctx, step, wait, ckpt)
+            else:
+                _train_step(ctx, step, wait, ckpt)
     except UserCodeFailed as err:  # a loss traced as the step compiles: say which step
         ctx.error = err.where(f"at step {ctx.current_step}")
         raise ctx.error from err.__cause__
@@ -186,6 +191,13 @@ def fit(run: Run, run_dir: Path | None = None, state: TrainState | None = None,
         stream.close()
         ctx.emit("on_end")
     return History(ctx.rows, ctx.state, dict(ctx.paused))
+
+
+def _parameters_by_shape(run: Run) -> dict[tuple[int, ...], str]:
+    """The path of a parameter of each shape (to name what a compiler warning names)."""
+    leaves = jax.tree_util.tree_leaves_with_path(run.plan.model.params)
+    return {tuple(leaf.shape): "/".join(str(getattr(k, "key", k)) for k in path)
+            for path, leaf in leaves}
 
 
 def _train_step(ctx: Context, step: int, wait: DataWait, ckpt: Checkpointer | None) -> None:
@@ -264,7 +276,8 @@ def train(config: Config | None = None, *, task: Task | None = None,
         ``optim`` section).
       hooks: extra hooks, called after the built-in ones and those named in
         ``train.hooks``.
-      echo: print the start-up lines and the summary (process 0).
+      echo: print the start-up lines, the progress and the summary (process 0);
+        ``False``: nothing on stdout (warnings still go to stderr).
 
     Raises:
       ConfigError, LayoutError, DataError, TaskError, PathError, RestoreError: a bad
@@ -333,7 +346,7 @@ def _resume_and_fit(run: Run, hooks: Sequence[Hook], say: Any, echo: bool) -> Hi
             raise
         with resume_lib.sigterm_checkpoints():  # also while the last save is written
             try:
-                return fit(run, run_dir, state, ckpt, meta.get("data"), hooks, stream)
+                return fit(run, run_dir, state, ckpt, meta.get("data"), hooks, stream, echo)
             except OSError as err:
                 if err.errno == errno.ENOSPC and not err.filename:  # say where
                     raise OSError(errno.ENOSPC, err.strerror or "No space left on device",

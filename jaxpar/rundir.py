@@ -85,6 +85,7 @@ class RunDirLock:
         self.path = self.directory / LOCK
         self.what = what
         self._fd: int | None = None
+        self._created = False
         self.took_over: dict[str, Any] | None = None
 
     def acquire(self) -> Self:
@@ -95,6 +96,7 @@ class RunDirLock:
           PathError: when the directory cannot be created or written.
         """
         _refuse_inside_held(self.directory, self.what)  # before anything is created
+        self._created = not self.directory.exists()
         ensure_dir(self.directory, self.what)
         me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -140,11 +142,16 @@ class RunDirLock:
             f"delete {self.path} and start again")
 
     def release(self) -> None:
-        """Empties the lock file (a clean exit leaves no holder behind) and unlocks."""
+        """Empties the lock file (a clean exit leaves no holder behind) and unlocks; a
+        directory the lock created and nothing else wrote into (the run stopped before it
+        began: a bad task or layout) is removed again."""
         if self._fd is None:
             return
         with contextlib.suppress(OSError):
             os.ftruncate(self._fd, 0)
+            if self._created and os.listdir(self.directory) == [LOCK]:
+                self.path.unlink()
+                self.directory.rmdir()
         os.close(self._fd)  # closing the descriptor drops the flock
         self._fd = None
         _HELD.discard(self.directory)

@@ -171,6 +171,9 @@ class Task:
         shaped like the model's parameters (``nnx.to_pure_dict``). Each process calls it
         and places only its devices' slices; the optimizer state starts fresh. A run
         resumed from a checkpoint does not call it.
+      eval_params: ``(opt_state, params) -> params`` evaluation uses instead of the
+        trained ones, e.g. ``optax.contrib.schedule_free_eval_params`` for a schedule-free
+        optimizer (None: the trained parameters).
     """
 
     model_fn: Callable[[nnx.Rngs], nnx.Module]
@@ -186,6 +189,15 @@ class Task:
     init_params: Callable[[], Any] | None = None
     layers: Layers | None = None
     context_parallel: bool = False
+    eval_params: Callable[[Any, Any], Any] | None = None
+
+    def build_model(self, seed: int = 0) -> nnx.Module:
+        """The model as a concrete module on the default device, built as a run builds it
+        (its logical names kept as metadata, not applied as shardings: Flax's eager
+        sharding off), with a run's initial parameters for ``run.seed=seed`` — to test it
+        outside jaxpar: ``task.build_model()(batch["images"])``."""
+        with nnx.use_eager_sharding(False):
+            return self.model_fn(nnx.Rngs(seed))
 
     def __post_init__(self) -> None:
         if self.loss_fn is None:

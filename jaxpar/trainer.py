@@ -50,6 +50,13 @@ class Trainer:
         self._eval = programs.build_eval(shardings)
         self._init = programs.build_init(self._create, shardings)
         self._grads_jit = programs.build_grads(shardings)
+        self._eval_params = None
+        if plan.task.eval_params is not None:
+            if plan.executor == "mpmd":
+                raise TaskError("Task.eval_params needs the whole optimizer state in one "
+                                "program, which pipeline.executor=mpmd splits by stage; use "
+                                "pipeline.executor=spmd or leave eval_params out")
+            self._eval_params = jax.jit(plan.task.eval_params, out_shardings=shardings.params)
 
     def with_plan(self, plan: Plan) -> Trainer:
         """A trainer of another plan with this one's schedule, seed and guard."""
@@ -149,7 +156,9 @@ class Trainer:
         """
         self.plan.check_eval_batch(batch)
         if isinstance(state, TrainState):
-            return self._eval(state.params, state.model_state, batch)
+            params = state.params if self._eval_params is None else self._eval_params(
+                state.opt_state, state.params)  # the task's evaluation parameters
+            return self._eval(params, state.model_state, batch)
         return self._eval(state, self._state_or_empty(None), batch)
 
     def lower_step(self, batch: Mapping[str, Any]) -> jax.stages.Lowered:

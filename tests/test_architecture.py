@@ -1,5 +1,5 @@
 """The architecture as a test: the import-linter contracts in pyproject.toml hold (imports
-flow down the layers of README → "Repository layout", no circles, models know models),
+flow down the layers of docs/architecture.md, no circles, models know models),
 they fail when an upward import is added, no jaxpar import hides inside a function, and no
 module outgrows a few screens."""
 

@@ -155,10 +155,10 @@ def test_sigterm_checkpoints_the_current_step_and_resume_continues(tmp_path):
 
 
 def plain_orbax_script(relative_path: str) -> str:
-    """The README's plain-Orbax snippet for a checkpoint at ``relative_path`` (from the
-    directory it runs in), then a check that jaxpar was never imported and a dump of what
-    it read."""
-    readme = (ROOT / "README.md").read_text()
+    """The docs' plain-Orbax snippet (docs/checkpoints.md) for a checkpoint at
+    ``relative_path`` (from the directory it runs in), then a check that jaxpar was never
+    imported and a dump of what it read."""
+    readme = (ROOT / "docs" / "checkpoints.md").read_text()
     snippet = readme.split("With Orbax alone")[1].split("```python\n")[1].split("```")[0]
     assert "runs/gpt_tiny/checkpoints/200/state" in snippet
     return snippet.replace("runs/gpt_tiny/checkpoints/200/state", relative_path) + (
@@ -168,7 +168,7 @@ def plain_orbax_script(relative_path: str) -> str:
 
 
 def test_checkpoint_reads_with_plain_orbax_and_exports(tmp_path):
-    """The README's snippet (orbax only, one device, a relative path) and `jaxpar export` give the saved values."""
+    """The docs' snippet (orbax only, one device, a relative path) and `jaxpar export` give the saved values."""
     from jaxpar.cli import main
 
     saved = saved_run(tmp_path)

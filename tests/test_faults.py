@@ -388,6 +388,19 @@ def test_a_second_run_in_a_busy_run_dir_is_refused_and_the_first_is_unharmed(tmp
     assert not (ckpts / "mine").exists()
 
 
+def test_a_run_refused_before_it_begins_leaves_no_directory_behind(tmp_path, capsys):
+    """A layout refused while the run is built (after its directories were locked): no run
+    dir, no checkpoint dir is left holding only the lock; an existing one is kept."""
+    run_dir, ckpts = tmp_path / "runs" / "bad", tmp_path / "elsewhere" / "ckpts"
+    args = ["train", "mesh.data=3", f"run.dir={run_dir}", f"checkpoint.dir={ckpts}"]
+    assert main(args) == 2
+    assert "mesh" in one_line(capsys.readouterr().err)
+    assert not run_dir.exists() and not ckpts.exists()
+    run_dir.mkdir()
+    assert main(args) == 2
+    assert run_dir.is_dir() and os.listdir(run_dir) == [".jaxpar.lock"]
+
+
 def test_the_lock_of_a_dead_run_is_taken_over_with_a_note(tmp_path, capsys):
     from jaxpar.rundir import RunDirLock
 

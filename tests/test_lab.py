@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import re
 
 import pytest
 
@@ -23,10 +24,15 @@ def h100():
 
 
 @pytest.fixture(scope="module")
-def rows(h100):
-    """Each layout of a tiny GPT compiled once (no timing) for the tests below."""
-    config = load_config([], GPT_SMALL)
-    return {layout: sweep.measure(config, layout, h100) for layout in LAYOUTS}
+def planned(h100):
+    """Each layout of a tiny GPT compiled once (no timing), in worker processes (8 layouts),
+    and ranked, for the tests below."""
+    return plan(load_config([], GPT_SMALL), 8, h100, layouts=LAYOUTS)
+
+
+@pytest.fixture(scope="module")
+def rows(planned):
+    return {p.row.layout: p.row for p in planned}
 
 
 def test_data_and_fsdp_collective_bytes_match_the_textbook(rows):
@@ -129,7 +135,8 @@ def test_predicted_step_time_is_the_roofline_of_the_measured_program(rows, h100)
     assert row.mem_traffic_bytes == traffic
     compute = max(row.flops / h100.flops_f32, traffic / h100.hbm_bandwidth)
     assert row.predicted_step_time_s == pytest.approx(
-        compute + row.comm_bytes / (h100.link_bandwidth * h100.links))
+        compute + row.comm_bytes / (h100.link_bandwidth * h100.links)
+        + row.collective_ops * h100.collective_latency)
     # the pipeline does more FLOPs per device per step than data=8 here (bubbles count)
     assert rows["data=4,stage=2"].flops > row.flops
 
@@ -197,6 +204,92 @@ def test_plan_ranks_fitting_layouts_and_fixes_one_that_does_not(h100):
     assert f"fastest that fits: `{top[0]}`" in text
 
 
+def test_tiny_model_ranks_data_parallel_first(planned):
+    """For a model this small every layout computes for about a microsecond: what tells
+    them apart is how many collectives a step runs, each costing the profile's latency
+    (α). Data parallelism runs the fewest and comes first; without the α term it would
+    not (the bytes alone favour the layouts that shard the most)."""
+    assert planned[0].row.layout == "data=8"
+    counts = {p.row.layout: p.row.collective_ops for p in planned}
+    assert counts["data=8"] == min(counts.values()) < counts["fsdp=8"]
+    bytes_only = min(planned, key=lambda p: p.row.predicted_step_time_s
+                     - p.row.predicted_latency_s)
+    assert bytes_only.row.layout != "data=8"
+
+
+def test_latency_term_is_the_collectives_the_hlo_executes_times_alpha(h100, rows):
+    """FSDP's latency term: the collectives of the compiled step, those inside the
+    forward and backward scans counted once per layer, times the profile's α."""
+    from jaxpar import hlo
+    from jaxpar.lab.measure import compile_lowered, lower, read
+
+    config = load_config([], GPT_SMALL)
+    lowered = lower(config, "fsdp=8", h100)
+    compiled, seconds = compile_lowered(lowered)
+    text = compiled.as_text()
+    module = hlo.parse(text)
+    loops = [(hlo.trip_count(i), re.search(r"body=%?([\w.\-]+)", i.attrs).group(1))
+             for insts in module.computations.values() for i in insts if i.opcode == "while"]
+    holding = {trips for trips, body in loops
+               if any(i.opcode in hlo.COLLECTIVES for i in module.computations[body])}
+    assert holding == {config.model.n_layers}  # the scans over the layers hold them all
+    count = sum(hlo.count_ops(text, kind, in_loops=False)
+                + config.model.n_layers * hlo.count_ops(text, kind, in_loops=True)
+                for kind in hlo.COLLECTIVES)
+    row = read(lowered, compiled, seconds, h100)
+    assert row.collective_ops == count == rows["fsdp=8"].collective_ops  # a worker's too
+    assert row.predicted_latency_s == pytest.approx(count * h100.collective_latency)
+    assert count > 20  # per-layer gathers: the term the bytes alone would leave out
+
+
+def test_predicted_times_read_in_three_digits(planned, h100):
+    from jaxpar.lab.planner import fmt_time
+
+    assert [fmt_time(t) for t in (4.2e-5, 1.234e-4, 9.9996e-4, 0.0012345, 0.5, 12.34)] == [
+        "42.0 µs", "123 µs", "1.00 ms", "1.23 ms", "500 ms", "12.3 s"]
+    text = format_plan(planned, h100, 80e9)
+    assert "0.00 ms" not in text and "fastest that fits: `data=8`, predicted " in text
+    assert "µs" in text.splitlines()[2]
+
+
+def test_a_task_without_a_pipeline_split_is_one_note_not_a_row_per_stage_layout(h100):
+    from jaxpar.user_code import load_task
+
+    cnn = load_task("examples/research_cnn.py:TASK")
+    config = load_config([], ["train.batch_size=16"])
+    planned = plan(config, 8, h100, layouts=["data=8", "data=4,stage=2", "data=2,stage=4",
+                                             "stage=8"], task=cnn)
+    assert [p.row.layout for p in planned] == ["data=8"]
+    assert planned.notes == ["note: 3 layouts with mesh.stage > 1 left out: research_cnn "
+                             "cannot be split into pipeline stages (its task declares "
+                             "neither Task.layers nor a StageSplit; docs/pipelines.md)"]
+    text = format_plan(planned, h100, 80e9)
+    assert text.count("note: ") == 1 and "stage=" not in text and "cannot run" not in text
+
+
+@pytest.mark.parametrize("stderr,error", [
+    ("", r"its worker process died \(killed by SIGABRT\)"),
+    ("F0101 00:00:00.0 1 spmd.cc:1] Check failed: a == b",
+     r"the XLA compiler aborted compiling this layout \(F0101 .*Check failed: a == b\): "
+     r"a compiler bug, not a setting; plan the other layouts, or report it"),
+])
+def test_a_worker_that_dies_costs_its_layout_not_the_plan(monkeypatch, h100, stderr, error):
+    """A layout on which the compiler aborts its process (an XLA ``Check failed``) is a row
+    saying so; the other layouts go on in new workers, in the order given."""
+    import sys
+
+    from jaxpar.lab import workers
+
+    dies = (f"import os, sys; sys.stdin.buffer.read(1); sys.stderr.write({stderr!r}); "
+            "sys.stderr.flush(); os.abort()")
+    monkeypatch.setattr(workers, "WORKER", [sys.executable, "-c", dies])
+    found = workers.measure_all(load_config([], GPT_SMALL), ["data=8", "fsdp=8", "data=2"],
+                                h100, processes=True, workers=2)
+    assert [r.layout for r in found] == ["data=8", "fsdp=8", "data=2"]
+    for row in found:
+        assert re.fullmatch(error, row.error), row.error
+
+
 def test_hardware_profiles_load_and_extend(tmp_path):
     profiles = hardware.load_profiles()
     assert {"h100", "h200", "a100"} <= set(profiles)
@@ -206,13 +299,15 @@ def test_hardware_profiles_load_and_extend(tmp_path):
     extra = tmp_path / "hw.yaml"
     extra.write_text("mychip:\n  name: My chip\n  flops_bf16: 1e15\n  flops_f32: 5e14\n"
                      "  hbm_bandwidth: 2e12\n  memory_bytes: 4e10\n  link_bandwidth: 1e11\n"
-                     "  links: 4\n  network_bandwidth: 1e10\n")
+                     "  links: 4\n  network_bandwidth: 1e10\n  collective_latency: 0.125\n")
     mine = hardware.get_profile("mychip", extra)
     assert mine.memory_bytes == 4e10 and mine.links == 4
-    t = hardware.roofline(mine, flops=1e15, traffic_bytes=1e12, comm_bytes=4e11, dtype="bfloat16")
-    assert (t.compute_s, t.memory_s, t.comm_s, t.total_s) == (1.0, 0.5, 1.0, 2.0)
+    t = hardware.roofline(mine, flops=1e15, traffic_bytes=1e12, comm_bytes=4e11, dtype="bfloat16",
+                          collectives=4)
+    assert (t.compute_s, t.memory_s, t.comm_s, t.latency_s, t.total_s) == (1.0, 0.5, 1.0, 0.5, 2.5)
+    assert all(p.collective_latency == 10e-6 for p in profiles.values())  # NCCL's model
     with pytest.raises(ValueError, match="unknown hardware 'tpu'.*a100, h100, h200"):
         hardware.get_profile("tpu")
     extra.write_text("bad:\n  name: x\n")
-    with pytest.raises(ValueError, match="'bad' lacks flops_bf16"):
+    with pytest.raises(ValueError, match="'bad' lacks .*flops_bf16"):
         hardware.load_profiles(extra)

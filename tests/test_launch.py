@@ -208,3 +208,62 @@ def test_a_collective_failed_by_a_lost_peer_is_one_line_not_an_internal_error(te
     assert line.endswith("run the same command to resume from the last checkpoint")
     assert "\n" not in line and len(line) < 400
     assert failure_of(RuntimeError("a model's own bug")) is None  # still an internal error
+
+
+def test_one_voice_gloo_lines_and_repeated_warnings_are_muted(monkeypatch):
+    """What a 2-process launch relays: process 0's lines, process 1's own (its progress,
+    its errors) but not its copies of the warnings, and nobody's [Gloo] connection lines;
+    everything with JAXPAR_ALL_RANKS=1."""
+    import threading
+
+    from jaxpar.launch import _forward, muted
+
+    chatter = ["[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected "
+               "peer ranks is : 1\n",
+               "jaxpar: warning: optim.warmup_steps=20 is not shorter than train.steps=4\n",
+               "jaxpar: note: took over the lock\n",
+               "jaxpar: error: another process of this run stopped\n",
+               "step 4/4  loss 5.1\n"]
+    for everything, expect in ((False, {0: [1, 2, 3, 4], 1: [3, 4]}),
+                               (True, {0: [0, 1, 2, 3, 4], 1: [0, 1, 2, 3, 4]})):
+        for index in (0, 1):
+            out = io.StringIO()
+            _forward(io.StringIO("".join(chatter)), f"[{index}] ", out, threading.Lock(),
+                     lambda: False, lambda line, i=index: muted(i, line, everything))
+            assert out.getvalue() == "".join(f"[{index}] {chatter[i]}"
+                                             for i in expect[index])
+
+
+def test_the_python_api_does_not_print_orbax_handler_warnings(caplog):
+    """jaxpar replaces Orbax's stock jax.Array handler in one process: without absl's
+    'Type handler registry … overriding' warning."""
+    import logging
+
+    import jax
+    import orbax.checkpoint as ocp
+
+    from jaxpar.checkpoint import _write_whole_shards_in_one_process
+
+    ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(),
+                                            override=True)
+    caplog.clear()  # that warning was this test's own
+    with caplog.at_level(logging.WARNING):
+        _write_whole_shards_in_one_process()
+    assert not [r for r in caplog.records if "overriding" in r.getMessage()], caplog.text
+
+
+@pytest.mark.parametrize("env,shown", [
+    ({}, True), ({"JAXPAR_PROCESS_ID": "0"}, True), ({"JAXPAR_PROCESS_ID": "1"}, False),
+    ({"SLURM_PROCID": "3"}, False), ({"SLURM_PROCID": "3", "JAXPAR_ALL_RANKS": "1"}, True),
+])
+def test_warnings_are_printed_by_process_0_only(env, shown, monkeypatch):
+    """Under srun or jaxpar launch every process warns alike: one voice, process 0's."""
+    from jaxpar.cli.failures import _warning_line
+
+    for name in ("JAXPAR_PROCESS_ID", "SLURM_PROCID", "JAXPAR_ALL_RANKS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    line = _warning_line(UserWarning("config key 'optim.momentum' has no effect"))
+    assert line == ("jaxpar: warning: config key 'optim.momentum' has no effect\n"
+                    if shown else "")

@@ -208,6 +208,50 @@ def test_the_lab_predicts_the_expert_dispatch():
         assert row.reduce_scatter_bytes > 0 and row.comm_ratio == pytest.approx(1, abs=0.01)
 
 
+@pytest.fixture(scope="module")
+def lab_rows():
+    """MoE layouts under tensor parallelism and in pipelines, compiled once, with the lab's
+    prediction for XLA:CPU."""
+    from jaxpar.config import apply_overrides
+    from jaxpar.lab import hardware, predict, sweep
+    from jaxpar.run import build
+
+    config = jaxpar.load_config([], MOE)
+    h100 = hardware.get_profile("h100")
+    layouts = ["data=4,tensor=2,rules.experts=data",
+               "data=2,fsdp=2,tensor=2,model.n_shared_experts=0,model.remat=full",
+               "stage=2,data=4,rules.experts=data",
+               "stage=2,data=4,rules.experts=data,pipeline.executor=mpmd",
+               "stage=2,data=4,rules.experts=data,pipeline.executor=mpmd,"
+               "pipeline.backward=residuals"]
+    return {layout: (sweep.measure(config, layout, h100), predict.predict_comm(
+        build(apply_overrides(config, sweep.layout_overrides(layout))), "cpu"))
+            for layout in layouts}
+
+
+def test_the_lab_predicts_experts_under_tensor_and_in_pipelines(lab_rows):
+    """Under ``tensor`` (experts over data, and not, without shared experts and
+    rematerialized) the MoE layers' all-reduces of their routed rows [b·e·T·k, D] — the down
+    projection's outputs, the gate and up projections' input gradients — make the
+    all-reduces equal the lab's (1%); in the spmd pipeline the experts are gathered as
+    FSDP's weights, in the sub-mesh pipeline each program dispatches its chunk's share:
+    gathers and reduce-scatters equal (1%); every step's collective bytes within 5%."""
+    for layout, (row, prediction) in lab_rows.items():
+        assert row.ok, (layout, row.error)
+        kinds, what = prediction.by_kind(), {t.what for t in prediction.terms}
+        if "tensor" in layout:
+            assert {"experts: routed outputs all-reduced over tensor",
+                    "experts: routed input gradients all-reduced over tensor"} <= what
+            assert row.all_reduce_bytes == pytest.approx(kinds["all-reduce"], rel=0.01), layout
+        else:
+            assert row.all_gather_bytes == pytest.approx(kinds["all-gather"], rel=0.01), layout
+            assert row.reduce_scatter_bytes == pytest.approx(
+                kinds.get("reduce-scatter", 0), rel=0.01), layout
+        if "mpmd" in layout:
+            assert "experts: tokens and routing gathered" in what
+        assert row.comm_ratio == pytest.approx(1.0, abs=0.05), layout
+
+
 def test_sweep_all_adds_expert_parallel_layouts():
     """``sweep --all`` of an MoE model: every layout whose data degree divides the experts
     comes again with them split over data; a dense model gets none."""

@@ -1,11 +1,13 @@
-"""The README's commands do what they say when pasted in order on a fresh clone.
+"""The README's commands do what they say when pasted in order on a fresh clone, and the
+docs' commands are valid.
 
 Every ``jaxpar train`` and ``jaxpar inspect`` line of the README's ```` ```bash ```` blocks
 runs (``train.steps=1``, no eval: a short run, the rest of the command as written) from a fresh
 directory holding the repository's ``configs/`` and ``examples/``; each train exits 0 and
-logs its step in a run directory of its own, so no layout resumes another's run. The
-``plan`` and ``sweep`` lines are left out here (their numbers are tested in
-``test_families.py`` and ``test_lab.py``).
+logs its step in a run directory of its own, so no layout resumes another's run. Every
+``jaxpar`` line of the docs' bash blocks (but those using shell variables) parses, and its
+config files, keys, values and ``--task`` load. The ``plan`` and ``sweep`` numbers are
+tested in ``test_families.py`` and ``test_lab.py``.
 """
 
 import json
@@ -21,16 +23,46 @@ REPO = Path(__file__).resolve().parent.parent
 SHORT = ["train.steps=1", "train.eval_every=0", "train.progress=false"]  # a short run
 
 
-def readme_commands(kinds=("train", "inspect")) -> list[list[str]]:
-    """The argument lists of the README's ``jaxpar KIND …`` lines in ```bash blocks."""
-    text = (REPO / "README.md").read_text()
+def readme_commands(kinds=("train", "inspect"), path: Path = REPO / "README.md"
+                    ) -> list[list[str]]:
+    """The argument lists of a page's ``jaxpar KIND …`` lines in ```bash blocks (a line
+    continued with ``\\`` read whole)."""
     out = []
-    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
-        for line in block.splitlines():
-            match = re.search(r"(?:^|&& )jaxpar (\w[\w-]*)(.*)", line.split("#")[0])
+    for block in re.findall(r"```bash\n(.*?)```", path.read_text(), re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            match = re.search(r"(?:^|&& )jaxpar (\w[\w-]*)(.*)", line.split(" #")[0])
             if match and match.group(1) in kinds:
                 out.append([match.group(1), *shlex.split(match.group(2))])
     return out
+
+
+DOC_KINDS = ("train", "inspect", "plan", "sweep", "pipeline", "export")
+
+
+def docs_commands() -> list[tuple[str, list[str]]]:
+    """(page, argument list) of every ``jaxpar`` command of the docs' bash blocks that
+    takes a config, but those using shell variables."""
+    return [(page.name, command) for page in sorted((REPO / "docs").glob("*.md"))
+            for command in readme_commands(DOC_KINDS, page)
+            if not any("$" in arg for arg in command)]
+
+
+def test_the_docs_commands_parse_and_their_configs_load(clone):
+    """Docs rot: a renamed key, option, config file or task in a page's command fails."""
+    from jaxpar.cli.parser import parse
+    from jaxpar.config import load_config
+    from jaxpar.user_code import load_task
+
+    commands = docs_commands()
+    assert len(commands) >= 15 and {c[0] for _, c in commands} >= {"train", "plan", "sweep"}
+    for page, command in commands:
+        args = parse(command)
+        files = [a for a in args.args if "=" not in a]
+        overrides = [a for a in args.args if "=" in a]
+        config = load_config(files, overrides)
+        if args.task:
+            load_task(args.task, config)
+        assert config.train.steps >= 1, (page, command)
 
 
 def steps_logged(run_dir: Path) -> list[int]:

@@ -154,7 +154,7 @@ def test_eval_uses_running_averages_and_no_dropout():
 
 def test_accumulation_with_batchnorm_matches_one_device():
     """With train.grad_accum=2 each microbatch is normalized by its own statistics (the
-    README says so); every layout still gives the one-device numbers for that setting."""
+    docs/own-model.md says so); every layout still gives the one-device numbers for that setting."""
     def accumulated(layout, devices):
         run = build(load_config([], [*layout, f"run.devices={devices}",
                                      f"train.batch_size={BATCH}", "train.grad_accum=2"]),
@@ -184,3 +184,28 @@ def test_pipeline_refuses_a_model_with_state():
                                          r"state besides nnx.Param is RNG streams only, but "
                                          r"this one also has BatchStat"):
         research_run(["mesh.data=4", "mesh.stage=2"], task=staged)
+
+
+def test_a_schedule_free_optimizer_evaluates_its_eval_params():
+    """Task.eval_params: evaluation under a layout uses optax.contrib.schedule_free_eval_params
+    of the state (the hand-written forward pass on those parameters), not the trained ones."""
+    import dataclasses
+
+    sf = optax.contrib.schedule_free_adamw(0.05, b1=0.5)
+    task = dataclasses.replace(TASK, eval_params=optax.contrib.schedule_free_eval_params)
+    run = research_run(LAYOUTS["data=2,fsdp=2,tensor=2"], optimizer=sf, task=task)
+    _, state = train_steps(run, steps=4)
+    held_out = run.data.batch(0, BATCH, "eval")
+    got = run.trainer.evaluate(state, run.trainer.shard_batch(held_out))
+    model_state = host(state.model_state)
+    params = host(optax.contrib.schedule_free_eval_params(host(state.opt_state),
+                                                          host(state.params)))
+    loss, _ = _hand_eval(params, model_state, held_out)
+    np.testing.assert_allclose(float(got["loss"]), loss, rtol=1e-5)
+    trained, _ = _hand_eval(host(state.params), model_state, held_out)
+    assert abs(trained - loss) > 1e-3 * abs(loss)  # the other parameters would fail
+    staged = dataclasses.replace(load_task("examples/two_device_mlp.py:TASK"),
+                                 eval_params=optax.contrib.schedule_free_eval_params)
+    with pytest.raises(Exception, match=r"^Task.eval_params needs the whole optimizer state"
+                                        r" .* pipeline.executor=mpmd splits by stage"):
+        build(load_config([], ["mesh.stage=2", "mesh.data=4"]), staged, sf)

@@ -331,3 +331,19 @@ def test_throughput_leaves_out_evaluation_and_checkpoints(tmp_path, monkeypatch)
     median = statistics.median(r["examples_per_s"] for r in train_rows[1:])
     assert f"throughput: {median:,.1f} examples/s" in text
     assert "not counted: eval" in text and "checkpoint" in text
+
+
+def test_progress_lines_give_an_eta_once_steps_are_timed_and_echo_false_is_silent(
+        tmp_path, capsys):
+    """Without a terminal, a line per logged row: the first (its interval holds the
+    compilation) without an ETA, the later ones with it; ``echo=False`` prints nothing."""
+    from jaxpar import load_config, train
+    from tests.helpers import GPT_SMALL
+
+    base = [*GPT_SMALL, "train.steps=3", "train.log_every=1", "train.eval_every=0"]
+    train(load_config([], [*base, f"run.dir={tmp_path / 'a'}"]))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["1/3", "2/3", "3/3"]
+    assert "ETA" not in lines[0] and all("ETA" in line for line in lines[1:])
+    train(load_config([], [*base, f"run.dir={tmp_path / 'b'}"]), echo=False)
+    assert capsys.readouterr().out == ""

@@ -325,3 +325,19 @@ def test_layout_lab_measures_a_users_task(tmp_path, capsys):
     assert float(table["fsdp=8"]["comm_ratio"]) == pytest.approx(1.0, abs=0.05)
     assert float(table["fsdp=8"]["mem_args_bytes"]) < 0.2 * float(table["data=8"]["mem_args_bytes"])
     assert "sweeping 2 layouts of research_cnn" in capsys.readouterr().out
+
+
+def test_a_task_builds_its_model_for_testing_outside_a_run():
+    """task.build_model() (no mesh, logical names kept as metadata) gives a run's initial
+    parameters for run.seed, and the model runs on a batch; built plainly, Flax's eager
+    sharding would look for mesh axes of the logical names."""
+    from flax import nnx
+
+    model = TASK.build_model(seed=3)
+    run = build(load_config([], ["run.seed=3", "run.devices=1"]), TASK)
+    want = jax.tree.map(np.asarray, run.trainer.init().params)
+    got = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    batch = run.data.batch(0, 8) if TASK.data is None else TASK.data(0, 8)
+    loss, _ = TASK.loss_fn(model, batch)
+    assert np.isfinite(float(loss))

@@ -18,6 +18,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from jaxpar.environ import ENV_PROCESS_ID
 from jaxpar.errors import (
     BAD_INPUT,
     INTERNAL,
@@ -56,7 +57,7 @@ def one_line_reports(debug: bool) -> Iterator[None]:
         return
     saved = (warnings.formatwarning, threading.excepthook,
              {name: logging.getLogger(name).level for name in _NOISY_LOGGERS}, sys.stderr)
-    warnings.formatwarning = lambda message, *_: capped(f"jaxpar: warning: {message}") + "\n"
+    warnings.formatwarning = _warning_line
     for name in _NOISY_LOGGERS:
         logging.getLogger(name).setLevel(logging.CRITICAL)
 
@@ -108,6 +109,26 @@ _PEER_GONE = re.compile(r"\bGloo\b|gloo::|[Cc]onnection (closed|reset) by peer|"
                         r"coordination service|heartbeat|[Bb]roken pipe")
 
 _NOISY_LOGGERS = ("absl", "orbax", "jax._src.distributed", "grain", "asyncio")
+
+
+def _warning_line(message: Warning | str, *_: Any) -> str:
+    """A warning as one ``jaxpar: warning:`` line — on process 0 only (every process of a
+    run warns alike: one voice), unless ``JAXPAR_ALL_RANKS=1``."""
+    if _process_index() > 0 and os.environ.get("JAXPAR_ALL_RANKS", "") in ("", "0"):
+        return ""
+    return capped(f"jaxpar: warning: {message}") + "\n"
+
+
+def _process_index() -> int:
+    """This process's index in a multi-process run: JAX's once its distributed runtime is
+    up, before that the launcher's (``JAXPAR_PROCESS_ID``, SLURM's ``SLURM_PROCID``)."""
+    jax = sys.modules.get("jax")
+    if jax is not None and jax.distributed.is_initialized():
+        return jax.process_index()
+    for name in (ENV_PROCESS_ID, "SLURM_PROCID"):
+        with contextlib.suppress(ValueError):
+            return int(os.environ.get(name, ""))
+    return 0
 
 
 def capped(message: str, limit: int = MAX_MESSAGE) -> str:

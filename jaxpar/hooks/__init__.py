@@ -1,7 +1,8 @@
 """Hooks on the training loop (see :mod:`jaxpar.hooks.base` for the protocol).
 
 Built in: :class:`MetricsLog` (``metrics.jsonl``), :class:`Progress`,
-:class:`TensorBoard`, :class:`Evaluation`, :class:`Checkpointing`, :class:`Profiler` and
+:class:`TensorBoard`, the experiment trackers :class:`WandB` and :class:`MLflow`,
+:class:`Evaluation`, :class:`Checkpointing`, :class:`Profiler` and
 :class:`NonFiniteGuard`; :func:`default_hooks` assembles them from a run's config.
 """
 
@@ -17,18 +18,20 @@ from jaxpar.hooks.evaluation import Evaluation, is_eval_step
 from jaxpar.hooks.metrics import MetricsLog, NonFiniteGuard, TensorBoard
 from jaxpar.hooks.profiling import Profiler
 from jaxpar.hooks.progress import Progress
+from jaxpar.hooks.trackers import TRACKER_HOOKS, MLflow, Tracker, WandB
 from jaxpar.user_code import load_object
 
-__all__ = ["Checkpointing", "Context", "Evaluation", "Hook", "MetricsLog", "NonFiniteGuard",
-           "Profiler", "Progress", "TensorBoard", "default_hooks", "is_eval_step",
-           "load_hooks"]
+__all__ = ["Checkpointing", "Context", "Evaluation", "Hook", "MLflow", "MetricsLog",
+           "NonFiniteGuard", "Profiler", "Progress", "TensorBoard", "Tracker", "WandB",
+           "default_hooks", "is_eval_step", "load_hooks"]
 
 
-def default_hooks(run: Any, run_dir: Path | None, ckpt: Any = None, wait: Any = None
-                  ) -> list[Hook]:
+def default_hooks(run: Any, run_dir: Path | None, ckpt: Any = None, wait: Any = None,
+                  echo: bool = True) -> list[Hook]:
     """The built-in hooks a run's config asks for, in calling order: the profiler, eval,
-    checkpoints (with ``ckpt``), the non-finite guard, the metrics log, TensorBoard and
-    the progress display."""
+    checkpoints (with ``ckpt``), the non-finite guard, the metrics log, TensorBoard, the
+    experiment trackers (``train.trackers``; each checks its library is installed, on every
+    process) and the progress display (``train.progress``, unless ``echo`` is False)."""
     cfg = run.config.train
     hooks: list[Hook] = [Profiler(run_dir, cfg), Evaluation()]
     if ckpt is not None:
@@ -36,7 +39,8 @@ def default_hooks(run: Any, run_dir: Path | None, ckpt: Any = None, wait: Any = 
     hooks += [NonFiniteGuard(), MetricsLog(wait)]
     if cfg.tensorboard and run_dir is not None:
         hooks.append(TensorBoard(run_dir))
-    if cfg.progress:
+    hooks += [TRACKER_HOOKS[name]() for name in dict.fromkeys(cfg.trackers)]
+    if cfg.progress and echo:
         hooks.append(Progress())
     return hooks
 

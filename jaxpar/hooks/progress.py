@@ -34,6 +34,7 @@ class Progress(Hook):
         self.stream = stream
         self.bar = None
         self.terminal = False
+        self.timed = False  # whether a row has been shown: the first one's time has compiles
 
     def on_start(self, ctx: Context) -> None:
         if jax.process_index() != 0:
@@ -67,8 +68,9 @@ class Progress(Hook):
         parts.append(_rate(row))
         if "data_wait" in row:
             parts.append(f"data wait {row['data_wait']:.0%}")
-        left = (ctx.last_step - step) * row["step_time_s"]
-        parts.append(f"ETA {_duration(left)}")
+        if self.timed:  # the first interval holds the step's compilation: no estimate
+            parts.append(f"ETA {_duration((ctx.last_step - step) * row['step_time_s'])}")
+        self.timed = True
         self._say("  ".join(parts))
 
     def on_eval(self, ctx: Context, step: int, metrics: dict[str, float]) -> None:

@@ -1,13 +1,20 @@
 """Accelerator profiles (``hardware.yaml``) and the roofline that predicts a step's time.
 
 A profile is a chip's datasheet: peak matmul FLOP/s, HBM bandwidth, memory, and
-interconnect bandwidth. The roofline of one step on one device is::
+interconnect bandwidth, plus the latency of one collective. The roofline of one step on
+one device is::
 
     compute = max(FLOPs / peak FLOP/s, memory traffic / HBM bandwidth)
     predicted step time = compute + collective wire bytes / interconnect bandwidth
+                                  + collectives executed × collective latency
 
-Communication is added, not overlapped: a conservative bound, and the one that
-tells layouts apart when all of them are compute-bound on paper.
+The last two terms are the α-β model of communication: β the time per byte, α the fixed
+cost of each collective however small (its launch and the hops of its ring), which is
+what makes many small collectives — a pipeline's per-tick sends, FSDP's per-layer
+gathers — cost more than one large gradient all-reduce on a tiny model. The count comes
+from the compiled program (:attr:`jaxpar.hlo.ProgramCost.collective_ops`: loops times
+their trip counts). Communication is added, not overlapped: a conservative bound, and the
+one that tells layouts apart when all of them are compute-bound on paper.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ class Hardware:
     link_bandwidth: float
     links: int
     network_bandwidth: float
+    collective_latency: float
     source: str = ""
 
     @property
@@ -101,20 +109,24 @@ def get_profile(key: str, extra: str | Path | None = None) -> Hardware:
 
 @dataclass(frozen=True)
 class StepTime:
-    """The roofline terms of one step, in seconds."""
+    """The roofline terms of one step, in seconds: ``comm_s`` the bytes' (β),
+    ``latency_s`` the collectives' fixed cost (α)."""
 
     compute_s: float
     memory_s: float
     comm_s: float
+    latency_s: float = 0.0
 
     @property
     def total_s(self) -> float:
-        return max(self.compute_s, self.memory_s) + self.comm_s
+        return max(self.compute_s, self.memory_s) + self.comm_s + self.latency_s
 
 
 def roofline(hw: Hardware, flops: float, traffic_bytes: float, comm_bytes: float,
-             dtype: str) -> StepTime:
-    """Predicted step time on ``hw`` from per-device FLOPs, memory traffic and collective
-    wire bytes (all over the host's links: the lab does not price cross-host axes yet)."""
+             dtype: str, collectives: int = 0) -> StepTime:
+    """Predicted step time on ``hw`` from per-device FLOPs, memory traffic, collective
+    wire bytes and the number of collectives executed (all over the host's links: the
+    lab does not price cross-host axes yet)."""
     return StepTime(flops / hw.peak_flops(dtype), traffic_bytes / hw.hbm_bandwidth,
-                    comm_bytes / hw.interconnect_bandwidth)
+                    comm_bytes / hw.interconnect_bandwidth,
+                    collectives * hw.collective_latency)

@@ -1,8 +1,11 @@
 """``jaxpar plan``: rank every layout of N devices by predicted step time, without training.
 
-Each layout's step is compiled on simulated devices (:func:`jaxpar.lab.sweep.measure`
-with no timed steps); layouts are ranked by the roofline step time on a hardware
-profile, those that fit the device memory first. For a layout that does not
+Each layout's step is compiled on simulated devices, several at once
+(:func:`jaxpar.lab.workers.measure_all`); layouts are ranked by the roofline step time on
+a hardware profile (α-β communication: bytes over the links plus a latency per
+collective executed, :mod:`jaxpar.lab.hardware`), those that fit the device memory first.
+Layouts the model cannot run (pipeline stages for a model without a stage split, context
+parallelism for one without ``Task.context_parallel``) are one note, not a row each. For a layout that does not
 fit, the plan says why (arguments — parameters, optimizer state, batch — versus
 temporaries, mostly activations) and compiles the usual fixes — activation
 recomputation (the model family's setting, e.g. ``model.remat=full``), gradient accumulation
@@ -23,7 +26,9 @@ from dataclasses import dataclass
 from jaxpar.config import Config
 from jaxpar.lab.chart import fmt_value
 from jaxpar.lab.hardware import Hardware
-from jaxpar.lab.sweep import Row, default_layouts, layout_overrides, measure
+from jaxpar.lab.measure import Row, layout_overrides, measure
+from jaxpar.lab.sweep import default_layouts, runnable
+from jaxpar.lab.workers import default_workers, measure_all
 from jaxpar.run import task_for
 from jaxpar.task import Task
 
@@ -76,12 +81,19 @@ def fixes(config: Config, layout: str, row: Row, task: Task | None = None) -> li
     return shard + recompute + context + accum
 
 
-def _suggest(config: Config, planned: Planned, hw: Hardware, memory: float,
-             task: Task | None) -> None:
-    """Compiles every fix of a layout that does not fit; keeps the fastest that fits."""
-    rows = [measure(config, v, hw, memory_bytes=memory, task=task)
-            for v in fixes(config, planned.row.layout, planned.row, task)]
-    fitting = [r for r in rows if r.ok and r.fits]
+class Ranking(list):
+    """The ranked :class:`Planned` layouts (a list), with ``notes``: what was left out."""
+
+    def __init__(self, planned: list[Planned], notes: list[str]):
+        super().__init__(planned)
+        self.notes = notes
+
+
+def _suggest(config: Config, planned: Planned, rows: dict[str, Row], task: Task | None) -> None:
+    """The fastest compiled fix of a layout that does not fit (``rows``: every layout
+    measured, fixes included), or what to do when none fits."""
+    variants = fixes(config, planned.row.layout, planned.row, task)
+    fitting = [rows[v] for v in variants if rows[v].ok and rows[v].fits]
     if fitting:
         planned.suggestion_row = min(fitting, key=lambda r: r.predicted_step_time_s)
         planned.suggestion = planned.suggestion_row.layout
@@ -93,32 +105,55 @@ def _suggest(config: Config, planned: Planned, hw: Hardware, memory: float,
 
 def plan(config: Config, devices: int, hw: Hardware, memory_bytes: float | None = None,
          layouts: list[str] | None = None, echo: bool = False,
-         task: Task | None = None) -> list[Planned]:
+         task: Task | None = None, workers: int | None = None) -> Ranking:
     """Every layout of ``devices`` devices (or ``layouts``), ranked: fitting ones by
     predicted step time, then those that do not fit (with a suggestion), then invalid.
-    ``task``: a user's task (default: the built-in model the config names)."""
+    ``task``: a user's task (default: the built-in model the config names); ``workers``:
+    how many layouts compile at once (default: one per core)."""
     memory = memory_bytes or hw.memory_bytes
-    planned = []
-    if not layouts:
+    if layouts:
+        layouts, note = runnable(list(dict.fromkeys(layouts)), task or task_for(config))
+    else:
         layouts, note = default_layouts(config, devices, task)
-        if note and echo:
-            print(note, flush=True)
-    for layout in layouts:
-        row = measure(config, layout, hw, memory_bytes=memory, task=task)
-        if echo:
-            print(f"  {layout}: {'invalid' if not row.ok else 'fits' if row.fits else 'too big'}",
-                  flush=True)
-        planned.append(Planned(row))
-    for p in planned:
-        if p.row.ok and not p.row.fits:
-            p.why = _why(p.row, memory)
-            _suggest(config, p, hw, memory, task)
+    workers = workers or default_workers()
+    rows = _measure(config, layouts, hw, memory, task, workers, echo, {})
+    planned = [Planned(rows[x]) for x in layouts]
+    misfits = [p for p in planned if p.row.ok and not p.row.fits]
+    variants = [v for p in misfits for v in fixes(config, p.row.layout, p.row, task)]
+    rows = _measure(config, variants, hw, memory, task, workers, echo, rows)
+    for p in misfits:
+        p.why = _why(p.row, memory)
+        _suggest(config, p, rows, task)
 
     def key(p: Planned) -> tuple[int, float]:
         group = 0 if p.row.ok and p.row.fits else 1 if p.row.ok else 2
         return group, p.row.predicted_step_time_s or 0.0
 
-    return sorted(planned, key=key)
+    return Ranking(sorted(planned, key=key), note.splitlines() if note else [])
+
+
+def _measure(config: Config, layouts: list[str], hw: Hardware, memory: float,
+             task: Task | None, workers: int, echo: bool, rows: dict[str, Row]
+             ) -> dict[str, Row]:
+    """``rows`` with every layout of ``layouts`` it lacks measured (a layout that is also
+    another's fix compiles once)."""
+    todo = [x for x in dict.fromkeys(layouts) if x not in rows]
+    if not todo:
+        return rows
+
+    def say(row: Row) -> None:
+        if echo:
+            print(f"  {row.layout}: {'invalid' if not row.ok else 'fits' if row.fits else 'too big'}",
+                  flush=True)
+
+    if echo:
+        print(f"compiling {_count(len(todo))}, {min(workers, len(todo))} at a time", flush=True)
+    found = measure_all(config, todo, hw, memory, task, workers, done=say)
+    return {**rows, **{r.layout: r for r in found}}
+
+
+def _count(n: int) -> str:
+    return f"{n} layout{'s' * (n != 1)}"
 
 
 @dataclass
@@ -168,8 +203,14 @@ def format_longest(found: list[Longest], memory: float) -> str:
     return "\n".join(lines)
 
 
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.2f} ms"
+def fmt_time(seconds: float) -> str:
+    """Three significant digits in µs, ms or s, whichever keeps the number under 1000:
+    ``fmt_time(4.2e-5) == "42.0 µs"``, ``fmt_time(0.0012345) == "1.23 ms"``."""
+    for scale, unit in ((1e-6, "µs"), (1e-3, "ms"), (1.0, "s")):
+        value = seconds / scale
+        if abs(float(f"{value:.3g}")) < 1000 or unit == "s":
+            return f"{value:#.3g}".rstrip(".") + f" {unit}"
+    raise AssertionError("unreachable")
 
 
 def best(planned: list[Planned]) -> tuple[str, Row] | None:
@@ -180,33 +221,38 @@ def best(planned: list[Planned]) -> tuple[str, Row] | None:
 
 
 def format_plan(planned: list[Planned], hw: Hardware, memory: float) -> str:
-    """The ranked table, then a note per layout that does not fit or cannot run, then the
-    fastest layout that fits."""
-    head = ["#", "layout", "memory/device", "fits", "pred. step", "pred. comm", "measured/pred"]
+    """The ranked table, then what was left out (one note per reason), a note per layout
+    that does not fit or cannot run, then the fastest layout that fits."""
+    head = ["#", "layout", "memory/device", "fits", "pred. step", "collectives",
+            "pred. comm", "measured/pred"]
     body = []
     for i, p in enumerate(planned, 1):
         r = p.row
         if not r.ok:
-            body.append([str(i), r.layout, "", "invalid", "", "", ""])
+            body.append([str(i), r.layout, "", "invalid", "", "", "", ""])
             continue
         body.append([str(i), r.layout, fmt_value(r.mem_total_bytes, "B"),
-                     "yes" if r.fits else "NO", _ms(r.predicted_step_time_s),
+                     "yes" if r.fits else "NO", fmt_time(r.predicted_step_time_s),
+                     f"{r.collective_ops} ({fmt_time(r.predicted_latency_s)})",
                      fmt_value(r.predicted_comm_bytes, "B"),
                      "" if r.comm_ratio is None else f"{r.comm_ratio:.2f}"])
     widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
              for row in [head, ["-" * w for w in widths], *body]]
-    lines.append(f"ranked by predicted step time on {hw.name}; memory judged against "
-                 f"{memory / 1e9:.3g} GB ({fmt_value(memory, 'B')}) per device")
+    lines.append(f"ranked by predicted step time on {hw.name} (roofline; communication = "
+                 f"bytes / {hw.interconnect_bandwidth / 1e9:.3g} GB/s + collectives "
+                 f"executed × {fmt_time(hw.collective_latency)}, in brackets); memory judged "
+                 f"against {memory / 1e9:.3g} GB ({fmt_value(memory, 'B')}) per device")
+    lines += getattr(planned, "notes", [])
     for p in planned:
         if not p.row.ok:
             lines.append(f"- {p.row.layout}: cannot run: {p.row.error}")
         elif not p.row.fits:
             fix = (f"fits as `{p.suggestion}` ({fmt_value(p.suggestion_row.mem_total_bytes, 'B')}"
-                   f", predicted {_ms(p.suggestion_row.predicted_step_time_s)})"
+                   f", predicted {fmt_time(p.suggestion_row.predicted_step_time_s)})"
                    if p.suggestion_row else p.suggestion)
             lines.append(f"- {p.row.layout}: {p.why}; {fix}")
     top = best(planned)
-    lines.append(f"fastest that fits: `{top[0]}`, predicted {_ms(top[1].predicted_step_time_s)}"
-                 if top else "no layout fits")
+    lines.append(f"fastest that fits: `{top[0]}`, predicted "
+                 f"{fmt_time(top[1].predicted_step_time_s)}" if top else "no layout fits")
     return "\n".join(lines)

@@ -51,7 +51,11 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxpar.lab.staged import context_terms_in_pipeline, first_stage_message
+from jaxpar.lab.staged import (
+    context_terms_in_pipeline,
+    expert_terms_in_pipeline,
+    first_stage_message,
+)
 from jaxpar.logical import BATCH_AXES, spec_axes, spec_leaves
 from jaxpar.models.family import LabLayout, LabModel, Term
 from jaxpar.pipeline.views import STACKED, WHOLE
@@ -83,14 +87,16 @@ def _param_leaves(plan: Plan, batch: dict
     split its experts, its dims a layer) per parameter. A stacked parameter runs in a layer
     scan: FSDP gathers it in the forward scan and again in the backward scan (the scan keeps
     the shards, not the gathered weights). A device keeps its own experts (never gathered)
-    and their gradients whole (the dispatch brought them every token routed to them)."""
+    and their gradients whole (the dispatch brought them every token routed to them) — but
+    in the spmd pipeline, whose stages take them in gathered as FSDP's weights."""
     leaves = jax.tree_util.tree_leaves_with_path(plan.model.params)
     names = jax.tree.leaves(plan.model.param_axes, is_leaf=lambda x: isinstance(x, tuple))
     mine = _held_by_heaviest_stage(plan, len(leaves), batch)
+    own_experts = plan.pipeline is None or plan.executor == "mpmd"
     return [(str(getattr(path[0], "key", "")) if held else None,
              math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize, spec_axes(spec),
              "layers" in axes,
-             plan.rules.get("experts", ()) if "experts" in axes else (),
+             plan.rules.get("experts", ()) if "experts" in axes and own_experts else (),
              leaf.ndim - ("layers" in axes))
             for (path, leaf), spec, axes, held in zip(leaves, spec_leaves(plan.param_specs),
                                                       names, mine)]
@@ -200,7 +206,13 @@ def _gradient_terms(plan: Plan, lab: LabModel, sizes: dict[str, int], cpu: bool,
         if gather > 1:
             terms.append(Term("all-gather", "FSDP weight gathers", local, gather,
                               _gathers(plan, pipelined, scanned, outside)))
-            if not cpu or (pipelined and not mpmd):  # one program reduces: scatters
+            if pipelined and not mpmd:  # the executor scatters over fsdp; over the other
+                # batch axes that split a parameter (its experts over data) it sums the whole
+                scatter = sizes["fsdp"] if "fsdp" in axes and "fsdp" in batch else 1
+                rest, gather = rest * gather // scatter, scatter
+            if gather == 1:
+                pass
+            elif not cpu or (pipelined and not mpmd):  # one program reduces: scatters
                 terms.append(Term("reduce-scatter", "gradient reduce-scatter", local, gather,
                                   accum))
             elif accum > 1 and not mpmd:  # XLA:CPU: an all-reduce over fsdp per microbatch
@@ -249,7 +261,8 @@ def lab_layout(run: Run, cpu: bool) -> LabLayout:
         stages=(table.ticks, table.p, table.v, table.m) if table is not None else None,
         seq_len=getattr(data, "seq_len", 0), image_shape=getattr(data, "image_shape", None),
         cpu=cpu, sub_mesh=plan.executor == "mpmd",
-        context=plan.settings["context"].attention)
+        context=plan.settings["context"].attention,
+        residuals=plan.executor == "mpmd" and plan.gradients.residuals)
 
 
 def _pipeline_terms(run: Run, cpu: bool) -> list[Term]:
@@ -281,7 +294,8 @@ def predict_comm(run: Run, backend: str = "gpu") -> CommPrediction:
     activations = ([*lab.tensor_terms(run.config.model, layout),
                     *lab.context_terms(run.config.model, layout),
                     *context_terms_in_pipeline(run, lab, layout, cpu),
-                    *lab.expert_terms(run.config.model, layout)]
+                    *lab.expert_terms(run.config.model, layout),
+                    *expert_terms_in_pipeline(run, lab, layout)]
                    if run.family is not None else [])
     batch = run.data.batch(0, run.config.train.batch_size)
     terms = [*_gradient_terms(run.plan, lab, sizes, cpu, batch), *activations,

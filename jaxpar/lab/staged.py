@@ -47,6 +47,11 @@ POSITIONS_GATHERED = "context: positions gathered"
 KV_RING = "context: K and V blocks round the ring"
 DKV_HOME = "context: dK and dV blocks home"
 POSITIONS_RING = "context: positions round the ring"
+#: The family's expert dispatch terms (``jaxpar/models/moe.py``) this module counts.
+TOKENS_GATHERED = "experts: tokens and routing gathered"
+OUTPUTS_SCATTERED = "experts: outputs reduce-scattered"
+GRADS_GATHERED = "experts: output gradients gathered"
+GRADS_SCATTERED = "experts: input and weight gradients reduce-scattered"
 
 
 def first_stage_message(run: Run, cpu: bool) -> tuple[tuple[int, ...], float]:
@@ -133,3 +138,52 @@ def _sub_mesh(family: dict[str, Term], share: float, microbatches: int,
                 _scaled(home, DKV_HOME, microbatches * home.times * share),
                 _scaled(pos, POSITIONS_RING, microbatches * pos.times * 2)]
     return out
+
+
+def expert_terms_in_pipeline(run: Run, lab: LabModel, layout: LabLayout) -> list[Term]:
+    """The experts' dispatch of one step of a pipelined layout, on a device of the sub-mesh
+    pipeline's heaviest stage (measured on XLA:CPU, ``tests/test_moe.py``). The family gives
+    one microbatch's dispatch through the whole model without a pipeline; a chunk runs its
+    ``1/(p·v)`` of the MoE layers in each of its programs:
+
+    * a forward program gathers each layer's tokens and routing and reduce-scatters its
+      outputs — the last chunk's only to keep residuals (``pipeline.backward=residuals``;
+      else it computes nothing: its backward runs the loss);
+    * a backward program (or either half of a zero-bubble one: the first chunk's input
+      half is empty) gathers the output gradients and reduce-scatters the input and routing
+      weights' gradients per layer, and without residuals recomputes the forward first:
+      the tokens gathered again, the outputs reduce-scattered (but a one-layer chunk's,
+      whose output feeds nothing there, the last chunk's loss aside: XLA drops it where
+      no loop is left to share it); ``model.remat`` gathers each layer's tokens once more,
+      but in one layer without residuals (merged with the recompute).
+
+    The spmd executor's stages dispatch nothing: they take the experts in gathered, whose
+    gathers and gradients :mod:`jaxpar.lab.predict` counts as FSDP's."""
+    plan, table = run.plan, run.plan.pipeline
+    if table is None or plan.executor != "mpmd":
+        return []
+    k, m, chunks = plan.grad_accum, table.m, table.p * table.v
+    one = dataclasses.replace(layout, stages=None, sub_mesh=False, grad_accum=1,
+                              rows=layout.rows // (m * k))
+    family = {t.what: t for t in lab.expert_terms(run.config.model, one)}
+    if OUTPUTS_SCATTERED not in family:
+        return []
+    layers = family[OUTPUTS_SCATTERED].times // chunks  # a chunk's MoE layers
+    residuals, times = plan.gradients.residuals, dict.fromkeys(family, 0)
+    # rematerialized (the family's gathers outnumber its scatters)
+    again = (family[TOKENS_GATHERED].times > family[OUTPUTS_SCATTERED].times
+             and (residuals or layers > 1))
+    for action in table.tick:
+        if action.chunk % table.p != plan.gradients.heaviest_stage:
+            continue
+        last = action.chunk == chunks - 1
+        if action.kind == "F" and (residuals or not last):
+            times[TOKENS_GATHERED] += layers
+            times[OUTPUTS_SCATTERED] += layers
+        elif action.kind != "F" and not (action.kind == "I" and action.chunk == 0):
+            times[GRADS_GATHERED] += layers
+            times[GRADS_SCATTERED] += layers
+            times[TOKENS_GATHERED] += layers * ((not residuals) + again)
+            if not residuals:  # a one-layer chunk's output: dead but the last chunk's loss
+                times[OUTPUTS_SCATTERED] += layers if layers > 1 or last else 0
+    return [_scaled(t, t.what, times[t.what] * k) for t in family.values()]

@@ -1,7 +1,7 @@
 """``jaxpar sweep``: the same model and global batch under many layouts, side by side.
 
-For each layout the real train step is compiled (``Trainer.compile_step``) and
-read: memory per device from ``memory_analysis()``, collective bytes by kind
+For each layout the real train step is compiled (``Trainer.compile_step``;
+:mod:`jaxpar.lab.measure`) and read: memory per device from ``memory_analysis()``, collective bytes by kind
 and FLOPs from the optimized HLO (:mod:`jaxpar.hlo`), the
 textbook's collective bytes (:mod:`jaxpar.lab.predict`), and a roofline step
 time on a hardware profile (:mod:`jaxpar.lab.hardware`). With ``steps > 0`` the
@@ -19,25 +19,20 @@ from __future__ import annotations
 
 import csv
 import re
-import statistics
-import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, fields
 from pathlib import Path
-from typing import Any
 
 import jax
-import numpy as np
 
-from jaxpar import hlo
-from jaxpar.config import Config, apply_overrides
-from jaxpar.errors import ConfigError, JaxparError
+from jaxpar.config import Config
 from jaxpar.lab.chart import Panel, write_chart
-from jaxpar.lab.hardware import Hardware, roofline
-from jaxpar.lab.predict import predict_argument_bytes, predict_comm
-from jaxpar.mesh import MESH_AXES
-from jaxpar.pipeline.executor import branch_table
-from jaxpar.plan import abstract_model, global_batch_shapes
-from jaxpar.run import Run, build, task_for
+from jaxpar.lab.hardware import Hardware
+from jaxpar.lab.measure import Row as Row
+from jaxpar.lab.measure import layout_overrides as layout_overrides
+from jaxpar.lab.measure import measure as measure
+from jaxpar.lab.workers import measure_all
+from jaxpar.plan import abstract_model
+from jaxpar.run import task_for
 from jaxpar.task import Task
 
 #: The documented columns of ``sweep.csv``, in order; more follow them.
@@ -47,66 +42,7 @@ COLUMNS = ("layout", "mem_args_bytes", "mem_temp_bytes", "mem_total_bytes", "flo
            "step_time_s", "predicted_step_time_s", "fits")
 
 
-@dataclass
-class Row:
-    """One layout's measurements (None where it could not be measured)."""
-
-    layout: str
-    mem_args_bytes: int | None = None
-    mem_temp_bytes: int | None = None
-    mem_total_bytes: int | None = None
-    flops: float | None = None
-    all_reduce_bytes: float | None = None
-    all_gather_bytes: float | None = None
-    reduce_scatter_bytes: float | None = None
-    collective_permute_bytes: float | None = None
-    all_to_all_bytes: float | None = None
-    predicted_comm_bytes: float | None = None
-    step_time_s: float | None = None
-    predicted_step_time_s: float | None = None
-    fits: bool | None = None
-    comm_bytes: float | None = None
-    comm_ratio: float | None = None
-    predicted_mem_args_bytes: int | None = None
-    mem_output_bytes: int | None = None
-    mem_traffic_bytes: float | None = None
-    tokens_per_s: float | None = None
-    examples_per_s: float | None = None
-    compile_s: float | None = None
-    transfer_bytes: float | None = None
-    hardware: str = ""
-    error: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return not self.error
-
-
 # ---- layouts ---------------------------------------------------------------------------------
-def layout_overrides(layout: str) -> list[str]:
-    """``"fsdp=4,stage=2"`` → config overrides: every mesh axis set (unnamed ones to 1),
-    ``rules.preset=auto`` unless named, then the layout's own dotted overrides.
-
-    Raises:
-      ConfigError: for an entry that is neither ``axis=N`` nor ``section.key=value``.
-    """
-    degrees = dict.fromkeys(MESH_AXES, "1")
-    extra, preset = [], "auto"
-    for item in (x.strip() for x in layout.split(",") if x.strip()):
-        key, sep, value = item.partition("=")
-        if not sep or not value:
-            raise ConfigError(f"layout '{layout}': '{item}' must look like axis=N, e.g. fsdp=8")
-        if "." in key:
-            extra.append(item)
-            preset = value if key == "rules.preset" else preset
-        elif key in degrees:
-            degrees[key] = value
-        else:
-            raise ConfigError(f"layout '{layout}': unknown mesh axis '{key}'; the axes are "
-                              f"{', '.join(MESH_AXES)} (or give a section.key=value override)")
-    return [*(f"mesh.{a}={v}" for a, v in degrees.items()), f"rules.preset={preset}", *extra]
-
-
 def all_layouts(devices: int) -> list[str]:
     """Every assignment of mesh degrees whose product is ``devices`` (data-major order)."""
     def split(n: int, axes: tuple[str, ...]) -> list[list[tuple[str, int]]]:
@@ -121,36 +57,47 @@ def all_layouts(devices: int) -> list[str]:
 
 def default_layouts(config: Config, devices: int, task: Task | None = None
                     ) -> tuple[list[str], str | None]:
-    """:func:`all_layouts` of ``devices``, less those the model cannot run, and a note
-    saying what was left out and why (None when nothing was): layouts with pipeline stages
-    when the task declares neither ``Task.layers`` nor a ``StageSplit``, and layouts with
-    context parallelism when its model's attention does not run across a split sequence
-    (``Task.context_parallel``) or its sequence does not divide."""
-    layouts = all_layouts(devices)
+    """:func:`all_layouts` of ``devices``, less those the model cannot run
+    (:func:`runnable`), and a note saying what was left out and why (None when nothing
+    was); for a model with experts, its expert-parallel variants as well."""
     task = task if task is not None else task_for(config)
+    kept, note = runnable(all_layouts(devices), task)
+    return kept + _expert_variants(task, kept), note
+
+
+def runnable(layouts: list[str], task: Task) -> tuple[list[str], str | None]:
+    """``layouts`` less those ``task`` cannot run, and one note per reason (None when none
+    was left out): layouts with pipeline stages when the task declares neither
+    ``Task.layers`` nor a ``StageSplit``, and layouts with context parallelism when its
+    model's attention does not run across a split sequence (``Task.context_parallel``)
+    or its sequence does not divide."""
     notes = []
     if task.layers is None and task.stages is None:
         notes.append(("stage", f"{task.name} cannot be split into pipeline stages (its task "
-                               "declares neither Task.layers nor a StageSplit; README → "
-                               "Pipeline parallelism)"))
+                               "declares neither Task.layers nor a StageSplit; docs/"
+                               "pipelines.md)"))
     tokens = task.tokens_per_example
     if not task.context_parallel or not tokens:
         notes.append(("context", f"{task.name} does not run with its sequences split (Task."
-                                 "context_parallel; README → Context parallelism)"))
+                                 "context_parallel; docs/context.md)"))
     kept, lines = layouts, []
     for axis, why in notes:
         before = kept
-        kept = [x for x in kept if f"{axis}=" not in x]
+        kept = [x for x in kept if _degree(x, axis) == 1]
         if len(kept) < len(before):
-            lines.append(f"note: {len(before) - len(kept)} layouts with mesh.{axis} > 1 left "
+            lines.append(f"note: {_count(len(before) - len(kept))} with mesh.{axis} > 1 left "
                          f"out: {why}")
     if task.context_parallel and tokens:
         before = kept
         kept = [x for x in kept if tokens % _degree(x, "context") == 0]
         if len(kept) < len(before):
-            lines.append(f"note: {len(before) - len(kept)} layouts left out whose mesh.context "
-                         f"does not divide the {tokens}-token sequences")
-    return kept + _expert_variants(task, kept), "\n".join(lines) or None
+            lines.append(f"note: {_count(len(before) - len(kept))} left out whose "
+                         f"mesh.context does not divide the {tokens}-token sequences")
+    return kept, "\n".join(lines) or None
+
+
+def _count(n: int) -> str:
+    return f"{n} layout{'s' * (n != 1)}"
 
 
 def _expert_variants(task: Task, layouts: list[str]) -> list[str]:
@@ -173,121 +120,22 @@ def _degree(layout: str, axis: str) -> int:
     return int(found.group(1)) if found else 1
 
 
-# ---- measuring one layout --------------------------------------------------------------------
-def _memory(compiled: jax.stages.Compiled) -> tuple[int, int, int, int]:
-    """(arguments, temporaries, outputs, peak) bytes per device; donated outputs alias
-    their arguments, so the peak counts them once."""
-    mem = compiled.memory_analysis()
-    args, temp = int(mem.argument_size_in_bytes), int(mem.temp_size_in_bytes)
-    out, alias = int(mem.output_size_in_bytes), int(mem.alias_size_in_bytes)
-    return args, temp, out, args + out - alias + temp
-
-
-def _time_steps(run: Run, compiled: jax.stages.Compiled, steps: int) -> float:
-    """Median seconds of ``steps`` executions of the compiled step, after two warm-ups."""
-    trainer = run.trainer
-    state = trainer.init()
-    batch = trainer.shard_batch(run.data.batch(0, run.config.train.batch_size))
-    times = []
-    for i in range(steps + 2):
-        start = time.perf_counter()
-        state, metrics = compiled(state, batch)
-        jax.block_until_ready((state, metrics))
-        if i >= 2:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def _scheduled_flops(compiled: Any, cost: hlo.ProgramCost, run: Run) -> float:
-    """FLOPs per device in the step-time view.
-
-    :func:`hlo.program_cost` prices every tick of a pipeline at its costliest
-    branch. With the schedule known, a tick costs what its busiest device runs
-    (every device waits for the slowest at the next send): the sum over ticks of
-    the largest branch among the devices, bubbles free.
-    """
-    table = run.plan.pipeline
-    if table is None:
-        return cost.flops
-    if hasattr(compiled, "scheduled_flops"):  # a step of one program per stage
-        return compiled.scheduled_flops
-    text = compiled.as_text()
-    full = branch_table(table)
-    used = np.unique(full)
-    found = hlo.loop_branch_costs(text, len(used))
-    if found is None or found[0] != table.ticks:
-        return cost.flops
-    trips, branches = found
-    per = np.array([b.get("flops", 0.0) for b in branches])
-    return cost.flops - trips * per.max() + float(per[np.searchsorted(used, full)].max(1).sum())
-
-
-def _fill_comm(row: Row, cost: hlo.ProgramCost, run: Run) -> float:
-    """Collective columns; returns the wire bytes the roofline uses (for a GPU)."""
-    stats = cost.collectives
-    for kind in hlo.COLLECTIVES:
-        setattr(row, f"{kind.replace('-', '_')}_bytes", stats[kind].wire_bytes)
-    row.comm_bytes = sum(s.wire_bytes for s in stats.values())
-    backend = run.devices[0].platform
-    here, gpu = predict_comm(run, backend), predict_comm(run, "gpu")
-    row.predicted_comm_bytes = here.total_bytes
-    row.comm_ratio = row.comm_bytes / here.total_bytes if here.total_bytes else None
-    # A program compiled for the CPU differs from the GPU one where the prediction knows
-    # it (all-reduce + slice for reduce-scatter, float32 for bfloat16 reductions): correct
-    # the measured bytes by that difference. On a GPU the measured bytes stand as they are.
-    return row.comm_bytes + gpu.total_bytes - here.total_bytes
-
-
-def measure(config: Config, layout: str, hw: Hardware, steps: int = 0,
-            memory_bytes: float | None = None, task: Task | None = None) -> Row:
-    """Compile (and with ``steps`` > 0, time) the train step of ``config`` under ``layout``.
-
-    ``memory_bytes`` is the device memory that ``fits`` is judged against (default:
-    the hardware profile's); ``task`` is a user's task (default: the built-in model).
-    """
-    row = Row(layout, hardware=hw.key)
-    try:
-        run = build(apply_overrides(config, layout_overrides(layout)), task)
-        batch = global_batch_shapes(run.data.batch(0, run.config.train.batch_size))
-        start = time.perf_counter()
-        compiled = run.trainer.compile_step(batch)
-        row.compile_s = time.perf_counter() - start
-    except JaxparError as err:  # a layout that cannot run; anything else is a bug: raised
-        row.error = str(err)
-        return row
-    row.mem_args_bytes, row.mem_temp_bytes, row.mem_output_bytes, row.mem_total_bytes = \
-        _memory(compiled)
-    row.predicted_mem_args_bytes = predict_argument_bytes(run, batch)
-    row.fits = row.mem_total_bytes <= (memory_bytes or hw.memory_bytes)
-    cost = hlo.step_cost(compiled)
-    # the sub-mesh pipeline moves activations between stages with device_put
-    row.transfer_bytes = getattr(compiled, "transfer_bytes", None)
-    row.flops = _scheduled_flops(compiled, cost, run)
-    # HBM traffic, roughly: the state is read and written once, activations written and
-    # read back once (an unfused CPU program's op-by-op traffic would say far more)
-    row.mem_traffic_bytes = row.mem_args_bytes + row.mem_output_bytes + 2 * row.mem_temp_bytes
-    comm_gpu = _fill_comm(row, cost, run)
-    dtype = run.family.compute_dtype(run.config.model) if run.family else "float32"
-    row.predicted_step_time_s = roofline(hw, row.flops, row.mem_traffic_bytes, comm_gpu,
-                                         dtype).total_s
-    if steps > 0:
-        row.step_time_s = _time_steps(run, compiled, steps)
-        examples = run.config.train.batch_size
-        row.examples_per_s = examples / row.step_time_s
-        per_example = run.plan.task.tokens_per_example
-        row.tokens_per_s = examples * per_example / row.step_time_s if per_example else None
-    return row
-
-
 def sweep(config: Config, layouts: list[str], hw: Hardware, steps: int = 0,
           memory_bytes: float | None = None, echo: bool = False,
           task: Task | None = None) -> list[Row]:
-    """:func:`measure` of every layout, in order."""
+    """:func:`measure` of every layout, in order: one after another when steps are timed
+    (alone on the machine), else compiled several at once
+    (:func:`jaxpar.lab.workers.measure_all`)."""
+    def say(row: Row) -> None:
+        if echo:
+            print(f"  {row.layout}: {'ok' if row.ok else 'invalid'}", flush=True)
+
+    if steps == 0:
+        return measure_all(config, layouts, hw, memory_bytes, task, done=say)
     rows = []
     for layout in layouts:
         rows.append(measure(config, layout, hw, steps, memory_bytes, task))
-        if echo:
-            print(f"  {layout}: {'ok' if rows[-1].ok else 'invalid'}", flush=True)
+        say(rows[-1])
     return rows
 
 

@@ -102,6 +102,8 @@ class LabLayout:
       cpu: the program is XLA:CPU's (bfloat16 activations move as float32).
       context: how attention runs across a split sequence (``context.attention``:
         ``all_gather`` or ``ring``).
+      residuals: the sub-mesh pipeline's backward programs read the forward's residuals
+        (``pipeline.backward=residuals``) rather than recompute it.
     """
 
     sizes: Mapping[str, int]
@@ -114,6 +116,7 @@ class LabLayout:
     cpu: bool = False
     sub_mesh: bool = False
     context: str = "all_gather"
+    residuals: bool = False
 
 
 class LabModel:

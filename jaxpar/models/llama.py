@@ -3,11 +3,9 @@ only: RMSNorm, a SwiGLU MLP, rotary positions with base ``rope_theta``, grouped-
 attention (``n_kv_heads`` key/value heads shared by groups of ``n_heads / n_kv_heads``
 query heads), no biases, an untied (or tied) output layer; bfloat16 compute over float32
 parameters when ``model.dtype=bfloat16``. Hugging Face interchange: ``jaxpar/hf/llama.py``.
-With ``model.n_experts`` > 0 every ``moe_every``-th MLP is a mixture of experts
-(:mod:`jaxpar.models.moe`: router [G, D, E], e_gate, e_up [G, E, D, F], e_down [G, E, F, D]
-for G = L / moe_every), the layers scanned in groups of moe_every; a pipeline stage adds
-its share of the routers' losses (:attr:`~jaxpar.task.StageSplit.stage`).
-
+With ``model.n_experts`` > 0 every ``moe_every``-th MLP is a mixture of experts (router
+[G, D, E], e_gate, e_up [G, E, D, F], e_down [G, E, F, D], G = L / moe_every; layers scanned
+in groups of moe_every; a pipeline stage adds its share of the routers' losses).
 Shape suffixes: B batch, T sequence, D embed, N heads, K key/value heads, H head dim, F
 mlp, V vocab, L layers (stacked on a leading ``layers`` dim and scanned).
 
@@ -98,6 +96,8 @@ class LlamaConfig(ModelConfig):
                                    "of a sequence (the rest are dropped and counted)")
     aux_loss_coef: Float = Field(0.01, ge=0, description="weight of the load-balancing loss")
     z_loss_coef: Float = Field(0.001, ge=0, description="weight of the router z-loss")
+    moe_dispatch: moe.Dispatch = Field("all_gather", description="experts' token dispatch: "
+                                       "all_gather (any backend), all_to_all (GPU, TPU)")
 
     @property
     def head_dim(self) -> int:
@@ -202,7 +202,8 @@ def layer_group(x: jax.Array, p: dict[str, jax.Array], cfg: LlamaConfig, attenti
         h = rms_norm(x, pj["mlp_norm"], cfg.norm_eps)
         if cfg.n_experts and j == m - 1:
             experts = dict(zip(("router", *DENSE), (p[n] for n in EXPERTS)))
-            y, stats = moe.moe_mlp(h, experts, cfg.top_k, cfg.capacity_factor, positions_T)
+            y, stats = moe.moe_mlp(h, experts, cfg.top_k, cfg.capacity_factor, positions_T,
+                                   cfg.moe_dispatch)
             if cfg.n_shared_experts:
                 y = y + moe.swiglu(h, dict(zip(DENSE, (p[n] for n in SHARED))))
         else:
@@ -377,11 +378,11 @@ def llama_counts(cfg: LlamaConfig, seq_len: int) -> tuple[int, float]:
 class LlamaLab(TransformerLab):
     """The lab's Llama: q, k, v and SwiGLU's gate and up each give the backward an input
     gradient that XLA all-reduces apart under tensor parallelism: 5 a layer (measured); 4
-    where the key/value heads are not split (and XLA gathers some: measured 0.96×)."""
+    unsplit key/value heads (XLA gathers some: 0.96×); experts: :func:`moe.tensor_terms`."""
 
     def tensor_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
-        split_kv = layout.rules.get("kv_heads", ()) == layout.rules.get("heads", ())
-        return transformer_tensor_terms(cfg, layout, 5 if split_kv else 4)
+        kv = 5 if layout.rules.get("kv_heads", ()) == layout.rules.get("heads", ()) else 4
+        return moe.tensor_terms(cfg, layout, transformer_tensor_terms(cfg, layout, kv))
 
     def expert_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
         return moe.dispatch_terms(cfg, layout)

@@ -10,9 +10,8 @@ experts=data``, say), each device of those axes holds ``n_experts / degree`` exp
 (expert parallelism) and tokens reach them by **all-gather + reduce-scatter**: every device
 gathers the tokens (and their routing) of its group, runs its own experts on the ones
 routed to them, and the partial outputs are reduce-scattered back to the tokens' devices —
-static shapes, on every backend. (``jax.lax.ragged_all_to_all``, the all-to-all dispatch
-that moves only the routed tokens, does not run on the CPU backend of JAX 0.10: see the
-README.)
+static shapes, on every backend. ``dispatch="all_to_all"`` moves only the routed tokens
+instead (``jax.lax.ragged_all_to_all``: GPUs and TPUs; :mod:`jaxpar.models.alltoall`).
 
 Costs. ``ragged_dot`` on the CPU expands to a dense product over every group (about
 ``n_experts`` × the FLOPs and memory of the routed tokens' matmul); on GPUs and TPUs it is a
@@ -23,9 +22,10 @@ the ``moe_dropped`` metric.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +33,11 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxpar.logical import active_layout, constrain
+from jaxpar.models import alltoall
 from jaxpar.models.family import LabLayout, Term
+
+#: How expert parallelism moves tokens to their experts' devices (``model.moe_dispatch``).
+Dispatch = Literal["all_gather", "all_to_all"]
 
 
 def swiglu(h: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
@@ -113,13 +117,18 @@ def grouped_swiglu(x_TD: jax.Array, experts_Tk: jax.Array, weights_Tk: jax.Array
     key = jnp.where((local >= 0) & (local < n_local), local, n_local)
     order = jnp.argsort(key, stable=True)
     sizes = jnp.zeros(n_local + 1, jnp.int32).at[key].add(1)[:n_local]
-    xs = x_TD[order // k]
+    rows = swiglu_groups(x_TD[order // k], sizes, w)
+    out = jnp.zeros((T * k, x_TD.shape[-1]), x_TD.dtype).at[order].set(rows)
+    return (out * weights_Tk.reshape(-1, 1).astype(out.dtype)).reshape(T, k, -1).sum(1)
+
+
+def swiglu_groups(xs: jax.Array, sizes: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
+    """SwiGLU of rows ``xs`` [R, D] sorted by expert, ``sizes[j]`` of them for expert ``j``
+    of ``w``'s: one ``ragged_dot`` per projection; the rows past every group give 0."""
     h = (jax.nn.silu(jax.lax.ragged_dot(xs, w["w_gate"], sizes))
          * jax.lax.ragged_dot(xs, w["w_up"], sizes))
     rows = jax.lax.ragged_dot(h, w["w_down"], sizes)
-    rows = jnp.where((jnp.arange(T * k) < sizes.sum())[:, None], rows, 0)  # others: 0
-    out = jnp.zeros((T * k, x_TD.shape[-1]), x_TD.dtype).at[order].set(rows)
-    return (out * weights_Tk.reshape(-1, 1).astype(out.dtype)).reshape(T, k, -1).sum(1)
+    return jnp.where((jnp.arange(xs.shape[0]) < sizes.sum())[:, None], rows, 0)
 
 
 def capacity_mask(experts_BTk: jax.Array, n_experts: int, factor: float,
@@ -139,14 +148,16 @@ def capacity_mask(experts_BTk: jax.Array, n_experts: int, factor: float,
 
 
 def moe_mlp(h_BTD: jax.Array, p: dict[str, jax.Array], top_k: int,
-            capacity_factor: float = 0.0, positions_T: Any = None
-            ) -> tuple[jax.Array, dict[str, jax.Array]]:
+            capacity_factor: float = 0.0, positions_T: Any = None,
+            dispatch: str = "all_gather") -> tuple[jax.Array, dict[str, jax.Array]]:
     """The MoE SwiGLU of ``h`` [B, T, D] with router ``p['router']`` [D, E] and experts
     ``p['w_gate']``, ``p['w_up']`` [E, D, F], ``p['w_down']`` [E, F, D]; returns the
     output [B, T, D] and the router statistics (:func:`route`) with ``dropped`` (the
     assignments a capacity factor dropped, counted by the tokens' ``positions_T``).
     Routing, like the experts, runs on each device's own tokens; the statistics are summed
-    over the devices."""
+    over the devices. Under expert parallelism ``dispatch`` moves the tokens to their
+    experts' devices: ``all_gather`` (every backend) or ``all_to_all``
+    (:mod:`jaxpar.models.alltoall`)."""
     B, T, D = h_BTD.shape
     E = p["router"].shape[-1]
     w = {n: p[n] for n in ("w_gate", "w_up", "w_down")}
@@ -170,6 +181,12 @@ def moe_mlp(h_BTD: jax.Array, p: dict[str, jax.Array], top_k: int,
             stats["dropped"] = jax.lax.psum(dropped, stat_axes) if stat_axes else dropped
         dtype = h.dtype
         w = {n: a.astype(dtype) for n, a in w.items()}
+        if ep_axes and dispatch == "all_to_all":
+            run = lambda r, s: swiglu_groups(r.astype(dtype), s, w).astype(r.dtype)  # noqa
+            y = alltoall.dispatch(h.reshape(-1, D).astype(_wire(dtype)),
+                                  experts.reshape(-1, top_k), weights.reshape(-1, top_k),
+                                  run, w["w_gate"].shape[0], ep_axes)
+            return y.astype(dtype).reshape(-1, T, D), stats
         if ep_axes:  # gather the group's tokens: each device runs its experts on them all
             gather = functools.partial(jax.lax.all_gather, axis_name=ep_axes, tiled=True)
             h = gather(h.astype(_wire(dtype))).astype(dtype)
@@ -183,6 +200,8 @@ def moe_mlp(h_BTD: jax.Array, p: dict[str, jax.Array], top_k: int,
                                      tiled=True).astype(dtype)
         return y, stats
 
+    if ep_axes and dispatch == "all_to_all":
+        alltoall.refuse_on_cpu()
     if batch_axes:
         bspec = PartitionSpec(batch_axes if len(batch_axes) > 1 else batch_axes[0])
         wspec = PartitionSpec((ep_axes if len(ep_axes) > 1 else ep_axes[0]) if ep_axes
@@ -216,9 +235,8 @@ def dispatch_terms(cfg: Any, layout: LabLayout) -> list[Term]:
     backward, their transposes — the output gradients all-gathered, the input and weight
     gradients reduce-scattered."""
     layers = cfg.n_layers // cfg.moe_every if cfg.n_experts else 0
-    batch = [a for a in layout.rules.get("batch", ()) if layout.sizes.get(a, 1) > 1]
-    e = math.prod(layout.sizes[a] for a in layout.rules.get("experts", ()) if a in batch)
-    if e == 1 or not layers or layout.stages is not None:
+    e = expert_degree(layout)
+    if e == 1 or not layers or layout.stages is not None:  # pipelines: jaxpar/lab/staged.py
         return []
     k, seq = layout.grad_accum, layout.seq_len // math.prod(
         layout.sizes[a] for a in layout.rules.get("seq", ()))
@@ -228,6 +246,14 @@ def dispatch_terms(cfg: Any, layout: LabLayout) -> list[Term]:
     # a rematerialized forward gathers again; its reduce-scatter feeds nothing the backward
     # reads (the next group's input is kept): dead code
     again = times * (2 if cfg.remat != "none" else 1)
+    if getattr(cfg, "moe_dispatch", "all_gather") == "all_to_all":
+        # balanced routing: a device's n·k routed rows there and back, and their gradients
+        # (not measured: XLA:CPU does not compile ragged_all_to_all; the count exchanges'
+        # e·E/e integers left out)
+        rows = tokens / e * cfg.top_k * cfg.d_model * itemsize
+        return [Term("all-to-all", "experts: routed rows there and back", rows, e, 2 * again),
+                Term("all-to-all", "experts: their gradients back and there", rows, e,
+                     2 * times)]
     return [Term("all-gather", "experts: tokens and routing gathered",
                  tokens * (cfg.d_model * itemsize + 8 * cfg.top_k), e, again),
             Term("reduce-scatter", "experts: outputs reduce-scattered",
@@ -236,3 +262,56 @@ def dispatch_terms(cfg: Any, layout: LabLayout) -> list[Term]:
                  tokens * cfg.d_model * itemsize, e, times),
             Term("reduce-scatter", "experts: input and weight gradients reduce-scattered",
                  tokens * (cfg.d_model * itemsize + 4 * cfg.top_k), e, times)]
+
+
+def expert_degree(layout: LabLayout) -> int:
+    """The devices a group's experts are split over (``e``): those of the batch axes that
+    ``rules.experts`` names — none inside the spmd pipeline's stages, which are manual over
+    the batch axes and take the experts in gathered (as FSDP's weights)."""
+    if layout.stages is not None and not layout.sub_mesh:
+        return 1
+    batch = [a for a in layout.rules.get("batch", ()) if layout.sizes.get(a, 1) > 1]
+    return math.prod(layout.sizes[a] for a in layout.rules.get("experts", ()) if a in batch)
+
+
+#: The dense transformer's activation all-reduces (``jaxpar/models/transformer.py``).
+MEGATRON = "Megatron activation all-reduces"
+
+
+def tensor_terms(cfg: Any, layout: LabLayout, dense: list[Term]) -> list[Term]:
+    """A dense transformer's activation all-reduces under ``tensor`` (``dense``: Megatron's
+    count, a SwiGLU MLP in every layer) with the MoE layers' own (measured, XLA:CPU).
+
+    The experts' F dim is split over ``tensor`` inside :func:`moe_mlp`'s ``shard_map``
+    (manual over the batch axes only), so a grouped matmul's output rows, ``[b·e·T·k, D]``
+    (the group's assignments: every token ``top_k`` times, ``e`` devices' tokens under
+    expert parallelism), are partial sums: XLA all-reduces the down projection's once a
+    forward — again in a recomputed one, ``save_dots`` included (the routing weights'
+    gradient reads them) — and the gate and up projections' input gradients once each a
+    backward. Shared experts are one dense SwiGLU, which Megatron's count covers; without
+    them an MoE layer has no dense MLP, whose all-reduces come off the count. A fully
+    rematerialized group also recomputes its first ``moe_every − 1`` MLPs' outputs (the next
+    layer reads them). Pipelines as Megatron's count: every tick as its costliest branch
+    (spmd), a device of the first stage (mpmd: its forward and its backward's recompute)."""
+    megatron = next((t for t in dense if t.what == MEGATRON), None)
+    if not cfg.n_experts or megatron is None:
+        return dense
+    layers, passes = cfg.n_layers // cfg.moe_every, layout.grad_accum  # microbatches
+    forward = counted = 1  # a pass's forwards that all-reduce the rows; that count a dense MLP
+    again = cfg.remat != "none" and not layout.sub_mesh
+    if layout.stages is not None:
+        ticks, p, v, m = layout.stages
+        layers //= p * v
+        passes *= m if layout.sub_mesh else ticks
+        if layout.sub_mesh:
+            counted, forward = 2, 1 if layout.residuals else 2
+    n = passes * layers
+    mlps = (cfg.moe_every - 1) * (again and cfg.remat == "full") - (
+        0 if cfg.n_shared_experts else counted + 2)
+    rows = megatron.payload_bytes * cfg.top_k * expert_degree(layout)
+    return [dataclasses.replace(x, times=x.times + n * mlps) if x is megatron else x
+            for x in dense] + [
+        Term("all-reduce", "experts: routed outputs all-reduced over tensor", rows,
+             megatron.group, n * (forward + again)),
+        Term("all-reduce", "experts: routed input gradients all-reduced over tensor", rows,
+             megatron.group, n * 2)]

@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import hlo
-from jaxpar.pipeline.chunks import kept
+from jaxpar.pipeline.chunks import kept, sent_and_counted
 from jaxpar.pipeline.views import STACKED, WHOLE, chunk_spec, sum_over_stages
 
 
@@ -157,6 +157,8 @@ def _stage_costs(ex: Any, state: Any, batch: dict) -> list[StageCost]:
         compiled[("F", c)] = ex.program("F", c).lower(*forward).compile()
         result = jax.tree.map(_abstract, compiled[("F", c)].out_info)
         y, _, keep, _ = kept(ex, forward, result)
+        if not ex.residuals:  # a chunk's own loss terms ride with its output: not sent
+            y = sent_and_counted(y, c == chunks - 1)[0]
         stashed[c] = keep[0] if ex.residuals else (x, model_state)
         dy = None if c == chunks - 1 else _placed(y, ex.meshes[s], ex)
         args = {"B": (*keep, dy, params), "I": (*keep, dy), "W": (*keep, dy, params)}

@@ -12,6 +12,7 @@ import jax
 from flax import nnx
 
 from jaxpar import sharding as shd
+from jaxpar.errors import TaskError
 from jaxpar.task import Task
 
 
@@ -42,7 +43,7 @@ class AbstractModel:
 def abstract_model(task: Task, seed: int = 0) -> AbstractModel:
     """The task's model as shapes and names (``nnx.eval_shape``: nothing is allocated)."""
     with nnx.use_eager_sharding(False):
-        model = nnx.eval_shape(lambda: task.model_fn(nnx.Rngs(seed)))
+        model = nnx.eval_shape(lambda: _checked_model(task, task.model_fn(nnx.Rngs(seed))))
     graphdef, params, state = nnx.split(model, nnx.Param, ...)
     param_axes, unnamed = shd.logical_axes(params, task.path_rules)
     state_axes, _ = shd.logical_axes(state)
@@ -53,6 +54,20 @@ def abstract_model(task: Task, seed: int = 0) -> AbstractModel:
                                 [isinstance(v, nnx.RngCount) for v in variables])
     return AbstractModel(graphdef, nnx.to_pure_dict(params), pure, param_axes, state_axes,
                          tuple(unnamed), tuple(kinds), counts)
+
+
+def _checked_model(task: Task, model: Any) -> nnx.Module:
+    """``model`` if it is an NNX module; else one line saying what ``model_fn`` must return
+    (a Linen module goes through :class:`jaxpar.Linen`)."""
+    if isinstance(model, nnx.Module):
+        return model
+    kind = type(model).__name__
+    linen = type(model).__module__.startswith("flax.linen") or any(
+        c.__module__.startswith("flax.linen") for c in type(model).__mro__)
+    fix = (f"wrap the Linen module: jaxpar.Linen({kind}(...), example_input, rngs=rngs)"
+           if linen else "return the model built with the given rngs")
+    raise TaskError(f"task '{task.name}': model_fn returned a {kind}, not a flax.nnx.Module; "
+                    f"{fix}")
 
 
 def global_batch_shapes(host_batch: Mapping[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:

@@ -103,7 +103,7 @@ def check_context(task: Task, rules: Rules, mesh: Mesh) -> tuple[str, ...]:
         raise LayoutError(
             f"{split}, but the attention of {name} does not run across a split sequence; "
             f"{fix}, or give its attention jaxpar.attend with the tokens' positions and "
-            "declare Task(context_parallel=True) (README: context parallelism)")
+            "declare Task(context_parallel=True) (docs/context.md)")
     if task.tokens_per_example % ways:
         raise LayoutError(
             f"{split}, but its sequences of {task.tokens_per_example} tokens do not divide "

@@ -204,7 +204,8 @@ def make_plan(task: Task, optimizer: optax.GradientTransformation, mesh: Mesh, r
       task: the model, its loss and its batch axes.
       optimizer: any Optax transformation (its state's structure gives the optimizer
         state's specs).
-      mesh, rules: the device mesh and logical axis name → mesh axes.
+      mesh: the device mesh.
+      rules: logical axis name → mesh axes.
       grad_accum: microbatches accumulated per step.
       pipeline: the schedule used when ``mesh.shape['stage'] > 1`` (default: 1F1B over
         twice as many microbatches as stages).

@@ -1,0 +1,263 @@
+"""One layout's train step, compiled and read: memory per device, FLOPs, collectives and the
+roofline step time on a hardware profile (optionally the measured step time as well).
+
+:func:`measure` is :func:`lower` (build the run, trace and lower the step: Python, holding
+the GIL), :func:`compile_lowered` (XLA, which releases it) and :func:`read` (the
+compiled program's figures) in a row; :mod:`jaxpar.lab.workers` runs the middle part of
+many layouts at once.
+
+A program that is only read, never run (``steps=0``), compiles with XLA's code generator
+at its fastest settings (:func:`analysis_options`): LLVM optimization off, its code in one
+piece (several layouts compile at once already) and, on jaxlibs that still have it, the
+older elemental fusion emitter. None of them touches the HLO passes, so the program's
+collectives and FLOPs are the same; its temporaries differ by a few hundred bytes in tens
+of MiB (``python benchmarks/plan_time.py --check`` compares them).
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxpar import hlo
+from jaxpar.config import Config, apply_overrides
+from jaxpar.errors import ConfigError, JaxparError
+from jaxpar.lab.hardware import Hardware, roofline
+from jaxpar.lab.predict import predict_argument_bytes, predict_comm
+from jaxpar.mesh import MESH_AXES
+from jaxpar.pipeline.executor import branch_table
+from jaxpar.plan import global_batch_shapes
+from jaxpar.run import Run, build
+from jaxpar.task import Task
+
+
+@dataclass
+class Row:
+    """One layout's measurements (None where it could not be measured)."""
+
+    layout: str
+    mem_args_bytes: int | None = None
+    mem_temp_bytes: int | None = None
+    mem_total_bytes: int | None = None
+    flops: float | None = None
+    all_reduce_bytes: float | None = None
+    all_gather_bytes: float | None = None
+    reduce_scatter_bytes: float | None = None
+    collective_permute_bytes: float | None = None
+    all_to_all_bytes: float | None = None
+    predicted_comm_bytes: float | None = None
+    step_time_s: float | None = None
+    predicted_step_time_s: float | None = None
+    fits: bool | None = None
+    comm_bytes: float | None = None
+    comm_ratio: float | None = None
+    predicted_mem_args_bytes: int | None = None
+    mem_output_bytes: int | None = None
+    mem_traffic_bytes: float | None = None
+    tokens_per_s: float | None = None
+    examples_per_s: float | None = None
+    compile_s: float | None = None
+    transfer_bytes: float | None = None
+    collective_ops: int | None = None
+    predicted_latency_s: float | None = None
+    hardware: str = ""
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+
+def layout_overrides(layout: str) -> list[str]:
+    """``"fsdp=4,stage=2"`` → config overrides: every mesh axis set (unnamed ones to 1),
+    ``rules.preset=auto`` unless named, then the layout's own dotted overrides.
+
+    Raises:
+      ConfigError: for an entry that is neither ``axis=N`` nor ``section.key=value``.
+    """
+    degrees = dict.fromkeys(MESH_AXES, "1")
+    extra, preset = [], "auto"
+    for item in (x.strip() for x in layout.split(",") if x.strip()):
+        key, sep, value = item.partition("=")
+        if not sep or not value:
+            raise ConfigError(f"layout '{layout}': '{item}' must look like axis=N, e.g. fsdp=8")
+        if "." in key:
+            extra.append(item)
+            preset = value if key == "rules.preset" else preset
+        elif key in degrees:
+            degrees[key] = value
+        else:
+            raise ConfigError(f"layout '{layout}': unknown mesh axis '{key}'; the axes are "
+                              f"{', '.join(MESH_AXES)} (or give a section.key=value override)")
+    return [*(f"mesh.{a}={v}" for a, v in degrees.items()), f"rules.preset={preset}", *extra]
+
+
+@functools.cache
+def analysis_options() -> tuple[tuple[str, Any], ...]:
+    """XLA options for a program that is read, not run: those this jaxlib knows."""
+    wanted = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False,
+              # several layouts compile at once: one program's code in one piece
+              "xla_cpu_parallel_codegen_split_count": 1}
+    lowered = jax.jit(lambda x: x + 1).lower(np.ones(2, np.float32))
+    known = {}
+    for key, value in wanted.items():
+        try:
+            lowered.compile({**known, key: value})
+        except jax.errors.JaxRuntimeError:  # "No such compile option" (a newer jaxlib)
+            continue
+        known[key] = value
+    return tuple(known.items())
+
+
+@dataclass
+class Lowered:
+    """A layout's run and its train step lowered for one batch shape, waiting to compile."""
+
+    row: Row
+    run: Run
+    batch: dict
+    step: Any
+
+
+def lower(config: Config, layout: str, hw: Hardware, task: Task | None = None
+          ) -> Lowered | Row:
+    """The layout's run and lowered step, or its row with the reason it cannot run."""
+    row = Row(layout, hardware=hw.key)
+    try:
+        run = build(apply_overrides(config, layout_overrides(layout)), task)
+        batch = global_batch_shapes(run.data.batch(0, run.config.train.batch_size))
+        return Lowered(row, run, batch, run.trainer.lower_step(batch))
+    except JaxparError as err:  # a layout that cannot run; anything else is a bug: raised
+        row.error = str(err)
+        return row
+
+
+def compile_lowered(lowered: Lowered, steps: int = 0) -> tuple[Any, float]:
+    """The compiled step (for reading only with ``steps=0``: :func:`analysis_options`)
+    and the seconds compiling took."""
+    start = time.perf_counter()
+    if steps == 0 and isinstance(lowered.step, jax.stages.Lowered):
+        compiled = lowered.step.compile(dict(analysis_options()))
+    else:  # a sub-mesh pipeline's programs compile themselves
+        compiled = lowered.step.compile()
+    return compiled, time.perf_counter() - start
+
+
+def measure(config: Config, layout: str, hw: Hardware, steps: int = 0,
+            memory_bytes: float | None = None, task: Task | None = None) -> Row:
+    """Compile (and with ``steps`` > 0, time) the train step of ``config`` under ``layout``.
+
+    ``memory_bytes`` is the device memory that ``fits`` is judged against (default:
+    the hardware profile's); ``task`` is a user's task (default: the built-in model).
+    """
+    lowered = lower(config, layout, hw, task)
+    if isinstance(lowered, Row):
+        return lowered
+    try:
+        compiled, seconds = compile_lowered(lowered, steps)
+    except JaxparError as err:
+        lowered.row.error = str(err)
+        return lowered.row
+    return read(lowered, compiled, seconds, hw, memory_bytes, steps)
+
+
+def _memory(compiled: jax.stages.Compiled) -> tuple[int, int, int, int]:
+    """(arguments, temporaries, outputs, peak) bytes per device; donated outputs alias
+    their arguments, so the peak counts them once."""
+    mem = compiled.memory_analysis()
+    args, temp = int(mem.argument_size_in_bytes), int(mem.temp_size_in_bytes)
+    out, alias = int(mem.output_size_in_bytes), int(mem.alias_size_in_bytes)
+    return args, temp, out, args + out - alias + temp
+
+
+def read(lowered: Lowered, compiled: Any, compile_s: float, hw: Hardware,
+         memory_bytes: float | None = None, steps: int = 0) -> Row:
+    """The row of a compiled layout: its memory, FLOPs, collectives and predicted step
+    time on ``hw`` (and with ``steps`` > 0 its measured step time)."""
+    row, run = lowered.row, lowered.run
+    row.compile_s = compile_s
+    row.mem_args_bytes, row.mem_temp_bytes, row.mem_output_bytes, row.mem_total_bytes = \
+        _memory(compiled)
+    row.predicted_mem_args_bytes = predict_argument_bytes(run, lowered.batch)
+    row.fits = row.mem_total_bytes <= (memory_bytes or hw.memory_bytes)
+    cost = hlo.step_cost(compiled)
+    # the sub-mesh pipeline moves activations between stages with device_put
+    row.transfer_bytes = getattr(compiled, "transfer_bytes", None)
+    row.flops = _scheduled_flops(compiled, cost, run)
+    # HBM traffic, roughly: the state is read and written once, activations written and
+    # read back once (an unfused CPU program's op-by-op traffic would say far more)
+    row.mem_traffic_bytes = row.mem_args_bytes + row.mem_output_bytes + 2 * row.mem_temp_bytes
+    comm_gpu = _fill_comm(row, cost, run)
+    row.collective_ops = cost.collective_ops
+    dtype = run.family.compute_dtype(run.config.model) if run.family else "float32"
+    time_s = roofline(hw, row.flops, row.mem_traffic_bytes, comm_gpu, dtype,
+                      collectives=row.collective_ops)
+    row.predicted_step_time_s, row.predicted_latency_s = time_s.total_s, time_s.latency_s
+    if steps > 0:
+        row.step_time_s = _time_steps(run, compiled, steps)
+        examples = run.config.train.batch_size
+        row.examples_per_s = examples / row.step_time_s
+        per_example = run.plan.task.tokens_per_example
+        row.tokens_per_s = examples * per_example / row.step_time_s if per_example else None
+    return row
+
+
+def _time_steps(run: Run, compiled: jax.stages.Compiled, steps: int) -> float:
+    """Median seconds of ``steps`` executions of the compiled step, after two warm-ups."""
+    trainer = run.trainer
+    state = trainer.init()
+    batch = trainer.shard_batch(run.data.batch(0, run.config.train.batch_size))
+    times = []
+    for i in range(steps + 2):
+        start = time.perf_counter()
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready((state, metrics))
+        if i >= 2:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _scheduled_flops(compiled: Any, cost: hlo.ProgramCost, run: Run) -> float:
+    """FLOPs per device in the step-time view.
+
+    :func:`hlo.program_cost` prices every tick of a pipeline at its costliest
+    branch. With the schedule known, a tick costs what its busiest device runs
+    (every device waits for the slowest at the next send): the sum over ticks of
+    the largest branch among the devices, bubbles free.
+    """
+    table = run.plan.pipeline
+    if table is None:
+        return cost.flops
+    if hasattr(compiled, "scheduled_flops"):  # a step of one program per stage
+        return compiled.scheduled_flops
+    text = compiled.as_text()
+    full = branch_table(table)
+    used = np.unique(full)
+    found = hlo.loop_branch_costs(text, len(used))
+    if found is None or found[0] != table.ticks:
+        return cost.flops
+    trips, branches = found
+    per = np.array([b.get("flops", 0.0) for b in branches])
+    return cost.flops - trips * per.max() + float(per[np.searchsorted(used, full)].max(1).sum())
+
+
+def _fill_comm(row: Row, cost: hlo.ProgramCost, run: Run) -> float:
+    """Collective columns; returns the wire bytes the roofline uses (for a GPU)."""
+    stats = cost.collectives
+    for kind in hlo.COLLECTIVES:
+        setattr(row, f"{kind.replace('-', '_')}_bytes", stats[kind].wire_bytes)
+    row.comm_bytes = sum(s.wire_bytes for s in stats.values())
+    backend = run.devices[0].platform
+    here, gpu = predict_comm(run, backend), predict_comm(run, "gpu")
+    row.predicted_comm_bytes = here.total_bytes
+    row.comm_ratio = row.comm_bytes / here.total_bytes if here.total_bytes else None
+    # A program compiled for the CPU differs from the GPU one where the prediction knows
+    # it (all-reduce + slice for reduce-scatter, float32 for bfloat16 reductions): correct
+    # the measured bytes by that difference. On a GPU the measured bytes stand as they are.
+    return row.comm_bytes + gpu.total_bytes - here.total_bytes
