@@ -136,12 +136,11 @@ def accumulated():
 
 
 @pytest.mark.parametrize("layout", [
-    ["mesh.data=4"],
     ["mesh.data=4", "pipeline.executor=mpmd"],
     ["mesh.data=4", "pipeline.schedule=zb_h1", "rules.experts=data"],
     ["mesh.data=2", "mesh.fsdp=2", "pipeline.executor=mpmd", "pipeline.backward=residuals",
      "rules.experts=data"],
-], ids=["spmd", "mpmd", "spmd-zb_h1-expert4", "mpmd-residuals-expert2-fsdp2"])
+], ids=["mpmd", "spmd-zb_h1-expert4", "mpmd-residuals-expert2-fsdp2"])
 def test_moe_pipelines_equal_one_device(accumulated, layout):
     """An MoE Llama cut into 2 stages of 2 MoE layers each (both executors, a zero-bubble
     schedule, experts split over data): every stage adds its share of the routers' losses
