@@ -276,43 +276,55 @@ def _default_mask(params: Any) -> Any:
     return decay_mask(params, None)
 
 
-def _sgd(cfg: OptimConfig, schedule: optax.Schedule, mask: Mask) -> optax.GradientTransformation:
+def _sgd(cfg: OptimConfig, lr: jax.Array, mask: Mask) -> optax.GradientTransformation:
     # Coupled L2 (torch.optim.SGD style): decay is added to the gradient before
     # momentum and the lr scaling, so it is scaled by lr like the gradient.
     parts = []
     if cfg.weight_decay > 0:
         parts.append(optax.add_decayed_weights(cfg.weight_decay, mask=mask))
     momentum = cfg.momentum if cfg.momentum > 0 else None  # None: plain SGD, no state
-    parts.append(optax.sgd(schedule, momentum=momentum, nesterov=cfg.nesterov))
+    parts.append(optax.sgd(lr, momentum=momentum, nesterov=cfg.nesterov))
     return optax.chain(*parts)
 
 
-def _base_optimizer(
-    cfg: OptimConfig, schedule: optax.Schedule, mask: Mask
-) -> optax.GradientTransformation:
-    """The optimizer named by ``cfg.name``, driven by ``schedule``."""
+def _base_optimizer(cfg: OptimConfig, lr: jax.Array, mask: Mask) -> optax.GradientTransformation:
+    """The optimizer named by ``cfg.name`` at learning rate ``lr`` (this step's)."""
     if cfg.name == "sgd":
-        return _sgd(cfg, schedule, mask)
+        return _sgd(cfg, lr, mask)
     if cfg.name == "adam":
-        return optax.adam(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
+        return optax.adam(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
     if cfg.name == "adamw":
         return optax.adamw(
-            schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=mask
+            lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=mask
         )
     if cfg.name == "lamb":
         return optax.lamb(
-            schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=mask
+            lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=mask
         )
     # Adafactor keeps its own defaults for b2-like decay, eps and momentum:
     # cfg.b2/eps/momentum are tuned for Adam/SGD and would be wrong here.
     return optax.adafactor(
-        learning_rate=schedule,
-        # Scale decay by the schedule so it is decoupled like AdamW (lr·wd·p);
-        # optax adds it after the lr scaling, where a bare rate would remove
-        # wd·p every step.
-        weight_decay_rate=(lambda t: cfg.weight_decay * schedule(t)) if cfg.weight_decay else None,
+        learning_rate=lr,
+        # Scale decay by the lr so it is decoupled like AdamW (lr·wd·p); optax adds it
+        # after the lr scaling, where a bare rate would remove wd·p every step.
+        weight_decay_rate=cfg.weight_decay * lr if cfg.weight_decay else None,
         weight_decay_mask=mask,
     )
+
+
+def _scheduled(cfg: OptimConfig, schedule: optax.Schedule,
+               mask: Mask) -> optax.GradientTransformation:
+    """The optimizer with ``optax.inject_hyperparams`` evaluating ``schedule`` at its own
+    update count: the optimizer state records the rate each update applied, so ``lr`` is
+    logged from the state wherever the chain ends up (inside ``optax.MultiSteps``, a
+    ``masked`` or a user's ``chain``), the count excluding skipped steps and the
+    accumulating steps of ``MultiSteps``."""
+
+    def factory(learning_rate: jax.Array) -> optax.GradientTransformation:
+        return _base_optimizer(cfg, learning_rate, mask)
+
+    return optax.inject_hyperparams(factory, hyperparam_dtype=jnp.float32)(
+        learning_rate=schedule)
 
 
 def make_optimizer(
@@ -336,8 +348,10 @@ def make_optimizer(
         ``None`` means :func:`decay_mask` with ``axes=None`` (``ndim >= 2``).
 
     Returns:
-      ``(tx, schedule)``: the gradient transformation and the lr schedule
-      (for logging the lr at a step).
+      ``(tx, schedule)``: the gradient transformation and the lr schedule. The
+      optimizer's state records the rate of its last update
+      (``optax.inject_hyperparams``), which a run logs as ``lr`` (:func:`injected_lr`),
+      also when ``tx`` is wrapped (``optax.MultiSteps(tx, k)``) or chained.
 
     Raises:
       ConfigError: for ``total_steps`` below 1, or weight decay with ``adam``.
@@ -349,7 +363,7 @@ def make_optimizer(
     if cfg.clip_norm > 0:
         # Clip the raw gradient, before any optimizer statistics see it.
         parts.append(clip_by_global_norm(cfg.clip_norm))
-    parts.append(_base_optimizer(cfg, schedule, mask))
+    parts.append(_scheduled(cfg, schedule, mask))
     return optax.chain(*parts), schedule
 
 
@@ -374,7 +388,8 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
 
 def injected_lr(opt_state: Any) -> jax.Array | None:
     """The learning rate ``optax.inject_hyperparams`` recorded in ``opt_state`` (the one
-    the last update used), or None when there is not exactly one."""
+    the last update used; :func:`make_optimizer`'s chain records it), or None when there
+    is not exactly one."""
     found = [v for _, v in optax.tree_utils.tree_get_all_with_path(opt_state, "learning_rate")
              if getattr(v, "shape", None) == ()]
     return found[0] if len(found) == 1 else None

@@ -76,16 +76,16 @@ def build(config: Config, task: Task | None = None,
         task, data = _family_task(config)
     else:
         data = task_data(task, config.run.seed) or _config_data(config, task)
-    tx, schedule, model = optimizer or task.optimizer, None, abstract_model(task)
+    tx, model = optimizer or task.optimizer, abstract_model(task)
     if tx is None:
         mask = decay_mask(model.params, model.param_axes)
-        tx, schedule = make_optimizer(config.optim, config.train.steps, mask)
+        tx, _ = make_optimizer(config.optim, config.train.steps, mask)
     plan = make_plan(task, tx, mesh, rules, grad_accum=config.train.grad_accum,
                      pipeline=config.pipeline, fsdp_gather=config.train.fsdp_gather,
                      model=model, context=config.context)
     # the global batch must split over microbatches × batch devices: say so before training
     plan.batch_shardings(global_batch_shapes(data.batch(0, config.train.batch_size)))
-    trainer = Trainer(plan, schedule=schedule, seed=config.run.seed,
+    trainer = Trainer(plan, seed=config.run.seed,
                       nonfinite_guard=config.train.nonfinite_guard)
     return Run(config, trainer, data, devices, family)
 

@@ -10,7 +10,7 @@ optimizer updates, and the non-finite guard keeps the old state of a bad step.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -33,20 +33,17 @@ class Trainer:
 
     Args:
       plan: the layout (with the task and the optimizer it lays out).
-      schedule: jaxpar's learning-rate schedule, logged as ``lr``; without it ``lr`` is
-        read from ``optax.inject_hyperparams`` state when there is one, else not logged.
       seed: the parameters' init seed.
       nonfinite_guard: how a non-finite step keeps the old state: ``cond``, ``where``
         or ``auto`` (``where`` on a GPU, ``cond`` elsewhere); see ``jaxpar/guard.py``.
     """
 
-    def __init__(self, plan: Plan, *, schedule: Callable[[Any], Any] | None = None,
-                 seed: int = 0, nonfinite_guard: str = "auto"):
-        self.plan, self.schedule, self.seed = plan, schedule, seed
+    def __init__(self, plan: Plan, *, seed: int = 0, nonfinite_guard: str = "auto"):
+        self.plan, self.seed = plan, seed
         self.nonfinite_guard = nonfinite_guard
         self.keep = guard.choose(nonfinite_guard, plan.mesh.devices.flat[0].platform)
         shardings, programs = plan.state_shardings, plan.gradients
-        self._step = programs.build_step(Update(plan.optimizer, self.keep, schedule), shardings)
+        self._step = programs.build_step(Update(plan.optimizer, self.keep), shardings)
         self._eval = programs.build_eval(shardings)
         self._init = programs.build_init(self._create, shardings)
         self._grads_jit = programs.build_grads(shardings)
@@ -59,8 +56,8 @@ class Trainer:
             self._eval_params = jax.jit(plan.task.eval_params, out_shardings=shardings.params)
 
     def with_plan(self, plan: Plan) -> Trainer:
-        """A trainer of another plan with this one's schedule, seed and guard."""
-        return Trainer(plan, schedule=self.schedule, seed=self.seed,
+        """A trainer of another plan with this one's seed and guard."""
+        return Trainer(plan, seed=self.seed,
                        nonfinite_guard=self.nonfinite_guard)
 
     def _create(self, mesh: Any = None) -> TrainState:

@@ -9,7 +9,6 @@ the gradient norm and the finiteness of the whole step.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,12 +34,10 @@ def optimizer_update(tx: optax.GradientTransformation, grads: Any, opt_state: An
 @dataclass(frozen=True)
 class Update:
     """The optimizer step: ``tx`` updates, ``keep`` (:mod:`jaxpar.guard`) keeps the old
-    state when anything is not finite, ``schedule`` (None: read ``inject_hyperparams``'
-    state) gives the logged learning rate."""
+    state when anything is not finite."""
 
     tx: optax.GradientTransformation
     keep: guard.Keep
-    schedule: Callable[[Any], Any] | None = None
 
     def __call__(self, state: TrainState, loss: jax.Array, aux: dict, grads: Any,
                  model_state: Any) -> tuple[TrainState, dict]:
@@ -59,17 +56,16 @@ class Update:
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & guard.all_finite(new["params"])
         kept = self.keep(finite, new, update, old_parts(state))
         new_state = advance(state, kept, finite)
-        return new_state, self.metrics(state, new_state, new["opt_state"], loss, grad_norm,
+        return new_state, self.metrics(new_state, new["opt_state"], loss, grad_norm,
                                        finite, aux)
 
-    def metrics(self, state: TrainState, new_state: TrainState, new_opt_state: Any,
+    def metrics(self, new_state: TrainState, new_opt_state: Any,
                 loss: jax.Array, grad_norm: jax.Array, finite: jax.Array, aux: dict) -> dict:
-        """The step's metrics; ``lr`` is jaxpar's schedule at the optimizer's own step count
-        (skipped steps excluded), or what ``inject_hyperparams`` recorded."""
+        """The step's metrics; ``lr`` is the rate ``inject_hyperparams`` recorded for the
+        step's update (jaxpar's optimizers record it), when there is one."""
         metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite,
                    "skipped": new_state.skipped, **aux}
-        lr = (self.schedule(state.step - state.skipped) if self.schedule is not None
-              else injected_lr(new_opt_state))
+        lr = injected_lr(new_opt_state)
         if lr is not None:
             metrics["lr"] = jnp.asarray(lr, jnp.float32)
         return metrics

@@ -108,7 +108,8 @@ def test_incompatible_checkpoint_names_the_mismatches_in_one_line(tmp_path):
                          "in a new run.dir")
     assert "params/blocks/w_in: checkpoint ((2, 32, 64), 'float32'), model ((2, 32, 128)" in text
     assert "params/head: in the checkpoint ((32, 256), 'float32') but not in the model" in text
-    assert "opt_state/1/0/mu/blocks/b_in: checkpoint ((2, 64), 'float32')" in text
+    # clip, then adamw (inject_hyperparams' inner state: scale_by_adam's mu, …)
+    assert "opt_state/1/inner_state/0/mu/blocks/b_in: checkpoint ((2, 64), 'float32')" in text
 
 
 def test_resume_settings(tmp_path):

@@ -117,23 +117,57 @@ def test_user_chain_with_masked_and_multisteps():
     assert losses[3] < losses[0]
 
 
+def _logged_lrs(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r.get("lr") for r in rows if "loss" in r]
+
+
 def test_lr_is_logged_when_readable_and_never_nan(tmp_path):
+    # a schedule with a distinct rate at every count: 0, 2.5e-3, 5e-3, 7.5e-3, then 1e-2
+    warmup = ["optim.lr=1e-2", "optim.warmup_steps=4", "optim.schedule=constant"]
+    jaxpar_tx, schedule = jaxpar.make_optimizer(load_config([], warmup).optim, 6)
     injected = optax.inject_hyperparams(optax.adam)(
         learning_rate=optax.linear_schedule(0.0, 1e-2, 4))
-    for name, tx in (("injected", injected), ("plain", optax.adam(1e-2)), ("config", None)):
+    at = lambda counts: [float(schedule(c)) for c in counts]
+    expected = {  # the rate each step's update applied (the last applied one in between)
+        "injected": at(range(6)), "config": at(range(6)), "plain": [None] * 6,
+        # MultiSteps updates every second step: counts 0, 1, 2 on steps 2, 4, 6; the
+        # accumulating steps log the rate of the last update (step 1: the initial one)
+        "multisteps": at([0, 0, 0, 1, 1, 2]),
+    }
+    for name, tx in (("injected", injected), ("plain", optax.adam(1e-2)), ("config", None),
+                     ("multisteps", optax.MultiSteps(jaxpar_tx, every_k_schedule=2))):
         run_dir = tmp_path / name
-        jaxpar.train(load_config([], [*LAYOUT, "train.steps=4", "train.log_every=1",
+        own = warmup if tx is None else []  # the config's optim section builds None
+        jaxpar.train(load_config([], [*LAYOUT, *own, "train.steps=6", "train.log_every=1",
                                       "train.progress=false", f"run.dir={run_dir}"]),
                      task=TASK, optimizer=tx, echo=False)
-        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text()
-                .splitlines()]
-        lrs = [r.get("lr") for r in rows if "loss" in r]
+        lrs = _logged_lrs(run_dir)
         if name == "plain":
-            assert lrs == [None] * 4
+            assert lrs == expected[name]
         else:
-            assert all(np.isfinite(lr) for lr in lrs)
-        if name == "injected":  # the rate each step applied: the schedule at 0, 1, 2, 3
-            np.testing.assert_allclose(lrs, [0.0, 2.5e-3, 5e-3, 7.5e-3], rtol=1e-6)
+            np.testing.assert_allclose(lrs, expected[name], rtol=1e-6, err_msg=name)
+
+
+def test_logged_lr_skips_a_non_finite_step(tmp_path):
+    """A step the guard skips leaves the optimizer's count where it was: the next step
+    applies (and logs) the rate the skipped one would have."""
+    def data(step, n):
+        batch = _data(step, n)
+        return {**batch, "x": batch["x"] * np.nan} if step == 1 else batch
+
+    task = jaxpar.Task(TwoOfAShape, TASK.loss_fn, TASK.batch_axes, name="two", data=data)
+    run_dir = tmp_path / "skip"
+    jaxpar.train(load_config([], [*LAYOUT, "optim.lr=1e-2", "optim.warmup_steps=4",
+                                  "optim.schedule=constant", "train.steps=4",
+                                  "train.nonfinite=skip",
+                                  "train.log_every=1", "train.progress=false",
+                                  f"run.dir={run_dir}"]), task=task, echo=False)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if "loss" in json.loads(line)]
+    assert [r["skipped"] for r in rows] == [0, 1, 1, 1]
+    # counts 0, 1 (attempted, skipped), 1, 2
+    np.testing.assert_allclose([r["lr"] for r in rows], [0.0, 2.5e-3, 2.5e-3, 5e-3], rtol=1e-6)
 
 
 def test_inspect_notes_replicated_optimizer_state(capsys):

@@ -404,3 +404,29 @@ def test_mpmd_settings_under_the_spmd_executor_are_refused():
                                               r"pipeline.executor=mpmd, but this layout runs "
                                               r"the spmd executor"):
             jaxpar.build(jaxpar.load_config([], [*GPT, "mesh.stage=2", "mesh.data=4", setting]))
+
+
+def test_a_skipped_step_logs_and_counts_as_on_one_device():
+    """A non-finite step under the mpmd executor: skipped on every stage (parameters and
+    optimizer state kept), counted, and the logged ``lr`` is the rate its update would have
+    applied — the same metrics as one device's."""
+    def data(step, n):
+        batch = _digits(step, n)
+        return {**batch, "x": batch["x"] * np.nan} if step == 1 else batch
+
+    warmup = jaxpar.load_config([], ["optim.warmup_steps=4"]).optim
+    tx, lr = jaxpar.make_optimizer(warmup, 8)
+    rows = []
+    for layout in (["mesh.data=1", f"train.grad_accum={M}", "run.devices=1"],
+                   ["mesh.stage=2", "mesh.data=4", f"pipeline.microbatches={M}",
+                    "pipeline.executor=mpmd"]):
+        run = jaxpar.build(jaxpar.load_config([], [*layout, f"train.batch_size={BATCH}"]),
+                           dataclasses.replace(MLP, data=data), tx)
+        state, logged = run.trainer.init(), []
+        for step in range(3):
+            state, metrics = run.trainer.step(state, run.trainer.shard_batch(data(step, BATCH)))
+            logged.append((float(metrics["lr"]), int(metrics["skipped"])))
+        rows.append(logged)
+    assert [s for _, s in rows[0]] == [s for _, s in rows[1]] == [0, 1, 1]
+    np.testing.assert_allclose([r for r, _ in rows[1]], [r for r, _ in rows[0]], rtol=0)
+    np.testing.assert_allclose([r for r, _ in rows[0]], [lr(0), lr(1), lr(1)], rtol=1e-6)

@@ -250,7 +250,8 @@ class _Stepper:
             ex.assemble([k[i] for k in kept], h)
             for i, h in enumerate((homes.params, homes.opt_state, homes.model_state)))
         new_state = TrainState(step, params, opt_state, skipped, new_model_state)
-        return new_state, self.update.metrics(state, new_state, opt_state, loss, grad_norm,
+        # the logged lr: what stage 0's update recorded, applied or not (as one program's)
+        return new_state, self.update.metrics(new_state, proposed[0][1], loss, grad_norm,
                                               finite, aux)
 
     def lower(self, state: TrainState, batch: dict) -> Lowered:
