@@ -96,9 +96,11 @@ def pin_from_env() -> None:
 
 #: What the runtime prints while the processes connect (``[Gloo] Rank 0 is connected to 1
 #: peer ranks. Expected number of connected peer ranks is : 1``, on stdout; a process's
-#: stdout and stderr are read apart, so that such lines arrive whole): relayed only with
-#: ``--debug`` or ``JAXPAR_ALL_RANKS=1``.
-_CONNECTING = re.compile(r"\[Gloo\] ")
+#: stdout and stderr are read apart): relayed only with ``--debug`` or
+#: ``JAXPAR_ALL_RANKS=1``. Its threads write these in pieces, so two may interleave
+#: (``1[Gloo] Rank 1 is connected …`` then `` is connected …``): a line holding either
+#: part is chatter.
+_CONNECTING = re.compile(r"\[Gloo\] |connected peer ranks is : \d+$")
 #: What every process of a run says alike (its warnings and notes): relayed from process 0
 #: only, unless ``JAXPAR_ALL_RANKS=1``.
 _ECHOED = re.compile(r"jaxpar: (warning|note): ")
@@ -110,7 +112,7 @@ def muted(index: int, line: str, everything: bool) -> bool:
     (one voice), unless ``everything`` (``--debug``, ``JAXPAR_ALL_RANKS=1``)."""
     if everything:
         return False
-    return bool(_CONNECTING.match(line)) or (index > 0 and bool(_ECHOED.match(line)))
+    return bool(_CONNECTING.search(line.rstrip("\n"))) or (index > 0 and bool(_ECHOED.match(line)))
 
 
 def _forward(stream: IO[str], prefix: str, out: IO[str], lock: threading.Lock,
