@@ -49,11 +49,14 @@ def dense_reference(h, p, top_k):
 def test_dropless_equals_the_dense_reference_forward_and_gradients(top_k):
     p, key = _experts(0)
     h = jax.random.normal(key, (3, 10, 8))
-    got = moe_mlp(h, p, top_k)[0]
-    np.testing.assert_allclose(got, dense_reference(h, p, top_k), atol=1e-5)
+    # jitted: one compile each, where op-by-op dispatch compiled every primitive apart
+    ours_fn, want_fn = (lambda h, p: moe_mlp(h, p, top_k)[0]), (
+        lambda h, p: dense_reference(h, p, top_k))
+    got = jax.jit(ours_fn)(h, p)
+    np.testing.assert_allclose(got, jax.jit(want_fn)(h, p), atol=1e-5)
     loss = lambda f: lambda h, p: jnp.sum(jnp.sin(f(h, p)))  # noqa: E731
-    ours = jax.grad(loss(lambda h, p: moe_mlp(h, p, top_k)[0]), argnums=(0, 1))(h, p)
-    want = jax.grad(loss(lambda h, p: dense_reference(h, p, top_k)), argnums=(0, 1))(h, p)
+    ours = jax.jit(jax.grad(loss(ours_fn), argnums=(0, 1)))(h, p)
+    want = jax.jit(jax.grad(loss(want_fn), argnums=(0, 1)))(h, p)
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(want)):
         np.testing.assert_allclose(a, b, atol=2e-5 * max(1.0, float(jnp.abs(b).max())))
 
