@@ -61,3 +61,15 @@ def pytest_sessionfinish(session):
     """The pytest process (not an xdist worker) removes the cache directory it made."""
     if _OWN_CACHE and not hasattr(session.config, "workerinput"):
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The suite (`pytest`) leaves out the tests marked ``exhaustive`` — further layouts of a
+    grid whose mechanism its other cases cover — unless a ``-m`` expression chooses (``pytest
+    -m exhaustive``; CI's second interpreter runs them) or tests are named by node id."""
+    if config.getoption("markexpr") or any("::" in arg for arg in config.args):
+        return
+    kept = [item for item in items if "exhaustive" not in item.keywords]
+    if len(kept) < len(items):
+        config.hook.pytest_deselected(items=[i for i in items if i not in kept])
+        items[:] = kept

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -52,6 +53,28 @@ def run_steps(overrides: list[str], steps: int = 3, devices: int = 8):
         state, metrics = run.trainer.step(state, batch)
         losses.append(float(metrics["loss"]))
     return np.array(losses), jax.tree.map(np.asarray, state.params), run
+
+
+def grid(params: list, default: set) -> list:
+    """``pytest.param``s of a layout grid: those whose id is in ``default`` run in every
+    suite; the others repeat a mechanism those already cover and are marked ``exhaustive``
+    (``pytest -m exhaustive`` runs them; CI runs them under its second interpreter)."""
+    import pytest
+
+    return [p if p.id in default else pytest.param(*p.values, id=p.id, marks=(
+        *p.marks, pytest.mark.exhaustive)) for p in params]
+
+
+@functools.cache
+def _one_device_steps(overrides: tuple[str, ...], steps: int) -> tuple:
+    return run_steps([*overrides, "mesh.data=1"], steps=steps, devices=1)
+
+
+def one_device_steps(overrides: list[str], steps: int = 3):
+    """:func:`run_steps` of ``overrides`` on one device, run once per test process: the
+    reference that many layouts of a test are compared with (the arrays are the cached
+    ones: do not change them)."""
+    return _one_device_steps(tuple(overrides), steps)
 
 
 def assert_params_close(actual, expected, elementwise: bool = True, rtol: float = 1e-5):

@@ -19,7 +19,7 @@ from flax import nnx
 import jaxpar
 from jaxpar.context import balanced_order, order, restore
 from jaxpar.errors import LayoutError
-from tests.helpers import assert_params_close, run_steps
+from tests.helpers import assert_params_close, grid, one_device_steps, run_steps
 
 T = 32  # tokens per sequence: 2 × 8 chunks for context=8 with load balancing
 MODEL = ["model.d_model=16", "model.n_heads=2", "model.d_ff=32", "model.n_layers=2",
@@ -68,9 +68,14 @@ def _layout(text: str) -> list[str]:
             for axis in ("data", "fsdp", "context", "tensor")]
 
 
-@pytest.mark.parametrize("family,layout,strategy,balance", CASES,
-                         ids=[f"{f}-{lay}-{s}-{'balanced' if b else 'in_order'}"
-                              for f, lay, s, b in CASES])
+# every suite: each family, each strategy, balanced and in order, beside data, fsdp, tensor
+@pytest.mark.parametrize("family,layout,strategy,balance", grid(
+    [pytest.param(*c, id=f"{c[0]}-{c[1]}-{c[2]}-{'balanced' if c[3] else 'in_order'}")
+     for c in CASES],
+    {"gpt-context=2-all_gather-balanced", "gpt-context=4-ring-balanced",
+     "gpt-data=2,context=2,tensor=2-ring-in_order", "gpt-fsdp=2,context=4-all_gather-balanced",
+     "rotary-context=8-ring-balanced", "bert-context=2-all_gather-in_order",
+     "bert-data=2,context=2,tensor=2-ring-in_order"}))
 def test_context_parallel_equals_one_device(family, layout, strategy, balance):
     """Losses of 3 AdamW steps, the first batch's gradients and the final parameters equal
     one device's."""
@@ -94,7 +99,7 @@ def test_context_composes_with_stages_accumulation_and_remat(extra):
     """``context=2`` with pipeline stages (both executors), gradient accumulation and remat:
     losses and parameters equal one device's (accumulating the same microbatches)."""
     micro = 2 if any("stage" in e or "grad_accum" in e for e in extra) else 1
-    one = run_steps([*MODEL, "mesh.data=1", f"train.grad_accum={micro}"], devices=1)
+    one = one_device_steps([*MODEL, f"train.grad_accum={micro}"])
     losses, params, _ = run_steps([*MODEL, "mesh.context=2", *extra])
     np.testing.assert_allclose(losses, one[0], rtol=1e-5)
     assert_params_close(params, one[1], elementwise=False, rtol=1e-4)

@@ -12,7 +12,7 @@ import pytest
 
 from jaxpar.config import load_config
 from jaxpar.run import build
-from tests.helpers import assert_params_close
+from tests.helpers import assert_params_close, grid
 from tests.test_research import host
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,7 +53,8 @@ def one_device(name, overrides):
 
 
 # ---- ResNet -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", grid([pytest.param(x, id=x) for x in LAYOUTS],
+                                        {"data=8", "data=2,fsdp=2,tensor=2"}))
 def test_resnet_layouts_match_one_device(layout):
     """Losses, every parameter and every BatchNorm statistic after 3 SGD steps."""
     ref = one_device("resnet", RESNET)
@@ -150,7 +151,8 @@ BERT_LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", list(BERT_LAYOUTS))
+@pytest.mark.parametrize("layout", grid([pytest.param(x, id=x) for x in BERT_LAYOUTS],
+                                        {"data=2,fsdp=2,tensor=2", "1f1b", "zb_h1"}))
 def test_bert_layouts_and_pipelines_match_one_device(layout):
     """Dropout on: every layout and every pipeline schedule (4 microbatches) equals one
     device running the same 4 microbatches — losses, parameters, RNG count."""

@@ -13,7 +13,8 @@ from flax import nnx
 import jaxpar
 from jaxpar.errors import ConfigError
 from jaxpar.models.llama import Llama, LlamaConfig
-from tests.helpers import assert_params_close, decode_stepwise, run_steps
+from tests.helpers import (assert_params_close, decode_stepwise, grid, one_device_steps,
+                           run_steps)
 
 LLAMA = ["model.name=llama", "model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2",
          "model.d_ff=48", "model.n_layers=4", "model.max_seq_len=16", "data.seq_len=16",
@@ -22,20 +23,22 @@ LLAMA = ["model.name=llama", "model.d_model=32", "model.n_heads=4", "model.n_kv_
 STAGES = ["pipeline.microbatches=4"]
 
 
-@pytest.mark.parametrize("layout", [
-    ["mesh.data=8"],
-    ["mesh.data=1", "mesh.fsdp=8"],
-    ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
-    ["mesh.data=2", "mesh.stage=2", "mesh.tensor=2", "pipeline.executor=spmd", *STAGES],
-    ["mesh.data=4", "mesh.stage=2", "pipeline.executor=mpmd", *STAGES],
-    ["mesh.data=2", "mesh.context=4", "context.attention=ring"],
-], ids=["data8", "fsdp8", "data2-fsdp2-tensor2", "stage2-spmd-tensor2", "stage2-mpmd",
-        "context4-ring"])
+@pytest.mark.parametrize("layout", grid([
+    pytest.param(["mesh.data=8"], id="data8"),
+    pytest.param(["mesh.data=1", "mesh.fsdp=8"], id="fsdp8"),
+    pytest.param(["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], id="data2-fsdp2-tensor2"),
+    pytest.param(["mesh.data=2", "mesh.stage=2", "mesh.tensor=2", "pipeline.executor=spmd",
+                  *STAGES], id="stage2-spmd-tensor2"),
+    pytest.param(["mesh.data=4", "mesh.stage=2", "pipeline.executor=mpmd", *STAGES],
+                 id="stage2-mpmd"),
+    pytest.param(["mesh.data=2", "mesh.context=4", "context.attention=ring"],
+                 id="context4-ring"),
+], {"data2-fsdp2-tensor2", "stage2-mpmd", "context4-ring"}))
 def test_llama_layouts_equal_one_device(layout):
     """Losses of 3 AdamW steps and the final parameters equal one device's (with a
     pipeline: one device accumulating the same 4 microbatches)."""
     micro = 4 if any("stage" in x for x in layout) else 1
-    one = run_steps([*LLAMA, "mesh.data=1", f"train.grad_accum={micro}"], devices=1)
+    one = one_device_steps([*LLAMA, f"train.grad_accum={micro}"])
     losses, params, run = run_steps([*LLAMA, *layout])
     np.testing.assert_allclose(losses, one[0], rtol=1e-5)
     assert_params_close(params, one[1], elementwise=False, rtol=1e-4)
@@ -51,7 +54,7 @@ def test_more_tensor_devices_than_key_value_heads():
     specs = run.plan.param_specs["blocks"]
     assert specs["wk"] == jax.sharding.PartitionSpec(None, None, None, None)
     assert specs["wq"] == jax.sharding.PartitionSpec(None, None, "tensor", None)
-    one = run_steps([*LLAMA, "mesh.data=1"], devices=1)
+    one = one_device_steps([*LLAMA, "train.grad_accum=1"])
     np.testing.assert_allclose(losses, one[0], rtol=1e-5)
     assert_params_close(params, one[1], elementwise=False, rtol=1e-4)
 

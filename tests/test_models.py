@@ -32,7 +32,7 @@ def _loss_and_grads(cfg):
         logits = m(TOKENS[:, :-1])
         return -jnp.take_along_axis(jax.nn.log_softmax(logits), TOKENS[:, 1:, None], -1).mean()
 
-    value, grads = nnx.value_and_grad(loss)(model)
+    value, grads = nnx.jit(nnx.value_and_grad(loss))(model)  # one program, not op by op
     return value, nnx.to_pure_dict(grads)
 
 
@@ -141,18 +141,22 @@ def _attention_inputs(dtype):
     return h.astype(dtype), {k: v.astype(dtype) for k, v in p.items()}
 
 
-def _attention_value_and_grads(fn, h, p, use_rotary):
+def _attention_value_and_grads(fn, h, p, use_rotary, jit=False):
+    """The output and the gradients of a loss on it; ``jit``: compiled as one program each
+    (op by op, each primitive compiles apart: seconds), where rounding of every op's
+    result in its own dtype does not matter (float32)."""
+    jit = jax.jit if jit else (lambda f: f)
     loss = lambda h, p: jnp.sum(jnp.square(fn(h, p, use_rotary).astype(jnp.float32)))
-    out = fn(h, p, use_rotary)
-    grads = jax.grad(loss, argnums=(0, 1))(h, p)
+    out = jit(lambda h, p: fn(h, p, use_rotary))(h, p)
+    grads = jit(jax.grad(loss, argnums=(0, 1)))(h, p)
     return jax.tree.map(lambda x: np.asarray(x, np.float32), (out, grads))
 
 
 @pytest.mark.parametrize("use_rotary", [False, True], ids=["learned", "rotary"])
 def test_attention_matches_the_hand_written_form_float32(use_rotary):
     h, p = _attention_inputs(jnp.float32)
-    new = _attention_value_and_grads(transformer.attention, h, p, use_rotary)
-    ref = _attention_value_and_grads(hand_written_attention, h, p, use_rotary)
+    new = _attention_value_and_grads(transformer.attention, h, p, use_rotary, jit=True)
+    ref = _attention_value_and_grads(hand_written_attention, h, p, use_rotary, jit=True)
     for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(ref)):
         # summation-order noise: relative to each tensor's scale (gradients reach ~20 here)
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(b).max())

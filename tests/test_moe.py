@@ -16,7 +16,8 @@ import jaxpar
 from jaxpar.errors import ConfigError, LayoutError
 from jaxpar.models.llama import Llama
 from jaxpar.models.moe import capacity_mask, moe_mlp, route
-from tests.helpers import assert_params_close, decode_stepwise, run_steps
+from tests.helpers import (assert_params_close, decode_stepwise, grid, one_device_steps,
+                           run_steps)
 
 MOE = ["model.name=llama", "model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2",
        "model.d_ff=48", "model.n_layers=4", "model.max_seq_len=16", "data.seq_len=16",
@@ -66,7 +67,8 @@ def test_the_auxiliary_losses_match_their_formulas():
     probability); z-loss: mean logsumexp(logits)²; a uniform router balances to 1."""
     p, key = _experts(1)
     x = jax.random.normal(key, (40, 8))
-    experts, _, stats = route(x, p["router"], 2)
+    route_jit = jax.jit(route, static_argnums=2)  # one program, not op by op
+    experts, _, stats = route_jit(x, p["router"], 2)
     logits = np.asarray(x @ p["router"], np.float64)
     probs = np.exp(logits - logits.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
@@ -75,7 +77,7 @@ def test_the_auxiliary_losses_match_their_formulas():
     np.testing.assert_allclose(stats["load"], f, rtol=1e-6)
     lse = np.log(np.exp(logits).sum(-1))
     np.testing.assert_allclose(stats["z"], np.mean(lse ** 2), rtol=1e-5)
-    _, _, uniform = route(x, jnp.zeros((8, 4)), 4)
+    _, _, uniform = route_jit(x, jnp.zeros((8, 4)), 4)
     np.testing.assert_allclose(uniform["balance"], 1.0, rtol=1e-6)
 
 
@@ -84,32 +86,33 @@ def test_a_capacity_factor_drops_exactly_the_assignments_beyond_it():
     capacity factor 1 (8 tokens · top-1 / 4 experts = 2 a expert) expert 0 keeps its first
     two, and the others' assignments stay."""
     experts = jnp.array([[0, 0, 1, 0, 2, 0, 0, 3]])[..., None]
-    keep = capacity_mask(experts, 4, 1.0)
+    keep = jax.jit(capacity_mask, static_argnums=(1, 2))(experts, 4, 1.0)
     assert keep[0, :, 0].tolist() == [True, True, True, False, True, False, False, True]
     # through the layer: the dropped count, and the dropped tokens' zero output
     p, _ = _experts(2)
     h = jnp.ones((1, 8, 8)) * jnp.arange(1, 9)[None, :, None] / 8
     p["router"] = jnp.zeros((8, 4)).at[:, 0].set(5.0)  # every token prefers expert 0
-    y, stats = moe_mlp(h, p, 1, capacity_factor=1.0)
+    y, stats = jax.jit(lambda h, p: moe_mlp(h, p, 1, capacity_factor=1.0))(h, p)
     assert int(stats["dropped"]) == 6
     assert np.abs(np.asarray(y[0, 2:])).max() == 0 and np.abs(np.asarray(y[0, :2])).min() > 0
 
 
-@pytest.mark.parametrize("layout", [
-    ["mesh.data=8"],
-    ["mesh.data=1", "mesh.fsdp=8"],
-    ["mesh.data=8", "rules.experts=data"],
-    ["mesh.data=4", "mesh.fsdp=2", "rules.experts=data"],
-    ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "rules.experts=data"],
-    ["mesh.data=2", "mesh.context=4"],
-    ["mesh.data=4", "mesh.context=2", "rules.experts=data", "context.attention=ring"],
-], ids=["data8", "fsdp8", "expert8", "expert4-fsdp2", "expert2-fsdp2-tensor2", "context4",
-        "expert4-context2-ring"])
+@pytest.mark.parametrize("layout", grid([
+    pytest.param(["mesh.data=8"], id="data8"),
+    pytest.param(["mesh.data=1", "mesh.fsdp=8"], id="fsdp8"),
+    pytest.param(["mesh.data=8", "rules.experts=data"], id="expert8"),
+    pytest.param(["mesh.data=4", "mesh.fsdp=2", "rules.experts=data"], id="expert4-fsdp2"),
+    pytest.param(["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "rules.experts=data"],
+                 id="expert2-fsdp2-tensor2"),
+    pytest.param(["mesh.data=2", "mesh.context=4"], id="context4"),
+    pytest.param(["mesh.data=4", "mesh.context=2", "rules.experts=data",
+                  "context.attention=ring"], id="expert4-context2-ring"),
+], {"data8", "expert4-fsdp2", "expert2-fsdp2-tensor2", "expert4-context2-ring"}))
 def test_moe_layouts_equal_one_device(layout):
     """An MoE Llama (8 experts, top-2, every 2nd layer, a shared expert): losses and
     parameters of 3 AdamW steps equal one device's, with experts split over data (8, 4 and
     2 devices: 1, 2 and 4 experts a device) as without."""
-    one = run_steps([*MOE, "mesh.data=1"], devices=1)
+    one = one_device_steps(MOE)
     losses, params, run = run_steps([*MOE, *layout])
     np.testing.assert_allclose(losses, one[0], rtol=1e-5)
     assert_params_close(params, one[1], elementwise=False, rtol=1e-4)
@@ -138,12 +141,14 @@ def accumulated():
     return _steps_with_metrics([*MOE, "mesh.data=1", "train.grad_accum=2"], devices=1)
 
 
-@pytest.mark.parametrize("layout", [
-    ["mesh.data=4", "pipeline.executor=mpmd"],
-    ["mesh.data=4", "pipeline.schedule=zb_h1", "rules.experts=data"],
-    ["mesh.data=2", "mesh.fsdp=2", "pipeline.executor=mpmd", "pipeline.backward=residuals",
-     "rules.experts=data"],
-], ids=["mpmd", "spmd-zb_h1-expert4", "mpmd-residuals-expert2-fsdp2"])
+@pytest.mark.parametrize("layout", grid([
+    pytest.param(["mesh.data=4", "pipeline.executor=mpmd"], id="mpmd"),
+    pytest.param(["mesh.data=4", "pipeline.schedule=zb_h1", "rules.experts=data"],
+                 id="spmd-zb_h1-expert4"),
+    pytest.param(["mesh.data=2", "mesh.fsdp=2", "pipeline.executor=mpmd",
+                  "pipeline.backward=residuals", "rules.experts=data"],
+                 id="mpmd-residuals-expert2-fsdp2"),
+], {"spmd-zb_h1-expert4", "mpmd-residuals-expert2-fsdp2"}))
 def test_moe_pipelines_equal_one_device(accumulated, layout):
     """An MoE Llama cut into 2 stages of 2 MoE layers each (both executors, a zero-bubble
     schedule, experts split over data): every stage adds its share of the routers' losses

@@ -13,18 +13,20 @@ from jaxpar.config import load_config
 from jaxpar.loop import build, fit
 from jaxpar.optim import make_schedule
 from jaxpar.report import layout_totals
-from tests.helpers import CONVNET_SMALL, GPT_SMALL, assert_params_close, run_steps
+from tests.helpers import CONVNET_SMALL, GPT_SMALL, assert_params_close, grid, run_steps
 from tests.test_families import RESNET
 from tests.test_optimizer_state import LAYOUT, TASK
 
 OPTIM = ["optim.name=sgd", "optim.lr=0.05", "optim.momentum=0.9"]
 
 
-@pytest.mark.parametrize("mesh", [
-    ["mesh.data=1"], ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
+@pytest.mark.parametrize("mesh", grid([
+    pytest.param(["mesh.data=1"], id="mesh0"),
+    pytest.param(["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], id="mesh1"),
     # the data-local accumulation path (one all-reduce over data per step)
-    ["mesh.data=8", "train.batch_size=32"], ["mesh.data=4", "mesh.fsdp=2", "train.batch_size=32"],
-    ["mesh.data=4", "mesh.tensor=2"]])
+    pytest.param(["mesh.data=8", "train.batch_size=32"], id="mesh2"),
+    pytest.param(["mesh.data=4", "mesh.fsdp=2", "train.batch_size=32"], id="mesh3"),
+    pytest.param(["mesh.data=4", "mesh.tensor=2"], id="mesh4")], {"mesh1", "mesh3"}))
 def test_grad_accumulation_equals_full_batch(mesh):
     devices = 1 if mesh == ["mesh.data=1"] else 8
     full = run_steps([*GPT_SMALL, *OPTIM, *mesh], steps=2, devices=devices)
