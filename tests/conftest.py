@@ -63,13 +63,18 @@ def pytest_sessionfinish(session):
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
+#: The extended tier: what `pytest` leaves out (CI runs it after the suite, `.ci/run`).
+EXTENDED = ("exhaustive", "multiprocess")
+
+
 def pytest_collection_modifyitems(config, items):
-    """The suite (`pytest`) leaves out the tests marked ``exhaustive`` — further layouts of a
-    grid whose mechanism its other cases cover — unless a ``-m`` expression chooses (``pytest
-    -m exhaustive``; CI's second interpreter runs them) or tests are named by node id."""
+    """The suite (`pytest`) leaves out the extended tier — the tests marked ``exhaustive``
+    (further layouts of a grid whose mechanism its other cases cover) and ``multiprocess``
+    (real multi-process launches) — unless a ``-m`` expression chooses (``pytest -m
+    "exhaustive or multiprocess"`` runs the tier) or tests are named by node id."""
     if config.getoption("markexpr") or any("::" in arg for arg in config.args):
         return
-    kept = [item for item in items if "exhaustive" not in item.keywords]
+    kept = [item for item in items if not any(m in item.keywords for m in EXTENDED)]
     if len(kept) < len(items):
         config.hook.pytest_deselected(items=[i for i in items if i not in kept])
         items[:] = kept

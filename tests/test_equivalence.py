@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.helpers import CONVNET_SMALL, GPT_SMALL, assert_params_close, run_steps
+from tests.helpers import CONVNET_SMALL, GPT_SMALL, assert_params_close, grid, run_steps
 
 LAYOUTS = {
     "data=8": ["mesh.data=8"],
@@ -27,8 +27,10 @@ def reference(model):
     return _reference[model]
 
 
-@pytest.mark.parametrize("model", list(MODELS))
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+# every layout for the GPT; the convnet (no attention, a 2-D image batch) under two of them
+@pytest.mark.parametrize("model,layout", grid(
+    [pytest.param(m, x, id=f"{x}-{m}") for m in MODELS for x in LAYOUTS],
+    {*(f"{x}-gpt" for x in LAYOUTS), "data=8-convnet", "data=2,fsdp=2,tensor=2-convnet"}))
 def test_layout_matches_single_device(model, layout):
     ref_losses, ref_params, _ = reference(model)
     losses, params, run = run_steps([*MODELS[model], *LAYOUTS[layout]])

@@ -18,7 +18,7 @@ import jaxpar
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import load_config
 from jaxpar.run import build
-from tests.helpers import assert_params_close
+from tests.helpers import assert_params_close, grid
 from tests.test_research import (
     BATCH,
     LAYOUTS,
@@ -103,7 +103,8 @@ def test_model_train_and_eval_reach_the_linen_module():
     assert not np.allclose(first, evaluated) and not np.allclose(first, second)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", grid([pytest.param(x, id=x) for x in LAYOUTS],
+                                        {"data=8", "data=2,fsdp=2,tensor=2"}))
 def test_linen_cnn_matches_one_device(layout):
     """Losses, parameters, BatchNorm statistics and the RNG state after 3 SGD steps equal
     the one-device run's."""

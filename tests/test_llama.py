@@ -13,8 +13,13 @@ from flax import nnx
 import jaxpar
 from jaxpar.errors import ConfigError
 from jaxpar.models.llama import Llama, LlamaConfig
-from tests.helpers import (assert_params_close, decode_stepwise, grid, one_device_steps,
-                           run_steps)
+from tests.helpers import (
+    assert_params_close,
+    decode_stepwise,
+    grid,
+    one_device_steps,
+    run_steps,
+)
 
 LLAMA = ["model.name=llama", "model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2",
          "model.d_ff=48", "model.n_layers=4", "model.max_seq_len=16", "data.seq_len=16",

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.config import load_config
 from jaxpar.run import build
 from jaxpar.user_code import load_task
-from tests.helpers import assert_params_close
+from tests.helpers import assert_params_close, grid
 
 TASK = load_task("examples/research_cnn.py:TASK")
 SGD = optax.sgd(0.1, momentum=0.9)
@@ -62,7 +62,8 @@ def reference():
     return _reference
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", grid([pytest.param(x, id=x) for x in LAYOUTS],
+                                        {"data=2,fsdp=2,tensor=2"}))
 def test_stock_nnx_model_matches_one_device(layout):
     """Losses, parameters, BatchNorm statistics and the dropout RNG state after 3 SGD
     steps equal the one-device run's."""

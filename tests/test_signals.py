@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import child_env
+from tests.helpers import child_env, grid
 from tests.test_checkpoint import RESUMABLE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +47,11 @@ def _lines(err: str) -> list[str]:
     return [line for line in err.splitlines() if line.strip()]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+# every suite sends one signal at each moment; the other is `exhaustive` (the same handler)
+SIGNALS = [pytest.param(signal.SIGINT, id="2"), pytest.param(signal.SIGTERM, id="15")]
+
+
+@pytest.mark.parametrize("sig", grid(SIGNALS, {"2"}))
 def test_a_stop_signal_during_start_up_is_one_line(tmp_path, sig):
     """Sent while Python imports jaxpar and JAX (0.5 s), and later while the run is built
     (once the run dir's lock is taken): one line, 130 / 143, nothing left to resume
@@ -72,7 +76,7 @@ def test_a_stop_signal_during_start_up_is_one_line(tmp_path, sig):
         assert _steps(run_dir) == [1, 2, 3, 4]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", grid(SIGNALS, {"15"}))
 def test_a_stop_signal_right_after_a_resume_is_one_line_and_resumable(tmp_path, sig):
     run_dir = tmp_path / "run"
     first = _start(run_dir, 4)

@@ -137,8 +137,10 @@ def test_each_layer_lives_on_its_stage():
     assert state.step.sharding.device_set == first | second  # read in place by every stage
 
 
-@pytest.mark.parametrize("stages,schedule,virtual", [(2, "1f1b", 1), (2, "zb_h1", 1),
-                                                     (4, "gpipe", 1), (2, "interleaved", 2)])
+@pytest.mark.parametrize("stages,schedule,virtual", grid(
+    [pytest.param(*c, id="-".join(map(str, c))) for c in ((2, "1f1b", 1), (2, "zb_h1", 1),
+                                                          (4, "gpipe", 1), (2, "interleaved", 2))],
+    {"2-zb_h1-1", "4-gpipe-1", "2-interleaved-2"}))
 def test_batchnorm_and_dropout_live_in_their_stage(stages, schedule, virtual):
     """A BatchNorm + Dropout CNN in 2 and 4 stages equals one device with 4 accumulated
     microbatches: losses, parameters, running statistics, RNG counts, and evaluation on the

@@ -52,7 +52,8 @@ def test_grad_accumulation_all_reduces_over_data_once_per_step():
     assert accumulated.wire_bytes == pytest.approx(all_reduce_bytes(1)[1].wire_bytes, rel=1e-3)
 
 
-@pytest.mark.parametrize("mesh", [["mesh.fsdp=8"], ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]])
+@pytest.mark.parametrize("mesh", grid([pytest.param(["mesh.fsdp=8"], id="mesh0"), pytest.param(
+    ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], id="mesh1")], {"mesh1"}))
 def test_fsdp_gather_once_trades_memory_for_gathers(mesh):
     """train.fsdp_gather with grad_accum=4 over FSDP-sharded weights: per_microbatch gathers
     the weights in each of the 4 microbatches, once gathers them once per step and keeps them
