@@ -67,11 +67,20 @@ def pytest_sessionfinish(session):
 EXTENDED = ("exhaustive", "multiprocess")
 
 
+#: The suite's longest files (in seconds of test time, a few minutes each), handed to the
+#: xdist workers first so that no worker starts one while the other has little left (files
+#: go to the workers in collection order, each whole: `--dist loadfile`).
+LONGEST_FIRST = ("test_moe.py", "test_pipeline.py", "test_context.py", "test_submesh.py",
+                 "test_families.py", "test_checkpoint.py")
+
+
 def pytest_collection_modifyitems(config, items):
     """The suite (`pytest`) leaves out the extended tier — the tests marked ``exhaustive``
     (further layouts of a grid whose mechanism its other cases cover) and ``multiprocess``
     (real multi-process launches) — unless a ``-m`` expression chooses (``pytest -m
     "exhaustive or multiprocess"`` runs the tier) or tests are named by node id."""
+    first = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: files stay whole
     if config.getoption("markexpr") or any("::" in arg for arg in config.args):
         return
     kept = [item for item in items if not any(m in item.keywords for m in EXTENDED)]
