@@ -311,3 +311,23 @@ def test_hardware_profiles_load_and_extend(tmp_path):
     extra.write_text("bad:\n  name: x\n")
     with pytest.raises(ValueError, match="'bad' lacks .*flops_bf16"):
         hardware.load_profiles(extra)
+
+
+def test_a_timed_sweep_loses_only_the_layout_xla_aborts_on(monkeypatch, h100):
+    """``jaxpar sweep --steps N`` times each layout in a worker process, one at a time: a
+    layout on which the compiler aborts (``context=2,tensor=2,stage=2`` of gpt_tiny under
+    JAX 0.10) is a row saying so, and the layouts after it are timed."""
+    import sys
+
+    from jaxpar.lab import sweep, workers
+
+    aborts = ("import os\nfrom jaxpar.lab import workers\nreal = workers.measure\n"
+              "def measure(config, layout, *args, **kwargs):\n"
+              "    if layout == 'fsdp=8':\n        os.abort()\n"
+              "    return real(config, layout, *args, **kwargs)\n"
+              "workers.measure = measure\nworkers._serve()\n")
+    monkeypatch.setattr(workers, "WORKER", [sys.executable, "-c", aborts])
+    rows = sweep.sweep(load_config([], GPT_SMALL), ["fsdp=8", "data=8"], h100, steps=1)
+    assert [r.layout for r in rows] == ["fsdp=8", "data=8"]
+    assert re.fullmatch(r"its worker process died \(killed by SIGABRT\)", rows[0].error)
+    assert rows[1].ok and rows[1].step_time_s > 0 and rows[1].comm_ratio == pytest.approx(1, abs=0.01)

@@ -5,7 +5,8 @@ For each layout the real train step is compiled (``Trainer.compile_step``;
 and FLOPs from the optimized HLO (:mod:`jaxpar.hlo`), the
 textbook's collective bytes (:mod:`jaxpar.lab.predict`), and a roofline step
 time on a hardware profile (:mod:`jaxpar.lab.hardware`). With ``steps > 0`` the
-compiled step also runs and its median time is measured.
+compiled step also runs and its median time is measured, one layout at a time (in a worker
+process on the CPU backend: :func:`jaxpar.lab.workers.measure_all`).
 
 A layout is a string such as ``"data=2,fsdp=2,tensor=2"``: mesh degrees (the
 axes it leaves out are 1) plus, optionally, any ``section.key=value`` override
@@ -130,13 +131,7 @@ def sweep(config: Config, layouts: list[str], hw: Hardware, steps: int = 0,
         if echo:
             print(f"  {row.layout}: {'ok' if row.ok else 'invalid'}", flush=True)
 
-    if steps == 0:
-        return measure_all(config, layouts, hw, memory_bytes, task, done=say)
-    rows = []
-    for layout in layouts:
-        rows.append(measure(config, layout, hw, steps, memory_bytes, task))
-        say(rows[-1])
-    return rows
+    return measure_all(config, layouts, hw, memory_bytes, task, done=say, steps=steps)
 
 
 # ---- output ----------------------------------------------------------------------------------

@@ -58,12 +58,19 @@ def default_workers() -> int:
 def measure_all(config: Config, layouts: list[str], hw: Hardware,
                 memory_bytes: float | None = None, task: Task | None = None,
                 workers: int | None = None, processes: bool | None = None,
-                done: Callable[[Row], None] | None = None) -> list[Row]:
-    """:func:`~jaxpar.lab.measure.measure` (``steps=0``) of every layout, in the order
-    given, ``workers`` at a time; ``processes`` chooses worker processes or threads (None:
-    see the module docstring); ``done`` is called with each row as it completes."""
-    workers = workers or default_workers()
+                done: Callable[[Row], None] | None = None, steps: int = 0) -> list[Row]:
+    """:func:`~jaxpar.lab.measure.measure` of every layout, in the order given, ``workers``
+    at a time; ``processes`` chooses worker processes or threads (None: see the module
+    docstring); ``done`` is called with each row as it completes. With ``steps`` > 0 the
+    steps are timed: one layout at a time, each in a worker process on the CPU backend
+    (a layout on which XLA aborts costs its row, not the sweep), else in this one."""
     done = done or (lambda row: None)
+    if steps:
+        if task is not None or jax.default_backend() != "cpu":
+            return [_timed_here(config, x, hw, steps, memory_bytes, task, done)
+                    for x in layouts]
+        return _in_processes(config, layouts, hw, memory_bytes, 1, done, steps)
+    workers = workers or default_workers()
     if processes is None:
         processes = (task is None and jax.default_backend() == "cpu"
                      and len(layouts) >= MIN_FOR_PROCESSES and workers > 1)
@@ -76,6 +83,13 @@ def measure_all(config: Config, layouts: list[str], hw: Hardware,
     else:
         rows = _in_threads(config, ordered, hw, memory_bytes, task, workers, done)
     return [rows[order.index(i)] for i in range(len(layouts))]
+
+
+def _timed_here(config: Config, layout: str, hw: Hardware, steps: int, memory: float | None,
+                task: Task | None, done: Callable[[Row], None]) -> Row:
+    row = measure(config, layout, hw, steps, memory, task)
+    done(row)
+    return row
 
 
 def _heaviest_first(layouts: list[str]) -> list[int]:
@@ -189,9 +203,9 @@ class _Worker:
 
 
 def _in_processes(config: Config, layouts: list[str], hw: Hardware, memory: float | None,
-                  workers: int, done: Callable[[Row], None]) -> list[Row]:
+                  workers: int, done: Callable[[Row], None], steps: int = 0) -> list[Row]:
     """Each of ``workers`` threads keeps a worker process busy until no layout is left."""
-    setup = (config, hw, memory)
+    setup = (config, hw, memory, steps)
     todo: queue.Queue = queue.Queue()
     for item in enumerate(layouts):
         todo.put(item)
@@ -260,7 +274,7 @@ def _serve() -> None:
     reply = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints must not garble replies
     _fewer_collections().__enter__()  # for good: this process does nothing else
-    config, hw, memory = pickle.load(sys.stdin.buffer)
+    config, hw, memory, steps = pickle.load(sys.stdin.buffer)
     while True:
         try:
             layout = pickle.load(sys.stdin.buffer)
@@ -269,7 +283,7 @@ def _serve() -> None:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
-                row = measure(config, layout, hw, memory_bytes=memory)
+                row = measure(config, layout, hw, steps, memory_bytes=memory)
             except Exception:  # a bug: the parent raises it with this traceback
                 row = traceback.format_exc()
         pickle.dump((row, [str(w.message) for w in caught]), reply)
