@@ -330,4 +330,5 @@ def test_a_timed_sweep_loses_only_the_layout_xla_aborts_on(monkeypatch, h100):
     rows = sweep.sweep(load_config([], GPT_SMALL), ["fsdp=8", "data=8"], h100, steps=1)
     assert [r.layout for r in rows] == ["fsdp=8", "data=8"]
     assert re.fullmatch(r"its worker process died \(killed by SIGABRT\)", rows[0].error)
-    assert rows[1].ok and rows[1].step_time_s > 0 and rows[1].comm_ratio == pytest.approx(1, abs=0.01)
+    assert rows[1].ok and rows[1].step_time_s > 0
+    assert rows[1].comm_ratio == pytest.approx(1, abs=0.01)
