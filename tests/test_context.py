@@ -73,8 +73,7 @@ def _layout(text: str) -> list[str]:
     [pytest.param(*c, id=f"{c[0]}-{c[1]}-{c[2]}-{'balanced' if c[3] else 'in_order'}")
      for c in CASES],
     {"gpt-context=2-all_gather-balanced", "gpt-data=2,context=2,tensor=2-ring-in_order", "gpt-fsdp=2,context=4-all_gather-balanced",
-     "rotary-context=8-ring-balanced", "bert-context=2-all_gather-in_order",
-     "bert-data=2,context=2,tensor=2-ring-in_order"}))
+     "rotary-context=8-ring-balanced", "bert-context=2-all_gather-in_order"}))
 def test_context_parallel_equals_one_device(family, layout, strategy, balance):
     """Losses of 3 AdamW steps, the first batch's gradients and the final parameters equal
     one device's."""
