@@ -58,7 +58,8 @@ def run_steps(overrides: list[str], steps: int = 3, devices: int = 8):
 def grid(params: list, default: set) -> list:
     """``pytest.param``s of a layout grid: those whose id is in ``default`` run in every
     suite; the others repeat a mechanism those already cover and are marked ``exhaustive``
-    (``pytest -m exhaustive`` runs them; CI runs them after the suite under its first interpreter)."""
+    (``pytest -m exhaustive`` runs them; CI runs them after the suite under its first
+    interpreter)."""
     import pytest
 
     return [p if p.id in default else pytest.param(*p.values, id=p.id, marks=(
