@@ -73,7 +73,7 @@ from jaxpar.optim import (
 )
 from jaxpar.pipeline.schedule import PipelineConfig
 from jaxpar.plan import Plan, abstract_model, make_plan
-from jaxpar.run import Run, build, task_for
+from jaxpar.run import Run, build, logits, task_for
 from jaxpar.sharding import PRESETS, RulesConfig, resolve_rules
 from jaxpar.state import TrainState
 from jaxpar.task import Layers, StageSplit, Task
@@ -89,7 +89,7 @@ __all__ = [
     "Terminated", "TooManySkipped", "TrainConfig", "TrainState", "Trainer", "abstract_model",
     "activation_rules", "build", "classification_loss", "clip_by_global_norm", "constrain",
     "decay_mask", "fit", "guard", "initialize_distributed", "integrity", "lab", "lm_loss",
-    "load_config", "make_mesh", "make_optimizer", "make_plan", "make_schedule", "mlm_loss",
+    "load_config", "logits", "make_mesh", "make_optimizer", "make_plan", "make_schedule", "mlm_loss",
     "models", "pipeline", "program_cost", "register_model", "resolve_rules", "setup_devices",
     "spec_for", "task_for", "train",
 ]

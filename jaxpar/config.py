@@ -26,20 +26,13 @@ from jaxpar.errors import ConfigError
 from jaxpar.files import name_too_long
 from jaxpar.guard import Guard
 from jaxpar.mesh import MAX_CPU_DEVICES, MAX_DEVICES, MeshConfig
-from jaxpar.models.family import (
-    DEFAULT,
-    Family,
-    ModelConfig,
-    families,
-    key_owners,
-    register,
-)
+from jaxpar.model_section import family_of, merge_model
+from jaxpar.models.family import DEFAULT, Family, ModelConfig, families
 from jaxpar.optim import OptimConfig
 from jaxpar.pipeline.schedule import PipelineConfig
 from jaxpar.plan import FsdpGather
 from jaxpar.schema import Float, IntList, StrList, section
 from jaxpar.sharding import RulesConfig
-from jaxpar.user_code import load_object
 from jaxpar.yamlfile import read_yaml
 
 #: Bounds beyond any run (a larger number is a typo, refused in one line): steps (and step
@@ -200,29 +193,6 @@ class Config:
         return family_of(self.model.name)
 
 
-def family_of(name: str) -> Family:
-    """The family ``model.name`` names: a registered name (empty: the default), or
-    ``path/to/file.py:FAMILY`` / ``package.module:FAMILY`` naming a
-    :class:`~jaxpar.models.Family` object (registered when first loaded).
-
-    Raises:
-      ConfigError: for a name that is neither, listing the registered families.
-    """
-    known = families()
-    name = name or DEFAULT
-    if name in known:
-        return known[name]
-    if ":" in name:
-        obj = load_object(name, "model.name")
-        if not isinstance(obj, Family):
-            raise ConfigError(f"model.name={name} is a {type(obj).__name__}, not a "
-                              "jaxpar.models.Family; point it at a registered family object")
-        return register(obj)
-    raise ConfigError(f"config key 'model.name' names no model family: {name!r}; "
-                      f"{schema.closest(name, known, label='choose one of', cutoff=0.6)}, "
-                      "or FILE.py:FAMILY for your own")
-
-
 # ---------------------------------------------------------------- merging raw values
 
 
@@ -236,43 +206,13 @@ def _merge_rules(current: RulesConfig, raw: dict[str, Any]) -> RulesConfig:
     return RulesConfig(preset=preset, overrides={**dict(current.overrides), **table})
 
 
-def model_settings(model: ModelConfig) -> dict[str, Any]:
-    """The model keys a config sets (name aside): those its files and overrides gave
-    (:attr:`ModelConfig.given`, another family's included) and its own away from default
-    (see :mod:`jaxpar.unused`)."""
-    default = type(model)()
-    changed = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)
-               if f.name != "name" and getattr(model, f.name) != getattr(default, f.name)}
-    return {**dict(model.given), **changed}
-
-
-def _merge_model(current: ModelConfig, raw: dict[str, Any]) -> ModelConfig:
-    """The section of the family ``model.name`` names, with the keys given so far that it
-    has; another family's keys are kept aside (:mod:`jaxpar.unused` warns of them), a
-    key no family has is an error naming the closest of this family's."""
-    name = schema.typed(ModelConfig, "name", raw.get("name", current.name))
-    if not isinstance(name, str):
-        ModelConfig(name=name)  # raises, naming model.name
-    given = {**model_settings(current), **{str(k): v for k, v in raw.items() if k != "name"}}
-    family = family_of(name)
-    own = family.keys()
-    for key in given:
-        if key not in own and not key_owners(key):
-            raise ConfigError(f"unknown config key 'model.{key}' for model.name={family.name}: "
-                              f"{schema.closest(key, own, 'model.', 'its keys:')}")
-    model = family.config(name=name, **{k: schema.typed(family.config, k, v)
-                                        for k, v in given.items() if k in own})
-    object.__setattr__(model, "given", tuple(given.items()))  # not a field: see ModelConfig
-    return model
-
-
 def _merge_section(section: str, current: Any, raw: Any) -> Any:
     if not isinstance(raw, dict):
         raise ConfigError(f"config section '{section}' must be a mapping, got {raw!r}")
     if section == "rules":
         return _merge_rules(current, raw)
     if section == "model":
-        return _merge_model(current, raw)
+        return merge_model(current, raw)
     updates = {}
     for key, value in raw.items():
         key = ALIASES.get(f"{section}.{key}", str(key))

@@ -134,17 +134,24 @@ def restore(x: jax.Array, order_T: np.ndarray, axis: int = 1) -> jax.Array:
 
 # ---- attention ------------------------------------------------------------------------------
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions_T: np.ndarray | None = None,
-           *, causal: bool = True, implementation: str = "xla") -> jax.Array:
+           *, causal: bool = True, implementation: str = "xla", window: int = 0
+           ) -> jax.Array:
     """Multi-head attention of q, k, v [B, T, N, H] whose tokens sit at ``positions_T``
     (their natural order when None): ``jax.nn.dot_product_attention``, across the context
-    axis when the active rules split ``seq`` (see the module docstring)."""
+    axis when the active rules split ``seq`` (see the module docstring). With ``window``
+    > 0 (causal only: sliding-window attention) a query sees the ``window`` positions
+    ending at its own — also across the context axis, where the mask comes from the
+    positions."""
+    if window and not causal:
+        raise ValueError("sliding-window attention is causal here")
     axes = sequence_axes()
     if not axes:
         if positions_T is not None and not is_natural(positions_T):
-            mask = _visible(jnp.asarray(positions_T), jnp.asarray(positions_T), causal)
+            mask = _visible(jnp.asarray(positions_T), jnp.asarray(positions_T), causal, window)
             return jax.nn.dot_product_attention(q, k, v, mask=mask,
                                                 implementation=implementation)
-        return jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+        local = (window - 1, 0) if window else None
+        return jax.nn.dot_product_attention(q, k, v, is_causal=causal, local_window_size=local,
                                             implementation=implementation)
     mesh, rules, _ = active_layout()
     spec = spec_for(("batch", "seq", "heads", "kv"), rules, mesh, q.shape,
@@ -160,28 +167,34 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions_T: np.ndarray | N
         ("batch", "seq", "kv_heads", "kv"), rules, mesh, k.shape, "attention k, v [B, T, K, H]")
     pos = jnp.asarray(positions_T if positions_T is not None else np.arange(q.shape[1]))
     run = _ring if ring else _all_gather
-    body = functools.partial(run, axes=axes, causal=causal, implementation=implementation)
+    body = functools.partial(run, axes=axes, causal=causal, implementation=implementation,
+                             window=window)
     seq_spec = PartitionSpec(spec[1])
     return jax.shard_map(body, mesh=mesh, in_specs=(spec, kv_spec, kv_spec, seq_spec),
                          out_specs=spec, check_vma=False)(q, k, v, pos)
 
 
-def _visible(pos_q: jax.Array, pos_k: jax.Array, causal: bool) -> jax.Array:
-    """[1, 1, Tq, Tk] True where a query may see a key."""
+def _visible(pos_q: jax.Array, pos_k: jax.Array, causal: bool, window: int = 0
+             ) -> jax.Array:
+    """[1, 1, Tq, Tk] True where a query may see a key (within ``window`` positions back
+    when it is > 0)."""
     if not causal:
         return jnp.ones((1, 1, pos_q.shape[0], pos_k.shape[0]), bool)
-    return (pos_q[:, None] >= pos_k[None, :])[None, None]
+    back = pos_q[:, None] - pos_k[None, :]
+    seen = back >= 0 if not window else (back >= 0) & (back < window)
+    return seen[None, None]
 
 
-def _all_gather(q, k, v, pos, *, axes, causal, implementation):
+def _all_gather(q, k, v, pos, *, axes, causal, implementation, window):
     gather = functools.partial(jax.lax.all_gather, axis_name=axes, tiled=True)
     k_all, v_all, pos_k = gather(k, axis=1), gather(v, axis=1), gather(pos, axis=0)
-    return jax.nn.dot_product_attention(q, k_all, v_all, mask=_visible(pos, pos_k, causal),
+    mask = _visible(pos, pos_k, causal, window)
+    return jax.nn.dot_product_attention(q, k_all, v_all, mask=mask,
                                         implementation=implementation)
 
 
-def _ring(q, k, v, pos, *, axes, causal, implementation):
-    return _ring_attention(q, k, v, pos, axes, degree(), causal, implementation)
+def _ring(q, k, v, pos, *, axes, causal, implementation, window):
+    return _ring_attention(q, k, v, pos, axes, degree(), (causal, window), implementation)
 
 
 def _shift(tree, axes, ways):
@@ -191,12 +204,13 @@ def _shift(tree, axes, ways):
 
 
 def _block(q, k, v, pos_q, pos_k, causal, implementation):
-    """One key/value block: output and log-sum-exp [B, T, N], both float32 (the kernel
+    """One key/value block (``causal`` is the pair ``(causal, window)``): output and
+    log-sum-exp [B, T, N], both float32 (the kernel
     returns the log-sum-exp in its inputs' dtype, and the merge weights are its
     exponentials: so the block runs on float32 inputs, through XLA's attention); rows that
     see no key of the block give 0 and −inf."""
     del implementation  # cuDNN's kernel takes no float32 inputs
-    mask = _visible(pos_q, pos_k, causal)
+    mask = _visible(pos_q, pos_k, *causal)
     rows = jnp.any(mask, axis=-1)[0, 0]  # [T]
     f32 = jnp.float32
     out, lse = jax.nn.dot_product_attention(q.astype(f32), k.astype(f32), v.astype(f32),
@@ -220,6 +234,7 @@ def _merge(out, lse, out_b, lse_b):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def _ring_attention(q, k, v, pos, axes, ways, causal, implementation):
+    # causal: the pair (causal, window) that _visible takes (hashable: a nondiff argument)
     return _ring_forward(q, k, v, pos, axes, ways, causal, implementation)[0]
 
 
@@ -229,7 +244,7 @@ def _ring_forward(q, k, v, pos, axes, ways, causal, implementation):
     block = (k, v, pos)
     for step in range(ways):
         kb, vb, pb = block
-        seen = _visible(pos, pb, causal).any() if causal else True
+        seen = _visible(pos, pb, *causal).any() if causal[0] else True
         out_b, lse_b = jax.lax.cond(
             seen, lambda q, kb, vb, pb: _block(q, kb, vb, pos, pb, causal, implementation),
             lambda q, kb, vb, pb: (jnp.zeros(q.shape, jnp.float32),
@@ -257,7 +272,7 @@ def _ring_bwd(axes, ways, causal, implementation, residuals, d_out):
     lse_n = jnp.where(jnp.isfinite(lse), lse, jnp.inf).transpose(0, 2, 1)[..., None]
 
     def grads(kb, vb, pb):
-        mask = _visible(pos, pb, causal)
+        mask = _visible(pos, pb, *causal)
         s = jnp.einsum("btnh,bsnh->bnts", qf, f32(kb)) * scale
         p = jnp.where(mask, jnp.exp(s - lse_n), 0.0)
         dv = jnp.einsum("bnts,btnh->bsnh", p, do)
@@ -273,7 +288,7 @@ def _ring_bwd(axes, ways, causal, implementation, residuals, d_out):
     block, dkv = (k, v, pos), (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     for step in range(ways):
         kb, vb, pb = block
-        seen = _visible(pos, pb, causal).any() if causal else True
+        seen = _visible(pos, pb, *causal).any() if causal[0] else True
         dq_b, dk_b, dv_b = jax.lax.cond(seen, grads, nothing, kb, vb, pb)
         dq = dq + dq_b
         dkv = (dkv[0] + dk_b, dkv[1] + dv_b)

@@ -2,7 +2,8 @@
 optimizer, trainer.
 
 :func:`build` is the one place a config becomes objects; :func:`evaluate` gives
-the held-out metrics of a run's parameters.
+the held-out metrics of a run's parameters; :func:`logits` a model's outputs on any
+layout.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 import optax
+from flax import nnx
 
 from jaxpar import hf
 from jaxpar import sharding as shd
@@ -22,6 +24,7 @@ from jaxpar.data import Data, load_data
 from jaxpar.data.sources import needs_of_batch
 from jaxpar.data.task_data import task_data
 from jaxpar.errors import TaskError
+from jaxpar.logical import activation_rules
 from jaxpar.mesh import make_mesh, select_devices
 from jaxpar.models.family import Family
 from jaxpar.optim import decay_mask, make_optimizer
@@ -171,3 +174,44 @@ def eval_metric_names(run: Run) -> list[str]:
     trainer = run.trainer
     shapes = jax.eval_shape(trainer.evaluate, run.plan.abstract_state, abstract)
     return sorted(f"eval_{k}" for k in shapes)
+
+
+def logits(run: Run, tokens: Any, state: TrainState | None = None) -> np.ndarray:
+    """A language model's logits [B, T, V] (float32, on the host) for a token batch [B, T],
+    computed on the run's layout: its mesh and rules shard the weights and activations as
+    training does, so any layout gives the same numbers.
+
+    Args:
+      run: from :func:`build` (a built-in family, ``model.init_from=FOLDER``, or a task).
+      tokens: integer token ids [B, T]; B divisible by the devices that split the batch.
+      state: the parameters (and other model state) to use; default the run's initial
+        state — fresh, or the weights of ``model.init_from``.
+
+    Example::
+
+        run = jaxpar.build(jaxpar.load_config([], ["model.init_from=./Qwen3-0.6B",
+                                                   "mesh.fsdp=4", "mesh.tensor=2"]))
+        out = jaxpar.logits(run, np.array([[1, 2, 3, 4]] * 8))
+    """
+    state = state if state is not None else run.trainer.init()
+    forward = _LOGITS.get(id(run.plan))
+    if forward is None or forward[0] is not run.plan:  # compiled once, for the last plan
+        _LOGITS.clear()
+        forward = _LOGITS[id(run.plan)] = (run.plan, _forward(run.plan))
+    return np.asarray(forward[1](state.params, state.model_state, np.asarray(tokens)))
+
+
+_LOGITS: dict[int, tuple[Plan, Any]] = {}
+
+
+def _forward(plan: Plan) -> Any:
+    """The jitted forward pass of a plan's model under its layout."""
+
+    @jax.jit
+    def forward(params: Any, model_state: Any, tokens: jax.Array) -> jax.Array:
+        with activation_rules(plan.mesh, plan.rules):
+            model = nnx.merge(plan.model.graphdef, params, model_state)
+            model.eval()
+            return model(tokens)
+
+    return forward

@@ -9,7 +9,8 @@ from __future__ import annotations
 import warnings
 
 from jaxpar import schema
-from jaxpar.config import Config, model_settings
+from jaxpar.config import Config
+from jaxpar.model_section import model_settings
 from jaxpar.context import ContextConfig
 from jaxpar.data.sources import DataConfig
 from jaxpar.optim import OptimConfig
@@ -42,6 +43,7 @@ def unused_settings(config: Config, *, user_task: bool = False, own_data: bool =
         synthetic = data.dataset == "synthetic" or (data.dataset == "auto" and not data.path
                                                     and not text)
         keys += ["data.image_size", "data.channels"] if text else ["data.seq_len"]
+        keys += [] if text and data.path else ["data.text_key"]
         if not synthetic:
             keys += ["data.num_examples", "data.image_size", "data.channels"]
     keys += [f"optim.{k}" for k in schema.keys(OptimConfig)] if own_optimizer else []

@@ -211,30 +211,38 @@ def test_init_from_hub_style_gpt2_matches_numpy_forward(tmp_path):
         assert_logits_close(jaxpar_logits(run, run.trainer.init().params, TOKENS), expected)
 
 
-def test_init_from_refuses_a_mismatched_config_naming_each_difference(tmp_path, capsys):
+def test_init_from_refuses_what_gpt_cannot_compute_and_keys_contradicting_the_folder(
+        tmp_path, capsys):
     config = {"model_type": "gpt2", "vocab_size": 50257, "n_embd": 768, "n_layer": 12,
               "n_head": 12, "n_positions": 1024, "n_inner": None,
-              "activation_function": "gelu", "layer_norm_epsilon": 1e-6}
+              "activation_function": "gelu", "layer_norm_epsilon": 1e-5}
     (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["inspect", f"model.init_from={tmp_path}"]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith(f"jaxpar: error: model.init_from={tmp_path}: config.json "
+                           "activation_function=gelu: jaxpar's GPT computes the tanh GELU")
+    (tmp_path / "config.json").write_text(json.dumps(config | {"layer_norm_epsilon": 1e-6,
+                                                               "activation_function":
+                                                               "gelu_new"}))
+    assert main(["inspect", f"model.init_from={tmp_path}"]) == 2
+    assert "layer_norm_epsilon=1e-06" in one_line(capsys.readouterr().err)
+    # a valid folder decides every model key: the overrides that contradict it are named
+    (tmp_path / "config.json").write_text(json.dumps(config | {"activation_function":
+                                                               "gelu_new"}))
     assert main(["inspect", *GPT_SMALL, "model.positions=rotary",
                  f"model.init_from={tmp_path}"]) == 2
     line = one_line(capsys.readouterr().err)
-    assert line.startswith(f"jaxpar: error: model.init_from={tmp_path}: config.json does not "
-                           "match this run's model: ")
-    for text in ("vocab_size=50257 but model.vocab_size=256 (set model.vocab_size=50257)",
-                 "n_embd=768 but model.d_model=32 (set model.d_model=768)",
-                 "n_layer=12 but model.n_layers=2", "n_head=12 but model.n_heads=4",
-                 "n_positions=1024 but model.max_seq_len=16",
-                 "n_inner=3072 but model.d_ff=64 (set model.d_ff=3072)",
-                 "model.tie_embeddings=false (set model.tie_embeddings=true)",
-                 "model.attn_bias=false (set model.attn_bias=true)",
-                 "model.positions=rotary (set model.positions=learned)",
-                 "activation_function=gelu", "layer_norm_epsilon=1e-06"):
+    assert line.startswith(f"jaxpar: error: model.init_from={tmp_path} decides the model, "
+                           "but the config also sets ")
+    for text in ("model.d_model=32 (its config.json gives 768)",
+                 "model.n_layers=2 (its config.json gives 12)",
+                 "model.n_heads=4 (its config.json gives 12)",
+                 "model.max_seq_len=16 (its config.json gives 1024)",
+                 "model.d_ff=64 (its config.json gives 3072)",
+                 "model.positions=rotary (its config.json gives learned)"):
         assert text in line, text
-    assert line.endswith(
-        "to match it, pass model.vocab_size=50257 model.d_model=768 model.n_layers=12 "
-        "model.n_heads=12 model.max_seq_len=1024 model.d_ff=3072 model.tie_embeddings=true "
-        "model.attn_bias=true model.positions=learned")
+    assert line.endswith(": drop model.d_model model.n_layers model.n_heads "
+                         "model.max_seq_len model.d_ff model.positions")
     # a directory without config.json, and weights that do not fit
     assert main(["inspect", *GPT2, f"model.init_from={tmp_path / 'nothing'}"]) == 2
     assert "no config.json there" in one_line(capsys.readouterr().err)

@@ -42,7 +42,7 @@ def llama_logits(tensors: dict, config: dict, tokens: np.ndarray) -> np.ndarray:
     D, N = config["hidden_size"], config["num_attention_heads"]
     K, eps = config["num_key_value_heads"], config["rms_norm_eps"]
     H, (B, T) = D // N, tokens.shape
-    inv = 1.0 / config["rope_theta"] ** (np.arange(0, H, 2) / H)
+    inv = 1.0 / config["rope_parameters"]["rope_theta"] ** (np.arange(0, H, 2) / H)
     angles = np.arange(T)[:, None] * inv[None, :]
     cos, sin = np.cos(np.concatenate([angles] * 2, -1)), np.sin(np.concatenate([angles] * 2, -1))
     x = t["model.embed_tokens.weight"][tokens]
@@ -86,11 +86,12 @@ def test_export_writes_llama_files_whose_numpy_forward_gives_jaxpar_logits(expor
     assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
     assert {k: config[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
                                    "num_attention_heads", "num_key_value_heads",
-                                   "max_position_embeddings", "rope_theta",
+                                   "max_position_embeddings", "rope_parameters",
                                    "tie_word_embeddings")} == {
         "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 16,
-        "rope_theta": 500000.0, "tie_word_embeddings": False}
+        "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+        "tie_word_embeddings": False}
     tensors = load_file(out / "model.safetensors")
     assert tensors["model.layers.1.self_attn.k_proj.weight"].shape == (16, 32)
     assert tensors["model.layers.0.mlp.down_proj.weight"].shape == (32, 48)
@@ -133,8 +134,8 @@ def test_another_architecture_or_a_missing_tensor_is_one_line(exported, tmp_path
     (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 32}))
     assert main(["inspect", *LLAMA, f"model.init_from={gpt2}"]) == 2
     line = one_line(capsys.readouterr().err)
-    assert f"model.init_from={gpt2}: config.json does not match this run's model: " \
-           "model_type is 'gpt2', not 'llama'" in line
+    assert f"model.name=llama but model.init_from={gpt2} holds a gpt2 model (gpt in " \
+           "jaxpar): drop model.name, the folder decides" in line
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text((exported["hf"] / "config.json").read_text())

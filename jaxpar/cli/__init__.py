@@ -107,14 +107,19 @@ def _export(config: Config, out: str, step: int | None, task: Task | None,
     from jaxpar.resume import export_params
 
     path, step = export_params(config, out, step, task=task, format=format)
-    what = "GPT-2 (Hugging Face) files of" if format == "hf" else "parameters of"
+    what = "parameters of"
+    if format == "hf":
+        from jaxpar import hf
+
+        what = f"Hugging Face {hf.written_as(config.model)} files of"
     print(f"{what} step {step} written to {path}")
 
 
 def _prepare_data(args: argparse.Namespace) -> None:
     from jaxpar.data.prepare import prepare_data
 
-    tf = prepare_data(args.inputs, args.out, args.tokenizer, args.glob)
+    tf = prepare_data(args.inputs, args.out, args.tokenizer, args.glob,
+                      text_key=args.text_key, bos=args.bos, eos=args.eos)
     size, docs = tf.num_tokens * tf.tokens.dtype.itemsize, len(tf.documents)
     print(f"{tf.num_tokens:,} tokens from {docs:,} document{'s' * (docs != 1)} "
           f"(vocab {tf.vocab_size:,}, {tf.tokens.dtype.name}, {size:,} bytes) written to {tf.path}")

@@ -54,6 +54,54 @@ def write(out: str | Path, params: dict[str, Any], cfg: Any,
                            max_shard_bytes)
 
 
+def agreed(given: dict[str, Any], settings: dict[str, Any],
+           typed: Callable[[str, Any], Any]) -> dict[str, Any]:
+    """The model keys ``given`` with the folder's ``settings``, which decide.
+
+    Raises:
+      ConfigError: one line naming every given key that contradicts the folder.
+    """
+    clashes = [f"model.{k}={given[k]} (its config.json gives {v})" for k, v in settings.items()
+               if k in given and typed(k, given[k]) != v]
+    if clashes:
+        drop = " ".join(f"model.{k}" for k in settings if k in given
+                        and typed(k, given[k]) != settings[k])
+        raise ConfigError(f"model.init_from={given['init_from']} decides the model, but the "
+                          f"config also sets {'; '.join(clashes)}: drop {drop}")
+    return {**given, **settings}
+
+
+def folder_settings(directory: str | Path, family: str = "") -> tuple[str, dict[str, Any]]:
+    """The jaxpar ``model.name`` and ``model.*`` values of a Hugging Face folder, from its
+    ``config.json`` alone (what ``model.init_from=FOLDER`` needs no other key for).
+
+    Raises:
+      DataError: one line naming the missing file, an architecture jaxpar does not read,
+        or a key it would compute differently.
+    """
+    hf = files.read_json(directory, "causal LM")
+    where = f"model.init_from={directory}"
+    kind = hf.get("model_type")
+    layout = next((x for x in LAYOUTS if kind in x.model_types), None)
+    if layout is None:
+        known = ", ".join(t for x in LAYOUTS for t in x.model_types)
+        raise DataError(f"{where}: config.json has model_type={kind!r}; jaxpar reads "
+                        f"{known}")
+    if family and family != layout.family:
+        raise ConfigError(f"model.name={family} but {where} holds a {kind} model "
+                          f"({layout.family} in jaxpar): drop model.name, the folder decides")
+    try:
+        return layout.family, layout.settings(hf, where)
+    except KeyError as err:
+        raise DataError(f"{where}: config.json has no {err.args[0]!r}, which a {kind} model "
+                        "needs; give the folder transformers saved") from None
+
+
+def written_as(cfg: Any) -> str:
+    """The Hugging Face architecture an export of model config ``cfg`` writes."""
+    return layout_of(cfg).written_as(cfg)
+
+
 def read_config(directory: str | Path, cfg: Any) -> dict[str, Any]:
     """``directory/config.json``, checked against the run's model config.
 

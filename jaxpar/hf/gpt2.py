@@ -193,6 +193,8 @@ def config_differences(hf: dict[str, Any], cfg: Any) -> list[str]:
         out.append(f"model_type is {hf.get('model_type')!r}, not 'gpt2' (jaxpar reads GPT-2's "
                    "layout only)")
     n_embd = hf.get("n_embd")
+    if cfg is None:  # the refusals alone (settings)
+        return out + _refusals(hf)
     pairs = (("vocab_size", "vocab_size", hf.get("vocab_size")),
              ("n_embd", "d_model", n_embd),
              ("n_layer", "n_layers", hf.get("n_layer")),
@@ -211,6 +213,12 @@ def config_differences(hf: dict[str, Any], cfg: Any) -> list[str]:
     if cfg.positions != "learned":
         out.append(f"GPT-2 has learned positions but model.positions={cfg.positions} (set "
                    "model.positions=learned)")
+    return out + _refusals(hf)
+
+
+def _refusals(hf: dict[str, Any]) -> list[str]:
+    """The settings of a GPT-2 ``config.json`` jaxpar's GPT cannot compute."""
+    out = []
     act = hf.get("activation_function", "gelu_new")
     if act not in TANH_GELU:
         out.append(f"activation_function={act}: jaxpar's GPT computes the tanh GELU "
@@ -224,6 +232,22 @@ def config_differences(hf: dict[str, Any], cfg: Any) -> list[str]:
     return out
 
 
+def settings(hf: dict[str, Any], where: str) -> dict[str, Any]:
+    """The ``model.*`` values of GPT-2's ``config.json`` (``model.name=gpt``).
+
+    Raises:
+      DataError: one line naming a setting jaxpar's GPT computes otherwise.
+    """
+    refused = [d for d in config_differences(hf, None) if "(set " not in d]
+    if refused:
+        raise DataError(f"{where}: config.json {refused[0]}")
+    n_embd = hf["n_embd"]
+    return {"vocab_size": hf["vocab_size"], "d_model": n_embd, "n_layers": hf["n_layer"],
+            "n_heads": hf["n_head"], "max_seq_len": hf["n_positions"],
+            "d_ff": hf.get("n_inner") or 4 * n_embd, "positions": "learned",
+            "attn_bias": True, "tie_embeddings": bool(hf.get("tie_word_embeddings", True))}
+
+
 #: GPT-2's layout for jaxpar's GPT (see :mod:`jaxpar.hf`).
 LAYOUT = Layout(GPTConfig, "GPT-2", "GPT2LMHeadModel", cannot_hold, hf_config, to_hf, from_hf,
-                config_differences)
+                config_differences, "gpt", ("gpt2",), settings, lambda cfg: "GPT-2")

@@ -20,7 +20,12 @@ class Layout:
       hf_config: ``cfg -> config.json``.
       to_hf: ``(params, cfg) -> {HF name: tensor}``.
       from_hf: ``(tensors, cfg, where) -> params`` (a ``DataError`` naming what does not fit).
-      differences: ``(config.json, cfg) -> [each difference, with "(set model.k=v)"]``.
+      differences: ``(config.json, cfg) -> [each difference and which side to change]``.
+      family: the jaxpar ``model.name`` it loads into.
+      model_types: the ``config.json`` model types it reads.
+      settings: ``(config.json, where) -> {model key: value}`` (a ``DataError`` naming a
+        key it refuses).
+      written_as: ``cfg -> the architecture an export writes``.
     """
 
     config_type: type
@@ -31,6 +36,10 @@ class Layout:
     to_hf: Callable[[dict[str, Any], Any], dict[str, np.ndarray]]
     from_hf: Callable[[dict[str, np.ndarray], Any, str], dict[str, Any]]
     differences: Callable[[dict[str, Any], Any], list[str]]
+    family: str
+    model_types: tuple[str, ...]
+    settings: Callable[[dict[str, Any], str], dict[str, Any]]
+    written_as: Callable[[Any], str]
 
 
 def tensor_problems(tensors: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> list[str]:

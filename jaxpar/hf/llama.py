@@ -25,12 +25,13 @@ interleaved pairs (x0, x1), (x2, x3), … regrouped into halves) converts Meta's
 checkpoints, which rotate interleaved pairs, into this layout; jaxpar reads and writes the
 Hugging Face layout only, so it never applies it.
 
-config.json ↔ ``model.*``: ``vocab_size``, ``hidden_size`` ↔ ``d_model``,
-``intermediate_size`` ↔ ``d_ff``, ``num_hidden_layers`` ↔ ``n_layers``,
-``num_attention_heads`` ↔ ``n_heads``, ``num_key_value_heads`` ↔ ``n_kv_heads``,
-``max_position_embeddings`` ↔ ``max_seq_len``, ``rope_theta``, ``rms_norm_eps`` ↔
-``norm_eps``, ``tie_word_embeddings`` ↔ ``tie_embeddings``; ``hidden_act`` silu, no
-attention or MLP biases, no ``rope_scaling``.
+Mixtral's experts: ``block_sparse_moe.gate.weight`` [E, D] ↔ blocks/router [L, D, E];
+``block_sparse_moe.experts.{e}.w1 / w3 / w2`` ↔ e_gate, e_up [L, E, D, F] / e_down
+[L, E, F, D]; Qwen3-MoE's: ``mlp.gate.weight`` and ``mlp.experts.{e}.gate_proj / up_proj
+/ down_proj``. Qwen2's ``self_attn.{q,k,v}_proj.bias`` ↔ bq [L, N, H], bk, bv [L, K, H];
+Qwen3's ``self_attn.{q,k}_norm.weight`` [H] ↔ q_norm, k_norm [L, H].
+
+config.json ↔ ``model.*``: :mod:`jaxpar.hf.llama_keys`.
 """
 
 from __future__ import annotations
@@ -40,73 +41,87 @@ from typing import Any
 import numpy as np
 
 from jaxpar.errors import DataError
-from jaxpar.hf.layout import Layout, key_differences, tensor_problems
+from jaxpar.hf import llama_keys
+from jaxpar.hf.layout import Layout, tensor_problems
 from jaxpar.models.llama import LlamaConfig
 
 _LAYER = "model.layers.{}."
 
 
-def hf_config(cfg: LlamaConfig) -> dict[str, Any]:
-    """``config.json`` of a jaxpar Llama config."""
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.d_model,
-        "intermediate_size": cfg.d_ff,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim,
-        "max_position_embeddings": cfg.max_seq_len,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": None,
-        "rms_norm_eps": cfg.norm_eps,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "mlp_bias": False,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "initializer_range": 0.02,
-        "torch_dtype": "float32",
-        "use_cache": True,
-    }
+def _layer_names(cfg: LlamaConfig) -> dict[str, tuple[str, tuple[int, ...], str]]:
+    """Each tensor of one layer: HF suffix → (jaxpar block name, index after the layer,
+    how it converts: vec, lin, q, o, bias)."""
+    out = {"input_layernorm.weight": ("attn_norm", (), "vec"),
+           "self_attn.q_proj.weight": ("wq", (), "q"),
+           "self_attn.k_proj.weight": ("wk", (), "q"),
+           "self_attn.v_proj.weight": ("wv", (), "q"),
+           "self_attn.o_proj.weight": ("wo", (), "o"),
+           "post_attention_layernorm.weight": ("mlp_norm", (), "vec")}
+    if cfg.qkv_bias:
+        out |= {f"self_attn.{x}_proj.bias": (f"b{x}", (), "bias") for x in "qkv"}
+    if cfg.qk_norm:
+        out |= {f"self_attn.{x}_norm.weight": (f"{x}_norm", (), "vec") for x in "qk"}
+    if not cfg.n_experts:
+        return out | {f"mlp.{x}_proj.weight": (f"w_{x}", (), "lin")
+                      for x in ("gate", "up", "down")}
+    mixtral = llama_keys.variant(cfg) == "mixtral"
+    moe, names = (("block_sparse_moe", ("w1", "w3", "w2")) if mixtral
+                  else ("mlp", ("gate_proj", "up_proj", "down_proj")))
+    out[f"{moe}.gate.weight"] = ("router", (), "lin")
+    for e in range(cfg.n_experts):
+        for hf_name, ours in zip(names, ("e_gate", "e_up", "e_down")):
+            out[f"{moe}.experts.{e}.{hf_name}.weight"] = (ours, (e,), "lin")
+    return out
+
+
+def _to_hf(kind: str, x: np.ndarray, d_model: int) -> np.ndarray:
+    if kind == "q":
+        return x.reshape(d_model, -1).T
+    if kind == "o":
+        return x.reshape(-1, d_model).T
+    if kind == "bias":
+        return x.reshape(-1)
+    return x.T if kind == "lin" else x
+
+
+def _from_hf(kind: str, x: np.ndarray, cfg: LlamaConfig) -> np.ndarray:
+    H = cfg.head_dim
+    if kind == "q":
+        return x.T.reshape(cfg.d_model, -1, H)
+    if kind == "o":
+        return x.T.reshape(-1, H, cfg.d_model)
+    if kind == "bias":
+        return x.reshape(-1, H)
+    return x.T if kind == "lin" else x
 
 
 def _shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    D, N, K, H, F, V = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
-                        cfg.vocab_size)
+    """Every HF tensor's name and shape."""
+    D, N, K, H, F, V, E = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
+                           cfg.vocab_size, cfg.n_experts)
+    by_name = {"attn_norm": (D,), "mlp_norm": (D,), "wq": (N * H, D), "wk": (K * H, D),
+               "wv": (K * H, D), "wo": (D, N * H), "bq": (N * H,), "bk": (K * H,),
+               "bv": (K * H,), "q_norm": (H,), "k_norm": (H,), "w_gate": (F, D),
+               "w_up": (F, D), "w_down": (D, F), "router": (E, D), "e_gate": (F, D),
+               "e_up": (F, D), "e_down": (D, F)}
     shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
     for i in range(cfg.n_layers):
-        shapes |= {_LAYER.format(i) + k: s for k, s in (
-            ("input_layernorm.weight", (D,)), ("self_attn.q_proj.weight", (N * H, D)),
-            ("self_attn.k_proj.weight", (K * H, D)), ("self_attn.v_proj.weight", (K * H, D)),
-            ("self_attn.o_proj.weight", (D, N * H)),
-            ("post_attention_layernorm.weight", (D,)), ("mlp.gate_proj.weight", (F, D)),
-            ("mlp.up_proj.weight", (F, D)), ("mlp.down_proj.weight", (D, F)))}
+        shapes |= {_LAYER.format(i) + k: by_name[ours]
+                   for k, (ours, _, _) in _layer_names(cfg).items()}
     if not cfg.tie_embeddings:
         shapes["lm_head.weight"] = (V, D)
     return shapes
 
 
 def to_hf(params: dict[str, Any], cfg: LlamaConfig) -> dict[str, np.ndarray]:
-    """jaxpar Llama parameters (a pure dict of arrays) → HF tensors by name (float32)."""
-    D = cfg.d_model
+    """jaxpar Llama-family parameters (a pure dict of arrays) → HF tensors by name
+    (float32)."""
     b = {k: np.asarray(v, np.float32) for k, v in params["blocks"].items()}
     out = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["norm"]}
+    names = _layer_names(cfg)
     for i in range(cfg.n_layers):
-        layer = _LAYER.format(i)
-        out |= {
-            layer + "input_layernorm.weight": b["attn_norm"][i],
-            layer + "self_attn.q_proj.weight": b["wq"][i].reshape(D, -1).T,
-            layer + "self_attn.k_proj.weight": b["wk"][i].reshape(D, -1).T,
-            layer + "self_attn.v_proj.weight": b["wv"][i].reshape(D, -1).T,
-            layer + "self_attn.o_proj.weight": b["wo"][i].reshape(-1, D).T,
-            layer + "post_attention_layernorm.weight": b["mlp_norm"][i],
-            layer + "mlp.gate_proj.weight": b["w_gate"][i].T,
-            layer + "mlp.up_proj.weight": b["w_up"][i].T,
-            layer + "mlp.down_proj.weight": b["w_down"][i].T,
-        }
+        out |= {_LAYER.format(i) + k: _to_hf(kind, b[ours][(i, *index)], cfg.d_model)
+                for k, (ours, index, kind) in names.items()}
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = np.asarray(params["head"]).T
     return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}
@@ -114,86 +129,60 @@ def to_hf(params: dict[str, Any], cfg: LlamaConfig) -> dict[str, np.ndarray]:
 
 def from_hf(tensors: dict[str, np.ndarray], cfg: LlamaConfig, where: str = ""
             ) -> dict[str, Any]:
-    """HF Llama tensors by name → jaxpar Llama parameters (float32).
+    """HF tensors by name → jaxpar Llama-family parameters (float32).
 
     Raises:
       DataError: naming the missing, unexpected and misshapen tensors.
     """
-    D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     t = dict(tensors)
     if cfg.tie_embeddings:  # a tied model's files may store the head: the table itself
         head = t.pop("lm_head.weight", None)
         if head is not None and not np.array_equal(head, t.get("model.embed_tokens.weight")):
             t["lm_head.weight"] = head  # reported below as unexpected
     t = {k: v for k, v in t.items() if not k.endswith(".rotary_emb.inv_freq")}  # a buffer
-    shapes = _shapes(cfg)
-    problems = tensor_problems(t, shapes)
+    problems = tensor_problems(t, _shapes(cfg))
     if problems:
-        raise DataError(f"model.init_from={where}: the weights do not fit LlamaForCausalLM's "
-                        "layout for this model: " + "; ".join(problems))
-    t = {k: np.asarray(v, np.float32) for k, v in t.items()}
-
-    def stack(name: str, fn=lambda x: x) -> np.ndarray:
-        return np.ascontiguousarray(np.stack([fn(t[_LAYER.format(i) + name])
-                                              for i in range(cfg.n_layers)]))
-
-    blocks = {
-        "attn_norm": stack("input_layernorm.weight"),
-        "wq": stack("self_attn.q_proj.weight", lambda w: w.T.reshape(D, N, H)),
-        "wk": stack("self_attn.k_proj.weight", lambda w: w.T.reshape(D, K, H)),
-        "wv": stack("self_attn.v_proj.weight", lambda w: w.T.reshape(D, K, H)),
-        "wo": stack("self_attn.o_proj.weight", lambda w: w.T.reshape(N, H, D)),
-        "mlp_norm": stack("post_attention_layernorm.weight"),
-        "w_gate": stack("mlp.gate_proj.weight", lambda w: w.T),
-        "w_up": stack("mlp.up_proj.weight", lambda w: w.T),
-        "w_down": stack("mlp.down_proj.weight", lambda w: w.T),
-    }
-    params = {"embed": t["model.embed_tokens.weight"], "blocks": blocks,
-              "norm": t["model.norm.weight"]}
+        arch = llama_keys.VARIANTS[llama_keys.variant(cfg)]
+        raise DataError(f"model.init_from={where}: the weights do not fit {arch}'s layout "
+                        "for this model: " + "; ".join(problems))
+    parts: dict[str, dict[tuple[int, ...], np.ndarray]] = {}
+    for i in range(cfg.n_layers):
+        for k, (ours, index, kind) in _layer_names(cfg).items():
+            x = np.asarray(t[_LAYER.format(i) + k], np.float32)
+            parts.setdefault(ours, {})[(i, *index)] = _from_hf(kind, x, cfg)
+    params = {"embed": np.asarray(t["model.embed_tokens.weight"], np.float32),
+              "blocks": {name: _stack(p) for name, p in parts.items()},
+              "norm": np.asarray(t["model.norm.weight"], np.float32)}
     if not cfg.tie_embeddings:
-        params["head"] = np.ascontiguousarray(t["lm_head.weight"].T)
+        params["head"] = np.ascontiguousarray(np.asarray(t["lm_head.weight"], np.float32).T)
     return params
 
 
-def config_differences(hf: dict[str, Any], cfg: LlamaConfig) -> list[str]:
-    """Each way ``config.json`` (``hf``) and the model config ``cfg`` differ, with the fix."""
-    out = []
-    if hf.get("model_type") != "llama":
-        out.append(f"model_type is {hf.get('model_type')!r}, not 'llama' (model.name=llama "
-                   "reads LlamaForCausalLM's layout)")
-    heads = hf.get("num_attention_heads")
-    pairs = (("vocab_size", "vocab_size", hf.get("vocab_size")),
-             ("hidden_size", "d_model", hf.get("hidden_size")),
-             ("intermediate_size", "d_ff", hf.get("intermediate_size")),
-             ("num_hidden_layers", "n_layers", hf.get("num_hidden_layers")),
-             ("num_attention_heads", "n_heads", heads),
-             ("num_key_value_heads", "n_kv_heads", hf.get("num_key_value_heads", heads)),
-             ("max_position_embeddings", "max_seq_len", hf.get("max_position_embeddings")),
-             ("rope_theta", "rope_theta", hf.get("rope_theta", 10000.0)),
-             ("rms_norm_eps", "norm_eps", hf.get("rms_norm_eps", 1e-6)),
-             ("tie_word_embeddings", "tie_embeddings", hf.get("tie_word_embeddings", False)))
-    out += key_differences(pairs, cfg)
-    if hf.get("hidden_act", "silu") != "silu":
-        out.append(f"hidden_act={hf['hidden_act']}: jaxpar's Llama computes SwiGLU (silu) only")
-    if hf.get("attention_bias") or hf.get("mlp_bias"):
-        out.append("attention_bias / mlp_bias: jaxpar's Llama has no biases")
-    if hf.get("rope_scaling"):
-        out.append(f"rope_scaling={hf['rope_scaling']}: jaxpar's rotary positions have no "
-                   "frequency scaling")
-    if hf.get("head_dim") not in (None, cfg.head_dim):
-        out.append(f"head_dim={hf['head_dim']}: jaxpar's head dim is d_model / n_heads = "
-                   f"{cfg.head_dim}")
+def _stack(parts: dict[tuple[int, ...], np.ndarray]) -> np.ndarray:
+    """Arrays by index (layer[, expert]) → one array with those leading dims."""
+    lead = tuple(n + 1 for n in map(max, zip(*parts)))
+    first = next(iter(parts.values()))
+    out = np.empty(lead + first.shape, np.float32)
+    for index, x in parts.items():
+        out[index] = x
     return out
 
 
-#: LlamaForCausalLM's layout for jaxpar's Llama family (see :mod:`jaxpar.hf`).
-def cannot_hold(cfg: LlamaConfig) -> list[str]:
-    """What of the model LlamaForCausalLM's layout cannot hold (empty: it exports)."""
-    if cfg.n_experts:
-        return [f"model.n_experts={cfg.n_experts} (a mixture of experts; LlamaForCausalLM's "
-                "MLPs are dense, and jaxpar writes no Mixtral layout yet)"]
-    return []
+def config_differences(hf: dict[str, Any], cfg: LlamaConfig) -> list[str]:
+    """Each ``model.*`` value the folder's ``config.json`` gives that the run's config
+    does not have, and which side to change (a refused key raises)."""
+    theirs = llama_keys.settings(hf, f"model.init_from={cfg.init_from}")
+    return [f"config.json gives model.{k}={_shown(v)} but the run has model.{k}="
+            f"{_shown(getattr(cfg, k))} (drop that override: the folder decides)"
+            for k, v in theirs.items() if getattr(cfg, k) != v]
 
 
-LAYOUT = Layout(LlamaConfig, "Llama", "LlamaForCausalLM", cannot_hold, hf_config, to_hf,
-                from_hf, config_differences)
+def _shown(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+#: The Hugging Face layouts of jaxpar's Llama family (see :mod:`jaxpar.hf`).
+LAYOUT = Layout(LlamaConfig, "Llama", "LlamaForCausalLM", llama_keys.cannot_hold,
+                llama_keys.hf_config, to_hf, from_hf, config_differences, "llama",
+                tuple(llama_keys.VARIANTS), llama_keys.settings,
+                lambda cfg: llama_keys.VARIANTS[llama_keys.variant(cfg)])

@@ -28,29 +28,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from pydantic import Field, model_validator
 
 from jaxpar.context import attend
 from jaxpar.errors import ConfigError
 from jaxpar.logical import constrain
 from jaxpar.models import moe
-from jaxpar.models.family import (
-    Counts,
-    Dtype,
-    Family,
-    LabLayout,
-    ModelConfig,
-    Term,
-    register,
-)
+from jaxpar.models.family import Counts, Family, LabLayout, Term, register
+from jaxpar.models.llama_attention import ATTENTION, attention_params, cached_mask, out, qkv
+from jaxpar.models.llama_config import LlamaConfig
 from jaxpar.models.transformer import (
     REMAT_POLICIES,
     RESIDUAL,
-    Attention,
-    Remat,
     TransformerLab,
     attention_implementation,
-    check_heads,
     const,
     kv_cache,
     lm_sequence,
@@ -58,84 +48,21 @@ from jaxpar.models.transformer import (
     param,
     refuse_init_from,
     rms_norm,
-    rotary,
     transformer_tensor_terms,
 )
-from jaxpar.schema import Float, section
 from jaxpar.task import DataNeeds, StageSplit, Task
 
-
-@section("model")
-class LlamaConfig(ModelConfig):
-    """``model.*`` keys of ``model.name=llama``: shape and numerics."""
-
-    vocab_size: int = Field(256, ge=1, description="vocabulary (at least the data's)")
-    d_model: int = Field(128, ge=1, description="width D")
-    n_layers: int = Field(4, ge=1, description="transformer blocks L")
-    n_heads: int = Field(4, ge=1, description="query heads N (divides d_model)")
-    n_kv_heads: int = Field(2, ge=1, description="key/value heads K (divides n_heads)")
-    d_ff: int = Field(344, ge=1, description="SwiGLU MLP width F")
-    max_seq_len: int = Field(128, ge=1, description="longest sequence (the KV cache)")
-    rope_theta: Float = Field(10000.0, gt=0, description="rotary base (Llama 3: 500000)")
-    norm_eps: Float = Field(1e-5, gt=0, description="RMSNorm epsilon")
-    tie_embeddings: bool = Field(False, description="output layer: the token table's transpose")
-    remat: Remat = Field("none", description="what each block recomputes in the backward pass")
-    dtype: Dtype = Field("float32", description="compute dtype (parameters stay float32)")
-    attention: Attention = Field("auto", description="jax.nn.dot_product_attention's "
-                                 "implementation (auto: cuDNN on a GPU where it runs, XLA "
-                                 "elsewhere)")
-    init_from: str = Field("", description="a Hugging Face Llama directory (config.json + "
-                           "model.safetensors) a fresh run starts from")
-    n_experts: int = Field(0, ge=0, description="experts of each mixture-of-experts MLP (0: none)")
-    top_k: int = Field(2, ge=1, description="experts each token is routed to")
-    moe_every: int = Field(1, ge=1, description="every moe_every-th MLP is a mixture of experts")
-    n_shared_experts: int = Field(0, ge=0, description="experts every token also passes "
-                                  "through (one SwiGLU of that many times d_ff)")
-    capacity_factor: Float = Field(0.0, ge=0, description="0: dropless; else each expert "
-                                   "takes at most factor · T · top_k / n_experts assignments "
-                                   "of a sequence (the rest are dropped and counted)")
-    aux_loss_coef: Float = Field(0.01, ge=0, description="weight of the load-balancing loss")
-    z_loss_coef: Float = Field(0.001, ge=0, description="weight of the router z-loss")
-    moe_dispatch: moe.Dispatch = Field("all_gather", description="experts' token dispatch: "
-                                       "all_gather (any backend), all_to_all (GPU, TPU)")
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
-
-    @model_validator(mode="after")
-    def _heads(self) -> LlamaConfig:
-        check_heads(self, rotary=True)
-        if self.n_heads % self.n_kv_heads:
-            raise ConfigError(f"model.n_kv_heads={self.n_kv_heads} does not divide model."
-                              f"n_heads={self.n_heads}: each key/value head serves a group of "
-                              "query heads; pick a divisor of n_heads")
-        if self.n_experts and self.top_k > self.n_experts:
-            raise ConfigError(f"model.top_k={self.top_k} is more than model.n_experts="
-                              f"{self.n_experts}: route each token to at most n_experts")
-        if self.n_experts and self.n_layers % self.moe_every:
-            raise ConfigError(f"model.moe_every={self.moe_every} does not divide "
-                              f"model.n_layers={self.n_layers}; pick a divisor")
-        return self
-
-    @property
-    def group(self) -> int:  # layers a scan step runs: moe_every (the last MoE), 1 if dense
-        return self.moe_every if self.n_experts else 1
+__all__ = ["Llama", "LlamaConfig", "llama_loss"]
 
 
 class LlamaBlocks(nnx.Module):
     """All blocks, parameters stacked on a leading ``layers`` dim."""
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
-        L, D, N, K, H, F = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads,
-                            cfg.head_dim, cfg.d_ff)
+        L, D, F = cfg.n_layers, cfg.d_model, cfg.d_ff
         std, out_std = 0.02, 0.02 / (2 * L) ** 0.5
-        self.attn_norm = const(1.0, (L, D), ("layers", "embed"))
-        self.wq = param(rngs.params(), (L, D, N, H), ("layers", "embed", "heads", "kv"), std)
-        self.wk = param(rngs.params(), (L, D, K, H), ("layers", "embed", "kv_heads", "kv"), std)
-        self.wv = param(rngs.params(), (L, D, K, H), ("layers", "embed", "kv_heads", "kv"), std)
-        self.wo = param(rngs.params(), (L, N, H, D), ("layers", "heads", "kv", "embed"), out_std)
-        self.mlp_norm = const(1.0, (L, D), ("layers", "embed"))
+        for name, value in attention_params(cfg, rngs).items():
+            setattr(self, name, value)
         # dense MLPs [L, …]; in a mixture-of-experts model the groups' first moe_every − 1
         # layers' [G, moe_every − 1, …], and each group's experts [G, E, …]
         G, E, S = L // cfg.group, cfg.n_experts, cfg.n_shared_experts
@@ -162,23 +89,9 @@ class LlamaBlocks(nnx.Module):
                 if hasattr(self, n)}
 
 
-ATTENTION = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm")
 DENSE = ("w_gate", "w_up", "w_down")
 EXPERTS = ("router", "e_gate", "e_up", "e_down")
 SHARED = ("s_gate", "s_up", "s_down")
-
-
-def _qkv(h: jax.Array, p: dict[str, jax.Array], pos: jax.Array, theta: float
-         ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    q = constrain(jnp.einsum("btd,dnh->btnh", h, p["wq"]), ("batch", "seq", "heads", "kv"))
-    k = constrain(jnp.einsum("btd,dkh->btkh", h, p["wk"]), ("batch", "seq", "kv_heads", "kv"))
-    v = constrain(jnp.einsum("btd,dkh->btkh", h, p["wv"]), ("batch", "seq", "kv_heads", "kv"))
-    return rotary(q, pos, theta), rotary(k, pos, theta), v
-
-
-def _out(o_BTNH: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
-    o_BTNH = constrain(o_BTNH, ("batch", "seq", "heads", "kv"))
-    return jnp.einsum("btnh,nhd->btd", o_BTNH, p["wo"])
 
 
 def grouped(stacked: dict[str, jax.Array], cfg: LlamaConfig) -> dict[str, jax.Array]:
@@ -196,7 +109,7 @@ def layer_group(x: jax.Array, p: dict[str, jax.Array], cfg: LlamaConfig, attenti
     returned)."""
     m, stats = p["wq"].shape[0], {}
     for j in range(m):
-        pj = {n: p[n][j] for n in ATTENTION}
+        pj = {n: p[n][j] for n in ATTENTION if n in p}
         x = constrain(x + attention(rms_norm(x, pj["attn_norm"], cfg.norm_eps), pj, j),
                       RESIDUAL)
         h = rms_norm(x, pj["mlp_norm"], cfg.norm_eps)
@@ -256,9 +169,9 @@ class Llama(nnx.Module):
         cfg, dtype, pos = self.cfg, x_BTD.dtype, jnp.asarray(positions_T)
 
         def attention(h, p, j):
-            q, k, v = _qkv(h, p, pos, cfg.rope_theta)
-            return _out(attend(q, k, v, positions_T, causal=True,
-                               implementation=self.attention_impl), p)
+            q, k, v = qkv(h, p, pos, cfg)
+            return out(attend(q, k, v, positions_T, causal=True, window=cfg.sliding_window,
+                              implementation=self.attention_impl), p)
 
         def body(x, p):
             return layer_group(x, moe.in_compute_dtype(p, dtype), cfg, attention, positions_T)
@@ -296,14 +209,14 @@ class Llama(nnx.Module):
             caches = []
 
             def attention(h, pj, j):
-                q, k, v = _qkv(h, pj, pos, cfg.rope_theta)
+                q, k, v = qkv(h, pj, pos, cfg)
                 write = lambda c, new: constrain(jax.lax.dynamic_update_slice_in_dim(
                     c, new.astype(c.dtype), start, axis=1), names)
                 k_cache, v_cache = write(k_group[j], k), write(v_group[j], v)
                 caches.append((k_cache, v_cache))
-                mask = jnp.arange(k_cache.shape[1])[None, :] <= pos[:, None]
-                return _out(jax.nn.dot_product_attention(
-                    q, k_cache, v_cache, mask=mask[None, None], implementation="xla"), pj)
+                mask = cached_mask(k_cache.shape[1], pos, cfg.sliding_window)
+                return out(jax.nn.dot_product_attention(
+                    q, k_cache, v_cache, mask=mask, implementation="xla"), pj)
 
             x, _ = layer_group(x, moe.in_compute_dtype(p, x.dtype), cfg, attention)
             return x, tuple(jnp.stack(c) for c in zip(*caches))

@@ -112,12 +112,16 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
 
 
 def rotary(x_BTNH: jax.Array, positions_T: jax.Array | None = None,
-           theta: float = 10000.0) -> jax.Array:
+           theta: float = 10000.0, inv_freq: np.ndarray | None = None) -> jax.Array:
     """Rotary position embedding (half-split form, as Hugging Face's ``rotate_half``) over
     the head dim, at ``positions_T`` (default 0 … T-1; a KV-cache step passes its own),
-    with base ``theta``."""
+    with base ``theta``, or with the given inverse frequencies
+    (:func:`jaxpar.models.rope.inv_frequencies`)."""
     T, H = x_BTNH.shape[1], x_BTNH.shape[-1]
-    freq = 1.0 / (theta ** (jnp.arange(0, H // 2, dtype=jnp.float32) / (H // 2)))
+    if inv_freq is None:
+        freq = 1.0 / (theta ** (jnp.arange(0, H // 2, dtype=jnp.float32) / (H // 2)))
+    else:
+        freq = jnp.asarray(inv_freq, jnp.float32)
     pos_T = jnp.arange(T) if positions_T is None else positions_T
     angle_TK = pos_T.astype(jnp.float32)[:, None] * freq[None, :]
     sin, cos = jnp.sin(angle_TK)[None, :, None, :], jnp.cos(angle_TK)[None, :, None, :]
