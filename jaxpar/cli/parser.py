@@ -26,6 +26,7 @@ HELP = """    jaxpar train    [CONFIG.yaml …] [section.key=value …] [--devic
     jaxpar sample   RUN_DIR --prompt TEXT [--tokens N] [--temperature T] [--top-k K]
                     [--seed S] [--step N] [--samples N] [section.key=value …] [--devices N]
     jaxpar prepare-data INPUT… --out PATH [--tokenizer byte|TOKENIZER.json] [--glob PATTERN]
+                    [--text-key KEY] [--bos auto|none|TOKEN] [--eos auto|none|TOKEN]
     jaxpar launch   -n N [--devices-per-process K] [--cpus-per-process C] -- COMMAND [ARGS…]
     jaxpar plot     RUN_DIR [RUN_DIR …] [--out PATH]
 
@@ -37,8 +38,9 @@ of the built-in model (every command that takes a config accepts it).
 ``sample`` continues a prompt with a run's language model: its config is the run dir's
 ``config.yaml`` (overrides apply on top, e.g. another layout: ``mesh.data=1 --devices 1``).
 Options (``--devices``, ``--task``, …) may come anywhere: before the command too.
-``prepare-data`` takes no config: it turns local text files and folders into a token file
-(``PATH`` plus ``PATH.json``) that training memory-maps.
+``prepare-data`` takes no config: it turns local text and record files (JSONL, Parquet,
+Arrow, ``save_to_disk`` folders), folders and globs into a token file (``PATH`` plus
+``PATH.json``) that training memory-maps.
 Exit status: 0 done; 2 bad input (the one-line message says what to fix); 3 a non-finite
 step with train.nonfinite=stop; 4 stopped by SIGTERM or a first Ctrl-C, with a checkpoint
 of the current step written (run the same command to resume); 5 a checkpoint or a file
@@ -138,15 +140,24 @@ def _export_arguments(cmd: argparse.ArgumentParser) -> None:
 
 
 def _prepare_parser(sub: argparse._SubParsersAction) -> None:
-    prep = sub.add_parser("prepare-data", help="tokenize local text files into a token file")
+    prep = sub.add_parser("prepare-data", help="tokenize local text and record files into a "
+                                               "token file")
     prep.add_argument("inputs", nargs="+", metavar="INPUT",
-                      help="text files and/or folders (every non-hidden file below, sorted)")
+                      help="text or record files (JSONL, .jsonl.gz, Parquet, Arrow), folders "
+                           "(every non-hidden file below, sorted; a save_to_disk folder's "
+                           "Arrow files) and/or globs")
     prep.add_argument("--out", required=True, metavar="PATH",
                       help="the token file to write, e.g. corpus.tokens (plus PATH.json)")
     prep.add_argument("--tokenizer", default="byte", metavar="byte|TOKENIZER.json",
                       help="'byte' (vocab 256) or a local Hugging Face tokenizers JSON file")
     prep.add_argument("--glob", default=None, metavar="PATTERN",
                       help="keep only folder files matching this pattern, e.g. '*.txt'")
+    prep.add_argument("--text-key", default="text", metavar="KEY",
+                      help="the field of each record that holds its text (default: text)")
+    for which, what in (("bos", "before"), ("eos", "after")):
+        prep.add_argument(f"--{which}", default="auto", metavar="auto|none|TOKEN",
+                          help=f"the token {what} each document: auto (the tokenizer's own; "
+                               "none for byte), none, or a token such as '<|endoftext|>'")
 
 
 def _launch_parser(sub: argparse._SubParsersAction) -> None:

@@ -1,13 +1,19 @@
-"""What ``prepare-data`` reads: the text files its inputs name, never its own outputs.
+"""What ``prepare-data`` (and ``data.path``) reads: the files its inputs name, never its
+own outputs.
 
-A folder's files are listed in sorted order; token files an earlier ``prepare-data`` wrote
-there (and their metadata) are skipped, with one warning, so they are never tokenized as
-text. A token file named as an input is refused, and so is an ``--out`` that is one of the
-files a run reads (through symlinks and hard links): writing it would destroy the text.
+An input is a file, a folder or a glob (``shards/*.parquet``, sorted). A folder's files
+are listed in sorted order, except that a ``datasets.save_to_disk`` folder (one holding
+``state.json`` and ``dataset_info.json``) contributes its Arrow files in the order
+``state.json`` lists them. Token files an earlier ``prepare-data`` wrote there (and their
+metadata) are skipped, with one warning, so they are never tokenized as text. A token
+file named as an input is refused, and so is an ``--out`` that is one of the files a run
+reads (through symlinks and hard links): writing it would destroy the text.
 """
 
 from __future__ import annotations
 
+import glob as globbing
+import json
 import os
 import re
 import warnings
@@ -43,62 +49,121 @@ def _is_hidden(rel: Path) -> bool:
     return any(part.startswith(".") for part in rel.parts)
 
 
+def dataset_files(folder: Path) -> list[Path] | None:
+    """The Arrow files of a ``datasets.save_to_disk`` folder in ``state.json``'s order;
+    None for any other folder.
+
+    Raises:
+      DataError: for a ``DatasetDict`` folder (name one split), or a ``state.json`` that
+        is malformed or lists a missing file.
+    """
+    if (folder / "dataset_dict.json").is_file():
+        splits = sorted(p.name for p in folder.iterdir() if (p / "state.json").is_file())
+        raise DataError(f"folder '{folder}' is a datasets DatasetDict (splits: "
+                        f"{', '.join(splits) or 'none'}); name one split's folder, e.g. "
+                        f"'{folder / (splits[0] if splits else 'train')}'")
+    state = folder / "state.json"
+    if not (state.is_file() and (folder / "dataset_info.json").is_file()):
+        return None
+    try:
+        names = [entry["filename"] for entry in json.loads(state.read_text())["_data_files"]]
+    except (ValueError, KeyError, TypeError) as err:
+        raise DataError(f"'{state}' does not list the folder's data files ({err!r}); "
+                        "re-create it with datasets' save_to_disk") from None
+    files = [folder / name for name in names]
+    for file in files:
+        if not file.is_file():
+            raise DataError(f"'{state}' lists '{file.name}', which is missing; re-create "
+                            "the folder with datasets' save_to_disk")
+    return files
+
+
 def _folder_files(folder: Path, glob: str | None) -> list[Path]:
-    """The regular, non-hidden files below ``folder`` matching ``glob``, sorted by path."""
-    files = []
+    """The regular, non-hidden files below ``folder`` matching ``glob``, sorted by path (a
+    ``save_to_disk`` folder's Arrow files in their own order)."""
+    groups: list[tuple[tuple[str, ...], list[Path]]] = []
     for root, dirs, names in os.walk(folder):
         dirs[:] = [d for d in dirs if not d.startswith(".")]
+        here = Path(root)
+        shards = dataset_files(here)
+        if shards is not None:
+            dirs[:] = []  # its files are the shards, in state.json's order
+            names = []
+            keep = [f for f in shards if _wanted(f, folder, glob)]
+            groups.append((here.relative_to(folder).parts, keep))
         for name in names:
-            full = Path(root, name)
-            rel = full.relative_to(folder)
-            if not _is_hidden(rel) and full.is_file() and (glob is None or rel.match(glob)):
-                files.append(full)
-    return sorted(files, key=lambda f: f.relative_to(folder).parts)
+            full = here / name
+            if _wanted(full, folder, glob) and full.is_file():
+                groups.append((full.relative_to(folder).parts, [full]))
+    return [f for _, files in sorted(groups, key=lambda g: g[0]) for f in files]
+
+
+def _wanted(file: Path, folder: Path, glob: str | None) -> bool:
+    rel = file.relative_to(folder)
+    return not _is_hidden(rel) and (glob is None or rel.match(glob))
+
+
+def _expand(item: str | os.PathLike) -> list[Path]:
+    """``item`` itself, or the paths a glob such as ``shards/*.parquet`` matches, sorted."""
+    path = Path(item)
+    if path.exists() or not globbing.has_magic(str(item)):
+        return [path]
+    matches = sorted(globbing.glob(str(item), recursive=True))
+    if not matches:
+        raise DataError(f"input '{item}' matches no files; check the pattern")
+    return [Path(m) for m in matches]
 
 
 def find_inputs(inputs: Iterable[str | os.PathLike], glob: str | None = None) -> list[Path]:
-    """The files to tokenize, in order: each file as given, each folder's files sorted.
+    """The files to read, in order: each file as given, each glob's matches and each
+    folder's files sorted.
 
     A folder contributes every regular, non-hidden file below it (hidden folders are skipped
-    too), sorted by path and, when ``glob`` is given (e.g. ``"*.txt"``), matching it. Files
+    too), sorted by path and, when ``glob`` is given (e.g. ``"*.txt"``), matching it; a
+    ``save_to_disk`` folder contributes its Arrow files (see ``dataset_files``). Files
     named directly are always used. Token files (see ``is_token_output``) in a folder are
     skipped with one warning, so an output written inside an input folder is not read back.
 
     Raises:
-      DataError: no inputs, a missing input, a folder without such files, or a token file
-        named as an input.
+      DataError: no inputs, a missing input, a glob matching nothing, a folder without such
+        files, a ``DatasetDict`` folder, or a token file named as an input.
     """
     inputs = list(inputs)
     if not inputs:
-        raise DataError("no inputs given; name text files or folders to tokenize")
+        raise DataError("no inputs given; name text or record files, folders or globs to "
+                        "tokenize")
     found: list[Path] = []
     skipped: list[Path] = []
-    for item in inputs:
-        path = Path(item)
-        if path.is_file():
-            if is_token_output(path):
-                raise DataError(f"input '{item}' is a jaxpar token file or its metadata (a "
-                                "prepare-data output), not text; name the text files it was "
-                                "made from, or train on it with data.path")
-            found.append(path.absolute())
-            continue
-        if not path.is_dir():
-            raise DataError(f"input '{item}' does not exist (or is not a file or folder); "
-                            "check the path")
-        files = _folder_files(path, glob)
-        ours = {f for f in files if is_token_output(f)}
-        skipped += sorted(ours)
-        if len(files) == len(ours):
-            what = f"matching --glob '{glob}'" if glob is not None else "(hidden files are skipped)"
-            also = f" besides {len(ours)} jaxpar token file(s)" if ours else ""
-            raise DataError(f"folder '{item}' holds no files {what}{also}; add text files or "
-                            "change the pattern")
+    for path in (p for item in inputs for p in _expand(item)):
+        files, ours = _input_files(path, glob)
         found.extend(f.absolute() for f in files if f not in ours)
+        skipped += sorted(ours)
     if skipped:
         warnings.warn(f"skipped {len(skipped)} jaxpar token file(s) in the input folders "
                       f"(earlier prepare-data outputs, not text), e.g. '{skipped[0]}'",
                       stacklevel=2)
     return found
+
+
+def _input_files(path: Path, glob: str | None) -> tuple[list[Path], set[Path]]:
+    """The files of one input, and those of them that are token files (to skip)."""
+    if path.is_file():
+        if is_token_output(path):
+            raise DataError(f"input '{path}' is a jaxpar token file or its metadata (a "
+                            "prepare-data output), not text; name the text files it was "
+                            "made from, or train on it with data.path")
+        return [path], set()
+    if not path.is_dir():
+        raise DataError(f"input '{path}' does not exist (or is not a file or folder); "
+                        "check the path")
+    files = _folder_files(path, glob)
+    ours = {f for f in files if is_token_output(f)}
+    if len(files) == len(ours):
+        what = f"matching --glob '{glob}'" if glob is not None else "(hidden files are skipped)"
+        also = f" besides {len(ours)} jaxpar token file(s)" if ours else ""
+        raise DataError(f"folder '{path}' holds no files {what}{also}; add text files or "
+                        "change the pattern")
+    return files, ours
 
 
 def check_not_an_input(outputs: Mapping[Path, str], files: Iterable[Path]) -> None:

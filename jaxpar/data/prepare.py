@@ -1,19 +1,26 @@
-"""Token files: local text turned into a memory-mapped array of token ids plus JSON metadata.
+"""Token files: local text and records turned into a memory-mapped array of token ids plus
+JSON metadata.
 
-``prepare_data(["notes/", "book.txt"], "corpus.tokens")`` writes two files:
+``prepare_data(["notes/", "book.txt", "shards/*.parquet"], "corpus.tokens")`` writes two files:
 
     corpus.tokens       raw little-endian token ids: uint16 when vocab_size ≤ 65536, else uint32
     corpus.tokens.json  {"format": "jaxpar-tokens", "version": 1, "dtype": "uint16",
                          "vocab_size": 256, "num_tokens": N,
                          "tokenizer": "byte" | {"file": "/abs/tok.json", "sha256": "…"},
-                         "documents": [{"source": "/abs/notes/a.txt", "start": 0, "end": 812}, …]}
+                         "bos": null | {"token": "<s>", "id": 1}, "eos": null | {…},
+                         "documents": [{"source": "/abs/notes/a.txt", "start": 0, "end": 812},
+                                       {"source": "/abs/d.parquet", "record": 0, …}, …]}
 
-Documents are concatenated in input order with no separator tokens; their boundaries live
-only in the metadata (``tokens[start:end]`` is one document). Nothing is ever downloaded:
-the tokenizer is ``byte`` (UTF-8 bytes, vocab 256) or a local Hugging Face ``tokenizers``
-JSON file. ``open_tokens`` maps the file back read-only, so training can read fixed-length
-windows without loading the corpus into memory. What is read comes from ``find_inputs``
-(``jaxpar/data/inputs.py``): never an earlier output, and ``out`` is never an input.
+A document is a text file or one record's ``text_key`` field (``jaxpar/data/records.py``
+reads JSON Lines, Parquet and Arrow). Documents are concatenated in input order, each
+wrapped in the tokenizer's separators (``separators``: its BOS where its post-processor
+adds one, its end-of-text token; none for the byte tokenizer), which lie inside the
+document's ``[start, end)``. A document holds at most ``MAX_DOCUMENT_TOKENS`` tokens.
+Nothing is ever downloaded: the tokenizer is ``byte`` (UTF-8 bytes, vocab 256) or a local
+Hugging Face ``tokenizers`` JSON file. ``open_tokens`` maps the file back read-only, so
+training can read fixed-length windows without loading the corpus into memory. What is
+read comes from ``find_inputs`` (``jaxpar/data/inputs.py``): never an earlier output, and
+``out`` is never an input.
 """
 
 from __future__ import annotations
@@ -29,11 +36,15 @@ from typing import Any
 import numpy as np
 
 from jaxpar.data.inputs import FORMAT, check_not_an_input, find_inputs
+from jaxpar.data.records import TEXT_KEY, Document, read_documents
 from jaxpar.data.tokenizers import (
     ByteTokenizer,
+    Separators,
     Tokenizer,
+    describe_separators,
     load_hf,
     load_tokenizer,
+    separators,
     sha256_of,
 )
 from jaxpar.errors import DataError
@@ -42,6 +53,8 @@ from jaxpar.files import check_output_file
 VERSION = 1
 BUILTIN_NAME = "pydoc_data.topics"
 _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+#: the most tokens one document may hold, separators included (it is encoded in memory)
+MAX_DOCUMENT_TOKENS = 2**30
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -51,33 +64,51 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return _DTYPES["uint16" if vocab_size <= 2**16 else "uint32"]
 
 
-def _metadata(tok: Tokenizer, num_tokens: int, documents: list[dict]) -> dict[str, Any]:
+def _metadata(tok: Tokenizer, seps: Separators, num_tokens: int,
+              documents: list[dict]) -> dict[str, Any]:
     """The metadata dict; ``format`` comes first (``is_token_output`` reads the start)."""
     return {"format": FORMAT, "version": VERSION, "dtype": token_dtype(tok.vocab_size).name,
             "vocab_size": tok.vocab_size, "num_tokens": num_tokens,
-            "tokenizer": tok.describe(), "documents": documents}
+            "tokenizer": tok.describe(), **describe_separators(tok, seps),
+            "documents": documents}
 
 
-def _encode_stream(docs: Iterable[tuple[str, bytes]], tok: Tokenizer
-                   ) -> Iterator[tuple[np.ndarray, dict]]:
+def _entry(doc: Document, start: int, end: int) -> dict[str, Any]:
+    """A document's metadata entry: its file, its record (for a record) and its span."""
+    record = {} if doc.record is None else {"record": doc.record}
+    return {"source": doc.source, **record, "start": start, "end": end}
+
+
+def _encode_stream(docs: Iterable[Document | tuple[str, bytes]], tok: Tokenizer,
+                   seps: Separators) -> Iterator[tuple[np.ndarray, dict]]:
     """Each document's stored ids and its metadata entry, offsets counted across documents."""
     dtype, start = token_dtype(tok.vocab_size), 0
-    for source, data in docs:
-        ids = tok.encode(data, source)
-        assert ids.size == 0 or int(ids.max()) < tok.vocab_size, (source, int(ids.max()))
-        yield ids.astype(dtype), {"source": source, "start": start, "end": start + ids.size}
+    for doc in (Document(*d) for d in docs):
+        ids = seps.wrap(tok.encode(doc.data, doc.name))
+        assert ids.size == 0 or int(ids.max()) < tok.vocab_size, (doc.source, int(ids.max()))
+        _check_length(doc, ids.size)
+        yield ids.astype(dtype), _entry(doc, start, start + ids.size)
         start += ids.size
+
+
+def _check_length(doc: Document, num_tokens: int) -> None:
+    if num_tokens > MAX_DOCUMENT_TOKENS:
+        raise DataError(f"document '{doc.name}' holds {num_tokens:,} tokens, more than "
+                        f"the {MAX_DOCUMENT_TOKENS:,} a document may hold; split it")
 
 
 def _check_nonempty(num_tokens: int, sources: list[str]) -> None:
     if num_tokens == 0:
+        sources = list(dict.fromkeys(sources))  # a record file's documents share its name
         shown = ", ".join(f"'{s}'" for s in sources[:5]) + (" …" if len(sources) > 5 else "")
         raise DataError(f"the inputs ({shown}) hold zero tokens; add files with text in them")
 
 
-def encode_documents(docs: list[tuple[str, bytes]], tokenizer: str | Tokenizer
+def encode_documents(docs: Iterable[Document | tuple[str, bytes]],
+                     tokenizer: str | Tokenizer, bos: str = "auto", eos: str = "auto"
                      ) -> tuple[np.ndarray, dict[str, Any]]:
-    """Token ids of ``(source, raw bytes)`` documents, concatenated, and their metadata.
+    """Token ids of ``(source, raw bytes)`` documents (or ``Document``s), each wrapped in
+    the tokenizer's separators (see ``separators``), concatenated, and their metadata.
 
     Pure: nothing is read or written besides (for a tokenizer path) the tokenizer file.
 
@@ -86,17 +117,19 @@ def encode_documents(docs: list[tuple[str, bytes]], tokenizer: str | Tokenizer
       ``prepare_data`` writes next to a token file.
 
     Raises:
-      DataError: when the documents hold no tokens, or a document is not UTF-8 for a
-        Hugging Face tokenizer.
+      DataError: when the documents hold no tokens, a document is longer than
+        ``MAX_DOCUMENT_TOKENS`` or is not UTF-8 for a Hugging Face tokenizer, or a
+        separator names a token the tokenizer lacks.
     """
     tok = load_tokenizer(tokenizer)
+    seps = separators(tok, bos, eos)
     parts, documents = [], []
-    for ids, entry in _encode_stream(docs, tok):
+    for ids, entry in _encode_stream(docs, tok, seps):
         parts.append(ids)
         documents.append(entry)
     tokens = np.concatenate(parts) if parts else np.zeros(0, token_dtype(tok.vocab_size))
     _check_nonempty(tokens.size, [d["source"] for d in documents])
-    return tokens, _metadata(tok, int(tokens.size), documents)
+    return tokens, _metadata(tok, seps, int(tokens.size), documents)
 
 
 @dataclass(frozen=True, eq=False)
@@ -127,46 +160,49 @@ class TokenFile:
 
 
 def prepare_data(inputs: Iterable[str | os.PathLike], out: str | os.PathLike,
-                 tokenizer: str | Tokenizer = "byte", glob: str | None = None) -> TokenFile:
-    """Tokenize local files and folders into ``out`` and ``out + ".json"``.
+                 tokenizer: str | Tokenizer = "byte", glob: str | None = None, *,
+                 text_key: str = TEXT_KEY, bos: str = "auto", eos: str = "auto"
+                 ) -> TokenFile:
+    """Tokenize local files, folders and globs (text and records) into ``out`` and
+    ``out + ".json"``.
 
     Files are read and encoded one at a time and the ids streamed to disk, so memory holds
     one document, not the corpus. The token file is written under a temporary name and
     renamed, and the metadata written last, so a crash never leaves a valid-looking pair.
 
     Args:
-      inputs: files and/or folders (see ``jaxpar.data.inputs.find_inputs``).
+      inputs: files, folders and globs (see ``jaxpar.data.inputs.find_inputs``).
       out: the token file to write, e.g. ``corpus.tokens``; parent folders are created.
       tokenizer: ``"byte"`` or the path of a Hugging Face ``tokenizers`` JSON file.
       glob: keep only folder files matching this pattern, e.g. ``"*.txt"``.
+      text_key: the field of each record that holds its text.
+      bos, eos: ``"auto"``, ``"none"`` or a token (see ``separators``).
 
     Returns:
       The written file, opened with ``open_tokens``.
 
     Raises:
       DataError: for a missing input, a folder without matching files, a token file named
-        as an input, a non-UTF-8 file with a Hugging Face tokenizer, or inputs holding zero
-        tokens.
+        as an input, a binary file of no record format, a bad record (see
+        ``records.read_documents``), a non-UTF-8 file with a Hugging Face tokenizer, a
+        document longer than ``MAX_DOCUMENT_TOKENS``, or inputs holding zero tokens.
       PathError: for an ``out`` (or its metadata or temporary file) that is an input file.
     """
     tok = load_tokenizer(tokenizer)
+    seps = separators(tok, bos, eos)
     out = check_output_file(Path(out).absolute(), "--out")
     meta_path, tmp = _meta_path(out), out.with_name(out.name + ".tmp")
     files = find_inputs(inputs, glob)
     check_not_an_input({out: "--out", meta_path: "the metadata file of --out",
                         tmp: "the temporary file of --out"}, files)
-    documents: list[dict] = []
     try:
-        with open(tmp, "wb") as f:
-            docs = ((str(p), _read_input(p)) for p in files)
-            for ids, entry in _encode_stream(docs, tok):
-                ids.tofile(f)  # already little-endian: the dtype says so explicitly
-                documents.append(entry)
+        documents = _write_tokens(tmp, read_documents(files, text_key), tok, seps)
         num_tokens = documents[-1]["end"] if documents else 0
         _check_nonempty(num_tokens, [str(p) for p in files])
         meta_path.unlink(missing_ok=True)  # an old pair must not describe the new tokens
         os.replace(tmp, out)
-        meta_path.write_text(json.dumps(_metadata(tok, num_tokens, documents), indent=1))
+        meta = _metadata(tok, seps, num_tokens, documents)
+        meta_path.write_text(json.dumps(meta, indent=1))
     except OSError as err:
         if err.errno == errno.ENOSPC:  # name the file (tofile's error does not)
             out.unlink(missing_ok=True)
@@ -177,11 +213,15 @@ def prepare_data(inputs: Iterable[str | os.PathLike], out: str | os.PathLike,
     return open_tokens(out)
 
 
-def _read_input(path: Path) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError as err:
-        raise DataError(f"input '{path}' cannot be read: {err.strerror}") from None
+def _write_tokens(tmp: Path, docs: Iterable[Document], tok: Tokenizer, seps: Separators
+                  ) -> list[dict[str, Any]]:
+    """Stream the ids of ``docs`` into ``tmp``; their metadata entries."""
+    documents = []
+    with open(tmp, "wb") as f:
+        for ids, entry in _encode_stream(docs, tok, seps):
+            ids.tofile(f)  # already little-endian: the dtype says so explicitly
+            documents.append(entry)
+    return documents
 
 
 def _meta_path(path: Path) -> Path:

@@ -1,12 +1,14 @@
 """The data a config asks for: a train and an eval source plus what the model must match.
 
 ``data.dataset=auto`` reads ``data.path`` — a token file made by ``jaxpar
-prepare-data``, any other file as text (byte tokens, same encoder), or an ``.npz``
-of images and labels — or, without a path, the built-in data: Python's own
-``pydoc_data.topics`` text for language models and SYNTHETIC labelled images for
-classifiers. ``digits`` is scikit-learn's handwritten digits (8×8, 10 classes;
-``pip install 'jaxpar[digits]'``); ``synthetic`` is random tokens or template
-images, for benchmarks, labelled as such wherever the run names its data.
+prepare-data``; records (JSON Lines, Parquet, Arrow, a ``save_to_disk`` folder) or text
+files, named as a file, a folder or a glob, tokenized in memory as ``prepare-data``
+would with the byte tokenizer; or an ``.npz`` of images and labels — or, without a
+path, the built-in data: Python's own ``pydoc_data.topics`` text for language models and
+SYNTHETIC labelled images for classifiers. ``digits`` is scikit-learn's handwritten
+digits (8×8, 10 classes; ``pip install 'jaxpar[digits]'``); ``synthetic`` is random
+tokens or template images, for benchmarks, labelled as such wherever the run names its
+data.
 
 Text splits by position (the last ``eval_fraction`` of the tokens is held out);
 images split by index after one fixed shuffle (seed 0, the same for every run).
@@ -14,6 +16,7 @@ images split by index after one fixed shuffle (seed 0, the same for every run).
 
 from __future__ import annotations
 
+import glob
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -22,6 +25,7 @@ import jax
 import numpy as np
 from pydantic import Field, field_validator
 
+from jaxpar.data.inputs import find_inputs
 from jaxpar.data.loader import ArrayExamples, Loader, TokenWindows, fixed_batches
 from jaxpar.data.prepare import (
     ByteTokenizer,
@@ -33,6 +37,7 @@ from jaxpar.data.prepare import (
     open_tokens,
     tokenizer_of,
 )
+from jaxpar.data.records import TEXT_KEY, read_documents
 from jaxpar.errors import ConfigError, DataError
 from jaxpar.schema import Float, section
 from jaxpar.task import DataNeeds
@@ -45,10 +50,13 @@ Dataset = Literal["auto", "digits", "synthetic"]
 class DataConfig:
     """Training data and its loader (see ``jaxpar/data/``)."""
 
-    path: str = Field("", description="a token file made by jaxpar prepare-data (or any other "
-                      "file, read as byte tokens) for language models, an .npz with images "
-                      "(N,H,W[,C]) and labels (N,) for classifiers; empty: the built-in data "
-                      "(Python's pydoc_data.topics text; synthetic images)")
+    path: str = Field("", description="a token file made by jaxpar prepare-data, or records "
+                      "(JSONL, Parquet, Arrow, a datasets save_to_disk folder) or text files "
+                      "(a file, folder or glob, read as byte tokens) for language models, an "
+                      ".npz with images (N,H,W[,C]) and labels (N,) for classifiers; empty: "
+                      "the built-in data (Python's pydoc_data.topics text; synthetic images)")
+    text_key: str = Field(TEXT_KEY, min_length=1, description="the field of each record "
+                          "that holds its text (records in data.path)")
     dataset: Dataset = Field("auto", description="auto (path or the built-in data), digits "
                              "(scikit-learn's handwritten digits) or synthetic (random tokens / "
                              "template images of num_examples examples, for benchmarks)")
@@ -215,13 +223,29 @@ def load_digits(num_classes: int | None) -> tuple[np.ndarray, np.ndarray]:
     return images, labels
 
 
-def _text_file(path: Path) -> TokenFile:
+def _is_token_file(path: Path) -> bool:
+    return Path(f"{path}.json").exists() or path.suffix == ".tokens"
+
+
+def _text_file(cfg: DataConfig) -> TokenFile:
     """A prepared token file (it has ``PATH.json``, or is named ``*.tokens``), else the
-    file's bytes as byte tokens."""
-    if Path(f"{path}.json").exists() or path.suffix == ".tokens":
+    documents of the files ``data.path`` names, byte-tokenized as ``prepare-data`` does."""
+    path = Path(cfg.path)
+    if _is_token_file(path):
         return open_tokens(path)  # a .tokens file without its metadata is an error there
-    tokens, meta = encode_documents([(str(path), path.read_bytes())], "byte")
-    return TokenFile(tokens, meta["vocab_size"], meta, str(path), path)
+    docs = read_documents(find_inputs([cfg.path]), cfg.text_key)
+    tokens, meta = encode_documents(docs, "byte")
+    return TokenFile(tokens, meta["vocab_size"], meta, cfg.path, path)
+
+
+def _check_path(cfg: DataConfig, is_text: bool) -> None:
+    """Raise unless ``data.path`` is a file or (for text) a folder or a glob of files."""
+    path = Path(cfg.path)
+    many = is_text and ((path.is_dir() and any(path.iterdir()))
+                        or (not path.exists() and glob.has_magic(cfg.path)))
+    if not (path.is_file() or many):
+        also = " (nor a folder or glob of data files)" if is_text else ""
+        raise DataError(f"data.path '{cfg.path}' does not exist or is not a file{also}")
 
 
 def text_tokenizer(cfg: DataConfig) -> Tokenizer:
@@ -235,9 +259,8 @@ def text_tokenizer(cfg: DataConfig) -> Tokenizer:
     if cfg.dataset == "synthetic":
         raise DataError("the run trained on data.dataset=synthetic: random token ids "
                         "without text; train on text (data.path=… or the built-in corpus)")
-    path = Path(cfg.path) if cfg.path else None
-    if path is not None and (Path(f"{path}.json").exists() or path.suffix == ".tokens"):
-        return tokenizer_of(open_tokens(path))
+    if cfg.path and _is_token_file(Path(cfg.path)):
+        return tokenizer_of(open_tokens(cfg.path))
     return ByteTokenizer()
 
 
@@ -266,8 +289,8 @@ def load_data(cfg: DataConfig, needs: DataNeeds, seed: int) -> Data:
     if cfg.dataset != "auto" and path is not None:
         raise DataError(f"data.path '{cfg.path}' and data.dataset={cfg.dataset} both name "
                         "the data; set one of them")
-    if path is not None and not path.is_file():
-        raise DataError(f"data.path '{cfg.path}' does not exist or is not a file")
+    if path is not None:
+        _check_path(cfg, is_text)
     if cfg.dataset == "synthetic":
         if is_text:
             tf = synthetic_tokens(cfg.num_examples * cfg.seq_len + 1, vocab or 256)
@@ -283,7 +306,7 @@ def load_data(cfg: DataConfig, needs: DataNeeds, seed: int) -> Data:
         if path is not None and path.suffix == ".npz":
             raise DataError(f"data.path '{cfg.path}' is an image set; a language model needs "
                             "text")
-        tf = _text_file(path) if path else builtin_corpus()
+        tf = _text_file(cfg) if path else builtin_corpus()
         return text_data(tf, cfg, vocab, seed, needs.example_ids)
     if path is None:
         images, labels = synthetic_images(cfg.num_examples, cfg.image_size, classes or 10,

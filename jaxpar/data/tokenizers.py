@@ -1,5 +1,6 @@
 """Tokenizers of token files: UTF-8 bytes (``byte``, vocab 256) or a local Hugging Face
-``tokenizers`` JSON file (checked by its SHA-256; nothing is downloaded)."""
+``tokenizers`` JSON file (checked by its SHA-256; nothing is downloaded), and the special
+tokens that open and close each document (:func:`separators`)."""
 
 from __future__ import annotations
 
@@ -64,8 +65,13 @@ class HFTokenizer:
             raise DataError(f"input '{source}' is not UTF-8 text ({err}); the tokenizer "
                             f"'{self.file}' needs UTF-8, so convert the file or use "
                             "--tokenizer byte") from None
-        # Documents are concatenated raw: no BOS/EOS or other special tokens per document.
-        return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, np.int64)
+        # Special tokens come from ``separators``, chosen once, not from the post-processor.
+        try:
+            encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        except Exception as err:  # noqa: BLE001 (the Rust side raises bare Exception)
+            raise DataError(f"tokenizer '{self.file}' cannot encode '{source}' ({err}); "
+                            "use a tokenizer that covers its text") from None
+        return np.asarray(encoding.ids, np.int64)
 
     def decode(self, ids: np.ndarray) -> str:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
@@ -112,3 +118,101 @@ def load_tokenizer(spec: str | Tokenizer) -> Tokenizer:
                         "JSON file; pass --tokenizer byte or the path of a tokenizer.json")
     path = path.absolute()
     return load_hf(str(path), sha256_of(path))
+
+
+#: end-of-text tokens, most specific first: GPT-2 and Qwen, Llama 3, Llama 2 and Mistral, Gemma
+END_OF_TEXT = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+#: a text whose tokens the post-processor surrounds with the special tokens it adds
+_PROBE = "x"
+
+
+@dataclass(frozen=True)
+class Separators:
+    """The ids that open (``bos``) and close (``eos``) every document; None: no token."""
+
+    bos: int | None = None
+    eos: int | None = None
+
+    def wrap(self, ids: np.ndarray) -> np.ndarray:
+        """``ids`` with ``bos`` before and ``eos`` after (those that are set)."""
+        head = [] if self.bos is None else [self.bos]
+        tail = [] if self.eos is None else [self.eos]
+        if not head and not tail:
+            return ids
+        return np.concatenate([np.asarray(head, ids.dtype), ids, np.asarray(tail, ids.dtype)])
+
+
+def separators(tok: Tokenizer, bos: str = "auto", eos: str = "auto") -> Separators:
+    """The document separators of ``tok``: each of ``bos``/``eos`` is ``"auto"``,
+    ``"none"`` or a token of the tokenizer (e.g. ``"<|endoftext|>"``).
+
+    ``auto``: for a ``tokenizers`` JSON, the token its post-processor adds before a text
+    (BOS), and the one it adds after (EOS) or else its end-of-text token (the first of
+    ``END_OF_TEXT`` among its special tokens); the byte tokenizer, whose 256 ids are all
+    bytes, has none, so its documents are concatenated as they are.
+
+    Raises:
+      DataError: a named token the tokenizer lacks (or any named token for a tokenizer
+        without special tokens), or a post-processor that adds several tokens.
+    """
+    if not isinstance(tok, HFTokenizer):
+        for which, setting in (("bos", bos), ("eos", eos)):
+            if setting not in ("auto", "none"):
+                raise DataError(f"--{which} '{setting}': the {tok.describe()} tokenizer has "
+                                f"no special tokens; use --{which} none, or a tokenizer JSON "
+                                "that has the token")
+        return Separators()
+    before, after = _template(tok.tokenizer)
+    return Separators(bos=_choose(tok, "bos", bos, before),
+                      eos=_choose(tok, "eos", eos, after or _end_of_text(tok.tokenizer)))
+
+
+def _template(hf: Any) -> tuple[list[int], list[int]]:
+    """The ids the post-processor adds before and after a text (``[]`` when none)."""
+    some_word = sorted(hf.get_vocab(with_added_tokens=False))[:1]
+    for plain, full in filter(None, (_encode_both(hf, p) for p in (_PROBE, *some_word))):
+        for start in range(len(full) - len(plain) + 1):
+            if plain and full[start:start + len(plain)] == plain:
+                return full[:start], full[start + len(plain):]
+    return [], []
+
+
+def _encode_both(hf: Any, text: str) -> tuple[list[int], list[int]] | None:
+    """The ids of ``text`` without and with the post-processor's special tokens; None
+    when the tokenizer cannot encode it (no [UNK], and ``text`` not in its vocabulary)."""
+    try:
+        return (hf.encode(text, add_special_tokens=False).ids,
+                hf.encode(text, add_special_tokens=True).ids)
+    except Exception:  # noqa: BLE001 (the Rust side raises bare Exception)
+        return None
+
+
+def _end_of_text(hf: Any) -> list[int]:
+    special = {t.content: i for i, t in hf.get_added_tokens_decoder().items() if t.special}
+    return [special[name] for name in END_OF_TEXT if name in special][:1]
+
+
+def _choose(tok: HFTokenizer, which: str, setting: str, auto: list[int]) -> int | None:
+    if setting == "none":
+        return None
+    if setting != "auto":
+        found = tok.tokenizer.token_to_id(setting)
+        if found is None:
+            raise DataError(f"--{which} '{setting}' is not a token of tokenizer "
+                            f"'{tok.file}'; name one of its tokens, or use --{which} none")
+        return found
+    if len(auto) > 1:
+        raise DataError(f"tokenizer '{tok.file}' adds {len(auto)} tokens {auto} "
+                        f"{'before' if which == 'bos' else 'after'} each text; name the one "
+                        f"to use with --{which} TOKEN, or --{which} none")
+    return auto[0] if auto else None
+
+
+def describe_separators(tok: Tokenizer, seps: Separators) -> dict[str, Any]:
+    """The metadata's ``bos``/``eos`` entries: ``{"token": …, "id": …}`` or None."""
+    def entry(i: int | None) -> dict[str, Any] | None:
+        if i is None:
+            return None
+        return {"token": tok.tokenizer.id_to_token(i), "id": i}
+
+    return {"bos": entry(seps.bos), "eos": entry(seps.eos)}
