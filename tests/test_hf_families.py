@@ -21,7 +21,13 @@ from jaxpar import hf
 from jaxpar.config import load_config
 from jaxpar.errors import JaxparError
 from jaxpar.run import build
-from tests.helpers import decode_stepwise
+from tests.helpers import (
+    assert_params_close,
+    decode_stepwise,
+    grid,
+    one_device_steps,
+    run_steps,
+)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -203,18 +209,32 @@ def test_a_missing_or_misshapen_tensor_is_one_line(folders, tmp_path, edit, word
     assert words in str(err.value) and "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("executor", ["spmd", "mpmd"])
-@pytest.mark.parametrize("name", ["qwen2", "qwen3", "mistral"])
-def test_variants_train_through_both_pipeline_executors_as_on_one_device(folders, name,
-                                                                          executor):
-    """Two AdamW steps from the folder's weights: the losses and parameters under
-    ``mesh.stage=2`` × data=4 (2 microbatches) equal one device's."""
-    from tests.helpers import assert_params_close, one_device_steps, run_steps
+LAYOUTS = {
+    "stage2-spmd": ["mesh.stage=2", "mesh.data=4", "pipeline.microbatches=2",
+                    "pipeline.executor=spmd"],
+    "stage2-mpmd": ["mesh.stage=2", "mesh.data=4", "pipeline.microbatches=2",
+                    "pipeline.executor=mpmd"],
+    "data2-fsdp2-tensor2": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
+    "context2-ring": ["mesh.data=4", "mesh.context=2", "context.attention=ring"],
+}
+TRAINED = grid([pytest.param(name, layout, id=f"{name}-{layout}")
+                for name in VARIANTS for layout in LAYOUTS],
+               {"qwen2-stage2-spmd", "qwen3-stage2-mpmd", "mistral-context2-ring",
+                "mixtral-data2-fsdp2-tensor2", "qwen3_moe-stage2-spmd",
+                "llama3-data2-fsdp2-tensor2"})
 
+
+@pytest.mark.parametrize(("name", "layout"), TRAINED)
+def test_variants_train_on_every_layout_as_on_one_device(folders, name, layout):
+    """Two AdamW steps from the folder's weights: the losses and parameters on each
+    layout (pipelines under both executors, FSDP with tensor parallelism, a context ring)
+    equal one device's."""
     common = [*RUN, f"model.init_from={folders[name][0]}"]
-    expected, expected_params, _ = one_device_steps(common, steps=2)
-    losses, params, _ = run_steps([*common, "mesh.stage=2", "mesh.data=4",
-                                   "pipeline.microbatches=2", f"pipeline.executor={executor}"],
-                                  steps=2)
+    # a router's load-balancing loss is a mean over the microbatch it sees: a pipeline's
+    # reference accumulates the same microbatches on one device
+    moe = name in ("mixtral", "qwen3_moe")
+    accumulate = ["train.grad_accum=2"] if "stage" in layout and moe else []
+    expected, expected_params, _ = one_device_steps([*common, *accumulate], steps=2)
+    losses, params, _ = run_steps([*common, *LAYOUTS[layout]], steps=2)
     np.testing.assert_allclose(losses, expected, rtol=1e-5)
     assert_params_close(params, expected_params, elementwise=False, rtol=1e-4)

@@ -79,13 +79,18 @@ def test_decode_with_cache_matches_forward(kv_heads):
 
 def test_counts_match_the_compiled_program():
     """Parameters equal the model's; FLOPs per example × the examples a device computes
-    equal the compiled step's (2%); the untied head counts."""
+    equal the compiled step's (2%); the untied head counts; so do the variants' biases,
+    norms and head dims (a window changes no FLOP count: XLA computes the masked
+    products)."""
     from jaxpar import hlo
     from jaxpar.plan import global_batch_shapes
 
-    for tied in ("false", "true"):
-        run = jaxpar.build(jaxpar.load_config([], [*LLAMA, "mesh.data=8",
-                                                   f"model.tie_embeddings={tied}"]))
+    variants = (["model.tie_embeddings=false"], ["model.tie_embeddings=true"],
+                # Qwen2's biases; Qwen3's norms and own head dim; Mistral's window
+                ["model.qkv_bias=true"], ["model.qk_norm=true", "model.head_size=16"],
+                ["model.sliding_window=4"])
+    for variant in variants:
+        run = jaxpar.build(jaxpar.load_config([], [*LLAMA, "mesh.data=8", *variant]))
         counts = run.family.counts(run.config.model, run.data)
         assert counts.params == sum(x.size for x in jax.tree.leaves(run.plan.model.params))
         batch = global_batch_shapes(run.data.batch(0, run.config.train.batch_size))

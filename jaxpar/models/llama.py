@@ -280,9 +280,11 @@ def llama_counts(cfg: LlamaConfig, seq_len: int) -> tuple[int, float]:
     L, D, N, K, H, F, V, T = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads,
                               cfg.head_dim, cfg.d_ff, cfg.vocab_size, seq_len)
     attention = 2 * D * N * H + 2 * D * K * H
+    # the variants' per-layer vectors: q/k/v biases (Qwen2), q/k norms (Qwen3)
+    extra = (N * H + 2 * K * H) * cfg.qkv_bias + 2 * H * cfg.qk_norm
     mlp_params, mlp_macs = moe.mlp_counts(L, D, F, cfg.n_experts and L // cfg.group,
                                       cfg.n_experts, cfg.top_k, cfg.n_shared_experts)
-    params = V * D + L * (2 * D + attention) + mlp_params + D + (
+    params = V * D + L * (2 * D + attention + extra) + mlp_params + D + (
         0 if cfg.tie_embeddings else D * V)
     macs = L * (attention + 2 * T * N * H) + mlp_macs + D * V
     return params, 2 * 3 * T * macs
