@@ -49,7 +49,8 @@ VARIANTS = {
 }
 TOKENS = np.random.default_rng(0).integers(0, 96, (4, 16)).astype(np.int32)
 ONE = ["run.devices=1", "mesh.data=1"]
-RUN = ["data.dataset=synthetic", "data.seq_len=16", "train.batch_size=8", "optim.warmup_steps=0", "train.eval_every=0"]
+RUN = ["data.dataset=synthetic", "data.seq_len=16", "train.batch_size=8",
+       "optim.warmup_steps=0", "train.eval_every=0"]
 
 
 def save_random(config, folder, dtype=torch.float32, **kwargs) -> np.ndarray:
@@ -90,18 +91,24 @@ def close(actual, expected):
     np.testing.assert_allclose(actual, expected, rtol=2e-5, atol=2e-5 * np.abs(expected).max())
 
 
-@pytest.mark.parametrize("layout", [[], ["mesh.fsdp=2", "mesh.tensor=2", "mesh.data=2"]],
-                         ids=["one-device", "data2-fsdp2-tensor2"])
-@pytest.mark.parametrize("name", list(VARIANTS))
-def test_folder_alone_gives_transformers_logits(folders, name, layout):
+SHARDED = ["mesh.fsdp=2", "mesh.tensor=2", "mesh.data=2"]
+LOADED = grid([pytest.param(name, sharded, id=f"{name}-" + (
+    "data2-fsdp2-tensor2" if sharded else "one-device"))
+    for name in VARIANTS for sharded in (False, True)],
+              {*(f"{name}-one-device" for name in VARIANTS), "qwen3-data2-fsdp2-tensor2",
+               "mistral-data2-fsdp2-tensor2", "mixtral-data2-fsdp2-tensor2"})
+
+
+@pytest.mark.parametrize(("name", "sharded"), LOADED)
+def test_folder_alone_gives_transformers_logits(folders, name, sharded):
     folder, expected = folders[name]
-    devices = [] if layout else ONE
-    run = run_of(folder, *layout, *devices)
+    run = run_of(folder, *(SHARDED if sharded else ONE))
     assert run.config.model.name == "llama"
     close(logits_of(run), expected)
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("name", grid([pytest.param(n, id=n) for n in VARIANTS],
+                                      {"llama3", "qwen2", "qwen3_moe"}))
 def test_export_loads_in_transformers_and_reads_back_bit_for_bit(folders, name, tmp_path):
     folder, expected = folders[name]
     run = run_of(folder, *ONE)
@@ -220,8 +227,7 @@ LAYOUTS = {
 TRAINED = grid([pytest.param(name, layout, id=f"{name}-{layout}")
                 for name in VARIANTS for layout in LAYOUTS],
                {"qwen2-stage2-spmd", "qwen3-stage2-mpmd", "mistral-context2-ring",
-                "mixtral-data2-fsdp2-tensor2", "qwen3_moe-stage2-spmd",
-                "llama3-data2-fsdp2-tensor2"})
+                "mixtral-data2-fsdp2-tensor2"})
 
 
 @pytest.mark.parametrize(("name", "layout"), TRAINED)

@@ -420,7 +420,9 @@ def test_a_document_longer_than_the_bound(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("name,data,match", [
-    ("a.txt.gz", gzip.compress(b"text"), "is gzip-compressed, not text nor a record format"),
+    # mtime=0: the same bytes in every process (xdist's workers must collect the same ids)
+    ("a.txt.gz", gzip.compress(b"text", mtime=0),
+     "is gzip-compressed, not text nor a record format"),
     ("a.zip", b"PK\x03\x04rest", "is zip-compressed"),
     ("a.bin", b"ab\x00cd", r"is binary \(it holds NUL bytes\)"),
     ("a.txt", b"BZh91AY&SYrest", "is bzip2-compressed"),
@@ -430,6 +432,7 @@ def test_a_document_longer_than_the_bound(tmp_path, monkeypatch):
     ("b.parquet", b"PAR1 truncated", "is not a readable Parquet file"),
 ])
 def test_binary_files_are_refused_never_tokenized(tmp_path, name, data, match):
+    """Each kind of binary or broken file is one line naming it; none is tokenized."""
     path = tmp_path / name
     path.write_bytes(data)
     message = _fails(tmp_path, [path], match)
