@@ -18,6 +18,7 @@ from jaxpar.models.family import (
     families,
     register,
 )
+from jaxpar.models.gemma import Gemma, GemmaConfig, gemma_loss
 from jaxpar.models.gpt import GPT, GPTConfig, lm_loss
 from jaxpar.models.llama import Llama, LlamaConfig, llama_loss
 from jaxpar.models.resnet import ResNet, ResNetConfig
@@ -25,6 +26,7 @@ from jaxpar.schema import section
 from jaxpar.task import DataNeeds
 
 __all__ = ["BERT", "GPT", "BERTConfig", "ConvNet", "Counts", "DataNeeds", "Family", "GPTConfig",
+           "Gemma", "GemmaConfig", "gemma_loss",
            "LabLayout", "LabModel", "Llama", "LlamaConfig", "MLPClassifier", "ModelConfig",
            "ResNet", "ResNetConfig", "Term", "classification_loss", "families", "llama_loss",
            "lm_loss", "mlm_loss", "register", "section"]
