@@ -71,7 +71,8 @@ def merge_model(current: ModelConfig, raw: dict[str, Any]) -> ModelConfig:
 
 def _from_folder(name: str, given: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """``model.name`` and the model keys of ``model.init_from``'s folder, which decides
-    them (:func:`jaxpar.hf.folder_model`)."""
+    them (:func:`jaxpar.hf.folder_settings`)."""
     family, settings = hf.folder_settings(given["init_from"], family_of(name).name if name else "")
     config = family_of(family).config
-    return family, hf.agreed(given, settings, lambda k, v: schema.typed(config, k, v))
+    return family, hf.agreed(given, settings, family,
+                             lambda k, v: schema.typed(config, k, v))

@@ -27,7 +27,9 @@ from jaxpar import hf, signals
 from jaxpar import sharding as shd
 from jaxpar.checkpoint import Checkpointer, CorruptCheckpoint
 from jaxpar.config import Config
-from jaxpar.errors import ConfigError, RestoreError
+from jaxpar.data.prepare import open_tokens, tokenizer_of
+from jaxpar.data.tokenizers import HFTokenizer
+from jaxpar.errors import ConfigError, PathError, RestoreError
 from jaxpar.files import check_output_file, ensure_dir
 from jaxpar.run import Run, build, eval_metric_names, host_value, to_host
 from jaxpar.state import TrainState
@@ -249,24 +251,35 @@ def restore_state(run: Run, step: int | None, command: str) -> TrainState:
 
 
 def export_params(config: Config, out: str | Path, step: int | None = None,
-                  task: Any = None, format: str = "npz") -> tuple[Path, int]:
+                  task: Any = None, format: str = "npz", overwrite: bool = False
+                  ) -> tuple[Path, int]:
     """Writes the parameters of a checkpoint of ``config``'s run (of ``task``, a user's
     task, when given).
 
     ``format``: ``npz``, one ``.npz`` file whose keys are parameter paths
     (``'blocks/w_in'``) and values whole numpy arrays; or ``hf``, a directory of
-    ``config.json`` + ``model.safetensors`` in GPT-2's layout (:mod:`jaxpar.hf`; the GPT
-    with tied embeddings and learned positions only).
+    ``config.json`` + safetensors in the family's Hugging Face layout (:mod:`jaxpar.hf`),
+    with the run's tokenizer beside them when it has one (:func:`run_tokenizer`).
+
+    Nothing is overwritten unless ``overwrite`` (``--overwrite``): an existing ``.npz``
+    file or a non-empty directory is refused; with it, the file, or the directory's model
+    files (:func:`jaxpar.hf.files.model_files`), are replaced. Nothing is ever written
+    inside the run directory, whose files the run owns.
 
     Raises:
       RestoreError, ConfigError: when the run has no such checkpoint or it does not fit
         the model, or its model cannot be written in the format.
+      PathError: an ``out`` inside the run directory, or one that exists without
+        ``overwrite``.
     """
     if format not in ("npz", "hf"):
         raise ConfigError(f"--format must be npz or hf, got {format!r}")
+    check_export_target(Path(out), Path(config.run.dir), format, overwrite)
+    tokenizer = None
     if format == "hf":
         family = "" if task is not None else config.family.name
         hf.check_exportable(family, None if task is not None else config.model)
+        tokenizer = run_tokenizer(config)  # a missing or changed file fails before writing
         out = ensure_dir(out, "--out", "choose another --out directory")
     else:
         out = check_output_file(out, "--out")
@@ -275,11 +288,53 @@ def export_params(config: Config, out: str | Path, step: int | None = None,
     params = jax.tree.map(host_value, state.params)
     if jax.process_index() == 0:
         if format == "hf":
+            hf.files.remove_model_files(out)  # an empty folder, or --overwrite: replaced
             hf.write(out, params, config.model)
+            if tokenizer is not None:
+                hf.files.write_tokenizer(out, *tokenizer)
         else:
             _write_npz(out, {shd.path_str(path): leaf for path, leaf
                              in jax.tree_util.tree_leaves_with_path(params)})
     return out, int(host_value(state.step))
+
+
+def check_export_target(out: Path, run_dir: Path, format: str, overwrite: bool) -> None:
+    """Raises a one-line PathError when ``out`` lies inside the run directory, or exists
+    (a file, or a folder holding files) and ``overwrite`` is not set."""
+    inside = out.resolve() == run_dir.resolve() or run_dir.resolve() in out.resolve().parents
+    if inside:
+        raise PathError(f"--out '{out}' lies inside the run directory '{run_dir}', whose "
+                        "files the run owns; write the export elsewhere")
+    if overwrite:
+        return
+    if format == "npz" and out.is_file():
+        raise PathError(f"--out '{out}' exists; choose another path, or pass --overwrite to "
+                        "replace it")
+    if format == "hf" and out.is_dir() and any(out.iterdir()):
+        held = sorted(p.name for p in out.iterdir())
+        shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+        raise PathError(f"--out '{out}' is not empty (it holds {shown}); choose an empty or "
+                        "new directory, or pass --overwrite to replace its model files")
+
+
+def run_tokenizer(config: Config) -> tuple[Path, dict[str, str]] | None:
+    """The ``tokenizers`` JSON file a run's token file was made with, and its special
+    tokens as transformers names them (``{"bos_token": …, "eos_token": …}``, those the
+    token file's metadata names); None for a run without one (bytes, random ids, images).
+
+    Raises:
+      DataError: the tokenizer file is missing or changed since the token file was made.
+    """
+    data = config.data
+    if data.dataset != "auto" or not data.path or not Path(f"{data.path}.json").is_file():
+        return None
+    token_file = open_tokens(data.path)
+    tokenizer = tokenizer_of(token_file)
+    if not isinstance(tokenizer, HFTokenizer):
+        return None
+    special = {f"{which}_token": entry["token"] for which in ("bos", "eos")
+               if isinstance(entry := token_file.meta.get(which), dict) and entry.get("token")}
+    return Path(tokenizer.file), special
 
 
 def _without_init_from(config: Config) -> Config:

@@ -1,10 +1,14 @@
-"""Text from a trained language model: ``jaxpar sample RUN_DIR --prompt TEXT``.
+"""Text from a language model: ``jaxpar sample RUN_DIR|FOLDER --prompt TEXT``.
 
-The run dir's ``config.yaml`` gives the model, the layout and the data (hence the
+A run dir's ``config.yaml`` gives the model, the layout and the data (hence the
 tokenizer: bytes, or the Hugging Face ``tokenizers`` file of a token file made by
 ``jaxpar prepare-data``); the parameters are its latest checkpoint (or ``step``'s),
 restored with the run's shardings — on the layout it trained on, or on another one
-given as overrides (``mesh.data=1 run.devices=1``).
+given as overrides (``mesh.data=1 run.devices=1``). A Hugging Face folder gives the model
+and its weights (``model.init_from=FOLDER``, :mod:`jaxpar.weights`) and, when it has one,
+its ``tokenizer.json``, used as transformers uses it: the prompt gets the special tokens
+the tokenizer's post-processor adds (Llama's BOS). ``prompt_ids`` gives the prompt as token
+ids instead (a folder without a tokenizer).
 
 Generation keeps a KV cache, K/V[L, B_batch, S, N_heads, H] with S = the model's
 longest sequence: the prompt runs through the model once, filling it; then each token
@@ -19,12 +23,12 @@ text however the generation is cut into windows, and on any layout.
 
 A model samples here when its module has ``init_cache(batch)`` and
 ``decode(tokens_BT, cache, start) -> (logits_BTV, cache)`` and ``cfg.max_seq_len``
-(the GPT family, ``jaxpar/models/gpt.py``).
+(the GPT and Llama families).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,13 +39,25 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar.config import Config, apply_overrides, load_config
+from jaxpar import hf
+from jaxpar.config import Config
 from jaxpar.data.sources import text_tokenizer
-from jaxpar.errors import ConfigError, PathError
+from jaxpar.data.tokenizers import load_tokenizer
+from jaxpar.errors import ConfigError
 from jaxpar.logical import Rules, activation_rules
-from jaxpar.resume import checkpoint_dir, restore_state
-from jaxpar.run import Run, build, host_value
-from jaxpar.user_code import refuse_run_dir_code
+from jaxpar.run import Run, host_value
+from jaxpar.weights import (
+    Source,
+    build_source,
+    load_run_config,
+    open_source,
+    run_source,
+    shorter_sequences,
+    state_of,
+)
+
+__all__ = ["Generator", "Samples", "choose_token", "generate", "load_run_config", "sample",
+           "sample_config", "sample_source"]
 
 
 @dataclass(frozen=True)
@@ -49,92 +65,98 @@ class Samples:
     """What :func:`sample` generated.
 
     Attributes:
-      texts: each sample's continuation of the prompt (the prompt not included).
+      texts: each sample's continuation of the prompt (the prompt not included); None
+        without a tokenizer (a folder that has none).
       tokens: the generated ids [samples, tokens].
       prompt_tokens: the prompt's ids.
-      step: the checkpoint's step.
+      step: the checkpoint's step; None for a Hugging Face folder.
     """
 
-    texts: list[str]
+    texts: list[str] | None
     tokens: np.ndarray
     prompt_tokens: np.ndarray
-    step: int
+    step: int | None
 
 
-def sample(run_dir: str | Path, prompt: str, *, tokens: int = 200, temperature: float = 1.0,
-           top_k: int = 0, seed: int = 0, step: int | None = None, samples: int = 1,
-           overrides: Sequence[str] = ()) -> Samples:
-    """Continues ``prompt`` with a run's language model (see the module docstring).
+def sample(path: str | Path, prompt: str | None = None, *,
+           prompt_ids: Sequence[int] | None = None, tokens: int = 200,
+           temperature: float = 1.0, top_k: int = 0, seed: int = 0, step: int | None = None,
+           samples: int = 1, overrides: Sequence[str] = ()) -> Samples:
+    """Continues ``prompt`` with a run's or a Hugging Face folder's language model (see
+    the module docstring).
 
     Args:
-      run_dir: a run directory written by ``jaxpar train`` (its ``config.yaml`` and
-        checkpoints).
+      path: a run directory written by ``jaxpar train`` (its ``config.yaml`` and
+        checkpoints), or a Hugging Face folder (``config.json``, safetensors and,
+        optionally, ``tokenizer.json``).
       prompt: the text to continue (at least one token, at most the model's longest
         sequence).
+      prompt_ids: the prompt as token ids instead of ``prompt``.
       tokens: how many tokens to generate.
       temperature: 0 picks the most likely token each time (greedy); higher is more random.
       top_k: draw only from the ``top_k`` most likely tokens (0: from all).
       seed: the random seed (the same seed gives the same text).
-      step: the checkpoint step (None: the latest).
+      step: the checkpoint step (None: the latest; a folder has none).
       samples: how many continuations to draw at once (rows of one batch).
-      overrides: ``section.key=value`` settings over the run's config, e.g. another
-        layout: ``("mesh.data=1", "run.devices=1")``.
+      overrides: ``section.key=value`` settings over the run's config (a folder's: the
+        default config), e.g. another layout: ``("mesh.data=1", "run.devices=1")``.
 
     Raises:
-      PathError, ConfigError: for a missing run dir or checkpoint, a model that is not a language
-        model, or a prompt or setting out of range — one line saying what to fix.
+      PathError, ConfigError: for a missing run dir, folder or checkpoint, a model that is
+        not a language model, or a prompt or setting out of range — one line saying what
+        to fix.
     """
-    return sample_config(load_run_config(run_dir, overrides), prompt, tokens=tokens,
+    longest = len(prompt.encode()) + 8 if prompt is not None else len(prompt_ids or ())
+    source = open_source(path, overrides, defaults=functools.partial(
+        folder_defaults, cache=longest + tokens))
+    return sample_source(source, prompt, prompt_ids=prompt_ids, tokens=tokens,
                          temperature=temperature, top_k=top_k, seed=seed, step=step,
                          samples=samples)
 
 
-def load_run_config(run_dir: str | Path, overrides: Sequence[str] = (),
-                    trust_code: bool = False) -> Config:
-    """A run dir's ``config.yaml`` with ``overrides`` applied; ``run.dir`` is ``run_dir``
-    (wherever the run was when it trained). A ``model.name=FILE:NAME`` it names is
-    imported only when ``overrides`` name it too or ``trust_code`` is set.
-
-    Raises:
-      PathError: when ``run_dir`` is not a run directory.
-      ConfigError: when it names code that is not trusted.
-    """
-    path = Path(run_dir)
-    if not path.is_dir():
-        raise PathError(f"run dir '{path}' does not exist; pass the run.dir of a trained run "
-                        "(e.g. runs/gpt_tiny)")
-    if not (path / "config.yaml").is_file():
-        raise PathError(f"'{path}' holds no config.yaml, so it is not a jaxpar run dir; pass "
-                        "the run.dir of a run that jaxpar train wrote")
-    refuse_run_dir_code(path / "config.yaml", overrides, hooks=False, trust=trust_code)
-    config = apply_overrides(load_config([path / "config.yaml"]), list(overrides))
-    return dataclasses.replace(config, run=dataclasses.replace(config.run, dir=str(path)))
+def folder_defaults(config: Config, cache: int | None = None) -> list[str]:
+    """A folder's config samples without data: random ids shape the (unused) batches.
+    ``cache``: the positions a sample needs at most (a text prompt's tokens are at most its
+    UTF-8 bytes plus the specials a tokenizer adds); the KV cache holds that many, rounded
+    up to a multiple of 128, not the folder's ``max_position_embeddings`` (Qwen3's 40,960
+    would take gigabytes a layer), where the family lets a run lower it."""
+    out = ["data.dataset=synthetic", "data.num_examples=64", *shorter_sequences(config)]
+    longest = getattr(config.model, "max_seq_len", None)
+    if cache is not None and longest is not None and hf.lowers_max_seq_len(config.model):
+        needed = -(-cache // 128) * 128
+        out += [f"model.max_seq_len={needed}"] if needed < longest else []
+    return out
 
 
-def sample_config(config: Config, prompt: str, *, tokens: int = 200,
+def sample_config(config: Config, prompt: str | None = None, **settings: Any) -> Samples:
+    """:func:`sample` of the run ``config`` describes (``run.dir`` is where it lives);
+    ``settings`` are :func:`sample_source`'s keyword arguments."""
+    return sample_source(run_source(config), prompt, **settings)
+
+
+def sample_source(source: Source, prompt: str | None = None, *,
+                  prompt_ids: Sequence[int] | None = None, tokens: int = 200,
                   temperature: float = 1.0, top_k: int = 0, seed: int = 0,
                   step: int | None = None, samples: int = 1) -> Samples:
-    """:func:`sample` of the run ``config`` describes (``run.dir`` is where it lives)."""
+    """:func:`sample` of an opened run dir or folder (:func:`jaxpar.weights.open_source`)."""
     _check_settings(tokens, temperature, top_k, samples)
-    where = config.run.dir
-    if not checkpoint_dir(config).is_dir():
-        raise PathError(f"run dir '{where}' holds no checkpoints ({checkpoint_dir(config)} "
-                        "does not exist); train it first, or pass another run dir")
-    tokenizer = text_tokenizer(config.data)
-    run = build(config)
-    model = _abstract_model(run)
-    name = config.model.name or config.family.name
-    if not (callable(getattr(model, "decode", None)) and callable(getattr(model, "init_cache",
-                                                                           None))):
-        raise ConfigError(f"jaxpar sample needs a language model; {where} trains "
-                          f"model.name={name}")
-    vocab = min(tokenizer.vocab_size, run.data.vocab_size or tokenizer.vocab_size)
-    prompt_ids = _encode(tokenizer, prompt, vocab, model.cfg.max_seq_len, name)
-    state = restore_state(run, step, "jaxpar sample")
-    out = generate(run, state, np.tile(prompt_ids, (samples, 1)), tokens,
-                   temperature=temperature, top_k=top_k, seed=seed, vocab_limit=vocab)
-    texts = [_text(tokenizer.decode(row)) for row in out]
-    return Samples(texts, out, prompt_ids, int(host_value(state.step)))
+    if (prompt is None) == (prompt_ids is None):
+        raise ConfigError("give the prompt as --prompt TEXT or as --prompt-ids 1,2,3 (one "
+                          "of them)")
+    tokenizer = _tokenizer(source, needed=prompt is not None)
+    run = build_source(source)
+    model = _language_model(run, source)
+    vocab = _vocab(run, source, tokenizer, model.cfg.vocab_size)
+    if prompt is not None:
+        ids = _encode(tokenizer, prompt, vocab, model.cfg.max_seq_len, _name(source))
+    else:
+        ids = _given_ids(prompt_ids, vocab, model.cfg.max_seq_len)
+    state = state_of(run, source, step, "jaxpar sample")
+    out = generate(run, state, np.tile(ids, (samples, 1)), tokens, temperature=temperature,
+                   top_k=top_k, seed=seed, vocab_limit=vocab)
+    texts = None if tokenizer is None else [_text(tokenizer.decode(row)) for row in out]
+    at = None if source.folder is not None else int(host_value(state.step))
+    return Samples(texts, out, ids, at)
 
 
 def _check_settings(tokens: int, temperature: float, top_k: int, samples: int) -> None:
@@ -148,25 +170,99 @@ def _check_settings(tokens: int, temperature: float, top_k: int, samples: int) -
         raise ConfigError(f"--samples {samples} must be ≥ 1")
 
 
+def _name(source: Source) -> str:
+    config = source.config
+    return config.model.name or config.family.name
+
+
 def _abstract_model(run: Run) -> nnx.Module:
     """The run's model with shapes for arrays (what it can do, not its values)."""
     model = run.plan.model
     return nnx.merge(model.graphdef, model.params, model.state)
 
 
+def _language_model(run: Run, source: Source) -> nnx.Module:
+    """The run's abstract model, which must decode with a KV cache."""
+    model = _abstract_model(run)
+    if not (callable(getattr(model, "decode", None))
+            and callable(getattr(model, "init_cache", None))):
+        raise ConfigError(f"jaxpar sample needs a language model; {source.where} trains "
+                          f"model.name={_name(source)}")
+    return model
+
+
+class _FolderTokenizer:
+    """A folder's ``tokenizer.json`` as transformers uses it: encoding adds the special
+    tokens its post-processor adds (a BOS for Llama, none for Qwen)."""
+
+    def __init__(self, file: Path):
+        self.tokenizer = load_tokenizer(str(file)).tokenizer
+        self.vocab_size = self.tokenizer.get_vocab_size()
+
+    def encode(self, data: bytes, source: str) -> np.ndarray:
+        return np.asarray(self.tokenizer.encode(data.decode("utf-8")).ids, np.int64)
+
+    def decode(self, ids: np.ndarray) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def _tokenizer(source: Source, needed: bool) -> Any:
+    """The text's tokenizer: a folder's ``tokenizer.json`` (None without one), or the run's
+    data's (None for a run on random ids, given ``--prompt-ids``).
+
+    Raises:
+      ConfigError: ``needed`` (a text prompt) and there is none.
+    """
+    if source.folder is None:
+        data = source.config.data
+        return None if data.dataset == "synthetic" and not needed else text_tokenizer(data)
+    file = source.folder / hf.files.TOKENIZER
+    if file.is_file():
+        return _FolderTokenizer(file)
+    if needed:
+        raise ConfigError(f"{source.folder} holds no {hf.files.TOKENIZER} to encode --prompt "
+                          "with; give the prompt as token ids: --prompt-ids 1,2,3")
+    return None
+
+
+def _vocab(run: Run, source: Source, tokenizer: Any, model_vocab: int) -> int:
+    """The ids to draw from: a folder's model draws from all, as transformers does; a
+    run's from those its text has and its tokenizer decodes."""
+    if source.folder is not None:
+        return model_vocab
+    vocab = run.data.vocab_size or model_vocab
+    return min(vocab, tokenizer.vocab_size) if tokenizer is not None else vocab
+
+
 def _encode(tokenizer: Any, prompt: str, vocab: int, max_len: int, model: str) -> np.ndarray:
     ids = np.asarray(tokenizer.encode(prompt.encode("utf-8"), "--prompt"), np.int32)
     if ids.size == 0:
         raise ConfigError("--prompt is empty; give at least one character to continue")
-    if ids.size > max_len:
-        raise ConfigError(f"--prompt is {ids.size} tokens, longer than the model's "
-                          f"max_seq_len={max_len}; shorten it")
+    _check_length(ids, max_len, "--prompt")
     if int(ids.max()) >= vocab:
         at = int(np.argmax(ids >= vocab))
         raise ConfigError(f"--prompt holds token id {int(ids[at])} (at token {at}), outside the "
                           f"{vocab} tokens {model} was trained on; use characters the training "
                           "text has (a byte-level model of vocab < 256 reads ASCII only)")
     return ids
+
+
+def _given_ids(prompt_ids: Sequence[int], vocab: int, max_len: int) -> np.ndarray:
+    ids = np.asarray(prompt_ids, np.int64).reshape(-1)
+    if ids.size == 0:
+        raise ConfigError("--prompt-ids is empty; give at least one token id, e.g. 1,2,3")
+    _check_length(ids, max_len, "--prompt-ids")
+    bad = ids[(ids < 0) | (ids >= vocab)]
+    if bad.size:
+        raise ConfigError(f"--prompt-ids holds {int(bad[0])}, outside the model's ids 0 to "
+                          f"{vocab - 1}; give ids below {vocab}")
+    return ids.astype(np.int32)
+
+
+def _check_length(ids: np.ndarray, max_len: int, what: str) -> None:
+    if ids.size > max_len:
+        raise ConfigError(f"{what} is {ids.size} tokens, longer than the model's "
+                          f"max_seq_len={max_len}; shorten it")
 
 
 def _text(decoded: str | bytes) -> str:

@@ -264,7 +264,7 @@ def test_export_refuses_what_gpt2_layout_cannot_hold(tmp_path, capsys):
               "model.positions=rotary (GPT-2 adds learned positions"),
              (["model.name=convnet"], "this run is model.name=convnet: use --format npz")]
     for args, text in cases:
-        assert main(["export", *args, f"run.dir={tmp_path}", *out]) == 2
+        assert main(["export", *args, f"run.dir={tmp_path / 'run'}", *out]) == 2
         line = one_line(capsys.readouterr().err)
         assert text in line, line
     assert not (tmp_path / "hf").exists()
@@ -291,3 +291,44 @@ def test_the_default_untied_gpt_exports_with_its_own_lm_head(tmp_path):
                                   f"model.init_from={out}"])).trainer.init().params
     np.testing.assert_array_equal(np.asarray(back["head"]), npz["head"])
     np.testing.assert_array_equal(np.asarray(back["blocks"]["wq"]), npz["blocks/wq"])
+
+
+def test_export_never_overwrites_unless_told_and_never_writes_into_the_run(exported,
+                                                                          tmp_path, capsys):
+    """The run's own files, an existing .npz and a non-empty folder are refused in one line
+    (exit 2) with every byte unchanged; --overwrite replaces the file, or the folder's model
+    files (a stale shard index goes, an unrelated file stays)."""
+    run = exported["run"]
+    owned = {p: p.read_bytes() for p in (run / "metrics.jsonl", run / "config.yaml")}
+    for target, extra in [(run / "metrics.jsonl", []), (run / "config.yaml", ["--overwrite"]),
+                          (run / "new.npz", [])]:
+        assert main(["export", str(run), "--out", str(target), *extra]) == 2
+        assert "lies inside the run directory" in one_line(capsys.readouterr().err)
+    assert not (run / "new.npz").exists()
+    notes = tmp_path / "notes.npz"
+    notes.write_bytes(b"my notes")
+    assert main(["export", str(run), "--out", str(notes)]) == 2
+    assert "exists; choose another path, or pass --overwrite" in one_line(
+        capsys.readouterr().err)
+    other = tmp_path / "other_model"
+    other.mkdir()
+    stale = {"config.json": b"{}", "model.safetensors.index.json": b"{}", "README.md": b"hi"}
+    for name, data in stale.items():
+        (other / name).write_bytes(data)
+    assert main(["export", str(run), "--format", "hf", "--out", str(other)]) == 2
+    assert "is not empty (it holds README.md, config.json" in one_line(capsys.readouterr().err)
+    assert all((other / n).read_bytes() == d for n, d in stale.items())
+    assert all(p.read_bytes() == data for p, data in owned.items())
+    assert notes.read_bytes() == b"my notes"
+    # told to: replaced
+    assert main(["export", str(run), "--out", str(notes), "--overwrite"]) == 0
+    replaced = np.load(notes)
+    assert sorted(replaced.files) == sorted(exported["params"])
+    for key, value in exported["params"].items():
+        np.testing.assert_array_equal(replaced[key], value)
+    assert main(["export", str(run), "--format", "hf", "--out", str(other), "--overwrite"]) == 0
+    assert sorted(p.name for p in other.iterdir()) == ["README.md", "config.json",
+                                                        "model.safetensors"]
+    assert (other / "README.md").read_bytes() == b"hi"
+    assert (other / "model.safetensors").read_bytes() == (
+        exported["hf"] / "model.safetensors").read_bytes()

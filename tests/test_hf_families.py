@@ -203,8 +203,14 @@ def test_an_override_contradicting_the_folder_is_one_line(folders):
 @pytest.mark.parametrize(("edit", "words"), [
     (lambda t: t.pop("model.norm.weight"), "model.norm.weight missing"),
     (lambda t: t.update({"model.norm.weight": np.ones(7, np.float32)}), "has shape (7,)"),
-], ids=["missing", "misshapen"])
-def test_a_missing_or_misshapen_tensor_is_one_line(folders, tmp_path, edit, words):
+    (lambda t: t.update({"model.norm.weight": np.ones(32, np.int64)}),
+     "model.norm.weight holds int64 values, not weights"),
+    (lambda t: t.update({"model.norm.weight": np.where(np.arange(32) % 8, 1.0, np.nan)
+                         .astype(np.float32)}), "model.norm.weight holds 4 NaN or infinite"),
+], ids=["missing", "misshapen", "integer", "nan"])
+def test_a_missing_misshapen_integer_or_nan_tensor_is_one_line(folders, tmp_path, edit,
+                                                               words):
+    """Named before the first step: an integer tensor is no weight, a NaN no start."""
     from safetensors.numpy import load_file, save_file
 
     folder = _rewrite(folders["qwen3"][0], tmp_path)
@@ -244,3 +250,15 @@ def test_variants_train_on_every_layout_as_on_one_device(folders, name, layout):
     losses, params, _ = run_steps([*common, *LAYOUTS[layout]], steps=2)
     np.testing.assert_allclose(losses, expected, rtol=1e-5)
     assert_params_close(params, expected_params, elementwise=False, rtol=1e-4)
+
+
+def test_a_run_may_read_shorter_sequences_than_the_folder_not_longer(folders):
+    """max_seq_len bounds a rotary model (the KV cache's length): lower is the run's
+    choice; higher than the folder's max_position_embeddings (64) is one line."""
+    folder = folders["qwen3"][0]
+    assert load_config([], [f"model.init_from={folder}", "model.max_seq_len=32"]
+                       ).model.max_seq_len == 32
+    with pytest.raises(JaxparError) as err:
+        load_config([], [f"model.init_from={folder}", "model.max_seq_len=128"])
+    assert "model.max_seq_len=128 (its config.json gives 64, the most it reads)" in str(
+        err.value)

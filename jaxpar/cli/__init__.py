@@ -20,29 +20,54 @@ from jaxpar.errors import WRITE_FAILED, ConfigError
 
 if TYPE_CHECKING:
     from jaxpar.task import Task
+    from jaxpar.weights import Defaults, Source
 
 #: Exit status when writing a checkpoint (or another file) failed (tests import it here).
 CHECKPOINT_FAILED = WRITE_FAILED
 
 
-def _sample(args: argparse.Namespace) -> None:
+def _opened(args: argparse.Namespace, defaults: Defaults) -> Source:
+    """The run dir or Hugging Face folder ``sample`` or ``eval`` looks at, its devices set
+    up."""
     from jaxpar.mesh import setup_devices
-    from jaxpar.sample import load_run_config, sample_config
+    from jaxpar.weights import open_source
 
-    overrides = [*args.args, *([f"run.devices={args.devices}"] if args.devices else [])]
     bad = [a for a in args.args if "=" not in a]
     if bad:
-        raise ConfigError(f"jaxpar sample takes one RUN_DIR, then section.key=value settings; "
-                          f"got also {' '.join(bad)}")
-    config = load_run_config(args.run_dir, overrides, trust_code=args.trust_code)
-    setup_devices(config.run.devices)
-    out = sample_config(config, args.prompt, tokens=args.tokens, temperature=args.temperature,
-                        top_k=args.top_k, seed=args.seed, step=args.step, samples=args.samples)
-    print(f"jaxpar: step {out.step} of {config.run.dir}", file=sys.stderr, flush=True)
-    for i, text in enumerate(out.texts):
+        raise ConfigError(f"jaxpar {args.command} takes one RUN_DIR or FOLDER, then "
+                          f"section.key=value settings; got also {' '.join(bad)}")
+    overrides = [*args.args, *([f"run.devices={args.devices}"] if args.devices else [])]
+    source = open_source(args.run_dir, overrides, trust_code=args.trust_code,
+                         defaults=defaults)
+    setup_devices(source.config.run.devices)
+    return source
+
+
+def _sample(args: argparse.Namespace) -> None:
+    from jaxpar.sample import folder_defaults, sample_source
+
+    source = _opened(args, folder_defaults)
+    out = sample_source(source, args.prompt, prompt_ids=args.prompt_ids, tokens=args.tokens,
+                        temperature=args.temperature, top_k=args.top_k, seed=args.seed,
+                        step=args.step, samples=args.samples)
+    where = source.where if out.step is None else f"step {out.step} of {source.where}"
+    print(f"jaxpar: {where}", file=sys.stderr, flush=True)
+    for i, row in enumerate(out.tokens):
         if i:
             print("\n---")
-        print(args.prompt + text, flush=True)
+        if args.prompt is None:  # ids in, ids out
+            print(",".join(str(t) for t in [*out.prompt_tokens, *row]), flush=True)
+        else:
+            print(args.prompt + out.texts[i], flush=True)
+
+
+def _eval(args: argparse.Namespace) -> None:
+    from jaxpar.evaluation import evaluate_source
+    from jaxpar.weights import shorter_sequences
+
+    out = evaluate_source(_opened(args, shorter_sequences), batches=args.batches,
+                          step=args.step)
+    print(out.json() if args.json else out.line(), flush=True)
 
 
 def _sweep(args: argparse.Namespace, config: Config, task: Task | None) -> None:
@@ -103,23 +128,36 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _export(config: Config, out: str, step: int | None, task: Task | None,
-            format: str = "npz") -> None:
+            format: str = "npz", overwrite: bool = False) -> None:
     from jaxpar.resume import export_params
 
-    path, step = export_params(config, out, step, task=task, format=format)
-    what = "parameters of"
+    path, step = export_params(config, out, step, task=task, format=format,
+                               overwrite=overwrite)
+    what, tokenizer = "parameters of", ""
     if format == "hf":
         from jaxpar import hf
+        from jaxpar.resume import run_tokenizer
 
         what = f"Hugging Face {hf.written_as(config.model)} files of"
-    print(f"{what} step {step} written to {path}")
+        found = run_tokenizer(config)
+        tokenizer = (f", with the tokenizer {found[0]} as tokenizer.json" if found else
+                     "; no tokenizer written: the run reads UTF-8 bytes (or random ids), "
+                     "which no tokenizer.json describes")
+    print(f"{what} step {step} written to {path}{tokenizer}")
 
 
 def _prepare_data(args: argparse.Namespace) -> None:
     from jaxpar.data.prepare import prepare_data
 
-    tf = prepare_data(args.inputs, args.out, args.tokenizer, args.glob,
-                      text_key=args.text_key, bos=args.bos, eos=args.eos)
+    if args.records == "text":
+        tf = prepare_data(args.inputs, args.out, args.tokenizer, args.glob,
+                          text_key=args.text_key, bos=args.bos, eos=args.eos)
+    else:
+        from jaxpar.data.finetune import Keys, prepare_records
+
+        keys = Keys(args.prompt_key, args.completion_key, args.messages_key)
+        tf = prepare_records(args.inputs, args.out, args.tokenizer, args.glob,
+                             layout=args.records, keys=keys, bos=args.bos, eos=args.eos)
     size, docs = tf.num_tokens * tf.tokens.dtype.itemsize, len(tf.documents)
     print(f"{tf.num_tokens:,} tokens from {docs:,} document{'s' * (docs != 1)} "
           f"(vocab {tf.vocab_size:,}, {tf.tokens.dtype.name}, {size:,} bytes) written to {tf.path}")
@@ -198,7 +236,7 @@ def _run(args: argparse.Namespace) -> None:
     elif args.command == "pipeline":
         _show_pipeline(config, args.png, args.width, task)
     elif args.command == "export":
-        _export(config, args.out, args.step, task, args.format)
+        _export(config, args.out, args.step, task, args.format, args.overwrite)
     elif args.command == "sweep":
         _sweep(args, config, task)
     elif args.command == "plan":
@@ -233,8 +271,11 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             if args.command == "launch":
                 return _launch(args)
-            if args.command == "sample":  # the run dir's config
+            if args.command == "sample":  # a run dir's or a folder's config
                 _sample(args)
+                return 0
+            if args.command == "eval":  # likewise
+                _eval(args)
                 return 0
             if args.command == "plot":  # needs no config
                 from jaxpar.plot import run as plot

@@ -18,15 +18,19 @@ HELP = """    jaxpar train    [CONFIG.yaml …] [section.key=value …] [--devic
     jaxpar inspect  [CONFIG.yaml …] [section.key=value …] [--devices N] [--task FILE.py:NAME]
     jaxpar pipeline [CONFIG.yaml …] [section.key=value …] [--devices N] [--png PATH] [--width N]
     jaxpar export   [RUN_DIR | CONFIG.yaml …] [section.key=value …] [--devices N]
-                    [--format npz|hf] --out PARAMS.npz|DIR [--step N]
+                    [--format npz|hf] --out PARAMS.npz|DIR [--step N] [--overwrite]
     jaxpar sweep    [CONFIG.yaml …] [section.key=value …] (--layouts L … | --all) [--out DIR]
                     [--steps N] [--hardware NAME] [--memory-gb G] [--devices N]
     jaxpar plan     [CONFIG.yaml …] [section.key=value …] --devices N [--hardware NAME]
                     [--memory-gb G] [--layouts L …] [--longest]
-    jaxpar sample   RUN_DIR --prompt TEXT [--tokens N] [--temperature T] [--top-k K]
-                    [--seed S] [--step N] [--samples N] [section.key=value …] [--devices N]
+    jaxpar sample   RUN_DIR|FOLDER (--prompt TEXT | --prompt-ids 1,2,3) [--tokens N]
+                    [--temperature T] [--top-k K] [--seed S] [--step N] [--samples N]
+                    [section.key=value …] [--devices N]
+    jaxpar eval     RUN_DIR|FOLDER [section.key=value …] [--batches N] [--step N] [--json]
+                    [--devices N]
     jaxpar prepare-data INPUT… --out PATH [--tokenizer byte|TOKENIZER.json] [--glob PATTERN]
                     [--text-key KEY] [--bos auto|none|TOKEN] [--eos auto|none|TOKEN]
+                    [--records text|prompt_completion|chat] [--prompt-key KEY] …
     jaxpar launch   -n N [--devices-per-process K] [--cpus-per-process C] -- COMMAND [ARGS…]
     jaxpar plot     RUN_DIR [RUN_DIR …] [--out PATH]
 
@@ -35,8 +39,11 @@ RUN_DIR (a directory holding a run's ``config.yaml``) in its place means that ru
 with ``run.dir`` = RUN_DIR.
 ``--task FILE.py:NAME`` (or ``package.module:NAME``) trains a user's jaxpar.Task instead
 of the built-in model (every command that takes a config accepts it).
-``sample`` continues a prompt with a run's language model: its config is the run dir's
-``config.yaml`` (overrides apply on top, e.g. another layout: ``mesh.data=1 --devices 1``).
+``sample`` continues a prompt with a run's language model (its config is the run dir's
+``config.yaml``; overrides apply on top, e.g. another layout: ``mesh.data=1 --devices 1``)
+or a Hugging Face FOLDER's (config.json + safetensors; its tokenizer.json, if any, encodes
+the prompt); ``eval`` gives the loss and perplexity of either on held-out data
+(``data.path=TOKENS`` for a folder), writing nothing.
 Options (``--devices``, ``--task``, …) may come anywhere: before the command too.
 ``prepare-data`` takes no config: it turns local text and record files (JSONL, Parquet,
 Arrow, ``save_to_disk`` folders), folders and globs into a token file (``PATH`` plus
@@ -95,6 +102,7 @@ def _parser() -> argparse.ArgumentParser:
     _config_parsers(sub)
     _lab_parsers(sub)
     _sample_parser(sub)
+    _eval_parser(sub)
     plot.add_parser(sub)
     _prepare_parser(sub)
     _launch_parser(sub)
@@ -133,10 +141,14 @@ def _export_arguments(cmd: argparse.ArgumentParser) -> None:
                           "array), or with --format hf a directory")
     cmd.add_argument("--format", choices=("npz", "hf"), default="npz",
                      help="npz (jaxpar's parameter paths) or hf (config.json + "
-                          "model.safetensors in GPT-2's layout, for transformers' "
-                          "GPT2LMHeadModel; the GPT with tied embeddings only)")
+                          "safetensors in the family's Hugging Face layout, and the run's "
+                          "tokenizer.json when its token file has one)")
     cmd.add_argument("--step", type=_STEP, default=None,
                      help="the checkpoint step (default: the latest)")
+    cmd.add_argument("--overwrite", action="store_true",
+                     help="replace an existing --out file, or the model files (config.json, "
+                          "safetensors, tokenizer) of a non-empty --out directory; without "
+                          "it either is refused")
 
 
 def _prepare_parser(sub: argparse._SubParsersAction) -> None:
@@ -154,6 +166,15 @@ def _prepare_parser(sub: argparse._SubParsersAction) -> None:
                       help="keep only folder files matching this pattern, e.g. '*.txt'")
     prep.add_argument("--text-key", default="text", metavar="KEY",
                       help="the field of each record that holds its text (default: text)")
+    prep.add_argument("--records", default="text",
+                      choices=("text", "prompt_completion", "chat"),
+                      help="text: each record's --text-key is a document; prompt_completion "
+                           "or chat: fine-tuning records, written with a loss mask "
+                           "(PATH.mask) so that only completion tokens count (docs/data.md)")
+    for key, default in (("prompt", "prompt"), ("completion", "completion"),
+                         ("messages", "messages")):
+        prep.add_argument(f"--{key}-key", default=default, metavar="KEY",
+                          help=f"the field holding a record's {key} (default: {default})")
     for which, what in (("bos", "before"), ("eos", "after")):
         prep.add_argument(f"--{which}", default="auto", metavar="auto|none|TOKEN",
                           help=f"the token {what} each document: auto (the tokenizer's own; "
@@ -182,25 +203,55 @@ def _launch_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _sample_parser(sub: argparse._SubParsersAction) -> None:
-    cmd = sub.add_parser("sample", help="continue a prompt with a trained language model "
-                                        "(a run dir's latest checkpoint)")
-    cmd.add_argument("run_dir", metavar="RUN_DIR", help="the run.dir of a trained run")
-    cmd.add_argument("args", nargs="*", metavar="section.key=value",
-                     help="settings over the run's config.yaml, e.g. mesh.data=1")
-    cmd.add_argument("--prompt", required=True, help="the text to continue")
+    cmd = sub.add_parser("sample", help="continue a prompt with a language model (a run dir's "
+                                        "latest checkpoint, or a Hugging Face folder)")
+    _path_arguments(cmd)
+    prompt = cmd.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="the text to continue")
+    prompt.add_argument("--prompt-ids", type=_ids, metavar="1,2,3",
+                        help="the prompt as token ids (a folder without tokenizer.json); the "
+                             "output is ids too")
     cmd.add_argument("--tokens", type=_count(2**24, None), default=200, help="tokens to generate (200)")
     cmd.add_argument("--temperature", type=float, default=1.0,
                      help="0: greedy (the most likely token); higher: more random (1.0)")
     cmd.add_argument("--top-k", type=_count(2**31, None), default=0, metavar="K",
                      help="draw from the K most likely tokens only (0: all)")
     cmd.add_argument("--seed", type=_count(2**32 - 1), default=0, help="random seed (0)")
-    cmd.add_argument("--step", type=_STEP, default=None,
-                     help="the checkpoint step (default: the latest)")
     cmd.add_argument("--samples", type=_count(2**16, None), default=1,
                      help="continuations to draw (1)")
+
+
+def _eval_parser(sub: argparse._SubParsersAction) -> None:
+    cmd = sub.add_parser("eval", help="loss and perplexity of a run dir's checkpoint or a "
+                                      "Hugging Face folder on held-out data, writing nothing")
+    _path_arguments(cmd)
+    cmd.add_argument("--batches", type=_count(2**20, 1), default=None, metavar="N",
+                     help="held-out batches to read (default: train.eval_batches)")
+    cmd.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _path_arguments(cmd: argparse.ArgumentParser) -> None:
+    """What ``sample`` and ``eval`` share: the run dir or folder, overrides, the step."""
+    cmd.add_argument("run_dir", metavar="RUN_DIR|FOLDER",
+                     help="the run.dir of a trained run, or a Hugging Face folder "
+                          "(config.json + safetensors)")
+    cmd.add_argument("args", nargs="*", metavar="section.key=value",
+                     help="settings over the run's config.yaml (a folder's: the default "
+                          "config), e.g. mesh.data=1")
+    cmd.add_argument("--step", type=_STEP, default=None,
+                     help="the checkpoint step (default: the latest)")
     _trust_argument(cmd)
     cmd.add_argument("--devices", type=_DEVICES, default=None,
                      help="device count (simulated CPU devices when there is no accelerator)")
+
+
+def _ids(text: str) -> tuple[int, ...]:
+    """``--prompt-ids``' type: comma-separated whole numbers."""
+    try:
+        return tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expects token ids separated by commas, e.g. 1,2,3; "
+                                         f"got {shorten(text, 40)!r}") from None
 
 
 def _trust_argument(cmd: argparse.ArgumentParser) -> None:

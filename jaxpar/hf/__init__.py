@@ -14,11 +14,12 @@ from typing import Any
 
 from jaxpar.errors import ConfigError, DataError
 from jaxpar.hf import files
+from jaxpar.hf.gemma import LAYOUT as GEMMA
 from jaxpar.hf.gpt2 import LAYOUT as GPT2
 from jaxpar.hf.layout import Layout
 from jaxpar.hf.llama import LAYOUT as LLAMA
 
-LAYOUTS: tuple[Layout, ...] = (GPT2, LLAMA)
+LAYOUTS: tuple[Layout, ...] = (GPT2, LLAMA, GEMMA)
 
 
 def layout_of(cfg: Any) -> Layout | None:
@@ -54,21 +55,29 @@ def write(out: str | Path, params: dict[str, Any], cfg: Any,
                            max_shard_bytes)
 
 
-def agreed(given: dict[str, Any], settings: dict[str, Any],
+def agreed(given: dict[str, Any], settings: dict[str, Any], family: str,
            typed: Callable[[str, Any], Any]) -> dict[str, Any]:
-    """The model keys ``given`` with the folder's ``settings``, which decide.
+    """The model keys ``given`` with the folder's ``settings``, which decide — except that
+    a bound of the ``family``'s layout (:attr:`Layout.bounds`) may be given lower.
 
     Raises:
       ConfigError: one line naming every given key that contradicts the folder.
     """
-    clashes = [f"model.{k}={given[k]} (its config.json gives {v})" for k, v in settings.items()
-               if k in given and typed(k, given[k]) != v]
-    if clashes:
-        drop = " ".join(f"model.{k}" for k in settings if k in given
-                        and typed(k, given[k]) != settings[k])
+    bounds = next(x.bounds for x in LAYOUTS if x.family == family)
+
+    def clashes(k: str, v: Any) -> bool:
+        ours = typed(k, given[k])
+        return not (ours <= v if k in bounds else ours == v)
+
+    wrong = [k for k, v in settings.items() if k in given and clashes(k, v)]
+    if wrong:
+        what = "; ".join(f"model.{k}={given[k]} (its config.json gives {settings[k]}"
+                         f"{', the most it reads' if k in bounds else ''})" for k in wrong)
         raise ConfigError(f"model.init_from={given['init_from']} decides the model, but the "
-                          f"config also sets {'; '.join(clashes)}: drop {drop}")
-    return {**given, **settings}
+                          f"config also sets {what}: drop "
+                          + " ".join(f"model.{k}" for k in wrong))
+    kept = {k: given[k] for k in bounds if k in given}
+    return {**given, **settings, **kept}
 
 
 def folder_settings(directory: str | Path, family: str = "") -> tuple[str, dict[str, Any]]:
@@ -95,6 +104,13 @@ def folder_settings(directory: str | Path, family: str = "") -> tuple[str, dict[
     except KeyError as err:
         raise DataError(f"{where}: config.json has no {err.args[0]!r}, which a {kind} model "
                         "needs; give the folder transformers saved") from None
+
+
+def lowers_max_seq_len(cfg: Any) -> bool:
+    """Whether a run of model config ``cfg`` from a folder may set ``model.max_seq_len``
+    below the folder's (:attr:`Layout.bounds`)."""
+    layout = layout_of(cfg)
+    return layout is not None and "max_seq_len" in layout.bounds
 
 
 def written_as(cfg: Any) -> str:

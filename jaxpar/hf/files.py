@@ -1,6 +1,7 @@
 """A Hugging Face model directory as files: ``config.json`` and safetensors weights (one
 ``model.safetensors``, or shards named by ``model.safetensors.index.json``), read with
-``safetensors.numpy`` (torch is never needed) and written whole (aside, then renamed)."""
+``safetensors.numpy`` (torch is never needed), and its tokenizer (``tokenizer.json`` and
+``tokenizer_config.json``); every file written whole (aside, then renamed)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from jaxpar.errors import DataError
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+TOKENIZER = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
 #: transformers' default ``max_shard_size`` (5 GB): larger weights are written in shards
 MAX_SHARD_BYTES = 5 * 10**9
 
@@ -85,8 +88,6 @@ def write_dir(out: str | Path, tensors: dict[str, np.ndarray], config: dict[str,
     """Writes ``config.json`` and the weights (float32, ``{"format": "pt"}`` metadata) to
     the directory ``out``: one ``model.safetensors``, or shards and their index above
     ``max_shard_bytes``. Each file appears whole (written aside, then renamed)."""
-    from safetensors.numpy import save_file
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     shards = _shards(tensors, max_shard_bytes)
@@ -98,11 +99,59 @@ def write_dir(out: str | Path, tensors: dict[str, np.ndarray], config: dict[str,
         index = {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())},
                  "weight_map": {k: n for n, s in zip(names, shards) for k in s}}
         files.append((out / INDEX, json.dumps(index, indent=2) + "\n"))
+    _write_whole(files)
+    return out
+
+
+#: What a Hugging Face model folder's files are named (an export replaces them all, so no
+#: shard or tokenizer of an earlier model is left beside the new one).
+MODEL_FILES = (CONFIG, WEIGHTS, INDEX, "model-*-of-*.safetensors", "tokenizer.json",
+               "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+def model_files(directory: str | Path) -> list[Path]:
+    """The model files (:data:`MODEL_FILES`) in ``directory``."""
+    directory = Path(directory)
+    return sorted({p for pattern in MODEL_FILES for p in directory.glob(pattern)
+                   if p.is_file()})
+
+
+def remove_model_files(directory: str | Path) -> None:
+    """Deletes :func:`model_files` (other files stay)."""
+    for path in model_files(directory):
+        path.unlink()
+
+
+def write_tokenizer(out: str | Path, tokenizer_json: str | Path,
+                    special: dict[str, str]) -> Path:
+    """Copies a ``tokenizers`` JSON file to ``out/tokenizer.json`` and writes the
+    ``tokenizer_config.json`` that makes ``transformers.AutoTokenizer`` load it as a
+    ``PreTrainedTokenizerFast``.
+
+    Args:
+      out: the model directory.
+      tokenizer_json: the ``tokenizers`` JSON file.
+      special: its special tokens by transformers' name (``{"eos_token": "<|endoftext|>"}``).
+    """
+    out = Path(out)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **special}
+    _write_whole([(out / TOKENIZER, Path(tokenizer_json).read_bytes()),
+                  (out / TOKENIZER_CONFIG, json.dumps(config, indent=2) + "\n")])
+    return out / TOKENIZER
+
+
+def _write_whole(files: list[tuple[Path, Any]]) -> None:
+    """Writes each (path, body) aside, then renames them all: text, bytes, or tensors
+    (safetensors)."""
+    from safetensors.numpy import save_file
+
     temporary = [path.with_name(path.name + ".tmp") for path, _ in files]
     try:
         for (path, body), tmp in zip(files, temporary):
             if isinstance(body, str):
                 tmp.write_text(body)
+            elif isinstance(body, bytes):
+                tmp.write_bytes(body)
             else:  # transformers refuses safetensors files without a "format" entry
                 save_file(body, str(tmp), metadata={"format": "pt"})
         for (path, _), tmp in zip(files, temporary):
@@ -110,4 +159,3 @@ def write_dir(out: str | Path, tensors: dict[str, np.ndarray], config: dict[str,
     finally:
         for tmp in temporary:
             tmp.unlink(missing_ok=True)
-    return out

@@ -50,7 +50,7 @@ import numpy as np
 
 from jaxpar.errors import DataError
 from jaxpar.hf.layout import Layout, key_differences, tensor_problems
-from jaxpar.models.gpt import GPTConfig
+from jaxpar.models.gpt import GPT_FAMILY, GPTConfig
 
 #: HF's names for the tanh GELU (``jax.nn.gelu(approximate=True)``)
 TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
@@ -250,4 +250,4 @@ def settings(hf: dict[str, Any], where: str) -> dict[str, Any]:
 
 #: GPT-2's layout for jaxpar's GPT (see :mod:`jaxpar.hf`).
 LAYOUT = Layout(GPTConfig, "GPT-2", "GPT2LMHeadModel", cannot_hold, hf_config, to_hf, from_hf,
-                config_differences, "gpt", ("gpt2",), settings, lambda cfg: "GPT-2")
+                config_differences, GPT_FAMILY.name, ("gpt2",), settings, lambda cfg: "GPT-2")

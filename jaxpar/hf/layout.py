@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxpar.errors import DataError
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -26,6 +28,9 @@ class Layout:
       settings: ``(config.json, where) -> {model key: value}`` (a ``DataError`` naming a
         key it refuses).
       written_as: ``cfg -> the architecture an export writes``.
+      bounds: model keys that only bound what a run may do (a rotary model's
+        ``max_seq_len``: the longest sequence, the KV cache's length), which a run may set
+        below the folder's value but not above.
     """
 
     config_type: type
@@ -40,16 +45,34 @@ class Layout:
     model_types: tuple[str, ...]
     settings: Callable[[dict[str, Any], str], dict[str, Any]]
     written_as: Callable[[Any], str]
+    bounds: tuple[str, ...] = ()
 
 
 def tensor_problems(tensors: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> list[str]:
-    """Each tensor ``shapes`` names that is missing or misshapen, and each one it does not
-    name."""
+    """Each tensor ``shapes`` names that is missing, misshapen, not of a float type (an
+    integer tensor would be cast to weights) or holding NaN or infinity, and each one it
+    does not name."""
     problems = [f"{k} missing" for k in shapes if k not in tensors]
     problems += [f"unexpected tensor {k}" for k in tensors if k not in shapes]
-    return problems + [f"{k} has shape {tuple(tensors[k].shape)}, expected {s}"
-                       for k, s in shapes.items() if k in tensors
-                       and tuple(tensors[k].shape) != s]
+    problems += [f"{k} has shape {tuple(tensors[k].shape)}, expected {s}"
+                 for k, s in shapes.items() if k in tensors
+                 and tuple(tensors[k].shape) != s]
+    present = [k for k in shapes if k in tensors]
+    problems += [f"{k} holds {np.dtype(tensors[k].dtype).name} values, not weights (a float "
+                 "type)" for k in present if not _is_float(tensors[k])]
+    return problems + [f"{k} holds {n:,} NaN or infinite value{'s' * (n != 1)}"
+                       for k in present if _is_float(tensors[k])
+                       and (n := _nonfinite(tensors[k]))]
+
+
+def _is_float(x: Any) -> bool:
+    """float16/32/64 and ml_dtypes' bfloat16 and float8 types (numpy kind 'V')."""
+    dtype = np.dtype(x.dtype)
+    return dtype.kind == "f" or dtype.name.startswith(("bfloat16", "float8"))
+
+
+def _nonfinite(x: Any) -> int:
+    return int(np.size(x) - np.count_nonzero(np.isfinite(np.asarray(x, np.float32))))
 
 
 def key_differences(pairs: tuple[tuple[str, str, Any], ...], cfg: Any) -> list[str]:
@@ -62,3 +85,42 @@ def key_differences(pairs: tuple[tuple[str, str, Any], ...], cfg: Any) -> list[s
             out.append(f"{theirs}={shown} but model.{ours}={getattr(cfg, ours)} "
                        f"(set model.{ours}={shown})")
     return out
+
+
+def check_keys(hf: dict[str, Any], where: str, architecture: str, read: frozenset[str],
+               required: dict[str, tuple[Any, str]]) -> None:
+    """Every key of ``config.json`` is one the layout ``read``\ s (mapped or without
+    effect), and each of ``required`` holds its value (or null).
+
+    Raises:
+      DataError: one line naming the first key that is neither, or a required one whose
+        value jaxpar would compute differently (with ``required``'s reason).
+    """
+    unknown = sorted(k for k in hf if k not in read | required.keys())
+    if unknown:
+        raise DataError(f"{where}: config.json key {unknown[0]}={hf[unknown[0]]!r} is not one "
+                        f"jaxpar's {architecture} reads (it may change the numbers): jaxpar "
+                        "would need to model it; remove it only if it has no effect")
+    for key, (value, why) in required.items():
+        if hf.get(key) not in (None, value):
+            raise DataError(f"{where}: config.json {key}={hf[key]!r}: {why}")
+
+
+def untied(tensors: dict[str, Any], tied: bool) -> dict[str, Any]:
+    """The tensors to read: a tied model's files may store the head, which must then be
+    the token table itself (a different one is left in, to be reported as unexpected)."""
+    t = dict(tensors)
+    if tied:
+        head = t.pop("lm_head.weight", None)
+        if head is not None and not np.array_equal(head, t.get("model.embed_tokens.weight")):
+            t["lm_head.weight"] = head
+    return t
+
+
+def folder_differences(theirs: dict[str, Any], cfg: Any) -> list[str]:
+    """Each ``model.*`` value of a folder (``theirs``, from its layout's settings) that the
+    run's config ``cfg`` does not have, and which side to change."""
+    shown = lambda v: str(v).lower() if isinstance(v, bool) else str(v)  # noqa: E731
+    return [f"config.json gives model.{k}={shown(v)} but the run has model.{k}="
+            f"{shown(getattr(cfg, k))} (drop that override: the folder decides)"
+            for k, v in theirs.items() if getattr(cfg, k) != v]

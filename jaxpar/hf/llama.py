@@ -42,8 +42,8 @@ import numpy as np
 
 from jaxpar.errors import DataError
 from jaxpar.hf import llama_keys
-from jaxpar.hf.layout import Layout, tensor_problems
-from jaxpar.models.llama import LlamaConfig
+from jaxpar.hf.layout import Layout, folder_differences, tensor_problems, untied
+from jaxpar.models.llama import LLAMA_FAMILY, LlamaConfig
 
 _LAYER = "model.layers.{}."
 
@@ -74,7 +74,8 @@ def _layer_names(cfg: LlamaConfig) -> dict[str, tuple[str, tuple[int, ...], str]
     return out
 
 
-def _to_hf(kind: str, x: np.ndarray, d_model: int) -> np.ndarray:
+def hf_tensor(kind: str, x: np.ndarray, d_model: int) -> np.ndarray:
+    """One layer's jaxpar array → its HF tensor, by how it converts (:func:`_layer_names`)."""
     if kind == "q":
         return x.reshape(d_model, -1).T
     if kind == "o":
@@ -84,7 +85,8 @@ def _to_hf(kind: str, x: np.ndarray, d_model: int) -> np.ndarray:
     return x.T if kind == "lin" else x
 
 
-def _from_hf(kind: str, x: np.ndarray, cfg: LlamaConfig) -> np.ndarray:
+def our_tensor(kind: str, x: np.ndarray, cfg: Any) -> np.ndarray:
+    """One layer's HF tensor → its jaxpar array (the inverse of :func:`hf_tensor`)."""
     H = cfg.head_dim
     if kind == "q":
         return x.T.reshape(cfg.d_model, -1, H)
@@ -120,7 +122,7 @@ def to_hf(params: dict[str, Any], cfg: LlamaConfig) -> dict[str, np.ndarray]:
     out = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["norm"]}
     names = _layer_names(cfg)
     for i in range(cfg.n_layers):
-        out |= {_LAYER.format(i) + k: _to_hf(kind, b[ours][(i, *index)], cfg.d_model)
+        out |= {_LAYER.format(i) + k: hf_tensor(kind, b[ours][(i, *index)], cfg.d_model)
                 for k, (ours, index, kind) in names.items()}
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = np.asarray(params["head"]).T
@@ -134,11 +136,7 @@ def from_hf(tensors: dict[str, np.ndarray], cfg: LlamaConfig, where: str = ""
     Raises:
       DataError: naming the missing, unexpected and misshapen tensors.
     """
-    t = dict(tensors)
-    if cfg.tie_embeddings:  # a tied model's files may store the head: the table itself
-        head = t.pop("lm_head.weight", None)
-        if head is not None and not np.array_equal(head, t.get("model.embed_tokens.weight")):
-            t["lm_head.weight"] = head  # reported below as unexpected
+    t = untied(tensors, cfg.tie_embeddings)
     t = {k: v for k, v in t.items() if not k.endswith(".rotary_emb.inv_freq")}  # a buffer
     problems = tensor_problems(t, _shapes(cfg))
     if problems:
@@ -149,16 +147,16 @@ def from_hf(tensors: dict[str, np.ndarray], cfg: LlamaConfig, where: str = ""
     for i in range(cfg.n_layers):
         for k, (ours, index, kind) in _layer_names(cfg).items():
             x = np.asarray(t[_LAYER.format(i) + k], np.float32)
-            parts.setdefault(ours, {})[(i, *index)] = _from_hf(kind, x, cfg)
+            parts.setdefault(ours, {})[(i, *index)] = our_tensor(kind, x, cfg)
     params = {"embed": np.asarray(t["model.embed_tokens.weight"], np.float32),
-              "blocks": {name: _stack(p) for name, p in parts.items()},
+              "blocks": {name: stack_parts(p) for name, p in parts.items()},
               "norm": np.asarray(t["model.norm.weight"], np.float32)}
     if not cfg.tie_embeddings:
         params["head"] = np.ascontiguousarray(np.asarray(t["lm_head.weight"], np.float32).T)
     return params
 
 
-def _stack(parts: dict[tuple[int, ...], np.ndarray]) -> np.ndarray:
+def stack_parts(parts: dict[tuple[int, ...], np.ndarray]) -> np.ndarray:
     """Arrays by index (layer[, expert]) → one array with those leading dims."""
     lead = tuple(n + 1 for n in map(max, zip(*parts)))
     first = next(iter(parts.values()))
@@ -168,21 +166,14 @@ def _stack(parts: dict[tuple[int, ...], np.ndarray]) -> np.ndarray:
     return out
 
 
-def config_differences(hf: dict[str, Any], cfg: LlamaConfig) -> list[str]:
+def config_differences(hf: dict[str, Any], cfg: Any) -> list[str]:
     """Each ``model.*`` value the folder's ``config.json`` gives that the run's config
     does not have, and which side to change (a refused key raises)."""
-    theirs = llama_keys.settings(hf, f"model.init_from={cfg.init_from}")
-    return [f"config.json gives model.{k}={_shown(v)} but the run has model.{k}="
-            f"{_shown(getattr(cfg, k))} (drop that override: the folder decides)"
-            for k, v in theirs.items() if getattr(cfg, k) != v]
-
-
-def _shown(value: Any) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
+    return folder_differences(llama_keys.settings(hf, f"model.init_from={cfg.init_from}"), cfg)
 
 
 #: The Hugging Face layouts of jaxpar's Llama family (see :mod:`jaxpar.hf`).
 LAYOUT = Layout(LlamaConfig, "Llama", "LlamaForCausalLM", llama_keys.cannot_hold,
-                llama_keys.hf_config, to_hf, from_hf, config_differences, "llama",
+                llama_keys.hf_config, to_hf, from_hf, config_differences, LLAMA_FAMILY.name,
                 tuple(llama_keys.VARIANTS), llama_keys.settings,
-                lambda cfg: llama_keys.VARIANTS[llama_keys.variant(cfg)])
+                lambda cfg: llama_keys.VARIANTS[llama_keys.variant(cfg)], ("max_seq_len",))

@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxpar.errors import DataError
+from jaxpar.hf.layout import check_keys
 
 #: model_type → (architecture, what it adds to a plain Llama)
 VARIANTS = {
@@ -92,14 +93,7 @@ def settings(hf: dict[str, Any], where: str) -> dict[str, Any]:
     if kind not in VARIANTS:
         raise _refuse(where, f"model_type={kind!r}: the Llama family reads "
                       + ", ".join(VARIANTS))
-    unknown = sorted(k for k in hf if k not in MAPPED | NO_EFFECT | REQUIRED.keys())
-    if unknown:
-        raise _refuse(where, f"key {unknown[0]}={hf[unknown[0]]!r} is not one jaxpar's "
-                      f"{VARIANTS[kind]} reads (it may change the numbers): jaxpar would "
-                      "need to model it; remove it only if it has no effect")
-    for key, (value, why) in REQUIRED.items():
-        if key in hf and hf[key] is not None and hf[key] != value:
-            raise _refuse(where, f"{key}={hf[key]!r}: {why}")
+    check_keys(hf, where, VARIANTS[kind], MAPPED | NO_EFFECT, REQUIRED)
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     out = {

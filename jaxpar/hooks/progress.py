@@ -44,6 +44,9 @@ class Progress(Hook):
         if self.terminal:
             from tqdm import tqdm
 
+            # no monitor thread: the bar is updated every step, and a stop signal that
+            # lands while tqdm starts the thread would be caught there, as a warning
+            tqdm.monitor_interval = 0
             self.bar = tqdm(total=ctx.last_step, initial=ctx.first_step - 1, unit="step",
                             file=sys.stderr, dynamic_ncols=True)
 
