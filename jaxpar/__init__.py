@@ -9,7 +9,8 @@ lists the whole public API:
 * devices, mesh and rules: :func:`setup_devices`, :func:`make_mesh`, :data:`PRESETS`,
   :func:`resolve_rules`, :func:`constrain`, :func:`activation_rules`, :func:`spec_for`
 * a sequence split over devices (context parallelism): :func:`attend`, :func:`positions`,
-  :func:`order`, :func:`restore`, :class:`ContextConfig`
+  :func:`order`, :func:`restore`, :class:`ContextConfig`; documents packed into one
+  sequence: ``attend(..., segments=)``, :func:`document_positions`
 * models: :class:`Task`, :class:`StageSplit`, :class:`Layers`, :class:`Linen` (a Flax
   Linen module as the model), :class:`Family`,
   :class:`ModelConfig`, :func:`register_model`, :func:`task_for` (a built-in model's task),
@@ -38,7 +39,14 @@ signals.guard_imports()
 from jaxpar import guard, integrity, lab, models, pipeline  # noqa: E402
 from jaxpar.checkpoint import CheckpointConfig, Checkpointer
 from jaxpar.config import Config, DistributedConfig, RunConfig, TrainConfig, load_config
-from jaxpar.context import ContextConfig, attend, order, positions, restore
+from jaxpar.context import (
+    ContextConfig,
+    attend,
+    document_positions,
+    order,
+    positions,
+    restore,
+)
 from jaxpar.data.sources import DataConfig
 from jaxpar.distributed import initialize as initialize_distributed
 from jaxpar.errors import (
@@ -81,7 +89,7 @@ from jaxpar.trainer import Trainer
 
 __all__ = [
     "CheckpointConfig", "CheckpointError", "Checkpointer", "Config", "ConfigError",
-    "ContextConfig", "attend", "order", "positions", "restore",
+    "ContextConfig", "attend", "document_positions", "order", "positions", "restore",
     "CorruptCheckpoint", "DataConfig", "DataError", "DistributedConfig", "Family", "Hook",
     "JaxparError", "Layers", "LayoutError", "Linen", "MeshConfig", "ModelConfig", "NonFiniteStop",
     "OptimConfig", "PRESETS", "PathError", "PipelineConfig", "Plan", "Preempted",

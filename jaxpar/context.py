@@ -24,8 +24,14 @@ layer (:func:`order`): cut into 2c chunks, device r holds chunks r and 2c−1−
 Tokens, targets and positions move together; the loss, a mean over tokens, does not see
 the order; a per-token output that leaves the step is put back with :func:`restore`.
 
+Documents packed into one sequence (``data.pack=documents``) pass their segment ids to
+:func:`attend` (``segments=``, in the tokens' order): a query then sees only the keys of
+its own segment, on every strategy (the ids travel with their keys), and
+:func:`document_positions` gives each token's position within its document.
+
 Outside a jaxpar step, or when ``seq`` is not sharded, :func:`attend` is
-``jax.nn.dot_product_attention`` with ``is_causal`` and :func:`order` is the identity.
+``jax.nn.dot_product_attention`` with ``is_causal`` (with an explicit mask for segments or
+a reordered sequence) and :func:`order` is the identity.
 """
 
 from __future__ import annotations
@@ -132,22 +138,37 @@ def restore(x: jax.Array, order_T: np.ndarray, axis: int = 1) -> jax.Array:
     return order(x, np.argsort(order_T), axis)
 
 
+def document_positions(segments_BT: jax.Array) -> jax.Array:
+    """Each token's position within its document [B, T] (0 at every document's first
+    token), from segment ids [B, T] in sequence order (a document's tokens are
+    contiguous and share an id); order the result with :func:`order` as the tokens."""
+    T = segments_BT.shape[1]
+    index = jnp.arange(T, dtype=jnp.int32)
+    new = jnp.concatenate([jnp.ones_like(segments_BT[:, :1], bool),
+                           segments_BT[:, 1:] != segments_BT[:, :-1]], axis=1)
+    first = jax.lax.cummax(jnp.where(new, index, 0), axis=1)
+    return index - first
+
+
 # ---- attention ------------------------------------------------------------------------------
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions_T: np.ndarray | None = None,
-           *, causal: bool = True, implementation: str = "xla", window: int = 0
-           ) -> jax.Array:
+           *, causal: bool = True, implementation: str = "xla", window: int = 0,
+           segments: jax.Array | None = None) -> jax.Array:
     """Multi-head attention of q, k, v [B, T, N, H] whose tokens sit at ``positions_T``
     (their natural order when None): ``jax.nn.dot_product_attention``, across the context
     axis when the active rules split ``seq`` (see the module docstring). With ``window``
     > 0 (causal only: sliding-window attention) a query sees the ``window`` positions
     ending at its own — also across the context axis, where the mask comes from the
-    positions."""
+    positions. With ``segments`` [B, T] (int, in the tokens' order: documents packed
+    into one sequence) a query sees only the keys of its own segment; the segment ids
+    travel with their keys across the context axis."""
     if window and not causal:
         raise ValueError("sliding-window attention is causal here")
     axes = sequence_axes()
     if not axes:
-        if positions_T is not None and not is_natural(positions_T):
-            mask = _visible(jnp.asarray(positions_T), jnp.asarray(positions_T), causal, window)
+        if segments is not None or (positions_T is not None and not is_natural(positions_T)):
+            pos = jnp.asarray(positions_T if positions_T is not None else np.arange(q.shape[1]))
+            mask = _visible(pos, pos, causal, window, segments, segments)
             return jax.nn.dot_product_attention(q, k, v, mask=mask,
                                                 implementation=implementation)
         local = (window - 1, 0) if window else None
@@ -170,31 +191,42 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions_T: np.ndarray | N
     body = functools.partial(run, axes=axes, causal=causal, implementation=implementation,
                              window=window)
     seq_spec = PartitionSpec(spec[1])
-    return jax.shard_map(body, mesh=mesh, in_specs=(spec, kv_spec, kv_spec, seq_spec),
-                         out_specs=spec, check_vma=False)(q, k, v, pos)
+    if segments is None:
+        return jax.shard_map(body, mesh=mesh, in_specs=(spec, kv_spec, kv_spec, seq_spec),
+                             out_specs=spec, check_vma=False)(q, k, v, pos)
+    seg_spec = PartitionSpec(spec[0], spec[1])  # [B, T]: batch and seq as the tokens'
+    return jax.shard_map(body, mesh=mesh,
+                         in_specs=(spec, kv_spec, kv_spec, seq_spec, seg_spec),
+                         out_specs=spec, check_vma=False)(q, k, v, pos, segments)
 
 
-def _visible(pos_q: jax.Array, pos_k: jax.Array, causal: bool, window: int = 0
-             ) -> jax.Array:
+def _visible(pos_q: jax.Array, pos_k: jax.Array, causal: bool, window: int = 0,
+             seg_q: jax.Array | None = None, seg_k: jax.Array | None = None) -> jax.Array:
     """[1, 1, Tq, Tk] True where a query may see a key (within ``window`` positions back
-    when it is > 0)."""
+    when it is > 0); [B, 1, Tq, Tk] with segment ids [B, T] (and only within a segment:
+    within one, the positions' differences are the documents' own)."""
     if not causal:
-        return jnp.ones((1, 1, pos_q.shape[0], pos_k.shape[0]), bool)
-    back = pos_q[:, None] - pos_k[None, :]
-    seen = back >= 0 if not window else (back >= 0) & (back < window)
-    return seen[None, None]
+        seen = jnp.ones((1, 1, pos_q.shape[0], pos_k.shape[0]), bool)
+    else:
+        back = pos_q[:, None] - pos_k[None, :]
+        seen = (back >= 0 if not window else (back >= 0) & (back < window))[None, None]
+    if seg_q is None:
+        return seen
+    return seen & (seg_q[:, None, :, None] == seg_k[:, None, None, :])
 
 
-def _all_gather(q, k, v, pos, *, axes, causal, implementation, window):
+def _all_gather(q, k, v, pos, seg=None, *, axes, causal, implementation, window):
     gather = functools.partial(jax.lax.all_gather, axis_name=axes, tiled=True)
     k_all, v_all, pos_k = gather(k, axis=1), gather(v, axis=1), gather(pos, axis=0)
-    mask = _visible(pos, pos_k, causal, window)
+    seg_k = None if seg is None else gather(seg, axis=1)
+    mask = _visible(pos, pos_k, causal, window, seg, seg_k)
     return jax.nn.dot_product_attention(q, k_all, v_all, mask=mask,
                                         implementation=implementation)
 
 
-def _ring(q, k, v, pos, *, axes, causal, implementation, window):
-    return _ring_attention(q, k, v, pos, axes, degree(), (causal, window), implementation)
+def _ring(q, k, v, pos, seg=None, *, axes, causal, implementation, window):
+    return _ring_attention(q, k, v, pos, seg, axes, degree(), (causal, window),
+                           implementation)
 
 
 def _shift(tree, axes, ways):
@@ -203,21 +235,21 @@ def _shift(tree, axes, ways):
     return jax.tree.map(lambda x: jax.lax.ppermute(x, axes, perm), tree)
 
 
-def _block(q, k, v, pos_q, pos_k, causal, implementation):
+def _block(q, k, v, pos_q, pos_k, causal, implementation, seg_q=None, seg_k=None):
     """One key/value block (``causal`` is the pair ``(causal, window)``): output and
     log-sum-exp [B, T, N], both float32 (the kernel
     returns the log-sum-exp in its inputs' dtype, and the merge weights are its
     exponentials: so the block runs on float32 inputs, through XLA's attention); rows that
     see no key of the block give 0 and −inf."""
     del implementation  # cuDNN's kernel takes no float32 inputs
-    mask = _visible(pos_q, pos_k, *causal)
-    rows = jnp.any(mask, axis=-1)[0, 0]  # [T]
+    mask = _visible(pos_q, pos_k, *causal, seg_q, seg_k)
+    rows = jnp.any(mask, axis=-1)[:, 0]  # [1 or B, T]
     f32 = jnp.float32
     out, lse = jax.nn.dot_product_attention(q.astype(f32), k.astype(f32), v.astype(f32),
                                             mask=mask, return_residual=True,
                                             implementation="xla")
-    out = jnp.where(rows[None, :, None, None], out.astype(jnp.float32), 0.0)
-    lse = jnp.where(rows[None, :, None], lse.astype(jnp.float32), -jnp.inf)
+    out = jnp.where(rows[:, :, None, None], out.astype(jnp.float32), 0.0)
+    lse = jnp.where(rows[:, :, None], lse.astype(jnp.float32), -jnp.inf)
     return out, lse
 
 
@@ -232,47 +264,49 @@ def _merge(out, lse, out_b, lse_b):
     return out, jnp.where(total > 0, top + jnp.log(safe), -jnp.inf)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _ring_attention(q, k, v, pos, axes, ways, causal, implementation):
-    # causal: the pair (causal, window) that _visible takes (hashable: a nondiff argument)
-    return _ring_forward(q, k, v, pos, axes, ways, causal, implementation)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _ring_attention(q, k, v, pos, seg, axes, ways, causal, implementation):
+    # causal: the pair (causal, window) that _visible takes (hashable: a nondiff argument);
+    # seg: the queries' segment ids [B, T], or None
+    return _ring_forward(q, k, v, pos, seg, axes, ways, causal, implementation)[0]
 
 
-def _ring_forward(q, k, v, pos, axes, ways, causal, implementation):
+def _ring_forward(q, k, v, pos, seg, axes, ways, causal, implementation):
     B, T, N, _ = q.shape
     out, lse = jnp.zeros(q.shape, jnp.float32), jnp.full((B, T, N), -jnp.inf, jnp.float32)
-    block = (k, v, pos)
+    block = (k, v, pos, seg)  # a block's segment ids travel with its keys
     for step in range(ways):
-        kb, vb, pb = block
+        kb, vb, pb, sb = block
         seen = _visible(pos, pb, *causal).any() if causal[0] else True
         out_b, lse_b = jax.lax.cond(
-            seen, lambda q, kb, vb, pb: _block(q, kb, vb, pos, pb, causal, implementation),
-            lambda q, kb, vb, pb: (jnp.zeros(q.shape, jnp.float32),
-                                   jnp.full((B, T, N), -jnp.inf, jnp.float32)),
-            q, kb, vb, pb)
+            seen, lambda q, kb, vb, pb, sb: _block(q, kb, vb, pos, pb, causal,
+                                                   implementation, seg, sb),
+            lambda q, kb, vb, pb, sb: (jnp.zeros(q.shape, jnp.float32),
+                                       jnp.full((B, T, N), -jnp.inf, jnp.float32)),
+            q, kb, vb, pb, sb)
         out, lse = _merge(out, lse, out_b, lse_b)
         if step < ways - 1:
             block = _shift(block, axes, ways)
     return out.astype(q.dtype), lse
 
 
-def _ring_fwd(q, k, v, pos, axes, ways, causal, implementation):
-    out, lse = _ring_forward(q, k, v, pos, axes, ways, causal, implementation)
-    return out, (q, k, v, pos, out, lse)
+def _ring_fwd(q, k, v, pos, seg, axes, ways, causal, implementation):
+    out, lse = _ring_forward(q, k, v, pos, seg, axes, ways, causal, implementation)
+    return out, (q, k, v, pos, seg, out, lse)
 
 
 def _ring_bwd(axes, ways, causal, implementation, residuals, d_out):
     """Flash attention's backward, block by block round the ring: each block's dK and dV
     travel with it and arrive home after the last step."""
-    q, k, v, pos, out, lse = residuals
+    q, k, v, pos, seg, out, lse = residuals
     scale = 1.0 / math.sqrt(q.shape[-1])
     f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
     qf, do = f32(q), f32(d_out)
     delta = jnp.einsum("btnh,btnh->bnt", do, f32(out))[..., None]  # [B, N, T, 1]
     lse_n = jnp.where(jnp.isfinite(lse), lse, jnp.inf).transpose(0, 2, 1)[..., None]
 
-    def grads(kb, vb, pb):
-        mask = _visible(pos, pb, *causal)
+    def grads(kb, vb, pb, sb):
+        mask = _visible(pos, pb, *causal, seg, sb)
         s = jnp.einsum("btnh,bsnh->bnts", qf, f32(kb)) * scale
         p = jnp.where(mask, jnp.exp(s - lse_n), 0.0)
         dv = jnp.einsum("bnts,btnh->bsnh", p, do)
@@ -280,22 +314,23 @@ def _ring_bwd(axes, ways, causal, implementation, residuals, d_out):
         return (jnp.einsum("bnts,bsnh->btnh", ds, f32(kb)) * scale,
                 jnp.einsum("bnts,btnh->bsnh", ds, qf) * scale, dv)
 
-    def nothing(kb, vb, pb):
+    def nothing(kb, vb, pb, sb):
         return jnp.zeros(q.shape, jnp.float32), jnp.zeros(kb.shape, jnp.float32), \
             jnp.zeros(vb.shape, jnp.float32)
 
     dq = jnp.zeros(q.shape, jnp.float32)
-    block, dkv = (k, v, pos), (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    block = (k, v, pos, seg)
+    dkv = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     for step in range(ways):
-        kb, vb, pb = block
+        kb, vb, pb, sb = block
         seen = _visible(pos, pb, *causal).any() if causal[0] else True
-        dq_b, dk_b, dv_b = jax.lax.cond(seen, grads, nothing, kb, vb, pb)
+        dq_b, dk_b, dv_b = jax.lax.cond(seen, grads, nothing, kb, vb, pb, sb)
         dq = dq + dq_b
         dkv = (dkv[0] + dk_b, dkv[1] + dv_b)
         dkv = _shift(dkv, axes, ways)  # a block's gradients travel with it, and home last
         if step < ways - 1:
             block = _shift(block, axes, ways)
-    return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None
+    return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None, None
 
 
 _ring_attention.defvjp(_ring_fwd, _ring_bwd)

@@ -36,7 +36,7 @@ from jaxpar.pipeline.executor import advance_counts, pipeline_eval, pipeline_gra
 from jaxpar.pipeline.ticks import TickTable
 from jaxpar.sharding import named
 from jaxpar.state import TrainState
-from jaxpar.task import Batch, LossFn, StageSplit, split_microbatches
+from jaxpar.task import Batch, LossFn, StageSplit, loss_weights, split_microbatches
 
 
 class Strategy(Protocol):
@@ -61,26 +61,29 @@ class Strategy(Protocol):
 class Traced:
     """A strategy that runs inside one jitted program over the whole mesh — every one
     here: the train step is ``update`` composed with its loss and gradients, in one
-    ``jit`` whose in/out shardings are the state's (the state donated)."""
+    ``jit`` whose in/out shardings are the state's (the state donated). Each program
+    first weighs a ``loss_mask`` over the whole batch (:func:`jaxpar.task.loss_weights`),
+    before the strategy splits it."""
 
     def build_step(self, update: Any, shardings: TrainState) -> Callable:
         """``(state, batch) -> (state, metrics)``: ``update`` (:class:`jaxpar.update.Update`)
         after this strategy's loss and gradients."""
-        return jax.jit(lambda s, b: update(s, *self(s.params, s.model_state, b)),
+        return jax.jit(lambda s, b: update(s, *self(s.params, s.model_state,
+                                                    loss_weights(b))),
                        in_shardings=(shardings, None), out_shardings=(shardings, None),
                        donate_argnums=0)
 
     def build_eval(self, shardings: TrainState) -> Callable:
         """``(params, model_state, batch) -> {"loss": …, **metrics}`` in evaluation mode."""
         def evaluate(params, model_state, batch):
-            loss, aux = self.evaluate(params, model_state, batch)
+            loss, aux = self.evaluate(params, model_state, loss_weights(batch))
             return {"loss": loss, **aux}
 
         return jax.jit(evaluate, in_shardings=(shardings.params, shardings.model_state, None))
 
     def build_grads(self, shardings: TrainState) -> Callable:
         """``(params, batch, model_state) -> (loss, metrics, grads)`` as the step has them."""
-        return jax.jit(lambda p, b, s: self(p, s, b)[:3],
+        return jax.jit(lambda p, b, s: self(p, s, loss_weights(b))[:3],
                        in_shardings=(shardings.params, None, shardings.model_state))
 
     def build_init(self, create: Callable[[], TrainState], shardings: TrainState
@@ -105,6 +108,7 @@ class ModelLoss:
         batch statistics, updating its running averages) or evaluation mode
         (``model.eval()``), with the activation rules of ``mesh``/``rules``.
         """
+        batch = loss_weights(batch)  # a whole batch (the programs weigh theirs first)
         model = nnx.merge(self.graphdef, params, model_state)
         model.train() if train else model.eval()
         with activation_rules(mesh, rules, self.context):

@@ -26,7 +26,8 @@ from jaxpar.data.task_data import task_data
 from jaxpar.errors import TaskError
 from jaxpar.logical import activation_rules
 from jaxpar.mesh import make_mesh, select_devices
-from jaxpar.models.family import Family
+from jaxpar.model_section import model_settings
+from jaxpar.models.family import Family, ModelConfig
 from jaxpar.optim import decay_mask, make_optimizer
 from jaxpar.plan import Plan, abstract_model, global_batch_shapes, make_plan
 from jaxpar.state import TrainState
@@ -76,7 +77,9 @@ def build(config: Config, task: Task | None = None,
     family = None
     if task is None:
         family = config.family
-        task, data = _family_task(config)
+        data, model = _data_and_model(config)
+        config = dataclasses.replace(config, model=model)  # run dir and checkpoints hold it
+        task = _family_task(config, data)
     else:
         data = task_data(task, config.run.seed) or _config_data(config, task)
     tx, model = optimizer or task.optimizer, abstract_model(task)
@@ -101,18 +104,45 @@ def task_for(config: Config) -> Task:
     Raises:
       ConfigError, DataError: for a model or data setting that does not fit.
     """
-    return _family_task(config)[0]
+    data, model = _data_and_model(config)
+    return _family_task(dataclasses.replace(config, model=model), data)
 
 
-def _family_task(config: Config) -> tuple[Task, Data]:
-    """The family's task and the config's data it reads."""
-    family, model = config.family, config.model
-    data = load_data(config.data, family.needs(model), config.run.seed)
-    task = family.task(model, data)
-    init_params = hf.init_params_for(model)  # model.init_from: Hugging Face weights
+def _data_and_model(config: Config) -> tuple[Data, ModelConfig]:
+    """The config's data, and the model section sized for it: without a given
+    ``model.vocab_size``, a language model whose data (``data.path``, ``data.mixture``)
+    holds more ids than the family's default takes the data's vocabulary (plus the ids
+    the family keeps beyond the data's, e.g. BERT's mask token)."""
+    model = config.model
+    needs = config.family.needs(model)
+    free = needs.kind == "text" and needs.vocab_size is not None and _vocab_from_data(config)
+    loaded = dataclasses.replace(needs, vocab_size=None) if free else needs
+    data = load_data(config.data, loaded, config.run.seed)
+    if not free or data.vocab_size <= needs.vocab_size:
+        return data, model
+    sized = dataclasses.replace(model, vocab_size=model.vocab_size - needs.vocab_size
+                                + data.vocab_size)
+    object.__setattr__(sized, "given", model.given)  # as merge_model keeps it
+    return data, sized
+
+
+def _vocab_from_data(config: Config) -> bool:
+    """Whether the data decides the vocabulary: a family with ``model.vocab_size`` the
+    config did not give, reading a path or a mixture (the built-in and synthetic data are
+    what the family's default is sized for)."""
+    model, data = config.model, config.data
+    return ("vocab_size" in {f.name for f in dataclasses.fields(model)}
+            and "vocab_size" not in model_settings(model) and data.dataset == "auto"
+            and bool(data.path or data.mixture))
+
+
+def _family_task(config: Config, data: Data) -> Task:
+    """The family's task for the config's data."""
+    task = config.family.task(config.model, data)
+    init_params = hf.init_params_for(config.model)  # model.init_from: Hugging Face weights
     if init_params is not None:
         task = dataclasses.replace(task, init_params=init_params)
-    return task, data
+    return task
 
 
 def _config_data(config: Config, task: Task) -> Data:

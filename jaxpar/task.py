@@ -223,6 +223,12 @@ class DataNeeds:
     #: text examples also carry ``index``, their window's position in the split (a stable
     #: id: per-example randomness keyed by it does not depend on how a batch is sharded)
     example_ids: bool = False
+    #: the model keeps attention within each packed document (``data.pack=documents``:
+    #: text examples also carry ``segments``)
+    documents: bool = False
+    #: the model's loss weighs targets by the examples' ``loss_mask`` (fine-tuning
+    #: records: :func:`loss_weights`)
+    loss_mask: bool = False
 
 
 def stage_output(out: Any) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
@@ -241,3 +247,22 @@ def split_microbatches(x: jax.Array, k: int) -> jax.Array:
     the batch sharding of B.
     """
     return jnp.moveaxis(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 1, 0)
+
+
+def loss_weights(batch: Batch) -> Batch:
+    """``batch`` with its ``loss_mask`` [B, T+1] (target ``t`` counts where it is 1)
+    turned into ``loss_weights`` [B, T+1] float32: the mask times (targets in the batch /
+    targets that count; no scaling when none counts).
+
+    Computed once on the global batch, before a strategy splits it, so that the mean of
+    ``loss_weights × per-token loss`` over any equal share of the targets (a microbatch,
+    a device's rows or sequence chunk, a stage's microbatch), averaged over the shares,
+    is the mean over the whole batch's counted targets. Without ``loss_mask``: ``batch``
+    itself (a batch already weighed passes through).
+    """
+    if "loss_mask" not in batch:
+        return batch
+    out = dict(batch)
+    mask = out.pop("loss_mask")[:, 1:].astype(jnp.float32)
+    scale = mask.size / jnp.maximum(mask.sum(), 1.0)
+    return out | {"loss_weights": jnp.pad(mask * scale, ((0, 0), (1, 0)))}

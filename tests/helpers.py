@@ -112,3 +112,20 @@ def decode_stepwise(model, tokens, prompt: int):
         logits, cache = decode(tokens[:, i:i + 1], cache, jnp.int32(i))
         rows.append(logits)
     return jnp.concatenate(rows, 1)
+
+
+def train_bpe(texts: list[str], path: Path, vocab_size: int = 300,
+              special_tokens: tuple[str, ...] = ()) -> Path:
+    """A byte-level BPE tokenizer trained here on ``texts`` (nothing downloaded), saved
+    to ``path``; needs ``tokenizers``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                  special_tokens=list(special_tokens),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    tok.save(str(path))
+    return path

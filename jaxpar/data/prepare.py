@@ -42,6 +42,7 @@ from jaxpar.data.tokenizers import (
     Separators,
     Tokenizer,
     describe_separators,
+    encode_batches,
     load_hf,
     load_tokenizer,
     separators,
@@ -80,11 +81,12 @@ def _entry(doc: Document, start: int, end: int) -> dict[str, Any]:
 
 
 def _encode_stream(docs: Iterable[Document | tuple[str, bytes]], tok: Tokenizer,
-                   seps: Separators) -> Iterator[tuple[np.ndarray, dict]]:
+                   seps: Separators, progress: bool | None = False
+                   ) -> Iterator[tuple[np.ndarray, dict]]:
     """Each document's stored ids and its metadata entry, offsets counted across documents."""
     dtype, start = token_dtype(tok.vocab_size), 0
-    for doc in (Document(*d) for d in docs):
-        ids = seps.wrap(tok.encode(doc.data, doc.name))
+    for doc, ids in encode_batches((Document(*d) for d in docs), tok, progress):
+        ids = seps.wrap(ids)
         assert ids.size == 0 or int(ids.max()) < tok.vocab_size, (doc.source, int(ids.max()))
         _check_length(doc, ids.size)
         yield ids.astype(dtype), _entry(doc, start, start + ids.size)
@@ -166,8 +168,9 @@ def prepare_data(inputs: Iterable[str | os.PathLike], out: str | os.PathLike,
     """Tokenize local files, folders and globs (text and records) into ``out`` and
     ``out + ".json"``.
 
-    Files are read and encoded one at a time and the ids streamed to disk, so memory holds
-    one document, not the corpus. The token file is written under a temporary name and
+    Documents are read and encoded a batch (``BATCH_BYTES`` of text) at a time, on every
+    thread of the tokenizer library, and the ids streamed to disk, so memory holds a batch,
+    not the corpus; a progress bar shows on a terminal. The token file is written under a temporary name and
     renamed, and the metadata written last, so a crash never leaves a valid-looking pair.
 
     Args:
@@ -218,7 +221,7 @@ def _write_tokens(tmp: Path, docs: Iterable[Document], tok: Tokenizer, seps: Sep
     """Stream the ids of ``docs`` into ``tmp``; their metadata entries."""
     documents = []
     with open(tmp, "wb") as f:
-        for ids, entry in _encode_stream(docs, tok, seps):
+        for ids, entry in _encode_stream(docs, tok, seps, progress=None):
             ids.tofile(f)  # already little-endian: the dtype says so explicitly
             documents.append(entry)
     return documents

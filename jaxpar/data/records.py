@@ -127,6 +127,45 @@ def read_documents(files: Iterable[Path], text_key: str = TEXT_KEY) -> Iterator[
             raise DataError(f"'{path}' holds no records; add records or leave it out")
 
 
+def read_records(files: Iterable[Path]) -> Iterator[tuple[str, int, dict[str, Any]]]:
+    """Each record of ``files`` whole: ``(its file, its index in the file, the record)``
+    (fine-tuning records, whose fields a layout reads: :mod:`jaxpar.data.finetune`).
+
+    Raises:
+      DataError: as :func:`read_documents`, and for a text file (it holds no records).
+    """
+    for path in files:
+        kind = kind_of(path)
+        if kind == "text":
+            raise DataError(f"'{path}' is a text file, not records; fine-tuning records "
+                            "are JSON Lines, Parquet or Arrow")
+        count = 0
+        for count, record in enumerate(_RECORD_READERS[kind](path), 1):
+            yield str(path), count - 1, record
+        if count == 0:
+            raise DataError(f"'{path}' holds no records; add records or leave it out")
+
+
+def _jsonl_records(path: Path, compressed: bool = False) -> Iterator[dict[str, Any]]:
+    opener, what = (gzip.open, "gzip") if compressed else (open, "JSON Lines")
+    with _readable(path, what), opener(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                yield _parse_line(line, f"{path}:{number}")
+
+
+def _table_records(path: Path) -> Iterator[dict[str, Any]]:
+    pa = _pyarrow(path)
+    if kind_of(path) == "parquet":
+        with _arrow_errors(pa, path, "Parquet"):
+            for batch in pa.parquet.ParquetFile(path).iter_batches(batch_size=_BATCH_ROWS):
+                yield from batch.to_pylist()
+        return
+    with _arrow_errors(pa, path, "Arrow"), pa.memory_map(str(path)) as source:
+        opened = (pa.ipc.open_file if _read(path, 6) == b"ARROW1" else pa.ipc.open_stream)
+        yield from opened(source).read_all().to_pylist()
+
+
 # ---------------------------------------------------------------- JSON Lines
 
 
@@ -273,3 +312,6 @@ def _texts(column: Any, key: str, path: Path, first: int) -> list[str | None]:
 
 _READERS = {"jsonl": _jsonl, "jsonl.gz": functools.partial(_jsonl, compressed=True),
             "parquet": _parquet, "arrow": _arrow}
+_RECORD_READERS = {"jsonl": _jsonl_records,
+                   "jsonl.gz": functools.partial(_jsonl_records, compressed=True),
+                   "parquet": _table_records, "arrow": _table_records}

@@ -16,6 +16,7 @@ images split by index after one fixed shuffle (seed 0, the same for every run).
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,8 @@ import jax
 import numpy as np
 from pydantic import Field, field_validator
 
+from jaxpar.data import mixture as mix
+from jaxpar.data.finetune import open_mask
 from jaxpar.data.inputs import find_inputs
 from jaxpar.data.loader import ArrayExamples, Loader, TokenWindows, fixed_batches
 from jaxpar.data.prepare import (
@@ -38,12 +41,16 @@ from jaxpar.data.prepare import (
     tokenizer_of,
 )
 from jaxpar.data.records import TEXT_KEY, read_documents
+from jaxpar.data.windows import document_starts
 from jaxpar.errors import ConfigError, DataError
 from jaxpar.schema import Float, section
 from jaxpar.task import DataNeeds
 
 #: ``data.dataset`` values (see the module docstring).
 Dataset = Literal["auto", "digits", "synthetic"]
+#: ``data.pack`` values: windows cut across documents (``concat``), or with attention and
+#: positions kept within each document (``documents``; docs/data.md).
+Pack = Literal["concat", "documents"]
 
 
 @section("data")
@@ -55,6 +62,11 @@ class DataConfig:
                       "(a file, folder or glob, read as byte tokens) for language models, an "
                       ".npz with images (N,H,W[,C]) and labels (N,) for classifiers; empty: "
                       "the built-in data (Python's pydoc_data.topics text; synthetic images)")
+    mixture: mix.Setting = Field(None, json_schema_extra={"type": "list of path:weight"},
+                                 description="several text sources (each as data.path takes "
+                                 "it) mixed by weight, instead of data.path: a YAML list of "
+                                 "{path, weight}, or path:weight,path:weight on the command "
+                                 "line (docs/data.md, Mixtures)")
     text_key: str = Field(TEXT_KEY, min_length=1, description="the field of each record "
                           "that holds its text (records in data.path)")
     dataset: Dataset = Field("auto", description="auto (path or the built-in data), digits "
@@ -62,6 +74,9 @@ class DataConfig:
                              "template images of num_examples examples, for benchmarks)")
     seq_len: int = Field(128, ge=1, le=2**24, description="tokens per example (language "
                          "models)")
+    pack: Pack = Field("concat", description="concat: windows cut from the token stream; "
+                       "documents: the same windows, each token attending only within its "
+                       "own document, positions restarting at each (language models)")
     eval_fraction: Float = Field(0.1, description="the held-out share, in (0, 1)")
     image_size: int = Field(8, ge=1, le=2**16, description="height and width of synthetic "
                             "images")
@@ -93,12 +108,15 @@ class Data:
     """
 
     name: str
-    train: TokenWindows | ArrayExamples
-    eval: TokenWindows | ArrayExamples
+    train: TokenWindows | ArrayExamples | mix.Mixed
+    eval: TokenWindows | ArrayExamples | mix.Mixed
     seed: int
     vocab_size: int | None = None
     image_shape: tuple[int, int, int] | None = None
     seq_len: int = 0
+    pack: str = "concat"
+    #: examples carry ``loss_mask`` (a token file of fine-tuning records)
+    loss_mask: bool = False
     _streams: dict[int, Loader] = field(default_factory=dict, repr=False)
     has_eval = True
     _eval: dict[int, list[dict[str, np.ndarray]]] = field(default_factory=dict, repr=False)
@@ -106,7 +124,8 @@ class Data:
     def loader(self, batch_size: int, cfg: DataConfig | None = None) -> Loader:
         """A fresh training stream of global batches of ``batch_size`` rows (this process's)."""
         cfg = cfg or DataConfig()
-        return Loader(self.train, global_batch_size=batch_size, seed=self.seed,
+        make = mix.MixtureLoader if isinstance(self.train, mix.Mixed) else Loader
+        return make(self.train, global_batch_size=batch_size, seed=self.seed,
                       process_index=jax.process_index(), process_count=jax.process_count(),
                       threads=cfg.threads, prefetch=cfg.prefetch, workers=cfg.workers)
 
@@ -136,15 +155,19 @@ def text_data(tf: TokenFile, cfg: DataConfig, vocab_size: int | None, seed: int,
     vocabulary checked against ``vocab_size`` unless it is None; ``example_ids``: each
     window also carries its ``index``)."""
     check_vocab(tf, vocab_size)  # also the ids a token file holds, when it is opened
+    starts = document_starts(tf.documents) if cfg.pack == "documents" else None
+    mask = open_mask(tf)
     n = tf.num_tokens
     cut = _cut(n, cfg.eval_fraction, f"text '{tf.name}'")
     shortest = min(cut, n - cut)
     if cfg.seq_len + 1 > shortest:
         raise DataError(f"data.seq_len={cfg.seq_len} is longer than the {shortest}-token split "
                         f"of '{tf.name}'; lower data.seq_len or use more text")
-    return Data(tf.name, TokenWindows(tf.tokens, cfg.seq_len, 0, cut, example_ids),
-                TokenWindows(tf.tokens, cfg.seq_len, cut, n, example_ids), seed,
-                vocab_size=tf.vocab_size, seq_len=cfg.seq_len)
+    return Data(tf.name, TokenWindows(tf.tokens, cfg.seq_len, 0, cut, example_ids, starts,
+                                      mask),
+                TokenWindows(tf.tokens, cfg.seq_len, cut, n, example_ids, starts, mask), seed,
+                vocab_size=tf.vocab_size, seq_len=cfg.seq_len, pack=cfg.pack,
+                loss_mask=mask is not None)
 
 
 def image_data(images: np.ndarray, labels: np.ndarray, cfg: DataConfig, seed: int,
@@ -259,8 +282,9 @@ def text_tokenizer(cfg: DataConfig) -> Tokenizer:
     if cfg.dataset == "synthetic":
         raise DataError("the run trained on data.dataset=synthetic: random token ids "
                         "without text; train on text (data.path=… or the built-in corpus)")
-    if cfg.path and _is_token_file(Path(cfg.path)):
-        return tokenizer_of(open_tokens(cfg.path))
+    path = cfg.mixture[0][0] if cfg.mixture else cfg.path  # a mixture's sources share one
+    if path and _is_token_file(Path(path)):
+        return tokenizer_of(open_tokens(path))
     return ByteTokenizer()
 
 
@@ -270,9 +294,54 @@ def needs_of_batch(batch_keys: Any) -> DataNeeds | None:
     keys = set(batch_keys)
     if keys == {"tokens"}:
         return DataNeeds("text")
+    if keys == {"tokens", "segments"}:
+        return DataNeeds("text", documents=True)
     if keys == {"images", "labels"}:
         return DataNeeds("images")
     return None
+
+
+def _masks_fit(data: Data, needs: DataNeeds) -> Data:
+    if data.loss_mask and not needs.loss_mask:
+        raise DataError(f"'{data.name}' holds fine-tuning records with a loss mask, which "
+                        "this model does not train on; use a gpt or llama model, or prepare "
+                        "the data without --records")
+    return data
+
+
+def _mixture_source(cfg: DataConfig, index: int, path: str) -> TokenFile:
+    """Source ``index`` of ``data.mixture``, read as ``data.path`` reads a path."""
+    if not (Path(path).exists() or glob.has_magic(path)):
+        raise DataError(f"data.mixture entry {index + 1} '{path}' does not exist; fix the "
+                        "path or drop the entry")
+    one = dataclasses.replace(cfg, path=path, mixture=None)
+    _check_path(one, True)
+    return _text_file(one)
+
+
+def mixture_data(cfg: DataConfig, needs: DataNeeds, seed: int) -> Data:
+    """``data.mixture``: each source split as :func:`text_data` splits one, and the splits
+    mixed by weight (:mod:`jaxpar.data.mixture`).
+
+    Raises:
+      DataError: a mixture for a classifier or beside ``data.path``/``data.dataset``, a
+        missing source, sources of different tokenizers — one line naming the entry.
+    """
+    if needs.kind != "text" or cfg.path or cfg.dataset != "auto":
+        raise DataError("data.mixture mixes text sources for a language model; unset "
+                        "data.path and data.dataset (or unset data.mixture)")
+    paths = [path for path, _ in cfg.mixture]
+    files = [_mixture_source(cfg, i, path) for i, path in enumerate(paths)]
+    mix.check_tokenizers(paths, [tf.meta.get("tokenizer") for tf in files])
+    parts = [_masks_fit(text_data(tf, cfg, needs.vocab_size, seed, needs.example_ids), needs)
+             for tf in files]
+    if len({p.loss_mask for p in parts}) > 1:
+        raise DataError("data.mixture mixes token files with and without a loss mask "
+                        "(prepare-data --records); prepare every source the same way")
+    train, held_out = mix.mix_splits(cfg.mixture, [p.train for p in parts],
+                                     [p.eval for p in parts], seed)
+    return dataclasses.replace(parts[0], name=" + ".join(train.names), train=train,
+                               eval=held_out, vocab_size=max(tf.vocab_size for tf in files))
 
 
 def load_data(cfg: DataConfig, needs: DataNeeds, seed: int) -> Data:
@@ -283,8 +352,13 @@ def load_data(cfg: DataConfig, needs: DataNeeds, seed: int) -> Data:
         empty corpus, a sequence longer than the text, a vocabulary larger than the model's
         or labels outside ``model.num_classes`` — each naming the file or key.
     """
+    if cfg.mixture:
+        return mixture_data(cfg, needs, seed)
     is_text = needs.kind == "text"
     vocab, classes = needs.vocab_size, needs.num_classes
+    if is_text and cfg.pack == "documents" and not needs.documents:
+        raise DataError("data.pack=documents: this model does not keep attention within "
+                        "documents; set data.pack=concat")
     path = Path(cfg.path) if cfg.path else None
     if cfg.dataset != "auto" and path is not None:
         raise DataError(f"data.path '{cfg.path}' and data.dataset={cfg.dataset} both name "
@@ -307,7 +381,7 @@ def load_data(cfg: DataConfig, needs: DataNeeds, seed: int) -> Data:
             raise DataError(f"data.path '{cfg.path}' is an image set; a language model needs "
                             "text")
         tf = _text_file(cfg) if path else builtin_corpus()
-        return text_data(tf, cfg, vocab, seed, needs.example_ids)
+        return _masks_fit(text_data(tf, cfg, vocab, seed, needs.example_ids), needs)
     if path is None:
         images, labels = synthetic_images(cfg.num_examples, cfg.image_size, classes or 10,
                                           channels=cfg.channels)

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+from tqdm import tqdm
 
 from jaxpar.errors import DataError
 
@@ -58,13 +60,16 @@ class HFTokenizer:
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size()
 
-    def encode(self, data: bytes, source: str) -> np.ndarray:
+    def _text(self, data: bytes, source: str) -> str:
         try:
-            text = data.decode("utf-8")
+            return data.decode("utf-8")
         except UnicodeDecodeError as err:
             raise DataError(f"input '{source}' is not UTF-8 text ({err}); the tokenizer "
                             f"'{self.file}' needs UTF-8, so convert the file or use "
                             "--tokenizer byte") from None
+
+    def encode(self, data: bytes, source: str) -> np.ndarray:
+        text = self._text(data, source)
         # Special tokens come from ``separators``, chosen once, not from the post-processor.
         try:
             encoding = self.tokenizer.encode(text, add_special_tokens=False)
@@ -72,6 +77,15 @@ class HFTokenizer:
             raise DataError(f"tokenizer '{self.file}' cannot encode '{source}' ({err}); "
                             "use a tokenizer that covers its text") from None
         return np.asarray(encoding.ids, np.int64)
+
+    def encode_many(self, datas: list[bytes], sources: list[str]) -> list[np.ndarray]:
+        """The ids of several documents: the library's ``encode_batch``, on all its threads."""
+        texts = [self._text(d, s) for d, s in zip(datas, sources)]
+        try:
+            encodings = self.tokenizer.encode_batch(texts, add_special_tokens=False)
+        except Exception:  # noqa: BLE001 — encode one by one to name the document
+            return [self.encode(d, s) for d, s in zip(datas, sources)]
+        return [np.asarray(e.ids, np.int64) for e in encodings]
 
     def decode(self, ids: np.ndarray) -> str:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
@@ -118,6 +132,36 @@ def load_tokenizer(spec: str | Tokenizer) -> Tokenizer:
                         "JSON file; pass --tokenizer byte or the path of a tokenizer.json")
     path = path.absolute()
     return load_hf(str(path), sha256_of(path))
+
+
+#: text encoded together (a batch): enough for every thread, little memory
+BATCH_BYTES = 4 * 2**20
+
+
+def _encode_batch(tok: Tokenizer, docs: list[Any]) -> list[np.ndarray]:
+    many = getattr(tok, "encode_many", None)
+    if many is None:
+        return [tok.encode(d.data, d.name) for d in docs]
+    return many([d.data for d in docs], [d.name for d in docs])
+
+
+def encode_batches(docs: Iterable[Any], tok: Tokenizer, progress: bool | None = False
+                   ) -> Iterator[tuple[Any, np.ndarray]]:
+    """Each document (``.data``: its bytes, ``.name``) with its ids, encoded in batches of
+    about :data:`BATCH_BYTES` of text (a Hugging Face tokenizer's ``encode_batch``);
+    ``progress``: a bar of the text encoded (None: when stderr is a terminal)."""
+    off = {False: True, None: None, True: False}[progress]  # tqdm's `disable`
+    with tqdm(unit="B", unit_scale=True, desc="tokenizing", disable=off, leave=False) as bar:
+        batch, size = [], 0
+        for doc in docs:
+            batch.append(doc)
+            size += len(doc.data)
+            if size >= BATCH_BYTES:
+                yield from zip(batch, _encode_batch(tok, batch))
+                bar.update(size)
+                batch, size = [], 0
+        yield from zip(batch, _encode_batch(tok, batch))
+        bar.update(size)
 
 
 #: end-of-text tokens, most specific first: GPT-2 and Qwen, Llama 3, Llama 2 and Mistral, Gemma

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from jaxpar.data.mixture import tokens_by_source
 from jaxpar.errors import ConfigError, NonFiniteStop, TooManySkipped
 from jaxpar.hooks.base import Context, Hook
 
@@ -20,7 +21,8 @@ class MetricsLog(Hook):
     A train row holds the step's metrics, ``time`` (seconds since the loop started),
     ``step_time_s`` (mean over the interval since the last row, evaluation and checkpoint
     time left out: see :meth:`Context.pause`), ``examples_per_s``,
-    ``tokens_per_s`` and ``tokens`` (tokens seen) for sequence tasks, and ``data_wait``
+    ``tokens_per_s`` and ``tokens`` (tokens seen) for sequence tasks (for a mixture also
+    ``tokens/<source>``, each source's share of them), and ``data_wait``
     (the share of the interval spent waiting for the data). An eval row holds ``step``,
     ``time``, the ``eval_*`` metrics and ``eval_time_s``.
     """
@@ -54,6 +56,7 @@ class MetricsLog(Hook):
         if per_example:
             row["tokens_per_s"] = batch * per_example / dt
             row["tokens"] = step * batch * per_example
+            row.update(tokens_by_source(ctx.run.data, step * batch, per_example))
         if self.wait is not None:
             row["data_wait"] = self.wait.fraction(interval, steps, ctx.config)
         self._write(ctx, row)

@@ -40,6 +40,7 @@ from jaxpar.models.transformer import (
     RESIDUAL,
     Attention,
     Blocks,
+    Documents,
     Remat,
     TransformerLab,
     attention_implementation,
@@ -49,9 +50,14 @@ from jaxpar.models.transformer import (
     const,
     kv_cache,
     layer_norm,
+    lm_batch_axes,
+    lm_documents,
     lm_sequence,
+    lm_weights,
+    masks_loss,
     mlp,
     next_token_loss,
+    packs_documents,
     param,
     qkv,
     refuse_init_from,
@@ -114,10 +120,12 @@ class GPT(nnx.Module):
         if not cfg.tie_embeddings:
             self.head = param(rngs.params(), (D, V), ("embed", "vocab"), 0.02)
 
-    def __call__(self, tokens_BT: jax.Array, positions_T: np.ndarray | None = None
-                 ) -> jax.Array:
+    def __call__(self, tokens_BT: jax.Array, positions_T: np.ndarray | None = None,
+                 documents: Documents | None = None) -> jax.Array:
         """Logits [B, T, V] (float32) of tokens [B, T] at ``positions_T`` (0 … T-1 when
-        None; a context-parallel layout runs them in its balanced order).
+        None; a context-parallel layout runs them in its balanced order); ``documents``:
+        packed documents (:func:`~jaxpar.models.transformer.lm_documents`), each token
+        attending within its own, at its position within it.
 
         A tied table is read once for the lookup and the head, as one gathered copy per
         batch shard, W[G, V, D] with G over the ``batch`` axes (each device holds one copy,
@@ -126,8 +134,8 @@ class GPT(nnx.Module):
         each where it is computed: one table-sized all-reduce more per step.
         """
         tables_GVD = self._tables_per_batch_shard() if self.cfg.tie_embeddings else None
-        x_BTD = self.embed_tokens(tokens_BT, tables_GVD, positions_T)
-        return self.logits(self.run_blocks(x_BTD, positions_T), tables_GVD)
+        x_BTD = self.embed_tokens(tokens_BT, tables_GVD, positions_T, documents)
+        return self.logits(self.run_blocks(x_BTD, positions_T, documents), tables_GVD)
 
     def _tables_per_batch_shard(self) -> jax.Array:
         table_VD = self.table()
@@ -135,10 +143,12 @@ class GPT(nnx.Module):
         return constrain(tables_GVD, ("batch", None, None))
 
     def embed_tokens(self, tokens_BT: jax.Array, tables_GVD: jax.Array | None = None,
-                     positions_T: np.ndarray | None = None) -> jax.Array:
+                     positions_T: np.ndarray | None = None,
+                     documents: Documents | None = None) -> jax.Array:
         """Token (+ learned position) embeddings [B, T, D] in the compute dtype; rows of
         ``tables_GVD`` (one table per batch shard, see ``__call__``) when given; the
-        tokens sit at ``positions_T`` (0 … T-1 when None)."""
+        tokens sit at ``positions_T`` (0 … T-1 when None), or at their positions within
+        their ``documents``."""
         cfg = self.cfg
         T = tokens_BT.shape[1]
         if T > cfg.max_seq_len:
@@ -152,7 +162,9 @@ class GPT(nnx.Module):
             B, G = tokens_BT.shape[0], tables_GVD.shape[0]
             take = jax.vmap(lambda table_VD, ids: jnp.take(table_VD, ids, axis=0))
             x_BTD = take(tables_GVD, tokens_BT.reshape(G, B // G, T)).reshape(B, T, -1)
-        if cfg.positions == "learned":
+        if cfg.positions == "learned" and documents is not None:
+            x_BTD = x_BTD + jnp.take(self.pos[...], documents.positions, axis=0)
+        elif cfg.positions == "learned":
             natural = positions_T is None or is_natural(positions_T)
             rows = self.pos[:T] if natural else self.pos[jnp.asarray(positions_T)]
             x_BTD = x_BTD + rows[None]
@@ -191,14 +203,15 @@ class GPT(nnx.Module):
             logits = jnp.einsum("btd,dv->btv", h, head_DV.astype(x_BTD.dtype))
         return constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))
 
-    def run_blocks(self, x_BTD: jax.Array, positions_T: np.ndarray | None = None) -> jax.Array:
+    def run_blocks(self, x_BTD: jax.Array, positions_T: np.ndarray | None = None,
+                   documents: Documents | None = None) -> jax.Array:
         """All blocks of ``self.blocks`` (however many are stacked there), in order, over
-        tokens at ``positions_T`` (0 … T-1 when None)."""
+        tokens at ``positions_T`` (0 … T-1 when None), packed as ``documents``."""
         dtype, use_rotary = x_BTD.dtype, self.cfg.positions == "rotary"
 
         def body(x, p):
             p = jax.tree.map(lambda a: a.astype(dtype), p)
-            return block(x, p, use_rotary, self.attention_impl, positions_T), None
+            return block(x, p, use_rotary, self.attention_impl, positions_T, documents), None
 
         if self.cfg.remat != "none":
             body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat])
@@ -277,15 +290,18 @@ def decode_block(x_BTD: jax.Array, p: dict[str, jax.Array], k_BSNH: jax.Array,
 # ---- the loss, cut into pipeline stages -----------------------------------------------------
 def _lm_embed(model: GPT, batch: Any) -> jax.Array:
     inputs, _, pos_T = lm_sequence(batch)
-    return model.embed_tokens(inputs, positions_T=pos_T)
+    return model.embed_tokens(inputs, positions_T=pos_T,
+                              documents=lm_documents(batch, pos_T))
 
 
 def _lm_stage(model: GPT, x: jax.Array, batch: Any, first: Any) -> jax.Array:
-    return model.run_blocks(x, lm_sequence(batch)[2])
+    pos_T = lm_sequence(batch)[2]
+    return model.run_blocks(x, pos_T, lm_documents(batch, pos_T))
 
 
 def _lm_head(model: GPT, x: jax.Array, batch: Any) -> tuple[jax.Array, dict]:
-    return next_token_loss(model.logits(x), lm_sequence(batch)[1])
+    _, targets, pos_T = lm_sequence(batch)
+    return next_token_loss(model.logits(x), targets, lm_weights(batch, pos_T))
 
 
 def lm_loss(model: GPT, batch: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -297,7 +313,8 @@ def lm_loss(model: GPT, batch: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
     gradient reduced once (see ``GPT.__call__``).
     """
     inputs, targets, pos_T = lm_sequence(batch)
-    return next_token_loss(model(inputs, pos_T), targets)
+    return next_token_loss(model(inputs, pos_T, lm_documents(batch, pos_T)), targets,
+                           lm_weights(batch, pos_T))
 
 
 #: The GPT cut into pipeline stages: embedding first, the stacked blocks split, head and loss
@@ -306,16 +323,20 @@ STAGES = StageSplit("blocks", _lm_embed, _lm_stage, _lm_head)
 
 
 # ---- the family ------------------------------------------------------------------------------
-def task(cfg: GPTConfig, seq_len: int) -> Task:
+def task(cfg: GPTConfig, seq_len: int, documents: bool = False, loss_mask: bool = False
+         ) -> Task:
     """The GPT's task: next-token prediction on windows of ``seq_len + 1`` tokens, the
-    parameters from the model's initializers.
+    parameters from the model's initializers; with ``documents``, the windows' packed
+    documents (``segments`` beside ``tokens``) attend each within itself; with
+    ``loss_mask``, only the targets it marks count (fine-tuning records).
 
     Raises:
       ConfigError: for ``cfg.init_from``: Hugging Face files are read where the config is
         (:func:`jaxpar.task_for`, :func:`jaxpar.build`), not by the model's own module.
     """
     refuse_init_from(cfg)
-    return Task(lambda rngs: GPT(cfg, rngs=rngs), lm_loss, {"tokens": ("batch", None)},
+    return Task(lambda rngs: GPT(cfg, rngs=rngs), lm_loss,
+                lm_batch_axes(documents, loss_mask),
                 tokens_per_example=seq_len, stages=STAGES, name="gpt", context_parallel=True)
 
 
@@ -325,7 +346,7 @@ def _without_init_from(cfg: GPTConfig) -> GPTConfig:
 
 
 def _needs(cfg: GPTConfig) -> DataNeeds:
-    return DataNeeds("text", vocab_size=cfg.vocab_size)
+    return DataNeeds("text", vocab_size=cfg.vocab_size, documents=True, loss_mask=True)
 
 
 def _counts(cfg: GPTConfig, data: Any) -> Counts:
@@ -338,7 +359,10 @@ def _counts(cfg: GPTConfig, data: Any) -> Counts:
 
 
 GPT_FAMILY = register(Family(
-    "gpt", GPTConfig, lambda cfg, data: task(_without_init_from(cfg), data.seq_len), _needs,
+    "gpt", GPTConfig,
+    lambda cfg, data: task(_without_init_from(cfg), data.seq_len, packs_documents(data),
+                           masks_loss(data)),
+    _needs,
     counts=_counts,
     lab=TransformerLab(),
     memory_fixes=lambda cfg: [] if cfg.remat == "full" else ["model.remat=full"],

@@ -34,17 +34,29 @@ from jaxpar.errors import ConfigError
 from jaxpar.logical import constrain
 from jaxpar.models import moe
 from jaxpar.models.family import Counts, Family, LabLayout, Term, register
-from jaxpar.models.llama_attention import ATTENTION, attention_params, cached_mask, out, qkv
+from jaxpar.models.llama_attention import (
+    ATTENTION,
+    attention_params,
+    cached_mask,
+    out,
+    qkv,
+)
 from jaxpar.models.llama_config import LlamaConfig
 from jaxpar.models.transformer import (
     REMAT_POLICIES,
     RESIDUAL,
+    Documents,
     TransformerLab,
     attention_implementation,
     const,
     kv_cache,
+    lm_batch_axes,
+    lm_documents,
     lm_sequence,
+    lm_weights,
+    masks_loss,
     next_token_loss,
+    packs_documents,
     param,
     refuse_init_from,
     rms_norm,
@@ -138,18 +150,19 @@ class Llama(nnx.Module):
         if not cfg.tie_embeddings:
             self.head = param(rngs.params(), (D, V), ("embed", "vocab"), 0.02)
 
-    def __call__(self, tokens_BT: jax.Array, positions_T: np.ndarray | None = None
-                 ) -> jax.Array:
-        """Logits [B, T, V] of tokens at ``positions_T`` (0 … T-1 when None)."""
-        return self.forward(tokens_BT, positions_T)[0]
+    def __call__(self, tokens_BT: jax.Array, positions_T: np.ndarray | None = None,
+                 documents: Documents | None = None) -> jax.Array:
+        """Logits [B, T, V] of tokens at ``positions_T`` (0 … T-1 when None), packed as
+        ``documents`` (:func:`~jaxpar.models.transformer.lm_documents`) when given."""
+        return self.forward(tokens_BT, positions_T, documents)[0]
 
-    def forward(self, tokens_BT: jax.Array, positions_T: np.ndarray | None = None
-                ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def forward(self, tokens_BT: jax.Array, positions_T: np.ndarray | None = None,
+                documents: Documents | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Logits and the routers' statistics (empty for a dense model): the load-balancing
         and z-losses averaged over the MoE layers, the dropped assignments summed, each
         expert's share of the assignments averaged."""
         pos = np.arange(tokens_BT.shape[1]) if positions_T is None else positions_T
-        x, stats = self.blocks_and_stats(self.embed_tokens(tokens_BT), pos)
+        x, stats = self.blocks_and_stats(self.embed_tokens(tokens_BT), pos, documents)
         return self.logits(x), stats
 
     def embed_tokens(self, tokens_BT: jax.Array) -> jax.Array:
@@ -160,18 +173,23 @@ class Llama(nnx.Module):
         x = jnp.take(constrain(self.embed[...], (None, None)), tokens_BT, axis=0)
         return constrain(x.astype(jnp.dtype(self.cfg.dtype)), RESIDUAL)
 
-    def run_blocks(self, x_BTD: jax.Array, positions_T: np.ndarray) -> jax.Array:
-        return self.blocks_and_stats(x_BTD, positions_T)[0]
+    def run_blocks(self, x_BTD: jax.Array, positions_T: np.ndarray,
+                   documents: Documents | None = None) -> jax.Array:
+        return self.blocks_and_stats(x_BTD, positions_T, documents)[0]
 
-    def blocks_and_stats(self, x_BTD: jax.Array, positions_T: np.ndarray
+    def blocks_and_stats(self, x_BTD: jax.Array, positions_T: np.ndarray,
+                         documents: Documents | None = None
                          ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """All blocks, in order, and the routers' statistics (see :meth:`forward`)."""
+        """All blocks, in order, and the routers' statistics (see :meth:`forward`); packed
+        ``documents``: rotary positions within each, attention within each."""
         cfg, dtype, pos = self.cfg, x_BTD.dtype, jnp.asarray(positions_T)
+        rotated = pos if documents is None else documents.positions
+        segments = None if documents is None else documents.segments
 
         def attention(h, p, j):
-            q, k, v = qkv(h, p, pos, cfg)
+            q, k, v = qkv(h, p, rotated, cfg)
             return out(attend(q, k, v, positions_T, causal=True, window=cfg.sliding_window,
-                              implementation=self.attention_impl), p)
+                              implementation=self.attention_impl, segments=segments), p)
 
         def body(x, p):
             return layer_group(x, moe.in_compute_dtype(p, dtype), cfg, attention, positions_T)
@@ -235,8 +253,8 @@ def llama_loss(model: Llama, batch: Any) -> tuple[jax.Array, dict[str, jax.Array
     weighted load-balancing and z-losses, each reported as a metric with the dropped
     assignments and each expert's load (``moe_load_<e>``)."""
     inputs, targets, pos_T = lm_sequence(batch)
-    logits, stats = model.forward(inputs, pos_T)
-    loss, metrics = next_token_loss(logits, targets)
+    logits, stats = model.forward(inputs, pos_T, lm_documents(batch, pos_T))
+    loss, metrics = next_token_loss(logits, targets, lm_weights(batch, pos_T))
     if not stats:
         return loss, metrics
     cfg = model.cfg
@@ -250,7 +268,8 @@ def _embed(model: Llama, batch: Any) -> jax.Array:
 
 def _stage(model: Llama, x: jax.Array, batch: Any, first: Any) -> Any:
     """The chunk's blocks; with experts, also its share of the routers' terms."""
-    x, stats = model.blocks_and_stats(x, lm_sequence(batch)[2])
+    pos_T = lm_sequence(batch)[2]
+    x, stats = model.blocks_and_stats(x, pos_T, lm_documents(batch, pos_T))
     if not stats:
         return x
     cfg, groups = model.cfg, model.blocks.router.shape[0]  # the chunk's MoE layers
@@ -259,7 +278,8 @@ def _stage(model: Llama, x: jax.Array, batch: Any, first: Any) -> Any:
 
 
 def _head(model: Llama, x: jax.Array, batch: Any) -> tuple[jax.Array, dict]:
-    loss, metrics = next_token_loss(model.logits(x), lm_sequence(batch)[1])
+    _, targets, pos_T = lm_sequence(batch)
+    loss, metrics = next_token_loss(model.logits(x), targets, lm_weights(batch, pos_T))
     return loss, ({"ce": loss} if model.cfg.n_experts else metrics)
 
 
@@ -267,10 +287,14 @@ STAGES = StageSplit("blocks", _embed, _stage, _head)
 
 
 # ---- the family ------------------------------------------------------------------------------
-def task(cfg: LlamaConfig, seq_len: int) -> Task:
-    """The Llama's task: next-token prediction on windows of ``seq_len + 1`` tokens."""
+def task(cfg: LlamaConfig, seq_len: int, documents: bool = False, loss_mask: bool = False
+         ) -> Task:
+    """The Llama's task: next-token prediction on windows of ``seq_len + 1`` tokens (with
+    ``documents``, their packed documents attending each within itself; with
+    ``loss_mask``, only the targets it marks counting)."""
     refuse_init_from(cfg)
-    return Task(lambda rngs: Llama(cfg, rngs=rngs), llama_loss, {"tokens": ("batch", None)},
+    return Task(lambda rngs: Llama(cfg, rngs=rngs), llama_loss,
+                lm_batch_axes(documents, loss_mask),
                 tokens_per_example=seq_len, name="llama", context_parallel=True, stages=STAGES)
 
 
@@ -305,8 +329,10 @@ class LlamaLab(TransformerLab):
 
 LLAMA_FAMILY = register(Family(
     "llama", LlamaConfig,
-    lambda cfg, data: task(dataclasses.replace(cfg, init_from=""), data.seq_len),
-    lambda cfg: DataNeeds("text", vocab_size=cfg.vocab_size),
+    lambda cfg, data: task(dataclasses.replace(cfg, init_from=""), data.seq_len,
+                           packs_documents(data), masks_loss(data)),
+    lambda cfg: DataNeeds("text", vocab_size=cfg.vocab_size, documents=True,
+                          loss_mask=True),
     counts=lambda cfg, data: Counts(*llama_counts(cfg, data.seq_len)),
     lab=LlamaLab(),
     memory_fixes=lambda cfg: [] if cfg.remat == "full" else ["model.remat=full"],

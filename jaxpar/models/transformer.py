@@ -12,8 +12,7 @@ elsewhere (see :func:`attention_implementation`).
 
 from __future__ import annotations
 
-import math
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -21,10 +20,17 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxpar.context import attend, order, positions
+from jaxpar.context import attend, document_positions, order, positions
 from jaxpar.errors import ConfigError
 from jaxpar.logical import constrain
-from jaxpar.models.family import LabLayout, LabModel, Term
+
+# the lab's view of these layers lives in its own module; names kept importable from here
+from jaxpar.models.transformer_lab import (  # noqa: F401
+    TransformerLab,
+    transformer_context_terms,
+    transformer_counts,
+    transformer_tensor_terms,
+)
 
 RESIDUAL = ("batch", "seq", "act_embed")
 
@@ -114,7 +120,8 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
 def rotary(x_BTNH: jax.Array, positions_T: jax.Array | None = None,
            theta: float = 10000.0, inv_freq: np.ndarray | None = None) -> jax.Array:
     """Rotary position embedding (half-split form, as Hugging Face's ``rotate_half``) over
-    the head dim, at ``positions_T`` (default 0 … T-1; a KV-cache step passes its own),
+    the head dim, at ``positions_T`` [T] or [B, T] (default 0 … T-1; a KV-cache step
+    passes its own; packed documents, each token's position within its document),
     with base ``theta``, or with the given inverse frequencies
     (:func:`jaxpar.models.rope.inv_frequencies`)."""
     T, H = x_BTNH.shape[1], x_BTNH.shape[-1]
@@ -122,9 +129,10 @@ def rotary(x_BTNH: jax.Array, positions_T: jax.Array | None = None,
         freq = 1.0 / (theta ** (jnp.arange(0, H // 2, dtype=jnp.float32) / (H // 2)))
     else:
         freq = jnp.asarray(inv_freq, jnp.float32)
-    pos_T = jnp.arange(T) if positions_T is None else positions_T
-    angle_TK = pos_T.astype(jnp.float32)[:, None] * freq[None, :]
-    sin, cos = jnp.sin(angle_TK)[None, :, None, :], jnp.cos(angle_TK)[None, :, None, :]
+    pos_T = jnp.arange(T) if positions_T is None else jnp.asarray(positions_T)
+    angle = pos_T.astype(jnp.float32)[..., None] * freq  # [T, K], or [B, T, K] per example
+    angle_BTK = angle if angle.ndim == 3 else angle[None]
+    sin, cos = jnp.sin(angle_BTK)[:, :, None, :], jnp.cos(angle_BTK)[:, :, None, :]
     x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
     return out.astype(x_BTNH.dtype)
@@ -179,11 +187,14 @@ def attention_implementation(cfg: Any, backend: str | None = None) -> str:
 
 def attention(h_BTD: jax.Array, p: dict[str, jax.Array], use_rotary: bool,
               implementation: str = "xla", causal: bool = True,
-              positions_T: np.ndarray | None = None) -> jax.Array:
+              positions_T: np.ndarray | None = None, documents: Documents | None = None
+              ) -> jax.Array:
     """Multi-head self-attention (causal or not) through ``jax.nn.dot_product_attention``,
     across the ``context`` axis when the layout splits the sequence
     (:func:`jaxpar.context.attend`); ``positions_T``: the tokens' positions (their
-    natural order when None; a load-balanced layout reorders them).
+    natural order when None; a load-balanced layout reorders them); ``documents``: packed
+    documents (:func:`lm_documents`): each token sees its own document only, rotated to
+    its position within it.
 
     ``implementation`` is ``xla`` (logits and softmax in float32, [B, N, T, T] in memory)
     or ``cudnn`` (the fused kernel; 16-bit inputs, float32 accumulation inside).
@@ -191,8 +202,11 @@ def attention(h_BTD: jax.Array, p: dict[str, jax.Array], use_rotary: bool,
     q, k, v = qkv(h_BTD, p)
     if use_rotary:
         pos = None if positions_T is None else jnp.asarray(positions_T)
+        pos = pos if documents is None else documents.positions
         q, k = rotary(q, pos), rotary(k, pos)
-    o_BTNH = attend(q, k, v, positions_T, causal=causal, implementation=implementation)
+    segments = None if documents is None else documents.segments
+    o_BTNH = attend(q, k, v, positions_T, causal=causal, implementation=implementation,
+                    segments=segments)
     return attention_out(o_BTNH, p)
 
 
@@ -239,9 +253,58 @@ def lm_sequence(batch: Any) -> tuple[jax.Array, jax.Array, np.ndarray]:
     return order(tokens[:, :-1], pos_T), order(tokens[:, 1:], pos_T), pos_T
 
 
-def next_token_loss(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, dict]:
-    """Mean next-token cross entropy (the same in any order the layout runs the tokens)."""
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean(), {}
+class Documents(NamedTuple):
+    """Documents packed into each sequence (``data.pack=documents``), in the order the
+    layout runs the tokens: segment ids [B, T] (attention stays within a segment) and
+    each token's position within its document [B, T] (for position encodings)."""
+
+    segments: jax.Array
+    positions: jax.Array
+
+
+def lm_documents(batch: Any, pos_T: np.ndarray) -> Documents | None:
+    """The packed documents of the inputs of ``batch`` (its ``segments`` [B, T+1], beside
+    ``tokens``) in the order ``pos_T`` (:func:`lm_sequence`'s); None without them."""
+    if "segments" not in batch:
+        return None
+    segments = batch["segments"][:, :-1]
+    return Documents(order(segments, pos_T), order(document_positions(segments), pos_T))
+
+
+def lm_weights(batch: Any, pos_T: np.ndarray) -> jax.Array | None:
+    """The weights [B, T] of the targets of ``batch`` (its ``loss_weights`` [B, T+1]:
+    :func:`jaxpar.task.loss_weights`) in the order ``pos_T``; None without them."""
+    if "loss_weights" not in batch:
+        return None
+    return order(batch["loss_weights"][:, 1:], pos_T)
+
+
+def lm_batch_axes(documents: bool = False, loss_mask: bool = False
+                  ) -> dict[str, tuple[str | None, ...]]:
+    """A language model's batch entries: ``tokens`` [B, T+1], with ``documents`` their
+    ``segments`` [B, T+1] (``data.pack=documents``), with ``loss_mask`` its [B, T+1]
+    (fine-tuning records)."""
+    axes = {"tokens": ("batch", None)}
+    axes |= {"segments": ("batch", None)} if documents else {}
+    return axes | {"loss_mask": ("batch", None)} if loss_mask else axes
+
+
+def packs_documents(data: Any) -> bool:
+    """Whether the data a family's task is built for packs documents (``data.pack``)."""
+    return getattr(data, "pack", "concat") == "documents"
+
+
+def masks_loss(data: Any) -> bool:
+    """Whether the data a family's task is built for carries a loss mask."""
+    return bool(getattr(data, "loss_mask", False))
+
+
+def next_token_loss(logits: jax.Array, targets: jax.Array, weights: jax.Array | None = None
+                    ) -> tuple[jax.Array, dict]:
+    """Mean next-token cross entropy (the same in any order the layout runs the tokens),
+    each target's weighed by ``weights`` [B, T] when given (:func:`lm_weights`)."""
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    return (ce if weights is None else ce * weights).mean(), {}
 
 
 def attention_out(o_BTNH: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
@@ -259,11 +322,15 @@ def mlp(h_BTD: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
 
 
 def block(x_BTD: jax.Array, p: dict[str, jax.Array], use_rotary: bool,
-          implementation: str = "xla", positions_T: np.ndarray | None = None) -> jax.Array:
-    """One pre-norm causal transformer block (``implementation``, ``positions_T``: see
-    :func:`attention`)."""
+          implementation: str = "xla", positions_T: np.ndarray | None = None,
+          documents: Documents | None = None) -> jax.Array:
+    """One pre-norm causal transformer block (``implementation``, ``positions_T``,
+    ``documents``: see :func:`attention`)."""
     h = layer_norm(x_BTD, p["ln1_scale"], p["ln1_bias"])
-    a_BTD = attention(h, p, use_rotary, implementation, positions_T=positions_T)
+    # packed documents only when there are some: the plain call is the one a stand-in for
+    # attention takes (the benchmarks' hand-written reference)
+    packed = {} if documents is None else {"documents": documents}
+    a_BTD = attention(h, p, use_rotary, implementation, positions_T=positions_T, **packed)
     x_BTD = constrain(x_BTD + a_BTD, RESIDUAL)
     h = layer_norm(x_BTD, p["ln2_scale"], p["ln2_bias"])
     return constrain(x_BTD + mlp(h, p), RESIDUAL)
@@ -273,127 +340,3 @@ REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole block in the backward pass
     "save_dots": jax.checkpoint_policies.checkpoint_dots,
 }
-
-
-# ---- what the layout lab knows of a transformer (shared with jaxpar/models/bert.py) ----------
-def transformer_counts(cfg: Any, seq_len: int, head: bool = True) -> tuple[int, float]:
-    """Parameters and training FLOPs per example of the stacked blocks, the token embedding,
-    the final norm and (``head``) an untied output layer: every matmul, attention's two
-    [T, T] products included (XLA computes the masked half too); the backward pass twice
-    the forward, except that no gradient flows into the token lookup."""
-    L, D, F, V, T = cfg.n_layers, cfg.d_model, cfg.d_ff, cfg.vocab_size, seq_len
-    per_layer = 4 * D + 4 * D * D + 2 * D * F + F + D  # norms, q/k/v/o, MLP
-    params = V * D + L * per_layer + 2 * D
-    macs = L * (4 * D * D + 2 * D * F + 2 * T * D) + D * V  # per token, forward
-    if head and not getattr(cfg, "tie_embeddings", False):
-        params += D * V
-    return params, 2 * 3 * T * macs
-
-
-def transformer_tensor_terms(cfg: Any, layout: LabLayout, backward: int = 2) -> list[Term]:
-    """Megatron's activation all-reduces: per layer two of ``[b, T, D]`` forward (attention
-    and MLP outputs) and two backward (their inputs), one more for the head's input
-    gradient; the cross-entropy over vocab-sharded logits all-reduces three ``[b, T]``
-    statistics; a vocab-sharded embedding table is gathered."""
-    t = layout.sizes["tensor"]
-    if t == 1:
-        return []
-    # a sequence split over the context axes: each device holds its part of every sequence
-    split = math.prod(layout.sizes[a] for a in layout.rules.get("seq", ()))
-    rows, seq, d = layout.rows, layout.seq_len // split, cfg.d_model
-    activation = rows * seq * d * (4 if layout.cpu else jnp.dtype(cfg.dtype).itemsize)
-    # Without a pipeline: once per microbatch over all layers. In a pipeline every tick
-    # counts as its costliest branch, the last stage's backward: its layers' recomputed
-    # forward and backward plus the head, and the embedding of the first stage.
-    k = layout.grad_accum
-    if layout.sub_mesh:
-        return _first_stage_terms(cfg, layout, activation, backward)
-    # a rematerialized block all-reduces its attention output again (the MLP output it
-    # recomputes feeds nothing in the backward pass: dead code)
-    forward_again = 1 if cfg.remat == "full" else 0
-    if layout.stages is not None:
-        ticks, p, v, m = layout.stages
-        times, layers, div = ticks * k, cfg.n_layers // (p * v), m * k
-    else:
-        times, layers, div = k, cfg.n_layers, k
-    terms = [Term("all-reduce", "Megatron activation all-reduces", activation / div, t,
-                  times * ((2 + backward + forward_again) * layers + 1)),
-             Term("all-reduce", "cross-entropy statistics", rows * seq * 4 / div, t, 3 * times)]
-    if "tensor" in layout.rules.get("vocab", ()):
-        # loop-invariant: XLA gathers the table once for all microbatches
-        terms.append(Term("all-gather", "embedding table gather", cfg.vocab_size * d * 4,
-                          t, times if layout.stages is not None else 1))
-    return terms
-
-
-def _first_stage_terms(cfg: Any, layout: LabLayout, activation: float, backward: int
-                       ) -> list[Term]:
-    """A device of the first stage under the sub-mesh pipeline, a program per action: each
-    microbatch's forward all-reduces twice a layer, its backward (or weight-gradient half:
-    the first chunk has no input gradient) four times — the recomputed forward's and both
-    input gradients' — and each of the two gathers a vocab-sharded table."""
-    t, k = layout.sizes["tensor"], layout.grad_accum
-    _, p, v, m = layout.stages
-    layers = cfg.n_layers // (p * v)
-    terms = [Term("all-reduce", "Megatron activation all-reduces", activation / (m * k), t,
-                  m * k * (4 + backward) * layers)]
-    if "tensor" in layout.rules.get("vocab", ()):
-        terms.append(Term("all-gather", "embedding table gather",
-                          cfg.vocab_size * cfg.d_model * 4, t, 2 * m * k))
-    return terms
-
-
-def transformer_context_terms(cfg: Any, layout: LabLayout) -> list[Term]:
-    """Attention across ``c`` devices of a split sequence, per layer. ``all_gather``: K and
-    V gathered in the forward (again in a rematerialized backward), dK and dV
-    reduce-scattered in the backward, the positions gathered once. ``ring``: K and V pass
-    c−1 blocks on in the forward and again in the backward, where dK and dV travel with
-    them and home (c sends); the positions' c−1 sends are the same for every layer.
-    Without a pipeline (inside one, the lab predicts no context terms yet)."""
-    c = math.prod(layout.sizes[a] for a in layout.rules.get("seq", ()))
-    if c == 1 or layout.stages is not None:
-        return []
-    k, L, T = layout.grad_accum, cfg.n_layers, layout.seq_len
-    # grouped-query attention gathers its K key/value heads, unless they are repeated to
-    # the query heads first (ring, or key/value heads not split as the query heads are)
-    rules, n_kv = layout.rules, getattr(cfg, "n_kv_heads", cfg.n_heads)
-    grouped = (n_kv != cfg.n_heads and layout.context != "ring"
-               and rules.get("kv_heads", ()) == rules.get("heads", ()))
-    width = (n_kv if grouped else cfg.n_heads) * cfg.head_dim
-    heads = math.prod(layout.sizes[a] for a in rules.get("kv_heads" if grouped else "heads", ()))
-    itemsize = 4 if layout.cpu else jnp.dtype(cfg.dtype).itemsize
-    kv = layout.rows * T * width // heads * itemsize / k  # one of K, V: whole sequence
-    # measured: a tied table's two gradients (the lookup's, the head's) reduced apart
-    tied = ([Term("all-reduce", "context: tied table gradient reduced over context",
-                  cfg.vocab_size * cfg.d_model * 4, c)]
-            if getattr(cfg, "tie_embeddings", False) else [])
-    if layout.context == "ring":  # a custom VJP: a rematerialized block keeps its result
-        block = kv / c
-        return [*tied,
-                Term("collective-permute", "context: K and V blocks round the ring", block, c,
-                     k * L * 2 * (c - 1) * 2),
-                Term("collective-permute", "context: dK and dV blocks home",  # float32
-                     block * 4 / itemsize, c, k * L * 2 * c),
-                Term("collective-permute", "context: positions round the ring", T // c * 4,
-                     c, c - 1)]
-    forward = 2 if cfg.remat != "none" else 1
-    return [*tied,
-            Term("all-gather", "context: K and V gathered", kv, c, k * L * 2 * forward),
-            Term("reduce-scatter", "context: dK and dV reduce-scattered", kv, c, k * L * 2),
-            Term("all-gather", "context: positions gathered", T * 4, c, 1)]
-
-
-class TransformerLab(LabModel):
-    """What the lab knows of jaxpar's transformers (GPT and BERT)."""
-
-    whole_params = frozenset({"embed"})  # tokens are looked up in the whole table
-    #: activation all-reduces per layer in the backward pass under tensor parallelism: the
-    #: input gradients of the attention's projection (q, k, v stacked: one sum) and of the
-    #: MLP's first matmul
-    backward_all_reduces = 2
-
-    def tensor_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
-        return transformer_tensor_terms(cfg, layout, self.backward_all_reduces)
-
-    def context_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
-        return transformer_context_terms(cfg, layout)

@@ -52,8 +52,11 @@ from jaxpar.pipeline.views import (
     whole_of,
 )
 from jaxpar.state import TrainState
-from jaxpar.task import Batch
+from jaxpar.task import Batch, loss_weights
 from jaxpar.update import Update, optimizer_update
+
+#: the whole batch's ``loss_mask`` weighed before the stages split it (one program)
+_weigh = jax.jit(loss_weights)
 
 
 @dataclass(frozen=True, eq=False)
@@ -165,7 +168,7 @@ class SubMeshPipeline:
         """Loss and metrics (means over the step's microbatches), gradients and the model
         state after every microbatch's forward — as one device with ``grad_accum`` =
         microbatches would have them."""
-        run = Run(self, params, model_state, batch, train=True)
+        run = Run(self, params, model_state, _weigh(batch), train=True)
         for r in range(self.k):
             run.play(r)
         return run.results()
@@ -173,7 +176,7 @@ class SubMeshPipeline:
     def evaluate(self, params: Any, model_state: Any, batch: Batch) -> tuple[jax.Array, dict]:
         """Loss and metrics in evaluation mode through the stages (forward only, the
         table's ``m`` microbatches, the model state read as it is)."""
-        return Run(self, params, model_state, batch, train=False).forward_only()
+        return Run(self, params, model_state, _weigh(batch), train=False).forward_only()
 
     def program(self, kind: str, c: int) -> Callable:
         """Chunk ``c``'s jitted program ``kind`` (``F``, ``B``, ``I``, ``W``, ``eval``,
