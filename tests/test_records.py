@@ -17,6 +17,7 @@ from jaxpar.config import DataConfig
 from jaxpar.data import builtin_text
 from jaxpar.data import prepare as prepare_module
 from jaxpar.data.prepare import decode, encode_documents, open_tokens, prepare_data
+from jaxpar.errors import DataError
 from jaxpar.data.records import Document, read_documents
 from jaxpar.data.sources import load_data
 from jaxpar.models import families
@@ -499,3 +500,30 @@ def test_text_key_without_records_is_reported_unused(tmp_path):
     assert "data.text_key" in unused_settings(load_config([], ["data.text_key=body"]))
     path = f"data.path={tmp_path / 'd.jsonl'}"
     assert unused_settings(load_config([], ["data.text_key=body", path])) == []
+
+
+def test_a_model_folder_as_the_tokenizer_gives_its_end_of_text(tmp_path):
+    """`prepare-data --tokenizer FOLDER`: the folder's tokenizer.json, each document closed
+    by the eos_token its tokenizer_config.json names (here not one of the usual
+    end-of-text names, so nothing else would have chosen it)."""
+    from tests.helpers import train_bpe
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    train_bpe(["hello world", "second doc"] * 20, folder / "tokenizer.json",
+              special_tokens=("<|im_end|>", "<|endoftext|>"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": {"content": "<|im_end|>"}, "tokenizer_class": "PreTrainedTokenizerFast"}))
+    src = tmp_path / "a.jsonl"
+    src.write_text('{"text": "hello world"}\n{"text": "second doc"}\n')
+    tf = prepare_data([src], tmp_path / "a.tokens", str(folder))
+    from tokenizers import Tokenizer
+
+    hf = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    end = hf.token_to_id("<|im_end|>")
+    expected = [*hf.encode("hello world").ids, end, *hf.encode("second doc").ids, end]
+    assert np.asarray(tf.tokens).tolist() == expected
+    assert tf.meta["eos"] == {"token": "<|im_end|>", "id": end}
+    (folder / "tokenizer.json").unlink()
+    with pytest.raises(DataError, match="holds no tokenizer.json"):
+        prepare_data([src], tmp_path / "b.tokens", str(folder))

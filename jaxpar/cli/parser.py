@@ -28,7 +28,7 @@ HELP = """    jaxpar train    [CONFIG.yaml …] [section.key=value …] [--devic
                     [section.key=value …] [--devices N]
     jaxpar eval     RUN_DIR|FOLDER [section.key=value …] [--batches N] [--step N] [--json]
                     [--devices N]
-    jaxpar prepare-data INPUT… --out PATH [--tokenizer byte|TOKENIZER.json] [--glob PATTERN]
+    jaxpar prepare-data INPUT… --out PATH [--tokenizer byte|TOKENIZER.json|FOLDER] [--glob PATTERN]
                     [--text-key KEY] [--bos auto|none|TOKEN] [--eos auto|none|TOKEN]
                     [--records text|prompt_completion|chat] [--prompt-key KEY] …
     jaxpar launch   -n N [--devices-per-process K] [--cpus-per-process C] -- COMMAND [ARGS…]
@@ -160,8 +160,10 @@ def _prepare_parser(sub: argparse._SubParsersAction) -> None:
                            "Arrow files) and/or globs")
     prep.add_argument("--out", required=True, metavar="PATH",
                       help="the token file to write, e.g. corpus.tokens (plus PATH.json)")
-    prep.add_argument("--tokenizer", default="byte", metavar="byte|TOKENIZER.json",
-                      help="'byte' (vocab 256) or a local Hugging Face tokenizers JSON file")
+    prep.add_argument("--tokenizer", default="byte", metavar="byte|TOKENIZER.json|FOLDER",
+                      help="'byte' (vocab 256), a local Hugging Face tokenizers JSON file, or "
+                           "a model folder holding tokenizer.json (its tokenizer_config.json "
+                           "names the end-of-text token)")
     prep.add_argument("--glob", default=None, metavar="PATTERN",
                       help="keep only folder files matching this pattern, e.g. '*.txt'")
     prep.add_argument("--text-key", default="text", metavar="KEY",

@@ -4,8 +4,10 @@ tokens that open and close each document (:func:`separators`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
+import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +57,9 @@ class HFTokenizer:
     file: str
     sha256: str
     tokenizer: Any = field(repr=False)
+    #: the end-of-text token a model folder's ``tokenizer_config.json`` names (its
+    #: ``eos_token``); None for a bare tokenizer JSON
+    eos_token: str | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -117,7 +122,9 @@ def load_hf(file: str, sha256: str) -> HFTokenizer:
 
 
 def load_tokenizer(spec: str | Tokenizer) -> Tokenizer:
-    """``"byte"``, or the path of a local ``tokenizers`` JSON file (loaded lazily).
+    """``"byte"``, the path of a local ``tokenizers`` JSON file, or a Hugging Face model
+    folder holding ``tokenizer.json`` (its ``tokenizer_config.json`` names the end-of-text
+    token).
 
     Raises:
       DataError: for a missing or malformed file, or when ``tokenizers`` is not installed.
@@ -127,11 +134,31 @@ def load_tokenizer(spec: str | Tokenizer) -> Tokenizer:
     if spec == "byte":
         return ByteTokenizer()
     path = Path(spec)
+    if path.is_dir():
+        return _from_folder(path)
     if not path.is_file():
         raise DataError(f"tokenizer '{spec}' is neither 'byte' nor an existing tokenizer "
-                        "JSON file; pass --tokenizer byte or the path of a tokenizer.json")
+                        "JSON file or model folder; pass --tokenizer byte, the path of a "
+                        "tokenizer.json, or a folder holding one")
     path = path.absolute()
     return load_hf(str(path), sha256_of(path))
+
+
+def _from_folder(folder: Path) -> HFTokenizer:
+    """A model folder's ``tokenizer.json``, with the ``eos_token`` of its
+    ``tokenizer_config.json`` (a string, or transformers' ``{"content": …}`` form)."""
+    file = folder.absolute() / "tokenizer.json"
+    if not file.is_file():
+        raise DataError(f"tokenizer folder '{folder}' holds no tokenizer.json (a model saved "
+                        "with its fast tokenizer has one); pass the tokenizer JSON file itself")
+    tok = load_hf(str(file), sha256_of(file))
+    config = folder / "tokenizer_config.json"
+    try:
+        eos = json.loads(config.read_text()).get("eos_token") if config.is_file() else None
+    except (OSError, ValueError, AttributeError) as err:
+        raise DataError(f"'{config}' cannot be read as JSON ({err}); fix or remove it") from None
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    return dataclasses.replace(tok, eos_token=eos if isinstance(eos, str) else None)
 
 
 #: text encoded together (a batch): enough for every thread, little memory
@@ -191,8 +218,8 @@ def separators(tok: Tokenizer, bos: str = "auto", eos: str = "auto") -> Separato
     ``"none"`` or a token of the tokenizer (e.g. ``"<|endoftext|>"``).
 
     ``auto``: for a ``tokenizers`` JSON, the token its post-processor adds before a text
-    (BOS), and the one it adds after (EOS) or else its end-of-text token (the first of
-    ``END_OF_TEXT`` among its special tokens); the byte tokenizer, whose 256 ids are all
+    (BOS), and the one it adds after (EOS) or else the model folder's ``eos_token`` or
+    else its end-of-text token (the first of ``END_OF_TEXT`` among its special tokens); the byte tokenizer, whose 256 ids are all
     bytes, has none, so its documents are concatenated as they are.
 
     Raises:
@@ -207,6 +234,8 @@ def separators(tok: Tokenizer, bos: str = "auto", eos: str = "auto") -> Separato
                                 "that has the token")
         return Separators()
     before, after = _template(tok.tokenizer)
+    if eos == "auto" and not after and tok.eos_token:  # the model folder's own
+        eos = tok.eos_token
     return Separators(bos=_choose(tok, "bos", bos, before),
                       eos=_choose(tok, "eos", eos, after or _end_of_text(tok.tokenizer)))
 
