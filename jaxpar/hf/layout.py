@@ -89,8 +89,8 @@ def key_differences(pairs: tuple[tuple[str, str, Any], ...], cfg: Any) -> list[s
 
 def check_keys(hf: dict[str, Any], where: str, architecture: str, read: frozenset[str],
                required: dict[str, tuple[Any, str]]) -> None:
-    """Every key of ``config.json`` is one the layout ``read``\ s (mapped or without
-    effect), and each of ``required`` holds its value (or null).
+    """Every key of ``config.json`` is in ``read`` (the keys the layout maps or knows to
+    have no effect), and each of ``required`` holds its value (or null).
 
     Raises:
       DataError: one line naming the first key that is neither, or a required one whose
