@@ -103,6 +103,9 @@ def test_bad_shapes_are_one_line():
         jaxpar.load_config([], ["model.name=llama", "model.n_kv_heads=3"])
     with pytest.raises(ConfigError, match=r"d_model=30 is not divisible by model.n_heads=4"):
         jaxpar.load_config([], ["model.name=llama", "model.d_model=30"])
+    with pytest.raises(ConfigError, match=r"model.rope_factor=8.0 has no effect with "
+                                          r"model.rope_type=default"):
+        jaxpar.load_config([], ["model.name=llama", "model.rope_factor=8"])
 
 
 def test_the_lab_predicts_llama_collectives():

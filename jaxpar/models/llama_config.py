@@ -99,6 +99,7 @@ class LlamaConfig(ModelConfig):
             raise ConfigError(f"model.n_kv_heads={self.n_kv_heads} does not divide model."
                               f"n_heads={self.n_heads}: each key/value head serves a group of "
                               "query heads; pick a divisor of n_heads")
+        self._rope_keys_take_effect()
         if self.n_experts and self.top_k > self.n_experts:
             raise ConfigError(f"model.top_k={self.top_k} is more than model.n_experts="
                               f"{self.n_experts}: route each token to at most n_experts")
@@ -106,6 +107,18 @@ class LlamaConfig(ModelConfig):
             raise ConfigError(f"model.moe_every={self.moe_every} does not divide "
                               f"model.n_layers={self.n_layers}; pick a divisor")
         return self
+
+    def _rope_keys_take_effect(self) -> None:
+        """A rotary factor the chosen ``rope_type`` does not read is refused, not ignored."""
+        unread = {"rope_factor": 1.0} if self.rope_type == "default" else {}
+        if self.rope_type != "llama3":
+            unread |= {"rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
+                       "rope_original_max_len": 8192}
+        for key, default in unread.items():
+            if getattr(self, key) != default:
+                raise ConfigError(f"model.{key}={getattr(self, key)} has no effect with "
+                                  f"model.rope_type={self.rope_type}; set the rope_type that "
+                                  "reads it, or drop it")
 
     @property
     def group(self) -> int:  # layers a scan step runs: moe_every (the last MoE), 1 if dense
