@@ -8,10 +8,12 @@ cut from Python's ``pydoc_data.topics``), trains a byte-level BPE of ``--vocab``
 them (``tokenizers``' trainer; nothing is downloaded), then times, best of 3:
 
 * reference: ``Tokenizer.encode_batch(texts, add_special_tokens=False)`` over every
-  document's text, already in memory (reading and parsing the files not counted);
-* jaxpar: ``jaxpar prepare-data FILES --out OUT --tokenizer T`` end to end, as a user runs
-  it — the process's start, reading and parsing the records, encoding, wrapping in
-  end-of-text, writing the token file and its metadata.
+  document's text, already in memory (reading and parsing the files not counted), and
+  ``encode_batch_fast`` (the same ids without character offsets; prepare-data calls it);
+* jaxpar: ``jaxpar prepare-data FILES --out OUT --tokenizer T --workers N`` end to end, as
+  a user runs it — the process's start, reading and parsing the records, encoding, wrapping
+  in end-of-text, writing the token file and its metadata — with one process (``N=1``, the
+  library's threads) and one worker process per CPU core.
 
 It prints MB/s of text for both and their ratio (the goal: ≥ 0.9), also without the
 process's start (``jaxpar prepare-data --help``, timed alike), and checks that both give
@@ -34,6 +36,11 @@ from pydoc_data.topics import topics
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def cores() -> int:
+    """The CPU cores this process may use (prepare-data's default --workers)."""
+    return len(os.sched_getaffinity(0))
 
 
 def write_corpus(folder: Path, mb: int, files: int) -> list[Path]:
@@ -73,12 +80,12 @@ def read_texts(paths: list[Path]) -> list[str]:
     return [json.loads(line)["text"] for p in paths for line in p.read_text().splitlines()]
 
 
-def prepare(paths: list[Path], tok_file: Path, out: Path) -> np.ndarray:
+def prepare(paths: list[Path], tok_file: Path, out: Path, workers: int) -> np.ndarray:
     """``jaxpar prepare-data`` in a fresh process; the ids it wrote."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     subprocess.run([sys.executable, "-m", "jaxpar", "prepare-data", *map(str, paths), "--out",
-                    str(out), "--tokenizer", str(tok_file)], check=True, env=env,
-                   capture_output=True)
+                    str(out), "--tokenizer", str(tok_file), "--workers", str(workers)],
+                   check=True, env=env, capture_output=True)
     meta = json.loads(Path(f"{out}.json").read_text())
     return np.fromfile(out, dtype=meta["dtype"])
 
@@ -116,18 +123,22 @@ def main() -> None:
         hf = Tokenizer.from_file(str(tok_file))
         ref_s, encodings = best_of(args.repeats, lambda: hf.encode_batch(
             texts, add_special_tokens=False))
-        ours_s, ids = best_of(args.repeats, lambda: prepare(paths, tok_file,
-                                                            folder / "out.tokens"))
+        fast_s, _ = best_of(args.repeats, lambda: hf.encode_batch_fast(
+            texts, add_special_tokens=False))
         start_s, _ = best_of(args.repeats, start_up)
         eot = hf.token_to_id("<|endoftext|>")
         expected = np.concatenate([np.append(e.ids, eot) for e in encodings])
-        assert np.array_equal(ids, expected), "the ids differ"
         print(f"{mb:.1f} MB of text in {len(texts):,} documents, {args.files} files, "
-              f"BPE of {args.vocab} ids")
-        print(f"  tokenizers encode_batch (in memory): {mb / ref_s:6.2f} MB/s")
-        print(f"  jaxpar prepare_data (end to end):    {mb / ours_s:6.2f} MB/s")
-        print(f"  ratio: {ref_s / ours_s:.2f}; without the process's start "
-              f"({start_s:.1f} s): {ref_s / (ours_s - start_s):.2f}")
+              f"BPE of {args.vocab} ids, {cores()} CPU cores")
+        print(f"  tokenizers encode_batch (in memory): {mb / ref_s:6.2f} MB/s; "
+              f"encode_batch_fast (no offsets, what prepare-data calls): {mb / fast_s:6.2f} MB/s")
+        for workers in (1, cores()):
+            ours_s, ids = best_of(args.repeats, lambda: prepare(
+                paths, tok_file, folder / "out.tokens", workers))
+            assert np.array_equal(ids, expected), "the ids differ"
+            print(f"  jaxpar prepare-data --workers {workers} (end to end): "
+                  f"{mb / ours_s:6.2f} MB/s, ratio {ref_s / ours_s:.2f}; without the "
+                  f"process's start ({start_s:.1f} s): {ref_s / (ours_s - start_s):.2f}")
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

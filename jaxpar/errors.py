@@ -120,6 +120,16 @@ class Terminated(JaxparError):
                          "checkpoint")
 
 
+class Paused(JaxparError):
+    """A command that keeps what it finished (prepare-data) was stopped: by a Ctrl-C
+    (exit 130), a SIGTERM or a worker process killed from outside (143). The same command
+    continues from there."""
+
+    def __init__(self, message: str, exit_status: int = INTERRUPTED):
+        super().__init__(message)
+        self.exit_status = exit_status
+
+
 class UserCodeFailed(JaxparError):
     """The user's own code raised: a task's ``loss_fn``, its data, a hook. The message
     names the function, where (``at step 7``) and the exception's own message; the

@@ -21,7 +21,7 @@ from typing import Any
 
 from jaxpar import hf
 from jaxpar.config import Config, apply_overrides
-from jaxpar.data.prepare import open_tokens
+from jaxpar.data.token_file import open_tokens
 from jaxpar.data.tokenizers import sha256_of
 from jaxpar.errors import ConfigError, DataError
 from jaxpar.run import evaluate, host_value

@@ -27,7 +27,7 @@ from jaxpar import hf, signals
 from jaxpar import sharding as shd
 from jaxpar.checkpoint import Checkpointer, CorruptCheckpoint
 from jaxpar.config import Config
-from jaxpar.data.prepare import open_tokens, tokenizer_of
+from jaxpar.data.token_file import open_tokens, tokenizer_of
 from jaxpar.data.tokenizers import HFTokenizer
 from jaxpar.errors import ConfigError, PathError, RestoreError
 from jaxpar.files import check_output_file, ensure_dir

@@ -25,7 +25,7 @@ from jaxpar.data import (
     prepare_data,
     synthetic_images,
 )
-from jaxpar.data.prepare import load_tokenizer
+from jaxpar.data.tokenizers import load_tokenizer
 from jaxpar.data.sources import DataNeeds, image_data, text_data
 from jaxpar.loop import Run, build, fit
 from jaxpar.models import families

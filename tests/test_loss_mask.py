@@ -17,7 +17,7 @@ from flax import nnx
 
 from jaxpar.config import load_config
 from jaxpar.data.finetune import Keys, prepare_records
-from jaxpar.data.prepare import decode
+from jaxpar.data.token_file import decode
 from jaxpar.errors import DataError
 from jaxpar.models.transformer import lm_sequence
 from jaxpar.run import build

@@ -20,6 +20,7 @@ import jaxpar
 from jaxpar.config import load_config
 from jaxpar.data.windows import TokenWindows, window_segments
 from jaxpar.errors import DataError
+from jaxpar.models import gpt
 from jaxpar.models.transformer import lm_documents, lm_sequence
 from jaxpar.run import build
 from tests.helpers import assert_params_close, grid
@@ -148,6 +149,14 @@ def test_concat_and_documents_differ_where_documents_meet(records, family):
     positions start at 0 either way); every later one differs (concat lets it see the
     documents before it, at their positions), and so do the batch losses."""
     run, params, batch, _ = _one_device(records, family)
+    check_concat_and_documents_differ(run, _run(records, family, ["mesh.data=1"], devices=1),
+                                      params, batch)
+
+
+def check_concat_and_documents_differ(run, concat, params, batch) -> None:
+    """A causal model's packed ``run`` and its ``concat`` twin: equal per-token losses in
+    each window's first document, > 90% of the later tokens' differing, and the batch
+    losses differing."""
     model = run.plan.task.build_model()
     _load(model, params)
     inputs, targets, pos = lm_sequence(batch)
@@ -157,7 +166,6 @@ def test_concat_and_documents_differ_where_documents_meet(records, family):
     first = batch["segments"][:, :-1] == 0
     np.testing.assert_allclose(ce["documents"][first], ce["concat"][first], rtol=1e-5)
     assert (np.abs(ce["documents"] - ce["concat"])[~first] > 1e-4).mean() > 0.9
-    concat = _run(records, family, ["mesh.data=1"], devices=1)
     assert "segments" not in concat.data.batch(0, B)
     losses = _grads(concat, params, {"tokens": batch["tokens"]})[0], _grads(run, params, batch)[0]
     assert abs(losses[0] - losses[1]) > 1e-5
@@ -205,7 +213,10 @@ def test_document_positions_and_attend_with_segments():
 
 
 def test_a_model_that_cannot_pack_is_one_line(records):
-    """BERT (and any family that does not declare it) refuses ``data.pack=documents``."""
+    """A task whose batch entries hold no ``segments`` (here the GPT's task built without
+    documents, as a user's task may be) refuses ``data.pack=documents``. (Every built-in
+    text family packs: Gemma and BERT in tests/test_pack_families.py.)"""
+    plain = gpt.task(gpt.GPTConfig(max_seq_len=16), 16)
     with pytest.raises(DataError, match=r"^data.pack=documents: .* set data.pack=concat$"):
         build(load_config([], [f"data.path={records}", "data.pack=documents",
-                               "model.name=bert", "run.devices=1", "mesh.data=1"]))
+                               "data.seq_len=16", "run.devices=1", "mesh.data=1"]), plain)

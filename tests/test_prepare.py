@@ -10,15 +10,8 @@ import pytest
 
 from jaxpar.cli import main
 from jaxpar.data import builtin_text
-from jaxpar.data.prepare import (
-    builtin_corpus,
-    check_vocab,
-    decode,
-    encode_documents,
-    open_tokens,
-    prepare_data,
-    token_dtype,
-)
+from jaxpar.data.prepare import builtin_corpus, encode_documents, prepare_data
+from jaxpar.data.token_file import check_vocab, decode, open_tokens, token_dtype
 
 FILES = {
     "a.txt": b"plain ascii text\nsecond line\n",

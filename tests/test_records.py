@@ -16,7 +16,8 @@ from jaxpar.cli import main
 from jaxpar.config import DataConfig
 from jaxpar.data import builtin_text
 from jaxpar.data import prepare as prepare_module
-from jaxpar.data.prepare import decode, encode_documents, open_tokens, prepare_data
+from jaxpar.data.prepare import encode_documents, prepare_data
+from jaxpar.data.token_file import decode, open_tokens
 from jaxpar.errors import DataError
 from jaxpar.data.records import Document, read_documents
 from jaxpar.data.sources import load_data

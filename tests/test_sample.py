@@ -14,7 +14,7 @@ from flax import nnx
 from jaxpar import sample as sampling
 from jaxpar.cli import main
 from jaxpar.config import load_config, to_dict
-from jaxpar.data.prepare import ByteTokenizer
+from jaxpar.data.tokenizers import ByteTokenizer
 from jaxpar.loop import train
 from jaxpar.models.gpt import GPT, GPTConfig
 from jaxpar.resume import restore_state

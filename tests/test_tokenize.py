@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 
 from jaxpar.config import load_config
@@ -60,15 +61,20 @@ def test_the_built_in_text_keeps_the_default(tmp_path):
 def test_batched_encoding_gives_each_documents_own_ids(bpe_tokens, monkeypatch, tmp_path):
     """Documents encoded a few at a time (``encode_batch``) get the ids ``encode`` gives
     each alone; a non-UTF-8 document in a batch is still one line naming it."""
+    from jaxpar.data import encoding
     from jaxpar.data import tokenizers as toks
     from jaxpar.data.records import Document
 
-    monkeypatch.setattr(toks, "BATCH_BYTES", 300)
+    monkeypatch.setattr(encoding, "BATCH_BYTES", 300)
     tok = toks.load_tokenizer(str(bpe_tokens.with_name("tokenizer.json")))
     docs = [Document(f"d{i}", PROSE[i * 97:i * 97 + 150].encode()) for i in range(9)]
-    got = list(toks.encode_batches(docs, tok))
-    assert [d for d, _ in got] == docs
-    for doc, ids in got:
-        assert ids.tolist() == tok.encode(doc.data, doc.name).tolist()
+    seps = toks.Separators(bos=7, eos=9)
+    got = list(encoding.encode_batches(docs, tok, seps, np.dtype("<u2")))
+    assert len(got) > 2 and [d for batch in got for d in batch.docs] == docs
+    ids = [a for b in got for a in np.split(b.ids, np.cumsum(b.lengths)[:-1])]
+    for doc, each in zip(docs, ids, strict=True):
+        assert each.dtype == np.dtype("<u2")
+        assert each.tolist() == [7, *tok.encode(doc.data, doc.name).tolist(), 9]
     with pytest.raises(ValueError, match="^input 'bad' is not UTF-8 text"):
-        list(toks.encode_batches([*docs[:2], Document("bad", b"\xff\xfe")], tok))
+        list(encoding.encode_batches([*docs[:2], Document("bad", b"\xff\xfe")], tok, seps,
+                                     np.dtype("<u2")))

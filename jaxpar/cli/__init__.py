@@ -151,7 +151,8 @@ def _prepare_data(args: argparse.Namespace) -> None:
 
     if args.records == "text":
         tf = prepare_data(args.inputs, args.out, args.tokenizer, args.glob,
-                          text_key=args.text_key, bos=args.bos, eos=args.eos)
+                          text_key=args.text_key, bos=args.bos, eos=args.eos,
+                          workers=args.workers or None)
     else:
         from jaxpar.data.finetune import Keys, prepare_records
 

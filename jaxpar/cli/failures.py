@@ -28,6 +28,7 @@ from jaxpar.errors import (
     CheckpointError,
     JaxparError,
     NonFiniteStop,
+    Paused,
     Preempted,
     Terminated,
 )
@@ -161,7 +162,7 @@ def _failure(err: BaseException) -> tuple[int, str] | None:
 
         if isinstance(err, PortInUse) and os.environ.get(ENV_RETRY_PORT):
             return PORT_TAKEN, f"jaxpar: {err} (jaxpar launch tries another port)"
-        kind = ("" if isinstance(err, (Preempted, Terminated)) else "checkpoint error: "
+        kind = ("" if isinstance(err, (Paused, Preempted, Terminated)) else "checkpoint error: "
                 if isinstance(err, CheckpointError) else "stopped: "
                 if isinstance(err, NonFiniteStop) else "error: ")
         return err.exit_status, f"jaxpar: {kind}{err}"

@@ -29,7 +29,7 @@ HELP = """    jaxpar train    [CONFIG.yaml …] [section.key=value …] [--devic
     jaxpar eval     RUN_DIR|FOLDER [section.key=value …] [--batches N] [--step N] [--json]
                     [--devices N]
     jaxpar prepare-data INPUT… --out PATH [--tokenizer byte|TOKENIZER.json|FOLDER] [--glob PATTERN]
-                    [--text-key KEY] [--bos auto|none|TOKEN] [--eos auto|none|TOKEN]
+                    [--text-key KEY] [--bos auto|none|TOKEN] [--eos auto|none|TOKEN] [--workers N]
                     [--records text|prompt_completion|chat] [--prompt-key KEY] …
     jaxpar launch   -n N [--devices-per-process K] [--cpus-per-process C] -- COMMAND [ARGS…]
     jaxpar plot     RUN_DIR [RUN_DIR …] [--out PATH]
@@ -166,6 +166,10 @@ def _prepare_parser(sub: argparse._SubParsersAction) -> None:
                            "names the end-of-text token)")
     prep.add_argument("--glob", default=None, metavar="PATTERN",
                       help="keep only folder files matching this pattern, e.g. '*.txt'")
+    prep.add_argument("--workers", type=_count(4096), default=0, metavar="N",
+                      help="processes that encode (0: one per CPU core this process may "
+                           "use; 1: this process, on the tokenizer library's threads); the "
+                           "token file does not depend on it")
     prep.add_argument("--text-key", default="text", metavar="KEY",
                       help="the field of each record that holds its text (default: text)")
     prep.add_argument("--records", default="text",

@@ -35,16 +35,8 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 
 from jaxpar.data.inputs import check_not_an_input, find_inputs
-from jaxpar.data.prepare import (
-    TokenFile,
-    _check_length,
-    _check_nonempty,
-    _entry,
-    _meta_path,
-    _metadata,
-    open_tokens,
-    token_dtype,
-)
+from jaxpar.data.prepare import _check_length, _check_nonempty, _entry, _metadata
+from jaxpar.data.token_file import TokenFile, meta_path_of, open_tokens, token_dtype
 from jaxpar.data.records import Document, read_records
 from jaxpar.data.tokenizers import HFTokenizer, Tokenizer, load_tokenizer, separators
 from jaxpar.errors import DataError
@@ -240,7 +232,7 @@ def prepare_records(inputs: Iterable[str | os.PathLike], out: str | os.PathLike,
     tok = load_tokenizer(tokenizer)
     seps = separators(tok, bos, eos)
     out = check_output_file(Path(out).absolute(), "--out")
-    meta_path, mask_path = _meta_path(out), mask_file(out)
+    meta_path, mask_path = meta_path_of(out), mask_file(out)
     tmp, mask_tmp = out.with_name(out.name + ".tmp"), out.with_name(out.name + ".mask.tmp")
     files = find_inputs(inputs, glob)
     check_not_an_input({out: "--out", meta_path: "the metadata file of --out",

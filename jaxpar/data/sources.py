@@ -30,16 +30,9 @@ from jaxpar.data import mixture as mix
 from jaxpar.data.finetune import open_mask
 from jaxpar.data.inputs import find_inputs
 from jaxpar.data.loader import ArrayExamples, Loader, TokenWindows, fixed_batches
-from jaxpar.data.prepare import (
-    ByteTokenizer,
-    TokenFile,
-    Tokenizer,
-    builtin_corpus,
-    check_vocab,
-    encode_documents,
-    open_tokens,
-    tokenizer_of,
-)
+from jaxpar.data.prepare import builtin_corpus, encode_documents
+from jaxpar.data.token_file import TokenFile, check_vocab, open_tokens, tokenizer_of
+from jaxpar.data.tokenizers import ByteTokenizer, Tokenizer
 from jaxpar.data.records import TEXT_KEY, read_documents
 from jaxpar.data.windows import document_starts
 from jaxpar.errors import ConfigError, DataError
@@ -304,8 +297,9 @@ def needs_of_batch(batch_keys: Any) -> DataNeeds | None:
 def _masks_fit(data: Data, needs: DataNeeds) -> Data:
     if data.loss_mask and not needs.loss_mask:
         raise DataError(f"'{data.name}' holds fine-tuning records with a loss mask, which "
-                        "this model does not train on; use a gpt or llama model, or prepare "
-                        "the data without --records")
+                        "this model does not train on (a causal language model such as "
+                        "gpt, llama or gemma does); use one, or prepare the data without "
+                        "--records")
     return data
 
 

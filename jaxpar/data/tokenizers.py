@@ -8,14 +8,12 @@ import dataclasses
 import functools
 import hashlib
 import json
-from collections.abc import Iterable, Iterator
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
-from tqdm import tqdm
-
 from jaxpar.errors import DataError
 
 
@@ -84,10 +82,12 @@ class HFTokenizer:
         return np.asarray(encoding.ids, np.int64)
 
     def encode_many(self, datas: list[bytes], sources: list[str]) -> list[np.ndarray]:
-        """The ids of several documents: the library's ``encode_batch``, on all its threads."""
+        """The ids of several documents: the library's batch encoding, on all its threads."""
         texts = [self._text(d, s) for d, s in zip(datas, sources)]
+        # the same ids; _fast (tokenizers ≥ 0.20) skips the character offsets
+        batch = getattr(self.tokenizer, "encode_batch_fast", self.tokenizer.encode_batch)
         try:
-            encodings = self.tokenizer.encode_batch(texts, add_special_tokens=False)
+            encodings = batch(texts, add_special_tokens=False)
         except Exception:  # noqa: BLE001 — encode one by one to name the document
             return [self.encode(d, s) for d, s in zip(datas, sources)]
         return [np.asarray(e.ids, np.int64) for e in encodings]
@@ -121,7 +121,7 @@ def load_hf(file: str, sha256: str) -> HFTokenizer:
                         f"file: {err}") from None
 
 
-def load_tokenizer(spec: str | Tokenizer) -> Tokenizer:
+def load_tokenizer(spec: str | os.PathLike | Tokenizer) -> Tokenizer:
     """``"byte"``, the path of a local ``tokenizers`` JSON file, or a Hugging Face model
     folder holding ``tokenizer.json`` (its ``tokenizer_config.json`` names the end-of-text
     token).
@@ -129,6 +129,8 @@ def load_tokenizer(spec: str | Tokenizer) -> Tokenizer:
     Raises:
       DataError: for a missing or malformed file, or when ``tokenizers`` is not installed.
     """
+    if isinstance(spec, os.PathLike):
+        spec = os.fspath(spec)
     if not isinstance(spec, str):
         return spec
     if spec == "byte":
@@ -159,36 +161,6 @@ def _from_folder(folder: Path) -> HFTokenizer:
         raise DataError(f"'{config}' cannot be read as JSON ({err}); fix or remove it") from None
     eos = eos.get("content") if isinstance(eos, dict) else eos
     return dataclasses.replace(tok, eos_token=eos if isinstance(eos, str) else None)
-
-
-#: text encoded together (a batch): enough for every thread, little memory
-BATCH_BYTES = 4 * 2**20
-
-
-def _encode_batch(tok: Tokenizer, docs: list[Any]) -> list[np.ndarray]:
-    many = getattr(tok, "encode_many", None)
-    if many is None:
-        return [tok.encode(d.data, d.name) for d in docs]
-    return many([d.data for d in docs], [d.name for d in docs])
-
-
-def encode_batches(docs: Iterable[Any], tok: Tokenizer, progress: bool | None = False
-                   ) -> Iterator[tuple[Any, np.ndarray]]:
-    """Each document (``.data``: its bytes, ``.name``) with its ids, encoded in batches of
-    about :data:`BATCH_BYTES` of text (a Hugging Face tokenizer's ``encode_batch``);
-    ``progress``: a bar of the text encoded (None: when stderr is a terminal)."""
-    off = {False: True, None: None, True: False}[progress]  # tqdm's `disable`
-    with tqdm(unit="B", unit_scale=True, desc="tokenizing", disable=off, leave=False) as bar:
-        batch, size = [], 0
-        for doc in docs:
-            batch.append(doc)
-            size += len(doc.data)
-            if size >= BATCH_BYTES:
-                yield from zip(batch, _encode_batch(tok, batch))
-                bar.update(size)
-                batch, size = [], 0
-        yield from zip(batch, _encode_batch(tok, batch))
-        bar.update(size)
 
 
 #: end-of-text tokens, most specific first: GPT-2 and Qwen, Llama 3, Llama 2 and Mistral, Gemma

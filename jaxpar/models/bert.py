@@ -14,6 +14,11 @@ the mask token (the last id of the vocabulary, ``model.vocab_size − 1``), 10 %
 of the data's vocabulary and 10 % stay; the loss is the cross entropy at the chosen positions
 (a fixed count per example, so the mean over microbatches is the mean over the batch).
 
+**Packing** (``data.pack=documents``). Each token attends only to the tokens of its own
+document (both directions), and positions and the type halves are the document's own (of
+the piece of it the window holds): a document reads as it would alone in a window of its
+length. The masking stays the window's (the same positions as with ``concat``).
+
 **Randomness.** Masking and dropout draw from keys derived from (the model's RNG key, the
 RNG count, the example's id, the layer): the count is the microbatch's — the loss advances
 it by one per microbatch, and the pipeline executor gives microbatch ``j`` of a step the
@@ -29,6 +34,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from pydantic import Field, model_validator
@@ -41,6 +47,7 @@ from jaxpar.models.transformer import (
     RESIDUAL,
     Attention,
     Blocks,
+    Documents,
     Remat,
     TransformerLab,
     attention,
@@ -48,7 +55,10 @@ from jaxpar.models.transformer import (
     check_heads,
     const,
     layer_norm,
+    lm_batch_axes,
+    lm_documents,
     mlp,
+    packs_documents,
     param,
     transformer_counts,
 )
@@ -168,24 +178,34 @@ class BERT(nnx.Module):
 
         return jax.vmap(one)(keys_B, tokens_BT)
 
-    def embed_tokens(self, inputs_BT: jax.Array, keys_B: jax.Array) -> jax.Array:
-        """Token + position + type embeddings [B, T, D] (type 1 for the second half)."""
+    def embed_tokens(self, inputs_BT: jax.Array, keys_B: jax.Array,
+                     documents: Documents | None = None) -> jax.Array:
+        """Token + position + type embeddings [B, T, D] (type 1 for the second half); with
+        packed ``documents``, positions and halves are each document's own (as it would
+        have them alone)."""
         cfg, T = self.cfg, inputs_BT.shape[1]
         if T > cfg.max_seq_len:
             raise ConfigError(f"sequence length {T} exceeds model.max_seq_len={cfg.max_seq_len}; "
                               "raise model.max_seq_len or lower data.seq_len")
         table_VD = constrain(self.embed[...], (None, None))
-        types_T = (jnp.arange(T) >= T // 2).astype(jnp.int32)
-        x = jnp.take(table_VD, inputs_BT, axis=0) + self.pos[:T][None] + self.types[...][types_T]
+        x = jnp.take(table_VD, inputs_BT, axis=0)
+        if documents is None:
+            types_T = (jnp.arange(T) >= T // 2).astype(jnp.int32)
+            x = x + self.pos[:T][None] + self.types[...][types_T]
+        else:
+            x = (x + jnp.take(self.pos[...], documents.positions, axis=0)
+                 + jnp.take(self.types[...], _document_halves(documents), axis=0))
         x = _dropout(x, _fold(keys_B, _EMBEDDING), self._rate())
         return constrain(x.astype(jnp.dtype(cfg.dtype)), RESIDUAL)
 
     def _rate(self) -> float:
         return 0.0 if self.deterministic else self.cfg.dropout
 
-    def run_blocks(self, x_BTD: jax.Array, keys_B: jax.Array, first_layer: Any = 0) -> jax.Array:
+    def run_blocks(self, x_BTD: jax.Array, keys_B: jax.Array, first_layer: Any = 0,
+                   documents: Documents | None = None) -> jax.Array:
         """The stacked blocks of ``self.blocks``; block ``i`` is layer ``first_layer + i``
-        of the whole model (its dropout keys), however the layers are cut into stages."""
+        of the whole model (its dropout keys), however the layers are cut into stages;
+        packed ``documents``: each token attends within its own."""
         dtype, rate, impl = x_BTD.dtype, self._rate(), self.attention_impl
         stacked = self.blocks.stacked()
         layers = jnp.asarray(first_layer) + jnp.arange(jax.tree.leaves(stacked)[0].shape[0])
@@ -195,7 +215,7 @@ class BERT(nnx.Module):
             p = jax.tree.map(lambda a: a.astype(dtype), p)
             keys = _fold(keys_B, 2 + 2 * layer)
             h = layer_norm(x, p["ln1_scale"], p["ln1_bias"])
-            a = attention(h, p, False, impl, causal=False)
+            a = attention(h, p, False, impl, causal=False, documents=documents)
             x = constrain(x + _dropout(a, keys, rate), RESIDUAL)
             h = layer_norm(x, p["ln2_scale"], p["ln2_bias"])
             x = constrain(x + _dropout(mlp(h, p), _fold(keys_B, 3 + 2 * layer), rate),
@@ -226,13 +246,28 @@ def _inputs(model: BERT, batch: Any) -> tuple[jax.Array, jax.Array, jax.Array, j
     return keys, inputs, tokens, weights
 
 
+def _document_halves(documents: Documents) -> jax.Array:
+    """Each token's type [B, T]: 1 in the second half of its document (of the piece of it
+    the window holds), as the window's halves are without packing."""
+    segments = documents.segments
+    lengths = jax.vmap(lambda s: jnp.bincount(s, length=s.shape[0])[s])(segments)
+    return (documents.positions >= lengths // 2).astype(jnp.int32)
+
+
+def _documents(batch: Any) -> Documents | None:
+    """The packed documents of the encoder's T tokens (``segments`` beside ``tokens``),
+    in sequence order (bidirectional attention is not reordered); None without them."""
+    return lm_documents(batch, np.arange(batch["tokens"].shape[1] - 1))
+
+
 def _embed(model: BERT, batch: Any) -> jax.Array:
     keys, inputs, _, _ = _inputs(model, batch)
-    return model.embed_tokens(inputs, keys)
+    return model.embed_tokens(inputs, keys, _documents(batch))
 
 
 def _stage(model: BERT, x: jax.Array, batch: Any, first_layer: Any = 0) -> jax.Array:
-    return model.run_blocks(x, model.example_keys(batch["index"]), first_layer)
+    return model.run_blocks(x, model.example_keys(batch["index"]), first_layer,
+                            _documents(batch))
 
 
 def _head(model: BERT, x: jax.Array, batch: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -257,17 +292,20 @@ def mlm_loss(model: BERT, batch: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
 STAGES = StageSplit("blocks", _embed, _stage, _head)
 
 
-def task(cfg: BERTConfig, seq_len: int, data_vocab: int | None = None) -> Task:
+def task(cfg: BERTConfig, seq_len: int, data_vocab: int | None = None,
+         documents: bool = False) -> Task:
     """BERT's task: masked-LM on windows of ``seq_len`` tokens (each example carries its
     ``index``, which keys its masking); ``data_vocab``: the ids the data holds (default:
-    all but the mask token, ``vocab_size - 1``)."""
+    all but the mask token, ``vocab_size - 1``); with ``documents``, the windows' packed
+    documents (``segments`` beside ``tokens``) attend each within itself, positions and
+    token-type halves each document's own (the masking is the window's, unchanged)."""
     return Task(lambda rngs: BERT(cfg, data_vocab, rngs=rngs), mlm_loss,
-                {"tokens": ("batch", None), "index": ("batch",)},
+                lm_batch_axes(documents) | {"index": ("batch",)},
                 tokens_per_example=seq_len, stages=STAGES, name="bert", context_parallel=True)
 
 
 def _needs(cfg: BERTConfig) -> DataNeeds:
-    return DataNeeds("text", vocab_size=cfg.vocab_size - 1, example_ids=True)
+    return DataNeeds("text", vocab_size=cfg.vocab_size - 1, example_ids=True, documents=True)
 
 
 def _counts(cfg: BERTConfig, data: Any) -> Counts:
@@ -280,7 +318,8 @@ def _counts(cfg: BERTConfig, data: Any) -> Counts:
 
 
 BERT_FAMILY = register(Family(
-    "bert", BERTConfig, lambda cfg, data: task(cfg, data.seq_len, data.vocab_size), _needs,
+    "bert", BERTConfig,
+    lambda cfg, data: task(cfg, data.seq_len, data.vocab_size, packs_documents(data)), _needs,
     counts=_counts, lab=TransformerLab(),
     memory_fixes=lambda cfg: [] if cfg.remat == "full" else ["model.remat=full"],
     compute_dtype=lambda cfg: cfg.dtype,

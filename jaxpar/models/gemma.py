@@ -6,7 +6,9 @@ with its own rotary base), soft-capped attention and output logits where the con
 them, Gemma 3's per-head q/k norms, a tied output layer (or an untied one). The keys:
 :mod:`jaxpar.models.gemma_config`; the arithmetic: :mod:`jaxpar.models.gemma_layers`;
 Hugging Face interchange: ``jaxpar/hf/gemma.py``. Shape suffixes as in
-:mod:`jaxpar.models.llama`.
+:mod:`jaxpar.models.llama`. Packed documents (``data.pack=documents``): every layer,
+windowed or full, soft-capped or not, attends within each document, rotary positions
+restarting at each; loss masks weigh the targets as the GPT's and the Llama's do.
 
 Parameters (logical axes): embed W[V, D] (vocab, embed); per layer, stacked on a leading
 ``layers`` dim: attn_norm, post_attn_norm, mlp_norm, post_mlp_norm [L, D] (layers, embed);
@@ -35,12 +37,18 @@ from jaxpar.models.llama_attention import attention_params, cached_mask, out
 from jaxpar.models.transformer import (
     REMAT_POLICIES,
     RESIDUAL,
+    Documents,
     TransformerLab,
     attention_implementation,
     const,
     kv_cache,
+    lm_batch_axes,
+    lm_documents,
     lm_sequence,
+    lm_weights,
+    masks_loss,
     next_token_loss,
+    packs_documents,
     param,
     refuse_init_from,
     transformer_tensor_terms,
@@ -92,11 +100,12 @@ class Gemma(nnx.Module):
         if not cfg.tie_embeddings:
             self.head = param(rngs.params(), (D, V), ("embed", "vocab"), 0.02)
 
-    def __call__(self, tokens_BT: jax.Array, positions_T: np.ndarray | None = None
-                 ) -> jax.Array:
-        """Logits [B, T, V] of tokens at ``positions_T`` (0 … T-1 when None)."""
+    def __call__(self, tokens_BT: jax.Array, positions_T: np.ndarray | None = None,
+                 documents: Documents | None = None) -> jax.Array:
+        """Logits [B, T, V] of tokens at ``positions_T`` (0 … T-1 when None), packed as
+        ``documents`` (:func:`~jaxpar.models.transformer.lm_documents`) when given."""
         pos = np.arange(tokens_BT.shape[1]) if positions_T is None else positions_T
-        return self.logits(self.run_blocks(self.embed_tokens(tokens_BT), pos))
+        return self.logits(self.run_blocks(self.embed_tokens(tokens_BT), pos, documents))
 
     def embed_tokens(self, tokens_BT: jax.Array) -> jax.Array:
         """Token embeddings × √D [B, T, D], in the compute dtype (transformers casts the
@@ -109,13 +118,15 @@ class Gemma(nnx.Module):
         x = jnp.take(constrain(self.embed[...], (None, None)), tokens_BT, axis=0).astype(dtype)
         return constrain(x * jnp.asarray(math.sqrt(cfg.d_model), dtype), RESIDUAL)
 
-    def run_blocks(self, x_BTD: jax.Array, positions_T: np.ndarray) -> jax.Array:
-        """All blocks, in order (a pipeline chunk: its own; see :func:`_stage`)."""
+    def run_blocks(self, x_BTD: jax.Array, positions_T: np.ndarray,
+                   documents: Documents | None = None) -> jax.Array:
+        """All blocks, in order (a pipeline chunk: its own; see :func:`_stage`); packed
+        ``documents``: attention and rotary positions within each."""
         cfg, dtype = self.cfg, x_BTD.dtype
 
         def step(x, p, kind):
             attention = lambda h, p: layers.self_attention(  # noqa: E731
-                h, p, kind, positions_T, cfg, self.attention_impl)
+                h, p, kind, positions_T, cfg, self.attention_impl, documents)
             return layers.block(x, layers.in_compute_dtype(p, dtype), attention,
                                 cfg.norm_eps), None
 
@@ -170,9 +181,11 @@ class Gemma(nnx.Module):
 
 # ---- the loss, cut into pipeline stages -----------------------------------------------------
 def gemma_loss(model: Gemma, batch: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Next-token cross entropy over ``batch['tokens']`` [B, T+1]."""
+    """Next-token cross entropy over ``batch['tokens']`` [B, T+1] (its packed documents
+    and loss weights, where the batch has them)."""
     inputs, targets, pos_T = lm_sequence(batch)
-    return next_token_loss(model(inputs, pos_T), targets)
+    return next_token_loss(model(inputs, pos_T, lm_documents(batch, pos_T)), targets,
+                           lm_weights(batch, pos_T))
 
 
 def _embed(model: Gemma, batch: Any) -> jax.Array:
@@ -189,21 +202,27 @@ def _stage(model: Gemma, x: jax.Array, batch: Any, first: Any) -> jax.Array:
                           f"{cfg.n_layers} layers, not a multiple of the {m}-layer "
                           "local/global attention pattern (model.sliding_window_pattern); "
                           "pick mesh.stage and pipeline.virtual that make it one")
-    return model.run_blocks(x, lm_sequence(batch)[2])
+    pos_T = lm_sequence(batch)[2]
+    return model.run_blocks(x, pos_T, lm_documents(batch, pos_T))
 
 
 def _head(model: Gemma, x: jax.Array, batch: Any) -> tuple[jax.Array, dict]:
-    return next_token_loss(model.logits(x), lm_sequence(batch)[1])
+    _, targets, pos_T = lm_sequence(batch)
+    return next_token_loss(model.logits(x), targets, lm_weights(batch, pos_T))
 
 
 STAGES = StageSplit("blocks", _embed, _stage, _head)
 
 
 # ---- the family ------------------------------------------------------------------------------
-def task(cfg: GemmaConfig, seq_len: int) -> Task:
-    """The Gemma's task: next-token prediction on windows of ``seq_len + 1`` tokens."""
+def task(cfg: GemmaConfig, seq_len: int, documents: bool = False, loss_mask: bool = False
+         ) -> Task:
+    """The Gemma's task: next-token prediction on windows of ``seq_len + 1`` tokens (with
+    ``documents``, their packed documents attending each within itself, windowed layers
+    too; with ``loss_mask``, only the targets it marks counting)."""
     refuse_init_from(cfg)
-    return Task(lambda rngs: Gemma(cfg, rngs=rngs), gemma_loss, {"tokens": ("batch", None)},
+    return Task(lambda rngs: Gemma(cfg, rngs=rngs), gemma_loss,
+                lm_batch_axes(documents, loss_mask),
                 tokens_per_example=seq_len, name="gemma", context_parallel=True, stages=STAGES)
 
 
@@ -233,8 +252,10 @@ class GemmaLab(TransformerLab):
 
 GEMMA_FAMILY = register(Family(
     "gemma", GemmaConfig,
-    lambda cfg, data: task(dataclasses.replace(cfg, init_from=""), data.seq_len),
-    lambda cfg: DataNeeds("text", vocab_size=cfg.vocab_size),
+    lambda cfg, data: task(dataclasses.replace(cfg, init_from=""), data.seq_len,
+                           packs_documents(data), masks_loss(data)),
+    lambda cfg: DataNeeds("text", vocab_size=cfg.vocab_size, documents=True,
+                          loss_mask=True),
     counts=lambda cfg, data: Counts(*gemma_counts(cfg, data.seq_len)),
     lab=GemmaLab(),
     memory_fixes=lambda cfg: [] if cfg.remat == "full" else ["model.remat=full"],

@@ -20,7 +20,7 @@ from jaxpar.context import attend
 from jaxpar.logical import constrain
 from jaxpar.models.gemma_config import GemmaConfig, LayerKind
 from jaxpar.models.llama_attention import out, qkv
-from jaxpar.models.transformer import RESIDUAL, rms_norm
+from jaxpar.models.transformer import RESIDUAL, Documents, rms_norm
 
 #: Parameters cast to the compute dtype; the norms' weights stay float32, as
 #: transformers computes (1 + w) in float32 whatever the weights' dtype.
@@ -43,12 +43,17 @@ def gated_gelu(h: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
     return jnp.einsum("btf,fd->btd", u, p["w_down"])
 
 
-def visible(pos_q: jax.Array, pos_k: jax.Array, window: int) -> jax.Array:
+def visible(pos_q: jax.Array, pos_k: jax.Array, window: int,
+            segments: jax.Array | None = None) -> jax.Array:
     """[1, 1, T, S] True where a query sees a key: its causal past, the last ``window``
-    positions of it when ``window`` > 0 (transformers' sliding mask)."""
+    positions of it when ``window`` > 0 (transformers' sliding mask); [B, 1, T, S] with
+    segment ids [B, T] (queries and keys alike: a sequence's own), and only within a
+    segment (where the positions' differences are the document's own)."""
     back = pos_q[:, None] - pos_k[None, :]
-    seen = back >= 0 if not window else (back >= 0) & (back < window)
-    return seen[None, None]
+    seen = (back >= 0 if not window else (back >= 0) & (back < window))[None, None]
+    if segments is None:
+        return seen
+    return seen & (segments[:, None, :, None] == segments[:, None, None, :])
 
 
 def capped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
@@ -74,19 +79,23 @@ def projections(h: jax.Array, p: dict[str, jax.Array], pos: jax.Array, kind: Lay
 
 
 def self_attention(h: jax.Array, p: dict[str, jax.Array], kind: LayerKind,
-                   positions_T: np.ndarray, cfg: GemmaConfig, implementation: str
-                   ) -> jax.Array:
-    """One layer's attention over the sequence (its tokens at ``positions_T``)."""
+                   positions_T: np.ndarray, cfg: GemmaConfig, implementation: str,
+                   documents: Documents | None = None) -> jax.Array:
+    """One layer's attention over the sequence (its tokens at ``positions_T``); packed
+    ``documents``: each query sees its own document only (the window counted within
+    it), rotated to its position within it."""
     pos = jnp.asarray(positions_T)
-    q, k, v = projections(h, p, pos, kind)
+    rotated = pos if documents is None else documents.positions
+    segments = None if documents is None else documents.segments
+    q, k, v = projections(h, p, rotated, kind)
     if cfg.attn_softcap:
-        o = capped_attention(q, k, v, visible(pos, pos, kind.window), cfg.scale,
+        o = capped_attention(q, k, v, visible(pos, pos, kind.window, segments), cfg.scale,
                              cfg.attn_softcap)
     else:  # attend scales by H^-½: the queries carry the rest of Gemma's scale
         factor = cfg.scale * math.sqrt(cfg.head_dim)
         q = q if factor == 1.0 else q * jnp.asarray(factor, q.dtype)
         o = attend(q, k, v, positions_T, causal=True, window=kind.window,
-                   implementation=implementation)
+                   implementation=implementation, segments=segments)
     return out(o, p)
 
 
