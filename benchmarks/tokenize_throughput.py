@@ -84,7 +84,8 @@ def prepare(paths: list[Path], tok_file: Path, out: Path, workers: int) -> np.nd
     """``jaxpar prepare-data`` in a fresh process; the ids it wrote."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     subprocess.run([sys.executable, "-m", "jaxpar", "prepare-data", *map(str, paths), "--out",
-                    str(out), "--tokenizer", str(tok_file), "--workers", str(workers)],
+                    str(out), "--tokenizer", str(tok_file), "--workers", str(workers),
+                    "--overwrite"],
                    check=True, env=env, capture_output=True)
     meta = json.loads(Path(f"{out}.json").read_text())
     return np.fromfile(out, dtype=meta["dtype"])
@@ -131,7 +132,7 @@ def main() -> None:
         print(f"{mb:.1f} MB of text in {len(texts):,} documents, {args.files} files, "
               f"BPE of {args.vocab} ids, {cores()} CPU cores")
         print(f"  tokenizers encode_batch (in memory): {mb / ref_s:6.2f} MB/s; "
-              f"encode_batch_fast (no offsets, what prepare-data calls): {mb / fast_s:6.2f} MB/s")
+              f"encode_batch_fast (no offsets, what prepare-data calls): {mb / fast_s:.2f} MB/s")
         for workers in (1, cores()):
             ours_s, ids = best_of(args.repeats, lambda: prepare(
                 paths, tok_file, folder / "out.tokens", workers))

@@ -23,7 +23,7 @@ from jaxpar.checkpoint import CheckpointConfig
 from jaxpar.context import ContextConfig
 from jaxpar.data.sources import DataConfig
 from jaxpar.errors import ConfigError
-from jaxpar.files import name_too_long
+from jaxpar.files import name_too_long, system_folder_problem
 from jaxpar.guard import Guard
 from jaxpar.mesh import MAX_CPU_DEVICES, MAX_DEVICES, MeshConfig
 from jaxpar.model_section import family_of, merge_model
@@ -66,6 +66,9 @@ class RunConfig:
         too_long = name_too_long(value, "run.dir")
         if too_long:
             raise ConfigError(f"{too_long}: choose a shorter run.dir")
+        problem = system_folder_problem(value, "run.dir")
+        if problem:
+            raise ConfigError(problem)
         return value
 
 

@@ -108,9 +108,13 @@ class Preempted(JaxparError):
         self.step, self.signame = step, signame
 
 
-class Terminated(JaxparError):
+class Terminated(BaseException):
     """A SIGTERM before training began (or after it ended): nothing of this run's was
-    being written, so none was checkpointed; the same command starts or resumes it."""
+    being written, so none was checkpointed; the same command starts or resumes it.
+
+    A ``BaseException`` as ``KeyboardInterrupt`` is, not a :class:`JaxparError`: code that
+    catches ``Exception`` (a library's callback, the lab skipping a layout that cannot
+    run) must not swallow a stop signal."""
 
     exit_status = TERMINATED
 

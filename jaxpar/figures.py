@@ -64,6 +64,7 @@ def save_figure(fig: Figure, path: str | Path) -> Path:
 
     Raises:
       PathError: for a suffix matplotlib cannot write.
+      OSError: naming ``path`` when it cannot be written (a full disk).
     """
     path = Path(path)
     fmt = image_format(path)
@@ -75,6 +76,12 @@ def save_figure(fig: Figure, path: str | Path) -> Path:
             metadata = {"Date": None} if fmt in ("svg", "pdf") else None
             fig.savefig(f, format=fmt, dpi=DPI, metadata=metadata)
         os.replace(tmp, path)
+    except OSError as err:
+        Path(tmp).unlink(missing_ok=True)
+        if err.filename:
+            raise
+        # a full disk's error names no file: the one-line report names the image
+        raise OSError(err.errno, err.strerror or str(err), str(path)) from err
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

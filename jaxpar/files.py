@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from jaxpar.errors import PathError
@@ -103,6 +104,19 @@ def ensure_dir(path: str | Path, what: str, fix: str | None = None) -> Path:
     return path
 
 
+def refuse_existing(paths: dict[Path, str], overwrite: bool) -> None:
+    """Raise for the first of ``paths`` (path → what it is, e.g. ``--out``) that exists,
+    unless ``overwrite``.
+
+    Raises:
+      PathError: one line naming it and ``--overwrite``.
+    """
+    for path, what in paths.items():
+        if path.exists() and not overwrite:
+            raise PathError(f"{what} '{path}' exists; choose another path, or pass "
+                            "--overwrite to replace it")
+
+
 def check_output_file(path: str | Path, what: str) -> Path:
     """Checks that file ``path`` can be written (creating its parent folders).
 
@@ -117,6 +131,74 @@ def check_output_file(path: str | Path, what: str) -> Path:
     ensure_dir(path.parent, f"the folder of {what}", f"choose another {what} path")
     if path.exists() and not os.access(path, os.W_OK):
         raise PathError(f"{what} '{path}' exists and is not writable; choose another path")
+    return path
+
+
+#: Folders no run may take as its own (``run.dir``, ``checkpoint.dir``): a run writes its
+#: files there and its lock covers it. The home folder is refused too (:func:`system_folder`).
+SYSTEM_FOLDERS = (
+    "/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/libx32",
+    "/media", "/mnt", "/opt", "/proc", "/root", "/run", "/sbin", "/srv", "/sys", "/tmp",
+    "/usr", "/usr/bin", "/usr/lib", "/usr/local", "/usr/sbin", "/usr/share", "/var",
+    "/var/lib", "/var/log", "/var/tmp", "/Applications", "/Library", "/System", "/Users",
+    "/Volumes", "/private", "/private/tmp", "/private/var")
+
+
+def system_folder(path: str | Path) -> str | None:
+    """What ``path`` is when it is the file system root, a system folder
+    (:data:`SYSTEM_FOLDERS`) or the home folder itself (``"the file system root"``,
+    ``"the system folder '/usr'"``), else None. Symlinks and ``..`` are resolved."""
+    full = os.path.realpath(path)
+    if full == os.path.realpath("/"):
+        return "the file system root"
+    home = os.path.expanduser("~")
+    if home not in ("~", "/") and full == os.path.realpath(home):
+        return f"the home folder '{home}'"
+    for folder in SYSTEM_FOLDERS:
+        if full == os.path.realpath(folder):
+            return f"the system folder '{folder}'"
+    return None
+
+
+def system_folder_problem(path: str | Path, what: str) -> str | None:
+    """The one line refusing ``path`` as a run's folder (named by ``what``: ``run.dir``)
+    when :func:`system_folder` says what it is, else None."""
+    which = system_folder(path)
+    if not which:
+        return None
+    return (f"{what} '{path}' is {which}: a run writes its files into its {what} and locks "
+            f"it; give it a folder of its own, e.g. {what}=runs/NAME")
+
+
+def with_path(err: OSError, path: str | Path) -> OSError:
+    """``err`` as an ``OSError`` naming ``path`` (a write's ``ENOSPC`` names no file), to
+    raise from ``err``."""
+    return OSError(err.errno, err.strerror or str(err), str(path))
+
+
+def write_atomic(path: str | Path, body: str | bytes, mode: int = 0o644) -> Path:
+    """Writes ``body`` (text as UTF-8) at ``path`` through a temporary file in its folder,
+    renamed over ``path`` once whole, with ``mode`` (whatever the umask: as the images
+    beside it); a reader never sees half a file.
+
+    Raises:
+      OSError: naming ``path`` (a full disk's error names none itself).
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(body.encode() if isinstance(body, str) else body)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except OSError as err:
+        Path(tmp).unlink(missing_ok=True)
+        if err.filename:
+            raise
+        raise with_path(err, path) from err
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return path
 
 

@@ -293,7 +293,7 @@ def train(config: Config | None = None, *, task: Task | None = None,
     hooks = [*load_hooks(config.train.hooks), *hooks]
     _setup_devices(config.run.devices)
     with _locked_run_dirs(config):
-        run = build(config, task, optimizer)
+        run = build(config, task, optimizer, fit_memory=True)
         say = print if echo and jax.process_index() == 0 else (lambda *a, **k: None)
         say(f"jaxpar: running on {describe_devices(run.devices)}; "
             f"{describe_mesh(run.plan.mesh)}", flush=True)

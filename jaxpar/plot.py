@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from jaxpar.errors import PathError
 from jaxpar.figures import DPI, image_format, new_figure, save_figure  # noqa: F401 (DPI)
+from jaxpar.outputs import check_new_file
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -222,9 +223,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     cmd.add_argument("--out", default="plot.png", metavar="PATH",
                      help="the image to write; the suffix picks the format (.png, .svg, …; "
                           "default: plot.png)")
+    cmd.add_argument("--overwrite", action="store_true",
+                     help="replace an existing --out file; without it that is refused (a "
+                          "run's own files and a running run's directory never are written)")
     return cmd
 
 
 def run(args: argparse.Namespace) -> None:
-    """Runs ``jaxpar plot``: reads the runs, writes the figure, says where."""
+    """Runs ``jaxpar plot``: checks ``--out`` (:mod:`jaxpar.outputs`: an existing file only
+    with ``--overwrite``), reads the runs, writes the figure, says where."""
+    image_format(args.out)
+    check_new_file(args.out, "--out", getattr(args, "overwrite", False))
     print(f"plot written to {plot_runs(args.run_dirs, args.out)}")

@@ -30,7 +30,8 @@ from jaxpar.config import Config
 from jaxpar.data.token_file import open_tokens, tokenizer_of
 from jaxpar.data.tokenizers import HFTokenizer
 from jaxpar.errors import ConfigError, PathError, RestoreError
-from jaxpar.files import check_output_file, ensure_dir
+from jaxpar.files import check_output_file, ensure_dir, with_path
+from jaxpar.outputs import check_new_file, check_new_folder
 from jaxpar.run import Run, build, eval_metric_names, host_value, to_host
 from jaxpar.state import TrainState
 
@@ -284,14 +285,15 @@ def export_params(config: Config, out: str | Path, step: int | None = None,
     else:
         out = check_output_file(out, "--out")
     config = _without_init_from(config) if task is None else config
-    state = restore_state(build(config, task), step, "jaxpar export")
+    state = restore_state(build(config, task, fit_memory=True), step, "jaxpar export")
     params = jax.tree.map(host_value, state.params)
     if jax.process_index() == 0:
         if format == "hf":
-            hf.files.remove_model_files(out)  # an empty folder, or --overwrite: replaced
+            earlier = hf.files.model_file_ids(out)  # none, or --overwrite: replaced
             hf.write(out, params, config.model)
             if tokenizer is not None:
                 hf.files.write_tokenizer(out, *tokenizer)
+            hf.files.remove_stale(earlier)  # only once the new model is whole
         else:
             _write_npz(out, {shd.path_str(path): leaf for path, leaf
                              in jax.tree_util.tree_leaves_with_path(params)})
@@ -299,22 +301,18 @@ def export_params(config: Config, out: str | Path, step: int | None = None,
 
 
 def check_export_target(out: Path, run_dir: Path, format: str, overwrite: bool) -> None:
-    """Raises a one-line PathError when ``out`` lies inside the run directory, or exists
-    (a file, or a folder holding files) and ``overwrite`` is not set."""
+    """Raises a one-line PathError when ``out`` lies inside the run directory, is another
+    run's own file or lies in a running run's directory, or exists (a file, or a folder
+    holding files) and ``overwrite`` is not set (:mod:`jaxpar.outputs`)."""
     inside = out.resolve() == run_dir.resolve() or run_dir.resolve() in out.resolve().parents
     if inside:
         raise PathError(f"--out '{out}' lies inside the run directory '{run_dir}', whose "
                         "files the run owns; write the export elsewhere")
-    if overwrite:
-        return
-    if format == "npz" and out.is_file():
-        raise PathError(f"--out '{out}' exists; choose another path, or pass --overwrite to "
-                        "replace it")
-    if format == "hf" and out.is_dir() and any(out.iterdir()):
-        held = sorted(p.name for p in out.iterdir())
-        shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
-        raise PathError(f"--out '{out}' is not empty (it holds {shown}); choose an empty or "
-                        "new directory, or pass --overwrite to replace its model files")
+    if format == "hf":
+        check_new_folder(out, "--out", "model files (config.json, safetensors, tokenizer)",
+                         overwrite)
+    else:
+        check_new_file(out, "--out", overwrite)
 
 
 def run_tokenizer(config: Config) -> tuple[Path, dict[str, str]] | None:
@@ -350,5 +348,9 @@ def _write_npz(out: Path, flat: dict[str, np.ndarray]) -> None:
     try:
         np.savez(tmp, **flat)
         os.replace(tmp, out)
+    except OSError as err:
+        if err.filename:
+            raise
+        raise with_path(err, out) from err  # a full disk's error names no file
     finally:
         tmp.unlink(missing_ok=True)

@@ -29,7 +29,7 @@ from jaxpar.mesh import make_mesh, select_devices
 from jaxpar.model_section import model_settings
 from jaxpar.models.family import Family, ModelConfig
 from jaxpar.optim import decay_mask, make_optimizer
-from jaxpar.plan import Plan, abstract_model, global_batch_shapes, make_plan
+from jaxpar.plan import Plan, abstract_model, global_batch_shapes, make_plan, sizes
 from jaxpar.state import TrainState
 from jaxpar.task import Task
 from jaxpar.trainer import Trainer
@@ -59,7 +59,8 @@ class Run:
 
 
 def build(config: Config, task: Task | None = None,
-          optimizer: optax.GradientTransformation | None = None) -> Run:
+          optimizer: optax.GradientTransformation | None = None, *,
+          fit_memory: bool = False) -> Run:
     """Devices, mesh, rules, data, task, optimizer and trainer from ``config``.
 
     Args:
@@ -67,12 +68,24 @@ def build(config: Config, task: Task | None = None,
       task: a user's task; None builds the model family ``config.model.name``.
       optimizer: any Optax transformation; None takes ``task.optimizer``, else the one
         the config's ``optim`` section describes.
+      fit_memory: also refuse a run whose state, or an array one step computes, does not
+        fit the devices' memory (:mod:`jaxpar.plan.sizes`), as training and restoring a
+        checkpoint do. Without it nothing is allocated, so a run for other machines builds
+        here (a GPU-sized config on the CPU); only sizes no device holds are refused.
+
+    Raises:
+      ConfigError, LayoutError, DataError, TaskError: for a setting, layout, data or task
+        that cannot run, in one line.
     """
     own_optimizer = optimizer is not None or (task is not None and task.optimizer is not None)
     warn_unused(config, user_task=task is not None,
                 own_data=task is not None and task.data is not None, own_optimizer=own_optimizer)
+    user_task = task
+    sizes.check_settings(_sizes(config, user_task))
     devices = select_devices(config.run.devices)
     mesh = make_mesh(config.mesh, devices)
+    sizes.check_microbatches(config.train.batch_size, config.train.grad_accum,
+                             config.pipeline.microbatches, mesh.shape["stage"])
     rules = shd.resolve_rules(config.rules)
     family = None
     if task is None:
@@ -89,11 +102,29 @@ def build(config: Config, task: Task | None = None,
     plan = make_plan(task, tx, mesh, rules, grad_accum=config.train.grad_accum,
                      pipeline=config.pipeline, fsdp_gather=config.train.fsdp_gather,
                      model=model, context=config.context)
+    memory = sizes.device_memory(devices) if fit_memory else None
+    settings = _sizes(config, user_task)
+    sizes.check_state(plan, memory, settings)  # before a batch is drawn or a byte allocated
     # the global batch must split over microbatches × batch devices: say so before training
-    plan.batch_shardings(global_batch_shapes(data.batch(0, config.train.batch_size)))
+    batch = global_batch_shapes(data.batch(0, config.train.batch_size))
+    plan.batch_shardings(batch)
+    sizes.check_activations(plan, batch, memory, settings)
     trainer = Trainer(plan, seed=config.run.seed,
                       nonfinite_guard=config.train.nonfinite_guard)
     return Run(config, trainer, data, devices, family)
+
+
+def _sizes(config: Config, user_task: Task | None) -> dict[str, int]:
+    """The integer settings an array's dims may follow from, for the size checks: the
+    batch's, and the model section's when the config's family builds the model."""
+    found = {"train.batch_size": config.train.batch_size}
+    if user_task is None or user_task.data is None:
+        found["data.seq_len"] = config.data.seq_len
+    if user_task is None:
+        model = config.model
+        found |= {f"model.{f.name}": getattr(model, f.name) for f in dataclasses.fields(model)
+                  if type(getattr(model, f.name)) is int}
+    return found
 
 
 def task_for(config: Config) -> Task:

@@ -1,12 +1,11 @@
 """One run per directory, nothing overwritten: the run-dir lock, path checks, and what a
 (re)started run does with the files a run dir already holds.
 
-* **Lock.** A run holds ``.jaxpar.lock`` in its run dir and in its checkpoint dir (an
-  exclusive ``flock`` on it, and the holder's pid, host and start time inside) from
-  before it reads a checkpoint until it exits. A second run in either directory — or
-  in a directory inside one (paths resolved through symlinks) — is refused, naming the
-  holder. The kernel drops the lock when the holder dies, however it dies, so a lock
-  file left by a crashed run is taken over, with a note naming the dead holder.
+* **Lock** (:mod:`jaxpar.lock`). A run holds ``.jaxpar.lock`` in its run dir and in its
+  checkpoint dir from before it reads a checkpoint until it exits. A second run in
+  either directory — or in a folder the run writes inside them — is refused, naming the
+  holder; an unrelated run in another folder below a run dir is not. The kernel drops
+  the lock when the holder dies, so a lock left by a crashed run is taken over.
 * **metrics.jsonl.** A resumed run keeps the rows up to its checkpoint's step and
   appends; rows logged after that step (the run went on past its last checkpoint) are
   moved to ``metrics.discarded.jsonl``, not deleted. A truncated last line (a crash
@@ -22,185 +21,22 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
-import socket
-import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Self
+from typing import Any
 
 from jaxpar.errors import PathError
-from jaxpar.files import ensure_dir
+from jaxpar.files import ensure_dir  # noqa: F401 (jaxpar.loop's)
+from jaxpar.lock import LOCK, RunDirBusy, RunDirLock  # noqa: F401 (re-exported)
 
-LOCK = ".jaxpar.lock"
 METRICS = "metrics.jsonl"
 DISCARDED = "metrics.discarded.jsonl"
 
 
-# ---- the lock ------------------------------------------------------------------------------
-class RunDirBusy(PathError):
-    """Another live run holds the run directory."""
-
-
-def _holder(text: str) -> dict[str, Any]:
-    try:
-        info = json.loads(text)
-        return info if isinstance(info, dict) else {}
-    except ValueError:
-        return {}
-
-
-def _describe(info: dict[str, Any]) -> str:
-    when = info.get("started")
-    since = f", started {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(when))}" \
-        if isinstance(when, (int, float)) else ""
-    return f"pid {info.get('pid', '?')} on host {info.get('host', '?')}{since}"
-
-
-def _pid_alive(pid: Any) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-class RunDirLock:
-    """An exclusive lock on a run directory (see the module docstring).
-
-    Where the file system has no ``flock`` (some network file systems), the lock falls
-    back to the pid in the file: a holder on this host that no longer runs is taken
-    over; one on another host must be removed by hand (the message says how).
-    """
-
-    def __init__(self, directory: str | Path, what: str = "run.dir"):
-        self.directory = Path(directory).resolve()
-        self.path = self.directory / LOCK
-        self.what = what
-        self._fd: int | None = None
-        self._created = False
-        self.took_over: dict[str, Any] | None = None
-
-    def acquire(self) -> Self:
-        """Takes the lock.
-
-        Raises:
-          RunDirBusy: when another live run holds it, naming its pid and host.
-          PathError: when the directory cannot be created or written.
-        """
-        _refuse_inside_held(self.directory, self.what)  # before anything is created
-        self._created = not self.directory.exists()
-        ensure_dir(self.directory, self.what)
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            if not self._flock(fd):
-                raise _busy(self.directory, self.what, fd)
-            old = _holder(os.pread(fd, 4096, 0).decode(errors="replace"))
-            if old and old.get("pid") and (old.get("pid"), old.get("host")) != (
-                    me["pid"], me["host"]):
-                self.took_over = old
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps(me).encode(), 0)
-        except BaseException:
-            os.close(fd)
-            raise
-        self._fd = fd
-        _HELD.add(self.directory)
-        if self.took_over:
-            print(f"jaxpar: note: took over the lock {self.path} left by a run that is no "
-                  f"longer running ({_describe(self.took_over)})", flush=True)
-        return self
-
-    def _flock(self, fd: int) -> bool:
-        """flock when the file system has it; else the pid check (see the class doc)."""
-        import fcntl
-
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            return False
-        except OSError as err:
-            if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                raise
-        info = _holder(os.pread(fd, 4096, 0).decode(errors="replace"))
-        if not info:
-            return True
-        if info.get("host") == socket.gethostname():
-            return not _pid_alive(info.get("pid")) or info.get("pid") == os.getpid()
-        raise RunDirBusy(
-            f"{self.what} '{self.directory}' has a lock file left by {_describe(info)} and "
-            "this file system cannot tell whether that run still runs; if it does not, "
-            f"delete {self.path} and start again")
-
-    def release(self) -> None:
-        """Empties the lock file (a clean exit leaves no holder behind) and unlocks; a
-        directory the lock created and nothing else wrote into (the run stopped before it
-        began: a bad task or layout) is removed again."""
-        if self._fd is None:
-            return
-        with contextlib.suppress(OSError):
-            os.ftruncate(self._fd, 0)
-            if self._created and os.listdir(self.directory) == [LOCK]:
-                self.path.unlink()
-                self.directory.rmdir()
-        os.close(self._fd)  # closing the descriptor drops the flock
-        self._fd = None
-        _HELD.discard(self.directory)
-
-    def __enter__(self) -> Self:
-        return self.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-
-def _busy(directory: Path, what: str, fd: int) -> RunDirBusy:
-    info = _holder(os.pread(fd, 4096, 0).decode(errors="replace"))
-    return RunDirBusy(f"{what} '{directory}' is in use by another jaxpar run "
-                      f"({_describe(info)}); wait for it to finish or stop it, or give this "
-                      f"run another {what}")
-
-
-_HELD: set[Path] = set()  # the directories this process holds locks on
-
-
-def _refuse_inside_held(directory: Path, what: str) -> None:
-    """Refuses a directory inside one that another live run holds (``flock`` is per open
-    file, so this process's own locks are known from ``_HELD``)."""
-    import fcntl
-
-    for parent in (directory, *directory.parents):
-        lock = parent / LOCK
-        if parent in _HELD or not lock.is_file():
-            continue
-        try:
-            fd = os.open(lock, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if parent == directory:
-                raise _busy(directory, what, fd) from None
-            info = _holder(os.pread(fd, 4096, 0).decode(errors="replace"))
-            raise RunDirBusy(f"{what} '{directory}' lies inside '{parent}', which another "
-                             f"jaxpar run holds ({_describe(info)}); give this run a "
-                             f"{what} of its own") from None
-        except OSError:
-            pass  # no flock here: nothing to tell
-        finally:
-            os.close(fd)
-
-
+# ---- the lock (jaxpar.lock) ----------------------------------------------------------------
 @contextlib.contextmanager
 def locked(directories: list[tuple[Path, str]]) -> Iterator[list[RunDirLock]]:
     """Holds the locks of several directories (the run dir and the checkpoint dir) — on process 0 only; the other processes of a run share its

@@ -322,15 +322,20 @@ def itemsize(dtype: Any) -> int:
     return np.dtype(dtype).itemsize
 
 
-def bytes_per_device(abstract: Any, shardings: Any) -> int:
-    """Bytes the most loaded device holds of a sharded tree (each leaf's shard on every
-    device of its sharding: all of them, or one pipeline stage's)."""
+def bytes_by_device(abstract: Any, shardings: Any) -> dict[Any, int]:
+    """Bytes each device holds of a sharded tree (each leaf's shard on every device of its
+    sharding: all of them, or one pipeline stage's)."""
     held: dict[Any, int] = {}
     for leaf, sharding in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)):
         nbytes = math.prod(sharding.shard_shape(leaf.shape)) * itemsize(leaf.dtype)
         for device in sharding.device_set:
             held[device] = held.get(device, 0) + nbytes
-    return max(held.values(), default=0)
+    return held
+
+
+def bytes_per_device(abstract: Any, shardings: Any) -> int:
+    """Bytes the most loaded device holds of a sharded tree (:func:`bytes_by_device`)."""
+    return max(bytes_by_device(abstract, shardings).values(), default=0)
 
 
 def total_bytes(abstract: Any) -> int:

@@ -21,7 +21,7 @@ from flax import nnx
 from jaxpar import guard
 from jaxpar.errors import TaskError
 from jaxpar.logical import activation_rules
-from jaxpar.plan import Plan, global_batch_shapes
+from jaxpar.plan import Plan, global_batch_shapes, sizes
 from jaxpar.sharding import place_params
 from jaxpar.state import TrainState
 from jaxpar.task import Batch
@@ -83,8 +83,10 @@ class Trainer:
 
         Raises:
           TaskError: when ``init_params`` gives parameters that do not fit the model.
+          LayoutError: when the state does not fit the devices' memory.
         """
         plan = self.plan
+        sizes.check_state(plan, sizes.device_memory(list(plan.mesh.devices.flat)), {})
         if plan.task.init_params is None:
             return self._init()
         def create_from(params: Any) -> TrainState:

@@ -139,8 +139,8 @@ def build_source(source: Source) -> Run:
     """The run of a source. A folder's run gets no optimizer state (its weights are only
     read); a run dir's keeps its optimizer, whose state its checkpoints hold."""
     if source.folder is None:
-        return build(source.config)
-    return build(source.config, optimizer=optax.identity())
+        return build(source.config, fit_memory=True)
+    return build(source.config, optimizer=optax.identity(), fit_memory=True)
 
 
 def state_of(run: Run, source: Source, step: int | None, command: str) -> TrainState:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import subprocess
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 
 from jaxpar.config import load_config
 from jaxpar.launch import force_device_count
@@ -129,3 +133,38 @@ def train_bpe(texts: list[str], path: Path, vocab_size: int = 300,
     tok.train_from_iterator(texts, trainer)
     tok.save(str(path))
     return path
+
+
+@contextlib.contextmanager
+def small_file_system(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` (``"64k"``, ``"1m"``) mounted at the new folder ``path``, a
+    disk that really fills up; skips the test where mounting one needs root it lacks."""
+    path.mkdir()
+    if os.geteuid() != 0 or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+            capture_output=True, check=False).returncode:
+        pytest.skip("needs root and mount for a small file system (the simulated full "
+                    "disks run everywhere)")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], capture_output=True, check=False)
+
+
+def kill_all(procs: Iterable[subprocess.Popen]) -> None:
+    """Kill (and reap) each process still running: a test's children never outlive it."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def finished(proc: subprocess.Popen, name: str, timeout: float) -> tuple[str, str]:
+    """``proc``'s stdout and stderr once it ends; the test fails (the process killed) if
+    it runs past ``timeout`` seconds."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"{name}: still running after {timeout:g} s")
+    return out, err

@@ -30,7 +30,7 @@ from jaxpar.checkpoint import Checkpointer, CorruptCheckpoint
 from jaxpar.cli import main
 from jaxpar.config import OptimConfig, load_config
 from jaxpar.run import build
-from tests.helpers import GPT_SMALL
+from tests.helpers import GPT_SMALL, small_file_system
 from tests.test_checkpoint import RESUMABLE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -538,17 +538,8 @@ def test_debug_shows_the_traceback_with_the_same_status(capsys, monkeypatch):
 @pytest.fixture
 def small_disk(tmp_path):
     """A 1 MiB file system (a tmpfs; needs root and mount)."""
-    path = tmp_path / "small"
-    path.mkdir()
-    if os.geteuid() != 0 or subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(path)],
-            capture_output=True, check=False).returncode:
-        pytest.skip("needs root and mount for a small file system (the simulated full disk "
-                    "of test_checkpoint.py runs everywhere)")
-    try:
+    with small_file_system(tmp_path / "small", "1m") as path:
         yield path
-    finally:
-        subprocess.run(["umount", str(path)], capture_output=True, check=False)
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ Llama family's layout: tests/test_hf_llama.py."""
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 
@@ -19,7 +20,7 @@ from jaxpar.cli import main
 from jaxpar.config import load_config
 from jaxpar.logical import activation_rules
 from jaxpar.run import build
-from tests.helpers import GPT_SMALL
+from tests.helpers import GPT_SMALL, small_file_system
 
 GPT2 = [*GPT_SMALL, "model.tie_embeddings=true", "model.positions=learned",
         "model.attn_bias=true", "train.eval_every=0"]
@@ -332,3 +333,42 @@ def test_export_never_overwrites_unless_told_and_never_writes_into_the_run(expor
     assert (other / "README.md").read_bytes() == b"hi"
     assert (other / "model.safetensors").read_bytes() == (
         exported["hf"] / "model.safetensors").read_bytes()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 64 KiB file system (tmpfs, as root), which a model's weights overflow."""
+    with small_file_system(tmp_path / "small", "64k") as path:
+        yield path
+
+
+@pytest.mark.parametrize("how", ["safetensors", "npz", "tmpfs"])
+def test_a_full_disk_while_exporting_is_exit_5_naming_the_file(exported, tmp_path, capsys,
+                                                               monkeypatch, request, how):
+    """A full disk while an export writes — safetensors' own error type wraps the OS's —
+    is exit 5 and one line naming the file, not an internal error; the earlier model in
+    the folder (--overwrite) keeps every byte, and no temporary file is left."""
+    import safetensors
+
+    out = request.getfixturevalue("small_disk") if how == "tmpfs" else tmp_path / "model"
+    out.mkdir(exist_ok=True)
+    earlier = {"config.json": b'{"model_type": "gpt2"}', "model.safetensors": b"old"}
+    for name, data in earlier.items():
+        (out / name).write_bytes(data)
+    if how == "safetensors":
+        def full(*args, **kwargs):
+            raise safetensors.SafetensorError("Error while serializing: I/O error: No space "
+                                              "left on device (os error 28)")
+        monkeypatch.setattr("safetensors.numpy.save_file", full)
+    if how == "npz":
+        def full_npz(*args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr("jaxpar.resume.np.savez", full_npz)
+    target = out / "params.npz" if how == "npz" else out / "model.safetensors"
+    extra = [] if how == "npz" else ["--format", "hf", "--overwrite"]
+    out_arg = target if how == "npz" else out
+    assert main(["export", str(exported["run"]), "--out", str(out_arg), *extra]) == 5
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith(f"jaxpar: disk full: writing '{target}' failed: No space left on "
+                           "device ("), line
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == earlier

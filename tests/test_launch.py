@@ -32,16 +32,20 @@ def test_process_env_sets_coordinator_devices_and_cores():
 
 
 def test_launch_forwards_output_with_prefixes(tmp_path):
-    """Two processes of a command that needs no JAX (prepare-data): both run, exit 0, and
-    every line arrives prefixed with its process."""
-    (tmp_path / "a.txt").write_text("hello")
+    """Two processes of a command that needs no JAX (the config reference): both run,
+    exit 0, and every line arrives prefixed with its process, each process's lines whole
+    and in order."""
+    from jaxpar.config_reference import reference
+
     out = io.StringIO()
-    code = launch(2, ["prepare-data", str(tmp_path / "a.txt"), "--out",
-                      str(tmp_path / "x.tokens")], out=out)
+    code = launch(2, ["train", "--help-config"], out=out)
     lines = out.getvalue().splitlines()
     assert code == 0
-    assert sorted(line[:4] for line in lines) == ["[0] ", "[1] "]
-    assert all("5 tokens from 1 document" in line for line in lines)
+    expected = [line for line in reference().splitlines() if line.strip()]
+    for process in ("[0] ", "[1] "):
+        mine = [line[4:] for line in lines if line.startswith(process)]
+        assert [line for line in mine if line.strip()] == expected
+    assert all(line[:4] in ("[0] ", "[1] ") for line in lines)
 
 
 def test_launch_returns_the_failed_status_and_stops_the_rest(tmp_path):

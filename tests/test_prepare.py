@@ -159,8 +159,33 @@ def test_glob_order_and_hidden_files(tmp_path):
 def test_output_inside_input_folder_is_not_read_back(corpus):
     out = corpus / "corpus.tokens"
     first = prepare_data([corpus], out)
-    second = prepare_data([corpus], out)
+    second = prepare_data([corpus], out, overwrite=True)
     assert second.num_tokens == first.num_tokens == sum(len(v) for v in FILES.values())
+
+
+@pytest.mark.parametrize("existing", ["out", "metadata"])
+def test_an_existing_token_file_is_kept_unless_overwrite(corpus, tmp_path, capsys, existing):
+    """An existing --out (or its metadata alone) is refused in one line, every byte kept;
+    --overwrite replaces it. A run's own file is refused even with --overwrite."""
+    out = tmp_path / "c.tokens"
+    kept = Path(f"{out}.json") if existing == "metadata" else out
+    kept.write_bytes(b"someone's file\n")
+    assert main(["prepare-data", str(corpus), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"'{kept}' exists; choose another path, or pass " \
+        "--overwrite" in err
+    assert kept.read_bytes() == b"someone's file\n"
+    assert main(["prepare-data", str(corpus), "--out", str(out), "--overwrite"]) == 0
+    assert open_tokens(out).num_tokens == sum(len(v) for v in FILES.values())
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("run: {}\n")
+    (run / "metrics.jsonl").write_text("{}\n")
+    config = (run / "config.yaml").read_bytes()
+    assert main(["prepare-data", str(corpus), "--out", str(run / "config.yaml"),
+                 "--overwrite"]) == 2
+    assert "of the run in" in capsys.readouterr().err
+    assert (run / "config.yaml").read_bytes() == config
 
 
 def test_builtin_corpus():
@@ -380,9 +405,12 @@ def test_cli_out_inside_input_folder_onto_one_of_its_texts_is_refused(corpus, ca
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"--out '{corpus / 'a.txt'}' is the input file" in err
     assert {p: p.read_bytes() for p in corpus.rglob("*") if p.is_file()} == before
-    # a file the --glob leaves out is no input (and nothing of the corpus is lost)
-    assert main(["prepare-data", str(corpus), "--out", str(corpus / "sub" / "c.md"),
-                 "--glob", "*.txt"]) == 0
+    # a file the --glob leaves out is no input, but it exists: kept unless --overwrite
+    command = ["prepare-data", str(corpus), "--out", str(corpus / "sub" / "c.md"), "--glob",
+               "*.txt"]
+    assert main(command) == 2 and "exists; choose another path" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in corpus.rglob("*") if p.is_file()} == before
+    assert main([*command, "--overwrite"]) == 0
 
 
 def test_folder_holding_an_earlier_output_is_tokenized_without_it(corpus, tmp_path):

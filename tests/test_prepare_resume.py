@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from jaxpar.data import partial as partial_module
@@ -157,6 +158,24 @@ def test_changed_inputs_start_over(corpus, tmp_path, monkeypatch, capsys):
     prepare_data(copies, expected, tok, workers=1)
     assert _files(out) == _files(expected)
     assert json.loads(Path(f"{out}.json").read_text())["documents"][0]["end"] < 20
+
+
+def test_two_commands_never_write_one_out(corpus, tmp_path):
+    """While one prepare-data writes an --out, another one onto it is refused in one line
+    (each would remove the other's partial files); once the first ends, it runs."""
+    from jaxpar.data.partial import Partial
+    from jaxpar.errors import PathError
+
+    files, tok = corpus
+    out = tmp_path / "t.tokens"
+    first = Partial(out, {"recipe": "the first command's"}, np.dtype("<u2"))
+    with pytest.raises(PathError, match=r"^another prepare-data is writing '.*t\.tokens' "
+                                        r"now .*; wait for it to end, or choose another --out"):
+        prepare_data(files, out, tok, workers=1)
+    assert (partial_folder(out) / "documents.jsonl").exists()  # the first's, untouched
+    first.discard()
+    assert prepare_data(files, out, tok, workers=1).num_tokens > 0
+    assert not partial_folder(out).exists() and not list(tmp_path.glob(".t.tokens*"))
 
 
 def test_a_file_named_twice_is_resumed_in_its_second_reading():

@@ -16,7 +16,7 @@ from jaxpar import signals
 from jaxpar.cli.failures import failure_of, internal, one_line_reports
 from jaxpar.cli.parser import debug_flag, parse
 from jaxpar.config import Config, load_config, run_dir_for
-from jaxpar.errors import WRITE_FAILED, ConfigError
+from jaxpar.errors import INTERRUPTED, TERMINATED, WRITE_FAILED, ConfigError, Terminated
 
 if TYPE_CHECKING:
     from jaxpar.task import Task
@@ -78,6 +78,7 @@ def _sweep(args: argparse.Namespace, config: Config, task: Task | None) -> None:
     if bool(args.layouts) == bool(args.all):
         raise ConfigError("jaxpar sweep needs either --layouts L … or --all (not both)")
     hw = get_profile(args.hardware, args.hardware_file)
+    out = sweep.output_folder(args.out, config.run.dir, args.overwrite)  # before compiling
     layouts, note = args.layouts, None
     if not layouts:
         layouts, note = sweep.default_layouts(config, len(select_devices(config.run.devices)),
@@ -90,7 +91,7 @@ def _sweep(args: argparse.Namespace, config: Config, task: Task | None) -> None:
         print(note, flush=True)
     rows = sweep.sweep(config, layouts, hw, args.steps, memory, echo=True, task=task)
     print(sweep.format_table(rows, hw))
-    for path in sweep.write_outputs(rows, hw, args.out or f"{config.run.dir}/sweep"):
+    for path in sweep.write_outputs(rows, hw, out):
         print(f"wrote {path}")
 
 
@@ -148,17 +149,21 @@ def _export(config: Config, out: str, step: int | None, task: Task | None,
 
 def _prepare_data(args: argparse.Namespace) -> None:
     from jaxpar.data.prepare import prepare_data
+    from jaxpar.outputs import check_new_file
 
+    # never a run's own file nor a held folder (an existing --out: prepare_data says)
+    check_new_file(args.out, "--out", overwrite=True)
     if args.records == "text":
         tf = prepare_data(args.inputs, args.out, args.tokenizer, args.glob,
                           text_key=args.text_key, bos=args.bos, eos=args.eos,
-                          workers=args.workers or None)
+                          workers=args.workers or None, overwrite=args.overwrite)
     else:
         from jaxpar.data.finetune import Keys, prepare_records
 
         keys = Keys(args.prompt_key, args.completion_key, args.messages_key)
         tf = prepare_records(args.inputs, args.out, args.tokenizer, args.glob,
-                             layout=args.records, keys=keys, bos=args.bos, eos=args.eos)
+                             layout=args.records, keys=keys, bos=args.bos, eos=args.eos,
+                             overwrite=args.overwrite)
     size, docs = tf.num_tokens * tf.tokens.dtype.itemsize, len(tf.documents)
     print(f"{tf.num_tokens:,} tokens from {docs:,} document{'s' * (docs != 1)} "
           f"(vocab {tf.vocab_size:,}, {tf.tokens.dtype.name}, {size:,} bytes) written to {tf.path}")
@@ -171,10 +176,13 @@ _EXECUTORS = {
 
 
 def _show_pipeline(config: Config, png: str | None, width: int | None,
-                   task: Task | None) -> None:
+                   task: Task | None, overwrite: bool = False) -> None:
+    from jaxpar.outputs import check_new_file
     from jaxpar.pipeline import chart
     from jaxpar.run import build
 
+    if png:
+        check_new_file(png, "--png", overwrite)
     plan = build(config, task).plan
     table = plan.pipeline
     if table is None:
@@ -235,7 +243,7 @@ def _run(args: argparse.Namespace) -> None:
         finally:
             resume.HARD_SECOND_CTRL_C = False
     elif args.command == "pipeline":
-        _show_pipeline(config, args.png, args.width, task)
+        _show_pipeline(config, args.png, args.width, task, args.overwrite)
     elif args.command == "export":
         _export(config, args.out, args.step, task, args.format, args.overwrite)
     elif args.command == "sweep":
@@ -300,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
         elif debug:
             traceback.print_exc()
         status, message = failure
+        if isinstance(err, (KeyboardInterrupt, Terminated)) and args.command not in (
+                "train", "launch", "prepare-data"):  # those say what they kept
+            message = signals.stopped_line(err, args.command)
         print(message, file=sys.stderr, flush=True)
         return status
     return 0
@@ -309,10 +320,20 @@ def console() -> None:
     """The ``jaxpar`` command (and ``python -m jaxpar``): :func:`main`, then exit with its
     status. After a failed checkpoint write the process ends without Python's shutdown,
     where the writer's leftover background tasks (tensorstore, asyncio) would print
-    tracebacks about their closed event loop after the one-line report."""
+    tracebacks about their closed event loop after the one-line report; so it does after a
+    stop signal in a single process, where shutdown would wait for the compilations XLA's
+    threads still run (or crash in them: exit 139, not 143)."""
     status = main()
-    if status == WRITE_FAILED and os.environ.get("JAXPAR_DEBUG", "") in ("", "0"):
+    quiet = os.environ.get("JAXPAR_DEBUG", "") in ("", "0")
+    if (status == WRITE_FAILED and quiet) or (status in (INTERRUPTED, TERMINATED)
+                                              and not _distributed()):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)
     sys.exit(status)
+
+
+def _distributed() -> bool:
+    """Whether JAX's distributed runtime is up (its shutdown tells the other processes)."""
+    jax = sys.modules.get("jax")
+    return jax is not None and jax.distributed.is_initialized()

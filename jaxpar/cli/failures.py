@@ -156,6 +156,8 @@ def _failure(err: BaseException) -> tuple[int, str] | None:
     if isinstance(err, KeyboardInterrupt):
         return INTERRUPTED, ("jaxpar: interrupted (Ctrl-C); no checkpoint was written by this "
                              "interruption (the complete ones stay usable)")
+    if isinstance(err, Terminated):
+        return err.exit_status, f"jaxpar: {err}"
     if isinstance(err, JaxparError):
         from jaxpar.distributed import PortInUse
         from jaxpar.launch import ENV_RETRY_PORT, PORT_TAKEN

@@ -4,6 +4,7 @@ given before the command."""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable
 from typing import NoReturn
@@ -11,16 +12,17 @@ from typing import NoReturn
 from jaxpar import plot
 from jaxpar.config import MAX_STEPS
 from jaxpar.files import shorten
-from jaxpar.mesh import MAX_CPU_DEVICES, MAX_DEVICES
+from jaxpar.mesh import MAX_CPU_DEVICES, MAX_DEVICES, MESH_AXES
 
 #: ``jaxpar --help``: the commands, their arguments and the exit statuses.
 HELP = """    jaxpar train    [CONFIG.yaml …] [section.key=value …] [--devices N] [--task FILE.py:NAME]
     jaxpar inspect  [CONFIG.yaml …] [section.key=value …] [--devices N] [--task FILE.py:NAME]
     jaxpar pipeline [CONFIG.yaml …] [section.key=value …] [--devices N] [--png PATH] [--width N]
+                    [--overwrite]
     jaxpar export   [RUN_DIR | CONFIG.yaml …] [section.key=value …] [--devices N]
                     [--format npz|hf] --out PARAMS.npz|DIR [--step N] [--overwrite]
     jaxpar sweep    [CONFIG.yaml …] [section.key=value …] (--layouts L … | --all) [--out DIR]
-                    [--steps N] [--hardware NAME] [--memory-gb G] [--devices N]
+                    [--overwrite] [--steps N] [--hardware NAME] [--memory-gb G] [--devices N]
     jaxpar plan     [CONFIG.yaml …] [section.key=value …] --devices N [--hardware NAME]
                     [--memory-gb G] [--layouts L …] [--longest]
     jaxpar sample   RUN_DIR|FOLDER (--prompt TEXT | --prompt-ids 1,2,3) [--tokens N]
@@ -30,9 +32,9 @@ HELP = """    jaxpar train    [CONFIG.yaml …] [section.key=value …] [--devic
                     [--devices N]
     jaxpar prepare-data INPUT… --out PATH [--tokenizer byte|TOKENIZER.json|FOLDER] [--glob PATTERN]
                     [--text-key KEY] [--bos auto|none|TOKEN] [--eos auto|none|TOKEN] [--workers N]
-                    [--records text|prompt_completion|chat] [--prompt-key KEY] …
+                    [--records text|prompt_completion|chat] [--prompt-key KEY] … [--overwrite]
     jaxpar launch   -n N [--devices-per-process K] [--cpus-per-process C] -- COMMAND [ARGS…]
-    jaxpar plot     RUN_DIR [RUN_DIR …] [--out PATH]
+    jaxpar plot     RUN_DIR [RUN_DIR …] [--out PATH] [--overwrite]
 
 With no CONFIG the default config (``configs/gpt_tiny.yaml``'s settings) is used; a
 RUN_DIR (a directory holding a run's ``config.yaml``) in its place means that run's config,
@@ -45,6 +47,9 @@ or a Hugging Face FOLDER's (config.json + safetensors; its tokenizer.json, if an
 the prompt); ``eval`` gives the loss and perplexity of either on held-out data
 (``data.path=TOKENS`` for a folder), writing nothing.
 Options (``--devices``, ``--task``, …) may come anywhere: before the command too.
+A command that writes (``export``, ``sweep``, ``plot``, ``pipeline --png``) refuses an
+existing file or a folder holding files unless ``--overwrite`` is given, and never writes
+a run's own files or into the directory of a run that is running.
 ``prepare-data`` takes no config: it turns local text and record files (JSONL, Parquet,
 Arrow, ``save_to_disk`` folders), folders and globs into a token file (``PATH`` plus
 ``PATH.json``) that training memory-maps.
@@ -83,6 +88,54 @@ def _count(high: int, low: int | None = 0) -> Callable[[str], int]:
         return value
 
     return count
+
+
+def _number(low: float, high: float, what: str, low_included: bool = True
+            ) -> Callable[[str], float]:
+    """An option's number type: finite, in [``low``, ``high``] (``low`` excluded unless
+    ``low_included``), else one line saying so (``what``: ``a memory size in GB``)."""
+    def number(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        above = value >= low if low_included else value > low
+        if not (math.isfinite(value) and above and value <= high):
+            least = f"from {low:g}" if low_included else f"above {low:g}"
+            raise argparse.ArgumentTypeError(f"expects {what}, a number {least} to {high:_.0f}, "
+                                             f"got {shorten(text, 40)!r}")
+        return value
+
+    return number
+
+
+#: ``--memory-gb``'s type: device memory in GB (10**9 bytes), up to a petabyte.
+_gigabytes = _number(0, 10**6, "a memory size in GB", low_included=False)
+#: ``launch --grace``'s type: seconds, up to a day.
+_seconds = _number(0, 86_400, "a time in seconds")
+
+
+def _layout(text: str) -> str:
+    """``--layouts``' type: ``axis=N`` entries over known mesh axes (a degree that does not
+    fit is the lab's to report, per layout), or ``section.key=value`` overrides."""
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        key, sep, value = item.partition("=")
+        if not sep or not value:
+            raise argparse.ArgumentTypeError(f"layout '{shorten(text, 80)}': "
+                                             f"'{shorten(item, 40)}' must look like axis=N, "
+                                             "e.g. fsdp=8")
+        if "." not in key and key not in MESH_AXES:
+            raise argparse.ArgumentTypeError(
+                f"layout '{shorten(text, 80)}': unknown mesh axis '{shorten(key, 40)}'; the "
+                f"axes are {', '.join(MESH_AXES)} (or give a section.key=value override)")
+    return text
+
+
+def overwrite_argument(cmd: argparse.ArgumentParser, what: str) -> None:
+    """A writing command's ``--overwrite`` (``what``: what it replaces)."""
+    cmd.add_argument("--overwrite", action="store_true",
+                     help=f"replace {what}; without it that is refused (a run's own files "
+                          "and a running run's directory never are written)")
 
 
 #: ``--devices``' type: a device count (0: all), at most MAX_DEVICES (the same bound as
@@ -129,6 +182,7 @@ def _config_parsers(sub: argparse._SubParsersAction) -> None:
             cmd.add_argument("--png", default=None, metavar="PATH",
                              help="also write the schedule chart (PNG; a path ending in .svg "
                                   "writes SVG)")
+            overwrite_argument(cmd, "an existing --png file")
             cmd.add_argument("--width", type=_count(100_000, 1), default=None,
                              help="wrap the text grid at this many columns")
         if name == "export":
@@ -166,6 +220,7 @@ def _prepare_parser(sub: argparse._SubParsersAction) -> None:
                            "names the end-of-text token)")
     prep.add_argument("--glob", default=None, metavar="PATTERN",
                       help="keep only folder files matching this pattern, e.g. '*.txt'")
+    overwrite_argument(prep, "an existing token file at --out (its metadata and mask too)")
     prep.add_argument("--workers", type=_count(4096), default=0, metavar="N",
                       help="processes that encode (0: one per CPU core this process may "
                            "use; 1: this process, on the tokenizer library's threads); the "
@@ -202,7 +257,7 @@ def _launch_parser(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--bind", default="127.0.0.1", metavar="ADDRESS",
                      help="the address the coordinator listens on (default: loopback only; "
                           "0.0.0.0 or :: for every interface)")
-    run.add_argument("--grace", type=float, default=10.0, metavar="SECONDS",
+    run.add_argument("--grace", type=_seconds, default=10.0, metavar="SECONDS",
                      help="after a failure, how long the others get to stop before SIGKILL")
     run.add_argument("jaxpar_args", nargs=argparse.REMAINDER, metavar="-- COMMAND",
                      help="after --: the jaxpar command and its arguments, e.g. train mesh.fsdp=8")
@@ -289,10 +344,10 @@ def _lab_parsers(sub: argparse._SubParsersAction) -> None:
         cmd.add_argument("--hardware-file", default=None, metavar="PATH",
                          help="a YAML file of extra hardware profiles (see "
                               "jaxpar/lab/hardware.yaml)")
-        cmd.add_argument("--memory-gb", type=float, default=None, metavar="G",
+        cmd.add_argument("--memory-gb", type=_gigabytes, default=None, metavar="G",
                          help="device memory that 'fits' is judged against (default: the "
                               "hardware profile's)")
-        cmd.add_argument("--layouts", nargs="+", default=None, metavar="LAYOUT",
+        cmd.add_argument("--layouts", nargs="+", type=_layout, default=None, metavar="LAYOUT",
                          help='layouts such as "data=8" "fsdp=4,stage=2" (axes left out are 1)')
         _task_argument(cmd)
     plan.add_argument("--longest", action="store_true",
@@ -301,7 +356,9 @@ def _lab_parsers(sub: argparse._SubParsersAction) -> None:
     sweep.add_argument("--all", action="store_true",
                        help="every way to factor the device count over data/fsdp/tensor/stage")
     sweep.add_argument("--out", default=None, metavar="DIR",
-                       help="where sweep.csv, sweep.md and sweep.png go (default: <run.dir>/sweep)")
+                       help="where sweep.csv, sweep.md and sweep.png go (default: "
+                            "<run.dir>/sweep, or sweep-2, sweep-3 … when it holds files)")
+    overwrite_argument(sweep, "those files in a --out folder that holds files")
     sweep.add_argument("--steps", type=_count(10**6), default=5,
                        help="timed steps per layout after 2 warm-up steps (0: compile only)")
     sweep.add_argument("--devices", type=_DEVICES, default=None,

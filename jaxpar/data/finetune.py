@@ -40,7 +40,7 @@ from jaxpar.data.token_file import TokenFile, meta_path_of, open_tokens, token_d
 from jaxpar.data.records import Document, read_records
 from jaxpar.data.tokenizers import HFTokenizer, Tokenizer, load_tokenizer, separators
 from jaxpar.errors import DataError
-from jaxpar.files import check_output_file
+from jaxpar.files import check_output_file, refuse_existing
 
 #: ``--records`` values: plain documents, or fine-tuning records with a loss mask
 Layout = Literal["text", "prompt_completion", "chat"]
@@ -217,11 +217,13 @@ def _masked_documents(files: list[Path], tok: Tokenizer, layout: str, keys: Keys
 def prepare_records(inputs: Iterable[str | os.PathLike], out: str | os.PathLike,
                     tokenizer: str | Tokenizer = "byte", glob: str | None = None, *,
                     layout: Layout = "prompt_completion", keys: Keys = Keys(),
-                    bos: str = "auto", eos: str = "auto") -> TokenFile:
+                    bos: str = "auto", eos: str = "auto", overwrite: bool = False
+                    ) -> TokenFile:
     """Tokenize fine-tuning records into ``out``, ``out + ".json"`` and ``out + ".mask"``
     (see the module docstring; the arguments are ``prepare_data``'s).
 
     Raises:
+      PathError: for an existing ``out`` (or its metadata or mask) without ``overwrite``.
       DataError: as ``prepare_data``, and for a record without its fields (naming the
         fields it has), chat records without a chat template, a record without
         completion tokens, or a layout that is not one of ``LAYOUTS``.
@@ -238,6 +240,8 @@ def prepare_records(inputs: Iterable[str | os.PathLike], out: str | os.PathLike,
     check_not_an_input({out: "--out", meta_path: "the metadata file of --out",
                         mask_path: "the mask file of --out", tmp: "a temporary file of --out",
                         mask_tmp: "a temporary file of --out"}, files)
+    refuse_existing({out: "--out", meta_path: "the metadata file of --out",
+                     mask_path: "the mask file of --out"}, overwrite)
     dtype, documents, targets = token_dtype(tok.vocab_size), [], 0
     try:
         with open(tmp, "wb") as f, open(mask_tmp, "wb") as g:

@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxpar.errors import PathError
+
 #: seconds between checkpoints of the progress
 CHECKPOINT_S = 5.0
 
@@ -52,6 +54,7 @@ class Partial:
         self.folder, self.recipe, self.dtype = partial_folder(out), recipe, dtype
         self.documents: list[dict[str, Any]] = []
         self.num_tokens = 0
+        self._lock = _lock(self.folder.with_name(self.folder.name + ".lock"), out)
         if not self._resume(out):
             shutil.rmtree(self.folder, ignore_errors=True)
             self.folder.mkdir()
@@ -113,14 +116,37 @@ class Partial:
     def close(self) -> None:
         self._tokens.close()
         self._entries.close()
+        self._lock.close()  # the kernel drops the flock with the file
 
     def finish(self, out: Path) -> None:
         """Move the complete ids to ``out`` and remove the folder."""
-        self.close()
+        self._tokens.close()
         os.replace(self.folder / "tokens", out)
-        shutil.rmtree(self.folder, ignore_errors=True)
+        self.discard()
 
     def discard(self) -> None:
         """Remove the folder (its inputs must change before the command can succeed)."""
-        self.close()
         shutil.rmtree(self.folder, ignore_errors=True)
+        Path(self._lock.name).unlink(missing_ok=True)  # still held: nobody is inside
+        self.close()
+
+
+def _lock(path: Path, out: Path) -> Any:
+    """An exclusive ``flock`` on ``path`` (kept open), so that two commands never write
+    one ``out`` at once (each would remove the other's partial files).
+
+    Raises:
+      PathError: when another process holds it.
+    """
+    handle = open(path, "a")
+    try:
+        import fcntl
+    except ImportError:  # not Unix: no lock
+        return handle
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise PathError(f"another prepare-data is writing '{out}' now (it holds '{path}'); "
+                        "wait for it to end, or choose another --out") from None
+    return handle

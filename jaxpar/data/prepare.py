@@ -54,7 +54,7 @@ from jaxpar.data.tokenizers import (
     separators,
 )
 from jaxpar.errors import INTERRUPTED, TERMINATED, DataError, Paused, Terminated
-from jaxpar.files import check_output_file
+from jaxpar.files import check_output_file, refuse_existing
 
 BUILTIN_NAME = "pydoc_data.topics"
 #: the most tokens one document may hold, separators included (it is encoded in memory)
@@ -136,7 +136,7 @@ def encode_documents(docs: Iterable[Document | tuple[str, bytes]],
 def prepare_data(inputs: Iterable[str | os.PathLike], out: str | os.PathLike,
                  tokenizer: str | Tokenizer = "byte", glob: str | None = None, *,
                  text_key: str = TEXT_KEY, bos: str = "auto", eos: str = "auto",
-                 workers: int | None = None) -> TokenFile:
+                 workers: int | None = None, overwrite: bool = False) -> TokenFile:
     """Tokenize local files, folders and globs (text and records) into ``out`` and
     ``out + ".json"``, resuming an interrupted run of the same command.
 
@@ -157,6 +157,7 @@ def prepare_data(inputs: Iterable[str | os.PathLike], out: str | os.PathLike,
       bos, eos: ``"auto"``, ``"none"`` or a token (see ``separators``).
       workers: processes that encode (None: one per CPU core this process may use; 1:
         this process, on the tokenizer library's threads). The ids do not depend on it.
+      overwrite: replace an existing ``out`` (and its metadata); else that is refused.
 
     Returns:
       The written file, opened with ``open_tokens``.
@@ -167,7 +168,8 @@ def prepare_data(inputs: Iterable[str | os.PathLike], out: str | os.PathLike,
         ``records.read_documents``), a non-UTF-8 file with a Hugging Face tokenizer, a
         document longer than ``MAX_DOCUMENT_TOKENS``, or inputs holding zero tokens.
       Paused: for a Ctrl-C or SIGTERM (what was written is kept for the next run).
-      PathError: for an ``out`` (or its metadata or partial files) that is an input file.
+      PathError: for an ``out`` (or its metadata or partial files) that is an input file,
+        or that exists without ``overwrite``.
     """
     tok = load_tokenizer(tokenizer)
     seps = separators(tok, bos, eos)
@@ -176,6 +178,7 @@ def prepare_data(inputs: Iterable[str | os.PathLike], out: str | os.PathLike,
     files = find_inputs(inputs, glob)
     check_not_an_input({out: "--out", meta_path: "the metadata file of --out",
                         folder / "tokens": "the partial file of --out"}, files)
+    refuse_existing({out: "--out", meta_path: "the metadata file of --out"}, overwrite)
     dtype = token_dtype(tok.vocab_size)
     settings = {"version": VERSION, "tokenizer": tok.describe(), "bos": seps.bos,
                 "eos": seps.eos, "text_key": text_key, "dtype": dtype.name}

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 from pathlib import Path
@@ -13,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from jaxpar.errors import DataError
+from jaxpar.files import disk_full_cause
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -116,10 +119,20 @@ def model_files(directory: str | Path) -> list[Path]:
                    if p.is_file()})
 
 
-def remove_model_files(directory: str | Path) -> None:
-    """Deletes :func:`model_files` (other files stay)."""
-    for path in model_files(directory):
-        path.unlink()
+def model_file_ids(directory: str | Path) -> dict[Path, int]:
+    """:func:`model_files` and their inode numbers: which of them a new model's files
+    (each renamed over its path) replace, :func:`remove_stale` tells afterwards."""
+    return {path: path.stat().st_ino for path in model_files(directory)}
+
+
+def remove_stale(earlier: dict[Path, int]) -> None:
+    """Deletes the files of ``earlier`` (:func:`model_file_ids`, taken before a model was
+    written) that it did not replace: an earlier model's shards, index or tokenizer.
+    Called once the new model is whole, so a failed write leaves the earlier one."""
+    for path, inode in earlier.items():
+        with contextlib.suppress(FileNotFoundError):
+            if path.stat().st_ino == inode:
+                path.unlink()
 
 
 def write_tokenizer(out: str | Path, tokenizer_json: str | Path,
@@ -148,12 +161,17 @@ def _write_whole(files: list[tuple[Path, Any]]) -> None:
     temporary = [path.with_name(path.name + ".tmp") for path, _ in files]
     try:
         for (path, body), tmp in zip(files, temporary):
-            if isinstance(body, str):
-                tmp.write_text(body)
-            elif isinstance(body, bytes):
-                tmp.write_bytes(body)
-            else:  # transformers refuses safetensors files without a "format" entry
-                save_file(body, str(tmp), metadata={"format": "pt"})
+            try:
+                if isinstance(body, str):
+                    tmp.write_text(body)
+                elif isinstance(body, bytes):
+                    tmp.write_bytes(body)
+                else:  # transformers refuses safetensors files without a "format" entry
+                    save_file(body, str(tmp), metadata={"format": "pt"})
+            except Exception as err:  # safetensors' error type wraps the OS's
+                if disk_full_cause(err) is None:
+                    raise
+                raise OSError(errno.ENOSPC, "No space left on device", str(path)) from err
         for (path, _), tmp in zip(files, temporary):
             os.replace(tmp, path)
     finally:

@@ -19,11 +19,13 @@ one that tells layouts apart when all of them are compute-bound on paper.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 import yaml
 
+from jaxpar import yamlfile
 from jaxpar.errors import ConfigError
 
 _BUILTIN = Path(__file__).with_name("hardware.yaml")
@@ -66,7 +68,13 @@ def load_profiles(extra: str | Path | None = None) -> dict[str, Hardware]:
         path = Path(extra)
         if not path.is_file():
             raise ConfigError(f"--hardware-file {path}: no such file")
-        given = yaml.safe_load(path.read_text()) or {}
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            why = err.strerror if isinstance(err, OSError) else "it is not UTF-8 text"
+            raise ConfigError(f"--hardware-file '{path}' cannot be read: {why}") from None
+        given = yamlfile.load(text, f"--hardware-file '{path}'",
+                              f"fix the file (see {_BUILTIN} for the form)") or {}
         if not isinstance(given, dict) or not all(isinstance(e, dict) for e in given.values()):
             raise ConfigError(f"--hardware-file {path} must map profile names to their fields "
                               f"(see {_BUILTIN})")
@@ -88,10 +96,16 @@ def _typed(profile: str, field: str, value: object) -> object:
     if field in ("name", "source"):
         return str(value)
     try:
-        return int(value) if field == "links" else float(value)
-    except (TypeError, ValueError):
+        number = int(value) if field == "links" else float(value)
+    except (TypeError, ValueError, OverflowError):
         raise ConfigError(f"hardware profile '{profile}': {field}={value!r} is not a number") \
             from None
+    least = 0 if field == "collective_latency" else 1 if field == "links" else None
+    if not math.isfinite(number) or (number < least if least is not None else number <= 0):
+        bound = f"at least {least}" if least is not None else "above 0"
+        raise ConfigError(f"hardware profile '{profile}': {field}={value!r} must be a finite "
+                          f"number {bound}")
+    return number
 
 
 def get_profile(key: str, extra: str | Path | None = None) -> Hardware:

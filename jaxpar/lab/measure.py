@@ -125,12 +125,14 @@ class Lowered:
     step: Any
 
 
-def lower(config: Config, layout: str, hw: Hardware, task: Task | None = None
-          ) -> Lowered | Row:
-    """The layout's run and lowered step, or its row with the reason it cannot run."""
+def lower(config: Config, layout: str, hw: Hardware, task: Task | None = None,
+          timed: bool = False) -> Lowered | Row:
+    """The layout's run and lowered step, or its row with the reason it cannot run;
+    ``timed``: its steps will run here, so its state must fit this machine's memory."""
     row = Row(layout, hardware=hw.key)
     try:
-        run = build(apply_overrides(config, layout_overrides(layout)), task)
+        run = build(apply_overrides(config, layout_overrides(layout)), task,
+                    fit_memory=timed)
         batch = global_batch_shapes(run.data.batch(0, run.config.train.batch_size))
         return Lowered(row, run, batch, run.trainer.lower_step(batch))
     except JaxparError as err:  # a layout that cannot run; anything else is a bug: raised
@@ -156,7 +158,7 @@ def measure(config: Config, layout: str, hw: Hardware, steps: int = 0,
     ``memory_bytes`` is the device memory that ``fits`` is judged against (default:
     the hardware profile's); ``task`` is a user's task (default: the built-in model).
     """
-    lowered = lower(config, layout, hw, task)
+    lowered = lower(config, layout, hw, task, timed=steps > 0)
     if isinstance(lowered, Row):
         return lowered
     try:

@@ -19,6 +19,7 @@ layers not by ``stage``…) becomes a row with the reason, not a crash.
 from __future__ import annotations
 
 import csv
+import io
 import re
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -26,12 +27,14 @@ from pathlib import Path
 import jax
 
 from jaxpar.config import Config
+from jaxpar.files import ensure_dir, write_atomic
 from jaxpar.lab.chart import Panel, write_chart
 from jaxpar.lab.hardware import Hardware
 from jaxpar.lab.measure import Row as Row
 from jaxpar.lab.measure import layout_overrides as layout_overrides
 from jaxpar.lab.measure import measure as measure
 from jaxpar.lab.workers import measure_all
+from jaxpar.outputs import check_new_folder, free_folder
 from jaxpar.plan import abstract_model
 from jaxpar.run import task_for
 from jaxpar.task import Task
@@ -41,6 +44,8 @@ COLUMNS = ("layout", "mem_args_bytes", "mem_temp_bytes", "mem_total_bytes", "flo
            "all_reduce_bytes", "all_gather_bytes", "reduce_scatter_bytes",
            "collective_permute_bytes", "all_to_all_bytes", "predicted_comm_bytes",
            "step_time_s", "predicted_step_time_s", "fits")
+#: The files a sweep writes in its folder.
+OUTPUT_FILES = ("sweep.csv", "sweep.md", "sweep.png")
 
 
 # ---- layouts ---------------------------------------------------------------------------------
@@ -152,14 +157,13 @@ def csv_columns() -> list[str]:
 
 def write_csv(rows: list[Row], path: str | Path) -> Path:
     """``sweep.csv``: one row per layout, empty cells where a layout was invalid."""
-    path = Path(path)
-    with path.open("w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(csv_columns())
-        for row in rows:
-            values = asdict(row)
-            writer.writerow([_cell(values[c]) for c in csv_columns()])
-    return path
+    text = io.StringIO(newline="")
+    writer = csv.writer(text)
+    writer.writerow(csv_columns())
+    for row in rows:
+        values = asdict(row)
+        writer.writerow([_cell(values[c]) for c in csv_columns()])
+    return write_atomic(path, text.getvalue())
 
 
 def _mib(n: float | None) -> str:
@@ -215,14 +219,30 @@ def format_markdown(rows: list[Row], hw: Hardware) -> str:
     return "\n".join(lines) + "\n"
 
 
+def output_folder(out: str | None, run_dir: str, overwrite: bool = False) -> Path:
+    """Where :func:`write_outputs` goes — ``out``, or by default ``<run_dir>/sweep`` (or
+    ``sweep-2``, ``sweep-3`` … when an earlier sweep's files are there) — checked and
+    created before anything is compiled (:mod:`jaxpar.outputs`).
+
+    Raises:
+      PathError: a run's own folder, a running run's, a file, or a folder holding files
+        without ``overwrite``.
+    """
+    if out is None:
+        default = Path(run_dir) / "sweep"
+        out = default if overwrite else free_folder(default)
+    check_new_folder(out, "--out", ", ".join(OUTPUT_FILES), overwrite)
+    return ensure_dir(out, "--out", "choose another --out folder")
+
+
 def write_outputs(rows: list[Row], hw: Hardware, out_dir: str | Path,
                   chart: str = "sweep.png") -> list[Path]:
     """``sweep.csv``, ``sweep.md`` and the chart (``sweep.png``; a ``chart`` name ending in
-    ``.svg`` writes SVG) in ``out_dir``."""
+    ``.svg`` writes SVG) in ``out_dir``, each written whole (a temporary file renamed),
+    mode 0644."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    md = out / "sweep.md"
-    md.write_text(format_markdown(rows, hw))
+    md = write_atomic(out / "sweep.md", format_markdown(rows, hw))
     labels = [r.layout for r in rows]
     panels = [
         Panel("peak memory per device", [r.mem_total_bytes for r in rows], "B",

@@ -132,17 +132,23 @@ def _in_threads(config: Config, layouts: list[str], hw: Hardware, memory: float 
                 lowered.row.error, rows[i] = str(err), lowered.row
             done(rows[i])
 
-    with ThreadPoolExecutor(workers) as pool, _fewer_collections():
-        for i, layout in enumerate(layouts):
-            lowered = lower(config, layout, hw, task)
-            if isinstance(lowered, Row):
-                rows[i] = lowered
-                done(lowered)
-            else:
-                pending[pool.submit(compile_lowered, lowered)] = (i, lowered)
-            collect(block=False)
-        while pending:
-            collect(block=True)
+    pool = ThreadPoolExecutor(workers)
+    try:
+        with _fewer_collections():
+            for i, layout in enumerate(layouts):
+                lowered = lower(config, layout, hw, task)
+                if isinstance(lowered, Row):
+                    rows[i] = lowered
+                    done(lowered)
+                else:
+                    pending[pool.submit(compile_lowered, lowered)] = (i, lowered)
+                collect(block=False)
+            while pending:
+                collect(block=True)
+    except BaseException:  # Ctrl-C, SIGTERM, a bug: not after the compilations in flight
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
     return rows
 
 
