@@ -151,6 +151,17 @@ def document_positions(segments_BT: jax.Array) -> jax.Array:
 
 
 # ---- attention ------------------------------------------------------------------------------
+#: how many times :func:`attend` has run across a split sequence (traced), in this process
+_SPLIT_CALLS = [0]
+
+
+def split_attention_calls() -> int:
+    """How many times :func:`attend` has been traced across a split sequence so far: a
+    step compares it before and after tracing a loss whose sequences the layout splits,
+    and refuses a model that never called it (its own attention would be wrong there)."""
+    return _SPLIT_CALLS[0]
+
+
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions_T: np.ndarray | None = None,
            *, causal: bool = True, implementation: str = "xla", window: int = 0,
            segments: jax.Array | None = None) -> jax.Array:
@@ -174,6 +185,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions_T: np.ndarray | N
         local = (window - 1, 0) if window else None
         return jax.nn.dot_product_attention(q, k, v, is_causal=causal, local_window_size=local,
                                             implementation=implementation)
+    _SPLIT_CALLS[0] += 1
     mesh, rules, _ = active_layout()
     spec = spec_for(("batch", "seq", "heads", "kv"), rules, mesh, q.shape,
                     "attention q [B, T, N, H]")

@@ -30,13 +30,22 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
+from jaxpar.context import degree as context_degree
+from jaxpar.context import split_attention_calls
 from jaxpar.errors import JaxparError, TaskError, UserCodeFailed, code_name, is_own
 from jaxpar.logical import Rules, activation_rules
 from jaxpar.pipeline.executor import advance_counts, pipeline_eval, pipeline_grads
 from jaxpar.pipeline.ticks import TickTable
 from jaxpar.sharding import named
 from jaxpar.state import TrainState
-from jaxpar.task import Batch, LossFn, StageSplit, loss_weights, split_microbatches
+from jaxpar.task import (
+    Batch,
+    LossFn,
+    StageSplit,
+    checked_loss,
+    loss_weights,
+    split_microbatches,
+)
 
 
 class Strategy(Protocol):
@@ -112,7 +121,9 @@ class ModelLoss:
         model = nnx.merge(self.graphdef, params, model_state)
         model.train() if train else model.eval()
         with activation_rules(mesh, rules, self.context):
+            before = split_attention_calls()
             loss, metrics = _checked(_call_loss(self.loss_fn, model, batch), self.loss_fn)
+            _attended(before, self.loss_fn)
         return loss, metrics, nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
 
 
@@ -129,28 +140,24 @@ def _call_loss(loss_fn: LossFn, model: Any, batch: Batch) -> Any:
 
 
 def _checked(out: Any, loss_fn: LossFn) -> tuple[jax.Array, dict]:
-    """``out`` when it is ``(scalar loss, {name: metric})``, checked as the step is traced,
-    before it first runs.
+    return checked_loss(out, f"loss_fn ({code_name(loss_fn)})")
+
+
+def _attended(before: int, loss_fn: LossFn) -> None:
+    """Refuses a loss whose attention never ran across a split sequence (see
+    ``jaxpar.context.split_attention_calls``): plain attention would read each device's
+    shard, or the balanced order, as the whole sequence in order — a wrong loss.
 
     Raises:
-      TaskError: naming the loss function and what it returned instead.
+      TaskError: naming the loss function and the fix.
     """
-    must = ("; loss_fn must return (loss, metrics): a scalar loss (average the "
-            "per-example losses, e.g. loss.mean()) and a dict of scalar metrics ({} for none)")
-    name = f"loss_fn ({code_name(loss_fn)})"
-    if not isinstance(out, (tuple, list)) or len(out) != 2:
-        got = (f"a {len(out)}-tuple" if isinstance(out, (tuple, list)) else
-               f"one array of shape {tuple(out.shape)}" if hasattr(out, "shape") else
-               f"a {type(out).__name__}")
-        raise TaskError(f"{name} returned {got}{must}")
-    loss, metrics = out
-    if not hasattr(loss, "shape") or tuple(loss.shape) != ():
-        got = (f"a loss of shape {tuple(loss.shape)}" if hasattr(loss, "shape") else
-               f"a {type(loss).__name__} as its loss")
-        raise TaskError(f"{name} returned {got}{must}")
-    if not isinstance(metrics, dict):
-        raise TaskError(f"{name} returned a {type(metrics).__name__} as its metrics{must}")
-    return loss, metrics
+    ways = context_degree()
+    if ways > 1 and split_attention_calls() == before:
+        raise TaskError(
+            f"loss_fn ({code_name(loss_fn)}) ran with each sequence split over {ways} "
+            "devices (mesh.context), but its model never called jaxpar.attend, so its "
+            "attention would not see the whole sequence in order; compute attention with "
+            "jaxpar.attend(q, k, v, positions) (docs/context.md), or set mesh.context=1")
 
 
 @dataclass(frozen=True)

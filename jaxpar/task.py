@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxpar.errors import TaskError
+from jaxpar.errors import TaskError, code_name
 
 Batch = Mapping[str, jax.Array]
 LossFn = Callable[[nnx.Module, Batch], tuple[jax.Array, dict[str, jax.Array]]]
@@ -174,6 +174,9 @@ class Task:
       eval_params: ``(opt_state, params) -> params`` evaluation uses instead of the
         trained ones, e.g. ``optax.contrib.schedule_free_eval_params`` for a schedule-free
         optimizer (None: the trained parameters).
+      family: the built-in model family whose config section built the model (set by
+        :func:`jaxpar.task_for`; kept by ``dataclasses.replace``): the ``model`` keys of a
+        config naming that family then take effect. Empty for a model of the user's own.
     """
 
     model_fn: Callable[[nnx.Rngs], nnx.Module]
@@ -190,6 +193,7 @@ class Task:
     layers: Layers | None = None
     context_parallel: bool = False
     eval_params: Callable[[Any, Any], Any] | None = None
+    family: str = ""
 
     def build_model(self, seed: int = 0) -> nnx.Module:
         """The model as a concrete module on the default device, built as a run builds it
@@ -238,6 +242,36 @@ def stage_output(out: Any) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
         x, (loss, metrics) = out
         return x, jnp.asarray(loss, jnp.float32), dict(metrics)
     return out, jnp.zeros((), jnp.float32), {}
+
+
+def checked_loss(out: Any, name: str) -> tuple[jax.Array, dict]:
+    """``out`` when it is ``(scalar loss, {name: metric})``, checked as the step is traced,
+    before it first runs; ``name`` names the function that returned it.
+
+    Raises:
+      TaskError: naming it and what it returned instead.
+    """
+    must = ("; loss_fn must return (loss, metrics): a scalar loss (average the "
+            "per-example losses, e.g. loss.mean()) and a dict of scalar metrics ({} for none)")
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        got = (f"a {len(out)}-tuple" if isinstance(out, (tuple, list)) else
+               f"one array of shape {tuple(out.shape)}" if hasattr(out, "shape") else
+               f"a {type(out).__name__}")
+        raise TaskError(f"{name} returned {got}{must}")
+    loss, metrics = out
+    if not hasattr(loss, "shape") or tuple(loss.shape) != ():
+        got = (f"a loss of shape {tuple(loss.shape)}" if hasattr(loss, "shape") else
+               f"a {type(loss).__name__} as its loss")
+        raise TaskError(f"{name} returned {got}{must}")
+    if not isinstance(metrics, dict):
+        raise TaskError(f"{name} returned a {type(metrics).__name__} as its metrics{must}")
+    return loss, metrics
+
+
+def checked_head(split: StageSplit, out: Any) -> tuple[jax.Array, dict]:
+    """What a pipeline's last stage's ``head`` returned, checked as :func:`checked_loss`
+    checks a loss (both executors, as the step is traced)."""
+    return checked_loss(out, f"the stages' head ({code_name(split.head)})")
 
 
 def split_microbatches(x: jax.Array, k: int) -> jax.Array:

@@ -6,6 +6,8 @@ activation; bad input is one line."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import re
 
@@ -363,6 +365,43 @@ def test_a_users_model_with_jaxpar_attend_equals_one_device(layout):
     losses, params = run(layout, 8)
     np.testing.assert_allclose(losses, one[0], rtol=1e-5)
     assert_params_close(params, one[1], elementwise=False, rtol=1e-4)
+
+
+class PlainAttentionLM(TinyLM):
+    """TinyLM with the mistake: attention by ``jax.nn.dot_product_attention`` itself, which
+    reads the balanced order of a split sequence as if it were the natural one."""
+
+    def __call__(self, tokens_BT, positions_T):
+        x = self.embed(tokens_BT) + self.pos(jnp.asarray(positions_T))[None]
+        x = jaxpar.constrain(x, ("batch", "seq", "act_embed"))
+        B, L, D = x.shape
+        q, k, v = jnp.split(self.qkv(x).reshape(B, L, 3, 2, D // 2), 3, axis=2)
+        o = jax.nn.dot_product_attention(q[:, :, 0], k[:, :, 0], v[:, :, 0], is_causal=True)
+        return self.out(x + o.reshape(B, L, D))
+
+
+def test_a_context_parallel_model_that_skips_jaxpar_attend_is_refused():
+    """A Task declaring ``context_parallel`` whose model never calls ``jaxpar.attend``:
+    under ``mesh.context`` > 1 its loss would be wrong (9.4e-3 off one device in the
+    campaign), so tracing its step refuses it in one line naming the loss and the fix;
+    on one context device the same task trains, and its loss is TinyLM's there."""
+    task = dataclasses.replace(TINY_LM, model_fn=PlainAttentionLM, name="plain")
+
+    def step(devices, overrides):
+        config = jaxpar.load_config([], ["train.batch_size=8", f"run.devices={devices}",
+                                         *overrides])
+        r = jaxpar.build(config, task)
+        return r.trainer.step(r.trainer.init(), r.trainer.shard_batch(_tokens(0, 8)))[1]
+
+    with pytest.raises(jaxpar.TaskError, match=r"^loss_fn \(test_context\.py:_tiny_lm_loss\) "
+                       r"ran with each sequence split over 2 devices \(mesh\.context\), but its "
+                       r"model never called jaxpar\.attend.*or set mesh\.context=1"):
+        step(8, ["mesh.context=2", "mesh.data=4"])
+    alone = jaxpar.build(jaxpar.load_config([], ["train.batch_size=8", "run.devices=1"]),
+                         TINY_LM)
+    expected = alone.trainer.step(alone.trainer.init(),
+                                  alone.trainer.shard_batch(_tokens(0, 8)))[1]["loss"]
+    np.testing.assert_allclose(float(step(1, [])["loss"]), float(expected), rtol=1e-6)
 
 
 def test_plan_finds_the_longest_sequence_that_fits():

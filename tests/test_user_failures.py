@@ -11,12 +11,14 @@ from pathlib import Path
 import pytest
 
 from jaxpar.cli import main
+from tests.helpers import GPT_SMALL
 
 ROOT = Path(__file__).resolve().parents[1]
 SHORT = ["train.batch_size=16", "train.log_every=1", "train.eval_every=0",
          "train.progress=false", "checkpoint.every_steps=2"]
 TASKS = '''
 import dataclasses, os, sys
+import jax
 import jaxpar
 import optax
 sys.path.insert(0, {examples!r})
@@ -45,7 +47,14 @@ class Start(jaxpar.Hook):
     def on_start(self, ctx):
         raise OSError("no tracker")
 
+GPT = jaxpar.task_for(jaxpar.load_config([], {gpt!r}))
+
+def per_example_head(model, x, b):
+    loss, metrics = GPT.stages.head(model, x, b)
+    return loss * jax.numpy.ones(4), metrics
+
 PER_EXAMPLE = dataclasses.replace(cnn.TASK, loss_fn=per_example)
+PIPELINED = dataclasses.replace(GPT, stages=dataclasses.replace(GPT.stages, head=per_example_head))
 BARE = dataclasses.replace(cnn.TASK, loss_fn=bare)
 RAISING = dataclasses.replace(cnn.TASK, loss_fn=raising)
 DATA = dataclasses.replace(cnn.TASK, data=data)
@@ -59,7 +68,8 @@ MUST = ("loss_fn must return (loss, metrics): a scalar loss (average the per-exa
 @pytest.fixture
 def tasks(tmp_path):
     path = tmp_path / "my_tasks.py"
-    path.write_text(TASKS.format(examples=str(ROOT / "examples"), flag=str(tmp_path / "fail")))
+    path.write_text(TASKS.format(examples=str(ROOT / "examples"), flag=str(tmp_path / "fail"),
+                                 gpt=GPT_SMALL))
     (tmp_path / "fail").write_text("")
     return path
 
@@ -84,6 +94,20 @@ def test_a_loss_that_fails_is_one_line_naming_it(tmp_path, capsys, tasks, name, 
     assert main(["train", "--task", f"{tasks}:{name}", *SHORT, "train.steps=2",
                  f"run.dir={tmp_path / 'run'}"]) == status
     assert _err(capsys) == f"jaxpar: error: {line}"
+
+
+@pytest.mark.parametrize("executor", ["spmd", "mpmd"])
+def test_a_per_example_loss_from_the_stages_head_is_refused_before_a_step(tmp_path, capsys,
+                                                                         tasks, executor):
+    """A pipelined task whose stages' head returns a loss per example: refused as the step
+    is traced, under either executor, in one line naming the head (exit 2), no step run."""
+    run_dir = tmp_path / "run"
+    assert main(["train", "--task", f"{tasks}:PIPELINED", *GPT_SMALL, *SHORT, "train.steps=2",
+                 "mesh.stage=2", "mesh.data=1", "run.devices=2", "pipeline.microbatches=2",
+                 f"pipeline.executor={executor}", f"run.dir={run_dir}"]) == 2
+    assert _err(capsys) == ("jaxpar: error: the stages' head (my_tasks.py:per_example_head) "
+                            f"returned a loss of shape (4,); {MUST}")
+    assert not (run_dir / "metrics.jsonl").exists() or _steps(run_dir) == []
 
 
 @pytest.mark.parametrize("hook,line", [

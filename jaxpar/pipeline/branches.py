@@ -21,7 +21,7 @@ from flax import nnx
 from jaxpar.errors import LayoutError
 from jaxpar.pipeline.schedule import KINDS
 from jaxpar.pipeline.ticks import TickTable
-from jaxpar.task import StageSplit, stage_output
+from jaxpar.task import StageSplit, checked_head, stage_output
 
 # lax.switch branches. The forward of the last chunk is folded into its backward (which
 # recomputes it with the head), so it is idle in training. Chunk 0 has branches of its own:
@@ -101,7 +101,7 @@ class Parts:
                                              first_layer))
 
     def head(self, chunk, rest, state, x, mb):
-        return self.split.head(self._model(rest, chunk, state), x, mb)
+        return checked_head(self.split, self.split.head(self._model(rest, chunk, state), x, mb))
 
 
 def merged(template: dict, *metrics: dict) -> dict:

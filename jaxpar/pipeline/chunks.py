@@ -26,7 +26,14 @@ from jaxpar.pipeline.views import (
     sum_over_stages,
     view_of,
 )
-from jaxpar.task import Batch, Layers, StageSplit, split_microbatches, stage_output
+from jaxpar.task import (
+    Batch,
+    Layers,
+    StageSplit,
+    checked_head,
+    split_microbatches,
+    stage_output,
+)
 
 
 def chunk_program(ex: Any, kind: str, c: int) -> Callable:
@@ -205,7 +212,7 @@ class ByStack:
         if not last:
             return out, state
         x, stage_loss, stage_metrics = stage_output(out)
-        loss, metrics = self.split.head(model, x, mb)
+        loss, metrics = checked_head(self.split, self.split.head(model, x, mb))
         return (loss + stage_loss, {**stage_metrics, **{
             k: v + stage_metrics[k] if k in stage_metrics else v for k, v in metrics.items()}}
                 ), state
