@@ -229,3 +229,20 @@ def test_ctrl_c_on_the_command_then_the_same_command(corpus, reference, tmp_path
     prepare_data([*files, big], expected, tok, workers=1)
     assert _files(out) == _files(expected)
     assert "resuming the interrupted prepare-data" in done.stderr
+
+
+def test_a_full_disk_is_exit_5_naming_the_token_file(corpus, tmp_path, capsys):
+    """The ids do not fit a 64 KiB file system: exit 5 and one line naming --out (not
+    numpy's "N requested and M written"), no token file or metadata left looking valid."""
+    from jaxpar.cli import main
+    from tests.helpers import small_file_system
+
+    files, tok = corpus
+    with small_file_system(tmp_path / "small", "64k") as small:
+        out = small / "full.tokens"
+        assert main(["prepare-data", *map(str, files), "--out", str(out), "--tokenizer",
+                     str(tok), "--workers", "1"]) == 5
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and f"'{out}'" in lines[0], lines
+        assert "No space left on device" in lines[0] and "requested" not in lines[0]
+        assert not out.exists() and not Path(f"{out}.json").exists()
