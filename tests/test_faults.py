@@ -740,3 +740,19 @@ def test_launch_retries_a_port_taken_before_the_coordinator_binds(tmp_path, monk
     assert code == 0, text[-3000:]
     assert (f"[launch] port {taken} was taken by another program before the "
             "coordinator could listen on it; starting again on another port") in text
+
+
+def test_out_of_device_memory_is_one_line_naming_the_fixes():
+    """XLA's own out-of-memory error (a real one: 2 TiB asked of this host) is one line
+    with what to change (exit 2), not jaxpar's internal error."""
+    import jax.numpy as jnp
+
+    from jaxpar.cli.failures import failure_of
+
+    with pytest.raises(Exception) as raised:
+        jnp.zeros((2**41,), jnp.uint8).block_until_ready()
+    status, line = failure_of(raised.value)
+    assert status == 2 and "\n" not in line
+    assert line.startswith("jaxpar: error: out of device memory (RESOURCE_EXHAUSTED: Out of "
+                           "memory allocating 2199023255552 bytes")
+    assert "lower train.batch_size" in line and "jaxpar plan" in line

@@ -276,3 +276,4 @@ def test_warnings_are_printed_by_process_0_only(env, shown, monkeypatch):
     line = _warning_line(UserWarning("config key 'optim.momentum' has no effect"))
     assert line == ("jaxpar: warning: config key 'optim.momentum' has no effect\n"
                     if shown else "")
+

@@ -168,6 +168,12 @@ def _failure(err: BaseException) -> tuple[int, str] | None:
                 if isinstance(err, CheckpointError) else "stopped: "
                 if isinstance(err, NonFiniteStop) else "error: ")
         return err.exit_status, f"jaxpar: {kind}{err}"
+    if not isinstance(err, OSError) and str(err).startswith("RESOURCE_EXHAUSTED"):
+        first = shorten(str(err).strip().splitlines()[0], 200)
+        return BAD_INPUT, (
+            f"jaxpar: error: out of device memory ({first}); lower train.batch_size or "
+            "data.seq_len, or shard more (mesh.fsdp, mesh.tensor, model.remat=full): "
+            "jaxpar plan --devices N --memory-gb G ranks the layouts that fit")
     if not isinstance(err, OSError) and _PEER_GONE.search(str(err)):
         return PEER_LOST, (
             "jaxpar: error: another process of this run stopped or cannot be reached (a "
@@ -185,8 +191,8 @@ def _failure(err: BaseException) -> tuple[int, str] | None:
             space = free_space(err.filename) if err.filename else "free space unknown"
             return WRITE_FAILED, (
                 f"jaxpar: disk full: writing{where} failed: No space left on device ({space} "
-                "there); free space and run the same command to resume from the last "
-                "checkpoint")
+                "there); free space and run the same command again (training resumes from "
+                "its last checkpoint, prepare-data from the documents it kept)")
         text = err.strerror or str(err)
         status = BAD_INPUT if err.errno in _PATH_ERRNOS else WRITE_FAILED
         return status, f"jaxpar: error: {text}:{where}" if where else f"jaxpar: error: {text}"
