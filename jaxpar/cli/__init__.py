@@ -84,7 +84,7 @@ def _sweep(args: argparse.Namespace, config: Config, task: Task | None) -> None:
         layouts, note = sweep.default_layouts(config, len(select_devices(config.run.devices)),
                                               task)
     memory = args.memory_gb * 1e9 if args.memory_gb else None
-    what = task.name if task is not None else config.model.name
+    what = (task.name or "the --task") if task is not None else config.model.name
     print(f"sweeping {len(layouts)} layout{'s' * (len(layouts) != 1)} of {what} "
           f"(global batch {config.train.batch_size})", flush=True)
     if note:
@@ -101,7 +101,7 @@ def _plan(args: argparse.Namespace, config: Config, task: Task | None) -> None:
 
     hw = get_profile(args.hardware, args.hardware_file)
     memory = args.memory_gb * 1e9 if args.memory_gb else hw.memory_bytes
-    what = task.name if task is not None else config.model.name
+    what = (task.name or "the --task") if task is not None else config.model.name
     if args.longest:
         if not args.layouts:
             raise ConfigError("jaxpar plan --longest needs --layouts L …: the layouts whose "
