@@ -250,7 +250,11 @@ def summarize(run: Run, history: History) -> str:
 
 def _setup_devices(count: int) -> None:
     """Simulated CPU devices for a script that calls :func:`train` before using JAX (the
-    CLI does this itself); on an accelerator, or once JAX runs, the devices stand."""
+    CLI does this itself); on an accelerator, or once JAX runs, the devices stand. A count
+    already set (a script's ``setup_devices(8)``) is never lowered: ``run.devices`` then
+    takes the first devices, so the script's later layouts still have all of them."""
+    if max(count, 1) <= jax.config.jax_num_cpu_devices:
+        return
     try:
         setup_devices(count)
     except ValueError:

@@ -78,7 +78,8 @@ def build(config: Config, task: Task | None = None,
         that cannot run, in one line.
     """
     own_optimizer = optimizer is not None or (task is not None and task.optimizer is not None)
-    warn_unused(config, user_task=task is not None,
+    from_config = task is not None and bool(task.family) and task.family == config.family.name
+    warn_unused(config, user_task=task is not None and not from_config,
                 own_data=task is not None and task.data is not None, own_optimizer=own_optimizer)
     user_task = task
     sizes.check_settings(_sizes(config, user_task))
@@ -136,7 +137,8 @@ def task_for(config: Config) -> Task:
       ConfigError, DataError: for a model or data setting that does not fit.
     """
     data, model = _data_and_model(config)
-    return _family_task(dataclasses.replace(config, model=model), data)
+    task = _family_task(dataclasses.replace(config, model=model), data)
+    return dataclasses.replace(task, family=config.family.name)
 
 
 def _data_and_model(config: Config) -> tuple[Data, ModelConfig]:

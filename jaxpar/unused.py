@@ -17,6 +17,14 @@ from jaxpar.optim import OptimConfig
 from jaxpar.pipeline.schedule import PipelineConfig
 
 
+#: ``data`` keys that read a task's own data too
+_LOADER_KEYS = ("threads", "prefetch", "workers", "wait_warn")
+#: ``data`` keys :func:`jaxpar.task_for` sizes a family's model by (vocabulary, sequence
+#: length, packing, image shape), also when the task then brings its own data
+_SIZING_KEYS = ("path", "mixture", "text_key", "dataset", "seq_len", "pack", "image_size",
+                "channels")
+
+
 def _non_default(config: Config, dotted: str) -> bool:
     section_name, key = dotted.split(".")
     if section_name == "model":
@@ -29,16 +37,17 @@ def unused_settings(config: Config, *, user_task: bool = False, own_data: bool =
                     own_optimizer: bool = False) -> list[str]:
     """Keys set away from their default that the run ignores: another model family's keys,
     the ``model`` section for a user's task, ``data`` keys the model does not read (or all
-    of them when the task brings its data), ``optim`` keys when the run brings its own
-    optimizer, and the options of other choices."""
+    of them when the task brings its data, but for the loader's and, for a family's task
+    from :func:`jaxpar.task_for` (``user_task=False``), those it was sized by), ``optim``
+    keys when the run brings its own optimizer, and the options of other choices."""
     explicit = [f"model.{k}" for k in model_settings(config.model)]
     keys = explicit + ["model.name"] if user_task else [
         k for k in explicit if k.split(".", 1)[1] not in config.family.keys()]
     data = config.data
-    if own_data:
-        keys += [f"data.{k}" for k in schema.keys(DataConfig)
-                 if k not in ("threads", "prefetch", "workers", "wait_warn")]
-    elif not user_task:
+    if own_data:  # the loader's keys still apply; a family's task was sized by its data
+        kept = _LOADER_KEYS + (() if user_task else _SIZING_KEYS)
+        keys += [f"data.{k}" for k in schema.keys(DataConfig) if k not in kept]
+    if not user_task:
         text = config.family.needs(config.model).kind == "text"
         synthetic = data.dataset == "synthetic" or (data.dataset == "auto" and not data.path
                                                     and not text)

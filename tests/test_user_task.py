@@ -137,18 +137,19 @@ def test_hooks_see_every_step_exactly_once_across_a_preemption_and_resume(tmp_pa
     first, second = Recorder(), Recorder()
     with pytest.raises(jaxpar.loop.Preempted) as stop:
         jaxpar.train(_config(tmp_path, 12), task=TASK, hooks=[first, StopAt(5)], echo=False)
-    # step 5's metrics arrive once step 6 is dispatched; the loop checks for a preemption
-    # after each dispatch, so the next check, after step 7, stops the run
+    # step 5's metrics arrive before its checkpoint (its row is written first, so that its
+    # time is its own); the loop checks for a preemption after each dispatch, so the next
+    # check, after step 6, stops the run
     stopped_at = stop.value.step
-    assert stopped_at == 7
+    assert stopped_at == 6
     assert first.steps == list(range(1, stopped_at + 1))
-    assert first.saves == [5, 7] and first.started == first.ended == 1
+    assert first.saves == [5, 6] and first.started == first.ended == 1
     assert first.evals == [(4, ["eval_accuracy", "eval_loss", "eval_time_s"])]
     history = jaxpar.train(_config(tmp_path, 12), task=TASK, hooks=[second], echo=False)
     assert second.steps == list(range(stopped_at + 1, 13))
     assert first.steps + second.steps == list(range(1, 13))
     assert [s for s, _ in second.evals] == [8, 12] and second.saves == [10, 12]
-    assert [r["step"] for r in history.train_rows] == list(range(8, 13))
+    assert [r["step"] for r in history.train_rows] == list(range(stopped_at + 1, 13))
     logged = [r["step"] for r in rows(tmp_path) if "loss" in r]
     assert logged == list(range(1, 13))  # metrics.jsonl: each step once
 

@@ -29,6 +29,8 @@ class Checkpointing(Hook):
         evals = None
         if self.ckpt.best_metric or (ctx.can_evaluate and is_eval_step(step, ctx.config.train)):
             evals = ctx.evaluate(step)
+        # the step's row first: waiting for the step to finish is its time, not the save's
+        ctx.flush()
         start = time.perf_counter()
         save_checkpoint(ctx.run, self.ckpt, step, ctx.state, ctx.step_metrics,
                         ctx.stream.get_state(), evals)

@@ -9,12 +9,21 @@ so a resumed run (same run dir) continues the same tracker run. The libraries ar
 optional extras (``pip install 'jaxpar[wandb]'`` / ``'jaxpar[mlflow]'``), and where a
 tracker sends data is the library's own setting: ``WANDB_PROJECT`` (default ``jaxpar``),
 ``WANDB_ENTITY``, ``WANDB_MODE=offline``, ``WANDB_DIR`` (default: the run dir);
-``MLFLOW_TRACKING_URI``, ``MLFLOW_EXPERIMENT_NAME``.
+``MLFLOW_TRACKING_URI`` (unset, without the full ``mlflow``: a local store in
+``./mlruns``), ``MLFLOW_EXPERIMENT_NAME``.
+
+A tracker fails fast and quietly: each call to its library (start, log, finish) gets
+``JAXPAR_TRACKER_TIMEOUT`` seconds (default 30; a server that refuses connections fails
+at once). One that cannot start in that time stops the run before it trains, in one
+line; one that fails or stalls later warns once and training goes on (without it, once
+it stalls). Errors of the library's own logging (a full disk under W&B's directory)
+become that one warning, and a stop signal while a tracker starts stops the run at once.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import time
@@ -25,12 +34,25 @@ from typing import Any
 import jax
 
 from jaxpar import config as config_lib
-from jaxpar.errors import ConfigError, Preempted
+from jaxpar import resume as resume_lib
+from jaxpar.errors import ConfigError, Preempted, Terminated
 from jaxpar.files import shorten
 from jaxpar.hooks.base import Context, Hook
+from jaxpar.hooks.tracker_calls import (
+    TIMEOUT,
+    Stalled,
+    bounded,
+    probe,
+    stop_requested,
+    timeout,
+    watch_logging,
+)
 
 #: where a run dir keeps its trackers' run ids: ``{"wandb": {"id": …}, "mlflow": {…}}``
 TRACKERS_FILE = "trackers.json"
+#: run dir → why its trackers.json was unreadable, while its trackers start: each starts a
+#: new run, also those that start after the first has rewritten the file
+_UNREADABLE: dict[Path, str] = {}
 
 
 def _need(module: str, extra: str) -> Any:
@@ -52,13 +74,17 @@ def flat_config(config: Any) -> dict[str, Any]:
             for key, value in keys.items()}
 
 
-def read_ids(run_dir: Path) -> dict[str, Any]:
-    """The tracker run ids a run dir keeps (``{}`` when none, or unreadable)."""
+def read_ids(run_dir: Path) -> tuple[dict[str, Any], str]:
+    """The tracker run ids a run dir keeps (``{}`` when none), and why the file could not
+    be read (``""`` when it could, or is absent)."""
+    path = Path(run_dir) / TRACKERS_FILE
     try:
-        ids = json.loads((Path(run_dir) / TRACKERS_FILE).read_text())
-    except (OSError, ValueError):
-        return {}
-    return ids if isinstance(ids, dict) else {}
+        ids = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}, ""
+    except (OSError, ValueError) as err:
+        return {}, _one_line(err, 120)
+    return (ids, "") if isinstance(ids, dict) else ({}, "not a JSON object")
 
 
 def _write_ids(run_dir: Path, ids: dict[str, Any]) -> None:
@@ -79,14 +105,18 @@ def outcome(error: BaseException | None) -> str:
 class Tracker(Hook):
     """A tracker's run that follows the training run: started (or, in a resumed run dir,
     continued) before the first step, given every logged row and evaluation, finished
-    after the last step (marked failed or killed when the loop stopped early). A failure
-    to log warns once and training goes on; a failure to start stops the run before it
+    after the last step (marked failed or killed when the loop stopped early). Each call
+    is bounded by :func:`timeout`. A failure to log warns once and training goes on (a
+    stalled call: without the tracker); a failure to start stops the run before it
     trains. Subclasses implement :meth:`start`, :meth:`log` and :meth:`finish`."""
 
     name = label = fix = ""  # fix: what to do when the tracker cannot start
+    #: the loggers the library logs to (their handlers' failures: one warning)
+    loggers: tuple[str, ...] = ()
 
     def __init__(self) -> None:
         self.live = self._warned = False
+        self.timeout = TIMEOUT
 
     def start(self, run_dir: Path, params: dict[str, Any], saved: dict[str, Any] | None,
               first_step: int) -> dict[str, Any]:
@@ -109,16 +139,49 @@ class Tracker(Hook):
                               "pass run_dir to fit()", stacklevel=2)
             return
         run_dir = Path(ctx.run_dir).absolute()
-        ids = read_ids(run_dir)
-        saved = ids.get(self.name) if ctx.first_step > 1 else None  # step 1: a new run
+        self.timeout = timeout()
+        saved = self._saved(run_dir, ctx.first_step)
+        watch_logging(self.loggers, self._log_failed, True)
         try:
-            ids[self.name] = self.start(run_dir, flat_config(ctx.config), saved,
-                                        ctx.first_step)
+            ids = self._start(run_dir, flat_config(ctx.config), saved, ctx.first_step)
+        except BaseException:
+            watch_logging(self.loggers, self._log_failed, False)
+            raise
+        _write_ids(run_dir, {**read_ids(run_dir)[0], self.name: ids})
+        self.live = True
+
+    def _start(self, run_dir: Path, params: dict[str, Any], saved: dict[str, Any] | None,
+               first_step: int) -> dict[str, Any]:
+        """:meth:`start`, bounded; a stop signal meanwhile stops the run at once."""
+        try:
+            return bounded(lambda: self.start(run_dir, params, saved, first_step),
+                           self.timeout, stoppable=True)
+        except Stalled as err:
+            if stop_requested():
+                raise (KeyboardInterrupt() if resume_lib.stop_signal() == "SIGINT"
+                       else Terminated()) from None
+            raise ConfigError(f"train.trackers: {self.label} could not start a run "
+                              f"({err}); {self.fix}") from None
         except Exception as err:
             raise ConfigError(f"train.trackers: {self.label} could not start a run "
                               f"({_one_line(err)}); {self.fix}") from err
-        _write_ids(run_dir, ids)
-        self.live = True
+
+    def _saved(self, run_dir: Path, first_step: int) -> dict[str, Any] | None:
+        """What continues this tracker's run in a resumed run dir (None: a new run; a
+        warning when ``trackers.json`` is unreadable)."""
+        if first_step == 1:
+            return None  # a new training run: a new tracker run
+        ids, problem = read_ids(run_dir)
+        if problem or run_dir in _UNREADABLE:  # (rewritten by a tracker that started first)
+            ids, problem = {}, _UNREADABLE.setdefault(run_dir, problem)
+        saved = ids.get(self.name)
+        if saved is not None and not isinstance(saved, dict):
+            problem, saved = f"its {self.name!r} entry is not a JSON object", None
+        if problem:
+            warnings.warn(f"train.trackers: {run_dir / TRACKERS_FILE} is unreadable "
+                          f"({problem}); a new {self.label} run starts (the file is "
+                          "rewritten)", stacklevel=3)
+        return saved
 
     def on_step(self, ctx: Context, step: int, metrics: dict[str, Any]) -> None:
         row = ctx.rows[-1] if ctx.rows else {}
@@ -130,27 +193,37 @@ class Tracker(Hook):
             self._send(step, metrics)
 
     def on_end(self, ctx: Context) -> None:
-        if not self.live:
-            return
-        self.live = False
         try:
-            self.finish(outcome(ctx.error))
+            if self.live:
+                self.live = False
+                bounded(lambda: self.finish(outcome(ctx.error)), self.timeout)
         except Exception as err:
             self._warn("finish its run", err)
+        finally:
+            watch_logging(self.loggers, self._log_failed, False)
+            _UNREADABLE.pop(Path(ctx.run_dir or ".").absolute(), None)
 
     def _send(self, step: int, row: dict[str, Any]) -> None:
         values = {k: float(v) for k, v in row.items()
                   if k != "step" and isinstance(v, (int, float))}
         try:
-            self.log(step, values)
+            bounded(lambda: self.log(step, values), self.timeout)
+        except Stalled as err:  # the library is stuck: training goes on without it
+            self.live = False
+            self._warn(f"log step {step}", err, "training goes on without it")
         except Exception as err:  # a tracker's outage must not end a long run
             self._warn(f"log step {step}", err)
 
-    def _warn(self, what: str, err: Exception) -> None:
+    def _log_failed(self, err: BaseException | None) -> None:
+        self._warn("write its log", err)
+
+    def _warn(self, what: str, err: BaseException | None,
+              then: str = "training goes on") -> None:
         if not self._warned:
             self._warned = True
-            warnings.warn(f"train.trackers: {self.label} could not {what} ({_one_line(err)}); "
-                          "training goes on (this warning is shown once)", stacklevel=3)
+            why = _one_line(err) if err is not None else "no reason given"
+            warnings.warn(f"train.trackers: {self.label} could not {what} ({why}); {then} "
+                          "(this warning is shown once)", stacklevel=3)
 
 
 class WandB(Tracker):
@@ -162,6 +235,7 @@ class WandB(Tracker):
 
     name, label = "wandb", "Weights & Biases"
     fix = "run `wandb login`, or set WANDB_MODE=offline"
+    loggers = ("wandb",)
 
     def __init__(self) -> None:
         super().__init__()
@@ -171,10 +245,13 @@ class WandB(Tracker):
     def start(self, run_dir: Path, params: dict[str, Any], saved: dict[str, Any] | None,
               first_step: int) -> dict[str, Any]:
         run_id = (saved or {}).get("id")
+        # W&B's own wait for its server (90 s), unless set: the tracker's bound
+        settings = (None if os.environ.get("WANDB_INIT_TIMEOUT")
+                    else self.wandb.Settings(init_timeout=self.timeout))
         self.run = self.wandb.init(
             project=os.environ.get("WANDB_PROJECT") or "jaxpar", name=run_dir.name,
             id=run_id, resume="allow" if run_id else None, reinit="create_new",
-            dir=None if os.environ.get("WANDB_DIR") else str(run_dir))
+            dir=None if os.environ.get("WANDB_DIR") else str(run_dir), settings=settings)
         self.run.config.update({**params, "run_dir": str(run_dir)}, allow_val_change=True)
         return {"id": self.run.id, "project": self.run.project}
 
@@ -192,10 +269,15 @@ class MLflow(Tracker):
     ``MLFLOW_EXPERIMENT_ID``; default: MLflow's Default experiment), the config as params,
     the run dir as the tag ``jaxpar.run_dir``, each row's values as metrics at its step.
     A resumed run continues the MLflow run; as params cannot change, a setting the resumed
-    run changed is set as the tag ``KEY/from_step_N``."""
+    run changed is set as the tag ``KEY/from_step_N``.
+
+    Where no tracking URI is set (``MLFLOW_TRACKING_URI``, ``mlflow.set_tracking_uri``) and
+    MLflow's default store (``sqlite:///mlflow.db``) needs what mlflow-skinny lacks
+    (SQLAlchemy), the store is the folder ``mlruns`` in the working directory (a resumed
+    run: the one it started in), and ``MLFLOW_ALLOW_FILE_STORE`` is set to ``true``."""
 
     name, label = "mlflow", "MLflow"
-    fix = "set MLFLOW_TRACKING_URI to your tracking server (e.g. http://localhost:5000)"
+    loggers = ("mlflow",)
     #: MLflow's longest param value
     MAX_VALUE = 6000
 
@@ -203,12 +285,35 @@ class MLflow(Tracker):
         super().__init__()
         self.mlflow = _need("mlflow", "mlflow")
         self.client: Any = None
-        self.run_id = ""
+        self.run_id = self.uri = ""
+
+    @property
+    def fix(self) -> str:  # type: ignore[override]
+        if self.uri.startswith(("http:", "https:")):
+            return (f"check that the tracking server at MLFLOW_TRACKING_URI={self.uri} is "
+                    "running, or unset it for a local store")
+        return ("set MLFLOW_TRACKING_URI to your tracking server (http://HOST:PORT) or to a "
+                "store you can write (file:PATH, with MLFLOW_ALLOW_FILE_STORE=true)")
+
+    def tracking_uri(self, saved: dict[str, Any] | None) -> str:
+        """MLflow's tracking URI, or the local ``mlruns`` store (see the class)."""
+        uri = self.mlflow.get_tracking_uri()
+        try:
+            utils = importlib.import_module("mlflow.tracking._tracking_service.utils")
+            chosen = bool(utils.is_tracking_uri_set())
+        except (ImportError, AttributeError):  # another MLflow: its default stands
+            chosen = True
+        if chosen or not uri.startswith("sqlite:") or importlib.util.find_spec("sqlalchemy"):
+            return uri
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        old = str((saved or {}).get("tracking_uri", ""))
+        return old if old.startswith("file:") else Path("mlruns").absolute().as_uri()
 
     def start(self, run_dir: Path, params: dict[str, Any], saved: dict[str, Any] | None,
               first_step: int) -> dict[str, Any]:
-        self.client = self.mlflow.MlflowClient()
-        uri = self.mlflow.get_tracking_uri()
+        self.uri = uri = self.tracking_uri(saved)
+        probe(uri, self.timeout)
+        self.client = self.mlflow.MlflowClient(tracking_uri=uri)
         old = self._params_of((saved or {}).get("run_id", ""), uri)
         if old is None:
             run = self.client.create_run(self._experiment_id(), run_name=run_dir.name)

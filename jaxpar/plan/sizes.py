@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -210,9 +209,10 @@ def largest_array(plan: Any, batch: Mapping[str, Any]) -> tuple[int, Any, str] |
 
     state = plan.abstract_state
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the step's own trace warns, once
-            traced = jax.make_jaxpr(loss)(state.params, state.model_state, micro)
+        # not under warnings.catch_warnings(): leaving it resets Python's record of the
+        # warnings shown, so every warning of the run would show again (a model's trace
+        # warning here is one its step's trace then does not repeat)
+        traced = jax.make_jaxpr(loss)(state.params, state.model_state, micro)
     except Exception:  # noqa: BLE001 (a loss that does not trace so: the step reports it)
         return None
     return _largest(traced.jaxpr, None)
