@@ -156,10 +156,21 @@ _SPLIT_CALLS = [0]
 
 
 def split_attention_calls() -> int:
-    """How many times :func:`attend` has been traced across a split sequence so far: a
+    """How many times :func:`attend` (or :func:`masks_by_position`) has been traced across
+    a split sequence so far: a
     step compares it before and after tracing a loss whose sequences the layout splits,
     and refuses a model that never called it (its own attention would be wrong there)."""
     return _SPLIT_CALLS[0]
+
+
+def masks_by_position() -> None:
+    """Declares, from inside a model's attention, that it masks by each token's position
+    and lets XLA gather the split keys (as Gemma 2's soft-capped attention does), so it is
+    right on a split sequence without :func:`attend` (slower: no ring, no per-device
+    blocks); the check that refuses a context-parallel model whose attention never called
+    :func:`attend` then lets it through."""
+    if sequence_axes():
+        _SPLIT_CALLS[0] += 1
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions_T: np.ndarray | None = None,

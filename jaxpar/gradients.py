@@ -157,7 +157,9 @@ def _attended(before: int, loss_fn: LossFn) -> None:
             f"loss_fn ({code_name(loss_fn)}) ran with each sequence split over {ways} "
             "devices (mesh.context), but its model never called jaxpar.attend, so its "
             "attention would not see the whole sequence in order; compute attention with "
-            "jaxpar.attend(q, k, v, positions) (docs/context.md), or set mesh.context=1")
+            "jaxpar.attend(q, k, v, positions) (docs/context.md; or call "
+            "jaxpar.context.masks_by_position() where it masks by position), or set "
+            "mesh.context=1")
 
 
 @dataclass(frozen=True)

@@ -264,8 +264,9 @@ def test_failed_async_save_exits_nonzero_with_the_error(tmp_path, monkeypatch, c
         "jaxpar: checkpoint error: disk full: ") and " free there)" in line[0]
     assert "Traceback" not in err
     logged = [s for s, _ in losses(run_dir)]
-    # every=2: the save of step 4 finds step 2's failure and the run stops before logging 4
-    assert logged == ([1, 2, 3] if every else [1, 2, 3, 4, 5, 6])
+    # every=2: step 4's row is written (before its save waits), then the save of step 4
+    # finds step 2's failure and the run stops
+    assert logged == ([1, 2, 3, 4] if every else [1, 2, 3, 4, 5, 6])
     assert not [n for n in os.listdir(run_dir / "checkpoints") if n.isdigit()]
 
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.context import attend
+from jaxpar.context import attend, masks_by_position
 from jaxpar.logical import constrain
 from jaxpar.models.gemma_config import GemmaConfig, LayerKind
 from jaxpar.models.llama_attention import out, qkv
@@ -89,6 +89,7 @@ def self_attention(h: jax.Array, p: dict[str, jax.Array], kind: LayerKind,
     segments = None if documents is None else documents.segments
     q, k, v = projections(h, p, rotated, kind)
     if cfg.attn_softcap:
+        masks_by_position()  # right on a split sequence: the mask comes from positions
         o = capped_attention(q, k, v, visible(pos, pos, kind.window, segments), cfg.scale,
                              cfg.attn_softcap)
     else:  # attend scales by H^-½: the queries carry the rest of Gemma's scale
