@@ -73,16 +73,18 @@ def stopped(tmp_path_factory):
     for case, (how, sig, args, _) in CASES.items():
         if "{run}" not in args:
             children[case] = (_start(how, sig, args, tmp, run), time.time())
-    train(load_config([], [*TINY, "train.steps=1", "run.devices=1", "train.progress=false",
-                           "checkpoint.async_save=false", f"run.dir={run}"]), echo=False)
-    for case, (how, sig, args, _) in CASES.items():
-        if "{run}" in args:
-            children[case] = (_start(how, sig, args, tmp, run), time.time())
+    # the sweep's signal as soon as it has begun (its layouts then still compile), not
+    # after the training below, by when it may have written its tables
     sweep = children["sweep"][0]
     for line in sweep.stdout:  # "sweeping 1 layout of …": the command has begun
         if line.startswith("sweeping"):
             sweep.send_signal(signal.Signals[CASES["sweep"][1]])
             break
+    train(load_config([], [*TINY, "train.steps=1", "run.devices=1", "train.progress=false",
+                           "checkpoint.async_save=false", f"run.dir={run}"]), echo=False)
+    for case, (how, sig, args, _) in CASES.items():
+        if "{run}" in args:
+            children[case] = (_start(how, sig, args, tmp, run), time.time())
     yield tmp, children
     kill_all(proc for proc, _ in children.values())
 
