@@ -432,3 +432,16 @@ def test_a_token_file_named_as_an_input_is_refused(corpus, tmp_path, capsys, nam
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"input '{tmp_path / named}' is a jaxpar token file" in err
     assert not (tmp_path / "y").exists()
+
+
+def test_workers_with_fine_tuning_records_is_refused_not_ignored(tmp_path, capsys):
+    """--workers does not apply to --records prompt_completion: one line, nothing written."""
+    records = tmp_path / "r.jsonl"
+    records.write_text('{"prompt": "a", "completion": "b"}\n')
+    out = tmp_path / "r.tokens"
+    assert main(["prepare-data", str(records), "--out", str(out), "--records",
+                 "prompt_completion", "--workers", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("jaxpar: error: --workers 2 applies to --records text; fine-tuning records "
+                   "are encoded in this process: drop --workers")
+    assert not out.exists()

@@ -153,6 +153,9 @@ def _prepare_data(args: argparse.Namespace) -> None:
 
     # never a run's own file nor a held folder (an existing --out: prepare_data says)
     check_new_file(args.out, "--out", overwrite=True)
+    if args.records != "text" and args.workers > 1:
+        raise ConfigError(f"--workers {args.workers} applies to --records text; fine-tuning "
+                          "records are encoded in this process: drop --workers")
     if args.records == "text":
         tf = prepare_data(args.inputs, args.out, args.tokenizer, args.glob,
                           text_key=args.text_key, bos=args.bos, eos=args.eos,

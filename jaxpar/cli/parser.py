@@ -224,7 +224,7 @@ def _prepare_parser(sub: argparse._SubParsersAction) -> None:
     prep.add_argument("--workers", type=_count(4096), default=0, metavar="N",
                       help="processes that encode (0: one per CPU core this process may "
                            "use; 1: this process, on the tokenizer library's threads); the "
-                           "token file does not depend on it")
+                           "token file does not depend on it (--records text only)")
     prep.add_argument("--text-key", default="text", metavar="KEY",
                       help="the field of each record that holds its text (default: text)")
     prep.add_argument("--records", default="text",
