@@ -40,21 +40,33 @@ import numpy as np
 from jaxpar import build, constrain, load_config
 from jaxpar.models import transformer
 
-BASE = ["mesh.data=8", "train.batch_size=8", "train.grad_accum=1", "data.dataset=synthetic",
-        "data.num_examples=64"]
+BASE = [
+    "mesh.data=8",
+    "train.batch_size=8",
+    "train.grad_accum=1",
+    "data.dataset=synthetic",
+    "data.num_examples=64",
+]
 
 
-def reference_attention(h_BTD: jax.Array, p: dict[str, jax.Array], use_rotary: bool,
-                        implementation: str = "xla", causal: bool = True,
-                        positions_T: np.ndarray | None = None) -> jax.Array:
+def reference_attention(
+    h_BTD: jax.Array,
+    p: dict[str, jax.Array],
+    use_rotary: bool,
+    implementation: str = "xla",
+    causal: bool = True,
+    positions_T: np.ndarray | None = None,
+) -> jax.Array:
     """jaxpar's causal attention before ``jax.nn.dot_product_attention``, for tokens in
     their natural order (``implementation`` is ignored)."""
     del implementation
-    assert causal and (positions_T is None or np.array_equal(
-        positions_T, np.arange(len(positions_T)))), "the reference runs tokens in order"
+    assert causal and (
+        positions_T is None or np.array_equal(positions_T, np.arange(len(positions_T)))
+    ), "the reference runs tokens in order"
     w_D3NH = jnp.stack([p["wq"], p["wk"], p["wv"]], axis=1)
-    qkv = constrain(jnp.einsum("btd,dcnh->btcnh", h_BTD, w_D3NH),
-                    ("batch", "seq", None, "heads", "kv"))
+    qkv = constrain(
+        jnp.einsum("btd,dcnh->btcnh", h_BTD, w_D3NH), ("batch", "seq", None, "heads", "kv")
+    )
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     if use_rotary:
         q, k = transformer.rotary(q), transformer.rotary(k)
@@ -86,8 +98,13 @@ def attention_traced(mode: str):
 def temp_bytes(config: str, seq: int, mode: str, extra: list[str]) -> tuple[int, float]:
     """(temporaries per device, compile seconds) of the train step."""
     attention = "xla" if mode == "reference" else mode
-    overrides = [*BASE, f"model.max_seq_len={seq}", f"data.seq_len={seq}",
-                 f"model.attention={attention}", *extra]
+    overrides = [
+        *BASE,
+        f"model.max_seq_len={seq}",
+        f"data.seq_len={seq}",
+        f"model.attention={attention}",
+        *extra,
+    ]
     run = build(load_config([config], overrides))
     batch = run.data.batch(0, run.config.train.batch_size)
     start = time.perf_counter()
@@ -100,13 +117,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/gpt_tiny.yaml")
     parser.add_argument("--seq", type=int, nargs="+", default=[1024, 2048])
-    parser.add_argument("--modes", nargs="+", default=["reference", "xla", "auto"],
-                        choices=["reference", "xla", "cudnn", "auto"])
-    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="more config overrides, e.g. model.dtype=bfloat16")
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        default=["reference", "xla", "auto"],
+        choices=["reference", "xla", "cudnn", "auto"],
+    )
+    parser.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="more config overrides, e.g. model.dtype=bfloat16",
+    )
     args = parser.parse_args()
-    print(f"backend {jax.default_backend()}, {jax.device_count()} devices; "
-          f"{args.config} + {' '.join(args.set) or '(no overrides)'}")
+    print(
+        f"backend {jax.default_backend()}, {jax.device_count()} devices; "
+        f"{args.config} + {' '.join(args.set) or '(no overrides)'}"
+    )
     print("| seq | " + " | ".join(f"{m} temp MiB" for m in args.modes) + " |")
     print("|---|" + "---|" * len(args.modes))
     for seq in args.seq:

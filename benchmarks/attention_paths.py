@@ -23,8 +23,18 @@ from jaxpar import build, load_config, logits
 
 def logits_and_time(overrides: list[str], tokens: jax.Array) -> tuple[np.ndarray, float]:
     """The logits of a one-device Llama built from ``overrides``, and its forward time."""
-    run = build(load_config([], ["model.name=llama", "run.devices=1", "mesh.data=1",
-                                 "data.dataset=synthetic", *overrides]))
+    run = build(
+        load_config(
+            [],
+            [
+                "model.name=llama",
+                "run.devices=1",
+                "mesh.data=1",
+                "data.dataset=synthetic",
+                *overrides,
+            ],
+        )
+    )
     state = run.trainer.init()
     out = logits(run, tokens, state)
     times = []
@@ -47,10 +57,18 @@ def main() -> None:
     print("|---|---|---|---|")
     tokens = jax.random.randint(jax.random.key(1), (args.batch, args.seq), 0, 32000)
     for window in (0, args.window):
-        cfg = ["model.vocab_size=32000", "model.d_model=1024", "model.n_layers=4",
-               "model.n_heads=8", "model.n_kv_heads=2", "model.d_ff=2816",
-               f"model.max_seq_len={args.seq}", f"data.seq_len={args.seq}",
-               "model.dtype=bfloat16", f"model.sliding_window={window}"]
+        cfg = [
+            "model.vocab_size=32000",
+            "model.d_model=1024",
+            "model.n_layers=4",
+            "model.n_heads=8",
+            "model.n_kv_heads=2",
+            "model.d_ff=2816",
+            f"model.max_seq_len={args.seq}",
+            f"data.seq_len={args.seq}",
+            "model.dtype=bfloat16",
+            f"model.sliding_window={window}",
+        ]
         reference, t_xla = logits_and_time([*cfg, "model.attention=xla"], tokens)
         print(f"| {window} | xla | {t_xla * 1e3:.2f} | 0 |")
         if on_gpu:

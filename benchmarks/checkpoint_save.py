@@ -34,12 +34,17 @@ CONFIGS = {"tiny": "configs/gpt_tiny.yaml", "gpt2_small": "configs/gpt2_small.ya
 
 def measure(config: str, async_save: bool, saves: int, gap: float) -> dict[str, float]:
     """Blocked-per-save, finish and restore seconds for one model and mode."""
-    run = build(load_config([config], ["mesh.data=1", "mesh.fsdp=8", "train.batch_size=8",
-                                          "train.grad_accum=1"]))
+    run = build(
+        load_config(
+            [config], ["mesh.data=1", "mesh.fsdp=8", "train.batch_size=8", "train.grad_accum=1"]
+        )
+    )
     trainer = run.trainer
     state = trainer.init()
-    touch = jax.jit(lambda s: jax.tree.map(lambda x: x + 1 if x.dtype.kind == "i" else x * 1.0001,
-                                           s), donate_argnums=0)
+    touch = jax.jit(
+        lambda s: jax.tree.map(lambda x: x + 1 if x.dtype.kind == "i" else x * 1.0001, s),
+        donate_argnums=0,
+    )
     nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Checkpointer(tmp, run.plan, keep=2, async_save=async_save)
@@ -58,28 +63,44 @@ def measure(config: str, async_save: bool, saves: int, gap: float) -> dict[str, 
         jax.block_until_ready(restored)
         restore = time.perf_counter() - start
         ckpt.close()
-    return {"bytes": nbytes, "blocked": statistics.median(blocked), "finish": finish,
-            "restore": restore}
+    return {
+        "bytes": nbytes,
+        "blocked": statistics.median(blocked),
+        "finish": finish,
+        "restore": restore,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--saves", type=int, default=3)
-    parser.add_argument("--gap", type=float, default=5.0,
-                        help="seconds of (simulated, host-idle) training between saves")
+    parser.add_argument(
+        "--gap",
+        type=float,
+        default=5.0,
+        help="seconds of (simulated, host-idle) training between saves",
+    )
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     args = parser.parse_args()
-    print(f"{jax.device_count()} × {jax.devices()[0].platform} devices, mesh fsdp=8, "
-          f"{args.saves} saves each, {args.gap:g} s apart\n")
-    print("| model | state (MiB) | mode | blocked per save (s) | last write done after (s) "
-          "| restore (s) |")
+    print(
+        f"{jax.device_count()} × {jax.devices()[0].platform} devices, mesh fsdp=8, "
+        f"{args.saves} saves each, {args.gap:g} s apart\n"
+    )
+    print(
+        "| model | state (MiB) | mode | blocked per save (s) | last write done after (s) "
+        "| restore (s) |"
+    )
     print("|---|---|---|---|---|---|")
     for name in args.configs:
-        rows = {mode: measure(CONFIGS[name], mode == "async", args.saves, args.gap)
-                for mode in ("async", "sync")}
+        rows = {
+            mode: measure(CONFIGS[name], mode == "async", args.saves, args.gap)
+            for mode in ("async", "sync")
+        }
         for mode, r in rows.items():
-            print(f"| {name} | {r['bytes'] / 2**20:.1f} | {mode} | {r['blocked']:.3f} | "
-                  f"{r['finish']:.3f} | {r['restore']:.3f} |")
+            print(
+                f"| {name} | {r['bytes'] / 2**20:.1f} | {mode} | {r['blocked']:.3f} | "
+                f"{r['finish']:.3f} | {r['restore']:.3f} |"
+            )
         ratio = rows["sync"]["blocked"] / rows["async"]["blocked"]
         print(f"| {name} | | sync/async blocked | {ratio:.1f}× | | |")
 

@@ -45,9 +45,17 @@ def main() -> None:
     parser.add_argument("--cold", action="store_true")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     args = parser.parse_args()
-    cfg = load_config([], [f"model.d_model={args.d_model}", f"model.n_layers={args.layers}",
-                           f"model.d_ff={4 * args.d_model}", "model.n_heads=8",
-                           "mesh.data=1", "mesh.fsdp=8"])
+    cfg = load_config(
+        [],
+        [
+            f"model.d_model={args.d_model}",
+            f"model.n_layers={args.layers}",
+            f"model.d_ff={4 * args.d_model}",
+            "model.n_heads=8",
+            "mesh.data=1",
+            "mesh.fsdp=8",
+        ],
+    )
     run = build(cfg)
     state = run.trainer.init()
     jax.block_until_ready(state)
@@ -58,8 +66,10 @@ def main() -> None:
     ckpt.close()
     step_dir = root / "ckpt" / "1"
     size = sum(p.stat().st_size for p in step_dir.rglob("*") if p.is_file())
-    print(f"checkpoint: {size / 2**20:.1f} MiB in {sum(1 for _ in step_dir.rglob('*'))} "
-          f"entries ({jax.device_count()} devices, {os.cpu_count()} CPU cores)")
+    print(
+        f"checkpoint: {size / 2**20:.1f} MiB in {sum(1 for _ in step_dir.rglob('*'))} "
+        f"entries ({jax.device_count()} devices, {os.cpu_count()} CPU cores)"
+    )
     if args.cold and not _drop_caches():
         print("cannot drop the page cache here: measuring with a warm cache")
         args.cold = False
@@ -84,8 +94,10 @@ def main() -> None:
         rate = f", {size / best / 2**30:.2f} GiB/s" if what == "hash only" else ""
         print(f"{what:>10}: median {median:.3f} s, best {best:.3f} s ({cache} page cache{rate})")
     extra = statistics.median(times["verify on"]) - statistics.median(times["verify off"])
-    print(f"verification adds {extra:.3f} s to a restore of {size / 2**20:.0f} MiB "
-          f"({extra / max(statistics.median(times['verify off']), 1e-9):.0%})")
+    print(
+        f"verification adds {extra:.3f} s to a restore of {size / 2**20:.0f} MiB "
+        f"({extra / max(statistics.median(times['verify off']), 1e-9):.0%})"
+    )
     if args.dir is None:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -56,13 +56,16 @@ def child(config: str, layout: str, depth: int, unrolled: bool) -> dict[str, flo
         jax.lax.scan = functools.partial(jax.lax.scan, unroll=True)
     from jaxpar import build, load_config
 
-    run = build(load_config([config], [*layout_overrides(layout), f"model.n_layers={depth}",
-                                       "train.grad_accum=1"]))
+    run = build(
+        load_config(
+            [config], [*layout_overrides(layout), f"model.n_layers={depth}", "train.grad_accum=1"]
+        )
+    )
     jax.jit(lambda x: x + 1)(1.0).block_until_ready()  # backend start-up, not timed
     compiles: list[float] = []
     jax.monitoring.register_event_duration_secs_listener(
-        lambda event, secs, **_: compiles.append(secs) if event == BACKEND_COMPILE_EVENT
-        else None)
+        lambda event, secs, **_: compiles.append(secs) if event == BACKEND_COMPILE_EVENT else None
+    )
     host_batch = run.data.batch(0, run.config.train.batch_size)
     start_cpu, start = time.process_time(), time.perf_counter()
     run.trainer.compile_step(host_batch)
@@ -72,8 +75,17 @@ def child(config: str, layout: str, depth: int, unrolled: bool) -> dict[str, flo
 
 def measure(config: str, layout: str, depth: int, unrolled: bool) -> dict[str, float]:
     """One fresh-process compile; the child's timings."""
-    cmd = [sys.executable, __file__, "--child", "--config", config, "--layouts", layout,
-           "--depths", str(depth)] + (["--unrolled"] if unrolled else [])
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        "--config",
+        config,
+        "--layouts",
+        layout,
+        "--depths",
+        str(depth),
+    ] + (["--unrolled"] if unrolled else [])
     out = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True)
     if out.returncode:
         sys.exit(f"failed: {' '.join(cmd)}\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
@@ -84,8 +96,9 @@ def medians(samples: list[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median(s[k] for s in samples) for k in samples[0]}
 
 
-def table(config: str, layouts: list[str], depths: list[int], reps: int,
-          unrolled: bool) -> list[str]:
+def table(
+    config: str, layouts: list[str], depths: list[int], reps: int, unrolled: bool
+) -> list[str]:
     """Markdown rows: per layout, medians per depth and the deepest/shallowest ratio."""
     rows = []
     for layout in layouts:
@@ -97,12 +110,16 @@ def table(config: str, layouts: list[str], depths: list[int], reps: int,
         what = "unrolled (hypothetical)" if unrolled else "layer scan"
         for d in depths:
             m = med[d]
-            rows.append(f"| {layout} | {what} | {d} | {m['lower']:.2f} | {m['compile']:.2f} "
-                        f"| {m['total']:.2f} | {m['cpu']:.2f} |")
+            rows.append(
+                f"| {layout} | {what} | {d} | {m['lower']:.2f} | {m['compile']:.2f} "
+                f"| {m['total']:.2f} | {m['cpu']:.2f} |"
+            )
         lo, hi = med[min(depths)], med[max(depths)]
-        rows.append(f"| {layout} | {what} | ratio {max(depths)}/{min(depths)} "
-                    f"| {hi['lower'] / lo['lower']:.2f} | {hi['compile'] / lo['compile']:.2f} "
-                    f"| **{hi['total'] / lo['total']:.2f}** | {hi['cpu'] / lo['cpu']:.2f} |")
+        rows.append(
+            f"| {layout} | {what} | ratio {max(depths)}/{min(depths)} "
+            f"| {hi['lower'] / lo['lower']:.2f} | {hi['compile'] / lo['compile']:.2f} "
+            f"| **{hi['total'] / lo['total']:.2f}** | {hi['cpu'] / lo['cpu']:.2f} |"
+        )
     return rows
 
 
@@ -110,18 +127,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--depths", type=int, nargs="+", default=[4, 32])
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--layouts", nargs="+", default=["data=8"],
-                        help="mesh degrees per layout, e.g. data=2,fsdp=2,tensor=2")
+    parser.add_argument(
+        "--layouts",
+        nargs="+",
+        default=["data=8"],
+        help="mesh degrees per layout, e.g. data=2,fsdp=2,tensor=2",
+    )
     parser.add_argument("--config", default="configs/gpt_tiny.yaml")
-    parser.add_argument("--unrolled", action="store_true",
-                        help="also compile with the layer scan unrolled (one repetition)")
+    parser.add_argument(
+        "--unrolled",
+        action="store_true",
+        help="also compile with the layer scan unrolled (one repetition)",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args.config, args.layouts[0], args.depths[0], args.unrolled)))
         return
-    print(f"{args.config}, train step compiled in a fresh process per sample, persistent "
-          f"cache off; median of {args.reps} (seconds)\n")
+    print(
+        f"{args.config}, train step compiled in a fresh process per sample, persistent "
+        f"cache off; median of {args.reps} (seconds)\n"
+    )
     print("| layout | layers | model.n_layers | lower | compile | total | total, CPU |")
     print("|---|---|---|---|---|---|---|")
     rows = table(args.config, args.layouts, args.depths, args.reps, False)

@@ -21,8 +21,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = {
-    "gpt_tiny stage=4 zb_h1": ["mesh.stage=4", "pipeline.schedule=zb_h1",
-                               "pipeline.microbatches=8"],
+    "gpt_tiny stage=4 zb_h1": [
+        "mesh.stage=4",
+        "pipeline.schedule=zb_h1",
+        "pipeline.microbatches=8",
+    ],
     "gpt_tiny data=4 tensor=2": ["mesh.data=4", "mesh.tensor=2"],
     "bert_tiny fsdp=8": ["configs/bert_tiny.yaml", "mesh.fsdp=8"],
 }
@@ -32,8 +35,9 @@ OPTION = "xla_cpu_use_fusion_emitters"
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.parse_args()
-    os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 "
-                               "--xla_backend_optimization_level=0")
+    os.environ["XLA_FLAGS"] = (
+        "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    )
     os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
     sys.path.insert(0, str(ROOT))
     os.chdir(ROOT)
@@ -56,8 +60,10 @@ def main() -> None:
             except Exception as err:  # a jaxlib without the option (0.12 removed it)
                 sys.exit(f"this jaxlib has no {OPTION}: {err}")
             seconds[value] = time.process_time() - start
-        print(f"| {name} | {seconds[True]:.1f} | {seconds[False]:.1f} | "
-              f"{seconds[False] / seconds[True]:.2f} |")
+        print(
+            f"| {name} | {seconds[True]:.1f} | {seconds[False]:.1f} | "
+            f"{seconds[False] / seconds[True]:.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -75,18 +75,34 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=300)
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
-    rows = [("gpt_tiny", "configs/gpt_tiny.yaml", 32 * 128, tiny_step_rate(args.steps),
-             "measured, 8 CPU devices"),
-            ("gpt2_small", "configs/gpt2_small.yaml", 64 * 1024, gpt2_predicted_step_rate(),
-             "predicted, 1 H100 at 40% MFU")]
+    rows = [
+        (
+            "gpt_tiny",
+            "configs/gpt_tiny.yaml",
+            32 * 128,
+            tiny_step_rate(args.steps),
+            "measured, 8 CPU devices",
+        ),
+        (
+            "gpt2_small",
+            "configs/gpt2_small.yaml",
+            64 * 1024,
+            gpt2_predicted_step_rate(),
+            "predicted, 1 H100 at 40% MFU",
+        ),
+    ]
     print("| model | tokens/batch | loader | batches/s | tokens/s | steps/s to feed | headroom |")
     print("|---|---|---|---|---|---|---|")
     for name, config, tokens, steps, how in rows:
-        for label, threads, prefetch in (("default (2 threads, prefetch 4)", 2, 4),
-                                         ("no threads, no prefetch", 0, 0)):
+        for label, threads, prefetch in (
+            ("default (2 threads, prefetch 4)", 2, 4),
+            ("no threads, no prefetch", 0, 0),
+        ):
             rate = loader_rate(config, args.batches, threads, prefetch)
-            print(f"| {name} | {tokens:,} | {label} | {rate:,.0f} | {rate * tokens:,.0f} | "
-                  f"{steps:.2f} ({how}) | {rate / steps:,.0f}× |")
+            print(
+                f"| {name} | {tokens:,} | {label} | {rate:,.0f} | {rate * tokens:,.0f} | "
+                f"{steps:.2f} ({how}) | {rate / steps:,.0f}× |"
+            )
 
 
 if __name__ == "__main__":

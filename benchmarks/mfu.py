@@ -68,16 +68,16 @@ PEAK_BF16_TFLOPS = (
 )
 MODELS = {
     "gpt2_small": [],
-    "gpt_1b": ["model.d_model=2048", "model.n_layers=18", "model.n_heads=16",
-               "model.d_ff=8192"],
+    "gpt_1b": ["model.d_model=2048", "model.n_layers=18", "model.n_heads=16", "model.d_ff=8192"],
 }
 CONFIG = "configs/gpt2_small.yaml"
 
 
 def peak_tflops(device: jax.Device) -> float | None:
     """The table's dense bf16 peak of ``device``, None when it is not listed (the CPU)."""
-    return next((peak for kind, peak in PEAK_BF16_TFLOPS
-                 if device.device_kind.startswith(kind)), None)
+    return next(
+        (peak for kind, peak in PEAK_BF16_TFLOPS if device.device_kind.startswith(kind)), None
+    )
 
 
 def model_flops_per_token(model: object, seq_len: int) -> tuple[float, int]:
@@ -90,9 +90,17 @@ def model_flops_per_token(model: object, seq_len: int) -> tuple[float, int]:
 def measure(name: str, batch: int, seq: int, steps: int, rounds: int) -> dict:
     """Seconds per step of jaxpar and the plain step, model and XLA FLOPs of one step."""
     devices = jax.device_count()
-    overrides = [*MODELS[name], f"mesh.data={devices}", "mesh.fsdp=1", "mesh.tensor=1",
-                 "mesh.stage=1", "train.grad_accum=1", f"train.batch_size={batch}",
-                 f"data.seq_len={seq}", f"model.max_seq_len={max(seq, 1024)}"]
+    overrides = [
+        *MODELS[name],
+        f"mesh.data={devices}",
+        "mesh.fsdp=1",
+        "mesh.tensor=1",
+        "mesh.stage=1",
+        "train.grad_accum=1",
+        f"train.batch_size={batch}",
+        f"data.seq_len={seq}",
+        f"model.max_seq_len={max(seq, 1024)}",
+    ]
     run = build(load_config([CONFIG], overrides))
     trainer = run.trainer
     host_batch = run.data.batch(0, batch)
@@ -105,47 +113,78 @@ def measure(name: str, batch: int, seq: int, steps: int, rounds: int) -> dict:
     times = interleaved(ours, plain, steps, rounds)
     per_token, n = model_flops_per_token(run.config.model, seq)
     xla_flops = program_cost(trainer.compile_step(host_batch).as_text()).flops * devices
-    return {"name": name, "params": n, "batch": batch, "seq": seq, "devices": devices,
-            "model_flops": per_token * batch * seq, "xla_flops": xla_flops, **times}
+    return {
+        "name": name,
+        "params": n,
+        "batch": batch,
+        "seq": seq,
+        "devices": devices,
+        "model_flops": per_token * batch * seq,
+        "xla_flops": xla_flops,
+        **times,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     on_cpu = jax.devices()[0].platform == "cpu"
-    parser.add_argument("--models", nargs="+", choices=sorted(MODELS),
-                        default=["gpt2_small"] if on_cpu else ["gpt2_small", "gpt_1b"])
-    parser.add_argument("--batch", type=int, default=8 if on_cpu else 0,
-                        help="global batch (default: 8 on the CPU; 32 gpt2_small, 16 gpt_1b "
-                             "per device on a GPU)")
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        choices=sorted(MODELS),
+        default=["gpt2_small"] if on_cpu else ["gpt2_small", "gpt_1b"],
+    )
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=8 if on_cpu else 0,
+        help="global batch (default: 8 on the CPU; 32 gpt2_small, 16 gpt_1b per device on a GPU)",
+    )
     parser.add_argument("--seq", type=int, default=128 if on_cpu else 1024)
-    parser.add_argument("--steps", type=int, default=3 if on_cpu else 10,
-                        help="steps per timed block")
+    parser.add_argument(
+        "--steps", type=int, default=3 if on_cpu else 10, help="steps per timed block"
+    )
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--peak-tflops", type=float, default=0.0,
-                        help="dense bf16 peak per device (default: from the device table)")
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=0.0,
+        help="dense bf16 peak per device (default: from the device table)",
+    )
     args = parser.parse_args()
     device = jax.devices()[0]
     peak = args.peak_tflops or peak_tflops(device)
-    print(f"{jax.device_count()} × {device.device_kind} ({device.platform}), jax "
-          f"{jax.__version__}; peak bf16 per device: "
-          f"{f'{peak:g} TFLOP/s' if peak else 'not known'}")
+    print(
+        f"{jax.device_count()} × {device.device_kind} ({device.platform}), jax "
+        f"{jax.__version__}; peak bf16 per device: "
+        f"{f'{peak:g} TFLOP/s' if peak else 'not known'}"
+    )
     if peak is None:
-        print("note: no GPU/TPU here: achieved FLOP/s are shown without an MFU; run this on "
-              "a GPU machine for the figure (`--peak-tflops` to set a peak by hand)")
-    print("\n| model | params (matmul) | devices | batch × seq | jaxpar s/step | plain s/step "
-          "| ratio | model TFLOP/s (jaxpar / plain) | MFU (jaxpar / plain) "
-          "| compiled FLOPs / model FLOPs |")
+        print(
+            "note: no GPU/TPU here: achieved FLOP/s are shown without an MFU; run this on "
+            "a GPU machine for the figure (`--peak-tflops` to set a peak by hand)"
+        )
+    print(
+        "\n| model | params (matmul) | devices | batch × seq | jaxpar s/step | plain s/step "
+        "| ratio | model TFLOP/s (jaxpar / plain) | MFU (jaxpar / plain) "
+        "| compiled FLOPs / model FLOPs |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.models:
         batch = args.batch or jax.device_count() * (32 if name == "gpt2_small" else 16)
         r = measure(name, batch, args.seq, args.steps, args.rounds)
         rate = [r["model_flops"] / t / 1e12 for t in (r["t"], r["t_plain"])]
-        mfu = (" / ".join(f"{x / (peak * r['devices']):.1%}" for x in rate) if peak
-               else "n/a (no peak)")
-        print(f"| {name} | {r['params'] / 1e6:.0f} M | {r['devices']} | {r['batch']} × "
-              f"{r['seq']} | {r['t']:.4f} | {r['t_plain']:.4f} "
-              f"| {statistics.median(r['ratios']):.3f} | {rate[0]:.3g} / {rate[1]:.3g} "
-              f"| {mfu} | {r['xla_flops'] / r['model_flops']:.2f} |")
+        mfu = (
+            " / ".join(f"{x / (peak * r['devices']):.1%}" for x in rate)
+            if peak
+            else "n/a (no peak)"
+        )
+        print(
+            f"| {name} | {r['params'] / 1e6:.0f} M | {r['devices']} | {r['batch']} × "
+            f"{r['seq']} | {r['t']:.4f} | {r['t_plain']:.4f} "
+            f"| {statistics.median(r['ratios']):.3f} | {rate[0]:.3g} / {rate[1]:.3g} "
+            f"| {mfu} | {r['xla_flops'] / r['model_flops']:.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -86,16 +86,25 @@ def probe(kind: str, index: int, port: int, mib: float, distributed: bool) -> No
     if kind == "psum":  # one array of `mib` MiB, one float, `mib` MiB as 10 arrays
         mesh = Mesh(np.array(jax.devices()), ("data",))
         local = lambda n: jax.make_array_from_process_local_data(
-            NamedSharding(mesh, P("data")), np.ones((1, n), np.float32))
+            NamedSharding(mesh, P("data")), np.ones((1, n), np.float32)
+        )
         floats = int(mib * 2**20 / 4)
-        psum = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "data"), mesh=mesh,
-                                     in_specs=P("data"), out_specs=P("data")))
-        calls = [(psum, local(floats)), (psum, local(1)),
-                 (psum, tuple(local(floats // PSUM_PARTS) for _ in range(PSUM_PARTS)))]
+        psum = jax.jit(
+            jax.shard_map(
+                lambda a: jax.lax.psum(a, "data"),
+                mesh=mesh,
+                in_specs=P("data"),
+                out_specs=P("data"),
+            )
+        )
+        calls = [
+            (psum, local(floats)),
+            (psum, local(1)),
+            (psum, tuple(local(floats // PSUM_PARTS) for _ in range(PSUM_PARTS))),
+        ]
     else:
         x = jnp.ones((512, 512), jnp.float32, device=jax.local_devices()[0])
-        calls = [(jax.jit(lambda a: jax.lax.fori_loop(0, 100, lambda _, b: jnp.tanh(b @ a), a)),
-                  x)]
+        calls = [(jax.jit(lambda a: jax.lax.fori_loop(0, 100, lambda _, b: jnp.tanh(b @ a), a)), x)]
     print(" ".join(f"{median_ms(fn, x, PROBE_CALLS[kind]):.2f}" for fn, x in calls), flush=True)
     if distributed:
         jax.distributed.shutdown()
@@ -132,8 +141,11 @@ def step_probe(rows: int, ways: int) -> str:
     from jaxpar import build, load_config
 
     os.chdir(ROOT)
-    run = build(load_config(["configs/gpt_tiny.yaml"], [
-        f"mesh.data={ways}", f"train.batch_size={rows * ways}"]))
+    run = build(
+        load_config(
+            ["configs/gpt_tiny.yaml"], [f"mesh.data={ways}", f"train.batch_size={rows * ways}"]
+        )
+    )
     trainer = run.trainer
     batch = trainer.shard_batch(run.data.batch(0, rows * ways))  # this process's rows
     state = trainer.init()
@@ -157,14 +169,14 @@ def trace_probe(rows: int) -> str:
     from jaxpar import build, load_config
 
     os.chdir(ROOT)
-    run = build(load_config(["configs/gpt_tiny.yaml"], ["mesh.data=2",
-                                                        f"train.batch_size={2 * rows}"]))
+    run = build(
+        load_config(["configs/gpt_tiny.yaml"], ["mesh.data=2", f"train.batch_size={2 * rows}"])
+    )
     trainer, steps = run.trainer, 5
     batch = trainer.shard_batch(run.data.batch(0, 2 * rows))
     state = trainer.init()
     step = make_plain_step(run.plan)
-    arrays = all_reduce_arrays(step.lower(state.params, state.opt_state, batch)
-                               .compile().as_text())
+    arrays = all_reduce_arrays(step.lower(state.params, state.opt_state, batch).compile().as_text())
     plain = plain_stepper(step, state.params, state.opt_state, batch)
     plain.block(3)
     with tempfile.TemporaryDirectory() as tmp:
@@ -177,8 +189,10 @@ def trace_probe(rows: int) -> str:
         events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
     reduces = [e for e in events if e.get("ph") == "X" and e["name"] in arrays]
     ms = sum(e["dur"] for e in reduces) / 1e3 / steps
-    return (f"{per_step * 1e3:.1f} {ms:.1f} {len(reduces) / steps:.1f} "
-            f"{sum(arrays[e['name']] for e in reduces) / steps:.1f}")
+    return (
+        f"{per_step * 1e3:.1f} {ms:.1f} {len(reduces) / steps:.1f} "
+        f"{sum(arrays[e['name']] for e in reduces) / steps:.1f}"
+    )
 
 
 def all_reduce_arrays(hlo: str) -> dict[str, int]:
@@ -195,8 +209,13 @@ def _env_without_device_settings() -> dict[str, str]:
 def _probe_one(kind: str, arg: float) -> list[float]:
     """The probe in 1 process on core 0, alone on the machine."""
     env = _env_without_device_settings()
-    out = subprocess.run([sys.executable, __file__, "--probe", kind, "0", "0", str(arg), "0"],
-                         env=env, cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, __file__, "--probe", kind, "0", "0", str(arg), "0"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     if out.returncode:
         sys.exit(f"the {kind} probe failed: {out.stdout[-2000:]}{out.stderr[-2000:]}")
     return _numbers(kind, out.stdout)
@@ -217,10 +236,26 @@ def _probe_pair(kind: str, mib: float, distributed: bool) -> list[float]:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     env = _env_without_device_settings()
-    procs = [subprocess.Popen([sys.executable, __file__, "--probe", kind, str(i), str(port),
-                               str(mib), str(int(distributed))], env=env, cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-             for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--probe",
+                kind,
+                str(i),
+                str(port),
+                str(mib),
+                str(int(distributed)),
+            ],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        for i in range(2)
+    ]
     outs = [p.communicate()[0] for p in procs]
     if any(p.returncode for p in procs):
         sys.exit(f"the {kind} probe failed: {outs}")
@@ -242,8 +277,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch-per-process", type=int, default=16)
-    parser.add_argument("--psum-mib", type=float, default=3.33,
-                        help="size of the bare psum (default: gpt_tiny's gradient)")
+    parser.add_argument(
+        "--psum-mib",
+        type=float,
+        default=3.33,
+        help="size of the bare psum (default: gpt_tiny's gradient)",
+    )
     parser.add_argument("--probe", nargs=5, help=argparse.SUPPRESS)  # a probe's process
     args = parser.parse_args()
     if args.probe:
@@ -251,20 +290,68 @@ def main() -> None:
         probe(kind, int(index), int(port), float(mib), distributed == "1")
         return
     b, steps = args.batch_per_process, args.steps
-    common = ["train", "configs/gpt_tiny.yaml", f"train.steps={steps}", "train.log_every=5",
-              "train.eval_every=0", "train.progress=false", "optim.decay_steps=1000"]
+    common = [
+        "train",
+        "configs/gpt_tiny.yaml",
+        f"train.steps={steps}",
+        "train.log_every=5",
+        "train.eval_every=0",
+        "train.progress=false",
+        "optim.decay_steps=1000",
+    ]
     env = _env_without_device_settings()
     with tempfile.TemporaryDirectory() as tmp:
         one, two, free = Path(tmp) / "one", Path(tmp) / "two", Path(tmp) / "free"
-        _run([sys.executable, "-m", "jaxpar", *common, "mesh.data=1", f"train.batch_size={b}",
-              f"run.dir={one}"],
-             {**env, "JAXPAR_CPUS": "0", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
-        _run([sys.executable, "-m", "jaxpar", "launch", "-n", "2", "--devices-per-process", "1",
-              "--cpus-per-process", "1", "--", *common, "mesh.data=2",
-              f"train.batch_size={2 * b}", f"run.dir={two}"], env)
-        _run([sys.executable, "-m", "jaxpar", "launch", "-n", "2", "--devices-per-process", "1",
-              "--", *common, "mesh.data=2", f"train.batch_size={2 * b}", f"run.dir={free}"],
-             env)
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "jaxpar",
+                *common,
+                "mesh.data=1",
+                f"train.batch_size={b}",
+                f"run.dir={one}",
+            ],
+            {**env, "JAXPAR_CPUS": "0", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"},
+        )
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "jaxpar",
+                "launch",
+                "-n",
+                "2",
+                "--devices-per-process",
+                "1",
+                "--cpus-per-process",
+                "1",
+                "--",
+                *common,
+                "mesh.data=2",
+                f"train.batch_size={2 * b}",
+                f"run.dir={two}",
+            ],
+            env,
+        )
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "jaxpar",
+                "launch",
+                "-n",
+                "2",
+                "--devices-per-process",
+                "1",
+                "--",
+                *common,
+                "mesh.data=2",
+                f"train.batch_size={2 * b}",
+                f"run.dir={free}",
+            ],
+            env,
+        )
         a, c, f = _throughput(one), _throughput(two), _throughput(free)
     alone = _probe_one("step", b)
     independent = _probe_pair("step", b, False)
@@ -273,39 +360,57 @@ def main() -> None:
     psum = _probe_pair("psum", args.psum_mib, True)
     traced = _probe_pair("trace", b, True)
     solo, shared = _probe_pair("compute", 0, False), _probe_pair("compute", 0, True)
-    print(f"gpt_tiny, {b} × 128 tokens per process, {steps} steps, examples/s "
-          "(median of the logged intervals)")
+    print(
+        f"gpt_tiny, {b} × 128 tokens per process, {steps} steps, examples/s "
+        "(median of the logged intervals)"
+    )
     print("| run | global batch | examples/s | speed-up |")
     print("|---|---|---|---|")
     print(f"| 1 process, 1 core | {b} | {a:.1f} | 1.00× |")
     print(f"| 2 processes, 1 core each | {2 * b} | {c:.1f} | {c / a:.2f}× |")
     print(f"| 2 processes, not pinned (2 cores) | {2 * b} | {f:.1f} | {f / a:.2f}× |")
-    print(f"\nstep time: 1 process {b / a * 1e3:.0f} ms, 2 pinned processes "
-          f"{2 * b / c * 1e3:.0f} ms (+{(2 * b / c - b / a) * 1e3:.0f} ms)")
+    print(
+        f"\nstep time: 1 process {b / a * 1e3:.0f} ms, 2 pinned processes "
+        f"{2 * b / c * 1e3:.0f} ms (+{(2 * b / c - b / a) * 1e3:.0f} ms)"
+    )
     big, tiny, split = (max(psum[i], psum[i + 3]) for i in range(3))
-    print(f"bare psum across the 2 pinned processes (gloo), ms per call: {args.psum_mib} MiB "
-          f"in one array {big:.1f}; one float {tiny:.1f}; {args.psum_mib} MiB as "
-          f"{PSUM_PARTS} arrays {split:.1f}")
-    print("data-parallel plain step traced (jax.profiler, 5 steps; process 0 / process 1): "
-          + " / ".join(f"{t[0]:.0f} ms per step, {t[1]:.0f} ms in all-reduce ops ({t[2]:.0f} "
-                       f"ops reducing {t[3]:.0f} arrays per step, "
-                       f"{t[1] / t[3] if t[3] else float('nan'):.1f} ms per array)"
-                       for t in (traced[:4], traced[4:])))
-    print("compute-only program, 2 pinned processes, ms per call (core 0 / core 1): "
-          f"alone {solo[0]:.0f} / {solo[1]:.0f}; with jax.distributed started "
-          f"{shared[0]:.0f} / {shared[1]:.0f} "
-          f"({statistics.mean(shared) / statistics.mean(solo):.3f}×)")
-    print(f"\ntrain step alone, ms (jaxpar's Trainer.step / a plain jax.jit step), {b} rows "
-          "per process:")
+    print(
+        f"bare psum across the 2 pinned processes (gloo), ms per call: {args.psum_mib} MiB "
+        f"in one array {big:.1f}; one float {tiny:.1f}; {args.psum_mib} MiB as "
+        f"{PSUM_PARTS} arrays {split:.1f}"
+    )
+    print(
+        "data-parallel plain step traced (jax.profiler, 5 steps; process 0 / process 1): "
+        + " / ".join(
+            f"{t[0]:.0f} ms per step, {t[1]:.0f} ms in all-reduce ops ({t[2]:.0f} "
+            f"ops reducing {t[3]:.0f} arrays per step, "
+            f"{t[1] / t[3] if t[3] else float('nan'):.1f} ms per array)"
+            for t in (traced[:4], traced[4:])
+        )
+    )
+    print(
+        "compute-only program, 2 pinned processes, ms per call (core 0 / core 1): "
+        f"alone {solo[0]:.0f} / {solo[1]:.0f}; with jax.distributed started "
+        f"{shared[0]:.0f} / {shared[1]:.0f} "
+        f"({statistics.mean(shared) / statistics.mean(solo):.3f}×)"
+    )
+    print(
+        f"\ntrain step alone, ms (jaxpar's Trainer.step / a plain jax.jit step), {b} rows "
+        "per process:"
+    )
     print("| processes | jaxpar | plain jax.jit | speed-up (jaxpar) |")
     print("|---|---|---|---|")
     print(f"| 1, core 0, alone | {alone[0]:.0f} | {alone[1]:.0f} | 1.00× |")
-    for name, t in (("2 at once, independent (mesh.data=1 each, no communication)",
-                     independent), ("2, mesh.data=2 (all-reduce over gloo)", data_parallel)):
+    for name, t in (
+        ("2 at once, independent (mesh.data=1 each, no communication)", independent),
+        ("2, mesh.data=2 (all-reduce over gloo)", data_parallel),
+    ):
         ours, plain = max(t[0], t[2]), max(t[1], t[3])
         print(f"| {name} | {ours:.0f} | {plain:.0f} | {2 * alone[0] / ours:.2f}× |")
-    print(f"| 1 process, 2 devices on cores 0 and 1, mesh.data=2 (in-process all-reduce) | "
-          f"{in_process[0]:.0f} | {in_process[1]:.0f} | {2 * alone[0] / in_process[0]:.2f}× |")
+    print(
+        f"| 1 process, 2 devices on cores 0 and 1, mesh.data=2 (in-process all-reduce) | "
+        f"{in_process[0]:.0f} | {in_process[1]:.0f} | {2 * alone[0] / in_process[0]:.2f}× |"
+    )
 
 
 if __name__ == "__main__":

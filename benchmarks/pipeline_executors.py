@@ -47,22 +47,28 @@ MiB = 2**20
 
 def executors(layouts: list[str], schedule: str, steps: int) -> None:
     hw = lab.hardware.get_profile("h100")
-    print(f"1. gpt_tiny, batch 32×128, pipeline.schedule={schedule}, 4 microbatches; "
-          "per device")
-    print(f"{'layout':<18}{'executor':>16}{'peak MiB':>10}{'GFLOP':>8}{'collectives MiB':>17}"
-          f"{'moved MiB':>11}{'step s':>9}")
-    config = load_config([CONFIG], [f"pipeline.schedule={schedule}",
-                                    "pipeline.microbatches=4"])
-    variants = {"spmd": "pipeline.executor=spmd", "mpmd": "pipeline.executor=mpmd",
-                "mpmd, residuals": "pipeline.executor=mpmd,pipeline.backward=residuals"}
+    print(f"1. gpt_tiny, batch 32×128, pipeline.schedule={schedule}, 4 microbatches; per device")
+    print(
+        f"{'layout':<18}{'executor':>16}{'peak MiB':>10}{'GFLOP':>8}{'collectives MiB':>17}"
+        f"{'moved MiB':>11}{'step s':>9}"
+    )
+    config = load_config([CONFIG], [f"pipeline.schedule={schedule}", "pipeline.microbatches=4"])
+    variants = {
+        "spmd": "pipeline.executor=spmd",
+        "mpmd": "pipeline.executor=mpmd",
+        "mpmd, residuals": "pipeline.executor=mpmd,pipeline.backward=residuals",
+    }
     for layout in layouts:
         for name, executor in variants.items():
             row = lab.sweep.measure(config, f"{layout},{executor}", hw, steps)
             assert row.ok, row.error
             moved = f"{row.transfer_bytes / MiB:.2f}" if row.transfer_bytes else "-"
-            print(f"{layout:<18}{name:>16}{row.mem_total_bytes / MiB:>10.2f}"
-                  f"{row.flops / 1e9:>8.2f}{row.comm_bytes / MiB:>17.2f}{moved:>11}"
-                  f"{row.step_time_s:>9.3f}", flush=True)
+            print(
+                f"{layout:<18}{name:>16}{row.mem_total_bytes / MiB:>10.2f}"
+                f"{row.flops / 1e9:>8.2f}{row.comm_bytes / MiB:>17.2f}{moved:>11}"
+                f"{row.step_time_s:>9.3f}",
+                flush=True,
+            )
 
 
 def _step_time(run, steps: int) -> float:
@@ -79,18 +85,33 @@ def _step_time(run, steps: int) -> float:
 
 
 def overlap(steps: int) -> None:
-    print("\n2. sub-mesh executor, gpt_tiny on 2 devices (stage=2: a device a stage), "
-          "1f1b, 4 microbatches")
-    run = build(load_config([CONFIG], ["mesh.stage=2", "mesh.data=1", "run.devices=2",
-                                       "pipeline.executor=mpmd", "pipeline.microbatches=4"]))
+    print(
+        "\n2. sub-mesh executor, gpt_tiny on 2 devices (stage=2: a device a stage), "
+        "1f1b, 4 microbatches"
+    )
+    run = build(
+        load_config(
+            [CONFIG],
+            [
+                "mesh.stage=2",
+                "mesh.data=1",
+                "run.devices=2",
+                "pipeline.executor=mpmd",
+                "pipeline.microbatches=4",
+            ],
+        )
+    )
     in_order = _step_time(run, steps)
     plan = run.plan
     dispatched = dataclasses.replace(plan.gradients, in_order=False, _programs={})
-    run_async = dataclasses.replace(run, trainer=run.trainer.with_plan(
-        dataclasses.replace(plan, gradients=dispatched)))
+    run_async = dataclasses.replace(
+        run, trainer=run.trainer.with_plan(dataclasses.replace(plan, gradients=dispatched))
+    )
     asynchronous = _step_time(run_async, steps)
-    print(f"  each program run to its end: {in_order:.3f} s/step; dispatched asynchronously: "
-          f"{asynchronous:.3f} s/step (ratio {asynchronous / in_order:.2f})")
+    print(
+        f"  each program run to its end: {in_order:.3f} s/step; dispatched asynchronously: "
+        f"{asynchronous:.3f} s/step (ratio {asynchronous / in_order:.2f})"
+    )
 
 
 def two_layer_model() -> None:
@@ -99,16 +120,25 @@ def two_layer_model() -> None:
     spec.loader.exec_module(example)
     print("\n3. the texts' 784→512→10 model, Adam, batch 32; per device")
     print(f"{'layout':<28}{'params MiB':>11}{'Adam MiB':>10}{'peak MiB':>10}")
-    for name, overrides in (("one device", ["mesh.data=1", "run.devices=1"]),
-                            ("split by layer (stage=2)", ["mesh.stage=2", "run.devices=2"])):
+    for name, overrides in (
+        ("one device", ["mesh.data=1", "run.devices=1"]),
+        ("split by layer (stage=2)", ["mesh.stage=2", "run.devices=2"]),
+    ):
         run = build(load_config([], [*overrides, "train.batch_size=32"]), example.TASK)
         state = run.plan.state_bytes()
         compiled = run.trainer.compile_step(run.data.batch(0, 32))
         mem = compiled.memory_analysis()
-        peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes
-                - mem.alias_size_in_bytes + mem.temp_size_in_bytes)
-        print(f"{name:<28}{state.params / MiB:>11.3f}{state.opt_state / MiB:>10.3f}"
-              f"{peak / MiB:>10.3f}", flush=True)
+        peak = (
+            mem.argument_size_in_bytes
+            + mem.output_size_in_bytes
+            - mem.alias_size_in_bytes
+            + mem.temp_size_in_bytes
+        )
+        print(
+            f"{name:<28}{state.params / MiB:>11.3f}{state.opt_state / MiB:>10.3f}"
+            f"{peak / MiB:>10.3f}",
+            flush=True,
+        )
 
 
 def main() -> None:

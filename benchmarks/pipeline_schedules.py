@@ -80,17 +80,30 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16, 32])
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES),
-                        help="the schedules to measure (default: all)")
-    parser.add_argument("--attention", choices=("library", "reference"), default="library",
-                        help="the model's jax.nn.dot_product_attention (default) or the "
-                             "hand-written reference attention")
+    parser.add_argument(
+        "--schedules",
+        nargs="+",
+        choices=SCHEDULES,
+        default=list(SCHEDULES),
+        help="the schedules to measure (default: all)",
+    )
+    parser.add_argument(
+        "--attention",
+        choices=("library", "reference"),
+        default="library",
+        help="the model's jax.nn.dot_product_attention (default) or the "
+        "hand-written reference attention",
+    )
     args = parser.parse_args()
     p = args.stages
-    print(f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices; "
-          f"gpt_tiny × 8 layers, batch 32×128, stage={p}, {args.attention} attention")
-    print(f"{'schedule':<12}{'m':>4}{'bubble':>9}{'ticks':>7}{'tick bubble':>13}"
-          f"{'peak act':>10}{'temp MiB':>10}{'step s':>9}")
+    print(
+        f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices; "
+        f"gpt_tiny × 8 layers, batch 32×128, stage={p}, {args.attention} attention"
+    )
+    print(
+        f"{'schedule':<12}{'m':>4}{'bubble':>9}{'ticks':>7}{'tick bubble':>13}"
+        f"{'peak act':>10}{'temp MiB':>10}{'step s':>9}"
+    )
     for schedule in args.schedules:
         v = 2 if schedule == "interleaved" else 1
         for m in args.microbatches:
@@ -98,16 +111,28 @@ def main() -> None:
             timing = simulate(table.orders, v)
             tick_bubble = 1 - (table.kind != 0).sum() / table.kind.size
             temp, step = measure(
-                [f"mesh.stage={p}", "mesh.data=1", f"run.devices={p}",
-                 f"pipeline.schedule={schedule}", f"pipeline.microbatches={m}",
-                 f"pipeline.virtual_stages={v}"], args.steps, args.attention)
+                [
+                    f"mesh.stage={p}",
+                    "mesh.data=1",
+                    f"run.devices={p}",
+                    f"pipeline.schedule={schedule}",
+                    f"pipeline.microbatches={m}",
+                    f"pipeline.virtual_stages={v}",
+                ],
+                args.steps,
+                args.attention,
+            )
             peak = max(timing.peak_in_flight) / v
-            print(f"{schedule:<12}{m:>4}{timing.bubble:>9.3f}{table.ticks:>7}"
-                  f"{tick_bubble:>13.3f}{peak:>10g}{temp / 2**20:>10.2f}{step:>9.3f}",
-                  flush=True)
+            print(
+                f"{schedule:<12}{m:>4}{timing.bubble:>9.3f}{table.ticks:>7}"
+                f"{tick_bubble:>13.3f}{peak:>10g}{temp / 2**20:>10.2f}{step:>9.3f}",
+                flush=True,
+            )
     temp, step = measure([f"mesh.data={p}", f"run.devices={p}"], args.steps, args.attention)
-    print(f"{'no pipeline':<12}{'-':>4}{'-':>9}{'-':>7}{'-':>13}{'-':>10}{temp / 2**20:>10.2f}"
-          f"{step:>9.3f}")
+    print(
+        f"{'no pipeline':<12}{'-':>4}{'-':>9}{'-':>7}{'-':>13}{'-':>10}{temp / 2**20:>10.2f}"
+        f"{step:>9.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -43,8 +43,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMAND = ["jaxpar", "plan", "configs/gpt_tiny.yaml", "--devices", "8", "--hardware", "h100"]
-WAYS = {"one at a time, XLA defaults": "defaults", "one at a time, analysis options": "one",
-        "threads": "threads", "processes": "processes"}
+WAYS = {
+    "one at a time, XLA defaults": "defaults",
+    "one at a time, analysis options": "one",
+    "threads": "threads",
+    "processes": "processes",
+}
 
 CHILD = """
 import json, sys, time
@@ -109,8 +113,9 @@ def command_times() -> None:
     with tempfile.TemporaryDirectory() as cache:
         _timed(COMMAND, _env(cache))
         wall, cpu, _ = _timed(COMMAND, _env(cache))
-    print(f"again with a persistent compilation cache: {wall:.1f} s wall, {cpu:.1f} s CPU "
-          f"({_load()})")
+    print(
+        f"again with a persistent compilation cache: {wall:.1f} s wall, {cpu:.1f} s CPU ({_load()})"
+    )
 
 
 def compare(check: bool) -> None:
@@ -122,8 +127,10 @@ def compare(check: bool) -> None:
             skip = [x for x, r in found["rows"].items() if "aborted" in r[0]]
             found["rows"] = {x: r for x, r in found["rows"].items() if x not in skip}
         results[name] = found
-        print(f"| {name} | {len(found['rows'])} | {found['wall']:.1f} | {cpu:.1f} | {_load()} |",
-              flush=True)
+        print(
+            f"| {name} | {len(found['rows'])} | {found['wall']:.1f} | {cpu:.1f} | {_load()} |",
+            flush=True,
+        )
         if way == "processes" and skip:
             print(f"(left out of every way: {', '.join(skip)}, on which XLA aborts)")
     if check:
@@ -169,12 +176,16 @@ def rank(csv_path: str) -> None:
     measured = [float(r["step_time_s"]) for r in rows]
     predicted = [float(r["predicted_step_time_s"]) for r in rows]
     bytes_only = [p - float(r["predicted_latency_s"] or 0) for p, r in zip(predicted, rows)]
-    print(f"{len(rows)} layouts with a measured step ({csv_path}); Spearman ρ, measured vs "
-          f"predicted: {spearman(measured, predicted):.3f} (without the latency term: "
-          f"{spearman(measured, bytes_only):.3f})")
+    print(
+        f"{len(rows)} layouts with a measured step ({csv_path}); Spearman ρ, measured vs "
+        f"predicted: {spearman(measured, predicted):.3f} (without the latency term: "
+        f"{spearman(measured, bytes_only):.3f})"
+    )
     order = sorted(rows, key=lambda r: float(r["step_time_s"]))
-    print("fastest measured: " + ", ".join(f"{r['layout']} {float(r['step_time_s']):.3f} s"
-                                           for r in order[:5]))
+    print(
+        "fastest measured: "
+        + ", ".join(f"{r['layout']} {float(r['step_time_s']):.3f} s" for r in order[:5])
+    )
 
 
 def main() -> None:

@@ -72,16 +72,22 @@ def layout_overrides(layout: str) -> list[str]:
     return [f"mesh.{axis}={named.get(axis, 1)}" for axis in MESH_AXES]
 
 
-def make_plain_step(plan: Plan, *, grad_norm: bool = False,
-                    keep: guard.Keep | None = None) -> Callable[..., Any]:
+def make_plain_step(
+    plan: Plan, *, grad_norm: bool = False, keep: guard.Keep | None = None
+) -> Callable[..., Any]:
     """The hand-written step ``(params, opt_state, batch) → (params, opt_state, out)``.
 
     ``out`` is the loss; with ``grad_norm`` or a guard ``keep`` also the global grad
     norm. ``keep`` (``guard.keep_where`` or ``guard.keep_cond``) keeps the update only
     when the loss, the grad norm and the new parameters are finite, as ``Trainer`` does.
     """
-    task, graphdef, mesh, rules, tx = (plan.task, plan.model.graphdef, plan.mesh, plan.rules,
-                                       plan.optimizer)
+    task, graphdef, mesh, rules, tx = (
+        plan.task,
+        plan.model.graphdef,
+        plan.mesh,
+        plan.rules,
+        plan.optimizer,
+    )
 
     def loss_fn(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
         with activation_rules(mesh, rules):  # the activation layout is part of the model's
@@ -99,14 +105,21 @@ def make_plain_step(plan: Plan, *, grad_norm: bool = False,
         norm = optax.tree.norm(grads)
         if keep is not None:
             finite = jnp.isfinite(loss) & jnp.isfinite(norm) & guard.all_finite(new_params)
-            new_params, new_opt = keep(finite, (new_params, new_opt),
-                                       lambda: update(params, opt_state, grads),
-                                       (params, opt_state))
+            new_params, new_opt = keep(
+                finite,
+                (new_params, new_opt),
+                lambda: update(params, opt_state, grads),
+                (params, opt_state),
+            )
         return new_params, new_opt, (loss, norm)
 
     sh = plan.state_shardings
-    return jax.jit(step, in_shardings=(sh.params, sh.opt_state, None),
-                   out_shardings=(sh.params, sh.opt_state, None), donate_argnums=(0, 1))
+    return jax.jit(
+        step,
+        in_shardings=(sh.params, sh.opt_state, None),
+        out_shardings=(sh.params, sh.opt_state, None),
+        donate_argnums=(0, 1),
+    )
 
 
 class Stepper:
@@ -157,9 +170,11 @@ def jaxpar_stepper(trainer: Any, state: Any, batch: Any) -> Stepper:
 
 def plain_stepper(step: Callable[..., Any], params: Any, opt_state: Any, batch: Any) -> Stepper:
     """A plain step carrying copies of ``params`` and ``opt_state``."""
+
     def call(carry: tuple, b: Any) -> tuple:
         params, opt_state, out = step(*carry, b)
         return (params, opt_state), out
+
     return Stepper(call, (copy_tree(params), copy_tree(opt_state)), batch)
 
 
@@ -189,12 +204,14 @@ def interleaved(a: Stepper, b: Stepper, steps: int, rounds: int) -> dict[str, An
         s.block(3)
     times: dict[int, list[tuple[float, float]]] = {0: [], 1: []}
     for r in range(rounds):
-        for i in ((0, 1) if r % 2 == 0 else (1, 0)):
+        for i in (0, 1) if r % 2 == 0 else (1, 0):
             times[i].append((a, b)[i].block(steps))
-    return {"t": statistics.median(t for t, _ in times[0]),
-            "t_plain": statistics.median(t for t, _ in times[1]),
-            "ratios": [x[0] / y[0] for x, y in zip(times[0], times[1], strict=True)],
-            "cpu_ratios": [x[1] / y[1] for x, y in zip(times[0], times[1], strict=True)]}
+    return {
+        "t": statistics.median(t for t, _ in times[0]),
+        "t_plain": statistics.median(t for t, _ in times[1]),
+        "ratios": [x[0] / y[0] for x, y in zip(times[0], times[1], strict=True)],
+        "cpu_ratios": [x[1] / y[1] for x, y in zip(times[0], times[1], strict=True)],
+    }
 
 
 def shard_batch_time(run: Run, calls: int) -> float:
@@ -216,9 +233,11 @@ def xla_cost(compiled: jax.stages.Compiled) -> tuple[float, float]:
     return cost["flops"], cost["bytes accessed"]
 
 
-BREAKDOWN = (("plain + grad norm", {"grad_norm": True}),
-             ("plain + grad norm + where guard", {"keep": guard.keep_where}),
-             ("plain + grad norm + cond guard", {"keep": guard.keep_cond}))
+BREAKDOWN = (
+    ("plain + grad norm", {"grad_norm": True}),
+    ("plain + grad norm + where guard", {"keep": guard.keep_where}),
+    ("plain + grad norm + cond guard", {"keep": guard.keep_cond}),
+)
 
 
 def measure(config: str, layout: str, steps: int, rounds: int, breakdown: bool) -> list[dict]:
@@ -232,69 +251,116 @@ def measure(config: str, layout: str, steps: int, rounds: int, breakdown: bool) 
     plain = plain_stepper(plain_step, state.params, state.opt_state, batch)
     ours = jaxpar_stepper(trainer, state, batch)
     losses = check_same_losses(ours, plain)
-    rows = [{"layout": layout, "name": "jaxpar", **interleaved(ours, plain, steps, rounds),
-             "dispatch": ours.dispatch(DISPATCH_CALLS),
-             "dispatch_plain": plain.dispatch(DISPATCH_CALLS),
-             "shard_batch": shard_batch_time(run, DISPATCH_CALLS), "losses": losses}]
+    rows = [
+        {
+            "layout": layout,
+            "name": "jaxpar",
+            **interleaved(ours, plain, steps, rounds),
+            "dispatch": ours.dispatch(DISPATCH_CALLS),
+            "dispatch_plain": plain.dispatch(DISPATCH_CALLS),
+            "shard_batch": shard_batch_time(run, DISPATCH_CALLS),
+            "losses": losses,
+        }
+    ]
     if not breakdown:
         return rows
     cost = lambda step: xla_cost(step.lower(*plain.carry, batch).compile())
     base = cost(plain_step)
-    rows[0]["cost"] = [x / y for x, y in zip(xla_cost(trainer.compile_step(host_batch)), base,
-                                             strict=True)]
+    rows[0]["cost"] = [
+        x / y for x, y in zip(xla_cost(trainer.compile_step(host_batch)), base, strict=True)
+    ]
     for name, kw in BREAKDOWN:
         step = make_plain_step(run.plan, **kw)
         extra = plain_stepper(step, *plain.carry, batch)
         check_same_losses(extra, plain, steps=1)
-        rows.append({"layout": layout, "name": name, **interleaved(extra, plain, steps, rounds),
-                     "dispatch": extra.dispatch(DISPATCH_CALLS),
-                     "dispatch_plain": plain.dispatch(DISPATCH_CALLS),
-                     "cost": [x / y for x, y in zip(cost(step), base, strict=True)]})
+        rows.append(
+            {
+                "layout": layout,
+                "name": name,
+                **interleaved(extra, plain, steps, rounds),
+                "dispatch": extra.dispatch(DISPATCH_CALLS),
+                "dispatch_plain": plain.dispatch(DISPATCH_CALLS),
+                "cost": [x / y for x, y in zip(cost(step), base, strict=True)],
+            }
+        )
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layouts", nargs="+",
-                        default=["data=8", "fsdp=8", "data=2,fsdp=2,tensor=2"],
-                        help="mesh degrees per layout, e.g. data=2,fsdp=2,tensor=2")
+    parser.add_argument(
+        "--layouts",
+        nargs="+",
+        default=["data=8", "fsdp=8", "data=2,fsdp=2,tensor=2"],
+        help="mesh degrees per layout, e.g. data=2,fsdp=2,tensor=2",
+    )
     parser.add_argument("--steps", type=int, default=5, help="steps per timed block")
-    parser.add_argument("--rounds", type=int, default=20,
-                        help="alternating blocks of each (many short blocks: a slow spell "
-                             "of a shared machine spoils few of them)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=20,
+        help="alternating blocks of each (many short blocks: a slow spell "
+        "of a shared machine spoils few of them)",
+    )
     parser.add_argument("--config", default="configs/gpt_tiny.yaml")
-    parser.add_argument("--breakdown", action="store_true",
-                        help="also time the plain step plus each of jaxpar's extras")
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also time the plain step plus each of jaxpar's extras",
+    )
     args = parser.parse_args()
-    print(f"{args.config}, {jax.device_count()} × {jax.devices()[0].platform} devices, "
-          f"{args.rounds} rounds × {args.steps} steps of each, interleaved; medians\n")
-    rows = [row for layout in args.layouts
-            for row in measure(args.config, layout, args.steps, args.rounds, args.breakdown)]
-    print("| layout | jaxpar s/step | plain jax.jit s/step | ratio | host dispatch per step "
-          "(jaxpar / plain) | shard_batch per step | CPU-time ratio |")
+    print(
+        f"{args.config}, {jax.device_count()} × {jax.devices()[0].platform} devices, "
+        f"{args.rounds} rounds × {args.steps} steps of each, interleaved; medians\n"
+    )
+    rows = [
+        row
+        for layout in args.layouts
+        for row in measure(args.config, layout, args.steps, args.rounds, args.breakdown)
+    ]
+    print(
+        "| layout | jaxpar s/step | plain jax.jit s/step | ratio | host dispatch per step "
+        "(jaxpar / plain) | shard_batch per step | CPU-time ratio |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in (r for r in rows if r["name"] == "jaxpar"):
-        print(f"| {r['layout']} | {r['t']:.4f} | {r['t_plain']:.4f} | {ratio(r['ratios'])} "
-              f"| {ms(r['dispatch'][0])} / {ms(r['dispatch_plain'][0])} "
-              f"| {ms(r['shard_batch'])} | {ratio(r['cpu_ratios'])} |")
-    print("\nhost dispatch = CPU time of the calling thread until the step call returns; its "
-          "wall time (median) is longer, the Python thread waiting for a core while the step "
-          "runs: " + "; ".join(f"{r['layout']}: {ms(r['dispatch'][1])} / "
-                                f"{ms(r['dispatch_plain'][1])}"
-                                for r in rows if r["name"] == "jaxpar"))
-    print("losses at steps 1-3 (jaxpar = plain, rtol 1e-5): " + "; ".join(
-        f"{r['layout']}: " + ", ".join(f"{x:.5f}" for x in r["losses"])
-        for r in rows if r["name"] == "jaxpar"))
+        print(
+            f"| {r['layout']} | {r['t']:.4f} | {r['t_plain']:.4f} | {ratio(r['ratios'])} "
+            f"| {ms(r['dispatch'][0])} / {ms(r['dispatch_plain'][0])} "
+            f"| {ms(r['shard_batch'])} | {ratio(r['cpu_ratios'])} |"
+        )
+    print(
+        "\nhost dispatch = CPU time of the calling thread until the step call returns; its "
+        "wall time (median) is longer, the Python thread waiting for a core while the step "
+        "runs: "
+        + "; ".join(
+            f"{r['layout']}: {ms(r['dispatch'][1])} / {ms(r['dispatch_plain'][1])}"
+            for r in rows
+            if r["name"] == "jaxpar"
+        )
+    )
+    print(
+        "losses at steps 1-3 (jaxpar = plain, rtol 1e-5): "
+        + "; ".join(
+            f"{r['layout']}: " + ", ".join(f"{x:.5f}" for x in r["losses"])
+            for r in rows
+            if r["name"] == "jaxpar"
+        )
+    )
     if args.breakdown:
-        print("\n| layout | variant | s/step | plain s/step (same rounds) | ratio "
-              "| CPU-time ratio | XLA flops / plain | XLA bytes accessed / plain "
-              "| host dispatch (variant / plain) |")
+        print(
+            "\n| layout | variant | s/step | plain s/step (same rounds) | ratio "
+            "| CPU-time ratio | XLA flops / plain | XLA bytes accessed / plain "
+            "| host dispatch (variant / plain) |"
+        )
         print("|---|---|---|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['layout']} | {r['name']} | {r['t']:.4f} | {r['t_plain']:.4f} "
-                  f"| {ratio(r['ratios'])} | {ratio(r['cpu_ratios'])} | {r['cost'][0]:.4f} "
-                  f"| {r['cost'][1]:.4f} | {ms(r['dispatch'][0])} / "
-                  f"{ms(r['dispatch_plain'][0])} |")
+            print(
+                f"| {r['layout']} | {r['name']} | {r['t']:.4f} | {r['t_plain']:.4f} "
+                f"| {ratio(r['ratios'])} | {ratio(r['cpu_ratios'])} | {r['cost'][0]:.4f} "
+                f"| {r['cost'][1]:.4f} | {ms(r['dispatch'][0])} / "
+                f"{ms(r['dispatch_plain'][0])} |"
+            )
 
 
 def ratio(ratios: list[float]) -> str:

@@ -55,7 +55,7 @@ def write_corpus(folder: Path, mb: int, files: int) -> list[Path]:
             while size < per_file:
                 length = int(rng.integers(1024, 8192))
                 start = int(rng.integers(0, len(text) - length))
-                doc = text[start:start + length]
+                doc = text[start : start + length]
                 f.write(json.dumps({"text": doc}) + "\n")
                 size += len(doc.encode())
         paths.append(path)
@@ -68,9 +68,12 @@ def train_tokenizer(paths: list[Path], vocab: int, out: Path) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, show_progress=False,
-                                  special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        show_progress=False,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(read_texts(paths[:1]), trainer)
     tok.save(str(out))
     return out
@@ -83,18 +86,37 @@ def read_texts(paths: list[Path]) -> list[str]:
 def prepare(paths: list[Path], tok_file: Path, out: Path, workers: int) -> np.ndarray:
     """``jaxpar prepare-data`` in a fresh process; the ids it wrote."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    subprocess.run([sys.executable, "-m", "jaxpar", "prepare-data", *map(str, paths), "--out",
-                    str(out), "--tokenizer", str(tok_file), "--workers", str(workers),
-                    "--overwrite"],
-                   check=True, env=env, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxpar",
+            "prepare-data",
+            *map(str, paths),
+            "--out",
+            str(out),
+            "--tokenizer",
+            str(tok_file),
+            "--workers",
+            str(workers),
+            "--overwrite",
+        ],
+        check=True,
+        env=env,
+        capture_output=True,
+    )
     meta = json.loads(Path(f"{out}.json").read_text())
     return np.fromfile(out, dtype=meta["dtype"])
 
 
 def start_up() -> None:
     """``jaxpar prepare-data --help``: the process's start alone."""
-    subprocess.run([sys.executable, "-m", "jaxpar", "prepare-data", "--help"], check=True,
-                   env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "jaxpar", "prepare-data", "--help"],
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+    )
 
 
 def best_of(n: int, fn) -> tuple[float, object]:
@@ -122,24 +144,33 @@ def main() -> None:
         texts = read_texts(paths)
         mb = sum(len(t.encode()) for t in texts) / 2**20
         hf = Tokenizer.from_file(str(tok_file))
-        ref_s, encodings = best_of(args.repeats, lambda: hf.encode_batch(
-            texts, add_special_tokens=False))
-        fast_s, _ = best_of(args.repeats, lambda: hf.encode_batch_fast(
-            texts, add_special_tokens=False))
+        ref_s, encodings = best_of(
+            args.repeats, lambda: hf.encode_batch(texts, add_special_tokens=False)
+        )
+        fast_s, _ = best_of(
+            args.repeats, lambda: hf.encode_batch_fast(texts, add_special_tokens=False)
+        )
         start_s, _ = best_of(args.repeats, start_up)
         eot = hf.token_to_id("<|endoftext|>")
         expected = np.concatenate([np.append(e.ids, eot) for e in encodings])
-        print(f"{mb:.1f} MB of text in {len(texts):,} documents, {args.files} files, "
-              f"BPE of {args.vocab} ids, {cores()} CPU cores")
-        print(f"  tokenizers encode_batch (in memory): {mb / ref_s:6.2f} MB/s; "
-              f"encode_batch_fast (no offsets, what prepare-data calls): {mb / fast_s:.2f} MB/s")
+        print(
+            f"{mb:.1f} MB of text in {len(texts):,} documents, {args.files} files, "
+            f"BPE of {args.vocab} ids, {cores()} CPU cores"
+        )
+        print(
+            f"  tokenizers encode_batch (in memory): {mb / ref_s:6.2f} MB/s; "
+            f"encode_batch_fast (no offsets, what prepare-data calls): {mb / fast_s:.2f} MB/s"
+        )
         for workers in (1, cores()):
-            ours_s, ids = best_of(args.repeats, lambda: prepare(
-                paths, tok_file, folder / "out.tokens", workers))
+            ours_s, ids = best_of(
+                args.repeats, lambda: prepare(paths, tok_file, folder / "out.tokens", workers)
+            )
             assert np.array_equal(ids, expected), "the ids differ"
-            print(f"  jaxpar prepare-data --workers {workers} (end to end): "
-                  f"{mb / ours_s:6.2f} MB/s, ratio {ref_s / ours_s:.2f}; without the "
-                  f"process's start ({start_s:.1f} s): {ref_s / (ours_s - start_s):.2f}")
+            print(
+                f"  jaxpar prepare-data --workers {workers} (end to end): "
+                f"{mb / ours_s:6.2f} MB/s, ratio {ref_s / ours_s:.2f}; without the "
+                f"process's start ({start_s:.1f} s): {ref_s / (ours_s - start_s):.2f}"
+            )
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

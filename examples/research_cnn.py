@@ -26,15 +26,35 @@ def named(*names, init=nnx.initializers.lecun_normal()):
 class CNN(nnx.Module):
     def __init__(self, rngs: nnx.Rngs):
         ones, zeros = nnx.initializers.ones_init(), nnx.initializers.zeros_init()
-        self.conv = nnx.Conv(1, 16, (3, 3), kernel_init=named(None, None, "conv_in", "conv_out"),
-                             bias_init=named("conv_out", init=zeros), rngs=rngs)
-        self.bn = nnx.BatchNorm(16, scale_init=named("conv_out", init=ones),
-                                bias_init=named("conv_out", init=zeros), rngs=rngs)
+        self.conv = nnx.Conv(
+            1,
+            16,
+            (3, 3),
+            kernel_init=named(None, None, "conv_in", "conv_out"),
+            bias_init=named("conv_out", init=zeros),
+            rngs=rngs,
+        )
+        self.bn = nnx.BatchNorm(
+            16,
+            scale_init=named("conv_out", init=ones),
+            bias_init=named("conv_out", init=zeros),
+            rngs=rngs,
+        )
         self.drop = nnx.Dropout(0.2, rngs=rngs)
-        self.hidden = nnx.Linear(16 * 8 * 8, 64, kernel_init=named("embed", "mlp"),
-                                 bias_init=named("mlp", init=zeros), rngs=rngs)
-        self.out = nnx.Linear(64, 4, kernel_init=named("mlp", "classes"),
-                              bias_init=named("classes", init=zeros), rngs=rngs)
+        self.hidden = nnx.Linear(
+            16 * 8 * 8,
+            64,
+            kernel_init=named("embed", "mlp"),
+            bias_init=named("mlp", init=zeros),
+            rngs=rngs,
+        )
+        self.out = nnx.Linear(
+            64,
+            4,
+            kernel_init=named("mlp", "classes"),
+            bias_init=named("classes", init=zeros),
+            rngs=rngs,
+        )
 
     def __call__(self, images):
         x = self.drop(nnx.relu(self.bn(self.conv(images))))
@@ -43,7 +63,7 @@ class CNN(nnx.Module):
 
 QUADRANTS = np.zeros((4, 8, 8, 1), np.float32)
 for q in range(4):
-    QUADRANTS[q, 4 * (q // 2):4 * (q // 2) + 4, 4 * (q % 2):4 * (q % 2) + 4] = 1.0
+    QUADRANTS[q, 4 * (q // 2) : 4 * (q // 2) + 4, 4 * (q % 2) : 4 * (q % 2) + 4] = 1.0
 
 
 def batch(step, batch_size):
@@ -58,18 +78,26 @@ def loss(model, b):
     logits = model(b["images"])
     accuracy = (logits.argmax(-1) == b["labels"]).mean()
     return optax.softmax_cross_entropy_with_integer_labels(logits, b["labels"]).mean(), {
-        "accuracy": accuracy}
+        "accuracy": accuracy
+    }
 
 
 TASK = jaxpar.Task(
-    model_fn=CNN, loss_fn=loss, batch_axes={"images": ("batch", None, None, None),
-                                            "labels": ("batch",)},
-    data=batch, eval_data=lambda step, n: batch(10**6 + step, n),  # held out: other seeds
-    optimizer=optax.chain(optax.clip_by_global_norm(1.0), optax.inject_hyperparams(optax.adamw)(
-        learning_rate=optax.warmup_cosine_decay_schedule(0.0, 3e-3, 10, 200),
-        weight_decay=1e-4)),
-    name="research_cnn")
+    model_fn=CNN,
+    loss_fn=loss,
+    batch_axes={"images": ("batch", None, None, None), "labels": ("batch",)},
+    data=batch,
+    eval_data=lambda step, n: batch(10**6 + step, n),  # held out: other seeds
+    optimizer=optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.inject_hyperparams(optax.adamw)(
+            learning_rate=optax.warmup_cosine_decay_schedule(0.0, 3e-3, 10, 200), weight_decay=1e-4
+        ),
+    ),
+    name="research_cnn",
+)
 
 if __name__ == "__main__":
-    jaxpar.train(jaxpar.load_config([], ["mesh.fsdp=4", "mesh.tensor=2", "train.steps=200"]),
-                 task=TASK)
+    jaxpar.train(
+        jaxpar.load_config([], ["mesh.fsdp=4", "mesh.tensor=2", "train.steps=200"]), task=TASK
+    )

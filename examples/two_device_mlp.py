@@ -30,11 +30,22 @@ def named(*names, init=nnx.initializers.lecun_normal()):
 def model(rngs: nnx.Rngs) -> nnx.Sequential:
     zeros = nnx.initializers.zeros_init()
     return nnx.Sequential(
-        nnx.Linear(784, 512, kernel_init=named("embed", "mlp"), bias_init=named("mlp", init=zeros),
-                   rngs=rngs),
+        nnx.Linear(
+            784,
+            512,
+            kernel_init=named("embed", "mlp"),
+            bias_init=named("mlp", init=zeros),
+            rngs=rngs,
+        ),
         nnx.relu,
-        nnx.Linear(512, 10, kernel_init=named("mlp", "classes"),
-                   bias_init=named("classes", init=zeros), rngs=rngs))
+        nnx.Linear(
+            512,
+            10,
+            kernel_init=named("mlp", "classes"),
+            bias_init=named("classes", init=zeros),
+            rngs=rngs,
+        ),
+    )
 
 
 PATTERNS = np.random.default_rng(0).normal(size=(10, 784)).astype(np.float32)
@@ -52,20 +63,33 @@ def batch(step: int, batch_size: int) -> dict[str, np.ndarray]:
 def sparse_cross_entropy(logits, b):
     accuracy = (logits.argmax(-1) == b["y"]).mean()
     return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean(), {
-        "accuracy": accuracy}
+        "accuracy": accuracy
+    }
 
 
 TASK = jaxpar.Task(
-    model_fn=model, batch_axes={"x": ("batch", None), "y": ("batch",)},
+    model_fn=model,
+    batch_axes={"x": ("batch", None), "y": ("batch",)},
     layers=jaxpar.Layers(inputs="x", loss=sparse_cross_entropy),  # the model's layers in order
-    data=batch, eval_data=lambda step, n: batch(10**6 + step, n),  # held out: other seeds
-    optimizer=optax.adam(1e-3), name="two_device_mlp")
+    data=batch,
+    eval_data=lambda step, n: batch(10**6 + step, n),  # held out: other seeds
+    optimizer=optax.adam(1e-3),
+    name="two_device_mlp",
+)
 
 
 if __name__ == "__main__":
     jaxpar.setup_devices(2)  # 2 simulated devices on a CPU (a GPU machine uses its own)
-    config = jaxpar.load_config([], ["run.devices=2", "mesh.stage=2", "train.steps=100",
-                                     "train.batch_size=32", "train.eval_every=50"])
+    config = jaxpar.load_config(
+        [],
+        [
+            "run.devices=2",
+            "mesh.stage=2",
+            "train.steps=100",
+            "train.batch_size=32",
+            "train.eval_every=50",
+        ],
+    )
     state = jaxpar.build(config, TASK).trainer.init()
     for index, layer in state.params["layers"].items():  # the Sequential's layers 0 and 2
         kernel = layer["kernel"]

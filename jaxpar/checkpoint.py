@@ -59,22 +59,33 @@ class CheckpointConfig:
     """Orbax checkpoints of the train state (see ``jaxpar/checkpoint.py``)."""
 
     dir: str = Field("", description="where checkpoints go (empty: <run.dir>/checkpoints)")
-    every_steps: int = Field(0, ge=0, description="save every this many steps (0: only after "
-                                                  "the last step)")
+    every_steps: int = Field(
+        0, ge=0, description="save every this many steps (0: only after the last step)"
+    )
     keep: int = Field(3, ge=1, description="how many of the latest to keep")
-    keep_best: int = Field(0, ge=0, description="also keep this many best by best_metric, "
-                                                "evaluated at every save (0: off)")
+    keep_best: int = Field(
+        0,
+        ge=0,
+        description="also keep this many best by best_metric, evaluated at every save (0: off)",
+    )
     best_metric: str = Field("eval_loss", description="the eval_* metric keep_best ranks by")
-    best_mode: Literal["min", "max"] = Field("min", description="whether the best best_metric "
-                                                                "is the lowest or the highest")
+    best_mode: Literal["min", "max"] = Field(
+        "min", description="whether the best best_metric is the lowest or the highest"
+    )
     async_save: bool = Field(True, description="write in the background")
-    resume: str = Field("auto", description="auto (continue from the latest complete "
-                        "checkpoint in dir if there is one), never, a step number in dir, or "
-                        "the path of a checkpoint directory")
-    verify: bool = Field(True, description="check each file of a checkpoint against the digests "
-                         "recorded when it was written before restoring it (auto falls back to "
-                         "the newest checkpoint that verifies); restored values are checked "
-                         "finite either way")
+    resume: str = Field(
+        "auto",
+        description="auto (continue from the latest complete "
+        "checkpoint in dir if there is one), never, a step number in dir, or "
+        "the path of a checkpoint directory",
+    )
+    verify: bool = Field(
+        True,
+        description="check each file of a checkpoint against the digests "
+        "recorded when it was written before restoring it (auto falls back to "
+        "the newest checkpoint that verifies); restored values are checked "
+        "finite either way",
+    )
 
 
 #: files every checkpoint jaxpar writes holds (Orbax's metadata of its two items): one without
@@ -95,7 +106,8 @@ def _write_whole_shards_in_one_process() -> None:
         level, _ = absl.level, absl.setLevel(logging.ERROR)  # no "overriding jax.Array"
         try:
             ocp.type_handlers.register_type_handler(
-                jax.Array, stock(use_replica_parallel=False), override=True)
+                jax.Array, stock(use_replica_parallel=False), override=True
+            )
         finally:
             absl.setLevel(level)
 
@@ -103,16 +115,25 @@ def _write_whole_shards_in_one_process() -> None:
 def _as_tree(state: TrainState) -> dict[str, Any]:
     """The saved tree; ``model_state`` (BatchNorm statistics, RNG streams) only when the
     model has such state, so checkpoints of parameter-only models keep their layout."""
-    tree = {"step": state.step, "params": state.params, "opt_state": state.opt_state,
-            "skipped": state.skipped}
+    tree = {
+        "step": state.step,
+        "params": state.params,
+        "opt_state": state.opt_state,
+        "skipped": state.skipped,
+    }
     if jax.tree.leaves(state.model_state):
         tree["model_state"] = state.model_state
     return tree
 
 
 def _from_tree(tree: dict[str, Any]) -> TrainState:
-    return TrainState(tree["step"], tree["params"], tree["opt_state"], tree["skipped"],
-                      tree.get("model_state", {}))
+    return TrainState(
+        tree["step"],
+        tree["params"],
+        tree["opt_state"],
+        tree["skipped"],
+        tree.get("model_state", {}),
+    )
 
 
 class Checkpointer:
@@ -130,10 +151,18 @@ class Checkpointer:
         it (its values are checked finite either way).
     """
 
-    def __init__(self, directory: str | Path, plan: Plan, *, keep: int = 3,
-                 async_save: bool = True, keep_best: int = 0,
-                 best_metric: str = "eval_loss", best_mode: str = "min",
-                 verify: bool = True):
+    def __init__(
+        self,
+        directory: str | Path,
+        plan: Plan,
+        *,
+        keep: int = 3,
+        async_save: bool = True,
+        keep_best: int = 0,
+        best_metric: str = "eval_loss",
+        best_mode: str = "min",
+        verify: bool = True,
+    ):
         self.directory, self.plan = Path(directory).absolute(), plan
         self.best_metric = best_metric if keep_best else None
         self.async_save, self.verify = async_save, verify
@@ -142,12 +171,18 @@ class Checkpointer:
         self.last_verification: integrity.Verification | None = None
         policies, rank = [ocp.checkpoint_managers.LatestN(n=keep)], None
         if keep_best:
+
             def rank(metrics: dict[str, float]) -> float:
                 return metrics[best_metric]
-            policies.append(ocp.checkpoint_managers.BestN(
-                get_metric_fn=rank, n=keep_best,
-                reverse=best_mode == "min",  # BestN keeps the end of the sorted list
-                keep_checkpoints_without_metrics=False))
+
+            policies.append(
+                ocp.checkpoint_managers.BestN(
+                    get_metric_fn=rank,
+                    n=keep_best,
+                    reverse=best_mode == "min",  # BestN keeps the end of the sorted list
+                    keep_checkpoints_without_metrics=False,
+                )
+            )
         # ``best_fn`` makes Orbax write each step's metrics to disk (a restarted run must still
         # rank the older checkpoints); which steps stay is the policy's alone. Saves always go
         # through Orbax's async checkpointer, whose post-finalization callback runs in its
@@ -156,21 +191,33 @@ class Checkpointer:
         # waits for it); then it deletes the checkpoints past ``keep`` (``_delete_or_warn``).
         options = ocp.CheckpointManagerOptions(
             preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
-            best_fn=rank, best_mode=best_mode, enable_async_checkpointing=True,
+            best_fn=rank,
+            best_mode=best_mode,
+            enable_async_checkpointing=True,
             async_options=ocp.AsyncOptions(post_finalization_callback=self._write_record),
-            create=True)
+            create=True,
+        )
         _write_whole_shards_in_one_process()
         with self._errors("creating the checkpoint directory"):
             self._manager = ocp.CheckpointManager(
-                self.directory, options=options,
-                item_handlers={"state": ocp.StandardCheckpointHandler(),
-                               "meta": ocp.JsonCheckpointHandler()})
+                self.directory,
+                options=options,
+                item_handlers={
+                    "state": ocp.StandardCheckpointHandler(),
+                    "meta": ocp.JsonCheckpointHandler(),
+                },
+            )
         if hasattr(deleter := getattr(self._manager, "_checkpoint_deleter", None), "delete"):
             deleter.delete = functools.partial(_delete_or_warn, deleter.delete, self.directory)
 
     # ---- saving --------------------------------------------------------------------------
-    def save(self, step: int, state: TrainState, meta: dict[str, Any] | None = None,
-             metrics: dict[str, float] | None = None) -> None:
+    def save(
+        self,
+        step: int,
+        state: TrainState,
+        meta: dict[str, Any] | None = None,
+        metrics: dict[str, float] | None = None,
+    ) -> None:
         """Starts saving ``state`` as ``step`` (returns once the arrays are copied to host).
 
         Raises:
@@ -180,9 +227,11 @@ class Checkpointer:
         if self.best_metric and self.best_metric not in (metrics or {}):
             raise ConfigError(
                 f"checkpoint.best_metric={self.best_metric} is not among the metrics of step "
-                f"{step} ({', '.join(sorted(metrics or {})) or 'none'}); pick one of them")
-        args = ocp.args.Composite(state=ocp.args.StandardSave(_as_tree(state)),
-                                  meta=ocp.args.JsonSave(meta or {}))
+                f"{step} ({', '.join(sorted(metrics or {})) or 'none'}); pick one of them"
+            )
+        args = ocp.args.Composite(
+            state=ocp.args.StandardSave(_as_tree(state)), meta=ocp.args.JsonSave(meta or {})
+        )
         with self._errors("saving"):
             # Orbax waits for the previous save before starting this one anyway; waiting
             # here first tells the record callback which step it is writing for.
@@ -196,8 +245,9 @@ class Checkpointer:
         """Orbax's post-finalization callback (background thread, primary process): the
         integrity record of the step being saved, inside its still temporary directory."""
         step = self._saving
-        tmp = sorted(self.directory.glob(f"{step}.orbax-checkpoint-tmp*"),
-                     key=lambda p: p.stat().st_mtime)
+        tmp = sorted(
+            self.directory.glob(f"{step}.orbax-checkpoint-tmp*"), key=lambda p: p.stat().st_mtime
+        )
         integrity.write_record(tmp[-1] if tmp else self.path(step))
 
     def wait(self) -> None:
@@ -221,14 +271,16 @@ class Checkpointer:
                     f"disk full: {doing} a checkpoint in {self.directory} failed: "
                     f"{str(cause).splitlines()[0]} ({free_space(self.directory)} there). The "
                     "checkpoints listed there are complete; free space (or lower "
-                    "checkpoint.keep) and resume with checkpoint.resume=auto")
+                    "checkpoint.keep) and resume with checkpoint.resume=auto"
+                )
                 error.disk_full = True
                 raise error from err
             raise CheckpointError(
                 f"{doing} a checkpoint in {self.directory} failed: {type(err).__name__}: "
                 f"{str(err).splitlines()[0] if str(err) else ''}. The checkpoints listed there "
                 "are complete; fix the cause (disk space, permissions, the file system) and "
-                "resume with checkpoint.resume=auto") from err
+                "resume with checkpoint.resume=auto"
+            ) from err
 
     # ---- restoring -----------------------------------------------------------------------
     def steps(self) -> list[int]:
@@ -256,23 +308,34 @@ class Checkpointer:
         """
         step = self.latest_step() if step is None else step
         if step is None or step not in self.steps():
-            raise RestoreError(f"no complete checkpoint {'' if step is None else step} in "
-                               f"{self.directory} (have: {self.steps() or 'none'})")
+            raise RestoreError(
+                f"no complete checkpoint {'' if step is None else step} in "
+                f"{self.directory} (have: {self.steps() or 'none'})"
+            )
         if self.verify:
             self.verify_step(step)
         target = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            _as_tree(self.plan.abstract_state), _as_tree(self.plan.state_shardings))
+            _as_tree(self.plan.abstract_state),
+            _as_tree(self.plan.state_shardings),
+        )
         try:
             self._check_compatible(step, target)
-            restored = self._manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+            restored = self._manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()
+                ),
+            )
         except Exception as err:
             # verified files are intact: the error is the error; else an unreadable file is damage
             if isinstance(err, RestoreError) or not self._unverified():
                 raise
-            raise CorruptCheckpoint(step, self.path(step), "it cannot be read "
-                                    f"({type(err).__name__}: {_first_line(err)})") from err
+            raise CorruptCheckpoint(
+                step,
+                self.path(step),
+                f"it cannot be read ({type(err).__name__}: {_first_line(err)})",
+            ) from err
         self._check_finite(step, restored.state)
         return _from_tree(restored.state), dict(restored.meta or {})
 
@@ -289,37 +352,47 @@ class Checkpointer:
           CorruptCheckpoint: naming the step, the path and the first problems found.
         """
         path = self.path(step)
-        result = integrity.verify(path, (jax.process_index(), jax.process_count()),
-                                  required=_REQUIRED)
+        result = integrity.verify(
+            path, (jax.process_index(), jax.process_count()), required=_REQUIRED
+        )
         if jax.process_count() > 1:
             result.problems = _gather_problems(result.problems)
         self.last_verification = result
         if result.problems:
             raise CorruptCheckpoint(step, path, integrity.summarize(result.problems))
         if not result.recorded:
-            warnings.warn(f"the checkpoint of step {step} in {path} has no integrity record "
-                          f"({integrity.RECORD}: it was written by an older jaxpar); it is "
-                          "restored unverified (its values are still checked finite)",
-                          stacklevel=3)
+            warnings.warn(
+                f"the checkpoint of step {step} in {path} has no integrity record "
+                f"({integrity.RECORD}: it was written by an older jaxpar); it is "
+                "restored unverified (its values are still checked finite)",
+                stacklevel=3,
+            )
         return result
 
     def _check_finite(self, step: int, tree: dict[str, Any]) -> None:
         """One jitted reduction per floating leaf; names the leaves that are not finite."""
-        leaves = [(path_str(p), x) for p, x in jax.tree_util.tree_leaves_with_path(tree)
-                  if jnp.issubdtype(x.dtype, jnp.inexact)]
+        leaves = [
+            (path_str(p), x)
+            for p, x in jax.tree_util.tree_leaves_with_path(tree)
+            if jnp.issubdtype(x.dtype, jnp.inexact)
+        ]
         groups: dict[Any, list[tuple[str, jax.Array]]] = {}
         for name, x in leaves:  # one program per device set (a pipeline stage's sub-mesh)
             groups.setdefault(x.sharding.mesh, []).append((name, x))
         bad = []
         for mesh, group in groups.items():
-            flags = jax.jit(lambda xs: jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]),
-                            out_shardings=NamedSharding(mesh, PartitionSpec()))(
-                                [x for _, x in group])
+            flags = jax.jit(
+                lambda xs: jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]),
+                out_shardings=NamedSharding(mesh, PartitionSpec()),
+            )([x for _, x in group])
             flags = np.asarray(flags.addressable_data(0))
             bad += [name for (name, _), ok in zip(group, flags) if not ok]
         if bad:
-            raise CorruptCheckpoint(step, self.path(step), "non-finite values (inf or NaN) "
-                                    f"in {integrity.summarize(bad)}")
+            raise CorruptCheckpoint(
+                step,
+                self.path(step),
+                f"non-finite values (inf or NaN) in {integrity.summarize(bad)}",
+            )
 
     def set_aside(self, step: int) -> Path:
         """Renames checkpoint ``step`` to ``<step>.corrupt`` (kept for inspection, never
@@ -332,10 +405,12 @@ class Checkpointer:
             try:
                 os.replace(src, dst)
             except OSError as err:  # e.g. an immutable directory
-                raise RestoreError(f"moving the checkpoint of step {step} in {src} aside (it "
-                                   f"failed verification) failed: {err.strerror or err}: "
-                                   f"{err.filename}; make it writable or move it away by "
-                                   "hand") from err
+                raise RestoreError(
+                    f"moving the checkpoint of step {step} in {src} aside (it "
+                    f"failed verification) failed: {err.strerror or err}: "
+                    f"{err.filename}; make it writable or move it away by "
+                    "hand"
+                ) from err
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices(f"jaxpar set aside checkpoint {step}")
         self._manager.reload()
@@ -344,20 +419,29 @@ class Checkpointer:
     def _check_compatible(self, step: int, target: dict[str, Any]) -> None:
         """Compares the stored tree's paths, shapes and dtypes with ``target``."""
         have, want = _leaves(self._manager.item_metadata(step).state), _leaves(target)
-        problems = {path: f"{path}: missing in the checkpoint (model expects {want[path]})"
-                    for path in set(want) - set(have)}
-        problems |= {path: f"{path}: in the checkpoint {have[path]} but not in the model"
-                     for path in set(have) - set(want)}
-        problems |= {path: f"{path}: checkpoint {have[path]}, model {want[path]}"
-                     for path in set(have) & set(want) if have[path] != want[path]}
-        problems = [problems[p] for p in sorted(problems, key=lambda p: (
-            not p.startswith("params"), p))]  # the parameters first: they say the most
+        problems = {
+            path: f"{path}: missing in the checkpoint (model expects {want[path]})"
+            for path in set(want) - set(have)
+        }
+        problems |= {
+            path: f"{path}: in the checkpoint {have[path]} but not in the model"
+            for path in set(have) - set(want)
+        }
+        problems |= {
+            path: f"{path}: checkpoint {have[path]}, model {want[path]}"
+            for path in set(have) & set(want)
+            if have[path] != want[path]
+        }
+        problems = [
+            problems[p] for p in sorted(problems, key=lambda p: (not p.startswith("params"), p))
+        ]  # the parameters first: they say the most
         if problems:
             raise RestoreError(
                 f"checkpoint {self.directory / str(step)} does not fit this model/optimizer "
                 f"({len(problems)} mismatches: {integrity.summarize(problems, 6)}); run with the "
                 "settings it was saved with (a run dir's config.yaml edited by hand no longer "
-                "holds them), or start afresh in a new run.dir")
+                "holds them), or start afresh in a new run.dir"
+            )
 
 
 def _delete_or_warn(delete: Callable[[int], None], directory: Path, step: int) -> None:
@@ -365,9 +449,12 @@ def _delete_or_warn(delete: Callable[[int], None], directory: Path, step: int) -
     try:
         delete(step)
     except OSError as err:
-        warnings.warn(f"could not delete the old checkpoint of step {step} in {directory}/{step} "
-                      f"({err.strerror or err}: {err.filename}); delete it by hand — training "
-                      "goes on", stacklevel=2)
+        warnings.warn(
+            f"could not delete the old checkpoint of step {step} in {directory}/{step} "
+            f"({err.strerror or err}: {err.filename}); delete it by hand — training "
+            "goes on",
+            stacklevel=2,
+        )
 
 
 def _first_line(err: BaseException) -> str:

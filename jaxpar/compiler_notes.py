@@ -20,8 +20,10 @@ import tempfile
 from collections.abc import Iterator, Mapping
 
 #: XLA's warning: the tile assignments it moves between and the HLO value's type.
-_REMAT = re.compile(r"Involuntary full rematerialization.*?from sharding (\{.*?\}) to "
-                    r"(\{.*?\}).*?for HLO operation %\S+ = (\w+\[[\d,]*\])")
+_REMAT = re.compile(
+    r"Involuntary full rematerialization.*?from sharding (\{.*?\}) to "
+    r"(\{.*?\}).*?for HLO operation %\S+ = (\w+\[[\d,]*\])"
+)
 _TILES = re.compile(r"devices=\[([\d,]+)\]")
 
 
@@ -46,21 +48,28 @@ def parse(line: str) -> tuple[str, tuple[int, ...], tuple[int, ...]] | None:
     return typ, splits(match.group(1), rank), splits(match.group(2), rank)
 
 
-def describe(typ: str, before: tuple[int, ...], after: tuple[int, ...],
-             named: Mapping[tuple[int, ...], str]) -> str:
+def describe(
+    typ: str, before: tuple[int, ...], after: tuple[int, ...], named: Mapping[tuple[int, ...], str]
+) -> str:
     """What the warning means and what avoids it; ``named``: the paths of the parameters by
     shape (a value of a parameter's shape is named as that parameter)."""
-    shape = tuple(int(d) for d in typ[typ.index("[") + 1:-1].split(",") if d)
+    shape = tuple(int(d) for d in typ[typ.index("[") + 1 : -1].split(",") if d)
     moved = f"its dims split {'×'.join(map(str, before))} → {'×'.join(map(str, after))}"
-    gathered = (f"XLA gathers all of {{}} {typ} to change its sharding ({moved}): an "
-                "involuntary full rematerialization, every device briefly holding it whole; ")
+    gathered = (
+        f"XLA gathers all of {{}} {typ} to change its sharding ({moved}): an "
+        "involuntary full rematerialization, every device briefly holding it whole; "
+    )
     if shape in named:
-        return (gathered.format(f"parameter '{named[shape]}'") + "give its dims logical "
-                "names whose rules split it as the activations it meets are split")
-    return (gathered.format("an activation") + "if it is an embedding lookup's, look the "
-            "tokens up in the whole table, jnp.take(jaxpar.constrain(table, (None, None)), "
-            "tokens, axis=0), as jaxpar's models do; else pin the activation's layout where "
-            "the model makes it (jaxpar.constrain) or change the rule that splits its dims")
+        return (
+            gathered.format(f"parameter '{named[shape]}'") + "give its dims logical "
+            "names whose rules split it as the activations it meets are split"
+        )
+    return (
+        gathered.format("an activation") + "if it is an embedding lookup's, look the "
+        "tokens up in the whole table, jnp.take(jaxpar.constrain(table, (None, None)), "
+        "tokens, axis=0), as jaxpar's models do; else pin the activation's layout where "
+        "the model makes it (jaxpar.constrain) or change the rule that splits its dims"
+    )
 
 
 @contextlib.contextmanager

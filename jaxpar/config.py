@@ -50,15 +50,27 @@ ALIASES = {"checkpoint.async": "async_save", "distributed.timeout_s": "init_time
 class RunConfig:
     """Where a run writes, how it is seeded and how many devices it uses."""
 
-    dir: str = Field("runs/gpt_tiny", description="run directory for config.yaml, "
-                     "metrics.jsonl and events; a layout other than the first config file's "
-                     "gets one of its own unless given (runs/gpt_tiny-fsdp8)")
-    seed: int = Field(0, ge=0, le=2**32 - 1, description="seed for parameter init and data "
-                      "order (32 bits: JAX's keys hold no more)")
-    devices: int = Field(0, ge=0, le=MAX_DEVICES, description="device count; 0: all "
-                         "accelerators, or 8 simulated CPU devices when there is none; at most "
-                         f"{MAX_CPU_DEVICES:,} simulated CPU devices (each costs host memory and "
-                         "start-up time), and on an accelerator at most the devices there are")
+    dir: str = Field(
+        "runs/gpt_tiny",
+        description="run directory for config.yaml, "
+        "metrics.jsonl and events; a layout other than the first config file's "
+        "gets one of its own unless given (runs/gpt_tiny-fsdp8)",
+    )
+    seed: int = Field(
+        0,
+        ge=0,
+        le=2**32 - 1,
+        description="seed for parameter init and data order (32 bits: JAX's keys hold no more)",
+    )
+    devices: int = Field(
+        0,
+        ge=0,
+        le=MAX_DEVICES,
+        description="device count; 0: all "
+        "accelerators, or 8 simulated CPU devices when there is none; at most "
+        f"{MAX_CPU_DEVICES:,} simulated CPU devices (each costs host memory and "
+        "start-up time), and on an accelerator at most the devices there are",
+    )
 
     @field_validator("dir")
     @classmethod
@@ -81,19 +93,26 @@ def parse_profile_steps(text: str) -> tuple[int, int] | None:
     a :class:`ConfigError` on bad syntax, START < 1 or STOP ≤ START."""
     if not text.strip():
         return None
-    fix = ("set train.profile_steps=START:STOP with 1 ≤ START < STOP — steps are numbered "
-           "from 1 and STOP is excluded, so 5:8 traces steps 5, 6 and 7 — or leave it empty")
+    fix = (
+        "set train.profile_steps=START:STOP with 1 ≤ START < STOP — steps are numbered "
+        "from 1 and STOP is excluded, so 5:8 traces steps 5, 6 and 7 — or leave it empty"
+    )
     match = _PROFILE_STEPS.fullmatch(text)
     if match is None:
-        raise ConfigError(f"config key 'train.profile_steps' must look like START:STOP, "
-                          f"got {text!r}; {fix}")
+        raise ConfigError(
+            f"config key 'train.profile_steps' must look like START:STOP, got {text!r}; {fix}"
+        )
     start, stop = int(match[1]), int(match[2])
     if start < 1:
-        raise ConfigError(f"config key 'train.profile_steps' starts at step {start}, but the "
-                          f"first step is 1; {fix}")
+        raise ConfigError(
+            f"config key 'train.profile_steps' starts at step {start}, but the "
+            f"first step is 1; {fix}"
+        )
     if stop <= start:
-        raise ConfigError(f"config key 'train.profile_steps'={text!r} traces no step "
-                          f"(STOP {stop} ≤ START {start}); {fix}")
+        raise ConfigError(
+            f"config key 'train.profile_steps'={text!r} traces no step "
+            f"(STOP {stop} ≤ START {start}); {fix}"
+        )
     return start, stop
 
 
@@ -103,44 +122,79 @@ class TrainConfig:
     new parameters hold an inf or a NaN."""
 
     steps: int = Field(200, ge=1, le=MAX_STEPS, description="training steps")
-    batch_size: int = Field(32, ge=1, le=MAX_BATCH, description="global batch: examples per "
-                            "step, all devices")
-    grad_accum: int = Field(1, ge=1, le=MAX_DEVICES, description="microbatches per step "
-                            "(gradients averaged inside the step)")
-    fsdp_gather: FsdpGather = Field("per_microbatch", description="with grad_accum > 1, when "
+    batch_size: int = Field(
+        32, ge=1, le=MAX_BATCH, description="global batch: examples per step, all devices"
+    )
+    grad_accum: int = Field(
+        1,
+        ge=1,
+        le=MAX_DEVICES,
+        description="microbatches per step (gradients averaged inside the step)",
+    )
+    fsdp_gather: FsdpGather = Field(
+        "per_microbatch",
+        description="with grad_accum > 1, when "
         "parameters sharded over a batch axis (FSDP) are gathered: per_microbatch (in every "
         "microbatch's forward and backward: least memory) or once per step, kept through the "
-        "accumulation loop (1/grad_accum of the gather traffic, or less)")
-    log_every: int = Field(10, ge=1, le=MAX_STEPS, description="log a metrics row every this "
-                           "many steps")
-    eval_every: int = Field(50, ge=0, le=MAX_STEPS, description="evaluate every this many "
-                            "steps and after the last (0: never)")
-    eval_batches: int = Field(4, ge=1, le=MAX_DEVICES, description="held-out batches per "
-                              "evaluation")
-    nonfinite: Nonfinite = Field("stop", description="stop raises naming the step (exit status "
-                                 "3); skip leaves the state unchanged for that step and counts it")
-    nonfinite_guard: Guard = Field("auto", description="how the step keeps the old state of a "
+        "accumulation loop (1/grad_accum of the gather traffic, or less)",
+    )
+    log_every: int = Field(
+        10, ge=1, le=MAX_STEPS, description="log a metrics row every this many steps"
+    )
+    eval_every: int = Field(
+        50,
+        ge=0,
+        le=MAX_STEPS,
+        description="evaluate every this many steps and after the last (0: never)",
+    )
+    eval_batches: int = Field(
+        4, ge=1, le=MAX_DEVICES, description="held-out batches per evaluation"
+    )
+    nonfinite: Nonfinite = Field(
+        "stop",
+        description="stop raises naming the step (exit status "
+        "3); skip leaves the state unchanged for that step and counts it",
+    )
+    nonfinite_guard: Guard = Field(
+        "auto",
+        description="how the step keeps the old state of a "
         "non-finite step: cond (the update computed again inside a lax.cond: the least memory "
         "traffic; agrees with where to float32 rounding), where (one jnp.where per state leaf: "
         "a finite step's numbers are the unguarded update's), auto (where on a GPU, cond "
-        "elsewhere); see jaxpar/guard.py")
-    max_skipped: Float = Field(0.1, ge=0, description="with skip, how many steps may be skipped "
+        "elsewhere); see jaxpar/guard.py",
+    )
+    max_skipped: Float = Field(
+        0.1,
+        ge=0,
+        description="with skip, how many steps may be skipped "
         "in all (counting the steps before a resume) before the run fails (exit status 6): a "
-        "count, or below 1 a fraction of steps; 0: no limit")
-    max_consecutive_skipped: int = Field(10, ge=0, le=MAX_STEPS, description="how many steps "
-                                         "in a row may be skipped (0: no limit)")
+        "count, or below 1 a fraction of steps; 0: no limit",
+    )
+    max_consecutive_skipped: int = Field(
+        10, ge=0, le=MAX_STEPS, description="how many steps in a row may be skipped (0: no limit)"
+    )
     progress: bool = Field(True, description="a progress bar on a terminal (plain lines else)")
-    tensorboard: bool = Field(False, description="also write TensorBoard event files to "
-                                                 "<run.dir>/tensorboard")
-    trackers: StrList = Field((), description="log the config, rows, evals and run dir to "
-        "experiment trackers: wandb, mlflow (pip install 'jaxpar[NAME]'); resumed runs continue")
-    profile_steps: str = Field("", description="START:STOP captures a JAX profiler trace of "
+    tensorboard: bool = Field(
+        False, description="also write TensorBoard event files to <run.dir>/tensorboard"
+    )
+    trackers: StrList = Field(
+        (),
+        description="log the config, rows, evals and run dir to "
+        "experiment trackers: wandb, mlflow (pip install 'jaxpar[NAME]'); resumed runs continue",
+    )
+    profile_steps: str = Field(
+        "",
+        description="START:STOP captures a JAX profiler trace of "
         "steps START to STOP-1 into <run.dir>/profile (steps numbered from 1, as in "
         "metrics.jsonl: 5:8 traces steps 5, 6 and 7); empty: off. Quote it in YAML "
-        "(profile_steps: \"5:8\"), which otherwise reads 5:8 as the base-60 number 308")
-    hooks: StrList = Field((), description="a user's loop hooks, each path/to/file.py:NAME or "
+        '(profile_steps: "5:8"), which otherwise reads 5:8 as the base-60 number 308',
+    )
+    hooks: StrList = Field(
+        (),
+        description="a user's loop hooks, each path/to/file.py:NAME or "
         "package.module:NAME naming a jaxpar.Hook subclass (built with no arguments), an "
-        "instance, or a function returning one; called after the built-in hooks, in order")
+        "instance, or a function returning one; called after the built-in hooks, in order",
+    )
 
     @field_validator("profile_steps")
     @classmethod
@@ -151,7 +205,9 @@ class TrainConfig:
     @field_validator("trackers")
     def _known_trackers(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         for name in (n for n in value if n not in TRACKERS):
-            raise ConfigError(f"config key 'train.trackers' takes {', '.join(TRACKERS)}, got {name!r}")
+            raise ConfigError(
+                f"config key 'train.trackers' takes {', '.join(TRACKERS)}, got {name!r}"
+            )
         return value
 
 
@@ -164,14 +220,24 @@ class DistributedConfig:
     coordinator: str = Field("", description="host:port of process 0")
     num_processes: int = Field(0, ge=0, le=MAX_DEVICES, description="how many processes")
     process_id: int = Field(-1, ge=-1, le=MAX_DEVICES, description="this process's index")
-    local_device_ids: IntList = Field((), description="ids of the devices this process uses, "
-                                      "a list or comma-separated (empty: all)")
-    init_timeout: int = Field(120, ge=1, le=7 * 24 * 3600, description="seconds to wait for "
-                              "the coordinator and for every process to join (then the error "
-                              "names the missing ones); at most a week")
-    bind_address: str = Field("", description="the host:port process 0's coordinator listens "
+    local_device_ids: IntList = Field(
+        (),
+        description="ids of the devices this process uses, a list or comma-separated (empty: all)",
+    )
+    init_timeout: int = Field(
+        120,
+        ge=1,
+        le=7 * 24 * 3600,
+        description="seconds to wait for "
+        "the coordinator and for every process to join (then the error "
+        "names the missing ones); at most a week",
+    )
+    bind_address: str = Field(
+        "",
+        description="the host:port process 0's coordinator listens "
         "on (empty: every interface, as other hosts must reach it; jaxpar launch sets the "
-        "loopback address)")
+        "loopback address)",
+    )
 
 
 @dataclass(frozen=True)
@@ -230,8 +296,10 @@ def merge(config: Config, raw: dict[str, Any]) -> Config:
     updates = {}
     for name, body in (raw or {}).items():
         if name not in sections:
-            raise ConfigError(f"unknown config section '{name}': "
-                              f"{schema.closest(str(name), sections, label='sections:')}")
+            raise ConfigError(
+                f"unknown config section '{name}': "
+                f"{schema.closest(str(name), sections, label='sections:')}"
+            )
         updates[name] = _merge_section(name, updates.get(name, getattr(config, name)), body)
     return dataclasses.replace(config, **updates)
 
@@ -277,8 +345,9 @@ def load_config(paths: list[str | Path] = (), overrides: list[str] = ()) -> Conf
     for path in map(Path, paths):
         raw = read_yaml(path) or {}
         if not isinstance(raw, dict):
-            raise ConfigError(f"config file '{path}' must hold a mapping of sections, got "
-                              f"{type(raw).__name__}")
+            raise ConfigError(
+                f"config file '{path}' must hold a mapping of sections, got {type(raw).__name__}"
+            )
         try:
             config = merge(config, raw)
         except ConfigError as err:
@@ -289,18 +358,26 @@ def load_config(paths: list[str | Path] = (), overrides: list[str] = ()) -> Conf
             names.append(path.stem)
     named = named or config
     final = apply_overrides(config, overrides)
-    names += [_override_name(text) for text in overrides if text.split("=")[0].split(".")[0]
-              in _LAYOUT_SECTIONS and text.partition("=")[2]]
+    names += [
+        _override_name(text)
+        for text in overrides
+        if text.split("=")[0].split(".")[0] in _LAYOUT_SECTIONS and text.partition("=")[2]
+    ]
     if final.run.dir != named.run.dir or _layout(final) == _layout(named) or not names:
         return final  # a run.dir of its own, or the config's own layout
-    return dataclasses.replace(final, run=dataclasses.replace(
-        final.run, dir="-".join([named.run.dir, *names])))
+    return dataclasses.replace(
+        final, run=dataclasses.replace(final.run, dir="-".join([named.run.dir, *names]))
+    )
 
 
 _LAYOUT_SECTIONS = ("mesh", "rules", "pipeline", "context")
 # short names of layout overrides in a run directory's name (others: key and value)
-_SHORT = {"pipeline.schedule": "", "pipeline.microbatches": "m", "pipeline.virtual_stages": "v",
-          "rules.preset": ""}
+_SHORT = {
+    "pipeline.schedule": "",
+    "pipeline.microbatches": "m",
+    "pipeline.virtual_stages": "v",
+    "rules.preset": "",
+}
 
 
 def _layout(config: Config) -> tuple:
@@ -322,8 +399,10 @@ def run_dir_for(config: Config, name: str) -> Config:
     default = RunConfig().dir
     if not name or not (config.run.dir == default or config.run.dir.startswith(default + "-")):
         return config
-    return dataclasses.replace(config, run=dataclasses.replace(
-        config.run, dir=f"runs/{name}" + config.run.dir[len(default):]))
+    return dataclasses.replace(
+        config,
+        run=dataclasses.replace(config.run, dir=f"runs/{name}" + config.run.dir[len(default) :]),
+    )
 
 
 def _plain(value: Any) -> Any:
@@ -336,8 +415,12 @@ def to_dict(config: Config) -> dict[str, Any]:
     """Plain nested dict of a config, as written to a run's ``config.yaml`` (and read back
     by :func:`load_config` as the same config)."""
     out = _plain(dataclasses.asdict(config))
-    out["model"] = {"name": config.model.name or config.family.name,
-                    **{k: v for k, v in out["model"].items() if k != "name"}}
-    out["rules"] = {"preset": config.rules.preset,
-                    **{k: list(v) if v else None for k, v in config.rules.overrides}}
+    out["model"] = {
+        "name": config.model.name or config.family.name,
+        **{k: v for k, v in out["model"].items() if k != "name"},
+    }
+    out["rules"] = {
+        "preset": config.rules.preset,
+        **{k: list(v) if v else None for k, v in config.rules.overrides},
+    }
     return out

@@ -47,6 +47,9 @@ def reference() -> str:
         if name == "model":
             for family in sorted(families().values(), key=lambda f: (f.name != DEFAULT, f.name)):
                 if family.config.__module__.startswith("jaxpar.models."):
-                    parts += [f"### `model.name={family.name}`", f"{family.doc}.",
-                              schema.reference(family.config, name, skip=("name",))]
+                    parts += [
+                        f"### `model.name={family.name}`",
+                        f"{family.doc}.",
+                        schema.reference(family.config, name, skip=("name",)),
+                    ]
     return "\n\n".join(parts) + "\n"

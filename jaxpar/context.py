@@ -58,12 +58,18 @@ Strategy = Literal["all_gather", "ring"]
 class ContextConfig:
     """How attention runs when ``mesh.context`` > 1 splits each sequence over devices."""
 
-    attention: Strategy = Field("all_gather", description="all_gather: keys and values "
-                                "gathered over the context axis for each layer; ring: their "
-                                "blocks passed round the devices (memory of one block)")
-    balance: bool = Field(True, description="causal models reorder each sequence so that "
-                                            "every context device does the same attention "
-                                            "work (dual-chunk swap)")
+    attention: Strategy = Field(
+        "all_gather",
+        description="all_gather: keys and values "
+        "gathered over the context axis for each layer; ring: their "
+        "blocks passed round the devices (memory of one block)",
+    )
+    balance: bool = Field(
+        True,
+        description="causal models reorder each sequence so that "
+        "every context device does the same attention "
+        "work (dual-chunk swap)",
+    )
 
 
 def _options() -> ContextConfig:
@@ -100,10 +106,12 @@ def balanced_order(length: int, ways: int) -> np.ndarray:
         raise LayoutError(
             f"sequence length {length} does not split into 2 × mesh.context = {2 * ways} "
             "equal chunks (context.balance reorders them); change data.seq_len or "
-            "mesh.context, or set context.balance=false")
+            "mesh.context, or set context.balance=false"
+        )
     chunks = np.arange(length).reshape(2 * ways, -1)
-    return np.concatenate([np.concatenate([chunks[r], chunks[2 * ways - 1 - r]])
-                           for r in range(ways)])
+    return np.concatenate(
+        [np.concatenate([chunks[r], chunks[2 * ways - 1 - r]]) for r in range(ways)]
+    )
 
 
 def positions(length: int, causal: bool = True) -> np.ndarray:
@@ -116,7 +124,8 @@ def positions(length: int, causal: bool = True) -> np.ndarray:
     if length % ways:
         raise LayoutError(
             f"sequence length {length} is not divisible by the {ways} devices of mesh axes "
-            f"{sequence_axes()} that split it; change data.seq_len or mesh.context")
+            f"{sequence_axes()} that split it; change data.seq_len or mesh.context"
+        )
     return np.arange(length)
 
 
@@ -144,8 +153,9 @@ def document_positions(segments_BT: jax.Array) -> jax.Array:
     contiguous and share an id); order the result with :func:`order` as the tokens."""
     T = segments_BT.shape[1]
     index = jnp.arange(T, dtype=jnp.int32)
-    new = jnp.concatenate([jnp.ones_like(segments_BT[:, :1], bool),
-                           segments_BT[:, 1:] != segments_BT[:, :-1]], axis=1)
+    new = jnp.concatenate(
+        [jnp.ones_like(segments_BT[:, :1], bool), segments_BT[:, 1:] != segments_BT[:, :-1]], axis=1
+    )
     first = jax.lax.cummax(jnp.where(new, index, 0), axis=1)
     return index - first
 
@@ -173,9 +183,17 @@ def masks_by_position() -> None:
         _SPLIT_CALLS[0] += 1
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions_T: np.ndarray | None = None,
-           *, causal: bool = True, implementation: str = "xla", window: int = 0,
-           segments: jax.Array | None = None) -> jax.Array:
+def attend(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    positions_T: np.ndarray | None = None,
+    *,
+    causal: bool = True,
+    implementation: str = "xla",
+    window: int = 0,
+    segments: jax.Array | None = None,
+) -> jax.Array:
     """Multi-head attention of q, k, v [B, T, N, H] whose tokens sit at ``positions_T``
     (their natural order when None): ``jax.nn.dot_product_attention``, across the context
     axis when the active rules split ``seq`` (see the module docstring). With ``window``
@@ -191,15 +209,16 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions_T: np.ndarray | N
         if segments is not None or (positions_T is not None and not is_natural(positions_T)):
             pos = jnp.asarray(positions_T if positions_T is not None else np.arange(q.shape[1]))
             mask = _visible(pos, pos, causal, window, segments, segments)
-            return jax.nn.dot_product_attention(q, k, v, mask=mask,
-                                                implementation=implementation)
+            return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
         local = (window - 1, 0) if window else None
-        return jax.nn.dot_product_attention(q, k, v, is_causal=causal, local_window_size=local,
-                                            implementation=implementation)
+        return jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, local_window_size=local, implementation=implementation
+        )
     _SPLIT_CALLS[0] += 1
     mesh, rules, _ = active_layout()
-    spec = spec_for(("batch", "seq", "heads", "kv"), rules, mesh, q.shape,
-                    "attention q [B, T, N, H]")
+    spec = spec_for(
+        ("batch", "seq", "heads", "kv"), rules, mesh, q.shape, "attention q [B, T, N, H]"
+    )
     ring = _options().attention == "ring"
     grouped = k.shape[2] != q.shape[2]  # grouped-query attention: K key/value heads
     if grouped and (ring or rules.get("kv_heads", ()) != rules.get("heads", ())):
@@ -207,24 +226,45 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions_T: np.ndarray | N
         # its own (the ring's blocks then match the queries head for head)
         k, v = (jnp.repeat(x, q.shape[2] // k.shape[2], axis=2) for x in (k, v))
         grouped = False
-    kv_spec = spec if not grouped else spec_for(
-        ("batch", "seq", "kv_heads", "kv"), rules, mesh, k.shape, "attention k, v [B, T, K, H]")
+    kv_spec = (
+        spec
+        if not grouped
+        else spec_for(
+            ("batch", "seq", "kv_heads", "kv"), rules, mesh, k.shape, "attention k, v [B, T, K, H]"
+        )
+    )
     pos = jnp.asarray(positions_T if positions_T is not None else np.arange(q.shape[1]))
     run = _ring if ring else _all_gather
-    body = functools.partial(run, axes=axes, causal=causal, implementation=implementation,
-                             window=window)
+    body = functools.partial(
+        run, axes=axes, causal=causal, implementation=implementation, window=window
+    )
     seq_spec = PartitionSpec(spec[1])
     if segments is None:
-        return jax.shard_map(body, mesh=mesh, in_specs=(spec, kv_spec, kv_spec, seq_spec),
-                             out_specs=spec, check_vma=False)(q, k, v, pos)
+        return jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(spec, kv_spec, kv_spec, seq_spec),
+            out_specs=spec,
+            check_vma=False,
+        )(q, k, v, pos)
     seg_spec = PartitionSpec(spec[0], spec[1])  # [B, T]: batch and seq as the tokens'
-    return jax.shard_map(body, mesh=mesh,
-                         in_specs=(spec, kv_spec, kv_spec, seq_spec, seg_spec),
-                         out_specs=spec, check_vma=False)(q, k, v, pos, segments)
+    return jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(spec, kv_spec, kv_spec, seq_spec, seg_spec),
+        out_specs=spec,
+        check_vma=False,
+    )(q, k, v, pos, segments)
 
 
-def _visible(pos_q: jax.Array, pos_k: jax.Array, causal: bool, window: int = 0,
-             seg_q: jax.Array | None = None, seg_k: jax.Array | None = None) -> jax.Array:
+def _visible(
+    pos_q: jax.Array,
+    pos_k: jax.Array,
+    causal: bool,
+    window: int = 0,
+    seg_q: jax.Array | None = None,
+    seg_k: jax.Array | None = None,
+) -> jax.Array:
     """[1, 1, Tq, Tk] True where a query may see a key (within ``window`` positions back
     when it is > 0); [B, 1, Tq, Tk] with segment ids [B, T] (and only within a segment:
     within one, the positions' differences are the documents' own)."""
@@ -243,13 +283,11 @@ def _all_gather(q, k, v, pos, seg=None, *, axes, causal, implementation, window)
     k_all, v_all, pos_k = gather(k, axis=1), gather(v, axis=1), gather(pos, axis=0)
     seg_k = None if seg is None else gather(seg, axis=1)
     mask = _visible(pos, pos_k, causal, window, seg, seg_k)
-    return jax.nn.dot_product_attention(q, k_all, v_all, mask=mask,
-                                        implementation=implementation)
+    return jax.nn.dot_product_attention(q, k_all, v_all, mask=mask, implementation=implementation)
 
 
 def _ring(q, k, v, pos, seg=None, *, axes, causal, implementation, window):
-    return _ring_attention(q, k, v, pos, seg, axes, degree(), (causal, window),
-                           implementation)
+    return _ring_attention(q, k, v, pos, seg, axes, degree(), (causal, window), implementation)
 
 
 def _shift(tree, axes, ways):
@@ -268,9 +306,14 @@ def _block(q, k, v, pos_q, pos_k, causal, implementation, seg_q=None, seg_k=None
     mask = _visible(pos_q, pos_k, *causal, seg_q, seg_k)
     rows = jnp.any(mask, axis=-1)[:, 0]  # [1 or B, T]
     f32 = jnp.float32
-    out, lse = jax.nn.dot_product_attention(q.astype(f32), k.astype(f32), v.astype(f32),
-                                            mask=mask, return_residual=True,
-                                            implementation="xla")
+    out, lse = jax.nn.dot_product_attention(
+        q.astype(f32),
+        k.astype(f32),
+        v.astype(f32),
+        mask=mask,
+        return_residual=True,
+        implementation="xla",
+    )
     out = jnp.where(rows[:, :, None, None], out.astype(jnp.float32), 0.0)
     lse = jnp.where(rows[:, :, None], lse.astype(jnp.float32), -jnp.inf)
     return out, lse
@@ -302,11 +345,18 @@ def _ring_forward(q, k, v, pos, seg, axes, ways, causal, implementation):
         kb, vb, pb, sb = block
         seen = _visible(pos, pb, *causal).any() if causal[0] else True
         out_b, lse_b = jax.lax.cond(
-            seen, lambda q, kb, vb, pb, sb: _block(q, kb, vb, pos, pb, causal,
-                                                   implementation, seg, sb),
-            lambda q, kb, vb, pb, sb: (jnp.zeros(q.shape, jnp.float32),
-                                       jnp.full((B, T, N), -jnp.inf, jnp.float32)),
-            q, kb, vb, pb, sb)
+            seen,
+            lambda q, kb, vb, pb, sb: _block(q, kb, vb, pos, pb, causal, implementation, seg, sb),
+            lambda q, kb, vb, pb, sb: (
+                jnp.zeros(q.shape, jnp.float32),
+                jnp.full((B, T, N), -jnp.inf, jnp.float32),
+            ),
+            q,
+            kb,
+            vb,
+            pb,
+            sb,
+        )
         out, lse = _merge(out, lse, out_b, lse_b)
         if step < ways - 1:
             block = _shift(block, axes, ways)
@@ -334,12 +384,18 @@ def _ring_bwd(axes, ways, causal, implementation, residuals, d_out):
         p = jnp.where(mask, jnp.exp(s - lse_n), 0.0)
         dv = jnp.einsum("bnts,btnh->bsnh", p, do)
         ds = p * (jnp.einsum("btnh,bsnh->bnts", do, f32(vb)) - delta)
-        return (jnp.einsum("bnts,bsnh->btnh", ds, f32(kb)) * scale,
-                jnp.einsum("bnts,btnh->bsnh", ds, qf) * scale, dv)
+        return (
+            jnp.einsum("bnts,bsnh->btnh", ds, f32(kb)) * scale,
+            jnp.einsum("bnts,btnh->bsnh", ds, qf) * scale,
+            dv,
+        )
 
     def nothing(kb, vb, pb, sb):
-        return jnp.zeros(q.shape, jnp.float32), jnp.zeros(kb.shape, jnp.float32), \
-            jnp.zeros(vb.shape, jnp.float32)
+        return (
+            jnp.zeros(q.shape, jnp.float32),
+            jnp.zeros(kb.shape, jnp.float32),
+            jnp.zeros(vb.shape, jnp.float32),
+        )
 
     dq = jnp.zeros(q.shape, jnp.float32)
     block = (k, v, pos, seg)

@@ -42,9 +42,11 @@ class PortInUse(JaxparError, ValueError):
 
 def _cluster_detected() -> bool:
     env = os.environ
-    return (int(env.get("SLURM_NTASKS", "1") or 1) > 1
-            or int(env.get("OMPI_COMM_WORLD_SIZE", "1") or 1) > 1
-            or bool(env.get("JAX_COORDINATOR_ADDRESS")))
+    return (
+        int(env.get("SLURM_NTASKS", "1") or 1) > 1
+        or int(env.get("OMPI_COMM_WORLD_SIZE", "1") or 1) > 1
+        or bool(env.get("JAX_COORDINATOR_ADDRESS"))
+    )
 
 
 def settings(cfg: DistributedConfig) -> dict | None:
@@ -60,17 +62,26 @@ def settings(cfg: DistributedConfig) -> dict | None:
     index = cfg.process_id if cfg.process_id >= 0 else int(env.get(ENV_PROCESS_ID) or -1)
     if not coordinator and not count and index < 0:
         return {} if _cluster_detected() else None
-    missing = [key for key, unset in (("distributed.coordinator", not coordinator),
-                                      ("distributed.num_processes", not count),
-                                      ("distributed.process_id", index < 0)) if unset]
+    missing = [
+        key
+        for key, unset in (
+            ("distributed.coordinator", not coordinator),
+            ("distributed.num_processes", not count),
+            ("distributed.process_id", index < 0),
+        )
+        if unset
+    ]
     if missing:
         raise ConfigError(
             "a multi-process run needs distributed.coordinator (host:port), "
             "distributed.num_processes and distributed.process_id; missing: "
-            + ", ".join(missing) + " (or start the processes with jaxpar launch)")
+            + ", ".join(missing)
+            + " (or start the processes with jaxpar launch)"
+        )
     if not 0 <= index < count:
-        raise ConfigError(f"distributed.process_id={index} must be in "
-                          f"[0, distributed.num_processes={count})")
+        raise ConfigError(
+            f"distributed.process_id={index} must be in [0, distributed.num_processes={count})"
+        )
     _host_port(coordinator, "distributed.coordinator")
     kwargs = {"coordinator_address": coordinator, "num_processes": count, "process_id": index}
     if cfg.local_device_ids:
@@ -110,9 +121,12 @@ def _bind(address: str) -> socket.socket:
             raise PortInUse(
                 f"the coordinator's port {port} is in use by another program (binding "
                 f"{address}: {err.strerror}); choose another port in distributed.coordinator "
-                "(jaxpar launch picks a free one)") from err
-        raise ConfigError(f"the coordinator cannot listen on {address}: {err.strerror}; "
-                          "check distributed.bind_address / distributed.coordinator") from err
+                "(jaxpar launch picks a free one)"
+            ) from err
+        raise ConfigError(
+            f"the coordinator cannot listen on {address}: {err.strerror}; "
+            "check distributed.bind_address / distributed.coordinator"
+        ) from err
     return sock
 
 
@@ -167,8 +181,9 @@ def _rendezvous_coordinator(address: str, bind: str, count: int, timeout_s: floa
         raise ConfigError(f"distributed: {error}")
 
 
-def _check_in(conn: socket.socket, count: int, arrived: dict[int, tuple[socket.socket, str]],
-              deadline: float) -> str | None:
+def _check_in(
+    conn: socket.socket, count: int, arrived: dict[int, tuple[socket.socket, str]], deadline: float
+) -> str | None:
     """Reads one process's check-in into ``arrived`` (a connection that is not one of
     ours is closed); returns what is wrong with it, or None."""
     try:
@@ -182,13 +197,17 @@ def _check_in(conn: socket.socket, count: int, arrived: dict[int, tuple[socket.s
     index, n, who = int(parts[1]), parts[2], f"{parts[3]} pid {parts[4]}"
     error = None
     if n != str(count):
-        error = (f"process {index} ({who}) was started with num_processes={n}, "
-                 f"process 0 with {count}; start every process with the same "
-                 "distributed.num_processes")
+        error = (
+            f"process {index} ({who}) was started with num_processes={n}, "
+            f"process 0 with {count}; start every process with the same "
+            "distributed.num_processes"
+        )
     elif index in arrived or not 0 < index < count:
-        error = (f"process_id {index} was claimed twice ({who} and "
-                 f"{arrived[index][1]})" if index in arrived else
-                 f"process_id {index} is not in [1, {count})")
+        error = (
+            f"process_id {index} was claimed twice ({who} and {arrived[index][1]})"
+            if index in arrived
+            else f"process_id {index} is not in [1, {count})"
+        )
     arrived.setdefault(index, (conn, who))
     try:
         conn.sendall(b"wait\n")  # "this is process 0": the wait for the rest begins
@@ -197,15 +216,22 @@ def _check_in(conn: socket.socket, count: int, arrived: dict[int, tuple[socket.s
     return error
 
 
-def _missing(address: str, count: int, timeout_s: float,
-             arrived: dict[int, tuple[socket.socket, str]], missing: list[int]) -> str:
+def _missing(
+    address: str,
+    count: int,
+    timeout_s: float,
+    arrived: dict[int, tuple[socket.socket, str]],
+    missing: list[int],
+) -> str:
     shown = ", ".join(map(str, missing))
     came = ", ".join(f"{i} ({arrived[i][1]})" for i in sorted(arrived)) or "none"
-    return (f"only {len(arrived) + 1} of {count} processes joined the run at {address} "
-            f"within distributed.init_timeout={timeout_s:g} s; missing: process"
-            f"{'es' * (len(missing) > 1)} {shown} (arrived besides process 0: "
-            f"{came}). Start the missing ones with the same coordinator and "
-            "num_processes, check their logs, or raise distributed.init_timeout")
+    return (
+        f"only {len(arrived) + 1} of {count} processes joined the run at {address} "
+        f"within distributed.init_timeout={timeout_s:g} s; missing: process"
+        f"{'es' * (len(missing) > 1)} {shown} (arrived besides process 0: "
+        f"{came}). Start the missing ones with the same coordinator and "
+        "num_processes, check their logs, or raise distributed.init_timeout"
+    )
 
 
 def _rendezvous_peer(address: str, index: int, count: int, timeout_s: float) -> None:
@@ -230,8 +256,7 @@ def _rendezvous_peer(address: str, index: int, count: int, timeout_s: float) -> 
                 ) from err
             time.sleep(0.2)
     with conn:
-        conn.sendall(f"jaxpar-join {index} {count} {socket.gethostname()} {os.getpid()}\n"
-                     .encode())
+        conn.sendall(f"jaxpar-join {index} {count} {socket.gethostname()} {os.getpid()}\n".encode())
         reader = conn.makefile("rb")
         ack = reply = ""
         try:  # process 0 acknowledges at once, then answers by its own deadline
@@ -247,13 +272,16 @@ def _rendezvous_peer(address: str, index: int, count: int, timeout_s: float) -> 
             raise ConfigError(
                 f"distributed: the program listening at {address} did not answer jaxpar's "
                 "check-in: it is not process 0 of this run (another program may use the "
-                "port); check distributed.coordinator and that process 0 runs there")
+                "port); check distributed.coordinator and that process 0 runs there"
+            )
     if reply == "go":
         return
     if reply.startswith("fail "):
         raise ConfigError(f"distributed: {reply[5:]}")
-    raise ConfigError(f"distributed: the coordinator at {address} stopped before every "
-                      "process joined (see process 0's output)")
+    raise ConfigError(
+        f"distributed: the coordinator at {address} stopped before every "
+        "process joined (see process 0's output)"
+    )
 
 
 def initialize(cfg: DistributedConfig) -> bool:
@@ -281,7 +309,8 @@ def initialize(cfg: DistributedConfig) -> bool:
                 "jax.distributed could not start: JAX's backend is already running. Initialize "
                 "it before any JAX computation — jaxpar does it first thing in `jaxpar train`; "
                 "in a script call jaxpar.initialize_distributed(config.distributed) before "
-                "jaxpar.setup_devices()")
+                "jaxpar.setup_devices()"
+            )
         if kwargs["process_id"] == 0:
             port = _host_port(where, "distributed.coordinator")[1]
             bind = kwargs.get("coordinator_bind_address", f"[::]:{port}")
@@ -297,9 +326,11 @@ def initialize(cfg: DistributedConfig) -> bool:
                 f"jax.distributed could not start: {text}. Initialize it before any JAX "
                 "computation — jaxpar does it first thing in `jaxpar train`; in a script "
                 "call jaxpar.initialize_distributed(config.distributed) before "
-                "jaxpar.setup_devices()") from err
+                "jaxpar.setup_devices()"
+            ) from err
         raise ConfigError(
             f"could not join the distributed run at {where} within distributed.init_timeout="
             f"{timeout} s ({text.splitlines()[0] if text else type(err).__name__}); "
-            "check that process 0 is running and the address is reachable") from err
+            "check that process 0 is running and the address is reachable"
+        ) from err
     return True

@@ -81,8 +81,7 @@ class CorruptCheckpoint(RestoreError):
     """
 
     def __init__(self, step: int, path: object, reason: str):
-        super().__init__(f"the checkpoint of step {step} in {path} failed verification: "
-                         f"{reason}")
+        super().__init__(f"the checkpoint of step {step} in {path} failed verification: {reason}")
         self.step, self.path, self.reason = step, path, reason
 
 
@@ -103,8 +102,10 @@ class Preempted(JaxparError):
 
     def __init__(self, step: int, directory: object, signame: str = "SIGTERM"):
         what = "interrupted (Ctrl-C)" if signame == "SIGINT" else f"preempted ({signame})"
-        super().__init__(f"{what}: checkpoint of step {step} written to {directory}; run "
-                         "the same command to resume")
+        super().__init__(
+            f"{what}: checkpoint of step {step} written to {directory}; run "
+            "the same command to resume"
+        )
         self.step, self.signame = step, signame
 
 
@@ -119,9 +120,11 @@ class Terminated(BaseException):
     exit_status = TERMINATED
 
     def __init__(self) -> None:
-        super().__init__("stopped (SIGTERM) before training began: no checkpoint was written "
-                         "by this stop; run the same command to resume from the last complete "
-                         "checkpoint")
+        super().__init__(
+            "stopped (SIGTERM) before training began: no checkpoint was written "
+            "by this stop; run the same command to resume from the last complete "
+            "checkpoint"
+        )
 
 
 class Paused(JaxparError):
@@ -148,10 +151,12 @@ class UserCodeFailed(JaxparError):
 
     def __init__(self, what: str, error: BaseException, at: str = ""):
         first = (str(error).strip().splitlines() or [""])[0]
-        super().__init__(f"{what} raised {type(error).__name__}{' ' + at if at else ''}: "
-                         f"{first or '(no message)'} — fix it and run the same command (it "
-                         "resumes from the last checkpoint); JAXPAR_DEBUG=1 shows the "
-                         "traceback")
+        super().__init__(
+            f"{what} raised {type(error).__name__}{' ' + at if at else ''}: "
+            f"{first or '(no message)'} — fix it and run the same command (it "
+            "resumes from the last checkpoint); JAXPAR_DEBUG=1 shows the "
+            "traceback"
+        )
         self.what, self.error, self.at = what, error, at
 
     def where(self, at: str) -> UserCodeFailed:

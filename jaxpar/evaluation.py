@@ -66,19 +66,29 @@ class Evaluation:
         """One line for the command: loss, perplexity and what was read."""
         what = f"step {self.step} of {self.where}" if self.step is not None else self.where
         ppl = f", perplexity {self.perplexity:.4g}" if self.perplexity is not None else ""
-        rows = f"{self.examples} × {self.seq_len} tokens" if self.seq_len else (
-            f"{self.examples} examples")
-        return (f"eval of {what}: loss {self.loss:.6g}{ppl} over {self.batches} batch"
-                f"{'es' * (self.batches != 1)} of {rows} (held-out split of {self.data})")
+        rows = (
+            f"{self.examples} × {self.seq_len} tokens"
+            if self.seq_len
+            else (f"{self.examples} examples")
+        )
+        return (
+            f"eval of {what}: loss {self.loss:.6g}{ppl} over {self.batches} batch"
+            f"{'es' * (self.batches != 1)} of {rows} (held-out split of {self.data})"
+        )
 
     def json(self) -> str:
         """The evaluation as one JSON object."""
         return json.dumps(dataclasses.asdict(self))
 
 
-def evaluate_model(path: str | Path, overrides: Sequence[str] = (), *,
-                   batches: int | None = None, step: int | None = None,
-                   trust_code: bool = False) -> Evaluation:
+def evaluate_model(
+    path: str | Path,
+    overrides: Sequence[str] = (),
+    *,
+    batches: int | None = None,
+    step: int | None = None,
+    trust_code: bool = False,
+) -> Evaluation:
     """Loss and perplexity of a run dir's checkpoint or a Hugging Face folder's weights
     (see the module docstring).
 
@@ -98,8 +108,9 @@ def evaluate_model(path: str | Path, overrides: Sequence[str] = (), *,
     return evaluate_source(source, batches=batches, step=step)
 
 
-def evaluate_source(source: Source, *, batches: int | None = None,
-                    step: int | None = None) -> Evaluation:
+def evaluate_source(
+    source: Source, *, batches: int | None = None, step: int | None = None
+) -> Evaluation:
     """:func:`evaluate_model` of an opened run dir or folder."""
     if batches is not None and batches < 1:
         raise ConfigError(f"--batches {batches} must be ≥ 1")
@@ -112,11 +123,16 @@ def evaluate_source(source: Source, *, batches: int | None = None,
     metrics = evaluate(run, state)
     text = "tokens" in run.plan.task.batch_axes
     return Evaluation(
-        loss=metrics["loss"], perplexity=_perplexity(metrics["loss"]) if text else None,
-        metrics=metrics, batches=config.train.eval_batches, examples=config.train.batch_size,
+        loss=metrics["loss"],
+        perplexity=_perplexity(metrics["loss"]) if text else None,
+        metrics=metrics,
+        batches=config.train.eval_batches,
+        examples=config.train.batch_size,
         seq_len=config.data.seq_len if text else None,
         step=None if source.folder is not None else int(host_value(state.step)),
-        where=source.where, data=run.data.name)
+        where=source.where,
+        data=run.data.name,
+    )
 
 
 def _with_batches(config: Config, batches: int | None) -> Config:
@@ -137,21 +153,28 @@ def _check_folder_data(folder: Path, config: Config) -> None:
     if data.dataset != "auto":
         return
     if not data.path:
-        raise ConfigError(f"jaxpar eval {folder} needs data: pass data.path=TOKENS, a token "
-                          f"file made by jaxpar prepare-data TEXT --out TOKENS --tokenizer "
-                          f"{folder / hf.files.TOKENIZER}")
+        raise ConfigError(
+            f"jaxpar eval {folder} needs data: pass data.path=TOKENS, a token "
+            f"file made by jaxpar prepare-data TEXT --out TOKENS --tokenizer "
+            f"{folder / hf.files.TOKENIZER}"
+        )
     tokenizer = folder / hf.files.TOKENIZER
     if not tokenizer.is_file():
         return  # a byte-level model (as jaxpar exports one) reads text as bytes
     if not Path(f"{data.path}.json").is_file():
-        raise DataError(f"data.path={data.path} is not a token file, so jaxpar would read its "
-                        f"bytes as ids; make one with the folder's tokenizer: jaxpar "
-                        f"prepare-data {data.path} --out TOKENS --tokenizer {tokenizer}, then "
-                        "pass data.path=TOKENS")
+        raise DataError(
+            f"data.path={data.path} is not a token file, so jaxpar would read its "
+            f"bytes as ids; make one with the folder's tokenizer: jaxpar "
+            f"prepare-data {data.path} --out TOKENS --tokenizer {tokenizer}, then "
+            "pass data.path=TOKENS"
+        )
     made_with = open_tokens(data.path).meta.get("tokenizer")
     if not (isinstance(made_with, dict) and made_with.get("sha256") == sha256_of(tokenizer)):
-        warnings.warn(f"data.path={data.path} was made with tokenizer {_named(made_with)}, "
-                      f"not {tokenizer}: the loss is of another tokenizer's ids", stacklevel=3)
+        warnings.warn(
+            f"data.path={data.path} was made with tokenizer {_named(made_with)}, "
+            f"not {tokenizer}: the loss is of another tokenizer's ids",
+            stacklevel=3,
+        )
 
 
 def _named(spec: Any) -> str:

@@ -49,8 +49,10 @@ def image_format(path: str | Path) -> str:
     formats = FigureCanvasAgg.get_supported_filetypes()
     if suffix not in formats:
         others = ", ".join("." + f for f in sorted(formats) if f not in ("png", "svg"))
-        raise PathError(f"cannot write an image to '{path}': end the path in .png or .svg "
-                        f"(matplotlib also writes {others})")
+        raise PathError(
+            f"cannot write an image to '{path}': end the path in .png or .svg "
+            f"(matplotlib also writes {others})"
+        )
     return suffix
 
 

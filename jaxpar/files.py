@@ -24,7 +24,7 @@ def shorten(text: str, limit: int = 200) -> str:
     if len(text) <= limit:
         return text
     head = limit // 2
-    return f"{text[:head]}…{text[len(text) - (limit - 1 - head):]}"
+    return f"{text[:head]}…{text[len(text) - (limit - 1 - head) :]}"
 
 
 def _limits(path: Path) -> tuple[int, int]:
@@ -50,8 +50,10 @@ def name_too_long(path: str | Path, what: str, room: int = ROOM) -> str | None:
         why = f"{len(str(path)):,} characters; a path component may have at most {name_max}"
     elif len(os.fsencode(full)) + room > path_max:
         inside = ", with the files jaxpar writes inside it" if room else ""
-        why = (f"{len(full):,} characters as an absolute path{inside}; a path may have at "
-               f"most {path_max - room:,}")
+        why = (
+            f"{len(full):,} characters as an absolute path{inside}; a path may have at "
+            f"most {path_max - room:,}"
+        )
     else:
         return None
     return f"File name too long: {what} '{shown}' ({why})"
@@ -92,15 +94,17 @@ def ensure_dir(path: str | Path, what: str, fix: str | None = None) -> Path:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise PathError(f"{what} '{path}' cannot be created: {_why_not_dir(path, err)}; "
-                        f"{fix}") from err
+        raise PathError(
+            f"{what} '{path}' cannot be created: {_why_not_dir(path, err)}; {fix}"
+        ) from err
     probe = path / f".jaxpar-write-test-{os.getpid()}"
     try:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as err:
-        raise PathError(f"{what} '{path}' is not writable: {_why_not_dir(path, err)}; "
-                        f"{fix}") from err
+        raise PathError(
+            f"{what} '{path}' is not writable: {_why_not_dir(path, err)}; {fix}"
+        ) from err
     return path
 
 
@@ -113,8 +117,9 @@ def refuse_existing(paths: dict[Path, str], overwrite: bool) -> None:
     """
     for path, what in paths.items():
         if path.exists() and not overwrite:
-            raise PathError(f"{what} '{path}' exists; choose another path, or pass "
-                            "--overwrite to replace it")
+            raise PathError(
+                f"{what} '{path}' exists; choose another path, or pass --overwrite to replace it"
+            )
 
 
 def check_output_file(path: str | Path, what: str) -> Path:
@@ -126,8 +131,7 @@ def check_output_file(path: str | Path, what: str) -> Path:
     """
     path = Path(path)
     if path.is_dir():
-        raise PathError(f"{what} '{path}' is a directory; give a file path, e.g. "
-                        f"{path / 'out'}")
+        raise PathError(f"{what} '{path}' is a directory; give a file path, e.g. {path / 'out'}")
     ensure_dir(path.parent, f"the folder of {what}", f"choose another {what} path")
     if path.exists() and not os.access(path, os.W_OK):
         raise PathError(f"{what} '{path}' exists and is not writable; choose another path")
@@ -137,11 +141,45 @@ def check_output_file(path: str | Path, what: str) -> Path:
 #: Folders no run may take as its own (``run.dir``, ``checkpoint.dir``): a run writes its
 #: files there and its lock covers it. The home folder is refused too (:func:`system_folder`).
 SYSTEM_FOLDERS = (
-    "/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/libx32",
-    "/media", "/mnt", "/opt", "/proc", "/root", "/run", "/sbin", "/srv", "/sys", "/tmp",
-    "/usr", "/usr/bin", "/usr/lib", "/usr/local", "/usr/sbin", "/usr/share", "/var",
-    "/var/lib", "/var/log", "/var/tmp", "/Applications", "/Library", "/System", "/Users",
-    "/Volumes", "/private", "/private/tmp", "/private/var")
+    "/",
+    "/bin",
+    "/boot",
+    "/dev",
+    "/etc",
+    "/home",
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/libx32",
+    "/media",
+    "/mnt",
+    "/opt",
+    "/proc",
+    "/root",
+    "/run",
+    "/sbin",
+    "/srv",
+    "/sys",
+    "/tmp",
+    "/usr",
+    "/usr/bin",
+    "/usr/lib",
+    "/usr/local",
+    "/usr/sbin",
+    "/usr/share",
+    "/var",
+    "/var/lib",
+    "/var/log",
+    "/var/tmp",
+    "/Applications",
+    "/Library",
+    "/System",
+    "/Users",
+    "/Volumes",
+    "/private",
+    "/private/tmp",
+    "/private/var",
+)
 
 
 def system_folder(path: str | Path) -> str | None:
@@ -166,8 +204,10 @@ def system_folder_problem(path: str | Path, what: str) -> str | None:
     which = system_folder(path)
     if not which:
         return None
-    return (f"{what} '{path}' is {which}: a run writes its files into its {what} and locks "
-            f"it; give it a folder of its own, e.g. {what}=runs/NAME")
+    return (
+        f"{what} '{path}' is {which}: a run writes its files into its {what} and locks "
+        f"it; give it a folder of its own, e.g. {what}=runs/NAME"
+    )
 
 
 def with_path(err: OSError, path: str | Path) -> OSError:
@@ -223,8 +263,9 @@ def disk_full_cause(err: BaseException | None) -> BaseException | None:
     """``err`` or the exception it was raised from that is ``ENOSPC`` (a full disk), if any."""
     seen = 0
     while err is not None and seen < 20:
-        if (isinstance(err, OSError) and err.errno == errno.ENOSPC) \
-                or "No space left on device" in str(err):
+        if (
+            isinstance(err, OSError) and err.errno == errno.ENOSPC
+        ) or "No space left on device" in str(err):
             return err
         err, seen = err.__cause__ or err.__context__, seen + 1
     return None

@@ -51,11 +51,11 @@ from jaxpar.task import (
 class Strategy(Protocol):
     """What the trainer builds its programs from (see the module docstring)."""
 
-    def __call__(self, params: Any, model_state: Any, batch: Batch
-                 ) -> tuple[jax.Array, dict, Any, Any]: ...
+    def __call__(
+        self, params: Any, model_state: Any, batch: Batch
+    ) -> tuple[jax.Array, dict, Any, Any]: ...
 
-    def evaluate(self, params: Any, model_state: Any, batch: Batch
-                 ) -> tuple[jax.Array, dict]: ...
+    def evaluate(self, params: Any, model_state: Any, batch: Batch) -> tuple[jax.Array, dict]: ...
 
     def build_step(self, update: Any, shardings: TrainState) -> Callable: ...
 
@@ -63,8 +63,7 @@ class Strategy(Protocol):
 
     def build_grads(self, shardings: TrainState) -> Callable: ...
 
-    def build_init(self, create: Callable[[], TrainState], shardings: TrainState
-                   ) -> Callable: ...
+    def build_init(self, create: Callable[[], TrainState], shardings: TrainState) -> Callable: ...
 
 
 class Traced:
@@ -77,13 +76,16 @@ class Traced:
     def build_step(self, update: Any, shardings: TrainState) -> Callable:
         """``(state, batch) -> (state, metrics)``: ``update`` (:class:`jaxpar.update.Update`)
         after this strategy's loss and gradients."""
-        return jax.jit(lambda s, b: update(s, *self(s.params, s.model_state,
-                                                    loss_weights(b))),
-                       in_shardings=(shardings, None), out_shardings=(shardings, None),
-                       donate_argnums=0)
+        return jax.jit(
+            lambda s, b: update(s, *self(s.params, s.model_state, loss_weights(b))),
+            in_shardings=(shardings, None),
+            out_shardings=(shardings, None),
+            donate_argnums=0,
+        )
 
     def build_eval(self, shardings: TrainState) -> Callable:
         """``(params, model_state, batch) -> {"loss": …, **metrics}`` in evaluation mode."""
+
         def evaluate(params, model_state, batch):
             loss, aux = self.evaluate(params, model_state, loss_weights(batch))
             return {"loss": loss, **aux}
@@ -92,11 +94,12 @@ class Traced:
 
     def build_grads(self, shardings: TrainState) -> Callable:
         """``(params, batch, model_state) -> (loss, metrics, grads)`` as the step has them."""
-        return jax.jit(lambda p, b, s: self(p, s, loss_weights(b))[:3],
-                       in_shardings=(shardings.params, None, shardings.model_state))
+        return jax.jit(
+            lambda p, b, s: self(p, s, loss_weights(b))[:3],
+            in_shardings=(shardings.params, None, shardings.model_state),
+        )
 
-    def build_init(self, create: Callable[[], TrainState], shardings: TrainState
-                   ) -> Callable:
+    def build_init(self, create: Callable[[], TrainState], shardings: TrainState) -> Callable:
         """``() -> state``, born sharded."""
         return jax.jit(create, out_shardings=shardings)
 
@@ -109,8 +112,9 @@ class ModelLoss:
     loss_fn: LossFn
     context: Any = None  # how attention runs across a split sequence (jaxpar.context)
 
-    def __call__(self, params: Any, model_state: Any, batch: Batch, *, train: bool,
-                 mesh: Any, rules: Rules) -> tuple[jax.Array, dict, Any]:
+    def __call__(
+        self, params: Any, model_state: Any, batch: Batch, *, train: bool, mesh: Any, rules: Rules
+    ) -> tuple[jax.Array, dict, Any]:
         """Loss, metrics and the model's new state (traceable).
 
         The model runs in NNX's training mode (``model.train()``: dropout on, BatchNorm on
@@ -159,7 +163,8 @@ def _attended(before: int, loss_fn: LossFn) -> None:
             "attention would not see the whole sequence in order; compute attention with "
             "jaxpar.attend(q, k, v, positions) (docs/context.md; or call "
             "jaxpar.context.masks_by_position() where it masks by position), or set "
-            "mesh.context=1")
+            "mesh.context=1"
+        )
 
 
 @dataclass(frozen=True)
@@ -172,16 +177,18 @@ class Plain(Traced):
 
     def __call__(self, params: Any, model_state: Any, batch: Batch):
         def value(p):
-            loss, metrics, new_state = self.loss(p, model_state, batch, train=True,
-                                                 mesh=self.mesh, rules=self.rules)
+            loss, metrics, new_state = self.loss(
+                p, model_state, batch, train=True, mesh=self.mesh, rules=self.rules
+            )
             return loss, (metrics, new_state)
 
         (loss, (metrics, new_state)), grads = jax.value_and_grad(value, has_aux=True)(params)
         return loss, metrics, grads, new_state
 
     def evaluate(self, params: Any, model_state: Any, batch: Batch):
-        loss, metrics, _ = self.loss(params, model_state, batch, train=False, mesh=self.mesh,
-                                     rules=self.rules)
+        loss, metrics, _ = self.loss(
+            params, model_state, batch, train=False, mesh=self.mesh, rules=self.rules
+        )
         return loss, metrics
 
 
@@ -253,18 +260,24 @@ class AccumulatedPerDataShard(Traced):
 
         def local(params, model_state, batch):
             mesh = jax.sharding.get_abstract_mesh()
-            gathered = (named(mesh, self.gathered_specs) if self.gathered_specs is not None
-                        else None)
-            acc = Accumulated(Plain(self.loss, mesh, inner), self.k,
-                              named(mesh, self.param_specs), gathered)
+            gathered = named(mesh, self.gathered_specs) if self.gathered_specs is not None else None
+            acc = Accumulated(
+                Plain(self.loss, mesh, inner), self.k, named(mesh, self.param_specs), gathered
+            )
             loss, metrics, grads, _ = acc(params, model_state, batch)
-            loss, metrics, grads = jax.tree.map(lambda x: jax.lax.psum(x, "data") / n,
-                                                (loss, metrics, grads))
+            loss, metrics, grads = jax.tree.map(
+                lambda x: jax.lax.psum(x, "data") / n, (loss, metrics, grads)
+            )
             return loss, metrics, grads
 
-        fn = jax.shard_map(local, mesh=self.mesh,
-                           in_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec("data")),
-                           out_specs=PartitionSpec(), axis_names={"data"}, check_vma=False)
+        fn = jax.shard_map(
+            local,
+            mesh=self.mesh,
+            in_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec("data")),
+            out_specs=PartitionSpec(),
+            axis_names={"data"},
+            check_vma=False,
+        )
         loss, metrics, grads = fn(params, model_state, dict(batch))
         return loss, metrics, grads, model_state
 
@@ -289,9 +302,18 @@ class Pipelined(Traced):
     def __call__(self, params: Any, model_state: Any, batch: Batch):
         with activation_rules(self.mesh, self.rules, self.context):
             loss, metrics, grads = pipeline_grads(
-                self.split, self.graphdef, params, batch, table=self.table, mesh=self.mesh,
-                rules=self.rules, param_specs=self.param_specs, model_state=model_state,
-                rng_counts=self.rng_counts, context=self.context)
+                self.split,
+                self.graphdef,
+                params,
+                batch,
+                table=self.table,
+                mesh=self.mesh,
+                rules=self.rules,
+                param_specs=self.param_specs,
+                model_state=model_state,
+                rng_counts=self.rng_counts,
+                context=self.context,
+            )
         counts = self.rng_counts or jax.tree.map(lambda _: False, model_state)
         return loss, metrics, grads, advance_counts(model_state, counts, self.table.m)
 
@@ -300,6 +322,16 @@ class Pipelined(Traced):
         table's ``m`` microbatches): no device holds the whole model."""
         t = self.table
         with activation_rules(self.mesh, self.rules, self.context):
-            return pipeline_eval(self.split, self.graphdef, params, batch, p=t.p, m=t.m,
-                                 v=t.v, mesh=self.mesh, rules=self.rules,
-                                 model_state=model_state, context=self.context)
+            return pipeline_eval(
+                self.split,
+                self.graphdef,
+                params,
+                batch,
+                p=t.p,
+                m=t.m,
+                v=t.v,
+                mesh=self.mesh,
+                rules=self.rules,
+                model_state=model_state,
+                context=self.context,
+            )

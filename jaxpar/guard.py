@@ -48,8 +48,11 @@ Keep = Callable[[jax.Array, Any, Callable[[], Any], Any], Any]
 
 def all_finite(*values: Any) -> jax.Array:
     """True when every floating leaf of ``values`` holds no inf or NaN (on device)."""
-    checked = [jnp.isfinite(x).all() for x in jax.tree.leaves(values)
-               if jnp.issubdtype(x.dtype, jnp.inexact)]
+    checked = [
+        jnp.isfinite(x).all()
+        for x in jax.tree.leaves(values)
+        if jnp.issubdtype(x.dtype, jnp.inexact)
+    ]
     return jnp.stack(checked).all() if checked else jnp.array(True)
 
 
@@ -71,20 +74,25 @@ def check_same_types(new: Any, old: Any) -> None:
     the state it was given, or the old one could not stand in for it)."""
     old_leaves = jax.tree_util.tree_flatten_with_path(old)[0]
     new_leaves = jax.tree_util.tree_flatten_with_path(new)[0]
-    fix = ("the old state stands in for a non-finite step, so the optimizer's update must "
-           "return its state with the structure, shapes and dtypes of its init")
+    fix = (
+        "the old state stands in for a non-finite step, so the optimizer's update must "
+        "return its state with the structure, shapes and dtypes of its init"
+    )
     old_paths = [jax.tree_util.keystr(p) for p, _ in old_leaves]
     new_paths = [jax.tree_util.keystr(p) for p, _ in new_leaves]
     if old_paths != new_paths:
-        first = next((f"{o} → {n}" for o, n in zip(old_paths, new_paths) if o != n),
-                     f"{len(old_paths)} leaves → {len(new_paths)}")
+        first = next(
+            (f"{o} → {n}" for o, n in zip(old_paths, new_paths) if o != n),
+            f"{len(old_paths)} leaves → {len(new_paths)}",
+        )
         raise TaskError(f"the train step changed the structure of its state ({first}): {fix}")
     for path, (_, n), (_, o) in zip(new_paths, new_leaves, old_leaves):
         if (jnp.shape(n), jnp.result_type(n)) != (jnp.shape(o), jnp.result_type(o)):
             raise TaskError(
                 f"the train step changed state leaf {path} from {jnp.result_type(o).name}"
                 f"{list(jnp.shape(o))} to {jnp.result_type(n).name}{list(jnp.shape(n))}: "
-                f"{fix}")
+                f"{fix}"
+            )
 
 
 def choose(name: Guard, platform: str) -> Keep:

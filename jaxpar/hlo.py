@@ -43,15 +43,31 @@ from typing import Any
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 
 _DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-    "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5,
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+    "s4": 0.5,
+    "u4": 0.5,
 }
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?)\[([0-9,]*)\]")
 _NAME = re.compile(r"%([\w.\-]+)")
 _CALLEE = re.compile(
     r"(?:body|condition|to_apply|calls|branch_computations|true_computation|false_computation"
-    r"|called_computations)=\{?(%?[\w.\-]+(?:,\s*%?[\w.\-]+)*)\}?")
+    r"|called_computations)=\{?(%?[\w.\-]+(?:,\s*%?[\w.\-]+)*)\}?"
+)
 _CALLS = ("body=", "condition=", "to_apply=", "calls=", "computation")
 # Ops whose called computation is a scalar reducer such as %add.
 _REDUCER_OPS = {"reduce", "reduce-window", "scatter", "sort", "select-and-scatter", "map"}
@@ -110,7 +126,7 @@ def parse_instruction(line: str) -> Instruction | None:
     head = re.match(r"%?([\w.\-]+)\s*=\s*", text)
     if not head:
         return None
-    rest = text[head.end():]
+    rest = text[head.end() :]
     end = _balanced(rest, 0) if rest.startswith("(") else rest.find(" ")
     if end <= 0:
         return None
@@ -119,7 +135,7 @@ def parse_instruction(line: str) -> Instruction | None:
     if not op:
         return None
     close = _balanced(rest, op.end() - 1)
-    operands = tuple(_NAME.findall(rest[op.end():close - 1]))
+    operands = tuple(_NAME.findall(rest[op.end() : close - 1]))
     return Instruction(head.group(1), typ, op.group(1), operands, rest[close:])
 
 
@@ -180,8 +196,13 @@ def loop_computations(hlo: str) -> set[str]:
     """Names of every computation that runs inside a ``while`` loop (bodies and callees)."""
     module = parse(hlo)
     inside: set[str] = set()
-    todo = [m.group(1) for insts in module.computations.values() for inst in insts
-            if inst.opcode == "while" for m in re.finditer(r"body=%?([\w.\-]+)", inst.attrs)]
+    todo = [
+        m.group(1)
+        for insts in module.computations.values()
+        for inst in insts
+        if inst.opcode == "while"
+        for m in re.finditer(r"body=%?([\w.\-]+)", inst.attrs)
+    ]
     while todo:
         name = todo.pop()
         if name in inside or name not in module.computations:
@@ -240,7 +261,7 @@ def _collective(inst: Instruction, num_partitions: int) -> tuple[str, float, flo
     if inst.opcode.endswith("-start") and kind in ("all-gather", "collective-permute"):
         # async forms return (operands…, results…[, context scalars])
         parts = [a for a in parts if a[1]]
-        parts = parts[len(parts) // 2:] if kind == "all-gather" else parts[:1]
+        parts = parts[len(parts) // 2 :] if kind == "all-gather" else parts[:1]
     result = sum(_array_bytes(*a) for a in parts)
     if kind == "collective-permute":
         pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", inst.attrs)
@@ -364,10 +385,15 @@ def program_cost(hlo: str) -> ProgramCost:
     """
     module = parse(hlo)
     total = _Walker(module).cost(module.entry)
-    stats = {k: CollectiveStat(int(total.get(f"{k}:count", 0)), total.get(f"{k}:payload", 0.0),
-                               total.get(f"{k}:wire", 0.0)) for k in COLLECTIVES}
-    return ProgramCost(total.get("flops", 0.0), stats,
-                       int(total.get("unknown_loops", 0)))
+    stats = {
+        k: CollectiveStat(
+            int(total.get(f"{k}:count", 0)),
+            total.get(f"{k}:payload", 0.0),
+            total.get(f"{k}:wire", 0.0),
+        )
+        for k in COLLECTIVES
+    }
+    return ProgramCost(total.get("flops", 0.0), stats, int(total.get("unknown_loops", 0)))
 
 
 def loop_branch_costs(hlo: str, branches: int) -> tuple[int, list[dict[str, float]]] | None:

@@ -52,8 +52,11 @@ def digest(path: Path) -> tuple[int, str]:
 
 
 def _recorded_files(directory: Path) -> list[str]:
-    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*")
-                  if p.is_file() and not (p.parent == directory and p.name in _UNRECORDED))
+    return sorted(
+        str(p.relative_to(directory))
+        for p in directory.rglob("*")
+        if p.is_file() and not (p.parent == directory and p.name in _UNRECORDED)
+    )
 
 
 def write_record(directory: str | Path) -> dict[str, list]:
@@ -114,7 +117,8 @@ def read_record(directory: Path) -> dict[str, list] | None:
         record = json.loads(path.read_bytes())
         files = record["files"] if record.get("format") == FORMAT else None
         if not isinstance(files, dict) or not all(
-                isinstance(v, list) and len(v) == 2 for v in files.values()):
+            isinstance(v, list) and len(v) == 2 for v in files.values()
+        ):
             raise ValueError("not a jaxpar integrity record")
     except (ValueError, UnicodeDecodeError, AttributeError, KeyError) as err:
         raise ValueError(f"{RECORD} is damaged ({type(err).__name__}: {err})") from None
@@ -141,8 +145,9 @@ def check_file(directory: Path, name: str, size: int, sha: str) -> tuple[str | N
     return None, got[0]
 
 
-def verify(directory: str | Path, part: tuple[int, int] = (0, 1),
-           required: tuple[str, ...] = ()) -> Verification:
+def verify(
+    directory: str | Path, part: tuple[int, int] = (0, 1), required: tuple[str, ...] = ()
+) -> Verification:
     """Checks the files under ``directory`` against its record.
 
     Args:
@@ -160,17 +165,24 @@ def verify(directory: str | Path, part: tuple[int, int] = (0, 1),
         return Verification([str(err)])
     if files is None:
         gone = [name for name in required if not (directory / name).is_file()]
-        return Verification([f"{RECORD} and {', '.join(gone)} are missing (the checkpoint "
-                             "was emptied or only partly copied)"] if gone else [],
-                            recorded=False)
+        return Verification(
+            [
+                f"{RECORD} and {', '.join(gone)} are missing (the checkpoint "
+                "was emptied or only partly copied)"
+            ]
+            if gone
+            else [],
+            recorded=False,
+        )
     names = sorted(files)
     index, count = part
     mine = names[index::count]
     with ThreadPoolExecutor(_threads()) as pool:
         results = list(pool.map(lambda n: check_file(directory, n, *files[n]), mine))
     problems = [p for p, _ in results if p]
-    return Verification(problems, True, names, sum(b for _, b in results),
-                        time.perf_counter() - start)
+    return Verification(
+        problems, True, names, sum(b for _, b in results), time.perf_counter() - start
+    )
 
 
 def summarize(problems: Iterable[str], limit: int = 3) -> str:

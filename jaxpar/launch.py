@@ -54,9 +54,11 @@ from jaxpar.errors import ConfigError
 _PORT_TRIES = 5
 #: a line of a native runtime's crash report: glog (``F1125 12:00:00.123 42 client.cc:88]``),
 #: ``*** Check failure stack trace: ***``, ``@ 0x…`` frames, Python's faulthandler dump
-_NATIVE = re.compile(r"[IWEF]\d{4} [\d:.]+ +\d+ \S+:\d+\] |\*\*\* |\s*@ +0x[0-9a-f]+"
-                     r"|.*Check failure stack trace|Fatal Python error: |Extension modules: "
-                     r"|(Current thread|Thread) 0x[0-9a-f]+ |  File \".*\", line \d+ in ")
+_NATIVE = re.compile(
+    r"[IWEF]\d{4} [\d:.]+ +\d+ \S+:\d+\] |\*\*\* |\s*@ +0x[0-9a-f]+"
+    r"|.*Check failure stack trace|Fatal Python error: |Extension modules: "
+    r"|(Current thread|Thread) 0x[0-9a-f]+ |  File \".*\", line \d+ in "
+)
 
 
 def free_port() -> int:
@@ -66,15 +68,28 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def process_env(index: int, count: int, port: int, devices_per_process: int,
-                cpus_per_process: int = 0, base: dict[str, str] | None = None,
-                bind: str = "127.0.0.1", retry_port: bool = False) -> dict[str, str]:
+def process_env(
+    index: int,
+    count: int,
+    port: int,
+    devices_per_process: int,
+    cpus_per_process: int = 0,
+    base: dict[str, str] | None = None,
+    bind: str = "127.0.0.1",
+    retry_port: bool = False,
+) -> dict[str, str]:
     """The environment of process ``index`` of ``count`` (``retry_port``: the launcher
     picked the port and starts again on another when it is taken)."""
     env = dict(os.environ if base is None else base)
     host = f"[{bind}]" if ":" in bind else bind
-    env.update({ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: str(count),
-                ENV_PROCESS_ID: str(index), ENV_BIND: f"{host}:{port}"})
+    env.update(
+        {
+            ENV_COORDINATOR: f"127.0.0.1:{port}",
+            ENV_NUM_PROCESSES: str(count),
+            ENV_PROCESS_ID: str(index),
+            ENV_BIND: f"{host}:{port}",
+        }
+    )
     env.pop(ENV_RETRY_PORT, None)
     if retry_port:
         env[ENV_RETRY_PORT] = "1"
@@ -115,8 +130,14 @@ def muted(index: int, line: str, everything: bool) -> bool:
     return bool(_CONNECTING.search(line.rstrip("\n"))) or (index > 0 and bool(_ECHOED.match(line)))
 
 
-def _forward(stream: IO[str], prefix: str, out: IO[str], lock: threading.Lock,
-             peer_failed: Callable[[], bool], mute: Callable[[str], bool] = bool) -> None:
+def _forward(
+    stream: IO[str],
+    prefix: str,
+    out: IO[str],
+    lock: threading.Lock,
+    peer_failed: Callable[[], bool],
+    mute: Callable[[str], bool] = bool,
+) -> None:
     """Relays ``stream`` line by line with ``prefix``, less what ``mute`` leaves out and
     native crash reports once ``peer_failed()`` (the launcher then says why the process
     was stopped)."""
@@ -148,10 +169,18 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)
 
 
-def launch(count: int, args: Sequence[str], *, devices_per_process: int = 0,
-           cpus_per_process: int = 0, port: int = 0, grace_s: float = 10.0,
-           out: IO[str] | None = None, bind: str = "127.0.0.1",
-           err: IO[str] | None = None) -> int:
+def launch(
+    count: int,
+    args: Sequence[str],
+    *,
+    devices_per_process: int = 0,
+    cpus_per_process: int = 0,
+    port: int = 0,
+    grace_s: float = 10.0,
+    out: IO[str] | None = None,
+    bind: str = "127.0.0.1",
+    err: IO[str] | None = None,
+) -> int:
     """Runs ``python -m jaxpar ARGS`` in ``count`` processes; returns the launch's status.
 
     0 when every process exits 0; otherwise the status of the first process that failed
@@ -168,11 +197,14 @@ def launch(count: int, args: Sequence[str], *, devices_per_process: int = 0,
         raise ConfigError(f"--devices-per-process {devices_per_process} must be ≥ 0")
     cores = os.cpu_count() or 1
     if cpus_per_process < 0 or count * cpus_per_process > cores:
-        raise ConfigError(f"--cpus-per-process {cpus_per_process} × -n {count} must be within "
-                          f"the {cores} CPU cores of this machine")
+        raise ConfigError(
+            f"--cpus-per-process {cpus_per_process} × -n {count} must be within "
+            f"the {cores} CPU cores of this machine"
+        )
     if not args:
-        raise ConfigError("nothing to launch: give a jaxpar command after --, e.g. "
-                          "jaxpar launch -n 2 -- train")
+        raise ConfigError(
+            "nothing to launch: give a jaxpar command after --, e.g. jaxpar launch -n 2 -- train"
+        )
     out, err = out or sys.stdout, err or sys.stderr
     lock = threading.Lock()
     received: list[int] = []
@@ -181,17 +213,35 @@ def launch(count: int, args: Sequence[str], *, devices_per_process: int = 0,
         received.append(signum)  # acted on (and reported) by _watch, outside the handler
 
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)} \
-        if main_thread else {}
+    previous = (
+        {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        if main_thread
+        else {}
+    )
     try:
         for _ in range(_PORT_TRIES):
             chosen = port or free_port()
-            status = _run_once(count, args, chosen, devices_per_process, cpus_per_process,
-                               bind, grace_s, received, (out, err), lock, retry_port=not port)
+            status = _run_once(
+                count,
+                args,
+                chosen,
+                devices_per_process,
+                cpus_per_process,
+                bind,
+                grace_s,
+                received,
+                (out, err),
+                lock,
+                retry_port=not port,
+            )
             if status != PORT_TAKEN or port or received:
                 return status
-            _say(out, lock, f"port {chosen} was taken by another program before the "
-                            "coordinator could listen on it; starting again on another port")
+            _say(
+                out,
+                lock,
+                f"port {chosen} was taken by another program before the "
+                "coordinator could listen on it; starting again on another port",
+            )
         return status
     finally:
         for sig, handler in previous.items():
@@ -204,33 +254,63 @@ def _say(out: IO[str], lock: threading.Lock, text: str) -> None:
         out.flush()
 
 
-def _run_once(count: int, args: Sequence[str], port: int, devices_per_process: int,
-              cpus_per_process: int, bind: str, grace_s: float, received: list[int],
-              streams: tuple[IO[str], IO[str]], lock: threading.Lock, retry_port: bool) -> int:
+def _run_once(
+    count: int,
+    args: Sequence[str],
+    port: int,
+    devices_per_process: int,
+    cpus_per_process: int,
+    bind: str,
+    grace_s: float,
+    received: list[int],
+    streams: tuple[IO[str], IO[str]],
+    lock: threading.Lock,
+    retry_port: bool,
+) -> int:
     (out, err), procs, threads = streams, [], []
     stopped: list[tuple[int, list[int]]] = []  # the failed process and those it stopped
     debug = os.environ.get("JAXPAR_DEBUG", "") not in ("", "0")
     everything = debug or os.environ.get("JAXPAR_ALL_RANKS", "") not in ("", "0")
 
     def peer_failed(index: int) -> bool:
-        return not debug and (any(i != index for i, _ in stopped) or any(
-            i != index and p.poll() not in (None, 0, 4) for i, p in enumerate(procs)))
+        return not debug and (
+            any(i != index for i, _ in stopped)
+            or any(i != index and p.poll() not in (None, 0, 4) for i, p in enumerate(procs))
+        )
 
     try:
         for index in range(count):
             proc = subprocess.Popen(
                 [sys.executable, "-m", "jaxpar", *args],
-                env=process_env(index, count, port, devices_per_process, cpus_per_process,
-                                bind=bind, retry_port=retry_port),
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
-                start_new_session=True)  # its own process group: stopping it stops its children
+                env=process_env(
+                    index,
+                    count,
+                    port,
+                    devices_per_process,
+                    cpus_per_process,
+                    bind=bind,
+                    retry_port=retry_port,
+                ),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                bufsize=1,
+                start_new_session=True,
+            )  # its own process group: stopping it stops its children
             procs.append(proc)
             for stream in (proc.stdout, proc.stderr):  # apart: their lines arrive whole
                 thread = threading.Thread(
-                    target=_forward, daemon=True,
-                    args=(stream, f"[{index}] ", out, lock,
-                          lambda index=index: peer_failed(index),
-                          lambda line, index=index: muted(index, line, everything)))
+                    target=_forward,
+                    daemon=True,
+                    args=(
+                        stream,
+                        f"[{index}] ",
+                        out,
+                        lock,
+                        lambda index=index: peer_failed(index),
+                        lambda line, index=index: muted(index, line, everything),
+                    ),
+                )
                 thread.start()
                 threads.append(thread)
         return _watch(procs, received, grace_s, streams, lock, stopped)
@@ -240,8 +320,12 @@ def _run_once(count: int, args: Sequence[str], port: int, devices_per_process: i
             thread.join(timeout=5)
         for index, others in stopped:
             for other in others:
-                _say(err, lock, f"process {other} (pid {procs[other].pid}) was stopped because "
-                                f"process {index} failed ({describe_status(procs[other].poll())})")
+                _say(
+                    err,
+                    lock,
+                    f"process {other} (pid {procs[other].pid}) was stopped because "
+                    f"process {index} failed ({describe_status(procs[other].poll())})",
+                )
 
 
 def describe_status(code: int) -> str:
@@ -253,9 +337,14 @@ def describe_status(code: int) -> str:
     return f"exit status {code}"
 
 
-def _watch(procs: list[subprocess.Popen], received: list[int], grace_s: float,
-           streams: tuple[IO[str], IO[str]], lock: threading.Lock,
-           stopped: list[tuple[int, list[int]]]) -> int:
+def _watch(
+    procs: list[subprocess.Popen],
+    received: list[int],
+    grace_s: float,
+    streams: tuple[IO[str], IO[str]],
+    lock: threading.Lock,
+    stopped: list[tuple[int, list[int]]],
+) -> int:
     """Waits until all processes succeed, one fails, or the launcher gets a signal.
 
     A failure is reported on stderr (rank, pid, status), recorded in ``stopped`` with the
@@ -268,8 +357,12 @@ def _watch(procs: list[subprocess.Popen], received: list[int], grace_s: float,
     while True:
         if received and not forwarded:
             what = "Ctrl-C" if received[0] == signal.SIGINT else signal.Signals(received[0]).name
-            _say(out, lock, f"{what}: asking every process to checkpoint and stop (Ctrl-C "
-                            "again to kill them at once)")
+            _say(
+                out,
+                lock,
+                f"{what}: asking every process to checkpoint and stop (Ctrl-C "
+                "again to kill them at once)",
+            )
             for proc in procs:
                 if proc.poll() is None:
                     _signal_group(proc, signal.SIGTERM)
@@ -286,10 +379,13 @@ def _watch(procs: list[subprocess.Popen], received: list[int], grace_s: float,
             alive = [i for i, c in enumerate(codes) if c is None]
             if code != PORT_TAKEN:
                 stopped.append((index, alive))
-                _say(err, lock, f"process {index} (pid {procs[index].pid}) ended: "
-                                f"{describe_status(code)}"
-                                + (f"; stopping the other {len(alive)} (grace {grace_s:g} s)"
-                                   if alive else ""))
+                _say(
+                    err,
+                    lock,
+                    f"process {index} (pid {procs[index].pid}) ended: "
+                    f"{describe_status(code)}"
+                    + (f"; stopping the other {len(alive)} (grace {grace_s:g} s)" if alive else ""),
+                )
             _stop(procs, grace_s)
             return code if code > 0 else 128 - code
         if all(c is not None for c in codes):

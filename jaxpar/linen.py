@@ -25,8 +25,13 @@ from jaxpar.errors import TaskError
 
 #: the ``__call__`` arguments that carry a Linen module's mode, by default, and whether
 #: each is True in training
-MODE_ARGUMENTS = {"train": True, "training": True, "is_training": True,
-                  "deterministic": False, "use_running_average": False}
+MODE_ARGUMENTS = {
+    "train": True,
+    "training": True,
+    "is_training": True,
+    "deterministic": False,
+    "use_running_average": False,
+}
 #: the Linen layers whose mode NNX's train()/eval() switch, and the attribute that does it
 _MODAL_LAYERS = ((nn.BatchNorm, "use_running_average"), (nn.Dropout, "deterministic"))
 
@@ -37,8 +42,7 @@ def mode_arguments(module: nn.Module) -> tuple[tuple[str, bool], ...]:
     """The arguments of ``module.__call__`` named in :data:`MODE_ARGUMENTS`, each with
     whether it is True in training (none: the module has no mode)."""
     params = inspect.signature(module.__call__).parameters
-    return tuple((n, in_training) for n, in_training in MODE_ARGUMENTS.items()
-                 if n in params)
+    return tuple((n, in_training) for n, in_training in MODE_ARGUMENTS.items() if n in params)
 
 
 class Linen(nnx.Module):
@@ -73,38 +77,54 @@ class Linen(nnx.Module):
         argument).
     """
 
-    def __init__(self, module: nn.Module, *example_inputs: Any, rngs: nnx.Rngs,
-                 mode: Mode | None = None, **example_kwargs: Any) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        *example_inputs: Any,
+        rngs: nnx.Rngs,
+        mode: Mode | None = None,
+        **example_kwargs: Any,
+    ) -> None:
         name = type(module).__name__
         if not example_inputs:
-            raise TaskError(f"jaxpar.Linen({name}) needs example inputs to create the "
-                            f"module's variables: jaxpar.Linen({name}(), jnp.zeros((1, …)), "
-                            "rngs=rngs)")
+            raise TaskError(
+                f"jaxpar.Linen({name}) needs example inputs to create the "
+                f"module's variables: jaxpar.Linen({name}(), jnp.zeros((1, …)), "
+                "rngs=rngs)"
+            )
         self.mode = mode  # plain data by default, so two builds' graphs compare equal
         self.mode_arguments = mode_arguments(module)
         self.deterministic = False  # NNX's train()/eval() set these two
         self.use_running_average = False
         self.linen = nnx.bridge.ToNNX(module, rngs=rngs)
         with nn.intercept_methods(_refuse_training_layers(name)):
-            nnx.bridge.lazy_init(self.linen, *example_inputs, **example_kwargs,
-                                 **self.mode_kwargs(False))
+            nnx.bridge.lazy_init(
+                self.linen, *example_inputs, **example_kwargs, **self.mode_kwargs(False)
+            )
         stateful = nnx.state(self.linen, nnx.Not(nnx.Any(nnx.Param, nnx.RngState)))
         variables = jax.tree.leaves(stateful, is_leaf=lambda x: isinstance(x, nnx.Variable))
-        self.collections = tuple(sorted({variablelib.variable_name_from_type(type(v))
-                                         for v in variables}))
+        self.collections = tuple(
+            sorted({variablelib.variable_name_from_type(type(v)) for v in variables})
+        )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The Linen module's output in the mode NNX's ``train()``/``eval()`` set."""
         training = not self.deterministic
         mode = self.mode_kwargs(training)
         if given := sorted(set(mode) & set(kwargs)):
-            raise TaskError(f"jaxpar.Linen sets {', '.join(given)} itself from "
-                            "model.train()/model.eval(); call the model without it")
+            raise TaskError(
+                f"jaxpar.Linen sets {', '.join(given)} itself from "
+                "model.train()/model.eval(); call the model without it"
+            )
         # mutable unless both flags say evaluation: a train=True BatchNorm updates its averages
         updating = (training or not self.use_running_average) and self.collections
-        return self.linen(*args, **kwargs, **mode,
-                          mutable=list(self.collections) if updating else False,
-                          rngs=None if training else nnx.Rngs())
+        return self.linen(
+            *args,
+            **kwargs,
+            **mode,
+            mutable=list(self.collections) if updating else False,
+            rngs=None if training else nnx.Rngs(),
+        )
 
     def mode_kwargs(self, train: bool) -> dict[str, Any]:
         """The keyword arguments of the Linen call in training (``train``) or evaluation."""
@@ -127,16 +147,20 @@ def _training_attribute(layer: nn.Module, args: tuple, kwargs: dict) -> str | No
 def _refuse_training_layers(name: str) -> Callable:
     """A Linen method interceptor that raises when a BatchNorm or Dropout is called in
     training mode (the module is initialized in evaluation mode)."""
-    def intercept(next_fun: Callable, args: tuple, kwargs: dict,
-                  context: nn.module.InterceptorContext) -> Any:
+
+    def intercept(
+        next_fun: Callable, args: tuple, kwargs: dict, context: nn.module.InterceptorContext
+    ) -> Any:
         layer = context.module
         if context.method_name == "__call__" and (
-                attribute := _training_attribute(layer, args, kwargs)):
+            attribute := _training_attribute(layer, args, kwargs)
+        ):
             raise TaskError(
                 f"jaxpar.Linen({name}): {type(layer).__name__} '{'/'.join(layer.path)}' stays "
                 f"in training mode under model.eval(); give {name}.__call__ a `train: bool` "
                 f"argument and build the layer with {attribute}=not train (or say how: "
-                "jaxpar.Linen(…, mode=lambda train: {'my_flag': train}))")
+                "jaxpar.Linen(…, mode=lambda train: {'my_flag': train}))"
+            )
         return next_fun(*args, **kwargs)
 
     return intercept

@@ -47,8 +47,11 @@ def _holder(text: str) -> dict[str, Any]:
 def describe(info: dict[str, Any]) -> str:
     """``pid 123 on host h, started 2026-…`` for a lock file's content."""
     when = info.get("started")
-    since = f", started {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(when))}" \
-        if isinstance(when, (int, float)) else ""
+    since = (
+        f", started {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(when))}"
+        if isinstance(when, (int, float))
+        else ""
+    )
     return f"pid {info.get('pid', '?')} on host {info.get('host', '?')}{since}"
 
 
@@ -92,15 +95,22 @@ class RunDirLock:
         _refuse_held(self.directory, self.what)  # before anything is created
         self._created = not self.directory.exists()
         ensure_dir(self.directory, self.what)
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
-              "what": self.what}
+        me = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": time.time(),
+            "what": self.what,
+        }
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             if not self._flock(fd):
                 raise _busy(self.directory, self.what, fd)
             old = _holder(os.pread(fd, 4096, 0).decode(errors="replace"))
-            if old and old.get("pid") and (old.get("pid"), old.get("host")) != (
-                    me["pid"], me["host"]):
+            if (
+                old
+                and old.get("pid")
+                and (old.get("pid"), old.get("host")) != (me["pid"], me["host"])
+            ):
                 self.took_over = old
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps(me).encode(), 0)
@@ -110,8 +120,11 @@ class RunDirLock:
         self._fd = fd
         _HELD.add(self.directory)
         if self.took_over:
-            print(f"jaxpar: note: took over the lock {self.path} left by a run that is no "
-                  f"longer running ({describe(self.took_over)})", flush=True)
+            print(
+                f"jaxpar: note: took over the lock {self.path} left by a run that is no "
+                f"longer running ({describe(self.took_over)})",
+                flush=True,
+            )
         return self
 
     def _flock(self, fd: int) -> bool:
@@ -134,7 +147,8 @@ class RunDirLock:
         raise RunDirBusy(
             f"{self.what} '{self.directory}' has a lock file left by {describe(info)} and "
             "this file system cannot tell whether that run still runs; if it does not, "
-            f"delete {self.path} and start again")
+            f"delete {self.path} and start again"
+        )
 
     def release(self) -> None:
         """Empties the lock file (a clean exit leaves no holder behind) and unlocks; a
@@ -169,15 +183,18 @@ def refuse_system_folder(directory: str | Path, what: str) -> None:
         raise PathError(problem)
 
 
-def _busy(directory: Path, what: str, fd: int | None = None,
-          info: dict[str, Any] | None = None) -> RunDirBusy:
+def _busy(
+    directory: Path, what: str, fd: int | None = None, info: dict[str, Any] | None = None
+) -> RunDirBusy:
     """The one line for a ``directory`` another live run holds (its lock file ``fd``, or
     the content already read, ``info``)."""
     if info is None:
         info = _holder(os.pread(fd, 4096, 0).decode(errors="replace"))
-    return RunDirBusy(f"{what} '{directory}' is in use by another jaxpar run "
-                      f"({describe(info)}); wait for it to finish or stop it, or give this "
-                      f"run another {what}")
+    return RunDirBusy(
+        f"{what} '{directory}' is in use by another jaxpar run "
+        f"({describe(info)}); wait for it to finish or stop it, or give this "
+        f"run another {what}"
+    )
 
 
 _HELD: set[Path] = set()  # the directories this process holds locks on
@@ -228,5 +245,7 @@ def _refuse_held(directory: Path, what: str) -> None:
     parent, info = found
     if parent == directory:
         raise _busy(directory, what, info=info)
-    raise RunDirBusy(f"{what} '{directory}' lies inside '{parent}', which another jaxpar "
-                     f"run holds ({describe(info)}); give this run a {what} of its own")
+    raise RunDirBusy(
+        f"{what} '{directory}' lies inside '{parent}', which another jaxpar "
+        f"run holds ({describe(info)}); give this run a {what} of its own"
+    )

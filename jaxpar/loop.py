@@ -38,8 +38,20 @@ from jaxpar.run import Run, build, evaluate, host_value
 from jaxpar.state import TrainState
 from jaxpar.task import Task
 
-__all__ = ["DataWait", "History", "Preempted", "Run", "build", "evaluate", "export_params",
-           "fit", "open_loader", "prepare_run_dir", "summarize", "train"]
+__all__ = [
+    "DataWait",
+    "History",
+    "Preempted",
+    "Run",
+    "build",
+    "evaluate",
+    "export_params",
+    "fit",
+    "open_loader",
+    "prepare_run_dir",
+    "summarize",
+    "train",
+]
 
 
 @dataclass
@@ -60,8 +72,12 @@ class History:
         return [r for r in self.rows if "loss" not in r]
 
 
-def prepare_run_dir(config: Config, start_step: int = 0,
-                    saved_config: dict[str, Any] | None = None, echo: bool = True) -> Path:
+def prepare_run_dir(
+    config: Config,
+    start_step: int = 0,
+    saved_config: dict[str, Any] | None = None,
+    echo: bool = True,
+) -> Path:
     """Creates the run dir and readies it for a run starting after ``start_step``
     (see :mod:`jaxpar.rundir`: nothing there is overwritten).
 
@@ -77,8 +93,7 @@ def prepare_run_dir(config: Config, start_step: int = 0,
         has a damaged line before its last.
     """
     run_dir = rundir.ensure_dir(config.run.dir, "run.dir")
-    for note in rundir.prepare(run_dir, config_lib.to_dict(config), start_step,
-                               saved_config):
+    for note in rundir.prepare(run_dir, config_lib.to_dict(config), start_step, saved_config):
         if echo:
             print(f"jaxpar: {note}", flush=True)
     return run_dir
@@ -112,20 +127,27 @@ class DataWait:
             self.total_steps += steps
         self.seconds = 0.0
         overall = self.total_wait / max(self.total_time, 1e-9)
-        if (self.threshold and not self.warned and overall > self.threshold
-                and self.intervals > self.MIN_INTERVALS):
+        if (
+            self.threshold
+            and not self.warned
+            and overall > self.threshold
+            and self.intervals > self.MIN_INTERVALS
+        ):
             self.warned = True
             warnings.warn(
                 f"input-bound: the loop waited for data {overall:.0%} of the time over the "
                 f"last {self.total_steps} steps ({self.total_time / self.total_steps * 1e3:.1f} "
                 f"ms/step); raise data.threads={cfg.data.threads}, data.prefetch="
                 f"{cfg.data.prefetch} or data.workers={cfg.data.workers} (warning threshold "
-                f"data.wait_warn={self.threshold})", stacklevel=3)
+                f"data.wait_warn={self.threshold})",
+                stacklevel=3,
+            )
         return frac
 
 
-def open_loader(run: Run, data_state: dict[str, Any] | None = None,
-                step: int | None = None) -> Loader:
+def open_loader(
+    run: Run, data_state: dict[str, Any] | None = None, step: int | None = None
+) -> Loader:
     """The training stream, positioned after the batches a checkpoint's loader had read
     (with ``step``, the step that checkpoint holds: the position must match it).
 
@@ -142,19 +164,28 @@ def open_loader(run: Run, data_state: dict[str, Any] | None = None,
             raise RestoreError(
                 f"the checkpoint's data position does not fit this run ({err}) — keep "
                 "train.batch_size, run.seed and the data settings of the run you resume, "
-                "or start afresh in a new run.dir") from err
+                "or start afresh in a new run.dir"
+            ) from err
     if step is not None and loader.batches_consumed != step:
         loader.close()
-        raise RestoreError(f"the checkpoint of step {step} holds a data position after "
-                           f"{loader.batches_consumed} batches; it is not a jaxpar train "
-                           "checkpoint of this run — start afresh in a new run.dir")
+        raise RestoreError(
+            f"the checkpoint of step {step} holds a data position after "
+            f"{loader.batches_consumed} batches; it is not a jaxpar train "
+            "checkpoint of this run — start afresh in a new run.dir"
+        )
     return loader
 
 
-def fit(run: Run, run_dir: Path | None = None, state: TrainState | None = None,
-        ckpt: Checkpointer | None = None, data_state: dict[str, Any] | None = None,
-        hooks: Sequence[Hook] = (), stream: Loader | None = None, echo: bool = True
-        ) -> History:
+def fit(
+    run: Run,
+    run_dir: Path | None = None,
+    state: TrainState | None = None,
+    ckpt: Checkpointer | None = None,
+    data_state: dict[str, Any] | None = None,
+    hooks: Sequence[Hook] = (),
+    stream: Loader | None = None,
+    echo: bool = True,
+) -> History:
     """Trains for ``train.steps`` steps, calling the built-in hooks and then ``hooks``.
 
     Each step's metrics reach the hooks' ``on_step`` one step late (read while the next
@@ -171,8 +202,15 @@ def fit(run: Run, run_dir: Path | None = None, state: TrainState | None = None,
     first = int(host_value(state.step)) + 1
     stream = stream if stream is not None else open_loader(run, data_state, first - 1)
     wait = DataWait(run.config.data.wait_warn)
-    ctx = Context(run, run_dir, state, first, run.config.train.steps, stream,
-                  [*default_hooks(run, run_dir, ckpt, wait, echo), *hooks])
+    ctx = Context(
+        run,
+        run_dir,
+        state,
+        first,
+        run.config.train.steps,
+        stream,
+        [*default_hooks(run, run_dir, ckpt, wait, echo), *hooks],
+    )
     try:
         ctx.emit("on_start")
         for step in range(first, ctx.last_step + 1):
@@ -196,8 +234,10 @@ def fit(run: Run, run_dir: Path | None = None, state: TrainState | None = None,
 def _parameters_by_shape(run: Run) -> dict[tuple[int, ...], str]:
     """The path of a parameter of each shape (to name what a compiler warning names)."""
     leaves = jax.tree_util.tree_leaves_with_path(run.plan.model.params)
-    return {tuple(leaf.shape): "/".join(str(getattr(k, "key", k)) for k in path)
-            for path, leaf in leaves}
+    return {
+        tuple(leaf.shape): "/".join(str(getattr(k, "key", k)) for k in path)
+        for path, leaf in leaves
+    }
 
 
 def _train_step(ctx: Context, step: int, wait: DataWait, ckpt: Checkpointer | None) -> None:
@@ -229,12 +269,18 @@ def summarize(run: Run, history: History) -> str:
         return "no step was logged"
     last, evals = rows[-1], history.eval_rows
     state = run.plan.state_bytes()
-    shown = "".join(f"  {k.replace('_', ' ')}: {v:.4f}" for k, v in (evals[-1] if evals else {})
-                    .items() if k.startswith("eval_") and k != "eval_time_s")
+    shown = "".join(
+        f"  {k.replace('_', ' ')}: {v:.4f}"
+        for k, v in (evals[-1] if evals else {}).items()
+        if k.startswith("eval_") and k != "eval_time_s"
+    )
     steady = rows[1:] or rows
     examples = statistics.median(r["examples_per_s"] for r in steady)
-    tokens = (f", {statistics.median(r['tokens_per_s'] for r in steady):,.0f} tokens/s"
-              if "tokens_per_s" in last else "")
+    tokens = (
+        f", {statistics.median(r['tokens_per_s'] for r in steady):,.0f} tokens/s"
+        if "tokens_per_s" in last
+        else ""
+    )
     apart = ", ".join(f"{kind} {seconds:.1f} s" for kind, seconds in history.paused.items())
     lines = [
         f"steps: {last['step']}  final loss: {last['loss']:.4f}{shown}",
@@ -262,9 +308,14 @@ def _setup_devices(count: int) -> None:
             raise
 
 
-def train(config: Config | None = None, *, task: Task | None = None,
-          optimizer: optax.GradientTransformation | None = None, hooks: Sequence[Hook] = (),
-          echo: bool = True) -> History:
+def train(
+    config: Config | None = None,
+    *,
+    task: Task | None = None,
+    optimizer: optax.GradientTransformation | None = None,
+    hooks: Sequence[Hook] = (),
+    echo: bool = True,
+) -> History:
     """Runs ``jaxpar train``: lock the run dir, build, resume, write the run dir, fit,
     summarize.
 
@@ -299,10 +350,14 @@ def train(config: Config | None = None, *, task: Task | None = None,
     with _locked_run_dirs(config):
         run = build(config, task, optimizer, fit_memory=True)
         say = print if echo and jax.process_index() == 0 else (lambda *a, **k: None)
-        say(f"jaxpar: running on {describe_devices(run.devices)}; "
-            f"{describe_mesh(run.plan.mesh)}", flush=True)
-        say(f"jaxpar: data {run.data.name}; model {run.name}; rules preset "
-            f"{config.rules.preset}", flush=True)
+        say(
+            f"jaxpar: running on {describe_devices(run.devices)}; {describe_mesh(run.plan.mesh)}",
+            flush=True,
+        )
+        say(
+            f"jaxpar: data {run.data.name}; model {run.name}; rules preset {config.rules.preset}",
+            flush=True,
+        )
         if run.plan.pipeline is not None:
             say(f"jaxpar: {describe_pipeline(run.plan.pipeline)}", flush=True)
         history = _resume_and_fit(run, hooks, say, echo)
@@ -332,18 +387,25 @@ def _resume_and_fit(run: Run, hooks: Sequence[Hook], say: Any, echo: bool) -> Hi
     try:
         state, start, meta = resume_lib.resume(config, run, ckpt)
         if start >= config.train.steps:
-            say(f"jaxpar: the run in {config.run.dir} is finished (step {start} of "
+            say(
+                f"jaxpar: the run in {config.run.dir} is finished (step {start} of "
                 f"train.steps={config.train.steps}); to train it longer, run again with "
                 f"train.steps=N (N > {start}); to start fresh, pass run.dir=NEW_DIR (or "
-                f"delete {config.run.dir})")
+                f"delete {config.run.dir})"
+            )
             return History(state=state)
         stream = open_loader(run, meta.get("data"), start) if start else None
         try:
             if start:
-                say(f"jaxpar: resumed from the checkpoint of step {start} in "
-                    f"{ckpt.directory}", flush=True)
-            run_dir = (prepare_run_dir(config, start, meta.get("config"), echo)
-                       if jax.process_index() == 0 else None)
+                say(
+                    f"jaxpar: resumed from the checkpoint of step {start} in {ckpt.directory}",
+                    flush=True,
+                )
+            run_dir = (
+                prepare_run_dir(config, start, meta.get("config"), echo)
+                if jax.process_index() == 0
+                else None
+            )
         except BaseException:
             if stream is not None:
                 stream.close()
@@ -353,8 +415,9 @@ def _resume_and_fit(run: Run, hooks: Sequence[Hook], say: Any, echo: bool) -> Hi
                 return fit(run, run_dir, state, ckpt, meta.get("data"), hooks, stream, echo)
             except OSError as err:
                 if err.errno == errno.ENOSPC and not err.filename:  # say where
-                    raise OSError(errno.ENOSPC, err.strerror or "No space left on device",
-                                  str(config.run.dir)) from err
+                    raise OSError(
+                        errno.ENOSPC, err.strerror or "No space left on device", str(config.run.dir)
+                    ) from err
                 raise
             finally:
                 closed = True

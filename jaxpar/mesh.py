@@ -56,10 +56,12 @@ class MeshConfig:
     data: int = Field(-1, le=MAX_DEVICES, description=_DEGREE.format("data"))
     fsdp: int = Field(1, le=MAX_DEVICES, description=_DEGREE.format("fsdp"))
     tensor: int = Field(1, le=MAX_DEVICES, description=_DEGREE.format("tensor"))
-    stage: int = Field(1, le=MAX_DEVICES,
-                       description=_DEGREE.format("stage") + " (pipeline stages)")
-    context: int = Field(1, le=MAX_DEVICES, description=_DEGREE.format("context")
-                         + " (each sequence split over it)")
+    stage: int = Field(
+        1, le=MAX_DEVICES, description=_DEGREE.format("stage") + " (pipeline stages)"
+    )
+    context: int = Field(
+        1, le=MAX_DEVICES, description=_DEGREE.format("context") + " (each sequence split over it)"
+    )
     hosts_data: int = Field(0, ge=0, le=MAX_DEVICES, description=_HOSTS.format("data"))
     hosts_stage: int = Field(0, ge=0, le=MAX_DEVICES, description=_HOSTS.format("stage"))
     hosts_fsdp: int = Field(0, ge=0, le=MAX_DEVICES, description=_HOSTS.format("fsdp"))
@@ -100,7 +102,8 @@ def setup_devices(count: int = 0) -> None:
             raise ConfigError(
                 f"run.devices={count} (--devices): without an accelerator jaxpar simulates at "
                 f"most {MAX_CPU_DEVICES:,} CPU devices (each costs host memory and start-up "
-                f"time); set --devices (or run.devices) to at most {MAX_CPU_DEVICES:,}")
+                f"time); set --devices (or run.devices) to at most {MAX_CPU_DEVICES:,}"
+            )
         return
     wanted = count or DEFAULT_CPU_DEVICES
     try:
@@ -146,8 +149,9 @@ def resolve_degrees(cfg: MeshConfig, device_count: int) -> dict[str, int]:
     fill = [axis for axis, d in degrees.items() if d == -1]
     bad = [axis for axis, d in degrees.items() if d == 0 or d < -1]
     if bad:
-        raise LayoutError(f"mesh degree mesh.{bad[0]}={degrees[bad[0]]} must be ≥ 1 or -1 "
-                          f"({shown})")
+        raise LayoutError(
+            f"mesh degree mesh.{bad[0]}={degrees[bad[0]]} must be ≥ 1 or -1 ({shown})"
+        )
     if len(fill) > 1:
         raise LayoutError(f"only one mesh degree may be -1, got {fill} ({shown})")
     fixed = math.prod(d for d in degrees.values() if d != -1)
@@ -183,17 +187,21 @@ def host_degrees(cfg: MeshConfig, degrees: dict[str, int], hosts: int) -> dict[s
     chosen = {axis: d or 1 for axis, d in chosen.items()}
     shown = ", ".join(f"mesh.hosts_{a}={d}" for a, d in chosen.items())
     if math.prod(chosen.values()) != hosts:
-        raise LayoutError(f"host degrees ({shown}) multiply to {math.prod(chosen.values())} but "
-                          f"the run has {hosts} processes; make their product {hosts}")
+        raise LayoutError(
+            f"host degrees ({shown}) multiply to {math.prod(chosen.values())} but "
+            f"the run has {hosts} processes; make their product {hosts}"
+        )
     for axis, d in chosen.items():
         if degrees[axis] % d:
-            raise LayoutError(f"mesh.hosts_{axis}={d} does not divide mesh.{axis}="
-                              f"{degrees[axis]}; pick a divisor")
+            raise LayoutError(
+                f"mesh.hosts_{axis}={d} does not divide mesh.{axis}={degrees[axis]}; pick a divisor"
+            )
     return chosen
 
 
-def device_grid(devices: list, degrees: dict[str, int],
-                hosts: dict[str, int] | None = None) -> np.ndarray:
+def device_grid(
+    devices: list, degrees: dict[str, int], hosts: dict[str, int] | None = None
+) -> np.ndarray:
     """The devices laid out as the (data, stage, fsdp, context, tensor) grid.
 
     Without ``hosts``: in the given order, so the outermost axes change process first.

@@ -29,12 +29,16 @@ def family_of(name: str) -> Family:
     if ":" in name:
         obj = load_object(name, "model.name")
         if not isinstance(obj, Family):
-            raise ConfigError(f"model.name={name} is a {type(obj).__name__}, not a "
-                              "jaxpar.models.Family; point it at a registered family object")
+            raise ConfigError(
+                f"model.name={name} is a {type(obj).__name__}, not a "
+                "jaxpar.models.Family; point it at a registered family object"
+            )
         return register(obj)
-    raise ConfigError(f"config key 'model.name' names no model family: {name!r}; "
-                      f"{schema.closest(name, known, label='choose one of', cutoff=0.6)}, "
-                      "or FILE.py:FAMILY for your own")
+    raise ConfigError(
+        f"config key 'model.name' names no model family: {name!r}; "
+        f"{schema.closest(name, known, label='choose one of', cutoff=0.6)}, "
+        "or FILE.py:FAMILY for your own"
+    )
 
 
 def model_settings(model: ModelConfig) -> dict[str, Any]:
@@ -42,8 +46,11 @@ def model_settings(model: ModelConfig) -> dict[str, Any]:
     (:attr:`ModelConfig.given`, another family's included) and its own away from default
     (see :mod:`jaxpar.unused`)."""
     default = type(model)()
-    changed = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)
-               if f.name != "name" and getattr(model, f.name) != getattr(default, f.name)}
+    changed = {
+        f.name: getattr(model, f.name)
+        for f in dataclasses.fields(model)
+        if f.name != "name" and getattr(model, f.name) != getattr(default, f.name)
+    }
     return {**dict(model.given), **changed}
 
 
@@ -61,10 +68,13 @@ def merge_model(current: ModelConfig, raw: dict[str, Any]) -> ModelConfig:
     own = family.keys()
     for key in given:
         if key not in own and not key_owners(key):
-            raise ConfigError(f"unknown config key 'model.{key}' for model.name={family.name}: "
-                              f"{schema.closest(key, own, 'model.', 'its keys:')}")
-    model = family.config(name=name, **{k: schema.typed(family.config, k, v)
-                                        for k, v in given.items() if k in own})
+            raise ConfigError(
+                f"unknown config key 'model.{key}' for model.name={family.name}: "
+                f"{schema.closest(key, own, 'model.', 'its keys:')}"
+            )
+    model = family.config(
+        name=name, **{k: schema.typed(family.config, k, v) for k, v in given.items() if k in own}
+    )
     object.__setattr__(model, "given", tuple(given.items()))  # not a field: see ModelConfig
     return model
 
@@ -74,5 +84,4 @@ def _from_folder(name: str, given: dict[str, Any]) -> tuple[str, dict[str, Any]]
     them (:func:`jaxpar.hf.folder_settings`)."""
     family, settings = hf.folder_settings(given["init_from"], family_of(name).name if name else "")
     config = family_of(family).config
-    return family, hf.agreed(given, settings, family,
-                             lambda k, v: schema.typed(config, k, v))
+    return family, hf.agreed(given, settings, family, lambda k, v: schema.typed(config, k, v))

@@ -48,49 +48,65 @@ class OptimConfig:
     applies to 1-D parameters.
     """
 
-    name: Optimizer = Field("adamw", description="the optimizer (adam has no weight decay: "
-                                                 "use adamw for it)")
+    name: Optimizer = Field(
+        "adamw", description="the optimizer (adam has no weight decay: use adamw for it)"
+    )
     lr: Float32 = Field(3e-3, gt=0, description="peak learning rate")
-    warmup_steps: Float = Field(20, ge=0, description="steps of linear warmup from 0 (below 1: "
-                                "that fraction of the run; longer than the run: clamped, with "
-                                "a warning)")
+    warmup_steps: Float = Field(
+        20,
+        ge=0,
+        description="steps of linear warmup from 0 (below 1: "
+        "that fraction of the run; longer than the run: clamped, with "
+        "a warning)",
+    )
     schedule: Schedule = Field("cosine", description="the learning rate after the warmup")
-    decay_steps: int = Field(0, ge=0, description="cosine/linear decay length (0: until the "
-                                                  "last training step)")
-    min_lr_ratio: Float32 = Field(0.1, ge=0, le=1, description="cosine/linear decay ends at "
-                                                               "lr × min_lr_ratio")
+    decay_steps: int = Field(
+        0, ge=0, description="cosine/linear decay length (0: until the last training step)"
+    )
+    min_lr_ratio: Float32 = Field(
+        0.1, ge=0, le=1, description="cosine/linear decay ends at lr × min_lr_ratio"
+    )
     step_every: int = Field(1000, gt=0, description="step schedule: decay every this many steps")
-    step_gamma: Float32 = Field(0.1, gt=0, le=1, description="step schedule: the factor of "
-                                                             "each decay")
+    step_gamma: Float32 = Field(
+        0.1, gt=0, le=1, description="step schedule: the factor of each decay"
+    )
     momentum: Float32 = Field(0.9, ge=0, lt=1, description="sgd's momentum (0: none)")
     nesterov: bool = Field(False, description="sgd: Nesterov momentum")
     b1: Float32 = Field(0.9, ge=0, lt=1, description="first-moment decay (adam, adamw, lamb)")
     b2: Float32 = Field(0.95, ge=0, lt=1, description="second-moment decay (adam, adamw, lamb)")
     eps: Float32 = Field(1e-8, ge=0, description="denominator epsilon (adam, adamw, lamb)")
-    weight_decay: Float32 = Field(0.1, ge=0, description="decoupled for adamw, lamb and "
-                                  "adafactor, L2 for sgd; must be 0 for adam")
+    weight_decay: Float32 = Field(
+        0.1,
+        ge=0,
+        description="decoupled for adamw, lamb and adafactor, L2 for sgd; must be 0 for adam",
+    )
     clip_norm: Float32 = Field(1.0, ge=0, description="global-norm gradient clipping (0: off)")
 
     @field_validator("warmup_steps")
     @classmethod
     def _whole_or_fraction(cls, value: float) -> float:
         if value >= 1 and value != int(value):
-            raise ConfigError(f"config key 'optim.warmup_steps' must be a whole number of "
-                              f"steps, or a fraction of the run below 1, got {value!r}; set "
-                              "e.g. optim.warmup_steps=20 or optim.warmup_steps=0.1")
+            raise ConfigError(
+                f"config key 'optim.warmup_steps' must be a whole number of "
+                f"steps, or a fraction of the run below 1, got {value!r}; set "
+                "e.g. optim.warmup_steps=20 or optim.warmup_steps=0.1"
+            )
         return value
 
     @model_validator(mode="after")
     def _consistent(self) -> OptimConfig:
         if self.name == "sgd" and self.nesterov and self.momentum == 0:
-            raise ConfigError("config key 'optim.nesterov' needs optim.momentum > 0 with "
-                              "optim.name=sgd; set optim.momentum (e.g. 0.9) or "
-                              "optim.nesterov=false")
+            raise ConfigError(
+                "config key 'optim.nesterov' needs optim.momentum > 0 with "
+                "optim.name=sgd; set optim.momentum (e.g. 0.9) or "
+                "optim.nesterov=false"
+            )
         if self.lr * self.weight_decay > FLOAT32_MAX:
             raise ConfigError(
                 f"config keys 'optim.lr'={self.lr:g} × 'optim.weight_decay'="
                 f"{self.weight_decay:g} overflow float32 (the decay step lr × weight_decay × "
-                "parameter would be inf); lower one of them")
+                "parameter would be inf); lower one of them"
+            )
         return self
 
     def check_weight_decay(self) -> None:
@@ -101,7 +117,8 @@ class OptimConfig:
             raise ConfigError(
                 f"config key 'optim.weight_decay' must be 0 with optim.name=adam (Adam has no "
                 f"decoupled weight decay), got {self.weight_decay!r}; use optim.name=adamw for "
-                "weight decay, or set optim.weight_decay=0")
+                "weight decay, or set optim.weight_decay=0"
+            )
 
 
 # --------------------------------------------------------------------------
@@ -155,9 +172,12 @@ def resolve_warmup(cfg: OptimConfig, total_steps: int) -> int:
     steps = round(w * total_steps) if 0 < w < 1 else int(w)
     if cfg.schedule != "constant" and steps >= total_steps:
         clamped = max(total_steps - 1, 0)
-        warnings.warn(f"optim.warmup_steps={w:g} is not shorter than train.steps={total_steps}: "
-                      f"warming up for {clamped} steps instead (set optim.warmup_steps, e.g. "
-                      "0.1 for a tenth of the run)", stacklevel=3)
+        warnings.warn(
+            f"optim.warmup_steps={w:g} is not shorter than train.steps={total_steps}: "
+            f"warming up for {clamped} steps instead (set optim.warmup_steps, e.g. "
+            "0.1 for a tenth of the run)",
+            stacklevel=3,
+        )
         steps = clamped
     return steps
 
@@ -312,8 +332,9 @@ def _base_optimizer(cfg: OptimConfig, lr: jax.Array, mask: Mask) -> optax.Gradie
     )
 
 
-def _scheduled(cfg: OptimConfig, schedule: optax.Schedule,
-               mask: Mask) -> optax.GradientTransformation:
+def _scheduled(
+    cfg: OptimConfig, schedule: optax.Schedule, mask: Mask
+) -> optax.GradientTransformation:
     """The optimizer with ``optax.inject_hyperparams`` evaluating ``schedule`` at its own
     update count: the optimizer state records the rate each update applied, so ``lr`` is
     logged from the state wherever the chain ends up (inside ``optax.MultiSteps``, a
@@ -323,8 +344,7 @@ def _scheduled(cfg: OptimConfig, schedule: optax.Schedule,
     def factory(learning_rate: jax.Array) -> optax.GradientTransformation:
         return _base_optimizer(cfg, learning_rate, mask)
 
-    return optax.inject_hyperparams(factory, hyperparam_dtype=jnp.float32)(
-        learning_rate=schedule)
+    return optax.inject_hyperparams(factory, hyperparam_dtype=jnp.float32)(learning_rate=schedule)
 
 
 def make_optimizer(
@@ -372,8 +392,9 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
     extra argument ``global_norm``: an update that sees part of the model (one pipeline
     stage's parameters, ``jaxpar/pipeline/mpmd.py``) then clips by the whole model's."""
 
-    def update(updates: Any, state: Any, params: Any = None, *, global_norm: Any = None,
-               **extra: Any) -> tuple[Any, Any]:
+    def update(
+        updates: Any, state: Any, params: Any = None, *, global_norm: Any = None, **extra: Any
+    ) -> tuple[Any, Any]:
         del params, extra
         norm = optax.tree.norm(updates) if global_norm is None else global_norm
         trigger = jnp.squeeze(norm < max_norm)
@@ -390,6 +411,9 @@ def injected_lr(opt_state: Any) -> jax.Array | None:
     """The learning rate ``optax.inject_hyperparams`` recorded in ``opt_state`` (the one
     the last update used; :func:`make_optimizer`'s chain records it), or None when there
     is not exactly one."""
-    found = [v for _, v in optax.tree_utils.tree_get_all_with_path(opt_state, "learning_rate")
-             if getattr(v, "shape", None) == ()]
+    found = [
+        v
+        for _, v in optax.tree_utils.tree_get_all_with_path(opt_state, "learning_rate")
+        if getattr(v, "shape", None) == ()
+    ]
     return found[0] if len(found) == 1 else None

@@ -24,15 +24,22 @@ from jaxpar.errors import PathError
 from jaxpar.lock import LOCK, RUN_FOLDERS, describe, holder
 
 #: The files of a run dir that belong to the run (``fnmatch`` patterns).
-RUN_FILES = ("config.yaml", "config.*.yaml", "metrics.jsonl", "metrics.*.jsonl",
-             "trackers.json", LOCK)
+RUN_FILES = (
+    "config.yaml",
+    "config.*.yaml",
+    "metrics.jsonl",
+    "metrics.*.jsonl",
+    "trackers.json",
+    LOCK,
+)
 
 
 def is_run_dir(path: Path) -> bool:
     """Whether ``path`` is a run directory: it holds the ``config.yaml`` of a run, and its
     metrics, lock or checkpoints."""
     return (path / "config.yaml").is_file() and any(
-        (path / name).exists() for name in ("metrics.jsonl", LOCK, "checkpoints"))
+        (path / name).exists() for name in ("metrics.jsonl", LOCK, "checkpoints")
+    )
 
 
 def run_owning(path: Path) -> tuple[Path, Path | None] | None:
@@ -54,13 +61,17 @@ def _refuse_others(path: Path, what: str, folder: Path) -> None:
     if owner is not None:
         run, inside = owner
         where = f"lies in '{inside}', a folder" if inside else "is a file"
-        raise PathError(f"{what} '{path}' {where} of the run in '{run}', which that run "
-                        "owns; write it elsewhere")
+        raise PathError(
+            f"{what} '{path}' {where} of the run in '{run}', which that run "
+            "owns; write it elsewhere"
+        )
     found = holder(folder)
     if found is not None:
         held, info = found
-        raise PathError(f"{what} '{path}' lies in '{held}', which a running jaxpar run "
-                        f"holds ({describe(info)}); write it elsewhere")
+        raise PathError(
+            f"{what} '{path}' lies in '{held}', which a running jaxpar run "
+            f"holds ({describe(info)}); write it elsewhere"
+        )
 
 
 def check_new_file(path: str | Path, what: str, overwrite: bool = False) -> Path:
@@ -74,16 +85,15 @@ def check_new_file(path: str | Path, what: str, overwrite: bool = False) -> Path
     path = Path(path)
     _refuse_others(path, what, path.absolute().parent)
     if path.is_dir():
-        raise PathError(f"{what} '{path}' is a directory; give a file path, e.g. "
-                        f"{path / 'out'}")
+        raise PathError(f"{what} '{path}' is a directory; give a file path, e.g. {path / 'out'}")
     if path.exists() and not overwrite:
-        raise PathError(f"{what} '{path}' exists; choose another path, or pass --overwrite "
-                        "to replace it")
+        raise PathError(
+            f"{what} '{path}' exists; choose another path, or pass --overwrite to replace it"
+        )
     return path
 
 
-def check_new_folder(path: str | Path, what: str, replaced: str,
-                     overwrite: bool = False) -> Path:
+def check_new_folder(path: str | Path, what: str, replaced: str, overwrite: bool = False) -> Path:
     """Checks, touching nothing, that a command may write its files (``replaced``: what
     they are, for the message) in the folder ``path`` (named by option ``what``).
 
@@ -99,8 +109,10 @@ def check_new_folder(path: str | Path, what: str, replaced: str,
     if path.is_dir() and not overwrite and any(path.iterdir()):
         held = sorted(p.name for p in path.iterdir())
         shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
-        raise PathError(f"{what} '{path}' is not empty (it holds {shown}); choose an empty "
-                        f"or new folder, or pass --overwrite to replace its {replaced}")
+        raise PathError(
+            f"{what} '{path}' is not empty (it holds {shown}); choose an empty "
+            f"or new folder, or pass --overwrite to replace its {replaced}"
+        )
     return path
 
 

@@ -34,12 +34,16 @@ def _metrics_path(run_dir: str | Path) -> Path:
     if path.is_file():
         return path
     if not path.is_dir():
-        raise PathError(f"{path}: no such run directory; give the run.dir of a training run "
-                        f"(the folder holding {METRICS_FILE})")
+        raise PathError(
+            f"{path}: no such run directory; give the run.dir of a training run "
+            f"(the folder holding {METRICS_FILE})"
+        )
     metrics = path / METRICS_FILE
     if not metrics.is_file():
-        raise PathError(f"{metrics} not found: {path} is not a run directory; give the run.dir "
-                        "of a run that `jaxpar train` has logged into")
+        raise PathError(
+            f"{metrics} not found: {path} is not a run directory; give the run.dir "
+            "of a run that `jaxpar train` has logged into"
+        )
     return metrics
 
 
@@ -54,8 +58,7 @@ def read_rows(run_dir: str | Path) -> list[dict[str, Any]]:
         is not a JSON object with a ``step``; the message names the path.
     """
     path = _metrics_path(run_dir)
-    lines = [(i + 1, line) for i, line in enumerate(path.read_text().splitlines())
-             if line.strip()]
+    lines = [(i + 1, line) for i, line in enumerate(path.read_text().splitlines()) if line.strip()]
     rows = []
     for n, (number, line) in enumerate(lines):
         try:
@@ -66,14 +69,20 @@ def read_rows(run_dir: str | Path) -> list[dict[str, Any]]:
         if not problem:
             rows.append(row)
         elif n == len(lines) - 1:
-            warnings.warn(f"{path}:{number}: skipped the last line, {problem} (a truncated "
-                          "write?)", stacklevel=2)
+            warnings.warn(
+                f"{path}:{number}: skipped the last line, {problem} (a truncated write?)",
+                stacklevel=2,
+            )
         else:
-            raise PathError(f"{path}:{number}: {problem}; each line must be a JSON object "
-                            "with a 'step' (fix or delete that line)")
+            raise PathError(
+                f"{path}:{number}: {problem}; each line must be a JSON object "
+                "with a 'step' (fix or delete that line)"
+            )
     if not rows:
-        raise PathError(f"{path} holds no rows: the run has logged no step yet; plot it "
-                        "after its first log step (train.log_every)")
+        raise PathError(
+            f"{path} holds no rows: the run has logged no step yet; plot it "
+            "after its first log step (train.log_every)"
+        )
     return rows
 
 
@@ -128,9 +137,11 @@ def load_run(run_dir: str | Path, name: str | None = None) -> RunCurves:
     train = [r for r in rows if isinstance(r.get("loss"), (int, float))]
     evals = [r for r in rows if isinstance(r.get("eval_loss"), (int, float))]
     if not train and not evals:
-        raise PathError(f"{path}: no row has 'loss' or 'eval_loss' (keys seen: "
-                        f"{', '.join(sorted({k for r in rows for k in r}))}); give the "
-                        "metrics of a training run")
+        raise PathError(
+            f"{path}: no row has 'loss' or 'eval_loss' (keys seen: "
+            f"{', '.join(sorted({k for r in rows for k in r}))}); give the "
+            "metrics of a training run"
+        )
     train_tokens = [r["tokens"] for r in train] if all("tokens" in r for r in train) else None
     eval_steps = [r["step"] for r in evals]
     if evals and all("tokens" in r for r in evals):
@@ -140,9 +151,11 @@ def load_run(run_dir: str | Path, name: str | None = None) -> RunCurves:
     if not train:
         train_tokens = None
     return RunCurves(
-        name or path.parent.name, path,
+        name or path.parent.name,
+        path,
         Series([r["step"] for r in train], [float(r["loss"]) for r in train], train_tokens),
-        Series(eval_steps, [float(r["eval_loss"]) for r in evals], eval_tokens))
+        Series(eval_steps, [float(r["eval_loss"]) for r in evals], eval_tokens),
+    )
 
 
 def run_names(run_dirs: list[str | Path]) -> list[str]:
@@ -150,7 +163,7 @@ def run_names(run_dirs: list[str | Path]) -> list[str]:
     parts = [_metrics_path(d).resolve().parent.parts for d in run_dirs]
     names = []
     for i, mine in enumerate(parts):
-        others = parts[:i] + parts[i + 1:]
+        others = parts[:i] + parts[i + 1 :]
         k = 1
         while k < len(mine) and any(o[-k:] == mine[-k:] for o in others):
             k += 1
@@ -167,8 +180,15 @@ def _draw(ax, run: RunCurves, colour: str, by_tokens: bool) -> None:
         xs = series.tokens if by_tokens else series.steps
         if xs is None or not series.steps:
             continue
-        ax.plot(xs, series.values, style, color=colour, label=f"{run.name} {kind} loss",
-                markersize=4, linewidth=1.5)
+        ax.plot(
+            xs,
+            series.values,
+            style,
+            color=colour,
+            label=f"{run.name} {kind} loss",
+            markersize=4,
+            linewidth=1.5,
+        )
 
 
 def loss_figure(runs: list[RunCurves]) -> Figure:
@@ -217,15 +237,26 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path = "plot.png") -> Path:
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Adds ``jaxpar plot RUN_DIR [RUN_DIR …] [--out PATH]`` to ``subparsers``."""
     cmd = subparsers.add_parser(
-        "plot", help="draw train and eval loss of one or more runs against step (and tokens)")
-    cmd.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
-                     help=f"run directories (run.dir) holding {METRICS_FILE}")
-    cmd.add_argument("--out", default="plot.png", metavar="PATH",
-                     help="the image to write; the suffix picks the format (.png, .svg, …; "
-                          "default: plot.png)")
-    cmd.add_argument("--overwrite", action="store_true",
-                     help="replace an existing --out file; without it that is refused (a "
-                          "run's own files and a running run's directory never are written)")
+        "plot", help="draw train and eval loss of one or more runs against step (and tokens)"
+    )
+    cmd.add_argument(
+        "run_dirs",
+        nargs="+",
+        metavar="RUN_DIR",
+        help=f"run directories (run.dir) holding {METRICS_FILE}",
+    )
+    cmd.add_argument(
+        "--out",
+        default="plot.png",
+        metavar="PATH",
+        help="the image to write; the suffix picks the format (.png, .svg, …; default: plot.png)",
+    )
+    cmd.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing --out file; without it that is refused (a "
+        "run's own files and a running run's directory never are written)",
+    )
     return cmd
 
 

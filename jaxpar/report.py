@@ -72,9 +72,10 @@ def _gather_trade(run: Run, compiled, batch) -> tuple[GatherOption, ...]:
     with warnings.catch_warnings():  # the run's own warnings were given when it was built
         warnings.simplefilter("ignore")
         alternative = run.trainer.with_plan(plan.replan(fsdp_gather=other)).compile_step(batch)
-    return tuple(GatherOption(setting, int(c.memory_analysis().temp_size_in_bytes),
-                              _collective_bytes(c))
-                 for setting, c in ((mine, compiled), (other, alternative)))
+    return tuple(
+        GatherOption(setting, int(c.memory_analysis().temp_size_in_bytes), _collective_bytes(c))
+        for setting, c in ((mine, compiled), (other, alternative))
+    )
 
 
 def layout_totals(run: Run) -> Totals:
@@ -85,8 +86,10 @@ def layout_totals(run: Run) -> Totals:
     mem = compiled.memory_analysis()
     state = run.plan.state_bytes()
     return Totals(
-        params_bytes=state.params, opt_state_bytes=state.opt_state,
-        params_total_bytes=state.params_total, opt_state_total_bytes=state.opt_state_total,
+        params_bytes=state.params,
+        opt_state_bytes=state.opt_state,
+        params_total_bytes=state.params_total,
+        opt_state_total_bytes=state.opt_state_total,
         step_argument_bytes=int(mem.argument_size_in_bytes),
         step_output_bytes=int(mem.output_size_in_bytes),
         step_temp_bytes=int(mem.temp_size_in_bytes),
@@ -118,9 +121,16 @@ def _fmt_axes(names: tuple) -> str:
 
 def _table(rows: list[shd.ParamRow], unnamed: set[str], head: str) -> list[str]:
     table = [(head, "shape", "logical axes", "PartitionSpec", "bytes/device")]
-    table += [(r.path, "×".join(map(str, r.shape)) or "scalar",
-               "(none: replicated)" if r.path in unnamed else _fmt_axes(r.axes),
-               _fmt_spec(r.spec), _fmt_bytes(r.bytes_per_device)) for r in rows]
+    table += [
+        (
+            r.path,
+            "×".join(map(str, r.shape)) or "scalar",
+            "(none: replicated)" if r.path in unnamed else _fmt_axes(r.axes),
+            _fmt_spec(r.spec),
+            _fmt_bytes(r.bytes_per_device),
+        )
+        for r in rows
+    ]
     widths = [max(len(row[i]) for row in table) for i in range(5)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -134,11 +144,12 @@ def _context_lines(plan: Any, batch: int, seq_len: int) -> list[str]:
         return []
     ways = math.prod(plan.mesh.shape[a] for a in axes)
     context = plan.settings["context"]
-    order = ("a causal one reordered to balance the work" if context.balance
-             else "in order")
-    return [f"sequence split over {', '.join(axes)}: {seq_len // ways} of {seq_len} tokens "
-            f"of each of {batch // plan.batch_ways()} sequences per device, {order}; "
-            f"attention {context.attention}"]
+    order = "a causal one reordered to balance the work" if context.balance else "in order"
+    return [
+        f"sequence split over {', '.join(axes)}: {seq_len // ways} of {seq_len} tokens "
+        f"of each of {batch // plan.batch_ways()} sequences per device, {order}; "
+        f"attention {context.attention}"
+    ]
 
 
 def _opt_note(plan: Plan) -> list[str]:
@@ -148,8 +159,10 @@ def _opt_note(plan: Plan) -> list[str]:
         return []
     shown = ", ".join(f"{path} {'×'.join(map(str, shape))}" for path, shape in leaves[:8])
     more = f" and {len(leaves) - 8} more" if len(leaves) > 8 else ""
-    return [f"note: {len(leaves)} optimizer-state arrays are not parameter-shaped and are "
-            f"replicated on every device: {shown}{more}"]
+    return [
+        f"note: {len(leaves)} optimizer-state arrays are not parameter-shaped and are "
+        f"replicated on every device: {shown}{more}"
+    ]
 
 
 def _gather_lines(plan: Plan, options: tuple[GatherOption, ...]) -> list[str]:
@@ -158,14 +171,22 @@ def _gather_lines(plan: Plan, options: tuple[GatherOption, ...]) -> list[str]:
         return []
     kinds = [k for k in hlo.COLLECTIVES if any(k in o.collective_bytes for o in options)]
     rows = [("train.fsdp_gather", "temporaries", *kinds)]
-    rows += [(o.setting + (" (this run)" if i == 0 else ""), _fmt_bytes(o.step_temp_bytes),
-              *(_fmt_bytes(int(o.collective_bytes.get(k, 0))) for k in kinds))
-             for i, o in enumerate(options)]
+    rows += [
+        (
+            o.setting + (" (this run)" if i == 0 else ""),
+            _fmt_bytes(o.step_temp_bytes),
+            *(_fmt_bytes(int(o.collective_bytes.get(k, 0))) for k in kinds),
+        )
+        for i, o in enumerate(options)
+    ]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["", f"FSDP weight gathers with train.grad_accum={plan.grad_accum} "
-                "(per_microbatch: gathered in every microbatch, least memory; once: gathered "
-                "once per step and kept):",
-            *("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)]
+    return [
+        "",
+        f"FSDP weight gathers with train.grad_accum={plan.grad_accum} "
+        "(per_microbatch: gathered in every microbatch, least memory; once: gathered "
+        "once per step and kept):",
+        *("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows),
+    ]
 
 
 def _stage_lines(stages: tuple) -> list[str]:
@@ -173,16 +194,28 @@ def _stage_lines(stages: tuple) -> list[str]:
     sends in a step (:mod:`jaxpar.pipeline.programs`)."""
     if not stages:
         return []
-    rows = [("stage", "chunks", "state+batch", "program temp", "grad sums", "stash (peak)",
-             "sent/step")]
-    rows += [(str(s.stage), ",".join(map(str, s.chunks)),
-              _fmt_bytes(s.memory.argument_size_in_bytes), _fmt_bytes(s.program_temp_bytes),
-              _fmt_bytes(s.grad_sum_bytes), f"{_fmt_bytes(s.stash_bytes)} ({s.stash_peak})",
-              _fmt_bytes(s.sent_bytes)) for s in stages]
+    rows = [
+        ("stage", "chunks", "state+batch", "program temp", "grad sums", "stash (peak)", "sent/step")
+    ]
+    rows += [
+        (
+            str(s.stage),
+            ",".join(map(str, s.chunks)),
+            _fmt_bytes(s.memory.argument_size_in_bytes),
+            _fmt_bytes(s.program_temp_bytes),
+            _fmt_bytes(s.grad_sum_bytes),
+            f"{_fmt_bytes(s.stash_bytes)} ({s.stash_peak})",
+            _fmt_bytes(s.sent_bytes),
+        )
+        for s in stages
+    ]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["", "per stage, one device (pipeline.executor=mpmd: a program per chunk and "
-                "action; the stash holds each forward's input until its backward):",
-            *("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)]
+    return [
+        "",
+        "per stage, one device (pipeline.executor=mpmd: a program per chunk and "
+        "action; the stash holds each forward's input until its backward):",
+        *("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows),
+    ]
 
 
 def format_report(run: Run, totals: Totals) -> str:
@@ -195,8 +228,10 @@ def format_report(run: Run, totals: Totals) -> str:
     lines = _table(rows, unnamed, "parameter")
     if model.stateful:
         state_rows = shd.param_rows(model.state, model.state_axes, shardings.model_state)
-        lines += ["", *_table(state_rows, set(), "model state (" + ", ".join(
-            model.state_kinds) + ")")]
+        lines += [
+            "",
+            *_table(state_rows, set(), "model state (" + ", ".join(model.state_kinds) + ")"),
+        ]
     lines += [
         "",
         f"devices: {plan.mesh.devices.size}  mesh: "
@@ -211,13 +246,21 @@ def format_report(run: Run, totals: Totals) -> str:
         f"{_fmt_bytes(totals.step_temp_bytes)}",
     ]
     if totals.collective_bytes is not None:
-        lines.append("collectives per step per device (compiled, wire bytes): " + (", ".join(
-            f"{kind} {_fmt_bytes(int(n))}" for kind, n in totals.collective_bytes.items())
-            or "none"))
+        lines.append(
+            "collectives per step per device (compiled, wire bytes): "
+            + (
+                ", ".join(
+                    f"{kind} {_fmt_bytes(int(n))}" for kind, n in totals.collective_bytes.items()
+                )
+                or "none"
+            )
+        )
     lines += _gather_lines(plan, totals.fsdp_gather)
     lines += _context_lines(plan, run.config.train.batch_size, getattr(run.data, "seq_len", 0))
     lines += _stage_lines(totals.stages)
     if unnamed:
-        lines.append(f"note: {len(unnamed)} parameters carry no logical axes and are replicated "
-                     "(annotate them with nnx.with_partitioning to shard them)")
+        lines.append(
+            f"note: {len(unnamed)} parameters carry no logical axes and are replicated "
+            "(annotate them with nnx.with_partitioning to shard them)"
+        )
     return "\n".join(lines + _opt_note(plan))

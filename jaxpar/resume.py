@@ -51,10 +51,15 @@ def on_sigint(signum: int, frame: Any) -> None:
     """The first Ctrl-C asks for a checkpoint and a stop, like SIGTERM. A second one ends
     the process at once (SIGINT's default action: no Python code needs to run, so also in
     the middle of a long compiled step) — or, from Python, raises KeyboardInterrupt."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL if HARD_SECOND_CTRL_C
-                  else signal.default_int_handler)
-    print("\njaxpar: Ctrl-C: finishing this step and writing a checkpoint (press Ctrl-C "
-          "again to stop at once, without it)", file=sys.stderr, flush=True)
+    signal.signal(
+        signal.SIGINT, signal.SIG_DFL if HARD_SECOND_CTRL_C else signal.default_int_handler
+    )
+    print(
+        "\njaxpar: Ctrl-C: finishing this step and writing a checkpoint (press Ctrl-C "
+        "again to stop at once, without it)",
+        file=sys.stderr,
+        flush=True,
+    )
     if jax.process_count() > 1:  # JAX's preemption notifier listens for SIGTERM
         _SIGNAL[:] = _SIGNAL or ["SIGINT"]
         os.kill(os.getpid(), signal.SIGTERM)
@@ -116,16 +121,26 @@ def open_checkpoints(run: Run) -> Checkpointer:
     """
     cfg = run.config.checkpoint
     if cfg.keep_best and not getattr(run.data, "has_eval", True):
-        raise ConfigError(f"checkpoint.keep_best={cfg.keep_best} ranks checkpoints by an "
-                          f"evaluation metric, but the task {run.name} has no eval_data; give "
-                          "the Task eval_data or set checkpoint.keep_best=0")
+        raise ConfigError(
+            f"checkpoint.keep_best={cfg.keep_best} ranks checkpoints by an "
+            f"evaluation metric, but the task {run.name} has no eval_data; give "
+            "the Task eval_data or set checkpoint.keep_best=0"
+        )
     if cfg.keep_best and cfg.best_metric not in (names := eval_metric_names(run)):
-        raise ConfigError(f"checkpoint.best_metric={cfg.best_metric} is not an evaluation "
-                          f"metric of {run.name}; use one of {', '.join(names)}")
-    return Checkpointer(checkpoint_dir(run.config), run.plan, keep=cfg.keep,
-                        async_save=cfg.async_save, keep_best=cfg.keep_best,
-                        best_metric=cfg.best_metric, best_mode=cfg.best_mode,
-                        verify=cfg.verify)
+        raise ConfigError(
+            f"checkpoint.best_metric={cfg.best_metric} is not an evaluation "
+            f"metric of {run.name}; use one of {', '.join(names)}"
+        )
+    return Checkpointer(
+        checkpoint_dir(run.config),
+        run.plan,
+        keep=cfg.keep,
+        async_save=cfg.async_save,
+        keep_best=cfg.keep_best,
+        best_metric=cfg.best_metric,
+        best_mode=cfg.best_mode,
+        verify=cfg.verify,
+    )
 
 
 def _check_seed(config: Config, meta: dict[str, Any], where: Path) -> None:
@@ -135,11 +150,13 @@ def _check_seed(config: Config, meta: dict[str, Any], where: Path) -> None:
         raise RestoreError(
             f"the checkpoint in {where} was saved with run.seed={saved} but this run has "
             f"run.seed={config.run.seed}; set run.seed={saved} to continue it, or start "
-            "afresh with a new run.dir")
+            "afresh with a new run.dir"
+        )
 
 
-def resume(config: Config, run: Run, ckpt: Checkpointer
-           ) -> tuple[TrainState | None, int, dict[str, Any]]:
+def resume(
+    config: Config, run: Run, ckpt: Checkpointer
+) -> tuple[TrainState | None, int, dict[str, Any]]:
     """The state to start from, its step and its checkpoint's JSON item (``{}`` for a
     fresh start), per ``checkpoint.resume``.
 
@@ -153,7 +170,8 @@ def resume(config: Config, run: Run, ckpt: Checkpointer
             raise RestoreError(
                 f"{ckpt.directory} already holds checkpoints (steps {ckpt.steps()}) and "
                 "checkpoint.resume=never: use a new run.dir or checkpoint.dir, or "
-                "checkpoint.resume=auto to continue")
+                "checkpoint.resume=auto to continue"
+            )
         return None, 0, {}
     if how == "auto":
         if ckpt.latest_step() is None:
@@ -167,29 +185,38 @@ def resume(config: Config, run: Run, ckpt: Checkpointer
         path = Path(how)
         if not path.exists():
             raise RestoreError(f"checkpoint.resume={how}: no such checkpoint directory")
-        source = Checkpointer(path.parent if path.name.isdigit() else path, run.plan,
-                              keep=config.checkpoint.keep, verify=config.checkpoint.verify)
+        source = Checkpointer(
+            path.parent if path.name.isdigit() else path,
+            run.plan,
+            keep=config.checkpoint.keep,
+            verify=config.checkpoint.verify,
+        )
         try:
             state, meta = _restore_named(
-                source, int(path.name) if path.name.isdigit() else None,
-                f"checkpoint.resume={how}")
+                source, int(path.name) if path.name.isdigit() else None, f"checkpoint.resume={how}"
+            )
         finally:
             source.close()
     return state, int(host_value(state.step)), meta
 
 
-def _restore_named(ckpt: Checkpointer, step: int | None, what: str
-                   ) -> tuple[TrainState, dict[str, Any]]:
+def _restore_named(
+    ckpt: Checkpointer, step: int | None, what: str
+) -> tuple[TrainState, dict[str, Any]]:
     """The checkpoint a setting (``what``) names; no fallback: a checkpoint that fails
     verification is a ValueError (exit status 2) that lists the others."""
     try:
         return ckpt.restore(step)
     except CorruptCheckpoint as err:
         others = [s for s in ckpt.steps() if s != err.step]
-        fix = ("use checkpoint.resume=auto, which continues from the newest checkpoint that "
-               "verifies" if what.startswith("checkpoint.") else "pass --step N")
-        raise RestoreError(f"{what}: {err}; name another checkpoint (have: {others or 'none'}) "
-                           f"or {fix}") from err
+        fix = (
+            "use checkpoint.resume=auto, which continues from the newest checkpoint that verifies"
+            if what.startswith("checkpoint.")
+            else "pass --step N"
+        )
+        raise RestoreError(
+            f"{what}: {err}; name another checkpoint (have: {others or 'none'}) or {fix}"
+        ) from err
 
 
 def newest_verified(ckpt: Checkpointer) -> tuple[TrainState, dict[str, Any]]:
@@ -210,25 +237,40 @@ def newest_verified(ckpt: Checkpointer) -> tuple[TrainState, dict[str, Any]]:
         if failures:
             moved = [ckpt.set_aside(err.step) for err in failures]
             warnings.warn(
-                "skipped checkpoint" + "s" * (len(failures) > 1) + " that failed verification: "
+                "skipped checkpoint"
+                + "s" * (len(failures) > 1)
+                + " that failed verification: "
                 + "; ".join(f"{err} (moved to {dst})" for err, dst in zip(failures, moved))
-                + f"; training continues from step {step}", stacklevel=3)
+                + f"; training continues from step {step}",
+                stacklevel=3,
+            )
         return state, meta
     raise RestoreError(
-        f"no checkpoint in {ckpt.directory} verifies: " + "; ".join(
-            f"step {err.step}: {err.reason}" for err in failures)
-        + ". Restore the files from a copy, or move the directory away and start afresh")
+        f"no checkpoint in {ckpt.directory} verifies: "
+        + "; ".join(f"step {err.step}: {err.reason}" for err in failures)
+        + ". Restore the files from a copy, or move the directory away and start afresh"
+    )
 
 
-def save_checkpoint(run: Run, ckpt: Checkpointer, step: int, state: TrainState,
-                    metrics: dict[str, jax.Array], data_state: dict[str, Any] | None = None,
-                    evals: dict[str, float] | None = None) -> None:
+def save_checkpoint(
+    run: Run,
+    ckpt: Checkpointer,
+    step: int,
+    state: TrainState,
+    metrics: dict[str, jax.Array],
+    data_state: dict[str, Any] | None = None,
+    evals: dict[str, float] | None = None,
+) -> None:
     """Starts saving ``step``: the state, and in the checkpoint's JSON item the step's
     metrics (with ``evals``, the held-out ones that rank checkpoints under
     ``checkpoint.keep_best``), the seed, the loader position and the config."""
-    meta = {"step": step, "seed": run.config.run.seed, "data": data_state,
-            "metrics": {**to_host(metrics), **(evals or {})},
-            "config": config_lib.to_dict(run.config)}
+    meta = {
+        "step": step,
+        "seed": run.config.run.seed,
+        "data": data_state,
+        "metrics": {**to_host(metrics), **(evals or {})},
+        "config": config_lib.to_dict(run.config),
+    }
     ckpt.save(step, state, meta, metrics=evals)
 
 
@@ -244,16 +286,22 @@ def restore_state(run: Run, step: int | None, command: str) -> TrainState:
     config = run.config
     ckpt = Checkpointer(checkpoint_dir(config), run.plan, verify=config.checkpoint.verify)
     try:
-        state, _ = _restore_named(ckpt, step, command + (
-            f" --step {step}" if step is not None else ""))
+        state, _ = _restore_named(
+            ckpt, step, command + (f" --step {step}" if step is not None else "")
+        )
     finally:
         ckpt.close()
     return state
 
 
-def export_params(config: Config, out: str | Path, step: int | None = None,
-                  task: Any = None, format: str = "npz", overwrite: bool = False
-                  ) -> tuple[Path, int]:
+def export_params(
+    config: Config,
+    out: str | Path,
+    step: int | None = None,
+    task: Any = None,
+    format: str = "npz",
+    overwrite: bool = False,
+) -> tuple[Path, int]:
     """Writes the parameters of a checkpoint of ``config``'s run (of ``task``, a user's
     task, when given).
 
@@ -295,8 +343,13 @@ def export_params(config: Config, out: str | Path, step: int | None = None,
                 hf.files.write_tokenizer(out, *tokenizer)
             hf.files.remove_stale(earlier)  # only once the new model is whole
         else:
-            _write_npz(out, {shd.path_str(path): leaf for path, leaf
-                             in jax.tree_util.tree_leaves_with_path(params)})
+            _write_npz(
+                out,
+                {
+                    shd.path_str(path): leaf
+                    for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+                },
+            )
     return out, int(host_value(state.step))
 
 
@@ -306,11 +359,14 @@ def check_export_target(out: Path, run_dir: Path, format: str, overwrite: bool) 
     holding files) and ``overwrite`` is not set (:mod:`jaxpar.outputs`)."""
     inside = out.resolve() == run_dir.resolve() or run_dir.resolve() in out.resolve().parents
     if inside:
-        raise PathError(f"--out '{out}' lies inside the run directory '{run_dir}', whose "
-                        "files the run owns; write the export elsewhere")
+        raise PathError(
+            f"--out '{out}' lies inside the run directory '{run_dir}', whose "
+            "files the run owns; write the export elsewhere"
+        )
     if format == "hf":
-        check_new_folder(out, "--out", "model files (config.json, safetensors, tokenizer)",
-                         overwrite)
+        check_new_folder(
+            out, "--out", "model files (config.json, safetensors, tokenizer)", overwrite
+        )
     else:
         check_new_file(out, "--out", overwrite)
 
@@ -330,8 +386,11 @@ def run_tokenizer(config: Config) -> tuple[Path, dict[str, str]] | None:
     tokenizer = tokenizer_of(token_file)
     if not isinstance(tokenizer, HFTokenizer):
         return None
-    special = {f"{which}_token": entry["token"] for which in ("bos", "eos")
-               if isinstance(entry := token_file.meta.get(which), dict) and entry.get("token")}
+    special = {
+        f"{which}_token": entry["token"]
+        for which in ("bos", "eos")
+        if isinstance(entry := token_file.meta.get(which), dict) and entry.get("token")
+    }
     return Path(tokenizer.file), special
 
 

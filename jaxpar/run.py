@@ -58,9 +58,13 @@ class Run:
         return self.plan.task.name or "task"
 
 
-def build(config: Config, task: Task | None = None,
-          optimizer: optax.GradientTransformation | None = None, *,
-          fit_memory: bool = False) -> Run:
+def build(
+    config: Config,
+    task: Task | None = None,
+    optimizer: optax.GradientTransformation | None = None,
+    *,
+    fit_memory: bool = False,
+) -> Run:
     """Devices, mesh, rules, data, task, optimizer and trainer from ``config``.
 
     Args:
@@ -79,14 +83,22 @@ def build(config: Config, task: Task | None = None,
     """
     own_optimizer = optimizer is not None or (task is not None and task.optimizer is not None)
     from_config = task is not None and bool(task.family) and task.family == config.family.name
-    warn_unused(config, user_task=task is not None and not from_config,
-                own_data=task is not None and task.data is not None, own_optimizer=own_optimizer)
+    warn_unused(
+        config,
+        user_task=task is not None and not from_config,
+        own_data=task is not None and task.data is not None,
+        own_optimizer=own_optimizer,
+    )
     user_task = task
     sizes.check_settings(_sizes(config, user_task))
     devices = select_devices(config.run.devices)
     mesh = make_mesh(config.mesh, devices)
-    sizes.check_microbatches(config.train.batch_size, config.train.grad_accum,
-                             config.pipeline.microbatches, mesh.shape["stage"])
+    sizes.check_microbatches(
+        config.train.batch_size,
+        config.train.grad_accum,
+        config.pipeline.microbatches,
+        mesh.shape["stage"],
+    )
     rules = shd.resolve_rules(config.rules)
     family = None
     if task is None:
@@ -100,9 +112,17 @@ def build(config: Config, task: Task | None = None,
     if tx is None:
         mask = decay_mask(model.params, model.param_axes)
         tx, _ = make_optimizer(config.optim, config.train.steps, mask)
-    plan = make_plan(task, tx, mesh, rules, grad_accum=config.train.grad_accum,
-                     pipeline=config.pipeline, fsdp_gather=config.train.fsdp_gather,
-                     model=model, context=config.context)
+    plan = make_plan(
+        task,
+        tx,
+        mesh,
+        rules,
+        grad_accum=config.train.grad_accum,
+        pipeline=config.pipeline,
+        fsdp_gather=config.train.fsdp_gather,
+        model=model,
+        context=config.context,
+    )
     memory = sizes.device_memory(devices) if fit_memory else None
     settings = _sizes(config, user_task)
     sizes.check_state(plan, memory, settings)  # before a batch is drawn or a byte allocated
@@ -110,8 +130,7 @@ def build(config: Config, task: Task | None = None,
     batch = global_batch_shapes(data.batch(0, config.train.batch_size))
     plan.batch_shardings(batch)
     sizes.check_activations(plan, batch, memory, settings)
-    trainer = Trainer(plan, seed=config.run.seed,
-                      nonfinite_guard=config.train.nonfinite_guard)
+    trainer = Trainer(plan, seed=config.run.seed, nonfinite_guard=config.train.nonfinite_guard)
     return Run(config, trainer, data, devices, family)
 
 
@@ -123,8 +142,11 @@ def _sizes(config: Config, user_task: Task | None) -> dict[str, int]:
         found["data.seq_len"] = config.data.seq_len
     if user_task is None:
         model = config.model
-        found |= {f"model.{f.name}": getattr(model, f.name) for f in dataclasses.fields(model)
-                  if type(getattr(model, f.name)) is int}
+        found |= {
+            f"model.{f.name}": getattr(model, f.name)
+            for f in dataclasses.fields(model)
+            if type(getattr(model, f.name)) is int
+        }
     return found
 
 
@@ -153,8 +175,9 @@ def _data_and_model(config: Config) -> tuple[Data, ModelConfig]:
     data = load_data(config.data, loaded, config.run.seed)
     if not free or data.vocab_size <= needs.vocab_size:
         return data, model
-    sized = dataclasses.replace(model, vocab_size=model.vocab_size - needs.vocab_size
-                                + data.vocab_size)
+    sized = dataclasses.replace(
+        model, vocab_size=model.vocab_size - needs.vocab_size + data.vocab_size
+    )
     object.__setattr__(sized, "given", model.given)  # as merge_model keeps it
     return data, sized
 
@@ -164,9 +187,12 @@ def _vocab_from_data(config: Config) -> bool:
     config did not give, reading a path or a mixture (the built-in and synthetic data are
     what the family's default is sized for)."""
     model, data = config.model, config.data
-    return ("vocab_size" in {f.name for f in dataclasses.fields(model)}
-            and "vocab_size" not in model_settings(model) and data.dataset == "auto"
-            and bool(data.path or data.mixture))
+    return (
+        "vocab_size" in {f.name for f in dataclasses.fields(model)}
+        and "vocab_size" not in model_settings(model)
+        and data.dataset == "auto"
+        and bool(data.path or data.mixture)
+    )
 
 
 def _family_task(config: Config, data: Data) -> Task:
@@ -186,7 +212,8 @@ def _config_data(config: Config, task: Task) -> Data:
             f"the task {task.name or ''} brings no data and its batch entries "
             f"({', '.join(sorted(task.batch_axes))}) are neither jaxpar's text batches "
             "('tokens') nor its image batches ('images', 'labels'); give the Task a data "
-            "function (step, global_batch_size) -> dict of arrays, or a grain dataset")
+            "function (step, global_batch_size) -> dict of arrays, or a grain dataset"
+        )
     return load_data(config.data, needs, config.run.seed)
 
 
@@ -210,8 +237,9 @@ def to_host(metrics: dict[str, jax.Array]) -> dict[str, float]:
 def host_metrics(metrics: dict[str, jax.Array]) -> dict[str, Any]:
     """A step's metrics as Python numbers (one transfer): floats, ``finite`` a bool and
     ``skipped`` an int."""
-    values = jax.device_get({k: v if v.is_fully_addressable else host_value(v)
-                             for k, v in metrics.items()})
+    values = jax.device_get(
+        {k: v if v.is_fully_addressable else host_value(v) for k, v in metrics.items()}
+    )
     out = {k: float(v) for k, v in values.items()}
     out["finite"] = bool(out["finite"])
     if "skipped" in out:

@@ -58,8 +58,7 @@ def locked(directories: list[tuple[Path, str]]) -> Iterator[list[RunDirLock]]:
 
             ok = int(multihost_utils.broadcast_one_to_all(np.int32(error is None)))
             if not ok and error is None:
-                raise PathError("process 0 could not take the run directory (its message "
-                                "says why)")
+                raise PathError("process 0 could not take the run directory (its message says why)")
         if error is not None:
             raise error
         yield locks
@@ -89,11 +88,16 @@ def read_rows(path: Path, repair: bool = True) -> list[tuple[int, str]]:
         except (ValueError, KeyError, TypeError):
             if i == len(lines) - 1 and repair:
                 shown = line if len(line) <= 60 else line[:57] + "..."
-                warnings.warn(f"{path}: the last line is cut short ({shown!r}, the run that "
-                              "wrote it stopped mid-line); it is dropped", stacklevel=2)
+                warnings.warn(
+                    f"{path}: the last line is cut short ({shown!r}, the run that "
+                    "wrote it stopped mid-line); it is dropped",
+                    stacklevel=2,
+                )
                 break
-            raise PathError(f"{path}, line {n}: not a metrics row ({line[:60]!r}); fix or "
-                            "delete that line, or move the file away") from None
+            raise PathError(
+                f"{path}, line {n}: not a metrics row ({line[:60]!r}); fix or "
+                "delete that line, or move the file away"
+            ) from None
         rows.append((step, line))
     return rows
 
@@ -112,8 +116,9 @@ def _set_aside_old_run(run_dir: Path) -> str | None:
     except ValueError:  # a damaged file is kept as it is
         rows = []
     n = 1
-    while (run_dir / f"metrics.old-{n}.jsonl").exists() or \
-            (run_dir / f"config.old-{n}.yaml").exists():
+    while (run_dir / f"metrics.old-{n}.jsonl").exists() or (
+        run_dir / f"config.old-{n}.yaml"
+    ).exists():
         n += 1
     kept = []
     for path, name in ((metrics, f"metrics.old-{n}.jsonl"), (config, f"config.old-{n}.yaml")):
@@ -121,10 +126,15 @@ def _set_aside_old_run(run_dir: Path) -> str | None:
             os.replace(path, run_dir / name)
             kept.append(name)
     steps = [s for s, _ in rows]
-    what = (f"the metrics of an earlier run (steps {min(steps)}–{max(steps)})" if steps
-            else "the files of an earlier run")
-    return (f"{run_dir} held {what} but no checkpoint to continue it: starting from step 1; "
-            f"the earlier files are kept as {' and '.join(kept)}")
+    what = (
+        f"the metrics of an earlier run (steps {min(steps)}–{max(steps)})"
+        if steps
+        else "the files of an earlier run"
+    )
+    return (
+        f"{run_dir} held {what} but no checkpoint to continue it: starting from step 1; "
+        f"the earlier files are kept as {' and '.join(kept)}"
+    )
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -154,9 +164,11 @@ def keep_rows_until(run_dir: Path, start_step: int) -> str | None:
     if not later:
         return None
     steps = [s for s, _ in later]
-    return (f"metrics.jsonl held rows of steps {min(steps)}–{max(steps)}, logged after the "
-            f"checkpoint of step {start_step} that this run continues from; they are "
-            f"re-logged as the steps run again (the old rows are kept in {DISCARDED})")
+    return (
+        f"metrics.jsonl held rows of steps {min(steps)}–{max(steps)}, logged after the "
+        f"checkpoint of step {start_step} that this run continues from; they are "
+        f"re-logged as the steps run again (the old rows are kept in {DISCARDED})"
+    )
 
 
 # ---- config.yaml -----------------------------------------------------------------------------
@@ -176,12 +188,16 @@ _NOT_COMPARED = {"run.dir"}
 def config_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """``key: old → new`` for every setting that differs (``run.dir`` aside)."""
     a, b = _flat(old), _flat(new)
-    return [f"{k}: {a.get(k, '(unset)')} → {b.get(k, '(unset)')}"
-            for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k) and k not in _NOT_COMPARED]
+    return [
+        f"{k}: {a.get(k, '(unset)')} → {b.get(k, '(unset)')}"
+        for k in sorted(set(a) | set(b))
+        if a.get(k) != b.get(k) and k not in _NOT_COMPARED
+    ]
 
 
-def write_config(run_dir: Path, config: dict[str, Any], start_step: int,
-                 saved: dict[str, Any] | None) -> str | None:
+def write_config(
+    run_dir: Path, config: dict[str, Any], start_step: int, saved: dict[str, Any] | None
+) -> str | None:
     """Writes ``config.yaml`` (a fresh start, or a run dir that has none), or, for a
     resumed run whose settings differ from those its checkpoint was saved with,
     ``config.<start_step>.yaml``; returns a note listing the differences, or None."""
@@ -198,14 +214,19 @@ def write_config(run_dir: Path, config: dict[str, Any], start_step: int,
         return None
     name = f"config.{start_step}.yaml"
     _atomic_write(run_dir / name, text)
-    shown = "; ".join(changes[:8]) + (f"; and {len(changes) - 8} more" if len(changes) > 8
-                                      else "")
-    return (f"the settings differ from those the checkpoint of step {start_step} was saved "
-            f"with: {shown} (kept as {name}; config.yaml is unchanged)")
+    shown = "; ".join(changes[:8]) + (f"; and {len(changes) - 8} more" if len(changes) > 8 else "")
+    return (
+        f"the settings differ from those the checkpoint of step {start_step} was saved "
+        f"with: {shown} (kept as {name}; config.yaml is unchanged)"
+    )
 
 
-def prepare(run_dir: Path, config: dict[str, Any], start_step: int,
-            saved_config: dict[str, Any] | None = None) -> list[str]:
+def prepare(
+    run_dir: Path,
+    config: dict[str, Any],
+    start_step: int,
+    saved_config: dict[str, Any] | None = None,
+) -> list[str]:
     """Readies an (already locked) run dir once the resume decision stands; returns the
     notes to print. See the module docstring for what happens to existing files."""
     notes = []

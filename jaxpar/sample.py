@@ -56,8 +56,16 @@ from jaxpar.weights import (
     state_of,
 )
 
-__all__ = ["Generator", "Samples", "choose_token", "generate", "load_run_config", "sample",
-           "sample_config", "sample_source"]
+__all__ = [
+    "Generator",
+    "Samples",
+    "choose_token",
+    "generate",
+    "load_run_config",
+    "sample",
+    "sample_config",
+    "sample_source",
+]
 
 
 @dataclass(frozen=True)
@@ -78,10 +86,19 @@ class Samples:
     step: int | None
 
 
-def sample(path: str | Path, prompt: str | None = None, *,
-           prompt_ids: Sequence[int] | None = None, tokens: int = 200,
-           temperature: float = 1.0, top_k: int = 0, seed: int = 0, step: int | None = None,
-           samples: int = 1, overrides: Sequence[str] = ()) -> Samples:
+def sample(
+    path: str | Path,
+    prompt: str | None = None,
+    *,
+    prompt_ids: Sequence[int] | None = None,
+    tokens: int = 200,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    step: int | None = None,
+    samples: int = 1,
+    overrides: Sequence[str] = (),
+) -> Samples:
     """Continues ``prompt`` with a run's or a Hugging Face folder's language model (see
     the module docstring).
 
@@ -107,11 +124,20 @@ def sample(path: str | Path, prompt: str | None = None, *,
         to fix.
     """
     longest = len(prompt.encode()) + 8 if prompt is not None else len(prompt_ids or ())
-    source = open_source(path, overrides, defaults=functools.partial(
-        folder_defaults, cache=longest + tokens))
-    return sample_source(source, prompt, prompt_ids=prompt_ids, tokens=tokens,
-                         temperature=temperature, top_k=top_k, seed=seed, step=step,
-                         samples=samples)
+    source = open_source(
+        path, overrides, defaults=functools.partial(folder_defaults, cache=longest + tokens)
+    )
+    return sample_source(
+        source,
+        prompt,
+        prompt_ids=prompt_ids,
+        tokens=tokens,
+        temperature=temperature,
+        top_k=top_k,
+        seed=seed,
+        step=step,
+        samples=samples,
+    )
 
 
 def folder_defaults(config: Config, cache: int | None = None) -> list[str]:
@@ -134,15 +160,22 @@ def sample_config(config: Config, prompt: str | None = None, **settings: Any) ->
     return sample_source(run_source(config), prompt, **settings)
 
 
-def sample_source(source: Source, prompt: str | None = None, *,
-                  prompt_ids: Sequence[int] | None = None, tokens: int = 200,
-                  temperature: float = 1.0, top_k: int = 0, seed: int = 0,
-                  step: int | None = None, samples: int = 1) -> Samples:
+def sample_source(
+    source: Source,
+    prompt: str | None = None,
+    *,
+    prompt_ids: Sequence[int] | None = None,
+    tokens: int = 200,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    step: int | None = None,
+    samples: int = 1,
+) -> Samples:
     """:func:`sample` of an opened run dir or folder (:func:`jaxpar.weights.open_source`)."""
     _check_settings(tokens, temperature, top_k, samples)
     if (prompt is None) == (prompt_ids is None):
-        raise ConfigError("give the prompt as --prompt TEXT or as --prompt-ids 1,2,3 (one "
-                          "of them)")
+        raise ConfigError("give the prompt as --prompt TEXT or as --prompt-ids 1,2,3 (one of them)")
     tokenizer = _tokenizer(source, needed=prompt is not None)
     run = build_source(source)
     model = _language_model(run, source)
@@ -152,8 +185,16 @@ def sample_source(source: Source, prompt: str | None = None, *,
     else:
         ids = _given_ids(prompt_ids, vocab, model.cfg.max_seq_len)
     state = state_of(run, source, step, "jaxpar sample")
-    out = generate(run, state, np.tile(ids, (samples, 1)), tokens, temperature=temperature,
-                   top_k=top_k, seed=seed, vocab_limit=vocab)
+    out = generate(
+        run,
+        state,
+        np.tile(ids, (samples, 1)),
+        tokens,
+        temperature=temperature,
+        top_k=top_k,
+        seed=seed,
+        vocab_limit=vocab,
+    )
     texts = None if tokenizer is None else [_text(tokenizer.decode(row)) for row in out]
     at = None if source.folder is not None else int(host_value(state.step))
     return Samples(texts, out, ids, at)
@@ -184,10 +225,13 @@ def _abstract_model(run: Run) -> nnx.Module:
 def _language_model(run: Run, source: Source) -> nnx.Module:
     """The run's abstract model, which must decode with a KV cache."""
     model = _abstract_model(run)
-    if not (callable(getattr(model, "decode", None))
-            and callable(getattr(model, "init_cache", None))):
-        raise ConfigError(f"jaxpar sample needs a language model; {source.where} trains "
-                          f"model.name={_name(source)}")
+    if not (
+        callable(getattr(model, "decode", None)) and callable(getattr(model, "init_cache", None))
+    ):
+        raise ConfigError(
+            f"jaxpar sample needs a language model; {source.where} trains "
+            f"model.name={_name(source)}"
+        )
     return model
 
 
@@ -220,8 +264,10 @@ def _tokenizer(source: Source, needed: bool) -> Any:
     if file.is_file():
         return _FolderTokenizer(file)
     if needed:
-        raise ConfigError(f"{source.folder} holds no {hf.files.TOKENIZER} to encode --prompt "
-                          "with; give the prompt as token ids: --prompt-ids 1,2,3")
+        raise ConfigError(
+            f"{source.folder} holds no {hf.files.TOKENIZER} to encode --prompt "
+            "with; give the prompt as token ids: --prompt-ids 1,2,3"
+        )
     return None
 
 
@@ -241,9 +287,11 @@ def _encode(tokenizer: Any, prompt: str, vocab: int, max_len: int, model: str) -
     _check_length(ids, max_len, "--prompt")
     if int(ids.max()) >= vocab:
         at = int(np.argmax(ids >= vocab))
-        raise ConfigError(f"--prompt holds token id {int(ids[at])} (at token {at}), outside the "
-                          f"{vocab} tokens {model} was trained on; use characters the training "
-                          "text has (a byte-level model of vocab < 256 reads ASCII only)")
+        raise ConfigError(
+            f"--prompt holds token id {int(ids[at])} (at token {at}), outside the "
+            f"{vocab} tokens {model} was trained on; use characters the training "
+            "text has (a byte-level model of vocab < 256 reads ASCII only)"
+        )
     return ids
 
 
@@ -254,15 +302,19 @@ def _given_ids(prompt_ids: Sequence[int], vocab: int, max_len: int) -> np.ndarra
     _check_length(ids, max_len, "--prompt-ids")
     bad = ids[(ids < 0) | (ids >= vocab)]
     if bad.size:
-        raise ConfigError(f"--prompt-ids holds {int(bad[0])}, outside the model's ids 0 to "
-                          f"{vocab - 1}; give ids below {vocab}")
+        raise ConfigError(
+            f"--prompt-ids holds {int(bad[0])}, outside the model's ids 0 to "
+            f"{vocab - 1}; give ids below {vocab}"
+        )
     return ids.astype(np.int32)
 
 
 def _check_length(ids: np.ndarray, max_len: int, what: str) -> None:
     if ids.size > max_len:
-        raise ConfigError(f"{what} is {ids.size} tokens, longer than the model's "
-                          f"max_seq_len={max_len}; shorten it")
+        raise ConfigError(
+            f"{what} is {ids.size} tokens, longer than the model's "
+            f"max_seq_len={max_len}; shorten it"
+        )
 
 
 def _text(decoded: str | bytes) -> str:
@@ -270,14 +322,23 @@ def _text(decoded: str | bytes) -> str:
 
 
 # ---- generation --------------------------------------------------------------------------------
-def generate(run: Run, state: Any, prompt_BP: np.ndarray, tokens: int, *,
-             temperature: float = 1.0, top_k: int = 0, seed: int = 0,
-             vocab_limit: int | None = None) -> np.ndarray:
+def generate(
+    run: Run,
+    state: Any,
+    prompt_BP: np.ndarray,
+    tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    vocab_limit: int | None = None,
+) -> np.ndarray:
     """``tokens`` ids [B, tokens] continuing each row of ``prompt_BP`` (see the module
     docstring) by ``run``'s model with ``state``'s parameters, on ``run``'s mesh.
     ``vocab_limit``: draw only ids below it (those the tokenizer can decode)."""
-    return Generator(run, vocab_limit).generate(state, prompt_BP, tokens,
-                                                temperature=temperature, top_k=top_k, seed=seed)
+    return Generator(run, vocab_limit).generate(
+        state, prompt_BP, tokens, temperature=temperature, top_k=top_k, seed=seed
+    )
 
 
 class Generator:
@@ -295,13 +356,23 @@ class Generator:
         self.vocab_limit = vocab_limit
         self.max_len = _abstract_model(run).cfg.max_seq_len
         shardings = plan.state_shardings
-        self._prefill = jax.jit(self._prefill_fn,
-                                in_shardings=(shardings.params, shardings.model_state, None))
-        self._decode = jax.jit(self._decode_fn, in_shardings=(
-            shardings.params, shardings.model_state, *[None] * 8))
+        self._prefill = jax.jit(
+            self._prefill_fn, in_shardings=(shardings.params, shardings.model_state, None)
+        )
+        self._decode = jax.jit(
+            self._decode_fn, in_shardings=(shardings.params, shardings.model_state, *[None] * 8)
+        )
 
-    def generate(self, state: Any, prompt_BP: np.ndarray, tokens: int, *,
-                 temperature: float = 1.0, top_k: int = 0, seed: int = 0) -> np.ndarray:
+    def generate(
+        self,
+        state: Any,
+        prompt_BP: np.ndarray,
+        tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+    ) -> np.ndarray:
         """:func:`generate` with this run's compiled functions."""
         params, model_state = state.params, state.model_state
         B, S = prompt_BP.shape[0], self.max_len
@@ -316,9 +387,17 @@ class Generator:
             # this window's tokens: the first from the prompt's logits, one more per
             # position left in the cache; the last one is not run (the next window has it)
             count = min(tokens - done, S - filled + 1)
-            got = self._decode(params, model_state, cache, logits_BV, jnp.int32(filled),
-                               jnp.int32(count), jnp.int32(done), *settings)
-            out[:, done:done + count] = host_value(got)[:, :count]
+            got = self._decode(
+                params,
+                model_state,
+                cache,
+                logits_BV,
+                jnp.int32(filled),
+                jnp.int32(count),
+                jnp.int32(done),
+                *settings,
+            )
+            out[:, done : done + count] = host_value(got)[:, :count]
             done += count
             window = np.concatenate([prompt_BP, out[:, :done]], axis=1)[:, -keep:]
         return out
@@ -336,8 +415,9 @@ class Generator:
         rules = {**self.rules, "seq": ()}
         return rules if batch % self.plan.batch_ways() == 0 else {**rules, "batch": ()}
 
-    def _prefill_fn(self, params: Any, model_state: Any, tokens_BP: jax.Array
-                    ) -> tuple[jax.Array, Any]:
+    def _prefill_fn(
+        self, params: Any, model_state: Any, tokens_BP: jax.Array
+    ) -> tuple[jax.Array, Any]:
         """The logits [B, V] after the prompt, and the cache it filled."""
         with activation_rules(self.mesh, self._rules(tokens_BP.shape[0])):
             model = self._model(params, model_state)
@@ -345,17 +425,31 @@ class Generator:
             logits_BPV, cache = model.decode(tokens_BP, cache, jnp.int32(0))
         return logits_BPV[:, -1], cache
 
-    def _decode_fn(self, params: Any, model_state: Any, cache: Any, logits_BV: jax.Array,
-                   start: jax.Array, count: jax.Array, first: jax.Array,
-                   temperature: jax.Array, top_k: jax.Array, key: jax.Array) -> jax.Array:
+    def _decode_fn(
+        self,
+        params: Any,
+        model_state: Any,
+        cache: Any,
+        logits_BV: jax.Array,
+        start: jax.Array,
+        count: jax.Array,
+        first: jax.Array,
+        temperature: jax.Array,
+        top_k: jax.Array,
+        key: jax.Array,
+    ) -> jax.Array:
         """``count`` tokens [B, S] (the first ``count`` columns): each chosen from the
         logits, then run at position ``start`` + its index to give the next logits —
         all but the last. Token i draws with ``fold_in(key, first + i)``."""
         B = logits_BV.shape[0]
 
         def choose(logits_BV: jax.Array, i: jax.Array) -> jax.Array:
-            return choose_token(logits_BV[:, :self.vocab_limit], temperature, top_k,
-                                jax.random.fold_in(key, first + i))
+            return choose_token(
+                logits_BV[:, : self.vocab_limit],
+                temperature,
+                top_k,
+                jax.random.fold_in(key, first + i),
+            )
 
         with activation_rules(self.mesh, self._rules(B)):
             model = self._model(params, model_state)
@@ -367,13 +461,13 @@ class Generator:
                 return out_BS.at[:, i].set(token_B), cache, logits_B1V[:, -1]
 
             out_BS = jnp.zeros((B, self.max_len), jnp.int32)
-            out_BS, _, logits_BV = jax.lax.fori_loop(0, count - 1, body,
-                                                     (out_BS, cache, logits_BV))
+            out_BS, _, logits_BV = jax.lax.fori_loop(0, count - 1, body, (out_BS, cache, logits_BV))
             return out_BS.at[:, count - 1].set(choose(logits_BV, count - 1))
 
 
-def choose_token(logits_BV: jax.Array, temperature: jax.Array, top_k: jax.Array,
-                 key: jax.Array) -> jax.Array:
+def choose_token(
+    logits_BV: jax.Array, temperature: jax.Array, top_k: jax.Array, key: jax.Array
+) -> jax.Array:
     """The next token [B]: the argmax at temperature 0, else a draw from
     softmax(logits / temperature) over the ``top_k`` largest logits (all when 0; ties
     with the k-th largest are kept)."""

@@ -76,11 +76,14 @@ def _to_float(value: Any) -> Any:
 def _fits_float32(value: float) -> float:
     """Refuses a value the float32 step would turn into inf or 0."""
     if abs(value) > FLOAT32_MAX:
-        raise ValueError(f"={value:g} overflows float32 (largest {FLOAT32_MAX:.4g}): the step "
-                         "would compute inf; set {key} to a value in range")
+        raise ValueError(
+            f"={value:g} overflows float32 (largest {FLOAT32_MAX:.4g}): the step "
+            "would compute inf; set {key} to a value in range"
+        )
     if value and abs(value) < _FLOAT32_ZERO:
-        raise ValueError(f"={value:g} is 0 in float32 (smallest 1.4e-45); set a larger value, "
-                         "or 0 to mean none")
+        raise ValueError(
+            f"={value:g} is 0 in float32 (smallest 1.4e-45); set a larger value, or 0 to mean none"
+        )
     return value
 
 
@@ -92,8 +95,9 @@ def _string_list(value: Any) -> Any:
         return tuple(v.strip() for v in value.split(",") if v.strip())
     if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
         return tuple(value)
-    raise ValueError(f" expects a list of strings, got {value!r}; write e.g. "
-                     "{key}=[first, second]")
+    raise ValueError(
+        f" expects a list of strings, got {value!r}; write e.g. {{key}}=[first, second]"
+    )
 
 
 #: A finite float; an int or a string such as ``'1e-3'`` is read as one.
@@ -115,10 +119,10 @@ def _int_list(value: Any) -> Any:
         if all(v.lstrip("-").isdigit() for v in parts):
             return tuple(int(v) for v in parts)
     if isinstance(value, (list, tuple)) and all(
-            isinstance(v, int) and not isinstance(v, bool) for v in value):
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
         return tuple(value)
-    raise ValueError(f" expects a list of integers, got {value!r}; write e.g. "
-                     "{key}=[3, 2]")
+    raise ValueError(f" expects a list of integers, got {value!r}; write e.g. {{key}}=[3, 2]")
 
 
 #: A tuple of ints, given as a YAML list, one int or a comma-separated string.
@@ -127,15 +131,28 @@ IntList = Annotated[tuple[int, ...], BeforeValidator(_int_list)]
 
 # ---------------------------------------------------------------- one-line errors
 
-_TYPE_NAMES = {"int_type": "int", "int_parsing": "int", "int_from_float": "int",
-               "float_type": "float", "float_parsing": "float", "string_type": "str",
-               "bool_type": "bool", "bool_parsing": "bool", "tuple_type": "a list",
-               "dict_type": "a mapping"}
+_TYPE_NAMES = {
+    "int_type": "int",
+    "int_parsing": "int",
+    "int_from_float": "int",
+    "float_type": "float",
+    "float_parsing": "float",
+    "string_type": "str",
+    "bool_type": "bool",
+    "bool_parsing": "bool",
+    "tuple_type": "a list",
+    "dict_type": "a mapping",
+}
 _BOUND_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
 
 
-def closest(key: str, valid: Iterable[str], prefix: str = "", label: str = "valid keys:",
-            cutoff: float = 0.4) -> str:
+def closest(
+    key: str,
+    valid: Iterable[str],
+    prefix: str = "",
+    label: str = "valid keys:",
+    cutoff: float = 0.4,
+) -> str:
     """``did you mean 'PREFIX<closest>'? valid keys: …`` (difflib's closest match)."""
     valid = sorted(valid)
     match = difflib.get_close_matches(key, valid, n=1, cutoff=cutoff)
@@ -154,8 +171,7 @@ def one_line(name: str, cls: type, err: pydantic.ValidationError) -> ConfigError
     if field not in cls.__pydantic_fields__ and kind != "unexpected_keyword_argument":
         return ConfigError(f"config key '{key}': {first['msg']}, got {value!r}")
     if kind == "unexpected_keyword_argument":
-        return ConfigError(f"unknown config key '{key}': "
-                           f"{closest(field, keys(cls), name + '.')}")
+        return ConfigError(f"unknown config key '{key}': {closest(field, keys(cls), name + '.')}")
     if isinstance(cause, ValueError):  # a type's own check: the rest of a sentence
         return ConfigError(f"config key '{key}'{str(cause).replace('{key}', key)}")
     if kind in _BOUND_ERRORS:
@@ -167,11 +183,16 @@ def one_line(name: str, cls: type, err: pydantic.ValidationError) -> ConfigError
         return ConfigError(f"config key '{key}' must be a finite number, got {value!r}")
     if kind in _TYPE_NAMES:
         # YAML 1.1 reads some text as numbers (5:8 is base-60 for 308): quoting keeps it text
-        quote = (f" (quote it in YAML: {field}: \"...\")" if kind == "string_type"
-                 and isinstance(value, (int, float)) else "")
-        return ConfigError(f"config key '{key}' expects {_TYPE_NAMES[kind]}, got {value!r} "
-                           f"({type(value).__name__}); fix the value in the YAML{quote} or "
-                           f"the override {key}=...")
+        quote = (
+            f' (quote it in YAML: {field}: "...")'
+            if kind == "string_type" and isinstance(value, (int, float))
+            else ""
+        )
+        return ConfigError(
+            f"config key '{key}' expects {_TYPE_NAMES[kind]}, got {value!r} "
+            f"({type(value).__name__}); fix the value in the YAML{quote} or "
+            f"the override {key}=..."
+        )
     return ConfigError(f"config key '{key}': {first['msg']}, got {value!r}")
 
 
@@ -193,8 +214,9 @@ class Override(str):
         (:mod:`jaxpar.yamlfile`: no alias bomb, no deep nesting)."""
         if not self.strip():
             return None
-        return yamlfile.load(self, f"override {shorten(self.source, 100)!r}",
-                             "quote the value or fix it")
+        return yamlfile.load(
+            self, f"override {shorten(self.source, 100)!r}", "quote the value or fix it"
+        )
 
 
 def typed(cls: type, key: str, value: Any) -> Any:
@@ -222,8 +244,11 @@ def choices_of(annotation: Any) -> tuple[Any, ...]:
 
 def section_choices(cls: type, prefix: str) -> dict[str, tuple[Any, ...]]:
     """``{'PREFIX.<key>': choices}`` for every key of ``cls`` with a ``Literal`` type."""
-    return {f"{prefix}.{k}": c for k, info in cls.__pydantic_fields__.items()
-            if (c := choices_of(info.annotation))}
+    return {
+        f"{prefix}.{k}": c
+        for k, info in cls.__pydantic_fields__.items()
+        if (c := choices_of(info.annotation))
+    }
 
 
 def takes_text(cls: type, key: str) -> bool:
@@ -239,8 +264,11 @@ def takes_text(cls: type, key: str) -> bool:
 def bounds(cls: type, key: str) -> str:
     """A key's declared bounds: ``≥ 1``, ``> 0``, ``in [0, 1)``…"""
     names = {Ge: "ge", Gt: "gt", Le: "le", Lt: "lt"}
-    found = {type(m): getattr(m, names[type(m)]) for m in cls.__pydantic_fields__[key].metadata
-             if type(m) in names}
+    found = {
+        type(m): getattr(m, names[type(m)])
+        for m in cls.__pydantic_fields__[key].metadata
+        if type(m) in names
+    }
     low = next(((s, _number(found[t])) for t, s in ((Ge, "["), (Gt, "(")) if t in found), None)
     high = next(((s, _number(found[t])) for t, s in ((Le, "]"), (Lt, ")")) if t in found), None)
     if low and high:
@@ -269,8 +297,7 @@ def _type_name(info: Any) -> str:
         return type(allowed[0]).__name__
     if typing.get_origin(info.annotation) is tuple:
         return "list of str"
-    float32 = any(isinstance(m, AfterValidator) and m.func is _fits_float32
-                  for m in info.metadata)
+    float32 = any(isinstance(m, AfterValidator) and m.func is _fits_float32 for m in info.metadata)
     return "float32" if float32 else getattr(info.annotation, "__name__", str(info.annotation))
 
 
@@ -291,8 +318,9 @@ def _allowed(cls: type, key: str, info: Any) -> str:
     return ""
 
 
-def reference(cls: type, prefix: str, aliases: dict[str, str] | None = None,
-              skip: Iterable[str] = ()) -> str:
+def reference(
+    cls: type, prefix: str, aliases: dict[str, str] | None = None, skip: Iterable[str] = ()
+) -> str:
     """A Markdown table of the keys of section ``cls`` (``PREFIX.<key>``): type, default,
     choices or bounds, and description; ``aliases`` maps a key to its other spelling."""
     rows = ["| key | type | default | allowed | description |", "|---|---|---|---|---|"]
@@ -303,8 +331,10 @@ def reference(cls: type, prefix: str, aliases: dict[str, str] | None = None,
         # a Markdown table cell: no line breaks, no raw | or < (read as an HTML tag)
         text = " ".join((info.description or "").split())
         text = text.replace("|", "\\|").replace("<", "\\<")
-        rows.append(f"| `{prefix}.{key}` | {_type_name(info)} | {_shown(info.default)} | "
-                    f"{_allowed(cls, key, info)} | {text}{alias} |")
+        rows.append(
+            f"| `{prefix}.{key}` | {_type_name(info)} | {_shown(info.default)} | "
+            f"{_allowed(cls, key, info)} | {text}{alias} |"
+        )
     return "\n".join(rows)
 
 

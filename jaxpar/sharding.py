@@ -40,24 +40,54 @@ from jaxpar.schema import section
 # layers go over 'stage' (a no-op while mesh.stage = 1): pipeline stages are layer ranges;
 # the sequence of activations over 'context' (a no-op while mesh.context = 1).
 _REPLICATED = {
-    "seq": ("context",), "experts": (), "act_embed": (), "kv": (), "layers": ("stage",), "classes": (),
-    "conv_h": (), "conv_w": (), "conv_in": (), "conv_out": (),
+    "seq": ("context",),
+    "experts": (),
+    "act_embed": (),
+    "kv": (),
+    "layers": ("stage",),
+    "classes": (),
+    "conv_h": (),
+    "conv_w": (),
+    "conv_in": (),
+    "conv_out": (),
 }
 
 PRESETS: dict[str, dict[str, tuple[str, ...]]] = {
-    "dp": {**_REPLICATED, "batch": ("data",), "embed": (), "mlp": (), "heads": (),
-           "kv_heads": (), "vocab": ()},
+    "dp": {
+        **_REPLICATED,
+        "batch": ("data",),
+        "embed": (),
+        "mlp": (),
+        "heads": (),
+        "kv_heads": (),
+        "vocab": (),
+    },
     "fsdp": {
-        **_REPLICATED, "batch": ("data", "fsdp"), "embed": ("fsdp",),
-        "mlp": (), "heads": (), "kv_heads": (), "vocab": (),
+        **_REPLICATED,
+        "batch": ("data", "fsdp"),
+        "embed": ("fsdp",),
+        "mlp": (),
+        "heads": (),
+        "kv_heads": (),
+        "vocab": (),
     },
     "tp": {
-        **_REPLICATED, "batch": ("data",), "embed": (),
-        "mlp": ("tensor",), "heads": ("tensor",), "kv_heads": ("tensor",), "vocab": ("tensor",),
+        **_REPLICATED,
+        "batch": ("data",),
+        "embed": (),
+        "mlp": ("tensor",),
+        "heads": ("tensor",),
+        "kv_heads": ("tensor",),
+        "vocab": ("tensor",),
     },
     "fsdp_tp": {
-        **_REPLICATED, "batch": ("data", "fsdp"), "embed": ("fsdp",),
-        "mlp": ("tensor",), "heads": ("tensor",), "kv_heads": ("tensor",), "vocab": ("tensor",),
+        **_REPLICATED,
+        "batch": ("data", "fsdp"),
+        "embed": ("fsdp",),
+        "mlp": ("tensor",),
+        "heads": ("tensor",),
+        "kv_heads": ("tensor",),
+        "vocab": ("tensor",),
     },
 }
 PRESETS["auto"] = dict(PRESETS["fsdp_tp"])
@@ -73,8 +103,9 @@ def _axes(name: str, value: Any) -> tuple[str, ...]:
         return tuple(p for p in parts if p and p.lower() not in ("none", "null"))
     if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
         return tuple(value)
-    raise ConfigError(f"rule 'rules.{name}' must be a mesh axis, a list of mesh axes or null, "
-                      f"got {value!r}")
+    raise ConfigError(
+        f"rule 'rules.{name}' must be a mesh axis, a list of mesh axes or null, got {value!r}"
+    )
 
 
 def _rule_table(value: Any) -> Any:
@@ -93,13 +124,20 @@ class RulesConfig:
     ``rules.kv=null`` (not sharded).
     """
 
-    preset: str = Field("auto", description="the rules table to start from: auto, dp, fsdp, "
-                                            "tp or fsdp_tp (see jaxpar/sharding.py)")
-    overrides: Annotated[tuple[tuple[str, tuple[str, ...]], ...],
-                         BeforeValidator(_rule_table)] = Field(
-        (), description="rules.<logical axis name>=<mesh axes>: a mesh axis, a list of mesh "
-                        "axes, or null for not sharded; replaces that name's rule in the preset",
-        json_schema_extra={"type": "name → mesh axes"})
+    preset: str = Field(
+        "auto",
+        description="the rules table to start from: auto, dp, fsdp, "
+        "tp or fsdp_tp (see jaxpar/sharding.py)",
+    )
+    overrides: Annotated[tuple[tuple[str, tuple[str, ...]], ...], BeforeValidator(_rule_table)] = (
+        Field(
+            (),
+            description="rules.<logical axis name>=<mesh axes>: a mesh axis, a list of mesh "
+            "axes, or null for not sharded; replaces that name's rule in the preset",
+            json_schema_extra={"type": "name → mesh axes"},
+        )
+    )
+
 
 PathRules = Sequence[tuple[str, tuple[str | None, ...]]]
 
@@ -160,13 +198,15 @@ def variable_names(var: nnx.Variable, where: str) -> tuple[Any, ...] | None:
             raise TaskError(
                 f"variable '{where}' carries {key}={names!r}, a concrete sharding; jaxpar needs "
                 f"logical names, e.g. nnx.with_partitioning(init, ('embed', 'mlp')), which the "
-                f"rules table maps onto the mesh")
+                f"rules table maps onto the mesh"
+            )
         return names
     return None
 
 
-def logical_axes(abstract_state: nnx.State, path_rules: PathRules = ()
-                 ) -> tuple[dict[str, Any], list[str]]:
+def logical_axes(
+    abstract_state: nnx.State, path_rules: PathRules = ()
+) -> tuple[dict[str, Any], list[str]]:
     """Logical names of every variable, as a pure dict like the state, and the paths of
     the variables that have none.
 
@@ -189,7 +229,8 @@ def logical_axes(abstract_state: nnx.State, path_rules: PathRules = ()
         return (None,) * len(var.shape)
 
     leaves = jax.tree_util.tree_leaves_with_path(
-        abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
     names = [names_of(path, var) for path, var in leaves]
     # the structure of nnx.to_pure_dict(state), with a tuple of names for each variable
     structure = jax.tree.structure(nnx.to_pure_dict(abstract_state))
@@ -210,7 +251,7 @@ def fit_soft_rules(rules: Rules, abstract_params: Any, axes: Any, mesh: Mesh) ->
 
     def check(path, leaf, names):
         for dim, entry in enumerate(names):
-            for name in (entry if isinstance(entry, tuple) else (entry,)):
+            for name in entry if isinstance(entry, tuple) else (entry,):
                 axes_ = fitted.get(name, ()) if name in SOFT_NAMES else ()
                 ways = math.prod(mesh.shape.get(a, 1) for a in axes_)
                 if ways > 1 and leaf.shape[dim] % ways:
@@ -218,17 +259,21 @@ def fit_soft_rules(rules: Rules, abstract_params: Any, axes: Any, mesh: Mesh) ->
                         f"rules.{name}={','.join(axes_)}: {leaf.shape[dim]} {name} of "
                         f"'{path_str(path)}' do not split {ways} ways, so they are not sharded "
                         f"(every device of the group holds them all); set rules.{name}=null "
-                        "to say so", stacklevel=4)
+                        "to say so",
+                        stacklevel=4,
+                    )
                     fitted[name] = ()
         return None
 
-    jax.tree_util.tree_map_with_path(check, abstract_params, axes,
-                                     is_leaf=lambda x: isinstance(x, tuple))
+    jax.tree_util.tree_map_with_path(
+        check, abstract_params, axes, is_leaf=lambda x: isinstance(x, tuple)
+    )
     return fitted
 
 
-def param_specs(abstract_params: Any, axes: Any, rules: Rules, mesh: Mesh,
-                what: str = "parameter") -> Any:
+def param_specs(
+    abstract_params: Any, axes: Any, rules: Rules, mesh: Mesh, what: str = "parameter"
+) -> Any:
     """``PartitionSpec`` per parameter (pure dict), with every rule check applied; ``what``
     names the arrays in errors (``parameter``, ``model state``)."""
 
@@ -270,14 +315,16 @@ def param_positions(abstract_opt: Any, abstract_params: Any) -> Any:
         if not params_like(node):
             return node if is_masked(node) else -1
         leaves, treedef = jax.tree.flatten(node, is_leaf=is_masked)
-        return jax.tree.unflatten(treedef, [leaf if is_masked(leaf) else i
-                                            for i, leaf in enumerate(leaves)])
+        return jax.tree.unflatten(
+            treedef, [leaf if is_masked(leaf) else i for i, leaf in enumerate(leaves)]
+        )
 
     return jax.tree.map(one, abstract_opt, is_leaf=params_like)
 
 
-def opt_state_specs(abstract_opt: Any, abstract_params: Any, specs: Any
-                    ) -> tuple[Any, list[tuple[str, tuple[int, ...]]]]:
+def opt_state_specs(
+    abstract_opt: Any, abstract_params: Any, specs: Any
+) -> tuple[Any, list[tuple[str, tuple[int, ...]]]]:
     """Specs for an Optax state, from its structure (:func:`param_positions`), and the
     leaves left replicated: a leaf of its parameter's shape gets that parameter's spec;
     any other leaf (step counts, injected hyperparameters, Adafactor's factored rows and
@@ -302,8 +349,7 @@ def opt_state_specs(abstract_opt: Any, abstract_params: Any, specs: Any
         return PartitionSpec()
 
     positions = param_positions(abstract_opt, abstract_params)
-    tree = jax.tree_util.tree_map_with_path(leaf_spec, abstract_opt, positions,
-                                            is_leaf=is_masked)
+    tree = jax.tree_util.tree_map_with_path(leaf_spec, abstract_opt, positions, is_leaf=is_masked)
     return tree, replicated
 
 
@@ -363,7 +409,10 @@ def param_rows(abstract_params: Any, axes: Any, shardings: Any) -> list[ParamRow
         shard = sharding.shard_shape(leaf.shape)
         rows.append(
             ParamRow(
-                path_str(path), tuple(leaf.shape), names, sharding.spec,
+                path_str(path),
+                tuple(leaf.shape),
+                names,
+                sharding.spec,
                 math.prod(shard) * itemsize(leaf.dtype),
             )
         )
@@ -381,14 +430,18 @@ def place_params(host: Any, abstract: Any, shardings: Any) -> Any:
     wanted = {path_str(p): a for p, a in jax.tree_util.tree_leaves_with_path(abstract)}
     problems = [f"{k} missing" for k in wanted if k not in given]
     problems += [f"{k} is not a parameter of the model" for k in given if k not in wanted]
-    problems += [f"{k} has shape {tuple(np.shape(given[k]))}, the model's is {a.shape}"
-                 for k, a in wanted.items() if k in given and np.shape(given[k]) != a.shape]
+    problems += [
+        f"{k} has shape {tuple(np.shape(given[k]))}, the model's is {a.shape}"
+        for k, a in wanted.items()
+        if k in given and np.shape(given[k]) != a.shape
+    ]
     if problems:
         raise TaskError("the initial parameters do not fit the model: " + "; ".join(problems))
 
     def place(path: Any, a: jax.ShapeDtypeStruct, sharding: NamedSharding) -> jax.Array:
         x = given[path_str(path)]
         return jax.make_array_from_callback(
-            a.shape, sharding, lambda index: np.asarray(x[index], dtype=a.dtype))
+            a.shape, sharding, lambda index: np.asarray(x[index], dtype=a.dtype)
+        )
 
     return jax.tree_util.tree_map_with_path(place, abstract, shardings)

@@ -34,10 +34,17 @@ from typing import Any
 
 from jaxpar.errors import Terminated
 
-_STARTING = {signal.SIGINT: (130, "jaxpar: interrupted (Ctrl-C) while starting; nothing was "
-                                  "written: run the same command again"),
-             signal.SIGTERM: (143, "jaxpar: stopped (SIGTERM) while starting; nothing was "
-                                   "written: run the same command again")}
+_STARTING = {
+    signal.SIGINT: (
+        130,
+        "jaxpar: interrupted (Ctrl-C) while starting; nothing was "
+        "written: run the same command again",
+    ),
+    signal.SIGTERM: (
+        143,
+        "jaxpar: stopped (SIGTERM) while starting; nothing was written: run the same command again",
+    ),
+}
 _SEEN: list[int] = []  # signals seen by raising() and not yet raised where they count
 _WATCHED: list[weakref.ref] = []  # the exceptions raised for them, until reported
 #: signals whose exception was dropped, for :func:`_redeliver` (``SimpleQueue.put`` may be
@@ -98,6 +105,7 @@ def _redeliver() -> None:
 def _quiet_unraisable(hook: Any) -> Any:
     """``sys.unraisablehook`` that says nothing of a signal's exception dropped by a
     callback (it is raised again), and passes anything else to ``hook``."""
+
     def quiet(args: Any) -> None:
         if not (_SEEN and isinstance(args.exc_value, (KeyboardInterrupt, Terminated))):
             hook(args)
@@ -119,10 +127,8 @@ def raise_pending() -> None:
 
 def stopped_line(err: BaseException, command: str) -> str:
     """The one line of ``jaxpar COMMAND`` (other than ``train``) stopped by a signal."""
-    what = ("interrupted (Ctrl-C)" if isinstance(err, KeyboardInterrupt) else
-            "stopped (SIGTERM)")
-    return (f"jaxpar: {what} during jaxpar {command}, before it finished: run the same "
-            "command again")
+    what = "interrupted (Ctrl-C)" if isinstance(err, KeyboardInterrupt) else "stopped (SIGTERM)"
+    return f"jaxpar: {what} during jaxpar {command}, before it finished: run the same command again"
 
 
 def clear() -> None:
@@ -140,8 +146,7 @@ def raising() -> Iterator[None]:
         return
     clear()
     if not _REDELIVERER:
-        _REDELIVERER.append(threading.Thread(target=_redeliver, daemon=True,
-                                             name="jaxpar-signals"))
+        _REDELIVERER.append(threading.Thread(target=_redeliver, daemon=True, name="jaxpar-signals"))
         _REDELIVERER[0].start()
     previous = {sig: signal.signal(sig, _raise) for sig in _STARTING}
     hook = sys.unraisablehook

@@ -65,9 +65,11 @@ def _sequence_of(model: nnx.Module) -> Sequence[Any]:
     them in an attribute of that name)."""
     layers = getattr(model, "layers", None)
     if layers is None:
-        raise TaskError(f"Task.layers: the model ({type(model).__name__}) has no attribute "
-                        "'layers'; make it an nnx.Sequential, or give Layers(of=lambda model: "
-                        "[its layers in order])")
+        raise TaskError(
+            f"Task.layers: the model ({type(model).__name__}) has no attribute "
+            "'layers'; make it an nnx.Sequential, or give Layers(of=lambda model: "
+            "[its layers in order])"
+        )
     return list(layers)
 
 
@@ -206,13 +208,17 @@ class Task:
     def __post_init__(self) -> None:
         if self.loss_fn is None:
             if self.layers is None:
-                raise TaskError("a Task needs a loss: give loss_fn=(model, batch) -> (loss, "
-                                "metrics), or layers=jaxpar.Layers(inputs=…, loss=…)")
+                raise TaskError(
+                    "a Task needs a loss: give loss_fn=(model, batch) -> (loss, "
+                    "metrics), or layers=jaxpar.Layers(inputs=…, loss=…)"
+                )
             object.__setattr__(self, "loss_fn", self.layers.loss_fn)
         if not self.batch_axes:
-            raise TaskError("a Task needs batch_axes: the logical axes of each batch entry, "
-                            "e.g. {'images': ('batch', None, None, None), 'labels': "
-                            "('batch',)}")
+            raise TaskError(
+                "a Task needs batch_axes: the logical axes of each batch entry, "
+                "e.g. {'images': ('batch', None, None, None), 'labels': "
+                "('batch',)}"
+            )
 
 
 @dataclass(frozen=True)
@@ -251,17 +257,26 @@ def checked_loss(out: Any, name: str) -> tuple[jax.Array, dict]:
     Raises:
       TaskError: naming it and what it returned instead.
     """
-    must = ("; loss_fn must return (loss, metrics): a scalar loss (average the "
-            "per-example losses, e.g. loss.mean()) and a dict of scalar metrics ({} for none)")
+    must = (
+        "; loss_fn must return (loss, metrics): a scalar loss (average the "
+        "per-example losses, e.g. loss.mean()) and a dict of scalar metrics ({} for none)"
+    )
     if not isinstance(out, (tuple, list)) or len(out) != 2:
-        got = (f"a {len(out)}-tuple" if isinstance(out, (tuple, list)) else
-               f"one array of shape {tuple(out.shape)}" if hasattr(out, "shape") else
-               f"a {type(out).__name__}")
+        got = (
+            f"a {len(out)}-tuple"
+            if isinstance(out, (tuple, list))
+            else f"one array of shape {tuple(out.shape)}"
+            if hasattr(out, "shape")
+            else f"a {type(out).__name__}"
+        )
         raise TaskError(f"{name} returned {got}{must}")
     loss, metrics = out
     if not hasattr(loss, "shape") or tuple(loss.shape) != ():
-        got = (f"a loss of shape {tuple(loss.shape)}" if hasattr(loss, "shape") else
-               f"a {type(loss).__name__} as its loss")
+        got = (
+            f"a loss of shape {tuple(loss.shape)}"
+            if hasattr(loss, "shape")
+            else f"a {type(loss).__name__} as its loss"
+        )
         raise TaskError(f"{name} returned {got}{must}")
     if not isinstance(metrics, dict):
         raise TaskError(f"{name} returned a {type(metrics).__name__} as its metrics{must}")

@@ -50,15 +50,16 @@ class Trainer:
         self._eval_params = None
         if plan.task.eval_params is not None:
             if plan.executor == "mpmd":
-                raise TaskError("Task.eval_params needs the whole optimizer state in one "
-                                "program, which pipeline.executor=mpmd splits by stage; use "
-                                "pipeline.executor=spmd or leave eval_params out")
+                raise TaskError(
+                    "Task.eval_params needs the whole optimizer state in one "
+                    "program, which pipeline.executor=mpmd splits by stage; use "
+                    "pipeline.executor=spmd or leave eval_params out"
+                )
             self._eval_params = jax.jit(plan.task.eval_params, out_shardings=shardings.params)
 
     def with_plan(self, plan: Plan) -> Trainer:
         """A trainer of another plan with this one's seed and guard."""
-        return Trainer(plan, seed=self.seed,
-                       nonfinite_guard=self.nonfinite_guard)
+        return Trainer(plan, seed=self.seed, nonfinite_guard=self.nonfinite_guard)
 
     def _create(self, mesh: Any = None) -> TrainState:
         """The fresh state (traced); ``mesh``: the mesh of the activation rules while the
@@ -71,8 +72,9 @@ class Trainer:
         _, params, model_state = nnx.split(model, nnx.Param, ...)
         params = nnx.to_pure_dict(params)
         zero = jnp.zeros((), jnp.int32)
-        return TrainState(zero, params, self.plan.optimizer.init(params), zero,
-                          nnx.to_pure_dict(model_state))
+        return TrainState(
+            zero, params, self.plan.optimizer.init(params), zero, nnx.to_pure_dict(model_state)
+        )
 
     def init(self) -> TrainState:
         """A fresh state, born sharded (``jit`` with ``out_shardings``).
@@ -89,17 +91,20 @@ class Trainer:
         sizes.check_state(plan, sizes.device_memory(list(plan.mesh.devices.flat)), {})
         if plan.task.init_params is None:
             return self._init()
+
         def create_from(params: Any) -> TrainState:
             # the model's own parameters are built too, unused (XLA drops them): the other
             # state (RNG streams, statistics) comes from the same init path
             state = self._create()
-            return TrainState(state.step, params, plan.optimizer.init(params), state.skipped,
-                              state.model_state)
+            return TrainState(
+                state.step, params, plan.optimizer.init(params), state.skipped, state.model_state
+            )
 
         shardings = plan.state_shardings
         params = place_params(plan.task.init_params(), plan.model.params, shardings.params)
-        return jax.jit(create_from, in_shardings=(shardings.params,), out_shardings=shardings,
-                       donate_argnums=0)(params)
+        return jax.jit(
+            create_from, in_shardings=(shardings.params,), out_shardings=shardings, donate_argnums=0
+        )(params)
 
     def compile_init(self) -> jax.stages.Compiled:
         """The compiled init program (its memory analysis shows what one device holds)."""
@@ -109,41 +114,47 @@ class Trainer:
         """Host arrays (this process's rows) → global ``jax.Array``s with the batch sharding."""
         shapes = global_batch_shapes(host_batch)
         shardings = self.plan.batch_shardings(shapes)
-        return {k: jax.make_array_from_process_local_data(shardings[k], np.asarray(v),
-                                                          shapes[k].shape)
-                for k, v in host_batch.items()}
+        return {
+            k: jax.make_array_from_process_local_data(shardings[k], np.asarray(v), shapes[k].shape)
+            for k, v in host_batch.items()
+        }
 
-    def apply(self, params: Any, model_state: Any, batch: Batch, *, train: bool
-              ) -> tuple[jax.Array, dict, Any]:
+    def apply(
+        self, params: Any, model_state: Any, batch: Batch, *, train: bool
+    ) -> tuple[jax.Array, dict, Any]:
         """The task's loss, metrics and the model's new state on the whole batch, in
         training or evaluation mode, with the plan's activation rules (traceable)."""
         plan = self.plan
-        return plan.loss(params, model_state, batch, train=train, mesh=plan.mesh,
-                         rules=plan.rules)
+        return plan.loss(params, model_state, batch, train=train, mesh=plan.mesh, rules=plan.rules)
 
-    def loss(self, params: Any, batch: Batch, model_state: Any = None
-             ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def loss(
+        self, params: Any, batch: Batch, model_state: Any = None
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The task's loss and metrics of ``params`` in training mode (traceable)."""
         return self.apply(params, self._state_or_empty(model_state), batch, train=True)[:2]
 
     def _state_or_empty(self, model_state: Any) -> Any:
         if model_state is None and self.plan.model.stateful:
-            raise TaskError("this model has state besides its parameters "
-                            f"({', '.join(self.plan.model.state_kinds)}): pass model_state "
-                            "(TrainState.model_state)")
+            raise TaskError(
+                "this model has state besides its parameters "
+                f"({', '.join(self.plan.model.state_kinds)}): pass model_state "
+                "(TrainState.model_state)"
+            )
         return {} if model_state is None else model_state
 
     def step(self, state: TrainState, batch: Mapping[str, jax.Array]) -> tuple[TrainState, dict]:
         """One optimizer step (donates ``state``)."""
         return self._step(state, batch)
 
-    def grads(self, params: Any, batch: Mapping[str, jax.Array], model_state: Any = None
-              ) -> tuple[jax.Array, dict, Any]:
+    def grads(
+        self, params: Any, batch: Mapping[str, jax.Array], model_state: Any = None
+    ) -> tuple[jax.Array, dict, Any]:
         """Loss, metrics and gradients of one step's batch, as the train step computes them."""
         return self._grads_jit(params, batch, self._state_or_empty(model_state))
 
-    def evaluate(self, state: TrainState | Any, batch: Mapping[str, jax.Array]
-                 ) -> dict[str, jax.Array]:
+    def evaluate(
+        self, state: TrainState | Any, batch: Mapping[str, jax.Array]
+    ) -> dict[str, jax.Array]:
         """Loss (and task metrics) on one batch in evaluation mode (``model.eval()``: no
         dropout, BatchNorm on its running averages). ``state`` is a :class:`TrainState`,
         or the parameters of a model without other state. With pipeline stages the batch
@@ -155,19 +166,26 @@ class Trainer:
         """
         self.plan.check_eval_batch(batch)
         if isinstance(state, TrainState):
-            params = state.params if self._eval_params is None else self._eval_params(
-                state.opt_state, state.params)  # the task's evaluation parameters
+            params = (
+                state.params
+                if self._eval_params is None
+                else self._eval_params(state.opt_state, state.params)
+            )  # the task's evaluation parameters
             return self._eval(params, state.model_state, batch)
         return self._eval(state, self._state_or_empty(None), batch)
 
     def lower_step(self, batch: Mapping[str, Any]) -> jax.stages.Lowered:
         """The train step for batches shaped like ``batch``, lowered (not yet compiled)."""
         shardings = self.plan.batch_shardings(batch)
-        abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k])
-                          for k, v in batch.items()}
+        abstract_batch = {
+            k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k])
+            for k, v in batch.items()
+        }
         abstract_state = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            self.plan.abstract_state, self.plan.state_shardings)
+            self.plan.abstract_state,
+            self.plan.state_shardings,
+        )
         return self._step.lower(abstract_state, abstract_batch)
 
     def compile_step(self, batch: Mapping[str, Any]) -> jax.stages.Compiled:

@@ -10,19 +10,26 @@ import warnings
 
 from jaxpar import schema
 from jaxpar.config import Config
-from jaxpar.model_section import model_settings
 from jaxpar.context import ContextConfig
 from jaxpar.data.sources import DataConfig
+from jaxpar.model_section import model_settings
 from jaxpar.optim import OptimConfig
 from jaxpar.pipeline.schedule import PipelineConfig
-
 
 #: ``data`` keys that read a task's own data too
 _LOADER_KEYS = ("threads", "prefetch", "workers", "wait_warn")
 #: ``data`` keys :func:`jaxpar.task_for` sizes a family's model by (vocabulary, sequence
 #: length, packing, image shape), also when the task then brings its own data
-_SIZING_KEYS = ("path", "mixture", "text_key", "dataset", "seq_len", "pack", "image_size",
-                "channels")
+_SIZING_KEYS = (
+    "path",
+    "mixture",
+    "text_key",
+    "dataset",
+    "seq_len",
+    "pack",
+    "image_size",
+    "channels",
+)
 
 
 def _non_default(config: Config, dotted: str) -> bool:
@@ -33,24 +40,29 @@ def _non_default(config: Config, dotted: str) -> bool:
     return getattr(getattr(config, section_name), key) != getattr(default, key)
 
 
-def unused_settings(config: Config, *, user_task: bool = False, own_data: bool = False,
-                    own_optimizer: bool = False) -> list[str]:
+def unused_settings(
+    config: Config, *, user_task: bool = False, own_data: bool = False, own_optimizer: bool = False
+) -> list[str]:
     """Keys set away from their default that the run ignores: another model family's keys,
     the ``model`` section for a user's task, ``data`` keys the model does not read (or all
     of them when the task brings its data, but for the loader's and, for a family's task
     from :func:`jaxpar.task_for` (``user_task=False``), those it was sized by), ``optim``
     keys when the run brings its own optimizer, and the options of other choices."""
     explicit = [f"model.{k}" for k in model_settings(config.model)]
-    keys = explicit + ["model.name"] if user_task else [
-        k for k in explicit if k.split(".", 1)[1] not in config.family.keys()]
+    keys = (
+        explicit + ["model.name"]
+        if user_task
+        else [k for k in explicit if k.split(".", 1)[1] not in config.family.keys()]
+    )
     data = config.data
     if own_data:  # the loader's keys still apply; a family's task was sized by its data
         kept = _LOADER_KEYS + (() if user_task else _SIZING_KEYS)
         keys += [f"data.{k}" for k in schema.keys(DataConfig) if k not in kept]
     if not user_task:
         text = config.family.needs(config.model).kind == "text"
-        synthetic = data.dataset == "synthetic" or (data.dataset == "auto" and not data.path
-                                                    and not text)
+        synthetic = data.dataset == "synthetic" or (
+            data.dataset == "auto" and not data.path and not text
+        )
         keys += ["data.image_size", "data.channels"] if text else ["data.seq_len"]
         keys += [] if text and data.path else ["data.text_key"]
         if not synthetic:
@@ -74,14 +86,17 @@ def unused_settings(config: Config, *, user_task: bool = False, own_data: bool =
 def warn_unused(config: Config, **run: bool) -> None:
     """Warns once per key that is set but has no effect (STYLE: never silently ignore);
     ``run`` says what the run brings itself (see :func:`unused_settings`)."""
-    why = {"user_task": "the task is a user's (its model is its own)",
-           "own_data": "the task brings its own data",
-           "own_optimizer": "the run brings its own Optax optimizer"}
+    why = {
+        "user_task": "the task is a user's (its model is its own)",
+        "own_data": "the task brings its own data",
+        "own_optimizer": "the run brings its own Optax optimizer",
+    }
     context = [why[k] for k, on in run.items() if on]
     if not run.get("user_task"):
-        context.append(f"model.name={config.family.name}, optim.name={config.optim.name}, "
-                       f"optim.schedule={config.optim.schedule}, mesh.stage="
-                       f"{config.mesh.stage}, checkpoint.keep_best={config.checkpoint.keep_best}")
+        context.append(
+            f"model.name={config.family.name}, optim.name={config.optim.name}, "
+            f"optim.schedule={config.optim.schedule}, mesh.stage="
+            f"{config.mesh.stage}, checkpoint.keep_best={config.checkpoint.keep_best}"
+        )
     for key in unused_settings(config, **run):
-        warnings.warn(f"config key '{key}' has no effect with {'; '.join(context)}",
-                      stacklevel=2)
+        warnings.warn(f"config key '{key}' has no effect with {'; '.join(context)}", stacklevel=2)

@@ -21,13 +21,17 @@ from jaxpar.optim import injected_lr
 from jaxpar.state import TrainState
 
 
-def optimizer_update(tx: optax.GradientTransformation, grads: Any, opt_state: Any,
-                     params: Any, global_norm: jax.Array | None = None) -> tuple[Any, Any]:
+def optimizer_update(
+    tx: optax.GradientTransformation,
+    grads: Any,
+    opt_state: Any,
+    params: Any,
+    global_norm: jax.Array | None = None,
+) -> tuple[Any, Any]:
     """New parameters and optimizer state. ``global_norm``: the gradient norm of the whole
     model, for an update that sees only part of it (jaxpar's clipping reads it)."""
     extra = {} if global_norm is None else {"global_norm": global_norm}
-    updates, opt_state = optax.with_extra_args_support(tx).update(grads, opt_state, params,
-                                                                 **extra)
+    updates, opt_state = optax.with_extra_args_support(tx).update(grads, opt_state, params, **extra)
     return optax.apply_updates(params, updates), opt_state
 
 
@@ -39,8 +43,9 @@ class Update:
     tx: optax.GradientTransformation
     keep: guard.Keep
 
-    def __call__(self, state: TrainState, loss: jax.Array, aux: dict, grads: Any,
-                 model_state: Any) -> tuple[TrainState, dict]:
+    def __call__(
+        self, state: TrainState, loss: jax.Array, aux: dict, grads: Any, model_state: Any
+    ) -> tuple[TrainState, dict]:
         """The state after the step and its metrics (traceable)."""
         grad_norm = optax.tree.norm(grads)
 
@@ -56,15 +61,26 @@ class Update:
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & guard.all_finite(new["params"])
         kept = self.keep(finite, new, update, old_parts(state))
         new_state = advance(state, kept, finite)
-        return new_state, self.metrics(new_state, new["opt_state"], loss, grad_norm,
-                                       finite, aux)
+        return new_state, self.metrics(new_state, new["opt_state"], loss, grad_norm, finite, aux)
 
-    def metrics(self, new_state: TrainState, new_opt_state: Any,
-                loss: jax.Array, grad_norm: jax.Array, finite: jax.Array, aux: dict) -> dict:
+    def metrics(
+        self,
+        new_state: TrainState,
+        new_opt_state: Any,
+        loss: jax.Array,
+        grad_norm: jax.Array,
+        finite: jax.Array,
+        aux: dict,
+    ) -> dict:
         """The step's metrics; ``lr`` is the rate ``inject_hyperparams`` recorded for the
         step's update (jaxpar's optimizers record it), when there is one."""
-        metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite,
-                   "skipped": new_state.skipped, **aux}
+        metrics = {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "finite": finite,
+            "skipped": new_state.skipped,
+            **aux,
+        }
         lr = injected_lr(new_opt_state)
         if lr is not None:
             metrics["lr"] = jnp.asarray(lr, jnp.float32)
@@ -73,11 +89,15 @@ class Update:
 
 def old_parts(state: TrainState) -> dict[str, Any]:
     """The parts of ``state`` a step replaces (what the guard keeps of a bad step)."""
-    return {"params": state.params, "opt_state": state.opt_state,
-            "model_state": state.model_state}
+    return {"params": state.params, "opt_state": state.opt_state, "model_state": state.model_state}
 
 
 def advance(state: TrainState, kept: dict[str, Any], finite: jax.Array) -> TrainState:
     """The state after a step that kept ``kept`` (a non-finite step counted)."""
-    return TrainState(state.step + 1, kept["params"], kept["opt_state"],
-                      state.skipped + (~finite).astype(jnp.int32), kept["model_state"])
+    return TrainState(
+        state.step + 1,
+        kept["params"],
+        kept["opt_state"],
+        state.skipped + (~finite).astype(jnp.int32),
+        kept["model_state"],
+    )

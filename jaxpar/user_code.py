@@ -28,8 +28,9 @@ from jaxpar.yamlfile import read_yaml
 def _split(spec: str, what: str) -> tuple[str, str]:
     where, sep, name = spec.rpartition(":")
     if not sep or not where or not name.isidentifier():
-        raise TaskError(f"{what} '{spec}' must look like path/to/file.py:NAME or "
-                        "package.module:NAME")
+        raise TaskError(
+            f"{what} '{spec}' must look like path/to/file.py:NAME or package.module:NAME"
+        )
     return where, name
 
 
@@ -60,8 +61,10 @@ class _ImportFailed(TaskError):
     def __init__(self, what: str, where: str, err: BaseException):
         frames = [f for f in _frames(err) if not f.filename.startswith(str(Path(__file__).parent))]
         line = f" (line {frames[-1].lineno} of {frames[-1].filename})" if frames else ""
-        super().__init__(f"{what}: importing '{where}' failed: {type(err).__name__}: "
-                         f"{err}{line}; fix the file, or set JAXPAR_DEBUG=1 for the traceback")
+        super().__init__(
+            f"{what}: importing '{where}' failed: {type(err).__name__}: "
+            f"{err}{line}; fix the file, or set JAXPAR_DEBUG=1 for the traceback"
+        )
 
 
 def _frames(err: BaseException) -> list[Any]:
@@ -74,15 +77,19 @@ def _module(where: str, what: str) -> ModuleType:
     if where.endswith(".py") or "/" in where or "\\" in where:
         path = Path(where)
         if not path.is_file():
-            raise TaskError(f"{what} file '{where}' does not exist; give the path of a Python "
-                            "file, e.g. examples/research_cnn.py:TASK")
+            raise TaskError(
+                f"{what} file '{where}' does not exist; give the path of a Python "
+                "file, e.g. examples/research_cnn.py:TASK"
+            )
         return _import_file(path.resolve(), what)
     try:
         return importlib.import_module(where)
     except ModuleNotFoundError as err:
         if err.name and where.startswith(err.name):
-            raise TaskError(f"{what}: no module named '{where}'; give FILE.py:NAME, or make "
-                            "the package importable (pip install it, or set PYTHONPATH)") from err
+            raise TaskError(
+                f"{what}: no module named '{where}'; give FILE.py:NAME, or make "
+                "the package importable (pip install it, or set PYTHONPATH)"
+            ) from err
         raise _ImportFailed(what, where, err) from err
     except Exception as err:
         raise _ImportFailed(what, where, err) from err
@@ -98,25 +105,34 @@ def load_object(spec: str, what: str) -> Any:
     where, name = _split(spec, what)
     module = _module(where, what)
     if not hasattr(module, name):
-        public = [n for n in vars(module) if not n.startswith("_")
-                  and not inspect.ismodule(getattr(module, n))]
-        raise TaskError(f"{what} '{spec}': '{where}' defines no '{name}'; it defines "
-                        f"{', '.join(sorted(public)) or 'nothing public'}")
+        public = [
+            n
+            for n in vars(module)
+            if not n.startswith("_") and not inspect.ismodule(getattr(module, n))
+        ]
+        raise TaskError(
+            f"{what} '{spec}': '{where}' defines no '{name}'; it defines "
+            f"{', '.join(sorted(public)) or 'nothing public'}"
+        )
     return getattr(module, name)
 
 
 def _call(fn: Any, config: Any, spec: str) -> Any:
     """``fn()`` or, when it takes one argument, ``fn(config)``."""
     try:
-        params = [p for p in inspect.signature(fn).parameters.values()
-                  if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY,
-                                                         p.POSITIONAL_OR_KEYWORD)]
+        params = [
+            p
+            for p in inspect.signature(fn).parameters.values()
+            if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
     except (TypeError, ValueError):
         params = []
     if len(params) > 1:
-        raise TaskError(f"--task '{spec}' is a function of {len(params)} arguments; point "
-                        "--task at a jaxpar.Task, or at a function of no arguments or of one "
-                        "(the config) that returns one")
+        raise TaskError(
+            f"--task '{spec}' is a function of {len(params)} arguments; point "
+            "--task at a jaxpar.Task, or at a function of no arguments or of one "
+            "(the config) that returns one"
+        )
     return fn(config) if params else fn()
 
 
@@ -134,13 +150,17 @@ def load_task(spec: str, config: Any = None) -> Task:
     task = obj
     if not isinstance(obj, Task):
         if not callable(obj) or inspect.isclass(obj):
-            raise TaskError(f"--task '{spec}' is a {type(obj).__name__}, not a jaxpar.Task or a "
-                            "function returning one; point --task at a Task")
+            raise TaskError(
+                f"--task '{spec}' is a {type(obj).__name__}, not a jaxpar.Task or a "
+                "function returning one; point --task at a Task"
+            )
         task = _call(obj, config, spec)
         if not isinstance(task, Task):
-            raise TaskError(f"--task '{spec}' returned a {type(task).__name__}, not a "
-                            "jaxpar.Task; make it return jaxpar.Task(model_fn, loss_fn, "
-                            "batch_axes, …)")
+            raise TaskError(
+                f"--task '{spec}' returned a {type(task).__name__}, not a "
+                "jaxpar.Task; make it return jaxpar.Task(model_fn, loss_fn, "
+                "batch_axes, …)"
+            )
     if not task.name:
         task = dataclasses.replace(task, name=Path(where).stem.split(".")[-1] or name)
     return task
@@ -155,8 +175,9 @@ def _given(key: str, overrides: Sequence[str], value: str | None = None) -> bool
     return False
 
 
-def refuse_run_dir_code(config_file: Path, overrides: Sequence[str], hooks: bool,
-                        trust: bool) -> None:
+def refuse_run_dir_code(
+    config_file: Path, overrides: Sequence[str], hooks: bool, trust: bool
+) -> None:
     """Refuses a run directory's ``config.yaml`` that names code to import
     (``model.name=FILE:NAME``; ``train.hooks`` when ``hooks``, i.e. for training) which
     the command line does not name too: a run directory someone shares is data, not code.
@@ -168,8 +189,9 @@ def refuse_run_dir_code(config_file: Path, overrides: Sequence[str], hooks: bool
     raw = read_yaml(config_file)
     if trust or not isinstance(raw, dict):
         return
-    model_section, train_section = (raw.get(k) if isinstance(raw.get(k), dict) else {}
-                                     for k in ("model", "train"))
+    model_section, train_section = (
+        raw.get(k) if isinstance(raw.get(k), dict) else {} for k in ("model", "train")
+    )
     named = []
     model = model_section.get("name")
     # the file's model.name is loaded before overrides apply: only the same name passes
@@ -180,7 +202,9 @@ def refuse_run_dir_code(config_file: Path, overrides: Sequence[str], hooks: bool
         shown = [str(e) for e in entries][:4] if isinstance(entries, list) else [str(entries)]
         named.append(f"train.hooks=[{','.join(shown)}]")
     if named:
-        raise ConfigError(f"{config_file} names code to import ({'; '.join(named)}); code "
-                          "named by a run directory is not run: name it on the command line "
-                          f"({named[0]}), or pass --trust-code if you trust who wrote "
-                          f"{config_file.parent}")
+        raise ConfigError(
+            f"{config_file} names code to import ({'; '.join(named)}); code "
+            "named by a run directory is not run: name it on the command line "
+            f"({named[0]}), or pass --trust-code if you trust who wrote "
+            f"{config_file.parent}"
+        )

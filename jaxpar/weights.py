@@ -49,8 +49,13 @@ class Source:
         return str(self.folder) if self.folder is not None else self.config.run.dir
 
 
-def open_source(path: str | Path, overrides: Sequence[str] = (), *, trust_code: bool = False,
-                defaults: Defaults | None = None) -> Source:
+def open_source(
+    path: str | Path,
+    overrides: Sequence[str] = (),
+    *,
+    trust_code: bool = False,
+    defaults: Defaults | None = None,
+) -> Source:
     """The run dir or Hugging Face folder at ``path`` with ``overrides`` on top.
 
     Args:
@@ -65,15 +70,19 @@ def open_source(path: str | Path, overrides: Sequence[str] = (), *, trust_code: 
     """
     path = Path(path)
     if not path.is_dir():
-        raise PathError(f"'{path}' does not exist or is not a directory; pass the run.dir of "
-                        "a trained run (e.g. runs/gpt_tiny) or a Hugging Face folder")
+        raise PathError(
+            f"'{path}' does not exist or is not a directory; pass the run.dir of "
+            "a trained run (e.g. runs/gpt_tiny) or a Hugging Face folder"
+        )
     if (path / "config.yaml").is_file():
         return run_source(load_run_config(path, overrides, trust_code))
     if (path / hf.files.CONFIG).is_file():
         return Source(folder_config(path, overrides, defaults), path)
-    raise PathError(f"'{path}' holds no config.yaml (a jaxpar run dir) and no "
-                    f"{hf.files.CONFIG} (a Hugging Face folder); pass the run.dir of a "
-                    "trained run, or a folder that transformers' save_pretrained wrote")
+    raise PathError(
+        f"'{path}' holds no config.yaml (a jaxpar run dir) and no "
+        f"{hf.files.CONFIG} (a Hugging Face folder); pass the run.dir of a "
+        "trained run, or a folder that transformers' save_pretrained wrote"
+    )
 
 
 def run_source(config: Config) -> Source:
@@ -83,14 +92,17 @@ def run_source(config: Config) -> Source:
       PathError: when it has no checkpoints.
     """
     if not checkpoint_dir(config).is_dir():
-        raise PathError(f"run dir '{config.run.dir}' holds no checkpoints "
-                        f"({checkpoint_dir(config)} does not exist); train it first, or pass "
-                        "another run dir")
+        raise PathError(
+            f"run dir '{config.run.dir}' holds no checkpoints "
+            f"({checkpoint_dir(config)} does not exist); train it first, or pass "
+            "another run dir"
+        )
     return Source(config)
 
 
-def load_run_config(run_dir: str | Path, overrides: Sequence[str] = (),
-                    trust_code: bool = False) -> Config:
+def load_run_config(
+    run_dir: str | Path, overrides: Sequence[str] = (), trust_code: bool = False
+) -> Config:
     """A run dir's ``config.yaml`` with ``overrides`` applied; ``run.dir`` is ``run_dir``
     (wherever the run was when it trained). A ``model.name=FILE:NAME`` it names is
     imported only when ``overrides`` name it too or ``trust_code`` is set.
@@ -101,18 +113,23 @@ def load_run_config(run_dir: str | Path, overrides: Sequence[str] = (),
     """
     path = Path(run_dir)
     if not path.is_dir():
-        raise PathError(f"run dir '{path}' does not exist; pass the run.dir of a trained run "
-                        "(e.g. runs/gpt_tiny)")
+        raise PathError(
+            f"run dir '{path}' does not exist; pass the run.dir of a trained run "
+            "(e.g. runs/gpt_tiny)"
+        )
     if not (path / "config.yaml").is_file():
-        raise PathError(f"'{path}' holds no config.yaml, so it is not a jaxpar run dir; pass "
-                        "the run.dir of a run that jaxpar train wrote")
+        raise PathError(
+            f"'{path}' holds no config.yaml, so it is not a jaxpar run dir; pass "
+            "the run.dir of a run that jaxpar train wrote"
+        )
     refuse_run_dir_code(path / "config.yaml", overrides, hooks=False, trust=trust_code)
     config = apply_overrides(load_config([path / "config.yaml"]), list(overrides))
     return dataclasses.replace(config, run=dataclasses.replace(config.run, dir=str(path)))
 
 
-def folder_config(folder: str | Path, overrides: Sequence[str] = (),
-                  defaults: Defaults | None = None) -> Config:
+def folder_config(
+    folder: str | Path, overrides: Sequence[str] = (), defaults: Defaults | None = None
+) -> Config:
     """The default config with ``model.init_from=folder``, then ``defaults(config)`` (given
     the folder's model) and ``overrides``.
 
@@ -153,6 +170,8 @@ def state_of(run: Run, source: Source, step: int | None, command: str) -> TrainS
     if source.folder is None:
         return restore_state(run, step, command)
     if step is not None:
-        raise ConfigError(f"--step {step}: {source.folder} is a Hugging Face folder, which "
-                          "holds one set of weights; drop --step")
+        raise ConfigError(
+            f"--step {step}: {source.folder} is a Hugging Face folder, which "
+            "holds one set of weights; drop --step"
+        )
     return run.trainer.init()

@@ -52,15 +52,24 @@ class _StrictLoader(yaml.SafeLoader):
         event = self.peek_event()
         if isinstance(event, yaml.AliasEvent):
             if event.anchor in self._open:
-                raise _TooBig(None, None, f"alias *{event.anchor} is inside its own anchor "
-                              f"&{event.anchor} (a value that holds itself); configs hold "
-                              "finite values", event.start_mark)
+                raise _TooBig(
+                    None,
+                    None,
+                    f"alias *{event.anchor} is inside its own anchor "
+                    f"&{event.anchor} (a value that holds itself); configs hold "
+                    "finite values",
+                    event.start_mark,
+                )
             node = super().compose_node(parent, index)
             self._count(self._sizes.get(id(node), 1), event)
             return node
         if self._depth >= MAX_DEPTH:
-            raise _TooBig(None, None, f"values nested deeper than {MAX_DEPTH} levels; a config "
-                          "needs a few", event.start_mark)
+            raise _TooBig(
+                None,
+                None,
+                f"values nested deeper than {MAX_DEPTH} levels; a config needs a few",
+                event.start_mark,
+            )
         anchor, start = getattr(event, "anchor", None), self._nodes
         self._depth += 1
         self._open.add(anchor)
@@ -77,16 +86,25 @@ class _StrictLoader(yaml.SafeLoader):
     def _count(self, values: int, event: yaml.Event) -> None:
         self._nodes += values
         if self._nodes > MAX_NODES:
-            raise _TooBig(None, None, f"more than {MAX_NODES:,} values with its aliases "
-                          "expanded (each *alias counts as all the values of its anchor); "
-                          "a config needs far fewer", event.start_mark)
+            raise _TooBig(
+                None,
+                None,
+                f"more than {MAX_NODES:,} values with its aliases "
+                "expanded (each *alias counts as all the values of its anchor); "
+                "a config needs far fewer",
+                event.start_mark,
+            )
 
     def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
         try:
             return super().construct_yaml_int(node)
         except ValueError:  # beyond Python's 4,300 digits for int('…')
-            raise _TooBig(None, None, f"an integer of {len(node.value):,} digits; no setting "
-                          "takes one that large", node.start_mark) from None
+            raise _TooBig(
+                None,
+                None,
+                f"an integer of {len(node.value):,} digits; no setting takes one that large",
+                node.start_mark,
+            ) from None
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: dict[Any, int] = {}
@@ -99,9 +117,14 @@ class _StrictLoader(yaml.SafeLoader):
             except TypeError:  # an unhashable key: PyYAML's own error follows
                 continue
             if first != key_node.start_mark.line + 1:
-                raise _DuplicateKey(None, None, f"key '{key}' appears twice in one mapping "
-                                    f"(lines {first} and {key_node.start_mark.line + 1}); keep "
-                                    "one of them", key_node.start_mark)
+                raise _DuplicateKey(
+                    None,
+                    None,
+                    f"key '{key}' appears twice in one mapping "
+                    f"(lines {first} and {key_node.start_mark.line + 1}); keep "
+                    "one of them",
+                    key_node.start_mark,
+                )
         return super().construct_mapping(node, deep)
 
 
@@ -120,18 +143,24 @@ def _text(path: Path) -> str:
     except OSError as err:
         raise ConfigError(f"config file '{path}' cannot be read: {err.strerror}") from None
     if len(data) > MAX_BYTES:
-        raise ConfigError(f"config file '{path}' is larger than {MAX_BYTES:,} bytes (1 MiB), "
-                          "too large for a config; pass a YAML file from configs/")
+        raise ConfigError(
+            f"config file '{path}' is larger than {MAX_BYTES:,} bytes (1 MiB), "
+            "too large for a config; pass a YAML file from configs/"
+        )
     nul = data.find(b"\0")
     if nul >= 0:
-        raise ConfigError(f"config file '{path}' is a binary file, not YAML text (it holds NUL "
-                          f"bytes, the first at offset {nul})")
+        raise ConfigError(
+            f"config file '{path}' is a binary file, not YAML text (it holds NUL "
+            f"bytes, the first at offset {nul})"
+        )
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
-        line = data[:err.start].count(b"\n") + 1
-        raise ConfigError(f"config file '{path}' is not UTF-8 text (byte "
-                          f"0x{data[err.start]:02x} at line {line}); save it as UTF-8") from None
+        line = data[: err.start].count(b"\n") + 1
+        raise ConfigError(
+            f"config file '{path}' is not UTF-8 text (byte "
+            f"0x{data[err.start]:02x} at line {line}); save it as UTF-8"
+        ) from None
 
 
 def read_yaml(path: Path) -> Any:
@@ -159,8 +188,9 @@ def load(text: str, what: str, fix: str = "") -> Any:
         problem.
     """
     if len(text) > MAX_BYTES:
-        raise ConfigError(f"{what} is larger than {MAX_BYTES:,} characters (1 MiB), too "
-                          "large for a config")
+        raise ConfigError(
+            f"{what} is larger than {MAX_BYTES:,} characters (1 MiB), too large for a config"
+        )
     try:
         return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass
     except yaml.MarkedYAMLError as err:
@@ -169,13 +199,16 @@ def load(text: str, what: str, fix: str = "") -> Any:
         problem = err.problem or err.context or "malformed YAML"
         if "could not determine a constructor for the tag" in problem:
             tag = problem.split("tag", 1)[1].strip()
-            problem = (f"unknown YAML tag {tag}: jaxpar configs are plain YAML (quote the "
-                       "value if it is text)")
+            problem = (
+                f"unknown YAML tag {tag}: jaxpar configs are plain YAML (quote the "
+                "value if it is text)"
+            )
         elif not isinstance(err, (_DuplicateKey, _TooBig)):
             problem = f"invalid YAML: {problem}{'; ' + fix if fix else ''}"
         raise ConfigError(f"{what}{where}: {problem}") from None
     except yaml.YAMLError as err:  # e.g. a control character (ReaderError)
-        raise ConfigError(f"{what}: invalid YAML: {str(err).splitlines()[0]}"
-                          f"{'; ' + fix if fix else ''}") from None
+        raise ConfigError(
+            f"{what}: invalid YAML: {str(err).splitlines()[0]}{'; ' + fix if fix else ''}"
+        ) from None
     except RecursionError:  # the bounds above keep PyYAML's recursion shallow: never here
         raise ConfigError(f"{what}: values nested too deeply for a config") from None

@@ -18,9 +18,11 @@ _OLD_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
 
 def _xla_knows(flag: str) -> bool:
     """Whether this jaxlib accepts ``flag`` (an unknown XLA flag aborts the process)."""
-    probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"],
-                           env={**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"},
-                           capture_output=True)
+    probe = subprocess.run(
+        [sys.executable, "-c", "import jax; jax.devices()"],
+        env={**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+    )
     return probe.returncode == 0
 
 
@@ -47,8 +49,7 @@ os.environ.setdefault("NPROC", "32")
 # set is used as it is and kept.
 _OWN_CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    _OWN_CACHE = os.path.join(tempfile.gettempdir(),
-                              f"jaxpar-test-compile-cache-{os.getpid()}")
+    _OWN_CACHE = os.path.join(tempfile.gettempdir(), f"jaxpar-test-compile-cache-{os.getpid()}")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # A size limit makes JAX read and write entries under a file lock (filelock): without it a
@@ -79,8 +80,14 @@ EXTENDED = ("exhaustive", "multiprocess")
 #: The suite's longest files (in seconds of test time, a few minutes each), handed to the
 #: xdist workers first so that no worker starts one while the other has little left (files
 #: go to the workers in collection order, each whole: `--dist loadfile`).
-LONGEST_FIRST = ("test_moe.py", "test_pipeline.py", "test_context.py", "test_submesh.py",
-                 "test_families.py", "test_checkpoint.py")
+LONGEST_FIRST = (
+    "test_moe.py",
+    "test_pipeline.py",
+    "test_context.py",
+    "test_submesh.py",
+    "test_families.py",
+    "test_checkpoint.py",
+)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -29,20 +29,33 @@ def child_env(devices: int | None = 8, test_flags: bool = True) -> dict[str, str
     launch`` choose, as in a fresh shell); the repository on ``PYTHONPATH``."""
     env = dict(os.environ)
     if not test_flags:
-        env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
-                                    if f not in TEST_XLA_FLAGS)
+        env["XLA_FLAGS"] = " ".join(
+            f for f in env.get("XLA_FLAGS", "").split() if f not in TEST_XLA_FLAGS
+        )
     force_device_count(env, devices)
     env["PYTHONPATH"] = str(ROOT)
     return env
 
 
 GPT_SMALL = [
-    "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.d_ff=64",
-    "model.max_seq_len=16", "data.seq_len=16", "train.batch_size=16", "optim.warmup_steps=0",
+    "model.d_model=32",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.d_ff=64",
+    "model.max_seq_len=16",
+    "data.seq_len=16",
+    "train.batch_size=16",
+    "optim.warmup_steps=0",
 ]
-CONVNET_SMALL = ["model.name=convnet", "model.channels=4", "model.hidden=8",
-                 "data.image_size=8", "data.num_examples=256", "train.batch_size=16",
-                 "optim.warmup_steps=0"]
+CONVNET_SMALL = [
+    "model.name=convnet",
+    "model.channels=4",
+    "model.hidden=8",
+    "data.image_size=8",
+    "data.num_examples=256",
+    "train.batch_size=16",
+    "optim.warmup_steps=0",
+]
 
 
 def run_steps(overrides: list[str], steps: int = 3, devices: int = 8):
@@ -66,8 +79,12 @@ def grid(params: list, default: set) -> list:
     interpreter)."""
     import pytest
 
-    return [p if p.id in default else pytest.param(*p.values, id=p.id, marks=(
-        *p.marks, pytest.mark.exhaustive)) for p in params]
+    return [
+        p
+        if p.id in default
+        else pytest.param(*p.values, id=p.id, marks=(*p.marks, pytest.mark.exhaustive))
+        for p in params
+    ]
 
 
 @functools.cache
@@ -113,13 +130,14 @@ def decode_stepwise(model, tokens, prompt: int):
     logits, cache = decode(tokens[:, :prompt], model.init_cache(tokens.shape[0]), jnp.int32(0))
     rows = [logits]
     for i in range(prompt, tokens.shape[1]):
-        logits, cache = decode(tokens[:, i:i + 1], cache, jnp.int32(i))
+        logits, cache = decode(tokens[:, i : i + 1], cache, jnp.int32(i))
         rows.append(logits)
     return jnp.concatenate(rows, 1)
 
 
-def train_bpe(texts: list[str], path: Path, vocab_size: int = 300,
-              special_tokens: tuple[str, ...] = ()) -> Path:
+def train_bpe(
+    texts: list[str], path: Path, vocab_size: int = 300, special_tokens: tuple[str, ...] = ()
+) -> Path:
     """A byte-level BPE tokenizer trained here on ``texts`` (nothing downloaded), saved
     to ``path``; needs ``tokenizers``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -127,9 +145,12 @@ def train_bpe(texts: list[str], path: Path, vocab_size: int = 300,
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
-                                  special_tokens=list(special_tokens),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        show_progress=False,
+        special_tokens=list(special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(texts, trainer)
     tok.save(str(path))
     return path
@@ -140,11 +161,17 @@ def small_file_system(path: Path, size: str) -> Iterator[Path]:
     """A tmpfs of ``size`` (``"64k"``, ``"1m"``) mounted at the new folder ``path``, a
     disk that really fills up; skips the test where mounting one needs root it lacks."""
     path.mkdir()
-    if os.geteuid() != 0 or subprocess.run(
+    if (
+        os.geteuid() != 0
+        or subprocess.run(
             ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-            capture_output=True, check=False).returncode:
-        pytest.skip("needs root and mount for a small file system (the simulated full "
-                    "disks run everywhere)")
+            capture_output=True,
+            check=False,
+        ).returncode
+    ):
+        pytest.skip(
+            "needs root and mount for a small file system (the simulated full disks run everywhere)"
+        )
     try:
         yield path
     finally:

@@ -1,7 +1,7 @@
 """The architecture as a test: the import-linter contracts in pyproject.toml hold (imports
-flow down the layers of docs/architecture.md, no circles, models know models),
-they fail when an upward import is added, no jaxpar import hides inside a function, and no
-module outgrows a few screens."""
+flow down the layers of docs/architecture.md, no circles, models know models), they fail
+when an upward import is added, and no jaxpar import hides inside a function. How code
+looks and how long it grows is tests/test_style.py."""
 
 from __future__ import annotations
 
@@ -18,17 +18,24 @@ PACKAGE = ROOT / "jaxpar"
 #: the command line (jaxpar/cli/) imports each command's modules when that command runs, so
 #: that a command loads only what it needs
 LAZY_IMPORTS_ALLOWED = "cli"
-MAX_LINES = 400
 
 
 def _lint(root: Path) -> subprocess.CompletedProcess:
     """``lint-imports`` with the contracts of ``root``'s pyproject.toml over ``root``'s
     package (a fresh analysis: no cache)."""
-    code = ("import sys; from importlinter.cli import lint_imports; "
-            "sys.exit(lint_imports(config_filename='pyproject.toml', no_cache=True, "
-            "no_logo=True))")
-    return subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
-                          text=True, env={"PYTHONPATH": str(root), "PATH": ""}, timeout=300)
+    code = (
+        "import sys; from importlinter.cli import lint_imports; "
+        "sys.exit(lint_imports(config_filename='pyproject.toml', no_cache=True, "
+        "no_logo=True))"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(root), "PATH": ""},
+        timeout=300,
+    )
 
 
 def test_import_contracts_hold():
@@ -37,12 +44,19 @@ def test_import_contracts_hold():
     assert "BROKEN" not in out.stdout and "KEPT" in out.stdout
 
 
-@pytest.mark.parametrize("module,imports,broken", [
-    ("mesh.py", "import jaxpar.loop", "jaxpar.mesh -> jaxpar.loop"),  # upward
-    ("models/gpt.py", "import jaxpar.data.sources", "jaxpar.models.gpt -> jaxpar.data.sources"),
-    ("plan/checks.py", "import jaxpar.plan.plan", "No cycles are allowed in jaxpar.plan"),
-    ("optim.py", "def _later():\n    from jaxpar.run import build", "jaxpar.optim -> jaxpar.run"),
-])
+@pytest.mark.parametrize(
+    "module,imports,broken",
+    [
+        ("mesh.py", "import jaxpar.loop", "jaxpar.mesh -> jaxpar.loop"),  # upward
+        ("models/gpt.py", "import jaxpar.data.sources", "jaxpar.models.gpt -> jaxpar.data.sources"),
+        ("plan/checks.py", "import jaxpar.plan.plan", "No cycles are allowed in jaxpar.plan"),
+        (
+            "optim.py",
+            "def _later():\n    from jaxpar.run import build",
+            "jaxpar.optim -> jaxpar.run",
+        ),
+    ],
+)
 def test_import_contracts_catch_a_bad_import(tmp_path, module, imports, broken):
     """The contracts can fail: the same tree with one bad import added is refused, naming it."""
     shutil.copytree(PACKAGE, tmp_path / "jaxpar", ignore=shutil.ignore_patterns("__pycache__"))
@@ -60,8 +74,7 @@ def test_every_module_has_a_layer():
 
     contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
     layers = next(c for c in contracts["contracts"] if c["type"] == "layers")["layers"]
-    listed = {m.strip().strip("()") for layer in layers
-              for m in layer.replace("|", ":").split(":")}
+    listed = {m.strip().strip("()") for layer in layers for m in layer.replace("|", ":").split(":")}
     missing = []
     for path in _modules():
         parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
@@ -89,17 +102,16 @@ def test_no_jaxpar_import_inside_a_function():
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
             for sub in ast.walk(node):
-                names = ([sub.module or ""] if isinstance(sub, ast.ImportFrom) else
-                         [a.name for a in sub.names] if isinstance(sub, ast.Import) else [])
+                names = (
+                    [sub.module or ""]
+                    if isinstance(sub, ast.ImportFrom)
+                    else [a.name for a in sub.names]
+                    if isinstance(sub, ast.Import)
+                    else []
+                )
                 if any(n == "jaxpar" or n.startswith("jaxpar.") for n in names):
                     found.append(f"{path.relative_to(ROOT)}:{sub.lineno}")
     assert not found, f"jaxpar imported inside a function: {', '.join(found)}"
-
-
-def test_no_module_over_400_lines():
-    long = {str(p.relative_to(ROOT)): n for p in _modules()
-            if (n := len(p.read_text().splitlines())) > MAX_LINES}
-    assert not long, f"modules over {MAX_LINES} lines: {long}"
 
 
 def test_the_package_lists_exactly_its_public_api():
@@ -126,9 +138,15 @@ def test_examples_and_benchmarks_use_only_the_public_api():
                 if module == "jaxpar.models" or module.startswith("jaxpar.models."):
                     continue
                 listed = getattr(importlib.import_module(module), "__all__", ())
-                found += [f"{path.name}: from {module} import {a.name}" for a in node.names
-                          if module not in ("jaxpar", "jaxpar.pipeline") or a.name not in listed]
+                found += [
+                    f"{path.name}: from {module} import {a.name}"
+                    for a in node.names
+                    if module not in ("jaxpar", "jaxpar.pipeline") or a.name not in listed
+                ]
             elif isinstance(node, ast.Import):
-                found += [f"{path.name}: import {a.name}" for a in node.names
-                          if a.name.startswith("jaxpar.")]
+                found += [
+                    f"{path.name}: import {a.name}"
+                    for a in node.names
+                    if a.name.startswith("jaxpar.")
+                ]
     assert not found, found

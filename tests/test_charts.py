@@ -29,8 +29,13 @@ from jaxpar.pipeline.schedule import simulate
 from jaxpar.pipeline.ticks import tick_table
 
 KIND_CODE = {"F": 1, "B": 2, "I": 3, "W": 4, "idle": 0}
-LEGEND = {"F": "F forward", "B": "B backward", "I": "I input gradient",
-          "W": "W weight gradient", "idle": "idle (bubble)"}
+LEGEND = {
+    "F": "F forward",
+    "B": "B backward",
+    "I": "I input gradient",
+    "W": "W weight gradient",
+    "idle": "idle (bubble)",
+}
 
 
 @pytest.fixture
@@ -47,15 +52,17 @@ def _mode(path: Path) -> int:
 
 def _bars(container) -> list[tuple[float, float]]:
     """(x centre, y centre) of each bar of a BarContainer (horizontal bars)."""
-    return [(r.get_x() + r.get_width() / 2, r.get_y() + r.get_height() / 2)
-            for r in container.patches]
+    return [
+        (r.get_x() + r.get_width() / 2, r.get_y() + r.get_height() / 2) for r in container.patches
+    ]
 
 
 # ---- the pipeline schedule ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("shape", [("zb_h1", 4, 8, 1), ("1f1b", 4, 8, 1),
-                                   ("interleaved", 4, 8, 2), ("gpipe", 2, 3, 1)])
+@pytest.mark.parametrize(
+    "shape", [("zb_h1", 4, 8, 1), ("1f1b", 4, 8, 1), ("interleaved", 4, 8, 2), ("gpipe", 2, 3, 1)]
+)
 def test_schedule_figure_draws_the_tick_table(shape):
     table = tick_table(*shape)
     schedule, p, m, v = shape
@@ -65,13 +72,15 @@ def test_schedule_figure_draws_the_tick_table(shape):
     assert ax.get_ylim()[0] > ax.get_ylim()[1]  # stage 0 on top
     assert "tick" in ax.get_xlabel() and "stage" in ax.get_ylabel()
     fig.canvas.draw()  # tick labels exist once drawn: whole ticks, labelled, from 0
-    shown = [(x, t.get_text()) for x, t in zip(ax.get_xticks(), ax.get_xticklabels())
-             if -0.5 <= x <= table.ticks - 0.5]
+    shown = [
+        (x, t.get_text())
+        for x, t in zip(ax.get_xticks(), ax.get_xticklabels())
+        if -0.5 <= x <= table.ticks - 0.5
+    ]
     assert len(shown) >= 2 and shown[0] == (0, "0")
     assert all(x == int(x) and text == str(int(x)) for x, text in shown)
     # the kinds present, in the order F B I W idle: one bar container and legend entry each
-    present = [k for k in ("F", "B", "I", "W", "idle")
-               if (table.kind == KIND_CODE[k]).any()]
+    present = [k for k in ("F", "B", "I", "W", "idle") if (table.kind == KIND_CODE[k]).any()]
     assert (present == ["F", "I", "W", "idle"]) == (schedule == "zb_h1")
     containers = {c.get_label(): c for c in ax.containers}
     assert list(containers) == [LEGEND[k] for k in present]
@@ -82,21 +91,29 @@ def test_schedule_figure_draws_the_tick_table(shape):
         for d in range(p):
             assert per_stage[d] == int((table.kind[:, d] == KIND_CODE[kind]).sum()), (kind, d)
         # exactly the table's cells of that kind, bar (t, d) centred on tick t of row d
-        want = {(t, d) for t in range(table.ticks) for d in range(p)
-                if table.kind[t, d] == KIND_CODE[kind]}
+        want = {
+            (t, d)
+            for t in range(table.ticks)
+            for d in range(p)
+            if table.kind[t, d] == KIND_CODE[kind]
+        }
         assert {(round(x), round(y)) for x, y in cells} == want
         assert all(abs(x - round(x)) < 1e-9 for x, _ in cells)
     # every busy bar carries its microbatch (and chunk letter); nothing on idle bars
-    texts = {(round(t.get_position()[0]), round(t.get_position()[1])): t.get_text()
-             for t in ax.texts}
+    texts = {
+        (round(t.get_position()[0]), round(t.get_position()[1])): t.get_text() for t in ax.texts
+    }
     grid = table.grid()
-    want = {(t, d): f"{a.mb}" + ("" if v == 1 else "abcd"[a.chunk // p])
-            for t, row in enumerate(grid) for d, a in enumerate(row) if a is not None}
+    want = {
+        (t, d): f"{a.mb}" + ("" if v == 1 else "abcd"[a.chunk // p])
+        for t, row in enumerate(grid)
+        for d, a in enumerate(row)
+        if a is not None
+    }
     assert texts == want
 
 
-@pytest.mark.parametrize("shape", [("zb_h1", 4, 8, 1), ("1f1b", 4, 8, 1),
-                                   ("interleaved", 4, 8, 2)])
+@pytest.mark.parametrize("shape", [("zb_h1", 4, 8, 1), ("1f1b", 4, 8, 1), ("interleaved", 4, 8, 2)])
 def test_schedule_title_numbers_are_the_schedule_modules(shape):
     table = tick_table(*shape)
     schedule, p, m, v = shape
@@ -140,11 +157,12 @@ def test_schedule_png_size_mode_and_svg(tmp_path, strict_umask):
     assert img.shape[:2] == (height, width)
     assert width > height > 0
     # the forward colour is in the picture
-    blue = np.array([0x43, 0x78, 0xc8]) / 255
+    blue = np.array([0x43, 0x78, 0xC8]) / 255
     assert (np.abs(img[..., :3] - blue).max(-1) < 0.02).sum() > 100
     # a longer schedule gets a wider picture
-    longer = matplotlib.image.imread(chart.write_png(tick_table("zb_h1", 4, 16, 1),
-                                                     tmp_path / "long.png"))
+    longer = matplotlib.image.imread(
+        chart.write_png(tick_table("zb_h1", 4, 16, 1), tmp_path / "long.png")
+    )
     assert longer.shape[1] > img.shape[1]
     svg = chart.write_png(table, tmp_path / "zb_h1.svg")
     assert b"<svg" in svg.read_bytes()[:2000] and _mode(svg) == 0o644
@@ -156,15 +174,23 @@ def test_schedule_png_size_mode_and_svg(tmp_path, strict_umask):
 def test_text_outputs_are_unchanged():
     table = tick_table("zb_h1", 4, 8, 1)
     assert chart.summary(table).splitlines()[2].startswith("bubble: 0.1111 of p x makespan")
-    assert "pipeline zb_h1: 4 stages × 8 microbatches, bubble 0.111" in \
-        chart.describe_pipeline(table)
+    assert "pipeline zb_h1: 4 stages × 8 microbatches, bubble 0.111" in chart.describe_pipeline(
+        table
+    )
 
 
 def test_import_jaxpar_does_not_import_matplotlib():
-    code = ("import sys, jaxpar, jaxpar.pipeline.chart, jaxpar.lab.chart, jaxpar.plot, "
-            "jaxpar.lab.sweep; print('matplotlib' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, cwd=Path(__file__).parents[1])
+    code = (
+        "import sys, jaxpar, jaxpar.pipeline.chart, jaxpar.lab.chart, jaxpar.plot, "
+        "jaxpar.lab.sweep; print('matplotlib' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).parents[1],
+    )
     assert out.stdout.strip() == "False"
 
 
@@ -173,8 +199,9 @@ def test_import_jaxpar_does_not_import_matplotlib():
 UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "s": 1, "ms": 1e-3, "us": 1e-6}
 LABELS = ["data=8", "fsdp=8", "tensor=8"]
 PANELS = [
-    lab_chart.Panel("peak memory per device", [3 * 2**20, 1.5 * 2**20, None], "B",
-                    "bytes per device"),
+    lab_chart.Panel(
+        "peak memory per device", [3 * 2**20, 1.5 * 2**20, None], "B", "bytes per device"
+    ),
     lab_chart.Panel("collective bytes", [(2e6, 1.9e6), (1e6, None), None], "B", "bytes"),
     lab_chart.Panel("predicted step time", [0.004, 0.0025, None], "s", "time per step"),
 ]
@@ -190,11 +217,15 @@ def _check_panel(ax, panel: lab_chart.Panel) -> None:
     assert ax.get_xlabel().startswith(panel.quantity + " (")
     unit = _unit(ax)
     paired = any(isinstance(v, tuple) for v in panel.values)
-    series = ([[v[i] if v else None for v in panel.values] for i in (0, 1)] if paired
-              else [panel.values])
+    series = (
+        [[v[i] if v else None for v in panel.values] for i in (0, 1)] if paired else [panel.values]
+    )
     labels = [c.get_label() for c in ax.containers]
-    assert labels == ["measured", "predicted"] if paired else \
-        (len(labels) == 1 and labels[0].startswith("_"))  # no legend entry
+    assert (
+        labels == ["measured", "predicted"]
+        if paired
+        else (len(labels) == 1 and labels[0].startswith("_"))
+    )  # no legend entry
     assert len(ax.containers) == len(series)
     for container, values in zip(ax.containers, series):
         widths = [r.get_width() * unit for r in container.patches]
@@ -236,12 +267,30 @@ def test_axis_units():
 
 def _rows() -> list[sweep.Row]:
     return [
-        sweep.Row("data=8", mem_args_bytes=10 * 2**20, mem_temp_bytes=60 * 2**20,
-                  mem_total_bytes=70 * 2**20, fits=True, flops=2.9e9, comm_bytes=6e6,
-                  predicted_comm_bytes=6e6, step_time_s=0.45, predicted_step_time_s=5.6e-5),
-        sweep.Row("fsdp=8", mem_args_bytes=2**20, mem_temp_bytes=53 * 2**20,
-                  mem_total_bytes=54 * 2**20, fits=True, flops=2.9e9, comm_bytes=12e6,
-                  predicted_comm_bytes=11e6, step_time_s=0.46, predicted_step_time_s=5.4e-5),
+        sweep.Row(
+            "data=8",
+            mem_args_bytes=10 * 2**20,
+            mem_temp_bytes=60 * 2**20,
+            mem_total_bytes=70 * 2**20,
+            fits=True,
+            flops=2.9e9,
+            comm_bytes=6e6,
+            predicted_comm_bytes=6e6,
+            step_time_s=0.45,
+            predicted_step_time_s=5.6e-5,
+        ),
+        sweep.Row(
+            "fsdp=8",
+            mem_args_bytes=2**20,
+            mem_temp_bytes=53 * 2**20,
+            mem_total_bytes=54 * 2**20,
+            fits=True,
+            flops=2.9e9,
+            comm_bytes=12e6,
+            predicted_comm_bytes=11e6,
+            step_time_s=0.46,
+            predicted_step_time_s=5.4e-5,
+        ),
         sweep.Row("tensor=8", error="heads not divisible"),
     ]
 
@@ -249,23 +298,32 @@ def _rows() -> list[sweep.Row]:
 def test_sweep_write_outputs_chart(tmp_path, strict_umask, monkeypatch):
     drawn = []
     save = lab_chart.save_figure
-    monkeypatch.setattr(lab_chart, "save_figure", lambda fig, path: drawn.append(fig)
-                        or save(fig, path))
+    monkeypatch.setattr(
+        lab_chart, "save_figure", lambda fig, path: drawn.append(fig) or save(fig, path)
+    )
     rows = _rows()
     paths = sweep.write_outputs(rows, hardware.get_profile("h100"), tmp_path)
     png = tmp_path / "sweep.png"
     assert paths[-1] == png and _mode(png) == 0o644
     assert matplotlib.image.imread(png).shape[:2] == tuple(
-        np.round(drawn[0].get_size_inches()[::-1] * plot.DPI).astype(int))
+        np.round(drawn[0].get_size_inches()[::-1] * plot.DPI).astype(int)
+    )
     axes = drawn[0].axes
     assert [ax.get_title(loc="left") for ax in axes] == [
-        "peak memory per device", "collective bytes per step: measured vs predicted",
-        "measured step time (this machine)", "predicted step time (h100, roofline)"]
+        "peak memory per device",
+        "collective bytes per step: measured vs predicted",
+        "measured step time (this machine)",
+        "predicted step time (h100, roofline)",
+    ]
     assert [ax.get_xlabel() for ax in axes] == [
-        "bytes per device (MiB)", "bytes sent per device per step (MiB)",
-        "time per step (s)", "time per step (ms)"]
-    for ax, field in zip(axes, ("mem_total_bytes", "comm_bytes", "step_time_s",
-                                "predicted_step_time_s")):
+        "bytes per device (MiB)",
+        "bytes sent per device per step (MiB)",
+        "time per step (s)",
+        "time per step (ms)",
+    ]
+    for ax, field in zip(
+        axes, ("mem_total_bytes", "comm_bytes", "step_time_s", "predicted_step_time_s")
+    ):
         widths = [r.get_width() * _unit(ax) for r in ax.containers[0].patches]
         assert widths == pytest.approx([getattr(r, field) or 0.0 for r in rows])
     predicted = [r.get_width() * _unit(axes[1]) for r in axes[1].containers[1].patches]
@@ -292,24 +350,33 @@ def _write(path: Path, rows: list[dict], tail: str = "") -> Path:
 def runs(tmp_path) -> tuple[Path, Path]:
     """Two runs: eval in rows of their own + tokens + a truncated last line; eval in the
     train rows, no tokens."""
-    a = _write(tmp_path / "runs" / "fsdp8", [
-        {"step": 10, "loss": 3.0, "tokens": 1280, "time": 1.0, "step_time_s": 0.1},
-        {"step": 20, "loss": 2.5, "tokens": 2560, "time": 2.0},
-        {"step": 20, "time": 2.1, "eval_loss": 2.7, "eval_accuracy": 0.3, "eval_time_s": 0.1},
-        {"step": 30, "loss": 2.2, "tokens": 3840, "time": 3.0},
-        {"step": 25, "time": 3.1, "eval_loss": 2.4, "eval_time_s": 0.1},
-    ], tail='{"step": 40, "loss": 2.')
-    b = _write(tmp_path / "runs" / "data8", [
-        {"step": 5, "loss": 4.0},
-        {"step": 10, "loss": 3.5, "eval_loss": 3.6},
-        {"step": 15, "loss": 3.1, "eval_loss": 3.3, "eval_accuracy": 0.5},
-    ])
+    a = _write(
+        tmp_path / "runs" / "fsdp8",
+        [
+            {"step": 10, "loss": 3.0, "tokens": 1280, "time": 1.0, "step_time_s": 0.1},
+            {"step": 20, "loss": 2.5, "tokens": 2560, "time": 2.0},
+            {"step": 20, "time": 2.1, "eval_loss": 2.7, "eval_accuracy": 0.3, "eval_time_s": 0.1},
+            {"step": 30, "loss": 2.2, "tokens": 3840, "time": 3.0},
+            {"step": 25, "time": 3.1, "eval_loss": 2.4, "eval_time_s": 0.1},
+        ],
+        tail='{"step": 40, "loss": 2.',
+    )
+    b = _write(
+        tmp_path / "runs" / "data8",
+        [
+            {"step": 5, "loss": 4.0},
+            {"step": 10, "loss": 3.5, "eval_loss": 3.6},
+            {"step": 15, "loss": 3.1, "eval_loss": 3.3, "eval_accuracy": 0.5},
+        ],
+    )
     return a, b
 
 
 def _lines(ax) -> dict[str, tuple[list, list]]:
-    return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
-            for line in ax.get_lines()}
+    return {
+        line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
+        for line in ax.get_lines()
+    }
 
 
 def test_plot_figure_has_the_rows_data(runs):
@@ -361,8 +428,11 @@ def test_plot_command(runs, tmp_path, strict_umask, monkeypatch, capsys):
 
 def test_plot_names_repeated_directory_names_by_their_parents(tmp_path):
     rows = [{"step": 1, "loss": 1.0}]
-    dirs = [_write(tmp_path / "x" / "gpt", rows), _write(tmp_path / "y" / "gpt", rows),
-            _write(tmp_path / "conv", rows)]
+    dirs = [
+        _write(tmp_path / "x" / "gpt", rows),
+        _write(tmp_path / "y" / "gpt", rows),
+        _write(tmp_path / "conv", rows),
+    ]
     assert plot.run_names(dirs) == ["x/gpt", "y/gpt", "conv"]
 
 
@@ -377,8 +447,11 @@ def test_plot_errors(tmp_path):
     (empty_dir / "metrics.jsonl").write_text("")
     with pytest.raises(ValueError, match=r"empty/metrics.jsonl holds no rows"):
         plot.plot_runs([empty_dir], tmp_path / "p.png")
-    bad = _write(tmp_path / "bad", [{"step": 1, "loss": 1.0}], tail="{oops\n" + json.dumps(
-        {"step": 3, "loss": 0.5}) + "\n")
+    bad = _write(
+        tmp_path / "bad",
+        [{"step": 1, "loss": 1.0}],
+        tail="{oops\n" + json.dumps({"step": 3, "loss": 0.5}) + "\n",
+    )
     with pytest.raises(ValueError, match=r"bad/metrics.jsonl:2: not JSON"):
         plot.plot_runs([bad], tmp_path / "p.png")
     other = _write(tmp_path / "other", [{"step": 1, "acc": 1.0}])

@@ -20,18 +20,39 @@ from tests.helpers import GPT_SMALL, child_env
 
 # The schedule's horizon is fixed (decay_steps), so a 4-step run and the first 4 steps of an
 # 8-step run are the same computation.
-RESUMABLE = [*GPT_SMALL, "optim.schedule=cosine", "optim.decay_steps=8", "optim.warmup_steps=2",
-             "train.log_every=1", "train.eval_every=0", "train.progress=false",
-             "checkpoint.every_steps=2"]
+RESUMABLE = [
+    *GPT_SMALL,
+    "optim.schedule=cosine",
+    "optim.decay_steps=8",
+    "optim.warmup_steps=2",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.progress=false",
+    "checkpoint.every_steps=2",
+]
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def train_process(run_dir: Path, steps: int, *extra: str) -> None:
     """`python -m jaxpar train` in a fresh process (8 simulated devices)."""
     env = child_env(8)
-    subprocess.run([sys.executable, "-m", "jaxpar", "train", *RESUMABLE, *extra,
-                    f"train.steps={steps}", f"run.dir={run_dir}"],
-                   check=True, cwd=ROOT, env=env, capture_output=True, text=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxpar",
+            "train",
+            *RESUMABLE,
+            *extra,
+            f"train.steps={steps}",
+            f"run.dir={run_dir}",
+        ],
+        check=True,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
 
 
 def losses(run_dir: Path) -> list[tuple[int, float]]:
@@ -50,8 +71,9 @@ def final_arrays(run_dir: Path, layout: list[str]) -> list[np.ndarray]:
 
 
 # data × fsdp × tensor: the data-parallel axis and the sharded ones at once
-@pytest.mark.parametrize("layout", [["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]],
-                         ids=["fsdp_tp"])
+@pytest.mark.parametrize(
+    "layout", [["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]], ids=["fsdp_tp"]
+)
 def test_resume_is_bitwise_identical(tmp_path, layout):
     """8 steps straight vs 4 steps, exit, resume for 4 more: same losses and params, bit for bit."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
@@ -75,8 +97,10 @@ def saved_run(tmp_path):
     return [np.asarray(x) for x in jax.tree.leaves(state)]
 
 
-@pytest.mark.parametrize("layout,devices", [(["mesh.data=2", "mesh.tensor=4"], 8),
-                                            (["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2"], 4)])
+@pytest.mark.parametrize(
+    "layout,devices",
+    [(["mesh.data=2", "mesh.tensor=4"], 8), (["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2"], 4)],
+)
 def test_restore_onto_another_layout(tmp_path, layout, devices):
     """Saved under fsdp=8; restored under data=2×tensor=4 and on 4 devices: same values,
     new shardings, and training goes on."""
@@ -103,9 +127,11 @@ def test_incompatible_checkpoint_names_the_mismatches_in_one_line(tmp_path):
     text = str(err.value)
     assert "\n" not in text and "resume=never" not in text
     assert "does not fit this model/optimizer (12 mismatches: params/blocks/b_in:" in text
-    assert text.endswith("and 6 more); run with the settings it was saved with (a run dir's "
-                         "config.yaml edited by hand no longer holds them), or start afresh "
-                         "in a new run.dir")
+    assert text.endswith(
+        "and 6 more); run with the settings it was saved with (a run dir's "
+        "config.yaml edited by hand no longer holds them), or start afresh "
+        "in a new run.dir"
+    )
     assert "params/blocks/w_in: checkpoint ((2, 32, 64), 'float32'), model ((2, 32, 128)" in text
     assert "params/head: in the checkpoint ((32, 256), 'float32') but not in the model" in text
     # clip, then adamw (inject_hyperparams' inner state: scale_by_adam's mu, …)
@@ -132,9 +158,21 @@ def test_sigterm_checkpoints_the_current_step_and_resume_continues(tmp_path):
     env = child_env(8)
     run_dir = tmp_path / "preempted"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jaxpar", "train", *RESUMABLE, "train.steps=100000",
-         f"run.dir={run_dir}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "jaxpar",
+            "train",
+            *RESUMABLE,
+            "train.steps=100000",
+            f"run.dir={run_dir}",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     metrics = run_dir / "metrics.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline and not (metrics.exists() and len(losses(run_dir)) >= 3):
@@ -165,7 +203,8 @@ def plain_orbax_script(relative_path: str) -> str:
     return snippet.replace("runs/gpt_tiny/checkpoints/200/state", relative_path) + (
         "import sys\n"
         "assert 'jaxpar' not in sys.modules\n"
-        "np.savez(sys.argv[1], w_in=w_in, step=state['step'])\n")
+        "np.savez(sys.argv[1], w_in=w_in, step=state['step'])\n"
+    )
 
 
 def test_checkpoint_reads_with_plain_orbax_and_exports(tmp_path):
@@ -175,8 +214,13 @@ def test_checkpoint_reads_with_plain_orbax_and_exports(tmp_path):
     saved = saved_run(tmp_path)
     script = tmp_path / "read.py"
     script.write_text(plain_orbax_script("ckpt/1/state"))  # relative to where it runs
-    subprocess.run([sys.executable, str(script), str(tmp_path / "plain.npz")], check=True,
-                   cwd=tmp_path, env=child_env(None), capture_output=True)
+    subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "plain.npz")],
+        check=True,
+        cwd=tmp_path,
+        env=child_env(None),
+        capture_output=True,
+    )
     plain = np.load(tmp_path / "plain.npz")
     run = build(load_config([], [*GPT_SMALL, "mesh.data=1", "mesh.fsdp=8"]))
     names = [p for p, _ in jax.tree_util.tree_leaves_with_path(run.plan.abstract_state)]
@@ -184,12 +228,23 @@ def test_checkpoint_reads_with_plain_orbax_and_exports(tmp_path):
     np.testing.assert_array_equal(plain["w_in"], w_in)
     assert int(plain["step"]) == 1
     out = tmp_path / "params.npz"
-    assert main(["export", *GPT_SMALL, "mesh.data=1", "mesh.fsdp=8",
-                 f"checkpoint.dir={tmp_path / 'ckpt'}", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "export",
+                *GPT_SMALL,
+                "mesh.data=1",
+                "mesh.fsdp=8",
+                f"checkpoint.dir={tmp_path / 'ckpt'}",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     exported = np.load(out)
     np.testing.assert_array_equal(exported["blocks/w_in"], w_in)
-    expected = {path_str(p) for p, _ in
-                jax.tree_util.tree_leaves_with_path(run.plan.model.params)}
+    expected = {path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(run.plan.model.params)}
     assert set(exported.files) == expected and "blocks/w_in" in expected
 
 
@@ -203,12 +258,25 @@ def test_sigkill_during_a_save_leaves_nothing_resume_would_pick(tmp_path):
     for attempt in range(5):
         run_dir = tmp_path / f"killed{attempt}"
         proc = subprocess.Popen(
-            [sys.executable, "-m", "jaxpar", "train", *RESUMABLE, *big, "train.steps=100000",
-             f"run.dir={run_dir}"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL)
+            [
+                sys.executable,
+                "-m",
+                "jaxpar",
+                "train",
+                *RESUMABLE,
+                *big,
+                "train.steps=100000",
+                f"run.dir={run_dir}",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.time() + 120
         while time.time() < deadline and not (
-                (run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= 3):
+            (run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= 3
+        ):
             time.sleep(0.05)
         time.sleep(0.1 * attempt)
         proc.kill()
@@ -253,15 +321,25 @@ def test_failed_async_save_exits_nonzero_with_the_error(tmp_path, monkeypatch, c
 
     monkeypatch.setattr(ocp.StandardCheckpointHandler, "async_save", failing)
     run_dir = tmp_path / "run"
-    code = main(["train", *RESUMABLE, "train.steps=6", f"checkpoint.every_steps={every}",
-                 f"run.dir={run_dir}"])
+    code = main(
+        [
+            "train",
+            *RESUMABLE,
+            "train.steps=6",
+            f"checkpoint.every_steps={every}",
+            f"run.dir={run_dir}",
+        ]
+    )
     assert code == CHECKPOINT_FAILED
     err = capsys.readouterr().err
     assert "checkpoint error" in err and "No space left on device (simulated)" in err
     assert str(run_dir / "checkpoints") in err
     line = [x for x in err.splitlines() if "checkpoint error" in x]
-    assert len(line) == 1 and line[0].startswith(
-        "jaxpar: checkpoint error: disk full: ") and " free there)" in line[0]
+    assert (
+        len(line) == 1
+        and line[0].startswith("jaxpar: checkpoint error: disk full: ")
+        and " free there)" in line[0]
+    )
     assert "Traceback" not in err
     logged = [s for s, _ in losses(run_dir)]
     # every=2: step 4's row is written (before its save waits), then the save of step 4
@@ -270,9 +348,18 @@ def test_failed_async_save_exits_nonzero_with_the_error(tmp_path, monkeypatch, c
     assert not [n for n in os.listdir(run_dir / "checkpoints") if n.isdigit()]
 
 
-BEST = [*GPT_SMALL, "optim.lr=0.03", "optim.schedule=constant", "train.log_every=2",
-        "train.eval_every=2", "train.eval_batches=1", "train.progress=false",
-        "checkpoint.every_steps=2", "checkpoint.keep=2", "checkpoint.keep_best=2"]
+BEST = [
+    *GPT_SMALL,
+    "optim.lr=0.03",
+    "optim.schedule=constant",
+    "train.log_every=2",
+    "train.eval_every=2",
+    "train.eval_batches=1",
+    "train.progress=false",
+    "checkpoint.every_steps=2",
+    "checkpoint.keep=2",
+    "checkpoint.keep_best=2",
+]
 
 
 def test_keep_and_keep_best_retain_exactly_the_expected_steps(tmp_path):
@@ -285,9 +372,11 @@ def test_keep_and_keep_best_retain_exactly_the_expected_steps(tmp_path):
     run_dir = tmp_path / "best"
     for steps in (12, 14, 20):
         assert main(["train", *BEST, f"train.steps={steps}", f"run.dir={run_dir}"]) == 0
-        evals = {row["step"]: row["eval_loss"] for row in
-                 map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-                 if "eval_loss" in row}
+        evals = {
+            row["step"]: row["eval_loss"]
+            for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            if "eval_loss" in row
+        }
         saved = sorted(evals)
         assert saved == list(range(2, steps + 1, 2))
         best = sorted(saved, key=evals.get)[:2]
@@ -331,23 +420,26 @@ def test_an_old_checkpoint_that_cannot_be_deleted_is_a_warning(tmp_path, monkeyp
 
     def refuse(path, *args, **kwargs):
         if Path(path) == ckpts / "2":
-            raise PermissionError(errno.EPERM, "Operation not permitted",
-                                  str(ckpts / "2" / "_CHECKPOINT_METADATA"))
+            raise PermissionError(
+                errno.EPERM, "Operation not permitted", str(ckpts / "2" / "_CHECKPOINT_METADATA")
+            )
         return rmtree(path, *args, **kwargs)
 
     monkeypatch.setattr(shutil, "rmtree", refuse)
-    assert main(["train", *RESUMABLE, "train.steps=6", "checkpoint.keep=1",
-                 f"run.dir={run_dir}"]) == 0
+    assert (
+        main(["train", *RESUMABLE, "train.steps=6", "checkpoint.keep=1", f"run.dir={run_dir}"]) == 0
+    )
     warned = [str(w.message) for w in recwarn if "could not delete" in str(w.message)]
-    assert warned == [f"could not delete the old checkpoint of step 2 in {ckpts / '2'} "
-                      f"(Operation not permitted: {ckpts / '2' / '_CHECKPOINT_METADATA'}); "
-                      "delete it by hand — training goes on"]
+    assert warned == [
+        f"could not delete the old checkpoint of step 2 in {ckpts / '2'} "
+        f"(Operation not permitted: {ckpts / '2' / '_CHECKPOINT_METADATA'}); "
+        "delete it by hand — training goes on"
+    ]
     assert sorted(n for n in os.listdir(ckpts) if n.isdigit()) == ["2", "6"]
     assert [s for s, _ in losses(run_dir)] == list(range(1, 7))
 
 
-def test_a_damaged_checkpoint_that_cannot_be_moved_aside_says_so(tmp_path, monkeypatch,
-                                                                 capsys):
+def test_a_damaged_checkpoint_that_cannot_be_moved_aside_says_so(tmp_path, monkeypatch, capsys):
     """The newest checkpoint truncated and immutable (its rename refused, simulated): one
     line saying which checkpoint could not be moved aside, why, and what to do."""
     import errno
@@ -357,8 +449,10 @@ def test_a_damaged_checkpoint_that_cannot_be_moved_aside_says_so(tmp_path, monke
     run_dir = tmp_path / "run"
     ckpts = run_dir / "checkpoints"
     assert main(["train", *RESUMABLE, "train.steps=4", f"run.dir={run_dir}"]) == 0
-    largest = max((p for p in (ckpts / "4" / "state").rglob("*") if p.is_file()),
-                  key=lambda p: p.stat().st_size)
+    largest = max(
+        (p for p in (ckpts / "4" / "state").rglob("*") if p.is_file()),
+        key=lambda p: p.stat().st_size,
+    )
     os.truncate(largest, largest.stat().st_size // 2)
     replace = os.replace
 
@@ -370,9 +464,14 @@ def test_a_damaged_checkpoint_that_cannot_be_moved_aside_says_so(tmp_path, monke
     monkeypatch.setattr(os, "replace", refuse)
     capsys.readouterr()
     assert main(["train", *RESUMABLE, "train.steps=6", f"run.dir={run_dir}"]) == 2
-    err = [line for line in capsys.readouterr().err.splitlines()
-           if not line.startswith("jaxpar: warning")]
-    assert err == [f"jaxpar: error: moving the checkpoint of step 4 in {ckpts / '4'} aside (it "
-                   f"failed verification) failed: Operation not permitted: {ckpts / '4'}; make "
-                   "it writable or move it away by hand"]
+    err = [
+        line
+        for line in capsys.readouterr().err.splitlines()
+        if not line.startswith("jaxpar: warning")
+    ]
+    assert err == [
+        f"jaxpar: error: moving the checkpoint of step 4 in {ckpts / '4'} aside (it "
+        f"failed verification) failed: Operation not permitted: {ckpts / '4'}; make "
+        "it writable or move it away by hand"
+    ]
     assert (ckpts / "4").is_dir() and (ckpts / "2").is_dir()

@@ -16,10 +16,20 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.slow
 def test_default_train_writes_metrics_and_loss_falls(tmp_path):
-    cmd = [sys.executable, "-m", "jaxpar.cli", "train", f"run.dir={tmp_path}",
-           "train.steps=20", "train.log_every=5", "train.eval_every=10", "train.tensorboard=true"]
-    out = subprocess.run(cmd, env=child_env(None, test_flags=False), capture_output=True,
-                         text=True, timeout=600)  # a fresh shell: no flags set
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxpar.cli",
+        "train",
+        f"run.dir={tmp_path}",
+        "train.steps=20",
+        "train.log_every=5",
+        "train.eval_every=10",
+        "train.tensorboard=true",
+    ]
+    out = subprocess.run(
+        cmd, env=child_env(None, test_flags=False), capture_output=True, text=True, timeout=600
+    )  # a fresh shell: no flags set
     assert out.returncode == 0, out.stderr
     assert "8 simulated CPU devices" in out.stdout
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -28,8 +38,7 @@ def test_default_train_writes_metrics_and_loss_falls(tmp_path):
     assert [r["step"] for r in train] == [1, *range(5, 21, 5)]
     assert [r["step"] for r in evals] == [10, 20]
     assert all("loss" not in r and r["eval_time_s"] > 0 for r in evals)
-    for key in ("loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "examples_per_s",
-                "time"):
+    for key in ("loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "examples_per_s", "time"):
         assert all(np.isfinite(r[key]) for r in train), key
     times = [r["time"] for r in rows]
     assert times == sorted(times) and times[0] > 0
@@ -44,11 +53,25 @@ def test_default_train_writes_metrics_and_loss_falls(tmp_path):
 
 
 def test_devices_flag_sets_simulated_device_count(tmp_path):
-    cmd = [sys.executable, "-m", "jaxpar.cli", "train", "--devices", "4", f"run.dir={tmp_path}",
-           "train.steps=1", "optim.warmup_steps=0", "model.n_layers=1", "model.d_model=32", "data.seq_len=16",
-           "train.batch_size=4", "train.eval_every=0"]
-    out = subprocess.run(cmd, env=child_env(None), capture_output=True, text=True,
-                         timeout=600)  # a fresh shell: no device count forced
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxpar.cli",
+        "train",
+        "--devices",
+        "4",
+        f"run.dir={tmp_path}",
+        "train.steps=1",
+        "optim.warmup_steps=0",
+        "model.n_layers=1",
+        "model.d_model=32",
+        "data.seq_len=16",
+        "train.batch_size=4",
+        "train.eval_every=0",
+    ]
+    out = subprocess.run(
+        cmd, env=child_env(None), capture_output=True, text=True, timeout=600
+    )  # a fresh shell: no device count forced
     assert out.returncode == 0, out.stderr
     assert "4 simulated CPU devices" in out.stdout and "data=4" in out.stdout
 
@@ -84,11 +107,28 @@ def test_train_on_a_corpus_made_by_prepare_data(tmp_path, capsys):
     assert main(["prepare-data", str(corpus), "--out", str(tokens)]) == 0
     assert "120,000 tokens from 2 documents" in capsys.readouterr().out
     run_dir = tmp_path / "run"
-    assert main(["train", "model.d_model=32", "model.n_layers=2", "model.n_heads=4",
-                 "model.d_ff=64", "model.max_seq_len=32", "data.seq_len=32",
-                 "train.batch_size=16", "train.steps=30", "train.log_every=10",
-                 "train.eval_every=30", "train.progress=false", "optim.warmup_steps=5",
-                 f"data.path={tokens}", f"run.dir={run_dir}"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "model.d_model=32",
+                "model.n_layers=2",
+                "model.n_heads=4",
+                "model.d_ff=64",
+                "model.max_seq_len=32",
+                "data.seq_len=32",
+                "train.batch_size=16",
+                "train.steps=30",
+                "train.log_every=10",
+                "train.eval_every=30",
+                "train.progress=false",
+                "optim.warmup_steps=5",
+                f"data.path={tokens}",
+                f"run.dir={run_dir}",
+            ]
+        )
+        == 0
+    )
     assert f"data {tokens}" in capsys.readouterr().out
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "loss" in r]
@@ -96,11 +136,14 @@ def test_train_on_a_corpus_made_by_prepare_data(tmp_path, capsys):
     assert "eval_loss" in rows[-1]
 
 
-@pytest.mark.parametrize("command", [
-    ["train", "mesh.fsdp=8", "--devices", "8", "--task", "t.py:TASK"],
-    ["export", "configs/gpt_tiny.yaml", "mesh.fsdp=8", "--out", "p.npz", "--devices", "8"],
-    ["sample", "runs/x", "mesh.data=1", "--prompt", "The ", "--devices", "1", "--top-k", "5"],
-])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["train", "mesh.fsdp=8", "--devices", "8", "--task", "t.py:TASK"],
+        ["export", "configs/gpt_tiny.yaml", "mesh.fsdp=8", "--out", "p.npz", "--devices", "8"],
+        ["sample", "runs/x", "mesh.data=1", "--prompt", "The ", "--devices", "1", "--top-k", "5"],
+    ],
+)
 def test_options_may_come_anywhere(command):
     """Options after the overrides, between them, or before the command parse alike."""
     from jaxpar.cli import parse
@@ -136,8 +179,10 @@ def test_a_bug_is_an_internal_error_not_bad_input(monkeypatch, tmp_path, capsys,
     err = capsys.readouterr().err
     assert code == INTERNAL != BAD_INPUT
     line = next(x for x in err.splitlines() if x.startswith("jaxpar:"))
-    assert line.startswith("jaxpar: internal error: ValueError: boom inside JAX — not a setting "
-                           "jaxpar checks, but a bug in jaxpar, JAX or the model's own code")
+    assert line.startswith(
+        "jaxpar: internal error: ValueError: boom inside JAX — not a setting "
+        "jaxpar checks, but a bug in jaxpar, JAX or the model's own code"
+    )
     assert "jaxpar: error:" not in err
     if debug:  # the traceback is printed above the line
         assert "Traceback (most recent call last)" in err and "in broken" in err
@@ -155,18 +200,27 @@ def _one_line(err: str) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("args,text", [
-    (["train", "--devices", "99999999999999999999"],
-     "argument --devices: expects an integer from 0 to 1_048_576, got '99999999999999999999'; "
-     "see jaxpar train --help"),
-    (["train", "--devices", "2147483647"], "argument --devices: expects an integer from 0 to "),
-    (["inspect", "--devices", "abc"],
-     "argument --devices: expects an integer from 0 to 1_048_576, got 'abc'"),
-    (["plan", "--devices", "0"], "argument --devices: expects an integer from 1 to 1_048_576"),
-    (["plan", "--devices", "1" * 5000], "argument --devices: expects an integer from 1 to "),
-    (["sweep", "--all", "--steps", "10000000"],
-     "argument --steps: expects an integer from 0 to 1_000_000, got '10000000'"),
-])
+@pytest.mark.parametrize(
+    "args,text",
+    [
+        (
+            ["train", "--devices", "99999999999999999999"],
+            "argument --devices: expects an integer from 0 to 1_048_576, got '99999999999999999999'; "
+            "see jaxpar train --help",
+        ),
+        (["train", "--devices", "2147483647"], "argument --devices: expects an integer from 0 to "),
+        (
+            ["inspect", "--devices", "abc"],
+            "argument --devices: expects an integer from 0 to 1_048_576, got 'abc'",
+        ),
+        (["plan", "--devices", "0"], "argument --devices: expects an integer from 1 to 1_048_576"),
+        (["plan", "--devices", "1" * 5000], "argument --devices: expects an integer from 1 to "),
+        (
+            ["sweep", "--all", "--steps", "10000000"],
+            "argument --steps: expects an integer from 0 to 1_000_000, got '10000000'",
+        ),
+    ],
+)
 def test_bad_counts_on_the_command_line_are_one_line(args, text, capsys):
     with pytest.raises(SystemExit) as exit:
         main(args)
@@ -175,12 +229,19 @@ def test_bad_counts_on_the_command_line_are_one_line(args, text, capsys):
     assert line.startswith(f"jaxpar: error: {text}") and len(line) < 300, line
 
 
-@pytest.mark.parametrize("override,text", [
-    ("run.devices=99999999999999999999", "config key 'run.devices' must be in [0, 1_048_576], "
-                                         "got 99999999999999999999"),
-    ("train.steps=99999999999999999999999999999", "config key 'train.steps' must be in "
-                                                  "[1, 1_000_000_000_000]"),
-])
+@pytest.mark.parametrize(
+    "override,text",
+    [
+        (
+            "run.devices=99999999999999999999",
+            "config key 'run.devices' must be in [0, 1_048_576], got 99999999999999999999",
+        ),
+        (
+            "train.steps=99999999999999999999999999999",
+            "config key 'train.steps' must be in [1, 1_000_000_000_000]",
+        ),
+    ],
+)
 def test_huge_settings_are_one_line(override, text, tmp_path, capsys):
     assert main(["train", override, f"run.dir={tmp_path / 'run'}"]) == 2
     assert _one_line(capsys.readouterr().err).startswith(f"jaxpar: error: {text}")
@@ -194,13 +255,19 @@ def test_more_simulated_devices_than_the_cap_are_refused_before_any_is_made():
     import time
 
     start = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "jaxpar.cli", "inspect", "--devices", "5000"],
-                         env=child_env(None), capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxpar.cli", "inspect", "--devices", "5000"],
+        env=child_env(None),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2, out.stderr
     assert _one_line(out.stderr) == (
         "jaxpar: error: run.devices=5000 (--devices): without an accelerator jaxpar simulates "
         "at most 4,096 CPU devices (each costs host memory and start-up time); set --devices "
-        "(or run.devices) to at most 4,096")
+        "(or run.devices) to at most 4,096"
+    )
     assert time.perf_counter() - start < 30
 
 
@@ -209,8 +276,10 @@ def test_a_run_dir_of_3990_characters_is_one_short_line_naming_the_cause(tmp_pat
     assert main(["train", f"run.dir={run_dir}"]) == 2
     line = _one_line(capsys.readouterr().err)
     assert line.startswith("jaxpar: error: File name too long: run.dir '"), line
-    assert line.endswith(f"({len(str(run_dir)):,} characters; a path component may have at "
-                         "most 255): choose a shorter run.dir")
+    assert line.endswith(
+        f"({len(str(run_dir)):,} characters; a path component may have at "
+        "most 255): choose a shorter run.dir"
+    )
     assert len(line) < 300 and "disk" not in line
     deep = tmp_path.joinpath(*["b" * 200] * 19)  # components fit, the checkpoints' paths not
     assert main(["train", f"run.dir={deep}", "train.steps=1"]) == 2
@@ -230,11 +299,20 @@ def test_every_report_is_capped_with_the_cause_first(tmp_path, capsys):
     from jaxpar.cli.failures import MAX_MESSAGE, failure_of, internal
     from jaxpar.errors import ConfigError
 
-    status, line = failure_of(ConfigError("config key 'train.hooks' expects a list of strings, "
-                                          f"got {['x'] * 200_000!r}\nand a second line"))
+    status, line = failure_of(
+        ConfigError(
+            "config key 'train.hooks' expects a list of strings, "
+            f"got {['x'] * 200_000!r}\nand a second line"
+        )
+    )
     assert status == 2 and len(line) <= MAX_MESSAGE == 2000 and "\n" not in line
-    assert line.startswith("jaxpar: error: config key 'train.hooks' expects a list of strings, "
-                           "got ['x', 'x'") and "…" in line and line.endswith("second line")
+    assert (
+        line.startswith(
+            "jaxpar: error: config key 'train.hooks' expects a list of strings, got ['x', 'x'"
+        )
+        and "…" in line
+        and line.endswith("second line")
+    )
     long = str(tmp_path / ("c" * 3990))
     status, line = failure_of(OSError(errno.ENAMETOOLONG, "File name too long", long))
     assert status == 2 and line.startswith("jaxpar: error: File name too long: path '")
@@ -243,8 +321,10 @@ def test_every_report_is_capped_with_the_cause_first(tmp_path, capsys):
     assert len(line) <= MAX_MESSAGE and line.startswith("jaxpar: internal error: RuntimeError: zz")
     Path(line.split("the traceback is in ")[1].split(" ")[0]).unlink()
 
-    anchors = ", ".join(f"&{n} [{', '.join([f'*{p}' if p else 'x'] * 9)}]"
-                        for p, n in zip(["", *"abcdefgh"], "abcdefghi"))
+    anchors = ", ".join(
+        f"&{n} [{', '.join([f'*{p}' if p else 'x'] * 9)}]"
+        for p, n in zip(["", *"abcdefgh"], "abcdefghi")
+    )
     start = time.perf_counter()
     assert main(["train", f"train.hooks=[{anchors}, *i]", f"run.dir={tmp_path / 'r'}"]) == 2
     line = _one_line(capsys.readouterr().err)

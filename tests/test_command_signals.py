@@ -20,17 +20,31 @@ from tests.helpers import child_env, kill_all
 from tests.helpers import finished as ended
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.d_ff=64",
-        "model.max_seq_len=16", "data.seq_len=16", "train.batch_size=16",
-        "optim.warmup_steps=0"]
+TINY = [
+    "model.d_model=32",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.d_ff=64",
+    "model.max_seq_len=16",
+    "data.seq_len=16",
+    "train.batch_size=16",
+    "optim.warmup_steps=0",
+]
 #: seconds from start to the one line (JAX starts in ~2 s; the children run side by side)
 BOUND = 45
 AGAIN = "before it finished: run the same command again"
-STOPPED = {"SIGINT": (130, f"jaxpar: interrupted (Ctrl-C) during jaxpar {{}}, {AGAIN}"),
-           "SIGTERM": (143, f"jaxpar: stopped (SIGTERM) during jaxpar {{}}, {AGAIN}")}
-TRAINING = (143, ("jaxpar: stopped (SIGTERM) before training began: no checkpoint was "
-                  "written by this stop; run the same command to resume from the last "
-                  "complete checkpoint"))
+STOPPED = {
+    "SIGINT": (130, f"jaxpar: interrupted (Ctrl-C) during jaxpar {{}}, {AGAIN}"),
+    "SIGTERM": (143, f"jaxpar: stopped (SIGTERM) during jaxpar {{}}, {AGAIN}"),
+}
+TRAINING = (
+    143,
+    (
+        "jaxpar: stopped (SIGTERM) before training began: no checkpoint was "
+        "written by this stop; run the same command to resume from the last "
+        "complete checkpoint"
+    ),
+)
 
 # case: (how the signal comes — see tests/stop_child.py; "header": sent from here once the
 # command printed its first line —, the signal, the command, what it prints only if it ran
@@ -38,15 +52,37 @@ TRAINING = (143, ("jaxpar: stopped (SIGTERM) before training began: no checkpoin
 CASES = {
     "train": ("plain", "SIGTERM", ["train", *TINY, "run.dir={tmp}/train"], "step"),
     "inspect": ("plain", "SIGINT", ["inspect", *TINY], "devices:"),
-    "plan": ("plain", "SIGTERM", ["plan", *TINY, "--devices", "8", "--layouts", "data=8"],
-             "ranked by"),
+    "plan": (
+        "plain",
+        "SIGTERM",
+        ["plan", *TINY, "--devices", "8", "--layouts", "data=8"],
+        "ranked by",
+    ),
     # its layouts are measured in worker processes: the signal reaches this one waiting
-    "sweep": ("header", "SIGINT", ["sweep", *TINY, "--devices", "8", "--layouts", "data=8",
-                                   "--steps", "1", "--out", "{tmp}/sweep"], "wrote"),
-    "export": ("plain", "SIGTERM", ["export", "{run}", "--out", "{tmp}/params.npz"],
-               "written to"),
-    "sample": ("plain", "SIGINT", ["sample", "{run}", "--prompt-ids", "1,2", "--tokens",
-                                   "2"], "1,2"),
+    "sweep": (
+        "header",
+        "SIGINT",
+        [
+            "sweep",
+            *TINY,
+            "--devices",
+            "8",
+            "--layouts",
+            "data=8",
+            "--steps",
+            "1",
+            "--out",
+            "{tmp}/sweep",
+        ],
+        "wrote",
+    ),
+    "export": ("plain", "SIGTERM", ["export", "{run}", "--out", "{tmp}/params.npz"], "written to"),
+    "sample": (
+        "plain",
+        "SIGINT",
+        ["sample", "{run}", "--prompt-ids", "1,2", "--tokens", "2"],
+        "1,2",
+    ),
     "eval": ("plain", "SIGTERM", ["eval", "{run}"], "loss"),
     # the report of an 8B model takes a while: it must not be printed
     "inspect_gc": ("gc", "SIGTERM", ["inspect", "configs/llama3_8b.yaml"], "devices:"),
@@ -58,9 +94,15 @@ OUTPUTS = {"export": "params.npz", "sweep": "sweep/*"}
 
 def _start(how: str, sig: str, args: list[str], tmp: Path, run: Path) -> subprocess.Popen:
     args = [a.format(tmp=tmp, run=run) for a in args]
-    child = (["tests/stop_child.py", how, sig] if how != "header" else ["-m", "jaxpar"])
-    return subprocess.Popen([sys.executable, *child, *args], cwd=ROOT, env=child_env(8),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = ["tests/stop_child.py", how, sig] if how != "header" else ["-m", "jaxpar"]
+    return subprocess.Popen(
+        [sys.executable, *child, *args],
+        cwd=ROOT,
+        env=child_env(8),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +122,20 @@ def stopped(tmp_path_factory):
         if line.startswith("sweeping"):
             sweep.send_signal(signal.Signals[CASES["sweep"][1]])
             break
-    train(load_config([], [*TINY, "train.steps=1", "run.devices=1", "train.progress=false",
-                           "checkpoint.async_save=false", f"run.dir={run}"]), echo=False)
+    train(
+        load_config(
+            [],
+            [
+                *TINY,
+                "train.steps=1",
+                "run.devices=1",
+                "train.progress=false",
+                "checkpoint.async_save=false",
+                f"run.dir={run}",
+            ],
+        ),
+        echo=False,
+    )
     for case, (how, sig, args, _) in CASES.items():
         if "{run}" in args:
             children[case] = (_start(how, sig, args, tmp, run), time.time())

@@ -10,7 +10,7 @@ import sys
 from jaxpar import compiler_notes
 from tests.helpers import ROOT, child_env
 
-LM = '''
+LM = """
 import jax.numpy as jnp, numpy as np, optax
 from flax import nnx
 import jaxpar
@@ -35,18 +35,34 @@ def data(step, n):
     return {"tokens": np.random.default_rng(step).integers(0, 256, (n, 17)).astype(np.int32)}
 
 TASK = jaxpar.Task(LM, loss, {"tokens": ("batch", None)}, data=data, name="lm")
-'''
+"""
 
 
 def _train(tmp_path, lookup: str) -> str:
     path = tmp_path / f"lm{len(lookup)}.py"
     path.write_text(LM.replace("LOOKUP", lookup))
     done = subprocess.run(
-        [sys.executable, "-m", "jaxpar", "train", "--task", f"{path}:TASK", "mesh.data=2",
-         "mesh.fsdp=2", "mesh.tensor=2", "train.steps=1", "train.progress=false",
-         "optim.warmup_steps=0", f"run.dir={tmp_path / path.stem}"],
-        env={k: v for k, v in child_env(None).items() if k != "JAXPAR_DEBUG"}, cwd=ROOT,
-        capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "jaxpar",
+            "train",
+            "--task",
+            f"{path}:TASK",
+            "mesh.data=2",
+            "mesh.fsdp=2",
+            "mesh.tensor=2",
+            "train.steps=1",
+            "train.progress=false",
+            "optim.warmup_steps=0",
+            f"run.dir={tmp_path / path.stem}",
+        ],
+        env={k: v for k, v in child_env(None).items() if k != "JAXPAR_DEBUG"},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stderr
 
@@ -60,23 +76,31 @@ def test_an_embeddings_involuntary_rematerialization_is_one_line_with_the_fix(tm
         "briefly holding it whole; if it is an embedding lookup's, look the tokens up in the "
         "whole table, jnp.take(jaxpar.constrain(table, (None, None)), tokens, axis=0), as "
         "jaxpar's models do; else pin the activation's layout where the model makes it "
-        "(jaxpar.constrain) or change the rule that splits its dims"], err
+        "(jaxpar.constrain) or change the rule that splits its dims"
+    ], err
     assert "Involuntary" not in err and "spmd_partitioner" not in err
-    fixed = _train(tmp_path, "jnp.take(jaxpar.constrain(self.embed.embedding[...], "
-                             "(None, None)), tokens, axis=0)")
+    fixed = _train(
+        tmp_path,
+        "jnp.take(jaxpar.constrain(self.embed.embedding[...], (None, None)), tokens, axis=0)",
+    )
     assert "rematerialization" not in fixed.lower(), fixed
 
 
 def test_other_lines_pass_through_and_a_parameter_is_named(capfd):
-    line = ("W1126 spmd_partitioner.cc:656] [SPMD] Involuntary full rematerialization. The "
-            "compiler cannot go from sharding {devices=[2,1,4]<=[8] last_tile_dim_replicate} "
-            "to {replicated} efficiently for HLO operation %p = f32[64,256]{1,0} parameter(1)")
+    line = (
+        "W1126 spmd_partitioner.cc:656] [SPMD] Involuntary full rematerialization. The "
+        "compiler cannot go from sharding {devices=[2,1,4]<=[8] last_tile_dim_replicate} "
+        "to {replicated} efficiently for HLO operation %p = f32[64,256]{1,0} parameter(1)"
+    )
     with compiler_notes.explained({(64, 256): "out/kernel"}):
         import os
+
         os.write(2, b"a line of its own\n" + line.encode() + b"\n" + line.encode() + b"\n")
     err = capfd.readouterr().err
-    assert err == ("a line of its own\njaxpar: warning: XLA gathers all of parameter "
-                   "'out/kernel' f32[64,256] to change its sharding (its dims split 2×1 → "
-                   "1×1): an involuntary full rematerialization, every device briefly holding "
-                   "it whole; give its dims logical names whose rules split it as the "
-                   "activations it meets are split\n")
+    assert err == (
+        "a line of its own\njaxpar: warning: XLA gathers all of parameter "
+        "'out/kernel' f32[64,256] to change its sharding (its dims split 2×1 → "
+        "1×1): an involuntary full rematerialization, every device briefly holding "
+        "it whole; give its dims logical names whose rules split it as the "
+        "activations it meets are split\n"
+    )

@@ -32,16 +32,22 @@ def test_defaults():
 
 
 def test_yaml_layering_later_file_wins(tmp_path):
-    first = _write(tmp_path / "a.yaml", {
-        "train": {"steps": 7, "batch_size": 4},
-        "model": {"d_model": 48},
-        "rules": {"mlp": "tensor", "batch": "data"},
-    })
-    second = _write(tmp_path / "b.yaml", {
-        "train": {"steps": 11},
-        "optim": {"lr": 0.5},
-        "rules": {"batch": ["data", "fsdp"], "preset": "fsdp"},
-    })
+    first = _write(
+        tmp_path / "a.yaml",
+        {
+            "train": {"steps": 7, "batch_size": 4},
+            "model": {"d_model": 48},
+            "rules": {"mlp": "tensor", "batch": "data"},
+        },
+    )
+    second = _write(
+        tmp_path / "b.yaml",
+        {
+            "train": {"steps": 11},
+            "optim": {"lr": 0.5},
+            "rules": {"batch": ["data", "fsdp"], "preset": "fsdp"},
+        },
+    )
     cfg = load_config([first, second])
     assert cfg.train.steps == 11  # the later file wins
     assert cfg.train.batch_size == 4  # keys only in the earlier file survive
@@ -59,8 +65,10 @@ def test_yaml_layering_later_file_wins(tmp_path):
 
 
 def test_overrides_win_over_files(tmp_path):
-    path = _write(tmp_path / "a.yaml", {"train": {"steps": 7}, "mesh": {"fsdp": 2},
-                                        "rules": {"mlp": "tensor"}})
+    path = _write(
+        tmp_path / "a.yaml",
+        {"train": {"steps": 7}, "mesh": {"fsdp": 2}, "rules": {"mlp": "tensor"}},
+    )
     cfg = load_config([path], ["train.steps=3", "rules.mlp=null"])
     assert cfg.train.steps == 3
     assert cfg.mesh.fsdp == 2
@@ -76,11 +84,23 @@ def test_config_is_frozen():
 
 
 def test_to_dict_round_trip(tmp_path):
-    cfg = load_config([], [
-        "train.steps=17", "optim.lr=2.5e-4", "optim.eps=1e-7", "model.tie_embeddings=true",
-        "model.remat=save_dots", "mesh.fsdp=2", "data.path=some/file.txt", "run.dir=/tmp/x y",
-        "rules.preset=fsdp", "rules.batch=data,fsdp", "rules.mlp=tensor", "rules.kv=null",
-    ])
+    cfg = load_config(
+        [],
+        [
+            "train.steps=17",
+            "optim.lr=2.5e-4",
+            "optim.eps=1e-7",
+            "model.tie_embeddings=true",
+            "model.remat=save_dots",
+            "mesh.fsdp=2",
+            "data.path=some/file.txt",
+            "run.dir=/tmp/x y",
+            "rules.preset=fsdp",
+            "rules.batch=data,fsdp",
+            "rules.mlp=tensor",
+            "rules.kv=null",
+        ],
+    )
     assert cfg != Config()
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
@@ -136,14 +156,17 @@ def test_section_must_be_mapping(tmp_path):
 # ---------------------------------------------------------------- types
 
 
-@pytest.mark.parametrize("override, key, typ", [
-    ("train.steps=abc", "train.steps", "int"),
-    ("train.steps=1.5", "train.steps", "int"),
-    ("train.steps=true", "train.steps", "int"),
-    ("model.tie_embeddings=3", "model.tie_embeddings", "bool"),
-    ("optim.lr=fast", "optim.lr", "float"),
-    ("optim.lr=true", "optim.lr", "float"),
-])
+@pytest.mark.parametrize(
+    "override, key, typ",
+    [
+        ("train.steps=abc", "train.steps", "int"),
+        ("train.steps=1.5", "train.steps", "int"),
+        ("train.steps=true", "train.steps", "int"),
+        ("model.tie_embeddings=3", "model.tie_embeddings", "bool"),
+        ("optim.lr=fast", "optim.lr", "float"),
+        ("optim.lr=true", "optim.lr", "float"),
+    ],
+)
 def test_wrong_type_names_key_and_type(override, key, typ):
     with pytest.raises(ValueError) as err:
         load_config([], [override])
@@ -193,12 +216,16 @@ def _model_choices():
     """Every model family's keys with choices, declared once in its config class."""
     from jaxpar.models import families
 
-    return [(name, key.split(".")[1], values) for name in sorted(families())
-            for key, values in choices(name).items()]
+    return [
+        (name, key.split(".")[1], values)
+        for name in sorted(families())
+        for key, values in choices(name).items()
+    ]
 
 
-@pytest.mark.parametrize("family,key,choices", _model_choices(),
-                         ids=lambda x: x if isinstance(x, str) else None)
+@pytest.mark.parametrize(
+    "family,key,choices", _model_choices(), ids=lambda x: x if isinstance(x, str) else None
+)
 def test_every_model_choice_is_accepted(family, key, choices):
     for choice in choices:
         cfg = load_config([], [f"model.name={family}", f"model.{key}={choice}"])
@@ -267,11 +294,17 @@ def test_string_fields_keep_override_text_verbatim():
     assert (cfg.run.dir, cfg.data.path, cfg.model.name) == ("2024", "on", "mlp")
 
 
-@pytest.mark.parametrize("override,bound", [
-    ("train.log_every=0", r"in \[1, "), ("train.grad_accum=0", r"in \[1, "),
-    ("train.batch_size=0", r"in \[1, "), ("model.n_layers=0", "≥ 1"),
-    ("run.devices=-1", r"in \[0, "), ("optim.lr=.inf", "finite"),
-])
+@pytest.mark.parametrize(
+    "override,bound",
+    [
+        ("train.log_every=0", r"in \[1, "),
+        ("train.grad_accum=0", r"in \[1, "),
+        ("train.batch_size=0", r"in \[1, "),
+        ("model.n_layers=0", "≥ 1"),
+        ("run.devices=-1", r"in \[0, "),
+        ("optim.lr=.inf", "finite"),
+    ],
+)
 def test_out_of_range_values_name_the_key(override, bound):
     with pytest.raises(ValueError, match=f"'{override.split('=')[0]}' must be .*{bound}"):
         load_config([], [override])
@@ -330,8 +363,11 @@ def _keys():
 
     found = []
     for section, cls in typing.get_type_hints(Config).items():
-        found += [(section, key, cls, "") for key in cls.__pydantic_fields__
-                  if (section, key) != ("rules", "overrides")]
+        found += [
+            (section, key, cls, "")
+            for key in cls.__pydantic_fields__
+            if (section, key) != ("rules", "overrides")
+        ]
     for name, family in sorted(families().items()):
         if family.config.__module__.startswith("jaxpar.models."):
             found += [("model", key, family.config, name) for key in family.keys()]
@@ -344,11 +380,9 @@ def _outside(cls, key):
 
     info = cls.__pydantic_fields__[key]
     step = 1 if info.annotation is int else 0.5
-    limits = {Ge: lambda b: b - step, Gt: lambda b: b, Le: lambda b: b + step,
-              Lt: lambda b: b}
+    limits = {Ge: lambda b: b - step, Gt: lambda b: b, Le: lambda b: b + step, Lt: lambda b: b}
     names = {Ge: "ge", Gt: "gt", Le: "le", Lt: "lt"}
-    return [limits[type(m)](getattr(m, names[type(m)])) for m in info.metadata
-            if type(m) in limits]
+    return [limits[type(m)](getattr(m, names[type(m)])) for m in info.metadata if type(m) in limits]
 
 
 def _load_one(tmp_path, section, key, family, value):
@@ -358,8 +392,9 @@ def _load_one(tmp_path, section, key, family, value):
     return load_config([path])
 
 
-@pytest.mark.parametrize("section,key,cls,family", _keys(),
-                         ids=lambda x: x if isinstance(x, str) else None)
+@pytest.mark.parametrize(
+    "section,key,cls,family", _keys(), ids=lambda x: x if isinstance(x, str) else None
+)
 def test_every_bad_value_is_one_line_naming_the_key(section, key, cls, family, tmp_path):
     """A value of the wrong type, outside a key's choices or beyond its bounds is one
     ConfigError line naming the key."""
@@ -375,12 +410,16 @@ def test_every_bad_value_is_one_line_naming_the_key(section, key, cls, family, t
         assert "\n" not in message and f"{section}.{key}" in message, (value, message)
 
 
-@pytest.mark.parametrize("section", [f.name for f in dataclasses.fields(Config)
-                                     if f.name not in ("rules", "model")])
+@pytest.mark.parametrize(
+    "section", [f.name for f in dataclasses.fields(Config) if f.name not in ("rules", "model")]
+)
 def test_a_misspelt_key_of_every_section_names_the_closest(section):
     key = dataclasses.fields(getattr(Config(), section))[0].name
-    with pytest.raises(ValueError, match=rf"unknown config key '{section}\.{key}x': did you "
-                                         rf"mean '{section}\.{key}'\? valid keys: "):
+    with pytest.raises(
+        ValueError,
+        match=rf"unknown config key '{section}\.{key}x': did you "
+        rf"mean '{section}\.{key}'\? valid keys: ",
+    ):
         load_config([], [f"{section}.{key}x=1"])
 
 
@@ -392,8 +431,11 @@ def test_a_section_built_in_python_is_validated():
 
     with pytest.raises(ConfigError, match=r"^config key 'optim\.lr' must be > 0, got -1"):
         OptimConfig(lr=-1)
-    with pytest.raises(ConfigError, match=r"unknown config key 'optim\.rl': did you mean "
-                                          r"'optim\.lr'\?"):
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown config key 'optim\.rl': did you mean "
+        r"'optim\.lr'\?",
+    ):
         OptimConfig(rl=1)
     cfg = OptimConfig(lr=1)
     assert cfg.lr == 1.0 and isinstance(cfg.lr, float)
@@ -407,8 +449,11 @@ def test_a_section_built_in_python_is_validated():
 def test_yaml_keys_given_twice_and_tags_are_refused(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("train:\n  steps: 3\n  steps: 4\n")
-    with pytest.raises(ValueError, match=r"line 3, column 3: key 'steps' appears twice in one "
-                                         r"mapping \(lines 2 and 3\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"line 3, column 3: key 'steps' appears twice in one "
+        r"mapping \(lines 2 and 3\)",
+    ):
         load_config([path])
     path.write_text("train:\n  steps: !!python/int 3\n")
     with pytest.raises(ValueError, match=r"unknown YAML tag .*: jaxpar configs are plain YAML"):
@@ -431,7 +476,8 @@ def test_the_config_reference_is_current(capsys):
 
     assert main(["train", "--help-config"]) == 0
     assert (REPO / "docs" / "config.md").read_text() == capsys.readouterr().out, (
-        "docs/config.md is stale: run `jaxpar train --help-config > docs/config.md`")
+        "docs/config.md is stale: run `jaxpar train --help-config > docs/config.md`"
+    )
 
 
 # ---------------------------------------------------------------- shipped configs
@@ -450,8 +496,11 @@ def _header(path: Path) -> list[str]:
 def _header_files(path: Path) -> list[Path]:
     """The YAML files named by the command on a config's first line, in order."""
     words = path.read_text().splitlines()[0].lstrip("#").split()
-    return [(REPO / w).resolve() if not Path(w).is_absolute() else Path(w)
-            for w in words if w.endswith(".yaml")]
+    return [
+        (REPO / w).resolve() if not Path(w).is_absolute() else Path(w)
+        for w in words
+        if w.endswith(".yaml")
+    ]
 
 
 def test_configs_exist():
@@ -469,8 +518,12 @@ _PARAMS = [pytest.param(p, id=str(p.relative_to(REPO))) for p in CONFIG_FILES] o
 def test_config_file_header(path):
     assert path is not None, f"no YAML config files under {REPO / 'configs'}"
     lines = path.read_text().splitlines()
-    assert lines and lines[0].startswith("#"), f"{path} must start with a '#' comment giving the command"
-    assert "jaxpar" in "\n".join(_header(path)), f"{path}: the leading comment must show the jaxpar command"
+    assert lines and lines[0].startswith("#"), (
+        f"{path} must start with a '#' comment giving the command"
+    )
+    assert "jaxpar" in "\n".join(_header(path)), (
+        f"{path}: the leading comment must show the jaxpar command"
+    )
     files = _header_files(path)
     assert path in files, f"{path}: the command in its first line should name the file itself"
     for file in files:
@@ -517,16 +570,25 @@ def _stated_loss(match: re.Match) -> str:
     return match.group(2) if newer and match.group(2) else match.group(1)
 
 
-_STATED = [pytest.param(p, _stated_loss(m), id=str(p.relative_to(REPO)))
-           for p in CONFIG_FILES
-           if (m := _STEP_ONE.search(" ".join(_header(p))))]
+_STATED = [
+    pytest.param(p, _stated_loss(m), id=str(p.relative_to(REPO)))
+    for p in CONFIG_FILES
+    if (m := _STEP_ONE.search(" ".join(_header(p))))
+]
 
 
 def test_cpu_configs_state_their_step_one_loss():
     """Every config meant for this machine says what its first step logs."""
     stated = {str(p.values[0].relative_to(REPO)) for p in _STATED}
-    for name in ("gpt_tiny", "llama_tiny", "bert_tiny", "resnet_digits", "convnet", "mlp",
-                 "digits"):
+    for name in (
+        "gpt_tiny",
+        "llama_tiny",
+        "bert_tiny",
+        "resnet_digits",
+        "convnet",
+        "mlp",
+        "digits",
+    ):
         assert f"configs/{name}.yaml" in stated, f"configs/{name}.yaml states no step-1 loss"
 
 
@@ -546,18 +608,27 @@ def test_config_step_one_loss_is_what_it_says(path, loss, monkeypatch):
     assert f"{float(metrics['loss']):.{digits}f}" == loss, path
 
 
-@pytest.mark.parametrize("files,overrides,run_dir", [
-    ([], [], "runs/gpt_tiny"),
-    ([], ["optim.lr=0.1", "mesh.data=-1"], "runs/gpt_tiny"),  # the config's own layout
-    ([], ["mesh.fsdp=8"], "runs/gpt_tiny-fsdp8"),
-    ([], ["mesh.data=4", "mesh.tensor=2"], "runs/gpt_tiny-data4-tensor2"),
-    (["configs/gpt_tiny.yaml", "configs/layouts/tp.yaml"], [], "runs/gpt_tiny-tp"),
-    ([], ["mesh.stage=4", "pipeline.schedule=zb_h1", "pipeline.microbatches=8"],
-     "runs/gpt_tiny-stage4-zb_h1-m8"),
-    (["configs/resnet_digits.yaml"], ["mesh.data=2", "mesh.tensor=4"],
-     "runs/resnet_digits-data2-tensor4"),
-    ([], ["mesh.fsdp=8", "run.dir=mine"], "mine"),  # given: kept
-])
+@pytest.mark.parametrize(
+    "files,overrides,run_dir",
+    [
+        ([], [], "runs/gpt_tiny"),
+        ([], ["optim.lr=0.1", "mesh.data=-1"], "runs/gpt_tiny"),  # the config's own layout
+        ([], ["mesh.fsdp=8"], "runs/gpt_tiny-fsdp8"),
+        ([], ["mesh.data=4", "mesh.tensor=2"], "runs/gpt_tiny-data4-tensor2"),
+        (["configs/gpt_tiny.yaml", "configs/layouts/tp.yaml"], [], "runs/gpt_tiny-tp"),
+        (
+            [],
+            ["mesh.stage=4", "pipeline.schedule=zb_h1", "pipeline.microbatches=8"],
+            "runs/gpt_tiny-stage4-zb_h1-m8",
+        ),
+        (
+            ["configs/resnet_digits.yaml"],
+            ["mesh.data=2", "mesh.tensor=4"],
+            "runs/resnet_digits-data2-tensor4",
+        ),
+        ([], ["mesh.fsdp=8", "run.dir=mine"], "mine"),  # given: kept
+    ],
+)
 def test_each_layout_gets_a_run_dir_of_its_own(files, overrides, run_dir, monkeypatch):
     """Layouts tried one after another (README's Quickstart) never resume each other's run."""
     monkeypatch.chdir(Path(__file__).resolve().parent.parent)
@@ -588,22 +659,24 @@ def _alias_bomb(levels: int) -> list[str]:
     return lines
 
 
-@pytest.mark.parametrize("override,bound", [
-    ("train.steps=99999999999999999999999999999", "in [1, 1_000_000_000_000]"),
-    ("train.batch_size=4294967296", "in [1, 2_147_483_648]"),
-    ("train.eval_every=10000000000000", "in [0, 1_000_000_000_000]"),
-    ("mesh.fsdp=2097152", "≤ 1_048_576"),
-    ("data.seq_len=100000000", "in [1, 16_777_216]"),
-    ("run.devices=99999999999999999999", "in [0, 1_048_576]"),
-])
+@pytest.mark.parametrize(
+    "override,bound",
+    [
+        ("train.steps=99999999999999999999999999999", "in [1, 1_000_000_000_000]"),
+        ("train.batch_size=4294967296", "in [1, 2_147_483_648]"),
+        ("train.eval_every=10000000000000", "in [0, 1_000_000_000_000]"),
+        ("mesh.fsdp=2097152", "≤ 1_048_576"),
+        ("data.seq_len=100000000", "in [1, 16_777_216]"),
+        ("run.devices=99999999999999999999", "in [0, 1_048_576]"),
+    ],
+)
 def test_integer_keys_are_bounded_where_a_huge_value_is_meaningless(override, bound):
     from jaxpar.errors import ConfigError
 
     key = override.split("=")[0]
     with pytest.raises(ConfigError) as err:
         load_config([], [override])
-    assert str(err.value) == (f"config key '{key}' must be {bound}, got "
-                              f"{override.split('=')[1]}")
+    assert str(err.value) == (f"config key '{key}' must be {bound}, got {override.split('=')[1]}")
 
 
 def test_yaml_nested_5000_deep_is_one_line_naming_the_file_and_line(tmp_path):
@@ -614,10 +687,15 @@ def test_yaml_nested_5000_deep_is_one_line_naming_the_file_and_line(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config([path])
     # the document, train's mapping and 62 lists are 64 levels: the 63rd list is refused
-    assert str(err.value) == (f"config file '{path}', line 2, column 72: values nested deeper "
-                              "than 64 levels; a config needs a few")
-    with pytest.raises(ConfigError, match=r"^override 'train\.hooks=\[\[\[.*….*\]\]\]', line 1, "
-                                          r"column 65: values nested deeper than 64 levels"):
+    assert str(err.value) == (
+        f"config file '{path}', line 2, column 72: values nested deeper "
+        "than 64 levels; a config needs a few"
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"^override 'train\.hooks=\[\[\[.*….*\]\]\]', line 1, "
+        r"column 65: values nested deeper than 64 levels",
+    ):
         load_config([], [f"train.hooks={_nested(5000)}"])
     path.write_text(f"train:\n  hooks: {_nested(62)}\n")  # 64 levels: read, then checked
     with pytest.raises(ConfigError, match="'train.hooks' expects a list of strings"):
@@ -660,8 +738,11 @@ def test_a_config_file_over_1_mib_and_a_huge_integer_are_one_line(tmp_path):
 
     big = tmp_path / "big.yaml"
     big.write_text("# padding\n" * 120_000)
-    with pytest.raises(ConfigError, match=rf"^config file '{re.escape(str(big))}' is larger "
-                                          r"than 1,048,576 bytes \(1 MiB\)"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"^config file '{re.escape(str(big))}' is larger "
+        r"than 1,048,576 bytes \(1 MiB\)",
+    ):
         load_config([big])
     digits = tmp_path / "digits.yaml"
     digits.write_text(f"train:\n  steps: {'9' * 5000}\n")
@@ -677,9 +758,14 @@ def test_a_run_dir_too_long_for_the_file_system_is_refused_on_load(tmp_path):
         load_config([], [f"run.dir={one_name}"])
     message = str(err.value)
     assert message.startswith("File name too long: run.dir '") and "…" in message
-    assert message.endswith(f"({len(str(one_name)):,} characters; a path component may have "
-                            "at most 255): choose a shorter run.dir")
+    assert message.endswith(
+        f"({len(str(one_name)):,} characters; a path component may have "
+        "at most 255): choose a shorter run.dir"
+    )
     deep = tmp_path.joinpath(*["b" * 200] * 19)
-    with pytest.raises(ConfigError, match=r"characters as an absolute path, with the files "
-                                          r"jaxpar writes inside it; a path may have at most"):
+    with pytest.raises(
+        ConfigError,
+        match=r"characters as an absolute path, with the files "
+        r"jaxpar writes inside it; a path may have at most",
+    ):
         load_config([], [f"run.dir={deep}"])

@@ -7,7 +7,6 @@ activation; bad input is one line."""
 from __future__ import annotations
 
 import dataclasses
-
 import functools
 import re
 
@@ -24,10 +23,20 @@ from jaxpar.errors import LayoutError
 from tests.helpers import assert_params_close, grid, one_device_steps, run_steps
 
 T = 32  # tokens per sequence: 2 × 8 chunks for context=8 with load balancing
-MODEL = ["model.d_model=16", "model.n_heads=2", "model.d_ff=32", "model.n_layers=2",
-         f"model.max_seq_len={T}", f"data.seq_len={T}", "train.batch_size=8",
-         "optim.name=adamw", "optim.lr=3e-3", "optim.weight_decay=0.1", "optim.clip_norm=1.0",
-         "optim.warmup_steps=0"]
+MODEL = [
+    "model.d_model=16",
+    "model.n_heads=2",
+    "model.d_ff=32",
+    "model.n_layers=2",
+    f"model.max_seq_len={T}",
+    f"data.seq_len={T}",
+    "train.batch_size=8",
+    "optim.name=adamw",
+    "optim.lr=3e-3",
+    "optim.weight_decay=0.1",
+    "optim.clip_norm=1.0",
+    "optim.warmup_steps=0",
+]
 FAMILIES = {"gpt": [], "rotary": ["model.positions=rotary"], "bert": ["model.name=bert"]}
 
 
@@ -66,22 +75,41 @@ CASES = [  # (family, layout, strategy, balance)
 
 def _layout(text: str) -> list[str]:
     degrees = dict(part.split("=") for part in text.split(","))
-    return [f"mesh.{axis}={degrees.get(axis, -1 if axis == 'data' else 1)}"
-            for axis in ("data", "fsdp", "context", "tensor")]
+    return [
+        f"mesh.{axis}={degrees.get(axis, -1 if axis == 'data' else 1)}"
+        for axis in ("data", "fsdp", "context", "tensor")
+    ]
 
 
 # every suite: each family, each strategy, balanced and in order, beside data, fsdp, tensor
-@pytest.mark.parametrize("family,layout,strategy,balance", grid(
-    [pytest.param(*c, id=f"{c[0]}-{c[1]}-{c[2]}-{'balanced' if c[3] else 'in_order'}")
-     for c in CASES],
-    {"gpt-context=2-all_gather-balanced", "gpt-data=2,context=2,tensor=2-ring-in_order", "gpt-fsdp=2,context=4-all_gather-balanced",
-     "rotary-context=8-ring-balanced", "bert-context=2-all_gather-in_order"}))
+@pytest.mark.parametrize(
+    "family,layout,strategy,balance",
+    grid(
+        [
+            pytest.param(*c, id=f"{c[0]}-{c[1]}-{c[2]}-{'balanced' if c[3] else 'in_order'}")
+            for c in CASES
+        ],
+        {
+            "gpt-context=2-all_gather-balanced",
+            "gpt-data=2,context=2,tensor=2-ring-in_order",
+            "gpt-fsdp=2,context=4-all_gather-balanced",
+            "rotary-context=8-ring-balanced",
+            "bert-context=2-all_gather-in_order",
+        },
+    ),
+)
 def test_context_parallel_equals_one_device(family, layout, strategy, balance):
     """Losses of 3 AdamW steps, the first batch's gradients and the final parameters equal
     one device's."""
-    losses, params, run = run_steps([*MODEL, *FAMILIES[family], *_layout(layout),
-                                     f"context.attention={strategy}",
-                                     f"context.balance={str(balance).lower()}"])
+    losses, params, run = run_steps(
+        [
+            *MODEL,
+            *FAMILIES[family],
+            *_layout(layout),
+            f"context.attention={strategy}",
+            f"context.balance={str(balance).lower()}",
+        ]
+    )
     assert run.plan.mesh.shape["context"] > 1
     want_losses, want_params, want_grads = _one_device(family)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
@@ -89,12 +117,16 @@ def test_context_parallel_equals_one_device(family, layout, strategy, balance):
     assert_params_close(params, want_params, elementwise=False, rtol=1e-4)
 
 
-@pytest.mark.parametrize("extra", [
-    ["mesh.stage=2", "mesh.data=2", "pipeline.executor=spmd", "pipeline.microbatches=2"],
-    ["mesh.stage=2", "mesh.data=2", "pipeline.executor=mpmd", "pipeline.microbatches=2"],
-    ["mesh.data=4", "train.grad_accum=2", "context.attention=ring"],
-    ["mesh.data=4", "model.remat=full", "context.attention=ring"],
-], ids=["stage-spmd", "stage-mpmd", "grad_accum-ring", "remat-ring"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["mesh.stage=2", "mesh.data=2", "pipeline.executor=spmd", "pipeline.microbatches=2"],
+        ["mesh.stage=2", "mesh.data=2", "pipeline.executor=mpmd", "pipeline.microbatches=2"],
+        ["mesh.data=4", "train.grad_accum=2", "context.attention=ring"],
+        ["mesh.data=4", "model.remat=full", "context.attention=ring"],
+    ],
+    ids=["stage-spmd", "stage-mpmd", "grad_accum-ring", "remat-ring"],
+)
 def test_context_composes_with_stages_accumulation_and_remat(extra):
     """``context=2`` with pipeline stages (both executors), gradient accumulation and remat:
     losses and parameters equal one device's (accumulating the same microbatches)."""
@@ -124,14 +156,16 @@ def test_balanced_order_round_trips_and_balances_the_causal_work(ways):
     pos = balanced_order(length, ways)
     assert sorted(pos) == list(range(length))
     chunk = length // (2 * ways)
-    assert list(pos[:2 * chunk]) == [*range(chunk), *range(length - chunk, length)]
+    assert list(pos[: 2 * chunk]) == [*range(chunk), *range(length - chunk, length)]
     x = jnp.arange(3 * length, dtype=jnp.float32).reshape(3, length)
     np.testing.assert_array_equal(restore(order(x, pos), pos), x)
     np.testing.assert_array_equal(order(x, pos)[:, 0], x[:, pos[0]])
 
     def work(positions):  # visible (query, key) pairs per device: keys at or before it
-        return [int((positions[:, None] >= np.arange(length)[None, :]).sum())
-                for positions in np.split(positions, ways)]
+        return [
+            int((positions[:, None] >= np.arange(length)[None, :]).sum())
+            for positions in np.split(positions, ways)
+        ]
 
     n, total = length // ways, length * (length + 1) // 2
     assert work(pos) == [total // ways] * ways
@@ -140,8 +174,10 @@ def test_balanced_order_round_trips_and_balances_the_causal_work(ways):
 
 # ---- what the compiled program holds ------------------------------------------------------
 def _float_shapes(hlo: str) -> set[tuple[int, ...]]:
-    return {tuple(int(d) for d in dims.split(",") if d)
-            for dims in re.findall(r"\bf32\[([\d,]*)\]", hlo)}
+    return {
+        tuple(int(d) for d in dims.split(",") if d)
+        for dims in re.findall(r"\bf32\[([\d,]*)\]", hlo)
+    }
 
 
 @pytest.mark.parametrize("strategy", ["all_gather", "ring"])
@@ -153,12 +189,19 @@ def test_no_device_holds_a_full_sequence_activation(strategy):
     their gradients: [b, 48, N, 10]) and the scores against them ([b, N, 12, 48]); ``ring``
     has none at all."""
     long = 48
-    layout = ["mesh.context=4", "mesh.data=2", f"context.attention={strategy}",
-              "model.d_model=20", "model.n_heads=2", "model.d_ff=36", "model.max_seq_len=64",
-              f"data.seq_len={long}", "train.batch_size=4"]
+    layout = [
+        "mesh.context=4",
+        "mesh.data=2",
+        f"context.attention={strategy}",
+        "model.d_model=20",
+        "model.n_heads=2",
+        "model.d_ff=36",
+        "model.max_seq_len=64",
+        f"data.seq_len={long}",
+        "train.batch_size=4",
+    ]
     run = jaxpar.build(jaxpar.load_config([], [*MODEL, *layout]))
-    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-                          run.data.batch(0, 4))
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), run.data.batch(0, 4))
     hlo = run.trainer.compile_step(shapes).as_text()
     whole = {s for s in _float_shapes(hlo) if long in s}
     assert not {s for s in whole if {20, 36, 256} & set(s)}, whole
@@ -181,27 +224,49 @@ class _OwnAttention(nnx.Module):
 
 
 def _own_task():
-    return jaxpar.Task(_OwnAttention, lambda model, batch: (model(batch["tokens"]), {}),
-                       {"tokens": ("batch", "seq")}, tokens_per_example=8, name="own",
-                       data=lambda step, n: {"tokens": np.zeros((n, 8), np.int32)})
+    return jaxpar.Task(
+        _OwnAttention,
+        lambda model, batch: (model(batch["tokens"]), {}),
+        {"tokens": ("batch", "seq")},
+        tokens_per_example=8,
+        name="own",
+        data=lambda step, n: {"tokens": np.zeros((n, 8), np.int32)},
+    )
 
 
-@pytest.mark.parametrize("overrides,task,message", [
-    (["data.seq_len=20", "mesh.context=4"], None,
-     r"sequence length 20 does not split into 2 × mesh.context = 8 .*set context.balance=false"),
-    (["data.seq_len=18", "mesh.context=4", "context.balance=false"], None,
-     r"sequences of 18 tokens do not divide into 4; change data.seq_len or mesh.context"),
-    (["mesh.context=2"], "own",
-     r"the attention of task 'own' does not run across a split sequence; set mesh.context=1"),
-    (["model.name=convnet", "data.image_size=8", "mesh.context=2"], None,
-     r"task 'convnet' has no sequences \(its batch: images .*\); set mesh.context=1"),
-], ids=["balance", "divisible", "own-model", "no-sequence"])
+@pytest.mark.parametrize(
+    "overrides,task,message",
+    [
+        (
+            ["data.seq_len=20", "mesh.context=4"],
+            None,
+            r"sequence length 20 does not split into 2 × mesh.context = 8 .*set context.balance=false",
+        ),
+        (
+            ["data.seq_len=18", "mesh.context=4", "context.balance=false"],
+            None,
+            r"sequences of 18 tokens do not divide into 4; change data.seq_len or mesh.context",
+        ),
+        (
+            ["mesh.context=2"],
+            "own",
+            r"the attention of task 'own' does not run across a split sequence; set mesh.context=1",
+        ),
+        (
+            ["model.name=convnet", "data.image_size=8", "mesh.context=2"],
+            None,
+            r"task 'convnet' has no sequences \(its batch: images .*\); set mesh.context=1",
+        ),
+    ],
+    ids=["balance", "divisible", "own-model", "no-sequence"],
+)
 def test_bad_input_is_one_line(overrides, task, message):
     config = jaxpar.load_config([], [*MODEL, *overrides, "train.steps=1"])
     with pytest.raises(LayoutError, match=message) as err:
         run = jaxpar.build(config, _own_task() if task else None)
-        run.trainer.compile_step(jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), run.data.batch(0, 8)))
+        run.trainer.compile_step(
+            jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), run.data.batch(0, 8))
+        )
     assert "\n" not in str(err.value)
 
 
@@ -215,18 +280,34 @@ def test_a_run_trained_with_context_parallelism_samples_as_on_one_device(tmp_pat
     from jaxpar.resume import restore_state
 
     run_dir = tmp_path / "run"
-    train(jaxpar.load_config([], [*MODEL, "mesh.context=4", "mesh.data=2", "train.steps=2",
-                                  "train.eval_every=0", "train.progress=false",
-                                  "checkpoint.async_save=false", f"run.dir={run_dir}"]),
-          echo=False)
+    train(
+        jaxpar.load_config(
+            [],
+            [
+                *MODEL,
+                "mesh.context=4",
+                "mesh.data=2",
+                "train.steps=2",
+                "train.eval_every=0",
+                "train.progress=false",
+                "checkpoint.async_save=false",
+                f"run.dir={run_dir}",
+            ],
+        ),
+        echo=False,
+    )
     prompt = np.array([list(b"The ")] * 2)
     got = []
     for overrides in ((), ("mesh.context=1", "mesh.data=1", "run.devices=1")):
         run = jaxpar.build(sampling.load_run_config(run_dir, overrides))
         generator = sampling.Generator(run, vocab_limit=256)
         state = restore_state(run, None, "test")
-        got.append([generator.generate(state, prompt, 8, temperature=0),
-                    generator.generate(state, prompt, 8, temperature=0.8, seed=3)])
+        got.append(
+            [
+                generator.generate(state, prompt, 8, temperature=0),
+                generator.generate(state, prompt, 8, temperature=0.8, seed=3),
+            ]
+        )
     assert dict(jaxpar.build(sampling.load_run_config(run_dir)).plan.mesh.shape)["context"] == 4
     for a, b in zip(*got):
         np.testing.assert_array_equal(a, b)
@@ -240,10 +321,16 @@ def lab_rows():
 
     config = jaxpar.load_config([], [*GPT_SMALL, "model.tie_embeddings=true"])
     h100 = hardware.get_profile("h100")
-    layouts = ["context=8", "data=4,context=2", "data=2,context=4,context.attention=ring",
-               "data=2,context=4,model.remat=full", "fsdp=2,context=4",
-               "data=2,context=2,tensor=2,context.attention=ring",
-               "stage=2,context=4", "stage=2,data=2,context=2,pipeline.executor=mpmd"]
+    layouts = [
+        "context=8",
+        "data=4,context=2",
+        "data=2,context=4,context.attention=ring",
+        "data=2,context=4,model.remat=full",
+        "fsdp=2,context=4",
+        "data=2,context=2,tensor=2,context.attention=ring",
+        "stage=2,context=4",
+        "stage=2,data=2,context=2,pipeline.executor=mpmd",
+    ]
     return {layout: sweep.measure(config, layout, h100) for layout in layouts}
 
 
@@ -266,15 +353,20 @@ def test_the_lab_predicts_context_collectives(lab_rows):
         predicted = {t.what: t.wire_bytes for t in prediction.terms}
         kinds = prediction.by_kind()
         if "ring" in layout:
-            ring = [t.wire_bytes for t in prediction.terms
-                    if t.kind == "collective-permute" and t.what.startswith("context:")]
+            ring = [
+                t.wire_bytes
+                for t in prediction.terms
+                if t.kind == "collective-permute" and t.what.startswith("context:")
+            ]
             assert len(ring) == 3, layout
             assert row.collective_permute_bytes == pytest.approx(sum(ring), rel=0.01), layout
         else:
             assert row.reduce_scatter_bytes == pytest.approx(
-                predicted["context: dK and dV reduce-scattered"], rel=0.01), layout
+                predicted["context: dK and dV reduce-scattered"], rel=0.01
+            ), layout
         assert row.collective_permute_bytes == pytest.approx(
-            kinds.get("collective-permute", 0), rel=0.01), layout
+            kinds.get("collective-permute", 0), rel=0.01
+        ), layout
         if "tensor" not in layout:  # tensor: the family's tied-table terms (docs/context.md)
             assert row.all_reduce_bytes == pytest.approx(kinds["all-reduce"], rel=0.01), layout
         assert row.comm_ratio == pytest.approx(1.0, abs=0.05), layout
@@ -292,8 +384,11 @@ def test_sweep_and_plan_offer_context_layouts():
     convnet = jaxpar.load_config([], ["model.name=convnet"])
     kept, note = sweep.default_layouts(convnet, 8)
     assert not [x for x in kept if "context=" in x]
-    assert re.search(r"note: \d+ layouts with mesh.context > 1 left out: convnet does not run "
-                     r"with its sequences split", note)
+    assert re.search(
+        r"note: \d+ layouts with mesh.context > 1 left out: convnet does not run "
+        r"with its sequences split",
+        note,
+    )
     row = sweep.Row(layout="data=4,tensor=2", mem_temp_bytes=2, mem_args_bytes=1)
     assert "context=4,tensor=2" in planner.fixes(gpt, "data=4,tensor=2", row)
 
@@ -308,16 +403,20 @@ class TinyLM(nnx.Module):
     with each token's position, everything else per token."""
 
     def __init__(self, rngs: nnx.Rngs, vocab: int = 64, width: int = 16, length: int = T):
-        self.embed = nnx.Embed(vocab, width, rngs=rngs,
-                               embedding_init=nnx.with_partitioning(
-                                   nnx.initializers.normal(0.02), ("vocab", "embed")))
-        self.pos = nnx.Embed(length, width, rngs=rngs,
-                             embedding_init=nnx.with_partitioning(
-                                 nnx.initializers.normal(0.02), (None, "embed")))
-        self.qkv = nnx.Linear(width, 3 * width, kernel_init=_partitioned("embed", "mlp"),
-                              rngs=rngs)
-        self.out = nnx.Linear(width, vocab, kernel_init=_partitioned("embed", "vocab"),
-                              rngs=rngs)
+        self.embed = nnx.Embed(
+            vocab,
+            width,
+            rngs=rngs,
+            embedding_init=nnx.with_partitioning(nnx.initializers.normal(0.02), ("vocab", "embed")),
+        )
+        self.pos = nnx.Embed(
+            length,
+            width,
+            rngs=rngs,
+            embedding_init=nnx.with_partitioning(nnx.initializers.normal(0.02), (None, "embed")),
+        )
+        self.qkv = nnx.Linear(width, 3 * width, kernel_init=_partitioned("embed", "mlp"), rngs=rngs)
+        self.out = nnx.Linear(width, vocab, kernel_init=_partitioned("embed", "vocab"), rngs=rngs)
 
     def __call__(self, tokens_BT, positions_T):
         x = self.embed(tokens_BT) + self.pos(jnp.asarray(positions_T))[None]
@@ -340,20 +439,40 @@ def _tokens(step, n):
     return {"tokens": np.random.default_rng(step).integers(0, 64, (n, T + 1)).astype(np.int32)}
 
 
-TINY_LM = jaxpar.Task(TinyLM, _tiny_lm_loss, {"tokens": ("batch", None)}, tokens_per_example=T,
-                      context_parallel=True, data=_tokens, name="tiny_lm")
+TINY_LM = jaxpar.Task(
+    TinyLM,
+    _tiny_lm_loss,
+    {"tokens": ("batch", None)},
+    tokens_per_example=T,
+    context_parallel=True,
+    data=_tokens,
+    name="tiny_lm",
+)
 
 
-@pytest.mark.parametrize("layout", [["mesh.context=4", "mesh.data=2", "context.attention=ring"],
-                                    ["mesh.context=8", "context.attention=all_gather"]])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["mesh.context=4", "mesh.data=2", "context.attention=ring"],
+        ["mesh.context=8", "context.attention=all_gather"],
+    ],
+)
 def test_a_users_model_with_jaxpar_attend_equals_one_device(layout):
     """A user's Task declaring ``context_parallel`` (its attention through ``jaxpar.attend``,
     its loss reordered with ``jaxpar.positions``/``jaxpar.order``) trains under context
     parallelism to one device's losses and parameters."""
+
     def run(overrides, devices):
-        config = jaxpar.load_config([], ["train.batch_size=8", "optim.name=adamw",
-                                         "optim.warmup_steps=0", f"run.devices={devices}",
-                                         *overrides])
+        config = jaxpar.load_config(
+            [],
+            [
+                "train.batch_size=8",
+                "optim.name=adamw",
+                "optim.warmup_steps=0",
+                f"run.devices={devices}",
+                *overrides,
+            ],
+        )
         r = jaxpar.build(config, TINY_LM)
         state, losses = r.trainer.init(), []
         for step in range(3):
@@ -388,19 +507,23 @@ def test_a_context_parallel_model_that_skips_jaxpar_attend_is_refused():
     task = dataclasses.replace(TINY_LM, model_fn=PlainAttentionLM, name="plain")
 
     def step(devices, overrides):
-        config = jaxpar.load_config([], ["train.batch_size=8", f"run.devices={devices}",
-                                         *overrides])
+        config = jaxpar.load_config(
+            [], ["train.batch_size=8", f"run.devices={devices}", *overrides]
+        )
         r = jaxpar.build(config, task)
         return r.trainer.step(r.trainer.init(), r.trainer.shard_batch(_tokens(0, 8)))[1]
 
-    with pytest.raises(jaxpar.TaskError, match=r"^loss_fn \(test_context\.py:_tiny_lm_loss\) "
-                       r"ran with each sequence split over 2 devices \(mesh\.context\), but its "
-                       r"model never called jaxpar\.attend.*or set mesh\.context=1"):
+    with pytest.raises(
+        jaxpar.TaskError,
+        match=r"^loss_fn \(test_context\.py:_tiny_lm_loss\) "
+        r"ran with each sequence split over 2 devices \(mesh\.context\), but its "
+        r"model never called jaxpar\.attend.*or set mesh\.context=1",
+    ):
         step(8, ["mesh.context=2", "mesh.data=4"])
-    alone = jaxpar.build(jaxpar.load_config([], ["train.batch_size=8", "run.devices=1"]),
-                         TINY_LM)
-    expected = alone.trainer.step(alone.trainer.init(),
-                                  alone.trainer.shard_batch(_tokens(0, 8)))[1]["loss"]
+    alone = jaxpar.build(jaxpar.load_config([], ["train.batch_size=8", "run.devices=1"]), TINY_LM)
+    expected = alone.trainer.step(alone.trainer.init(), alone.trainer.shard_batch(_tokens(0, 8)))[
+        1
+    ]["loss"]
     np.testing.assert_allclose(float(step(1, [])["loss"]), float(expected), rtol=1e-6)
 
 
@@ -412,8 +535,10 @@ def test_plan_finds_the_longest_sequence_that_fits():
 
     config = jaxpar.load_config([], [*GPT_SMALL, "train.batch_size=8"])
     h100 = hardware.get_profile("h100")
-    at = {n: sweep.measure(config, f"context=8,data.seq_len={n},model.max_seq_len={n}", h100)
-          for n in (16, 32, 64)}
+    at = {
+        n: sweep.measure(config, f"context=8,data.seq_len={n},model.max_seq_len={n}", h100)
+        for n in (16, 32, 64)
+    }
     memory = (at[32].mem_total_bytes + at[64].mem_total_bytes) / 2
     assert at[16].mem_total_bytes < at[32].mem_total_bytes < memory < at[64].mem_total_bytes
     found = planner.longest_sequence(config, "context=8", h100, memory)
@@ -428,11 +553,12 @@ def test_inspect_and_run_names_know_the_context_axis(capsys):
     runs; a run directory's name records the context degree like any layout override."""
     from jaxpar.cli import main
 
-    assert main(["inspect", *MODEL, "mesh.context=4", "mesh.data=2",
-                 "context.attention=ring"]) == 0
+    assert main(["inspect", *MODEL, "mesh.context=4", "mesh.data=2", "context.attention=ring"]) == 0
     out = capsys.readouterr().out
     assert "mesh: data=2 stage=1 fsdp=1 context=4 tensor=1" in out
-    assert ("sequence split over context: 8 of 32 tokens of each of 4 sequences per device, "
-            "a causal one reordered to balance the work; attention ring") in out
+    assert (
+        "sequence split over context: 8 of 32 tokens of each of 4 sequences per device, "
+        "a causal one reordered to balance the work; attention ring"
+    ) in out
     named = jaxpar.load_config([], ["mesh.context=4", "mesh.data=2", "context.attention=ring"])
     assert named.run.dir.endswith("-context4-data2-attentionring"), named.run.dir

@@ -25,8 +25,8 @@ from jaxpar.data import (
     prepare_data,
     synthetic_images,
 )
-from jaxpar.data.tokenizers import load_tokenizer
 from jaxpar.data.sources import DataNeeds, image_data, text_data
+from jaxpar.data.tokenizers import load_tokenizer
 from jaxpar.loop import Run, build, fit
 from jaxpar.models import families
 from tests.helpers import GPT_SMALL
@@ -57,8 +57,9 @@ def _positions(n: int, seq_len: int, eval_fraction: float, seed: int = 0) -> Dat
 def _indexed_images(n: int, eval_fraction: float, seed: int = 0) -> Data:
     """Images whose pixels all equal their index: a batch says which examples it drew."""
     images = np.broadcast_to(np.arange(n, dtype=np.float32)[:, None, None, None], (n, 2, 2, 1))
-    return image_data(np.array(images), np.zeros(n, np.int32),
-                      _data(eval_fraction=eval_fraction), seed, "indexed")
+    return image_data(
+        np.array(images), np.zeros(n, np.int32), _data(eval_fraction=eval_fraction), seed, "indexed"
+    )
 
 
 def _write(folder: Path, files: dict[str, str]) -> Path:
@@ -89,8 +90,9 @@ def bpe_file(tmp_path_factory, prose) -> Path:
     tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator([prose], trainer)
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
     tok.save(str(path))
@@ -117,10 +119,14 @@ def test_default_corpus_is_pydoc_topics(pydoc):
 def test_text_batches_are_deterministic(pydoc):
     a = pydoc.batch(3, 8)["tokens"]
     assert a.shape == (8, DataConfig().seq_len + 1) and a.dtype == np.int32
-    np.testing.assert_array_equal(a, load_data(DataConfig(), _model(), seed=0).batch(3, 8)["tokens"])
+    np.testing.assert_array_equal(
+        a, load_data(DataConfig(), _model(), seed=0).batch(3, 8)["tokens"]
+    )
     np.testing.assert_array_equal(a, pydoc.batch(3, 8)["tokens"])
     e = pydoc.batch(1, 8, "eval")["tokens"]
-    np.testing.assert_array_equal(e, load_data(DataConfig(), _model(), seed=5).batch(1, 8, "eval")["tokens"])
+    np.testing.assert_array_equal(
+        e, load_data(DataConfig(), _model(), seed=5).batch(1, 8, "eval")["tokens"]
+    )
 
 
 def test_text_batches_differ_by_seed_step_and_split(pydoc):
@@ -170,13 +176,17 @@ def test_seq_len_equal_to_split_works():
     np.testing.assert_array_equal(data.batch(0, 1)["tokens"], [np.arange(9)])
     np.testing.assert_array_equal(data.batch(3, 1)["tokens"], [np.arange(9)])
     np.testing.assert_array_equal(data.batch(0, 1, "eval")["tokens"], [np.arange(9, 18)])
-    with pytest.raises(ValueError, match="data.seq_len=9 is longer than the 9-token split of 'positions'"):
+    with pytest.raises(
+        ValueError, match="data.seq_len=9 is longer than the 9-token split of 'positions'"
+    ):
         _positions(18, seq_len=9, eval_fraction=0.5)
 
 
 def test_text_file(tmp_path):
     path = tmp_path / "corpus.txt"
-    text = b"".join(b"line %d: the quick brown fox jumps over the lazy dog.\n" % i for i in range(40))
+    text = b"".join(
+        b"line %d: the quick brown fox jumps over the lazy dog.\n" % i for i in range(40)
+    )
     path.write_bytes(text)
     data = load_data(_data(path=str(path), seq_len=16), _model(), seed=0)
     assert data.name == str(path) and data.vocab_size == 256
@@ -188,8 +198,9 @@ def test_text_file(tmp_path):
     prepared = load_data(_data(path=str(tf.path), seq_len=16), _model(), seed=0)
     for i in range(3):
         np.testing.assert_array_equal(prepared.batch(i, 4)["tokens"], data.batch(i, 4)["tokens"])
-    np.testing.assert_array_equal(prepared.batch(0, 4, "eval")["tokens"],
-                                  data.batch(0, 4, "eval")["tokens"])
+    np.testing.assert_array_equal(
+        prepared.batch(0, 4, "eval")["tokens"], data.batch(0, 4, "eval")["tokens"]
+    )
 
 
 def test_prepared_token_file(tmp_path, prose):
@@ -298,7 +309,9 @@ def test_path_and_dataset_together(tmp_path, dataset):
 
 
 def test_synthetic_images_shape_and_labels():
-    data = load_data(_data(image_size=6, num_examples=300), _model("convnet", num_classes=7), seed=0)
+    data = load_data(
+        _data(image_size=6, num_examples=300), _model("convnet", num_classes=7), seed=0
+    )
     assert "SYNTHETIC" in data.name and data.vocab_size is None
     assert data.image_shape == (6, 6, 1)
     assert (len(data.train), len(data.eval)) == (270, 30)
@@ -326,7 +339,9 @@ def test_npz_adds_channel_dim_and_splits_after_a_fixed_shuffle(tmp_path):
     images = rng.normal(size=(40, 5, 5)).astype(np.float32)
     labels = rng.integers(0, 3, size=40)
     np.savez(path, images=images, labels=labels)
-    data = load_data(_data(path=str(path), eval_fraction=0.25), _model("mlp", num_classes=3), seed=7)
+    data = load_data(
+        _data(path=str(path), eval_fraction=0.25), _model("mlp", num_classes=3), seed=7
+    )
     assert data.name == str(path) and data.image_shape == (5, 5, 1)
     order = np.random.default_rng(0).permutation(40)  # the same split for every run seed
     np.testing.assert_array_equal(data.train.images, images[order][..., None])
@@ -360,7 +375,9 @@ def test_image_batches_are_deterministic():
     other = load_data(cfg, model, seed=1)
     assert not np.array_equal(a.batch(0, 16)["images"], other.batch(0, 16)["images"])
     # the held-out batches do not depend on the seed
-    np.testing.assert_array_equal(a.batch(0, 16, "eval")["images"], other.batch(0, 16, "eval")["images"])
+    np.testing.assert_array_equal(
+        a.batch(0, 16, "eval")["images"], other.batch(0, 16, "eval")["images"]
+    )
 
 
 def test_image_train_eval_disjoint():
@@ -397,19 +414,36 @@ def test_digits_errors():
         load_data(_data(dataset="digits"), _model("convnet", num_classes=5), seed=0)
     for part in ("data.dataset=digits", "model.num_classes=5", "≥ 10"):
         assert part in str(err.value)
-    with pytest.raises(ValueError, match="data.dataset=digits is an image set; a language model needs text"):
+    with pytest.raises(
+        ValueError, match="data.dataset=digits is an image set; a language model needs text"
+    ):
         load_data(_data(dataset="digits"), _model("gpt"), seed=0)
 
 
 @pytest.mark.slow
 def test_convnet_learns_digits():
     pytest.importorskip("sklearn")
-    cfg = load_config([], [
-        "model.name=convnet", "model.channels=8", "model.hidden=32", "data.dataset=digits",
-        "optim.name=adam", "optim.lr=0.01", "optim.warmup_steps=0", "optim.schedule=constant",
-        "optim.weight_decay=0.0", "train.steps=60", "train.batch_size=32",
-        "train.log_every=20", "train.eval_every=60", "train.eval_batches=4",
-        "train.progress=false", "data.wait_warn=0"])  # a shared CPU's hiccups aren't news here
+    cfg = load_config(
+        [],
+        [
+            "model.name=convnet",
+            "model.channels=8",
+            "model.hidden=32",
+            "data.dataset=digits",
+            "optim.name=adam",
+            "optim.lr=0.01",
+            "optim.warmup_steps=0",
+            "optim.schedule=constant",
+            "optim.weight_decay=0.0",
+            "train.steps=60",
+            "train.batch_size=32",
+            "train.log_every=20",
+            "train.eval_every=60",
+            "train.eval_batches=4",
+            "train.progress=false",
+            "data.wait_warn=0",
+        ],
+    )  # a shared CPU's hiccups aren't news here
     history = fit(build(cfg))
     last = history.eval_rows[-1]
     assert last["step"] == 60
@@ -441,12 +475,15 @@ def test_npz_label_out_of_range(tmp_path):
             assert part in str(err.value)
 
 
-@pytest.mark.parametrize("images, labels", [
-    (np.zeros((20, 4), np.float32), np.zeros(20, np.int64)),  # no H, W
-    (np.zeros((20, 4, 4, 1), np.float32), np.zeros(19, np.int64)),  # count mismatch
-    (np.zeros((20, 4, 4, 1), np.float32), np.zeros((20, 1), np.int64)),  # labels not (N,)
-    (np.zeros((0, 4, 4, 1), np.float32), np.zeros(0, np.int64)),  # no examples
-])
+@pytest.mark.parametrize(
+    "images, labels",
+    [
+        (np.zeros((20, 4), np.float32), np.zeros(20, np.int64)),  # no H, W
+        (np.zeros((20, 4, 4, 1), np.float32), np.zeros(19, np.int64)),  # count mismatch
+        (np.zeros((20, 4, 4, 1), np.float32), np.zeros((20, 1), np.int64)),  # labels not (N,)
+        (np.zeros((0, 4, 4, 1), np.float32), np.zeros(0, np.int64)),  # no examples
+    ],
+)
 def test_npz_bad_shapes(tmp_path, images, labels):
     path = tmp_path / "bad.npz"
     np.savez(path, images=images, labels=labels)
@@ -464,13 +501,16 @@ def test_garbage_npz(tmp_path):
 
 
 def _damaged_npz(path: Path, how: str) -> None:
-    np.savez(path, images=np.arange(50 * 16, dtype=np.float32).reshape(50, 4, 4),
-             labels=np.arange(50) % 3)
+    np.savez(
+        path,
+        images=np.arange(50 * 16, dtype=np.float32).reshape(50, 4, 4),
+        labels=np.arange(50) % 3,
+    )
     raw = bytearray(path.read_bytes())
     if how == "empty":
         raw = bytearray()
     elif how == "truncated":
-        raw = raw[:len(raw) // 2]
+        raw = raw[: len(raw) // 2]
     else:  # bytes inside the images member: the zip directory is intact, the CRC is not
         raw[400:460] = b"\xff" * 60
     path.write_bytes(bytes(raw))
@@ -523,8 +563,18 @@ class _SlowLoader:
 
 @pytest.fixture(scope="module")
 def gpt_run() -> Run:
-    return build(load_config([], [*GPT_SMALL, "train.steps=6", "train.log_every=2",
-                                  "train.eval_every=0", "train.progress=false"]))
+    return build(
+        load_config(
+            [],
+            [
+                *GPT_SMALL,
+                "train.steps=6",
+                "train.log_every=2",
+                "train.eval_every=0",
+                "train.progress=false",
+            ],
+        )
+    )
 
 
 def _wrapped(run: Run, sleep_s: float, **data_kw) -> tuple[Run, list, list]:
@@ -553,7 +603,9 @@ def test_loader_stream_equals_random_access(gpt_run):
     B = gpt_run.config.train.batch_size
     with gpt_run.data.loader(B, gpt_run.config.data) as loader:
         for i in range(3):
-            np.testing.assert_array_equal(next(loader)["tokens"], gpt_run.data.batch(i, B)["tokens"])
+            np.testing.assert_array_equal(
+                next(loader)["tokens"], gpt_run.data.batch(i, B)["tokens"]
+            )
     digits = load_data(_data(dataset="digits"), _model("convnet"), seed=4)
     with digits.loader(32, _data(threads=1, prefetch=2)) as loader:
         for i in range(3):

@@ -13,9 +13,23 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _build(root: Path, out: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict",
-                           "-f", str(root / "mkdocs.yml"), "-d", str(out)],
-                          cwd=root, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "-f",
+            str(root / "mkdocs.yml"),
+            "-d",
+            str(out),
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_the_docs_build_in_strict_mode_and_a_broken_link_fails(tmp_path):

@@ -13,8 +13,13 @@ LAYOUTS = {
     "data=2,fsdp=2,tensor=2": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
     "fsdp=4,tensor=2": ["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2"],
 }
-SGD = ["optim.name=sgd", "optim.lr=0.2", "optim.momentum=0.9", "optim.nesterov=true",
-       "optim.weight_decay=1e-4"]
+SGD = [
+    "optim.name=sgd",
+    "optim.lr=0.2",
+    "optim.momentum=0.9",
+    "optim.nesterov=true",
+    "optim.weight_decay=1e-4",
+]
 # SGD's update is linear in the gradient, so layouts agree element by element; Adam is
 # covered below (see helpers.assert_params_close for why it is compared per tensor).
 MODELS = {"gpt": [*GPT_SMALL, *SGD], "convnet": [*CONVNET_SMALL, *SGD]}
@@ -28,16 +33,22 @@ def reference(model):
 
 
 # every layout for the GPT; the convnet (no attention, a 2-D image batch) under two of them
-@pytest.mark.parametrize("model,layout", grid(
-    [pytest.param(m, x, id=f"{x}-{m}") for m in MODELS for x in LAYOUTS],
-    {*(f"{x}-gpt" for x in LAYOUTS), "data=8-convnet", "data=2,fsdp=2,tensor=2-convnet"}))
+@pytest.mark.parametrize(
+    "model,layout",
+    grid(
+        [pytest.param(m, x, id=f"{x}-{m}") for m in MODELS for x in LAYOUTS],
+        {*(f"{x}-gpt" for x in LAYOUTS), "data=8-convnet", "data=2,fsdp=2,tensor=2-convnet"},
+    ),
+)
 def test_layout_matches_single_device(model, layout):
     ref_losses, ref_params, _ = reference(model)
     losses, params, run = run_steps([*MODELS[model], *LAYOUTS[layout]])
     assert run.plan.mesh.devices.size == 8
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    moved = [np.abs(a - b).max() for a, b in zip(jax.tree.leaves(params),
-                                                  jax.tree.leaves(run.init_params))]
+    moved = [
+        np.abs(a - b).max()
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(run.init_params))
+    ]
     assert min(moved) > 1e-6, "every parameter should have been updated"
     assert_params_close(params, ref_params)
 
@@ -59,8 +70,13 @@ def test_gpt_gradients_match_single_device_elementwise():
     for layout in ("fsdp=8", "data=2,fsdp=2,tensor=2"):
         grads = _first_gradients([*GPT_SMALL, *LAYOUTS[layout]], 8)
         for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref)):
-            np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * np.abs(r).max(),
-                                       err_msg=f"{layout} {jax.tree_util.keystr(path)}")
+            np.testing.assert_allclose(
+                g,
+                r,
+                rtol=1e-5,
+                atol=1e-5 * np.abs(r).max(),
+                err_msg=f"{layout} {jax.tree_util.keystr(path)}",
+            )
 
 
 @pytest.mark.parametrize("layout", ["fsdp=8", "data=2,fsdp=2,tensor=2"])

@@ -16,14 +16,36 @@ from tests.helpers import assert_params_close, grid
 from tests.test_research import host
 
 ROOT = Path(__file__).resolve().parents[1]
-SGD = ["optim.name=sgd", "optim.lr=0.1", "optim.momentum=0.9", "optim.warmup_steps=0",
-       "optim.weight_decay=0.0", "optim.clip_norm=0.0"]
-RESNET = ["model.name=resnet", "model.depth=10", "model.width=8", "model.stem=small",
-          "model.num_classes=10", "data.image_size=8", "data.num_examples=128",
-          "train.batch_size=16", *SGD]
-BERT = ["model.name=bert", "model.d_model=16", "model.n_heads=2", "model.d_ff=32",
-        "model.n_layers=4", "model.max_seq_len=16", "data.seq_len=16", "train.batch_size=32",
-        *SGD]
+SGD = [
+    "optim.name=sgd",
+    "optim.lr=0.1",
+    "optim.momentum=0.9",
+    "optim.warmup_steps=0",
+    "optim.weight_decay=0.0",
+    "optim.clip_norm=0.0",
+]
+RESNET = [
+    "model.name=resnet",
+    "model.depth=10",
+    "model.width=8",
+    "model.stem=small",
+    "model.num_classes=10",
+    "data.image_size=8",
+    "data.num_examples=128",
+    "train.batch_size=16",
+    *SGD,
+]
+BERT = [
+    "model.name=bert",
+    "model.d_model=16",
+    "model.n_heads=2",
+    "model.d_ff=32",
+    "model.n_layers=4",
+    "model.max_seq_len=16",
+    "data.seq_len=16",
+    "train.batch_size=32",
+    *SGD,
+]
 LAYOUTS = {
     "data=8": ["mesh.data=8"],
     "fsdp=8": ["mesh.data=1", "mesh.fsdp=8"],
@@ -53,8 +75,9 @@ def one_device(name, overrides):
 
 
 # ---- ResNet -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("layout", grid([pytest.param(x, id=x) for x in LAYOUTS],
-                                        {"data=8", "data=2,fsdp=2,tensor=2"}))
+@pytest.mark.parametrize(
+    "layout", grid([pytest.param(x, id=x) for x in LAYOUTS], {"data=8", "data=2,fsdp=2,tensor=2"})
+)
 def test_resnet_layouts_match_one_device(layout):
     """Losses, every parameter and every BatchNorm statistic after 3 SGD steps."""
     ref = one_device("resnet", RESNET)
@@ -67,10 +90,16 @@ def test_resnet_layouts_match_one_device(layout):
     assert min(moved) > 0  # every BatchNorm's running statistics were updated
 
 
-@pytest.mark.parametrize("layout", grid([
-    pytest.param(["mesh.stage=2", "mesh.data=4", "pipeline.schedule=1f1b"], id="stage=2"),
-    pytest.param(["mesh.stage=4", "mesh.data=2", "pipeline.schedule=gpipe"], id="stage=4"),
-], {"stage=4"}))
+@pytest.mark.parametrize(
+    "layout",
+    grid(
+        [
+            pytest.param(["mesh.stage=2", "mesh.data=4", "pipeline.schedule=1f1b"], id="stage=2"),
+            pytest.param(["mesh.stage=4", "mesh.data=2", "pipeline.schedule=gpipe"], id="stage=4"),
+        ],
+        {"stage=4"},
+    ),
+)
 def test_resnet_pipelines_by_layer_from_its_config(layout):
     """ResNet's layers (stem, stages, pool, head) cut over 2 and 4 stages by its config
     alone: losses, parameters and BatchNorm statistics equal one device accumulating the
@@ -102,14 +131,17 @@ def test_resnet_splits_convolutions_by_channel_and_matches_the_lab():
             block, specs = stage[block_key], None
             for conv, dim in (("conv1", -1), ("conv2", -2)):
                 shape = block[conv]["kernel"].shape
-                sharding = sh["stages"][list(run.plan.model.params["stages"]).index(
-                    next(k for k, v in run.plan.model.params["stages"].items()
-                         if v is stage))]
+                sharding = sh["stages"][
+                    list(run.plan.model.params["stages"]).index(
+                        next(k for k, v in run.plan.model.params["stages"].items() if v is stage)
+                    )
+                ]
                 sharding = sharding[block_key][conv]["kernel"]
                 shard = sharding.shard_shape(shape)
                 assert shard[dim] == shape[dim] // 2, (conv, shape, shard)
-                assert [a for i, a in enumerate(shard) if i != len(shape) + dim] == \
-                    [a for i, a in enumerate(shape) if i != len(shape) + dim]
+                assert [a for i, a in enumerate(shard) if i != len(shape) + dim] == [
+                    a for i, a in enumerate(shape) if i != len(shape) + dim
+                ]
                 halves += 1
             del specs
     assert halves >= 8
@@ -145,35 +177,56 @@ BERT_LAYOUTS = {
     "data=2,fsdp=2,tensor=2": LAYOUTS["data=2,fsdp=2,tensor=2"],
     "gpipe": ["mesh.data=4", "mesh.stage=2", "pipeline.schedule=gpipe"],
     "1f1b": ["mesh.data=2", "mesh.stage=2", "mesh.tensor=2", "pipeline.schedule=1f1b"],
-    "interleaved": ["mesh.data=2", "mesh.stage=2", "mesh.fsdp=2", "pipeline.schedule=interleaved",
-                    "pipeline.virtual_stages=2"],
+    "interleaved": [
+        "mesh.data=2",
+        "mesh.stage=2",
+        "mesh.fsdp=2",
+        "pipeline.schedule=interleaved",
+        "pipeline.virtual_stages=2",
+    ],
     "zb_h1": ["mesh.stage=4", "mesh.data=2", "pipeline.schedule=zb_h1"],
 }
 
 
-@pytest.mark.parametrize("layout", grid([pytest.param(x, id=x) for x in BERT_LAYOUTS],
-                                        {"data=2,fsdp=2,tensor=2", "zb_h1"}))
+@pytest.mark.parametrize(
+    "layout",
+    grid([pytest.param(x, id=x) for x in BERT_LAYOUTS], {"data=2,fsdp=2,tensor=2", "zb_h1"}),
+)
 def test_bert_layouts_and_pipelines_match_one_device(layout):
     """Dropout on: every layout and every pipeline schedule (4 microbatches) equals one
     device running the same 4 microbatches — losses, parameters, RNG count."""
-    micro = ["pipeline.microbatches=4"] if "mesh.stage" in str(BERT_LAYOUTS[layout]) \
+    micro = (
+        ["pipeline.microbatches=4"]
+        if "mesh.stage" in str(BERT_LAYOUTS[layout])
         else ["train.grad_accum=4"]
+    )
     ref = one_device("bert", [*BERT, "train.grad_accum=4"])
     losses, params, state, run = train([*BERT, *BERT_LAYOUTS[layout], *micro])
     np.testing.assert_allclose(losses, ref[0], rtol=1e-5)
     assert_params_close(params, ref[1])
-    assert int(state["noise"]["dropout"]["count"]) == 12 == int(
-        ref[2]["noise"]["dropout"]["count"])
+    assert int(state["noise"]["dropout"]["count"]) == 12 == int(ref[2]["noise"]["dropout"]["count"])
 
 
 # ---- every family -----------------------------------------------------------------------------
 FAMILY_RUNS = {
-    "gpt": ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.d_ff=64",
-            "model.max_seq_len=16", "data.seq_len=16", "train.batch_size=16"],
+    "gpt": [
+        "model.d_model=32",
+        "model.n_layers=2",
+        "model.n_heads=4",
+        "model.d_ff=64",
+        "model.max_seq_len=16",
+        "data.seq_len=16",
+        "train.batch_size=16",
+    ],
     "bert": BERT,
     "resnet": [*RESNET, "data.image_size=32"],  # XLA skips the padding taps of 2×2 and 1×1 stages
-    "convnet": ["model.name=convnet", "model.channels=4", "model.hidden=8", "data.image_size=8",
-                "train.batch_size=16"],
+    "convnet": [
+        "model.name=convnet",
+        "model.channels=4",
+        "model.hidden=8",
+        "data.image_size=8",
+        "train.batch_size=16",
+    ],
     "mlp": ["model.name=mlp", "model.hidden=8", "data.image_size=8", "train.batch_size=16"],
 }
 
@@ -244,11 +297,23 @@ def test_a_users_family_in_one_file_trains_through_jaxpar_train(tmp_path, capsys
     path = tmp_path / "wide.py"
     path.write_text(USER_FAMILY)
     run_dir = tmp_path / "run"
-    common = [f"model.name={path}:FAMILY", "model.hidden=32", "data.image_size=8",
-              "train.batch_size=16", "train.steps=60", "train.log_every=10",
-              "train.eval_every=60", "train.progress=false", "optim.warmup_steps=0"]
-    assert main(["train", *common, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
-                 f"run.dir={run_dir}"]) == 0
+    common = [
+        f"model.name={path}:FAMILY",
+        "model.hidden=32",
+        "data.image_size=8",
+        "train.batch_size=16",
+        "train.steps=60",
+        "train.log_every=10",
+        "train.eval_every=60",
+        "train.progress=false",
+        "optim.warmup_steps=0",
+    ]
+    assert (
+        main(
+            ["train", *common, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", f"run.dir={run_dir}"]
+        )
+        == 0
+    )
     import json
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -258,8 +323,10 @@ def test_a_users_family_in_one_file_trains_through_jaxpar_train(tmp_path, capsys
     out = capsys.readouterr().out
     assert re.search(r"a/kernel\s+64×32\s+\(embed, mlp\)\s+P\(fsdp, None\)", out), out
     assert main(["train", *common, "model.hiden=3", f"run.dir={tmp_path / 'x'}"]) == 2
-    assert "unknown config key 'model.hiden' for model.name=wide: did you mean " \
-           "'model.hidden'? its keys: hidden, num_classes" in capsys.readouterr().err
+    assert (
+        "unknown config key 'model.hiden' for model.name=wide: did you mean "
+        "'model.hidden'? its keys: hidden, num_classes" in capsys.readouterr().err
+    )
 
 
 def test_no_model_name_is_compared_outside_its_file():
@@ -275,9 +342,16 @@ def test_no_model_name_is_compared_outside_its_file():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config,per_param", grid(
-    [pytest.param("resnet152", 2, id="resnet152"), pytest.param("bert_large", 3, id="bert_large")],
-    {"bert_large"}))
+@pytest.mark.parametrize(
+    "config,per_param",
+    grid(
+        [
+            pytest.param("resnet152", 2, id="resnet152"),
+            pytest.param("bert_large", 3, id="bert_large"),
+        ],
+        {"bert_large"},
+    ),
+)
 def test_plan_memory_of_the_seeds_models(config, per_param):
     """`jaxpar plan configs/{resnet152,bert_large}.yaml --devices 2` (compile only): under
     data=2 each device's compiled arguments are what the family's parameter count says —
@@ -291,11 +365,15 @@ def test_plan_memory_of_the_seeds_models(config, per_param):
     cfg = load_config([ROOT / "configs" / f"{config}.yaml"], ["run.devices=2"])
     [row] = [p.row for p in plan(cfg, 2, hardware.get_profile("h100"), layouts=["data=2"])]
     assert row.ok, row.error
-    run = build(load_config([ROOT / "configs" / f"{config}.yaml"],
-                            ["run.devices=2", "mesh.data=2"]))
+    run = build(
+        load_config([ROOT / "configs" / f"{config}.yaml"], ["run.devices=2", "mesh.data=2"])
+    )
     counts = run.family.counts(run.config.model, run.data)
     batch = run.data.batch(0, run.config.train.batch_size)
-    expected = (4 * per_param * counts.params + total_bytes(run.plan.model.state)
-                + sum(v.nbytes for v in batch.values()) // 2)
+    expected = (
+        4 * per_param * counts.params
+        + total_bytes(run.plan.model.state)
+        + sum(v.nbytes for v in batch.values()) // 2
+    )
     assert row.mem_args_bytes == pytest.approx(expected, rel=0.01)
     assert row.mem_total_bytes >= row.mem_args_bytes + row.mem_temp_bytes

@@ -61,8 +61,9 @@ def one_line(err: str) -> str:
 
 # ---- damage ------------------------------------------------------------------------------
 def _largest_array_file(step_dir: Path) -> Path:
-    return max((p for p in (step_dir / "state").rglob("*") if p.is_file()),
-               key=lambda p: p.stat().st_size)
+    return max(
+        (p for p in (step_dir / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size
+    )
 
 
 def flip(step_dir: Path) -> Path:
@@ -70,7 +71,7 @@ def flip(step_dir: Path) -> Path:
     path = _largest_array_file(step_dir)
     data = bytearray(path.read_bytes())
     mid = len(data) // 2
-    data[mid:mid + 64] = bytes(b ^ 0xFF for b in data[mid:mid + 64])
+    data[mid : mid + 64] = bytes(b ^ 0xFF for b in data[mid : mid + 64])
     path.write_bytes(bytes(data))
     return path
 
@@ -87,9 +88,11 @@ def delete(step_dir: Path) -> Path:
     return path
 
 
-DAMAGE = {"flipped": (flip, "contents differ from the recorded sha256 (corrupt)"),
-          "truncated": (truncate, "bytes, recorded"),
-          "deleted": (delete, ": missing")}
+DAMAGE = {
+    "flipped": (flip, "contents differ from the recorded sha256 (corrupt)"),
+    "truncated": (truncate, "bytes, recorded"),
+    "deleted": (delete, ": missing"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -102,9 +105,11 @@ def trained(tmp_path_factory):
     out = io.StringIO()
     with _stdout(out):
         assert main(["train", *RUN8, f"run.dir={run_dir}"]) == 0
-    assert ("held the metrics of an earlier run (steps 1–1) but no checkpoint to continue "
-            "it: starting from step 1; the earlier files are kept as metrics.old-1.jsonl and "
-            "config.old-1.yaml") in out.getvalue()
+    assert (
+        "held the metrics of an earlier run (steps 1–1) but no checkpoint to continue "
+        "it: starting from step 1; the earlier files are kept as metrics.old-1.jsonl and "
+        "config.old-1.yaml"
+    ) in out.getvalue()
     assert (run_dir / "metrics.old-1.jsonl").read_text() == '{"step": 1, "loss": 9.0}\n'
     assert (run_dir / "config.old-1.yaml").read_text() == "old: true\n"
     assert [s for s, _ in losses(run_dir)] == list(range(1, 9))
@@ -122,8 +127,9 @@ class _stdout:
         sys.stdout = self.saved
 
 
-def test_damaged_checkpoints_fall_back_to_the_newest_good_one_bitwise(trained, tmp_path,
-                                                                     capsys, recwarn):
+def test_damaged_checkpoints_fall_back_to_the_newest_good_one_bitwise(
+    trained, tmp_path, capsys, recwarn
+):
     """Flipped bytes in step 8, a truncated array file in step 6 and a deleted one in step
     4: resume=auto reports each (step, path, what), sets them aside, continues from step 2
     and logs steps 3…8 with the losses of the uninterrupted run, bit for bit. The resumed
@@ -141,13 +147,14 @@ def test_damaged_checkpoints_fall_back_to_the_newest_good_one_bitwise(trained, t
     out = capsys.readouterr().out
     warned = "\n".join(str(w.message) for w in recwarn)
     for step, kind in ((8, "flipped"), (6, "truncated"), (4, "deleted")):
-        assert (f"the checkpoint of step {step} in {ckpts / str(step)} failed verification: "
-                f"state/") in warned
+        assert (
+            f"the checkpoint of step {step} in {ckpts / str(step)} failed verification: state/"
+        ) in warned
         assert DAMAGE[kind][1] in warned
         assert f"moved to {ckpts / f'{step}.corrupt'}" in warned
         assert (ckpts / f"{step}.corrupt").is_dir()
     assert "training continues from step 2" in warned
-    assert "the last line is cut short ('{\"step\": 9, \"lo'" in warned
+    assert 'the last line is cut short (\'{"step": 9, "lo\'' in warned
     assert f"resumed from the checkpoint of step 2 in {ckpts}" in out
     assert losses(run_dir) == losses(trained)  # steps 1…8 once each, the same floats
     assert [r["step"] for r in rows(run_dir, "metrics.discarded.jsonl")] == list(range(3, 9))
@@ -157,8 +164,7 @@ def test_damaged_checkpoints_fall_back_to_the_newest_good_one_bitwise(trained, t
     assert sorted(int(n) for n in os.listdir(ckpts) if n.isdigit()) == [2, 4, 6, 8]
 
 
-def test_an_emptied_checkpoint_falls_back_like_a_corrupt_one(trained, tmp_path, capsys,
-                                                           recwarn):
+def test_an_emptied_checkpoint_falls_back_like_a_corrupt_one(trained, tmp_path, capsys, recwarn):
     """Step 8 with every file gone (its directories kept) and step 6 without its record and
     Orbax's metadata (a partial copy): both fail verification, are set aside, and the run
     continues from step 4 to the losses of the uninterrupted run."""
@@ -173,11 +179,15 @@ def test_an_emptied_checkpoint_falls_back_like_a_corrupt_one(trained, tmp_path, 
     capsys.readouterr()
     assert main(["train", *RUN8, f"run.dir={run_dir}"]) == 0
     warned = "\n".join(str(w.message) for w in recwarn)
-    assert (f"the checkpoint of step 8 in {ckpts / '8'} failed verification: "
-            "jaxpar_integrity.json and state/_METADATA, meta/metadata are missing (the "
-            "checkpoint was emptied or only partly copied)") in warned
-    assert (f"the checkpoint of step 6 in {ckpts / '6'} failed verification: "
-            "jaxpar_integrity.json and state/_METADATA are missing") in warned
+    assert (
+        f"the checkpoint of step 8 in {ckpts / '8'} failed verification: "
+        "jaxpar_integrity.json and state/_METADATA, meta/metadata are missing (the "
+        "checkpoint was emptied or only partly copied)"
+    ) in warned
+    assert (
+        f"the checkpoint of step 6 in {ckpts / '6'} failed verification: "
+        "jaxpar_integrity.json and state/_METADATA are missing"
+    ) in warned
     assert "training continues from step 4" in warned
     assert f"resumed from the checkpoint of step 4 in {ckpts}" in capsys.readouterr().out
     assert losses(run_dir) == losses(trained)
@@ -199,8 +209,8 @@ def test_each_damage_is_named_by_step_path_and_file(trained, trainer, tmp_path, 
             ckpt.restore(8)
         name = str(path.relative_to(tmp_path / "ckpt" / "8"))
         assert str(err.value).startswith(
-            f"the checkpoint of step 8 in {tmp_path / 'ckpt' / '8'} failed verification: "
-            f"{name}")
+            f"the checkpoint of step 8 in {tmp_path / 'ckpt' / '8'} failed verification: {name}"
+        )
         assert reason in str(err.value)
         state, meta = ckpt.restore(6)  # the others are untouched
         assert meta["step"] == 6 and int(state.step) == 6
@@ -208,8 +218,9 @@ def test_each_damage_is_named_by_step_path_and_file(trained, trainer, tmp_path, 
         ckpt.close()
 
 
-def test_verification_reads_each_file_once_and_a_missing_record_warns(trained, trainer,
-                                                                     tmp_path, recwarn):
+def test_verification_reads_each_file_once_and_a_missing_record_warns(
+    trained, trainer, tmp_path, recwarn
+):
     """Restoring hashes every recorded byte exactly once (then Orbax reads them from the
     page cache); a checkpoint without a record (an older jaxpar's) restores with a
     warning; a damaged record fails."""
@@ -239,8 +250,11 @@ def test_non_finite_values_in_a_checkpoint_fail_verification(trainer, tmp_path):
     try:
         ckpt.save(1, dataclasses.replace(state, params=bad), {"step": 1})
         ckpt.wait()
-        with pytest.raises(CorruptCheckpoint, match=r"non-finite values \(inf or NaN\) in "
-                                                    r"params/blocks/w_in"):
+        with pytest.raises(
+            CorruptCheckpoint,
+            match=r"non-finite values \(inf or NaN\) in "
+            r"params/blocks/w_in",
+        ):
             ckpt.restore(1)
     finally:
         ckpt.close()
@@ -250,11 +264,14 @@ def test_a_named_checkpoint_that_fails_is_exit_2_without_fallback(trained, tmp_p
     run_dir = tmp_path / "named"
     shutil.copytree(trained, run_dir)
     flip(run_dir / "checkpoints" / "8")
-    assert main(["train", *RUN8, "train.steps=10", "checkpoint.resume=8",
-                 f"run.dir={run_dir}"]) == 2
+    assert (
+        main(["train", *RUN8, "train.steps=10", "checkpoint.resume=8", f"run.dir={run_dir}"]) == 2
+    )
     line = one_line(capsys.readouterr().err)
-    assert line.startswith(f"jaxpar: error: checkpoint.resume=8: the checkpoint of step 8 in "
-                           f"{run_dir / 'checkpoints' / '8'} failed verification: state/")
+    assert line.startswith(
+        f"jaxpar: error: checkpoint.resume=8: the checkpoint of step 8 in "
+        f"{run_dir / 'checkpoints' / '8'} failed verification: state/"
+    )
     assert "have: [2, 4, 6]" in line
     assert (run_dir / "checkpoints" / "8").is_dir()  # nothing is moved for a named one
     assert main(["export", *RUN8, f"run.dir={run_dir}", "--out", str(tmp_path / "p.npz")]) == 2
@@ -270,19 +287,24 @@ def test_a_refused_resume_changes_nothing(trained, tmp_path, capsys):
     before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
     assert main(["train", *RUN8, "train.steps=10", "run.seed=7", f"run.dir={run_dir}"]) == 2
     assert "saved with run.seed=0" in one_line(capsys.readouterr().err)
-    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()
-            and p.name != ".jaxpar.lock"} == {k: v for k, v in before.items()
-                                                if k != ".jaxpar.lock"}
+    assert {
+        p.name: p.read_bytes()
+        for p in run_dir.iterdir()
+        if p.is_file() and p.name != ".jaxpar.lock"
+    } == {k: v for k, v in before.items() if k != ".jaxpar.lock"}
     assert sorted(os.listdir(run_dir / "checkpoints")) == [".jaxpar.lock", "2", "4", "6", "8"]
 
 
 # ---- guarded updates ---------------------------------------------------------------------
-@pytest.mark.parametrize("setting,text", [
-    ("optim.lr=1e39", "'optim.lr'=1e+39 overflows float32 (largest 3.403e+38)"),
-    ("optim.clip_norm=5e38", "'optim.clip_norm'=5e+38 overflows float32"),
-    ("optim.weight_decay=1e40", "'optim.weight_decay'=1e+40 overflows float32"),
-    ("optim.eps=1e-50", "'optim.eps'=1e-50 is 0 in float32"),
-])
+@pytest.mark.parametrize(
+    "setting,text",
+    [
+        ("optim.lr=1e39", "'optim.lr'=1e+39 overflows float32 (largest 3.403e+38)"),
+        ("optim.clip_norm=5e38", "'optim.clip_norm'=5e+38 overflows float32"),
+        ("optim.weight_decay=1e40", "'optim.weight_decay'=1e+40 overflows float32"),
+        ("optim.eps=1e-50", "'optim.eps'=1e-50 is 0 in float32"),
+    ],
+)
 def test_settings_that_overflow_float32_are_refused(setting, text, capsys):
     """Through `jaxpar train` (exit 2, the key named), and for an OptimConfig built in
     Python, which is validated by the same declaration."""
@@ -325,12 +347,28 @@ TASK = dataclasses.replace(BASE, optimizer=optax.chain(BASE.optimizer, nan_updat
 """
 
 
-@pytest.mark.parametrize("policy,status,text", [
-    ("stop", 3, ("jaxpar: stopped: non-finite update or new parameters (the loss and "
-                 "gradients were finite) at step 2")),
-    ("skip", 6, ("jaxpar: stopped: train.nonfinite=skip: 4 steps were skipped, more than "
-                 "train.max_skipped=0.1 of train.steps=30, i.e. 3, up to step 5. The first "
-                 "bad step of this run was 2 (non-finite update or new parameters"))])
+@pytest.mark.parametrize(
+    "policy,status,text",
+    [
+        (
+            "stop",
+            3,
+            (
+                "jaxpar: stopped: non-finite update or new parameters (the loss and "
+                "gradients were finite) at step 2"
+            ),
+        ),
+        (
+            "skip",
+            6,
+            (
+                "jaxpar: stopped: train.nonfinite=skip: 4 steps were skipped, more than "
+                "train.max_skipped=0.1 of train.steps=30, i.e. 3, up to step 5. The first "
+                "bad step of this run was 2 (non-finite update or new parameters"
+            ),
+        ),
+    ],
+)
 def test_a_non_finite_update_is_caught(tmp_path, capsys, policy, status, text):
     """An optimizer that turns finite gradients into NaN updates from step 2 on: the guard
     (on the update and the new parameters) catches it — stop: exit 3 naming step 2; skip:
@@ -339,9 +377,20 @@ def test_a_non_finite_update_is_caught(tmp_path, capsys, policy, status, text):
     task_file = tmp_path / "nan_task.py"
     task_file.write_text(NAN_TASK.format(root=ROOT))
     run_dir = tmp_path / policy
-    code = main(["train", "--task", f"{task_file}:TASK", "train.batch_size=16",
-                 "train.log_every=1", "train.eval_every=0", "train.progress=false",
-                 "train.steps=30", f"train.nonfinite={policy}", f"run.dir={run_dir}"])
+    code = main(
+        [
+            "train",
+            "--task",
+            f"{task_file}:TASK",
+            "train.batch_size=16",
+            "train.log_every=1",
+            "train.eval_every=0",
+            "train.progress=false",
+            "train.steps=30",
+            f"train.nonfinite={policy}",
+            f"run.dir={run_dir}",
+        ]
+    )
     assert code == status
     assert one_line(capsys.readouterr().err).startswith(text)
     logged = [r for r in rows(run_dir) if "loss" in r]
@@ -350,16 +399,27 @@ def test_a_non_finite_update_is_caught(tmp_path, capsys, policy, status, text):
 
 
 # ---- one run per directory ---------------------------------------------------------------
-def test_a_second_run_in_a_busy_run_dir_is_refused_and_the_first_is_unharmed(tmp_path,
-                                                                            capsys):
+def test_a_second_run_in_a_busy_run_dir_is_refused_and_the_first_is_unharmed(tmp_path, capsys):
     """A second run in the run dir, in its checkpoint dir (``checkpoint.dir=<A>/checkpoints``
     from another run dir) or in a directory inside it is refused; the first keeps every
     step."""
     run_dir = (tmp_path / "shared").resolve()
     first = subprocess.Popen(
-        [sys.executable, "-m", "jaxpar", "train", *RESUMABLE, "train.steps=12",
-         f"run.dir={run_dir}"], cwd=ROOT, env=env8(), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "jaxpar",
+            "train",
+            *RESUMABLE,
+            "train.steps=12",
+            f"run.dir={run_dir}",
+        ],
+        cwd=ROOT,
+        env=env8(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     holder = f"(pid {first.pid} on host {socket.gethostname()}, started "
     ckpts = run_dir / "checkpoints"
     try:
@@ -368,12 +428,17 @@ def test_a_second_run_in_a_busy_run_dir_is_refused_and_the_first_is_unharmed(tmp
         while time.time() < deadline and not (lock.exists() and lock.read_text()):
             time.sleep(0.1)
         for where, text in (
-                ([f"run.dir={run_dir}"], f"run.dir '{run_dir}' is in use by another jaxpar run "),
-                ([f"run.dir={tmp_path / 'b'}", f"checkpoint.dir={ckpts}"],
-                 f"checkpoint.dir '{ckpts}' is in use by another jaxpar run "),
-                ([f"run.dir={tmp_path / 'c'}", f"checkpoint.dir={ckpts / 'mine'}"],
-                 f"checkpoint.dir '{ckpts / 'mine'}' lies inside '{ckpts}', which another "
-                 "jaxpar run holds ")):
+            ([f"run.dir={run_dir}"], f"run.dir '{run_dir}' is in use by another jaxpar run "),
+            (
+                [f"run.dir={tmp_path / 'b'}", f"checkpoint.dir={ckpts}"],
+                f"checkpoint.dir '{ckpts}' is in use by another jaxpar run ",
+            ),
+            (
+                [f"run.dir={tmp_path / 'c'}", f"checkpoint.dir={ckpts / 'mine'}"],
+                f"checkpoint.dir '{ckpts / 'mine'}' lies inside '{ckpts}', which another "
+                "jaxpar run holds ",
+            ),
+        ):
             assert main(["train", *RESUMABLE, "train.steps=12", *where]) == 2
             line = one_line(capsys.readouterr().err)
             assert line.startswith(f"jaxpar: error: {text}{holder}"), line
@@ -406,13 +471,16 @@ def test_the_lock_of_a_dead_run_is_taken_over_with_a_note(tmp_path, capsys):
 
     dead = subprocess.Popen(["true"])
     dead.wait()
-    (tmp_path / ".jaxpar.lock").write_text(json.dumps(
-        {"pid": dead.pid, "host": socket.gethostname(), "started": time.time()}))
+    (tmp_path / ".jaxpar.lock").write_text(
+        json.dumps({"pid": dead.pid, "host": socket.gethostname(), "started": time.time()})
+    )
     with RunDirLock(tmp_path) as lock:
         assert lock.took_over["pid"] == dead.pid
         assert json.loads((tmp_path / ".jaxpar.lock").read_text())["pid"] == os.getpid()
-    assert (f"took over the lock {tmp_path / '.jaxpar.lock'} left by a run that is no longer "
-            f"running (pid {dead.pid} on host") in capsys.readouterr().out
+    assert (
+        f"took over the lock {tmp_path / '.jaxpar.lock'} left by a run that is no longer "
+        f"running (pid {dead.pid} on host"
+    ) in capsys.readouterr().out
 
 
 # ---- bad inputs: one line, exit status, --debug -------------------------------------------
@@ -427,8 +495,11 @@ def readonly_dir(tmp_path):
         yield path
         path.chmod(0o755)
         return
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(path)],
-                      capture_output=True, check=False).returncode:
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(path)],
+        capture_output=True,
+        check=False,
+    ).returncode:
         pytest.skip("running as root without mount: no read-only directory to test with")
     try:
         yield path
@@ -458,12 +529,16 @@ def _as_uint32(path: Path) -> None:
 
 
 YAML_CASES = {
-    "malformed": (b"train:\n  steps: [1, 2\n",
-                  "line 3, column 1: invalid YAML: expected ',' or ']'"),
+    "malformed": (
+        b"train:\n  steps: [1, 2\n",
+        "line 3, column 1: invalid YAML: expected ',' or ']'",
+    ),
     "not_utf8": (b"run:\n  dir: caf\xe9\n", "is not UTF-8 text (byte 0xe9 at line 2)"),
     "binary": (b"\x89PNG\r\n\x1a\n\x00\x00", "is a binary file, not YAML text"),
-    "duplicate": (b"train:\n  steps: 3\n  batch_size: 4\n  steps: 5\n",
-                  "line 4, column 3: key 'steps' appears twice in one mapping (lines 2 and 4)"),
+    "duplicate": (
+        b"train:\n  steps: 3\n  batch_size: 4\n  steps: 5\n",
+        "line 4, column 3: key 'steps' appears twice in one mapping (lines 2 and 4)",
+    ),
     "tag": (b"train:\n  steps: !foo 3\n", "line 2, column 10: unknown YAML tag '!foo'"),
 }
 
@@ -484,23 +559,39 @@ def test_bad_paths_are_one_line_errors(tmp_path, readonly_dir, capsys):
     a_file.write_text("x")
     cases = [
         (["train", f"run.dir={a_file}"], f"run.dir '{a_file}' is a file, not a directory"),
-        (["train", f"run.dir={a_file / 'run'}"],
-         f"run.dir '{a_file / 'run'}' cannot be created: '{a_file}' is a file, not a directory"),
-        (["train", f"run.dir={readonly_dir / 'run'}"],
-         f"run.dir '{readonly_dir / 'run'}' cannot be created: "),
+        (
+            ["train", f"run.dir={a_file / 'run'}"],
+            f"run.dir '{a_file / 'run'}' cannot be created: '{a_file}' is a file, not a directory",
+        ),
+        (
+            ["train", f"run.dir={readonly_dir / 'run'}"],
+            f"run.dir '{readonly_dir / 'run'}' cannot be created: ",
+        ),
         (["train", f"run.dir={readonly_dir}"], f"run.dir '{readonly_dir}' is not writable: "),
-        (["train", f"run.dir={tmp_path / 'ok'}", f"checkpoint.dir={readonly_dir / 'c'}"],
-         f"checkpoint.dir '{readonly_dir / 'c'}' cannot be created: "),
-        (["export", f"checkpoint.dir={tmp_path}", "--out", str(tmp_path)],
-         f"--out '{tmp_path}' is a directory"),
-        (["export", f"checkpoint.dir={tmp_path}", "--out", str(readonly_dir / "p.npz")],
-         f"the folder of --out '{readonly_dir}' is not writable: "),
-        (["prepare-data", str(a_file), "--out", str(tmp_path)],
-         f"--out '{tmp_path}' is a directory"),
-        (["prepare-data", str(a_file), "--out", str(readonly_dir / "x.tokens")],
-         f"the folder of --out '{readonly_dir}' is not writable: "),
-        (["prepare-data", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "x.tokens")],
-         f"input '{tmp_path / 'missing.txt'}' does not exist"),
+        (
+            ["train", f"run.dir={tmp_path / 'ok'}", f"checkpoint.dir={readonly_dir / 'c'}"],
+            f"checkpoint.dir '{readonly_dir / 'c'}' cannot be created: ",
+        ),
+        (
+            ["export", f"checkpoint.dir={tmp_path}", "--out", str(tmp_path)],
+            f"--out '{tmp_path}' is a directory",
+        ),
+        (
+            ["export", f"checkpoint.dir={tmp_path}", "--out", str(readonly_dir / "p.npz")],
+            f"the folder of --out '{readonly_dir}' is not writable: ",
+        ),
+        (
+            ["prepare-data", str(a_file), "--out", str(tmp_path)],
+            f"--out '{tmp_path}' is a directory",
+        ),
+        (
+            ["prepare-data", str(a_file), "--out", str(readonly_dir / "x.tokens")],
+            f"the folder of --out '{readonly_dir}' is not writable: ",
+        ),
+        (
+            ["prepare-data", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "x.tokens")],
+            f"input '{tmp_path / 'missing.txt'}' does not exist",
+        ),
     ]
     why = "permission denied" if os.geteuid() else "it is on a read-only file system"
     for args, text in cases:
@@ -511,12 +602,21 @@ def test_bad_paths_are_one_line_errors(tmp_path, readonly_dir, capsys):
             assert why in line, line
 
 
-@pytest.mark.parametrize("change,text", [
-    (_high_id, "holds token id 300 (its largest), at or above its metadata's vocab_size 256"),
-    (lambda p: os.truncate(p, p.stat().st_size - 2), "it is truncated"),
-    (_as_uint32, ("it holds 5200 uint32 ids: it was written with another dtype than its "
-                  "metadata's uint16")),
-], ids=["id_above_vocab", "truncated", "wrong_dtype"])
+@pytest.mark.parametrize(
+    "change,text",
+    [
+        (_high_id, "holds token id 300 (its largest), at or above its metadata's vocab_size 256"),
+        (lambda p: os.truncate(p, p.stat().st_size - 2), "it is truncated"),
+        (
+            _as_uint32,
+            (
+                "it holds 5200 uint32 ids: it was written with another dtype than its "
+                "metadata's uint16"
+            ),
+        ),
+    ],
+    ids=["id_above_vocab", "truncated", "wrong_dtype"],
+)
 def test_bad_token_files_are_found_when_the_data_is_opened(tmp_path, capsys, change, text):
     path = _token_file(tmp_path, change)
     assert main(["train", *GPT_SMALL, f"data.path={path}", f"run.dir={tmp_path / 'run'}"]) == 2
@@ -547,8 +647,15 @@ def test_a_full_disk_is_one_line_and_exit_5(small_disk):
     """The checkpoints do not fit a 1 MiB disk: exit 5, one line naming the directory and
     the free space, no traceback from Orbax's writer or anyone else."""
     run_dir = small_disk / "run"
-    proc = subprocess.run([sys.executable, "-m", "jaxpar", "train", *RUN8, f"run.dir={run_dir}"],
-                          cwd=ROOT, env=env8(), capture_output=True, text=True, timeout=300, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxpar", "train", *RUN8, f"run.dir={run_dir}"],
+        cwd=ROOT,
+        env=env8(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 5, proc.stderr[-3000:]
     line = one_line(proc.stderr)
     assert line.startswith(("jaxpar: checkpoint error: disk full: ", "jaxpar: disk full: ")), line
@@ -558,15 +665,31 @@ def test_a_full_disk_is_one_line_and_exit_5(small_disk):
 # ---- Ctrl-C ------------------------------------------------------------------------------
 def _start(run_dir: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "jaxpar", "train", *RESUMABLE, "train.steps=100000", *extra,
-         f"run.dir={run_dir}"], cwd=ROOT, env=env8(), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "jaxpar",
+            "train",
+            *RESUMABLE,
+            "train.steps=100000",
+            *extra,
+            f"run.dir={run_dir}",
+        ],
+        cwd=ROOT,
+        env=env8(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait_rows(run_dir: Path, n: int, proc: subprocess.Popen) -> None:
     deadline = time.time() + 240
-    while time.time() < deadline and proc.poll() is None and not (
-            (run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= n):
+    while (
+        time.time() < deadline
+        and proc.poll() is None
+        and not ((run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= n)
+    ):
         time.sleep(0.1)
     assert proc.poll() is None, proc.communicate()
 
@@ -587,13 +710,28 @@ def test_ctrl_c_once_checkpoints_and_the_run_resumes_bitwise(trained, tmp_path):
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
     line = [x for x in err.splitlines() if "checkpoint of step" in x][-1]
     step = int(line.split("checkpoint of step ")[1].split()[0])
-    assert line == (f"jaxpar: interrupted (Ctrl-C): checkpoint of step {step} written to "
-                    f"{run_dir / 'checkpoints'}; run the same command to resume")
+    assert line == (
+        f"jaxpar: interrupted (Ctrl-C): checkpoint of step {step} written to "
+        f"{run_dir / 'checkpoints'}; run the same command to resume"
+    )
     target = max(8, step + 2)
-    resumed = subprocess.run([sys.executable, "-m", "jaxpar", "train", *RUN8,
-                              f"train.steps={target}", f"run.dir={run_dir}"], cwd=ROOT,
-                             env=env8(), capture_output=True, text=True, timeout=300,
-                             check=False)
+    resumed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxpar",
+            "train",
+            *RUN8,
+            f"train.steps={target}",
+            f"run.dir={run_dir}",
+        ],
+        cwd=ROOT,
+        env=env8(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     reference = trained
     if target > 8:  # a fast machine ran past the 8-step reference: make a longer one
@@ -668,15 +806,19 @@ def test_rendezvous_names_missing_processes_busy_ports_and_strangers():
         _rendezvous_coordinator(address, address, 3, 2)
     thread.join(timeout=30)
     assert time.monotonic() - start < 10
-    assert ("only 2 of 3 processes joined the run at " + address
-            + " within distributed.init_timeout=2 s; missing: process 2") in str(err.value)
+    assert (
+        "only 2 of 3 processes joined the run at "
+        + address
+        + " within distributed.init_timeout=2 s; missing: process 2"
+    ) in str(err.value)
     assert errors["peer"] == str(err.value)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         taken = f"127.0.0.1:{busy.getsockname()[1]}"
-        with pytest.raises(PortInUse, match=f"port {busy.getsockname()[1]} is in use by "
-                                            "another program"):
+        with pytest.raises(
+            PortInUse, match=f"port {busy.getsockname()[1]} is in use by another program"
+        ):
             _rendezvous_coordinator(taken, taken, 2, 5)
         start = time.monotonic()
         with pytest.raises(ValueError, match="did not answer jaxpar's check-in"):
@@ -696,12 +838,25 @@ def test_busy_port_and_missing_peer_through_jaxpar_train(tmp_path):
 
         procs = {
             name: subprocess.Popen(
-                [sys.executable, "-m", "jaxpar", "train", f"run.dir={tmp_path / name}",
-                 f"distributed.coordinator=127.0.0.1:{port}", "distributed.num_processes=2",
-                 "distributed.process_id=0", "distributed.init_timeout=3"],
-                cwd=ROOT, env=env8(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                text=True)
-            for name, port in (("busy", taken), ("alone", free_port()))}
+                [
+                    sys.executable,
+                    "-m",
+                    "jaxpar",
+                    "train",
+                    f"run.dir={tmp_path / name}",
+                    f"distributed.coordinator=127.0.0.1:{port}",
+                    "distributed.num_processes=2",
+                    "distributed.process_id=0",
+                    "distributed.init_timeout=3",
+                ],
+                cwd=ROOT,
+                env=env8(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for name, port in (("busy", taken), ("alone", free_port()))
+        }
         try:
             out = {name: proc.communicate(timeout=120) for name, proc in procs.items()}
         finally:
@@ -711,10 +866,10 @@ def test_busy_port_and_missing_peer_through_jaxpar_train(tmp_path):
                     proc.wait()
     assert procs["busy"].returncode == 2, out["busy"]
     assert one_line(out["busy"][1]).startswith(
-        f"jaxpar: error: the coordinator's port {taken} is in use by another program")
+        f"jaxpar: error: the coordinator's port {taken} is in use by another program"
+    )
     assert procs["alone"].returncode == 2, out["alone"]
-    assert ("within distributed.init_timeout=3 s; missing: process 1"
-            in one_line(out["alone"][1]))
+    assert "within distributed.init_timeout=3 s; missing: process 1" in one_line(out["alone"][1])
 
 
 @pytest.mark.slow
@@ -734,12 +889,19 @@ def test_launch_retries_a_port_taken_before_the_coordinator_binds(tmp_path, monk
         monkeypatch.setenv("PYTHONPATH", str(ROOT))
         monkeypatch.delenv("XLA_FLAGS", raising=False)
         out = io.StringIO()
-        code = launch_lib.launch(2, ["inspect", *GPT_SMALL, "mesh.fsdp=8", "mesh.data=1"],
-                                 devices_per_process=4, out=out, grace_s=5)
+        code = launch_lib.launch(
+            2,
+            ["inspect", *GPT_SMALL, "mesh.fsdp=8", "mesh.data=1"],
+            devices_per_process=4,
+            out=out,
+            grace_s=5,
+        )
     text = out.getvalue()
     assert code == 0, text[-3000:]
-    assert (f"[launch] port {taken} was taken by another program before the "
-            "coordinator could listen on it; starting again on another port") in text
+    assert (
+        f"[launch] port {taken} was taken by another program before the "
+        "coordinator could listen on it; starting again on another port"
+    ) in text
 
 
 def test_out_of_device_memory_is_one_line_naming_the_fixes():
@@ -753,6 +915,8 @@ def test_out_of_device_memory_is_one_line_naming_the_fixes():
         jnp.zeros((2**41,), jnp.uint8).block_until_ready()
     status, line = failure_of(raised.value)
     assert status == 2 and "\n" not in line
-    assert line.startswith("jaxpar: error: out of device memory (RESOURCE_EXHAUSTED: Out of "
-                           "memory allocating 2199023255552 bytes")
+    assert line.startswith(
+        "jaxpar: error: out of device memory (RESOURCE_EXHAUSTED: Out of "
+        "memory allocating 2199023255552 bytes"
+    )
     assert "lower train.batch_size" in line and "jaxpar plan" in line

@@ -23,18 +23,37 @@ from tests.helpers import (
     run_steps,
 )
 
-SHAPE = dict(d_model=32, n_layers=5, n_heads=4, n_kv_heads=2, head_size=16, d_ff=48,
-             max_seq_len=16, sliding_window=5, sliding_window_pattern=3,
-             query_pre_attn_scalar=24.0)
-GEMMA = ["model.name=gemma", *(f"model.{k}={v}" for k, v in SHAPE.items()),
-         "data.dataset=synthetic", "data.seq_len=16", "train.batch_size=16",
-         "optim.warmup_steps=0", "train.eval_every=0"]
+SHAPE = dict(
+    d_model=32,
+    n_layers=5,
+    n_heads=4,
+    n_kv_heads=2,
+    head_size=16,
+    d_ff=48,
+    max_seq_len=16,
+    sliding_window=5,
+    sliding_window_pattern=3,
+    query_pre_attn_scalar=24.0,
+)
+GEMMA = [
+    "model.name=gemma",
+    *(f"model.{k}={v}" for k, v in SHAPE.items()),
+    "data.dataset=synthetic",
+    "data.seq_len=16",
+    "train.batch_size=16",
+    "optim.warmup_steps=0",
+    "train.eval_every=0",
+]
 
 
-@pytest.mark.parametrize("switches", [
-    ["model.qk_norm=true", "model.tie_embeddings=false"],
-    ["model.attn_softcap=2", "model.final_softcap=5"],
-], ids=["gemma3-untied", "gemma2-capped"])
+@pytest.mark.parametrize(
+    "switches",
+    [
+        ["model.qk_norm=true", "model.tie_embeddings=false"],
+        ["model.attn_softcap=2", "model.final_softcap=5"],
+    ],
+    ids=["gemma3-untied", "gemma2-capped"],
+)
 def test_counts_match_the_compiled_program(switches):
     """Parameters equal the model's; FLOPs per example × the examples a device computes
     equal the compiled step's (2%), soft-capped attention written out included."""
@@ -49,10 +68,14 @@ def test_counts_match_the_compiled_program(switches):
     assert flops == pytest.approx(counts.train_flops_per_example * 2, rel=0.02)
 
 
-@pytest.mark.parametrize("switches", [dict(qk_norm=True, rope_theta=1e6, rope_type="linear",
-                                           rope_factor=8.0),
-                                      dict(attn_softcap=2.0, final_softcap=5.0)],
-                         ids=["gemma3", "gemma2"])
+@pytest.mark.parametrize(
+    "switches",
+    [
+        dict(qk_norm=True, rope_theta=1e6, rope_type="linear", rope_factor=8.0),
+        dict(attn_softcap=2.0, final_softcap=5.0),
+    ],
+    ids=["gemma3", "gemma2"],
+)
 def test_decode_with_cache_matches_forward(switches):
     """A prompt, then one token at a time through the KV cache, past the window: the
     logits of the forward pass (5 layers in a pattern of 3: a scanned group and a tail)."""
@@ -60,31 +83,51 @@ def test_decode_with_cache_matches_forward(switches):
     with nnx.use_eager_sharding(False):
         model = Gemma(cfg, rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, 256)
-    np.testing.assert_allclose(decode_stepwise(model, tokens, 4), jax.jit(model)(tokens),
-                               atol=1e-5)
+    np.testing.assert_allclose(decode_stepwise(model, tokens, 4), jax.jit(model)(tokens), atol=1e-5)
 
 
-PIPELINE = ["model.n_layers=4", "model.sliding_window_pattern=2", "model.attn_softcap=2",
-            "train.batch_size=8"]
+PIPELINE = [
+    "model.n_layers=4",
+    "model.sliding_window_pattern=2",
+    "model.attn_softcap=2",
+    "train.batch_size=8",
+]
 
 
-@pytest.mark.parametrize("executor", grid([pytest.param("spmd", id="spmd"),
-                                           pytest.param("mpmd", id="mpmd")], {"spmd"}))
+@pytest.mark.parametrize(
+    "executor", grid([pytest.param("spmd", id="spmd"), pytest.param("mpmd", id="mpmd")], {"spmd"})
+)
 def test_pipeline_trains_as_one_device(executor):
     """mesh.stage=2: each chunk holds two layers, a whole (windowed, full) pattern."""
     common = [*GEMMA, *PIPELINE]
     expected, expected_params, _ = one_device_steps(common, steps=2)
-    losses, params, _ = run_steps([*common, "mesh.stage=2", "mesh.data=4",
-                                   "pipeline.microbatches=2", f"pipeline.executor={executor}"],
-                                  steps=2)
+    losses, params, _ = run_steps(
+        [
+            *common,
+            "mesh.stage=2",
+            "mesh.data=4",
+            "pipeline.microbatches=2",
+            f"pipeline.executor={executor}",
+        ],
+        steps=2,
+    )
     np.testing.assert_allclose(losses, expected, rtol=1e-5)
     assert_params_close(params, expected_params, elementwise=False, rtol=1e-4)
 
 
 def test_a_chunk_the_pattern_does_not_divide_is_one_line():
     with pytest.raises(ConfigError) as err:
-        run_steps([*GEMMA, *PIPELINE, "model.sliding_window_pattern=3", "mesh.stage=2",
-                   "mesh.data=4", "pipeline.microbatches=2"], steps=1)
+        run_steps(
+            [
+                *GEMMA,
+                *PIPELINE,
+                "model.sliding_window_pattern=3",
+                "mesh.stage=2",
+                "mesh.data=4",
+                "pipeline.microbatches=2",
+            ],
+            steps=1,
+        )
     assert "3-layer local/global attention pattern" in str(err.value)
     assert "\n" not in str(err.value)
 
@@ -96,9 +139,9 @@ def test_the_embedding_normalizer_is_rounded_to_the_compute_dtype():
         model = Gemma(cfg, rngs=nnx.Rngs(0))
     tokens = jnp.arange(8)[None]
     rows = model.embed[...][:8].astype(jnp.bfloat16)
-    expected = rows * jnp.asarray(32 ** 0.5, jnp.bfloat16)
+    expected = rows * jnp.asarray(32**0.5, jnp.bfloat16)
     np.testing.assert_array_equal(model.embed_tokens(tokens)[0], expected)
-    assert jnp.asarray(32 ** 0.5, jnp.bfloat16) == 5.65625
+    assert jnp.asarray(32**0.5, jnp.bfloat16) == 5.65625
 
 
 def test_bad_shapes_are_one_line():

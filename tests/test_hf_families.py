@@ -32,25 +32,51 @@ from tests.helpers import (
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+SHAPE = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 VARIANTS = {
-    "llama3": lambda: transformers.LlamaConfig(**SHAPE, rope_parameters={
-        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+    "llama3": lambda: transformers.LlamaConfig(
+        **SHAPE,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    ),
     "qwen2": lambda: transformers.Qwen2Config(**SHAPE),
     "qwen3": lambda: transformers.Qwen3Config(**SHAPE, head_dim=16),
     "mistral": lambda: transformers.MistralConfig(**SHAPE, sliding_window=5),
-    "mixtral": lambda: transformers.MixtralConfig(**SHAPE, num_local_experts=4,
-                                                  num_experts_per_tok=2),
+    "mixtral": lambda: transformers.MixtralConfig(
+        **SHAPE, num_local_experts=4, num_experts_per_tok=2
+    ),
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
-        **SHAPE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, head_dim=16,
-        norm_topk_prob=True),
+        **SHAPE,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        head_dim=16,
+        norm_topk_prob=True,
+    ),
 }
 TOKENS = np.random.default_rng(0).integers(0, 96, (4, 16)).astype(np.int32)
 ONE = ["run.devices=1", "mesh.data=1"]
-RUN = ["data.dataset=synthetic", "data.seq_len=16", "train.batch_size=8",
-       "optim.warmup_steps=0", "train.eval_every=0"]
+RUN = [
+    "data.dataset=synthetic",
+    "data.seq_len=16",
+    "train.batch_size=8",
+    "optim.warmup_steps=0",
+    "train.eval_every=0",
+]
 
 
 def save_random(config, folder, dtype=torch.float32, **kwargs) -> np.ndarray:
@@ -75,8 +101,9 @@ def hf_logits(folder) -> np.ndarray:
 def folders(tmp_path_factory):
     """Each variant's folder and transformers' logits of TOKENS."""
     root = tmp_path_factory.mktemp("families")
-    return {name: (root / name, save_random(make(), root / name))
-            for name, make in VARIANTS.items()}
+    return {
+        name: (root / name, save_random(make(), root / name)) for name, make in VARIANTS.items()
+    }
 
 
 def run_of(folder, *overrides):
@@ -92,11 +119,21 @@ def close(actual, expected):
 
 
 SHARDED = ["mesh.fsdp=2", "mesh.tensor=2", "mesh.data=2"]
-LOADED = grid([pytest.param(name, sharded, id=f"{name}-" + (
-    "data2-fsdp2-tensor2" if sharded else "one-device"))
-    for name in VARIANTS for sharded in (False, True)],
-              {*(f"{name}-one-device" for name in VARIANTS), "qwen3-data2-fsdp2-tensor2",
-               "mistral-data2-fsdp2-tensor2", "mixtral-data2-fsdp2-tensor2"})
+LOADED = grid(
+    [
+        pytest.param(
+            name, sharded, id=f"{name}-" + ("data2-fsdp2-tensor2" if sharded else "one-device")
+        )
+        for name in VARIANTS
+        for sharded in (False, True)
+    ],
+    {
+        *(f"{name}-one-device" for name in VARIANTS),
+        "qwen3-data2-fsdp2-tensor2",
+        "mistral-data2-fsdp2-tensor2",
+        "mixtral-data2-fsdp2-tensor2",
+    },
+)
 
 
 @pytest.mark.parametrize(("name", "sharded"), LOADED)
@@ -107,8 +144,9 @@ def test_folder_alone_gives_transformers_logits(folders, name, sharded):
     close(logits_of(run), expected)
 
 
-@pytest.mark.parametrize("name", grid([pytest.param(n, id=n) for n in VARIANTS],
-                                      {"llama3", "qwen2", "qwen3_moe"}))
+@pytest.mark.parametrize(
+    "name", grid([pytest.param(n, id=n) for n in VARIANTS], {"llama3", "qwen2", "qwen3_moe"})
+)
 def test_export_loads_in_transformers_and_reads_back_bit_for_bit(folders, name, tmp_path):
     folder, expected = folders[name]
     run = run_of(folder, *ONE)
@@ -140,8 +178,9 @@ def test_kv_cache_decoding_equals_the_forward_pass(folders, name):
 
     run = run_of(folders[name][0], *ONE)
     model = nnx.merge(run.plan.model.graphdef, run.trainer.init().params, {})
-    np.testing.assert_allclose(decode_stepwise(model, TOKENS, 3), jax.jit(model)(TOKENS),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        decode_stepwise(model, TOKENS, 3), jax.jit(model)(TOKENS), rtol=1e-5, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("strategy", ["all_gather", "ring"])
@@ -164,16 +203,21 @@ def _rewrite(folder, tmp_path, **changes):
     return out
 
 
-@pytest.mark.parametrize(("changes", "words"), [
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "yarn"),
-    ({"some_new_switch": True}, "some_new_switch"),
-    ({"attention_dropout": 0.1}, "attention_dropout"),
-    ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4},
-     "layer_types mixes"),
-    ({"model_type": "gemma7"}, "model_type='gemma7'"),
-], ids=["yarn", "unknown-key", "dropout", "mixed-windows", "unknown-type"])
-def test_keys_that_change_the_numbers_are_refused_in_one_line(folders, tmp_path, changes,
-                                                               words):
+@pytest.mark.parametrize(
+    ("changes", "words"),
+    [
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "yarn"),
+        ({"some_new_switch": True}, "some_new_switch"),
+        ({"attention_dropout": 0.1}, "attention_dropout"),
+        (
+            {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4},
+            "layer_types mixes",
+        ),
+        ({"model_type": "gemma7"}, "model_type='gemma7'"),
+    ],
+    ids=["yarn", "unknown-key", "dropout", "mixed-windows", "unknown-type"],
+)
+def test_keys_that_change_the_numbers_are_refused_in_one_line(folders, tmp_path, changes, words):
     folder = _rewrite(folders["qwen2"][0], tmp_path, **changes)
     with pytest.raises(JaxparError) as err:
         run_of(folder)
@@ -184,8 +228,13 @@ def test_a_key_without_effect_is_read_and_rope_theta_spelt_the_old_way(folders, 
     folder, expected = folders["llama3"]
     config = json.loads((folder / "config.json").read_text())
     rope = config.pop("rope_parameters")
-    old = _rewrite(folder, tmp_path, rope_theta=rope.pop("rope_theta"), rope_scaling=rope,
-                   tokenizer_class="PreTrainedTokenizerFast")
+    old = _rewrite(
+        folder,
+        tmp_path,
+        rope_theta=rope.pop("rope_theta"),
+        rope_scaling=rope,
+        tokenizer_class="PreTrainedTokenizerFast",
+    )
     json_text = json.loads((old / "config.json").read_text())
     json_text.pop("rope_parameters")
     (old / "config.json").write_text(json.dumps(json_text))
@@ -200,16 +249,25 @@ def test_an_override_contradicting_the_folder_is_one_line(folders):
     assert "drop model.rope_theta" in message
 
 
-@pytest.mark.parametrize(("edit", "words"), [
-    (lambda t: t.pop("model.norm.weight"), "model.norm.weight missing"),
-    (lambda t: t.update({"model.norm.weight": np.ones(7, np.float32)}), "has shape (7,)"),
-    (lambda t: t.update({"model.norm.weight": np.ones(32, np.int64)}),
-     "model.norm.weight holds int64 values, not weights"),
-    (lambda t: t.update({"model.norm.weight": np.where(np.arange(32) % 8, 1.0, np.nan)
-                         .astype(np.float32)}), "model.norm.weight holds 4 NaN or infinite"),
-], ids=["missing", "misshapen", "integer", "nan"])
-def test_a_missing_misshapen_integer_or_nan_tensor_is_one_line(folders, tmp_path, edit,
-                                                               words):
+@pytest.mark.parametrize(
+    ("edit", "words"),
+    [
+        (lambda t: t.pop("model.norm.weight"), "model.norm.weight missing"),
+        (lambda t: t.update({"model.norm.weight": np.ones(7, np.float32)}), "has shape (7,)"),
+        (
+            lambda t: t.update({"model.norm.weight": np.ones(32, np.int64)}),
+            "model.norm.weight holds int64 values, not weights",
+        ),
+        (
+            lambda t: t.update(
+                {"model.norm.weight": np.where(np.arange(32) % 8, 1.0, np.nan).astype(np.float32)}
+            ),
+            "model.norm.weight holds 4 NaN or infinite",
+        ),
+    ],
+    ids=["missing", "misshapen", "integer", "nan"],
+)
+def test_a_missing_misshapen_integer_or_nan_tensor_is_one_line(folders, tmp_path, edit, words):
     """Named before the first step: an integer tensor is no weight, a NaN no start."""
     from safetensors.numpy import load_file, save_file
 
@@ -223,17 +281,30 @@ def test_a_missing_misshapen_integer_or_nan_tensor_is_one_line(folders, tmp_path
 
 
 LAYOUTS = {
-    "stage2-spmd": ["mesh.stage=2", "mesh.data=4", "pipeline.microbatches=2",
-                    "pipeline.executor=spmd"],
-    "stage2-mpmd": ["mesh.stage=2", "mesh.data=4", "pipeline.microbatches=2",
-                    "pipeline.executor=mpmd"],
+    "stage2-spmd": [
+        "mesh.stage=2",
+        "mesh.data=4",
+        "pipeline.microbatches=2",
+        "pipeline.executor=spmd",
+    ],
+    "stage2-mpmd": [
+        "mesh.stage=2",
+        "mesh.data=4",
+        "pipeline.microbatches=2",
+        "pipeline.executor=mpmd",
+    ],
     "data2-fsdp2-tensor2": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
     "context2-ring": ["mesh.data=4", "mesh.context=2", "context.attention=ring"],
 }
-TRAINED = grid([pytest.param(name, layout, id=f"{name}-{layout}")
-                for name in VARIANTS for layout in LAYOUTS],
-               {"qwen2-stage2-spmd", "qwen3-stage2-mpmd", "mistral-context2-ring",
-                "mixtral-data2-fsdp2-tensor2"})
+TRAINED = grid(
+    [pytest.param(name, layout, id=f"{name}-{layout}") for name in VARIANTS for layout in LAYOUTS],
+    {
+        "qwen2-stage2-spmd",
+        "qwen3-stage2-mpmd",
+        "mistral-context2-ring",
+        "mixtral-data2-fsdp2-tensor2",
+    },
+)
 
 
 @pytest.mark.parametrize(("name", "layout"), TRAINED)
@@ -256,9 +327,10 @@ def test_a_run_may_read_shorter_sequences_than_the_folder_not_longer(folders):
     """max_seq_len bounds a rotary model (the KV cache's length): lower is the run's
     choice; higher than the folder's max_position_embeddings (64) is one line."""
     folder = folders["qwen3"][0]
-    assert load_config([], [f"model.init_from={folder}", "model.max_seq_len=32"]
-                       ).model.max_seq_len == 32
+    assert (
+        load_config([], [f"model.init_from={folder}", "model.max_seq_len=32"]).model.max_seq_len
+        == 32
+    )
     with pytest.raises(JaxparError) as err:
         load_config([], [f"model.init_from={folder}", "model.max_seq_len=128"])
-    assert "model.max_seq_len=128 (its config.json gives 64, the most it reads)" in str(
-        err.value)
+    assert "model.max_seq_len=128 (its config.json gives 64, the most it reads)" in str(err.value)

@@ -41,31 +41,55 @@ transformers = pytest.importorskip("transformers")
 # perturbed, the tolerance, a folder with config.json changed: the Llama family's helpers
 from tests.test_hf_families import TOKENS, _rewrite, close, hf_logits, save_random  # noqa: E402
 
-SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=5,
-             query_pre_attn_scalar=24)
+SHAPE = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=48,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=64,
+    sliding_window=5,
+    query_pre_attn_scalar=24,
+)
 VARIANTS = {
     "gemma2": lambda: transformers.Gemma2Config(
-        **SHAPE, num_hidden_layers=4, attn_logit_softcapping=2.0, final_logit_softcapping=5.0),
+        **SHAPE, num_hidden_layers=4, attn_logit_softcapping=2.0, final_logit_softcapping=5.0
+    ),
     "gemma3": lambda: transformers.Gemma3TextConfig(
-        **SHAPE, num_hidden_layers=5, layer_types=[
-            "sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
-            "sliding_attention"], rope_parameters={
+        **SHAPE,
+        num_hidden_layers=5,
+        layer_types=[
+            "sliding_attention",
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+            "sliding_attention",
+        ],
+        rope_parameters={
             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
-            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+    ),
 }
 ONE = ("run.devices=1", "mesh.data=1")
 EIGHT = ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
-RUN = ["data.dataset=synthetic", "data.seq_len=16", "train.batch_size=8",
-       "optim.warmup_steps=0", "train.eval_every=0"]
+RUN = [
+    "data.dataset=synthetic",
+    "data.seq_len=16",
+    "train.batch_size=8",
+    "optim.warmup_steps=0",
+    "train.eval_every=0",
+]
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """Each variant's folder and transformers' logits of TOKENS."""
     root = tmp_path_factory.mktemp("gemma")
-    return {name: (root / name, save_random(make(), root / name))
-            for name, make in VARIANTS.items()}
+    return {
+        name: (root / name, save_random(make(), root / name)) for name, make in VARIANTS.items()
+    }
 
 
 @functools.cache
@@ -105,16 +129,24 @@ def test_kv_cache_decoding_equals_the_forward_pass(folders, name):
 
     run = run_of(folders[name][0], *ONE)
     model = nnx.merge(run.plan.model.graphdef, run.trainer.init().params, {})
-    np.testing.assert_allclose(decode_stepwise(model, TOKENS, 3), jax.jit(model)(TOKENS),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        decode_stepwise(model, TOKENS, 3), jax.jit(model)(TOKENS), rtol=1e-5, atol=1e-5
+    )
 
 
-@pytest.mark.parametrize(("name", "layout"), [
-    ("gemma2", EIGHT),
-    ("gemma2", ("mesh.context=2", "mesh.fsdp=2", "mesh.tensor=2")),
-    ("gemma3", ("mesh.context=2", "mesh.data=2", "mesh.tensor=2")),
-], ids=["gemma2-data2-fsdp2-tensor2", "gemma2-context2-fsdp2-tensor2",
-        "gemma3-context2-data2-tensor2"])
+@pytest.mark.parametrize(
+    ("name", "layout"),
+    [
+        ("gemma2", EIGHT),
+        ("gemma2", ("mesh.context=2", "mesh.fsdp=2", "mesh.tensor=2")),
+        ("gemma3", ("mesh.context=2", "mesh.data=2", "mesh.tensor=2")),
+    ],
+    ids=[
+        "gemma2-data2-fsdp2-tensor2",
+        "gemma2-context2-fsdp2-tensor2",
+        "gemma3-context2-data2-tensor2",
+    ],
+)
 def test_two_adamw_steps_on_eight_devices_equal_one_device(folders, name, layout):
     """The folder's weights trained two steps: the losses and parameters equal one
     device's (soft-capped attention and windows across context devices included)."""
@@ -125,17 +157,41 @@ def test_two_adamw_steps_on_eight_devices_equal_one_device(folders, name, layout
     assert_params_close(params, expected_params, elementwise=False, rtol=1e-4)
 
 
-@pytest.mark.parametrize(("name", "changes", "words"), [
-    ("gemma3", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
-    ("gemma3", {"layer_types": ["full_attention", "sliding_attention", "full_attention",
-                                "sliding_attention", "sliding_attention"]}, "one pattern"),
-    ("gemma3", {"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 4.0},
-                                    "sliding_attention": {"rope_theta": 1e4}}}, "yarn"),
-    ("gemma2", {"hidden_activation": "gelu"}, "hidden_activation='gelu'"),
-    ("gemma2", {"some_new_switch": True}, "some_new_switch"),
-], ids=["gemma3-attn-softcap", "irregular-layers", "yarn", "activation", "unknown-key"])
-def test_keys_that_change_the_numbers_are_refused_in_one_line(folders, tmp_path, name,
-                                                               changes, words):
+@pytest.mark.parametrize(
+    ("name", "changes", "words"),
+    [
+        ("gemma3", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
+        (
+            "gemma3",
+            {
+                "layer_types": [
+                    "full_attention",
+                    "sliding_attention",
+                    "full_attention",
+                    "sliding_attention",
+                    "sliding_attention",
+                ]
+            },
+            "one pattern",
+        ),
+        (
+            "gemma3",
+            {
+                "rope_parameters": {
+                    "full_attention": {"rope_type": "yarn", "factor": 4.0},
+                    "sliding_attention": {"rope_theta": 1e4},
+                }
+            },
+            "yarn",
+        ),
+        ("gemma2", {"hidden_activation": "gelu"}, "hidden_activation='gelu'"),
+        ("gemma2", {"some_new_switch": True}, "some_new_switch"),
+    ],
+    ids=["gemma3-attn-softcap", "irregular-layers", "yarn", "activation", "unknown-key"],
+)
+def test_keys_that_change_the_numbers_are_refused_in_one_line(
+    folders, tmp_path, name, changes, words
+):
     folder = _rewrite(folders[name][0], tmp_path, **changes)
     with pytest.raises(JaxparError) as err:
         build(load_config([], [*RUN, f"model.init_from={folder}"]))
@@ -148,8 +204,11 @@ def test_gemma3_spelt_the_older_way_and_an_override_contradicting_it(folders, tm
     folder = folders["gemma3"][0]
     config = json.loads((folder / "config.json").read_text())
     rope = config.pop("rope_parameters")
-    config |= {"rope_theta": 1e6, "rope_local_base_freq": 1e4,
-               "rope_scaling": {"type": "linear", "factor": 8.0}}
+    config |= {
+        "rope_theta": 1e6,
+        "rope_local_base_freq": 1e4,
+        "rope_scaling": {"type": "linear", "factor": 8.0},
+    }
     old = _rewrite(folder, tmp_path)
     (old / "config.json").write_text(json.dumps(config))
     assert rope["full_attention"]["factor"] == 8.0

@@ -18,10 +18,20 @@ from jaxpar.config import load_config
 from jaxpar.run import build
 from tests.test_hf import TOKENS, assert_logits_close, jaxpar_logits, nested, one_line
 
-LLAMA = ["model.name=llama", "model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2",
-         "model.d_ff=48", "model.n_layers=2", "model.max_seq_len=16", "data.seq_len=16",
-         "train.batch_size=16", "optim.warmup_steps=0", "train.eval_every=0",
-         "model.rope_theta=500000"]
+LLAMA = [
+    "model.name=llama",
+    "model.d_model=32",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.d_ff=48",
+    "model.n_layers=2",
+    "model.max_seq_len=16",
+    "data.seq_len=16",
+    "train.batch_size=16",
+    "optim.warmup_steps=0",
+    "train.eval_every=0",
+    "model.rope_theta=500000",
+]
 
 
 # ---- an independent Llama forward pass, straight from the HF tensors -------------------------
@@ -72,8 +82,10 @@ def exported(tmp_path_factory):
     """A Llama trained 2 steps on fsdp=8, exported as HF files and as .npz."""
     root = tmp_path_factory.mktemp("hf_llama")
     run_dir = root / "run"
-    assert main(["train", *LLAMA, "mesh.data=1", "mesh.fsdp=8", f"run.dir={run_dir}",
-                 "train.steps=2"]) == 0
+    assert (
+        main(["train", *LLAMA, "mesh.data=1", "mesh.fsdp=8", f"run.dir={run_dir}", "train.steps=2"])
+        == 0
+    )
     assert main(["export", str(run_dir), "--format", "hf", "--out", str(root / "hf")]) == 0
     assert main(["export", str(run_dir), "--out", str(root / "params.npz")]) == 0
     npz = np.load(root / "params.npz")
@@ -84,29 +96,57 @@ def test_export_writes_llama_files_whose_numpy_forward_gives_jaxpar_logits(expor
     out = exported["hf"]
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
-    assert {k: config[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                                   "num_attention_heads", "num_key_value_heads",
-                                   "max_position_embeddings", "rope_parameters",
-                                   "tie_word_embeddings")} == {
-        "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 16,
+    assert {
+        k: config[k]
+        for k in (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "max_position_embeddings",
+            "rope_parameters",
+            "tie_word_embeddings",
+        )
+    } == {
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 16,
         "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
-        "tie_word_embeddings": False}
+        "tie_word_embeddings": False,
+    }
     tensors = load_file(out / "model.safetensors")
     assert tensors["model.layers.1.self_attn.k_proj.weight"].shape == (16, 32)
     assert tensors["model.layers.0.mlp.down_proj.weight"].shape == (32, 48)
     assert len(tensors) == 2 + 2 * 9 + 1
     run = build(load_config([], [*LLAMA, "mesh.data=1", "mesh.fsdp=8"]))
-    assert_logits_close(jaxpar_logits(run, nested(exported["params"]), TOKENS),
-                        llama_logits(tensors, config, TOKENS))
+    assert_logits_close(
+        jaxpar_logits(run, nested(exported["params"]), TOKENS),
+        llama_logits(tensors, config, TOKENS),
+    )
 
 
 def test_init_from_reads_the_export_back_exactly_on_another_layout(exported):
-    run = build(load_config([], [*LLAMA, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
-                                 f"model.init_from={exported['hf']}"]))
+    run = build(
+        load_config(
+            [],
+            [
+                *LLAMA,
+                "mesh.data=2",
+                "mesh.fsdp=2",
+                "mesh.tensor=2",
+                f"model.init_from={exported['hf']}",
+            ],
+        )
+    )
     state = run.trainer.init()
-    flat = {"/".join(str(k.key) for k in path): np.asarray(leaf) for path, leaf in
-            __import__("jax").tree_util.tree_leaves_with_path(state.params)}
+    flat = {
+        "/".join(str(k.key) for k in path): np.asarray(leaf)
+        for path, leaf in __import__("jax").tree_util.tree_leaves_with_path(state.params)
+    }
     assert flat.keys() == exported["params"].keys()
     for key, value in flat.items():
         np.testing.assert_array_equal(value, exported["params"][key], err_msg=key)
@@ -134,16 +174,30 @@ def test_another_architecture_or_a_missing_tensor_is_one_line(exported, tmp_path
     (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 32}))
     assert main(["inspect", *LLAMA, f"model.init_from={gpt2}"]) == 2
     line = one_line(capsys.readouterr().err)
-    assert f"model.name=llama but model.init_from={gpt2} holds a gpt2 model (gpt in " \
-           "jaxpar): drop model.name, the folder decides" in line
+    assert (
+        f"model.name=llama but model.init_from={gpt2} holds a gpt2 model (gpt in "
+        "jaxpar): drop model.name, the folder decides" in line
+    )
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text((exported["hf"] / "config.json").read_text())
     tensors = load_file(exported["hf"] / "model.safetensors")
     del tensors["model.layers.1.mlp.up_proj.weight"]
     save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
-    assert main(["train", *LLAMA, "train.steps=1", f"run.dir={tmp_path / 'r'}",
-                 f"model.init_from={broken}"]) == 2
+    assert (
+        main(
+            [
+                "train",
+                *LLAMA,
+                "train.steps=1",
+                f"run.dir={tmp_path / 'r'}",
+                f"model.init_from={broken}",
+            ]
+        )
+        == 2
+    )
     line = one_line(capsys.readouterr().err)
-    assert "the weights do not fit LlamaForCausalLM's layout for this model: " \
-           "model.layers.1.mlp.up_proj.weight missing" in line
+    assert (
+        "the weights do not fit LlamaForCausalLM's layout for this model: "
+        "model.layers.1.mlp.up_proj.weight missing" in line
+    )

@@ -74,8 +74,9 @@ def test_program_cost_counts_loop_trips_and_the_costliest_branch():
     assert ar.wire_bytes == 48 * 2 * (2 - 1) / 2
     assert (cp.count, cp.payload_bytes) == (1, 16)
     assert cp.wire_bytes == 16 * 2 / 1  # 2 pairs over num_partitions (1 when not printed)
-    with_trips = MODULE.replace("body=%body", 'body=%body, backend_config={"known_trip_count"'
-                                ':{"n":"5"}}')
+    with_trips = MODULE.replace(
+        "body=%body", 'body=%body, backend_config={"known_trip_count":{"n":"5"}}'
+    )
     looped = hlo.program_cost(with_trips).collectives["all-reduce"]
     assert (looped.count, looped.payload_bytes) == (6, 5 * 16 + 32)
 

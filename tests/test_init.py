@@ -38,8 +38,12 @@ def test_init_program_never_holds_a_whole_parameter():
     assert per_device < 0.15 * whole
     state = trainer.init()
     device0 = plan.mesh.devices.flat[0]
-    on_device0 = sum(s.data.nbytes for x in jax.tree.leaves(state)
-                     for s in x.addressable_shards if s.device == device0)
+    on_device0 = sum(
+        s.data.nbytes
+        for x in jax.tree.leaves(state)
+        for s in x.addressable_shards
+        if s.device == device0
+    )
     assert on_device0 == per_device
 
 

@@ -23,8 +23,14 @@ def test_a_script_beside_the_clone_imports_the_real_package(tmp_path):
     script = tmp_path / "train_mine.py"
     script.write_text("import jaxpar\nprint(jaxpar.__file__, hasattr(jaxpar, 'Task'))\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=300, env={**env, "JAX_PLATFORMS": "cpu"})
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**env, "JAX_PLATFORMS": "cpu"},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     where, has_task = out.stdout.split()
     assert has_task == "True"

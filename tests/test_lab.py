@@ -14,8 +14,16 @@ from jaxpar.lab.planner import best, format_plan, plan
 from tests.helpers import GPT_SMALL
 
 MPMD = "pipeline.executor=mpmd"
-LAYOUTS = ["data=8", "fsdp=8", "data=4,tensor=2", "data=2,fsdp=2,tensor=2", "data=4,stage=2",
-           "data=2,fsdp=2,stage=2", f"data=4,stage=2,{MPMD}", f"data=2,tensor=2,stage=2,{MPMD}"]
+LAYOUTS = [
+    "data=8",
+    "fsdp=8",
+    "data=4,tensor=2",
+    "data=2,fsdp=2,tensor=2",
+    "data=4,stage=2",
+    "data=2,fsdp=2,stage=2",
+    f"data=4,stage=2,{MPMD}",
+    f"data=2,tensor=2,stage=2,{MPMD}",
+]
 
 
 @pytest.fixture(scope="module")
@@ -85,14 +93,24 @@ def test_every_layout_matches_its_prediction(rows, layout):
     assert row.ok, row.error
     assert row.comm_ratio == pytest.approx(1.0, abs=0.10)
     assert row.mem_args_bytes == pytest.approx(row.predicted_mem_args_bytes, rel=0.01)
-    kinds = {k for k in ("all_reduce", "all_gather", "reduce_scatter", "collective_permute")
-             if getattr(row, f"{k}_bytes")}
-    expected = {"data=8": {"all_reduce"}, "fsdp=8": {"all_reduce", "all_gather"},
-                "data=4,stage=2": {"all_reduce", "collective_permute"},
-                "data=2,fsdp=2,stage=2": {"all_reduce", "all_gather", "reduce_scatter",
-                                          "collective_permute"},
-                # the sub-mesh executor moves activations with device_put, not collectives
-                f"data=4,stage=2,{MPMD}": {"all_reduce"}}
+    kinds = {
+        k
+        for k in ("all_reduce", "all_gather", "reduce_scatter", "collective_permute")
+        if getattr(row, f"{k}_bytes")
+    }
+    expected = {
+        "data=8": {"all_reduce"},
+        "fsdp=8": {"all_reduce", "all_gather"},
+        "data=4,stage=2": {"all_reduce", "collective_permute"},
+        "data=2,fsdp=2,stage=2": {
+            "all_reduce",
+            "all_gather",
+            "reduce_scatter",
+            "collective_permute",
+        },
+        # the sub-mesh executor moves activations with device_put, not collectives
+        f"data=4,stage=2,{MPMD}": {"all_reduce"},
+    }
     assert kinds == expected.get(layout, kinds)
 
 
@@ -107,7 +125,8 @@ def test_megatron_term_counts_four_activation_all_reduces_per_layer(rows):
     assert act.times == 4 * layers + 1
     assert act.payload_bytes == rows_per_device * config.data.seq_len * config.model.d_model * 4
     assert rows["data=4,tensor=2"].all_reduce_bytes == pytest.approx(
-        sum(t.wire_bytes for t in terms if t.kind == "all-reduce"), rel=0.10)
+        sum(t.wire_bytes for t in terms if t.kind == "all-reduce"), rel=0.10
+    )
 
 
 def sweep_config(config, layout):
@@ -135,8 +154,10 @@ def test_predicted_step_time_is_the_roofline_of_the_measured_program(rows, h100)
     assert row.mem_traffic_bytes == traffic
     compute = max(row.flops / h100.flops_f32, traffic / h100.hbm_bandwidth)
     assert row.predicted_step_time_s == pytest.approx(
-        compute + row.comm_bytes / (h100.link_bandwidth * h100.links)
-        + row.collective_ops * h100.collective_latency)
+        compute
+        + row.comm_bytes / (h100.link_bandwidth * h100.links)
+        + row.collective_ops * h100.collective_latency
+    )
     # the pipeline does more FLOPs per device per step than data=8 here (bubbles count)
     assert rows["data=4,stage=2"].flops > row.flops
 
@@ -148,24 +169,44 @@ def test_layouts_enumerate_every_factorization():
         degrees = [int(x.split("=")[1]) for x in layout.split(",")]
         assert eval("*".join(map(str, degrees))) == 8
     assert sweep.layout_overrides("fsdp=4,stage=2,model.remat=full") == [
-        "mesh.data=1", "mesh.stage=2", "mesh.fsdp=4", "mesh.context=1", "mesh.tensor=1",
+        "mesh.data=1",
+        "mesh.stage=2",
+        "mesh.fsdp=4",
+        "mesh.context=1",
+        "mesh.tensor=1",
         "rules.preset=auto",
-        "model.remat=full"]
-    with pytest.raises(ValueError, match="unknown mesh axis 'pipe'.*data, stage, fsdp, context, tensor"):
+        "model.remat=full",
+    ]
+    with pytest.raises(
+        ValueError, match="unknown mesh axis 'pipe'.*data, stage, fsdp, context, tensor"
+    ):
         sweep.layout_overrides("pipe=2")
 
 
 def test_sweep_command_writes_csv_md_and_png_and_reports_invalid_layouts(tmp_path, capsys):
     out = tmp_path / "lab"
-    code = main(["sweep", *GPT_SMALL, "--layouts", "data=8", "fsdp=8", "tensor=8", "data=3",
-                 "--steps", "2", "--out", str(out)])
+    code = main(
+        [
+            "sweep",
+            *GPT_SMALL,
+            "--layouts",
+            "data=8",
+            "fsdp=8",
+            "tensor=8",
+            "data=3",
+            "--steps",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     printed = capsys.readouterr().out
     assert "tensor=8" in printed and "invalid" in printed
     with (out / "sweep.csv").open() as f:
         table = list(csv.DictReader(f))
     header = list(table[0])
-    assert header[:len(sweep.COLUMNS)] == list(sweep.COLUMNS)
+    assert header[: len(sweep.COLUMNS)] == list(sweep.COLUMNS)
     assert [r["layout"] for r in table] == ["data=8", "fsdp=8", "tensor=8", "data=3"]
     good, bad = table[:2], table[2:]
     for r in good:
@@ -200,7 +241,8 @@ def test_plan_ranks_fitting_layouts_and_fixes_one_that_does_not(h100):
     assert f"fits as `{fix.suggestion}`" in text and "tensor=8: cannot run" in text
     top = best(planned)
     assert top[1].fits and top[1].predicted_step_time_s == min(
-        r.predicted_step_time_s for r in (by["fsdp=8"].row, fix.suggestion_row))
+        r.predicted_step_time_s for r in (by["fsdp=8"].row, fix.suggestion_row)
+    )
     assert f"fastest that fits: `{top[0]}`" in text
 
 
@@ -212,8 +254,7 @@ def test_tiny_model_ranks_data_parallel_first(planned):
     assert planned[0].row.layout == "data=8"
     counts = {p.row.layout: p.row.collective_ops for p in planned}
     assert counts["data=8"] == min(counts.values()) < counts["fsdp=8"]
-    bytes_only = min(planned, key=lambda p: p.row.predicted_step_time_s
-                     - p.row.predicted_latency_s)
+    bytes_only = min(planned, key=lambda p: p.row.predicted_step_time_s - p.row.predicted_latency_s)
     assert bytes_only.row.layout != "data=8"
 
 
@@ -228,14 +269,23 @@ def test_latency_term_is_the_collectives_the_hlo_executes_times_alpha(h100, rows
     compiled, seconds = compile_lowered(lowered)
     text = compiled.as_text()
     module = hlo.parse(text)
-    loops = [(hlo.trip_count(i), re.search(r"body=%?([\w.\-]+)", i.attrs).group(1))
-             for insts in module.computations.values() for i in insts if i.opcode == "while"]
-    holding = {trips for trips, body in loops
-               if any(i.opcode in hlo.COLLECTIVES for i in module.computations[body])}
+    loops = [
+        (hlo.trip_count(i), re.search(r"body=%?([\w.\-]+)", i.attrs).group(1))
+        for insts in module.computations.values()
+        for i in insts
+        if i.opcode == "while"
+    ]
+    holding = {
+        trips
+        for trips, body in loops
+        if any(i.opcode in hlo.COLLECTIVES for i in module.computations[body])
+    }
     assert holding == {config.model.n_layers}  # the scans over the layers hold them all
-    count = sum(hlo.count_ops(text, kind, in_loops=False)
-                + config.model.n_layers * hlo.count_ops(text, kind, in_loops=True)
-                for kind in hlo.COLLECTIVES)
+    count = sum(
+        hlo.count_ops(text, kind, in_loops=False)
+        + config.model.n_layers * hlo.count_ops(text, kind, in_loops=True)
+        for kind in hlo.COLLECTIVES
+    )
     row = read(lowered, compiled, seconds, h100)
     assert row.collective_ops == count == rows["fsdp=8"].collective_ops  # a worker's too
     assert row.predicted_latency_s == pytest.approx(count * h100.collective_latency)
@@ -246,7 +296,13 @@ def test_predicted_times_read_in_three_digits(planned, h100):
     from jaxpar.lab.planner import fmt_time
 
     assert [fmt_time(t) for t in (4.2e-5, 1.234e-4, 9.9996e-4, 0.0012345, 0.5, 12.34)] == [
-        "42.0 µs", "123 µs", "1.00 ms", "1.23 ms", "500 ms", "12.3 s"]
+        "42.0 µs",
+        "123 µs",
+        "1.00 ms",
+        "1.23 ms",
+        "500 ms",
+        "12.3 s",
+    ]
     text = format_plan(planned, h100, 80e9)
     assert "0.00 ms" not in text and "fastest that fits: `data=8`, predicted " in text
     assert "µs" in text.splitlines()[2]
@@ -257,22 +313,30 @@ def test_a_task_without_a_pipeline_split_is_one_note_not_a_row_per_stage_layout(
 
     cnn = load_task("examples/research_cnn.py:TASK")
     config = load_config([], ["train.batch_size=16"])
-    planned = plan(config, 8, h100, layouts=["data=8", "data=4,stage=2", "data=2,stage=4",
-                                             "stage=8"], task=cnn)
+    planned = plan(
+        config, 8, h100, layouts=["data=8", "data=4,stage=2", "data=2,stage=4", "stage=8"], task=cnn
+    )
     assert [p.row.layout for p in planned] == ["data=8"]
-    assert planned.notes == ["note: 3 layouts with mesh.stage > 1 left out: research_cnn "
-                             "cannot be split into pipeline stages (its task declares "
-                             "neither Task.layers nor a StageSplit; docs/pipelines.md)"]
+    assert planned.notes == [
+        "note: 3 layouts with mesh.stage > 1 left out: research_cnn "
+        "cannot be split into pipeline stages (its task declares "
+        "neither Task.layers nor a StageSplit; docs/pipelines.md)"
+    ]
     text = format_plan(planned, h100, 80e9)
     assert text.count("note: ") == 1 and "stage=" not in text and "cannot run" not in text
 
 
-@pytest.mark.parametrize("stderr,error", [
-    ("", r"its worker process died \(killed by SIGABRT\)"),
-    ("F0101 00:00:00.0 1 spmd.cc:1] Check failed: a == b",
-     r"the XLA compiler aborted compiling this layout \(F0101 .*Check failed: a == b\): "
-     r"a compiler bug, not a setting; plan the other layouts, or report it"),
-])
+@pytest.mark.parametrize(
+    "stderr,error",
+    [
+        ("", r"its worker process died \(killed by SIGABRT\)"),
+        (
+            "F0101 00:00:00.0 1 spmd.cc:1] Check failed: a == b",
+            r"the XLA compiler aborted compiling this layout \(F0101 .*Check failed: a == b\): "
+            r"a compiler bug, not a setting; plan the other layouts, or report it",
+        ),
+    ],
+)
 def test_a_worker_that_dies_costs_its_layout_not_the_plan(monkeypatch, h100, stderr, error):
     """A layout on which the compiler aborts its process (an XLA ``Check failed``) is a row
     saying so; the other layouts go on in new workers, in the order given."""
@@ -280,11 +344,14 @@ def test_a_worker_that_dies_costs_its_layout_not_the_plan(monkeypatch, h100, std
 
     from jaxpar.lab import workers
 
-    dies = (f"import os, sys; sys.stdin.buffer.read(1); sys.stderr.write({stderr!r}); "
-            "sys.stderr.flush(); os.abort()")
+    dies = (
+        f"import os, sys; sys.stdin.buffer.read(1); sys.stderr.write({stderr!r}); "
+        "sys.stderr.flush(); os.abort()"
+    )
     monkeypatch.setattr(workers, "WORKER", [sys.executable, "-c", dies])
-    found = workers.measure_all(load_config([], GPT_SMALL), ["data=8", "fsdp=8", "data=2"],
-                                h100, processes=True, workers=2)
+    found = workers.measure_all(
+        load_config([], GPT_SMALL), ["data=8", "fsdp=8", "data=2"], h100, processes=True, workers=2
+    )
     assert [r.layout for r in found] == ["data=8", "fsdp=8", "data=2"]
     for row in found:
         assert re.fullmatch(error, row.error), row.error
@@ -297,13 +364,16 @@ def test_hardware_profiles_load_and_extend(tmp_path):
     assert h100.peak_flops("bfloat16") == 989.4e12 and h100.interconnect_bandwidth == 450e9
     assert a100.peak_flops("float32") < h100.peak_flops("float32")
     extra = tmp_path / "hw.yaml"
-    extra.write_text("mychip:\n  name: My chip\n  flops_bf16: 1e15\n  flops_f32: 5e14\n"
-                     "  hbm_bandwidth: 2e12\n  memory_bytes: 4e10\n  link_bandwidth: 1e11\n"
-                     "  links: 4\n  network_bandwidth: 1e10\n  collective_latency: 0.125\n")
+    extra.write_text(
+        "mychip:\n  name: My chip\n  flops_bf16: 1e15\n  flops_f32: 5e14\n"
+        "  hbm_bandwidth: 2e12\n  memory_bytes: 4e10\n  link_bandwidth: 1e11\n"
+        "  links: 4\n  network_bandwidth: 1e10\n  collective_latency: 0.125\n"
+    )
     mine = hardware.get_profile("mychip", extra)
     assert mine.memory_bytes == 4e10 and mine.links == 4
-    t = hardware.roofline(mine, flops=1e15, traffic_bytes=1e12, comm_bytes=4e11, dtype="bfloat16",
-                          collectives=4)
+    t = hardware.roofline(
+        mine, flops=1e15, traffic_bytes=1e12, comm_bytes=4e11, dtype="bfloat16", collectives=4
+    )
     assert (t.compute_s, t.memory_s, t.comm_s, t.latency_s, t.total_s) == (1.0, 0.5, 1.0, 0.5, 2.5)
     assert all(p.collective_latency == 10e-6 for p in profiles.values())  # NCCL's model
     with pytest.raises(ValueError, match="unknown hardware 'tpu'.*a100, h100, h200"):
@@ -321,11 +391,13 @@ def test_a_timed_sweep_loses_only_the_layout_xla_aborts_on(monkeypatch, h100):
 
     from jaxpar.lab import sweep, workers
 
-    aborts = ("import os\nfrom jaxpar.lab import workers\nreal = workers.measure\n"
-              "def measure(config, layout, *args, **kwargs):\n"
-              "    if layout == 'fsdp=8':\n        os.abort()\n"
-              "    return real(config, layout, *args, **kwargs)\n"
-              "workers.measure = measure\nworkers._serve()\n")
+    aborts = (
+        "import os\nfrom jaxpar.lab import workers\nreal = workers.measure\n"
+        "def measure(config, layout, *args, **kwargs):\n"
+        "    if layout == 'fsdp=8':\n        os.abort()\n"
+        "    return real(config, layout, *args, **kwargs)\n"
+        "workers.measure = measure\nworkers._serve()\n"
+    )
     monkeypatch.setattr(workers, "WORKER", [sys.executable, "-c", aborts])
     rows = sweep.sweep(load_config([], GPT_SMALL), ["fsdp=8", "data=8"], h100, steps=1)
     assert [r.layout for r in rows] == ["fsdp=8", "data=8"]

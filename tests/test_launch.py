@@ -17,9 +17,17 @@ from tests.helpers import GPT_SMALL, ROOT, child_env
 
 
 def test_process_env_sets_coordinator_devices_and_cores():
-    env = process_env(1, 2, 1234, 4, cpus_per_process=1,
-                      base={"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --foo",
-                            "JAX_NUM_CPU_DEVICES": "8"})
+    env = process_env(
+        1,
+        2,
+        1234,
+        4,
+        cpus_per_process=1,
+        base={
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --foo",
+            "JAX_NUM_CPU_DEVICES": "8",
+        },
+    )
     assert env["JAXPAR_COORDINATOR"] == "127.0.0.1:1234"
     assert env["JAXPAR_NUM_PROCESSES"] == "2" and env["JAXPAR_PROCESS_ID"] == "1"
     assert env["XLA_FLAGS"] == "--foo --xla_force_host_platform_device_count=4"
@@ -66,8 +74,15 @@ def test_launch_argument_errors():
 
 
 def test_distributed_settings_precedence_and_errors(monkeypatch):
-    for var in ("JAXPAR_COORDINATOR", "JAXPAR_NUM_PROCESSES", "JAXPAR_PROCESS_ID",
-                "JAXPAR_COORDINATOR_BIND", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_ADDRESS"):
+    for var in (
+        "JAXPAR_COORDINATOR",
+        "JAXPAR_NUM_PROCESSES",
+        "JAXPAR_PROCESS_ID",
+        "JAXPAR_COORDINATOR_BIND",
+        "SLURM_NTASKS",
+        "OMPI_COMM_WORLD_SIZE",
+        "JAX_COORDINATOR_ADDRESS",
+    ):
         monkeypatch.delenv(var, raising=False)
     assert settings(DistributedConfig()) is None  # one process
     monkeypatch.setenv("SLURM_NTASKS", "4")
@@ -75,15 +90,23 @@ def test_distributed_settings_precedence_and_errors(monkeypatch):
     monkeypatch.setenv("JAXPAR_COORDINATOR", "127.0.0.1:9")
     monkeypatch.setenv("JAXPAR_NUM_PROCESSES", "2")
     monkeypatch.setenv("JAXPAR_PROCESS_ID", "0")
-    assert settings(DistributedConfig()) == {"coordinator_address": "127.0.0.1:9",
-                                             "num_processes": 2, "process_id": 0}
+    assert settings(DistributedConfig()) == {
+        "coordinator_address": "127.0.0.1:9",
+        "num_processes": 2,
+        "process_id": 0,
+    }
     monkeypatch.setenv("JAXPAR_COORDINATOR_BIND", "127.0.0.1:9")  # as jaxpar launch sets it
     assert settings(DistributedConfig())["coordinator_bind_address"] == "127.0.0.1:9"
     monkeypatch.delenv("JAXPAR_COORDINATOR_BIND")
-    cfg = DistributedConfig(coordinator="host:1", num_processes=4, process_id=3,
-                            local_device_ids="0,1")
-    assert settings(cfg) == {"coordinator_address": "host:1", "num_processes": 4,
-                             "process_id": 3, "local_device_ids": [0, 1]}  # config wins
+    cfg = DistributedConfig(
+        coordinator="host:1", num_processes=4, process_id=3, local_device_ids="0,1"
+    )
+    assert settings(cfg) == {
+        "coordinator_address": "host:1",
+        "num_processes": 4,
+        "process_id": 3,
+        "local_device_ids": [0, 1],
+    }  # config wins
     monkeypatch.delenv("JAXPAR_PROCESS_ID")
     with pytest.raises(ValueError, match="missing: distributed.process_id"):
         settings(DistributedConfig())
@@ -102,11 +125,14 @@ def test_too_late_and_unreachable_coordinator_are_clear_errors():
 
     jax.devices()
     with pytest.raises(ValueError, match="before any JAX computation"):
-        initialize(DistributedConfig(coordinator=f"127.0.0.1:{free_port()}", num_processes=2,
-                                     process_id=0))
+        initialize(
+            DistributedConfig(coordinator=f"127.0.0.1:{free_port()}", num_processes=2, process_id=0)
+        )
     address = f"127.0.0.1:{free_port()}"
-    with pytest.raises(ValueError, match=f"no coordinator answered at {address} within "
-                                         "distributed.init_timeout=1 s"):
+    with pytest.raises(
+        ValueError,
+        match=f"no coordinator answered at {address} within distributed.init_timeout=1 s",
+    ):
         _rendezvous_peer(address, 1, 2, 1)
 
 
@@ -136,7 +162,8 @@ time.sleep(60)
 
 
 def test_a_failed_rank_is_reported_on_stderr_and_its_peer_stopped_without_native_traces(
-        tmp_path, monkeypatch, capsys):
+    tmp_path, monkeypatch, capsys
+):
     """Process 1 is SIGKILLed: the launcher's failure line is on stderr (not among the
     processes' output), process 0 is stopped, and the native stack trace it prints as it
     goes is replaced by one line saying it was stopped because process 1 failed."""
@@ -152,10 +179,14 @@ def test_a_failed_rank_is_reported_on_stderr_and_its_peer_stopped_without_native
     assert code == 128 + signal.SIGKILL
     stdout, stderr = out.getvalue(), capsys.readouterr().err
     assert "[0] rank 0 up" in stdout and "[1] rank 1 up" in stdout
-    assert "[launch] process 1 (pid " in stderr and "ended: killed by SIGKILL; stopping the " \
-        "other 1 (grace 5 s)" in stderr
-    assert "process 0 (pid " in stderr and "was stopped because process 1 failed (killed by " \
-        "SIGABRT)" in stderr
+    assert (
+        "[launch] process 1 (pid " in stderr
+        and "ended: killed by SIGKILL; stopping the other 1 (grace 5 s)" in stderr
+    )
+    assert (
+        "process 0 (pid " in stderr
+        and "was stopped because process 1 failed (killed by SIGABRT)" in stderr
+    )
     assert "[launch]" not in stdout and len(stderr.splitlines()) == 2
     for native in ("Check failure stack trace", "F1125", "@     0x"):
         assert native not in stdout + stderr
@@ -181,9 +212,25 @@ def test_jaxpar_launch_of_a_run_whose_rank_is_killed_says_so_on_stderr(tmp_path)
     of process 0 comes through."""
     hook = tmp_path / "kill.py"
     hook.write_text(KILL_RANK_1)
-    cmd = [sys.executable, "-m", "jaxpar", "launch", "-n", "2", "--devices-per-process", "1",
-           "--grace", "5", "--", "train", *GPT_SMALL, "train.steps=1000", "train.progress=false",
-           f"train.hooks=[{hook}:KillRank1]", f"run.dir={tmp_path / 'run'}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxpar",
+        "launch",
+        "-n",
+        "2",
+        "--devices-per-process",
+        "1",
+        "--grace",
+        "5",
+        "--",
+        "train",
+        *GPT_SMALL,
+        "train.steps=1000",
+        "train.progress=false",
+        f"train.hooks=[{hook}:KillRank1]",
+        f"run.dir={tmp_path / 'run'}",
+    ]
     env = {k: v for k, v in child_env(None).items() if k != "JAXPAR_DEBUG"}
     done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 128 + signal.SIGKILL, done.stdout[-2000:] + done.stderr[-2000:]
@@ -194,11 +241,14 @@ def test_jaxpar_launch_of_a_run_whose_rank_is_killed_says_so_on_stderr(tmp_path)
     assert "internal error" not in done.stderr, done.stderr[-3000:]
 
 
-@pytest.mark.parametrize("text", [
-    "INTERNAL: Gloo all-reduce failed: [external/gloo/gloo/transport/tcp/pair.cc:534] "
-    "Connection closed by peer [127.0.0.1]:40195",
-    "UNAVAILABLE: The coordination service has stopped: the heartbeat of task 1 timed out",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "INTERNAL: Gloo all-reduce failed: [external/gloo/gloo/transport/tcp/pair.cc:534] "
+        "Connection closed by peer [127.0.0.1]:40195",
+        "UNAVAILABLE: The coordination service has stopped: the heartbeat of task 1 timed out",
+    ],
+)
 def test_a_collective_failed_by_a_lost_peer_is_one_line_not_an_internal_error(text):
     """A surviving process whose collective fails because another process died says so in
     one line (exit 7), not as jaxpar's internal error with a native message."""
@@ -207,8 +257,10 @@ def test_a_collective_failed_by_a_lost_peer_is_one_line_not_an_internal_error(te
 
     status, line = failure_of(RuntimeError(text))
     assert status == PEER_LOST == 7
-    assert line.startswith("jaxpar: error: another process of this run stopped or cannot be "
-                           "reached (a collective failed: ")
+    assert line.startswith(
+        "jaxpar: error: another process of this run stopped or cannot be "
+        "reached (a collective failed: "
+    )
     assert line.endswith("run the same command to resume from the last checkpoint")
     assert "\n" not in line and len(line) < 400
     assert failure_of(RuntimeError("a model's own bug")) is None  # still an internal error
@@ -223,24 +275,37 @@ def test_one_voice_gloo_lines_and_repeated_warnings_are_muted(monkeypatch):
     from jaxpar.launch import _forward, muted
 
     # two connection lines whose pieces the runtime's threads interleaved (seen in a run)
-    gloo = ["[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected "
-            "peer ranks is : 1\n",
-            "1[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer "
-            "ranks is : 1\n",
-            " is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n"]
-    chatter = ["".join(gloo),
-               "jaxpar: warning: optim.warmup_steps=20 is not shorter than train.steps=4\n",
-               "jaxpar: note: took over the lock\n",
-               "jaxpar: error: another process of this run stopped\n",
-               "step 4/4  loss 5.1\n"]
-    for everything, expect in ((False, {0: [1, 2, 3, 4], 1: [3, 4]}),
-                               (True, {0: [0, 1, 2, 3, 4], 1: [0, 1, 2, 3, 4]})):
+    gloo = [
+        "[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected "
+        "peer ranks is : 1\n",
+        "1[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer "
+        "ranks is : 1\n",
+        " is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n",
+    ]
+    chatter = [
+        "".join(gloo),
+        "jaxpar: warning: optim.warmup_steps=20 is not shorter than train.steps=4\n",
+        "jaxpar: note: took over the lock\n",
+        "jaxpar: error: another process of this run stopped\n",
+        "step 4/4  loss 5.1\n",
+    ]
+    for everything, expect in (
+        (False, {0: [1, 2, 3, 4], 1: [3, 4]}),
+        (True, {0: [0, 1, 2, 3, 4], 1: [0, 1, 2, 3, 4]}),
+    ):
         for index in (0, 1):
             out = io.StringIO()
-            _forward(io.StringIO("".join(chatter)), f"[{index}] ", out, threading.Lock(),
-                     lambda: False, lambda line, i=index: muted(i, line, everything))
-            assert out.getvalue() == "".join(f"[{index}] {line}" for i in expect[index]
-                                             for line in chatter[i].splitlines(True))
+            _forward(
+                io.StringIO("".join(chatter)),
+                f"[{index}] ",
+                out,
+                threading.Lock(),
+                lambda: False,
+                lambda line, i=index: muted(i, line, everything),
+            )
+            assert out.getvalue() == "".join(
+                f"[{index}] {line}" for i in expect[index] for line in chatter[i].splitlines(True)
+            )
 
 
 def test_the_python_api_does_not_print_orbax_handler_warnings(caplog):
@@ -253,18 +318,25 @@ def test_the_python_api_does_not_print_orbax_handler_warnings(caplog):
 
     from jaxpar.checkpoint import _write_whole_shards_in_one_process
 
-    ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(),
-                                            override=True)
+    ocp.type_handlers.register_type_handler(
+        jax.Array, ocp.type_handlers.ArrayHandler(), override=True
+    )
     caplog.clear()  # that warning was this test's own
     with caplog.at_level(logging.WARNING):
         _write_whole_shards_in_one_process()
     assert not [r for r in caplog.records if "overriding" in r.getMessage()], caplog.text
 
 
-@pytest.mark.parametrize("env,shown", [
-    ({}, True), ({"JAXPAR_PROCESS_ID": "0"}, True), ({"JAXPAR_PROCESS_ID": "1"}, False),
-    ({"SLURM_PROCID": "3"}, False), ({"SLURM_PROCID": "3", "JAXPAR_ALL_RANKS": "1"}, True),
-])
+@pytest.mark.parametrize(
+    "env,shown",
+    [
+        ({}, True),
+        ({"JAXPAR_PROCESS_ID": "0"}, True),
+        ({"JAXPAR_PROCESS_ID": "1"}, False),
+        ({"SLURM_PROCID": "3"}, False),
+        ({"SLURM_PROCID": "3", "JAXPAR_ALL_RANKS": "1"}, True),
+    ],
+)
 def test_warnings_are_printed_by_process_0_only(env, shown, monkeypatch):
     """Under srun or jaxpar launch every process warns alike: one voice, process 0's."""
     from jaxpar.cli.failures import _warning_line
@@ -274,6 +346,4 @@ def test_warnings_are_printed_by_process_0_only(env, shown, monkeypatch):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     line = _warning_line(UserWarning("config key 'optim.momentum' has no effect"))
-    assert line == ("jaxpar: warning: config key 'optim.momentum' has no effect\n"
-                    if shown else "")
-
+    assert line == ("jaxpar: warning: config key 'optim.momentum' has no effect\n" if shown else "")

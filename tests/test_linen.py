@@ -40,21 +40,35 @@ class CNN(nn.Module):
     @nn.compact
     def __call__(self, images, train: bool):
         zeros, ones = nn.initializers.zeros_init(), nn.initializers.ones_init()
-        x = nn.Conv(16, (3, 3), kernel_init=named(None, None, "conv_in", "conv_out"),
-                    bias_init=named("conv_out", init=zeros), name="conv")(images)
-        x = nn.BatchNorm(use_running_average=not train, name="bn",
-                         scale_init=named("conv_out", init=ones),
-                         bias_init=named("conv_out", init=zeros))(x)
+        x = nn.Conv(
+            16,
+            (3, 3),
+            kernel_init=named(None, None, "conv_in", "conv_out"),
+            bias_init=named("conv_out", init=zeros),
+            name="conv",
+        )(images)
+        x = nn.BatchNorm(
+            use_running_average=not train,
+            name="bn",
+            scale_init=named("conv_out", init=ones),
+            bias_init=named("conv_out", init=zeros),
+        )(x)
         x = nn.Dropout(0.2, deterministic=not train, name="drop")(nn.relu(x))
-        x = nn.Dense(64, kernel_init=named("embed", "mlp"), bias_init=named("mlp", init=zeros),
-                     name="hidden")(x.reshape(x.shape[0], -1))
-        return nn.Dense(4, kernel_init=named("mlp", "classes"),
-                        bias_init=named("classes", init=zeros), name="out")(nn.relu(x))
+        x = nn.Dense(
+            64, kernel_init=named("embed", "mlp"), bias_init=named("mlp", init=zeros), name="hidden"
+        )(x.reshape(x.shape[0], -1))
+        return nn.Dense(
+            4,
+            kernel_init=named("mlp", "classes"),
+            bias_init=named("classes", init=zeros),
+            name="out",
+        )(nn.relu(x))
 
 
 EXAMPLE = np.zeros((1, 8, 8, 1), np.float32)
 TASK = dataclasses.replace(  # the NNX example's loss, data and optimizer
-    NNX_TASK, model_fn=lambda rngs: jaxpar.Linen(CNN(), EXAMPLE, rngs=rngs), name="linen_cnn")
+    NNX_TASK, model_fn=lambda rngs: jaxpar.Linen(CNN(), EXAMPLE, rngs=rngs), name="linen_cnn"
+)
 STEPS = 3
 
 _trained = {}
@@ -63,16 +77,21 @@ _trained = {}
 def trained(layout):
     """(run, losses, state) after STEPS SGD steps on ``layout`` ("one": one device)."""
     if layout not in _trained:
-        run = (research_run(["mesh.data=1"], devices=1, task=TASK) if layout == "one"
-               else research_run(LAYOUTS[layout], task=TASK))
+        run = (
+            research_run(["mesh.data=1"], devices=1, task=TASK)
+            if layout == "one"
+            else research_run(LAYOUTS[layout], task=TASK)
+        )
         _trained[layout] = (run, *train_steps(run, STEPS))
     return _trained[layout]
 
 
 def linen_variables(model):
     """The model's variables as the Linen module's ``apply`` takes them."""
-    return {name: nnx.to_pure_dict(nnx.state(model, kind)).get("linen", {})
-            for name, kind in (("params", nnx.Param), ("batch_stats", nnx.BatchStat))}
+    return {
+        name: nnx.to_pure_dict(nnx.state(model, kind)).get("linen", {})
+        for name, kind in (("params", nnx.Param), ("batch_stats", nnx.BatchStat))
+    }
 
 
 def test_model_train_and_eval_reach_the_linen_module():
@@ -82,8 +101,9 @@ def test_model_train_and_eval_reach_the_linen_module():
     with nnx.use_eager_sharding(False):
         model = jaxpar.Linen(CNN(), EXAMPLE, rngs=nnx.Rngs(0))
     before = linen_variables(model)
-    count = lambda: int(nnx.state(model, nnx.RngCount)["linen"]["to_nnx__rngs"]["default"]
-                        ["count"][...])
+    count = lambda: int(
+        nnx.state(model, nnx.RngCount)["linen"]["to_nnx__rngs"]["default"]["count"][...]
+    )
     assert count() == 1  # lazy_init drew once
     model.eval()
     evaluated = model(images)
@@ -91,20 +111,27 @@ def test_model_train_and_eval_reach_the_linen_module():
     assert count() == 1
     model.train()
     first = model(images)
-    _, updates = CNN().apply(before, images, train=True, rngs={"dropout": jax.random.key(0)},
-                             mutable=["batch_stats"])
+    _, updates = CNN().apply(
+        before, images, train=True, rngs={"dropout": jax.random.key(0)}, mutable=["batch_stats"]
+    )
     for key in ("mean", "var"):
-        np.testing.assert_allclose(linen_variables(model)["batch_stats"]["bn"][key],
-                                   updates["batch_stats"]["bn"][key], rtol=1e-6, err_msg=key)
-    assert not np.allclose(before["batch_stats"]["bn"]["mean"],
-                           updates["batch_stats"]["bn"]["mean"])
+        np.testing.assert_allclose(
+            linen_variables(model)["batch_stats"]["bn"][key],
+            updates["batch_stats"]["bn"][key],
+            rtol=1e-6,
+            err_msg=key,
+        )
+    assert not np.allclose(
+        before["batch_stats"]["bn"]["mean"], updates["batch_stats"]["bn"]["mean"]
+    )
     second = model(images)
     assert count() == 3
     assert not np.allclose(first, evaluated) and not np.allclose(first, second)
 
 
-@pytest.mark.parametrize("layout", grid([pytest.param(x, id=x) for x in LAYOUTS],
-                                        {"data=8", "data=2,fsdp=2,tensor=2"}))
+@pytest.mark.parametrize(
+    "layout", grid([pytest.param(x, id=x) for x in LAYOUTS], {"data=8", "data=2,fsdp=2,tensor=2"})
+)
 def test_linen_cnn_matches_one_device(layout):
     """Losses, parameters, BatchNorm statistics and the RNG state after 3 SGD steps equal
     the one-device run's."""
@@ -114,8 +141,9 @@ def test_linen_cnn_matches_one_device(layout):
     assert_params_close(host(state.params), host(ref.params))
     got, want = host(state.model_state)["linen"], host(ref.model_state)["linen"]
     for key in ("mean", "var"):
-        np.testing.assert_allclose(got["bn"][key], want["bn"][key], rtol=1e-5, atol=1e-6,
-                                   err_msg=key)
+        np.testing.assert_allclose(
+            got["bn"][key], want["bn"][key], rtol=1e-5, atol=1e-6, err_msg=key
+        )
     assert not np.allclose(got["bn"]["mean"], 0.0), "the running mean never moved"
     rngs, ref_rngs = got["to_nnx__rngs"]["default"], want["to_nnx__rngs"]["default"]
     np.testing.assert_array_equal(rngs["key"], ref_rngs["key"])
@@ -148,13 +176,21 @@ def test_eval_uses_running_averages_and_no_dropout():
     assert abs(float(in_training) - loss) > 1e-3
 
 
-SHORT = ["train.batch_size=16", "train.log_every=1", "train.eval_every=0",
-         "train.progress=false", "checkpoint.every_steps=2"]
+SHORT = [
+    "train.batch_size=16",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.progress=false",
+    "checkpoint.every_steps=2",
+]
 
 
 def _train(run_dir, steps):
-    jaxpar.train(load_config([], [*SHORT, f"train.steps={steps}", f"run.dir={run_dir}"]),
-                 task=TASK, echo=False)
+    jaxpar.train(
+        load_config([], [*SHORT, f"train.steps={steps}", f"run.dir={run_dir}"]),
+        task=TASK,
+        echo=False,
+    )
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [(r["step"], r["loss"]) for r in rows if "loss" in r]
 
@@ -213,26 +249,33 @@ def _refused(model_fn):
 
 def test_misuse_is_a_one_line_error_naming_the_fix():
     err = _refused(lambda rngs: jaxpar.Linen(Frozen(), EXAMPLE, rngs=rngs))
-    assert ("jaxpar.Linen(Frozen): BatchNorm 'BatchNorm_0' stays in training mode under "
-            "model.eval(); give Frozen.__call__ a `train: bool` argument and build the layer "
-            "with use_running_average=not train") in err
+    assert (
+        "jaxpar.Linen(Frozen): BatchNorm 'BatchNorm_0' stays in training mode under "
+        "model.eval(); give Frozen.__call__ a `train: bool` argument and build the layer "
+        "with use_running_average=not train"
+    ) in err
     assert "needs example inputs" in _refused(lambda rngs: jaxpar.Linen(CNN(), rngs=rngs))
     assert _refused(lambda rngs: CNN()).endswith(
         "model_fn returned a CNN, not a flax.nnx.Module; wrap the Linen module: "
-        "jaxpar.Linen(CNN(...), example_input, rngs=rngs)")
+        "jaxpar.Linen(CNN(...), example_input, rngs=rngs)"
+    )
     with nnx.use_eager_sharding(False):
         model = jaxpar.Linen(CNN(), EXAMPLE, rngs=nnx.Rngs(0))
-    with pytest.raises(jaxpar.TaskError, match=r"^jaxpar.Linen sets train itself from "
-                                               r"model.train\(\)/model.eval\(\); call the "
-                                               r"model without it$"):
+    with pytest.raises(
+        jaxpar.TaskError,
+        match=r"^jaxpar.Linen sets train itself from "
+        r"model.train\(\)/model.eval\(\); call the "
+        r"model without it$",
+    ):
         model(EXAMPLE, train=True)
 
 
 def test_a_mode_argument_of_another_name():
     """`mode=` names the call's mode argument: eval() then gives inference=True."""
     x = np.ones((2, 3), np.float32)
-    model = jaxpar.Linen(Inference(), x, rngs=nnx.Rngs(0),
-                         mode=lambda train: {"inference": not train})
+    model = jaxpar.Linen(
+        Inference(), x, rngs=nnx.Rngs(0), mode=lambda train: {"inference": not train}
+    )
     model.eval()
     expected = Inference().apply(linen_variables(model), x, inference=True)
     np.testing.assert_array_equal(model(x), expected)

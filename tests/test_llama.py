@@ -21,24 +21,46 @@ from tests.helpers import (
     run_steps,
 )
 
-LLAMA = ["model.name=llama", "model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2",
-         "model.d_ff=48", "model.n_layers=4", "model.max_seq_len=16", "data.seq_len=16",
-         "train.batch_size=16", "optim.name=adamw", "optim.lr=3e-3", "optim.warmup_steps=0",
-         "optim.weight_decay=0.1", "optim.clip_norm=1.0"]
+LLAMA = [
+    "model.name=llama",
+    "model.d_model=32",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.d_ff=48",
+    "model.n_layers=4",
+    "model.max_seq_len=16",
+    "data.seq_len=16",
+    "train.batch_size=16",
+    "optim.name=adamw",
+    "optim.lr=3e-3",
+    "optim.warmup_steps=0",
+    "optim.weight_decay=0.1",
+    "optim.clip_norm=1.0",
+]
 STAGES = ["pipeline.microbatches=4"]
 
 
-@pytest.mark.parametrize("layout", grid([
-    pytest.param(["mesh.data=8"], id="data8"),
-    pytest.param(["mesh.data=1", "mesh.fsdp=8"], id="fsdp8"),
-    pytest.param(["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], id="data2-fsdp2-tensor2"),
-    pytest.param(["mesh.data=2", "mesh.stage=2", "mesh.tensor=2", "pipeline.executor=spmd",
-                  *STAGES], id="stage2-spmd-tensor2"),
-    pytest.param(["mesh.data=4", "mesh.stage=2", "pipeline.executor=mpmd", *STAGES],
-                 id="stage2-mpmd"),
-    pytest.param(["mesh.data=2", "mesh.context=4", "context.attention=ring"],
-                 id="context4-ring"),
-], {"data2-fsdp2-tensor2", "stage2-mpmd", "context4-ring"}))
+@pytest.mark.parametrize(
+    "layout",
+    grid(
+        [
+            pytest.param(["mesh.data=8"], id="data8"),
+            pytest.param(["mesh.data=1", "mesh.fsdp=8"], id="fsdp8"),
+            pytest.param(["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], id="data2-fsdp2-tensor2"),
+            pytest.param(
+                ["mesh.data=2", "mesh.stage=2", "mesh.tensor=2", "pipeline.executor=spmd", *STAGES],
+                id="stage2-spmd-tensor2",
+            ),
+            pytest.param(
+                ["mesh.data=4", "mesh.stage=2", "pipeline.executor=mpmd", *STAGES], id="stage2-mpmd"
+            ),
+            pytest.param(
+                ["mesh.data=2", "mesh.context=4", "context.attention=ring"], id="context4-ring"
+            ),
+        ],
+        {"data2-fsdp2-tensor2", "stage2-mpmd", "context4-ring"},
+    ),
+)
 def test_llama_layouts_equal_one_device(layout):
     """Losses of 3 AdamW steps and the final parameters equal one device's (with a
     pipeline: one device accumulating the same 4 microbatches)."""
@@ -53,8 +75,11 @@ def test_more_tensor_devices_than_key_value_heads():
     """``tensor=4`` over 2 key/value heads: they cannot split 4 ways, so a warning says
     every device of the tensor group holds both; the query heads still split; the numbers
     equal one device's."""
-    with pytest.warns(UserWarning, match=r"rules.kv_heads=tensor: 2 kv_heads of 'blocks/wk' "
-                                         r"do not split 4 ways, so they are not sharded"):
+    with pytest.warns(
+        UserWarning,
+        match=r"rules.kv_heads=tensor: 2 kv_heads of 'blocks/wk' "
+        r"do not split 4 ways, so they are not sharded",
+    ):
         losses, params, run = run_steps([*LLAMA, "mesh.data=2", "mesh.tensor=4"])
     specs = run.plan.param_specs["blocks"]
     assert specs["wk"] == jax.sharding.PartitionSpec(None, None, None, None)
@@ -68,13 +93,19 @@ def test_more_tensor_devices_than_key_value_heads():
 def test_decode_with_cache_matches_forward(kv_heads):
     """A prompt, then one token at a time through the KV cache: the logits of the full
     forward pass (grouped-query attention with 1, 2 and 4 key/value heads)."""
-    cfg = LlamaConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=kv_heads, d_ff=48,
-                      max_seq_len=16, rope_theta=500000.0)
+    cfg = LlamaConfig(
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=kv_heads,
+        d_ff=48,
+        max_seq_len=16,
+        rope_theta=500000.0,
+    )
     with nnx.use_eager_sharding(False):
         model = Llama(cfg, rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 10), 0, 256)
-    np.testing.assert_allclose(decode_stepwise(model, tokens, 6), jax.jit(model)(tokens),
-                               atol=1e-5)
+    np.testing.assert_allclose(decode_stepwise(model, tokens, 6), jax.jit(model)(tokens), atol=1e-5)
 
 
 def test_counts_match_the_compiled_program():
@@ -85,10 +116,14 @@ def test_counts_match_the_compiled_program():
     from jaxpar import hlo
     from jaxpar.plan import global_batch_shapes
 
-    variants = (["model.tie_embeddings=false"], ["model.tie_embeddings=true"],
-                # Qwen2's biases; Qwen3's norms and own head dim; Mistral's window
-                ["model.qkv_bias=true"], ["model.qk_norm=true", "model.head_size=16"],
-                ["model.sliding_window=4"])
+    variants = (
+        ["model.tie_embeddings=false"],
+        ["model.tie_embeddings=true"],
+        # Qwen2's biases; Qwen3's norms and own head dim; Mistral's window
+        ["model.qkv_bias=true"],
+        ["model.qk_norm=true", "model.head_size=16"],
+        ["model.sliding_window=4"],
+    )
     for variant in variants:
         run = jaxpar.build(jaxpar.load_config([], [*LLAMA, "mesh.data=8", *variant]))
         counts = run.family.counts(run.config.model, run.data)
@@ -103,8 +138,11 @@ def test_bad_shapes_are_one_line():
         jaxpar.load_config([], ["model.name=llama", "model.n_kv_heads=3"])
     with pytest.raises(ConfigError, match=r"d_model=30 is not divisible by model.n_heads=4"):
         jaxpar.load_config([], ["model.name=llama", "model.d_model=30"])
-    with pytest.raises(ConfigError, match=r"model.rope_factor=8.0 has no effect with "
-                                          r"model.rope_type=default"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model.rope_factor=8.0 has no effect with "
+        r"model.rope_type=default",
+    ):
         jaxpar.load_config([], ["model.name=llama", "model.rope_factor=8"])
 
 

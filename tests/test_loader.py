@@ -72,8 +72,12 @@ def test_remainder_of_each_epoch_is_dropped():
     # 27 items, B=8: 3 batches per epoch; each epoch's last 3 positions are skipped.
     loader = Loader(windows(27), global_batch_size=8, seed=0, shuffle=False)
     assert loader.steps_per_epoch == 3
-    assert take(loader, 4) == [list(range(8)), list(range(8, 16)), list(range(16, 24)),
-                               list(range(8))]
+    assert take(loader, 4) == [
+        list(range(8)),
+        list(range(8, 16)),
+        list(range(16, 24)),
+        list(range(8)),
+    ]
     shuffled = Loader(windows(27), global_batch_size=8, seed=0)
     for _ in range(4):
         epoch = flat(take(shuffled, 3))
@@ -87,13 +91,15 @@ def test_remainder_of_each_epoch_is_dropped():
 def test_process_shares_concatenate_to_the_single_process_batch(count):
     src, steps = windows(26), 6  # 3 batches of 8 per epoch, 2 epochs, remainder 2
     whole = take(Loader(src, global_batch_size=8, seed=5), steps)
-    shares = [take(Loader(src, global_batch_size=8, seed=5, process_index=p, process_count=count),
-                   steps) for p in range(count)]
+    shares = [
+        take(Loader(src, global_batch_size=8, seed=5, process_index=p, process_count=count), steps)
+        for p in range(count)
+    ]
     for step in range(steps):
         assert all(len(s[step]) == 8 // count for s in shares)
         assert flat(s[step] for s in shares) == whole[step]
     for epoch in range(2):
-        per_process = [set(flat(s[3 * epoch:3 * epoch + 3])) for s in shares]
+        per_process = [set(flat(s[3 * epoch : 3 * epoch + 3])) for s in shares]
         assert sum(len(s) for s in per_process) == 24
         assert len(set().union(*per_process)) == 24  # disjoint, and 24 of 26 covered
     # The other seed really does differ, so the equalities above are not vacuous.
@@ -103,18 +109,33 @@ def test_process_shares_concatenate_to_the_single_process_batch(count):
 def test_a_process_fetches_only_its_rows():
     src, count, index = windows(64), 4, 1
     global_ids = take(Loader(src, global_batch_size=8, seed=2), 8)  # all of epoch 0
-    mine = {i for b in global_ids for i in b[2 * index:2 * index + 2]}
+    mine = {i for b in global_ids for i in b[2 * index : 2 * index + 2]}
 
     exact = Recording(src)  # no read-ahead: fetched is exactly what was returned
-    loader = Loader(exact, global_batch_size=8, seed=2, process_index=index,
-                    process_count=count, threads=0, prefetch=0)
+    loader = Loader(
+        exact,
+        global_batch_size=8,
+        seed=2,
+        process_index=index,
+        process_count=count,
+        threads=0,
+        prefetch=0,
+    )
     got = take(loader, 3)
     assert sorted(exact.fetched) == sorted(flat(got))
-    assert got == [b[2 * index:2 * index + 2] for b in global_ids[:3]]
+    assert got == [b[2 * index : 2 * index + 2] for b in global_ids[:3]]
 
     ahead = Recording(src)  # with read-ahead: more is fetched, but only this process's rows
-    with Loader(ahead, global_batch_size=8, seed=2, process_index=index, process_count=count,
-                num_epochs=1, threads=2, prefetch=4) as loader:
+    with Loader(
+        ahead,
+        global_batch_size=8,
+        seed=2,
+        process_index=index,
+        process_count=count,
+        num_epochs=1,
+        threads=2,
+        prefetch=4,
+    ) as loader:
         take(loader, 3)
         deadline = time.monotonic() + 5.0
         while len(ahead.fetched) <= 6 and time.monotonic() < deadline:
@@ -129,8 +150,14 @@ def test_a_process_fetches_only_its_rows():
 @pytest.mark.parametrize("threads,prefetch", [(0, 0), (2, 4)])
 @pytest.mark.parametrize("k", [2, 3, 4])  # 3 batches per epoch: before, at and after a boundary
 def test_restored_state_continues_the_stream(k, threads, prefetch):
-    kw = {"global_batch_size": 4, "seed": 7, "process_index": 1, "process_count": 2,
-          "threads": threads, "prefetch": prefetch}
+    kw = {
+        "global_batch_size": 4,
+        "seed": 7,
+        "process_index": 1,
+        "process_count": 2,
+        "threads": threads,
+        "prefetch": prefetch,
+    }
     src = windows(14)
     reference = take(Loader(src, **kw), k + 4)
     first = Loader(src, **kw)
@@ -183,8 +210,9 @@ def test_state_from_another_sequence_is_refused():
     with pytest.raises(ValueError, match=r"num_items: saved 16, here 12"):
         Loader(windows(12), global_batch_size=8, seed=0, process_count=2).set_state(state)
     # Other threads/epochs/process counts restore fine.
-    Loader(src, global_batch_size=8, seed=0, process_count=4, threads=0,
-           num_epochs=3).set_state(state)
+    Loader(src, global_batch_size=8, seed=0, process_count=4, threads=0, num_epochs=3).set_state(
+        state
+    )
 
 
 @pytest.mark.slow  # ~6 s on 2 cores: each grain worker is a spawned interpreter importing jax
@@ -231,7 +259,7 @@ def test_token_windows_are_slices_sharing_one_boundary_token(tmp_path):
         lo = 100 + 16 * i
         window = src[i]["tokens"]
         assert window.dtype == np.int32
-        np.testing.assert_array_equal(window, tokens[lo:lo + 17].astype(np.int32))
+        np.testing.assert_array_equal(window, tokens[lo : lo + 17].astype(np.int32))
     assert window.max() > 255  # uint16 values survive the widening
     np.testing.assert_array_equal(src[0]["tokens"][-1], src[1]["tokens"][0])
     with pytest.raises(IndexError):

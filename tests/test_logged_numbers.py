@@ -44,11 +44,25 @@ def _data(step, batch):
 def test_the_last_step_time_is_measured_over_its_step(tmp_path):
     """The last row once came ~1000× too fast: the checkpoint after the last step waited
     for the step and that wait was left out of the step's time as checkpoint time."""
-    task = jaxpar.Task(_Tower, _loss, {"x": ("batch", None)}, data=_data, name="tower",
-                       path_rules=(("w", (None, None)),))
-    config = load_config([], ["train.steps=6", "train.log_every=1", "train.batch_size=64",
-                              "run.devices=1", "optim.warmup_steps=0",
-                              f"run.dir={tmp_path / 'run'}"])
+    task = jaxpar.Task(
+        _Tower,
+        _loss,
+        {"x": ("batch", None)},
+        data=_data,
+        name="tower",
+        path_rules=(("w", (None, None)),),
+    )
+    config = load_config(
+        [],
+        [
+            "train.steps=6",
+            "train.log_every=1",
+            "train.batch_size=64",
+            "run.devices=1",
+            "optim.warmup_steps=0",
+            f"run.dir={tmp_path / 'run'}",
+        ],
+    )
     rows = jaxpar.train(config, task=task, echo=False).train_rows
     assert [r["step"] for r in rows] == list(range(1, 7))
     typical = statistics.median(r["step_time_s"] for r in rows[1:-1])  # the first compiles
@@ -76,8 +90,7 @@ def test_a_family_task_with_its_own_data_warns_only_of_keys_without_effect():
 
     task = dataclasses.replace(jaxpar.task_for(config), data=data)
     assert _no_effect(config, task) == []
-    held_out = dataclasses.replace(config, data=dataclasses.replace(config.data,
-                                                                    eval_fraction=0.2))
+    held_out = dataclasses.replace(config, data=dataclasses.replace(config.data, eval_fraction=0.2))
     found = _no_effect(held_out, task)
     assert len(found) == 1 and "'data.eval_fraction'" in found[0], found
 
@@ -104,7 +117,12 @@ SCRIPT = textwrap.dedent("""
 def test_train_with_fewer_devices_keeps_the_count_a_script_set(tmp_path):
     """``setup_devices(8)`` then ``train(run.devices=1)`` once left the process one device,
     so the script's later layouts failed asking for ``setup_devices``."""
-    out = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "run")],
-                         env=child_env(None), capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path / "run")],
+        env=child_env(None),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-2:] == ["devices", "8"]

@@ -34,8 +34,14 @@ tokenizers = pytest.importorskip("tokenizers")
 ONE = ["run.devices=1", "mesh.data=1"]
 SPREAD = ["run.devices=8", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
 DATA = ["data.seq_len=16", "train.batch_size=8"]
-TEXT = " ".join(["the quick brown fox jumps over the lazy dog;",
-                 "a stitch in time saves nine, they say.", "hello world, the end."] * 60)
+TEXT = " ".join(
+    [
+        "the quick brown fox jumps over the lazy dog;",
+        "a stitch in time saves nine, they say.",
+        "hello world, the end.",
+    ]
+    * 60
+)
 PROMPT = "the quick brown"
 
 
@@ -47,22 +53,33 @@ def _tokenizer(bos: bool = False):
     tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator([TEXT], trainer)
     if bos:
         tok.add_special_tokens(["<s>"])
         tok.post_processor = processors.TemplateProcessing(
-            single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+            single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+        )
     return tok
 
 
 def _save_model(folder) -> None:
     """A tiny Qwen3 (vocab 320 > the tokenizer's 300) with every weight perturbed."""
     config = transformers.Qwen3Config(
-        vocab_size=320, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+        vocab_size=320,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
@@ -73,8 +90,10 @@ def _save_model(folder) -> None:
 
 def _files(path) -> dict[str, tuple[int, int]]:
     """Every file below ``path`` with its size and modification time."""
-    return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in sorted(path.rglob("*"))}
+    return {
+        str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in sorted(path.rglob("*"))
+    }
 
 
 @pytest.fixture(scope="module")
@@ -87,11 +106,14 @@ def root(tmp_path_factory):
     for name, bos in (("folder", False), ("bos", True)):
         shutil.copytree(root / "bare", root / name)
         transformers.PreTrainedTokenizerFast(
-            tokenizer_object=_tokenizer(bos), eos_token="<|endoftext|>",
-            bos_token="<s>" if bos else None).save_pretrained(root / name)
+            tokenizer_object=_tokenizer(bos),
+            eos_token="<|endoftext|>",
+            bos_token="<s>" if bos else None,
+        ).save_pretrained(root / name)
     (root / "text.txt").write_text(TEXT)
-    prepare_data([str(root / "text.txt")], str(root / "text.tokens"),
-                 str(root / "folder" / "tokenizer.json"))
+    prepare_data(
+        [str(root / "text.txt")], str(root / "text.tokens"), str(root / "folder" / "tokenizer.json")
+    )
     return root
 
 
@@ -99,11 +121,24 @@ def root(tmp_path_factory):
 def run_dir(root):
     """One step of fine-tuning the folder on the token file, on one device."""
     path = root / "run"
-    train(load_config([], [f"model.init_from={root / 'folder'}", *DATA, *ONE,
-                           f"data.path={root / 'text.tokens'}", "train.steps=1",
-                           "optim.warmup_steps=0",
-                           "train.eval_every=0", "train.progress=false",
-                           "checkpoint.async_save=false", f"run.dir={path}"]), echo=False)
+    train(
+        load_config(
+            [],
+            [
+                f"model.init_from={root / 'folder'}",
+                *DATA,
+                *ONE,
+                f"data.path={root / 'text.tokens'}",
+                "train.steps=1",
+                "optim.warmup_steps=0",
+                "train.eval_every=0",
+                "train.progress=false",
+                "checkpoint.async_save=false",
+                f"run.dir={path}",
+            ],
+        ),
+        echo=False,
+    )
     return path
 
 
@@ -123,24 +158,58 @@ def test_greedy_tokens_of_a_folder_are_transformers_greedy_decoding(root, name):
     model = _hf_model(folder)
     model.generation_config.eos_token_id = None  # generate all 20, as jaxpar does
     with torch.no_grad():
-        expected = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=20,
-                                  pad_token_id=0)[0, len(ids):].numpy()
+        expected = model.generate(
+            torch.tensor([ids]), do_sample=False, max_new_tokens=20, pad_token_id=0
+        )[0, len(ids) :].numpy()
     np.testing.assert_array_equal(out.tokens[0], expected)
     assert out.step is None and out.texts[0] == tokenizers.Tokenizer.from_file(
-        str(folder / "tokenizer.json")).decode(expected.tolist(), skip_special_tokens=False)
+        str(folder / "tokenizer.json")
+    ).decode(expected.tolist(), skip_special_tokens=False)
     assert _files(folder) == before
 
 
 def test_sample_command_of_a_folder_prints_text_and_ids(root, capsys):
     folder, bare = root / "folder", root / "bare"
-    assert main(["sample", str(folder), "--prompt", PROMPT, "--tokens", "5",
-                 "--temperature", "0", "--devices", "1", "mesh.data=1"]) == 0
+    assert (
+        main(
+            [
+                "sample",
+                str(folder),
+                "--prompt",
+                PROMPT,
+                "--tokens",
+                "5",
+                "--temperature",
+                "0",
+                "--devices",
+                "1",
+                "mesh.data=1",
+            ]
+        )
+        == 0
+    )
     out, err = capsys.readouterr()
     text = sample(folder, PROMPT, tokens=5, temperature=0, overrides=ONE).texts[0]
     assert out == PROMPT + text + "\n" and str(folder) in err
     ids = sample(folder, prompt_ids=[5, 6, 7], tokens=5, temperature=0, overrides=ONE)
-    assert main(["sample", str(bare), "--prompt-ids", "5,6,7", "--tokens", "5",
-                 "--temperature", "0", "--devices", "1", "mesh.data=1"]) == 0
+    assert (
+        main(
+            [
+                "sample",
+                str(bare),
+                "--prompt-ids",
+                "5,6,7",
+                "--tokens",
+                "5",
+                "--temperature",
+                "0",
+                "--devices",
+                "1",
+                "mesh.data=1",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert out == ",".join(str(t) for t in [5, 6, 7, *ids.tokens[0]]) + "\n"
 
@@ -155,22 +224,31 @@ def _one_line_error(capsys, argv, *expected):
 
 def test_look_errors_are_one_line(root, tmp_path, capsys):
     bare = str(root / "bare")
-    _one_line_error(capsys, ["sample", bare, "--prompt", "a", *ONE], "no tokenizer.json",
-                    "--prompt-ids 1,2,3")
-    _one_line_error(capsys, ["sample", str(tmp_path), "--prompt", "a"], "no config.yaml",
-                    "no config.json", "Hugging Face folder")
+    _one_line_error(
+        capsys, ["sample", bare, "--prompt", "a", *ONE], "no tokenizer.json", "--prompt-ids 1,2,3"
+    )
+    _one_line_error(
+        capsys,
+        ["sample", str(tmp_path), "--prompt", "a"],
+        "no config.yaml",
+        "no config.json",
+        "Hugging Face folder",
+    )
     _one_line_error(capsys, ["eval", str(tmp_path)], "no config.yaml", "no config.json")
     _one_line_error(capsys, ["eval", bare, *ONE], "needs data", "data.path=")
-    _one_line_error(capsys, ["eval", str(root / "folder"), *ONE,
-                             f"data.path={root / 'text.txt'}"], "not a token file",
-                    "prepare-data")
-    _one_line_error(capsys, ["sample", bare, "--prompt-ids", "5,999", *ONE], "999",
-                    "below 320")
+    _one_line_error(
+        capsys,
+        ["eval", str(root / "folder"), *ONE, f"data.path={root / 'text.txt'}"],
+        "not a token file",
+        "prepare-data",
+    )
+    _one_line_error(capsys, ["sample", bare, "--prompt-ids", "5,999", *ONE], "999", "below 320")
     with pytest.raises(SystemExit) as exit_:
         main(["sample", bare, "--prompt-ids", "5,x"])
     assert exit_.value.code == 2 and "token ids separated by commas" in capsys.readouterr().err
-    _one_line_error(capsys, ["sample", bare, "--prompt-ids", "5", "--step", "1", *ONE],
-                    "drop --step")
+    _one_line_error(
+        capsys, ["sample", bare, "--prompt-ids", "5", "--step", "1", *ONE], "drop --step"
+    )
 
 
 # ---- eval -----------------------------------------------------------------------------------
@@ -198,22 +276,22 @@ def test_eval_of_a_folder_is_the_training_step_loss(root, layout):
 def test_eval_of_a_folder_is_transformers_loss(root):
     """An outside reference: transformers' mean next-token cross entropy of the batch."""
     folder = root / "folder"
-    config = load_config([], [f"model.init_from={folder}", *DATA, *ONE,
-                              f"data.path={root / 'text.tokens'}"])
+    config = load_config(
+        [], [f"model.init_from={folder}", *DATA, *ONE, f"data.path={root / 'text.tokens'}"]
+    )
     tokens = build(config).data.batch(0, 8, "eval")["tokens"]
     with torch.no_grad():
         logits = _hf_model(folder)(torch.tensor(tokens[:, :-1], dtype=torch.long)).logits
         expected = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), torch.tensor(tokens[:, 1:]).reshape(-1).long())
-    got = evaluate_model(folder, [*DATA, *ONE, f"data.path={root / 'text.tokens'}"],
-                         batches=1)
+            logits.reshape(-1, logits.shape[-1]), torch.tensor(tokens[:, 1:]).reshape(-1).long()
+        )
+    got = evaluate_model(folder, [*DATA, *ONE, f"data.path={root / 'text.tokens'}"], batches=1)
     np.testing.assert_allclose(got.loss, float(expected), rtol=1e-5)
 
 
 def test_eval_warns_of_a_token_file_made_with_another_tokenizer(root):
     with pytest.warns(UserWarning, match="made with tokenizer .* not .*bos/tokenizer.json"):
-        evaluate_model(root / "bos", [*DATA, *ONE, f"data.path={root / 'text.tokens'}"],
-                       batches=1)
+        evaluate_model(root / "bos", [*DATA, *ONE, f"data.path={root / 'text.tokens'}"], batches=1)
 
 
 @pytest.mark.parametrize("layout", [ONE, SPREAD], ids=["one-device", "data2-fsdp2-tensor2"])
@@ -231,8 +309,10 @@ def test_eval_command_prints_one_line_and_json(run_dir, capsys):
     line = capsys.readouterr().out
     assert line.count("\n") == 1 and line.startswith(f"eval of step 1 of {run_dir}: loss ")
     assert "perplexity" in line and "2 batches of 8 × 16 tokens" in line
-    assert main(["eval", str(run_dir), "--batches", "2", "--json", "--devices", "1",
-                 "mesh.data=1"]) == 0
+    assert (
+        main(["eval", str(run_dir), "--batches", "2", "--json", "--devices", "1", "mesh.data=1"])
+        == 0
+    )
     got = json.loads(capsys.readouterr().out)
     assert got["batches"] == 2 and got["perplexity"] == pytest.approx(math.exp(got["loss"]))
 
@@ -240,8 +320,22 @@ def test_eval_command_prints_one_line_and_json(run_dir, capsys):
 # ---- the tokenizer travels ------------------------------------------------------------------
 def test_export_carries_the_tokenizer(run_dir, tmp_path, capsys):
     out = tmp_path / "hf"
-    assert main(["export", str(run_dir), "--format", "hf", "--out", str(out),
-                 "--devices", "1", "mesh.data=1"]) == 0
+    assert (
+        main(
+            [
+                "export",
+                str(run_dir),
+                "--format",
+                "hf",
+                "--out",
+                str(out),
+                "--devices",
+                "1",
+                "mesh.data=1",
+            ]
+        )
+        == 0
+    )
     assert "Qwen3ForCausalLM" in (message := capsys.readouterr().out)
     assert "tokenizer.json" in message
     tok = transformers.AutoTokenizer.from_pretrained(out)
@@ -251,11 +345,25 @@ def test_export_carries_the_tokenizer(run_dir, tmp_path, capsys):
     assert type(model).__name__ == "Qwen3ForCausalLM"
 
 
-def test_a_byte_level_export_writes_no_tokenizer_and_says_so(run_dir, root, tmp_path,
-                                                             capsys):
+def test_a_byte_level_export_writes_no_tokenizer_and_says_so(run_dir, root, tmp_path, capsys):
     out = tmp_path / "hf"
-    assert main(["export", str(run_dir), f"data.path={root / 'text.txt'}", "--format", "hf",
-                 "--out", str(out), "--devices", "1", "mesh.data=1"]) == 0
+    assert (
+        main(
+            [
+                "export",
+                str(run_dir),
+                f"data.path={root / 'text.txt'}",
+                "--format",
+                "hf",
+                "--out",
+                str(out),
+                "--devices",
+                "1",
+                "mesh.data=1",
+            ]
+        )
+        == 0
+    )
     assert "no tokenizer written" in capsys.readouterr().out
     assert not (out / "tokenizer.json").exists() and (out / "config.json").exists()
 
@@ -267,8 +375,11 @@ def test_the_docs_sample_and_eval_commands_parse():
     from jaxpar.cli.parser import parse
 
     page = (Path(__file__).resolve().parent.parent / "docs" / "commands.md").read_text()
-    lines = [line.strip() for line in page.splitlines()
-             if line.startswith(("    jaxpar sample ", "    jaxpar eval "))]
+    lines = [
+        line.strip()
+        for line in page.splitlines()
+        if line.startswith(("    jaxpar sample ", "    jaxpar eval "))
+    ]
     assert len(lines) >= 4
     for line in lines:
         args = parse(shlex.split(line)[1:])

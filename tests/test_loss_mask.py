@@ -30,15 +30,18 @@ T, B = 32, 8
 def _records(tmp: str) -> str:
     """Prompt/completion records of 3 to 20 letters each, byte-tokenized with a mask."""
     rng = np.random.default_rng(0)
+
     def word() -> str:
         return "".join(chr(97 + c) for c in rng.integers(0, 26, rng.integers(3, 20)))
 
     path = Path(tmp) / "sft.jsonl"
-    path.write_text("".join(json.dumps({"q": word() + "?", "a": " " + word()}) + "\n"
-                            for _ in range(300)))
+    path.write_text(
+        "".join(json.dumps({"q": word() + "?", "a": " " + word()}) + "\n" for _ in range(300))
+    )
     out = Path(tmp) / "sft.tokens"
-    prepare_records([path], out, "byte", layout="prompt_completion",
-                    keys=Keys(prompt="q", completion="a"))
+    prepare_records(
+        [path], out, "byte", layout="prompt_completion", keys=Keys(prompt="q", completion="a")
+    )
     return str(out)
 
 
@@ -48,17 +51,28 @@ def tokens(tmp_path_factory) -> str:
 
 
 def _run(path: str, extra: list[str], devices: int = 8):
-    overrides = ["model.d_model=16", "model.n_heads=2", "model.d_ff=32", "model.n_layers=2",
-                 f"model.max_seq_len={T}", f"data.seq_len={T}", f"train.batch_size={B}",
-                 f"data.path={path}", "optim.warmup_steps=0", *extra, "train.steps=1",
-                 f"run.devices={devices}"]
+    overrides = [
+        "model.d_model=16",
+        "model.n_heads=2",
+        "model.d_ff=32",
+        "model.n_layers=2",
+        f"model.max_seq_len={T}",
+        f"data.seq_len={T}",
+        f"train.batch_size={B}",
+        f"data.path={path}",
+        "optim.warmup_steps=0",
+        *extra,
+        "train.steps=1",
+        f"run.devices={devices}",
+    ]
     return build(load_config([], overrides))
 
 
 def _loss(run, params, batch) -> float:
     params = jax.device_put(params, run.plan.state_shardings.params)
-    loss, _, _ = run.trainer.grads(params, run.trainer.shard_batch(batch),
-                                   run.trainer.init().model_state)
+    loss, _, _ = run.trainer.grads(
+        params, run.trainer.shard_batch(batch), run.trainer.init().model_state
+    )
     return float(loss)
 
 
@@ -69,8 +83,7 @@ def _by_hand(run, params, batch) -> float:
     nnx.replace_by_pure_dict(state, params)
     nnx.update(model, state)
     inputs, targets, pos = lm_sequence({"tokens": batch["tokens"]})
-    ce = np.asarray(optax.softmax_cross_entropy_with_integer_labels(
-        model(inputs, pos), targets))
+    ce = np.asarray(optax.softmax_cross_entropy_with_integer_labels(model(inputs, pos), targets))
     mask = batch["loss_mask"][:, 1:].astype(bool)
     return float(ce[mask].mean())
 
@@ -92,21 +105,23 @@ def test_loss_is_the_completion_only_mean(tokens):
     np.testing.assert_allclose(_loss(run, params, batch), want, rtol=1e-5)
 
 
-@pytest.mark.parametrize("layout", [
-    ["mesh.data=1", "train.grad_accum=2"],
-    ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
-    ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.grad_accum=2"],
-    ["mesh.data=-1", "mesh.stage=2", "mesh.context=2", "pipeline.microbatches=2"],
-    ["mesh.data=-1", "mesh.stage=2", "pipeline.microbatches=2", "pipeline.executor=mpmd"],
-])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["mesh.data=1", "train.grad_accum=2"],
+        ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
+        ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.grad_accum=2"],
+        ["mesh.data=-1", "mesh.stage=2", "mesh.context=2", "pipeline.microbatches=2"],
+        ["mesh.data=-1", "mesh.stage=2", "pipeline.microbatches=2", "pipeline.executor=mpmd"],
+    ],
+)
 def test_layouts_keep_the_masked_mean(tokens, layout):
     """Microbatches and devices each hold a different share of completion tokens: the
     global weights keep the loss the one-device completion-only mean."""
     one, params, batch = _one_device(tokens)
     devices = 1 if "mesh.data=1" in layout else 8
     run = _run(tokens, layout, devices=devices)
-    np.testing.assert_allclose(_loss(run, params, batch), _loss(one, params, batch),
-                               rtol=1e-5)
+    np.testing.assert_allclose(_loss(run, params, batch), _loss(one, params, batch), rtol=1e-5)
 
 
 def test_packed_documents_keep_the_masked_mean(tokens):
@@ -117,8 +132,16 @@ def test_packed_documents_keep_the_masked_mean(tokens):
     batch = one.data.batch(0, B)
     assert set(batch) == {"tokens", "segments", "loss_mask"}
     want = _loss(one, params, batch)
-    run = _run(tokens, ["data.pack=documents", "mesh.data=2", "mesh.fsdp=2",
-                        "mesh.tensor=2", "train.grad_accum=2"])
+    run = _run(
+        tokens,
+        [
+            "data.pack=documents",
+            "mesh.data=2",
+            "mesh.fsdp=2",
+            "mesh.tensor=2",
+            "train.grad_accum=2",
+        ],
+    )
     np.testing.assert_allclose(_loss(run, params, batch), want, rtol=1e-5)
 
 
@@ -134,39 +157,53 @@ def test_masked_windows_align_with_the_token_file(tokens):
     text = all_tokens[tf_mask == 1].astype(np.uint8).tobytes().decode()
     assert "?" not in text and text.startswith(" ")
     for row, mask in zip(batch["tokens"], batch["loss_mask"]):
-        hits = [i for i in range(len(all_tokens) - T) if
-                np.array_equal(all_tokens[i:i + T + 1], row)]
-        assert any(np.array_equal(tf_mask[i:i + T + 1], mask) for i in hits)
+        hits = [
+            i for i in range(len(all_tokens) - T) if np.array_equal(all_tokens[i : i + T + 1], row)
+        ]
+        assert any(np.array_equal(tf_mask[i : i + T + 1], mask) for i in hits)
 
 
-_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
-             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 _ROLES = ("<|system|>", "<|user|>", "<|assistant|>", "<|endoftext|>")
 
 
 @pytest.fixture(scope="module")
 def chat_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("chat")
-    train_bpe(["hello there, how are you?", "fine thanks; and you?", "the sky is blue"] * 20,
-              folder / "tokenizer.json", special_tokens=_ROLES)
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": _TEMPLATE, "eos_token": "<|endoftext|>"}))
+    train_bpe(
+        ["hello there, how are you?", "fine thanks; and you?", "the sky is blue"] * 20,
+        folder / "tokenizer.json",
+        special_tokens=_ROLES,
+    )
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": _TEMPLATE, "eos_token": "<|endoftext|>"})
+    )
     return folder
 
 
 def test_chat_mask_covers_exactly_the_assistant_messages(chat_folder, tmp_path):
-    chats = [[{"role": "system", "content": "be brief"},
-              {"role": "user", "content": "hello there"},
-              {"role": "assistant", "content": "fine thanks"},
-              {"role": "user", "content": "how are you?"},
-              {"role": "assistant", "content": "the sky is blue"}],
-             [{"role": "user", "content": "and you?"},
-              {"role": "assistant", "content": "hello, how are you"},
-              {"role": "user", "content": "blue"}]]
+    chats = [
+        [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "hello there"},
+            {"role": "assistant", "content": "fine thanks"},
+            {"role": "user", "content": "how are you?"},
+            {"role": "assistant", "content": "the sky is blue"},
+        ],
+        [
+            {"role": "user", "content": "and you?"},
+            {"role": "assistant", "content": "hello, how are you"},
+            {"role": "user", "content": "blue"},
+        ],
+    ]
     path = tmp_path / "chats.jsonl"
     path.write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
-    tf = prepare_records([path], tmp_path / "chat.tokens", str(chat_folder / "tokenizer.json"),
-                         layout="chat")
+    tf = prepare_records(
+        [path], tmp_path / "chat.tokens", str(chat_folder / "tokenizer.json"), layout="chat"
+    )
     mask = np.fromfile(str(tf.path) + ".mask", np.uint8)
     for doc, chat in zip(tf.documents, chats):
         lo, hi = doc["start"], doc["end"]
@@ -178,17 +215,28 @@ def test_chat_mask_covers_exactly_the_assistant_messages(chat_folder, tmp_path):
         assert text == "".join(m["content"] for m in chat if m["role"] == "assistant")
 
 
-@pytest.mark.parametrize("records,layout,match", [
-    ([{"question": "a", "completion": "b"}], "prompt_completion",
-     r"record 0 has no field 'prompt' \(its fields: 'question', 'completion'\); set --prompt-key"),
-    ([{"prompt": "a", "completion": 3}], "prompt_completion",
-     "field 'completion' is a int, not a str"),
-    ([{"prompt": "a", "completion": ""}], "prompt_completion",
-     "has no completion tokens .* drop the record"),
-    ([{"msgs": []}], "chat", r"has no field 'messages' \(its fields: 'msgs'\)"),
-    ([{"messages": [{"role": "user", "content": "hi"}]}], "chat",
-     "has no completion tokens"),
-])
+@pytest.mark.parametrize(
+    "records,layout,match",
+    [
+        (
+            [{"question": "a", "completion": "b"}],
+            "prompt_completion",
+            r"record 0 has no field 'prompt' \(its fields: 'question', 'completion'\); set --prompt-key",
+        ),
+        (
+            [{"prompt": "a", "completion": 3}],
+            "prompt_completion",
+            "field 'completion' is a int, not a str",
+        ),
+        (
+            [{"prompt": "a", "completion": ""}],
+            "prompt_completion",
+            "has no completion tokens .* drop the record",
+        ),
+        ([{"msgs": []}], "chat", r"has no field 'messages' \(its fields: 'msgs'\)"),
+        ([{"messages": [{"role": "user", "content": "hi"}]}], "chat", "has no completion tokens"),
+    ],
+)
 def test_bad_records_are_one_line(chat_folder, tmp_path, records, layout, match):
     path = tmp_path / "bad.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -207,8 +255,7 @@ def test_chat_needs_a_template(tmp_path, chat_folder):
     bare.mkdir()
     (bare / "tokenizer.json").write_bytes((chat_folder / "tokenizer.json").read_bytes())
     with pytest.raises(DataError, match="has no chat template .* --records prompt_completion"):
-        prepare_records([path], tmp_path / "c.tokens", str(bare / "tokenizer.json"),
-                        layout="chat")
+        prepare_records([path], tmp_path / "c.tokens", str(bare / "tokenizer.json"), layout="chat")
 
 
 def test_a_model_without_masks_refuses_them(tokens):

@@ -21,7 +21,10 @@ def test_fill_and_axis_order():
 
 
 def test_product_must_equal_device_count():
-    with pytest.raises(ValueError, match=r"data=2, stage=1, fsdp=2, context=1, tensor=1\) multiply to 4 but there are 8 devices"):
+    with pytest.raises(
+        ValueError,
+        match=r"data=2, stage=1, fsdp=2, context=1, tensor=1\) multiply to 4 but there are 8 devices",
+    ):
         resolve_degrees(MeshConfig(data=2, fsdp=2), 8)
 
 
@@ -49,15 +52,18 @@ class _FakeDevice:
 
 
 def _fake_devices(processes, per_process):
-    return [_FakeDevice(p, p * per_process + i) for p in range(processes)
-            for i in range(per_process)]
+    return [
+        _FakeDevice(p, p * per_process + i) for p in range(processes) for i in range(per_process)
+    ]
 
 
 def _processes_along(grid, axis):
     """For each position along ``axis``, the set of processes found there."""
     index = MESH_AXES.index(axis)
-    return [{d.process_index for d in np.take(grid, i, axis=index).ravel()}
-            for i in range(grid.shape[index])]
+    return [
+        {d.process_index for d in np.take(grid, i, axis=index).ravel()}
+        for i in range(grid.shape[index])
+    ]
 
 
 def test_hybrid_grid_puts_only_the_chosen_degrees_across_hosts():

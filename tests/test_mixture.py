@@ -52,8 +52,10 @@ def _write(folder, name: str, size: int, seed: int) -> str:
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
     folder = tmp_path_factory.mktemp("mixture")
-    return {name: _write(folder, name, size, i)
-            for i, (name, size) in enumerate([("web", 8000), ("code", 1500), ("books", 4000)])}
+    return {
+        name: _write(folder, name, size, i)
+        for i, (name, size) in enumerate([("web", 8000), ("code", 1500), ("books", 4000)])
+    }
 
 
 def _mixture(sources, weights: dict[str, float], seed: int = 0, **kw):
@@ -79,28 +81,35 @@ def _batches(data, batch_size: int, n: int) -> list[np.ndarray]:
 
 def test_the_yaml_and_command_line_forms_give_the_same_mixture(tmp_path):
     expected = (("a.tokens", 0.7), ("b.jsonl", 0.3))
-    assert parse_mixture([{"path": "a.tokens", "weight": 0.7},
-                          {"path": "b.jsonl", "weight": 0.3}]) == expected
+    assert (
+        parse_mixture([{"path": "a.tokens", "weight": 0.7}, {"path": "b.jsonl", "weight": 0.3}])
+        == expected
+    )
     assert parse_mixture(["a.tokens:0.7", "b.jsonl:0.3"]) == expected
     assert parse_mixture({"a.tokens": 0.7, "b.jsonl": 0.3}) == expected
     assert parse_mixture([["a.tokens", 0.7], ["b.jsonl", 0.3]]) == expected  # config.yaml
     cli = load_config([], ["data.mixture=a.tokens:0.7,b.jsonl:0.3"])
     assert cli.data.mixture == expected
     yaml = tmp_path / "c.yaml"
-    yaml.write_text("data:\n  mixture:\n    - {path: a.tokens, weight: 0.7}\n"
-                    "    - {path: b.jsonl, weight: 0.3}\n")
+    yaml.write_text(
+        "data:\n  mixture:\n    - {path: a.tokens, weight: 0.7}\n"
+        "    - {path: b.jsonl, weight: 0.3}\n"
+    )
     assert load_config([yaml]).data.mixture == expected
     assert load_config([]).data.mixture is None
 
 
-@pytest.mark.parametrize("value, says", [
-    ("a.tokens:0.7,b.jsonl:0", "entry 2 ('b.jsonl:0'): the weight must be a finite number > 0"),
-    ("a.tokens:-1", "entry 1 ('a.tokens:-1'): the weight must be a finite number > 0"),
-    ("a.tokens:0.5,b.jsonl:x", "entry 2 ('b.jsonl:x'): the weight must be a number"),
-    ("a.tokens:0.5,b.jsonl", "entry 2 ('b.jsonl') must be path:weight"),
-    ("[]", "'data.mixture' is empty; name at least one source"),
-    ("[{path: a.tokens}]", "entry 1 ({'path': 'a.tokens'}) must have the keys path and weight"),
-])
+@pytest.mark.parametrize(
+    "value, says",
+    [
+        ("a.tokens:0.7,b.jsonl:0", "entry 2 ('b.jsonl:0'): the weight must be a finite number > 0"),
+        ("a.tokens:-1", "entry 1 ('a.tokens:-1'): the weight must be a finite number > 0"),
+        ("a.tokens:0.5,b.jsonl:x", "entry 2 ('b.jsonl:x'): the weight must be a number"),
+        ("a.tokens:0.5,b.jsonl", "entry 2 ('b.jsonl') must be path:weight"),
+        ("[]", "'data.mixture' is empty; name at least one source"),
+        ("[{path: a.tokens}]", "entry 1 ({'path': 'a.tokens'}) must have the keys path and weight"),
+    ],
+)
 def test_bad_entries_are_one_line_naming_the_entry(value, says):
     with pytest.raises(ConfigError) as err:
         load_config([], [f"data.mixture={value}"])
@@ -110,16 +119,20 @@ def test_bad_entries_are_one_line_naming_the_entry(value, says):
 def test_a_missing_source_or_another_tokenizer_is_one_line(sources, tmp_path):
     missing = str(tmp_path / "nowhere.tokens")
     cfg = DataConfig(mixture=((sources["web"], 1.0), (missing, 1.0)), seq_len=SEQ)
-    with pytest.raises(DataError, match=r"^data.mixture entry 2 '.*nowhere.tokens' does not "
-                       r"exist; fix the path or drop the entry$"):
+    with pytest.raises(
+        DataError,
+        match=r"^data.mixture entry 2 '.*nowhere.tokens' does not "
+        r"exist; fix the path or drop the entry$",
+    ):
         load_data(cfg, TEXT, 0)
     with pytest.raises(DataError, match="unset data.path and data.dataset"):
         load_data(dataclasses.replace(cfg, path=sources["web"]), TEXT, 0)
     meta = json.loads(Path(sources["code"] + ".json").read_text())
     other = tmp_path / "other.tokens"
     other.write_bytes(Path(sources["code"]).read_bytes())
-    other.with_name("other.tokens.json").write_text(json.dumps(
-        {**meta, "tokenizer": {"file": "/t.json", "sha256": "0" * 64}}))
+    other.with_name("other.tokens.json").write_text(
+        json.dumps({**meta, "tokenizer": {"file": "/t.json", "sha256": "0" * 64}})
+    )
     with pytest.raises(DataError, match="were tokenized with different tokenizers"):
         load_data(DataConfig(mixture=((sources["web"], 1.0), (str(other), 1.0))), TEXT, 0)
 
@@ -173,11 +186,15 @@ def test_a_source_that_runs_out_wraps_reshuffled_with_a_warning(sources):
     """'code' (0.5 of the examples, 168 training windows) runs out long before 'web' is
     read once: it says so, and each pass holds each of its windows once, in a new order."""
     entries = ((sources["web"], 0.5), (sources["code"], 0.5))
-    with pytest.warns(UserWarning, match=r"'code' \(168 training windows, share 0.5\) runs "
-                      r"out after 336 mixture examples, before 'web' has been read once"):
+    with pytest.warns(
+        UserWarning,
+        match=r"'code' \(168 training windows, share 0.5\) runs "
+        r"out after 336 mixture examples, before 'web' has been read once",
+    ):
         data = load_data(DataConfig(mixture=entries, seq_len=SEQ), TEXT, 0)
-    code = [r.tobytes() for b in _batches(data, 12, 56) for r, s in zip(b, _source_of(b))
-            if s == "code"]
+    code = [
+        r.tobytes() for b in _batches(data, 12, 56) for r, s in zip(b, _source_of(b)) if s == "code"
+    ]
     passes = [code[:168], code[168:336]]
     assert all(len(set(p)) == 168 for p in passes) and set(passes[0]) == set(passes[1])
     assert passes[0] != passes[1]
@@ -208,8 +225,15 @@ def test_resume_from_a_middle_step_continues_on_another_layout(sources, processe
         state = json.loads(json.dumps(loader.get_state()))
     shares = []
     for p in range(processes):
-        with MixtureLoader(data.train, global_batch_size=8, seed=data.seed, threads=1,
-                           prefetch=2, process_index=p, process_count=processes) as loader:
+        with MixtureLoader(
+            data.train,
+            global_batch_size=8,
+            seed=data.seed,
+            threads=1,
+            prefetch=2,
+            process_index=p,
+            process_count=processes,
+        ) as loader:
             loader.set_state(state)
             shares.append([next(loader)["tokens"] for _ in range(5)])
     for step in range(5):
@@ -249,10 +273,22 @@ def test_training_logs_tokens_per_source_and_resumes_exactly(sources, tmp_path):
     mixture = f"data.mixture={sources['web']}:0.75,{sources['code']}:0.25"
 
     def run(folder, steps):
-        cfg = load_config([], [*GPT_SMALL, mixture, f"train.steps={steps}", "train.log_every=1",
-                               "train.eval_every=0", "train.progress=false", "mesh.data=2",
-                               "mesh.fsdp=4", f"run.dir={tmp_path / folder}", "optim.decay_steps=6",
-                               "checkpoint.every_steps=2"])
+        cfg = load_config(
+            [],
+            [
+                *GPT_SMALL,
+                mixture,
+                f"train.steps={steps}",
+                "train.log_every=1",
+                "train.eval_every=0",
+                "train.progress=false",
+                "mesh.data=2",
+                "mesh.fsdp=4",
+                f"run.dir={tmp_path / folder}",
+                "optim.decay_steps=6",
+                "checkpoint.every_steps=2",
+            ],
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return train(cfg, echo=False).train_rows

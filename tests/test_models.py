@@ -62,8 +62,10 @@ def test_remat_lowers_compiled_temporaries():
 
 def test_rotary_needs_even_head_dim():
     with pytest.raises(ValueError, match="rotary positions need an even head dim"):
-        GPT(GPTConfig(**{**CFG.__dict__, "positions": "rotary", "d_model": 40, "n_heads": 8}),
-            rngs=nnx.Rngs(0))
+        GPT(
+            GPTConfig(**{**CFG.__dict__, "positions": "rotary", "d_model": 40, "n_heads": 8}),
+            rngs=nnx.Rngs(0),
+        )
 
 
 def test_initial_loss_is_uniform_over_vocab():
@@ -105,8 +107,14 @@ def test_heads_must_divide_d_model():
 
 
 def test_rotary_tied_remat_layout_matches_single_device():
-    variant = [*GPT_SMALL, "model.positions=rotary", "model.tie_embeddings=true",
-               "model.remat=save_dots", "optim.name=sgd", "optim.lr=0.05"]
+    variant = [
+        *GPT_SMALL,
+        "model.positions=rotary",
+        "model.tie_embeddings=true",
+        "model.remat=save_dots",
+        "optim.name=sgd",
+        "optim.lr=0.05",
+    ]
     ref_losses, ref_params, _ = run_steps([*variant, "mesh.data=1"], devices=1)
     losses, params, run = run_steps([*variant, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"])
     assert "head" not in params
@@ -135,9 +143,15 @@ def _attention_inputs(dtype):
     H = D // N
     keys = jax.random.split(jax.random.key(3), 5)
     h = jax.random.normal(keys[0], (4, 16, D))
-    p = {name: 0.2 * jax.random.normal(k, shape) for name, k, shape in (
-        ("wq", keys[1], (D, N, H)), ("wk", keys[2], (D, N, H)), ("wv", keys[3], (D, N, H)),
-        ("wo", keys[4], (N, H, D)))}
+    p = {
+        name: 0.2 * jax.random.normal(k, shape)
+        for name, k, shape in (
+            ("wq", keys[1], (D, N, H)),
+            ("wk", keys[2], (D, N, H)),
+            ("wv", keys[3], (D, N, H)),
+            ("wo", keys[4], (N, H, D)),
+        )
+    }
     return h.astype(dtype), {k: v.astype(dtype) for k, v in p.items()}
 
 
@@ -172,19 +186,25 @@ def test_attention_matches_the_hand_written_form_bfloat16(use_rotary):
     h, p = _attention_inputs(jnp.bfloat16)
     new = _attention_value_and_grads(transformer.attention, h, p, use_rotary, jit=True)
     ref = _attention_value_and_grads(hand_written_attention, h, p, use_rotary, jit=True)
-    exact = _attention_value_and_grads(hand_written_attention, h.astype(jnp.float32),
-                                       jax.tree.map(lambda x: x.astype(jnp.float32), p),
-                                       use_rotary, jit=True)
+    exact = _attention_value_and_grads(
+        hand_written_attention,
+        h.astype(jnp.float32),
+        jax.tree.map(lambda x: x.astype(jnp.float32), p),
+        use_rotary,
+        jit=True,
+    )
     rms = lambda x: float(np.sqrt(np.mean(np.square(x))))
     for a, b, e in zip(jax.tree.leaves(new), jax.tree.leaves(ref), jax.tree.leaves(exact)):
         scale = np.abs(e).max()
-        np.testing.assert_allclose(a, b, rtol=0, atol=2 ** -6 * scale)  # 2 bf16 ulps of max
+        np.testing.assert_allclose(a, b, rtol=0, atol=2**-6 * scale)  # 2 bf16 ulps of max
         assert rms(a - e) <= 1.1 * rms(b - e), (rms(a - e), rms(b - e))  # no less accurate
 
 
-@pytest.mark.parametrize("variant", [{}, {"positions": "rotary"}, {"tie_embeddings": True},
-                                     {"remat": "save_dots"}],
-                         ids=["learned", "rotary", "tied", "save_dots"])
+@pytest.mark.parametrize(
+    "variant",
+    [{}, {"positions": "rotary"}, {"tie_embeddings": True}, {"remat": "save_dots"}],
+    ids=["learned", "rotary", "tied", "save_dots"],
+)
 def test_gpt_loss_and_grads_unchanged_from_the_hand_written_attention(variant, monkeypatch):
     cfg = GPTConfig(**{**CFG.__dict__, **variant})
     loss, grads = _loss_and_grads(cfg)
@@ -197,6 +217,7 @@ def test_gpt_loss_and_grads_unchanged_from_the_hand_written_attention(variant, m
 
 def test_attention_implementation_per_backend():
     """``auto`` is cuDNN only on a GPU with bfloat16 compute and a head dim cuDNN takes."""
+
     def pick(backend, **kw):
         return gpt.attention_implementation(GPTConfig(**{**CFG.__dict__, **kw}), backend)
 
@@ -211,10 +232,13 @@ def test_attention_implementation_per_backend():
     assert GPT(CFG, rngs=nnx.Rngs(0)).attention_impl == "xla"  # auto, on this CPU
 
 
-@pytest.mark.parametrize("kw, match", [
-    ({"attention": "cudnn"}, "model.attention=cudnn needs an NVIDIA GPU.*model.attention=xla"),
-    ({"attention": "flash"}, "model.attention' must be one of auto, xla, cudnn"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"attention": "cudnn"}, "model.attention=cudnn needs an NVIDIA GPU.*model.attention=xla"),
+        ({"attention": "flash"}, "model.attention' must be one of auto, xla, cudnn"),
+    ],
+)
 def test_attention_setting_errors_name_the_key_and_the_fix(kw, match):
     with pytest.raises(ValueError, match=match):
         GPT(GPTConfig(**{**CFG.__dict__, **kw}), rngs=nnx.Rngs(0))

@@ -24,29 +24,49 @@ from tests.helpers import (
     run_steps,
 )
 
-MOE = ["model.name=llama", "model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2",
-       "model.d_ff=48", "model.n_layers=4", "model.max_seq_len=16", "data.seq_len=16",
-       "train.batch_size=16", "optim.name=adamw", "optim.lr=3e-3", "optim.warmup_steps=0",
-       "model.n_experts=8", "model.top_k=2", "model.moe_every=2", "model.n_shared_experts=1"]
+MOE = [
+    "model.name=llama",
+    "model.d_model=32",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.d_ff=48",
+    "model.n_layers=4",
+    "model.max_seq_len=16",
+    "data.seq_len=16",
+    "train.batch_size=16",
+    "optim.name=adamw",
+    "optim.lr=3e-3",
+    "optim.warmup_steps=0",
+    "model.n_experts=8",
+    "model.top_k=2",
+    "model.moe_every=2",
+    "model.n_shared_experts=1",
+]
 
 
 def _experts(seed: int, E: int = 4, D: int = 8, F: int = 12):
     keys = jax.random.split(jax.random.key(seed), 5)
-    return {"router": jax.random.normal(keys[0], (D, E)),
-            "w_gate": 0.3 * jax.random.normal(keys[1], (E, D, F)),
-            "w_up": 0.3 * jax.random.normal(keys[2], (E, D, F)),
-            "w_down": 0.3 * jax.random.normal(keys[3], (E, F, D))}, keys[4]
+    return {
+        "router": jax.random.normal(keys[0], (D, E)),
+        "w_gate": 0.3 * jax.random.normal(keys[1], (E, D, F)),
+        "w_up": 0.3 * jax.random.normal(keys[2], (E, D, F)),
+        "w_down": 0.3 * jax.random.normal(keys[3], (E, F, D)),
+    }, keys[4]
 
 
 def dense_reference(h, p, top_k):
     """Every expert on every token, weighted by the routing (zero where not routed)."""
     experts, weights, _ = route(h.reshape(-1, h.shape[-1]), p["router"], top_k)
     E = p["router"].shape[-1]
-    gate = jnp.zeros((experts.shape[0], E)).at[
-        jnp.arange(experts.shape[0])[:, None], experts].add(weights)
+    gate = (
+        jnp.zeros((experts.shape[0], E))
+        .at[jnp.arange(experts.shape[0])[:, None], experts]
+        .add(weights)
+    )
     x = h.reshape(-1, h.shape[-1])
-    act = (jax.nn.silu(jnp.einsum("td,edf->tef", x, p["w_gate"]))
-           * jnp.einsum("td,edf->tef", x, p["w_up"]))
+    act = jax.nn.silu(jnp.einsum("td,edf->tef", x, p["w_gate"])) * jnp.einsum(
+        "td,edf->tef", x, p["w_up"]
+    )
     every = jnp.einsum("tef,efd->ted", act, p["w_down"])
     return jnp.einsum("ted,te->td", every, gate).reshape(h.shape)
 
@@ -56,8 +76,10 @@ def test_dropless_equals_the_dense_reference_forward_and_gradients(top_k):
     p, key = _experts(0)
     h = jax.random.normal(key, (3, 10, 8))
     # jitted: one compile each, where op-by-op dispatch compiled every primitive apart
-    ours_fn, want_fn = (lambda h, p: moe_mlp(h, p, top_k)[0]), (
-        lambda h, p: dense_reference(h, p, top_k))
+    ours_fn, want_fn = (
+        (lambda h, p: moe_mlp(h, p, top_k)[0]),
+        (lambda h, p: dense_reference(h, p, top_k)),
+    )
     got = jax.jit(ours_fn)(h, p)
     np.testing.assert_allclose(got, jax.jit(want_fn)(h, p), atol=1e-5)
     loss = lambda f: lambda h, p: jnp.sum(jnp.sin(f(h, p)))  # noqa: E731
@@ -81,7 +103,7 @@ def test_the_auxiliary_losses_match_their_formulas():
     np.testing.assert_allclose(stats["balance"], 4 * np.sum(f * probs.mean(0)), rtol=1e-5)
     np.testing.assert_allclose(stats["load"], f, rtol=1e-6)
     lse = np.log(np.exp(logits).sum(-1))
-    np.testing.assert_allclose(stats["z"], np.mean(lse ** 2), rtol=1e-5)
+    np.testing.assert_allclose(stats["z"], np.mean(lse**2), rtol=1e-5)
     _, _, uniform = route_jit(x, jnp.zeros((8, 4)), 4)
     np.testing.assert_allclose(uniform["balance"], 1.0, rtol=1e-6)
 
@@ -102,17 +124,27 @@ def test_a_capacity_factor_drops_exactly_the_assignments_beyond_it():
     assert np.abs(np.asarray(y[0, 2:])).max() == 0 and np.abs(np.asarray(y[0, :2])).min() > 0
 
 
-@pytest.mark.parametrize("layout", grid([
-    pytest.param(["mesh.data=8"], id="data8"),
-    pytest.param(["mesh.data=1", "mesh.fsdp=8"], id="fsdp8"),
-    pytest.param(["mesh.data=8", "rules.experts=data"], id="expert8"),
-    pytest.param(["mesh.data=4", "mesh.fsdp=2", "rules.experts=data"], id="expert4-fsdp2"),
-    pytest.param(["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "rules.experts=data"],
-                 id="expert2-fsdp2-tensor2"),
-    pytest.param(["mesh.data=2", "mesh.context=4"], id="context4"),
-    pytest.param(["mesh.data=4", "mesh.context=2", "rules.experts=data",
-                  "context.attention=ring"], id="expert4-context2-ring"),
-], {"data8", "expert2-fsdp2-tensor2", "expert4-context2-ring"}))
+@pytest.mark.parametrize(
+    "layout",
+    grid(
+        [
+            pytest.param(["mesh.data=8"], id="data8"),
+            pytest.param(["mesh.data=1", "mesh.fsdp=8"], id="fsdp8"),
+            pytest.param(["mesh.data=8", "rules.experts=data"], id="expert8"),
+            pytest.param(["mesh.data=4", "mesh.fsdp=2", "rules.experts=data"], id="expert4-fsdp2"),
+            pytest.param(
+                ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "rules.experts=data"],
+                id="expert2-fsdp2-tensor2",
+            ),
+            pytest.param(["mesh.data=2", "mesh.context=4"], id="context4"),
+            pytest.param(
+                ["mesh.data=4", "mesh.context=2", "rules.experts=data", "context.attention=ring"],
+                id="expert4-context2-ring",
+            ),
+        ],
+        {"data8", "expert2-fsdp2-tensor2", "expert4-context2-ring"},
+    ),
+)
 def test_moe_layouts_equal_one_device(layout):
     """An MoE Llama (8 experts, top-2, every 2nd layer, a shared expert): losses and
     parameters of 3 AdamW steps equal one device's, with experts split over data (8, 4 and
@@ -128,16 +160,19 @@ def test_moe_layouts_equal_one_device(layout):
 
 def _steps_with_metrics(overrides: list[str], devices: int = 8, steps: int = 3):
     """Losses, final parameters and the last step's metrics (as numbers)."""
-    config = jaxpar.load_config([], [*overrides, f"train.steps={steps}",
-                                     f"run.devices={devices}"])
+    config = jaxpar.load_config([], [*overrides, f"train.steps={steps}", f"run.devices={devices}"])
     run = jaxpar.build(config)
     state, losses = run.trainer.init(), []
     for step in range(steps):
-        state, metrics = run.trainer.step(state, run.trainer.shard_batch(
-            run.data.batch(step, config.train.batch_size)))
+        state, metrics = run.trainer.step(
+            state, run.trainer.shard_batch(run.data.batch(step, config.train.batch_size))
+        )
         losses.append(float(metrics["loss"]))
-    return (np.array(losses), jax.tree.map(np.asarray, state.params),
-            {k: float(v) for k, v in metrics.items()})
+    return (
+        np.array(losses),
+        jax.tree.map(np.asarray, state.params),
+        {k: float(v) for k, v in metrics.items()},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -146,14 +181,29 @@ def accumulated():
     return _steps_with_metrics([*MOE, "mesh.data=1", "train.grad_accum=2"], devices=1)
 
 
-@pytest.mark.parametrize("layout", grid([
-    pytest.param(["mesh.data=4", "pipeline.executor=mpmd"], id="mpmd"),
-    pytest.param(["mesh.data=4", "pipeline.schedule=zb_h1", "rules.experts=data"],
-                 id="spmd-zb_h1-expert4"),
-    pytest.param(["mesh.data=2", "mesh.fsdp=2", "pipeline.executor=mpmd",
-                  "pipeline.backward=residuals", "rules.experts=data"],
-                 id="mpmd-residuals-expert2-fsdp2"),
-], {"spmd-zb_h1-expert4", "mpmd-residuals-expert2-fsdp2"}))
+@pytest.mark.parametrize(
+    "layout",
+    grid(
+        [
+            pytest.param(["mesh.data=4", "pipeline.executor=mpmd"], id="mpmd"),
+            pytest.param(
+                ["mesh.data=4", "pipeline.schedule=zb_h1", "rules.experts=data"],
+                id="spmd-zb_h1-expert4",
+            ),
+            pytest.param(
+                [
+                    "mesh.data=2",
+                    "mesh.fsdp=2",
+                    "pipeline.executor=mpmd",
+                    "pipeline.backward=residuals",
+                    "rules.experts=data",
+                ],
+                id="mpmd-residuals-expert2-fsdp2",
+            ),
+        ],
+        {"spmd-zb_h1-expert4", "mpmd-residuals-expert2-fsdp2"},
+    ),
+)
 def test_moe_pipelines_equal_one_device(accumulated, layout):
     """An MoE Llama cut into 2 stages of 2 MoE layers each (both executors, a zero-bubble
     schedule, experts split over data): every stage adds its share of the routers' losses
@@ -161,7 +211,8 @@ def test_moe_pipelines_equal_one_device(accumulated, layout):
     per-expert load metrics of 3 AdamW steps equal one device's with the same 2
     microbatches."""
     losses, params, metrics = _steps_with_metrics(
-        [*MOE, "mesh.stage=2", "pipeline.microbatches=2", *layout])
+        [*MOE, "mesh.stage=2", "pipeline.microbatches=2", *layout]
+    )
     np.testing.assert_allclose(losses, accumulated[0], rtol=1e-5)
     assert_params_close(params, accumulated[1], elementwise=False, rtol=1e-4)
     assert set(metrics) == set(accumulated[2])
@@ -174,21 +225,24 @@ def test_metrics_decoding_and_counts():
     loss adds the weighted auxiliary losses to the cross entropy; decoding through the KV
     cache equals the forward pass; the parameter count equals the model's."""
     run = jaxpar.build(jaxpar.load_config([], [*MOE, "mesh.data=8"]))
-    state, metrics = run.trainer.step(run.trainer.init(),
-                                      run.trainer.shard_batch(run.data.batch(0, 16)))
+    state, metrics = run.trainer.step(
+        run.trainer.init(), run.trainer.shard_batch(run.data.batch(0, 16))
+    )
     loads = [float(metrics[f"moe_load_{e}"]) for e in range(8)]
     assert abs(sum(loads) - 1) < 1e-5 and float(metrics["moe_dropped"]) == 0
     cfg = run.config.model
-    want = (float(metrics["ce"]) + cfg.aux_loss_coef * float(metrics["moe_balance"])
-            + cfg.z_loss_coef * float(metrics["moe_z"]))
+    want = (
+        float(metrics["ce"])
+        + cfg.aux_loss_coef * float(metrics["moe_balance"])
+        + cfg.z_loss_coef * float(metrics["moe_z"])
+    )
     np.testing.assert_allclose(float(metrics["loss"]), want, rtol=1e-6)
     counts = run.family.counts(cfg, run.data)
     assert counts.params == sum(x.size for x in jax.tree.leaves(run.plan.model.params))
     with nnx.use_eager_sharding(False):
         model = Llama(cfg, rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 10), 0, 256)
-    np.testing.assert_allclose(decode_stepwise(model, tokens, 6), jax.jit(model)(tokens),
-                               atol=1e-5)
+    np.testing.assert_allclose(decode_stepwise(model, tokens, 6), jax.jit(model)(tokens), atol=1e-5)
 
 
 def test_bad_input_is_one_line():
@@ -196,11 +250,15 @@ def test_bad_input_is_one_line():
         jaxpar.load_config([], [*MOE, "model.top_k=9"])
     with pytest.raises(ConfigError, match=r"model.moe_every=3 does not divide model.n_layers"):
         jaxpar.load_config([], [*MOE, "model.moe_every=3"])
-    config = jaxpar.load_config([], [*MOE, "model.n_experts=6", "mesh.data=4", "mesh.fsdp=2",
-                                     "rules.experts=data"])
-    with pytest.raises(LayoutError, match=r"parameter 'blocks/e_down': dim 1 \('experts', "
-                                          r"size 6\) .* not divisible by mesh axes \('data',\) "
-                                          r"of size 4"):
+    config = jaxpar.load_config(
+        [], [*MOE, "model.n_experts=6", "mesh.data=4", "mesh.fsdp=2", "rules.experts=data"]
+    )
+    with pytest.raises(
+        LayoutError,
+        match=r"parameter 'blocks/e_down': dim 1 \('experts', "
+        r"size 6\) .* not divisible by mesh axes \('data',\) "
+        r"of size 4",
+    ):
         jaxpar.build(config)
 
 
@@ -213,8 +271,11 @@ def test_the_lab_predicts_the_expert_dispatch():
 
     config = jaxpar.load_config([], MOE)
     h100 = hardware.get_profile("h100")
-    for layout in ("data=8,rules.experts=data", "data=4,fsdp=2,rules.experts=data",
-                   "data=8,rules.experts=data,model.remat=full"):
+    for layout in (
+        "data=8,rules.experts=data",
+        "data=4,fsdp=2,rules.experts=data",
+        "data=8,rules.experts=data,model.remat=full",
+    ):
         row = sweep.measure(config, layout, h100)
         assert row.ok, row.error
         assert row.reduce_scatter_bytes > 0 and row.comm_ratio == pytest.approx(1, abs=0.01)
@@ -230,15 +291,22 @@ def lab_rows():
 
     config = jaxpar.load_config([], MOE)
     h100 = hardware.get_profile("h100")
-    layouts = ["data=4,tensor=2,rules.experts=data",
-               "data=2,fsdp=2,tensor=2,model.n_shared_experts=0,model.remat=full",
-               "stage=2,data=4,rules.experts=data",
-               "stage=2,data=4,rules.experts=data,pipeline.executor=mpmd",
-               "stage=2,data=4,rules.experts=data,pipeline.executor=mpmd,"
-               "pipeline.backward=residuals"]
-    return {layout: (sweep.measure(config, layout, h100), predict.predict_comm(
-        build(apply_overrides(config, sweep.layout_overrides(layout))), "cpu"))
-            for layout in layouts}
+    layouts = [
+        "data=4,tensor=2,rules.experts=data",
+        "data=2,fsdp=2,tensor=2,model.n_shared_experts=0,model.remat=full",
+        "stage=2,data=4,rules.experts=data",
+        "stage=2,data=4,rules.experts=data,pipeline.executor=mpmd",
+        "stage=2,data=4,rules.experts=data,pipeline.executor=mpmd,pipeline.backward=residuals",
+    ]
+    return {
+        layout: (
+            sweep.measure(config, layout, h100),
+            predict.predict_comm(
+                build(apply_overrides(config, sweep.layout_overrides(layout))), "cpu"
+            ),
+        )
+        for layout in layouts
+    }
 
 
 def test_the_lab_predicts_experts_under_tensor_and_in_pipelines(lab_rows):
@@ -252,13 +320,16 @@ def test_the_lab_predicts_experts_under_tensor_and_in_pipelines(lab_rows):
         assert row.ok, (layout, row.error)
         kinds, what = prediction.by_kind(), {t.what for t in prediction.terms}
         if "tensor" in layout:
-            assert {"experts: routed outputs all-reduced over tensor",
-                    "experts: routed input gradients all-reduced over tensor"} <= what
+            assert {
+                "experts: routed outputs all-reduced over tensor",
+                "experts: routed input gradients all-reduced over tensor",
+            } <= what
             assert row.all_reduce_bytes == pytest.approx(kinds["all-reduce"], rel=0.01), layout
         else:
             assert row.all_gather_bytes == pytest.approx(kinds["all-gather"], rel=0.01), layout
             assert row.reduce_scatter_bytes == pytest.approx(
-                kinds.get("reduce-scatter", 0), rel=0.01), layout
+                kinds.get("reduce-scatter", 0), rel=0.01
+            ), layout
         if "mpmd" in layout:
             assert "experts: tokens and routing gathered" in what
         assert row.comm_ratio == pytest.approx(1.0, abs=0.05), layout
@@ -270,8 +341,11 @@ def test_sweep_all_adds_expert_parallel_layouts():
     from jaxpar.lab import sweep
 
     layouts, _ = sweep.default_layouts(jaxpar.load_config([], MOE), 8)
-    assert {"data=8,rules.experts=data", "data=4,tensor=2,rules.experts=data",
-            "data=2,context=4,rules.experts=data"} <= set(layouts)
+    assert {
+        "data=8,rules.experts=data",
+        "data=4,tensor=2,rules.experts=data",
+        "data=2,context=4,rules.experts=data",
+    } <= set(layouts)
     dense, _ = sweep.default_layouts(jaxpar.load_config([], MOE[:-4]), 8)
     assert not [x for x in dense if "experts" in x]
 
@@ -293,8 +367,9 @@ def test_a_capacity_factor_drops_the_same_assignments_on_every_layout():
     capped = [*MOE, "model.capacity_factor=1.0"]
     one = run_steps([*capped, "mesh.data=1"], devices=1)
     run = one[2]  # its step again (compiled): the cap binds on the first batch
-    _, metrics = run.trainer.step(run.trainer.init(),
-                                  run.trainer.shard_batch(run.data.batch(0, 16)))
+    _, metrics = run.trainer.step(
+        run.trainer.init(), run.trainer.shard_batch(run.data.batch(0, 16))
+    )
     assert float(metrics["moe_dropped"]) > 0
     for layout in (["mesh.data=2", "mesh.context=4"], ["mesh.data=8", "rules.experts=data"]):
         losses, params, _ = run_steps([*capped, *layout])

@@ -31,15 +31,19 @@ def test_the_emulation_follows_the_documented_example():
     """JAX's docstring example of ragged_all_to_all over 2 devices."""
     mesh = jax.make_mesh((2,), ("e",), devices=jax.devices()[:2])
     operand = jnp.array([[1, 2, 2], [3, 4, 0]], jnp.float32)
-    args = [jnp.array(a, jnp.int32) for a in ([[0, 1], [0, 1]], [[1, 2], [1, 1]],
-                                              [[0, 0], [1, 2]], [[1, 1], [2, 1]])]
+    args = [
+        jnp.array(a, jnp.int32)
+        for a in ([[0, 1], [0, 1]], [[1, 2], [1, 1]], [[0, 0], [1, 2]], [[1, 1], [2, 1]])
+    ]
 
     def one(op, io, ss, oo, rs):
-        return alltoall.emulated(op[0], jnp.zeros(4), io[0], ss[0], oo[0], rs[0],
-                                 axis_name="e")[None]
+        return alltoall.emulated(op[0], jnp.zeros(4), io[0], ss[0], oo[0], rs[0], axis_name="e")[
+            None
+        ]
 
-    f = jax.jit(jax.shard_map(one, mesh=mesh, in_specs=PartitionSpec("e"),
-                              out_specs=PartitionSpec("e")))
+    f = jax.jit(
+        jax.shard_map(one, mesh=mesh, in_specs=PartitionSpec("e"), out_specs=PartitionSpec("e"))
+    )
     result = f(*_sharded(mesh, operand, *args))
     np.testing.assert_array_equal(result, [[1, 3, 0, 0], [2, 2, 4, 0]])
 
@@ -52,8 +56,9 @@ def _both_dispatches(e: int, n: int = 6, k: int = 2, E: int = 8, D: int = 8):
     w = {n_: p[n_] for n_ in ("w_gate", "w_up", "w_down")}
     x = jax.random.normal(jax.random.key(1), (e * n, D))
     # skewed: most assignments to the first two experts (on device 0), some to the last
-    experts = jax.random.choice(jax.random.key(2), E, (e * n, k), p=jnp.array(
-        [0.4, 0.3, 0.05, 0.05, 0.05, 0.05, 0.0, 0.1]))
+    experts = jax.random.choice(
+        jax.random.key(2), E, (e * n, k), p=jnp.array([0.4, 0.3, 0.05, 0.05, 0.05, 0.05, 0.0, 0.1])
+    )
     weights = jax.nn.softmax(jax.random.normal(jax.random.key(4), (e * n, k)), -1)
     probe = jax.random.normal(jax.random.key(5), (e * n, D))
     x, experts, weights, probe = _sharded(mesh, x, experts, weights, probe)
@@ -70,9 +75,13 @@ def _both_dispatches(e: int, n: int = 6, k: int = 2, E: int = 8, D: int = 8):
         return jax.lax.psum_scatter(y, "e", scatter_dimension=0, tiled=True)
 
     def loss_and_grads(body):
-        f = jax.shard_map(body, mesh=mesh, in_specs=(PartitionSpec("e"),) * 3
-                          + ({n_: PartitionSpec("e") for n_ in w},),
-                          out_specs=PartitionSpec("e"), check_vma=False)
+        f = jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(PartitionSpec("e"),) * 3 + ({n_: PartitionSpec("e") for n_ in w},),
+            out_specs=PartitionSpec("e"),
+            check_vma=False,
+        )
         value = lambda x, w: jnp.sum(f(x, experts, weights, w) * probe)  # noqa: E731
         y = jax.jit(f)(x, experts, weights, w)
         return y, jax.jit(jax.grad(value, argnums=(0, 1)))(x, w)
@@ -103,8 +112,16 @@ def test_training_with_all_to_all_dispatch_equals_one_device(monkeypatch):
     extra = ["model.capacity_factor=1.0"]
     one = run_steps([*MOE, *extra, "mesh.data=1"], devices=1)
     assert not calls
-    losses, params, _ = run_steps([*MOE, *extra, "mesh.data=4", "mesh.fsdp=2",
-                                   "rules.experts=data", "model.moe_dispatch=all_to_all"])
+    losses, params, _ = run_steps(
+        [
+            *MOE,
+            *extra,
+            "mesh.data=4",
+            "mesh.fsdp=2",
+            "rules.experts=data",
+            "model.moe_dispatch=all_to_all",
+        ]
+    )
     assert calls and set(calls) == {("data",)}
     np.testing.assert_allclose(losses, one[0], rtol=1e-5)
     assert_params_close(params, one[1], elementwise=False, rtol=1e-4)
@@ -121,20 +138,31 @@ def test_the_real_collective_lowers_and_is_refused_on_the_cpu():
         run = lambda rows, sizes: swiglu_groups(rows, sizes, w)  # noqa: E731
         return alltoall.dispatch(x, ex, wt, run, w["w_gate"].shape[0], ("e",))
 
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(PartitionSpec("e"),) * 3
-                              + ({n_: PartitionSpec("e") for n_ in w},),
-                              out_specs=PartitionSpec("e"), check_vma=False))
-    x, ex, wt = _sharded(mesh, jnp.ones((16, 8)), jnp.zeros((16, 2), jnp.int32),
-                         jnp.full((16, 2), 0.5))
+    f = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(PartitionSpec("e"),) * 3 + ({n_: PartitionSpec("e") for n_ in w},),
+            out_specs=PartitionSpec("e"),
+            check_vma=False,
+        )
+    )
+    x, ex, wt = _sharded(
+        mesh, jnp.ones((16, 8)), jnp.zeros((16, 2), jnp.int32), jnp.full((16, 2), 0.5)
+    )
     w = {n_: jax.device_put(a, NamedSharding(mesh, PartitionSpec("e"))) for n_, a in w.items()}
     text = f.lower(x, ex, wt, w).as_text()
     assert text.count("ragged_all_to_all") >= 2  # there and back
-    with pytest.raises(LayoutError, match=r"^model.moe_dispatch=all_to_all needs jax.lax."
-                                          r"ragged_all_to_all, which XLA:CPU does not "
-                                          r"implement; on the CPU set model.moe_dispatch="
-                                          r"all_gather"):
-        run_steps([*MOE, "mesh.data=8", "rules.experts=data",
-                   "model.moe_dispatch=all_to_all"], steps=1)
+    with pytest.raises(
+        LayoutError,
+        match=r"^model.moe_dispatch=all_to_all needs jax.lax."
+        r"ragged_all_to_all, which XLA:CPU does not "
+        r"implement; on the CPU set model.moe_dispatch="
+        r"all_gather",
+    ):
+        run_steps(
+            [*MOE, "mesh.data=8", "rules.experts=data", "model.moe_dispatch=all_to_all"], steps=1
+        )
 
 
 def test_the_lab_counts_the_routed_rows_of_the_all_to_all_dispatch():
@@ -145,14 +173,20 @@ def test_the_lab_counts_the_routed_rows_of_the_all_to_all_dispatch():
     from jaxpar.run import build
 
     layout = [*MOE, "mesh.data=8", "rules.experts=data"]
-    by_dispatch = {d: predict_comm(build(load_config([], [*layout, f"model.moe_dispatch={d}"])),
-                                   "cpu").terms for d in ("all_gather", "all_to_all")}
+    by_dispatch = {
+        d: predict_comm(build(load_config([], [*layout, f"model.moe_dispatch={d}"])), "cpu").terms
+        for d in ("all_gather", "all_to_all")
+    }
     a2a = [t for t in by_dispatch["all_to_all"] if t.what.startswith("experts:")]
     n, k, D, e, layers = 16 // 8 * 16, 2, 32, 8, 2  # tokens a device, top_k, d_model
     assert [(t.kind, t.payload_bytes, t.group, t.times) for t in a2a] == [
-        ("all-to-all", n * k * D * 4, e, 2 * layers)] * 2
-    gathered = [t for t in by_dispatch["all_gather"]
-                if t.what in ("experts: outputs reduce-scattered",
-                              "experts: output gradients gathered")]
+        ("all-to-all", n * k * D * 4, e, 2 * layers)
+    ] * 2
+    gathered = [
+        t
+        for t in by_dispatch["all_gather"]
+        if t.what in ("experts: outputs reduce-scattered", "experts: output gradients gathered")
+    ]
     assert sum(t.wire_bytes for t in a2a) == pytest.approx(
-        k / e * 2 * sum(t.wire_bytes for t in gathered))
+        k / e * 2 * sum(t.wire_bytes for t in gathered)
+    )

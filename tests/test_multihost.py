@@ -21,22 +21,51 @@ from tests.helpers import GPT_SMALL, child_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 ROOT = Path(__file__).resolve().parents[1]
-RUN = [*GPT_SMALL, "train.log_every=1", "train.eval_every=0", "train.progress=false",
-       "optim.schedule=cosine", "optim.decay_steps=6", "checkpoint.every_steps=2"]
+RUN = [
+    *GPT_SMALL,
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.progress=false",
+    "optim.schedule=cosine",
+    "optim.decay_steps=6",
+    "checkpoint.every_steps=2",
+]
 
 
 def launch(n: int, run_dir: Path, steps: int, *extra: str, timeout: float = 400):
-    cmd = [sys.executable, "-m", "jaxpar", "launch", "-n", str(n), "--devices-per-process",
-           str(8 // n), "--", "train", *RUN, *extra, f"train.steps={steps}",
-           f"run.dir={run_dir}"]
-    return subprocess.run(cmd, env=child_env(None), cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxpar",
+        "launch",
+        "-n",
+        str(n),
+        "--devices-per-process",
+        str(8 // n),
+        "--",
+        "train",
+        *RUN,
+        *extra,
+        f"train.steps={steps}",
+        f"run.dir={run_dir}",
+    ]
+    return subprocess.run(
+        cmd, env=child_env(None), cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def single(run_dir: Path, steps: int, *extra: str):
     env = child_env(8)
-    cmd = [sys.executable, "-m", "jaxpar", "train", *RUN, *extra, f"train.steps={steps}",
-           f"run.dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxpar",
+        "train",
+        *RUN,
+        *extra,
+        f"train.steps={steps}",
+        f"run.dir={run_dir}",
+    ]
     return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=400)
 
 
@@ -82,38 +111,66 @@ def test_two_processes_match_one_and_hand_over_to_one(tmp_path, straight):
     assert all(line.startswith("[0] ") for line in warned) and len(set(warned)) == len(warned)
     got = losses(run_dir)
     assert sorted(got) == [1, 2, 3, 4]
-    np.testing.assert_allclose([got[s] for s in range(1, 5)],
-                               [straight[s] for s in range(1, 5)], rtol=1e-6)
+    np.testing.assert_allclose(
+        [got[s] for s in range(1, 5)], [straight[s] for s in range(1, 5)], rtol=1e-6
+    )
     one = single(run_dir, 6, *LAYOUT, "optim.momentum=0.5")  # resumes the checkpoint of 4
     assert one.returncode == 0, one.stderr[-3000:]
     got = losses(run_dir)
     assert sorted(got) == [1, 2, 3, 4, 5, 6]  # each step once
-    np.testing.assert_allclose([got[s] for s in (5, 6)], [straight[s] for s in (5, 6)],
-                               rtol=1e-6)
+    np.testing.assert_allclose([got[s] for s in (5, 6)], [straight[s] for s in (5, 6)], rtol=1e-6)
 
 
 def test_user_task_two_processes_match_one(tmp_path):
     """`jaxpar launch -n 2 -- train --task …`: a user's model (BatchNorm, dropout) with its own
     data function, each process loading its rows, gives the losses of one process."""
-    task = ["--task", "examples/research_cnn.py:TASK", "train.batch_size=16",
-            "train.log_every=1", "train.eval_every=2", "train.progress=false", "train.steps=4"]
-    cmd = [sys.executable, "-m", "jaxpar", "launch", "-n", "2", "--devices-per-process", "4",
-           "--", "train", *task, f"run.dir={tmp_path / 'two'}"]
-    two = subprocess.run(cmd, env=child_env(None), cwd=ROOT, capture_output=True, text=True,
-                         timeout=400)
+    task = [
+        "--task",
+        "examples/research_cnn.py:TASK",
+        "train.batch_size=16",
+        "train.log_every=1",
+        "train.eval_every=2",
+        "train.progress=false",
+        "train.steps=4",
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxpar",
+        "launch",
+        "-n",
+        "2",
+        "--devices-per-process",
+        "4",
+        "--",
+        "train",
+        *task,
+        f"run.dir={tmp_path / 'two'}",
+    ]
+    two = subprocess.run(
+        cmd, env=child_env(None), cwd=ROOT, capture_output=True, text=True, timeout=400
+    )
     assert two.returncode == 0, two.stdout[-3000:]
     env = child_env(8)
-    one = subprocess.run([sys.executable, "-m", "jaxpar", "train", *task,
-                          f"run.dir={tmp_path / 'one'}"], env=env, cwd=ROOT,
-                         capture_output=True, text=True, timeout=400)
+    one = subprocess.run(
+        [sys.executable, "-m", "jaxpar", "train", *task, f"run.dir={tmp_path / 'one'}"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert one.returncode == 0, one.stderr[-3000:]
     a, b = losses(tmp_path / "two"), losses(tmp_path / "one")
     assert sorted(a) == [1, 2, 3, 4]
     # BatchNorm's batch statistics are summed across the processes (gloo) in another order
     # than on one: f32 summation noise, as in the suite's other BatchNorm layout tests
     np.testing.assert_allclose([a[s] for s in sorted(a)], [b[s] for s in sorted(b)], rtol=1e-5)
-    evals = lambda d: [json.loads(line)["eval_loss"] for line in
-                       (d / "metrics.jsonl").read_text().splitlines() if "eval_loss" in line]
+    evals = lambda d: [
+        json.loads(line)["eval_loss"]
+        for line in (d / "metrics.jsonl").read_text().splitlines()
+        if "eval_loss" in line
+    ]
     np.testing.assert_allclose(evals(tmp_path / "two"), evals(tmp_path / "one"), rtol=1e-5)
 
 
@@ -137,14 +194,36 @@ def test_killing_one_process_stops_the_launch(tmp_path):
     """SIGKILL one of 2 training processes: the launcher says which one died and how,
     exits non-zero within a bounded time, and no process of the run is left behind."""
     run_dir = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "jaxpar", "launch", "-n", "2", "--devices-per-process", "4",
-           "--grace", "5", "--", "train", *RUN, "train.steps=100000", f"run.dir={run_dir}"]
-    launcher = subprocess.Popen(cmd, env=child_env(None), cwd=ROOT, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxpar",
+        "launch",
+        "-n",
+        "2",
+        "--devices-per-process",
+        "4",
+        "--grace",
+        "5",
+        "--",
+        "train",
+        *RUN,
+        "train.steps=100000",
+        f"run.dir={run_dir}",
+    ]
+    launcher = subprocess.Popen(
+        cmd,
+        env=child_env(None),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.time() + 300
         while time.time() < deadline and not (
-                (run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= 2):
+            (run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= 2
+        ):
             time.sleep(0.2)
         workers = _processes_with(str(run_dir))
         assert sorted(workers.values()) == [0, 1], workers
@@ -154,8 +233,10 @@ def test_killing_one_process_stops_the_launch(tmp_path):
         out, _ = launcher.communicate(timeout=60)
         assert launcher.returncode == 128 + signal.SIGKILL, out[-3000:]
         assert time.time() - killed_at < 60
-        assert (f"[launch] process 1 (pid {victim}) ended: killed by SIGKILL; stopping the "
-                "other 1 (grace 5 s)") in out
+        assert (
+            f"[launch] process 1 (pid {victim}) ended: killed by SIGKILL; stopping the "
+            "other 1 (grace 5 s)"
+        ) in out
         time.sleep(0.5)
         assert _processes_with(str(run_dir)) == {}
     finally:
@@ -170,15 +251,37 @@ def test_sigterm_to_a_launch_checkpoints_an_agreed_step(tmp_path, straight):
     them save the same step and exit 4; the launch exits 4 and resuming continues with the
     losses of an uninterrupted run."""
     run_dir = tmp_path / "preempted"
-    cmd = [sys.executable, "-m", "jaxpar", "launch", "-n", "2", "--devices-per-process", "4",
-           "--grace", "60", "--", "train", *RUN, *LAYOUT, "train.steps=100000",
-           f"run.dir={run_dir}"]
-    launcher = subprocess.Popen(cmd, env=child_env(None), cwd=ROOT, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxpar",
+        "launch",
+        "-n",
+        "2",
+        "--devices-per-process",
+        "4",
+        "--grace",
+        "60",
+        "--",
+        "train",
+        *RUN,
+        *LAYOUT,
+        "train.steps=100000",
+        f"run.dir={run_dir}",
+    ]
+    launcher = subprocess.Popen(
+        cmd,
+        env=child_env(None),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.time() + 300
         while time.time() < deadline and not (
-                (run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= 3):
+            (run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= 3
+        ):
             time.sleep(0.2)
         launcher.send_signal(signal.SIGTERM)
         out, _ = launcher.communicate(timeout=120)
@@ -186,16 +289,20 @@ def test_sigterm_to_a_launch_checkpoints_an_agreed_step(tmp_path, straight):
         if launcher.poll() is None:
             launcher.kill()
     assert launcher.returncode == 4, out[-3000:]
-    steps = {int(line.split("checkpoint of step ")[1].split()[0])
-             for line in out.splitlines() if "checkpoint of step " in line}
+    steps = {
+        int(line.split("checkpoint of step ")[1].split()[0])
+        for line in out.splitlines()
+        if "checkpoint of step " in line
+    }
     assert len(steps) == 1, out[-3000:]  # both processes name the same step
     step = steps.pop()
     assert (run_dir / "checkpoints" / str(step)).is_dir()
     assert single(run_dir, step + 2, *LAYOUT).returncode == 0  # resume in one process
     got, want = losses(run_dir), reference(straight, tmp_path, step + 2)
     assert sorted(got) == list(range(1, step + 3))
-    np.testing.assert_allclose([got[s] for s in (step + 1, step + 2)],
-                               [want[s] for s in (step + 1, step + 2)], rtol=1e-6)
+    np.testing.assert_allclose(
+        [got[s] for s in (step + 1, step + 2)], [want[s] for s in (step + 1, step + 2)], rtol=1e-6
+    )
 
 
 SLOW_STOP_HOOK = """
@@ -214,8 +321,22 @@ def test_ctrl_c_to_a_launch_checkpoints_once_and_kills_twice(tmp_path):
     """A first Ctrl-C (SIGINT) to the launcher: every process checkpoints the same step and
     the launch exits 4; on another launch, a second Ctrl-C kills every process at once
     (exit 130) and none is left behind."""
-    cmd = [sys.executable, "-m", "jaxpar", "launch", "-n", "2", "--devices-per-process", "4",
-           "--grace", "60", "--", "train", *RUN, "train.steps=100000"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxpar",
+        "launch",
+        "-n",
+        "2",
+        "--devices-per-process",
+        "4",
+        "--grace",
+        "60",
+        "--",
+        "train",
+        *RUN,
+        "train.steps=100000",
+    ]
     outputs = {}
     (tmp_path / "slow_stop.py").write_text(SLOW_STOP_HOOK)
     for presses in (1, 2):
@@ -223,13 +344,19 @@ def test_ctrl_c_to_a_launch_checkpoints_once_and_kills_twice(tmp_path):
         # with 2 presses, a hook holds the processes after their checkpoint starts, so the
         # second Ctrl-C surely finds them running
         hook = [f"train.hooks=[{tmp_path / 'slow_stop.py'}:SlowStop]"] if presses == 2 else []
-        launcher = subprocess.Popen([*cmd, *hook, f"run.dir={run_dir}"], env=child_env(None),
-                                    cwd=ROOT,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        launcher = subprocess.Popen(
+            [*cmd, *hook, f"run.dir={run_dir}"],
+            env=child_env(None),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         try:
             deadline = time.time() + 300
             while time.time() < deadline and not (
-                    (run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= 2):
+                (run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= 2
+            ):
                 time.sleep(0.2)
             launcher.send_signal(signal.SIGINT)
             if presses == 2:
@@ -253,8 +380,11 @@ def test_ctrl_c_to_a_launch_checkpoints_once_and_kills_twice(tmp_path):
             out = outputs[1]
             assert launcher.returncode == 4, out[-3000:]
             assert "[launch] Ctrl-C: asking every process to checkpoint and stop" in out
-            steps = {int(line.split("checkpoint of step ")[1].split()[0])
-                     for line in out.splitlines() if "checkpoint of step " in line}
+            steps = {
+                int(line.split("checkpoint of step ")[1].split()[0])
+                for line in out.splitlines()
+                if "checkpoint of step " in line
+            }
             assert len(steps) == 1, out[-3000:]
             assert (run_dir / "checkpoints" / str(steps.pop())).is_dir()
             assert "Traceback" not in out
@@ -265,8 +395,13 @@ def test_sub_mesh_pipeline_two_processes_match_one(tmp_path):
     has devices in both, and each process moves its own shards between the stages; the
     losses are one process's. Processes split along stage instead are refused in one line
     (each process loads its own rows, which stage does not split)."""
-    mpmd = ["mesh.stage=2", "mesh.data=4", "pipeline.executor=mpmd", "pipeline.microbatches=4",
-            "checkpoint.every_steps=0"]
+    mpmd = [
+        "mesh.stage=2",
+        "mesh.data=4",
+        "pipeline.executor=mpmd",
+        "pipeline.microbatches=4",
+        "checkpoint.every_steps=0",
+    ]
     two = launch(2, tmp_path / "two", 3, *mpmd)
     assert two.returncode == 0, two.stdout[-3000:]
     one = single(tmp_path / "one", 3, *mpmd)
@@ -276,5 +411,6 @@ def test_sub_mesh_pipeline_two_processes_match_one(tmp_path):
     np.testing.assert_allclose([a[s] for s in (1, 2, 3)], [b[s] for s in (1, 2, 3)], rtol=1e-6)
     across = launch(2, tmp_path / "across", 1, *mpmd, "mesh.hosts_stage=2", "mesh.hosts_data=1")
     assert across.returncode == 2
-    assert ("processes split the mesh along stage, which does not split the batch rows"
-            in across.stdout)
+    assert (
+        "processes split the mesh along stage, which does not split the batch rows" in across.stdout
+    )

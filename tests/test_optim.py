@@ -24,6 +24,7 @@ def OptimConfig(**fields):  # noqa: N802 - stands in for the dataclass
     so each test states every setting it relies on."""
     return _OptimConfig(**{"warmup_steps": 0, "weight_decay": 0.0, **fields})
 
+
 REL = 1e-5  # float32 schedules
 
 
@@ -90,9 +91,7 @@ def test_linear_decay():
 
 def test_step_lr_boundaries():
     lr, warm, every, gamma = 1.0, 5, 10, 0.5
-    cfg = OptimConfig(
-        lr=lr, warmup_steps=warm, schedule="step", step_every=every, step_gamma=gamma
-    )
+    cfg = OptimConfig(lr=lr, warmup_steps=warm, schedule="step", step_every=every, step_gamma=gamma)
     sched = make_schedule(cfg, 1000)
     for t in (5, 14, 15, 24, 25, 34, 35, 105):
         want = lr * gamma ** math.floor((t - warm) / every)
@@ -277,8 +276,11 @@ def test_warmup_as_a_fraction_of_the_run():
 
 @pytest.mark.parametrize("schedule", ["cosine", "linear"])
 def test_warmup_longer_than_the_run_is_clamped_with_a_warning(schedule):
-    with pytest.warns(UserWarning, match=r"optim.warmup_steps=100 is not shorter than "
-                                         r"train.steps=10: warming up for 9 steps"):
+    with pytest.warns(
+        UserWarning,
+        match=r"optim.warmup_steps=100 is not shorter than "
+        r"train.steps=10: warming up for 9 steps",
+    ):
         sched = make_schedule(OptimConfig(lr=1.0, warmup_steps=100, schedule=schedule), 10)
     assert lr_at(sched, 3) == pytest.approx(1 / 3, rel=REL)  # 9 warmup steps
     assert lr_at(sched, 9) == pytest.approx(1.0, rel=REL)
@@ -335,8 +337,14 @@ def test_constant_schedule_allows_long_warmup():
 
 def test_adafactor_weight_decay_is_decoupled_like_adamw():
     """With zero gradients, Adafactor's update is exactly -lr·wd·p on matrices only."""
-    cfg = OptimConfig(name="adafactor", lr=0.1, weight_decay=0.5, schedule="constant",
-                      warmup_steps=0, clip_norm=0.0)
+    cfg = OptimConfig(
+        name="adafactor",
+        lr=0.1,
+        weight_decay=0.5,
+        schedule="constant",
+        warmup_steps=0,
+        clip_norm=0.0,
+    )
     params = {"w": jnp.full((4, 4), 2.0), "b": jnp.full((4,), 2.0)}
     tx, _ = make_optimizer(cfg, total_steps=10, mask=decay_mask(params))
     zeros = jax.tree.map(jnp.zeros_like, params)

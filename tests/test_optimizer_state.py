@@ -32,12 +32,19 @@ class TwoOfAShape(nnx.Module):
 
 def _data(step, n):
     rng = np.random.default_rng(step)
-    return {"x": rng.normal(size=(n, 16)).astype(np.float32),
-            "y": rng.normal(size=(n, 16)).astype(np.float32)}
+    return {
+        "x": rng.normal(size=(n, 16)).astype(np.float32),
+        "y": rng.normal(size=(n, 16)).astype(np.float32),
+    }
 
 
-TASK = jaxpar.Task(TwoOfAShape, lambda m, b: (((m(b["x"]) - b["y"]) ** 2).mean(), {}),
-                   {"x": ("batch", None), "y": ("batch", None)}, data=_data, name="two")
+TASK = jaxpar.Task(
+    TwoOfAShape,
+    lambda m, b: (((m(b["x"]) - b["y"]) ** 2).mean(), {}),
+    {"x": ("batch", None), "y": ("batch", None)},
+    data=_data,
+    name="two",
+)
 LAYOUT = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.batch_size=16"]
 
 
@@ -71,8 +78,9 @@ def check_leaf_by_leaf(run):
             assert sharding.is_fully_replicated, where
             replicated += 1
     state = trainer.init()  # and the state really is born with those shardings
-    for leaf, sharding in zip(jax.tree.leaves(state.opt_state),
-                              jax.tree.leaves(plan.state_shardings.opt_state)):
+    for leaf, sharding in zip(
+        jax.tree.leaves(state.opt_state), jax.tree.leaves(plan.state_shardings.opt_state)
+    ):
         assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
     return sharded, replicated
 
@@ -88,8 +96,9 @@ def test_builtin_optimizers_state_follows_parameters(name, moments):
         assert sharded == moments * n_params and run.plan.opt_replicated == []
     else:  # Adafactor: factored rows/columns are not parameter-shaped → replicated, noted
         assert sharded >= 1 and run.plan.opt_replicated
-        assert all("v_row" in p or "v_col" in p or "v" in p.split("/")
-                   for p, _ in run.plan.opt_replicated)
+        assert all(
+            "v_row" in p or "v_col" in p or "v" in p.split("/") for p, _ in run.plan.opt_replicated
+        )
 
 
 def test_user_chain_with_masked_and_multisteps():
@@ -98,10 +107,14 @@ def test_user_chain_with_masked_and_multisteps():
     one shape keep their own shardings; the chain trains."""
     is_matrix = lambda p: jax.tree.map(lambda x: x.ndim == 2, p)
     is_vector = lambda p: jax.tree.map(lambda x: x.ndim == 1, p)
-    tx = optax.MultiSteps(optax.chain(
-        optax.clip_by_global_norm(1.0),
-        optax.masked(optax.adamw(1e-2), is_matrix),
-        optax.masked(optax.sgd(1e-2, momentum=0.9), is_vector)), every_k_schedule=2)
+    tx = optax.MultiSteps(
+        optax.chain(
+            optax.clip_by_global_norm(1.0),
+            optax.masked(optax.adamw(1e-2), is_matrix),
+            optax.masked(optax.sgd(1e-2, momentum=0.9), is_vector),
+        ),
+        every_k_schedule=2,
+    )
     run = build(load_config([], LAYOUT), TASK, tx)
     sharded, _ = check_leaf_by_leaf(run)
     # acc_grads (3) + adamw mu, nu (2 × 2 matrices) + sgd trace (1 vector)
@@ -127,21 +140,41 @@ def test_lr_is_logged_when_readable_and_never_nan(tmp_path):
     warmup = ["optim.lr=1e-2", "optim.warmup_steps=4", "optim.schedule=constant"]
     jaxpar_tx, schedule = jaxpar.make_optimizer(load_config([], warmup).optim, 6)
     injected = optax.inject_hyperparams(optax.adam)(
-        learning_rate=optax.linear_schedule(0.0, 1e-2, 4))
+        learning_rate=optax.linear_schedule(0.0, 1e-2, 4)
+    )
     at = lambda counts: [float(schedule(c)) for c in counts]
     expected = {  # the rate each step's update applied (the last applied one in between)
-        "injected": at(range(6)), "config": at(range(6)), "plain": [None] * 6,
+        "injected": at(range(6)),
+        "config": at(range(6)),
+        "plain": [None] * 6,
         # MultiSteps updates every second step: counts 0, 1, 2 on steps 2, 4, 6; the
         # accumulating steps log the rate of the last update (step 1: the initial one)
         "multisteps": at([0, 0, 0, 1, 1, 2]),
     }
-    for name, tx in (("injected", injected), ("plain", optax.adam(1e-2)), ("config", None),
-                     ("multisteps", optax.MultiSteps(jaxpar_tx, every_k_schedule=2))):
+    for name, tx in (
+        ("injected", injected),
+        ("plain", optax.adam(1e-2)),
+        ("config", None),
+        ("multisteps", optax.MultiSteps(jaxpar_tx, every_k_schedule=2)),
+    ):
         run_dir = tmp_path / name
         own = warmup if tx is None else []  # the config's optim section builds None
-        jaxpar.train(load_config([], [*LAYOUT, *own, "train.steps=6", "train.log_every=1",
-                                      "train.progress=false", f"run.dir={run_dir}"]),
-                     task=TASK, optimizer=tx, echo=False)
+        jaxpar.train(
+            load_config(
+                [],
+                [
+                    *LAYOUT,
+                    *own,
+                    "train.steps=6",
+                    "train.log_every=1",
+                    "train.progress=false",
+                    f"run.dir={run_dir}",
+                ],
+            ),
+            task=TASK,
+            optimizer=tx,
+            echo=False,
+        )
         lrs = _logged_lrs(run_dir)
         if name == "plain":
             assert lrs == expected[name]
@@ -152,19 +185,36 @@ def test_lr_is_logged_when_readable_and_never_nan(tmp_path):
 def test_logged_lr_skips_a_non_finite_step(tmp_path):
     """A step the guard skips leaves the optimizer's count where it was: the next step
     applies (and logs) the rate the skipped one would have."""
+
     def data(step, n):
         batch = _data(step, n)
         return {**batch, "x": batch["x"] * np.nan} if step == 1 else batch
 
     task = jaxpar.Task(TwoOfAShape, TASK.loss_fn, TASK.batch_axes, name="two", data=data)
     run_dir = tmp_path / "skip"
-    jaxpar.train(load_config([], [*LAYOUT, "optim.lr=1e-2", "optim.warmup_steps=4",
-                                  "optim.schedule=constant", "train.steps=4",
-                                  "train.nonfinite=skip",
-                                  "train.log_every=1", "train.progress=false",
-                                  f"run.dir={run_dir}"]), task=task, echo=False)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-            if "loss" in json.loads(line)]
+    jaxpar.train(
+        load_config(
+            [],
+            [
+                *LAYOUT,
+                "optim.lr=1e-2",
+                "optim.warmup_steps=4",
+                "optim.schedule=constant",
+                "train.steps=4",
+                "train.nonfinite=skip",
+                "train.log_every=1",
+                "train.progress=false",
+                f"run.dir={run_dir}",
+            ],
+        ),
+        task=task,
+        echo=False,
+    )
+    rows = [
+        json.loads(line)
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if "loss" in json.loads(line)
+    ]
     assert [r["skipped"] for r in rows] == [0, 1, 1, 1]
     # counts 0, 1 (attempted, skipped), 1, 2
     np.testing.assert_allclose([r["lr"] for r in rows], [0.0, 2.5e-3, 2.5e-3, 5e-3], rtol=1e-6)
@@ -173,8 +223,18 @@ def test_logged_lr_skips_a_non_finite_step(tmp_path):
 def test_inspect_notes_replicated_optimizer_state(capsys):
     from jaxpar.cli import main
 
-    assert main(["inspect", "configs/gpt_tiny.yaml", "mesh.data=1", "mesh.fsdp=8",
-                 "optim.name=adafactor"]) == 0
+    assert (
+        main(
+            [
+                "inspect",
+                "configs/gpt_tiny.yaml",
+                "mesh.data=1",
+                "mesh.fsdp=8",
+                "optim.name=adafactor",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "optimizer-state arrays are not parameter-shaped and are replicated" in out
     assert "v_row" in out or "v_col" in out

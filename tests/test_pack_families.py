@@ -33,24 +33,50 @@ from tests.test_packing import (  # noqa: F401  (records: a fixture)
     records,
 )
 
-GEMMA = ["model.name=gemma", "model.d_model=16", "model.n_heads=2", "model.n_kv_heads=1",
-         "model.head_size=8", "model.d_ff=32", "model.n_layers=4", "model.sliding_window=4",
-         "model.sliding_window_pattern=2"]
+GEMMA = [
+    "model.name=gemma",
+    "model.d_model=16",
+    "model.n_heads=2",
+    "model.n_kv_heads=1",
+    "model.head_size=8",
+    "model.d_ff=32",
+    "model.n_layers=4",
+    "model.sliding_window=4",
+    "model.sliding_window_pattern=2",
+]
 FAMILIES = {
     # Gemma 3: q/k norms, two rotary bases, its own attention scale; attention by attend
-    "gemma3": [*GEMMA, "model.qk_norm=true", "model.rope_theta=1e6",
-               "model.query_pre_attn_scalar=12"],
+    "gemma3": [
+        *GEMMA,
+        "model.qk_norm=true",
+        "model.rope_theta=1e6",
+        "model.query_pre_attn_scalar=12",
+    ],
     # Gemma 2: soft-capped attention (written out in jnp) and output logits
     "gemma2": [*GEMMA, "model.attn_softcap=2", "model.final_softcap=5"],
-    "bert": ["model.name=bert", "model.d_model=16", "model.n_heads=2", "model.d_ff=32",
-             "model.n_layers=2", "model.dropout=0"],
+    "bert": [
+        "model.name=bert",
+        "model.d_model=16",
+        "model.n_heads=2",
+        "model.d_ff=32",
+        "model.n_layers=2",
+        "model.dropout=0",
+    ],
 }
 
 
 def _run(path: str, family: str, extra: list[str], devices: int = 8):
-    overrides = [f"model.max_seq_len={T}", f"data.seq_len={T}", f"train.batch_size={B}",
-                 f"data.path={path}", "optim.warmup_steps=0", *FAMILIES[family], *extra,
-                 "train.steps=1", f"run.devices={devices}"]
+    overrides = [
+        f"model.max_seq_len={T}",
+        f"data.seq_len={T}",
+        f"train.batch_size={B}",
+        f"data.path={path}",
+        "optim.warmup_steps=0",
+        *FAMILIES[family],
+        *extra,
+        "train.steps=1",
+        f"run.devices={devices}",
+    ]
     return build(load_config([], overrides))
 
 
@@ -126,8 +152,13 @@ LAYOUTS = [  # (family, layout)
     ("gemma3", "mesh.context=4,context.attention=all_gather"),
     ("gemma3", "mesh.context=2,context.attention=ring,mesh.tensor=2"),
     ("gemma3", "mesh.stage=2,mesh.context=2,pipeline.microbatches=2"),
-    ("gemma3", ("mesh.stage=2,mesh.context=2,pipeline.microbatches=2,pipeline.executor=mpmd,"
-                "context.attention=ring")),
+    (
+        "gemma3",
+        (
+            "mesh.stage=2,mesh.context=2,pipeline.microbatches=2,pipeline.executor=mpmd,"
+            "context.attention=ring"
+        ),
+    ),
     ("gemma2", "one device"),
     ("gemma2", "mesh.context=2,context.attention=all_gather"),
     ("gemma2", "mesh.context=4,context.attention=ring"),
@@ -145,13 +176,23 @@ LAYOUTS = [  # (family, layout)
 # each strategy, Gemma 3 balanced: all_gather in its pipeline), a pipeline; the rest
 # exhaustive. (The spmd executor
 # with context.attention=ring deadlocks on XLA:CPU whatever data.pack says; docs/context.md.)
-@pytest.mark.parametrize("family,layout", grid(
-    [pytest.param(*c, id=f"{c[0]}-{c[1]}") for c in LAYOUTS],
-    {"gemma3-one device", "gemma3-mesh.context=4,context.attention=ring",
-     "gemma3-mesh.stage=2,mesh.context=2,pipeline.microbatches=2", "gemma2-one device",
-     "gemma2-mesh.context=2,context.attention=all_gather", "bert-one device",
-     "bert-mesh.context=2,context.attention=all_gather",
-     "bert-mesh.context=4,context.attention=ring", "bert-mesh.stage=2,pipeline.microbatches=2"}))
+@pytest.mark.parametrize(
+    "family,layout",
+    grid(
+        [pytest.param(*c, id=f"{c[0]}-{c[1]}") for c in LAYOUTS],
+        {
+            "gemma3-one device",
+            "gemma3-mesh.context=4,context.attention=ring",
+            "gemma3-mesh.stage=2,mesh.context=2,pipeline.microbatches=2",
+            "gemma2-one device",
+            "gemma2-mesh.context=2,context.attention=all_gather",
+            "bert-one device",
+            "bert-mesh.context=2,context.attention=all_gather",
+            "bert-mesh.context=4,context.attention=ring",
+            "bert-mesh.stage=2,pipeline.microbatches=2",
+        },
+    ),
+)
 def test_packed_loss_is_the_mean_of_each_document_alone(records, family, layout):  # noqa: F811
     """Loss and every gradient of a packed batch equal those of the batch's documents each
     run alone (Gemma: the token-weighted mean of their next-token losses, padded causally;
@@ -171,15 +212,18 @@ def test_packed_loss_is_the_mean_of_each_document_alone(records, family, layout)
     assert_params_close(grads, want_grads, elementwise=False, rtol=1e-4)
 
 
-@pytest.mark.parametrize("family", grid([pytest.param("gemma2", id="gemma2"),
-                                         pytest.param("gemma3", id="gemma3")], {"gemma2"}))
+@pytest.mark.parametrize(
+    "family",
+    grid([pytest.param("gemma2", id="gemma2"), pytest.param("gemma3", id="gemma3")], {"gemma2"}),
+)
 def test_gemma_concat_and_documents_differ_where_documents_meet(records, family):  # noqa: F811
     """Per-token losses: each window's first document reads the same under both; the later
     ones differ (concat's full layers see the documents before them), and so do the batch
     losses."""
     run, params, batch, _ = _one_device(records, family)
-    check_concat_and_documents_differ(run, _run(records, family, ["mesh.data=1"], devices=1),
-                                      params, batch)
+    check_concat_and_documents_differ(
+        run, _run(records, family, ["mesh.data=1"], devices=1), params, batch
+    )
 
 
 def test_bert_concat_and_documents_differ_where_documents_meet(records):  # noqa: F811
@@ -192,11 +236,15 @@ def test_bert_concat_and_documents_differ_where_documents_meet(records):  # noqa
     segments = batch["segments"].copy()
     segments[0] = 0  # window 0 read as one document
     docs = lm_documents({"tokens": batch["tokens"], "segments": segments}, np.arange(T))
-    logits = {pack: np.asarray(model.logits(model.run_blocks(
-        model.embed_tokens(jnp.asarray(inputs), keys, d), keys, 0, d)))
-        for pack, d in (("concat", None), ("documents", docs))}
-    np.testing.assert_allclose(logits["documents"][0], logits["concat"][0], rtol=1e-5,
-                               atol=1e-5)
+    logits = {
+        pack: np.asarray(
+            model.logits(
+                model.run_blocks(model.embed_tokens(jnp.asarray(inputs), keys, d), keys, 0, d)
+            )
+        )
+        for pack, d in (("concat", None), ("documents", docs))
+    }
+    np.testing.assert_allclose(logits["documents"][0], logits["concat"][0], rtol=1e-5, atol=1e-5)
     gap = np.abs(logits["documents"][1:] - logits["concat"][1:]).max(-1)
     assert (gap > 1e-4).mean() > 0.95
     concat = _run(records, "bert", ["mesh.data=1"], devices=1)
@@ -217,8 +265,11 @@ def test_gemma_packed_and_masked_is_the_completion_only_mean(tokens):  # noqa: F
     model = run.plan.task.build_model()
     _load(model, params)
     inputs, targets, pos = lm_sequence(batch)
-    ce = np.asarray(optax.softmax_cross_entropy_with_integer_labels(
-        model(inputs, pos, lm_documents(batch, pos)), targets))
+    ce = np.asarray(
+        optax.softmax_cross_entropy_with_integer_labels(
+            model(inputs, pos, lm_documents(batch, pos)), targets
+        )
+    )
     mask = batch["loss_mask"][:, 1:].astype(bool)
     assert 0.1 < mask.mean() < 0.9
     loss = _grads(run, params, batch)[0]

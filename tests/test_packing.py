@@ -26,8 +26,11 @@ from jaxpar.run import build
 from tests.helpers import assert_params_close, grid
 
 T, B = 32, 8
-FAMILIES = {"gpt": [], "rotary": ["model.positions=rotary"],
-            "llama": ["model.name=llama", "model.n_kv_heads=1"]}
+FAMILIES = {
+    "gpt": [],
+    "rotary": ["model.positions=rotary"],
+    "llama": ["model.name=llama", "model.n_kv_heads=1"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -35,25 +38,38 @@ def records(tmp_path_factory) -> str:
     """Documents of 3 to 29 letters, one a record: a window of 32 holds several."""
     rng = np.random.default_rng(0)
     path = tmp_path_factory.mktemp("packing") / "docs.jsonl"
-    lines = ["".join(chr(97 + c) for c in rng.integers(0, 26, rng.integers(3, 30)))
-             for _ in range(400)]
+    lines = [
+        "".join(chr(97 + c) for c in rng.integers(0, 26, rng.integers(3, 30))) for _ in range(400)
+    ]
     path.write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
     return str(path)
 
 
 def _run(path: str, family: str, extra: list[str], devices: int = 8):
-    overrides = ["model.d_model=16", "model.n_heads=2", "model.d_ff=32", "model.n_layers=2",
-                 f"model.max_seq_len={T}", f"data.seq_len={T}", f"train.batch_size={B}",
-                 f"data.path={path}", "optim.warmup_steps=0", *FAMILIES[family], *extra,
-                 "train.steps=1", f"run.devices={devices}"]
+    overrides = [
+        "model.d_model=16",
+        "model.n_heads=2",
+        "model.d_ff=32",
+        "model.n_layers=2",
+        f"model.max_seq_len={T}",
+        f"data.seq_len={T}",
+        f"train.batch_size={B}",
+        f"data.path={path}",
+        "optim.warmup_steps=0",
+        *FAMILIES[family],
+        *extra,
+        "train.steps=1",
+        f"run.devices={devices}",
+    ]
     return build(load_config([], overrides))
 
 
 def _grads(run, params, batch):
     """Loss and gradients (host arrays) of ``batch`` at ``params`` through the run's step."""
     params = jax.device_put(params, run.plan.state_shardings.params)
-    loss, _, grads = run.trainer.grads(params, run.trainer.shard_batch(batch),
-                                       run.trainer.init().model_state)
+    loss, _, grads = run.trainer.grads(
+        params, run.trainer.shard_batch(batch), run.trainer.init().model_state
+    )
     return float(loss), jax.tree.map(np.asarray, grads)
 
 
@@ -68,7 +84,7 @@ def _alone(batch: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.nda
     inputs, targets = np.zeros((2, len(rows), T), np.int32)
     weights = np.zeros((len(rows), T), np.float32)
     for i, (x, y) in enumerate(rows):
-        inputs[i, :len(x)], targets[i, :len(y)], weights[i, :len(x)] = x, y, 1.0
+        inputs[i, : len(x)], targets[i, : len(y)], weights[i, : len(x)] = x, y, 1.0
     return inputs, targets, weights
 
 
@@ -111,8 +127,13 @@ LAYOUTS = [  # (family, layout)
     ("llama", "mesh.context=2,context.attention=all_gather"),
     ("llama", "mesh.context=4,context.attention=ring"),
     ("llama", "mesh.stage=2,mesh.context=2,pipeline.microbatches=2"),
-    ("llama", ("mesh.stage=2,mesh.context=2,pipeline.microbatches=2,pipeline.executor=mpmd,"
-               "context.attention=ring")),
+    (
+        "llama",
+        (
+            "mesh.stage=2,mesh.context=2,pipeline.microbatches=2,pipeline.executor=mpmd,"
+            "context.attention=ring"
+        ),
+    ),
 ]
 
 
@@ -120,13 +141,21 @@ LAYOUTS = [  # (family, layout)
 # a pipeline with context; the rest (the other degree, mpmd, rotary GPT) exhaustive. (The
 # spmd executor with context.attention=ring deadlocks at run time on XLA:CPU whatever
 # data.pack says — its ring's sends run inside one stage's branch; docs/context.md.)
-@pytest.mark.parametrize("family,layout", grid(
-    [pytest.param(*c, id=f"{c[0]}-{c[1]}") for c in LAYOUTS],
-    {"gpt-one device", "gpt-mesh.context=4,context.attention=ring",
-     "gpt-mesh.context=2,context.attention=all_gather",
-     "gpt-mesh.stage=2,mesh.context=2,pipeline.microbatches=2", "llama-one device",
-     "llama-mesh.context=2,context.attention=all_gather",
-     "llama-mesh.stage=2,mesh.context=2,pipeline.microbatches=2"}))
+@pytest.mark.parametrize(
+    "family,layout",
+    grid(
+        [pytest.param(*c, id=f"{c[0]}-{c[1]}") for c in LAYOUTS],
+        {
+            "gpt-one device",
+            "gpt-mesh.context=4,context.attention=ring",
+            "gpt-mesh.context=2,context.attention=all_gather",
+            "gpt-mesh.stage=2,mesh.context=2,pipeline.microbatches=2",
+            "llama-one device",
+            "llama-mesh.context=2,context.attention=all_gather",
+            "llama-mesh.stage=2,mesh.context=2,pipeline.microbatches=2",
+        },
+    ),
+)
 def test_packed_loss_is_the_mean_of_each_document_alone(records, family, layout):
     """Loss and every gradient of a packed batch equal the token-weighted mean of the
     batch's documents each run alone (balanced order under context parallelism)."""
@@ -149,8 +178,9 @@ def test_concat_and_documents_differ_where_documents_meet(records, family):
     positions start at 0 either way); every later one differs (concat lets it see the
     documents before it, at their positions), and so do the batch losses."""
     run, params, batch, _ = _one_device(records, family)
-    check_concat_and_documents_differ(run, _run(records, family, ["mesh.data=1"], devices=1),
-                                      params, batch)
+    check_concat_and_documents_differ(
+        run, _run(records, family, ["mesh.data=1"], devices=1), params, batch
+    )
 
 
 def check_concat_and_documents_differ(run, concat, params, batch) -> None:
@@ -160,9 +190,12 @@ def check_concat_and_documents_differ(run, concat, params, batch) -> None:
     model = run.plan.task.build_model()
     _load(model, params)
     inputs, targets, pos = lm_sequence(batch)
-    ce = {pack: np.asarray(optax.softmax_cross_entropy_with_integer_labels(
-        model(inputs, pos, docs), targets))
-        for pack, docs in (("concat", None), ("documents", lm_documents(batch, pos)))}
+    ce = {
+        pack: np.asarray(
+            optax.softmax_cross_entropy_with_integer_labels(model(inputs, pos, docs), targets)
+        )
+        for pack, docs in (("concat", None), ("documents", lm_documents(batch, pos)))
+    }
     first = batch["segments"][:, :-1] == 0
     np.testing.assert_allclose(ce["documents"][first], ce["concat"][first], rtol=1e-5)
     assert (np.abs(ce["documents"] - ce["concat"])[~first] > 1e-4).mean() > 0.9
@@ -179,9 +212,19 @@ def _load(model: nnx.Module, params) -> None:
 
 def test_one_document_packs_as_concat():
     """The built-in corpus is one document: ``documents`` trains concat's numbers."""
-    common = ["model.d_model=16", "model.n_heads=2", "model.d_ff=32", "model.n_layers=1",
-              "model.max_seq_len=16", "data.seq_len=16", "train.batch_size=4",
-              "mesh.data=1", "run.devices=1", "train.steps=1", "optim.warmup_steps=0"]
+    common = [
+        "model.d_model=16",
+        "model.n_heads=2",
+        "model.d_ff=32",
+        "model.n_layers=1",
+        "model.max_seq_len=16",
+        "data.seq_len=16",
+        "train.batch_size=4",
+        "mesh.data=1",
+        "run.devices=1",
+        "train.steps=1",
+        "optim.warmup_steps=0",
+    ]
     runs = [build(load_config([], [*common, f"data.pack={p}"])) for p in ("concat", "documents")]
     params = jax.tree.map(np.asarray, runs[0].trainer.init().params)
     losses = [_grads(r, params, r.data.batch(0, 4))[0] for r in runs]
@@ -207,8 +250,7 @@ def test_document_positions_and_attend_with_segments():
     q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 6, 2, 4))
     out = jaxpar.attend(q, k, v, segments=segments)
     for lo, hi in ((0, 3), (3, 5), (5, 6)):
-        alone = jax.nn.dot_product_attention(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi],
-                                             is_causal=True)
+        alone = jax.nn.dot_product_attention(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], is_causal=True)
         np.testing.assert_allclose(out[:, lo:hi], alone, rtol=1e-6, atol=1e-6)
 
 
@@ -218,5 +260,16 @@ def test_a_model_that_cannot_pack_is_one_line(records):
     text family packs: Gemma and BERT in tests/test_pack_families.py.)"""
     plain = gpt.task(gpt.GPTConfig(max_seq_len=16), 16)
     with pytest.raises(DataError, match=r"^data.pack=documents: .* set data.pack=concat$"):
-        build(load_config([], [f"data.path={records}", "data.pack=documents",
-                               "data.seq_len=16", "run.devices=1", "mesh.data=1"]), plain)
+        build(
+            load_config(
+                [],
+                [
+                    f"data.path={records}",
+                    "data.pack=documents",
+                    "data.seq_len=16",
+                    "run.devices=1",
+                    "mesh.data=1",
+                ],
+            ),
+            plain,
+        )

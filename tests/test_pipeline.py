@@ -20,19 +20,36 @@ from jaxpar.pipeline.schedule import SCHEDULES
 from jaxpar.run import build
 from tests.helpers import assert_params_close, grid, run_steps
 
-TINY = ["model.d_model=16", "model.n_heads=2", "model.d_ff=32", "model.max_seq_len=8",
-        "data.seq_len=8", "train.batch_size=32", "optim.warmup_steps=0"]
+TINY = [
+    "model.d_model=16",
+    "model.n_heads=2",
+    "model.d_ff=32",
+    "model.max_seq_len=8",
+    "data.seq_len=8",
+    "train.batch_size=32",
+    "optim.warmup_steps=0",
+]
 LR = 0.5
 
 
 def build_run(p=1, m=0, schedule="1f1b", v=1, data=1, tensor=1, fsdp=1, extra=()):
     layers = max(4, p * v)
-    overrides = [*TINY, f"model.n_layers={layers}", f"mesh.stage={p}", f"mesh.data={data}",
-                 f"mesh.tensor={tensor}", f"mesh.fsdp={fsdp}", *extra,
-                 f"run.devices={p * data * tensor * fsdp}"]
+    overrides = [
+        *TINY,
+        f"model.n_layers={layers}",
+        f"mesh.stage={p}",
+        f"mesh.data={data}",
+        f"mesh.tensor={tensor}",
+        f"mesh.fsdp={fsdp}",
+        *extra,
+        f"run.devices={p * data * tensor * fsdp}",
+    ]
     if p > 1:
-        overrides += [f"pipeline.schedule={schedule}", f"pipeline.microbatches={m}",
-                      f"pipeline.virtual_stages={v}"]
+        overrides += [
+            f"pipeline.schedule={schedule}",
+            f"pipeline.microbatches={m}",
+            f"pipeline.virtual_stages={v}",
+        ]
     return build(load_config([], overrides))
 
 
@@ -52,10 +69,22 @@ def reference(layers, extra=()):
 def sgd_steps(run, init, batches, fill=None):
     """Per-step (loss, grads) and final params of SGD from ``init`` over ``batches``."""
     trainer, plan = run.trainer, run.plan
-    grads_fn = trainer.grads if fill is None else jax.jit(
-        lambda p, b: pipeline_grads(plan.task.stages, plan.model.graphdef, p, b,
-                                    table=plan.pipeline, mesh=plan.mesh,
-                                    rules=plan.rules, bubble_value=fill))
+    grads_fn = (
+        trainer.grads
+        if fill is None
+        else jax.jit(
+            lambda p, b: pipeline_grads(
+                plan.task.stages,
+                plan.model.graphdef,
+                p,
+                b,
+                table=plan.pipeline,
+                mesh=plan.mesh,
+                rules=plan.rules,
+                bubble_value=fill,
+            )
+        )
+    )
     params, history = init, []
     for batch in batches:
         sharded = jax.device_put(params, plan.state_shardings.params)
@@ -78,8 +107,9 @@ def assert_close(actual, expected):
     flat = jax.tree_util.tree_leaves_with_path(actual)
     assert len(flat) == len(jax.tree.leaves(expected))
     for (path, a), e in zip(flat, jax.tree.leaves(expected)):
-        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5 * np.abs(e).max(),
-                                   err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(
+            a, e, rtol=1e-5, atol=1e-5 * np.abs(e).max(), err_msg=jax.tree_util.keystr(path)
+        )
 
 
 def assert_matches_reference(run, fill=None, extra=()):
@@ -99,13 +129,22 @@ def assert_matches_reference(run, fill=None, extra=()):
 # and zero-bubble schedules (test_train_step_matches_unpipelined runs each at p = 2); the
 # rest is `exhaustive` (the composition with the other axes is tested by
 # test_pipeline_with_fsdp_and_all_axes in every suite).
-CASES = [pytest.param(s, p, k * p, v, combo, id=f"{s}-p{p}-m{k * p}-{combo}",
-                      marks=() if (k, combo) == (2, "alone") and (p == 4) == (v > 1 or s == "zb_h1")
-                      else pytest.mark.exhaustive)
-         for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb_h1", 1))
-         for p in (2, 4)
-         for k, combo in ((1, "alone"), (2, "alone"), (4, "alone"), (2, "data=2"),
-                          (2, "tensor=2"))]
+CASES = [
+    pytest.param(
+        s,
+        p,
+        k * p,
+        v,
+        combo,
+        id=f"{s}-p{p}-m{k * p}-{combo}",
+        marks=()
+        if (k, combo) == (2, "alone") and (p == 4) == (v > 1 or s == "zb_h1")
+        else pytest.mark.exhaustive,
+    )
+    for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb_h1", 1))
+    for p in (2, 4)
+    for k, combo in ((1, "alone"), (2, "alone"), (4, "alone"), (2, "data=2"), (2, "tensor=2"))
+]
 assert {c.values[0] for c in CASES} == set(SCHEDULES)
 
 
@@ -118,9 +157,16 @@ def test_schedule_matches_unpipelined(schedule, p, m, v, combo):
     assert_matches_reference(run)
 
 
-@pytest.mark.parametrize("schedule,v", grid(
-    [pytest.param(s, v, id=f"{s}-{v}") for s, v in (("1f1b", 1), ("zb_h1", 1), ("interleaved", 2))],
-    {"zb_h1-1", "interleaved-2"}))
+@pytest.mark.parametrize(
+    "schedule,v",
+    grid(
+        [
+            pytest.param(s, v, id=f"{s}-{v}")
+            for s, v in (("1f1b", 1), ("zb_h1", 1), ("interleaved", 2))
+        ],
+        {"zb_h1-1", "interleaved-2"},
+    ),
+)
 def test_pipeline_with_fsdp_and_all_axes(schedule, v):
     """stage=2 with fsdp=2, and with data=2 × tensor=2 on all 8 devices."""
     assert_matches_reference(build_run(2, 4, schedule, v, fsdp=2))
@@ -137,9 +183,13 @@ def test_grad_accumulation_composes_with_microbatches(schedule, v):
     assert_matches_reference(run)
 
 
-@pytest.mark.parametrize("schedule,v", grid(
-    [pytest.param(s, v, id=f"{s}-{v}") for s, v in (("zb_h1", 1), ("interleaved", 2))],
-    {"zb_h1-1"}))
+@pytest.mark.parametrize(
+    "schedule,v",
+    grid(
+        [pytest.param(s, v, id=f"{s}-{v}") for s, v in (("zb_h1", 1), ("interleaved", 2))],
+        {"zb_h1-1"},
+    ),
+)
 def test_tied_rotary_remat_model(schedule, v):
     """Tied embeddings (gradients from the first and the last stage summed), rotary
     positions and full remat inside stages."""
@@ -157,9 +207,13 @@ def adamw_reference(layers):
     return run_steps([*TINY, *ADAMW, f"model.n_layers={layers}", "mesh.data=1"], devices=1)
 
 
-@pytest.mark.parametrize("schedule,p", grid(
-    [pytest.param(s, p, id=f"{s}-{p}") for p in (2, 4) for s in SCHEDULES],
-    {f"{s}-2" for s in SCHEDULES}))
+@pytest.mark.parametrize(
+    "schedule,p",
+    grid(
+        [pytest.param(s, p, id=f"{s}-{p}") for p in (2, 4) for s in SCHEDULES],
+        {f"{s}-2" for s in SCHEDULES},
+    ),
+)
 def test_train_step_matches_unpipelined(schedule, p):
     """The real train step (AdamW, clipping, weight decay): 3 steps like one device."""
     v = 2 if schedule == "interleaved" else 1
@@ -167,8 +221,15 @@ def test_train_step_matches_unpipelined(schedule, p):
     common = [*TINY, *ADAMW, f"model.n_layers={layers}"]
     ref_losses, ref_params, ref_run = adamw_reference(layers)
     losses, params, run = run_steps(
-        [*common, f"mesh.stage={p}", f"mesh.data={8 // p}", f"pipeline.schedule={schedule}",
-         f"pipeline.virtual_stages={v}", f"pipeline.microbatches={2 * p}"])
+        [
+            *common,
+            f"mesh.stage={p}",
+            f"mesh.data={8 // p}",
+            f"pipeline.schedule={schedule}",
+            f"pipeline.virtual_stages={v}",
+            f"pipeline.microbatches={2 * p}",
+        ]
+    )
     assert run.plan.mesh.shape["stage"] == p
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_params_close(params, ref_params, elementwise=False, rtol=1e-4)
@@ -179,10 +240,16 @@ def test_train_step_matches_unpipelined(schedule, p):
     np.testing.assert_allclose(float(got["loss"]), float(want["loss"]), rtol=1e-6)
 
 
-@pytest.mark.parametrize("schedule,v", grid(
-    [pytest.param(s, v, id=f"{s}-{v}") for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2),
-                                                    ("zb_h1", 1))],
-    {"1f1b-1", "zb_h1-1"}))
+@pytest.mark.parametrize(
+    "schedule,v",
+    grid(
+        [
+            pytest.param(s, v, id=f"{s}-{v}")
+            for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb_h1", 1))
+        ],
+        {"1f1b-1", "zb_h1-1"},
+    ),
+)
 def test_bubbles_filled_with_nan_change_nothing(schedule, v):
     """Bubble buffers and messages hold NaN: every loss and gradient is bit-identical to
     bubbles holding zeros, and matches one device."""
@@ -203,8 +270,11 @@ def test_gradients_reduced_once_per_step():
         run = build_run(2, m, "1f1b", data=2)
         trainer = run.trainer
         batch = run.data.batch(0, 32)
-        text = trainer._grads_jit.lower(trainer.init().params, trainer.shard_batch(batch),
-                                        {}).compile().as_text()
+        text = (
+            trainer._grads_jit.lower(trainer.init().params, trainer.shard_batch(batch), {})
+            .compile()
+            .as_text()
+        )
         assert hlo.count_ops(text, "all-reduce", in_loops=True) == 0
         # the loop and its switch branches were found: the per-tick sends, a real conditional
         assert hlo.count_ops(text, "collective-permute", in_loops=True) == 2
@@ -235,9 +305,19 @@ def test_fsdp_gathers_and_scatters_once_per_step():
 @functools.cache
 def compiled_step(schedule, m):
     """A 4-stage run and its compiled train step, microbatch of 2 rows."""
-    run = build_run(4, m, schedule, extra=[
-        f"train.batch_size={2 * m}", "model.d_model=64", "model.d_ff=256", "model.n_heads=4",
-        "model.max_seq_len=64", "data.seq_len=64"])
+    run = build_run(
+        4,
+        m,
+        schedule,
+        extra=[
+            f"train.batch_size={2 * m}",
+            "model.d_model=64",
+            "model.d_ff=256",
+            "model.n_heads=4",
+            "model.max_seq_len=64",
+            "data.seq_len=64",
+        ],
+    )
     return run, run.trainer.compile_step(run.data.batch(0, 2 * m))
 
 
@@ -285,9 +365,12 @@ def test_embedding_and_other_gradients_only_where_produced():
     used = [int(u) for u in np.unique(branch_table(run.plan.pipeline))]
 
     def tick_switch(module):
-        return next((name, inst) for name, insts in module.computations.items()
-                    for inst in insts if inst.opcode == "conditional"
-                    and len(hlo._callees(inst)) == len(used))
+        return next(
+            (name, inst)
+            for name, insts in module.computations.items()
+            for inst in insts
+            if inst.opcode == "conditional" and len(hlo._callees(inst)) == len(used)
+        )
 
     lowered = hlo.parse(run.trainer.lower_step(run.data.batch(0, 16)).as_text(dialect="hlo"))
     ops = {u: _opcodes(lowered, c) for u, c in zip(used, hlo._callees(tick_switch(lowered)[1]))}
@@ -296,17 +379,26 @@ def test_embedding_and_other_gradients_only_where_produced():
     module = hlo.parse(compiled.as_text())
     body, _ = tick_switch(module)
     vocab, width = run.plan.model.params["embed"].shape
-    per_tick = [inst.opcode for inst in module.computations[body]
-                if inst.type.startswith(f"f32[{vocab},{width}]")
-                and inst.opcode not in ("parameter", "get-tuple-element", "tuple")]
+    per_tick = [
+        inst.opcode
+        for inst in module.computations[body]
+        if inst.type.startswith(f"f32[{vocab},{width}]")
+        and inst.opcode not in ("parameter", "get-tuple-element", "tuple")
+    ]
     assert per_tick == []
-    adds = [inst for inst in module.computations[body] if inst.opcode == "conditional"
-            and len(hlo._callees(inst)) == 2 and f"f32[{vocab},{width}]" in inst.type]
+    adds = [
+        inst
+        for inst in module.computations[body]
+        if inst.opcode == "conditional"
+        and len(hlo._callees(inst)) == 2
+        and f"f32[{vocab},{width}]" in inst.type
+    ]
     assert len(adds) == 1
 
 
-@pytest.mark.parametrize("p,m,v", [(2, 4, 1), (4, 8, 1), (4, 5, 1), (2, 4, 2), (4, 8, 2),
-                                   (2, 6, 3)])
+@pytest.mark.parametrize(
+    "p,m,v", [(2, 4, 1), (4, 8, 1), (4, 5, 1), (2, 4, 2), (4, 8, 2), (2, 6, 3)]
+)
 def test_eval_table_runs_every_forward_once_with_the_formulas_bubble(p, m, v):
     """The forward-only table of evaluation: every microbatch through every chunk once, on
     the chunk's device, the tick after the left neighbour computed its input (which so
@@ -318,8 +410,9 @@ def test_eval_table_runs_every_forward_once_with_the_formulas_bubble(p, m, v):
         j, c = int(mb[t, d]), int(chunk[t, d]) * p + int(d)
         assert (j, c) not in ticks
         ticks[(j, c)] = int(t)
-        assert branch[t, d] == (branches.F_FIRST if c == 0 else
-                                branches.F_LAST if c == p * v - 1 else branches.F)
+        assert branch[t, d] == (
+            branches.F_FIRST if c == 0 else branches.F_LAST if c == p * v - 1 else branches.F
+        )
     assert set(ticks) == {(j, c) for j in range(m) for c in range(p * v)}
     assert all(ticks[(j, c - 1)] == t - 1 for (j, c), t in ticks.items() if c)
     assert (branch == branches.IDLE).mean() == pytest.approx((p - 1) / (v * m + p - 1))
@@ -346,15 +439,33 @@ def test_eval_runs_through_the_stages():
         run.trainer.evaluate(params, {"tokens": np.zeros((20, 9), np.int32)})
 
 
-BERT = ["model.name=bert", "model.d_model=16", "model.n_heads=2", "model.d_ff=32",
-        "model.n_layers=4", "model.max_seq_len=16", "data.seq_len=16", "train.batch_size=32",
-        "optim.warmup_steps=0"]
+BERT = [
+    "model.name=bert",
+    "model.d_model=16",
+    "model.n_heads=2",
+    "model.d_ff=32",
+    "model.n_layers=4",
+    "model.max_seq_len=16",
+    "data.seq_len=16",
+    "train.batch_size=32",
+    "optim.warmup_steps=0",
+]
 
 
-@pytest.mark.parametrize("layout", [
-    ["mesh.data=2", "mesh.fsdp=2", "mesh.stage=2", "pipeline.schedule=interleaved",
-     "pipeline.virtual_stages=2"],
-    ["mesh.data=2", "mesh.stage=4", "pipeline.schedule=zb_h1"]], ids=["interleaved", "zb_h1"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        [
+            "mesh.data=2",
+            "mesh.fsdp=2",
+            "mesh.stage=2",
+            "pipeline.schedule=interleaved",
+            "pipeline.virtual_stages=2",
+        ],
+        ["mesh.data=2", "mesh.stage=4", "pipeline.schedule=zb_h1"],
+    ],
+    ids=["interleaved", "zb_h1"],
+)
 def test_bert_evaluates_through_the_stages_like_one_device(layout):
     """BERT (dropout in training, masked-LM masks keyed by example id): its pipelined eval
     over 4 microbatches — no dropout, the evaluation key's masks — equals one device's eval
@@ -364,23 +475,45 @@ def test_bert_evaluates_through_the_stages_like_one_device(layout):
     state = one.trainer.init()  # parameters and the dropout RNG streams
     batch = one.data.batch(0, 32, "eval")
     want = one.trainer.evaluate(state, one.trainer.shard_batch(batch))
-    got = run.trainer.evaluate(jax.device_put(state, run.plan.state_shardings),
-                               run.trainer.shard_batch(batch))
+    got = run.trainer.evaluate(
+        jax.device_put(state, run.plan.state_shardings), run.trainer.shard_batch(batch)
+    )
     assert set(got) == set(want) == {"loss", "masked_accuracy"}
     for key in want:
         np.testing.assert_allclose(float(got[key]), float(want[key]), rtol=1e-6, err_msg=key)
 
 
-@pytest.mark.parametrize("overrides,match", [
-    (["mesh.stage=2", "model.n_layers=3"], r"3 layers cannot be cut into .* 2×1 = 2"),
-    (["mesh.stage=2", "pipeline.schedule=interleaved", "pipeline.virtual_stages=2",
-      "model.n_layers=6"], r"6 layers cannot be cut into .* 2×2 = 4 equal chunks"),
-    (["mesh.stage=4", "pipeline.schedule=interleaved", "pipeline.virtual_stages=2",
-      "pipeline.microbatches=6", "model.n_layers=8"], r"microbatches=6 is not a multiple of 4"),
-    (["mesh.stage=2", "pipeline.virtual_stages=2"], r"virtual_stages=2 applies to .*interleaved"),
-    (["mesh.stage=2", "model.name=convnet"], r"cannot be split into pipeline stages"),
-    (["mesh.stage=2", "rules.layers=null"], r"rules.layers=null; set rules.layers=stage"),
-])
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (["mesh.stage=2", "model.n_layers=3"], r"3 layers cannot be cut into .* 2×1 = 2"),
+        (
+            [
+                "mesh.stage=2",
+                "pipeline.schedule=interleaved",
+                "pipeline.virtual_stages=2",
+                "model.n_layers=6",
+            ],
+            r"6 layers cannot be cut into .* 2×2 = 4 equal chunks",
+        ),
+        (
+            [
+                "mesh.stage=4",
+                "pipeline.schedule=interleaved",
+                "pipeline.virtual_stages=2",
+                "pipeline.microbatches=6",
+                "model.n_layers=8",
+            ],
+            r"microbatches=6 is not a multiple of 4",
+        ),
+        (
+            ["mesh.stage=2", "pipeline.virtual_stages=2"],
+            r"virtual_stages=2 applies to .*interleaved",
+        ),
+        (["mesh.stage=2", "model.name=convnet"], r"cannot be split into pipeline stages"),
+        (["mesh.stage=2", "rules.layers=null"], r"rules.layers=null; set rules.layers=stage"),
+    ],
+)
 @pytest.mark.filterwarnings("ignore:config key .* has no effect")  # GPT keys with convnet
 def test_pipeline_errors(overrides, match):
     with pytest.raises(ValueError, match=match):
@@ -389,8 +522,11 @@ def test_pipeline_errors(overrides, match):
 
 def test_batch_not_divisible_by_microbatches_times_data():
     """Caught when the run is built, before any compile."""
-    with pytest.raises(ValueError, match=r"global batch 16 .* pipeline.microbatches \(8\) × the 4 "
-                                         r"devices .* = 32; change train.batch_size"):
+    with pytest.raises(
+        ValueError,
+        match=r"global batch 16 .* pipeline.microbatches \(8\) × the 4 "
+        r"devices .* = 32; change train.batch_size",
+    ):
         build_run(2, 8, "1f1b", data=4, extra=["train.batch_size=16"])
 
 
@@ -399,12 +535,22 @@ def test_pipeline_command(tmp_path, capsys):
     from jaxpar.cli import main
 
     png = tmp_path / "chart.png"
-    args = ["pipeline", *TINY, "model.n_layers=4", "mesh.stage=4", "pipeline.schedule=zb_h1",
-            "pipeline.microbatches=8"]
+    args = [
+        "pipeline",
+        *TINY,
+        "model.n_layers=4",
+        "mesh.stage=4",
+        "pipeline.schedule=zb_h1",
+        "pipeline.microbatches=8",
+    ]
     assert main([*args, "--png", str(png)]) == 0
     out = capsys.readouterr().out
-    assert [line.split()[1] for line in out.splitlines() if line.startswith("stage ")] == \
-        ["0", "1", "2", "3"]
+    assert [line.split()[1] for line in out.splitlines() if line.startswith("stage ")] == [
+        "0",
+        "1",
+        "2",
+        "3",
+    ]
     assert "bubble: 0.1111" in out and "chunks 4 4 4 4" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["pipeline", *TINY]) == 2
@@ -417,9 +563,19 @@ def test_pipeline_trains_gpt_through_cli(tmp_path):
 
     rows = {}
     for name, extra in (("pp", ["mesh.stage=2", "pipeline.schedule=zb_h1"]), ("dp", [])):
-        code = main(["train", *TINY, "model.n_layers=4", "train.steps=4", "train.log_every=1",
-                     "train.eval_every=0", "train.progress=false", f"run.dir={tmp_path / name}",
-                     *extra])
+        code = main(
+            [
+                "train",
+                *TINY,
+                "model.n_layers=4",
+                "train.steps=4",
+                "train.log_every=1",
+                "train.eval_every=0",
+                "train.progress=false",
+                f"run.dir={tmp_path / name}",
+                *extra,
+            ]
+        )
         assert code == 0
         lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
         rows[name] = [json.loads(line)["loss"] for line in lines if "loss" in line]

@@ -41,8 +41,9 @@ def bpe_file(tmp_path_factory) -> Path:
     tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator([builtin_text().decode()[:50_000]], trainer)
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
     tok.save(str(path))
@@ -62,14 +63,22 @@ def test_byte_round_trip_and_metadata(corpus, tmp_path):
     total = sum(len(v) for v in FILES.values())
     assert tf.num_tokens == total and out.stat().st_size == 2 * total
     assert isinstance(tf.tokens, np.memmap) and tf.tokens.dtype == np.dtype("<u2")
-    assert np.array_equal(np.fromfile(out, "<u2"), np.frombuffer(b"".join(
-        FILES[r] for r in ("a.txt", "b.txt", "sub/c.md")), np.uint8))
+    assert np.array_equal(
+        np.fromfile(out, "<u2"),
+        np.frombuffer(b"".join(FILES[r] for r in ("a.txt", "b.txt", "sub/c.md")), np.uint8),
+    )
     meta = json.loads((tmp_path / "corpus.tokens.json").read_text())
     assert meta == tf.meta
-    assert {k: meta[k] for k in ("format", "version", "dtype", "vocab_size", "num_tokens",
-                                 "tokenizer")} == {
-        "format": "jaxpar-tokens", "version": 1, "dtype": "uint16", "vocab_size": 256,
-        "num_tokens": total, "tokenizer": "byte"}
+    assert {
+        k: meta[k] for k in ("format", "version", "dtype", "vocab_size", "num_tokens", "tokenizer")
+    } == {
+        "format": "jaxpar-tokens",
+        "version": 1,
+        "dtype": "uint16",
+        "vocab_size": 256,
+        "num_tokens": total,
+        "tokenizer": "byte",
+    }
     ends = [0] + [d["end"] for d in meta["documents"]]
     assert [d["start"] for d in meta["documents"]] == ends[:-1] and ends[-1] == total
     assert open_tokens(out, validate=True).num_tokens == total
@@ -87,7 +96,7 @@ def test_hf_tokenizer_round_trip(corpus, tmp_path, bpe_file):
     for doc, rel in zip(tf.documents, ("a.txt", "b.txt", "sub/c.md")):
         text = FILES[rel].decode()
         ids = tok.encode(text).ids
-        assert list(tf.tokens[doc["start"]:doc["end"]]) == ids
+        assert list(tf.tokens[doc["start"] : doc["end"]]) == ids
         assert len(ids) < len(FILES[rel])  # merges happened: not just bytes
         assert decode(tf, doc["start"], doc["end"]) == text
     assert tf.num_tokens == tf.documents[-1]["end"]
@@ -106,9 +115,11 @@ def test_encode_documents_is_pure_and_matches_prepare(corpus, tmp_path):
     docs = [("x", b"hello"), ("empty", b""), ("y", "é".encode())]
     tokens, meta = encode_documents(docs, "byte")
     assert tokens.dtype == np.dtype("<u2") and list(tokens) == list(b"hello\xc3\xa9")
-    assert meta["documents"] == [{"source": "x", "start": 0, "end": 5},
-                                 {"source": "empty", "start": 5, "end": 5},
-                                 {"source": "y", "start": 5, "end": 7}]
+    assert meta["documents"] == [
+        {"source": "x", "start": 0, "end": 5},
+        {"source": "empty", "start": 5, "end": 5},
+        {"source": "y", "start": 5, "end": 7},
+    ]
     tf = prepare_data([corpus], tmp_path / "c.tokens")
     files = [(d["source"], Path(d["source"]).read_bytes()) for d in tf.documents]
     tokens, meta = encode_documents(files, "byte")
@@ -142,9 +153,19 @@ def test_uint32_file_is_read_back(tmp_path):
 
 
 def test_glob_order_and_hidden_files(tmp_path):
-    folder = _write(tmp_path / "in", {
-        "z.txt": b"z", "a.txt": b"a", "m/b.txt": b"b", "m-c.txt": b"c", "n.md": b"n",
-        ".hidden.txt": b"H", ".git/x.txt": b"G", "m/.secret.txt": b"S"})
+    folder = _write(
+        tmp_path / "in",
+        {
+            "z.txt": b"z",
+            "a.txt": b"a",
+            "m/b.txt": b"b",
+            "m-c.txt": b"c",
+            "n.md": b"n",
+            ".hidden.txt": b"H",
+            ".git/x.txt": b"G",
+            "m/.secret.txt": b"S",
+        },
+    )
     tf = prepare_data([folder], tmp_path / "o.tokens", glob="*.txt")
     names = [str(Path(d["source"]).relative_to(folder)) for d in tf.documents]
     assert names == ["a.txt", "m/b.txt", "m-c.txt", "z.txt"]  # sorted by path parts
@@ -172,8 +193,9 @@ def test_an_existing_token_file_is_kept_unless_overwrite(corpus, tmp_path, capsy
     kept.write_bytes(b"someone's file\n")
     assert main(["prepare-data", str(corpus), "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and f"'{kept}' exists; choose another path, or pass " \
-        "--overwrite" in err
+    assert (
+        err.count("\n") == 0 and f"'{kept}' exists; choose another path, or pass --overwrite" in err
+    )
     assert kept.read_bytes() == b"someone's file\n"
     assert main(["prepare-data", str(corpus), "--out", str(out), "--overwrite"]) == 0
     assert open_tokens(out).num_tokens == sum(len(v) for v in FILES.values())
@@ -182,8 +204,9 @@ def test_an_existing_token_file_is_kept_unless_overwrite(corpus, tmp_path, capsy
     (run / "config.yaml").write_text("run: {}\n")
     (run / "metrics.jsonl").write_text("{}\n")
     config = (run / "config.yaml").read_bytes()
-    assert main(["prepare-data", str(corpus), "--out", str(run / "config.yaml"),
-                 "--overwrite"]) == 2
+    assert (
+        main(["prepare-data", str(corpus), "--out", str(run / "config.yaml"), "--overwrite"]) == 2
+    )
     assert "of the run in" in capsys.readouterr().err
     assert (run / "config.yaml").read_bytes() == config
 
@@ -303,13 +326,16 @@ def test_missing_metadata(written):
         open_tokens(written)
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"format": "something-else"}, "is not a jaxpar-tokens file"),
-    ({"version": 2}, "unknown version 2"),
-    ({"dtype": "int64"}, "dtype 'int64' must be one of"),
-    ({"vocab_size": 70_000}, "vocab_size=70000 does not fit dtype uint16"),
-    ({"num_tokens": -1}, "num_tokens=-1 must be an integer"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"format": "something-else"}, "is not a jaxpar-tokens file"),
+        ({"version": 2}, "unknown version 2"),
+        ({"dtype": "int64"}, "dtype 'int64' must be one of"),
+        ({"vocab_size": 70_000}, "vocab_size=70000 does not fit dtype uint16"),
+        ({"num_tokens": -1}, "num_tokens=-1 must be an integer"),
+    ],
+)
 def test_bad_metadata(written, changes, message):
     meta_path = _edit_meta(written, **changes)
     with pytest.raises(ValueError, match=message) as err:
@@ -365,8 +391,14 @@ def test_cli_prepare_data(corpus, tmp_path, capsys):
     tf = open_tokens(out, validate=True)
     assert len(tf.documents) == 2 and tf.num_tokens == len(FILES["a.txt"]) + len(FILES["b.txt"])
     assert stdout.count("\n") == 1
-    for part in (f"{tf.num_tokens:,} tokens", "2 documents", "vocab 256", "uint16",
-                 f"{2 * tf.num_tokens:,} bytes", str(out)):
+    for part in (
+        f"{tf.num_tokens:,} tokens",
+        "2 documents",
+        "vocab 256",
+        "uint16",
+        f"{2 * tf.num_tokens:,} bytes",
+        str(out),
+    ):
         assert part in stdout
 
 
@@ -380,10 +412,11 @@ def test_cli_missing_input_exits_2(tmp_path, capsys):
 # ---------------------------------------------------------------- never onto an input
 
 
-@pytest.mark.parametrize("name,out", [("ok.txt", "ok.txt"), ("ok.txt", "link.txt"),
-                                      ("ok.txt", "hard.txt"), ("notes.json", "notes")])
-def test_cli_prepare_data_onto_its_own_input_is_refused(tmp_path, capsys, monkeypatch, name,
-                                                        out):
+@pytest.mark.parametrize(
+    "name,out",
+    [("ok.txt", "ok.txt"), ("ok.txt", "link.txt"), ("ok.txt", "hard.txt"), ("notes.json", "notes")],
+)
+def test_cli_prepare_data_onto_its_own_input_is_refused(tmp_path, capsys, monkeypatch, name, out):
     """The same file, through a symlink or a hard link, or as the metadata written beside
     ``--out``: refused in one line naming both paths, the input unchanged."""
     monkeypatch.chdir(tmp_path)
@@ -406,8 +439,14 @@ def test_cli_out_inside_input_folder_onto_one_of_its_texts_is_refused(corpus, ca
     assert err.count("\n") == 1 and f"--out '{corpus / 'a.txt'}' is the input file" in err
     assert {p: p.read_bytes() for p in corpus.rglob("*") if p.is_file()} == before
     # a file the --glob leaves out is no input, but it exists: kept unless --overwrite
-    command = ["prepare-data", str(corpus), "--out", str(corpus / "sub" / "c.md"), "--glob",
-               "*.txt"]
+    command = [
+        "prepare-data",
+        str(corpus),
+        "--out",
+        str(corpus / "sub" / "c.md"),
+        "--glob",
+        "*.txt",
+    ]
     assert main(command) == 2 and "exists; choose another path" in capsys.readouterr().err
     assert {p: p.read_bytes() for p in corpus.rglob("*") if p.is_file()} == before
     assert main([*command, "--overwrite"]) == 0
@@ -418,8 +457,11 @@ def test_folder_holding_an_earlier_output_is_tokenized_without_it(corpus, tmp_pa
     prepare_data([corpus / "a.txt"], corpus / "earlier.bin")  # token ids + earlier.bin.json
     (corpus / "sub" / "old.tokens").write_bytes(b"\x01\x00\x02\x00")  # metadata lost
     (corpus / "new.tokens.tmp").write_bytes(b"\x01\x00")  # an interrupted run's leftover
-    with pytest.warns(UserWarning, match=r"skipped 4 jaxpar token file\(s\) in the input "
-                      r"folders \(earlier prepare-data outputs, not text\)"):
+    with pytest.warns(
+        UserWarning,
+        match=r"skipped 4 jaxpar token file\(s\) in the input "
+        r"folders \(earlier prepare-data outputs, not text\)",
+    ):
         again = prepare_data([corpus], tmp_path / "again.tokens")
     assert again.num_tokens == clean.num_tokens and again.documents == clean.documents
     assert np.array_equal(again.tokens, clean.tokens)
@@ -439,9 +481,24 @@ def test_workers_with_fine_tuning_records_is_refused_not_ignored(tmp_path, capsy
     records = tmp_path / "r.jsonl"
     records.write_text('{"prompt": "a", "completion": "b"}\n')
     out = tmp_path / "r.tokens"
-    assert main(["prepare-data", str(records), "--out", str(out), "--records",
-                 "prompt_completion", "--workers", "2"]) == 2
+    assert (
+        main(
+            [
+                "prepare-data",
+                str(records),
+                "--out",
+                str(out),
+                "--records",
+                "prompt_completion",
+                "--workers",
+                "2",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
-    assert err == ("jaxpar: error: --workers 2 applies to --records text; fine-tuning records "
-                   "are encoded in this process: drop --workers")
+    assert err == (
+        "jaxpar: error: --workers 2 applies to --records text; fine-tuning records "
+        "are encoded in this process: drop --workers"
+    )
     assert not out.exists()

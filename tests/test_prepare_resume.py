@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from jaxpar.data import builtin_text
 from jaxpar.data import partial as partial_module
 from jaxpar.data import prepare as prepare_module
-from jaxpar.data import builtin_text
 from jaxpar.data.partial import partial_folder
 from jaxpar.data.prepare import _position, prepare_data
 from jaxpar.errors import DataError, Paused
@@ -34,14 +34,15 @@ def corpus(tmp_path_factory) -> tuple[list[Path], Path]:
     files = []
     for f in range(3):
         path = folder / f"part{f}.jsonl"
-        lines = [json.dumps({"text": TEXT[(40 * f + i) * 700:(40 * f + i) * 700 + 650]})
-                 for i in range(40)]
+        lines = [
+            json.dumps({"text": TEXT[(40 * f + i) * 700 : (40 * f + i) * 700 + 650]})
+            for i in range(40)
+        ]
         path.write_text("\n".join(lines) + "\n")
         files.append(path)
     (folder / "notes.txt").write_text(TEXT[-3000:])
     files.append(folder / "notes.txt")
-    tok = train_bpe([TEXT[:60_000]], folder / "tokenizer.json",
-                    special_tokens=("<|endoftext|>",))
+    tok = train_bpe([TEXT[:60_000]], folder / "tokenizer.json", special_tokens=("<|endoftext|>",))
     return files, tok
 
 
@@ -87,20 +88,23 @@ def test_worker_processes_write_the_same_file(corpus, reference, tmp_path, monke
 
 
 @pytest.mark.parametrize("stop, status", [(KeyboardInterrupt, 130), (None, 143)])
-def test_a_stopped_run_resumes_to_the_same_file(corpus, reference, tmp_path, monkeypatch,
-                                                stop, status):
+def test_a_stopped_run_resumes_to_the_same_file(
+    corpus, reference, tmp_path, monkeypatch, stop, status
+):
     """A Ctrl-C or SIGTERM in the second file keeps what was written; the same command
     then reads on from there (not the first file again) and writes the reference."""
-    from jaxpar.errors import Terminated
-
     from jaxpar.data import encoding
+    from jaxpar.errors import Terminated
 
     files, tok = corpus
     out = tmp_path / "r.tokens"
     monkeypatch.setattr(encoding, "WORKER_BATCH_BYTES", 3000)  # ~5 documents a batch
     _stop_after(monkeypatch, 75, stop or Terminated)
-    with pytest.raises(Paused, match=r": ([\d,]+) documents \([\d,]+ tokens\) of .* are "
-                                     r"kept in .*\.r\.tokens\.partial'; run the same") as err:
+    with pytest.raises(
+        Paused,
+        match=r": ([\d,]+) documents \([\d,]+ tokens\) of .* are "
+        r"kept in .*\.r\.tokens\.partial'; run the same",
+    ) as err:
         prepare_data(files, out, tok, workers=2)
     assert err.value.exit_status == status and not out.exists()
     kept = int(str(err.value).split(": ")[1].split()[0])
@@ -109,15 +113,17 @@ def test_a_stopped_run_resumes_to_the_same_file(corpus, reference, tmp_path, mon
     monkeypatch.undo()
     read = []
     real = prepare_module.read_documents
-    monkeypatch.setattr(prepare_module, "read_documents",
-                        lambda fs, key: (read.append(f.name for f in fs), real(fs, key))[1])
+    monkeypatch.setattr(
+        prepare_module,
+        "read_documents",
+        lambda fs, key: (read.append(f.name for f in fs), real(fs, key))[1],
+    )
     prepare_data(files, out, tok, workers=2)
     assert [list(names) for names in read] == [["part1.jsonl", "part2.jsonl", "notes.txt"]]
     assert _files(out) == reference and not partial_folder(out).exists()
 
 
-def test_writes_after_the_last_checkpoint_are_cut_off(corpus, reference, tmp_path,
-                                                      monkeypatch):
+def test_writes_after_the_last_checkpoint_are_cut_off(corpus, reference, tmp_path, monkeypatch):
     """A crash between checkpoints (SIGKILL) leaves ids and entries that progress.json
     does not count: resuming cuts them off, and the file is the reference."""
     files, tok = corpus
@@ -169,8 +175,11 @@ def test_two_commands_never_write_one_out(corpus, tmp_path):
     files, tok = corpus
     out = tmp_path / "t.tokens"
     first = Partial(out, {"recipe": "the first command's"}, np.dtype("<u2"))
-    with pytest.raises(PathError, match=r"^another prepare-data is writing '.*t\.tokens' "
-                                        r"now .*; wait for it to end, or choose another --out"):
+    with pytest.raises(
+        PathError,
+        match=r"^another prepare-data is writing '.*t\.tokens' "
+        r"now .*; wait for it to end, or choose another --out",
+    ):
         prepare_data(files, out, tok, workers=1)
     assert (partial_folder(out) / "documents.jsonl").exists()  # the first's, untouched
     first.discard()
@@ -208,11 +217,24 @@ def test_ctrl_c_on_the_command_then_the_same_command(corpus, reference, tmp_path
     out = tmp_path / "s.tokens"
     big = tmp_path / "big.txt"  # long enough to be encoding when the signal comes
     big.write_text(TEXT * 6)
-    command = [sys.executable, "-m", "jaxpar", "prepare-data", *map(str, files), str(big),
-               "--out", str(out), "--tokenizer", str(tok), "--workers", "2"]
+    command = [
+        sys.executable,
+        "-m",
+        "jaxpar",
+        "prepare-data",
+        *map(str, files),
+        str(big),
+        "--out",
+        str(out),
+        "--tokenizer",
+        str(tok),
+        "--workers",
+        "2",
+    ]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.monotonic() + 60
     while not (partial_folder(out) / "tokens").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -240,8 +262,21 @@ def test_a_full_disk_is_exit_5_naming_the_token_file(corpus, tmp_path, capsys):
     files, tok = corpus
     with small_file_system(tmp_path / "small", "64k") as small:
         out = small / "full.tokens"
-        assert main(["prepare-data", *map(str, files), "--out", str(out), "--tokenizer",
-                     str(tok), "--workers", "1"]) == 5
+        assert (
+            main(
+                [
+                    "prepare-data",
+                    *map(str, files),
+                    "--out",
+                    str(out),
+                    "--tokenizer",
+                    str(tok),
+                    "--workers",
+                    "1",
+                ]
+            )
+            == 5
+        )
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and f"'{out}'" in lines[0], lines
         assert "No space left on device" in lines[0] and "requested" not in lines[0]

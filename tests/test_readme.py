@@ -23,8 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 SHORT = ["train.steps=1", "train.eval_every=0", "train.progress=false"]  # a short run
 
 
-def readme_commands(kinds=("train", "inspect"), path: Path = REPO / "README.md"
-                    ) -> list[list[str]]:
+def readme_commands(kinds=("train", "inspect"), path: Path = REPO / "README.md") -> list[list[str]]:
     """The argument lists of a page's ``jaxpar KIND …`` lines in ```bash blocks (a line
     continued with ``\\`` read whole)."""
     out = []
@@ -42,9 +41,12 @@ DOC_KINDS = ("train", "inspect", "plan", "sweep", "pipeline", "export")
 def docs_commands() -> list[tuple[str, list[str]]]:
     """(page, argument list) of every ``jaxpar`` command of the docs' bash blocks that
     takes a config, but those using shell variables."""
-    return [(page.name, command) for page in sorted((REPO / "docs").glob("*.md"))
-            for command in readme_commands(DOC_KINDS, page)
-            if not any("$" in arg for arg in command)]
+    return [
+        (page.name, command)
+        for page in sorted((REPO / "docs").glob("*.md"))
+        for command in readme_commands(DOC_KINDS, page)
+        if not any("$" in arg for arg in command)
+    ]
 
 
 def test_the_docs_commands_parse_and_their_configs_load(clone):
@@ -81,9 +83,13 @@ def clone(tmp_path, monkeypatch):
 
 def test_readme_lists_the_quickstart_and_layout_commands():
     commands = [" ".join(c) for c in readme_commands()]
-    for expected in ("train", "train mesh.fsdp=8", "train mesh.data=4 mesh.tensor=2",
-                     "train mesh.stage=4 pipeline.schedule=zb_h1 pipeline.microbatches=8",
-                     "train --task examples/research_cnn.py:TASK mesh.data=8"):
+    for expected in (
+        "train",
+        "train mesh.fsdp=8",
+        "train mesh.data=4 mesh.tensor=2",
+        "train mesh.stage=4 pipeline.schedule=zb_h1 pipeline.microbatches=8",
+        "train --task examples/research_cnn.py:TASK mesh.data=8",
+    ):
         assert expected in commands
 
 
@@ -107,7 +113,9 @@ def test_readme_commands_pasted_in_order_each_train(clone, capsys):
     # the Quickstart again: finished, and says how to go on; then it trains longer
     assert main(["train", *SHORT]) == 0
     out = capsys.readouterr().out
-    assert ("the run in runs/gpt_tiny is finished (step 1 of train.steps=1); to train it "
-            "longer, run again with train.steps=N (N > 1)") in out
+    assert (
+        "the run in runs/gpt_tiny is finished (step 1 of train.steps=1); to train it "
+        "longer, run again with train.steps=N (N > 1)"
+    ) in out
     assert main(["train", *SHORT, "train.steps=2"]) == 0
     assert steps_logged(clone / "runs" / "gpt_tiny") == [1, 2]

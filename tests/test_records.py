@@ -17,10 +17,10 @@ from jaxpar.config import DataConfig
 from jaxpar.data import builtin_text
 from jaxpar.data import prepare as prepare_module
 from jaxpar.data.prepare import encode_documents, prepare_data
-from jaxpar.data.token_file import decode, open_tokens
-from jaxpar.errors import DataError
 from jaxpar.data.records import Document, read_documents
 from jaxpar.data.sources import load_data
+from jaxpar.data.token_file import decode, open_tokens
+from jaxpar.errors import DataError
 from jaxpar.models import families
 
 pa = pytest.importorskip("pyarrow")
@@ -28,7 +28,7 @@ pq = pytest.importorskip("pyarrow.parquet")
 
 DOCS = [
     "The quick brown fox jumps over the lazy dog.",
-    "naïve café — ünïcödé ✓ 日本語, and a \"quoted\" word",
+    'naïve café — ünïcödé ✓ 日本語, and a "quoted" word',
     "",  # an empty record is still a document: its span holds only the separators
     "line one\nline two\n\ttabbed line three",
     *(f"record {i}: a sentence about sorting, hashing and tokens {i * i}." for i in range(12)),
@@ -60,8 +60,9 @@ def _arrow(path: Path, table: object, stream: bool) -> Path:
     return path
 
 
-def _save_to_disk(folder: Path, table: object, shards: int = 2, order: list[int] | None = None
-                  ) -> Path:
+def _save_to_disk(
+    folder: Path, table: object, shards: int = 2, order: list[int] | None = None
+) -> Path:
     """What ``datasets.Dataset.save_to_disk(folder, num_shards=shards)`` writes (datasets
     5.2): Arrow stream files ``data-0000i-of-0000n.arrow``, ``dataset_info.json`` and a
     ``state.json`` listing the files (in ``order``, default their own)."""
@@ -71,12 +72,20 @@ def _save_to_disk(folder: Path, table: object, shards: int = 2, order: list[int]
     for name, lo, hi in zip(names, bounds[:-1], bounds[1:]):
         _arrow(folder / name, table.slice(lo, hi - lo), stream=True)
     order = list(range(shards)) if order is None else order
-    state = {"_data_files": [{"filename": names[i]} for i in order],
-             "_fingerprint": "0" * 16, "_format_columns": None, "_format_kwargs": {},
-             "_format_type": None, "_output_all_columns": False, "_split": None}
+    state = {
+        "_data_files": [{"filename": names[i]} for i in order],
+        "_fingerprint": "0" * 16,
+        "_format_columns": None,
+        "_format_kwargs": {},
+        "_format_type": None,
+        "_output_all_columns": False,
+        "_split": None,
+    }
     (folder / "state.json").write_text(json.dumps(state, indent=2))
-    features = {"id": {"dtype": "int64", "_type": "Value"},
-                "text": {"dtype": "string", "_type": "Value"}}
+    features = {
+        "id": {"dtype": "int64", "_type": "Value"},
+        "text": {"dtype": "string", "_type": "Value"},
+    }
     (folder / "dataset_info.json").write_text(json.dumps({"features": features}))
     return folder
 
@@ -111,8 +120,9 @@ def bpe_eot(tmp_path_factory) -> Path:
     tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=[EOT],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=[EOT], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator([builtin_text().decode()[:30_000], *DOCS], trainer)
     path = tmp_path_factory.mktemp("tok") / "eot.json"
     tok.save(str(path))
@@ -128,8 +138,9 @@ def bpe_bos(tmp_path_factory, bpe_eot) -> Path:
     tok = Tokenizer.from_file(str(bpe_eot))
     tok.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
     bos = tok.token_to_id("<s>")
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A",
-                                                       special_tokens=[("<s>", bos)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", bos)]
+    )
     path = tmp_path_factory.mktemp("tok") / "bos.json"
     tok.save(str(path))
     return path
@@ -151,8 +162,10 @@ def _spans(tf) -> list[tuple[int, int]]:
 def test_every_format_gives_the_same_tokens_closed_by_end_of_text(tmp_path, bpe_eot):
     tok = _hf(bpe_eot)
     eot = tok.token_to_id(EOT)
-    files = {k: prepare_data([p], tmp_path / f"{k}.tokens", tokenizer=str(bpe_eot))
-             for k, p in _formats(tmp_path).items()}
+    files = {
+        k: prepare_data([p], tmp_path / f"{k}.tokens", tokenizer=str(bpe_eot))
+        for k, p in _formats(tmp_path).items()
+    }
     first = files["jsonl"]
     expected = [tok.encode(d, add_special_tokens=False).ids + [eot] for d in DOCS]
     assert list(first.tokens) == [i for ids in expected for i in ids]
@@ -167,13 +180,14 @@ def test_every_format_gives_the_same_tokens_closed_by_end_of_text(tmp_path, bpe_
             assert [d["record"] for d in tf.documents] == list(range(len(DOCS))), kind
     half = len(DOCS) // 2  # a record's index counts within its own Arrow file
     shards = [(Path(d["source"]).name, d["record"]) for d in files["save_to_disk"].documents]
-    assert shards == ([("data-00000-of-00002.arrow", i) for i in range(half)]
-                      + [("data-00001-of-00002.arrow", i) for i in range(len(DOCS) - half)])
+    assert shards == (
+        [("data-00000-of-00002.arrow", i) for i in range(half)]
+        + [("data-00001-of-00002.arrow", i) for i in range(len(DOCS) - half)]
+    )
 
 
 def test_byte_tokenizer_adds_no_separator(tmp_path):
-    files = {k: prepare_data([p], tmp_path / f"{k}.tokens")
-             for k, p in _formats(tmp_path).items()}
+    files = {k: prepare_data([p], tmp_path / f"{k}.tokens") for k, p in _formats(tmp_path).items()}
     text = "".join(DOCS).encode()
     for kind, tf in files.items():
         assert decode(tf) == text, kind
@@ -188,11 +202,16 @@ def test_bos_from_the_post_processor_and_the_separator_settings(tmp_path, bpe_bo
     plain = [tok.encode(d, add_special_tokens=False).ids for d in DOCS[:2]]
     # </s> and <|endoftext|> are both special: auto takes <|endoftext|>, first in END_OF_TEXT
     eot = tok.token_to_id(EOT)
-    cases = {("auto", "auto"): (bos, eot), ("none", "auto"): (None, eot),
-             ("auto", "none"): (bos, None), ("none", "</s>"): (None, eos)}
+    cases = {
+        ("auto", "auto"): (bos, eot),
+        ("none", "auto"): (None, eot),
+        ("auto", "none"): (bos, None),
+        ("none", "</s>"): (None, eos),
+    }
     for (b, e), (want_bos, want_eos) in cases.items():
-        tf = prepare_data([path], tmp_path / f"{b}-{e}.tokens", tokenizer=str(bpe_bos),
-                          bos=b, eos=e)
+        tf = prepare_data(
+            [path], tmp_path / f"{b}-{e}.tokens", tokenizer=str(bpe_bos), bos=b, eos=e
+        )
         head = [] if want_bos is None else [want_bos]
         tail = [] if want_eos is None else [want_eos]
         assert list(tf.tokens) == [i for ids in plain for i in head + ids + tail], (b, e)
@@ -205,8 +224,9 @@ def test_a_post_processor_that_closes_texts_gives_the_eos(tmp_path, bpe_eot):
     tok = _hf(bpe_eot)
     tok.add_special_tokens([AddedToken("<|close|>", special=True)])
     close = tok.token_to_id("<|close|>")
-    tok.post_processor = processors.TemplateProcessing(single="$A <|close|>",
-                                                       special_tokens=[("<|close|>", close)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="$A <|close|>", special_tokens=[("<|close|>", close)]
+    )
     path = tmp_path / "closing.json"
     tok.save(str(path))
     tokens, meta = encode_documents([("a", b"ab"), ("b", b"c")], str(path))
@@ -214,8 +234,9 @@ def test_a_post_processor_that_closes_texts_gives_the_eos(tmp_path, bpe_eot):
     assert list(tokens) == plain[0] + [close] + plain[1] + [close]
     assert meta["eos"] == {"token": "<|close|>", "id": close} and meta["bos"] is None
     tok.post_processor = processors.TemplateProcessing(
-        single=f"$A <|close|> {EOT}", special_tokens=[("<|close|>", close),
-                                                      (EOT, tok.token_to_id(EOT))])
+        single=f"$A <|close|> {EOT}",
+        special_tokens=[("<|close|>", close), (EOT, tok.token_to_id(EOT))],
+    )
     tok.save(str(path))
     with pytest.raises(ValueError, match=r"adds 2 tokens \[\d+, \d+\] after each text"):
         encode_documents([("a", b"ab")], str(path))
@@ -237,8 +258,12 @@ def test_a_word_level_tokenizer(tmp_path):
     assert list(tf.tokens) == [0, 1, 2, 6, 3, 4, 5, 6] and tf.meta["eos"]["id"] == 6
     assert decode(tf) == f"the fox runs {EOT} a dog sleeps {EOT}"
     _jsonl(path, [{"text": "the fox"}, {"text": "the cat"}])
-    _fails(tmp_path, [path], rf"cannot encode '{path} \(record 1\)' \(WordLevel error",
-           tokenizer=str(tmp_path / "words.json"))
+    _fails(
+        tmp_path,
+        [path],
+        rf"cannot encode '{path} \(record 1\)' \(WordLevel error",
+        tokenizer=str(tmp_path / "words.json"),
+    )
 
 
 def test_text_files_get_the_end_of_text_too(tmp_path, bpe_eot):
@@ -261,7 +286,8 @@ def test_a_folder_written_by_datasets_itself(tmp_path):
     ours = _save_to_disk(tmp_path / "ours", _table(), shards=3)
     theirs = tmp_path / "theirs"
     datasets.Dataset.from_dict({"id": list(range(len(DOCS))), "text": DOCS}).save_to_disk(
-        str(theirs), num_shards=3)
+        str(theirs), num_shards=3
+    )
     a = prepare_data([ours], tmp_path / "a.tokens")
     b = prepare_data([theirs], tmp_path / "b.tokens")
     assert a.tokens.tobytes() == b.tokens.tobytes() and _spans(a) == _spans(b)
@@ -278,19 +304,24 @@ def test_folders_and_globs(tmp_path):
     _save_to_disk(folder / "d_saved", _table(DOCS[5:7]))
     tf = prepare_data([folder], tmp_path / "f.tokens")
     assert decode(tf) == "".join([*DOCS[:3], "plain text", *DOCS[3:7]]).encode()
-    assert [Path(d["source"]).name for d in tf.documents] == [
-        "a.jsonl"] * 3 + ["b.txt", "c.parquet", "c.parquet",
-                          "data-00000-of-00002.arrow", "data-00001-of-00002.arrow"]
-    globbed = prepare_data([str(folder / "*.parquet"), str(folder / "a.*")],
-                           tmp_path / "g.tokens")
+    assert [Path(d["source"]).name for d in tf.documents] == ["a.jsonl"] * 3 + [
+        "b.txt",
+        "c.parquet",
+        "c.parquet",
+        "data-00000-of-00002.arrow",
+        "data-00001-of-00002.arrow",
+    ]
+    globbed = prepare_data([str(folder / "*.parquet"), str(folder / "a.*")], tmp_path / "g.tokens")
     assert decode(globbed) == "".join([*DOCS[3:5], *DOCS[:3]]).encode()
 
 
 def test_text_key_names_the_field(tmp_path):
     path = _jsonl(tmp_path / "d.jsonl", [{"body": "x y", "text": 3}, {"body": "z"}])
     assert decode(prepare_data([path], tmp_path / "o.tokens", text_key="body")) == b"x yz"
-    assert main(["prepare-data", str(path), "--out", str(tmp_path / "c.tokens"),
-                 "--text-key", "body"]) == 0
+    assert (
+        main(["prepare-data", str(path), "--out", str(tmp_path / "c.tokens"), "--text-key", "body"])
+        == 0
+    )
 
 
 # ---------------------------------------------------------------- data.path
@@ -322,8 +353,9 @@ def test_data_path_takes_a_glob_and_the_text_key(tmp_path):
     for i in range(2):
         _jsonl(tmp_path / f"s{i}.jsonl", [{"body": d} for d in DOCS[i::2]])
     data = load_data(_cfg(tmp_path / "s*.jsonl", text_key="body"), _gpt(), seed=0)
-    assert bytes(np.asarray(data.train.tokens, np.uint8)) == "".join(
-        DOCS[0::2] + DOCS[1::2]).encode()
+    assert (
+        bytes(np.asarray(data.train.tokens, np.uint8)) == "".join(DOCS[0::2] + DOCS[1::2]).encode()
+    )
     with pytest.raises(ValueError, match="has no field 'text'"):
         load_data(_cfg(tmp_path / "s*.jsonl"), _gpt(), seed=0)
 
@@ -399,8 +431,9 @@ def test_malformed_and_non_utf8_lines_name_file_and_line(tmp_path):
 
 def test_an_arrow_string_that_is_not_utf8(tmp_path):
     offsets = np.array([0, 2, 4, 5], np.int32).tobytes()
-    column = pa.Array.from_buffers(pa.string(), 3, [None, pa.py_buffer(offsets),
-                                                    pa.py_buffer(b"ok\xff\xfex")])
+    column = pa.Array.from_buffers(
+        pa.string(), 3, [None, pa.py_buffer(offsets), pa.py_buffer(b"ok\xff\xfex")]
+    )
     path = _arrow(tmp_path / "bad.arrow", pa.table({"text": column}), stream=False)
     _fails(tmp_path, [path], f"'{path}' record 1: field 'text' is not UTF-8 text")
 
@@ -421,18 +454,24 @@ def test_a_document_longer_than_the_bound(tmp_path, monkeypatch):
     _fails(tmp_path, [path], rf"document '{path} \(record 1\)' holds 21 tokens, more than the 20")
 
 
-@pytest.mark.parametrize("name,data,match", [
-    # mtime=0: the same bytes in every process (xdist's workers must collect the same ids)
-    ("a.txt.gz", gzip.compress(b"text", mtime=0),
-     "is gzip-compressed, not text nor a record format"),
-    ("a.zip", b"PK\x03\x04rest", "is zip-compressed"),
-    ("a.bin", b"ab\x00cd", r"is binary \(it holds NUL bytes\)"),
-    ("a.txt", b"BZh91AY&SYrest", "is bzip2-compressed"),
-    ("a.parquet", b"not parquet at all", "is not a Parquet file"),
-    ("a.jsonl.gz", b'{"text": "x"}\n', "is named like gzip-compressed JSON Lines but is not"),
-    ("a.arrow", b"\xff\xff\xff\xffjunk", "is not a readable Arrow file"),
-    ("b.parquet", b"PAR1 truncated", "is not a readable Parquet file"),
-])
+@pytest.mark.parametrize(
+    "name,data,match",
+    [
+        # mtime=0: the same bytes in every process (xdist's workers must collect the same ids)
+        (
+            "a.txt.gz",
+            gzip.compress(b"text", mtime=0),
+            "is gzip-compressed, not text nor a record format",
+        ),
+        ("a.zip", b"PK\x03\x04rest", "is zip-compressed"),
+        ("a.bin", b"ab\x00cd", r"is binary \(it holds NUL bytes\)"),
+        ("a.txt", b"BZh91AY&SYrest", "is bzip2-compressed"),
+        ("a.parquet", b"not parquet at all", "is not a Parquet file"),
+        ("a.jsonl.gz", b'{"text": "x"}\n', "is named like gzip-compressed JSON Lines but is not"),
+        ("a.arrow", b"\xff\xff\xff\xffjunk", "is not a readable Arrow file"),
+        ("b.parquet", b"PAR1 truncated", "is not a readable Parquet file"),
+    ],
+)
 def test_binary_files_are_refused_never_tokenized(tmp_path, name, data, match):
     """Each kind of binary or broken file is one line naming it; none is tokenized."""
     path = tmp_path / name
@@ -472,8 +511,13 @@ def test_missing_pyarrow_names_the_extra(tmp_path, monkeypatch):
 
 def test_a_separator_the_tokenizer_lacks(tmp_path, bpe_eot):
     path = _jsonl(tmp_path / "d.jsonl", [{"text": "x"}])
-    _fails(tmp_path, [path], "--eos '<nope>' is not a token of tokenizer", tokenizer=str(bpe_eot),
-           eos="<nope>")
+    _fails(
+        tmp_path,
+        [path],
+        "--eos '<nope>' is not a token of tokenizer",
+        tokenizer=str(bpe_eot),
+        eos="<nope>",
+    )
     _fails(tmp_path, [path], "--bos '<s>': the byte tokenizer has no special tokens", bos="<s>")
 
 
@@ -488,10 +532,14 @@ def test_read_documents_yields_records_with_their_index(tmp_path):
     path = _jsonl(tmp_path / "d.jsonl", [{"text": "a"}, {"text": "bc"}])
     (tmp_path / "t.txt").write_bytes(b"\xe9 latin-1 text stays bytes")
     docs = list(read_documents([path, tmp_path / "t.txt"]))
-    assert docs == [Document(str(path), b"a", 0), Document(str(path), b"bc", 1),
-                    Document(str(tmp_path / "t.txt"), b"\xe9 latin-1 text stays bytes")]
-    assert open_tokens(prepare_data([path], tmp_path / "x.tokens").path,
-                       validate=True).num_tokens == 3
+    assert docs == [
+        Document(str(path), b"a", 0),
+        Document(str(path), b"bc", 1),
+        Document(str(tmp_path / "t.txt"), b"\xe9 latin-1 text stays bytes"),
+    ]
+    assert (
+        open_tokens(prepare_data([path], tmp_path / "x.tokens").path, validate=True).num_tokens == 3
+    )
 
 
 def test_text_key_without_records_is_reported_unused(tmp_path):
@@ -511,10 +559,16 @@ def test_a_model_folder_as_the_tokenizer_gives_its_end_of_text(tmp_path):
 
     folder = tmp_path / "model"
     folder.mkdir()
-    train_bpe(["hello world", "second doc"] * 20, folder / "tokenizer.json",
-              special_tokens=("<|im_end|>", "<|endoftext|>"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": {"content": "<|im_end|>"}, "tokenizer_class": "PreTrainedTokenizerFast"}))
+    train_bpe(
+        ["hello world", "second doc"] * 20,
+        folder / "tokenizer.json",
+        special_tokens=("<|im_end|>", "<|endoftext|>"),
+    )
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {"eos_token": {"content": "<|im_end|>"}, "tokenizer_class": "PreTrainedTokenizerFast"}
+        )
+    )
     src = tmp_path / "a.jsonl"
     src.write_text('{"text": "hello world"}\n{"text": "second doc"}\n')
     tf = prepare_data([src], tmp_path / "a.tokens", str(folder))

@@ -10,33 +10,46 @@ from jaxpar.run import build
 from tests.helpers import GPT_SMALL
 
 FSDP_TP = {  # the auto / fsdp_tp layout of every GPT parameter
-    "embed": P("tensor", "fsdp"), "pos": P(None, "fsdp"), "head": P("fsdp", "tensor"),
-    "ln_f_scale": P("fsdp"), "ln_f_bias": P("fsdp"),
+    "embed": P("tensor", "fsdp"),
+    "pos": P(None, "fsdp"),
+    "head": P("fsdp", "tensor"),
+    "ln_f_scale": P("fsdp"),
+    "ln_f_bias": P("fsdp"),
     "blocks": {
-        "ln1_scale": P(None, "fsdp"), "ln1_bias": P(None, "fsdp"),
-        "ln2_scale": P(None, "fsdp"), "ln2_bias": P(None, "fsdp"),
-        "wq": P(None, "fsdp", "tensor", None), "wk": P(None, "fsdp", "tensor", None),
-        "wv": P(None, "fsdp", "tensor", None), "wo": P(None, "tensor", None, "fsdp"),
-        "w_in": P(None, "fsdp", "tensor"), "b_in": P(None, "tensor"),
-        "w_out": P(None, "tensor", "fsdp"), "b_out": P(None, "fsdp"),
+        "ln1_scale": P(None, "fsdp"),
+        "ln1_bias": P(None, "fsdp"),
+        "ln2_scale": P(None, "fsdp"),
+        "ln2_bias": P(None, "fsdp"),
+        "wq": P(None, "fsdp", "tensor", None),
+        "wk": P(None, "fsdp", "tensor", None),
+        "wv": P(None, "fsdp", "tensor", None),
+        "wo": P(None, "tensor", None, "fsdp"),
+        "w_in": P(None, "fsdp", "tensor"),
+        "b_in": P(None, "tensor"),
+        "w_out": P(None, "tensor", "fsdp"),
+        "b_out": P(None, "fsdp"),
     },
 }
 
 
 def _drop(tree, axis):
     """FSDP_TP with one mesh axis removed from every spec."""
+
     def strip(spec):
         return P(*(None if e == axis else e for e in spec))
+
     return jax.tree.map(strip, tree, is_leaf=lambda x: isinstance(x, P))
 
 
 def _normalize(tree):
     """Trailing Nones do not change a PartitionSpec's meaning."""
+
     def norm(spec):
         entries = list(spec)
         while entries and entries[-1] is None:
             entries.pop()
         return P(*entries)
+
     return jax.tree.map(norm, tree, is_leaf=lambda x: isinstance(x, P))
 
 
@@ -47,8 +60,13 @@ EXPECTED = {
     ("fsdp_tp", "mesh.data=2,mesh.fsdp=2,mesh.tensor=2"): FSDP_TP,
     ("auto", "mesh.data=2,mesh.fsdp=2,mesh.tensor=2"): FSDP_TP,
 }
-BATCH = {"dp": P("data"), "fsdp": P(("data", "fsdp")), "tp": P("data"),
-         "fsdp_tp": P(("data", "fsdp")), "auto": P(("data", "fsdp"))}
+BATCH = {
+    "dp": P("data"),
+    "fsdp": P(("data", "fsdp")),
+    "tp": P("data"),
+    "fsdp_tp": P(("data", "fsdp")),
+    "auto": P(("data", "fsdp")),
+}
 
 
 def _run(*overrides):
@@ -76,11 +94,18 @@ def test_override_single_rule_from_command_line():
     assert run.plan.param_specs["blocks"]["wq"] == P(None, None, "tensor", None)
 
 
-@pytest.mark.parametrize("mesh,w_in,batch", [
-    (["mesh.fsdp=8"], P(None, "fsdp"), P("fsdp")),
-    (["mesh.tensor=2"], P(None, None, "tensor"), P("data")),
-    (["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], P(None, "fsdp", "tensor"), P(("data", "fsdp"))),
-])
+@pytest.mark.parametrize(
+    "mesh,w_in,batch",
+    [
+        (["mesh.fsdp=8"], P(None, "fsdp"), P("fsdp")),
+        (["mesh.tensor=2"], P(None, None, "tensor"), P("data")),
+        (
+            ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
+            P(None, "fsdp", "tensor"),
+            P(("data", "fsdp")),
+        ),
+    ],
+)
 def test_default_rules_work_for_any_degrees(mesh, w_in, batch):
     """With no preset chosen, any degrees give the fsdp_tp layout restricted to the
     axes larger than 1."""
@@ -98,8 +123,9 @@ def test_unmapped_logical_axis_is_an_error():
     rules = resolve_rules(RulesConfig())
     mesh = make_mesh(MeshConfig(data=8))
     # "lora_rank" (a LoRA adapter's rank dim) is a name no preset maps
-    with pytest.raises(ValueError, match="logical axis 'lora_rank' of parameter 'lora/a'.*"
-                                         "rules.lora_rank"):
+    with pytest.raises(
+        ValueError, match="logical axis 'lora_rank' of parameter 'lora/a'.*rules.lora_rank"
+    ):
         spec_for(("lora_rank", "embed"), rules, mesh, (8, 16), "parameter 'lora/a'")
 
 
@@ -124,7 +150,9 @@ def test_unused_mesh_axis_is_an_error():
 
 
 def test_unknown_rule_name_suggests_closest():
-    with pytest.raises(ValueError, match="rules.mpl' names no logical axis.*did you mean 'rules.mlp'"):
+    with pytest.raises(
+        ValueError, match="rules.mpl' names no logical axis.*did you mean 'rules.mlp'"
+    ):
         _run("mesh.data=4", "mesh.tensor=2", "rules.mpl=null")
 
 
@@ -140,20 +168,40 @@ def test_unknown_preset_and_unknown_mesh_axis():
         _run("rules.mlp=model")
 
 
-@pytest.mark.parametrize("preset,mesh,expected", [
-    ("tp", ["mesh.data=4", "mesh.tensor=2"],
-     {"residual": P("data"), "mlp": P("data", None, "tensor"), "logits": P("data", None, "tensor")}),
-    ("fsdp", ["mesh.data=2", "mesh.fsdp=4"],
-     {"residual": P(("data", "fsdp")), "mlp": P(("data", "fsdp")), "logits": P(("data", "fsdp"))}),
-])
+@pytest.mark.parametrize(
+    "preset,mesh,expected",
+    [
+        (
+            "tp",
+            ["mesh.data=4", "mesh.tensor=2"],
+            {
+                "residual": P("data"),
+                "mlp": P("data", None, "tensor"),
+                "logits": P("data", None, "tensor"),
+            },
+        ),
+        (
+            "fsdp",
+            ["mesh.data=2", "mesh.fsdp=4"],
+            {
+                "residual": P(("data", "fsdp")),
+                "mlp": P(("data", "fsdp")),
+                "logits": P(("data", "fsdp")),
+            },
+        ),
+    ],
+)
 def test_activation_layouts(preset, mesh, expected):
     """constrain() pins activations to the preset's documented layout, e.g. under tp
     X[B_data, T, D] and H[B_data, T, F_tensor]."""
     from jaxpar.logical import activation_rules, constrain
 
     run = _run(f"rules.preset={preset}", *mesh)
-    names = {"residual": ("batch", "seq", "act_embed"), "mlp": ("batch", "seq", "mlp"),
-             "logits": ("batch", "seq", "vocab")}
+    names = {
+        "residual": ("batch", "seq", "act_embed"),
+        "mlp": ("batch", "seq", "mlp"),
+        "logits": ("batch", "seq", "vocab"),
+    }
     x = jax.numpy.zeros((16, 8, 64))
 
     def pin(x):
@@ -169,8 +217,14 @@ def test_optimizer_state_sharded_like_params_under_fsdp(optim):
     """Under fsdp=8 every optimizer keeps about 1/8 of its state per device."""
     from jaxpar import sharding as shd
 
-    run = _run("mesh.data=1", "mesh.fsdp=8", f"optim.name={optim}", "optim.weight_decay=0",
-               "model.d_model=64", "model.d_ff=128")
+    run = _run(
+        "mesh.data=1",
+        "mesh.fsdp=8",
+        f"optim.name={optim}",
+        "optim.weight_decay=0",
+        "model.d_model=64",
+        "model.d_ff=128",
+    )
     opt = run.plan.abstract_state.opt_state
     per_device = shd.bytes_per_device(opt, run.plan.state_shardings.opt_state)
     total = shd.total_bytes(opt)

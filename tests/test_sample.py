@@ -21,10 +21,22 @@ from jaxpar.resume import restore_state
 from jaxpar.run import build
 from tests.helpers import decode_stepwise
 
-TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.d_ff=64",
-        "model.max_seq_len=32", "data.seq_len=32", "train.batch_size=8", "train.steps=2",
-        "train.eval_every=0", "train.log_every=1", "train.progress=false",
-        "optim.warmup_steps=0", "optim.lr=1e-2", "checkpoint.async_save=false"]
+TINY = [
+    "model.d_model=32",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.d_ff=64",
+    "model.max_seq_len=32",
+    "data.seq_len=32",
+    "train.batch_size=8",
+    "train.steps=2",
+    "train.eval_every=0",
+    "train.log_every=1",
+    "train.progress=false",
+    "optim.warmup_steps=0",
+    "optim.lr=1e-2",
+    "checkpoint.async_save=false",
+]
 
 
 def _train(run_dir, *overrides: str) -> None:
@@ -40,11 +52,19 @@ def run_dir(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("positions,attn_bias", [("learned", False), ("rotary", False),
-                                                  ("learned", True)])
+@pytest.mark.parametrize(
+    "positions,attn_bias", [("learned", False), ("rotary", False), ("learned", True)]
+)
 def test_decode_with_cache_matches_forward(positions, attn_bias):
-    cfg = GPTConfig(d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=16,
-                    positions=positions, attn_bias=attn_bias)
+    cfg = GPTConfig(
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        d_ff=64,
+        max_seq_len=16,
+        positions=positions,
+        attn_bias=attn_bias,
+    )
     with nnx.use_eager_sharding(False):
         model = GPT(cfg, rngs=nnx.Rngs(0))
     if attn_bias:  # GPT-2's projection biases (zero at init): made nonzero to count
@@ -52,8 +72,7 @@ def test_decode_with_cache_matches_forward(positions, attn_bias):
             bias = getattr(model.blocks, name)
             bias.value = jax.random.normal(jax.random.key(10 + i), bias.value.shape)
     tokens = jax.random.randint(jax.random.key(1), (2, 10), 0, 256)
-    np.testing.assert_allclose(decode_stepwise(model, tokens, 6), jax.jit(model)(tokens),
-                               atol=1e-5)
+    np.testing.assert_allclose(decode_stepwise(model, tokens, 6), jax.jit(model)(tokens), atol=1e-5)
 
 
 def _restored(run_dir, *overrides: str):
@@ -87,25 +106,27 @@ def _argmax_loop(run, state, prompt: list[int], n: int) -> list[int]:
     @jax.jit
     def last_logits(params, model_state, tokens_1S, length):
         logits = nnx.merge(graphdef, params, model_state)(tokens_1S)  # causal: padding after
-        return logits[0, length - 1]                                   # `length` is unseen
+        return logits[0, length - 1]  # `length` is unseen
 
     seq, start = list(prompt), 0
     for _ in range(n):
         context = seq[start:]
         padded = np.zeros((1, S), np.int32)
-        padded[0, :len(context)] = context
-        seq.append(int(jnp.argmax(last_logits(state.params, state.model_state, padded,
-                                              len(context))[:256])))
+        padded[0, : len(context)] = context
+        seq.append(
+            int(
+                jnp.argmax(last_logits(state.params, state.model_state, padded, len(context))[:256])
+            )
+        )
         if len(seq) - start > S:
             start = len(seq) - S // 2
-    return seq[len(prompt):]
+    return seq[len(prompt) :]
 
 
 def test_greedy_with_kv_cache_equals_argmax_loop_without(restored, greedy):
     run, state, _ = restored
     assert greedy.shape == (2, 40)
-    assert greedy[0].tolist() == greedy[1].tolist() == _argmax_loop(run, state, list(b"The "),
-                                                                    40)
+    assert greedy[0].tolist() == greedy[1].tolist() == _argmax_loop(run, state, list(b"The "), 40)
 
 
 def test_sampling_is_deterministic_for_a_seed(restored, greedy):
@@ -134,8 +155,23 @@ def test_sharded_run_samples_as_on_one_device(tmp_path):
 
 
 def test_sample_command_prints_the_text(run_dir, greedy, capsys):
-    assert main(["--devices", "1", "sample", str(run_dir), "--prompt", "The ", "--tokens", "6",
-                 "--temperature", "0"]) == 0
+    assert (
+        main(
+            [
+                "--devices",
+                "1",
+                "sample",
+                str(run_dir),
+                "--prompt",
+                "The ",
+                "--tokens",
+                "6",
+                "--temperature",
+                "0",
+            ]
+        )
+        == 0
+    )
     out, err = capsys.readouterr()
     assert out == "The " + bytes(greedy[0, :6].tolist()).decode(errors="replace") + "\n"
     assert "step 2 of" in err
@@ -150,28 +186,36 @@ def _one_line_error(capsys, argv: list[str], *expected: str) -> None:
 
 
 def test_sample_errors_are_one_line(run_dir, tmp_path, capsys):
-    _one_line_error(capsys, ["sample", str(tmp_path / "nope"), "--prompt", "a"],
-                    "does not exist")
+    _one_line_error(capsys, ["sample", str(tmp_path / "nope"), "--prompt", "a"], "does not exist")
     _one_line_error(capsys, ["sample", str(tmp_path), "--prompt", "a"], "no config.yaml")
     bare = tmp_path / "bare"
     bare.mkdir()
     shutil.copy(run_dir / "config.yaml", bare / "config.yaml")
     _one_line_error(capsys, ["sample", str(bare), "--prompt", "a"], "holds no checkpoints")
-    _one_line_error(capsys, ["sample", str(run_dir), "--prompt", "x" * 33],
-                    "33 tokens", "max_seq_len=32")
+    _one_line_error(
+        capsys, ["sample", str(run_dir), "--prompt", "x" * 33], "33 tokens", "max_seq_len=32"
+    )
     _one_line_error(capsys, ["sample", str(run_dir), "--prompt", ""], "--prompt is empty")
-    _one_line_error(capsys, ["sample", str(run_dir), "--prompt", "a", "--step", "7"],
-                    "no complete checkpoint 7", "have: [2]")
-    _one_line_error(capsys, ["sample", str(run_dir), "--prompt", "a", "--temperature", "-1"],
-                    "--temperature")
+    _one_line_error(
+        capsys,
+        ["sample", str(run_dir), "--prompt", "a", "--step", "7"],
+        "no complete checkpoint 7",
+        "have: [2]",
+    )
+    _one_line_error(
+        capsys, ["sample", str(run_dir), "--prompt", "a", "--temperature", "-1"], "--temperature"
+    )
 
 
 def test_sample_needs_a_language_model(tmp_path, capsys):
     config = load_config([], ["model.name=mlp", f"run.dir={tmp_path}"])
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
     (tmp_path / "checkpoints").mkdir()
-    _one_line_error(capsys, ["sample", str(tmp_path), "--prompt", "a"],
-                    f"jaxpar sample needs a language model; {tmp_path} trains model.name=mlp")
+    _one_line_error(
+        capsys,
+        ["sample", str(tmp_path), "--prompt", "a"],
+        f"jaxpar sample needs a language model; {tmp_path} trains model.name=mlp",
+    )
 
 
 def test_prompt_outside_the_vocabulary_is_refused():

@@ -60,7 +60,10 @@ def test_every_action_exactly_once(shape):
             else:
                 assert a.chunk % table.p == d
                 assert (KINDS[table.kind[t, d]], table.mb[t, d], table.chunk[t, d]) == (
-                    a.kind, a.mb, a.chunk // table.p)
+                    a.kind,
+                    a.mb,
+                    a.chunk // table.p,
+                )
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=_id)
@@ -163,8 +166,13 @@ def test_validate_rejects_duplicated_action():
     table = tick_table("1f1b", 4, 8)
     t_src = table.tick[Action("F", 0, 0)]
     t_idle = int(np.flatnonzero(table.kind[:, 0] == 0)[0])
-    bad = _corrupt(table, **{name: {(t_idle, 0): getattr(table, name)[t_src, 0]}
-                             for name in ("kind", "mb", "chunk", "act_slot", "grad_slot")})
+    bad = _corrupt(
+        table,
+        **{
+            name: {(t_idle, 0): getattr(table, name)[t_src, 0]}
+            for name in ("kind", "mb", "chunk", "act_slot", "grad_slot")
+        },
+    )
     with pytest.raises(ValueError, match=r"F0 runs twice"):
         validate(bad)
 
@@ -175,8 +183,13 @@ def test_validate_rejects_swapped_ticks():
     t_f, t_b = table.tick[Action("F", 0, d)], table.tick[Action("B", 0, d)]
     assert t_b == t_f + 1
     names = ("kind", "mb", "chunk", "act_slot", "grad_slot")
-    bad = _corrupt(table, **{n: {(t_f, d): getattr(table, n)[t_b, d],
-                                 (t_b, d): getattr(table, n)[t_f, d]} for n in names})
+    bad = _corrupt(
+        table,
+        **{
+            n: {(t_f, d): getattr(table, n)[t_b, d], (t_b, d): getattr(table, n)[t_f, d]}
+            for n in names
+        },
+    )
     with pytest.raises(ValueError, match=r"B0\.3 at tick \d+ runs before F0\.3"):
         validate(bad)
 
@@ -184,13 +197,19 @@ def test_validate_rejects_swapped_ticks():
 # ---- shape errors -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("args, match", [
-    (("pipedream", 4, 8, 1), r"unknown pipeline.schedule 'pipedream'; choose one of gpipe, 1f1b"),
-    (("1f1b", 1, 8, 1), r"mesh.stage ≥ 2 \(got 1\)"),
-    (("interleaved", 4, 8, 1), r"pipeline.virtual_stages ≥ 2 \(got 1\)"),
-    (("interleaved", 4, 6, 2), r"mesh.stage=4: pipeline.microbatches=6 is not a multiple of 4"),
-    (("1f1b", 4, 8, 2), r"virtual_stages=2 applies to schedule=interleaved only.*=1f1b"),
-])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (
+            ("pipedream", 4, 8, 1),
+            r"unknown pipeline.schedule 'pipedream'; choose one of gpipe, 1f1b",
+        ),
+        (("1f1b", 1, 8, 1), r"mesh.stage ≥ 2 \(got 1\)"),
+        (("interleaved", 4, 8, 1), r"pipeline.virtual_stages ≥ 2 \(got 1\)"),
+        (("interleaved", 4, 6, 2), r"mesh.stage=4: pipeline.microbatches=6 is not a multiple of 4"),
+        (("1f1b", 4, 8, 2), r"virtual_stages=2 applies to schedule=interleaved only.*=1f1b"),
+    ],
+)
 def test_shape_errors(args, match):
     with pytest.raises(ValueError, match=match):
         check_shape(*args)
@@ -205,8 +224,9 @@ def _label(a: Action, p: int, v: int) -> str:
     return f"{a.kind}{a.mb}" + ("" if v == 1 else "abcd"[a.chunk // p])
 
 
-@pytest.mark.parametrize("shape", [("1f1b", 4, 8, 1), ("zb_h1", 2, 4, 1),
-                                   ("interleaved", 4, 8, 2)], ids=_id)
+@pytest.mark.parametrize(
+    "shape", [("1f1b", 4, 8, 1), ("zb_h1", 2, 4, 1), ("interleaved", 4, 8, 2)], ids=_id
+)
 def test_text_grid_cells(shape):
     table = _table(*shape)
     _, p, _, v = shape

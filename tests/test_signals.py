@@ -18,23 +18,49 @@ from tests.helpers import child_env, grid
 from tests.test_checkpoint import RESUMABLE
 
 ROOT = Path(__file__).resolve().parents[1]
-STARTING = {signal.SIGINT: (130, "jaxpar: interrupted (Ctrl-C) while starting; nothing was "
-                                 "written: run the same command again"),
-            signal.SIGTERM: (143, "jaxpar: stopped (SIGTERM) while starting; nothing was "
-                                  "written: run the same command again")}
+STARTING = {
+    signal.SIGINT: (
+        130,
+        "jaxpar: interrupted (Ctrl-C) while starting; nothing was "
+        "written: run the same command again",
+    ),
+    signal.SIGTERM: (
+        143,
+        "jaxpar: stopped (SIGTERM) while starting; nothing was written: run the same command again",
+    ),
+}
 BEFORE_TRAINING = {
-    signal.SIGINT: (130, "jaxpar: interrupted (Ctrl-C); no checkpoint was written by this "
-                         "interruption (the complete ones stay usable)"),
-    signal.SIGTERM: (143, "jaxpar: stopped (SIGTERM) before training began: no checkpoint was "
-                          "written by this stop; run the same command to resume from the last "
-                          "complete checkpoint")}
+    signal.SIGINT: (
+        130,
+        "jaxpar: interrupted (Ctrl-C); no checkpoint was written by this "
+        "interruption (the complete ones stay usable)",
+    ),
+    signal.SIGTERM: (
+        143,
+        "jaxpar: stopped (SIGTERM) before training began: no checkpoint was "
+        "written by this stop; run the same command to resume from the last "
+        "complete checkpoint",
+    ),
+}
 
 
 def _start(run_dir: Path, steps: int) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "jaxpar", "train", *RESUMABLE, f"train.steps={steps}",
-         f"run.dir={run_dir}"], cwd=ROOT, env=child_env(8), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "jaxpar",
+            "train",
+            *RESUMABLE,
+            f"train.steps={steps}",
+            f"run.dir={run_dir}",
+        ],
+        cwd=ROOT,
+        env=child_env(8),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _steps(run_dir: Path) -> list[int]:
@@ -92,12 +118,15 @@ def test_a_stop_signal_right_after_a_resume_is_one_line_and_resumable(tmp_path, 
     lines = [line for line in _lines(err) if not line.startswith("jaxpar: Ctrl-C: finishing")]
     assert "Traceback" not in err and len(lines) == 1, err
     if proc.returncode == 4:  # training had begun: the current step's checkpoint is written
-        assert lines[0].startswith("jaxpar: interrupted (Ctrl-C): checkpoint of step "
-                                   if sig == signal.SIGINT else
-                                   "jaxpar: preempted (SIGTERM): checkpoint of step "), err
+        assert lines[0].startswith(
+            "jaxpar: interrupted (Ctrl-C): checkpoint of step "
+            if sig == signal.SIGINT
+            else "jaxpar: preempted (SIGTERM): checkpoint of step "
+        ), err
     else:
-        assert (proc.returncode, lines) == BEFORE_TRAINING[sig][:1] + ([
-            BEFORE_TRAINING[sig][1]],), err
+        assert (proc.returncode, lines) == BEFORE_TRAINING[sig][:1] + (
+            [BEFORE_TRAINING[sig][1]],
+        ), err
     done = _start(run_dir, 8)
     _, err = done.communicate(timeout=300)
     assert done.returncode == 0, err

@@ -33,34 +33,75 @@ BOUND = 45
 # (a module fixture), so the file takes about as long as the slowest.
 CASES = {
     # the project's own config, trained on one CPU device as a new user would
-    "mixtral_one_cpu": (["train", "configs/mixtral_8x7b.yaml", "--devices", "1"],
-                        ["the train state needs 560 GB in all", "this host's memory",
-                         "model.d_ff=14336", "choose a smaller model"]),
-    "experts": (["train", "configs/llama_tiny.yaml", "model.n_experts=1000000000"],
-                ["more than any device holds", "from model.n_experts=1000000000",
-                 "lower model.n_experts"]),
-    "vocab": (["train", "model.vocab_size=1000000000000"],
-              ["the train state needs 3.07 PB per device", "embed [1000000000000, 128]",
-               "lower model.vocab_size"]),
-    "positions": (["train", "model.max_seq_len=1000000000"],
-                  ["pos [1000000000, 128] from model.max_seq_len=1000000000"]),
+    "mixtral_one_cpu": (
+        ["train", "configs/mixtral_8x7b.yaml", "--devices", "1"],
+        [
+            "the train state needs 560 GB in all",
+            "this host's memory",
+            "model.d_ff=14336",
+            "choose a smaller model",
+        ],
+    ),
+    "experts": (
+        ["train", "configs/llama_tiny.yaml", "model.n_experts=1000000000"],
+        ["more than any device holds", "from model.n_experts=1000000000", "lower model.n_experts"],
+    ),
+    "vocab": (
+        ["train", "model.vocab_size=1000000000000"],
+        [
+            "the train state needs 3.07 PB per device",
+            "embed [1000000000000, 128]",
+            "lower model.vocab_size",
+        ],
+    ),
+    "positions": (
+        ["train", "model.max_seq_len=1000000000"],
+        ["pos [1000000000, 128] from model.max_seq_len=1000000000"],
+    ),
     # was a native abort of the compiler ("overflow in static extent product")
-    "inspect_width": (["inspect", "model.d_model=1000000000", "model.n_heads=1"],
-                      ["192 EB per device", "lower model.d_model"]),
+    "inspect_width": (
+        ["inspect", "model.d_model=1000000000", "model.n_heads=1"],
+        ["192 EB per device", "lower model.d_model"],
+    ),
     # beyond int64: no array dim at all
-    "beyond_int64": (["inspect", "model.vocab_size=10000000000000000000"],
-                     ["model.vocab_size=10000000000000000000 is larger than any array dim"]),
+    "beyond_int64": (
+        ["inspect", "model.vocab_size=10000000000000000000"],
+        ["model.vocab_size=10000000000000000000 is larger than any array dim"],
+    ),
     # grew memory past 6 GB building a tick table of 10^9 microbatches
-    "mpmd_microbatches": (["train", "mesh.stage=2", "mesh.data=4", "rules.layers=stage",
-                           "pipeline.executor=mpmd", "pipeline.microbatches=1000000000"],
-                          [("pipeline.microbatches=1000000000 × train.grad_accum=1 = "
-                            "1000000000 microbatches, more than one step's "
-                            "train.batch_size=32 rows"), "set pipeline.microbatches=32"]),
+    "mpmd_microbatches": (
+        [
+            "train",
+            "mesh.stage=2",
+            "mesh.data=4",
+            "rules.layers=stage",
+            "pipeline.executor=mpmd",
+            "pipeline.microbatches=1000000000",
+        ],
+        [
+            (
+                "pipeline.microbatches=1000000000 × train.grad_accum=1 = "
+                "1000000000 microbatches, more than one step's "
+                "train.batch_size=32 rows"
+            ),
+            "set pipeline.microbatches=32",
+        ],
+    ),
     # activations: was "internal error … Out of memory allocating 6516358998584 bytes"
-    "attention": (["train", "data.dataset=synthetic", "train.batch_size=512",
-                   "data.seq_len=8192", "model.max_seq_len=8192"],
-                  [("one train step computes float32[512,4,8192,1,8192] (550 GB, a "
-                    "dot_general output"), "from data.seq_len=8192", "lower train.batch_size"]),
+    "attention": (
+        [
+            "train",
+            "data.dataset=synthetic",
+            "train.batch_size=512",
+            "data.seq_len=8192",
+            "model.max_seq_len=8192",
+        ],
+        [
+            ("one train step computes float32[512,4,8192,1,8192] (550 GB, a dot_general output"),
+            "from data.seq_len=8192",
+            "lower train.batch_size",
+        ],
+    ),
 }
 #: bytes a case needs of this host's memory (a host with as much runs it)
 NEEDS = {"mixtral_one_cpu": 560e9, "positions": 12.3e12, "attention": 550e9}
@@ -73,9 +114,17 @@ def refused(tmp_path_factory):
     children = {}
     for case, (args, _) in CASES.items():
         run_dir = [f"run.dir={root / case}"] if args[0] == "train" else []
-        children[case] = (subprocess.Popen(
-            [sys.executable, "-m", "jaxpar", *args, *run_dir], cwd=ROOT, env=child_env(8),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), time.time())
+        children[case] = (
+            subprocess.Popen(
+                [sys.executable, "-m", "jaxpar", *args, *run_dir],
+                cwd=ROOT,
+                env=child_env(8),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            ),
+            time.time(),
+        )
     yield children
     kill_all(proc for proc, _ in children.values())
 
@@ -87,8 +136,9 @@ def test_a_size_no_device_holds_is_refused_in_one_line_within_seconds(refused, c
     proc, start = refused[case]
     _, err = finished(proc, case, 60)
     elapsed = time.time() - start
-    lines = [line for line in err.splitlines() if line.strip() and
-             not line.startswith("jaxpar: warning")]
+    lines = [
+        line for line in err.splitlines() if line.strip() and not line.startswith("jaxpar: warning")
+    ]
     assert proc.returncode == 2, err
     assert len(lines) == 1 and "Traceback" not in err, err
     assert lines[0].startswith("jaxpar: error: "), err
@@ -98,8 +148,9 @@ def test_a_size_no_device_holds_is_refused_in_one_line_within_seconds(refused, c
 
 
 def _wide(rngs: nnx.Rngs, width: int) -> nnx.Sequential:
-    return nnx.Sequential(nnx.Linear(784, width, rngs=rngs), nnx.relu,
-                          nnx.Linear(width, 10, rngs=rngs))
+    return nnx.Sequential(
+        nnx.Linear(784, width, rngs=rngs), nnx.relu, nnx.Linear(width, 10, rngs=rngs)
+    )
 
 
 @pytest.mark.filterwarnings("ignore:4 parameters carry no logical axes")
@@ -107,9 +158,12 @@ def test_a_user_task_is_checked_from_its_abstract_state():
     """Any model, not only the families: a task's parameter that no device holds is named
     with its path and shape (its sizes are no config key) — before a byte is allocated."""
     wide = dataclasses.replace(TASK, model_fn=lambda rngs: _wide(rngs, 2**40))
-    with pytest.raises(LayoutError, match=r"more than any device holds .*its largest "
-                       r"parameter is layers/0/kernel \[784, 1099511627776\]; choose a "
-                       r"smaller model$"):
+    with pytest.raises(
+        LayoutError,
+        match=r"more than any device holds .*its largest "
+        r"parameter is layers/0/kernel \[784, 1099511627776\]; choose a "
+        r"smaller model$",
+    ):
         build(load_config([], ["train.batch_size=16"]), wide)
 
 
@@ -118,15 +172,22 @@ def test_the_memory_is_this_hosts_on_the_cpu_and_each_devices_elsewhere():
     a device with its own memory is asked for enough devices to shard the state over."""
     run = build(load_config([], ["train.batch_size=16", "mesh.data=8"]), TASK)
     memory = sizes.device_memory(run.devices)
-    assert memory == sizes.Memory(HOST, True, f"this host's memory ({sizes.size(HOST)}, "
-                                              "shared by its 8 CPU devices)")
+    assert memory == sizes.Memory(
+        HOST, True, f"this host's memory ({sizes.size(HOST)}, shared by its 8 CPU devices)"
+    )
     per_device = run.plan.state_bytes().total
     host = sizes.Memory(8 * per_device - 1, True, "this host's memory (tiny)")
-    with pytest.raises(LayoutError, match=r"needs .* in all \(per device: .*\), more than "
-                       r"this host's memory \(tiny\).* train it on accelerators"):
+    with pytest.raises(
+        LayoutError,
+        match=r"needs .* in all \(per device: .*\), more than "
+        r"this host's memory \(tiny\).* train it on accelerators",
+    ):
         sizes.check_state(run.plan, host, {})
     sizes.check_state(run.plan, dataclasses.replace(host, bytes=8 * per_device), {})
     gpu = sizes.Memory(per_device - 1, False, "a GPU's memory")
-    with pytest.raises(LayoutError, match=r"per device \(.*\), more than a GPU's memory; .*"
-                       r"shard it over at least 2 such devices"):
+    with pytest.raises(
+        LayoutError,
+        match=r"per device \(.*\), more than a GPU's memory; .*"
+        r"shard it over at least 2 such devices",
+    ):
         sizes.check_state(run.plan, gpu, {})

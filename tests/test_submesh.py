@@ -27,6 +27,7 @@ BATCH = 16
 
 def _mlp(*widths: int):
     """The texts' model: Dense(784→512) → relu → Dense(512→10), or any widths."""
+
     def model_fn(rngs: nnx.Rngs) -> nnx.Sequential:
         layers = []
         for i, (a, b) in enumerate(itertools.pairwise(widths)):
@@ -42,22 +43,33 @@ def _sparse_ce(logits, batch):
 
 def _digits(step: int, n: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(step)
-    return {"x": rng.normal(size=(n, 784)).astype(np.float32),
-            "y": rng.integers(0, 10, n).astype(np.int32)}
+    return {
+        "x": rng.normal(size=(n, 784)).astype(np.float32),
+        "y": rng.integers(0, 10, n).astype(np.int32),
+    }
 
 
-MLP = jaxpar.Task(_mlp(784, 512, 10), batch_axes={"x": ("batch", None), "y": ("batch",)},
-                  layers=jaxpar.Layers(inputs="x", loss=_sparse_ce), data=_digits,
-                  name="two_device_mlp")
+MLP = jaxpar.Task(
+    _mlp(784, 512, 10),
+    batch_axes={"x": ("batch", None), "y": ("batch",)},
+    layers=jaxpar.Layers(inputs="x", loss=_sparse_ce),
+    data=_digits,
+    name="two_device_mlp",
+)
 
 
 def _cnn(rngs: nnx.Rngs) -> nnx.Sequential:
     """A stock NNX CNN as a sequence: Conv, BatchNorm, relu, Dropout, flatten, Dense ×2."""
-    return nnx.Sequential(nnx.Conv(1, 8, (3, 3), rngs=rngs), nnx.BatchNorm(8, rngs=rngs),
-                          nnx.relu, nnx.Dropout(0.2, rngs=rngs),
-                          lambda x: x.reshape(x.shape[0], -1),
-                          nnx.Linear(8 * 8 * 8, 32, rngs=rngs), nnx.relu,
-                          nnx.Linear(32, 4, rngs=rngs))
+    return nnx.Sequential(
+        nnx.Conv(1, 8, (3, 3), rngs=rngs),
+        nnx.BatchNorm(8, rngs=rngs),
+        nnx.relu,
+        nnx.Dropout(0.2, rngs=rngs),
+        lambda x: x.reshape(x.shape[0], -1),
+        nnx.Linear(8 * 8 * 8, 32, rngs=rngs),
+        nnx.relu,
+        nnx.Linear(32, 4, rngs=rngs),
+    )
 
 
 def _images(step: int, n: int) -> dict[str, np.ndarray]:
@@ -70,13 +82,20 @@ def _images(step: int, n: int) -> dict[str, np.ndarray]:
 
 def _ce_accuracy(logits, batch):
     labels = batch["labels"]
-    return (optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(),
-            {"accuracy": (logits.argmax(-1) == labels).mean()})
+    return (
+        optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(),
+        {"accuracy": (logits.argmax(-1) == labels).mean()},
+    )
 
 
-CNN = jaxpar.Task(_cnn, batch_axes={"images": ("batch", None, None, None), "labels": ("batch",)},
-                  layers=jaxpar.Layers(inputs="images", loss=_ce_accuracy), data=_images,
-                  eval_data=lambda step, n: _images(10**6 + step, n), name="bn_cnn")
+CNN = jaxpar.Task(
+    _cnn,
+    batch_axes={"images": ("batch", None, None, None), "labels": ("batch",)},
+    layers=jaxpar.Layers(inputs="images", loss=_ce_accuracy),
+    data=_images,
+    eval_data=lambda step, n: _images(10**6 + step, n),
+    name="bn_cnn",
+)
 
 
 def _host(tree):
@@ -89,8 +108,9 @@ def _host(tree):
 
 
 def _train(task, overrides, optimizer, devices=8, steps=3):
-    config = jaxpar.load_config([], [*overrides, f"train.batch_size={BATCH}",
-                                     f"run.devices={devices}"])
+    config = jaxpar.load_config(
+        [], [*overrides, f"train.batch_size={BATCH}", f"run.devices={devices}"]
+    )
     run = jaxpar.build(config, task, optimizer)
     state, losses = run.trainer.init(), []
     for step in range(steps):
@@ -104,15 +124,29 @@ def _one_device(task, optimizer):
 
 
 def _staged(task, optimizer, stages, schedule, virtual=1, extra=()):
-    return _train(task, [f"mesh.stage={stages}", f"mesh.data={8 // stages}",
-                         f"pipeline.schedule={schedule}", f"pipeline.microbatches={M}",
-                         f"pipeline.virtual_stages={virtual}", *extra], optimizer)
+    return _train(
+        task,
+        [
+            f"mesh.stage={stages}",
+            f"mesh.data={8 // stages}",
+            f"pipeline.schedule={schedule}",
+            f"pipeline.microbatches={M}",
+            f"pipeline.virtual_stages={virtual}",
+            *extra,
+        ],
+        optimizer,
+    )
 
 
-@pytest.mark.parametrize("schedule,widths,virtual", [
-    ("gpipe", (784, 512, 10), 1), ("1f1b", (784, 512, 10), 1), ("zb_h1", (784, 512, 10), 1),
-    ("interleaved", (784, 256, 128, 64, 10), 2),  # 2 chunks per device: 4 chunks, 7 layers
-])
+@pytest.mark.parametrize(
+    "schedule,widths,virtual",
+    [
+        ("gpipe", (784, 512, 10), 1),
+        ("1f1b", (784, 512, 10), 1),
+        ("zb_h1", (784, 512, 10), 1),
+        ("interleaved", (784, 256, 128, 64, 10), 2),  # 2 chunks per device: 4 chunks, 7 layers
+    ],
+)
 def test_the_two_device_model_equals_one_device(schedule, widths, virtual):
     """The texts' 784→512→10 model split by layer over 2 stages of 4 devices, with Adam:
     losses, parameters and optimizer state equal one device accumulating 4 microbatches."""
@@ -137,10 +171,16 @@ def test_each_layer_lives_on_its_stage():
     assert state.step.sharding.device_set == first | second  # read in place by every stage
 
 
-@pytest.mark.parametrize("stages,schedule,virtual", grid(
-    [pytest.param(*c, id="-".join(map(str, c))) for c in ((2, "1f1b", 1), (2, "zb_h1", 1),
-                                                          (4, "gpipe", 1), (2, "interleaved", 2))],
-    {"2-zb_h1-1", "4-gpipe-1", "2-interleaved-2"}))
+@pytest.mark.parametrize(
+    "stages,schedule,virtual",
+    grid(
+        [
+            pytest.param(*c, id="-".join(map(str, c)))
+            for c in ((2, "1f1b", 1), (2, "zb_h1", 1), (4, "gpipe", 1), (2, "interleaved", 2))
+        ],
+        {"2-zb_h1-1", "4-gpipe-1", "2-interleaved-2"},
+    ),
+)
 def test_batchnorm_and_dropout_live_in_their_stage(stages, schedule, virtual):
     """A BatchNorm + Dropout CNN in 2 and 4 stages equals one device with 4 accumulated
     microbatches: losses, parameters, running statistics, RNG counts, and evaluation on the
@@ -152,13 +192,16 @@ def test_batchnorm_and_dropout_live_in_their_stage(stages, schedule, virtual):
     assert_params_close(_host(got.params), _host(ref.params))
     got_state, ref_state = _host(got.model_state), _host(ref.model_state)
     assert jax.tree.structure(got_state) == jax.tree.structure(ref_state)
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got_state),
-                            jax.tree.leaves(ref_state)):
+    for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(got_state), jax.tree.leaves(ref_state)
+    ):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=str(path))
     assert int(got_state["layers"][3]["rngs"]["count"]) == 3 * M  # one draw per microbatch
     held_out = _images(10**6, BATCH)
-    evals = [r.trainer.evaluate(s, r.trainer.shard_batch(held_out))
-             for r, s in ((run, got), (ref_run, ref))]
+    evals = [
+        r.trainer.evaluate(s, r.trainer.shard_batch(held_out))
+        for r, s in ((run, got), (ref_run, ref))
+    ]
     np.testing.assert_allclose(float(evals[0]["loss"]), float(evals[1]["loss"]), rtol=1e-5)
     np.testing.assert_allclose(float(evals[0]["accuracy"]), float(evals[1]["accuracy"]))
 
@@ -173,25 +216,48 @@ def test_balanced_and_explicit_cuts():
     assert run.plan.gradients.cut.chunks == ((0, 2), (2, 8))
 
 
-@pytest.mark.parametrize("extra,task,error,message", [
-    (["pipeline.split=[1, 1]"], MLP, LayoutError,
-     (r"pipeline.split=\[1, 1\] must give 2 chunks .* summing to the model's 3 layers; "
-     r"e.g. pipeline.split=\[2, 1\]")),
-    (["pipeline.split=[3, 0]"], MLP, LayoutError, r"each of at least one layer"),
-    (["mesh.stage=4", "mesh.data=2"], MLP, LayoutError,
-     r"the model has 3 layers, fewer than the 4 chunks"),
-    ([], dataclasses.replace(MLP, layers=None, loss_fn=lambda m, b: (0.0, {})), LayoutError,
-     r"mesh.stage=2, but this model cannot be split into pipeline stages"),
-    (["pipeline.executor=mpmd"], dataclasses.replace(MLP, layers=None,
-                                                     loss_fn=lambda m, b: (0.0, {})),
-     TaskError, (r"pipeline.executor=mpmd cuts a model by layer, but this task declares no "
-                r"layers; give the Task layers=jaxpar.Layers")),
-])
+@pytest.mark.parametrize(
+    "extra,task,error,message",
+    [
+        (
+            ["pipeline.split=[1, 1]"],
+            MLP,
+            LayoutError,
+            (
+                r"pipeline.split=\[1, 1\] must give 2 chunks .* summing to the model's 3 layers; "
+                r"e.g. pipeline.split=\[2, 1\]"
+            ),
+        ),
+        (["pipeline.split=[3, 0]"], MLP, LayoutError, r"each of at least one layer"),
+        (
+            ["mesh.stage=4", "mesh.data=2"],
+            MLP,
+            LayoutError,
+            r"the model has 3 layers, fewer than the 4 chunks",
+        ),
+        (
+            [],
+            dataclasses.replace(MLP, layers=None, loss_fn=lambda m, b: (0.0, {})),
+            LayoutError,
+            r"mesh.stage=2, but this model cannot be split into pipeline stages",
+        ),
+        (
+            ["pipeline.executor=mpmd"],
+            dataclasses.replace(MLP, layers=None, loss_fn=lambda m, b: (0.0, {})),
+            TaskError,
+            (
+                r"pipeline.executor=mpmd cuts a model by layer, but this task declares no "
+                r"layers; give the Task layers=jaxpar.Layers"
+            ),
+        ),
+    ],
+)
 def test_a_cut_that_cannot_be_made_is_one_line(extra, task, error, message):
     overrides = ["mesh.stage=2", "mesh.data=4", *extra]
     with pytest.raises(error, match=message) as err:
-        jaxpar.build(jaxpar.load_config([], [*overrides, f"train.batch_size={BATCH}"]), task,
-                     optax.sgd(0.1))
+        jaxpar.build(
+            jaxpar.load_config([], [*overrides, f"train.batch_size={BATCH}"]), task, optax.sgd(0.1)
+        )
     assert "\n" not in str(err.value)
 
 
@@ -206,8 +272,11 @@ def test_clipping_spans_the_stages():
     assert_params_close(_host(got.params), _host(ref.params))
     norm = float(run.trainer.step(got, run.trainer.shard_batch(_digits(3, BATCH)))[1]["grad_norm"])
     assert norm > 0.05  # the clip was active
-    with pytest.raises(LayoutError, match=r"this optimizer's update of layers/0/bias depends on "
-                                          r"other stages' gradients .* jaxpar.clip_by_global_norm"):
+    with pytest.raises(
+        LayoutError,
+        match=r"this optimizer's update of layers/0/bias depends on "
+        r"other stages' gradients .* jaxpar.clip_by_global_norm",
+    ):
         _staged(MLP, optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1)), 2, "1f1b")
 
 
@@ -218,14 +287,20 @@ def test_checkpoints_resume_bitwise_and_restore_onto_another_layout(tmp_path):
     from jaxpar.resume import restore_state
 
     adam = optax.adam(1e-3)
-    common = ["train.log_every=1", "train.eval_every=0", "train.progress=false",
-              "checkpoint.every_steps=2", "checkpoint.async_save=false",
-              f"train.batch_size={BATCH}"]
+    common = [
+        "train.log_every=1",
+        "train.eval_every=0",
+        "train.progress=false",
+        "checkpoint.every_steps=2",
+        "checkpoint.async_save=false",
+        f"train.batch_size={BATCH}",
+    ]
     staged = ["mesh.stage=2", "mesh.data=4", f"pipeline.microbatches={M}"]
 
     def train(steps, run_dir, layout=staged):
-        config = jaxpar.load_config([], [*common, *layout, f"train.steps={steps}",
-                                         f"run.dir={run_dir}"])
+        config = jaxpar.load_config(
+            [], [*common, *layout, f"train.steps={steps}", f"run.dir={run_dir}"]
+        )
         return jaxpar.train(config, task=CNN, optimizer=adam, echo=False)
 
     whole = train(4, tmp_path / "whole")
@@ -245,18 +320,38 @@ def test_checkpoints_resume_bitwise_and_restore_onto_another_layout(tmp_path):
         assert restored.params["layers"][0]["kernel"].sharding.mesh.shape["stage"] == 1
 
 
-GPT = ["model.d_model=16", "model.n_heads=2", "model.d_ff=32", "model.max_seq_len=8",
-       "data.seq_len=8", "train.batch_size=32", "model.n_layers=4", "optim.name=adamw",
-       "optim.lr=3e-3", "optim.weight_decay=0.1", "optim.clip_norm=1.0",
-       "optim.warmup_steps=0"]
+GPT = [
+    "model.d_model=16",
+    "model.n_heads=2",
+    "model.d_ff=32",
+    "model.max_seq_len=8",
+    "data.seq_len=8",
+    "train.batch_size=32",
+    "model.n_layers=4",
+    "optim.name=adamw",
+    "optim.lr=3e-3",
+    "optim.weight_decay=0.1",
+    "optim.clip_norm=1.0",
+    "optim.warmup_steps=0",
+]
 
 
-@pytest.mark.parametrize("layout", grid([
-    pytest.param(["mesh.stage=2", "mesh.data=4", "pipeline.schedule=1f1b"], id="data4"),
-    pytest.param(["mesh.stage=2", "mesh.data=2", "mesh.tensor=2", "pipeline.schedule=gpipe"],
-                 id="data2-tensor2"),
-    pytest.param(["mesh.stage=4", "mesh.data=2", "pipeline.schedule=zb_h1"], id="stage4-zb_h1"),
-], {"data2-tensor2"}))
+@pytest.mark.parametrize(
+    "layout",
+    grid(
+        [
+            pytest.param(["mesh.stage=2", "mesh.data=4", "pipeline.schedule=1f1b"], id="data4"),
+            pytest.param(
+                ["mesh.stage=2", "mesh.data=2", "mesh.tensor=2", "pipeline.schedule=gpipe"],
+                id="data2-tensor2",
+            ),
+            pytest.param(
+                ["mesh.stage=4", "mesh.data=2", "pipeline.schedule=zb_h1"], id="stage4-zb_h1"
+            ),
+        ],
+        {"data2-tensor2"},
+    ),
+)
 def test_gpt_under_both_executors_equals_one_device(layout):
     """The GPT (a StageSplit stack, AdamW with clipping and weight decay) under the sub-mesh
     executor = under the spmd executor = one device: losses and parameters; the two
@@ -271,8 +366,7 @@ def test_gpt_under_both_executors_equals_one_device(layout):
         np.testing.assert_allclose(losses, one[0], rtol=1e-5)
         assert_params_close(params, one[1], elementwise=False, rtol=1e-4)
     assert_params_close(mpmd[1], spmd[1], elementwise=False, rtol=1e-4)
-    specs = lambda run: jax.tree.map(lambda s: (s.spec, s.mesh.shape),
-                                     run.plan.state_shardings)
+    specs = lambda run: jax.tree.map(lambda s: (s.spec, s.mesh.shape), run.plan.state_shardings)
     assert specs(mpmd[2]) == specs(spmd[2])
 
 
@@ -280,8 +374,7 @@ def test_bert_dropout_and_masks_under_both_executors():
     """BERT (dropout and masks keyed by the RNG stream's count and the example id) under the
     sub-mesh executor: losses and parameters equal the spmd executor's (the same dropout
     and masks); evaluation through the stages agrees."""
-    common = [*GPT, "model.name=bert", "mesh.stage=2", "mesh.data=4",
-              "pipeline.microbatches=4"]
+    common = [*GPT, "model.name=bert", "mesh.stage=2", "mesh.data=4", "pipeline.microbatches=4"]
     spmd = run_steps([*common, "pipeline.executor=spmd"])
     mpmd = run_steps([*common, "pipeline.executor=mpmd"])
     np.testing.assert_allclose(mpmd[0], spmd[0], rtol=1e-5)
@@ -302,8 +395,10 @@ def test_inspect_and_the_lab_measure_each_stage(capsys):
     from jaxpar.lab import hardware, sweep
     from jaxpar.report import layout_totals
 
-    config = jaxpar.load_config([], ["mesh.stage=2", "mesh.data=4", f"train.batch_size={BATCH}",
-                                     f"pipeline.microbatches={M}"])
+    config = jaxpar.load_config(
+        [],
+        ["mesh.stage=2", "mesh.data=4", f"train.batch_size={BATCH}", f"pipeline.microbatches={M}"],
+    )
     run = jaxpar.build(config, MLP)
     totals = layout_totals(run)
     first, second = totals.stages
@@ -316,8 +411,7 @@ def test_inspect_and_the_lab_measure_each_stage(capsys):
     assert row.ok, row.error
     assert row.mem_args_bytes == row.predicted_mem_args_bytes
     # each microbatch's backward all-reduces its chunk's gradients over data (4 per step)
-    assert row.all_reduce_bytes == pytest.approx(M * 2 * 3 / 4 * first.grad_sum_bytes,
-                                                 rel=0.01)
+    assert row.all_reduce_bytes == pytest.approx(M * 2 * 3 / 4 * first.grad_sum_bytes, rel=0.01)
     assert row.comm_ratio == pytest.approx(1.0, abs=0.01)
 
 
@@ -331,7 +425,8 @@ def test_sweep_all_leaves_out_stage_layouts_of_a_model_that_cannot_be_split():
     assert kept == [x for x in no_context if "stage=" not in x] and len(kept) == 10
     assert note.startswith(f"note: 15 layouts with mesh.stage > 1 left out: {MLP.name} cannot")
     assert note.splitlines()[1].startswith(
-        f"note: 10 layouts with mesh.context > 1 left out: {MLP.name} does not run")
+        f"note: 10 layouts with mesh.context > 1 left out: {MLP.name} does not run"
+    )
     assert sweep.default_layouts(config, 8, MLP)[0] == no_context
 
 
@@ -350,16 +445,25 @@ def test_sigterm_then_resume_is_bitwise(tmp_path):
     """A SIGTERM mid-run checkpoints the step it stopped at; resuming ends bitwise where
     the uninterrupted run does: parameters, Adam's moments, BatchNorm statistics and the
     dropout stream's key and count, each on its stage."""
-    common = ["train.log_every=1", "train.eval_every=0", "train.progress=false",
-              "checkpoint.every_steps=100", f"train.batch_size={BATCH}", "mesh.stage=2",
-              "mesh.data=4", f"pipeline.microbatches={M}", "pipeline.schedule=zb_h1",
-              "train.steps=8"]
+    common = [
+        "train.log_every=1",
+        "train.eval_every=0",
+        "train.progress=false",
+        "checkpoint.every_steps=100",
+        f"train.batch_size={BATCH}",
+        "mesh.stage=2",
+        "mesh.data=4",
+        f"pipeline.microbatches={M}",
+        "pipeline.schedule=zb_h1",
+        "train.steps=8",
+    ]
     config = lambda run_dir: jaxpar.load_config([], [*common, f"run.dir={run_dir}"])
     adam = optax.adam(1e-3)
     whole = jaxpar.train(config(tmp_path / "whole"), task=CNN, optimizer=adam, echo=False)
     with pytest.raises(jaxpar.loop.Preempted) as stop:
-        jaxpar.train(config(tmp_path / "cut"), task=CNN, optimizer=adam, hooks=[_StopAt(3)],
-                     echo=False)
+        jaxpar.train(
+            config(tmp_path / "cut"), task=CNN, optimizer=adam, hooks=[_StopAt(3)], echo=False
+        )
     assert 3 <= stop.value.step < 8
     resumed = jaxpar.train(config(tmp_path / "cut"), task=CNN, optimizer=adam, echo=False)
     assert resumed.train_rows[0]["step"] == stop.value.step + 1
@@ -373,12 +477,21 @@ def test_gpt_checkpoint_restores_across_executors(tmp_path):
     of the spmd executor under the sub-mesh one) with identical values."""
     from jaxpar.resume import restore_state
 
-    common = [*GPT, "mesh.stage=2", "mesh.data=4", "pipeline.microbatches=4", "train.steps=2",
-              "train.eval_every=0", "train.progress=false", "checkpoint.async_save=false"]
+    common = [
+        *GPT,
+        "mesh.stage=2",
+        "mesh.data=4",
+        "pipeline.microbatches=4",
+        "train.steps=2",
+        "train.eval_every=0",
+        "train.progress=false",
+        "checkpoint.async_save=false",
+    ]
     for source, target in (("mpmd", "spmd"), ("spmd", "mpmd")):
         run_dir = tmp_path / source
-        config = lambda executor: jaxpar.load_config([], [
-            *common, f"pipeline.executor={executor}", f"run.dir={run_dir}"])
+        config = lambda executor: jaxpar.load_config(
+            [], [*common, f"pipeline.executor={executor}", f"run.dir={run_dir}"]
+        )
         done = jaxpar.train(config(source), echo=False)
         restored = restore_state(jaxpar.build(config(target)), 2, "test")
         for a, b in zip(jax.tree.leaves(_host(done.state)), jax.tree.leaves(_host(restored))):
@@ -396,16 +509,20 @@ def test_a_backward_from_kept_residuals_equals_one_device(schedule):
     assert run.plan.gradients.residuals
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
     assert_params_close(_host(got.params), _host(ref.params))
-    for a, b in zip(jax.tree.leaves(_host(got.model_state)),
-                    jax.tree.leaves(_host(ref.model_state))):
+    for a, b in zip(
+        jax.tree.leaves(_host(got.model_state)), jax.tree.leaves(_host(ref.model_state))
+    ):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_mpmd_settings_under_the_spmd_executor_are_refused():
     for setting in ("pipeline.backward=residuals", "pipeline.split=[2,2]"):
-        with pytest.raises(LayoutError, match=rf"{re.escape(setting.split('=')[0])}.* apply to "
-                                              r"pipeline.executor=mpmd, but this layout runs "
-                                              r"the spmd executor"):
+        with pytest.raises(
+            LayoutError,
+            match=rf"{re.escape(setting.split('=')[0])}.* apply to "
+            r"pipeline.executor=mpmd, but this layout runs "
+            r"the spmd executor",
+        ):
             jaxpar.build(jaxpar.load_config([], [*GPT, "mesh.stage=2", "mesh.data=4", setting]))
 
 
@@ -413,6 +530,7 @@ def test_a_skipped_step_logs_and_counts_as_on_one_device():
     """A non-finite step under the mpmd executor: skipped on every stage (parameters and
     optimizer state kept), counted, and the logged ``lr`` is the rate its update would have
     applied — the same metrics as one device's."""
+
     def data(step, n):
         batch = _digits(step, n)
         return {**batch, "x": batch["x"] * np.nan} if step == 1 else batch
@@ -420,11 +538,15 @@ def test_a_skipped_step_logs_and_counts_as_on_one_device():
     warmup = jaxpar.load_config([], ["optim.warmup_steps=4"]).optim
     tx, lr = jaxpar.make_optimizer(warmup, 8)
     rows = []
-    for layout in (["mesh.data=1", f"train.grad_accum={M}", "run.devices=1"],
-                   ["mesh.stage=2", "mesh.data=4", f"pipeline.microbatches={M}",
-                    "pipeline.executor=mpmd"]):
-        run = jaxpar.build(jaxpar.load_config([], [*layout, f"train.batch_size={BATCH}"]),
-                           dataclasses.replace(MLP, data=data), tx)
+    for layout in (
+        ["mesh.data=1", f"train.grad_accum={M}", "run.devices=1"],
+        ["mesh.stage=2", "mesh.data=4", f"pipeline.microbatches={M}", "pipeline.executor=mpmd"],
+    ):
+        run = jaxpar.build(
+            jaxpar.load_config([], [*layout, f"train.batch_size={BATCH}"]),
+            dataclasses.replace(MLP, data=data),
+            tx,
+        )
         state, logged = run.trainer.init(), []
         for step in range(3):
             state, metrics = run.trainer.step(state, run.trainer.shard_batch(data(step, BATCH)))

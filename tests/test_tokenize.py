@@ -13,8 +13,10 @@ from jaxpar.data import prepare_data
 from jaxpar.run import build
 from tests.helpers import GPT_SMALL, train_bpe
 
-PROSE = ("The quick brown fox jumps over the lazy dog while the five boxing wizards jump "
-         "quickly; pack my box with five dozen liquor jugs. ") * 60
+PROSE = (
+    "The quick brown fox jumps over the lazy dog while the five boxing wizards jump "
+    "quickly; pack my box with five dozen liquor jugs. "
+) * 60
 
 
 @pytest.fixture(scope="module")
@@ -24,18 +26,22 @@ def bpe_tokens(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("bpe")
     train_bpe([PROSE], folder / "tokenizer.json")
     (folder / "prose.txt").write_text(PROSE * 4)
-    tf = prepare_data([folder / "prose.txt"], folder / "bpe.tokens",
-                      tokenizer=str(folder / "tokenizer.json"))
+    tf = prepare_data(
+        [folder / "prose.txt"], folder / "bpe.tokens", tokenizer=str(folder / "tokenizer.json")
+    )
     assert tf.vocab_size == 300
     return tf.path
 
 
-@pytest.mark.parametrize("model, expected", [
-    ([], 300),                                   # taken from the token file
-    (["model.vocab_size=512"], 512),             # given: kept
-    (["model.name=bert", "model.max_seq_len=16"], 301),  # BERT keeps its mask token
-    (["model.name=llama", "model.max_seq_len=16"], 300),
-])
+@pytest.mark.parametrize(
+    "model, expected",
+    [
+        ([], 300),  # taken from the token file
+        (["model.vocab_size=512"], 512),  # given: kept
+        (["model.name=bert", "model.max_seq_len=16"], 301),  # BERT keeps its mask token
+        (["model.name=llama", "model.max_seq_len=16"], 300),
+    ],
+)
 def test_the_vocab_is_the_token_files_unless_given(bpe_tokens, model, expected):
     run = build(load_config([], [*GPT_SMALL, *model, f"data.path={bpe_tokens}"]))
     assert run.config.model.vocab_size == expected
@@ -67,7 +73,7 @@ def test_batched_encoding_gives_each_documents_own_ids(bpe_tokens, monkeypatch, 
 
     monkeypatch.setattr(encoding, "BATCH_BYTES", 300)
     tok = toks.load_tokenizer(str(bpe_tokens.with_name("tokenizer.json")))
-    docs = [Document(f"d{i}", PROSE[i * 97:i * 97 + 150].encode()) for i in range(9)]
+    docs = [Document(f"d{i}", PROSE[i * 97 : i * 97 + 150].encode()) for i in range(9)]
     seps = toks.Separators(bos=7, eos=9)
     got = list(encoding.encode_batches(docs, tok, seps, np.dtype("<u2")))
     assert len(got) > 2 and [d for batch in got for d in batch.docs] == docs
@@ -76,5 +82,8 @@ def test_batched_encoding_gives_each_documents_own_ids(bpe_tokens, monkeypatch, 
         assert each.dtype == np.dtype("<u2")
         assert each.tolist() == [7, *tok.encode(doc.data, doc.name).tolist(), 9]
     with pytest.raises(ValueError, match="^input 'bad' is not UTF-8 text"):
-        list(encoding.encode_batches([*docs[:2], Document("bad", b"\xff\xfe")], tok, seps,
-                                     np.dtype("<u2")))
+        list(
+            encoding.encode_batches(
+                [*docs[:2], Document("bad", b"\xff\xfe")], tok, seps, np.dtype("<u2")
+            )
+        )

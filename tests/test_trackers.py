@@ -31,13 +31,18 @@ import pytest
 from jaxpar.cli import main
 from jaxpar.config import TRACKERS, load_config
 from jaxpar.errors import ConfigError
-from jaxpar.hooks import TRACKER_HOOKS, Hook, MLflow, WandB, load_hooks
-from jaxpar.hooks import tracker_calls
+from jaxpar.hooks import TRACKER_HOOKS, Hook, MLflow, WandB, load_hooks, tracker_calls
 from jaxpar.loop import train
 from tests.helpers import GPT_SMALL, ROOT, child_env, finished, small_file_system
 
-BASE = [*GPT_SMALL, "train.log_every=1", "train.eval_every=2", "train.eval_batches=1",
-        "train.progress=false", "train.trackers=[mlflow, wandb]"]
+BASE = [
+    *GPT_SMALL,
+    "train.log_every=1",
+    "train.eval_every=2",
+    "train.eval_batches=1",
+    "train.progress=false",
+    "train.trackers=[mlflow, wandb]",
+]
 
 
 @contextlib.contextmanager
@@ -54,8 +59,16 @@ def offline(tmp: Path):
 
 
 def offline_env(mp: pytest.MonkeyPatch, tmp: Path) -> None:
-    for name in ("WANDB_DIR", "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_RUN_ID", "WANDB_RESUME",
-                 "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID", "MLFLOW_RUN_ID"):
+    for name in (
+        "WANDB_DIR",
+        "WANDB_PROJECT",
+        "WANDB_ENTITY",
+        "WANDB_RUN_ID",
+        "WANDB_RESUME",
+        "MLFLOW_EXPERIMENT_NAME",
+        "MLFLOW_EXPERIMENT_ID",
+        "MLFLOW_RUN_ID",
+    ):
         mp.delenv(name, raising=False)
     mp.setenv("MLFLOW_TRACKING_URI", f"file:{tmp / 'mlruns'}")
     mp.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 refuses file stores otherwise
@@ -78,7 +91,8 @@ def expected_by_step(rows: list[dict]) -> dict[int, dict[str, float]]:
     for row in rows:
         leave_out = {"step"} if "loss" in row else {"step", "time"}
         out.setdefault(row["step"], {}).update(
-            {k: float(v) for k, v in row.items() if k not in leave_out})
+            {k: float(v) for k, v in row.items() if k not in leave_out}
+        )
     return out
 
 
@@ -93,8 +107,8 @@ def wandb_records(path: Path) -> list:
         if block - pos % block < 7:  # a block's tail too short for a header is padding
             pos += block - pos % block
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        chunk, pos = chunk + data[pos + 7:pos + 7 + length], pos + 7 + length
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk, pos = chunk + data[pos + 7 : pos + 7 + length], pos + 7 + length
         if kind in (1, 4):  # FULL, or LAST of FIRST/MIDDLE…/LAST
             record = wandb_internal_pb2.Record()
             record.ParseFromString(chunk)
@@ -117,10 +131,13 @@ def wandb_runs(run_dir: Path) -> list[dict]:
                 items = (record.run.config if kind == "run" else record.config).update
                 run["config"].update({i.key: json.loads(i.value_json) for i in items})
             if kind == "history":
-                values = {i.key or "/".join(i.nested_key): json.loads(i.value_json)
-                          for i in record.history.item}
-                run["history"][values["_step"]] = {k: v for k, v in values.items()
-                                                   if not k.startswith("_")}
+                values = {
+                    i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                    for i in record.history.item
+                }
+                run["history"][values["_step"]] = {
+                    k: v for k, v in values.items() if not k.startswith("_")
+                }
             if kind == "exit":
                 run["exit_code"] = record.exit.exit_code
         runs.append(run)
@@ -137,8 +154,9 @@ def tracked(tmp_path_factory):
         first = json.loads((run_dir / "trackers.json").read_text())
         train(load_config([], [*BASE, "train.steps=6", f"run.dir={run_dir}"]), echo=False)
         second = json.loads((run_dir / "trackers.json").read_text())
-    return SimpleNamespace(tmp=tmp, run_dir=run_dir, first=first, second=second,
-                           rows=rows_of(run_dir))
+    return SimpleNamespace(
+        tmp=tmp, run_dir=run_dir, first=first, second=second, rows=rows_of(run_dir)
+    )
 
 
 def mlflow_client(tmp: Path, monkeypatch: pytest.MonkeyPatch):
@@ -193,8 +211,11 @@ class Boom(Hook):
 def test_a_failed_run_is_marked_failed(tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     with offline(tmp_path), pytest.raises(Exception, match="boom"):
-        train(load_config([], [*BASE, "train.steps=3", f"run.dir={run_dir}"]),
-              hooks=[Boom()], echo=False)
+        train(
+            load_config([], [*BASE, "train.steps=3", f"run.dir={run_dir}"]),
+            hooks=[Boom()],
+            echo=False,
+        )
     ids = json.loads((run_dir / "trackers.json").read_text())
     client = mlflow_client(tmp_path, monkeypatch)
     assert client.get_run(ids["mlflow"]["run_id"]).info.status == "FAILED"
@@ -205,10 +226,21 @@ def test_a_failed_run_is_marked_failed(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("name", ["wandb", "mlflow"])
 def test_a_missing_tracker_library_fails_before_training_in_one_line(
-        name, tmp_path, monkeypatch, capsys):
+    name, tmp_path, monkeypatch, capsys
+):
     monkeypatch.setitem(sys.modules, name, None)  # `import name` raises ImportError
-    assert main(["train", *GPT_SMALL, "train.steps=2", f"train.trackers=[{name}]",
-                 f"run.dir={tmp_path}"]) == 2
+    assert (
+        main(
+            [
+                "train",
+                *GPT_SMALL,
+                "train.steps=2",
+                f"train.trackers=[{name}]",
+                f"run.dir={tmp_path}",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert err.endswith(f"train.trackers=[{name}] needs {name}: pip install 'jaxpar[{name}]'")
     assert "\n" not in err
@@ -219,8 +251,7 @@ def test_an_unknown_tracker_is_refused_in_one_line():
     assert TRACKERS == tuple(TRACKER_HOOKS)  # the config's names are the hooks'
     with pytest.raises(ConfigError) as err:
         load_config([], ["train.trackers=[wandb, tensorbord]"])
-    assert str(err.value) == ("config key 'train.trackers' takes wandb, mlflow, got "
-                              "'tensorbord'")
+    assert str(err.value) == ("config key 'train.trackers' takes wandb, mlflow, got 'tensorbord'")
     assert load_config([], ["train.trackers=mlflow"]).train.trackers == ("mlflow",)
 
 
@@ -240,20 +271,35 @@ def test_without_a_run_dir_a_tracker_logs_nothing_and_process_0_is_warned():
         hook.on_start(ctx)
     assert not hook.live and hook.client is None
     assert [str(w.message) for w in caught] == [
-        "train.trackers: mlflow has no effect without a run dir: pass run_dir to fit()"]
+        "train.trackers: mlflow has no effect without a run dir: pass run_dir to fit()"
+    ]
 
 
 # ---- failing fast and quietly ------------------------------------------------------------
 HANDLE_ERROR = logging.Handler.handleError  # logging's own (when no tracker is live)
 
+
 def _child(tmp: Path, uri: str, *extra: str, **env: str) -> subprocess.Popen:
     """``jaxpar train`` with MLflow at ``uri`` in a child process."""
-    env = {**child_env(1), "MLFLOW_TRACKING_URI": uri, "MLFLOW_DISABLE_TELEMETRY": "true",
-           **env}
+    env = {**child_env(1), "MLFLOW_TRACKING_URI": uri, "MLFLOW_DISABLE_TELEMETRY": "true", **env}
     return subprocess.Popen(
-        [sys.executable, "-m", "jaxpar", "train", *GPT_SMALL, "train.steps=2",
-         "train.trackers=[mlflow]", f"run.dir={tmp / 'run'}", *extra], cwd=ROOT, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "jaxpar",
+            "train",
+            *GPT_SMALL,
+            "train.steps=2",
+            "train.trackers=[mlflow]",
+            f"run.dir={tmp / 'run'}",
+            *extra,
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _errors(err: str) -> list[str]:
@@ -282,7 +328,8 @@ def test_an_mlflow_server_refusing_connections_stops_the_run_at_once_in_one_line
     assert _errors(err) == [
         "jaxpar: error: train.trackers: MLflow could not start a run (OSError: cannot "
         "connect to 127.0.0.1:1: Connection refused); check that the tracking server at "
-        "MLFLOW_TRACKING_URI=http://127.0.0.1:1 is running, or unset it for a local store"]
+        "MLFLOW_TRACKING_URI=http://127.0.0.1:1 is running, or unset it for a local store"
+    ]
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or not rows_of(tmp_path / "run")
 
 
@@ -290,8 +337,9 @@ def test_a_sigterm_while_mlflow_starts_stops_the_run_at_once(tmp_path):
     """The server never answers and the bound is long: a SIGTERM still ends the start-up
     within seconds, in one line, exit 143."""
     with silent_server() as server:
-        proc = _child(tmp_path, "http://127.0.0.1:%d" % server.getsockname()[1],
-                      JAXPAR_TRACKER_TIMEOUT="300")
+        proc = _child(
+            tmp_path, "http://127.0.0.1:%d" % server.getsockname()[1], JAXPAR_TRACKER_TIMEOUT="300"
+        )
         try:
             held = [server.accept()[0], server.accept()[0]]  # jaxpar's probe, then MLflow's
         except TimeoutError:
@@ -309,8 +357,9 @@ def test_a_sigterm_while_mlflow_starts_stops_the_run_at_once(tmp_path):
 
 
 def _ctx(run_dir: Path, first_step: int = 1) -> SimpleNamespace:
-    return SimpleNamespace(run_dir=run_dir, first_step=first_step, config=load_config([], []),
-                           error=None)
+    return SimpleNamespace(
+        run_dir=run_dir, first_step=first_step, config=load_config([], []), error=None
+    )
 
 
 def test_a_stalled_mlflow_server_stops_the_run_after_the_bound(tmp_path, monkeypatch):
@@ -321,9 +370,12 @@ def test_a_stalled_mlflow_server_stops_the_run_after_the_bound(tmp_path, monkeyp
         monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "8")  # ends the test if the bound fails
         monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         started = time.monotonic()
-        with pytest.raises(ConfigError, match=r"^train.trackers: MLflow could not start a run "
-                           r"\(no answer within 1 s; JAXPAR_TRACKER_TIMEOUT sets the wait\); "
-                           r"check that the tracking server at MLFLOW_TRACKING_URI="):
+        with pytest.raises(
+            ConfigError,
+            match=r"^train.trackers: MLflow could not start a run "
+            r"\(no answer within 1 s; JAXPAR_TRACKER_TIMEOUT sets the wait\); "
+            r"check that the tracking server at MLFLOW_TRACKING_URI=",
+        ):
             MLflow().on_start(_ctx(tmp_path))
         assert 1 <= time.monotonic() - started < 4
     assert not (tmp_path / "trackers.json").exists()
@@ -335,8 +387,10 @@ def test_a_bad_tracker_timeout_is_one_line(value, monkeypatch):
     monkeypatch.setenv("JAXPAR_TRACKER_TIMEOUT", value)
     with pytest.raises(ConfigError) as err:
         tracker_calls.timeout()
-    assert str(err.value) == (f"JAXPAR_TRACKER_TIMEOUT='{value}': give the seconds a tracker "
-                              "may take to answer, a number > 0 (default 30)")
+    assert str(err.value) == (
+        f"JAXPAR_TRACKER_TIMEOUT='{value}': give the seconds a tracker "
+        "may take to answer, a number > 0 (default 30)"
+    )
 
 
 class FullDisk:
@@ -367,7 +421,8 @@ def test_a_tracker_librarys_logging_failures_are_one_warning(tmp_path, monkeypat
             hook.on_end(_ctx(tmp_path / "run"))
         assert [str(w.message) for w in caught] == [
             "train.trackers: MLflow could not write its log (OSError: [Errno 28] No space "
-            "left on device); training goes on (this warning is shown once)"]
+            "left on device); training goes on (this warning is shown once)"
+        ]
         assert "Logging error" not in capsys.readouterr().err
         logger.warning("after the run")
         assert "--- Logging error ---" in capsys.readouterr().err
@@ -384,22 +439,36 @@ def test_a_full_wandb_directory_is_one_warning_and_training_goes_on(tmp_path, ca
         run_dir = tmp_path / "run"
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            train(load_config([], [*BASE, "train.trackers=[wandb]", "train.steps=3",
-                                   f"run.dir={run_dir}"]), echo=False)
+            train(
+                load_config(
+                    [], [*BASE, "train.trackers=[wandb]", "train.steps=3", f"run.dir={run_dir}"]
+                ),
+                echo=False,
+            )
     assert [row["step"] for row in rows_of(run_dir) if "loss" in row] == [1, 2, 3]
     ours = [str(w.message) for w in caught if "train.trackers" in str(w.message)]
-    assert ours == ["train.trackers: Weights & Biases could not write its log (OSError: "
-                    "[Errno 28] No space left on device); training goes on (this warning is "
-                    "shown once)"]
+    assert ours == [
+        "train.trackers: Weights & Biases could not write its log (OSError: "
+        "[Errno 28] No space left on device); training goes on (this warning is "
+        "shown once)"
+    ]
     assert "Logging error" not in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("content", "problem"), [
-    ("{not json", "JSONDecodeError: Expecting property name enclosed in double quotes: "
-                  "line 1 column 2 (char 1)"),
-    ('{"mlflow": "abc"}', "its 'mlflow' entry is not a JSON object")])
-def test_a_corrupt_trackers_json_warns_that_a_new_run_starts(content, problem, tmp_path,
-                                                             monkeypatch):
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        (
+            "{not json",
+            "JSONDecodeError: Expecting property name enclosed in double quotes: "
+            "line 1 column 2 (char 1)",
+        ),
+        ('{"mlflow": "abc"}', "its 'mlflow' entry is not a JSON object"),
+    ],
+)
+def test_a_corrupt_trackers_json_warns_that_a_new_run_starts(
+    content, problem, tmp_path, monkeypatch
+):
     """A resumed run: each tracker warns and starts a new run (W&B, which starts first
     and rewrites the file, too for an entry of MLflow's), and training would go on."""
     run_dir = tmp_path / "run"
@@ -414,9 +483,12 @@ def test_a_corrupt_trackers_json_warns_that_a_new_run_starts(content, problem, t
             for hook in hooks:
                 hook.on_end(_ctx(run_dir))
     path = run_dir.absolute() / "trackers.json"
-    expected = [f"train.trackers: {path} is unreadable ({problem}); a new {label} run starts "
-                "(the file is rewritten)" for label in ("Weights & Biases", "MLflow")]
-    assert [str(w.message) for w in caught] == expected[content.startswith("{\"") :]
+    expected = [
+        f"train.trackers: {path} is unreadable ({problem}); a new {label} run starts "
+        "(the file is rewritten)"
+        for label in ("Weights & Biases", "MLflow")
+    ]
+    assert [str(w.message) for w in caught] == expected[content.startswith('{"') :]
     saved = json.loads(path.read_text())
     assert saved["mlflow"]["run_id"] == hooks[1].run_id
     assert saved["wandb"]["id"] == hooks[0].run.id
@@ -433,9 +505,19 @@ def test_mlflow_without_a_tracking_uri_uses_a_local_store(tmp_path, monkeypatch,
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")
     monkeypatch.chdir(tmp_path)
-    assert main(["train", *GPT_SMALL, "train.steps=2", "train.progress=false",
-                 "train.trackers=[mlflow]", f"run.dir={tmp_path / 'run'}"]) == 0, \
-        capsys.readouterr().err
+    assert (
+        main(
+            [
+                "train",
+                *GPT_SMALL,
+                "train.steps=2",
+                "train.progress=false",
+                "train.trackers=[mlflow]",
+                f"run.dir={tmp_path / 'run'}",
+            ]
+        )
+        == 0
+    ), capsys.readouterr().err
     saved = json.loads((tmp_path / "run" / "trackers.json").read_text())["mlflow"]
     assert saved["tracking_uri"] == (tmp_path / "mlruns").as_uri()
     client = mlflow_client(tmp_path, monkeypatch)

@@ -20,13 +20,20 @@ from tests.test_optimizer_state import LAYOUT, TASK
 OPTIM = ["optim.name=sgd", "optim.lr=0.05", "optim.momentum=0.9"]
 
 
-@pytest.mark.parametrize("mesh", grid([
-    pytest.param(["mesh.data=1"], id="mesh0"),
-    pytest.param(["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], id="mesh1"),
-    # the data-local accumulation path (one all-reduce over data per step)
-    pytest.param(["mesh.data=8", "train.batch_size=32"], id="mesh2"),
-    pytest.param(["mesh.data=4", "mesh.fsdp=2", "train.batch_size=32"], id="mesh3"),
-    pytest.param(["mesh.data=4", "mesh.tensor=2"], id="mesh4")], {"mesh1", "mesh3"}))
+@pytest.mark.parametrize(
+    "mesh",
+    grid(
+        [
+            pytest.param(["mesh.data=1"], id="mesh0"),
+            pytest.param(["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], id="mesh1"),
+            # the data-local accumulation path (one all-reduce over data per step)
+            pytest.param(["mesh.data=8", "train.batch_size=32"], id="mesh2"),
+            pytest.param(["mesh.data=4", "mesh.fsdp=2", "train.batch_size=32"], id="mesh3"),
+            pytest.param(["mesh.data=4", "mesh.tensor=2"], id="mesh4"),
+        ],
+        {"mesh1", "mesh3"},
+    ),
+)
 def test_grad_accumulation_equals_full_batch(mesh):
     devices = 1 if mesh == ["mesh.data=1"] else 8
     full = run_steps([*GPT_SMALL, *OPTIM, *mesh], steps=2, devices=devices)
@@ -40,8 +47,11 @@ def test_grad_accumulation_all_reduces_over_data_once_per_step():
     from jaxpar.plan import global_batch_shapes
 
     def all_reduce_bytes(accum):
-        run = build(load_config([], [*GPT_SMALL, "mesh.data=8", "train.batch_size=32",
-                                     f"train.grad_accum={accum}"]))
+        run = build(
+            load_config(
+                [], [*GPT_SMALL, "mesh.data=8", "train.batch_size=32", f"train.grad_accum={accum}"]
+            )
+        )
         batch = global_batch_shapes(run.data.batch(0, run.config.train.batch_size))
         text = run.trainer.compile_step(batch).as_text()
         return run.plan.accumulates_per_data_shard, hlo.collective_stats(text)["all-reduce"]
@@ -52,8 +62,16 @@ def test_grad_accumulation_all_reduces_over_data_once_per_step():
     assert accumulated.wire_bytes == pytest.approx(all_reduce_bytes(1)[1].wire_bytes, rel=1e-3)
 
 
-@pytest.mark.parametrize("mesh", grid([pytest.param(["mesh.fsdp=8"], id="mesh0"), pytest.param(
-    ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], id="mesh1")], {"mesh1"}))
+@pytest.mark.parametrize(
+    "mesh",
+    grid(
+        [
+            pytest.param(["mesh.fsdp=8"], id="mesh0"),
+            pytest.param(["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], id="mesh1"),
+        ],
+        {"mesh1"},
+    ),
+)
 def test_fsdp_gather_once_trades_memory_for_gathers(mesh):
     """train.fsdp_gather with grad_accum=4 over FSDP-sharded weights: per_microbatch gathers
     the weights in each of the 4 microbatches, once gathers them once per step and keeps them
@@ -61,10 +79,8 @@ def test_fsdp_gather_once_trades_memory_for_gathers(mesh):
     shows the trade, this run's setting first."""
     from jaxpar.report import format_report
 
-    common = [*GPT_SMALL, *OPTIM, "mesh.data=1", *mesh, "train.batch_size=32",
-              "train.grad_accum=4"]
-    full = run_steps([*GPT_SMALL, *OPTIM, "mesh.data=1", *mesh, "train.batch_size=32"],
-                     steps=2)
+    common = [*GPT_SMALL, *OPTIM, "mesh.data=1", *mesh, "train.batch_size=32", "train.grad_accum=4"]
+    full = run_steps([*GPT_SMALL, *OPTIM, "mesh.data=1", *mesh, "train.batch_size=32"], steps=2)
     once = run_steps([*common, "train.fsdp_gather=once"], steps=2)
     per_mb = run_steps([*common, "train.fsdp_gather=per_microbatch"], steps=2)
     for losses, params, _ in (once, per_mb):
@@ -83,13 +99,23 @@ def test_fsdp_gather_once_trades_memory_for_gathers(mesh):
 
 
 def test_fsdp_gather_without_effect_warns():
-    with pytest.warns(UserWarning, match="'train.fsdp_gather' has no effect with "
-                                         "train.grad_accum=1"):
-        build(load_config([], [*GPT_SMALL, "mesh.data=1", "mesh.fsdp=8",
-                               "train.fsdp_gather=once"]))
+    with pytest.warns(
+        UserWarning, match="'train.fsdp_gather' has no effect with train.grad_accum=1"
+    ):
+        build(load_config([], [*GPT_SMALL, "mesh.data=1", "mesh.fsdp=8", "train.fsdp_gather=once"]))
     with pytest.warns(UserWarning, match="no parameter sharded over data or fsdp"):
-        build(load_config([], [*GPT_SMALL, "mesh.data=8", "train.batch_size=32",
-                               "train.grad_accum=4", "train.fsdp_gather=once"]))
+        build(
+            load_config(
+                [],
+                [
+                    *GPT_SMALL,
+                    "mesh.data=8",
+                    "train.batch_size=32",
+                    "train.grad_accum=4",
+                    "train.fsdp_gather=once",
+                ],
+            )
+        )
 
 
 def test_grad_accumulation_batch_must_split():
@@ -134,8 +160,16 @@ def _poison(batch, bad):
 
 def _poisoned_run(policy, bad=2):
     """A convnet run whose training batch of step 3 (batch index 2) is all NaN."""
-    cfg = load_config([], [*CONVNET_SMALL, "train.steps=4", "train.log_every=2",
-                           "train.eval_every=0", f"train.nonfinite={policy}"])
+    cfg = load_config(
+        [],
+        [
+            *CONVNET_SMALL,
+            "train.steps=4",
+            "train.log_every=2",
+            "train.eval_every=0",
+            f"train.nonfinite={policy}",
+        ],
+    )
     run = build(cfg)
     make_loader = run.data.loader
     run.data.loader = lambda *args: _PoisonedLoader(make_loader(*args), bad)
@@ -175,8 +209,19 @@ def _guarded_steps(guard):
     """Every state leaf before and after each of 3 ResNet steps (BatchNorm statistics, SGD
     momentum, ``data=2,fsdp=2,tensor=2``) under ``train.nonfinite_guard=guard``, the
     batch of step 2 all NaN; and each step's ``finite``."""
-    run = build(load_config([], [*RESNET, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
-                                 "train.nonfinite=skip", f"train.nonfinite_guard={guard}"]))
+    run = build(
+        load_config(
+            [],
+            [
+                *RESNET,
+                "mesh.data=2",
+                "mesh.fsdp=2",
+                "mesh.tensor=2",
+                "train.nonfinite=skip",
+                f"train.nonfinite_guard={guard}",
+            ],
+        )
+    )
     state = run.trainer.init()
     states, finite = [jax.tree.map(np.asarray, state)], []
     for step in range(3):
@@ -205,8 +250,12 @@ def test_a_skipped_step_leaves_every_state_leaf_unchanged(guarded, guard):
         for a, b in zip(jax.tree.leaves(getattr(after, name)), leaves, strict=True):
             np.testing.assert_array_equal(a, b, err_msg=name)
     assert jax.tree.leaves(before.model_state) != [] and (after.step, after.skipped) == (2, 1)
-    assert not all(np.array_equal(a, b) for a, b in zip(
-        jax.tree.leaves(states[3].params), jax.tree.leaves(after.params), strict=True))
+    assert not all(
+        np.array_equal(a, b)
+        for a, b in zip(
+            jax.tree.leaves(states[3].params), jax.tree.leaves(after.params), strict=True
+        )
+    )
 
 
 def test_both_nonfinite_guards_give_the_same_numbers_without_optimizer_reductions(guarded):
@@ -219,8 +268,19 @@ def test_both_nonfinite_guards_give_the_same_numbers_without_optimizer_reduction
 
 
 def _guarded_states(optim: list[str], name: str) -> list:
-    run = build(load_config([], [*LAYOUT, *optim, "optim.lr=0.05", "optim.warmup_steps=0",
-                                 f"train.nonfinite_guard={name}"]), TASK)
+    run = build(
+        load_config(
+            [],
+            [
+                *LAYOUT,
+                *optim,
+                "optim.lr=0.05",
+                "optim.warmup_steps=0",
+                f"train.nonfinite_guard={name}",
+            ],
+        ),
+        TASK,
+    )
     state, out = run.trainer.init(), []
     for step in range(3):
         state, metrics = run.trainer.step(state, run.trainer.shard_batch(run.data.batch(step, 16)))
@@ -229,10 +289,16 @@ def _guarded_states(optim: list[str], name: str) -> list:
     return out
 
 
-@pytest.mark.parametrize("optim", [
-    ["optim.name=adam", "optim.weight_decay=0", "optim.clip_norm=0.5"],
-    ["optim.name=adamw", "optim.weight_decay=0.1"], ["optim.name=lamb"],
-    ["optim.name=adafactor", "optim.clip_norm=0.5"]], ids=["adam", "adamw", "lamb", "adafactor"])
+@pytest.mark.parametrize(
+    "optim",
+    [
+        ["optim.name=adam", "optim.weight_decay=0", "optim.clip_norm=0.5"],
+        ["optim.name=adamw", "optim.weight_decay=0.1"],
+        ["optim.name=lamb"],
+        ["optim.name=adafactor", "optim.clip_norm=0.5"],
+    ],
+    ids=["adam", "adamw", "lamb", "adafactor"],
+)
 def test_both_nonfinite_guards_agree_to_float32_rounding_for_every_optimizer(optim):
     """Under ``data=2,fsdp=2,tensor=2`` (sharded moments; the clipping, trust-ratio and
     factored norms reduced across devices): after every step, the parameters and optimizer
@@ -249,6 +315,7 @@ def test_both_nonfinite_guards_agree_to_float32_rounding_for_every_optimizer(opt
 
 def _updates_turn_nan(first: int) -> optax.GradientTransformation:
     """Finite gradients in, NaN updates out from its own ``first`` step on."""
+
     def update(updates, state, params=None):
         count = state + 1
         return jax.tree.map(lambda u: jnp.where(count >= first, jnp.nan, u), updates), count
@@ -260,9 +327,11 @@ def _updates_turn_nan(first: int) -> optax.GradientTransformation:
 def test_a_nonfinite_update_of_finite_gradients_is_skipped(name):
     """The setting reaches the trainer; an optimizer that makes NaN of finite gradients
     (finite loss and grad norm) has its step skipped: every state leaf as before it."""
-    run = build(load_config([], [*LAYOUT, "train.nonfinite=skip",
-                                 f"train.nonfinite_guard={name}"]),
-                TASK, optax.chain(optax.adam(0.01), _updates_turn_nan(2)))
+    run = build(
+        load_config([], [*LAYOUT, "train.nonfinite=skip", f"train.nonfinite_guard={name}"]),
+        TASK,
+        optax.chain(optax.adam(0.01), _updates_turn_nan(2)),
+    )
     assert run.trainer.keep is {"cond": guard.keep_cond, "where": guard.keep_where}[name]
     state = run.trainer.init()
     batches = [run.trainer.shard_batch(run.data.batch(step, 16)) for step in range(2)]
@@ -271,8 +340,9 @@ def test_a_nonfinite_update_of_finite_gradients_is_skipped(name):
     state, second = run.trainer.step(state, batches[1])
     assert bool(first["finite"]) and not bool(second["finite"])
     assert np.isfinite(float(second["loss"])) and np.isfinite(float(second["grad_norm"]))
-    for a, b in zip(jax.tree.leaves((state.params, state.opt_state)), jax.tree.leaves(before),
-                    strict=True):
+    for a, b in zip(
+        jax.tree.leaves((state.params, state.opt_state)), jax.tree.leaves(before), strict=True
+    ):
         np.testing.assert_array_equal(np.asarray(a), b)
     assert (int(state.step), int(state.skipped)) == (2, 1)
 
@@ -287,18 +357,24 @@ def _state_turns_float() -> optax.GradientTransformation:
     """An optimizer whose state is born int32 and comes back float32."""
     return optax.GradientTransformation(
         lambda params: {"count": jnp.zeros((), jnp.int32)},
-        lambda u, state, params=None: (u, {"count": state["count"] + 1.0}))
+        lambda u, state, params=None: (u, {"count": state["count"] + 1.0}),
+    )
 
 
 @pytest.mark.parametrize("name", ["cond", "where"])
 def test_an_optimizer_that_changes_its_state_dtype_is_a_one_line_error(name):
-    run = build(load_config([], [*LAYOUT, f"train.nonfinite_guard={name}"]), TASK,
-                optax.chain(optax.sgd(0.01), _state_turns_float()))
+    run = build(
+        load_config([], [*LAYOUT, f"train.nonfinite_guard={name}"]),
+        TASK,
+        optax.chain(optax.sgd(0.01), _state_turns_float()),
+    )
     with pytest.raises(ValueError) as raised:
         run.trainer.step(run.trainer.init(), run.trainer.shard_batch(run.data.batch(0, 16)))
-    assert re.fullmatch(r"the train step changed state leaf \['opt_state'\]\[1\]\['count'\] "
-                        r"from int32\[\] to float32\[\]: .*dtypes of its init",
-                        str(raised.value)), str(raised.value)
+    assert re.fullmatch(
+        r"the train step changed state leaf \['opt_state'\]\[1\]\['count'\] "
+        r"from int32\[\] to float32\[\]: .*dtypes of its init",
+        str(raised.value),
+    ), str(raised.value)
 
 
 def test_vocab_smaller_than_bytes_is_an_error():
@@ -323,9 +399,19 @@ def test_throughput_leaves_out_evaluation_and_checkpoints(tmp_path, monkeypatch)
         return slow(run, state)
 
     monkeypatch.setattr(jaxpar.run, "evaluate", evaluate)
-    cfg = load_config([], [*GPT_SMALL, "train.steps=8", "train.log_every=2",
-                           "train.eval_every=3", "train.eval_batches=1", "train.progress=false",
-                           f"run.dir={tmp_path}", "checkpoint.every_steps=4"])
+    cfg = load_config(
+        [],
+        [
+            *GPT_SMALL,
+            "train.steps=8",
+            "train.log_every=2",
+            "train.eval_every=3",
+            "train.eval_batches=1",
+            "train.progress=false",
+            f"run.dir={tmp_path}",
+            "checkpoint.every_steps=4",
+        ],
+    )
     history = train(cfg, echo=False)
     train_rows, eval_rows = history.train_rows, history.eval_rows
     assert [r["step"] for r in eval_rows] == [3, 6, 8]
@@ -338,8 +424,7 @@ def test_throughput_leaves_out_evaluation_and_checkpoints(tmp_path, monkeypatch)
     assert "not counted: eval" in text and "checkpoint" in text
 
 
-def test_progress_lines_give_an_eta_once_steps_are_timed_and_echo_false_is_silent(
-        tmp_path, capsys):
+def test_progress_lines_give_an_eta_once_steps_are_timed_and_echo_false_is_silent(tmp_path, capsys):
     """Without a terminal, a line per logged row: the first (its interval holds the
     compilation) without an ETA, the later ones with it; ``echo=False`` prints nothing."""
     from jaxpar import load_config, train

@@ -28,28 +28,44 @@ def marker_file(tmp_path):
     marker = tmp_path / "imported.txt"
     called = tmp_path / "called.txt"
     code = tmp_path / "evil.py"
-    code.write_text(f"open({str(marker)!r}, 'w').write('imported')\n"
-                    f"def run():\n    open({str(called)!r}, 'w').write('called')\n"
-                    "class NotAHook:\n    def __init__(self):\n"
-                    f"        open({str(called)!r}, 'w').write('called')\n"
-                    "    def on_step(self, ctx, step, metrics):\n        pass\n")
+    code.write_text(
+        f"open({str(marker)!r}, 'w').write('imported')\n"
+        f"def run():\n    open({str(called)!r}, 'w').write('called')\n"
+        "class NotAHook:\n    def __init__(self):\n"
+        f"        open({str(called)!r}, 'w').write('called')\n"
+        "    def on_step(self, ctx, step, metrics):\n        pass\n"
+    )
     return code, marker, called
 
 
-@pytest.mark.parametrize("name,kind", [("os:abort", "a builtin_function_or_method"),
-                                       ("subprocess:Popen", "the class Popen"),
-                                       ("FILE:run", "a function"),
-                                       ("FILE:NotAHook", "the class NotAHook")])
-def test_a_hook_entry_that_is_no_hook_is_refused_before_it_is_called(tmp_path, capsys,
-                                                                       marker_file, name, kind):
+@pytest.mark.parametrize(
+    "name,kind",
+    [
+        ("os:abort", "a builtin_function_or_method"),
+        ("subprocess:Popen", "the class Popen"),
+        ("FILE:run", "a function"),
+        ("FILE:NotAHook", "the class NotAHook"),
+    ],
+)
+def test_a_hook_entry_that_is_no_hook_is_refused_before_it_is_called(
+    tmp_path, capsys, marker_file, name, kind
+):
     code, _, called = marker_file
     spec = name.replace("FILE", str(code))
-    status = main(["train", str(ROOT / "configs/gpt_tiny.yaml"), f"run.dir={tmp_path / 'r'}",
-                   f"train.hooks=[{spec}]", "train.steps=1"])
+    status = main(
+        [
+            "train",
+            str(ROOT / "configs/gpt_tiny.yaml"),
+            f"run.dir={tmp_path / 'r'}",
+            f"train.hooks=[{spec}]",
+            "train.steps=1",
+        ]
+    )
     assert status == 2
     assert one_line(capsys.readouterr().err) == (
         f"jaxpar: error: train.hooks entry '{spec}' is {kind}, not a jaxpar.Hook subclass or "
-        "instance, so it is not called; name a class that subclasses jaxpar.Hook")
+        "instance, so it is not called; name a class that subclasses jaxpar.Hook"
+    )
     assert not called.exists()
 
 
@@ -64,24 +80,30 @@ def _run_dir(tmp_path: Path, **sections) -> Path:
     return run_dir
 
 
-@pytest.mark.parametrize("command", [["train"], ["inspect"], ["export", "--out", "x.npz"],
-                                     ["plan", "--devices", "8"], ["sample"]])
+@pytest.mark.parametrize(
+    "command",
+    [["train"], ["inspect"], ["export", "--out", "x.npz"], ["plan", "--devices", "8"], ["sample"]],
+)
 def test_a_run_dirs_model_file_is_not_imported(tmp_path, capsys, marker_file, command):
     code, marker, _ = marker_file
     run_dir = _run_dir(tmp_path, model={"name": f"{code}:FAM"})
-    argv = ([command[0], str(run_dir), *command[1:]] if command[0] != "sample"
-            else ["sample", str(run_dir), "--prompt", "a"])
+    argv = (
+        [command[0], str(run_dir), *command[1:]]
+        if command[0] != "sample"
+        else ["sample", str(run_dir), "--prompt", "a"]
+    )
     assert main(argv) == 2
     line = one_line(capsys.readouterr().err)
-    assert line.startswith(f"jaxpar: error: {run_dir / 'config.yaml'} names code to import "
-                           f"(model.name={code}:FAM); code named by a run directory is not "
-                           "run: name it on the command line"), line
-    assert line.endswith("or pass --trust-code if you trust who wrote " f"{run_dir}")
+    assert line.startswith(
+        f"jaxpar: error: {run_dir / 'config.yaml'} names code to import "
+        f"(model.name={code}:FAM); code named by a run directory is not "
+        "run: name it on the command line"
+    ), line
+    assert line.endswith(f"or pass --trust-code if you trust who wrote {run_dir}")
     assert not marker.exists()
 
 
-def test_trust_code_or_the_same_name_on_the_command_line_imports_it(tmp_path, capsys,
-                                                                    marker_file):
+def test_trust_code_or_the_same_name_on_the_command_line_imports_it(tmp_path, capsys, marker_file):
     code, marker, _ = marker_file
     run_dir = _run_dir(tmp_path, model={"name": f"{code}:FAM"})
     assert main(["inspect", str(run_dir), "model.name=gpt"]) == 2  # another name: refused
@@ -100,7 +122,8 @@ def test_a_run_dirs_hooks_are_not_imported_by_train(tmp_path, capsys, marker_fil
     assert main(["train", str(run_dir)]) == 2
     assert one_line(capsys.readouterr().err).startswith(
         f"jaxpar: error: {run_dir / 'config.yaml'} names code to import (train.hooks=["
-        f"{code}:Hook]); code named by a run directory is not run")
+        f"{code}:Hook]); code named by a run directory is not run"
+    )
     assert not marker.exists()
     assert main(["inspect", str(run_dir)]) == 0  # inspect imports no hooks: nothing to trust
     assert not marker.exists()

@@ -30,8 +30,13 @@ SPEC = "examples/research_cnn.py:TASK"
 TASK = load_task(SPEC)
 # the example's schedule has a fixed horizon (200 steps), so a short run is the start of a
 # long one
-SHORT = ["train.batch_size=16", "train.log_every=1", "train.eval_every=0",
-         "train.progress=false", "checkpoint.every_steps=5"]
+SHORT = [
+    "train.batch_size=16",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.progress=false",
+    "checkpoint.every_steps=5",
+]
 
 
 def rows(run_dir: Path) -> list[dict]:
@@ -44,11 +49,22 @@ def losses(run_dir: Path) -> list[tuple[int, float]]:
 
 def task_process(run_dir: Path, steps: int, *extra: str, wait: bool = True):
     env = child_env(8)
-    cmd = [sys.executable, "-m", "jaxpar", "train", "--task", SPEC, *SHORT, *extra,
-           f"train.steps={steps}", f"run.dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxpar",
+        "train",
+        "--task",
+        SPEC,
+        *SHORT,
+        *extra,
+        f"train.steps={steps}",
+        f"run.dir={run_dir}",
+    ]
     if not wait:
-        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=True)
 
 
@@ -68,8 +84,9 @@ def test_sigterm_then_resume_is_bitwise_identical_and_restores_onto_another_layo
     stopped = tmp_path / "stopped"
     proc = task_process(stopped, 100000, wait=False)
     deadline = time.time() + 120
-    while time.time() < deadline and not ((stopped / "metrics.jsonl").exists()
-                                          and len(losses(stopped)) >= 3):
+    while time.time() < deadline and not (
+        (stopped / "metrics.jsonl").exists() and len(losses(stopped)) >= 3
+    ):
         time.sleep(0.1)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
@@ -129,8 +146,17 @@ class StopAt(jaxpar.Hook):
 
 
 def _config(run_dir, steps, *extra):
-    return load_config([], [*SHORT, "train.eval_every=4", "train.eval_batches=2",
-                            f"train.steps={steps}", f"run.dir={run_dir}", *extra])
+    return load_config(
+        [],
+        [
+            *SHORT,
+            "train.eval_every=4",
+            "train.eval_batches=2",
+            f"train.steps={steps}",
+            f"run.dir={run_dir}",
+            *extra,
+        ],
+    )
 
 
 def test_hooks_see_every_step_exactly_once_across_a_preemption_and_resume(tmp_path):
@@ -161,10 +187,23 @@ def test_hooks_named_in_config(tmp_path):
         "import jaxpar\n"
         "class Log(jaxpar.Hook):\n"
         "    def on_step(self, ctx, step, metrics):\n"
-        f"        open({str(tmp_path / 'seen.txt')!r}, 'a').write(f'{{step}} {{metrics[\"loss\"]}}\\n')\n")
+        f"        open({str(tmp_path / 'seen.txt')!r}, 'a').write(f'{{step}} {{metrics[\"loss\"]}}\\n')\n"
+    )
     run_dir = tmp_path / "run"
-    assert main(["train", "--task", SPEC, *SHORT, "train.steps=3", f"run.dir={run_dir}",
-                 f"train.hooks=[{tmp_path / 'myhooks.py'}:Log]"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--task",
+                SPEC,
+                *SHORT,
+                "train.steps=3",
+                f"run.dir={run_dir}",
+                f"train.hooks=[{tmp_path / 'myhooks.py'}:Log]",
+            ]
+        )
+        == 0
+    )
     seen = [line.split() for line in (tmp_path / "seen.txt").read_text().splitlines()]
     assert [int(s) for s, _ in seen] == [1, 2, 3]
     assert [float(v) for _, v in seen] == [loss for _, loss in losses(run_dir)]
@@ -228,16 +267,20 @@ def _error(capsys, *args):
 def test_bad_tasks_are_one_line_errors(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     run_dir = f"run.dir={tmp_path / 'run'}"
-    assert "file 'missing.py' does not exist" in _error(capsys, "--task", "missing.py:TASK",
-                                                        run_dir)
+    assert "file 'missing.py' does not exist" in _error(
+        capsys, "--task", "missing.py:TASK", run_dir
+    )
     err = _error(capsys, "--task", "examples/research_cnn.py:NOPE", run_dir)
     assert "defines no 'NOPE'" in err and "TASK" in err
-    assert "not a jaxpar.Task" in _error(capsys, "--task", "examples/research_cnn.py:QUADRANTS",
-                                         run_dir)
-    assert "function of 2 arguments" in _error(capsys, "--task", "examples/research_cnn.py:batch",
-                                               run_dir)
-    assert "no module named 'no_such_pkg.tasks'" in _error(capsys, "--task",
-                                                           "no_such_pkg.tasks:TASK", run_dir)
+    assert "not a jaxpar.Task" in _error(
+        capsys, "--task", "examples/research_cnn.py:QUADRANTS", run_dir
+    )
+    assert "function of 2 arguments" in _error(
+        capsys, "--task", "examples/research_cnn.py:batch", run_dir
+    )
+    assert "no module named 'no_such_pkg.tasks'" in _error(
+        capsys, "--task", "no_such_pkg.tasks:TASK", run_dir
+    )
     broken = tmp_path / "broken.py"
     broken.write_text("import jaxpar\n\nTASK = undefined_name\n")
     err = _error(capsys, "--task", f"{broken}:TASK", run_dir)
@@ -246,41 +289,60 @@ def test_bad_tasks_are_one_line_errors(tmp_path, capsys, monkeypatch):
 
 def _task_file(tmp_path, name, body):
     path = tmp_path / f"{name}.py"
-    path.write_text("import dataclasses, numpy as np\n"
-                    "from jaxpar.user_code import load_task\n"
-                    f"BASE = load_task({str(ROOT / SPEC)!r})\n" + body)
+    path.write_text(
+        "import dataclasses, numpy as np\n"
+        "from jaxpar.user_code import load_task\n"
+        f"BASE = load_task({str(ROOT / SPEC)!r})\n" + body
+    )
     return f"{path}:TASK"
 
 
 def test_bad_data_and_names_are_one_line_errors(tmp_path, capsys):
     run_dir = f"run.dir={tmp_path / 'run'}"
-    short = _task_file(tmp_path, "short", "def data(step, n):\n    b = BASE.data(step, n)\n"
-                                 "    return {k: v[: n // 2] for k, v in b.items()}\n"
-                                 "TASK = dataclasses.replace(BASE, data=data)\n")
+    short = _task_file(
+        tmp_path,
+        "short",
+        "def data(step, n):\n    b = BASE.data(step, n)\n"
+        "    return {k: v[: n // 2] for k, v in b.items()}\n"
+        "TASK = dataclasses.replace(BASE, data=data)\n",
+    )
     err = _error(capsys, "--task", short, run_dir)
     assert "Task.data(step=0, global_batch_size=16) returned 'images' with 8 rows" in err
     assert "must have 16 rows" in err
-    keys = _task_file(tmp_path, "keys", "TASK = dataclasses.replace(BASE, data=lambda s, n: "
-                                "{'x': np.zeros((n, 3))})\n")
-    assert "returned entries ['x'], but the task's batch_axes name ['images', 'labels']" in \
-        _error(capsys, "--task", keys, run_dir)
-    shapes = _task_file(tmp_path, "shapes", "def data(step, n):\n    b = BASE.data(step, n)\n"
-                                  "    if step: b['images'] = b['images'][:, :4]\n    return b\n"
-                                  "TASK = dataclasses.replace(BASE, data=data)\n")
+    keys = _task_file(
+        tmp_path,
+        "keys",
+        "TASK = dataclasses.replace(BASE, data=lambda s, n: {'x': np.zeros((n, 3))})\n",
+    )
+    assert "returned entries ['x'], but the task's batch_axes name ['images', 'labels']" in _error(
+        capsys, "--task", keys, run_dir
+    )
+    shapes = _task_file(
+        tmp_path,
+        "shapes",
+        "def data(step, n):\n    b = BASE.data(step, n)\n"
+        "    if step: b['images'] = b['images'][:, :4]\n    return b\n"
+        "TASK = dataclasses.replace(BASE, data=data)\n",
+    )
     err = _error(capsys, "--task", shapes, "train.progress=false", run_dir)
     assert "returned 'images' of shape (16, 4, 8, 1)" in err and "earlier batches had" in err
-    names = _task_file(tmp_path, "names", "import flax.nnx as nnx\n"
-                                 "class M(nnx.Module):\n"
-                                 "    def __init__(self, rngs):\n"
-                                 "        self.w = nnx.Param(np.zeros((64, 4), np.float32), "
-                                 "out_sharding=('pixels', 'classes'))\n"
-                                 "    def __call__(self, x):\n"
-                                 "        return x.reshape(len(x), -1) @ self.w[...]\n"
-                                 "TASK = dataclasses.replace(BASE, model_fn=M)\n")
+    names = _task_file(
+        tmp_path,
+        "names",
+        "import flax.nnx as nnx\n"
+        "class M(nnx.Module):\n"
+        "    def __init__(self, rngs):\n"
+        "        self.w = nnx.Param(np.zeros((64, 4), np.float32), "
+        "out_sharding=('pixels', 'classes'))\n"
+        "    def __call__(self, x):\n"
+        "        return x.reshape(len(x), -1) @ self.w[...]\n"
+        "TASK = dataclasses.replace(BASE, model_fn=M)\n",
+    )
     err = _error(capsys, "--task", names, run_dir)
     assert "logical axis 'pixels' of parameter 'w'" in err and "rules.pixels=null" in err
-    assert main(["inspect", "--task", names, "rules.pixels=fsdp", "mesh.data=1",
-                 "mesh.fsdp=8"]) == 0  # the fix the message names works
+    assert (
+        main(["inspect", "--task", names, "rules.pixels=fsdp", "mesh.data=1", "mesh.fsdp=8"]) == 0
+    )  # the fix the message names works
     assert "P(fsdp, None)" in capsys.readouterr().out
 
 
@@ -289,13 +351,18 @@ def test_unannotated_parameters_replicate_with_a_warning_and_show_in_inspect(cap
     replicated, and jaxpar says so — a warning naming them and a note in inspect."""
     from flax import nnx
 
-    task = jaxpar.Task(lambda rngs: nnx.Linear(16, 4, rngs=rngs),
-                       lambda m, b: (((m(b["x"]) - b["y"]) ** 2).mean(), {}),
-                       {"x": ("batch", None), "y": ("batch", None)},
-                       data=lambda s, n: {"x": np.ones((n, 16), np.float32),
-                                          "y": np.zeros((n, 4), np.float32)}, name="plain")
-    with pytest.warns(UserWarning, match=r"2 parameters carry no logical axes and are "
-                                         r"replicated on every device: bias, kernel"):
+    task = jaxpar.Task(
+        lambda rngs: nnx.Linear(16, 4, rngs=rngs),
+        lambda m, b: (((m(b["x"]) - b["y"]) ** 2).mean(), {}),
+        {"x": ("batch", None), "y": ("batch", None)},
+        data=lambda s, n: {"x": np.ones((n, 16), np.float32), "y": np.zeros((n, 4), np.float32)},
+        name="plain",
+    )
+    with pytest.warns(
+        UserWarning,
+        match=r"2 parameters carry no logical axes and are "
+        r"replicated on every device: bias, kernel",
+    ):
         run = build(load_config([], ["train.batch_size=16"]), task)
     assert run.plan.param_specs["kernel"] == jax.sharding.PartitionSpec(None, None)
     from jaxpar.report import format_report, layout_totals
@@ -306,8 +373,12 @@ def test_unannotated_parameters_replicate_with_a_warning_and_show_in_inspect(cap
 
 def test_optimizer_and_data_keys_that_the_task_overrides_warn():
     with pytest.warns(UserWarning) as caught:
-        build(load_config([], ["train.batch_size=16", "optim.lr=0.5", "data.seq_len=64",
-                               "model.d_model=8"]), TASK)
+        build(
+            load_config(
+                [], ["train.batch_size=16", "optim.lr=0.5", "data.seq_len=64", "model.d_model=8"]
+            ),
+            TASK,
+        )
     text = " ".join(str(w.message) for w in caught)
     assert "'optim.lr' has no effect" in text and "its own Optax optimizer" in text
     assert "'data.seq_len' has no effect" in text and "'model.d_model' has no effect" in text
@@ -317,8 +388,24 @@ def test_layout_lab_measures_a_users_task(tmp_path, capsys):
     """`jaxpar sweep --task`: the user's model compiles under each layout; the gradient
     collectives of data and FSDP parallelism (which need no model knowledge) match the
     textbook, and FSDP holds about an eighth of the state."""
-    assert main(["sweep", "--task", SPEC, "train.batch_size=16", "--layouts", "data=8",
-                 "fsdp=8", "--steps", "0", "--out", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "sweep",
+                "--task",
+                SPEC,
+                "train.batch_size=16",
+                "--layouts",
+                "data=8",
+                "fsdp=8",
+                "--steps",
+                "0",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     import csv
 
     table = {r["layout"]: r for r in csv.DictReader((tmp_path / "sweep.csv").open())}

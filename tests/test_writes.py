@@ -32,8 +32,9 @@ def one_line(err: str) -> str:
 
 def snapshot(folder: Path) -> dict[str, bytes]:
     """Every file below ``folder`` and its bytes."""
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
-            if p.is_file()}
+    return {
+        str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()
+    }
 
 
 @pytest.fixture
@@ -60,8 +61,7 @@ def hold(directory: Path, what: str | None = "run.dir") -> int:
 
 
 # ---- existing files: refused unless --overwrite ---------------------------------------------
-def test_sweep_refuses_a_folder_holding_files_and_overwrite_replaces_only_its_own(
-        tmp_path, capsys):
+def test_sweep_refuses_a_folder_holding_files_and_overwrite_replaces_only_its_own(tmp_path, capsys):
     out = tmp_path / "lab"
     out.mkdir()
     (out / "notes.txt").write_bytes(b"mine")
@@ -71,7 +71,8 @@ def test_sweep_refuses_a_folder_holding_files_and_overwrite_replaces_only_its_ow
     assert one_line(capsys.readouterr().err) == (
         f"jaxpar: error: --out '{out}' is not empty (it holds notes.txt, sweep.csv); choose "
         "an empty or new folder, or pass --overwrite to replace its sweep.csv, sweep.md, "
-        "sweep.png")
+        "sweep.png"
+    )
     assert snapshot(out) == before
     os.umask(old := os.umask(0o077))  # files written through a temporary are 0644 anyway
     try:
@@ -80,10 +81,15 @@ def test_sweep_refuses_a_folder_holding_files_and_overwrite_replaces_only_its_ow
         os.umask(old)
     assert (out / "notes.txt").read_bytes() == b"mine"
     assert (out / "sweep.csv").read_text().startswith("layout,")
-    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "sweep.csv", "sweep.md",
-                                                     "sweep.png"]
-    assert {stat.S_IMODE(p.stat().st_mode) for p in out.iterdir() if p.name != "notes.txt"} \
-        == {0o644}
+    assert sorted(p.name for p in out.iterdir()) == [
+        "notes.txt",
+        "sweep.csv",
+        "sweep.md",
+        "sweep.png",
+    ]
+    assert {stat.S_IMODE(p.stat().st_mode) for p in out.iterdir() if p.name != "notes.txt"} == {
+        0o644
+    }
 
 
 def test_the_default_sweep_folder_is_never_an_earlier_sweeps(tmp_path):
@@ -101,7 +107,8 @@ def test_plot_refuses_an_existing_file_unless_told(run_dir, tmp_path, capsys):
     assert main(["plot", str(run_dir), "--out", str(image)]) == 2
     assert one_line(capsys.readouterr().err) == (
         f"jaxpar: error: --out '{image}' exists; choose another path, or pass --overwrite to "
-        "replace it")
+        "replace it"
+    )
     assert image.read_bytes() == b"my picture"
     assert main(["plot", str(run_dir), "--out", str(image), "--overwrite"]) == 0
     assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -114,7 +121,8 @@ def test_pipeline_png_refuses_an_existing_file(tmp_path, capsys):
     assert main(["pipeline", *GPT_SMALL, "mesh.stage=2", "--png", str(png)]) == 2
     assert one_line(capsys.readouterr().err) == (
         f"jaxpar: error: --png '{png}' exists; choose another path, or pass --overwrite to "
-        "replace it")
+        "replace it"
+    )
     assert png.read_bytes() == b"my chart"
 
 
@@ -126,40 +134,62 @@ def test_a_full_disk_while_plotting_is_exit_5_naming_the_image(run_dir, tmp_path
         image.write_bytes(b"my picture")
         assert main(["plot", str(run_dir), "--out", str(image), "--overwrite"]) == 5
         assert one_line(capsys.readouterr().err).startswith(
-            f"jaxpar: disk full: writing '{image}' failed: No space left on device (")
+            f"jaxpar: disk full: writing '{image}' failed: No space left on device ("
+        )
         assert [p.name for p in small.iterdir()] == ["loss.png"]
         assert image.read_bytes() == b"my picture"
 
 
 # ---- a run's own files: never, --overwrite or not ---------------------------------------------
-@pytest.mark.parametrize("args,target,text", [
-    (["plot", "{run}", "--out", "{run}/checkpoints/loss.png"], "{run}/checkpoints/loss.png",
-     "lies in '{run}/checkpoints', a folder of the run in '{run}'"),
-    (["sweep", *GPT_SMALL, *LAYOUT, "--out", "{run}/checkpoints"], "{run}/checkpoints",
-     "lies in '{run}/checkpoints', a folder of the run in '{run}'"),
-    (["export", "run.dir={tmp}/other", "--out", "{run}/metrics.jsonl"], "{run}/metrics.jsonl",
-     "is a file of the run in '{run}'"),
-    (["export", "run.dir={tmp}/other", "--out", "{run}/config.yaml"], "{run}/config.yaml",
-     "is a file of the run in '{run}'"),
-], ids=["plot", "sweep", "export_metrics", "export_config"])
+@pytest.mark.parametrize(
+    "args,target,text",
+    [
+        (
+            ["plot", "{run}", "--out", "{run}/checkpoints/loss.png"],
+            "{run}/checkpoints/loss.png",
+            "lies in '{run}/checkpoints', a folder of the run in '{run}'",
+        ),
+        (
+            ["sweep", *GPT_SMALL, *LAYOUT, "--out", "{run}/checkpoints"],
+            "{run}/checkpoints",
+            "lies in '{run}/checkpoints', a folder of the run in '{run}'",
+        ),
+        (
+            ["export", "run.dir={tmp}/other", "--out", "{run}/metrics.jsonl"],
+            "{run}/metrics.jsonl",
+            "is a file of the run in '{run}'",
+        ),
+        (
+            ["export", "run.dir={tmp}/other", "--out", "{run}/config.yaml"],
+            "{run}/config.yaml",
+            "is a file of the run in '{run}'",
+        ),
+    ],
+    ids=["plot", "sweep", "export_metrics", "export_config"],
+)
 def test_a_runs_own_files_are_never_written(run_dir, tmp_path, capsys, args, target, text):
     before = snapshot(run_dir)
     fill = {"run": run_dir, "tmp": tmp_path}
     assert main([a.format(**fill) for a in args] + ["--overwrite"]) == 2
     assert one_line(capsys.readouterr().err) == (
         f"jaxpar: error: --out '{target.format(**fill)}' {text.format(**fill)}, which that "
-        "run owns; write it elsewhere")
+        "run owns; write it elsewhere"
+    )
     assert snapshot(run_dir) == before
 
 
 # ---- run.dir: never a system folder; the lock's scope --------------------------------------
-@pytest.mark.parametrize("setting,what", [
-    ("run.dir=/", "run.dir '/' is the file system root"),
-    ("run.dir=/tmp/..", "run.dir '/tmp/..' is the file system root"),
-    ("run.dir=/usr", "run.dir '/usr' is the system folder '/usr'"),
-    ("run.dir=~", "run.dir '{home}' is the home folder '{home}'"),
-    ("checkpoint.dir=/", "checkpoint.dir '/' is the file system root"),
-], ids=["root", "root_dotdot", "usr", "home", "checkpoint_dir"])
+@pytest.mark.parametrize(
+    "setting,what",
+    [
+        ("run.dir=/", "run.dir '/' is the file system root"),
+        ("run.dir=/tmp/..", "run.dir '/tmp/..' is the file system root"),
+        ("run.dir=/usr", "run.dir '/usr' is the system folder '/usr'"),
+        ("run.dir=~", "run.dir '{home}' is the home folder '{home}'"),
+        ("checkpoint.dir=/", "checkpoint.dir '/' is the file system root"),
+    ],
+    ids=["root", "root_dotdot", "usr", "home", "checkpoint_dir"],
+)
 def test_a_run_never_takes_a_system_folder(tmp_path, capsys, setting, what):
     home = os.path.expanduser("~")
     setting = setting.replace("~", home)
@@ -169,7 +199,8 @@ def test_a_run_never_takes_a_system_folder(tmp_path, capsys, setting, what):
     assert main(args) == 2
     assert one_line(capsys.readouterr().err) == (
         f"jaxpar: error: {what.format(home=home)}: a run writes its files into its {key} and "
-        f"locks it; give it a folder of its own, e.g. {key}=runs/NAME")
+        f"locks it; give it a folder of its own, e.g. {key}=runs/NAME"
+    )
     assert not run.exists() and not Path("/.jaxpar.lock").exists()
 
 
@@ -183,15 +214,27 @@ def test_a_lock_protects_its_run_not_unrelated_runs_below(tmp_path):
         with RunDirLock(held / "runs" / "mine") as lock:  # unrelated: its own run
             assert lock.path.is_file()
         assert not (held / "runs" / "mine").exists()  # removed again: nothing was written
-        with pytest.raises(RunDirBusy, match=(
+        with pytest.raises(
+            RunDirBusy,
+            match=(
                 f"^run.dir '{held}' is in use by another jaxpar run \\(pid 4242 on host "
-                "elsewhere, started ")):
+                "elsewhere, started "
+            ),
+        ):
             RunDirLock(held).acquire()
-        for inside, parent in [(held / "checkpoints" / "x", held), (held / "profile", held),
-                               (ckpts / "mine", ckpts), (old / "a" / "b", old)]:
-            with pytest.raises(RunDirBusy, match=(
+        for inside, parent in [
+            (held / "checkpoints" / "x", held),
+            (held / "profile", held),
+            (ckpts / "mine", ckpts),
+            (old / "a" / "b", old),
+        ]:
+            with pytest.raises(
+                RunDirBusy,
+                match=(
                     f"^run.dir '{inside}' lies inside '{parent}', which another jaxpar run "
-                    "holds \\(pid 4242 on host elsewhere")):
+                    "holds \\(pid 4242 on host elsewhere"
+                ),
+            ):
                 RunDirLock(inside).acquire()
             assert not inside.exists()
     finally:
@@ -207,7 +250,8 @@ def test_nothing_is_written_into_a_running_runs_directory(run_dir, tmp_path, cap
         assert main(["plot", str(run_dir), "--out", str(out)]) == 2
         assert one_line(capsys.readouterr().err).startswith(
             f"jaxpar: error: --out '{out}' lies in '{run_dir}', which a running jaxpar run "
-            "holds (pid 4242 on host elsewhere, started ")
+            "holds (pid 4242 on host elsewhere, started "
+        )
         assert snapshot(run_dir) == before
         beside = run_dir / "plots" / "loss.png"  # a folder of its own below the run dir
         assert main(["plot", str(run_dir), "--out", str(beside)]) == 0
@@ -217,41 +261,73 @@ def test_nothing_is_written_into_a_running_runs_directory(run_dir, tmp_path, cap
 
 
 # ---- what the command line reads: checked as it reads it ------------------------------------
-@pytest.mark.parametrize("args,text", [
-    (["plan", "--devices", "8", "--memory-gb", "-1"],
-     "argument --memory-gb: expects a memory size in GB, a number above 0 to 1_000_000, "
-     "got '-1'"),
-    (["plan", "--devices", "8", "--memory-gb", "nan"],
-     "argument --memory-gb: expects a memory size in GB, a number above 0 to 1_000_000, "
-     "got 'nan'"),
-    (["sweep", "--all", "--memory-gb", "0"],
-     "argument --memory-gb: expects a memory size in GB, a number above 0 to 1_000_000, "
-     "got '0'"),
-    (["launch", "-n", "2", "--grace", "-1", "--", "train"],
-     "argument --grace: expects a time in seconds, a number from 0 to 86_400, got '-1'"),
-    (["launch", "-n", "2", "--grace", "inf", "--", "train"],
-     "argument --grace: expects a time in seconds, a number from 0 to 86_400, got 'inf'"),
-    (["plan", "--devices", "8", "--layouts", "data=8", "fsdp=4,pipe=2"],
-     "argument --layouts: layout 'fsdp=4,pipe=2': unknown mesh axis 'pipe'; the axes are "
-     "data, stage, fsdp, context, tensor (or give a section.key=value override)"),
-    (["sweep", "--layouts", "data"],
-     "argument --layouts: layout 'data': 'data' must look like axis=N, e.g. fsdp=8"),
-], ids=["memory_negative", "memory_nan", "memory_zero", "grace_negative", "grace_inf",
-        "unknown_axis", "not_axis_n"])
+@pytest.mark.parametrize(
+    "args,text",
+    [
+        (
+            ["plan", "--devices", "8", "--memory-gb", "-1"],
+            "argument --memory-gb: expects a memory size in GB, a number above 0 to 1_000_000, "
+            "got '-1'",
+        ),
+        (
+            ["plan", "--devices", "8", "--memory-gb", "nan"],
+            "argument --memory-gb: expects a memory size in GB, a number above 0 to 1_000_000, "
+            "got 'nan'",
+        ),
+        (
+            ["sweep", "--all", "--memory-gb", "0"],
+            "argument --memory-gb: expects a memory size in GB, a number above 0 to 1_000_000, "
+            "got '0'",
+        ),
+        (
+            ["launch", "-n", "2", "--grace", "-1", "--", "train"],
+            "argument --grace: expects a time in seconds, a number from 0 to 86_400, got '-1'",
+        ),
+        (
+            ["launch", "-n", "2", "--grace", "inf", "--", "train"],
+            "argument --grace: expects a time in seconds, a number from 0 to 86_400, got 'inf'",
+        ),
+        (
+            ["plan", "--devices", "8", "--layouts", "data=8", "fsdp=4,pipe=2"],
+            "argument --layouts: layout 'fsdp=4,pipe=2': unknown mesh axis 'pipe'; the axes are "
+            "data, stage, fsdp, context, tensor (or give a section.key=value override)",
+        ),
+        (
+            ["sweep", "--layouts", "data"],
+            "argument --layouts: layout 'data': 'data' must look like axis=N, e.g. fsdp=8",
+        ),
+    ],
+    ids=[
+        "memory_negative",
+        "memory_nan",
+        "memory_zero",
+        "grace_negative",
+        "grace_inf",
+        "unknown_axis",
+        "not_axis_n",
+    ],
+)
 def test_command_line_numbers_are_checked_as_they_are_read(capsys, args, text):
     with pytest.raises(SystemExit) as stop:
         main(args)
     assert stop.value.code == 2
     assert one_line(capsys.readouterr().err) == (
-        f"jaxpar: error: {text}; see jaxpar {args[0]} --help")
+        f"jaxpar: error: {text}; see jaxpar {args[0]} --help"
+    )
 
 
-@pytest.mark.parametrize("content,text", [
-    (b"mine:\n  name: \"My chip\n  flops_bf16: 1", ", line 3, column 16: invalid YAML: found "
-     "unexpected end of stream; fix the file"),
-    (b"mine: [1, 2", ", line 1, column 12: invalid YAML: expected ',' or ']'"),
-    (b"\xff\xfe", " cannot be read: it is not UTF-8 text"),
-], ids=["truncated_string", "truncated_list", "not_utf8"])
+@pytest.mark.parametrize(
+    "content,text",
+    [
+        (
+            b'mine:\n  name: "My chip\n  flops_bf16: 1',
+            ", line 3, column 16: invalid YAML: found unexpected end of stream; fix the file",
+        ),
+        (b"mine: [1, 2", ", line 1, column 12: invalid YAML: expected ',' or ']'"),
+        (b"\xff\xfe", " cannot be read: it is not UTF-8 text"),
+    ],
+    ids=["truncated_string", "truncated_list", "not_utf8"],
+)
 def test_a_bad_hardware_file_is_one_line_naming_it(tmp_path, capsys, content, text):
     path = tmp_path / "chips.yaml"
     path.write_bytes(content)
@@ -261,13 +337,35 @@ def test_a_bad_hardware_file_is_one_line_naming_it(tmp_path, capsys, content, te
 
 
 def test_a_hardware_profile_number_must_be_positive_and_finite(tmp_path, capsys):
-    chip = {"name": "mine", "flops_bf16": 1e15, "flops_f32": 5e14, "hbm_bandwidth": 3e12,
-            "memory_bytes": -80e9, "link_bandwidth": 25e9, "links": 18,
-            "network_bandwidth": 50e9, "collective_latency": 1e-5}
+    chip = {
+        "name": "mine",
+        "flops_bf16": 1e15,
+        "flops_f32": 5e14,
+        "hbm_bandwidth": 3e12,
+        "memory_bytes": -80e9,
+        "link_bandwidth": 25e9,
+        "links": 18,
+        "network_bandwidth": 50e9,
+        "collective_latency": 1e-5,
+    }
     path = tmp_path / "chips.yaml"
     path.write_text(json.dumps({"mine": chip}))
-    assert main(["plan", *GPT_SMALL, "--devices", "8", "--hardware-file", str(path),
-                 "--hardware", "mine"]) == 2
+    assert (
+        main(
+            [
+                "plan",
+                *GPT_SMALL,
+                "--devices",
+                "8",
+                "--hardware-file",
+                str(path),
+                "--hardware",
+                "mine",
+            ]
+        )
+        == 2
+    )
     assert one_line(capsys.readouterr().err) == (
         "jaxpar: error: hardware profile 'mine': memory_bytes=-80000000000.0 must be a "
-        "finite number above 0")
+        "finite number above 0"
+    )

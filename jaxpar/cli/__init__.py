@@ -34,11 +34,12 @@ def _opened(args: argparse.Namespace, defaults: Defaults) -> Source:
 
     bad = [a for a in args.args if "=" not in a]
     if bad:
-        raise ConfigError(f"jaxpar {args.command} takes one RUN_DIR or FOLDER, then "
-                          f"section.key=value settings; got also {' '.join(bad)}")
+        raise ConfigError(
+            f"jaxpar {args.command} takes one RUN_DIR or FOLDER, then "
+            f"section.key=value settings; got also {' '.join(bad)}"
+        )
     overrides = [*args.args, *([f"run.devices={args.devices}"] if args.devices else [])]
-    source = open_source(args.run_dir, overrides, trust_code=args.trust_code,
-                         defaults=defaults)
+    source = open_source(args.run_dir, overrides, trust_code=args.trust_code, defaults=defaults)
     setup_devices(source.config.run.devices)
     return source
 
@@ -47,9 +48,17 @@ def _sample(args: argparse.Namespace) -> None:
     from jaxpar.sample import folder_defaults, sample_source
 
     source = _opened(args, folder_defaults)
-    out = sample_source(source, args.prompt, prompt_ids=args.prompt_ids, tokens=args.tokens,
-                        temperature=args.temperature, top_k=args.top_k, seed=args.seed,
-                        step=args.step, samples=args.samples)
+    out = sample_source(
+        source,
+        args.prompt,
+        prompt_ids=args.prompt_ids,
+        tokens=args.tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+        step=args.step,
+        samples=args.samples,
+    )
     where = source.where if out.step is None else f"step {out.step} of {source.where}"
     print(f"jaxpar: {where}", file=sys.stderr, flush=True)
     for i, row in enumerate(out.tokens):
@@ -65,8 +74,7 @@ def _eval(args: argparse.Namespace) -> None:
     from jaxpar.evaluation import evaluate_source
     from jaxpar.weights import shorter_sequences
 
-    out = evaluate_source(_opened(args, shorter_sequences), batches=args.batches,
-                          step=args.step)
+    out = evaluate_source(_opened(args, shorter_sequences), batches=args.batches, step=args.step)
     print(out.json() if args.json else out.line(), flush=True)
 
 
@@ -81,12 +89,14 @@ def _sweep(args: argparse.Namespace, config: Config, task: Task | None) -> None:
     out = sweep.output_folder(args.out, config.run.dir, args.overwrite)  # before compiling
     layouts, note = args.layouts, None
     if not layouts:
-        layouts, note = sweep.default_layouts(config, len(select_devices(config.run.devices)),
-                                              task)
+        layouts, note = sweep.default_layouts(config, len(select_devices(config.run.devices)), task)
     memory = args.memory_gb * 1e9 if args.memory_gb else None
     what = (task.name or "the --task") if task is not None else config.model.name
-    print(f"sweeping {len(layouts)} layout{'s' * (len(layouts) != 1)} of {what} "
-          f"(global batch {config.train.batch_size})", flush=True)
+    print(
+        f"sweeping {len(layouts)} layout{'s' * (len(layouts) != 1)} of {what} "
+        f"(global batch {config.train.batch_size})",
+        flush=True,
+    )
     if note:
         print(note, flush=True)
     rows = sweep.sweep(config, layouts, hw, args.steps, memory, echo=True, task=task)
@@ -104,18 +114,28 @@ def _plan(args: argparse.Namespace, config: Config, task: Task | None) -> None:
     what = (task.name or "the --task") if task is not None else config.model.name
     if args.longest:
         if not args.layouts:
-            raise ConfigError("jaxpar plan --longest needs --layouts L …: the layouts whose "
-                              "longest sequence to find")
-        print(f"the longest sequence of {what} (global batch {config.train.batch_size}, "
-              f"from data.seq_len={config.data.seq_len}, doubling) on {args.devices} × "
-              f"{hw.name}", flush=True)
+            raise ConfigError(
+                "jaxpar plan --longest needs --layouts L …: the layouts whose "
+                "longest sequence to find"
+            )
+        print(
+            f"the longest sequence of {what} (global batch {config.train.batch_size}, "
+            f"from data.seq_len={config.data.seq_len}, doubling) on {args.devices} × "
+            f"{hw.name}",
+            flush=True,
+        )
         found = [longest_sequence(config, layout, hw, memory, task) for layout in args.layouts]
         print(format_longest(found, memory))
         return
-    print(f"planning {what} (global batch {config.train.batch_size}) on "
-          f"{args.devices} × {hw.name}", flush=True)
-    print(format_plan(plan(config, args.devices, hw, memory, args.layouts, echo=True,
-                           task=task), hw, memory))
+    print(
+        f"planning {what} (global batch {config.train.batch_size}) on {args.devices} × {hw.name}",
+        flush=True,
+    )
+    print(
+        format_plan(
+            plan(config, args.devices, hw, memory, args.layouts, echo=True, task=task), hw, memory
+        )
+    )
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -123,17 +143,28 @@ def _launch(args: argparse.Namespace) -> int:
 
     command = args.jaxpar_args
     command = command[1:] if command[:1] == ["--"] else command
-    return launch(args.processes, command, devices_per_process=args.devices_per_process,
-                  cpus_per_process=args.cpus_per_process, port=args.port, grace_s=args.grace,
-                  bind=args.bind)
+    return launch(
+        args.processes,
+        command,
+        devices_per_process=args.devices_per_process,
+        cpus_per_process=args.cpus_per_process,
+        port=args.port,
+        grace_s=args.grace,
+        bind=args.bind,
+    )
 
 
-def _export(config: Config, out: str, step: int | None, task: Task | None,
-            format: str = "npz", overwrite: bool = False) -> None:
+def _export(
+    config: Config,
+    out: str,
+    step: int | None,
+    task: Task | None,
+    format: str = "npz",
+    overwrite: bool = False,
+) -> None:
     from jaxpar.resume import export_params
 
-    path, step = export_params(config, out, step, task=task, format=format,
-                               overwrite=overwrite)
+    path, step = export_params(config, out, step, task=task, format=format, overwrite=overwrite)
     what, tokenizer = "parameters of", ""
     if format == "hf":
         from jaxpar import hf
@@ -141,9 +172,12 @@ def _export(config: Config, out: str, step: int | None, task: Task | None,
 
         what = f"Hugging Face {hf.written_as(config.model)} files of"
         found = run_tokenizer(config)
-        tokenizer = (f", with the tokenizer {found[0]} as tokenizer.json" if found else
-                     "; no tokenizer written: the run reads UTF-8 bytes (or random ids), "
-                     "which no tokenizer.json describes")
+        tokenizer = (
+            f", with the tokenizer {found[0]} as tokenizer.json"
+            if found
+            else "; no tokenizer written: the run reads UTF-8 bytes (or random ids), "
+            "which no tokenizer.json describes"
+        )
     print(f"{what} step {step} written to {path}{tokenizer}")
 
 
@@ -154,32 +188,54 @@ def _prepare_data(args: argparse.Namespace) -> None:
     # never a run's own file nor a held folder (an existing --out: prepare_data says)
     check_new_file(args.out, "--out", overwrite=True)
     if args.records != "text" and args.workers > 1:
-        raise ConfigError(f"--workers {args.workers} applies to --records text; fine-tuning "
-                          "records are encoded in this process: drop --workers")
+        raise ConfigError(
+            f"--workers {args.workers} applies to --records text; fine-tuning "
+            "records are encoded in this process: drop --workers"
+        )
     if args.records == "text":
-        tf = prepare_data(args.inputs, args.out, args.tokenizer, args.glob,
-                          text_key=args.text_key, bos=args.bos, eos=args.eos,
-                          workers=args.workers or None, overwrite=args.overwrite)
+        tf = prepare_data(
+            args.inputs,
+            args.out,
+            args.tokenizer,
+            args.glob,
+            text_key=args.text_key,
+            bos=args.bos,
+            eos=args.eos,
+            workers=args.workers or None,
+            overwrite=args.overwrite,
+        )
     else:
         from jaxpar.data.finetune import Keys, prepare_records
 
         keys = Keys(args.prompt_key, args.completion_key, args.messages_key)
-        tf = prepare_records(args.inputs, args.out, args.tokenizer, args.glob,
-                             layout=args.records, keys=keys, bos=args.bos, eos=args.eos,
-                             overwrite=args.overwrite)
+        tf = prepare_records(
+            args.inputs,
+            args.out,
+            args.tokenizer,
+            args.glob,
+            layout=args.records,
+            keys=keys,
+            bos=args.bos,
+            eos=args.eos,
+            overwrite=args.overwrite,
+        )
     size, docs = tf.num_tokens * tf.tokens.dtype.itemsize, len(tf.documents)
-    print(f"{tf.num_tokens:,} tokens from {docs:,} document{'s' * (docs != 1)} "
-          f"(vocab {tf.vocab_size:,}, {tf.tokens.dtype.name}, {size:,} bytes) written to {tf.path}")
+    print(
+        f"{tf.num_tokens:,} tokens from {docs:,} document{'s' * (docs != 1)} "
+        f"(vocab {tf.vocab_size:,}, {tf.tokens.dtype.name}, {size:,} bytes) written to {tf.path}"
+    )
 
 
 _EXECUTORS = {
     "spmd": "executor: spmd (one program; every device runs one action a tick, in lockstep)",
     "mpmd": "executor: mpmd (a program per action on its stage's devices, dispatched in tick "
-            "order; a stage waits only for its inputs)"}
+    "order; a stage waits only for its inputs)",
+}
 
 
-def _show_pipeline(config: Config, png: str | None, width: int | None,
-                   task: Task | None, overwrite: bool = False) -> None:
+def _show_pipeline(
+    config: Config, png: str | None, width: int | None, task: Task | None, overwrite: bool = False
+) -> None:
     from jaxpar.outputs import check_new_file
     from jaxpar.pipeline import chart
     from jaxpar.run import build
@@ -189,8 +245,10 @@ def _show_pipeline(config: Config, png: str | None, width: int | None,
     plan = build(config, task).plan
     table = plan.pipeline
     if table is None:
-        raise ConfigError(f"mesh.stage={config.mesh.stage}: there is no pipeline to show; "
-                          "set mesh.stage to 2 or more")
+        raise ConfigError(
+            f"mesh.stage={config.mesh.stage}: there is no pipeline to show; "
+            "set mesh.stage to 2 or more"
+        )
     print(chart.text_grid(table, width))
     print(chart.summary(table))
     print(_EXECUTORS[plan.executor])
@@ -207,14 +265,15 @@ def _config(args: argparse.Namespace) -> Config:
     if not run_dirs:
         return load_config(files, overrides)
     if len(files) > 1 or not os.path.isfile(os.path.join(run_dirs[0], "config.yaml")):
-        raise ConfigError(f"'{run_dirs[0]}' is a directory: give a run directory (one holding "
-                          "config.yaml) alone, or config files")
+        raise ConfigError(
+            f"'{run_dirs[0]}' is a directory: give a run directory (one holding "
+            "config.yaml) alone, or config files"
+        )
 
     from jaxpar.user_code import refuse_run_dir_code
 
     saved = Path(run_dirs[0]) / "config.yaml"
-    refuse_run_dir_code(saved, overrides, hooks=args.command == "train",
-                        trust=args.trust_code)
+    refuse_run_dir_code(saved, overrides, hooks=args.command == "train", trust=args.trust_code)
     config = load_config([saved], overrides)
     if any(o.startswith("run.dir=") for o in overrides):
         return config
@@ -312,7 +371,10 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         status, message = failure
         if isinstance(err, (KeyboardInterrupt, Terminated)) and args.command not in (
-                "train", "launch", "prepare-data"):  # those say what they kept
+            "train",
+            "launch",
+            "prepare-data",
+        ):  # those say what they kept
             message = signals.stopped_line(err, args.command)
         print(message, file=sys.stderr, flush=True)
         return status
@@ -328,8 +390,9 @@ def console() -> None:
     threads still run (or crash in them: exit 139, not 143)."""
     status = main()
     quiet = os.environ.get("JAXPAR_DEBUG", "") in ("", "0")
-    if (status == WRITE_FAILED and quiet) or (status in (INTERRUPTED, TERMINATED)
-                                              and not _distributed()):
+    if (status == WRITE_FAILED and quiet) or (
+        status in (INTERRUPTED, TERMINATED) and not _distributed()
+    ):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)

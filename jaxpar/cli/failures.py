@@ -42,8 +42,17 @@ MAX_MESSAGE = 2000
 _LONG_WORD = 200
 _WORD = re.compile(r"\S{%d,}" % (_LONG_WORD + 1))
 
-_PATH_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR,
-                errno.EISDIR, errno.EEXIST, errno.ENAMETOOLONG, errno.ENOTEMPTY}
+_PATH_ERRNOS = {
+    errno.EACCES,
+    errno.EPERM,
+    errno.EROFS,
+    errno.ENOENT,
+    errno.ENOTDIR,
+    errno.EISDIR,
+    errno.EEXIST,
+    errno.ENAMETOOLONG,
+    errno.ENOTEMPTY,
+}
 
 
 @contextlib.contextmanager
@@ -56,8 +65,12 @@ def one_line_reports(debug: bool) -> Iterator[None]:
     if debug:
         yield
         return
-    saved = (warnings.formatwarning, threading.excepthook,
-             {name: logging.getLogger(name).level for name in _NOISY_LOGGERS}, sys.stderr)
+    saved = (
+        warnings.formatwarning,
+        threading.excepthook,
+        {name: logging.getLogger(name).level for name in _NOISY_LOGGERS},
+        sys.stderr,
+    )
     warnings.formatwarning = _warning_line
     for name in _NOISY_LOGGERS:
         logging.getLogger(name).setLevel(logging.CRITICAL)
@@ -106,8 +119,10 @@ class _QuietNativeThreads:
 
 #: What a collective's error says when the process at the other end went away (Gloo on CPU,
 #: the coordination service's heartbeats, a closed socket).
-_PEER_GONE = re.compile(r"\bGloo\b|gloo::|[Cc]onnection (closed|reset) by peer|"
-                        r"coordination service|heartbeat|[Bb]roken pipe")
+_PEER_GONE = re.compile(
+    r"\bGloo\b|gloo::|[Cc]onnection (closed|reset) by peer|"
+    r"coordination service|heartbeat|[Bb]roken pipe"
+)
 
 _NOISY_LOGGERS = ("absl", "orbax", "jax._src.distributed", "grain", "asyncio")
 
@@ -138,7 +153,7 @@ def capped(message: str, limit: int = MAX_MESSAGE) -> str:
     "…", then the middle of the whole if it is still too long — its start, which says the
     cause, is kept."""
     if len(message) > 16 * limit:  # a runaway text: only its ends can be shown anyway
-        message = f"{message[:8 * limit]} … {message[-8 * limit:]}"
+        message = f"{message[: 8 * limit]} … {message[-8 * limit :]}"
     message = " ".join(message.splitlines())
     message = _WORD.sub(lambda m: shorten(m.group(0), _LONG_WORD), message)
     return shorten(message, limit)
@@ -154,8 +169,10 @@ def failure_of(err: BaseException) -> tuple[int, str] | None:
 
 def _failure(err: BaseException) -> tuple[int, str] | None:
     if isinstance(err, KeyboardInterrupt):
-        return INTERRUPTED, ("jaxpar: interrupted (Ctrl-C); no checkpoint was written by this "
-                             "interruption (the complete ones stay usable)")
+        return INTERRUPTED, (
+            "jaxpar: interrupted (Ctrl-C); no checkpoint was written by this "
+            "interruption (the complete ones stay usable)"
+        )
     if isinstance(err, Terminated):
         return err.exit_status, f"jaxpar: {err}"
     if isinstance(err, JaxparError):
@@ -164,27 +181,36 @@ def _failure(err: BaseException) -> tuple[int, str] | None:
 
         if isinstance(err, PortInUse) and os.environ.get(ENV_RETRY_PORT):
             return PORT_TAKEN, f"jaxpar: {err} (jaxpar launch tries another port)"
-        kind = ("" if isinstance(err, (Paused, Preempted, Terminated)) else "checkpoint error: "
-                if isinstance(err, CheckpointError) else "stopped: "
-                if isinstance(err, NonFiniteStop) else "error: ")
+        kind = (
+            ""
+            if isinstance(err, (Paused, Preempted, Terminated))
+            else "checkpoint error: "
+            if isinstance(err, CheckpointError)
+            else "stopped: "
+            if isinstance(err, NonFiniteStop)
+            else "error: "
+        )
         return err.exit_status, f"jaxpar: {kind}{err}"
     if not isinstance(err, OSError) and str(err).startswith("RESOURCE_EXHAUSTED"):
         first = shorten(str(err).strip().splitlines()[0], 200)
         return BAD_INPUT, (
             f"jaxpar: error: out of device memory ({first}); lower train.batch_size or "
             "data.seq_len, or shard more (mesh.fsdp, mesh.tensor, model.remat=full): "
-            "jaxpar plan --devices N --memory-gb G ranks the layouts that fit")
+            "jaxpar plan --devices N --memory-gb G ranks the layouts that fit"
+        )
     if not isinstance(err, OSError) and _PEER_GONE.search(str(err)):
         return PEER_LOST, (
             "jaxpar: error: another process of this run stopped or cannot be reached (a "
             f"collective failed: {shorten(str(err).strip().splitlines()[0], 160)}); its own "
             "message says why (jaxpar launch names it); run the same command to resume from "
-            "the last checkpoint")
+            "the last checkpoint"
+        )
     if isinstance(err, OSError):
         if err.errno == errno.ENAMETOOLONG and err.filename:
             why = name_too_long(str(err.filename), "path", room=0) or (
                 f"File name too long: '{shorten(str(err.filename), 60)}' "
-                f"({len(str(err.filename)):,} characters)")
+                f"({len(str(err.filename)):,} characters)"
+            )
             return BAD_INPUT, f"jaxpar: error: {why}: choose a shorter path"
         where = f" '{shorten(str(err.filename))}'" if err.filename else ""
         if disk_full_cause(err) is not None:
@@ -192,7 +218,8 @@ def _failure(err: BaseException) -> tuple[int, str] | None:
             return WRITE_FAILED, (
                 f"jaxpar: disk full: writing{where} failed: No space left on device ({space} "
                 "there); free space and run the same command again (training resumes from "
-                "its last checkpoint, prepare-data from the documents it kept)")
+                "its last checkpoint, prepare-data from the documents it kept)"
+            )
         text = err.strerror or str(err)
         status = BAD_INPUT if err.errno in _PATH_ERRNOS else WRITE_FAILED
         return status, f"jaxpar: error: {text}:{where}" if where else f"jaxpar: error: {text}"
@@ -216,6 +243,8 @@ def internal(err: BaseException, debug: bool) -> tuple[int, str]:
             print(text, file=sys.stderr, end="", flush=True)
             where = "above (it could not be written to a file)"
     first = shorten(str(err).strip().split("\n", 1)[0], 500)
-    return INTERNAL, capped(f"jaxpar: internal error: {type(err).__name__}: {first} — not a "
-                            "setting jaxpar checks, but a bug in jaxpar, JAX or the model's own "
-                            f"code; the traceback is {where}")
+    return INTERNAL, capped(
+        f"jaxpar: internal error: {type(err).__name__}: {first} — not a "
+        "setting jaxpar checks, but a bug in jaxpar, JAX or the model's own "
+        f"code; the traceback is {where}"
+    )

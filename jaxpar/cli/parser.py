@@ -76,6 +76,7 @@ class _Parser(argparse.ArgumentParser):
 def _count(high: int, low: int | None = 0) -> Callable[[str], int]:
     """An option's integer type: a whole number in [``low``, ``high``] (``low`` None: no
     lower bound here — the command checks it), else one line saying so."""
+
     def count(text: str) -> int:
         try:
             value = int(text)
@@ -83,17 +84,20 @@ def _count(high: int, low: int | None = 0) -> Callable[[str], int]:
             value = None
         if value is None or value > high or (low is not None and value < low):
             span = f"from {low} to {high:_}" if low is not None else f"at most {high:_}"
-            raise argparse.ArgumentTypeError(f"expects an integer {span}, got "
-                                             f"{shorten(text, 40)!r}")
+            raise argparse.ArgumentTypeError(
+                f"expects an integer {span}, got {shorten(text, 40)!r}"
+            )
         return value
 
     return count
 
 
-def _number(low: float, high: float, what: str, low_included: bool = True
-            ) -> Callable[[str], float]:
+def _number(
+    low: float, high: float, what: str, low_included: bool = True
+) -> Callable[[str], float]:
     """An option's number type: finite, in [``low``, ``high``] (``low`` excluded unless
     ``low_included``), else one line saying so (``what``: ``a memory size in GB``)."""
+
     def number(text: str) -> float:
         try:
             value = float(text)
@@ -102,8 +106,9 @@ def _number(low: float, high: float, what: str, low_included: bool = True
         above = value >= low if low_included else value > low
         if not (math.isfinite(value) and above and value <= high):
             least = f"from {low:g}" if low_included else f"above {low:g}"
-            raise argparse.ArgumentTypeError(f"expects {what}, a number {least} to {high:_.0f}, "
-                                             f"got {shorten(text, 40)!r}")
+            raise argparse.ArgumentTypeError(
+                f"expects {what}, a number {least} to {high:_.0f}, got {shorten(text, 40)!r}"
+            )
         return value
 
     return number
@@ -121,21 +126,27 @@ def _layout(text: str) -> str:
     for item in (x.strip() for x in text.split(",") if x.strip()):
         key, sep, value = item.partition("=")
         if not sep or not value:
-            raise argparse.ArgumentTypeError(f"layout '{shorten(text, 80)}': "
-                                             f"'{shorten(item, 40)}' must look like axis=N, "
-                                             "e.g. fsdp=8")
+            raise argparse.ArgumentTypeError(
+                f"layout '{shorten(text, 80)}': "
+                f"'{shorten(item, 40)}' must look like axis=N, "
+                "e.g. fsdp=8"
+            )
         if "." not in key and key not in MESH_AXES:
             raise argparse.ArgumentTypeError(
                 f"layout '{shorten(text, 80)}': unknown mesh axis '{shorten(key, 40)}'; the "
-                f"axes are {', '.join(MESH_AXES)} (or give a section.key=value override)")
+                f"axes are {', '.join(MESH_AXES)} (or give a section.key=value override)"
+            )
     return text
 
 
 def overwrite_argument(cmd: argparse.ArgumentParser, what: str) -> None:
     """A writing command's ``--overwrite`` (``what``: what it replaces)."""
-    cmd.add_argument("--overwrite", action="store_true",
-                     help=f"replace {what}; without it that is refused (a run's own files "
-                          "and a running run's directory never are written)")
+    cmd.add_argument(
+        "--overwrite",
+        action="store_true",
+        help=f"replace {what}; without it that is refused (a run's own files "
+        "and a running run's directory never are written)",
+    )
 
 
 #: ``--devices``' type: a device count (0: all), at most MAX_DEVICES (the same bound as
@@ -146,11 +157,15 @@ _STEP = _count(MAX_STEPS)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="jaxpar", description=HELP,
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--debug", action="store_true",
-                        help="print the full traceback of an error (also JAXPAR_DEBUG=1); "
-                             "may be given anywhere before a launch's --")
+    parser = _Parser(
+        prog="jaxpar", description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="print the full traceback of an error (also JAXPAR_DEBUG=1); "
+        "may be given anywhere before a launch's --",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     _config_parsers(sub)
     _lab_parsers(sub)
@@ -164,146 +179,283 @@ def _parser() -> argparse.ArgumentParser:
 
 def _config_parsers(sub: argparse._SubParsersAction) -> None:
     """``train``, ``inspect``, ``pipeline`` and ``export``: commands that take a config."""
-    for name, text in (("train", "train a model"),
-                       ("inspect", "print where every parameter lives, without training"),
-                       ("pipeline", "print (and draw) the pipeline schedule of a config"),
-                       ("export", "write a checkpoint's parameters to an .npz file")):
+    for name, text in (
+        ("train", "train a model"),
+        ("inspect", "print where every parameter lives, without training"),
+        ("pipeline", "print (and draw) the pipeline schedule of a config"),
+        ("export", "write a checkpoint's parameters to an .npz file"),
+    ):
         cmd = sub.add_parser(name, help=text)
-        cmd.add_argument("args", nargs="*", metavar="CONFIG.yaml | section.key=value",
-                         help="YAML files (later ones win), then overrides such as mesh.fsdp=8")
-        cmd.add_argument("--devices", type=_DEVICES, default=None,
-                         help="device count (simulated CPU devices when there is no accelerator)")
+        cmd.add_argument(
+            "args",
+            nargs="*",
+            metavar="CONFIG.yaml | section.key=value",
+            help="YAML files (later ones win), then overrides such as mesh.fsdp=8",
+        )
+        cmd.add_argument(
+            "--devices",
+            type=_DEVICES,
+            default=None,
+            help="device count (simulated CPU devices when there is no accelerator)",
+        )
         _task_argument(cmd)
         if name == "train":
-            cmd.add_argument("--help-config", action="store_true",
-                             help="print the reference of every config key (Markdown, as in "
-                                  "docs/config.md) and exit")
+            cmd.add_argument(
+                "--help-config",
+                action="store_true",
+                help="print the reference of every config key (Markdown, as in "
+                "docs/config.md) and exit",
+            )
         if name == "pipeline":
-            cmd.add_argument("--png", default=None, metavar="PATH",
-                             help="also write the schedule chart (PNG; a path ending in .svg "
-                                  "writes SVG)")
+            cmd.add_argument(
+                "--png",
+                default=None,
+                metavar="PATH",
+                help="also write the schedule chart (PNG; a path ending in .svg writes SVG)",
+            )
             overwrite_argument(cmd, "an existing --png file")
-            cmd.add_argument("--width", type=_count(100_000, 1), default=None,
-                             help="wrap the text grid at this many columns")
+            cmd.add_argument(
+                "--width",
+                type=_count(100_000, 1),
+                default=None,
+                help="wrap the text grid at this many columns",
+            )
         if name == "export":
             _export_arguments(cmd)
 
 
 def _export_arguments(cmd: argparse.ArgumentParser) -> None:
-    cmd.add_argument("--out", required=True, metavar="PARAMS.npz|DIR",
-                     help="where to write the parameters: an .npz file ('blocks/w_in' → "
-                          "array), or with --format hf a directory")
-    cmd.add_argument("--format", choices=("npz", "hf"), default="npz",
-                     help="npz (jaxpar's parameter paths) or hf (config.json + "
-                          "safetensors in the family's Hugging Face layout, and the run's "
-                          "tokenizer.json when its token file has one)")
-    cmd.add_argument("--step", type=_STEP, default=None,
-                     help="the checkpoint step (default: the latest)")
-    cmd.add_argument("--overwrite", action="store_true",
-                     help="replace an existing --out file, or the model files (config.json, "
-                          "safetensors, tokenizer) of a non-empty --out directory; without "
-                          "it either is refused")
+    cmd.add_argument(
+        "--out",
+        required=True,
+        metavar="PARAMS.npz|DIR",
+        help="where to write the parameters: an .npz file ('blocks/w_in' → "
+        "array), or with --format hf a directory",
+    )
+    cmd.add_argument(
+        "--format",
+        choices=("npz", "hf"),
+        default="npz",
+        help="npz (jaxpar's parameter paths) or hf (config.json + "
+        "safetensors in the family's Hugging Face layout, and the run's "
+        "tokenizer.json when its token file has one)",
+    )
+    cmd.add_argument(
+        "--step", type=_STEP, default=None, help="the checkpoint step (default: the latest)"
+    )
+    cmd.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing --out file, or the model files (config.json, "
+        "safetensors, tokenizer) of a non-empty --out directory; without "
+        "it either is refused",
+    )
 
 
 def _prepare_parser(sub: argparse._SubParsersAction) -> None:
-    prep = sub.add_parser("prepare-data", help="tokenize local text and record files into a "
-                                               "token file")
-    prep.add_argument("inputs", nargs="+", metavar="INPUT",
-                      help="text or record files (JSONL, .jsonl.gz, Parquet, Arrow), folders "
-                           "(every non-hidden file below, sorted; a save_to_disk folder's "
-                           "Arrow files) and/or globs")
-    prep.add_argument("--out", required=True, metavar="PATH",
-                      help="the token file to write, e.g. corpus.tokens (plus PATH.json)")
-    prep.add_argument("--tokenizer", default="byte", metavar="byte|TOKENIZER.json|FOLDER",
-                      help="'byte' (vocab 256), a local Hugging Face tokenizers JSON file, or "
-                           "a model folder holding tokenizer.json (its tokenizer_config.json "
-                           "names the end-of-text token)")
-    prep.add_argument("--glob", default=None, metavar="PATTERN",
-                      help="keep only folder files matching this pattern, e.g. '*.txt'")
+    prep = sub.add_parser(
+        "prepare-data", help="tokenize local text and record files into a token file"
+    )
+    prep.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help="text or record files (JSONL, .jsonl.gz, Parquet, Arrow), folders "
+        "(every non-hidden file below, sorted; a save_to_disk folder's "
+        "Arrow files) and/or globs",
+    )
+    prep.add_argument(
+        "--out",
+        required=True,
+        metavar="PATH",
+        help="the token file to write, e.g. corpus.tokens (plus PATH.json)",
+    )
+    prep.add_argument(
+        "--tokenizer",
+        default="byte",
+        metavar="byte|TOKENIZER.json|FOLDER",
+        help="'byte' (vocab 256), a local Hugging Face tokenizers JSON file, or "
+        "a model folder holding tokenizer.json (its tokenizer_config.json "
+        "names the end-of-text token)",
+    )
+    prep.add_argument(
+        "--glob",
+        default=None,
+        metavar="PATTERN",
+        help="keep only folder files matching this pattern, e.g. '*.txt'",
+    )
     overwrite_argument(prep, "an existing token file at --out (its metadata and mask too)")
-    prep.add_argument("--workers", type=_count(4096), default=0, metavar="N",
-                      help="processes that encode (0: one per CPU core this process may "
-                           "use; 1: this process, on the tokenizer library's threads); the "
-                           "token file does not depend on it (--records text only)")
-    prep.add_argument("--text-key", default="text", metavar="KEY",
-                      help="the field of each record that holds its text (default: text)")
-    prep.add_argument("--records", default="text",
-                      choices=("text", "prompt_completion", "chat"),
-                      help="text: each record's --text-key is a document; prompt_completion "
-                           "or chat: fine-tuning records, written with a loss mask "
-                           "(PATH.mask) so that only completion tokens count (docs/data.md)")
-    for key, default in (("prompt", "prompt"), ("completion", "completion"),
-                         ("messages", "messages")):
-        prep.add_argument(f"--{key}-key", default=default, metavar="KEY",
-                          help=f"the field holding a record's {key} (default: {default})")
+    prep.add_argument(
+        "--workers",
+        type=_count(4096),
+        default=0,
+        metavar="N",
+        help="processes that encode (0: one per CPU core this process may "
+        "use; 1: this process, on the tokenizer library's threads); the "
+        "token file does not depend on it (--records text only)",
+    )
+    prep.add_argument(
+        "--text-key",
+        default="text",
+        metavar="KEY",
+        help="the field of each record that holds its text (default: text)",
+    )
+    prep.add_argument(
+        "--records",
+        default="text",
+        choices=("text", "prompt_completion", "chat"),
+        help="text: each record's --text-key is a document; prompt_completion "
+        "or chat: fine-tuning records, written with a loss mask "
+        "(PATH.mask) so that only completion tokens count (docs/data.md)",
+    )
+    for key, default in (
+        ("prompt", "prompt"),
+        ("completion", "completion"),
+        ("messages", "messages"),
+    ):
+        prep.add_argument(
+            f"--{key}-key",
+            default=default,
+            metavar="KEY",
+            help=f"the field holding a record's {key} (default: {default})",
+        )
     for which, what in (("bos", "before"), ("eos", "after")):
-        prep.add_argument(f"--{which}", default="auto", metavar="auto|none|TOKEN",
-                          help=f"the token {what} each document: auto (the tokenizer's own; "
-                               "none for byte), none, or a token such as '<|endoftext|>'")
+        prep.add_argument(
+            f"--{which}",
+            default="auto",
+            metavar="auto|none|TOKEN",
+            help=f"the token {what} each document: auto (the tokenizer's own; "
+            "none for byte), none, or a token such as '<|endoftext|>'",
+        )
 
 
 def _launch_parser(sub: argparse._SubParsersAction) -> None:
-    run = sub.add_parser("launch", help="run a jaxpar command in N local processes "
-                                        "(one jax.distributed run)")
-    run.add_argument("-n", "--processes", type=_count(MAX_CPU_DEVICES, 1), required=True,
-                     metavar="N")
-    run.add_argument("--devices-per-process", type=_count(MAX_CPU_DEVICES), default=0,
-                     metavar="K",
-                     help="simulated CPU devices per process (0: leave the backend alone)")
-    run.add_argument("--cpus-per-process", type=_count(2**16), default=0, metavar="C",
-                     help="pin process i to CPU cores [i*C, (i+1)*C) (0: no pinning)")
-    run.add_argument("--port", type=_count(65535), default=0, help="coordinator port (0: a free one; "
-                                                          "retried if another program takes it)")
-    run.add_argument("--bind", default="127.0.0.1", metavar="ADDRESS",
-                     help="the address the coordinator listens on (default: loopback only; "
-                          "0.0.0.0 or :: for every interface)")
-    run.add_argument("--grace", type=_seconds, default=10.0, metavar="SECONDS",
-                     help="after a failure, how long the others get to stop before SIGKILL")
-    run.add_argument("jaxpar_args", nargs=argparse.REMAINDER, metavar="-- COMMAND",
-                     help="after --: the jaxpar command and its arguments, e.g. train mesh.fsdp=8")
+    run = sub.add_parser(
+        "launch", help="run a jaxpar command in N local processes (one jax.distributed run)"
+    )
+    run.add_argument(
+        "-n", "--processes", type=_count(MAX_CPU_DEVICES, 1), required=True, metavar="N"
+    )
+    run.add_argument(
+        "--devices-per-process",
+        type=_count(MAX_CPU_DEVICES),
+        default=0,
+        metavar="K",
+        help="simulated CPU devices per process (0: leave the backend alone)",
+    )
+    run.add_argument(
+        "--cpus-per-process",
+        type=_count(2**16),
+        default=0,
+        metavar="C",
+        help="pin process i to CPU cores [i*C, (i+1)*C) (0: no pinning)",
+    )
+    run.add_argument(
+        "--port",
+        type=_count(65535),
+        default=0,
+        help="coordinator port (0: a free one; retried if another program takes it)",
+    )
+    run.add_argument(
+        "--bind",
+        default="127.0.0.1",
+        metavar="ADDRESS",
+        help="the address the coordinator listens on (default: loopback only; "
+        "0.0.0.0 or :: for every interface)",
+    )
+    run.add_argument(
+        "--grace",
+        type=_seconds,
+        default=10.0,
+        metavar="SECONDS",
+        help="after a failure, how long the others get to stop before SIGKILL",
+    )
+    run.add_argument(
+        "jaxpar_args",
+        nargs=argparse.REMAINDER,
+        metavar="-- COMMAND",
+        help="after --: the jaxpar command and its arguments, e.g. train mesh.fsdp=8",
+    )
 
 
 def _sample_parser(sub: argparse._SubParsersAction) -> None:
-    cmd = sub.add_parser("sample", help="continue a prompt with a language model (a run dir's "
-                                        "latest checkpoint, or a Hugging Face folder)")
+    cmd = sub.add_parser(
+        "sample",
+        help="continue a prompt with a language model (a run dir's "
+        "latest checkpoint, or a Hugging Face folder)",
+    )
     _path_arguments(cmd)
     prompt = cmd.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="the text to continue")
-    prompt.add_argument("--prompt-ids", type=_ids, metavar="1,2,3",
-                        help="the prompt as token ids (a folder without tokenizer.json); the "
-                             "output is ids too")
-    cmd.add_argument("--tokens", type=_count(2**24, None), default=200, help="tokens to generate (200)")
-    cmd.add_argument("--temperature", type=float, default=1.0,
-                     help="0: greedy (the most likely token); higher: more random (1.0)")
-    cmd.add_argument("--top-k", type=_count(2**31, None), default=0, metavar="K",
-                     help="draw from the K most likely tokens only (0: all)")
+    prompt.add_argument(
+        "--prompt-ids",
+        type=_ids,
+        metavar="1,2,3",
+        help="the prompt as token ids (a folder without tokenizer.json); the output is ids too",
+    )
+    cmd.add_argument(
+        "--tokens", type=_count(2**24, None), default=200, help="tokens to generate (200)"
+    )
+    cmd.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="0: greedy (the most likely token); higher: more random (1.0)",
+    )
+    cmd.add_argument(
+        "--top-k",
+        type=_count(2**31, None),
+        default=0,
+        metavar="K",
+        help="draw from the K most likely tokens only (0: all)",
+    )
     cmd.add_argument("--seed", type=_count(2**32 - 1), default=0, help="random seed (0)")
-    cmd.add_argument("--samples", type=_count(2**16, None), default=1,
-                     help="continuations to draw (1)")
+    cmd.add_argument(
+        "--samples", type=_count(2**16, None), default=1, help="continuations to draw (1)"
+    )
 
 
 def _eval_parser(sub: argparse._SubParsersAction) -> None:
-    cmd = sub.add_parser("eval", help="loss and perplexity of a run dir's checkpoint or a "
-                                      "Hugging Face folder on held-out data, writing nothing")
+    cmd = sub.add_parser(
+        "eval",
+        help="loss and perplexity of a run dir's checkpoint or a "
+        "Hugging Face folder on held-out data, writing nothing",
+    )
     _path_arguments(cmd)
-    cmd.add_argument("--batches", type=_count(2**20, 1), default=None, metavar="N",
-                     help="held-out batches to read (default: train.eval_batches)")
+    cmd.add_argument(
+        "--batches",
+        type=_count(2**20, 1),
+        default=None,
+        metavar="N",
+        help="held-out batches to read (default: train.eval_batches)",
+    )
     cmd.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def _path_arguments(cmd: argparse.ArgumentParser) -> None:
     """What ``sample`` and ``eval`` share: the run dir or folder, overrides, the step."""
-    cmd.add_argument("run_dir", metavar="RUN_DIR|FOLDER",
-                     help="the run.dir of a trained run, or a Hugging Face folder "
-                          "(config.json + safetensors)")
-    cmd.add_argument("args", nargs="*", metavar="section.key=value",
-                     help="settings over the run's config.yaml (a folder's: the default "
-                          "config), e.g. mesh.data=1")
-    cmd.add_argument("--step", type=_STEP, default=None,
-                     help="the checkpoint step (default: the latest)")
+    cmd.add_argument(
+        "run_dir",
+        metavar="RUN_DIR|FOLDER",
+        help="the run.dir of a trained run, or a Hugging Face folder (config.json + safetensors)",
+    )
+    cmd.add_argument(
+        "args",
+        nargs="*",
+        metavar="section.key=value",
+        help="settings over the run's config.yaml (a folder's: the default "
+        "config), e.g. mesh.data=1",
+    )
+    cmd.add_argument(
+        "--step", type=_STEP, default=None, help="the checkpoint step (default: the latest)"
+    )
     _trust_argument(cmd)
-    cmd.add_argument("--devices", type=_DEVICES, default=None,
-                     help="device count (simulated CPU devices when there is no accelerator)")
+    cmd.add_argument(
+        "--devices",
+        type=_DEVICES,
+        default=None,
+        help="device count (simulated CPU devices when there is no accelerator)",
+    )
 
 
 def _ids(text: str) -> tuple[int, ...]:
@@ -311,60 +463,116 @@ def _ids(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(t) for t in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expects token ids separated by commas, e.g. 1,2,3; "
-                                         f"got {shorten(text, 40)!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expects token ids separated by commas, e.g. 1,2,3; got {shorten(text, 40)!r}"
+        ) from None
 
 
 def _trust_argument(cmd: argparse.ArgumentParser) -> None:
-    cmd.add_argument("--trust-code", action="store_true",
-                     help="import the code a run directory's config.yaml names (model.name="
-                          "FILE:NAME, train.hooks); without it only code named on the command "
-                          "line runs")
+    cmd.add_argument(
+        "--trust-code",
+        action="store_true",
+        help="import the code a run directory's config.yaml names (model.name="
+        "FILE:NAME, train.hooks); without it only code named on the command "
+        "line runs",
+    )
 
 
 def _task_argument(cmd: argparse.ArgumentParser) -> None:
     _trust_argument(cmd)
-    cmd.add_argument("--task", default=None, metavar="FILE.py:NAME",
-                     help="train your own model: a jaxpar.Task (or a function returning one) "
-                          "in a Python file or module (package.module:NAME)")
+    cmd.add_argument(
+        "--task",
+        default=None,
+        metavar="FILE.py:NAME",
+        help="train your own model: a jaxpar.Task (or a function returning one) "
+        "in a Python file or module (package.module:NAME)",
+    )
 
 
 def _lab_parsers(sub: argparse._SubParsersAction) -> None:
     """``sweep`` and ``plan`` (the layout lab, ``jaxpar/lab/``)."""
-    sweep = sub.add_parser("sweep", help="compile, measure and predict several layouts side by "
-                                         "side (table, sweep.csv, sweep.md, sweep.png)")
-    plan = sub.add_parser("plan", help="rank every layout of N devices by predicted step time "
-                                       "on a hardware profile, without training")
+    sweep = sub.add_parser(
+        "sweep",
+        help="compile, measure and predict several layouts side by "
+        "side (table, sweep.csv, sweep.md, sweep.png)",
+    )
+    plan = sub.add_parser(
+        "plan",
+        help="rank every layout of N devices by predicted step time "
+        "on a hardware profile, without training",
+    )
     for cmd in (sweep, plan):
-        cmd.add_argument("args", nargs="*", metavar="CONFIG.yaml | section.key=value",
-                         help="YAML files (later ones win), then overrides")
-        cmd.add_argument("--hardware", default="h100",
-                         help="hardware profile for the predicted step time (h100, h200, a100, "
-                              "or one from --hardware-file)")
-        cmd.add_argument("--hardware-file", default=None, metavar="PATH",
-                         help="a YAML file of extra hardware profiles (see "
-                              "jaxpar/lab/hardware.yaml)")
-        cmd.add_argument("--memory-gb", type=_gigabytes, default=None, metavar="G",
-                         help="device memory that 'fits' is judged against (default: the "
-                              "hardware profile's)")
-        cmd.add_argument("--layouts", nargs="+", type=_layout, default=None, metavar="LAYOUT",
-                         help='layouts such as "data=8" "fsdp=4,stage=2" (axes left out are 1)')
+        cmd.add_argument(
+            "args",
+            nargs="*",
+            metavar="CONFIG.yaml | section.key=value",
+            help="YAML files (later ones win), then overrides",
+        )
+        cmd.add_argument(
+            "--hardware",
+            default="h100",
+            help="hardware profile for the predicted step time (h100, h200, a100, "
+            "or one from --hardware-file)",
+        )
+        cmd.add_argument(
+            "--hardware-file",
+            default=None,
+            metavar="PATH",
+            help="a YAML file of extra hardware profiles (see jaxpar/lab/hardware.yaml)",
+        )
+        cmd.add_argument(
+            "--memory-gb",
+            type=_gigabytes,
+            default=None,
+            metavar="G",
+            help="device memory that 'fits' is judged against (default: the hardware profile's)",
+        )
+        cmd.add_argument(
+            "--layouts",
+            nargs="+",
+            type=_layout,
+            default=None,
+            metavar="LAYOUT",
+            help='layouts such as "data=8" "fsdp=4,stage=2" (axes left out are 1)',
+        )
         _task_argument(cmd)
-    plan.add_argument("--longest", action="store_true",
-                      help="for each of --layouts, the longest data.seq_len that fits "
-                           "(doubling from the config's)")
-    sweep.add_argument("--all", action="store_true",
-                       help="every way to factor the device count over data/fsdp/tensor/stage")
-    sweep.add_argument("--out", default=None, metavar="DIR",
-                       help="where sweep.csv, sweep.md and sweep.png go (default: "
-                            "<run.dir>/sweep, or sweep-2, sweep-3 … when it holds files)")
+    plan.add_argument(
+        "--longest",
+        action="store_true",
+        help="for each of --layouts, the longest data.seq_len that fits "
+        "(doubling from the config's)",
+    )
+    sweep.add_argument(
+        "--all",
+        action="store_true",
+        help="every way to factor the device count over data/fsdp/tensor/stage",
+    )
+    sweep.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="where sweep.csv, sweep.md and sweep.png go (default: "
+        "<run.dir>/sweep, or sweep-2, sweep-3 … when it holds files)",
+    )
     overwrite_argument(sweep, "those files in a --out folder that holds files")
-    sweep.add_argument("--steps", type=_count(10**6), default=5,
-                       help="timed steps per layout after 2 warm-up steps (0: compile only)")
-    sweep.add_argument("--devices", type=_DEVICES, default=None,
-                       help="device count (simulated CPU devices when there is no accelerator)")
-    plan.add_argument("--devices", type=_count(MAX_DEVICES, 1), required=True,
-                      help="how many devices to plan for (simulated on the CPU to compile)")
+    sweep.add_argument(
+        "--steps",
+        type=_count(10**6),
+        default=5,
+        help="timed steps per layout after 2 warm-up steps (0: compile only)",
+    )
+    sweep.add_argument(
+        "--devices",
+        type=_DEVICES,
+        default=None,
+        help="device count (simulated CPU devices when there is no accelerator)",
+    )
+    plan.add_argument(
+        "--devices",
+        type=_count(MAX_DEVICES, 1),
+        required=True,
+        help="how many devices to plan for (simulated on the CPU to compile)",
+    )
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -384,12 +592,11 @@ def _command_first(parser: argparse.ArgumentParser, argv: list[str]) -> list[str
     """``argv`` with the options given before the command moved after it: a command's
     options may come anywhere (``jaxpar --devices 8 train`` = ``jaxpar train --devices
     8``). ``-h`` before the command keeps the top-level help."""
-    commands = next(a for a in parser._actions
-                    if isinstance(a, argparse._SubParsersAction)).choices
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
     at = next((i for i, a in enumerate(argv) if a in commands), 0)
     if not at or {"-h", "--help"} & set(argv[:at]):
         return argv
-    return [argv[at], *argv[:at], *argv[at + 1:]]
+    return [argv[at], *argv[:at], *argv[at + 1 :]]
 
 
 def debug_flag(argv: list[str]) -> tuple[list[str], bool]:

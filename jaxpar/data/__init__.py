@@ -5,11 +5,23 @@
 
 from jaxpar.data.loader import ArrayExamples, Loader, TokenWindows, fixed_batches
 from jaxpar.data.prepare import builtin_corpus, builtin_text, prepare_data
-from jaxpar.data.token_file import TokenFile, check_vocab, open_tokens
 from jaxpar.data.sources import Data, load_data, load_digits, load_npz, synthetic_images
+from jaxpar.data.token_file import TokenFile, check_vocab, open_tokens
 
 __all__ = [
-    "ArrayExamples", "Data", "Loader", "TokenFile", "TokenWindows", "builtin_corpus",
-    "builtin_text", "check_vocab", "fixed_batches", "load_data", "load_digits", "load_npz",
-    "open_tokens", "prepare_data", "synthetic_images",
+    "ArrayExamples",
+    "Data",
+    "Loader",
+    "TokenFile",
+    "TokenWindows",
+    "builtin_corpus",
+    "builtin_text",
+    "check_vocab",
+    "fixed_batches",
+    "load_data",
+    "load_digits",
+    "load_npz",
+    "open_tokens",
+    "prepare_data",
+    "synthetic_images",
 ]

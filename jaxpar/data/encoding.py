@@ -54,17 +54,20 @@ class Encoded(NamedTuple):
     ids: np.ndarray
 
 
-def _encode(tok: Tokenizer, datas: list[bytes], names: list[str], seps: Separators,
-            dtype: str) -> tuple[np.ndarray, np.ndarray]:
+def _encode(
+    tok: Tokenizer, datas: list[bytes], names: list[str], seps: Separators, dtype: str
+) -> tuple[np.ndarray, np.ndarray]:
     """``(lengths, ids)`` of a batch (see :class:`Encoded`)."""
     many = getattr(tok, "encode_many", None)
-    parts = (many(datas, names) if many is not None else
-             [tok.encode(d, n) for d, n in zip(datas, names)])
+    parts = (
+        many(datas, names) if many is not None else [tok.encode(d, n) for d, n in zip(datas, names)]
+    )
     sizes = np.fromiter((a.size for a in parts), np.int64, len(parts))
     body = np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
     ends = np.cumsum(sizes)
-    marks = [(at, mark) for at, mark in ((ends - sizes, seps.bos), (ends, seps.eos))
-             if mark is not None]  # bos before, eos after each document
+    marks = [
+        (at, mark) for at, mark in ((ends - sizes, seps.bos), (ends, seps.eos)) if mark is not None
+    ]  # bos before, eos after each document
     if not marks or not parts:
         return sizes, body
     where = np.stack([at for at, _ in marks], 1).ravel()
@@ -85,8 +88,14 @@ def _batches(docs: Iterable[Any], size: int) -> Iterator[list[Any]]:
         yield batch
 
 
-def encode_batches(docs: Iterable[Any], tok: Tokenizer, seps: Separators, dtype: np.dtype,
-                   progress: bool | None = False, workers: int = 1) -> Iterator[Encoded]:
+def encode_batches(
+    docs: Iterable[Any],
+    tok: Tokenizer,
+    seps: Separators,
+    dtype: np.dtype,
+    progress: bool | None = False,
+    workers: int = 1,
+) -> Iterator[Encoded]:
     """The documents (``.data``: their bytes, ``.name``) encoded a batch at a time, in
     input order, each wrapped in ``seps``, stored as ``dtype``.
 
@@ -104,10 +113,14 @@ def encode_batches(docs: Iterable[Any], tok: Tokenizer, seps: Separators, dtype:
     parallel = workers > 1 and isinstance(tok, HFTokenizer)
     batches = _batches(docs, WORKER_BATCH_BYTES if parallel else BATCH_BYTES)
     settings = (seps, np.dtype(dtype).str)
-    with tqdm(unit="B", unit_scale=True, desc="tokenizing", disable=off, leave=False,
-              mininterval=0.5) as bar:
-        encoded = (_in_workers(batches, tok, workers, settings) if parallel else
-                   (Encoded(b, *_encode(tok, *_texts(b), *settings)) for b in batches))
+    with tqdm(
+        unit="B", unit_scale=True, desc="tokenizing", disable=off, leave=False, mininterval=0.5
+    ) as bar:
+        encoded = (
+            _in_workers(batches, tok, workers, settings)
+            if parallel
+            else (Encoded(b, *_encode(tok, *_texts(b), *settings)) for b in batches)
+        )
         for batch in encoded:
             yield batch
             bar.update(sum(len(d.data) for d in batch.docs))
@@ -133,8 +146,9 @@ def _start_worker(file: str, sha256: str) -> None:
     _WORKER_TOKENIZER[:] = [load_hf(file, sha256)]
 
 
-def _encode_in_worker(datas: list[bytes], names: list[str], seps: Separators, dtype: str
-                      ) -> tuple[np.ndarray, np.ndarray]:
+def _encode_in_worker(
+    datas: list[bytes], names: list[str], seps: Separators, dtype: str
+) -> tuple[np.ndarray, np.ndarray]:
     return _encode(_WORKER_TOKENIZER[0], datas, names, seps, dtype)
 
 
@@ -178,8 +192,9 @@ def _pool(tok: HFTokenizer, workers: int) -> Iterator[ProcessPoolExecutor]:
             pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _in_workers(batches: Iterator[list[Any]], tok: HFTokenizer, workers: int,
-                settings: tuple[Separators, str]) -> Iterator[Encoded]:
+def _in_workers(
+    batches: Iterator[list[Any]], tok: HFTokenizer, workers: int, settings: tuple[Separators, str]
+) -> Iterator[Encoded]:
     """Each batch encoded on ``workers`` processes, in order.
 
     Raises:
@@ -205,5 +220,7 @@ def _collect(batch: list[Any], future: Any) -> Encoded:
     try:
         return Encoded(batch, *future.result())  # a worker's DataError is raised here
     except BrokenProcessPool:
-        raise WorkerDied("a tokenizing worker process ended without its result (killed "
-                         "from outside: out of memory?)") from None
+        raise WorkerDied(
+            "a tokenizing worker process ended without its result (killed "
+            "from outside: out of memory?)"
+        ) from None

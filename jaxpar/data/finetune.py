@@ -36,8 +36,8 @@ import numpy as np
 
 from jaxpar.data.inputs import check_not_an_input, find_inputs
 from jaxpar.data.prepare import _check_length, _check_nonempty, _entry, _metadata
-from jaxpar.data.token_file import TokenFile, meta_path_of, open_tokens, token_dtype
 from jaxpar.data.records import Document, read_records
+from jaxpar.data.token_file import TokenFile, meta_path_of, open_tokens, token_dtype
 from jaxpar.data.tokenizers import HFTokenizer, Tokenizer, load_tokenizer, separators
 from jaxpar.errors import DataError
 from jaxpar.files import check_output_file, refuse_existing
@@ -46,8 +46,15 @@ from jaxpar.files import check_output_file, refuse_existing
 Layout = Literal["text", "prompt_completion", "chat"]
 LAYOUTS = ("text", "prompt_completion", "chat")
 #: the special tokens transformers passes a chat template (its ``special_tokens_map``)
-_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
-            "mask_token")
+_SPECIAL = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 
 
 @dataclass(frozen=True)
@@ -69,12 +76,16 @@ class Rendered(NamedTuple):
 def _field(record: dict[str, Any], key: str, flag: str, where: str, kind: type) -> Any:
     if key not in record:
         fields = ", ".join(map(repr, record)) or "none"
-        raise DataError(f"{where} has no field '{key}' (its fields: {fields}); set "
-                        f"--{flag} to the field that holds it")
+        raise DataError(
+            f"{where} has no field '{key}' (its fields: {fields}); set "
+            f"--{flag} to the field that holds it"
+        )
     value = record[key]
     if not isinstance(value, kind):
-        raise DataError(f"{where}: field '{key}' is a {type(value).__name__}, not a "
-                        f"{kind.__name__}; set --{flag} to the right field, or fix the record")
+        raise DataError(
+            f"{where}: field '{key}' is a {type(value).__name__}, not a "
+            f"{kind.__name__}; set --{flag} to the right field, or fix the record"
+        )
     return value
 
 
@@ -92,17 +103,22 @@ class ChatTemplate:
         from jinja2.ext import loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[loopcontrols])
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+        )
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self.template, self.special = env.from_string(source), special
 
     def render(self, messages: list[Any], add_generation_prompt: bool = False) -> str:
-        return self.template.render(messages=messages, tools=None, documents=None,
-                                    add_generation_prompt=add_generation_prompt,
-                                    **self.special)
+        return self.template.render(
+            messages=messages,
+            tools=None,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **self.special,
+        )
 
     def __call__(self, record: dict[str, Any], keys: Keys, where: str) -> Rendered:
         """The chat's text and each assistant message's span."""
@@ -111,30 +127,42 @@ class ChatTemplate:
             text, spans = self.render(messages), []
             for i, message in enumerate(messages):
                 if not isinstance(message, dict) or "role" not in message:
-                    raise DataError(f"{where}: message {i} is not an object with a 'role'; "
-                                    "each message is {\"role\": …, \"content\": …}")
+                    raise DataError(
+                        f"{where}: message {i} is not an object with a 'role'; "
+                        'each message is {"role": …, "content": …}'
+                    )
                 if message["role"] != "assistant":
                     continue
                 before = self.render(messages[:i], add_generation_prompt=True)
-                through = self.render(messages[:i + 1])
+                through = self.render(messages[: i + 1])
                 if not (through.startswith(before) and text.startswith(through)):
-                    raise DataError(f"{where}: the chat template does not render the chat "
-                                    f"up to message {i} as a prefix of the whole chat; use a "
-                                    "template that renders turns in order")
+                    raise DataError(
+                        f"{where}: the chat template does not render the chat "
+                        f"up to message {i} as a prefix of the whole chat; use a "
+                        "template that renders turns in order"
+                    )
                 spans.append((len(before), len(through)))
         except DataError:
             raise
         except Exception as err:  # noqa: BLE001 (jinja2 and the template raise anything)
-            raise DataError(f"{where}: the chat template fails on this record "
-                            f"({type(err).__name__}: {err}); fix the record or the "
-                            "template") from None
+            raise DataError(
+                f"{where}: the chat template fails on this record "
+                f"({type(err).__name__}: {err}); fix the record or the "
+                "template"
+            ) from None
         return Rendered(text, spans)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: Any = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _raise(message: str) -> None:
@@ -148,9 +176,11 @@ def chat_template(tok: Tokenizer) -> ChatTemplate:
       DataError: for the byte tokenizer, or a folder without a chat template.
     """
     if not isinstance(tok, HFTokenizer):
-        raise DataError("--records chat needs a chat template: pass --tokenizer "
-                        "FOLDER/tokenizer.json whose folder has tokenizer_config.json with "
-                        "a chat_template")
+        raise DataError(
+            "--records chat needs a chat template: pass --tokenizer "
+            "FOLDER/tokenizer.json whose folder has tokenizer_config.json with "
+            "a chat_template"
+        )
     folder = Path(tok.file).parent
     config_file, jinja_file = folder / "tokenizer_config.json", folder / "chat_template.jinja"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
@@ -160,16 +190,20 @@ def chat_template(tok: Tokenizer) -> ChatTemplate:
     if jinja_file.is_file():
         source = jinja_file.read_text()
     if not isinstance(source, str) or not source:
-        raise DataError(f"tokenizer folder '{folder}' has no chat template (no "
-                        "chat_template in tokenizer_config.json, no chat_template.jinja); "
-                        "add one, or use --records prompt_completion")
-    special = {k: v["content"] if isinstance(v, dict) else v
-               for k, v in config.items() if k in _SPECIAL and v is not None}
+        raise DataError(
+            f"tokenizer folder '{folder}' has no chat template (no "
+            "chat_template in tokenizer_config.json, no chat_template.jinja); "
+            "add one, or use --records prompt_completion"
+        )
+    special = {
+        k: v["content"] if isinstance(v, dict) else v
+        for k, v in config.items()
+        if k in _SPECIAL and v is not None
+    }
     return ChatTemplate(source, special)
 
 
-def token_mask(starts: np.ndarray, ends: np.ndarray, spans: list[tuple[int, int]]
-               ) -> np.ndarray:
+def token_mask(starts: np.ndarray, ends: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
     """uint8 per token: 1 when the token ``[start, end)`` overlaps a span (an empty
     token: when its start lies in one)."""
     mask = np.zeros(starts.shape, bool)
@@ -179,19 +213,21 @@ def token_mask(starts: np.ndarray, ends: np.ndarray, spans: list[tuple[int, int]
     return mask.astype(np.uint8)
 
 
-def encode_masked(tok: Tokenizer, rendered: Rendered, where: str
-                  ) -> tuple[np.ndarray, np.ndarray]:
+def encode_masked(tok: Tokenizer, rendered: Rendered, where: str) -> tuple[np.ndarray, np.ndarray]:
     """The ids of a record's text (as ``tok.encode`` gives them) and their mask."""
     text = rendered.text
     if isinstance(tok, HFTokenizer):
         try:
             enc = tok.tokenizer.encode(text, add_special_tokens=False)
         except Exception as err:  # noqa: BLE001 (the Rust side raises bare Exception)
-            raise DataError(f"tokenizer '{tok.file}' cannot encode {where} ({err}); use "
-                            "a tokenizer that covers its text") from None
+            raise DataError(
+                f"tokenizer '{tok.file}' cannot encode {where} ({err}); use "
+                "a tokenizer that covers its text"
+            ) from None
         offsets = np.asarray(enc.offsets, np.int64).reshape(-1, 2)
-        return np.asarray(enc.ids, np.int64), token_mask(offsets[:, 0], offsets[:, 1],
-                                                         rendered.spans)
+        return np.asarray(enc.ids, np.int64), token_mask(
+            offsets[:, 0], offsets[:, 1], rendered.spans
+        )
     data = text.encode("utf-8")
     byte = lambda i: len(text[:i].encode("utf-8"))
     spans = [(byte(lo), byte(hi)) for lo, hi in rendered.spans]
@@ -199,8 +235,9 @@ def encode_masked(tok: Tokenizer, rendered: Rendered, where: str
     return tok.encode(data, where), token_mask(at, at + 1, spans)
 
 
-def _masked_documents(files: list[Path], tok: Tokenizer, layout: str, keys: Keys
-                      ) -> Iterator[tuple[Document, np.ndarray, np.ndarray, bool]]:
+def _masked_documents(
+    files: list[Path], tok: Tokenizer, layout: str, keys: Keys
+) -> Iterator[tuple[Document, np.ndarray, np.ndarray, bool]]:
     """Each record's document, ids, mask, and whether its text ends in a span."""
     render = chat_template(tok) if layout == "chat" else prompt_completion
     for source, index, record in read_records(files):
@@ -208,17 +245,26 @@ def _masked_documents(files: list[Path], tok: Tokenizer, layout: str, keys: Keys
         rendered = render(record, keys, where)
         ids, mask = encode_masked(tok, rendered, where)
         if not mask.any():
-            raise DataError(f"{where} has no completion tokens (an empty completion, or "
-                            "no assistant message): nothing to train on; drop the record")
+            raise DataError(
+                f"{where} has no completion tokens (an empty completion, or "
+                "no assistant message): nothing to train on; drop the record"
+            )
         ends_in_span = any(hi == len(rendered.text) > lo for lo, hi in rendered.spans)
         yield Document(source, rendered.text.encode(), index), ids, mask, ends_in_span
 
 
-def prepare_records(inputs: Iterable[str | os.PathLike], out: str | os.PathLike,
-                    tokenizer: str | Tokenizer = "byte", glob: str | None = None, *,
-                    layout: Layout = "prompt_completion", keys: Keys = Keys(),
-                    bos: str = "auto", eos: str = "auto", overwrite: bool = False
-                    ) -> TokenFile:
+def prepare_records(
+    inputs: Iterable[str | os.PathLike],
+    out: str | os.PathLike,
+    tokenizer: str | Tokenizer = "byte",
+    glob: str | None = None,
+    *,
+    layout: Layout = "prompt_completion",
+    keys: Keys = Keys(),
+    bos: str = "auto",
+    eos: str = "auto",
+    overwrite: bool = False,
+) -> TokenFile:
     """Tokenize fine-tuning records into ``out``, ``out + ".json"`` and ``out + ".mask"``
     (see the module docstring; the arguments are ``prepare_data``'s).
 
@@ -229,19 +275,34 @@ def prepare_records(inputs: Iterable[str | os.PathLike], out: str | os.PathLike,
         completion tokens, or a layout that is not one of ``LAYOUTS``.
     """
     if layout not in LAYOUTS[1:]:
-        raise DataError(f"--records {layout}: fine-tuning records are one of "
-                        f"{', '.join(LAYOUTS[1:])}; use prepare_data for text")
+        raise DataError(
+            f"--records {layout}: fine-tuning records are one of "
+            f"{', '.join(LAYOUTS[1:])}; use prepare_data for text"
+        )
     tok = load_tokenizer(tokenizer)
     seps = separators(tok, bos, eos)
     out = check_output_file(Path(out).absolute(), "--out")
     meta_path, mask_path = meta_path_of(out), mask_file(out)
     tmp, mask_tmp = out.with_name(out.name + ".tmp"), out.with_name(out.name + ".mask.tmp")
     files = find_inputs(inputs, glob)
-    check_not_an_input({out: "--out", meta_path: "the metadata file of --out",
-                        mask_path: "the mask file of --out", tmp: "a temporary file of --out",
-                        mask_tmp: "a temporary file of --out"}, files)
-    refuse_existing({out: "--out", meta_path: "the metadata file of --out",
-                     mask_path: "the mask file of --out"}, overwrite)
+    check_not_an_input(
+        {
+            out: "--out",
+            meta_path: "the metadata file of --out",
+            mask_path: "the mask file of --out",
+            tmp: "a temporary file of --out",
+            mask_tmp: "a temporary file of --out",
+        },
+        files,
+    )
+    refuse_existing(
+        {
+            out: "--out",
+            meta_path: "the metadata file of --out",
+            mask_path: "the mask file of --out",
+        },
+        overwrite,
+    )
     dtype, documents, targets = token_dtype(tok.vocab_size), [], 0
     try:
         with open(tmp, "wb") as f, open(mask_tmp, "wb") as g:
@@ -249,8 +310,9 @@ def prepare_records(inputs: Iterable[str | os.PathLike], out: str | os.PathLike,
                 ids = seps.wrap(ids)
                 head = [] if seps.bos is None else [0]
                 tail = [] if seps.eos is None else [int(eos_counts)]
-                mask = np.concatenate([np.asarray(head, np.uint8), mask,
-                                       np.asarray(tail, np.uint8)])
+                mask = np.concatenate(
+                    [np.asarray(head, np.uint8), mask, np.asarray(tail, np.uint8)]
+                )
                 _check_length(doc, ids.size)
                 start = documents[-1]["end"] if documents else 0
                 ids.astype(dtype).tofile(f)
@@ -290,6 +352,8 @@ def open_mask(tf: TokenFile) -> np.ndarray | None:
     if not path.is_file():
         raise DataError(f"mask file '{path}' of token file '{tf.name}' is missing; {fix}")
     if path.stat().st_size != tf.num_tokens:
-        raise DataError(f"mask file '{path}' has {path.stat().st_size} bytes but token file "
-                        f"'{tf.name}' holds {tf.num_tokens} tokens; {fix}")
+        raise DataError(
+            f"mask file '{path}' has {path.stat().st_size} bytes but token file "
+            f"'{tf.name}' holds {tf.num_tokens} tokens; {fix}"
+        )
     return np.memmap(path, dtype=np.uint8, mode="r", shape=(tf.num_tokens,))

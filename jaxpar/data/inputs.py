@@ -41,8 +41,11 @@ def is_token_output(path: Path) -> bool:
     """Whether ``path`` is a file ``prepare-data`` writes: token ids (named ``*.tokens``, or
     with jaxpar metadata beside it), that metadata, or the ``.tmp`` an interrupted run left."""
     base = path.with_name(path.name[:-4]) if path.name.endswith(".tmp") else path
-    return (base.suffix == ".tokens" or _is_metadata(base)
-            or _is_metadata(base.with_name(base.name + ".json")))
+    return (
+        base.suffix == ".tokens"
+        or _is_metadata(base)
+        or _is_metadata(base.with_name(base.name + ".json"))
+    )
 
 
 def _is_hidden(rel: Path) -> bool:
@@ -59,22 +62,28 @@ def dataset_files(folder: Path) -> list[Path] | None:
     """
     if (folder / "dataset_dict.json").is_file():
         splits = sorted(p.name for p in folder.iterdir() if (p / "state.json").is_file())
-        raise DataError(f"folder '{folder}' is a datasets DatasetDict (splits: "
-                        f"{', '.join(splits) or 'none'}); name one split's folder, e.g. "
-                        f"'{folder / (splits[0] if splits else 'train')}'")
+        raise DataError(
+            f"folder '{folder}' is a datasets DatasetDict (splits: "
+            f"{', '.join(splits) or 'none'}); name one split's folder, e.g. "
+            f"'{folder / (splits[0] if splits else 'train')}'"
+        )
     state = folder / "state.json"
     if not (state.is_file() and (folder / "dataset_info.json").is_file()):
         return None
     try:
         names = [entry["filename"] for entry in json.loads(state.read_text())["_data_files"]]
     except (ValueError, KeyError, TypeError) as err:
-        raise DataError(f"'{state}' does not list the folder's data files ({err!r}); "
-                        "re-create it with datasets' save_to_disk") from None
+        raise DataError(
+            f"'{state}' does not list the folder's data files ({err!r}); "
+            "re-create it with datasets' save_to_disk"
+        ) from None
     files = [folder / name for name in names]
     for file in files:
         if not file.is_file():
-            raise DataError(f"'{state}' lists '{file.name}', which is missing; re-create "
-                            "the folder with datasets' save_to_disk")
+            raise DataError(
+                f"'{state}' lists '{file.name}', which is missing; re-create "
+                "the folder with datasets' save_to_disk"
+            )
     return files
 
 
@@ -130,8 +139,7 @@ def find_inputs(inputs: Iterable[str | os.PathLike], glob: str | None = None) ->
     """
     inputs = list(inputs)
     if not inputs:
-        raise DataError("no inputs given; name text or record files, folders or globs to "
-                        "tokenize")
+        raise DataError("no inputs given; name text or record files, folders or globs to tokenize")
     found: list[Path] = []
     skipped: list[Path] = []
     for path in (p for item in inputs for p in _expand(item)):
@@ -139,9 +147,11 @@ def find_inputs(inputs: Iterable[str | os.PathLike], glob: str | None = None) ->
         found.extend(f.absolute() for f in files if f not in ours)
         skipped += sorted(ours)
     if skipped:
-        warnings.warn(f"skipped {len(skipped)} jaxpar token file(s) in the input folders "
-                      f"(earlier prepare-data outputs, not text), e.g. '{skipped[0]}'",
-                      stacklevel=2)
+        warnings.warn(
+            f"skipped {len(skipped)} jaxpar token file(s) in the input folders "
+            f"(earlier prepare-data outputs, not text), e.g. '{skipped[0]}'",
+            stacklevel=2,
+        )
     return found
 
 
@@ -149,20 +159,24 @@ def _input_files(path: Path, glob: str | None) -> tuple[list[Path], set[Path]]:
     """The files of one input, and those of them that are token files (to skip)."""
     if path.is_file():
         if is_token_output(path):
-            raise DataError(f"input '{path}' is a jaxpar token file or its metadata (a "
-                            "prepare-data output), not text; name the text files it was "
-                            "made from, or train on it with data.path")
+            raise DataError(
+                f"input '{path}' is a jaxpar token file or its metadata (a "
+                "prepare-data output), not text; name the text files it was "
+                "made from, or train on it with data.path"
+            )
         return [path], set()
     if not path.is_dir():
-        raise DataError(f"input '{path}' does not exist (or is not a file or folder); "
-                        "check the path")
+        raise DataError(
+            f"input '{path}' does not exist (or is not a file or folder); check the path"
+        )
     files = _folder_files(path, glob)
     ours = {f for f in files if is_token_output(f)}
     if len(files) == len(ours):
         what = f"matching --glob '{glob}'" if glob is not None else "(hidden files are skipped)"
         also = f" besides {len(ours)} jaxpar token file(s)" if ours else ""
-        raise DataError(f"folder '{path}' holds no files {what}{also}; add text files or "
-                        "change the pattern")
+        raise DataError(
+            f"folder '{path}' holds no files {what}{also}; add text files or change the pattern"
+        )
     return files, ours
 
 
@@ -187,6 +201,8 @@ def check_not_an_input(outputs: Mapping[Path, str], files: Iterable[Path]) -> No
             continue  # not there yet: nothing to lose
         source = read.get((stat.st_dev, stat.st_ino))
         if source is not None:
-            raise PathError(f"{what} '{path}' is the input file '{source}': writing it would "
-                            "destroy that text; choose an --out that is none of the inputs, "
-                            "e.g. a .tokens file outside the input folders")
+            raise PathError(
+                f"{what} '{path}' is the input file '{source}': writing it would "
+                "destroy that text; choose an --out that is none of the inputs, "
+                "e.g. a .tokens file outside the input folders"
+            )

@@ -38,8 +38,14 @@ import numpy as np
 from jaxpar.data.windows import ArrayExamples, TokenWindows, window_segments
 from jaxpar.errors import DataError
 
-__all__ = ["ArrayExamples", "Loader", "RandomAccessSource", "TokenWindows", "fixed_batches",
-           "window_segments"]
+__all__ = [
+    "ArrayExamples",
+    "Loader",
+    "RandomAccessSource",
+    "TokenWindows",
+    "fixed_batches",
+    "window_segments",
+]
 
 _STATE_VERSION = 2
 # Fields of the state dict that must match the restoring loader: they fix the global batch
@@ -59,20 +65,25 @@ class RandomAccessSource(Protocol):
 # ---------------------------------------------------------------- sharding rule
 
 
-def _check_batch(num_items: int, global_batch_size: int, process_index: int,
-                 process_count: int) -> int:
+def _check_batch(
+    num_items: int, global_batch_size: int, process_index: int, process_count: int
+) -> int:
     """Validates the batch against the processes and the source; returns rows per process."""
     if process_count < 1 or not 0 <= process_index < process_count:
-        raise DataError(f"process_index={process_index} must be in [0, {process_count}) "
-                        f"with process_count={process_count} >= 1")
+        raise DataError(
+            f"process_index={process_index} must be in [0, {process_count}) "
+            f"with process_count={process_count} >= 1"
+        )
     if global_batch_size < 1 or global_batch_size % process_count:
         raise DataError(
             f"train.batch_size={global_batch_size} must be a positive multiple of the process "
-            f"count {process_count} (each process loads batch_size / process_count rows)")
+            f"count {process_count} (each process loads batch_size / process_count rows)"
+        )
     if num_items < global_batch_size:
         raise DataError(
             f"the data source has {num_items} items, fewer than one global batch of "
-            f"train.batch_size={global_batch_size}; lower train.batch_size or use more data")
+            f"train.batch_size={global_batch_size}; lower train.batch_size or use more data"
+        )
     return global_batch_size // process_count
 
 
@@ -83,8 +94,16 @@ class _ProcessRows(grain.MapDataset):
     ``j``-th item of epoch ``e``'s order. See the module docstring for the rule.
     """
 
-    def __init__(self, parent: grain.MapDataset, *, num_items: int, global_batch_size: int,
-                 process_index: int, process_count: int, num_epochs: int | None):
+    def __init__(
+        self,
+        parent: grain.MapDataset,
+        *,
+        num_items: int,
+        global_batch_size: int,
+        process_index: int,
+        process_count: int,
+        num_epochs: int | None,
+    ):
         super().__init__(parent)
         self._n, self._b = num_items, global_batch_size
         self._rows = global_batch_size // process_count
@@ -92,8 +111,9 @@ class _ProcessRows(grain.MapDataset):
         self._steps_per_epoch = num_items // global_batch_size
         per_epoch = self._steps_per_epoch * self._rows
         # Infinite: the largest whole number of local batches, so batching never sees a tail.
-        self._len = (sys.maxsize // per_epoch * per_epoch if num_epochs is None
-                     else num_epochs * per_epoch)
+        self._len = (
+            sys.maxsize // per_epoch * per_epoch if num_epochs is None else num_epochs * per_epoch
+        )
 
     def __len__(self) -> int:
         return self._len
@@ -112,7 +132,9 @@ class _ProcessRows(grain.MapDataset):
         return self._parent._getitems([self._position(i) for i in indices])
 
     def __str__(self) -> str:
-        return f"_ProcessRows(rows=[{self._first_row}, {self._first_row + self._rows}) of {self._b})"
+        return (
+            f"_ProcessRows(rows=[{self._first_row}, {self._first_row + self._rows}) of {self._b})"
+        )
 
 
 def _let_grain_read_its_flags() -> None:
@@ -144,16 +166,27 @@ def shuffle_seed(seed: int) -> int:
     return int(np.random.SeedSequence(seed).generate_state(1, dtype=np.uint32)[0])
 
 
-def _local_batches(source: RandomAccessSource, global_batch_size: int, seed: int,
-                   process_index: int, process_count: int, shuffle: bool,
-                   num_epochs: int | None) -> grain.MapDataset:
+def _local_batches(
+    source: RandomAccessSource,
+    global_batch_size: int,
+    seed: int,
+    process_index: int,
+    process_count: int,
+    shuffle: bool,
+    num_epochs: int | None,
+) -> grain.MapDataset:
     """This process's batches as a random-access grain dataset (the rules above)."""
     ds = grain.MapDataset.source(source)
     if shuffle:
         ds = ds.shuffle(seed=shuffle_seed(seed))
-    ds = _ProcessRows(ds.repeat(), num_items=len(source), global_batch_size=global_batch_size,
-                      process_index=process_index, process_count=process_count,
-                      num_epochs=num_epochs)
+    ds = _ProcessRows(
+        ds.repeat(),
+        num_items=len(source),
+        global_batch_size=global_batch_size,
+        process_index=process_index,
+        process_count=process_count,
+        num_epochs=num_epochs,
+    )
     return ds.batch(global_batch_size // process_count, drop_remainder=True)
 
 
@@ -191,23 +224,40 @@ class Loader(Iterator[dict[str, np.ndarray]]):
       DataError: ``B`` not divisible by ``P``, fewer items than ``B``, or a bad argument.
     """
 
-    def __init__(self, source: RandomAccessSource, *, global_batch_size: int, seed: int,
-                 process_index: int = 0, process_count: int = 1, shuffle: bool = True,
-                 num_epochs: int | None = None, threads: int = 2, prefetch: int = 4,
-                 workers: int = 0):
+    def __init__(
+        self,
+        source: RandomAccessSource,
+        *,
+        global_batch_size: int,
+        seed: int,
+        process_index: int = 0,
+        process_count: int = 1,
+        shuffle: bool = True,
+        num_epochs: int | None = None,
+        threads: int = 2,
+        prefetch: int = 4,
+        workers: int = 0,
+    ):
         n = len(source)
         rows = _check_batch(n, global_batch_size, process_index, process_count)
         if num_epochs is not None and num_epochs < 1:
             raise DataError(f"num_epochs={num_epochs} must be >= 1, or None to run forever")
         if min(threads, prefetch, workers) < 0:
-            raise DataError(f"threads={threads}, prefetch={prefetch} and workers={workers} "
-                            "must be >= 0")
+            raise DataError(
+                f"threads={threads}, prefetch={prefetch} and workers={workers} must be >= 0"
+            )
         self.local_batch_size = rows
         self.steps_per_epoch = n // global_batch_size
-        self._meta = {"version": _STATE_VERSION, "global_batch_size": global_batch_size,
-                      "seed": seed, "shuffle": shuffle, "num_items": n}
-        self._batches = _local_batches(source, global_batch_size, seed, process_index,
-                                       process_count, shuffle, num_epochs)
+        self._meta = {
+            "version": _STATE_VERSION,
+            "global_batch_size": global_batch_size,
+            "seed": seed,
+            "shuffle": shuffle,
+            "num_items": n,
+        }
+        self._batches = _local_batches(
+            source, global_batch_size, seed, process_index, process_count, shuffle, num_epochs
+        )
         self._read = (threads, prefetch, workers)
         self._iter = self._stream(0)
         self.batches_consumed = 0
@@ -217,11 +267,14 @@ class Loader(Iterator[dict[str, np.ndarray]]):
         threads, prefetch, workers = self._read
         batches = self._batches[first:] if first else self._batches
         ids = batches.to_iter_dataset(
-            grain.ReadOptions(num_threads=threads, prefetch_buffer_size=prefetch))
+            grain.ReadOptions(num_threads=threads, prefetch_buffer_size=prefetch)
+        )
         if workers > 0:
             _let_grain_read_its_flags()
-            ids = ids.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers),
-                                  worker_init_fn=_workers_ignore_ctrl_c)
+            ids = ids.mp_prefetch(
+                grain.MultiprocessingOptions(num_workers=workers),
+                worker_init_fn=_workers_ignore_ctrl_c,
+            )
         return iter(ids)
 
     def __iter__(self) -> Loader:
@@ -254,11 +307,13 @@ class Loader(Iterator[dict[str, np.ndarray]]):
         Raises:
           DataError: the state comes from a loader with another global batch sequence.
         """
-        differ = [f"{k}: saved {state.get(k)!r}, here {self._meta[k]!r}"
-                  for k in ("version", *_STATE_MUST_MATCH) if state.get(k) != self._meta[k]]
+        differ = [
+            f"{k}: saved {state.get(k)!r}, here {self._meta[k]!r}"
+            for k in ("version", *_STATE_MUST_MATCH)
+            if state.get(k) != self._meta[k]
+        ]
         if differ:
-            raise DataError("loader state comes from another batch sequence — "
-                            + "; ".join(differ))
+            raise DataError("loader state comes from another batch sequence — " + "; ".join(differ))
         self._iter.close()
         self.batches_consumed = int(state["batches_consumed"])
         self._iter = self._stream(self.batches_consumed)
@@ -278,8 +333,13 @@ def _stack(items: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     return {k: np.stack([item[k] for item in items]) for k in items[0]}
 
 
-def fixed_batches(source: RandomAccessSource, global_batch_size: int, n: int,
-                  process_index: int = 0, process_count: int = 1) -> list[dict[str, np.ndarray]]:
+def fixed_batches(
+    source: RandomAccessSource,
+    global_batch_size: int,
+    n: int,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> list[dict[str, np.ndarray]]:
     """The first ``n`` global batches in source order, this process's rows — for evaluation.
 
     Global batch ``b`` is items ``(b*B + j) mod len(source)`` for ``j < B`` (the flat
@@ -288,5 +348,7 @@ def fixed_batches(source: RandomAccessSource, global_batch_size: int, n: int,
     """
     rows = _check_batch(len(source), global_batch_size, process_index, process_count)
     first = process_index * rows
-    return [_stack([source[(b * global_batch_size + first + r) % len(source)]
-                    for r in range(rows)]) for b in range(n)]
+    return [
+        _stack([source[(b * global_batch_size + first + r) % len(source)] for r in range(rows)])
+        for b in range(n)
+    ]

@@ -49,8 +49,10 @@ def _entry(index: int, item: Any) -> tuple[str, float]:
     if isinstance(item, dict):
         extra = set(item) - {"path", "weight"}
         if extra or "path" not in item or "weight" not in item:
-            raise ConfigError(f"{where} must have the keys path and weight only, "
-                              "e.g. {path: web.tokens, weight: 0.7}")
+            raise ConfigError(
+                f"{where} must have the keys path and weight only, "
+                "e.g. {path: web.tokens, weight: 0.7}"
+            )
         path, weight = item["path"], item["weight"]
     elif isinstance(item, (list, tuple)) and len(item) == 2:
         path, weight = item
@@ -73,8 +75,10 @@ def _weight(where: str, weight: Any) -> float:
     except (TypeError, ValueError):
         raise ConfigError(f"{where}: the weight must be a number; {_EXAMPLE}") from None
     if isinstance(weight, bool) or not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{where}: the weight must be a finite number > 0; drop the "
-                          "source or give it a positive weight")
+        raise ConfigError(
+            f"{where}: the weight must be a finite number > 0; drop the "
+            "source or give it a positive weight"
+        )
     return value
 
 
@@ -94,11 +98,14 @@ def parse_mixture(value: Any) -> Entries | None:
     elif isinstance(value, dict):
         value = list(value.items())
     if not isinstance(value, (list, tuple)):
-        raise ConfigError(f"config key 'data.mixture' must be a list of sources, got "
-                          f"{value!r}; {_EXAMPLE}")
+        raise ConfigError(
+            f"config key 'data.mixture' must be a list of sources, got {value!r}; {_EXAMPLE}"
+        )
     if not value:
-        raise ConfigError(f"config key 'data.mixture' is empty; name at least one source, "
-                          f"{_EXAMPLE} (or leave it unset to read data.path)")
+        raise ConfigError(
+            f"config key 'data.mixture' is empty; name at least one source, "
+            f"{_EXAMPLE} (or leave it unset to read data.path)"
+        )
     return tuple(_entry(i, item) for i, item in enumerate(value))
 
 
@@ -126,12 +133,14 @@ def integer_weights(weights: Sequence[float], names: Sequence[str]) -> list[int]
         exact = [w / sum(weights) * MAX_PERIOD for w in weights]
         ints = [int(x) for x in exact]
         order = sorted(range(len(exact)), key=lambda k: ints[k] - exact[k])
-        for k in order[:MAX_PERIOD - sum(ints)]:
+        for k in order[: MAX_PERIOD - sum(ints)]:
             ints[k] += 1
     for name, w, n in zip(names, weights, ints):
         if n == 0:
-            raise DataError(f"data.mixture: '{name}' has weight {w:g}, below 1/{MAX_PERIOD} "
-                            "of the total; raise it or drop the source")
+            raise DataError(
+                f"data.mixture: '{name}' has weight {w:g}, below 1/{MAX_PERIOD} "
+                "of the total; raise it or drop the source"
+            )
     g = math.gcd(*ints)
     return [n // g for n in ints]
 
@@ -181,8 +190,7 @@ class Schedule(grain.transforms.DatasetSelectionMap):
     def counts(self, n: int) -> np.ndarray:
         """Examples of each source among mixture examples ``[0, n)``."""
         period, slot = divmod(int(n), len(self.pattern))
-        return period * self.weights + np.bincount(self.pattern[:slot],
-                                                   minlength=len(self.weights))
+        return period * self.weights + np.bincount(self.pattern[:slot], minlength=len(self.weights))
 
 
 # ---------------------------------------------------------------- the source
@@ -203,8 +211,13 @@ class Mixed:
         each source in order (evaluation).
     """
 
-    def __init__(self, windows: Sequence[TokenWindows], weights: Sequence[int],
-                 names: Sequence[str], seed: int | None):
+    def __init__(
+        self,
+        windows: Sequence[TokenWindows],
+        weights: Sequence[int],
+        names: Sequence[str],
+        seed: int | None,
+    ):
         self.names, self.sizes = tuple(names), tuple(len(w) for w in windows)
         self.schedule = Schedule(weights)
         parents = []
@@ -223,8 +236,7 @@ class Mixed:
 
     def fingerprint(self) -> list[list[Any]]:
         """What fixes the sequence besides the seed: names, weights, windows (JSON)."""
-        return [[n, int(w), s] for n, w, s in zip(self.names, self.schedule.weights,
-                                                    self.sizes)]
+        return [[n, int(w), s] for n, w, s in zip(self.names, self.schedule.weights, self.sizes)]
 
     def warn_wraps(self) -> None:
         """One warning per source that runs out before the roomiest one is read once."""
@@ -238,7 +250,9 @@ class Mixed:
                     f"{shares[k]:.3g}) runs out after {math.ceil(lasts[k]):,} mixture "
                     f"examples, before '{self.names[roomiest]}' has been read once; it wraps "
                     f"around, reshuffled ({lasts[roomiest] / lasts[k]:.3g} passes per pass "
-                    f"of '{self.names[roomiest]}')", stacklevel=2)
+                    f"of '{self.names[roomiest]}')",
+                    stacklevel=2,
+                )
 
 
 class MixtureLoader(Loader):
@@ -255,9 +269,11 @@ class MixtureLoader(Loader):
     def set_state(self, state: dict[str, Any]) -> None:
         saved = state.get("mixture")
         if saved != self._mixture:
-            raise DataError(f"loader state comes from another data.mixture — saved "
-                            f"{saved!r}, here {self._mixture!r} ([name, weight, windows]); "
-                            "resume with the run's own data.mixture")
+            raise DataError(
+                f"loader state comes from another data.mixture — saved "
+                f"{saved!r}, here {self._mixture!r} ([name, weight, windows]); "
+                "resume with the run's own data.mixture"
+            )
         super().set_state(state)
 
 
@@ -270,12 +286,15 @@ def check_tokenizers(paths: Sequence[str], tokenizers: Sequence[Any]) -> None:
 
     for path, tok in zip(paths, tokenizers):
         if key(tok) != key(tokenizers[0]):
-            raise DataError(f"data.mixture: '{path}' and '{paths[0]}' were tokenized with "
-                            "different tokenizers; prepare every source with the same one")
+            raise DataError(
+                f"data.mixture: '{path}' and '{paths[0]}' were tokenized with "
+                "different tokenizers; prepare every source with the same one"
+            )
 
 
-def mix_splits(entries: Entries, train: Sequence[TokenWindows],
-               held_out: Sequence[TokenWindows], seed: int) -> tuple[Mixed, Mixed]:
+def mix_splits(
+    entries: Entries, train: Sequence[TokenWindows], held_out: Sequence[TokenWindows], seed: int
+) -> tuple[Mixed, Mixed]:
     """The training mixture (each pass over a source reshuffled by ``seed``; a warning per
     source that wraps early) and the held-out one (each source in order)."""
     names = source_names([path for path, _ in entries])
@@ -292,8 +311,7 @@ def tokens_by_source(data: Any, examples: int, tokens_per_example: int) -> dict[
     if not isinstance(source, Mixed):
         return {}
     counts = source.schedule.counts(examples)
-    return {f"tokens/{name}": int(c) * tokens_per_example
-            for name, c in zip(source.names, counts)}
+    return {f"tokens/{name}": int(c) * tokens_per_example for name, c in zip(source.names, counts)}
 
 
 #: The type of ``data.mixture``: read by :func:`parse_mixture`.

@@ -74,8 +74,12 @@ class Partial:
         except (OSError, ValueError, KeyError, TypeError):
             return False
         if not same:
-            print(f"jaxpar: the inputs or settings changed since the interrupted "
-                  f"prepare-data of '{out}'; starting over", file=sys.stderr, flush=True)
+            print(
+                f"jaxpar: the inputs or settings changed since the interrupted "
+                f"prepare-data of '{out}'; starting over",
+                file=sys.stderr,
+                flush=True,
+            )
             return False
         with open(self.folder / "documents.jsonl", "r+b") as f:
             lines = [f.readline() for _ in range(docs)]
@@ -88,8 +92,12 @@ class Partial:
         if (self.folder / "tokens").stat().st_size != tokens * self.dtype.itemsize:
             return False
         self.num_tokens = tokens
-        print(f"jaxpar: resuming the interrupted prepare-data of '{out}': {docs:,} "
-              f"documents ({tokens:,} tokens) were written", file=sys.stderr, flush=True)
+        print(
+            f"jaxpar: resuming the interrupted prepare-data of '{out}': {docs:,} "
+            f"documents ({tokens:,} tokens) were written",
+            file=sys.stderr,
+            flush=True,
+        )
         return True
 
     def append(self, ids: np.ndarray, entries: list[dict[str, Any]]) -> None:
@@ -106,8 +114,11 @@ class Partial:
         for f in (self._tokens, self._entries):
             f.flush()
             os.fsync(f.fileno())
-        progress = {"recipe": self.recipe, "documents": len(self.documents),
-                    "tokens": self.num_tokens}
+        progress = {
+            "recipe": self.recipe,
+            "documents": len(self.documents),
+            "tokens": self.num_tokens,
+        }
         tmp = self.folder / "progress.json.tmp"
         tmp.write_text(json.dumps(progress))
         os.replace(tmp, self.folder / "progress.json")
@@ -147,6 +158,8 @@ def _lock(path: Path, out: Path) -> Any:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         handle.close()
-        raise PathError(f"another prepare-data is writing '{out}' now (it holds '{path}'); "
-                        "wait for it to end, or choose another --out") from None
+        raise PathError(
+            f"another prepare-data is writing '{out}' now (it holds '{path}'); "
+            "wait for it to end, or choose another --out"
+        ) from None
     return handle

@@ -61,13 +61,20 @@ BUILTIN_NAME = "pydoc_data.topics"
 MAX_DOCUMENT_TOKENS = 2**30
 
 
-def _metadata(tok: Tokenizer, seps: Separators, num_tokens: int,
-              documents: list[dict]) -> dict[str, Any]:
+def _metadata(
+    tok: Tokenizer, seps: Separators, num_tokens: int, documents: list[dict]
+) -> dict[str, Any]:
     """The metadata dict; ``format`` comes first (``is_token_output`` reads the start)."""
-    return {"format": FORMAT, "version": VERSION, "dtype": token_dtype(tok.vocab_size).name,
-            "vocab_size": tok.vocab_size, "num_tokens": num_tokens,
-            "tokenizer": tok.describe(), **describe_separators(tok, seps),
-            "documents": documents}
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "dtype": token_dtype(tok.vocab_size).name,
+        "vocab_size": tok.vocab_size,
+        "num_tokens": num_tokens,
+        "tokenizer": tok.describe(),
+        **describe_separators(tok, seps),
+        "documents": documents,
+    }
 
 
 def _entry(doc: Document, start: int, end: int) -> dict[str, Any]:
@@ -76,26 +83,37 @@ def _entry(doc: Document, start: int, end: int) -> dict[str, Any]:
     return {"source": doc.source, **record, "start": start, "end": end}
 
 
-def _encode_stream(docs: Iterable[Document | tuple[str, bytes]], tok: Tokenizer,
-                   seps: Separators, progress: bool | None = False, start: int = 0,
-                   workers: int = 1) -> Iterator[tuple[np.ndarray, list[dict]]]:
+def _encode_stream(
+    docs: Iterable[Document | tuple[str, bytes]],
+    tok: Tokenizer,
+    seps: Separators,
+    progress: bool | None = False,
+    start: int = 0,
+    workers: int = 1,
+) -> Iterator[tuple[np.ndarray, list[dict]]]:
     """Each batch's stored ids and its documents' metadata entries, offsets counted across
     documents from ``start``."""
     docs = (Document(*d) for d in docs)
-    for batch in encode_batches(docs, tok, seps, token_dtype(tok.vocab_size), progress,
-                                workers):
+    for batch in encode_batches(docs, tok, seps, token_dtype(tok.vocab_size), progress, workers):
         for doc, size in zip(batch.docs, batch.lengths):
             _check_length(doc, int(size))
         ends = (start + np.cumsum(batch.lengths)).tolist()
-        yield batch.ids, [_entry(doc, end - int(size), end)
-                          for doc, size, end in zip(batch.docs, batch.lengths, ends)]
+        yield (
+            batch.ids,
+            [
+                _entry(doc, end - int(size), end)
+                for doc, size, end in zip(batch.docs, batch.lengths, ends)
+            ],
+        )
         start = ends[-1] if ends else start
 
 
 def _check_length(doc: Document, num_tokens: int) -> None:
     if num_tokens > MAX_DOCUMENT_TOKENS:
-        raise DataError(f"document '{doc.name}' holds {num_tokens:,} tokens, more than "
-                        f"the {MAX_DOCUMENT_TOKENS:,} a document may hold; split it")
+        raise DataError(
+            f"document '{doc.name}' holds {num_tokens:,} tokens, more than "
+            f"the {MAX_DOCUMENT_TOKENS:,} a document may hold; split it"
+        )
 
 
 def _check_nonempty(num_tokens: int, sources: list[str]) -> None:
@@ -105,9 +123,12 @@ def _check_nonempty(num_tokens: int, sources: list[str]) -> None:
         raise DataError(f"the inputs ({shown}) hold zero tokens; add files with text in them")
 
 
-def encode_documents(docs: Iterable[Document | tuple[str, bytes]],
-                     tokenizer: str | Tokenizer, bos: str = "auto", eos: str = "auto"
-                     ) -> tuple[np.ndarray, dict[str, Any]]:
+def encode_documents(
+    docs: Iterable[Document | tuple[str, bytes]],
+    tokenizer: str | Tokenizer,
+    bos: str = "auto",
+    eos: str = "auto",
+) -> tuple[np.ndarray, dict[str, Any]]:
     """Token ids of ``(source, raw bytes)`` documents (or ``Document``s), each wrapped in
     the tokenizer's separators (see ``separators``), concatenated, and their metadata.
 
@@ -133,10 +154,18 @@ def encode_documents(docs: Iterable[Document | tuple[str, bytes]],
     return tokens, _metadata(tok, seps, int(tokens.size), documents)
 
 
-def prepare_data(inputs: Iterable[str | os.PathLike], out: str | os.PathLike,
-                 tokenizer: str | Tokenizer = "byte", glob: str | None = None, *,
-                 text_key: str = TEXT_KEY, bos: str = "auto", eos: str = "auto",
-                 workers: int | None = None, overwrite: bool = False) -> TokenFile:
+def prepare_data(
+    inputs: Iterable[str | os.PathLike],
+    out: str | os.PathLike,
+    tokenizer: str | Tokenizer = "byte",
+    glob: str | None = None,
+    *,
+    text_key: str = TEXT_KEY,
+    bos: str = "auto",
+    eos: str = "auto",
+    workers: int | None = None,
+    overwrite: bool = False,
+) -> TokenFile:
     """Tokenize local files, folders and globs (text and records) into ``out`` and
     ``out + ".json"``, resuming an interrupted run of the same command.
 
@@ -176,17 +205,30 @@ def prepare_data(inputs: Iterable[str | os.PathLike], out: str | os.PathLike,
     out = check_output_file(Path(out).absolute(), "--out")
     meta_path, folder = meta_path_of(out), partial_folder(out)
     files = find_inputs(inputs, glob)
-    check_not_an_input({out: "--out", meta_path: "the metadata file of --out",
-                        folder / "tokens": "the partial file of --out"}, files)
+    check_not_an_input(
+        {
+            out: "--out",
+            meta_path: "the metadata file of --out",
+            folder / "tokens": "the partial file of --out",
+        },
+        files,
+    )
     refuse_existing({out: "--out", meta_path: "the metadata file of --out"}, overwrite)
     dtype = token_dtype(tok.vocab_size)
-    settings = {"version": VERSION, "tokenizer": tok.describe(), "bos": seps.bos,
-                "eos": seps.eos, "text_key": text_key, "dtype": dtype.name}
+    settings = {
+        "version": VERSION,
+        "tokenizer": tok.describe(),
+        "bos": seps.bos,
+        "eos": seps.eos,
+        "text_key": text_key,
+        "dtype": dtype.name,
+    }
     partial = Partial(out, recipe(files, settings), dtype)
     try:
         docs = _remaining(files, text_key, partial.documents)
-        for ids, entries in _encode_stream(docs, tok, seps, None, partial.num_tokens,
-                                           workers or default_workers()):
+        for ids, entries in _encode_stream(
+            docs, tok, seps, None, partial.num_tokens, workers or default_workers()
+        ):
             partial.append(ids, entries)
         _check_nonempty(partial.num_tokens, [str(p) for p in files])
         meta_path.unlink(missing_ok=True)  # an old pair must not describe the new tokens
@@ -210,16 +252,22 @@ def _paused(partial: Partial, out: Path, err: BaseException) -> Paused:
     """Keep what is written for the next run; the one line that says so."""
     partial.checkpoint()
     partial.close()
-    what, status = ((f"{err}", TERMINATED) if isinstance(err, WorkerDied) else
-                    ("interrupted (Ctrl-C)", INTERRUPTED)
-                    if isinstance(err, KeyboardInterrupt) else ("stopped (SIGTERM)", TERMINATED))
-    return Paused(f"{what}: {len(partial.documents):,} documents ({partial.num_tokens:,} "
-                  f"tokens) of '{out}' are kept in '{partial.folder}'; run the same command "
-                  "to continue", status)
+    what, status = (
+        (f"{err}", TERMINATED)
+        if isinstance(err, WorkerDied)
+        else ("interrupted (Ctrl-C)", INTERRUPTED)
+        if isinstance(err, KeyboardInterrupt)
+        else ("stopped (SIGTERM)", TERMINATED)
+    )
+    return Paused(
+        f"{what}: {len(partial.documents):,} documents ({partial.num_tokens:,} "
+        f"tokens) of '{out}' are kept in '{partial.folder}'; run the same command "
+        "to continue",
+        status,
+    )
 
 
-def _remaining(files: list[Path], text_key: str, done: list[dict[str, Any]]
-               ) -> Iterator[Document]:
+def _remaining(files: list[Path], text_key: str, done: list[dict[str, Any]]) -> Iterator[Document]:
     """The documents of ``files`` after the ``done`` ones: the files they finished are
     not read again; the one they stopped in is read past their documents."""
     index, count = _position(done, [str(p) for p in files])

@@ -30,11 +30,21 @@ TEXT_KEY = "text"
 _HEAD = 8192
 _GZIP = b"\x1f\x8b"
 _GZIP_NAMES = (".jsonl.gz", ".ndjson.gz", ".json.gz")
-_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl",
-             ".parquet": "parquet", ".arrow": "arrow", ".arrows": "arrow"}
+_SUFFIXES = {
+    ".jsonl": "jsonl",
+    ".ndjson": "jsonl",
+    ".json": "jsonl",
+    ".parquet": "parquet",
+    ".arrow": "arrow",
+    ".arrows": "arrow",
+}
 _MAGICS = ((b"PAR1", "parquet"), (b"ARROW1", "arrow"), (b"\xff\xff\xff\xff", "arrow"))
-_COMPRESSED = ((_GZIP, "gzip"), (b"PK\x03\x04", "zip"), (b"\x28\xb5\x2f\xfd", "zstd"),
-               (b"\xfd7zXZ\x00", "xz"))
+_COMPRESSED = (
+    (_GZIP, "gzip"),
+    (b"PK\x03\x04", "zip"),
+    (b"\x28\xb5\x2f\xfd", "zstd"),
+    (b"\xfd7zXZ\x00", "xz"),
+)
 _FIX = "convert it to JSON Lines, Parquet or Arrow, or to plain text"
 #: rows per batch read from a Parquet file
 _BATCH_ROWS = 4096
@@ -65,16 +75,20 @@ def kind_of(path: Path) -> str:
     name = path.name.lower()
     if name.endswith(_GZIP_NAMES):
         if not head.startswith(_GZIP):
-            raise DataError(f"'{path}' is named like gzip-compressed JSON Lines but is not "
-                            "gzip; rename it .jsonl if it is plain JSON Lines")
+            raise DataError(
+                f"'{path}' is named like gzip-compressed JSON Lines but is not "
+                "gzip; rename it .jsonl if it is plain JSON Lines"
+            )
         return "jsonl.gz"
     for magic, kind in _MAGICS:
         if head.startswith(magic):
             return kind
     named = _SUFFIXES.get(path.suffix.lower())
     if named == "parquet":
-        raise DataError(f"'{path}' is not a Parquet file (it does not begin with PAR1); "
-                        "re-create it, or rename it if it holds something else")
+        raise DataError(
+            f"'{path}' is not a Parquet file (it does not begin with PAR1); "
+            "re-create it, or rename it if it holds something else"
+        )
     _refuse_binary(path, head)
     return named or "text"
 
@@ -86,16 +100,21 @@ def _bzip2(head: bytes) -> bool:
 def _refuse_binary(path: Path, head: bytes) -> None:
     for magic, what in _COMPRESSED:
         if head.startswith(magic):
-            gz = (" (jaxpar reads gzip only as JSON Lines named *.jsonl.gz)"
-                  if what == "gzip" else "")
-            raise DataError(f"'{path}' is {what}-compressed, not text nor a record "
-                            f"format{gz}; decompress it, or {_FIX}")
+            gz = (
+                " (jaxpar reads gzip only as JSON Lines named *.jsonl.gz)" if what == "gzip" else ""
+            )
+            raise DataError(
+                f"'{path}' is {what}-compressed, not text nor a record "
+                f"format{gz}; decompress it, or {_FIX}"
+            )
     if _bzip2(head):
-        raise DataError(f"'{path}' is bzip2-compressed, not text nor a record format; "
-                        f"decompress it, or {_FIX}")
+        raise DataError(
+            f"'{path}' is bzip2-compressed, not text nor a record format; decompress it, or {_FIX}"
+        )
     if b"\x00" in head:
-        raise DataError(f"'{path}' is binary (it holds NUL bytes), not text nor a known "
-                        f"record format; {_FIX}")
+        raise DataError(
+            f"'{path}' is binary (it holds NUL bytes), not text nor a known record format; {_FIX}"
+        )
 
 
 def _read(path: Path, size: int = -1) -> bytes:
@@ -137,8 +156,10 @@ def read_records(files: Iterable[Path]) -> Iterator[tuple[str, int, dict[str, An
     for path in files:
         kind = kind_of(path)
         if kind == "text":
-            raise DataError(f"'{path}' is a text file, not records; fine-tuning records "
-                            "are JSON Lines, Parquet or Arrow")
+            raise DataError(
+                f"'{path}' is a text file, not records; fine-tuning records "
+                "are JSON Lines, Parquet or Arrow"
+            )
         count = 0
         for count, record in enumerate(_RECORD_READERS[kind](path), 1):
             yield str(path), count - 1, record
@@ -162,7 +183,7 @@ def _table_records(path: Path) -> Iterator[dict[str, Any]]:
                 yield from batch.to_pylist()
         return
     with _arrow_errors(pa, path, "Arrow"), pa.memory_map(str(path)) as source:
-        opened = (pa.ipc.open_file if _read(path, 6) == b"ARROW1" else pa.ipc.open_stream)
+        opened = pa.ipc.open_file if _read(path, 6) == b"ARROW1" else pa.ipc.open_stream
         yield from opened(source).read_all().to_pylist()
 
 
@@ -186,36 +207,48 @@ def _parse_line(line: bytes, where: str) -> dict[str, Any]:
     try:
         value = json.loads(line.decode("utf-8").rstrip())
     except UnicodeDecodeError as err:
-        raise DataError(f"{where} is not UTF-8 text ({err.reason} at byte {err.start}); "
-                        "re-encode the file as UTF-8") from None
+        raise DataError(
+            f"{where} is not UTF-8 text ({err.reason} at byte {err.start}); "
+            "re-encode the file as UTF-8"
+        ) from None
     except json.JSONDecodeError as err:
         reason = err.msg.removesuffix(" at")  # "Invalid control character at"
-        raise DataError(f"{where} is not valid JSON ({reason} at column {err.colno}); "
-                        "each line must be one JSON object") from None
+        raise DataError(
+            f"{where} is not valid JSON ({reason} at column {err.colno}); "
+            "each line must be one JSON object"
+        ) from None
     if not isinstance(value, dict):
-        raise DataError(f"{where} is a JSON {type(value).__name__}, not an object; each "
-                        "line must be one JSON object such as {\"text\": \"…\"}")
+        raise DataError(
+            f"{where} is a JSON {type(value).__name__}, not an object; each "
+            'line must be one JSON object such as {"text": "…"}'
+        )
     return value
 
 
 def _field(record: dict[str, Any], key: str, where: str) -> Any:
     if key not in record:
         fields = ", ".join(map(repr, record)) or "none"
-        raise DataError(f"{where} has no field '{key}' (its fields: {fields}); set "
-                        "--text-key (data.text_key) to the field holding the text")
+        raise DataError(
+            f"{where} has no field '{key}' (its fields: {fields}); set "
+            "--text-key (data.text_key) to the field holding the text"
+        )
     return record[key]
 
 
 def _utf8(text: Any, key: str, where: str) -> bytes:
     if not isinstance(text, str):
         what = "null" if text is None else f"a {type(text).__name__}"
-        raise DataError(f"{where}: field '{key}' is {what}, not a string; set --text-key "
-                        "(data.text_key) to a text field, or fix the record")
+        raise DataError(
+            f"{where}: field '{key}' is {what}, not a string; set --text-key "
+            "(data.text_key) to a text field, or fix the record"
+        )
     try:
         return text.encode("utf-8")
     except UnicodeEncodeError as err:
-        raise DataError(f"{where}: field '{key}' is not valid UTF-8 text ({err.reason} at "
-                        f"character {err.start}); fix the record") from None
+        raise DataError(
+            f"{where}: field '{key}' is not valid UTF-8 text ({err.reason} at "
+            f"character {err.start}); fix the record"
+        ) from None
 
 
 @contextmanager
@@ -224,8 +257,7 @@ def _readable(path: Path, what: str) -> Iterator[None]:
     try:
         yield
     except (OSError, EOFError, zlib.error) as err:
-        raise DataError(f"'{path}' is not a readable {what} file ({err}); re-create "
-                        "it") from None
+        raise DataError(f"'{path}' is not a readable {what} file ({err}); re-create it") from None
 
 
 # ---------------------------------------------------------------- Parquet and Arrow
@@ -237,8 +269,7 @@ def _pyarrow(path: Path) -> Any:
         import pyarrow.ipc
         import pyarrow.parquet
     except ImportError:
-        raise DataError(f"reading '{path}' needs pyarrow: pip install "
-                        "'jaxpar[records]'") from None
+        raise DataError(f"reading '{path}' needs pyarrow: pip install 'jaxpar[records]'") from None
     return pyarrow
 
 
@@ -270,20 +301,26 @@ def _arrow_errors(pa: Any, path: Path, what: str) -> Iterator[None]:
         yield
     except (pa.ArrowException, OSError) as err:
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise DataError(f"'{path}' is not a readable {what} file ({reason}); re-create "
-                        "it") from None
+        raise DataError(
+            f"'{path}' is not a readable {what} file ({reason}); re-create it"
+        ) from None
 
 
 def _check_column(pa: Any, schema: Any, key: str, path: Path) -> None:
     if key not in schema.names:
         fields = ", ".join(map(repr, schema.names)) or "none"
-        raise DataError(f"'{path}' has no field '{key}' (its fields: {fields}); set "
-                        "--text-key (data.text_key) to the field holding the text")
+        raise DataError(
+            f"'{path}' has no field '{key}' (its fields: {fields}); set "
+            "--text-key (data.text_key) to the field holding the text"
+        )
     kind = schema.field(key).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
-            or pa.types.is_string_view(kind)):
-        raise DataError(f"'{path}': field '{key}' is {kind}, not a string; set --text-key "
-                        "(data.text_key) to a text field")
+    if not (
+        pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)
+    ):
+        raise DataError(
+            f"'{path}': field '{key}' is {kind}, not a string; set --text-key "
+            "(data.text_key) to a text field"
+        )
 
 
 def _column_documents(path: Path, key: str, batches: Iterable[Any]) -> Iterator[Document]:
@@ -304,14 +341,23 @@ def _texts(column: Any, key: str, path: Path, first: int) -> list[str | None]:
             try:
                 column[i].as_py()
             except UnicodeDecodeError as err:
-                raise DataError(f"'{path}' record {first + i}: field '{key}' is not UTF-8 "
-                                f"text ({err.reason} at byte {err.start}); fix the "
-                                "record") from None
+                raise DataError(
+                    f"'{path}' record {first + i}: field '{key}' is not UTF-8 "
+                    f"text ({err.reason} at byte {err.start}); fix the "
+                    "record"
+                ) from None
         raise
 
 
-_READERS = {"jsonl": _jsonl, "jsonl.gz": functools.partial(_jsonl, compressed=True),
-            "parquet": _parquet, "arrow": _arrow}
-_RECORD_READERS = {"jsonl": _jsonl_records,
-                   "jsonl.gz": functools.partial(_jsonl_records, compressed=True),
-                   "parquet": _table_records, "arrow": _table_records}
+_READERS = {
+    "jsonl": _jsonl,
+    "jsonl.gz": functools.partial(_jsonl, compressed=True),
+    "parquet": _parquet,
+    "arrow": _arrow,
+}
+_RECORD_READERS = {
+    "jsonl": _jsonl_records,
+    "jsonl.gz": functools.partial(_jsonl_records, compressed=True),
+    "parquet": _table_records,
+    "arrow": _table_records,
+}

@@ -31,9 +31,9 @@ from jaxpar.data.finetune import open_mask
 from jaxpar.data.inputs import find_inputs
 from jaxpar.data.loader import ArrayExamples, Loader, TokenWindows, fixed_batches
 from jaxpar.data.prepare import builtin_corpus, encode_documents
+from jaxpar.data.records import TEXT_KEY, read_documents
 from jaxpar.data.token_file import TokenFile, check_vocab, open_tokens, tokenizer_of
 from jaxpar.data.tokenizers import ByteTokenizer, Tokenizer
-from jaxpar.data.records import TEXT_KEY, read_documents
 from jaxpar.data.windows import document_starts
 from jaxpar.errors import ConfigError, DataError
 from jaxpar.schema import Float, section
@@ -50,43 +50,62 @@ Pack = Literal["concat", "documents"]
 class DataConfig:
     """Training data and its loader (see ``jaxpar/data/``)."""
 
-    path: str = Field("", description="a token file made by jaxpar prepare-data, or records "
-                      "(JSONL, Parquet, Arrow, a datasets save_to_disk folder) or text files "
-                      "(a file, folder or glob, read as byte tokens) for language models, an "
-                      ".npz with images (N,H,W[,C]) and labels (N,) for classifiers; empty: "
-                      "the built-in data (Python's pydoc_data.topics text; synthetic images)")
-    mixture: mix.Setting = Field(None, json_schema_extra={"type": "list of path:weight"},
-                                 description="several text sources (each as data.path takes "
-                                 "it) mixed by weight, instead of data.path: a YAML list of "
-                                 "{path, weight}, or path:weight,path:weight on the command "
-                                 "line (docs/data.md, Mixtures)")
-    text_key: str = Field(TEXT_KEY, min_length=1, description="the field of each record "
-                          "that holds its text (records in data.path)")
-    dataset: Dataset = Field("auto", description="auto (path or the built-in data), digits "
-                             "(scikit-learn's handwritten digits) or synthetic (random tokens / "
-                             "template images of num_examples examples, for benchmarks)")
-    seq_len: int = Field(128, ge=1, le=2**24, description="tokens per example (language "
-                         "models)")
-    pack: Pack = Field("concat", description="concat: windows cut from the token stream; "
-                       "documents: the same windows, each token attending only within its "
-                       "own document, positions restarting at each (language models)")
+    path: str = Field(
+        "",
+        description="a token file made by jaxpar prepare-data, or records "
+        "(JSONL, Parquet, Arrow, a datasets save_to_disk folder) or text files "
+        "(a file, folder or glob, read as byte tokens) for language models, an "
+        ".npz with images (N,H,W[,C]) and labels (N,) for classifiers; empty: "
+        "the built-in data (Python's pydoc_data.topics text; synthetic images)",
+    )
+    mixture: mix.Setting = Field(
+        None,
+        json_schema_extra={"type": "list of path:weight"},
+        description="several text sources (each as data.path takes "
+        "it) mixed by weight, instead of data.path: a YAML list of "
+        "{path, weight}, or path:weight,path:weight on the command "
+        "line (docs/data.md, Mixtures)",
+    )
+    text_key: str = Field(
+        TEXT_KEY,
+        min_length=1,
+        description="the field of each record that holds its text (records in data.path)",
+    )
+    dataset: Dataset = Field(
+        "auto",
+        description="auto (path or the built-in data), digits "
+        "(scikit-learn's handwritten digits) or synthetic (random tokens / "
+        "template images of num_examples examples, for benchmarks)",
+    )
+    seq_len: int = Field(128, ge=1, le=2**24, description="tokens per example (language models)")
+    pack: Pack = Field(
+        "concat",
+        description="concat: windows cut from the token stream; "
+        "documents: the same windows, each token attending only within its "
+        "own document, positions restarting at each (language models)",
+    )
     eval_fraction: Float = Field(0.1, description="the held-out share, in (0, 1)")
-    image_size: int = Field(8, ge=1, le=2**16, description="height and width of synthetic "
-                            "images")
+    image_size: int = Field(8, ge=1, le=2**16, description="height and width of synthetic images")
     channels: int = Field(1, ge=1, le=2**16, description="channels of synthetic images")
     num_examples: int = Field(4096, ge=2, le=2**40, description="examples of synthetic data")
     threads: int = Field(2, ge=0, le=1024, description="grain reader threads")
     prefetch: int = Field(4, ge=0, le=2**16, description="batches read ahead")
     workers: int = Field(0, ge=0, le=1024, description="grain worker processes")
-    wait_warn: Float = Field(0.1, ge=0, le=1, description="warn once when the loop spends more "
-                             "than this fraction of its time waiting for data (0: never)")
+    wait_warn: Float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="warn once when the loop spends more "
+        "than this fraction of its time waiting for data (0: never)",
+    )
 
     @field_validator("eval_fraction")
     @classmethod
     def _a_share(cls, value: float) -> float:
         if not 0.0 < value < 1.0:
-            raise ConfigError(f"data.eval_fraction={value} must be in (0, 1); set e.g. "
-                              "data.eval_fraction=0.1")
+            raise ConfigError(
+                f"data.eval_fraction={value} must be in (0, 1); set e.g. data.eval_fraction=0.1"
+            )
         return value
 
 
@@ -118,16 +137,24 @@ class Data:
         """A fresh training stream of global batches of ``batch_size`` rows (this process's)."""
         cfg = cfg or DataConfig()
         make = mix.MixtureLoader if isinstance(self.train, mix.Mixed) else Loader
-        return make(self.train, global_batch_size=batch_size, seed=self.seed,
-                      process_index=jax.process_index(), process_count=jax.process_count(),
-                      threads=cfg.threads, prefetch=cfg.prefetch, workers=cfg.workers)
+        return make(
+            self.train,
+            global_batch_size=batch_size,
+            seed=self.seed,
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+            threads=cfg.threads,
+            prefetch=cfg.prefetch,
+            workers=cfg.workers,
+        )
 
     def batch(self, index: int, batch_size: int, split: str = "train") -> dict[str, np.ndarray]:
         if split == "eval":
             cached = self._eval.get(batch_size, [])
             if len(cached) <= index:
                 cached = self._eval[batch_size] = fixed_batches(
-                    self.eval, batch_size, index + 1, jax.process_index(), jax.process_count())
+                    self.eval, batch_size, index + 1, jax.process_index(), jax.process_count()
+                )
             return cached[index]
         if batch_size not in self._streams:
             self._streams[batch_size] = self.loader(batch_size, DataConfig(threads=0, prefetch=0))
@@ -137,13 +164,15 @@ class Data:
 def _cut(n: int, eval_fraction: float, what: str) -> int:
     cut = int(n * (1.0 - eval_fraction))
     if cut == 0 or cut == n:
-        raise DataError(f"{what} of {n} items is too small to split with "
-                        f"data.eval_fraction={eval_fraction}")
+        raise DataError(
+            f"{what} of {n} items is too small to split with data.eval_fraction={eval_fraction}"
+        )
     return cut
 
 
-def text_data(tf: TokenFile, cfg: DataConfig, vocab_size: int | None, seed: int,
-              example_ids: bool = False) -> Data:
+def text_data(
+    tf: TokenFile, cfg: DataConfig, vocab_size: int | None, seed: int, example_ids: bool = False
+) -> Data:
     """Windows of ``data.seq_len + 1`` tokens; the last ``eval_fraction`` held out (the
     vocabulary checked against ``vocab_size`` unless it is None; ``example_ids``: each
     window also carries its ``index``)."""
@@ -154,28 +183,41 @@ def text_data(tf: TokenFile, cfg: DataConfig, vocab_size: int | None, seed: int,
     cut = _cut(n, cfg.eval_fraction, f"text '{tf.name}'")
     shortest = min(cut, n - cut)
     if cfg.seq_len + 1 > shortest:
-        raise DataError(f"data.seq_len={cfg.seq_len} is longer than the {shortest}-token split "
-                        f"of '{tf.name}'; lower data.seq_len or use more text")
-    return Data(tf.name, TokenWindows(tf.tokens, cfg.seq_len, 0, cut, example_ids, starts,
-                                      mask),
-                TokenWindows(tf.tokens, cfg.seq_len, cut, n, example_ids, starts, mask), seed,
-                vocab_size=tf.vocab_size, seq_len=cfg.seq_len, pack=cfg.pack,
-                loss_mask=mask is not None)
+        raise DataError(
+            f"data.seq_len={cfg.seq_len} is longer than the {shortest}-token split "
+            f"of '{tf.name}'; lower data.seq_len or use more text"
+        )
+    return Data(
+        tf.name,
+        TokenWindows(tf.tokens, cfg.seq_len, 0, cut, example_ids, starts, mask),
+        TokenWindows(tf.tokens, cfg.seq_len, cut, n, example_ids, starts, mask),
+        seed,
+        vocab_size=tf.vocab_size,
+        seq_len=cfg.seq_len,
+        pack=cfg.pack,
+        loss_mask=mask is not None,
+    )
 
 
-def image_data(images: np.ndarray, labels: np.ndarray, cfg: DataConfig, seed: int,
-               name: str) -> Data:
+def image_data(
+    images: np.ndarray, labels: np.ndarray, cfg: DataConfig, seed: int, name: str
+) -> Data:
     """Examples split by index after a fixed shuffle (the same split for every seed)."""
     order = np.random.default_rng(0).permutation(len(labels))
     images, labels = images[order], labels[order]
     cut = _cut(len(labels), cfg.eval_fraction, f"image set '{name}'")
-    return Data(name, ArrayExamples(images, labels, 0, cut),
-                ArrayExamples(images, labels, cut, len(labels)), seed,
-                image_shape=tuple(images.shape[1:]))
+    return Data(
+        name,
+        ArrayExamples(images, labels, 0, cut),
+        ArrayExamples(images, labels, cut, len(labels)),
+        seed,
+        image_shape=tuple(images.shape[1:]),
+    )
 
 
-def synthetic_images(n: int, size: int, num_classes: int, seed: int = 1234, channels: int = 1
-                     ) -> tuple[np.ndarray, np.ndarray]:
+def synthetic_images(
+    n: int, size: int, num_classes: int, seed: int = 1234, channels: int = 1
+) -> tuple[np.ndarray, np.ndarray]:
     """SYNTHETIC labelled images: a fixed random template per class plus noise."""
     rng = np.random.default_rng(seed)
     templates = rng.normal(size=(num_classes, size, size, channels)).astype(np.float32)
@@ -187,8 +229,12 @@ def synthetic_images(n: int, size: int, num_classes: int, seed: int = 1234, chan
 def synthetic_tokens(n: int, vocab_size: int, seed: int = 1234) -> TokenFile:
     """SYNTHETIC text: ``n`` uniformly random token ids (nothing to learn; for benchmarks)."""
     tokens = np.random.default_rng(seed).integers(0, vocab_size, n).astype(np.uint32)
-    meta = {"vocab_size": vocab_size, "num_tokens": n, "tokenizer": "synthetic",
-            "documents": [{"source": "synthetic", "start": 0, "end": n}]}
+    meta = {
+        "vocab_size": vocab_size,
+        "num_tokens": n,
+        "tokenizer": "synthetic",
+        "documents": [{"source": "synthetic", "start": 0, "end": n}],
+    }
     return TokenFile(tokens, vocab_size, meta, "SYNTHETIC random tokens")
 
 
@@ -196,10 +242,13 @@ def _check_labels(labels: np.ndarray, num_classes: int | None, where: str) -> No
     too_big = num_classes is not None and labels.max() >= num_classes
     if labels.min() < 0 or too_big:
         bound = "" if num_classes is None else f" with model.num_classes={num_classes}"
-        fix = (f"; set model.num_classes ≥ {labels.max() + 1}" if too_big and labels.min() >= 0
-               else "")
-        raise DataError(f"{where}: labels span [{labels.min()}, {labels.max()}] but class "
-                        f"labels must be 0, 1, …{bound}{fix}")
+        fix = (
+            f"; set model.num_classes ≥ {labels.max() + 1}" if too_big and labels.min() >= 0 else ""
+        )
+        raise DataError(
+            f"{where}: labels span [{labels.min()}, {labels.max()}] but class "
+            f"labels must be 0, 1, …{bound}{fix}"
+        )
 
 
 def load_npz(path: Path, num_classes: int | None) -> tuple[np.ndarray, np.ndarray]:
@@ -210,17 +259,21 @@ def load_npz(path: Path, num_classes: int | None) -> tuple[np.ndarray, np.ndarra
             if {"images", "labels"} <= set(files):
                 images, labels = f["images"].astype(np.float32), f["labels"].astype(np.int32)
     except Exception as err:
-        raise DataError(f"data.path '{path}' is not a readable .npz file "
-                        f"({type(err).__name__}: {str(err).split('. ')[0]}); re-create it "
-                        "with numpy.savez(path, images=..., labels=...)") from err
+        raise DataError(
+            f"data.path '{path}' is not a readable .npz file "
+            f"({type(err).__name__}: {str(err).split('. ')[0]}); re-create it "
+            "with numpy.savez(path, images=..., labels=...)"
+        ) from err
     missing = {"images", "labels"} - set(files)
     if missing:
         raise DataError(f"data.path '{path}' lacks arrays {sorted(missing)}; it has {files}")
     if images.ndim == 3:
         images = images[..., None]
     if images.ndim != 4 or labels.ndim != 1 or len(images) != len(labels) or not len(labels):
-        raise DataError(f"data.path '{path}': images {images.shape} and labels {labels.shape} "
-                        "must be (N,H,W[,C]) and (N,) with N > 0")
+        raise DataError(
+            f"data.path '{path}': images {images.shape} and labels {labels.shape} "
+            "must be (N,H,W[,C]) and (N,) with N > 0"
+        )
     _check_labels(labels, num_classes, f"data.path '{path}'")
     return images, labels
 
@@ -230,8 +283,9 @@ def load_digits(num_classes: int | None) -> tuple[np.ndarray, np.ndarray]:
     try:
         from sklearn.datasets import load_digits as sklearn_digits
     except ImportError as err:
-        raise DataError("data.dataset=digits needs scikit-learn: "
-                        "pip install 'jaxpar[digits]'") from err
+        raise DataError(
+            "data.dataset=digits needs scikit-learn: pip install 'jaxpar[digits]'"
+        ) from err
     digits = sklearn_digits()
     images = (digits.images / 16.0).astype(np.float32)[..., None]
     labels = digits.target.astype(np.int32)
@@ -257,8 +311,9 @@ def _text_file(cfg: DataConfig) -> TokenFile:
 def _check_path(cfg: DataConfig, is_text: bool) -> None:
     """Raise unless ``data.path`` is a file or (for text) a folder or a glob of files."""
     path = Path(cfg.path)
-    many = is_text and ((path.is_dir() and any(path.iterdir()))
-                        or (not path.exists() and glob.has_magic(cfg.path)))
+    many = is_text and (
+        (path.is_dir() and any(path.iterdir())) or (not path.exists() and glob.has_magic(cfg.path))
+    )
     if not (path.is_file() or many):
         also = " (nor a folder or glob of data files)" if is_text else ""
         raise DataError(f"data.path '{cfg.path}' does not exist or is not a file{also}")
@@ -273,8 +328,10 @@ def text_tokenizer(cfg: DataConfig) -> Tokenizer:
         file is missing or changed.
     """
     if cfg.dataset == "synthetic":
-        raise DataError("the run trained on data.dataset=synthetic: random token ids "
-                        "without text; train on text (data.path=… or the built-in corpus)")
+        raise DataError(
+            "the run trained on data.dataset=synthetic: random token ids "
+            "without text; train on text (data.path=… or the built-in corpus)"
+        )
     path = cfg.mixture[0][0] if cfg.mixture else cfg.path  # a mixture's sources share one
     if path and _is_token_file(Path(path)):
         return tokenizer_of(open_tokens(path))
@@ -296,18 +353,22 @@ def needs_of_batch(batch_keys: Any) -> DataNeeds | None:
 
 def _masks_fit(data: Data, needs: DataNeeds) -> Data:
     if data.loss_mask and not needs.loss_mask:
-        raise DataError(f"'{data.name}' holds fine-tuning records with a loss mask, which "
-                        "this model does not train on (a causal language model such as "
-                        "gpt, llama or gemma does); use one, or prepare the data without "
-                        "--records")
+        raise DataError(
+            f"'{data.name}' holds fine-tuning records with a loss mask, which "
+            "this model does not train on (a causal language model such as "
+            "gpt, llama or gemma does); use one, or prepare the data without "
+            "--records"
+        )
     return data
 
 
 def _mixture_source(cfg: DataConfig, index: int, path: str) -> TokenFile:
     """Source ``index`` of ``data.mixture``, read as ``data.path`` reads a path."""
     if not (Path(path).exists() or glob.has_magic(path)):
-        raise DataError(f"data.mixture entry {index + 1} '{path}' does not exist; fix the "
-                        "path or drop the entry")
+        raise DataError(
+            f"data.mixture entry {index + 1} '{path}' does not exist; fix the "
+            "path or drop the entry"
+        )
     one = dataclasses.replace(cfg, path=path, mixture=None)
     _check_path(one, True)
     return _text_file(one)
@@ -322,20 +383,32 @@ def mixture_data(cfg: DataConfig, needs: DataNeeds, seed: int) -> Data:
         missing source, sources of different tokenizers — one line naming the entry.
     """
     if needs.kind != "text" or cfg.path or cfg.dataset != "auto":
-        raise DataError("data.mixture mixes text sources for a language model; unset "
-                        "data.path and data.dataset (or unset data.mixture)")
+        raise DataError(
+            "data.mixture mixes text sources for a language model; unset "
+            "data.path and data.dataset (or unset data.mixture)"
+        )
     paths = [path for path, _ in cfg.mixture]
     files = [_mixture_source(cfg, i, path) for i, path in enumerate(paths)]
     mix.check_tokenizers(paths, [tf.meta.get("tokenizer") for tf in files])
-    parts = [_masks_fit(text_data(tf, cfg, needs.vocab_size, seed, needs.example_ids), needs)
-             for tf in files]
+    parts = [
+        _masks_fit(text_data(tf, cfg, needs.vocab_size, seed, needs.example_ids), needs)
+        for tf in files
+    ]
     if len({p.loss_mask for p in parts}) > 1:
-        raise DataError("data.mixture mixes token files with and without a loss mask "
-                        "(prepare-data --records); prepare every source the same way")
-    train, held_out = mix.mix_splits(cfg.mixture, [p.train for p in parts],
-                                     [p.eval for p in parts], seed)
-    return dataclasses.replace(parts[0], name=" + ".join(train.names), train=train,
-                               eval=held_out, vocab_size=max(tf.vocab_size for tf in files))
+        raise DataError(
+            "data.mixture mixes token files with and without a loss mask "
+            "(prepare-data --records); prepare every source the same way"
+        )
+    train, held_out = mix.mix_splits(
+        cfg.mixture, [p.train for p in parts], [p.eval for p in parts], seed
+    )
+    return dataclasses.replace(
+        parts[0],
+        name=" + ".join(train.names),
+        train=train,
+        eval=held_out,
+        vocab_size=max(tf.vocab_size for tf in files),
+    )
 
 
 def load_data(cfg: DataConfig, needs: DataNeeds, seed: int) -> Data:
@@ -351,20 +424,25 @@ def load_data(cfg: DataConfig, needs: DataNeeds, seed: int) -> Data:
     is_text = needs.kind == "text"
     vocab, classes = needs.vocab_size, needs.num_classes
     if is_text and cfg.pack == "documents" and not needs.documents:
-        raise DataError("data.pack=documents: this model does not keep attention within "
-                        "documents; set data.pack=concat")
+        raise DataError(
+            "data.pack=documents: this model does not keep attention within "
+            "documents; set data.pack=concat"
+        )
     path = Path(cfg.path) if cfg.path else None
     if cfg.dataset != "auto" and path is not None:
-        raise DataError(f"data.path '{cfg.path}' and data.dataset={cfg.dataset} both name "
-                        "the data; set one of them")
+        raise DataError(
+            f"data.path '{cfg.path}' and data.dataset={cfg.dataset} both name "
+            "the data; set one of them"
+        )
     if path is not None:
         _check_path(cfg, is_text)
     if cfg.dataset == "synthetic":
         if is_text:
             tf = synthetic_tokens(cfg.num_examples * cfg.seq_len + 1, vocab or 256)
             return text_data(tf, cfg, vocab, seed, needs.example_ids)
-        images, labels = synthetic_images(cfg.num_examples, cfg.image_size, classes or 10,
-                                          channels=cfg.channels)
+        images, labels = synthetic_images(
+            cfg.num_examples, cfg.image_size, classes or 10, channels=cfg.channels
+        )
         return image_data(images, labels, cfg, seed, "SYNTHETIC images")
     if cfg.dataset == "digits":
         if is_text:
@@ -372,15 +450,17 @@ def load_data(cfg: DataConfig, needs: DataNeeds, seed: int) -> Data:
         return image_data(*load_digits(classes), cfg, seed, "scikit-learn digits")
     if is_text:
         if path is not None and path.suffix == ".npz":
-            raise DataError(f"data.path '{cfg.path}' is an image set; a language model needs "
-                            "text")
+            raise DataError(f"data.path '{cfg.path}' is an image set; a language model needs text")
         tf = _text_file(cfg) if path else builtin_corpus()
         return _masks_fit(text_data(tf, cfg, vocab, seed, needs.example_ids), needs)
     if path is None:
-        images, labels = synthetic_images(cfg.num_examples, cfg.image_size, classes or 10,
-                                          channels=cfg.channels)
+        images, labels = synthetic_images(
+            cfg.num_examples, cfg.image_size, classes or 10, channels=cfg.channels
+        )
         return image_data(images, labels, cfg, seed, "SYNTHETIC images")
     if path.suffix != ".npz":
-        raise DataError(f"data.path '{cfg.path}': classifiers read an .npz with images and "
-                        "labels (or set data.dataset=digits)")
+        raise DataError(
+            f"data.path '{cfg.path}': classifiers read an .npz with images and "
+            "labels (or set data.dataset=digits)"
+        )
     return image_data(*load_npz(path, classes), cfg, seed, str(path))

@@ -62,25 +62,32 @@ class BatchCheck:
 
     def __call__(self, batch: Any, rows: int, where: str) -> dict[str, np.ndarray]:
         if not isinstance(batch, Mapping):
-            raise DataError(f"{self.what}{where} returned {type(batch).__name__}; it must "
-                            "return a dict of numpy arrays, one per batch entry")
+            raise DataError(
+                f"{self.what}{where} returned {type(batch).__name__}; it must "
+                "return a dict of numpy arrays, one per batch entry"
+            )
         if set(batch) != self.keys:
-            raise DataError(f"{self.what}{where} returned entries {sorted(batch)}, but the "
-                            f"task's batch_axes name {sorted(self.keys)}; return exactly "
-                            "those entries (or change Task.batch_axes)")
+            raise DataError(
+                f"{self.what}{where} returned entries {sorted(batch)}, but the "
+                f"task's batch_axes name {sorted(self.keys)}; return exactly "
+                "those entries (or change Task.batch_axes)"
+            )
         out = {}
         for key, value in batch.items():
             array = np.asarray(value)
             if array.ndim == 0 or array.shape[0] != rows:
                 got = "a scalar" if array.ndim == 0 else f"{array.shape[0]} rows"
-                raise DataError(f"{self.what}{where} returned '{key}' with {got} (shape "
-                                f"{array.shape}); it must have {rows} rows")
+                raise DataError(
+                    f"{self.what}{where} returned '{key}' with {got} (shape "
+                    f"{array.shape}); it must have {rows} rows"
+                )
             seen = self.shapes.setdefault(key, (array.shape, array.dtype))
             if seen != (array.shape, array.dtype):
                 raise DataError(
                     f"{self.what}{where} returned '{key}' of shape {array.shape} "
                     f"{array.dtype}, but earlier batches had {seen[0]} {seen[1]}; every "
-                    "batch must have the same shapes and dtypes (the step is compiled once)")
+                    "batch must have the same shapes and dtypes (the step is compiled once)"
+                )
             out[key] = array
         return out
 
@@ -93,19 +100,31 @@ class FunctionStream(Iterator[dict[str, np.ndarray]]):
     batches consumed.
     """
 
-    def __init__(self, fn: BatchFn, global_batch_size: int, check: BatchCheck, *,
-                 threads: int = 1, prefetch: int = 2):
+    def __init__(
+        self,
+        fn: BatchFn,
+        global_batch_size: int,
+        check: BatchCheck,
+        *,
+        threads: int = 1,
+        prefetch: int = 2,
+    ):
         count, index = jax.process_count(), jax.process_index()
         if global_batch_size % count:
-            raise DataError(f"train.batch_size={global_batch_size} must be a multiple of the "
-                            f"process count {count}")
+            raise DataError(
+                f"train.batch_size={global_batch_size} must be a multiple of the "
+                f"process count {count}"
+            )
         self.fn, self.global_batch_size, self.check = fn, global_batch_size, check
         rows = global_batch_size // count
         self.rows = slice(index * rows, (index + 1) * rows)
         self.takes_rows = _takes_rows(fn)
         self.batches_consumed = 0
-        self._pool = (concurrent.futures.ThreadPoolExecutor(threads, "jaxpar-data")
-                      if threads and prefetch else None)
+        self._pool = (
+            concurrent.futures.ThreadPoolExecutor(threads, "jaxpar-data")
+            if threads and prefetch
+            else None
+        )
         self._ahead: collections.deque = collections.deque()
         self._depth = prefetch
 
@@ -114,8 +133,9 @@ class FunctionStream(Iterator[dict[str, np.ndarray]]):
         where = f"(step={index}, global_batch_size={self.global_batch_size})"
         if self.takes_rows:
             batch = self._call(index, rows=self.rows)
-            return self.check(batch, self.rows.stop - self.rows.start,
-                              f"{where[:-1]}, rows={self.rows})")
+            return self.check(
+                batch, self.rows.stop - self.rows.start, f"{where[:-1]}, rows={self.rows})"
+            )
         batch = self.check(self._call(index), self.global_batch_size, where)
         if self.rows.stop - self.rows.start == self.global_batch_size:
             return batch
@@ -128,8 +148,11 @@ class FunctionStream(Iterator[dict[str, np.ndarray]]):
         except JaxparError:
             raise
         except Exception as err:
-            raise UserCodeFailed(f"{self.check.what} ({code_name(self.fn)})", err,
-                                 f"for batch {index} (step {index + 1})") from err
+            raise UserCodeFailed(
+                f"{self.check.what} ({code_name(self.fn)})",
+                err,
+                f"for batch {index} (step {index + 1})",
+            ) from err
 
     def __next__(self) -> dict[str, np.ndarray]:
         index = self.batches_consumed
@@ -144,8 +167,11 @@ class FunctionStream(Iterator[dict[str, np.ndarray]]):
         return batch
 
     def get_state(self) -> dict[str, Any]:
-        return {"kind": "function", "global_batch_size": self.global_batch_size,
-                "batches_consumed": self.batches_consumed}
+        return {
+            "kind": "function",
+            "global_batch_size": self.global_batch_size,
+            "batches_consumed": self.batches_consumed,
+        }
 
     def set_state(self, state: dict[str, Any]) -> None:
         _check_kind(state, "function", self.global_batch_size)
@@ -172,7 +198,8 @@ class IterStream(Iterator[dict[str, np.ndarray]]):
             raise DataError(
                 "Task.data is a grain.IterDataset, which jaxpar reads in order in one process; "
                 "with several processes give a grain.MapDataset (random access: each process "
-                "reads only its rows of every batch) or a batch function")
+                "reads only its rows of every batch) or a batch function"
+            )
         self.global_batch_size, self.check = global_batch_size, check
         self._iter = iter(dataset.batch(global_batch_size, drop_remainder=True))
         self.batches_consumed = 0
@@ -184,20 +211,27 @@ class IterStream(Iterator[dict[str, np.ndarray]]):
             raise DataError(
                 f"Task.data (a grain.IterDataset) ran out after {self.batches_consumed} "
                 f"batches of {self.global_batch_size}; repeat it (e.g. "
-                "MapDataset.repeat() before to_iter_dataset()) or lower train.steps") from None
+                "MapDataset.repeat() before to_iter_dataset()) or lower train.steps"
+            ) from None
         except JaxparError:
             raise
         except Exception as err:
-            raise UserCodeFailed(f"{self.check.what} (a grain.IterDataset)", err,
-                                 f"for batch {self.batches_consumed} (step "
-                                 f"{self.batches_consumed + 1})") from err
+            raise UserCodeFailed(
+                f"{self.check.what} (a grain.IterDataset)",
+                err,
+                f"for batch {self.batches_consumed} (step {self.batches_consumed + 1})",
+            ) from err
         batch = self.check(batch, self.global_batch_size, f" (batch {self.batches_consumed})")
         self.batches_consumed += 1
         return batch
 
     def get_state(self) -> dict[str, Any]:
-        return {"kind": "grain_iter", "global_batch_size": self.global_batch_size,
-                "batches_consumed": self.batches_consumed, "iterator": self._iter.get_state()}
+        return {
+            "kind": "grain_iter",
+            "global_batch_size": self.global_batch_size,
+            "batches_consumed": self.batches_consumed,
+            "iterator": self._iter.get_state(),
+        }
 
     def set_state(self, state: dict[str, Any]) -> None:
         _check_kind(state, "grain_iter", self.global_batch_size)
@@ -213,9 +247,11 @@ class IterStream(Iterator[dict[str, np.ndarray]]):
 def _check_kind(state: dict[str, Any], kind: str, global_batch_size: int) -> None:
     saved = (state.get("kind"), state.get("global_batch_size"))
     if saved != (kind, global_batch_size):
-        raise RestoreError(f"loader state comes from another stream — saved {saved[0]} data with "
-                           f"batch size {saved[1]}, here {kind} data with batch size "
-                           f"{global_batch_size}")
+        raise RestoreError(
+            f"loader state comes from another stream — saved {saved[0]} data with "
+            f"batch size {saved[1]}, here {kind} data with batch size "
+            f"{global_batch_size}"
+        )
 
 
 class _CheckedLoader(Loader):
@@ -240,9 +276,11 @@ def _kind(source: Any, what: str) -> str:
         return "iter"
     if callable(source):
         return "function"
-    raise DataError(f"{what} is a {type(source).__name__}; give a function (step, "
-                    "global_batch_size) -> dict of numpy arrays, a grain.MapDataset or a "
-                    "grain.IterDataset of examples")
+    raise DataError(
+        f"{what} is a {type(source).__name__}; give a function (step, "
+        "global_batch_size) -> dict of numpy arrays, a grain.MapDataset or a "
+        "grain.IterDataset of examples"
+    )
 
 
 @dataclass
@@ -270,14 +308,26 @@ class TaskData:
         cfg = cfg or DataConfig()
         kind = _kind(self.train, "Task.data")
         if kind == "function":
-            return FunctionStream(self.train, batch_size, self._check("Task.data"),
-                                  threads=min(cfg.threads, 1), prefetch=cfg.prefetch)
+            return FunctionStream(
+                self.train,
+                batch_size,
+                self._check("Task.data"),
+                threads=min(cfg.threads, 1),
+                prefetch=cfg.prefetch,
+            )
         if kind == "iter":
             return IterStream(self.train, batch_size, self._check("Task.data"))
-        return _CheckedLoader(self.train, self._check("Task.data"), global_batch_size=batch_size,
-                              seed=self.seed, process_index=jax.process_index(),
-                              process_count=jax.process_count(), threads=cfg.threads,
-                              prefetch=cfg.prefetch, workers=cfg.workers)
+        return _CheckedLoader(
+            self.train,
+            self._check("Task.data"),
+            global_batch_size=batch_size,
+            seed=self.seed,
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+            threads=cfg.threads,
+            prefetch=cfg.prefetch,
+            workers=cfg.workers,
+        )
 
     def batch(self, index: int, batch_size: int, split: str = "train") -> dict[str, np.ndarray]:
         """Training batch ``index`` or the ``index``-th fixed held-out batch (this
@@ -289,8 +339,9 @@ class TaskData:
             if kind == "iter":  # no random access: the first batches of a fresh iterator
                 self._by_index[batch_size] = _FirstBatches(self.loader(batch_size))
             else:
-                self._by_index[batch_size] = self.loader(batch_size, DataConfig(threads=0,
-                                                                                prefetch=0))
+                self._by_index[batch_size] = self.loader(
+                    batch_size, DataConfig(threads=0, prefetch=0)
+                )
         return self._by_index[batch_size].batch_at(index)
 
     def _eval_batches(self, n: int, batch_size: int) -> list[dict[str, np.ndarray]]:
@@ -304,8 +355,14 @@ class TaskData:
             cached = [stream.batch_at(i) for i in range(n)]
         elif kind == "map":
             rows = batch_size // jax.process_count()
-            cached = [check(b, rows, f" (batch {i})") for i, b in enumerate(fixed_batches(
-                self.eval, batch_size, n, jax.process_index(), jax.process_count()))]
+            cached = [
+                check(b, rows, f" (batch {i})")
+                for i, b in enumerate(
+                    fixed_batches(
+                        self.eval, batch_size, n, jax.process_index(), jax.process_count()
+                    )
+                )
+            ]
         else:
             stream = IterStream(self.eval, batch_size, check)
             cached = [next(stream) for _ in range(n)]
@@ -329,8 +386,10 @@ def task_data(task: Any, seed: int) -> TaskData | None:
     """The task's own data, or None when it brings none (the config's data applies)."""
     if task.data is None:
         if task.eval_data is not None:
-            raise DataError("the task has eval_data but no data; give Task.data too, or "
-                            "neither to use the config's data section")
+            raise DataError(
+                "the task has eval_data but no data; give Task.data too, or "
+                "neither to use the config's data section"
+            )
         return None
     _kind(task.data, "Task.data")
     if task.eval_data is not None:

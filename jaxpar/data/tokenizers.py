@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+
 from jaxpar.errors import DataError
 
 
@@ -67,9 +68,11 @@ class HFTokenizer:
         try:
             return data.decode("utf-8")
         except UnicodeDecodeError as err:
-            raise DataError(f"input '{source}' is not UTF-8 text ({err}); the tokenizer "
-                            f"'{self.file}' needs UTF-8, so convert the file or use "
-                            "--tokenizer byte") from None
+            raise DataError(
+                f"input '{source}' is not UTF-8 text ({err}); the tokenizer "
+                f"'{self.file}' needs UTF-8, so convert the file or use "
+                "--tokenizer byte"
+            ) from None
 
     def encode(self, data: bytes, source: str) -> np.ndarray:
         text = self._text(data, source)
@@ -77,8 +80,10 @@ class HFTokenizer:
         try:
             encoding = self.tokenizer.encode(text, add_special_tokens=False)
         except Exception as err:  # noqa: BLE001 (the Rust side raises bare Exception)
-            raise DataError(f"tokenizer '{self.file}' cannot encode '{source}' ({err}); "
-                            "use a tokenizer that covers its text") from None
+            raise DataError(
+                f"tokenizer '{self.file}' cannot encode '{source}' ({err}); "
+                "use a tokenizer that covers its text"
+            ) from None
         return np.asarray(encoding.ids, np.int64)
 
     def encode_many(self, datas: list[bytes], sources: list[str]) -> list[np.ndarray]:
@@ -112,13 +117,15 @@ def load_hf(file: str, sha256: str) -> HFTokenizer:
     try:
         from tokenizers import Tokenizer as _HF
     except ImportError:
-        raise DataError(f"tokenizer '{file}' needs the 'tokenizers' package: "
-                        "pip install 'jaxpar[text]'") from None
+        raise DataError(
+            f"tokenizer '{file}' needs the 'tokenizers' package: pip install 'jaxpar[text]'"
+        ) from None
     try:
         return HFTokenizer(file, sha256, _HF.from_file(file))
     except Exception as err:  # noqa: BLE001 (the Rust side raises bare Exception)
-        raise DataError(f"tokenizer '{file}' is not a valid Hugging Face tokenizer JSON "
-                        f"file: {err}") from None
+        raise DataError(
+            f"tokenizer '{file}' is not a valid Hugging Face tokenizer JSON file: {err}"
+        ) from None
 
 
 def load_tokenizer(spec: str | os.PathLike | Tokenizer) -> Tokenizer:
@@ -139,9 +146,11 @@ def load_tokenizer(spec: str | os.PathLike | Tokenizer) -> Tokenizer:
     if path.is_dir():
         return _from_folder(path)
     if not path.is_file():
-        raise DataError(f"tokenizer '{spec}' is neither 'byte' nor an existing tokenizer "
-                        "JSON file or model folder; pass --tokenizer byte, the path of a "
-                        "tokenizer.json, or a folder holding one")
+        raise DataError(
+            f"tokenizer '{spec}' is neither 'byte' nor an existing tokenizer "
+            "JSON file or model folder; pass --tokenizer byte, the path of a "
+            "tokenizer.json, or a folder holding one"
+        )
     path = path.absolute()
     return load_hf(str(path), sha256_of(path))
 
@@ -151,8 +160,10 @@ def _from_folder(folder: Path) -> HFTokenizer:
     ``tokenizer_config.json`` (a string, or transformers' ``{"content": …}`` form)."""
     file = folder.absolute() / "tokenizer.json"
     if not file.is_file():
-        raise DataError(f"tokenizer folder '{folder}' holds no tokenizer.json (a model saved "
-                        "with its fast tokenizer has one); pass the tokenizer JSON file itself")
+        raise DataError(
+            f"tokenizer folder '{folder}' holds no tokenizer.json (a model saved "
+            "with its fast tokenizer has one); pass the tokenizer JSON file itself"
+        )
     tok = load_hf(str(file), sha256_of(file))
     config = folder / "tokenizer_config.json"
     try:
@@ -201,15 +212,19 @@ def separators(tok: Tokenizer, bos: str = "auto", eos: str = "auto") -> Separato
     if not isinstance(tok, HFTokenizer):
         for which, setting in (("bos", bos), ("eos", eos)):
             if setting not in ("auto", "none"):
-                raise DataError(f"--{which} '{setting}': the {tok.describe()} tokenizer has "
-                                f"no special tokens; use --{which} none, or a tokenizer JSON "
-                                "that has the token")
+                raise DataError(
+                    f"--{which} '{setting}': the {tok.describe()} tokenizer has "
+                    f"no special tokens; use --{which} none, or a tokenizer JSON "
+                    "that has the token"
+                )
         return Separators()
     before, after = _template(tok.tokenizer)
     if eos == "auto" and not after and tok.eos_token:  # the model folder's own
         eos = tok.eos_token
-    return Separators(bos=_choose(tok, "bos", bos, before),
-                      eos=_choose(tok, "eos", eos, after or _end_of_text(tok.tokenizer)))
+    return Separators(
+        bos=_choose(tok, "bos", bos, before),
+        eos=_choose(tok, "eos", eos, after or _end_of_text(tok.tokenizer)),
+    )
 
 
 def _template(hf: Any) -> tuple[list[int], list[int]]:
@@ -217,8 +232,8 @@ def _template(hf: Any) -> tuple[list[int], list[int]]:
     some_word = sorted(hf.get_vocab(with_added_tokens=False))[:1]
     for plain, full in filter(None, (_encode_both(hf, p) for p in (_PROBE, *some_word))):
         for start in range(len(full) - len(plain) + 1):
-            if plain and full[start:start + len(plain)] == plain:
-                return full[:start], full[start + len(plain):]
+            if plain and full[start : start + len(plain)] == plain:
+                return full[:start], full[start + len(plain) :]
     return [], []
 
 
@@ -226,8 +241,10 @@ def _encode_both(hf: Any, text: str) -> tuple[list[int], list[int]] | None:
     """The ids of ``text`` without and with the post-processor's special tokens; None
     when the tokenizer cannot encode it (no [UNK], and ``text`` not in its vocabulary)."""
     try:
-        return (hf.encode(text, add_special_tokens=False).ids,
-                hf.encode(text, add_special_tokens=True).ids)
+        return (
+            hf.encode(text, add_special_tokens=False).ids,
+            hf.encode(text, add_special_tokens=True).ids,
+        )
     except Exception:  # noqa: BLE001 (the Rust side raises bare Exception)
         return None
 
@@ -243,18 +260,23 @@ def _choose(tok: HFTokenizer, which: str, setting: str, auto: list[int]) -> int 
     if setting != "auto":
         found = tok.tokenizer.token_to_id(setting)
         if found is None:
-            raise DataError(f"--{which} '{setting}' is not a token of tokenizer "
-                            f"'{tok.file}'; name one of its tokens, or use --{which} none")
+            raise DataError(
+                f"--{which} '{setting}' is not a token of tokenizer "
+                f"'{tok.file}'; name one of its tokens, or use --{which} none"
+            )
         return found
     if len(auto) > 1:
-        raise DataError(f"tokenizer '{tok.file}' adds {len(auto)} tokens {auto} "
-                        f"{'before' if which == 'bos' else 'after'} each text; name the one "
-                        f"to use with --{which} TOKEN, or --{which} none")
+        raise DataError(
+            f"tokenizer '{tok.file}' adds {len(auto)} tokens {auto} "
+            f"{'before' if which == 'bos' else 'after'} each text; name the one "
+            f"to use with --{which} TOKEN, or --{which} none"
+        )
     return auto[0] if auto else None
 
 
 def describe_separators(tok: Tokenizer, seps: Separators) -> dict[str, Any]:
     """The metadata's ``bos``/``eos`` entries: ``{"token": …, "id": …}`` or None."""
+
     def entry(i: int | None) -> dict[str, Any] | None:
         if i is None:
             return None

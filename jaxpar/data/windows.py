@@ -42,9 +42,16 @@ class TokenWindows:
     processes) as its file name, not its contents.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, start: int = 0, end: int | None = None,
-                 with_index: bool = False, starts: np.ndarray | None = None,
-                 mask: np.ndarray | None = None):
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        seq_len: int,
+        start: int = 0,
+        end: int | None = None,
+        with_index: bool = False,
+        starts: np.ndarray | None = None,
+        mask: np.ndarray | None = None,
+    ):
         if tokens.ndim != 1:
             raise DataError(f"tokens must be a 1-D array of token ids, got shape {tokens.shape}")
         if seq_len < 1:
@@ -58,7 +65,8 @@ class TokenWindows:
             raise DataError(
                 f"data.seq_len={seq_len} needs {seq_len + 1} tokens for one window but the span "
                 f"[{start}, {self.end}) holds {self.end - start} tokens; lower data.seq_len or "
-                "use more text")
+                "use more text"
+            )
 
     def __len__(self) -> int:
         return self._len
@@ -67,13 +75,13 @@ class TokenWindows:
         if not 0 <= index < self._len:
             raise IndexError(f"window {index} out of range for {self._len} windows")
         lo = self.start + index * self.seq_len
-        item = {"tokens": np.asarray(self.tokens[lo:lo + self.seq_len + 1], dtype=np.int32)}
+        item = {"tokens": np.asarray(self.tokens[lo : lo + self.seq_len + 1], dtype=np.int32)}
         if self.with_index:
             item["index"] = np.int32(index)
         if self.starts is not None:
             item["segments"] = window_segments(self.starts, lo, self.seq_len + 1)
         if self.mask is not None:
-            item["loss_mask"] = np.asarray(self.mask[lo:lo + self.seq_len + 1], np.uint8)
+            item["loss_mask"] = np.asarray(self.mask[lo : lo + self.seq_len + 1], np.uint8)
         return item
 
     def __getstate__(self) -> dict[str, Any]:
@@ -83,8 +91,11 @@ class TokenWindows:
             # A fresh np.memmap has the mmap object itself as its base; a slice of one does
             # not, and its `offset` would be stale, so only the fresh map is pickled by
             # reference.
-            if (isinstance(t, np.memmap) and t.filename is not None
-                    and isinstance(t.base, mmap.mmap)):
+            if (
+                isinstance(t, np.memmap)
+                and t.filename is not None
+                and isinstance(t.base, mmap.mmap)
+            ):
                 state[key] = ("memmap", t.filename, t.dtype.str, t.offset, t.shape)
         return state
 
@@ -93,14 +104,15 @@ class TokenWindows:
             t = state.get(key)
             if isinstance(t, tuple) and t[0] == "memmap":
                 _, filename, dtype, offset, shape = t
-                state[key] = np.memmap(filename, dtype=dtype, mode="r", offset=offset,
-                                       shape=shape)
+                state[key] = np.memmap(filename, dtype=dtype, mode="r", offset=offset, shape=shape)
         state.setdefault("mask", None)
         self.__dict__.update(state)
 
     def __repr__(self) -> str:
-        return (f"TokenWindows(seq_len={self.seq_len}, span=[{self.start}, {self.end}), "
-                f"windows={self._len})")
+        return (
+            f"TokenWindows(seq_len={self.seq_len}, span=[{self.start}, {self.end}), "
+            f"windows={self._len})"
+        )
 
 
 def window_segments(starts: np.ndarray, lo: int, n: int) -> np.ndarray:
@@ -123,11 +135,13 @@ class ArrayExamples:
     ``images[start + i]`` for ``i < end - start``.
     """
 
-    def __init__(self, images: np.ndarray, labels: np.ndarray, start: int = 0,
-                 end: int | None = None):
+    def __init__(
+        self, images: np.ndarray, labels: np.ndarray, start: int = 0, end: int | None = None
+    ):
         if images.ndim not in (3, 4) or labels.ndim != 1 or len(images) != len(labels):
-            raise DataError(f"images {images.shape} and labels {labels.shape} must be "
-                            "(N,H,W[,C]) and (N,)")
+            raise DataError(
+                f"images {images.shape} and labels {labels.shape} must be (N,H,W[,C]) and (N,)"
+            )
         self.images, self.labels, self.start = images, labels, start
         self.end = _check_range(start, end, len(labels), "ArrayExamples")
 
@@ -144,5 +158,3 @@ class ArrayExamples:
 
     def __repr__(self) -> str:
         return f"ArrayExamples(span=[{self.start}, {self.end}), image={self.images.shape[1:]})"
-
-

@@ -39,24 +39,30 @@ def check_exportable(family: str, cfg: Any) -> None:
     if layout is None:
         what = f"model.name={family}" if family else "a user's task (--task)"
         known = ", ".join(f"{x.name} ({x.architecture})" for x in LAYOUTS)
-        raise ConfigError(f"--format hf writes the Hugging Face layouts of {known}; this run "
-                          f"is {what}: use --format npz")
+        raise ConfigError(
+            f"--format hf writes the Hugging Face layouts of {known}; this run "
+            f"is {what}: use --format npz"
+        )
     why = layout.cannot_hold(cfg)
     if why:
-        raise ConfigError(f"--format hf: {layout.name}'s layout cannot hold this model: "
-                          + "; ".join(why) + "; use --format npz")
+        raise ConfigError(
+            f"--format hf: {layout.name}'s layout cannot hold this model: "
+            + "; ".join(why)
+            + "; use --format npz"
+        )
 
 
-def write(out: str | Path, params: dict[str, Any], cfg: Any,
-          max_shard_bytes: int = files.MAX_SHARD_BYTES) -> Path:
+def write(
+    out: str | Path, params: dict[str, Any], cfg: Any, max_shard_bytes: int = files.MAX_SHARD_BYTES
+) -> Path:
     """Writes the Hugging Face directory of a model's parameters (host arrays)."""
     layout = layout_of(cfg)
-    return files.write_dir(out, layout.to_hf(params, cfg), layout.hf_config(cfg),
-                           max_shard_bytes)
+    return files.write_dir(out, layout.to_hf(params, cfg), layout.hf_config(cfg), max_shard_bytes)
 
 
-def agreed(given: dict[str, Any], settings: dict[str, Any], family: str,
-           typed: Callable[[str, Any], Any]) -> dict[str, Any]:
+def agreed(
+    given: dict[str, Any], settings: dict[str, Any], family: str, typed: Callable[[str, Any], Any]
+) -> dict[str, Any]:
     """The model keys ``given`` with the folder's ``settings``, which decide — except that
     a bound of the ``family``'s layout (:attr:`Layout.bounds`) may be given lower.
 
@@ -71,11 +77,15 @@ def agreed(given: dict[str, Any], settings: dict[str, Any], family: str,
 
     wrong = [k for k, v in settings.items() if k in given and clashes(k, v)]
     if wrong:
-        what = "; ".join(f"model.{k}={given[k]} (its config.json gives {settings[k]}"
-                         f"{', the most it reads' if k in bounds else ''})" for k in wrong)
-        raise ConfigError(f"model.init_from={given['init_from']} decides the model, but the "
-                          f"config also sets {what}: drop "
-                          + " ".join(f"model.{k}" for k in wrong))
+        what = "; ".join(
+            f"model.{k}={given[k]} (its config.json gives {settings[k]}"
+            f"{', the most it reads' if k in bounds else ''})"
+            for k in wrong
+        )
+        raise ConfigError(
+            f"model.init_from={given['init_from']} decides the model, but the "
+            f"config also sets {what}: drop " + " ".join(f"model.{k}" for k in wrong)
+        )
     kept = {k: given[k] for k in bounds if k in given}
     return {**given, **settings, **kept}
 
@@ -94,16 +104,19 @@ def folder_settings(directory: str | Path, family: str = "") -> tuple[str, dict[
     layout = next((x for x in LAYOUTS if kind in x.model_types), None)
     if layout is None:
         known = ", ".join(t for x in LAYOUTS for t in x.model_types)
-        raise DataError(f"{where}: config.json has model_type={kind!r}; jaxpar reads "
-                        f"{known}")
+        raise DataError(f"{where}: config.json has model_type={kind!r}; jaxpar reads {known}")
     if family and family != layout.family:
-        raise ConfigError(f"model.name={family} but {where} holds a {kind} model "
-                          f"({layout.family} in jaxpar): drop model.name, the folder decides")
+        raise ConfigError(
+            f"model.name={family} but {where} holds a {kind} model "
+            f"({layout.family} in jaxpar): drop model.name, the folder decides"
+        )
     try:
         return layout.family, layout.settings(hf, where)
     except KeyError as err:
-        raise DataError(f"{where}: config.json has no {err.args[0]!r}, which a {kind} model "
-                        "needs; give the folder transformers saved") from None
+        raise DataError(
+            f"{where}: config.json has no {err.args[0]!r}, which a {kind} model "
+            "needs; give the folder transformers saved"
+        ) from None
 
 
 def lowers_max_seq_len(cfg: Any) -> bool:
@@ -131,8 +144,10 @@ def read_config(directory: str | Path, cfg: Any) -> dict[str, Any]:
     if diffs:
         fixes = [d.rsplit("(set ", 1)[1].rstrip(")") for d in diffs if "(set " in d]
         tail = f"; to match it, pass {' '.join(fixes)}" if fixes else ""
-        raise DataError(f"model.init_from={directory}: {files.CONFIG} does not match this "
-                        "run's model: " + "; ".join(diffs) + tail)
+        raise DataError(
+            f"model.init_from={directory}: {files.CONFIG} does not match this "
+            "run's model: " + "; ".join(diffs) + tail
+        )
     return hf
 
 

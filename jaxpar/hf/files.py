@@ -35,8 +35,10 @@ def read_json(directory: str | Path, what: str) -> dict[str, Any]:
     where = f"model.init_from={directory}"
     path = Path(directory) / CONFIG
     if not path.is_file():
-        raise DataError(f"{where}: no {CONFIG} there; give a directory holding a Hugging "
-                        f"Face {what} model ({CONFIG} and {WEIGHTS})")
+        raise DataError(
+            f"{where}: no {CONFIG} there; give a directory holding a Hugging "
+            f"Face {what} model ({CONFIG} and {WEIGHTS})"
+        )
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError) as err:
@@ -55,20 +57,26 @@ def read_tensors(directory: str | Path) -> dict[str, np.ndarray]:
             weight_map = json.loads((directory / INDEX).read_text())["weight_map"]
             files = [directory / name for name in sorted(set(weight_map.values()))]
         except (ValueError, KeyError, TypeError, AttributeError) as err:
-            raise DataError(f"model.init_from={directory}: {INDEX} is not a safetensors "
-                            f"index ({type(err).__name__}: {err}); re-save the model") from None
+            raise DataError(
+                f"model.init_from={directory}: {INDEX} is not a safetensors "
+                f"index ({type(err).__name__}: {err}); re-save the model"
+            ) from None
     else:
-        raise DataError(f"model.init_from={directory}: no {WEIGHTS} there (only safetensors "
-                        "files are read; convert a pytorch_model.bin with transformers' "
-                        "save_pretrained(safe_serialization=True))")
+        raise DataError(
+            f"model.init_from={directory}: no {WEIGHTS} there (only safetensors "
+            "files are read; convert a pytorch_model.bin with transformers' "
+            "save_pretrained(safe_serialization=True))"
+        )
     tensors: dict[str, np.ndarray] = {}
     for f in files:
         try:
             tensors |= load_file(str(f))
         except Exception as err:  # safetensors raises its own error types for damaged files
-            raise DataError(f"model.init_from={directory}: {f.name} cannot be read as "
-                            f"safetensors ({type(err).__name__}: {err}); re-save the "
-                            "model") from None
+            raise DataError(
+                f"model.init_from={directory}: {f.name} cannot be read as "
+                f"safetensors ({type(err).__name__}: {err}); re-save the "
+                "model"
+            ) from None
     return tensors
 
 
@@ -86,21 +94,30 @@ def _shards(tensors: dict[str, np.ndarray], limit: int) -> list[dict[str, np.nda
     return shards
 
 
-def write_dir(out: str | Path, tensors: dict[str, np.ndarray], config: dict[str, Any],
-              max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+def write_dir(
+    out: str | Path,
+    tensors: dict[str, np.ndarray],
+    config: dict[str, Any],
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> Path:
     """Writes ``config.json`` and the weights (float32, ``{"format": "pt"}`` metadata) to
     the directory ``out``: one ``model.safetensors``, or shards and their index above
     ``max_shard_bytes``. Each file appears whole (written aside, then renamed)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     shards = _shards(tensors, max_shard_bytes)
-    names = ([WEIGHTS] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    names = (
+        [WEIGHTS]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
     files: list[tuple[Path, Any]] = [(out / n, s) for n, s in zip(names, shards)]
     files.append((out / CONFIG, json.dumps(config, indent=2) + "\n"))
     if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())},
-                 "weight_map": {k: n for n, s in zip(names, shards) for k in s}}
+        index = {
+            "metadata": {"total_size": sum(v.nbytes for v in tensors.values())},
+            "weight_map": {k: n for n, s in zip(names, shards) for k in s},
+        }
         files.append((out / INDEX, json.dumps(index, indent=2) + "\n"))
     _write_whole(files)
     return out
@@ -108,15 +125,22 @@ def write_dir(out: str | Path, tensors: dict[str, np.ndarray], config: dict[str,
 
 #: What a Hugging Face model folder's files are named (an export replaces them all, so no
 #: shard or tokenizer of an earlier model is left beside the new one).
-MODEL_FILES = (CONFIG, WEIGHTS, INDEX, "model-*-of-*.safetensors", "tokenizer.json",
-               "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+MODEL_FILES = (
+    CONFIG,
+    WEIGHTS,
+    INDEX,
+    "model-*-of-*.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+)
 
 
 def model_files(directory: str | Path) -> list[Path]:
     """The model files (:data:`MODEL_FILES`) in ``directory``."""
     directory = Path(directory)
-    return sorted({p for pattern in MODEL_FILES for p in directory.glob(pattern)
-                   if p.is_file()})
+    return sorted({p for pattern in MODEL_FILES for p in directory.glob(pattern) if p.is_file()})
 
 
 def model_file_ids(directory: str | Path) -> dict[Path, int]:
@@ -135,8 +159,7 @@ def remove_stale(earlier: dict[Path, int]) -> None:
                 path.unlink()
 
 
-def write_tokenizer(out: str | Path, tokenizer_json: str | Path,
-                    special: dict[str, str]) -> Path:
+def write_tokenizer(out: str | Path, tokenizer_json: str | Path, special: dict[str, str]) -> Path:
     """Copies a ``tokenizers`` JSON file to ``out/tokenizer.json`` and writes the
     ``tokenizer_config.json`` that makes ``transformers.AutoTokenizer`` load it as a
     ``PreTrainedTokenizerFast``.
@@ -148,8 +171,12 @@ def write_tokenizer(out: str | Path, tokenizer_json: str | Path,
     """
     out = Path(out)
     config = {"tokenizer_class": "PreTrainedTokenizerFast", **special}
-    _write_whole([(out / TOKENIZER, Path(tokenizer_json).read_bytes()),
-                  (out / TOKENIZER_CONFIG, json.dumps(config, indent=2) + "\n")])
+    _write_whole(
+        [
+            (out / TOKENIZER, Path(tokenizer_json).read_bytes()),
+            (out / TOKENIZER_CONFIG, json.dumps(config, indent=2) + "\n"),
+        ]
+    )
     return out / TOKENIZER
 
 

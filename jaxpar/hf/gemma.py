@@ -46,10 +46,12 @@ _LAYER = "model.layers.{}."
 def _layer_names(cfg: GemmaConfig) -> dict[str, tuple[str, str]]:
     """Each tensor of one layer: HF suffix → (jaxpar block name, how it converts: vec,
     lin, q, o)."""
-    out = {"input_layernorm.weight": ("attn_norm", "vec"),
-           "post_attention_layernorm.weight": ("post_attn_norm", "vec"),
-           "pre_feedforward_layernorm.weight": ("mlp_norm", "vec"),
-           "post_feedforward_layernorm.weight": ("post_mlp_norm", "vec")}
+    out = {
+        "input_layernorm.weight": ("attn_norm", "vec"),
+        "post_attention_layernorm.weight": ("post_attn_norm", "vec"),
+        "pre_feedforward_layernorm.weight": ("mlp_norm", "vec"),
+        "post_feedforward_layernorm.weight": ("post_mlp_norm", "vec"),
+    }
     out |= {f"self_attn.{x}_proj.weight": (f"w{x}", "q") for x in "qkv"}
     out["self_attn.o_proj.weight"] = ("wo", "o")
     out |= {f"mlp.{x}_proj.weight": (f"w_{x}", "lin") for x in ("gate", "up", "down")}
@@ -60,15 +62,24 @@ def _layer_names(cfg: GemmaConfig) -> dict[str, tuple[str, str]]:
 
 def _shapes(cfg: GemmaConfig) -> dict[str, tuple[int, ...]]:
     """Every HF tensor's name and shape."""
-    D, N, K, H, F, V = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
-                        cfg.vocab_size)
+    D, N, K, H, F, V = (
+        cfg.d_model,
+        cfg.n_heads,
+        cfg.n_kv_heads,
+        cfg.head_dim,
+        cfg.d_ff,
+        cfg.vocab_size,
+    )
     by_kind = {"q": lambda ours: ((N if ours == "wq" else K) * H, D), "o": lambda _: (D, N * H)}
-    by_name = {"w_gate": (F, D), "w_up": (F, D), "w_down": (D, F), "q_norm": (H,),
-               "k_norm": (H,)}
+    by_name = {"w_gate": (F, D), "w_up": (F, D), "w_down": (D, F), "q_norm": (H,), "k_norm": (H,)}
     shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
     for i in range(cfg.n_layers):
-        shapes |= {_LAYER.format(i) + k: by_kind[kind](ours) if kind in by_kind
-                   else by_name.get(ours, (D,)) for k, (ours, kind) in _layer_names(cfg).items()}
+        shapes |= {
+            _LAYER.format(i) + k: by_kind[kind](ours)
+            if kind in by_kind
+            else by_name.get(ours, (D,))
+            for k, (ours, kind) in _layer_names(cfg).items()
+        }
     if not cfg.tie_embeddings:
         shapes["lm_head.weight"] = (V, D)
     return shapes
@@ -79,15 +90,16 @@ def to_hf(params: dict[str, Any], cfg: GemmaConfig) -> dict[str, np.ndarray]:
     b = {k: np.asarray(v, np.float32) for k, v in params["blocks"].items()}
     out = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["norm"]}
     for i in range(cfg.n_layers):
-        out |= {_LAYER.format(i) + k: hf_tensor(kind, b[ours][i], cfg.d_model)
-                for k, (ours, kind) in _layer_names(cfg).items()}
+        out |= {
+            _LAYER.format(i) + k: hf_tensor(kind, b[ours][i], cfg.d_model)
+            for k, (ours, kind) in _layer_names(cfg).items()
+        }
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = np.asarray(params["head"]).T
     return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}
 
 
-def from_hf(tensors: dict[str, np.ndarray], cfg: GemmaConfig, where: str = ""
-            ) -> dict[str, Any]:
+def from_hf(tensors: dict[str, np.ndarray], cfg: GemmaConfig, where: str = "") -> dict[str, Any]:
     """HF tensors by name → jaxpar Gemma parameters (float32).
 
     Raises:
@@ -97,14 +109,24 @@ def from_hf(tensors: dict[str, np.ndarray], cfg: GemmaConfig, where: str = ""
     problems = tensor_problems(t, _shapes(cfg))
     if problems:
         arch = gemma_keys.VARIANTS[gemma_keys.variant(cfg)]
-        raise DataError(f"model.init_from={where}: the weights do not fit {arch}'s layout "
-                        "for this model: " + "; ".join(problems))
-    blocks = {ours: stack_parts({(i,): our_tensor(kind, np.asarray(t[_LAYER.format(i) + k],
-                                                            np.float32), cfg)
-                            for i in range(cfg.n_layers)})
-              for k, (ours, kind) in _layer_names(cfg).items()}
-    params = {"embed": np.asarray(t["model.embed_tokens.weight"], np.float32),
-              "blocks": blocks, "norm": np.asarray(t["model.norm.weight"], np.float32)}
+        raise DataError(
+            f"model.init_from={where}: the weights do not fit {arch}'s layout "
+            "for this model: " + "; ".join(problems)
+        )
+    blocks = {
+        ours: stack_parts(
+            {
+                (i,): our_tensor(kind, np.asarray(t[_LAYER.format(i) + k], np.float32), cfg)
+                for i in range(cfg.n_layers)
+            }
+        )
+        for k, (ours, kind) in _layer_names(cfg).items()
+    }
+    params = {
+        "embed": np.asarray(t["model.embed_tokens.weight"], np.float32),
+        "blocks": blocks,
+        "norm": np.asarray(t["model.norm.weight"], np.float32),
+    }
     if not cfg.tie_embeddings:
         params["head"] = np.ascontiguousarray(np.asarray(t["lm_head.weight"], np.float32).T)
     return params
@@ -117,7 +139,18 @@ def config_differences(hf: dict[str, Any], cfg: Any) -> list[str]:
 
 
 #: The Hugging Face layouts of jaxpar's Gemma family (see :mod:`jaxpar.hf`).
-LAYOUT = Layout(GemmaConfig, "Gemma", "Gemma2ForCausalLM", gemma_keys.cannot_hold,
-                gemma_keys.hf_config, to_hf, from_hf, config_differences, GEMMA_FAMILY.name,
-                tuple(gemma_keys.VARIANTS), gemma_keys.settings,
-                lambda cfg: gemma_keys.VARIANTS[gemma_keys.variant(cfg)], ("max_seq_len",))
+LAYOUT = Layout(
+    GemmaConfig,
+    "Gemma",
+    "Gemma2ForCausalLM",
+    gemma_keys.cannot_hold,
+    gemma_keys.hf_config,
+    to_hf,
+    from_hf,
+    config_differences,
+    GEMMA_FAMILY.name,
+    tuple(gemma_keys.VARIANTS),
+    gemma_keys.settings,
+    lambda cfg: gemma_keys.VARIANTS[gemma_keys.variant(cfg)],
+    ("max_seq_len",),
+)

@@ -62,8 +62,10 @@ _BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers in older f
 def cannot_hold(cfg: GPTConfig) -> list[str]:
     """What of the model GPT-2's layout cannot hold (empty: it exports)."""
     if cfg.positions != "learned":
-        return [f"model.positions={cfg.positions} (GPT-2 adds learned positions, wpe; it has "
-                "no rotary embedding)"]
+        return [
+            f"model.positions={cfg.positions} (GPT-2 adds learned positions, wpe; it has "
+            "no rotary embedding)"
+        ]
     return []
 
 
@@ -83,7 +85,9 @@ def hf_config(cfg: Any) -> dict[str, Any]:
         "activation_function": "gelu_new",
         "layer_norm_epsilon": 1e-5,
         # jaxpar trains without dropout: the file describes the model as trained
-        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
         "scale_attn_weights": True,
         "scale_attn_by_inverse_layer_idx": False,
         "reorder_and_upcast_attn": False,
@@ -105,21 +109,31 @@ def to_hf(params: dict[str, Any], cfg: Any) -> dict[str, np.ndarray]:
     L, D = cfg.n_layers, cfg.d_model
     b = {k: np.asarray(v, np.float32) for k, v in params["blocks"].items()}
     zeros = np.zeros((L, D), np.float32)
-    out = {"wte.weight": params["embed"], "wpe.weight": params["pos"],
-           "ln_f.weight": params["ln_f_scale"], "ln_f.bias": params["ln_f_bias"]}
+    out = {
+        "wte.weight": params["embed"],
+        "wpe.weight": params["pos"],
+        "ln_f.weight": params["ln_f_scale"],
+        "ln_f.bias": params["ln_f_bias"],
+    }
     for i in range(L):
         h = f"h.{i}."
         out |= {
-            h + "ln_1.weight": b["ln1_scale"][i], h + "ln_1.bias": b["ln1_bias"][i],
+            h + "ln_1.weight": b["ln1_scale"][i],
+            h + "ln_1.bias": b["ln1_bias"][i],
             h + "attn.c_attn.weight": np.concatenate(
-                [b[w][i].reshape(D, D) for w in ("wq", "wk", "wv")], axis=1),
+                [b[w][i].reshape(D, D) for w in ("wq", "wk", "wv")], axis=1
+            ),
             h + "attn.c_attn.bias": np.concatenate(
-                [b.get(k, zeros)[i] for k in ("bq", "bk", "bv")]),
+                [b.get(k, zeros)[i] for k in ("bq", "bk", "bv")]
+            ),
             h + "attn.c_proj.weight": b["wo"][i].reshape(D, D),
             h + "attn.c_proj.bias": b.get("bo", zeros)[i],
-            h + "ln_2.weight": b["ln2_scale"][i], h + "ln_2.bias": b["ln2_bias"][i],
-            h + "mlp.c_fc.weight": b["w_in"][i], h + "mlp.c_fc.bias": b["b_in"][i],
-            h + "mlp.c_proj.weight": b["w_out"][i], h + "mlp.c_proj.bias": b["b_out"][i],
+            h + "ln_2.weight": b["ln2_scale"][i],
+            h + "ln_2.bias": b["ln2_bias"][i],
+            h + "mlp.c_fc.weight": b["w_in"][i],
+            h + "mlp.c_fc.bias": b["b_in"][i],
+            h + "mlp.c_proj.weight": b["w_out"][i],
+            h + "mlp.c_proj.bias": b["b_out"][i],
         }
     out = {_PREFIX + k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}
     if not cfg.tie_embeddings:
@@ -139,47 +153,82 @@ def from_hf(tensors: dict[str, np.ndarray], cfg: Any, where: str = "") -> dict[s
     head = t.pop("lm_head.weight", None)
     for k in [k for k in t if k.startswith("h.") and k.endswith(_BUFFERS)]:
         del t[k]
-    shapes = {"wte.weight": (cfg.vocab_size, D), "wpe.weight": (cfg.max_seq_len, D),
-              "ln_f.weight": (D,), "ln_f.bias": (D,)}
+    shapes = {
+        "wte.weight": (cfg.vocab_size, D),
+        "wpe.weight": (cfg.max_seq_len, D),
+        "ln_f.weight": (D,),
+        "ln_f.bias": (D,),
+    }
     for i in range(L):
-        shapes |= {f"h.{i}.{k}": s for k, s in (
-            ("ln_1.weight", (D,)), ("ln_1.bias", (D,)), ("attn.c_attn.weight", (D, 3 * D)),
-            ("attn.c_attn.bias", (3 * D,)), ("attn.c_proj.weight", (D, D)),
-            ("attn.c_proj.bias", (D,)), ("ln_2.weight", (D,)), ("ln_2.bias", (D,)),
-            ("mlp.c_fc.weight", (D, F)), ("mlp.c_fc.bias", (F,)),
-            ("mlp.c_proj.weight", (F, D)), ("mlp.c_proj.bias", (D,)))}
+        shapes |= {
+            f"h.{i}.{k}": s
+            for k, s in (
+                ("ln_1.weight", (D,)),
+                ("ln_1.bias", (D,)),
+                ("attn.c_attn.weight", (D, 3 * D)),
+                ("attn.c_attn.bias", (3 * D,)),
+                ("attn.c_proj.weight", (D, D)),
+                ("attn.c_proj.bias", (D,)),
+                ("ln_2.weight", (D,)),
+                ("ln_2.bias", (D,)),
+                ("mlp.c_fc.weight", (D, F)),
+                ("mlp.c_fc.bias", (F,)),
+                ("mlp.c_proj.weight", (F, D)),
+                ("mlp.c_proj.bias", (D,)),
+            )
+        }
     problems = tensor_problems(t, shapes)
-    if cfg.tie_embeddings and head is not None and (
+    if (
+        cfg.tie_embeddings
+        and head is not None
+        and (
             head.shape != t.get("wte.weight", head).shape
-            or not np.array_equal(head, t["wte.weight"])):
-        problems.append("lm_head.weight differs from wte.weight (an untied output layer: "
-                        "set model.tie_embeddings=false)")
+            or not np.array_equal(head, t["wte.weight"])
+        )
+    ):
+        problems.append(
+            "lm_head.weight differs from wte.weight (an untied output layer: "
+            "set model.tie_embeddings=false)"
+        )
     if not cfg.tie_embeddings and (head is None or head.shape != (cfg.vocab_size, D)):
-        problems.append("lm_head.weight missing" if head is None else
-                        f"lm_head.weight has shape {tuple(head.shape)}, expected "
-                        f"{(cfg.vocab_size, D)}")
+        problems.append(
+            "lm_head.weight missing"
+            if head is None
+            else f"lm_head.weight has shape {tuple(head.shape)}, expected {(cfg.vocab_size, D)}"
+        )
     if problems:
-        raise DataError(f"model.init_from={where}: the weights do not fit GPT-2's layout for "
-                        "this model: " + "; ".join(problems))
+        raise DataError(
+            f"model.init_from={where}: the weights do not fit GPT-2's layout for "
+            "this model: " + "; ".join(problems)
+        )
     t = {k: np.asarray(v, np.float32) for k, v in t.items()}
 
     def stack(name: str, fn: Callable[[np.ndarray], np.ndarray] = lambda x: x) -> np.ndarray:
         return np.stack([fn(t[f"h.{i}.{name}"]) for i in range(L)])
 
     blocks = {
-        "ln1_scale": stack("ln_1.weight"), "ln1_bias": stack("ln_1.bias"),
-        "ln2_scale": stack("ln_2.weight"), "ln2_bias": stack("ln_2.bias"),
+        "ln1_scale": stack("ln_1.weight"),
+        "ln1_bias": stack("ln_1.bias"),
+        "ln2_scale": stack("ln_2.weight"),
+        "ln2_bias": stack("ln_2.bias"),
         "wo": stack("attn.c_proj.weight", lambda w: w.reshape(N, H, D)),
         "bo": stack("attn.c_proj.bias"),
-        "w_in": stack("mlp.c_fc.weight"), "b_in": stack("mlp.c_fc.bias"),
-        "w_out": stack("mlp.c_proj.weight"), "b_out": stack("mlp.c_proj.bias"),
+        "w_in": stack("mlp.c_fc.weight"),
+        "b_in": stack("mlp.c_fc.bias"),
+        "w_out": stack("mlp.c_proj.weight"),
+        "b_out": stack("mlp.c_proj.bias"),
     }
     for j, name in enumerate(("q", "k", "v")):
         cols = slice(j * D, (j + 1) * D)
         blocks["w" + name] = stack("attn.c_attn.weight", lambda w: w[:, cols].reshape(D, N, H))
         blocks["b" + name] = stack("attn.c_attn.bias", lambda b: b[cols])
-    params = {"embed": t["wte.weight"], "pos": t["wpe.weight"], "blocks": blocks,
-              "ln_f_scale": t["ln_f.weight"], "ln_f_bias": t["ln_f.bias"]}
+    params = {
+        "embed": t["wte.weight"],
+        "pos": t["wpe.weight"],
+        "blocks": blocks,
+        "ln_f_scale": t["ln_f.weight"],
+        "ln_f_bias": t["ln_f.bias"],
+    }
     if not cfg.tie_embeddings:
         params["head"] = np.ascontiguousarray(np.asarray(head, np.float32).T)
     return params
@@ -190,29 +239,37 @@ def config_differences(hf: dict[str, Any], cfg: Any) -> list[str]:
     """Each way ``config.json`` (``hf``) and the model config ``cfg`` differ, with the fix."""
     out = []
     if hf.get("model_type") != "gpt2":
-        out.append(f"model_type is {hf.get('model_type')!r}, not 'gpt2' (jaxpar reads GPT-2's "
-                   "layout only)")
+        out.append(
+            f"model_type is {hf.get('model_type')!r}, not 'gpt2' (jaxpar reads GPT-2's layout only)"
+        )
     n_embd = hf.get("n_embd")
     if cfg is None:  # the refusals alone (settings)
         return out + _refusals(hf)
-    pairs = (("vocab_size", "vocab_size", hf.get("vocab_size")),
-             ("n_embd", "d_model", n_embd),
-             ("n_layer", "n_layers", hf.get("n_layer")),
-             ("n_head", "n_heads", hf.get("n_head")),
-             ("n_positions", "max_seq_len", hf.get("n_positions")),
-             ("n_inner", "d_ff", hf.get("n_inner") or (4 * n_embd if n_embd else None)))
+    pairs = (
+        ("vocab_size", "vocab_size", hf.get("vocab_size")),
+        ("n_embd", "d_model", n_embd),
+        ("n_layer", "n_layers", hf.get("n_layer")),
+        ("n_head", "n_heads", hf.get("n_head")),
+        ("n_positions", "max_seq_len", hf.get("n_positions")),
+        ("n_inner", "d_ff", hf.get("n_inner") or (4 * n_embd if n_embd else None)),
+    )
     out += key_differences(pairs, cfg)
     tied = bool(hf.get("tie_word_embeddings", True))
     if tied != cfg.tie_embeddings:
-        out.append(f"tie_word_embeddings={str(tied).lower()} but model.tie_embeddings="
-                   f"{str(cfg.tie_embeddings).lower()} (set model.tie_embeddings="
-                   f"{str(tied).lower()})")
+        out.append(
+            f"tie_word_embeddings={str(tied).lower()} but model.tie_embeddings="
+            f"{str(cfg.tie_embeddings).lower()} (set model.tie_embeddings="
+            f"{str(tied).lower()})"
+        )
     if not cfg.attn_bias:
-        out.append("GPT-2 has attention biases but model.attn_bias=false (set "
-                   "model.attn_bias=true)")
+        out.append(
+            "GPT-2 has attention biases but model.attn_bias=false (set model.attn_bias=true)"
+        )
     if cfg.positions != "learned":
-        out.append(f"GPT-2 has learned positions but model.positions={cfg.positions} (set "
-                   "model.positions=learned)")
+        out.append(
+            f"GPT-2 has learned positions but model.positions={cfg.positions} (set "
+            "model.positions=learned)"
+        )
     return out + _refusals(hf)
 
 
@@ -221,14 +278,19 @@ def _refusals(hf: dict[str, Any]) -> list[str]:
     out = []
     act = hf.get("activation_function", "gelu_new")
     if act not in TANH_GELU:
-        out.append(f"activation_function={act}: jaxpar's GPT computes the tanh GELU "
-                   f"({' / '.join(TANH_GELU)}) only")
+        out.append(
+            f"activation_function={act}: jaxpar's GPT computes the tanh GELU "
+            f"({' / '.join(TANH_GELU)}) only"
+        )
     if hf.get("layer_norm_epsilon", 1e-5) != 1e-5:
-        out.append(f"layer_norm_epsilon={hf['layer_norm_epsilon']}: jaxpar's LayerNorm has "
-                   "eps 1e-5 only")
+        out.append(
+            f"layer_norm_epsilon={hf['layer_norm_epsilon']}: jaxpar's LayerNorm has eps 1e-5 only"
+        )
     if not hf.get("scale_attn_weights", True) or hf.get("scale_attn_by_inverse_layer_idx"):
-        out.append("attention scaled other than by 1/sqrt(head dim) (scale_attn_weights / "
-                   "scale_attn_by_inverse_layer_idx): jaxpar's attention has that scale only")
+        out.append(
+            "attention scaled other than by 1/sqrt(head dim) (scale_attn_weights / "
+            "scale_attn_by_inverse_layer_idx): jaxpar's attention has that scale only"
+        )
     return out
 
 
@@ -242,12 +304,31 @@ def settings(hf: dict[str, Any], where: str) -> dict[str, Any]:
     if refused:
         raise DataError(f"{where}: config.json {refused[0]}")
     n_embd = hf["n_embd"]
-    return {"vocab_size": hf["vocab_size"], "d_model": n_embd, "n_layers": hf["n_layer"],
-            "n_heads": hf["n_head"], "max_seq_len": hf["n_positions"],
-            "d_ff": hf.get("n_inner") or 4 * n_embd, "positions": "learned",
-            "attn_bias": True, "tie_embeddings": bool(hf.get("tie_word_embeddings", True))}
+    return {
+        "vocab_size": hf["vocab_size"],
+        "d_model": n_embd,
+        "n_layers": hf["n_layer"],
+        "n_heads": hf["n_head"],
+        "max_seq_len": hf["n_positions"],
+        "d_ff": hf.get("n_inner") or 4 * n_embd,
+        "positions": "learned",
+        "attn_bias": True,
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", True)),
+    }
 
 
 #: GPT-2's layout for jaxpar's GPT (see :mod:`jaxpar.hf`).
-LAYOUT = Layout(GPTConfig, "GPT-2", "GPT2LMHeadModel", cannot_hold, hf_config, to_hf, from_hf,
-                config_differences, GPT_FAMILY.name, ("gpt2",), settings, lambda cfg: "GPT-2")
+LAYOUT = Layout(
+    GPTConfig,
+    "GPT-2",
+    "GPT2LMHeadModel",
+    cannot_hold,
+    hf_config,
+    to_hf,
+    from_hf,
+    config_differences,
+    GPT_FAMILY.name,
+    ("gpt2",),
+    settings,
+    lambda cfg: "GPT-2",
+)

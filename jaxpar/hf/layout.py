@@ -54,15 +54,22 @@ def tensor_problems(tensors: dict[str, Any], shapes: dict[str, tuple[int, ...]])
     does not name."""
     problems = [f"{k} missing" for k in shapes if k not in tensors]
     problems += [f"unexpected tensor {k}" for k in tensors if k not in shapes]
-    problems += [f"{k} has shape {tuple(tensors[k].shape)}, expected {s}"
-                 for k, s in shapes.items() if k in tensors
-                 and tuple(tensors[k].shape) != s]
+    problems += [
+        f"{k} has shape {tuple(tensors[k].shape)}, expected {s}"
+        for k, s in shapes.items()
+        if k in tensors and tuple(tensors[k].shape) != s
+    ]
     present = [k for k in shapes if k in tensors]
-    problems += [f"{k} holds {np.dtype(tensors[k].dtype).name} values, not weights (a float "
-                 "type)" for k in present if not _is_float(tensors[k])]
-    return problems + [f"{k} holds {n:,} NaN or infinite value{'s' * (n != 1)}"
-                       for k in present if _is_float(tensors[k])
-                       and (n := _nonfinite(tensors[k]))]
+    problems += [
+        f"{k} holds {np.dtype(tensors[k].dtype).name} values, not weights (a float type)"
+        for k in present
+        if not _is_float(tensors[k])
+    ]
+    return problems + [
+        f"{k} holds {n:,} NaN or infinite value{'s' * (n != 1)}"
+        for k in present
+        if _is_float(tensors[k]) and (n := _nonfinite(tensors[k]))
+    ]
 
 
 def _is_float(x: Any) -> bool:
@@ -82,13 +89,19 @@ def key_differences(pairs: tuple[tuple[str, str, Any], ...], cfg: Any) -> list[s
     for theirs, ours, value in pairs:
         if value != getattr(cfg, ours):
             shown = str(value).lower() if isinstance(value, bool) else value
-            out.append(f"{theirs}={shown} but model.{ours}={getattr(cfg, ours)} "
-                       f"(set model.{ours}={shown})")
+            out.append(
+                f"{theirs}={shown} but model.{ours}={getattr(cfg, ours)} (set model.{ours}={shown})"
+            )
     return out
 
 
-def check_keys(hf: dict[str, Any], where: str, architecture: str, read: frozenset[str],
-               required: dict[str, tuple[Any, str]]) -> None:
+def check_keys(
+    hf: dict[str, Any],
+    where: str,
+    architecture: str,
+    read: frozenset[str],
+    required: dict[str, tuple[Any, str]],
+) -> None:
     """Every key of ``config.json`` is in ``read`` (the keys the layout maps or knows to
     have no effect), and each of ``required`` holds its value (or null).
 
@@ -98,9 +111,11 @@ def check_keys(hf: dict[str, Any], where: str, architecture: str, read: frozense
     """
     unknown = sorted(k for k in hf if k not in read | required.keys())
     if unknown:
-        raise DataError(f"{where}: config.json key {unknown[0]}={hf[unknown[0]]!r} is not one "
-                        f"jaxpar's {architecture} reads (it may change the numbers): jaxpar "
-                        "would need to model it; remove it only if it has no effect")
+        raise DataError(
+            f"{where}: config.json key {unknown[0]}={hf[unknown[0]]!r} is not one "
+            f"jaxpar's {architecture} reads (it may change the numbers): jaxpar "
+            "would need to model it; remove it only if it has no effect"
+        )
     for key, (value, why) in required.items():
         if hf.get(key) not in (None, value):
             raise DataError(f"{where}: config.json {key}={hf[key]!r}: {why}")
@@ -121,6 +136,9 @@ def folder_differences(theirs: dict[str, Any], cfg: Any) -> list[str]:
     """Each ``model.*`` value of a folder (``theirs``, from its layout's settings) that the
     run's config ``cfg`` does not have, and which side to change."""
     shown = lambda v: str(v).lower() if isinstance(v, bool) else str(v)  # noqa: E731
-    return [f"config.json gives model.{k}={shown(v)} but the run has model.{k}="
-            f"{shown(getattr(cfg, k))} (drop that override: the folder decides)"
-            for k, v in theirs.items() if getattr(cfg, k) != v]
+    return [
+        f"config.json gives model.{k}={shown(v)} but the run has model.{k}="
+        f"{shown(getattr(cfg, k))} (drop that override: the folder decides)"
+        for k, v in theirs.items()
+        if getattr(cfg, k) != v
+    ]

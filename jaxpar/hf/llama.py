@@ -51,22 +51,26 @@ _LAYER = "model.layers.{}."
 def _layer_names(cfg: LlamaConfig) -> dict[str, tuple[str, tuple[int, ...], str]]:
     """Each tensor of one layer: HF suffix → (jaxpar block name, index after the layer,
     how it converts: vec, lin, q, o, bias)."""
-    out = {"input_layernorm.weight": ("attn_norm", (), "vec"),
-           "self_attn.q_proj.weight": ("wq", (), "q"),
-           "self_attn.k_proj.weight": ("wk", (), "q"),
-           "self_attn.v_proj.weight": ("wv", (), "q"),
-           "self_attn.o_proj.weight": ("wo", (), "o"),
-           "post_attention_layernorm.weight": ("mlp_norm", (), "vec")}
+    out = {
+        "input_layernorm.weight": ("attn_norm", (), "vec"),
+        "self_attn.q_proj.weight": ("wq", (), "q"),
+        "self_attn.k_proj.weight": ("wk", (), "q"),
+        "self_attn.v_proj.weight": ("wv", (), "q"),
+        "self_attn.o_proj.weight": ("wo", (), "o"),
+        "post_attention_layernorm.weight": ("mlp_norm", (), "vec"),
+    }
     if cfg.qkv_bias:
         out |= {f"self_attn.{x}_proj.bias": (f"b{x}", (), "bias") for x in "qkv"}
     if cfg.qk_norm:
         out |= {f"self_attn.{x}_norm.weight": (f"{x}_norm", (), "vec") for x in "qk"}
     if not cfg.n_experts:
-        return out | {f"mlp.{x}_proj.weight": (f"w_{x}", (), "lin")
-                      for x in ("gate", "up", "down")}
+        return out | {f"mlp.{x}_proj.weight": (f"w_{x}", (), "lin") for x in ("gate", "up", "down")}
     mixtral = llama_keys.variant(cfg) == "mixtral"
-    moe, names = (("block_sparse_moe", ("w1", "w3", "w2")) if mixtral
-                  else ("mlp", ("gate_proj", "up_proj", "down_proj")))
+    moe, names = (
+        ("block_sparse_moe", ("w1", "w3", "w2"))
+        if mixtral
+        else ("mlp", ("gate_proj", "up_proj", "down_proj"))
+    )
     out[f"{moe}.gate.weight"] = ("router", (), "lin")
     for e in range(cfg.n_experts):
         for hf_name, ours in zip(names, ("e_gate", "e_up", "e_down")):
@@ -99,17 +103,40 @@ def our_tensor(kind: str, x: np.ndarray, cfg: Any) -> np.ndarray:
 
 def _shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """Every HF tensor's name and shape."""
-    D, N, K, H, F, V, E = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
-                           cfg.vocab_size, cfg.n_experts)
-    by_name = {"attn_norm": (D,), "mlp_norm": (D,), "wq": (N * H, D), "wk": (K * H, D),
-               "wv": (K * H, D), "wo": (D, N * H), "bq": (N * H,), "bk": (K * H,),
-               "bv": (K * H,), "q_norm": (H,), "k_norm": (H,), "w_gate": (F, D),
-               "w_up": (F, D), "w_down": (D, F), "router": (E, D), "e_gate": (F, D),
-               "e_up": (F, D), "e_down": (D, F)}
+    D, N, K, H, F, V, E = (
+        cfg.d_model,
+        cfg.n_heads,
+        cfg.n_kv_heads,
+        cfg.head_dim,
+        cfg.d_ff,
+        cfg.vocab_size,
+        cfg.n_experts,
+    )
+    by_name = {
+        "attn_norm": (D,),
+        "mlp_norm": (D,),
+        "wq": (N * H, D),
+        "wk": (K * H, D),
+        "wv": (K * H, D),
+        "wo": (D, N * H),
+        "bq": (N * H,),
+        "bk": (K * H,),
+        "bv": (K * H,),
+        "q_norm": (H,),
+        "k_norm": (H,),
+        "w_gate": (F, D),
+        "w_up": (F, D),
+        "w_down": (D, F),
+        "router": (E, D),
+        "e_gate": (F, D),
+        "e_up": (F, D),
+        "e_down": (D, F),
+    }
     shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
     for i in range(cfg.n_layers):
-        shapes |= {_LAYER.format(i) + k: by_name[ours]
-                   for k, (ours, _, _) in _layer_names(cfg).items()}
+        shapes |= {
+            _LAYER.format(i) + k: by_name[ours] for k, (ours, _, _) in _layer_names(cfg).items()
+        }
     if not cfg.tie_embeddings:
         shapes["lm_head.weight"] = (V, D)
     return shapes
@@ -122,15 +149,16 @@ def to_hf(params: dict[str, Any], cfg: LlamaConfig) -> dict[str, np.ndarray]:
     out = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["norm"]}
     names = _layer_names(cfg)
     for i in range(cfg.n_layers):
-        out |= {_LAYER.format(i) + k: hf_tensor(kind, b[ours][(i, *index)], cfg.d_model)
-                for k, (ours, index, kind) in names.items()}
+        out |= {
+            _LAYER.format(i) + k: hf_tensor(kind, b[ours][(i, *index)], cfg.d_model)
+            for k, (ours, index, kind) in names.items()
+        }
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = np.asarray(params["head"]).T
     return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}
 
 
-def from_hf(tensors: dict[str, np.ndarray], cfg: LlamaConfig, where: str = ""
-            ) -> dict[str, Any]:
+def from_hf(tensors: dict[str, np.ndarray], cfg: LlamaConfig, where: str = "") -> dict[str, Any]:
     """HF tensors by name → jaxpar Llama-family parameters (float32).
 
     Raises:
@@ -141,16 +169,20 @@ def from_hf(tensors: dict[str, np.ndarray], cfg: LlamaConfig, where: str = ""
     problems = tensor_problems(t, _shapes(cfg))
     if problems:
         arch = llama_keys.VARIANTS[llama_keys.variant(cfg)]
-        raise DataError(f"model.init_from={where}: the weights do not fit {arch}'s layout "
-                        "for this model: " + "; ".join(problems))
+        raise DataError(
+            f"model.init_from={where}: the weights do not fit {arch}'s layout "
+            "for this model: " + "; ".join(problems)
+        )
     parts: dict[str, dict[tuple[int, ...], np.ndarray]] = {}
     for i in range(cfg.n_layers):
         for k, (ours, index, kind) in _layer_names(cfg).items():
             x = np.asarray(t[_LAYER.format(i) + k], np.float32)
             parts.setdefault(ours, {})[(i, *index)] = our_tensor(kind, x, cfg)
-    params = {"embed": np.asarray(t["model.embed_tokens.weight"], np.float32),
-              "blocks": {name: stack_parts(p) for name, p in parts.items()},
-              "norm": np.asarray(t["model.norm.weight"], np.float32)}
+    params = {
+        "embed": np.asarray(t["model.embed_tokens.weight"], np.float32),
+        "blocks": {name: stack_parts(p) for name, p in parts.items()},
+        "norm": np.asarray(t["model.norm.weight"], np.float32),
+    }
     if not cfg.tie_embeddings:
         params["head"] = np.ascontiguousarray(np.asarray(t["lm_head.weight"], np.float32).T)
     return params
@@ -173,7 +205,18 @@ def config_differences(hf: dict[str, Any], cfg: Any) -> list[str]:
 
 
 #: The Hugging Face layouts of jaxpar's Llama family (see :mod:`jaxpar.hf`).
-LAYOUT = Layout(LlamaConfig, "Llama", "LlamaForCausalLM", llama_keys.cannot_hold,
-                llama_keys.hf_config, to_hf, from_hf, config_differences, LLAMA_FAMILY.name,
-                tuple(llama_keys.VARIANTS), llama_keys.settings,
-                lambda cfg: llama_keys.VARIANTS[llama_keys.variant(cfg)], ("max_seq_len",))
+LAYOUT = Layout(
+    LlamaConfig,
+    "Llama",
+    "LlamaForCausalLM",
+    llama_keys.cannot_hold,
+    llama_keys.hf_config,
+    to_hf,
+    from_hf,
+    config_differences,
+    LLAMA_FAMILY.name,
+    tuple(llama_keys.VARIANTS),
+    llama_keys.settings,
+    lambda cfg: llama_keys.VARIANTS[llama_keys.variant(cfg)],
+    ("max_seq_len",),
+)

@@ -21,13 +21,28 @@ from jaxpar.hooks.progress import Progress
 from jaxpar.hooks.trackers import TRACKER_HOOKS, MLflow, Tracker, WandB
 from jaxpar.user_code import load_object
 
-__all__ = ["Checkpointing", "Context", "Evaluation", "Hook", "MLflow", "MetricsLog",
-           "NonFiniteGuard", "Profiler", "Progress", "TensorBoard", "Tracker", "WandB",
-           "default_hooks", "is_eval_step", "load_hooks"]
+__all__ = [
+    "Checkpointing",
+    "Context",
+    "Evaluation",
+    "Hook",
+    "MLflow",
+    "MetricsLog",
+    "NonFiniteGuard",
+    "Profiler",
+    "Progress",
+    "TensorBoard",
+    "Tracker",
+    "WandB",
+    "default_hooks",
+    "is_eval_step",
+    "load_hooks",
+]
 
 
-def default_hooks(run: Any, run_dir: Path | None, ckpt: Any = None, wait: Any = None,
-                  echo: bool = True) -> list[Hook]:
+def default_hooks(
+    run: Any, run_dir: Path | None, ckpt: Any = None, wait: Any = None, echo: bool = True
+) -> list[Hook]:
     """The built-in hooks a run's config asks for, in calling order: the profiler, eval,
     checkpoints (with ``ckpt``), the non-finite guard, the metrics log, TensorBoard, the
     experiment trackers (``train.trackers``; each checks its library is installed, on every
@@ -60,10 +75,13 @@ def load_hooks(specs: tuple[str, ...] | list[str]) -> list[Hook]:
         if isinstance(obj, type) and issubclass(obj, Hook):
             obj = obj()
         elif not isinstance(obj, Hook):
-            kind = f"the class {obj.__name__}" if isinstance(obj, type) else \
-                f"a {type(obj).__name__}"
-            raise TaskError(f"train.hooks entry '{spec}' is {kind}, not a jaxpar.Hook "
-                            "subclass or instance, so it is not called; name a class that "
-                            "subclasses jaxpar.Hook")
+            kind = (
+                f"the class {obj.__name__}" if isinstance(obj, type) else f"a {type(obj).__name__}"
+            )
+            raise TaskError(
+                f"train.hooks entry '{spec}' is {kind}, not a jaxpar.Hook "
+                "subclass or instance, so it is not called; name a class that "
+                "subclasses jaxpar.Hook"
+            )
         hooks.append(obj)
     return hooks

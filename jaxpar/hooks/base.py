@@ -156,8 +156,12 @@ class Context:
     def is_log_step(self, step: int) -> bool:
         """Rows are logged at step 1, every ``train.log_every``, the last step and a stop."""
         cfg = self.config.train
-        return step == 1 or step % cfg.log_every == 0 or step == self.last_step or (
-            self.stopping and step == self.current_step)
+        return (
+            step == 1
+            or step % cfg.log_every == 0
+            or step == self.last_step
+            or (self.stopping and step == self.current_step)
+        )
 
     def pause(self, kind: str, seconds: float) -> None:
         """Records ``seconds`` spent on ``kind`` of work other than training steps (left

@@ -32,9 +32,10 @@ class Checkpointing(Hook):
         # the step's row first: waiting for the step to finish is its time, not the save's
         ctx.flush()
         start = time.perf_counter()
-        save_checkpoint(ctx.run, self.ckpt, step, ctx.state, ctx.step_metrics,
-                        ctx.stream.get_state(), evals)
+        save_checkpoint(
+            ctx.run, self.ckpt, step, ctx.state, ctx.step_metrics, ctx.stream.get_state(), evals
+        )
         ctx.pause("checkpoint", time.perf_counter() - start)  # the copy to host; the write
-        ctx.emit("on_save", step)                             # goes on in the background
+        ctx.emit("on_save", step)  # goes on in the background
         if ctx.stopping:
             self.ckpt.wait()

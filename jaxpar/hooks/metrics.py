@@ -50,8 +50,13 @@ class MetricsLog(Hook):
         interval = max(now - self._last_time - (paused - self._paused), 1e-9)
         dt = interval / steps
         batch = ctx.config.train.batch_size
-        row = {"step": step, **metrics, "time": ctx.elapsed(), "step_time_s": dt,
-               "examples_per_s": batch / dt}
+        row = {
+            "step": step,
+            **metrics,
+            "time": ctx.elapsed(),
+            "step_time_s": dt,
+            "examples_per_s": batch / dt,
+        }
         per_example = ctx.run.plan.task.tokens_per_example
         if per_example:
             row["tokens_per_s"] = batch * per_example / dt
@@ -73,14 +78,18 @@ class TensorBoard(Hook):
         try:
             from tensorboardX import SummaryWriter
         except ImportError as err:
-            raise ConfigError("train.tensorboard=true needs tensorboardX: "
-                              "pip install 'jaxpar[tensorboard]'") from err
+            raise ConfigError(
+                "train.tensorboard=true needs tensorboardX: pip install 'jaxpar[tensorboard]'"
+            ) from err
         self.writer = SummaryWriter(str(Path(run_dir) / "tensorboard"))
 
     def _scalars(self, row: dict[str, Any]) -> None:
         for key, value in row.items():
-            if key not in ("step", "time") and isinstance(value, (int, float)) \
-                    and math.isfinite(value):
+            if (
+                key not in ("step", "time")
+                and isinstance(value, (int, float))
+                and math.isfinite(value)
+            ):
                 self.writer.add_scalar(key, value, row["step"])
 
     def on_step(self, ctx: Context, step: int, metrics: dict[str, Any]) -> None:
@@ -136,25 +145,31 @@ class NonFiniteGuard(Hook):
                 f"non-finite {what} at step {step} (loss={metrics['loss']}, grad_norm="
                 f"{metrics['grad_norm']}); the update was not applied. Lower optim.lr, set "
                 "optim.clip_norm, check the data, or set train.nonfinite=skip to skip such "
-                "steps")
+                "steps"
+            )
         self.in_a_row += 1
         if self.first is None:
             self.first = (step, what)
         total, budget = skipped, skip_budget(cfg)
         over = []
         if budget and total > budget:
-            share = (f"={cfg.max_skipped:g} of train.steps={cfg.steps}, i.e. {budget}"
-                     if cfg.max_skipped < 1 else f"={budget}")
+            share = (
+                f"={cfg.max_skipped:g} of train.steps={cfg.steps}, i.e. {budget}"
+                if cfg.max_skipped < 1
+                else f"={budget}"
+            )
             earlier = f", {self.before} of them before this run resumed" if self.before else ""
-            over.append(f"{total} steps were skipped{earlier}, more than "
-                        f"train.max_skipped{share}")
+            over.append(f"{total} steps were skipped{earlier}, more than train.max_skipped{share}")
         if cfg.max_consecutive_skipped and self.in_a_row > cfg.max_consecutive_skipped:
-            over.append(f"{self.in_a_row} steps in a row were skipped, more than "
-                        f"train.max_consecutive_skipped={cfg.max_consecutive_skipped}")
+            over.append(
+                f"{self.in_a_row} steps in a row were skipped, more than "
+                f"train.max_consecutive_skipped={cfg.max_consecutive_skipped}"
+            )
         if over:
             first, first_what = self.first
             raise TooManySkipped(
                 f"train.nonfinite=skip: {' and '.join(over)}, up to step {step}. The first "
                 f"bad step of this run was {first} (non-finite {first_what}); the last "
                 "checkpoint holds no skipped update. Lower optim.lr, set optim.clip_norm or "
-                "check the data; or raise the limits")
+                "check the data; or raise the limits"
+            )

@@ -18,11 +18,15 @@ def _warn_profile_span(cfg: config_lib.TrainConfig, has_run_dir: bool) -> None:
     if not has_run_dir:
         message = f"{setting} has no effect without a run dir: pass run_dir to fit()"
     elif start > cfg.steps:
-        message = (f"{setting} has no effect: it starts after the last step (train.steps="
-                   f"{cfg.steps}); lower START to trace")
+        message = (
+            f"{setting} has no effect: it starts after the last step (train.steps="
+            f"{cfg.steps}); lower START to trace"
+        )
     elif stop > cfg.steps + 1:
-        message = (f"{setting} reaches past the last step (train.steps={cfg.steps}): steps "
-                   f"{start} to {cfg.steps} are traced, until the end of the run")
+        message = (
+            f"{setting} reaches past the last step (train.steps={cfg.steps}): steps "
+            f"{start} to {cfg.steps} are traced, until the end of the run"
+        )
     else:
         return
     warnings.warn(message, stacklevel=4)

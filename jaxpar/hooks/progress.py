@@ -23,8 +23,11 @@ def _duration(seconds: float) -> str:
 
 
 def _rate(row: dict[str, Any]) -> str:
-    return (f"{row['tokens_per_s']:,.0f} tok/s" if "tokens_per_s" in row
-            else f"{row['examples_per_s']:,.1f} ex/s")
+    return (
+        f"{row['tokens_per_s']:,.0f} tok/s"
+        if "tokens_per_s" in row
+        else f"{row['examples_per_s']:,.1f} ex/s"
+    )
 
 
 class Progress(Hook):
@@ -47,8 +50,13 @@ class Progress(Hook):
             # no monitor thread: the bar is updated every step, and a stop signal that
             # lands while tqdm starts the thread would be caught there, as a warning
             tqdm.monitor_interval = 0
-            self.bar = tqdm(total=ctx.last_step, initial=ctx.first_step - 1, unit="step",
-                            file=sys.stderr, dynamic_ncols=True)
+            self.bar = tqdm(
+                total=ctx.last_step,
+                initial=ctx.first_step - 1,
+                unit="step",
+                file=sys.stderr,
+                dynamic_ncols=True,
+            )
 
     def _say(self, text: str) -> None:
         print(text, file=self.stream or sys.stdout, flush=True)
@@ -56,8 +64,11 @@ class Progress(Hook):
     def on_step(self, ctx: Context, step: int, metrics: dict[str, Any]) -> None:
         if jax.process_index() != 0:
             return
-        row = ctx.rows[-1] if ctx.rows and ctx.rows[-1]["step"] == step \
-            and "loss" in ctx.rows[-1] else None
+        row = (
+            ctx.rows[-1]
+            if ctx.rows and ctx.rows[-1]["step"] == step and "loss" in ctx.rows[-1]
+            else None
+        )
         if self.bar is not None:
             self.bar.update(1)
             if row is not None:

@@ -39,8 +39,10 @@ def timeout() -> float:
     except ValueError:
         value = math.nan
     if not 0 < value < math.inf:
-        raise ConfigError(f"{TIMEOUT_ENV}={text!r}: give the seconds a tracker may take "
-                          f"to answer, a number > 0 (default {TIMEOUT:g})")
+        raise ConfigError(
+            f"{TIMEOUT_ENV}={text!r}: give the seconds a tracker may take "
+            f"to answer, a number > 0 (default {TIMEOUT:g})"
+        )
     return value
 
 
@@ -93,8 +95,7 @@ def probe(uri: str, seconds: float) -> None:
     try:
         socket.create_connection((parts.hostname, port), timeout=seconds).close()
     except OSError as err:
-        raise OSError(f"cannot connect to {parts.hostname}:{port}: "
-                      f"{err.strerror or err}") from None
+        raise OSError(f"cannot connect to {parts.hostname}:{port}: {err.strerror or err}") from None
 
 
 #: top-level logger name → what to call with the error when one of its handlers fails
@@ -112,8 +113,9 @@ def _handle_error(handler: logging.Handler, record: logging.LogRecord) -> None:
         report(sys.exc_info()[1])
 
 
-def watch_logging(names: tuple[str, ...], report: Callable[[BaseException | None], None],
-                  on: bool) -> None:
+def watch_logging(
+    names: tuple[str, ...], report: Callable[[BaseException | None], None], on: bool
+) -> None:
     """Sends the handler failures of the loggers ``names`` (and their children) to
     ``report`` (``on``), or stops that; logging's own handling comes back when no
     logger is watched."""

@@ -60,8 +60,9 @@ def _need(module: str, extra: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError as err:
-        raise ConfigError(f"train.trackers=[{extra}] needs {module}: pip install "
-                          f"'jaxpar[{extra}]'") from err
+        raise ConfigError(
+            f"train.trackers=[{extra}] needs {module}: pip install 'jaxpar[{extra}]'"
+        ) from err
 
 
 def _one_line(err: BaseException, limit: int = 300) -> str:
@@ -70,8 +71,11 @@ def _one_line(err: BaseException, limit: int = 300) -> str:
 
 def flat_config(config: Any) -> dict[str, Any]:
     """``{'section.key': value}`` for every setting of a run config."""
-    return {f"{section}.{key}": value for section, keys in config_lib.to_dict(config).items()
-            for key, value in keys.items()}
+    return {
+        f"{section}.{key}": value
+        for section, keys in config_lib.to_dict(config).items()
+        for key, value in keys.items()
+    }
 
 
 def read_ids(run_dir: Path) -> tuple[dict[str, Any], str]:
@@ -118,8 +122,9 @@ class Tracker(Hook):
         self.live = self._warned = False
         self.timeout = TIMEOUT
 
-    def start(self, run_dir: Path, params: dict[str, Any], saved: dict[str, Any] | None,
-              first_step: int) -> dict[str, Any]:
+    def start(
+        self, run_dir: Path, params: dict[str, Any], saved: dict[str, Any] | None, first_step: int
+    ) -> dict[str, Any]:
         """Starts the tracker's run (continues ``saved``'s, when given, from ``first_step``)
         and logs ``params``; returns what continues it (kept in ``trackers.json``)."""
         raise NotImplementedError
@@ -135,8 +140,11 @@ class Tracker(Hook):
     def on_start(self, ctx: Context) -> None:
         if ctx.run_dir is None:  # another process than 0, or fit() without a run dir
             if jax.process_index() == 0:
-                warnings.warn(f"train.trackers: {self.name} has no effect without a run dir: "
-                              "pass run_dir to fit()", stacklevel=2)
+                warnings.warn(
+                    f"train.trackers: {self.name} has no effect without a run dir: "
+                    "pass run_dir to fit()",
+                    stacklevel=2,
+                )
             return
         run_dir = Path(ctx.run_dir).absolute()
         self.timeout = timeout()
@@ -150,21 +158,26 @@ class Tracker(Hook):
         _write_ids(run_dir, {**read_ids(run_dir)[0], self.name: ids})
         self.live = True
 
-    def _start(self, run_dir: Path, params: dict[str, Any], saved: dict[str, Any] | None,
-               first_step: int) -> dict[str, Any]:
+    def _start(
+        self, run_dir: Path, params: dict[str, Any], saved: dict[str, Any] | None, first_step: int
+    ) -> dict[str, Any]:
         """:meth:`start`, bounded; a stop signal meanwhile stops the run at once."""
         try:
-            return bounded(lambda: self.start(run_dir, params, saved, first_step),
-                           self.timeout, stoppable=True)
+            return bounded(
+                lambda: self.start(run_dir, params, saved, first_step), self.timeout, stoppable=True
+            )
         except Stalled as err:
             if stop_requested():
-                raise (KeyboardInterrupt() if resume_lib.stop_signal() == "SIGINT"
-                       else Terminated()) from None
-            raise ConfigError(f"train.trackers: {self.label} could not start a run "
-                              f"({err}); {self.fix}") from None
+                raise (
+                    KeyboardInterrupt() if resume_lib.stop_signal() == "SIGINT" else Terminated()
+                ) from None
+            raise ConfigError(
+                f"train.trackers: {self.label} could not start a run ({err}); {self.fix}"
+            ) from None
         except Exception as err:
-            raise ConfigError(f"train.trackers: {self.label} could not start a run "
-                              f"({_one_line(err)}); {self.fix}") from err
+            raise ConfigError(
+                f"train.trackers: {self.label} could not start a run ({_one_line(err)}); {self.fix}"
+            ) from err
 
     def _saved(self, run_dir: Path, first_step: int) -> dict[str, Any] | None:
         """What continues this tracker's run in a resumed run dir (None: a new run; a
@@ -178,9 +191,12 @@ class Tracker(Hook):
         if saved is not None and not isinstance(saved, dict):
             problem, saved = f"its {self.name!r} entry is not a JSON object", None
         if problem:
-            warnings.warn(f"train.trackers: {run_dir / TRACKERS_FILE} is unreadable "
-                          f"({problem}); a new {self.label} run starts (the file is "
-                          "rewritten)", stacklevel=3)
+            warnings.warn(
+                f"train.trackers: {run_dir / TRACKERS_FILE} is unreadable "
+                f"({problem}); a new {self.label} run starts (the file is "
+                "rewritten)",
+                stacklevel=3,
+            )
         return saved
 
     def on_step(self, ctx: Context, step: int, metrics: dict[str, Any]) -> None:
@@ -204,8 +220,9 @@ class Tracker(Hook):
             _UNREADABLE.pop(Path(ctx.run_dir or ".").absolute(), None)
 
     def _send(self, step: int, row: dict[str, Any]) -> None:
-        values = {k: float(v) for k, v in row.items()
-                  if k != "step" and isinstance(v, (int, float))}
+        values = {
+            k: float(v) for k, v in row.items() if k != "step" and isinstance(v, (int, float))
+        }
         try:
             bounded(lambda: self.log(step, values), self.timeout)
         except Stalled as err:  # the library is stuck: training goes on without it
@@ -217,13 +234,15 @@ class Tracker(Hook):
     def _log_failed(self, err: BaseException | None) -> None:
         self._warn("write its log", err)
 
-    def _warn(self, what: str, err: BaseException | None,
-              then: str = "training goes on") -> None:
+    def _warn(self, what: str, err: BaseException | None, then: str = "training goes on") -> None:
         if not self._warned:
             self._warned = True
             why = _one_line(err) if err is not None else "no reason given"
-            warnings.warn(f"train.trackers: {self.label} could not {what} ({why}); {then} "
-                          "(this warning is shown once)", stacklevel=3)
+            warnings.warn(
+                f"train.trackers: {self.label} could not {what} ({why}); {then} "
+                "(this warning is shown once)",
+                stacklevel=3,
+            )
 
 
 class WandB(Tracker):
@@ -242,16 +261,25 @@ class WandB(Tracker):
         self.wandb = _need("wandb", "wandb")
         self.run: Any = None
 
-    def start(self, run_dir: Path, params: dict[str, Any], saved: dict[str, Any] | None,
-              first_step: int) -> dict[str, Any]:
+    def start(
+        self, run_dir: Path, params: dict[str, Any], saved: dict[str, Any] | None, first_step: int
+    ) -> dict[str, Any]:
         run_id = (saved or {}).get("id")
         # W&B's own wait for its server (90 s), unless set: the tracker's bound
-        settings = (None if os.environ.get("WANDB_INIT_TIMEOUT")
-                    else self.wandb.Settings(init_timeout=self.timeout))
+        settings = (
+            None
+            if os.environ.get("WANDB_INIT_TIMEOUT")
+            else self.wandb.Settings(init_timeout=self.timeout)
+        )
         self.run = self.wandb.init(
-            project=os.environ.get("WANDB_PROJECT") or "jaxpar", name=run_dir.name,
-            id=run_id, resume="allow" if run_id else None, reinit="create_new",
-            dir=None if os.environ.get("WANDB_DIR") else str(run_dir), settings=settings)
+            project=os.environ.get("WANDB_PROJECT") or "jaxpar",
+            name=run_dir.name,
+            id=run_id,
+            resume="allow" if run_id else None,
+            reinit="create_new",
+            dir=None if os.environ.get("WANDB_DIR") else str(run_dir),
+            settings=settings,
+        )
         self.run.config.update({**params, "run_dir": str(run_dir)}, allow_val_change=True)
         return {"id": self.run.id, "project": self.run.project}
 
@@ -290,10 +318,14 @@ class MLflow(Tracker):
     @property
     def fix(self) -> str:  # type: ignore[override]
         if self.uri.startswith(("http:", "https:")):
-            return (f"check that the tracking server at MLFLOW_TRACKING_URI={self.uri} is "
-                    "running, or unset it for a local store")
-        return ("set MLFLOW_TRACKING_URI to your tracking server (http://HOST:PORT) or to a "
-                "store you can write (file:PATH, with MLFLOW_ALLOW_FILE_STORE=true)")
+            return (
+                f"check that the tracking server at MLFLOW_TRACKING_URI={self.uri} is "
+                "running, or unset it for a local store"
+            )
+        return (
+            "set MLFLOW_TRACKING_URI to your tracking server (http://HOST:PORT) or to a "
+            "store you can write (file:PATH, with MLFLOW_ALLOW_FILE_STORE=true)"
+        )
 
     def tracking_uri(self, saved: dict[str, Any] | None) -> str:
         """MLflow's tracking URI, or the local ``mlruns`` store (see the class)."""
@@ -309,8 +341,9 @@ class MLflow(Tracker):
         old = str((saved or {}).get("tracking_uri", ""))
         return old if old.startswith("file:") else Path("mlruns").absolute().as_uri()
 
-    def start(self, run_dir: Path, params: dict[str, Any], saved: dict[str, Any] | None,
-              first_step: int) -> dict[str, Any]:
+    def start(
+        self, run_dir: Path, params: dict[str, Any], saved: dict[str, Any] | None, first_step: int
+    ) -> dict[str, Any]:
         self.uri = uri = self.tracking_uri(saved)
         probe(uri, self.timeout)
         self.client = self.mlflow.MlflowClient(tracking_uri=uri)
@@ -321,14 +354,17 @@ class MLflow(Tracker):
         else:
             self.run_id = saved["run_id"]
             self.client.update_run(self.run_id, status="RUNNING")
-        text = {k: str(v)[:self.MAX_VALUE] for k, v in params.items()}
-        tags = {f"{k}/from_step_{first_step}": v for k, v in text.items()
-                if k in old and old[k] != v}  # tags, as a logged param cannot change
+        text = {k: str(v)[: self.MAX_VALUE] for k, v in params.items()}
+        tags = {
+            f"{k}/from_step_{first_step}": v for k, v in text.items() if k in old and old[k] != v
+        }  # tags, as a logged param cannot change
         tags["jaxpar.run_dir"] = str(run_dir)
         entities = self.mlflow.entities
         self.client.log_batch(
-            self.run_id, params=[entities.Param(k, v) for k, v in text.items() if k not in old],
-            tags=[entities.RunTag(k, v) for k, v in tags.items()])
+            self.run_id,
+            params=[entities.Param(k, v) for k, v in text.items() if k not in old],
+            tags=[entities.RunTag(k, v) for k, v in tags.items()],
+        )
         return {"run_id": self.run_id, "tracking_uri": uri}
 
     def _params_of(self, run_id: str, uri: str) -> dict[str, str] | None:
@@ -338,8 +374,11 @@ class MLflow(Tracker):
         try:
             return dict(self.client.get_run(run_id).data.params)
         except self.mlflow.exceptions.MlflowException as err:
-            warnings.warn(f"train.trackers: the MLflow run {run_id} of trackers.json is not in "
-                          f"{uri} ({_one_line(err, 150)}); starting a new run", stacklevel=2)
+            warnings.warn(
+                f"train.trackers: the MLflow run {run_id} of trackers.json is not in "
+                f"{uri} ({_one_line(err, 150)}); starting a new run",
+                stacklevel=2,
+            )
             return None
 
     def _experiment_id(self) -> str:
@@ -353,8 +392,9 @@ class MLflow(Tracker):
 
     def log(self, step: int, values: dict[str, float]) -> None:
         now, Metric = int(time.time() * 1000), self.mlflow.entities.Metric
-        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step)
-                                                    for k, v in values.items()])
+        self.client.log_batch(
+            self.run_id, metrics=[Metric(k, v, now, step) for k, v in values.items()]
+        )
 
     def finish(self, how: str) -> None:
         status = {"finished": "FINISHED", "killed": "KILLED", "failed": "FAILED"}[how]

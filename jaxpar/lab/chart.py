@@ -59,7 +59,7 @@ def _number(x: float) -> str:
     if 0.01 <= a < 100:
         return f"{x:.3g}"
     exp = math.floor(math.log10(a))
-    mant = f"{x / 10.0 ** exp:.3g}"
+    mant = f"{x / 10.0**exp:.3g}"
     if mant.lstrip("-") == "10":  # rounding carried into the next power of ten
         mant, exp = mant.replace("10", "1"), exp + 1
     return f"{mant}e{exp}"
@@ -162,31 +162,46 @@ def axis_unit(vmax: float, unit: str) -> tuple[float, str]:
 def _check(labels: list[str], panels: list[Panel]) -> None:
     """Raises ValueError unless there are labels, panels, and one value per label."""
     if not labels or not panels:
-        raise ValueError(f"chart_figure needs at least one label and one panel, got "
-                         f"{len(labels)} labels and {len(panels)} panels")
+        raise ValueError(
+            f"chart_figure needs at least one label and one panel, got "
+            f"{len(labels)} labels and {len(panels)} panels"
+        )
     for panel in panels:
         if len(panel.values) != len(labels):
-            raise ValueError(f"panel {panel.title!r} has {len(panel.values)} values for "
-                             f"{len(labels)} labels; give one value (or None) per label")
+            raise ValueError(
+                f"panel {panel.title!r} has {len(panel.values)} values for "
+                f"{len(labels)} labels; give one value (or None) per label"
+            )
         bad = [v for v in panel.values if isinstance(v, (tuple, list)) and len(v) != 2]
         if bad:
-            raise ValueError(f"panel {panel.title!r}: pairs must be (measured, predicted), "
-                             f"got {bad[0]}")
+            raise ValueError(
+                f"panel {panel.title!r}: pairs must be (measured, predicted), got {bad[0]}"
+            )
 
 
 # ---- drawing -------------------------------------------------------------------------------
 
 
-def _bars(ax: Axes, ys: list[float], values: list[float | None], divisor: float,
-          height: float, colour: str, unit: str, label: str | None,
-          quiet: list[bool] | None = None) -> None:
+def _bars(
+    ax: Axes,
+    ys: list[float],
+    values: list[float | None],
+    divisor: float,
+    height: float,
+    colour: str,
+    unit: str,
+    label: str | None,
+    quiet: list[bool] | None = None,
+) -> None:
     """One bar per value at rows ``ys`` (none for a missing value), each with its text;
     ``quiet[i]``: no ``n/a`` text for a missing value ``i`` (its row says it already)."""
     widths = [float(v) / divisor if _finite(v) else 0.0 for v in values]
     bars = ax.barh(ys, widths, height=height, color=colour, label=label)
     quiet = quiet or [False] * len(values)
-    texts = ["" if q and not _finite(v) else fmt_value(v if _finite(v) else None, unit)
-             for v, q in zip(values, quiet)]
+    texts = [
+        "" if q and not _finite(v) else fmt_value(v if _finite(v) else None, unit)
+        for v, q in zip(values, quiet)
+    ]
     for text in ax.bar_label(bars, texts, padding=3, fontsize=FONT_PT - 1):
         if text.get_text() == "n/a":
             text.set_color(NA_COLOUR)
@@ -198,10 +213,27 @@ def _draw_panel(ax: Axes, labels: list[str], panel: Panel) -> None:
     rows = list(range(len(labels)))
     if _is_paired(panel.values):
         pairs = [_pair(v) for v in panel.values]
-        _bars(ax, [y - 0.2 for y in rows], [m for m, _ in pairs], divisor, 0.38, BAR_COLOUR,
-              panel.unit, "measured")
-        _bars(ax, [y + 0.2 for y in rows], [p for _, p in pairs], divisor, 0.38,
-              PREDICTED_COLOUR, panel.unit, "predicted", [not _finite(m) for m, _ in pairs])
+        _bars(
+            ax,
+            [y - 0.2 for y in rows],
+            [m for m, _ in pairs],
+            divisor,
+            0.38,
+            BAR_COLOUR,
+            panel.unit,
+            "measured",
+        )
+        _bars(
+            ax,
+            [y + 0.2 for y in rows],
+            [p for _, p in pairs],
+            divisor,
+            0.38,
+            PREDICTED_COLOUR,
+            panel.unit,
+            "predicted",
+            [not _finite(m) for m, _ in pairs],
+        )
         ax.legend(loc="best", fontsize="small")
     else:
         _bars(ax, rows, list(panel.values), divisor, 0.6, BAR_COLOUR, panel.unit, None)
@@ -237,13 +269,12 @@ def chart_figure(labels: list[str], panels: list[Panel | tuple]) -> Figure:
     ncols = min(2, len(panels))
     nrows = math.ceil(len(panels) / ncols)
     label_in = LABEL_CHAR_IN * max(len(s) for s in labels)
-    fig = new_figure(label_in + ncols * PANEL_W_IN,
-                     nrows * (PANEL_EXTRA_IN + ROW_IN * len(labels)))
+    fig = new_figure(label_in + ncols * PANEL_W_IN, nrows * (PANEL_EXTRA_IN + ROW_IN * len(labels)))
     grid = fig.subplots(nrows, ncols, sharey=True, squeeze=False)
     axes = grid.ravel()
     for ax, panel in zip(axes, panels):
         _draw_panel(ax, labels, panel)
-    for ax in axes[len(panels):]:
+    for ax in axes[len(panels) :]:
         fig.delaxes(ax)
     axes[0].set_yticks(range(len(labels)), labels)
     axes[0].set_ylim(len(labels) - 0.5, -0.5)  # first label on top

@@ -73,21 +73,29 @@ def load_profiles(extra: str | Path | None = None) -> dict[str, Hardware]:
         except (OSError, UnicodeDecodeError) as err:
             why = err.strerror if isinstance(err, OSError) else "it is not UTF-8 text"
             raise ConfigError(f"--hardware-file '{path}' cannot be read: {why}") from None
-        given = yamlfile.load(text, f"--hardware-file '{path}'",
-                              f"fix the file (see {_BUILTIN} for the form)") or {}
+        given = (
+            yamlfile.load(
+                text, f"--hardware-file '{path}'", f"fix the file (see {_BUILTIN} for the form)"
+            )
+            or {}
+        )
         if not isinstance(given, dict) or not all(isinstance(e, dict) for e in given.values()):
-            raise ConfigError(f"--hardware-file {path} must map profile names to their fields "
-                              f"(see {_BUILTIN})")
+            raise ConfigError(
+                f"--hardware-file {path} must map profile names to their fields (see {_BUILTIN})"
+            )
         raw.update(given)
     names = {f.name for f in fields(Hardware)} - {"key"}
     profiles = {}
     for key, entry in raw.items():
         missing = sorted(n for n in names - {"source"} if n not in (entry or {}))
         if missing:
-            raise ConfigError(f"hardware profile '{key}' lacks {', '.join(missing)}; "
-                              f"see {_BUILTIN} for the fields")
-        profiles[key] = Hardware(key=key, **{f: _typed(key, f, entry[f]) for f in names
-                                             if f in entry})
+            raise ConfigError(
+                f"hardware profile '{key}' lacks {', '.join(missing)}; "
+                f"see {_BUILTIN} for the fields"
+            )
+        profiles[key] = Hardware(
+            key=key, **{f: _typed(key, f, entry[f]) for f in names if f in entry}
+        )
     return profiles
 
 
@@ -98,13 +106,15 @@ def _typed(profile: str, field: str, value: object) -> object:
     try:
         number = int(value) if field == "links" else float(value)
     except (TypeError, ValueError, OverflowError):
-        raise ConfigError(f"hardware profile '{profile}': {field}={value!r} is not a number") \
-            from None
+        raise ConfigError(
+            f"hardware profile '{profile}': {field}={value!r} is not a number"
+        ) from None
     least = 0 if field == "collective_latency" else 1 if field == "links" else None
     if not math.isfinite(number) or (number < least if least is not None else number <= 0):
         bound = f"at least {least}" if least is not None else "above 0"
-        raise ConfigError(f"hardware profile '{profile}': {field}={value!r} must be a finite "
-                          f"number {bound}")
+        raise ConfigError(
+            f"hardware profile '{profile}': {field}={value!r} must be a finite number {bound}"
+        )
     return number
 
 
@@ -116,8 +126,10 @@ def get_profile(key: str, extra: str | Path | None = None) -> Hardware:
     """
     profiles = load_profiles(extra)
     if key not in profiles:
-        raise ConfigError(f"unknown hardware '{key}'; choose one of {', '.join(sorted(profiles))} "
-                          "or add it with --hardware-file")
+        raise ConfigError(
+            f"unknown hardware '{key}'; choose one of {', '.join(sorted(profiles))} "
+            "or add it with --hardware-file"
+        )
     return profiles[key]
 
 
@@ -136,11 +148,20 @@ class StepTime:
         return max(self.compute_s, self.memory_s) + self.comm_s + self.latency_s
 
 
-def roofline(hw: Hardware, flops: float, traffic_bytes: float, comm_bytes: float,
-             dtype: str, collectives: int = 0) -> StepTime:
+def roofline(
+    hw: Hardware,
+    flops: float,
+    traffic_bytes: float,
+    comm_bytes: float,
+    dtype: str,
+    collectives: int = 0,
+) -> StepTime:
     """Predicted step time on ``hw`` from per-device FLOPs, memory traffic, collective
     wire bytes and the number of collectives executed (all over the host's links: the
     lab does not price cross-host axes yet)."""
-    return StepTime(flops / hw.peak_flops(dtype), traffic_bytes / hw.hbm_bandwidth,
-                    comm_bytes / hw.interconnect_bandwidth,
-                    collectives * hw.collective_latency)
+    return StepTime(
+        flops / hw.peak_flops(dtype),
+        traffic_bytes / hw.hbm_bandwidth,
+        comm_bytes / hw.interconnect_bandwidth,
+        collectives * hw.collective_latency,
+    )

@@ -93,17 +93,22 @@ def layout_overrides(layout: str) -> list[str]:
         elif key in degrees:
             degrees[key] = value
         else:
-            raise ConfigError(f"layout '{layout}': unknown mesh axis '{key}'; the axes are "
-                              f"{', '.join(MESH_AXES)} (or give a section.key=value override)")
+            raise ConfigError(
+                f"layout '{layout}': unknown mesh axis '{key}'; the axes are "
+                f"{', '.join(MESH_AXES)} (or give a section.key=value override)"
+            )
     return [*(f"mesh.{a}={v}" for a, v in degrees.items()), f"rules.preset={preset}", *extra]
 
 
 @functools.cache
 def analysis_options() -> tuple[tuple[str, Any], ...]:
     """XLA options for a program that is read, not run: those this jaxlib knows."""
-    wanted = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False,
-              # several layouts compile at once: one program's code in one piece
-              "xla_cpu_parallel_codegen_split_count": 1}
+    wanted = {
+        "xla_backend_optimization_level": 0,
+        "xla_cpu_use_fusion_emitters": False,
+        # several layouts compile at once: one program's code in one piece
+        "xla_cpu_parallel_codegen_split_count": 1,
+    }
     lowered = jax.jit(lambda x: x + 1).lower(np.ones(2, np.float32))
     known = {}
     for key, value in wanted.items():
@@ -125,14 +130,14 @@ class Lowered:
     step: Any
 
 
-def lower(config: Config, layout: str, hw: Hardware, task: Task | None = None,
-          timed: bool = False) -> Lowered | Row:
+def lower(
+    config: Config, layout: str, hw: Hardware, task: Task | None = None, timed: bool = False
+) -> Lowered | Row:
     """The layout's run and lowered step, or its row with the reason it cannot run;
     ``timed``: its steps will run here, so its state must fit this machine's memory."""
     row = Row(layout, hardware=hw.key)
     try:
-        run = build(apply_overrides(config, layout_overrides(layout)), task,
-                    fit_memory=timed)
+        run = build(apply_overrides(config, layout_overrides(layout)), task, fit_memory=timed)
         batch = global_batch_shapes(run.data.batch(0, run.config.train.batch_size))
         return Lowered(row, run, batch, run.trainer.lower_step(batch))
     except JaxparError as err:  # a layout that cannot run; anything else is a bug: raised
@@ -151,8 +156,14 @@ def compile_lowered(lowered: Lowered, steps: int = 0) -> tuple[Any, float]:
     return compiled, time.perf_counter() - start
 
 
-def measure(config: Config, layout: str, hw: Hardware, steps: int = 0,
-            memory_bytes: float | None = None, task: Task | None = None) -> Row:
+def measure(
+    config: Config,
+    layout: str,
+    hw: Hardware,
+    steps: int = 0,
+    memory_bytes: float | None = None,
+    task: Task | None = None,
+) -> Row:
     """Compile (and with ``steps`` > 0, time) the train step of ``config`` under ``layout``.
 
     ``memory_bytes`` is the device memory that ``fits`` is judged against (default:
@@ -178,14 +189,21 @@ def _memory(compiled: jax.stages.Compiled) -> tuple[int, int, int, int]:
     return args, temp, out, args + out - alias + temp
 
 
-def read(lowered: Lowered, compiled: Any, compile_s: float, hw: Hardware,
-         memory_bytes: float | None = None, steps: int = 0) -> Row:
+def read(
+    lowered: Lowered,
+    compiled: Any,
+    compile_s: float,
+    hw: Hardware,
+    memory_bytes: float | None = None,
+    steps: int = 0,
+) -> Row:
     """The row of a compiled layout: its memory, FLOPs, collectives and predicted step
     time on ``hw`` (and with ``steps`` > 0 its measured step time)."""
     row, run = lowered.row, lowered.run
     row.compile_s = compile_s
-    row.mem_args_bytes, row.mem_temp_bytes, row.mem_output_bytes, row.mem_total_bytes = \
-        _memory(compiled)
+    row.mem_args_bytes, row.mem_temp_bytes, row.mem_output_bytes, row.mem_total_bytes = _memory(
+        compiled
+    )
     row.predicted_mem_args_bytes = predict_argument_bytes(run, lowered.batch)
     row.fits = row.mem_total_bytes <= (memory_bytes or hw.memory_bytes)
     cost = hlo.step_cost(compiled)
@@ -198,8 +216,9 @@ def read(lowered: Lowered, compiled: Any, compile_s: float, hw: Hardware,
     comm_gpu = _fill_comm(row, cost, run)
     row.collective_ops = cost.collective_ops
     dtype = run.family.compute_dtype(run.config.model) if run.family else "float32"
-    time_s = roofline(hw, row.flops, row.mem_traffic_bytes, comm_gpu, dtype,
-                      collectives=row.collective_ops)
+    time_s = roofline(
+        hw, row.flops, row.mem_traffic_bytes, comm_gpu, dtype, collectives=row.collective_ops
+    )
     row.predicted_step_time_s, row.predicted_latency_s = time_s.total_s, time_s.latency_s
     if steps > 0:
         row.step_time_s = _time_steps(run, compiled, steps)

@@ -45,14 +45,15 @@ class Planned:
 
 def _degrees(layout: str) -> dict[str, int]:
     overrides = layout_overrides(layout)
-    return {o.split("=")[0][5:]: int(o.split("=")[1]) for o in overrides
-            if o.startswith("mesh.")}
+    return {o.split("=")[0][5:]: int(o.split("=")[1]) for o in overrides if o.startswith("mesh.")}
 
 
 def _why(row: Row, memory: float) -> str:
-    return (f"needs {fmt_value(row.mem_total_bytes, 'B')} > {fmt_value(memory, 'B')}: "
-            f"arguments {fmt_value(row.mem_args_bytes, 'B')} (parameters, optimizer state, "
-            f"batch), temporaries {fmt_value(row.mem_temp_bytes, 'B')} (activations)")
+    return (
+        f"needs {fmt_value(row.mem_total_bytes, 'B')} > {fmt_value(memory, 'B')}: "
+        f"arguments {fmt_value(row.mem_args_bytes, 'B')} (parameters, optimizer state, "
+        f"batch), temporaries {fmt_value(row.mem_temp_bytes, 'B')} (activations)"
+    )
 
 
 def fixes(config: Config, layout: str, row: Row, task: Task | None = None) -> list[str]:
@@ -62,12 +63,18 @@ def fixes(config: Config, layout: str, row: Row, task: Task | None = None) -> li
     with it) and into FSDP."""
     deg = _degrees(layout)
     accum, shard, context = [], [], []
-    recompute = [] if task is not None else [
-        f"{layout},{fix}" for fix in config.family.memory_fixes(config.model)]
+    recompute = (
+        []
+        if task is not None
+        else [f"{layout},{fix}" for fix in config.family.memory_fixes(config.model)]
+    )
     if deg["stage"] == 1:
-        accum += [f"{layout},train.grad_accum={k}" for k in (2, 4, 8)
-                  if k > config.train.grad_accum
-                  and config.train.batch_size % (k * deg["data"] * deg["fsdp"]) == 0]
+        accum += [
+            f"{layout},train.grad_accum={k}"
+            for k in (2, 4, 8)
+            if k > config.train.grad_accum
+            and config.train.batch_size % (k * deg["data"] * deg["fsdp"]) == 0
+        ]
     if deg["data"] > 1:  # move the data degree into fsdp: the state gets sharded that much more
         moved = {**deg, "fsdp": deg["fsdp"] * deg["data"], "data": 1}
         shard.append(",".join(f"{a}={d}" for a, d in moved.items() if d > 1))
@@ -98,14 +105,23 @@ def _suggest(config: Config, planned: Planned, rows: dict[str, Row], task: Task 
         planned.suggestion_row = min(fitting, key=lambda r: r.predicted_step_time_s)
         planned.suggestion = planned.suggestion_row.layout
     else:
-        planned.suggestion = "none of remat, more context parallelism, gradient accumulation " \
-                             "or more FSDP fits; " \
-                             "use more devices or a smaller model/batch"
+        planned.suggestion = (
+            "none of remat, more context parallelism, gradient accumulation "
+            "or more FSDP fits; "
+            "use more devices or a smaller model/batch"
+        )
 
 
-def plan(config: Config, devices: int, hw: Hardware, memory_bytes: float | None = None,
-         layouts: list[str] | None = None, echo: bool = False,
-         task: Task | None = None, workers: int | None = None) -> Ranking:
+def plan(
+    config: Config,
+    devices: int,
+    hw: Hardware,
+    memory_bytes: float | None = None,
+    layouts: list[str] | None = None,
+    echo: bool = False,
+    task: Task | None = None,
+    workers: int | None = None,
+) -> Ranking:
     """Every layout of ``devices`` devices (or ``layouts``), ranked: fitting ones by
     predicted step time, then those that do not fit (with a suggestion), then invalid.
     ``task``: a user's task (default: the built-in model the config names); ``workers``:
@@ -132,9 +148,16 @@ def plan(config: Config, devices: int, hw: Hardware, memory_bytes: float | None 
     return Ranking(sorted(planned, key=key), note.splitlines() if note else [])
 
 
-def _measure(config: Config, layouts: list[str], hw: Hardware, memory: float,
-             task: Task | None, workers: int, echo: bool, rows: dict[str, Row]
-             ) -> dict[str, Row]:
+def _measure(
+    config: Config,
+    layouts: list[str],
+    hw: Hardware,
+    memory: float,
+    task: Task | None,
+    workers: int,
+    echo: bool,
+    rows: dict[str, Row],
+) -> dict[str, Row]:
     """``rows`` with every layout of ``layouts`` it lacks measured (a layout that is also
     another's fix compiles once)."""
     todo = [x for x in dict.fromkeys(layouts) if x not in rows]
@@ -143,8 +166,10 @@ def _measure(config: Config, layouts: list[str], hw: Hardware, memory: float,
 
     def say(row: Row) -> None:
         if echo:
-            print(f"  {row.layout}: {'invalid' if not row.ok else 'fits' if row.fits else 'too big'}",
-                  flush=True)
+            print(
+                f"  {row.layout}: {'invalid' if not row.ok else 'fits' if row.fits else 'too big'}",
+                flush=True,
+            )
 
     if echo:
         print(f"compiling {_count(len(todo))}, {min(workers, len(todo))} at a time", flush=True)
@@ -168,8 +193,14 @@ class Longest:
     beyond: Row | None = None
 
 
-def longest_sequence(config: Config, layout: str, hw: Hardware, memory: float,
-                     task: Task | None = None, limit: int = 2**20) -> Longest:
+def longest_sequence(
+    config: Config,
+    layout: str,
+    hw: Hardware,
+    memory: float,
+    task: Task | None = None,
+    limit: int = 2**20,
+) -> Longest:
     """The longest ``data.seq_len`` (the config's, doubled while it fits, up to ``limit``)
     with which ``layout`` fits in ``memory`` per device; ``model.max_seq_len`` follows it
     where the model has that key."""
@@ -177,7 +208,8 @@ def longest_sequence(config: Config, layout: str, hw: Hardware, memory: float,
     stretch = "max_seq_len" in {f.name for f in dataclasses.fields(config.model)}
     while tokens <= limit:
         longer = f"{layout},data.seq_len={tokens}" + (
-            f",model.max_seq_len={tokens}" if stretch else "")
+            f",model.max_seq_len={tokens}" if stretch else ""
+        )
         row = measure(config, longer, hw, memory_bytes=memory, task=task)
         if not row.ok or not row.fits:
             found.beyond = row
@@ -191,15 +223,26 @@ def format_longest(found: list[Longest], memory: float) -> str:
     """One line per layout: the longest sequence that fits and what twice as long needs."""
     lines = []
     for f in found:
-        fits = (f"{f.tokens:,} tokens fit ({fmt_value(f.row.mem_total_bytes, 'B')})"
-                if f.row else "nothing fits")
+        fits = (
+            f"{f.tokens:,} tokens fit ({fmt_value(f.row.mem_total_bytes, 'B')})"
+            if f.row
+            else "nothing fits"
+        )
         b = f.beyond
-        after = ("" if b is None else f"; {'twice as many' if f.row else 'the first'} "
-                 + (f"cannot run: {b.error}" if not b.ok
-                    else f"needs {fmt_value(b.mem_total_bytes, 'B')}"))
+        after = (
+            ""
+            if b is None
+            else f"; {'twice as many' if f.row else 'the first'} "
+            + (
+                f"cannot run: {b.error}"
+                if not b.ok
+                else f"needs {fmt_value(b.mem_total_bytes, 'B')}"
+            )
+        )
         lines.append(f"{f.layout}: {fits}{after}")
-    lines.append(f"memory judged against {memory / 1e9:.3g} GB ({fmt_value(memory, 'B')}) "
-                 "per device")
+    lines.append(
+        f"memory judged against {memory / 1e9:.3g} GB ({fmt_value(memory, 'B')}) per device"
+    )
     return "\n".join(lines)
 
 
@@ -223,36 +266,61 @@ def best(planned: list[Planned]) -> tuple[str, Row] | None:
 def format_plan(planned: list[Planned], hw: Hardware, memory: float) -> str:
     """The ranked table, then what was left out (one note per reason), a note per layout
     that does not fit or cannot run, then the fastest layout that fits."""
-    head = ["#", "layout", "memory/device", "fits", "pred. step", "collectives",
-            "pred. comm", "measured/pred"]
+    head = [
+        "#",
+        "layout",
+        "memory/device",
+        "fits",
+        "pred. step",
+        "collectives",
+        "pred. comm",
+        "measured/pred",
+    ]
     body = []
     for i, p in enumerate(planned, 1):
         r = p.row
         if not r.ok:
             body.append([str(i), r.layout, "", "invalid", "", "", "", ""])
             continue
-        body.append([str(i), r.layout, fmt_value(r.mem_total_bytes, "B"),
-                     "yes" if r.fits else "NO", fmt_time(r.predicted_step_time_s),
-                     f"{r.collective_ops} ({fmt_time(r.predicted_latency_s)})",
-                     fmt_value(r.predicted_comm_bytes, "B"),
-                     "" if r.comm_ratio is None else f"{r.comm_ratio:.2f}"])
+        body.append(
+            [
+                str(i),
+                r.layout,
+                fmt_value(r.mem_total_bytes, "B"),
+                "yes" if r.fits else "NO",
+                fmt_time(r.predicted_step_time_s),
+                f"{r.collective_ops} ({fmt_time(r.predicted_latency_s)})",
+                fmt_value(r.predicted_comm_bytes, "B"),
+                "" if r.comm_ratio is None else f"{r.comm_ratio:.2f}",
+            ]
+        )
     widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
-             for row in [head, ["-" * w for w in widths], *body]]
-    lines.append(f"ranked by predicted step time on {hw.name} (roofline; communication = "
-                 f"bytes / {hw.interconnect_bandwidth / 1e9:.3g} GB/s + collectives "
-                 f"executed × {fmt_time(hw.collective_latency)}, in brackets); memory judged "
-                 f"against {memory / 1e9:.3g} GB ({fmt_value(memory, 'B')}) per device")
+    lines = [
+        "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
+        for row in [head, ["-" * w for w in widths], *body]
+    ]
+    lines.append(
+        f"ranked by predicted step time on {hw.name} (roofline; communication = "
+        f"bytes / {hw.interconnect_bandwidth / 1e9:.3g} GB/s + collectives "
+        f"executed × {fmt_time(hw.collective_latency)}, in brackets); memory judged "
+        f"against {memory / 1e9:.3g} GB ({fmt_value(memory, 'B')}) per device"
+    )
     lines += getattr(planned, "notes", [])
     for p in planned:
         if not p.row.ok:
             lines.append(f"- {p.row.layout}: cannot run: {p.row.error}")
         elif not p.row.fits:
-            fix = (f"fits as `{p.suggestion}` ({fmt_value(p.suggestion_row.mem_total_bytes, 'B')}"
-                   f", predicted {fmt_time(p.suggestion_row.predicted_step_time_s)})"
-                   if p.suggestion_row else p.suggestion)
+            fix = (
+                f"fits as `{p.suggestion}` ({fmt_value(p.suggestion_row.mem_total_bytes, 'B')}"
+                f", predicted {fmt_time(p.suggestion_row.predicted_step_time_s)})"
+                if p.suggestion_row
+                else p.suggestion
+            )
             lines.append(f"- {p.row.layout}: {p.why}; {fix}")
     top = best(planned)
-    lines.append(f"fastest that fits: `{top[0]}`, predicted "
-                 f"{fmt_time(top[1].predicted_step_time_s)}" if top else "no layout fits")
+    lines.append(
+        f"fastest that fits: `{top[0]}`, predicted {fmt_time(top[1].predicted_step_time_s)}"
+        if top
+        else "no layout fits"
+    )
     return "\n".join(lines)

@@ -81,8 +81,9 @@ class CommPrediction:
         return sum(t.wire_bytes for t in self.terms)
 
 
-def _param_leaves(plan: Plan, batch: dict
-                  ) -> list[tuple[str, float, tuple[str, ...], bool, tuple[str, ...], int]]:
+def _param_leaves(
+    plan: Plan, batch: dict
+) -> list[tuple[str, float, tuple[str, ...], bool, tuple[str, ...], int]]:
     """(top-level key, bytes, mesh axes sharding it, stacked on ``layers``, the axes that
     split its experts, its dims a layer) per parameter. A stacked parameter runs in a layer
     scan: FSDP gathers it in the forward scan and again in the backward scan (the scan keeps
@@ -93,13 +94,19 @@ def _param_leaves(plan: Plan, batch: dict
     names = jax.tree.leaves(plan.model.param_axes, is_leaf=lambda x: isinstance(x, tuple))
     mine = _held_by_heaviest_stage(plan, len(leaves), batch)
     own_experts = plan.pipeline is None or plan.executor == "mpmd"
-    return [(str(getattr(path[0], "key", "")) if held else None,
-             math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize, spec_axes(spec),
-             "layers" in axes,
-             plan.rules.get("experts", ()) if "experts" in axes and own_experts else (),
-             leaf.ndim - ("layers" in axes))
-            for (path, leaf), spec, axes, held in zip(leaves, spec_leaves(plan.param_specs),
-                                                      names, mine)]
+    return [
+        (
+            str(getattr(path[0], "key", "")) if held else None,
+            math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize,
+            spec_axes(spec),
+            "layers" in axes,
+            plan.rules.get("experts", ()) if "experts" in axes and own_experts else (),
+            leaf.ndim - ("layers" in axes),
+        )
+        for (path, leaf), spec, axes, held in zip(
+            leaves, spec_leaves(plan.param_specs), names, mine
+        )
+    ]
 
 
 def _held_by_heaviest_stage(plan: Plan, n: int, batch: dict) -> list[bool]:
@@ -112,8 +119,10 @@ def _held_by_heaviest_stage(plan: Plan, n: int, batch: dict) -> list[bool]:
     ex = plan.gradients
     stage, homes = ex.heaviest_stage, jax.tree.leaves(ex.homes.params)
     read = _read_outside_stack(plan, stage, batch) if WHOLE in homes else set()
-    return [home == stage or home == STACKED or (home == WHOLE and i in read)
-            for i, home in enumerate(homes)]
+    return [
+        home == stage or home == STACKED or (home == WHOLE and i in read)
+        for i, home in enumerate(homes)
+    ]
 
 
 def _read_outside_stack(plan: Plan, stage: int, batch: dict) -> set[int]:
@@ -160,8 +169,9 @@ def _gathers(plan: Plan, pipelined: bool, scanned: bool, outside: int) -> int:
     return 2 * accum if scanned else outside
 
 
-def _gradient_terms(plan: Plan, lab: LabModel, sizes: dict[str, int], cpu: bool,
-                    example: dict) -> list[Term]:
+def _gradient_terms(
+    plan: Plan, lab: LabModel, sizes: dict[str, int], cpu: bool, example: dict
+) -> list[Term]:
     pipelined = plan.pipeline is not None
     mpmd = plan.executor == "mpmd"
     # every axis that splits the examples or their sequences sums gradients
@@ -188,24 +198,40 @@ def _gradient_terms(plan: Plan, lab: LabModel, sizes: dict[str, int], cpu: bool,
         shard = nbytes / math.prod(sizes[a] for a in axes)
         if key is None:  # under the sub-mesh pipeline, a parameter of another stage
             if homes[i] == WHOLE:
-                terms.append(Term("all-reduce", "gradient all-reduce over stage", shard,
-                                  sizes["stage"]))
+                terms.append(
+                    Term("all-reduce", "gradient all-reduce over stage", shard, sizes["stage"])
+                )
             continue
         in_layers = key == layers_key
-        local = nbytes / math.prod(sizes[a] for a in axes if (a not in batch or a in own)
-                                   and key not in whole)
+        local = nbytes / math.prod(
+            sizes[a] for a in axes if (a not in batch or a in own) and key not in whole
+        )
         gather = math.prod(sizes[a] for a in axes if a in batch and a not in own)
         rest = math.prod(sizes[a] for a in batch if a not in axes)
         if pipelined and not in_layers and sizes["stage"] > 1 and layers_key:
             # the stages' gradients of the parameters outside the stack, summed: after
             # every pass (spmd), once per step (mpmd)
-            terms.append(Term("all-reduce", "gradient all-reduce over stage",
-                              shard if mpmd else local, sizes["stage"], 1 if mpmd else accum))
+            terms.append(
+                Term(
+                    "all-reduce",
+                    "gradient all-reduce over stage",
+                    shard if mpmd else local,
+                    sizes["stage"],
+                    1 if mpmd else accum,
+                )
+            )
         if in_ticks and (in_layers or i in head):
             terms.append(_tick_reduction(plan, sizes, seq, local, in_layers))
         if gather > 1:
-            terms.append(Term("all-gather", "FSDP weight gathers", local, gather,
-                              _gathers(plan, pipelined, scanned, outside)))
+            terms.append(
+                Term(
+                    "all-gather",
+                    "FSDP weight gathers",
+                    local,
+                    gather,
+                    _gathers(plan, pipelined, scanned, outside),
+                )
+            )
             if pipelined and not mpmd:  # the executor scatters over fsdp; over the other
                 # batch axes that split a parameter (its experts over data) it sums the whole
                 scatter = sizes["fsdp"] if "fsdp" in axes and "fsdp" in batch else 1
@@ -213,11 +239,13 @@ def _gradient_terms(plan: Plan, lab: LabModel, sizes: dict[str, int], cpu: bool,
             if gather == 1:
                 pass
             elif not cpu or (pipelined and not mpmd):  # one program reduces: scatters
-                terms.append(Term("reduce-scatter", "gradient reduce-scatter", local, gather,
-                                  accum))
+                terms.append(
+                    Term("reduce-scatter", "gradient reduce-scatter", local, gather, accum)
+                )
             elif accum > 1 and not mpmd:  # XLA:CPU: an all-reduce over fsdp per microbatch
-                terms.append(Term("all-reduce", "gradient all-reduce over fsdp", local, gather,
-                                  accum))
+                terms.append(
+                    Term("all-reduce", "gradient all-reduce over fsdp", local, gather, accum)
+                )
             else:  # XLA:CPU: one all-reduce over every batch axis (per program), then a slice
                 rest, gather = rest * gather, 1
             local /= gather
@@ -230,25 +258,39 @@ def _gradient_terms(plan: Plan, lab: LabModel, sizes: dict[str, int], cpu: bool,
         split_seq = math.prod(sizes[a] for a in seq if a in batch)
         summed = cpu and (accum == 1 or mpmd) and (key in whole or rank == 1)
         if 1 < split_seq < rest and (sizes["fsdp"] == 1 or summed):
-            terms.append(Term("all-reduce", "gradient all-reduce over context", local,
-                              split_seq, 1 if once else accum))
+            terms.append(
+                Term(
+                    "all-reduce",
+                    "gradient all-reduce over context",
+                    local,
+                    split_seq,
+                    1 if once else accum,
+                )
+            )
             rest //= split_seq
         if rest > 1:
-            terms.append(Term("all-reduce", "gradient all-reduce", local, rest,
-                              1 if once else accum))
+            terms.append(
+                Term("all-reduce", "gradient all-reduce", local, rest, 1 if once else accum)
+            )
     return terms
 
 
-def _tick_reduction(plan: Plan, sizes: dict[str, int], seq: tuple[str, ...], local: float,
-                    in_layers: bool) -> Term:
+def _tick_reduction(
+    plan: Plan, sizes: dict[str, int], seq: tuple[str, ...], local: float, in_layers: bool
+) -> Term:
     """A gradient the spmd pipeline's ticks sum over the sequence's axes. Every tick counts
     as its costliest branch (:func:`jaxpar.hlo.program_cost`): the last stage's backward,
     whose gradients are its chunk's layers and its head's parameters (the first stage's
     embedding gathers its output gradient instead: :mod:`jaxpar.lab.staged`)."""
     table = plan.pipeline
     chunk = local / table.v if in_layers else local  # a device holds v chunks, runs one
-    return Term("all-reduce", "context: a tick's gradients all-reduced over context", chunk,
-                math.prod(sizes[a] for a in seq), table.ticks * plan.grad_accum)
+    return Term(
+        "all-reduce",
+        "context: a tick's gradients all-reduced over context",
+        chunk,
+        math.prod(sizes[a] for a in seq),
+        table.ticks * plan.grad_accum,
+    )
 
 
 def lab_layout(run: Run, cpu: bool) -> LabLayout:
@@ -256,13 +298,18 @@ def lab_layout(run: Run, cpu: bool) -> LabLayout:
     plan, data = run.plan, run.data
     table = plan.pipeline
     return LabLayout(
-        sizes=dict(plan.mesh.shape), rules=plan.rules,
-        rows=run.config.train.batch_size // plan.batch_ways(), grad_accum=plan.grad_accum,
+        sizes=dict(plan.mesh.shape),
+        rules=plan.rules,
+        rows=run.config.train.batch_size // plan.batch_ways(),
+        grad_accum=plan.grad_accum,
         stages=(table.ticks, table.p, table.v, table.m) if table is not None else None,
-        seq_len=getattr(data, "seq_len", 0), image_shape=getattr(data, "image_shape", None),
-        cpu=cpu, sub_mesh=plan.executor == "mpmd",
+        seq_len=getattr(data, "seq_len", 0),
+        image_shape=getattr(data, "image_shape", None),
+        cpu=cpu,
+        sub_mesh=plan.executor == "mpmd",
         context=plan.settings["context"].attention,
-        residuals=plan.executor == "mpmd" and plan.gradients.residuals)
+        residuals=plan.executor == "mpmd" and plan.gradients.residuals,
+    )
 
 
 def _pipeline_terms(run: Run, cpu: bool) -> list[Term]:
@@ -273,8 +320,15 @@ def _pipeline_terms(run: Run, cpu: bool) -> list[Term]:
     if table is None or plan.executor == "mpmd":  # no collective: device_put between stages
         return []
     _, size = first_stage_message(run, cpu)
-    return [Term("collective-permute", "pipeline sends (activation right, gradient left)",
-                 2 * size, table.p, table.ticks * plan.grad_accum)]
+    return [
+        Term(
+            "collective-permute",
+            "pipeline sends (activation right, gradient left)",
+            2 * size,
+            table.p,
+            table.ticks * plan.grad_accum,
+        )
+    ]
 
 
 def predict_comm(run: Run, backend: str = "gpu") -> CommPrediction:
@@ -291,15 +345,23 @@ def predict_comm(run: Run, backend: str = "gpu") -> CommPrediction:
     # a user's task brings no family: no activation terms (where they are is model knowledge)
     lab = run.family.lab if run.family is not None else LabModel()
     layout = lab_layout(run, cpu)
-    activations = ([*lab.tensor_terms(run.config.model, layout),
-                    *lab.context_terms(run.config.model, layout),
-                    *context_terms_in_pipeline(run, lab, layout, cpu),
-                    *lab.expert_terms(run.config.model, layout),
-                    *expert_terms_in_pipeline(run, lab, layout)]
-                   if run.family is not None else [])
+    activations = (
+        [
+            *lab.tensor_terms(run.config.model, layout),
+            *lab.context_terms(run.config.model, layout),
+            *context_terms_in_pipeline(run, lab, layout, cpu),
+            *lab.expert_terms(run.config.model, layout),
+            *expert_terms_in_pipeline(run, lab, layout),
+        ]
+        if run.family is not None
+        else []
+    )
     batch = run.data.batch(0, run.config.train.batch_size)
-    terms = [*_gradient_terms(run.plan, lab, sizes, cpu, batch), *activations,
-             *_pipeline_terms(run, cpu)]
+    terms = [
+        *_gradient_terms(run.plan, lab, sizes, cpu, batch),
+        *activations,
+        *_pipeline_terms(run, cpu),
+    ]
     return CommPrediction(tuple(terms))
 
 
@@ -309,6 +371,8 @@ def predict_argument_bytes(run: Run, batch: dict[str, Any]) -> int:
     plan = run.plan
     state = plan.state_bytes()
     shardings = plan.batch_shardings(batch)
-    data = sum(math.prod(shardings[k].shard_shape(v.shape)) * np.dtype(v.dtype).itemsize
-               for k, v in batch.items())
+    data = sum(
+        math.prod(shardings[k].shard_shape(v.shape)) * np.dtype(v.dtype).itemsize
+        for k, v in batch.items()
+    )
     return state.total + data

@@ -64,7 +64,10 @@ def first_stage_message(run: Run, cpu: bool) -> tuple[tuple[int, ...], float]:
     micro = {k: jax.ShapeDtypeStruct((rows, *v.shape[1:]), v.dtype) for k, v in batch.items()}
     message = jax.eval_shape(
         lambda p, s, b: plan.task.stages.embed(nnx.merge(plan.model.graphdef, p, s), b),
-        plan.model.params, plan.model.state, micro)
+        plan.model.params,
+        plan.model.state,
+        micro,
+    )
     itemsize = 4 if cpu else np.dtype(message.dtype).itemsize
     return message.shape, math.prod(message.shape) * itemsize / _degree(run)
 
@@ -74,8 +77,7 @@ def _degree(run: Run) -> int:
     return math.prod(run.plan.mesh.shape[a] for a in run.plan.rules.get("seq", ()))
 
 
-def context_terms_in_pipeline(run: Run, lab: LabModel, layout: LabLayout,
-                              cpu: bool) -> list[Term]:
+def context_terms_in_pipeline(run: Run, lab: LabModel, layout: LabLayout, cpu: bool) -> list[Term]:
     """The attention's context collectives of one step of a pipelined layout (the module
     docstring); none without a pipeline or a split sequence."""
     plan, table = run.plan, run.plan.pipeline
@@ -83,8 +85,9 @@ def context_terms_in_pipeline(run: Run, lab: LabModel, layout: LabLayout,
     if table is None or c == 1:
         return []
     k, m = plan.grad_accum, table.m
-    one = dataclasses.replace(layout, stages=None, sub_mesh=False, grad_accum=1,
-                              rows=layout.rows // (m * k))
+    one = dataclasses.replace(
+        layout, stages=None, sub_mesh=False, grad_accum=1, rows=layout.rows // (m * k)
+    )
     family = {t.what: t for t in lab.context_terms(run.config.model, one)}
     if not family:
         return []
@@ -99,29 +102,47 @@ def _scaled(t: Term, what: str, times: float) -> Term:
     return Term(t.kind, what, t.payload_bytes, t.group, round(times))
 
 
-def _ticks(family: dict[str, Term], share: float, ticks: int, shape: tuple[int, ...],
-           message: float, c: int) -> list[Term]:
+def _ticks(
+    family: dict[str, Term],
+    share: float,
+    ticks: int,
+    shape: tuple[int, ...],
+    message: float,
+    c: int,
+) -> list[Term]:
     """Every tick of the spmd executor as its costliest branch, a backward."""
     out = []
     if KV_GATHERED in family:
         kv, rs, pos = family[KV_GATHERED], family[DKV_SCATTERED], family[POSITIONS_GATHERED]
-        out += [_scaled(kv, KV_GATHERED, ticks * kv.times * share),
-                _scaled(rs, DKV_SCATTERED, ticks * rs.times * share),
-                _scaled(pos, POSITIONS_GATHERED, ticks * pos.times)]
+        out += [
+            _scaled(kv, KV_GATHERED, ticks * kv.times * share),
+            _scaled(rs, DKV_SCATTERED, ticks * rs.times * share),
+            _scaled(pos, POSITIONS_GATHERED, ticks * pos.times),
+        ]
     if KV_RING in family:
         kv, home, pos = family[KV_RING], family[DKV_HOME], family[POSITIONS_RING]
-        out += [_scaled(kv, KV_RING, ticks * kv.times * share / 2),
-                _scaled(home, DKV_HOME, ticks * home.times * share),
-                _scaled(pos, POSITIONS_RING, ticks * pos.times)]
+        out += [
+            _scaled(kv, KV_RING, ticks * kv.times * share / 2),
+            _scaled(home, DKV_HOME, ticks * home.times * share),
+            _scaled(pos, POSITIONS_RING, ticks * pos.times),
+        ]
     ids = math.prod(shape[:-1]) * 4  # an int32 token id per row of the message
-    out += [Term("all-gather", "context: the first stage's embedding gradient gathered",
-                 message * c, c, ticks),
-            Term("all-gather", "context: the first stage's token ids gathered", ids, c, ticks)]
+    out += [
+        Term(
+            "all-gather",
+            "context: the first stage's embedding gradient gathered",
+            message * c,
+            c,
+            ticks,
+        ),
+        Term("all-gather", "context: the first stage's token ids gathered", ids, c, ticks),
+    ]
     return out
 
 
-def _sub_mesh(family: dict[str, Term], share: float, microbatches: int,
-              residuals: bool) -> list[Term]:
+def _sub_mesh(
+    family: dict[str, Term], share: float, microbatches: int, residuals: bool
+) -> list[Term]:
     """A device of the sub-mesh pipeline's heaviest stage: a forward and a backward
     program per microbatch (its one chunk: ``v = 1``)."""
     out = []
@@ -129,14 +150,18 @@ def _sub_mesh(family: dict[str, Term], share: float, microbatches: int,
         kv, rs, pos = family[KV_GATHERED], family[DKV_SCATTERED], family[POSITIONS_GATHERED]
         # K and V once per layer in each program that runs the forward (as many as dK, dV)
         passes = 1 if residuals else 2  # the forward's; the backward's recompute
-        out += [_scaled(kv, KV_GATHERED, microbatches * rs.times * share * passes),
-                _scaled(rs, DKV_SCATTERED, microbatches * rs.times * share),
-                _scaled(pos, POSITIONS_GATHERED, microbatches * pos.times * passes)]
+        out += [
+            _scaled(kv, KV_GATHERED, microbatches * rs.times * share * passes),
+            _scaled(rs, DKV_SCATTERED, microbatches * rs.times * share),
+            _scaled(pos, POSITIONS_GATHERED, microbatches * pos.times * passes),
+        ]
     if KV_RING in family:
         kv, home, pos = family[KV_RING], family[DKV_HOME], family[POSITIONS_RING]
-        out += [_scaled(kv, KV_RING, microbatches * kv.times * share),  # forward, backward
-                _scaled(home, DKV_HOME, microbatches * home.times * share),
-                _scaled(pos, POSITIONS_RING, microbatches * pos.times * 2)]
+        out += [
+            _scaled(kv, KV_RING, microbatches * kv.times * share),  # forward, backward
+            _scaled(home, DKV_HOME, microbatches * home.times * share),
+            _scaled(pos, POSITIONS_RING, microbatches * pos.times * 2),
+        ]
     return out
 
 
@@ -163,16 +188,18 @@ def expert_terms_in_pipeline(run: Run, lab: LabModel, layout: LabLayout) -> list
     if table is None or plan.executor != "mpmd":
         return []
     k, m, chunks = plan.grad_accum, table.m, table.p * table.v
-    one = dataclasses.replace(layout, stages=None, sub_mesh=False, grad_accum=1,
-                              rows=layout.rows // (m * k))
+    one = dataclasses.replace(
+        layout, stages=None, sub_mesh=False, grad_accum=1, rows=layout.rows // (m * k)
+    )
     family = {t.what: t for t in lab.expert_terms(run.config.model, one)}
     if OUTPUTS_SCATTERED not in family:
         return []
     layers = family[OUTPUTS_SCATTERED].times // chunks  # a chunk's MoE layers
     residuals, times = plan.gradients.residuals, dict.fromkeys(family, 0)
     # rematerialized (the family's gathers outnumber its scatters)
-    again = (family[TOKENS_GATHERED].times > family[OUTPUTS_SCATTERED].times
-             and (residuals or layers > 1))
+    again = family[TOKENS_GATHERED].times > family[OUTPUTS_SCATTERED].times and (
+        residuals or layers > 1
+    )
     for action in table.tick:
         if action.chunk % table.p != plan.gradients.heaviest_stage:
             continue

@@ -40,10 +40,22 @@ from jaxpar.run import task_for
 from jaxpar.task import Task
 
 #: The documented columns of ``sweep.csv``, in order; more follow them.
-COLUMNS = ("layout", "mem_args_bytes", "mem_temp_bytes", "mem_total_bytes", "flops",
-           "all_reduce_bytes", "all_gather_bytes", "reduce_scatter_bytes",
-           "collective_permute_bytes", "all_to_all_bytes", "predicted_comm_bytes",
-           "step_time_s", "predicted_step_time_s", "fits")
+COLUMNS = (
+    "layout",
+    "mem_args_bytes",
+    "mem_temp_bytes",
+    "mem_total_bytes",
+    "flops",
+    "all_reduce_bytes",
+    "all_gather_bytes",
+    "reduce_scatter_bytes",
+    "collective_permute_bytes",
+    "all_to_all_bytes",
+    "predicted_comm_bytes",
+    "step_time_s",
+    "predicted_step_time_s",
+    "fits",
+)
 #: The files a sweep writes in its folder.
 OUTPUT_FILES = ("sweep.csv", "sweep.md", "sweep.png")
 
@@ -51,18 +63,26 @@ OUTPUT_FILES = ("sweep.csv", "sweep.md", "sweep.png")
 # ---- layouts ---------------------------------------------------------------------------------
 def all_layouts(devices: int) -> list[str]:
     """Every assignment of mesh degrees whose product is ``devices`` (data-major order)."""
+
     def split(n: int, axes: tuple[str, ...]) -> list[list[tuple[str, int]]]:
         if len(axes) == 1:
             return [[(axes[0], n)]]
-        return [[(axes[0], d), *rest] for d in range(n, 0, -1) if n % d == 0
-                for rest in split(n // d, axes[1:])]
+        return [
+            [(axes[0], d), *rest]
+            for d in range(n, 0, -1)
+            if n % d == 0
+            for rest in split(n // d, axes[1:])
+        ]
 
-    return [",".join(f"{a}={d}" for a, d in combo if d > 1) or "data=1"
-            for combo in split(devices, ("data", "fsdp", "context", "tensor", "stage"))]
+    return [
+        ",".join(f"{a}={d}" for a, d in combo if d > 1) or "data=1"
+        for combo in split(devices, ("data", "fsdp", "context", "tensor", "stage"))
+    ]
 
 
-def default_layouts(config: Config, devices: int, task: Task | None = None
-                    ) -> tuple[list[str], str | None]:
+def default_layouts(
+    config: Config, devices: int, task: Task | None = None
+) -> tuple[list[str], str | None]:
     """:func:`all_layouts` of ``devices``, less those the model cannot run
     (:func:`runnable`), and a note saying what was left out and why (None when nothing
     was); for a model with experts, its expert-parallel variants as well."""
@@ -79,26 +99,39 @@ def runnable(layouts: list[str], task: Task) -> tuple[list[str], str | None]:
     or its sequence does not divide."""
     notes = []
     if task.layers is None and task.stages is None:
-        notes.append(("stage", f"{task.name} cannot be split into pipeline stages (its task "
-                               "declares neither Task.layers nor a StageSplit; docs/"
-                               "pipelines.md)"))
+        notes.append(
+            (
+                "stage",
+                f"{task.name} cannot be split into pipeline stages (its task "
+                "declares neither Task.layers nor a StageSplit; docs/"
+                "pipelines.md)",
+            )
+        )
     tokens = task.tokens_per_example
     if not task.context_parallel or not tokens:
-        notes.append(("context", f"{task.name} does not run with its sequences split (Task."
-                                 "context_parallel; docs/context.md)"))
+        notes.append(
+            (
+                "context",
+                f"{task.name} does not run with its sequences split (Task."
+                "context_parallel; docs/context.md)",
+            )
+        )
     kept, lines = layouts, []
     for axis, why in notes:
         before = kept
         kept = [x for x in kept if _degree(x, axis) == 1]
         if len(kept) < len(before):
-            lines.append(f"note: {_count(len(before) - len(kept))} with mesh.{axis} > 1 left "
-                         f"out: {why}")
+            lines.append(
+                f"note: {_count(len(before) - len(kept))} with mesh.{axis} > 1 left out: {why}"
+            )
     if task.context_parallel and tokens:
         before = kept
         kept = [x for x in kept if tokens % _degree(x, "context") == 0]
         if len(kept) < len(before):
-            lines.append(f"note: {_count(len(before) - len(kept))} left out whose "
-                         f"mesh.context does not divide the {tokens}-token sequences")
+            lines.append(
+                f"note: {_count(len(before) - len(kept))} left out whose "
+                f"mesh.context does not divide the {tokens}-token sequences"
+            )
     return kept, "\n".join(lines) or None
 
 
@@ -111,13 +144,21 @@ def _expert_variants(task: Task, layouts: list[str]) -> list[str]:
     ``data`` degree (above 1) divides the experts again with them split over ``data``
     (expert parallelism, ``rules.experts=data``)."""
     model = abstract_model(task)
-    sizes = {leaf.shape[names.index("experts")] for leaf, names in zip(
-        jax.tree.leaves(model.params), jax.tree.leaves(
-            model.param_axes, is_leaf=lambda x: isinstance(x, tuple))) if "experts" in names}
+    sizes = {
+        leaf.shape[names.index("experts")]
+        for leaf, names in zip(
+            jax.tree.leaves(model.params),
+            jax.tree.leaves(model.param_axes, is_leaf=lambda x: isinstance(x, tuple)),
+        )
+        if "experts" in names
+    }
     if not sizes:
         return []
-    return [f"{x},rules.experts=data" for x in layouts
-            if _degree(x, "data") > 1 and all(n % _degree(x, "data") == 0 for n in sizes)]
+    return [
+        f"{x},rules.experts=data"
+        for x in layouts
+        if _degree(x, "data") > 1 and all(n % _degree(x, "data") == 0 for n in sizes)
+    ]
 
 
 def _degree(layout: str, axis: str) -> int:
@@ -126,12 +167,19 @@ def _degree(layout: str, axis: str) -> int:
     return int(found.group(1)) if found else 1
 
 
-def sweep(config: Config, layouts: list[str], hw: Hardware, steps: int = 0,
-          memory_bytes: float | None = None, echo: bool = False,
-          task: Task | None = None) -> list[Row]:
+def sweep(
+    config: Config,
+    layouts: list[str],
+    hw: Hardware,
+    steps: int = 0,
+    memory_bytes: float | None = None,
+    echo: bool = False,
+    task: Task | None = None,
+) -> list[Row]:
     """:func:`measure` of every layout, in order: one after another when steps are timed
     (alone on the machine), else compiled several at once
     (:func:`jaxpar.lab.workers.measure_all`)."""
+
     def say(row: Row) -> None:
         if echo:
             print(f"  {row.layout}: {'ok' if row.ok else 'invalid'}", flush=True)
@@ -177,33 +225,63 @@ def _table_rows(rows: list[Row]) -> list[list[str]]:
             out.append([r.layout, "invalid: " + r.error.split(";")[0]])
             continue
         ratio = "" if r.comm_ratio is None else f"{r.comm_ratio:.3f}"
-        out.append([
-            r.layout, _mib(r.mem_args_bytes), _mib(r.mem_temp_bytes), _mib(r.mem_total_bytes),
-            "yes" if r.fits else "NO", f"{r.flops / 1e9:.3f}", _mib(r.comm_bytes),
-            _mib(r.predicted_comm_bytes), ratio,
-            "" if r.step_time_s is None else f"{r.step_time_s:.4f}",
-            "" if r.tokens_per_s is None else f"{r.tokens_per_s:,.0f}",
-            f"{r.predicted_step_time_s * 1e3:.3f}"])
+        out.append(
+            [
+                r.layout,
+                _mib(r.mem_args_bytes),
+                _mib(r.mem_temp_bytes),
+                _mib(r.mem_total_bytes),
+                "yes" if r.fits else "NO",
+                f"{r.flops / 1e9:.3f}",
+                _mib(r.comm_bytes),
+                _mib(r.predicted_comm_bytes),
+                ratio,
+                "" if r.step_time_s is None else f"{r.step_time_s:.4f}",
+                "" if r.tokens_per_s is None else f"{r.tokens_per_s:,.0f}",
+                f"{r.predicted_step_time_s * 1e3:.3f}",
+            ]
+        )
     return out
 
 
-_HEAD = ["layout", "args MiB", "temp MiB", "total MiB", "fits", "GFLOP", "comm MiB",
-         "predicted MiB", "measured/pred", "step s", "tokens/s", "pred. ms"]
+_HEAD = [
+    "layout",
+    "args MiB",
+    "temp MiB",
+    "total MiB",
+    "fits",
+    "GFLOP",
+    "comm MiB",
+    "predicted MiB",
+    "measured/pred",
+    "step s",
+    "tokens/s",
+    "pred. ms",
+]
 
 
 def format_table(rows: list[Row], hw: Hardware) -> str:
     """The terminal table (per device; predicted step time on ``hw``)."""
     body = _table_rows(rows)
-    widths = [max([len(_HEAD[i])] + [len(b[i]) for b in body if len(b) > 2])
-              for i in range(len(_HEAD))]
-    lines = ["  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in
-                       enumerate(zip(_HEAD, widths))).rstrip()]
+    widths = [
+        max([len(_HEAD[i])] + [len(b[i]) for b in body if len(b) > 2]) for i in range(len(_HEAD))
+    ]
+    lines = [
+        "  ".join(
+            h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(_HEAD, widths))
+        ).rstrip()
+    ]
     lines.append("  ".join("-" * w for w in widths))
     for b in body:
-        lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in
-                               enumerate(zip(b, widths))).rstrip())
-    lines.append(f"per device; comm = collective wire bytes per step; predicted step time on "
-                 f"{hw.name} (roofline)")
+        lines.append(
+            "  ".join(
+                c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(b, widths))
+            ).rstrip()
+        )
+    lines.append(
+        f"per device; comm = collective wire bytes per step; predicted step time on "
+        f"{hw.name} (roofline)"
+    )
     return "\n".join(lines)
 
 
@@ -214,8 +292,10 @@ def format_markdown(rows: list[Row], hw: Hardware) -> str:
         cells = b if r.ok else [r.layout, f"invalid: {r.error}", *[""] * (len(_HEAD) - 2)]
         lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     lines.append("")
-    lines.append(f"Per device. comm: collective wire bytes per step read from the compiled HLO; "
-                 f"predicted: the textbook formulas; pred. ms: roofline step time on {hw.name}.")
+    lines.append(
+        f"Per device. comm: collective wire bytes per step read from the compiled HLO; "
+        f"predicted: the textbook formulas; pred. ms: roofline step time on {hw.name}."
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -235,8 +315,9 @@ def output_folder(out: str | None, run_dir: str, overwrite: bool = False) -> Pat
     return ensure_dir(out, "--out", "choose another --out folder")
 
 
-def write_outputs(rows: list[Row], hw: Hardware, out_dir: str | Path,
-                  chart: str = "sweep.png") -> list[Path]:
+def write_outputs(
+    rows: list[Row], hw: Hardware, out_dir: str | Path, chart: str = "sweep.png"
+) -> list[Path]:
     """``sweep.csv``, ``sweep.md`` and the chart (``sweep.png``; a ``chart`` name ending in
     ``.svg`` writes SVG) in ``out_dir``, each written whole (a temporary file renamed),
     mode 0644."""
@@ -245,15 +326,22 @@ def write_outputs(rows: list[Row], hw: Hardware, out_dir: str | Path,
     md = write_atomic(out / "sweep.md", format_markdown(rows, hw))
     labels = [r.layout for r in rows]
     panels = [
-        Panel("peak memory per device", [r.mem_total_bytes for r in rows], "B",
-              "bytes per device"),
-        Panel("collective bytes per step: measured vs predicted",
-              [(r.comm_bytes, r.predicted_comm_bytes) if r.ok else None for r in rows], "B",
-              "bytes sent per device per step"),
-        Panel("measured step time (this machine)", [r.step_time_s for r in rows], "s",
-              "time per step"),
-        Panel(f"predicted step time ({hw.key}, roofline)",
-              [r.predicted_step_time_s for r in rows], "s", "time per step"),
+        Panel("peak memory per device", [r.mem_total_bytes for r in rows], "B", "bytes per device"),
+        Panel(
+            "collective bytes per step: measured vs predicted",
+            [(r.comm_bytes, r.predicted_comm_bytes) if r.ok else None for r in rows],
+            "B",
+            "bytes sent per device per step",
+        ),
+        Panel(
+            "measured step time (this machine)", [r.step_time_s for r in rows], "s", "time per step"
+        ),
+        Panel(
+            f"predicted step time ({hw.key}, roofline)",
+            [r.predicted_step_time_s for r in rows],
+            "s",
+            "time per step",
+        ),
     ]
     if all(r.step_time_s is None for r in rows):
         panels.pop(2)

@@ -55,10 +55,17 @@ def default_workers() -> int:
     return max(1, min(8, len(os.sched_getaffinity(0))))
 
 
-def measure_all(config: Config, layouts: list[str], hw: Hardware,
-                memory_bytes: float | None = None, task: Task | None = None,
-                workers: int | None = None, processes: bool | None = None,
-                done: Callable[[Row], None] | None = None, steps: int = 0) -> list[Row]:
+def measure_all(
+    config: Config,
+    layouts: list[str],
+    hw: Hardware,
+    memory_bytes: float | None = None,
+    task: Task | None = None,
+    workers: int | None = None,
+    processes: bool | None = None,
+    done: Callable[[Row], None] | None = None,
+    steps: int = 0,
+) -> list[Row]:
     """:func:`~jaxpar.lab.measure.measure` of every layout, in the order given, ``workers``
     at a time; ``processes`` chooses worker processes or threads (None: see the module
     docstring); ``done`` is called with each row as it completes. With ``steps`` > 0 the
@@ -67,13 +74,16 @@ def measure_all(config: Config, layouts: list[str], hw: Hardware,
     done = done or (lambda row: None)
     if steps:
         if task is not None or jax.default_backend() != "cpu":
-            return [_timed_here(config, x, hw, steps, memory_bytes, task, done)
-                    for x in layouts]
+            return [_timed_here(config, x, hw, steps, memory_bytes, task, done) for x in layouts]
         return _in_processes(config, layouts, hw, memory_bytes, 1, done, steps)
     workers = workers or default_workers()
     if processes is None:
-        processes = (task is None and jax.default_backend() == "cpu"
-                     and len(layouts) >= MIN_FOR_PROCESSES and workers > 1)
+        processes = (
+            task is None
+            and jax.default_backend() == "cpu"
+            and len(layouts) >= MIN_FOR_PROCESSES
+            and workers > 1
+        )
     if processes and task is not None:
         raise ValueError("worker processes cannot import a Task object; use threads")
     order = _heaviest_first(layouts)
@@ -85,8 +95,15 @@ def measure_all(config: Config, layouts: list[str], hw: Hardware,
     return [rows[order.index(i)] for i in range(len(layouts))]
 
 
-def _timed_here(config: Config, layout: str, hw: Hardware, steps: int, memory: float | None,
-                task: Task | None, done: Callable[[Row], None]) -> Row:
+def _timed_here(
+    config: Config,
+    layout: str,
+    hw: Hardware,
+    steps: int,
+    memory: float | None,
+    task: Task | None,
+    done: Callable[[Row], None],
+) -> Row:
     row = measure(config, layout, hw, steps, memory, task)
     done(row)
     return row
@@ -95,8 +112,7 @@ def _timed_here(config: Config, layout: str, hw: Hardware, steps: int, memory: f
 def _heaviest_first(layouts: list[str]) -> list[int]:
     """Indices of ``layouts``, pipelines first (their step is a program of every tick,
     several times longer to compile), so that the last to finish is a short one."""
-    stages = [int(m.group(1)) if (m := re.search(r"\bstage=(\d+)", x)) else 1
-              for x in layouts]
+    stages = [int(m.group(1)) if (m := re.search(r"\bstage=(\d+)", x)) else 1 for x in layouts]
     return sorted(range(len(layouts)), key=lambda i: -stages[i])
 
 
@@ -116,8 +132,15 @@ def _fewer_collections() -> Iterator[None]:
 
 
 # ---- threads ---------------------------------------------------------------------------------
-def _in_threads(config: Config, layouts: list[str], hw: Hardware, memory: float | None,
-                task: Task | None, workers: int, done: Callable[[Row], None]) -> list[Row]:
+def _in_threads(
+    config: Config,
+    layouts: list[str],
+    hw: Hardware,
+    memory: float | None,
+    task: Task | None,
+    workers: int,
+    done: Callable[[Row], None],
+) -> list[Row]:
     """Lowers here, one layout after another; compiles in a pool of ``workers`` threads."""
     rows: list[Row | None] = [None] * len(layouts)
     pending: dict[Future, tuple[int, Lowered]] = {}
@@ -162,8 +185,9 @@ class _Worker:
         force_device_count(env, jax.device_count())
         # this process's import path (as multiprocessing gives its children): the same jaxpar
         env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in sys.path)
-        self.proc = subprocess.Popen(WORKER, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.stderr, env=env)
+        self.proc = subprocess.Popen(
+            WORKER, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, env=env
+        )
         self._send(setup)
 
     def _send(self, message: Any) -> None:
@@ -187,12 +211,15 @@ class _Worker:
         its last line on stderr and its exit status."""
         code = self.proc.wait()
         self.stderr.seek(0)
-        lines = [x.strip() for x in self.stderr.read().decode(errors="replace").splitlines()
-                 if x.strip()]
+        lines = [
+            x.strip() for x in self.stderr.read().decode(errors="replace").splitlines() if x.strip()
+        ]
         fatal = [x for x in lines if "Check failed" in x]
         if fatal:
-            return (f"the XLA compiler aborted compiling this layout ({fatal[-1][:240]}): a "
-                    "compiler bug, not a setting; plan the other layouts, or report it")
+            return (
+                f"the XLA compiler aborted compiling this layout ({fatal[-1][:240]}): a "
+                "compiler bug, not a setting; plan the other layouts, or report it"
+            )
         status = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
         last = f": {lines[-1][:240]}" if lines else ""
         return f"its worker process died ({status}{last})"
@@ -208,8 +235,15 @@ class _Worker:
         self.stderr.close()
 
 
-def _in_processes(config: Config, layouts: list[str], hw: Hardware, memory: float | None,
-                  workers: int, done: Callable[[Row], None], steps: int = 0) -> list[Row]:
+def _in_processes(
+    config: Config,
+    layouts: list[str],
+    hw: Hardware,
+    memory: float | None,
+    workers: int,
+    done: Callable[[Row], None],
+    steps: int = 0,
+) -> list[Row]:
     """Each of ``workers`` threads keeps a worker process busy until no layout is left."""
     setup = (config, hw, memory, steps)
     todo: queue.Queue = queue.Queue()
@@ -241,8 +275,9 @@ def _in_processes(config: Config, layouts: list[str], hw: Hardware, memory: floa
             if worker is not None:
                 worker.close()
 
-    threads = [threading.Thread(target=feed, daemon=True)
-               for _ in range(min(workers, len(layouts)))]
+    threads = [
+        threading.Thread(target=feed, daemon=True) for _ in range(min(workers, len(layouts)))
+    ]
     for t in threads:
         t.start()
     rows: list[Row | None] = [None] * len(layouts)

@@ -25,8 +25,32 @@ from jaxpar.models.resnet import ResNet, ResNetConfig
 from jaxpar.schema import section
 from jaxpar.task import DataNeeds
 
-__all__ = ["BERT", "GPT", "BERTConfig", "ConvNet", "Counts", "DataNeeds", "Family", "GPTConfig",
-           "Gemma", "GemmaConfig", "gemma_loss",
-           "LabLayout", "LabModel", "Llama", "LlamaConfig", "MLPClassifier", "ModelConfig",
-           "ResNet", "ResNetConfig", "Term", "classification_loss", "families", "llama_loss",
-           "lm_loss", "mlm_loss", "register", "section"]
+__all__ = [
+    "BERT",
+    "GPT",
+    "BERTConfig",
+    "ConvNet",
+    "Counts",
+    "DataNeeds",
+    "Family",
+    "GPTConfig",
+    "Gemma",
+    "GemmaConfig",
+    "gemma_loss",
+    "LabLayout",
+    "LabModel",
+    "Llama",
+    "LlamaConfig",
+    "MLPClassifier",
+    "ModelConfig",
+    "ResNet",
+    "ResNetConfig",
+    "Term",
+    "classification_loss",
+    "families",
+    "llama_loss",
+    "lm_loss",
+    "mlm_loss",
+    "register",
+    "section",
+]

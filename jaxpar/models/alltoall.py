@@ -44,18 +44,25 @@ RAGGED_ALL_TO_ALL: Callable[..., jax.Array] = jax.lax.ragged_all_to_all
 def refuse_on_cpu() -> None:
     """One line when the real collective would be compiled for XLA:CPU."""
     if RAGGED_ALL_TO_ALL is jax.lax.ragged_all_to_all and jax.default_backend() == "cpu":
-        raise LayoutError("model.moe_dispatch=all_to_all needs jax.lax.ragged_all_to_all, "
-                          "which XLA:CPU does not implement; on the CPU set "
-                          "model.moe_dispatch=all_gather (the default; same numbers)")
+        raise LayoutError(
+            "model.moe_dispatch=all_to_all needs jax.lax.ragged_all_to_all, "
+            "which XLA:CPU does not implement; on the CPU set "
+            "model.moe_dispatch=all_gather (the default; same numbers)"
+        )
 
 
 def _exclusive_cumsum(x: jax.Array) -> jax.Array:
     return jnp.cumsum(x) - x
 
 
-def dispatch(x_nD: jax.Array, experts_nk: jax.Array, weights_nk: jax.Array,
-             run_experts: Callable[[jax.Array, jax.Array], jax.Array], n_local: int,
-             axes: tuple[str, ...]) -> jax.Array:
+def dispatch(
+    x_nD: jax.Array,
+    experts_nk: jax.Array,
+    weights_nk: jax.Array,
+    run_experts: Callable[[jax.Array, jax.Array], jax.Array],
+    n_local: int,
+    axes: tuple[str, ...],
+) -> jax.Array:
     """The weighted sum over each token's ``k`` experts [n, D], the experts spread over the
     devices of ``axes`` (``n_local`` each, device ``d`` holding experts ``d·n_local`` …);
     ``run_experts(rows, sizes)`` runs this device's experts on ``rows`` sorted by local
@@ -73,8 +80,9 @@ def dispatch(x_nD: jax.Array, experts_nk: jax.Array, weights_nk: jax.Array,
     recv_offsets = _exclusive_cumsum(recv_sizes)
     output_offsets = jax.lax.all_to_all(recv_offsets, axes, 0, 0, tiled=True)
     buffer = jnp.zeros((e * n * k, x_nD.shape[-1]), x_nD.dtype)
-    got = RAGGED_ALL_TO_ALL(rows, buffer, input_offsets, send_sizes, output_offsets,
-                            recv_sizes, axis_name=axes)
+    got = RAGGED_ALL_TO_ALL(
+        rows, buffer, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=axes
+    )
     # the buffer holds the senders' blocks in device order, each sorted by expert: group
     # its rows by local expert (the rows past the received ones sort last, into no group)
     ends = jnp.cumsum(received.reshape(-1))
@@ -83,16 +91,29 @@ def dispatch(x_nD: jax.Array, experts_nk: jax.Array, weights_nk: jax.Array,
     by_expert = jnp.argsort(key, stable=True)
     out = run_experts(got[by_expert], received.sum(0))
     out = jnp.zeros_like(out).at[by_expert].set(out)
-    back = RAGGED_ALL_TO_ALL(out, jnp.zeros_like(rows), recv_offsets, recv_sizes,
-                             jax.lax.all_to_all(input_offsets, axes, 0, 0, tiled=True),
-                             send_sizes, axis_name=axes)
+    back = RAGGED_ALL_TO_ALL(
+        out,
+        jnp.zeros_like(rows),
+        recv_offsets,
+        recv_sizes,
+        jax.lax.all_to_all(input_offsets, axes, 0, 0, tiled=True),
+        send_sizes,
+        axis_name=axes,
+    )
     y = jnp.zeros_like(back).at[order].set(back)
     return (y * weights_nk.reshape(-1, 1).astype(y.dtype)).reshape(n, k, -1).sum(1)
 
 
-def emulated(operand: jax.Array, output: jax.Array, input_offsets: jax.Array,
-             send_sizes: jax.Array, output_offsets: jax.Array, recv_sizes: jax.Array, *,
-             axis_name: Any) -> jax.Array:
+def emulated(
+    operand: jax.Array,
+    output: jax.Array,
+    input_offsets: jax.Array,
+    send_sizes: jax.Array,
+    output_offsets: jax.Array,
+    recv_sizes: jax.Array,
+    *,
+    axis_name: Any,
+) -> jax.Array:
     """``jax.lax.ragged_all_to_all``'s documented semantics through ``all_gather`` (every
     backend; it moves every row to every device): sender ``s``'s slice ``i`` —
     ``operand[input_offsets[i]:][:send_sizes[i]]`` — goes to device ``i // (K/e)`` and is
@@ -100,8 +121,9 @@ def emulated(operand: jax.Array, output: jax.Array, input_offsets: jax.Array,
     del recv_sizes
     e, me = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
     gather = lambda a: jax.lax.all_gather(a, axis_name)  # noqa: E731
-    operands, starts, sizes, targets = map(gather, (operand, input_offsets, send_sizes,
-                                                    output_offsets))
+    operands, starts, sizes, targets = map(
+        gather, (operand, input_offsets, send_sizes, output_offsets)
+    )
     per_device = input_offsets.shape[0] // e
     j = jnp.arange(output.shape[0])
     result = output

@@ -74,23 +74,35 @@ _EVAL_KEY = 2024
 class BERTConfig(ModelConfig):
     """``model.*`` keys of ``model.name=bert``."""
 
-    vocab_size: int = Field(264, ge=2, description="vocabulary: the data's, plus the mask "
-                                                   "token (the last id); 264 = 256 bytes + 1, "
-                                                   "rounded up to a multiple of 8 for tensor "
-                                                   "splits")
+    vocab_size: int = Field(
+        264,
+        ge=2,
+        description="vocabulary: the data's, plus the mask "
+        "token (the last id); 264 = 256 bytes + 1, "
+        "rounded up to a multiple of 8 for tensor "
+        "splits",
+    )
     d_model: int = Field(128, ge=1, description="width D")
     n_layers: int = Field(4, ge=1, description="encoder blocks L")
     n_heads: int = Field(4, ge=1, description="attention heads N (divides d_model)")
     d_ff: int = Field(512, ge=1, description="MLP width F")
     max_seq_len: int = Field(128, ge=1, description="longest sequence (learned positions)")
-    dropout: Float = Field(0.1, ge=0, lt=1, description="dropout rate (embeddings, attention "
-                                                        "and MLP outputs)")
-    mask_rate: Float = Field(0.15, gt=0, lt=1, description="share of each sequence's positions "
-                                                           "the masked-LM loss predicts")
+    dropout: Float = Field(
+        0.1, ge=0, lt=1, description="dropout rate (embeddings, attention and MLP outputs)"
+    )
+    mask_rate: Float = Field(
+        0.15,
+        gt=0,
+        lt=1,
+        description="share of each sequence's positions the masked-LM loss predicts",
+    )
     remat: Remat = Field("none", description="recompute each block in the backward pass")
     dtype: Dtype = Field("float32", description="compute dtype (parameters stay float32)")
-    attention: Attention = Field("auto", description="jax.nn.dot_product_attention's "
-                                 "implementation (auto: cuDNN on a GPU where it runs)")
+    attention: Attention = Field(
+        "auto",
+        description="jax.nn.dot_product_attention's "
+        "implementation (auto: cuDNN on a GPU where it runs)",
+    )
 
     @property
     def head_dim(self) -> int:
@@ -129,9 +141,11 @@ class BERT(nnx.Module):
         #: the data's vocabulary: the random replacements of masking are drawn from it
         self.data_vocab = data_vocab or cfg.vocab_size - 1
         if self.data_vocab >= cfg.vocab_size:
-            raise ConfigError(f"model.vocab_size={cfg.vocab_size} leaves no id for the mask "
-                              f"token after the data's {self.data_vocab}; set model.vocab_size "
-                              f"≥ {self.data_vocab + 1}")
+            raise ConfigError(
+                f"model.vocab_size={cfg.vocab_size} leaves no id for the mask "
+                f"token after the data's {self.data_vocab}; set model.vocab_size "
+                f"≥ {self.data_vocab + 1}"
+            )
         self.attention_impl = attention_implementation(cfg)
         V, D, T = cfg.vocab_size, cfg.d_model, cfg.max_seq_len
         self.embed = param(rngs.params(), (V, D), ("vocab", "embed"), 0.02)
@@ -152,8 +166,11 @@ class BERT(nnx.Module):
     def example_keys(self, index_B: jax.Array) -> jax.Array:
         """One key per example: (RNG key, count, example id); in evaluation a fixed key."""
         stream = self.noise.dropout
-        base = (jax.random.key(_EVAL_KEY) if self.deterministic
-                else jax.random.fold_in(stream.key[...], stream.count[...]))
+        base = (
+            jax.random.key(_EVAL_KEY)
+            if self.deterministic
+            else jax.random.fold_in(stream.key[...], stream.count[...])
+        )
         return _fold(jnp.broadcast_to(base, index_B.shape), index_B)
 
     def advance(self) -> None:
@@ -162,8 +179,9 @@ class BERT(nnx.Module):
             self.noise.dropout.count[...] += 1
 
     # ---- the network -----------------------------------------------------------------------
-    def mask(self, tokens_BT: jax.Array, keys_B: jax.Array, data_vocab: int
-             ) -> tuple[jax.Array, jax.Array]:
+    def mask(
+        self, tokens_BT: jax.Array, keys_B: jax.Array, data_vocab: int
+    ) -> tuple[jax.Array, jax.Array]:
         """Masked inputs and the chosen positions (float weights [B, T]) of each example."""
         cfg, T = self.cfg, tokens_BT.shape[1]
         n = max(1, round(cfg.mask_rate * T))
@@ -178,31 +196,42 @@ class BERT(nnx.Module):
 
         return jax.vmap(one)(keys_B, tokens_BT)
 
-    def embed_tokens(self, inputs_BT: jax.Array, keys_B: jax.Array,
-                     documents: Documents | None = None) -> jax.Array:
+    def embed_tokens(
+        self, inputs_BT: jax.Array, keys_B: jax.Array, documents: Documents | None = None
+    ) -> jax.Array:
         """Token + position + type embeddings [B, T, D] (type 1 for the second half); with
         packed ``documents``, positions and halves are each document's own (as it would
         have them alone)."""
         cfg, T = self.cfg, inputs_BT.shape[1]
         if T > cfg.max_seq_len:
-            raise ConfigError(f"sequence length {T} exceeds model.max_seq_len={cfg.max_seq_len}; "
-                              "raise model.max_seq_len or lower data.seq_len")
+            raise ConfigError(
+                f"sequence length {T} exceeds model.max_seq_len={cfg.max_seq_len}; "
+                "raise model.max_seq_len or lower data.seq_len"
+            )
         table_VD = constrain(self.embed[...], (None, None))
         x = jnp.take(table_VD, inputs_BT, axis=0)
         if documents is None:
             types_T = (jnp.arange(T) >= T // 2).astype(jnp.int32)
             x = x + self.pos[:T][None] + self.types[...][types_T]
         else:
-            x = (x + jnp.take(self.pos[...], documents.positions, axis=0)
-                 + jnp.take(self.types[...], _document_halves(documents), axis=0))
+            x = (
+                x
+                + jnp.take(self.pos[...], documents.positions, axis=0)
+                + jnp.take(self.types[...], _document_halves(documents), axis=0)
+            )
         x = _dropout(x, _fold(keys_B, _EMBEDDING), self._rate())
         return constrain(x.astype(jnp.dtype(cfg.dtype)), RESIDUAL)
 
     def _rate(self) -> float:
         return 0.0 if self.deterministic else self.cfg.dropout
 
-    def run_blocks(self, x_BTD: jax.Array, keys_B: jax.Array, first_layer: Any = 0,
-                   documents: Documents | None = None) -> jax.Array:
+    def run_blocks(
+        self,
+        x_BTD: jax.Array,
+        keys_B: jax.Array,
+        first_layer: Any = 0,
+        documents: Documents | None = None,
+    ) -> jax.Array:
         """The stacked blocks of ``self.blocks``; block ``i`` is layer ``first_layer + i``
         of the whole model (its dropout keys), however the layers are cut into stages;
         packed ``documents``: each token attends within its own."""
@@ -218,8 +247,7 @@ class BERT(nnx.Module):
             a = attention(h, p, False, impl, causal=False, documents=documents)
             x = constrain(x + _dropout(a, keys, rate), RESIDUAL)
             h = layer_norm(x, p["ln2_scale"], p["ln2_bias"])
-            x = constrain(x + _dropout(mlp(h, p), _fold(keys_B, 3 + 2 * layer), rate),
-                          RESIDUAL)
+            x = constrain(x + _dropout(mlp(h, p), _fold(keys_B, 3 + 2 * layer), rate), RESIDUAL)
             return x, None
 
         if self.cfg.remat != "none":
@@ -229,8 +257,10 @@ class BERT(nnx.Module):
     def logits(self, x_BTD: jax.Array) -> jax.Array:
         """Final norm, the MLM transform and the tied output: [B, T, D] → [B, T, V]."""
         h = layer_norm(x_BTD, self.ln_f_scale[...], self.ln_f_bias[...])
-        h = jax.nn.gelu(jnp.einsum("btd,de->bte", h, self.mlm_w[...].astype(h.dtype))
-                        + self.mlm_b[...].astype(h.dtype))
+        h = jax.nn.gelu(
+            jnp.einsum("btd,de->bte", h, self.mlm_w[...].astype(h.dtype))
+            + self.mlm_b[...].astype(h.dtype)
+        )
         h = layer_norm(h, self.mlm_ln_scale[...], self.mlm_ln_bias[...])
         logits = jnp.einsum("btd,vd->btv", h, self.embed[...].astype(h.dtype))
         logits = logits.astype(jnp.float32) + self.out_bias[...]
@@ -266,8 +296,7 @@ def _embed(model: BERT, batch: Any) -> jax.Array:
 
 
 def _stage(model: BERT, x: jax.Array, batch: Any, first_layer: Any = 0) -> jax.Array:
-    return model.run_blocks(x, model.example_keys(batch["index"]), first_layer,
-                            _documents(batch))
+    return model.run_blocks(x, model.example_keys(batch["index"]), first_layer, _documents(batch))
 
 
 def _head(model: BERT, x: jax.Array, batch: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -292,16 +321,23 @@ def mlm_loss(model: BERT, batch: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
 STAGES = StageSplit("blocks", _embed, _stage, _head)
 
 
-def task(cfg: BERTConfig, seq_len: int, data_vocab: int | None = None,
-         documents: bool = False) -> Task:
+def task(
+    cfg: BERTConfig, seq_len: int, data_vocab: int | None = None, documents: bool = False
+) -> Task:
     """BERT's task: masked-LM on windows of ``seq_len`` tokens (each example carries its
     ``index``, which keys its masking); ``data_vocab``: the ids the data holds (default:
     all but the mask token, ``vocab_size - 1``); with ``documents``, the windows' packed
     documents (``segments`` beside ``tokens``) attend each within itself, positions and
     token-type halves each document's own (the masking is the window's, unchanged)."""
-    return Task(lambda rngs: BERT(cfg, data_vocab, rngs=rngs), mlm_loss,
-                lm_batch_axes(documents) | {"index": ("batch",)},
-                tokens_per_example=seq_len, stages=STAGES, name="bert", context_parallel=True)
+    return Task(
+        lambda rngs: BERT(cfg, data_vocab, rngs=rngs),
+        mlm_loss,
+        lm_batch_axes(documents) | {"index": ("batch",)},
+        tokens_per_example=seq_len,
+        stages=STAGES,
+        name="bert",
+        context_parallel=True,
+    )
 
 
 def _needs(cfg: BERTConfig) -> DataNeeds:
@@ -317,10 +353,16 @@ def _counts(cfg: BERTConfig, data: Any) -> Counts:
     return Counts(params, flops)
 
 
-BERT_FAMILY = register(Family(
-    "bert", BERTConfig,
-    lambda cfg, data: task(cfg, data.seq_len, data.vocab_size, packs_documents(data)), _needs,
-    counts=_counts, lab=TransformerLab(),
-    memory_fixes=lambda cfg: [] if cfg.remat == "full" else ["model.remat=full"],
-    compute_dtype=lambda cfg: cfg.dtype,
-    doc="BERT-style encoder with a masked-LM loss (dropout, token types); pipelines"))
+BERT_FAMILY = register(
+    Family(
+        "bert",
+        BERTConfig,
+        lambda cfg, data: task(cfg, data.seq_len, data.vocab_size, packs_documents(data)),
+        _needs,
+        counts=_counts,
+        lab=TransformerLab(),
+        memory_fixes=lambda cfg: [] if cfg.remat == "full" else ["model.remat=full"],
+        compute_dtype=lambda cfg: cfg.dtype,
+        doc="BERT-style encoder with a masked-LM loss (dropout, token types); pipelines",
+    )
+)

@@ -46,11 +46,24 @@ class ConvNet(nnx.Module):
     Convolutions use SAME padding, so the flattened feature size is H·W·C.
     """
 
-    def __init__(self, image_shape: tuple[int, int, int], channels: int, hidden: int,
-                 num_classes: int, *, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        image_shape: tuple[int, int, int],
+        channels: int,
+        hidden: int,
+        num_classes: int,
+        *,
+        rngs: nnx.Rngs,
+    ):
         H, W, C = image_shape
-        self.conv1_w, self.conv1_b = _conv(rngs.params(), 5, C, channels), _bias(channels, "conv_out")
-        self.conv2_w, self.conv2_b = _conv(rngs.params(), 5, channels, channels), _bias(channels, "conv_out")
+        self.conv1_w, self.conv1_b = (
+            _conv(rngs.params(), 5, C, channels),
+            _bias(channels, "conv_out"),
+        )
+        self.conv2_w, self.conv2_b = (
+            _conv(rngs.params(), 5, channels, channels),
+            _bias(channels, "conv_out"),
+        )
         self.dense1_w = _dense(rngs.params(), H * W * channels, hidden, ("embed", "mlp"))
         self.dense1_b = _bias(hidden, "mlp")
         self.dense2_w = _dense(rngs.params(), hidden, num_classes, ("mlp", "classes"))
@@ -64,15 +77,18 @@ class ConvNet(nnx.Module):
             )
             x = jax.nn.relu(x + b[...])
         x_BD = x.reshape(x.shape[0], -1)
-        h_BF = constrain(jax.nn.relu(x_BD @ self.dense1_w[...] + self.dense1_b[...]), ("batch", "mlp"))
+        h_BF = constrain(
+            jax.nn.relu(x_BD @ self.dense1_w[...] + self.dense1_b[...]), ("batch", "mlp")
+        )
         return h_BF @ self.dense2_w[...] + self.dense2_b[...]
 
 
 class MLPClassifier(nnx.Module):
     """Flatten → dense (F) → ReLU → dense (K)."""
 
-    def __init__(self, image_shape: tuple[int, int, int], hidden: int, num_classes: int,
-                 *, rngs: nnx.Rngs):
+    def __init__(
+        self, image_shape: tuple[int, int, int], hidden: int, num_classes: int, *, rngs: nnx.Rngs
+    ):
         H, W, C = image_shape
         self.dense1_w = _dense(rngs.params(), H * W * C, hidden, ("embed", "mlp"))
         self.dense1_b = _bias(hidden, "mlp")
@@ -81,7 +97,9 @@ class MLPClassifier(nnx.Module):
 
     def __call__(self, images_BHWC: jax.Array) -> jax.Array:
         x_BD = constrain(images_BHWC.reshape(images_BHWC.shape[0], -1), ("batch", None))
-        h_BF = constrain(jax.nn.relu(x_BD @ self.dense1_w[...] + self.dense1_b[...]), ("batch", "mlp"))
+        h_BF = constrain(
+            jax.nn.relu(x_BD @ self.dense1_w[...] + self.dense1_b[...]), ("batch", "mlp")
+        )
         return h_BF @ self.dense2_w[...] + self.dense2_b[...]
 
 
@@ -129,15 +147,24 @@ def _convnet_counts(cfg: ConvNetConfig, data: Any) -> Counts:
 
 def convnet_task(cfg: ConvNetConfig, image_shape: tuple[int, int, int]) -> Task:
     """The ConvNet's task: classify images of ``image_shape`` (H, W, C)."""
-    return Task(lambda rngs: ConvNet(image_shape, cfg.channels, cfg.hidden, cfg.num_classes,
-                                     rngs=rngs),
-                classification_loss, IMAGE_AXES, name="convnet")
+    return Task(
+        lambda rngs: ConvNet(image_shape, cfg.channels, cfg.hidden, cfg.num_classes, rngs=rngs),
+        classification_loss,
+        IMAGE_AXES,
+        name="convnet",
+    )
 
 
-CONVNET = register(Family("convnet", ConvNetConfig,
-                          lambda cfg, data: convnet_task(cfg, data.image_shape), _images,
-                          counts=_convnet_counts,
-                          doc="conv 5×5 → conv 5×5 → dense → dense, on images"))
+CONVNET = register(
+    Family(
+        "convnet",
+        ConvNetConfig,
+        lambda cfg, data: convnet_task(cfg, data.image_shape),
+        _images,
+        counts=_convnet_counts,
+        doc="conv 5×5 → conv 5×5 → dense → dense, on images",
+    )
+)
 
 
 @section("model")
@@ -157,11 +184,21 @@ def _mlp_counts(cfg: MLPConfig, data: Any) -> Counts:
 
 def mlp_task(cfg: MLPConfig, image_shape: tuple[int, int, int]) -> Task:
     """The MLP's task: classify images of ``image_shape`` (H, W, C)."""
-    return Task(lambda rngs: MLPClassifier(image_shape, cfg.hidden, cfg.num_classes,
-                                           rngs=rngs),
-                classification_loss, IMAGE_AXES, name="mlp")
+    return Task(
+        lambda rngs: MLPClassifier(image_shape, cfg.hidden, cfg.num_classes, rngs=rngs),
+        classification_loss,
+        IMAGE_AXES,
+        name="mlp",
+    )
 
 
-MLP = register(Family("mlp", MLPConfig, lambda cfg, data: mlp_task(cfg, data.image_shape),
-                      _images, counts=_mlp_counts,
-                      doc="flatten → dense → dense, on images"))
+MLP = register(
+    Family(
+        "mlp",
+        MLPConfig,
+        lambda cfg, data: mlp_task(cfg, data.image_shape),
+        _images,
+        counts=_mlp_counts,
+        doc="flatten → dense → dense, on images",
+    )
+)

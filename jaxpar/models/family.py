@@ -45,10 +45,17 @@ class ModelConfig:
     ``@section("model")``). Two model configs are equal when they are of the same family
     with the same keys, however ``name`` spelled the family."""
 
-    name: str = dataclasses.field(default="", compare=False, metadata={"description": (
-        "the model family: gpt, bert, resnet, convnet, mlp (empty: gpt), or "
-        "path/to/file.py:FAMILY / package.module:FAMILY naming a jaxpar.models.Family "
-        "of your own; with --task the section has no effect")})
+    name: str = dataclasses.field(
+        default="",
+        compare=False,
+        metadata={
+            "description": (
+                "the model family: gpt, bert, resnet, convnet, mlp (empty: gpt), or "
+                "path/to/file.py:FAMILY / package.module:FAMILY naming a jaxpar.models.Family "
+                "of your own; with --task the section has no effect"
+            )
+        },
+    )
 
     #: The model keys the config files and overrides gave, as given (another family's
     #: included: they warn that they have no effect, and apply if a later ``model.name``
@@ -82,7 +89,8 @@ class Term:
         """Bytes one device sends for all ``times`` executions (ring algorithms)."""
         n, s = self.group, self.payload_bytes
         factor = {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(
-            self.kind, (n - 1) / n)
+            self.kind, (n - 1) / n
+        )
         return self.times * s * factor
 
 
@@ -193,15 +201,22 @@ def register(family: Family) -> Family:
         :class:`ModelConfig` section.
     """
     config = family.config
-    if not (isinstance(config, type) and issubclass(config, ModelConfig)
-            and "__pydantic_fields__" in vars(config)):
-        raise TaskError(f"model family '{family.name}': its config {config!r} must subclass "
-                        "jaxpar.models.ModelConfig, declared with @section(\"model\") "
-                        "(from jaxpar.models import section)")
+    if not (
+        isinstance(config, type)
+        and issubclass(config, ModelConfig)
+        and "__pydantic_fields__" in vars(config)
+    ):
+        raise TaskError(
+            f"model family '{family.name}': its config {config!r} must subclass "
+            'jaxpar.models.ModelConfig, declared with @section("model") '
+            "(from jaxpar.models import section)"
+        )
     known = _FAMILIES.get(family.name)
     if known is not None and known is not family:
-        raise TaskError(f"model family '{family.name}' is registered already "
-                        f"({known.config.__module__}); give yours another name")
+        raise TaskError(
+            f"model family '{family.name}' is registered already "
+            f"({known.config.__module__}); give yours another name"
+        )
     _FAMILIES[family.name] = family
     return family
 

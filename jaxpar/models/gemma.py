@@ -83,8 +83,7 @@ class GemmaBlocks(nnx.Module):
 
     def stacked(self) -> dict[str, jax.Array]:
         """The stacked parameter arrays by name (what the layer scan slices)."""
-        return {n: getattr(self, n)[...] for n in (*NORMS, *PROJECTIONS, *MLP)
-                if hasattr(self, n)}
+        return {n: getattr(self, n)[...] for n in (*NORMS, *PROJECTIONS, *MLP) if hasattr(self, n)}
 
 
 class Gemma(nnx.Module):
@@ -100,8 +99,12 @@ class Gemma(nnx.Module):
         if not cfg.tie_embeddings:
             self.head = param(rngs.params(), (D, V), ("embed", "vocab"), 0.02)
 
-    def __call__(self, tokens_BT: jax.Array, positions_T: np.ndarray | None = None,
-                 documents: Documents | None = None) -> jax.Array:
+    def __call__(
+        self,
+        tokens_BT: jax.Array,
+        positions_T: np.ndarray | None = None,
+        documents: Documents | None = None,
+    ) -> jax.Array:
         """Logits [B, T, V] of tokens at ``positions_T`` (0 … T-1 when None), packed as
         ``documents`` (:func:`~jaxpar.models.transformer.lm_documents`) when given."""
         pos = np.arange(tokens_BT.shape[1]) if positions_T is None else positions_T
@@ -112,23 +115,26 @@ class Gemma(nnx.Module):
         normalizer to the embeddings' dtype: in bfloat16 √3072 is 55.5)."""
         cfg = self.cfg
         if tokens_BT.shape[1] > cfg.max_seq_len:
-            raise ConfigError(f"sequence length {tokens_BT.shape[1]} exceeds model.max_seq_len="
-                              f"{cfg.max_seq_len}; raise it or lower data.seq_len")
+            raise ConfigError(
+                f"sequence length {tokens_BT.shape[1]} exceeds model.max_seq_len="
+                f"{cfg.max_seq_len}; raise it or lower data.seq_len"
+            )
         dtype = jnp.dtype(cfg.dtype)
         x = jnp.take(constrain(self.embed[...], (None, None)), tokens_BT, axis=0).astype(dtype)
         return constrain(x * jnp.asarray(math.sqrt(cfg.d_model), dtype), RESIDUAL)
 
-    def run_blocks(self, x_BTD: jax.Array, positions_T: np.ndarray,
-                   documents: Documents | None = None) -> jax.Array:
+    def run_blocks(
+        self, x_BTD: jax.Array, positions_T: np.ndarray, documents: Documents | None = None
+    ) -> jax.Array:
         """All blocks, in order (a pipeline chunk: its own; see :func:`_stage`); packed
         ``documents``: attention and rotary positions within each."""
         cfg, dtype = self.cfg, x_BTD.dtype
 
         def step(x, p, kind):
             attention = lambda h, p: layers.self_attention(  # noqa: E731
-                h, p, kind, positions_T, cfg, self.attention_impl, documents)
-            return layers.block(x, layers.in_compute_dtype(p, dtype), attention,
-                                cfg.norm_eps), None
+                h, p, kind, positions_T, cfg, self.attention_impl, documents
+            )
+            return layers.block(x, layers.in_compute_dtype(p, dtype), attention, cfg.norm_eps), None
 
         policy = REMAT_POLICIES[cfg.remat] if cfg.remat != "none" else False
         return layers.over_layers(x_BTD, self.blocks.stacked(), cfg.pattern, step, policy)[0]
@@ -138,8 +144,9 @@ class Gemma(nnx.Module):
         config caps them."""
         cfg = self.cfg
         h = layers.norm(x_BTD, self.norm[...], cfg.norm_eps)
-        head = (constrain(self.embed[...], ("vocab", None)).T if cfg.tie_embeddings
-                else self.head[...])
+        head = (
+            constrain(self.embed[...], ("vocab", None)).T if cfg.tie_embeddings else self.head[...]
+        )
         logits = jnp.einsum("btd,dv->btv", h, head.astype(h.dtype)).astype(jnp.float32)
         if cfg.final_softcap:
             logits = jnp.tanh(logits / cfg.final_softcap) * cfg.final_softcap
@@ -151,8 +158,9 @@ class Gemma(nnx.Module):
         layer's too: its mask, not its cache, keeps to the window)."""
         return kv_cache(self.cfg, batch, self.cfg.n_kv_heads)
 
-    def decode(self, tokens_BT: jax.Array, cache: dict[str, jax.Array], start: jax.Array
-               ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def decode(
+        self, tokens_BT: jax.Array, cache: dict[str, jax.Array], start: jax.Array
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Logits [B, T, V] of T tokens at positions ``start`` … ``start+T-1`` over a cache
         holding the positions before; returns them and the cache with the new positions."""
         cfg = self.cfg
@@ -165,9 +173,15 @@ class Gemma(nnx.Module):
 
             def attention(h, p):
                 q, k, v = layers.projections(h, p, pos, kind)
-                k_cache, v_cache = (constrain(jax.lax.dynamic_update_slice_in_dim(
-                    layer[n], new.astype(layer[n].dtype), start, axis=1), names)
-                    for n, new in (("k", k), ("v", v)))
+                k_cache, v_cache = (
+                    constrain(
+                        jax.lax.dynamic_update_slice_in_dim(
+                            layer[n], new.astype(layer[n].dtype), start, axis=1
+                        ),
+                        names,
+                    )
+                    for n, new in (("k", k), ("v", v))
+                )
                 caches.append((k_cache, v_cache))
                 mask = cached_mask(k_cache.shape[1], pos, kind.window)
                 return out(layers.cached_attention(q, k_cache, v_cache, mask, cfg), p)
@@ -184,8 +198,9 @@ def gemma_loss(model: Gemma, batch: Any) -> tuple[jax.Array, dict[str, jax.Array
     """Next-token cross entropy over ``batch['tokens']`` [B, T+1] (its packed documents
     and loss weights, where the batch has them)."""
     inputs, targets, pos_T = lm_sequence(batch)
-    return next_token_loss(model(inputs, pos_T, lm_documents(batch, pos_T)), targets,
-                           lm_weights(batch, pos_T))
+    return next_token_loss(
+        model(inputs, pos_T, lm_documents(batch, pos_T)), targets, lm_weights(batch, pos_T)
+    )
 
 
 def _embed(model: Gemma, batch: Any) -> jax.Array:
@@ -198,10 +213,12 @@ def _stage(model: Gemma, x: jax.Array, batch: Any, first: Any) -> jax.Array:
     cfg, n = model.cfg, model.blocks.wq.shape[0]
     m = len(cfg.pattern)
     if n % m:
-        raise ConfigError(f"mesh.stage: each pipeline chunk holds {n} of the "
-                          f"{cfg.n_layers} layers, not a multiple of the {m}-layer "
-                          "local/global attention pattern (model.sliding_window_pattern); "
-                          "pick mesh.stage and pipeline.virtual that make it one")
+        raise ConfigError(
+            f"mesh.stage: each pipeline chunk holds {n} of the "
+            f"{cfg.n_layers} layers, not a multiple of the {m}-layer "
+            "local/global attention pattern (model.sliding_window_pattern); "
+            "pick mesh.stage and pipeline.virtual that make it one"
+        )
     pos_T = lm_sequence(batch)[2]
     return model.run_blocks(x, pos_T, lm_documents(batch, pos_T))
 
@@ -215,27 +232,39 @@ STAGES = StageSplit("blocks", _embed, _stage, _head)
 
 
 # ---- the family ------------------------------------------------------------------------------
-def task(cfg: GemmaConfig, seq_len: int, documents: bool = False, loss_mask: bool = False
-         ) -> Task:
+def task(cfg: GemmaConfig, seq_len: int, documents: bool = False, loss_mask: bool = False) -> Task:
     """The Gemma's task: next-token prediction on windows of ``seq_len + 1`` tokens (with
     ``documents``, their packed documents attending each within itself, windowed layers
     too; with ``loss_mask``, only the targets it marks counting)."""
     refuse_init_from(cfg)
-    return Task(lambda rngs: Gemma(cfg, rngs=rngs), gemma_loss,
-                lm_batch_axes(documents, loss_mask),
-                tokens_per_example=seq_len, name="gemma", context_parallel=True, stages=STAGES)
+    return Task(
+        lambda rngs: Gemma(cfg, rngs=rngs),
+        gemma_loss,
+        lm_batch_axes(documents, loss_mask),
+        tokens_per_example=seq_len,
+        name="gemma",
+        context_parallel=True,
+        stages=STAGES,
+    )
 
 
 def gemma_counts(cfg: GemmaConfig, seq_len: int) -> tuple[int, float]:
     """Parameters and training FLOPs per example: every matmul, attention's two [T, T]
     products included (the windowed layers' too: the masked scores are computed); the
     backward twice the forward, no gradient into the lookup."""
-    L, D, N, K, H, F, V, T = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads,
-                              cfg.head_dim, cfg.d_ff, cfg.vocab_size, seq_len)
+    L, D, N, K, H, F, V, T = (
+        cfg.n_layers,
+        cfg.d_model,
+        cfg.n_heads,
+        cfg.n_kv_heads,
+        cfg.head_dim,
+        cfg.d_ff,
+        cfg.vocab_size,
+        seq_len,
+    )
     attention = 2 * D * N * H + 2 * D * K * H
     norms = 4 * D + (2 * H if cfg.qk_norm else 0)
-    params = V * D + L * (norms + attention + 3 * D * F) + D + (
-        0 if cfg.tie_embeddings else D * V)
+    params = V * D + L * (norms + attention + 3 * D * F) + D + (0 if cfg.tie_embeddings else D * V)
     macs = L * (attention + 2 * T * N * H + 3 * D * F) + D * V
     return params, 2 * 3 * T * macs
 
@@ -250,15 +279,22 @@ class GemmaLab(TransformerLab):
         return transformer_tensor_terms(cfg, layout, kv)
 
 
-GEMMA_FAMILY = register(Family(
-    "gemma", GemmaConfig,
-    lambda cfg, data: task(dataclasses.replace(cfg, init_from=""), data.seq_len,
-                           packs_documents(data), masks_loss(data)),
-    lambda cfg: DataNeeds("text", vocab_size=cfg.vocab_size, documents=True,
-                          loss_mask=True),
-    counts=lambda cfg, data: Counts(*gemma_counts(cfg, data.seq_len)),
-    lab=GemmaLab(),
-    memory_fixes=lambda cfg: [] if cfg.remat == "full" else ["model.remat=full"],
-    compute_dtype=lambda cfg: cfg.dtype,
-    doc="Gemma 2/3 text decoder: scaled embeddings, (1 + w) pre/post norms, GeGLU, "
-        "alternating local/global attention, soft-capping"))
+GEMMA_FAMILY = register(
+    Family(
+        "gemma",
+        GemmaConfig,
+        lambda cfg, data: task(
+            dataclasses.replace(cfg, init_from=""),
+            data.seq_len,
+            packs_documents(data),
+            masks_loss(data),
+        ),
+        lambda cfg: DataNeeds("text", vocab_size=cfg.vocab_size, documents=True, loss_mask=True),
+        counts=lambda cfg, data: Counts(*gemma_counts(cfg, data.seq_len)),
+        lab=GemmaLab(),
+        memory_fixes=lambda cfg: [] if cfg.remat == "full" else ["model.remat=full"],
+        compute_dtype=lambda cfg: cfg.dtype,
+        doc="Gemma 2/3 text decoder: scaled embeddings, (1 + w) pre/post norms, GeGLU, "
+        "alternating local/global attention, soft-capping",
+    )
+)

@@ -43,8 +43,9 @@ def gated_gelu(h: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
     return jnp.einsum("btf,fd->btd", u, p["w_down"])
 
 
-def visible(pos_q: jax.Array, pos_k: jax.Array, window: int,
-            segments: jax.Array | None = None) -> jax.Array:
+def visible(
+    pos_q: jax.Array, pos_k: jax.Array, window: int, segments: jax.Array | None = None
+) -> jax.Array:
     """[1, 1, T, S] True where a query sees a key: its causal past, the last ``window``
     positions of it when ``window`` > 0 (transformers' sliding mask); [B, 1, T, S] with
     segment ids [B, T] (queries and keys alike: a sequence's own), and only within a
@@ -56,8 +57,9 @@ def visible(pos_q: jax.Array, pos_k: jax.Array, window: int,
     return seen & (segments[:, None, :, None] == segments[:, None, None, :])
 
 
-def capped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-                     scale: float, cap: float) -> jax.Array:
+def capped_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float, cap: float
+) -> jax.Array:
     """Attention with soft-capped logits (cap · tanh(s / cap), then the mask, then a
     float32 softmax), written out: ``jax.nn.dot_product_attention`` has no cap. Plain
     jnp, so under context parallelism XLA partitions it like any other op."""
@@ -69,8 +71,9 @@ def capped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     return jnp.einsum("bnts,bsnh->btnh", w, v)
 
 
-def projections(h: jax.Array, p: dict[str, jax.Array], pos: jax.Array, kind: LayerKind
-                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def projections(
+    h: jax.Array, p: dict[str, jax.Array], pos: jax.Array, kind: LayerKind
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q, k, v [B, T, N|K, H] as the Llama's (:func:`qkv`), its q/k norms in (1 + w)
     form."""
     if "q_norm" in p:
@@ -78,9 +81,15 @@ def projections(h: jax.Array, p: dict[str, jax.Array], pos: jax.Array, kind: Lay
     return qkv(h, p, pos, kind)
 
 
-def self_attention(h: jax.Array, p: dict[str, jax.Array], kind: LayerKind,
-                   positions_T: np.ndarray, cfg: GemmaConfig, implementation: str,
-                   documents: Documents | None = None) -> jax.Array:
+def self_attention(
+    h: jax.Array,
+    p: dict[str, jax.Array],
+    kind: LayerKind,
+    positions_T: np.ndarray,
+    cfg: GemmaConfig,
+    implementation: str,
+    documents: Documents | None = None,
+) -> jax.Array:
     """One layer's attention over the sequence (its tokens at ``positions_T``); packed
     ``documents``: each query sees its own document only (the window counted within
     it), rotated to its position within it."""
@@ -90,27 +99,35 @@ def self_attention(h: jax.Array, p: dict[str, jax.Array], kind: LayerKind,
     q, k, v = projections(h, p, rotated, kind)
     if cfg.attn_softcap:
         masks_by_position()  # right on a split sequence: the mask comes from positions
-        o = capped_attention(q, k, v, visible(pos, pos, kind.window, segments), cfg.scale,
-                             cfg.attn_softcap)
+        o = capped_attention(
+            q, k, v, visible(pos, pos, kind.window, segments), cfg.scale, cfg.attn_softcap
+        )
     else:  # attend scales by H^-½: the queries carry the rest of Gemma's scale
         factor = cfg.scale * math.sqrt(cfg.head_dim)
         q = q if factor == 1.0 else q * jnp.asarray(factor, q.dtype)
-        o = attend(q, k, v, positions_T, causal=True, window=kind.window,
-                   implementation=implementation, segments=segments)
+        o = attend(
+            q,
+            k,
+            v,
+            positions_T,
+            causal=True,
+            window=kind.window,
+            implementation=implementation,
+            segments=segments,
+        )
     return out(o, p)
 
 
-def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-                     cfg: GemmaConfig) -> jax.Array:
+def cached_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, cfg: GemmaConfig
+) -> jax.Array:
     """New queries over a KV cache's keys and values (``mask``: the slots each sees)."""
     if cfg.attn_softcap:
         return capped_attention(q, k, v, mask, cfg.scale, cfg.attn_softcap)
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=cfg.scale,
-                                        implementation="xla")
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=cfg.scale, implementation="xla")
 
 
-def block(x: jax.Array, p: dict[str, jax.Array], attention: Callable, eps: float
-          ) -> jax.Array:
+def block(x: jax.Array, p: dict[str, jax.Array], attention: Callable, eps: float) -> jax.Array:
     """One Gemma block: norms before and after attention and after the MLP."""
     a = norm(attention(norm(x, p["attn_norm"], eps), p), p["post_attn_norm"], eps)
     x = constrain(x + a, RESIDUAL)
@@ -122,8 +139,9 @@ def block(x: jax.Array, p: dict[str, jax.Array], attention: Callable, eps: float
 Step = Callable[[jax.Array, Any, LayerKind], tuple[jax.Array, Any]]
 
 
-def over_layers(x: jax.Array, layers: Any, pattern: tuple[LayerKind, ...], step: Step,
-                policy: Any = False) -> tuple[jax.Array, Any]:
+def over_layers(
+    x: jax.Array, layers: Any, pattern: tuple[LayerKind, ...], step: Step, policy: Any = False
+) -> tuple[jax.Array, Any]:
     """``step(x, layer, kind)`` for every layer of ``layers`` (a tree of [n, …] arrays),
     in order; layer j is of kind ``pattern[j % m]``. The window and rotary base must be
     static in each call, so a ``jax.lax.scan`` runs groups of m = len(pattern) layers, and
@@ -143,7 +161,7 @@ def over_layers(x: jax.Array, layers: Any, pattern: tuple[LayerKind, ...], step:
         for kind, count in _runs(kinds):
             one = lambda x, layer, kind=kind: step(x, layer, kind)  # noqa: E731
             one = one if policy is False else jax.checkpoint(one, policy=policy)
-            part = jax.tree.map(lambda a, s=start, c=count: a[s:s + c], chunk)
+            part = jax.tree.map(lambda a, s=start, c=count: a[s : s + c], chunk)
             x, o = jax.lax.scan(one, x, part)
             outs.append(o)
             start += count
@@ -151,11 +169,11 @@ def over_layers(x: jax.Array, layers: Any, pattern: tuple[LayerKind, ...], step:
 
     parts = []
     if groups:
-        head = jax.tree.map(lambda a: a[:groups * m].reshape(groups, m, *a.shape[1:]), layers)
+        head = jax.tree.map(lambda a: a[: groups * m].reshape(groups, m, *a.shape[1:]), layers)
         x, ys = jax.lax.scan(lambda x, chunk: run(x, chunk, pattern), x, head)
         parts.append(jax.tree.map(lambda a: a.reshape(groups * m, *a.shape[2:]), ys))
     if rest:
-        x, ys = run(x, jax.tree.map(lambda a: a[groups * m:], layers), pattern[:rest])
+        x, ys = run(x, jax.tree.map(lambda a: a[groups * m :], layers), pattern[:rest])
         parts.append(ys)
     return x, jax.tree.map(lambda *a: jnp.concatenate(a), *parts)
 

@@ -79,18 +79,26 @@ class GPTConfig(ModelConfig):
     d_ff: int = Field(512, ge=1, description="MLP width F")
     max_seq_len: int = Field(128, ge=1, description="longest sequence")
     positions: Literal["learned", "rotary"] = Field("learned", description="position encoding")
-    tie_embeddings: bool = Field(False, description="the output layer is the embedding "
-                                                    "table's transpose")
+    tie_embeddings: bool = Field(
+        False, description="the output layer is the embedding table's transpose"
+    )
     remat: Remat = Field("none", description="what each block recomputes in the backward pass")
     dtype: Dtype = Field("float32", description="compute dtype (parameters stay float32)")
-    attention: Attention = Field("auto", description="jax.nn.dot_product_attention's "
-                                 "implementation (auto: cuDNN on a GPU where it runs, XLA "
-                                 "elsewhere)")
-    attn_bias: bool = Field(False, description="biases on the q/k/v and output projections "
-                                               "(GPT-2 has them)")
-    init_from: str = Field("", description="a Hugging Face GPT-2 directory (config.json + "
-                                           "model.safetensors) whose weights a fresh run "
-                                           "starts from (jaxpar/hf/gpt2.py)")
+    attention: Attention = Field(
+        "auto",
+        description="jax.nn.dot_product_attention's "
+        "implementation (auto: cuDNN on a GPU where it runs, XLA "
+        "elsewhere)",
+    )
+    attn_bias: bool = Field(
+        False, description="biases on the q/k/v and output projections (GPT-2 has them)"
+    )
+    init_from: str = Field(
+        "",
+        description="a Hugging Face GPT-2 directory (config.json + "
+        "model.safetensors) whose weights a fresh run "
+        "starts from (jaxpar/hf/gpt2.py)",
+    )
 
     @property
     def head_dim(self) -> int:
@@ -120,8 +128,12 @@ class GPT(nnx.Module):
         if not cfg.tie_embeddings:
             self.head = param(rngs.params(), (D, V), ("embed", "vocab"), 0.02)
 
-    def __call__(self, tokens_BT: jax.Array, positions_T: np.ndarray | None = None,
-                 documents: Documents | None = None) -> jax.Array:
+    def __call__(
+        self,
+        tokens_BT: jax.Array,
+        positions_T: np.ndarray | None = None,
+        documents: Documents | None = None,
+    ) -> jax.Array:
         """Logits [B, T, V] (float32) of tokens [B, T] at ``positions_T`` (0 … T-1 when
         None; a context-parallel layout runs them in its balanced order); ``documents``:
         packed documents (:func:`~jaxpar.models.transformer.lm_documents`), each token
@@ -142,9 +154,13 @@ class GPT(nnx.Module):
         tables_GVD = jnp.broadcast_to(table_VD[None], (shards("batch"), *table_VD.shape))
         return constrain(tables_GVD, ("batch", None, None))
 
-    def embed_tokens(self, tokens_BT: jax.Array, tables_GVD: jax.Array | None = None,
-                     positions_T: np.ndarray | None = None,
-                     documents: Documents | None = None) -> jax.Array:
+    def embed_tokens(
+        self,
+        tokens_BT: jax.Array,
+        tables_GVD: jax.Array | None = None,
+        positions_T: np.ndarray | None = None,
+        documents: Documents | None = None,
+    ) -> jax.Array:
         """Token (+ learned position) embeddings [B, T, D] in the compute dtype; rows of
         ``tables_GVD`` (one table per batch shard, see ``__call__``) when given; the
         tokens sit at ``positions_T`` (0 … T-1 when None), or at their positions within
@@ -196,15 +212,20 @@ class GPT(nnx.Module):
         h = layer_norm(x_BTD, self.ln_f_scale[...], self.ln_f_bias[...])
         if tables_GVD is not None:
             (B, T, D), G = h.shape, tables_GVD.shape[0]
-            logits = jnp.einsum("gbtd,gvd->gbtv", h.reshape(G, B // G, T, D),
-                                tables_GVD.astype(h.dtype)).reshape(B, T, -1)
+            logits = jnp.einsum(
+                "gbtd,gvd->gbtv", h.reshape(G, B // G, T, D), tables_GVD.astype(h.dtype)
+            ).reshape(B, T, -1)
         else:
             head_DV = self._tied_head_table().T if self.cfg.tie_embeddings else self.head[...]
             logits = jnp.einsum("btd,dv->btv", h, head_DV.astype(x_BTD.dtype))
         return constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))
 
-    def run_blocks(self, x_BTD: jax.Array, positions_T: np.ndarray | None = None,
-                   documents: Documents | None = None) -> jax.Array:
+    def run_blocks(
+        self,
+        x_BTD: jax.Array,
+        positions_T: np.ndarray | None = None,
+        documents: Documents | None = None,
+    ) -> jax.Array:
         """All blocks of ``self.blocks`` (however many are stacked there), in order, over
         tokens at ``positions_T`` (0 … T-1 when None), packed as ``documents``."""
         dtype, use_rotary = x_BTD.dtype, self.cfg.positions == "rotary"
@@ -223,8 +244,9 @@ class GPT(nnx.Module):
         """An empty KV cache for ``batch`` sequences: K and V [L, B, S, N, H]."""
         return kv_cache(self.cfg, batch, self.cfg.n_heads)
 
-    def decode(self, tokens_BT: jax.Array, cache: dict[str, jax.Array], start: jax.Array
-               ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def decode(
+        self, tokens_BT: jax.Array, cache: dict[str, jax.Array], start: jax.Array
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Logits [B, T, V] (float32) of T tokens at positions ``start`` … ``start+T-1``,
         given a cache that holds positions ``< start``; returns them and the cache with
         the new positions written. One call with the prompt (``start`` 0) fills the cache,
@@ -244,8 +266,7 @@ class GPT(nnx.Module):
             x, k, v = decode_block(x, p, k, v, start, use_rotary)
             return x, (k, v)
 
-        x_BTD, (k, v) = jax.lax.scan(body, x_BTD, (self.blocks.stacked(), cache["k"],
-                                                    cache["v"]))
+        x_BTD, (k, v) = jax.lax.scan(body, x_BTD, (self.blocks.stacked(), cache["k"], cache["v"]))
         return self.logits(x_BTD), {"k": k, "v": v}
 
 
@@ -255,9 +276,14 @@ class GPT(nnx.Module):
 _CACHE = ("batch", None, "heads", "kv")
 
 
-def cached_attention(h_BTD: jax.Array, p: dict[str, jax.Array], k_BSNH: jax.Array,
-                     v_BSNH: jax.Array, start: jax.Array, use_rotary: bool
-                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def cached_attention(
+    h_BTD: jax.Array,
+    p: dict[str, jax.Array],
+    k_BSNH: jax.Array,
+    v_BSNH: jax.Array,
+    start: jax.Array,
+    use_rotary: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """:func:`attention` of T tokens at positions ``start`` … ``start+T-1`` over one
     layer's cache: their K and V are written into it at ``start``, and each query
     attends to every cached position up to its own. Returns the output [B, T, D] and
@@ -266,19 +292,27 @@ def cached_attention(h_BTD: jax.Array, p: dict[str, jax.Array], k_BSNH: jax.Arra
     pos_T = start + jnp.arange(q.shape[1])
     if use_rotary:
         q, k = rotary(q, pos_T), rotary(k, pos_T)
-    k_BSNH = constrain(jax.lax.dynamic_update_slice_in_dim(
-        k_BSNH, k.astype(k_BSNH.dtype), start, axis=1), _CACHE)
-    v_BSNH = constrain(jax.lax.dynamic_update_slice_in_dim(
-        v_BSNH, v.astype(v_BSNH.dtype), start, axis=1), _CACHE)
+    k_BSNH = constrain(
+        jax.lax.dynamic_update_slice_in_dim(k_BSNH, k.astype(k_BSNH.dtype), start, axis=1), _CACHE
+    )
+    v_BSNH = constrain(
+        jax.lax.dynamic_update_slice_in_dim(v_BSNH, v.astype(v_BSNH.dtype), start, axis=1), _CACHE
+    )
     mask_TS = jnp.arange(k_BSNH.shape[1])[None, :] <= pos_T[:, None]
-    o_BTNH = jax.nn.dot_product_attention(q, k_BSNH, v_BSNH, mask=mask_TS[None, None],
-                                          implementation="xla")
+    o_BTNH = jax.nn.dot_product_attention(
+        q, k_BSNH, v_BSNH, mask=mask_TS[None, None], implementation="xla"
+    )
     return attention_out(o_BTNH, p), k_BSNH, v_BSNH
 
 
-def decode_block(x_BTD: jax.Array, p: dict[str, jax.Array], k_BSNH: jax.Array,
-                 v_BSNH: jax.Array, start: jax.Array, use_rotary: bool
-                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def decode_block(
+    x_BTD: jax.Array,
+    p: dict[str, jax.Array],
+    k_BSNH: jax.Array,
+    v_BSNH: jax.Array,
+    start: jax.Array,
+    use_rotary: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """:func:`block` over one layer's KV cache (see :func:`cached_attention`)."""
     h = layer_norm(x_BTD, p["ln1_scale"], p["ln1_bias"])
     a_BTD, k_BSNH, v_BSNH = cached_attention(h, p, k_BSNH, v_BSNH, start, use_rotary)
@@ -290,8 +324,7 @@ def decode_block(x_BTD: jax.Array, p: dict[str, jax.Array], k_BSNH: jax.Array,
 # ---- the loss, cut into pipeline stages -----------------------------------------------------
 def _lm_embed(model: GPT, batch: Any) -> jax.Array:
     inputs, _, pos_T = lm_sequence(batch)
-    return model.embed_tokens(inputs, positions_T=pos_T,
-                              documents=lm_documents(batch, pos_T))
+    return model.embed_tokens(inputs, positions_T=pos_T, documents=lm_documents(batch, pos_T))
 
 
 def _lm_stage(model: GPT, x: jax.Array, batch: Any, first: Any) -> jax.Array:
@@ -313,8 +346,9 @@ def lm_loss(model: GPT, batch: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
     gradient reduced once (see ``GPT.__call__``).
     """
     inputs, targets, pos_T = lm_sequence(batch)
-    return next_token_loss(model(inputs, pos_T, lm_documents(batch, pos_T)), targets,
-                           lm_weights(batch, pos_T))
+    return next_token_loss(
+        model(inputs, pos_T, lm_documents(batch, pos_T)), targets, lm_weights(batch, pos_T)
+    )
 
 
 #: The GPT cut into pipeline stages: embedding first, the stacked blocks split, head and loss
@@ -323,8 +357,7 @@ STAGES = StageSplit("blocks", _lm_embed, _lm_stage, _lm_head)
 
 
 # ---- the family ------------------------------------------------------------------------------
-def task(cfg: GPTConfig, seq_len: int, documents: bool = False, loss_mask: bool = False
-         ) -> Task:
+def task(cfg: GPTConfig, seq_len: int, documents: bool = False, loss_mask: bool = False) -> Task:
     """The GPT's task: next-token prediction on windows of ``seq_len + 1`` tokens, the
     parameters from the model's initializers; with ``documents``, the windows' packed
     documents (``segments`` beside ``tokens``) attend each within itself; with
@@ -335,9 +368,15 @@ def task(cfg: GPTConfig, seq_len: int, documents: bool = False, loss_mask: bool 
         (:func:`jaxpar.task_for`, :func:`jaxpar.build`), not by the model's own module.
     """
     refuse_init_from(cfg)
-    return Task(lambda rngs: GPT(cfg, rngs=rngs), lm_loss,
-                lm_batch_axes(documents, loss_mask),
-                tokens_per_example=seq_len, stages=STAGES, name="gpt", context_parallel=True)
+    return Task(
+        lambda rngs: GPT(cfg, rngs=rngs),
+        lm_loss,
+        lm_batch_axes(documents, loss_mask),
+        tokens_per_example=seq_len,
+        stages=STAGES,
+        name="gpt",
+        context_parallel=True,
+    )
 
 
 def _without_init_from(cfg: GPTConfig) -> GPTConfig:
@@ -358,13 +397,18 @@ def _counts(cfg: GPTConfig, data: Any) -> Counts:
     return Counts(params, flops)
 
 
-GPT_FAMILY = register(Family(
-    "gpt", GPTConfig,
-    lambda cfg, data: task(_without_init_from(cfg), data.seq_len, packs_documents(data),
-                           masks_loss(data)),
-    _needs,
-    counts=_counts,
-    lab=TransformerLab(),
-    memory_fixes=lambda cfg: [] if cfg.remat == "full" else ["model.remat=full"],
-    compute_dtype=lambda cfg: cfg.dtype,
-    doc="decoder-only transformer LM; pipelines (stacked layers)"))
+GPT_FAMILY = register(
+    Family(
+        "gpt",
+        GPTConfig,
+        lambda cfg, data: task(
+            _without_init_from(cfg), data.seq_len, packs_documents(data), masks_loss(data)
+        ),
+        _needs,
+        counts=_counts,
+        lab=TransformerLab(),
+        memory_fixes=lambda cfg: [] if cfg.remat == "full" else ["model.remat=full"],
+        compute_dtype=lambda cfg: cfg.dtype,
+        doc="decoder-only transformer LM; pipelines (stacked layers)",
+    )
+)

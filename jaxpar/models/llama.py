@@ -97,8 +97,11 @@ class LlamaBlocks(nnx.Module):
 
     def stacked(self) -> dict[str, jax.Array]:
         """The stacked parameter arrays by name (what the layer scan slices)."""
-        return {n: getattr(self, n)[...] for n in (*ATTENTION, *DENSE, *EXPERTS, *SHARED)
-                if hasattr(self, n)}
+        return {
+            n: getattr(self, n)[...]
+            for n in (*ATTENTION, *DENSE, *EXPERTS, *SHARED)
+            if hasattr(self, n)
+        }
 
 
 DENSE = ("w_gate", "w_up", "w_down")
@@ -109,26 +112,30 @@ SHARED = ("s_gate", "s_up", "s_down")
 def grouped(stacked: dict[str, jax.Array], cfg: LlamaConfig) -> dict[str, jax.Array]:
     """The stacked parameters by group of ``cfg.group`` layers: [L, …] → [G, group, …]."""
     m = cfg.group
-    return {n: a.reshape(a.shape[0] // m, m, *a.shape[1:])
-            if n in ATTENTION or (n in DENSE and not cfg.n_experts) else a
-            for n, a in stacked.items()}
+    return {
+        n: a.reshape(a.shape[0] // m, m, *a.shape[1:])
+        if n in ATTENTION or (n in DENSE and not cfg.n_experts)
+        else a
+        for n, a in stacked.items()
+    }
 
 
-def layer_group(x: jax.Array, p: dict[str, jax.Array], cfg: LlamaConfig, attention: Any,
-                positions_T: Any = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+def layer_group(
+    x: jax.Array, p: dict[str, jax.Array], cfg: LlamaConfig, attention: Any, positions_T: Any = None
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """One group's pre-norm blocks: ``attention(h, layer params, j)`` then the SwiGLU MLP,
     the last block's a mixture of experts in an MoE model (its router statistics
     returned)."""
     m, stats = p["wq"].shape[0], {}
     for j in range(m):
         pj = {n: p[n][j] for n in ATTENTION if n in p}
-        x = constrain(x + attention(rms_norm(x, pj["attn_norm"], cfg.norm_eps), pj, j),
-                      RESIDUAL)
+        x = constrain(x + attention(rms_norm(x, pj["attn_norm"], cfg.norm_eps), pj, j), RESIDUAL)
         h = rms_norm(x, pj["mlp_norm"], cfg.norm_eps)
         if cfg.n_experts and j == m - 1:
             experts = dict(zip(("router", *DENSE), (p[n] for n in EXPERTS)))
-            y, stats = moe.moe_mlp(h, experts, cfg.top_k, cfg.capacity_factor, positions_T,
-                                   cfg.moe_dispatch)
+            y, stats = moe.moe_mlp(
+                h, experts, cfg.top_k, cfg.capacity_factor, positions_T, cfg.moe_dispatch
+            )
             if cfg.n_shared_experts:
                 y = y + moe.swiglu(h, dict(zip(DENSE, (p[n] for n in SHARED))))
         else:
@@ -150,14 +157,22 @@ class Llama(nnx.Module):
         if not cfg.tie_embeddings:
             self.head = param(rngs.params(), (D, V), ("embed", "vocab"), 0.02)
 
-    def __call__(self, tokens_BT: jax.Array, positions_T: np.ndarray | None = None,
-                 documents: Documents | None = None) -> jax.Array:
+    def __call__(
+        self,
+        tokens_BT: jax.Array,
+        positions_T: np.ndarray | None = None,
+        documents: Documents | None = None,
+    ) -> jax.Array:
         """Logits [B, T, V] of tokens at ``positions_T`` (0 … T-1 when None), packed as
         ``documents`` (:func:`~jaxpar.models.transformer.lm_documents`) when given."""
         return self.forward(tokens_BT, positions_T, documents)[0]
 
-    def forward(self, tokens_BT: jax.Array, positions_T: np.ndarray | None = None,
-                documents: Documents | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def forward(
+        self,
+        tokens_BT: jax.Array,
+        positions_T: np.ndarray | None = None,
+        documents: Documents | None = None,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Logits and the routers' statistics (empty for a dense model): the load-balancing
         and z-losses averaged over the MoE layers, the dropped assignments summed, each
         expert's share of the assignments averaged."""
@@ -168,18 +183,21 @@ class Llama(nnx.Module):
     def embed_tokens(self, tokens_BT: jax.Array) -> jax.Array:
         """Token embeddings [B, T, D] in the compute dtype (looked up in the whole table)."""
         if tokens_BT.shape[1] > self.cfg.max_seq_len:
-            raise ConfigError(f"sequence length {tokens_BT.shape[1]} exceeds model.max_seq_len="
-                              f"{self.cfg.max_seq_len}; raise it or lower data.seq_len")
+            raise ConfigError(
+                f"sequence length {tokens_BT.shape[1]} exceeds model.max_seq_len="
+                f"{self.cfg.max_seq_len}; raise it or lower data.seq_len"
+            )
         x = jnp.take(constrain(self.embed[...], (None, None)), tokens_BT, axis=0)
         return constrain(x.astype(jnp.dtype(self.cfg.dtype)), RESIDUAL)
 
-    def run_blocks(self, x_BTD: jax.Array, positions_T: np.ndarray,
-                   documents: Documents | None = None) -> jax.Array:
+    def run_blocks(
+        self, x_BTD: jax.Array, positions_T: np.ndarray, documents: Documents | None = None
+    ) -> jax.Array:
         return self.blocks_and_stats(x_BTD, positions_T, documents)[0]
 
-    def blocks_and_stats(self, x_BTD: jax.Array, positions_T: np.ndarray,
-                         documents: Documents | None = None
-                         ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def blocks_and_stats(
+        self, x_BTD: jax.Array, positions_T: np.ndarray, documents: Documents | None = None
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """All blocks, in order, and the routers' statistics (see :meth:`forward`); packed
         ``documents``: rotary positions within each, attention within each."""
         cfg, dtype, pos = self.cfg, x_BTD.dtype, jnp.asarray(positions_T)
@@ -188,8 +206,19 @@ class Llama(nnx.Module):
 
         def attention(h, p, j):
             q, k, v = qkv(h, p, rotated, cfg)
-            return out(attend(q, k, v, positions_T, causal=True, window=cfg.sliding_window,
-                              implementation=self.attention_impl, segments=segments), p)
+            return out(
+                attend(
+                    q,
+                    k,
+                    v,
+                    positions_T,
+                    causal=True,
+                    window=cfg.sliding_window,
+                    implementation=self.attention_impl,
+                    segments=segments,
+                ),
+                p,
+            )
 
         def body(x, p):
             return layer_group(x, moe.in_compute_dtype(p, dtype), cfg, attention, positions_T)
@@ -202,8 +231,11 @@ class Llama(nnx.Module):
     def logits(self, x_BTD: jax.Array) -> jax.Array:
         """Final RMSNorm and output layer: float32 logits [B, T, V]."""
         h = rms_norm(x_BTD, self.norm[...], self.cfg.norm_eps)
-        head = (constrain(self.embed[...], ("vocab", None)).T if self.cfg.tie_embeddings
-                else self.head[...])
+        head = (
+            constrain(self.embed[...], ("vocab", None)).T
+            if self.cfg.tie_embeddings
+            else self.head[...]
+        )
         logits = jnp.einsum("btd,dv->btv", h, head.astype(h.dtype))
         return constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))
 
@@ -212,13 +244,15 @@ class Llama(nnx.Module):
         """An empty KV cache: K and V [L, B, S, K, H] in the compute dtype."""
         return kv_cache(self.cfg, batch, self.cfg.n_kv_heads)
 
-    def decode(self, tokens_BT: jax.Array, cache: dict[str, jax.Array], start: jax.Array
-               ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def decode(
+        self, tokens_BT: jax.Array, cache: dict[str, jax.Array], start: jax.Array
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Logits [B, T, V] of T tokens at positions ``start`` … ``start+T-1`` over a cache
         holding the positions before; returns them and the cache with the new positions."""
         cfg = self.cfg
-        x = constrain(jnp.take(self.embed[...], tokens_BT, axis=0).astype(
-            jnp.dtype(cfg.dtype)), RESIDUAL)
+        x = constrain(
+            jnp.take(self.embed[...], tokens_BT, axis=0).astype(jnp.dtype(cfg.dtype)), RESIDUAL
+        )
         pos = start + jnp.arange(tokens_BT.shape[1])
         names = ("batch", None, "kv_heads", "kv")
 
@@ -228,21 +262,30 @@ class Llama(nnx.Module):
 
             def attention(h, pj, j):
                 q, k, v = qkv(h, pj, pos, cfg)
-                write = lambda c, new: constrain(jax.lax.dynamic_update_slice_in_dim(
-                    c, new.astype(c.dtype), start, axis=1), names)
+                write = lambda c, new: constrain(
+                    jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), start, axis=1),
+                    names,
+                )
                 k_cache, v_cache = write(k_group[j], k), write(v_group[j], v)
                 caches.append((k_cache, v_cache))
                 mask = cached_mask(k_cache.shape[1], pos, cfg.sliding_window)
-                return out(jax.nn.dot_product_attention(
-                    q, k_cache, v_cache, mask=mask, implementation="xla"), pj)
+                return out(
+                    jax.nn.dot_product_attention(
+                        q, k_cache, v_cache, mask=mask, implementation="xla"
+                    ),
+                    pj,
+                )
 
             x, _ = layer_group(x, moe.in_compute_dtype(p, x.dtype), cfg, attention)
             return x, tuple(jnp.stack(c) for c in zip(*caches))
 
         m = cfg.group
         by_group = lambda c: c.reshape(c.shape[0] // m, m, *c.shape[1:])  # noqa: E731
-        x, (k, v) = jax.lax.scan(body, x, (grouped(self.blocks.stacked(), cfg),
-                                           by_group(cache["k"]), by_group(cache["v"])))
+        x, (k, v) = jax.lax.scan(
+            body,
+            x,
+            (grouped(self.blocks.stacked(), cfg), by_group(cache["k"]), by_group(cache["v"])),
+        )
         k, v = (c.reshape(-1, *c.shape[2:]) for c in (k, v))
         return self.logits(x), {"k": k, "v": v}
 
@@ -273,8 +316,9 @@ def _stage(model: Llama, x: jax.Array, batch: Any, first: Any) -> Any:
     if not stats:
         return x
     cfg, groups = model.cfg, model.blocks.router.shape[0]  # the chunk's MoE layers
-    return x, moe.loss_terms(stats, groups * cfg.group / cfg.n_layers, cfg.aux_loss_coef,
-                             cfg.z_loss_coef)
+    return x, moe.loss_terms(
+        stats, groups * cfg.group / cfg.n_layers, cfg.aux_loss_coef, cfg.z_loss_coef
+    )
 
 
 def _head(model: Llama, x: jax.Array, batch: Any) -> tuple[jax.Array, dict]:
@@ -287,29 +331,48 @@ STAGES = StageSplit("blocks", _embed, _stage, _head)
 
 
 # ---- the family ------------------------------------------------------------------------------
-def task(cfg: LlamaConfig, seq_len: int, documents: bool = False, loss_mask: bool = False
-         ) -> Task:
+def task(cfg: LlamaConfig, seq_len: int, documents: bool = False, loss_mask: bool = False) -> Task:
     """The Llama's task: next-token prediction on windows of ``seq_len + 1`` tokens (with
     ``documents``, their packed documents attending each within itself; with
     ``loss_mask``, only the targets it marks counting)."""
     refuse_init_from(cfg)
-    return Task(lambda rngs: Llama(cfg, rngs=rngs), llama_loss,
-                lm_batch_axes(documents, loss_mask),
-                tokens_per_example=seq_len, name="llama", context_parallel=True, stages=STAGES)
+    return Task(
+        lambda rngs: Llama(cfg, rngs=rngs),
+        llama_loss,
+        lm_batch_axes(documents, loss_mask),
+        tokens_per_example=seq_len,
+        name="llama",
+        context_parallel=True,
+        stages=STAGES,
+    )
 
 
 def llama_counts(cfg: LlamaConfig, seq_len: int) -> tuple[int, float]:
     """Parameters and training FLOPs per example: every matmul, attention's two [T, T]
     products included; the backward twice the forward, no gradient into the lookup."""
-    L, D, N, K, H, F, V, T = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads,
-                              cfg.head_dim, cfg.d_ff, cfg.vocab_size, seq_len)
+    L, D, N, K, H, F, V, T = (
+        cfg.n_layers,
+        cfg.d_model,
+        cfg.n_heads,
+        cfg.n_kv_heads,
+        cfg.head_dim,
+        cfg.d_ff,
+        cfg.vocab_size,
+        seq_len,
+    )
     attention = 2 * D * N * H + 2 * D * K * H
     # the variants' per-layer vectors: q/k/v biases (Qwen2), q/k norms (Qwen3)
     extra = (N * H + 2 * K * H) * cfg.qkv_bias + 2 * H * cfg.qk_norm
-    mlp_params, mlp_macs = moe.mlp_counts(L, D, F, cfg.n_experts and L // cfg.group,
-                                      cfg.n_experts, cfg.top_k, cfg.n_shared_experts)
-    params = V * D + L * (2 * D + attention + extra) + mlp_params + D + (
-        0 if cfg.tie_embeddings else D * V)
+    mlp_params, mlp_macs = moe.mlp_counts(
+        L, D, F, cfg.n_experts and L // cfg.group, cfg.n_experts, cfg.top_k, cfg.n_shared_experts
+    )
+    params = (
+        V * D
+        + L * (2 * D + attention + extra)
+        + mlp_params
+        + D
+        + (0 if cfg.tie_embeddings else D * V)
+    )
     macs = L * (attention + 2 * T * N * H) + mlp_macs + D * V
     return params, 2 * 3 * T * macs
 
@@ -327,15 +390,21 @@ class LlamaLab(TransformerLab):
         return moe.dispatch_terms(cfg, layout)
 
 
-LLAMA_FAMILY = register(Family(
-    "llama", LlamaConfig,
-    lambda cfg, data: task(dataclasses.replace(cfg, init_from=""), data.seq_len,
-                           packs_documents(data), masks_loss(data)),
-    lambda cfg: DataNeeds("text", vocab_size=cfg.vocab_size, documents=True,
-                          loss_mask=True),
-    counts=lambda cfg, data: Counts(*llama_counts(cfg, data.seq_len)),
-    lab=LlamaLab(),
-    memory_fixes=lambda cfg: [] if cfg.remat == "full" else ["model.remat=full"],
-    compute_dtype=lambda cfg: cfg.dtype,
-    doc="Llama-style decoder LM: RMSNorm, SwiGLU, rotary, grouped-query attention"))
-
+LLAMA_FAMILY = register(
+    Family(
+        "llama",
+        LlamaConfig,
+        lambda cfg, data: task(
+            dataclasses.replace(cfg, init_from=""),
+            data.seq_len,
+            packs_documents(data),
+            masks_loss(data),
+        ),
+        lambda cfg: DataNeeds("text", vocab_size=cfg.vocab_size, documents=True, loss_mask=True),
+        counts=lambda cfg, data: Counts(*llama_counts(cfg, data.seq_len)),
+        lab=LlamaLab(),
+        memory_fixes=lambda cfg: [] if cfg.remat == "full" else ["model.remat=full"],
+        compute_dtype=lambda cfg: cfg.dtype,
+        doc="Llama-style decoder LM: RMSNorm, SwiGLU, rotary, grouped-query attention",
+    )
+)

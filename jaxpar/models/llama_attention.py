@@ -21,8 +21,7 @@ from jaxpar.models.rope import inv_frequencies
 from jaxpar.models.transformer import const, param, rms_norm, rotary
 
 #: Every attention parameter a layer may have (a model holds those its switches ask for).
-ATTENTION = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "bq", "bk", "bv", "q_norm",
-             "k_norm")
+ATTENTION = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "bq", "bk", "bv", "q_norm", "k_norm")
 
 
 def attention_params(cfg: Any, rngs: nnx.Rngs) -> dict[str, nnx.Param]:
@@ -38,12 +37,16 @@ def attention_params(cfg: Any, rngs: nnx.Rngs) -> dict[str, nnx.Param]:
         "mlp_norm": const(1.0, (L, D), ("layers", "embed")),
     }
     if cfg.qkv_bias:
-        out |= {"bq": const(0.0, (L, N, H), ("layers", "heads", "kv")),
-                "bk": const(0.0, (L, K, H), ("layers", "kv_heads", "kv")),
-                "bv": const(0.0, (L, K, H), ("layers", "kv_heads", "kv"))}
+        out |= {
+            "bq": const(0.0, (L, N, H), ("layers", "heads", "kv")),
+            "bk": const(0.0, (L, K, H), ("layers", "kv_heads", "kv")),
+            "bv": const(0.0, (L, K, H), ("layers", "kv_heads", "kv")),
+        }
     if cfg.qk_norm:
-        out |= {"q_norm": const(1.0, (L, H), ("layers", "kv")),
-                "k_norm": const(1.0, (L, H), ("layers", "kv"))}
+        out |= {
+            "q_norm": const(1.0, (L, H), ("layers", "kv")),
+            "k_norm": const(1.0, (L, H), ("layers", "kv")),
+        }
     return out
 
 
@@ -52,8 +55,9 @@ def rotary_frequencies(cfg: Any) -> np.ndarray:
     return inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
 
-def qkv(h_BTD: jax.Array, p: dict[str, jax.Array], pos_T: jax.Array, cfg: Any
-        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def qkv(
+    h_BTD: jax.Array, p: dict[str, jax.Array], pos_T: jax.Array, cfg: Any
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One layer's queries, keys and values [B, T, N|K, H]: projected (plus biases),
     normalized per head, rotated to positions ``pos_T``."""
     q = jnp.einsum("btd,dnh->btnh", h_BTD, p["wq"])

@@ -52,8 +52,7 @@ def in_compute_dtype(p: dict[str, jax.Array], dtype: Any) -> dict[str, jax.Array
     """Parameters in the compute dtype, but a router (float32 throughout) and experts
     (``e_*``: cast inside :func:`moe_mlp`'s ``shard_map``, so that their gradients are
     summed over the devices in float32 — and XLA:CPU aborts on bfloat16 ones there)."""
-    return {n: a if n == "router" or n.startswith("e_") else a.astype(dtype)
-            for n, a in p.items()}
+    return {n: a if n == "router" or n.startswith("e_") else a.astype(dtype) for n, a in p.items()}
 
 
 def over_layers(stats: dict[str, jax.Array]) -> dict[str, jax.Array]:
@@ -61,32 +60,42 @@ def over_layers(stats: dict[str, jax.Array]) -> dict[str, jax.Array]:
     expert's load averaged, the dropped assignments summed (empty for a dense model)."""
     if not stats:
         return {}
-    return {"balance": stats["balance"].mean(), "z": stats["z"].mean(),
-            "dropped": stats["dropped"].sum(), "load": stats["load"].mean(0)}
+    return {
+        "balance": stats["balance"].mean(),
+        "z": stats["z"].mean(),
+        "dropped": stats["dropped"].sum(),
+        "load": stats["load"].mean(0),
+    }
 
 
-def loss_terms(stats: dict[str, jax.Array], share: float, balance_coef: float,
-               z_coef: float) -> tuple[jax.Array, dict[str, jax.Array]]:
+def loss_terms(
+    stats: dict[str, jax.Array], share: float, balance_coef: float, z_coef: float
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The routers' weighted losses and their metrics (``moe_balance``, ``moe_z``,
     ``moe_dropped``, ``moe_load_<e>``) for ``share`` of the MoE layers, whose statistics
     ``stats`` averages (:func:`over_layers`): what a pipeline stage holding them adds."""
     loss = share * (balance_coef * stats["balance"] + z_coef * stats["z"])
-    return loss, {"moe_balance": share * stats["balance"], "moe_z": share * stats["z"],
-                  "moe_dropped": stats["dropped"].astype(jnp.float32),
-                  **{f"moe_load_{e}": share * v for e, v in enumerate(stats["load"])}}
+    return loss, {
+        "moe_balance": share * stats["balance"],
+        "moe_z": share * stats["z"],
+        "moe_dropped": stats["dropped"].astype(jnp.float32),
+        **{f"moe_load_{e}": share * v for e, v in enumerate(stats["load"])},
+    }
 
 
-def mlp_counts(L: int, D: int, F: int, G: int, E: int, top_k: int, S: int
-               ) -> tuple[int, int]:
+def mlp_counts(L: int, D: int, F: int, G: int, E: int, top_k: int, S: int) -> tuple[int, int]:
     """Parameters and multiply-adds per token of L SwiGLU MLPs of width F, G of them a
     mixture of E experts (each token through ``top_k`` of them and S shared ones) with a
     router: (every parameter, what a token runs)."""
-    return (3 * D * F * (L - G + G * (E + S)) + G * D * E,
-            3 * D * F * (L - G + G * (top_k + S)) + G * D * E)
+    return (
+        3 * D * F * (L - G + G * (E + S)) + G * D * E,
+        3 * D * F * (L - G + G * (top_k + S)) + G * D * E,
+    )
 
 
-def route(x_TD: jax.Array, router_DE: jax.Array, top_k: int, axes: tuple[str, ...] = ()
-          ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+def route(
+    x_TD: jax.Array, router_DE: jax.Array, top_k: int, axes: tuple[str, ...] = ()
+) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
     """Top-k routing in float32: the experts [T, k] of each token, their renormalized
     weights [T, k], and the router's statistics over the tokens of every device of mesh
     ``axes`` (summed there): ``balance`` (Switch/Mixtral's load-balancing loss,
@@ -99,14 +108,21 @@ def route(x_TD: jax.Array, router_DE: jax.Array, top_k: int, axes: tuple[str, ..
     weights = weights / weights.sum(-1, keepdims=True)
     E, n = router_DE.shape[-1], total(jnp.float32(x_TD.shape[0]))
     load = total(jnp.zeros(E, jnp.float32).at[experts.reshape(-1)].add(1.0)) / (n * top_k)
-    stats = {"balance": E * jnp.sum(load * total(probs.sum(0)) / n),
-             "z": total(jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1)))) / n,
-             "load": load}
+    stats = {
+        "balance": E * jnp.sum(load * total(probs.sum(0)) / n),
+        "z": total(jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1)))) / n,
+        "load": load,
+    }
     return experts, weights, stats
 
 
-def grouped_swiglu(x_TD: jax.Array, experts_Tk: jax.Array, weights_Tk: jax.Array,
-                   w: dict[str, jax.Array], first: Any) -> jax.Array:
+def grouped_swiglu(
+    x_TD: jax.Array,
+    experts_Tk: jax.Array,
+    weights_Tk: jax.Array,
+    w: dict[str, jax.Array],
+    first: Any,
+) -> jax.Array:
     """The weighted sum over each token's experts among ``w``'s (experts ``first`` …
     ``first + E_local - 1``) of SwiGLU(x) [T, D], dropless: the assignments sorted by
     expert, one ``ragged_dot`` per projection (the others' assignments sort last, into no
@@ -125,14 +141,16 @@ def grouped_swiglu(x_TD: jax.Array, experts_Tk: jax.Array, weights_Tk: jax.Array
 def swiglu_groups(xs: jax.Array, sizes: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
     """SwiGLU of rows ``xs`` [R, D] sorted by expert, ``sizes[j]`` of them for expert ``j``
     of ``w``'s: one ``ragged_dot`` per projection; the rows past every group give 0."""
-    h = (jax.nn.silu(jax.lax.ragged_dot(xs, w["w_gate"], sizes))
-         * jax.lax.ragged_dot(xs, w["w_up"], sizes))
+    h = jax.nn.silu(jax.lax.ragged_dot(xs, w["w_gate"], sizes)) * jax.lax.ragged_dot(
+        xs, w["w_up"], sizes
+    )
     rows = jax.lax.ragged_dot(h, w["w_down"], sizes)
     return jnp.where((jnp.arange(xs.shape[0]) < sizes.sum())[:, None], rows, 0)
 
 
-def capacity_mask(experts_BTk: jax.Array, n_experts: int, factor: float,
-                  positions_T: Any = None) -> jax.Array:
+def capacity_mask(
+    experts_BTk: jax.Array, n_experts: int, factor: float, positions_T: Any = None
+) -> jax.Array:
     """True for each assignment within its expert's capacity in its sequence,
     ``ceil(factor · T · k / n_experts)``, earliest positions first (per sequence and by
     position — ``positions_T``, when a context-parallel layout runs the tokens in another
@@ -147,9 +165,14 @@ def capacity_mask(experts_BTk: jax.Array, n_experts: int, factor: float,
     return keep[:, np.argsort(by_position)]
 
 
-def moe_mlp(h_BTD: jax.Array, p: dict[str, jax.Array], top_k: int,
-            capacity_factor: float = 0.0, positions_T: Any = None,
-            dispatch: str = "all_gather") -> tuple[jax.Array, dict[str, jax.Array]]:
+def moe_mlp(
+    h_BTD: jax.Array,
+    p: dict[str, jax.Array],
+    top_k: int,
+    capacity_factor: float = 0.0,
+    positions_T: Any = None,
+    dispatch: str = "all_gather",
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The MoE SwiGLU of ``h`` [B, T, D] with router ``p['router']`` [D, E] and experts
     ``p['w_gate']``, ``p['w_up']`` [E, D, F], ``p['w_down']`` [E, F, D]; returns the
     output [B, T, D] and the router statistics (:func:`route`) with ``dropped`` (the
@@ -163,8 +186,9 @@ def moe_mlp(h_BTD: jax.Array, p: dict[str, jax.Array], top_k: int,
     w = {n: p[n] for n in ("w_gate", "w_up", "w_down")}
     layout = active_layout()
     mesh, rules = (layout[0], layout[1]) if layout else (None, {})
-    batch_axes = tuple(a for a in rules.get("batch", ()) if mesh is not None
-                       and mesh.shape.get(a, 1) > 1)
+    batch_axes = tuple(
+        a for a in rules.get("batch", ()) if mesh is not None and mesh.shape.get(a, 1) > 1
+    )
     ep_axes = tuple(a for a in rules.get("experts", ()) if a in batch_axes)
     # inside a program already manual over batch axes (the spmd pipeline's stages), the
     # statistics are summed over those: the routing sees the whole (micro)batch
@@ -183,9 +207,14 @@ def moe_mlp(h_BTD: jax.Array, p: dict[str, jax.Array], top_k: int,
         w = {n: a.astype(dtype) for n, a in w.items()}
         if ep_axes and dispatch == "all_to_all":
             run = lambda r, s: swiglu_groups(r.astype(dtype), s, w).astype(r.dtype)  # noqa
-            y = alltoall.dispatch(h.reshape(-1, D).astype(_wire(dtype)),
-                                  experts.reshape(-1, top_k), weights.reshape(-1, top_k),
-                                  run, w["w_gate"].shape[0], ep_axes)
+            y = alltoall.dispatch(
+                h.reshape(-1, D).astype(_wire(dtype)),
+                experts.reshape(-1, top_k),
+                weights.reshape(-1, top_k),
+                run,
+                w["w_gate"].shape[0],
+                ep_axes,
+            )
             return y.astype(dtype).reshape(-1, T, D), stats
         if ep_axes:  # gather the group's tokens: each device runs its experts on them all
             gather = functools.partial(jax.lax.all_gather, axis_name=ep_axes, tiled=True)
@@ -193,23 +222,28 @@ def moe_mlp(h_BTD: jax.Array, p: dict[str, jax.Array], top_k: int,
             experts, weights = gather(experts), gather(weights)
         first = jax.lax.axis_index(ep_axes) * w["w_gate"].shape[0] if ep_axes else 0
         n = h.shape[0] * T
-        y = grouped_swiglu(h.reshape(n, D), experts.reshape(n, top_k),
-                           weights.reshape(n, top_k), w, first).reshape(-1, T, D)
+        y = grouped_swiglu(
+            h.reshape(n, D), experts.reshape(n, top_k), weights.reshape(n, top_k), w, first
+        ).reshape(-1, T, D)
         if ep_axes:  # each device's partial sums back to the tokens' devices
-            y = jax.lax.psum_scatter(y.astype(_wire(dtype)), ep_axes, scatter_dimension=0,
-                                     tiled=True).astype(dtype)
+            y = jax.lax.psum_scatter(
+                y.astype(_wire(dtype)), ep_axes, scatter_dimension=0, tiled=True
+            ).astype(dtype)
         return y, stats
 
     if ep_axes and dispatch == "all_to_all":
         alltoall.refuse_on_cpu()
     if batch_axes:
         bspec = PartitionSpec(batch_axes if len(batch_axes) > 1 else batch_axes[0])
-        wspec = PartitionSpec((ep_axes if len(ep_axes) > 1 else ep_axes[0]) if ep_axes
-                              else None)
-        local = jax.shard_map(local, mesh=mesh,
-                              in_specs=(bspec, PartitionSpec(), {n: wspec for n in w}),
-                              out_specs=(bspec, PartitionSpec()), axis_names=set(batch_axes),
-                              check_vma=False)
+        wspec = PartitionSpec((ep_axes if len(ep_axes) > 1 else ep_axes[0]) if ep_axes else None)
+        local = jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(bspec, PartitionSpec(), {n: wspec for n in w}),
+            out_specs=(bspec, PartitionSpec()),
+            axis_names=set(batch_axes),
+            check_vma=False,
+        )
     y, stats = local(h_BTD, p["router"], w)
     return constrain(y, ("batch", "seq", "act_embed")), stats
 
@@ -217,8 +251,9 @@ def moe_mlp(h_BTD: jax.Array, p: dict[str, jax.Array], top_k: int,
 def _manual_batch_axes(mesh: Any) -> tuple[str, ...]:
     """The batch axes (``data``, ``fsdp``) the program being traced is manual over."""
     manual = getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) or ()
-    return tuple(a for a in ("data", "fsdp") if a in manual and mesh is not None
-                 and mesh.shape.get(a, 1) > 1)
+    return tuple(
+        a for a in ("data", "fsdp") if a in manual and mesh is not None and mesh.shape.get(a, 1) > 1
+    )
 
 
 def _wire(dtype: Any) -> Any:
@@ -238,8 +273,10 @@ def dispatch_terms(cfg: Any, layout: LabLayout) -> list[Term]:
     e = expert_degree(layout)
     if e == 1 or not layers or layout.stages is not None:  # pipelines: jaxpar/lab/staged.py
         return []
-    k, seq = layout.grad_accum, layout.seq_len // math.prod(
-        layout.sizes[a] for a in layout.rules.get("seq", ()))
+    k, seq = (
+        layout.grad_accum,
+        layout.seq_len // math.prod(layout.sizes[a] for a in layout.rules.get("seq", ())),
+    )
     itemsize = 4 if layout.cpu else jnp.dtype(cfg.dtype).itemsize
     tokens = layout.rows * e * seq / k  # a group's tokens, per microbatch
     times = k * layers
@@ -251,17 +288,40 @@ def dispatch_terms(cfg: Any, layout: LabLayout) -> list[Term]:
         # (not measured: XLA:CPU does not compile ragged_all_to_all; the count exchanges'
         # e·E/e integers left out)
         rows = tokens / e * cfg.top_k * cfg.d_model * itemsize
-        return [Term("all-to-all", "experts: routed rows there and back", rows, e, 2 * again),
-                Term("all-to-all", "experts: their gradients back and there", rows, e,
-                     2 * times)]
-    return [Term("all-gather", "experts: tokens and routing gathered",
-                 tokens * (cfg.d_model * itemsize + 8 * cfg.top_k), e, again),
-            Term("reduce-scatter", "experts: outputs reduce-scattered",
-                 tokens * cfg.d_model * itemsize, e, times),
-            Term("all-gather", "experts: output gradients gathered",
-                 tokens * cfg.d_model * itemsize, e, times),
-            Term("reduce-scatter", "experts: input and weight gradients reduce-scattered",
-                 tokens * (cfg.d_model * itemsize + 4 * cfg.top_k), e, times)]
+        return [
+            Term("all-to-all", "experts: routed rows there and back", rows, e, 2 * again),
+            Term("all-to-all", "experts: their gradients back and there", rows, e, 2 * times),
+        ]
+    return [
+        Term(
+            "all-gather",
+            "experts: tokens and routing gathered",
+            tokens * (cfg.d_model * itemsize + 8 * cfg.top_k),
+            e,
+            again,
+        ),
+        Term(
+            "reduce-scatter",
+            "experts: outputs reduce-scattered",
+            tokens * cfg.d_model * itemsize,
+            e,
+            times,
+        ),
+        Term(
+            "all-gather",
+            "experts: output gradients gathered",
+            tokens * cfg.d_model * itemsize,
+            e,
+            times,
+        ),
+        Term(
+            "reduce-scatter",
+            "experts: input and weight gradients reduce-scattered",
+            tokens * (cfg.d_model * itemsize + 4 * cfg.top_k),
+            e,
+            times,
+        ),
+    ]
 
 
 def expert_degree(layout: LabLayout) -> int:
@@ -307,11 +367,24 @@ def tensor_terms(cfg: Any, layout: LabLayout, dense: list[Term]) -> list[Term]:
             counted, forward = 2, 1 if layout.residuals else 2
     n = passes * layers
     mlps = (cfg.moe_every - 1) * (again and cfg.remat == "full") - (
-        0 if cfg.n_shared_experts else counted + 2)
+        0 if cfg.n_shared_experts else counted + 2
+    )
     rows = megatron.payload_bytes * cfg.top_k * expert_degree(layout)
-    return [dataclasses.replace(x, times=x.times + n * mlps) if x is megatron else x
-            for x in dense] + [
-        Term("all-reduce", "experts: routed outputs all-reduced over tensor", rows,
-             megatron.group, n * (forward + again)),
-        Term("all-reduce", "experts: routed input gradients all-reduced over tensor", rows,
-             megatron.group, n * 2)]
+    return [
+        dataclasses.replace(x, times=x.times + n * mlps) if x is megatron else x for x in dense
+    ] + [
+        Term(
+            "all-reduce",
+            "experts: routed outputs all-reduced over tensor",
+            rows,
+            megatron.group,
+            n * (forward + again),
+        ),
+        Term(
+            "all-reduce",
+            "experts: routed input gradients all-reduced over tensor",
+            rows,
+            megatron.group,
+            n * 2,
+        ),
+    ]

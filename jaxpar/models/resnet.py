@@ -54,8 +54,14 @@ from jaxpar.task import DataNeeds, Layers, Task
 #: ``model.depth`` values
 Depth = Literal[10, 18, 34, 50, 101, 152]
 #: blocks per stage, and whether they are bottlenecks, by depth
-DEPTHS = {10: ((1, 1, 1, 1), False), 18: ((2, 2, 2, 2), False), 34: ((3, 4, 6, 3), False),
-          50: ((3, 4, 6, 3), True), 101: ((3, 4, 23, 3), True), 152: ((3, 8, 36, 3), True)}
+DEPTHS = {
+    10: ((1, 1, 1, 1), False),
+    18: ((2, 2, 2, 2), False),
+    34: ((3, 4, 6, 3), False),
+    50: ((3, 4, 6, 3), True),
+    101: ((3, 4, 23, 3), True),
+    152: ((3, 8, 36, 3), True),
+}
 assert tuple(DEPTHS) == typing.get_args(Depth)
 _STREAM = ("batch", None, None, "act_embed")
 _SPLIT = ("batch", None, None, "mlp")
@@ -65,12 +71,15 @@ _SPLIT = ("batch", None, None, "mlp")
 class ResNetConfig(ModelConfig):
     """``model.*`` keys of ``model.name=resnet``."""
 
-    depth: Depth = Field(50, description="ResNet-10/18/34 (basic blocks) or 50/101/152 "
-                                         "(bottlenecks)")
+    depth: Depth = Field(
+        50, description="ResNet-10/18/34 (basic blocks) or 50/101/152 (bottlenecks)"
+    )
     width: int = Field(64, ge=1, description="channels of the first stage (doubling per stage)")
     stem: Literal["imagenet", "small"] = Field(
-        "imagenet", description="imagenet: 7×7 stride-2 conv and 3×3 max pool; small: one 3×3 "
-                                "conv (8×8 or 32×32 images)")
+        "imagenet",
+        description="imagenet: 7×7 stride-2 conv and 3×3 max pool; small: one 3×3 "
+        "conv (8×8 or 32×32 images)",
+    )
     num_classes: int = Field(1000, ge=2, description="classes (labels 0 … num_classes−1)")
     dtype: Dtype = Field("float32", description="compute dtype (parameters stay float32)")
 
@@ -79,28 +88,45 @@ def _named(*names: str | None, init: Any = nnx.initializers.lecun_normal()) -> A
     return nnx.with_partitioning(init, names)
 
 
-def _conv(c_in: int, c_out: int, size: int, stride: int, names: tuple, rngs: nnx.Rngs,
-          dtype: Any) -> nnx.Conv:
+def _conv(
+    c_in: int, c_out: int, size: int, stride: int, names: tuple, rngs: nnx.Rngs, dtype: Any
+) -> nnx.Conv:
     init = nnx.initializers.variance_scaling(2.0, "fan_out", "normal")  # He init
-    return nnx.Conv(c_in, c_out, (size, size), strides=stride, padding="SAME", use_bias=False,
-                    kernel_init=_named("conv_h", "conv_w", *names, init=init), dtype=dtype,
-                    rngs=rngs)
+    return nnx.Conv(
+        c_in,
+        c_out,
+        (size, size),
+        strides=stride,
+        padding="SAME",
+        use_bias=False,
+        kernel_init=_named("conv_h", "conv_w", *names, init=init),
+        dtype=dtype,
+        rngs=rngs,
+    )
 
 
-def _norm(channels: int, name: str, rngs: nnx.Rngs, dtype: Any, zero: bool = False
-          ) -> nnx.BatchNorm:
+def _norm(
+    channels: int, name: str, rngs: nnx.Rngs, dtype: Any, zero: bool = False
+) -> nnx.BatchNorm:
     ones, zeros = nnx.initializers.ones_init(), nnx.initializers.zeros_init()
-    return nnx.BatchNorm(channels, momentum=0.9, epsilon=1e-5, dtype=dtype,
-                         scale_init=_named(name, init=zeros if zero else ones),
-                         bias_init=_named(name, init=zeros), rngs=rngs)
+    return nnx.BatchNorm(
+        channels,
+        momentum=0.9,
+        epsilon=1e-5,
+        dtype=dtype,
+        scale_init=_named(name, init=zeros if zero else ones),
+        bias_init=_named(name, init=zeros),
+        rngs=rngs,
+    )
 
 
 class Block(nnx.Module):
     """A residual block: basic (two 3×3) or bottleneck (1×1, 3×3, 1×1); the last
     BatchNorm's scale starts at zero, so each block starts as the identity."""
 
-    def __init__(self, c_in: int, width: int, stride: int, bottleneck: bool, *,
-                 rngs: nnx.Rngs, dtype: Any):
+    def __init__(
+        self, c_in: int, width: int, stride: int, bottleneck: bool, *, rngs: nnx.Rngs, dtype: Any
+    ):
         c_out = 4 * width if bottleneck else width
         if bottleneck:
             self.reduce = _conv(c_in, width, 1, 1, ("embed", "conv_out"), rngs, dtype)
@@ -110,8 +136,7 @@ class Block(nnx.Module):
         first = width if bottleneck else c_in
         self.conv1 = _conv(first, width, 3, stride, ("embed", "mlp"), rngs, dtype)
         self.norm1 = _norm(width, "mlp", rngs, dtype)
-        self.conv2 = _conv(width, c_out, 1 if bottleneck else 3, 1, ("mlp", "embed"), rngs,
-                           dtype)
+        self.conv2 = _conv(width, c_out, 1 if bottleneck else 3, 1, ("mlp", "embed"), rngs, dtype)
         self.norm2 = _norm(c_out, "embed", rngs, dtype, zero=True)
         if stride != 1 or c_in != c_out:
             self.shortcut = _conv(c_in, c_out, 1, stride, ("conv_in", "embed"), rngs, dtype)
@@ -133,8 +158,17 @@ class Stage(nnx.Module):
     """The blocks of one stage: the first (it may change the width and stride), then
     ``n − 1`` identical blocks stacked on a ``layers`` dim and scanned."""
 
-    def __init__(self, c_in: int, width: int, n: int, stride: int, bottleneck: bool, *,
-                 rngs: nnx.Rngs, dtype: Any):
+    def __init__(
+        self,
+        c_in: int,
+        width: int,
+        n: int,
+        stride: int,
+        bottleneck: bool,
+        *,
+        rngs: nnx.Rngs,
+        dtype: Any,
+    ):
         self.first = Block(c_in, width, stride, bottleneck, rngs=rngs, dtype=dtype)
         c_out = 4 * width if bottleneck else width
 
@@ -166,30 +200,45 @@ class ResNet(nnx.Module):
         w = cfg.width
         big = cfg.stem == "imagenet"
         self.cfg = cfg
-        self.stem = _conv(channels, w, 7 if big else 3, 2 if big else 1, ("conv_in", "embed"),
-                          rngs, dtype)
+        self.stem = _conv(
+            channels, w, 7 if big else 3, 2 if big else 1, ("conv_in", "embed"), rngs, dtype
+        )
         self.stem_norm = _norm(w, "embed", rngs, dtype)
         stages, c = [], w
         for i, n in enumerate(counts):
-            width = w * 2 ** i
-            stages.append(Stage(c, width, n, 1 if i == 0 else 2, bottleneck, rngs=rngs,
-                                dtype=dtype))
+            width = w * 2**i
+            stages.append(
+                Stage(c, width, n, 1 if i == 0 else 2, bottleneck, rngs=rngs, dtype=dtype)
+            )
             c = 4 * width if bottleneck else width
         self.stages = nnx.List(stages)
-        self.head = nnx.Linear(c, cfg.num_classes, kernel_init=_named("embed", "classes"),
-                               bias_init=_named("classes", init=nnx.initializers.zeros_init()),
-                               rngs=rngs)
+        self.head = nnx.Linear(
+            c,
+            cfg.num_classes,
+            kernel_init=_named("embed", "classes"),
+            bias_init=_named("classes", init=nnx.initializers.zeros_init()),
+            rngs=rngs,
+        )
 
     def layers(self) -> list[Any]:
         """The forward as a sequence of layers (modules and functions), in order: what a
         pipeline cuts into stages by layer (``jaxpar.Layers``)."""
         dtype = jnp.dtype(self.cfg.dtype)
-        layers = [lambda x: constrain(x.astype(dtype), ("batch", None, None, None)),
-                  self.stem, self.stem_norm, nnx.relu]
+        layers = [
+            lambda x: constrain(x.astype(dtype), ("batch", None, None, None)),
+            self.stem,
+            self.stem_norm,
+            nnx.relu,
+        ]
         if self.cfg.stem == "imagenet":
             layers.append(lambda x: nnx.max_pool(x, (3, 3), strides=(2, 2), padding="SAME"))
-        return [*layers, lambda x: constrain(x, _STREAM), *self.stages,
-                lambda x: x.astype(jnp.float32).mean(axis=(1, 2)), self.head]
+        return [
+            *layers,
+            lambda x: constrain(x, _STREAM),
+            *self.stages,
+            lambda x: x.astype(jnp.float32).mean(axis=(1, 2)),
+            self.head,
+        ]
 
     def __call__(self, images_BHWC: jax.Array) -> jax.Array:
         x = images_BHWC
@@ -207,7 +256,7 @@ def _blocks(cfg: ResNetConfig, image_shape: tuple[int, int, int]):
     counts, bottleneck = DEPTHS[cfg.depth]
     c, out = cfg.width, []
     for i, n in enumerate(counts):
-        width = cfg.width * 2 ** i
+        width = cfg.width * 2**i
         c_out = 4 * width if bottleneck else width
         for j in range(n):
             stride = 2 if i > 0 and j == 0 else 1
@@ -230,14 +279,17 @@ def _counts(cfg: ResNetConfig, data: Any) -> Counts:
         ho, wo = -(-h // stride), -(-w // stride)
         # the 3×3 convolution strides (in a bottleneck the 1×1 before it runs at the input's
         # resolution)
-        convs = ([(h, w, 1, c_in, width), (ho, wo, 9, width, width), (ho, wo, 1, width, c_out)]
-                 if bottleneck else [(ho, wo, 9, c_in, width), (ho, wo, 9, width, c_out)])
+        convs = (
+            [(h, w, 1, c_in, width), (ho, wo, 9, width, width), (ho, wo, 1, width, c_out)]
+            if bottleneck
+            else [(ho, wo, 9, c_in, width), (ho, wo, 9, width, c_out)]
+        )
         if stride != 1 or c_in != c_out:
             convs.append((ho, wo, 1, c_in, c_out))
         for oh, ow, k, a, b in convs:
             macs += oh * ow * k * a * b
             params += k * a * b + 2 * b
-    c = cfg.width * 2 ** 3 * (4 if bottleneck else 1)
+    c = cfg.width * 2**3 * (4 if bottleneck else 1)
     macs += c * cfg.num_classes
     params += c * cfg.num_classes + cfg.num_classes
     return Counts(params, 2 * (3 * (first + macs) - first))
@@ -261,24 +313,38 @@ class _ResNetLab(LabModel):
             forward += rows * -(-h // stride) * -(-w // stride) * c_out * act
             # conv1's input: the block's (basic), the 1×1 reduction's output (bottleneck)
             backward += rows * h * w * (width if DEPTHS[cfg.depth][1] else c_in) * act
-        return [Term("all-reduce", "row-parallel conv outputs (forward)", forward / k, t, k),
-                Term("all-reduce", "column-parallel conv input gradients (backward)",
-                     backward / k, t, k)]
+        return [
+            Term("all-reduce", "row-parallel conv outputs (forward)", forward / k, t, k),
+            Term(
+                "all-reduce", "column-parallel conv input gradients (backward)", backward / k, t, k
+            ),
+        ]
 
 
 def task(cfg: ResNetConfig, channels: int) -> Task:
     """The ResNet's task: classify images of ``channels`` channels (any height and width)."""
-    return Task(lambda rngs: ResNet(cfg, channels, rngs=rngs), classification_loss, IMAGE_AXES,
-                name=f"resnet{cfg.depth}",
-                layers=Layers(inputs="images", loss=logits_loss, of=ResNet.layers))
+    return Task(
+        lambda rngs: ResNet(cfg, channels, rngs=rngs),
+        classification_loss,
+        IMAGE_AXES,
+        name=f"resnet{cfg.depth}",
+        layers=Layers(inputs="images", loss=logits_loss, of=ResNet.layers),
+    )
 
 
 def _needs(cfg: ResNetConfig) -> DataNeeds:
     return DataNeeds("images", num_classes=cfg.num_classes)
 
 
-RESNET = register(Family("resnet", ResNetConfig,
-                         lambda cfg, data: task(cfg, data.image_shape[-1]), _needs, counts=_counts,
-                         lab=_ResNetLab(), compute_dtype=lambda cfg: cfg.dtype,
-                         doc="ResNet-10 … 152 with BatchNorm; convolutions split by channel "
-                             "under tensor"))
+RESNET = register(
+    Family(
+        "resnet",
+        ResNetConfig,
+        lambda cfg, data: task(cfg, data.image_shape[-1]),
+        _needs,
+        counts=_counts,
+        lab=_ResNetLab(),
+        compute_dtype=lambda cfg: cfg.dtype,
+        doc="ResNet-10 … 152 with BatchNorm; convolutions split by channel under tensor",
+    )
+)

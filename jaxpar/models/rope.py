@@ -37,8 +37,9 @@ class RopeScaling:
     original_max_len: int = 8192
 
 
-def inv_frequencies(head_dim: int, theta: float,
-                    scaling: RopeScaling = RopeScaling()) -> np.ndarray:
+def inv_frequencies(
+    head_dim: int, theta: float, scaling: RopeScaling = RopeScaling()
+) -> np.ndarray:
     """The ``head_dim / 2`` inverse frequencies (float32) of a rotary embedding."""
     exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim
     inv_freq = (1.0 / (np.float32(theta) ** exponent)).astype(np.float32)
@@ -56,8 +57,10 @@ def _llama3(inv_freq: np.ndarray, s: RopeScaling) -> np.ndarray:
     high_wavelen = s.original_max_len / s.high_freq_factor
     wavelen = f32(2 * math.pi) / inv_freq
     scaled = np.where(wavelen > low_wavelen, inv_freq / f32(s.factor), inv_freq).astype(f32)
-    smooth = ((s.original_max_len / wavelen - s.low_freq_factor)
-              / (s.high_freq_factor - s.low_freq_factor)).astype(f32)
+    smooth = (
+        (s.original_max_len / wavelen - s.low_freq_factor)
+        / (s.high_freq_factor - s.low_freq_factor)
+    ).astype(f32)
     smoothed = ((1 - smooth) * scaled / f32(s.factor) + smooth * scaled).astype(f32)
     medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
     return np.where(medium, smoothed, scaled).astype(f32)

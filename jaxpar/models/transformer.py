@@ -53,12 +53,14 @@ def check_heads(cfg: Any, rotary: bool = False) -> None:
     if cfg.d_model % cfg.n_heads:
         raise ConfigError(
             f"model.d_model={cfg.d_model} is not divisible by model.n_heads={cfg.n_heads}; "
-            "change one of them")
+            "change one of them"
+        )
     if rotary and (cfg.d_model // cfg.n_heads) % 2:
         raise ConfigError(
             f"rotary positions need an even head dim; d_model/n_heads = "
             f"{cfg.d_model // cfg.n_heads}: change model.d_model or model.n_heads, or use "
-            "model.positions=learned")
+            "model.positions=learned"
+        )
 
 
 def param(key: jax.Array, shape: tuple[int, ...], axes: tuple[str, ...], scale: float) -> nnx.Param:
@@ -95,8 +97,20 @@ class Blocks(nnx.Module):
 
     def stacked(self) -> dict[str, jax.Array]:
         """The stacked parameter arrays by name (what the layer scan slices)."""
-        names = ("ln1_scale", "ln1_bias", "wq", "wk", "wv", "wo",
-                 "ln2_scale", "ln2_bias", "w_in", "b_in", "w_out", "b_out")
+        names = (
+            "ln1_scale",
+            "ln1_bias",
+            "wq",
+            "wk",
+            "wv",
+            "wo",
+            "ln2_scale",
+            "ln2_bias",
+            "w_in",
+            "b_in",
+            "w_out",
+            "b_out",
+        )
         names += ("bq", "bk", "bv", "bo") if hasattr(self, "bq") else ()
         return {n: getattr(self, n)[...] for n in names}
 
@@ -117,8 +131,12 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return y.astype(x.dtype)
 
 
-def rotary(x_BTNH: jax.Array, positions_T: jax.Array | None = None,
-           theta: float = 10000.0, inv_freq: np.ndarray | None = None) -> jax.Array:
+def rotary(
+    x_BTNH: jax.Array,
+    positions_T: jax.Array | None = None,
+    theta: float = 10000.0,
+    inv_freq: np.ndarray | None = None,
+) -> jax.Array:
     """Rotary position embedding (half-split form, as Hugging Face's ``rotate_half``) over
     the head dim, at ``positions_T`` [T] or [B, T] (default 0 … T-1; a KV-cache step
     passes its own; packed documents, each token's position within its document),
@@ -173,22 +191,30 @@ def attention_implementation(cfg: Any, backend: str | None = None) -> str:
             raise ConfigError(
                 f"model.attention=cudnn needs an NVIDIA GPU (cuDNN); JAX's backend here is "
                 f"{backend}: use model.attention=auto (cuDNN where it runs, XLA elsewhere) "
-                "or model.attention=xla")
+                "or model.attention=xla"
+            )
         if cfg.dtype not in _CUDNN_DTYPES:
             raise ConfigError(
                 f"model.attention=cudnn needs bfloat16 compute, got model.dtype={cfg.dtype}: "
-                "set model.dtype=bfloat16, or use model.attention=auto or xla")
+                "set model.dtype=bfloat16, or use model.attention=auto or xla"
+            )
         if H % 8:
             raise ConfigError(
                 f"model.attention=cudnn needs a head dim that is a multiple of 8; "
-                f"model.d_model/model.n_heads = {H}: change them, or use model.attention=xla")
+                f"model.d_model/model.n_heads = {H}: change them, or use model.attention=xla"
+            )
     return cfg.attention
 
 
-def attention(h_BTD: jax.Array, p: dict[str, jax.Array], use_rotary: bool,
-              implementation: str = "xla", causal: bool = True,
-              positions_T: np.ndarray | None = None, documents: Documents | None = None
-              ) -> jax.Array:
+def attention(
+    h_BTD: jax.Array,
+    p: dict[str, jax.Array],
+    use_rotary: bool,
+    implementation: str = "xla",
+    causal: bool = True,
+    positions_T: np.ndarray | None = None,
+    documents: Documents | None = None,
+) -> jax.Array:
     """Multi-head self-attention (causal or not) through ``jax.nn.dot_product_attention``,
     across the ``context`` axis when the layout splits the sequence
     (:func:`jaxpar.context.attend`); ``positions_T``: the tokens' positions (their
@@ -205,8 +231,9 @@ def attention(h_BTD: jax.Array, p: dict[str, jax.Array], use_rotary: bool,
         pos = pos if documents is None else documents.positions
         q, k = rotary(q, pos), rotary(k, pos)
     segments = None if documents is None else documents.segments
-    o_BTNH = attend(q, k, v, positions_T, causal=causal, implementation=implementation,
-                    segments=segments)
+    o_BTNH = attend(
+        q, k, v, positions_T, causal=causal, implementation=implementation, segments=segments
+    )
     return attention_out(o_BTNH, p)
 
 
@@ -231,9 +258,11 @@ def refuse_init_from(cfg: Any) -> None:
       ConfigError: for a config with ``init_from`` set.
     """
     if cfg.init_from:
-        raise ConfigError(f"model.init_from={cfg.init_from}: the weights of a Hugging Face "
-                          "directory are read by jaxpar.task_for(config) (and jaxpar.build); "
-                          "call that, or build this task without init_from")
+        raise ConfigError(
+            f"model.init_from={cfg.init_from}: the weights of a Hugging Face "
+            "directory are read by jaxpar.task_for(config) (and jaxpar.build); "
+            "call that, or build this task without init_from"
+        )
 
 
 def kv_cache(cfg: Any, batch: int, heads: int) -> dict[str, jax.Array]:
@@ -279,8 +308,9 @@ def lm_weights(batch: Any, pos_T: np.ndarray) -> jax.Array | None:
     return order(batch["loss_weights"][:, 1:], pos_T)
 
 
-def lm_batch_axes(documents: bool = False, loss_mask: bool = False
-                  ) -> dict[str, tuple[str | None, ...]]:
+def lm_batch_axes(
+    documents: bool = False, loss_mask: bool = False
+) -> dict[str, tuple[str | None, ...]]:
     """A language model's batch entries: ``tokens`` [B, T+1], with ``documents`` their
     ``segments`` [B, T+1] (``data.pack=documents``), with ``loss_mask`` its [B, T+1]
     (fine-tuning records)."""
@@ -299,8 +329,9 @@ def masks_loss(data: Any) -> bool:
     return bool(getattr(data, "loss_mask", False))
 
 
-def next_token_loss(logits: jax.Array, targets: jax.Array, weights: jax.Array | None = None
-                    ) -> tuple[jax.Array, dict]:
+def next_token_loss(
+    logits: jax.Array, targets: jax.Array, weights: jax.Array | None = None
+) -> tuple[jax.Array, dict]:
     """Mean next-token cross entropy (the same in any order the layout runs the tokens),
     each target's weighed by ``weights`` [B, T] when given (:func:`lm_weights`)."""
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
@@ -321,9 +352,14 @@ def mlp(h_BTD: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
     return jnp.einsum("btf,fd->btd", u_BTF, p["w_out"]) + p["b_out"]
 
 
-def block(x_BTD: jax.Array, p: dict[str, jax.Array], use_rotary: bool,
-          implementation: str = "xla", positions_T: np.ndarray | None = None,
-          documents: Documents | None = None) -> jax.Array:
+def block(
+    x_BTD: jax.Array,
+    p: dict[str, jax.Array],
+    use_rotary: bool,
+    implementation: str = "xla",
+    positions_T: np.ndarray | None = None,
+    documents: Documents | None = None,
+) -> jax.Array:
     """One pre-norm causal transformer block (``implementation``, ``positions_T``,
     ``documents``: see :func:`attention`)."""
     h = layer_norm(x_BTD, p["ln1_scale"], p["ln1_bias"])

@@ -53,18 +53,31 @@ def transformer_tensor_terms(cfg: Any, layout: LabLayout, backward: int = 2) -> 
         times, layers, div = ticks * k, cfg.n_layers // (p * v), m * k
     else:
         times, layers, div = k, cfg.n_layers, k
-    terms = [Term("all-reduce", "Megatron activation all-reduces", activation / div, t,
-                  times * ((2 + backward + forward_again) * layers + 1)),
-             Term("all-reduce", "cross-entropy statistics", rows * seq * 4 / div, t, 3 * times)]
+    terms = [
+        Term(
+            "all-reduce",
+            "Megatron activation all-reduces",
+            activation / div,
+            t,
+            times * ((2 + backward + forward_again) * layers + 1),
+        ),
+        Term("all-reduce", "cross-entropy statistics", rows * seq * 4 / div, t, 3 * times),
+    ]
     if "tensor" in layout.rules.get("vocab", ()):
         # loop-invariant: XLA gathers the table once for all microbatches
-        terms.append(Term("all-gather", "embedding table gather", cfg.vocab_size * d * 4,
-                          t, times if layout.stages is not None else 1))
+        terms.append(
+            Term(
+                "all-gather",
+                "embedding table gather",
+                cfg.vocab_size * d * 4,
+                t,
+                times if layout.stages is not None else 1,
+            )
+        )
     return terms
 
 
-def _first_stage_terms(cfg: Any, layout: LabLayout, activation: float, backward: int
-                       ) -> list[Term]:
+def _first_stage_terms(cfg: Any, layout: LabLayout, activation: float, backward: int) -> list[Term]:
     """A device of the first stage under the sub-mesh pipeline, a program per action: each
     microbatch's forward all-reduces twice a layer, its backward (or weight-gradient half:
     the first chunk has no input gradient) four times — the recomputed forward's and both
@@ -72,11 +85,25 @@ def _first_stage_terms(cfg: Any, layout: LabLayout, activation: float, backward:
     t, k = layout.sizes["tensor"], layout.grad_accum
     _, p, v, m = layout.stages
     layers = cfg.n_layers // (p * v)
-    terms = [Term("all-reduce", "Megatron activation all-reduces", activation / (m * k), t,
-                  m * k * (4 + backward) * layers)]
+    terms = [
+        Term(
+            "all-reduce",
+            "Megatron activation all-reduces",
+            activation / (m * k),
+            t,
+            m * k * (4 + backward) * layers,
+        )
+    ]
     if "tensor" in layout.rules.get("vocab", ()):
-        terms.append(Term("all-gather", "embedding table gather",
-                          cfg.vocab_size * cfg.d_model * 4, t, 2 * m * k))
+        terms.append(
+            Term(
+                "all-gather",
+                "embedding table gather",
+                cfg.vocab_size * cfg.d_model * 4,
+                t,
+                2 * m * k,
+            )
+        )
     return terms
 
 
@@ -94,30 +121,55 @@ def transformer_context_terms(cfg: Any, layout: LabLayout) -> list[Term]:
     # grouped-query attention gathers its K key/value heads, unless they are repeated to
     # the query heads first (ring, or key/value heads not split as the query heads are)
     rules, n_kv = layout.rules, getattr(cfg, "n_kv_heads", cfg.n_heads)
-    grouped = (n_kv != cfg.n_heads and layout.context != "ring"
-               and rules.get("kv_heads", ()) == rules.get("heads", ()))
+    grouped = (
+        n_kv != cfg.n_heads
+        and layout.context != "ring"
+        and rules.get("kv_heads", ()) == rules.get("heads", ())
+    )
     width = (n_kv if grouped else cfg.n_heads) * cfg.head_dim
     heads = math.prod(layout.sizes[a] for a in rules.get("kv_heads" if grouped else "heads", ()))
     itemsize = 4 if layout.cpu else jnp.dtype(cfg.dtype).itemsize
     kv = layout.rows * T * width // heads * itemsize / k  # one of K, V: whole sequence
     # measured: a tied table's two gradients (the lookup's, the head's) reduced apart
-    tied = ([Term("all-reduce", "context: tied table gradient reduced over context",
-                  cfg.vocab_size * cfg.d_model * 4, c)]
-            if getattr(cfg, "tie_embeddings", False) else [])
+    tied = (
+        [
+            Term(
+                "all-reduce",
+                "context: tied table gradient reduced over context",
+                cfg.vocab_size * cfg.d_model * 4,
+                c,
+            )
+        ]
+        if getattr(cfg, "tie_embeddings", False)
+        else []
+    )
     if layout.context == "ring":  # a custom VJP: a rematerialized block keeps its result
         block = kv / c
-        return [*tied,
-                Term("collective-permute", "context: K and V blocks round the ring", block, c,
-                     k * L * 2 * (c - 1) * 2),
-                Term("collective-permute", "context: dK and dV blocks home",  # float32
-                     block * 4 / itemsize, c, k * L * 2 * c),
-                Term("collective-permute", "context: positions round the ring", T // c * 4,
-                     c, c - 1)]
+        return [
+            *tied,
+            Term(
+                "collective-permute",
+                "context: K and V blocks round the ring",
+                block,
+                c,
+                k * L * 2 * (c - 1) * 2,
+            ),
+            Term(
+                "collective-permute",
+                "context: dK and dV blocks home",  # float32
+                block * 4 / itemsize,
+                c,
+                k * L * 2 * c,
+            ),
+            Term("collective-permute", "context: positions round the ring", T // c * 4, c, c - 1),
+        ]
     forward = 2 if cfg.remat != "none" else 1
-    return [*tied,
-            Term("all-gather", "context: K and V gathered", kv, c, k * L * 2 * forward),
-            Term("reduce-scatter", "context: dK and dV reduce-scattered", kv, c, k * L * 2),
-            Term("all-gather", "context: positions gathered", T * 4, c, 1)]
+    return [
+        *tied,
+        Term("all-gather", "context: K and V gathered", kv, c, k * L * 2 * forward),
+        Term("reduce-scatter", "context: dK and dV reduce-scattered", kv, c, k * L * 2),
+        Term("all-gather", "context: positions gathered", T * 4, c, 1),
+    ]
 
 
 class TransformerLab(LabModel):

@@ -5,5 +5,12 @@ executor's tick table (:mod:`~jaxpar.pipeline.ticks`), the executor
 from jaxpar.pipeline.schedule import SCHEDULES, PipelineConfig, build, simulate
 from jaxpar.pipeline.ticks import TickTable, tick_table, validate
 
-__all__ = ["SCHEDULES", "PipelineConfig", "TickTable", "build", "simulate", "tick_table",
-           "validate"]
+__all__ = [
+    "SCHEDULES",
+    "PipelineConfig",
+    "TickTable",
+    "build",
+    "simulate",
+    "tick_table",
+    "validate",
+]

@@ -28,8 +28,7 @@ from jaxpar.task import StageSplit, checked_head, stage_output
 # the embedding runs there and nowhere else (its backward recomputes the embedding, a
 # lookup, instead of stashing it). The forward-only evaluation table
 # (:func:`forward_table`) uses F_FIRST, F and F_LAST.
-(IDLE, F, F_FIRST, F_LAST, B, B_FIRST, B_LAST, I, I_FIRST, I_LAST, W, W_FIRST,
- W_LAST) = range(13)
+(IDLE, F, F_FIRST, F_LAST, B, B_FIRST, B_LAST, I, I_FIRST, I_LAST, W, W_FIRST, W_LAST) = range(13)
 #: the branches that produce a layer gradient, and those that produce other parameters'
 ADDS_LAYER_GRADS = (B, B_FIRST, B_LAST, W, W_FIRST, W_LAST)
 ADDS_OTHER_GRADS = (B_FIRST, B_LAST, I_FIRST, W_LAST)
@@ -46,8 +45,12 @@ def branch_table(table: TickTable) -> np.ndarray:
     first, last = _chunk_ends(table.chunk, table.p, table.v)
     kind = np.asarray(KINDS)[table.kind]
     out = np.full(table.kind.shape, IDLE, np.int32)
-    for k, mid, start, end in (("F", F, F_FIRST, IDLE), ("B", B, B_FIRST, B_LAST),
-                               ("I", I, I_FIRST, I_LAST), ("W", W, W_FIRST, W_LAST)):
+    for k, mid, start, end in (
+        ("F", F, F_FIRST, IDLE),
+        ("B", B, B_FIRST, B_LAST),
+        ("I", I, I_FIRST, I_LAST),
+        ("W", W, W_FIRST, W_LAST),
+    ):
         out[kind == k] = np.select([first, last], [start, end], mid)[kind == k]
     return out
 
@@ -64,8 +67,10 @@ def forward_table(p: int, m: int, v: int = 1) -> tuple[np.ndarray, np.ndarray, n
     ``p`` (as the interleaved schedule does).
     """
     if v > 1 and m % p:
-        raise LayoutError(f"a forward pass over {v} chunks per device runs microbatches in "
-                          f"groups of mesh.stage={p}: {m} microbatches is not a multiple of {p}")
+        raise LayoutError(
+            f"a forward pass over {v} chunks per device runs microbatches in "
+            f"groups of mesh.stage={p}: {m} microbatches is not a multiple of {p}"
+        )
     ticks = m * v + p - 1
     u = np.arange(ticks)[:, None] - np.arange(p)[None, :]
     active = (u >= 0) & (u < m * v)
@@ -97,8 +102,7 @@ class Parts:
 
     def stage(self, chunk, rest, state, x, mb, first_layer):
         """(x, the chunk's loss term, its metrics): see :attr:`StageSplit.stage`."""
-        return stage_output(self.split.stage(self._model(rest, chunk, state), x, mb,
-                                             first_layer))
+        return stage_output(self.split.stage(self._model(rest, chunk, state), x, mb, first_layer))
 
     def head(self, chunk, rest, state, x, mb):
         return checked_head(self.split, self.split.head(self._model(rest, chunk, state), x, mb))
@@ -114,8 +118,9 @@ def merged(template: dict, *metrics: dict) -> dict:
     return out
 
 
-def branch_functions(parts: Parts, message: Any, seed: Any, no_dw: Any, no_drest: Any,
-                     no_aux: Any) -> dict[int, Any]:
+def branch_functions(
+    parts: Parts, message: Any, seed: Any, no_dw: Any, no_drest: Any, no_aux: Any
+) -> dict[int, Any]:
     """The switch branches, keyed by ``IDLE … W_LAST``. Each takes (chunk params, other
     params, stashed input, incoming gradient, microbatch, (the microbatch's model state,
     the chunk's first layer)) and returns (send right, send left, d chunk, d other params,
@@ -123,12 +128,26 @@ def branch_functions(parts: Parts, message: Any, seed: Any, no_dw: Any, no_drest
     embedding (a lookup) rather than read a stashed copy. A chunk's own loss term (see
     :attr:`StageSplit.stage`) is counted by its forward (the last chunk's: by the branch
     its forward is folded into) and seeds its backward."""
-    b = _Branches(parts, message, seed, (message, message, no_dw, no_drest,
-                                         jnp.zeros((), jnp.float32), no_aux))
-    return {IDLE: b.idle, F: b.forward, F_FIRST: b.forward_first, B: b.backward,
-            B_FIRST: b.backward_first, B_LAST: b.backward_last, I: b.input_grad,
-            I_FIRST: b.input_grad_first, I_LAST: b.input_grad_last, W: b.weight_grad,
-            W_FIRST: b.weight_grad_first, W_LAST: b.weight_grad_last}
+    b = _Branches(
+        parts,
+        message,
+        seed,
+        (message, message, no_dw, no_drest, jnp.zeros((), jnp.float32), no_aux),
+    )
+    return {
+        IDLE: b.idle,
+        F: b.forward,
+        F_FIRST: b.forward_first,
+        B: b.backward,
+        B_FIRST: b.backward_first,
+        B_LAST: b.backward_last,
+        I: b.input_grad,
+        I_FIRST: b.input_grad_first,
+        I_LAST: b.input_grad_last,
+        W: b.weight_grad,
+        W_FIRST: b.weight_grad_first,
+        W_LAST: b.weight_grad_last,
+    }
 
 
 @dataclass(frozen=True)
@@ -164,7 +183,8 @@ class _Branches:
         y, stage_loss, stage_aux = self.stage(w, r, x, mb, where)
         loss, aux = self.parts.head(w, r, where[0], y, mb)
         return loss * self.seed + stage_loss, merged(
-            self.zeros[5], jax.tree.map(lambda a: a * self.seed, aux), stage_aux)
+            self.zeros[5], jax.tree.map(lambda a: a * self.seed, aux), stage_aux
+        )
 
     @staticmethod
     def seed_of(loss, aux):

@@ -37,8 +37,13 @@ if TYPE_CHECKING:
 
 #: Bar colour per cell kind, and the legend's name of each kind.
 COLOURS = {"F": "#4378c8", "B": "#3f9a4f", "I": "#e88c28", "W": "#8e5bbf", "idle": "#dcdcdc"}
-KIND_NAMES = {"F": "F forward", "B": "B backward", "I": "I input gradient",
-              "W": "W weight gradient", "idle": "idle (bubble)"}
+KIND_NAMES = {
+    "F": "F forward",
+    "B": "B backward",
+    "I": "I input gradient",
+    "W": "W weight gradient",
+    "idle": "idle (bubble)",
+}
 #: Chart size: inches per tick (bounded), per stage row, and the room around the axes.
 TICK_IN, MIN_W_IN, MAX_W_IN = 0.32, 6.0, 24.0
 ROW_IN, EXTRA_H_IN, MARGIN_W_IN = 0.42, 1.9, 1.3
@@ -66,8 +71,11 @@ def _labels(table: TickTable) -> list[list[str]]:
         row = []
         for t in range(table.ticks):
             k = int(table.kind[t, d])
-            row.append("." if k == 0 else cell_label(
-                KINDS[k], int(table.mb[t, d]), int(table.chunk[t, d]), table.v))
+            row.append(
+                "."
+                if k == 0
+                else cell_label(KINDS[k], int(table.mb[t, d]), int(table.chunk[t, d]), table.v)
+            )
         rows.append(row)
     return rows
 
@@ -79,8 +87,8 @@ def _header(first: int, count: int, cell: int, indent: int) -> str:
     for t in range(first, first + count):
         if t % TICK_EVERY == 0 or t == first:
             text, pos = str(t), indent + (t - first) * (cell + 1)
-            if pos + len(text) <= len(line) and all(c == " " for c in line[pos:pos + len(text)]):
-                line[pos:pos + len(text)] = text
+            if pos + len(text) <= len(line) and all(c == " " for c in line[pos : pos + len(text)]):
+                line[pos : pos + len(text)] = text
     return "".join(line).rstrip()
 
 
@@ -103,14 +111,16 @@ def text_grid(table: TickTable, width: int | None = None) -> str:
     if width is not None:
         per_block = (width - indent + 1) // (cell + 1)
         if per_block < 1:
-            raise ConfigError(f"text_grid width={width} is too narrow for one tick column; "
-                              f"use width ≥ {indent + cell}")
+            raise ConfigError(
+                f"text_grid width={width} is too narrow for one tick column; "
+                f"use width ≥ {indent + cell}"
+            )
     blocks = []
     for first in range(0, table.ticks, per_block):
         count = min(per_block, table.ticks - first)
         lines = [_header(first, count, cell, indent)]
         for name, row in zip(names, labels):
-            cells = " ".join(s.ljust(cell) for s in row[first:first + count])
+            cells = " ".join(s.ljust(cell) for s in row[first : first + count])
             lines.append((name.ljust(indent) + cells).rstrip())
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
@@ -132,17 +142,27 @@ def summary(table: TickTable) -> str:
     timing = simulate(table.orders, table.v)
     busy_cells, tick_bubble = _tick_bubble(table)
     peaks = timing.peak_in_flight
-    shape = (f"schedule {table.schedule}: p={table.p} devices, m={table.m} microbatches, "
-             f"v={table.v} chunks per device, {table.ticks} ticks")
-    model = ("time model: F = I = W = 1, fused B = I + W = 2 (schedule.UNIT_TIMES); "
-             "the tick table gives every action one tick")
-    bubble = (f"bubble: {timing.bubble:.4f} of p x makespan (UNIT_TIMES, makespan "
-              f"{timing.makespan:g}); tick table {tick_bubble:.4f} "
-              f"({busy_cells} busy of {table.ticks * table.p} cells)")
-    peak = (f"peak in-flight activations per device (UNIT_TIMES): chunks {_fmt(peaks)}; "
-            f"stages (chunks / v) {_fmt(x / table.v for x in peaks)}")
-    slots = (f"buffer slots per device: activations {table.act_slots}, gradients "
-             f"{table.grad_slots} (plus one trash slot each)")
+    shape = (
+        f"schedule {table.schedule}: p={table.p} devices, m={table.m} microbatches, "
+        f"v={table.v} chunks per device, {table.ticks} ticks"
+    )
+    model = (
+        "time model: F = I = W = 1, fused B = I + W = 2 (schedule.UNIT_TIMES); "
+        "the tick table gives every action one tick"
+    )
+    bubble = (
+        f"bubble: {timing.bubble:.4f} of p x makespan (UNIT_TIMES, makespan "
+        f"{timing.makespan:g}); tick table {tick_bubble:.4f} "
+        f"({busy_cells} busy of {table.ticks * table.p} cells)"
+    )
+    peak = (
+        f"peak in-flight activations per device (UNIT_TIMES): chunks {_fmt(peaks)}; "
+        f"stages (chunks / v) {_fmt(x / table.v for x in peaks)}"
+    )
+    slots = (
+        f"buffer slots per device: activations {table.act_slots}, gradients "
+        f"{table.grad_slots} (plus one trash slot each)"
+    )
     idle = f"idle time per device (UNIT_TIMES): {_fmt(timing.idle)}"
     lines = [shape, model, bubble, idle, peak, slots]
     return "\n".join(lines)
@@ -151,11 +171,13 @@ def summary(table: TickTable) -> str:
 def describe_pipeline(table: TickTable) -> str:
     """One line for a run's start-up: schedule, shape, bubble, peak activations."""
     timing = simulate(table.orders, table.v)
-    return (f"pipeline {table.schedule}: {table.p} stages × {table.m} microbatches"
-            + (f" × {table.v} virtual stages" if table.v > 1 else "")
-            + f", bubble {timing.bubble:.3f}, peak in-flight activations "
-            f"{max(timing.peak_in_flight) / table.v:g} stages' worth per device "
-            "(`jaxpar pipeline` draws the schedule)")
+    return (
+        f"pipeline {table.schedule}: {table.p} stages × {table.m} microbatches"
+        + (f" × {table.v} virtual stages" if table.v > 1 else "")
+        + f", bubble {timing.bubble:.3f}, peak in-flight activations "
+        f"{max(timing.peak_in_flight) / table.v:g} stages' worth per device "
+        "(`jaxpar pipeline` draws the schedule)"
+    )
 
 
 # ---- the Gantt chart -----------------------------------------------------------------------
@@ -171,8 +193,10 @@ def chart_title(table: TickTable, timing: Timing | None = None) -> str:
     """
     timing = timing or simulate(table.orders, table.v)
     _, tick_bubble = _tick_bubble(table)
-    shape = (f"schedule {table.schedule}: p={table.p} stages, m={table.m} microbatches, "
-             f"v={table.v} chunk{'s' * (table.v > 1)} per device, {table.ticks} ticks")
+    shape = (
+        f"schedule {table.schedule}: p={table.p} stages, m={table.m} microbatches, "
+        f"v={table.v} chunk{'s' * (table.v > 1)} per device, {table.ticks} ticks"
+    )
     bubble = f"bubble {timing.bubble:.4f} (F = I = W = 1, B = 2)"
     if f"{tick_bubble:.4f}" != f"{timing.bubble:.4f}":
         bubble += f", {tick_bubble:.4f} of the drawn ticks"
@@ -215,15 +239,22 @@ def figure(table: TickTable) -> Figure:
     texts = 0
     for kind in present:
         cells = _cells_of(table, kind)
-        ax.barh([d for _, d in cells], 1.0, left=[t - 0.5 for t, _ in cells], height=0.8,
-                color=COLOURS[kind], edgecolor="white", linewidth=edge, label=KIND_NAMES[kind])
+        ax.barh(
+            [d for _, d in cells],
+            1.0,
+            left=[t - 0.5 for t, _ in cells],
+            height=0.8,
+            color=COLOURS[kind],
+            edgecolor="white",
+            linewidth=edge,
+            label=KIND_NAMES[kind],
+        )
         if kind == "idle":
             continue
         for t, d in cells:
             text = _bar_text(table, t, d)
             if len(text) * CHAR_EM * BAR_FONT_PT <= cell_pt - 2:
-                ax.text(t, d, text, ha="center", va="center", fontsize=BAR_FONT_PT,
-                        color="white")
+                ax.text(t, d, text, ha="center", va="center", fontsize=BAR_FONT_PT, color="white")
                 texts += 1
     ax.set_yticks(range(table.p), [f"stage {d}" for d in range(table.p)])
     ax.set_ylim(table.p - 0.5, -0.5)  # stage 0 on top, as in the text grid
@@ -234,10 +265,19 @@ def figure(table: TickTable) -> Figure:
     ax.set_title(chart_title(table), fontsize="medium")
     ax.spines[["top", "right"]].set_visible(False)
     what = "microbatch" if table.v == 1 else "microbatch + local chunk (a = first, …)"
-    note = (f"text on a bar: {what}" if texts else
-            "bars too narrow for microbatch numbers: `jaxpar pipeline` prints them as text")
-    fig.legend(loc="outside lower center", ncols=len(present), fontsize="small",
-               title=note, title_fontsize="small", frameon=False)
+    note = (
+        f"text on a bar: {what}"
+        if texts
+        else "bars too narrow for microbatch numbers: `jaxpar pipeline` prints them as text"
+    )
+    fig.legend(
+        loc="outside lower center",
+        ncols=len(present),
+        fontsize="small",
+        title=note,
+        title_fontsize="small",
+        frameon=False,
+    )
     return fig
 
 

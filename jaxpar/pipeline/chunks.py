@@ -51,8 +51,10 @@ def chunk_program(ex: Any, kind: str, c: int) -> Callable:
 
     def run(params, state, x, batch, j, train=True, count=total):
         with activation_rules(mesh, ex.rules, ex.context):
-            mb = {k: jax.lax.dynamic_index_in_dim(split_microbatches(v, count), j, 0, False)
-                  for k, v in batch.items()}
+            mb = {
+                k: jax.lax.dynamic_index_in_dim(split_microbatches(v, count), j, 0, False)
+                for k, v in batch.items()
+            }
             return ex.cut.forward(c, params, state, x, mb, j, train, last)
 
     def seeded(back, out, dy):
@@ -63,6 +65,7 @@ def chunk_program(ex: Any, kind: str, c: int) -> Callable:
     if kind == "eval":
         return jax.jit(lambda p, s, x, b, j: run(p, s, x, b, j, False, ex.table.m)[0])
     if kind == "F" and ex.residuals:
+
         def forward_keeping(p, s, x, b, j):
             out, back, new_state = jax.vjp(lambda p, x: run(p, s, x, b, j), p, x, has_aux=True)
             send, counted = sent_and_counted(out, last)
@@ -102,7 +105,8 @@ def sent_and_counted(out: Any, last: bool) -> tuple[Any, Any]:
     if last:
         return None, out
     return out if not isinstance(out, tuple) else out[0], (
-        out[1] if isinstance(out, tuple) else None)
+        out[1] if isinstance(out, tuple) else None
+    )
 
 
 def kept(ex: Any, args: tuple, result: tuple) -> tuple[Any, Any, tuple, Any]:
@@ -153,11 +157,15 @@ class ByLayer:
     def chunk_tree(self, share: Any, c: int) -> dict:
         """Chunk ``c``'s variables of a stage's share, by layer index."""
         start, stop = self.cut.chunks[c]
-        return {i: get_path(share, self.cut.layers[i].path) for i in range(start, stop)
-                if self.cut.layers[i].path is not None}
+        return {
+            i: get_path(share, self.cut.layers[i].path)
+            for i in range(start, stop)
+            if self.cut.layers[i].path is not None
+        }
 
-    def forward(self, c: int, params: dict, state: dict, x: Any, mb: Batch, j: Any,
-                train: bool, last: bool) -> tuple[Any, dict]:
+    def forward(
+        self, c: int, params: dict, state: dict, x: Any, mb: Batch, j: Any, train: bool, last: bool
+    ) -> tuple[Any, dict]:
         """Chunk ``c``'s layers in order (the first reads the batch, the last gives the
         loss), and the model state each layer ends with (BatchNorm statistics, RNG counts)."""
         x = self.spec.input_of(mb) if c == 0 else x
@@ -173,8 +181,9 @@ class ByLayer:
             new_state[idx] = nnx.to_pure_dict(nnx.state(module, nnx.Not(nnx.Param)))
         return (self.spec.loss_of(x, mb) if last else x), new_state
 
-    def collect(self, ex: Any, acc: list, states: list, model_state: Any, total: int
-                ) -> tuple[Any, Any]:
+    def collect(
+        self, ex: Any, acc: list, states: list, model_state: Any, total: int
+    ) -> tuple[Any, Any]:
         """The gradients and the model state as trees like the state's (each leaf on its
         stage)."""
         grads, model_state = {}, {}
@@ -202,10 +211,12 @@ class ByStack:
     def chunk_tree(self, share: Any, c: int) -> Any:
         return share
 
-    def forward(self, c: int, params: Any, state: Any, x: Any, mb: Batch, j: Any, train: bool,
-                last: bool) -> tuple[Any, Any]:
-        model = nnx.merge(self.graphdef, params,
-                          advance_counts(state, self.rng_counts, j) if train else state)
+    def forward(
+        self, c: int, params: Any, state: Any, x: Any, mb: Batch, j: Any, train: bool, last: bool
+    ) -> tuple[Any, Any]:
+        model = nnx.merge(
+            self.graphdef, params, advance_counts(state, self.rng_counts, j) if train else state
+        )
         model.train() if train else model.eval()
         x = self.split.embed(model, mb) if c == 0 else x
         out = self.split.stage(model, x, mb, self.chunks[c][0])
@@ -213,20 +224,27 @@ class ByStack:
             return out, state
         x, stage_loss, stage_metrics = stage_output(out)
         loss, metrics = checked_head(self.split, self.split.head(model, x, mb))
-        return (loss + stage_loss, {**stage_metrics, **{
-            k: v + stage_metrics[k] if k in stage_metrics else v for k, v in metrics.items()}}
-                ), state
+        return (
+            loss + stage_loss,
+            {
+                **stage_metrics,
+                **{
+                    k: v + stage_metrics[k] if k in stage_metrics else v for k, v in metrics.items()
+                },
+            },
+        ), state
 
-    def collect(self, ex: Any, acc: list, states: list, model_state: Any, total: int
-                ) -> tuple[Any, Any]:
+    def collect(
+        self, ex: Any, acc: list, states: list, model_state: Any, total: int
+    ) -> tuple[Any, Any]:
         """Each stack's chunks side by side; the other parameters' gradients summed over the
         stages (a whole-mesh program); the RNG counts advanced by the step's microbatches."""
+
         def one(home: int, *parts: jax.Array) -> jax.Array:
             if home == STACKED:
                 return stack_of(list(parts), ex.mesh)
             rows = stack_of([ex.ordered(_row(part.sharding))(part) for part in parts], ex.mesh)
-            return ex.ordered(sum_over_stages(NamedSharding(ex.mesh, parts[0].sharding.spec)))(
-                rows)
+            return ex.ordered(sum_over_stages(NamedSharding(ex.mesh, parts[0].sharding.spec)))(rows)
 
         grads = jax.tree.map(one, ex.homes.params, *acc)
         return grads, ex.ordered(self.advanced)(model_state, total)
@@ -247,8 +265,7 @@ class Run:
     """One step's play of the table: inboxes of activations and gradients between chunks,
     the stash of each chunk's inputs and model state, the gradient sums."""
 
-    def __init__(self, ex: Any, params: Any, model_state: Any, batch: Batch,
-                 train: bool):
+    def __init__(self, ex: Any, params: Any, model_state: Any, batch: Batch, train: bool):
         self.ex, self.train = ex, train
         p, chunks = len(ex.meshes), len(ex.cut.chunks)
         params = [ex.share(params, ex.homes.params, s) for s in range(p)]
@@ -257,8 +274,7 @@ class Run:
         self.params = [ex.cut.chunk_tree(params[c % p], c) for c in range(chunks)]
         self.state = [ex.cut.chunk_tree(shares[c % p], c) for c in range(chunks)]
         self.model_state = model_state
-        self.acc = [ex.program("zeros", c)(self.params[c]) for c in range(chunks)
-                    ] if train else []
+        self.acc = [ex.program("zeros", c)(self.params[c]) for c in range(chunks)] if train else []
         self.loss: Any = None
         self.aux: Any = None
         #: where the loss and metrics add up: the last chunk's stage
@@ -269,8 +285,9 @@ class Run:
         """``value`` moved to chunk ``c``'s stage, its rows split as the batch's."""
         mesh = self.ex.meshes[c % len(self.ex.meshes)]
         spec = _batch_spec(self.ex, mesh)
-        return jax.tree.map(lambda v: moved(_laid_out(v, spec), mesh,
-                                            P(spec, *[None] * (v.ndim - 1))), value)
+        return jax.tree.map(
+            lambda v: moved(_laid_out(v, spec), mesh, P(spec, *[None] * (v.ndim - 1))), value
+        )
 
     def play(self, r: int) -> None:
         """The table once: microbatches ``r·m … r·m + m − 1`` of the step."""
@@ -280,10 +297,16 @@ class Run:
             getattr(self, f"_{action.kind}")(c, mb, jnp.int32(j), c == last)
 
     def _F(self, c: int, mb: int, j: Any, last: bool) -> None:
-        args = (self.params[c], self.state[c], self.acts.pop((c, mb), None),
-                self.batch[c % len(self.ex.meshes)], j)
+        args = (
+            self.params[c],
+            self.state[c],
+            self.acts.pop((c, mb), None),
+            self.batch[c % len(self.ex.meshes)],
+            j,
+        )
         y, self.state[c], self.stash[(c, mb)], out = kept(
-            self.ex, args, self.ex.program("F", c)(*args))
+            self.ex, args, self.ex.program("F", c)(*args)
+        )
         if not self.ex.residuals and not last:
             y, out = sent_and_counted(y, last)
         self._received(0, mb, None, out)
@@ -292,8 +315,7 @@ class Run:
 
     def _B(self, c: int, mb: int, j: Any, last: bool) -> None:
         dy = self.grads.pop((c, mb), None)
-        dx, self.acc[c], out = self.ex.program("B", c)(*self.stash.pop((c, mb)), dy,
-                                                       self.acc[c])
+        dx, self.acc[c], out = self.ex.program("B", c)(*self.stash.pop((c, mb)), dy, self.acc[c])
         self._received(c, mb, dx, out)
 
     def _I(self, c: int, mb: int, j: Any, last: bool) -> None:
@@ -302,8 +324,9 @@ class Run:
         self._received(c, mb, dx, out)
 
     def _W(self, c: int, mb: int, j: Any, last: bool) -> None:
-        self.acc[c] = self.ex.program("W", c)(*self.stash.pop((c, mb)), self.dys.pop((c, mb)),
-                                               self.acc[c])
+        self.acc[c] = self.ex.program("W", c)(
+            *self.stash.pop((c, mb)), self.dys.pop((c, mb)), self.acc[c]
+        )
 
     def _received(self, c: int, mb: int, dx: Any, out: Any) -> None:
         if c > 0:
@@ -311,26 +334,34 @@ class Run:
         if out is not None:  # a microbatch's loss and metrics (or a chunk's own term)
             out = jax.tree.map(lambda v: jax.device_put(v, self.home), out)
             self.loss = out[0] if self.loss is None else self.loss + out[0]
-            self.aux = out[1] if self.aux is None else {
-                k: self.aux[k] + out[1][k] if k in self.aux and k in out[1]
-                else self.aux.get(k, out[1].get(k)) for k in {**self.aux, **out[1]}}
+            self.aux = (
+                out[1]
+                if self.aux is None
+                else {
+                    k: self.aux[k] + out[1][k]
+                    if k in self.aux and k in out[1]
+                    else self.aux.get(k, out[1].get(k))
+                    for k in {**self.aux, **out[1]}
+                }
+            )
 
     def results(self) -> tuple[jax.Array, dict, Any, Any]:
         """Mean loss and metrics, gradients and the model state, as trees like the
         parameters and the model state."""
         total = self.ex.k * self.ex.table.m
-        grads, model_state = self.ex.cut.collect(self.ex, self.acc, self.state, self.model_state,
-                                                 total)
-        return (self.loss / total, jax.tree.map(lambda a: a / total, self.aux), grads,
-                model_state)
+        grads, model_state = self.ex.cut.collect(
+            self.ex, self.acc, self.state, self.model_state, total
+        )
+        return (self.loss / total, jax.tree.map(lambda a: a / total, self.aux), grads, model_state)
 
     def forward_only(self) -> tuple[jax.Array, dict]:
         m, chunks, p = self.ex.table.m, len(self.ex.cut.chunks), len(self.ex.meshes)
         for j in range(m):
             x = None
             for c in range(chunks):
-                x = self.ex.program("eval", c)(self.params[c], self.state[c], x,
-                                                self.batch[c % p], jnp.int32(j))
+                x = self.ex.program("eval", c)(
+                    self.params[c], self.state[c], x, self.batch[c % p], jnp.int32(j)
+                )
                 if c < chunks - 1:
                     x, counted = sent_and_counted(x, False)
                     self._received(0, j, None, counted)

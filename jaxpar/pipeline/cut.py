@@ -62,12 +62,15 @@ def stage_meshes(mesh: Mesh) -> list[Mesh]:
     with the same axes (``stage`` of size 1), so the rules apply inside every stage
     unchanged."""
     axis = mesh.axis_names.index("stage")
-    return [Mesh(np.take(mesh.devices, [s], axis=axis), mesh.axis_names,
-                 axis_types=mesh.axis_types) for s in range(mesh.shape["stage"])]
+    return [
+        Mesh(np.take(mesh.devices, [s], axis=axis), mesh.axis_names, axis_types=mesh.axis_types)
+        for s in range(mesh.shape["stage"])
+    ]
 
 
-def cut_by_layer(task: Task, params: Any, state: Any, chunks: int,
-                 split: tuple[int, ...] = ()) -> LayerCut:
+def cut_by_layer(
+    task: Task, params: Any, state: Any, chunks: int, split: tuple[int, ...] = ()
+) -> LayerCut:
     """The layers of ``task``'s model (``params``/``state``: its abstract pure dicts) cut
     into ``chunks`` contiguous chunks.
 
@@ -80,7 +83,8 @@ def cut_by_layer(task: Task, params: Any, state: Any, chunks: int,
         raise TaskError(
             "pipeline.executor=mpmd cuts a model by layer, but this task declares no layers; "
             "give the Task layers=jaxpar.Layers(inputs=…, loss=…) (its model a sequence of "
-            "layers, e.g. an nnx.Sequential), or a StageSplit with the spmd executor")
+            "layers, e.g. an nnx.Sequential), or a StageSplit with the spmd executor"
+        )
     with nnx.use_eager_sharding(False):
         model = nnx.eval_shape(lambda: task.model_fn(nnx.Rngs(0)))
     paths = {id(module): tuple(path) for path, module in nnx.iter_modules(model)}
@@ -92,10 +96,11 @@ def cut_by_layer(task: Task, params: Any, state: Any, chunks: int,
             f"pipeline.split={list(split)} must give {chunks} chunks (mesh.stage × "
             f"pipeline.virtual_stages), each of at least one layer, summing to the model's "
             f"{len(layers)} layers; e.g. pipeline.split={_example(len(layers), chunks)}"
-            if len(layers) >= chunks else
-            f"the model has {len(layers)} layers, fewer than the {chunks} chunks of "
+            if len(layers) >= chunks
+            else f"the model has {len(layers)} layers, fewer than the {chunks} chunks of "
             "mesh.stage × pipeline.virtual_stages; lower mesh.stage (each stage needs a "
-            "layer)")
+            "layer)"
+        )
     ends = np.cumsum([0, *sizes])
     return LayerCut(layers, tuple((int(a), int(b)) for a, b in itertools.pairwise(ends)))
 
@@ -104,15 +109,21 @@ def _layer(item: Any, paths: dict[int, Path]) -> Layer:
     """A layer of the list: a module of the model (found by identity), or a function."""
     if not isinstance(item, nnx.Module):
         if not callable(item):
-            raise TaskError(f"Task.layers: {item!r} is neither an nnx.Module of the model "
-                            "nor a function; list the model's layers in order")
+            raise TaskError(
+                f"Task.layers: {item!r} is neither an nnx.Module of the model "
+                "nor a function; list the model's layers in order"
+            )
         return Layer(None, None, item, 0)
     if id(item) not in paths:
-        raise TaskError(f"Task.layers: a {type(item).__name__} in the list is not a "
-                        "submodule of the model; list the model's own layers")
+        raise TaskError(
+            f"Task.layers: a {type(item).__name__} in the list is not a "
+            "submodule of the model; list the model's own layers"
+        )
     graphdef, _variables = nnx.split(item)
-    nbytes = sum(math.prod(x.shape) * shd.itemsize(x.dtype)
-                 for x in jax.tree.leaves(nnx.to_pure_dict(nnx.state(item, nnx.Param))))
+    nbytes = sum(
+        math.prod(x.shape) * shd.itemsize(x.dtype)
+        for x in jax.tree.leaves(nnx.to_pure_dict(nnx.state(item, nnx.Param)))
+    )
     return Layer(graphdef, paths[id(item)], None, nbytes)
 
 
@@ -120,18 +131,21 @@ def _check_cover(layers: tuple[Layer, ...], params: Any, state: Any) -> None:
     """Each variable of the model lies under exactly one layer's path."""
     owned = [layer.path for layer in layers if layer.path is not None]
     for i, a in enumerate(owned):
-        for b in owned[i + 1:]:
-            if a[:len(b)] == b or b[:len(a)] == a:
-                raise TaskError(f"Task.layers: layer {_show(a)} and layer {_show(b)} overlap "
-                                "(one is the other, or inside it); list each layer once")
+        for b in owned[i + 1 :]:
+            if a[: len(b)] == b or b[: len(a)] == a:
+                raise TaskError(
+                    f"Task.layers: layer {_show(a)} and layer {_show(b)} overlap "
+                    "(one is the other, or inside it); list each layer once"
+                )
     for tree in (params, state):
         for path, _ in jax.tree_util.tree_leaves_with_path(tree):
             keys = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)
-            if not any(keys[:len(p)] == p for p in owned):
+            if not any(keys[: len(p)] == p for p in owned):
                 raise TaskError(
                     f"Task.layers: variable {_show(keys)} belongs to none of the layers, so no "
                     "stage would hold it; make it part of a layer, or list the module that "
-                    "holds it")
+                    "holds it"
+                )
 
 
 def _balanced(costs: list[int], chunks: int) -> list[int]:
@@ -144,9 +158,14 @@ def _balanced(costs: list[int], chunks: int) -> list[int]:
     best = {(0, 0): (0, ())}  # (layers used, chunks made) -> (max cost, sizes)
     for k in range(1, chunks + 1):
         for end in range(k, n - (chunks - k) + 1):
-            options = [(max(best[(start, k - 1)][0], int(prefix[end] - prefix[start])),
-                        best[(start, k - 1)][1] + (end - start,))
-                       for start in range(k - 1, end) if (start, k - 1) in best]
+            options = [
+                (
+                    max(best[(start, k - 1)][0], int(prefix[end] - prefix[start])),
+                    best[(start, k - 1)][1] + (end - start,),
+                )
+                for start in range(k - 1, end)
+                if (start, k - 1) in best
+            ]
             best[(end, k)] = min(options)
     return list(best[(n, chunks)][1])
 

@@ -64,16 +64,27 @@ from jaxpar.task import Batch, StageSplit, split_microbatches
 #: Axes the executor makes manual: the pipeline axis and the batch axes.
 MANUAL_AXES = ("stage", "data", "fsdp")
 
+
 def advance_counts(state: Any, counts: Any, by: Any) -> Any:
     """``state`` with every RNG count (where ``counts`` is True) advanced by ``by``."""
-    return jax.tree.map(lambda v, c: v + jnp.asarray(by).astype(v.dtype) if c else v,
-                        state, counts)
+    return jax.tree.map(lambda v, c: v + jnp.asarray(by).astype(v.dtype) if c else v, state, counts)
 
 
-def pipeline_grads(split: StageSplit, graphdef: nnx.GraphDef, params: Any, batch: Batch, *,
-                   table: TickTable, mesh: Mesh, rules: Rules, param_specs: Any = None,
-                   bubble_value: float = 0.0, model_state: Any = None,
-                   rng_counts: Any = None, context: Any = None) -> tuple[jax.Array, dict, Any]:
+def pipeline_grads(
+    split: StageSplit,
+    graphdef: nnx.GraphDef,
+    params: Any,
+    batch: Batch,
+    *,
+    table: TickTable,
+    mesh: Mesh,
+    rules: Rules,
+    param_specs: Any = None,
+    bubble_value: float = 0.0,
+    model_state: Any = None,
+    rng_counts: Any = None,
+    context: Any = None,
+) -> tuple[jax.Array, dict, Any]:
     """Loss, metrics and gradients of ``params`` on ``batch`` through the pipeline.
 
     Traceable (called inside the jitted train step). The result equals
@@ -104,51 +115,88 @@ def pipeline_grads(split: StageSplit, graphdef: nnx.GraphDef, params: Any, batch
     model_state = {} if model_state is None else model_state
     rng_counts = jax.tree.map(lambda _: False, model_state) if rng_counts is None else rng_counts
     key = split.layers_key
-    rest, layers, batch_axes, shards, inner_rules = _split_for_stages(split, params, p, v,
-                                                                      mesh, rules)
+    rest, layers, batch_axes, shards, inner_rules = _split_for_stages(
+        split, params, p, v, mesh, rules
+    )
     parts = Parts(split, graphdef)
     # only the branches this schedule uses are compiled
     full = branch_table(table)
     used = np.unique(full)
     branches = jnp.asarray(np.searchsorted(used, full).astype(np.int32))
-    columns = [jnp.asarray(a) for a in (table.chunk, table.mb, table.act_slot,
-                                        table.grad_slot, table.recv_act, table.recv_grad)]
+    columns = [
+        jnp.asarray(a)
+        for a in (
+            table.chunk,
+            table.mb,
+            table.act_slot,
+            table.grad_slot,
+            table.recv_act,
+            table.recv_grad,
+        )
+    ]
 
     def body(layers, rest, state, batch):
         layers = jax.tree.map(lambda w: w[:, 0], layers)  # [v, Lc, …]: this device's chunks
         micro = {k: split_microbatches(x, m) for k, x in batch.items()}
         with activation_rules(jax.sharding.get_abstract_mesh(), inner_rules, context):
-            return _run(parts, table, layers, rest, (state, rng_counts), micro, branches, used,
-                        columns, scale=1.0 / (m * shards), fill=bubble_value)
+            return _run(
+                parts,
+                table,
+                layers,
+                rest,
+                (state, rng_counts),
+                micro,
+                branches,
+                used,
+                columns,
+                scale=1.0 / (m * shards),
+                fill=bubble_value,
+            )
 
     reduction = _Reduction(batch_axes, _fsdp_dims(param_specs, key, layers, rest, batch_axes))
     fn = jax.shard_map(
-        lambda w, r, s, b: reduction(*body(w, r, s, b)), mesh=mesh,
+        lambda w, r, s, b: reduction(*body(w, r, s, b)),
+        mesh=mesh,
         in_specs=(P(None, "stage"), P(), P(), P(batch_axes or None)),
         out_specs=(P(), P(), *reduction.out_specs(layers, rest)),
-        axis_names=set(MANUAL_AXES), check_vma=False)
+        axis_names=set(MANUAL_AXES),
+        check_vma=False,
+    )
     loss, metrics, g_layers, g_rest = fn(layers, rest, model_state, dict(batch))
     g_layers = jax.tree.map(lambda g: g.reshape(-1, *g.shape[3:]), g_layers)
     return loss, metrics, {**g_rest, key: g_layers}
 
 
-def _split_for_stages(split: StageSplit, params: Any, p: int, v: int, mesh: Mesh,
-                      rules: Rules) -> tuple[Any, Any, tuple[str, ...], int, Rules]:
+def _split_for_stages(
+    split: StageSplit, params: Any, p: int, v: int, mesh: Mesh, rules: Rules
+) -> tuple[Any, Any, tuple[str, ...], int, Rules]:
     """(the non-layer parameters, the layers as [v, p, L/(p·v), …], the batch axes in use,
     how many batch shards they make, the rules inside the stages' manual axes)."""
     key = split.layers_key
     rest = {k: x for k, x in params.items() if k != key}
-    layers = jax.tree.map(lambda w: w.reshape(v, p, w.shape[0] // (p * v), *w.shape[1:]),
-                          params[key])
+    layers = jax.tree.map(
+        lambda w: w.reshape(v, p, w.shape[0] // (p * v), *w.shape[1:]), params[key]
+    )
     batch_axes = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1)
     shards = math.prod(mesh.shape[a] for a in batch_axes)
     inner_rules = {n: tuple(a for a in axes if a not in MANUAL_AXES) for n, axes in rules.items()}
     return rest, layers, batch_axes, shards, inner_rules
 
 
-def pipeline_eval(split: StageSplit, graphdef: nnx.GraphDef, params: Any, batch: Batch, *,
-                  p: int, m: int, v: int, mesh: Mesh, rules: Rules, model_state: Any = None,
-                  context: Any = None) -> tuple[jax.Array, dict]:
+def pipeline_eval(
+    split: StageSplit,
+    graphdef: nnx.GraphDef,
+    params: Any,
+    batch: Batch,
+    *,
+    p: int,
+    m: int,
+    v: int,
+    mesh: Mesh,
+    rules: Rules,
+    model_state: Any = None,
+    context: Any = None,
+) -> tuple[jax.Array, dict]:
     """Loss and metrics of ``params`` on ``batch`` in evaluation mode, through the stages.
 
     A forward-only pass (:func:`forward_table`): each device holds only its chunks of
@@ -158,13 +206,17 @@ def pipeline_eval(split: StageSplit, graphdef: nnx.GraphDef, params: Any, batch:
     Traceable; ``p, m, v`` as in the training table.
     """
     model_state = {} if model_state is None else model_state
-    rest, layers, batch_axes, shards, inner_rules = _split_for_stages(split, params, p, v,
-                                                                      mesh, rules)
+    rest, layers, batch_axes, shards, inner_rules = _split_for_stages(
+        split, params, p, v, mesh, rules
+    )
     parts = Parts(split, graphdef, train=False)
     full, chunk, mb = forward_table(p, m, v)
     used = np.unique(full)
-    rows = (jnp.asarray(np.searchsorted(used, full).astype(np.int32)), jnp.asarray(chunk),
-            jnp.asarray(mb))
+    rows = (
+        jnp.asarray(np.searchsorted(used, full).astype(np.int32)),
+        jnp.asarray(chunk),
+        jnp.asarray(mb),
+    )
 
     def body(layers, rest, state, batch):
         layers = jax.tree.map(lambda w: w[:, 0], layers)  # [v, Lc, …]: this device's chunks
@@ -172,12 +224,18 @@ def pipeline_eval(split: StageSplit, graphdef: nnx.GraphDef, params: Any, batch:
         with activation_rules(jax.sharding.get_abstract_mesh(), inner_rules, context):
             loss, metrics = _run_forward(parts, p, layers, rest, state, micro, rows, used)
         scale = 1.0 / (m * shards)
-        return jax.lax.psum((loss * scale, jax.tree.map(lambda a: a * scale, metrics)),
-                            ("stage", *batch_axes))
+        return jax.lax.psum(
+            (loss * scale, jax.tree.map(lambda a: a * scale, metrics)), ("stage", *batch_axes)
+        )
 
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(None, "stage"), P(), P(),
-                                                  P(batch_axes or None)),
-                       out_specs=(P(), P()), axis_names=set(MANUAL_AXES), check_vma=False)
+    fn = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(P(None, "stage"), P(), P(), P(batch_axes or None)),
+        out_specs=(P(), P()),
+        axis_names=set(MANUAL_AXES),
+        check_vma=False,
+    )
     return fn(layers, rest, model_state, dict(batch))
 
 
@@ -230,10 +288,14 @@ def _run_forward(parts: Parts, p: int, layers, rest, state, micro, rows, used):
         branch, k, j = (r[d] for r in row)
         w = jax.tree.map(lambda t: t[k], layers)
         mb = {name: x[j] for name, x in micro.items()}
-        send, loss, metrics = jax.lax.switch(branch, [fns[u] for u in used], w, c["in"], mb,
-                                             (k * p + d) * per_chunk)
-        return {"in": jax.lax.ppermute(send, "stage", right), "loss": c["loss"] + loss,
-                "metrics": jax.tree.map(jnp.add, c["metrics"], metrics)}, None
+        send, loss, metrics = jax.lax.switch(
+            branch, [fns[u] for u in used], w, c["in"], mb, (k * p + d) * per_chunk
+        )
+        return {
+            "in": jax.lax.ppermute(send, "stage", right),
+            "loss": c["loss"] + loss,
+            "metrics": jax.tree.map(jnp.add, c["metrics"], metrics),
+        }, None
 
     carry = {"in": message, "loss": jnp.zeros((), jnp.float32), "metrics": aux}
     carry, _ = jax.lax.scan(tick, carry, rows)
@@ -263,25 +325,28 @@ class _Reduction:
     def __call__(self, loss, metrics, g_layers, g_rest):
         loss, metrics = jax.lax.psum((loss, metrics), ("stage", *self.batch_axes))
         g_rest = jax.tree.map(self.grad, jax.lax.psum(g_rest, "stage"), self.dims[0])
-        g_layers = jax.tree.map(lambda g, dim: self.grad(g[:, None], dim), g_layers,
-                                self.dims[1])
+        g_layers = jax.tree.map(lambda g, dim: self.grad(g[:, None], dim), g_layers, self.dims[1])
         return loss, metrics, g_layers, g_rest
 
     def out_specs(self, layers: Any, rest: Any) -> tuple[Any, Any]:
         """Specs of the (stacked-layer, other) gradients: 'stage' on the chunk dim of the
         layers, 'fsdp' where reduce-scattered."""
+
         def spec(dim, rank, lead=()):
             entries = [*lead, *[None] * (rank - len(lead))]
             if dim >= 0:
                 entries[dim] = "fsdp"
             return P(*entries)
 
-        return (jax.tree.map(lambda w, d: spec(d, w.ndim, (None, "stage")), layers, self.dims[1]),
-                jax.tree.map(lambda w, d: spec(d, w.ndim), rest, self.dims[0]))
+        return (
+            jax.tree.map(lambda w, d: spec(d, w.ndim, (None, "stage")), layers, self.dims[1]),
+            jax.tree.map(lambda w, d: spec(d, w.ndim), rest, self.dims[0]),
+        )
 
 
-def _fsdp_dims(specs: Any, key: str, layers: Any, rest: Any,
-               batch_axes: tuple[str, ...]) -> tuple[Any, Any]:
+def _fsdp_dims(
+    specs: Any, key: str, layers: Any, rest: Any, batch_axes: tuple[str, ...]
+) -> tuple[Any, Any]:
     """Reduce-scatter dims for :class:`_Reduction` from the parameters' specs.
 
     Without specs or without an ``fsdp`` axis every gradient is all-reduced (−1). A
@@ -297,13 +362,28 @@ def _fsdp_dims(specs: Any, key: str, layers: Any, rest: Any,
         return -1
 
     is_spec = lambda x: isinstance(x, P)
-    rest_dims = {k: jax.tree.map(lambda s: dim_of(s, 0), v, is_leaf=is_spec)
-                 for k, v in specs.items() if k != key}
+    rest_dims = {
+        k: jax.tree.map(lambda s: dim_of(s, 0), v, is_leaf=is_spec)
+        for k, v in specs.items()
+        if k != key
+    }
     return rest_dims, jax.tree.map(lambda s: dim_of(s, 2), specs[key], is_leaf=is_spec)
 
 
-def _run(parts: Parts, table: TickTable, layers, rest, state, micro, branches, used, columns,
-         *, scale: float, fill: float):
+def _run(
+    parts: Parts,
+    table: TickTable,
+    layers,
+    rest,
+    state,
+    micro,
+    branches,
+    used,
+    columns,
+    *,
+    scale: float,
+    fill: float,
+):
     """The per-device scan over the table (inside ``shard_map``); ``state`` is the model
     state and its RNG-count mask.
 
@@ -323,14 +403,19 @@ def _run(parts: Parts, table: TickTable, layers, rest, state, micro, branches, u
     carry = {
         "acts": jnp.full((table.act_slots + 1, *x_shape.shape), fill, x_shape.dtype),
         "grads": jnp.full((table.grad_slots + 1, *x_shape.shape), fill, x_shape.dtype),
-        "in_act": message, "in_grad": message,
-        "g_layers": zeros_like(layers), "g_rest": zeros_like(rest),
-        "loss": jnp.zeros((), jnp.float32), "metrics": zeros_like(aux_shape)}
+        "in_act": message,
+        "in_grad": message,
+        "g_layers": zeros_like(layers),
+        "g_rest": zeros_like(rest),
+        "loss": jnp.zeros((), jnp.float32),
+        "metrics": zeros_like(aux_shape),
+    }
     seed = jnp.asarray(scale, jnp.float32)
     right = [(i, (i + 1) % p) for i in range(p)]
     left = [(i, (i - 1) % p) for i in range(p)]
-    fns = branch_functions(parts, message, seed, zeros_like(chunk0), zeros_like(rest),
-                           zeros_like(aux_shape))
+    fns = branch_functions(
+        parts, message, seed, zeros_like(chunk0), zeros_like(rest), zeros_like(aux_shape)
+    )
     adds_dw = jnp.asarray(np.isin(used, ADDS_LAYER_GRADS))
     adds_drest = jnp.asarray(np.isin(used, ADDS_OTHER_GRADS))
 
@@ -342,19 +427,27 @@ def _run(parts: Parts, table: TickTable, layers, rest, state, micro, branches, u
         mb = {name: x[j] for name, x in micro.items()}
         where = (advance_counts(state, counts, j), (k * p + d) * per_chunk)
         send_act, send_grad, dw, drest, loss, aux = jax.lax.switch(
-            branch, [fns[u] for u in used], w, rest, acts[a_slot], grads[g_slot], mb, where)
+            branch, [fns[u] for u in used], w, rest, acts[a_slot], grads[g_slot], mb, where
+        )
         g_layers = jax.lax.cond(
-            adds_dw[branch], lambda g: jax.tree.map(lambda g, u: g.at[k].add(u), g, dw),
-            lambda g: g, c["g_layers"])
-        g_rest = jax.lax.cond(adds_drest[branch],
-                              lambda g: jax.tree.map(jnp.add, g, drest), lambda g: g,
-                              c["g_rest"])
+            adds_dw[branch],
+            lambda g: jax.tree.map(lambda g, u: g.at[k].add(u), g, dw),
+            lambda g: g,
+            c["g_layers"],
+        )
+        g_rest = jax.lax.cond(
+            adds_drest[branch], lambda g: jax.tree.map(jnp.add, g, drest), lambda g: g, c["g_rest"]
+        )
         new = {
-            "acts": acts, "grads": grads,
+            "acts": acts,
+            "grads": grads,
             "in_act": jax.lax.ppermute(send_act, "stage", right),
             "in_grad": jax.lax.ppermute(send_grad, "stage", left),
-            "g_layers": g_layers, "g_rest": g_rest,
-            "loss": c["loss"] + loss, "metrics": jax.tree.map(jnp.add, c["metrics"], aux)}
+            "g_layers": g_layers,
+            "g_rest": g_rest,
+            "loss": c["loss"] + loss,
+            "metrics": jax.tree.map(jnp.add, c["metrics"], aux),
+        }
         return new, None
 
     carry, _ = jax.lax.scan(tick, carry, (branches, columns))

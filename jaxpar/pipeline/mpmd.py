@@ -98,31 +98,44 @@ class SubMeshPipeline:
     def build_init(self, create: Callable[..., TrainState], shardings: TrainState) -> Callable:
         """Each stage builds the whole state in one program and keeps its share (XLA drops
         the rest): every stage's layers start from the values one device would give them."""
+
         def init() -> TrainState:
             shares = []
             for s, mesh in enumerate(self.meshes):
+
                 def keep(home: int, leaf: Any, s: int = s) -> Any:
                     if home == STACKED:  # this stage's chunk of the stack
                         n = leaf.shape[0] // len(self.meshes)
-                        return leaf[s * n:(s + 1) * n]
+                        return leaf[s * n : (s + 1) * n]
                     return leaf if home in (s, WHOLE) else None
 
                 out = self.share_shardings(shardings, self.homes, s)
-                shares.append(self.ordered(jax.jit(lambda mesh=mesh, keep=keep: jax.tree.map(
-                    keep, self.homes, create(mesh)), out_shardings=out))())
+                shares.append(
+                    self.ordered(
+                        jax.jit(
+                            lambda mesh=mesh, keep=keep: jax.tree.map(
+                                keep, self.homes, create(mesh)
+                            ),
+                            out_shardings=out,
+                        )
+                    )()
+                )
             return self.assemble(shares, self.homes)
 
         return init
 
     def __call__(self, params: Any, model_state: Any, batch: Batch):
-        raise LayoutError("the mpmd executor runs one program per stage: it cannot be traced "
-                          "into one program (use the trainer's step, grads and evaluate)")
+        raise LayoutError(
+            "the mpmd executor runs one program per stage: it cannot be traced "
+            "into one program (use the trainer's step, grads and evaluate)"
+        )
 
     # ---- each stage's share: its own leaves, the whole-mesh ones read in place -------------
     def share(self, tree: Any, homes: Any, s: int, whole: bool = True) -> Any:
         """Stage ``s``'s share of ``tree`` (leaves placed as ``homes`` says): its own
         leaves, its chunk of the stacked ones, the whole-mesh ones as views on its devices
         (None with ``whole=False``), None elsewhere."""
+
         def one(home: int, leaf: Any) -> Any:
             if home == s:
                 return leaf
@@ -134,6 +147,7 @@ class SubMeshPipeline:
 
     def share_shardings(self, shardings: Any, homes: Any, s: int) -> Any:
         """The shardings of :meth:`share`'s leaves (a whole-mesh one moved to stage ``s``)."""
+
         def one(home: int, sharding: NamedSharding) -> Any:
             if home not in (s, WHOLE, STACKED):
                 return None
@@ -145,6 +159,7 @@ class SubMeshPipeline:
     def assemble(self, shares: list[Any], homes: Any) -> Any:
         """One tree from the stages' shares: each leaf from its stage, a stacked one from
         every stage's chunk, a whole-mesh leaf from every stage's replica."""
+
         def one(home: int, *leaves: Any) -> Any:
             if home == STACKED:
                 return stack_of(list(leaves), self.mesh)
@@ -155,16 +170,18 @@ class SubMeshPipeline:
     def param_shardings(self, c: int) -> Any:
         """The shardings of chunk ``c``'s parameters on its stage."""
         s = c % len(self.meshes)
-        return self.cut.chunk_tree(self.share_shardings(self.shardings.params, self.homes.params,
-                                                        s), c)
+        return self.cut.chunk_tree(
+            self.share_shardings(self.shardings.params, self.homes.params, s), c
+        )
 
     @property
     def last_stage(self) -> int:
         return (len(self.cut.chunks) - 1) % len(self.meshes)
 
     # ---- the schedule ---------------------------------------------------------------------------
-    def gradients(self, params: Any, model_state: Any, batch: Batch
-                  ) -> tuple[jax.Array, dict, Any, Any]:
+    def gradients(
+        self, params: Any, model_state: Any, batch: Batch
+    ) -> tuple[jax.Array, dict, Any, Any]:
         """Loss and metrics (means over the step's microbatches), gradients and the model
         state after every microbatch's forward — as one device with ``grad_accum`` =
         microbatches would have them."""
@@ -216,12 +233,17 @@ class _Stepper:
         whole = NamedSharding(ex.mesh, P())
         jit = lambda fn, **kw: ex.ordered(jax.jit(fn, **kw))
         self.norm = [jit(_sum_of_squares, out_shardings=r) for r in replicated]
-        self.propose = [jit(functools.partial(_propose, update.tx),
-                                out_shardings=(ex.share_shardings(shardings.params,
-                                                                  ex.homes.params, s),
-                                               ex.share_shardings(shardings.opt_state,
-                                                                  ex.homes.opt_state, s), r))
-                        for s, r in enumerate(replicated)]
+        self.propose = [
+            jit(
+                functools.partial(_propose, update.tx),
+                out_shardings=(
+                    ex.share_shardings(shardings.params, ex.homes.params, s),
+                    ex.share_shardings(shardings.opt_state, ex.homes.opt_state, s),
+                    r,
+                ),
+            )
+            for s, r in enumerate(replicated)
+        ]
         self.keep = jit(_keep)
         self.reduce_norm = jit(_reduce_norm, out_shardings=(whole, whole))
         self.reduce_finite = jit(_reduce_finite, out_shardings=(whole, whole, whole))
@@ -232,30 +254,45 @@ class _Stepper:
         stages = range(len(ex.meshes))
         grad_shares = [ex.share(grads, homes.params, s) for s in stages]
         zero = jnp.zeros((), jnp.float32)
-        rows = [self.norm[s](ex.share(grads, homes.params, s, whole=s == 0),
-                             loss if s == ex.last_stage else zero)
-                for s in stages]
+        rows = [
+            self.norm[s](
+                ex.share(grads, homes.params, s, whole=s == 0), loss if s == ex.last_stage else zero
+            )
+            for s in stages
+        ]
         grad_norm, clean = self.reduce_norm(stack_of(rows, ex.mesh))
-        proposed = [self.propose[s](ex.share(state.params, homes.params, s),
-                                    ex.share(state.opt_state, homes.opt_state, s),
-                                    grad_shares[s], view_of(grad_norm, ex.meshes[s]))
-                    for s in stages]
+        proposed = [
+            self.propose[s](
+                ex.share(state.params, homes.params, s),
+                ex.share(state.opt_state, homes.opt_state, s),
+                grad_shares[s],
+                view_of(grad_norm, ex.meshes[s]),
+            )
+            for s in stages
+        ]
         finite, step, skipped = self.reduce_finite(
-            stack_of([flag for *_, flag in proposed], ex.mesh), clean, state.step,
-            state.skipped)
-        kept = [self.keep(view_of(finite, ex.meshes[s]),
-                          proposed[s][:2], ex.share(model_state, homes.model_state, s),
-                          ex.share(state.params, homes.params, s),
-                          ex.share(state.opt_state, homes.opt_state, s),
-                          ex.share(state.model_state, homes.model_state, s))
-                for s in stages]
+            stack_of([flag for *_, flag in proposed], ex.mesh), clean, state.step, state.skipped
+        )
+        kept = [
+            self.keep(
+                view_of(finite, ex.meshes[s]),
+                proposed[s][:2],
+                ex.share(model_state, homes.model_state, s),
+                ex.share(state.params, homes.params, s),
+                ex.share(state.opt_state, homes.opt_state, s),
+                ex.share(state.model_state, homes.model_state, s),
+            )
+            for s in stages
+        ]
         params, opt_state, new_model_state = (
             ex.assemble([k[i] for k in kept], h)
-            for i, h in enumerate((homes.params, homes.opt_state, homes.model_state)))
+            for i, h in enumerate((homes.params, homes.opt_state, homes.model_state))
+        )
         new_state = TrainState(step, params, opt_state, skipped, new_model_state)
         # the logged lr: what stage 0's update recorded, applied or not (as one program's)
-        return new_state, self.update.metrics(new_state, proposed[0][1], loss, grad_norm,
-                                              finite, aux)
+        return new_state, self.update.metrics(
+            new_state, proposed[0][1], loss, grad_norm, finite, aux
+        )
 
     def lower(self, state: TrainState, batch: dict) -> Lowered:
         """The step for abstract arguments: compiling it compiles every chunk program."""
@@ -265,8 +302,10 @@ class _Stepper:
 def _sum_of_squares(grads: Any, loss: jax.Array) -> jax.Array:
     """[1, 2]: this stage's gradients' sum of squares, and 1 when the loss it holds is not
     finite (0 on the other stages)."""
-    total = sum((jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)),
-                jnp.zeros((), jnp.float32))
+    total = sum(
+        (jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)),
+        jnp.zeros((), jnp.float32),
+    )
     return jnp.stack([total, (~jnp.isfinite(loss)).astype(jnp.float32)])[None]
 
 
@@ -289,9 +328,18 @@ def _reduce_finite(flags: jax.Array, clean: jax.Array, step: jax.Array, skipped:
     return finite, step + 1, skipped + (~finite).astype(jnp.int32)
 
 
-def _keep(finite: jax.Array, proposed: tuple, model_state: Any, params: Any, opt_state: Any,
-          old_model_state: Any) -> tuple:
+def _keep(
+    finite: jax.Array,
+    proposed: tuple,
+    model_state: Any,
+    params: Any,
+    opt_state: Any,
+    old_model_state: Any,
+) -> tuple:
     """The step's new share where it is finite, else the old one."""
     pick = lambda new, old: jnp.where(finite, new, old)
-    return (jax.tree.map(pick, proposed[0], params), jax.tree.map(pick, proposed[1], opt_state),
-            jax.tree.map(pick, model_state, old_model_state))
+    return (
+        jax.tree.map(pick, proposed[0], params),
+        jax.tree.map(pick, proposed[1], opt_state),
+        jax.tree.map(pick, model_state, old_model_state),
+    )

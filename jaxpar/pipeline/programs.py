@@ -127,11 +127,13 @@ def _abstract_share(ex: Any, tree: Any, homes: Any, s: int) -> Any:
     def one(home: int, x: Any) -> Any:
         if home == STACKED:
             shape = (x.shape[0] // len(ex.meshes), *x.shape[1:])
-            return jax.ShapeDtypeStruct(shape, x.dtype, sharding=NamedSharding(
-                mesh, chunk_spec(x.sharding.spec)))
+            return jax.ShapeDtypeStruct(
+                shape, x.dtype, sharding=NamedSharding(mesh, chunk_spec(x.sharding.spec))
+            )
         if home in (s, WHOLE):
-            return jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                        sharding=NamedSharding(mesh, x.sharding.spec))
+            return jax.ShapeDtypeStruct(
+                x.shape, x.dtype, sharding=NamedSharding(mesh, x.sharding.spec)
+            )
         return None
 
     return jax.tree.map(one, homes, tree)
@@ -144,9 +146,13 @@ def _stage_costs(ex: Any, state: Any, batch: dict) -> list[StageCost]:
     for action in table.tick:
         counts[(action.kind, action.chunk)] = counts.get((action.kind, action.chunk), 0) + ex.k
     shares = [_abstract_share(ex, state, ex.homes, s) for s in range(p)]
-    batches = [{k: jax.ShapeDtypeStruct(v.shape, v.dtype,
-                                        sharding=NamedSharding(m, v.sharding.spec))
-                for k, v in batch.items()} for m in ex.meshes]
+    batches = [
+        {
+            k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(m, v.sharding.spec))
+            for k, v in batch.items()
+        }
+        for m in ex.meshes
+    ]
     x, compiled, outputs, inputs, stashed = None, {}, {}, {}, {}
     for c in range(chunks):
         s = c % p
@@ -170,16 +176,23 @@ def _stage_costs(ex: Any, state: Any, batch: dict) -> list[StageCost]:
     for s in range(p):
         mine = [c for c in range(chunks) if c % p == s]
         state_bytes = _tree_bytes(shares[s]) + _tree_bytes(batches[s])
-        temp = max(int(compiled[key].memory_analysis().temp_size_in_bytes)
-                   for key in compiled if key[1] in mine)
+        temp = max(
+            int(compiled[key].memory_analysis().temp_size_in_bytes)
+            for key in compiled
+            if key[1] in mine
+        )
         grads = sum(_tree_bytes(ex.cut.chunk_tree(shares[s].params, c)) for c in mine)
         peak, stash = _stash_peak(table, mine, {c: _tree_bytes(stashed[c]) for c in mine})
         # the activation each forward sends right and the gradient each backward sends left
         sent = sum(counts.get(("F", c), 0) * _tree_bytes(outputs[c]) for c in mine) + sum(
-            n * _tree_bytes(inputs[c]) for (kind, c), n in counts.items()
-            if c in mine and kind in ("B", "I"))
-        cost = _summed([(compiled[key], counts[key]) for key in compiled if key[1] in mine]
-                       + [(whole, 1) for whole in _stage_sums(ex, state.params)])
+            n * _tree_bytes(inputs[c])
+            for (kind, c), n in counts.items()
+            if c in mine and kind in ("B", "I")
+        )
+        cost = _summed(
+            [(compiled[key], counts[key]) for key in compiled if key[1] in mine]
+            + [(whole, 1) for whole in _stage_sums(ex, state.params)]
+        )
         memory = Memory(state_bytes, state_bytes, 0, temp + grads + stash)
         out.append(StageCost(s, tuple(mine), memory, temp, grads, stash, peak, sent, cost))
     return out
@@ -190,8 +203,11 @@ def _stage_sums(ex: Any, params: Any) -> list[Any]:
     out = []
     for home, x in zip(jax.tree.leaves(ex.homes.params), jax.tree.leaves(params)):
         if home == WHOLE:
-            rows = jax.ShapeDtypeStruct((len(ex.meshes), *x.shape), x.dtype, sharding=NamedSharding(
-                ex.mesh, P("stage", *x.sharding.spec)))
+            rows = jax.ShapeDtypeStruct(
+                (len(ex.meshes), *x.shape),
+                x.dtype,
+                sharding=NamedSharding(ex.mesh, P("stage", *x.sharding.spec)),
+            )
             out.append(sum_over_stages(x.sharding).lower(rows).compile())
     return out
 
@@ -205,8 +221,12 @@ def _placed(y: Any, mesh: Any, ex: Any) -> Any:
     """An activation (or its gradient) as it arrives on ``mesh``: rows split as the batch."""
     axes = tuple(a for a in ex.rules.get("batch", ()) if mesh.shape.get(a, 1) > 1)
     spec = axes[0] if len(axes) == 1 else (axes or None)
-    return jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(
-        mesh, P(spec, *[None] * (len(v.shape) - 1)))), y)
+    return jax.tree.map(
+        lambda v: jax.ShapeDtypeStruct(
+            v.shape, v.dtype, sharding=NamedSharding(mesh, P(spec, *[None] * (len(v.shape) - 1)))
+        ),
+        y,
+    )
 
 
 def _stash_peak(table: Any, chunks: list[int], nbytes: dict[int, int]) -> tuple[int, int]:
@@ -232,9 +252,11 @@ def _summed(programs: list[tuple[Any, int]]) -> hlo.ProgramCost:
         unknown += cost.unknown_loops
         for kind, stat in cost.collectives.items():
             old = stats.get(kind, hlo.CollectiveStat())
-            stats[kind] = hlo.CollectiveStat(old.count + times * stat.count,
-                                             old.payload_bytes + times * stat.payload_bytes,
-                                             old.wire_bytes + times * stat.wire_bytes)
+            stats[kind] = hlo.CollectiveStat(
+                old.count + times * stat.count,
+                old.payload_bytes + times * stat.payload_bytes,
+                old.wire_bytes + times * stat.wire_bytes,
+            )
     for kind in hlo.COLLECTIVES:
         stats.setdefault(kind, hlo.CollectiveStat())
     return hlo.ProgramCost(flops, stats, unknown)

@@ -45,24 +45,40 @@ UNIT_TIMES = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 class PipelineConfig:
     """Pipeline parallelism over mesh axis ``stage`` (used when ``mesh.stage > 1``)."""
 
-    schedule: Schedule = Field("1f1b", description="the order of the microbatches' forward and "
-                               "backward passes on each stage (see jaxpar/pipeline)")
-    microbatches: int = Field(0, ge=0, description="how many microbatches one step's batch is "
-                                                   "cut into (0: twice mesh.stage)")
-    virtual_stages: int = Field(1, ge=1, description="layer chunks per device, for interleaved "
-                                                     "(≥ 2) only")
-    executor: Executor = Field("auto", description="spmd: one program over the whole mesh, "
-                               "a stack of identical layers (Task.stages) split over stage; "
-                               "mpmd: one program per stage on its sub-mesh, any model split "
-                               "by layer (Task.layers) or a stack of layers; auto: spmd for a "
-                               "stack, mpmd for a model given by its layers")
-    split: IntList = Field((), description="with the mpmd executor, layers per chunk (one "
-                           "number per stage × virtual stage, in order, summing to the "
-                           "model's layers); empty: balanced by parameter bytes")
-    backward: Backward = Field("recompute", description="with the mpmd executor, what a "
-                               "backward starts from: recompute (the chunk's forward again, "
-                               "from its stashed input: least memory) or residuals (kept by "
-                               "the forward: no second forward, more memory)")
+    schedule: Schedule = Field(
+        "1f1b",
+        description="the order of the microbatches' forward and "
+        "backward passes on each stage (see jaxpar/pipeline)",
+    )
+    microbatches: int = Field(
+        0,
+        ge=0,
+        description="how many microbatches one step's batch is cut into (0: twice mesh.stage)",
+    )
+    virtual_stages: int = Field(
+        1, ge=1, description="layer chunks per device, for interleaved (≥ 2) only"
+    )
+    executor: Executor = Field(
+        "auto",
+        description="spmd: one program over the whole mesh, "
+        "a stack of identical layers (Task.stages) split over stage; "
+        "mpmd: one program per stage on its sub-mesh, any model split "
+        "by layer (Task.layers) or a stack of layers; auto: spmd for a "
+        "stack, mpmd for a model given by its layers",
+    )
+    split: IntList = Field(
+        (),
+        description="with the mpmd executor, layers per chunk (one "
+        "number per stage × virtual stage, in order, summing to the "
+        "model's layers); empty: balanced by parameter bytes",
+    )
+    backward: Backward = Field(
+        "recompute",
+        description="with the mpmd executor, what a "
+        "backward starts from: recompute (the chunk's forward again, "
+        "from its stashed input: least memory) or residuals (kept by "
+        "the forward: no second forward, more memory)",
+    )
 
 
 class Action(NamedTuple):
@@ -83,8 +99,9 @@ def check_shape(schedule: str, p: int, m: int, v: int) -> None:
       LayoutError: naming the numbers and what to change.
     """
     if schedule not in SCHEDULES:
-        raise LayoutError(f"unknown pipeline.schedule '{schedule}'; choose one of "
-                          f"{', '.join(SCHEDULES)}")
+        raise LayoutError(
+            f"unknown pipeline.schedule '{schedule}'; choose one of {', '.join(SCHEDULES)}"
+        )
     if p < 2:
         raise LayoutError(f"a pipeline needs mesh.stage ≥ 2 (got {p})")
     if m < 1:
@@ -93,24 +110,29 @@ def check_shape(schedule: str, p: int, m: int, v: int) -> None:
         if v < 2:
             raise LayoutError(
                 f"pipeline.schedule=interleaved needs pipeline.virtual_stages ≥ 2 (got {v}); "
-                "with one chunk per device use 1f1b")
+                "with one chunk per device use 1f1b"
+            )
         if m % p:
             raise LayoutError(
                 f"pipeline.schedule=interleaved runs microbatches in groups of mesh.stage={p}: "
                 f"pipeline.microbatches={m} is not a multiple of {p}; use "
-                f"{max(p, m - m % p)} or {m - m % p + p}")
+                f"{max(p, m - m % p)} or {m - m % p + p}"
+            )
     elif v != 1:
         raise LayoutError(
             f"pipeline.virtual_stages={v} applies to schedule=interleaved only; "
-            f"set pipeline.virtual_stages=1 for schedule={schedule}")
+            f"set pipeline.virtual_stages=1 for schedule={schedule}"
+        )
 
 
 def build(schedule: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
     """Each device's ordered action list for ``schedule``."""
     check_shape(schedule, p, m, v)
     if schedule == "gpipe":
-        return [[Action("F", j, d) for j in range(m)] + [Action("B", j, d) for j in range(m)]
-                for d in range(p)]
+        return [
+            [Action("F", j, d) for j in range(m)] + [Action("B", j, d) for j in range(m)]
+            for d in range(p)
+        ]
     if schedule == "1f1b":
         return [_one_f_one_b(p, m, d) for d in range(p)]
     if schedule == "interleaved":
@@ -129,6 +151,7 @@ def _one_f_one_b(p: int, m: int, d: int) -> list[Action]:
 
 def _interleaved(p: int, m: int, v: int, d: int) -> list[Action]:
     """Megatron's interleaved 1F1B: microbatches in groups of p, v chunks per device."""
+
     def unit(i: int, forward: bool) -> Action:
         group, rest = divmod(i, p * v)
         k = rest // p if forward else v - 1 - rest // p
@@ -205,8 +228,9 @@ class Timing:
         return [self.makespan - b for b in self.busy]
 
 
-def simulate(orders: list[list[Action]], v: int = 1,
-             times: dict[str, float] | None = None) -> Timing:
+def simulate(
+    orders: list[list[Action]], v: int = 1, times: dict[str, float] | None = None
+) -> Timing:
     """Plays per-device action lists in order, each action as soon as its inputs exist.
 
     Args:
@@ -248,16 +272,19 @@ def simulate(orders: list[list[Action]], v: int = 1,
     return Timing(start, end, makespan, busy, _peak_in_flight(orders, start, end, split))
 
 
-def check_complete(orders: list[list[Action]], num_chunks: int, split: bool,
-                    m: int | None = None) -> None:
+def check_complete(
+    orders: list[list[Action]], num_chunks: int, split: bool, m: int | None = None
+) -> None:
     """Each action once, on its chunk's device, for microbatches 0…m−1 (default: all seen)."""
     p = len(orders)
     seen: set[Action] = set()
     for d, order in enumerate(orders):
         for action in order:
             if action.chunk % p != d:
-                raise ValueError(f"{action} of chunk {action.chunk} runs on device {d}, "
-                                 f"not on its device {action.chunk % p}")
+                raise ValueError(
+                    f"{action} of chunk {action.chunk} runs on device {d}, "
+                    f"not on its device {action.chunk % p}"
+                )
             if action in seen:
                 raise ValueError(f"{action} appears twice")
             seen.add(action)

@@ -112,7 +112,11 @@ def tick_table(schedule: str, p: int, m: int, v: int = 1) -> TickTable:
     act_slot_of, n_act = _assign_slots(acts, p)
     grad_slot_of, n_grad = _assign_slots(grads, p)
     shape = (ticks, p)
-    kind, chunk, mb = np.zeros(shape, np.int32), np.zeros(shape, np.int32), np.zeros(shape, np.int32)
+    kind, chunk, mb = (
+        np.zeros(shape, np.int32),
+        np.zeros(shape, np.int32),
+        np.zeros(shape, np.int32),
+    )
     act_slot, grad_slot = np.full(shape, n_act, np.int32), np.full(shape, n_grad, np.int32)
     recv_act, recv_grad = np.full(shape, n_act, np.int32), np.full(shape, n_grad, np.int32)
     for action, t in tick.items():
@@ -127,8 +131,23 @@ def tick_table(schedule: str, p: int, m: int, v: int = 1) -> TickTable:
             recv_act[write, c % p] = act_slot_of[(j, c)]
     for (j, c), (write, _) in grads.items():
         recv_grad[write, c % p] = grad_slot_of[(j, c)]
-    table = TickTable(schedule, p, m, v, orders, kind, chunk, mb, act_slot, grad_slot,
-                      recv_act, recv_grad, n_act, n_grad, tick)
+    table = TickTable(
+        schedule,
+        p,
+        m,
+        v,
+        orders,
+        kind,
+        chunk,
+        mb,
+        act_slot,
+        grad_slot,
+        recv_act,
+        recv_grad,
+        n_act,
+        n_grad,
+        tick,
+    )
     validate(table)
     return table
 
@@ -157,10 +176,19 @@ def validate(table: TickTable) -> None:
                 raise ValueError(f"{action} at tick {t} runs before {dep} is available")
     acts, grads = _intervals(seen, num_chunks, table.m, split)
     back = ("I", "W") if split else ("B",)
-    _check_slots(table, seen, "activation", acts, table.act_slot, table.recv_act,
-                 table.act_slots, ("F", *back))
-    _check_slots(table, seen, "gradient", grads, table.grad_slot, table.recv_grad,
-                 table.grad_slots, back)
+    _check_slots(
+        table,
+        seen,
+        "activation",
+        acts,
+        table.act_slot,
+        table.recv_act,
+        table.act_slots,
+        ("F", *back),
+    )
+    _check_slots(
+        table, seen, "gradient", grads, table.grad_slot, table.recv_grad, table.grad_slots, back
+    )
 
 
 def _actions_once(table: TickTable) -> dict[Action, int]:
@@ -181,9 +209,16 @@ def _actions_once(table: TickTable) -> dict[Action, int]:
     return seen
 
 
-def _check_slots(table: TickTable, seen: dict[Action, int], name: str, intervals: dict,
-                 reads: np.ndarray, recv: np.ndarray, trash: int, kinds: tuple[str, ...]
-                 ) -> None:
+def _check_slots(
+    table: TickTable,
+    seen: dict[Action, int],
+    name: str,
+    intervals: dict,
+    reads: np.ndarray,
+    recv: np.ndarray,
+    trash: int,
+    kinds: tuple[str, ...],
+) -> None:
     """Every reader of a message entry uses one slot, arrivals are written to it, and no
     two entries of one slot are live at once."""
     lives: dict[tuple[int, int], list[tuple[int, int, tuple[int, int]]]] = {}
@@ -197,8 +232,10 @@ def _check_slots(table: TickTable, seen: dict[Action, int], name: str, intervals
         if c > 0 or name == "gradient":
             arrivals += 1
             if int(recv[lo, d]) != slot:
-                raise ValueError(f"{name} of microbatch {j} chunk {c} is not written to "
-                                 f"slot {slot} when it arrives (tick {lo})")
+                raise ValueError(
+                    f"{name} of microbatch {j} chunk {c} is not written to "
+                    f"slot {slot} when it arrives (tick {lo})"
+                )
         lives.setdefault((d, slot), []).append((lo, hi, (j, c)))
     if int((recv != trash).sum()) != arrivals:
         raise ValueError(f"the table writes {name} messages that no action reads")
@@ -209,4 +246,5 @@ def _check_slots(table: TickTable, seen: dict[Action, int], name: str, intervals
                 raise ValueError(
                     f"device {d} {name} slot {slot} is overwritten at tick {lo2} by "
                     f"microbatch {k2[0]} chunk {k2[1]} while microbatch {k1[0]} chunk "
-                    f"{k1[1]} needs it until tick {hi1}")
+                    f"{k1[1]} needs it until tick {hi1}"
+                )

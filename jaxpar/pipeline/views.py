@@ -48,8 +48,9 @@ def moved(x: jax.Array, mesh: Mesh, spec: P) -> jax.Array:
     process when the stages lie within hosts, so every process moves its own shards."""
     sharding = NamedSharding(mesh, spec)
     target = dict(zip(x.sharding.mesh.devices.flat, mesh.devices.flat))
-    return _array(x.shape, sharding, [jax.device_put(s.data, target[s.device])
-                                      for s in x.addressable_shards])
+    return _array(
+        x.shape, sharding, [jax.device_put(s.data, target[s.device]) for s in x.addressable_shards]
+    )
 
 
 def chunk_spec(spec: P) -> P:

@@ -3,5 +3,12 @@
 from jaxpar.plan.abstract import AbstractModel, abstract_model, global_batch_shapes
 from jaxpar.plan.plan import FsdpGather, Plan, StateBytes, make_plan
 
-__all__ = ["AbstractModel", "FsdpGather", "Plan", "StateBytes",
-           "abstract_model", "global_batch_shapes", "make_plan"]
+__all__ = [
+    "AbstractModel",
+    "FsdpGather",
+    "Plan",
+    "StateBytes",
+    "abstract_model",
+    "global_batch_shapes",
+    "make_plan",
+]

@@ -50,10 +50,19 @@ def abstract_model(task: Task, seed: int = 0) -> AbstractModel:
     variables = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
     kinds = sorted({type(v).__name__ for v in variables})
     pure = nnx.to_pure_dict(state)
-    counts = jax.tree.unflatten(jax.tree.structure(pure),
-                                [isinstance(v, nnx.RngCount) for v in variables])
-    return AbstractModel(graphdef, nnx.to_pure_dict(params), pure, param_axes, state_axes,
-                         tuple(unnamed), tuple(kinds), counts)
+    counts = jax.tree.unflatten(
+        jax.tree.structure(pure), [isinstance(v, nnx.RngCount) for v in variables]
+    )
+    return AbstractModel(
+        graphdef,
+        nnx.to_pure_dict(params),
+        pure,
+        param_axes,
+        state_axes,
+        tuple(unnamed),
+        tuple(kinds),
+        counts,
+    )
 
 
 def _checked_model(task: Task, model: Any) -> nnx.Module:
@@ -63,20 +72,24 @@ def _checked_model(task: Task, model: Any) -> nnx.Module:
         return model
     kind = type(model).__name__
     linen = type(model).__module__.startswith("flax.linen") or any(
-        c.__module__.startswith("flax.linen") for c in type(model).__mro__)
-    fix = (f"wrap the Linen module: jaxpar.Linen({kind}(...), example_input, rngs=rngs)"
-           if linen else "return the model built with the given rngs")
-    raise TaskError(f"task '{task.name}': model_fn returned a {kind}, not a flax.nnx.Module; "
-                    f"{fix}")
+        c.__module__.startswith("flax.linen") for c in type(model).__mro__
+    )
+    fix = (
+        f"wrap the Linen module: jaxpar.Linen({kind}(...), example_input, rngs=rngs)"
+        if linen
+        else "return the model built with the given rngs"
+    )
+    raise TaskError(f"task '{task.name}': model_fn returned a {kind}, not a flax.nnx.Module; {fix}")
 
 
 def global_batch_shapes(host_batch: Mapping[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
     """The global shapes of a batch of which this process holds ``host_batch``: each of the
     ``jax.process_count()`` processes loads an equal share of the rows."""
     count = jax.process_count()
-    return {k: jax.ShapeDtypeStruct((v.shape[0] * count, *v.shape[1:]), v.dtype)
-            for k, v in host_batch.items()}
-
+    return {
+        k: jax.ShapeDtypeStruct((v.shape[0] * count, *v.shape[1:]), v.dtype)
+        for k, v in host_batch.items()
+    }
 
 
 def warn_unnamed(paths: tuple[str, ...]) -> None:
@@ -86,4 +99,6 @@ def warn_unnamed(paths: tuple[str, ...]) -> None:
         f"{len(paths)} parameter{'s' * (len(paths) != 1)} carry no logical axes and are "
         f"replicated on every device: {shown}; to shard them, annotate them "
         "(kernel_init=nnx.with_partitioning(init, ('embed', 'mlp')) or nnx.Param(value, "
-        "out_sharding=(...))) or give the Task path_rules", stacklevel=4)
+        "out_sharding=(...))) or give the Task path_rules",
+        stacklevel=4,
+    )

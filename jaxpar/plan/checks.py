@@ -19,8 +19,9 @@ from jaxpar.plan.abstract import AbstractModel
 from jaxpar.task import Task
 
 
-def batch_specs(task: Task, rules: Rules, mesh: Mesh, batch: Mapping[str, Any] | None
-                 ) -> dict[str, PartitionSpec]:
+def batch_specs(
+    task: Task, rules: Rules, mesh: Mesh, batch: Mapping[str, Any] | None
+) -> dict[str, PartitionSpec]:
     """Batch specs; with ``batch`` None, without the divisibility check."""
     specs = {}
     for key, names in task.batch_axes.items():
@@ -43,7 +44,8 @@ def check_processes_own_rows(mesh: Mesh, specs: Mapping[str, PartitionSpec]) -> 
         keep = [mesh.axis_names.index(a) for a in axes]
         rest = [i for i in range(mesh.devices.ndim) if i not in keep]
         groups = mesh.devices.transpose(*keep, *rest).reshape(
-            math.prod(mesh.shape[a] for a in axes), -1)
+            math.prod(mesh.shape[a] for a in axes), -1
+        )
         for group in groups:
             if len({d.process_index for d in group}) > 1:
                 across = [a for a in mesh.axis_names if a not in axes and mesh.shape[a] > 1]
@@ -51,11 +53,17 @@ def check_processes_own_rows(mesh: Mesh, specs: Mapping[str, PartitionSpec]) -> 
                     f"batch '{key}': processes split the mesh along {', '.join(across)}, which "
                     "does not split the batch rows, but each process loads its own share of "
                     "them; put the batch axes (data, fsdp) across hosts (mesh.hosts_data / "
-                    "mesh.hosts_fsdp) and keep the other axes within a host")
+                    "mesh.hosts_fsdp) and keep the other axes within a host"
+                )
 
 
-def check_rows(mesh: Mesh, specs: Mapping[str, PartitionSpec], batch: Mapping[str, Any],
-                parts: int, message: Any) -> None:
+def check_rows(
+    mesh: Mesh,
+    specs: Mapping[str, PartitionSpec],
+    batch: Mapping[str, Any],
+    parts: int,
+    message: Any,
+) -> None:
     """Each entry's rows split into ``parts`` equal parts on each device sharing them;
     ``message(key, rows, ways)`` says what to change."""
     for key, spec in specs.items():
@@ -65,20 +73,32 @@ def check_rows(mesh: Mesh, specs: Mapping[str, PartitionSpec], batch: Mapping[st
             raise LayoutError(message(key, size, ways))
 
 
-def check_layout(task: Task, model: AbstractModel, rules: Rules, mesh: Mesh,
-                  param_specs: Any, batch_specs: dict[str, PartitionSpec],
-                  run_by_executor: tuple[str, ...] = ()) -> None:
+def check_layout(
+    task: Task,
+    model: AbstractModel,
+    rules: Rules,
+    mesh: Mesh,
+    param_specs: Any,
+    batch_specs: dict[str, PartitionSpec],
+    run_by_executor: tuple[str, ...] = (),
+) -> None:
     """Rules name real logical axes; the batch is split over data axes; no mesh axis idles
     (``run_by_executor``: axes an executor uses itself, such as the sub-mesh pipeline's
     ``stage``)."""
-    names = jax.tree.leaves([model.param_axes, model.state_axes],
-                            is_leaf=lambda x: isinstance(x, tuple))
-    used = {n for group in [*names, *task.batch_axes.values()] for entry in group
-            for n in names_of(entry)}
+    names = jax.tree.leaves(
+        [model.param_axes, model.state_axes], is_leaf=lambda x: isinstance(x, tuple)
+    )
+    used = {
+        n
+        for group in [*names, *task.batch_axes.values()]
+        for entry in group
+        for n in names_of(entry)
+    }
     check_rule_names(rules, used)
     check_batch_sharded(mesh, batch_specs)
-    check_axes_used(mesh, [param_specs, batch_specs],
-                    run_by_executor + check_context(task, rules, mesh))
+    check_axes_used(
+        mesh, [param_specs, batch_specs], run_by_executor + check_context(task, rules, mesh)
+    )
 
 
 def check_context(task: Task, rules: Rules, mesh: Mesh) -> tuple[str, ...]:
@@ -103,11 +123,13 @@ def check_context(task: Task, rules: Rules, mesh: Mesh) -> tuple[str, ...]:
         raise LayoutError(
             f"{split}, but the attention of {name} does not run across a split sequence; "
             f"{fix}, or give its attention jaxpar.attend with the tokens' positions and "
-            "declare Task(context_parallel=True) (docs/context.md)")
+            "declare Task(context_parallel=True) (docs/context.md)"
+        )
     if task.tokens_per_example % ways:
         raise LayoutError(
             f"{split}, but its sequences of {task.tokens_per_example} tokens do not divide "
-            f"into {ways}; change data.seq_len or mesh.context")
+            f"into {ways}; change data.seq_len or mesh.context"
+        )
     return axes
 
 
@@ -125,7 +147,8 @@ def check_rule_names(rules: Rules, used: set[str]) -> None:
             hint = f"did you mean 'rules.{match[0]}'? " if match else ""
             raise LayoutError(
                 f"rule 'rules.{name}' names no logical axis of this model or of any preset; "
-                f"{hint}logical axes: {', '.join(sorted(known))}")
+                f"{hint}logical axes: {', '.join(sorted(known))}"
+            )
 
 
 def check_batch_sharded(mesh: Mesh, batch_specs: Mapping[str, PartitionSpec]) -> None:
@@ -142,7 +165,8 @@ def check_batch_sharded(mesh: Mesh, batch_specs: Mapping[str, PartitionSpec]) ->
                 raise LayoutError(
                     f"batch '{key}' is not split over mesh axis '{axis}' (size "
                     f"{mesh.shape[axis]}), so those devices would all compute the same "
-                    "examples; add it to the batch rule, e.g. rules.batch=data,fsdp")
+                    "examples; add it to the batch rule, e.g. rules.batch=data,fsdp"
+                )
 
 
 def check_axes_used(mesh: Mesh, specs: list[Any], skip: tuple[str, ...] = ()) -> None:
@@ -155,13 +179,16 @@ def check_axes_used(mesh: Mesh, specs: list[Any], skip: tuple[str, ...] = ()) ->
     used = {a for tree in specs for spec in spec_leaves(tree) for a in spec_axes(spec)}
     for axis, size in mesh.shape.items():
         if size > 1 and axis not in used and axis not in skip:
-            hint = ("pipeline stages split the stacked layers: set rules.layers=stage, or "
-                    "mesh.stage=1" if axis == "stage" else
-                    f"map a logical axis onto it (e.g. rules.batch=data,{axis}) or set "
-                    f"mesh.{axis}=1")
+            hint = (
+                "pipeline stages split the stacked layers: set rules.layers=stage, or mesh.stage=1"
+                if axis == "stage"
+                else f"map a logical axis onto it (e.g. rules.batch=data,{axis}) or set "
+                f"mesh.{axis}=1"
+            )
             raise LayoutError(
                 f"mesh axis '{axis}' has size {size} but no rule shards anything over it, so "
-                f"its devices would duplicate all work; {hint}")
+                f"its devices would duplicate all work; {hint}"
+            )
 
 
 def check_spmd_settings(cfg: Any) -> None:
@@ -177,11 +204,13 @@ def check_spmd_settings(cfg: Any) -> None:
         raise LayoutError(
             f"{' and '.join(given)} apply to pipeline.executor=mpmd, but this layout runs the "
             f"spmd executor (pipeline.executor={cfg.executor}, a stack of layers); set "
-            "pipeline.executor=mpmd, or leave them out")
+            "pipeline.executor=mpmd, or leave them out"
+        )
 
 
-def pipeline_table(task: Task, model: AbstractModel, mesh: Mesh, rules: Rules,
-                    cfg: Any) -> TickTable | None:
+def pipeline_table(
+    task: Task, model: AbstractModel, mesh: Mesh, rules: Rules, cfg: Any
+) -> TickTable | None:
     """The schedule's tick table when the mesh has pipeline stages, after the checks.
 
     Raises:
@@ -197,7 +226,8 @@ def pipeline_table(task: Task, model: AbstractModel, mesh: Mesh, rules: Rules,
             f"mesh.stage={p}, but this model cannot be split into pipeline stages: its task "
             "declares neither its layers (Task.layers=jaxpar.Layers(inputs=…, loss=…): any "
             "sequence of layers, run by pipeline.executor=mpmd) nor a StageSplit (a stack of "
-            "identical layers); give it one, or set mesh.stage=1")
+            "identical layers); give it one, or set mesh.stage=1"
+        )
     other = [k for k in model.state_kinds if k not in ("RngKey", "RngCount")]
     if other:
         raise LayoutError(
@@ -205,16 +235,19 @@ def pipeline_table(task: Task, model: AbstractModel, mesh: Mesh, rules: Rules,
             f"streams only, but this one also has {', '.join(other)} (statistics of the whole "
             "batch cannot be split into stages there); give the Task its layers and use "
             "pipeline.executor=mpmd (each stage keeps its own statistics), or set "
-            "mesh.stage=1 (data, fsdp and tensor parallelism carry such state)")
+            "mesh.stage=1 (data, fsdp and tensor parallelism carry such state)"
+        )
     if tuple(rules.get("layers", ())) != ("stage",):
         raise LayoutError(
             f"mesh.stage={p} needs the stacked layers split over it, but rules.layers="
-            f"{','.join(rules.get('layers', ())) or 'null'}; set rules.layers=stage")
+            f"{','.join(rules.get('layers', ())) or 'null'}; set rules.layers=stage"
+        )
     m, v = cfg.microbatches or 2 * p, cfg.virtual_stages
     n_layers = jax.tree.leaves(model.params[split.layers_key])[0].shape[0]
     if n_layers % (p * v):
         raise LayoutError(
             f"{n_layers} layers cannot be cut into mesh.stage × pipeline.virtual_stages = "
             f"{p}×{v} = {p * v} equal chunks; change the number of layers, mesh.stage or "
-            "pipeline.virtual_stages")
+            "pipeline.virtual_stages"
+        )
     return tick_table(cfg.schedule, p, m, v)

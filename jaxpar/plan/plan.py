@@ -133,8 +133,9 @@ class Plan:
 
     def batch_ways(self) -> int:
         """Devices the batch dim is split over (the mesh axes of the ``batch`` rule)."""
-        return math.prod(self.mesh.shape[a] for a in self.rules.get("batch", ())
-                         if a in self.mesh.shape)
+        return math.prod(
+            self.mesh.shape[a] for a in self.rules.get("batch", ()) if a in self.mesh.shape
+        )
 
     def batch_shardings(self, batch: Mapping[str, Any]) -> dict[str, NamedSharding]:
         """Shardings of a global batch (arrays or shapes), after checking its entries and
@@ -149,17 +150,29 @@ class Plan:
             raise TaskError(
                 f"the batch has entries {sorted(batch)} but the task's batch_axes name "
                 f"{sorted(self.task.batch_axes)}; give every batch entry its logical axes in "
-                "Task.batch_axes (and only those entries)")
+                "Task.batch_axes (and only those entries)"
+            )
         specs = checks.batch_specs(self.task, self.rules, self.mesh, batch)
-        what = " × ".join(name for name, on in (
-            ("train.grad_accum", self.grad_accum > 1 or not self.pipeline),
-            ("pipeline.microbatches", self.pipeline is not None)) if on)
-        checks.check_rows(self.mesh, specs, batch, self.microbatches,
-                          lambda key, size, ways: (
-                              f"batch '{key}': global batch {size} must be divisible by {what} "
-                              f"({self.microbatches}) × the {ways} devices sharing the batch "
-                              f"dim ({specs[key][0]}) = {self.microbatches * ways}; change "
-                              f"train.batch_size, {what} or the mesh"))
+        what = " × ".join(
+            name
+            for name, on in (
+                ("train.grad_accum", self.grad_accum > 1 or not self.pipeline),
+                ("pipeline.microbatches", self.pipeline is not None),
+            )
+            if on
+        )
+        checks.check_rows(
+            self.mesh,
+            specs,
+            batch,
+            self.microbatches,
+            lambda key, size, ways: (
+                f"batch '{key}': global batch {size} must be divisible by {what} "
+                f"({self.microbatches}) × the {ways} devices sharing the batch "
+                f"dim ({specs[key][0]}) = {self.microbatches * ways}; change "
+                f"train.batch_size, {what} or the mesh"
+            ),
+        )
         return shd.named(self.mesh, specs)
 
     def check_eval_batch(self, batch: Mapping[str, Any]) -> None:
@@ -173,31 +186,50 @@ class Plan:
             return
         m = self.pipeline.m
         specs = checks.batch_specs(self.task, self.rules, self.mesh, batch)
-        checks.check_rows(self.mesh, specs, batch, m, lambda key, size, ways: (
-            f"batch '{key}': an evaluation batch of {size} runs through the pipeline as "
-            f"pipeline.microbatches ({m}) × the {ways} devices sharing the batch dim = "
-            f"{m * ways} equal parts; give it a multiple of {m * ways} rows"))
+        checks.check_rows(
+            self.mesh,
+            specs,
+            batch,
+            m,
+            lambda key, size, ways: (
+                f"batch '{key}': an evaluation batch of {size} runs through the pipeline as "
+                f"pipeline.microbatches ({m}) × the {ways} devices sharing the batch dim = "
+                f"{m * ways} equal parts; give it a multiple of {m * ways} rows"
+            ),
+        )
 
     def state_bytes(self) -> StateBytes:
         """Bytes of the train state per device and in all, from the shardings."""
         a, s = self.abstract_state, self.state_shardings
-        return StateBytes(shd.bytes_per_device(a.params, s.params),
-                          shd.bytes_per_device(a.opt_state, s.opt_state),
-                          shd.bytes_per_device(a.model_state, s.model_state),
-                          shd.bytes_per_device(a, s), shd.total_bytes(a.params),
-                          shd.total_bytes(a.opt_state))
+        return StateBytes(
+            shd.bytes_per_device(a.params, s.params),
+            shd.bytes_per_device(a.opt_state, s.opt_state),
+            shd.bytes_per_device(a.model_state, s.model_state),
+            shd.bytes_per_device(a, s),
+            shd.total_bytes(a.params),
+            shd.total_bytes(a.opt_state),
+        )
 
     def replan(self, **settings: Any) -> Plan:
         """The plan of the same task, optimizer, mesh and rules under other settings
         (``grad_accum``, ``pipeline``, ``fsdp_gather``)."""
-        return make_plan(self.task, self.optimizer, self.mesh, self.rules,
-                         **{**self.settings, **settings})
+        return make_plan(
+            self.task, self.optimizer, self.mesh, self.rules, **{**self.settings, **settings}
+        )
 
 
-def make_plan(task: Task, optimizer: optax.GradientTransformation, mesh: Mesh, rules: Rules,
-              *, grad_accum: int = 1, pipeline: PipelineConfig | None = None,
-              fsdp_gather: str = "per_microbatch", model: AbstractModel | None = None,
-              context: ContextConfig | None = None) -> Plan:
+def make_plan(
+    task: Task,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    rules: Rules,
+    *,
+    grad_accum: int = 1,
+    pipeline: PipelineConfig | None = None,
+    fsdp_gather: str = "per_microbatch",
+    model: AbstractModel | None = None,
+    context: ContextConfig | None = None,
+) -> Plan:
     """Decides the layout of ``task`` trained by ``optimizer`` on ``mesh`` under ``rules``.
 
     Args:
@@ -233,42 +265,107 @@ def make_plan(task: Task, optimizer: optax.GradientTransformation, mesh: Mesh, r
     batch_specs = checks.batch_specs(task, rules, mesh, None)
     checks.check_processes_own_rows(mesh, batch_specs)
     loss = ModelLoss(model.graphdef, task.loss_fn, context)
-    settings = {"grad_accum": grad_accum, "pipeline": pipeline, "fsdp_gather": fsdp_gather,
-                "context": context}
+    settings = {
+        "grad_accum": grad_accum,
+        "pipeline": pipeline,
+        "fsdp_gather": fsdp_gather,
+        "context": context,
+    }
     if executor_of(task, pipeline, mesh.shape["stage"]) == "mpmd":
-        layout = sub_mesh_layout(task, model, optimizer, abstract_opt, mesh, rules, pipeline,
-                                 grad_accum, context)
-        checks.check_layout(task, model, rules, mesh, layout.param_specs, batch_specs,
-                            run_by_executor=("stage",))
-        return Plan(task, optimizer, mesh, rules, model, layout.param_specs,
-                    layout.state_specs, layout.opt_specs, layout.opt_replicated, abstract,
-                    layout.shardings, batch_specs, grad_accum, layout.executor.table, False,
-                    loss, layout.executor, settings)
+        layout = sub_mesh_layout(
+            task, model, optimizer, abstract_opt, mesh, rules, pipeline, grad_accum, context
+        )
+        checks.check_layout(
+            task, model, rules, mesh, layout.param_specs, batch_specs, run_by_executor=("stage",)
+        )
+        return Plan(
+            task,
+            optimizer,
+            mesh,
+            rules,
+            model,
+            layout.param_specs,
+            layout.state_specs,
+            layout.opt_specs,
+            layout.opt_replicated,
+            abstract,
+            layout.shardings,
+            batch_specs,
+            grad_accum,
+            layout.executor.table,
+            False,
+            loss,
+            layout.executor,
+            settings,
+        )
     table = checks.pipeline_table(task, model, mesh, rules, pipeline)
     if table is not None:
         checks.check_spmd_settings(pipeline)
     param_specs = shd.param_specs(model.params, model.param_axes, rules, mesh)
-    state_specs = shd.param_specs(model.state, model.state_axes, rules, mesh,
-                                  what="model state")
+    state_specs = shd.param_specs(model.state, model.state_axes, rules, mesh, what="model state")
     opt_specs, replicated = shd.opt_state_specs(abstract_opt, model.params, param_specs)
     scalar = NamedSharding(mesh, PartitionSpec())
-    shardings = TrainState(scalar, shd.named(mesh, param_specs), shd.named(mesh, opt_specs),
-                           scalar, shd.named(mesh, state_specs))
+    shardings = TrainState(
+        scalar,
+        shd.named(mesh, param_specs),
+        shd.named(mesh, opt_specs),
+        scalar,
+        shd.named(mesh, state_specs),
+    )
     checks.check_layout(task, model, rules, mesh, param_specs, batch_specs)
     once = _gather_once(fsdp_gather, grad_accum, param_specs)
-    pipelined = (Pipelined(task.stages, model.graphdef, table, mesh, rules, param_specs,
-                           model.rng_counts, context) if table is not None else None)
-    strategy = _gradient_strategy(loss, mesh, rules, param_specs, shardings.params,
-                                  grad_accum, model.stateful, pipelined, once)
-    return Plan(task, optimizer, mesh, rules, model, param_specs, state_specs, opt_specs,
-                replicated, abstract, shardings, batch_specs, grad_accum, table, once, loss,
-                strategy, settings)
+    pipelined = (
+        Pipelined(
+            task.stages, model.graphdef, table, mesh, rules, param_specs, model.rng_counts, context
+        )
+        if table is not None
+        else None
+    )
+    strategy = _gradient_strategy(
+        loss,
+        mesh,
+        rules,
+        param_specs,
+        shardings.params,
+        grad_accum,
+        model.stateful,
+        pipelined,
+        once,
+    )
+    return Plan(
+        task,
+        optimizer,
+        mesh,
+        rules,
+        model,
+        param_specs,
+        state_specs,
+        opt_specs,
+        replicated,
+        abstract,
+        shardings,
+        batch_specs,
+        grad_accum,
+        table,
+        once,
+        loss,
+        strategy,
+        settings,
+    )
 
 
 # ---- the gradient strategy ------------------------------------------------------------------
-def _gradient_strategy(loss: ModelLoss, mesh: Mesh, rules: Rules, param_specs: Any,
-                       param_shardings: Any, grad_accum: int, stateful: bool,
-                       pipelined: Pipelined | None, once: bool) -> Strategy:
+def _gradient_strategy(
+    loss: ModelLoss,
+    mesh: Mesh,
+    rules: Rules,
+    param_specs: Any,
+    param_shardings: Any,
+    grad_accum: int,
+    stateful: bool,
+    pipelined: Pipelined | None,
+    once: bool,
+) -> Strategy:
     """The pipeline or a plain step, accumulated over ``grad_accum`` microbatches when it
     is above 1 (locally per data shard when possible); ``once``: FSDP-sharded weights are
     gathered once per step for the accumulation."""
@@ -278,8 +375,9 @@ def _gradient_strategy(loss: ModelLoss, mesh: Mesh, rules: Rules, param_specs: A
     gathered = gathered_specs(param_specs) if once else None
     if pipelined is None and per_data_shard_possible(mesh, param_specs, stateful):
         return AccumulatedPerDataShard(loss, grad_accum, mesh, rules, param_specs, gathered)
-    return Accumulated(inner, grad_accum, param_shardings,
-                       shd.named(mesh, gathered) if once else None)
+    return Accumulated(
+        inner, grad_accum, param_shardings, shd.named(mesh, gathered) if once else None
+    )
 
 
 def per_data_shard_possible(mesh: Mesh, param_specs: Any, stateful: bool) -> bool:
@@ -297,6 +395,7 @@ def per_data_shard_possible(mesh: Mesh, param_specs: Any, stateful: bool) -> boo
 def gathered_specs(param_specs: Any) -> Any:
     """The parameters' specs without the batch axes (``data``, ``fsdp``): FSDP-sharded
     parameters gathered, tensor and stage splits kept."""
+
     def drop(spec: PartitionSpec) -> PartitionSpec:
         entries = []
         for e in spec:
@@ -315,13 +414,13 @@ def gathers_weights(param_specs: Any) -> bool:
 def _gather_once(setting: str, grad_accum: int, param_specs: Any) -> bool:
     """Whether ``train.fsdp_gather=once`` has an effect (a warning says when it has none)."""
     if setting not in get_args(FsdpGather):
-        raise ConfigError(f"train.fsdp_gather must be one of {', '.join(get_args(FsdpGather))}"
-                          f", got {setting!r}")
+        raise ConfigError(
+            f"train.fsdp_gather must be one of {', '.join(get_args(FsdpGather))}, got {setting!r}"
+        )
     if setting != "once":
         return False
     if grad_accum == 1 or not gathers_weights(param_specs):
-        why = ("train.grad_accum=1" if grad_accum == 1
-               else "no parameter sharded over data or fsdp")
+        why = "train.grad_accum=1" if grad_accum == 1 else "no parameter sharded over data or fsdp"
         warnings.warn(f"config key 'train.fsdp_gather' has no effect with {why}", stacklevel=3)
         return False
     return True

@@ -79,8 +79,14 @@ def device_memory(devices: list[jax.Device]) -> Memory | None:
 
 def size(n: float) -> str:
     """``n`` bytes for a message: ``24.6 GB``, ``1.02e+03 EB``."""
-    for unit, scale in (("EB", 1e18), ("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6),
-                        ("KB", 1e3)):
+    for unit, scale in (
+        ("EB", 1e18),
+        ("PB", 1e15),
+        ("TB", 1e12),
+        ("GB", 1e9),
+        ("MB", 1e6),
+        ("KB", 1e3),
+    ):
         if n >= scale:
             return f"{n / scale:.3g} {unit}"
     return f"{int(n)} B"
@@ -96,11 +102,11 @@ def check_settings(settings: Mapping[str, Any]) -> None:
         if isinstance(value, int) and value > INT64_MAX:
             raise ConfigError(
                 f"{key}={value} is larger than any array dim can be (2^63 − 1: XLA counts "
-                f"in int64), and than any device's memory; lower {key}")
+                f"in int64), and than any device's memory; lower {key}"
+            )
 
 
-def check_microbatches(batch_size: int, grad_accum: int, microbatches: int,
-                       stages: int) -> None:
+def check_microbatches(batch_size: int, grad_accum: int, microbatches: int, stages: int) -> None:
     """With pipeline stages, one step's ``batch_size`` rows must hold ``grad_accum`` ×
     ``microbatches`` (0: twice the stages) microbatches of at least one row — checked
     before the tick table (an entry per microbatch and stage) is built; how they divide
@@ -115,16 +121,23 @@ def check_microbatches(batch_size: int, grad_accum: int, microbatches: int,
     parts = grad_accum * m
     if parts <= batch_size:
         return
-    given = (f"pipeline.microbatches={m}" if microbatches else
-             f"pipeline.microbatches (default 2 × mesh.stage = {m})")
+    given = (
+        f"pipeline.microbatches={m}"
+        if microbatches
+        else f"pipeline.microbatches (default 2 × mesh.stage = {m})"
+    )
     rows = batch_size // grad_accum
     fits = next((d for d in range(min(rows, 1 << 16), 0, -1) if rows % d == 0), None)
-    fix = f"pipeline.microbatches={fits} (or a smaller divisor of {rows})" if fits else (
-        f"train.grad_accum to at most {batch_size}")
+    fix = (
+        f"pipeline.microbatches={fits} (or a smaller divisor of {rows})"
+        if fits
+        else (f"train.grad_accum to at most {batch_size}")
+    )
     raise LayoutError(
         f"{given} × train.grad_accum={grad_accum} = {parts} microbatches, more than one "
         f"step's train.batch_size={batch_size} rows (a microbatch holds at least one); set "
-        f"{fix}, or raise train.batch_size")
+        f"{fix}, or raise train.batch_size"
+    )
 
 
 def check_state(plan: Any, memory: Memory | None, settings: Mapping[str, Any]) -> None:
@@ -142,8 +155,9 @@ def check_state(plan: Any, memory: Memory | None, settings: Mapping[str, Any]) -
     if need <= memory.bytes:
         return
     state = plan.state_bytes()
-    rows = shd.param_rows(plan.abstract_state.params, plan.model.param_axes,
-                          plan.state_shardings.params)
+    rows = shd.param_rows(
+        plan.abstract_state.params, plan.model.param_axes, plan.state_shardings.params
+    )
     top = max(rows, key=lambda r: r.bytes_per_device)
     parts = f"parameters {size(state.params)}, optimizer state {size(state.opt_state)}"
     parts = f"in all (per device: {parts})" if memory.shared else f"per device ({parts})"
@@ -151,18 +165,24 @@ def check_state(plan: Any, memory: Memory | None, settings: Mapping[str, Any]) -
     keys = _keys(top.shape, settings)
     origin = f" from {', '.join(keys)}" if keys else ""
     smaller = f"lower {keys[0].split('=')[0]}" if keys else "choose a smaller model"
-    fix = (smaller if memory is ANY_DEVICE else
-           "choose a smaller model, or train it on accelerators that hold it together "
-           "(jaxpar plan finds a layout)" if memory.shared else
-           f"shard it over at least {max(2, -(-total // memory.bytes))} such devices "
-           "(mesh.fsdp, mesh.tensor) or choose a smaller model")
+    fix = (
+        smaller
+        if memory is ANY_DEVICE
+        else "choose a smaller model, or train it on accelerators that hold it together "
+        "(jaxpar plan finds a layout)"
+        if memory.shared
+        else f"shard it over at least {max(2, -(-total // memory.bytes))} such devices "
+        "(mesh.fsdp, mesh.tensor) or choose a smaller model"
+    )
     raise LayoutError(
         f"the train state needs {size(need)} {parts}, more than {memory.what}; its "
-        f"largest parameter is {top.path} {list(top.shape)}{origin}; {fix}")
+        f"largest parameter is {top.path} {list(top.shape)}{origin}; {fix}"
+    )
 
 
-def check_activations(plan: Any, batch: Mapping[str, Any], memory: Memory | None,
-                      settings: Mapping[str, Any]) -> None:
+def check_activations(
+    plan: Any, batch: Mapping[str, Any], memory: Memory | None, settings: Mapping[str, Any]
+) -> None:
     """The largest array one train step of ``plan`` must hold, split over every device
     (a lower bound), fits ``memory``.
 
@@ -190,7 +210,8 @@ def check_activations(plan: Any, batch: Mapping[str, Any], memory: Memory | None
         f"for a microbatch of {rows} rows{origin}): at least {size(share)} {where}, more "
         f"than {memory.what}; lower train.batch_size (or raise train.grad_accum), "
         "data.seq_len or the model's sizes, or split the batch and sequence over more "
-        "devices")
+        "devices"
+    )
 
 
 def largest_array(plan: Any, batch: Mapping[str, Any]) -> tuple[int, Any, str] | None:
@@ -200,12 +221,14 @@ def largest_array(plan: Any, batch: Mapping[str, Any]) -> tuple[int, Any, str] |
     None when the loss cannot be traced here (its step then says why, where it always
     did)."""
     m = plan.microbatches
-    micro = {k: jax.ShapeDtypeStruct((v.shape[0] // m, *v.shape[1:]), v.dtype)
-             for k, v in batch.items()}
+    micro = {
+        k: jax.ShapeDtypeStruct((v.shape[0] // m, *v.shape[1:]), v.dtype) for k, v in batch.items()
+    }
 
     def loss(params: Any, model_state: Any, batch: Any) -> Any:
-        return plan.loss(params, model_state, batch, train=True, mesh=plan.mesh,
-                         rules=plan.rules)[0]
+        return plan.loss(params, model_state, batch, train=True, mesh=plan.mesh, rules=plan.rules)[
+            0
+        ]
 
     state = plan.abstract_state
     try:

@@ -55,16 +55,25 @@ def executor_of(task: Task, pipeline: PipelineConfig, stages: int) -> str | None
         return None
     chosen = pipeline.executor
     if chosen not in get_args(Executor):
-        raise LayoutError(f"pipeline.executor must be one of {', '.join(get_args(Executor))}, "
-                          f"got {chosen!r}")
+        raise LayoutError(
+            f"pipeline.executor must be one of {', '.join(get_args(Executor))}, got {chosen!r}"
+        )
     if chosen == "auto":
         return "mpmd" if task.stages is None and task.layers is not None else "spmd"
     return chosen
 
 
-def sub_mesh_layout(task: Task, model: Any, optimizer: optax.GradientTransformation,
-                    abstract_opt: Any, mesh: Mesh, rules: Rules, pipeline: PipelineConfig,
-                    grad_accum: int, context: Any = None) -> SubMeshLayout:
+def sub_mesh_layout(
+    task: Task,
+    model: Any,
+    optimizer: optax.GradientTransformation,
+    abstract_opt: Any,
+    mesh: Mesh,
+    rules: Rules,
+    pipeline: PipelineConfig,
+    grad_accum: int,
+    context: Any = None,
+) -> SubMeshLayout:
     """Where every variable lives under the sub-mesh executor, and the executor.
 
     Raises:
@@ -81,27 +90,42 @@ def sub_mesh_layout(task: Task, model: Any, optimizer: optax.GradientTransformat
         layer_cut = cut_by_layer(task, model.params, model.state, p * v, tuple(pipeline.split))
         cut = ByLayer(layer_cut, task.layers)
         param_specs = shd.param_specs(model.params, model.param_axes, rules, meshes[0])
-        state_specs = shd.param_specs(model.state, model.state_axes, rules, meshes[0],
-                                      what="model state")
+        state_specs = shd.param_specs(
+            model.state, model.state_axes, rules, meshes[0], what="model state"
+        )
         homes = _by_layer_homes(layer_cut, p, model.params, model.state)
     opt_specs, replicated = shd.opt_state_specs(abstract_opt, model.params, param_specs)
-    homes = TrainState(WHOLE, homes[0], _opt_homes(homes[0], model.params, abstract_opt),
-                       WHOLE, homes[1])
+    homes = TrainState(
+        WHOLE, homes[0], _opt_homes(homes[0], model.params, abstract_opt), WHOLE, homes[1]
+    )
     _check_per_stage_update(optimizer, homes.params, p)
     specs = TrainState(PartitionSpec(), param_specs, opt_specs, PartitionSpec(), state_specs)
     shardings = jax.tree.map(
         lambda home, spec: NamedSharding(mesh if home < 0 else meshes[home], spec),
-        homes, specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-    executor = SubMeshPipeline(cut, tick_table(pipeline.schedule, p, m, v), mesh, meshes, rules,
-                               homes, shardings, grad_accum,
-                               _heaviest(homes.params, shardings.params, model.params, p),
-                               in_order=mesh.devices.flat[0].platform == "cpu",
-                               residuals=pipeline.backward == "residuals", context=context)
+        homes,
+        specs,
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
+    executor = SubMeshPipeline(
+        cut,
+        tick_table(pipeline.schedule, p, m, v),
+        mesh,
+        meshes,
+        rules,
+        homes,
+        shardings,
+        grad_accum,
+        _heaviest(homes.params, shardings.params, model.params, p),
+        in_order=mesh.devices.flat[0].platform == "cpu",
+        residuals=pipeline.backward == "residuals",
+        context=context,
+    )
     return SubMeshLayout(param_specs, state_specs, opt_specs, replicated, shardings, executor)
 
 
-def _by_stack(task: Task, model: Any, mesh: Mesh, rules: Rules, pipeline: PipelineConfig
-              ) -> tuple[ByStack, tuple, Any, Any]:
+def _by_stack(
+    task: Task, model: Any, mesh: Mesh, rules: Rules, pipeline: PipelineConfig
+) -> tuple[ByStack, tuple, Any, Any]:
     """A stack of layers (``Task.stages``) under the sub-mesh executor: stage ``s`` holds the
     ``s``-th chunk of the stack, split over ``stage`` as under the spmd executor (so the
     two executors' states are alike); the other variables live on the whole mesh.
@@ -115,11 +139,11 @@ def _by_stack(task: Task, model: Any, mesh: Mesh, rules: Rules, pipeline: Pipeli
         raise LayoutError(
             f"pipeline.executor=mpmd runs a stack of layers (StageSplit) with one chunk per "
             f"stage, but pipeline.virtual_stages={table.v}; set pipeline.virtual_stages=1, or "
-            "use pipeline.executor=spmd for the interleaved layout")
+            "use pipeline.executor=spmd for the interleaved layout"
+        )
     key = task.stages.layers_key
     param_specs = shd.param_specs(model.params, model.param_axes, rules, mesh)
-    state_specs = shd.param_specs(model.state, model.state_axes, rules, mesh,
-                                  what="model state")
+    state_specs = shd.param_specs(model.state, model.state_axes, rules, mesh, what="model state")
 
     def home(path: tuple, spec: PartitionSpec) -> int:
         stacked = _key(path[0]) == key
@@ -130,13 +154,16 @@ def _by_stack(task: Task, model: Any, mesh: Mesh, rules: Rules, pipeline: Pipeli
         raise LayoutError(
             f"pipeline.executor=mpmd: {shd.path_str(path)} has spec {spec}, but the stacked "
             f"layers ('{key}') must be split over 'stage' on their first dim and nothing else "
-            "over it; map only the logical 'layers' axis to stage (rules.layers=stage)")
+            "over it; map only the logical 'layers' axis to stage (rules.layers=stage)"
+        )
 
     specs = lambda tree: jax.tree_util.tree_map_with_path(
-        home, tree, is_leaf=lambda x: isinstance(x, PartitionSpec))
+        home, tree, is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )
     n = jax.tree.leaves(model.params[key])[0].shape[0] // p
-    cut = ByStack(task.stages, model.graphdef, tuple((s * n, (s + 1) * n) for s in range(p)),
-                  model.rng_counts)
+    cut = ByStack(
+        task.stages, model.graphdef, tuple((s * n, (s + 1) * n) for s in range(p)), model.rng_counts
+    )
     return cut, (specs(param_specs), specs(state_specs)), param_specs, state_specs
 
 
@@ -151,39 +178,49 @@ def _check_per_stage_update(tx: optax.GradientTransformation, homes: Any, p: int
       LayoutError: naming the first parameter whose update differs.
     """
     rng = np.random.default_rng(0)
-    params = jax.tree.map(lambda h: jnp.asarray(
-        rng.normal(size=(2 * p if h == STACKED else 2, 2)), jnp.float32), homes)
+    params = jax.tree.map(
+        lambda h: jnp.asarray(rng.normal(size=(2 * p if h == STACKED else 2, 2)), jnp.float32),
+        homes,
+    )
     grads = jax.tree.map(lambda x: 1e3 * x, params)
     norm = optax.tree.norm(grads)
     whole, _ = optimizer_update(tx, grads, tx.init(params), params, norm)
     positions = shd.param_positions(jax.eval_shape(tx.init, params), params)
     flat = jax.tree.leaves(homes)
     for s in range(p):
+
         def part(home: int, x: Any, s: int = s) -> Any:
             if home == STACKED:
-                return x[2 * s:2 * s + 2]
+                return x[2 * s : 2 * s + 2]
             return x if home in (s, WHOLE) else None
 
         mine = lambda tree: jax.tree.map(part, homes, tree)
-        opt = jax.tree.map(lambda i, x: part(flat[i], x) if i >= 0 else x, positions,
-                           tx.init(params), is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+        opt = jax.tree.map(
+            lambda i, x: part(flat[i], x) if i >= 0 else x,
+            positions,
+            tx.init(params),
+            is_leaf=lambda x: isinstance(x, optax.MaskedNode),
+        )
         alone, _ = optimizer_update(tx, mine(grads), opt, mine(params), norm)
-        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(alone),
-                                jax.tree.leaves(mine(whole))):
+        for (path, a), b in zip(
+            jax.tree_util.tree_leaves_with_path(alone), jax.tree.leaves(mine(whole))
+        ):
             if not np.allclose(a, b, rtol=1e-5, atol=1e-6):
                 raise LayoutError(
                     f"pipeline.executor=mpmd updates each stage's parameters on its own "
                     f"devices, but this optimizer's update of {shd.path_str(path)} depends on "
                     "other stages' gradients (a global-norm clip inside the optax chain, "
                     "say): clip with jaxpar.clip_by_global_norm(max_norm) (or optim.clip_norm), "
-                    "which clips by the whole model's norm, or use pipeline.executor=spmd")
+                    "which clips by the whole model's norm, or use pipeline.executor=spmd"
+                )
 
 
 def _heaviest(homes: Any, shardings: Any, params: Any, p: int) -> int:
     """The stage whose devices hold the most parameter bytes."""
     held = [0] * p
-    for home, sharding, leaf in zip(jax.tree.leaves(homes), jax.tree.leaves(shardings),
-                                    jax.tree.leaves(params)):
+    for home, sharding, leaf in zip(
+        jax.tree.leaves(homes), jax.tree.leaves(shardings), jax.tree.leaves(params)
+    ):
         for s in range(p) if home < 0 else [home]:
             held[s] += math.prod(sharding.shard_shape(leaf.shape)) * shd.itemsize(leaf.dtype)
     return max(range(p), key=held.__getitem__)
@@ -198,10 +235,12 @@ def _by_layer_homes(cut: LayerCut, p: int, params: Any, state: Any) -> tuple[Any
 
     def stage_of(path: tuple, _: Any) -> int:
         keys = tuple(map(_key, path))
-        return next(s for owned, s in owners.items() if keys[:len(owned)] == owned)
+        return next(s for owned, s in owners.items() if keys[: len(owned)] == owned)
 
-    return (jax.tree_util.tree_map_with_path(stage_of, params),
-            jax.tree_util.tree_map_with_path(stage_of, state))
+    return (
+        jax.tree_util.tree_map_with_path(stage_of, params),
+        jax.tree_util.tree_map_with_path(stage_of, state),
+    )
 
 
 def _opt_homes(param_homes: Any, params: Any, abstract_opt: Any) -> Any:
@@ -209,8 +248,11 @@ def _opt_homes(param_homes: Any, params: Any, abstract_opt: Any) -> Any:
     flat = jax.tree.leaves(param_homes)
     positions = shd.param_positions(abstract_opt, params)
     is_masked = lambda x: isinstance(x, optax.MaskedNode)
-    return jax.tree.map(lambda i: i if is_masked(i) else (flat[i] if i >= 0 else WHOLE),
-                        positions, is_leaf=is_masked)
+    return jax.tree.map(
+        lambda i: i if is_masked(i) else (flat[i] if i >= 0 else WHOLE),
+        positions,
+        is_leaf=is_masked,
+    )
 
 
 def _key(entry: Any) -> Any:
