@@ -8,7 +8,8 @@ checkpoint) on 8 simulated devices under ``mesh.fsdp=8``: the train state is
 initialized, then saved ``--saves`` times with ``checkpoint.async_save`` on and
 off, side by side. Between saves the host sleeps ``--gap`` seconds (training
 steps on an accelerator, during which the host mostly waits) and a jitted
-update changes every array (as a train step would). Per row: the median time the caller is blocked in
+update changes every array (as a train step would). Per row: the median time the
+caller is blocked in
 ``Checkpointer.save`` (async: the device-to-host copy; sync: the whole write),
 the time until the last write is complete, and the time to restore the latest
 checkpoint onto the same shardings. The write goes to a temporary directory on
@@ -27,7 +28,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax
 
-from jaxpar import Checkpointer, build, load_config
+from jaxpar import build, load_config
+from jaxpar.checkpoint import Checkpointer
 
 CONFIGS = {"tiny": "configs/gpt_tiny.yaml", "gpt2_small": "configs/gpt2_small.yaml"}
 

@@ -25,7 +25,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax
 
-from jaxpar import Checkpointer, build, integrity, load_config
+from jaxpar import build, integrity, load_config
+from jaxpar.checkpoint import Checkpointer
 
 
 def _drop_caches() -> bool:

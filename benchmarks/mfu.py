@@ -19,7 +19,8 @@ product as XLA computes it under the causal mask). MFU = model FLOPs per step /
 (seconds per step × peak FLOP/s per device × devices); remat's recomputation is not
 counted (the compiled step's own FLOPs, which include it — every dot and convolution of the
 optimized HLO, loop bodies times their trip counts, as the layout lab counts them — are
-printed next to it as a ratio). The peak is the device's dense bfloat16 figure from the table below (or
+printed next to it as a ratio). The peak is the device's dense bfloat16 figure from the
+table below (or
 ``--peak-tflops``).
 
 On the CPU (no GPU) it runs one CPU device and a small shape by default (batch 8, seq 128,
@@ -50,11 +51,8 @@ from step_overhead import (  # noqa: E402  (sets up the simulated CPU devices fi
     plain_stepper,
 )
 
-from jaxpar import (
-    build,  # noqa: E402
-    load_config,  # noqa: E402
-    program_cost,  # noqa: E402
-)
+from jaxpar import build, load_config  # noqa: E402
+from jaxpar.hlo import program_cost  # noqa: E402
 
 # Dense bfloat16 peak TFLOP/s per device, by the start of ``jax.Device.device_kind``.
 PEAK_BF16_TFLOPS = (

@@ -60,7 +60,9 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxpar import Plan, Run, activation_rules, build, guard, load_config
+from jaxpar import Plan, build, guard, load_config
+from jaxpar.logical import activation_rules
+from jaxpar.run import Run
 
 MESH_AXES = ("data", "fsdp", "tensor", "stage")
 DISPATCH_CALLS = 20

@@ -163,7 +163,8 @@ def main() -> None:
         )
         for workers in (1, cores()):
             ours_s, ids = best_of(
-                args.repeats, lambda: prepare(paths, tok_file, folder / "out.tokens", workers)
+                args.repeats,
+                lambda workers=workers: prepare(paths, tok_file, folder / "out.tokens", workers),
             )
             assert np.array_equal(ids, expected), "the ids differ"
             print(

@@ -17,8 +17,11 @@ from flax import nnx
 
 import jaxpar
 
+#: the default initializer of :func:`named`
+LECUN_NORMAL = nnx.initializers.lecun_normal()
 
-def named(*names, init=nnx.initializers.lecun_normal()):
+
+def named(*names, init=LECUN_NORMAL):
     """An initializer that tags the parameter's dims with logical names for the rules."""
     return nnx.with_partitioning(init, names)
 

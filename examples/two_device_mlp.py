@@ -20,8 +20,11 @@ from flax import nnx
 
 import jaxpar
 
+#: the default initializer of :func:`named`
+LECUN_NORMAL = nnx.initializers.lecun_normal()
 
-def named(*names, init=nnx.initializers.lecun_normal()):
+
+def named(*names, init=LECUN_NORMAL):
     """An initializer that tags the parameter's dims with logical names (so ``mesh.tensor``
     or ``mesh.fsdp`` can split a layer inside its stage)."""
     return nnx.with_partitioning(init, names)

@@ -2,161 +2,114 @@
 layout.
 
 Models name logical axes; a rules table maps them onto the mesh axes (data, stage, fsdp,
-tensor); a :class:`Plan` makes every layout decision; ``jit`` does the rest. This module
-lists the whole public API:
+context, tensor: :class:`jaxpar.axes.Axis`); a :class:`Plan` makes every layout decision;
+``jit`` does the rest.
 
-* config: :func:`load_config`, :class:`Config` and its sections
-* devices, mesh and rules: :func:`setup_devices`, :func:`make_mesh`, :data:`PRESETS`,
-  :func:`resolve_rules`, :func:`constrain`, :func:`activation_rules`, :func:`spec_for`
-* a sequence split over devices (context parallelism): :func:`attend`, :func:`positions`,
-  :func:`order`, :func:`restore`, :class:`ContextConfig`; documents packed into one
-  sequence: ``attend(..., segments=)``, :func:`document_positions`
-* models: :class:`Task`, :class:`StageSplit`, :class:`Layers`, :class:`Linen` (a Flax
-  Linen module as the model), :class:`Family`,
-  :class:`ModelConfig`, :func:`register_model`, :func:`task_for` (a built-in model's task),
-  the built-in losses;
-  the families themselves are the modules of :mod:`jaxpar.models`
-* layout and steps: :func:`make_plan` / :class:`Plan` (every layout decision),
-  :class:`Trainer` (the jitted steps), :class:`TrainState`, :func:`abstract_model`
-* optimizers: :func:`make_optimizer`, :func:`make_schedule`, :func:`decay_mask`,
-  :func:`clip_by_global_norm` (also across the stages of the sub-mesh executor)
-* training: :func:`train` (the whole loop), :func:`build` / :class:`Run` (a run from a
-  config), :func:`fit` (the loop of a built run), :class:`Hook` (extend it),
-  :class:`Checkpointer`
-* several processes: :func:`initialize_distributed` (JAX's distributed runtime from the
-  config's ``distributed`` section, ``jaxpar launch`` or the cluster)
-* measuring: :func:`program_cost` (collectives, FLOPs and bytes of a compiled program)
-* errors: :class:`JaxparError` and its kinds
-* modules for those who study one mechanism: :mod:`jaxpar.models`, :mod:`jaxpar.pipeline`
-  (schedules as data), :mod:`jaxpar.lab` (the layout lab), :mod:`jaxpar.guard` (the
-  non-finite guard), :mod:`jaxpar.integrity` (checkpoint integrity records)
+The package holds what a research script touches (``__all__``, the list on the API page):
+
+* training: :func:`train` (the whole loop), :func:`build` (a run from a config),
+  :func:`fit` (the loop of a built run), :func:`load_config`, :func:`logits`
+* your model: :class:`Task`, :class:`Layers`, :class:`StageSplit`, :class:`Linen` (a Flax
+  Linen module as the model), :class:`Hook` (extend the loop), :func:`task_for` (a
+  built-in model's task)
+* layouts and steps: :func:`setup_devices`, :func:`make_plan` / :class:`Plan` (every
+  layout decision), :class:`Trainer` (the jitted steps), :class:`TrainState`,
+  :func:`constrain`, :func:`attend` (attention over a sequence split across devices),
+  :func:`clip_by_global_norm` (clipping that spans the stages of a pipeline)
+* errors: :class:`JaxparError` (its kinds are in :mod:`jaxpar.errors`)
+
+Everything else is imported from its module (:mod:`jaxpar.config`, :mod:`jaxpar.errors`,
+:mod:`jaxpar.context`, :mod:`jaxpar.mesh`, :mod:`jaxpar.sharding`, :mod:`jaxpar.optim`,
+:mod:`jaxpar.hlo`, … — the API page lists them).
+
+``import jaxpar`` imports nothing else and changes no process state: each name is
+imported from its module on first use (PEP 562), and the command's start-up signal
+handlers are installed by the command (:mod:`jaxpar.cli`), not by the package.
 """
 
-from jaxpar import signals  # first: a stop signal while the command starts is one line
+import importlib as _importlib
+import typing as _typing
 
-signals.guard_imports()
+if _typing.TYPE_CHECKING:  # for type checkers and the API page (griffe reads these)
+    from jaxpar.config import load_config
+    from jaxpar.context import attend
+    from jaxpar.errors import JaxparError
+    from jaxpar.hooks import Hook
+    from jaxpar.linen import Linen
+    from jaxpar.logical import constrain
+    from jaxpar.loop import fit, train
+    from jaxpar.mesh import setup_devices
+    from jaxpar.optim import clip_by_global_norm
+    from jaxpar.plan import Plan, make_plan
+    from jaxpar.run import build, logits, task_for
+    from jaxpar.state import TrainState
+    from jaxpar.task import Layers, StageSplit, Task
+    from jaxpar.trainer import Trainer
 
-from jaxpar import guard, integrity, lab, models, pipeline  # noqa: E402
-from jaxpar.checkpoint import CheckpointConfig, Checkpointer
-from jaxpar.config import Config, DistributedConfig, RunConfig, TrainConfig, load_config
-from jaxpar.context import (
-    ContextConfig,
-    attend,
-    document_positions,
-    order,
-    positions,
-    restore,
-)
-from jaxpar.data.sources import DataConfig
-from jaxpar.distributed import initialize as initialize_distributed
-from jaxpar.errors import (
-    CheckpointError,
-    ConfigError,
-    CorruptCheckpoint,
-    DataError,
-    JaxparError,
-    LayoutError,
-    NonFiniteStop,
-    PathError,
-    Preempted,
-    RestoreError,
-    TaskError,
-    Terminated,
-    TooManySkipped,
-)
-from jaxpar.hlo import program_cost
-from jaxpar.hooks import Hook
-from jaxpar.linen import Linen
-from jaxpar.logical import activation_rules, constrain, spec_for
-from jaxpar.loop import fit, train
-from jaxpar.mesh import MeshConfig, make_mesh, setup_devices
-from jaxpar.models import Family, ModelConfig, classification_loss, lm_loss, mlm_loss
-from jaxpar.models import register as register_model
-from jaxpar.optim import (
-    OptimConfig,
-    clip_by_global_norm,
-    decay_mask,
-    make_optimizer,
-    make_schedule,
-)
-from jaxpar.pipeline.schedule import PipelineConfig
-from jaxpar.plan import Plan, abstract_model, make_plan
-from jaxpar.run import Run, build, logits, task_for
-from jaxpar.sharding import PRESETS, RulesConfig, resolve_rules
-from jaxpar.state import TrainState
-from jaxpar.task import Layers, StageSplit, Task
-from jaxpar.trainer import Trainer
+#: each public name's module, imported on first use
+_HOMES = {
+    "train": "jaxpar.loop",
+    "fit": "jaxpar.loop",
+    "build": "jaxpar.run",
+    "load_config": "jaxpar.config",
+    "logits": "jaxpar.run",
+    "Task": "jaxpar.task",
+    "Layers": "jaxpar.task",
+    "StageSplit": "jaxpar.task",
+    "Linen": "jaxpar.linen",
+    "Hook": "jaxpar.hooks",
+    "task_for": "jaxpar.run",
+    "setup_devices": "jaxpar.mesh",
+    "clip_by_global_norm": "jaxpar.optim",
+    "Plan": "jaxpar.plan",
+    "make_plan": "jaxpar.plan",
+    "Trainer": "jaxpar.trainer",
+    "TrainState": "jaxpar.state",
+    "constrain": "jaxpar.logical",
+    "attend": "jaxpar.context",
+    "JaxparError": "jaxpar.errors",
+}
 
 __all__ = [
-    "CheckpointConfig",
-    "CheckpointError",
-    "Checkpointer",
-    "Config",
-    "ConfigError",
-    "ContextConfig",
-    "attend",
-    "document_positions",
-    "order",
-    "positions",
-    "restore",
-    "CorruptCheckpoint",
-    "DataConfig",
-    "DataError",
-    "DistributedConfig",
-    "Family",
-    "Hook",
-    "JaxparError",
-    "Layers",
-    "LayoutError",
-    "Linen",
-    "MeshConfig",
-    "ModelConfig",
-    "NonFiniteStop",
-    "OptimConfig",
-    "PRESETS",
-    "PathError",
-    "PipelineConfig",
-    "Plan",
-    "Preempted",
-    "RestoreError",
-    "RulesConfig",
-    "Run",
-    "RunConfig",
-    "StageSplit",
-    "Task",
-    "TaskError",
-    "Terminated",
-    "TooManySkipped",
-    "TrainConfig",
-    "TrainState",
-    "Trainer",
-    "abstract_model",
-    "activation_rules",
-    "build",
-    "classification_loss",
-    "clip_by_global_norm",
-    "constrain",
-    "decay_mask",
+    "train",
     "fit",
-    "guard",
-    "initialize_distributed",
-    "integrity",
-    "lab",
-    "lm_loss",
+    "build",
     "load_config",
     "logits",
-    "make_mesh",
-    "make_optimizer",
-    "make_plan",
-    "make_schedule",
-    "mlm_loss",
-    "models",
-    "pipeline",
-    "program_cost",
-    "register_model",
-    "resolve_rules",
-    "setup_devices",
-    "spec_for",
+    "Task",
+    "Layers",
+    "StageSplit",
+    "Linen",
+    "Hook",
     "task_for",
-    "train",
+    "setup_devices",
+    "Plan",
+    "make_plan",
+    "Trainer",
+    "TrainState",
+    "constrain",
+    "attend",
+    "clip_by_global_norm",
+    "JaxparError",
 ]
+
+
+def __getattr__(name: str) -> _typing.Any:
+    """A public name, or a submodule (``jaxpar.optim``), imported on first use."""
+    if name.startswith("_"):  # dunder probes (``__wrapped__``, ``__path__``): no import
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name in _HOMES:
+        value = getattr(_importlib.import_module(_HOMES[name]), name)
+    else:
+        try:
+            value = _importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as err:
+            if err.name != f"{__name__}.{name}":
+                raise  # the submodule exists but imports something missing
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

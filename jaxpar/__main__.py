@@ -1,3 +1,7 @@
+"""``python -m jaxpar``: the ``jaxpar`` command (:func:`jaxpar.cli.console`, which installs
+the start-up signal handlers before it imports JAX)."""
+
 from jaxpar.cli import console
 
-console()
+if __name__ == "__main__":
+    console()

@@ -19,17 +19,16 @@ one mesh and rules restores under any other valid mesh, rules and device count. 
 reading any array, the stored tree is compared with the plan's: a different model is an
 error listing every mismatched path.
 
-Every checkpoint is verified (:mod:`jaxpar.integrity`): the digest of each of its files is
-recorded before Orbax commits it, and checked before it is restored; the restored values are
-checked finite. A checkpoint that fails is a :class:`CorruptCheckpoint` naming its step, its
-path and what is wrong.
+Every checkpoint is verified (:mod:`jaxpar.integrity`, :mod:`jaxpar.verification`): the
+digest of each of its files is recorded before Orbax commits it, and checked before it is
+restored; the restored values are checked finite. A checkpoint that fails is a
+:class:`CorruptCheckpoint` naming its step, its path and what is wrong.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import os
 import warnings
@@ -38,19 +37,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding, PartitionSpec
 from pydantic import Field
 
-from jaxpar import integrity
-from jaxpar.errors import CheckpointError, ConfigError, CorruptCheckpoint, RestoreError
+from jaxpar import integrity, verification
+from jaxpar.errors import CheckpointError, ConfigError, RestoreError
 from jaxpar.files import disk_full_cause, free_space
 from jaxpar.plan import Plan
 from jaxpar.schema import section
-from jaxpar.sharding import path_str
 from jaxpar.state import TrainState
 
 
@@ -88,11 +83,6 @@ class CheckpointConfig:
     )
 
 
-#: files every checkpoint jaxpar writes holds (Orbax's metadata of its two items): one without
-#: them and without an integrity record was emptied or partly copied, not written by an older jaxpar
-_REQUIRED = ("state/_METADATA", "meta/metadata")
-
-
 def _write_whole_shards_in_one_process() -> None:
     """In a single process, Orbax's stock array handler without replica-parallel saving
     (Orbax's default off GPU: a slice per replica, each a compiled ``jit_slice`` — a 0.15
@@ -102,11 +92,12 @@ def _write_whole_shards_in_one_process() -> None:
         return
     handler = ocp.type_handlers.get_type_handler(jax.Array)
     if type(handler) is ocp.type_handlers.ArrayHandler:
-        absl, stock = logging.getLogger("absl"), ocp.type_handlers.ArrayHandler
-        level, _ = absl.level, absl.setLevel(logging.ERROR)  # no "overriding jax.Array"
+        absl = logging.getLogger("absl")
+        level = absl.level
+        absl.setLevel(logging.ERROR)  # no "overriding jax.Array"
         try:
             ocp.type_handlers.register_type_handler(
-                jax.Array, stock(use_replica_parallel=False), override=True
+                jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True
             )
         finally:
             absl.setLevel(level)
@@ -163,13 +154,17 @@ class Checkpointer:
         best_mode: str = "min",
         verify: bool = True,
     ):
-        self.directory, self.plan = Path(directory).absolute(), plan
+        self.directory = Path(directory).absolute()
+        self.plan = plan
         self.best_metric = best_metric if keep_best else None
-        self.async_save, self.verify = async_save, verify
+        self.async_save = async_save
+        self.verify = verify
         self._saving: int | None = None
-        #: seconds and bytes of the last verification (for the docs' cost figure: docs/performance.md)
+        #: seconds and bytes of the last verification (the docs' cost figure:
+        #: docs/performance.md)
         self.last_verification: integrity.Verification | None = None
-        policies, rank = [ocp.checkpoint_managers.LatestN(n=keep)], None
+        policies = [ocp.checkpoint_managers.LatestN(n=keep)]
+        rank = None
         if keep_best:
 
             def rank(metrics: dict[str, float]) -> float:
@@ -320,7 +315,9 @@ class Checkpointer:
             _as_tree(self.plan.state_shardings),
         )
         try:
-            self._check_compatible(step, target)
+            verification.check_compatible(
+                self.path(step), self._manager.item_metadata(step).state, target
+            )
             restored = self._manager.restore(
                 step,
                 args=ocp.args.Composite(
@@ -331,12 +328,8 @@ class Checkpointer:
             # verified files are intact: the error is the error; else an unreadable file is damage
             if isinstance(err, RestoreError) or not self._unverified():
                 raise
-            raise CorruptCheckpoint(
-                step,
-                self.path(step),
-                f"it cannot be read ({type(err).__name__}: {_first_line(err)})",
-            ) from err
-        self._check_finite(step, restored.state)
+            raise verification.unreadable(step, self.path(step), err) from err
+        verification.check_finite(step, self.path(step), restored.state)
         return _from_tree(restored.state), dict(restored.meta or {})
 
     def _unverified(self) -> bool:
@@ -351,53 +344,17 @@ class Checkpointer:
         Raises:
           CorruptCheckpoint: naming the step, the path and the first problems found.
         """
-        path = self.path(step)
-        result = integrity.verify(
-            path, (jax.process_index(), jax.process_count()), required=_REQUIRED
-        )
-        if jax.process_count() > 1:
-            result.problems = _gather_problems(result.problems)
+        result = verification.verify_files(self.path(step))
         self.last_verification = result
-        if result.problems:
-            raise CorruptCheckpoint(step, path, integrity.summarize(result.problems))
-        if not result.recorded:
-            warnings.warn(
-                f"the checkpoint of step {step} in {path} has no integrity record "
-                f"({integrity.RECORD}: it was written by an older jaxpar); it is "
-                "restored unverified (its values are still checked finite)",
-                stacklevel=3,
-            )
+        verification.check_verified(step, self.path(step), result, stacklevel=3)
         return result
-
-    def _check_finite(self, step: int, tree: dict[str, Any]) -> None:
-        """One jitted reduction per floating leaf; names the leaves that are not finite."""
-        leaves = [
-            (path_str(p), x)
-            for p, x in jax.tree_util.tree_leaves_with_path(tree)
-            if jnp.issubdtype(x.dtype, jnp.inexact)
-        ]
-        groups: dict[Any, list[tuple[str, jax.Array]]] = {}
-        for name, x in leaves:  # one program per device set (a pipeline stage's sub-mesh)
-            groups.setdefault(x.sharding.mesh, []).append((name, x))
-        bad = []
-        for mesh, group in groups.items():
-            flags = jax.jit(
-                lambda xs: jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]),
-                out_shardings=NamedSharding(mesh, PartitionSpec()),
-            )([x for _, x in group])
-            flags = np.asarray(flags.addressable_data(0))
-            bad += [name for (name, _), ok in zip(group, flags) if not ok]
-        if bad:
-            raise CorruptCheckpoint(
-                step,
-                self.path(step),
-                f"non-finite values (inf or NaN) in {integrity.summarize(bad)}",
-            )
 
     def set_aside(self, step: int) -> Path:
         """Renames checkpoint ``step`` to ``<step>.corrupt`` (kept for inspection, never
         listed, never pruned) and returns the new path; a RestoreError if it cannot."""
-        src, dst, n = self.path(step), self.directory / f"{step}.corrupt", 1
+        src = self.path(step)
+        dst = self.directory / f"{step}.corrupt"
+        n = 1
         while dst.exists():
             n += 1
             dst = self.directory / f"{step}.corrupt-{n}"
@@ -416,33 +373,6 @@ class Checkpointer:
         self._manager.reload()
         return dst
 
-    def _check_compatible(self, step: int, target: dict[str, Any]) -> None:
-        """Compares the stored tree's paths, shapes and dtypes with ``target``."""
-        have, want = _leaves(self._manager.item_metadata(step).state), _leaves(target)
-        problems = {
-            path: f"{path}: missing in the checkpoint (model expects {want[path]})"
-            for path in set(want) - set(have)
-        }
-        problems |= {
-            path: f"{path}: in the checkpoint {have[path]} but not in the model"
-            for path in set(have) - set(want)
-        }
-        problems |= {
-            path: f"{path}: checkpoint {have[path]}, model {want[path]}"
-            for path in set(have) & set(want)
-            if have[path] != want[path]
-        }
-        problems = [
-            problems[p] for p in sorted(problems, key=lambda p: (not p.startswith("params"), p))
-        ]  # the parameters first: they say the most
-        if problems:
-            raise RestoreError(
-                f"checkpoint {self.directory / str(step)} does not fit this model/optimizer "
-                f"({len(problems)} mismatches: {integrity.summarize(problems, 6)}); run with the "
-                "settings it was saved with (a run dir's config.yaml edited by hand no longer "
-                "holds them), or start afresh in a new run.dir"
-            )
-
 
 def _delete_or_warn(delete: Callable[[int], None], directory: Path, step: int) -> None:
     """Orbax's deletion of an old checkpoint; a failure only leaves it on disk: a warning."""
@@ -455,33 +385,3 @@ def _delete_or_warn(delete: Callable[[int], None], directory: Path, step: int) -
             "goes on",
             stacklevel=2,
         )
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0][:300] if text else type(err).__name__
-
-
-def _gather_problems(problems: list[str]) -> list[str]:
-    """Every process's problems, on every process (a fixed-size all-gather of JSON)."""
-    size = 4096
-    text = json.dumps(problems[:20]).encode()
-    while len(text) > size:  # keep it valid JSON: drop problems until it fits
-        problems = problems[:-1]
-        text = json.dumps(problems[:20]).encode()
-    local = np.frombuffer(text.ljust(size, b" "), np.uint8)
-    every = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, size)
-    return [p for row in every for p in json.loads(row.tobytes().decode())]
-
-
-def _leaves(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Path → (shape, dtype) of every array leaf (Orbax metadata or abstract arrays); a
-    typed PRNG key as Orbax stores it, its key data."""
-    out = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        if getattr(leaf, "shape", None) is None:
-            continue
-        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            leaf = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
-        out[path_str(path)] = (tuple(leaf.shape), str(np.dtype(leaf.dtype)))
-    return out

@@ -95,7 +95,8 @@ def explained(named: Mapping[tuple[int, ...], str]) -> Iterator[None]:
 
 
 def _write_back(text: str, named: Mapping[tuple[int, ...], str]) -> None:
-    out, said = [], set()
+    out = []
+    said = set()
     for line in text.splitlines(keepends=True):
         found = parse(line)
         if found is None:

@@ -272,7 +272,10 @@ def _visible(
         seen = jnp.ones((1, 1, pos_q.shape[0], pos_k.shape[0]), bool)
     else:
         back = pos_q[:, None] - pos_k[None, :]
-        seen = (back >= 0 if not window else (back >= 0) & (back < window))[None, None]
+        seen = back >= 0
+        if window:
+            seen = seen & (back < window)
+        seen = seen[None, None]
     if seg_q is None:
         return seen
     return seen & (seg_q[:, None, :, None] == seg_k[:, None, None, :])
@@ -280,7 +283,9 @@ def _visible(
 
 def _all_gather(q, k, v, pos, seg=None, *, axes, causal, implementation, window):
     gather = functools.partial(jax.lax.all_gather, axis_name=axes, tiled=True)
-    k_all, v_all, pos_k = gather(k, axis=1), gather(v, axis=1), gather(pos, axis=0)
+    k_all = gather(k, axis=1)
+    v_all = gather(v, axis=1)
+    pos_k = gather(pos, axis=0)
     seg_k = None if seg is None else gather(seg, axis=1)
     mask = _visible(pos, pos_k, causal, window, seg, seg_k)
     return jax.nn.dot_product_attention(q, k_all, v_all, mask=mask, implementation=implementation)
@@ -339,7 +344,8 @@ def _ring_attention(q, k, v, pos, seg, axes, ways, causal, implementation):
 
 def _ring_forward(q, k, v, pos, seg, axes, ways, causal, implementation):
     B, T, N, _ = q.shape
-    out, lse = jnp.zeros(q.shape, jnp.float32), jnp.full((B, T, N), -jnp.inf, jnp.float32)
+    out = jnp.zeros(q.shape, jnp.float32)
+    lse = jnp.full((B, T, N), -jnp.inf, jnp.float32)
     block = (k, v, pos, seg)  # a block's segment ids travel with its keys
     for step in range(ways):
         kb, vb, pb, sb = block

@@ -13,13 +13,14 @@ Where the settings come from, first match wins:
 Otherwise the run is a single process. Initialization must come before anything touches
 a device; ``jaxpar`` does it first thing.
 
-JAX ends the whole process (SIGSEGV, SIGABRT: no Python exception) when the coordinator's
-port is taken or when the processes do not all arrive in time, so with explicit settings
-jaxpar first holds its own rendezvous on the coordinator's address: process 0 binds the
-port (a port in use is a one-line error) and waits ``distributed.init_timeout`` seconds
-for every other process to check in; then each starts ``jax.distributed``. When some do
-not arrive, every process that did fails with a message naming the missing ones, and a
-coordinator that cannot be reached is an error naming the address.
+JAX ends the whole process (SIGABRT: no Python exception) when the processes do not all
+arrive in time, and a taken coordinator port is a SIGSEGV or an error that does not say
+so (tests/test_rendezvous.py). So with explicit settings jaxpar first holds its own
+rendezvous on the coordinator's address: process 0 binds the port (a port in use is a
+one-line error) and waits ``distributed.init_timeout`` seconds for every other process to
+check in; then each starts ``jax.distributed``. When some do not arrive, every process that
+did fails with a message naming the missing ones, and a coordinator that cannot be reached
+is an error naming the address.
 """
 
 from __future__ import annotations
@@ -308,7 +309,7 @@ def initialize(cfg: DistributedConfig) -> bool:
             raise ConfigError(
                 "jax.distributed could not start: JAX's backend is already running. Initialize "
                 "it before any JAX computation — jaxpar does it first thing in `jaxpar train`; "
-                "in a script call jaxpar.initialize_distributed(config.distributed) before "
+                "in a script call jaxpar.distributed.initialize(config.distributed) before "
                 "jaxpar.setup_devices()"
             )
         if kwargs["process_id"] == 0:
@@ -325,7 +326,7 @@ def initialize(cfg: DistributedConfig) -> bool:
             raise ConfigError(
                 f"jax.distributed could not start: {text}. Initialize it before any JAX "
                 "computation — jaxpar does it first thing in `jaxpar train`; in a script "
-                "call jaxpar.initialize_distributed(config.distributed) before "
+                "call jaxpar.distributed.initialize(config.distributed) before "
                 "jaxpar.setup_devices()"
             ) from err
         raise ConfigError(

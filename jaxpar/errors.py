@@ -77,12 +77,16 @@ class CorruptCheckpoint(RestoreError):
     missing or cannot be decoded, or a restored value is not finite.
 
     Attributes:
-      step: the checkpoint's step; path: its directory; reason: what is wrong.
+      step: the checkpoint's step.
+      path: its directory.
+      reason: what is wrong.
     """
 
     def __init__(self, step: int, path: object, reason: str):
         super().__init__(f"the checkpoint of step {step} in {path} failed verification: {reason}")
-        self.step, self.path, self.reason = step, path, reason
+        self.step = step
+        self.path = path
+        self.reason = reason
 
 
 class CheckpointError(JaxparError, RuntimeError):
@@ -106,7 +110,8 @@ class Preempted(JaxparError):
             f"{what}: checkpoint of step {step} written to {directory}; run "
             "the same command to resume"
         )
-        self.step, self.signame = step, signame
+        self.step = step
+        self.signame = signame
 
 
 class Terminated(BaseException):
@@ -157,7 +162,9 @@ class UserCodeFailed(JaxparError):
             "resumes from the last checkpoint); JAXPAR_DEBUG=1 shows the "
             "traceback"
         )
-        self.what, self.error, self.at = what, error, at
+        self.what = what
+        self.error = error
+        self.at = at
 
     def where(self, at: str) -> UserCodeFailed:
         """This failure, placed ``at`` (when it was not placed yet)."""

@@ -267,5 +267,6 @@ def disk_full_cause(err: BaseException | None) -> BaseException | None:
             isinstance(err, OSError) and err.errno == errno.ENOSPC
         ) or "No space left on device" in str(err):
             return err
-        err, seen = err.__cause__ or err.__context__, seen + 1
+        err = err.__cause__ or err.__context__
+        seen += 1
     return None

@@ -28,14 +28,15 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import PartitionSpec
 
+from jaxpar.axes import Axis
 from jaxpar.context import degree as context_degree
 from jaxpar.context import split_attention_calls
 from jaxpar.errors import JaxparError, TaskError, UserCodeFailed, code_name, is_own
-from jaxpar.logical import Rules, activation_rules
-from jaxpar.pipeline.executor import advance_counts, pipeline_eval, pipeline_grads
-from jaxpar.pipeline.ticks import TickTable
+from jaxpar.pipeline.executor import advance_counts, pipeline_grads
+from jaxpar.pipeline.forward import pipeline_eval
+from jaxpar.pipeline.layout import Layout
 from jaxpar.sharding import named
 from jaxpar.state import TrainState
 from jaxpar.task import (
@@ -110,21 +111,20 @@ class ModelLoss:
 
     graphdef: nnx.GraphDef
     loss_fn: LossFn
-    context: Any = None  # how attention runs across a split sequence (jaxpar.context)
 
     def __call__(
-        self, params: Any, model_state: Any, batch: Batch, *, train: bool, mesh: Any, rules: Rules
+        self, params: Any, model_state: Any, batch: Batch, *, train: bool, layout: Layout
     ) -> tuple[jax.Array, dict, Any]:
         """Loss, metrics and the model's new state (traceable).
 
         The model runs in NNX's training mode (``model.train()``: dropout on, BatchNorm on
         batch statistics, updating its running averages) or evaluation mode
-        (``model.eval()``), with the activation rules of ``mesh``/``rules``.
+        (``model.eval()``), with the activation rules (and context settings) of ``layout``.
         """
         batch = loss_weights(batch)  # a whole batch (the programs weigh theirs first)
         model = nnx.merge(self.graphdef, params, model_state)
         model.train() if train else model.eval()
-        with activation_rules(mesh, rules, self.context):
+        with layout.activation_rules():
             before = split_attention_calls()
             loss, metrics = _checked(_call_loss(self.loss_fn, model, batch), self.loss_fn)
             _attended(before, self.loss_fn)
@@ -172,13 +172,12 @@ class Plain(Traced):
     """One ``value_and_grad`` of the loss over the whole batch."""
 
     loss: ModelLoss
-    mesh: Any
-    rules: Rules
+    layout: Layout
 
     def __call__(self, params: Any, model_state: Any, batch: Batch):
         def value(p):
             loss, metrics, new_state = self.loss(
-                p, model_state, batch, train=True, mesh=self.mesh, rules=self.rules
+                p, model_state, batch, train=True, layout=self.layout
             )
             return loss, (metrics, new_state)
 
@@ -186,9 +185,7 @@ class Plain(Traced):
         return loss, metrics, grads, new_state
 
     def evaluate(self, params: Any, model_state: Any, batch: Batch):
-        loss, metrics, _ = self.loss(
-            params, model_state, batch, train=False, mesh=self.mesh, rules=self.rules
-        )
+        loss, metrics, _ = self.loss(params, model_state, batch, train=False, layout=self.layout)
         return loss, metrics
 
 
@@ -239,99 +236,80 @@ class AccumulatedPerDataShard(Traced):
 
     Under ``shard_map`` with ``data`` manual (``fsdp``/``tensor`` stay automatic, so
     FSDP still gathers weights and reduce-scatters gradients per microbatch), each data
-    shard sums its microbatches' gradients locally and the sums are all-reduced once.
-    The automatic path would all-reduce every microbatch's gradients: the accumulator is
-    replicated over ``data``, and a partial sum cannot be carried through the loop.
-    Only for models without state: BatchNorm statistics would become per-shard ones.
-    ``gathered_specs``: the parameters' specs without their batch axes, for
-    ``train.fsdp_gather=once`` (None: gathered per microbatch).
+    shard sums its ``layout.grad_accum`` microbatches' gradients locally and the sums are
+    all-reduced once. The automatic path would all-reduce every microbatch's gradients:
+    the accumulator is replicated over ``data``, and a partial sum cannot be carried
+    through the loop. Only for models without state: BatchNorm statistics would become
+    per-shard ones. ``gathered_specs``: the parameters' specs without their batch axes,
+    for ``train.fsdp_gather=once`` (None: gathered per microbatch).
     """
 
     loss: ModelLoss
-    k: int
-    mesh: Mesh
-    rules: Rules
-    param_specs: Any
+    layout: Layout
     gathered_specs: Any = None
 
     def __call__(self, params: Any, model_state: Any, batch: Batch):
-        n = self.mesh.shape["data"]
-        inner = {name: tuple(a for a in axes if a != "data") for name, axes in self.rules.items()}
+        n = self.layout.mesh.shape[Axis.DATA]
 
         def local(params, model_state, batch):
-            mesh = jax.sharding.get_abstract_mesh()
-            gathered = named(mesh, self.gathered_specs) if self.gathered_specs is not None else None
+            inner = self.layout.manual((Axis.DATA,))
+            gathered = self.gathered_specs
             acc = Accumulated(
-                Plain(self.loss, mesh, inner), self.k, named(mesh, self.param_specs), gathered
+                Plain(self.loss, inner),
+                self.layout.grad_accum,
+                named(inner.mesh, self.layout.param_specs),
+                named(inner.mesh, gathered) if gathered is not None else None,
             )
             loss, metrics, grads, _ = acc(params, model_state, batch)
             loss, metrics, grads = jax.tree.map(
-                lambda x: jax.lax.psum(x, "data") / n, (loss, metrics, grads)
+                lambda x: jax.lax.psum(x, Axis.DATA) / n, (loss, metrics, grads)
             )
             return loss, metrics, grads
 
         fn = jax.shard_map(
             local,
-            mesh=self.mesh,
-            in_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec("data")),
+            mesh=self.layout.mesh,
+            in_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec(Axis.DATA)),
             out_specs=PartitionSpec(),
-            axis_names={"data"},
+            axis_names={Axis.DATA},
             check_vma=False,
         )
         loss, metrics, grads = fn(params, model_state, dict(batch))
         return loss, metrics, grads, model_state
 
     def evaluate(self, params: Any, model_state: Any, batch: Batch):
-        return Plain(self.loss, self.mesh, self.rules).evaluate(params, model_state, batch)
+        return Plain(self.loss, self.layout).evaluate(params, model_state, batch)
 
 
 @dataclass(frozen=True)
 class Pipelined(Traced):
-    """Loss and gradients through the pipeline executor. The model's state may hold RNG
-    streams only; ``rng_counts`` marks their counts, which advance by one per microbatch."""
+    """Loss and gradients through the pipeline executor, on ``layout.table``. The model's
+    state may hold RNG streams only; ``rng_counts`` marks their counts, which advance by
+    one per microbatch."""
 
     split: StageSplit
     graphdef: nnx.GraphDef
-    table: TickTable
-    mesh: Mesh
-    rules: Rules
-    param_specs: Any
+    layout: Layout
     rng_counts: Any = None
-    context: Any = None
 
     def __call__(self, params: Any, model_state: Any, batch: Batch):
-        with activation_rules(self.mesh, self.rules, self.context):
+        with self.layout.activation_rules():
             loss, metrics, grads = pipeline_grads(
                 self.split,
                 self.graphdef,
                 params,
                 batch,
-                table=self.table,
-                mesh=self.mesh,
-                rules=self.rules,
-                param_specs=self.param_specs,
+                self.layout,
                 model_state=model_state,
                 rng_counts=self.rng_counts,
-                context=self.context,
             )
         counts = self.rng_counts or jax.tree.map(lambda _: False, model_state)
-        return loss, metrics, grads, advance_counts(model_state, counts, self.table.m)
+        return loss, metrics, grads, advance_counts(model_state, counts, self.layout.table.m)
 
     def evaluate(self, params: Any, model_state: Any, batch: Batch) -> tuple[jax.Array, dict]:
         """Loss and metrics in evaluation mode through the stages (forward only, the
         table's ``m`` microbatches): no device holds the whole model."""
-        t = self.table
-        with activation_rules(self.mesh, self.rules, self.context):
+        with self.layout.activation_rules():
             return pipeline_eval(
-                self.split,
-                self.graphdef,
-                params,
-                batch,
-                p=t.p,
-                m=t.m,
-                v=t.v,
-                mesh=self.mesh,
-                rules=self.rules,
-                model_state=model_state,
-                context=self.context,
+                self.split, self.graphdef, params, batch, self.layout, model_state=model_state
             )

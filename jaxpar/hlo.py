@@ -143,14 +143,16 @@ def parse_instruction(line: str) -> Instruction | None:
 def parse(hlo: str) -> Module:
     """The module's computations, entry name and partition count."""
     comps: dict[str, list[Instruction]] = {}
-    entry, current = "", None
+    entry = ""
+    current = None
     for line in hlo.splitlines():
         if current is None:
             match = _HEADER.match(line.strip()) if not line.startswith(" ") else None
             if match and not line.startswith("HloModule"):
                 current = match.group(2)
                 comps[current] = []
-                entry = current if match.group(1) else entry
+                if match.group(1):
+                    entry = current
         elif line.strip() == "}":
             current = None
         else:

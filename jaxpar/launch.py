@@ -205,7 +205,8 @@ def launch(
         raise ConfigError(
             "nothing to launch: give a jaxpar command after --, e.g. jaxpar launch -n 2 -- train"
         )
-    out, err = out or sys.stdout, err or sys.stderr
+    out = out or sys.stdout
+    err = err or sys.stderr
     lock = threading.Lock()
     received: list[int] = []
 
@@ -267,7 +268,9 @@ def _run_once(
     lock: threading.Lock,
     retry_port: bool,
 ) -> int:
-    (out, err), procs, threads = streams, [], []
+    out, err = streams
+    procs: list[subprocess.Popen] = []
+    threads: list[threading.Thread] = []
     stopped: list[tuple[int, list[int]]] = []  # the failed process and those it stopped
     debug = os.environ.get("JAXPAR_DEBUG", "") not in ("", "0")
     everything = debug or os.environ.get("JAXPAR_ALL_RANKS", "") not in ("", "0")
@@ -353,7 +356,8 @@ def _watch(
     and exit 4), and the launcher waits for them however long that takes; a second signal
     kills them at once. Then the children's status counts, or 128 + the signal for those
     that had to be killed."""
-    (out, err), forwarded = streams, False
+    out, err = streams
+    forwarded = False
     while True:
         if received and not forwarded:
             what = "Ctrl-C" if received[0] == signal.SIGINT else signal.Signals(received[0]).name
@@ -379,13 +383,10 @@ def _watch(
             alive = [i for i, c in enumerate(codes) if c is None]
             if code != PORT_TAKEN:
                 stopped.append((index, alive))
-                _say(
-                    err,
-                    lock,
-                    f"process {index} (pid {procs[index].pid}) ended: "
-                    f"{describe_status(code)}"
-                    + (f"; stopping the other {len(alive)} (grace {grace_s:g} s)" if alive else ""),
-                )
+                text = f"process {index} (pid {procs[index].pid}) ended: {describe_status(code)}"
+                if alive:
+                    text += f"; stopping the other {len(alive)} (grace {grace_s:g} s)"
+                _say(err, lock, text)
             _stop(procs, grace_s)
             return code if code > 0 else 128 - code
         if all(c is not None for c in codes):

@@ -1,10 +1,10 @@
 """The run-dir lock: one run per directory, and what a run's lock protects.
 
 A run holds ``.jaxpar.lock`` in its run dir and in its checkpoint dir (an exclusive
-``flock`` on it, and the holder's pid, host, start time and setting inside) from before it
-reads a checkpoint until it exits. The kernel drops the lock when the holder dies, however
-it dies, so a lock file left by a crashed run is taken over, with a note naming the dead
-holder.
+``flock`` on it, taken by the ``filelock`` library, and the holder's pid, host, start time
+and setting inside) from before it reads a checkpoint until it exits. The kernel drops the
+lock when the holder dies, however it dies, so a lock file left by a crashed run is taken
+over, with a note naming the dead holder.
 
 **What a lock protects** (:func:`holder`): a checkpoint dir's lock, everything below it
 (every file there is the run's); a run dir's lock, the run dir itself — the files in it —
@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any, Self
 
+import filelock
+
 from jaxpar.errors import PathError
 from jaxpar.files import ensure_dir, system_folder_problem
 
@@ -30,6 +32,8 @@ LOCK = ".jaxpar.lock"
 #: The folders a run writes inside its run dir (its default checkpoint dir, the profiler's
 #: traces, TensorBoard's events, W&B's files): its lock protects them with the run dir.
 RUN_FOLDERS = ("checkpoints", "profile", "tensorboard", "wandb")
+#: what ``flock`` fails with on a file system without it (some network file systems)
+_NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 
 class RunDirBusy(PathError):
@@ -41,6 +45,19 @@ def _holder(text: str) -> dict[str, Any]:
         info = json.loads(text)
         return info if isinstance(info, dict) else {}
     except ValueError:
+        return {}
+
+
+def _read(fd: int) -> dict[str, Any]:
+    """The holder record in the lock file open as ``fd``."""
+    return _holder(os.pread(fd, 4096, 0).decode(errors="replace"))
+
+
+def _read_path(path: Path) -> dict[str, Any]:
+    """The holder record in the lock file ``path`` ({} when there is none)."""
+    try:
+        return _holder(path.read_bytes()[:4096].decode(errors="replace"))
+    except OSError:
         return {}
 
 
@@ -79,9 +96,19 @@ class RunDirLock:
         self.directory = Path(directory).resolve()
         self.path = self.directory / LOCK
         self.what = what
-        self._fd: int | None = None
         self._created = False
+        self._held = False
+        self._me: dict[str, Any] = {}
         self.took_over: dict[str, Any] | None = None
+        # held by the process, whichever thread releases it; no soft lock of the library's
+        # own where flock is missing: the holder record below is the fallback
+        self._lock = filelock.FileLock(
+            self.path,
+            mode=0o644,
+            thread_local=False,
+            fallback_to_soft=False,
+            on_acquired=self._record,
+        )
 
     def acquire(self) -> Self:
         """Takes the lock.
@@ -95,29 +122,21 @@ class RunDirLock:
         _refuse_held(self.directory, self.what)  # before anything is created
         self._created = not self.directory.exists()
         ensure_dir(self.directory, self.what)
-        me = {
+        self._me = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "started": time.time(),
             "what": self.what,
         }
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            if not self._flock(fd):
-                raise _busy(self.directory, self.what, fd)
-            old = _holder(os.pread(fd, 4096, 0).decode(errors="replace"))
-            if (
-                old
-                and old.get("pid")
-                and (old.get("pid"), old.get("host")) != (me["pid"], me["host"])
-            ):
-                self.took_over = old
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps(me).encode(), 0)
-        except BaseException:
-            os.close(fd)
-            raise
-        self._fd = fd
+            self._lock.acquire(blocking=False)  # writes the record: _record
+        except filelock.Timeout:
+            raise _busy(self.directory, self.what, info=_read_path(self.path)) from None
+        except OSError as err:
+            if err.errno not in _NO_FLOCK:
+                raise
+            self._without_flock()
+        self._held = True
         _HELD.add(self.directory)
         if self.took_over:
             print(
@@ -127,44 +146,49 @@ class RunDirLock:
             )
         return self
 
-    def _flock(self, fd: int) -> bool:
-        """flock when the file system has it; else the pid check (see the class doc)."""
-        import fcntl
+    def _record(self, fd: int) -> None:
+        """Writes the holder record into the lock file just taken (open as ``fd``), noting
+        the holder it replaces."""
+        old = _read(fd)
+        me = self._me
+        if old and old.get("pid") and (old.get("pid"), old.get("host")) != (me["pid"], me["host"]):
+            self.took_over = old
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(me).encode(), 0)
 
+    def _without_flock(self) -> None:
+        """The pid check where the file system has no flock (see the class doc)."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            return False
-        except OSError as err:
-            if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                raise
-        info = _holder(os.pread(fd, 4096, 0).decode(errors="replace"))
-        if not info:
-            return True
-        if info.get("host") == socket.gethostname():
-            return not _pid_alive(info.get("pid")) or info.get("pid") == os.getpid()
-        raise RunDirBusy(
-            f"{self.what} '{self.directory}' has a lock file left by {describe(info)} and "
-            "this file system cannot tell whether that run still runs; if it does not, "
-            f"delete {self.path} and start again"
-        )
+            info = _read(fd)
+            if info and info.get("host") != socket.gethostname():
+                raise RunDirBusy(
+                    f"{self.what} '{self.directory}' has a lock file left by {describe(info)} "
+                    "and this file system cannot tell whether that run still runs; if it "
+                    f"does not, delete {self.path} and start again"
+                )
+            if info and _pid_alive(info.get("pid")) and info.get("pid") != os.getpid():
+                raise _busy(self.directory, self.what, info=info)
+            self._record(fd)
+        finally:
+            os.close(fd)
 
     def release(self) -> None:
         """Empties the lock file (a clean exit leaves no holder behind) and unlocks; a
         directory the lock created and nothing else wrote into (the run stopped before it
         began: a bad task or layout) is removed again."""
-        if self._fd is None:
+        if not self._held:
             return
         try:
-            os.ftruncate(self._fd, 0)
+            os.truncate(self.path, 0)
             if self._created and os.listdir(self.directory) == [LOCK]:
                 self.path.unlink()
                 self.directory.rmdir()
         except OSError:
             pass
-        os.close(self._fd)  # closing the descriptor drops the flock
-        self._fd = None
+        if self._lock.is_locked:
+            self._lock.release()  # closing the descriptor drops the flock
+        self._held = False
         _HELD.discard(self.directory)
 
     def __enter__(self) -> Self:
@@ -183,13 +207,9 @@ def refuse_system_folder(directory: str | Path, what: str) -> None:
         raise PathError(problem)
 
 
-def _busy(
-    directory: Path, what: str, fd: int | None = None, info: dict[str, Any] | None = None
-) -> RunDirBusy:
-    """The one line for a ``directory`` another live run holds (its lock file ``fd``, or
-    the content already read, ``info``)."""
-    if info is None:
-        info = _holder(os.pread(fd, 4096, 0).decode(errors="replace"))
+def _busy(directory: Path, what: str, info: dict[str, Any]) -> RunDirBusy:
+    """The one line for a ``directory`` another live run holds (its holder record
+    ``info``)."""
     return RunDirBusy(
         f"{what} '{directory}' is in use by another jaxpar run "
         f"({describe(info)}); wait for it to finish or stop it, or give this "
@@ -212,8 +232,12 @@ def _covers(held: Path, info: dict[str, Any], directory: Path) -> bool:
 def holder(directory: str | Path) -> tuple[Path, dict[str, Any]] | None:
     """The directory whose live lock protects ``directory`` (itself or one above it) and
     its holder (the lock file's content), or None. This process's own locks are not
-    counted (``flock`` is per open file: they are known from ``_HELD``)."""
-    import fcntl
+    counted (``flock`` is per open file: they are known from ``_HELD``).
+
+    A shared ``flock`` probes each lock file (``fcntl``: ``filelock`` takes exclusive
+    locks only, and two runs probing the same folder at once must not see each other as
+    its holder)."""
+    import fcntl  # here: the module imports where fcntl does not exist (Windows)
 
     directory = Path(directory).resolve()
     for parent in (directory, *directory.parents):
@@ -227,7 +251,7 @@ def holder(directory: str | Path) -> tuple[Path, dict[str, Any]] | None:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            info = _holder(os.pread(fd, 4096, 0).decode(errors="replace"))
+            info = _read(fd)
             if _covers(parent, info, directory):
                 return parent, info
         except OSError:

@@ -23,6 +23,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxpar.axes import BATCH_AXES  # noqa: F401  TEMP: importers move to jaxpar.axes
 from jaxpar.errors import LayoutError
 
 Rules = Mapping[str, tuple[str, ...]]
@@ -31,10 +32,6 @@ AxisNames = Sequence[str | tuple[str, ...] | None]
 _ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules, Any] | None] = contextvars.ContextVar(
     "jaxpar_activation_rules", default=None
 )
-
-
-#: The mesh axes a batch is split over (data parallelism: ``data`` and ``fsdp``).
-BATCH_AXES = ("data", "fsdp")
 
 
 def spec_leaves(tree: Any) -> list[PartitionSpec]:

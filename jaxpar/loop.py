@@ -107,7 +107,10 @@ class DataWait:
     MIN_INTERVALS = 3
 
     def __init__(self, threshold: float):
-        self.threshold, self.seconds, self.warned, self.intervals = threshold, 0.0, False, 0
+        self.threshold = threshold
+        self.seconds = 0.0
+        self.warned = False
+        self.intervals = 0
         self.total_wait = self.total_time = 0.0
         self.total_steps = 0
 
@@ -267,7 +270,8 @@ def summarize(run: Run, history: History) -> str:
     rows = history.train_rows
     if not rows:
         return "no step was logged"
-    last, evals = rows[-1], history.eval_rows
+    last = rows[-1]
+    evals = history.eval_rows
     state = run.plan.state_bytes()
     shown = "".join(
         f"  {k.replace('_', ' ')}: {v:.4f}"
@@ -319,9 +323,10 @@ def train(
     """Runs ``jaxpar train``: lock the run dir, build, resume, write the run dir, fit,
     summarize.
 
-    The run holds the locks of ``run.dir`` and ``checkpoint.dir`` throughout; ``checkpoint.resume=auto`` falls back past checkpoints that
-    fail verification; the run dir is written only once the resume decision stands (see
-    :mod:`jaxpar.rundir`); a SIGTERM or a first Ctrl-C checkpoints the current step.
+    The run holds the locks of ``run.dir`` and ``checkpoint.dir`` throughout;
+    ``checkpoint.resume=auto`` falls back past checkpoints that fail verification; the run
+    dir is written only once the resume decision stands (see :mod:`jaxpar.rundir`); a
+    SIGTERM or a first Ctrl-C checkpoints the current step.
 
     Args:
       config: the run configuration (default: ``jaxpar.load_config()``).
@@ -394,7 +399,8 @@ def _resume_and_fit(run: Run, hooks: Sequence[Hook], say: Any, echo: bool) -> Hi
                 f"delete {config.run.dir})"
             )
             return History(state=state)
-        stream = open_loader(run, meta.get("data"), start) if start else None
+        data_state = meta.get("data")  # not a mesh axis: the loader's position
+        stream = open_loader(run, data_state, start) if start else None
         try:
             if start:
                 say(
@@ -412,7 +418,7 @@ def _resume_and_fit(run: Run, hooks: Sequence[Hook], say: Any, echo: bool) -> Hi
             raise
         with resume_lib.sigterm_checkpoints():  # also while the last save is written
             try:
-                return fit(run, run_dir, state, ckpt, meta.get("data"), hooks, stream, echo)
+                return fit(run, run_dir, state, ckpt, data_state, hooks, stream, echo)
             except OSError as err:
                 if err.errno == errno.ENOSPC and not err.filename:  # say where
                     raise OSError(

@@ -21,11 +21,11 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 from pydantic import Field
 
+from jaxpar.axes import MESH_AXES, Axis
 from jaxpar.environ import FORCE_DEVICES_FLAG
 from jaxpar.errors import ConfigError, LayoutError
 from jaxpar.schema import section
 
-MESH_AXES = ("data", "stage", "fsdp", "context", "tensor")
 DEFAULT_CPU_DEVICES = 8
 #: The most devices a setting may name (``run.devices``, a mesh degree): 2**20 =
 #: 1,048,576, beyond any machine built, so a larger number is a typo, refused in one line.
@@ -53,20 +53,22 @@ class MeshConfig:
     divide its axis.
     """
 
-    data: int = Field(-1, le=MAX_DEVICES, description=_DEGREE.format("data"))
-    fsdp: int = Field(1, le=MAX_DEVICES, description=_DEGREE.format("fsdp"))
-    tensor: int = Field(1, le=MAX_DEVICES, description=_DEGREE.format("tensor"))
+    data: int = Field(-1, le=MAX_DEVICES, description=_DEGREE.format(Axis.DATA))
+    fsdp: int = Field(1, le=MAX_DEVICES, description=_DEGREE.format(Axis.FSDP))
+    tensor: int = Field(1, le=MAX_DEVICES, description=_DEGREE.format(Axis.TENSOR))
     stage: int = Field(
-        1, le=MAX_DEVICES, description=_DEGREE.format("stage") + " (pipeline stages)"
+        1, le=MAX_DEVICES, description=_DEGREE.format(Axis.STAGE) + " (pipeline stages)"
     )
     context: int = Field(
-        1, le=MAX_DEVICES, description=_DEGREE.format("context") + " (each sequence split over it)"
+        1,
+        le=MAX_DEVICES,
+        description=_DEGREE.format(Axis.CONTEXT) + " (each sequence split over it)",
     )
-    hosts_data: int = Field(0, ge=0, le=MAX_DEVICES, description=_HOSTS.format("data"))
-    hosts_stage: int = Field(0, ge=0, le=MAX_DEVICES, description=_HOSTS.format("stage"))
-    hosts_fsdp: int = Field(0, ge=0, le=MAX_DEVICES, description=_HOSTS.format("fsdp"))
-    hosts_context: int = Field(0, ge=0, le=MAX_DEVICES, description=_HOSTS.format("context"))
-    hosts_tensor: int = Field(0, ge=0, le=MAX_DEVICES, description=_HOSTS.format("tensor"))
+    hosts_data: int = Field(0, ge=0, le=MAX_DEVICES, description=_HOSTS.format(Axis.DATA))
+    hosts_stage: int = Field(0, ge=0, le=MAX_DEVICES, description=_HOSTS.format(Axis.STAGE))
+    hosts_fsdp: int = Field(0, ge=0, le=MAX_DEVICES, description=_HOSTS.format(Axis.FSDP))
+    hosts_context: int = Field(0, ge=0, le=MAX_DEVICES, description=_HOSTS.format(Axis.CONTEXT))
+    hosts_tensor: int = Field(0, ge=0, le=MAX_DEVICES, description=_HOSTS.format(Axis.TENSOR))
 
 
 def setup_devices(count: int = 0) -> None:

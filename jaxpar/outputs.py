@@ -120,7 +120,8 @@ def free_folder(base: str | Path) -> Path:
     """``base``, or ``base-2``, ``base-3`` … : the first that is missing or empty (where
     a command's default output folder goes when an earlier one is there)."""
     base = Path(base)
-    n, path = 1, base
+    n = 1
+    path = base
     while path.is_file() or (path.is_dir() and any(path.iterdir())):
         n += 1
         path = base.with_name(f"{base.name}-{n}")

@@ -65,7 +65,8 @@ def read_rows(run_dir: str | Path) -> list[dict[str, Any]]:
             row = json.loads(line)
             problem = "" if isinstance(row, dict) and "step" in row else "no 'step' key"
         except json.JSONDecodeError as err:
-            row, problem = None, f"not JSON ({err.msg})"
+            row = None
+            problem = f"not JSON ({err.msg})"
         if not problem:
             rows.append(row)
         elif n == len(lines) - 1:

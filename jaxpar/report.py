@@ -17,8 +17,9 @@ import numpy as np
 
 from jaxpar import hlo
 from jaxpar import sharding as shd
+from jaxpar.axes import Axis
 from jaxpar.plan import FsdpGather, Plan
-from jaxpar.plan.plan import gathers_weights
+from jaxpar.plan.strategy import gathers_weights
 from jaxpar.run import Run
 
 
@@ -143,7 +144,7 @@ def _context_lines(plan: Any, batch: int, seq_len: int) -> list[str]:
     if not axes:
         return []
     ways = math.prod(plan.mesh.shape[a] for a in axes)
-    context = plan.settings["context"]
+    context = plan.context
     order = "a causal one reordered to balance the work" if context.balance else "in order"
     return [
         f"sequence split over {', '.join(axes)}: {seq_len // ways} of {seq_len} tokens "
@@ -195,7 +196,15 @@ def _stage_lines(stages: tuple) -> list[str]:
     if not stages:
         return []
     rows = [
-        ("stage", "chunks", "state+batch", "program temp", "grad sums", "stash (peak)", "sent/step")
+        (
+            Axis.STAGE.value,
+            "chunks",
+            "state+batch",
+            "program temp",
+            "grad sums",
+            "stash (peak)",
+            "sent/step",
+        )
     ]
     rows += [
         (

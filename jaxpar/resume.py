@@ -25,11 +25,11 @@ import numpy as np
 from jaxpar import config as config_lib
 from jaxpar import hf, signals
 from jaxpar import sharding as shd
-from jaxpar.checkpoint import Checkpointer, CorruptCheckpoint
+from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import Config
 from jaxpar.data.token_file import open_tokens, tokenizer_of
 from jaxpar.data.tokenizers import HFTokenizer
-from jaxpar.errors import ConfigError, PathError, RestoreError
+from jaxpar.errors import ConfigError, CorruptCheckpoint, PathError, RestoreError
 from jaxpar.files import check_output_file, ensure_dir, with_path
 from jaxpar.outputs import check_new_file, check_new_folder
 from jaxpar.run import Run, build, eval_metric_names, host_value, to_host
@@ -267,7 +267,7 @@ def save_checkpoint(
     meta = {
         "step": step,
         "seed": run.config.run.seed,
-        "data": data_state,
+        "data": data_state,  # not a mesh axis: the loader's position
         "metrics": {**to_host(metrics), **(evals or {})},
         "config": config_lib.to_dict(run.config),
     }

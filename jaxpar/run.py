@@ -19,14 +19,14 @@ from flax import nnx
 
 from jaxpar import hf
 from jaxpar import sharding as shd
-from jaxpar.config import Config
+from jaxpar.axes import Axis
+from jaxpar.config import Config, model_settings
 from jaxpar.data import Data, load_data
 from jaxpar.data.sources import needs_of_batch
 from jaxpar.data.task_data import task_data
 from jaxpar.errors import TaskError
 from jaxpar.logical import activation_rules
 from jaxpar.mesh import make_mesh, select_devices
-from jaxpar.model_section import model_settings
 from jaxpar.models.family import Family, ModelConfig
 from jaxpar.optim import decay_mask, make_optimizer
 from jaxpar.plan import Plan, abstract_model, global_batch_shapes, make_plan, sizes
@@ -97,7 +97,7 @@ def build(
         config.train.batch_size,
         config.train.grad_accum,
         config.pipeline.microbatches,
-        mesh.shape["stage"],
+        mesh.shape[Axis.STAGE],
     )
     rules = shd.resolve_rules(config.rules)
     family = None
@@ -108,7 +108,8 @@ def build(
         task = _family_task(config, data)
     else:
         data = task_data(task, config.run.seed) or _config_data(config, task)
-    tx, model = optimizer or task.optimizer, abstract_model(task)
+    tx = optimizer or task.optimizer
+    model = abstract_model(task)
     if tx is None:
         mask = decay_mask(model.params, model.param_axes)
         tx, _ = make_optimizer(config.optim, config.train.steps, mask)
@@ -186,7 +187,8 @@ def _vocab_from_data(config: Config) -> bool:
     """Whether the data decides the vocabulary: a family with ``model.vocab_size`` the
     config did not give, reading a path or a mixture (the built-in and synthetic data are
     what the family's default is sized for)."""
-    model, data = config.model, config.data
+    model = config.model
+    data = config.data
     return (
         "vocab_size" in {f.name for f in dataclasses.fields(model)}
         and "vocab_size" not in model_settings(model)

@@ -1,11 +1,16 @@
-"""One run per directory, nothing overwritten: the run-dir lock, path checks, and what a
-(re)started run does with the files a run dir already holds.
+"""One run per directory, nothing overwritten: the run-dir lock, path checks, the name a
+layout's run dir gets, and what a (re)started run does with the files a run dir already
+holds.
 
 * **Lock** (:mod:`jaxpar.lock`). A run holds ``.jaxpar.lock`` in its run dir and in its
   checkpoint dir from before it reads a checkpoint until it exits. A second run in
   either directory — or in a folder the run writes inside them — is refused, naming the
   holder; an unrelated run in another folder below a run dir is not. The kernel drops
   the lock when the holder dies, so a lock left by a crashed run is taken over.
+* **Naming.** A config whose layout (``mesh``, ``rules``, ``pipeline``, ``context``)
+  differs from its first file's gets a run dir of its own unless it names one:
+  ``runs/gpt_tiny-fsdp8`` (:func:`layout_dir`); a user's task, ``runs/<task>``
+  (:func:`task_dir`). ``jaxpar.config.load_config`` applies them.
 * **metrics.jsonl.** A resumed run keeps the rows up to its checkpoint's step and
   appends; rows logged after that step (the run went on past its last checkpoint) are
   moved to ``metrics.discarded.jsonl``, not deleted. A truncated last line (a crash
@@ -23,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,8 +45,8 @@ DISCARDED = "metrics.discarded.jsonl"
 # ---- the lock (jaxpar.lock) ----------------------------------------------------------------
 @contextlib.contextmanager
 def locked(directories: list[tuple[Path, str]]) -> Iterator[list[RunDirLock]]:
-    """Holds the locks of several directories (the run dir and the checkpoint dir) — on process 0 only; the other processes of a run share its
-    directories."""
+    """Holds the locks of several directories (the run dir and the checkpoint dir) — on
+    process 0 only; the other processes of a run share its directories."""
     import jax
 
     locks: list[RunDirLock] = []
@@ -65,6 +71,58 @@ def locked(directories: list[tuple[Path, str]]) -> Iterator[list[RunDirLock]]:
     finally:
         for lock in reversed(locks):
             lock.release()
+
+
+# ---- naming ----------------------------------------------------------------------------------
+#: The config sections that make a layout. A layout other than the first config file's gets
+#: a run dir of its own, named after what changed it (``runs/gpt_tiny-fsdp8``), so layouts
+#: tried one after another never resume each other's run.
+LAYOUT_SECTIONS = ("mesh", "rules", "pipeline", "context")  # not a mesh axis: sections
+#: short names of layout overrides in a run directory's name (others: key and value)
+_SHORT = {
+    "pipeline.schedule": "",
+    "pipeline.microbatches": "m",
+    "pipeline.virtual_stages": "v",
+    "rules.preset": "",
+}
+
+
+def layout_of(config: Any) -> tuple:
+    """A config's layout sections (:data:`LAYOUT_SECTIONS`), to compare two layouts."""
+    return tuple(getattr(config, section) for section in LAYOUT_SECTIONS)
+
+
+def layout_override_names(overrides: list[str]) -> list[str]:
+    """The run-dir name of each override among ``overrides`` that sets a layout key to a
+    value (:func:`override_name`)."""
+    return [
+        override_name(text)
+        for text in overrides
+        if text.split("=")[0].split(".")[0] in LAYOUT_SECTIONS and text.partition("=")[2]
+    ]
+
+
+def override_name(text: str) -> str:
+    """``mesh.fsdp=8`` → ``fsdp8``, ``pipeline.schedule=zb_h1`` → ``zb_h1``,
+    ``pipeline.microbatches=8`` → ``m8``, ``rules.mlp=tensor`` → ``mlptensor``."""
+    key, _, value = text.partition("=")
+    short = _SHORT.get(key.strip(), key.strip().split(".", 1)[1])
+    return re.sub(r"[^A-Za-z0-9_.]+", "", f"{short}{value.strip()}".replace("-1", "auto"))
+
+
+def layout_dir(run_dir: str, names: list[str]) -> str:
+    """The run dir of a layout: ``run_dir`` followed by the ``names`` of what changed it
+    (``runs/gpt_tiny-data4-tensor2``)."""
+    return "-".join([run_dir, *names])
+
+
+def task_dir(run_dir: str, default: str, name: str) -> str:
+    """The run dir of a user's task named ``name``: ``runs/<name>`` in place of the
+    ``default`` run dir, keeping a layout's suffix (``runs/<name>-fsdp8``); ``run_dir``
+    itself when it was chosen (or ``name`` is empty)."""
+    if not name or not (run_dir == default or run_dir.startswith(default + "-")):
+        return run_dir
+    return f"runs/{name}" + run_dir[len(default) :]
 
 
 # ---- metrics.jsonl ---------------------------------------------------------------------------

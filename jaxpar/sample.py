@@ -150,7 +150,8 @@ def folder_defaults(config: Config, cache: int | None = None) -> list[str]:
     longest = getattr(config.model, "max_seq_len", None)
     if cache is not None and longest is not None and hf.lowers_max_seq_len(config.model):
         needed = -(-cache // 128) * 128
-        out += [f"model.max_seq_len={needed}"] if needed < longest else []
+        if needed < longest:
+            out.append(f"model.max_seq_len={needed}")
     return out
 
 
@@ -352,7 +353,9 @@ class Generator:
 
     def __init__(self, run: Run, vocab_limit: int | None = None):
         self.plan = plan = run.plan
-        self.graphdef, self.mesh, self.rules = plan.model.graphdef, plan.mesh, plan.rules
+        self.graphdef = plan.model.graphdef
+        self.mesh = plan.mesh
+        self.rules = plan.rules
         self.vocab_limit = vocab_limit
         self.max_len = _abstract_model(run).cfg.max_seq_len
         shardings = plan.state_shardings
@@ -374,13 +377,15 @@ class Generator:
         seed: int = 0,
     ) -> np.ndarray:
         """:func:`generate` with this run's compiled functions."""
-        params, model_state = state.params, state.model_state
+        params = state.params
+        model_state = state.model_state
         B, S = prompt_BP.shape[0], self.max_len
         keep = max(1, S // 2)
         settings = (jnp.float32(temperature), jnp.int32(top_k), jax.random.key(seed))
         prompt_BP = np.asarray(prompt_BP, np.int32)
         out = np.zeros((B, tokens), np.int32)
-        window, done = prompt_BP, 0
+        window = prompt_BP
+        done = 0
         while done < tokens:
             logits_BV, cache = self._prefill(params, model_state, window)
             filled = window.shape[1]

@@ -3,7 +3,7 @@
 A module declares the settings it takes as a section (:func:`section`): each key's type,
 default, bound (``Field(ge=…)``), choices (a ``Literal``) and doc
 (``Field(description=…)``) in one place, and rules across keys as validators of the
-section. Building a section — from YAML and overrides (``jaxpar/config.py``), from
+section. Building a section — from YAML and overrides (``jaxpar/config/``), from
 Python, or with ``dataclasses.replace`` — validates it, and a bad value is one
 :class:`~jaxpar.errors.ConfigError` naming the key. The config reference
 (``docs/config.md``) is rendered from the same declarations (:func:`reference`).
@@ -167,7 +167,9 @@ def one_line(name: str, cls: type, err: pydantic.ValidationError) -> ConfigError
     if isinstance(cause, ConfigError):  # a section's own rule, worded in full
         return cause
     field = str(first["loc"][0]) if first["loc"] else ""
-    key, kind, value = f"{name}.{field}", first["type"], first.get("input")
+    key = f"{name}.{field}"
+    kind = first["type"]
+    value = first.get("input")
     if field not in cls.__pydantic_fields__ and kind != "unexpected_keyword_argument":
         return ConfigError(f"config key '{key}': {first['msg']}, got {value!r}")
     if kind == "unexpected_keyword_argument":

@@ -9,7 +9,8 @@ preset    parameters                             activations
 ========  =====================================  ================================
 dp        ``W_in[D, F]`` (replicated)            ``X[B_data, T, D]``
 fsdp      ``W_in[D_fsdp, F]`` (ZeRO-3)           ``X[B_(data,fsdp), T, D]``
-tp        ``W_in[D, F_tensor]``, ``W_out[F_tensor, D]``  ``X[B_data, T, D]``, ``H[B_data, T, F_tensor]``
+tp        ``W_in[D, F_tensor]``,                 ``X[B_data, T, D]``,
+          ``W_out[F_tensor, D]``                 ``H[B_data, T, F_tensor]``
 fsdp_tp   ``W_in[D_fsdp, F_tensor]``             ``X[B_(data,fsdp), T, D]``
 auto      = fsdp_tp: every axis has a rule, so any mesh degrees work
 ========  =====================================  ================================
@@ -31,20 +32,20 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from pydantic import BeforeValidator, Field
 
+from jaxpar.axes import MESH_AXES, Axis
 from jaxpar.errors import ConfigError, TaskError
 from jaxpar.logical import Rules, spec_for, spec_leaves
-from jaxpar.mesh import MESH_AXES
 from jaxpar.schema import section
 
 # Logical names every preset maps, so any built-in model works under any preset. Stacked
 # layers go over 'stage' (a no-op while mesh.stage = 1): pipeline stages are layer ranges;
 # the sequence of activations over 'context' (a no-op while mesh.context = 1).
 _REPLICATED = {
-    "seq": ("context",),
+    "seq": (Axis.CONTEXT,),
     "experts": (),
     "act_embed": (),
     "kv": (),
-    "layers": ("stage",),
+    "layers": (Axis.STAGE,),
     "classes": (),
     "conv_h": (),
     "conv_w": (),
@@ -55,7 +56,7 @@ _REPLICATED = {
 PRESETS: dict[str, dict[str, tuple[str, ...]]] = {
     "dp": {
         **_REPLICATED,
-        "batch": ("data",),
+        "batch": (Axis.DATA,),
         "embed": (),
         "mlp": (),
         "heads": (),
@@ -64,8 +65,8 @@ PRESETS: dict[str, dict[str, tuple[str, ...]]] = {
     },
     "fsdp": {
         **_REPLICATED,
-        "batch": ("data", "fsdp"),
-        "embed": ("fsdp",),
+        "batch": (Axis.DATA, Axis.FSDP),
+        "embed": (Axis.FSDP,),
         "mlp": (),
         "heads": (),
         "kv_heads": (),
@@ -73,21 +74,21 @@ PRESETS: dict[str, dict[str, tuple[str, ...]]] = {
     },
     "tp": {
         **_REPLICATED,
-        "batch": ("data",),
+        "batch": (Axis.DATA,),
         "embed": (),
-        "mlp": ("tensor",),
-        "heads": ("tensor",),
-        "kv_heads": ("tensor",),
-        "vocab": ("tensor",),
+        "mlp": (Axis.TENSOR,),
+        "heads": (Axis.TENSOR,),
+        "kv_heads": (Axis.TENSOR,),
+        "vocab": (Axis.TENSOR,),
     },
     "fsdp_tp": {
         **_REPLICATED,
-        "batch": ("data", "fsdp"),
-        "embed": ("fsdp",),
-        "mlp": ("tensor",),
-        "heads": ("tensor",),
-        "kv_heads": ("tensor",),
-        "vocab": ("tensor",),
+        "batch": (Axis.DATA, Axis.FSDP),
+        "embed": (Axis.FSDP,),
+        "mlp": (Axis.TENSOR,),
+        "heads": (Axis.TENSOR,),
+        "kv_heads": (Axis.TENSOR,),
+        "vocab": (Axis.TENSOR,),
     },
 }
 PRESETS["auto"] = dict(PRESETS["fsdp_tp"])

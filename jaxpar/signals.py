@@ -4,8 +4,9 @@ interrupt.
 
 Three phases, each with its own handlers for SIGINT (Ctrl-C) and SIGTERM:
 
-* **Importing** (:func:`guard_imports`, the first thing ``jaxpar`` runs when it is the
-  command): nothing is written yet, so a signal prints one line and ends the process at
+* **Importing** (:func:`guard_imports`, the first thing the command runs:
+  ``jaxpar.cli.console``, before it imports JAX; ``import jaxpar`` installs nothing): nothing
+  is written yet, so a signal prints one line and ends the process at
   once — exit 130 (Ctrl-C) or 143 (SIGTERM, 128 + 15). Exceptions raised inside
   ``import jax`` would be tracebacks, or swallowed by a garbage-collection callback.
 * **The command** (:func:`raising`, inside ``jaxpar.cli.main``): a signal raises
@@ -69,8 +70,9 @@ def _exit_now(signum: int, frame: Any) -> None:
 
 
 def guard_imports() -> None:
-    """The importing phase's handlers, when this process is the command."""
-    if is_command() and threading.current_thread() is threading.main_thread():
+    """The importing phase's handlers: the command calls this first (outside the main
+    thread, where Python installs no handler, nothing changes)."""
+    if threading.current_thread() is threading.main_thread():
         for sig in _STARTING:
             signal.signal(sig, _exit_now)
 

@@ -167,7 +167,8 @@ class Task:
       context_parallel: the model runs with each sequence split over the ``context`` mesh
         axis (``mesh.context`` > 1): its per-token layers name the sequence dim ``seq``
         and its attention calls :func:`jaxpar.attend` with the tokens' positions (from
-        :func:`jaxpar.positions`, reordered with :func:`jaxpar.order` when it is causal).
+        :func:`jaxpar.context.positions`, reordered with :func:`jaxpar.context.order` when it
+        is causal).
       init_params: parameters a fresh run starts from instead of the model's initializers
         (pretrained weights): a function ``() -> pure dict of host (numpy) arrays``
         shaped like the model's parameters (``nnx.to_pure_dict``). Each process calls it

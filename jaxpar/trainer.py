@@ -125,7 +125,7 @@ class Trainer:
         """The task's loss, metrics and the model's new state on the whole batch, in
         training or evaluation mode, with the plan's activation rules (traceable)."""
         plan = self.plan
-        return plan.loss(params, model_state, batch, train=train, mesh=plan.mesh, rules=plan.rules)
+        return plan.loss(params, model_state, batch, train=train, layout=plan.layout)
 
     def loss(
         self, params: Any, batch: Batch, model_state: Any = None

@@ -9,10 +9,9 @@ from __future__ import annotations
 import warnings
 
 from jaxpar import schema
-from jaxpar.config import Config
+from jaxpar.config import Config, model_settings
 from jaxpar.context import ContextConfig
 from jaxpar.data.sources import DataConfig
-from jaxpar.model_section import model_settings
 from jaxpar.optim import OptimConfig
 from jaxpar.pipeline.schedule import PipelineConfig
 
@@ -64,14 +63,20 @@ def unused_settings(
             data.dataset == "auto" and not data.path and not text
         )
         keys += ["data.image_size", "data.channels"] if text else ["data.seq_len"]
-        keys += [] if text and data.path else ["data.text_key"]
+        if not (text and data.path):
+            keys.append("data.text_key")
         if not synthetic:
             keys += ["data.num_examples", "data.image_size", "data.channels"]
-    keys += [f"optim.{k}" for k in schema.keys(OptimConfig)] if own_optimizer else []
-    optim, schedule = config.optim.name, config.optim.schedule
-    keys += ["optim.momentum", "optim.nesterov"] if optim != "sgd" else []
-    keys += ["optim.b1", "optim.b2", "optim.eps"] if optim in ("sgd", "adafactor") else []
-    keys += ["optim.step_every", "optim.step_gamma"] if schedule != "step" else []
+    if own_optimizer:
+        keys += [f"optim.{k}" for k in schema.keys(OptimConfig)]
+    optim = config.optim.name
+    schedule = config.optim.schedule
+    if optim != "sgd":
+        keys += ["optim.momentum", "optim.nesterov"]
+    if optim in ("sgd", "adafactor"):
+        keys += ["optim.b1", "optim.b2", "optim.eps"]
+    if schedule != "step":
+        keys += ["optim.step_every", "optim.step_gamma"]
     if schedule not in ("cosine", "linear"):
         keys += ["optim.decay_steps", "optim.min_lr_ratio"]
     if config.mesh.stage == 1:

@@ -2,10 +2,11 @@
 ``package.module:NAME`` — a Task (``--task``) or a loop hook (``train.hooks``).
 
 Code is imported only where the user names it: a run directory's saved ``config.yaml``
-is not trusted to name code (:func:`refuse_run_dir_code`). A file is imported as a module named after it (its folder goes at the end of
-``sys.path``, so its own imports work without shadowing installed packages), once per
-process. Import failures and wrong names are one-line errors naming the file and what
-it defines; ``JAXPAR_DEBUG=1`` shows the traceback.
+is not trusted to name code (:func:`refuse_run_dir_code`). A file is imported as a module
+named after it (its folder goes at the end of ``sys.path``, so its own imports work
+without shadowing installed packages), once per process. Import failures and wrong names
+are one-line errors naming the file and what it defines; ``JAXPAR_DEBUG=1`` shows the
+traceback.
 """
 
 from __future__ import annotations
@@ -189,9 +190,8 @@ def refuse_run_dir_code(
     raw = read_yaml(config_file)
     if trust or not isinstance(raw, dict):
         return
-    model_section, train_section = (
-        raw.get(k) if isinstance(raw.get(k), dict) else {} for k in ("model", "train")
-    )
+    model_section = raw.get("model") if isinstance(raw.get("model"), dict) else {}
+    train_section = raw.get("train") if isinstance(raw.get("train"), dict) else {}
     named = []
     model = model_section.get("name")
     # the file's model.name is loaded before overrides apply: only the same name passes

@@ -44,7 +44,8 @@ class _StrictLoader(yaml.SafeLoader):
 
     def __init__(self, stream: str):
         super().__init__(stream)
-        self._depth, self._nodes = 0, 0
+        self._depth = 0
+        self._nodes = 0
         self._sizes: dict[int, int] = {}  # id(anchored node) → its values, aliases expanded
         self._open: set[str] = set()  # the anchors of the nodes being composed
 
@@ -70,7 +71,8 @@ class _StrictLoader(yaml.SafeLoader):
                 f"values nested deeper than {MAX_DEPTH} levels; a config needs a few",
                 event.start_mark,
             )
-        anchor, start = getattr(event, "anchor", None), self._nodes
+        anchor = getattr(event, "anchor", None)
+        start = self._nodes
         self._depth += 1
         self._open.add(anchor)
         try:

@@ -1,11 +1,17 @@
 """The architecture as a test: the import-linter contracts in pyproject.toml hold (imports
 flow down the layers of docs/architecture.md, no circles, models know models), they fail
-when an upward import is added, and no jaxpar import hides inside a function. How code
-looks and how long it grows is tests/test_style.py."""
+when an upward import is added, and no jaxpar import hides inside a function; the public
+API is small, documented (docs/api.md) and the only thing examples and benchmarks use;
+``import jaxpar`` changes no process state; docs/architecture.md names every module. How
+code looks and how long it grows is tests/test_style.py."""
 
 from __future__ import annotations
 
 import ast
+import importlib
+import importlib.util
+import json
+import re
 import shutil
 import subprocess
 import sys
@@ -114,39 +120,175 @@ def test_no_jaxpar_import_inside_a_function():
     assert not found, f"jaxpar imported inside a function: {', '.join(found)}"
 
 
+# ---- the public API and the docs ---------------------------------------------------------
+API_PAGE = ROOT / "docs" / "api.md"
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+
+
+def _api_page() -> tuple[set[str], set[str]]:
+    """The names the API page documents as the package's own (``::: jaxpar.NAME`` above
+    its Modules section) and the public modules it lists (its table's first column)."""
+    text = API_PAGE.read_text()
+    package, modules = text.split("\n## Modules\n")
+    names = set(re.findall(r"^::: jaxpar\.(\w+)$", package, flags=re.M))
+    listed = set(re.findall(r"^\| `(jaxpar(?:\.\w+)+)` \|", modules, flags=re.M))
+    return names, listed
+
+
 def test_the_package_lists_exactly_its_public_api():
     import jaxpar
 
+    for name in jaxpar.__all__:
+        assert getattr(jaxpar, name) is not None, name
     public = {n for n in vars(jaxpar) if not n.startswith("_")}
     # submodules Python binds on the package as they are imported are not API unless listed
     modules = {n for n in public if type(getattr(jaxpar, n)).__name__ == "module"}
-    assert set(jaxpar.__all__) <= public
-    assert public - modules == set(jaxpar.__all__) - modules
+    assert public - modules == set(jaxpar.__all__)
+    assert set(jaxpar.__all__) <= set(dir(jaxpar))
     assert {"Plan", "make_plan", "StageSplit", "task_for", "Task", "train"} <= set(jaxpar.__all__)
+    assert len(jaxpar.__all__) <= 20, "a small API: the rest by submodule (docs/api.md)"
+
+
+def test_all_is_the_list_the_api_page_documents():
+    import jaxpar
+
+    names, modules = _api_page()
+    assert sorted(names) == sorted(jaxpar.__all__)
+    assert len(set(jaxpar.__all__)) == len(jaxpar.__all__)
+    for module in modules:  # each listed module imports, and is jaxpar's
+        assert importlib.util.find_spec(module) is not None, module
+
+
+def test_import_jaxpar_changes_no_process_state():
+    """``import jaxpar`` in a fresh process: no signal handler, warnings filter, logging
+    setting, environment variable, hook or thread changes, and JAX is not imported (each
+    public name is, on first use; the command installs its own signal handlers)."""
+    code = """
+import json, logging, os, signal, sys, threading, warnings
+def state():
+    return {
+        "signals": {s.name: repr(signal.getsignal(s)) for s in signal.valid_signals()
+                    if isinstance(s, signal.Signals)},
+        "warnings": [repr(f) for f in warnings.filters],
+        "logging": [repr(logging.getLogger().handlers), logging.getLogger().level,
+                    sorted(logging.Logger.manager.loggerDict)],
+        "environ": dict(os.environ),
+        "hooks": [repr(sys.excepthook), repr(sys.unraisablehook), repr(sys.displayhook)],
+        "recursion": sys.getrecursionlimit(),
+        "threads": threading.active_count(),
+        "cwd": os.getcwd(),
+    }
+before = state()
+import jaxpar
+after = state()
+changed = {k: (before[k], after[k]) for k in before if before[k] != after[k]}
+print(json.dumps({"changed": changed, "jax": "jax" in sys.modules}))
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"changed": {}, "jax": False}
+
+
+def _public_import(module: str, name: str, api: set[str], modules: set[str]) -> bool:
+    """Whether ``from module import name`` uses only the public API."""
+    if module == "jaxpar":
+        return name in api or f"jaxpar.{name}" in modules
+    if module == "jaxpar.models" or module.startswith("jaxpar.models."):
+        return not name.startswith("_")  # the families and their own modules
+    if module not in modules or name.startswith("_"):
+        return False
+    listed = getattr(importlib.import_module(module), "__all__", None)
+    return listed is None or name in listed
 
 
 def test_examples_and_benchmarks_use_only_the_public_api():
-    """``from jaxpar import NAME`` (NAME in ``jaxpar.__all__``), a model family's module
-    (``jaxpar.models``), or a public module's own list (``jaxpar.pipeline``)."""
-    import importlib
+    """``from jaxpar import NAME`` with NAME in ``jaxpar.__all__`` (or a public module),
+    ``jaxpar.NAME`` likewise, or ``from jaxpar.MODULE import NAME`` where the API page lists
+    MODULE as public (NAME in its ``__all__`` where it has one; a model family's module,
+    ``jaxpar.models.*``, too) — never an internal module."""
+    import jaxpar
 
+    api = set(jaxpar.__all__)
+    modules = _api_page()[1]
     found = []
     for path in sorted([*ROOT.glob("examples/**/*.py"), *ROOT.glob("benchmarks/*.py")]):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxpar"):
-                module = node.module
-                if module == "jaxpar.models" or module.startswith("jaxpar.models."):
-                    continue
-                listed = getattr(importlib.import_module(module), "__all__", ())
                 found += [
-                    f"{path.name}: from {module} import {a.name}"
+                    f"{path.name}: from {node.module} import {a.name}"
                     for a in node.names
-                    if module not in ("jaxpar", "jaxpar.pipeline") or a.name not in listed
+                    if not _public_import(node.module, a.name, api, modules)
                 ]
             elif isinstance(node, ast.Import):
                 found += [
                     f"{path.name}: import {a.name}"
                     for a in node.names
                     if a.name.startswith("jaxpar.")
+                    and a.name not in modules
+                    and not a.name.startswith("jaxpar.models.")
                 ]
+            elif (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "jaxpar"
+                and not _public_import("jaxpar", node.attr, api, modules)
+            ):
+                found.append(f"{path.name}: jaxpar.{node.attr}")
     assert not found, found
+
+
+def test_the_public_api_rule_refuses_internal_modules():
+    api, modules = {"train"}, {"jaxpar.optim", "jaxpar.models"}
+    assert _public_import("jaxpar", "train", api, modules)
+    assert _public_import("jaxpar", "optim", api, modules)  # a public module
+    assert not _public_import("jaxpar", "order", api, modules)
+    assert _public_import("jaxpar.optim", "make_optimizer", api, modules)
+    assert _public_import("jaxpar.models.gpt", "GPT", api, modules)
+    assert not _public_import("jaxpar.plan.checks", "check_rules", api, modules)
+    assert not _public_import("jaxpar.optim", "_private", api, modules)
+
+
+def _architecture_entries() -> list[tuple[list[str], str]]:
+    """The module table of docs/architecture.md (its first code block): each entry's names
+    (``loop.py``, ``lab/``, ``figures.py, files.py``) and its description, continuation
+    lines included."""
+    block = ARCHITECTURE.read_text().split("```")[1]
+    entries: list[tuple[list[str], str]] = []
+    for line in block.splitlines()[1:]:
+        head = line[:7]
+        if len(line) > 7 and line[7] != " " and (head.strip().isdigit() or not head.strip()):
+            names, _, description = line[7:].partition("  ")
+            entries.append(([n.strip() for n in names.split(",")], description))
+        elif entries and not line[:7].strip():
+            entries[-1] = (entries[-1][0], entries[-1][1] + " " + line.strip())
+    return entries
+
+
+def _documented_modules() -> set[str]:
+    """The modules docs/architecture.md names: ``a/b.py`` entries, and a package entry
+    (``a/``) with every ``NAME.py`` its description names."""
+    named = set()
+    for names, description in _architecture_entries():
+        for name in names:
+            if name.endswith(".py"):
+                named.add(name[: -len(".py")].replace("/", "."))
+            elif name.endswith("/"):
+                package = name.rstrip("/").replace("/", ".")
+                named.add(f"{package}.__init__")
+                found = re.findall(r"(?<![\w/.])(\w+)\.py\b", description)
+                named.update(f"{package}.{module}" for module in found)
+    return named
+
+
+def test_architecture_md_names_every_module():
+    """Every module of the package appears in docs/architecture.md's table (a package's
+    ``__init__`` by the package's entry; the root package's by the page itself)."""
+    named = _documented_modules()
+    missing = []
+    for path in _modules():
+        name = ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+        if name != "__init__" and name not in named:
+            missing.append(str(path.relative_to(PACKAGE)))
+    assert not missing, f"modules docs/architecture.md does not name: {missing}"

@@ -208,7 +208,8 @@ def plain_orbax_script(relative_path: str) -> str:
 
 
 def test_checkpoint_reads_with_plain_orbax_and_exports(tmp_path):
-    """The docs' snippet (orbax only, one device, a relative path) and `jaxpar export` give the saved values."""
+    """The docs' snippet (orbax only, one device, a relative path) and `jaxpar export` give
+    the saved values."""
     from jaxpar.cli import main
 
     saved = saved_run(tmp_path)

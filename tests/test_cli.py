@@ -146,7 +146,7 @@ def test_train_on_a_corpus_made_by_prepare_data(tmp_path, capsys):
 )
 def test_options_may_come_anywhere(command):
     """Options after the overrides, between them, or before the command parse alike."""
-    from jaxpar.cli import parse
+    from jaxpar.cli.parser import parse
 
     name, rest = command[0], command[1:]
     positional = [a for a in rest if "=" in a or a.endswith((".yaml",)) or a == "runs/x"]
@@ -205,7 +205,8 @@ def _one_line(err: str) -> str:
     [
         (
             ["train", "--devices", "99999999999999999999"],
-            "argument --devices: expects an integer from 0 to 1_048_576, got '99999999999999999999'; "
+            "argument --devices: expects an integer from 0 to 1_048_576, "
+            "got '99999999999999999999'; "
             "see jaxpar train --help",
         ),
         (["train", "--devices", "2147483647"], "argument --devices: expects an integer from 0 to "),

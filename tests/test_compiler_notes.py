@@ -29,7 +29,8 @@ class LM(nnx.Module):
 
 def loss(model, batch):
     logits = model(batch["tokens"][:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:]).mean(), {}
+    labels = batch["tokens"][:, 1:]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), {}
 
 def data(step, n):
     return {"tokens": np.random.default_rng(step).integers(0, 256, (n, 17)).astype(np.int32)}

@@ -769,3 +769,20 @@ def test_a_run_dir_too_long_for_the_file_system_is_refused_on_load(tmp_path):
         r"jaxpar writes inside it; a path may have at most",
     ):
         load_config([], [f"run.dir={deep}"])
+
+
+def test_the_model_name_help_names_every_built_in_family():
+    """``model.name``'s description (in --help-config and docs/config.md) lists every
+    built-in family: it once left out llama."""
+    import re
+
+    from jaxpar.models import families
+    from jaxpar.models.family import ModelConfig
+
+    text = ModelConfig.__dataclass_fields__["name"].metadata["description"]
+    builtin = [
+        name
+        for name, family in families().items()
+        if family.config.__module__.startswith("jaxpar.models.")
+    ]
+    assert builtin and not [n for n in builtin if not re.search(rf"\b{n}\b", text)], text

@@ -240,7 +240,8 @@ def _own_task():
         (
             ["data.seq_len=20", "mesh.context=4"],
             None,
-            r"sequence length 20 does not split into 2 × mesh.context = 8 .*set context.balance=false",
+            r"sequence length 20 does not split into 2 × mesh.context = 8 "
+            r".*set context.balance=false",
         ),
         (
             ["data.seq_len=18", "mesh.context=4", "context.balance=false"],
@@ -429,8 +430,9 @@ class TinyLM(nnx.Module):
 
 def _tiny_lm_loss(model, batch):
     tokens = batch["tokens"]
-    pos = jaxpar.positions(tokens.shape[1] - 1)
-    inputs, targets = jaxpar.order(tokens[:, :-1], pos), jaxpar.order(tokens[:, 1:], pos)
+    pos = jaxpar.context.positions(tokens.shape[1] - 1)
+    inputs = jaxpar.context.order(tokens[:, :-1], pos)
+    targets = jaxpar.context.order(tokens[:, 1:], pos)
     logits = model(inputs, pos)
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean(), {}
 
@@ -459,7 +461,7 @@ TINY_LM = jaxpar.Task(
 )
 def test_a_users_model_with_jaxpar_attend_equals_one_device(layout):
     """A user's Task declaring ``context_parallel`` (its attention through ``jaxpar.attend``,
-    its loss reordered with ``jaxpar.positions``/``jaxpar.order``) trains under context
+    its loss reordered with ``jaxpar.context.positions``/``order``) trains under context
     parallelism to one device's losses and parameters."""
 
     def run(overrides, devices):
@@ -514,7 +516,7 @@ def test_a_context_parallel_model_that_skips_jaxpar_attend_is_refused():
         return r.trainer.step(r.trainer.init(), r.trainer.shard_batch(_tokens(0, 8)))[1]
 
     with pytest.raises(
-        jaxpar.TaskError,
+        jaxpar.errors.TaskError,
         match=r"^loss_fn \(test_context\.py:_tiny_lm_loss\) "
         r"ran with each sequence split over 2 devices \(mesh\.context\), but its "
         r"model never called jaxpar\.attend.*or set mesh\.context=1",

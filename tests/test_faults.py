@@ -26,9 +26,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpar.checkpoint import Checkpointer, CorruptCheckpoint
+from jaxpar.checkpoint import Checkpointer
 from jaxpar.cli import main
 from jaxpar.config import OptimConfig, load_config
+from jaxpar.errors import CorruptCheckpoint
 from jaxpar.run import build
 from tests.helpers import GPT_SMALL, small_file_system
 from tests.test_checkpoint import RESUMABLE

@@ -59,7 +59,7 @@ def gpt2_logits(tensors: dict, config: dict, tokens: np.ndarray) -> np.ndarray:
     x = t["wte.weight"][tokens] + t["wpe.weight"][:T]
     causal = np.tril(np.ones((T, T), bool))
     for i in range(config["n_layer"]):
-        p = lambda name: t[f"h.{i}.{name}"]  # noqa: E731
+        p = lambda name, i=i: t[f"h.{i}.{name}"]
         h = layer_norm(x, p("ln_1.weight"), p("ln_1.bias"))
         qkv = h @ p("attn.c_attn.weight") + p("attn.c_attn.bias")
         q, k, v = (a.reshape(B, T, N, H).transpose(0, 2, 1, 3) for a in np.split(qkv, 3, -1))

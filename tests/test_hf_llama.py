@@ -58,7 +58,7 @@ def llama_logits(tensors: dict, config: dict, tokens: np.ndarray) -> np.ndarray:
     x = t["model.embed_tokens.weight"][tokens]
     causal = np.tril(np.ones((T, T), bool))
     for i in range(config["num_hidden_layers"]):
-        p = lambda name: t[f"model.layers.{i}.{name}"]  # noqa: E731
+        p = lambda name, i=i: t[f"model.layers.{i}.{name}"]
         h = rms_norm(x, p("input_layernorm.weight"), eps)
         q = (h @ p("self_attn.q_proj.weight").T).reshape(B, T, N, H).transpose(0, 2, 1, 3)
         k = (h @ p("self_attn.k_proj.weight").T).reshape(B, T, K, H).transpose(0, 2, 1, 3)

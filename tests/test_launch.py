@@ -301,7 +301,7 @@ def test_one_voice_gloo_lines_and_repeated_warnings_are_muted(monkeypatch):
                 out,
                 threading.Lock(),
                 lambda: False,
-                lambda line, i=index: muted(i, line, everything),
+                lambda line, i=index, everything=everything: muted(i, line, everything),
             )
             assert out.getvalue() == "".join(
                 f"[{index}] {line}" for i in expect[index] for line in chatter[i].splitlines(True)

@@ -29,8 +29,10 @@ from tests.test_research import (
 )
 from tests.test_research import TASK as NNX_TASK
 
+LECUN_NORMAL = nn.initializers.lecun_normal()
 
-def named(*names, init=nn.initializers.lecun_normal()):
+
+def named(*names, init=LECUN_NORMAL):
     return nn.with_partitioning(init, names)
 
 
@@ -241,7 +243,7 @@ class Inference(nn.Module):
 
 def _refused(model_fn):
     task = dataclasses.replace(TASK, model_fn=model_fn)
-    with pytest.raises(jaxpar.TaskError) as err:
+    with pytest.raises(jaxpar.errors.TaskError) as err:
         build(load_config([], ["train.batch_size=16"]), task)
     assert "\n" not in str(err.value)
     return str(err.value)
@@ -262,7 +264,7 @@ def test_misuse_is_a_one_line_error_naming_the_fix():
     with nnx.use_eager_sharding(False):
         model = jaxpar.Linen(CNN(), EXAMPLE, rngs=nnx.Rngs(0))
     with pytest.raises(
-        jaxpar.TaskError,
+        jaxpar.errors.TaskError,
         match=r"^jaxpar.Linen sets train itself from "
         r"model.train\(\)/model.eval\(\); call the "
         r"model without it$",

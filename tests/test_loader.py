@@ -16,7 +16,8 @@ SEQ = 10
 
 
 def windows(n: int) -> TokenWindows:
-    """``n`` windows whose first token is ``SEQ * i``, so a batch's ids are ``tokens[:, 0] // SEQ``."""
+    """``n`` windows whose first token is ``SEQ * i``, so a batch's ids are
+    ``tokens[:, 0] // SEQ``."""
     return TokenWindows(np.arange(n * SEQ + 1, dtype=np.uint32), SEQ)
 
 

@@ -221,7 +221,8 @@ def test_chat_mask_covers_exactly_the_assistant_messages(chat_folder, tmp_path):
         (
             [{"question": "a", "completion": "b"}],
             "prompt_completion",
-            r"record 0 has no field 'prompt' \(its fields: 'question', 'completion'\); set --prompt-key",
+            r"record 0 has no field 'prompt' \(its fields: 'question', 'completion'\); "
+            r"set --prompt-key",
         ),
         (
             [{"prompt": "a", "completion": 3}],

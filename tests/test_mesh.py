@@ -23,7 +23,8 @@ def test_fill_and_axis_order():
 def test_product_must_equal_device_count():
     with pytest.raises(
         ValueError,
-        match=r"data=2, stage=1, fsdp=2, context=1, tensor=1\) multiply to 4 but there are 8 devices",
+        match=r"data=2, stage=1, fsdp=2, context=1, tensor=1\) multiply to 4 "
+        r"but there are 8 devices",
     ):
         resolve_degrees(MeshConfig(data=2, fsdp=2), 8)
 

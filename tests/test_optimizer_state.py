@@ -138,7 +138,7 @@ def _logged_lrs(run_dir):
 def test_lr_is_logged_when_readable_and_never_nan(tmp_path):
     # a schedule with a distinct rate at every count: 0, 2.5e-3, 5e-3, 7.5e-3, then 1e-2
     warmup = ["optim.lr=1e-2", "optim.warmup_steps=4", "optim.schedule=constant"]
-    jaxpar_tx, schedule = jaxpar.make_optimizer(load_config([], warmup).optim, 6)
+    jaxpar_tx, schedule = jaxpar.optim.make_optimizer(load_config([], warmup).optim, 6)
     injected = optax.inject_hyperparams(optax.adam)(
         learning_rate=optax.linear_schedule(0.0, 1e-2, 4)
     )

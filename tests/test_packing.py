@@ -243,10 +243,10 @@ def test_windows_carry_their_documents_segment_ids():
 
 
 def test_document_positions_and_attend_with_segments():
-    """``jaxpar.document_positions`` restarts at each segment; ``jaxpar.attend`` with
+    """``jaxpar.context.document_positions`` restarts at each segment; ``jaxpar.attend`` with
     segments equals attention over each segment alone."""
     segments = jnp.array([[0, 0, 0, 1, 1, 2]])
-    np.testing.assert_array_equal(jaxpar.document_positions(segments), [[0, 1, 2, 0, 1, 0]])
+    np.testing.assert_array_equal(jaxpar.context.document_positions(segments), [[0, 1, 2, 0, 1, 0]])
     q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 6, 2, 4))
     out = jaxpar.attend(q, k, v, segments=segments)
     for lo, hi in ((0, 3), (3, 5), (5, 6)):

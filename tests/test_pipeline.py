@@ -15,7 +15,8 @@ import pytest
 from jaxpar import hlo
 from jaxpar.config import load_config
 from jaxpar.pipeline import branches
-from jaxpar.pipeline.executor import branch_table, forward_table, pipeline_grads
+from jaxpar.pipeline.branches import branch_table, forward_table
+from jaxpar.pipeline.executor import pipeline_grads
 from jaxpar.pipeline.schedule import SCHEDULES
 from jaxpar.run import build
 from tests.helpers import assert_params_close, grid, run_steps
@@ -74,14 +75,7 @@ def sgd_steps(run, init, batches, fill=None):
         if fill is None
         else jax.jit(
             lambda p, b: pipeline_grads(
-                plan.task.stages,
-                plan.model.graphdef,
-                p,
-                b,
-                table=plan.pipeline,
-                mesh=plan.mesh,
-                rules=plan.rules,
-                bubble_value=fill,
+                plan.task.stages, plan.model.graphdef, p, b, plan.layout, bubble_value=fill
             )
         )
     )

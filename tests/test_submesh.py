@@ -489,7 +489,7 @@ def test_gpt_checkpoint_restores_across_executors(tmp_path):
     ]
     for source, target in (("mpmd", "spmd"), ("spmd", "mpmd")):
         run_dir = tmp_path / source
-        config = lambda executor: jaxpar.load_config(
+        config = lambda executor, run_dir=run_dir: jaxpar.load_config(
             [], [*common, f"pipeline.executor={executor}", f"run.dir={run_dir}"]
         )
         done = jaxpar.train(config(source), echo=False)
@@ -536,7 +536,7 @@ def test_a_skipped_step_logs_and_counts_as_on_one_device():
         return {**batch, "x": batch["x"] * np.nan} if step == 1 else batch
 
     warmup = jaxpar.load_config([], ["optim.warmup_steps=4"]).optim
-    tx, lr = jaxpar.make_optimizer(warmup, 8)
+    tx, lr = jaxpar.optim.make_optimizer(warmup, 8)
     rows = []
     for layout in (
         ["mesh.data=1", f"train.grad_accum={M}", "run.devices=1"],

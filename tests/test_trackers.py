@@ -338,7 +338,7 @@ def test_a_sigterm_while_mlflow_starts_stops_the_run_at_once(tmp_path):
     within seconds, in one line, exit 143."""
     with silent_server() as server:
         proc = _child(
-            tmp_path, "http://127.0.0.1:%d" % server.getsockname()[1], JAXPAR_TRACKER_TIMEOUT="300"
+            tmp_path, f"http://127.0.0.1:{server.getsockname()[1]}", JAXPAR_TRACKER_TIMEOUT="300"
         )
         try:
             held = [server.accept()[0], server.accept()[0]]  # jaxpar's probe, then MLflow's
@@ -365,7 +365,7 @@ def _ctx(run_dir: Path, first_step: int = 1) -> SimpleNamespace:
 def test_a_stalled_mlflow_server_stops_the_run_after_the_bound(tmp_path, monkeypatch):
     pytest.importorskip("mlflow")
     with silent_server() as server:
-        monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:%d" % server.getsockname()[1])
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{server.getsockname()[1]}")
         monkeypatch.setenv("JAXPAR_TRACKER_TIMEOUT", "1")
         monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "8")  # ends the test if the bound fails
         monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")

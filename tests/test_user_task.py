@@ -187,7 +187,8 @@ def test_hooks_named_in_config(tmp_path):
         "import jaxpar\n"
         "class Log(jaxpar.Hook):\n"
         "    def on_step(self, ctx, step, metrics):\n"
-        f"        open({str(tmp_path / 'seen.txt')!r}, 'a').write(f'{{step}} {{metrics[\"loss\"]}}\\n')\n"
+        f"        line = f'{{step}} {{metrics[\"loss\"]}}\\n'\n"
+        f"        open({str(tmp_path / 'seen.txt')!r}, 'a').write(line)\n"
     )
     run_dir = tmp_path / "run"
     assert (

@@ -1,6 +1,10 @@
 """The ``jaxpar`` command: a thin layer that parses arguments (:mod:`jaxpar.cli.parser`,
 whose help text lists every command and the exit statuses) and calls the Python API;
-failures are reported by :mod:`jaxpar.cli.failures`."""
+failures are reported by :mod:`jaxpar.cli.failures`.
+
+This module imports nothing heavy at its top (no JAX): :func:`console` installs the
+start-up signal handlers first, then imports what the command needs, so that a stop signal
+while the command starts is one line (:mod:`jaxpar.signals`)."""
 
 from __future__ import annotations
 
@@ -14,11 +18,10 @@ from typing import TYPE_CHECKING
 
 from jaxpar import signals
 from jaxpar.cli.failures import failure_of, internal, one_line_reports
-from jaxpar.cli.parser import debug_flag, parse
-from jaxpar.config import Config, load_config, run_dir_for
 from jaxpar.errors import INTERRUPTED, TERMINATED, WRITE_FAILED, ConfigError, Terminated
 
 if TYPE_CHECKING:
+    from jaxpar.config import Config
     from jaxpar.task import Task
     from jaxpar.weights import Defaults, Source
 
@@ -257,6 +260,8 @@ def _show_pipeline(
 
 
 def _config(args: argparse.Namespace) -> Config:
+    from jaxpar.config import load_config
+
     files = [a for a in args.args if "=" not in a]
     overrides = [a for a in args.args if "=" in a]
     if args.devices is not None:
@@ -285,6 +290,7 @@ def _run(args: argparse.Namespace) -> None:
     config = _config(args)
     task = None
     if args.task:
+        from jaxpar.config import run_dir_for
         from jaxpar.user_code import load_task
 
         task = load_task(args.task, config)
@@ -327,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     Ctrl-C print one line and return their exit status (see the module docstring);
     ``--debug`` or ``JAXPAR_DEBUG=1`` prints the traceback as well.
     """
+    from jaxpar.cli.parser import debug_flag, parse
+
     argv, debug_given = debug_flag(list(sys.argv[1:] if argv is None else argv))
     if debug_given:
         os.environ["JAXPAR_DEBUG"] = "1"  # also for the processes of `jaxpar launch`
@@ -387,7 +395,11 @@ def console() -> None:
     where the writer's leftover background tasks (tensorstore, asyncio) would print
     tracebacks about their closed event loop after the one-line report; so it does after a
     stop signal in a single process, where shutdown would wait for the compilations XLA's
-    threads still run (or crash in them: exit 139, not 143)."""
+    threads still run (or crash in them: exit 139, not 143).
+
+    The start-up signal handlers come first, before :func:`main` imports JAX: the command
+    installs them, not ``import jaxpar``."""
+    signals.guard_imports()
     status = main()
     quiet = os.environ.get("JAXPAR_DEBUG", "") in ("", "0")
     if (status == WRITE_FAILED and quiet) or (

@@ -40,7 +40,7 @@ from jaxpar.files import disk_full_cause, free_space, name_too_long, shorten
 MAX_MESSAGE = 2000
 #: The longest run of non-blank characters (a path, a repr) kept whole in a report.
 _LONG_WORD = 200
-_WORD = re.compile(r"\S{%d,}" % (_LONG_WORD + 1))
+_WORD = re.compile(rf"\S{{{_LONG_WORD + 1},}}")
 
 _PATH_ERRNOS = {
     errno.EACCES,
@@ -65,25 +65,23 @@ def one_line_reports(debug: bool) -> Iterator[None]:
     if debug:
         yield
         return
-    saved = (
-        warnings.formatwarning,
-        threading.excepthook,
-        {name: logging.getLogger(name).level for name in _NOISY_LOGGERS},
-        sys.stderr,
-    )
+    saved_format = warnings.formatwarning
+    saved_hook = threading.excepthook
+    saved_levels = {name: logging.getLogger(name).level for name in _NOISY_LOGGERS}
+    saved_stderr = sys.stderr
     warnings.formatwarning = _warning_line
     for name in _NOISY_LOGGERS:
         logging.getLogger(name).setLevel(logging.CRITICAL)
 
     def excepthook(args: threading.ExceptHookArgs) -> None:
         if not issubclass(args.exc_type, Exception):
-            saved[1](args)
+            saved_hook(args)
 
     threading.excepthook = excepthook
     # a library's native thread prints the traceback of its Python callback straight to
     # sys.stderr (tensorstore's write callbacks after Orbax's event loop closed on a failed
     # save): the main thread reports the failure itself
-    sys.stderr = _QuietNativeThreads(saved[3])
+    sys.stderr = _QuietNativeThreads(saved_stderr)
     failed = False
     try:
         yield
@@ -91,10 +89,11 @@ def one_line_reports(debug: bool) -> Iterator[None]:
         failed = True
         raise
     finally:
-        warnings.formatwarning, threading.excepthook = saved[0], saved[1]
+        warnings.formatwarning = saved_format
+        threading.excepthook = saved_hook
         if not failed:  # after a failure the writer's callbacks may still fire, at exit
-            sys.stderr = saved[3]
-        for name, level in saved[2].items():
+            sys.stderr = saved_stderr
+        for name, level in saved_levels.items():
             # after a failure, a failed background write's asyncio task is logged when it is
             # collected, at exit: that stays silent (the failure was reported once)
             if not (failed and name == "asyncio"):

@@ -7,9 +7,10 @@ run each its own single-threaded copy of the tokenizer (``TOKENIZERS_PARALLELISM
 there), so the machine's cores encode all the time. A batch holds about ``BATCH_BYTES``
 of text (``WORKER_BATCH_BYTES`` for a worker); at most ``2 × workers`` batches are in
 flight, so memory holds a few batches, not the corpus. The workers are forked in the
-jaxpar command, else started by a fork server. Stop signals are the parent's: the workers ignore Ctrl-C and SIGTERM (sent to
-the whole process group by a terminal or a scheduler), and the parent kills them when it
-stops for any reason, so a stop is never held up by a batch in flight.
+jaxpar command, else started by a fork server. Stop signals are the parent's: the workers
+ignore Ctrl-C and SIGTERM (sent to the whole process group by a terminal or a scheduler),
+and the parent kills them when it stops for any reason, so a stop is never held up by a
+batch in flight.
 """
 
 from __future__ import annotations
@@ -172,7 +173,8 @@ def _pool(tok: HFTokenizer, workers: int) -> Iterator[ProcessPoolExecutor]:
     context = multiprocessing.get_context(_start_method())
     if context.get_start_method() == "forkserver":
         context.set_forkserver_preload([__name__])  # imported once, not by each worker
-    blocked, pool = hasattr(signal, "pthread_sigmask"), None
+    blocked = hasattr(signal, "pthread_sigmask")
+    pool = None
     if blocked:
         signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
     try:

@@ -30,7 +30,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, BinaryIO, Literal, NamedTuple
 
 import numpy as np
 
@@ -38,7 +38,7 @@ from jaxpar.data.inputs import check_not_an_input, find_inputs
 from jaxpar.data.prepare import _check_length, _check_nonempty, _entry, _metadata
 from jaxpar.data.records import Document, read_records
 from jaxpar.data.token_file import TokenFile, meta_path_of, open_tokens, token_dtype
-from jaxpar.data.tokenizers import HFTokenizer, Tokenizer, load_tokenizer, separators
+from jaxpar.data.tokenizers import HFTokenizer, Separators, Tokenizer, load_tokenizer, separators
 from jaxpar.errors import DataError
 from jaxpar.files import check_output_file, refuse_existing
 
@@ -64,6 +64,10 @@ class Keys:
     prompt: str = "prompt"
     completion: str = "completion"
     messages: str = "messages"
+
+
+#: The record fields when no ``--*-key`` option names others.
+DEFAULT_KEYS = Keys()
 
 
 class Rendered(NamedTuple):
@@ -109,7 +113,8 @@ class ChatTemplate:
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        self.template, self.special = env.from_string(source), special
+        self.template = env.from_string(source)
+        self.special = special
 
     def render(self, messages: list[Any], add_generation_prompt: bool = False) -> str:
         return self.template.render(
@@ -124,7 +129,8 @@ class ChatTemplate:
         """The chat's text and each assistant message's span."""
         messages = _field(record, keys.messages, "messages-key", where, list)
         try:
-            text, spans = self.render(messages), []
+            text = self.render(messages)
+            spans = []
             for i, message in enumerate(messages):
                 if not isinstance(message, dict) or "role" not in message:
                     raise DataError(
@@ -182,7 +188,8 @@ def chat_template(tok: Tokenizer) -> ChatTemplate:
             "a chat_template"
         )
     folder = Path(tok.file).parent
-    config_file, jinja_file = folder / "tokenizer_config.json", folder / "chat_template.jinja"
+    config_file = folder / "tokenizer_config.json"
+    jinja_file = folder / "chat_template.jinja"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
     source = config.get("chat_template")
     if isinstance(source, list):  # named templates: the default one
@@ -260,7 +267,7 @@ def prepare_records(
     glob: str | None = None,
     *,
     layout: Layout = "prompt_completion",
-    keys: Keys = Keys(),
+    keys: Keys = DEFAULT_KEYS,
     bos: str = "auto",
     eos: str = "auto",
     overwrite: bool = False,
@@ -282,8 +289,10 @@ def prepare_records(
     tok = load_tokenizer(tokenizer)
     seps = separators(tok, bos, eos)
     out = check_output_file(Path(out).absolute(), "--out")
-    meta_path, mask_path = meta_path_of(out), mask_file(out)
-    tmp, mask_tmp = out.with_name(out.name + ".tmp"), out.with_name(out.name + ".mask.tmp")
+    meta_path = meta_path_of(out)
+    mask_path = mask_file(out)
+    tmp = out.with_name(out.name + ".tmp")
+    mask_tmp = out.with_name(out.name + ".mask.tmp")
     files = find_inputs(inputs, glob)
     check_not_an_input(
         {
@@ -303,22 +312,9 @@ def prepare_records(
         },
         overwrite,
     )
-    dtype, documents, targets = token_dtype(tok.vocab_size), [], 0
     try:
         with open(tmp, "wb") as f, open(mask_tmp, "wb") as g:
-            for doc, ids, mask, eos_counts in _masked_documents(files, tok, layout, keys):
-                ids = seps.wrap(ids)
-                head = [] if seps.bos is None else [0]
-                tail = [] if seps.eos is None else [int(eos_counts)]
-                mask = np.concatenate(
-                    [np.asarray(head, np.uint8), mask, np.asarray(tail, np.uint8)]
-                )
-                _check_length(doc, ids.size)
-                start = documents[-1]["end"] if documents else 0
-                ids.astype(dtype).tofile(f)
-                mask.tofile(g)
-                targets += int(mask.sum())
-                documents.append(_entry(doc, start, start + ids.size))
+            documents, targets = _write_records(f, g, files, tok, seps, layout, keys)
         num_tokens = documents[-1]["end"] if documents else 0
         _check_nonempty(num_tokens, [str(p) for p in files])
         meta_path.unlink(missing_ok=True)  # an old set must not describe the new tokens
@@ -331,6 +327,34 @@ def prepare_records(
         tmp.unlink(missing_ok=True)
         mask_tmp.unlink(missing_ok=True)
     return open_tokens(out)
+
+
+def _write_records(
+    f: BinaryIO,
+    g: BinaryIO,
+    files: list[Path],
+    tok: Tokenizer,
+    seps: Separators,
+    layout: Layout,
+    keys: Keys,
+) -> tuple[list[dict[str, Any]], int]:
+    """Writes each record's ids (wrapped in ``seps``) to ``f`` and its loss mask to ``g``;
+    returns the documents' metadata entries and the count of tokens the loss counts."""
+    dtype = token_dtype(tok.vocab_size)
+    documents = []
+    targets = 0
+    for doc, ids, mask, eos_counts in _masked_documents(files, tok, layout, keys):
+        ids = seps.wrap(ids)
+        head = [] if seps.bos is None else [0]
+        tail = [] if seps.eos is None else [int(eos_counts)]
+        mask = np.concatenate([np.asarray(head, np.uint8), mask, np.asarray(tail, np.uint8)])
+        _check_length(doc, ids.size)
+        start = documents[-1]["end"] if documents else 0
+        ids.astype(dtype).tofile(f)
+        mask.tofile(g)
+        targets += int(mask.sum())
+        documents.append(_entry(doc, start, start + ids.size))
+    return documents, targets
 
 
 def mask_file(path: Path) -> Path:

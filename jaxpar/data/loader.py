@@ -105,7 +105,8 @@ class _ProcessRows(grain.MapDataset):
         num_epochs: int | None,
     ):
         super().__init__(parent)
-        self._n, self._b = num_items, global_batch_size
+        self._n = num_items
+        self._b = global_batch_size
         self._rows = global_batch_size // process_count
         self._first_row = process_index * self._rows
         self._steps_per_epoch = num_items // global_batch_size

@@ -149,11 +149,13 @@ def chairman_pattern(weights: Sequence[int]) -> np.ndarray:
     """Source ids, ``weights[k]`` of each, in Tijdeman's order: at step ``t`` the eligible
     source (one ``≥ 1/(2K-2)`` behind its share) whose deadline comes first."""
     w = np.asarray(weights, dtype=np.int64)
-    total, k = int(w.sum()), len(w)
+    total = int(w.sum())
+    k = len(w)
     if k == 1:
         return np.zeros(total, np.int32)
     m = 2 * k - 2
-    counts, out = np.zeros(k, np.int64), np.empty(total, np.int32)
+    counts = np.zeros(k, np.int64)
+    out = np.empty(total, np.int32)
     for t in range(1, total + 1):
         eligible = m * (t * w - counts * total) >= total
         deadline = np.where(eligible, (m * (counts + 1) - 1) / w, np.inf)
@@ -218,7 +220,8 @@ class Mixed:
         names: Sequence[str],
         seed: int | None,
     ):
-        self.names, self.sizes = tuple(names), tuple(len(w) for w in windows)
+        self.names = tuple(names)
+        self.sizes = tuple(len(w) for w in windows)
         self.schedule = Schedule(weights)
         parents = []
         for k, source in enumerate(windows):

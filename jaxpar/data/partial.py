@@ -51,7 +51,9 @@ class Partial:
     """The partial output of one prepare-data command (see the module docstring)."""
 
     def __init__(self, out: Path, recipe: dict[str, Any], dtype: np.dtype):
-        self.folder, self.recipe, self.dtype = partial_folder(out), recipe, dtype
+        self.folder = partial_folder(out)
+        self.recipe = recipe
+        self.dtype = dtype
         self.documents: list[dict[str, Any]] = []
         self.num_tokens = 0
         self._lock = _lock(self.folder.with_name(self.folder.name + ".lock"), out)

@@ -203,38 +203,13 @@ def prepare_data(
     tok = load_tokenizer(tokenizer)
     seps = separators(tok, bos, eos)
     out = check_output_file(Path(out).absolute(), "--out")
-    meta_path, folder = meta_path_of(out), partial_folder(out)
     files = find_inputs(inputs, glob)
-    check_not_an_input(
-        {
-            out: "--out",
-            meta_path: "the metadata file of --out",
-            folder / "tokens": "the partial file of --out",
-        },
-        files,
-    )
-    refuse_existing({out: "--out", meta_path: "the metadata file of --out"}, overwrite)
+    _check_outputs(out, files, overwrite)
     dtype = token_dtype(tok.vocab_size)
-    settings = {
-        "version": VERSION,
-        "tokenizer": tok.describe(),
-        "bos": seps.bos,
-        "eos": seps.eos,
-        "text_key": text_key,
-        "dtype": dtype.name,
-    }
-    partial = Partial(out, recipe(files, settings), dtype)
+    partial = Partial(out, recipe(files, _settings(tok, seps, text_key, dtype)), dtype)
     try:
-        docs = _remaining(files, text_key, partial.documents)
-        for ids, entries in _encode_stream(
-            docs, tok, seps, None, partial.num_tokens, workers or default_workers()
-        ):
-            partial.append(ids, entries)
-        _check_nonempty(partial.num_tokens, [str(p) for p in files])
-        meta_path.unlink(missing_ok=True)  # an old pair must not describe the new tokens
-        partial.finish(out)
-        meta = _metadata(tok, seps, partial.num_tokens, partial.documents)
-        meta_path.write_text(json.dumps(meta, indent=1))
+        _encode_into(partial, files, tok, seps, text_key, workers or default_workers())
+        _finish(partial, out, tok, seps)
     except DataError:
         partial.discard()  # the inputs must change first, and then the recipe differs
         raise
@@ -248,17 +223,70 @@ def prepare_data(
     return open_tokens(out)
 
 
+def _check_outputs(out: Path, files: list[Path], overwrite: bool) -> None:
+    """Refuses an ``out`` (its metadata or partial file) that is one of the input
+    ``files``, or that exists without ``overwrite``."""
+    meta_path = meta_path_of(out)
+    check_not_an_input(
+        {
+            out: "--out",
+            meta_path: "the metadata file of --out",
+            partial_folder(out) / "tokens": "the partial file of --out",
+        },
+        files,
+    )
+    refuse_existing({out: "--out", meta_path: "the metadata file of --out"}, overwrite)
+
+
+def _settings(tok: Tokenizer, seps: Separators, text_key: str, dtype: np.dtype) -> dict:
+    """What the ids depend on besides the inputs: a partial folder written with other
+    settings is not continued (:func:`jaxpar.data.partial.recipe`)."""
+    return {
+        "version": VERSION,
+        "tokenizer": tok.describe(),
+        "bos": seps.bos,
+        "eos": seps.eos,
+        "text_key": text_key,
+        "dtype": dtype.name,
+    }
+
+
+def _encode_into(
+    partial: Partial,
+    files: list[Path],
+    tok: Tokenizer,
+    seps: Separators,
+    text_key: str,
+    workers: int,
+) -> None:
+    """Encodes the documents of ``files`` that ``partial`` does not hold yet, appending
+    their ids; refuses inputs that hold no tokens at all."""
+    docs = _remaining(files, text_key, partial.documents)
+    for ids, entries in _encode_stream(docs, tok, seps, None, partial.num_tokens, workers):
+        partial.append(ids, entries)
+    _check_nonempty(partial.num_tokens, [str(p) for p in files])
+
+
+def _finish(partial: Partial, out: Path, tok: Tokenizer, seps: Separators) -> None:
+    """Moves the ids to ``out`` and writes its metadata last, so a stop never leaves a
+    valid-looking pair."""
+    meta_path = meta_path_of(out)
+    meta_path.unlink(missing_ok=True)  # an old pair must not describe the new tokens
+    partial.finish(out)
+    meta = _metadata(tok, seps, partial.num_tokens, partial.documents)
+    meta_path.write_text(json.dumps(meta, indent=1))
+
+
 def _paused(partial: Partial, out: Path, err: BaseException) -> Paused:
     """Keep what is written for the next run; the one line that says so."""
     partial.checkpoint()
     partial.close()
-    what, status = (
-        (f"{err}", TERMINATED)
-        if isinstance(err, WorkerDied)
-        else ("interrupted (Ctrl-C)", INTERRUPTED)
-        if isinstance(err, KeyboardInterrupt)
-        else ("stopped (SIGTERM)", TERMINATED)
-    )
+    if isinstance(err, WorkerDied):
+        what, status = f"{err}", TERMINATED
+    elif isinstance(err, KeyboardInterrupt):
+        what, status = "interrupted (Ctrl-C)", INTERRUPTED
+    else:
+        what, status = "stopped (SIGTERM)", TERMINATED
     return Paused(
         f"{what}: {len(partial.documents):,} documents ({partial.num_tokens:,} "
         f"tokens) of '{out}' are kept in '{partial.folder}'; run the same command "

@@ -139,10 +139,11 @@ def read_documents(files: Iterable[Path], text_key: str = TEXT_KEY) -> Iterator[
         if kind == "text":
             yield Document(str(path), _read(path))
             continue
-        count = 0
-        for count, doc in enumerate(_READERS[kind](path, text_key), 1):
+        empty = True
+        for doc in _READERS[kind](path, text_key):
+            empty = False
             yield doc
-        if count == 0:
+        if empty:
             raise DataError(f"'{path}' holds no records; add records or leave it out")
 
 

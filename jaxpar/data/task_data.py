@@ -115,7 +115,9 @@ class FunctionStream(Iterator[dict[str, np.ndarray]]):
                 f"train.batch_size={global_batch_size} must be a multiple of the "
                 f"process count {count}"
             )
-        self.fn, self.global_batch_size, self.check = fn, global_batch_size, check
+        self.fn = fn
+        self.global_batch_size = global_batch_size
+        self.check = check
         rows = global_batch_size // count
         self.rows = slice(index * rows, (index + 1) * rows)
         self.takes_rows = _takes_rows(fn)
@@ -200,7 +202,8 @@ class IterStream(Iterator[dict[str, np.ndarray]]):
                 "with several processes give a grain.MapDataset (random access: each process "
                 "reads only its rows of every batch) or a batch function"
             )
-        self.global_batch_size, self.check = global_batch_size, check
+        self.global_batch_size = global_batch_size
+        self.check = check
         self._iter = iter(dataset.batch(global_batch_size, drop_remainder=True))
         self.batches_consumed = 0
 
@@ -374,7 +377,8 @@ class _FirstBatches:
     """Random access to the first batches of a stream that has none (an IterDataset)."""
 
     def __init__(self, stream: Any):
-        self.stream, self.seen = stream, []
+        self.stream = stream
+        self.seen = []
 
     def batch_at(self, index: int) -> dict[str, np.ndarray]:
         while len(self.seen) <= index:

@@ -202,8 +202,9 @@ def separators(tok: Tokenizer, bos: str = "auto", eos: str = "auto") -> Separato
 
     ``auto``: for a ``tokenizers`` JSON, the token its post-processor adds before a text
     (BOS), and the one it adds after (EOS) or else the model folder's ``eos_token`` or
-    else its end-of-text token (the first of ``END_OF_TEXT`` among its special tokens); the byte tokenizer, whose 256 ids are all
-    bytes, has none, so its documents are concatenated as they are.
+    else its end-of-text token (the first of ``END_OF_TEXT`` among its special tokens);
+    the byte tokenizer, whose 256 ids are all bytes, has none, so its documents are
+    concatenated as they are.
 
     Raises:
       DataError: a named token the tokenizer lacks (or any named token for a tokenizer

@@ -56,8 +56,11 @@ class TokenWindows:
             raise DataError(f"tokens must be a 1-D array of token ids, got shape {tokens.shape}")
         if seq_len < 1:
             raise DataError(f"data.seq_len={seq_len} must be at least 1")
-        self.tokens, self.seq_len, self.start = tokens, seq_len, start
-        self.with_index, self.mask = with_index, mask
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.start = start
+        self.with_index = with_index
+        self.mask = mask
         self.starts = None if starts is None else np.sort(np.asarray(starts, np.int64))
         self.end = _check_range(start, end, tokens.size, "TokenWindows")
         self._len = max(0, (self.end - start - 1) // seq_len)
@@ -142,7 +145,9 @@ class ArrayExamples:
             raise DataError(
                 f"images {images.shape} and labels {labels.shape} must be (N,H,W[,C]) and (N,)"
             )
-        self.images, self.labels, self.start = images, labels, start
+        self.images = images
+        self.labels = labels
+        self.start = start
         self.end = _check_range(start, end, len(labels), "ArrayExamples")
 
     def __len__(self) -> int:

@@ -148,18 +148,40 @@ def from_hf(tensors: dict[str, np.ndarray], cfg: Any, where: str = "") -> dict[s
       DataError: naming the missing, unexpected and misshapen tensors, or an untied
         ``lm_head.weight``.
     """
-    L, D, N, H, F = cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.d_ff
     t = {k.removeprefix(_PREFIX): v for k, v in tensors.items()}
     head = t.pop("lm_head.weight", None)
     for k in [k for k in t if k.startswith("h.") and k.endswith(_BUFFERS)]:
         del t[k]
+    problems = tensor_problems(t, _expected_shapes(cfg)) + _head_problems(t, head, cfg)
+    if problems:
+        raise DataError(
+            f"model.init_from={where}: the weights do not fit GPT-2's layout for "
+            "this model: " + "; ".join(problems)
+        )
+    t = {k: np.asarray(v, np.float32) for k, v in t.items()}
+    params = {
+        "embed": t["wte.weight"],
+        "pos": t["wpe.weight"],
+        "blocks": _stacked_blocks(t, cfg),
+        "ln_f_scale": t["ln_f.weight"],
+        "ln_f_bias": t["ln_f.bias"],
+    }
+    if not cfg.tie_embeddings:
+        params["head"] = np.ascontiguousarray(np.asarray(head, np.float32).T)
+    return params
+
+
+def _expected_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
+    """Every tensor of GPT-2's layout for ``cfg`` (the output layer aside) by name, with
+    its shape."""
+    D, F = cfg.d_model, cfg.d_ff
     shapes = {
         "wte.weight": (cfg.vocab_size, D),
         "wpe.weight": (cfg.max_seq_len, D),
         "ln_f.weight": (D,),
         "ln_f.bias": (D,),
     }
-    for i in range(L):
+    for i in range(cfg.n_layers):
         shapes |= {
             f"h.{i}.{k}": s
             for k, s in (
@@ -177,7 +199,14 @@ def from_hf(tensors: dict[str, np.ndarray], cfg: Any, where: str = "") -> dict[s
                 ("mlp.c_proj.bias", (D,)),
             )
         }
-    problems = tensor_problems(t, shapes)
+    return shapes
+
+
+def _head_problems(t: dict[str, np.ndarray], head: np.ndarray | None, cfg: Any) -> list[str]:
+    """What is wrong with the stored ``lm_head.weight`` (``head``) for ``cfg``: a tied
+    model's must equal the token table, an untied model's must be there, [V, D]."""
+    problems = []
+    D = cfg.d_model
     if (
         cfg.tie_embeddings
         and head is not None
@@ -196,12 +225,13 @@ def from_hf(tensors: dict[str, np.ndarray], cfg: Any, where: str = "") -> dict[s
             if head is None
             else f"lm_head.weight has shape {tuple(head.shape)}, expected {(cfg.vocab_size, D)}"
         )
-    if problems:
-        raise DataError(
-            f"model.init_from={where}: the weights do not fit GPT-2's layout for "
-            "this model: " + "; ".join(problems)
-        )
-    t = {k: np.asarray(v, np.float32) for k, v in t.items()}
+    return problems
+
+
+def _stacked_blocks(t: dict[str, np.ndarray], cfg: Any) -> dict[str, np.ndarray]:
+    """The blocks' parameters, each GPT-2 tensor stacked over the layers (``c_attn``'s
+    columns q | k | v split into the three projections)."""
+    L, D, N, H = cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.head_dim
 
     def stack(name: str, fn: Callable[[np.ndarray], np.ndarray] = lambda x: x) -> np.ndarray:
         return np.stack([fn(t[f"h.{i}.{name}"]) for i in range(L)])
@@ -220,18 +250,12 @@ def from_hf(tensors: dict[str, np.ndarray], cfg: Any, where: str = "") -> dict[s
     }
     for j, name in enumerate(("q", "k", "v")):
         cols = slice(j * D, (j + 1) * D)
-        blocks["w" + name] = stack("attn.c_attn.weight", lambda w: w[:, cols].reshape(D, N, H))
-        blocks["b" + name] = stack("attn.c_attn.bias", lambda b: b[cols])
-    params = {
-        "embed": t["wte.weight"],
-        "pos": t["wpe.weight"],
-        "blocks": blocks,
-        "ln_f_scale": t["ln_f.weight"],
-        "ln_f_bias": t["ln_f.bias"],
-    }
-    if not cfg.tie_embeddings:
-        params["head"] = np.ascontiguousarray(np.asarray(head, np.float32).T)
-    return params
+        # the columns bound as a default: a closure would see whatever the loop last set
+        blocks["w" + name] = stack(
+            "attn.c_attn.weight", lambda w, cols=cols: w[:, cols].reshape(D, N, H)
+        )
+        blocks["b" + name] = stack("attn.c_attn.bias", lambda b, cols=cols: b[cols])
+    return blocks
 
 
 # ---- config.json against the run's model -----------------------------------------------------

@@ -33,7 +33,8 @@ class MetricsLog(Hook):
         self._paused = 0.0
 
     def on_start(self, ctx: Context) -> None:
-        self._last_time, self._last_step = time.perf_counter(), ctx.first_step - 1
+        self._last_time = time.perf_counter()
+        self._last_step = ctx.first_step - 1
         self._paused = sum(ctx.paused.values())
 
     def _write(self, ctx: Context, row: dict[str, Any]) -> None:
@@ -45,7 +46,8 @@ class MetricsLog(Hook):
     def on_step(self, ctx: Context, step: int, metrics: dict[str, Any]) -> None:
         if not ctx.is_log_step(step):
             return
-        now, paused = time.perf_counter(), sum(ctx.paused.values())
+        now = time.perf_counter()
+        paused = sum(ctx.paused.values())
         steps = step - self._last_step
         interval = max(now - self._last_time - (paused - self._paused), 1e-9)
         dt = interval / steps
@@ -65,7 +67,9 @@ class MetricsLog(Hook):
         if self.wait is not None:
             row["data_wait"] = self.wait.fraction(interval, steps, ctx.config)
         self._write(ctx, row)
-        self._last_time, self._last_step, self._paused = now, step, paused
+        self._last_time = now
+        self._last_step = step
+        self._paused = paused
 
     def on_eval(self, ctx: Context, step: int, metrics: dict[str, float]) -> None:
         self._write(ctx, {"step": step, "time": ctx.elapsed(), **metrics})
@@ -150,7 +154,8 @@ class NonFiniteGuard(Hook):
         self.in_a_row += 1
         if self.first is None:
             self.first = (step, what)
-        total, budget = skipped, skip_budget(cfg)
+        total = skipped
+        budget = skip_budget(cfg)
         over = []
         if budget and total > budget:
             share = (

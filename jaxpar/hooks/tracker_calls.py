@@ -23,8 +23,10 @@ import jax
 from jaxpar import resume as resume_lib
 from jaxpar.errors import ConfigError
 
-#: the environment variable that bounds each tracker call, and its default (seconds)
-TIMEOUT_ENV, TIMEOUT = "JAXPAR_TRACKER_TIMEOUT", 30.0
+#: the environment variable that bounds each tracker call
+TIMEOUT_ENV = "JAXPAR_TRACKER_TIMEOUT"
+#: its default (seconds)
+TIMEOUT = 30.0
 
 
 def timeout() -> float:

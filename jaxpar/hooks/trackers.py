@@ -88,7 +88,9 @@ def read_ids(run_dir: Path) -> tuple[dict[str, Any], str]:
         return {}, ""
     except (OSError, ValueError) as err:
         return {}, _one_line(err, 120)
-    return (ids, "") if isinstance(ids, dict) else ({}, "not a JSON object")
+    if not isinstance(ids, dict):
+        return {}, "not a JSON object"
+    return ids, ""
 
 
 def _write_ids(run_dir: Path, ids: dict[str, Any]) -> None:
@@ -186,10 +188,12 @@ class Tracker(Hook):
             return None  # a new training run: a new tracker run
         ids, problem = read_ids(run_dir)
         if problem or run_dir in _UNREADABLE:  # (rewritten by a tracker that started first)
-            ids, problem = {}, _UNREADABLE.setdefault(run_dir, problem)
+            ids = {}
+            problem = _UNREADABLE.setdefault(run_dir, problem)
         saved = ids.get(self.name)
         if saved is not None and not isinstance(saved, dict):
-            problem, saved = f"its {self.name!r} entry is not a JSON object", None
+            problem = f"its {self.name!r} entry is not a JSON object"
+            saved = None
         if problem:
             warnings.warn(
                 f"train.trackers: {run_dir / TRACKERS_FILE} is unreadable "
@@ -252,7 +256,8 @@ class WandB(Tracker):
     are not logged again (W&B keeps steps increasing; a resumed run's metrics are the
     same numbers)."""
 
-    name, label = "wandb", "Weights & Biases"
+    name = "wandb"
+    label = "Weights & Biases"
     fix = "run `wandb login`, or set WANDB_MODE=offline"
     loggers = ("wandb",)
 
@@ -304,7 +309,8 @@ class MLflow(Tracker):
     (SQLAlchemy), the store is the folder ``mlruns`` in the working directory (a resumed
     run: the one it started in), and ``MLFLOW_ALLOW_FILE_STORE`` is set to ``true``."""
 
-    name, label = "mlflow", "MLflow"
+    name = "mlflow"
+    label = "MLflow"
     loggers = ("mlflow",)
     #: MLflow's longest param value
     MAX_VALUE = 6000
@@ -350,7 +356,8 @@ class MLflow(Tracker):
         old = self._params_of((saved or {}).get("run_id", ""), uri)
         if old is None:
             run = self.client.create_run(self._experiment_id(), run_name=run_dir.name)
-            self.run_id, old = run.info.run_id, {}
+            self.run_id = run.info.run_id
+            old = {}
         else:
             self.run_id = saved["run_id"]
             self.client.update_run(self.run_id, status="RUNNING")
@@ -391,7 +398,8 @@ class MLflow(Tracker):
         return found.experiment_id if found else self.client.create_experiment(name)
 
     def log(self, step: int, values: dict[str, float]) -> None:
-        now, Metric = int(time.time() * 1000), self.mlflow.entities.Metric
+        now = int(time.time() * 1000)
+        Metric = self.mlflow.entities.Metric
         self.client.log_batch(
             self.run_id, metrics=[Metric(k, v, now, step) for k, v in values.items()]
         )

@@ -72,8 +72,8 @@ def _bytes(v: float) -> str:
     for unit in _BYTE_UNITS:
         v /= 1024
         if abs(v) < 1024:
-            break
-    return f"{_number(v)} {unit}"
+            return f"{_number(v)} {unit}"
+    return f"{_number(v)} {_BYTE_UNITS[-1]}"
 
 
 def _seconds(v: float) -> str:

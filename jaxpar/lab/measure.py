@@ -26,12 +26,12 @@ import jax
 import numpy as np
 
 from jaxpar import hlo
+from jaxpar.axes import MESH_AXES
 from jaxpar.config import Config, apply_overrides
 from jaxpar.errors import ConfigError, JaxparError
 from jaxpar.lab.hardware import Hardware, roofline
 from jaxpar.lab.predict import predict_argument_bytes, predict_comm
-from jaxpar.mesh import MESH_AXES
-from jaxpar.pipeline.executor import branch_table
+from jaxpar.pipeline.branches import branch_table
 from jaxpar.plan import global_batch_shapes
 from jaxpar.run import Run, build
 from jaxpar.task import Task

@@ -5,8 +5,8 @@ Each layout's step is compiled on simulated devices, several at once
 a hardware profile (α-β communication: bytes over the links plus a latency per
 collective executed, :mod:`jaxpar.lab.hardware`), those that fit the device memory first.
 Layouts the model cannot run (pipeline stages for a model without a stage split, context
-parallelism for one without ``Task.context_parallel``) are one note, not a row each. For a layout that does not
-fit, the plan says why (arguments — parameters, optimizer state, batch — versus
+parallelism for one without ``Task.context_parallel``) are one note, not a row each. For a
+layout that does not fit, the plan says why (arguments — parameters, optimizer state, batch — versus
 temporaries, mostly activations) and compiles the usual fixes — activation
 recomputation (the model family's setting, e.g. ``model.remat=full``), gradient accumulation
 (``train.grad_accum``), sharding the state further (``fsdp``) — and suggests
@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from jaxpar.axes import Axis
 from jaxpar.config import Config
 from jaxpar.lab.chart import fmt_value
 from jaxpar.lab.hardware import Hardware
@@ -68,19 +69,19 @@ def fixes(config: Config, layout: str, row: Row, task: Task | None = None) -> li
         if task is not None
         else [f"{layout},{fix}" for fix in config.family.memory_fixes(config.model)]
     )
-    if deg["stage"] == 1:
+    if deg[Axis.STAGE] == 1:
         accum += [
             f"{layout},train.grad_accum={k}"
             for k in (2, 4, 8)
             if k > config.train.grad_accum
-            and config.train.batch_size % (k * deg["data"] * deg["fsdp"]) == 0
+            and config.train.batch_size % (k * deg[Axis.DATA] * deg[Axis.FSDP]) == 0
         ]
-    if deg["data"] > 1:  # move the data degree into fsdp: the state gets sharded that much more
-        moved = {**deg, "fsdp": deg["fsdp"] * deg["data"], "data": 1}
+    if deg[Axis.DATA] > 1:  # move the data degree into fsdp: the state gets sharded that much more
+        moved = {**deg, Axis.FSDP: deg[Axis.FSDP] * deg[Axis.DATA], Axis.DATA: 1}
         shard.append(",".join(f"{a}={d}" for a, d in moved.items() if d > 1))
         tokens = (task or task_for(config)).tokens_per_example
-        moved = {**deg, "context": deg["context"] * deg["data"], "data": 1}
-        if (task or task_for(config)).context_parallel and tokens % moved["context"] == 0:
+        moved = {**deg, Axis.CONTEXT: deg[Axis.CONTEXT] * deg[Axis.DATA], Axis.DATA: 1}
+        if (task or task_for(config)).context_parallel and tokens % moved[Axis.CONTEXT] == 0:
             context.append(",".join(f"{a}={d}" for a, d in moved.items() if d > 1))
     activations_dominate = (row.mem_temp_bytes or 0) > (row.mem_args_bytes or 0)
     if activations_dominate:

@@ -21,10 +21,10 @@ global batch ``B`` (``b`` rows per device), sequence ``T``, width ``D``:
   serves the backward pass too. Inside a pipeline everything is gathered once
   per step.
 * **activations under ``tensor``** — where a model's activations cross devices is
-  model knowledge: the run's model family gives these terms
-  (:class:`jaxpar.models.family.LabModel`; GPT: per layer two all-reduces of
-  ``[b, T, D]`` forward and two backward, Megatron's count; ResNet: one
-  all-reduce per block each way). A user's task without a family gets none.
+  model knowledge: the lab's module for the run's model family gives these terms
+  (:class:`jaxpar.lab.terms.LabModel`, found by :mod:`jaxpar.lab.families`; GPT: per
+  layer two all-reduces of ``[b, T, D]`` forward and two backward, Megatron's count;
+  ResNet: one all-reduce per block each way). A user's task without a family gets none.
 * **pipeline sends** — the SPMD executor sends one activation (the first stage's
   output for one microbatch, e.g. ``[b/m, T, D]``, its part of the sequence under
   ``context``) right and one gradient left every tick (bubbles included).
@@ -45,19 +45,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 from flax import nnx
 
+from jaxpar.axes import BATCH_AXES, Axis
+from jaxpar.lab.families import lab_for
 from jaxpar.lab.staged import (
     context_terms_in_pipeline,
     expert_terms_in_pipeline,
     first_stage_message,
 )
-from jaxpar.logical import BATCH_AXES, spec_axes, spec_leaves
-from jaxpar.models.family import LabLayout, LabModel, Term
+from jaxpar.lab.terms import LabLayout, LabModel, Term
+from jaxpar.logical import spec_axes, spec_leaves
 from jaxpar.pipeline.views import STACKED, WHOLE
 from jaxpar.plan import Plan
 from jaxpar.run import Run
@@ -81,10 +83,20 @@ class CommPrediction:
         return sum(t.wire_bytes for t in self.terms)
 
 
-def _param_leaves(
-    plan: Plan, batch: dict
-) -> list[tuple[str, float, tuple[str, ...], bool, tuple[str, ...], int]]:
-    """(top-level key, bytes, mesh axes sharding it, stacked on ``layers``, the axes that
+class _Leaf(NamedTuple):
+    """A parameter as the gradient terms see it (:func:`_param_leaves`)."""
+
+    key: str | None
+    nbytes: float
+    axes: tuple[str, ...]
+    scanned: bool
+    own: tuple[str, ...]
+    rank: int
+
+
+def _param_leaves(plan: Plan, batch: dict) -> list[_Leaf]:
+    """(top-level key — None for a parameter another stage of the sub-mesh pipeline
+    holds —, bytes, mesh axes sharding it, stacked on ``layers``, the axes that
     split its experts, its dims a layer) per parameter. A stacked parameter runs in a layer
     scan: FSDP gathers it in the forward scan and again in the backward scan (the scan keeps
     the shards, not the gathered weights). A device keeps its own experts (never gathered)
@@ -95,7 +107,7 @@ def _param_leaves(
     mine = _held_by_heaviest_stage(plan, len(leaves), batch)
     own_experts = plan.pipeline is None or plan.executor == "mpmd"
     return [
-        (
+        _Leaf(
             str(getattr(path[0], "key", "")) if held else None,
             math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize,
             spec_axes(spec),
@@ -134,7 +146,7 @@ def _read_outside_stack(plan: Plan, stage: int, batch: dict) -> set[int]:
     used: set[int] = set()
     if stage == 0:
         used |= _used_inputs(embed, model.params, model.state, rows)
-    if stage == plan.mesh.shape["stage"] - 1:
+    if stage == plan.mesh.shape[Axis.STAGE] - 1:
         x = jax.eval_shape(embed, model.params, model.state, rows)
         head = lambda p, s, xb: split.head(nnx.merge(model.graphdef, p, s), *xb)
         used |= _used_inputs(head, model.params, model.state, (x, rows))
@@ -169,9 +181,48 @@ def _gathers(plan: Plan, pipelined: bool, scanned: bool, outside: int) -> int:
     return 2 * accum if scanned else outside
 
 
-def _gradient_terms(
-    plan: Plan, lab: LabModel, sizes: dict[str, int], cpu: bool, example: dict
-) -> list[Term]:
+@dataclass(frozen=True)
+class _Step:
+    """What a step's gradient reductions depend on beside each parameter's own sharding.
+
+    Attributes:
+      seq: the sequence's axes beyond the batch's that split it.
+      in_ticks: the spmd pipeline sums over ``seq`` inside its ticks.
+      batch: the axes that sum gradients once a pass.
+      accum: passes a step: microbatches, or pipelined passes.
+      once: the data all-reduce runs once a step (else once a pass).
+      layers_key: the stacked layers' top-level parameter key, or None.
+      whole, outside: the family's :attr:`LabModel.whole_params` and
+        :attr:`LabModel.gathers_outside_scans`.
+      head: the parameters (leaf indices) the last stage's head reads, where ``in_ticks``.
+      homes: each parameter's home under the sub-mesh pipeline (else empty).
+    """
+
+    plan: Plan
+    sizes: dict[str, int]
+    cpu: bool
+    seq: tuple[str, ...]
+    in_ticks: bool
+    batch: list[str]
+    accum: int
+    once: bool
+    layers_key: str | None
+    whole: frozenset[str]
+    outside: int
+    head: set[int]
+    homes: list[Any]
+
+    @property
+    def pipelined(self) -> bool:
+        return self.plan.pipeline is not None
+
+    @property
+    def mpmd(self) -> bool:
+        return self.plan.executor == "mpmd"
+
+
+def _step(plan: Plan, lab: LabModel, sizes: dict[str, int], cpu: bool, example: dict) -> _Step:
+    """What ``plan``'s step reduces its gradients over, and how often."""
     pipelined = plan.pipeline is not None
     mpmd = plan.executor == "mpmd"
     # every axis that splits the examples or their sequences sums gradients
@@ -183,95 +234,134 @@ def _gradient_terms(
     # with a pipeline: one pipelined pass per microbatch; the sub-mesh pipeline reduces each
     # microbatch's gradients in its backward program
     accum = plan.microbatches if mpmd else plan.grad_accum
-    once = accum == 1 or plan.accumulates_per_data_shard  # the data all-reduce
     split = plan.task.stages
-    layers_key = split.layers_key if split is not None else None
-    # a parameter the model reads whole (LabModel.whole_params: gathered over every axis, as
-    # a transformer's token table) has a whole-table gradient, reduced before it is sliced
-    whole, outside = lab.whole_params, lab.gathers_outside_scans
-    head = _read_outside_stack(plan, sizes["stage"] - 1, example) if in_ticks else set()
-    homes = jax.tree.leaves(plan.gradients.homes.params) if mpmd else []
+    last_stage = sizes[Axis.STAGE] - 1
+    return _Step(
+        plan=plan,
+        sizes=sizes,
+        cpu=cpu,
+        seq=seq,
+        in_ticks=in_ticks,
+        batch=batch,
+        accum=accum,
+        once=accum == 1 or plan.accumulates_per_data_shard,
+        layers_key=split.layers_key if split is not None else None,
+        # a parameter the model reads whole (LabModel.whole_params: gathered over every
+        # axis, as a transformer's token table) has a whole-table gradient, reduced before
+        # it is sliced
+        whole=lab.whole_params,
+        outside=lab.gathers_outside_scans,
+        head=_read_outside_stack(plan, last_stage, example) if in_ticks else set(),
+        homes=jax.tree.leaves(plan.gradients.homes.params) if mpmd else [],
+    )
+
+
+def _gradient_terms(
+    plan: Plan, lab: LabModel, sizes: dict[str, int], cpu: bool, example: dict
+) -> list[Term]:
+    """Each parameter's FSDP gathers and gradient reductions in one step (the module
+    docstring's first two items)."""
+    step = _step(plan, lab, sizes, cpu, example)
     terms = []
-    for i, (key, nbytes, axes, scanned, own, rank) in enumerate(_param_leaves(plan, example)):
-        # the sub-mesh pipeline sums the stages' gradients of a parameter on the whole mesh
-        # (every device, whichever stage reads it), sharded as the parameter is
-        shard = nbytes / math.prod(sizes[a] for a in axes)
-        if key is None:  # under the sub-mesh pipeline, a parameter of another stage
-            if homes[i] == WHOLE:
-                terms.append(
-                    Term("all-reduce", "gradient all-reduce over stage", shard, sizes["stage"])
-                )
-            continue
-        in_layers = key == layers_key
-        local = nbytes / math.prod(
-            sizes[a] for a in axes if (a not in batch or a in own) and key not in whole
+    for i, leaf in enumerate(_param_leaves(plan, example)):
+        terms += _leaf_terms(step, i, leaf)
+    return terms
+
+
+def _leaf_terms(step: _Step, i: int, leaf: _Leaf) -> list[Term]:
+    """The gathers and gradient reductions of parameter ``i``."""
+    sizes = step.sizes
+    # the sub-mesh pipeline sums the stages' gradients of a parameter on the whole mesh
+    # (every device, whichever stage reads it), sharded as the parameter is
+    shard = leaf.nbytes / math.prod(sizes[a] for a in leaf.axes)
+    if leaf.key is None:  # under the sub-mesh pipeline, a parameter of another stage
+        if step.homes[i] != WHOLE:
+            return []
+        return [Term("all-reduce", "gradient all-reduce over stage", shard, sizes[Axis.STAGE])]
+    in_layers = leaf.key == step.layers_key
+    local = leaf.nbytes / math.prod(
+        sizes[a]
+        for a in leaf.axes
+        if (a not in step.batch or a in leaf.own) and leaf.key not in step.whole
+    )
+    gather = math.prod(sizes[a] for a in leaf.axes if a in step.batch and a not in leaf.own)
+    rest = math.prod(sizes[a] for a in step.batch if a not in leaf.axes)
+    terms = _stage_terms(step, in_layers, shard, local)
+    if step.in_ticks and (in_layers or i in step.head):
+        terms.append(_tick_reduction(step.plan, sizes, step.seq, local, in_layers))
+    if gather > 1:
+        fsdp, local, rest = _fsdp_terms(step, leaf, local, gather, rest)
+        terms += fsdp
+    return terms + _all_reduce_terms(step, leaf, local, rest)
+
+
+def _stage_terms(step: _Step, in_layers: bool, shard: float, local: float) -> list[Term]:
+    """The stages' gradients of a parameter outside the stack, summed: after every pass
+    (spmd), once per step (mpmd)."""
+    stages = step.sizes[Axis.STAGE]
+    if not step.pipelined or in_layers or stages == 1 or not step.layers_key:
+        return []
+    if step.mpmd:
+        return [Term("all-reduce", "gradient all-reduce over stage", shard, stages, 1)]
+    return [Term("all-reduce", "gradient all-reduce over stage", local, stages, step.accum)]
+
+
+def _fsdp_terms(
+    step: _Step, leaf: _Leaf, local: float, gather: int, rest: int
+) -> tuple[list[Term], float, int]:
+    """FSDP's gathers of a weight sharded over ``gather`` batch devices and its gradient's
+    reduction there; returns them with the gradient's bytes after it (``local``) and the
+    devices that still sum it (``rest``)."""
+    terms = [
+        Term(
+            "all-gather",
+            "FSDP weight gathers",
+            local,
+            gather,
+            _gathers(step.plan, step.pipelined, leaf.scanned, step.outside),
         )
-        gather = math.prod(sizes[a] for a in axes if a in batch and a not in own)
-        rest = math.prod(sizes[a] for a in batch if a not in axes)
-        if pipelined and not in_layers and sizes["stage"] > 1 and layers_key:
-            # the stages' gradients of the parameters outside the stack, summed: after
-            # every pass (spmd), once per step (mpmd)
-            terms.append(
-                Term(
-                    "all-reduce",
-                    "gradient all-reduce over stage",
-                    shard if mpmd else local,
-                    sizes["stage"],
-                    1 if mpmd else accum,
-                )
-            )
-        if in_ticks and (in_layers or i in head):
-            terms.append(_tick_reduction(plan, sizes, seq, local, in_layers))
-        if gather > 1:
-            terms.append(
-                Term(
-                    "all-gather",
-                    "FSDP weight gathers",
-                    local,
-                    gather,
-                    _gathers(plan, pipelined, scanned, outside),
-                )
-            )
-            if pipelined and not mpmd:  # the executor scatters over fsdp; over the other
-                # batch axes that split a parameter (its experts over data) it sums the whole
-                scatter = sizes["fsdp"] if "fsdp" in axes and "fsdp" in batch else 1
-                rest, gather = rest * gather // scatter, scatter
-            if gather == 1:
-                pass
-            elif not cpu or (pipelined and not mpmd):  # one program reduces: scatters
-                terms.append(
-                    Term("reduce-scatter", "gradient reduce-scatter", local, gather, accum)
-                )
-            elif accum > 1 and not mpmd:  # XLA:CPU: an all-reduce over fsdp per microbatch
-                terms.append(
-                    Term("all-reduce", "gradient all-reduce over fsdp", local, gather, accum)
-                )
-            else:  # XLA:CPU: one all-reduce over every batch axis (per program), then a slice
-                rest, gather = rest * gather, 1
-            local /= gather
-        # data × context: XLA reduces over the sequence's axes (c devices) first, then over
-        # the batch's (b), both of the whole gradient: 2(b−1)(c−1)/(bc)·S more than one
-        # all-reduce over the b·c devices (measured, with or without tensor). Under fsdp ×
-        # context XLA:CPU does so for a gradient summed over the tokens (a bias, a norm's
-        # scale: one dim a layer) or of a table read whole; a matmul's gradient it reduces
-        # over fsdp first and the slice over the rest (measured): one all-reduce's bytes.
-        split_seq = math.prod(sizes[a] for a in seq if a in batch)
-        summed = cpu and (accum == 1 or mpmd) and (key in whole or rank == 1)
-        if 1 < split_seq < rest and (sizes["fsdp"] == 1 or summed):
-            terms.append(
-                Term(
-                    "all-reduce",
-                    "gradient all-reduce over context",
-                    local,
-                    split_seq,
-                    1 if once else accum,
-                )
-            )
-            rest //= split_seq
-        if rest > 1:
-            terms.append(
-                Term("all-reduce", "gradient all-reduce", local, rest, 1 if once else accum)
-            )
+    ]
+    spmd_pipeline = step.pipelined and not step.mpmd
+    if spmd_pipeline:  # the executor scatters over fsdp; over the other batch axes that
+        # split a parameter (its experts over data) it sums the whole
+        fsdp = Axis.FSDP in leaf.axes and Axis.FSDP in step.batch
+        scatter = step.sizes[Axis.FSDP] if fsdp else 1
+        rest = rest * gather // scatter
+        gather = scatter
+    if gather == 1:
+        pass
+    elif not step.cpu or spmd_pipeline:  # one program reduces: scatters
+        terms.append(Term("reduce-scatter", "gradient reduce-scatter", local, gather, step.accum))
+    elif step.accum > 1 and not step.mpmd:  # XLA:CPU: an all-reduce over fsdp per microbatch
+        terms.append(Term("all-reduce", "gradient all-reduce over fsdp", local, gather, step.accum))
+    else:  # XLA:CPU: one all-reduce over every batch axis (per program), then a slice
+        rest = rest * gather
+        gather = 1
+    return terms, local / gather, rest
+
+
+def _all_reduce_terms(step: _Step, leaf: _Leaf, local: float, rest: int) -> list[Term]:
+    """The all-reduce of what is left of a gradient (``local`` bytes) over the ``rest``
+    devices that sum it, over the sequence's axes first where XLA does so."""
+    sizes = step.sizes
+    times = 1 if step.once else step.accum
+    terms = []
+    # data × context: XLA reduces over the sequence's axes (c devices) first, then over
+    # the batch's (b), both of the whole gradient: 2(b−1)(c−1)/(bc)·S more than one
+    # all-reduce over the b·c devices (measured, with or without tensor). Under fsdp ×
+    # context XLA:CPU does so for a gradient summed over the tokens (a bias, a norm's
+    # scale: one dim a layer) or of a table read whole; a matmul's gradient it reduces
+    # over fsdp first and the slice over the rest (measured): one all-reduce's bytes.
+    split_seq = math.prod(sizes[a] for a in step.seq if a in step.batch)
+    read_whole = leaf.key in step.whole or leaf.rank == 1
+    summed = step.cpu and (step.accum == 1 or step.mpmd) and read_whole
+    if 1 < split_seq < rest and (sizes[Axis.FSDP] == 1 or summed):
+        terms.append(
+            Term("all-reduce", "gradient all-reduce over context", local, split_seq, times)
+        )
+        rest //= split_seq
+    if rest > 1:
+        terms.append(Term("all-reduce", "gradient all-reduce", local, rest, times))
     return terms
 
 
@@ -307,7 +397,7 @@ def lab_layout(run: Run, cpu: bool) -> LabLayout:
         image_shape=getattr(data, "image_shape", None),
         cpu=cpu,
         sub_mesh=plan.executor == "mpmd",
-        context=plan.settings["context"].attention,
+        context=plan.context.attention,
         residuals=plan.executor == "mpmd" and plan.gradients.residuals,
     )
 
@@ -343,7 +433,7 @@ def predict_comm(run: Run, backend: str = "gpu") -> CommPrediction:
     sizes = dict(run.plan.mesh.shape)
     cpu = backend == "cpu"
     # a user's task brings no family: no activation terms (where they are is model knowledge)
-    lab = run.family.lab if run.family is not None else LabModel()
+    lab = lab_for(run.family)
     layout = lab_layout(run, cpu)
     activations = (
         [

@@ -1,7 +1,7 @@
 """Context parallelism inside a pipeline: what a stage's attention moves over ``context``.
 
 Without a pipeline the model family gives a step's context terms
-(:meth:`~jaxpar.models.family.LabModel.context_terms`). Inside one, a stage runs its chunk
+(:meth:`~jaxpar.lab.terms.LabModel.context_terms`). Inside one, a stage runs its chunk
 of ``Lc = L/(p·v)`` layers once per microbatch in each of its programs. The family is asked
 for the terms of one microbatch (``b/m`` of a device's rows) through the whole model
 without a pipeline — what one layer moves, and what a pass moves once — and the
@@ -37,17 +37,17 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxpar.models.family import LabLayout, LabModel, Term
+from jaxpar.lab.terms import LabLayout, LabModel, Term
 from jaxpar.run import Run
 
-#: The family's context terms (``jaxpar/models/transformer.py``) this module counts.
+#: The family's context terms (:mod:`jaxpar.lab.transformers`) this module counts.
 KV_GATHERED = "context: K and V gathered"
 DKV_SCATTERED = "context: dK and dV reduce-scattered"
 POSITIONS_GATHERED = "context: positions gathered"
 KV_RING = "context: K and V blocks round the ring"
 DKV_HOME = "context: dK and dV blocks home"
 POSITIONS_RING = "context: positions round the ring"
-#: The family's expert dispatch terms (``jaxpar/models/moe.py``) this module counts.
+#: The family's expert dispatch terms (:mod:`jaxpar.lab.experts`) this module counts.
 TOKENS_GATHERED = "experts: tokens and routing gathered"
 OUTPUTS_SCATTERED = "experts: outputs reduce-scattered"
 GRADS_GATHERED = "experts: output gradients gathered"

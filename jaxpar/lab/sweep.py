@@ -1,8 +1,8 @@
 """``jaxpar sweep``: the same model and global batch under many layouts, side by side.
 
 For each layout the real train step is compiled (``Trainer.compile_step``;
-:mod:`jaxpar.lab.measure`) and read: memory per device from ``memory_analysis()``, collective bytes by kind
-and FLOPs from the optimized HLO (:mod:`jaxpar.hlo`), the
+:mod:`jaxpar.lab.measure`) and read: memory per device from ``memory_analysis()``,
+collective bytes by kind and FLOPs from the optimized HLO (:mod:`jaxpar.hlo`), the
 textbook's collective bytes (:mod:`jaxpar.lab.predict`), and a roofline step
 time on a hardware profile (:mod:`jaxpar.lab.hardware`). With ``steps > 0`` the
 compiled step also runs and its median time is measured, one layout at a time (in a worker
@@ -26,6 +26,7 @@ from pathlib import Path
 
 import jax
 
+from jaxpar.axes import Axis
 from jaxpar.config import Config
 from jaxpar.files import ensure_dir, write_atomic
 from jaxpar.lab.chart import Panel, write_chart
@@ -76,7 +77,7 @@ def all_layouts(devices: int) -> list[str]:
 
     return [
         ",".join(f"{a}={d}" for a, d in combo if d > 1) or "data=1"
-        for combo in split(devices, ("data", "fsdp", "context", "tensor", "stage"))
+        for combo in split(devices, (Axis.DATA, Axis.FSDP, Axis.CONTEXT, Axis.TENSOR, Axis.STAGE))
     ]
 
 
@@ -101,7 +102,7 @@ def runnable(layouts: list[str], task: Task) -> tuple[list[str], str | None]:
     if task.layers is None and task.stages is None:
         notes.append(
             (
-                "stage",
+                Axis.STAGE,
                 f"{task.name} cannot be split into pipeline stages (its task "
                 "declares neither Task.layers nor a StageSplit; docs/"
                 "pipelines.md)",
@@ -111,7 +112,7 @@ def runnable(layouts: list[str], task: Task) -> tuple[list[str], str | None]:
     if not task.context_parallel or not tokens:
         notes.append(
             (
-                "context",
+                Axis.CONTEXT,
                 f"{task.name} does not run with its sequences split (Task."
                 "context_parallel; docs/context.md)",
             )
@@ -126,7 +127,7 @@ def runnable(layouts: list[str], task: Task) -> tuple[list[str], str | None]:
             )
     if task.context_parallel and tokens:
         before = kept
-        kept = [x for x in kept if tokens % _degree(x, "context") == 0]
+        kept = [x for x in kept if tokens % _degree(x, Axis.CONTEXT) == 0]
         if len(kept) < len(before):
             lines.append(
                 f"note: {_count(len(before) - len(kept))} left out whose "
@@ -157,7 +158,7 @@ def _expert_variants(task: Task, layouts: list[str]) -> list[str]:
     return [
         f"{x},rules.experts=data"
         for x in layouts
-        if _degree(x, "data") > 1 and all(n % _degree(x, "data") == 0 for n in sizes)
+        if _degree(x, Axis.DATA) > 1 and all(n % _degree(x, Axis.DATA) == 0 for n in sizes)
     ]
 
 

@@ -1,20 +1,17 @@
 """Model families, one module each: the model (Flax NNX, logical axes only), its typed
-config, its Task builder, its counts and lab knowledge, registered by name (see
+config, its Task builder and its counts, registered by name (see
 ``jaxpar/models/family.py``). Importing this package registers the built-in ones.
 
 What a family of your own needs is here too: :class:`Family`, :class:`ModelConfig` and
-:func:`section` (its config's declaration), :class:`DataNeeds`, and the lab's
-:class:`Counts`, :class:`LabModel`, :class:`LabLayout` and :class:`Term`."""
+:func:`section` (its config's declaration), :class:`DataNeeds` and :class:`Counts`. What
+the layout lab knows of a family is the lab's (:mod:`jaxpar.lab.families`)."""
 
 from jaxpar.models.bert import BERT, BERTConfig, mlm_loss
 from jaxpar.models.classifiers import ConvNet, MLPClassifier, classification_loss
 from jaxpar.models.family import (
     Counts,
     Family,
-    LabLayout,
-    LabModel,
     ModelConfig,
-    Term,
     families,
     register,
 )
@@ -37,15 +34,12 @@ __all__ = [
     "Gemma",
     "GemmaConfig",
     "gemma_loss",
-    "LabLayout",
-    "LabModel",
     "Llama",
     "LlamaConfig",
     "MLPClassifier",
     "ModelConfig",
     "ResNet",
     "ResNetConfig",
-    "Term",
     "classification_loss",
     "families",
     "llama_loss",

@@ -41,7 +41,7 @@ from pydantic import Field, model_validator
 
 from jaxpar.errors import ConfigError
 from jaxpar.logical import constrain
-from jaxpar.models.family import Counts, Dtype, Family, ModelConfig, register
+from jaxpar.models.family import Counts, Family, register
 from jaxpar.models.transformer import (
     REMAT_POLICIES,
     RESIDUAL,
@@ -49,7 +49,6 @@ from jaxpar.models.transformer import (
     Blocks,
     Documents,
     Remat,
-    TransformerLab,
     attention,
     attention_implementation,
     check_heads,
@@ -62,6 +61,7 @@ from jaxpar.models.transformer import (
     param,
     transformer_counts,
 )
+from jaxpar.models.transformer_config import TransformerConfig
 from jaxpar.schema import Float, section
 from jaxpar.task import DataNeeds, StageSplit, Task
 
@@ -71,7 +71,7 @@ _EVAL_KEY = 2024
 
 
 @section("model")
-class BERTConfig(ModelConfig):
+class BERTConfig(TransformerConfig):
     """``model.*`` keys of ``model.name=bert``."""
 
     vocab_size: int = Field(
@@ -82,10 +82,7 @@ class BERTConfig(ModelConfig):
         "rounded up to a multiple of 8 for tensor "
         "splits",
     )
-    d_model: int = Field(128, ge=1, description="width D")
     n_layers: int = Field(4, ge=1, description="encoder blocks L")
-    n_heads: int = Field(4, ge=1, description="attention heads N (divides d_model)")
-    d_ff: int = Field(512, ge=1, description="MLP width F")
     max_seq_len: int = Field(128, ge=1, description="longest sequence (learned positions)")
     dropout: Float = Field(
         0.1, ge=0, lt=1, description="dropout rate (embeddings, attention and MLP outputs)"
@@ -97,16 +94,11 @@ class BERTConfig(ModelConfig):
         description="share of each sequence's positions the masked-LM loss predicts",
     )
     remat: Remat = Field("none", description="recompute each block in the backward pass")
-    dtype: Dtype = Field("float32", description="compute dtype (parameters stay float32)")
     attention: Attention = Field(
         "auto",
         description="jax.nn.dot_product_attention's "
         "implementation (auto: cuDNN on a GPU where it runs)",
     )
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
 
     @model_validator(mode="after")
     def _heads(self) -> BERTConfig:
@@ -360,7 +352,6 @@ BERT_FAMILY = register(
         lambda cfg, data: task(cfg, data.seq_len, data.vocab_size, packs_documents(data)),
         _needs,
         counts=_counts,
-        lab=TransformerLab(),
         memory_fixes=lambda cfg: [] if cfg.remat == "full" else ["model.remat=full"],
         compute_dtype=lambda cfg: cfg.dtype,
         doc="BERT-style encoder with a masked-LM loss (dropout, token types); pipelines",

@@ -10,21 +10,23 @@ A family lives in one module under ``jaxpar/models/`` and registers there
 * its Task builder — config and data → :class:`~jaxpar.task.Task` (the model, the loss, the
   batch axes, the pipeline split);
 * what it takes from the config's ``data`` section (text or images);
-* its parameter and FLOP counts, and the activation collectives of its layers, for the
-  layout lab (:class:`LabModel`);
+* its parameter and FLOP counts (:class:`Counts`);
 * the settings that trade compute for memory, which ``jaxpar plan`` tries.
 
+What the layout lab knows of a family's activations is the lab's, registered there by
+family name (:mod:`jaxpar.lab.families`): a model file holds only the model.
+
 The rest of the package never compares a model name: it asks the family. A user's family
-registers the same way (``jaxpar.register_model``), or is named in a config as
-``model.name=path/to/file.py:FAMILY`` (or ``package.module:FAMILY``; ``jaxpar/config.py``
+registers the same way (``jaxpar.models.register``), or is named in a config as
+``model.name=path/to/file.py:FAMILY`` (or ``package.module:FAMILY``; ``jaxpar/config/``
 loads it).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from jaxpar.errors import TaskError
@@ -50,110 +52,27 @@ class ModelConfig:
         compare=False,
         metadata={
             "description": (
-                "the model family: gpt, bert, resnet, convnet, mlp (empty: gpt), or "
-                "path/to/file.py:FAMILY / package.module:FAMILY naming a jaxpar.models.Family "
-                "of your own; with --task the section has no effect"
+                "the model family: gpt, bert, llama, gemma, resnet, convnet, mlp (empty: "
+                "gpt), or path/to/file.py:FAMILY / package.module:FAMILY naming a "
+                "jaxpar.models.Family of your own; with --task the section has no effect"
             )
         },
     )
 
     #: The model keys the config files and overrides gave, as given (another family's
     #: included: they warn that they have no effect, and apply if a later ``model.name``
-    #: has them). Set by ``jaxpar/config.py`` on the section it builds; not a field, so
+    #: has them). Set by ``jaxpar/config/families.py`` on the section it builds; not a field, so
     #: equality, ``asdict`` and the docs leave it out.
     given: ClassVar[tuple[tuple[str, Any], ...]] = ()
 
 
 @dataclass(frozen=True)
 class Counts:
-    """What the layout lab compares the compiled program with: parameters, and the
-    model's FLOPs for one training example (forward and backward)."""
+    """A model's parameters, and its FLOPs for one training example (forward and
+    backward): what the compiled program is compared with."""
 
     params: int
     train_flops_per_example: float
-
-
-@dataclass(frozen=True)
-class Term:
-    """One collective of a train step the layout lab predicts: what it moves, how often,
-    over how many devices."""
-
-    kind: str
-    what: str
-    payload_bytes: float
-    group: int
-    times: int = 1
-
-    @property
-    def wire_bytes(self) -> float:
-        """Bytes one device sends for all ``times`` executions (ring algorithms)."""
-        n, s = self.group, self.payload_bytes
-        factor = {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(
-            self.kind, (n - 1) / n
-        )
-        return self.times * s * factor
-
-
-@dataclass(frozen=True)
-class LabLayout:
-    """What the layout lab tells a family about one layout (plain values).
-
-    Attributes:
-      sizes: the mesh degrees by axis.
-      rules: logical axis name → mesh axes.
-      rows: examples per device per step (the global batch over the batch axes).
-      grad_accum: microbatches accumulated per step.
-      stages: ``(ticks, p, v, m)`` of the pipeline's tick table, or None.
-      sub_mesh: the sub-mesh pipeline (``pipeline.executor=mpmd``) runs the layout: a
-        program per action, and the lab reports a device of its first stage.
-      seq_len: tokens per example (text), image_shape: ``(H, W, C)`` (images).
-      cpu: the program is XLA:CPU's (bfloat16 activations move as float32).
-      context: how attention runs across a split sequence (``context.attention``:
-        ``all_gather`` or ``ring``).
-      residuals: the sub-mesh pipeline's backward programs read the forward's residuals
-        (``pipeline.backward=residuals``) rather than recompute it.
-    """
-
-    sizes: Mapping[str, int]
-    rules: Mapping[str, tuple[str, ...]]
-    rows: int
-    grad_accum: int
-    stages: tuple[int, int, int, int] | None
-    seq_len: int = 0
-    image_shape: tuple[int, ...] | None = None
-    cpu: bool = False
-    sub_mesh: bool = False
-    context: str = "all_gather"
-    residuals: bool = False
-
-
-class LabModel:
-    """Model knowledge for the layout lab's textbook prediction (``jaxpar/lab/predict.py``).
-
-    The lab predicts the gradient and weight collectives of any model from its shardings
-    alone; what it cannot know is where a model's *activations* cross devices. A family
-    that knows says so here, from its config and a :class:`LabLayout`.
-    """
-
-    #: top-level parameter keys that the model reads whole (gathered over every axis) even
-    #: where the rules shard them, so their gradient is reduced before it is sliced
-    whole_params: frozenset[str] = frozenset()
-    #: how often FSDP gathers a weight outside a layer scan per step: XLA keeps one gathered
-    #: copy for the backward pass (1, measured for the transformers and small CNNs) or gathers
-    #: it again there (2, ZeRO-3's textbook count; measured for the ResNet's convolutions)
-    gathers_outside_scans: int = 1
-
-    def tensor_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
-        """Activation collectives under tensor parallelism."""
-        return []
-
-    def context_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
-        """Activation collectives of a sequence split over devices (``mesh.context``)."""
-        return []
-
-    def expert_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
-        """Token dispatch to experts split over devices (``rules.experts``)."""
-        return []
 
 
 @dataclass(frozen=True)
@@ -167,7 +86,6 @@ class Family:
         (``seq_len`` for text, ``image_shape`` for images).
       needs: ``config -> DataNeeds``: what it takes from the config's ``data`` section.
       counts: ``(config, data) -> Counts``, or None.
-      lab: its :class:`LabModel`.
       memory_fixes: ``config -> ["model.key=value", …]``: settings that lower memory at
         some compute cost (recomputation), which ``jaxpar plan`` tries on layouts that do
         not fit.
@@ -180,7 +98,6 @@ class Family:
     task: Callable[[Any, Any], Task]
     needs: Callable[[Any], DataNeeds]
     counts: Callable[[Any, Any], Counts] | None = None
-    lab: LabModel = field(default_factory=LabModel)
     memory_fixes: Callable[[Any], list[str]] = lambda cfg: []
     compute_dtype: Callable[[Any], str] = lambda cfg: "float32"
     doc: str = ""

@@ -31,14 +31,13 @@ from flax import nnx
 from jaxpar.errors import ConfigError
 from jaxpar.logical import constrain
 from jaxpar.models import gemma_layers as layers
-from jaxpar.models.family import Counts, Family, LabLayout, Term, register
+from jaxpar.models.family import Counts, Family, register
 from jaxpar.models.gemma_config import GemmaConfig
 from jaxpar.models.llama_attention import attention_params, cached_mask, out
 from jaxpar.models.transformer import (
     REMAT_POLICIES,
     RESIDUAL,
     Documents,
-    TransformerLab,
     attention_implementation,
     const,
     kv_cache,
@@ -51,7 +50,6 @@ from jaxpar.models.transformer import (
     packs_documents,
     param,
     refuse_init_from,
-    transformer_tensor_terms,
 )
 from jaxpar.task import DataNeeds, StageSplit, Task
 
@@ -269,16 +267,6 @@ def gemma_counts(cfg: GemmaConfig, seq_len: int) -> tuple[int, float]:
     return params, 2 * 3 * T * macs
 
 
-class GemmaLab(TransformerLab):
-    """The lab's Gemma: the Llama's projections (q, k, v, gate and up each give the
-    backward an input gradient that XLA all-reduces apart under tensor parallelism; 4
-    where the key/value heads are not split as the query heads are)."""
-
-    def tensor_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
-        kv = 5 if layout.rules.get("kv_heads", ()) == layout.rules.get("heads", ()) else 4
-        return transformer_tensor_terms(cfg, layout, kv)
-
-
 GEMMA_FAMILY = register(
     Family(
         "gemma",
@@ -291,7 +279,6 @@ GEMMA_FAMILY = register(
         ),
         lambda cfg: DataNeeds("text", vocab_size=cfg.vocab_size, documents=True, loss_mask=True),
         counts=lambda cfg, data: Counts(*gemma_counts(cfg, data.seq_len)),
-        lab=GemmaLab(),
         memory_fixes=lambda cfg: [] if cfg.remat == "full" else ["model.remat=full"],
         compute_dtype=lambda cfg: cfg.dtype,
         doc="Gemma 2/3 text decoder: scaled embeddings, (1 + w) pre/post norms, GeGLU, "

@@ -26,9 +26,9 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from jaxpar.errors import ConfigError
-from jaxpar.models.family import Dtype, ModelConfig
 from jaxpar.models.rope import RopeScaling
-from jaxpar.models.transformer import Attention, Remat
+from jaxpar.models.transformer import Attention
+from jaxpar.models.transformer_config import TransformerConfig
 from jaxpar.schema import Float, section
 
 #: ``model.rope_type`` values of the Gemma family (its checkpoints use no other).
@@ -36,12 +36,9 @@ GemmaRope = Literal["default", "linear"]
 
 
 @section("model")
-class GemmaConfig(ModelConfig):
+class GemmaConfig(TransformerConfig):
     """``model.*`` keys of ``model.name=gemma``: shape and numerics."""
 
-    vocab_size: int = Field(256, ge=1, description="vocabulary (at least the data's)")
-    d_model: int = Field(128, ge=1, description="width D")
-    n_layers: int = Field(4, ge=1, description="transformer blocks L")
     n_heads: int = Field(4, ge=1, description="query heads N")
     n_kv_heads: int = Field(2, ge=1, description="key/value heads K (divides n_heads)")
     head_size: int = Field(
@@ -90,8 +87,6 @@ class GemmaConfig(ModelConfig):
     )
     norm_eps: Float = Field(1e-6, gt=0, description="RMSNorm epsilon")
     tie_embeddings: bool = Field(True, description="output layer: the token table's transpose")
-    remat: Remat = Field("none", description="what each block recomputes in the backward pass")
-    dtype: Dtype = Field("float32", description="compute dtype (parameters stay float32)")
     attention: Attention = Field(
         "auto",
         description="jax.nn.dot_product_attention's "

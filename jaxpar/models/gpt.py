@@ -28,21 +28,12 @@ from pydantic import Field, model_validator
 from jaxpar.context import is_natural
 from jaxpar.errors import ConfigError
 from jaxpar.logical import constrain, shards
-from jaxpar.models.family import (
-    Counts,
-    Dtype,
-    Family,
-    ModelConfig,
-    register,
-)
+from jaxpar.models.family import Counts, Family, register
 from jaxpar.models.transformer import (
     REMAT_POLICIES,
     RESIDUAL,
-    Attention,
     Blocks,
     Documents,
-    Remat,
-    TransformerLab,
     attention_implementation,
     attention_out,
     block,
@@ -64,31 +55,18 @@ from jaxpar.models.transformer import (
     rotary,
     transformer_counts,
 )
+from jaxpar.models.transformer_config import TransformerConfig
 from jaxpar.schema import section
 from jaxpar.task import DataNeeds, StageSplit, Task
 
 
 @section("model")
-class GPTConfig(ModelConfig):
+class GPTConfig(TransformerConfig):
     """``model.*`` keys of ``model.name=gpt``: shape and numerics."""
 
-    vocab_size: int = Field(256, ge=1, description="vocabulary (at least the data's)")
-    d_model: int = Field(128, ge=1, description="width D")
-    n_layers: int = Field(4, ge=1, description="transformer blocks L")
-    n_heads: int = Field(4, ge=1, description="attention heads N (divides d_model)")
-    d_ff: int = Field(512, ge=1, description="MLP width F")
-    max_seq_len: int = Field(128, ge=1, description="longest sequence")
     positions: Literal["learned", "rotary"] = Field("learned", description="position encoding")
     tie_embeddings: bool = Field(
         False, description="the output layer is the embedding table's transpose"
-    )
-    remat: Remat = Field("none", description="what each block recomputes in the backward pass")
-    dtype: Dtype = Field("float32", description="compute dtype (parameters stay float32)")
-    attention: Attention = Field(
-        "auto",
-        description="jax.nn.dot_product_attention's "
-        "implementation (auto: cuDNN on a GPU where it runs, XLA "
-        "elsewhere)",
     )
     attn_bias: bool = Field(
         False, description="biases on the q/k/v and output projections (GPT-2 has them)"
@@ -99,10 +77,6 @@ class GPTConfig(ModelConfig):
         "model.safetensors) whose weights a fresh run "
         "starts from (jaxpar/hf/gpt2.py)",
     )
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
 
     @model_validator(mode="after")
     def _heads(self) -> GPTConfig:
@@ -406,7 +380,6 @@ GPT_FAMILY = register(
         ),
         _needs,
         counts=_counts,
-        lab=TransformerLab(),
         memory_fixes=lambda cfg: [] if cfg.remat == "full" else ["model.remat=full"],
         compute_dtype=lambda cfg: cfg.dtype,
         doc="decoder-only transformer LM; pipelines (stacked layers)",

@@ -33,7 +33,7 @@ from jaxpar.context import attend
 from jaxpar.errors import ConfigError
 from jaxpar.logical import constrain
 from jaxpar.models import moe
-from jaxpar.models.family import Counts, Family, LabLayout, Term, register
+from jaxpar.models.family import Counts, Family, register
 from jaxpar.models.llama_attention import (
     ATTENTION,
     attention_params,
@@ -46,7 +46,6 @@ from jaxpar.models.transformer import (
     REMAT_POLICIES,
     RESIDUAL,
     Documents,
-    TransformerLab,
     attention_implementation,
     const,
     kv_cache,
@@ -60,7 +59,6 @@ from jaxpar.models.transformer import (
     param,
     refuse_init_from,
     rms_norm,
-    transformer_tensor_terms,
 )
 from jaxpar.task import DataNeeds, StageSplit, Task
 
@@ -377,19 +375,6 @@ def llama_counts(cfg: LlamaConfig, seq_len: int) -> tuple[int, float]:
     return params, 2 * 3 * T * macs
 
 
-class LlamaLab(TransformerLab):
-    """The lab's Llama: q, k, v and SwiGLU's gate and up each give the backward an input
-    gradient that XLA all-reduces apart under tensor parallelism: 5 a layer (measured); 4
-    unsplit key/value heads (XLA gathers some: 0.96×); experts: :func:`moe.tensor_terms`."""
-
-    def tensor_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
-        kv = 5 if layout.rules.get("kv_heads", ()) == layout.rules.get("heads", ()) else 4
-        return moe.tensor_terms(cfg, layout, transformer_tensor_terms(cfg, layout, kv))
-
-    def expert_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
-        return moe.dispatch_terms(cfg, layout)
-
-
 LLAMA_FAMILY = register(
     Family(
         "llama",
@@ -402,7 +387,6 @@ LLAMA_FAMILY = register(
         ),
         lambda cfg: DataNeeds("text", vocab_size=cfg.vocab_size, documents=True, loss_mask=True),
         counts=lambda cfg, data: Counts(*llama_counts(cfg, data.seq_len)),
-        lab=LlamaLab(),
         memory_fixes=lambda cfg: [] if cfg.remat == "full" else ["model.remat=full"],
         compute_dtype=lambda cfg: cfg.dtype,
         doc="Llama-style decoder LM: RMSNorm, SwiGLU, rotary, grouped-query attention",

@@ -20,19 +20,16 @@ from pydantic import Field, model_validator
 
 from jaxpar.errors import ConfigError
 from jaxpar.models import moe
-from jaxpar.models.family import Dtype, ModelConfig
 from jaxpar.models.rope import RopeScaling, RopeType
-from jaxpar.models.transformer import Attention, Remat, check_heads
+from jaxpar.models.transformer import check_heads
+from jaxpar.models.transformer_config import TransformerConfig
 from jaxpar.schema import Float, section
 
 
 @section("model")
-class LlamaConfig(ModelConfig):
+class LlamaConfig(TransformerConfig):
     """``model.*`` keys of ``model.name=llama``: shape and numerics."""
 
-    vocab_size: int = Field(256, ge=1, description="vocabulary (at least the data's)")
-    d_model: int = Field(128, ge=1, description="width D")
-    n_layers: int = Field(4, ge=1, description="transformer blocks L")
     n_heads: int = Field(4, ge=1, description="query heads N (divides d_model)")
     n_kv_heads: int = Field(2, ge=1, description="key/value heads K (divides n_heads)")
     head_size: int = Field(
@@ -67,14 +64,6 @@ class LlamaConfig(ModelConfig):
     )
     norm_eps: Float = Field(1e-5, gt=0, description="RMSNorm epsilon")
     tie_embeddings: bool = Field(False, description="output layer: the token table's transpose")
-    remat: Remat = Field("none", description="what each block recomputes in the backward pass")
-    dtype: Dtype = Field("float32", description="compute dtype (parameters stay float32)")
-    attention: Attention = Field(
-        "auto",
-        description="jax.nn.dot_product_attention's "
-        "implementation (auto: cuDNN on a GPU where it runs, XLA "
-        "elsewhere)",
-    )
     init_from: str = Field(
         "",
         description="a Hugging Face folder (config.json + "

@@ -32,9 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from jaxpar.axes import BATCH_AXES
 from jaxpar.logical import active_layout, constrain
 from jaxpar.models import alltoall
-from jaxpar.models.family import LabLayout, Term
 
 #: How expert parallelism moves tokens to their experts' devices (``model.moe_dispatch``).
 Dispatch = Literal["all_gather", "all_to_all"]
@@ -181,11 +181,40 @@ def moe_mlp(
     over the devices. Under expert parallelism ``dispatch`` moves the tokens to their
     experts' devices: ``all_gather`` (every backend) or ``all_to_all``
     (:mod:`jaxpar.models.alltoall`)."""
-    B, T, D = h_BTD.shape
-    E = p["router"].shape[-1]
     w = {n: p[n] for n in ("w_gate", "w_up", "w_down")}
+    at = _placement()
+
+    def local(h, router, w):
+        experts, weights, stats = _routed(
+            h, router, top_k, capacity_factor, positions_T, at.stat_axes
+        )
+        return _experts_output(h, experts, weights, w, at.ep_axes, dispatch), stats
+
+    if at.ep_axes and dispatch == "all_to_all":
+        alltoall.refuse_on_cpu()
+    if at.batch_axes:
+        local = _per_batch_shard(local, at, tuple(w))
+    y, stats = local(h_BTD, p["router"], w)
+    return constrain(y, ("batch", "seq", "act_embed")), stats
+
+
+@dataclasses.dataclass(frozen=True)
+class _Placement:
+    """Where an MoE layer runs: the mesh, the batch axes that split its tokens (it runs
+    manual over them), those of them that split its experts, and the axes its router
+    statistics are summed over."""
+
+    mesh: Any
+    batch_axes: tuple[str, ...]
+    ep_axes: tuple[str, ...]
+    stat_axes: tuple[str, ...]
+
+
+def _placement() -> _Placement:
+    """The MoE layer's placement under the layout being traced (none outside one)."""
     layout = active_layout()
-    mesh, rules = (layout[0], layout[1]) if layout else (None, {})
+    mesh = layout[0] if layout else None
+    rules = layout[1] if layout else {}
     batch_axes = tuple(
         a for a in rules.get("batch", ()) if mesh is not None and mesh.shape.get(a, 1) > 1
     )
@@ -193,66 +222,116 @@ def moe_mlp(
     # inside a program already manual over batch axes (the spmd pipeline's stages), the
     # statistics are summed over those: the routing sees the whole (micro)batch
     stat_axes = batch_axes or _manual_batch_axes(mesh)
+    return _Placement(mesh, batch_axes, ep_axes, stat_axes)
 
-    def local(h, router, w):
-        b = h.shape[0]
-        experts, weights, stats = route(h.reshape(b * T, D), router, top_k, stat_axes)
-        experts, weights = experts.reshape(b, T, top_k), weights.reshape(b, T, top_k)
-        stats["dropped"] = jnp.zeros((), jnp.int32)
-        if capacity_factor:
-            keep = capacity_mask(experts, E, capacity_factor, positions_T)
-            weights, dropped = jnp.where(keep, weights, 0.0), jnp.sum(~keep)
-            stats["dropped"] = jax.lax.psum(dropped, stat_axes) if stat_axes else dropped
-        dtype = h.dtype
-        w = {n: a.astype(dtype) for n, a in w.items()}
-        if ep_axes and dispatch == "all_to_all":
-            run = lambda r, s: swiglu_groups(r.astype(dtype), s, w).astype(r.dtype)  # noqa
-            y = alltoall.dispatch(
-                h.reshape(-1, D).astype(_wire(dtype)),
-                experts.reshape(-1, top_k),
-                weights.reshape(-1, top_k),
-                run,
-                w["w_gate"].shape[0],
-                ep_axes,
-            )
-            return y.astype(dtype).reshape(-1, T, D), stats
-        if ep_axes:  # gather the group's tokens: each device runs its experts on them all
-            gather = functools.partial(jax.lax.all_gather, axis_name=ep_axes, tiled=True)
-            h = gather(h.astype(_wire(dtype))).astype(dtype)
-            experts, weights = gather(experts), gather(weights)
-        first = jax.lax.axis_index(ep_axes) * w["w_gate"].shape[0] if ep_axes else 0
-        n = h.shape[0] * T
-        y = grouped_swiglu(
-            h.reshape(n, D), experts.reshape(n, top_k), weights.reshape(n, top_k), w, first
-        ).reshape(-1, T, D)
-        if ep_axes:  # each device's partial sums back to the tokens' devices
-            y = jax.lax.psum_scatter(
-                y.astype(_wire(dtype)), ep_axes, scatter_dimension=0, tiled=True
-            ).astype(dtype)
-        return y, stats
 
+def _routed(
+    h_bTD: jax.Array,
+    router_DE: jax.Array,
+    top_k: int,
+    capacity_factor: float,
+    positions_T: Any,
+    stat_axes: tuple[str, ...],
+) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """Each of a device's tokens' experts and weights [b, T, k] and the router statistics
+    (:func:`route`) with ``dropped``: a capacity factor zeroes the weights of the
+    assignments beyond an expert's capacity, and counts them."""
+    b, T, D = h_bTD.shape
+    experts, weights, stats = route(h_bTD.reshape(b * T, D), router_DE, top_k, stat_axes)
+    experts = experts.reshape(b, T, top_k)
+    weights = weights.reshape(b, T, top_k)
+    stats["dropped"] = jnp.zeros((), jnp.int32)
+    if capacity_factor:
+        keep = capacity_mask(experts, router_DE.shape[-1], capacity_factor, positions_T)
+        weights = jnp.where(keep, weights, 0.0)
+        dropped = jnp.sum(~keep)
+        stats["dropped"] = jax.lax.psum(dropped, stat_axes) if stat_axes else dropped
+    return experts, weights, stats
+
+
+def _experts_output(
+    h_bTD: jax.Array,
+    experts_bTk: jax.Array,
+    weights_bTk: jax.Array,
+    w: dict[str, jax.Array],
+    ep_axes: tuple[str, ...],
+    dispatch: str,
+) -> jax.Array:
+    """The weighted sum of each of a device's tokens' experts [b, T, D]: its own experts'
+    share of it without expert parallelism; under it, its tokens moved to their experts'
+    devices and back (``dispatch``)."""
+    _, T, D = h_bTD.shape
+    top_k = experts_bTk.shape[-1]
+    dtype = h_bTD.dtype
+    w = {n: a.astype(dtype) for n, a in w.items()}
     if ep_axes and dispatch == "all_to_all":
-        alltoall.refuse_on_cpu()
-    if batch_axes:
-        bspec = PartitionSpec(batch_axes if len(batch_axes) > 1 else batch_axes[0])
-        wspec = PartitionSpec((ep_axes if len(ep_axes) > 1 else ep_axes[0]) if ep_axes else None)
-        local = jax.shard_map(
-            local,
-            mesh=mesh,
-            in_specs=(bspec, PartitionSpec(), {n: wspec for n in w}),
-            out_specs=(bspec, PartitionSpec()),
-            axis_names=set(batch_axes),
-            check_vma=False,
-        )
-    y, stats = local(h_BTD, p["router"], w)
-    return constrain(y, ("batch", "seq", "act_embed")), stats
+        return _all_to_all_output(h_bTD, experts_bTk, weights_bTk, w, ep_axes)
+    h, experts, weights = h_bTD, experts_bTk, weights_bTk
+    if ep_axes:  # gather the group's tokens: each device runs its experts on them all
+        gather = functools.partial(jax.lax.all_gather, axis_name=ep_axes, tiled=True)
+        h = gather(h.astype(_wire(dtype))).astype(dtype)
+        experts = gather(experts)
+        weights = gather(weights)
+    first = jax.lax.axis_index(ep_axes) * w["w_gate"].shape[0] if ep_axes else 0
+    n = h.shape[0] * T
+    y = grouped_swiglu(
+        h.reshape(n, D), experts.reshape(n, top_k), weights.reshape(n, top_k), w, first
+    ).reshape(-1, T, D)
+    if ep_axes:  # each device's partial sums back to the tokens' devices
+        y = jax.lax.psum_scatter(
+            y.astype(_wire(dtype)), ep_axes, scatter_dimension=0, tiled=True
+        ).astype(dtype)
+    return y
+
+
+def _all_to_all_output(
+    h_bTD: jax.Array,
+    experts_bTk: jax.Array,
+    weights_bTk: jax.Array,
+    w: dict[str, jax.Array],
+    ep_axes: tuple[str, ...],
+) -> jax.Array:
+    """:func:`_experts_output` with only the routed tokens moved, there and back
+    (:func:`jaxpar.models.alltoall.dispatch`)."""
+    _, T, D = h_bTD.shape
+    top_k = experts_bTk.shape[-1]
+    dtype = h_bTD.dtype
+
+    def run(rows: jax.Array, sizes: jax.Array) -> jax.Array:
+        return swiglu_groups(rows.astype(dtype), sizes, w).astype(rows.dtype)
+
+    y = alltoall.dispatch(
+        h_bTD.reshape(-1, D).astype(_wire(dtype)),
+        experts_bTk.reshape(-1, top_k),
+        weights_bTk.reshape(-1, top_k),
+        run,
+        w["w_gate"].shape[0],
+        ep_axes,
+    )
+    return y.astype(dtype).reshape(-1, T, D)
+
+
+def _per_batch_shard(local: Any, at: _Placement, weights: tuple[str, ...]) -> Any:
+    """``local(h, router, w)`` run on each device's own tokens (``shard_map`` manual over
+    the batch axes), the experts ``weights`` split over the expert axes."""
+    bspec = PartitionSpec(at.batch_axes if len(at.batch_axes) > 1 else at.batch_axes[0])
+    ep_axes = at.ep_axes
+    wspec = PartitionSpec((ep_axes if len(ep_axes) > 1 else ep_axes[0]) if ep_axes else None)
+    return jax.shard_map(
+        local,
+        mesh=at.mesh,
+        in_specs=(bspec, PartitionSpec(), {n: wspec for n in weights}),
+        out_specs=(bspec, PartitionSpec()),
+        axis_names=set(at.batch_axes),
+        check_vma=False,
+    )
 
 
 def _manual_batch_axes(mesh: Any) -> tuple[str, ...]:
     """The batch axes (``data``, ``fsdp``) the program being traced is manual over."""
     manual = getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) or ()
     return tuple(
-        a for a in ("data", "fsdp") if a in manual and mesh is not None and mesh.shape.get(a, 1) > 1
+        a for a in BATCH_AXES if a in manual and mesh is not None and mesh.shape.get(a, 1) > 1
     )
 
 
@@ -261,130 +340,3 @@ def _wire(dtype: Any) -> Any:
     XLA:CPU aborts on bfloat16 reductions there ("Invalid binary instruction opcode copy"),
     so on the CPU bfloat16 travels as float32 (as the lab counts it); elsewhere as it is."""
     return jnp.float32 if dtype == jnp.bfloat16 and jax.default_backend() == "cpu" else dtype
-
-
-def dispatch_terms(cfg: Any, layout: LabLayout) -> list[Term]:
-    """The layout lab's expert-parallel dispatch per MoE layer (every ``cfg.moe_every``-th), for
-    experts split over ``e`` devices: forward, the tokens [b·e, T, D] and their routing
-    [b·e, T, k] (experts int32, weights float32) all-gathered, the outputs reduce-scattered;
-    backward, their transposes — the output gradients all-gathered, the input and weight
-    gradients reduce-scattered."""
-    layers = cfg.n_layers // cfg.moe_every if cfg.n_experts else 0
-    e = expert_degree(layout)
-    if e == 1 or not layers or layout.stages is not None:  # pipelines: jaxpar/lab/staged.py
-        return []
-    k, seq = (
-        layout.grad_accum,
-        layout.seq_len // math.prod(layout.sizes[a] for a in layout.rules.get("seq", ())),
-    )
-    itemsize = 4 if layout.cpu else jnp.dtype(cfg.dtype).itemsize
-    tokens = layout.rows * e * seq / k  # a group's tokens, per microbatch
-    times = k * layers
-    # a rematerialized forward gathers again; its reduce-scatter feeds nothing the backward
-    # reads (the next group's input is kept): dead code
-    again = times * (2 if cfg.remat != "none" else 1)
-    if getattr(cfg, "moe_dispatch", "all_gather") == "all_to_all":
-        # balanced routing: a device's n·k routed rows there and back, and their gradients
-        # (not measured: XLA:CPU does not compile ragged_all_to_all; the count exchanges'
-        # e·E/e integers left out)
-        rows = tokens / e * cfg.top_k * cfg.d_model * itemsize
-        return [
-            Term("all-to-all", "experts: routed rows there and back", rows, e, 2 * again),
-            Term("all-to-all", "experts: their gradients back and there", rows, e, 2 * times),
-        ]
-    return [
-        Term(
-            "all-gather",
-            "experts: tokens and routing gathered",
-            tokens * (cfg.d_model * itemsize + 8 * cfg.top_k),
-            e,
-            again,
-        ),
-        Term(
-            "reduce-scatter",
-            "experts: outputs reduce-scattered",
-            tokens * cfg.d_model * itemsize,
-            e,
-            times,
-        ),
-        Term(
-            "all-gather",
-            "experts: output gradients gathered",
-            tokens * cfg.d_model * itemsize,
-            e,
-            times,
-        ),
-        Term(
-            "reduce-scatter",
-            "experts: input and weight gradients reduce-scattered",
-            tokens * (cfg.d_model * itemsize + 4 * cfg.top_k),
-            e,
-            times,
-        ),
-    ]
-
-
-def expert_degree(layout: LabLayout) -> int:
-    """The devices a group's experts are split over (``e``): those of the batch axes that
-    ``rules.experts`` names — none inside the spmd pipeline's stages, which are manual over
-    the batch axes and take the experts in gathered (as FSDP's weights)."""
-    if layout.stages is not None and not layout.sub_mesh:
-        return 1
-    batch = [a for a in layout.rules.get("batch", ()) if layout.sizes.get(a, 1) > 1]
-    return math.prod(layout.sizes[a] for a in layout.rules.get("experts", ()) if a in batch)
-
-
-#: The dense transformer's activation all-reduces (``jaxpar/models/transformer.py``).
-MEGATRON = "Megatron activation all-reduces"
-
-
-def tensor_terms(cfg: Any, layout: LabLayout, dense: list[Term]) -> list[Term]:
-    """A dense transformer's activation all-reduces under ``tensor`` (``dense``: Megatron's
-    count, a SwiGLU MLP in every layer) with the MoE layers' own (measured, XLA:CPU).
-
-    The experts' F dim is split over ``tensor`` inside :func:`moe_mlp`'s ``shard_map``
-    (manual over the batch axes only), so a grouped matmul's output rows, ``[b·e·T·k, D]``
-    (the group's assignments: every token ``top_k`` times, ``e`` devices' tokens under
-    expert parallelism), are partial sums: XLA all-reduces the down projection's once a
-    forward — again in a recomputed one, ``save_dots`` included (the routing weights'
-    gradient reads them) — and the gate and up projections' input gradients once each a
-    backward. Shared experts are one dense SwiGLU, which Megatron's count covers; without
-    them an MoE layer has no dense MLP, whose all-reduces come off the count. A fully
-    rematerialized group also recomputes its first ``moe_every − 1`` MLPs' outputs (the next
-    layer reads them). Pipelines as Megatron's count: every tick as its costliest branch
-    (spmd), a device of the first stage (mpmd: its forward and its backward's recompute)."""
-    megatron = next((t for t in dense if t.what == MEGATRON), None)
-    if not cfg.n_experts or megatron is None:
-        return dense
-    layers, passes = cfg.n_layers // cfg.moe_every, layout.grad_accum  # microbatches
-    forward = counted = 1  # a pass's forwards that all-reduce the rows; that count a dense MLP
-    again = cfg.remat != "none" and not layout.sub_mesh
-    if layout.stages is not None:
-        ticks, p, v, m = layout.stages
-        layers //= p * v
-        passes *= m if layout.sub_mesh else ticks
-        if layout.sub_mesh:
-            counted, forward = 2, 1 if layout.residuals else 2
-    n = passes * layers
-    mlps = (cfg.moe_every - 1) * (again and cfg.remat == "full") - (
-        0 if cfg.n_shared_experts else counted + 2
-    )
-    rows = megatron.payload_bytes * cfg.top_k * expert_degree(layout)
-    return [
-        dataclasses.replace(x, times=x.times + n * mlps) if x is megatron else x for x in dense
-    ] + [
-        Term(
-            "all-reduce",
-            "experts: routed outputs all-reduced over tensor",
-            rows,
-            megatron.group,
-            n * (forward + again),
-        ),
-        Term(
-            "all-reduce",
-            "experts: routed input gradients all-reduced over tensor",
-            rows,
-            megatron.group,
-            n * 2,
-        ),
-    ]

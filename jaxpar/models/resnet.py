@@ -38,16 +38,7 @@ from pydantic import Field
 
 from jaxpar.logical import constrain
 from jaxpar.models.classifiers import IMAGE_AXES, classification_loss, logits_loss
-from jaxpar.models.family import (
-    Counts,
-    Dtype,
-    Family,
-    LabLayout,
-    LabModel,
-    ModelConfig,
-    Term,
-    register,
-)
+from jaxpar.models.family import Counts, Dtype, Family, ModelConfig, register
 from jaxpar.schema import section
 from jaxpar.task import DataNeeds, Layers, Task
 
@@ -84,7 +75,11 @@ class ResNetConfig(ModelConfig):
     dtype: Dtype = Field("float32", description="compute dtype (parameters stay float32)")
 
 
-def _named(*names: str | None, init: Any = nnx.initializers.lecun_normal()) -> Any:
+#: The default initializer of a layer's weights (LeCun normal), made once.
+_LECUN_NORMAL = nnx.initializers.lecun_normal()
+
+
+def _named(*names: str | None, init: Any = _LECUN_NORMAL) -> Any:
     return nnx.with_partitioning(init, names)
 
 
@@ -248,7 +243,7 @@ class ResNet(nnx.Module):
 
 
 # ---- the family -----------------------------------------------------------------------------
-def _blocks(cfg: ResNetConfig, image_shape: tuple[int, int, int]):
+def block_shapes(cfg: ResNetConfig, image_shape: tuple[int, int, int]) -> list[tuple]:
     """Per block: (input H, W, C_in, width, stride, C_out), in order."""
     H, W, _ = image_shape
     if cfg.stem == "imagenet":
@@ -275,7 +270,7 @@ def _counts(cfg: ResNetConfig, data: Any) -> Counts:
     params = stem_k * C * cfg.width + 2 * cfg.width
     first = Hs * Ws * stem_k * C * cfg.width  # the stem: no input gradient
     macs = 0
-    for h, w, c_in, width, stride, c_out in _blocks(cfg, data.image_shape):
+    for h, w, c_in, width, stride, c_out in block_shapes(cfg, data.image_shape):
         ho, wo = -(-h // stride), -(-w // stride)
         # the 3×3 convolution strides (in a bottleneck the 1×1 before it runs at the input's
         # resolution)
@@ -293,32 +288,6 @@ def _counts(cfg: ResNetConfig, data: Any) -> Counts:
     macs += c * cfg.num_classes
     params += c * cfg.num_classes + cfg.num_classes
     return Counts(params, 2 * (3 * (first + macs) - first))
-
-
-class _ResNetLab(LabModel):
-    """Under ``tensor``, each block all-reduces its row-parallel convolution's output in the
-    forward pass and its column-parallel convolution's input gradient in the backward.
-    Under ``fsdp``, XLA gathers a convolution's weights again for the backward pass."""
-
-    gathers_outside_scans = 2
-
-    def tensor_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
-        t = layout.sizes["tensor"]
-        if t == 1:
-            return []
-        rows, k = layout.rows, layout.grad_accum
-        act = 4 if layout.cpu else jnp.dtype(cfg.dtype).itemsize
-        forward = backward = 0.0
-        for h, w, c_in, width, stride, c_out in _blocks(cfg, layout.image_shape):
-            forward += rows * -(-h // stride) * -(-w // stride) * c_out * act
-            # conv1's input: the block's (basic), the 1×1 reduction's output (bottleneck)
-            backward += rows * h * w * (width if DEPTHS[cfg.depth][1] else c_in) * act
-        return [
-            Term("all-reduce", "row-parallel conv outputs (forward)", forward / k, t, k),
-            Term(
-                "all-reduce", "column-parallel conv input gradients (backward)", backward / k, t, k
-            ),
-        ]
 
 
 def task(cfg: ResNetConfig, channels: int) -> Task:
@@ -343,7 +312,6 @@ RESNET = register(
         lambda cfg, data: task(cfg, data.image_shape[-1]),
         _needs,
         counts=_counts,
-        lab=_ResNetLab(),
         compute_dtype=lambda cfg: cfg.dtype,
         doc="ResNet-10 … 152 with BatchNorm; convolutions split by channel under tensor",
     )

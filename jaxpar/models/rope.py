@@ -37,9 +37,11 @@ class RopeScaling:
     original_max_len: int = 8192
 
 
-def inv_frequencies(
-    head_dim: int, theta: float, scaling: RopeScaling = RopeScaling()
-) -> np.ndarray:
+#: No scaling: every frequency theta^(−2i/H).
+NO_SCALING = RopeScaling()
+
+
+def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling = NO_SCALING) -> np.ndarray:
     """The ``head_dim / 2`` inverse frequencies (float32) of a rotary embedding."""
     exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim
     inv_freq = (1.0 / (np.float32(theta) ** exponent)).astype(np.float32)

@@ -1,5 +1,6 @@
 """The transformer layers jaxpar's GPT and BERT share, annotated with logical axes only,
-and what the layout lab knows of them.
+and their parameter and FLOP counts (what the layout lab knows of them:
+:mod:`jaxpar.lab.transformers`).
 
 Shape suffixes: B batch, T sequence, D embed (d_model), N heads, H head dim, F mlp (d_ff),
 V vocab, L layers. The blocks' parameters are stacked on a leading ``layers`` dim and run
@@ -23,14 +24,6 @@ from flax import nnx
 from jaxpar.context import attend, document_positions, order, positions
 from jaxpar.errors import ConfigError
 from jaxpar.logical import constrain
-
-# the lab's view of these layers lives in its own module; names kept importable from here
-from jaxpar.models.transformer_lab import (  # noqa: F401
-    TransformerLab,
-    transformer_context_terms,
-    transformer_counts,
-    transformer_tensor_terms,
-)
 
 RESIDUAL = ("batch", "seq", "act_embed")
 
@@ -376,3 +369,17 @@ REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole block in the backward pass
     "save_dots": jax.checkpoint_policies.checkpoint_dots,
 }
+
+
+def transformer_counts(cfg: Any, seq_len: int, head: bool = True) -> tuple[int, float]:
+    """Parameters and training FLOPs per example of the stacked blocks, the token embedding,
+    the final norm and (``head``) an untied output layer: every matmul, attention's two
+    [T, T] products included (XLA computes the masked half too); the backward pass twice
+    the forward, except that no gradient flows into the token lookup."""
+    L, D, F, V, T = cfg.n_layers, cfg.d_model, cfg.d_ff, cfg.vocab_size, seq_len
+    per_layer = 4 * D + 4 * D * D + 2 * D * F + F + D  # norms, q/k/v/o, MLP
+    params = V * D + L * per_layer + 2 * D
+    macs = L * (4 * D * D + 2 * D * F + 2 * T * D) + D * V  # per token, forward
+    if head and not getattr(cfg, "tie_embeddings", False):
+        params += D * V
+    return params, 2 * 3 * T * macs

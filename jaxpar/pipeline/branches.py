@@ -28,7 +28,19 @@ from jaxpar.task import StageSplit, checked_head, stage_output
 # the embedding runs there and nowhere else (its backward recomputes the embedding, a
 # lookup, instead of stashing it). The forward-only evaluation table
 # (:func:`forward_table`) uses F_FIRST, F and F_LAST.
-(IDLE, F, F_FIRST, F_LAST, B, B_FIRST, B_LAST, I, I_FIRST, I_LAST, W, W_FIRST, W_LAST) = range(13)
+IDLE = 0
+F = 1
+F_FIRST = 2
+F_LAST = 3
+B = 4
+B_FIRST = 5
+B_LAST = 6
+I = 7  # noqa: E741 (the schedule's letter for an input-gradient action, beside F, B and W)
+I_FIRST = 8
+I_LAST = 9
+W = 10
+W_FIRST = 11
+W_LAST = 12
 #: the branches that produce a layer gradient, and those that produce other parameters'
 ADDS_LAYER_GRADS = (B, B_FIRST, B_LAST, W, W_FIRST, W_LAST)
 ADDS_OTHER_GRADS = (B_FIRST, B_LAST, I_FIRST, W_LAST)

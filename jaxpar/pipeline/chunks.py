@@ -46,11 +46,11 @@ def chunk_program(ex: Any, kind: str, c: int) -> Callable:
     A backward takes what :func:`kept` stashed of its forward, then ``dy`` (and the sums)."""
     last = c == len(ex.cut.chunks) - 1
     mesh = ex.meshes[c % len(ex.meshes)]
-    total = ex.k * ex.table.m
+    total = ex.layout.grad_accum * ex.layout.table.m
     seed = 1.0 / total  # each microbatch's loss (a mean) seeds the backward with 1/total
 
     def run(params, state, x, batch, j, train=True, count=total):
-        with activation_rules(mesh, ex.rules, ex.context):
+        with activation_rules(mesh, ex.layout.rules, ex.layout.context):
             mb = {
                 k: jax.lax.dynamic_index_in_dim(split_microbatches(v, count), j, 0, False)
                 for k, v in batch.items()
@@ -63,7 +63,7 @@ def chunk_program(ex: Any, kind: str, c: int) -> Callable:
         return back((dy, _seed(out[1], seed)) if isinstance(out, tuple) else dy)
 
     if kind == "eval":
-        return jax.jit(lambda p, s, x, b, j: run(p, s, x, b, j, False, ex.table.m)[0])
+        return jax.jit(lambda p, s, x, b, j: run(p, s, x, b, j, False, ex.layout.table.m)[0])
     if kind == "F" and ex.residuals:
 
         def forward_keeping(p, s, x, b, j):
@@ -242,9 +242,13 @@ class ByStack:
 
         def one(home: int, *parts: jax.Array) -> jax.Array:
             if home == STACKED:
-                return stack_of(list(parts), ex.mesh)
-            rows = stack_of([ex.ordered(_row(part.sharding))(part) for part in parts], ex.mesh)
-            return ex.ordered(sum_over_stages(NamedSharding(ex.mesh, parts[0].sharding.spec)))(rows)
+                return stack_of(list(parts), ex.layout.mesh)
+            rows = stack_of(
+                [ex.ordered(_row(part.sharding))(part) for part in parts], ex.layout.mesh
+            )
+            return ex.ordered(
+                sum_over_stages(NamedSharding(ex.layout.mesh, parts[0].sharding.spec))
+            )(rows)
 
         grads = jax.tree.map(one, ex.homes.params, *acc)
         return grads, ex.ordered(self.advanced)(model_state, total)
@@ -291,7 +295,7 @@ class Run:
 
     def play(self, r: int) -> None:
         """The table once: microbatches ``r·m … r·m + m − 1`` of the step."""
-        table, last = self.ex.table, len(self.ex.cut.chunks) - 1
+        table, last = self.ex.layout.table, len(self.ex.cut.chunks) - 1
         for action in sorted(table.tick, key=table.tick.get):
             c, mb, j = action.chunk, action.mb, r * table.m + action.mb
             getattr(self, f"_{action.kind}")(c, mb, jnp.int32(j), c == last)
@@ -348,14 +352,14 @@ class Run:
     def results(self) -> tuple[jax.Array, dict, Any, Any]:
         """Mean loss and metrics, gradients and the model state, as trees like the
         parameters and the model state."""
-        total = self.ex.k * self.ex.table.m
+        total = self.ex.layout.grad_accum * self.ex.layout.table.m
         grads, model_state = self.ex.cut.collect(
             self.ex, self.acc, self.state, self.model_state, total
         )
         return (self.loss / total, jax.tree.map(lambda a: a / total, self.aux), grads, model_state)
 
     def forward_only(self) -> tuple[jax.Array, dict]:
-        m, chunks, p = self.ex.table.m, len(self.ex.cut.chunks), len(self.ex.meshes)
+        m, chunks, p = self.ex.layout.table.m, len(self.ex.cut.chunks), len(self.ex.meshes)
         for j in range(m):
             x = None
             for c in range(chunks):
@@ -386,5 +390,5 @@ def _laid_out(v: jax.Array, spec: Any) -> jax.Array:
 
 def _batch_spec(ex: Any, mesh: Mesh) -> Any:
     """The mesh axes a batch's rows are split over on a stage's sub-mesh."""
-    axes = tuple(a for a in ex.rules.get("batch", ()) if mesh.shape.get(a, 1) > 1)
+    axes = tuple(a for a in ex.layout.rules.get("batch", ()) if mesh.shape.get(a, 1) > 1)
     return axes[0] if len(axes) == 1 else (axes or None)

@@ -23,6 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxpar import sharding as shd
+from jaxpar.axes import Axis
 from jaxpar.errors import LayoutError, TaskError
 from jaxpar.task import Task
 
@@ -61,10 +62,10 @@ def stage_meshes(mesh: Mesh) -> list[Mesh]:
     """``mesh`` cut along ``stage``: one sub-mesh per stage, over that stage's devices,
     with the same axes (``stage`` of size 1), so the rules apply inside every stage
     unchanged."""
-    axis = mesh.axis_names.index("stage")
+    axis = mesh.axis_names.index(Axis.STAGE)
     return [
         Mesh(np.take(mesh.devices, [s], axis=axis), mesh.axis_names, axis_types=mesh.axis_types)
-        for s in range(mesh.shape["stage"])
+        for s in range(mesh.shape[Axis.STAGE])
     ]
 
 

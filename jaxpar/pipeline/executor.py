@@ -22,7 +22,8 @@ parameters sharded over it). Under ``fsdp`` the weights enter the shard_map
 gathered, once per step (ZeRO-1/2-like inside the pipeline: not per
 microbatch). A bubble tick computes nothing, and
 nothing computed from a bubble's buffers reaches the results (tested by
-filling bubbles with NaN).
+filling bubbles with NaN). The reduction is :mod:`jaxpar.pipeline.reduction`; the
+forward-only pass of evaluation, :mod:`jaxpar.pipeline.forward`.
 
 Layout of the stacked layers: ``[L, …]`` is viewed as ``[v, p, L/(p·v), …]``
 with ``p`` over ``stage``, so device ``d`` holds chunks ``d, d+p, …``. For
@@ -33,7 +34,6 @@ which costs an all-to-all of the layer weights and of their gradients per step.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,28 +41,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.logical import BATCH_AXES, Rules, activation_rules
+from jaxpar.axes import MANUAL_AXES, Axis
 from jaxpar.pipeline.branches import (
     ADDS_LAYER_GRADS,
     ADDS_OTHER_GRADS,
-    F_FIRST,
-    F_LAST,
-    IDLE,
-    F,
     Parts,
     branch_functions,
     branch_table,
-    forward_table,
-    merged,
 )
+from jaxpar.pipeline.layout import Layout
+from jaxpar.pipeline.reduction import Reduction, fsdp_dims
 from jaxpar.pipeline.ticks import TickTable
 from jaxpar.task import Batch, StageSplit, split_microbatches
 
-#: Axes the executor makes manual: the pipeline axis and the batch axes.
-MANUAL_AXES = ("stage", "data", "fsdp")
+#: The tick table's columns each device reads at every tick, in the order the scan unpacks.
+_COLUMNS = ("chunk", "mb", "act_slot", "grad_slot", "recv_act", "recv_grad")
 
 
 def advance_counts(state: Any, counts: Any, by: Any) -> Any:
@@ -75,15 +70,11 @@ def pipeline_grads(
     graphdef: nnx.GraphDef,
     params: Any,
     batch: Batch,
+    layout: Layout,
     *,
-    table: TickTable,
-    mesh: Mesh,
-    rules: Rules,
-    param_specs: Any = None,
-    bubble_value: float = 0.0,
     model_state: Any = None,
     rng_counts: Any = None,
-    context: Any = None,
+    bubble_value: float = 0.0,
 ) -> tuple[jax.Array, dict, Any]:
     """Loss, metrics and gradients of ``params`` on ``batch`` through the pipeline.
 
@@ -102,147 +93,83 @@ def pipeline_grads(
       graphdef: the model's graph definition.
       params: pure-dict parameters; ``params[split.layers_key]`` stacked on ``L``.
       batch: the global batch (batch dim sharded over data/fsdp).
-      table: the schedule's tick table (p = mesh.stage).
-      mesh, rules: the mesh and the rules (activation constraints inside stages).
-      param_specs: the parameters' PartitionSpecs; gradients of parameters sharded
-        over ``fsdp`` leave reduce-scattered over it (default: all-reduced).
-      bubble_value: what bubble buffers and messages hold (NaN in tests).
+      layout: the mesh, the rules (activation constraints inside stages), the context
+        settings, the schedule's tick table (p = mesh.stage) and the parameters' specs
+        (gradients of parameters sharded over ``fsdp`` leave reduce-scattered over it;
+        without specs all are all-reduced).
       model_state: the model's non-parameter state (pure dict; RNG streams).
       rng_counts: like ``model_state``, True for each RNG count.
-      context: how attention runs across a split sequence (:mod:`jaxpar.context`).
+      bubble_value: what bubble buffers and messages hold (NaN in tests).
     """
-    p, v, m = table.p, table.v, table.m
+    table = layout.table
     model_state = {} if model_state is None else model_state
     rng_counts = jax.tree.map(lambda _: False, model_state) if rng_counts is None else rng_counts
     key = split.layers_key
-    rest, layers, batch_axes, shards, inner_rules = _split_for_stages(
-        split, params, p, v, mesh, rules
+    rest, layers = split_for_stages(split, params, table.p, table.v)
+    scan = _Scan(
+        Parts(split, graphdef),
+        _Rows.of(table),
+        rng_counts,
+        scale=1.0 / (table.m * layout.batch_shards()),
+        fill=bubble_value,
     )
-    parts = Parts(split, graphdef)
-    # only the branches this schedule uses are compiled
-    full = branch_table(table)
-    used = np.unique(full)
-    branches = jnp.asarray(np.searchsorted(used, full).astype(np.int32))
-    columns = [
-        jnp.asarray(a)
-        for a in (
-            table.chunk,
-            table.mb,
-            table.act_slot,
-            table.grad_slot,
-            table.recv_act,
-            table.recv_grad,
-        )
-    ]
-
-    def body(layers, rest, state, batch):
-        layers = jax.tree.map(lambda w: w[:, 0], layers)  # [v, Lc, …]: this device's chunks
-        micro = {k: split_microbatches(x, m) for k, x in batch.items()}
-        with activation_rules(jax.sharding.get_abstract_mesh(), inner_rules, context):
-            return _run(
-                parts,
-                table,
-                layers,
-                rest,
-                (state, rng_counts),
-                micro,
-                branches,
-                used,
-                columns,
-                scale=1.0 / (m * shards),
-                fill=bubble_value,
-            )
-
-    reduction = _Reduction(batch_axes, _fsdp_dims(param_specs, key, layers, rest, batch_axes))
-    fn = jax.shard_map(
-        lambda w, r, s, b: reduction(*body(w, r, s, b)),
-        mesh=mesh,
-        in_specs=(P(None, "stage"), P(), P(), P(batch_axes or None)),
-        out_specs=(P(), P(), *reduction.out_specs(layers, rest)),
-        axis_names=set(MANUAL_AXES),
-        check_vma=False,
-    )
+    batch_axes = layout.batch_axes()
+    reduction = Reduction(batch_axes, fsdp_dims(layout.param_specs, key, layers, rest, batch_axes))
+    fn = stage_map(layout, table.m, scan, reduction, (P(), P(), *reduction.out_specs(layers, rest)))
     loss, metrics, g_layers, g_rest = fn(layers, rest, model_state, dict(batch))
     g_layers = jax.tree.map(lambda g: g.reshape(-1, *g.shape[3:]), g_layers)
     return loss, metrics, {**g_rest, key: g_layers}
 
 
-def _split_for_stages(
-    split: StageSplit, params: Any, p: int, v: int, mesh: Mesh, rules: Rules
-) -> tuple[Any, Any, tuple[str, ...], int, Rules]:
-    """(the non-layer parameters, the layers as [v, p, L/(p·v), …], the batch axes in use,
-    how many batch shards they make, the rules inside the stages' manual axes)."""
+# ---- what the training and the evaluation pass share ----------------------------------------
+def split_for_stages(split: StageSplit, params: Any, p: int, v: int) -> tuple[Any, Any]:
+    """(the non-layer parameters, the layers as [v, p, L/(p·v), …])."""
     key = split.layers_key
     rest = {k: x for k, x in params.items() if k != key}
     layers = jax.tree.map(
         lambda w: w.reshape(v, p, w.shape[0] // (p * v), *w.shape[1:]), params[key]
     )
-    batch_axes = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1)
-    shards = math.prod(mesh.shape[a] for a in batch_axes)
-    inner_rules = {n: tuple(a for a in axes if a not in MANUAL_AXES) for n, axes in rules.items()}
-    return rest, layers, batch_axes, shards, inner_rules
+    return rest, layers
 
 
-def pipeline_eval(
-    split: StageSplit,
-    graphdef: nnx.GraphDef,
-    params: Any,
-    batch: Batch,
-    *,
-    p: int,
-    m: int,
-    v: int,
-    mesh: Mesh,
-    rules: Rules,
-    model_state: Any = None,
-    context: Any = None,
-) -> tuple[jax.Array, dict]:
-    """Loss and metrics of ``params`` on ``batch`` in evaluation mode, through the stages.
-
-    A forward-only pass (:func:`forward_table`): each device holds only its chunks of
-    layers (no device gathers the whole model), and the result equals the task's loss on
-    the whole batch in evaluation mode, as a mean over ``m`` equal microbatches. The model
-    state is read as it is by every microbatch (evaluation advances no RNG count).
-    Traceable; ``p, m, v`` as in the training table.
-    """
-    model_state = {} if model_state is None else model_state
-    rest, layers, batch_axes, shards, inner_rules = _split_for_stages(
-        split, params, p, v, mesh, rules
-    )
-    parts = Parts(split, graphdef, train=False)
-    full, chunk, mb = forward_table(p, m, v)
-    used = np.unique(full)
-    rows = (
-        jnp.asarray(np.searchsorted(used, full).astype(np.int32)),
-        jnp.asarray(chunk),
-        jnp.asarray(mb),
-    )
+def stage_map(layout: Layout, m: int, run: Any, reduce: Any, out_specs: Any) -> Any:
+    """``(layers, rest, model_state, batch) -> …`` under ``shard_map`` with the
+    :data:`~jaxpar.axes.MANUAL_AXES` manual: each device runs ``run(layers, rest, state,
+    micro)`` on its chunks of layers (``[v, Lc, …]``) and its rows cut into ``m``
+    microbatches, with the layout's rules inside the stages; ``reduce`` then combines the
+    devices' results."""
 
     def body(layers, rest, state, batch):
         layers = jax.tree.map(lambda w: w[:, 0], layers)  # [v, Lc, …]: this device's chunks
         micro = {k: split_microbatches(x, m) for k, x in batch.items()}
-        with activation_rules(jax.sharding.get_abstract_mesh(), inner_rules, context):
-            loss, metrics = _run_forward(parts, p, layers, rest, state, micro, rows, used)
-        scale = 1.0 / (m * shards)
-        return jax.lax.psum(
-            (loss * scale, jax.tree.map(lambda a: a * scale, metrics)), ("stage", *batch_axes)
-        )
+        with layout.manual(MANUAL_AXES).activation_rules():
+            out = run(layers, rest, state, micro)
+        return reduce(*out)
 
-    fn = jax.shard_map(
+    return jax.shard_map(
         body,
-        mesh=mesh,
-        in_specs=(P(None, "stage"), P(), P(), P(batch_axes or None)),
-        out_specs=(P(), P()),
+        mesh=layout.mesh,
+        in_specs=(P(None, Axis.STAGE), P(), P(), P(layout.batch_axes() or None)),
+        out_specs=out_specs,
         axis_names=set(MANUAL_AXES),
         check_vma=False,
     )
-    return fn(layers, rest, model_state, dict(batch))
 
 
-def _message_shapes(parts: Parts, layers, rest, state, micro):
-    """(this device's first chunk, layers per chunk, the shape of a message between stages,
-    the shapes of the metrics: the head's and the chunks' own), from the first
-    microbatch."""
+@dataclass(frozen=True)
+class Shapes:
+    """What a device's scan is built around, from the first microbatch: its first chunk of
+    layers, the layers per chunk, the shape of a message between stages, and the shapes of
+    the metrics (the head's and the chunks' own)."""
+
+    chunk0: Any
+    per_chunk: int
+    message: jax.ShapeDtypeStruct
+    metrics: Any
+
+
+def message_shapes(parts: Parts, layers, rest, state, micro) -> Shapes:
+    """The :class:`Shapes` of this device's scan."""
     first_mb = {k: x[0] for k, x in micro.items()}
     chunk0 = jax.tree.map(lambda w: w[0], layers)
     per_chunk = jax.tree.leaves(chunk0)[0].shape[0]
@@ -250,142 +177,48 @@ def _message_shapes(parts: Parts, layers, rest, state, micro):
     x0 = jnp.zeros(x_shape.shape, x_shape.dtype)
     _, _, stage_shape = jax.eval_shape(lambda: parts.stage(chunk0, rest, state, x0, first_mb, 0))
     _, head_shape = jax.eval_shape(lambda: parts.head(chunk0, rest, state, x0, first_mb))
-    return chunk0, per_chunk, x_shape, {**stage_shape, **head_shape}
+    return Shapes(chunk0, per_chunk, x_shape, {**stage_shape, **head_shape})
 
 
-def _run_forward(parts: Parts, p: int, layers, rest, state, micro, rows, used):
-    """The per-device scan of a forward-only pass: the input arriving from the left
-    neighbour is used the tick it arrives (see :func:`forward_table`); the device holding
-    the last chunk adds each microbatch's loss and metrics."""
-    d = jax.lax.axis_index("stage")
-    _chunk0, per_chunk, x_shape, aux_shape = _message_shapes(parts, layers, rest, state, micro)
-    message = jnp.zeros(x_shape.shape, x_shape.dtype)
-    aux = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shape)
-    right = [(i, (i + 1) % p) for i in range(p)]
-
-    def stage(w, x, mb, first_layer):
-        y, loss, metrics = parts.stage(w, rest, state, x, mb, first_layer)
-        return y.astype(message.dtype), loss, merged(aux, metrics)
-
-    def idle(w, x, mb, first_layer):
-        return message, jnp.zeros((), jnp.float32), aux
-
-    def forward(w, x, mb, first_layer):
-        return stage(w, x, mb, first_layer)
-
-    def forward_first(w, x, mb, first_layer):
-        x = parts.embed(rest, w, state, mb).astype(message.dtype)
-        return forward(w, x, mb, first_layer)
-
-    def forward_last(w, x, mb, first_layer):
-        y, stage_loss, stage_metrics = stage(w, x, mb, first_layer)
-        loss, metrics = parts.head(w, rest, state, y, mb)
-        return message, loss.astype(jnp.float32) + stage_loss, merged(stage_metrics, metrics)
-
-    fns = {IDLE: idle, F: forward, F_FIRST: forward_first, F_LAST: forward_last}
-
-    def tick(c, row):
-        branch, k, j = (r[d] for r in row)
-        w = jax.tree.map(lambda t: t[k], layers)
-        mb = {name: x[j] for name, x in micro.items()}
-        send, loss, metrics = jax.lax.switch(
-            branch, [fns[u] for u in used], w, c["in"], mb, (k * p + d) * per_chunk
-        )
-        return {
-            "in": jax.lax.ppermute(send, "stage", right),
-            "loss": c["loss"] + loss,
-            "metrics": jax.tree.map(jnp.add, c["metrics"], metrics),
-        }, None
-
-    carry = {"in": message, "loss": jnp.zeros((), jnp.float32), "metrics": aux}
-    carry, _ = jax.lax.scan(tick, carry, rows)
-    return carry["loss"], carry["metrics"]
+def zeros_like(tree: Any) -> Any:
+    """Zeros of the shapes and dtypes of ``tree``'s leaves."""
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
 
 
+# ---- the training scan ----------------------------------------------------------------------
 @dataclass(frozen=True)
-class _Reduction:
-    """How results leave the shard_map, once per step after the scan.
+class _Rows:
+    """The tick table as the scan reads it. ``used``: the switch branches this schedule
+    uses (only those are compiled); ``branches``: [ticks, p] indices into ``used``;
+    ``columns``: the table's :data:`_COLUMNS`; ``adds_dw``/``adds_drest``: per used branch,
+    whether it produces a layer gradient / another parameter's gradient."""
 
-    ``dims``: per gradient leaf of (other params, stacked layers as [v, 1, Lc, …]),
-    the dim to reduce-scatter over ``fsdp``, or −1 to all-reduce over the batch axes.
-    """
+    table: TickTable
+    used: np.ndarray
+    branches: jax.Array
+    columns: tuple[jax.Array, ...]
+    adds_dw: jax.Array
+    adds_drest: jax.Array
 
-    batch_axes: tuple[str, ...]
-    dims: tuple[Any, Any]
-
-    def grad(self, g: jax.Array, dim: int) -> jax.Array:
-        if dim < 0:
-            return jax.lax.psum(g, self.batch_axes) if self.batch_axes else g
-        # Scatter first, then all-reduce the 1/fsdp shard over data: the textbook order,
-        # which moves (n−1)/n·S + 2(d−1)/d·S/n instead of 2(d−1)/d·S + (n−1)/n·S.
-        g = jax.lax.psum_scatter(g, "fsdp", scatter_dimension=dim, tiled=True)
-        data_axes = tuple(a for a in self.batch_axes if a != "fsdp")
-        return jax.lax.psum(g, data_axes) if data_axes else g
-
-    def __call__(self, loss, metrics, g_layers, g_rest):
-        loss, metrics = jax.lax.psum((loss, metrics), ("stage", *self.batch_axes))
-        g_rest = jax.tree.map(self.grad, jax.lax.psum(g_rest, "stage"), self.dims[0])
-        g_layers = jax.tree.map(lambda g, dim: self.grad(g[:, None], dim), g_layers, self.dims[1])
-        return loss, metrics, g_layers, g_rest
-
-    def out_specs(self, layers: Any, rest: Any) -> tuple[Any, Any]:
-        """Specs of the (stacked-layer, other) gradients: 'stage' on the chunk dim of the
-        layers, 'fsdp' where reduce-scattered."""
-
-        def spec(dim, rank, lead=()):
-            entries = [*lead, *[None] * (rank - len(lead))]
-            if dim >= 0:
-                entries[dim] = "fsdp"
-            return P(*entries)
-
-        return (
-            jax.tree.map(lambda w, d: spec(d, w.ndim, (None, "stage")), layers, self.dims[1]),
-            jax.tree.map(lambda w, d: spec(d, w.ndim), rest, self.dims[0]),
+    @classmethod
+    def of(cls, table: TickTable) -> _Rows:
+        full = branch_table(table)
+        used = np.unique(full)
+        return cls(
+            table=table,
+            used=used,
+            branches=jnp.asarray(np.searchsorted(used, full).astype(np.int32)),
+            columns=tuple(jnp.asarray(getattr(table, c)) for c in _COLUMNS),
+            adds_dw=jnp.asarray(np.isin(used, ADDS_LAYER_GRADS)),
+            adds_drest=jnp.asarray(np.isin(used, ADDS_OTHER_GRADS)),
         )
 
 
-def _fsdp_dims(
-    specs: Any, key: str, layers: Any, rest: Any, batch_axes: tuple[str, ...]
-) -> tuple[Any, Any]:
-    """Reduce-scatter dims for :class:`_Reduction` from the parameters' specs.
-
-    Without specs or without an ``fsdp`` axis every gradient is all-reduced (−1). A
-    stored dim i of a stacked layer is dim i + 2 of its [v, 1, Lc, …] view.
-    """
-    if specs is None or "fsdp" not in batch_axes:
-        return jax.tree.map(lambda _: -1, rest), jax.tree.map(lambda _: -1, layers)
-
-    def dim_of(spec, shift):
-        for i, entry in enumerate(spec):
-            if entry == "fsdp" and (i > 0 or shift == 0):
-                return i + shift
-        return -1
-
-    is_spec = lambda x: isinstance(x, P)
-    rest_dims = {
-        k: jax.tree.map(lambda s: dim_of(s, 0), v, is_leaf=is_spec)
-        for k, v in specs.items()
-        if k != key
-    }
-    return rest_dims, jax.tree.map(lambda s: dim_of(s, 2), specs[key], is_leaf=is_spec)
-
-
-def _run(
-    parts: Parts,
-    table: TickTable,
-    layers,
-    rest,
-    state,
-    micro,
-    branches,
-    used,
-    columns,
-    *,
-    scale: float,
-    fill: float,
-):
-    """The per-device scan over the table (inside ``shard_map``); ``state`` is the model
-    state and its RNG-count mask.
+@dataclass(frozen=True, eq=False)
+class _Scan:
+    """The per-device scan over the table (inside ``shard_map``); ``counts`` marks the
+    model state's RNG counts; ``scale`` seeds each backward (1 / the loss terms summed);
+    ``fill`` is what bubble buffers and messages hold.
 
     A gradient term is added into its accumulator only on the ticks that produce one (a
     two-way ``lax.cond`` after the switch, which XLA updates in place): layer gradients
@@ -394,61 +227,117 @@ def _run(
     untouched. (Passing them through the switch itself would not do: XLA copies what a
     conditional of more than two branches passes through, every tick.)
     """
-    p = table.p
-    d = jax.lax.axis_index("stage")
-    state, counts = state
-    chunk0, per_chunk, x_shape, aux_shape = _message_shapes(parts, layers, rest, state, micro)
-    message = jnp.full(x_shape.shape, fill, x_shape.dtype)
-    zeros_like = lambda t: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), t)
-    carry = {
-        "acts": jnp.full((table.act_slots + 1, *x_shape.shape), fill, x_shape.dtype),
-        "grads": jnp.full((table.grad_slots + 1, *x_shape.shape), fill, x_shape.dtype),
-        "in_act": message,
-        "in_grad": message,
-        "g_layers": zeros_like(layers),
-        "g_rest": zeros_like(rest),
-        "loss": jnp.zeros((), jnp.float32),
-        "metrics": zeros_like(aux_shape),
-    }
-    seed = jnp.asarray(scale, jnp.float32)
-    right = [(i, (i + 1) % p) for i in range(p)]
-    left = [(i, (i - 1) % p) for i in range(p)]
-    fns = branch_functions(
-        parts, message, seed, zeros_like(chunk0), zeros_like(rest), zeros_like(aux_shape)
-    )
-    adds_dw = jnp.asarray(np.isin(used, ADDS_LAYER_GRADS))
-    adds_drest = jnp.asarray(np.isin(used, ADDS_OTHER_GRADS))
 
-    def tick(c, row):
-        branch, (k, j, a_slot, g_slot, recv_a, recv_g) = row[0][d], [r[d] for r in row[1]]
+    parts: Parts
+    rows: _Rows
+    counts: Any
+    scale: float
+    fill: float
+
+    def __call__(self, layers, rest, state, micro):
+        """(loss, metrics, layer gradients, other gradients) summed on this device."""
+        shapes = message_shapes(self.parts, layers, rest, state, micro)
+        message = jnp.full(shapes.message.shape, self.fill, shapes.message.dtype)
+        carry = self._initial_carry(message, shapes, layers, rest)
+        tick = _Tick(
+            scan=self,
+            fns=self._branch_functions(message, shapes, rest),
+            layers=layers,
+            rest=rest,
+            state=state,
+            micro=micro,
+            per_chunk=shapes.per_chunk,
+            d=jax.lax.axis_index(Axis.STAGE),
+        )
+        carry, _ = jax.lax.scan(tick, carry, (self.rows.branches, self.rows.columns))
+        return carry["loss"], carry["metrics"], carry["g_layers"], carry["g_rest"]
+
+    def _initial_carry(self, message, shapes: Shapes, layers, rest) -> dict:
+        """Buffers full of ``fill`` (one slot more than the table uses: the trash slot),
+        no message yet, and zero sums."""
+        table = self.rows.table
+        buffer = lambda slots: jnp.full((slots + 1, *message.shape), self.fill, message.dtype)
+        return {
+            "acts": buffer(table.act_slots),
+            "grads": buffer(table.grad_slots),
+            "in_act": message,
+            "in_grad": message,
+            "g_layers": zeros_like(layers),
+            "g_rest": zeros_like(rest),
+            "loss": jnp.zeros((), jnp.float32),
+            "metrics": zeros_like(shapes.metrics),
+        }
+
+    def _branch_functions(self, message, shapes: Shapes, rest) -> list:
+        """The switch branches of the used actions, in the order of ``rows.used``."""
+        seed = jnp.asarray(self.scale, jnp.float32)
+        fns = branch_functions(
+            self.parts,
+            message,
+            seed,
+            zeros_like(shapes.chunk0),
+            zeros_like(rest),
+            zeros_like(shapes.metrics),
+        )
+        return [fns[u] for u in self.rows.used]
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class _Tick:
+    """One tick of :class:`_Scan` on device ``d`` (built while tracing inside the
+    ``shard_map``): write the arrived messages into their slots, run this device's
+    action, add its gradients, send its outputs on."""
+
+    scan: _Scan
+    fns: list
+    layers: Any
+    rest: Any
+    state: Any
+    micro: Any
+    per_chunk: int
+    d: jax.Array
+
+    def __call__(self, c: dict, row: Any) -> tuple[dict, None]:
+        p, d = self.scan.rows.table.p, self.d
+        branch = row[0][d]
+        k, j, a_slot, g_slot, recv_a, recv_g = (r[d] for r in row[1])
         acts = c["acts"].at[recv_a].set(c["in_act"])
         grads = c["grads"].at[recv_g].set(c["in_grad"])
-        w = jax.tree.map(lambda t: t[k], layers)
-        mb = {name: x[j] for name, x in micro.items()}
-        where = (advance_counts(state, counts, j), (k * p + d) * per_chunk)
+        w = jax.tree.map(lambda t: t[k], self.layers)
+        mb = {name: x[j] for name, x in self.micro.items()}
+        where = (advance_counts(self.state, self.scan.counts, j), (k * p + d) * self.per_chunk)
         send_act, send_grad, dw, drest, loss, aux = jax.lax.switch(
-            branch, [fns[u] for u in used], w, rest, acts[a_slot], grads[g_slot], mb, where
-        )
-        g_layers = jax.lax.cond(
-            adds_dw[branch],
-            lambda g: jax.tree.map(lambda g, u: g.at[k].add(u), g, dw),
-            lambda g: g,
-            c["g_layers"],
-        )
-        g_rest = jax.lax.cond(
-            adds_drest[branch], lambda g: jax.tree.map(jnp.add, g, drest), lambda g: g, c["g_rest"]
+            branch, self.fns, w, self.rest, acts[a_slot], grads[g_slot], mb, where
         )
         new = {
             "acts": acts,
             "grads": grads,
-            "in_act": jax.lax.ppermute(send_act, "stage", right),
-            "in_grad": jax.lax.ppermute(send_grad, "stage", left),
-            "g_layers": g_layers,
-            "g_rest": g_rest,
+            "in_act": jax.lax.ppermute(send_act, Axis.STAGE, _ring(p, +1)),
+            "in_grad": jax.lax.ppermute(send_grad, Axis.STAGE, _ring(p, -1)),
+            **self._accumulated(c, branch, k, dw, drest),
             "loss": c["loss"] + loss,
             "metrics": jax.tree.map(jnp.add, c["metrics"], aux),
         }
         return new, None
 
-    carry, _ = jax.lax.scan(tick, carry, (branches, columns))
-    return carry["loss"], carry["metrics"], carry["g_layers"], carry["g_rest"]
+    def _accumulated(self, c: dict, branch, k, dw, drest) -> dict:
+        """The gradient sums with this tick's terms added where its branch produces any."""
+        rows = self.scan.rows
+        g_layers = jax.lax.cond(
+            rows.adds_dw[branch],
+            lambda g: jax.tree.map(lambda g, u: g.at[k].add(u), g, dw),
+            lambda g: g,
+            c["g_layers"],
+        )
+        g_rest = jax.lax.cond(
+            rows.adds_drest[branch],
+            lambda g: jax.tree.map(jnp.add, g, drest),
+            lambda g: g,
+            c["g_rest"],
+        )
+        return {"g_layers": g_layers, "g_rest": g_rest}
+
+
+def _ring(p: int, step: int) -> list[tuple[int, int]]:
+    """``ppermute`` pairs sending each stage's message ``step`` stages on, round the ring."""
+    return [(i, (i + step) % p) for i in range(p)]

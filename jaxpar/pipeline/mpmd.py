@@ -38,10 +38,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar import guard
 from jaxpar.errors import LayoutError
-from jaxpar.logical import Rules
 from jaxpar.pipeline.chunks import ByLayer, ByStack, Run, chunk_program
+from jaxpar.pipeline.layout import Layout
 from jaxpar.pipeline.programs import Lowered
-from jaxpar.pipeline.ticks import TickTable
 from jaxpar.pipeline.views import (
     STACKED,
     WHOLE,
@@ -65,20 +64,18 @@ class SubMeshPipeline:
     it). ``homes`` holds, for each leaf of the train state, the stage it lives on or
     :data:`WHOLE` or :data:`STACKED`; ``cut`` says what each chunk runs; ``heaviest_stage``
     is the one whose devices hold the most parameter bytes (the layout lab reports its
-    collectives); ``k`` is ``train.grad_accum`` (the table runs ``k`` times per step)."""
+    collectives); ``layout`` holds the whole mesh, the rules, the context settings, the
+    tick table and ``train.grad_accum`` (the table runs that many times per step);
+    ``meshes`` are the stages' sub-meshes."""
 
     cut: ByLayer | ByStack
-    table: TickTable
-    mesh: Mesh
+    layout: Layout
     meshes: tuple[Mesh, ...]
-    rules: Rules
     homes: TrainState
     shardings: TrainState
-    k: int = 1
     heaviest_stage: int = 0
     in_order: bool = False
     residuals: bool = False
-    context: Any = None  # how attention runs across a split sequence (jaxpar.context)
     _programs: dict = field(default_factory=dict, repr=False)
 
     # ---- the trainer's programs --------------------------------------------------------------
@@ -162,8 +159,8 @@ class SubMeshPipeline:
 
         def one(home: int, *leaves: Any) -> Any:
             if home == STACKED:
-                return stack_of(list(leaves), self.mesh)
-            return leaves[home] if home != WHOLE else whole_of(list(leaves), self.mesh)
+                return stack_of(list(leaves), self.layout.mesh)
+            return leaves[home] if home != WHOLE else whole_of(list(leaves), self.layout.mesh)
 
         return jax.tree.map(one, homes, *shares, is_leaf=lambda x: x is None)
 
@@ -186,7 +183,7 @@ class SubMeshPipeline:
         state after every microbatch's forward — as one device with ``grad_accum`` =
         microbatches would have them."""
         run = Run(self, params, model_state, _weigh(batch), train=True)
-        for r in range(self.k):
+        for r in range(self.layout.grad_accum):
             run.play(r)
         return run.results()
 
@@ -230,7 +227,7 @@ class _Stepper:
     def __init__(self, ex: SubMeshPipeline, update: Update, shardings: TrainState):
         self.ex, self.update = ex, update
         replicated = [NamedSharding(m, P()) for m in ex.meshes]
-        whole = NamedSharding(ex.mesh, P())
+        whole = NamedSharding(ex.layout.mesh, P())
         jit = lambda fn, **kw: ex.ordered(jax.jit(fn, **kw))
         self.norm = [jit(_sum_of_squares, out_shardings=r) for r in replicated]
         self.propose = [
@@ -260,7 +257,7 @@ class _Stepper:
             )
             for s in stages
         ]
-        grad_norm, clean = self.reduce_norm(stack_of(rows, ex.mesh))
+        grad_norm, clean = self.reduce_norm(stack_of(rows, ex.layout.mesh))
         proposed = [
             self.propose[s](
                 ex.share(state.params, homes.params, s),
@@ -271,7 +268,10 @@ class _Stepper:
             for s in stages
         ]
         finite, step, skipped = self.reduce_finite(
-            stack_of([flag for *_, flag in proposed], ex.mesh), clean, state.step, state.skipped
+            stack_of([flag for *_, flag in proposed], ex.layout.mesh),
+            clean,
+            state.step,
+            state.skipped,
         )
         kept = [
             self.keep(

@@ -31,6 +31,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import hlo
+from jaxpar.axes import Axis
 from jaxpar.pipeline.chunks import kept, sent_and_counted
 from jaxpar.pipeline.views import STACKED, WHOLE, chunk_spec, sum_over_stages
 
@@ -100,8 +101,8 @@ class StagePrograms:
         over every tick of the table (a stage waits for its inputs in the bubbles)."""
         ex = self.step.ex
         busiest = max(self.stages, key=lambda s: s.cost.flops)
-        actions = sum(1 for a in ex.table.tick if a.chunk in busiest.chunks)
-        return busiest.cost.flops * ex.table.ticks / actions
+        actions = sum(1 for a in ex.layout.table.tick if a.chunk in busiest.chunks)
+        return busiest.cost.flops * ex.layout.table.ticks / actions
 
     @property
     def transfer_bytes(self) -> int:
@@ -140,11 +141,13 @@ def _abstract_share(ex: Any, tree: Any, homes: Any, s: int) -> Any:
 
 
 def _stage_costs(ex: Any, state: Any, batch: dict) -> list[StageCost]:
-    p, chunks, table = len(ex.meshes), len(ex.cut.chunks), ex.table
+    p, chunks, table = len(ex.meshes), len(ex.cut.chunks), ex.layout.table
     j = jax.ShapeDtypeStruct((), np.int32)
     counts: dict[tuple[str, int], int] = {}
     for action in table.tick:
-        counts[(action.kind, action.chunk)] = counts.get((action.kind, action.chunk), 0) + ex.k
+        counts[(action.kind, action.chunk)] = (
+            counts.get((action.kind, action.chunk), 0) + ex.layout.grad_accum
+        )
     shares = [_abstract_share(ex, state, ex.homes, s) for s in range(p)]
     batches = [
         {
@@ -206,7 +209,7 @@ def _stage_sums(ex: Any, params: Any) -> list[Any]:
             rows = jax.ShapeDtypeStruct(
                 (len(ex.meshes), *x.shape),
                 x.dtype,
-                sharding=NamedSharding(ex.mesh, P("stage", *x.sharding.spec)),
+                sharding=NamedSharding(ex.layout.mesh, P(Axis.STAGE, *x.sharding.spec)),
             )
             out.append(sum_over_stages(x.sharding).lower(rows).compile())
     return out
@@ -219,7 +222,7 @@ def _abstract(x: Any) -> Any:
 
 def _placed(y: Any, mesh: Any, ex: Any) -> Any:
     """An activation (or its gradient) as it arrives on ``mesh``: rows split as the batch."""
-    axes = tuple(a for a in ex.rules.get("batch", ()) if mesh.shape.get(a, 1) > 1)
+    axes = tuple(a for a in ex.layout.rules.get("batch", ()) if mesh.shape.get(a, 1) > 1)
     spec = axes[0] if len(axes) == 1 else (axes or None)
     return jax.tree.map(
         lambda v: jax.ShapeDtypeStruct(

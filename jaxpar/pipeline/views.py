@@ -12,6 +12,8 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpar.axes import Axis
+
 #: the home of a state leaf that lives on the whole mesh, replicated (read in place by
 #: every stage); any other home is a stage index
 WHOLE = -1
@@ -64,7 +66,7 @@ def chunk_view(x: jax.Array, mesh: Mesh) -> jax.Array:
     dim (its devices' buffers)."""
     devices = set(mesh.devices.flat)
     shards = [s.data for s in x.addressable_shards if s.device in devices]
-    shape = (x.shape[0] // x.sharding.mesh.shape["stage"], *x.shape[1:])
+    shape = (x.shape[0] // x.sharding.mesh.shape[Axis.STAGE], *x.shape[1:])
     return _array(shape, NamedSharding(mesh, chunk_spec(x.sharding.spec)), shards)
 
 
@@ -73,7 +75,7 @@ def stack_of(chunks: list[jax.Array], mesh: Mesh) -> jax.Array:
     its first dim (their buffers)."""
     shards = [s.data for c in chunks for s in c.addressable_shards]
     shape = (chunks[0].shape[0] * len(chunks), *chunks[0].shape[1:])
-    spec = P("stage", *tuple(chunks[0].sharding.spec)[1:])
+    spec = P(Axis.STAGE, *tuple(chunks[0].sharding.spec)[1:])
     return _array(shape, NamedSharding(mesh, spec), shards)
 
 

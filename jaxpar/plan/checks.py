@@ -12,8 +12,9 @@ import jax
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxpar import sharding as shd
+from jaxpar.axes import BATCH_AXES, Axis
 from jaxpar.errors import LayoutError
-from jaxpar.logical import BATCH_AXES, Rules, names_of, spec_axes, spec_for, spec_leaves
+from jaxpar.logical import Rules, names_of, spec_axes, spec_for, spec_leaves
 from jaxpar.pipeline.ticks import TickTable, tick_table
 from jaxpar.plan.abstract import AbstractModel
 from jaxpar.task import Task
@@ -114,7 +115,7 @@ def check_context(task: Task, rules: Rules, mesh: Mesh) -> tuple[str, ...]:
         return ()
     ways = math.prod(mesh.shape[a] for a in axes)
     split = f"mesh axes {', '.join(axes)} (size {ways}) split each sequence"
-    fix = "set mesh.context=1" if axes == ("context",) else "set rules.seq=null"
+    fix = "set mesh.context=1" if axes == (Axis.CONTEXT,) else "set rules.seq=null"
     name = f"task '{task.name}'" if task.name else "the task"
     if not task.tokens_per_example:
         batch = ", ".join(f"{k} {tuple(v)}" for k, v in task.batch_axes.items())
@@ -181,7 +182,7 @@ def check_axes_used(mesh: Mesh, specs: list[Any], skip: tuple[str, ...] = ()) ->
         if size > 1 and axis not in used and axis not in skip:
             hint = (
                 "pipeline stages split the stacked layers: set rules.layers=stage, or mesh.stage=1"
-                if axis == "stage"
+                if axis == Axis.STAGE
                 else f"map a logical axis onto it (e.g. rules.batch=data,{axis}) or set "
                 f"mesh.{axis}=1"
             )
@@ -217,7 +218,7 @@ def pipeline_table(
       LayoutError: for a model that cannot be split or has non-parameter state, or
         layers not divisible by stages × virtual stages.
     """
-    p = mesh.shape["stage"]
+    p = mesh.shape[Axis.STAGE]
     if p == 1:
         return None
     split = task.stages
@@ -237,7 +238,7 @@ def pipeline_table(
             "pipeline.executor=mpmd (each stage keeps its own statistics), or set "
             "mesh.stage=1 (data, fsdp and tensor parallelism carry such state)"
         )
-    if tuple(rules.get("layers", ())) != ("stage",):
+    if tuple(rules.get("layers", ())) != (Axis.STAGE,):
         raise LayoutError(
             f"mesh.stage={p} needs the stacked layers split over it, but rules.layers="
             f"{','.join(rules.get('layers', ())) or 'null'}; set rules.layers=stage"

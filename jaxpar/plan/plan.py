@@ -16,17 +16,17 @@ FSDP gather setting, and decides everything a layout means before anything compi
 
 The :class:`~jaxpar.trainer.Trainer` takes a Plan and only builds and jits the steps;
 everything else that needs a layout (checkpoint restore, the lab, ``jaxpar inspect``,
-sampling) reads the Plan. A new parallel strategy is a new field or strategy object
-here, never a branch in the trainer.
+sampling) reads the Plan. Engine code (the gradient strategies, the pipeline executors)
+reads one frozen value, ``plan.layout`` (:class:`~jaxpar.pipeline.layout.Layout`). A new
+parallel strategy is a new field or strategy object here, never a branch in the trainer.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from dataclasses import dataclass, replace
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -34,27 +34,20 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpar import sharding as shd
+from jaxpar.axes import Axis
 from jaxpar.context import ContextConfig
 from jaxpar.errors import ConfigError, TaskError
-from jaxpar.gradients import (
-    Accumulated,
-    AccumulatedPerDataShard,
-    ModelLoss,
-    Pipelined,
-    Plain,
-    Strategy,
-)
-from jaxpar.logical import BATCH_AXES, Rules, names_of, spec_axes, spec_leaves
+from jaxpar.gradients import AccumulatedPerDataShard, ModelLoss, Pipelined, Strategy
+from jaxpar.logical import Rules
+from jaxpar.pipeline.layout import Layout
 from jaxpar.pipeline.schedule import PipelineConfig
 from jaxpar.pipeline.ticks import TickTable
 from jaxpar.plan import checks
 from jaxpar.plan.abstract import AbstractModel, abstract_model, warn_unnamed
+from jaxpar.plan.strategy import gather_once, gradient_strategy
 from jaxpar.plan.submesh import executor_of, sub_mesh_layout
 from jaxpar.state import TrainState
 from jaxpar.task import Task
-
-#: When accumulation gathers FSDP-sharded weights (``train.fsdp_gather``).
-FsdpGather = Literal["per_microbatch", "once"]
 
 
 @dataclass(frozen=True)
@@ -71,7 +64,7 @@ class StateBytes:
     opt_state_total: int
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class Plan:
     """Every layout decision of a run (see the module docstring). Build with
     :func:`make_plan`; :meth:`replan` gives the plan of other settings.
@@ -79,41 +72,79 @@ class Plan:
     Attributes:
       task, optimizer: what the plan lays out (the abstract model comes from the task,
         the optimizer state's structure from the optimizer).
-      mesh, rules: the device mesh and the logical-axis rules.
       model: the abstract model (shapes, logical names, state kinds).
-      param_specs, state_specs, opt_specs: ``PartitionSpec`` trees.
+      layout: what engine code reads (:class:`~jaxpar.pipeline.layout.Layout`): the mesh, the
+        rules, the context settings, the parameters' and the batch's specs, the tick
+        table, the accumulation; its parts are also properties of the plan.
+      pipeline_config: the pipeline settings the plan was made with (its tick table is
+        :attr:`pipeline`).
+      fsdp_gather: ``train.fsdp_gather`` as given (:attr:`fsdp_gather_once`: whether it
+        has an effect).
+      state_specs, opt_specs: ``PartitionSpec`` trees of the model state and the
+        optimizer state.
       opt_replicated: ``(path, shape)`` of optimizer-state leaves left replicated because
         they are not parameter-shaped.
       abstract_state, state_shardings: the train state as ``ShapeDtypeStruct`` and as
         ``NamedSharding`` trees (the steps' in/out shardings, the checkpoint target).
-      batch_specs: the spec of each batch entry.
-      grad_accum: microbatches accumulated per step (``train.grad_accum``).
-      pipeline: the schedule's tick table, or None without pipeline stages.
-      fsdp_gather_once: FSDP-sharded weights are gathered once per step and kept through
-        the accumulation loop (``train.fsdp_gather=once`` where it has an effect).
-      loss: the task's loss of the model as pure dicts (any mode, mesh and rules).
+      loss: the task's loss of the model as pure dicts (any mode and layout).
       gradients: the gradient strategy the train and eval steps call.
-      settings: the settings the plan was made with (for :meth:`replan`).
     """
 
     task: Task
     optimizer: optax.GradientTransformation
-    mesh: Mesh
-    rules: Rules
     model: AbstractModel
-    param_specs: Any
+    layout: Layout
+    pipeline_config: PipelineConfig
+    fsdp_gather: str
     state_specs: Any
     opt_specs: Any
     opt_replicated: list[tuple[str, tuple[int, ...]]]
     abstract_state: TrainState
     state_shardings: TrainState
-    batch_specs: dict[str, PartitionSpec]
-    grad_accum: int
-    pipeline: TickTable | None
-    fsdp_gather_once: bool
     loss: ModelLoss
     gradients: Strategy
-    settings: dict[str, Any]
+
+    # ---- the layout's parts ----------------------------------------------------------------
+    @property
+    def mesh(self) -> Mesh:
+        """The device mesh."""
+        return self.layout.mesh
+
+    @property
+    def rules(self) -> Rules:
+        """The logical-axis rules (soft rules fitted to the model and mesh)."""
+        return self.layout.rules
+
+    @property
+    def context(self) -> ContextConfig:
+        """How attention runs when ``mesh.context`` > 1 splits each sequence."""
+        return self.layout.context
+
+    @property
+    def param_specs(self) -> Any:
+        """The parameters' ``PartitionSpec`` tree."""
+        return self.layout.param_specs
+
+    @property
+    def batch_specs(self) -> Mapping[str, PartitionSpec]:
+        """The spec of each batch entry."""
+        return self.layout.batch_specs
+
+    @property
+    def grad_accum(self) -> int:
+        """Microbatches accumulated per step (``train.grad_accum``)."""
+        return self.layout.grad_accum
+
+    @property
+    def pipeline(self) -> TickTable | None:
+        """The schedule's tick table, or None without pipeline stages."""
+        return self.layout.table
+
+    @property
+    def fsdp_gather_once(self) -> bool:
+        """FSDP-sharded weights are gathered once per step and kept through the
+        accumulation loop (``train.fsdp_gather=once`` where it has an effect)."""
+        return self.layout.fsdp_gather_once
 
     @property
     def microbatches(self) -> int:
@@ -129,7 +160,7 @@ class Plan:
     @property
     def executor(self) -> str | None:
         """The pipeline executor (``spmd`` or ``mpmd``), None without pipeline stages."""
-        return executor_of(self.task, self.settings["pipeline"], self.mesh.shape["stage"])
+        return executor_of(self.task, self.pipeline_config, self.layout.stages)
 
     def batch_ways(self) -> int:
         """Devices the batch dim is split over (the mesh axes of the ``batch`` rule)."""
@@ -202,20 +233,24 @@ class Plan:
         """Bytes of the train state per device and in all, from the shardings."""
         a, s = self.abstract_state, self.state_shardings
         return StateBytes(
-            shd.bytes_per_device(a.params, s.params),
-            shd.bytes_per_device(a.opt_state, s.opt_state),
-            shd.bytes_per_device(a.model_state, s.model_state),
-            shd.bytes_per_device(a, s),
-            shd.total_bytes(a.params),
-            shd.total_bytes(a.opt_state),
+            params=shd.bytes_per_device(a.params, s.params),
+            opt_state=shd.bytes_per_device(a.opt_state, s.opt_state),
+            model_state=shd.bytes_per_device(a.model_state, s.model_state),
+            total=shd.bytes_per_device(a, s),
+            params_total=shd.total_bytes(a.params),
+            opt_state_total=shd.total_bytes(a.opt_state),
         )
 
     def replan(self, **settings: Any) -> Plan:
         """The plan of the same task, optimizer, mesh and rules under other settings
-        (``grad_accum``, ``pipeline``, ``fsdp_gather``)."""
-        return make_plan(
-            self.task, self.optimizer, self.mesh, self.rules, **{**self.settings, **settings}
+        (``grad_accum``, ``pipeline``, ``fsdp_gather``, ``context``)."""
+        given = dict(
+            grad_accum=self.grad_accum,
+            pipeline=self.pipeline_config,
+            fsdp_gather=self.fsdp_gather,
+            context=self.context,
         )
+        return make_plan(self.task, self.optimizer, self.mesh, self.rules, **{**given, **settings})
 
 
 def make_plan(
@@ -259,168 +294,152 @@ def make_plan(
     if model.unnamed:
         warn_unnamed(model.unnamed)
     rules = shd.fit_soft_rules(rules, model.params, model.param_axes, mesh)
+    given = _Given(
+        task=task,
+        optimizer=optimizer,
+        model=model,
+        pipeline=pipeline,
+        fsdp_gather=fsdp_gather,
+        abstract_state=_abstract_state(optimizer, model),
+        loss=ModelLoss(model.graphdef, task.loss_fn),
+    )
+    layout = _batch_layout(task, mesh, rules, context, grad_accum)
+    if executor_of(task, pipeline, layout.stages) == "mpmd":
+        return _sub_mesh_plan(given, layout)
+    return _one_program_plan(given, layout)
+
+
+# ---- the steps of make_plan -----------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class _Given:
+    """What :func:`make_plan` was given (defaults filled in), with the train state's
+    shapes and the task's loss: the parts of the plan that do not depend on the layout."""
+
+    task: Task
+    optimizer: optax.GradientTransformation
+    model: AbstractModel
+    pipeline: PipelineConfig
+    fsdp_gather: str
+    abstract_state: TrainState
+    loss: ModelLoss
+
+    def plan(
+        self,
+        *,
+        layout: Layout,
+        state_specs: Any,
+        opt_specs: Any,
+        opt_replicated: list,
+        state_shardings: TrainState,
+        gradients: Strategy,
+    ) -> Plan:
+        """The plan of these inputs and the layout decided for them."""
+        return Plan(
+            task=self.task,
+            optimizer=self.optimizer,
+            model=self.model,
+            layout=layout,
+            pipeline_config=self.pipeline,
+            fsdp_gather=self.fsdp_gather,
+            state_specs=state_specs,
+            opt_specs=opt_specs,
+            opt_replicated=opt_replicated,
+            abstract_state=self.abstract_state,
+            state_shardings=state_shardings,
+            loss=self.loss,
+            gradients=gradients,
+        )
+
+
+def _abstract_state(optimizer: optax.GradientTransformation, model: AbstractModel) -> TrainState:
+    """The train state as ``ShapeDtypeStruct`` trees."""
     abstract_opt = jax.eval_shape(optimizer.init, model.params)
     counter = jax.ShapeDtypeStruct((), jnp.int32)
-    abstract = TrainState(counter, model.params, abstract_opt, counter, model.state)
+    return TrainState(counter, model.params, abstract_opt, counter, model.state)
+
+
+def _batch_layout(
+    task: Task, mesh: Mesh, rules: Rules, context: ContextConfig, grad_accum: int
+) -> Layout:
+    """The layout before the parameters' specs: mesh, rules, context settings and the
+    batch's specs (checked: every process owns whole rows)."""
     batch_specs = checks.batch_specs(task, rules, mesh, None)
     checks.check_processes_own_rows(mesh, batch_specs)
-    loss = ModelLoss(model.graphdef, task.loss_fn, context)
-    settings = {
-        "grad_accum": grad_accum,
-        "pipeline": pipeline,
-        "fsdp_gather": fsdp_gather,
-        "context": context,
-    }
-    if executor_of(task, pipeline, mesh.shape["stage"]) == "mpmd":
-        layout = sub_mesh_layout(
-            task, model, optimizer, abstract_opt, mesh, rules, pipeline, grad_accum, context
-        )
-        checks.check_layout(
-            task, model, rules, mesh, layout.param_specs, batch_specs, run_by_executor=("stage",)
-        )
-        return Plan(
-            task,
-            optimizer,
-            mesh,
-            rules,
-            model,
-            layout.param_specs,
-            layout.state_specs,
-            layout.opt_specs,
-            layout.opt_replicated,
-            abstract,
-            layout.shardings,
-            batch_specs,
-            grad_accum,
-            layout.executor.table,
-            False,
-            loss,
-            layout.executor,
-            settings,
-        )
-    table = checks.pipeline_table(task, model, mesh, rules, pipeline)
+    return Layout(
+        mesh=mesh, rules=rules, context=context, batch_specs=batch_specs, grad_accum=grad_accum
+    )
+
+
+def _sub_mesh_plan(given: _Given, layout: Layout) -> Plan:
+    """The plan of the sub-mesh executor (``pipeline.executor=mpmd``)."""
+    task, model = given.task, given.model
+    decided = sub_mesh_layout(
+        task, model, given.optimizer, given.abstract_state.opt_state, layout, given.pipeline
+    )
+    layout = decided.layout
+    checks.check_layout(
+        task,
+        model,
+        layout.rules,
+        layout.mesh,
+        layout.param_specs,
+        layout.batch_specs,
+        run_by_executor=(Axis.STAGE,),
+    )
+    return given.plan(
+        layout=layout,
+        state_specs=decided.state_specs,
+        opt_specs=decided.opt_specs,
+        opt_replicated=decided.opt_replicated,
+        state_shardings=decided.shardings,
+        gradients=decided.executor,
+    )
+
+
+def _one_program_plan(given: _Given, layout: Layout) -> Plan:
+    """The plan of one program over the whole mesh: a plain or accumulated step, or the
+    SPMD pipeline executor (``mesh.stage`` > 1)."""
+    task, model = given.task, given.model
+    mesh, rules = layout.mesh, layout.rules
+    table = checks.pipeline_table(task, model, mesh, rules, given.pipeline)
     if table is not None:
-        checks.check_spmd_settings(pipeline)
+        checks.check_spmd_settings(given.pipeline)
     param_specs = shd.param_specs(model.params, model.param_axes, rules, mesh)
     state_specs = shd.param_specs(model.state, model.state_axes, rules, mesh, what="model state")
-    opt_specs, replicated = shd.opt_state_specs(abstract_opt, model.params, param_specs)
+    opt_state = given.abstract_state.opt_state
+    opt_specs, replicated = shd.opt_state_specs(opt_state, model.params, param_specs)
+    shardings = _state_shardings(mesh, param_specs, opt_specs, state_specs)
+    checks.check_layout(task, model, rules, mesh, param_specs, layout.batch_specs)
+    layout = replace(
+        layout,
+        param_specs=param_specs,
+        table=table,
+        fsdp_gather_once=gather_once(given.fsdp_gather, layout.grad_accum, param_specs),
+    )
+    pipelined = (
+        Pipelined(task.stages, model.graphdef, layout, model.rng_counts)
+        if table is not None
+        else None
+    )
+    return given.plan(
+        layout=layout,
+        state_specs=state_specs,
+        opt_specs=opt_specs,
+        opt_replicated=replicated,
+        state_shardings=shardings,
+        gradients=gradient_strategy(
+            given.loss, layout, shardings.params, pipelined, model.stateful
+        ),
+    )
+
+
+def _state_shardings(mesh: Mesh, param_specs: Any, opt_specs: Any, state_specs: Any) -> TrainState:
+    """The train state's shardings on one mesh (the step counters replicated)."""
     scalar = NamedSharding(mesh, PartitionSpec())
-    shardings = TrainState(
+    return TrainState(
         scalar,
         shd.named(mesh, param_specs),
         shd.named(mesh, opt_specs),
         scalar,
         shd.named(mesh, state_specs),
     )
-    checks.check_layout(task, model, rules, mesh, param_specs, batch_specs)
-    once = _gather_once(fsdp_gather, grad_accum, param_specs)
-    pipelined = (
-        Pipelined(
-            task.stages, model.graphdef, table, mesh, rules, param_specs, model.rng_counts, context
-        )
-        if table is not None
-        else None
-    )
-    strategy = _gradient_strategy(
-        loss,
-        mesh,
-        rules,
-        param_specs,
-        shardings.params,
-        grad_accum,
-        model.stateful,
-        pipelined,
-        once,
-    )
-    return Plan(
-        task,
-        optimizer,
-        mesh,
-        rules,
-        model,
-        param_specs,
-        state_specs,
-        opt_specs,
-        replicated,
-        abstract,
-        shardings,
-        batch_specs,
-        grad_accum,
-        table,
-        once,
-        loss,
-        strategy,
-        settings,
-    )
-
-
-# ---- the gradient strategy ------------------------------------------------------------------
-def _gradient_strategy(
-    loss: ModelLoss,
-    mesh: Mesh,
-    rules: Rules,
-    param_specs: Any,
-    param_shardings: Any,
-    grad_accum: int,
-    stateful: bool,
-    pipelined: Pipelined | None,
-    once: bool,
-) -> Strategy:
-    """The pipeline or a plain step, accumulated over ``grad_accum`` microbatches when it
-    is above 1 (locally per data shard when possible); ``once``: FSDP-sharded weights are
-    gathered once per step for the accumulation."""
-    inner: Strategy = pipelined or Plain(loss, mesh, rules)
-    if grad_accum == 1:
-        return inner
-    gathered = gathered_specs(param_specs) if once else None
-    if pipelined is None and per_data_shard_possible(mesh, param_specs, stateful):
-        return AccumulatedPerDataShard(loss, grad_accum, mesh, rules, param_specs, gathered)
-    return Accumulated(
-        inner, grad_accum, param_shardings, shd.named(mesh, gathered) if once else None
-    )
-
-
-def per_data_shard_possible(mesh: Mesh, param_specs: Any, stateful: bool) -> bool:
-    """Whether :class:`~jaxpar.gradients.AccumulatedPerDataShard` applies: a data axis, no
-    parameter sharded over it, a model without state, and not ``fsdp`` × ``tensor``
-    together (there XLA 0.10's SPMD partitioner aborts on the partly manual program: a
-    failed check in spmd_partitioner_util.cc)."""
-    if mesh.shape["data"] == 1 or stateful:
-        return False
-    if mesh.shape["fsdp"] > 1 and mesh.shape["tensor"] > 1:
-        return False
-    return not any("data" in spec_axes(s) for s in spec_leaves(param_specs))
-
-
-def gathered_specs(param_specs: Any) -> Any:
-    """The parameters' specs without the batch axes (``data``, ``fsdp``): FSDP-sharded
-    parameters gathered, tensor and stage splits kept."""
-
-    def drop(spec: PartitionSpec) -> PartitionSpec:
-        entries = []
-        for e in spec:
-            kept = tuple(a for a in names_of(e) if a not in BATCH_AXES)
-            entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
-        return PartitionSpec(*entries)
-
-    return jax.tree.map(drop, param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-
-
-def gathers_weights(param_specs: Any) -> bool:
-    """Whether any parameter is sharded over a batch axis (and so gathered before use)."""
-    return gathered_specs(param_specs) != param_specs
-
-
-def _gather_once(setting: str, grad_accum: int, param_specs: Any) -> bool:
-    """Whether ``train.fsdp_gather=once`` has an effect (a warning says when it has none)."""
-    if setting not in get_args(FsdpGather):
-        raise ConfigError(
-            f"train.fsdp_gather must be one of {', '.join(get_args(FsdpGather))}, got {setting!r}"
-        )
-    if setting != "once":
-        return False
-    if grad_accum == 1 or not gathers_weights(param_specs):
-        why = "train.grad_accum=1" if grad_accum == 1 else "no parameter sharded over data or fsdp"
-        warnings.warn(f"config key 'train.fsdp_gather' has no effect with {why}", stacklevel=3)
-        return False
-    return True

@@ -226,9 +226,7 @@ def largest_array(plan: Any, batch: Mapping[str, Any]) -> tuple[int, Any, str] |
     }
 
     def loss(params: Any, model_state: Any, batch: Any) -> Any:
-        return plan.loss(params, model_state, batch, train=True, mesh=plan.mesh, rules=plan.rules)[
-            0
-        ]
+        return plan.loss(params, model_state, batch, train=True, layout=plan.layout)[0]
 
     state = plan.abstract_state
     try:

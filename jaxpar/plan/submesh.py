@@ -11,7 +11,7 @@ every stage reads them in place.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, get_args
 
 import jax
@@ -21,10 +21,11 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpar import sharding as shd
+from jaxpar.axes import Axis
 from jaxpar.errors import LayoutError
-from jaxpar.logical import Rules
 from jaxpar.pipeline.chunks import ByLayer, ByStack
 from jaxpar.pipeline.cut import LayerCut, cut_by_layer, stage_meshes
+from jaxpar.pipeline.layout import Layout
 from jaxpar.pipeline.mpmd import SubMeshPipeline
 from jaxpar.pipeline.schedule import Executor, PipelineConfig, check_shape
 from jaxpar.pipeline.ticks import tick_table
@@ -35,11 +36,13 @@ from jaxpar.task import Task
 from jaxpar.update import optimizer_update
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SubMeshLayout:
-    """What :func:`jaxpar.plan.make_plan` takes from the sub-mesh layout."""
+    """What :func:`jaxpar.plan.make_plan` takes from the sub-mesh layout: the layout (with
+    the parameters' specs and the tick table), the other specs and shardings of the train
+    state, and the executor."""
 
-    param_specs: Any
+    layout: Layout
     state_specs: Any
     opt_specs: Any
     opt_replicated: list
@@ -68,32 +71,24 @@ def sub_mesh_layout(
     model: Any,
     optimizer: optax.GradientTransformation,
     abstract_opt: Any,
-    mesh: Mesh,
-    rules: Rules,
+    layout: Layout,
     pipeline: PipelineConfig,
-    grad_accum: int,
-    context: Any = None,
 ) -> SubMeshLayout:
-    """Where every variable lives under the sub-mesh executor, and the executor.
+    """Where every variable lives under the sub-mesh executor, and the executor, on the
+    mesh, rules, context settings and accumulation of ``layout``.
 
     Raises:
       TaskError, LayoutError: for a model that cannot be cut by layer, or a cut that does
         not fit the schedule.
     """
-    p, v = mesh.shape["stage"], pipeline.virtual_stages
+    p, v = layout.stages, pipeline.virtual_stages
     m = pipeline.microbatches or 2 * p
     check_shape(pipeline.schedule, p, m, v)
-    meshes = tuple(stage_meshes(mesh))
+    meshes = tuple(stage_meshes(layout.mesh))
     if task.layers is None and task.stages is not None:
-        cut, homes, param_specs, state_specs = _by_stack(task, model, mesh, rules, pipeline)
+        cut, homes, param_specs, state_specs = _by_stack(task, model, layout, pipeline)
     else:
-        layer_cut = cut_by_layer(task, model.params, model.state, p * v, tuple(pipeline.split))
-        cut = ByLayer(layer_cut, task.layers)
-        param_specs = shd.param_specs(model.params, model.param_axes, rules, meshes[0])
-        state_specs = shd.param_specs(
-            model.state, model.state_axes, rules, meshes[0], what="model state"
-        )
-        homes = _by_layer_homes(layer_cut, p, model.params, model.state)
+        cut, homes, param_specs, state_specs = _by_layer(task, model, layout, meshes[0], pipeline)
     opt_specs, replicated = shd.opt_state_specs(abstract_opt, model.params, param_specs)
     homes = TrainState(
         WHOLE, homes[0], _opt_homes(homes[0], model.params, abstract_opt), WHOLE, homes[1]
@@ -101,30 +96,50 @@ def sub_mesh_layout(
     _check_per_stage_update(optimizer, homes.params, p)
     specs = TrainState(PartitionSpec(), param_specs, opt_specs, PartitionSpec(), state_specs)
     shardings = jax.tree.map(
-        lambda home, spec: NamedSharding(mesh if home < 0 else meshes[home], spec),
+        lambda home, spec: NamedSharding(layout.mesh if home < 0 else meshes[home], spec),
         homes,
         specs,
         is_leaf=lambda x: isinstance(x, PartitionSpec),
     )
+    layout = replace(layout, param_specs=param_specs, table=tick_table(pipeline.schedule, p, m, v))
     executor = SubMeshPipeline(
-        cut,
-        tick_table(pipeline.schedule, p, m, v),
-        mesh,
-        meshes,
-        rules,
-        homes,
-        shardings,
-        grad_accum,
-        _heaviest(homes.params, shardings.params, model.params, p),
-        in_order=mesh.devices.flat[0].platform == "cpu",
+        cut=cut,
+        layout=layout,
+        meshes=meshes,
+        homes=homes,
+        shardings=shardings,
+        heaviest_stage=_heaviest(homes.params, shardings.params, model.params, p),
+        in_order=layout.mesh.devices.flat[0].platform == "cpu",
         residuals=pipeline.backward == "residuals",
-        context=context,
     )
-    return SubMeshLayout(param_specs, state_specs, opt_specs, replicated, shardings, executor)
+    return SubMeshLayout(
+        layout=layout,
+        state_specs=state_specs,
+        opt_specs=opt_specs,
+        opt_replicated=replicated,
+        shardings=shardings,
+        executor=executor,
+    )
+
+
+def _by_layer(
+    task: Task, model: Any, layout: Layout, first: Mesh, pipeline: PipelineConfig
+) -> tuple[ByLayer, tuple, Any, Any]:
+    """A model given by its layers (``Task.layers``) under the sub-mesh executor: cut into
+    ``stage`` × ``virtual_stages`` chunks, each variable on the stage of its layer, sharded
+    by the rules as on ``first`` (a stage's sub-mesh: every one has the same axes)."""
+    p = layout.stages
+    chunks = p * pipeline.virtual_stages
+    layer_cut = cut_by_layer(task, model.params, model.state, chunks, tuple(pipeline.split))
+    rules = layout.rules
+    param_specs = shd.param_specs(model.params, model.param_axes, rules, first)
+    state_specs = shd.param_specs(model.state, model.state_axes, rules, first, what="model state")
+    homes = _by_layer_homes(layer_cut, p, model.params, model.state)
+    return ByLayer(layer_cut, task.layers), homes, param_specs, state_specs
 
 
 def _by_stack(
-    task: Task, model: Any, mesh: Mesh, rules: Rules, pipeline: PipelineConfig
+    task: Task, model: Any, layout: Layout, pipeline: PipelineConfig
 ) -> tuple[ByStack, tuple, Any, Any]:
     """A stack of layers (``Task.stages``) under the sub-mesh executor: stage ``s`` holds the
     ``s``-th chunk of the stack, split over ``stage`` as under the spmd executor (so the
@@ -133,7 +148,8 @@ def _by_stack(
     Raises:
       LayoutError: for virtual stages, or a variable outside the stack split over ``stage``.
     """
-    p = mesh.shape["stage"]
+    mesh, rules = layout.mesh, layout.rules
+    p = layout.stages
     table = checks.pipeline_table(task, model, mesh, rules, pipeline)
     if table.v > 1:
         raise LayoutError(
@@ -147,9 +163,9 @@ def _by_stack(
 
     def home(path: tuple, spec: PartitionSpec) -> int:
         stacked = _key(path[0]) == key
-        if stacked and tuple(spec)[:1] == ("stage",):
+        if stacked and tuple(spec)[:1] == (Axis.STAGE,):
             return STACKED
-        if not stacked and "stage" not in jax.tree.leaves(tuple(spec)):
+        if not stacked and Axis.STAGE not in jax.tree.leaves(tuple(spec)):
             return WHOLE
         raise LayoutError(
             f"pipeline.executor=mpmd: {shd.path_str(path)} has spec {spec}, but the stacked "

@@ -1,6 +1,7 @@
-"""What the layout lab knows of jaxpar's transformer layers (:mod:`jaxpar.models.transformer`,
-shared by GPT, BERT and the Llama family): parameter and FLOP counts, and the collectives
-tensor and context parallelism add."""
+"""What the layout lab knows of jaxpar's transformer families (GPT, BERT, the Llama family
+and Gemma; their layers: :mod:`jaxpar.models.transformer`): the collectives tensor and
+context parallelism add to a step, and, for a Llama with experts, the experts' own
+(:mod:`jaxpar.lab.experts`). Registered by family name in :data:`LABS`."""
 
 from __future__ import annotations
 
@@ -9,22 +10,13 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from jaxpar.models.family import LabLayout, LabModel, Term
-
-
-# ---- what the layout lab knows of a transformer (shared with jaxpar/models/bert.py) ----------
-def transformer_counts(cfg: Any, seq_len: int, head: bool = True) -> tuple[int, float]:
-    """Parameters and training FLOPs per example of the stacked blocks, the token embedding,
-    the final norm and (``head``) an untied output layer: every matmul, attention's two
-    [T, T] products included (XLA computes the masked half too); the backward pass twice
-    the forward, except that no gradient flows into the token lookup."""
-    L, D, F, V, T = cfg.n_layers, cfg.d_model, cfg.d_ff, cfg.vocab_size, seq_len
-    per_layer = 4 * D + 4 * D * D + 2 * D * F + F + D  # norms, q/k/v/o, MLP
-    params = V * D + L * per_layer + 2 * D
-    macs = L * (4 * D * D + 2 * D * F + 2 * T * D) + D * V  # per token, forward
-    if head and not getattr(cfg, "tie_embeddings", False):
-        params += D * V
-    return params, 2 * 3 * T * macs
+from jaxpar.axes import Axis
+from jaxpar.lab import experts
+from jaxpar.lab.terms import LabLayout, LabModel, Term
+from jaxpar.models.bert import BERT_FAMILY
+from jaxpar.models.gemma import GEMMA_FAMILY
+from jaxpar.models.gpt import GPT_FAMILY
+from jaxpar.models.llama import LLAMA_FAMILY
 
 
 def transformer_tensor_terms(cfg: Any, layout: LabLayout, backward: int = 2) -> list[Term]:
@@ -32,7 +24,7 @@ def transformer_tensor_terms(cfg: Any, layout: LabLayout, backward: int = 2) -> 
     and MLP outputs) and two backward (their inputs), one more for the head's input
     gradient; the cross-entropy over vocab-sharded logits all-reduces three ``[b, T]``
     statistics; a vocab-sharded embedding table is gathered."""
-    t = layout.sizes["tensor"]
+    t = layout.sizes[Axis.TENSOR]
     if t == 1:
         return []
     # a sequence split over the context axes: each device holds its part of every sequence
@@ -56,14 +48,14 @@ def transformer_tensor_terms(cfg: Any, layout: LabLayout, backward: int = 2) -> 
     terms = [
         Term(
             "all-reduce",
-            "Megatron activation all-reduces",
+            experts.MEGATRON,
             activation / div,
             t,
             times * ((2 + backward + forward_again) * layers + 1),
         ),
         Term("all-reduce", "cross-entropy statistics", rows * seq * 4 / div, t, 3 * times),
     ]
-    if "tensor" in layout.rules.get("vocab", ()):
+    if Axis.TENSOR in layout.rules.get("vocab", ()):
         # loop-invariant: XLA gathers the table once for all microbatches
         terms.append(
             Term(
@@ -82,19 +74,19 @@ def _first_stage_terms(cfg: Any, layout: LabLayout, activation: float, backward:
     microbatch's forward all-reduces twice a layer, its backward (or weight-gradient half:
     the first chunk has no input gradient) four times — the recomputed forward's and both
     input gradients' — and each of the two gathers a vocab-sharded table."""
-    t, k = layout.sizes["tensor"], layout.grad_accum
+    t, k = layout.sizes[Axis.TENSOR], layout.grad_accum
     _, p, v, m = layout.stages
     layers = cfg.n_layers // (p * v)
     terms = [
         Term(
             "all-reduce",
-            "Megatron activation all-reduces",
+            experts.MEGATRON,
             activation / (m * k),
             t,
             m * k * (4 + backward) * layers,
         )
     ]
-    if "tensor" in layout.rules.get("vocab", ()):
+    if Axis.TENSOR in layout.rules.get("vocab", ()):
         terms.append(
             Term(
                 "all-gather",
@@ -186,3 +178,42 @@ class TransformerLab(LabModel):
 
     def context_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
         return transformer_context_terms(cfg, layout)
+
+
+class GemmaLab(TransformerLab):
+    """The lab's Gemma: the Llama's projections (q, k, v, gate and up each give the
+    backward an input gradient that XLA all-reduces apart under tensor parallelism; 4
+    where the key/value heads are not split as the query heads are)."""
+
+    def tensor_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
+        return transformer_tensor_terms(cfg, layout, _projection_all_reduces(layout))
+
+
+class LlamaLab(TransformerLab):
+    """The lab's Llama: q, k, v and SwiGLU's gate and up each give the backward an input
+    gradient that XLA all-reduces apart under tensor parallelism: 5 a layer (measured); 4
+    unsplit key/value heads (XLA gathers some: 0.96×); experts:
+    :func:`jaxpar.lab.experts.tensor_terms`."""
+
+    def tensor_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
+        dense = transformer_tensor_terms(cfg, layout, _projection_all_reduces(layout))
+        return experts.tensor_terms(cfg, layout, dense)
+
+    def expert_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
+        return experts.dispatch_terms(cfg, layout)
+
+
+def _projection_all_reduces(layout: LabLayout) -> int:
+    """Input-gradient all-reduces a layer of separate q, k, v, gate and up projections
+    gives the backward: 5, or 4 where the key/value heads are not split as the query heads
+    are."""
+    return 5 if layout.rules.get("kv_heads", ()) == layout.rules.get("heads", ()) else 4
+
+
+#: What the lab knows of each transformer family, by family name.
+LABS: dict[str, LabModel] = {
+    GPT_FAMILY.name: TransformerLab(),
+    BERT_FAMILY.name: TransformerLab(),
+    LLAMA_FAMILY.name: LlamaLab(),
+    GEMMA_FAMILY.name: GemmaLab(),
+}

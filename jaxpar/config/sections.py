@@ -1,49 +1,40 @@
-"""The run configuration: YAML files plus dotted ``section.key=value`` overrides.
-
-Each section is declared once, in the module that takes its settings (``MeshConfig`` in
-``jaxpar/mesh.py``, ``OptimConfig`` in ``jaxpar/optim.py``, a model family's keys in its
-file…), as a frozen pydantic dataclass that checks itself (``jaxpar/schema.py``). This
-module assembles them into :class:`Config`, reads YAML strictly and applies overrides, in
-three layers, later ones winning: the defaults, each YAML file in order, then the
-overrides (together). ``jaxpar train --help-config`` prints every key (``docs/config.md``).
-"""
+"""The run configuration's own sections (``run``, ``train``, ``distributed``) and
+:class:`Config`, which assembles them with the sections declared beside the modules that
+take their settings (``MeshConfig`` in ``jaxpar/mesh.py``, ``OptimConfig`` in
+``jaxpar/optim.py``, a model family's keys in its file…)."""
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, field_validator
 
-from jaxpar import schema
 from jaxpar.checkpoint import CheckpointConfig
+from jaxpar.config.families import family_of
 from jaxpar.context import ContextConfig
 from jaxpar.data.sources import DataConfig
 from jaxpar.errors import ConfigError
 from jaxpar.files import name_too_long, system_folder_problem
 from jaxpar.guard import Guard
 from jaxpar.mesh import MAX_CPU_DEVICES, MAX_DEVICES, MeshConfig
-from jaxpar.model_section import family_of, merge_model
 from jaxpar.models.family import DEFAULT, Family, ModelConfig, families
 from jaxpar.optim import OptimConfig
 from jaxpar.pipeline.schedule import PipelineConfig
 from jaxpar.plan import FsdpGather
 from jaxpar.schema import Float, IntList, StrList, section
 from jaxpar.sharding import RulesConfig
-from jaxpar.yamlfile import read_yaml
 
 #: Bounds beyond any run (a larger number is a typo, refused in one line): steps (and step
 #: intervals), a trillion; a global batch, 2**31 examples.
-MAX_STEPS, MAX_BATCH = 10**12, 2**31
+MAX_STEPS = 10**12
+MAX_BATCH = 2**31
 
-#: ``train.nonfinite`` values; ``train.trackers`` names (their hooks: jaxpar/hooks/trackers.py).
-Nonfinite, TRACKERS = Literal["stop", "skip"], ("wandb", "mlflow")
-#: Other spellings of a key. ``async`` is the natural name but a Python keyword, so the
-#: field is ``async_save``; YAML and overrides may use either.
-ALIASES = {"checkpoint.async": "async_save", "distributed.timeout_s": "init_timeout"}
+#: ``train.nonfinite`` values.
+Nonfinite = Literal["stop", "skip"]
+#: ``train.trackers`` names (their hooks: jaxpar/hooks/trackers.py).
+TRACKERS = ("wandb", "mlflow")
 
 
 @section("run")
@@ -260,167 +251,3 @@ class Config:
     def family(self) -> Family:
         """The model family ``model.name`` selects (:func:`family_of`)."""
         return family_of(self.model.name)
-
-
-# ---------------------------------------------------------------- merging raw values
-
-
-def _merge_rules(current: RulesConfig, raw: dict[str, Any]) -> RulesConfig:
-    """``preset``, and one key per logical axis name to override (or an ``overrides``
-    mapping of them), on top of ``current``."""
-    raw = dict(raw)
-    nested = raw.pop("overrides") if isinstance(raw.get("overrides"), dict) else {}
-    preset = schema.typed(RulesConfig, "preset", raw.pop("preset", current.preset))
-    table = {str(k): schema.typed(RulesConfig, str(k), v) for k, v in {**nested, **raw}.items()}
-    return RulesConfig(preset=preset, overrides={**dict(current.overrides), **table})
-
-
-def _merge_section(section: str, current: Any, raw: Any) -> Any:
-    if not isinstance(raw, dict):
-        raise ConfigError(f"config section '{section}' must be a mapping, got {raw!r}")
-    if section == "rules":
-        return _merge_rules(current, raw)
-    if section == "model":
-        return merge_model(current, raw)
-    updates = {}
-    for key, value in raw.items():
-        key = ALIASES.get(f"{section}.{key}", str(key))
-        updates[key] = schema.typed(type(current), key, value)
-    return dataclasses.replace(current, **updates)  # validates: one line naming the key
-
-
-def merge(config: Config, raw: dict[str, Any]) -> Config:
-    """``config`` updated by a nested mapping (as read from YAML), each section validated:
-    a :class:`ConfigError` for an unknown section or key (naming the closest), a bad value."""
-    sections = [f.name for f in dataclasses.fields(Config)]
-    updates = {}
-    for name, body in (raw or {}).items():
-        if name not in sections:
-            raise ConfigError(
-                f"unknown config section '{name}': "
-                f"{schema.closest(str(name), sections, label='sections:')}"
-            )
-        updates[name] = _merge_section(name, updates.get(name, getattr(config, name)), body)
-    return dataclasses.replace(config, **updates)
-
-
-def parse_override(text: str) -> dict[str, Any]:
-    """``'mesh.fsdp=8'`` → ``{'mesh': {'fsdp': '8'}}``; the value is typed by its key."""
-    if "=" not in text:
-        raise ConfigError(f"override {text!r} must look like section.key=value, e.g. mesh.fsdp=8")
-    key, value = text.split("=", 1)
-    parts = key.strip().split(".")
-    if len(parts) != 2 or not all(parts):
-        raise ConfigError(f"override key {key!r} must be section.key, e.g. train.steps=100")
-    return {parts[0]: {ALIASES.get(".".join(parts), parts[1]): schema.Override(value, text)}}
-
-
-def apply_overrides(config: Config, overrides: list[str] = ()) -> Config:
-    """``config`` with ``section.key=value`` overrides applied together (the last one of a
-    key wins), each section validated once with all of its overrides."""
-    raw: dict[str, dict[str, Any]] = {}
-    for text in overrides:
-        for section_name, body in parse_override(text).items():
-            raw.setdefault(section_name, {}).update(body)
-    return merge(config, raw)
-
-
-# ---------------------------------------------------------------- loading
-
-
-def load_config(paths: list[str | Path] = (), overrides: list[str] = ()) -> Config:
-    """Builds a config from defaults, YAML ``paths`` (in order: later files win) and
-    ``section.key=value`` ``overrides`` (applied last).
-
-    A layout other than the first file's (from ``mesh.*``, ``rules.*`` or ``pipeline.*``
-    overrides, or a later file such as ``configs/layouts/tp.yaml``) gets a run directory of
-    its own, named after it — ``runs/gpt_tiny-fsdp8``, ``runs/gpt_tiny-data4-tensor2``,
-    ``runs/gpt_tiny-tp``, ``runs/gpt_tiny-stage4-zb_h1-m8`` — unless ``run.dir`` is given
-    after the first file. So layouts tried one after another never resume each other's run.
-
-    Raises:
-      ConfigError: on a missing or unreadable file, an unknown key, a bad value.
-    """
-    config, named, names = Config(), None, []
-    for path in map(Path, paths):
-        raw = read_yaml(path) or {}
-        if not isinstance(raw, dict):
-            raise ConfigError(
-                f"config file '{path}' must hold a mapping of sections, got {type(raw).__name__}"
-            )
-        try:
-            config = merge(config, raw)
-        except ConfigError as err:
-            raise ConfigError(f"config file '{path}': {err}") from err
-        if named is None:
-            named = config
-        elif _layout(config) != _layout(named) and "dir" not in (raw.get("run") or {}):
-            names.append(path.stem)
-    named = named or config
-    final = apply_overrides(config, overrides)
-    names += [
-        _override_name(text)
-        for text in overrides
-        if text.split("=")[0].split(".")[0] in _LAYOUT_SECTIONS and text.partition("=")[2]
-    ]
-    if final.run.dir != named.run.dir or _layout(final) == _layout(named) or not names:
-        return final  # a run.dir of its own, or the config's own layout
-    return dataclasses.replace(
-        final, run=dataclasses.replace(final.run, dir="-".join([named.run.dir, *names]))
-    )
-
-
-_LAYOUT_SECTIONS = ("mesh", "rules", "pipeline", "context")
-# short names of layout overrides in a run directory's name (others: key and value)
-_SHORT = {
-    "pipeline.schedule": "",
-    "pipeline.microbatches": "m",
-    "pipeline.virtual_stages": "v",
-    "rules.preset": "",
-}
-
-
-def _layout(config: Config) -> tuple:
-    return tuple(getattr(config, section) for section in _LAYOUT_SECTIONS)
-
-
-def _override_name(text: str) -> str:
-    """``mesh.fsdp=8`` → ``fsdp8``, ``pipeline.schedule=zb_h1`` → ``zb_h1``,
-    ``pipeline.microbatches=8`` → ``m8``, ``rules.mlp=tensor`` → ``mlptensor``."""
-    key, _, value = text.partition("=")
-    short = _SHORT.get(key.strip(), key.strip().split(".", 1)[1])
-    return re.sub(r"[^A-Za-z0-9_.]+", "", f"{short}{value.strip()}".replace("-1", "auto"))
-
-
-def run_dir_for(config: Config, name: str) -> Config:
-    """``config`` with ``run.dir`` = ``runs/<name>`` when it is still the default (a user's
-    task gets its own run directory, named after it; ``runs/<name>-fsdp8`` when the
-    default was given a layout's name, see :func:`load_config`)."""
-    default = RunConfig().dir
-    if not name or not (config.run.dir == default or config.run.dir.startswith(default + "-")):
-        return config
-    return dataclasses.replace(
-        config,
-        run=dataclasses.replace(config.run, dir=f"runs/{name}" + config.run.dir[len(default) :]),
-    )
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return [_plain(v) for v in value] if isinstance(value, (list, tuple)) else value
-
-
-def to_dict(config: Config) -> dict[str, Any]:
-    """Plain nested dict of a config, as written to a run's ``config.yaml`` (and read back
-    by :func:`load_config` as the same config)."""
-    out = _plain(dataclasses.asdict(config))
-    out["model"] = {
-        "name": config.model.name or config.family.name,
-        **{k: v for k, v in out["model"].items() if k != "name"},
-    }
-    out["rules"] = {
-        "preset": config.rules.preset,
-        **{k: list(v) if v else None for k, v in config.rules.overrides},
-    }
-    return out

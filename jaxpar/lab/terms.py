@@ -1,0 +1,98 @@
+"""What the layout lab's prediction is made of: a collective (:class:`Term`), the layout as
+a family's lab module sees it (:class:`LabLayout`), and what the lab knows of a model
+family's activations (:class:`LabModel`).
+
+The lab predicts the gradient and weight collectives of any model from its shardings alone
+(:mod:`jaxpar.lab.predict`); where a model's *activations* cross devices is knowledge of
+the model. The lab keeps that knowledge itself, one module per family (or one for the
+transformer families), registered by family name (:mod:`jaxpar.lab.families`): a model
+file holds only the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Term:
+    """One collective of a train step the layout lab predicts: what it moves, how often,
+    over how many devices."""
+
+    kind: str
+    what: str
+    payload_bytes: float
+    group: int
+    times: int = 1
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes one device sends for all ``times`` executions (ring algorithms)."""
+        n, s = self.group, self.payload_bytes
+        factor = {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(
+            self.kind, (n - 1) / n
+        )
+        return self.times * s * factor
+
+
+@dataclass(frozen=True)
+class LabLayout:
+    """What the layout lab tells a family's lab module about one layout (plain values).
+
+    Attributes:
+      sizes: the mesh degrees by axis.
+      rules: logical axis name → mesh axes.
+      rows: examples per device per step (the global batch over the batch axes).
+      grad_accum: microbatches accumulated per step.
+      stages: ``(ticks, p, v, m)`` of the pipeline's tick table, or None.
+      sub_mesh: the sub-mesh pipeline (``pipeline.executor=mpmd``) runs the layout: a
+        program per action, and the lab reports a device of its first stage.
+      seq_len: tokens per example (text), image_shape: ``(H, W, C)`` (images).
+      cpu: the program is XLA:CPU's (bfloat16 activations move as float32).
+      context: how attention runs across a split sequence (``context.attention``:
+        ``all_gather`` or ``ring``).
+      residuals: the sub-mesh pipeline's backward programs read the forward's residuals
+        (``pipeline.backward=residuals``) rather than recompute it.
+    """
+
+    sizes: Mapping[str, int]
+    rules: Mapping[str, tuple[str, ...]]
+    rows: int
+    grad_accum: int
+    stages: tuple[int, int, int, int] | None
+    seq_len: int = 0
+    image_shape: tuple[int, ...] | None = None
+    cpu: bool = False
+    sub_mesh: bool = False
+    context: str = "all_gather"
+    residuals: bool = False
+
+
+class LabModel:
+    """A model family's activations for the layout lab's textbook prediction
+    (:mod:`jaxpar.lab.predict`), from its config and a :class:`LabLayout`. This base knows
+    nothing: a family without a lab module (a user's, or a task without a family) gets no
+    activation terms, and its parameters are gathered and reduced as their shardings say.
+    """
+
+    #: top-level parameter keys that the model reads whole (gathered over every axis) even
+    #: where the rules shard them, so their gradient is reduced before it is sliced
+    whole_params: frozenset[str] = frozenset()
+    #: how often FSDP gathers a weight outside a layer scan per step: XLA keeps one gathered
+    #: copy for the backward pass (1, measured for the transformers and small CNNs) or gathers
+    #: it again there (2, ZeRO-3's textbook count; measured for the ResNet's convolutions)
+    gathers_outside_scans: int = 1
+
+    def tensor_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
+        """Activation collectives under tensor parallelism."""
+        return []
+
+    def context_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
+        """Activation collectives of a sequence split over devices (``mesh.context``)."""
+        return []
+
+    def expert_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
+        """Token dispatch to experts split over devices (``rules.experts``)."""
+        return []

@@ -1,0 +1,40 @@
+"""The ``model.*`` keys every transformer family has: GPT, BERT, the Llama family (Qwen,
+Mistral, mixtures of experts) and Gemma.
+
+Each family's config extends :class:`TransformerConfig` and adds its own keys; it
+redeclares a shared key only where its default or its doc differs (BERT's vocabulary holds
+a mask token; a Llama's MLP is a SwiGLU of its own width).
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from jaxpar.models.family import Dtype, ModelConfig
+from jaxpar.models.transformer import Attention, Remat
+from jaxpar.schema import section
+
+
+@section("model")
+class TransformerConfig(ModelConfig):
+    """The shape and numerics of a transformer: the keys its families share."""
+
+    vocab_size: int = Field(256, ge=1, description="vocabulary (at least the data's)")
+    d_model: int = Field(128, ge=1, description="width D")
+    n_layers: int = Field(4, ge=1, description="transformer blocks L")
+    n_heads: int = Field(4, ge=1, description="attention heads N (divides d_model)")
+    d_ff: int = Field(512, ge=1, description="MLP width F")
+    max_seq_len: int = Field(128, ge=1, description="longest sequence")
+    remat: Remat = Field("none", description="what each block recomputes in the backward pass")
+    dtype: Dtype = Field("float32", description="compute dtype (parameters stay float32)")
+    attention: Attention = Field(
+        "auto",
+        description="jax.nn.dot_product_attention's "
+        "implementation (auto: cuDNN on a GPU where it runs, XLA "
+        "elsewhere)",
+    )
+
+    @property
+    def head_dim(self) -> int:
+        """H: the width each head attends over."""
+        return self.d_model // self.n_heads

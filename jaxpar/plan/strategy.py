@@ -1,0 +1,109 @@
+"""The plan's choice of gradient strategy (:mod:`jaxpar.gradients`) for a layout.
+
+The pipeline or a plain step, accumulated over ``train.grad_accum`` microbatches when it
+is above 1: per data shard (one all-reduce over ``data`` per step) where that is
+possible, else on the automatic path; FSDP-sharded weights gathered once per step or per
+microbatch (``train.fsdp_gather``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Literal, get_args
+
+import jax
+from jax.sharding import Mesh, PartitionSpec
+
+from jaxpar import sharding as shd
+from jaxpar.axes import BATCH_AXES, Axis
+from jaxpar.errors import ConfigError
+from jaxpar.gradients import (
+    Accumulated,
+    AccumulatedPerDataShard,
+    ModelLoss,
+    Pipelined,
+    Plain,
+    Strategy,
+)
+from jaxpar.logical import names_of, spec_axes, spec_leaves
+from jaxpar.pipeline.layout import Layout
+
+#: When accumulation gathers FSDP-sharded weights (``train.fsdp_gather``).
+FsdpGather = Literal["per_microbatch", "once"]
+
+
+def gradient_strategy(
+    loss: ModelLoss,
+    layout: Layout,
+    param_shardings: Any,
+    pipelined: Pipelined | None,
+    stateful: bool,
+) -> Strategy:
+    """The pipeline or a plain step, accumulated over ``layout.grad_accum`` microbatches
+    when it is above 1 (locally per data shard when possible); with
+    ``layout.fsdp_gather_once`` FSDP-sharded weights are gathered once per step for the
+    accumulation. ``stateful``: the model has state (BatchNorm statistics, RNG streams)."""
+    inner: Strategy = pipelined or Plain(loss, layout)
+    if layout.grad_accum == 1:
+        return inner
+    once = layout.fsdp_gather_once
+    gathered = gathered_specs(layout.param_specs) if once else None
+    if pipelined is None and per_data_shard_possible(layout.mesh, layout.param_specs, stateful):
+        return AccumulatedPerDataShard(loss, layout, gathered)
+    return Accumulated(
+        inner,
+        layout.grad_accum,
+        param_shardings,
+        shd.named(layout.mesh, gathered) if once else None,
+    )
+
+
+def per_data_shard_possible(mesh: Mesh, param_specs: Any, stateful: bool) -> bool:
+    """Whether :class:`~jaxpar.gradients.AccumulatedPerDataShard` applies: a data axis, no
+    parameter sharded over it, a model without state, and not ``fsdp`` × ``tensor``
+    together (there XLA 0.10's SPMD partitioner aborts on the partly manual program: a
+    failed check in spmd_partitioner_util.cc)."""
+    if mesh.shape[Axis.DATA] == 1 or stateful:
+        return False
+    if mesh.shape[Axis.FSDP] > 1 and mesh.shape[Axis.TENSOR] > 1:
+        return False
+    return not any(Axis.DATA in spec_axes(s) for s in spec_leaves(param_specs))
+
+
+def gathered_specs(param_specs: Any) -> Any:
+    """The parameters' specs without the batch axes (``data``, ``fsdp``): FSDP-sharded
+    parameters gathered, tensor and stage splits kept."""
+
+    def drop(spec: PartitionSpec) -> PartitionSpec:
+        entries = []
+        for e in spec:
+            kept = tuple(a for a in names_of(e) if a not in BATCH_AXES)
+            entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+        return PartitionSpec(*entries)
+
+    return jax.tree.map(drop, param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def gathers_weights(param_specs: Any) -> bool:
+    """Whether any parameter is sharded over a batch axis (and so gathered before use)."""
+    return gathered_specs(param_specs) != param_specs
+
+
+def gather_once(setting: str, grad_accum: int, param_specs: Any) -> bool:
+    """Whether ``train.fsdp_gather=once`` has an effect (a warning, attributed to the
+    caller of :func:`~jaxpar.plan.make_plan`, says when it has none).
+
+    Raises:
+      ConfigError: for an unknown setting.
+    """
+    if setting not in get_args(FsdpGather):
+        raise ConfigError(
+            f"train.fsdp_gather must be one of {', '.join(get_args(FsdpGather))}, got {setting!r}"
+        )
+    if setting != "once":
+        return False
+    if grad_accum == 1 or not gathers_weights(param_specs):
+        why = "train.grad_accum=1" if grad_accum == 1 else "no parameter sharded over data or fsdp"
+        warnings.warn(f"config key 'train.fsdp_gather' has no effect with {why}", stacklevel=4)
+        return False
+    return True
