@@ -33,8 +33,9 @@ import sys
 import time
 from pathlib import Path
 
+from jaxpar.axes import MESH_AXES
+
 ROOT = Path(__file__).resolve().parents[1]
-MESH_AXES = ("data", "fsdp", "tensor", "stage")
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 

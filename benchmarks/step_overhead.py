@@ -61,10 +61,10 @@ import optax
 from flax import nnx
 
 from jaxpar import Plan, build, guard, load_config
+from jaxpar.axes import MESH_AXES
 from jaxpar.logical import activation_rules
 from jaxpar.run import Run
 
-MESH_AXES = ("data", "fsdp", "tensor", "stage")
 DISPATCH_CALLS = 20
 
 

@@ -27,8 +27,9 @@ imported from its module on first use (PEP 562), and the command's start-up sign
 handlers are installed by the command (:mod:`jaxpar.cli`), not by the package.
 """
 
-import importlib as _importlib
 import typing as _typing
+
+from jaxpar import lazy as _lazy
 
 if _typing.TYPE_CHECKING:  # for type checkers and the API page (griffe reads these)
     from jaxpar.config import load_config
@@ -94,22 +95,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> _typing.Any:
-    """A public name, or a submodule (``jaxpar.optim``), imported on first use."""
-    if name.startswith("_"):  # dunder probes (``__wrapped__``, ``__path__``): no import
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    if name in _HOMES:
-        value = getattr(_importlib.import_module(_HOMES[name]), name)
-    else:
-        try:
-            value = _importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as err:
-            if err.name != f"{__name__}.{name}":
-                raise  # the submodule exists but imports something missing
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = _lazy.exports(__name__, _HOMES, globals())

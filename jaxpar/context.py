@@ -47,7 +47,7 @@ from jax.sharding import PartitionSpec
 from pydantic import Field
 
 from jaxpar.errors import LayoutError
-from jaxpar.logical import active_layout, spec_for
+from jaxpar.logical import BATCH, SEQ, active_layout, spec_for, split_over
 from jaxpar.schema import section
 
 #: ``context.attention`` values.
@@ -85,7 +85,7 @@ def sequence_axes() -> tuple[str, ...]:
     if layout is None:
         return ()
     mesh, rules, _ = layout
-    return tuple(a for a in rules.get("seq", ()) if mesh.shape.get(a, 1) > 1)
+    return split_over(rules, mesh.shape, SEQ)
 
 
 def degree() -> int:
@@ -216,9 +216,7 @@ def attend(
         )
     _SPLIT_CALLS[0] += 1
     mesh, rules, _ = active_layout()
-    spec = spec_for(
-        ("batch", "seq", "heads", "kv"), rules, mesh, q.shape, "attention q [B, T, N, H]"
-    )
+    spec = spec_for((BATCH, SEQ, "heads", "kv"), rules, mesh, q.shape, "attention q [B, T, N, H]")
     ring = _options().attention == "ring"
     grouped = k.shape[2] != q.shape[2]  # grouped-query attention: K key/value heads
     if grouped and (ring or rules.get("kv_heads", ()) != rules.get("heads", ())):
@@ -230,7 +228,7 @@ def attend(
         spec
         if not grouped
         else spec_for(
-            ("batch", "seq", "kv_heads", "kv"), rules, mesh, k.shape, "attention k, v [B, T, K, H]"
+            (BATCH, SEQ, "kv_heads", "kv"), rules, mesh, k.shape, "attention k, v [B, T, K, H]"
         )
     )
     pos = jnp.asarray(positions_T if positions_T is not None else np.arange(q.shape[1]))

@@ -99,12 +99,13 @@ class RunDirLock:
         self._created = False
         self._held = False
         self._me: dict[str, Any] = {}
+        self._fd: int | None = None  # the lock file as taken: emptied through it at release
         self.took_over: dict[str, Any] | None = None
         # held by the process, whichever thread releases it; no soft lock of the library's
-        # own where flock is missing: the holder record below is the fallback
+        # own where flock is missing: the holder record below is the fallback. No mode=:
+        # the file is created under the user's umask.
         self._lock = filelock.FileLock(
             self.path,
-            mode=0o644,
             thread_local=False,
             fallback_to_soft=False,
             on_acquired=self._record,
@@ -155,6 +156,7 @@ class RunDirLock:
             self.took_over = old
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(me).encode(), 0)
+        self._fd = os.dup(fd)  # the file itself, even if the folder moves meanwhile
 
     def _without_flock(self) -> None:
         """The pid check where the file system has no flock (see the class doc)."""
@@ -180,16 +182,27 @@ class RunDirLock:
         if not self._held:
             return
         try:
-            os.truncate(self.path, 0)
-            if self._created and os.listdir(self.directory) == [LOCK]:
+            if self._fd is not None:
+                os.ftruncate(self._fd, 0)
+            if self._created and self._still_here() and os.listdir(self.directory) == [LOCK]:
                 self.path.unlink()
                 self.directory.rmdir()
         except OSError:
             pass
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         if self._lock.is_locked:
             self._lock.release()  # closing the descriptor drops the flock
         self._held = False
         _HELD.discard(self.directory)
+
+    def _still_here(self) -> bool:
+        """Whether the lock file at the path is the one taken (the folder was not moved or
+        replaced meanwhile)."""
+        if self._fd is None:
+            return False
+        return os.path.samestat(os.fstat(self._fd), os.stat(self.path))
 
     def __enter__(self) -> Self:
         return self.acquire()

@@ -23,15 +23,29 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxpar.axes import BATCH_AXES  # noqa: F401  TEMP: importers move to jaxpar.axes
 from jaxpar.errors import LayoutError
 
 Rules = Mapping[str, tuple[str, ...]]
 AxisNames = Sequence[str | tuple[str, ...] | None]
 
+# The logical axes the engine reads to make layout decisions; a model (built-in or a
+# user's) names these dims with these words, and the rest of its vocabulary is its own.
+#: the examples of a batch (split over ``data`` and ``fsdp``)
+BATCH = "batch"
+#: the tokens of a sequence (split over ``context``)
+SEQ = "seq"
+#: the stacked layers of a model (split over ``stage``: pipeline stages are layer ranges)
+LAYERS = "layers"
+
 _ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules, Any] | None] = contextvars.ContextVar(
     "jaxpar_activation_rules", default=None
 )
+
+
+def split_over(rules: Rules, sizes: Mapping[str, int], name: str) -> tuple[str, ...]:
+    """The mesh axes of size above 1 that the rules split the logical axis ``name`` over
+    (``sizes``: each mesh axis's size, e.g. ``mesh.shape``)."""
+    return tuple(a for a in rules.get(name, ()) if sizes.get(a, 1) > 1)
 
 
 def spec_leaves(tree: Any) -> list[PartitionSpec]:

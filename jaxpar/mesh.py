@@ -24,19 +24,10 @@ from pydantic import Field
 from jaxpar.axes import MESH_AXES, Axis
 from jaxpar.environ import FORCE_DEVICES_FLAG
 from jaxpar.errors import ConfigError, LayoutError
+from jaxpar.limits import MAX_CPU_DEVICES, MAX_DEVICES
 from jaxpar.schema import section
 
 DEFAULT_CPU_DEVICES = 8
-#: The most devices a setting may name (``run.devices``, a mesh degree): 2**20 =
-#: 1,048,576, beyond any machine built, so a larger number is a typo, refused in one line.
-MAX_DEVICES = 2**20
-#: The most simulated CPU devices a run without an accelerator gets. Each costs XLA host
-#: memory and start-up time that grows faster than their number (1,024 start in 0.7 s;
-#: 4,096 in 8 s and 0.6 GB on one laptop core; 2**31 took 23.7 GB before the kernel killed
-#: the process), and every step is compiled for all of them — while 4,096 still plans a
-#: large cluster (``jaxpar plan --devices 4096``). An accelerator has no such cap: there a
-#: count is checked against the devices that exist.
-MAX_CPU_DEVICES = 4096
 
 _DEGREE = "parallel degree over mesh axis {}; one degree may be -1: it fills the rest"
 _HOSTS = "how much of mesh.{}'s degree runs across hosts (0 for every axis: the default)"

@@ -24,6 +24,7 @@ import optax
 from pydantic import Field, field_validator, model_validator
 
 from jaxpar.errors import ConfigError, TaskError
+from jaxpar.logical import LAYERS
 from jaxpar.schema import FLOAT32_MAX, Float, Float32, section
 
 #: ``optim.name`` values.
@@ -32,10 +33,6 @@ Optimizer = Literal["sgd", "adam", "adamw", "lamb", "adafactor"]
 Schedule = Literal["constant", "cosine", "linear", "step", "rsqrt"]
 OPTIMIZERS: tuple[str, ...] = typing.get_args(Optimizer)
 SCHEDULES: tuple[str, ...] = typing.get_args(Schedule)
-
-# The logical axis name of the leading stacked-layers dimension (nnx.scan /
-# vmapped layer stacks). It does not make a parameter "matrix-like".
-LAYERS_AXIS = "layers"
 
 Mask = Any  # a pytree of bools (a prefix of the params tree) or a callable
 
@@ -247,7 +244,7 @@ def _matrix_like(names: Any, param: Any) -> bool:
             f"decay_mask: logical axes must be a tuple of names per parameter, got {names!r}"
         )
     # None entries are unnamed (unsharded) dimensions and still count.
-    return sum(1 for name in names if name != LAYERS_AXIS) >= 2
+    return sum(1 for name in names if name != LAYERS) >= 2
 
 
 def decay_mask(params: Any, axes: Any = None) -> Any:

@@ -18,6 +18,7 @@ import numpy as np
 from jaxpar import hlo
 from jaxpar import sharding as shd
 from jaxpar.axes import Axis
+from jaxpar.logical import SEQ, split_over
 from jaxpar.plan import FsdpGather, Plan
 from jaxpar.plan.strategy import gathers_weights
 from jaxpar.run import Run
@@ -140,7 +141,7 @@ def _table(rows: list[shd.ParamRow], unnamed: set[str], head: str) -> list[str]:
 
 def _context_lines(plan: Any, batch: int, seq_len: int) -> list[str]:
     """With the sequence split over devices: the share each holds and how attention runs."""
-    axes = [a for a in plan.rules.get("seq", ()) if plan.mesh.shape.get(a, 1) > 1]
+    axes = split_over(plan.rules, plan.mesh.shape, SEQ)
     if not axes:
         return []
     ways = math.prod(plan.mesh.shape[a] for a in axes)

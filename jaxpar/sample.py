@@ -44,7 +44,7 @@ from jaxpar.config import Config
 from jaxpar.data.sources import text_tokenizer
 from jaxpar.data.tokenizers import load_tokenizer
 from jaxpar.errors import ConfigError
-from jaxpar.logical import Rules, activation_rules
+from jaxpar.logical import BATCH, SEQ, Rules, activation_rules
 from jaxpar.run import Run, host_value
 from jaxpar.weights import (
     Source,
@@ -417,8 +417,8 @@ class Generator:
         sample on data=8) is replicated, and the sequence is never split: generation writes
         one position at a time into a KV cache that every device of a ``context`` group
         holds whole (a run trained with context parallelism samples so)."""
-        rules = {**self.rules, "seq": ()}
-        return rules if batch % self.plan.batch_ways() == 0 else {**rules, "batch": ()}
+        rules = {**self.rules, SEQ: ()}
+        return rules if batch % self.plan.batch_ways() == 0 else {**rules, BATCH: ()}
 
     def _prefill_fn(
         self, params: Any, model_state: Any, tokens_BP: jax.Array

@@ -40,16 +40,18 @@ def section(name: str) -> Callable[[type], type]:
     """Makes a class the config section ``name``: a frozen pydantic dataclass (strict
     types, no unknown keys) whose validation errors are one-line :class:`ConfigError`\\ s
     naming ``name.<key>``. ``dataclasses.replace``, ``fields`` and ``asdict`` work as on
-    any dataclass, and ``replace`` validates again."""
+    any dataclass, and ``replace`` validates again. Keys are given by keyword only."""
 
     def declare(cls: type) -> type:
-        cls = pydantic_dataclass(frozen=True, config=_STRICT)(cls)
+        cls = pydantic_dataclass(frozen=True, kw_only=True, config=_STRICT)(cls)
         validate = cls.__init__
 
         @functools.wraps(validate)
         def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            if args:  # by keyword: a key added or moved never shifts what a value means
+                raise TypeError(f"{type(self).__name__} takes its keys by keyword only")
             try:
-                validate(self, *args, **kwargs)
+                validate(self, **kwargs)
             except pydantic.ValidationError as err:
                 raise one_line(name, type(self), err) from None
 

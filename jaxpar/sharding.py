@@ -34,18 +34,18 @@ from pydantic import BeforeValidator, Field
 
 from jaxpar.axes import MESH_AXES, Axis
 from jaxpar.errors import ConfigError, TaskError
-from jaxpar.logical import Rules, spec_for, spec_leaves
+from jaxpar.logical import BATCH, LAYERS, SEQ, Rules, spec_for, spec_leaves
 from jaxpar.schema import section
 
 # Logical names every preset maps, so any built-in model works under any preset. Stacked
 # layers go over 'stage' (a no-op while mesh.stage = 1): pipeline stages are layer ranges;
 # the sequence of activations over 'context' (a no-op while mesh.context = 1).
 _REPLICATED = {
-    "seq": (Axis.CONTEXT,),
+    SEQ: (Axis.CONTEXT,),
     "experts": (),
     "act_embed": (),
     "kv": (),
-    "layers": (Axis.STAGE,),
+    LAYERS: (Axis.STAGE,),
     "classes": (),
     "conv_h": (),
     "conv_w": (),
@@ -56,7 +56,7 @@ _REPLICATED = {
 PRESETS: dict[str, dict[str, tuple[str, ...]]] = {
     "dp": {
         **_REPLICATED,
-        "batch": (Axis.DATA,),
+        BATCH: (Axis.DATA,),
         "embed": (),
         "mlp": (),
         "heads": (),
@@ -65,7 +65,7 @@ PRESETS: dict[str, dict[str, tuple[str, ...]]] = {
     },
     "fsdp": {
         **_REPLICATED,
-        "batch": (Axis.DATA, Axis.FSDP),
+        BATCH: (Axis.DATA, Axis.FSDP),
         "embed": (Axis.FSDP,),
         "mlp": (),
         "heads": (),
@@ -74,7 +74,7 @@ PRESETS: dict[str, dict[str, tuple[str, ...]]] = {
     },
     "tp": {
         **_REPLICATED,
-        "batch": (Axis.DATA,),
+        BATCH: (Axis.DATA,),
         "embed": (),
         "mlp": (Axis.TENSOR,),
         "heads": (Axis.TENSOR,),
@@ -83,7 +83,7 @@ PRESETS: dict[str, dict[str, tuple[str, ...]]] = {
     },
     "fsdp_tp": {
         **_REPLICATED,
-        "batch": (Axis.DATA, Axis.FSDP),
+        BATCH: (Axis.DATA, Axis.FSDP),
         "embed": (Axis.FSDP,),
         "mlp": (Axis.TENSOR,),
         "heads": (Axis.TENSOR,),

@@ -63,7 +63,7 @@ class StageSplit:
 def _sequence_of(model: nnx.Module) -> Sequence[Any]:
     """``model.layers``: the layers of an ``nnx.Sequential`` (or of any module that keeps
     them in an attribute of that name)."""
-    layers = getattr(model, "layers", None)
+    layers = getattr(model, "layers", None)  # not a logical axis: the attribute
     if layers is None:
         raise TaskError(
             f"Task.layers: the model ({type(model).__name__}) has no attribute "

@@ -1,6 +1,8 @@
 """One axis vocabulary: the mesh axes are written once, in jaxpar/axes.py, and the package
 refers to them through :class:`jaxpar.axes.Axis` — a string literal ``"stage"`` elsewhere
-is found by scanning the syntax tree of every module."""
+is found by scanning the syntax tree of every module. Likewise the logical axes the engine
+reads (``batch``, ``seq``, ``layers``) are written once, in jaxpar/logical.py; the rest of
+a model's vocabulary is the model's own, written in its family's files."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.axes import BATCH_AXES, MANUAL_AXES, MESH_AXES, Axis
+from jaxpar.logical import BATCH, LAYERS, SEQ
 from jaxpar.mesh import MeshConfig, make_mesh
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,8 +45,11 @@ def _spared(tree: ast.AST) -> set[int]:
     return found
 
 
-def axis_literals(source: str) -> list[int]:
-    """Lines of ``source`` holding a string literal that is a mesh axis's name."""
+def axis_literals(
+    source: str, names: set[str] = NAMES, sparing: str = SPARING_COMMENT
+) -> list[int]:
+    """Lines of ``source`` holding a string literal that is one of ``names`` (a mesh
+    axis's name), unless the line carries the ``sparing`` comment."""
     tree = ast.parse(source)
     spared = _spared(tree)
     lines = source.splitlines()
@@ -52,9 +58,9 @@ def axis_literals(source: str) -> list[int]:
         for node in ast.walk(tree)
         if isinstance(node, ast.Constant)
         and isinstance(node.value, str)
-        and node.value in NAMES
+        and node.value in names
         and id(node) not in spared
-        and SPARING_COMMENT not in lines[node.lineno - 1]
+        and sparing not in lines[node.lineno - 1]
     ]
 
 
@@ -88,3 +94,20 @@ def test_the_vocabulary_is_the_mesh():
     assert mesh.shape[Axis.FSDP] == mesh.shape["fsdp"] == 2
     assert f"{Axis.CONTEXT}" == "context"
     assert np.prod(list(mesh.shape.values())) == 8
+
+
+#: the logical axes the engine reads; models (and the Hugging Face key maps beside them)
+#: write their own dims' names
+ENGINE_NAMES = {BATCH, SEQ, LAYERS}
+MODEL_FOLDERS = {"models", "hf"}
+
+
+def test_the_engine_names_its_logical_axes_in_one_place():
+    found = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.relative_to(PACKAGE).parts[0] not in MODEL_FOLDERS
+        and path != PACKAGE / "logical.py"
+        for line in axis_literals(path.read_text(), ENGINE_NAMES, "# not a logical axis")
+    ]
+    assert not found, f"engine logical axes as string literals (use jaxpar.logical): {found}"

@@ -786,3 +786,12 @@ def test_the_model_name_help_names_every_built_in_family():
         if family.config.__module__.startswith("jaxpar.models.")
     ]
     assert builtin and not [n for n in builtin if not re.search(rf"\b{n}\b", text)], text
+
+
+def test_a_section_takes_its_keys_by_keyword_only():
+    """A key added to or moved in a section never shifts what a positional value means."""
+    from jaxpar.mesh import MeshConfig
+
+    assert MeshConfig(data=2).data == 2
+    with pytest.raises(TypeError, match="MeshConfig takes its keys by keyword only"):
+        MeshConfig(2)

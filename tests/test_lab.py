@@ -404,3 +404,31 @@ def test_a_timed_sweep_loses_only_the_layout_xla_aborts_on(monkeypatch, h100):
     assert re.fullmatch(r"its worker process died \(killed by SIGABRT\)", rows[0].error)
     assert rows[1].ok and rows[1].step_time_s > 0
     assert rows[1].comm_ratio == pytest.approx(1, abs=0.01)
+
+
+def test_a_users_family_registers_what_the_lab_knows_of_it():
+    """The lab's knowledge is registered by family name from the lab's side: a user's
+    family gets the base lab until it registers its own; a second, different lab for the
+    same name is refused in one line, the same one again is not."""
+    from jaxpar.errors import TaskError
+    from jaxpar.lab import families
+    from jaxpar.lab.terms import LabModel
+    from jaxpar.models.family import Family
+
+    class MyLab(LabModel):
+        pass
+
+    mine = Family("my_test_family", object, lambda cfg, data: None, lambda cfg: None)
+    assert type(families.lab_for(mine)) is LabModel
+    assert type(families.lab_for(None)) is LabModel
+    lab = MyLab()
+    try:
+        assert families.register("my_test_family", lab) is lab
+        assert families.lab_for(mine) is lab
+        assert families.register("my_test_family", lab) is lab
+        with pytest.raises(TaskError, match="knows model family 'my_test_family' already"):
+            families.register("my_test_family", MyLab())
+        with pytest.raises(TaskError, match="knows model family 'gpt' already"):
+            families.register("gpt", MyLab())
+    finally:
+        families._LABS.pop("my_test_family", None)

@@ -502,3 +502,23 @@ def test_workers_with_fine_tuning_records_is_refused_not_ignored(tmp_path, capsy
         "are encoded in this process: drop --workers"
     )
     assert not out.exists()
+
+
+def test_the_command_prepares_data_without_loading_jax(corpus, tmp_path):
+    """``jaxpar prepare-data`` imports neither JAX nor grain (its start is the tokenizer's,
+    not theirs), and writes the same file as the Python call."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "cmd.tokens"
+    code = (
+        "import sys\nfrom jaxpar.cli import console\nsys.argv = ['jaxpar', 'prepare-data', "
+        f"'--out', {str(out)!r}, {str(corpus)!r}]\n"
+        "try:\n    console()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+        "print(sorted(m for m in ('jax', 'grain', 'flax', 'optax') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+    prepare_data([corpus], tmp_path / "api.tokens")
+    assert out.read_bytes() == (tmp_path / "api.tokens").read_bytes()

@@ -131,3 +131,31 @@ def test_a_stop_signal_right_after_a_resume_is_one_line_and_resumable(tmp_path, 
     _, err = done.communicate(timeout=300)
     assert done.returncode == 0, err
     assert _steps(run_dir) == list(range(1, 9))
+
+
+@pytest.mark.parametrize(
+    "argv,loaded",
+    [
+        (["train", "--help-config"], True),
+        (["prepare-data", "--out", "y", "x"], False),
+        (["plot", "x"], False),
+    ],
+    ids=["train", "prepare-data", "plot"],
+)
+def test_a_command_loads_jax_before_its_own_phase(argv, loaded):
+    """JAX's import (seconds) happens under the start-up handlers, never inside the
+    command's phase, whose signal line would claim more than the start did; the commands
+    that need no JAX never load it."""
+    code = f"""
+import contextlib, sys
+from jaxpar import cli, signals
+@contextlib.contextmanager
+def phase():
+    print("jax" in sys.modules, flush=True)
+    raise SystemExit(0)
+    yield
+signals.raising = phase
+cli.main({argv!r})
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == str(loaded), out.stderr

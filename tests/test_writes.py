@@ -369,3 +369,27 @@ def test_a_hardware_profile_number_must_be_positive_and_finite(tmp_path, capsys)
         "jaxpar: error: hardware profile 'mine': memory_bytes=-80000000000.0 must be a "
         "finite number above 0"
     )
+
+
+def test_the_lock_file_keeps_the_users_umask(tmp_path):
+    """The holder record (pid, host) is as private as the user's other files."""
+    old = os.umask(0o077)
+    try:
+        with RunDirLock(tmp_path / "run") as lock:
+            mode = stat.S_IMODE(lock.path.stat().st_mode)
+    finally:
+        os.umask(old)
+    assert mode == 0o600
+
+
+def test_release_empties_the_lock_it_took_even_after_the_folder_moved(tmp_path):
+    """A run dir renamed while the run holds it: release empties the moved lock file (no
+    false 'took over' note later) and leaves a new file at the old path alone."""
+    lock = RunDirLock(tmp_path / "run").acquire()
+    (tmp_path / "run").rename(tmp_path / "moved")
+    (tmp_path / "run").mkdir()
+    other = tmp_path / "run" / lock.path.name
+    other.write_text(json.dumps({"pid": 1, "host": "elsewhere"}))
+    lock.release()
+    assert (tmp_path / "moved" / lock.path.name).read_text() == ""
+    assert json.loads(other.read_text()) == {"pid": 1, "host": "elsewhere"}

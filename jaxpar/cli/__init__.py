@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import os
 import sys
 import traceback
@@ -326,6 +327,23 @@ def _run(args: argparse.Namespace) -> None:
         print(format_report(run, layout_totals(run)))
 
 
+#: What a command imports before its own phase begins (:func:`signals.raising`): a stop
+#: signal while these load — JAX's import takes seconds — is the start-up's one line
+#: ("while starting; nothing was written"), whatever the command.
+_LIGHT_COMMANDS = {
+    "prepare-data": ("jaxpar.data.prepare",),
+    "launch": ("jaxpar.launch",),
+    "plot": ("jaxpar.plot",),
+}
+_JAX_COMMAND = ("jax", "jaxpar.config", "jaxpar.run", "jaxpar.loop")
+
+
+def import_for(command: str) -> None:
+    """Imports what ``command`` needs (see :data:`_LIGHT_COMMANDS`)."""
+    for module in _LIGHT_COMMANDS.get(command, _JAX_COMMAND):
+        importlib.import_module(module)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``jaxpar`` console script; returns the exit status.
 
@@ -343,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
 
     pin_from_env()  # a process started by `jaxpar launch --cpus-per-process`
     debug = os.environ.get("JAXPAR_DEBUG", "") not in ("", "0")
+    import_for(args.command)
     try:
         with one_line_reports(debug), signals.raising():
             if args.command == "prepare-data":  # needs no config

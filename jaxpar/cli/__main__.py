@@ -1,3 +1,6 @@
+"""``python -m jaxpar.cli``: the ``jaxpar`` command."""
+
 from jaxpar.cli import console
 
-console()
+if __name__ == "__main__":
+    console()

@@ -14,7 +14,7 @@ from jaxpar.cli.options import (
     overwrite_argument,
     task_argument,
 )
-from jaxpar.mesh import MAX_DEVICES
+from jaxpar.limits import MAX_DEVICES
 
 
 def config_arguments(cmd: argparse.ArgumentParser, text: str) -> None:

@@ -9,9 +9,8 @@ import math
 from collections.abc import Callable
 
 from jaxpar.axes import MESH_AXES
-from jaxpar.config import MAX_STEPS
 from jaxpar.files import shorten
-from jaxpar.mesh import MAX_DEVICES
+from jaxpar.limits import MAX_DEVICES, MAX_STEPS
 
 
 def count(high: int, low: int | None = 0) -> Callable[[str], int]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from jaxpar.cli.options import count, overwrite_argument, seconds
-from jaxpar.mesh import MAX_CPU_DEVICES
+from jaxpar.limits import MAX_CPU_DEVICES
 
 
 def prepare_parser(sub: argparse._SubParsersAction) -> None:

@@ -18,18 +18,14 @@ from jaxpar.data.sources import DataConfig
 from jaxpar.errors import ConfigError
 from jaxpar.files import name_too_long, system_folder_problem
 from jaxpar.guard import Guard
-from jaxpar.mesh import MAX_CPU_DEVICES, MAX_DEVICES, MeshConfig
+from jaxpar.limits import MAX_BATCH, MAX_CPU_DEVICES, MAX_DEVICES, MAX_STEPS
+from jaxpar.mesh import MeshConfig
 from jaxpar.models.family import DEFAULT, Family, ModelConfig, families
 from jaxpar.optim import OptimConfig
 from jaxpar.pipeline.schedule import PipelineConfig
 from jaxpar.plan import FsdpGather
 from jaxpar.schema import Float, IntList, StrList, section
 from jaxpar.sharding import RulesConfig
-
-#: Bounds beyond any run (a larger number is a typo, refused in one line): steps (and step
-#: intervals), a trillion; a global batch, 2**31 examples.
-MAX_STEPS = 10**12
-MAX_BATCH = 2**31
 
 #: ``train.nonfinite`` values.
 Nonfinite = Literal["stop", "skip"]

@@ -11,6 +11,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from jaxpar.lab.terms import LabLayout, Term
+from jaxpar.logical import BATCH, SEQ, split_over
 
 
 def dispatch_terms(cfg: Any, layout: LabLayout) -> list[Term]:
@@ -25,7 +26,7 @@ def dispatch_terms(cfg: Any, layout: LabLayout) -> list[Term]:
         return []
     k, seq = (
         layout.grad_accum,
-        layout.seq_len // math.prod(layout.sizes[a] for a in layout.rules.get("seq", ())),
+        layout.seq_len // math.prod(layout.sizes[a] for a in layout.rules.get(SEQ, ())),
     )
     itemsize = 4 if layout.cpu else jnp.dtype(cfg.dtype).itemsize
     tokens = layout.rows * e * seq / k  # a group's tokens, per microbatch
@@ -80,7 +81,7 @@ def expert_degree(layout: LabLayout) -> int:
     the batch axes and take the experts in gathered (as FSDP's weights)."""
     if layout.stages is not None and not layout.sub_mesh:
         return 1
-    batch = [a for a in layout.rules.get("batch", ()) if layout.sizes.get(a, 1) > 1]
+    batch = list(split_over(layout.rules, layout.sizes, BATCH))
     return math.prod(layout.sizes[a] for a in layout.rules.get("experts", ()) if a in batch)
 
 

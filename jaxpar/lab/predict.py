@@ -59,7 +59,7 @@ from jaxpar.lab.staged import (
     first_stage_message,
 )
 from jaxpar.lab.terms import LabLayout, LabModel, Term
-from jaxpar.logical import spec_axes, spec_leaves
+from jaxpar.logical import LAYERS, SEQ, spec_axes, spec_leaves
 from jaxpar.pipeline.views import STACKED, WHOLE
 from jaxpar.plan import Plan
 from jaxpar.run import Run
@@ -111,9 +111,9 @@ def _param_leaves(plan: Plan, batch: dict) -> list[_Leaf]:
             str(getattr(path[0], "key", "")) if held else None,
             math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize,
             spec_axes(spec),
-            "layers" in axes,
+            LAYERS in axes,
             plan.rules.get("experts", ()) if "experts" in axes and own_experts else (),
-            leaf.ndim - ("layers" in axes),
+            leaf.ndim - (LAYERS in axes),
         )
         for (path, leaf), spec, axes, held in zip(
             leaves, spec_leaves(plan.param_specs), names, mine
@@ -226,7 +226,7 @@ def _step(plan: Plan, lab: LabModel, sizes: dict[str, int], cpu: bool, example: 
     pipelined = plan.pipeline is not None
     mpmd = plan.executor == "mpmd"
     # every axis that splits the examples or their sequences sums gradients
-    seq = tuple(a for a in plan.rules.get("seq", ()) if a not in BATCH_AXES and sizes[a] > 1)
+    seq = tuple(a for a in plan.rules.get(SEQ, ()) if a not in BATCH_AXES and sizes[a] > 1)
     # the spmd pipeline's shard_map leaves the sequence's axes automatic: the partitioner
     # sums a tick's gradients over them inside the tick (measured), not once a step
     in_ticks = pipelined and not mpmd and bool(seq)

@@ -38,6 +38,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.lab.terms import LabLayout, LabModel, Term
+from jaxpar.logical import SEQ
 from jaxpar.run import Run
 
 #: The family's context terms (:mod:`jaxpar.lab.transformers`) this module counts.
@@ -74,7 +75,7 @@ def first_stage_message(run: Run, cpu: bool) -> tuple[tuple[int, ...], float]:
 
 def _degree(run: Run) -> int:
     """Devices a sequence is split over (``c``)."""
-    return math.prod(run.plan.mesh.shape[a] for a in run.plan.rules.get("seq", ()))
+    return math.prod(run.plan.mesh.shape[a] for a in run.plan.rules.get(SEQ, ()))
 
 
 def context_terms_in_pipeline(run: Run, lab: LabModel, layout: LabLayout, cpu: bool) -> list[Term]:

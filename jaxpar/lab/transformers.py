@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jaxpar.axes import Axis
 from jaxpar.lab import experts
 from jaxpar.lab.terms import LabLayout, LabModel, Term
+from jaxpar.logical import SEQ
 from jaxpar.models.bert import BERT_FAMILY
 from jaxpar.models.gemma import GEMMA_FAMILY
 from jaxpar.models.gpt import GPT_FAMILY
@@ -28,7 +29,7 @@ def transformer_tensor_terms(cfg: Any, layout: LabLayout, backward: int = 2) -> 
     if t == 1:
         return []
     # a sequence split over the context axes: each device holds its part of every sequence
-    split = math.prod(layout.sizes[a] for a in layout.rules.get("seq", ()))
+    split = math.prod(layout.sizes[a] for a in layout.rules.get(SEQ, ()))
     rows, seq, d = layout.rows, layout.seq_len // split, cfg.d_model
     activation = rows * seq * d * (4 if layout.cpu else jnp.dtype(cfg.dtype).itemsize)
     # Without a pipeline: once per microbatch over all layers. In a pipeline every tick
@@ -106,7 +107,7 @@ def transformer_context_terms(cfg: Any, layout: LabLayout) -> list[Term]:
     c−1 blocks on in the forward and again in the backward, where dK and dV travel with
     them and home (c sends); the positions' c−1 sends are the same for every layer.
     Without a pipeline (inside one, the lab predicts no context terms yet)."""
-    c = math.prod(layout.sizes[a] for a in layout.rules.get("seq", ()))
+    c = math.prod(layout.sizes[a] for a in layout.rules.get(SEQ, ()))
     if c == 1 or layout.stages is not None:
         return []
     k, L, T = layout.grad_accum, cfg.n_layers, layout.seq_len

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, ClassVar, Literal
 
 from jaxpar.errors import TaskError
@@ -97,6 +97,7 @@ class Family:
     config: type
     task: Callable[[Any, Any], Task]
     needs: Callable[[Any], DataNeeds]
+    _: KW_ONLY  # the rest by keyword: an argument removed or added never shifts the others
     counts: Callable[[Any, Any], Counts] | None = None
     memory_fixes: Callable[[Any], list[str]] = lambda cfg: []
     compute_dtype: Callable[[Any], str] = lambda cfg: "float32"

@@ -14,7 +14,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.logical import activation_rules
+from jaxpar.logical import BATCH, activation_rules, split_over
 from jaxpar.pipeline.cut import LayerCut
 from jaxpar.pipeline.executor import advance_counts
 from jaxpar.pipeline.views import (
@@ -390,5 +390,5 @@ def _laid_out(v: jax.Array, spec: Any) -> jax.Array:
 
 def _batch_spec(ex: Any, mesh: Mesh) -> Any:
     """The mesh axes a batch's rows are split over on a stage's sub-mesh."""
-    axes = tuple(a for a in ex.layout.rules.get("batch", ()) if mesh.shape.get(a, 1) > 1)
+    axes = split_over(ex.layout.rules, mesh.shape, BATCH)
     return axes[0] if len(axes) == 1 else (axes or None)

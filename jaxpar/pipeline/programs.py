@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar import hlo
 from jaxpar.axes import Axis
+from jaxpar.logical import BATCH, split_over
 from jaxpar.pipeline.chunks import kept, sent_and_counted
 from jaxpar.pipeline.views import STACKED, WHOLE, chunk_spec, sum_over_stages
 
@@ -222,7 +223,7 @@ def _abstract(x: Any) -> Any:
 
 def _placed(y: Any, mesh: Any, ex: Any) -> Any:
     """An activation (or its gradient) as it arrives on ``mesh``: rows split as the batch."""
-    axes = tuple(a for a in ex.layout.rules.get("batch", ()) if mesh.shape.get(a, 1) > 1)
+    axes = split_over(ex.layout.rules, mesh.shape, BATCH)
     spec = axes[0] if len(axes) == 1 else (axes or None)
     return jax.tree.map(
         lambda v: jax.ShapeDtypeStruct(

@@ -14,7 +14,16 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxpar import sharding as shd
 from jaxpar.axes import BATCH_AXES, Axis
 from jaxpar.errors import LayoutError
-from jaxpar.logical import Rules, names_of, spec_axes, spec_for, spec_leaves
+from jaxpar.logical import (
+    LAYERS,
+    SEQ,
+    Rules,
+    names_of,
+    spec_axes,
+    spec_for,
+    spec_leaves,
+    split_over,
+)
 from jaxpar.pipeline.ticks import TickTable, tick_table
 from jaxpar.plan.abstract import AbstractModel
 from jaxpar.task import Task
@@ -110,7 +119,7 @@ def check_context(task: Task, rules: Rules, mesh: Mesh) -> tuple[str, ...]:
       LayoutError: for a task without sequences, a model whose attention does not run
         across a split sequence, or a sequence length those axes do not divide.
     """
-    axes = tuple(a for a in rules.get("seq", ()) if mesh.shape.get(a, 1) > 1)
+    axes = split_over(rules, mesh.shape, SEQ)
     if not axes:
         return ()
     ways = math.prod(mesh.shape[a] for a in axes)
@@ -238,10 +247,10 @@ def pipeline_table(
             "pipeline.executor=mpmd (each stage keeps its own statistics), or set "
             "mesh.stage=1 (data, fsdp and tensor parallelism carry such state)"
         )
-    if tuple(rules.get("layers", ())) != (Axis.STAGE,):
+    if tuple(rules.get(LAYERS, ())) != (Axis.STAGE,):
         raise LayoutError(
             f"mesh.stage={p} needs the stacked layers split over it, but rules.layers="
-            f"{','.join(rules.get('layers', ())) or 'null'}; set rules.layers=stage"
+            f"{','.join(rules.get(LAYERS, ())) or 'null'}; set rules.layers=stage"
         )
     m, v = cfg.microbatches or 2 * p, cfg.virtual_stages
     n_layers = jax.tree.leaves(model.params[split.layers_key])[0].shape[0]

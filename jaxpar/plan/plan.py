@@ -38,7 +38,7 @@ from jaxpar.axes import Axis
 from jaxpar.context import ContextConfig
 from jaxpar.errors import ConfigError, TaskError
 from jaxpar.gradients import AccumulatedPerDataShard, ModelLoss, Pipelined, Strategy
-from jaxpar.logical import Rules
+from jaxpar.logical import BATCH, Rules
 from jaxpar.pipeline.layout import Layout
 from jaxpar.pipeline.schedule import PipelineConfig
 from jaxpar.pipeline.ticks import TickTable
@@ -165,7 +165,7 @@ class Plan:
     def batch_ways(self) -> int:
         """Devices the batch dim is split over (the mesh axes of the ``batch`` rule)."""
         return math.prod(
-            self.mesh.shape[a] for a in self.rules.get("batch", ()) if a in self.mesh.shape
+            self.mesh.shape[a] for a in self.rules.get(BATCH, ()) if a in self.mesh.shape
         )
 
     def batch_shardings(self, batch: Mapping[str, Any]) -> dict[str, NamedSharding]:
