@@ -111,7 +111,8 @@ def _bind(address: str) -> socket.socket:
     try:
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     except OSError:  # no IPv6 here: the coordinator's [::] becomes every IPv4 interface
-        host, sock = "0.0.0.0", socket.socket(socket.AF_INET)
+        host = "0.0.0.0"
+        sock = socket.socket(socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

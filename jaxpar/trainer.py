@@ -39,10 +39,12 @@ class Trainer:
     """
 
     def __init__(self, plan: Plan, *, seed: int = 0, nonfinite_guard: str = "auto"):
-        self.plan, self.seed = plan, seed
+        self.plan = plan
+        self.seed = seed
         self.nonfinite_guard = nonfinite_guard
         self.keep = guard.choose(nonfinite_guard, plan.mesh.devices.flat[0].platform)
-        shardings, programs = plan.state_shardings, plan.gradients
+        shardings = plan.state_shardings
+        programs = plan.gradients
         self._step = programs.build_step(Update(plan.optimizer, self.keep), shardings)
         self._eval = programs.build_eval(shardings)
         self._init = programs.build_init(self._create, shardings)

@@ -89,7 +89,8 @@ def settings(hf: dict[str, Any], where: str) -> dict[str, Any]:
             "transformers' Gemma3ForCausalLM never applies it, so jaxpar cannot "
             "say which numbers the folder means; set it to null",
         )
-    heads, width = hf["num_attention_heads"], hf["hidden_size"]
+    heads = hf["num_attention_heads"]
+    width = hf["hidden_size"]
     head_dim = hf.get("head_dim") or width // heads
     return (
         {
@@ -123,7 +124,8 @@ def layer_types(pattern: int, layers: int) -> list[str]:
 
 def _windows(hf: dict[str, Any], kind: str, where: str) -> dict[str, Any]:
     """sliding_window and the pattern that gives each layer its kind."""
-    layers, window = hf["num_hidden_layers"], hf.get("sliding_window") or 0
+    layers = hf["num_hidden_layers"]
+    window = hf.get("sliding_window") or 0
     types = hf.get("layer_types")
     if types is None:  # what transformers derives: Gemma 2 alternates, Gemma 3 goes by 6
         types = layer_types(2 if kind == "gemma2" else hf.get("sliding_window_pattern", 6), layers)

@@ -39,10 +39,22 @@ class Panel(NamedTuple):
     quantity: str = ""
 
 
-#: Bar colours: single values and measured values; predicted values; missing-value text.
-BAR_COLOUR, PREDICTED_COLOUR, NA_COLOUR = "#4378c8", "#e88c28", "#969696"
-#: Inches: panel width, per label row, room for a panel's title and axis; text size (pt).
-PANEL_W_IN, ROW_IN, PANEL_EXTRA_IN, LABEL_CHAR_IN, FONT_PT = 4.6, 0.39, 1.1, 0.075, 9.0
+#: Bar colour of single values and of measured values.
+BAR_COLOUR = "#4378c8"
+#: Bar colour of predicted values.
+PREDICTED_COLOUR = "#e88c28"
+#: Colour of the missing-value text.
+NA_COLOUR = "#969696"
+#: Panel width (inches).
+PANEL_W_IN = 4.6
+#: Height per label row (inches).
+ROW_IN = 0.39
+#: Room for a panel's title and axis (inches).
+PANEL_EXTRA_IN = 1.1
+#: Width of a label character (inches).
+LABEL_CHAR_IN = 0.075
+#: Text size (points).
+FONT_PT = 9.0
 _BYTE_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
 
 
@@ -146,11 +158,13 @@ def axis_unit(vmax: float, unit: str) -> tuple[float, str]:
     any other unit is kept as it is (divisor 1).
     """
     if unit == "B":
-        divisor, name = 1.0, "B"
+        divisor = 1.0
+        name = "B"
         for next_name in _BYTE_UNITS:
             if vmax < divisor * 1024:
                 break
-            divisor, name = divisor * 1024, next_name
+            divisor = divisor * 1024
+            name = next_name
         return divisor, name
     if unit == "s":
         if vmax == 0 or vmax >= 0.01:

@@ -24,10 +24,8 @@ def dispatch_terms(cfg: Any, layout: LabLayout) -> list[Term]:
     e = expert_degree(layout)
     if e == 1 or not layers or layout.stages is not None:  # pipelines: jaxpar.lab.staged
         return []
-    k, seq = (
-        layout.grad_accum,
-        layout.seq_len // math.prod(layout.sizes[a] for a in layout.rules.get(SEQ, ())),
-    )
+    k = layout.grad_accum
+    seq = layout.seq_len // math.prod(layout.sizes[a] for a in layout.rules.get(SEQ, ()))
     itemsize = 4 if layout.cpu else jnp.dtype(cfg.dtype).itemsize
     tokens = layout.rows * e * seq / k  # a group's tokens, per microbatch
     times = k * layers
@@ -108,7 +106,8 @@ def tensor_terms(cfg: Any, layout: LabLayout, dense: list[Term]) -> list[Term]:
     megatron = next((t for t in dense if t.what == MEGATRON), None)
     if not cfg.n_experts or megatron is None:
         return dense
-    layers, passes = cfg.n_layers // cfg.moe_every, layout.grad_accum  # microbatches
+    layers = cfg.n_layers // cfg.moe_every
+    passes = layout.grad_accum  # microbatches
     forward = counted = 1  # a pass's forwards that all-reduce the rows; that count a dense MLP
     again = cfg.remat != "none" and not layout.sub_mesh
     if layout.stages is not None:
@@ -116,7 +115,8 @@ def tensor_terms(cfg: Any, layout: LabLayout, dense: list[Term]) -> list[Term]:
         layers //= p * v
         passes *= m if layout.sub_mesh else ticks
         if layout.sub_mesh:
-            counted, forward = 2, 1 if layout.residuals else 2
+            counted = 2
+            forward = 1 if layout.residuals else 2
     n = passes * layers
     mlps = (cfg.moe_every - 1) * (again and cfg.remat == "full") - (
         0 if cfg.n_shared_experts else counted + 2

@@ -82,7 +82,8 @@ def layout_overrides(layout: str) -> list[str]:
       ConfigError: for an entry that is neither ``axis=N`` nor ``section.key=value``.
     """
     degrees = dict.fromkeys(MESH_AXES, "1")
-    extra, preset = [], "auto"
+    extra = []
+    preset = "auto"
     for item in (x.strip() for x in layout.split(",") if x.strip()):
         key, sep, value = item.partition("=")
         if not sep or not value:
@@ -199,7 +200,8 @@ def read(
 ) -> Row:
     """The row of a compiled layout: its memory, FLOPs, collectives and predicted step
     time on ``hw`` (and with ``steps`` > 0 its measured step time)."""
-    row, run = lowered.row, lowered.run
+    row = lowered.row
+    run = lowered.run
     row.compile_s = compile_s
     row.mem_args_bytes, row.mem_temp_bytes, row.mem_output_bytes, row.mem_total_bytes = _memory(
         compiled
@@ -219,7 +221,8 @@ def read(
     time_s = roofline(
         hw, row.flops, row.mem_traffic_bytes, comm_gpu, dtype, collectives=row.collective_ops
     )
-    row.predicted_step_time_s, row.predicted_latency_s = time_s.total_s, time_s.latency_s
+    row.predicted_step_time_s = time_s.total_s
+    row.predicted_latency_s = time_s.latency_s
     if steps > 0:
         row.step_time_s = _time_steps(run, compiled, steps)
         examples = run.config.train.batch_size
@@ -275,7 +278,8 @@ def _fill_comm(row: Row, cost: hlo.ProgramCost, run: Run) -> float:
         setattr(row, f"{kind.replace('-', '_')}_bytes", stats[kind].wire_bytes)
     row.comm_bytes = sum(s.wire_bytes for s in stats.values())
     backend = run.devices[0].platform
-    here, gpu = predict_comm(run, backend), predict_comm(run, "gpu")
+    here = predict_comm(run, backend)
+    gpu = predict_comm(run, "gpu")
     row.predicted_comm_bytes = here.total_bytes
     row.comm_ratio = row.comm_bytes / here.total_bytes if here.total_bytes else None
     # A program compiled for the CPU differs from the GPU one where the prediction knows

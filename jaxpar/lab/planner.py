@@ -63,7 +63,9 @@ def fixes(config: Config, layout: str, row: Row, task: Task | None = None) -> li
     data degree moved into context parallelism (each sequence split: activations shrink
     with it) and into FSDP."""
     deg = _degrees(layout)
-    accum, shard, context = [], [], []
+    accum = []
+    shard = []
+    context = []
     recompute = (
         []
         if task is not None
@@ -166,11 +168,15 @@ def _measure(
         return rows
 
     def say(row: Row) -> None:
-        if echo:
-            print(
-                f"  {row.layout}: {'invalid' if not row.ok else 'fits' if row.fits else 'too big'}",
-                flush=True,
-            )
+        if not echo:
+            return
+        if not row.ok:
+            verdict = "invalid"
+        elif row.fits:
+            verdict = "fits"
+        else:
+            verdict = "too big"
+        print(f"  {row.layout}: {verdict}", flush=True)
 
     if echo:
         print(f"compiling {_count(len(todo))}, {min(workers, len(todo))} at a time", flush=True)
@@ -205,7 +211,8 @@ def longest_sequence(
     """The longest ``data.seq_len`` (the config's, doubled while it fits, up to ``limit``)
     with which ``layout`` fits in ``memory`` per device; ``model.max_seq_len`` follows it
     where the model has that key."""
-    found, tokens = Longest(layout), config.data.seq_len
+    found = Longest(layout)
+    tokens = config.data.seq_len
     stretch = "max_seq_len" in {f.name for f in dataclasses.fields(config.model)}
     while tokens <= limit:
         longer = f"{layout},data.seq_len={tokens}" + (
@@ -215,7 +222,8 @@ def longest_sequence(
         if not row.ok or not row.fits:
             found.beyond = row
             break
-        found.tokens, found.row = tokens, row
+        found.tokens = tokens
+        found.row = row
         tokens *= 2
     return found
 

@@ -129,7 +129,8 @@ def _held_by_heaviest_stage(plan: Plan, n: int, batch: dict) -> list[bool]:
     if plan.executor != "mpmd":
         return [True] * n
     ex = plan.gradients
-    stage, homes = ex.heaviest_stage, jax.tree.leaves(ex.homes.params)
+    stage = ex.heaviest_stage
+    homes = jax.tree.leaves(ex.homes.params)
     read = _read_outside_stack(plan, stage, batch) if WHOLE in homes else set()
     return [
         home == stage or home == STACKED or (home == WHOLE and i in read)
@@ -140,7 +141,8 @@ def _held_by_heaviest_stage(plan: Plan, n: int, batch: dict) -> list[bool]:
 def _read_outside_stack(plan: Plan, stage: int, batch: dict) -> set[int]:
     """The parameters (leaf indices) a stack's embedding reads on the first stage and its
     head on the last: the inputs of their traced programs that any equation uses."""
-    split, model = plan.task.stages, plan.model
+    split = plan.task.stages
+    model = plan.model
     rows = {k: jax.ShapeDtypeStruct((1, *v.shape[1:]), v.dtype) for k, v in batch.items()}
     embed = lambda p, s, b: split.embed(nnx.merge(model.graphdef, p, s), b)
     used: set[int] = set()
@@ -385,7 +387,8 @@ def _tick_reduction(
 
 def lab_layout(run: Run, cpu: bool) -> LabLayout:
     """What the model family is told of ``run``'s layout (plain values)."""
-    plan, data = run.plan, run.data
+    plan = run.plan
+    data = run.data
     table = plan.pipeline
     return LabLayout(
         sizes=dict(plan.mesh.shape),
@@ -406,7 +409,8 @@ def _pipeline_terms(run: Run, cpu: bool) -> list[Term]:
     """One activation right and one gradient left every tick: the message is what the
     model's first stage hands the next (its ``StageSplit.embed`` output) for one microbatch
     of one device's rows, and of its part of their sequences under context parallelism."""
-    plan, table = run.plan, run.plan.pipeline
+    plan = run.plan
+    table = plan.pipeline
     if table is None or plan.executor == "mpmd":  # no collective: device_put between stages
         return []
     _, size = first_stage_message(run, cpu)

@@ -23,7 +23,8 @@ class ResNetLab(LabModel):
         t = layout.sizes[Axis.TENSOR]
         if t == 1:
             return []
-        rows, k = layout.rows, layout.grad_accum
+        rows = layout.rows
+        k = layout.grad_accum
         act = 4 if layout.cpu else jnp.dtype(cfg.dtype).itemsize
         forward = backward = 0.0
         for h, w, c_in, width, stride, c_out in block_shapes(cfg, layout.image_shape):

@@ -59,7 +59,8 @@ def first_stage_message(run: Run, cpu: bool) -> tuple[tuple[int, ...], float]:
     """The shape of what the first stage hands the next for one microbatch of one device's
     rows (its ``StageSplit.embed`` output, the whole sequence) and one device's bytes of it
     (its part of the sequence under context parallelism; float32 on XLA:CPU)."""
-    plan, table = run.plan, run.plan.pipeline
+    plan = run.plan
+    table = plan.pipeline
     batch = run.data.batch(0, run.config.train.batch_size)
     rows = run.config.train.batch_size // plan.batch_ways() // (table.m * plan.grad_accum)
     micro = {k: jax.ShapeDtypeStruct((rows, *v.shape[1:]), v.dtype) for k, v in batch.items()}
@@ -81,7 +82,8 @@ def _degree(run: Run) -> int:
 def context_terms_in_pipeline(run: Run, lab: LabModel, layout: LabLayout, cpu: bool) -> list[Term]:
     """The attention's context collectives of one step of a pipelined layout (the module
     docstring); none without a pipeline or a split sequence."""
-    plan, table = run.plan, run.plan.pipeline
+    plan = run.plan
+    table = plan.pipeline
     c = _degree(run)
     if table is None or c == 1:
         return []
@@ -185,10 +187,12 @@ def expert_terms_in_pipeline(run: Run, lab: LabModel, layout: LabLayout) -> list
 
     The spmd executor's stages dispatch nothing: they take the experts in gathered, whose
     gathers and gradients :mod:`jaxpar.lab.predict` counts as FSDP's."""
-    plan, table = run.plan, run.plan.pipeline
+    plan = run.plan
+    table = plan.pipeline
     if table is None or plan.executor != "mpmd":
         return []
-    k, m, chunks = plan.grad_accum, table.m, table.p * table.v
+    k, m = plan.grad_accum, table.m
+    chunks = table.p * table.v
     one = dataclasses.replace(
         layout, stages=None, sub_mesh=False, grad_accum=1, rows=layout.rows // (m * k)
     )
@@ -196,7 +200,8 @@ def expert_terms_in_pipeline(run: Run, lab: LabModel, layout: LabLayout) -> list
     if OUTPUTS_SCATTERED not in family:
         return []
     layers = family[OUTPUTS_SCATTERED].times // chunks  # a chunk's MoE layers
-    residuals, times = plan.gradients.residuals, dict.fromkeys(family, 0)
+    residuals = plan.gradients.residuals
+    times = dict.fromkeys(family, 0)
     # rematerialized (the family's gathers outnumber its scatters)
     again = family[TOKENS_GATHERED].times > family[OUTPUTS_SCATTERED].times and (
         residuals or layers > 1

@@ -117,7 +117,8 @@ def runnable(layouts: list[str], task: Task) -> tuple[list[str], str | None]:
                 "context_parallel; docs/context.md)",
             )
         )
-    kept, lines = layouts, []
+    kept = layouts
+    lines = []
     for axis, why in notes:
         before = kept
         kept = [x for x in kept if _degree(x, axis) == 1]

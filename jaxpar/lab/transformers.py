@@ -43,9 +43,13 @@ def transformer_tensor_terms(cfg: Any, layout: LabLayout, backward: int = 2) -> 
     forward_again = 1 if cfg.remat == "full" else 0
     if layout.stages is not None:
         ticks, p, v, m = layout.stages
-        times, layers, div = ticks * k, cfg.n_layers // (p * v), m * k
+        times = ticks * k
+        layers = cfg.n_layers // (p * v)
+        div = m * k
     else:
-        times, layers, div = k, cfg.n_layers, k
+        times = k
+        layers = cfg.n_layers
+        div = k
     terms = [
         Term(
             "all-reduce",
@@ -75,7 +79,8 @@ def _first_stage_terms(cfg: Any, layout: LabLayout, activation: float, backward:
     microbatch's forward all-reduces twice a layer, its backward (or weight-gradient half:
     the first chunk has no input gradient) four times — the recomputed forward's and both
     input gradients' — and each of the two gathers a vocab-sharded table."""
-    t, k = layout.sizes[Axis.TENSOR], layout.grad_accum
+    t = layout.sizes[Axis.TENSOR]
+    k = layout.grad_accum
     _, p, v, m = layout.stages
     layers = cfg.n_layers // (p * v)
     terms = [
@@ -113,7 +118,8 @@ def transformer_context_terms(cfg: Any, layout: LabLayout) -> list[Term]:
     k, L, T = layout.grad_accum, cfg.n_layers, layout.seq_len
     # grouped-query attention gathers its K key/value heads, unless they are repeated to
     # the query heads first (ring, or key/value heads not split as the query heads are)
-    rules, n_kv = layout.rules, getattr(cfg, "n_kv_heads", cfg.n_heads)
+    rules = layout.rules
+    n_kv = getattr(cfg, "n_kv_heads", cfg.n_heads)
     grouped = (
         n_kv != cfg.n_heads
         and layout.context != "ring"

@@ -112,8 +112,14 @@ def _timed_here(
 def _heaviest_first(layouts: list[str]) -> list[int]:
     """Indices of ``layouts``, pipelines first (their step is a program of every tick,
     several times longer to compile), so that the last to finish is a short one."""
-    stages = [int(m.group(1)) if (m := re.search(r"\bstage=(\d+)", x)) else 1 for x in layouts]
+    stages = [_stages(x) for x in layouts]
     return sorted(range(len(layouts)), key=lambda i: -stages[i])
+
+
+def _stages(layout: str) -> int:
+    """The ``stage=N`` degree a layout string names (1 without one)."""
+    found = re.search(r"\bstage=(\d+)", layout)
+    return int(found.group(1)) if found else 1
 
 
 @contextlib.contextmanager
@@ -152,7 +158,8 @@ def _in_threads(
             try:
                 rows[i] = read(lowered, *future.result(), hw, memory)
             except JaxparError as err:
-                lowered.row.error, rows[i] = str(err), lowered.row
+                lowered.row.error = str(err)
+                rows[i] = lowered.row
             done(rows[i])
 
     pool = ThreadPoolExecutor(workers)

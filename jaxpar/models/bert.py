@@ -175,7 +175,8 @@ class BERT(nnx.Module):
         self, tokens_BT: jax.Array, keys_B: jax.Array, data_vocab: int
     ) -> tuple[jax.Array, jax.Array]:
         """Masked inputs and the chosen positions (float weights [B, T]) of each example."""
-        cfg, T = self.cfg, tokens_BT.shape[1]
+        cfg = self.cfg
+        T = tokens_BT.shape[1]
         n = max(1, round(cfg.mask_rate * T))
 
         def one(key, tokens):
@@ -194,7 +195,8 @@ class BERT(nnx.Module):
         """Token + position + type embeddings [B, T, D] (type 1 for the second half); with
         packed ``documents``, positions and halves are each document's own (as it would
         have them alone)."""
-        cfg, T = self.cfg, inputs_BT.shape[1]
+        cfg = self.cfg
+        T = inputs_BT.shape[1]
         if T > cfg.max_seq_len:
             raise ConfigError(
                 f"sequence length {T} exceeds model.max_seq_len={cfg.max_seq_len}; "
@@ -227,7 +229,9 @@ class BERT(nnx.Module):
         """The stacked blocks of ``self.blocks``; block ``i`` is layer ``first_layer + i``
         of the whole model (its dropout keys), however the layers are cut into stages;
         packed ``documents``: each token attends within its own."""
-        dtype, rate, impl = x_BTD.dtype, self._rate(), self.attention_impl
+        dtype = x_BTD.dtype
+        rate = self._rate()
+        impl = self.attention_impl
         stacked = self.blocks.stacked()
         layers = jnp.asarray(first_layer) + jnp.arange(jax.tree.leaves(stacked)[0].shape[0])
 

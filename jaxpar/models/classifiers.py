@@ -56,14 +56,10 @@ class ConvNet(nnx.Module):
         rngs: nnx.Rngs,
     ):
         H, W, C = image_shape
-        self.conv1_w, self.conv1_b = (
-            _conv(rngs.params(), 5, C, channels),
-            _bias(channels, "conv_out"),
-        )
-        self.conv2_w, self.conv2_b = (
-            _conv(rngs.params(), 5, channels, channels),
-            _bias(channels, "conv_out"),
-        )
+        self.conv1_w = _conv(rngs.params(), 5, C, channels)
+        self.conv1_b = _bias(channels, "conv_out")
+        self.conv2_w = _conv(rngs.params(), 5, channels, channels)
+        self.conv2_b = _bias(channels, "conv_out")
         self.dense1_w = _dense(rngs.params(), H * W * channels, hidden, ("embed", "mlp"))
         self.dense1_b = _bias(hidden, "mlp")
         self.dense2_w = _dense(rngs.params(), hidden, num_classes, ("mlp", "classes"))
@@ -137,11 +133,13 @@ class ConvNetConfig(ModelConfig):
 
 def _convnet_counts(cfg: ConvNetConfig, data: Any) -> Counts:
     H, W, C = data.image_shape
-    k, c, f, n = 25, cfg.channels, cfg.hidden, cfg.num_classes
+    k = 25  # a 5×5 kernel
+    c, f, n = cfg.channels, cfg.hidden, cfg.num_classes
     params = k * C * c + c + k * c * c + c + H * W * c * f + f + f * n + n
     # multiply-adds of one forward pass; backward: weight and input gradients (twice the
     # forward) except the first convolution's input gradient (the images need none)
-    first, rest = H * W * k * C * c, H * W * k * c * c + H * W * c * f + f * n
+    first = H * W * k * C * c
+    rest = H * W * k * c * c + H * W * c * f + f * n
     return Counts(params, 2 * (3 * (first + rest) - first))
 
 

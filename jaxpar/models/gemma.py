@@ -126,7 +126,8 @@ class Gemma(nnx.Module):
     ) -> jax.Array:
         """All blocks, in order (a pipeline chunk: its own; see :func:`_stage`); packed
         ``documents``: attention and rotary positions within each."""
-        cfg, dtype = self.cfg, x_BTD.dtype
+        cfg = self.cfg
+        dtype = x_BTD.dtype
 
         def step(x, p, kind):
             attention = lambda h, p: layers.self_attention(  # noqa: E731
@@ -167,7 +168,8 @@ class Gemma(nnx.Module):
         names = ("batch", None, "kv_heads", "kv")
 
         def step(x, layer, kind):
-            p, caches = layers.in_compute_dtype(layer["p"], x.dtype), []
+            p = layers.in_compute_dtype(layer["p"], x.dtype)
+            caches = []
 
             def attention(h, p):
                 q, k, v = layers.projections(h, p, pos, kind)
@@ -208,7 +210,8 @@ def _embed(model: Gemma, batch: Any) -> jax.Array:
 def _stage(model: Gemma, x: jax.Array, batch: Any, first: Any) -> jax.Array:
     """The chunk's blocks. A chunk whose layer count the local/global pattern divides
     starts on the pattern's first layer (chunks are equal), so its kinds are static."""
-    cfg, n = model.cfg, model.blocks.wq.shape[0]
+    cfg = model.cfg
+    n = model.blocks.wq.shape[0]
     m = len(cfg.pattern)
     if n % m:
         raise ConfigError(

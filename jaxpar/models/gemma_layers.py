@@ -51,7 +51,10 @@ def visible(
     segment ids [B, T] (queries and keys alike: a sequence's own), and only within a
     segment (where the positions' differences are the document's own)."""
     back = pos_q[:, None] - pos_k[None, :]
-    seen = (back >= 0 if not window else (back >= 0) & (back < window))[None, None]
+    seen = back >= 0
+    if window:
+        seen = seen & (back < window)
+    seen = seen[None, None]
     if segments is None:
         return seen
     return seen & (segments[:, None, :, None] == segments[:, None, None, :])
@@ -157,7 +160,8 @@ def over_layers(
     groups, rest = divmod(n, m)
 
     def run(x, chunk, kinds):
-        outs, start = [], 0
+        outs = []
+        start = 0
         for kind, count in _runs(kinds):
             one = lambda x, layer, kind=kind: step(x, layer, kind)  # noqa: E731
             one = one if policy is False else jax.checkpoint(one, policy=policy)

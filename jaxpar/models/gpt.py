@@ -202,7 +202,8 @@ class GPT(nnx.Module):
     ) -> jax.Array:
         """All blocks of ``self.blocks`` (however many are stacked there), in order, over
         tokens at ``positions_T`` (0 … T-1 when None), packed as ``documents``."""
-        dtype, use_rotary = x_BTD.dtype, self.cfg.positions == "rotary"
+        dtype = x_BTD.dtype
+        use_rotary = self.cfg.positions == "rotary"
 
         def body(x, p):
             p = jax.tree.map(lambda a: a.astype(dtype), p)
@@ -227,7 +228,8 @@ class GPT(nnx.Module):
         then one call per generated token (T = 1). The logits equal the last T rows of
         ``self(all tokens so far)``.
         """
-        cfg, T = self.cfg, tokens_BT.shape[1]
+        cfg = self.cfg
+        T = tokens_BT.shape[1]
         x_BTD = jnp.take(self.table(), tokens_BT, axis=0)
         if cfg.positions == "learned":
             x_BTD = x_BTD + jax.lax.dynamic_slice_in_dim(self.pos[...], start, T)[None]

@@ -124,7 +124,8 @@ def layer_group(
     """One group's pre-norm blocks: ``attention(h, layer params, j)`` then the SwiGLU MLP,
     the last block's a mixture of experts in an MoE model (its router statistics
     returned)."""
-    m, stats = p["wq"].shape[0], {}
+    m = p["wq"].shape[0]
+    stats = {}
     for j in range(m):
         pj = {n: p[n][j] for n in ATTENTION if n in p}
         x = constrain(x + attention(rms_norm(x, pj["attn_norm"], cfg.norm_eps), pj, j), RESIDUAL)
@@ -198,7 +199,9 @@ class Llama(nnx.Module):
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """All blocks, in order, and the routers' statistics (see :meth:`forward`); packed
         ``documents``: rotary positions within each, attention within each."""
-        cfg, dtype, pos = self.cfg, x_BTD.dtype, jnp.asarray(positions_T)
+        cfg = self.cfg
+        dtype = x_BTD.dtype
+        pos = jnp.asarray(positions_T)
         rotated = pos if documents is None else documents.positions
         segments = None if documents is None else documents.segments
 
@@ -313,7 +316,8 @@ def _stage(model: Llama, x: jax.Array, batch: Any, first: Any) -> Any:
     x, stats = model.blocks_and_stats(x, pos_T, lm_documents(batch, pos_T))
     if not stats:
         return x
-    cfg, groups = model.cfg, model.blocks.router.shape[0]  # the chunk's MoE layers
+    cfg = model.cfg
+    groups = model.blocks.router.shape[0]  # the chunk's MoE layers
     return x, moe.loss_terms(
         stats, groups * cfg.group / cfg.n_layers, cfg.aux_loss_coef, cfg.z_loss_coef
     )

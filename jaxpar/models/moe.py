@@ -106,7 +106,8 @@ def route(
     probs = jax.nn.softmax(logits, axis=-1)
     weights, experts = jax.lax.top_k(probs, top_k)
     weights = weights / weights.sum(-1, keepdims=True)
-    E, n = router_DE.shape[-1], total(jnp.float32(x_TD.shape[0]))
+    E = router_DE.shape[-1]
+    n = total(jnp.float32(x_TD.shape[0]))
     load = total(jnp.zeros(E, jnp.float32).at[experts.reshape(-1)].add(1.0)) / (n * top_k)
     stats = {
         "balance": E * jnp.sum(load * total(probs.sum(0)) / n),

@@ -199,7 +199,8 @@ class ResNet(nnx.Module):
             channels, w, 7 if big else 3, 2 if big else 1, ("conv_in", "embed"), rngs, dtype
         )
         self.stem_norm = _norm(w, "embed", rngs, dtype)
-        stages, c = [], w
+        stages = []
+        c = w
         for i, n in enumerate(counts):
             width = w * 2**i
             stages.append(
@@ -249,7 +250,8 @@ def block_shapes(cfg: ResNetConfig, image_shape: tuple[int, int, int]) -> list[t
     if cfg.stem == "imagenet":
         H, W = -(-H // 4), -(-W // 4)  # stride-2 conv, stride-2 pool
     counts, bottleneck = DEPTHS[cfg.depth]
-    c, out = cfg.width, []
+    c = cfg.width
+    out = []
     for i, n in enumerate(counts):
         width = cfg.width * 2**i
         c_out = 4 * width if bottleneck else width

@@ -44,11 +44,22 @@ KIND_NAMES = {
     "W": "W weight gradient",
     "idle": "idle (bubble)",
 }
-#: Chart size: inches per tick (bounded), per stage row, and the room around the axes.
-TICK_IN, MIN_W_IN, MAX_W_IN = 0.32, 6.0, 24.0
-ROW_IN, EXTRA_H_IN, MARGIN_W_IN = 0.42, 1.9, 1.3
-#: Font size (points) of the text on the bars, and a digit's width in ems (DejaVu Sans).
-BAR_FONT_PT, CHAR_EM = 7.0, 0.64
+#: Chart width per tick (inches).
+TICK_IN = 0.32
+#: Least chart width (inches).
+MIN_W_IN = 6.0
+#: Most chart width (inches).
+MAX_W_IN = 24.0
+#: Chart height per stage row (inches).
+ROW_IN = 0.42
+#: Height of the room around the axes (inches).
+EXTRA_H_IN = 1.9
+#: Width of the room around the axes (inches).
+MARGIN_W_IN = 1.3
+#: Font size (points) of the text on the bars.
+BAR_FONT_PT = 7.0
+#: A digit's width in ems (DejaVu Sans).
+CHAR_EM = 0.64
 #: Ticks between tick numbers in the text header.
 TICK_EVERY = 5
 
@@ -86,7 +97,8 @@ def _header(first: int, count: int, cell: int, indent: int) -> str:
     line[:4] = "tick"
     for t in range(first, first + count):
         if t % TICK_EVERY == 0 or t == first:
-            text, pos = str(t), indent + (t - first) * (cell + 1)
+            text = str(t)
+            pos = indent + (t - first) * (cell + 1)
             if pos + len(text) <= len(line) and all(c == " " for c in line[pos : pos + len(text)]):
                 line[pos : pos + len(text)] = text
     return "".join(line).rstrip()

@@ -270,8 +270,10 @@ class Run:
     the stash of each chunk's inputs and model state, the gradient sums."""
 
     def __init__(self, ex: Any, params: Any, model_state: Any, batch: Batch, train: bool):
-        self.ex, self.train = ex, train
-        p, chunks = len(ex.meshes), len(ex.cut.chunks)
+        self.ex = ex
+        self.train = train
+        p = len(ex.meshes)
+        chunks = len(ex.cut.chunks)
         params = [ex.share(params, ex.homes.params, s) for s in range(p)]
         shares = [ex.share(model_state, ex.homes.model_state, s) for s in range(p)]
         self.batch = [{k: view_of(v, m) for k, v in batch.items()} for m in ex.meshes]
@@ -283,7 +285,10 @@ class Run:
         self.aux: Any = None
         #: where the loss and metrics add up: the last chunk's stage
         self.home = NamedSharding(ex.meshes[(chunks - 1) % p], P())
-        self.acts, self.grads, self.stash, self.dys = {}, {}, {}, {}
+        self.acts = {}
+        self.grads = {}
+        self.stash = {}
+        self.dys = {}
 
     def _send(self, value: Any, c: int) -> Any:
         """``value`` moved to chunk ``c``'s stage, its rows split as the batch's."""
@@ -295,9 +300,12 @@ class Run:
 
     def play(self, r: int) -> None:
         """The table once: microbatches ``r·m … r·m + m − 1`` of the step."""
-        table, last = self.ex.layout.table, len(self.ex.cut.chunks) - 1
+        table = self.ex.layout.table
+        last = len(self.ex.cut.chunks) - 1
         for action in sorted(table.tick, key=table.tick.get):
-            c, mb, j = action.chunk, action.mb, r * table.m + action.mb
+            c = action.chunk
+            mb = action.mb
+            j = r * table.m + mb
             getattr(self, f"_{action.kind}")(c, mb, jnp.int32(j), c == last)
 
     def _F(self, c: int, mb: int, j: Any, last: bool) -> None:
@@ -359,7 +367,9 @@ class Run:
         return (self.loss / total, jax.tree.map(lambda a: a / total, self.aux), grads, model_state)
 
     def forward_only(self) -> tuple[jax.Array, dict]:
-        m, chunks, p = self.ex.layout.table.m, len(self.ex.cut.chunks), len(self.ex.meshes)
+        m = self.ex.layout.table.m
+        chunks = len(self.ex.cut.chunks)
+        p = len(self.ex.meshes)
         for j in range(m):
             x = None
             for c in range(chunks):

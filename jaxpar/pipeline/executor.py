@@ -298,7 +298,8 @@ class _Tick:
     d: jax.Array
 
     def __call__(self, c: dict, row: Any) -> tuple[dict, None]:
-        p, d = self.scan.rows.table.p, self.d
+        p = self.scan.rows.table.p
+        d = self.d
         branch = row[0][d]
         k, j, a_slot, g_slot, recv_a, recv_g = (r[d] for r in row[1])
         acts = c["acts"].at[recv_a].set(c["in_act"])

@@ -225,7 +225,8 @@ class _Stepper:
     whole model's gradient norm and one finiteness for the whole step."""
 
     def __init__(self, ex: SubMeshPipeline, update: Update, shardings: TrainState):
-        self.ex, self.update = ex, update
+        self.ex = ex
+        self.update = update
         replicated = [NamedSharding(m, P()) for m in ex.meshes]
         whole = NamedSharding(ex.layout.mesh, P())
         jit = lambda fn, **kw: ex.ordered(jax.jit(fn, **kw))
@@ -246,7 +247,8 @@ class _Stepper:
         self.reduce_finite = jit(_reduce_finite, out_shardings=(whole, whole, whole))
 
     def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
-        ex, homes = self.ex, self.ex.homes
+        ex = self.ex
+        homes = ex.homes
         loss, aux, grads, model_state = ex.gradients(state.params, state.model_state, batch)
         stages = range(len(ex.meshes))
         grad_shares = [ex.share(grads, homes.params, s) for s in stages]

@@ -142,7 +142,9 @@ def _abstract_share(ex: Any, tree: Any, homes: Any, s: int) -> Any:
 
 
 def _stage_costs(ex: Any, state: Any, batch: dict) -> list[StageCost]:
-    p, chunks, table = len(ex.meshes), len(ex.cut.chunks), ex.layout.table
+    p = len(ex.meshes)
+    chunks = len(ex.cut.chunks)
+    table = ex.layout.table
     j = jax.ShapeDtypeStruct((), np.int32)
     counts: dict[tuple[str, int], int] = {}
     for action in table.tick:
@@ -157,7 +159,11 @@ def _stage_costs(ex: Any, state: Any, batch: dict) -> list[StageCost]:
         }
         for m in ex.meshes
     ]
-    x, compiled, outputs, inputs, stashed = None, {}, {}, {}, {}
+    x = None
+    compiled = {}
+    outputs = {}
+    inputs = {}
+    stashed = {}
     for c in range(chunks):
         s = c % p
         params = ex.cut.chunk_tree(shares[s].params, c)
@@ -236,11 +242,16 @@ def _placed(y: Any, mesh: Any, ex: Any) -> Any:
 def _stash_peak(table: Any, chunks: list[int], nbytes: dict[int, int]) -> tuple[int, int]:
     """The most microbatches a stage holds stashed at once (a forward stashes its input
     until its backward, or weight-gradient half, is done), and their bytes then."""
-    held, peak, peak_bytes = {c: 0 for c in chunks}, 0, 0
+    held = {c: 0 for c in chunks}
+    peak = 0
+    peak_bytes = 0
     for action in sorted(table.tick, key=table.tick.get):
         if action.chunk not in held:
             continue
-        held[action.chunk] += 1 if action.kind == "F" else -(action.kind in ("B", "W"))
+        if action.kind == "F":  # stashes its input
+            held[action.chunk] += 1
+        elif action.kind in ("B", "W"):  # frees it
+            held[action.chunk] -= 1
         total = sum(held.values())
         if total > peak:
             peak, peak_bytes = total, sum(held[c] * nbytes[c] for c in chunks)
@@ -249,7 +260,9 @@ def _stash_peak(table: Any, chunks: list[int], nbytes: dict[int, int]) -> tuple[
 
 def _summed(programs: list[tuple[Any, int]]) -> hlo.ProgramCost:
     """The cost of running each compiled program its number of times."""
-    flops, stats, unknown = 0.0, {}, 0
+    flops = 0.0
+    stats = {}
+    unknown = 0
     for compiled, times in programs:
         cost = hlo.program_cost(compiled.as_text())
         flops += times * cost.flops

@@ -248,7 +248,8 @@ def simulate(
     check_complete(orders, num_chunks, split)
     start: dict[Action, float] = {}
     end: dict[Action, float] = {}
-    pos, free = [0] * p, [0.0] * p
+    pos = [0] * p  # the index of each device's next action
+    free = [0.0] * p  # when each device is free
     remaining = sum(len(o) for o in orders)
     while remaining:
         progressed = False

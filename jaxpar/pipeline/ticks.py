@@ -83,7 +83,8 @@ def _intervals(table_tick: dict[Action, int], num_chunks: int, m: int, split: bo
 
 def _assign_slots(intervals: dict, p: int) -> tuple[dict, int]:
     """Greedy interval colouring per device; returns slot per entry and slots per device."""
-    slots, most = {}, 0
+    slots = {}
+    most = 0
     for d in range(p):
         mine = sorted(((iv, key) for key, iv in intervals.items() if key[1] % p == d))
         free_at: list[int] = []  # free_at[s]: last tick slot s is busy
@@ -112,11 +113,9 @@ def tick_table(schedule: str, p: int, m: int, v: int = 1) -> TickTable:
     act_slot_of, n_act = _assign_slots(acts, p)
     grad_slot_of, n_grad = _assign_slots(grads, p)
     shape = (ticks, p)
-    kind, chunk, mb = (
-        np.zeros(shape, np.int32),
-        np.zeros(shape, np.int32),
-        np.zeros(shape, np.int32),
-    )
+    kind = np.zeros(shape, np.int32)
+    chunk = np.zeros(shape, np.int32)
+    mb = np.zeros(shape, np.int32)
     act_slot, grad_slot = np.full(shape, n_act, np.int32), np.full(shape, n_grad, np.int32)
     recv_act, recv_grad = np.full(shape, n_act, np.int32), np.full(shape, n_grad, np.int32)
     for action, t in tick.items():
@@ -164,7 +163,9 @@ def validate(table: TickTable) -> None:
     Raises:
       ValueError: describing the first violation.
     """
-    p, num_chunks, split = table.p, table.p * table.v, table.split_backward
+    p = table.p
+    num_chunks = table.p * table.v
+    split = table.split_backward
     seen = _actions_once(table)
     check_complete(table.orders, num_chunks, split, table.m)
     if set(seen) != set(table.tick):
@@ -194,7 +195,8 @@ def validate(table: TickTable) -> None:
 def _actions_once(table: TickTable) -> dict[Action, int]:
     """The tick of every action, read from the arrays (not from the dict they were made
     of); an action code out of range or an action run twice is an error."""
-    p, seen = table.p, {}
+    p = table.p
+    seen = {}
     for t in range(table.ticks):
         for d in range(p):
             k = int(table.kind[t, d])

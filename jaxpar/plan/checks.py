@@ -209,7 +209,8 @@ def check_spmd_settings(cfg: Any) -> None:
       LayoutError: naming the setting that would have no effect.
     """
     given = [f"pipeline.split={list(cfg.split)}"] if cfg.split else []
-    given += [f"pipeline.backward={cfg.backward}"] if cfg.backward != "recompute" else []
+    if cfg.backward != "recompute":
+        given.append(f"pipeline.backward={cfg.backward}")
     if given:
         raise LayoutError(
             f"{' and '.join(given)} apply to pipeline.executor=mpmd, but this layout runs the "
@@ -252,7 +253,8 @@ def pipeline_table(
             f"mesh.stage={p} needs the stacked layers split over it, but rules.layers="
             f"{','.join(rules.get(LAYERS, ())) or 'null'}; set rules.layers=stage"
         )
-    m, v = cfg.microbatches or 2 * p, cfg.virtual_stages
+    m = cfg.microbatches or 2 * p
+    v = cfg.virtual_stages
     n_layers = jax.tree.leaves(model.params[split.layers_key])[0].shape[0]
     if n_layers % (p * v):
         raise LayoutError(

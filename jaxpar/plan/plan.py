@@ -231,7 +231,8 @@ class Plan:
 
     def state_bytes(self) -> StateBytes:
         """Bytes of the train state per device and in all, from the shardings."""
-        a, s = self.abstract_state, self.state_shardings
+        a = self.abstract_state
+        s = self.state_shardings
         return StateBytes(
             params=shd.bytes_per_device(a.params, s.params),
             opt_state=shd.bytes_per_device(a.opt_state, s.opt_state),
@@ -372,7 +373,8 @@ def _batch_layout(
 
 def _sub_mesh_plan(given: _Given, layout: Layout) -> Plan:
     """The plan of the sub-mesh executor (``pipeline.executor=mpmd``)."""
-    task, model = given.task, given.model
+    task = given.task
+    model = given.model
     decided = sub_mesh_layout(
         task, model, given.optimizer, given.abstract_state.opt_state, layout, given.pipeline
     )
@@ -399,8 +401,10 @@ def _sub_mesh_plan(given: _Given, layout: Layout) -> Plan:
 def _one_program_plan(given: _Given, layout: Layout) -> Plan:
     """The plan of one program over the whole mesh: a plain or accumulated step, or the
     SPMD pipeline executor (``mesh.stage`` > 1)."""
-    task, model = given.task, given.model
-    mesh, rules = layout.mesh, layout.rules
+    task = given.task
+    model = given.model
+    mesh = layout.mesh
+    rules = layout.rules
     table = checks.pipeline_table(task, model, mesh, rules, given.pipeline)
     if table is not None:
         checks.check_spmd_settings(given.pipeline)

@@ -148,7 +148,8 @@ def _by_stack(
     Raises:
       LayoutError: for virtual stages, or a variable outside the stack split over ``stage``.
     """
-    mesh, rules = layout.mesh, layout.rules
+    mesh = layout.mesh
+    rules = layout.rules
     p = layout.stages
     table = checks.pipeline_table(task, model, mesh, rules, pipeline)
     if table.v > 1:
