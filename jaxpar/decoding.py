@@ -1,0 +1,198 @@
+"""Text generation by a language model with a KV cache (what ``jaxpar sample`` runs).
+
+Generation keeps a KV cache, K/V[L, B_batch, S, N_heads, H] with S = the model's
+longest sequence: the prompt runs through the model once, filling it; then each token
+is one step of a jitted ``lax.fori_loop`` — choose a token from the last logits
+(greedy at temperature 0, else a draw from softmax(logits / temperature), over the
+``top_k`` largest when set), run it through the model at its position. When the cache
+is full the window slides: the last S/2 tokens run again as a fresh prompt (positions
+from 0), so every token is predicted from between S/2 and S tokens before it.
+
+Token j of a generation draws with ``fold_in(PRNGKey(seed), j)``: a seed gives the same
+text however the generation is cut into windows, and on any layout.
+
+A model samples here when its module has ``init_cache(batch)`` and
+``decode(tokens_BT, cache, start) -> (logits_BTV, cache)`` and ``cfg.max_seq_len``
+(the GPT and Llama families).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxpar.logical import BATCH, SEQ, Rules, activation_rules
+from jaxpar.run import Run, host_value
+
+__all__ = ["Generator", "choose_token", "generate"]
+
+
+def model_shapes(run: Run) -> nnx.Module:
+    """The run's model with shapes for arrays (what it can do, not its values)."""
+    model = run.plan.model
+    return nnx.merge(model.graphdef, model.params, model.state)
+
+
+def generate(
+    run: Run,
+    state: Any,
+    prompt_BP: np.ndarray,
+    tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    vocab_limit: int | None = None,
+) -> np.ndarray:
+    """``tokens`` ids [B, tokens] continuing each row of ``prompt_BP`` (see the module
+    docstring) by ``run``'s model with ``state``'s parameters, on ``run``'s mesh.
+    ``vocab_limit``: draw only ids below it (those the tokenizer can decode)."""
+    return Generator(run, vocab_limit).generate(
+        state, prompt_BP, tokens, temperature=temperature, top_k=top_k, seed=seed
+    )
+
+
+class Generator:
+    """The jitted prefill and decode loop of a run's model, compiled once for every
+    temperature, top-k and seed (they are traced), and once per prompt length.
+
+    Args:
+      run: the built run (its model, mesh, rules and state shardings).
+      vocab_limit: draw only ids below it (None: any id of the model's vocabulary).
+    """
+
+    def __init__(self, run: Run, vocab_limit: int | None = None):
+        self.plan = plan = run.plan
+        self.graphdef = plan.model.graphdef
+        self.mesh = plan.mesh
+        self.rules = plan.rules
+        self.vocab_limit = vocab_limit
+        self.max_len = model_shapes(run).cfg.max_seq_len
+        shardings = plan.state_shardings
+        self._prefill = jax.jit(
+            self._prefill_fn, in_shardings=(shardings.params, shardings.model_state, None)
+        )
+        self._decode = jax.jit(
+            self._decode_fn, in_shardings=(shardings.params, shardings.model_state, *[None] * 8)
+        )
+
+    def generate(
+        self,
+        state: Any,
+        prompt_BP: np.ndarray,
+        tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+    ) -> np.ndarray:
+        """:func:`generate` with this run's compiled functions."""
+        params = state.params
+        model_state = state.model_state
+        B, S = prompt_BP.shape[0], self.max_len
+        keep = max(1, S // 2)
+        settings = (jnp.float32(temperature), jnp.int32(top_k), jax.random.key(seed))
+        prompt_BP = np.asarray(prompt_BP, np.int32)
+        out = np.zeros((B, tokens), np.int32)
+        window = prompt_BP
+        done = 0
+        while done < tokens:
+            logits_BV, cache = self._prefill(params, model_state, window)
+            filled = window.shape[1]
+            # this window's tokens: the first from the prompt's logits, one more per
+            # position left in the cache; the last one is not run (the next window has it)
+            count = min(tokens - done, S - filled + 1)
+            got = self._decode(
+                params,
+                model_state,
+                cache,
+                logits_BV,
+                jnp.int32(filled),
+                jnp.int32(count),
+                jnp.int32(done),
+                *settings,
+            )
+            out[:, done : done + count] = host_value(got)[:, :count]
+            done += count
+            window = np.concatenate([prompt_BP, out[:, :done]], axis=1)[:, -keep:]
+        return out
+
+    def _model(self, params: Any, model_state: Any) -> Any:
+        model = nnx.merge(self.graphdef, params, model_state)
+        model.eval()
+        return model
+
+    def _rules(self, batch: int) -> Rules:
+        """The run's rules, except that a batch the ``batch`` axes do not divide (one
+        sample on data=8) is replicated, and the sequence is never split: generation writes
+        one position at a time into a KV cache that every device of a ``context`` group
+        holds whole (a run trained with context parallelism samples so)."""
+        rules = {**self.rules, SEQ: ()}
+        return rules if batch % self.plan.batch_ways() == 0 else {**rules, BATCH: ()}
+
+    def _prefill_fn(
+        self, params: Any, model_state: Any, tokens_BP: jax.Array
+    ) -> tuple[jax.Array, Any]:
+        """The logits [B, V] after the prompt, and the cache it filled."""
+        with activation_rules(self.mesh, self._rules(tokens_BP.shape[0])):
+            model = self._model(params, model_state)
+            cache = model.init_cache(tokens_BP.shape[0])
+            logits_BPV, cache = model.decode(tokens_BP, cache, jnp.int32(0))
+        return logits_BPV[:, -1], cache
+
+    def _decode_fn(
+        self,
+        params: Any,
+        model_state: Any,
+        cache: Any,
+        logits_BV: jax.Array,
+        start: jax.Array,
+        count: jax.Array,
+        first: jax.Array,
+        temperature: jax.Array,
+        top_k: jax.Array,
+        key: jax.Array,
+    ) -> jax.Array:
+        """``count`` tokens [B, S] (the first ``count`` columns): each chosen from the
+        logits, then run at position ``start`` + its index to give the next logits —
+        all but the last. Token i draws with ``fold_in(key, first + i)``."""
+        B = logits_BV.shape[0]
+
+        def choose(logits_BV: jax.Array, i: jax.Array) -> jax.Array:
+            return choose_token(
+                logits_BV[:, : self.vocab_limit],
+                temperature,
+                top_k,
+                jax.random.fold_in(key, first + i),
+            )
+
+        with activation_rules(self.mesh, self._rules(B)):
+            model = self._model(params, model_state)
+
+            def body(i, carry):
+                out_BS, cache, logits_BV = carry
+                token_B = choose(logits_BV, i)
+                logits_B1V, cache = model.decode(token_B[:, None], cache, start + i)
+                return out_BS.at[:, i].set(token_B), cache, logits_B1V[:, -1]
+
+            out_BS = jnp.zeros((B, self.max_len), jnp.int32)
+            out_BS, _, logits_BV = jax.lax.fori_loop(0, count - 1, body, (out_BS, cache, logits_BV))
+            return out_BS.at[:, count - 1].set(choose(logits_BV, count - 1))
+
+
+def choose_token(
+    logits_BV: jax.Array, temperature: jax.Array, top_k: jax.Array, key: jax.Array
+) -> jax.Array:
+    """The next token [B]: the argmax at temperature 0, else a draw from
+    softmax(logits / temperature) over the ``top_k`` largest logits (all when 0; ties
+    with the k-th largest are kept)."""
+    V = logits_BV.shape[-1]
+    greedy_B = jnp.argmax(logits_BV, axis=-1)
+    kth_B1 = jnp.sort(logits_BV, axis=-1)[:, V - jnp.clip(top_k, 1, V)][:, None]
+    kept_BV = jnp.where((top_k > 0) & (logits_BV < kth_B1), -jnp.inf, logits_BV)
+    drawn_B = jax.random.categorical(key, kept_BV / jnp.maximum(temperature, 1e-6), axis=-1)
+    return jnp.where(temperature > 0, drawn_B, greedy_B).astype(jnp.int32)
