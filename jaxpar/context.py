@@ -16,6 +16,15 @@ layout's strategy (``context.attention``):
   query row with no visible key in a block contributes nothing. Memory O(local block): the
   backward pass sends the blocks round again, their dK and dV travelling with them (a
   ``custom_vjp``), instead of keeping every block's probabilities.
+* ``ulysses`` (DeepSpeed-Ulysses): an ``all_to_all`` over ``context`` turns q, k, v from
+  sequence shards ``[B, T_context, N, H]`` into head shards ``[B, T, N_context, H]``; each
+  device attends over the whole sequence for its c-th of the heads, the mask built from
+  the gathered positions (so a balanced order is exact), and a second ``all_to_all`` gives
+  the output back as sequence shards. Autodiff turns each ``all_to_all`` into its reverse.
+  A device sends 4 arrays of ``(c−1)/c`` of its local size per layer, whatever ``c`` (the
+  all-gather's K/V grow with it); the heads each device holds (after ``tensor``) must
+  divide by ``c``. Grouped-query key/value heads that ``c`` does not divide are repeated to
+  the query heads first.
 
 Causal attention gives the device with the last chunk of a sequence the most work. With
 ``context.balance`` (default) a causal model reorders each sequence once, before its first
@@ -47,11 +56,11 @@ from jax.sharding import PartitionSpec
 from pydantic import Field
 
 from jaxpar.errors import LayoutError
-from jaxpar.logical import BATCH, SEQ, active_layout, spec_for, split_over
+from jaxpar.logical import BATCH, SEQ, active_layout, active_options, names_of, spec_for, split_over
 from jaxpar.schema import section
 
 #: ``context.attention`` values.
-Strategy = Literal["all_gather", "ring"]
+Strategy = Literal["all_gather", "ring", "ulysses"]
 
 
 @section("context")
@@ -62,7 +71,9 @@ class ContextConfig:
         "all_gather",
         description="all_gather: keys and values "
         "gathered over the context axis for each layer; ring: their "
-        "blocks passed round the devices (memory of one block)",
+        "blocks passed round the devices (memory of one block); ulysses: "
+        "q, k, v exchanged all-to-all from sequence to head shards (the "
+        "heads per device must divide by mesh.context)",
     )
     balance: bool = Field(
         True,
@@ -73,9 +84,7 @@ class ContextConfig:
 
 
 def _options() -> ContextConfig:
-    layout = active_layout()
-    options = layout[2] if layout is not None else None
-    return options if isinstance(options, ContextConfig) else ContextConfig()
+    return active_options(ContextConfig) or ContextConfig()
 
 
 def sequence_axes() -> tuple[str, ...]:
@@ -215,24 +224,11 @@ def attend(
             q, k, v, is_causal=causal, local_window_size=local, implementation=implementation
         )
     _SPLIT_CALLS[0] += 1
-    mesh, rules, _ = active_layout()
-    spec = spec_for((BATCH, SEQ, "heads", "kv"), rules, mesh, q.shape, "attention q [B, T, N, H]")
-    ring = _options().attention == "ring"
-    grouped = k.shape[2] != q.shape[2]  # grouped-query attention: K key/value heads
-    if grouped and (ring or rules.get("kv_heads", ()) != rules.get("heads", ())):
-        # each device needs the key/value heads of its query heads: give every query head
-        # its own (the ring's blocks then match the queries head for head)
-        k, v = (jnp.repeat(x, q.shape[2] // k.shape[2], axis=2) for x in (k, v))
-        grouped = False
-    kv_spec = (
-        spec
-        if not grouped
-        else spec_for(
-            (BATCH, SEQ, "kv_heads", "kv"), rules, mesh, k.shape, "attention k, v [B, T, K, H]"
-        )
-    )
+    mesh = active_layout()[0]
+    strategy = _options().attention
+    spec, k, v, kv_spec = _specs(q, k, v, strategy, axes)
     pos = jnp.asarray(positions_T if positions_T is not None else np.arange(q.shape[1]))
-    run = _ring if ring else _all_gather
+    run = {"ring": _ring, "ulysses": _ulysses}.get(strategy, _all_gather)
     body = functools.partial(
         run, axes=axes, causal=causal, implementation=implementation, window=window
     )
@@ -253,6 +249,49 @@ def attend(
         out_specs=spec,
         check_vma=False,
     )(q, k, v, pos, segments)
+
+
+def _specs(q, k, v, strategy, axes):
+    """The ``PartitionSpec`` of q, and k, v with theirs: grouped-query key/value heads are
+    repeated to the query heads where a device would not hold its query heads' own.
+
+    Raises:
+      LayoutError: ``ulysses`` with query heads per device that ``axes`` do not divide.
+    """
+    mesh, rules, _ = active_layout()
+    spec = spec_for((BATCH, SEQ, "heads", "kv"), rules, mesh, q.shape, "attention q [B, T, N, H]")
+    ways = math.prod(mesh.shape[a] for a in axes)
+    split = math.prod(mesh.shape[a] for a in names_of(spec[2]))  # query heads' devices
+    if strategy == "ulysses" and q.shape[2] // split % ways:
+        over = "".join(
+            f" over mesh.{a}={mesh.shape[a]}" for a in names_of(spec[2]) if mesh.shape[a] > 1
+        )
+        raise LayoutError(
+            f"context.attention=ulysses splits each device's {q.shape[2] // split} query "
+            f"heads (model.n_heads={q.shape[2]}{over}) over "
+            f"{'×'.join(f'mesh.{a}' for a in axes)}={ways}, which does not divide them; "
+            "change model.n_heads, mesh.context or mesh.tensor, or use "
+            "context.attention=all_gather"
+        )
+    kv_heads = rules.get("kv_heads", ())
+    kv_split = math.prod(mesh.shape[a] for a in kv_heads)
+    grouped = k.shape[2] != q.shape[2]  # grouped-query attention: K key/value heads
+    if grouped and (
+        strategy == "ring"
+        or kv_heads != rules.get("heads", ())
+        or (strategy == "ulysses" and k.shape[2] // kv_split % ways)
+    ):
+        # each device needs the key/value heads of its query heads: give every query head
+        # its own (the ring's blocks then match the queries head for head; ulysses's
+        # all-to-all then splits them as it splits the queries)
+        k, v = (jnp.repeat(x, q.shape[2] // k.shape[2], axis=2) for x in (k, v))
+        grouped = False
+    if not grouped:
+        return spec, k, v, spec
+    kv_spec = spec_for(
+        (BATCH, SEQ, "kv_heads", "kv"), rules, mesh, k.shape, "attention k, v [B, T, K, H]"
+    )
+    return spec, k, v, kv_spec
 
 
 def _visible(
@@ -287,6 +326,23 @@ def _all_gather(q, k, v, pos, seg=None, *, axes, causal, implementation, window)
     seg_k = None if seg is None else gather(seg, axis=1)
     mask = _visible(pos, pos_k, causal, window, seg, seg_k)
     return jax.nn.dot_product_attention(q, k_all, v_all, mask=mask, implementation=implementation)
+
+
+def _ulysses(q, k, v, pos, seg=None, *, axes, causal, implementation, window):
+    """Sequence shards [B, T/c, N, H] to head shards [B, T, N/c, H] and back: the
+    sequence after the all-to-all is the devices' chunks in device order, the order of
+    the gathered positions (and segment ids), from which the mask comes."""
+    to_heads = functools.partial(
+        jax.lax.all_to_all, axis_name=axes, split_axis=2, concat_axis=1, tiled=True
+    )
+    gather = functools.partial(jax.lax.all_gather, axis_name=axes, tiled=True)
+    pos_all = gather(pos, axis=0)
+    seg_all = None if seg is None else gather(seg, axis=1)
+    mask = _visible(pos_all, pos_all, causal, window, seg_all, seg_all)
+    out = jax.nn.dot_product_attention(
+        to_heads(q), to_heads(k), to_heads(v), mask=mask, implementation=implementation
+    )
+    return jax.lax.all_to_all(out, axes, split_axis=1, concat_axis=2, tiled=True)
 
 
 def _ring(q, k, v, pos, seg=None, *, axes, causal, implementation, window):

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar.logical import BATCH, SEQ, Rules, activation_rules
+from jaxpar.logical import ACT_SEQ, BATCH, SEQ, Rules, activation_rules
 from jaxpar.run import Run, host_value
 
 __all__ = ["Generator", "choose_token", "generate"]
@@ -131,7 +131,7 @@ class Generator:
         sample on data=8) is replicated, and the sequence is never split: generation writes
         one position at a time into a KV cache that every device of a ``context`` group
         holds whole (a run trained with context parallelism samples so)."""
-        rules = {**self.rules, SEQ: ()}
+        rules = {**self.rules, SEQ: (), ACT_SEQ: ()}
         return rules if batch % self.plan.batch_ways() == 0 else {**rules, BATCH: ()}
 
     def _prefill_fn(

@@ -47,6 +47,7 @@ from jaxpar.task import (
     loss_weights,
     split_microbatches,
 )
+from jaxpar.tensor_parallel import compiler_options
 
 
 class Strategy(Protocol):
@@ -82,6 +83,7 @@ class Traced:
             in_shardings=(shardings, None),
             out_shardings=(shardings, None),
             donate_argnums=0,
+            compiler_options=compiler_options(self.layout.tensor),
         )
 
     def build_eval(self, shardings: TrainState) -> Callable:
@@ -206,6 +208,11 @@ class Accumulated(Traced):
     k: int
     grad_shardings: Any = None
     gathered_shardings: Any = None
+
+    @property
+    def layout(self) -> Layout:
+        """The layout of the strategy it accumulates."""
+        return self.inner.layout
 
     def __call__(self, params: Any, model_state: Any, batch: Batch):
         if self.gathered_shardings is not None:

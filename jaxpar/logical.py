@@ -18,7 +18,7 @@ import contextlib
 import contextvars
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxpar.errors import LayoutError
 
 Rules = Mapping[str, tuple[str, ...]]
+T = TypeVar("T")
 AxisNames = Sequence[str | tuple[str, ...] | None]
 
 # The logical axes the engine reads to make layout decisions; a model (built-in or a
@@ -34,6 +35,9 @@ AxisNames = Sequence[str | tuple[str, ...] | None]
 BATCH = "batch"
 #: the tokens of a sequence (split over ``context``)
 SEQ = "seq"
+#: the tokens of the residual stream between blocks (split over ``context`` as ``seq`` is, and
+#: over ``tensor`` too under sequence parallelism: ``tensor.sequence``)
+ACT_SEQ = "act_seq"
 #: the stacked layers of a model (split over ``stage``: pipeline stages are layer ranges)
 LAYERS = "layers"
 
@@ -129,20 +133,30 @@ def spec_for(
 
 
 @contextlib.contextmanager
-def activation_rules(mesh: Mesh, rules: Rules, context: Any = None) -> Iterator[None]:
-    """Activates ``rules`` for :func:`constrain` while a step is being traced;
-    ``context``: how attention runs across a split sequence (a
-    :class:`jaxpar.context.ContextConfig`, its defaults when None)."""
-    token = _ACTIVE.set((mesh, rules, context))
+def activation_rules(mesh: Mesh, rules: Rules, *options: Any) -> Iterator[None]:
+    """Activates ``rules`` for :func:`constrain` while a step is being traced; ``options``:
+    the layout's settings that layers read (:func:`active_options`), e.g. how attention
+    runs across a split sequence (a :class:`jaxpar.context.ContextConfig`) or how tensor
+    parallelism runs (a :class:`jaxpar.tensor_parallel.TensorConfig`); their defaults
+    where not given."""
+    token = _ACTIVE.set((mesh, rules, options))
     try:
         yield
     finally:
         _ACTIVE.reset(token)
 
 
-def active_layout() -> tuple[Mesh, Rules, Any] | None:
-    """The mesh, rules and context options of the step being traced (None outside one)."""
+def active_layout() -> tuple[Mesh, Rules, tuple[Any, ...]] | None:
+    """The mesh, rules and options of the step being traced (None outside one)."""
     return _ACTIVE.get()
+
+
+def active_options(kind: type[T]) -> T | None:
+    """The option of type ``kind`` the step being traced was given (None outside a step, or
+    when it was given none: the caller's default applies)."""
+    active = _ACTIVE.get()
+    found = [o for o in active[2] if isinstance(o, kind)] if active is not None else []
+    return found[0] if found else None
 
 
 def shards(name: str) -> int:

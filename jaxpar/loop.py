@@ -292,7 +292,7 @@ def summarize(run: Run, history: History) -> str:
         f"interval{'s' * (len(steady) != 1)}); first step logged after {rows[0]['time']:.1f} s "
         f"(compile included)" + (f"; not counted: {apart}" if apart else ""),
         f"state per device: params {state.params / 2**20:.2f} MiB, optimizer "
-        f"{state.opt_state / 2**20:.2f} MiB",
+        f"{state.opt_state / 2**20:.2f} MiB" + (" (in host memory)" if state.host else ""),
         f"skipped non-finite steps: {last['skipped']}",
     ]
     return "\n".join(lines)

@@ -249,7 +249,8 @@ def format_report(run: Run, totals: Totals) -> str:
         f"params per device:           {_fmt_bytes(totals.params_bytes)}"
         f"  (total {_fmt_bytes(totals.params_total_bytes)})",
         f"optimizer state per device:  {_fmt_bytes(totals.opt_state_bytes)}"
-        f"  (total {_fmt_bytes(totals.opt_state_total_bytes)})",
+        f"  (total {_fmt_bytes(totals.opt_state_total_bytes)})"
+        + ("  in pinned host memory between steps" if plan.optimizer_offload else ""),
         f"train step per device (compiled): arguments "
         f"{_fmt_bytes(totals.step_argument_bytes)}, outputs "
         f"{_fmt_bytes(totals.step_output_bytes)}, temporaries "

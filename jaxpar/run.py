@@ -17,7 +17,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxpar import hf
+from jaxpar import hf, tensor_parallel
 from jaxpar import sharding as shd
 from jaxpar.axes import Axis
 from jaxpar.config import Config, model_settings
@@ -99,7 +99,9 @@ def build(
         config.pipeline.microbatches,
         mesh.shape[Axis.STAGE],
     )
-    rules = shd.resolve_rules(config.rules)
+    rules = shd.resolve_rules(config.rules, config.tensor)
+    precision = getattr(config.model, "precision", "default") if task is None else "default"
+    tensor_parallel.check(config.tensor, mesh.shape, devices[0].platform, precision)
     family = None
     if task is None:
         family = config.family
@@ -123,6 +125,8 @@ def build(
         fsdp_gather=config.train.fsdp_gather,
         model=model,
         context=config.context,
+        tensor=config.tensor,
+        optimizer_offload=config.train.optimizer_offload,
     )
     memory = sizes.device_memory(devices) if fit_memory else None
     settings = _sizes(config, user_task)

@@ -77,13 +77,14 @@ def locked(directories: list[tuple[Path, str]]) -> Iterator[list[RunDirLock]]:
 #: The config sections that make a layout. A layout other than the first config file's gets
 #: a run dir of its own, named after what changed it (``runs/gpt_tiny-fsdp8``), so layouts
 #: tried one after another never resume each other's run.
-LAYOUT_SECTIONS = ("mesh", "rules", "pipeline", "context")  # not a mesh axis: sections
+LAYOUT_SECTIONS = ("mesh", "rules", "pipeline", "context", "tensor")  # not a mesh axis: sections
 #: short names of layout overrides in a run directory's name (others: key and value)
 _SHORT = {
     "pipeline.schedule": "",
     "pipeline.microbatches": "m",
     "pipeline.virtual_stages": "v",
     "rules.preset": "",
+    "tensor.sequence": "sp",
 }
 
 

@@ -34,14 +34,16 @@ from pydantic import BeforeValidator, Field
 
 from jaxpar.axes import MESH_AXES, Axis
 from jaxpar.errors import ConfigError, TaskError
-from jaxpar.logical import BATCH, LAYERS, SEQ, Rules, spec_for, spec_leaves
+from jaxpar.logical import ACT_SEQ, BATCH, LAYERS, SEQ, Rules, spec_for, spec_leaves
 from jaxpar.schema import section
+from jaxpar.tensor_parallel import TensorConfig
 
 # Logical names every preset maps, so any built-in model works under any preset. Stacked
 # layers go over 'stage' (a no-op while mesh.stage = 1): pipeline stages are layer ranges;
 # the sequence of activations over 'context' (a no-op while mesh.context = 1).
 _REPLICATED = {
     SEQ: (Axis.CONTEXT,),
+    ACT_SEQ: (Axis.CONTEXT,),
     "experts": (),
     "act_embed": (),
     "kv": (),
@@ -140,11 +142,22 @@ class RulesConfig:
     )
 
 
+def sequence_parallel(rules: Rules) -> dict[str, tuple[str, ...]]:
+    """``rules`` with the residual stream's tokens (logical ``act_seq``) split over the
+    ``tensor`` axis too: Megatron's sequence parallelism, for any model that names its
+    residual stream ``("batch", "act_seq", …)`` (the built-in transformers do)."""
+    axes = rules.get(ACT_SEQ, rules.get(SEQ, ()))
+    return {**rules, ACT_SEQ: (*axes, Axis.TENSOR) if Axis.TENSOR not in axes else axes}
+
+
 PathRules = Sequence[tuple[str, tuple[str | None, ...]]]
 
 
-def resolve_rules(cfg: RulesConfig) -> dict[str, tuple[str, ...]]:
-    """The rules table of a preset with the config's overrides applied.
+def resolve_rules(
+    cfg: RulesConfig, tensor: TensorConfig | None = None
+) -> dict[str, tuple[str, ...]]:
+    """The rules table of a preset with the config's overrides applied, and with
+    ``tensor.sequence`` the sequence-parallel rule (:func:`sequence_parallel`).
 
     Raises:
       ConfigError: for an unknown preset or an override naming an unknown mesh axis.
@@ -162,7 +175,7 @@ def resolve_rules(cfg: RulesConfig) -> dict[str, tuple[str, ...]]:
                     f"use some of {', '.join(MESH_AXES)} or null"
                 )
         rules[name] = tuple(axes)
-    return rules
+    return sequence_parallel(rules) if tensor is not None and tensor.sequence else rules
 
 
 def path_str(path: tuple[Any, ...]) -> str:

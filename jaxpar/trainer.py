@@ -28,6 +28,15 @@ from jaxpar.task import Batch
 from jaxpar.update import Update
 
 
+def _on_device(eval_params: Any, offloaded: Any) -> Any:
+    """``eval_params(opt_state, params)`` of an optimizer state held in host memory
+    (``offloaded``: its shardings) moved to the devices first."""
+    if offloaded is None:
+        return eval_params
+    device = jax.tree.map(lambda s: s.with_memory_kind("device"), offloaded)
+    return lambda opt_state, params: eval_params(jax.device_put(opt_state, device), params)
+
+
 class Trainer:
     """Sharded state, train step and eval step of a plan.
 
@@ -45,7 +54,8 @@ class Trainer:
         self.keep = guard.choose(nonfinite_guard, plan.mesh.devices.flat[0].platform)
         shardings = plan.state_shardings
         programs = plan.gradients
-        self._step = programs.build_step(Update(plan.optimizer, self.keep), shardings)
+        offloaded = shardings.opt_state if plan.optimizer_offload else None
+        self._step = programs.build_step(Update(plan.optimizer, self.keep, offloaded), shardings)
         self._eval = programs.build_eval(shardings)
         self._init = programs.build_init(self._create, shardings)
         self._grads_jit = programs.build_grads(shardings)
@@ -57,7 +67,9 @@ class Trainer:
                     "program, which pipeline.executor=mpmd splits by stage; use "
                     "pipeline.executor=spmd or leave eval_params out"
                 )
-            self._eval_params = jax.jit(plan.task.eval_params, out_shardings=shardings.params)
+            self._eval_params = jax.jit(
+                _on_device(plan.task.eval_params, offloaded), out_shardings=shardings.params
+            )
 
     def with_plan(self, plan: Plan) -> Trainer:
         """A trainer of another plan with this one's seed and guard."""

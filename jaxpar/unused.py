@@ -14,6 +14,7 @@ from jaxpar.context import ContextConfig
 from jaxpar.data.sources import DataConfig
 from jaxpar.optim import OptimConfig
 from jaxpar.pipeline.schedule import PipelineConfig
+from jaxpar.tensor_parallel import TensorConfig
 
 #: ``data`` keys that read a task's own data too
 _LOADER_KEYS = ("threads", "prefetch", "workers", "wait_warn")
@@ -83,6 +84,8 @@ def unused_settings(
         keys += [f"pipeline.{k}" for k in schema.keys(PipelineConfig)]
     if config.mesh.context == 1:
         keys += [f"context.{k}" for k in schema.keys(ContextConfig)]
+    if config.mesh.tensor == 1:
+        keys += [f"tensor.{k}" for k in schema.keys(TensorConfig)]
     if not config.checkpoint.keep_best:
         keys += ["checkpoint.best_metric", "checkpoint.best_mode"]
     return [k for k in dict.fromkeys(keys) if k in explicit or _non_default(config, k)]
@@ -101,7 +104,8 @@ def warn_unused(config: Config, **run: bool) -> None:
         context.append(
             f"model.name={config.family.name}, optim.name={config.optim.name}, "
             f"optim.schedule={config.optim.schedule}, mesh.stage="
-            f"{config.mesh.stage}, checkpoint.keep_best={config.checkpoint.keep_best}"
+            f"{config.mesh.stage}, mesh.context={config.mesh.context}, mesh.tensor="
+            f"{config.mesh.tensor}, checkpoint.keep_best={config.checkpoint.keep_best}"
         )
     for key in unused_settings(config, **run):
         warnings.warn(f"config key '{key}' has no effect with {'; '.join(context)}", stacklevel=2)

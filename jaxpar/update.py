@@ -9,7 +9,7 @@ the gradient norm and the finiteness of the whole step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
@@ -38,15 +38,19 @@ def optimizer_update(
 @dataclass(frozen=True)
 class Update:
     """The optimizer step: ``tx`` updates, ``keep`` (:mod:`jaxpar.guard`) keeps the old
-    state when anything is not finite."""
+    state when anything is not finite. ``offloaded``: the shardings of an optimizer state
+    held in host memory between steps (``train.optimizer_offload``), moved to the devices
+    for the update and back for the step's output; None: held on the devices."""
 
     tx: optax.GradientTransformation
     keep: guard.Keep
+    offloaded: Any = None
 
     def __call__(
         self, state: TrainState, loss: jax.Array, aux: dict, grads: Any, model_state: Any
     ) -> tuple[TrainState, dict]:
         """The state after the step and its metrics (traceable)."""
+        state = self._moved(state, to_device=True)
         grad_norm = optax.tree.norm(grads)
 
         def update() -> dict[str, Any]:
@@ -61,7 +65,18 @@ class Update:
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & guard.all_finite(new["params"])
         kept = self.keep(finite, new, update, old_parts(state))
         new_state = advance(state, kept, finite)
-        return new_state, self.metrics(new_state, new["opt_state"], loss, grad_norm, finite, aux)
+        metrics = self.metrics(new_state, new["opt_state"], loss, grad_norm, finite, aux)
+        return self._moved(new_state, to_device=False), metrics
+
+    def _moved(self, state: TrainState, to_device: bool) -> TrainState:
+        """``state`` with an offloaded optimizer state moved to device memory, or back to
+        where it is held between steps."""
+        if self.offloaded is None:
+            return state
+        to = self.offloaded
+        if to_device:
+            to = jax.tree.map(lambda s: s.with_memory_kind("device"), to)
+        return replace(state, opt_state=jax.device_put(state.opt_state, to))
 
     def metrics(
         self,

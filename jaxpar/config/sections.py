@@ -26,6 +26,7 @@ from jaxpar.pipeline.schedule import PipelineConfig
 from jaxpar.plan import FsdpGather
 from jaxpar.schema import Float, IntList, StrList, section
 from jaxpar.sharding import RulesConfig
+from jaxpar.tensor_parallel import TensorConfig
 
 #: ``train.nonfinite`` values.
 Nonfinite = Literal["stop", "skip"]
@@ -124,6 +125,12 @@ class TrainConfig:
         "parameters sharded over a batch axis (FSDP) are gathered: per_microbatch (in every "
         "microbatch's forward and backward: least memory) or once per step, kept through the "
         "accumulation loop (1/grad_accum of the gather traffic, or less)",
+    )
+    optimizer_offload: bool = Field(
+        False,
+        description="hold the optimizer state in the host's pinned memory between steps "
+        "(moved to the devices for the update and back inside the step): device memory "
+        "freed of it, its transfer paid every step; docs/performance.md, Host offload",
     )
     log_every: int = Field(
         10, ge=1, le=MAX_STEPS, description="log a metrics row every this many steps"
@@ -240,6 +247,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     context: ContextConfig = field(default_factory=ContextConfig)
+    tensor: TensorConfig = field(default_factory=TensorConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 

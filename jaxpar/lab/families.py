@@ -36,6 +36,12 @@ def register(name: str, lab: LabModel) -> LabModel:
     return lab
 
 
+def lab_named(name: str) -> LabModel:
+    """What the lab knows of the family ``model.name=<name>`` (a task's ``Task.family``;
+    the base :class:`LabModel` for a name it does not know, or an empty one)."""
+    return _LABS.get(name, LabModel())
+
+
 def lab_for(family: Family | None) -> LabModel:
     """What the lab knows of ``family`` (the base :class:`LabModel` for one it does not
     know, or None: a task without a family)."""

@@ -142,10 +142,12 @@ class StepTime:
     memory_s: float
     comm_s: float
     latency_s: float = 0.0
+    #: communication that runs while the matmuls compute (a collective matmul's sends)
+    hidden_s: float = 0.0
 
     @property
     def total_s(self) -> float:
-        return max(self.compute_s, self.memory_s) + self.comm_s + self.latency_s
+        return max(self.compute_s, self.memory_s, self.hidden_s) + self.comm_s + self.latency_s
 
 
 def roofline(
@@ -155,13 +157,17 @@ def roofline(
     comm_bytes: float,
     dtype: str,
     collectives: int = 0,
+    hidden_bytes: float = 0.0,
 ) -> StepTime:
     """Predicted step time on ``hw`` from per-device FLOPs, memory traffic, collective
     wire bytes and the number of collectives executed (all over the host's links: the
-    lab does not price cross-host axes yet)."""
+    lab does not price cross-host axes yet); ``hidden_bytes`` of communication run
+    while the matmuls compute (they count only where they outlast the compute), and are
+    not in ``comm_bytes`` or ``collectives``."""
     return StepTime(
         flops / hw.peak_flops(dtype),
         traffic_bytes / hw.hbm_bandwidth,
         comm_bytes / hw.interconnect_bandwidth,
         collectives * hw.collective_latency,
+        hidden_bytes / hw.interconnect_bandwidth,
     )

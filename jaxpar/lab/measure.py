@@ -30,7 +30,7 @@ from jaxpar.axes import MESH_AXES
 from jaxpar.config import Config, apply_overrides
 from jaxpar.errors import ConfigError, JaxparError
 from jaxpar.lab.hardware import Hardware, roofline
-from jaxpar.lab.predict import predict_argument_bytes, predict_comm
+from jaxpar.lab.predict import CommPrediction, predict_argument_bytes, predict_comm
 from jaxpar.pipeline.branches import branch_table
 from jaxpar.plan import global_batch_shapes
 from jaxpar.run import Run, build
@@ -66,6 +66,8 @@ class Row:
     transfer_bytes: float | None = None
     collective_ops: int | None = None
     predicted_latency_s: float | None = None
+    #: bytes per device held in host memory (an offloaded optimizer state), outside mem_*
+    mem_host_bytes: int | None = None
     hardware: str = ""
     error: str = ""
 
@@ -181,12 +183,17 @@ def measure(
     return read(lowered, compiled, seconds, hw, memory_bytes, steps)
 
 
-def _memory(compiled: jax.stages.Compiled) -> tuple[int, int, int, int]:
-    """(arguments, temporaries, outputs, peak) bytes per device; donated outputs alias
-    their arguments, so the peak counts them once."""
+def _memory(compiled: jax.stages.Compiled, host: int = 0) -> tuple[int, int, int, int]:
+    """(arguments, temporaries, outputs, peak) bytes per device in device memory; donated
+    outputs alias their arguments, so the peak counts them once. ``host``: the bytes of
+    donated state the step takes and returns in host memory (an offloaded optimizer
+    state), which XLA:CPU counts with the rest (one RAM), where a GPU's analysis reports
+    them apart (``host_argument_size_in_bytes``)."""
     mem = compiled.memory_analysis()
     args, temp = int(mem.argument_size_in_bytes), int(mem.temp_size_in_bytes)
     out, alias = int(mem.output_size_in_bytes), int(mem.alias_size_in_bytes)
+    if host and not int(getattr(mem, "host_argument_size_in_bytes", 0) or 0):
+        args, out, alias = args - host, out - host, alias - host
     return args, temp, out, args + out - alias + temp
 
 
@@ -203,8 +210,9 @@ def read(
     row = lowered.row
     run = lowered.run
     row.compile_s = compile_s
+    row.mem_host_bytes = run.plan.state_bytes().host
     row.mem_args_bytes, row.mem_temp_bytes, row.mem_output_bytes, row.mem_total_bytes = _memory(
-        compiled
+        compiled, row.mem_host_bytes
     )
     row.predicted_mem_args_bytes = predict_argument_bytes(run, lowered.batch)
     row.fits = row.mem_total_bytes <= (memory_bytes or hw.memory_bytes)
@@ -215,11 +223,17 @@ def read(
     # HBM traffic, roughly: the state is read and written once, activations written and
     # read back once (an unfused CPU program's op-by-op traffic would say far more)
     row.mem_traffic_bytes = row.mem_args_bytes + row.mem_output_bytes + 2 * row.mem_temp_bytes
-    comm_gpu = _fill_comm(row, cost, run)
+    comm_gpu, hidden = _fill_comm(row, cost, run)
     row.collective_ops = cost.collective_ops
     dtype = run.family.compute_dtype(run.config.model) if run.family else "float32"
     time_s = roofline(
-        hw, row.flops, row.mem_traffic_bytes, comm_gpu, dtype, collectives=row.collective_ops
+        hw,
+        row.flops,
+        row.mem_traffic_bytes,
+        comm_gpu - hidden.hidden_bytes,
+        dtype,
+        collectives=row.collective_ops - hidden.hidden_ops,
+        hidden_bytes=hidden.hidden_bytes,
     )
     row.predicted_step_time_s = time_s.total_s
     row.predicted_latency_s = time_s.latency_s
@@ -271,8 +285,9 @@ def _scheduled_flops(compiled: Any, cost: hlo.ProgramCost, run: Run) -> float:
     return cost.flops - trips * per.max() + float(per[np.searchsorted(used, full)].max(1).sum())
 
 
-def _fill_comm(row: Row, cost: hlo.ProgramCost, run: Run) -> float:
-    """Collective columns; returns the wire bytes the roofline uses (for a GPU)."""
+def _fill_comm(row: Row, cost: hlo.ProgramCost, run: Run) -> tuple[float, CommPrediction]:
+    """Collective columns; returns the wire bytes the roofline uses (for a GPU), and the
+    GPU's prediction (whose hidden terms the roofline counts as hidden)."""
     stats = cost.collectives
     for kind in hlo.COLLECTIVES:
         setattr(row, f"{kind.replace('-', '_')}_bytes", stats[kind].wire_bytes)
@@ -285,4 +300,4 @@ def _fill_comm(row: Row, cost: hlo.ProgramCost, run: Run) -> float:
     # A program compiled for the CPU differs from the GPU one where the prediction knows
     # it (all-reduce + slice for reduce-scatter, float32 for bfloat16 reductions): correct
     # the measured bytes by that difference. On a GPU the measured bytes stand as they are.
-    return row.comm_bytes + gpu.total_bytes - here.total_bytes
+    return row.comm_bytes + gpu.total_bytes - here.total_bytes, gpu

@@ -26,9 +26,10 @@ from dataclasses import dataclass
 from jaxpar.axes import Axis
 from jaxpar.config import Config
 from jaxpar.lab.chart import fmt_value
+from jaxpar.lab.families import lab_named
 from jaxpar.lab.hardware import Hardware
 from jaxpar.lab.measure import Row, layout_overrides, measure
-from jaxpar.lab.sweep import default_layouts, runnable
+from jaxpar.lab.sweep import SEQUENCE_PARALLEL, default_layouts, runnable
 from jaxpar.lab.workers import default_workers, measure_all
 from jaxpar.run import task_for
 from jaxpar.task import Task
@@ -50,16 +51,22 @@ def _degrees(layout: str) -> dict[str, int]:
 
 
 def _why(row: Row, memory: float) -> str:
+    host = (
+        f"; optimizer state in host memory: {fmt_value(row.mem_host_bytes, 'B')}"
+        if row.mem_host_bytes
+        else ""
+    )
     return (
         f"needs {fmt_value(row.mem_total_bytes, 'B')} > {fmt_value(memory, 'B')}: "
         f"arguments {fmt_value(row.mem_args_bytes, 'B')} (parameters, optimizer state, "
-        f"batch), temporaries {fmt_value(row.mem_temp_bytes, 'B')} (activations)"
+        f"batch), temporaries {fmt_value(row.mem_temp_bytes, 'B')} (activations){host}"
     )
 
 
 def fixes(config: Config, layout: str, row: Row, task: Task | None = None) -> list[str]:
-    """Variants of ``layout`` that need less memory, most promising first: the model
-    family's own (recomputation, e.g. ``model.remat=full``), gradient accumulation, the
+    """Variants of ``layout`` that need less memory, most promising first: sequence
+    parallelism where ``tensor`` > 1, the model family's own (recomputation, e.g.
+    ``model.remat=full``), gradient accumulation, the
     data degree moved into context parallelism (each sequence split: activations shrink
     with it) and into FSDP."""
     deg = _degrees(layout)
@@ -71,6 +78,14 @@ def fixes(config: Config, layout: str, row: Row, task: Task | None = None) -> li
         if task is not None
         else [f"{layout},{fix}" for fix in config.family.memory_fixes(config.model)]
     )
+    family = task.family if task is not None else config.family.name
+    if (
+        deg[Axis.TENSOR] > 1
+        and SEQUENCE_PARALLEL not in layout
+        and lab_named(family).sequence_parallel
+    ):
+        # the residual stream split over tensor too: its activations shrink, nothing recomputed
+        recompute.insert(0, f"{layout},{SEQUENCE_PARALLEL}")
     if deg[Axis.STAGE] == 1:
         accum += [
             f"{layout},train.grad_accum={k}"

@@ -59,7 +59,7 @@ from jaxpar.lab.staged import (
     first_stage_message,
 )
 from jaxpar.lab.terms import LabLayout, LabModel, Term
-from jaxpar.logical import LAYERS, SEQ, spec_axes, spec_leaves
+from jaxpar.logical import ACT_SEQ, LAYERS, SEQ, spec_axes, spec_leaves, split_over
 from jaxpar.pipeline.views import STACKED, WHOLE
 from jaxpar.plan import Plan
 from jaxpar.run import Run
@@ -81,6 +81,16 @@ class CommPrediction:
     @property
     def total_bytes(self) -> float:
         return sum(t.wire_bytes for t in self.terms)
+
+    @property
+    def hidden_bytes(self) -> float:
+        """Wire bytes that run while the matmuls they feed compute (:attr:`Term.hidden`)."""
+        return sum(t.wire_bytes for t in self.terms if t.hidden)
+
+    @property
+    def hidden_ops(self) -> int:
+        """How many of the step's collectives are hidden so."""
+        return sum(t.times for t in self.terms if t.hidden)
 
 
 class _Leaf(NamedTuple):
@@ -402,6 +412,7 @@ def lab_layout(run: Run, cpu: bool) -> LabLayout:
         sub_mesh=plan.executor == "mpmd",
         context=plan.context.attention,
         residuals=plan.executor == "mpmd" and plan.gradients.residuals,
+        tensor_overlap=plan.tensor.overlap,
     )
 
 
@@ -414,6 +425,9 @@ def _pipeline_terms(run: Run, cpu: bool) -> list[Term]:
     if table is None or plan.executor == "mpmd":  # no collective: device_put between stages
         return []
     _, size = first_stage_message(run, cpu)
+    # under sequence parallelism the residual stream crosses stages split over tensor too
+    rules, sizes = plan.rules, plan.mesh.shape
+    size /= math.prod(sizes[a] for a in split_over(rules, sizes, ACT_SEQ) if a not in rules[SEQ])
     return [
         Term(
             "collective-permute",

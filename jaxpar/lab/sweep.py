@@ -30,6 +30,7 @@ from jaxpar.axes import Axis
 from jaxpar.config import Config
 from jaxpar.files import ensure_dir, write_atomic
 from jaxpar.lab.chart import Panel, write_chart
+from jaxpar.lab.families import lab_named
 from jaxpar.lab.hardware import Hardware
 from jaxpar.lab.measure import Row as Row
 from jaxpar.lab.measure import layout_overrides as layout_overrides
@@ -89,7 +90,8 @@ def default_layouts(
     was); for a model with experts, its expert-parallel variants as well."""
     task = task if task is not None else task_for(config)
     kept, note = runnable(all_layouts(devices), task)
-    return kept + _expert_variants(task, kept), note
+    variants = _expert_variants(task, kept) + _sequence_variants(task, kept)
+    return kept + variants + _ulysses_variants(config, task, kept), note
 
 
 def runnable(layouts: list[str], task: Task) -> tuple[list[str], str | None]:
@@ -161,6 +163,44 @@ def _expert_variants(task: Task, layouts: list[str]) -> list[str]:
         for x in layouts
         if _degree(x, Axis.DATA) > 1 and all(n % _degree(x, Axis.DATA) == 0 for n in sizes)
     ]
+
+
+def _sequence_variants(task: Task, layouts: list[str]) -> list[str]:
+    """For a family whose residual stream sequence parallelism splits
+    (:attr:`~jaxpar.lab.terms.LabModel.sequence_parallel`): each layout with ``tensor``
+    above 1 again with ``tensor.sequence=true``, and again overlapped by collective
+    matmuls where they run."""
+    if not lab_named(task.family).sequence_parallel:
+        return []
+    tensor = [f"{x},{SEQUENCE_PARALLEL}" for x in layouts if _degree(x, Axis.TENSOR) > 1]
+    # overlapped by collective matmuls where they run: no context, no spmd pipeline
+    overlap = [
+        f"{x},{OVERLAP}"
+        for x in tensor
+        if _degree(x, Axis.CONTEXT) == 1 and (_degree(x, Axis.STAGE) == 1 or task.stages is None)
+    ]
+    return tensor + overlap
+
+
+def _ulysses_variants(config: Config, task: Task, layouts: list[str]) -> list[str]:
+    """For a built-in family's model with heads: each layout with ``context`` above 1 whose
+    ``tensor`` × ``context`` degrees divide the heads again with Ulysses attention
+    (``context.attention=ulysses``: heads must divide; docs/context.md)."""
+    heads = getattr(config.model, "n_heads", 0) if task.family else 0
+    if not heads or not task.context_parallel or config.context.attention == "ulysses":
+        return []
+    return [
+        f"{x},context.attention=ulysses"
+        for x in layouts
+        if _degree(x, Axis.CONTEXT) > 1
+        and heads % (_degree(x, Axis.CONTEXT) * _degree(x, Axis.TENSOR)) == 0
+    ]
+
+
+#: the layout entry that turns sequence parallelism on
+SEQUENCE_PARALLEL = "tensor.sequence=true"
+#: the layout entry that overlaps it with the matmuls
+OVERLAP = "tensor.overlap=collective_matmul"
 
 
 def _degree(layout: str, axis: str) -> int:

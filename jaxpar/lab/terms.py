@@ -26,6 +26,9 @@ class Term:
     payload_bytes: float
     group: int
     times: int = 1
+    #: it runs while the matmuls it feeds compute (a collective matmul's sends): the step
+    #: time counts it only where it outlasts the compute
+    hidden: bool = False
 
     @property
     def wire_bytes(self) -> float:
@@ -52,9 +55,11 @@ class LabLayout:
       seq_len: tokens per example (text), image_shape: ``(H, W, C)`` (images).
       cpu: the program is XLA:CPU's (bfloat16 activations move as float32).
       context: how attention runs across a split sequence (``context.attention``:
-        ``all_gather`` or ``ring``).
+        ``all_gather``, ``ring`` or ``ulysses``).
       residuals: the sub-mesh pipeline's backward programs read the forward's residuals
         (``pipeline.backward=residuals``) rather than recompute it.
+      tensor_overlap: how tensor parallelism's communication overlaps the matmuls
+        (``tensor.overlap``: ``none``, ``collective_matmul`` or ``xla``).
     """
 
     sizes: Mapping[str, int]
@@ -68,6 +73,7 @@ class LabLayout:
     sub_mesh: bool = False
     context: str = "all_gather"
     residuals: bool = False
+    tensor_overlap: str = "none"
 
 
 class LabModel:
@@ -84,6 +90,10 @@ class LabModel:
     #: copy for the backward pass (1, measured for the transformers and small CNNs) or gathers
     #: it again there (2, ZeRO-3's textbook count; measured for the ResNet's convolutions)
     gathers_outside_scans: int = 1
+    #: whether the family names its residual stream ``("batch", "act_seq", …)``, so that
+    #: sequence parallelism (``tensor.sequence``) changes its layout: the sweep and the
+    #: planner then offer it
+    sequence_parallel: bool = False
 
     def tensor_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
         """Activation collectives under tensor parallelism."""

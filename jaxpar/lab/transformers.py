@@ -13,18 +13,28 @@ import jax.numpy as jnp
 from jaxpar.axes import Axis
 from jaxpar.lab import experts
 from jaxpar.lab.terms import LabLayout, LabModel, Term
-from jaxpar.logical import SEQ
+from jaxpar.logical import ACT_SEQ, SEQ
 from jaxpar.models.bert import BERT_FAMILY
 from jaxpar.models.gemma import GEMMA_FAMILY
 from jaxpar.models.gpt import GPT_FAMILY
 from jaxpar.models.llama import LLAMA_FAMILY
 
 
-def transformer_tensor_terms(cfg: Any, layout: LabLayout, backward: int = 2) -> list[Term]:
+def transformer_tensor_terms(
+    cfg: Any,
+    layout: LabLayout,
+    backward: int = 2,
+    norm_weights: int | None = None,
+    columns: int = 2,
+) -> list[Term]:
     """Megatron's activation all-reduces: per layer two of ``[b, T, D]`` forward (attention
     and MLP outputs) and two backward (their inputs), one more for the head's input
     gradient; the cross-entropy over vocab-sharded logits all-reduces three ``[b, T]``
-    statistics; a vocab-sharded embedding table is gathered."""
+    statistics; a vocab-sharded embedding table is gathered. Under sequence parallelism
+    (:func:`_sequence_parallel_terms`) ``norm_weights`` is a layer's norm weights (GPT's
+    and BERT's two layer norms' scales and biases when None); overlapped by collective
+    matmuls (:func:`_overlapped_terms`), ``columns`` is a layer's column-parallel
+    projections (GPT's two: q, k, v stacked, and the MLP's first)."""
     t = layout.sizes[Axis.TENSOR]
     if t == 1:
         return []
@@ -36,11 +46,12 @@ def transformer_tensor_terms(cfg: Any, layout: LabLayout, backward: int = 2) -> 
     # counts as its costliest branch, the last stage's backward: its layers' recomputed
     # forward and backward plus the head, and the embedding of the first stage.
     k = layout.grad_accum
+    norms = 4 * cfg.d_model if norm_weights is None else norm_weights
     if layout.sub_mesh:
-        return _first_stage_terms(cfg, layout, activation, backward)
-    # a rematerialized block all-reduces its attention output again (the MLP output it
-    # recomputes feeds nothing in the backward pass: dead code)
-    forward_again = 1 if cfg.remat == "full" else 0
+        return _first_stage_terms(cfg, layout, activation, backward, norms)
+    # a rematerialized block that keeps no attention output all-reduces it again (the MLP
+    # output it recomputes feeds nothing in the backward pass: dead code)
+    forward_again = 1 if cfg.remat in ("full", "save_qkv") else 0
     if layout.stages is not None:
         ticks, p, v, m = layout.stages
         times = ticks * k
@@ -50,16 +61,23 @@ def transformer_tensor_terms(cfg: Any, layout: LabLayout, backward: int = 2) -> 
         times = k
         layers = cfg.n_layers
         div = k
-    terms = [
-        Term(
-            "all-reduce",
-            experts.MEGATRON,
-            activation / div,
-            t,
-            times * ((2 + backward + forward_again) * layers + 1),
-        ),
-        Term("all-reduce", "cross-entropy statistics", rows * seq * 4 / div, t, 3 * times),
-    ]
+    reductions = times * ((2 + backward + forward_again) * layers + 1)
+    if (
+        Axis.TENSOR in layout.rules.get(ACT_SEQ, ())
+        and layout.tensor_overlap == "collective_matmul"
+    ):
+        chains = (times * layers * c for c in _chains(layout, columns, cfg.remat == "full"))
+        terms = _overlapped_terms(layout, activation / div, times, chains, 4 * norms * layers)
+    elif Axis.TENSOR in layout.rules.get(ACT_SEQ, ()):
+        # the head's input, and the embeddings' gradient (in a pipeline tick's costliest
+        # branch, the last stage's backward, the head's only)
+        gathers = times * (6 * layers + (2 if layout.stages is None else 1))
+        terms = _sequence_parallel_terms(
+            layout, activation / div, (reductions, gathers), (4 * norms * layers, times)
+        )
+    else:
+        terms = [Term("all-reduce", experts.MEGATRON, activation / div, t, reductions)]
+    terms.append(Term("all-reduce", "cross-entropy statistics", rows * seq * 4 / div, t, 3 * times))
     if Axis.TENSOR in layout.rules.get("vocab", ()):
         # loop-invariant: XLA gathers the table once for all microbatches
         terms.append(
@@ -74,24 +92,82 @@ def transformer_tensor_terms(cfg: Any, layout: LabLayout, backward: int = 2) -> 
     return terms
 
 
-def _first_stage_terms(cfg: Any, layout: LabLayout, activation: float, backward: int) -> list[Term]:
+#: what the lab calls sequence parallelism's gathers (:func:`transformer_tensor_terms`)
+SP_GATHERS = "sequence parallel: activations gathered before the column-parallel matmuls"
+
+
+def _sequence_parallel_terms(
+    layout: LabLayout, activation: float, counts: tuple[int, int], norms: tuple[int, int]
+) -> list[Term]:
+    """Sequence parallelism (``tensor.sequence``): each of Megatron's activation
+    all-reduces becomes a reduce-scatter (XLA:CPU: an all-reduce of the whole activation
+    and a slice), and activations are gathered before the column-parallel matmuls (per
+    layer, measured: two forward, two of the output gradients before the row-parallel
+    matmuls' transposes, two of the inputs again for the weight gradients, which a
+    rematerialized block's recomputed forward provides; once for the head's input and once
+    for the embeddings' gradient). ``counts``: the reductions and the gathers;
+    ``norms``: the bytes of the norms' weight gradients — partial sums over the sequence's
+    shards, all-reduced over ``tensor`` — and how often."""
+    t = layout.sizes[Axis.TENSOR]
+    kind = "all-reduce" if layout.cpu else "reduce-scatter"
+    reductions, gathers = counts
+    return [
+        Term(kind, "sequence parallel: activations reduce-scattered", activation, t, reductions),
+        Term("all-gather", SP_GATHERS, activation, t, gathers),
+        Term("all-reduce", "sequence parallel: norm gradients", norms[0], t, norms[1]),
+    ]
+
+
+def _chains(layout: LabLayout, columns: int, remat: bool) -> tuple[int, int]:
+    """A layer's chains of t−1 sends under collective matmuls, measured: forward one per
+    input of the column-parallel projections (XLA merges the chains of projections that
+    share it: attention's and the MLP's) and one per row-parallel projection (2 each);
+    backward one per projection (``columns`` + 2); a rematerialized block's recomputed
+    forward, one fewer than the forward (the MLP's output feeds nothing there)."""
+    forward = 2 + 2
+    return forward + columns + 2, (forward - 1) if remat else 0
+
+
+def _overlapped_terms(
+    layout: LabLayout, activation: float, times: int, chains: Any, norm_bytes: int
+) -> list[Term]:
+    """Sequence parallelism overlapped by collective matmuls (``tensor.overlap=
+    collective_matmul``): each chain sends a sequence chunk (``activation`` / t) t−1
+    times round the ring, hidden behind the matmul pieces; what stays exposed is the
+    head's (its input gathered, its input gradient reduce-scattered), the embeddings'
+    gradient gathered, and the norm gradients summed over ``tensor``."""
+    t = layout.sizes[Axis.TENSOR]
+    sends = sum(chains) * (t - 1)
+    hidden = Term("collective-permute", OVERLAP_SENDS, activation / t, t, sends, hidden=True)
+    counts = (times, 2 * times)
+    return [hidden, *_sequence_parallel_terms(layout, activation, counts, (norm_bytes, times))]
+
+
+#: what the lab calls the collective matmuls' sends (:func:`_overlapped_terms`)
+OVERLAP_SENDS = "tensor overlap: sequence chunks passed round the tensor group"
+
+
+def _first_stage_terms(
+    cfg: Any, layout: LabLayout, activation: float, backward: int, norm_weights: int
+) -> list[Term]:
     """A device of the first stage under the sub-mesh pipeline, a program per action: each
     microbatch's forward all-reduces twice a layer, its backward (or weight-gradient half:
     the first chunk has no input gradient) four times — the recomputed forward's and both
-    input gradients' — and each of the two gathers a vocab-sharded table."""
+    input gradients' — and each of the two gathers a vocab-sharded table. Under sequence
+    parallelism those reductions are reduce-scatters, and each microbatch gathers eight
+    activations a layer (two forward, two recomputed, two output gradients, two inputs
+    for the weight gradients) and one for the embeddings' gradient (measured)."""
     t = layout.sizes[Axis.TENSOR]
     k = layout.grad_accum
     _, p, v, m = layout.stages
     layers = cfg.n_layers // (p * v)
-    terms = [
-        Term(
-            "all-reduce",
-            experts.MEGATRON,
-            activation / (m * k),
-            t,
-            m * k * (4 + backward) * layers,
-        )
-    ]
+    reductions = m * k * (4 + backward) * layers
+    if Axis.TENSOR in layout.rules.get(ACT_SEQ, ()):
+        counts = (reductions, m * k * (8 * layers + 1))
+        norms = (4 * norm_weights * layers, m * k)
+        terms = _sequence_parallel_terms(layout, activation / (m * k), counts, norms)
+    else:
+        terms = [Term("all-reduce", experts.MEGATRON, activation / (m * k), t, reductions)]
     if Axis.TENSOR in layout.rules.get("vocab", ()):
         terms.append(
             Term(
@@ -111,19 +187,26 @@ def transformer_context_terms(cfg: Any, layout: LabLayout) -> list[Term]:
     reduce-scattered in the backward, the positions gathered once. ``ring``: K and V pass
     c−1 blocks on in the forward and again in the backward, where dK and dV travel with
     them and home (c sends); the positions' c−1 sends are the same for every layer.
-    Without a pipeline (inside one, the lab predicts no context terms yet)."""
+    ``ulysses``: per layer 4 all-to-alls of a device's ``[b, T/c, N, H]`` share forward (q,
+    k, v in, the output back; k and v with their K heads where they are not repeated),
+    again in a rematerialized backward, and their 4 gradients backward; the positions
+    gathered once. Without a pipeline (inside one, the lab predicts no context terms
+    yet)."""
     c = math.prod(layout.sizes[a] for a in layout.rules.get(SEQ, ()))
     if c == 1 or layout.stages is not None:
         return []
     k, L, T = layout.grad_accum, cfg.n_layers, layout.seq_len
-    # grouped-query attention gathers its K key/value heads, unless they are repeated to
-    # the query heads first (ring, or key/value heads not split as the query heads are)
+    # grouped-query attention moves its K key/value heads, unless they are repeated to
+    # the query heads first (ring; key/value heads not split as the query heads are; or,
+    # for ulysses, a device's key/value heads that c does not divide)
     rules = layout.rules
     n_kv = getattr(cfg, "n_kv_heads", cfg.n_heads)
+    kv_split = math.prod(layout.sizes[a] for a in rules.get("kv_heads", ()))
     grouped = (
         n_kv != cfg.n_heads
         and layout.context != "ring"
         and rules.get("kv_heads", ()) == rules.get("heads", ())
+        and (layout.context != "ulysses" or n_kv // kv_split % c == 0)
     )
     width = (n_kv if grouped else cfg.n_heads) * cfg.head_dim
     heads = math.prod(layout.sizes[a] for a in rules.get("kv_heads" if grouped else "heads", ()))
@@ -163,6 +246,8 @@ def transformer_context_terms(cfg: Any, layout: LabLayout) -> list[Term]:
             Term("collective-permute", "context: positions round the ring", T // c * 4, c, c - 1),
         ]
     forward = 2 if cfg.remat != "none" else 1
+    if layout.context == "ulysses":
+        return [*tied, *_ulysses_terms(cfg, layout, c, kv, itemsize)]
     return [
         *tied,
         Term("all-gather", "context: K and V gathered", kv, c, k * L * 2 * forward),
@@ -171,10 +256,26 @@ def transformer_context_terms(cfg: Any, layout: LabLayout) -> list[Term]:
     ]
 
 
+def _ulysses_terms(cfg: Any, layout: LabLayout, c: int, kv: float, itemsize: int) -> list[Term]:
+    """Ulysses's all-to-alls (``kv``: one of K, V over the whole sequence, per device)."""
+    k, L, T = layout.grad_accum, cfg.n_layers, layout.seq_len
+    forward = 2 if cfg.remat != "none" else 1  # a rematerialized backward exchanges again
+    q_heads = math.prod(layout.sizes[a] for a in layout.rules.get("heads", ()))
+    q = layout.rows * T * cfg.n_heads * cfg.head_dim // q_heads * itemsize / k / c
+    return [
+        Term("all-to-all", "context: q and output exchanged", q, c, k * L * 2 * forward),
+        Term("all-to-all", "context: K and V exchanged", kv / c, c, k * L * 2 * forward),
+        Term("all-to-all", "context: dq and d(output) exchanged", q, c, k * L * 2),
+        Term("all-to-all", "context: dK and dV exchanged", kv / c, c, k * L * 2),
+        Term("all-gather", "context: positions gathered", T * 4, c, 1),
+    ]
+
+
 class TransformerLab(LabModel):
     """What the lab knows of jaxpar's transformers (GPT and BERT)."""
 
     whole_params = frozenset({"embed"})  # tokens are looked up in the whole table
+    sequence_parallel = True
     #: activation all-reduces per layer in the backward pass under tensor parallelism: the
     #: input gradients of the attention's projection (q, k, v stacked: one sum) and of the
     #: MLP's first matmul
@@ -193,7 +294,9 @@ class GemmaLab(TransformerLab):
     where the key/value heads are not split as the query heads are)."""
 
     def tensor_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
-        return transformer_tensor_terms(cfg, layout, _projection_all_reduces(layout))
+        return transformer_tensor_terms(
+            cfg, layout, _projection_all_reduces(layout), _norm_weights(cfg, 4), _columns(layout)
+        )
 
 
 class LlamaLab(TransformerLab):
@@ -203,11 +306,25 @@ class LlamaLab(TransformerLab):
     :func:`jaxpar.lab.experts.tensor_terms`."""
 
     def tensor_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
-        dense = transformer_tensor_terms(cfg, layout, _projection_all_reduces(layout))
+        dense = transformer_tensor_terms(
+            cfg, layout, _projection_all_reduces(layout), _norm_weights(cfg, 2), _columns(layout)
+        )
         return experts.tensor_terms(cfg, layout, dense)
 
     def expert_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
         return experts.dispatch_terms(cfg, layout)
+
+
+def _norm_weights(cfg: Any, norms: int) -> int:
+    """A layer's norm weights: ``norms`` RMS norms of ``d_model`` (and per-head q and k
+    norms with ``qk_norm``)."""
+    return norms * cfg.d_model + 2 * cfg.head_dim * bool(getattr(cfg, "qk_norm", False))
+
+
+def _columns(layout: LabLayout) -> int:
+    """Column-parallel projections a layer of separate q, k, v, gate and up projections
+    has: 5, or 3 where the key/value heads are not split over ``tensor``."""
+    return 5 if layout.rules.get("kv_heads", ()) == layout.rules.get("heads", ()) else 3
 
 
 def _projection_all_reduces(layout: LabLayout) -> int:

@@ -53,6 +53,7 @@ from jaxpar.models.transformer import (
     attention_implementation,
     check_heads,
     const,
+    enter_stream,
     layer_norm,
     lm_batch_axes,
     lm_documents,
@@ -214,7 +215,7 @@ class BERT(nnx.Module):
                 + jnp.take(self.types[...], _document_halves(documents), axis=0)
             )
         x = _dropout(x, _fold(keys_B, _EMBEDDING), self._rate())
-        return constrain(x.astype(jnp.dtype(cfg.dtype)), RESIDUAL)
+        return enter_stream(x.astype(jnp.dtype(cfg.dtype)))
 
     def _rate(self) -> float:
         return 0.0 if self.deterministic else self.cfg.dropout
@@ -231,7 +232,7 @@ class BERT(nnx.Module):
         packed ``documents``: each token attends within its own."""
         dtype = x_BTD.dtype
         rate = self._rate()
-        impl = self.attention_impl
+        impl, precision = self.attention_impl, self.cfg.precision
         stacked = self.blocks.stacked()
         layers = jnp.asarray(first_layer) + jnp.arange(jax.tree.leaves(stacked)[0].shape[0])
 
@@ -240,10 +241,12 @@ class BERT(nnx.Module):
             p = jax.tree.map(lambda a: a.astype(dtype), p)
             keys = _fold(keys_B, 2 + 2 * layer)
             h = layer_norm(x, p["ln1_scale"], p["ln1_bias"])
-            a = attention(h, p, False, impl, causal=False, documents=documents)
+            a = attention(h, p, False, impl, causal=False, documents=documents, precision=precision)
             x = constrain(x + _dropout(a, keys, rate), RESIDUAL)
             h = layer_norm(x, p["ln2_scale"], p["ln2_bias"])
-            x = constrain(x + _dropout(mlp(h, p), _fold(keys_B, 3 + 2 * layer), rate), RESIDUAL)
+            x = constrain(
+                x + _dropout(mlp(h, p, precision), _fold(keys_B, 3 + 2 * layer), rate), RESIDUAL
+            )
             return x, None
 
         if self.cfg.remat != "none":

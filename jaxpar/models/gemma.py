@@ -36,10 +36,10 @@ from jaxpar.models.gemma_config import GemmaConfig
 from jaxpar.models.llama_attention import attention_params, cached_mask, out
 from jaxpar.models.transformer import (
     REMAT_POLICIES,
-    RESIDUAL,
     Documents,
     attention_implementation,
     const,
+    enter_stream,
     kv_cache,
     lm_batch_axes,
     lm_documents,
@@ -119,7 +119,7 @@ class Gemma(nnx.Module):
             )
         dtype = jnp.dtype(cfg.dtype)
         x = jnp.take(constrain(self.embed[...], (None, None)), tokens_BT, axis=0).astype(dtype)
-        return constrain(x * jnp.asarray(math.sqrt(cfg.d_model), dtype), RESIDUAL)
+        return enter_stream(x * jnp.asarray(math.sqrt(cfg.d_model), dtype))
 
     def run_blocks(
         self, x_BTD: jax.Array, positions_T: np.ndarray, documents: Documents | None = None
@@ -133,7 +133,8 @@ class Gemma(nnx.Module):
             attention = lambda h, p: layers.self_attention(  # noqa: E731
                 h, p, kind, positions_T, cfg, self.attention_impl, documents
             )
-            return layers.block(x, layers.in_compute_dtype(p, dtype), attention, cfg.norm_eps), None
+            p = layers.in_compute_dtype(p, dtype)
+            return layers.block(x, p, attention, cfg.norm_eps, cfg.precision), None
 
         policy = REMAT_POLICIES[cfg.remat] if cfg.remat != "none" else False
         return layers.over_layers(x_BTD, self.blocks.stacked(), cfg.pattern, step, policy)[0]
@@ -172,7 +173,7 @@ class Gemma(nnx.Module):
             caches = []
 
             def attention(h, p):
-                q, k, v = layers.projections(h, p, pos, kind)
+                q, k, v = layers.projections(h, p, pos, kind, cfg.precision)
                 k_cache, v_cache = (
                     constrain(
                         jax.lax.dynamic_update_slice_in_dim(
@@ -184,9 +185,10 @@ class Gemma(nnx.Module):
                 )
                 caches.append((k_cache, v_cache))
                 mask = cached_mask(k_cache.shape[1], pos, kind.window)
-                return out(layers.cached_attention(q, k_cache, v_cache, mask, cfg), p)
+                o = layers.cached_attention(q, k_cache, v_cache, mask, cfg)
+                return out(o, p, cfg.precision)
 
-            return layers.block(x, p, attention, cfg.norm_eps), caches[0]
+            return layers.block(x, p, attention, cfg.norm_eps, cfg.precision), caches[0]
 
         stacked = {"p": self.blocks.stacked(), "k": cache["k"], "v": cache["v"]}
         x, (k, v) = layers.over_layers(x, stacked, cfg.pattern, step)

@@ -15,12 +15,22 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.context import attend, masks_by_position
 from jaxpar.logical import constrain
 from jaxpar.models.gemma_config import GemmaConfig, LayerKind
 from jaxpar.models.llama_attention import out, qkv
-from jaxpar.models.transformer import RESIDUAL, Documents, rms_norm
+from jaxpar.models.transformer import (
+    MLP_DOWN,
+    MLP_IN,
+    MLP_OUT,
+    MLP_UP,
+    RESIDUAL,
+    Documents,
+    project,
+    rms_norm,
+)
 
 #: Parameters cast to the compute dtype; the norms' weights stay float32, as
 #: transformers computes (1 + w) in float32 whatever the weights' dtype.
@@ -36,11 +46,15 @@ def in_compute_dtype(p: dict[str, jax.Array], dtype: Any) -> dict[str, jax.Array
     return {n: a.astype(dtype) if n in MATMULS else a for n, a in p.items()}
 
 
-def gated_gelu(h: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
-    """``down(gelu_tanh(gate(h)) · up(h))``: column-parallel in, row-parallel out."""
-    gate, up = (jnp.einsum("btd,df->btf", h, p[n]) for n in ("w_gate", "w_up"))
+def gated_gelu(h: jax.Array, p: dict[str, jax.Array], precision: str = "default") -> jax.Array:
+    """``down(gelu_tanh(gate(h)) · up(h))``: column-parallel in, row-parallel out; the
+    projections in ``precision`` (``model.precision``)."""
+    gate, up = (
+        checkpoint_name(project("btd,df->btf", h, p[n], MLP_UP, precision), MLP_IN)
+        for n in ("w_gate", "w_up")
+    )
     u = constrain(jax.nn.gelu(gate, approximate=True) * up, ("batch", "seq", "mlp"))
-    return jnp.einsum("btf,fd->btd", u, p["w_down"])
+    return checkpoint_name(project("btf,fd->btd", u, p["w_down"], MLP_DOWN, precision), MLP_OUT)
 
 
 def visible(
@@ -75,13 +89,17 @@ def capped_attention(
 
 
 def projections(
-    h: jax.Array, p: dict[str, jax.Array], pos: jax.Array, kind: LayerKind
+    h: jax.Array,
+    p: dict[str, jax.Array],
+    pos: jax.Array,
+    kind: LayerKind,
+    precision: str = "default",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """q, k, v [B, T, N|K, H] as the Llama's (:func:`qkv`), its q/k norms in (1 + w)
-    form."""
+    """q, k, v [B, T, N|K, H] as the Llama's (:func:`qkv`, in ``precision``), its q/k
+    norms in (1 + w) form."""
     if "q_norm" in p:
         p = {**p, **{n: 1.0 + p[n].astype(jnp.float32) for n in ("q_norm", "k_norm")}}
-    return qkv(h, p, pos, kind)
+    return qkv(h, p, pos, kind, precision)
 
 
 def self_attention(
@@ -99,7 +117,7 @@ def self_attention(
     pos = jnp.asarray(positions_T)
     rotated = pos if documents is None else documents.positions
     segments = None if documents is None else documents.segments
-    q, k, v = projections(h, p, rotated, kind)
+    q, k, v = projections(h, p, rotated, kind, cfg.precision)
     if cfg.attn_softcap:
         masks_by_position()  # right on a split sequence: the mask comes from positions
         o = capped_attention(
@@ -118,7 +136,7 @@ def self_attention(
             implementation=implementation,
             segments=segments,
         )
-    return out(o, p)
+    return out(o, p, cfg.precision)
 
 
 def cached_attention(
@@ -130,11 +148,18 @@ def cached_attention(
     return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=cfg.scale, implementation="xla")
 
 
-def block(x: jax.Array, p: dict[str, jax.Array], attention: Callable, eps: float) -> jax.Array:
-    """One Gemma block: norms before and after attention and after the MLP."""
+def block(
+    x: jax.Array,
+    p: dict[str, jax.Array],
+    attention: Callable,
+    eps: float,
+    precision: str = "default",
+) -> jax.Array:
+    """One Gemma block: norms before and after attention and after the MLP (its
+    projections in ``precision``)."""
     a = norm(attention(norm(x, p["attn_norm"], eps), p), p["post_attn_norm"], eps)
     x = constrain(x + a, RESIDUAL)
-    m = norm(gated_gelu(norm(x, p["mlp_norm"], eps), p), p["post_mlp_norm"], eps)
+    m = norm(gated_gelu(norm(x, p["mlp_norm"], eps), p, precision), p["post_mlp_norm"], eps)
     return constrain(x + m, RESIDUAL)
 
 

@@ -39,6 +39,7 @@ from jaxpar.models.transformer import (
     block,
     check_heads,
     const,
+    enter_stream,
     kv_cache,
     layer_norm,
     lm_batch_axes,
@@ -158,7 +159,7 @@ class GPT(nnx.Module):
             natural = positions_T is None or is_natural(positions_T)
             rows = self.pos[:T] if natural else self.pos[jnp.asarray(positions_T)]
             x_BTD = x_BTD + rows[None]
-        return constrain(x_BTD.astype(jnp.dtype(cfg.dtype)), RESIDUAL)
+        return enter_stream(x_BTD.astype(jnp.dtype(cfg.dtype)))
 
     def table(self) -> jax.Array:
         """The whole embedding table W[V, D], gathered over every mesh axis.
@@ -207,7 +208,16 @@ class GPT(nnx.Module):
 
         def body(x, p):
             p = jax.tree.map(lambda a: a.astype(dtype), p)
-            return block(x, p, use_rotary, self.attention_impl, positions_T, documents), None
+            out = block(
+                x,
+                p,
+                use_rotary,
+                self.attention_impl,
+                positions_T,
+                documents,
+                precision=self.cfg.precision,
+            )
+            return out, None
 
         if self.cfg.remat != "none":
             body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat])
@@ -239,7 +249,7 @@ class GPT(nnx.Module):
         def body(x, layer):
             p, k, v = layer
             p = jax.tree.map(lambda a: a.astype(x.dtype), p)
-            x, k, v = decode_block(x, p, k, v, start, use_rotary)
+            x, k, v = decode_block(x, p, k, v, start, use_rotary, cfg.precision)
             return x, (k, v)
 
         x_BTD, (k, v) = jax.lax.scan(body, x_BTD, (self.blocks.stacked(), cache["k"], cache["v"]))
@@ -259,12 +269,13 @@ def cached_attention(
     v_BSNH: jax.Array,
     start: jax.Array,
     use_rotary: bool,
+    precision: str = "default",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """:func:`attention` of T tokens at positions ``start`` … ``start+T-1`` over one
     layer's cache: their K and V are written into it at ``start``, and each query
     attends to every cached position up to its own. Returns the output [B, T, D] and
-    the layer's updated K and V."""
-    q, k, v = qkv(h_BTD, p)
+    the layer's updated K and V (``precision``: the projections', ``model.precision``)."""
+    q, k, v = qkv(h_BTD, p, precision)
     pos_T = start + jnp.arange(q.shape[1])
     if use_rotary:
         q, k = rotary(q, pos_T), rotary(k, pos_T)
@@ -278,7 +289,7 @@ def cached_attention(
     o_BTNH = jax.nn.dot_product_attention(
         q, k_BSNH, v_BSNH, mask=mask_TS[None, None], implementation="xla"
     )
-    return attention_out(o_BTNH, p), k_BSNH, v_BSNH
+    return attention_out(o_BTNH, p, precision), k_BSNH, v_BSNH
 
 
 def decode_block(
@@ -288,13 +299,14 @@ def decode_block(
     v_BSNH: jax.Array,
     start: jax.Array,
     use_rotary: bool,
+    precision: str = "default",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """:func:`block` over one layer's KV cache (see :func:`cached_attention`)."""
     h = layer_norm(x_BTD, p["ln1_scale"], p["ln1_bias"])
-    a_BTD, k_BSNH, v_BSNH = cached_attention(h, p, k_BSNH, v_BSNH, start, use_rotary)
+    a_BTD, k_BSNH, v_BSNH = cached_attention(h, p, k_BSNH, v_BSNH, start, use_rotary, precision)
     x_BTD = constrain(x_BTD + a_BTD, RESIDUAL)
     h = layer_norm(x_BTD, p["ln2_scale"], p["ln2_bias"])
-    return constrain(x_BTD + mlp(h, p), RESIDUAL), k_BSNH, v_BSNH
+    return constrain(x_BTD + mlp(h, p, precision), RESIDUAL), k_BSNH, v_BSNH
 
 
 # ---- the loss, cut into pipeline stages -----------------------------------------------------

@@ -48,6 +48,7 @@ from jaxpar.models.transformer import (
     Documents,
     attention_implementation,
     const,
+    enter_stream,
     kv_cache,
     lm_batch_axes,
     lm_documents,
@@ -136,9 +137,9 @@ def layer_group(
                 h, experts, cfg.top_k, cfg.capacity_factor, positions_T, cfg.moe_dispatch
             )
             if cfg.n_shared_experts:
-                y = y + moe.swiglu(h, dict(zip(DENSE, (p[n] for n in SHARED))))
+                y = y + moe.swiglu(h, dict(zip(DENSE, (p[n] for n in SHARED))), cfg.precision)
         else:
-            y = moe.swiglu(h, {n: p[n][j] for n in DENSE})
+            y = moe.swiglu(h, {n: p[n][j] for n in DENSE}, cfg.precision)
         x = constrain(x + y, RESIDUAL)
     return x, stats
 
@@ -187,7 +188,7 @@ class Llama(nnx.Module):
                 f"{self.cfg.max_seq_len}; raise it or lower data.seq_len"
             )
         x = jnp.take(constrain(self.embed[...], (None, None)), tokens_BT, axis=0)
-        return constrain(x.astype(jnp.dtype(self.cfg.dtype)), RESIDUAL)
+        return enter_stream(x.astype(jnp.dtype(self.cfg.dtype)))
 
     def run_blocks(
         self, x_BTD: jax.Array, positions_T: np.ndarray, documents: Documents | None = None
@@ -206,7 +207,7 @@ class Llama(nnx.Module):
         segments = None if documents is None else documents.segments
 
         def attention(h, p, j):
-            q, k, v = qkv(h, p, rotated, cfg)
+            q, k, v = qkv(h, p, rotated, cfg, cfg.precision)
             return out(
                 attend(
                     q,
@@ -219,6 +220,7 @@ class Llama(nnx.Module):
                     segments=segments,
                 ),
                 p,
+                cfg.precision,
             )
 
         def body(x, p):
@@ -262,7 +264,7 @@ class Llama(nnx.Module):
             caches = []
 
             def attention(h, pj, j):
-                q, k, v = qkv(h, pj, pos, cfg)
+                q, k, v = qkv(h, pj, pos, cfg, cfg.precision)
                 write = lambda c, new: constrain(
                     jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), start, axis=1),
                     names,
@@ -275,6 +277,7 @@ class Llama(nnx.Module):
                         q, k_cache, v_cache, mask=mask, implementation="xla"
                     ),
                     pj,
+                    cfg.precision,
                 )
 
             x, _ = layer_group(x, moe.in_compute_dtype(p, x.dtype), cfg, attention)

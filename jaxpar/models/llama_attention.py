@@ -15,10 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.logical import constrain
 from jaxpar.models.rope import inv_frequencies
-from jaxpar.models.transformer import const, param, rms_norm, rotary
+from jaxpar.models.transformer import ATTN_OUT, QKV, const, param, project, rms_norm, rotary
 
 #: Every attention parameter a layer may have (a model holds those its switches ask for).
 ATTENTION = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "bq", "bk", "bv", "q_norm", "k_norm")
@@ -55,29 +56,40 @@ def rotary_frequencies(cfg: Any) -> np.ndarray:
     return inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
 
+#: the logical names of a key or value projection's weight [D, K, H]
+KV_WEIGHT = ("embed", "kv_heads", "kv")
+
+
 def qkv(
-    h_BTD: jax.Array, p: dict[str, jax.Array], pos_T: jax.Array, cfg: Any
+    h_BTD: jax.Array,
+    p: dict[str, jax.Array],
+    pos_T: jax.Array,
+    cfg: Any,
+    precision: str = "default",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One layer's queries, keys and values [B, T, N|K, H]: projected (plus biases),
-    normalized per head, rotated to positions ``pos_T``."""
-    q = jnp.einsum("btd,dnh->btnh", h_BTD, p["wq"])
-    k = jnp.einsum("btd,dkh->btkh", h_BTD, p["wk"])
-    v = jnp.einsum("btd,dkh->btkh", h_BTD, p["wv"])
+    """One layer's queries, keys and values [B, T, N|K, H]: projected (plus biases) in
+    ``precision`` (``model.precision``), normalized per head, rotated to positions
+    ``pos_T``."""
+    q = project("btd,dnh->btnh", h_BTD, p["wq"], ("embed", "heads", "kv"), precision)
+    k = project("btd,dkh->btkh", h_BTD, p["wk"], KV_WEIGHT, precision)
+    v = project("btd,dkh->btkh", h_BTD, p["wv"], KV_WEIGHT, precision)
     if "bq" in p:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-    q = constrain(q, ("batch", "seq", "heads", "kv"))
-    k = constrain(k, ("batch", "seq", "kv_heads", "kv"))
-    v = constrain(v, ("batch", "seq", "kv_heads", "kv"))
+    q = checkpoint_name(constrain(q, ("batch", "seq", "heads", "kv")), QKV)
+    k = checkpoint_name(constrain(k, ("batch", "seq", "kv_heads", "kv")), QKV)
+    v = checkpoint_name(constrain(v, ("batch", "seq", "kv_heads", "kv")), QKV)
     if "q_norm" in p:
         q, k = rms_norm(q, p["q_norm"], cfg.norm_eps), rms_norm(k, p["k_norm"], cfg.norm_eps)
     freq = rotary_frequencies(cfg)
     return rotary(q, pos_T, inv_freq=freq), rotary(k, pos_T, inv_freq=freq), v
 
 
-def out(o_BTNH: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
-    """The output projection back to [B, T, D]."""
+def out(o_BTNH: jax.Array, p: dict[str, jax.Array], precision: str = "default") -> jax.Array:
+    """The output projection back to [B, T, D] (in ``precision``)."""
     o_BTNH = constrain(o_BTNH, ("batch", "seq", "heads", "kv"))
-    return jnp.einsum("btnh,nhd->btd", o_BTNH, p["wo"])
+    return checkpoint_name(
+        project("btnh,nhd->btd", o_BTNH, p["wo"], ("heads", "kv", "embed"), precision), ATTN_OUT
+    )
 
 
 def cached_mask(cache_len: int, pos_T: jax.Array, window: int) -> jax.Array:

@@ -30,22 +30,25 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from jaxpar.axes import BATCH_AXES
 from jaxpar.logical import active_layout, constrain
 from jaxpar.models import alltoall
+from jaxpar.models.transformer import MLP_DOWN, MLP_IN, MLP_OUT, MLP_UP, project
 
 #: How expert parallelism moves tokens to their experts' devices (``model.moe_dispatch``).
 Dispatch = Literal["all_gather", "all_to_all"]
 
 
-def swiglu(h: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
-    """``down(silu(gate(h)) · up(h))``: column-parallel in, row-parallel out under TP."""
-    gate = jnp.einsum("btd,df->btf", h, p["w_gate"])
-    up = jnp.einsum("btd,df->btf", h, p["w_up"])
+def swiglu(h: jax.Array, p: dict[str, jax.Array], precision: str = "default") -> jax.Array:
+    """``down(silu(gate(h)) · up(h))``: column-parallel in, row-parallel out under TP; the
+    projections in ``precision`` (``model.precision``)."""
+    gate = checkpoint_name(project("btd,df->btf", h, p["w_gate"], MLP_UP, precision), MLP_IN)
+    up = checkpoint_name(project("btd,df->btf", h, p["w_up"], MLP_UP, precision), MLP_IN)
     u = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
-    return jnp.einsum("btf,fd->btd", u, p["w_down"])
+    return checkpoint_name(project("btf,fd->btd", u, p["w_down"], MLP_DOWN, precision), MLP_OUT)
 
 
 def in_compute_dtype(p: dict[str, jax.Array], dtype: Any) -> dict[str, jax.Array]:

@@ -13,6 +13,7 @@ elsewhere (see :func:`attention_implementation`).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -20,12 +21,25 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
+from jaxpar import tensor_parallel
 from jaxpar.context import attend, document_positions, order, positions
 from jaxpar.errors import ConfigError
 from jaxpar.logical import constrain
+from jaxpar.models import fp8
 
-RESIDUAL = ("batch", "seq", "act_embed")
+#: the residual stream between blocks, [B, T, D]: its tokens split as ``act_seq`` rules (over
+#: ``context``, and over ``tensor`` too under sequence parallelism)
+RESIDUAL = ("batch", "act_seq", "act_embed")
+
+
+def enter_stream(x_BTD: jax.Array) -> jax.Array:
+    """Embeddings [B, T, D] into the residual stream: pinned to the whole sequence of a
+    ``seq`` shard first, so that under sequence parallelism their gradient is gathered
+    over ``tensor`` (one activation) before the table's scatter-add, not the table's
+    gradient all-reduced there (Megatron's order); the same layout without it."""
+    return constrain(constrain(x_BTD, ("batch", "seq", "act_embed")), RESIDUAL)
 
 
 #: ``model.attention`` values; ``auto`` resolves per backend (:func:`attention_implementation`).
@@ -33,7 +47,13 @@ Attention = Literal["auto", "xla", "cudnn"]
 
 
 #: ``model.remat`` values: what a block recomputes in the backward pass (:data:`REMAT_POLICIES`)
-Remat = Literal["none", "full", "save_dots"]
+Remat = Literal["none", "full", "save_dots", "save_qkv", "save_out", "save_matmuls", "offload"]
+
+#: The names a block gives its projections' outputs (``jax.ad_checkpoint.checkpoint_name``),
+#: which the named ``model.remat`` policies save or offload: q, k and v (before norms and
+#: rotation), the attention output projection, the MLP's input projections (before the
+#: activation) and its output projection.
+QKV, ATTN_OUT, MLP_IN, MLP_OUT = "qkv", "attn_out", "mlp_in", "mlp_out"
 
 
 def check_heads(cfg: Any, rotary: bool = False) -> None:
@@ -207,6 +227,7 @@ def attention(
     causal: bool = True,
     positions_T: np.ndarray | None = None,
     documents: Documents | None = None,
+    precision: str = "default",
 ) -> jax.Array:
     """Multi-head self-attention (causal or not) through ``jax.nn.dot_product_attention``,
     across the ``context`` axis when the layout splits the sequence
@@ -217,8 +238,10 @@ def attention(
 
     ``implementation`` is ``xla`` (logits and softmax in float32, [B, N, T, T] in memory)
     or ``cudnn`` (the fused kernel; 16-bit inputs, float32 accumulation inside).
+    ``precision``: the projections' (``model.precision``: :func:`jaxpar.models.fp8.einsum`;
+    the QK^T and PV products stay in the compute dtype).
     """
-    q, k, v = qkv(h_BTD, p)
+    q, k, v = qkv(h_BTD, p, precision)
     if use_rotary:
         pos = None if positions_T is None else jnp.asarray(positions_T)
         pos = pos if documents is None else documents.positions
@@ -227,19 +250,41 @@ def attention(
     o_BTNH = attend(
         q, k, v, positions_T, causal=causal, implementation=implementation, segments=segments
     )
-    return attention_out(o_BTNH, p)
+    return attention_out(o_BTNH, p, precision)
 
 
-def qkv(h_BTD: jax.Array, p: dict[str, jax.Array]) -> tuple[jax.Array, ...]:
+#: the logical names of an MLP's weights: into the hidden width [D, F], and back [F, D]
+MLP_UP = ("embed", "mlp")
+MLP_DOWN = ("mlp", "embed")
+
+
+def project(
+    subscripts: str,
+    x: jax.Array,
+    w: jax.Array,
+    w_names: tuple[str | None, ...],
+    precision: str = "default",
+) -> jax.Array:
+    """A weight projection ``einsum(subscripts, x, w)`` of an activation ``x`` [B, T, …]
+    by a weight whose dims are named ``w_names``: in ``precision`` (``model.precision``:
+    :func:`jaxpar.models.fp8.einsum`), and as a collective matmul where the layout
+    overlaps tensor parallelism's communication (:func:`jaxpar.tensor_parallel.matmul`)."""
+    dot = functools.partial(fp8.einsum, precision=precision)
+    return tensor_parallel.matmul(subscripts, x, w, w_names, dot=dot)
+
+
+def qkv(
+    h_BTD: jax.Array, p: dict[str, jax.Array], precision: str = "default"
+) -> tuple[jax.Array, ...]:
     """q, k, v [B, T, N, H] of the attention input (with ``model.attn_bias``'s biases)."""
     # One projection for q, k and v: under tensor parallelism the backward pass then sums
     # the three input gradients before its one all-reduce (Megatron's count), instead of
     # all-reducing three partial sums.
     w_D3NH = jnp.stack([p["wq"], p["wk"], p["wv"]], axis=1)
-    qkv = jnp.einsum("btd,dcnh->btcnh", h_BTD, w_D3NH)
+    qkv = project("btd,dcnh->btcnh", h_BTD, w_D3NH, ("embed", None, "heads", "kv"), precision)
     if "bq" in p:  # model.attn_bias
         qkv = qkv + jnp.stack([p["bq"], p["bk"], p["bv"]]).reshape(w_D3NH.shape[1:])
-    qkv = constrain(qkv, ("batch", "seq", None, "heads", "kv"))
+    qkv = checkpoint_name(constrain(qkv, ("batch", "seq", None, "heads", "kv")), QKV)
     return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
 
 
@@ -331,18 +376,24 @@ def next_token_loss(
     return (ce if weights is None else ce * weights).mean(), {}
 
 
-def attention_out(o_BTNH: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
+def attention_out(
+    o_BTNH: jax.Array, p: dict[str, jax.Array], precision: str = "default"
+) -> jax.Array:
     """The output projection [B, T, D] of the heads' outputs."""
     o_BTNH = constrain(o_BTNH, ("batch", "seq", "heads", "kv"))
-    out_BTD = jnp.einsum("btnh,nhd->btd", o_BTNH, p["wo"])
-    return out_BTD + p["bo"] if "bo" in p else out_BTD
+    out_BTD = project("btnh,nhd->btd", o_BTNH, p["wo"], ("heads", "kv", "embed"), precision)
+    return checkpoint_name(out_BTD + p["bo"] if "bo" in p else out_BTD, ATTN_OUT)
 
 
-def mlp(h_BTD: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
+def mlp(h_BTD: jax.Array, p: dict[str, jax.Array], precision: str = "default") -> jax.Array:
     """Two-layer GELU MLP: column-parallel in, row-parallel out under TP rules."""
-    u_BTF = jnp.einsum("btd,df->btf", h_BTD, p["w_in"]) + p["b_in"]
+    u_BTF = checkpoint_name(
+        project("btd,df->btf", h_BTD, p["w_in"], MLP_UP, precision) + p["b_in"], MLP_IN
+    )
     u_BTF = constrain(jax.nn.gelu(u_BTF), ("batch", "seq", "mlp"))
-    return jnp.einsum("btf,fd->btd", u_BTF, p["w_out"]) + p["b_out"]
+    return checkpoint_name(
+        project("btf,fd->btd", u_BTF, p["w_out"], MLP_DOWN, precision) + p["b_out"], MLP_OUT
+    )
 
 
 def block(
@@ -352,22 +403,47 @@ def block(
     implementation: str = "xla",
     positions_T: np.ndarray | None = None,
     documents: Documents | None = None,
+    precision: str = "default",
 ) -> jax.Array:
     """One pre-norm causal transformer block (``implementation``, ``positions_T``,
-    ``documents``: see :func:`attention`)."""
+    ``documents``, ``precision``: see :func:`attention`)."""
     h = layer_norm(x_BTD, p["ln1_scale"], p["ln1_bias"])
     # packed documents only when there are some: the plain call is the one a stand-in for
     # attention takes (the benchmarks' hand-written reference)
     packed = {} if documents is None else {"documents": documents}
+    packed |= {} if precision == "default" else {"precision": precision}
     a_BTD = attention(h, p, use_rotary, implementation, positions_T=positions_T, **packed)
     x_BTD = constrain(x_BTD + a_BTD, RESIDUAL)
     h = layer_norm(x_BTD, p["ln2_scale"], p["ln2_bias"])
-    return constrain(x_BTD + mlp(h, p), RESIDUAL)
+    return constrain(x_BTD + mlp(h, p, precision), RESIDUAL)
 
 
+_policies = jax.checkpoint_policies
+_MATMULS = (QKV, ATTN_OUT, MLP_IN, MLP_OUT)
+
+#: ``jax.checkpoint`` policy of each ``model.remat`` value but ``none`` (MaxText's names in
+#: brackets). Each keeps the block's input (the layer scan's carry) on the device. A named
+#: value is kept only where the backward reads it: GPT's and the Llama's MLP output is not
+#: (the block's output is the next block's input), Gemma's post-MLP norm reads it.
 REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole block in the backward pass
-    "save_dots": jax.checkpoint_policies.checkpoint_dots,
+    # every matmul's output, attention's [B, N, T, T] logits included
+    "save_dots": _policies.checkpoint_dots,
+    # q, k and v: the backward recomputes attention and the MLP (save_qkv_proj)
+    "save_qkv": _policies.save_only_these_names(QKV),
+    # the row-parallel outputs, which tensor parallelism all-reduces: the recompute
+    # repeats no collective (save_out_proj)
+    "save_out": _policies.save_only_these_names(ATTN_OUT, MLP_OUT),
+    # the four projections' outputs, not attention's logits (minimal)
+    "save_matmuls": _policies.save_only_these_names(*_MATMULS),
+    # the same moved to the host's pinned memory in the forward and back for the
+    # backward: device memory of "full", recompute of "save_matmuls" (minimal_offloaded)
+    "offload": _policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[],
+        names_which_can_be_offloaded=list(_MATMULS),
+        offload_src="device",
+        offload_dst="pinned_host",
+    ),
 }
 
 

@@ -8,9 +8,12 @@ a mask token; a Llama's MLP is a SwiGLU of its own width).
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Any
+
+from pydantic import Field, field_validator
 
 from jaxpar.models.family import Dtype, ModelConfig
+from jaxpar.models.fp8 import Fp8Scaling, Precision, check_scaling
 from jaxpar.models.transformer import Attention, Remat
 from jaxpar.schema import section
 
@@ -33,6 +36,21 @@ class TransformerConfig(ModelConfig):
         "implementation (auto: cuDNN on a GPU where it runs, XLA "
         "elsewhere)",
     )
+    precision: Precision = Field(
+        "default",
+        description="the weight matmuls' precision (fp8: E4M3 operands, E5M2 gradients; "
+        "embedding, logits and attention's own products stay in model.dtype)",
+    )
+    fp8_scaling: Fp8Scaling = Field(
+        "current",
+        description="FP8 scale of each tensor: from its amax in this step (an amax "
+        "history, Transformer Engine's delayed scaling, is not built)",
+    )
+
+    @field_validator("fp8_scaling", mode="before")
+    @classmethod
+    def _fp8_scaling(cls, value: Any) -> Any:
+        return check_scaling(value)
 
     @property
     def head_dim(self) -> int:

@@ -50,7 +50,7 @@ def chunk_program(ex: Any, kind: str, c: int) -> Callable:
     seed = 1.0 / total  # each microbatch's loss (a mean) seeds the backward with 1/total
 
     def run(params, state, x, batch, j, train=True, count=total):
-        with activation_rules(mesh, ex.layout.rules, ex.layout.context):
+        with activation_rules(mesh, ex.layout.rules, ex.layout.context, ex.layout.tensor):
             mb = {
                 k: jax.lax.dynamic_index_in_dim(split_microbatches(v, count), j, 0, False)
                 for k, v in batch.items()

@@ -24,6 +24,7 @@ from jaxpar.axes import BATCH_AXES, Axis
 from jaxpar.context import ContextConfig
 from jaxpar.logical import Rules, activation_rules
 from jaxpar.pipeline.ticks import TickTable
+from jaxpar.tensor_parallel import TensorConfig
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -34,6 +35,7 @@ class Layout:
       mesh: the device mesh (an abstract one inside a ``shard_map``: :meth:`manual`).
       rules: logical axis name → mesh axes.
       context: how attention runs when ``mesh.context`` > 1 splits each sequence.
+      tensor: how tensor parallelism runs (sequence parallelism, overlap).
       param_specs: the parameters' ``PartitionSpec`` tree (None: not decided yet).
       batch_specs: the spec of each batch entry.
       table: the pipeline schedule's tick table, None without pipeline stages.
@@ -45,6 +47,7 @@ class Layout:
     mesh: Mesh | AbstractMesh
     rules: Rules
     context: ContextConfig = field(default_factory=ContextConfig)
+    tensor: TensorConfig = field(default_factory=TensorConfig)
     param_specs: Any = None
     batch_specs: Mapping[str, PartitionSpec] = field(default_factory=dict)
     table: TickTable | None = None
@@ -73,6 +76,7 @@ class Layout:
     @contextlib.contextmanager
     def activation_rules(self) -> Iterator[None]:
         """Activates this layout's rules for the model's activation constraints (and its
-        context settings for ``jaxpar.attend``) while a step is traced."""
-        with activation_rules(self.mesh, self.rules, self.context):
+        context and tensor settings for ``jaxpar.attend`` and the projections) while a step is
+        traced."""
+        with activation_rules(self.mesh, self.rules, self.context, self.tensor):
             yield

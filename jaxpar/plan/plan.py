@@ -34,6 +34,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpar import sharding as shd
+from jaxpar import tensor_parallel
 from jaxpar.axes import Axis
 from jaxpar.context import ContextConfig
 from jaxpar.errors import ConfigError, TaskError
@@ -44,17 +45,20 @@ from jaxpar.pipeline.schedule import PipelineConfig
 from jaxpar.pipeline.ticks import TickTable
 from jaxpar.plan import checks
 from jaxpar.plan.abstract import AbstractModel, abstract_model, warn_unnamed
+from jaxpar.plan.offload import check_executor, device_part, on_host
 from jaxpar.plan.strategy import gather_once, gradient_strategy
 from jaxpar.plan.submesh import executor_of, sub_mesh_layout
 from jaxpar.state import TrainState
 from jaxpar.task import Task
+from jaxpar.tensor_parallel import TensorConfig
 
 
 @dataclass(frozen=True)
 class StateBytes:
     """Bytes of the train state on one device (the largest shard of each leaf): parameters,
-    optimizer state, model state and ``total`` (with the step counters); and of the whole
-    (unsharded) parameters and optimizer state."""
+    optimizer state, model state and ``total`` (with the step counters: what device memory
+    holds); and of the whole (unsharded) parameters and optimizer state; ``host``: of the
+    state held in host memory (an offloaded optimizer state), left out of ``total``."""
 
     params: int
     opt_state: int
@@ -62,6 +66,7 @@ class StateBytes:
     total: int
     params_total: int
     opt_state_total: int
+    host: int = 0
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -80,6 +85,8 @@ class Plan:
         :attr:`pipeline`).
       fsdp_gather: ``train.fsdp_gather`` as given (:attr:`fsdp_gather_once`: whether it
         has an effect).
+      optimizer_offload: whether the optimizer state's shardings are in pinned host
+        memory (``train.optimizer_offload``: :mod:`jaxpar.plan.offload`).
       state_specs, opt_specs: ``PartitionSpec`` trees of the model state and the
         optimizer state.
       opt_replicated: ``(path, shape)`` of optimizer-state leaves left replicated because
@@ -96,6 +103,7 @@ class Plan:
     layout: Layout
     pipeline_config: PipelineConfig
     fsdp_gather: str
+    optimizer_offload: bool = False
     state_specs: Any
     opt_specs: Any
     opt_replicated: list[tuple[str, tuple[int, ...]]]
@@ -114,6 +122,11 @@ class Plan:
     def rules(self) -> Rules:
         """The logical-axis rules (soft rules fitted to the model and mesh)."""
         return self.layout.rules
+
+    @property
+    def tensor(self) -> TensorConfig:
+        """How tensor parallelism runs (sequence parallelism, overlap)."""
+        return self.layout.tensor
 
     @property
     def context(self) -> ContextConfig:
@@ -233,23 +246,29 @@ class Plan:
         """Bytes of the train state per device and in all, from the shardings."""
         a = self.abstract_state
         s = self.state_shardings
+        offload = self.optimizer_offload
+        opt_state = shd.bytes_per_device(a.opt_state, s.opt_state)
         return StateBytes(
             params=shd.bytes_per_device(a.params, s.params),
-            opt_state=shd.bytes_per_device(a.opt_state, s.opt_state),
+            opt_state=opt_state,
             model_state=shd.bytes_per_device(a.model_state, s.model_state),
-            total=shd.bytes_per_device(a, s),
+            total=shd.bytes_per_device(device_part(a, offload), device_part(s, offload)),
             params_total=shd.total_bytes(a.params),
             opt_state_total=shd.total_bytes(a.opt_state),
+            host=opt_state if offload else 0,
         )
 
     def replan(self, **settings: Any) -> Plan:
         """The plan of the same task, optimizer, mesh and rules under other settings
-        (``grad_accum``, ``pipeline``, ``fsdp_gather``, ``context``)."""
+        (``grad_accum``, ``pipeline``, ``fsdp_gather``, ``context``, ``tensor``,
+        ``optimizer_offload``)."""
         given = dict(
             grad_accum=self.grad_accum,
             pipeline=self.pipeline_config,
             fsdp_gather=self.fsdp_gather,
             context=self.context,
+            tensor=self.tensor,
+            optimizer_offload=self.optimizer_offload,
         )
         return make_plan(self.task, self.optimizer, self.mesh, self.rules, **{**given, **settings})
 
@@ -265,6 +284,8 @@ def make_plan(
     fsdp_gather: str = "per_microbatch",
     model: AbstractModel | None = None,
     context: ContextConfig | None = None,
+    tensor: TensorConfig | None = None,
+    optimizer_offload: bool = False,
 ) -> Plan:
     """Decides the layout of ``task`` trained by ``optimizer`` on ``mesh`` under ``rules``.
 
@@ -282,10 +303,14 @@ def make_plan(
       model: the task's abstract model, when the caller has it already.
       context: how attention runs when ``mesh.context`` > 1 splits each sequence
         (default: all-gathered keys and values, causal load balancing).
+      tensor: how tensor parallelism runs (default: no overlap; sequence parallelism is
+        the rules' ``act_seq``: :func:`jaxpar.sharding.sequence_parallel`).
+      optimizer_offload: hold the optimizer state in pinned host memory between steps.
 
     Raises:
       LayoutError: for every layout that cannot run (see the module docstring).
-      ConfigError: for a ``grad_accum`` below 1 or an unknown ``fsdp_gather``.
+      ConfigError: for a ``grad_accum`` below 1, an unknown ``fsdp_gather``, or
+        ``optimizer_offload`` with the sub-mesh executor.
     """
     if grad_accum < 1:
         raise ConfigError(f"train.grad_accum={grad_accum} must be ≥ 1")
@@ -301,11 +326,16 @@ def make_plan(
         model=model,
         pipeline=pipeline,
         fsdp_gather=fsdp_gather,
+        optimizer_offload=optimizer_offload,
         abstract_state=_abstract_state(optimizer, model),
         loss=ModelLoss(model.graphdef, task.loss_fn),
     )
-    layout = _batch_layout(task, mesh, rules, context, grad_accum)
-    if executor_of(task, pipeline, layout.stages) == "mpmd":
+    tensor = tensor if tensor is not None else TensorConfig()
+    layout = _batch_layout(task, mesh, rules, (context, tensor), grad_accum)
+    executor = executor_of(task, pipeline, layout.stages)
+    check_executor(optimizer_offload, executor)
+    tensor_parallel.check_executor(tensor, executor)
+    if executor == "mpmd":
         return _sub_mesh_plan(given, layout)
     return _one_program_plan(given, layout)
 
@@ -321,6 +351,7 @@ class _Given:
     model: AbstractModel
     pipeline: PipelineConfig
     fsdp_gather: str
+    optimizer_offload: bool
     abstract_state: TrainState
     loss: ModelLoss
 
@@ -342,6 +373,7 @@ class _Given:
             layout=layout,
             pipeline_config=self.pipeline,
             fsdp_gather=self.fsdp_gather,
+            optimizer_offload=self.optimizer_offload,
             state_specs=state_specs,
             opt_specs=opt_specs,
             opt_replicated=opt_replicated,
@@ -360,14 +392,24 @@ def _abstract_state(optimizer: optax.GradientTransformation, model: AbstractMode
 
 
 def _batch_layout(
-    task: Task, mesh: Mesh, rules: Rules, context: ContextConfig, grad_accum: int
+    task: Task,
+    mesh: Mesh,
+    rules: Rules,
+    options: tuple[ContextConfig, TensorConfig],
+    grad_accum: int,
 ) -> Layout:
-    """The layout before the parameters' specs: mesh, rules, context settings and the
-    batch's specs (checked: every process owns whole rows)."""
+    """The layout before the parameters' specs: mesh, rules, context and tensor settings
+    and the batch's specs (checked: every process owns whole rows)."""
     batch_specs = checks.batch_specs(task, rules, mesh, None)
     checks.check_processes_own_rows(mesh, batch_specs)
+    context, tensor = options
     return Layout(
-        mesh=mesh, rules=rules, context=context, batch_specs=batch_specs, grad_accum=grad_accum
+        mesh=mesh,
+        rules=rules,
+        context=context,
+        tensor=tensor,
+        batch_specs=batch_specs,
+        grad_accum=grad_accum,
     )
 
 
@@ -413,6 +455,8 @@ def _one_program_plan(given: _Given, layout: Layout) -> Plan:
     opt_state = given.abstract_state.opt_state
     opt_specs, replicated = shd.opt_state_specs(opt_state, model.params, param_specs)
     shardings = _state_shardings(mesh, param_specs, opt_specs, state_specs)
+    if given.optimizer_offload:
+        shardings = replace(shardings, opt_state=on_host(shardings.opt_state))
     checks.check_layout(task, model, rules, mesh, param_specs, layout.batch_specs)
     layout = replace(
         layout,

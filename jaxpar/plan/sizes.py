@@ -31,6 +31,7 @@ import jax
 
 from jaxpar import sharding as shd
 from jaxpar.errors import ConfigError, LayoutError
+from jaxpar.plan.offload import device_part
 
 #: The largest count XLA can hold (it counts elements and bytes in int64).
 INT64_MAX = 2**63 - 1
@@ -147,7 +148,12 @@ def check_state(plan: Any, memory: Memory | None, settings: Mapping[str, Any]) -
       LayoutError: naming the state's bytes, the memory, its largest parameter and the
         setting its size follows from.
     """
-    held = shd.bytes_by_device(plan.abstract_state, plan.state_shardings)
+    # an offloaded optimizer state is in the host's memory, outside a device's (CPU
+    # devices share the host's: it counts there)
+    on_host = plan.optimizer_offload and not (memory is not None and memory.shared)
+    held = shd.bytes_by_device(
+        device_part(plan.abstract_state, on_host), device_part(plan.state_shardings, on_host)
+    )
     most = max(held.values(), default=0)
     memory = ANY_DEVICE if most > NO_DEVICE_HOLDS or memory is None else memory
     here = [n for d, n in held.items() if d.process_index == jax.process_index()]

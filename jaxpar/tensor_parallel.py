@@ -1,0 +1,253 @@
+"""How tensor parallelism runs (the ``tensor`` section): sequence parallelism, and the
+collective matmuls that overlap its communication with compute.
+
+**Sequence parallelism** (``tensor.sequence``, Megatron-SP) is a rule: the residual stream
+between blocks, the logical ``act_seq`` axis, is split over ``tensor`` as well as
+``context`` (:func:`jaxpar.sharding.sequence_parallel`). XLA then gathers a block's input
+before its column-parallel matmuls and reduce-scatters its output after the row-parallel
+ones.
+
+**Overlapped tensor parallelism** (``tensor.overlap``) hides that gather and that
+reduce-scatter behind the matmuls they feed:
+
+* ``collective_matmul`` — JAX's collective-matmul pattern, inside ``shard_map`` over the
+  ``tensor`` axis (the others stay automatic). A column-parallel matmul ``x[B, T_t, D] ·
+  W[D, F_t]`` runs in t steps: each multiplies the sequence chunk a device holds while it
+  passes that chunk on to its neighbour (``ppermute``), so after t steps every device has
+  all of ``[B, T, F_t]`` and no all-gather ran. A row-parallel matmul ``h[B, T, F_t] ·
+  W[F_t, D]`` computes one chunk's partial sum per step and adds it to the running sum its
+  neighbour passed it: after t steps each device holds its chunk ``[B, T_t, D]`` summed
+  over the group, and no reduce-scatter ran. Autodiff gives the backward pass the mirrored
+  pattern. Exact: the same products, summed in another order.
+* ``xla`` — the same decomposition left to XLA's GPU compiler (its windowed einsum:
+  ``xla_gpu_multi_streamed_windowed_einsum`` with a zero threshold); a GPU only.
+
+A model's matmuls that may be tensor-parallel go through :func:`matmul` with their
+weight's logical names; outside a step, or without ``tensor.overlap``, it is
+``jnp.einsum``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec
+from pydantic import Field
+
+from jaxpar.axes import Axis
+from jaxpar.errors import ConfigError, LayoutError
+from jaxpar.logical import (
+    ACT_SEQ,
+    BATCH,
+    SEQ,
+    active_layout,
+    active_options,
+    names_of,
+    spec_for,
+    split_over,
+)
+from jaxpar.schema import section
+
+#: ``tensor.overlap`` values.
+Overlap = Literal["none", "collective_matmul", "xla"]
+
+
+@section("tensor")
+class TensorConfig:
+    """How tensor parallelism (``mesh.tensor`` > 1) runs."""
+
+    sequence: bool = Field(
+        False,
+        description="sequence parallelism (Megatron-SP): the residual stream between the "
+        "column- and row-parallel matmuls (norms, residual adds, dropout) split over the "
+        "sequence on the tensor axis; an all-gather before each block and a reduce-scatter "
+        "after it replace its all-reduce, and that activation memory is divided by "
+        "mesh.tensor",
+    )
+    overlap: Overlap = Field(
+        "none",
+        description="overlap sequence parallelism's gathers and reduce-scatters with the "
+        "matmuls: collective_matmul (ppermute steps interleaved with the matmul's pieces, "
+        "inside shard_map; needs tensor.sequence=true) or xla (XLA's windowed einsum; a "
+        "GPU only)",
+    )
+
+
+#: XLA options of ``tensor.overlap=xla`` (XLA's GPU compiler only)
+XLA_OVERLAP_OPTIONS = {
+    "xla_gpu_multi_streamed_windowed_einsum": True,
+    "xla_gpu_threshold_for_windowed_einsum_mib": 0,
+}
+
+
+def check(tensor: TensorConfig, sizes: Mapping[str, int], platform: str, precision: str) -> None:
+    """Refuses, in one line, an overlap the run cannot use: ``xla`` off a GPU,
+    ``collective_matmul`` without sequence parallelism, with ``context`` > 1, or with FP8
+    matmuls (whose per-tensor scales a piece of a matmul would not see);
+    ``sizes``: the mesh degrees.
+
+    Raises:
+      ConfigError: naming the key and the fix.
+    """
+    if tensor.overlap == "xla" and platform != "gpu":
+        raise ConfigError(
+            f"tensor.overlap=xla sets XLA's GPU windowed-einsum options, which XLA:"
+            f"{platform.upper()} does not have; use tensor.overlap=collective_matmul"
+        )
+    if tensor.overlap != "collective_matmul" or sizes.get(Axis.TENSOR, 1) == 1:
+        return
+    if not tensor.sequence:
+        raise ConfigError(
+            "tensor.overlap=collective_matmul overlaps sequence parallelism's gathers and "
+            "reduce-scatters: set tensor.sequence=true too"
+        )
+    if sizes.get(Axis.CONTEXT, 1) > 1:
+        raise ConfigError(
+            "tensor.overlap=collective_matmul does not run with mesh.context > 1 yet; set "
+            "tensor.overlap=none there"
+        )
+    if precision == "fp8":
+        raise ConfigError(
+            "tensor.overlap=collective_matmul with model.precision=fp8: each piece of the "
+            "matmul would scale by its own amax, not the tensor's; use one of them"
+        )
+
+
+def check_executor(tensor: TensorConfig, executor: str | None) -> None:
+    """The spmd pipeline runs each stage's layers in a branch of its own, where the
+    collective matmul's sends (over every device) would wait for devices in another branch.
+
+    Raises:
+      ConfigError: for ``tensor.overlap=collective_matmul`` with ``pipeline.executor=spmd``.
+    """
+    if tensor.overlap == "collective_matmul" and executor == "spmd":
+        raise ConfigError(
+            "tensor.overlap=collective_matmul does not run in the spmd pipeline's per-stage "
+            "branches: set pipeline.executor=mpmd or tensor.overlap=none"
+        )
+
+
+def compiler_options(tensor: TensorConfig) -> dict[str, object] | None:
+    """The XLA options a train step compiles with under ``tensor`` (``tensor.overlap=xla``:
+    :data:`XLA_OVERLAP_OPTIONS`, which only XLA's GPU compiler knows; None otherwise)."""
+    return dict(XLA_OVERLAP_OPTIONS) if tensor.overlap == "xla" else None
+
+
+def matmul(
+    subscripts: str,
+    x: jax.Array,
+    w: jax.Array,
+    w_names: tuple[str | None, ...],
+    dot: Callable[..., jax.Array] = jnp.einsum,
+) -> jax.Array:
+    """``dot(subscripts, x, w)`` of an activation ``x`` whose first two dims are batch and
+    sequence (``"btd,df->btf"``) and a weight ``w`` whose dims are named ``w_names``.
+
+    Under ``tensor.overlap=collective_matmul`` in a step whose rules split ``w`` over
+    ``tensor``: a collective matmul (see the module docstring) — column-parallel when
+    ``w``'s split dim is in the result, row-parallel when it is summed over. ``dot`` is
+    the product of the pieces (a model's own, e.g. an FP8 one).
+    """
+    role = _role(subscripts, w, w_names)
+    if role is None:
+        return dot(subscripts, x, w)
+    mesh, t, w_spec, letter, batch = role
+    inputs, out = subscripts.split("->")
+    x_sub = inputs.split(",")[0]
+    rows = batch[0] if len(batch) == 1 else (batch or None)
+    if letter in out:  # column-parallel: x's sequence gathered piece by piece
+        body = functools.partial(_gathered, subscripts=subscripts, t=t, dot=dot)
+        x_spec = PartitionSpec(rows, Axis.TENSOR)
+        out_spec = PartitionSpec(rows, *(Axis.TENSOR if c == letter else None for c in out[1:]))
+    else:  # row-parallel: the result reduce-scattered over the sequence piece by piece
+        body = functools.partial(_scattered, subscripts=subscripts, t=t, dot=dot)
+        x_spec = PartitionSpec(rows, *(Axis.TENSOR if c == letter else None for c in x_sub[1:]))
+        out_spec = PartitionSpec(rows, Axis.TENSOR)
+    # the batch axes manual too: each piece's weight gradient is a partial sum over the
+    # device's rows, summed over them once, as the shard_map's input, not once a piece;
+    # in float32 (XLA:CPU aborts on that sum in bfloat16, and sums bfloat16 in float32
+    # anyway): the weight enters as float32 and is cast back inside
+    return jax.shard_map(
+        lambda x, w32: body(x, w32.astype(w.dtype)),
+        mesh=mesh,
+        in_specs=(x_spec, w_spec),
+        out_specs=out_spec,
+        axis_names=frozenset({Axis.TENSOR, *batch}),
+        check_vma=False,
+    )(x, w.astype(jnp.promote_types(w.dtype, jnp.float32)))
+
+
+def _role(
+    subscripts: str, w: jax.Array, w_names: tuple[str | None, ...]
+) -> tuple[object, int, PartitionSpec, str, tuple[str, ...]] | None:
+    """The mesh, the tensor degree, ``w``'s spec over ``tensor`` alone, the subscript
+    letter of its split dim and the batch's mesh axes, when :func:`matmul` runs as a
+    collective matmul; else None.
+
+    Raises:
+      LayoutError: for a layout collective matmuls cannot run (no sequence parallelism,
+        a sequence split over ``context`` too).
+    """
+    layout = active_layout()
+    tensor = active_options(TensorConfig)
+    if layout is None or tensor is None or tensor.overlap != "collective_matmul":
+        return None
+    mesh, rules, _ = layout
+    t = mesh.shape.get(Axis.TENSOR, 1)
+    if t == 1:
+        return None
+    if Axis.TENSOR not in split_over(rules, mesh.shape, ACT_SEQ):
+        raise LayoutError(
+            "tensor.overlap=collective_matmul overlaps sequence parallelism's gathers and "
+            "reduce-scatters: set tensor.sequence=true (or tensor.overlap=none)"
+        )
+    if split_over(rules, mesh.shape, SEQ):
+        raise LayoutError(
+            "tensor.overlap=collective_matmul does not run with mesh.context > 1 (the "
+            "sequence's chunks would cross both axes); set tensor.overlap=none there"
+        )
+    spec = spec_for(w_names, rules, mesh, w.shape, f"weight {tuple(w_names)}")
+    split = [i for i, entry in enumerate(spec) if Axis.TENSOR in names_of(entry)]
+    if not split:
+        return None
+    letter = subscripts.split("->")[0].split(",")[1][split[0]]
+    w_spec = PartitionSpec(*(Axis.TENSOR if i == split[0] else None for i in range(w.ndim)))
+    return mesh, t, w_spec, letter, split_over(rules, mesh.shape, BATCH)
+
+
+def _gathered(x, w, *, subscripts, t, dot):
+    """Column-parallel, inside ``shard_map``: each of ``t`` steps multiplies the sequence
+    chunk held now and passes it to the previous device, so that at step i device r holds
+    chunk r + i; the result [B, T, …] is assembled chunk by chunk."""
+    r = lax.axis_index(Axis.TENSOR)
+    chunk = x.shape[1]
+    to_previous = [(j, (j - 1) % t) for j in range(t)]
+    out = None
+    for i in range(t):
+        following = lax.ppermute(x, Axis.TENSOR, to_previous) if i < t - 1 else None
+        piece = dot(subscripts, x, w)
+        if out is None:
+            out = jnp.zeros((piece.shape[0], chunk * t, *piece.shape[2:]), piece.dtype)
+        out = lax.dynamic_update_slice_in_dim(out, piece, ((r + i) % t) * chunk, axis=1)
+        x = following
+    return out
+
+
+def _scattered(x, w, *, subscripts, t, dot):
+    """Row-parallel, inside ``shard_map``: at step i device r computes its partial sum of
+    chunk r − i − 1 and adds it to the running sum the previous device passed on; after
+    ``t`` steps it holds its own chunk [B, T/t, …] summed over the group."""
+    r = lax.axis_index(Axis.TENSOR)
+    chunk = x.shape[1] // t
+    to_next = [(j, (j + 1) % t) for j in range(t)]
+    total = None
+    for i in range(t):
+        part = lax.dynamic_slice_in_dim(x, ((r - i - 1) % t) * chunk, chunk, axis=1)
+        piece = dot(subscripts, part, w)
+        total = piece if total is None else lax.ppermute(total, Axis.TENSOR, to_next) + piece
+    return total
