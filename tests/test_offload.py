@@ -74,6 +74,7 @@ def test_host_offload_equals_one_device(family, mesh):
         assert_params_close(params, one[1], elementwise=False, rtol=1e-4)
 
 
+@pytest.mark.exhaustive  # the same mechanism as GPT's and Llama's, in the extended tier
 def test_gemma_offloads_as_one_device():
     """Gemma takes the same choices: both offloads on data × fsdp × tensor equal one
     device."""

@@ -46,7 +46,7 @@ LAYOUTS = {
     "model,layout",
     grid(
         [pytest.param(m, x, id=f"{m}-{x}") for m in MODELS for x in LAYOUTS],
-        {"gpt-fsdp=2,tensor=4", "llama-data=4,tensor=2", "gpt-data=2,tensor=2,stage=2,mpmd"},
+        {"llama-data=4,tensor=2", "gpt-data=2,tensor=2,stage=2,mpmd"},
     ),
 )
 def test_overlapped_tensor_parallelism_equals_one_device(model, layout):
