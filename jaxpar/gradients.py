@@ -16,7 +16,9 @@ evaluation mode.
 * :class:`Pipelined` — the pipeline executor (``jaxpar/pipeline/executor.py``).
 
 ``model_state`` is the pure dict of the model's non-``Param`` variables; a strategy
-returns its new value, and ``grads`` are taken with respect to ``params`` only.
+returns its new value, and ``grads`` are taken with respect to ``params`` only — but for
+:class:`jaxpar.state.FromGradient` variables (FP8 amax histories), which :class:`Plain`
+differentiates too and whose gradient it returns as their next value.
 """
 
 from __future__ import annotations
@@ -34,11 +36,12 @@ from jaxpar.axes import Axis
 from jaxpar.context import degree as context_degree
 from jaxpar.context import split_attention_calls
 from jaxpar.errors import JaxparError, TaskError, UserCodeFailed, code_name, is_own
+from jaxpar.logical import ACT_SEQ, split_over, stream_constraints
 from jaxpar.pipeline.executor import advance_counts, pipeline_grads
 from jaxpar.pipeline.forward import pipeline_eval
 from jaxpar.pipeline.layout import Layout
 from jaxpar.sharding import named
-from jaxpar.state import TrainState
+from jaxpar.state import FromGradient, TrainState
 from jaxpar.task import (
     Batch,
     LossFn,
@@ -128,8 +131,11 @@ class ModelLoss:
         model.train() if train else model.eval()
         with layout.activation_rules():
             before = split_attention_calls()
+            streams = stream_constraints()
             loss, metrics = _checked(_call_loss(self.loss_fn, model, batch), self.loss_fn)
-            _attended(before, self.loss_fn)
+            _attended(before, self.loss_fn, self.graphdef)
+            what = f"loss_fn ({code_name(self.loss_fn)})"
+            _named_stream(streams, what, layout, self.graphdef)
         return loss, metrics, nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
 
 
@@ -149,7 +155,22 @@ def _checked(out: Any, loss_fn: LossFn) -> tuple[jax.Array, dict]:
     return checked_loss(out, f"loss_fn ({code_name(loss_fn)})")
 
 
-def _attended(before: int, loss_fn: LossFn) -> None:
+#: the (check, code, model) whose trace has been seen to do what the check asks: a later
+#: trace of the same code and model may run no Python where JAX serves a ``lax.scan`` or
+#: ``jax.checkpoint`` body of a module-level function from its trace cache (measured), so
+#: a count that did not move then is no evidence
+_SEEN: set[tuple[str, str, nnx.GraphDef]] = set()
+
+
+def _seen(check: str, what: str, graphdef: nnx.GraphDef, moved: bool) -> bool:
+    """Whether ``what`` running the model ``graphdef`` does what ``check`` asks: in this
+    trace (``moved``) or an earlier one."""
+    if moved:
+        _SEEN.add((check, what, graphdef))
+    return (check, what, graphdef) in _SEEN
+
+
+def _attended(before: int, loss_fn: LossFn, graphdef: nnx.GraphDef) -> None:
     """Refuses a loss whose attention never ran across a split sequence (see
     ``jaxpar.context.split_attention_calls``): plain attention would read each device's
     shard, or the balanced order, as the whole sequence in order — a wrong loss.
@@ -158,7 +179,8 @@ def _attended(before: int, loss_fn: LossFn) -> None:
       TaskError: naming the loss function and the fix.
     """
     ways = context_degree()
-    if ways > 1 and split_attention_calls() == before:
+    what = code_name(loss_fn)
+    if ways > 1 and not _seen("attend", what, graphdef, split_attention_calls() > before):
         raise TaskError(
             f"loss_fn ({code_name(loss_fn)}) ran with each sequence split over {ways} "
             "devices (mesh.context), but its model never called jaxpar.attend, so its "
@@ -169,6 +191,33 @@ def _attended(before: int, loss_fn: LossFn) -> None:
         )
 
 
+def _named_stream(before: int, what: str, layout: Layout, graphdef: nnx.GraphDef) -> None:
+    """Refuses a model that never named its residual stream ``act_seq`` (see
+    ``jaxpar.logical.stream_constraints``) when the layout splits ``act_seq`` over
+    ``tensor`` (sequence parallelism): the split would change nothing, silently.
+    ``what``: the user's function that ran the model, as messages name it.
+
+    Raises:
+      TaskError: naming ``what`` and the fix.
+    """
+    if Axis.TENSOR not in split_over(layout.rules, layout.mesh.shape, ACT_SEQ):
+        return
+    if _seen("act_seq", what, graphdef, stream_constraints() > before):
+        return
+    key, off = (
+        ("tensor.sequence=true", "set tensor.sequence=false")
+        if layout.tensor.sequence
+        else ("rules.act_seq names tensor", "drop tensor from rules.act_seq")
+    )
+    raise TaskError(
+        f"{what} ran with sequence parallelism ({key}, mesh.tensor="
+        f"{layout.mesh.shape[Axis.TENSOR]}), but its model never constrained an activation "
+        "with the logical axis act_seq, so nothing would be split; name its residual stream "
+        'with jaxpar.constrain(x, ("batch", "act_seq", "act_embed")) (docs/concepts.md, '
+        f"Sequence parallelism), or {off}"
+    )
+
+
 @dataclass(frozen=True)
 class Plain(Traced):
     """One ``value_and_grad`` of the loss over the whole batch."""
@@ -177,18 +226,41 @@ class Plain(Traced):
     layout: Layout
 
     def __call__(self, params: Any, model_state: Any, batch: Batch):
-        def value(p):
+        over = from_gradient(self.loss.graphdef, params, model_state)
+
+        def value(p, o):
             loss, metrics, new_state = self.loss(
-                p, model_state, batch, train=True, layout=self.layout
+                p, _replaced(model_state, o), batch, train=True, layout=self.layout
             )
             return loss, (metrics, new_state)
 
-        (loss, (metrics, new_state)), grads = jax.value_and_grad(value, has_aux=True)(params)
-        return loss, metrics, grads, new_state
+        grad = jax.value_and_grad(value, argnums=(0, 1), has_aux=True)
+        (loss, (metrics, new_state)), (grads, new_over) = grad(params, over)
+        return loss, metrics, grads, _replaced(new_state, _read(over, new_over))
 
     def evaluate(self, params: Any, model_state: Any, batch: Batch):
         loss, metrics, _ = self.loss(params, model_state, batch, train=False, layout=self.layout)
         return loss, metrics
+
+
+def from_gradient(graphdef: nnx.GraphDef, params: Any, model_state: Any) -> Any:
+    """The part of ``model_state`` (a pure dict) whose next value is its gradient
+    (:class:`jaxpar.state.FromGradient` variables: FP8 amax histories), as a pure dict."""
+    model = nnx.merge(graphdef, params, model_state)
+    return nnx.to_pure_dict(nnx.state(model, FromGradient))
+
+
+def _replaced(state: Any, part: Any) -> Any:
+    """The pure dict ``state`` with the leaves ``part`` holds replaced by ``part``'s."""
+    if not isinstance(part, dict):
+        return part
+    return {k: _replaced(v, part[k]) if k in part else v for k, v in state.items()}
+
+
+def _read(old: Any, new: Any) -> Any:
+    """``new`` where the forward pass read the variable (a nonzero cotangent: an update
+    always holds a positive scale), else ``old``: an unread one keeps its value."""
+    return jax.tree.map(lambda o, n: jnp.where(jnp.any(n != 0), n, o), old, new)
 
 
 @dataclass(frozen=True)
@@ -301,6 +373,7 @@ class Pipelined(Traced):
 
     def __call__(self, params: Any, model_state: Any, batch: Batch):
         with self.layout.activation_rules():
+            streams = stream_constraints()
             loss, metrics, grads = pipeline_grads(
                 self.split,
                 self.graphdef,
@@ -310,6 +383,8 @@ class Pipelined(Traced):
                 model_state=model_state,
                 rng_counts=self.rng_counts,
             )
+            what = f"the stages ({code_name(self.split.stage)})"
+            _named_stream(streams, what, self.layout, self.graphdef)
         counts = self.rng_counts or jax.tree.map(lambda _: False, model_state)
         return loss, metrics, grads, advance_counts(model_state, counts, self.layout.table.m)
 
@@ -317,6 +392,10 @@ class Pipelined(Traced):
         """Loss and metrics in evaluation mode through the stages (forward only, the
         table's ``m`` microbatches): no device holds the whole model."""
         with self.layout.activation_rules():
-            return pipeline_eval(
+            streams = stream_constraints()
+            out = pipeline_eval(
                 self.split, self.graphdef, params, batch, self.layout, model_state=model_state
             )
+            what = f"the stages ({code_name(self.split.stage)})"
+            _named_stream(streams, what, self.layout, self.graphdef)
+        return out

@@ -44,6 +44,9 @@ LAYERS = "layers"
 _ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules, Any] | None] = contextvars.ContextVar(
     "jaxpar_activation_rules", default=None
 )
+#: how many activation constraints have named ``act_seq`` while a step was traced, in this
+#: process
+_STREAM_CALLS = [0]
 
 
 def split_over(rules: Rules, sizes: Mapping[str, int], name: str) -> tuple[str, ...]:
@@ -172,6 +175,14 @@ def shards(name: str) -> int:
     return math.prod(mesh.shape[a] for a in rules.get(name, ()) if a in mesh.shape)
 
 
+def stream_constraints() -> int:
+    """How many times :func:`constrain` has pinned an activation naming ``act_seq`` (the
+    residual stream's tokens) while a step was traced, so far: a step compares it before
+    and after tracing a loss whose rules split ``act_seq`` over ``tensor`` (sequence
+    parallelism), and refuses a model that never named it (the split would do nothing)."""
+    return _STREAM_CALLS[0]
+
+
 def constrain(x: jax.Array, names: AxisNames) -> jax.Array:
     """Pins activation ``x`` to the layout its logical ``names`` map to.
 
@@ -180,6 +191,8 @@ def constrain(x: jax.Array, names: AxisNames) -> jax.Array:
     active = _ACTIVE.get()
     if active is None:
         return x
+    if any(ACT_SEQ in names_of(entry) for entry in names):
+        _STREAM_CALLS[0] += 1
     mesh, rules, _ = active
     spec = spec_for(names, rules, mesh, x.shape, f"activation {tuple(names)}")
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

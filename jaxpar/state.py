@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+from flax import nnx
 
 
 @jax.tree_util.register_dataclass
@@ -23,3 +24,13 @@ class TrainState:
     opt_state: Any
     skipped: jax.Array
     model_state: Any = field(default_factory=dict)
+
+
+class FromGradient(nnx.Variable):
+    """A model variable whose next value is its gradient: the function that reads it is a
+    ``custom_vjp`` that returns the variable's updated value as its cotangent, because
+    what updates it is known only in the backward pass (an FP8 gradient's amax:
+    :class:`jaxpar.models.fp8.Fp8History`). It is model state, not a parameter: the step
+    differentiates the loss with respect to it too and keeps the result as its value (the
+    optimizer never sees it), and evaluation leaves it unchanged. Each must be read once
+    per forward pass: two reads would sum their updates."""

@@ -7,6 +7,7 @@ the options of choices not taken."""
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 from jaxpar import schema
 from jaxpar.config import Config, model_settings
@@ -88,7 +89,21 @@ def unused_settings(
         keys += [f"tensor.{k}" for k in schema.keys(TensorConfig)]
     if not config.checkpoint.keep_best:
         keys += ["checkpoint.best_metric", "checkpoint.best_mode"]
+    keys += _fp8_keys(config.model)
     return [k for k in dict.fromkeys(keys) if k in explicit or _non_default(config, k)]
+
+
+def _fp8_keys(model: Any) -> list[str]:
+    """The FP8 scaling keys set away from their defaults that the model's precision leaves
+    unread (a saved config names every key: those at their default say nothing)."""
+    precision = getattr(model, "precision", None)
+    if precision is None:
+        return []
+    unread = ("fp8_scaling", "fp8_history") if precision != "fp8" else ("fp8_history",)
+    if precision == "fp8" and model.fp8_scaling == "delayed":
+        unread = ()
+    fields = type(model).__pydantic_fields__
+    return [f"model.{k}" for k in unread if getattr(model, k) != fields[k].default]
 
 
 def warn_unused(config: Config, **run: bool) -> None:
@@ -107,5 +122,11 @@ def warn_unused(config: Config, **run: bool) -> None:
             f"{config.mesh.stage}, mesh.context={config.mesh.context}, mesh.tensor="
             f"{config.mesh.tensor}, checkpoint.keep_best={config.checkpoint.keep_best}"
         )
-    for key in unused_settings(config, **run):
+    unused = unused_settings(config, **run)
+    if any(k.startswith("model.fp8_") for k in unused) and not run.get("user_task"):
+        context.append(
+            f"model.precision={config.model.precision}, "
+            f"model.fp8_scaling={getattr(config.model, 'fp8_scaling', None)}"
+        )
+    for key in unused:
         warnings.warn(f"config key '{key}' has no effect with {'; '.join(context)}", stacklevel=2)

@@ -5,27 +5,44 @@ Without a pipeline the model family gives a step's context terms
 of ``Lc = L/(p·v)`` layers once per microbatch in each of its programs. The family is asked
 for the terms of one microbatch (``b/m`` of a device's rows) through the whole model
 without a pipeline — what one layer moves, and what a pass moves once — and the
-executor's programs are counted here (all measured on XLA:CPU, ``tests/test_context.py``):
+executor's programs are counted here (all measured on XLA:CPU, ``tests/test_context.py``,
+``tests/test_ulysses.py``):
 
 * **spmd executor** — every tick counts as its costliest branch
-  (:func:`jaxpar.hlo.program_cost`), a backward: ``jax.vjp`` recomputes the chunk's
-  forward from its stashed input, then runs the backward. ``all_gather``: per layer K and
-  V gathered (again in a rematerialized block) and dK, dV reduce-scattered; the positions
-  gathered once. ``ring``: the recomputed forward's block sends serve the backward too (one
-  program: XLA merges the identical sends), so per layer 2(c−1) K/V block sends and 2c dK/dV
-  sends home; the positions' c−1. The first stage's backward also gathers its embedding's
-  output gradient (one message, ``[b/m, T, D]``) and the token ids it looked up: the
-  table's scatter-add gathers its updates over ``context`` rather than reduce the table.
-  The gradients a tick sums over ``context`` are :mod:`jaxpar.lab.predict`'s.
+  (:func:`jaxpar.hlo.program_cost`: each count and size the largest any branch has), a
+  backward: ``jax.vjp`` recomputes the chunk's forward from its stashed input, then runs
+  the backward. ``all_gather``: per layer K and V gathered (again in a rematerialized
+  block) and dK, dV reduce-scattered; the positions gathered once. ``ulysses`` likewise:
+  per layer q, k, v and the output exchanged all-to-all (again in a rematerialized
+  block), then their 4 gradients; the positions gathered once. ``ring``: the recomputed
+  forward's block sends serve the backward too (one program: XLA merges the identical
+  sends), so per layer 2(c−1) K/V block sends and 2c dK/dV sends home; the positions'
+  c−1. Under ``model.remat`` a chunk of several layers gathers the positions again in
+  each rematerialized layer (``1 + Lc`` a tick; one layer: once, merged with the
+  recompute). The first stage's backward also gathers its embedding's output gradient
+  (one message, ``[b/m, T, D]``) and the token ids it looked up: the table's scatter-add
+  gathers its updates over ``context`` rather than reduce the table. The gradients a tick
+  sums over ``context`` are :mod:`jaxpar.lab.predict`'s.
 * **mpmd executor** (a device of the heaviest stage) — per microbatch a forward program (K
-  and V gathered once per layer, the positions once; ``ring``: 2(c−1) block sends per
-  layer, the positions' c−1) and a backward program: as the spmd backward, but XLA merges a
-  rematerialized block's forward with the recompute (K and V gathered once per layer with
-  or without ``model.remat``), and with ``pipeline.backward=residuals`` it gathers
-  nothing (the forward kept K and V); ``ring``'s sends are the spmd backward's either way.
+  and V gathered once per layer, the positions once; ``ulysses``: q, k, v and the output
+  exchanged once per layer; ``ring``: 2(c−1) block sends per layer, the positions' c−1)
+  and a backward program: the chunk's forward recomputed, then its backward. Under
+  ``model.remat`` the backward runs each layer's forward once more (K and V gathered, or
+  q, k, v and the output exchanged, and the positions gathered, per layer), but for a
+  one-layer chunk, where XLA merges the rematerialized layer with the recompute. With
+  ``pipeline.backward=residuals`` nothing is recomputed (the forward kept K and V), but a
+  rematerialized layer still is. ``ring``'s sends are the spmd backward's either way.
 
 Left out: a learned position table's gradient, which the first stage's backward also
-gathers (its ``T`` rows of ``D``, with their indices: about 1% of a tiny GPT's step).
+gathers (its ``T`` rows of ``D``, with their indices: about 1% of a tiny GPT's step, but a
+third of the spmd pipeline's all-gather bytes for ``tests/test_ulysses.py``'s d_model=32
+GPT). Measured as predicted (counts and bytes of each collective kind) for ``all_gather``
+and ``ulysses`` with 1, 2 and 4 layers a chunk, with and without remat and residuals, but
+``all_gather``'s one-layer chunk under remat in the spmd executor: its costliest tick
+gathers K and V twice (the last stage's backward), but not the embedding's gradient and
+token ids (the first stage's, whose K/V gathers XLA merges): 0.966 of the predicted
+bytes. ``ring`` was measured with one layer a chunk: with more, XLA no longer merges its
+sends (``Lc=2``: 1.09× the spmd step, 1.06× the mpmd step without residuals).
 """
 
 from __future__ import annotations
@@ -48,6 +65,16 @@ POSITIONS_GATHERED = "context: positions gathered"
 KV_RING = "context: K and V blocks round the ring"
 DKV_HOME = "context: dK and dV blocks home"
 POSITIONS_RING = "context: positions round the ring"
+Q_EXCHANGED = "context: q and output exchanged"
+KV_EXCHANGED = "context: K and V exchanged"
+DQ_EXCHANGED = "context: dq and d(output) exchanged"
+DKV_EXCHANGED = "context: dK and dV exchanged"
+#: Per layer, each forward's collective (all_gather's, ulysses's) and its gradient's.
+FORWARD_AND_GRADIENT = {
+    KV_GATHERED: DKV_SCATTERED,
+    Q_EXCHANGED: DQ_EXCHANGED,
+    KV_EXCHANGED: DKV_EXCHANGED,
+}
 #: The family's expert dispatch terms (:mod:`jaxpar.lab.experts`) this module counts.
 TOKENS_GATHERED = "experts: tokens and routing gathered"
 OUTPUTS_SCATTERED = "experts: outputs reduce-scattered"
@@ -94,11 +121,46 @@ def context_terms_in_pipeline(run: Run, lab: LabModel, layout: LabLayout, cpu: b
     family = {t.what: t for t in lab.context_terms(run.config.model, one)}
     if not family:
         return []
-    share = 1 / (table.p * table.v)  # of the layers, one chunk's
+    chunk = Chunk(1 / (table.p * table.v), _chunk_layers(run), _rematerialized(family))
     if plan.executor == "mpmd":
-        return _sub_mesh(family, share, m * k, plan.gradients.residuals)
+        return _sub_mesh(family, chunk, m * k, plan.gradients.residuals)
     shape, message = first_stage_message(run, cpu)
-    return _ticks(family, share, table.ticks * k, shape, message, c)
+    return _ticks(family, chunk, table.ticks * k, shape, message, c)
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """What a chunk runs of the model: its ``share`` of the layers (``1/(p·v)``), how many
+    that is, and whether each layer is rematerialized in the backward (``model.remat``)."""
+
+    share: float
+    layers: int
+    remat: bool
+
+    @property
+    def merged(self) -> bool:
+        """XLA merges a rematerialized layer with the recompute where the chunk is one layer
+        (measured: the sub-mesh backward's whole forward; the spmd tick's positions), not
+        in a loop of several."""
+        return self.layers == 1
+
+
+def _chunk_layers(run: Run) -> int:
+    """A chunk's layers: the stacked layers over ``p·v`` (1 for a model cut by layer)."""
+    plan = run.plan
+    split = plan.task.stages
+    if split is None:
+        return 1
+    n = jax.tree.leaves(plan.model.params[split.layers_key])[0].shape[0]
+    return max(1, n // (plan.pipeline.p * plan.pipeline.v))
+
+
+def _rematerialized(family: dict[str, Term]) -> bool:
+    """Whether the family counts each layer's forward collectives twice (``model.remat``:
+    its forward collectives outnumber their gradients')."""
+    return any(
+        family[f].times > family[g].times for f, g in FORWARD_AND_GRADIENT.items() if f in family
+    )
 
 
 def _scaled(t: Term, what: str, times: float) -> Term:
@@ -107,21 +169,25 @@ def _scaled(t: Term, what: str, times: float) -> Term:
 
 def _ticks(
     family: dict[str, Term],
-    share: float,
+    chunk: Chunk,
     ticks: int,
     shape: tuple[int, ...],
     message: float,
     c: int,
 ) -> list[Term]:
     """Every tick of the spmd executor as its costliest branch, a backward."""
-    out = []
-    if KV_GATHERED in family:
-        kv, rs, pos = family[KV_GATHERED], family[DKV_SCATTERED], family[POSITIONS_GATHERED]
-        out += [
-            _scaled(kv, KV_GATHERED, ticks * kv.times * share),
-            _scaled(rs, DKV_SCATTERED, ticks * rs.times * share),
-            _scaled(pos, POSITIONS_GATHERED, ticks * pos.times),
-        ]
+    share = chunk.share
+    # per layer the recomputed forward's collectives (again where rematerialized) and
+    # their gradients': the family's count for the layer
+    out = [
+        _scaled(t, w, ticks * t.times * share)
+        for w, t in family.items()
+        if w in FORWARD_AND_GRADIENT or w in FORWARD_AND_GRADIENT.values()
+    ]
+    if POSITIONS_GATHERED in family:  # again in each rematerialized layer of a loop
+        pos = family[POSITIONS_GATHERED]
+        again = chunk.layers if chunk.remat and not chunk.merged else 0
+        out.append(_scaled(pos, POSITIONS_GATHERED, ticks * (pos.times + again)))
     if KV_RING in family:
         kv, home, pos = family[KV_RING], family[DKV_HOME], family[POSITIONS_RING]
         out += [
@@ -144,20 +210,28 @@ def _ticks(
 
 
 def _sub_mesh(
-    family: dict[str, Term], share: float, microbatches: int, residuals: bool
+    family: dict[str, Term], chunk: Chunk, microbatches: int, residuals: bool
 ) -> list[Term]:
     """A device of the sub-mesh pipeline's heaviest stage: a forward and a backward
     program per microbatch (its one chunk: ``v = 1``)."""
+    share = chunk.share
     out = []
-    if KV_GATHERED in family:
-        kv, rs, pos = family[KV_GATHERED], family[DKV_SCATTERED], family[POSITIONS_GATHERED]
-        # K and V once per layer in each program that runs the forward (as many as dK, dV)
-        passes = 1 if residuals else 2  # the forward's; the backward's recompute
-        out += [
-            _scaled(kv, KV_GATHERED, microbatches * rs.times * share * passes),
-            _scaled(rs, DKV_SCATTERED, microbatches * rs.times * share),
-            _scaled(pos, POSITIONS_GATHERED, microbatches * pos.times * passes),
-        ]
+    pairs = [(f, g) for f, g in FORWARD_AND_GRADIENT.items() if f in family]
+    if pairs:
+        # the programs that run a layer's forward: the forward, the backward's recompute
+        # (without residuals) and its rematerialized layers (unless merged with the
+        # recompute); each gathers the positions once, a rematerialized layer each time
+        remat = chunk.remat and (residuals or not chunk.merged)
+        passes = 1 + (not residuals) + remat
+        positions = 1 + (not residuals) + remat * chunk.layers
+        for f, g in pairs:
+            grad = family[g]
+            out += [
+                _scaled(family[f], f, microbatches * grad.times * share * passes),
+                _scaled(grad, g, microbatches * grad.times * share),
+            ]
+        pos = family[POSITIONS_GATHERED]
+        out.append(_scaled(pos, POSITIONS_GATHERED, microbatches * pos.times * positions))
     if KV_RING in family:
         kv, home, pos = family[KV_RING], family[DKV_HOME], family[POSITIONS_RING]
         out += [

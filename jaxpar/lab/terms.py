@@ -76,6 +76,13 @@ class LabLayout:
     tensor_overlap: str = "none"
 
 
+def fp8_itemsize(cpu: bool) -> int:
+    """The bytes an FP8 element moves between devices: 1, but 2 on XLA:CPU, whose
+    float-normalization passes widen FP8 collectives to float16 after the partitioner
+    has placed them on the FP8 tensors (measured)."""
+    return 2 if cpu else 1
+
+
 class LabModel:
     """A model family's activations for the layout lab's textbook prediction
     (:mod:`jaxpar.lab.predict`), from its config and a :class:`LabLayout`. This base knows
@@ -94,6 +101,9 @@ class LabModel:
     #: sequence parallelism (``tensor.sequence``) changes its layout: the sweep and the
     #: planner then offer it
     sequence_parallel: bool = False
+    #: the parameters, by name, that the family's FP8 matmuls read (``model.precision=
+    #: fp8``): quantized before FSDP gathers them, so gathered at :func:`fp8_itemsize`
+    fp8_weights: frozenset[str] = frozenset()
 
     def tensor_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
         """Activation collectives under tensor parallelism."""

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from jaxpar.axes import Axis
 from jaxpar.lab import experts
-from jaxpar.lab.terms import LabLayout, LabModel, Term
+from jaxpar.lab.terms import LabLayout, LabModel, Term, fp8_itemsize
 from jaxpar.logical import ACT_SEQ, SEQ
 from jaxpar.models.bert import BERT_FAMILY
 from jaxpar.models.gemma import GEMMA_FAMILY
@@ -26,6 +26,7 @@ def transformer_tensor_terms(
     backward: int = 2,
     norm_weights: int | None = None,
     columns: int = 2,
+    inputs: int = 2,
 ) -> list[Term]:
     """Megatron's activation all-reduces: per layer two of ``[b, T, D]`` forward (attention
     and MLP outputs) and two backward (their inputs), one more for the head's input
@@ -34,14 +35,16 @@ def transformer_tensor_terms(
     (:func:`_sequence_parallel_terms`) ``norm_weights`` is a layer's norm weights (GPT's
     and BERT's two layer norms' scales and biases when None); overlapped by collective
     matmuls (:func:`_overlapped_terms`), ``columns`` is a layer's column-parallel
-    projections (GPT's two: q, k, v stacked, and the MLP's first)."""
+    projections (GPT's two: q, k, v stacked, and the MLP's first); in FP8, ``inputs`` is a
+    layer's projections of the norms' outputs (GPT's two; the Llama's five), each of which
+    quantizes and gathers its input apart."""
     t = layout.sizes[Axis.TENSOR]
     if t == 1:
         return []
     # a sequence split over the context axes: each device holds its part of every sequence
     split = math.prod(layout.sizes[a] for a in layout.rules.get(SEQ, ()))
     rows, seq, d = layout.rows, layout.seq_len // split, cfg.d_model
-    activation = rows * seq * d * (4 if layout.cpu else jnp.dtype(cfg.dtype).itemsize)
+    activation = rows * seq * d * _itemsize(cfg, layout)
     # Without a pipeline: once per microbatch over all layers. In a pipeline every tick
     # counts as its costliest branch, the last stage's backward: its layers' recomputed
     # forward and backward plus the head, and the embedding of the first stage.
@@ -69,12 +72,8 @@ def transformer_tensor_terms(
         chains = (times * layers * c for c in _chains(layout, columns, cfg.remat == "full"))
         terms = _overlapped_terms(layout, activation / div, times, chains, 4 * norms * layers)
     elif Axis.TENSOR in layout.rules.get(ACT_SEQ, ()):
-        # the head's input, and the embeddings' gradient (in a pipeline tick's costliest
-        # branch, the last stage's backward, the head's only)
-        gathers = times * (6 * layers + (2 if layout.stages is None else 1))
-        terms = _sequence_parallel_terms(
-            layout, activation / div, (reductions, gathers), (4 * norms * layers, times)
-        )
+        counts = (times, layers, reductions, inputs)
+        terms = _unoverlapped_terms(cfg, layout, activation, div, counts, 4 * norms * layers)
     else:
         terms = [Term("all-reduce", experts.MEGATRON, activation / div, t, reductions)]
     terms.append(Term("all-reduce", "cross-entropy statistics", rows * seq * 4 / div, t, 3 * times))
@@ -94,6 +93,9 @@ def transformer_tensor_terms(
 
 #: what the lab calls sequence parallelism's gathers (:func:`transformer_tensor_terms`)
 SP_GATHERS = "sequence parallel: activations gathered before the column-parallel matmuls"
+#: … and those of FP8 activations (``model.precision=fp8``): the partitioner gathers the
+#: quantized activations the FP8 matmuls read, the layers' six (measured)
+SP_FP8_GATHERS = "sequence parallel: FP8 activations gathered before the FP8 matmuls"
 
 
 def _sequence_parallel_terms(
@@ -116,6 +118,34 @@ def _sequence_parallel_terms(
         Term("all-gather", SP_GATHERS, activation, t, gathers),
         Term("all-reduce", "sequence parallel: norm gradients", norms[0], t, norms[1]),
     ]
+
+
+def _unoverlapped_terms(
+    cfg: Any, layout: LabLayout, activation: float, div: int, counts: tuple, norm_bytes: int
+) -> list[Term]:
+    """Sequence parallelism's terms without overlap (:func:`_sequence_parallel_terms`):
+    per layer six gathers, and those of the head's input and the embeddings' gradient (in
+    a pipeline tick's costliest branch, the last stage's backward, the head's only). In FP8
+    the layers' gathers carry the quantized activations: each of the layer's ``inputs``
+    projections gathers its own input twice (forward, weight gradient), and the two
+    row-parallel ones their output gradients (measured). ``counts``: the passes, the
+    layers, the reductions and the inputs."""
+    times, layers, reductions, inputs = counts
+    t = layout.sizes[Axis.TENSOR]
+    outside = times * (2 if layout.stages is None else 1)
+    gathers = times * 6 * layers
+    terms = []
+    if cfg.precision == "fp8":
+        fp8 = activation / _itemsize(cfg, layout) * fp8_itemsize(layout.cpu) / div
+        terms.append(Term("all-gather", SP_FP8_GATHERS, fp8, t, times * (2 * inputs + 2) * layers))
+        gathers = 0
+    counts = (reductions, gathers + outside)
+    return terms + _sequence_parallel_terms(layout, activation / div, counts, (norm_bytes, times))
+
+
+def _itemsize(cfg: Any, layout: LabLayout) -> int:
+    """The bytes of an activation element on the wire (float32 on XLA:CPU)."""
+    return 4 if layout.cpu else jnp.dtype(cfg.dtype).itemsize
 
 
 def _chains(layout: LabLayout, columns: int, remat: bool) -> tuple[int, int]:
@@ -190,8 +220,8 @@ def transformer_context_terms(cfg: Any, layout: LabLayout) -> list[Term]:
     ``ulysses``: per layer 4 all-to-alls of a device's ``[b, T/c, N, H]`` share forward (q,
     k, v in, the output back; k and v with their K heads where they are not repeated),
     again in a rematerialized backward, and their 4 gradients backward; the positions
-    gathered once. Without a pipeline (inside one, the lab predicts no context terms
-    yet)."""
+    gathered once. Without a pipeline: inside one, :func:`jaxpar.lab.staged.
+    context_terms_in_pipeline` rescales these per microbatch and tick."""
     c = math.prod(layout.sizes[a] for a in layout.rules.get(SEQ, ()))
     if c == 1 or layout.stages is not None:
         return []
@@ -276,6 +306,7 @@ class TransformerLab(LabModel):
 
     whole_params = frozenset({"embed"})  # tokens are looked up in the whole table
     sequence_parallel = True
+    fp8_weights = frozenset({"wq", "wk", "wv", "wo", "w_in", "w_out"})
     #: activation all-reduces per layer in the backward pass under tensor parallelism: the
     #: input gradients of the attention's projection (q, k, v stacked: one sum) and of the
     #: MLP's first matmul
@@ -288,14 +319,27 @@ class TransformerLab(LabModel):
         return transformer_context_terms(cfg, layout)
 
 
+#: the weights of the Llama's and Gemma's FP8 projections (a shared expert's too)
+LLAMA_FP8 = frozenset(
+    {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "s_gate", "s_up", "s_down"}
+)
+
+
 class GemmaLab(TransformerLab):
     """The lab's Gemma: the Llama's projections (q, k, v, gate and up each give the
     backward an input gradient that XLA all-reduces apart under tensor parallelism; 4
     where the key/value heads are not split as the query heads are)."""
 
+    fp8_weights = LLAMA_FP8
+
     def tensor_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
         return transformer_tensor_terms(
-            cfg, layout, _projection_all_reduces(layout), _norm_weights(cfg, 4), _columns(layout)
+            cfg,
+            layout,
+            _projection_all_reduces(layout),
+            _norm_weights(cfg, 4),
+            _columns(layout),
+            inputs=5,
         )
 
 
@@ -305,9 +349,16 @@ class LlamaLab(TransformerLab):
     unsplit key/value heads (XLA gathers some: 0.96×); experts:
     :func:`jaxpar.lab.experts.tensor_terms`."""
 
+    fp8_weights = LLAMA_FP8
+
     def tensor_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
         dense = transformer_tensor_terms(
-            cfg, layout, _projection_all_reduces(layout), _norm_weights(cfg, 2), _columns(layout)
+            cfg,
+            layout,
+            _projection_all_reduces(layout),
+            _norm_weights(cfg, 2),
+            _columns(layout),
+            inputs=5,
         )
         return experts.tensor_terms(cfg, layout, dense)
 

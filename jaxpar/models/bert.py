@@ -41,6 +41,7 @@ from pydantic import Field, model_validator
 
 from jaxpar.errors import ConfigError
 from jaxpar.logical import constrain
+from jaxpar.models import fp8
 from jaxpar.models.family import Counts, Family, register
 from jaxpar.models.transformer import (
     REMAT_POLICIES,
@@ -238,7 +239,7 @@ class BERT(nnx.Module):
 
         def body(x, inputs):
             p, layer = inputs
-            p = jax.tree.map(lambda a: a.astype(dtype), p)
+            p = fp8.in_dtype(p, dtype)
             keys = _fold(keys_B, 2 + 2 * layer)
             h = layer_norm(x, p["ln1_scale"], p["ln1_bias"])
             a = attention(h, p, False, impl, causal=False, documents=documents, precision=precision)

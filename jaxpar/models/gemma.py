@@ -30,6 +30,7 @@ from flax import nnx
 
 from jaxpar.errors import ConfigError
 from jaxpar.logical import constrain
+from jaxpar.models import fp8
 from jaxpar.models import gemma_layers as layers
 from jaxpar.models.family import Counts, Family, register
 from jaxpar.models.gemma_config import GemmaConfig
@@ -78,10 +79,15 @@ class GemmaBlocks(nnx.Module):
         self.w_gate = param(rngs.params(), (L, D, F), ("layers", "embed", "mlp"), std)
         self.w_up = param(rngs.params(), (L, D, F), ("layers", "embed", "mlp"), std)
         self.w_down = param(rngs.params(), (L, F, D), ("layers", "mlp", "embed"), out_std)
+        fp8.attach(self, cfg, (*PROJECTIONS, *MLP), (L,), ("layers",))
 
     def stacked(self) -> dict[str, jax.Array]:
         """The stacked parameter arrays by name (what the layer scan slices)."""
-        return {n: getattr(self, n)[...] for n in (*NORMS, *PROJECTIONS, *MLP) if hasattr(self, n)}
+        names = (*NORMS, *PROJECTIONS, *MLP)
+        return {
+            **{n: getattr(self, n)[...] for n in names if hasattr(self, n)},
+            **fp8.histories(self),
+        }
 
 
 class Gemma(nnx.Module):

@@ -19,6 +19,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.context import attend, masks_by_position
 from jaxpar.logical import constrain
+from jaxpar.models.fp8 import history
 from jaxpar.models.gemma_config import GemmaConfig, LayerKind
 from jaxpar.models.llama_attention import out, qkv
 from jaxpar.models.transformer import (
@@ -50,11 +51,12 @@ def gated_gelu(h: jax.Array, p: dict[str, jax.Array], precision: str = "default"
     """``down(gelu_tanh(gate(h)) · up(h))``: column-parallel in, row-parallel out; the
     projections in ``precision`` (``model.precision``)."""
     gate, up = (
-        checkpoint_name(project("btd,df->btf", h, p[n], MLP_UP, precision), MLP_IN)
+        checkpoint_name(project("btd,df->btf", h, p[n], MLP_UP, precision, history(p, n)), MLP_IN)
         for n in ("w_gate", "w_up")
     )
     u = constrain(jax.nn.gelu(gate, approximate=True) * up, ("batch", "seq", "mlp"))
-    return checkpoint_name(project("btf,fd->btd", u, p["w_down"], MLP_DOWN, precision), MLP_OUT)
+    down = project("btf,fd->btd", u, p["w_down"], MLP_DOWN, precision, history(p, "w_down"))
+    return checkpoint_name(down, MLP_OUT)
 
 
 def visible(

@@ -28,6 +28,7 @@ from pydantic import Field, model_validator
 from jaxpar.context import is_natural
 from jaxpar.errors import ConfigError
 from jaxpar.logical import constrain, shards
+from jaxpar.models import fp8
 from jaxpar.models.family import Counts, Family, register
 from jaxpar.models.transformer import (
     REMAT_POLICIES,
@@ -207,7 +208,7 @@ class GPT(nnx.Module):
         use_rotary = self.cfg.positions == "rotary"
 
         def body(x, p):
-            p = jax.tree.map(lambda a: a.astype(dtype), p)
+            p = fp8.in_dtype(p, dtype)
             out = block(
                 x,
                 p,
@@ -248,7 +249,7 @@ class GPT(nnx.Module):
 
         def body(x, layer):
             p, k, v = layer
-            p = jax.tree.map(lambda a: a.astype(x.dtype), p)
+            p = fp8.in_dtype(p, x.dtype)
             x, k, v = decode_block(x, p, k, v, start, use_rotary, cfg.precision)
             return x, (k, v)
 

@@ -32,7 +32,7 @@ from flax import nnx
 from jaxpar.context import attend
 from jaxpar.errors import ConfigError
 from jaxpar.logical import constrain
-from jaxpar.models import moe
+from jaxpar.models import fp8, moe
 from jaxpar.models.family import Counts, Family, register
 from jaxpar.models.llama_attention import (
     ATTENTION,
@@ -93,13 +93,16 @@ class LlamaBlocks(nnx.Module):
             self.s_gate = param(rngs.params(), (G, D, S * F), ("layers", "embed", "mlp"), std)
             self.s_up = param(rngs.params(), (G, D, S * F), ("layers", "embed", "mlp"), std)
             self.s_down = param(rngs.params(), (G, S * F, D), ("layers", "mlp", "embed"), out_std)
+        fp8.attach(self, cfg, ("wq", "wk", "wv", "wo"), (L,), ("layers",))
+        fp8.attach(self, cfg, DENSE if math.prod(dense) else (), dense, lead)
+        fp8.attach(self, cfg, SHARED if E and S else (), (G,), ("layers",))
 
     def stacked(self) -> dict[str, jax.Array]:
         """The stacked parameter arrays by name (what the layer scan slices)."""
+        names = (*ATTENTION, *DENSE, *EXPERTS, *SHARED)
         return {
-            n: getattr(self, n)[...]
-            for n in (*ATTENTION, *DENSE, *EXPERTS, *SHARED)
-            if hasattr(self, n)
+            **{n: getattr(self, n)[...] for n in names if hasattr(self, n)},
+            **fp8.histories(self),
         }
 
 
@@ -111,12 +114,26 @@ SHARED = ("s_gate", "s_up", "s_down")
 def grouped(stacked: dict[str, jax.Array], cfg: LlamaConfig) -> dict[str, jax.Array]:
     """The stacked parameters by group of ``cfg.group`` layers: [L, …] → [G, group, …]."""
     m = cfg.group
+    per_layer = (*ATTENTION, *(() if cfg.n_experts else DENSE))
     return {
         n: a.reshape(a.shape[0] // m, m, *a.shape[1:])
-        if n in ATTENTION or (n in DENSE and not cfg.n_experts)
+        if n.removeprefix(fp8.PREFIX) in per_layer
         else a
         for n, a in stacked.items()
     }
+
+
+def _named(p: dict[str, jax.Array], names: tuple[str, ...], j: Any = None, to: Any = None):
+    """Parameters ``names`` of ``p`` (layer ``j`` of each where given) with their FP8
+    histories, renamed ``to`` where given."""
+    to = to or names
+    out = {}
+    for old, new in zip(names, to, strict=True):
+        for prefix in ("", fp8.PREFIX):
+            if prefix + old in p:
+                a = p[prefix + old]
+                out[prefix + new] = a if j is None else a[j]
+    return out
 
 
 def layer_group(
@@ -128,7 +145,7 @@ def layer_group(
     m = p["wq"].shape[0]
     stats = {}
     for j in range(m):
-        pj = {n: p[n][j] for n in ATTENTION if n in p}
+        pj = _named(p, ATTENTION, j)
         x = constrain(x + attention(rms_norm(x, pj["attn_norm"], cfg.norm_eps), pj, j), RESIDUAL)
         h = rms_norm(x, pj["mlp_norm"], cfg.norm_eps)
         if cfg.n_experts and j == m - 1:
@@ -137,9 +154,9 @@ def layer_group(
                 h, experts, cfg.top_k, cfg.capacity_factor, positions_T, cfg.moe_dispatch
             )
             if cfg.n_shared_experts:
-                y = y + moe.swiglu(h, dict(zip(DENSE, (p[n] for n in SHARED))), cfg.precision)
+                y = y + moe.swiglu(h, _named(p, SHARED, to=DENSE), cfg.precision)
         else:
-            y = moe.swiglu(h, {n: p[n][j] for n in DENSE}, cfg.precision)
+            y = moe.swiglu(h, _named(p, DENSE, j), cfg.precision)
         x = constrain(x + y, RESIDUAL)
     return x, stats
 

@@ -18,6 +18,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.logical import constrain
+from jaxpar.models import fp8
 from jaxpar.models.rope import inv_frequencies
 from jaxpar.models.transformer import ATTN_OUT, QKV, const, param, project, rms_norm, rotary
 
@@ -56,6 +57,8 @@ def rotary_frequencies(cfg: Any) -> np.ndarray:
     return inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
 
+#: the logical names of a query projection's weight [D, N, H]
+Q_WEIGHT = ("embed", "heads", "kv")
 #: the logical names of a key or value projection's weight [D, K, H]
 KV_WEIGHT = ("embed", "kv_heads", "kv")
 
@@ -70,9 +73,9 @@ def qkv(
     """One layer's queries, keys and values [B, T, N|K, H]: projected (plus biases) in
     ``precision`` (``model.precision``), normalized per head, rotated to positions
     ``pos_T``."""
-    q = project("btd,dnh->btnh", h_BTD, p["wq"], ("embed", "heads", "kv"), precision)
-    k = project("btd,dkh->btkh", h_BTD, p["wk"], KV_WEIGHT, precision)
-    v = project("btd,dkh->btkh", h_BTD, p["wv"], KV_WEIGHT, precision)
+    q = project("btd,dnh->btnh", h_BTD, p["wq"], Q_WEIGHT, precision, fp8.history(p, "wq"))
+    k = project("btd,dkh->btkh", h_BTD, p["wk"], KV_WEIGHT, precision, fp8.history(p, "wk"))
+    v = project("btd,dkh->btkh", h_BTD, p["wv"], KV_WEIGHT, precision, fp8.history(p, "wv"))
     if "bq" in p:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     q = checkpoint_name(constrain(q, ("batch", "seq", "heads", "kv")), QKV)
@@ -87,9 +90,9 @@ def qkv(
 def out(o_BTNH: jax.Array, p: dict[str, jax.Array], precision: str = "default") -> jax.Array:
     """The output projection back to [B, T, D] (in ``precision``)."""
     o_BTNH = constrain(o_BTNH, ("batch", "seq", "heads", "kv"))
-    return checkpoint_name(
-        project("btnh,nhd->btd", o_BTNH, p["wo"], ("heads", "kv", "embed"), precision), ATTN_OUT
-    )
+    names = ("heads", "kv", "embed")
+    o_BTD = project("btnh,nhd->btd", o_BTNH, p["wo"], names, precision, fp8.history(p, "wo"))
+    return checkpoint_name(o_BTD, ATTN_OUT)
 
 
 def cached_mask(cache_len: int, pos_T: jax.Array, window: int) -> jax.Array:

@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec
 from jaxpar.axes import BATCH_AXES
 from jaxpar.logical import active_layout, constrain
 from jaxpar.models import alltoall
+from jaxpar.models.fp8 import PREFIX, history
 from jaxpar.models.transformer import MLP_DOWN, MLP_IN, MLP_OUT, MLP_UP, project
 
 #: How expert parallelism moves tokens to their experts' devices (``model.moe_dispatch``).
@@ -45,17 +46,22 @@ Dispatch = Literal["all_gather", "all_to_all"]
 def swiglu(h: jax.Array, p: dict[str, jax.Array], precision: str = "default") -> jax.Array:
     """``down(silu(gate(h)) · up(h))``: column-parallel in, row-parallel out under TP; the
     projections in ``precision`` (``model.precision``)."""
-    gate = checkpoint_name(project("btd,df->btf", h, p["w_gate"], MLP_UP, precision), MLP_IN)
-    up = checkpoint_name(project("btd,df->btf", h, p["w_up"], MLP_UP, precision), MLP_IN)
+    gate, up = (
+        checkpoint_name(project("btd,df->btf", h, p[n], MLP_UP, precision, history(p, n)), MLP_IN)
+        for n in ("w_gate", "w_up")
+    )
     u = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
-    return checkpoint_name(project("btf,fd->btd", u, p["w_down"], MLP_DOWN, precision), MLP_OUT)
+    down = project("btf,fd->btd", u, p["w_down"], MLP_DOWN, precision, history(p, "w_down"))
+    return checkpoint_name(down, MLP_OUT)
 
 
 def in_compute_dtype(p: dict[str, jax.Array], dtype: Any) -> dict[str, jax.Array]:
     """Parameters in the compute dtype, but a router (float32 throughout) and experts
     (``e_*``: cast inside :func:`moe_mlp`'s ``shard_map``, so that their gradients are
-    summed over the devices in float32 — and XLA:CPU aborts on bfloat16 ones there)."""
-    return {n: a if n == "router" or n.startswith("e_") else a.astype(dtype) for n, a in p.items()}
+    summed over the devices in float32 — and XLA:CPU aborts on bfloat16 ones there) and FP8
+    histories (float32)."""
+    kept = ("e_", PREFIX)
+    return {n: a if n == "router" or n.startswith(kept) else a.astype(dtype) for n, a in p.items()}
 
 
 def over_layers(stats: dict[str, jax.Array]) -> dict[str, jax.Array]:

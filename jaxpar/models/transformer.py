@@ -107,6 +107,7 @@ class Blocks(nnx.Module):
             self.bk = const(0.0, (L, N * H), ("layers", "heads"))
             self.bv = const(0.0, (L, N * H), ("layers", "heads"))
             self.bo = const(0.0, (L, D), ("layers", "embed"))
+        fp8.attach(self, cfg, ("wqkv", "wo", "w_in", "w_out"), (L,), ("layers",))
 
     def stacked(self) -> dict[str, jax.Array]:
         """The stacked parameter arrays by name (what the layer scan slices)."""
@@ -125,7 +126,7 @@ class Blocks(nnx.Module):
             "b_out",
         )
         names += ("bq", "bk", "bv", "bo") if hasattr(self, "bq") else ()
-        return {n: getattr(self, n)[...] for n in names}
+        return {**{n: getattr(self, n)[...] for n in names}, **fp8.histories(self)}
 
 
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-5) -> jax.Array:
@@ -264,12 +265,14 @@ def project(
     w: jax.Array,
     w_names: tuple[str | None, ...],
     precision: str = "default",
+    history: jax.Array | None = None,
 ) -> jax.Array:
     """A weight projection ``einsum(subscripts, x, w)`` of an activation ``x`` [B, T, …]
     by a weight whose dims are named ``w_names``: in ``precision`` (``model.precision``:
-    :func:`jaxpar.models.fp8.einsum`), and as a collective matmul where the layout
-    overlaps tensor parallelism's communication (:func:`jaxpar.tensor_parallel.matmul`)."""
-    dot = functools.partial(fp8.einsum, precision=precision)
+    :func:`jaxpar.models.fp8.einsum`, scaled from ``history`` under delayed scaling), and
+    as a collective matmul where the layout overlaps tensor parallelism's communication
+    (:func:`jaxpar.tensor_parallel.matmul`)."""
+    dot = functools.partial(fp8.einsum, precision=precision, history=history)
     return tensor_parallel.matmul(subscripts, x, w, w_names, dot=dot)
 
 
@@ -281,7 +284,8 @@ def qkv(
     # the three input gradients before its one all-reduce (Megatron's count), instead of
     # all-reducing three partial sums.
     w_D3NH = jnp.stack([p["wq"], p["wk"], p["wv"]], axis=1)
-    qkv = project("btd,dcnh->btcnh", h_BTD, w_D3NH, ("embed", None, "heads", "kv"), precision)
+    names = ("embed", None, "heads", "kv")
+    qkv = project("btd,dcnh->btcnh", h_BTD, w_D3NH, names, precision, fp8.history(p, "wqkv"))
     if "bq" in p:  # model.attn_bias
         qkv = qkv + jnp.stack([p["bq"], p["bk"], p["bv"]]).reshape(w_D3NH.shape[1:])
     qkv = checkpoint_name(constrain(qkv, ("batch", "seq", None, "heads", "kv")), QKV)
@@ -381,19 +385,18 @@ def attention_out(
 ) -> jax.Array:
     """The output projection [B, T, D] of the heads' outputs."""
     o_BTNH = constrain(o_BTNH, ("batch", "seq", "heads", "kv"))
-    out_BTD = project("btnh,nhd->btd", o_BTNH, p["wo"], ("heads", "kv", "embed"), precision)
+    names = ("heads", "kv", "embed")
+    out_BTD = project("btnh,nhd->btd", o_BTNH, p["wo"], names, precision, fp8.history(p, "wo"))
     return checkpoint_name(out_BTD + p["bo"] if "bo" in p else out_BTD, ATTN_OUT)
 
 
 def mlp(h_BTD: jax.Array, p: dict[str, jax.Array], precision: str = "default") -> jax.Array:
     """Two-layer GELU MLP: column-parallel in, row-parallel out under TP rules."""
-    u_BTF = checkpoint_name(
-        project("btd,df->btf", h_BTD, p["w_in"], MLP_UP, precision) + p["b_in"], MLP_IN
-    )
+    up = project("btd,df->btf", h_BTD, p["w_in"], MLP_UP, precision, fp8.history(p, "w_in"))
+    u_BTF = checkpoint_name(up + p["b_in"], MLP_IN)
     u_BTF = constrain(jax.nn.gelu(u_BTF), ("batch", "seq", "mlp"))
-    return checkpoint_name(
-        project("btf,fd->btd", u_BTF, p["w_out"], MLP_DOWN, precision) + p["b_out"], MLP_OUT
-    )
+    down = project("btf,fd->btd", u_BTF, p["w_out"], MLP_DOWN, precision, fp8.history(p, "w_out"))
+    return checkpoint_name(down + p["b_out"], MLP_OUT)
 
 
 def block(

@@ -8,12 +8,10 @@ a mask token; a Llama's MLP is a SwiGLU of its own width).
 
 from __future__ import annotations
 
-from typing import Any
-
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from jaxpar.models.family import Dtype, ModelConfig
-from jaxpar.models.fp8 import Fp8Scaling, Precision, check_scaling
+from jaxpar.models.fp8 import Fp8Scaling, Precision
 from jaxpar.models.transformer import Attention, Remat
 from jaxpar.schema import section
 
@@ -43,14 +41,16 @@ class TransformerConfig(ModelConfig):
     )
     fp8_scaling: Fp8Scaling = Field(
         "current",
-        description="FP8 scale of each tensor: from its amax in this step (an amax "
-        "history, Transformer Engine's delayed scaling, is not built)",
+        description="FP8 scale of each tensor: from its amax in this step (current), or "
+        "from the largest amax of its last model.fp8_history steps (delayed: Transformer "
+        "Engine's recipe; the histories are model state, saved with checkpoints)",
     )
-
-    @field_validator("fp8_scaling", mode="before")
-    @classmethod
-    def _fp8_scaling(cls, value: Any) -> Any:
-        return check_scaling(value)
+    fp8_history: int = Field(
+        1024,
+        ge=1,
+        description="steps of amax history per tensor under model.fp8_scaling=delayed "
+        "(Transformer Engine's and Flax's default length)",
+    )
 
     @property
     def head_dim(self) -> int:

@@ -13,6 +13,7 @@ from flax import nnx
 
 from jaxpar import sharding as shd
 from jaxpar.errors import TaskError
+from jaxpar.state import FromGradient
 from jaxpar.task import Task
 
 
@@ -23,7 +24,8 @@ class AbstractModel:
 
     ``unnamed`` lists the parameters without logical names (replicated); ``state_kinds``
     the variable types of the state (``BatchStat``, ``RngKey``, …); ``rng_counts`` is True
-    for each ``RngCount`` of the state (like ``state``)."""
+    for each ``RngCount`` of the state (like ``state``); ``from_gradient`` names the types
+    among them whose next value is their gradient (:class:`jaxpar.state.FromGradient`)."""
 
     graphdef: nnx.GraphDef
     params: Any
@@ -33,6 +35,7 @@ class AbstractModel:
     unnamed: tuple[str, ...]
     state_kinds: tuple[str, ...]
     rng_counts: Any
+    from_gradient: tuple[str, ...] = ()
 
     @property
     def stateful(self) -> bool:
@@ -62,6 +65,7 @@ def abstract_model(task: Task, seed: int = 0) -> AbstractModel:
         tuple(unnamed),
         tuple(kinds),
         counts,
+        tuple(sorted({type(v).__name__ for v in variables if isinstance(v, FromGradient)})),
     )
 
 

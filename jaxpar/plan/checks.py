@@ -239,6 +239,13 @@ def pipeline_table(
             "sequence of layers, run by pipeline.executor=mpmd) nor a StageSplit (a stack of "
             "identical layers); give it one, or set mesh.stage=1"
         )
+    if model.from_gradient:
+        raise LayoutError(
+            f"mesh.stage={p}: this model's state holds {', '.join(model.from_gradient)}, "
+            "whose next value comes from the backward pass (FP8 delayed scaling's amax "
+            "histories), which the pipeline executors do not carry; set "
+            "model.fp8_scaling=current, or mesh.stage=1"
+        )
     other = [k for k in model.state_kinds if k not in ("RngKey", "RngCount")]
     if other:
         raise LayoutError(
