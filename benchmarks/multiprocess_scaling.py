@@ -9,7 +9,10 @@ process`` sequences of 128 tokens) twice, side by side in one run:
 * 1 process pinned to core 0, one CPU device, ``mesh.data=1``;
 * ``jaxpar launch -n 2 --devices-per-process 1 --cpus-per-process 1``: 2 processes,
   each pinned to its own core with one CPU device, ``mesh.data=2`` across processes
-  (gradients all-reduced over gloo on the loopback network), twice the global batch.
+  (gradients all-reduced over gloo on the loopback network, in 25 MiB buckets:
+  ``train.grad_bucket_mb=25``), twice the global batch;
+* the same launch with ``train.grad_bucket_mb=0`` (the default): one all-reduce per
+  gradient array, as XLA reduces them (inside the layer scan);
 
 * the same launch without ``--cpus-per-process``: each process may use either core, so
   the threads that are not the step's compute (gloo's and the distributed runtime's) run
@@ -58,6 +61,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 PROBE_CALLS = {"psum": 30, "compute": 15}
 PSUM_PARTS = 10  # arrays of the split psum: as many as one layer's gradient in the step
+BUCKETS = ["train.grad_bucket_mb=25"]  # jaxpar's runs sum their gradients in buckets
 
 
 def probe(kind: str, index: int, port: int, mib: float, distributed: bool) -> None:
@@ -143,7 +147,8 @@ def step_probe(rows: int, ways: int) -> str:
     os.chdir(ROOT)
     run = build(
         load_config(
-            ["configs/gpt_tiny.yaml"], [f"mesh.data={ways}", f"train.batch_size={rows * ways}"]
+            ["configs/gpt_tiny.yaml"],
+            [f"mesh.data={ways}", f"train.batch_size={rows * ways}", *BUCKETS],
         )
     )
     trainer = run.trainer
@@ -273,6 +278,13 @@ def _run(cmd: list[str], env: dict[str, str]) -> None:
         sys.exit(f"failed: {' '.join(cmd)}\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
 
 
+def _pinned_pair(common: list[str], b: int, run_dir: Path, extra: list[str]) -> list[str]:
+    """The command of 2 pinned processes training with ``mesh.data=2``."""
+    launch = ["launch", "-n", "2", "--devices-per-process", "1", "--cpus-per-process", "1"]
+    data = ["mesh.data=2", f"train.batch_size={2 * b}", f"run.dir={run_dir}"]
+    return [sys.executable, "-m", "jaxpar", *launch, "--", *common, *data, *extra]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=40)
@@ -298,10 +310,12 @@ def main() -> None:
         "train.eval_every=0",
         "train.progress=false",
         "optim.decay_steps=1000",
+        *BUCKETS,  # the 1-process run has nothing to sum: no effect there
     ]
     env = _env_without_device_settings()
     with tempfile.TemporaryDirectory() as tmp:
         one, two, free = Path(tmp) / "one", Path(tmp) / "two", Path(tmp) / "free"
+        per_array = Path(tmp) / "per_array"
         _run(
             [
                 sys.executable,
@@ -352,7 +366,9 @@ def main() -> None:
             ],
             env,
         )
+        _run(_pinned_pair(common, b, per_array, ["train.grad_bucket_mb=0"]), env)
         a, c, f = _throughput(one), _throughput(two), _throughput(free)
+        p = _throughput(per_array)
     alone = _probe_one("step", b)
     independent = _probe_pair("step", b, False)
     data_parallel = _probe_pair("step", b, True)
@@ -368,6 +384,7 @@ def main() -> None:
     print("|---|---|---|---|")
     print(f"| 1 process, 1 core | {b} | {a:.1f} | 1.00× |")
     print(f"| 2 processes, 1 core each | {2 * b} | {c:.1f} | {c / a:.2f}× |")
+    print(f"| the same, a reduction per array | {2 * b} | {p:.1f} | {p / a:.2f}× |")
     print(f"| 2 processes, not pinned (2 cores) | {2 * b} | {f:.1f} | {f / a:.2f}× |")
     print(
         f"\nstep time: 1 process {b / a * 1e3:.0f} ms, 2 pinned processes "

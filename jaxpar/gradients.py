@@ -33,6 +33,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxpar.axes import Axis
+from jaxpar.buckets import psum_in_buckets
 from jaxpar.context import degree as context_degree
 from jaxpar.context import split_attention_calls
 from jaxpar.errors import JaxparError, TaskError, UserCodeFailed, code_name, is_own
@@ -311,14 +312,16 @@ class Accumulated(Traced):
 
 @dataclass(frozen=True)
 class AccumulatedPerDataShard(Traced):
-    """Gradient accumulation with one all-reduce over ``data`` per step.
+    """Gradients reduced over ``data`` once per step, by the step itself.
 
     Under ``shard_map`` with ``data`` manual (``fsdp``/``tensor`` stay automatic, so
     FSDP still gathers weights and reduce-scatters gradients per microbatch), each data
-    shard sums its ``layout.grad_accum`` microbatches' gradients locally and the sums are
-    all-reduced once. The automatic path would all-reduce every microbatch's gradients:
-    the accumulator is replicated over ``data``, and a partial sum cannot be carried
-    through the loop. Only for models without state: BatchNorm statistics would become
+    shard sums its ``layout.grad_accum`` (≥ 1) microbatches' gradients locally and the
+    sums are all-reduced once, in buckets of ``bucket_bytes`` (:mod:`jaxpar.buckets`; 0:
+    one collective per array). With accumulation the automatic path would all-reduce every
+    microbatch's gradients: the accumulator is replicated over ``data``, and a partial sum
+    cannot be carried through the loop; without it, XLA reduces each array apart, inside
+    the layer scan. Only for models without state: BatchNorm statistics would become
     per-shard ones. ``gathered_specs``: the parameters' specs without their batch axes,
     for ``train.fsdp_gather=once`` (None: gathered per microbatch).
     """
@@ -326,24 +329,15 @@ class AccumulatedPerDataShard(Traced):
     loss: ModelLoss
     layout: Layout
     gathered_specs: Any = None
+    bucket_bytes: int = 0
 
     def __call__(self, params: Any, model_state: Any, batch: Batch):
         n = self.layout.mesh.shape[Axis.DATA]
 
         def local(params, model_state, batch):
-            inner = self.layout.manual((Axis.DATA,))
-            gathered = self.gathered_specs
-            acc = Accumulated(
-                Plain(self.loss, inner),
-                self.layout.grad_accum,
-                named(inner.mesh, self.layout.param_specs),
-                named(inner.mesh, gathered) if gathered is not None else None,
-            )
-            loss, metrics, grads, _ = acc(params, model_state, batch)
-            loss, metrics, grads = jax.tree.map(
-                lambda x: jax.lax.psum(x, Axis.DATA) / n, (loss, metrics, grads)
-            )
-            return loss, metrics, grads
+            loss, metrics, grads, _ = self._local_step()(params, model_state, batch)
+            summed = psum_in_buckets((loss, metrics, grads), Axis.DATA, self.bucket_bytes)
+            return jax.tree.map(lambda x: x / n, summed)
 
         fn = jax.shard_map(
             local,
@@ -355,6 +349,19 @@ class AccumulatedPerDataShard(Traced):
         )
         loss, metrics, grads = fn(params, model_state, dict(batch))
         return loss, metrics, grads, model_state
+
+    def _local_step(self) -> Strategy:
+        """One data shard's loss and gradients, unreduced over ``data``."""
+        inner = self.layout.manual((Axis.DATA,))
+        if self.layout.grad_accum == 1:
+            return Plain(self.loss, inner)
+        gathered = self.gathered_specs
+        return Accumulated(
+            Plain(self.loss, inner),
+            self.layout.grad_accum,
+            named(inner.mesh, self.layout.param_specs),
+            named(inner.mesh, gathered) if gathered is not None else None,
+        )
 
     def evaluate(self, params: Any, model_state: Any, batch: Batch):
         return Plain(self.loss, self.layout).evaluate(params, model_state, batch)

@@ -101,11 +101,14 @@ class Module:
 
 @dataclass(frozen=True)
 class CollectiveStat:
-    """One collective kind summed over a step: executions, payload and wire bytes."""
+    """One collective kind summed over a step: executions, payload and wire bytes, and
+    the arrays they move (an all-reduce of a tuple of k arrays moves k: XLA:CPU makes a
+    call per array)."""
 
     count: int = 0
     payload_bytes: float = 0.0
     wire_bytes: float = 0.0
+    arrays: int = 0
 
 
 # ---- parsing ---------------------------------------------------------------------------------
@@ -254,8 +257,9 @@ def _collective_kind(inst: Instruction) -> str | None:
     return kind if kind in COLLECTIVES else None
 
 
-def _collective(inst: Instruction, num_partitions: int) -> tuple[str, float, float] | None:
-    """(kind, payload bytes, wire bytes per device) of one collective instruction."""
+def _collective(inst: Instruction, num_partitions: int) -> tuple[str, float, float, int] | None:
+    """(kind, payload bytes, wire bytes per device, arrays) of one collective
+    instruction."""
     kind = _collective_kind(inst)
     if kind is None:
         return None
@@ -268,11 +272,11 @@ def _collective(inst: Instruction, num_partitions: int) -> tuple[str, float, flo
     if kind == "collective-permute":
         pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", inst.attrs)
         n_pairs = len(re.findall(r"\{\d+,\d+", pairs.group(0))) if pairs else 0
-        return kind, result, result * n_pairs / max(num_partitions, 1)
+        return kind, result, result * n_pairs / max(num_partitions, 1), len(parts)
     n = group_size(inst, num_partitions)
     payload = result * n if kind == "reduce-scatter" else result
     factor = 2 * (n - 1) / n if kind == "all-reduce" else (n - 1) / n
-    return kind, payload, payload * factor
+    return kind, payload, payload * factor, len(parts)
 
 
 # ---- FLOPs ----------------------------------------------------------------------------------
@@ -345,8 +349,9 @@ class _Walker:
         cost = {"flops": _flops(inst, self.types)}
         found = _collective(inst, self.module.num_partitions)
         if found:
-            kind, payload, wire = found
+            kind, payload, wire, parts = found
             cost.update({f"{kind}:count": 1, f"{kind}:payload": payload, f"{kind}:wire": wire})
+            cost[f"{kind}:arrays"] = parts
         return cost
 
     def cost(self, name: str) -> dict[str, float]:
@@ -392,6 +397,7 @@ def program_cost(hlo: str) -> ProgramCost:
             int(total.get(f"{k}:count", 0)),
             total.get(f"{k}:payload", 0.0),
             total.get(f"{k}:wire", 0.0),
+            int(total.get(f"{k}:arrays", 0)),
         )
         for k in COLLECTIVES
     }

@@ -127,6 +127,7 @@ def build(
         context=config.context,
         tensor=config.tensor,
         optimizer_offload=config.train.optimizer_offload,
+        grad_bucket_bytes=round(config.train.grad_bucket_mb * 2**20),
     )
     memory = sizes.device_memory(devices) if fit_memory else None
     settings = _sizes(config, user_task)

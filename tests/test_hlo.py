@@ -100,13 +100,15 @@ ENTRY %main (p: f32[16,4]) -> f32[128,16] {
 
 def test_async_forms_and_every_replica_group_syntax_give_exact_bytes():
     stats = hlo.program_cost(ASYNC).collectives
-    assert stats["all-gather"] == hlo.CollectiveStat(1, 128 * 4 * 4, 128 * 4 * 4 * 7 / 8)
-    assert stats["all-reduce"] == hlo.CollectiveStat(1, 2048, 2048 * 2 * 3 / 4)
+    assert stats["all-gather"] == hlo.CollectiveStat(1, 128 * 4 * 4, 128 * 4 * 4 * 7 / 8, arrays=1)
+    assert stats["all-reduce"] == hlo.CollectiveStat(1, 2048, 2048 * 2 * 3 / 4, arrays=1)
     # reduce-scatter: payload = n × result over the 4 devices of axis 'b'
-    assert stats["reduce-scatter"] == hlo.CollectiveStat(1, 4 * 512, 4 * 512 * 3 / 4)
+    assert stats["reduce-scatter"] == hlo.CollectiveStat(1, 4 * 512, 4 * 512 * 3 / 4, arrays=1)
     # 4 of 8 devices send 512 B: 256 B per device on average
-    assert stats["collective-permute"] == hlo.CollectiveStat(1, 512, 256)
-    assert stats["all-to-all"] == hlo.CollectiveStat(1, 256, 256 * 1 / 2)  # bf16, axis 'a' = 2
+    assert stats["collective-permute"] == hlo.CollectiveStat(1, 512, 256, arrays=1)
+    assert stats["all-to-all"] == hlo.CollectiveStat(
+        1, 256, 256 * 1 / 2, arrays=1
+    )  # bf16, axis 'a' = 2
 
 
 def test_dot_flops_use_the_contracting_dims():
@@ -142,9 +144,9 @@ def test_compiled_psum_all_gather_and_ppermute_byte_counts():
 
     fn = jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
     stats = hlo.collective_stats(_compiled_text(fn, jnp.ones(2048, jnp.float32)))
-    assert stats["all-reduce"] == hlo.CollectiveStat(1, 1024, 1024 * 2 * 7 / 8)
-    assert stats["all-gather"] == hlo.CollectiveStat(1, 1024, 1024 * 7 / 8)
-    assert stats["collective-permute"] == hlo.CollectiveStat(1, 256, 256)
+    assert stats["all-reduce"] == hlo.CollectiveStat(1, 1024, 1024 * 2 * 7 / 8, arrays=1)
+    assert stats["all-gather"] == hlo.CollectiveStat(1, 1024, 1024 * 7 / 8, arrays=1)
+    assert stats["collective-permute"] == hlo.CollectiveStat(1, 256, 256, arrays=1)
     assert stats["reduce-scatter"].count == stats["all-to-all"].count == 0
 
 
@@ -162,7 +164,9 @@ def test_compiled_collectives_in_a_scan_count_once_per_iteration():
     fn = jax.shard_map(body, mesh=_mesh(), in_specs=P("x"), out_specs=P("x"))
     cost = hlo.program_cost(_compiled_text(fn, jnp.ones(512, jnp.float32)))
     assert cost.unknown_loops == 0
-    assert cost.collectives["all-reduce"] == hlo.CollectiveStat(5, 5 * 256, 5 * 256 * 2 * 7 / 8)
+    assert cost.collectives["all-reduce"] == hlo.CollectiveStat(
+        5, 5 * 256, 5 * 256 * 2 * 7 / 8, arrays=5
+    )
 
 
 def test_compiled_matmul_flops_match_cost_analysis_and_scale_with_a_scan():

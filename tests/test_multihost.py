@@ -121,6 +121,19 @@ def test_two_processes_match_one_and_hand_over_to_one(tmp_path, straight):
     np.testing.assert_allclose([got[s] for s in (5, 6)], [straight[s] for s in (5, 6)], rtol=1e-6)
 
 
+def test_bucketed_data_parallelism_two_processes_match_one(tmp_path):
+    """``mesh.data=8`` over 2 processes × 4 devices: the step sums its gradients over
+    ``data`` in one bucket (``train.grad_bucket_mb=25``), across the processes over gloo;
+    the losses of 3 steps equal 1 process × 8 devices' to rtol 1e-6."""
+    one = single(tmp_path / "one", 3, "mesh.data=8", "train.grad_bucket_mb=25")
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = launch(2, tmp_path / "two", 3, "mesh.data=8", "train.grad_bucket_mb=25")
+    assert two.returncode == 0, two.stdout[-3000:]
+    got, want = losses(tmp_path / "two"), losses(tmp_path / "one")
+    assert sorted(got) == sorted(want) == [1, 2, 3]
+    np.testing.assert_allclose([got[s] for s in got], [want[s] for s in got], rtol=1e-6)
+
+
 def test_user_task_two_processes_match_one(tmp_path):
     """`jaxpar launch -n 2 -- train --task …`: a user's model (BatchNorm, dropout) with its own
     data function, each process loading its rows, gives the losses of one process."""

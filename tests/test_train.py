@@ -47,11 +47,10 @@ def test_grad_accumulation_all_reduces_over_data_once_per_step():
     from jaxpar.plan import global_batch_shapes
 
     def all_reduce_bytes(accum):
-        run = build(
-            load_config(
-                [], [*GPT_SMALL, "mesh.data=8", "train.batch_size=32", f"train.grad_accum={accum}"]
-            )
-        )
+        # one collective per array (train.grad_bucket_mb=0): without accumulation, XLA's
+        # automatic reduction
+        overrides = ["mesh.data=8", "train.batch_size=32", "train.grad_bucket_mb=0"]
+        run = build(load_config([], [*GPT_SMALL, *overrides, f"train.grad_accum={accum}"]))
         batch = global_batch_shapes(run.data.batch(0, run.config.train.batch_size))
         text = run.trainer.compile_step(batch).as_text()
         return run.plan.accumulates_per_data_shard, hlo.collective_stats(text)["all-reduce"]

@@ -126,6 +126,14 @@ class TrainConfig:
         "microbatch's forward and backward: least memory) or once per step, kept through the "
         "accumulation loop (1/grad_accum of the gather traffic, or less)",
     )
+    grad_bucket_mb: float = Field(
+        0.0,
+        ge=0,
+        description="data parallelism sums gradients over data in buckets of this many "
+        "MiB, one collective each (where the parameters are whole on every device and the "
+        "model has no state; 0: one per array, XLA's; 25: PyTorch DDP's); "
+        "docs/performance.md, Gradient buckets",
+    )
     optimizer_offload: bool = Field(
         False,
         description="hold the optimizer state in the host's pinned memory between steps "

@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.axes import BATCH_AXES, Axis
+from jaxpar.buckets import groups
 from jaxpar.lab.terms import LabModel, Term, fp8_itemsize
 from jaxpar.logical import LAYERS, SEQ, spec_axes, spec_leaves
 from jaxpar.pipeline.views import STACKED, WHOLE
@@ -227,7 +228,27 @@ def gradient_terms(
     terms = []
     for i, leaf in enumerate(_param_leaves(plan, example, fp8, cpu)):
         terms += _leaf_terms(step, i, leaf)
-    return terms
+    return _in_buckets(terms, plan, sizes[Axis.DATA])
+
+
+#: what the lab calls a gradient's all-reduce over the batch's devices (:func:`_all_reduce_terms`)
+ALL_REDUCED = "gradient all-reduce"
+BUCKETS = "gradient buckets all-reduced over data"
+
+
+def _in_buckets(terms: list[Term], plan: Plan, n: int) -> list[Term]:
+    """``terms`` with the gradients' all-reduces over ``data`` laid in buckets where the
+    step sums them so (:mod:`jaxpar.buckets`): the same bytes, a collective per bucket
+    instead of one per array."""
+    size = getattr(plan.gradients, "bucket_bytes", 0)
+    if not size:
+        return terms
+    reduced = [t for t in terms if t.what == ALL_REDUCED]
+    kept = [t for t in terms if t.what != ALL_REDUCED]
+    shapes = [jax.ShapeDtypeStruct((round(t.payload_bytes),), np.uint8) for t in reduced]
+    buckets = groups(shapes, size)
+    payloads = [sum(reduced[i].payload_bytes for i in group) for group in buckets]
+    return kept + [Term("all-reduce", BUCKETS, b, n, 1) for b in payloads]
 
 
 def _leaf_terms(step: _Step, i: int, leaf: _Leaf) -> list[Term]:
@@ -323,7 +344,7 @@ def _all_reduce_terms(step: _Step, leaf: _Leaf, local: float, rest: int) -> list
         )
         rest //= split_seq
     if rest > 1:
-        terms.append(Term("all-reduce", "gradient all-reduce", local, rest, times))
+        terms.append(Term("all-reduce", ALL_REDUCED, local, rest, times))
     return terms
 
 

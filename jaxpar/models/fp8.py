@@ -58,6 +58,7 @@ import jax
 import jax.numpy as jnp
 from flax.linen import fp8_ops
 
+from jaxpar.axes import BATCH_AXES, Axis
 from jaxpar.state import FromGradient
 
 #: ``model.precision`` values: ``default`` computes every matmul in ``model.dtype``.
@@ -162,9 +163,20 @@ def _dimensions(spec: str, x_ndim: int, w_ndim: int) -> tuple[Dims, tuple[int, .
     return dims, tuple(kept.index(c) for c in out)
 
 
+def _amax(t: jax.Array) -> jax.Array:
+    """The largest |value| of the whole tensor ``t`` (float32): inside a ``shard_map``
+    (a step that sums its gradients itself, with ``data`` manual) the max of every
+    shard's over the manual axes that split its rows, so that the scale is the one
+    device's (a pipeline's manual ``stage`` holds other layers: not those)."""
+    amax = jnp.max(jnp.abs(t)).astype(jnp.float32)
+    split = (*BATCH_AXES, Axis.CONTEXT)  # the axes that split an activation's rows
+    manual = tuple(a for a in jax.sharding.get_abstract_mesh().manual_axes if a in split)
+    return jax.lax.pmax(amax, manual) if manual else amax
+
+
 def _scale(t: jax.Array, dtype: Any) -> jax.Array:
     """The per-tensor scale amax / max(dtype) of ``t`` (float32; 1 where t is all zeros)."""
-    amax = jnp.max(jnp.abs(t)).astype(jnp.float32)
+    amax = _amax(t)
     fp8_max = fp8_ops.get_fp8_max(dtype, jnp.float32)
     return fp8_ops.compute_scale(amax, jnp.ones((), jnp.float32), fp8_max)
 
@@ -209,7 +221,7 @@ def _advance(t: jax.Array, row: jax.Array, dtype: Any) -> tuple[jax.Array, jax.A
     the row after this step: that scale, then ``t``'s amax pushed in front."""
     fp8_max = fp8_ops.get_fp8_max(dtype, jnp.float32)
     scale = fp8_ops.compute_scale(jnp.max(row[1:]), row[0], fp8_max)
-    amax = jnp.max(jnp.abs(t)).astype(jnp.float32)
+    amax = _amax(t)
     return scale, jnp.concatenate([scale[None], amax[None], row[1:-1]])
 
 

@@ -53,6 +53,7 @@ class Layout:
     table: TickTable | None = None
     grad_accum: int = 1
     fsdp_gather_once: bool = False
+    grad_bucket_bytes: int = 0
 
     @property
     def stages(self) -> int:

@@ -261,7 +261,7 @@ class Plan:
     def replan(self, **settings: Any) -> Plan:
         """The plan of the same task, optimizer, mesh and rules under other settings
         (``grad_accum``, ``pipeline``, ``fsdp_gather``, ``context``, ``tensor``,
-        ``optimizer_offload``)."""
+        ``optimizer_offload``, ``grad_bucket_bytes``)."""
         given = dict(
             grad_accum=self.grad_accum,
             pipeline=self.pipeline_config,
@@ -269,6 +269,7 @@ class Plan:
             context=self.context,
             tensor=self.tensor,
             optimizer_offload=self.optimizer_offload,
+            grad_bucket_bytes=self.layout.grad_bucket_bytes,
         )
         return make_plan(self.task, self.optimizer, self.mesh, self.rules, **{**given, **settings})
 
@@ -286,6 +287,7 @@ def make_plan(
     context: ContextConfig | None = None,
     tensor: TensorConfig | None = None,
     optimizer_offload: bool = False,
+    grad_bucket_bytes: int = 0,
 ) -> Plan:
     """Decides the layout of ``task`` trained by ``optimizer`` on ``mesh`` under ``rules``.
 
@@ -306,6 +308,8 @@ def make_plan(
       tensor: how tensor parallelism runs (default: no overlap; sequence parallelism is
         the rules' ``act_seq``: :func:`jaxpar.sharding.sequence_parallel`).
       optimizer_offload: hold the optimizer state in pinned host memory between steps.
+      grad_bucket_bytes: the step sums gradients over ``data`` in buckets of this size
+        where it can (:mod:`jaxpar.buckets`; 0: one collective per array, XLA's).
 
     Raises:
       LayoutError: for every layout that cannot run (see the module docstring).
@@ -332,6 +336,7 @@ def make_plan(
     )
     tensor = tensor if tensor is not None else TensorConfig()
     layout = _batch_layout(task, mesh, rules, (context, tensor), grad_accum)
+    layout = replace(layout, grad_bucket_bytes=grad_bucket_bytes)
     executor = executor_of(task, pipeline, layout.stages)
     check_executor(optimizer_offload, executor)
     tensor_parallel.check_executor(tensor, executor)

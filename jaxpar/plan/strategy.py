@@ -44,18 +44,33 @@ def gradient_strategy(
     ``layout.fsdp_gather_once`` FSDP-sharded weights are gathered once per step for the
     accumulation. ``stateful``: the model has state (BatchNorm statistics, RNG streams)."""
     inner: Strategy = pipelined or Plain(loss, layout)
+    per_shard = pipelined is None and per_data_shard_possible(
+        layout.mesh, layout.param_specs, stateful
+    )
+    buckets = bucket_bytes(layout)
     if layout.grad_accum == 1:
-        return inner
+        return (
+            AccumulatedPerDataShard(loss, layout, None, buckets) if per_shard and buckets else inner
+        )
     once = layout.fsdp_gather_once
     gathered = gathered_specs(layout.param_specs) if once else None
-    if pipelined is None and per_data_shard_possible(layout.mesh, layout.param_specs, stateful):
-        return AccumulatedPerDataShard(loss, layout, gathered)
+    if per_shard:
+        return AccumulatedPerDataShard(loss, layout, gathered, buckets)
     return Accumulated(
         inner,
         layout.grad_accum,
         param_shardings,
         shd.named(layout.mesh, gathered) if once else None,
     )
+
+
+def bucket_bytes(layout: Layout) -> int:
+    """The bucket size the step sums gradients over ``data`` in (:mod:`jaxpar.buckets`):
+    ``layout.grad_bucket_bytes`` where no parameter is split over any axis (the buckets
+    lay whole arrays end to end; a split one would be gathered to be laid), else 0 (one
+    collective per array)."""
+    specs = spec_leaves(layout.param_specs)
+    return layout.grad_bucket_bytes if not any(spec_axes(s) for s in specs) else 0
 
 
 def per_data_shard_possible(mesh: Mesh, param_specs: Any, stateful: bool) -> bool:

@@ -1,0 +1,177 @@
+"""Gradients summed over ``data`` in buckets (``train.grad_bucket_mb``, :mod:`jaxpar.buckets`):
+the same sums as one collective per array, a collective per bucket in the compiled step,
+training equal to one device, the lab's count of the reductions."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxpar import hlo
+from jaxpar.buckets import groups, psum_in_buckets
+from jaxpar.config import apply_overrides, load_config
+from jaxpar.gradients import AccumulatedPerDataShard, Pipelined, Plain
+from jaxpar.lab import predict
+from jaxpar.run import build
+from tests.helpers import GPT_SMALL, assert_params_close
+
+ADAMW = ["optim.name=adamw", "optim.lr=3e-3", "optim.weight_decay=0.1"]
+BUCKETS = ["train.grad_bucket_mb=25"]  # PyTorch DDP's size: the whole small GPT in one
+PER_ARRAY = ["train.grad_bucket_mb=0"]  # the default
+
+
+def _shapes(*specs):
+    return [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in specs]
+
+
+def test_groups_lay_consecutive_arrays_of_one_dtype_up_to_the_bucket_size():
+    """Consecutive leaves of one dtype share a bucket while they fit; a dtype change or
+    a full bucket starts the next; a leaf larger than a bucket is one alone; 0 bytes is
+    one leaf a bucket."""
+    leaves = _shapes(
+        ((10,), jnp.float32),  # 40 B
+        ((5,), jnp.float32),  # 20 B
+        ((3,), jnp.int32),
+        ((100,), jnp.float32),  # 400 B: over the bucket
+        ((2,), jnp.float32),
+        ((4,), jnp.float32),
+    )
+    assert groups(leaves, 64) == [[0, 1], [2], [3], [4, 5]]
+    assert groups(leaves, 10**6) == [[0, 1], [2], [3, 4, 5]]
+    assert groups(leaves, 0) == [[i] for i in range(6)]
+
+
+def _summed(tree, bucket_bytes):
+    mesh = jax.make_mesh((8,), ("data",))
+    tree = jax.device_put(tree, NamedSharding(mesh, PartitionSpec("data")))
+
+    def local(t):
+        t = jax.tree.map(lambda x: x[0], t)
+        if bucket_bytes is None:
+            return jax.lax.psum(t, "data")
+        return psum_in_buckets(t, "data", bucket_bytes)
+
+    fn = jax.jit(
+        jax.shard_map(local, mesh=mesh, in_specs=PartitionSpec("data"), out_specs=PartitionSpec())
+    )
+    return fn(tree), hlo.collective_stats(fn.lower(tree).compile().as_text())["all-reduce"]
+
+
+@pytest.mark.parametrize("bucket_bytes", [0, 600, 10**6])
+def test_buckets_sum_bit_for_bit_as_a_psum_per_array(bucket_bytes):
+    """Each element is the same sum of the same 8 values: the buckets' results equal a
+    ``psum`` of each array bit for bit, floats and integers. With buckets larger than the
+    tree the compiled program reduces one array per dtype (2), where a psum per array
+    reduces 3 or 4 (XLA concatenates some)."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    tree = {
+        "a": jax.random.normal(keys[0], (8, 33, 7)),
+        "b": jax.random.normal(keys[1], (8, 5)),
+        "c": jax.random.normal(keys[2], (8, 30, 3)),
+        "n": jnp.arange(8 * 4, dtype=jnp.int32).reshape(8, 4),
+    }
+    ours, stat = _summed(tree, bucket_bytes)
+    ref, per_array = _summed(tree, None)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert per_array.arrays >= 3  # XLA may combine a few; never into one buffer
+    if bucket_bytes == 10**6:
+        assert (stat.count, stat.arrays) == (2, 2)
+
+
+def _steps(overrides: list[str], devices: int, steps: int = 3):
+    cfg = load_config([], [*GPT_SMALL, *ADAMW, *overrides, f"run.devices={devices}"])
+    run = build(cfg)
+    state = run.trainer.init()
+    first = run.trainer.shard_batch(run.data.batch(0, cfg.train.batch_size))
+    grads = jax.tree.map(np.asarray, run.trainer.grads(state.params, first)[2])
+    losses, after_first = [], None
+    for step in range(steps):
+        batch = run.trainer.shard_batch(run.data.batch(step, cfg.train.batch_size))
+        state, metrics = run.trainer.step(state, batch)
+        losses.append(float(metrics["loss"]))
+        after_first = after_first or jax.tree.map(np.asarray, state.params)
+    return np.array(losses), grads, after_first, run
+
+
+@pytest.mark.parametrize(
+    "accum",
+    [1, pytest.param(2, marks=pytest.mark.exhaustive)],  # accumulation's own test: test_train
+    ids=["plain", "accum2"],
+)
+def test_bucketed_data_parallelism_equals_one_device_and_the_per_array_step(accum):
+    """GPT on ``data=8`` (with ``train.grad_accum`` 1 and 2): 25 MiB buckets sum its
+    gradients, loss and metrics in one bucket (one all-reduce of one array in the compiled
+    step, where one collective per array reduces 10 arrays a layer inside the layer scan
+    and 6 outside); the first-step gradients equal one device's elementwise (1e-5 of each
+    tensor's scale), the losses of 3 AdamW steps to rtol 1e-5 and the parameters after the
+    first per tensor to 1e-4 (tests/test_equivalence.py's AdamW tolerances); against the
+    per-array step the losses agree to rtol 1e-6 (float32 summation order: bit for bit in
+    the runs measured)."""
+    extra = [f"train.grad_accum={accum}"]
+    ref_losses, ref_grads, ref_params, _ = _steps(["mesh.data=1", *extra], 1)
+    losses, grads, params, run = _steps(["mesh.data=8", *extra, *BUCKETS], 8)
+    assert isinstance(run.plan.gradients, AccumulatedPerDataShard)
+    assert run.plan.gradients.bucket_bytes == 25 * 2**20
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * np.abs(r).max())
+    assert_params_close(params, ref_params, elementwise=False, rtol=1e-4)
+    per_array, _, _, per_array_run = _steps(["mesh.data=8", *extra, *PER_ARRAY], 8)
+    np.testing.assert_allclose(losses, per_array, rtol=1e-6)
+    batch = run.data.batch(0, run.config.train.batch_size)
+    stat = hlo.program_cost(run.trainer.compile_step(batch).as_text()).collectives["all-reduce"]
+    assert (stat.count, stat.arrays) == (1, 1)
+    if accum == 1:
+        assert isinstance(per_array_run.plan.gradients, Plain)
+        text = per_array_run.trainer.compile_step(batch).as_text()
+        assert hlo.program_cost(text).collectives["all-reduce"].arrays == 10 * 2 + 6
+
+
+@pytest.mark.exhaustive  # the per-shard step under context: tests/test_context.py's too
+def test_buckets_compose_with_context_parallelism():
+    """``data=4,context=2``: the parameters are whole on every device, so the step sums
+    its gradients in buckets over ``data`` (the context axis's sums stay XLA's, inside the
+    per-shard step); its losses and first gradients equal one device's."""
+    ref_losses, ref_grads, _, _ = _steps(["mesh.data=1"], 1)
+    losses, grads, _, run = _steps(["mesh.data=4", "mesh.context=2", *BUCKETS], 8)
+    assert run.plan.gradients.bucket_bytes > 0
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * np.abs(r).max())
+
+
+def test_the_lab_counts_one_reduction_per_bucket():
+    """The lab's prediction of the bucketed step: the gradients' all-reduce bytes are the
+    per-array step's, and its count is the buckets' (1), as compiled."""
+    config = load_config([], [*GPT_SMALL, "run.devices=8", "mesh.data=8", *BUCKETS])
+    bucketed = predict.predict_comm(build(config), "cpu")
+    per_array = predict.predict_comm(build(apply_overrides(config, PER_ARRAY)), "cpu")
+    reductions = [t for t in bucketed.terms if t.kind == "all-reduce"]
+    assert [t.times for t in reductions] == [1]
+    assert reductions[0].wire_bytes == pytest.approx(per_array.by_kind()["all-reduce"])
+    assert len([t for t in per_array.terms if t.kind == "all-reduce"]) > 10
+
+
+@pytest.mark.parametrize(
+    "layout,strategy",
+    [
+        (["mesh.fsdp=8"], Plain),
+        (["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], Plain),
+        (["mesh.data=4", "mesh.tensor=2"], Plain),
+        (["mesh.data=4", "mesh.stage=2", "pipeline.microbatches=2"], Pipelined),
+    ],
+    ids=["fsdp=8", "data=2,fsdp=2,tensor=2", "data=4,tensor=2", "data=4,stage=2"],
+)
+def test_layouts_that_split_parameters_keep_one_reduction_per_array(layout, strategy):
+    """Buckets lay whole arrays end to end: where a parameter is split (fsdp, tensor) or
+    the pipeline reduces, the step keeps XLA's reduction of each array (today's strategy,
+    unchanged); with accumulation over a split parameter the per-shard step sums each
+    array apart."""
+    cfg = load_config([], [*GPT_SMALL, "run.devices=8", *layout, *BUCKETS])
+    assert type(build(cfg).plan.gradients) is strategy
+    accum = build(
+        apply_overrides(cfg, ["train.grad_accum=2", "train.batch_size=32"])
+    ).plan.gradients
+    assert getattr(accum, "bucket_bytes", 0) == 0
