@@ -53,7 +53,7 @@ def test_every_remat_choice_has_a_policy():
     "family,mesh",
     grid(
         [pytest.param(f, m, id=f"{f}-{m}") for f in FAMILIES for m in MESHES],
-        {"gpt-data2-fsdp2-tensor2", "llama-data8"},
+        {"gpt-data2-fsdp2-tensor2"},  # the Llama's offloaded names: their own test below
     ),
 )
 def test_host_offload_equals_one_device(family, mesh):
