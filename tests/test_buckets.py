@@ -167,10 +167,11 @@ def test_the_lab_counts_one_reduction_per_bucket():
 def test_layouts_that_split_parameters_keep_one_reduction_per_array(layout, strategy):
     """Buckets lay whole arrays end to end: where a parameter is split (fsdp, tensor) or
     the pipeline reduces, the step keeps XLA's reduction of each array (today's strategy,
-    unchanged); with accumulation over a split parameter the per-shard step sums each
-    array apart."""
+    unchanged), and the key set says in a warning that it has no effect; with
+    accumulation over a split parameter the per-shard step sums each array apart."""
     cfg = load_config([], [*GPT_SMALL, "run.devices=8", *layout, *BUCKETS])
-    assert type(build(cfg).plan.gradients) is strategy
+    with pytest.warns(UserWarning, match="train.grad_bucket_mb' has no effect"):
+        assert type(build(cfg).plan.gradients) is strategy
     accum = build(
         apply_overrides(cfg, ["train.grad_accum=2", "train.batch_size=32"])
     ).plan.gradients

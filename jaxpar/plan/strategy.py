@@ -47,7 +47,14 @@ def gradient_strategy(
     per_shard = pipelined is None and per_data_shard_possible(
         layout.mesh, layout.param_specs, stateful
     )
-    buckets = bucket_bytes(layout)
+    buckets = bucket_bytes(layout) if per_shard else 0
+    if layout.grad_bucket_bytes and not buckets:
+        warnings.warn(
+            "config key 'train.grad_bucket_mb' has no effect with this layout: buckets need "
+            "every parameter whole on each device, a data axis, no pipeline stages and a "
+            "model without state (docs/performance.md, Gradient buckets)",
+            stacklevel=4,
+        )
     if layout.grad_accum == 1:
         return (
             AccumulatedPerDataShard(loss, layout, None, buckets) if per_shard and buckets else inner
