@@ -350,7 +350,8 @@ def _watch(
 ) -> int:
     """Waits until all processes succeed, one fails, or the launcher gets a signal.
 
-    A failure is reported on stderr (rank, pid, status), recorded in ``stopped`` with the
+    A failure (one killed by a signal first, where several ended within a poll) is
+    reported on stderr (rank, pid, status), recorded in ``stopped`` with the
     processes still running, and those are stopped within ``grace_s``. A first SIGTERM or
     Ctrl-C becomes a SIGTERM to every process (jaxpar processes checkpoint an agreed step
     and exit 4), and the launcher waits for them however long that takes; a second signal
@@ -379,7 +380,9 @@ def _watch(
         fine = (0, 4) if forwarded else (0,)
         failed = [(i, c) for i, c in enumerate(codes) if c is not None and c not in fine]
         if failed:
-            index, code = failed[0]
+            # A process killed by a signal is the likelier cause when two ended within
+            # one poll: its peers fail on their next collective (gloo: connection reset).
+            index, code = min(failed, key=lambda failure: failure[1] >= 0)
             alive = [i for i, c in enumerate(codes) if c is None]
             if code != PORT_TAKEN:
                 stopped.append((index, alive))

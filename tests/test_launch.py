@@ -64,6 +64,24 @@ def test_launch_returns_the_failed_status_and_stops_the_rest(tmp_path):
     assert "mesh degrees" in out.getvalue()
 
 
+def test_a_process_killed_by_a_signal_is_named_before_a_peer_that_failed_after_it():
+    """Both ended before the launcher looked: the peer (rank 0) failed with status 5 on
+    its next collective because rank 1 was killed. The launch names rank 1 and says 137."""
+    import threading
+
+    from jaxpar.launch import _watch
+
+    peer = subprocess.Popen([sys.executable, "-c", "raise SystemExit(5)"])
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    victim.kill()
+    victim.wait(), peer.wait()
+    err, stopped = io.StringIO(), []
+    code = _watch([peer, victim], [], 1.0, (io.StringIO(), err), threading.Lock(), stopped)
+    assert code == 128 + signal.SIGKILL
+    assert stopped == [(1, [])]
+    assert f"process 1 (pid {victim.pid}) ended: killed by SIGKILL" in err.getvalue()
+
+
 def test_launch_argument_errors():
     with pytest.raises(ValueError, match="-n 0"):
         launch(0, ["train"])
