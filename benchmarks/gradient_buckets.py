@@ -3,8 +3,9 @@ in one process (8 simulated CPU devices, ``mesh.data=8``), side by side.
 
     python benchmarks/gradient_buckets.py [--steps 20] [--config configs/gpt_tiny.yaml]
 
-Builds the run twice — ``train.grad_bucket_mb=25`` and the default, 0 (XLA's
-reduction, one collective per array, inside the layer scan) — and times their
+Builds the run twice — ``train.grad_bucket_mb=25`` (what the default, auto, means on the
+CPU) and 0 (XLA's reduction, one collective per array, inside the layer scan: the default
+on GPUs) — and times their
 train steps interleaved (one of each in turn, after a warm-up: the machine's drift falls
 on both), printing the median ms per step, their ratio, and what each compiled step
 all-reduces (instructions and arrays, loops counted by their trip counts).
@@ -32,7 +33,10 @@ def main() -> None:
     parser.add_argument("--config", default="configs/gpt_tiny.yaml")
     args = parser.parse_args()
     runs = {}
-    for name, extra in (("buckets", ["train.grad_bucket_mb=25"]), ("per array", [])):
+    for name, extra in (
+        ("buckets", ["train.grad_bucket_mb=25"]),
+        ("per array", ["train.grad_bucket_mb=0"]),
+    ):
         config = load_config([args.config], ["run.devices=8", "mesh.data=8", *extra])
         run = build(config)
         batch = run.trainer.shard_batch(run.data.batch(0, config.train.batch_size))

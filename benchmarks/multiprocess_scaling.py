@@ -9,10 +9,10 @@ process`` sequences of 128 tokens) twice, side by side in one run:
 * 1 process pinned to core 0, one CPU device, ``mesh.data=1``;
 * ``jaxpar launch -n 2 --devices-per-process 1 --cpus-per-process 1``: 2 processes,
   each pinned to its own core with one CPU device, ``mesh.data=2`` across processes
-  (gradients all-reduced over gloo on the loopback network, in 25 MiB buckets:
-  ``train.grad_bucket_mb=25``), twice the global batch;
-* the same launch with ``train.grad_bucket_mb=0`` (the default): one all-reduce per
-  gradient array, as XLA reduces them (inside the layer scan);
+  (gradients all-reduced over gloo on the loopback network; the default settings, so
+  ``train.grad_bucket_mb=auto``: 25 MiB buckets on the CPU), twice the global batch;
+* the same launch with ``train.grad_bucket_mb=0`` (the default on GPUs): one all-reduce
+  per gradient array, as XLA reduces them (inside the layer scan);
 
 * the same launch without ``--cpus-per-process``: each process may use either core, so
   the threads that are not the step's compute (gloo's and the distributed runtime's) run
@@ -61,7 +61,6 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 PROBE_CALLS = {"psum": 30, "compute": 15}
 PSUM_PARTS = 10  # arrays of the split psum: as many as one layer's gradient in the step
-BUCKETS = ["train.grad_bucket_mb=25"]  # jaxpar's runs sum their gradients in buckets
 
 
 def probe(kind: str, index: int, port: int, mib: float, distributed: bool) -> None:
@@ -148,7 +147,7 @@ def step_probe(rows: int, ways: int) -> str:
     run = build(
         load_config(
             ["configs/gpt_tiny.yaml"],
-            [f"mesh.data={ways}", f"train.batch_size={rows * ways}", *BUCKETS],
+            [f"mesh.data={ways}", f"train.batch_size={rows * ways}"],
         )
     )
     trainer = run.trainer
@@ -310,7 +309,6 @@ def main() -> None:
         "train.eval_every=0",
         "train.progress=false",
         "optim.decay_steps=1000",
-        *BUCKETS,  # the 1-process run has nothing to sum: no effect there
     ]
     env = _env_without_device_settings()
     with tempfile.TemporaryDirectory() as tmp:
@@ -383,7 +381,7 @@ def main() -> None:
     print("| run | global batch | examples/s | speed-up |")
     print("|---|---|---|---|")
     print(f"| 1 process, 1 core | {b} | {a:.1f} | 1.00× |")
-    print(f"| 2 processes, 1 core each | {2 * b} | {c:.1f} | {c / a:.2f}× |")
+    print(f"| 2 processes, 1 core each (defaults) | {2 * b} | {c:.1f} | {c / a:.2f}× |")
     print(f"| the same, a reduction per array | {2 * b} | {p:.1f} | {p / a:.2f}× |")
     print(f"| 2 processes, not pinned (2 cores) | {2 * b} | {f:.1f} | {f / a:.2f}× |")
     print(

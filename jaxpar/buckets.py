@@ -21,6 +21,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+#: ``train.grad_bucket_mb=auto`` by platform: buckets where each array of a combined
+#: all-reduce is a call of its own (XLA:CPU's gloo; measured in docs/performance.md); XLA's
+#: reduction elsewhere, one combined collective per layer inside the backward scan that a
+#: GPU's scheduler can overlap with the rest of the backward pass.
+AUTO_BYTES = {"cpu": 25 * 2**20}
+
+
+def auto_bytes(platform: str) -> int:
+    """The bucket size ``train.grad_bucket_mb=auto`` stands for on ``platform``."""
+    return AUTO_BYTES.get(platform, 0)
+
+
+def platform_of(mesh: Any) -> str:
+    """The platform of ``mesh``'s devices (an abstract mesh: JAX's default backend)."""
+    concrete = isinstance(mesh, jax.sharding.Mesh)
+    return mesh.devices.flat[0].platform if concrete else jax.default_backend()
+
 
 def groups(leaves: list[Any], bucket_bytes: int) -> list[list[int]]:
     """The buckets of ``leaves`` (arrays or shapes with a dtype) as lists of their

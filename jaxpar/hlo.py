@@ -324,6 +324,12 @@ class ProgramCost:
         times its trip count, a conditional's busiest branch (the α term's count)."""
         return sum(s.count for s in self.collectives.values())
 
+    @property
+    def collective_arrays(self) -> int:
+        """The arrays those collectives move, executions counted as above (a combined
+        all-reduce of k arrays counts k: XLA:CPU's gloo makes one call per array)."""
+        return sum(s.arrays for s in self.collectives.values())
+
 
 def _add(total: dict[str, float], part: dict[str, float], times: float = 1.0) -> None:
     for k, v in part.items():

@@ -58,6 +58,11 @@ class Run:
         return self.plan.task.name or "task"
 
 
+def _bucket_bytes(mb: float | str) -> int | None:
+    """``train.grad_bucket_mb`` in bytes (None for auto: the platform's choice)."""
+    return None if mb == "auto" else round(mb * 2**20)
+
+
 def build(
     config: Config,
     task: Task | None = None,
@@ -127,7 +132,7 @@ def build(
         context=config.context,
         tensor=config.tensor,
         optimizer_offload=config.train.optimizer_offload,
-        grad_bucket_bytes=round(config.train.grad_bucket_mb * 2**20),
+        grad_bucket_bytes=_bucket_bytes(config.train.grad_bucket_mb),
     )
     memory = sizes.device_memory(devices) if fit_memory else None
     settings = _sizes(config, user_task)

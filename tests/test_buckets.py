@@ -2,23 +2,29 @@
 the same sums as one collective per array, a collective per bucket in the compiled step,
 training equal to one device, the lab's count of the reductions."""
 
+import warnings
+from dataclasses import replace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import yaml
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar import hlo
-from jaxpar.buckets import groups, psum_in_buckets
+from jaxpar.buckets import auto_bytes, groups, psum_in_buckets
 from jaxpar.config import apply_overrides, load_config
+from jaxpar.errors import ConfigError
 from jaxpar.gradients import AccumulatedPerDataShard, Pipelined, Plain
-from jaxpar.lab import predict
+from jaxpar.lab import hardware, predict, sweep
+from jaxpar.lab.measure import measure
 from jaxpar.run import build
 from tests.helpers import GPT_SMALL, assert_params_close
 
 ADAMW = ["optim.name=adamw", "optim.lr=3e-3", "optim.weight_decay=0.1"]
 BUCKETS = ["train.grad_bucket_mb=25"]  # PyTorch DDP's size: the whole small GPT in one
-PER_ARRAY = ["train.grad_bucket_mb=0"]  # the default
+PER_ARRAY = ["train.grad_bucket_mb=0"]  # XLA's reduction (the default on GPUs)
 
 
 def _shapes(*specs):
@@ -176,3 +182,74 @@ def test_layouts_that_split_parameters_keep_one_reduction_per_array(layout, stra
         apply_overrides(cfg, ["train.grad_accum=2", "train.batch_size=32"])
     ).plan.gradients
     assert getattr(accum, "bucket_bytes", 0) == 0
+
+
+def test_auto_means_buckets_on_the_cpu_and_xla_reduction_on_gpus():
+    """``train.grad_bucket_mb=auto`` (the default): 25 MiB buckets on the CPU, where each
+    array of a combined all-reduce is a gloo call of its own; XLA's reduction inside the
+    backward scan on GPUs and TPUs. Where buckets cannot apply, auto says nothing (only a
+    size the user set warns). Under ``context`` auto keeps XLA's reduction: the per-shard
+    step there held the position embeddings' gradient whole over the sequence
+    (tests/test_context.py -k full_sequence)."""
+    assert (auto_bytes("cpu"), auto_bytes("gpu"), auto_bytes("tpu")) == (25 * 2**20, 0, 0)
+    config = load_config([], [*GPT_SMALL, "run.devices=8", "mesh.data=8"])
+    assert config.train.grad_bucket_mb == "auto"
+    gradients = build(config).plan.gradients
+    assert isinstance(gradients, AccumulatedPerDataShard)
+    assert gradients.bucket_bytes == 25 * 2**20
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        split = build(apply_overrides(config, ["mesh.data=1", "mesh.fsdp=8"]))
+        context = build(apply_overrides(config, ["mesh.data=4", "mesh.context=2"]))
+    assert type(split.plan.gradients) is Plain and type(context.plan.gradients) is Plain
+
+
+def test_plan_reads_auto_for_the_profile_and_shows_the_other_reduction_beside_it():
+    """``jaxpar plan`` predicts for the profile's platform: on an H100 auto compiles XLA's
+    reduction (3 all-reduces of 26 arrays: one of 10 in the scan over the 2 layers, one of
+    6 outside), and the planner's layouts add the bucketed
+    variant (1 of 1) beside each layout whose parameters stay whole — not for split ones
+    or a model with state. A profile whose latency is paid per array (gloo) prices 26
+    calls where one per instruction prices 3; the bucketed step costs one either way."""
+    config = load_config([], GPT_SMALL)
+    h100 = hardware.get_profile("h100")
+    layouts, _ = sweep.default_layouts(config, 8, platform=h100.platform)
+    assert "data=8,train.grad_bucket_mb=25" in layouts
+    with_bucket_variant = [x.rsplit(",", 1)[0] for x in layouts if "grad_bucket" in x]
+    assert with_bucket_variant == ["data=8"]  # not beside split parameters or context
+    assert "data=8,train.grad_bucket_mb=0" in sweep.default_layouts(config, 8, platform="cpu")[0]
+    resnet = load_config([], ["model.name=resnet"])  # BatchNorm statistics: state
+    assert not any("grad_bucket" in x for x in sweep.default_layouts(resnet, 8)[0])
+
+    gloo = replace(h100, key="gloo", latency_per="array")
+    rows = {
+        (x, hw.key): measure(config, x, hw)
+        for x in ("data=8", "data=8,train.grad_bucket_mb=25")
+        for hw in (h100, gloo)
+    }
+    per_array = rows["data=8", "h100"]
+    assert (per_array.collective_ops, per_array.collective_arrays) == (3, 10 * 2 + 6)
+    assert per_array.predicted_latency_s == pytest.approx(3 * h100.collective_latency)
+    assert rows["data=8", "gloo"].predicted_latency_s == pytest.approx(26 * h100.collective_latency)
+    for hw in ("h100", "gloo"):
+        bucketed = rows["data=8,train.grad_bucket_mb=25", hw]
+        assert (bucketed.collective_ops, bucketed.collective_arrays) == (1, 1)
+        assert bucketed.predicted_latency_s == pytest.approx(h100.collective_latency)
+        assert bucketed.predicted_comm_bytes == pytest.approx(per_array.predicted_comm_bytes)
+
+
+def test_a_profile_names_what_its_latency_is_paid_for(tmp_path):
+    """``latency_per`` and ``platform`` are optional profile fields with a closed set of
+    values: anything else is a one-line error naming the profile, field and choices."""
+    path = tmp_path / "hw.yaml"
+    entry = {f: getattr(hardware.get_profile("h100"), f) for f in ("name", "flops_bf16")}
+    numbers = ("flops_f32", "hbm_bandwidth", "memory_bytes", "link_bandwidth", "links")
+    entry |= {f: getattr(hardware.get_profile("h100"), f) for f in numbers}
+    entry |= {"network_bandwidth": 1e9, "collective_latency": 4e-3, "platform": "cpu"}
+    path.write_text(yaml.safe_dump({"mine": {**entry, "latency_per": "array"}}))
+    mine = hardware.get_profile("mine", path)
+    assert (mine.platform, mine.latency_per) == ("cpu", "array")
+    assert hardware.get_profile("h100").latency_per == "collective"
+    path.write_text(yaml.safe_dump({"mine": {**entry, "latency_per": "bucket"}}))
+    with pytest.raises(ConfigError, match="'mine': latency_per='bucket'; choose one of"):
+        hardware.get_profile("mine", path)

@@ -25,6 +25,7 @@ from jaxpar.checkpoint import Checkpointer
 from jaxpar.cli import main
 from jaxpar.config import load_config
 from jaxpar.errors import ConfigError
+from jaxpar.gradients import AccumulatedPerDataShard
 from jaxpar.lab import hardware
 from jaxpar.lab.measure import measure
 from jaxpar.models.transformer import REMAT_POLICIES, Remat
@@ -103,6 +104,13 @@ def _puts(jaxpr, memory: str) -> list[str]:
     return re.findall(rf"\w+:f32{memory}(\[[\d,]*\]) = device_put", str(jaxpr))
 
 
+def _rows(run, batch: int) -> int:
+    """The rows a traced residual has: the whole batch, or one data shard's where the
+    step runs per data shard (gradient buckets: ``train.grad_bucket_mb=auto`` on the CPU)."""
+    per_shard = isinstance(run.plan.gradients, AccumulatedPerDataShard)
+    return batch // run.plan.mesh.shape["data"] if per_shard else batch
+
+
 def test_remat_offload_moves_the_named_residuals_to_the_host():
     """The step's traced program moves the residuals the backward reads of the named
     projections to host memory and back: q/k/v [B, T, 3, N, H], the attention output
@@ -110,7 +118,7 @@ def test_remat_offload_moves_the_named_residuals_to_the_host():
     the block's output is the next block's saved input); ``save_matmuls`` keeps the same
     on the device. The CUDA lowering of the same step annotates the pinned-host
     placements (XLA's host offloader turns them into copies on a GPU; XLA:CPU drops
-    them)."""
+    them). B: the batch, or one data shard's rows where the step runs per shard."""
     moved = {}
     for remat in ("save_matmuls", "offload"):
         run = build(load_config([], [*GPT, "mesh.data=8", f"model.remat={remat}"]))
@@ -118,7 +126,8 @@ def test_remat_offload_moves_the_named_residuals_to_the_host():
         batch = run.trainer.shard_batch(run.data.batch(0, 16))
         jaxpr = jax.make_jaxpr(run.trainer._step)(state, batch)
         moved[remat] = (_puts(jaxpr, "<host>"), _puts(jaxpr, ""))
-    shapes = ["[16,16,3,4,8]", "[16,16,32]", "[16,16,64]"]  # B=16, T=16, N=4, H=8, D=32, F=64
+    b = _rows(run, 16)  # T=16, N=4, H=8, D=32, F=64
+    shapes = [f"[{b},16,3,4,8]", f"[{b},16,32]", f"[{b},16,64]"]
     assert moved == {"save_matmuls": ([], []), "offload": (shapes, shapes)}
     cuda = export.export(run.trainer._step, platforms=["cuda"])(state, batch).mlir_module()
     placed = re.findall(r'_xla_buffer_placement = "(\w+)"', cuda)
@@ -129,16 +138,16 @@ def test_remat_offload_moves_the_named_residuals_to_the_host():
     "family,moved",
     [
         # q [B, T, N, H], k and v [B, T, K, H], attention output, gate and up projections
-        ("llama", ["[16,16,4,8]", "[16,16,2,8]", "[16,16,2,8]", "[16,16,32]", *["[16,16,48]"] * 2]),
+        ("llama", ["[B,16,4,8]", "[B,16,2,8]", "[B,16,2,8]", "[B,16,32]", *["[B,16,48]"] * 2]),
         # the same, and the MLP output, which Gemma's post-MLP norm reads (head dim 16)
         (
             "gemma",
             [
-                "[16,16,4,16]",
-                *["[16,16,2,16]"] * 2,
-                "[16,16,32]",
-                *["[16,16,48]"] * 2,
-                "[16,16,32]",
+                "[B,16,4,16]",
+                *["[B,16,2,16]"] * 2,
+                "[B,16,32]",
+                *["[B,16,48]"] * 2,
+                "[B,16,32]",
             ],
         ),
     ],
@@ -151,6 +160,7 @@ def test_the_llama_and_gemma_projections_are_offloaded(family, moved):
     state = run.trainer.init()
     batch = run.trainer.shard_batch(run.data.batch(0, 16))
     scans = 1 if family == "llama" else 3
+    moved = [m.replace("B", str(_rows(run, 16))) for m in moved]
     assert _puts(jax.make_jaxpr(run.trainer._step)(state, batch), "<host>") == moved * scans
 
 

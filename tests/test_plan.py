@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import Plan, make_plan
+from jaxpar.buckets import auto_bytes
 from jaxpar.errors import LayoutError, TaskError
 from jaxpar.gradients import Accumulated, AccumulatedPerDataShard, Pipelined, Plain
 from jaxpar.mesh import MeshConfig, make_mesh
@@ -199,10 +200,14 @@ def test_default_microbatches_are_twice_the_stages():
     assert plan(stage=4, data=2).pipeline.m == 8
 
 
+#: ``data`` alone without accumulation: the per-shard step where auto means buckets (the CPU)
+PLAIN_DATA = AccumulatedPerDataShard if auto_bytes(jax.default_backend()) else Plain
+
+
 @pytest.mark.parametrize(
     "task,degrees,accum,fsdp_gather,strategy,inner",
     [
-        (TASK, {"data": 8}, 1, "per_microbatch", Plain, None),
+        (TASK, {"data": 8}, 1, "per_microbatch", PLAIN_DATA, None),
         (TASK, {"data": 8}, 4, "per_microbatch", AccumulatedPerDataShard, None),
         (CNN, {"data": 8}, 4, "per_microbatch", Accumulated, Plain),  # BatchNorm: automatic path
         (TASK, {"data": 2, "fsdp": 2, "tensor": 2}, 2, "per_microbatch", Accumulated, Plain),

@@ -93,7 +93,10 @@ def _sweep(args: argparse.Namespace, config: Config, task: Task | None) -> None:
     out = sweep.output_folder(args.out, config.run.dir, args.overwrite)  # before compiling
     layouts, note = args.layouts, None
     if not layouts:
-        layouts, note = sweep.default_layouts(config, len(select_devices(config.run.devices)), task)
+        # timed layouts run here; others are read for the profile's platform (measure.lower)
+        platform = None if args.steps else hw.platform
+        count = len(select_devices(config.run.devices))
+        layouts, note = sweep.default_layouts(config, count, task, platform)
     memory = args.memory_gb * 1e9 if args.memory_gb else None
     what = (task.name or "the --task") if task is not None else config.model.name
     print(

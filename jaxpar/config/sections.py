@@ -126,14 +126,24 @@ class TrainConfig:
         "microbatch's forward and backward: least memory) or once per step, kept through the "
         "accumulation loop (1/grad_accum of the gather traffic, or less)",
     )
-    grad_bucket_mb: float = Field(
-        0.0,
-        ge=0,
-        description="data parallelism sums gradients over data in buckets of this many "
-        "MiB, one collective each (where the parameters are whole on every device and the "
-        "model has no state; 0: one per array, XLA's; 25: PyTorch DDP's); "
-        "docs/performance.md, Gradient buckets",
+    grad_bucket_mb: Float | Literal["auto"] = Field(
+        "auto",
+        description="data parallelism sums gradients over data after the backward pass in "
+        "buckets of this many MiB, one collective each (where the parameters are whole on "
+        "every device and the model has no state); 0: XLA's reduction, one collective per "
+        "layer inside the backward scan (per array on the CPU); auto: 25 (PyTorch DDP's) on "
+        "the CPU, 0 on GPUs, TPUs and under context; docs/performance.md, Gradient buckets",
     )
+
+    @field_validator("grad_bucket_mb")
+    @classmethod
+    def _bucket_size(cls, value: float | str) -> float | str:
+        if value != "auto" and value < 0:
+            raise ConfigError(
+                f"train.grad_bucket_mb={value}: a bucket size is 0 or more MiB, or auto"
+            )
+        return value
+
     optimizer_offload: bool = Field(
         False,
         description="hold the optimizer state in the host's pinned memory between steps "

@@ -13,7 +13,10 @@ cost of each collective however small (its launch and the hops of its ring), whi
 what makes many small collectives — a pipeline's per-tick sends, FSDP's per-layer
 gathers — cost more than one large gradient all-reduce on a tiny model. The count comes
 from the compiled program (:attr:`jaxpar.hlo.ProgramCost.collective_ops`: loops times
-their trip counts). Communication is added, not overlapped: a conservative bound, and the
+their trip counts), or, for a profile with ``latency_per: array``, the arrays they move
+(:attr:`~jaxpar.hlo.ProgramCost.collective_arrays`: gloo under XLA:CPU makes a call per
+array of a combined all-reduce, so there gradient buckets save what NCCL's grouped call
+already saves on a GPU). Communication is added, not overlapped: a conservative bound, and the
 one that tells layouts apart when all of them are compute-bound on paper.
 """
 
@@ -29,6 +32,8 @@ from jaxpar import yamlfile
 from jaxpar.errors import ConfigError
 
 _BUILTIN = Path(__file__).with_name("hardware.yaml")
+#: what one collective latency is paid for (:attr:`Hardware.latency_per`)
+LATENCY_PER = ("collective", "array")
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,11 @@ class Hardware:
     network_bandwidth: float
     collective_latency: float
     source: str = ""
+    #: the JAX platform the chip runs (what ``train.grad_bucket_mb=auto`` reads)
+    platform: str = "gpu"
+    #: what pays ``collective_latency``: each collective instruction (NCCL runs a combined
+    #: all-reduce of many arrays as one grouped call) or each array of one (gloo, XLA:CPU)
+    latency_per: str = "collective"
 
     @property
     def interconnect_bandwidth(self) -> float:
@@ -87,7 +97,7 @@ def load_profiles(extra: str | Path | None = None) -> dict[str, Hardware]:
     names = {f.name for f in fields(Hardware)} - {"key"}
     profiles = {}
     for key, entry in raw.items():
-        missing = sorted(n for n in names - {"source"} if n not in (entry or {}))
+        missing = sorted(n for n in names - set(_OPTIONAL) if n not in (entry or {}))
         if missing:
             raise ConfigError(
                 f"hardware profile '{key}' lacks {', '.join(missing)}; "
@@ -99,10 +109,21 @@ def load_profiles(extra: str | Path | None = None) -> dict[str, Hardware]:
     return profiles
 
 
+#: fields a profile may leave out, and the values they may take (None: any text)
+_OPTIONAL = {"source": None, "platform": ("gpu", "tpu", "cpu"), "latency_per": LATENCY_PER}
+
+
 def _typed(profile: str, field: str, value: object) -> object:
     """A profile value as its field's type (YAML reads ``80.0e9`` as a string)."""
-    if field in ("name", "source"):
+    if field == "name" or _OPTIONAL.get(field, ()) is None:
         return str(value)
+    if field in _OPTIONAL:
+        if value not in _OPTIONAL[field]:
+            raise ConfigError(
+                f"hardware profile '{profile}': {field}={value!r}; choose one of "
+                f"{', '.join(_OPTIONAL[field])}"
+            )
+        return value
     try:
         number = int(value) if field == "links" else float(value)
     except (TypeError, ValueError, OverflowError):

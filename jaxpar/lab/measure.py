@@ -27,6 +27,7 @@ import numpy as np
 
 from jaxpar import hlo
 from jaxpar.axes import MESH_AXES
+from jaxpar.buckets import auto_bytes
 from jaxpar.config import Config, apply_overrides
 from jaxpar.errors import ConfigError, JaxparError
 from jaxpar.lab.hardware import Hardware, roofline
@@ -65,6 +66,7 @@ class Row:
     compile_s: float | None = None
     transfer_bytes: float | None = None
     collective_ops: int | None = None
+    collective_arrays: int | None = None
     predicted_latency_s: float | None = None
     #: bytes per device held in host memory (an offloaded optimizer state), outside mem_*
     mem_host_bytes: int | None = None
@@ -137,9 +139,14 @@ def lower(
     config: Config, layout: str, hw: Hardware, task: Task | None = None, timed: bool = False
 ) -> Lowered | Row:
     """The layout's run and lowered step, or its row with the reason it cannot run;
-    ``timed``: its steps will run here, so its state must fit this machine's memory."""
+    ``timed``: its steps will run here, so its state must fit this machine's memory (else
+    ``train.grad_bucket_mb=auto`` means what it would on ``hw``'s platform)."""
     row = Row(layout, hardware=hw.key)
     try:
+        size = auto_bytes(hw.platform)
+        auto = config.train.grad_bucket_mb == "auto"
+        if auto and not timed and size != auto_bytes(jax.default_backend()):
+            config = apply_overrides(config, [f"train.grad_bucket_mb={size / 2**20:g}"])
         run = build(apply_overrides(config, layout_overrides(layout)), task, fit_memory=timed)
         batch = global_batch_shapes(run.data.batch(0, run.config.train.batch_size))
         return Lowered(row, run, batch, run.trainer.lower_step(batch))
@@ -225,6 +232,8 @@ def read(
     row.mem_traffic_bytes = row.mem_args_bytes + row.mem_output_bytes + 2 * row.mem_temp_bytes
     comm_gpu, hidden = _fill_comm(row, cost, run)
     row.collective_ops = cost.collective_ops
+    row.collective_arrays = cost.collective_arrays
+    calls = row.collective_ops if hw.latency_per == "collective" else row.collective_arrays
     dtype = run.family.compute_dtype(run.config.model) if run.family else "float32"
     time_s = roofline(
         hw,
@@ -232,7 +241,7 @@ def read(
         row.mem_traffic_bytes,
         comm_gpu - hidden.hidden_bytes,
         dtype,
-        collectives=row.collective_ops - hidden.hidden_ops,
+        collectives=calls - hidden.hidden_ops,
         hidden_bytes=hidden.hidden_bytes,
     )
     row.predicted_step_time_s = time_s.total_s

@@ -148,7 +148,7 @@ def plan(
     if layouts:
         layouts, note = runnable(list(dict.fromkeys(layouts)), task or task_for(config))
     else:
-        layouts, note = default_layouts(config, devices, task)
+        layouts, note = default_layouts(config, devices, task, hw.platform)
     workers = workers or default_workers()
     rows = _measure(config, layouts, hw, memory, task, workers, echo, {})
     planned = [Planned(rows[x]) for x in layouts]
@@ -287,6 +287,11 @@ def best(planned: list[Planned]) -> tuple[str, Row] | None:
     return min(options, key=lambda o: o[1].predicted_step_time_s, default=None)
 
 
+def _calls(row: Row, hw: Hardware) -> int:
+    """The collective calls ``hw``'s latency is paid for (:attr:`Hardware.latency_per`)."""
+    return row.collective_ops if hw.latency_per == "collective" else row.collective_arrays
+
+
 def format_plan(planned: list[Planned], hw: Hardware, memory: float) -> str:
     """The ranked table, then what was left out (one note per reason), a note per layout
     that does not fit or cannot run, then the fastest layout that fits."""
@@ -313,7 +318,7 @@ def format_plan(planned: list[Planned], hw: Hardware, memory: float) -> str:
                 fmt_value(r.mem_total_bytes, "B"),
                 "yes" if r.fits else "NO",
                 fmt_time(r.predicted_step_time_s),
-                f"{r.collective_ops} ({fmt_time(r.predicted_latency_s)})",
+                f"{_calls(r, hw)} ({fmt_time(r.predicted_latency_s)})",
                 fmt_value(r.predicted_comm_bytes, "B"),
                 "" if r.comm_ratio is None else f"{r.comm_ratio:.2f}",
             ]
@@ -326,7 +331,8 @@ def format_plan(planned: list[Planned], hw: Hardware, memory: float) -> str:
     lines.append(
         f"ranked by predicted step time on {hw.name} (roofline; communication = "
         f"bytes / {hw.interconnect_bandwidth / 1e9:.3g} GB/s + collectives "
-        f"executed × {fmt_time(hw.collective_latency)}, in brackets); memory judged "
+        f"{'executed' if hw.latency_per == 'collective' else 'arrays'} × "
+        f"{fmt_time(hw.collective_latency)}, in brackets); memory judged "
         f"against {memory / 1e9:.3g} GB ({fmt_value(memory, 'B')}) per device"
     )
     lines += getattr(planned, "notes", [])

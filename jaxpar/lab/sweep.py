@@ -27,6 +27,7 @@ from pathlib import Path
 import jax
 
 from jaxpar.axes import Axis
+from jaxpar.buckets import auto_bytes
 from jaxpar.config import Config
 from jaxpar.files import ensure_dir, write_atomic
 from jaxpar.lab.chart import Panel, write_chart
@@ -83,14 +84,17 @@ def all_layouts(devices: int) -> list[str]:
 
 
 def default_layouts(
-    config: Config, devices: int, task: Task | None = None
+    config: Config, devices: int, task: Task | None = None, platform: str | None = None
 ) -> tuple[list[str], str | None]:
     """:func:`all_layouts` of ``devices``, less those the model cannot run
     (:func:`runnable`), and a note saying what was left out and why (None when nothing
-    was); for a model with experts, its expert-parallel variants as well."""
+    was); the variants of the options the model allows as well (experts, sequence
+    parallelism, Ulysses, the other gradient reduction on ``platform``: JAX's default
+    backend when None)."""
     task = task if task is not None else task_for(config)
     kept, note = runnable(all_layouts(devices), task)
     variants = _expert_variants(task, kept) + _sequence_variants(task, kept)
+    variants += _bucket_variants(config, task, kept, platform or jax.default_backend())
     return kept + variants + _ulysses_variants(config, task, kept), note
 
 
@@ -162,6 +166,23 @@ def _expert_variants(task: Task, layouts: list[str]) -> list[str]:
         f"{x},rules.experts=data"
         for x in layouts
         if _degree(x, Axis.DATA) > 1 and all(n % _degree(x, Axis.DATA) == 0 for n in sizes)
+    ]
+
+
+def _bucket_variants(config: Config, task: Task, layouts: list[str], platform: str) -> list[str]:
+    """For a model without state: each layout whose parameters stay whole on every device
+    (``data`` above 1; no ``fsdp``, ``tensor``, stages or ``context``) again with the other gradient
+    reduction than ``train.grad_bucket_mb`` gives on ``platform``: 25 MiB buckets after
+    the backward pass, or XLA's reduction inside it (docs/performance.md)."""
+    asked = config.train.grad_bucket_mb
+    size = auto_bytes(platform) if asked == "auto" else asked
+    if abstract_model(task).stateful:
+        return []
+    split = (Axis.FSDP, Axis.TENSOR, Axis.STAGE, Axis.CONTEXT)
+    return [
+        f"{x},train.grad_bucket_mb={0 if size else 25}"
+        for x in layouts
+        if _degree(x, Axis.DATA) > 1 and all(_degree(x, a) == 1 for a in split)
     ]
 
 

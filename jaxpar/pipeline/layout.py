@@ -42,6 +42,8 @@ class Layout:
       grad_accum: microbatches accumulated per step (``train.grad_accum``).
       fsdp_gather_once: FSDP-sharded weights are gathered once per step and kept through
         the accumulation loop (``train.fsdp_gather=once`` where it has an effect).
+      grad_bucket_bytes: the gradients' bucket size over ``data`` as asked
+        (``train.grad_bucket_mb``; None: the platform's, :func:`jaxpar.buckets.auto_bytes`).
     """
 
     mesh: Mesh | AbstractMesh
@@ -53,7 +55,7 @@ class Layout:
     table: TickTable | None = None
     grad_accum: int = 1
     fsdp_gather_once: bool = False
-    grad_bucket_bytes: int = 0
+    grad_bucket_bytes: int | None = 0
 
     @property
     def stages(self) -> int:

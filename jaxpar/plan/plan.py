@@ -287,7 +287,7 @@ def make_plan(
     context: ContextConfig | None = None,
     tensor: TensorConfig | None = None,
     optimizer_offload: bool = False,
-    grad_bucket_bytes: int = 0,
+    grad_bucket_bytes: int | None = None,
 ) -> Plan:
     """Decides the layout of ``task`` trained by ``optimizer`` on ``mesh`` under ``rules``.
 
@@ -309,7 +309,8 @@ def make_plan(
         the rules' ``act_seq``: :func:`jaxpar.sharding.sequence_parallel`).
       optimizer_offload: hold the optimizer state in pinned host memory between steps.
       grad_bucket_bytes: the step sums gradients over ``data`` in buckets of this size
-        where it can (:mod:`jaxpar.buckets`; 0: one collective per array, XLA's).
+        where it can (:mod:`jaxpar.buckets`; 0: XLA's reduction; None: the platform's
+        default, :func:`jaxpar.buckets.auto_bytes`).
 
     Raises:
       LayoutError: for every layout that cannot run (see the module docstring).

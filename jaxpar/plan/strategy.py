@@ -16,6 +16,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxpar import sharding as shd
 from jaxpar.axes import BATCH_AXES, Axis
+from jaxpar.buckets import auto_bytes, platform_of
 from jaxpar.errors import ConfigError
 from jaxpar.gradients import (
     Accumulated,
@@ -48,7 +49,7 @@ def gradient_strategy(
         layout.mesh, layout.param_specs, stateful
     )
     buckets = bucket_bytes(layout) if per_shard else 0
-    if layout.grad_bucket_bytes and not buckets:
+    if layout.grad_bucket_bytes and not buckets:  # asked for (not auto): say it is not used
         warnings.warn(
             "config key 'train.grad_bucket_mb' has no effect with this layout: buckets need "
             "every parameter whole on each device, a data axis, no pipeline stages and a "
@@ -74,10 +75,17 @@ def gradient_strategy(
 def bucket_bytes(layout: Layout) -> int:
     """The bucket size the step sums gradients over ``data`` in (:mod:`jaxpar.buckets`):
     ``layout.grad_bucket_bytes`` where no parameter is split over any axis (the buckets
-    lay whole arrays end to end; a split one would be gathered to be laid), else 0 (one
-    collective per array)."""
+    lay whole arrays end to end; a split one would be gathered to be laid), else 0 (XLA's
+    reduction). None (auto): the mesh's platform's default without ``context``; with it
+    0, as the per-shard step under ``context`` holds the position embeddings' gradient
+    whole over the sequence (tests/test_context.py)."""
     specs = spec_leaves(layout.param_specs)
-    return layout.grad_bucket_bytes if not any(spec_axes(s) for s in specs) else 0
+    if any(spec_axes(s) for s in specs):
+        return 0
+    asked = layout.grad_bucket_bytes
+    if asked is not None:
+        return asked
+    return 0 if layout.mesh.shape[Axis.CONTEXT] > 1 else auto_bytes(platform_of(layout.mesh))
 
 
 def per_data_shard_possible(mesh: Mesh, param_specs: Any, stateful: bool) -> bool:
