@@ -18,7 +18,7 @@ import warnings
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh
 from pydantic import Field
 
 from jaxpar.axes import MESH_AXES, Axis
@@ -230,6 +230,15 @@ def make_mesh(cfg: MeshConfig, devices: list[jax.Device] | None = None) -> Mesh:
     processes = len({d.process_index for d in devices})
     grid = device_grid(devices, degrees, host_degrees(cfg, degrees, processes))
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def abstract_mesh(cfg: MeshConfig, count: int) -> AbstractMesh:
+    """The mesh of ``count`` devices that are not here (a plan for a cluster): the axes
+    and degrees :func:`make_mesh` would give, no devices. Nothing compiles or runs on it;
+    plans, shardings and the lab's terms are computed from it."""
+    degrees = resolve_degrees(cfg, count)
+    sizes = tuple(degrees[a] for a in MESH_AXES)
+    return AbstractMesh(sizes, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def describe_mesh(mesh: Mesh) -> str:

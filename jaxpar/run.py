@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import AbstractMesh, Mesh
 
 from jaxpar import hf, tensor_parallel
 from jaxpar import sharding as shd
@@ -26,7 +27,7 @@ from jaxpar.data.sources import needs_of_batch
 from jaxpar.data.task_data import task_data
 from jaxpar.errors import TaskError
 from jaxpar.logical import activation_rules
-from jaxpar.mesh import make_mesh, select_devices
+from jaxpar.mesh import abstract_mesh, make_mesh, select_devices
 from jaxpar.models.family import Family, ModelConfig
 from jaxpar.optim import decay_mask, make_optimizer
 from jaxpar.plan import Plan, abstract_model, global_batch_shapes, make_plan, sizes
@@ -58,6 +59,25 @@ class Run:
         return self.plan.task.name or "task"
 
 
+def _devices_and_mesh(
+    config: Config, target: tuple[int, str] | None
+) -> tuple[list[jax.Device], Mesh | AbstractMesh, str]:
+    """The devices, mesh and platform a run is planned for: these (``run.devices``), or
+    ``target``'s count of devices that are not here (an abstract mesh, no devices); the
+    global batch checked against the mesh's stages."""
+    if target is None:
+        devices = select_devices(config.run.devices)
+        found = devices, make_mesh(config.mesh, devices), devices[0].platform
+    else:
+        found = [], abstract_mesh(config.mesh, target[0]), target[1]
+    train = config.train
+    stages = found[1].shape[Axis.STAGE]
+    sizes.check_microbatches(
+        train.batch_size, train.grad_accum, config.pipeline.microbatches, stages
+    )
+    return found
+
+
 def _bucket_bytes(mb: float | str) -> int | None:
     """``train.grad_bucket_mb`` in bytes (None for auto: the platform's choice)."""
     return None if mb == "auto" else round(mb * 2**20)
@@ -69,6 +89,7 @@ def build(
     optimizer: optax.GradientTransformation | None = None,
     *,
     fit_memory: bool = False,
+    target: tuple[int, str] | None = None,
 ) -> Run:
     """Devices, mesh, rules, data, task, optimizer and trainer from ``config``.
 
@@ -81,6 +102,9 @@ def build(
         fit the devices' memory (:mod:`jaxpar.plan.sizes`), as training and restoring a
         checkpoint do. Without it nothing is allocated, so a run for other machines builds
         here (a GPU-sized config on the CPU); only sizes no device holds are refused.
+      target: ``(count, platform)``: plan for that many devices of that platform instead
+        of these (:func:`jaxpar.mesh.abstract_mesh`; a cluster's): the run's plan, state
+        sizes and the lab's terms are real, but nothing can compile or run.
 
     Raises:
       ConfigError, LayoutError, DataError, TaskError: for a setting, layout, data or task
@@ -96,17 +120,10 @@ def build(
     )
     user_task = task
     sizes.check_settings(_sizes(config, user_task))
-    devices = select_devices(config.run.devices)
-    mesh = make_mesh(config.mesh, devices)
-    sizes.check_microbatches(
-        config.train.batch_size,
-        config.train.grad_accum,
-        config.pipeline.microbatches,
-        mesh.shape[Axis.STAGE],
-    )
+    devices, mesh, platform = _devices_and_mesh(config, target)
     rules = shd.resolve_rules(config.rules, config.tensor)
     precision = getattr(config.model, "precision", "default") if task is None else "default"
-    tensor_parallel.check(config.tensor, mesh.shape, devices[0].platform, precision)
+    tensor_parallel.check(config.tensor, mesh.shape, platform, precision)
     family = None
     if task is None:
         family = config.family

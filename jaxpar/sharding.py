@@ -388,7 +388,11 @@ def bytes_by_device(abstract: Any, shardings: Any) -> dict[Any, int]:
     held: dict[Any, int] = {}
     for leaf, sharding in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)):
         nbytes = math.prod(sharding.shard_shape(leaf.shape)) * itemsize(leaf.dtype)
-        for device in sharding.device_set:
+        # an abstract mesh (a plan for devices not here) holds each leaf on all its devices
+        concrete = isinstance(getattr(sharding, "mesh", None), Mesh) or not hasattr(
+            sharding, "mesh"
+        )
+        for device in sharding.device_set if concrete else ("every device",):
             held[device] = held.get(device, 0) + nbytes
     return held
 

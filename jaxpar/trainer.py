@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpar import guard
+from jaxpar.buckets import platform_of
 from jaxpar.errors import TaskError
 from jaxpar.logical import activation_rules
 from jaxpar.plan import Plan, global_batch_shapes, sizes
@@ -51,7 +52,7 @@ class Trainer:
         self.plan = plan
         self.seed = seed
         self.nonfinite_guard = nonfinite_guard
-        self.keep = guard.choose(nonfinite_guard, plan.mesh.devices.flat[0].platform)
+        self.keep = guard.choose(nonfinite_guard, platform_of(plan.mesh))
         shardings = plan.state_shardings
         programs = plan.gradients
         offloaded = shardings.opt_state if plan.optimizer_offload else None

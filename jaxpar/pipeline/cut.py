@@ -61,7 +61,16 @@ class LayerCut:
 def stage_meshes(mesh: Mesh) -> list[Mesh]:
     """``mesh`` cut along ``stage``: one sub-mesh per stage, over that stage's devices,
     with the same axes (``stage`` of size 1), so the rules apply inside every stage
-    unchanged."""
+    unchanged.
+
+    Raises:
+      LayoutError: for an abstract mesh (a plan for devices not here).
+    """
+    if not isinstance(mesh, Mesh):
+        raise LayoutError(
+            "the sub-mesh executor plans on devices that are here only: plan a cluster's "
+            "pipeline with pipeline.executor=spmd (the same stages in one program)"
+        )
     axis = mesh.axis_names.index(Axis.STAGE)
     return [
         Mesh(np.take(mesh.devices, [s], axis=axis), mesh.axis_names, axis_types=mesh.axis_types)

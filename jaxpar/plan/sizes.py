@@ -156,7 +156,8 @@ def check_state(plan: Any, memory: Memory | None, settings: Mapping[str, Any]) -
     )
     most = max(held.values(), default=0)
     memory = ANY_DEVICE if most > NO_DEVICE_HOLDS or memory is None else memory
-    here = [n for d, n in held.items() if d.process_index == jax.process_index()]
+    mine = jax.process_index()  # an abstract mesh's one key stands for devices not here
+    here = [n for d, n in held.items() if getattr(d, "process_index", mine) == mine]
     need = sum(here) if memory.shared else most
     if need <= memory.bytes:
         return

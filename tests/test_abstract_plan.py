@@ -1,0 +1,74 @@
+"""Plans for devices that are not here (``build(config, target=(count, platform))``, an
+abstract mesh): the first step of the planner for clusters (issue 45). The plan, the
+state's bytes per device and the lab's collective terms come from shapes and layouts
+alone, so they must equal those of the same layout on the devices here, and at 1,024
+devices follow from the model's size and the degrees."""
+
+import pytest
+
+from jaxpar.config import load_config
+from jaxpar.errors import LayoutError
+from jaxpar.lab import predict
+from jaxpar.run import build
+from tests.helpers import GPT_SMALL
+from tests.test_moe import MOE
+
+LAYOUTS = [
+    (GPT_SMALL, ["mesh.data=8"]),
+    (GPT_SMALL, ["mesh.fsdp=8"]),
+    (GPT_SMALL, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]),
+    (GPT_SMALL, ["mesh.data=4", "mesh.context=2", "context.attention=ulysses"]),
+    (GPT_SMALL, ["mesh.data=4", "mesh.stage=2", "pipeline.microbatches=2"]),
+    (GPT_SMALL, ["mesh.data=2", "mesh.tensor=4", "tensor.sequence=true"]),
+    (GPT_SMALL, ["mesh.data=8", "train.grad_accum=2"]),
+    (MOE, ["mesh.data=8", "rules.experts=data"]),
+]
+
+
+@pytest.mark.parametrize("base,layout", LAYOUTS, ids=[",".join(x) for _, x in LAYOUTS])
+def test_an_abstract_mesh_plans_what_the_devices_here_would(base, layout):
+    """Eight devices that are not here against the eight that are: the same gradient
+    strategy, the same state bytes per device, and the same lab terms, each collective
+    (kind, what, payload, group, times), gradient buckets included."""
+    config = load_config([], [*base, "run.devices=8", *layout])
+    here = build(config)
+    there = build(config, target=(8, "cpu"))
+    assert not there.devices and there.plan.mesh.shape == here.plan.mesh.shape
+    assert type(there.plan.gradients) is type(here.plan.gradients)
+    assert there.plan.state_bytes() == here.plan.state_bytes()
+    assert predict.predict_comm(there, "cpu").terms == predict.predict_comm(here, "cpu").terms
+
+
+def test_a_1024_gpu_plan_of_llama3_70b_follows_from_its_size():
+    """Llama-3-70B on 1,024 GPUs (FSDP 128 × tensor 8), planned here (about 1 s): each
+    device holds 1/1024 of the parameters and AdamW's two moments (f32: 12 bytes a
+    parameter; within 1% — the norms' weights are not split over tensor), and the lab's
+    FSDP gathers and gradient reduce-scatters run over groups of 128 (the GPU's choice,
+    where XLA:CPU would all-reduce)."""
+    config = load_config(
+        ["configs/llama3_70b.yaml"], ["mesh.fsdp=128", "mesh.tensor=8", "train.batch_size=1024"]
+    )
+    run = build(config, target=(1024, "gpu"))
+    terms = predict.predict_comm(run, "gpu").terms
+    state = run.plan.state_bytes()
+    params = state.params_total / 4  # f32 parameters
+    assert 69e9 < params < 72e9
+    assert 12 * params / 1024 <= state.total <= 1.01 * 12 * params / 1024
+    gathers = [t for t in terms if t.kind == "all-gather" and "gather" in t.what]
+    scatters = [t for t in terms if t.kind == "reduce-scatter"]
+    assert gathers and scatters and {t.group for t in scatters} == {128}
+
+
+def test_the_sub_mesh_executor_plans_on_devices_here_only():
+    config = load_config(
+        [],
+        [
+            *GPT_SMALL,
+            "mesh.data=4",
+            "mesh.stage=2",
+            "pipeline.microbatches=2",
+            "pipeline.executor=mpmd",
+        ],
+    )
+    with pytest.raises(LayoutError, match="pipeline.executor=spmd"):
+        build(config, target=(8, "cpu"))
