@@ -8,9 +8,11 @@ import pytest
 
 from jaxpar.config import load_config
 from jaxpar.errors import LayoutError
-from jaxpar.lab import predict
+from jaxpar.lab import hardware, predict
+from jaxpar.lab.measure import _memory, lower, measure
 from jaxpar.run import build
 from tests.helpers import GPT_SMALL
+from tests.test_llama import LLAMA
 from tests.test_moe import MOE
 
 LAYOUTS = [
@@ -72,3 +74,25 @@ def test_the_sub_mesh_executor_plans_on_devices_here_only():
     )
     with pytest.raises(LayoutError, match="pipeline.executor=spmd"):
         build(config, target=(8, "cpu"))
+
+
+@pytest.mark.parametrize(
+    "base,layout",
+    [
+        (LLAMA, "data=8"),
+        (LLAMA, "fsdp=8"),
+        (LLAMA, "data=2,fsdp=2,tensor=2"),
+        (GPT_SMALL, "data=4,stage=2,pipeline.microbatches=4"),
+    ],
+)
+def test_plan_reports_the_memory_of_the_program_training_compiles(base, layout):
+    """``plan`` and ``sweep --steps 0`` compile for reading (cheaper XLA options: a
+    fifth to a quarter of the time); the arguments, temporaries, outputs and peak they report are
+    those of the step as training compiles it (``jaxpar inspect``), byte for byte."""
+    config = load_config([], base)
+    row = measure(config, layout, hardware.get_profile("h100"))
+    lowered = lower(config, layout, hardware.get_profile("h100"))
+    batch = lowered.run.data.batch(0, lowered.run.config.train.batch_size)
+    trained = lowered.run.trainer.compile_step(batch)
+    reported = (row.mem_args_bytes, row.mem_temp_bytes, row.mem_output_bytes, row.mem_total_bytes)
+    assert reported == _memory(trained)
