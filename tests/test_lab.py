@@ -432,3 +432,41 @@ def test_a_users_family_registers_what_the_lab_knows_of_it():
             families.register("gpt", MyLab())
     finally:
         families._LABS.pop("my_test_family", None)
+
+
+def test_each_layout_says_its_throughput_utilisation_and_bound(planned, h100):
+    """Per layout: tokens per second per device = the global batch's tokens / predicted
+    step / devices; MFU = the step's matmul FLOPs per device / predicted step / peak; the
+    bound is the roofline's largest term, and the terms add up to the predicted step."""
+    tokens = 16 * 16  # train.batch_size × data.seq_len
+    for p in planned:
+        r = p.row
+        step = r.predicted_step_time_s
+        assert r.predicted_tokens_per_s_per_device == pytest.approx(tokens / step / 8)
+        assert r.predicted_mfu == pytest.approx(r.flops / step / h100.flops_f32)
+        terms = {
+            "compute": r.predicted_compute_s,
+            "memory": r.predicted_memory_s,
+            "communication": r.predicted_comm_s,
+            "latency": r.predicted_latency_s,
+        }
+        hidden = step - max(r.predicted_compute_s, r.predicted_memory_s) - r.predicted_comm_s
+        assert hidden == pytest.approx(r.predicted_latency_s, rel=1e-9)  # nothing overlapped
+        assert r.predicted_bound == max(terms, key=terms.__getitem__)
+
+
+def test_plan_out_writes_the_ranking_as_csv(tmp_path, capsys):
+    """``plan --out DIR`` writes ``plan.csv``: the layouts in the printed ranking's order,
+    with the issue's columns; a second run into the same folder needs --overwrite."""
+    args = ["plan", *GPT_SMALL, "--devices", "8", "--layouts", "fsdp=8", "data=8"]
+    main([*args, "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    with open(tmp_path / "plan.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["layout"] for r in rows] == ["data=8", "fsdp=8"]  # data=8 runs fewer collectives
+    assert printed.index("1  data=8") < printed.index("2  fsdp=8")
+    for column in ("predicted_step_time_s", "predicted_tokens_per_s_per_device", "predicted_mfu"):
+        assert all(float(r[column]) > 0 for r in rows)
+    assert {r["predicted_bound"] for r in rows} <= {"compute", "memory", "communication", "latency"}
+    assert main([*args, "--out", str(tmp_path)]) != 0
+    assert "--overwrite" in capsys.readouterr().err

@@ -114,7 +114,8 @@ def _sweep(args: argparse.Namespace, config: Config, task: Task | None) -> None:
 
 def _plan(args: argparse.Namespace, config: Config, task: Task | None) -> None:
     from jaxpar.lab.hardware import get_profile
-    from jaxpar.lab.planner import format_longest, format_plan, longest_sequence, plan
+    from jaxpar.lab.planner import format_longest, format_plan, longest_sequence, plan, plan_folder
+    from jaxpar.lab.sweep import write_csv
 
     hw = get_profile(args.hardware, args.hardware_file)
     memory = args.memory_gb * 1e9 if args.memory_gb else hw.memory_bytes
@@ -134,15 +135,15 @@ def _plan(args: argparse.Namespace, config: Config, task: Task | None) -> None:
         found = [longest_sequence(config, layout, hw, memory, task) for layout in args.layouts]
         print(format_longest(found, memory))
         return
+    out = plan_folder(args.out, args.overwrite) if args.out else None  # before compiling
     print(
         f"planning {what} (global batch {config.train.batch_size}) on {args.devices} × {hw.name}",
         flush=True,
     )
-    print(
-        format_plan(
-            plan(config, args.devices, hw, memory, args.layouts, echo=True, task=task), hw, memory
-        )
-    )
+    ranked = plan(config, args.devices, hw, memory, args.layouts, echo=True, task=task)
+    print(format_plan(ranked, hw, memory))
+    if out is not None:
+        print(f"wrote {write_csv([p.row for p in ranked], out / 'plan.csv')}")
 
 
 def _launch(args: argparse.Namespace) -> int:

@@ -113,6 +113,14 @@ def lab_parsers(sub: argparse._SubParsersAction) -> None:
     )
     _sweep_arguments(sweep)
     plan.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="also write the ranking as DIR/plan.csv (predicted step time, tokens/s per "
+        "device, MFU, the roofline's terms, memory, collectives)",
+    )
+    overwrite_argument(plan, "plan.csv in a --out folder that holds files")
+    plan.add_argument(
         "--devices",
         type=count(MAX_DEVICES, 1),
         required=True,

@@ -170,6 +170,19 @@ class StepTime:
     def total_s(self) -> float:
         return max(self.compute_s, self.memory_s, self.hidden_s) + self.comm_s + self.latency_s
 
+    @property
+    def bound(self) -> str:
+        """The largest term: ``compute``, ``memory``, ``hidden`` (communication hidden
+        behind matmuls that outlasts them), ``communication`` (bytes) or ``latency``."""
+        terms = {
+            "compute": self.compute_s,
+            "memory": self.memory_s,
+            "hidden": self.hidden_s,
+            "communication": self.comm_s,
+            "latency": self.latency_s,
+        }
+        return max(terms, key=terms.__getitem__)
+
 
 def roofline(
     hw: Hardware,

@@ -30,7 +30,7 @@ from jaxpar.axes import MESH_AXES
 from jaxpar.buckets import auto_bytes
 from jaxpar.config import Config, apply_overrides
 from jaxpar.errors import ConfigError, JaxparError
-from jaxpar.lab.hardware import Hardware, roofline
+from jaxpar.lab.hardware import Hardware, StepTime, roofline
 from jaxpar.lab.predict import CommPrediction, predict_argument_bytes, predict_comm
 from jaxpar.pipeline.branches import branch_table
 from jaxpar.plan import global_batch_shapes
@@ -68,6 +68,16 @@ class Row:
     collective_ops: int | None = None
     collective_arrays: int | None = None
     predicted_latency_s: float | None = None
+    #: the roofline's other terms (:class:`~jaxpar.lab.hardware.StepTime`) and its largest
+    predicted_compute_s: float | None = None
+    predicted_memory_s: float | None = None
+    predicted_comm_s: float | None = None
+    predicted_bound: str = ""
+    #: tokens (examples for a model without a sequence) per second per device, predicted
+    predicted_tokens_per_s_per_device: float | None = None
+    #: the step's matmul FLOPs per device over the predicted time × the profile's peak
+    #: (recomputation counts: under remat this is hardware-FLOPs utilisation)
+    predicted_mfu: float | None = None
     #: bytes per device held in host memory (an offloaded optimizer state), outside mem_*
     mem_host_bytes: int | None = None
     hardware: str = ""
@@ -244,8 +254,7 @@ def read(
         collectives=calls - hidden.hidden_ops,
         hidden_bytes=hidden.hidden_bytes,
     )
-    row.predicted_step_time_s = time_s.total_s
-    row.predicted_latency_s = time_s.latency_s
+    _predicted(row, time_s, run, hw.peak_flops(dtype))
     if steps > 0:
         row.step_time_s = _time_steps(run, compiled, steps)
         examples = run.config.train.batch_size
@@ -253,6 +262,19 @@ def read(
         per_example = run.plan.task.tokens_per_example
         row.tokens_per_s = examples * per_example / row.step_time_s if per_example else None
     return row
+
+
+def _predicted(row: Row, time_s: StepTime, run: Run, peak_flops: float) -> None:
+    """``row``'s predicted step time, its terms, throughput and utilisation."""
+    row.predicted_step_time_s = time_s.total_s
+    row.predicted_latency_s = time_s.latency_s
+    row.predicted_compute_s, row.predicted_memory_s = time_s.compute_s, time_s.memory_s
+    row.predicted_comm_s, row.predicted_bound = time_s.comm_s, time_s.bound
+    per_example = run.plan.task.tokens_per_example or 1
+    devices = run.plan.mesh.size
+    tokens = run.config.train.batch_size * per_example
+    row.predicted_tokens_per_s_per_device = tokens / time_s.total_s / devices
+    row.predicted_mfu = row.flops / time_s.total_s / peak_flops
 
 
 def _time_steps(run: Run, compiled: jax.stages.Compiled, steps: int) -> float:

@@ -22,15 +22,18 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 from jaxpar.axes import Axis
 from jaxpar.config import Config
+from jaxpar.files import ensure_dir
 from jaxpar.lab.chart import fmt_value
 from jaxpar.lab.families import lab_named
 from jaxpar.lab.hardware import Hardware
 from jaxpar.lab.measure import Row, layout_overrides, measure
 from jaxpar.lab.sweep import SEQUENCE_PARALLEL, default_layouts, runnable
 from jaxpar.lab.workers import default_workers, measure_all
+from jaxpar.outputs import check_new_folder
 from jaxpar.run import task_for
 from jaxpar.task import Task
 
@@ -287,6 +290,17 @@ def best(planned: list[Planned]) -> tuple[str, Row] | None:
     return min(options, key=lambda o: o[1].predicted_step_time_s, default=None)
 
 
+def plan_folder(out: str, overwrite: bool = False) -> Path:
+    """The ``--out`` folder of ``plan``, checked and created before anything compiles.
+
+    Raises:
+      PathError: a run's own folder, a running run's, a file, or a folder holding files
+        without ``overwrite``.
+    """
+    check_new_folder(out, "--out", "plan.csv", overwrite)
+    return ensure_dir(out, "--out", "choose another --out folder")
+
+
 def _calls(row: Row, hw: Hardware) -> int:
     """The collective calls ``hw``'s latency is paid for (:attr:`Hardware.latency_per`)."""
     return row.collective_ops if hw.latency_per == "collective" else row.collective_arrays
@@ -301,6 +315,9 @@ def format_plan(planned: list[Planned], hw: Hardware, memory: float) -> str:
         "memory/device",
         "fits",
         "pred. step",
+        "tokens/s/device",
+        "MFU",
+        "bound by",
         "collectives",
         "pred. comm",
         "measured/pred",
@@ -309,7 +326,7 @@ def format_plan(planned: list[Planned], hw: Hardware, memory: float) -> str:
     for i, p in enumerate(planned, 1):
         r = p.row
         if not r.ok:
-            body.append([str(i), r.layout, "", "invalid", "", "", "", ""])
+            body.append([str(i), r.layout, "", "invalid", *[""] * (len(head) - 4)])
             continue
         body.append(
             [
@@ -318,6 +335,9 @@ def format_plan(planned: list[Planned], hw: Hardware, memory: float) -> str:
                 fmt_value(r.mem_total_bytes, "B"),
                 "yes" if r.fits else "NO",
                 fmt_time(r.predicted_step_time_s),
+                f"{r.predicted_tokens_per_s_per_device:,.0f}",
+                f"{r.predicted_mfu:.1%}",
+                r.predicted_bound,
                 f"{_calls(r, hw)} ({fmt_time(r.predicted_latency_s)})",
                 fmt_value(r.predicted_comm_bytes, "B"),
                 "" if r.comm_ratio is None else f"{r.comm_ratio:.2f}",
