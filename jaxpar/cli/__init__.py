@@ -23,6 +23,7 @@ from jaxpar.errors import INTERRUPTED, TERMINATED, WRITE_FAILED, ConfigError, Te
 
 if TYPE_CHECKING:
     from jaxpar.config import Config
+    from jaxpar.lab.hardware import Hardware
     from jaxpar.task import Task
     from jaxpar.weights import Defaults, Source
 
@@ -118,6 +119,8 @@ def _plan(args: argparse.Namespace, config: Config, task: Task | None) -> None:
     from jaxpar.lab.sweep import write_csv
 
     hw = get_profile(args.hardware, args.hardware_file)
+    if args.fit:
+        hw = _fitted(args.fit, hw)
     memory = args.memory_gb * 1e9 if args.memory_gb else hw.memory_bytes
     what = (task.name or "the --task") if task is not None else config.model.name
     if args.longest:
@@ -144,6 +147,26 @@ def _plan(args: argparse.Namespace, config: Config, task: Task | None) -> None:
     print(format_plan(ranked, hw, memory))
     if out is not None:
         print(f"wrote {write_csv([p.row for p in ranked], out / 'plan.csv')}")
+
+
+def _fitted(path: str, base: Hardware) -> Hardware:
+    """``base`` fitted to the steps timed in ``path`` on this machine; says how well it
+    ranks layouts it was not fitted on, and prints it as a --hardware-file entry."""
+    import jax
+
+    from jaxpar.lab import fit
+
+    rows = fit.read_sweep(path)
+    base = dataclasses.replace(base, platform=jax.default_backend())
+    hw = fit.fit_profile(rows, base, source=f"fitted to {len(rows)} layouts of {path}")
+    first, second = fit.held_out(rows, base)
+    print(
+        f"fitted to {len(rows)} timed layouts of {path}; on layouts it was not fitted on "
+        f"(every other one, each half in turn) it ranks with Spearman rho {first:.2f} and "
+        f"{second:.2f}. As a --hardware-file entry:\n{fit.profile_yaml(hw)}",
+        flush=True,
+    )
+    return hw
 
 
 def _launch(args: argparse.Namespace) -> int:

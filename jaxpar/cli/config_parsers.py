@@ -121,6 +121,13 @@ def lab_parsers(sub: argparse._SubParsersAction) -> None:
     )
     overwrite_argument(plan, "plan.csv in a --out folder that holds files")
     plan.add_argument(
+        "--fit",
+        default=None,
+        metavar="SWEEP.csv",
+        help="predict with a profile fitted to the steps a `jaxpar sweep --steps N` timed on "
+        "this machine (instead of --hardware's datasheet figures; its memory kept)",
+    )
+    plan.add_argument(
         "--devices",
         type=count(MAX_DEVICES, 1),
         required=True,

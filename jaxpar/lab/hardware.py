@@ -56,6 +56,9 @@ class Hardware:
     #: what pays ``collective_latency``: each collective instruction (NCCL runs a combined
     #: all-reduce of many arrays as one grouped call) or each array of one (gloo, XLA:CPU)
     latency_per: str = "collective"
+    #: seconds every step costs besides its terms (dispatch, host work): 0 on a datasheet
+    #: profile; what a fit to timed steps finds (:mod:`jaxpar.lab.fit`)
+    step_overhead: float = 0.0
 
     @property
     def interconnect_bandwidth(self) -> float:
@@ -109,15 +112,21 @@ def load_profiles(extra: str | Path | None = None) -> dict[str, Hardware]:
     return profiles
 
 
-#: fields a profile may leave out, and the values they may take (None: any text)
-_OPTIONAL = {"source": None, "platform": ("gpu", "tpu", "cpu"), "latency_per": LATENCY_PER}
+#: fields a profile may leave out, and the values they may take (None: any text; a
+#: number: any number at least that)
+_OPTIONAL = {
+    "source": None,
+    "platform": ("gpu", "tpu", "cpu"),
+    "latency_per": LATENCY_PER,
+    "step_overhead": 0,
+}
 
 
 def _typed(profile: str, field: str, value: object) -> object:
     """A profile value as its field's type (YAML reads ``80.0e9`` as a string)."""
     if field == "name" or _OPTIONAL.get(field, ()) is None:
         return str(value)
-    if field in _OPTIONAL:
+    if isinstance(_OPTIONAL.get(field), tuple):
         if value not in _OPTIONAL[field]:
             raise ConfigError(
                 f"hardware profile '{profile}': {field}={value!r}; choose one of "
@@ -130,7 +139,9 @@ def _typed(profile: str, field: str, value: object) -> object:
         raise ConfigError(
             f"hardware profile '{profile}': {field}={value!r} is not a number"
         ) from None
-    least = 0 if field == "collective_latency" else 1 if field == "links" else None
+    least = (
+        0 if field in ("collective_latency", "step_overhead") else 1 if field == "links" else None
+    )
     if not math.isfinite(number) or (number < least if least is not None else number <= 0):
         bound = f"at least {least}" if least is not None else "above 0"
         raise ConfigError(
@@ -165,21 +176,26 @@ class StepTime:
     latency_s: float = 0.0
     #: communication that runs while the matmuls compute (a collective matmul's sends)
     hidden_s: float = 0.0
+    #: the profile's fixed cost per step (:attr:`Hardware.step_overhead`)
+    overhead_s: float = 0.0
 
     @property
     def total_s(self) -> float:
-        return max(self.compute_s, self.memory_s, self.hidden_s) + self.comm_s + self.latency_s
+        busy = max(self.compute_s, self.memory_s, self.hidden_s)
+        return busy + self.comm_s + self.latency_s + self.overhead_s
 
     @property
     def bound(self) -> str:
         """The largest term: ``compute``, ``memory``, ``hidden`` (communication hidden
-        behind matmuls that outlasts them), ``communication`` (bytes) or ``latency``."""
+        behind matmuls that outlasts them), ``communication`` (bytes), ``latency`` or
+        ``overhead`` (a fitted profile's fixed cost per step)."""
         terms = {
             "compute": self.compute_s,
             "memory": self.memory_s,
             "hidden": self.hidden_s,
             "communication": self.comm_s,
             "latency": self.latency_s,
+            "overhead": self.overhead_s,
         }
         return max(terms, key=terms.__getitem__)
 
@@ -204,4 +220,5 @@ def roofline(
         comm_bytes / hw.interconnect_bandwidth,
         collectives * hw.collective_latency,
         hidden_bytes / hw.interconnect_bandwidth,
+        hw.step_overhead,
     )

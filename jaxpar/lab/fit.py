@@ -1,0 +1,171 @@
+"""A hardware profile fitted to steps timed on the user's own machine (``jaxpar plan
+--fit SWEEP.csv``).
+
+A datasheet profile says what a chip could do; a sweep with ``--steps N`` says what this
+machine did. The fit keeps the roofline's form (:func:`jaxpar.lab.hardware.roofline`) and
+chooses its five constants — matmul FLOP/s, memory bandwidth, interconnect bandwidth,
+the latency of one collective and a fixed cost per step (dispatch, host work) — so that
+the predicted step times of the sweep's layouts match the measured ones, in ratio (least
+squares on the logarithms, SciPy's trust-region solver; each constant positive). Whether a
+collective's latency is paid per instruction or per array
+(:attr:`~jaxpar.lab.hardware.Hardware.latency_per`) is chosen by which fits better.
+
+What a fitted profile is worth is what it predicts for layouts it was not fitted on:
+:func:`held_out` fits on every other layout of a sweep and ranks the rest (Spearman's
+ρ against their measured times).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+import numpy as np
+import yaml
+from scipy.optimize import least_squares
+from scipy.stats import spearmanr
+
+from jaxpar.errors import ConfigError
+from jaxpar.lab.hardware import LATENCY_PER, Hardware
+
+#: a sweep.csv's columns the fit reads
+NEEDED = ("flops", "mem_traffic_bytes", "comm_bytes", "collective_ops", "step_time_s")
+
+
+@dataclass(frozen=True)
+class Timed:
+    """One layout of a sweep: what its compiled step does per device, and its time."""
+
+    layout: str
+    flops: float
+    traffic: float
+    comm: float
+    calls: dict[str, float]  # by :data:`~jaxpar.lab.hardware.LATENCY_PER`
+    seconds: float
+
+
+def read_sweep(path: str | Path) -> list[Timed]:
+    """The timed layouts of a ``sweep.csv`` (rows without a measured step are skipped).
+
+    Raises:
+      ConfigError: for a missing file, or one without the columns a fit needs (a sweep
+        with ``--steps 0`` times nothing).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--fit {path}: no such file; give the sweep.csv of `jaxpar sweep`")
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    missing = [c for c in NEEDED if rows and c not in rows[0]]
+    timed = [r for r in rows if not missing and r["step_time_s"] and r["flops"]]
+    if missing or len(timed) < 6:
+        why = f"lacks {', '.join(missing)}" if missing else f"times {len(timed)} layouts"
+        raise ConfigError(
+            f"--fit {path} {why}; a fit needs at least 6 timed layouts: run `jaxpar sweep "
+            "--all --steps 5` (or more --layouts) on this machine"
+        )
+    return [
+        Timed(
+            r["layout"],
+            float(r["flops"]),
+            float(r["mem_traffic_bytes"]),
+            float(r["comm_bytes"] or 0),
+            {
+                "collective": float(r["collective_ops"] or 0),
+                "array": float(r.get("collective_arrays") or r["collective_ops"] or 0),
+            },
+            float(r["step_time_s"]),
+        )
+        for r in timed
+    ]
+
+
+def _predict(log_params: np.ndarray, rows: list[Timed], per: str) -> np.ndarray:
+    peak, hbm, link, alpha, overhead = np.exp(log_params)
+    return np.array(
+        [
+            overhead + max(r.flops / peak, r.traffic / hbm) + r.comm / link + r.calls[per] * alpha
+            for r in rows
+        ]
+    )
+
+
+def _fit(rows: list[Timed], per: str) -> tuple[np.ndarray, float]:
+    """The log-constants that fit ``rows`` best with latency paid ``per``, and the fit's
+    root-mean-square error in log time."""
+    seconds = np.array([r.seconds for r in rows])
+    # a start where each term alone would be a fair share of the median step
+    median = float(np.median(seconds))
+    scale = [np.median([getattr(r, k) for r in rows]) or 1.0 for k in ("flops", "traffic", "comm")]
+    calls = np.median([r.calls[per] for r in rows]) or 1.0
+    start = np.log(
+        [scale[0] / median, scale[1] / median, scale[2] / median, median / calls, median / 4]
+    )
+
+    def residual(p: np.ndarray) -> np.ndarray:
+        return np.log(_predict(p, rows, per)) - np.log(seconds)
+
+    found = least_squares(residual, start, method="trf")
+    return found.x, float(np.sqrt(np.mean(found.fun**2)))
+
+
+def fit_profile(rows: list[Timed], base: Hardware, source: str = "") -> Hardware:
+    """``base`` (its memory and platform kept) with the five constants fitted to
+    ``rows``, latency paid per instruction or per array, whichever fits better; named
+    ``fitted``."""
+    fits = {per: _fit(rows, per) for per in LATENCY_PER}
+    per = min(fits, key=lambda k: fits[k][1])
+    peak, hbm, link, alpha, overhead = (float(v) for v in np.exp(fits[per][0]))
+    return replace(
+        base,
+        key="fitted",
+        name=f"this {base.platform.upper()} machine, fitted to {len(rows)} timed steps",
+        source=source or f"fitted to {len(rows)} timed layouts",
+        flops_bf16=peak,
+        flops_f32=peak,
+        hbm_bandwidth=hbm,
+        link_bandwidth=link,
+        links=1,
+        collective_latency=alpha,
+        latency_per=per,
+        step_overhead=overhead,
+    )
+
+
+def predicted_seconds(hw: Hardware, rows: list[Timed]) -> list[float]:
+    """What ``hw`` predicts for each of ``rows`` (the roofline on their own counts)."""
+    log_params = np.log(
+        [
+            hw.flops_f32,
+            hw.hbm_bandwidth,
+            hw.interconnect_bandwidth,
+            max(hw.collective_latency, 1e-30),
+            max(hw.step_overhead, 1e-30),
+        ]
+    )
+    return list(_predict(log_params, rows, hw.latency_per))
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation of ``a`` and ``b`` (SciPy's)."""
+    value = float(spearmanr(a, b).statistic)
+    return value if math.isfinite(value) else 0.0
+
+
+def profile_yaml(hw: Hardware) -> str:
+    """``hw`` as a ``--hardware-file`` entry (every field; loads back as itself)."""
+    entry = {f.name: getattr(hw, f.name) for f in fields(hw) if f.name != "key"}
+    return yaml.safe_dump({hw.key: entry}, sort_keys=False)
+
+
+def held_out(rows: list[Timed], base: Hardware) -> tuple[float, float]:
+    """Spearman's ρ on layouts the profile was not fitted on: fitted on the even-numbered
+    rows, ranking the odd ones; and the other way round."""
+    halves = (rows[0::2], rows[1::2])
+    out = []
+    for fitted, tested in (halves, halves[::-1]):
+        hw = fit_profile(fitted, base)
+        out.append(spearman([r.seconds for r in tested], predicted_seconds(hw, tested)))
+    return out[0], out[1]
