@@ -25,7 +25,7 @@ from jaxpar.config import Config, model_settings
 from jaxpar.data import Data, load_data
 from jaxpar.data.sources import needs_of_batch
 from jaxpar.data.task_data import task_data
-from jaxpar.errors import TaskError
+from jaxpar.errors import ConfigError, TaskError
 from jaxpar.logical import activation_rules
 from jaxpar.mesh import abstract_mesh, make_mesh, select_devices
 from jaxpar.models.family import Family, ModelConfig
@@ -59,8 +59,12 @@ class Run:
         return self.plan.task.name or "task"
 
 
+#: the platforms a run may be planned for (``build(target=…)``)
+PLATFORMS = ("cpu", "gpu", "tpu")
+
+
 def _devices_and_mesh(
-    config: Config, target: tuple[int, str] | None
+    config: Config, target: tuple[int, str] | None, fit_memory: bool = False
 ) -> tuple[list[jax.Device], Mesh | AbstractMesh, str]:
     """The devices, mesh and platform a run is planned for: these (``run.devices``), or
     ``target``'s count of devices that are not here (an abstract mesh, no devices); the
@@ -69,7 +73,15 @@ def _devices_and_mesh(
         devices = select_devices(config.run.devices)
         found = devices, make_mesh(config.mesh, devices), devices[0].platform
     else:
-        found = [], abstract_mesh(config.mesh, target[0]), target[1]
+        count, platform = target
+        if fit_memory:
+            raise ConfigError("build(target=…) plans for devices not here: nothing to fit_memory")
+        if platform not in PLATFORMS or count < 1:
+            raise ConfigError(
+                f"target=({count}, {platform!r}): plan for one or more devices of a platform "
+                f"JAX names: {', '.join(PLATFORMS)}"
+            )
+        found = [], abstract_mesh(config.mesh, count), platform
     train = config.train
     stages = found[1].shape[Axis.STAGE]
     sizes.check_microbatches(
@@ -90,6 +102,7 @@ def build(
     *,
     fit_memory: bool = False,
     target: tuple[int, str] | None = None,
+    platform: str | None = None,
 ) -> Run:
     """Devices, mesh, rules, data, task, optimizer and trainer from ``config``.
 
@@ -105,10 +118,11 @@ def build(
       target: ``(count, platform)``: plan for that many devices of that platform instead
         of these (:func:`jaxpar.mesh.abstract_mesh`; a cluster's): the run's plan, state
         sizes and the lab's terms are real, but nothing can compile or run.
+      platform: what ``auto`` settings resolve for (default: the devices'; ``plan``'s profile's).
 
     Raises:
       ConfigError, LayoutError, DataError, TaskError: for a setting, layout, data or task
-        that cannot run, in one line.
+        that cannot run, in one line (and ``fit_memory`` with a ``target``).
     """
     own_optimizer = optimizer is not None or (task is not None and task.optimizer is not None)
     from_config = task is not None and bool(task.family) and task.family == config.family.name
@@ -120,10 +134,10 @@ def build(
     )
     user_task = task
     sizes.check_settings(_sizes(config, user_task))
-    devices, mesh, platform = _devices_and_mesh(config, target)
+    devices, mesh, here = _devices_and_mesh(config, target, fit_memory)
     rules = shd.resolve_rules(config.rules, config.tensor)
     precision = getattr(config.model, "precision", "default") if task is None else "default"
-    tensor_parallel.check(config.tensor, mesh.shape, platform, precision)
+    tensor_parallel.check(config.tensor, mesh.shape, here, precision)
     family = None
     if task is None:
         family = config.family
@@ -150,6 +164,7 @@ def build(
         tensor=config.tensor,
         optimizer_offload=config.train.optimizer_offload,
         grad_bucket_bytes=_bucket_bytes(config.train.grad_bucket_mb),
+        platform=platform or here,
     )
     memory = sizes.device_memory(devices) if fit_memory else None
     settings = _sizes(config, user_task)

@@ -52,7 +52,7 @@ class Trainer:
         self.plan = plan
         self.seed = seed
         self.nonfinite_guard = nonfinite_guard
-        self.keep = guard.choose(nonfinite_guard, platform_of(plan.mesh))
+        self.keep = guard.choose(nonfinite_guard, plan.layout.platform or platform_of(plan.mesh))
         shardings = plan.state_shardings
         programs = plan.gradients
         offloaded = shardings.opt_state if plan.optimizer_offload else None

@@ -96,3 +96,25 @@ def test_plan_reports_the_memory_of_the_program_training_compiles(base, layout):
     trained = lowered.run.trainer.compile_step(batch)
     reported = (row.mem_args_bytes, row.mem_temp_bytes, row.mem_output_bytes, row.mem_total_bytes)
     assert reported == _memory(trained)
+
+
+def test_auto_settings_follow_the_platform_planned_for():
+    """``train.grad_bucket_mb=auto`` on ``data=8``: buckets for 8 CPUs, XLA's reduction
+    (no bucket term in the lab) for 8 GPUs planned from this CPU, and the same when the
+    devices are here but the plan is for a GPU profile (``platform=``); a target that
+    is not a JAX platform, or one with ``fit_memory``, is one line."""
+    from jaxpar.errors import ConfigError
+    from jaxpar.gradients import AccumulatedPerDataShard, Plain
+    from jaxpar.lab.gradient_terms import BUCKETS
+
+    config = load_config([], [*GPT_SMALL, "run.devices=8", "mesh.data=8"])
+    cpus = build(config, target=(8, "cpu"))
+    gpus = build(config, target=(8, "gpu"))
+    assert isinstance(cpus.plan.gradients, AccumulatedPerDataShard)
+    assert type(gpus.plan.gradients) is Plain and gpus.plan.layout.platform == "gpu"
+    assert not [t for t in predict.predict_comm(gpus, "gpu").terms if t.what == BUCKETS]
+    assert type(build(config, platform="gpu").plan.gradients) is Plain
+    with pytest.raises(ConfigError, match="'cuda'.*cpu, gpu, tpu"):
+        build(config, target=(8, "cuda"))
+    with pytest.raises(ConfigError, match="fit_memory"):
+        build(config, target=(8, "gpu"), fit_memory=True)

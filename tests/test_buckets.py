@@ -253,3 +253,13 @@ def test_a_profile_names_what_its_latency_is_paid_for(tmp_path):
     path.write_text(yaml.safe_dump({"mine": {**entry, "latency_per": "bucket"}}))
     with pytest.raises(ConfigError, match="'mine': latency_per='bucket'; choose one of"):
         hardware.get_profile("mine", path)
+
+
+@pytest.mark.parametrize("value", ["-1", "big", "1e-9"])
+def test_a_bucket_size_that_is_not_one_is_one_line(value):
+    """A negative size, a word other than auto, or less than a byte (which would round to
+    0, XLA's reduction, unasked): one line naming the key and the choices."""
+    with pytest.raises(
+        ConfigError, match=r"train.grad_bucket_mb=.*a bucket size in MiB .* or auto"
+    ):
+        load_config([], [f"train.grad_bucket_mb={value}"])

@@ -78,12 +78,18 @@ def test_a_sweep_that_timed_nothing_cannot_be_fitted(tmp_path):
     path = tmp_path / "sweep.csv"
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(fit.NEEDED + ("layout", "collective_arrays"))
-        writer.writerow(["1e9", "1e8", "1e6", "10", "", "data=8", "10"])
+        writer.writerow([*fit.NEEDED, "collective_arrays"])
+        writer.writerow(["data=8", "1e9", "1e8", "1e6", "10", "", "10"])
     with pytest.raises(ConfigError, match=r"times 0 layouts.*--steps 5"):
         fit.read_sweep(path)
     with pytest.raises(ConfigError, match="no such file"):
         fit.read_sweep(tmp_path / "none.csv")
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow([*fit.NEEDED, "collective_arrays"])
+        writer.writerow(["data=8", "1e9", "1e8", "1e6", "10", "fast", "10"])
+    with pytest.raises(ConfigError, match="layout 'data=8' holds a value that is not a number"):
+        fit.read_sweep(path)
 
 
 def test_plan_fit_predicts_with_the_fitted_profile(tmp_path, capsys):
@@ -96,11 +102,11 @@ def test_plan_fit_predicts_with_the_fitted_profile(tmp_path, capsys):
     path = tmp_path / "sweep.csv"
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow([*fit.NEEDED, "layout", "collective_arrays"])
+        writer.writerow([*fit.NEEDED, "collective_arrays"])
         for r in rows:
             c = r.calls
             writer.writerow(
-                [r.flops, r.traffic, r.comm, c["collective"], r.seconds, r.layout, c["array"]]
+                [r.layout, r.flops, r.traffic, r.comm, c["collective"], r.seconds, c["array"]]
             )
     out = tmp_path / "plan"
     args = ["plan", *GPT_SMALL, "--devices", "8", "--layouts", "data=8", "--fit", str(path)]
@@ -110,4 +116,16 @@ def test_plan_fit_predicts_with_the_fitted_profile(tmp_path, capsys):
     with open(out / "plan.csv") as f:
         (row,) = list(csv.DictReader(f))
     assert row["hardware"] == "fitted"
-    assert float(row["predicted_step_time_s"]) > _machine().step_overhead
+    # the plan predicts with the fitted profile what the fit's own model says of that step
+    # (its compiled counts, nothing hidden on a CPU profile)
+    timed = fit.Timed(
+        "data=8",
+        float(row["flops"]),
+        float(row["mem_traffic_bytes"]),
+        float(row["comm_bytes"]),
+        {"collective": float(row["collective_ops"]), "array": float(row["collective_arrays"])},
+        0.0,
+    )
+    hw = fit.fit_profile(rows, replace(hardware.get_profile("h100"), platform="cpu"))
+    (expected,) = fit.predicted_seconds(hw, [timed])
+    assert float(row["predicted_step_time_s"]) == pytest.approx(expected, rel=1e-5)

@@ -470,3 +470,5 @@ def test_plan_out_writes_the_ranking_as_csv(tmp_path, capsys):
     assert {r["predicted_bound"] for r in rows} <= {"compute", "memory", "communication", "latency"}
     assert main([*args, "--out", str(tmp_path)]) != 0
     assert "--overwrite" in capsys.readouterr().err
+    assert main([*args, "--longest", "--out", str(tmp_path / "longest")]) != 0
+    assert "--longest writes no plan.csv: leave out --out" in capsys.readouterr().err

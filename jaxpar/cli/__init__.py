@@ -124,6 +124,8 @@ def _plan(args: argparse.Namespace, config: Config, task: Task | None) -> None:
     memory = args.memory_gb * 1e9 if args.memory_gb else hw.memory_bytes
     what = (task.name or "the --task") if task is not None else config.model.name
     if args.longest:
+        if args.out:
+            raise ConfigError("jaxpar plan --longest writes no plan.csv: leave out --out")
         if not args.layouts:
             raise ConfigError(
                 "jaxpar plan --longest needs --layouts L …: the layouts whose "

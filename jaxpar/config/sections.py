@@ -128,6 +128,7 @@ class TrainConfig:
     )
     grad_bucket_mb: Float | Literal["auto"] = Field(
         "auto",
+        json_schema_extra={"type": "float (MiB) or auto"},
         description="data parallelism sums gradients over data after the backward pass in "
         "buckets of this many MiB, one collective each (where the parameters are whole on "
         "every device and the model has no state); 0: XLA's reduction, one collective per "
@@ -135,12 +136,18 @@ class TrainConfig:
         "the CPU, 0 on GPUs, TPUs and under context; docs/performance.md, Gradient buckets",
     )
 
-    @field_validator("grad_bucket_mb")
+    @field_validator("grad_bucket_mb", mode="before")
     @classmethod
-    def _bucket_size(cls, value: float | str) -> float | str:
-        if value != "auto" and value < 0:
+    def _bucket_size(cls, value: object) -> object:
+        try:
+            size = value if value == "auto" else float(value)
+        except (TypeError, ValueError):
+            size = None
+        # a size rounds to whole bytes: one below a byte would silently mean 0 (XLA's)
+        if size is None or (size != "auto" and (size < 0 or 0 < size * 2**20 < 1)):
             raise ConfigError(
-                f"train.grad_bucket_mb={value}: a bucket size is 0 or more MiB, or auto"
+                f"train.grad_bucket_mb={value!r}: a bucket size in MiB (0: XLA's reduction; "
+                "25: PyTorch DDP's; at least a byte) or auto"
             )
         return value
 

@@ -28,10 +28,12 @@ from scipy.optimize import least_squares
 from scipy.stats import spearmanr
 
 from jaxpar.errors import ConfigError
-from jaxpar.lab.hardware import LATENCY_PER, Hardware
+from jaxpar.lab.hardware import LATENCY_PER, Hardware, roofline
 
 #: a sweep.csv's columns the fit reads
-NEEDED = ("flops", "mem_traffic_bytes", "comm_bytes", "collective_ops", "step_time_s")
+NEEDED = ("layout", "flops", "mem_traffic_bytes", "comm_bytes", "collective_ops", "step_time_s")
+#: timed layouts a fit needs: more than its five constants in each held-out half
+LEAST = 12
 
 
 @dataclass(frozen=True)
@@ -59,30 +61,39 @@ def read_sweep(path: str | Path) -> list[Timed]:
     with path.open(newline="") as f:
         rows = list(csv.DictReader(f))
     missing = [c for c in NEEDED if rows and c not in rows[0]]
-    timed = [r for r in rows if not missing and r["step_time_s"] and r["flops"]]
-    if missing or len(timed) < 6:
+    timed = [_timed(path, r) for r in rows if not missing and r["step_time_s"] and r["flops"]]
+    timed = [t for t in timed if t.seconds > 0]
+    if missing or len(timed) < LEAST:
         why = f"lacks {', '.join(missing)}" if missing else f"times {len(timed)} layouts"
         raise ConfigError(
-            f"--fit {path} {why}; a fit needs at least 6 timed layouts: run `jaxpar sweep "
-            "--all --steps 5` (or more --layouts) on this machine"
+            f"--fit {path} {why}; a fit needs at least {LEAST} timed layouts: run `jaxpar "
+            "sweep --all --steps 5` (or more --layouts) on this machine"
         )
-    return [
-        Timed(
+    return timed
+
+
+def _timed(path: Path, r: dict[str, str]) -> Timed:
+    """One row of a sweep.csv as numbers (empty counts are 0)."""
+    try:
+        ops = float(r["collective_ops"] or 0)
+        return Timed(
             r["layout"],
             float(r["flops"]),
             float(r["mem_traffic_bytes"]),
             float(r["comm_bytes"] or 0),
-            {
-                "collective": float(r["collective_ops"] or 0),
-                "array": float(r.get("collective_arrays") or r["collective_ops"] or 0),
-            },
+            {"collective": ops, "array": float(r.get("collective_arrays") or ops)},
             float(r["step_time_s"]),
         )
-        for r in timed
-    ]
+    except ValueError as err:
+        raise ConfigError(
+            f"--fit {path}: the row of layout {r['layout']!r} holds a value that is not a "
+            f"number ({err}); give an unedited sweep.csv"
+        ) from None
 
 
 def _predict(log_params: np.ndarray, rows: list[Timed], per: str) -> np.ndarray:
+    """:func:`predicted_seconds` for the constants ``exp(log_params)``, vectorised for
+    the solver (``tests/test_fit.py`` checks the two agree)."""
     peak, hbm, link, alpha, overhead = np.exp(log_params)
     return np.array(
         [
@@ -135,17 +146,13 @@ def fit_profile(rows: list[Timed], base: Hardware, source: str = "") -> Hardware
 
 
 def predicted_seconds(hw: Hardware, rows: list[Timed]) -> list[float]:
-    """What ``hw`` predicts for each of ``rows`` (the roofline on their own counts)."""
-    log_params = np.log(
-        [
-            hw.flops_f32,
-            hw.hbm_bandwidth,
-            hw.interconnect_bandwidth,
-            max(hw.collective_latency, 1e-30),
-            max(hw.step_overhead, 1e-30),
-        ]
-    )
-    return list(_predict(log_params, rows, hw.latency_per))
+    """What ``hw`` predicts for each of ``rows``: :func:`~jaxpar.lab.hardware.roofline` on
+    their own counts, as ``plan`` predicts with a CPU's profile (its bytes as compiled,
+    nothing hidden)."""
+    return [
+        roofline(hw, r.flops, r.traffic, r.comm, "float32", r.calls[hw.latency_per]).total_s
+        for r in rows
+    ]
 
 
 def spearman(a: list[float], b: list[float]) -> float:

@@ -27,7 +27,6 @@ import numpy as np
 
 from jaxpar import hlo
 from jaxpar.axes import MESH_AXES
-from jaxpar.buckets import auto_bytes
 from jaxpar.config import Config, apply_overrides
 from jaxpar.errors import ConfigError, JaxparError
 from jaxpar.lab.hardware import Hardware, StepTime, roofline
@@ -150,14 +149,12 @@ def lower(
 ) -> Lowered | Row:
     """The layout's run and lowered step, or its row with the reason it cannot run;
     ``timed``: its steps will run here, so its state must fit this machine's memory (else
-    ``train.grad_bucket_mb=auto`` means what it would on ``hw``'s platform)."""
+    ``auto`` settings mean what they would on ``hw``'s platform)."""
     row = Row(layout, hardware=hw.key)
     try:
-        size = auto_bytes(hw.platform)
-        auto = config.train.grad_bucket_mb == "auto"
-        if auto and not timed and size != auto_bytes(jax.default_backend()):
-            config = apply_overrides(config, [f"train.grad_bucket_mb={size / 2**20:g}"])
-        run = build(apply_overrides(config, layout_overrides(layout)), task, fit_memory=timed)
+        config = apply_overrides(config, layout_overrides(layout))
+        platform = None if timed else hw.platform
+        run = build(config, task, fit_memory=timed, platform=platform)
         batch = global_batch_shapes(run.data.batch(0, run.config.train.batch_size))
         return Lowered(row, run, batch, run.trainer.lower_step(batch))
     except JaxparError as err:  # a layout that cannot run; anything else is a bug: raised
@@ -240,7 +237,9 @@ def read(
     # HBM traffic, roughly: the state is read and written once, activations written and
     # read back once (an unfused CPU program's op-by-op traffic would say far more)
     row.mem_traffic_bytes = row.mem_args_bytes + row.mem_output_bytes + 2 * row.mem_temp_bytes
-    comm_gpu, hidden = _fill_comm(row, cost, run)
+    comm, hidden = _fill_comm(row, cost, run)
+    if hw.platform == "cpu":  # a profile of a CPU (fitted here): its bytes, nothing hidden
+        comm, hidden = row.comm_bytes, CommPrediction(())
     row.collective_ops = cost.collective_ops
     row.collective_arrays = cost.collective_arrays
     calls = row.collective_ops if hw.latency_per == "collective" else row.collective_arrays
@@ -249,7 +248,7 @@ def read(
         hw,
         row.flops,
         row.mem_traffic_bytes,
-        comm_gpu - hidden.hidden_bytes,
+        comm - hidden.hidden_bytes,
         dtype,
         collectives=calls - hidden.hidden_ops,
         hidden_bytes=hidden.hidden_bytes,

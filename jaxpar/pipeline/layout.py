@@ -44,6 +44,8 @@ class Layout:
         the accumulation loop (``train.fsdp_gather=once`` where it has an effect).
       grad_bucket_bytes: the gradients' bucket size over ``data`` as asked
         (``train.grad_bucket_mb``; None: the platform's, :func:`jaxpar.buckets.auto_bytes`).
+      platform: the platform the run is planned for (``cpu``, ``gpu``, ``tpu``): its
+        mesh's devices', or a cluster's that is not here (an abstract mesh).
     """
 
     mesh: Mesh | AbstractMesh
@@ -56,6 +58,7 @@ class Layout:
     grad_accum: int = 1
     fsdp_gather_once: bool = False
     grad_bucket_bytes: int | None = 0
+    platform: str = ""
 
     @property
     def stages(self) -> int:

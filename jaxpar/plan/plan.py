@@ -36,6 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxpar import sharding as shd
 from jaxpar import tensor_parallel
 from jaxpar.axes import Axis
+from jaxpar.buckets import platform_of
 from jaxpar.context import ContextConfig
 from jaxpar.errors import ConfigError, TaskError
 from jaxpar.gradients import AccumulatedPerDataShard, ModelLoss, Pipelined, Strategy
@@ -46,27 +47,12 @@ from jaxpar.pipeline.ticks import TickTable
 from jaxpar.plan import checks
 from jaxpar.plan.abstract import AbstractModel, abstract_model, warn_unnamed
 from jaxpar.plan.offload import check_executor, device_part, on_host
+from jaxpar.plan.sizes import StateBytes
 from jaxpar.plan.strategy import gather_once, gradient_strategy
 from jaxpar.plan.submesh import executor_of, sub_mesh_layout
 from jaxpar.state import TrainState
 from jaxpar.task import Task
 from jaxpar.tensor_parallel import TensorConfig
-
-
-@dataclass(frozen=True)
-class StateBytes:
-    """Bytes of the train state on one device (the largest shard of each leaf): parameters,
-    optimizer state, model state and ``total`` (with the step counters: what device memory
-    holds); and of the whole (unsharded) parameters and optimizer state; ``host``: of the
-    state held in host memory (an offloaded optimizer state), left out of ``total``."""
-
-    params: int
-    opt_state: int
-    model_state: int
-    total: int
-    params_total: int
-    opt_state_total: int
-    host: int = 0
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -270,6 +256,7 @@ class Plan:
             tensor=self.tensor,
             optimizer_offload=self.optimizer_offload,
             grad_bucket_bytes=self.layout.grad_bucket_bytes,
+            platform=self.layout.platform,
         )
         return make_plan(self.task, self.optimizer, self.mesh, self.rules, **{**given, **settings})
 
@@ -288,6 +275,7 @@ def make_plan(
     tensor: TensorConfig | None = None,
     optimizer_offload: bool = False,
     grad_bucket_bytes: int | None = None,
+    platform: str | None = None,
 ) -> Plan:
     """Decides the layout of ``task`` trained by ``optimizer`` on ``mesh`` under ``rules``.
 
@@ -311,6 +299,7 @@ def make_plan(
       grad_bucket_bytes: the step sums gradients over ``data`` in buckets of this size
         where it can (:mod:`jaxpar.buckets`; 0: XLA's reduction; None: the platform's
         default, :func:`jaxpar.buckets.auto_bytes`).
+      platform: what the run is planned for (default: the mesh's devices' platform).
 
     Raises:
       LayoutError: for every layout that cannot run (see the module docstring).
@@ -337,7 +326,8 @@ def make_plan(
     )
     tensor = tensor if tensor is not None else TensorConfig()
     layout = _batch_layout(task, mesh, rules, (context, tensor), grad_accum)
-    layout = replace(layout, grad_bucket_bytes=grad_bucket_bytes)
+    planned = platform or platform_of(mesh)
+    layout = replace(layout, grad_bucket_bytes=grad_bucket_bytes, platform=planned)
     executor = executor_of(task, pipeline, layout.stages)
     check_executor(optimizer_offload, executor)
     tensor_parallel.check_executor(tensor, executor)

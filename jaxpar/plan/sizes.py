@@ -33,6 +33,23 @@ from jaxpar import sharding as shd
 from jaxpar.errors import ConfigError, LayoutError
 from jaxpar.plan.offload import device_part
 
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes of the train state on one device (the largest shard of each leaf): parameters,
+    optimizer state, model state and ``total`` (with the step counters: what device memory
+    holds); and of the whole (unsharded) parameters and optimizer state; ``host``: of the
+    state held in host memory (an offloaded optimizer state), left out of ``total``."""
+
+    params: int
+    opt_state: int
+    model_state: int
+    total: int
+    params_total: int
+    opt_state_total: int
+    host: int = 0
+
+
 #: The largest count XLA can hold (it counts elements and bytes in int64).
 INT64_MAX = 2**63 - 1
 #: More bytes than any one device or host holds (256 TiB): a layout that needs more per

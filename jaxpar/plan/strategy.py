@@ -85,7 +85,8 @@ def bucket_bytes(layout: Layout) -> int:
     asked = layout.grad_bucket_bytes
     if asked is not None:
         return asked
-    return 0 if layout.mesh.shape[Axis.CONTEXT] > 1 else auto_bytes(platform_of(layout.mesh))
+    platform = layout.platform or platform_of(layout.mesh)
+    return 0 if layout.mesh.shape[Axis.CONTEXT] > 1 else auto_bytes(platform)
 
 
 def per_data_shard_possible(mesh: Mesh, param_specs: Any, stateful: bool) -> bool:
