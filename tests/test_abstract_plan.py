@@ -15,19 +15,27 @@ from tests.helpers import GPT_SMALL
 from tests.test_llama import LLAMA
 from tests.test_moe import MOE
 
+EXHAUSTIVE = pytest.mark.exhaustive  # the suite keeps one case of each mechanism
 LAYOUTS = [
     (GPT_SMALL, ["mesh.data=8"]),
-    (GPT_SMALL, ["mesh.fsdp=8"]),
+    pytest.param(GPT_SMALL, ["mesh.fsdp=8"], marks=EXHAUSTIVE),
     (GPT_SMALL, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]),
     (GPT_SMALL, ["mesh.data=4", "mesh.context=2", "context.attention=ulysses"]),
     (GPT_SMALL, ["mesh.data=4", "mesh.stage=2", "pipeline.microbatches=2"]),
-    (GPT_SMALL, ["mesh.data=2", "mesh.tensor=4", "tensor.sequence=true"]),
-    (GPT_SMALL, ["mesh.data=8", "train.grad_accum=2"]),
+    pytest.param(
+        GPT_SMALL, ["mesh.data=2", "mesh.tensor=4", "tensor.sequence=true"], marks=EXHAUSTIVE
+    ),
+    pytest.param(GPT_SMALL, ["mesh.data=8", "train.grad_accum=2"], marks=EXHAUSTIVE),
     (MOE, ["mesh.data=8", "rules.experts=data"]),
 ]
 
 
-@pytest.mark.parametrize("base,layout", LAYOUTS, ids=[",".join(x) for _, x in LAYOUTS])
+def _id(case) -> str:
+    values = case.values if hasattr(case, "values") else case
+    return ",".join(values[1])
+
+
+@pytest.mark.parametrize("base,layout", LAYOUTS, ids=[_id(c) for c in LAYOUTS])
 def test_an_abstract_mesh_plans_what_the_devices_here_would(base, layout):
     """Eight devices that are not here against the eight that are: the same gradient
     strategy, the same state bytes per device, and the same lab terms, each collective
@@ -80,9 +88,9 @@ def test_the_sub_mesh_executor_plans_on_devices_here_only():
     "base,layout",
     [
         (LLAMA, "data=8"),
-        (LLAMA, "fsdp=8"),
+        pytest.param(LLAMA, "fsdp=8", marks=EXHAUSTIVE),
         (LLAMA, "data=2,fsdp=2,tensor=2"),
-        (GPT_SMALL, "data=4,stage=2,pipeline.microbatches=4"),
+        pytest.param(GPT_SMALL, "data=4,stage=2,pipeline.microbatches=4", marks=EXHAUSTIVE),
     ],
 )
 def test_plan_reports_the_memory_of_the_program_training_compiles(base, layout):
