@@ -39,6 +39,7 @@ from jaxpar.lab.measure import measure as measure
 from jaxpar.lab.workers import measure_all
 from jaxpar.outputs import check_new_folder, free_folder
 from jaxpar.plan import abstract_model
+from jaxpar.plan.abstract import AbstractModel
 from jaxpar.run import task_for
 from jaxpar.task import Task
 
@@ -93,8 +94,9 @@ def default_layouts(
     backend when None)."""
     task = task if task is not None else task_for(config)
     kept, note = runnable(all_layouts(devices), task)
-    variants = _expert_variants(task, kept) + _sequence_variants(task, kept)
-    variants += _bucket_variants(config, task, kept, platform or jax.default_backend())
+    model = abstract_model(task)  # its shapes once, for the variants that read them
+    variants = _expert_variants(model, kept) + _sequence_variants(task, kept)
+    variants += _bucket_variants(config, model, kept, platform or jax.default_backend())
     return kept + variants + _ulysses_variants(config, task, kept), note
 
 
@@ -147,11 +149,10 @@ def _count(n: int) -> str:
     return f"{n} layout{'s' * (n != 1)}"
 
 
-def _expert_variants(task: Task, layouts: list[str]) -> list[str]:
+def _expert_variants(model: AbstractModel, layouts: list[str]) -> list[str]:
     """For a model with experts (a parameter dim named ``experts``): each layout whose
     ``data`` degree (above 1) divides the experts again with them split over ``data``
     (expert parallelism, ``rules.experts=data``)."""
-    model = abstract_model(task)
     sizes = {
         leaf.shape[names.index("experts")]
         for leaf, names in zip(
@@ -169,14 +170,16 @@ def _expert_variants(task: Task, layouts: list[str]) -> list[str]:
     ]
 
 
-def _bucket_variants(config: Config, task: Task, layouts: list[str], platform: str) -> list[str]:
+def _bucket_variants(
+    config: Config, model: AbstractModel, layouts: list[str], platform: str
+) -> list[str]:
     """For a model without state: each layout whose parameters stay whole on every device
     (``data`` above 1; no ``fsdp``, ``tensor``, stages or ``context``) again with the other gradient
     reduction than ``train.grad_bucket_mb`` gives on ``platform``: 25 MiB buckets after
     the backward pass, or XLA's reduction inside it (docs/performance.md)."""
     asked = config.train.grad_bucket_mb
     size = auto_bytes(platform) if asked == "auto" else asked
-    if abstract_model(task).stateful:
+    if model.stateful:
         return []
     split = (Axis.FSDP, Axis.TENSOR, Axis.STAGE, Axis.CONTEXT)
     return [
