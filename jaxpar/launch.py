@@ -387,6 +387,11 @@ def _watch(
             if code != PORT_TAKEN:
                 stopped.append((index, alive))
                 text = f"process {index} (pid {procs[index].pid}) ended: {describe_status(code)}"
+                text += "".join(
+                    f"; process {i} (pid {procs[i].pid}) ended too: {describe_status(c)}"
+                    for i, c in failed
+                    if i != index
+                )
                 if alive:
                     text += f"; stopping the other {len(alive)} (grace {grace_s:g} s)"
                 _say(err, lock, text)

@@ -79,7 +79,10 @@ def test_a_process_killed_by_a_signal_is_named_before_a_peer_that_failed_after_i
     code = _watch([peer, victim], [], 1.0, (io.StringIO(), err), threading.Lock(), stopped)
     assert code == 128 + signal.SIGKILL
     assert stopped == [(1, [])]
-    assert f"process 1 (pid {victim.pid}) ended: killed by SIGKILL" in err.getvalue()
+    assert (
+        f"process 1 (pid {victim.pid}) ended: killed by SIGKILL; "
+        f"process 0 (pid {peer.pid}) ended too: exit status 5\n"
+    ) in err.getvalue()
 
 
 def test_launch_argument_errors():
