@@ -31,6 +31,7 @@ from jaxpar.mesh import abstract_mesh, make_mesh, select_devices
 from jaxpar.models.family import Family, ModelConfig
 from jaxpar.optim import decay_mask, make_optimizer
 from jaxpar.plan import Plan, abstract_model, global_batch_shapes, make_plan, sizes
+from jaxpar.plan.abstract import AbstractModel
 from jaxpar.state import TrainState
 from jaxpar.task import Task
 from jaxpar.trainer import Trainer
@@ -103,6 +104,7 @@ def build(
     fit_memory: bool = False,
     target: tuple[int, str] | None = None,
     platform: str | None = None,
+    data: Data | None = None,
 ) -> Run:
     """Devices, mesh, rules, data, task, optimizer and trainer from ``config``.
 
@@ -111,14 +113,13 @@ def build(
       task: a user's task; None builds the model family ``config.model.name``.
       optimizer: any Optax transformation; None takes ``task.optimizer``, else the one
         the config's ``optim`` section describes.
-      fit_memory: also refuse a run whose state, or an array one step computes, does not
-        fit the devices' memory (:mod:`jaxpar.plan.sizes`), as training and restoring a
-        checkpoint do. Without it nothing is allocated, so a run for other machines builds
-        here (a GPU-sized config on the CPU); only sizes no device holds are refused.
+      fit_memory: also refuse a run whose state, or an array a step computes, does not fit
+        the devices' memory (:mod:`jaxpar.plan.sizes`), as training does. Without it a run
+        for other machines builds here; only sizes no device holds are refused.
       target: ``(count, platform)``: plan for that many devices of that platform instead
-        of these (:func:`jaxpar.mesh.abstract_mesh`; a cluster's): the run's plan, state
-        sizes and the lab's terms are real, but nothing can compile or run.
+        of these (:func:`jaxpar.mesh.abstract_mesh`): nothing can compile or run.
       platform: what ``auto`` settings resolve for (default: the devices'; ``plan``'s profile's).
+      data: the config's data, loaded already (read once for a plan's many layouts).
 
     Raises:
       ConfigError, LayoutError, DataError, TaskError: for a setting, layout, data or task
@@ -141,13 +142,13 @@ def build(
     family = None
     if task is None:
         family = config.family
-        data, model = _data_and_model(config)
+        data, model = _data_and_model(config, data)
         config = dataclasses.replace(config, model=model)  # run dir and checkpoints hold it
         task = _family_task(config, data)
     else:
         data = task_data(task, config.run.seed) or _config_data(config, task)
     tx = optimizer or task.optimizer
-    model = abstract_model(task)
+    model = _family_model(config.model, task) if family is not None else abstract_model(task)
     if tx is None:
         mask = decay_mask(model.params, model.param_axes)
         tx, _ = make_optimizer(config.optim, config.train.steps, mask)
@@ -175,6 +176,20 @@ def build(
     sizes.check_activations(plan, batch, memory, settings)
     trainer = Trainer(plan, seed=config.run.seed, nonfinite_guard=config.train.nonfinite_guard)
     return Run(config, trainer, data, devices, family)
+
+
+#: the abstract models of the last model sections built (a plan builds one model under
+#: many layouts: its shapes do not depend on them)
+_FAMILY_MODELS: dict[ModelConfig, AbstractModel] = {}
+
+
+def _family_model(section: ModelConfig, task: Task) -> AbstractModel:
+    """A built-in family's model as shapes and names, traced once per model section."""
+    if section not in _FAMILY_MODELS:
+        if len(_FAMILY_MODELS) >= 4:
+            _FAMILY_MODELS.pop(next(iter(_FAMILY_MODELS)))
+        _FAMILY_MODELS[section] = abstract_model(task)
+    return _FAMILY_MODELS[section]
 
 
 def _sizes(config: Config, user_task: Task | None) -> dict[str, int]:
@@ -206,7 +221,7 @@ def task_for(config: Config) -> Task:
     return dataclasses.replace(task, family=config.family.name)
 
 
-def _data_and_model(config: Config) -> tuple[Data, ModelConfig]:
+def _data_and_model(config: Config, data: Data | None = None) -> tuple[Data, ModelConfig]:
     """The config's data, and the model section sized for it: without a given
     ``model.vocab_size``, a language model whose data (``data.path``, ``data.mixture``)
     holds more ids than the family's default takes the data's vocabulary (plus the ids
@@ -215,7 +230,7 @@ def _data_and_model(config: Config) -> tuple[Data, ModelConfig]:
     needs = config.family.needs(model)
     free = needs.kind == "text" and needs.vocab_size is not None and _vocab_from_data(config)
     loaded = dataclasses.replace(needs, vocab_size=None) if free else needs
-    data = load_data(config.data, loaded, config.run.seed)
+    data = data if data is not None else load_data(config.data, loaded, config.run.seed)
     if not free or data.vocab_size <= needs.vocab_size:
         return data, model
     sized = dataclasses.replace(

@@ -359,7 +359,7 @@ def test_a_worker_that_dies_costs_its_layout_not_the_plan(monkeypatch, h100, std
 
 def test_hardware_profiles_load_and_extend(tmp_path):
     profiles = hardware.load_profiles()
-    assert {"h100", "h200", "a100"} <= set(profiles)
+    assert {"h100", "h200", "a100", "a100_40", "b200", "gb200"} <= set(profiles)
     h100, a100 = profiles["h100"], profiles["a100"]
     assert h100.peak_flops("bfloat16") == 989.4e12 and h100.interconnect_bandwidth == 450e9
     assert a100.peak_flops("float32") < h100.peak_flops("float32")
@@ -376,7 +376,8 @@ def test_hardware_profiles_load_and_extend(tmp_path):
     )
     assert (t.compute_s, t.memory_s, t.comm_s, t.latency_s, t.total_s) == (1.0, 0.5, 1.0, 0.5, 2.5)
     assert all(p.collective_latency == 10e-6 for p in profiles.values())  # NCCL's model
-    with pytest.raises(ValueError, match="unknown hardware 'tpu'.*a100, h100, h200"):
+    known = "a100, a100_40, b200, gb200, h100, h200"
+    with pytest.raises(ValueError, match=f"unknown hardware 'tpu'; choose one of {known} or"):
         hardware.get_profile("tpu")
     extra.write_text("bad:\n  name: x\n")
     with pytest.raises(ValueError, match="'bad' lacks .*flops_bf16"):

@@ -113,6 +113,16 @@ def _sweep(args: argparse.Namespace, config: Config, task: Task | None) -> None:
         print(f"wrote {path}")
 
 
+def _estimated(args: argparse.Namespace) -> bool:
+    """Whether ``plan`` estimates its layouts rather than compiling them on ``--devices``
+    simulated devices (``--analytic``, or more devices than compile here)."""
+    from jaxpar.limits import COMPILED_DEVICES
+
+    if args.command != "plan":
+        return False
+    return args.analytic or args.devices > COMPILED_DEVICES
+
+
 def _plan(args: argparse.Namespace, config: Config, task: Task | None) -> None:
     from jaxpar.lab.hardware import get_profile
     from jaxpar.lab.planner import format_longest, format_plan, longest_sequence, plan, plan_folder
@@ -145,7 +155,16 @@ def _plan(args: argparse.Namespace, config: Config, task: Task | None) -> None:
         f"planning {what} (global batch {config.train.batch_size}) on {args.devices} × {hw.name}",
         flush=True,
     )
-    ranked = plan(config, args.devices, hw, memory, args.layouts, echo=True, task=task)
+    ranked = plan(
+        config,
+        args.devices,
+        hw,
+        memory,
+        args.layouts,
+        echo=True,
+        task=task,
+        analytic=_estimated(args),
+    )
     print(format_plan(ranked, hw, memory))
     if out is not None:
         print(f"wrote {write_csv([p.row for p in ranked], out / 'plan.csv')}")
@@ -294,7 +313,7 @@ def _config(args: argparse.Namespace) -> Config:
 
     files = [a for a in args.args if "=" not in a]
     overrides = [a for a in args.args if "=" in a]
-    if args.devices is not None:
+    if args.devices is not None and not _estimated(args):
         overrides.append(f"run.devices={args.devices}")
     run_dirs = [f for f in files if os.path.isdir(f)]
     if not run_dirs:

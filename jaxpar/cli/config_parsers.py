@@ -14,7 +14,7 @@ from jaxpar.cli.options import (
     overwrite_argument,
     task_argument,
 )
-from jaxpar.limits import MAX_DEVICES
+from jaxpar.limits import COMPILED_DEVICES, MAX_DEVICES
 
 
 def config_arguments(cmd: argparse.ArgumentParser, text: str) -> None:
@@ -131,7 +131,14 @@ def lab_parsers(sub: argparse._SubParsersAction) -> None:
         "--devices",
         type=count(MAX_DEVICES, 1),
         required=True,
-        help="how many devices to plan for (simulated on the CPU to compile)",
+        help="how many devices to plan for (simulated on the CPU to compile; above "
+        f"{COMPILED_DEVICES}, estimated from the model's shape as with --analytic)",
+    )
+    plan.add_argument(
+        "--analytic",
+        action="store_true",
+        help="estimate each layout from the model's shape instead of compiling it: FLOPs, "
+        "state, activations and collectives, for any --devices (docs/lab.md)",
     )
 
 
@@ -141,8 +148,8 @@ def _lab_arguments(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument(
         "--hardware",
         default="h100",
-        help="hardware profile for the predicted step time (h100, h200, a100, "
-        "or one from --hardware-file)",
+        help="hardware profile for the predicted step time (a100_40, a100, h100, h200, "
+        "b200, gb200, or one from --hardware-file)",
     )
     cmd.add_argument(
         "--hardware-file",

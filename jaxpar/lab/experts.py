@@ -21,7 +21,8 @@ def dispatch_terms(cfg: Any, layout: LabLayout) -> list[Term]:
     backward, their transposes — the output gradients all-gathered, the input and weight
     gradients reduce-scattered."""
     layers = cfg.n_layers // cfg.moe_every if cfg.n_experts else 0
-    e = expert_degree(layout)
+    over = expert_axes(layout)
+    e = math.prod(layout.sizes[a] for a in over)
     if e == 1 or not layers or layout.stages is not None:  # pipelines: jaxpar.lab.staged
         return []
     k = layout.grad_accum
@@ -38,8 +39,17 @@ def dispatch_terms(cfg: Any, layout: LabLayout) -> list[Term]:
         # e·E/e integers left out)
         rows = tokens / e * cfg.top_k * cfg.d_model * itemsize
         return [
-            Term("all-to-all", "experts: routed rows there and back", rows, e, 2 * again),
-            Term("all-to-all", "experts: their gradients back and there", rows, e, 2 * times),
+            Term(
+                "all-to-all", "experts: routed rows there and back", rows, e, 2 * again, axes=over
+            ),
+            Term(
+                "all-to-all",
+                "experts: their gradients back and there",
+                rows,
+                e,
+                2 * times,
+                axes=over,
+            ),
         ]
     return [
         Term(
@@ -48,6 +58,7 @@ def dispatch_terms(cfg: Any, layout: LabLayout) -> list[Term]:
             tokens * (cfg.d_model * itemsize + 8 * cfg.top_k),
             e,
             again,
+            axes=over,
         ),
         Term(
             "reduce-scatter",
@@ -55,6 +66,7 @@ def dispatch_terms(cfg: Any, layout: LabLayout) -> list[Term]:
             tokens * cfg.d_model * itemsize,
             e,
             times,
+            axes=over,
         ),
         Term(
             "all-gather",
@@ -62,6 +74,7 @@ def dispatch_terms(cfg: Any, layout: LabLayout) -> list[Term]:
             tokens * cfg.d_model * itemsize,
             e,
             times,
+            axes=over,
         ),
         Term(
             "reduce-scatter",
@@ -69,18 +82,24 @@ def dispatch_terms(cfg: Any, layout: LabLayout) -> list[Term]:
             tokens * (cfg.d_model * itemsize + 4 * cfg.top_k),
             e,
             times,
+            axes=over,
         ),
     ]
 
 
-def expert_degree(layout: LabLayout) -> int:
-    """The devices a group's experts are split over (``e``): those of the batch axes that
+def expert_axes(layout: LabLayout) -> tuple[str, ...]:
+    """The axes a group's experts are split over: those of the batch axes that
     ``rules.experts`` names — none inside the spmd pipeline's stages, which are manual over
     the batch axes and take the experts in gathered (as FSDP's weights)."""
     if layout.stages is not None and not layout.sub_mesh:
-        return 1
+        return ()
     batch = list(split_over(layout.rules, layout.sizes, BATCH))
-    return math.prod(layout.sizes[a] for a in layout.rules.get("experts", ()) if a in batch)
+    return tuple(a for a in layout.rules.get("experts", ()) if a in batch)
+
+
+def expert_degree(layout: LabLayout) -> int:
+    """The devices a group's experts are split over (``e``: :func:`expert_axes`)."""
+    return math.prod(layout.sizes[a] for a in expert_axes(layout))
 
 
 #: The dense transformer's activation all-reduces (:mod:`jaxpar.lab.transformers`).
@@ -131,6 +150,7 @@ def tensor_terms(cfg: Any, layout: LabLayout, dense: list[Term]) -> list[Term]:
             rows,
             megatron.group,
             n * (forward + again),
+            axes=megatron.axes,
         ),
         Term(
             "all-reduce",
@@ -138,5 +158,6 @@ def tensor_terms(cfg: Any, layout: LabLayout, dense: list[Term]) -> list[Term]:
             rows,
             megatron.group,
             n * 2,
+            axes=megatron.axes,
         ),
     ]

@@ -248,7 +248,7 @@ def _in_buckets(terms: list[Term], plan: Plan, n: int) -> list[Term]:
     shapes = [jax.ShapeDtypeStruct((round(t.payload_bytes),), np.uint8) for t in reduced]
     buckets = groups(shapes, size)
     payloads = [sum(reduced[i].payload_bytes for i in group) for group in buckets]
-    return kept + [Term("all-reduce", BUCKETS, b, n, 1) for b in payloads]
+    return kept + [Term("all-reduce", BUCKETS, b, n, 1, axes=(Axis.DATA,)) for b in payloads]
 
 
 def _leaf_terms(step: _Step, i: int, leaf: _Leaf) -> list[Term]:
@@ -260,22 +260,27 @@ def _leaf_terms(step: _Step, i: int, leaf: _Leaf) -> list[Term]:
     if leaf.key is None:  # under the sub-mesh pipeline, a parameter of another stage
         if step.homes[i] != WHOLE:
             return []
-        return [Term("all-reduce", "gradient all-reduce over stage", shard, sizes[Axis.STAGE])]
+        return [Term("all-reduce", STAGE_REDUCED, shard, sizes[Axis.STAGE], axes=STAGE_AXES)]
     in_layers = leaf.key == step.layers_key
     local = leaf.nbytes / math.prod(
         sizes[a]
         for a in leaf.axes
         if (a not in step.batch or a in leaf.own) and leaf.key not in step.whole
     )
-    gather = math.prod(sizes[a] for a in leaf.axes if a in step.batch and a not in leaf.own)
-    rest = math.prod(sizes[a] for a in step.batch if a not in leaf.axes)
+    gather = tuple(a for a in leaf.axes if a in step.batch and a not in leaf.own)
+    rest = tuple(a for a in step.batch if a not in leaf.axes)
     terms = _stage_terms(step, in_layers, shard, local)
     if step.in_ticks and (in_layers or i in step.head):
         terms.append(_tick_reduction(step.plan, sizes, step.seq, local, in_layers))
-    if gather > 1:
+    if _degree(sizes, gather) > 1:
         fsdp, local, rest = _fsdp_terms(step, leaf, local, gather, rest)
         terms += fsdp
     return terms + _all_reduce_terms(step, leaf, local, rest)
+
+
+def _degree(sizes: dict[str, int], axes: tuple[str, ...]) -> int:
+    """The devices a group over ``axes`` holds."""
+    return math.prod(sizes[a] for a in axes)
 
 
 def _stage_terms(step: _Step, in_layers: bool, shard: float, local: float) -> list[Term]:
@@ -285,49 +290,62 @@ def _stage_terms(step: _Step, in_layers: bool, shard: float, local: float) -> li
     if not step.pipelined or in_layers or stages == 1 or not step.layers_key:
         return []
     if step.mpmd:
-        return [Term("all-reduce", "gradient all-reduce over stage", shard, stages, 1)]
-    return [Term("all-reduce", "gradient all-reduce over stage", local, stages, step.accum)]
+        return [Term("all-reduce", STAGE_REDUCED, shard, stages, 1, axes=STAGE_AXES)]
+    return [Term("all-reduce", STAGE_REDUCED, local, stages, step.accum, axes=STAGE_AXES)]
+
+
+#: what the lab calls a gradient's all-reduce over the pipeline's stages, and its axes
+STAGE_REDUCED = "gradient all-reduce over stage"
+STAGE_AXES = (Axis.STAGE,)
 
 
 def _fsdp_terms(
-    step: _Step, leaf: _Leaf, local: float, gather: int, rest: int
-) -> tuple[list[Term], float, int]:
-    """FSDP's gathers of a weight sharded over ``gather`` batch devices and its gradient's
-    reduction there; returns them with the gradient's bytes after it (``local``) and the
-    devices that still sum it (``rest``)."""
+    step: _Step, leaf: _Leaf, local: float, gather: tuple[str, ...], rest: tuple[str, ...]
+) -> tuple[list[Term], float, tuple[str, ...]]:
+    """FSDP's gathers of a weight sharded over the batch axes ``gather`` and its
+    gradient's reduction there; returns them with the gradient's bytes after it (``local``)
+    and the axes that still sum it (``rest``)."""
+    sizes = step.sizes
     terms = [
         Term(
             "all-gather",
             "FSDP weight gathers",
             local * leaf.gathered,
-            gather,
+            _degree(sizes, gather),
             _gathers(step.plan, step.pipelined, leaf.scanned, step.outside),
+            axes=gather,
         )
     ]
     spmd_pipeline = step.pipelined and not step.mpmd
     if spmd_pipeline:  # the executor scatters over fsdp; over the other batch axes that
         # split a parameter (its experts over data) it sums the whole
         fsdp = Axis.FSDP in leaf.axes and Axis.FSDP in step.batch
-        scatter = step.sizes[Axis.FSDP] if fsdp else 1
-        rest = rest * gather // scatter
+        scatter = (Axis.FSDP,) if fsdp else ()
+        rest = rest + tuple(a for a in gather if a not in scatter)
         gather = scatter
-    if gather == 1:
+    n = _degree(sizes, gather)
+    if n == 1:
         pass
     elif not step.cpu or spmd_pipeline:  # one program reduces: scatters
-        terms.append(Term("reduce-scatter", "gradient reduce-scatter", local, gather, step.accum))
+        terms.append(
+            Term("reduce-scatter", "gradient reduce-scatter", local, n, step.accum, axes=gather)
+        )
     elif step.accum > 1 and not step.mpmd:  # XLA:CPU: an all-reduce over fsdp per microbatch
-        terms.append(Term("all-reduce", "gradient all-reduce over fsdp", local, gather, step.accum))
+        terms.append(
+            Term("all-reduce", "gradient all-reduce over fsdp", local, n, step.accum, axes=gather)
+        )
     else:  # XLA:CPU: one all-reduce over every batch axis (per program), then a slice
-        rest = rest * gather
-        gather = 1
-    return terms, local / gather, rest
+        rest = rest + gather
+        n = 1
+    return terms, local / n, rest
 
 
-def _all_reduce_terms(step: _Step, leaf: _Leaf, local: float, rest: int) -> list[Term]:
-    """The all-reduce of what is left of a gradient (``local`` bytes) over the ``rest``
-    devices that sum it, over the sequence's axes first where XLA does so."""
+def _all_reduce_terms(step: _Step, leaf: _Leaf, local: float, over: tuple[str, ...]) -> list[Term]:
+    """The all-reduce of what is left of a gradient (``local`` bytes) over the axes
+    ``over`` that sum it, over the sequence's axes first where XLA does so."""
     sizes = step.sizes
     times = 1 if step.once else step.accum
+    rest = _degree(sizes, over)
     terms = []
     # data × context: XLA reduces over the sequence's axes (c devices) first, then over
     # the batch's (b), both of the whole gradient: 2(b−1)(c−1)/(bc)·S more than one
@@ -335,16 +353,20 @@ def _all_reduce_terms(step: _Step, leaf: _Leaf, local: float, rest: int) -> list
     # context XLA:CPU does so for a gradient summed over the tokens (a bias, a norm's
     # scale: one dim a layer) or of a table read whole; a matmul's gradient it reduces
     # over fsdp first and the slice over the rest (measured): one all-reduce's bytes.
-    split_seq = math.prod(sizes[a] for a in step.seq if a in step.batch)
+    seq = tuple(a for a in step.seq if a in step.batch)
+    split_seq = _degree(sizes, seq)
     read_whole = leaf.key in step.whole or leaf.rank == 1
     summed = step.cpu and (step.accum == 1 or step.mpmd) and read_whole
     if 1 < split_seq < rest and (sizes[Axis.FSDP] == 1 or summed):
         terms.append(
-            Term("all-reduce", "gradient all-reduce over context", local, split_seq, times)
+            Term(
+                "all-reduce", "gradient all-reduce over context", local, split_seq, times, axes=seq
+            )
         )
         rest //= split_seq
+        over = tuple(a for a in over if a not in seq)
     if rest > 1:
-        terms.append(Term("all-reduce", ALL_REDUCED, local, rest, times))
+        terms.append(Term("all-reduce", ALL_REDUCED, local, rest, times, axes=over))
     return terms
 
 
@@ -361,6 +383,7 @@ def _tick_reduction(
         "all-reduce",
         "context: a tick's gradients all-reduced over context",
         chunk,
-        math.prod(sizes[a] for a in seq),
+        _degree(sizes, seq),
         table.ticks * plan.grad_accum,
+        axes=seq,
     )

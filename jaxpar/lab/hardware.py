@@ -1,12 +1,16 @@
 """Accelerator profiles (``hardware.yaml``) and the roofline that predicts a step's time.
 
 A profile is a chip's datasheet: peak matmul FLOP/s, HBM bandwidth, memory, and
-interconnect bandwidth, plus the latency of one collective. The roofline of one step on
-one device is::
+interconnect bandwidth, plus the latency of one collective, and where its NVLink domain
+ends: the chips in one, and the network's bandwidth and latency beyond it. The roofline
+of one step on one device is::
 
     compute = max(FLOPs / peak FLOP/s, memory traffic / HBM bandwidth)
     predicted step time = compute + collective wire bytes / interconnect bandwidth
                                   + collectives executed × collective latency
+
+for collectives inside one NVLink domain; :mod:`jaxpar.lab.network` prices those whose
+group crosses domains at the network's bandwidth and latency.
 
 The last two terms are the α-β model of communication: β the time per byte, α the fixed
 cost of each collective however small (its launch and the hops of its ring), which is
@@ -59,10 +63,18 @@ class Hardware:
     #: seconds every step costs besides its terms (dispatch, host work): 0 on a datasheet
     #: profile; what a fit to timed steps finds (:mod:`jaxpar.lab.fit`)
     step_overhead: float = 0.0
+    #: chips in one NVLink domain (8 on an HGX board, 72 in a GB200 NVL72 rack); a
+    #: collective whose group leaves it crosses the network (:mod:`jaxpar.lab.network`).
+    #: 0: one domain holds every chip
+    domain_devices: int = 0
+    #: seconds a collective that crosses the network costs besides ``collective_latency``,
+    #: per level of NCCL's tree across domains (:mod:`jaxpar.lab.network`)
+    network_latency: float = 0.0
 
     @property
     def interconnect_bandwidth(self) -> float:
-        """Bytes/s one chip sends to its host's other chips (all links, one direction)."""
+        """Bytes/s one chip sends to the other chips of its NVLink domain (all links, one
+        direction)."""
         return self.link_bandwidth * self.links
 
     def peak_flops(self, dtype: str) -> float:
@@ -119,7 +131,17 @@ _OPTIONAL = {
     "platform": ("gpu", "tpu", "cpu"),
     "latency_per": LATENCY_PER,
     "step_overhead": 0,
+    "domain_devices": 0,
+    "network_latency": 0,
 }
+#: the least value of the number fields that need not be above 0
+_LEAST = {
+    "links": 1,
+    "collective_latency": 0,
+    **{k: v for k, v in _OPTIONAL.items() if isinstance(v, int)},
+}
+#: the number fields that count things (whole numbers)
+_COUNTS = ("links", "domain_devices")
 
 
 def _typed(profile: str, field: str, value: object) -> object:
@@ -134,20 +156,19 @@ def _typed(profile: str, field: str, value: object) -> object:
             )
         return value
     try:
-        number = int(value) if field == "links" else float(value)
+        number = float(value)
     except (TypeError, ValueError, OverflowError):
         raise ConfigError(
             f"hardware profile '{profile}': {field}={value!r} is not a number"
         ) from None
-    least = (
-        0 if field in ("collective_latency", "step_overhead") else 1 if field == "links" else None
-    )
-    if not math.isfinite(number) or (number < least if least is not None else number <= 0):
+    least = _LEAST.get(field)
+    whole = field not in _COUNTS or number.is_integer()
+    bounded = number >= least if least is not None else number > 0
+    if not math.isfinite(number) or not whole or not bounded:
+        kind = "a whole number" if field in _COUNTS else "a finite number"
         bound = f"at least {least}" if least is not None else "above 0"
-        raise ConfigError(
-            f"hardware profile '{profile}': {field}={value!r} must be a finite number {bound}"
-        )
-    return number
+        raise ConfigError(f"hardware profile '{profile}': {field}={value!r} must be {kind} {bound}")
+    return int(number) if field in _COUNTS else number
 
 
 def get_profile(key: str, extra: str | Path | None = None) -> Hardware:
@@ -210,10 +231,11 @@ def roofline(
     hidden_bytes: float = 0.0,
 ) -> StepTime:
     """Predicted step time on ``hw`` from per-device FLOPs, memory traffic, collective
-    wire bytes and the number of collectives executed (all over the host's links: the
-    lab does not price cross-host axes yet); ``hidden_bytes`` of communication run
-    while the matmuls compute (they count only where they outlast the compute), and are
-    not in ``comm_bytes`` or ``collectives``."""
+    wire bytes and the number of collectives executed, all inside one NVLink domain
+    (:func:`jaxpar.lab.network.step_time` places each collective on the domains and the
+    network); ``hidden_bytes`` of communication run while the matmuls compute (they
+    count only where they outlast the compute), and are not in ``comm_bytes`` or
+    ``collectives``."""
     return StepTime(
         flops / hw.peak_flops(dtype),
         traffic_bytes / hw.hbm_bandwidth,

@@ -30,7 +30,9 @@ from jaxpar.axes import MESH_AXES
 from jaxpar.config import Config, apply_overrides
 from jaxpar.errors import ConfigError, JaxparError
 from jaxpar.lab.hardware import Hardware, StepTime, roofline
+from jaxpar.lab.network import step_time
 from jaxpar.lab.predict import CommPrediction, predict_argument_bytes, predict_comm
+from jaxpar.lab.terms import Term
 from jaxpar.pipeline.branches import branch_table
 from jaxpar.plan import global_batch_shapes
 from jaxpar.run import Run, build
@@ -237,23 +239,13 @@ def read(
     # HBM traffic, roughly: the state is read and written once, activations written and
     # read back once (an unfused CPU program's op-by-op traffic would say far more)
     row.mem_traffic_bytes = row.mem_args_bytes + row.mem_output_bytes + 2 * row.mem_temp_bytes
-    comm, hidden = _fill_comm(row, cost, run)
-    if hw.platform == "cpu":  # a profile of a CPU (fitted here): its bytes, nothing hidden
-        comm, hidden = row.comm_bytes, CommPrediction(())
+    comm, gpu = _fill_comm(row, cost, run)
     row.collective_ops = cost.collective_ops
     row.collective_arrays = cost.collective_arrays
     calls = row.collective_ops if hw.latency_per == "collective" else row.collective_arrays
     dtype = run.family.compute_dtype(run.config.model) if run.family else "float32"
-    time_s = roofline(
-        hw,
-        row.flops,
-        row.mem_traffic_bytes,
-        comm - hidden.hidden_bytes,
-        dtype,
-        collectives=calls - hidden.hidden_ops,
-        hidden_bytes=hidden.hidden_bytes,
-    )
-    _predicted(row, time_s, run, hw.peak_flops(dtype))
+    time_s = _step_time(row, hw, run, (comm, gpu), calls, dtype)
+    fill_predicted(row, time_s, run, hw.peak_flops(dtype))
     if steps > 0:
         row.step_time_s = _time_steps(run, compiled, steps)
         examples = run.config.train.batch_size
@@ -263,7 +255,41 @@ def read(
     return row
 
 
-def _predicted(row: Row, time_s: StepTime, run: Run, peak_flops: float) -> None:
+#: what the lab calls the measured bytes of a step whose collectives it predicts none of
+UNPREDICTED = "collectives the prediction does not know"
+
+
+def _step_time(
+    row: Row, hw: Hardware, run: Run, comm: tuple[float, CommPrediction], calls: int, dtype: str
+) -> StepTime:
+    """The predicted step time of ``row``. A CPU profile (fitted here) prices the compiled
+    bytes and count, nothing hidden, all in one domain: what the fit models. A GPU profile
+    places the GPU prediction's collectives on its NVLink domains and network
+    (:func:`jaxpar.lab.network.step_time`), their bytes scaled to the measured ones
+    corrected to GPU form (``comm``: those bytes and the prediction), the compiled count
+    less the hidden ones paying the latency."""
+    measured, gpu = comm
+    if hw.platform == "cpu":
+        return roofline(hw, row.flops, row.mem_traffic_bytes, row.comm_bytes, dtype, calls)
+    if gpu.total_bytes:
+        terms, scale = gpu.terms, measured / gpu.total_bytes
+    else:  # e.g. a task without a family: the bytes as they are (a send's wire bytes are
+        # its payload), inside a domain
+        terms, scale = (Term("collective-permute", UNPREDICTED, measured, 1),), 1.0
+    sizes = dict(run.plan.mesh.shape)
+    return step_time(
+        hw,
+        row.flops,
+        row.mem_traffic_bytes,
+        terms,
+        sizes,
+        dtype,
+        calls=calls - gpu.hidden_ops,
+        scale=scale,
+    )
+
+
+def fill_predicted(row: Row, time_s: StepTime, run: Run, peak_flops: float) -> None:
     """``row``'s predicted step time, its terms, throughput and utilisation."""
     row.predicted_step_time_s = time_s.total_s
     row.predicted_latency_s = time_s.latency_s
@@ -273,7 +299,7 @@ def _predicted(row: Row, time_s: StepTime, run: Run, peak_flops: float) -> None:
     devices = run.plan.mesh.size
     tokens = run.config.train.batch_size * per_example
     row.predicted_tokens_per_s_per_device = tokens / time_s.total_s / devices
-    row.predicted_mfu = row.flops / time_s.total_s / peak_flops
+    row.predicted_mfu = row.flops / time_s.total_s / peak_flops if row.flops else None
 
 
 def _time_steps(run: Run, compiled: jax.stages.Compiled, steps: int) -> float:

@@ -21,12 +21,15 @@ as none.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from jaxpar.axes import Axis
 from jaxpar.config import Config
 from jaxpar.files import ensure_dir
+from jaxpar.lab.analytic import estimate
 from jaxpar.lab.chart import fmt_value
 from jaxpar.lab.families import lab_named
 from jaxpar.lab.hardware import Hardware
@@ -99,14 +102,37 @@ def fixes(config: Config, layout: str, row: Row, task: Task | None = None) -> li
     if deg[Axis.DATA] > 1:  # move the data degree into fsdp: the state gets sharded that much more
         moved = {**deg, Axis.FSDP: deg[Axis.FSDP] * deg[Axis.DATA], Axis.DATA: 1}
         shard.append(",".join(f"{a}={d}" for a, d in moved.items() if d > 1))
-        tokens = (task or task_for(config)).tokens_per_example
+        built = task or _task_of(config)
+        tokens = built.tokens_per_example
         moved = {**deg, Axis.CONTEXT: deg[Axis.CONTEXT] * deg[Axis.DATA], Axis.DATA: 1}
-        if (task or task_for(config)).context_parallel and tokens % moved[Axis.CONTEXT] == 0:
+        if built.context_parallel and tokens % moved[Axis.CONTEXT] == 0:
             context.append(",".join(f"{a}={d}" for a, d in moved.items() if d > 1))
     activations_dominate = (row.mem_temp_bytes or 0) > (row.mem_args_bytes or 0)
     if activations_dominate:
         return recompute + context + accum + shard
     return shard + recompute + context + accum
+
+
+def _within_domains(layouts: list[str], note: str | None, hw: Hardware) -> tuple[list[str], str]:
+    """``layouts`` less those whose ``tensor`` group spans more than one of ``hw``'s NVLink
+    domains (their every layer's activation all-reduces would cross the network: Megatron-LM
+    SC'21 keeps tensor parallelism inside a node), and the note saying so."""
+    domain = hw.domain_devices
+    kept = [x for x in layouts if not domain or _degrees(x)[Axis.TENSOR] <= domain]
+    if len(kept) < len(layouts):
+        left = (
+            f"note: {_count(len(layouts) - len(kept))} with mesh.tensor above the "
+            f"{domain} GPUs of one NVLink domain left out (each layer's activations would "
+            "cross the network); name them with --layouts to plan them"
+        )
+        note = f"{note}\n{left}" if note else left
+    return kept, note
+
+
+@functools.lru_cache(maxsize=2)
+def _task_of(config: Config) -> Task:
+    """The config's built-in task, built once for all the layouts a plan fixes."""
+    return task_for(config)
 
 
 class Ranking(list):
@@ -142,22 +168,28 @@ def plan(
     echo: bool = False,
     task: Task | None = None,
     workers: int | None = None,
+    analytic: bool = False,
 ) -> Ranking:
     """Every layout of ``devices`` devices (or ``layouts``), ranked: fitting ones by
     predicted step time, then those that do not fit (with a suggestion), then invalid.
     ``task``: a user's task (default: the built-in model the config names); ``workers``:
-    how many layouts compile at once (default: one per core)."""
+    how many layouts compile at once (default: one per core); ``analytic``: estimate each
+    layout from the model's shape instead of compiling it (:mod:`jaxpar.lab.analytic`:
+    any device count)."""
     memory = memory_bytes or hw.memory_bytes
     if layouts:
         layouts, note = runnable(list(dict.fromkeys(layouts)), task or task_for(config))
     else:
         layouts, note = default_layouts(config, devices, task, hw.platform)
+        if analytic:
+            layouts, note = _within_domains(layouts, note, hw)
     workers = workers or default_workers()
-    rows = _measure(config, layouts, hw, memory, task, workers, echo, {})
+    how = Measuring(config, hw, memory, task, workers, echo, devices if analytic else 0)
+    rows = _measure(how, layouts, {})
     planned = [Planned(rows[x]) for x in layouts]
     misfits = [p for p in planned if p.row.ok and not p.row.fits]
     variants = [v for p in misfits for v in fixes(config, p.row.layout, p.row, task)]
-    rows = _measure(config, variants, hw, memory, task, workers, echo, rows)
+    rows = _measure(how, variants, rows)
     for p in misfits:
         p.why = _why(p.row, memory)
         _suggest(config, p, rows, task)
@@ -169,21 +201,35 @@ def plan(
     return Ranking(sorted(planned, key=key), note.splitlines() if note else [])
 
 
-def _measure(
-    config: Config,
-    layouts: list[str],
-    hw: Hardware,
-    memory: float,
-    task: Task | None,
-    workers: int,
-    echo: bool,
-    rows: dict[str, Row],
-) -> dict[str, Row]:
+@dataclass(frozen=True)
+class Measuring:
+    """How a plan measures its layouts: compiled on simulated devices, ``workers`` at a
+    time, or (``analytic``: the device count) estimated without compiling."""
+
+    config: Config
+    hw: Hardware
+    memory: float
+    task: Task | None
+    workers: int
+    echo: bool
+    analytic: int = 0
+
+
+def _measure(how: Measuring, layouts: list[str], rows: dict[str, Row]) -> dict[str, Row]:
     """``rows`` with every layout of ``layouts`` it lacks measured (a layout that is also
     another's fix compiles once)."""
     todo = [x for x in dict.fromkeys(layouts) if x not in rows]
     if not todo:
         return rows
+    config, hw, memory, task, echo = how.config, how.hw, how.memory, how.task, how.echo
+    if how.analytic:
+        if echo:
+            print(f"estimating {_count(len(todo))} from the model's shape", flush=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("once")  # a setting's warning once, not once a layout
+            found = [estimate(config, x, hw, how.analytic, memory, task) for x in todo]
+        return {**rows, **{r.layout: r for r in found}}
+    workers = how.workers
 
     def say(row: Row) -> None:
         if not echo:
@@ -356,6 +402,11 @@ def format_plan(planned: list[Planned], hw: Hardware, memory: float) -> str:
         f"against {memory / 1e9:.3g} GB ({fmt_value(memory, 'B')}) per device"
     )
     lines += getattr(planned, "notes", [])
+    if any(p.row.ok and p.row.mem_temp_bytes is None for p in planned):
+        lines.append(
+            "note: estimated without an activation estimate for this model: memory is the "
+            "state and batch shards only, so a layout marked as fitting may not"
+        )
     for p in planned:
         if not p.row.ok:
             lines.append(f"- {p.row.layout}: cannot run: {p.row.error}")

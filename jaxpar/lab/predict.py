@@ -49,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxpar.axes import Axis
 from jaxpar.lab.families import lab_for
 from jaxpar.lab.gradient_terms import gradient_terms
 from jaxpar.lab.staged import (
@@ -58,6 +59,7 @@ from jaxpar.lab.staged import (
 )
 from jaxpar.lab.terms import LabLayout, LabModel, Term
 from jaxpar.logical import ACT_SEQ, SEQ, split_over
+from jaxpar.pipeline.schedule import KINDS
 from jaxpar.run import Run
 
 
@@ -107,7 +109,17 @@ def lab_layout(run: Run, cpu: bool) -> LabLayout:
         context=plan.context.attention,
         residuals=plan.executor == "mpmd" and plan.gradients.residuals,
         tensor_overlap=plan.tensor.overlap,
+        in_flight=in_flight(table) if table is not None else 1,
     )
+
+
+def in_flight(table: Any) -> int:
+    """The most forwards a device of ``table`` has run whose backward (its input-gradient
+    half, in a split one) it has not, at any tick."""
+    kinds = np.asarray(table.kind)
+    started = np.cumsum(kinds == KINDS.index("F"), axis=0)
+    done = np.cumsum(np.isin(kinds, [KINDS.index("B"), KINDS.index("I")]), axis=0)
+    return int((started - done).max())
 
 
 def _pipeline_terms(run: Run, cpu: bool) -> list[Term]:
@@ -129,6 +141,7 @@ def _pipeline_terms(run: Run, cpu: bool) -> list[Term]:
             2 * size,
             table.p,
             table.ticks * plan.grad_accum,
+            axes=(Axis.STAGE,),
         )
     ]
 

@@ -31,10 +31,16 @@ class ResNetLab(LabModel):
             forward += rows * -(-h // stride) * -(-w // stride) * c_out * act
             # conv1's input: the block's (basic), the 1×1 reduction's output (bottleneck)
             backward += rows * h * w * (width if DEPTHS[cfg.depth][1] else c_in) * act
+        over = (Axis.TENSOR,)
         return [
-            Term("all-reduce", "row-parallel conv outputs (forward)", forward / k, t, k),
+            Term("all-reduce", "row-parallel conv outputs (forward)", forward / k, t, k, axes=over),
             Term(
-                "all-reduce", "column-parallel conv input gradients (backward)", backward / k, t, k
+                "all-reduce",
+                "column-parallel conv input gradients (backward)",
+                backward / k,
+                t,
+                k,
+                axes=over,
             ),
         ]
 

@@ -125,7 +125,8 @@ def context_terms_in_pipeline(run: Run, lab: LabModel, layout: LabLayout, cpu: b
     if plan.executor == "mpmd":
         return _sub_mesh(family, chunk, m * k, plan.gradients.residuals)
     shape, message = first_stage_message(run, cpu)
-    return _ticks(family, chunk, table.ticks * k, shape, message, c)
+    seq = tuple(plan.rules.get(SEQ, ()))
+    return _ticks(family, chunk, table.ticks * k, shape, message, seq, c)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +165,7 @@ def _rematerialized(family: dict[str, Term]) -> bool:
 
 
 def _scaled(t: Term, what: str, times: float) -> Term:
-    return Term(t.kind, what, t.payload_bytes, t.group, round(times))
+    return dataclasses.replace(t, what=what, times=round(times))
 
 
 def _ticks(
@@ -173,9 +174,11 @@ def _ticks(
     ticks: int,
     shape: tuple[int, ...],
     message: float,
+    seq: tuple[str, ...],
     c: int,
 ) -> list[Term]:
-    """Every tick of the spmd executor as its costliest branch, a backward."""
+    """Every tick of the spmd executor as its costliest branch, a backward (``seq``: the
+    axes that split the sequence, over ``c`` devices)."""
     share = chunk.share
     # per layer the recomputed forward's collectives (again where rematerialized) and
     # their gradients': the family's count for the layer
@@ -203,8 +206,11 @@ def _ticks(
             message * c,
             c,
             ticks,
+            axes=seq,
         ),
-        Term("all-gather", "context: the first stage's token ids gathered", ids, c, ticks),
+        Term(
+            "all-gather", "context: the first stage's token ids gathered", ids, c, ticks, axes=seq
+        ),
     ]
     return out
 

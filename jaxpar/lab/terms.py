@@ -29,6 +29,10 @@ class Term:
     #: it runs while the matmuls it feeds compute (a collective matmul's sends): the step
     #: time counts it only where it outlasts the compute
     hidden: bool = False
+    #: the mesh axes its group spans (``group`` is the product of their degrees), which
+    #: place it on the NVLink domains or across the network (:mod:`jaxpar.lab.network`);
+    #: empty where unknown: costed inside one domain
+    axes: tuple[str, ...] = ()
 
     @property
     def wire_bytes(self) -> float:
@@ -60,6 +64,9 @@ class LabLayout:
         (``pipeline.backward=residuals``) rather than recompute it.
       tensor_overlap: how tensor parallelism's communication overlaps the matmuls
         (``tensor.overlap``: ``none``, ``collective_matmul`` or ``xla``).
+      in_flight: the most microbatches (chunks × microbatches with virtual stages) whose
+        forward a pipeline's device has run and whose backward it has not: it holds
+        their activations at once (1 without a pipeline).
     """
 
     sizes: Mapping[str, int]
@@ -74,6 +81,8 @@ class LabLayout:
     context: str = "all_gather"
     residuals: bool = False
     tensor_overlap: str = "none"
+    #: the most microbatches whose activations a device of the pipeline holds at once
+    in_flight: int = 1
 
 
 def fp8_itemsize(cpu: bool) -> int:
@@ -104,6 +113,12 @@ class LabModel:
     #: the parameters, by name, that the family's FP8 matmuls read (``model.precision=
     #: fp8``): quantized before FSDP gathers them, so gathered at :func:`fp8_itemsize`
     fp8_weights: frozenset[str] = frozenset()
+
+    def activation_bytes(self, cfg: Any, layout: LabLayout) -> float | None:
+        """Bytes of the activations one device holds at the peak of a step (what the
+        compiled program's temporaries mostly are), or None where the family does not
+        say (:mod:`jaxpar.lab.analytic` then judges memory on the state alone)."""
+        return None
 
     def tensor_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
         """Activation collectives under tensor parallelism."""

@@ -5,19 +5,26 @@ context parallelism add to a step, and, for a Llama with experts, the experts' o
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 import jax.numpy as jnp
 
 from jaxpar.axes import Axis
+from jaxpar.errors import ConfigError
 from jaxpar.lab import experts
+from jaxpar.lab.activations import Kept, activation_bytes
 from jaxpar.lab.terms import LabLayout, LabModel, Term, fp8_itemsize
 from jaxpar.logical import ACT_SEQ, SEQ
 from jaxpar.models.bert import BERT_FAMILY
 from jaxpar.models.gemma import GEMMA_FAMILY
 from jaxpar.models.gpt import GPT_FAMILY
 from jaxpar.models.llama import LLAMA_FAMILY
+from jaxpar.models.transformer import attention_implementation
+
+#: the axes of tensor parallelism's activation collectives
+TP = (Axis.TENSOR,)
 
 
 def transformer_tensor_terms(
@@ -75,8 +82,10 @@ def transformer_tensor_terms(
         counts = (times, layers, reductions, inputs)
         terms = _unoverlapped_terms(cfg, layout, activation, div, counts, 4 * norms * layers)
     else:
-        terms = [Term("all-reduce", experts.MEGATRON, activation / div, t, reductions)]
-    terms.append(Term("all-reduce", "cross-entropy statistics", rows * seq * 4 / div, t, 3 * times))
+        terms = [Term("all-reduce", experts.MEGATRON, activation / div, t, reductions, axes=TP)]
+    terms.append(
+        Term("all-reduce", "cross-entropy statistics", rows * seq * 4 / div, t, 3 * times, axes=TP)
+    )
     if Axis.TENSOR in layout.rules.get("vocab", ()):
         # loop-invariant: XLA gathers the table once for all microbatches
         terms.append(
@@ -86,6 +95,7 @@ def transformer_tensor_terms(
                 cfg.vocab_size * d * 4,
                 t,
                 times if layout.stages is not None else 1,
+                axes=TP,
             )
         )
     return terms
@@ -114,9 +124,16 @@ def _sequence_parallel_terms(
     kind = "all-reduce" if layout.cpu else "reduce-scatter"
     reductions, gathers = counts
     return [
-        Term(kind, "sequence parallel: activations reduce-scattered", activation, t, reductions),
-        Term("all-gather", SP_GATHERS, activation, t, gathers),
-        Term("all-reduce", "sequence parallel: norm gradients", norms[0], t, norms[1]),
+        Term(
+            kind,
+            "sequence parallel: activations reduce-scattered",
+            activation,
+            t,
+            reductions,
+            axes=TP,
+        ),
+        Term("all-gather", SP_GATHERS, activation, t, gathers, axes=TP),
+        Term("all-reduce", "sequence parallel: norm gradients", norms[0], t, norms[1], axes=TP),
     ]
 
 
@@ -137,7 +154,9 @@ def _unoverlapped_terms(
     terms = []
     if cfg.precision == "fp8":
         fp8 = activation / _itemsize(cfg, layout) * fp8_itemsize(layout.cpu) / div
-        terms.append(Term("all-gather", SP_FP8_GATHERS, fp8, t, times * (2 * inputs + 2) * layers))
+        terms.append(
+            Term("all-gather", SP_FP8_GATHERS, fp8, t, times * (2 * inputs + 2) * layers, axes=TP)
+        )
         gathers = 0
     counts = (reductions, gathers + outside)
     return terms + _sequence_parallel_terms(layout, activation / div, counts, (norm_bytes, times))
@@ -168,7 +187,9 @@ def _overlapped_terms(
     gradient gathered, and the norm gradients summed over ``tensor``."""
     t = layout.sizes[Axis.TENSOR]
     sends = sum(chains) * (t - 1)
-    hidden = Term("collective-permute", OVERLAP_SENDS, activation / t, t, sends, hidden=True)
+    hidden = Term(
+        "collective-permute", OVERLAP_SENDS, activation / t, t, sends, hidden=True, axes=TP
+    )
     counts = (times, 2 * times)
     return [hidden, *_sequence_parallel_terms(layout, activation, counts, (norm_bytes, times))]
 
@@ -197,7 +218,7 @@ def _first_stage_terms(
         norms = (4 * norm_weights * layers, m * k)
         terms = _sequence_parallel_terms(layout, activation / (m * k), counts, norms)
     else:
-        terms = [Term("all-reduce", experts.MEGATRON, activation / (m * k), t, reductions)]
+        terms = [Term("all-reduce", experts.MEGATRON, activation / (m * k), t, reductions, axes=TP)]
     if Axis.TENSOR in layout.rules.get("vocab", ()):
         terms.append(
             Term(
@@ -206,6 +227,7 @@ def _first_stage_terms(
                 cfg.vocab_size * cfg.d_model * 4,
                 t,
                 2 * m * k,
+                axes=TP,
             )
         )
     return terms
@@ -222,7 +244,8 @@ def transformer_context_terms(cfg: Any, layout: LabLayout) -> list[Term]:
     again in a rematerialized backward, and their 4 gradients backward; the positions
     gathered once. Without a pipeline: inside one, :func:`jaxpar.lab.staged.
     context_terms_in_pipeline` rescales these per microbatch and tick."""
-    c = math.prod(layout.sizes[a] for a in layout.rules.get(SEQ, ()))
+    seq = tuple(layout.rules.get(SEQ, ()))
+    c = math.prod(layout.sizes[a] for a in seq)
     if c == 1 or layout.stages is not None:
         return []
     k, L, T = layout.grad_accum, cfg.n_layers, layout.seq_len
@@ -250,39 +273,56 @@ def transformer_context_terms(cfg: Any, layout: LabLayout) -> list[Term]:
                 "context: tied table gradient reduced over context",
                 cfg.vocab_size * cfg.d_model * 4,
                 c,
+                axes=seq,
             )
         ]
         if getattr(cfg, "tie_embeddings", False)
         else []
     )
-    if layout.context == "ring":  # a custom VJP: a rematerialized block keeps its result
-        block = kv / c
-        return [
-            *tied,
-            Term(
-                "collective-permute",
-                "context: K and V blocks round the ring",
-                block,
-                c,
-                k * L * 2 * (c - 1) * 2,
-            ),
-            Term(
-                "collective-permute",
-                "context: dK and dV blocks home",  # float32
-                block * 4 / itemsize,
-                c,
-                k * L * 2 * c,
-            ),
-            Term("collective-permute", "context: positions round the ring", T // c * 4, c, c - 1),
-        ]
+    if layout.context == "ring":
+        return [*tied, *_ring_terms(cfg, layout, c, kv, itemsize)]
     forward = 2 if cfg.remat != "none" else 1
     if layout.context == "ulysses":
         return [*tied, *_ulysses_terms(cfg, layout, c, kv, itemsize)]
     return [
         *tied,
-        Term("all-gather", "context: K and V gathered", kv, c, k * L * 2 * forward),
-        Term("reduce-scatter", "context: dK and dV reduce-scattered", kv, c, k * L * 2),
-        Term("all-gather", "context: positions gathered", T * 4, c, 1),
+        Term("all-gather", "context: K and V gathered", kv, c, k * L * 2 * forward, axes=seq),
+        Term("reduce-scatter", "context: dK and dV reduce-scattered", kv, c, k * L * 2, axes=seq),
+        Term("all-gather", "context: positions gathered", T * 4, c, 1, axes=seq),
+    ]
+
+
+def _ring_terms(cfg: Any, layout: LabLayout, c: int, kv: float, itemsize: int) -> list[Term]:
+    """Ring attention's sends (``kv``: one of K, V over the whole sequence, per device): a
+    custom VJP, so a rematerialized block keeps its result."""
+    k, L, T = layout.grad_accum, cfg.n_layers, layout.seq_len
+    seq = tuple(layout.rules.get(SEQ, ()))
+    block = kv / c
+    return [
+        Term(
+            "collective-permute",
+            "context: K and V blocks round the ring",
+            block,
+            c,
+            k * L * 2 * (c - 1) * 2,
+            axes=seq,
+        ),
+        Term(
+            "collective-permute",
+            "context: dK and dV blocks home",  # float32
+            block * 4 / itemsize,
+            c,
+            k * L * 2 * c,
+            axes=seq,
+        ),
+        Term(
+            "collective-permute",
+            "context: positions round the ring",
+            T // c * 4,
+            c,
+            c - 1,
+            axes=seq,
+        ),
     ]
 
 
@@ -292,12 +332,13 @@ def _ulysses_terms(cfg: Any, layout: LabLayout, c: int, kv: float, itemsize: int
     forward = 2 if cfg.remat != "none" else 1  # a rematerialized backward exchanges again
     q_heads = math.prod(layout.sizes[a] for a in layout.rules.get("heads", ()))
     q = layout.rows * T * cfg.n_heads * cfg.head_dim // q_heads * itemsize / k / c
+    seq = tuple(layout.rules.get(SEQ, ()))
     return [
-        Term("all-to-all", "context: q and output exchanged", q, c, k * L * 2 * forward),
-        Term("all-to-all", "context: K and V exchanged", kv / c, c, k * L * 2 * forward),
-        Term("all-to-all", "context: dq and d(output) exchanged", q, c, k * L * 2),
-        Term("all-to-all", "context: dK and dV exchanged", kv / c, c, k * L * 2),
-        Term("all-gather", "context: positions gathered", T * 4, c, 1),
+        Term("all-to-all", "context: q and output exchanged", q, c, k * L * 2 * forward, axes=seq),
+        Term("all-to-all", "context: K and V exchanged", kv / c, c, k * L * 2 * forward, axes=seq),
+        Term("all-to-all", "context: dq and d(output) exchanged", q, c, k * L * 2, axes=seq),
+        Term("all-to-all", "context: dK and dV exchanged", kv / c, c, k * L * 2, axes=seq),
+        Term("all-gather", "context: positions gathered", T * 4, c, 1, axes=seq),
     ]
 
 
@@ -311,6 +352,21 @@ class TransformerLab(LabModel):
     #: input gradients of the attention's projection (q, k, v stacked: one sum) and of the
     #: MLP's first matmul
     backward_all_reduces = 2
+
+    #: what a layer keeps for its backward pass (:mod:`jaxpar.lab.activations`), counted
+    #: from XLA's programs for GPT and BERT (per token, in widths): the norms' and the
+    #: residual's whole (10 D), q, k, v (3 of their width), the MLP's (6 F), attention's
+    #: scores and probabilities (2); the block's input under remat; float32 logits and
+    #: their gradient (2 V)
+    kept = Kept(replicated=10, attention=3, mlp=6, scores=2, remat=1, head=2)
+
+    def activation_bytes(self, cfg: Any, layout: LabLayout) -> float | None:
+        if getattr(cfg, "n_experts", 0):  # routed tokens: not counted yet
+            return None
+        # q and k norms (Qwen3, Gemma 3) keep their inputs and outputs too
+        qk = 2 * bool(getattr(cfg, "qk_norm", False))
+        kept = dataclasses.replace(self.kept, attention=self.kept.attention + qk)
+        return activation_bytes(cfg, layout, kept, _flash(cfg, layout))
 
     def tensor_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
         return transformer_tensor_terms(cfg, layout, self.backward_all_reduces)
@@ -331,6 +387,8 @@ class GemmaLab(TransformerLab):
     where the key/value heads are not split as the query heads are)."""
 
     fp8_weights = LLAMA_FP8
+    #: Gemma's four norms a layer and GeGLU (counted as GPT's are)
+    kept = Kept(replicated=19, attention=4, mlp=11, scores=2, remat=1, head=2)
 
     def tensor_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
         return transformer_tensor_terms(
@@ -350,6 +408,8 @@ class LlamaLab(TransformerLab):
     :func:`jaxpar.lab.experts.tensor_terms`."""
 
     fp8_weights = LLAMA_FP8
+    #: SwiGLU keeps its gate, up, activation and product: 8 F where GPT's MLP keeps 6
+    kept = Kept(replicated=10, attention=3, mlp=8, scores=2, remat=1, head=2)
 
     def tensor_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
         dense = transformer_tensor_terms(
@@ -364,6 +424,17 @@ class LlamaLab(TransformerLab):
 
     def expert_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
         return experts.dispatch_terms(cfg, layout)
+
+
+def _flash(cfg: Any, layout: LabLayout) -> bool:
+    """Whether attention runs as cuDNN's fused kernel, which keeps no [T, T] scores: on a
+    GPU, where ``model.attention`` means ``cudnn``."""
+    if layout.cpu or not hasattr(cfg, "attention"):
+        return False
+    try:
+        return attention_implementation(cfg, "gpu") == "cudnn"
+    except ConfigError:  # a setting cuDNN cannot run: XLA's attention
+        return False
 
 
 def _norm_weights(cfg: Any, norms: int) -> int:

@@ -1,0 +1,182 @@
+"""A layout's step estimated without compiling: for device counts no machine here can
+simulate (``jaxpar plan --devices 1024``).
+
+The run is planned on an abstract mesh (:func:`jaxpar.run.build` with ``target``), so its
+shardings, state bytes and the lab's collectives (:func:`jaxpar.lab.predict.predict_comm`)
+are the ones a compiled program has (``tests/test_abstract_plan.py``). What compiling
+adds is estimated from the model's shape:
+
+* **FLOPs per device**: the family's count of one example's training FLOPs
+  (:class:`jaxpar.models.family.Counts`) × the examples a device computes (the global
+  batch over the axes that split the batch and the sequence, and over ``tensor``), over
+  ``stage`` in a pipeline, times
+  - the schedule's cost: a tick costs its busiest device's action (forward 1, fused
+    backward 2, its two halves 1 each), bubbles free, as the compiled step is read
+    (:func:`pipeline_factor`);
+  - recomputation: ``model.remat=full`` runs the stacked layers' forward again, a third
+    of their share of the FLOPs (:func:`layer_share`).
+* **Memory**: the step's arguments (state shards and batch shards, from the shardings:
+  exact), its outputs (the donated state), and the activations the family's lab module
+  estimates (:meth:`jaxpar.lab.terms.LabModel.activation_bytes`; none for a model
+  without one, and the row says so).
+* **Collectives**: the lab's terms; each distinct collective of a step counted once per
+  execution for the latency term.
+
+A family without FLOP counts gets no compute term. The estimate is checked against the
+compiled program at 8 simulated devices (``tests/test_analytic.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxpar.axes import Axis
+from jaxpar.config import Config, apply_overrides
+from jaxpar.data import Data, load_data
+from jaxpar.errors import JaxparError
+from jaxpar.lab.families import lab_for
+from jaxpar.lab.hardware import Hardware
+from jaxpar.lab.measure import Row, fill_predicted, layout_overrides
+from jaxpar.lab.network import step_time
+from jaxpar.lab.predict import lab_layout, predict_argument_bytes, predict_comm
+from jaxpar.pipeline.schedule import KINDS, UNIT_TIMES
+from jaxpar.plan.abstract import global_batch_shapes
+from jaxpar.run import Run, build
+from jaxpar.task import Task
+
+
+def pipeline_factor(table: Any, recompute: bool) -> float:
+    """A pipeline step's FLOPs per device over the work it does (forward 1, backward 2 per
+    microbatch and chunk): the sum over ticks of the busiest device's action, as the step
+    is priced (every device waits for the slowest at the next send; bubbles free). With
+    ``recompute`` a backward action runs its chunk's forward again first (the executors
+    keep only each chunk's input, unless the sub-mesh one keeps its residuals); the
+    weight-gradient half of a split backward does not."""
+    cost = [0.0, *(UNIT_TIMES[k] + (recompute and k in ("B", "I", "W")) for k in KINDS[1:])]
+    busiest = sum(max(cost[k] for k in row) for row in table.kind.tolist())
+    return busiest / (3.0 * table.m * table.v)
+
+
+def layer_share(run: Run) -> float:
+    """The share of a step's FLOPs in the stacked layers: from the family's counts with
+    the layers doubled (a config with ``n_layers``); 1 where that cannot be read."""
+    family, cfg = run.family, run.config.model
+    if family is None or family.counts is None or not hasattr(cfg, "n_layers"):
+        return 1.0
+    one = family.counts(cfg, run.data).train_flops_per_example
+    doubled = dataclasses.replace(cfg, n_layers=2 * cfg.n_layers)
+    two = family.counts(doubled, run.data).train_flops_per_example
+    return min(1.0, (two - one) / one) if one else 1.0
+
+
+def flops_per_device(run: Run) -> float | None:
+    """The step's FLOPs on one device (None: the family does not count them)."""
+    family = run.family
+    if family is None or family.counts is None:
+        return None
+    plan = run.plan
+    sizes = plan.mesh.shape
+    per_example = family.counts(run.config.model, run.data).train_flops_per_example
+    split = plan.batch_ways() * sizes[Axis.CONTEXT] * sizes[Axis.TENSOR] * sizes[Axis.STAGE]
+    flops = per_example * run.config.train.batch_size / split
+    if plan.pipeline is not None:
+        residuals = plan.executor == "mpmd" and plan.gradients.residuals
+        flops *= pipeline_factor(plan.pipeline, recompute=not residuals)
+    if getattr(run.config.model, "remat", "none") == "full":
+        flops *= 1 + layer_share(run) / 3
+    return flops
+
+
+def collective_calls(terms: Any) -> int:
+    """The collectives a step executes, estimated: each distinct collective (kind, what,
+    group) once per execution (XLA combines a layer's arrays into one instruction)."""
+    seen: dict[tuple[str, str, int], int] = {}
+    for t in terms:
+        key = (t.kind, t.what, t.group)
+        seen[key] = max(seen.get(key, 0), t.times)
+    return sum(seen.values())
+
+
+class _FirstBatch:
+    """A config's data with its batches drawn once (a plan reads only their shapes)."""
+
+    def __init__(self, data: Data):
+        self._data = data
+        self._batches: dict[tuple[int, int], dict] = {}
+
+    def batch(self, step: int, size: int) -> dict:
+        if (step, size) not in self._batches:
+            self._batches[step, size] = self._data.batch(step, size)
+        return self._batches[step, size]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._data, name)
+
+
+#: the data of the config last estimated, by its data section and what its model reads
+_READ: dict[str, _FirstBatch] = {}
+
+
+def _read_once(config: Config) -> Data:
+    """The config's data, read once for every layout of a plan (the last config's kept)."""
+    key = repr((config.data, config.family.needs(config.model), config.run.seed))
+    if key not in _READ:
+        _READ.clear()
+        _READ[key] = _FirstBatch(
+            load_data(config.data, config.family.needs(config.model), config.run.seed)
+        )
+    return _READ[key]
+
+
+def estimate(
+    config: Config,
+    layout: str,
+    hw: Hardware,
+    devices: int,
+    memory_bytes: float | None = None,
+    task: Task | None = None,
+    cpu: bool = False,
+) -> Row:
+    """The row of ``layout`` on ``devices`` devices of ``hw``'s platform, nothing compiled
+    (its ``error`` says why a layout cannot run); ``cpu``: the activations as XLA:CPU
+    holds them (bfloat16 as float32: what the tests compare with)."""
+    row = Row(layout, hardware=hw.key)
+    try:
+        config = apply_overrides(config, layout_overrides(layout))
+        data = None if task is not None else _read_once(config)
+        run = build(config, task, target=(devices, hw.platform), data=data)
+    except JaxparError as err:
+        row.error = str(err)
+        return row
+    batch = global_batch_shapes(run.data.batch(0, run.config.train.batch_size))
+    state = run.plan.state_bytes()
+    row.mem_host_bytes = state.host
+    row.mem_args_bytes = row.predicted_mem_args_bytes = predict_argument_bytes(run, batch)
+    row.mem_output_bytes = state.total
+    lab = lab_for(run.family)
+    activations = lab.activation_bytes(run.config.model, lab_layout(run, cpu=cpu))
+    # and the gradients: one per parameter shard (and the accumulator's beside it)
+    grads = state.params * (2 if run.plan.grad_accum > 1 else 1)
+    temps = None if activations is None else round(activations + grads)
+    row.mem_temp_bytes = temps
+    row.mem_total_bytes = row.mem_args_bytes + (temps or 0)
+    row.fits = row.mem_total_bytes <= (memory_bytes or hw.memory_bytes)
+    row.flops = flops_per_device(run)
+    row.mem_traffic_bytes = row.mem_args_bytes + row.mem_output_bytes + 2 * (temps or 0)
+    comm = predict_comm(run, "gpu")
+    row.predicted_comm_bytes = comm.total_bytes
+    visible = [t for t in comm.terms if not t.hidden]
+    row.collective_ops = row.collective_arrays = collective_calls(visible)
+    dtype = run.family.compute_dtype(run.config.model) if run.family else "float32"
+    time_s = step_time(
+        hw,
+        row.flops or 0.0,
+        row.mem_traffic_bytes,
+        comm.terms,
+        dict(run.plan.mesh.shape),
+        dtype,
+        calls=row.collective_ops,
+    )
+    fill_predicted(row, time_s, run, hw.peak_flops(dtype))
+    return row

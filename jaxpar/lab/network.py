@@ -1,0 +1,161 @@
+"""The network as it is: which of a step's collectives leave an NVLink domain, and what
+they cost there.
+
+A profile's chips sit in NVLink domains of :attr:`~jaxpar.lab.hardware.Hardware.
+domain_devices` chips (8 on an HGX board, 72 in a GB200 NVL72 rack); between domains each
+chip sends through its own NIC at :attr:`~jaxpar.lab.hardware.Hardware.network_bandwidth`.
+The mesh's devices fill the domains in mesh order: device index row-major over (data,
+stage, fsdp, context, tensor), outermost first, as :func:`jaxpar.mesh.make_mesh` lays them
+out (without ``mesh.hosts_*``). So ``tensor`` stays inside a domain longest and ``data``
+leaves it first.
+
+A collective over the axes its :class:`~jaxpar.lab.terms.Term` names falls, group by
+group, on ``m`` domains with ``k`` of its members in each (:func:`placements`). Inside one
+domain (``m = 1``) it is the ring of :attr:`Term.wire_bytes` at ``B`` (today's roofline);
+across domains NCCL runs it hierarchically, and one device sends, for a payload ``S``::
+
+    all-reduce       2(k−1)/k·S / B  +  2(m−1)/(m·k)·S / N
+                     (reduce-scatter inside the domain, all-reduce of the 1/k shard across
+                     domains — k rings at once, one per GPU's NIC —, all-gather inside)
+    all-gather,      (k−1)/k·S / B  +  (m−1)/(m·k)·S / N
+    reduce-scatter   (the same two phases, once)
+    send (permute)   S / N             (the ring's sends that cross set its pace)
+    all-to-all       max((k−1)/n·S / B, (n−k)/n·S / N),  n = k·m
+                     (the share for other domains leaves through the NIC)
+
+with ``B`` = :attr:`~jaxpar.lab.hardware.Hardware.interconnect_bandwidth` and ``N`` the
+network bandwidth. A group whose domains hold unequal numbers of its members is costed
+at its sparsest domain (the largest share per NIC), and the step at its slowest group.
+Every collective pays ``collective_latency``; one that crosses pays ``network_latency``
+more per level of NCCL's tree across the ``m`` domains (⌈log2 m⌉; a send: one).
+
+Sources: NCCL's own cost model (NVIDIA/nccl, ``src/graph/tuning.cc``: an inter-node ring
+all-reduce spends ``2(nNodes−1)`` of its ``2(nRanks−1)`` steps on the network, a tree
+``2·log2(nNodes)`` network hops) and its rings and trees built one per NIC; the
+hierarchical all-reduce (reduce-scatter, inter-node all-reduce, all-gather) of Jia et al.,
+"Highly Scalable Deep Learning Training System with Mixed-Precision" (2018); and
+Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
+Megatron-LM" (SC'21), whose first takeaway keeps tensor parallelism within a server
+because its all-reduces across servers run over the slower inter-server links.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from jaxpar.lab.hardware import Hardware, StepTime
+from jaxpar.lab.terms import Term
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one group of a collective lies: ``members`` of it (``k``, the fewest in any)
+    in each of the ``domains`` (``m``) it spans."""
+
+    members: int
+    domains: int
+
+
+def placements(
+    axes: Sequence[str], sizes: Mapping[str, int], domain_devices: int
+) -> frozenset[Placement]:
+    """The distinct placements of the groups of a collective over ``axes`` on a mesh of
+    ``sizes`` (mesh axis order, outermost first) whose devices fill domains of
+    ``domain_devices`` in order (0: one domain holds them all)."""
+    names = list(sizes)
+    assert set(axes) <= set(names), (axes, names)
+    spanned = sorted({names.index(a) for a in axes})
+    n = math.prod(sizes[names[i]] for i in spanned)
+    total = math.prod(sizes.values())
+    if not domain_devices or total <= domain_devices or n == 1:
+        return frozenset({Placement(n, 1)})
+    index = np.arange(total).reshape([sizes[a] for a in names])
+    rest = [i for i in range(len(names)) if i not in spanned]
+    domains = index.transpose(rest + spanned).reshape(-1, n) // domain_devices
+    found = set()
+    for row in np.unique(domains - domains[:, :1], axis=0):  # each group's domains, relative
+        _, counts = np.unique(row, return_counts=True)
+        found.add(Placement(int(counts.min()), len(counts)))
+    return frozenset(found)
+
+
+def _bytes(term: Term, where: Placement, hw: Hardware, scale: float) -> tuple[float, float]:
+    """(NVLink bytes, network bytes) one device sends for all of ``term``'s executions."""
+    k, m = where.members, where.domains
+    if m == 1:
+        return scale * term.wire_bytes, 0.0
+    size = scale * term.payload_bytes * term.times
+    if term.kind == "collective-permute":
+        return 0.0, size
+    if term.kind == "all-to-all":
+        n = k * m
+        inside, across = size * (k - 1) / n, size * (n - k) / n
+        if across / hw.network_bandwidth >= inside / hw.interconnect_bandwidth:
+            return 0.0, across
+        return inside, 0.0
+    phases = 2 if term.kind == "all-reduce" else 1
+    return phases * size * (k - 1) / k, phases * size * (m - 1) / (m * k)
+
+
+def _levels(term: Term, where: Placement) -> int:
+    """Levels of NCCL's tree across domains one execution of ``term`` climbs."""
+    if where.domains == 1:
+        return 0
+    return 1 if term.kind == "collective-permute" else math.ceil(math.log2(where.domains))
+
+
+def step_time(
+    hw: Hardware,
+    flops: float,
+    traffic_bytes: float,
+    terms: Sequence[Term],
+    sizes: Mapping[str, int],
+    dtype: str,
+    *,
+    calls: int | None = None,
+    scale: float = 1.0,
+) -> StepTime:
+    """The roofline of one step on ``hw`` with each collective placed on its NVLink domains
+    and the network (the module docstring); equal to :func:`~jaxpar.lab.hardware.roofline`
+    of the same bytes where every group stays inside a domain.
+
+    Args:
+      hw: the profile.
+      flops, traffic_bytes, dtype: per device, as :func:`~jaxpar.lab.hardware.roofline`.
+      terms: the step's collectives (GPU form); hidden ones count in ``hidden_s``.
+      sizes: the mesh's degrees in mesh axis order, outermost first.
+      calls: the collectives the step executes (the compiled program's count, hidden ones
+        left out), replacing the terms' count; their latency is priced at the terms' mix
+        of crossing and staying.
+      scale: multiplies every term's bytes (measured over predicted).
+    """
+    nvlink, nic = hw.interconnect_bandwidth, hw.network_bandwidth
+    known: dict[frozenset, frozenset[Placement]] = {}
+    exposed, hidden = [0.0, 0.0], [0.0, 0.0]
+    count = levels = 0
+    for term in terms:
+        key = frozenset(term.axes)
+        if key not in known:
+            known[key] = placements(term.axes, sizes, hw.domain_devices)
+        options = [_bytes(term, p, hw, scale) for p in known[key]]
+        inside, across = max(options, key=lambda b: b[0] / nvlink + b[1] / nic)
+        into = hidden if term.hidden else exposed
+        into[0] += inside
+        into[1] += across
+        if not term.hidden:
+            count += term.times
+            levels += term.times * max(_levels(term, p) for p in known[key])
+    calls = count if calls is None else calls
+    crossing = levels / count if count else 0.0
+    return StepTime(
+        compute_s=flops / hw.peak_flops(dtype),
+        memory_s=traffic_bytes / hw.hbm_bandwidth,
+        comm_s=exposed[0] / nvlink + exposed[1] / nic,
+        latency_s=calls * (hw.collective_latency + hw.network_latency * crossing),
+        hidden_s=hidden[0] / nvlink + hidden[1] / nic,
+        overhead_s=hw.step_overhead,
+    )
