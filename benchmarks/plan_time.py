@@ -4,6 +4,11 @@
     python benchmarks/plan_time.py --compare       # + each way of measuring the layouts
     python benchmarks/plan_time.py --compare --check   # + the figures of both compile settings
     python benchmarks/plan_time.py --rank DIR/sweep.csv    # the ranking against measured steps
+    python benchmarks/plan_time.py --cluster       # Llama-3-70B on 1,024 GPUs, estimated
+
+``--cluster`` times ``jaxpar plan configs/llama3_70b.yaml train.batch_size=1024 --devices
+1024`` in a fresh process: every layout estimated from the model's shape
+(:mod:`jaxpar.lab.analytic`), nothing compiled (issue 45's goal: a minute).
 
 The command (``jaxpar plan configs/gpt_tiny.yaml --devices 8 --hardware h100``) runs in a
 fresh process, without a persistent compilation cache, then a second time with one
@@ -188,14 +193,39 @@ def rank(csv_path: str) -> None:
     )
 
 
+CLUSTER = [
+    sys.executable,
+    "-m",
+    "jaxpar",
+    "plan",
+    "configs/llama3_70b.yaml",
+    "train.batch_size=1024",
+    "--devices",
+    "1024",
+]
+
+
+def cluster_time() -> None:
+    wall, cpu, out = _timed(CLUSTER, _env())
+    counts = [line for line in out.splitlines() if line.startswith("estimating")]
+    top = [line for line in out.splitlines() if line.startswith("fastest")]
+    print(
+        f"`{' '.join(CLUSTER[2:])}`: {wall:.1f} s wall, {cpu:.1f} s CPU ({_load()}); "
+        f"{'; '.join(counts)}; {top[0]}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--compare", action="store_true", help="time each way of measuring")
     parser.add_argument("--check", action="store_true", help="with --compare: the figures")
     parser.add_argument("--rank", metavar="SWEEP_CSV", help="only: rank correlation of a sweep")
+    parser.add_argument("--cluster", action="store_true", help="only: a 1,024-GPU plan")
     args = parser.parse_args()
     if args.rank:
         return rank(args.rank)
+    if args.cluster:
+        return cluster_time()
     command_times()
     if args.compare:
         print("| way | layouts | wall s (measuring) | CPU s (process) | |\n|---|---|---|---|---|")

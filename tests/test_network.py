@@ -224,7 +224,8 @@ def test_the_plan_prices_a_layout_that_leaves_the_domain(h100):
     an H100 of 4-GPU domains: every gradient all-reduce then spans 2 domains of 4, its
     bytes split as the hierarchical formula says, and each collective pays one network
     level more; the measured bytes stand behind both (``scale``)."""
-    lowered = measure.lower(load_config([], GPT_SMALL), "data=8", h100)
+    # buckets after the backward pass: every all-reduce exposed (none overlaps a layer)
+    lowered = measure.lower(load_config([], GPT_SMALL), "data=8,train.grad_bucket_mb=25", h100)
     compiled, seconds = measure.compile_lowered(lowered)
     whole = measure.read(lowered, compiled, seconds, h100)
     one = (whole.predicted_comm_s, whole.predicted_latency_s, whole.collective_ops)

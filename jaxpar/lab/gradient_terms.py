@@ -313,6 +313,7 @@ def _fsdp_terms(
             local * leaf.gathered,
             _degree(sizes, gather),
             _gathers(step.plan, step.pipelined, leaf.scanned, step.outside),
+            hidden=_overlapped(step, leaf),
             axes=gather,
         )
     ]
@@ -328,7 +329,15 @@ def _fsdp_terms(
         pass
     elif not step.cpu or spmd_pipeline:  # one program reduces: scatters
         terms.append(
-            Term("reduce-scatter", "gradient reduce-scatter", local, n, step.accum, axes=gather)
+            Term(
+                "reduce-scatter",
+                "gradient reduce-scatter",
+                local,
+                n,
+                step.accum,
+                hidden=_overlapped(step, leaf),
+                axes=gather,
+            )
         )
     elif step.accum > 1 and not step.mpmd:  # XLA:CPU: an all-reduce over fsdp per microbatch
         terms.append(
@@ -366,8 +375,19 @@ def _all_reduce_terms(step: _Step, leaf: _Leaf, local: float, over: tuple[str, .
         rest //= split_seq
         over = tuple(a for a in over if a not in seq)
     if rest > 1:
-        terms.append(Term("all-reduce", ALL_REDUCED, local, rest, times, axes=over))
+        hidden = _overlapped(step, leaf)
+        terms.append(Term("all-reduce", ALL_REDUCED, local, rest, times, hidden, axes=over))
     return terms
+
+
+def _overlapped(step: _Step, leaf: _Leaf) -> bool:
+    """Whether a stacked layer's gather or gradient reduction runs while other layers
+    compute: in a GPU's layer scan XLA's latency-hiding scheduler starts the next layer's
+    FSDP gather during this layer's matmuls and reduces a layer's gradient during the
+    next one's backward (what FSDP and DDP overlap by design). Not on XLA:CPU (one
+    stream), not in a pipeline (gathered at its entry, summed per tick), and not
+    for weights outside the scan (the embedding and head: gathered first, reduced last)."""
+    return leaf.scanned and not step.cpu and not step.pipelined
 
 
 def _tick_reduction(

@@ -20,8 +20,9 @@ from the compiled program (:attr:`jaxpar.hlo.ProgramCost.collective_ops`: loops 
 their trip counts), or, for a profile with ``latency_per: array``, the arrays they move
 (:attr:`~jaxpar.hlo.ProgramCost.collective_arrays`: gloo under XLA:CPU makes a call per
 array of a combined all-reduce, so there gradient buckets save what NCCL's grouped call
-already saves on a GPU). Communication is added, not overlapped: a conservative bound, and the
-one that tells layouts apart when all of them are compute-bound on paper.
+already saves on a GPU). Communication is added, but for what runs while the step computes
+(``hidden_bytes``: a stacked layer's FSDP gathers and gradient reductions on a GPU, a
+collective matmul's sends), which counts only where it outlasts the compute.
 """
 
 from __future__ import annotations

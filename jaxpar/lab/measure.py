@@ -73,6 +73,8 @@ class Row:
     predicted_compute_s: float | None = None
     predicted_memory_s: float | None = None
     predicted_comm_s: float | None = None
+    #: communication that runs while the step computes (counted only where it outlasts it)
+    predicted_hidden_s: float | None = None
     predicted_bound: str = ""
     #: tokens (examples for a model without a sequence) per second per device, predicted
     predicted_tokens_per_s_per_device: float | None = None
@@ -284,7 +286,7 @@ def _step_time(
         terms,
         sizes,
         dtype,
-        calls=calls - gpu.hidden_ops,
+        calls=max(0, calls - gpu.hidden_ops),
         scale=scale,
     )
 
@@ -295,6 +297,7 @@ def fill_predicted(row: Row, time_s: StepTime, run: Run, peak_flops: float) -> N
     row.predicted_latency_s = time_s.latency_s
     row.predicted_compute_s, row.predicted_memory_s = time_s.compute_s, time_s.memory_s
     row.predicted_comm_s, row.predicted_bound = time_s.comm_s, time_s.bound
+    row.predicted_hidden_s = time_s.hidden_s
     per_example = run.plan.task.tokens_per_example or 1
     devices = run.plan.mesh.size
     tokens = run.config.train.batch_size * per_example

@@ -382,7 +382,7 @@ def format_plan(planned: list[Planned], hw: Hardware, memory: float) -> str:
                 "yes" if r.fits else "NO",
                 fmt_time(r.predicted_step_time_s),
                 f"{r.predicted_tokens_per_s_per_device:,.0f}",
-                f"{r.predicted_mfu:.1%}",
+                "" if r.predicted_mfu is None else f"{r.predicted_mfu:.1%}",
                 r.predicted_bound,
                 f"{_calls(r, hw)} ({fmt_time(r.predicted_latency_s)})",
                 fmt_value(r.predicted_comm_bytes, "B"),
@@ -402,6 +402,11 @@ def format_plan(planned: list[Planned], hw: Hardware, memory: float) -> str:
         f"against {memory / 1e9:.3g} GB ({fmt_value(memory, 'B')}) per device"
     )
     lines += getattr(planned, "notes", [])
+    if any(p.row.ok and p.row.flops is None for p in planned):
+        lines.append(
+            "note: estimated without a FLOP count for this model (a model family's counts): "
+            "the step time leaves its compute out"
+        )
     if any(p.row.ok and p.row.mem_temp_bytes is None for p in planned):
         lines.append(
             "note: estimated without an activation estimate for this model: memory is the "

@@ -87,8 +87,11 @@ class CommPrediction:
 
     @property
     def hidden_ops(self) -> int:
-        """How many of the step's collectives are hidden so."""
-        return sum(t.times for t in self.terms if t.hidden)
+        """How many of the step's collectives are hidden with their latency: a collective
+        matmul's sends, each a send of its own in the compiled program. A gather or
+        reduction that overlaps other layers' compute still pays its α (its launch and
+        synchronization), so it stays in the count the latency term prices."""
+        return sum(t.times for t in self.terms if t.hidden and t.kind == "collective-permute")
 
 
 def lab_layout(run: Run, cpu: bool) -> LabLayout:

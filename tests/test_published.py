@@ -1,0 +1,177 @@
+"""``benchmarks/published.py``: the planner's estimates against published training
+measurements (issue 45, item 4; the table and its reading: ``docs/published.md``).
+
+The goal is a prediction within ±20% of each published figure. The planner is not there
+yet, and these tests state how far it is today, so that a change that moves it is seen:
+
+* the unit conversions reproduce the sources' own arithmetic (Megatron-LM SC'21 Eq. (3)
+  and Table 2's training days, MaxText's TFLOP count, NeMo's tokens per second);
+* a representative subset of rows (Table 1's 1.7B, 18.4B and 145.6B, Table 2's 175B on
+  384 GPUs under ZeRO-3 and under PTD-P, MaxText's Llama 2 7B on 8 H100s) lies within the
+  band its kind of layout achieves now: 1.6–2.6× the published figure without a pipeline
+  (the roofline prices every matmul at the datasheet peak, where Megatron reached 43–52%
+  of it and MaxText about half of the H100's), 0.85–1.2× with one (the same optimism,
+  cancelled by pricing each pipeline tick at its busiest device: about 1.5× the work of
+  Megatron's asynchronous 1F1B). Issue 45 item 3 narrows both;
+* the order of ZeRO-3 and PTD-P at equal GPUs, which the planner gets wrong today.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _benchmark():
+    spec = importlib.util.spec_from_file_location(
+        "published_benchmark", ROOT / "benchmarks" / "published.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+P = _benchmark()
+ENTRIES = {e["name"]: e for e in P.load()}
+UNPIPELINED = [
+    "megatron_sc21_table1_1p7b",
+    "megatron_sc21_table1_18p4b",
+    "megatron_sc21_table2_zero3_174p6b_384gpu",
+    "maxtext_a3_llama2_7b_1vm",
+]
+PIPELINED = ["megatron_sc21_table1_145p6b", "megatron_sc21_table2_ptd_174p6b_384gpu"]
+#: predicted / published today (see the module docstring); the goal is 0.8–1.2
+BANDS = {"unpipelined": (1.6, 2.6), "pipelined": (0.85, 1.2)}
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    return {name: P.predict(ENTRIES[name]) for name in UNPIPELINED + PIPELINED}
+
+
+# ---- (a) the conversions against the sources' own arithmetic ---------------------------------
+def test_eq3_for_the_1p7b_row_by_hand():
+    """Eq. (3) for B 512, s 2048, l 24, h 2304, V 51200: 96·512·2048·24·2304² = 1.28247e16
+    times (1 + 0.148148 + 0.057870) = 1.54668e16 FLOPs an iteration. The step time the
+    printed 137 TFLOP/s implies (1.54668e16 / 32 / 137e12 = 3.528 s) converts back to 137,
+    and to the printed aggregate 4.4 PFLOP/s and 44% of the 312 TFLOP/s peak."""
+    assert P.megatron_eq3_flops(512, 2048, 24, 2304, 51200) == pytest.approx(1.54668e16, 1e-5)
+    entry = ENTRIES["megatron_sc21_table1_1p7b"]
+    step = 1.54668e16 / 32 / 137e12
+    assert step == pytest.approx(3.528, abs=5e-4)
+    assert P.published_step_s(entry) == pytest.approx(step, 1e-5)
+    per_gpu = P.tflops_per_gpu(entry, step)
+    assert per_gpu == pytest.approx(137, 1e-5)
+    assert round(per_gpu * 32 / 1000, 1) == entry["measured"]["aggregate_pflops"]
+    assert round(100 * per_gpu / 312) == entry["measured"]["percent_of_peak"]
+
+
+def test_eq3_reproduces_table2_training_days():
+    """Table 2's days for 300B tokens are 300e9 · F/(B·s) / (n · X) with F Eq. (3)'s
+    count: each row to the rounding of its printed TFLOP/s and days (Eq. (3) is the count
+    the paper converts with, not an approximation of it)."""
+    rows = [e for e in ENTRIES.values() if "_table2_" in e["name"]]
+    assert len(rows) == 12
+    for e in rows:
+        m, lay, x = e["model"], e["layout"], e["measured"]
+        flops = P.megatron_eq3_flops(
+            lay["global_batch"], m["seq_len"], m["n_layers"], m["d_model"], m["vocab"]
+        )
+        per_token = flops / (lay["global_batch"] * m["seq_len"])
+        days = 300e9 * per_token / (e["gpus"] * x["tflops_per_gpu"] * 1e12) / 86400
+        printed = x["training_days_300B_tokens"]
+        rounding = 0.5 / x["tflops_per_gpu"] + 0.5 / printed
+        assert abs(days / printed - 1) <= rounding, (e["name"], days, printed)
+
+
+def test_maxtext_count_by_hand():
+    """Llama 2 7B's parameters as a pytree counts them: 2·32000·4096 embedding and output,
+    32 × (4·4096² attention + 3·4096·11008 SwiGLU + 2·4096 norms), + 4096 = 6,738,415,616
+    (the Hugging Face checkpoint's count). Per device and step at b = 4, S = 4096:
+    6·N·S·b = 6.6236e14 plus causal attention 6·32·32·128·4096²·4 = 5.2777e13."""
+    entry = ENTRIES["maxtext_a3_llama2_7b_1vm"]
+    assert P.maxtext_params(entry["model"]) == 6_738_415_616
+    by_hand = 6 * 6_738_415_616 * 4096 * 4 + 6 * 32 * 32 * 128 * 4096**2 * 4
+    assert P.maxtext_flops_per_device(entry["model"], 4) == pytest.approx(by_hand, 1e-12)
+    assert P.published_flops_per_gpu(entry) == pytest.approx(7.1514e14, 1e-4)
+    step = by_hand / 492e12
+    assert P.tflops_per_gpu(entry, step) == pytest.approx(492, 1e-9)
+
+
+def test_nemo_converts_through_its_own_flops_per_token():
+    """NeMo publishes no formula: its tokens/s per GPU at the step time they imply converts
+    to its own TFLOP/s, so predicted/published is the tokens-per-second ratio."""
+    entry = ENTRIES["nemo_24p07_llama2_7b_fp8_8xh100"]
+    step = 128 * 4096 / (8 * 16847)
+    assert P.tflops_per_gpu(entry, step) == pytest.approx(776, 1e-9)
+    assert P.tflops_per_gpu(entry, step / 1.25) == pytest.approx(776 * 1.25, 1e-9)
+
+
+# ---- the mapping -----------------------------------------------------------------------------
+def test_megatron_layouts_map_onto_the_mesh_and_the_schedule():
+    entry = ENTRIES["megatron_sc21_table1_145p6b"]
+    assert P.layout_of(entry) == (
+        "data=24,tensor=8,stage=8,pipeline.schedule=interleaved,"
+        "pipeline.microbatches=48,pipeline.virtual_stages=2"
+    )
+    # full recomputation in a pipeline is the executor's own; without one, model.remat
+    assert P.remat_of(entry) == "none" and P.remat_of(entry, literal=True) == "full"
+    assert P.layout_of(ENTRIES["megatron_sc21_table1_18p4b"]) == (
+        "data=32,tensor=8,train.grad_accum=4"
+    )
+    assert P.remat_of(ENTRIES["megatron_sc21_table1_18p4b"]) == "full"
+    # Table 2 gives only t·p = 96: t = 8 assumed, non-interleaved
+    assert P.layout_of(ENTRIES["megatron_sc21_table2_ptd_174p6b_384gpu"]).startswith(
+        "data=4,tensor=8,stage=12,pipeline.schedule=1f1b,pipeline.microbatches=384"
+    )
+    assert P.layout_of(ENTRIES["maxtext_a3_llama2_7b_2vm"]) == "data=2,fsdp=8"
+
+
+def test_an_entry_that_cannot_be_built_says_why_in_one_line():
+    unpublished = P.predict(ENTRIES["megatron_sc21_gpt3_175b_1024gpu"])
+    assert unpublished.predicted is None and "not published" in unpublished.error
+    refused = P.predict(ENTRIES["megatron_sc21_table2_zero3_529p6b_1120gpu"])
+    assert refused.predicted is None and "not divisible" in refused.error
+    assert "\n" not in refused.error
+    assert "not divisible" in P.table([refused], markdown=True)
+
+
+# ---- (b) today's bands -----------------------------------------------------------------------
+@pytest.mark.parametrize("name", UNPIPELINED + PIPELINED)
+def test_prediction_lies_in_todays_band(results, name):
+    """Predicted/published within the band of the row's kind (module docstring): today
+    1.83–2.27 unpipelined, 1.00–1.02 pipelined for these rows. The pipelined rows' nearness
+    to 1 is two errors cancelling, not agreement."""
+    res = results[name]
+    assert not res.error, res.error
+    low, high = BANDS["pipelined" if name in PIPELINED else "unpipelined"]
+    assert low <= res.ratio <= high, (name, res.ratio)
+
+
+def test_the_markdown_table_has_a_row_per_entry(results):
+    text = P.table(list(results.values()), markdown=True).splitlines()
+    assert text[1] == "|" + "---|" * len(P.HEAD)
+    assert len(text) == 2 + len(results)
+
+
+# ---- (c) ZeRO-3 against PTD-P ----------------------------------------------------------------
+def test_zero3_against_ptd_at_384_gpus_is_ordered_wrongly_today(results):
+    """Published: PTD-P 153 TFLOP/s per GPU beats ZeRO-3's 144 on 384 GPUs. Predicted today:
+    ZeRO-3 ahead (about 312 vs 156), because the planner overlaps ZeRO-3's parameter
+    gathers (16 s of them) with its 38 s of compute, where the 2021 DeepSpeed run took
+    82 s a step; and the pipeline's lockstep ticks cost PTD-P about 1.5× its work. This
+    asserts the current, wrong order: when the planner learns it, flip the assertion."""
+    zero3 = results["megatron_sc21_table2_zero3_174p6b_384gpu"]
+    ptd = results["megatron_sc21_table2_ptd_174p6b_384gpu"]
+    assert ptd.published > zero3.published
+    assert zero3.predicted > ptd.predicted
+    names = [zero3.name, ptd.name]
+    assert P.order_agreement({r.name: r for r in (zero3, ptd)}, names) == (0, 1)
+    sets = P.order_sets(P.measured(list(ENTRIES.values())))
+    assert any(names == v for v in sets.values())
