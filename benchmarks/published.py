@@ -52,9 +52,8 @@ import yaml
 
 from jaxpar import JaxparError, load_config
 
-# ``planner.estimate`` is the layout lab's analytic estimate (jaxpar.lab.analytic.estimate,
-# what ``jaxpar plan --analytic`` runs), reached through the public ``planner`` module
-from jaxpar.lab import hardware, planner
+# the layout lab's estimate without compiling: what ``jaxpar plan --analytic`` runs
+from jaxpar.lab import analytic, hardware
 
 YAML = Path(__file__).with_name("published.yaml")
 GPT_KEYS = ["model.name=gpt", "model.positions=learned", "model.tie_embeddings=true"]
@@ -237,7 +236,7 @@ def predict(entry: dict, literal: bool = False) -> Result:
         hw = hardware.get_profile(entry["hardware"])
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            row = planner.estimate(config, res.layout, hw, entry["gpus"])
+            row = analytic.estimate(config, res.layout, hw, entry["gpus"])
         res.error = row.error
     except (Unmapped, JaxparError) as err:
         res.error = str(err)

@@ -16,6 +16,18 @@ CONFIGS = {m: f"configs/{m}_tiny.yaml" for m in ("gpt", "bert", "llama", "qwen3"
 #: measured 0.91-1.09 without remat or a pipeline; 0.76-1.20 under remat, where what XLA
 #: keeps beside the layer it recomputes differs by family; below by up to 35% in a
 #: pipeline, whose message buffers the estimate leaves out)
+EXHAUSTIVE = pytest.mark.exhaustive  # the suite keeps a case of each mechanism
+#: the cases the suite runs; the others are in the extended tier
+SUITE = {
+    ("gpt", "data=8"),
+    ("gpt", "data=2,fsdp=2,tensor=2"),
+    ("gpt", "data=4,context=2"),
+    ("gpt", "data=4,tensor=2,tensor.sequence=true"),
+    ("gpt", "data=8,model.remat=full"),
+    ("gpt", "data=4,stage=2"),
+    ("llama", "data=2,fsdp=2,tensor=2"),
+    ("gemma", "data=4,tensor=2"),
+}
 GRID = [
     ("gpt", "data=8", (0.9, 1.1)),
     ("gpt", "fsdp=8", (0.9, 1.1)),
@@ -43,20 +55,33 @@ GRID = [
 FLOPS_WITHIN_5 = [(m, x) for m, x, _ in GRID if "remat" not in x]
 
 
+def _cases(cases: list[tuple]) -> list:
+    """``cases`` as parameters, those outside :data:`SUITE` in the extended tier."""
+    return [
+        pytest.param(*c, id=f"{c[0]}-{c[1]}", marks=() if c[:2] in SUITE else EXHAUSTIVE)
+        for c in cases
+    ]
+
+
 @pytest.fixture(scope="module")
 def gpt():
     return jaxpar.load_config([CONFIGS["gpt"]], [])
 
 
-@pytest.fixture(scope="module")
-def pairs():
-    """Each layout of the grid estimated (as XLA:CPU holds activations) and compiled."""
-    out = {}
-    for model, layout, _ in GRID:
+class _Pairs(dict):
+    """A layout of the grid estimated (as XLA:CPU holds activations) and compiled, once."""
+
+    def __missing__(self, key: tuple[str, str]) -> tuple:
+        model, layout = key
         config = jaxpar.load_config([CONFIGS[model]], [])
         estimated = analytic.estimate(config, layout, H100, 8, cpu=True)
-        out[model, layout] = estimated, measure(config, layout, H100)
-    return out
+        self[key] = estimated, measure(config, layout, H100)
+        return self[key]
+
+
+@pytest.fixture(scope="module")
+def pairs():
+    return _Pairs()
 
 
 @pytest.mark.parametrize(
@@ -72,7 +97,7 @@ def test_the_estimate_equals_the_compiled_step(pairs, model, layout):
     assert estimated.mem_output_bytes == pytest.approx(compiled.mem_output_bytes, rel=1e-3)
 
 
-@pytest.mark.parametrize("model,layout,bounds", GRID, ids=[f"{m}-{x}" for m, x, _ in GRID])
+@pytest.mark.parametrize("model,layout,bounds", _cases(GRID))
 def test_the_activations_follow_the_compiled_temporaries(pairs, model, layout, bounds):
     """The estimated temporaries (the family's activation counts and the gradients) over
     the compiled step's, within the bounds the grid states."""

@@ -161,17 +161,21 @@ def test_the_markdown_table_has_a_row_per_entry(results):
 
 
 # ---- (c) ZeRO-3 against PTD-P ----------------------------------------------------------------
-def test_zero3_against_ptd_at_384_gpus_is_ordered_wrongly_today(results):
+@pytest.mark.xfail(
+    strict=True,
+    reason="the planner ranks ZeRO-3 ahead of PTD-P at 384 GPUs (about 312 vs 156 TFLOP/s "
+    "per GPU predicted; published 144 vs 153): issue 45 left open",
+)
+def test_zero3_against_ptd_at_384_gpus_in_the_published_order(results):
     """Published: PTD-P 153 TFLOP/s per GPU beats ZeRO-3's 144 on 384 GPUs. Predicted today:
-    ZeRO-3 ahead (about 312 vs 156), because the planner overlaps ZeRO-3's parameter
-    gathers (16 s of them) with its 38 s of compute, where the 2021 DeepSpeed run took
-    82 s a step; and the pipeline's lockstep ticks cost PTD-P about 1.5× its work. This
-    asserts the current, wrong order: when the planner learns it, flip the assertion."""
+    ZeRO-3 ahead, because the planner overlaps ZeRO-3's parameter gathers (16 s of them)
+    with its 38 s of compute, where the 2021 DeepSpeed run took 82 s a step, and the
+    pipeline's lockstep ticks cost PTD-P about 1.5× its work. Strict: it fails (turns
+    green) the day the planner gets the order right, and must then lose its mark."""
     zero3 = results["megatron_sc21_table2_zero3_174p6b_384gpu"]
     ptd = results["megatron_sc21_table2_ptd_174p6b_384gpu"]
     assert ptd.published > zero3.published
-    assert zero3.predicted > ptd.predicted
     names = [zero3.name, ptd.name]
-    assert P.order_agreement({r.name: r for r in (zero3, ptd)}, names) == (0, 1)
     sets = P.order_sets(P.measured(list(ENTRIES.values())))
     assert any(names == v for v in sets.values())
+    assert ptd.predicted > zero3.predicted
