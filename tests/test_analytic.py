@@ -13,9 +13,9 @@ from jaxpar.pipeline import tick_table
 H100 = hardware.get_profile("h100")
 CONFIGS = {m: f"configs/{m}_tiny.yaml" for m in ("gpt", "bert", "llama", "qwen3", "gemma")}
 #: (model, layout, how far the estimate's temporaries may be from the compiled step's:
-#: measured 0.91-1.09 without remat or a pipeline; 0.76-1.20 under remat, where what XLA
-#: keeps beside the layer it recomputes differs by family; below by up to 35% in a
-#: pipeline, whose message buffers the estimate leaves out)
+#: measured 0.91-1.09 without remat or a pipeline (ring attention: below); 0.76-1.20
+#: under remat, where what XLA keeps beside the layer it recomputes differs by family;
+#: below by up to 35% in a pipeline, whose message buffers the estimate leaves out)
 EXHAUSTIVE = pytest.mark.exhaustive  # the suite keeps a case of each mechanism
 #: the cases the suite runs; the others are in the extended tier
 SUITE = {
@@ -33,7 +33,8 @@ GRID = [
     ("gpt", "fsdp=8", (0.9, 1.1)),
     ("gpt", "data=2,tensor=4", (0.9, 1.1)),
     ("gpt", "data=4,context=2", (0.9, 1.1)),
-    ("gpt", "data=4,context=2,context.attention=ring", (0.9, 1.1)),
+    # ring attention: 1.06 on JAX 0.10, 1.18 on 0.12 (whose XLA keeps less of the ring)
+    ("gpt", "data=4,context=2,context.attention=ring", (0.9, 1.2)),
     ("gpt", "data=2,fsdp=2,tensor=2", (0.9, 1.1)),
     ("gpt", "data=4,tensor=2,tensor.sequence=true", (0.9, 1.1)),
     ("gpt", "data=8,train.grad_accum=2", (0.9, 1.1)),
