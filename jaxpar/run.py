@@ -33,7 +33,7 @@ from jaxpar.optim import decay_mask, make_optimizer
 from jaxpar.plan import Plan, abstract_model, global_batch_shapes, make_plan, sizes
 from jaxpar.plan.abstract import AbstractModel
 from jaxpar.state import TrainState
-from jaxpar.task import Task
+from jaxpar.task import DataNeeds, Task
 from jaxpar.trainer import Trainer
 from jaxpar.unused import warn_unused
 
@@ -148,7 +148,7 @@ def build(
     else:
         data = task_data(task, config.run.seed) or _config_data(config, task)
     tx = optimizer or task.optimizer
-    model = _family_model(config.model, task) if family is not None else abstract_model(task)
+    model = _family_model(config, data, task) if family and target else abstract_model(task)
     if tx is None:
         mask = decay_mask(model.params, model.param_axes)
         tx, _ = make_optimizer(config.optim, config.train.steps, mask)
@@ -178,18 +178,27 @@ def build(
     return Run(config, trainer, data, devices, family)
 
 
-#: the abstract models of the last model sections built (a plan builds one model under
-#: many layouts: its shapes do not depend on them)
-_FAMILY_MODELS: dict[ModelConfig, AbstractModel] = {}
+#: the abstract models of the last model sections planned for devices that are not here
+#: (a plan builds one model under many layouts: its shapes do not depend on them)
+_FAMILY_MODELS: dict[str, AbstractModel] = {}
 
 
-def _family_model(section: ModelConfig, task: Task) -> AbstractModel:
-    """A built-in family's model as shapes and names, traced once per model section."""
-    if section not in _FAMILY_MODELS:
+def _family_model(config: Config, data: Data, task: Task) -> AbstractModel:
+    """A built-in family's model as shapes and names, traced once per model section and
+    what the model takes from its data (only for plans: a run that trains traces its own)."""
+    key = repr(
+        (
+            config.model,
+            getattr(data, "seq_len", None),
+            getattr(data, "vocab_size", None),
+            getattr(data, "image_shape", None),
+        )
+    )
+    if key not in _FAMILY_MODELS:
         if len(_FAMILY_MODELS) >= 4:
             _FAMILY_MODELS.pop(next(iter(_FAMILY_MODELS)))
-        _FAMILY_MODELS[section] = abstract_model(task)
-    return _FAMILY_MODELS[section]
+        _FAMILY_MODELS[key] = abstract_model(task)
+    return _FAMILY_MODELS[key]
 
 
 def _sizes(config: Config, user_task: Task | None) -> dict[str, int]:
@@ -229,8 +238,7 @@ def _data_and_model(config: Config, data: Data | None = None) -> tuple[Data, Mod
     model = config.model
     needs = config.family.needs(model)
     free = needs.kind == "text" and needs.vocab_size is not None and _vocab_from_data(config)
-    loaded = dataclasses.replace(needs, vocab_size=None) if free else needs
-    data = data if data is not None else load_data(config.data, loaded, config.run.seed)
+    data = data if data is not None else load_data(config.data, data_needs(config), config.run.seed)
     if not free or data.vocab_size <= needs.vocab_size:
         return data, model
     sized = dataclasses.replace(
@@ -238,6 +246,14 @@ def _data_and_model(config: Config, data: Data | None = None) -> tuple[Data, Mod
     )
     object.__setattr__(sized, "given", model.given)  # as merge_model keeps it
     return data, sized
+
+
+def data_needs(config: Config) -> DataNeeds:
+    """What the config's family reads from its data, as :func:`build` loads it: without
+    the family's default vocabulary where the data decides it."""
+    needs = config.family.needs(config.model)
+    free = needs.kind == "text" and needs.vocab_size is not None and _vocab_from_data(config)
+    return dataclasses.replace(needs, vocab_size=None) if free else needs
 
 
 def _vocab_from_data(config: Config) -> bool:

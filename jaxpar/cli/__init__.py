@@ -118,7 +118,7 @@ def _estimated(args: argparse.Namespace) -> bool:
     simulated devices (``--analytic``, or more devices than compile here)."""
     from jaxpar.limits import COMPILED_DEVICES
 
-    if args.command != "plan":
+    if args.command != "plan" or args.longest:  # --longest compiles: its devices are set up
         return False
     return args.analytic or args.devices > COMPILED_DEVICES
 

@@ -17,7 +17,8 @@ Per device, for ``b`` rows (a microbatch's), ``s`` tokens of the sequence (its p
 attention), width ``D``, MLP width ``F``, ``a`` heads, vocabulary ``V``, ``t`` the tensor
 degree, ``e`` the bytes of an activation element::
 
-    a layer, kept:          e·b·s·(D·replicated/t_sp + F·mlp/t) + e·b·a·s·S·scores/t
+    a layer, kept:          e·b·s·(D·replicated/t_sp + (W·attention + F·mlp)/t)
+                            + e·b·a·s·S·scores/t     (W: q, k and v's width)
     a layer under remat:    e·b·s·D·remat  (the block's input, and what XLA keeps with it)
     the head:               4·b·s·V·head/t  (float32 logits, their softmax and gradient)
     the step:               layers·in_flight·(a layer) + the head + one layer recomputed
@@ -43,9 +44,10 @@ from jaxpar.logical import ACT_SEQ, SEQ, split_over
 @dataclass(frozen=True)
 class Kept:
     """A family's activation counts per token (the module docstring): multiples of ``D``
-    held whole over ``tensor`` (``replicated``), of ``F`` split (``mlp``), of the
-    [heads, keys] scores split (``scores``), of ``D`` per layer under ``model.remat=full``
-    (``remat``) and of the vocabulary in float32 at the head (``head``)."""
+    held whole over ``tensor`` (``replicated``), of q, k and v's width split
+    (``attention``), of ``F`` split (``mlp``), of the [heads, keys] scores split
+    (``scores``), of ``D`` per layer under ``model.remat=full`` (``remat``) and of the
+    vocabulary in float32 at the head (``head``)."""
 
     replicated: float
     attention: float

@@ -313,7 +313,8 @@ def _fsdp_terms(
             local * leaf.gathered,
             _degree(sizes, gather),
             _gathers(step.plan, step.pipelined, leaf.scanned, step.outside),
-            hidden=_overlapped(step, leaf),
+            # gathered once before the accumulation loop (fsdp_gather=once): exposed
+            hidden=_overlapped(step, leaf) and not (step.accum > 1 and step.plan.fsdp_gather_once),
             axes=gather,
         )
     ]
@@ -374,8 +375,8 @@ def _all_reduce_terms(step: _Step, leaf: _Leaf, local: float, over: tuple[str, .
         )
         rest //= split_seq
         over = tuple(a for a in over if a not in seq)
-    if rest > 1:
-        hidden = _overlapped(step, leaf)
+    if rest > 1:  # reduced once after the accumulation loop: exposed
+        hidden = _overlapped(step, leaf) and not (step.once and step.accum > 1)
         terms.append(Term("all-reduce", ALL_REDUCED, local, rest, times, hidden, axes=over))
     return terms
 

@@ -352,6 +352,24 @@ def _calls(row: Row, hw: Hardware) -> int:
     return row.collective_ops if hw.latency_per == "collective" else row.collective_arrays
 
 
+def _footer(hw: Hardware, memory: float) -> str:
+    """How the ranking's times were priced, and the memory it judged against."""
+    network = (
+        f", {hw.network_bandwidth / 1e9:.3g} GB/s and {fmt_time(hw.network_latency)} a level "
+        f"beyond {hw.domain_devices} GPUs"
+        if hw.domain_devices and hw.platform != "cpu"
+        else ""
+    )
+    return (
+        f"ranked by predicted step time on {hw.name} (roofline; communication = "
+        f"bytes / {hw.interconnect_bandwidth / 1e9:.3g} GB/s{network} + collectives "
+        f"{'executed' if hw.latency_per == 'collective' else 'arrays'} × "
+        f"{fmt_time(hw.collective_latency)}, in brackets; what overlaps compute counts only "
+        f"where it outlasts it); memory judged against {memory / 1e9:.3g} GB "
+        f"({fmt_value(memory, 'B')}) per device"
+    )
+
+
 def format_plan(planned: list[Planned], hw: Hardware, memory: float) -> str:
     """The ranked table, then what was left out (one note per reason), a note per layout
     that does not fit or cannot run, then the fastest layout that fits."""
@@ -394,13 +412,7 @@ def format_plan(planned: list[Planned], hw: Hardware, memory: float) -> str:
         "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
         for row in [head, ["-" * w for w in widths], *body]
     ]
-    lines.append(
-        f"ranked by predicted step time on {hw.name} (roofline; communication = "
-        f"bytes / {hw.interconnect_bandwidth / 1e9:.3g} GB/s + collectives "
-        f"{'executed' if hw.latency_per == 'collective' else 'arrays'} × "
-        f"{fmt_time(hw.collective_latency)}, in brackets); memory judged "
-        f"against {memory / 1e9:.3g} GB ({fmt_value(memory, 'B')}) per device"
-    )
+    lines.append(_footer(hw, memory))
     lines += getattr(planned, "notes", [])
     if any(p.row.ok and p.row.flops is None for p in planned):
         lines.append(
@@ -410,7 +422,9 @@ def format_plan(planned: list[Planned], hw: Hardware, memory: float) -> str:
     if any(p.row.ok and p.row.mem_temp_bytes is None for p in planned):
         lines.append(
             "note: estimated without an activation estimate for this model: memory is the "
-            "state and batch shards only, so a layout marked as fitting may not"
+            "state and batch shards only, so a layout marked as fitting may not; a model "
+            "without a lab module has no activation collectives either (tensor and context "
+            "layouts look cheaper than they are)"
         )
     for p in planned:
         if not p.row.ok:
