@@ -187,6 +187,9 @@ def estimate(
     row.mem_traffic_bytes = row.mem_args_bytes + row.mem_output_bytes + 2 * (temps or 0)
     comm = predict_comm(run, "gpu")
     row.collective_ops = collective_calls(comm.terms, scan_length(run))
+    # the arrays they move are not estimated: a profile that pays α per array (a fitted
+    # CPU's) is priced, and shown, per collective
+    row.collective_arrays = row.collective_ops
     dtype = run.family.compute_dtype(run.config.model) if run.family else "float32"
     if hw.platform == "cpu":  # a profile of a CPU (fitted here): its bytes, nothing hidden
         comm = predict_comm(run, "cpu")
