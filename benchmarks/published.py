@@ -151,6 +151,8 @@ def layout_of(entry: dict) -> str:
         schedule = "interleaved" if v > 1 else "1f1b"
         parts += [f"pipeline.schedule={schedule}", f"pipeline.microbatches={steps}"]
         parts += [f"pipeline.virtual_stages={v}"] if v > 1 else []
+        # a program per stage, each running as its input arrives: Megatron's form
+        parts.append("pipeline.executor=mpmd")
     elif steps > 1:
         parts.append(f"train.grad_accum={steps}")
     return ",".join(x for x in parts if not re.fullmatch(r"\w+=1", x))

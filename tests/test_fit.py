@@ -26,6 +26,7 @@ def _machine() -> hardware.Hardware:
         collective_latency=2e-4,
         latency_per="array",
         step_overhead=3e-3,
+        matmul_efficiency=1.0,
     )
 
 

@@ -37,7 +37,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from jaxpar.axes import Axis
-from jaxpar.lab.terms import LabLayout
+from jaxpar.lab.terms import LabLayout, Matmul
 from jaxpar.logical import ACT_SEQ, SEQ, split_over
 
 
@@ -60,24 +60,11 @@ class Kept:
 def activation_bytes(cfg: Any, layout: LabLayout, kept: Kept, fused_attention: bool) -> float:
     """Bytes of the activations one device holds at the peak of a step (the module
     docstring); ``fused_attention``: a kernel recomputes the scores (none kept)."""
-    sizes = layout.sizes
-    t = sizes[Axis.TENSOR]
-    c = math.prod(sizes[a] for a in split_over(layout.rules, sizes, SEQ))
-    sequence = math.prod(sizes[a] for a in split_over(layout.rules, sizes, ACT_SEQ))
-    t_sp = sequence // c if sequence > c else 1
-    e = 4 if layout.cpu else jnp.dtype(cfg.dtype).itemsize
-    b = layout.rows / layout.grad_accum / (layout.stages[3] if layout.stages else 1)
-    T = layout.seq_len
-    s = T / c
-    keys = s if layout.context == "ring" else T
-    scores = 0.0 if fused_attention else kept.scores * b * cfg.n_heads * s * keys / t
-    heads = cfg.n_heads * _head_dim(cfg)
-    width = heads + 2 * getattr(cfg, "n_kv_heads", cfg.n_heads) * _head_dim(cfg)
-    split = width * kept.attention + cfg.d_ff * kept.mlp
-    layer = e * (b * s * (cfg.d_model * kept.replicated / t_sp + split / t) + scores)
-    layers = cfg.n_layers / sizes[Axis.STAGE] / (layout.stages[2] if layout.stages else 1)
-    head = 4 * b * s * cfg.vocab_size * kept.head / t
-    block_input = e * b * s * cfg.d_model
+    layer = layer_bytes(cfg, layout, kept, fused_attention)
+    layers = layers_per_chunk(cfg, layout)
+    head = head_bytes(cfg, layout, kept)
+    block_input = _itemsize(cfg, layout) * microbatch_rows(layout) * _tokens(layout)[0]
+    block_input *= cfg.d_model
     if layout.stages is not None and not layout.residuals:
         # a pipeline's backward recomputes its chunk from the chunk's input: a device keeps
         # one input per microbatch in flight, and one chunk's layers while recomputing
@@ -87,6 +74,105 @@ def activation_bytes(cfg: Any, layout: LabLayout, kept: Kept, fused_attention: b
     return layers * layout.in_flight * layer + head
 
 
-def _head_dim(cfg: Any) -> int:
+#: HBM passes over each byte a layer keeps, for the bytes its kernels other than matmuls
+#: move (:mod:`jaxpar.lab.kernels`), counted rather than measured: the forward writes it
+#: and the next kernel reads it (2); the backward reads it, and writes and reads its
+#: gradient (3); a forward run again for the backward (recomputation) writes and reads it
+#: once more (2)
+FORWARD_PASSES, BACKWARD_PASSES, RECOMPUTE_PASSES = 2, 3, 2
+
+
+def elementwise_bytes(cfg: Any, layout: LabLayout, kept: Kept, fused_attention: bool) -> float:
+    """HBM bytes one device's kernels other than matmuls move in a step: the passes over
+    each byte its layers and head keep (:data:`FORWARD_PASSES` …), every microbatch."""
+    recompute = getattr(cfg, "remat", "none") == "full" or (
+        layout.stages is not None and not layout.residuals
+    )
+    passes = FORWARD_PASSES + BACKWARD_PASSES + RECOMPUTE_PASSES * recompute
+    layers = cfg.n_layers / layout.sizes[Axis.STAGE]
+    layer = layer_bytes(cfg, layout, kept, fused_attention)
+    head = (FORWARD_PASSES + BACKWARD_PASSES) * head_bytes(cfg, layout, kept)
+    return _microbatches(layout) * (passes * layers * layer + head)
+
+
+def transformer_matmuls(cfg: Any, layout: LabLayout, gated: bool) -> list[Matmul]:
+    """A transformer's forward matmuls on one device over a step: the projections (q, k
+    and v as one), the MLP's two (a gated one's first makes two widths), attention's
+    scores and weighted values per head (each ring step's keys under ring attention),
+    and the head."""
+    t = layout.sizes[Axis.TENSOR]
+    s, keys, c = _tokens(layout)
+    steps = _microbatches(layout)
+    layers = cfg.n_layers / layout.sizes[Axis.STAGE] * steps
+    m, d, hd = microbatch_rows(layout) * s, cfg.d_model, head_dim(cfg)
+    per_head = (
+        layers * microbatch_rows(layout) * cfg.n_heads / t * (c if layout.context == "ring" else 1)
+    )
+    return [
+        Matmul(m, q_k_v_width(cfg) / t, d, layers),
+        Matmul(m, d, cfg.n_heads * hd / t, layers),
+        Matmul(m, cfg.d_ff * (2 if gated else 1) / t, d, layers),
+        Matmul(m, d, cfg.d_ff / t, layers),
+        Matmul(s, keys, hd, per_head),
+        Matmul(s, hd, keys, per_head),
+        Matmul(m, cfg.vocab_size / t, d, steps),
+    ]
+
+
+def _microbatches(layout: LabLayout) -> int:
+    """The microbatches a device runs in a step (accumulated and pipelined)."""
+    return layout.grad_accum * (layout.stages[3] if layout.stages else 1)
+
+
+def microbatch_rows(layout: LabLayout) -> float:
+    """The rows one device computes at once: a microbatch's (``b``)."""
+    return layout.rows / layout.grad_accum / (layout.stages[3] if layout.stages else 1)
+
+
+def layers_per_chunk(cfg: Any, layout: LabLayout) -> float:
+    """The layers of one pipeline chunk a device holds (all of its layers without virtual
+    stages)."""
+    return cfg.n_layers / layout.sizes[Axis.STAGE] / (layout.stages[2] if layout.stages else 1)
+
+
+def _tokens(layout: LabLayout) -> tuple[float, float, int]:
+    """``(s, S, c)``: a device's queries, the keys each sees, the context degree."""
+    c = math.prod(layout.sizes[a] for a in split_over(layout.rules, layout.sizes, SEQ))
+    s = layout.seq_len / c
+    return s, (s if layout.context == "ring" else layout.seq_len), c
+
+
+def _itemsize(cfg: Any, layout: LabLayout) -> int:
+    """Bytes of an activation element (XLA:CPU holds bfloat16 as float32)."""
+    return 4 if layout.cpu else jnp.dtype(cfg.dtype).itemsize
+
+
+def layer_bytes(cfg: Any, layout: LabLayout, kept: Kept, fused_attention: bool) -> float:
+    """Bytes one layer keeps for one microbatch on one device (the module docstring)."""
+    sizes = layout.sizes
+    t = sizes[Axis.TENSOR]
+    s, keys, c = _tokens(layout)
+    sequence = math.prod(sizes[a] for a in split_over(layout.rules, sizes, ACT_SEQ))
+    t_sp = sequence // c if sequence > c else 1
+    b = microbatch_rows(layout)
+    scores = 0.0 if fused_attention else kept.scores * b * cfg.n_heads * s * keys / t
+    split = q_k_v_width(cfg) * kept.attention + cfg.d_ff * kept.mlp
+    return _itemsize(cfg, layout) * (
+        b * s * (cfg.d_model * kept.replicated / t_sp + split / t) + scores
+    )
+
+
+def head_bytes(cfg: Any, layout: LabLayout, kept: Kept) -> float:
+    """Bytes the head keeps for one microbatch on one device: float32 logits."""
+    s = _tokens(layout)[0]
+    return 4 * microbatch_rows(layout) * s * cfg.vocab_size * kept.head / layout.sizes[Axis.TENSOR]
+
+
+def q_k_v_width(cfg: Any) -> int:
+    """q, k and v's width together."""
+    return (cfg.n_heads + 2 * getattr(cfg, "n_kv_heads", cfg.n_heads)) * head_dim(cfg)
+
+
+def head_dim(cfg: Any) -> int:
     """A head's width: the config's (``head_dim``), else ``d_model / n_heads``."""
     return getattr(cfg, "head_dim", cfg.d_model // cfg.n_heads)

@@ -40,26 +40,35 @@ from jaxpar.data import Data, load_data
 from jaxpar.errors import JaxparError
 from jaxpar.lab.families import lab_for
 from jaxpar.lab.hardware import Hardware, roofline
+from jaxpar.lab.kernels import kernels
 from jaxpar.lab.measure import Row, fill_predicted, layout_overrides
 from jaxpar.lab.network import step_time
 from jaxpar.lab.predict import lab_layout, predict_argument_bytes, predict_comm
 from jaxpar.logical import LAYERS
-from jaxpar.pipeline.schedule import KINDS, UNIT_TIMES
+from jaxpar.pipeline.schedule import KINDS, action_times, simulate
 from jaxpar.plan.abstract import global_batch_shapes
 from jaxpar.run import Run, build, data_needs
 from jaxpar.task import Task
 
 
-def pipeline_factor(table: Any, recompute: bool) -> float:
+def pipeline_factor(table: Any, recompute: bool, asynchronous: bool = False) -> float:
     """A pipeline step's FLOPs per device over the work it does (forward 1, backward 2 per
-    microbatch and chunk): the sum over ticks of the busiest device's action, as the step
-    is priced (every device waits for the slowest at the next send; bubbles free). With
-    ``recompute`` a backward action runs its chunk's forward again first (the executors
-    keep only each chunk's input, unless the sub-mesh one keeps its residuals), as each
-    half of a split backward does."""
-    cost = [0.0, *(UNIT_TIMES[k] + (recompute and k in ("B", "I", "W")) for k in KINDS[1:])]
-    busiest = sum(max(cost[k] for k in row) for row in table.kind.tolist())
-    return busiest / (3.0 * table.m * table.v)
+    microbatch and chunk), with ``recompute`` a backward action running its chunk's
+    forward again first (the executors keep only each chunk's input, unless the sub-mesh
+    one keeps its residuals; :func:`~jaxpar.pipeline.schedule.action_times`).
+
+    One program for every stage (``asynchronous`` False) runs the table's ticks in step:
+    each tick costs its busiest device's action (every device waits for the slowest at
+    the next send; bubbles free). The sub-mesh executor's stages run their own programs,
+    each as soon as its input arrives: the step lasts the schedule's critical path
+    (:func:`~jaxpar.pipeline.schedule.simulate` with those costs)."""
+    times = action_times(recompute)
+    if asynchronous:
+        span = simulate(table.orders, table.v, times).makespan
+    else:
+        cost = [0.0, *(times[k] for k in KINDS[1:])]
+        span = sum(max(cost[k] for k in row) for row in table.kind.tolist())
+    return span / (3.0 * table.m * table.v)
 
 
 def layer_share(run: Run) -> float:
@@ -77,8 +86,10 @@ def layer_share(run: Run) -> float:
     return min(1.0, (two - one) / one) if one else 1.0
 
 
-def flops_per_device(run: Run) -> float | None:
-    """The step's FLOPs on one device (None: the family does not count them)."""
+def flops_per_device(run: Run, asynchronous: bool = False) -> float | None:
+    """The step's FLOPs on one device (None: the family does not count them);
+    ``asynchronous``: its pipeline's stages run as the sub-mesh executor runs them
+    (:func:`pipeline_factor`)."""
     family = run.family
     if family is None or family.counts is None:
         return None
@@ -89,7 +100,8 @@ def flops_per_device(run: Run) -> float | None:
     flops = per_example * run.config.train.batch_size / split
     if plan.pipeline is not None:
         residuals = plan.executor == "mpmd" and plan.gradients.residuals
-        flops *= pipeline_factor(plan.pipeline, recompute=not residuals)
+        asynchronous = asynchronous or plan.executor == "mpmd"
+        flops *= pipeline_factor(plan.pipeline, not residuals, asynchronous)
     if getattr(run.config.model, "remat", "none") == "full":
         flops *= 1 + layer_share(run) / 3
     return flops
@@ -165,6 +177,11 @@ def estimate(
     row = Row(layout, hardware=hw.key)
     try:
         config = apply_overrides(config, layout_overrides(layout))
+        # the sub-mesh executor cuts devices that are here: its stages are planned as the
+        # one-program executor holds them, and timed as it runs them
+        sub_mesh = config.mesh.stage > 1 and config.pipeline.executor == "mpmd"
+        if sub_mesh:
+            config = apply_overrides(config, ["pipeline.executor=spmd"])
         data = None if task is not None else _read_once(config)
         run = build(config, task, target=(devices, hw.platform), data=data)
     except JaxparError as err:
@@ -183,7 +200,7 @@ def estimate(
     row.mem_temp_bytes = temps
     row.mem_total_bytes = row.mem_args_bytes + (temps or 0)
     row.fits = row.mem_total_bytes <= (memory_bytes or hw.memory_bytes)
-    row.flops = flops_per_device(run)
+    row.flops = flops_per_device(run, asynchronous=sub_mesh)
     row.mem_traffic_bytes = row.mem_args_bytes + row.mem_output_bytes + 2 * (temps or 0)
     comm = predict_comm(run, "gpu")
     row.collective_ops = collective_calls(comm.terms, scan_length(run))
@@ -210,6 +227,7 @@ def estimate(
             dict(run.plan.mesh.shape),
             dtype,
             calls=row.collective_ops,
+            kernels=kernels(run, hw, dtype),
         )
     row.predicted_comm_bytes = comm.total_bytes
     fill_predicted(row, time_s, run, hw.peak_flops(dtype))

@@ -136,6 +136,7 @@ def fit_profile(rows: list[Timed], base: Hardware, source: str = "") -> Hardware
         source=source or f"fitted to {len(rows)} timed layouts",
         flops_bf16=peak,
         flops_f32=peak,
+        matmul_efficiency=1.0,  # the fitted rate is what the steps achieved
         hbm_bandwidth=hbm,
         link_bandwidth=link,
         links=1,

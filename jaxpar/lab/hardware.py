@@ -71,6 +71,9 @@ class Hardware:
     #: seconds a collective that crosses the network costs besides ``collective_latency``,
     #: per level of NCCL's tree across domains (:mod:`jaxpar.lab.network`)
     network_latency: float = 0.0
+    #: the share of the peak the chip's best matmuls reach (its measured MAMF over the
+    #: datasheet figure): 1 prices matmuls at the peak (:mod:`jaxpar.lab.kernels`)
+    matmul_efficiency: float = 1.0
 
     @property
     def interconnect_bandwidth(self) -> float:
@@ -134,6 +137,7 @@ _OPTIONAL = {
     "step_overhead": 0,
     "domain_devices": 0,
     "network_latency": 0,
+    "matmul_efficiency": None,
 }
 #: the least value of the number fields that need not be above 0
 _LEAST = {
@@ -141,13 +145,15 @@ _LEAST = {
     "collective_latency": 0,
     **{k: v for k, v in _OPTIONAL.items() if isinstance(v, int)},
 }
+#: the number fields that are a share: above 0, at most 1
+_SHARES = ("matmul_efficiency",)
 #: the number fields that count things (whole numbers)
 _COUNTS = ("links", "domain_devices")
 
 
 def _typed(profile: str, field: str, value: object) -> object:
     """A profile value as its field's type (YAML reads ``80.0e9`` as a string)."""
-    if field == "name" or _OPTIONAL.get(field, ()) is None:
+    if field == "name" or (_OPTIONAL.get(field, ()) is None and field not in _SHARES):
         return str(value)
     if isinstance(_OPTIONAL.get(field), tuple):
         if value not in _OPTIONAL[field]:
@@ -165,6 +171,10 @@ def _typed(profile: str, field: str, value: object) -> object:
     least = _LEAST.get(field)
     whole = field not in _COUNTS or number.is_integer()
     bounded = number >= least if least is not None else number > 0
+    if field in _SHARES and not (0 < number <= 1):
+        raise ConfigError(
+            f"hardware profile '{profile}': {field}={value!r} must be above 0 and at most 1"
+        )
     if not math.isfinite(number) or not whole or not bounded:
         kind = "a whole number" if field in _COUNTS else "a finite number"
         bound = f"at least {least}" if least is not None else "above 0"
@@ -188,6 +198,20 @@ def get_profile(key: str, extra: str | Path | None = None) -> Hardware:
 
 
 @dataclass(frozen=True)
+class Kernels:
+    """How a step's kernels run, beside its FLOPs (:mod:`jaxpar.lab.kernels`): its
+    matmuls' rate over the profile's achievable one, by their shapes (1: every matmul as
+    fast as the chip's best), and the HBM bytes its other kernels move (0: not known)."""
+
+    shape_efficiency: float = 1.0
+    elementwise_bytes: float = 0.0
+
+
+#: a step whose kernels are not known: matmuls at the achievable rate, nothing else timed
+UNKNOWN_KERNELS = Kernels()
+
+
+@dataclass(frozen=True)
 class StepTime:
     """The roofline terms of one step, in seconds: ``comm_s`` the bytes' (β),
     ``latency_s`` the collectives' fixed cost (α)."""
@@ -200,19 +224,25 @@ class StepTime:
     hidden_s: float = 0.0
     #: the profile's fixed cost per step (:attr:`Hardware.step_overhead`)
     overhead_s: float = 0.0
+    #: the kernels other than matmuls, memory-bound, one after another with them
+    #: (:mod:`jaxpar.lab.kernels`; 0 where not estimated: the whole step's traffic then
+    #: bounds it in ``memory_s``)
+    elementwise_s: float = 0.0
 
     @property
     def total_s(self) -> float:
-        busy = max(self.compute_s, self.memory_s, self.hidden_s)
+        busy = max(self.compute_s + self.elementwise_s, self.memory_s, self.hidden_s)
         return busy + self.comm_s + self.latency_s + self.overhead_s
 
     @property
     def bound(self) -> str:
-        """The largest term: ``compute``, ``memory``, ``hidden`` (communication hidden
+        """The largest term: ``compute``, ``elementwise`` (kernels other than matmuls),
+        ``memory``, ``hidden`` (communication hidden
         behind matmuls that outlasts them), ``communication`` (bytes), ``latency`` or
         ``overhead`` (a fitted profile's fixed cost per step)."""
         terms = {
             "compute": self.compute_s,
+            "elementwise": self.elementwise_s,
             "memory": self.memory_s,
             "hidden": self.hidden_s,
             "communication": self.comm_s,
@@ -230,6 +260,7 @@ def roofline(
     dtype: str,
     collectives: int = 0,
     hidden_bytes: float = 0.0,
+    kernels: Kernels = UNKNOWN_KERNELS,
 ) -> StepTime:
     """Predicted step time on ``hw`` from per-device FLOPs, memory traffic, collective
     wire bytes and the number of collectives executed, all inside one NVLink domain
@@ -238,10 +269,17 @@ def roofline(
     count only where they outlast the compute), and are not in ``comm_bytes`` or
     ``collectives``."""
     return StepTime(
-        flops / hw.peak_flops(dtype),
+        compute_time(hw, flops, dtype, kernels),
         traffic_bytes / hw.hbm_bandwidth,
         comm_bytes / hw.interconnect_bandwidth,
         collectives * hw.collective_latency,
         hidden_bytes / hw.interconnect_bandwidth,
         hw.step_overhead,
+        kernels.elementwise_bytes / hw.hbm_bandwidth,
     )
+
+
+def compute_time(hw: Hardware, flops: float, dtype: str, kernels: Kernels) -> float:
+    """Seconds ``flops`` of matmuls take: at the peak × the chip's best matmuls' share of
+    it × the step's matmuls' share of those (their shapes)."""
+    return flops / (hw.peak_flops(dtype) * hw.matmul_efficiency * kernels.shape_efficiency)

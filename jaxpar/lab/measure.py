@@ -30,6 +30,7 @@ from jaxpar.axes import MESH_AXES
 from jaxpar.config import Config, apply_overrides
 from jaxpar.errors import ConfigError, JaxparError
 from jaxpar.lab.hardware import Hardware, StepTime, roofline
+from jaxpar.lab.kernels import kernels
 from jaxpar.lab.network import step_time
 from jaxpar.lab.predict import CommPrediction, predict_argument_bytes, predict_comm
 from jaxpar.lab.terms import Term
@@ -75,6 +76,8 @@ class Row:
     predicted_comm_s: float | None = None
     #: communication that runs while the step computes (counted only where it outlasts it)
     predicted_hidden_s: float | None = None
+    #: the kernels other than matmuls (:mod:`jaxpar.lab.kernels`), after the matmuls
+    predicted_elementwise_s: float | None = None
     predicted_bound: str = ""
     #: tokens (examples for a model without a sequence) per second per device, predicted
     predicted_tokens_per_s_per_device: float | None = None
@@ -288,6 +291,7 @@ def _step_time(
         dtype,
         calls=max(0, calls - gpu.hidden_ops),
         scale=scale,
+        kernels=kernels(run, hw, dtype),
     )
 
 
@@ -298,6 +302,7 @@ def fill_predicted(row: Row, time_s: StepTime, run: Run, peak_flops: float) -> N
     row.predicted_compute_s, row.predicted_memory_s = time_s.compute_s, time_s.memory_s
     row.predicted_comm_s, row.predicted_bound = time_s.comm_s, time_s.bound
     row.predicted_hidden_s = time_s.hidden_s
+    row.predicted_elementwise_s = time_s.elementwise_s
     per_example = run.plan.task.tokens_per_example or 1
     devices = run.plan.mesh.size
     tokens = run.config.train.batch_size * per_example

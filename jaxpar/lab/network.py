@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxpar.lab.hardware import Hardware, StepTime
+from jaxpar.lab.hardware import UNKNOWN_KERNELS, Hardware, Kernels, StepTime, compute_time
 from jaxpar.lab.terms import Term
 
 
@@ -118,6 +118,7 @@ def step_time(
     *,
     calls: int | None = None,
     scale: float = 1.0,
+    kernels: Kernels = UNKNOWN_KERNELS,
 ) -> StepTime:
     """The roofline of one step on ``hw`` with each collective placed on its NVLink domains
     and the network (the module docstring); equal to :func:`~jaxpar.lab.hardware.roofline`
@@ -132,6 +133,7 @@ def step_time(
         left out), replacing the terms' count; their latency is priced at the terms' mix
         of crossing and staying.
       scale: multiplies every term's bytes (measured over predicted).
+      kernels: the matmuls' shapes' efficiency and the other kernels' bytes.
     """
     nvlink, nic = hw.interconnect_bandwidth, hw.network_bandwidth
     known: dict[frozenset, frozenset[Placement]] = {}
@@ -152,10 +154,11 @@ def step_time(
     calls = count if calls is None else calls
     crossing = levels / count if count else 0.0
     return StepTime(
-        compute_s=flops / hw.peak_flops(dtype),
+        compute_s=compute_time(hw, flops, dtype, kernels),
         memory_s=traffic_bytes / hw.hbm_bandwidth,
         comm_s=exposed[0] / nvlink + exposed[1] / nic,
         latency_s=calls * (hw.collective_latency + hw.network_latency * crossing),
         hidden_s=hidden[0] / nvlink + hidden[1] / nic,
         overhead_s=hw.step_overhead,
+        elementwise_s=kernels.elementwise_bytes / hw.hbm_bandwidth,
     )

@@ -45,6 +45,26 @@ class Term:
 
 
 @dataclass(frozen=True)
+class Matmul:
+    """One matmul of a step's forward pass on one device: ``[m, k] @ [k, n]``, run
+    ``times`` a step (a batched one: once per batch element). Its backward runs two of the
+    same FLOPs and sizes (:mod:`jaxpar.lab.kernels`)."""
+
+    m: float
+    n: float
+    k: float
+    times: float = 1
+
+    @property
+    def flops(self) -> float:
+        return 2 * self.m * self.n * self.k * self.times
+
+    def bytes(self, itemsize: int) -> float:
+        """HBM bytes its operands and result move, all ``times``."""
+        return (self.m * self.k + self.k * self.n + self.m * self.n) * itemsize * self.times
+
+
+@dataclass(frozen=True)
 class LabLayout:
     """What the layout lab tells a family's lab module about one layout (plain values).
 
@@ -119,6 +139,16 @@ class LabModel:
         compiled program's temporaries mostly are), or None where the family does not
         say (:mod:`jaxpar.lab.analytic` then judges memory on the state alone)."""
         return None
+
+    def matmuls(self, cfg: Any, layout: LabLayout) -> list[Matmul]:
+        """The forward pass's matmuls on one device over one step (none known: the step's
+        FLOPs run at the profile's achievable rate whatever their shapes)."""
+        return []
+
+    def elementwise_bytes(self, cfg: Any, layout: LabLayout) -> float:
+        """HBM bytes one device's kernels other than matmuls (norms, activations, softmax,
+        residual adds) move in one step, forward and backward (0: not known)."""
+        return 0.0
 
     def tensor_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
         """Activation collectives under tensor parallelism."""

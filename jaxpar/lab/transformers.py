@@ -14,8 +14,8 @@ import jax.numpy as jnp
 from jaxpar.axes import Axis
 from jaxpar.errors import ConfigError
 from jaxpar.lab import experts
-from jaxpar.lab.activations import Kept, activation_bytes
-from jaxpar.lab.terms import LabLayout, LabModel, Term, fp8_itemsize
+from jaxpar.lab.activations import Kept, activation_bytes, elementwise_bytes, transformer_matmuls
+from jaxpar.lab.terms import LabLayout, LabModel, Matmul, Term, fp8_itemsize
 from jaxpar.logical import ACT_SEQ, SEQ
 from jaxpar.models.bert import BERT_FAMILY
 from jaxpar.models.gemma import GEMMA_FAMILY
@@ -360,13 +360,29 @@ class TransformerLab(LabModel):
     #: their gradient (2 V)
     kept = Kept(replicated=10, attention=3, mlp=6, scores=2, remat=1, head=2)
 
+    #: the MLP's first matmul makes two widths (SwiGLU's and GeGLU's gate and up)
+    gated = False
+
+    def _kept(self, cfg: Any) -> Kept:
+        """The family's counts; q and k norms (Qwen3, Gemma 3) keep their inputs and outputs
+        too."""
+        qk = 2 * bool(getattr(cfg, "qk_norm", False))
+        return dataclasses.replace(self.kept, attention=self.kept.attention + qk)
+
     def activation_bytes(self, cfg: Any, layout: LabLayout) -> float | None:
         if getattr(cfg, "n_experts", 0):  # routed tokens: not counted yet
             return None
-        # q and k norms (Qwen3, Gemma 3) keep their inputs and outputs too
-        qk = 2 * bool(getattr(cfg, "qk_norm", False))
-        kept = dataclasses.replace(self.kept, attention=self.kept.attention + qk)
-        return activation_bytes(cfg, layout, kept, _flash(cfg, layout))
+        return activation_bytes(cfg, layout, self._kept(cfg), _flash(cfg, layout))
+
+    def matmuls(self, cfg: Any, layout: LabLayout) -> list[Matmul]:
+        if getattr(cfg, "n_experts", 0):
+            return []
+        return transformer_matmuls(cfg, layout, self.gated)
+
+    def elementwise_bytes(self, cfg: Any, layout: LabLayout) -> float:
+        if getattr(cfg, "n_experts", 0):
+            return 0.0
+        return elementwise_bytes(cfg, layout, self._kept(cfg), _flash(cfg, layout))
 
     def tensor_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
         return transformer_tensor_terms(cfg, layout, self.backward_all_reduces)
@@ -387,6 +403,7 @@ class GemmaLab(TransformerLab):
     where the key/value heads are not split as the query heads are)."""
 
     fp8_weights = LLAMA_FP8
+    gated = True
     #: Gemma's four norms a layer and GeGLU (counted as GPT's are)
     kept = Kept(replicated=19, attention=4, mlp=11, scores=2, remat=1, head=2)
 
@@ -408,6 +425,7 @@ class LlamaLab(TransformerLab):
     :func:`jaxpar.lab.experts.tensor_terms`."""
 
     fp8_weights = LLAMA_FP8
+    gated = True
     #: SwiGLU keeps its gate, up, activation and product: 8 F where GPT's MLP keeps 6
     kept = Kept(replicated=10, attention=3, mlp=8, scores=2, remat=1, head=2)
 

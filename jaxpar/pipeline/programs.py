@@ -34,6 +34,7 @@ from jaxpar import hlo
 from jaxpar.axes import Axis
 from jaxpar.logical import BATCH, split_over
 from jaxpar.pipeline.chunks import kept, sent_and_counted
+from jaxpar.pipeline.schedule import action_times, simulate
 from jaxpar.pipeline.views import STACKED, WHOLE, chunk_spec, sum_over_stages
 
 
@@ -98,12 +99,15 @@ class StagePrograms:
 
     @property
     def scheduled_flops(self) -> float:
-        """FLOPs per device in the step-time view: the busiest stage's, its actions spread
-        over every tick of the table (a stage waits for its inputs in the bubbles)."""
+        """FLOPs per device in the step-time view: the busiest stage's, stretched over the
+        schedule's critical path (each stage runs an action as soon as its input arrives;
+        a backward that recomputes costs one forward more: :func:`~jaxpar.pipeline.
+        schedule.action_times`)."""
         ex = self.step.ex
-        busiest = max(self.stages, key=lambda s: s.cost.flops)
-        actions = sum(1 for a in ex.layout.table.tick if a.chunk in busiest.chunks)
-        return busiest.cost.flops * ex.layout.table.ticks / actions
+        s, busiest = max(enumerate(self.stages), key=lambda sc: sc[1].cost.flops)
+        table = ex.layout.table
+        timing = simulate(table.orders, table.v, action_times(recompute=not ex.residuals))
+        return busiest.cost.flops * timing.makespan / timing.busy[s]
 
     @property
     def transfer_bytes(self) -> int:

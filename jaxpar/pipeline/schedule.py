@@ -193,6 +193,12 @@ def _zb_h1(p: int, m: int, d: int) -> list[Action]:
 # ---- playing the lists --------------------------------------------------------------------
 
 
+def action_times(recompute: bool) -> dict[str, float]:
+    """Each action's cost in forwards (:data:`UNIT_TIMES`); with ``recompute`` a backward
+    runs its chunk's forward again first, as each half of a split backward does."""
+    return {k: t + (recompute and k in ("B", "I", "W")) for k, t in UNIT_TIMES.items()}
+
+
 def dependencies(action: Action, num_chunks: int, split_backward: bool) -> list[Action]:
     """Actions that must finish before ``action`` may start."""
     kind, j, c = action

@@ -1,0 +1,59 @@
+"""What a step's kernels achieve on a GPU, beside its FLOPs: how fast its matmuls run for
+their shapes, and how long the kernels that are not matmuls take.
+
+**Matmuls.** No matmul reaches the datasheet's peak: the best shapes a brute-force search
+finds reach a share of it, the chip's MAMF (:attr:`~jaxpar.lab.hardware.Hardware.
+matmul_efficiency`, each figure's source in ``hardware.yaml``). A matmul of ``[m, k] @
+[k, n]`` is priced on the roofline of its own arithmetic intensity (NVIDIA's "GPU
+Performance Background" and "Matrix Multiplication Background" user guides: a GEMM is
+math-limited where its FLOPs over the bytes of its operands and result exceed the chip's
+ops:byte ratio, memory-limited below)::
+
+    time = max(2·m·n·k / (peak · MAMF share),  (m·k + k·n + m·n) · itemsize / HBM)
+
+and the step's matmuls together run at :func:`shape_efficiency` of the achievable rate:
+their FLOPs' time at that rate over the sum of their times. The family's lab module names
+the matmuls (:meth:`~jaxpar.lab.terms.LabModel.matmuls`: the forward's; each has two of
+the same size in the backward); a model without one runs at the achievable rate.
+
+**The other kernels** (norms, activations, softmax, dropout, residual adds) are limited by
+HBM bandwidth and run between the matmuls, so their time adds to the matmuls'
+(:attr:`~jaxpar.lab.hardware.StepTime.elementwise_s`): the bytes the family's lab module
+counts (:meth:`~jaxpar.lab.terms.LabModel.elementwise_bytes`, from the activations it
+keeps) over the HBM bandwidth. A fitted CPU profile (:mod:`jaxpar.lab.fit`) prices the
+step as fitted, without either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+
+from jaxpar.lab.families import lab_for
+from jaxpar.lab.hardware import Hardware, Kernels
+from jaxpar.lab.predict import lab_layout
+from jaxpar.lab.terms import Matmul
+from jaxpar.run import Run
+
+
+def shape_efficiency(matmuls: Sequence[Matmul], itemsize: int, ridge: float) -> float:
+    """The share of the achievable rate ``matmuls`` run at together, each on its own
+    roofline; ``ridge``: the achievable FLOP/s over the HBM's bytes/s (1 for none)."""
+    flops = sum(mm.flops for mm in matmuls)
+    if not flops:
+        return 1.0
+    return flops / sum(max(mm.flops, mm.bytes(itemsize) * ridge) for mm in matmuls)
+
+
+def kernels(run: Run, hw: Hardware, dtype: str) -> Kernels:
+    """The step's matmul shape efficiency and other kernels' bytes on ``hw`` (nothing on a
+    CPU profile: one fitted here prices the step as fitted)."""
+    if hw.platform == "cpu":
+        return Kernels()
+    lab = lab_for(run.family)
+    layout = lab_layout(run, cpu=False)
+    cfg = run.config.model
+    ridge = hw.peak_flops(dtype) * hw.matmul_efficiency / hw.hbm_bandwidth
+    efficiency = shape_efficiency(lab.matmuls(cfg, layout), jnp.dtype(dtype).itemsize, ridge)
+    return Kernels(efficiency, lab.elementwise_bytes(cfg, layout))

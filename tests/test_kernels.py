@@ -1,0 +1,134 @@
+"""``jaxpar/lab/kernels.py``: what a step's kernels achieve beside its FLOPs (issue 45,
+item 3): matmuls on the roofline of their own shapes under the chip's measured best
+(MAMF), and the kernels that are not matmuls timed by the bytes they move."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import yaml
+
+from jaxpar.config import load_config
+from jaxpar.errors import ConfigError
+from jaxpar.lab import analytic, hardware
+from jaxpar.lab.families import lab_for
+from jaxpar.lab.hardware import Kernels, StepTime, compute_time
+from jaxpar.lab.kernels import kernels, shape_efficiency
+from jaxpar.lab.measure import layout_overrides
+from jaxpar.lab.predict import lab_layout
+from jaxpar.lab.terms import Matmul
+from jaxpar.pipeline.ticks import tick_table
+from jaxpar.run import build
+
+
+def _run(config: str, layout: str, *more: str):
+    return build(load_config([config], [*layout_overrides(layout), *more]), target=(8, "gpu"))
+
+
+@pytest.mark.parametrize(
+    "config,layout",
+    [
+        ("configs/gpt_tiny.yaml", "data=8"),
+        ("configs/gpt_tiny.yaml", "data=4,tensor=2"),
+        ("configs/llama_tiny.yaml", "data=2,tensor=4,rules.kv_heads=null"),
+        ("configs/gemma_tiny.yaml", "fsdp=8"),
+        ("configs/gpt_tiny.yaml", "data=4,context=2,context.attention=ring"),
+    ],
+)
+def test_the_matmuls_are_the_familys_flops(config, layout):
+    """The lab's list of a device's matmuls, each with two of its size in the backward,
+    adds up to the FLOPs the model family counts (its own file's formula)."""
+    run = _run(config, layout)
+    matmuls = lab_for(run.family).matmuls(run.config.model, lab_layout(run, cpu=False))
+    assert 3 * sum(m.flops for m in matmuls) == pytest.approx(analytic.flops_per_device(run))
+
+
+def test_a_matmul_on_its_own_roofline():
+    """A large square matmul is math-limited (its share is 1); a thin one (m = 1) moves
+    its weight for 2 FLOPs an element and runs at FLOPs / (bytes × ridge)."""
+    ridge = 312e12 * 0.869 / 2.039e12  # A100: achievable FLOP/s per HBM byte/s
+    big = Matmul(4096, 4096, 4096)
+    assert shape_efficiency([big], 2, ridge) == 1.0
+    thin = Matmul(1, 4096, 4096)
+    by_hand = 2 * 4096 * 4096 / ((4096 + 4096 * 4096 + 4096) * 2 * ridge)
+    assert shape_efficiency([thin], 2, ridge) == pytest.approx(by_hand)
+    both = shape_efficiency([big, thin], 2, ridge)
+    time = big.flops + thin.bytes(2) * ridge
+    assert both == pytest.approx((big.flops + thin.flops) / time)
+    assert shape_efficiency([], 2, ridge) == 1.0
+
+
+def test_matmuls_run_at_the_chips_measured_best():
+    """The built-in profiles carry the MAMF table's shares (hardware.yaml); a step's
+    matmuls take FLOPs / (peak × share × shape efficiency)."""
+    profiles = hardware.load_profiles()
+    assert profiles["a100"].matmul_efficiency == pytest.approx(271.2 / 312, abs=1e-3)
+    assert profiles["h100"].matmul_efficiency == pytest.approx(794.5 / 989, abs=1e-3)
+    assert all(0 < p.matmul_efficiency <= 1 for p in profiles.values())
+    a100 = profiles["a100"]
+    assert compute_time(a100, 312e12, "bfloat16", Kernels(0.5)) == pytest.approx(2 / 0.869)
+
+
+def test_other_kernels_add_to_the_matmuls():
+    """Memory-bound kernels run between the matmuls: their time adds to the matmuls',
+    and the whole step's traffic is still a floor."""
+    step = StepTime(1.0, 0.5, 0.25, elementwise_s=0.75)
+    assert step.total_s == 2.0 and step.bound == "compute"
+    assert StepTime(1.0, 3.0, 0.0, elementwise_s=0.75).total_s == 3.0
+    assert StepTime(0.5, 0.0, 0.0, elementwise_s=0.75).bound == "elementwise"
+
+
+def test_fused_attention_moves_no_scores():
+    """cuDNN's flash attention (what ``auto`` runs on a GPU) keeps no [T, T] scores, so
+    the other kernels move exactly the scores' passes less: 5 passes (7 under remat) of
+    2·b·a·s·S elements a layer."""
+    bf16 = ("model.dtype=bfloat16",)
+    xla = _run("configs/gpt_tiny.yaml", "data=8", "model.attention=xla", *bf16)
+    fused = _run("configs/gpt_tiny.yaml", "data=8", "model.attention=auto", *bf16)
+    cfg = xla.config.model
+    lab = lab_for(xla.family)
+    moved = [lab.elementwise_bytes(r.config.model, lab_layout(r, cpu=False)) for r in (xla, fused)]
+    rows = xla.config.train.batch_size // 8
+    T, e = xla.data.seq_len, 2
+    scores = 5 * cfg.n_layers * e * 2 * rows * cfg.n_heads * T * T
+    assert moved[0] - moved[1] == pytest.approx(scores)
+    remat = _run(
+        "configs/gpt_tiny.yaml", "data=8", "model.attention=auto", "model.remat=full", *bf16
+    )
+    again = lab.elementwise_bytes(remat.config.model, lab_layout(remat, cpu=False))
+    assert again == pytest.approx(moved[1] * 7 / 5, rel=0.05)  # the head is not recomputed
+
+
+def test_a_cpu_profile_times_the_step_as_fitted():
+    run = _run("configs/gpt_tiny.yaml", "data=8")
+    cpu = dataclasses.replace(hardware.get_profile("h100"), platform="cpu")
+    assert kernels(run, cpu, "float32") == Kernels()
+    on_gpu = kernels(run, hardware.get_profile("h100"), "float32")
+    assert on_gpu.elementwise_bytes > 0 and 0 < on_gpu.shape_efficiency <= 1
+
+
+def test_the_sub_mesh_pipeline_lasts_its_critical_path():
+    """1F1B over 2 stages and 2 microbatches, each stage running as its input arrives:
+    without recomputation (F 1, B 2) the last backward ends at 9, with it (B 3) at 12,
+    against a device's own work of 3·2 = 6. In step, ticks priced at their busiest device
+    cost more."""
+    table = tick_table("1f1b", 2, 2)
+    assert analytic.pipeline_factor(table, False, asynchronous=True) == pytest.approx(9 / 6)
+    assert analytic.pipeline_factor(table, True, asynchronous=True) == pytest.approx(12 / 6)
+    assert analytic.pipeline_factor(table, True) > analytic.pipeline_factor(table, True, True)
+
+
+@pytest.mark.parametrize("value", [0, 1.5, -0.2])
+def test_a_matmul_efficiency_outside_its_range_is_one_line(tmp_path, value):
+    h100 = hardware.get_profile("h100")
+    names = ("name", "flops_bf16", "flops_f32", "hbm_bandwidth", "memory_bytes")
+    names += ("link_bandwidth", "links", "network_bandwidth", "collective_latency")
+    entry = {f: getattr(h100, f) for f in names} | {"matmul_efficiency": value}
+    path = tmp_path / "hw.yaml"
+    path.write_text(yaml.safe_dump({"mine": entry}))
+    with pytest.raises(ConfigError) as err:
+        hardware.get_profile("mine", path)
+    assert str(err.value) == (
+        f"hardware profile 'mine': matmul_efficiency={value!r} must be above 0 and at most 1"
+    )
