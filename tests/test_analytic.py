@@ -2,7 +2,9 @@
 --analytic`` and ``--devices`` above what compiles here): each estimate against the step
 the same layout compiles to on the 8 simulated devices here."""
 
+import csv
 import dataclasses
+import re
 
 import pytest
 
@@ -164,6 +166,37 @@ def test_a_plan_beyond_the_devices_here_is_estimated(capsys, tmp_path):
     state = rows["data=128"].mem_output_bytes
     assert state / 128 < rows["fsdp=128"].mem_output_bytes < state / 90
     assert (tmp_path / "plan" / "plan.csv").is_file()
+
+
+def test_an_estimated_plan_prints_its_top_and_counts_the_rest(capsys, tmp_path):
+    """A whole plan of 65 GPUs (5 × 13): stage degrees that cannot cut gpt_tiny's 4 layers
+    are left out in one note, not estimated; ``--top 1`` prints the fastest layout that
+    fits and the first that cannot run, each at its place in the ranking, and counts the
+    rest; the CSV holds every layout estimated."""
+    out_dir = tmp_path / "plan"
+    args = ["plan", "configs/gpt_tiny.yaml", "train.batch_size=130", "--devices", "65"]
+    code = main([*args, "--top", "1", "--out", str(out_dir)])
+    out = capsys.readouterr().out
+    assert code in (0, None), out
+    assert "note: 7 layouts with mesh.stage 5, 13, 65 left out: 4 layers do not cut" in out
+    estimated = int(re.search(r"estimating (\d+) layouts", out).group(1))
+    rows = list(csv.DictReader((out_dir / "plan.csv").open()))
+    assert len(rows) == estimated and not any("stage" in r["layout"] for r in rows)
+    fit = [r for r in rows if r["fits"] == "true"]
+    invalid = [r for r in rows if r["error"]]
+    table = [line.split()[:2] for line in out.splitlines() if re.match(r"\d+ ", line)]
+    fastest = min(fit, key=lambda r: float(r["predicted_step_time_s"]))["layout"]
+    assert table[0] == ["1", fastest] and len(table) == 2
+    assert table[1][0] == str(len(fit) + 1)  # the first that cannot run keeps its place
+    hidden = estimated - 2
+    assert (
+        f"note: {hidden} more layouts not printed ({len(fit) - 1} that fit, "
+        f"{len(invalid) - 1} that cannot run)" in out
+    )
+    code = main([*args, "--top", "0"])
+    assert len([x for x in capsys.readouterr().out.splitlines() if re.match(r"\d+ ", x)]) == (
+        estimated
+    )
 
 
 def test_llama3_70b_on_1024_gpus(capsys):

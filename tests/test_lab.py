@@ -10,7 +10,8 @@ import pytest
 from jaxpar.cli import main
 from jaxpar.config import load_config
 from jaxpar.lab import hardware, predict, sweep
-from jaxpar.lab.planner import best, format_plan, plan
+from jaxpar.lab.plan_text import format_plan
+from jaxpar.lab.planner import best, plan
 from tests.helpers import GPT_SMALL
 
 MPMD = "pipeline.executor=mpmd"
@@ -312,7 +313,7 @@ def test_latency_term_is_the_collectives_the_hlo_executes_times_alpha(h100, rows
 
 
 def test_predicted_times_read_in_three_digits(planned, h100):
-    from jaxpar.lab.planner import fmt_time
+    from jaxpar.lab.plan_text import fmt_time
 
     assert [fmt_time(t) for t in (4.2e-5, 1.234e-4, 9.9996e-4, 0.0012345, 0.5, 12.34)] == [
         "42.0 µs",

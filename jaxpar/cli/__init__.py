@@ -125,7 +125,8 @@ def _estimated(args: argparse.Namespace) -> bool:
 
 def _plan(args: argparse.Namespace, config: Config, task: Task | None) -> None:
     from jaxpar.lab.hardware import get_profile
-    from jaxpar.lab.planner import format_longest, format_plan, longest_sequence, plan, plan_folder
+    from jaxpar.lab.plan_text import ESTIMATED_TOP, format_plan
+    from jaxpar.lab.planner import format_longest, longest_sequence, plan, plan_folder
     from jaxpar.lab.sweep import write_csv
 
     hw = get_profile(args.hardware, args.hardware_file)
@@ -165,7 +166,8 @@ def _plan(args: argparse.Namespace, config: Config, task: Task | None) -> None:
         task=task,
         analytic=_estimated(args),
     )
-    print(format_plan(ranked, hw, memory))
+    top = args.top if args.top is not None else ESTIMATED_TOP if _estimated(args) else 0
+    print(format_plan(ranked, hw, memory, top))
     if out is not None:
         print(f"wrote {write_csv([p.row for p in ranked], out / 'plan.csv')}")
 

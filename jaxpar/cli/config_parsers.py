@@ -135,6 +135,14 @@ def lab_parsers(sub: argparse._SubParsersAction) -> None:
         f"{COMPILED_DEVICES}, estimated from the model's shape as with --analytic)",
     )
     plan.add_argument(
+        "--top",
+        type=count(10**6),
+        metavar="N",
+        help="print the N fastest layouts that fit, and the first N that do not fit or cannot "
+        "run, counting the rest (0: all; default: all when compiled, 20 when estimated); "
+        "--out writes them all",
+    )
+    plan.add_argument(
         "--analytic",
         action="store_true",
         help="estimate each layout from the model's shape instead of compiling it: FLOPs, "

@@ -129,6 +129,29 @@ def _within_domains(layouts: list[str], note: str | None, hw: Hardware) -> tuple
     return kept, note
 
 
+def _cuttable(layouts: list[str], note: str | None, config: Config) -> tuple[list[str], str]:
+    """``layouts`` less those whose stages cannot hold equal shares of the model's layers
+    (they cannot run: the one-program pipeline cuts the layers into ``stage × virtual
+    stages`` equal chunks), and the note saying so; all of them for a model that does not
+    name its layer count."""
+    layers = getattr(config.model, "n_layers", None)
+    chunks = config.pipeline.virtual_stages
+    if not isinstance(layers, int) or config.pipeline.executor == "mpmd":
+        return layouts, note
+    kept = [x for x in layouts if layers % (_degrees(x)[Axis.STAGE] * chunks) == 0]
+    if len(kept) < len(layouts):
+        stages = sorted(
+            {_degrees(x)[Axis.STAGE] for x in layouts} - {_degrees(x)[Axis.STAGE] for x in kept}
+        )
+        left = (
+            f"note: {_count(len(layouts) - len(kept))} with mesh.stage "
+            f"{', '.join(map(str, stages))} left out: {layers} layers do not cut into that "
+            f"many equal chunks (× pipeline.virtual_stages={chunks})"
+        )
+        note = f"{note}\n{left}" if note else left
+    return kept, note
+
+
 @functools.lru_cache(maxsize=2)
 def _task_of(config: Config) -> Task:
     """The config's built-in task, built once for all the layouts a plan fixes."""
@@ -183,6 +206,7 @@ def plan(
         layouts, note = default_layouts(config, devices, task, hw.platform)
         if analytic:
             layouts, note = _within_domains(layouts, note, hw)
+            layouts, note = _cuttable(layouts, note, config)
     workers = workers or default_workers()
     how = Measuring(config, hw, memory, task, workers, echo, devices if analytic else 0)
     rows = _measure(how, layouts, {})
@@ -319,16 +343,6 @@ def format_longest(found: list[Longest], memory: float) -> str:
     return "\n".join(lines)
 
 
-def fmt_time(seconds: float) -> str:
-    """Three significant digits in µs, ms or s, whichever keeps the number under 1000:
-    ``fmt_time(4.2e-5) == "42.0 µs"``, ``fmt_time(0.0012345) == "1.23 ms"``."""
-    for scale, unit in ((1e-6, "µs"), (1e-3, "ms"), (1.0, "s")):
-        value = seconds / scale
-        if abs(float(f"{value:.3g}")) < 1000 or unit == "s":
-            return f"{value:#.3g}".rstrip(".") + f" {unit}"
-    raise AssertionError("unreachable")
-
-
 def best(planned: list[Planned]) -> tuple[str, Row] | None:
     """The fastest predicted layout that fits, counting the suggested fixes."""
     options = [(p.row.layout, p.row) for p in planned if p.row.ok and p.row.fits]
@@ -345,102 +359,3 @@ def plan_folder(out: str, overwrite: bool = False) -> Path:
     """
     check_new_folder(out, "--out", "plan.csv", overwrite)
     return ensure_dir(out, "--out", "choose another --out folder")
-
-
-def _calls(row: Row, hw: Hardware) -> int:
-    """The collective calls ``hw``'s latency is paid for (:attr:`Hardware.latency_per`)."""
-    return row.collective_ops if hw.latency_per == "collective" else row.collective_arrays
-
-
-def _footer(hw: Hardware, memory: float) -> str:
-    """How the ranking's times were priced, and the memory it judged against."""
-    network = (
-        f", {hw.network_bandwidth / 1e9:.3g} GB/s and {fmt_time(hw.network_latency)} a level "
-        f"beyond {hw.domain_devices} GPUs"
-        if hw.domain_devices and hw.platform != "cpu"
-        else ""
-    )
-    return (
-        f"ranked by predicted step time on {hw.name} (roofline; communication = "
-        f"bytes / {hw.interconnect_bandwidth / 1e9:.3g} GB/s{network} + collectives "
-        f"{'executed' if hw.latency_per == 'collective' else 'arrays'} × "
-        f"{fmt_time(hw.collective_latency)}, in brackets; what overlaps compute counts only "
-        f"where it outlasts it); memory judged against {memory / 1e9:.3g} GB "
-        f"({fmt_value(memory, 'B')}) per device"
-    )
-
-
-def format_plan(planned: list[Planned], hw: Hardware, memory: float) -> str:
-    """The ranked table, then what was left out (one note per reason), a note per layout
-    that does not fit or cannot run, then the fastest layout that fits."""
-    head = [
-        "#",
-        "layout",
-        "memory/device",
-        "fits",
-        "pred. step",
-        "tokens/s/device",
-        "MFU",
-        "bound by",
-        "collectives",
-        "pred. comm",
-        "measured/pred",
-    ]
-    body = []
-    for i, p in enumerate(planned, 1):
-        r = p.row
-        if not r.ok:
-            body.append([str(i), r.layout, "", "invalid", *[""] * (len(head) - 4)])
-            continue
-        body.append(
-            [
-                str(i),
-                r.layout,
-                fmt_value(r.mem_total_bytes, "B"),
-                "yes" if r.fits else "NO",
-                fmt_time(r.predicted_step_time_s),
-                f"{r.predicted_tokens_per_s_per_device:,.0f}",
-                "" if r.predicted_mfu is None else f"{r.predicted_mfu:.1%}",
-                r.predicted_bound,
-                f"{_calls(r, hw)} ({fmt_time(r.predicted_latency_s)})",
-                fmt_value(r.predicted_comm_bytes, "B"),
-                "" if r.comm_ratio is None else f"{r.comm_ratio:.2f}",
-            ]
-        )
-    widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
-    lines = [
-        "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
-        for row in [head, ["-" * w for w in widths], *body]
-    ]
-    lines.append(_footer(hw, memory))
-    lines += getattr(planned, "notes", [])
-    if any(p.row.ok and p.row.flops is None for p in planned):
-        lines.append(
-            "note: estimated without a FLOP count for this model (a model family's counts): "
-            "the step time leaves its compute out"
-        )
-    if any(p.row.ok and p.row.mem_temp_bytes is None for p in planned):
-        lines.append(
-            "note: estimated without an activation estimate for this model: memory is the "
-            "state and batch shards only, so a layout marked as fitting may not; a model "
-            "without a lab module has no activation collectives either (tensor and context "
-            "layouts look cheaper than they are)"
-        )
-    for p in planned:
-        if not p.row.ok:
-            lines.append(f"- {p.row.layout}: cannot run: {p.row.error}")
-        elif not p.row.fits:
-            fix = (
-                f"fits as `{p.suggestion}` ({fmt_value(p.suggestion_row.mem_total_bytes, 'B')}"
-                f", predicted {fmt_time(p.suggestion_row.predicted_step_time_s)})"
-                if p.suggestion_row
-                else p.suggestion
-            )
-            lines.append(f"- {p.row.layout}: {p.why}; {fix}")
-    top = best(planned)
-    lines.append(
-        f"fastest that fits: `{top[0]}`, predicted {fmt_time(top[1].predicted_step_time_s)}"
-        if top
-        else "no layout fits"
-    )
-    return "\n".join(lines)

@@ -28,28 +28,24 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpar import sharding as shd
 from jaxpar import tensor_parallel
-from jaxpar.axes import Axis
 from jaxpar.buckets import platform_of
 from jaxpar.context import ContextConfig
 from jaxpar.errors import ConfigError, TaskError
-from jaxpar.gradients import AccumulatedPerDataShard, ModelLoss, Pipelined, Strategy
+from jaxpar.gradients import AccumulatedPerDataShard, ModelLoss, Strategy
 from jaxpar.logical import BATCH, Rules
 from jaxpar.pipeline.layout import Layout
 from jaxpar.pipeline.schedule import PipelineConfig
 from jaxpar.pipeline.ticks import TickTable
-from jaxpar.plan import checks
+from jaxpar.plan import checks, decide
 from jaxpar.plan.abstract import AbstractModel, abstract_model, warn_unnamed
-from jaxpar.plan.offload import check_executor, device_part, on_host
+from jaxpar.plan.offload import check_executor, device_part
 from jaxpar.plan.sizes import StateBytes
-from jaxpar.plan.strategy import gather_once, gradient_strategy
-from jaxpar.plan.submesh import executor_of, sub_mesh_layout
+from jaxpar.plan.submesh import executor_of
 from jaxpar.state import TrainState
 from jaxpar.task import Task
 from jaxpar.tensor_parallel import TensorConfig
@@ -314,176 +310,43 @@ def make_plan(
     if model.unnamed:
         warn_unnamed(model.unnamed)
     rules = shd.fit_soft_rules(rules, model.params, model.param_axes, mesh)
-    given = _Given(
+    given = decide.Given(
         task=task,
         optimizer=optimizer,
         model=model,
         pipeline=pipeline,
         fsdp_gather=fsdp_gather,
         optimizer_offload=optimizer_offload,
-        abstract_state=_abstract_state(optimizer, model),
+        abstract_state=decide.abstract_state(optimizer, model),
         loss=ModelLoss(model.graphdef, task.loss_fn),
     )
     tensor = tensor if tensor is not None else TensorConfig()
-    layout = _batch_layout(task, mesh, rules, (context, tensor), grad_accum)
+    layout = decide.batch_layout(task, mesh, rules, (context, tensor), grad_accum)
     planned = platform or platform_of(mesh)
     layout = replace(layout, grad_bucket_bytes=grad_bucket_bytes, platform=planned)
     executor = executor_of(task, pipeline, layout.stages)
     check_executor(optimizer_offload, executor)
     tensor_parallel.check_executor(tensor, executor)
     if executor == "mpmd":
-        return _sub_mesh_plan(given, layout)
-    return _one_program_plan(given, layout)
+        return _plan(given, decide.sub_mesh(given, layout))
+    return _plan(given, decide.one_program(given, layout))
 
 
-# ---- the steps of make_plan -----------------------------------------------------------------
-@dataclass(frozen=True, kw_only=True)
-class _Given:
-    """What :func:`make_plan` was given (defaults filled in), with the train state's
-    shapes and the task's loss: the parts of the plan that do not depend on the layout."""
-
-    task: Task
-    optimizer: optax.GradientTransformation
-    model: AbstractModel
-    pipeline: PipelineConfig
-    fsdp_gather: str
-    optimizer_offload: bool
-    abstract_state: TrainState
-    loss: ModelLoss
-
-    def plan(
-        self,
-        *,
-        layout: Layout,
-        state_specs: Any,
-        opt_specs: Any,
-        opt_replicated: list,
-        state_shardings: TrainState,
-        gradients: Strategy,
-    ) -> Plan:
-        """The plan of these inputs and the layout decided for them."""
-        return Plan(
-            task=self.task,
-            optimizer=self.optimizer,
-            model=self.model,
-            layout=layout,
-            pipeline_config=self.pipeline,
-            fsdp_gather=self.fsdp_gather,
-            optimizer_offload=self.optimizer_offload,
-            state_specs=state_specs,
-            opt_specs=opt_specs,
-            opt_replicated=opt_replicated,
-            abstract_state=self.abstract_state,
-            state_shardings=state_shardings,
-            loss=self.loss,
-            gradients=gradients,
-        )
-
-
-def _abstract_state(optimizer: optax.GradientTransformation, model: AbstractModel) -> TrainState:
-    """The train state as ``ShapeDtypeStruct`` trees."""
-    abstract_opt = jax.eval_shape(optimizer.init, model.params)
-    counter = jax.ShapeDtypeStruct((), jnp.int32)
-    return TrainState(counter, model.params, abstract_opt, counter, model.state)
-
-
-def _batch_layout(
-    task: Task,
-    mesh: Mesh,
-    rules: Rules,
-    options: tuple[ContextConfig, TensorConfig],
-    grad_accum: int,
-) -> Layout:
-    """The layout before the parameters' specs: mesh, rules, context and tensor settings
-    and the batch's specs (checked: every process owns whole rows)."""
-    batch_specs = checks.batch_specs(task, rules, mesh, None)
-    checks.check_processes_own_rows(mesh, batch_specs)
-    context, tensor = options
-    return Layout(
-        mesh=mesh,
-        rules=rules,
-        context=context,
-        tensor=tensor,
-        batch_specs=batch_specs,
-        grad_accum=grad_accum,
-    )
-
-
-def _sub_mesh_plan(given: _Given, layout: Layout) -> Plan:
-    """The plan of the sub-mesh executor (``pipeline.executor=mpmd``)."""
-    task = given.task
-    model = given.model
-    decided = sub_mesh_layout(
-        task, model, given.optimizer, given.abstract_state.opt_state, layout, given.pipeline
-    )
-    layout = decided.layout
-    checks.check_layout(
-        task,
-        model,
-        layout.rules,
-        layout.mesh,
-        layout.param_specs,
-        layout.batch_specs,
-        run_by_executor=(Axis.STAGE,),
-    )
-    return given.plan(
-        layout=layout,
+def _plan(given: decide.Given, decided: decide.Decided) -> Plan:
+    """The plan of what :func:`make_plan` was given and what the layout decided."""
+    return Plan(
+        task=given.task,
+        optimizer=given.optimizer,
+        model=given.model,
+        layout=decided.layout,
+        pipeline_config=given.pipeline,
+        fsdp_gather=given.fsdp_gather,
+        optimizer_offload=given.optimizer_offload,
         state_specs=decided.state_specs,
         opt_specs=decided.opt_specs,
         opt_replicated=decided.opt_replicated,
-        state_shardings=decided.shardings,
-        gradients=decided.executor,
-    )
-
-
-def _one_program_plan(given: _Given, layout: Layout) -> Plan:
-    """The plan of one program over the whole mesh: a plain or accumulated step, or the
-    SPMD pipeline executor (``mesh.stage`` > 1)."""
-    task = given.task
-    model = given.model
-    mesh = layout.mesh
-    rules = layout.rules
-    table = checks.pipeline_table(task, model, mesh, rules, given.pipeline)
-    if table is not None:
-        checks.check_spmd_settings(given.pipeline)
-    param_specs = shd.param_specs(model.params, model.param_axes, rules, mesh)
-    state_specs = shd.param_specs(model.state, model.state_axes, rules, mesh, what="model state")
-    opt_state = given.abstract_state.opt_state
-    opt_specs, replicated = shd.opt_state_specs(opt_state, model.params, param_specs)
-    shardings = _state_shardings(mesh, param_specs, opt_specs, state_specs)
-    if given.optimizer_offload:
-        shardings = replace(shardings, opt_state=on_host(shardings.opt_state))
-    checks.check_layout(task, model, rules, mesh, param_specs, layout.batch_specs)
-    layout = replace(
-        layout,
-        param_specs=param_specs,
-        table=table,
-        fsdp_gather_once=gather_once(given.fsdp_gather, layout.grad_accum, param_specs),
-    )
-    pipelined = (
-        Pipelined(task.stages, model.graphdef, layout, model.rng_counts)
-        if table is not None
-        else None
-    )
-    return given.plan(
-        layout=layout,
-        state_specs=state_specs,
-        opt_specs=opt_specs,
-        opt_replicated=replicated,
-        state_shardings=shardings,
-        gradients=gradient_strategy(
-            given.loss, layout, shardings.params, pipelined, model.stateful
-        ),
-    )
-
-
-def _state_shardings(mesh: Mesh, param_specs: Any, opt_specs: Any, state_specs: Any) -> TrainState:
-    """The train state's shardings on one mesh (the step counters replicated)."""
-    scalar = NamedSharding(mesh, PartitionSpec())
-    return TrainState(
-        scalar,
-        shd.named(mesh, param_specs),
-        shd.named(mesh, opt_specs),
-        scalar,
-        shd.named(mesh, state_specs),
+        abstract_state=given.abstract_state,
+        state_shardings=decided.state_shardings,
+        loss=given.loss,
+        gradients=decided.gradients,
     )
