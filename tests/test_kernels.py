@@ -32,6 +32,7 @@ def _run(config: str, layout: str, *more: str):
         ("configs/gpt_tiny.yaml", "data=8"),
         ("configs/gpt_tiny.yaml", "data=4,tensor=2"),
         ("configs/llama_tiny.yaml", "data=2,tensor=4,rules.kv_heads=null"),
+        ("configs/llama_tiny.yaml", "data=2,tensor=4"),  # 2 K/V heads held whole
         ("configs/gemma_tiny.yaml", "fsdp=8"),
         ("configs/gpt_tiny.yaml", "data=4,context=2,context.attention=ring"),
     ],

@@ -26,6 +26,11 @@ degree, ``e`` the bytes of an activation element::
 where ``t_sp`` is ``t`` under sequence parallelism and 1 without, ``layers`` the layers a
 device holds in one chunk (over ``stage`` and virtual stages), and ``in_flight`` the most
 microbatch chunks a pipeline's device holds activations of at once (1 without a pipeline).
+
+The same shapes give what else the estimate reads of a transformer
+(:mod:`jaxpar.lab.kernels`, :mod:`jaxpar.lab.analytic`): its matmuls on one device, the
+bytes its other kernels move (passes over what a layer keeps), the share of a layer a
+recomputation runs again, and the FLOPs of key and value heads held whole.
 """
 
 from __future__ import annotations
@@ -108,8 +113,10 @@ def transformer_matmuls(cfg: Any, layout: LabLayout, gated: bool) -> list[Matmul
     per_head = (
         layers * microbatch_rows(layout) * cfg.n_heads / t * (c if layout.context == "ring" else 1)
     )
+    kv = q_k_v_width(cfg) - cfg.n_heads * hd  # held whole where not split as the queries
+    whole = layout.rules.get("kv_heads", ()) != layout.rules.get("heads", ())
     return [
-        Matmul(m, q_k_v_width(cfg) / t, d, layers),
+        Matmul(m, cfg.n_heads * hd / t + (kv if whole else kv / t), d, layers),
         Matmul(m, d, cfg.n_heads * hd / t, layers),
         Matmul(m, cfg.d_ff * (2 if gated else 1) / t, d, layers),
         Matmul(m, d, cfg.d_ff / t, layers),
@@ -117,6 +124,29 @@ def transformer_matmuls(cfg: Any, layout: LabLayout, gated: bool) -> list[Matmul
         Matmul(s, hd, keys, per_head),
         Matmul(m, cfg.vocab_size / t, d, steps),
     ]
+
+
+def recomputed_share(cfg: Any, layout: LabLayout, gated: bool) -> float:
+    """The share of a layer's forward FLOPs a recomputation runs again: all but its last
+    matmul, the MLP's output projection, whose output the backward does not read (XLA
+    leaves it out: gpt_tiny's recomputing backward measured 2.72 forwards, its MLP output
+    25% of a layer's)."""
+    *layer, _head = transformer_matmuls(cfg, layout, gated)
+    return 1 - layer[3].flops / sum(m.flops for m in layer)
+
+
+def unsplit_kv_flops(cfg: Any, layout: LabLayout) -> float:
+    """Training FLOPs a device computes beyond its 1/t share where the key and value heads
+    are not split over ``tensor`` as the query heads are (held whole): their projections,
+    forward and backward, for all of the device's tokens (checked against the compiled
+    step: ``tests/test_analytic.py``)."""
+    t = layout.sizes[Axis.TENSOR]
+    if t == 1 or layout.rules.get("kv_heads", ()) == layout.rules.get("heads", ()):
+        return 0.0
+    width = 2 * getattr(cfg, "n_kv_heads", cfg.n_heads) * head_dim(cfg)
+    tokens = layout.rows * _tokens(layout)[0]
+    layers = cfg.n_layers / layout.sizes[Axis.STAGE]
+    return 3 * 2 * tokens * cfg.d_model * width * (1 - 1 / t) * layers
 
 
 def _microbatches(layout: LabLayout) -> int:

@@ -9,12 +9,15 @@ adds is estimated from the model's shape:
 * **FLOPs per device**: the family's count of one example's training FLOPs
   (:class:`jaxpar.models.family.Counts`) × the examples a device computes (the global
   batch over the axes that split the batch and the sequence, and over ``tensor``), over
-  ``stage`` in a pipeline, times
+  ``stage`` in a pipeline, plus what the device computes beyond that share (weights held
+  whole: :meth:`~jaxpar.lab.terms.LabModel.unsplit_flops`), times
   - the schedule's cost: a tick costs its busiest device's action (forward 1, fused
-    backward 2, its two halves 1 each), bubbles free, as the compiled step is read
-    (:func:`pipeline_factor`);
-  - recomputation: ``model.remat=full`` runs the stacked layers' forward again, a third
-    of their share of the FLOPs (:func:`layer_share`).
+    backward 2, its input half 1, its weight half 2; the recomputed forward and the head
+    on top), bubbles free, as the compiled step is read; the sub-mesh executor's critical
+    path (:func:`pipeline_factor`);
+  - recomputation: ``model.remat=full`` runs the stacked layers' forward again, but for
+    what the backward does not read (:meth:`~jaxpar.lab.terms.LabModel.recomputed_share`
+    of a third of their share of the FLOPs: :func:`layer_share`).
 * **Memory**: the step's arguments (state shards and batch shards, from the shardings:
   exact), its outputs (the donated state), and the activations the family's lab module
   estimates (:meth:`jaxpar.lab.terms.LabModel.activation_bytes`; none for a model
@@ -33,6 +36,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import numpy as np
 
 from jaxpar.axes import Axis
 from jaxpar.config import Config, apply_overrides
@@ -51,24 +55,50 @@ from jaxpar.run import Run, build, data_needs
 from jaxpar.task import Task
 
 
-def pipeline_factor(table: Any, recompute: bool, asynchronous: bool = False) -> float:
+def pipeline_factor(
+    table: Any, recompute: float, asynchronous: bool = False, head: float = 0.0
+) -> float:
     """A pipeline step's FLOPs per device over the work it does (forward 1, backward 2 per
-    microbatch and chunk), with ``recompute`` a backward action running its chunk's
-    forward again first (the executors keep only each chunk's input, unless the sub-mesh
-    one keeps its residuals; :func:`~jaxpar.pipeline.schedule.action_times`).
+    microbatch and chunk, and 3·``head`` for the head's: its forward in units of a chunk's
+    forward), with a backward action first running ``recompute`` of its chunk's forward
+    again (the executors keep only each chunk's input, unless the sub-mesh one keeps its
+    residuals; :func:`~jaxpar.pipeline.schedule.action_times`).
 
     One program for every stage (``asynchronous`` False) runs the table's ticks in step:
     each tick costs its busiest device's action (every device waits for the slowest at
-    the next send; bubbles free). The sub-mesh executor's stages run their own programs,
-    each as soon as its input arrives: the step lasts the schedule's critical path
-    (:func:`~jaxpar.pipeline.schedule.simulate` with those costs)."""
+    the next send; bubbles free), and the last chunk's forward runs inside its backward,
+    with the head's (:func:`_tick_cost`). The sub-mesh executor's stages run their own
+    programs, each as soon as its input arrives: the step lasts the schedule's critical
+    path (:func:`~jaxpar.pipeline.schedule.simulate` with those costs, the head spread
+    over the chunks)."""
     times = action_times(recompute)
     if asynchronous:
         span = simulate(table.orders, table.v, times).makespan
-    else:
-        cost = [0.0, *(times[k] for k in KINDS[1:])]
-        span = sum(max(cost[k] for k in row) for row in table.kind.tolist())
-    return span / (3.0 * table.m * table.v)
+        return span / (3.0 * table.m * table.v)
+    last = table.chunk * table.p + np.arange(table.p)[None, :] == table.p * table.v - 1
+    cost = np.vectorize(lambda k, end: _tick_cost(KINDS[k], end, times, recompute, head))
+    span = cost(table.kind, last).max(axis=1).sum()
+    return float(span) / (3.0 * table.m * (table.v + head / table.p))
+
+
+#: the head's FLOPs a last-chunk action runs, in units of the head's forward
+_HEAD = {"B": 3.0, "I": 2.0, "W": 3.0}
+
+
+def _tick_cost(
+    kind: str, last: bool, times: dict[str, float], recompute: float, head: float
+) -> float:
+    """One device's action in a tick of the one-program executor, in chunk forwards: its
+    last chunk's forward is no action of its own (the backward runs it, so a recomputing
+    one runs it once) and adds the head's (the branches ``jaxpar.pipeline.branches``
+    compiles: on gpt_tiny over 4 stages, F 117 MFLOP, B 319, B_LAST 402)."""
+    if kind == "idle":
+        return 0.0
+    if kind == "F":
+        return 0.0 if last else times["F"]
+    if not last:
+        return times[kind]
+    return times[kind] + (1 - recompute) * times["F"] + _HEAD[kind] * head
 
 
 def layer_share(run: Run) -> float:
@@ -98,12 +128,19 @@ def flops_per_device(run: Run, asynchronous: bool = False) -> float | None:
     per_example = family.counts(run.config.model, run.data).train_flops_per_example
     split = plan.batch_ways() * sizes[Axis.CONTEXT] * sizes[Axis.TENSOR] * sizes[Axis.STAGE]
     flops = per_example * run.config.train.batch_size / split
+    lab, layout = lab_for(family), lab_layout(run, cpu=False)
+    # and what a device computes beyond its share (weights held whole)
+    flops += lab.unsplit_flops(run.config.model, layout)
+    again = lab.recomputed_share(run.config.model, layout)
     if plan.pipeline is not None:
         residuals = plan.executor == "mpmd" and plan.gradients.residuals
         asynchronous = asynchronous or plan.executor == "mpmd"
-        flops *= pipeline_factor(plan.pipeline, not residuals, asynchronous)
+        table = plan.pipeline
+        share = layer_share(run)
+        head = table.p * table.v * (1 - share) / share if share else 0.0
+        flops *= pipeline_factor(table, 0.0 if residuals else again, asynchronous, head)
     if getattr(run.config.model, "remat", "none") == "full":
-        flops *= 1 + layer_share(run) / 3
+        flops *= 1 + layer_share(run) * again / 3
     return flops
 
 

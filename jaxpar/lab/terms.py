@@ -145,6 +145,16 @@ class LabModel:
         FLOPs run at the profile's achievable rate whatever their shapes)."""
         return []
 
+    def recomputed_share(self, cfg: Any, layout: LabLayout) -> float:
+        """The share of a layer's forward FLOPs that recomputing it for the backward runs
+        again (1: all of it, where the family does not say)."""
+        return 1.0
+
+    def unsplit_flops(self, cfg: Any, layout: LabLayout) -> float:
+        """Training FLOPs a device computes beyond its share of the family's count, for
+        weights its layout holds whole where the rules would split them (0: none)."""
+        return 0.0
+
     def elementwise_bytes(self, cfg: Any, layout: LabLayout) -> float:
         """HBM bytes one device's kernels other than matmuls (norms, activations, softmax,
         residual adds) move in one step, forward and backward (0: not known)."""

@@ -14,7 +14,14 @@ import jax.numpy as jnp
 from jaxpar.axes import Axis
 from jaxpar.errors import ConfigError
 from jaxpar.lab import experts
-from jaxpar.lab.activations import Kept, activation_bytes, elementwise_bytes, transformer_matmuls
+from jaxpar.lab.activations import (
+    Kept,
+    activation_bytes,
+    elementwise_bytes,
+    recomputed_share,
+    transformer_matmuls,
+    unsplit_kv_flops,
+)
 from jaxpar.lab.terms import LabLayout, LabModel, Matmul, Term, fp8_itemsize
 from jaxpar.logical import ACT_SEQ, SEQ
 from jaxpar.models.bert import BERT_FAMILY
@@ -378,6 +385,14 @@ class TransformerLab(LabModel):
         if getattr(cfg, "n_experts", 0):
             return []
         return transformer_matmuls(cfg, layout, self.gated)
+
+    def recomputed_share(self, cfg: Any, layout: LabLayout) -> float:
+        if getattr(cfg, "n_experts", 0):
+            return 1.0
+        return recomputed_share(cfg, layout, self.gated)
+
+    def unsplit_flops(self, cfg: Any, layout: LabLayout) -> float:
+        return unsplit_kv_flops(cfg, layout)
 
     def elementwise_bytes(self, cfg: Any, layout: LabLayout) -> float:
         if getattr(cfg, "n_experts", 0):
