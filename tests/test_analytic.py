@@ -4,7 +4,12 @@ the same layout compiles to on the 8 simulated devices here."""
 
 import csv
 import dataclasses
+import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +20,7 @@ from jaxpar.lab.measure import measure
 from jaxpar.pipeline import tick_table
 
 H100 = hardware.get_profile("h100")
+ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {m: f"configs/{m}_tiny.yaml" for m in ("gpt", "bert", "llama", "qwen3", "gemma")}
 #: (model, layout, how far the estimate's temporaries may be from the compiled step's:
 #: measured 0.91-1.09 without remat or a pipeline (ring attention: below); 0.76-1.20
@@ -55,6 +61,7 @@ GRID = [
     ("llama", "data=8,model.remat=full", (0.75, 1.25)),
     # 2 K/V heads over tensor=4: held whole, their projections computed on every device
     ("llama", "data=2,tensor=4", (0.9, 1.1)),
+    ("llama", "data=2,tensor=4,tensor.sequence=true", (0.9, 1.1)),
     ("llama", "data=8", (0.9, 1.1)),
     ("llama", "data=2,fsdp=2,tensor=2", (0.9, 1.1)),
     ("llama", "data=4,tensor=2,tensor.sequence=true", (0.9, 1.1)),
@@ -116,6 +123,77 @@ def test_the_activations_follow_the_compiled_temporaries(pairs, model, layout, b
     estimated, compiled = pairs[model, layout]
     ratio = estimated.mem_temp_bytes / compiled.mem_temp_bytes
     assert bounds[0] <= ratio <= bounds[1], ratio
+
+
+#: the grid at 32 simulated devices (a process of its own: this one has 8), per model: the
+#: layouts, and the bounds of the estimated temporaries over the compiled
+GRID_32 = [
+    pytest.param(
+        "gpt",
+        ["data=32", "fsdp=32", "data=8,tensor=4,tensor.sequence=true", "data=8,fsdp=4"],
+        (0.9, 1.1),
+        id="gpt",
+    ),
+    pytest.param(
+        "gpt",
+        [
+            "data=8,context=4,context.attention=ring",
+            "data=4,fsdp=2,context=2,tensor=2",
+            "data=2,fsdp=4,tensor=4",
+            "data=32,model.remat=full",
+        ],
+        (0.9, 1.25),
+        id="gpt-more",
+        marks=EXHAUSTIVE,
+    ),
+    pytest.param(
+        "gpt",
+        ["data=8,stage=4", "data=8,stage=4,pipeline.schedule=zb_h1"],
+        (0.6, 1.0),
+        id="gpt-pipelines",
+        marks=EXHAUSTIVE,
+    ),
+    pytest.param(
+        "llama",
+        [
+            "data=8,tensor=4",
+            "data=4,fsdp=2,tensor=4,tensor.sequence=true",
+            "data=16,context=2",
+            "data=32,model.remat=full",
+        ],
+        (0.9, 1.1),
+        id="llama",
+        marks=EXHAUSTIVE,
+    ),
+]
+
+
+@pytest.mark.parametrize("model,layouts,bounds", GRID_32)
+def test_the_estimate_equals_the_compiled_step_at_32_devices(model, layouts, bounds):
+    """The grid's mechanisms again at 32 devices (batch 64): FLOPs within 5%, arguments
+    byte for byte, temporaries within the bounds (``tests/analytic_grid.py`` estimates and
+    compiles them in a process of 32 simulated devices)."""
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ["XLA_FLAGS"])
+    env = {**os.environ, "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count=32"}
+    command = [sys.executable, "-m", "tests.analytic_grid", CONFIGS[model]]
+    done = subprocess.run(
+        [*command, "train.batch_size=64", *layouts],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [f["layout"] for f in found] == layouts and {f["devices"] for f in found} == {32}
+    for f in found:
+        estimated, compiled = f["estimated"], f["compiled"]
+        assert not estimated["error"] and not compiled["error"], f
+        assert estimated["flops"] == pytest.approx(compiled["flops"], rel=0.05), f
+        assert estimated["mem_args_bytes"] == compiled["mem_args_bytes"], f
+        ratio = estimated["mem_temp_bytes"] / compiled["mem_temp_bytes"]
+        assert bounds[0] <= ratio <= bounds[1], (f["layout"], ratio)
 
 
 def test_recomputation_adds_a_forward_of_the_layers_but_their_last_matmuls(pairs):

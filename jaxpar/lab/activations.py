@@ -138,15 +138,18 @@ def recomputed_share(cfg: Any, layout: LabLayout, gated: bool) -> float:
 def unsplit_kv_flops(cfg: Any, layout: LabLayout) -> float:
     """Training FLOPs a device computes beyond its 1/t share where the key and value heads
     are not split over ``tensor`` as the query heads are (held whole): their projections,
-    forward and backward, for all of the device's tokens (checked against the compiled
-    step: ``tests/test_analytic.py``)."""
+    forward and backward, for all of the device's tokens, the forward only under sequence
+    parallelism (checked against the compiled step: ``tests/test_analytic.py``)."""
     t = layout.sizes[Axis.TENSOR]
     if t == 1 or layout.rules.get("kv_heads", ()) == layout.rules.get("heads", ()):
         return 0.0
     width = 2 * getattr(cfg, "n_kv_heads", cfg.n_heads) * head_dim(cfg)
     tokens = layout.rows * _tokens(layout)[0]
     layers = cfg.n_layers / layout.sizes[Axis.STAGE]
-    return 3 * 2 * tokens * cfg.d_model * width * (1 - 1 / t) * layers
+    # under sequence parallelism only the forward runs on the whole (gathered) sequence:
+    # the backward's matmuls split it (measured: a third of the extra, Llama tensor=4)
+    passes = 1 if _sequence_parallel(layout) > 1 else 3
+    return passes * 2 * tokens * cfg.d_model * width * (1 - 1 / t) * layers
 
 
 def _microbatches(layout: LabLayout) -> int:
@@ -172,6 +175,15 @@ def _tokens(layout: LabLayout) -> tuple[float, float, int]:
     return s, (s if layout.context == "ring" else layout.seq_len), c
 
 
+def _sequence_parallel(layout: LabLayout) -> int:
+    """How many ways sequence parallelism splits the residual stream beyond ``context``
+    (``t`` under ``tensor.sequence``, else 1)."""
+    sizes = layout.sizes
+    c = _tokens(layout)[2]
+    sequence = math.prod(sizes[a] for a in split_over(layout.rules, sizes, ACT_SEQ))
+    return sequence // c if sequence > c else 1
+
+
 def _itemsize(cfg: Any, layout: LabLayout) -> int:
     """Bytes of an activation element (XLA:CPU holds bfloat16 as float32)."""
     return 4 if layout.cpu else jnp.dtype(cfg.dtype).itemsize
@@ -179,11 +191,9 @@ def _itemsize(cfg: Any, layout: LabLayout) -> int:
 
 def layer_bytes(cfg: Any, layout: LabLayout, kept: Kept, fused_attention: bool) -> float:
     """Bytes one layer keeps for one microbatch on one device (the module docstring)."""
-    sizes = layout.sizes
-    t = sizes[Axis.TENSOR]
-    s, keys, c = _tokens(layout)
-    sequence = math.prod(sizes[a] for a in split_over(layout.rules, sizes, ACT_SEQ))
-    t_sp = sequence // c if sequence > c else 1
+    t = layout.sizes[Axis.TENSOR]
+    s, keys, _ = _tokens(layout)
+    t_sp = _sequence_parallel(layout)
     b = microbatch_rows(layout)
     scores = 0.0 if fused_attention else kept.scores * b * cfg.n_heads * s * keys / t
     split = q_k_v_width(cfg) * kept.attention + cfg.d_ff * kept.mlp
