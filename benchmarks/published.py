@@ -175,6 +175,8 @@ def overrides_of(entry: dict, literal: bool = False) -> list[str]:
         keys = [*keys, f"model.n_kv_heads={m['n_kv_heads']}"]
     elif m["n_kv_heads"] != m["n_heads"]:
         raise Unmapped("a GPT with grouped-query attention")
+    if entry.get("precision") == "fp8":  # FP8 weight matmuls, as NeMo's Transformer Engine
+        keys = [*keys, "model.precision=fp8"]
     return [
         *keys,
         f"model.vocab_size={m['vocab']}",

@@ -133,3 +133,28 @@ def test_a_matmul_efficiency_outside_its_range_is_one_line(tmp_path, value):
     assert str(err.value) == (
         f"hardware profile 'mine': matmul_efficiency={value!r} must be above 0 and at most 1"
     )
+
+
+def test_fp8_matmuls_run_at_the_chips_fp8_rate():
+    """``model.precision=fp8``: the weight matmuls (projections and MLP) run at the FP8
+    peak × its MAMF share (the H100's 1,979 TFLOP/s × 0.709), attention's products and the
+    head at the bf16 one; a chip without FP8 units (the A100) runs them at bf16's."""
+    plain = _run("configs/llama_tiny.yaml", "data=8", "model.dtype=bfloat16")
+    fp8 = _run("configs/llama_tiny.yaml", "data=8", "model.dtype=bfloat16", "model.precision=fp8")
+    h100 = hardware.get_profile("h100")
+    assert kernels(plain, h100, "bfloat16").fp8_share == 0
+    share = kernels(fp8, h100, "bfloat16").fp8_share
+    matmuls = lab_for(fp8.family).matmuls(fp8.config.model, lab_layout(fp8, cpu=False))
+    weights = sum(m.flops for m in matmuls[:4])  # q/k/v, output, the MLP's two
+    assert share == pytest.approx(weights / sum(m.flops for m in matmuls))
+    assert 0.3 < share < 1
+    assert compute_time(h100, 1e15, "bfloat16", Kernels(fp8_share=1.0)) == pytest.approx(
+        1e15 / (1.979e15 * 0.709)
+    )
+    half = compute_time(h100, 1e15, "bfloat16", Kernels(fp8_share=0.5))
+    assert half == pytest.approx(0.5e15 / (989.4e12 * 0.803) + 0.5e15 / (1.979e15 * 0.709))
+    a100 = hardware.get_profile("a100")
+    assert a100.flops_fp8 == 0
+    assert compute_time(a100, 1e15, "bfloat16", Kernels(fp8_share=1.0)) == pytest.approx(
+        compute_time(a100, 1e15, "bfloat16", Kernels())
+    )

@@ -104,7 +104,7 @@ def transformer_matmuls(cfg: Any, layout: LabLayout, gated: bool) -> list[Matmul
     """A transformer's forward matmuls on one device over a step: the projections (q, k
     and v as one), the MLP's two (a gated one's first makes two widths), attention's
     scores and weighted values per head (each ring step's keys under ring attention),
-    and the head."""
+    and the head; the projections and the MLP's in FP8 under ``model.precision=fp8``."""
     t = layout.sizes[Axis.TENSOR]
     s, keys, c = _tokens(layout)
     steps = _microbatches(layout)
@@ -115,11 +115,12 @@ def transformer_matmuls(cfg: Any, layout: LabLayout, gated: bool) -> list[Matmul
     )
     kv = q_k_v_width(cfg) - cfg.n_heads * hd  # held whole where not split as the queries
     whole = layout.rules.get("kv_heads", ()) != layout.rules.get("heads", ())
+    fp8 = getattr(cfg, "precision", "default") == "fp8"  # the weight matmuls
     return [
-        Matmul(m, cfg.n_heads * hd / t + (kv if whole else kv / t), d, layers),
-        Matmul(m, d, cfg.n_heads * hd / t, layers),
-        Matmul(m, cfg.d_ff * (2 if gated else 1) / t, d, layers),
-        Matmul(m, d, cfg.d_ff / t, layers),
+        Matmul(m, cfg.n_heads * hd / t + (kv if whole else kv / t), d, layers, fp8),
+        Matmul(m, d, cfg.n_heads * hd / t, layers, fp8),
+        Matmul(m, cfg.d_ff * (2 if gated else 1) / t, d, layers, fp8),
+        Matmul(m, d, cfg.d_ff / t, layers, fp8),
         Matmul(s, keys, hd, per_head),
         Matmul(s, hd, keys, per_head),
         Matmul(m, cfg.vocab_size / t, d, steps),

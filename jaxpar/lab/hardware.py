@@ -74,6 +74,10 @@ class Hardware:
     #: the share of the peak the chip's best matmuls reach (its measured MAMF over the
     #: datasheet figure): 1 prices matmuls at the peak (:mod:`jaxpar.lab.kernels`)
     matmul_efficiency: float = 1.0
+    #: peak FP8 matmul FLOP/s (dense) and the share of it the best FP8 matmuls reach; 0:
+    #: no FP8 tensor cores (an FP8 matmul runs at the bf16 rate)
+    flops_fp8: float = 0.0
+    matmul_efficiency_fp8: float = 1.0
 
     @property
     def interconnect_bandwidth(self) -> float:
@@ -138,6 +142,8 @@ _OPTIONAL = {
     "domain_devices": 0,
     "network_latency": 0,
     "matmul_efficiency": None,
+    "flops_fp8": 0,
+    "matmul_efficiency_fp8": None,
 }
 #: the least value of the number fields that need not be above 0
 _LEAST = {
@@ -146,7 +152,7 @@ _LEAST = {
     **{k: v for k, v in _OPTIONAL.items() if isinstance(v, int)},
 }
 #: the number fields that are a share: above 0, at most 1
-_SHARES = ("matmul_efficiency",)
+_SHARES = ("matmul_efficiency", "matmul_efficiency_fp8")
 #: the number fields that count things (whole numbers)
 _COUNTS = ("links", "domain_devices")
 
@@ -201,10 +207,13 @@ def get_profile(key: str, extra: str | Path | None = None) -> Hardware:
 class Kernels:
     """How a step's kernels run, beside its FLOPs (:mod:`jaxpar.lab.kernels`): its
     matmuls' rate over the profile's achievable one, by their shapes (1: every matmul as
-    fast as the chip's best), and the HBM bytes its other kernels move (0: not known)."""
+    fast as the chip's best), the HBM bytes its other kernels move (0: not known), and the
+    share of its matmul FLOPs in FP8."""
 
     shape_efficiency: float = 1.0
     elementwise_bytes: float = 0.0
+    #: the share of the matmul FLOPs that run in FP8 (``model.precision=fp8``)
+    fp8_share: float = 0.0
 
 
 #: a step whose kernels are not known: matmuls at the achievable rate, nothing else timed
@@ -281,5 +290,9 @@ def roofline(
 
 def compute_time(hw: Hardware, flops: float, dtype: str, kernels: Kernels) -> float:
     """Seconds ``flops`` of matmuls take: at the peak × the chip's best matmuls' share of
-    it × the step's matmuls' share of those (their shapes)."""
-    return flops / (hw.peak_flops(dtype) * hw.matmul_efficiency * kernels.shape_efficiency)
+    it × the step's matmuls' share of those (their shapes); the FP8 share of them at the
+    chip's FP8 rate, where it has one."""
+    best = hw.peak_flops(dtype) * hw.matmul_efficiency
+    fp8 = hw.flops_fp8 * hw.matmul_efficiency_fp8 or best
+    share = kernels.fp8_share
+    return flops * ((1 - share) / best + share / fp8) / kernels.shape_efficiency

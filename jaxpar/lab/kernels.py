@@ -14,7 +14,10 @@ ops:byte ratio, memory-limited below)::
 and the step's matmuls together run at :func:`shape_efficiency` of the achievable rate:
 their FLOPs' time at that rate over the sum of their times. The family's lab module names
 the matmuls (:meth:`~jaxpar.lab.terms.LabModel.matmuls`: the forward's; each has two of
-the same size in the backward); a model without one runs at the achievable rate.
+the same size in the backward); a model without one runs at the achievable rate. Those
+it marks FP8 (``model.precision=fp8``'s weight matmuls) run at the chip's FP8 rate and its
+measured share of it (``flops_fp8``, ``matmul_efficiency_fp8``), the bf16 one where it has
+none.
 
 **The other kernels** (norms, activations, softmax, dropout, residual adds) are limited by
 HBM bandwidth and run between the matmuls, so their time adds to the matmuls'
@@ -55,5 +58,8 @@ def kernels(run: Run, hw: Hardware, dtype: str) -> Kernels:
     layout = lab_layout(run, cpu=False)
     cfg = run.config.model
     ridge = hw.peak_flops(dtype) * hw.matmul_efficiency / hw.hbm_bandwidth
-    efficiency = shape_efficiency(lab.matmuls(cfg, layout), jnp.dtype(dtype).itemsize, ridge)
-    return Kernels(efficiency, lab.elementwise_bytes(cfg, layout))
+    matmuls = lab.matmuls(cfg, layout)
+    efficiency = shape_efficiency(matmuls, jnp.dtype(dtype).itemsize, ridge)
+    flops = sum(m.flops for m in matmuls)
+    fp8 = sum(m.flops for m in matmuls if m.fp8) / flops if flops else 0.0
+    return Kernels(efficiency, lab.elementwise_bytes(cfg, layout), fp8)

@@ -54,6 +54,8 @@ class Matmul:
     n: float
     k: float
     times: float = 1
+    #: its operands are FP8 (``model.precision=fp8``'s weight matmuls)
+    fp8: bool = False
 
     @property
     def flops(self) -> float:
