@@ -150,9 +150,10 @@ def layout_of(entry: dict) -> str:
     if p > 1:
         schedule = "interleaved" if v > 1 else "1f1b"
         parts += [f"pipeline.schedule={schedule}", f"pipeline.microbatches={steps}"]
-        parts += [f"pipeline.virtual_stages={v}"] if v > 1 else []
-        # a program per stage, each running as its input arrives: Megatron's form
-        parts.append("pipeline.executor=mpmd")
+        # a program per stage, each running as its input arrives: Megatron's form, which
+        # jaxpar's sub-mesh executor runs for a stack of layers with one chunk per stage;
+        # an interleaved schedule runs in one program, its ticks in step
+        parts += [f"pipeline.virtual_stages={v}"] if v > 1 else ["pipeline.executor=mpmd"]
     elif steps > 1:
         parts.append(f"train.grad_accum={steps}")
     return ",".join(x for x in parts if not re.fullmatch(r"\w+=1", x))

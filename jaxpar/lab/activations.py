@@ -96,7 +96,9 @@ def elementwise_bytes(cfg: Any, layout: LabLayout, kept: Kept, fused_attention: 
     passes = FORWARD_PASSES + BACKWARD_PASSES + RECOMPUTE_PASSES * recompute
     layers = cfg.n_layers / layout.sizes[Axis.STAGE]
     layer = layer_bytes(cfg, layout, kept, fused_attention)
+    # the head runs on the last stage: a device's share of it
     head = (FORWARD_PASSES + BACKWARD_PASSES) * head_bytes(cfg, layout, kept)
+    head /= layout.sizes[Axis.STAGE]
     return _microbatches(layout) * (passes * layers * layer + head)
 
 

@@ -32,94 +32,28 @@ compiled program at 8 simulated devices (``tests/test_analytic.py``).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
-
-import jax
-import numpy as np
 
 from jaxpar.axes import Axis
 from jaxpar.config import Config, apply_overrides
 from jaxpar.data import Data, load_data
-from jaxpar.errors import JaxparError
+from jaxpar.errors import JaxparError, LayoutError
 from jaxpar.lab.families import lab_for
 from jaxpar.lab.hardware import Hardware, roofline
 from jaxpar.lab.kernels import kernels
 from jaxpar.lab.measure import Row, fill_predicted, layout_overrides
 from jaxpar.lab.network import step_time
+from jaxpar.lab.pipeline_cost import layer_share, pipeline_stretch, scan_length
 from jaxpar.lab.predict import lab_layout, predict_argument_bytes, predict_comm
-from jaxpar.logical import LAYERS
-from jaxpar.pipeline.schedule import KINDS, action_times, simulate
 from jaxpar.plan.abstract import global_batch_shapes
 from jaxpar.run import Run, build, data_needs
 from jaxpar.task import Task
 
 
-def pipeline_factor(
-    table: Any, recompute: float, asynchronous: bool = False, head: float = 0.0
-) -> float:
-    """A pipeline step's FLOPs per device over the work it does (forward 1, backward 2 per
-    microbatch and chunk, and 3·``head`` for the head's: its forward in units of a chunk's
-    forward), with a backward action first running ``recompute`` of its chunk's forward
-    again (the executors keep only each chunk's input, unless the sub-mesh one keeps its
-    residuals; :func:`~jaxpar.pipeline.schedule.action_times`).
-
-    One program for every stage (``asynchronous`` False) runs the table's ticks in step:
-    each tick costs its busiest device's action (every device waits for the slowest at
-    the next send; bubbles free), and the last chunk's forward runs inside its backward,
-    with the head's (:func:`_tick_cost`). The sub-mesh executor's stages run their own
-    programs, each as soon as its input arrives: the step lasts the schedule's critical
-    path (:func:`~jaxpar.pipeline.schedule.simulate` with those costs, the head spread
-    over the chunks)."""
-    times = action_times(recompute)
-    if asynchronous:
-        span = simulate(table.orders, table.v, times).makespan
-        return span / (3.0 * table.m * table.v)
-    last = table.chunk * table.p + np.arange(table.p)[None, :] == table.p * table.v - 1
-    cost = np.vectorize(lambda k, end: _tick_cost(KINDS[k], end, times, recompute, head))
-    span = cost(table.kind, last).max(axis=1).sum()
-    return float(span) / (3.0 * table.m * (table.v + head / table.p))
-
-
-#: the head's FLOPs a last-chunk action runs, in units of the head's forward
-_HEAD = {"B": 3.0, "I": 2.0, "W": 3.0}
-
-
-def _tick_cost(
-    kind: str, last: bool, times: dict[str, float], recompute: float, head: float
-) -> float:
-    """One device's action in a tick of the one-program executor, in chunk forwards: its
-    last chunk's forward is no action of its own (the backward runs it, so a recomputing
-    one runs it once) and adds the head's (the branches ``jaxpar.pipeline.branches``
-    compiles: on gpt_tiny over 4 stages, F 117 MFLOP, B 319, B_LAST 402)."""
-    if kind == "idle":
-        return 0.0
-    if kind == "F":
-        return 0.0 if last else times["F"]
-    if not last:
-        return times[kind]
-    return times[kind] + (1 - recompute) * times["F"] + _HEAD[kind] * head
-
-
-def layer_share(run: Run) -> float:
-    """The share of a step's FLOPs in the stacked layers: from the family's counts with
-    the layers doubled (a config with ``n_layers``); 1 where that cannot be read."""
-    family, cfg = run.family, run.config.model
-    if family is None or family.counts is None or not hasattr(cfg, "n_layers"):
-        return 1.0
-    one = family.counts(cfg, run.data).train_flops_per_example
-    try:
-        doubled = dataclasses.replace(cfg, n_layers=2 * cfg.n_layers)
-        two = family.counts(doubled, run.data).train_flops_per_example
-    except (JaxparError, ValueError, TypeError):  # a section that refuses twice the layers
-        return 1.0
-    return min(1.0, (two - one) / one) if one else 1.0
-
-
 def flops_per_device(run: Run, asynchronous: bool = False) -> float | None:
     """The step's FLOPs on one device (None: the family does not count them);
     ``asynchronous``: its pipeline's stages run as the sub-mesh executor runs them
-    (:func:`pipeline_factor`)."""
+    (:func:`~jaxpar.lab.pipeline_cost.pipeline_stretch`)."""
     family = run.family
     if family is None or family.counts is None:
         return None
@@ -131,15 +65,9 @@ def flops_per_device(run: Run, asynchronous: bool = False) -> float | None:
     lab, layout = lab_for(family), lab_layout(run, cpu=False)
     # and what a device computes beyond its share (weights held whole)
     flops += lab.unsplit_flops(run.config.model, layout)
-    again = lab.recomputed_share(run.config.model, layout)
-    if plan.pipeline is not None:
-        residuals = plan.executor == "mpmd" and plan.gradients.residuals
-        asynchronous = asynchronous or plan.executor == "mpmd"
-        table = plan.pipeline
-        share = layer_share(run)
-        head = table.p * table.v * (1 - share) / share if share else 0.0
-        flops *= pipeline_factor(table, 0.0 if residuals else again, asynchronous, head)
+    flops *= pipeline_stretch(run, asynchronous)
     if getattr(run.config.model, "remat", "none") == "full":
+        again = lab.recomputed_share(run.config.model, layout)
         flops *= 1 + layer_share(run) * again / 3
     return flops
 
@@ -156,17 +84,6 @@ def collective_calls(terms: Any, layers: int) -> int:
         key = (t.kind, t.what, t.group, t.hidden)
         seen[key] = max(seen.get(key, 0), t.times * (layers if t.hidden else 1))
     return sum(seen.values())
-
-
-def scan_length(run: Run) -> int:
-    """The layers a device's layer scan runs (1 for a model without stacked layers)."""
-    plan = run.plan
-    leaves = jax.tree.leaves(plan.model.params)
-    names = jax.tree.leaves(plan.model.param_axes, is_leaf=lambda x: isinstance(x, tuple))
-    for leaf, axes in zip(leaves, names):
-        if LAYERS in axes:
-            return leaf.shape[axes.index(LAYERS)] // plan.mesh.shape[Axis.STAGE]
-    return 1
 
 
 class _FirstBatch:
@@ -199,6 +116,36 @@ def _read_once(config: Config) -> Data:
     return _READ[key]
 
 
+def _as_one_program(config: Config) -> list[str]:
+    """The overrides that plan a sub-mesh executor's layout as the one-program executor
+    holds its stages (its sub-meshes cut devices that are here).
+
+    Raises:
+      LayoutError: for what the one-program executor's stages would misstate: virtual
+        stages (the sub-mesh executor runs a stack with one chunk per stage), residuals
+        kept for the backward, or uneven chunks.
+    """
+    pipeline = config.pipeline
+    if pipeline.virtual_stages > 1:
+        raise LayoutError(
+            "pipeline.executor=mpmd runs a stack of layers with one chunk per stage, but "
+            f"pipeline.virtual_stages={pipeline.virtual_stages}; set "
+            "pipeline.virtual_stages=1, or use pipeline.executor=spmd for the interleaved layout"
+        )
+    unlike = [
+        f"pipeline.{k}={v}"
+        for k, v in (("backward", pipeline.backward), ("split", pipeline.split))
+        if v and v != "recompute"
+    ]
+    if unlike:
+        raise LayoutError(
+            f"an estimate of the sub-mesh executor plans its stages as the one-program "
+            f"executor holds them, which cannot say what {', '.join(unlike)} change; plan "
+            "up to 64 devices (compiled), or leave them out"
+        )
+    return ["pipeline.executor=spmd"]
+
+
 def estimate(
     config: Config,
     layout: str,
@@ -218,7 +165,7 @@ def estimate(
         # one-program executor holds them, and timed as it runs them
         sub_mesh = config.mesh.stage > 1 and config.pipeline.executor == "mpmd"
         if sub_mesh:
-            config = apply_overrides(config, ["pipeline.executor=spmd"])
+            config = apply_overrides(config, [*_as_one_program(config)])
         data = None if task is not None else _read_once(config)
         run = build(config, task, target=(devices, hw.platform), data=data)
     except JaxparError as err:
@@ -264,7 +211,7 @@ def estimate(
             dict(run.plan.mesh.shape),
             dtype,
             calls=row.collective_ops,
-            kernels=kernels(run, hw, dtype),
+            kernels=kernels(run, hw, dtype, asynchronous=sub_mesh),
         )
     row.predicted_comm_bytes = comm.total_bytes
     fill_predicted(row, time_s, run, hw.peak_flops(dtype))

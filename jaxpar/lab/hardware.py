@@ -132,8 +132,8 @@ def load_profiles(extra: str | Path | None = None) -> dict[str, Hardware]:
     return profiles
 
 
-#: fields a profile may leave out, and the values they may take (None: any text; a
-#: number: any number at least that)
+#: fields a profile may leave out, and the values they may take (None: any text, but a
+#: share in (0, 1] for the fields in ``_SHARES``; a number: any number at least that)
 _OPTIONAL = {
     "source": None,
     "platform": ("gpu", "tpu", "cpu"),
@@ -245,13 +245,13 @@ class StepTime:
 
     @property
     def bound(self) -> str:
-        """The largest term: ``compute``, ``elementwise`` (kernels other than matmuls),
-        ``memory``, ``hidden`` (communication hidden
-        behind matmuls that outlasts them), ``communication`` (bytes), ``latency`` or
-        ``overhead`` (a fitted profile's fixed cost per step)."""
+        """The largest term of the step: its kernels, named ``compute`` or ``elementwise``
+        (kernels other than matmuls) by the larger part of their sum; ``memory``, ``hidden``
+        (communication hidden behind matmuls that outlasts them), ``communication``
+        (bytes), ``latency`` or ``overhead`` (a fitted profile's fixed cost per step)."""
+        kernels = "compute" if self.compute_s >= self.elementwise_s else "elementwise"
         terms = {
-            "compute": self.compute_s,
-            "elementwise": self.elementwise_s,
+            kernels: self.compute_s + self.elementwise_s,
             "memory": self.memory_s,
             "hidden": self.hidden_s,
             "communication": self.comm_s,

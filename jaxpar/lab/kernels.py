@@ -23,8 +23,8 @@ none.
 HBM bandwidth and run between the matmuls, so their time adds to the matmuls'
 (:attr:`~jaxpar.lab.hardware.StepTime.elementwise_s`): the bytes the family's lab module
 counts (:meth:`~jaxpar.lab.terms.LabModel.elementwise_bytes`, from the activations it
-keeps) over the HBM bandwidth. A fitted CPU profile (:mod:`jaxpar.lab.fit`) prices the
-step as fitted, without either.
+keeps) over the HBM bandwidth, stretched in a pipeline as its FLOPs are. A fitted CPU
+profile (:mod:`jaxpar.lab.fit`) prices the step as fitted, without either.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 from jaxpar.lab.families import lab_for
 from jaxpar.lab.hardware import Hardware, Kernels
+from jaxpar.lab.pipeline_cost import pipeline_stretch
 from jaxpar.lab.predict import lab_layout
 from jaxpar.lab.terms import Matmul
 from jaxpar.run import Run
@@ -49,9 +50,11 @@ def shape_efficiency(matmuls: Sequence[Matmul], itemsize: int, ridge: float) -> 
     return flops / sum(max(mm.flops, mm.bytes(itemsize) * ridge) for mm in matmuls)
 
 
-def kernels(run: Run, hw: Hardware, dtype: str) -> Kernels:
+def kernels(run: Run, hw: Hardware, dtype: str, asynchronous: bool = False) -> Kernels:
     """The step's matmul shape efficiency and other kernels' bytes on ``hw`` (nothing on a
-    CPU profile: one fitted here prices the step as fitted)."""
+    CPU profile: one fitted here prices the step as fitted); in a pipeline the bytes are
+    stretched as its FLOPs are (:func:`~jaxpar.lab.pipeline_cost.pipeline_stretch`,
+    ``asynchronous`` as there)."""
     if hw.platform == "cpu":
         return Kernels()
     lab = lab_for(run.family)
@@ -62,4 +65,5 @@ def kernels(run: Run, hw: Hardware, dtype: str) -> Kernels:
     efficiency = shape_efficiency(matmuls, jnp.dtype(dtype).itemsize, ridge)
     flops = sum(m.flops for m in matmuls)
     fp8 = sum(m.flops for m in matmuls if m.fp8) / flops if flops else 0.0
-    return Kernels(efficiency, lab.elementwise_bytes(cfg, layout), fp8)
+    moved = lab.elementwise_bytes(cfg, layout) * pipeline_stretch(run, asynchronous)
+    return Kernels(efficiency, moved, fp8)

@@ -129,20 +129,21 @@ def _within_domains(layouts: list[str], note: str | None, hw: Hardware) -> tuple
     return kept, note
 
 
-def _cuttable(layouts: list[str], note: str | None, config: Config) -> tuple[list[str], str]:
-    """``layouts`` less those whose stages cannot hold equal shares of the model's layers
-    (they cannot run: the one-program pipeline cuts the layers into ``stage × virtual
-    stages`` equal chunks), and the note saying so; all of them for a model that does not
-    name its layer count."""
+def _cuttable(
+    layouts: list[str], note: str | None, config: Config, task: Task | None
+) -> tuple[list[str], str]:
+    """``layouts`` less those whose stages cannot hold equal shares of a built-in model's
+    layers (they cannot run: either executor cuts a stack of layers into ``stage ×
+    virtual stages`` equal chunks), and the note saying so; all of them for a user's task
+    (its layers are its own) or a model that does not name its layer count."""
     layers = getattr(config.model, "n_layers", None)
     chunks = config.pipeline.virtual_stages
-    if not isinstance(layers, int) or config.pipeline.executor == "mpmd":
+    if task is not None or not isinstance(layers, int):
         return layouts, note
     kept = [x for x in layouts if layers % (_degrees(x)[Axis.STAGE] * chunks) == 0]
     if len(kept) < len(layouts):
-        stages = sorted(
-            {_degrees(x)[Axis.STAGE] for x in layouts} - {_degrees(x)[Axis.STAGE] for x in kept}
-        )
+        cut = {_degrees(x)[Axis.STAGE] for x in kept}
+        stages = sorted({_degrees(x)[Axis.STAGE] for x in layouts} - cut)
         left = (
             f"note: {_count(len(layouts) - len(kept))} with mesh.stage "
             f"{', '.join(map(str, stages))} left out: {layers} layers do not cut into that "
@@ -206,7 +207,7 @@ def plan(
         layouts, note = default_layouts(config, devices, task, hw.platform)
         if analytic:
             layouts, note = _within_domains(layouts, note, hw)
-            layouts, note = _cuttable(layouts, note, config)
+            layouts, note = _cuttable(layouts, note, config, task)
     workers = workers or default_workers()
     how = Measuring(config, hw, memory, task, workers, echo, devices if analytic else 0)
     rows = _measure(how, layouts, {})
