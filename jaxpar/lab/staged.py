@@ -58,7 +58,7 @@ from jaxpar.lab.terms import LabLayout, LabModel, Term
 from jaxpar.logical import SEQ
 from jaxpar.run import Run
 
-#: The family's context terms (:mod:`jaxpar.lab.transformers`) this module counts.
+#: The family's context terms (:mod:`jaxpar.lab.context_terms`) this module counts.
 KV_GATHERED = "context: K and V gathered"
 DKV_SCATTERED = "context: dK and dV reduce-scattered"
 POSITIONS_GATHERED = "context: positions gathered"
