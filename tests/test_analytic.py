@@ -5,7 +5,6 @@ the same layout compiles to on the 8 simulated devices here."""
 import csv
 import dataclasses
 import json
-import os
 import re
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from jaxpar.lab import analytic, hardware
 from jaxpar.lab.measure import measure
 from jaxpar.lab.pipeline_cost import pipeline_factor
 from jaxpar.pipeline import tick_table
+from tests.helpers import child_env
 
 H100 = hardware.get_profile("h100")
 ROOT = Path(__file__).resolve().parents[1]
@@ -176,12 +176,10 @@ def test_the_estimate_equals_the_compiled_step_at_32_devices(model, layouts, bou
     """The grid's mechanisms again at 32 devices (batch 64): FLOPs within 5%, arguments
     byte for byte, temporaries within the bounds (``tests/analytic_grid.py`` estimates and
     compiles them in a process of 32 simulated devices)."""
-    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ["XLA_FLAGS"])
-    env = {**os.environ, "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count=32"}
     command = [sys.executable, "-m", "tests.analytic_grid", CONFIGS[model]]
     done = subprocess.run(
         [*command, "train.batch_size=64", *layouts],
-        env=env,
+        env=child_env(32),
         cwd=ROOT,
         capture_output=True,
         text=True,
