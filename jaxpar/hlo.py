@@ -103,12 +103,13 @@ class Module:
 class CollectiveStat:
     """One collective kind summed over a step: executions, payload and wire bytes, and
     the arrays they move (an all-reduce of a tuple of k arrays moves k: XLA:CPU makes a
-    call per array)."""
+    call per array), and the devices taking part (a collective-permute: its two ends)."""
 
     count: int = 0
     payload_bytes: float = 0.0
     wire_bytes: float = 0.0
     arrays: int = 0
+    participants: int = 0
 
 
 # ---- parsing ---------------------------------------------------------------------------------
@@ -330,6 +331,13 @@ class ProgramCost:
         all-reduce of k arrays counts k: XLA:CPU's gloo makes one call per array)."""
         return sum(s.arrays for s in self.collectives.values())
 
+    @property
+    def collective_participants(self) -> int:
+        """The devices those collectives wait for, executions counted as above: each one's
+        group size (a send: 2). A collective on XLA:CPU is a rendezvous of its devices'
+        threads."""
+        return sum(s.participants for s in self.collectives.values())
+
 
 def _add(total: dict[str, float], part: dict[str, float], times: float = 1.0) -> None:
     for k, v in part.items():
@@ -358,6 +366,9 @@ class _Walker:
             kind, payload, wire, parts = found
             cost.update({f"{kind}:count": 1, f"{kind}:payload": payload, f"{kind}:wire": wire})
             cost[f"{kind}:arrays"] = parts
+            cost[f"{kind}:participants"] = (
+                2 if kind == "collective-permute" else group_size(inst, self.module.num_partitions)
+            )
         return cost
 
     def cost(self, name: str) -> dict[str, float]:
@@ -404,6 +415,7 @@ def program_cost(hlo: str) -> ProgramCost:
             total.get(f"{k}:payload", 0.0),
             total.get(f"{k}:wire", 0.0),
             int(total.get(f"{k}:arrays", 0)),
+            int(total.get(f"{k}:participants", 0)),
         )
         for k in COLLECTIVES
     }

@@ -71,6 +71,7 @@ def test_program_cost_counts_loop_trips_and_the_costliest_branch():
     ar, cp = cost.collectives["all-reduce"], cost.collectives["collective-permute"]
     # branch 0's all-reduce of 16 B inside the loop + the tuple of 2 × 16 B outside
     assert (ar.count, ar.payload_bytes) == (2, 48)
+    assert (ar.participants, cp.participants) == (2 + 2, 2)
     assert ar.wire_bytes == 48 * 2 * (2 - 1) / 2
     assert (cp.count, cp.payload_bytes) == (1, 16)
     assert cp.wire_bytes == 16 * 2 / 1  # 2 pairs over num_partitions (1 when not printed)
@@ -79,6 +80,7 @@ def test_program_cost_counts_loop_trips_and_the_costliest_branch():
     )
     looped = hlo.program_cost(with_trips).collectives["all-reduce"]
     assert (looped.count, looped.payload_bytes) == (6, 5 * 16 + 32)
+    assert looped.participants == 6 * 2
 
 
 ASYNC = """HloModule async, num_partitions=8
@@ -99,16 +101,25 @@ ENTRY %main (p: f32[16,4]) -> f32[128,16] {
 
 
 def test_async_forms_and_every_replica_group_syntax_give_exact_bytes():
-    stats = hlo.program_cost(ASYNC).collectives
-    assert stats["all-gather"] == hlo.CollectiveStat(1, 128 * 4 * 4, 128 * 4 * 4 * 7 / 8, arrays=1)
-    assert stats["all-reduce"] == hlo.CollectiveStat(1, 2048, 2048 * 2 * 3 / 4, arrays=1)
+    """Bytes, arrays and participants (each collective's group; a send's two ends)."""
+    cost = hlo.program_cost(ASYNC)
+    stats = cost.collectives
+    assert stats["all-gather"] == hlo.CollectiveStat(
+        1, 128 * 4 * 4, 128 * 4 * 4 * 7 / 8, arrays=1, participants=8
+    )
+    assert stats["all-reduce"] == hlo.CollectiveStat(
+        1, 2048, 2048 * 2 * 3 / 4, arrays=1, participants=4
+    )
     # reduce-scatter: payload = n × result over the 4 devices of axis 'b'
-    assert stats["reduce-scatter"] == hlo.CollectiveStat(1, 4 * 512, 4 * 512 * 3 / 4, arrays=1)
+    assert stats["reduce-scatter"] == hlo.CollectiveStat(
+        1, 4 * 512, 4 * 512 * 3 / 4, arrays=1, participants=4
+    )
     # 4 of 8 devices send 512 B: 256 B per device on average
-    assert stats["collective-permute"] == hlo.CollectiveStat(1, 512, 256, arrays=1)
+    assert stats["collective-permute"] == hlo.CollectiveStat(1, 512, 256, arrays=1, participants=2)
     assert stats["all-to-all"] == hlo.CollectiveStat(
-        1, 256, 256 * 1 / 2, arrays=1
+        1, 256, 256 * 1 / 2, arrays=1, participants=2
     )  # bf16, axis 'a' = 2
+    assert cost.collective_participants == 8 + 4 + 4 + 2 + 2
 
 
 def test_dot_flops_use_the_contracting_dims():
@@ -144,9 +155,9 @@ def test_compiled_psum_all_gather_and_ppermute_byte_counts():
 
     fn = jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
     stats = hlo.collective_stats(_compiled_text(fn, jnp.ones(2048, jnp.float32)))
-    assert stats["all-reduce"] == hlo.CollectiveStat(1, 1024, 1024 * 2 * 7 / 8, arrays=1)
-    assert stats["all-gather"] == hlo.CollectiveStat(1, 1024, 1024 * 7 / 8, arrays=1)
-    assert stats["collective-permute"] == hlo.CollectiveStat(1, 256, 256, arrays=1)
+    assert stats["all-reduce"] == hlo.CollectiveStat(1, 1024, 1024 * 2 * 7 / 8, 1, 8)
+    assert stats["all-gather"] == hlo.CollectiveStat(1, 1024, 1024 * 7 / 8, 1, 8)
+    assert stats["collective-permute"] == hlo.CollectiveStat(1, 256, 256, 1, 2)
     assert stats["reduce-scatter"].count == stats["all-to-all"].count == 0
 
 
@@ -165,7 +176,7 @@ def test_compiled_collectives_in_a_scan_count_once_per_iteration():
     cost = hlo.program_cost(_compiled_text(fn, jnp.ones(512, jnp.float32)))
     assert cost.unknown_loops == 0
     assert cost.collectives["all-reduce"] == hlo.CollectiveStat(
-        5, 5 * 256, 5 * 256 * 2 * 7 / 8, arrays=5
+        5, 5 * 256, 5 * 256 * 2 * 7 / 8, arrays=5, participants=5 * 8
     )
 
 

@@ -50,16 +50,34 @@ def test_the_matmuls_are_the_familys_flops(config, layout):
 def test_a_matmul_on_its_own_roofline():
     """A large square matmul is math-limited (its share is 1); a thin one (m = 1) moves
     its weight for 2 FLOPs an element and runs at FLOPs / (bytes × ridge)."""
-    ridge = 312e12 * 0.869 / 2.039e12  # A100: achievable FLOP/s per HBM byte/s
+    rate, hbm = 312e12 * 0.869, 2.039e12  # A100: achievable FLOP/s, HBM bytes/s
+    ridge = rate / hbm
     big = Matmul(4096, 4096, 4096)
-    assert shape_efficiency([big], 2, ridge) == 1.0
+    assert shape_efficiency([big], 2, rate, hbm) == 1.0
     thin = Matmul(1, 4096, 4096)
     by_hand = 2 * 4096 * 4096 / ((4096 + 4096 * 4096 + 4096) * 2 * ridge)
-    assert shape_efficiency([thin], 2, ridge) == pytest.approx(by_hand)
-    both = shape_efficiency([big, thin], 2, ridge)
+    assert shape_efficiency([thin], 2, rate, hbm) == pytest.approx(by_hand)
+    both = shape_efficiency([big, thin], 2, rate, hbm)
     time = big.flops + thin.bytes(2) * ridge
     assert both == pytest.approx((big.flops + thin.flops) / time)
-    assert shape_efficiency([], 2, ridge) == 1.0
+    assert shape_efficiency([], 2, rate, hbm) == 1.0
+
+
+def test_an_fp8_matmul_on_the_fp8_roofline():
+    """An FP8 matmul is priced at the FP8 rate with one-byte operands: a thin one's time
+    is its bytes over HBM (half a bf16 one's), a big one runs at the FP8 rate; without an
+    FP8 rate it is a bf16 matmul."""
+    rate, hbm, fp8 = 989e12 * 0.803, 3.35e12, 1979e12 * 0.709  # H100
+    thin = Matmul(1, 8192, 8192, fp8=True)
+    by_hand = thin.flops / fp8 / (thin.bytes(1) / hbm)
+    assert shape_efficiency([thin], 2, rate, hbm, fp8) == pytest.approx(by_hand)
+    big = Matmul(8192, 8192, 8192, fp8=True)
+    both = shape_efficiency([big, thin], 2, rate, hbm, fp8)
+    ideal = (big.flops + thin.flops) / fp8
+    assert both == pytest.approx(ideal / (big.flops / fp8 + thin.bytes(1) / hbm))
+    assert shape_efficiency([thin], 2, rate, hbm) == shape_efficiency(
+        [Matmul(1, 8192, 8192)], 2, rate, hbm
+    )
 
 
 def test_matmuls_run_at_the_chips_measured_best():

@@ -413,6 +413,10 @@ def test_inspect_and_the_lab_measure_each_stage(capsys):
     # each microbatch's backward all-reduces its chunk's gradients over data (4 per step)
     assert row.all_reduce_bytes == pytest.approx(M * 2 * 3 / 4 * first.grad_sum_bytes, rel=0.01)
     assert row.comm_ratio == pytest.approx(1.0, abs=0.01)
+    # the stages' programs summed: arrays and participants as well as counts (each
+    # all-reduce waits for the 4 devices of data)
+    assert row.collective_arrays >= row.collective_ops > 0
+    assert row.collective_participants == 4 * row.collective_ops
 
 
 def test_sweep_all_leaves_out_stage_layouts_of_a_model_that_cannot_be_split():

@@ -172,19 +172,20 @@ def _plan(args: argparse.Namespace, config: Config, task: Task | None) -> None:
         print(f"wrote {write_csv([p.row for p in ranked], out / 'plan.csv')}")
 
 
-def _fitted(path: str, base: Hardware) -> Hardware:
-    """``base`` fitted to the steps timed in ``path`` on this machine; says how well it
+def _fitted(paths: list[str], base: Hardware) -> Hardware:
+    """``base`` fitted to the steps timed in ``paths`` on this machine; says how well it
     ranks layouts it was not fitted on, and prints it as a --hardware-file entry."""
     import jax
 
     from jaxpar.lab import fit
 
-    rows = fit.read_sweep(path)
+    rows = fit.read_sweeps(paths)
     base = dataclasses.replace(base, platform=jax.default_backend())
-    hw = fit.fit_profile(rows, base, source=f"fitted to {len(rows)} layouts of {path}")
+    named = " and ".join(paths)
+    hw = fit.fit_profile(rows, base, source=f"fitted to {len(rows)} layouts of {named}")
     first, second = fit.held_out(rows, base)
     print(
-        f"fitted to {len(rows)} timed layouts of {path}; on layouts it was not fitted on "
+        f"fitted to {len(rows)} timed layouts of {named}; on layouts it was not fitted on "
         f"(every other one, each half in turn) it ranks with Spearman rho {first:.2f} and "
         f"{second:.2f}. As a --hardware-file entry:\n{fit.profile_yaml(hw)}",
         flush=True,

@@ -123,9 +123,11 @@ def lab_parsers(sub: argparse._SubParsersAction) -> None:
     plan.add_argument(
         "--fit",
         default=None,
+        nargs="+",
         metavar="SWEEP.csv",
         help="predict with a profile fitted to the steps a `jaxpar sweep --steps N` timed on "
-        "this machine (instead of --hardware's datasheet figures; its memory kept)",
+        "this machine (instead of --hardware's datasheet figures; its memory kept); several "
+        "sweeps of the same layouts: each layout's time their geometric mean",
     )
     plan.add_argument(
         "--devices",

@@ -72,18 +72,22 @@ def flops_per_device(run: Run, asynchronous: bool = False) -> float | None:
     return flops
 
 
-def collective_calls(terms: Any, layers: int) -> int:
-    """The collectives a step executes, estimated: each distinct collective (kind, what,
-    group) once per execution, as XLA combines a layer's arrays into one instruction; a
-    stacked layer's gather or reduction (overlapped: :attr:`Term.hidden`) once per layer
-    of the scan. A collective matmul's sends hide their latency too and are left out."""
+def collective_calls(terms: Any, layers: int) -> tuple[int, int]:
+    """The collectives a step executes, estimated, and the devices they wait for (each
+    one's group; a send's 2): each distinct collective (kind, what, group) once per
+    execution, as XLA combines a layer's arrays into one instruction; a stacked layer's
+    gather or reduction (overlapped: :attr:`Term.hidden`) once per layer of the scan. A
+    collective matmul's sends hide their latency too and are left out."""
     seen: dict[tuple[str, str, int, bool], int] = {}
     for t in terms:
         if t.hidden and t.kind == "collective-permute":
             continue
         key = (t.kind, t.what, t.group, t.hidden)
         seen[key] = max(seen.get(key, 0), t.times * (layers if t.hidden else 1))
-    return sum(seen.values())
+    waits = sum(
+        n * (2 if kind == "collective-permute" else g) for (kind, _, g, _), n in seen.items()
+    )
+    return sum(seen.values()), waits
 
 
 class _FirstBatch:
@@ -185,11 +189,11 @@ def estimate(
     row.mem_total_bytes = row.mem_args_bytes + (temps or 0)
     row.fits = row.mem_total_bytes <= (memory_bytes or hw.memory_bytes)
     row.flops = flops_per_device(run, asynchronous=sub_mesh)
-    row.mem_traffic_bytes = row.mem_args_bytes + row.mem_output_bytes + 2 * (temps or 0)
+    row.mem_traffic_bytes = row.state_traffic_bytes + 2 * (temps or 0)
     comm = predict_comm(run, "gpu")
-    row.collective_ops = collective_calls(comm.terms, scan_length(run))
-    # the arrays they move are not estimated: a profile that pays α per array (a fitted
-    # CPU's) is priced, and shown, per collective
+    row.collective_ops, row.collective_participants = collective_calls(comm.terms, scan_length(run))
+    # the arrays they move are not estimated: a profile that pays α per array is priced,
+    # and shown, per collective
     row.collective_arrays = row.collective_ops
     dtype = run.family.compute_dtype(run.config.model) if run.family else "float32"
     if hw.platform == "cpu":  # a profile of a CPU (fitted here): its bytes, nothing hidden
@@ -200,7 +204,8 @@ def estimate(
             row.mem_traffic_bytes,
             comm.total_bytes,
             dtype,
-            row.collective_ops,
+            row.calls(hw.latency_per),
+            state_bytes=row.state_traffic_bytes,
         )
     else:
         time_s = step_time(
@@ -210,8 +215,9 @@ def estimate(
             comm.terms,
             dict(run.plan.mesh.shape),
             dtype,
-            calls=row.collective_ops,
+            calls=row.calls(hw.latency_per),
             kernels=kernels(run, hw, dtype, asynchronous=sub_mesh),
+            state_bytes=row.state_traffic_bytes,
         )
     row.predicted_comm_bytes = comm.total_bytes
     fill_predicted(row, time_s, run, hw.peak_flops(dtype))

@@ -3,11 +3,13 @@
 
 A datasheet profile says what a chip could do; a sweep with ``--steps N`` says what this
 machine did. The fit keeps the roofline's form (:func:`jaxpar.lab.hardware.roofline`) and
-chooses its five constants — matmul FLOP/s, memory bandwidth, interconnect bandwidth,
+chooses its six constants — matmul FLOP/s, the bandwidth of the temporaries' traffic and
+of the state's (arguments and outputs: the optimizer update streams the parameters and
+moments, where unfused kernels write and read the activations), interconnect bandwidth,
 the latency of one collective and a fixed cost per step (dispatch, host work) — so that
 the predicted step times of the sweep's layouts match the measured ones, in ratio (least
 squares on the logarithms, SciPy's trust-region solver; each constant positive). Whether a
-collective's latency is paid per instruction or per array
+collective's latency is paid per instruction, per array or per device taking part
 (:attr:`~jaxpar.lab.hardware.Hardware.latency_per`) is chosen by which fits better.
 
 What a fitted profile is worth is what it predicts for layouts it was not fitted on:
@@ -31,9 +33,18 @@ from jaxpar.errors import ConfigError
 from jaxpar.lab.hardware import LATENCY_PER, Hardware, roofline
 
 #: a sweep.csv's columns the fit reads
-NEEDED = ("layout", "flops", "mem_traffic_bytes", "comm_bytes", "collective_ops", "step_time_s")
-#: timed layouts a fit needs: more than its five constants in each held-out half
-LEAST = 12
+NEEDED = (
+    "layout",
+    "flops",
+    "mem_traffic_bytes",
+    "mem_args_bytes",
+    "mem_output_bytes",
+    "comm_bytes",
+    "collective_ops",
+    "step_time_s",
+)
+#: timed layouts a fit needs: more than its six constants in each held-out half
+LEAST = 14
 
 
 @dataclass(frozen=True)
@@ -43,6 +54,7 @@ class Timed:
     layout: str
     flops: float
     traffic: float
+    state: float  # the state's part of ``traffic`` (arguments and outputs)
     comm: float
     calls: dict[str, float]  # by :data:`~jaxpar.lab.hardware.LATENCY_PER`
     seconds: float
@@ -72,16 +84,46 @@ def read_sweep(path: str | Path) -> list[Timed]:
     return timed
 
 
+def read_sweeps(paths: list[str | Path]) -> list[Timed]:
+    """The timed layouts of several sweeps of one machine, each layout's time the
+    geometric mean of the sweeps' (a CPU's timings of the same layouts vary by about 10%
+    from one sweep to the next: docs/lab.md); its counts the first sweep's. One sweep:
+    :func:`read_sweep`.
+
+    Raises:
+      ConfigError: as :func:`read_sweep`, or where a sweep lacks a layout the first timed.
+    """
+    first, *others = (read_sweep(p) for p in paths)
+    for path, other in zip(paths[1:], others, strict=True):
+        times = {r.layout: r.seconds for r in other}
+        missing = [r.layout for r in first if r.layout not in times]
+        if missing:
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            raise ConfigError(
+                f"--fit {path} did not time {missing[0]!r}{more}, which {paths[0]} timed; "
+                "give sweeps of the same layouts"
+            )
+        first = [replace(r, seconds=r.seconds * times[r.layout]) for r in first]
+    return [replace(r, seconds=r.seconds ** (1 / len(paths))) for r in first]
+
+
 def _timed(path: Path, r: dict[str, str]) -> Timed:
     """One row of a sweep.csv as numbers (empty counts are 0)."""
     try:
         ops = float(r["collective_ops"] or 0)
+        # a sweep written before jaxpar counted participants offers no such fit
+        participants = r.get("collective_participants") or None
         return Timed(
             r["layout"],
             float(r["flops"]),
             float(r["mem_traffic_bytes"]),
+            float(r["mem_args_bytes"]) + float(r["mem_output_bytes"]),
             float(r["comm_bytes"] or 0),
-            {"collective": ops, "array": float(r.get("collective_arrays") or ops)},
+            {
+                "collective": ops,
+                "array": float(r.get("collective_arrays") or ops),
+                **({"participant": float(participants)} if participants is not None else {}),
+            },
             float(r["step_time_s"]),
         )
     except ValueError as err:
@@ -94,10 +136,13 @@ def _timed(path: Path, r: dict[str, str]) -> Timed:
 def _predict(log_params: np.ndarray, rows: list[Timed], per: str) -> np.ndarray:
     """:func:`predicted_seconds` for the constants ``exp(log_params)``, vectorised for
     the solver (``tests/test_fit.py`` checks the two agree)."""
-    peak, hbm, link, alpha, overhead = np.exp(log_params)
+    peak, hbm, state, link, alpha, overhead = np.exp(log_params)
     return np.array(
         [
-            overhead + max(r.flops / peak, r.traffic / hbm) + r.comm / link + r.calls[per] * alpha
+            overhead
+            + max(r.flops / peak, r.state / state + (r.traffic - r.state) / hbm)
+            + r.comm / link
+            + r.calls[per] * alpha
             for r in rows
         ]
     )
@@ -109,11 +154,12 @@ def _fit(rows: list[Timed], per: str) -> tuple[np.ndarray, float]:
     seconds = np.array([r.seconds for r in rows])
     # a start where each term alone would be a fair share of the median step
     median = float(np.median(seconds))
-    scale = [np.median([getattr(r, k) for r in rows]) or 1.0 for k in ("flops", "traffic", "comm")]
+    scale = [
+        np.median([getattr(r, k) for r in rows]) or 1.0
+        for k in ("flops", "traffic", "state", "comm")
+    ]
     calls = np.median([r.calls[per] for r in rows]) or 1.0
-    start = np.log(
-        [scale[0] / median, scale[1] / median, scale[2] / median, median / calls, median / 4]
-    )
+    start = np.log([*(s / median for s in scale), median / calls, median / 4])
 
     def residual(p: np.ndarray) -> np.ndarray:
         return np.log(_predict(p, rows, per)) - np.log(seconds)
@@ -123,12 +169,12 @@ def _fit(rows: list[Timed], per: str) -> tuple[np.ndarray, float]:
 
 
 def fit_profile(rows: list[Timed], base: Hardware, source: str = "") -> Hardware:
-    """``base`` (its memory and platform kept) with the five constants fitted to
+    """``base`` (its memory and platform kept) with the six constants fitted to
     ``rows``, latency paid per instruction or per array, whichever fits better; named
     ``fitted``."""
-    fits = {per: _fit(rows, per) for per in LATENCY_PER}
+    fits = {per: _fit(rows, per) for per in LATENCY_PER if per in rows[0].calls}
     per = min(fits, key=lambda k: fits[k][1])
-    peak, hbm, link, alpha, overhead = (float(v) for v in np.exp(fits[per][0]))
+    peak, hbm, state, link, alpha, overhead = (float(v) for v in np.exp(fits[per][0]))
     return replace(
         base,
         key="fitted",
@@ -138,6 +184,7 @@ def fit_profile(rows: list[Timed], base: Hardware, source: str = "") -> Hardware
         flops_f32=peak,
         matmul_efficiency=1.0,  # the fitted rate is what the steps achieved
         hbm_bandwidth=hbm,
+        state_bandwidth=state,
         link_bandwidth=link,
         links=1,
         collective_latency=alpha,
@@ -151,7 +198,9 @@ def predicted_seconds(hw: Hardware, rows: list[Timed]) -> list[float]:
     their own counts, as ``plan`` predicts with a CPU's profile (its bytes as compiled,
     nothing hidden)."""
     return [
-        roofline(hw, r.flops, r.traffic, r.comm, "float32", r.calls[hw.latency_per]).total_s
+        roofline(
+            hw, r.flops, r.traffic, r.comm, "float32", r.calls[hw.latency_per], state_bytes=r.state
+        ).total_s
         for r in rows
     ]
 

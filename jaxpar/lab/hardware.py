@@ -20,9 +20,11 @@ from the compiled program (:attr:`jaxpar.hlo.ProgramCost.collective_ops`: loops 
 their trip counts), or, for a profile with ``latency_per: array``, the arrays they move
 (:attr:`~jaxpar.hlo.ProgramCost.collective_arrays`: gloo under XLA:CPU makes a call per
 array of a combined all-reduce, so there gradient buckets save what NCCL's grouped call
-already saves on a GPU). Communication is added, but for what runs while the step computes
-(``hidden_bytes``: a stacked layer's FSDP gathers and gradient reductions on a GPU, a
-collective matmul's sends), which counts only where it outlasts the compute.
+already saves on a GPU), or with ``latency_per: participant`` the devices each waits for
+(:attr:`~jaxpar.hlo.ProgramCost.collective_participants`: XLA:CPU's collectives are a
+rendezvous of the devices' threads). Communication is added, but for what runs while the
+step computes (``hidden_bytes``: a stacked layer's FSDP gathers and gradient reductions on
+a GPU, a collective matmul's sends), which counts only where it outlasts the compute.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from jaxpar.errors import ConfigError
 
 _BUILTIN = Path(__file__).with_name("hardware.yaml")
 #: what one collective latency is paid for (:attr:`Hardware.latency_per`)
-LATENCY_PER = ("collective", "array")
+LATENCY_PER = ("collective", "array", "participant")
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,8 @@ class Hardware:
     #: the JAX platform the chip runs (what ``train.grad_bucket_mb=auto`` reads)
     platform: str = "gpu"
     #: what pays ``collective_latency``: each collective instruction (NCCL runs a combined
-    #: all-reduce of many arrays as one grouped call) or each array of one (gloo, XLA:CPU)
+    #: all-reduce of many arrays as one grouped call), each array of one (gloo, XLA:CPU),
+    #: or each device taking part (XLA:CPU's rendezvous of its devices' threads)
     latency_per: str = "collective"
     #: seconds every step costs besides its terms (dispatch, host work): 0 on a datasheet
     #: profile; what a fit to timed steps finds (:mod:`jaxpar.lab.fit`)
@@ -78,6 +81,10 @@ class Hardware:
     #: no FP8 tensor cores (an FP8 matmul runs at the bf16 rate)
     flops_fp8: float = 0.0
     matmul_efficiency_fp8: float = 1.0
+    #: bytes/s at which a step reads and writes its state (its arguments and outputs:
+    #: parameters, optimizer state, batch), where that differs from the temporaries'; 0:
+    #: ``hbm_bandwidth``. A fit to timed steps finds its own (:mod:`jaxpar.lab.fit`)
+    state_bandwidth: float = 0.0
 
     @property
     def interconnect_bandwidth(self) -> float:
@@ -144,6 +151,7 @@ _OPTIONAL = {
     "matmul_efficiency": None,
     "flops_fp8": 0,
     "matmul_efficiency_fp8": None,
+    "state_bandwidth": 0,
 }
 #: the least value of the number fields that need not be above 0
 _LEAST = {
@@ -270,21 +278,33 @@ def roofline(
     collectives: int = 0,
     hidden_bytes: float = 0.0,
     kernels: Kernels = UNKNOWN_KERNELS,
+    state_bytes: float = 0.0,
 ) -> StepTime:
     """Predicted step time on ``hw`` from per-device FLOPs, memory traffic, collective
     wire bytes and the number of collectives executed, all inside one NVLink domain
     (:func:`jaxpar.lab.network.step_time` places each collective on the domains and the
     network); ``hidden_bytes`` of communication run while the matmuls compute (they
     count only where they outlast the compute), and are not in ``comm_bytes`` or
-    ``collectives``."""
+    ``collectives``; ``state_bytes`` of the traffic are the state's
+    (:func:`memory_time`)."""
     return StepTime(
         compute_time(hw, flops, dtype, kernels),
-        traffic_bytes / hw.hbm_bandwidth,
+        memory_time(hw, traffic_bytes, state_bytes),
         comm_bytes / hw.interconnect_bandwidth,
         collectives * hw.collective_latency,
         hidden_bytes / hw.interconnect_bandwidth,
         hw.step_overhead,
         kernels.elementwise_bytes / hw.hbm_bandwidth,
+    )
+
+
+def memory_time(hw: Hardware, traffic_bytes: float, state_bytes: float = 0.0) -> float:
+    """Seconds a step's memory traffic takes: ``state_bytes`` of it (the state read and
+    written) at the profile's state bandwidth, the rest at its HBM bandwidth."""
+    state = min(state_bytes, traffic_bytes)
+    return (
+        state / (hw.state_bandwidth or hw.hbm_bandwidth)
+        + (traffic_bytes - state) / hw.hbm_bandwidth
     )
 
 

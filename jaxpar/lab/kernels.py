@@ -16,8 +16,8 @@ their FLOPs' time at that rate over the sum of their times. The family's lab mod
 the matmuls (:meth:`~jaxpar.lab.terms.LabModel.matmuls`: the forward's; each has two of
 the same size in the backward); a model without one runs at the achievable rate. Those
 it marks FP8 (``model.precision=fp8``'s weight matmuls) run at the chip's FP8 rate and its
-measured share of it (``flops_fp8``, ``matmul_efficiency_fp8``), the bf16 one where it has
-none.
+measured share of it (``flops_fp8``, ``matmul_efficiency_fp8``), on that rate's own
+roofline with one-byte operands; at the bf16 rate where the chip has no FP8 one.
 
 **The other kernels** (norms, activations, softmax, dropout, residual adds) are limited by
 HBM bandwidth and run between the matmuls, so their time adds to the matmuls'
@@ -41,13 +41,20 @@ from jaxpar.lab.terms import Matmul
 from jaxpar.run import Run
 
 
-def shape_efficiency(matmuls: Sequence[Matmul], itemsize: int, ridge: float) -> float:
+def shape_efficiency(
+    matmuls: Sequence[Matmul], itemsize: int, rate: float, hbm: float, fp8_rate: float = 0.0
+) -> float:
     """The share of the achievable rate ``matmuls`` run at together, each on its own
-    roofline; ``ridge``: the achievable FLOP/s over the HBM's bytes/s (1 for none)."""
-    flops = sum(mm.flops for mm in matmuls)
-    if not flops:
-        return 1.0
-    return flops / sum(max(mm.flops, mm.bytes(itemsize) * ridge) for mm in matmuls)
+    roofline: their time at the achievable FLOP/s (``rate``; FP8 ones at ``fp8_rate``
+    with one-byte operands, where the chip has one) over the sum of their times, each the
+    longer of that and its bytes over the HBM's bytes/s (``hbm``)."""
+    ideal = actual = 0.0
+    for mm in matmuls:
+        fp8 = mm.fp8 and fp8_rate > 0
+        at_rate = mm.flops / (fp8_rate if fp8 else rate)
+        ideal += at_rate
+        actual += max(at_rate, mm.bytes(1 if fp8 else itemsize) / hbm)
+    return ideal / actual if actual else 1.0
 
 
 def kernels(run: Run, hw: Hardware, dtype: str, asynchronous: bool = False) -> Kernels:
@@ -60,9 +67,14 @@ def kernels(run: Run, hw: Hardware, dtype: str, asynchronous: bool = False) -> K
     lab = lab_for(run.family)
     layout = lab_layout(run, cpu=False)
     cfg = run.config.model
-    ridge = hw.peak_flops(dtype) * hw.matmul_efficiency / hw.hbm_bandwidth
     matmuls = lab.matmuls(cfg, layout)
-    efficiency = shape_efficiency(matmuls, jnp.dtype(dtype).itemsize, ridge)
+    efficiency = shape_efficiency(
+        matmuls,
+        jnp.dtype(dtype).itemsize,
+        hw.peak_flops(dtype) * hw.matmul_efficiency,
+        hw.hbm_bandwidth,
+        hw.flops_fp8 * hw.matmul_efficiency_fp8,
+    )
     flops = sum(m.flops for m in matmuls)
     fp8 = sum(m.flops for m in matmuls if m.fp8) / flops if flops else 0.0
     moved = lab.elementwise_bytes(cfg, layout) * pipeline_stretch(run, asynchronous)

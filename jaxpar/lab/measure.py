@@ -69,6 +69,8 @@ class Row:
     transfer_bytes: float | None = None
     collective_ops: int | None = None
     collective_arrays: int | None = None
+    #: the devices those collectives wait for (each one's group size, a send's 2)
+    collective_participants: int | None = None
     predicted_latency_s: float | None = None
     #: the roofline's other terms (:class:`~jaxpar.lab.hardware.StepTime`) and its largest
     predicted_compute_s: float | None = None
@@ -92,6 +94,22 @@ class Row:
     @property
     def ok(self) -> bool:
         return not self.error
+
+    @property
+    def state_traffic_bytes(self) -> float:
+        """The state's part of ``mem_traffic_bytes``: its arguments read and outputs
+        written once a step."""
+        return (self.mem_args_bytes or 0) + (self.mem_output_bytes or 0)
+
+    def calls(self, per: str) -> int:
+        """What pays a collective's latency (:attr:`~jaxpar.lab.hardware.Hardware.
+        latency_per`): its collectives, their arrays or their participants."""
+        value = {
+            "collective": self.collective_ops,
+            "array": self.collective_arrays,
+            "participant": self.collective_participants,
+        }[per]
+        return value or 0
 
 
 def layout_overrides(layout: str) -> list[str]:
@@ -243,11 +261,12 @@ def read(
     row.flops = _scheduled_flops(compiled, cost, run)
     # HBM traffic, roughly: the state is read and written once, activations written and
     # read back once (an unfused CPU program's op-by-op traffic would say far more)
-    row.mem_traffic_bytes = row.mem_args_bytes + row.mem_output_bytes + 2 * row.mem_temp_bytes
+    row.mem_traffic_bytes = row.state_traffic_bytes + 2 * row.mem_temp_bytes
     comm, gpu = _fill_comm(row, cost, run)
     row.collective_ops = cost.collective_ops
     row.collective_arrays = cost.collective_arrays
-    calls = row.collective_ops if hw.latency_per == "collective" else row.collective_arrays
+    row.collective_participants = cost.collective_participants
+    calls = row.calls(hw.latency_per)
     dtype = run.family.compute_dtype(run.config.model) if run.family else "float32"
     time_s = _step_time(row, hw, run, (comm, gpu), calls, dtype)
     fill_predicted(row, time_s, run, hw.peak_flops(dtype))
@@ -275,7 +294,15 @@ def _step_time(
     less the hidden ones paying the latency."""
     measured, gpu = comm
     if hw.platform == "cpu":
-        return roofline(hw, row.flops, row.mem_traffic_bytes, row.comm_bytes, dtype, calls)
+        return roofline(
+            hw,
+            row.flops,
+            row.mem_traffic_bytes,
+            row.comm_bytes,
+            dtype,
+            calls,
+            state_bytes=row.state_traffic_bytes,
+        )
     if gpu.total_bytes:
         terms, scale = gpu.terms, measured / gpu.total_bytes
     else:  # e.g. a task without a family: the bytes as they are (a send's wire bytes are
@@ -292,6 +319,7 @@ def _step_time(
         calls=max(0, calls - gpu.hidden_ops),
         scale=scale,
         kernels=kernels(run, hw, dtype),
+        state_bytes=row.state_traffic_bytes,
     )
 
 

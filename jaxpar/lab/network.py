@@ -47,7 +47,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxpar.lab.hardware import UNKNOWN_KERNELS, Hardware, Kernels, StepTime, compute_time
+from jaxpar.lab.hardware import (
+    UNKNOWN_KERNELS,
+    Hardware,
+    Kernels,
+    StepTime,
+    compute_time,
+    memory_time,
+)
 from jaxpar.lab.terms import Term
 
 
@@ -119,6 +126,7 @@ def step_time(
     calls: int | None = None,
     scale: float = 1.0,
     kernels: Kernels = UNKNOWN_KERNELS,
+    state_bytes: float = 0.0,
 ) -> StepTime:
     """The roofline of one step on ``hw`` with each collective placed on its NVLink domains
     and the network (the module docstring); equal to :func:`~jaxpar.lab.hardware.roofline`
@@ -134,6 +142,7 @@ def step_time(
         of crossing and staying.
       scale: multiplies every term's bytes (measured over predicted).
       kernels: the matmuls' shapes' efficiency and the other kernels' bytes.
+      state_bytes: the state's part of ``traffic_bytes`` (its arguments and outputs).
     """
     nvlink, nic = hw.interconnect_bandwidth, hw.network_bandwidth
     known: dict[frozenset, frozenset[Placement]] = {}
@@ -155,7 +164,7 @@ def step_time(
     crossing = levels / count if count else 0.0
     return StepTime(
         compute_s=compute_time(hw, flops, dtype, kernels),
-        memory_s=traffic_bytes / hw.hbm_bandwidth,
+        memory_s=memory_time(hw, traffic_bytes, state_bytes),
         comm_s=exposed[0] / nvlink + exposed[1] / nic,
         latency_s=calls * (hw.collective_latency + hw.network_latency * crossing),
         hidden_s=hidden[0] / nvlink + hidden[1] / nic,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from jaxpar.lab.chart import fmt_value
 from jaxpar.lab.hardware import Hardware
-from jaxpar.lab.measure import Row
 from jaxpar.lab.planner import Planned, best
 
 #: the layouts an estimated plan (above the devices compiled here) prints of each kind
@@ -23,9 +22,8 @@ def fmt_time(seconds: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _calls(row: Row, hw: Hardware) -> int:
-    """The collective calls ``hw``'s latency is paid for (:attr:`Hardware.latency_per`)."""
-    return row.collective_ops if hw.latency_per == "collective" else row.collective_arrays
+#: how the footer names what a collective's latency is paid for
+_PAID_BY = {"collective": "executed", "array": "arrays", "participant": "participants"}
 
 
 def _footer(hw: Hardware, memory: float) -> str:
@@ -46,7 +44,7 @@ def _footer(hw: Hardware, memory: float) -> str:
     return (
         f"ranked by predicted step time on {hw.name} (roofline; {kernels}communication = "
         f"bytes / {hw.interconnect_bandwidth / 1e9:.3g} GB/s{network} + collectives "
-        f"{'executed' if hw.latency_per == 'collective' else 'arrays'} × "
+        f"{_PAID_BY[hw.latency_per]} × "
         f"{fmt_time(hw.collective_latency)}, in brackets; what overlaps compute counts only "
         f"where it outlasts it); memory judged against {memory / 1e9:.3g} GB "
         f"({fmt_value(memory, 'B')}) per device"
@@ -163,7 +161,7 @@ def _table(planned: list[Planned], shown: list[Planned], hw: Hardware) -> list[s
                 f"{r.predicted_tokens_per_s_per_device:,.0f}",
                 "" if r.predicted_mfu is None else f"{r.predicted_mfu:.1%}",
                 r.predicted_bound,
-                f"{_calls(r, hw)} ({fmt_time(r.predicted_latency_s)})",
+                f"{r.calls(hw.latency_per)} ({fmt_time(r.predicted_latency_s)})",
                 fmt_value(r.predicted_comm_bytes, "B"),
                 "" if r.comm_ratio is None else f"{r.comm_ratio:.2f}",
             ]

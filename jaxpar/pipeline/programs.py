@@ -22,7 +22,7 @@ Per stage, on one of its devices:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import jax
@@ -274,9 +274,7 @@ def _summed(programs: list[tuple[Any, int]]) -> hlo.ProgramCost:
         for kind, stat in cost.collectives.items():
             old = stats.get(kind, hlo.CollectiveStat())
             stats[kind] = hlo.CollectiveStat(
-                old.count + times * stat.count,
-                old.payload_bytes + times * stat.payload_bytes,
-                old.wire_bytes + times * stat.wire_bytes,
+                *(getattr(old, f.name) + times * getattr(stat, f.name) for f in fields(stat))
             )
     for kind in hlo.COLLECTIVES:
         stats.setdefault(kind, hlo.CollectiveStat())
