@@ -103,7 +103,8 @@ class Module:
 class CollectiveStat:
     """One collective kind summed over a step: executions, payload and wire bytes, and
     the arrays they move (an all-reduce of a tuple of k arrays moves k: XLA:CPU makes a
-    call per array), and the devices taking part (a collective-permute: its two ends)."""
+    call per array), and the devices each waits for (its group; a collective-permute,
+    which names no groups, every device of the program)."""
 
     count: int = 0
     payload_bytes: float = 0.0
@@ -334,8 +335,8 @@ class ProgramCost:
     @property
     def collective_participants(self) -> int:
         """The devices those collectives wait for, executions counted as above: each one's
-        group size (a send: 2). A collective on XLA:CPU is a rendezvous of its devices'
-        threads."""
+        group size (a collective-permute: every device of the program). A collective on
+        XLA:CPU is a rendezvous of its devices' threads."""
         return sum(s.participants for s in self.collectives.values())
 
 
@@ -366,8 +367,11 @@ class _Walker:
             kind, payload, wire, parts = found
             cost.update({f"{kind}:count": 1, f"{kind}:payload": payload, f"{kind}:wire": wire})
             cost[f"{kind}:arrays"] = parts
+            # a permute names pairs, not groups: XLA:CPU's rendezvous takes in every device
             cost[f"{kind}:participants"] = (
-                2 if kind == "collective-permute" else group_size(inst, self.module.num_partitions)
+                self.module.num_partitions
+                if kind == "collective-permute"
+                else group_size(inst, self.module.num_partitions)
             )
         return cost
 

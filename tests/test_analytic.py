@@ -24,9 +24,10 @@ H100 = hardware.get_profile("h100")
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {m: f"configs/{m}_tiny.yaml" for m in ("gpt", "bert", "llama", "qwen3", "gemma")}
 #: (model, layout, how far the estimate's temporaries may be from the compiled step's:
-#: measured 0.91-1.09 without remat or a pipeline (ring attention: below); 0.76-1.20
-#: under remat, where what XLA keeps beside the layer it recomputes differs by family;
-#: below by up to 35% in a pipeline, whose message buffers the estimate leaves out)
+#: measured 0.91-1.09 without remat or a pipeline (ring attention: below); 0.99-1.10
+#: under remat, each family's recomputing backward as measured (Kept.recompute, and
+#: Gemma's copy of its stacked weights); below by up to 35% in a pipeline, whose message
+#: buffers the estimate leaves out)
 EXHAUSTIVE = pytest.mark.exhaustive  # the suite keeps a case of each mechanism
 #: the cases the suite runs; the others are in the extended tier
 SUITE = {
@@ -51,8 +52,8 @@ GRID = [
     ("gpt", "data=2,fsdp=2,tensor=2", (0.9, 1.1)),
     ("gpt", "data=4,tensor=2,tensor.sequence=true", (0.9, 1.1)),
     ("gpt", "data=8,train.grad_accum=2", (0.9, 1.1)),
-    ("gpt", "data=8,model.remat=full", (0.75, 1.25)),
-    ("gemma", "data=8,model.remat=full", (0.75, 1.25)),
+    ("gpt", "data=8,model.remat=full", (0.95, 1.15)),
+    ("gemma", "data=8,model.remat=full", (0.95, 1.15)),
     ("gpt", "data=4,stage=2", (0.6, 1.0)),
     ("gpt", "fsdp=2,stage=4", (0.6, 1.0)),
     ("gpt", "data=2,stage=4,pipeline.schedule=gpipe", (0.6, 1.0)),
@@ -61,7 +62,7 @@ GRID = [
     # its compiled FLOPs are the stages' own, stretched over the same critical path as the
     # estimate's (checked by hand in tests/test_kernels.py): this checks the stages' work
     ("gpt", "data=4,stage=2,pipeline.executor=mpmd", (0.6, 1.0)),
-    ("llama", "data=8,model.remat=full", (0.75, 1.25)),
+    ("llama", "data=8,model.remat=full", (0.95, 1.15)),
     # 2 K/V heads over tensor=4: held whole, their projections computed on every device
     ("llama", "data=2,tensor=4", (0.9, 1.1)),
     ("llama", "data=2,tensor=4,tensor.sequence=true", (0.9, 1.1)),

@@ -71,7 +71,8 @@ def test_program_cost_counts_loop_trips_and_the_costliest_branch():
     ar, cp = cost.collectives["all-reduce"], cost.collectives["collective-permute"]
     # branch 0's all-reduce of 16 B inside the loop + the tuple of 2 × 16 B outside
     assert (ar.count, ar.payload_bytes) == (2, 48)
-    assert (ar.participants, cp.participants) == (2 + 2, 2)
+    # participants: each all-reduce's group of 2; the permute, every device (1 here)
+    assert (ar.participants, cp.participants) == (2 + 2, 1)
     assert ar.wire_bytes == 48 * 2 * (2 - 1) / 2
     assert (cp.count, cp.payload_bytes) == (1, 16)
     assert cp.wire_bytes == 16 * 2 / 1  # 2 pairs over num_partitions (1 when not printed)
@@ -101,7 +102,7 @@ ENTRY %main (p: f32[16,4]) -> f32[128,16] {
 
 
 def test_async_forms_and_every_replica_group_syntax_give_exact_bytes():
-    """Bytes, arrays and participants (each collective's group; a send's two ends)."""
+    """Bytes, arrays and participants (each collective's group; a permute's: all 8)."""
     cost = hlo.program_cost(ASYNC)
     stats = cost.collectives
     assert stats["all-gather"] == hlo.CollectiveStat(
@@ -115,11 +116,11 @@ def test_async_forms_and_every_replica_group_syntax_give_exact_bytes():
         1, 4 * 512, 4 * 512 * 3 / 4, arrays=1, participants=4
     )
     # 4 of 8 devices send 512 B: 256 B per device on average
-    assert stats["collective-permute"] == hlo.CollectiveStat(1, 512, 256, arrays=1, participants=2)
+    assert stats["collective-permute"] == hlo.CollectiveStat(1, 512, 256, arrays=1, participants=8)
     assert stats["all-to-all"] == hlo.CollectiveStat(
         1, 256, 256 * 1 / 2, arrays=1, participants=2
     )  # bf16, axis 'a' = 2
-    assert cost.collective_participants == 8 + 4 + 4 + 2 + 2
+    assert cost.collective_participants == 8 + 4 + 4 + 8 + 2
 
 
 def test_dot_flops_use_the_contracting_dims():
@@ -157,7 +158,7 @@ def test_compiled_psum_all_gather_and_ppermute_byte_counts():
     stats = hlo.collective_stats(_compiled_text(fn, jnp.ones(2048, jnp.float32)))
     assert stats["all-reduce"] == hlo.CollectiveStat(1, 1024, 1024 * 2 * 7 / 8, 1, 8)
     assert stats["all-gather"] == hlo.CollectiveStat(1, 1024, 1024 * 7 / 8, 1, 8)
-    assert stats["collective-permute"] == hlo.CollectiveStat(1, 256, 256, 1, 2)
+    assert stats["collective-permute"] == hlo.CollectiveStat(1, 256, 256, 1, 8)
     assert stats["reduce-scatter"].count == stats["all-to-all"].count == 0
 
 

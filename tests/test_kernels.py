@@ -69,12 +69,14 @@ def test_an_fp8_matmul_on_the_fp8_roofline():
     FP8 rate it is a bf16 matmul."""
     rate, hbm, fp8 = 989e12 * 0.803, 3.35e12, 1979e12 * 0.709  # H100
     thin = Matmul(1, 8192, 8192, fp8=True)
-    by_hand = thin.flops / fp8 / (thin.bytes(1) / hbm)
+    moved = (8192 + 8192 * 8192) * 1 + 8192 * 2  # FP8 operands, a bfloat16 result
+    assert thin.bytes(1, 2) == moved
+    by_hand = thin.flops / fp8 / (moved / hbm)
     assert shape_efficiency([thin], 2, rate, hbm, fp8) == pytest.approx(by_hand)
     big = Matmul(8192, 8192, 8192, fp8=True)
     both = shape_efficiency([big, thin], 2, rate, hbm, fp8)
     ideal = (big.flops + thin.flops) / fp8
-    assert both == pytest.approx(ideal / (big.flops / fp8 + thin.bytes(1) / hbm))
+    assert both == pytest.approx(ideal / (big.flops / fp8 + moved / hbm))
     assert shape_efficiency([thin], 2, rate, hbm) == shape_efficiency(
         [Matmul(1, 8192, 8192)], 2, rate, hbm
     )
@@ -173,6 +175,13 @@ def test_fp8_matmuls_run_at_the_chips_fp8_rate():
     weights = sum(m.flops for m in matmuls[:4])  # q/k/v, output, the MLP's two
     assert share == pytest.approx(weights / sum(m.flops for m in matmuls))
     assert 0.3 < share < 1
+    # each FP8 matmul on the FP8 rate's roofline: not the bf16 one's
+    no_fp8 = dataclasses.replace(h100, flops_fp8=0.0)
+    shapes = kernels(fp8, h100, "bfloat16").shape_efficiency
+    assert shapes != pytest.approx(kernels(fp8, no_fp8, "bfloat16").shape_efficiency)
+    rate, hbm = h100.flops_bf16 * h100.matmul_efficiency, h100.hbm_bandwidth
+    fp8_rate = h100.flops_fp8 * h100.matmul_efficiency_fp8
+    assert shapes == pytest.approx(shape_efficiency(matmuls, 2, rate, hbm, fp8_rate))
     assert compute_time(h100, 1e15, "bfloat16", Kernels(fp8_share=1.0)) == pytest.approx(
         1e15 / (1.979e15 * 0.709)
     )

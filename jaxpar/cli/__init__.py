@@ -184,6 +184,13 @@ def _fitted(paths: list[str], base: Hardware) -> Hardware:
     named = " and ".join(paths)
     hw = fit.fit_profile(rows, base, source=f"fitted to {len(rows)} layouts of {named}")
     first, second = fit.held_out(rows, base)
+    if len(paths) > 1:
+        print(
+            f"the {len(paths)} sweeps rank their layouts alike with Spearman rho "
+            f"{fit.agreement(paths):.2f} (each pair's, averaged): a fit to one of them could "
+            "not rank held-out layouts much better",
+            flush=True,
+        )
     print(
         f"fitted to {len(rows)} timed layouts of {named}; on layouts it was not fitted on "
         f"(every other one, each half in turn) it ranks with Spearman rho {first:.2f} and "

@@ -21,7 +21,9 @@ degree, ``e`` the bytes of an activation element::
                             + e·b·a·s·S·scores/t     (W: q, k and v's width)
     a layer under remat:    e·b·s·D·remat  (the block's input, and what XLA keeps with it)
     the head:               4·b·s·V·head/t  (float32 logits, their softmax and gradient)
-    the step:               layers·in_flight·(a layer) + the head + one layer recomputed
+    the step:               layers·in_flight·(a layer) + the head
+    the step under remat:   layers·in_flight·(a layer under remat) + the head
+                            + recompute·(a layer)   (what the recomputing backward holds)
 
 where ``t_sp`` is ``t`` under sequence parallelism and 1 without, ``layers`` the layers a
 device holds in one chunk (over ``stage`` and virtual stages), and ``in_flight`` the most
@@ -52,7 +54,10 @@ class Kept:
     held whole over ``tensor`` (``replicated``), of q, k and v's width split
     (``attention``), of ``F`` split (``mlp``), of the [heads, keys] scores split
     (``scores``), of ``D`` per layer under ``model.remat=full`` (``remat``) and of the
-    vocabulary in float32 at the head (``head``)."""
+    vocabulary in float32 at the head (``head``); and, under ``model.remat=full``, the
+    share of a layer's kept bytes live while the backward recomputes it (``recompute``: a
+    layer's are freed as its gradients are made, where a scan of groups of layers holds
+    a group's)."""
 
     replicated: float
     attention: float
@@ -60,6 +65,7 @@ class Kept:
     scores: float
     remat: float
     head: float
+    recompute: float = 1.0
 
 
 def activation_bytes(cfg: Any, layout: LabLayout, kept: Kept, fused_attention: bool) -> float:
@@ -75,7 +81,7 @@ def activation_bytes(cfg: Any, layout: LabLayout, kept: Kept, fused_attention: b
         # one input per microbatch in flight, and one chunk's layers while recomputing
         return layout.in_flight * block_input + layers * layer + head
     if getattr(cfg, "remat", "none") == "full":
-        return layers * layout.in_flight * block_input * kept.remat + head + layer
+        return layers * layout.in_flight * block_input * kept.remat + head + layer * kept.recompute
     return layers * layout.in_flight * layer + head
 
 

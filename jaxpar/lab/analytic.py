@@ -47,6 +47,7 @@ from jaxpar.lab.pipeline_cost import layer_share, pipeline_stretch, scan_length
 from jaxpar.lab.predict import lab_layout, predict_argument_bytes, predict_comm
 from jaxpar.plan.abstract import global_batch_shapes
 from jaxpar.run import Run, build, data_needs
+from jaxpar.sharding import bytes_per_device
 from jaxpar.task import Task
 
 
@@ -72,9 +73,10 @@ def flops_per_device(run: Run, asynchronous: bool = False) -> float | None:
     return flops
 
 
-def collective_calls(terms: Any, layers: int) -> tuple[int, int]:
+def collective_calls(terms: Any, layers: int, devices: int) -> tuple[int, int]:
     """The collectives a step executes, estimated, and the devices they wait for (each
-    one's group; a send's 2): each distinct collective (kind, what, group) once per
+    one's group; a send, every one of the ``devices``: :attr:`~jaxpar.hlo.ProgramCost.
+    collective_participants`): each distinct collective (kind, what, group) once per
     execution, as XLA combines a layer's arrays into one instruction; a stacked layer's
     gather or reduction (overlapped: :attr:`Term.hidden`) once per layer of the scan. A
     collective matmul's sends hide their latency too and are left out."""
@@ -85,9 +87,20 @@ def collective_calls(terms: Any, layers: int) -> tuple[int, int]:
         key = (t.kind, t.what, t.group, t.hidden)
         seen[key] = max(seen.get(key, 0), t.times * (layers if t.hidden else 1))
     waits = sum(
-        n * (2 if kind == "collective-permute" else g) for (kind, _, g, _), n in seen.items()
+        n * (devices if kind == "collective-permute" else g) for (kind, _, g, _), n in seen.items()
     )
     return sum(seen.values()), waits
+
+
+def _stacked_layer_bytes(run: Run) -> int:
+    """Bytes of a device's share of the model's stacked layers' parameters (0 for a model
+    not given as a stack)."""
+    split = run.plan.task.stages
+    if split is None:
+        return 0
+    key = split.layers_key
+    params = run.plan.abstract_state.params
+    return bytes_per_device(params[key], run.plan.state_shardings.params[key])
 
 
 class _FirstBatch:
@@ -184,20 +197,24 @@ def estimate(
     activations = lab.activation_bytes(run.config.model, lab_layout(run, cpu=cpu))
     # and the gradients: one per parameter shard (and the accumulator's beside it)
     grads = state.params * (2 if run.plan.grad_accum > 1 else 1)
+    if getattr(run.config.model, "remat", "none") == "full":
+        grads += lab.remat_layer_copies * _stacked_layer_bytes(run)
     temps = None if activations is None else round(activations + grads)
     row.mem_temp_bytes = temps
     row.mem_total_bytes = row.mem_args_bytes + (temps or 0)
     row.fits = row.mem_total_bytes <= (memory_bytes or hw.memory_bytes)
     row.flops = flops_per_device(run, asynchronous=sub_mesh)
     row.mem_traffic_bytes = row.state_traffic_bytes + 2 * (temps or 0)
-    comm = predict_comm(run, "gpu")
-    row.collective_ops, row.collective_participants = collective_calls(comm.terms, scan_length(run))
+    # a profile of a CPU (fitted here): its bytes and collectives, nothing hidden
+    comm = predict_comm(run, "cpu" if hw.platform == "cpu" else "gpu")
+    row.collective_ops, row.collective_participants = collective_calls(
+        comm.terms, scan_length(run), run.plan.mesh.size
+    )
     # the arrays they move are not estimated: a profile that pays α per array is priced,
     # and shown, per collective
     row.collective_arrays = row.collective_ops
     dtype = run.family.compute_dtype(run.config.model) if run.family else "float32"
-    if hw.platform == "cpu":  # a profile of a CPU (fitted here): its bytes, nothing hidden
-        comm = predict_comm(run, "cpu")
+    if hw.platform == "cpu":
         time_s = roofline(
             hw,
             row.flops or 0.0,

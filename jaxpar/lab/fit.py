@@ -45,6 +45,9 @@ NEEDED = (
 )
 #: timed layouts a fit needs: more than its six constants in each held-out half
 LEAST = 14
+#: how far from its start (each term alone a fair share of the median step) a fitted
+#: constant may go
+BOUND = 1e6
 
 
 @dataclass(frozen=True)
@@ -87,24 +90,55 @@ def read_sweep(path: str | Path) -> list[Timed]:
 def read_sweeps(paths: list[str | Path]) -> list[Timed]:
     """The timed layouts of several sweeps of one machine, each layout's time the
     geometric mean of the sweeps' (a CPU's timings of the same layouts vary by about 10%
-    from one sweep to the next: docs/lab.md); its counts the first sweep's. One sweep:
-    :func:`read_sweep`.
+    from one sweep to the next: docs/lab.md); its counts are the same in every sweep, and
+    what pays latency is counted as any sweep counted it. One sweep: :func:`read_sweep`.
 
     Raises:
-      ConfigError: as :func:`read_sweep`, or where a sweep lacks a layout the first timed.
+      ConfigError: as :func:`read_sweep`, or where a sweep lacks a layout the first timed
+        or counts one differently (a sweep of another config or model).
     """
     first, *others = (read_sweep(p) for p in paths)
     for path, other in zip(paths[1:], others, strict=True):
-        times = {r.layout: r.seconds for r in other}
-        missing = [r.layout for r in first if r.layout not in times]
+        found = {r.layout: r for r in other}
+        missing = [r.layout for r in first if r.layout not in found]
         if missing:
             more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
             raise ConfigError(
                 f"--fit {path} did not time {missing[0]!r}{more}, which {paths[0]} timed; "
                 "give sweeps of the same layouts"
             )
-        first = [replace(r, seconds=r.seconds * times[r.layout]) for r in first]
+        first = [_together(r, found[r.layout], path, paths[0]) for r in first]
     return [replace(r, seconds=r.seconds ** (1 / len(paths))) for r in first]
+
+
+def agreement(paths: list[str | Path]) -> float:
+    """How alike several sweeps of one machine rank their layouts: the mean of Spearman's
+    ρ over each pair of sweeps (1: the same order). A fit to one sweep cannot rank
+    held-out layouts much better than one sweep ranks another's."""
+    sweeps = [{r.layout: r.seconds for r in read_sweep(p)} for p in paths]
+    pairs = [
+        spearman([a[k] for k in a if k in b], [b[k] for k in a if k in b])
+        for i, a in enumerate(sweeps)
+        for b in sweeps[i + 1 :]
+    ]
+    return float(np.mean(pairs)) if pairs else 1.0
+
+
+def _together(r: Timed, other: Timed, path: str | Path, first: str | Path) -> Timed:
+    """``r`` with ``other``'s time multiplied in and its counts of what pays latency
+    added where ``r`` has none.
+
+    Raises:
+      ConfigError: where the two count the layout's work differently.
+    """
+    counts = ("flops", "traffic", "state", "comm")
+    if any(not math.isclose(getattr(r, c), getattr(other, c), rel_tol=1e-9) for c in counts):
+        raise ConfigError(
+            f"--fit {path} counts layout {r.layout!r} differently from {first} (its FLOPs, "
+            "memory or communication): give sweeps of the same config on this machine"
+        )
+    calls = {**other.calls, **r.calls}
+    return replace(r, seconds=r.seconds * other.seconds, calls=calls)
 
 
 def _timed(path: Path, r: dict[str, str]) -> Timed:
@@ -164,15 +198,18 @@ def _fit(rows: list[Timed], per: str) -> tuple[np.ndarray, float]:
     def residual(p: np.ndarray) -> np.ndarray:
         return np.log(_predict(p, rows, per)) - np.log(seconds)
 
-    found = least_squares(residual, start, method="trf")
+    # each constant within a factor of BOUND of its start: one whose term the steps do
+    # not show (too cheap to measure) stops there instead of running off to infinity
+    span = math.log(BOUND)
+    found = least_squares(residual, start, method="trf", bounds=(start - span, start + span))
     return found.x, float(np.sqrt(np.mean(found.fun**2)))
 
 
 def fit_profile(rows: list[Timed], base: Hardware, source: str = "") -> Hardware:
     """``base`` (its memory and platform kept) with the six constants fitted to
-    ``rows``, latency paid per instruction or per array, whichever fits better; named
-    ``fitted``."""
-    fits = {per: _fit(rows, per) for per in LATENCY_PER if per in rows[0].calls}
+    ``rows``, latency paid per instruction, per array or per participant (where every
+    row counts them), whichever fits better; named ``fitted``."""
+    fits = {per: _fit(rows, per) for per in LATENCY_PER if all(per in r.calls for r in rows)}
     per = min(fits, key=lambda k: fits[k][1])
     peak, hbm, state, link, alpha, overhead = (float(v) for v in np.exp(fits[per][0]))
     return replace(

@@ -53,7 +53,8 @@ def shape_efficiency(
         fp8 = mm.fp8 and fp8_rate > 0
         at_rate = mm.flops / (fp8_rate if fp8 else rate)
         ideal += at_rate
-        actual += max(at_rate, mm.bytes(1 if fp8 else itemsize) / hbm)
+        # an FP8 matmul reads one-byte operands and writes its result in the compute dtype
+        actual += max(at_rate, mm.bytes(1 if fp8 else itemsize, itemsize) / hbm)
     return ideal / actual if actual else 1.0
 
 

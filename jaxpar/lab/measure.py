@@ -316,11 +316,17 @@ def _step_time(
         terms,
         sizes,
         dtype,
-        calls=max(0, calls - gpu.hidden_ops),
+        calls=max(0, calls - gpu.hidden_ops * _waits_per_send(hw, run)),
         scale=scale,
         kernels=kernels(run, hw, dtype),
         state_bytes=row.state_traffic_bytes,
     )
+
+
+def _waits_per_send(hw: Hardware, run: Run) -> int:
+    """What one send pays latency for under ``hw``: one collective or array, or every
+    device of the program waiting (:attr:`~jaxpar.hlo.ProgramCost.collective_participants`)."""
+    return run.plan.mesh.size if hw.latency_per == "participant" else 1
 
 
 def fill_predicted(row: Row, time_s: StepTime, run: Run, peak_flops: float) -> None:

@@ -61,9 +61,11 @@ class Matmul:
     def flops(self) -> float:
         return 2 * self.m * self.n * self.k * self.times
 
-    def bytes(self, itemsize: int) -> float:
-        """HBM bytes its operands and result move, all ``times``."""
-        return (self.m * self.k + self.k * self.n + self.m * self.n) * itemsize * self.times
+    def bytes(self, itemsize: int, result_itemsize: int | None = None) -> float:
+        """HBM bytes its operands and result move, all ``times`` (the result's elements
+        at ``result_itemsize``, by default the operands')."""
+        result = self.m * self.n * (result_itemsize or itemsize)
+        return ((self.m * self.k + self.k * self.n) * itemsize + result) * self.times
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,9 @@ class LabModel:
     #: the parameters, by name, that the family's FP8 matmuls read (``model.precision=
     #: fp8``): quantized before FSDP gathers them, so gathered at :func:`fp8_itemsize`
     fp8_weights: frozenset[str] = frozenset()
+    #: copies of its stacked layers' parameter bytes a step holds beside their gradients
+    #: under ``model.remat=full`` (0: none beyond the gradients)
+    remat_layer_copies: int = 0
 
     def activation_bytes(self, cfg: Any, layout: LabLayout) -> float | None:
         """Bytes of the activations one device holds at the peak of a step (what the

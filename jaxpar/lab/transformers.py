@@ -256,8 +256,11 @@ class TransformerLab(LabModel):
     #: from XLA's programs for GPT and BERT (per token, in widths): the norms' and the
     #: residual's whole (10 D), q, k, v (3 of their width), the MLP's (6 F), attention's
     #: scores and probabilities (2); the block's input under remat; float32 logits and
-    #: their gradient (2 V)
-    kept = Kept(replicated=10, attention=3, mlp=6, scores=2, remat=1, head=2)
+    #: their gradient (2 V); under remat, 0.88 of a layer's kept bytes while its backward
+    #: recomputes it: what XLA holds then varies with the rows a device computes (gpt_tiny,
+    #: at 4 and 8 layers: 52 of its 51 widths at 2 rows, 39 at 4, 38 at 8), and 0.88 × 51
+    #: sits between
+    kept = Kept(replicated=10, attention=3, mlp=6, scores=2, remat=1, head=2, recompute=0.88)
 
     #: the MLP's first matmul makes two widths (SwiGLU's and GeGLU's gate and up)
     gated = False
@@ -311,8 +314,13 @@ class GemmaLab(TransformerLab):
 
     fp8_weights = LLAMA_FP8
     gated = True
-    #: Gemma's four norms a layer and GeGLU (counted as GPT's are)
-    kept = Kept(replicated=19, attention=4, mlp=11, scores=2, remat=1, head=2)
+    #: Gemma's four norms a layer and GeGLU (counted as GPT's are); under remat its scan of
+    #: groups of the local/global pattern holds a group being recomputed (gemma_tiny: 85.5
+    #: widths, 1.25 layers' kept bytes, at 4 and 8 layers)
+    kept = Kept(replicated=19, attention=4, mlp=11, scores=2, remat=1, head=2, recompute=1.25)
+    #: and keeps a copy of the stacked layers' weights beside their gradients (one layer's
+    #: parameter bytes more per layer, at every batch size: measured)
+    remat_layer_copies = 1
 
     def tensor_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
         return transformer_tensor_terms(
@@ -333,8 +341,10 @@ class LlamaLab(TransformerLab):
 
     fp8_weights = LLAMA_FP8
     gated = True
-    #: SwiGLU keeps its gate, up, activation and product: 8 F where GPT's MLP keeps 6
-    kept = Kept(replicated=10, attention=3, mlp=8, scores=2, remat=1, head=2)
+    #: SwiGLU keeps its gate, up, activation and product: 8 F where GPT's MLP keeps 6;
+    #: under remat, 0.88 of a layer's kept bytes while recomputing (llama_tiny: 46 of its
+    #: 45.5 widths at 2 rows a device, 39 at 4, 38 at 8; as GPT's)
+    kept = Kept(replicated=10, attention=3, mlp=8, scores=2, remat=1, head=2, recompute=0.88)
 
     def tensor_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
         dense = transformer_tensor_terms(
