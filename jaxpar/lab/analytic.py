@@ -197,7 +197,7 @@ def estimate(
     activations = lab.activation_bytes(run.config.model, lab_layout(run, cpu=cpu))
     # and the gradients: one per parameter shard (and the accumulator's beside it)
     grads = state.params * (2 if run.plan.grad_accum > 1 else 1)
-    if getattr(run.config.model, "remat", "none") == "full":
+    if lab.remat_layer_copies and getattr(run.config.model, "remat", "none") == "full":
         grads += lab.remat_layer_copies * _stacked_layer_bytes(run)
     temps = None if activations is None else round(activations + grads)
     row.mem_temp_bytes = temps
