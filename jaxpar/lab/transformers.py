@@ -257,9 +257,9 @@ class TransformerLab(LabModel):
     #: residual's whole (10 D), q, k, v (3 of their width), the MLP's (6 F), attention's
     #: scores and probabilities (2); the block's input under remat; float32 logits and
     #: their gradient (2 V); under remat, 0.88 of a layer's kept bytes while its backward
-    #: recomputes it: what XLA holds then varies with the rows a device computes (gpt_tiny,
-    #: at 4 and 8 layers: 52 of its 51 widths at 2 rows, 39 at 4, 38 at 8), and 0.88 × 51
-    #: sits between
+    #: recomputes it: what XLA holds then varies with the rows a device computes (gpt_tiny:
+    #: 38 of its 51 widths at 8 rows, at 4 and 8 layers; 39-45 at 4 rows; 52 at 2), and
+    #: 0.88 × 51 sits between
     kept = Kept(replicated=10, attention=3, mlp=6, scores=2, remat=1, head=2, recompute=0.88)
 
     #: the MLP's first matmul makes two widths (SwiGLU's and GeGLU's gate and up)
@@ -342,8 +342,8 @@ class LlamaLab(TransformerLab):
     fp8_weights = LLAMA_FP8
     gated = True
     #: SwiGLU keeps its gate, up, activation and product: 8 F where GPT's MLP keeps 6;
-    #: under remat, 0.88 of a layer's kept bytes while recomputing (llama_tiny: 46 of its
-    #: 45.5 widths at 2 rows a device, 39 at 4, 38 at 8; as GPT's)
+    #: under remat, 0.88 of a layer's kept bytes while recomputing (llama_tiny: 38 of its
+    #: 45.5 widths at 8 rows a device, 39-40 at 4, 46 at 2; as GPT's)
     kept = Kept(replicated=10, attention=3, mlp=8, scores=2, remat=1, head=2, recompute=0.88)
 
     def tensor_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
