@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING
 
 from jaxpar import signals
 from jaxpar.cli.failures import failure_of, internal, one_line_reports
+from jaxpar.cli.lab_commands import estimated, run_plan, run_sweep
 from jaxpar.errors import INTERRUPTED, TERMINATED, WRITE_FAILED, ConfigError, Terminated
 
 if TYPE_CHECKING:
     from jaxpar.config import Config
-    from jaxpar.lab.hardware import Hardware
     from jaxpar.task import Task
     from jaxpar.weights import Defaults, Source
 
@@ -81,123 +81,6 @@ def _eval(args: argparse.Namespace) -> None:
 
     out = evaluate_source(_opened(args, shorter_sequences), batches=args.batches, step=args.step)
     print(out.json() if args.json else out.line(), flush=True)
-
-
-def _sweep(args: argparse.Namespace, config: Config, task: Task | None) -> None:
-    from jaxpar.lab import sweep
-    from jaxpar.lab.hardware import get_profile
-    from jaxpar.mesh import select_devices
-
-    if bool(args.layouts) == bool(args.all):
-        raise ConfigError("jaxpar sweep needs either --layouts L … or --all (not both)")
-    hw = get_profile(args.hardware, args.hardware_file)
-    out = sweep.output_folder(args.out, config.run.dir, args.overwrite)  # before compiling
-    layouts, note = args.layouts, None
-    if not layouts:
-        # timed layouts run here; others are read for the profile's platform (measure.lower)
-        platform = None if args.steps else hw.platform
-        count = len(select_devices(config.run.devices))
-        layouts, note = sweep.default_layouts(config, count, task, platform)
-    memory = args.memory_gb * 1e9 if args.memory_gb else None
-    what = (task.name or "the --task") if task is not None else config.model.name
-    print(
-        f"sweeping {len(layouts)} layout{'s' * (len(layouts) != 1)} of {what} "
-        f"(global batch {config.train.batch_size})",
-        flush=True,
-    )
-    if note:
-        print(note, flush=True)
-    rows = sweep.sweep(config, layouts, hw, args.steps, memory, echo=True, task=task)
-    print(sweep.format_table(rows, hw))
-    for path in sweep.write_outputs(rows, hw, out):
-        print(f"wrote {path}")
-
-
-def _estimated(args: argparse.Namespace) -> bool:
-    """Whether ``plan`` estimates its layouts rather than compiling them on ``--devices``
-    simulated devices (``--analytic``, or more devices than compile here)."""
-    from jaxpar.limits import COMPILED_DEVICES
-
-    if args.command != "plan" or args.longest:  # --longest compiles: its devices are set up
-        return False
-    return args.analytic or args.devices > COMPILED_DEVICES
-
-
-def _plan(args: argparse.Namespace, config: Config, task: Task | None) -> None:
-    from jaxpar.lab.hardware import get_profile
-    from jaxpar.lab.plan_text import ESTIMATED_TOP, format_plan
-    from jaxpar.lab.planner import format_longest, longest_sequence, plan, plan_folder
-    from jaxpar.lab.sweep import write_csv
-
-    hw = get_profile(args.hardware, args.hardware_file)
-    if args.fit:
-        hw = _fitted(args.fit, hw)
-    memory = args.memory_gb * 1e9 if args.memory_gb else hw.memory_bytes
-    what = (task.name or "the --task") if task is not None else config.model.name
-    if args.longest:
-        if args.out:
-            raise ConfigError("jaxpar plan --longest writes no plan.csv: leave out --out")
-        if not args.layouts:
-            raise ConfigError(
-                "jaxpar plan --longest needs --layouts L …: the layouts whose "
-                "longest sequence to find"
-            )
-        print(
-            f"the longest sequence of {what} (global batch {config.train.batch_size}, "
-            f"from data.seq_len={config.data.seq_len}, doubling) on {args.devices} × "
-            f"{hw.name}",
-            flush=True,
-        )
-        found = [longest_sequence(config, layout, hw, memory, task) for layout in args.layouts]
-        print(format_longest(found, memory))
-        return
-    out = plan_folder(args.out, args.overwrite) if args.out else None  # before compiling
-    print(
-        f"planning {what} (global batch {config.train.batch_size}) on {args.devices} × {hw.name}",
-        flush=True,
-    )
-    ranked = plan(
-        config,
-        args.devices,
-        hw,
-        memory,
-        args.layouts,
-        echo=True,
-        task=task,
-        analytic=_estimated(args),
-    )
-    top = args.top if args.top is not None else ESTIMATED_TOP if _estimated(args) else 0
-    print(format_plan(ranked, hw, memory, top))
-    if out is not None:
-        print(f"wrote {write_csv([p.row for p in ranked], out / 'plan.csv')}")
-
-
-def _fitted(paths: list[str], base: Hardware) -> Hardware:
-    """``base`` fitted to the steps timed in ``paths`` on this machine; says how well it
-    ranks layouts it was not fitted on, and prints it as a --hardware-file entry."""
-    import jax
-
-    from jaxpar.lab import fit
-
-    rows = fit.read_sweeps(paths)
-    base = dataclasses.replace(base, platform=jax.default_backend())
-    named = " and ".join(paths)
-    hw = fit.fit_profile(rows, base, source=f"fitted to {len(rows)} layouts of {named}")
-    first, second = fit.held_out(rows, base)
-    if len(paths) > 1:
-        print(
-            f"the {len(paths)} sweeps rank their layouts alike with Spearman rho "
-            f"{fit.agreement(paths):.2f} (each pair's, averaged): a fit to one of them could "
-            "not rank held-out layouts much better",
-            flush=True,
-        )
-    print(
-        f"fitted to {len(rows)} timed layouts of {named}; on layouts it was not fitted on "
-        f"(every other one, each half in turn) it ranks with Spearman rho {first:.2f} and "
-        f"{second:.2f}. As a --hardware-file entry:\n{fit.profile_yaml(hw)}",
-        flush=True,
-    )
-    return hw
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -323,7 +206,7 @@ def _config(args: argparse.Namespace) -> Config:
 
     files = [a for a in args.args if "=" not in a]
     overrides = [a for a in args.args if "=" in a]
-    if args.devices is not None and not _estimated(args):
+    if args.devices is not None and not estimated(args):
         overrides.append(f"run.devices={args.devices}")
     run_dirs = [f for f in files if os.path.isdir(f)]
     if not run_dirs:
@@ -374,9 +257,9 @@ def _run(args: argparse.Namespace) -> None:
     elif args.command == "export":
         _export(config, args.out, args.step, task, args.format, args.overwrite)
     elif args.command == "sweep":
-        _sweep(args, config, task)
+        run_sweep(args, config, task)
     elif args.command == "plan":
-        _plan(args, config, task)
+        run_plan(args, config, task)
     else:
         from jaxpar.report import format_report, layout_totals
         from jaxpar.run import build

@@ -1,0 +1,132 @@
+"""The layout lab's commands, ``jaxpar sweep`` and ``jaxpar plan``: each parses nothing
+(:mod:`jaxpar.cli.parser` did) and calls :mod:`jaxpar.lab`, importing it only when run."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import TYPE_CHECKING
+
+from jaxpar.errors import ConfigError
+
+if TYPE_CHECKING:
+    from jaxpar.config import Config
+    from jaxpar.lab.hardware import Hardware
+    from jaxpar.task import Task
+
+
+def run_sweep(args: argparse.Namespace, config: Config, task: Task | None) -> None:
+    from jaxpar.lab import sweep
+    from jaxpar.lab.hardware import get_profile
+    from jaxpar.mesh import select_devices
+
+    if bool(args.layouts) == bool(args.all):
+        raise ConfigError("jaxpar sweep needs either --layouts L … or --all (not both)")
+    hw = get_profile(args.hardware, args.hardware_file)
+    out = sweep.output_folder(args.out, config.run.dir, args.overwrite)  # before compiling
+    layouts, note = args.layouts, None
+    if not layouts:
+        # timed layouts run here; others are read for the profile's platform (measure.lower)
+        platform = None if args.steps else hw.platform
+        count = len(select_devices(config.run.devices))
+        layouts, note = sweep.default_layouts(config, count, task, platform)
+    memory = args.memory_gb * 1e9 if args.memory_gb else None
+    what = (task.name or "the --task") if task is not None else config.model.name
+    print(
+        f"sweeping {len(layouts)} layout{'s' * (len(layouts) != 1)} of {what} "
+        f"(global batch {config.train.batch_size})",
+        flush=True,
+    )
+    if note:
+        print(note, flush=True)
+    rows = sweep.sweep(config, layouts, hw, args.steps, memory, echo=True, task=task)
+    print(sweep.format_table(rows, hw))
+    for path in sweep.write_outputs(rows, hw, out):
+        print(f"wrote {path}")
+
+
+def estimated(args: argparse.Namespace) -> bool:
+    """Whether ``plan`` estimates its layouts rather than compiling them on ``--devices``
+    simulated devices (``--analytic``, or more devices than compile here)."""
+    from jaxpar.limits import COMPILED_DEVICES
+
+    if args.command != "plan" or args.longest:  # --longest compiles: its devices are set up
+        return False
+    return args.analytic or args.devices > COMPILED_DEVICES
+
+
+def run_plan(args: argparse.Namespace, config: Config, task: Task | None) -> None:
+    from jaxpar.lab.hardware import get_profile
+    from jaxpar.lab.plan_text import ESTIMATED_TOP, format_plan
+    from jaxpar.lab.planner import format_longest, longest_sequence, plan, plan_folder
+    from jaxpar.lab.sweep import write_csv
+
+    hw = get_profile(args.hardware, args.hardware_file)
+    if args.fit:
+        hw = _fitted(args.fit, hw)
+    memory = args.memory_gb * 1e9 if args.memory_gb else hw.memory_bytes
+    what = (task.name or "the --task") if task is not None else config.model.name
+    if args.longest:
+        if args.out:
+            raise ConfigError("jaxpar plan --longest writes no plan.csv: leave out --out")
+        if not args.layouts:
+            raise ConfigError(
+                "jaxpar plan --longest needs --layouts L …: the layouts whose "
+                "longest sequence to find"
+            )
+        print(
+            f"the longest sequence of {what} (global batch {config.train.batch_size}, "
+            f"from data.seq_len={config.data.seq_len}, doubling) on {args.devices} × "
+            f"{hw.name}",
+            flush=True,
+        )
+        found = [longest_sequence(config, layout, hw, memory, task) for layout in args.layouts]
+        print(format_longest(found, memory))
+        return
+    out = plan_folder(args.out, args.overwrite) if args.out else None  # before compiling
+    print(
+        f"planning {what} (global batch {config.train.batch_size}) on {args.devices} × {hw.name}",
+        flush=True,
+    )
+    ranked = plan(
+        config,
+        args.devices,
+        hw,
+        memory,
+        args.layouts,
+        echo=True,
+        task=task,
+        analytic=estimated(args),
+    )
+    top = args.top if args.top is not None else ESTIMATED_TOP if estimated(args) else 0
+    print(format_plan(ranked, hw, memory, top))
+    if out is not None:
+        print(f"wrote {write_csv([p.row for p in ranked], out / 'plan.csv')}")
+
+
+def _fitted(paths: list[str], base: Hardware) -> Hardware:
+    """``base`` fitted to the steps timed in ``paths`` on this machine; says how well it
+    ranks layouts it was not fitted on, and prints it as a --hardware-file entry."""
+    import jax
+
+    from jaxpar.lab import fit
+
+    rows = fit.read_sweeps(paths)
+    base = dataclasses.replace(base, platform=jax.default_backend())
+    named = " and ".join(paths)
+    hw = fit.fit_profile(rows, base, source=f"fitted to {len(rows)} layouts of {named}")
+    first, second = fit.held_out(rows, base)
+    if len(paths) > 1:
+        print(
+            f"the {len(paths)} sweeps rank their layouts alike with Spearman rho "
+            f"{fit.agreement(paths):.2f} (each pair's, averaged): a fit to one of them could "
+            "not rank held-out layouts much better",
+            flush=True,
+        )
+    print(
+        f"fitted to {len(rows)} timed layouts of {named}; on layouts it was not fitted on "
+        f"(every other one, each half in turn) it ranks with Spearman rho {first:.2f} and "
+        f"{second:.2f}. As a --hardware-file entry:\n{fit.profile_yaml(hw)}",
+        flush=True,
+    )
+    return hw
