@@ -24,7 +24,8 @@ source publishes, counting FLOPs the way the source does:
 Megatron's layout (t, p, d, v, microbatch, global batch) maps onto ``mesh.tensor``,
 ``mesh.stage``, ``mesh.data`` (ZeRO-3 / FSDP degree onto ``mesh.fsdp``),
 ``pipeline.virtual_stages`` and ``pipeline.microbatches`` = global / (d·microbatch) with the
-``interleaved`` schedule where v > 1 and ``1f1b`` otherwise; without a pipeline, more than
+``interleaved`` schedule where v > 1 and ``1f1b`` otherwise, on the sub-mesh executor
+(``pipeline.executor=mpmd``: a program per stage, as Megatron runs); without a pipeline, more than
 one microbatch per step becomes ``train.grad_accum``. fp16 runs as bfloat16 (same peak).
 ``recompute: full`` is ``model.remat=full`` without a pipeline; in a pipeline it is
 ``model.remat=none``, because jaxpar's pipeline backward already recomputes each chunk from
@@ -151,9 +152,9 @@ def layout_of(entry: dict) -> str:
         schedule = "interleaved" if v > 1 else "1f1b"
         parts += [f"pipeline.schedule={schedule}", f"pipeline.microbatches={steps}"]
         # a program per stage, each running as its input arrives: Megatron's form, which
-        # jaxpar's sub-mesh executor runs for a stack of layers with one chunk per stage;
-        # an interleaved schedule runs in one program, its ticks in step
-        parts += [f"pipeline.virtual_stages={v}"] if v > 1 else ["pipeline.executor=mpmd"]
+        # a program per stage, each action as soon as its input arrives (as Megatron runs)
+        parts += [f"pipeline.virtual_stages={v}"] if v > 1 else []
+        parts += ["pipeline.executor=mpmd"]
     elif steps > 1:
         parts.append(f"train.grad_accum={steps}")
     return ",".join(x for x in parts if not re.fullmatch(r"\w+=1", x))

@@ -150,8 +150,7 @@ def build(
     tx = optimizer or task.optimizer
     model = _family_model(config, data, task) if family and target else abstract_model(task)
     if tx is None:
-        mask = decay_mask(model.params, model.param_axes)
-        tx, _ = make_optimizer(config.optim, config.train.steps, mask)
+        tx = _optimizer(config, model, planned=bool(family and target))
     plan = make_plan(
         task,
         tx,
@@ -199,6 +198,27 @@ def _family_model(config: Config, data: Data, task: Task) -> AbstractModel:
             _FAMILY_MODELS.pop(next(iter(_FAMILY_MODELS)))
         _FAMILY_MODELS[key] = abstract_model(task)
     return _FAMILY_MODELS[key]
+
+
+#: the optimizers of the last optim sections planned with a family's cached model (the
+#: same transformation lets :func:`jaxpar.plan.decide.abstract_state` trace its state once)
+_FAMILY_OPTIMIZERS: dict[str, tuple[AbstractModel, optax.GradientTransformation]] = {}
+
+
+def _optimizer(config: Config, model: AbstractModel, planned: bool) -> optax.GradientTransformation:
+    """The optimizer the config's ``optim`` section describes, made once per section and
+    cached model when ``planned`` (a plan's many layouts share it)."""
+    key = repr((id(model), config.optim, config.train.steps))
+    cached = _FAMILY_OPTIMIZERS.get(key) if planned else None
+    if cached is not None and cached[0] is model:
+        return cached[1]
+    mask = decay_mask(model.params, model.param_axes)
+    tx, _ = make_optimizer(config.optim, config.train.steps, mask)
+    if planned:
+        if len(_FAMILY_OPTIMIZERS) >= 4:
+            _FAMILY_OPTIMIZERS.pop(next(iter(_FAMILY_OPTIMIZERS)))
+        _FAMILY_OPTIMIZERS[key] = (model, tx)
+    return tx
 
 
 def _sizes(config: Config, user_task: Task | None) -> dict[str, int]:

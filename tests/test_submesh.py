@@ -348,8 +348,18 @@ GPT = [
             pytest.param(
                 ["mesh.stage=4", "mesh.data=2", "pipeline.schedule=zb_h1"], id="stage4-zb_h1"
             ),
+            # two chunks a stage: each runs away from its slab of the stack and comes back
+            pytest.param(
+                [
+                    "mesh.stage=2",
+                    "mesh.data=4",
+                    "pipeline.schedule=interleaved",
+                    "pipeline.virtual_stages=2",
+                ],
+                id="interleaved",
+            ),
         ],
-        {"data2-tensor2"},
+        {"data2-tensor2", "interleaved"},
     ),
 )
 def test_gpt_under_both_executors_equals_one_device(layout):

@@ -138,17 +138,10 @@ def _as_one_program(config: Config) -> list[str]:
     holds its stages (its sub-meshes cut devices that are here).
 
     Raises:
-      LayoutError: for what the one-program executor's stages would misstate: virtual
-        stages (the sub-mesh executor runs a stack with one chunk per stage), residuals
+      LayoutError: for what the one-program executor's stages would misstate: residuals
         kept for the backward, or uneven chunks.
     """
     pipeline = config.pipeline
-    if pipeline.virtual_stages > 1:
-        raise LayoutError(
-            "pipeline.executor=mpmd runs a stack of layers with one chunk per stage, but "
-            f"pipeline.virtual_stages={pipeline.virtual_stages}; set "
-            "pipeline.virtual_stages=1, or use pipeline.executor=spmd for the interleaved layout"
-        )
     unlike = [
         f"pipeline.{k}={v}"
         for k, v in (("backward", pipeline.backward), ("split", pipeline.split))
@@ -206,7 +199,7 @@ def estimate(
     row.flops = flops_per_device(run, asynchronous=sub_mesh)
     row.mem_traffic_bytes = row.state_traffic_bytes + 2 * (temps or 0)
     # a profile of a CPU (fitted here): its bytes and collectives, nothing hidden
-    comm = predict_comm(run, "cpu" if hw.platform == "cpu" else "gpu")
+    comm = predict_comm(run, "cpu" if hw.platform == "cpu" else "gpu", asynchronous=sub_mesh)
     row.collective_ops, row.collective_participants = collective_calls(
         comm.terms, scan_length(run), run.plan.mesh.size
     )

@@ -94,8 +94,10 @@ class CommPrediction:
         return sum(t.times for t in self.terms if t.hidden and t.kind == "collective-permute")
 
 
-def lab_layout(run: Run, cpu: bool) -> LabLayout:
-    """What the model family is told of ``run``'s layout (plain values)."""
+def lab_layout(run: Run, cpu: bool, asynchronous: bool = False) -> LabLayout:
+    """What the model family is told of ``run``'s layout (plain values); ``asynchronous``:
+    its stages run as the sub-mesh executor runs them, a program per action (an estimate
+    of that executor plans its stages as the one-program executor holds them)."""
     plan = run.plan
     data = run.data
     table = plan.pipeline
@@ -108,7 +110,7 @@ def lab_layout(run: Run, cpu: bool) -> LabLayout:
         seq_len=getattr(data, "seq_len", 0),
         image_shape=getattr(data, "image_shape", None),
         cpu=cpu,
-        sub_mesh=plan.executor == "mpmd",
+        sub_mesh=plan.executor == "mpmd" or (asynchronous and table is not None),
         context=plan.context.attention,
         residuals=plan.executor == "mpmd" and plan.gradients.residuals,
         tensor_overlap=plan.tensor.overlap,
@@ -155,7 +157,7 @@ def _fp8_weights(run: Run, lab: LabModel) -> frozenset[str]:
     return lab.fp8_weights if fp8 else frozenset()
 
 
-def predict_comm(run: Run, backend: str = "gpu") -> CommPrediction:
+def predict_comm(run: Run, backend: str = "gpu", asynchronous: bool = False) -> CommPrediction:
     """The textbook's collectives of one train step of ``run``'s layout.
 
     Args:
@@ -163,12 +165,14 @@ def predict_comm(run: Run, backend: str = "gpu") -> CommPrediction:
       backend: ``gpu`` (or ``tpu``): FSDP gradients are reduce-scattered and bfloat16
         activations move as bfloat16; ``cpu``: what XLA:CPU compiles instead
         (all-reduce + slice; bfloat16 activations as float32).
+      asynchronous: the family's activation collectives as the sub-mesh executor runs
+        them (:func:`lab_layout`); the sends between stages stay priced.
     """
     sizes = dict(run.plan.mesh.shape)
     cpu = backend == "cpu"
     # a user's task brings no family: no activation terms (where they are is model knowledge)
     lab = lab_for(run.family)
-    layout = lab_layout(run, cpu)
+    layout = lab_layout(run, cpu, asynchronous)
     activations = (
         [
             *lab.tensor_terms(run.config.model, layout),

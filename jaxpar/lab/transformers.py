@@ -212,15 +212,20 @@ def _first_stage_terms(
     """A device of the first stage under the sub-mesh pipeline, a program per action: each
     microbatch's forward all-reduces twice a layer, its backward (or weight-gradient half:
     the first chunk has no input gradient) four times — the recomputed forward's and both
-    input gradients' — and each of the two gathers a vocab-sharded table. Under sequence
-    parallelism those reductions are reduce-scatters, and each microbatch gathers eight
-    activations a layer (two forward, two recomputed, two output gradients, two inputs
-    for the weight gradients) and one for the embeddings' gradient (measured)."""
+    input gradients' — in each of the stage's ``v`` chunks (a one-layer chunk's backward
+    three), and the first chunk's two
+    programs each gather a vocab-sharded table. Under sequence parallelism those
+    reductions are reduce-scatters, and each microbatch gathers eight activations a layer
+    (two forward, two recomputed, two output gradients, two inputs for the weight
+    gradients) and one for the embeddings' gradient (measured)."""
     t = layout.sizes[Axis.TENSOR]
     k = layout.grad_accum
     _, p, v, m = layout.stages
-    layers = cfg.n_layers // (p * v)
-    reductions = m * k * (4 + backward) * layers
+    layers = cfg.n_layers // p  # the stage's, over its v chunks
+    # a one-layer chunk's recomputed MLP output feeds nothing in its backward: XLA drops
+    # its all-reduce where no loop over layers is left to share it (measured)
+    dropped = v if layers == v else 0
+    reductions = m * k * ((4 + backward) * layers - dropped)
     if Axis.TENSOR in layout.rules.get(ACT_SEQ, ()):
         counts = (reductions, m * k * (8 * layers + 1))
         norms = (4 * norm_weights * layers, m * k)

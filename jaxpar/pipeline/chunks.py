@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -154,8 +154,10 @@ class ByLayer:
     def chunks(self) -> tuple[tuple[int, int], ...]:
         return self.cut.chunks
 
-    def chunk_tree(self, share: Any, c: int) -> dict:
-        """Chunk ``c``'s variables of a stage's share, by layer index."""
+    def chunk_tree(self, shares: Sequence[Any], c: int) -> dict:
+        """Chunk ``c``'s variables of its stage's share (of the stages' ``shares``), by
+        layer index."""
+        share = shares[c % len(shares)]
         start, stop = self.cut.chunks[c]
         return {
             i: get_path(share, self.cut.layers[i].path)
@@ -181,6 +183,11 @@ class ByLayer:
             new_state[idx] = nnx.to_pure_dict(nnx.state(module, nnx.Not(nnx.Param)))
         return (self.spec.loss_of(x, mb) if last else x), new_state
 
+    def moves(self, trees: Sequence[Any], p: int) -> list[tuple[int, int, Any]]:
+        """The chunks run away from the stage that holds them: none (each layer runs on
+        its stage)."""
+        return []
+
     def collect(
         self, ex: Any, acc: list, states: list, model_state: Any, total: int
     ) -> tuple[Any, Any]:
@@ -199,17 +206,51 @@ class ByLayer:
 @dataclass(frozen=True)
 class ByStack:
     """A stack of identical layers (``Task.stages``): stage ``s`` holds the ``s``-th
-    contiguous chunk of the stack (the spmd executor's layout of it), and reads the other
+    contiguous slab of the stack (the spmd executor's layout of it), and reads the other
     parameters (embedding, head) and the RNG streams in place; microbatch ``j`` draws with
-    the step's RNG counts advanced by ``j``, as under the spmd executor."""
+    the step's RNG counts advanced by ``j``, as under the spmd executor.
+
+    With ``v`` chunks a stage (``chunks`` holds ``p·v``), chunk ``c`` is layers
+    ``[c·n, (c+1)·n)`` and runs on stage ``c mod p`` (as the spmd executor's interleaved
+    view), but lies in stage ``c div v``'s slab: each step its rows move to the stage that
+    runs them, and their gradients back."""
 
     split: StageSplit
     graphdef: nnx.GraphDef
     chunks: tuple[tuple[int, int], ...]
     rng_counts: Any
 
-    def chunk_tree(self, share: Any, c: int) -> Any:
-        return share
+    def chunk_tree(self, shares: Sequence[Any], c: int) -> Any:
+        """Chunk ``c``'s share: its stage's, with the stack's rows of chunk ``c`` (arrays
+        moved there from the slab that holds them, abstract arrays shaped so, shardings
+        as they are)."""
+        p = len(shares)
+        here = shares[c % p]
+        v = len(self.chunks) // p
+        key = self.split.layers_key
+        if v == 1 or not isinstance(here, dict) or key not in here:
+            return here
+        n = self.chunks[c][1] - self.chunks[c][0]
+        start = (c % v) * n
+
+        def rows(at: Any, there: Any) -> Any:
+            if isinstance(at, jax.Array):
+                return moved(
+                    _rows(there.sharding, start, n)(there), at.sharding.mesh, at.sharding.spec
+                )
+            if isinstance(at, jax.ShapeDtypeStruct):
+                return jax.ShapeDtypeStruct((n, *at.shape[1:]), at.dtype, sharding=at.sharding)
+            return at
+
+        return {**here, key: jax.tree.map(rows, here[key], shares[c // v][key])}
+
+    def moves(self, trees: Sequence[Any], p: int) -> list[tuple[int, int, Any]]:
+        """The chunks of ``trees`` (their parameters) run away from their slab: ``(slab's
+        stage, running stage, the chunk's rows)``; a step moves the rows there and their
+        gradients back."""
+        v = len(self.chunks) // p
+        key = self.split.layers_key
+        return [(c // v, c % p, tree[key]) for c, tree in enumerate(trees) if c // v != c % p]
 
     def forward(
         self, c: int, params: Any, state: Any, x: Any, mb: Batch, j: Any, train: bool, last: bool
@@ -240,11 +281,18 @@ class ByStack:
         """Each stack's chunks side by side; the other parameters' gradients summed over the
         stages (a whole-mesh program); the RNG counts advanced by the step's microbatches."""
 
+        p = len(ex.meshes)
+        v = len(self.chunks) // p
+
         def one(home: int, *parts: jax.Array) -> jax.Array:
-            if home == STACKED:
-                return stack_of(list(parts), ex.layout.mesh)
+            if home == STACKED:  # each slab from its chunks, moved back to it
+                return stack_of(
+                    [_slab(ex, parts[s * v : (s + 1) * v], ex.meshes[s]) for s in range(p)],
+                    ex.layout.mesh,
+                )
             rows = stack_of(
-                [ex.ordered(_row(part.sharding))(part) for part in parts], ex.layout.mesh
+                [ex.ordered(_row(part.sharding))(part) for part in _per_stage(ex, parts, p)],
+                ex.layout.mesh,
             )
             return ex.ordered(
                 sum_over_stages(NamedSharding(ex.layout.mesh, parts[0].sharding.spec))
@@ -256,6 +304,42 @@ class ByStack:
     @functools.cached_property
     def advanced(self) -> Callable:
         return jax.jit(lambda state, by: advance_counts(state, self.rng_counts, by))
+
+
+def _slab(ex: Any, parts: Sequence[jax.Array], mesh: Mesh) -> jax.Array:
+    """A stage's slab of a stack's gradients from its chunks' (on the stages that ran
+    them), in layer order, on the stage's sub-mesh ``mesh``."""
+    if len(parts) == 1:
+        return parts[0]
+    spec = parts[0].sharding.spec
+    here = [x if x.sharding.mesh == mesh else moved(x, mesh, spec) for x in parts]
+    return ex.ordered(_joined(NamedSharding(mesh, spec)))(*here)
+
+
+def _per_stage(ex: Any, parts: Sequence[jax.Array], p: int) -> list[jax.Array]:
+    """The chunks' gradients of a leaf every stage reads, summed per stage (chunk ``c`` ran
+    on stage ``c mod p``)."""
+    sums = list(parts[:p])
+    for c in range(p, len(parts)):
+        sums[c % p] = ex.ordered(_added(parts[c].sharding))(sums[c % p], parts[c])
+    return sums
+
+
+@functools.cache
+def _rows(sharding: NamedSharding, start: int, n: int) -> Callable:
+    """Rows ``[start, start + n)`` of an array placed as ``sharding``."""
+    return jax.jit(lambda x: x[start : start + n], out_shardings=sharding)
+
+
+@functools.cache
+def _joined(sharding: NamedSharding) -> Callable:
+    """Arrays joined on their first dim, placed as ``sharding``."""
+    return jax.jit(lambda *xs: jnp.concatenate(xs), out_shardings=sharding)
+
+
+@functools.cache
+def _added(sharding: NamedSharding) -> Callable:
+    return jax.jit(jnp.add, out_shardings=sharding)
 
 
 @functools.cache
@@ -277,8 +361,8 @@ class Run:
         params = [ex.share(params, ex.homes.params, s) for s in range(p)]
         shares = [ex.share(model_state, ex.homes.model_state, s) for s in range(p)]
         self.batch = [{k: view_of(v, m) for k, v in batch.items()} for m in ex.meshes]
-        self.params = [ex.cut.chunk_tree(params[c % p], c) for c in range(chunks)]
-        self.state = [ex.cut.chunk_tree(shares[c % p], c) for c in range(chunks)]
+        self.params = [ex.cut.chunk_tree(params, c) for c in range(chunks)]
+        self.state = [ex.cut.chunk_tree(shares, c) for c in range(chunks)]
         self.model_state = model_state
         self.acc = [ex.program("zeros", c)(self.params[c]) for c in range(chunks)] if train else []
         self.loss: Any = None

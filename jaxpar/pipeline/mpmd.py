@@ -166,10 +166,11 @@ class SubMeshPipeline:
 
     def param_shardings(self, c: int) -> Any:
         """The shardings of chunk ``c``'s parameters on its stage."""
-        s = c % len(self.meshes)
-        return self.cut.chunk_tree(
-            self.share_shardings(self.shardings.params, self.homes.params, s), c
-        )
+        shares = [
+            self.share_shardings(self.shardings.params, self.homes.params, s)
+            for s in range(len(self.meshes))
+        ]
+        return self.cut.chunk_tree(shares, c)
 
     @property
     def last_stage(self) -> int:

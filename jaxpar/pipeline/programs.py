@@ -168,10 +168,12 @@ def _stage_costs(ex: Any, state: Any, batch: dict) -> list[StageCost]:
     outputs = {}
     inputs = {}
     stashed = {}
+    chunk_params = []
     for c in range(chunks):
         s = c % p
-        params = ex.cut.chunk_tree(shares[s].params, c)
-        model_state = ex.cut.chunk_tree(shares[s].model_state, c)
+        params = ex.cut.chunk_tree([share.params for share in shares], c)
+        chunk_params.append(params)
+        model_state = ex.cut.chunk_tree([share.model_state for share in shares], c)
         inputs[c] = x
         forward = (params, model_state, x, batches[s], j)
         compiled[("F", c)] = ex.program("F", c).lower(*forward).compile()
@@ -186,28 +188,36 @@ def _stage_costs(ex: Any, state: Any, batch: dict) -> list[StageCost]:
             compiled[(kind, c)] = ex.program(kind, c).lower(*args[kind]).compile()
         outputs[c] = dy
         x = None if dy is None else _placed(y, ex.meshes[(c + 1) % p], ex)
+    moves = ex.cut.moves(chunk_params, p)
     out = []
     for s in range(p):
         mine = [c for c in range(chunks) if c % p == s]
+        # a stack's rows run away from their slab: held where they run for the step; the
+        # slab sends them, the running stage sends their gradients back
+        held = sum(_tree_bytes(rows) for _, runs, rows in moves if runs == s)
         state_bytes = _tree_bytes(shares[s]) + _tree_bytes(batches[s])
         temp = max(
             int(compiled[key].memory_analysis().temp_size_in_bytes)
             for key in compiled
             if key[1] in mine
         )
-        grads = sum(_tree_bytes(ex.cut.chunk_tree(shares[s].params, c)) for c in mine)
+        grads = sum(_tree_bytes(chunk_params[c]) for c in mine)
         peak, stash = _stash_peak(table, mine, {c: _tree_bytes(stashed[c]) for c in mine})
         # the activation each forward sends right and the gradient each backward sends left
-        sent = sum(counts.get(("F", c), 0) * _tree_bytes(outputs[c]) for c in mine) + sum(
-            n * _tree_bytes(inputs[c])
-            for (kind, c), n in counts.items()
-            if c in mine and kind in ("B", "I")
+        sent = (
+            sum(counts.get(("F", c), 0) * _tree_bytes(outputs[c]) for c in mine)
+            + sum(
+                n * _tree_bytes(inputs[c])
+                for (kind, c), n in counts.items()
+                if c in mine and kind in ("B", "I")
+            )
+            + sum(_tree_bytes(rows) for slab, runs, rows in moves if s in (slab, runs))
         )
         cost = _summed(
             [(compiled[key], counts[key]) for key in compiled if key[1] in mine]
             + [(whole, 1) for whole in _stage_sums(ex, state.params)]
         )
-        memory = Memory(state_bytes, state_bytes, 0, temp + grads + stash)
+        memory = Memory(state_bytes, state_bytes, 0, temp + grads + stash + held)
         out.append(StageCost(s, tuple(mine), memory, temp, grads, stash, peak, sent, cost))
     return out
 

@@ -63,11 +63,22 @@ class Decided:
     gradients: Strategy
 
 
+#: the last train states traced, with the optimizer and model they were traced from (a
+#: plan of many layouts hands the same two to every layout: tracing Optax's init is most of
+#: what estimating a layout costs)
+_TRACED: list[tuple[optax.GradientTransformation, AbstractModel, TrainState]] = []
+
+
 def abstract_state(optimizer: optax.GradientTransformation, model: AbstractModel) -> TrainState:
     """The train state as ``ShapeDtypeStruct`` trees."""
+    for traced_optimizer, traced_model, state in _TRACED:
+        if traced_optimizer is optimizer and traced_model is model:
+            return state
     abstract_opt = jax.eval_shape(optimizer.init, model.params)
     counter = jax.ShapeDtypeStruct((), jnp.int32)
-    return TrainState(counter, model.params, abstract_opt, counter, model.state)
+    state = TrainState(counter, model.params, abstract_opt, counter, model.state)
+    _TRACED[:] = [*_TRACED[-3:], (optimizer, model, state)]
+    return state
 
 
 def batch_layout(

@@ -145,19 +145,16 @@ def _by_stack(
     ``s``-th chunk of the stack, split over ``stage`` as under the spmd executor (so the
     two executors' states are alike); the other variables live on the whole mesh.
 
+    With virtual stages, chunk ``c`` of ``stage × virtual_stages`` runs on stage ``c mod
+    stage`` (:class:`~jaxpar.pipeline.chunks.ByStack`).
+
     Raises:
-      LayoutError: for virtual stages, or a variable outside the stack split over ``stage``.
+      LayoutError: for a variable outside the stack split over ``stage``.
     """
     mesh = layout.mesh
     rules = layout.rules
-    p = layout.stages
     table = checks.pipeline_table(task, model, mesh, rules, pipeline)
-    if table.v > 1:
-        raise LayoutError(
-            f"pipeline.executor=mpmd runs a stack of layers (StageSplit) with one chunk per "
-            f"stage, but pipeline.virtual_stages={table.v}; set pipeline.virtual_stages=1, or "
-            "use pipeline.executor=spmd for the interleaved layout"
-        )
+    chunks = layout.stages * table.v
     key = task.stages.layers_key
     param_specs = shd.param_specs(model.params, model.param_axes, rules, mesh)
     state_specs = shd.param_specs(model.state, model.state_axes, rules, mesh, what="model state")
@@ -177,9 +174,12 @@ def _by_stack(
     specs = lambda tree: jax.tree_util.tree_map_with_path(
         home, tree, is_leaf=lambda x: isinstance(x, PartitionSpec)
     )
-    n = jax.tree.leaves(model.params[key])[0].shape[0] // p
+    n = jax.tree.leaves(model.params[key])[0].shape[0] // chunks
     cut = ByStack(
-        task.stages, model.graphdef, tuple((s * n, (s + 1) * n) for s in range(p)), model.rng_counts
+        task.stages,
+        model.graphdef,
+        tuple((c * n, (c + 1) * n) for c in range(chunks)),
+        model.rng_counts,
     )
     return cut, (specs(param_specs), specs(state_specs)), param_specs, state_specs
 
