@@ -184,13 +184,15 @@ def test_the_network_fields_are_optional_and_load_as_written(tmp_path):
     profiles = hardware.load_profiles()
     assert {k: p.domain_devices for k, p in profiles.items()} == {
         "h100": 8,
+        "a3_high": 8,
         "h200": 8,
         "a100": 8,
         "a100_40": 8,
         "b200": 8,
         "gb200": 72,
     }
-    assert {p.network_bandwidth for p in profiles.values()} == {25e9, 50e9}
+    # InfiniBand HDR and NDR a GPU; a Google Cloud A3 High VM's 1,000 Gb/s over 8 GPUs
+    assert {p.network_bandwidth for p in profiles.values()} == {25e9, 50e9, 15.625e9}
     assert all(p.network_latency == 10e-6 and p.source for p in profiles.values())
 
 

@@ -158,8 +158,8 @@ def _lab_arguments(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument(
         "--hardware",
         default="h100",
-        help="hardware profile for the predicted step time (a100_40, a100, h100, h200, "
-        "b200, gb200, or one from --hardware-file)",
+        help="hardware profile for the predicted step time (a100_40, a100, h100, a3_high, "
+        "h200, b200, gb200, or one from --hardware-file)",
     )
     cmd.add_argument(
         "--hardware-file",
