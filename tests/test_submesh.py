@@ -380,11 +380,30 @@ def test_gpt_under_both_executors_equals_one_device(layout):
     assert specs(mpmd[2]) == specs(spmd[2])
 
 
-def test_bert_dropout_and_masks_under_both_executors():
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        pytest.param([], id="1f1b"),
+        pytest.param(
+            ["pipeline.schedule=interleaved", "pipeline.virtual_stages=2"],
+            id="interleaved",
+            marks=pytest.mark.exhaustive,
+        ),
+    ],
+)
+def test_bert_dropout_and_masks_under_both_executors(schedule):
     """BERT (dropout and masks keyed by the RNG stream's count and the example id) under the
     sub-mesh executor: losses and parameters equal the spmd executor's (the same dropout
-    and masks); evaluation through the stages agrees."""
-    common = [*GPT, "model.name=bert", "mesh.stage=2", "mesh.data=4", "pipeline.microbatches=4"]
+    and masks; interleaved, each chunk draws as its layers do there); evaluation through
+    the stages agrees."""
+    common = [
+        *GPT,
+        "model.name=bert",
+        "mesh.stage=2",
+        "mesh.data=4",
+        "pipeline.microbatches=4",
+        *schedule,
+    ]
     spmd = run_steps([*common, "pipeline.executor=spmd"])
     mpmd = run_steps([*common, "pipeline.executor=mpmd"])
     np.testing.assert_allclose(mpmd[0], spmd[0], rtol=1e-5)
