@@ -151,7 +151,6 @@ def layout_of(entry: dict) -> str:
     if p > 1:
         schedule = "interleaved" if v > 1 else "1f1b"
         parts += [f"pipeline.schedule={schedule}", f"pipeline.microbatches={steps}"]
-        # a program per stage, each running as its input arrives: Megatron's form, which
         # a program per stage, each action as soon as its input arrives (as Megatron runs)
         parts += [f"pipeline.virtual_stages={v}"] if v > 1 else []
         parts += ["pipeline.executor=mpmd"]

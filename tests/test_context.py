@@ -331,6 +331,9 @@ def lab_rows():
         "data=2,context=2,tensor=2,context.attention=ring",
         "stage=2,context=4",
         "stage=2,data=2,context=2,pipeline.executor=mpmd",
+        # each stage's two chunks run every microbatch: each its context collectives
+        "stage=2,data=2,context=2,pipeline.executor=mpmd,pipeline.schedule=interleaved,"
+        "pipeline.virtual_stages=2,model.n_layers=4",
     ]
     return {layout: sweep.measure(config, layout, h100) for layout in layouts}
 

@@ -396,7 +396,7 @@ def test_hardware_profiles_load_and_extend(tmp_path):
     )
     assert (t.compute_s, t.memory_s, t.comm_s, t.latency_s, t.total_s) == (1.0, 0.5, 1.0, 0.5, 2.5)
     assert all(p.collective_latency == 10e-6 for p in profiles.values())  # NCCL's model
-    known = "a100, a100_40, b200, gb200, h100, h200"
+    known = "a100, a100_40, a3_high, b200, gb200, h100, h200"
     with pytest.raises(ValueError, match=f"unknown hardware 'tpu'; choose one of {known} or"):
         hardware.get_profile("tpu")
     extra.write_text("bad:\n  name: x\n")

@@ -220,6 +220,28 @@ def test_moe_pipelines_equal_one_device(accumulated, layout):
         np.testing.assert_allclose(metrics[name], value, rtol=1e-5, atol=1e-7, err_msg=name)
 
 
+def test_moe_interleaved_stack_under_both_executors():
+    """Eight layers, every second one MoE, on 2 stages of 2 chunks each: the sub-mesh
+    executor takes each chunk's share of every entry of the stack by that entry's own rows
+    (the MoE entries have half the layers' rows), and its losses, parameters and metrics
+    equal the spmd executor's."""
+    common = [
+        *MOE,
+        "model.n_layers=8",
+        "mesh.stage=2",
+        "mesh.data=4",
+        "pipeline.microbatches=2",
+        "pipeline.schedule=interleaved",
+        "pipeline.virtual_stages=2",
+    ]
+    spmd = _steps_with_metrics([*common, "pipeline.executor=spmd"])
+    mpmd = _steps_with_metrics([*common, "pipeline.executor=mpmd"])
+    np.testing.assert_allclose(mpmd[0], spmd[0], rtol=1e-5)
+    assert_params_close(mpmd[1], spmd[1], elementwise=False, rtol=1e-4)
+    for name, value in spmd[2].items():
+        np.testing.assert_allclose(mpmd[2][name], value, rtol=1e-5, atol=1e-7, err_msg=name)
+
+
 def test_metrics_decoding_and_counts():
     """The metrics name the auxiliary losses and each expert's load (summing to 1), and the
     loss adds the weighted auxiliary losses to the cross entropy; decoding through the KV

@@ -349,14 +349,27 @@ GPT = [
                 ["mesh.stage=4", "mesh.data=2", "pipeline.schedule=zb_h1"], id="stage4-zb_h1"
             ),
             # two chunks a stage: each runs away from its slab of the stack and comes back
+            # (4 stages ≠ 2 chunks a stage, one layer each: slab c div v, stage c mod p)
             pytest.param(
                 [
-                    "mesh.stage=2",
-                    "mesh.data=4",
+                    "mesh.stage=4",
+                    "mesh.data=2",
+                    "model.n_layers=8",
                     "pipeline.schedule=interleaved",
                     "pipeline.virtual_stages=2",
                 ],
                 id="interleaved",
+            ),
+            # two layers a chunk: the second chunk of a slab starts inside it
+            pytest.param(
+                [
+                    "mesh.stage=2",
+                    "mesh.data=4",
+                    "model.n_layers=8",
+                    "pipeline.schedule=interleaved",
+                    "pipeline.virtual_stages=2",
+                ],
+                id="interleaved-2-layers-a-chunk",
             ),
         ],
         {"data2-tensor2", "interleaved"},
@@ -366,7 +379,8 @@ def test_gpt_under_both_executors_equals_one_device(layout):
     """The GPT (a StageSplit stack, AdamW with clipping and weight decay) under the sub-mesh
     executor = under the spmd executor = one device: losses and parameters; the two
     executors' states are laid out alike (a checkpoint of one restores onto the other)."""
-    one = one_device_steps([*GPT, "train.grad_accum=4"])
+    model = [o for o in layout if o.startswith("model.")]
+    one = one_device_steps([*GPT, *model, "train.grad_accum=4"])
     common = [*GPT, *layout, "pipeline.microbatches=4"]
     spmd = run_steps([*common, "pipeline.executor=spmd"])
     mpmd = run_steps([*common, "pipeline.executor=mpmd"])
@@ -380,17 +394,18 @@ def test_gpt_under_both_executors_equals_one_device(layout):
     assert specs(mpmd[2]) == specs(spmd[2])
 
 
-@pytest.mark.parametrize(
-    "schedule",
-    [
-        pytest.param([], id="1f1b"),
-        pytest.param(
-            ["pipeline.schedule=interleaved", "pipeline.virtual_stages=2"],
-            id="interleaved",
-            marks=pytest.mark.exhaustive,
-        ),
-    ],
-)
+#: one chunk a stage (the suite), and two, interleaved (the extended tier)
+SCHEDULES = [
+    pytest.param([], id="1f1b"),
+    pytest.param(
+        ["pipeline.schedule=interleaved", "pipeline.virtual_stages=2"],
+        id="interleaved",
+        marks=pytest.mark.exhaustive,
+    ),
+]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_bert_dropout_and_masks_under_both_executors(schedule):
     """BERT (dropout and masks keyed by the RNG stream's count and the example id) under the
     sub-mesh executor: losses and parameters equal the spmd executor's (the same dropout
@@ -507,13 +522,16 @@ def test_sigterm_then_resume_is_bitwise(tmp_path):
     assert int(_host(resumed.state.model_state)["layers"][3]["rngs"]["count"]) == 8 * M
 
 
-def test_gpt_checkpoint_restores_across_executors(tmp_path):
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_gpt_checkpoint_restores_across_executors(tmp_path, schedule):
     """A GPT checkpoint of the sub-mesh executor restores under the spmd executor (and one
-    of the spmd executor under the sub-mesh one) with identical values."""
+    of the spmd executor under the sub-mesh one) with identical values — interleaved too,
+    whose stack the sub-mesh executor keeps stored as the spmd one does."""
     from jaxpar.resume import restore_state
 
     common = [
         *GPT,
+        *schedule,
         "mesh.stage=2",
         "mesh.data=4",
         "pipeline.microbatches=4",

@@ -44,7 +44,7 @@ from jaxpar.lab.kernels import kernels
 from jaxpar.lab.measure import Row, fill_predicted, layout_overrides
 from jaxpar.lab.network import step_time
 from jaxpar.lab.pipeline_cost import layer_share, pipeline_stretch, scan_length
-from jaxpar.lab.predict import lab_layout, predict_argument_bytes, predict_comm
+from jaxpar.lab.predict import lab_layout, predict_argument_bytes, predict_comm, stack_moves
 from jaxpar.plan.abstract import global_batch_shapes
 from jaxpar.run import Run, build, data_needs
 from jaxpar.sharding import bytes_per_device
@@ -192,6 +192,8 @@ def estimate(
     grads = state.params * (2 if run.plan.grad_accum > 1 else 1)
     if lab.remat_layer_copies and getattr(run.config.model, "remat", "none") == "full":
         grads += lab.remat_layer_copies * _stacked_layer_bytes(run)
+    if sub_mesh:  # an interleaved stack's rows held where they run
+        grads += stack_moves(run)[1]
     temps = None if activations is None else round(activations + grads)
     row.mem_temp_bytes = temps
     row.mem_total_bytes = row.mem_args_bytes + (temps or 0)

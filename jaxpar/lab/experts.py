@@ -121,7 +121,7 @@ def tensor_terms(cfg: Any, layout: LabLayout, dense: list[Term]) -> list[Term]:
     count. A fully rematerialized group also recomputes its first ``moe_every − 1`` MLPs'
     outputs (the next layer reads them). Pipelines as Megatron's count: every tick as its
     costliest branch (spmd), a device of the first stage (mpmd: its forward and its
-    backward's recompute)."""
+    backward's recompute, in each of its chunks)."""
     megatron = next((t for t in dense if t.what == MEGATRON), None)
     if not cfg.n_experts or megatron is None:
         return dense
@@ -131,7 +131,9 @@ def tensor_terms(cfg: Any, layout: LabLayout, dense: list[Term]) -> list[Term]:
     again = cfg.remat != "none" and not layout.sub_mesh
     if layout.stages is not None:
         ticks, p, v, m = layout.stages
-        layers //= p * v
+        # a tick runs one chunk; the sub-mesh pipeline runs each microbatch through all v
+        # of the stage's chunks, each its own program
+        layers //= p if layout.sub_mesh else p * v
         passes *= m if layout.sub_mesh else ticks
         if layout.sub_mesh:
             counted = 2

@@ -47,6 +47,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import jax
 import numpy as np
 
 from jaxpar.axes import Axis
@@ -127,10 +128,16 @@ def in_flight(table: Any) -> int:
     return int((started - done).max())
 
 
-def _pipeline_terms(run: Run, cpu: bool) -> list[Term]:
+def _pipeline_terms(run: Run, cpu: bool, asynchronous: bool = False) -> list[Term]:
     """One activation right and one gradient left every tick: the message is what the
     model's first stage hands the next (its ``StageSplit.embed`` output) for one microbatch
-    of one device's rows, and of its part of their sequences under context parallelism."""
+    of one device's rows, and of its part of their sequences under context parallelism.
+
+    ``asynchronous`` (an estimate of the sub-mesh executor, whose sends are copies between
+    stages, no collective): one message per action that sends — each chunk's forward but
+    the last's, each backward but the first chunk's: ``2v·m`` a step on a middle stage,
+    ``(2v − 1)·m`` on the first or last — and an interleaved stack's rows moved
+    (:func:`stack_moves`)."""
     plan = run.plan
     table = plan.pipeline
     if table is None or plan.executor == "mpmd":  # no collective: device_put between stages
@@ -139,16 +146,48 @@ def _pipeline_terms(run: Run, cpu: bool) -> list[Term]:
     # under sequence parallelism the residual stream crosses stages split over tensor too
     rules, sizes = plan.rules, plan.mesh.shape
     size /= math.prod(sizes[a] for a in split_over(rules, sizes, ACT_SEQ) if a not in rules[SEQ])
-    return [
-        Term(
-            "collective-permute",
-            "pipeline sends (activation right, gradient left)",
-            2 * size,
-            table.p,
-            table.ticks * plan.grad_accum,
-            axes=(Axis.STAGE,),
+    what = "pipeline sends (activation right, gradient left)"
+    stage = (Axis.STAGE,)
+    if not asynchronous:
+        times = table.ticks * plan.grad_accum
+        return [Term("collective-permute", what, 2 * size, table.p, times, axes=stage)]
+    times = (2 * table.v - (table.p == 2)) * table.m * plan.grad_accum
+    terms = [Term("collective-permute", what, size, table.p, times, axes=stage)]
+    sent, _ = stack_moves(run)
+    if sent:
+        terms.append(Term("collective-permute", STACK_ROWS, sent, table.p, 1, axes=stage))
+    return terms
+
+
+#: what the lab calls an interleaved stack's rows moved under the sub-mesh executor
+STACK_ROWS = "interleaved stack: chunks' rows moved to their stage, gradients back"
+
+
+def stack_moves(run: Run) -> tuple[float, float]:
+    """Bytes a device sends and holds for the step when the sub-mesh executor runs a stack
+    of layers with ``v`` chunks a stage (:class:`jaxpar.pipeline.chunks.ByStack`): chunk
+    ``c`` lies in stage ``c div v``'s slab and runs on stage ``c mod p``, so its rows go
+    there and its gradients come back. The busiest stage's: (sent, held); (0, 0) for one
+    chunk a stage or a model given by its layers."""
+    plan = run.plan
+    table, split = plan.pipeline, plan.task.stages
+    if table is None or table.v == 1 or split is None or plan.task.layers is not None:
+        return 0.0, 0.0
+    key = split.layers_key
+    slab = sum(
+        math.prod(sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+        for (path, leaf), sharding in zip(
+            jax.tree_util.tree_leaves_with_path(plan.model.params),
+            jax.tree.leaves(plan.state_shardings.params),
         )
-    ]
+        if getattr(path[0], "key", None) == key
+    )
+    p, v = table.p, table.v
+    chunk = slab / v
+    runs = [[c for c in range(p * v) if c % p == s and c // v != s] for s in range(p)]
+    lent = [[c for c in range(p * v) if c // v == s and c % p != s] for s in range(p)]
+    sent = max(len(runs[s]) + len(lent[s]) for s in range(p)) * chunk
+    return sent, max(len(r) for r in runs) * chunk
 
 
 def _fp8_weights(run: Run, lab: LabModel) -> frozenset[str]:
@@ -188,7 +227,7 @@ def predict_comm(run: Run, backend: str = "gpu", asynchronous: bool = False) -> 
     terms = [
         *gradient_terms(run.plan, lab, sizes, cpu, batch, _fp8_weights(run, lab)),
         *activations,
-        *_pipeline_terms(run, cpu),
+        *_pipeline_terms(run, cpu, asynchronous),
     ]
     return CommPrediction(tuple(terms))
 

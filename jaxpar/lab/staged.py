@@ -122,8 +122,8 @@ def context_terms_in_pipeline(run: Run, lab: LabModel, layout: LabLayout, cpu: b
     if not family:
         return []
     chunk = Chunk(1 / (table.p * table.v), _chunk_layers(run), _rematerialized(family))
-    if plan.executor == "mpmd":
-        return _sub_mesh(family, chunk, m * k, plan.gradients.residuals)
+    if layout.sub_mesh:  # each microbatch runs through the stage's v chunks
+        return _sub_mesh(family, chunk, m * k * table.v, layout.residuals)
     shape, message = first_stage_message(run, cpu)
     seq = tuple(plan.rules.get(SEQ, ()))
     return _ticks(family, chunk, table.ticks * k, shape, message, seq, c)
@@ -219,7 +219,7 @@ def _sub_mesh(
     family: dict[str, Term], chunk: Chunk, microbatches: int, residuals: bool
 ) -> list[Term]:
     """A device of the sub-mesh pipeline's heaviest stage: a forward and a backward
-    program per microbatch (its one chunk: ``v = 1``)."""
+    program per microbatch and chunk (``microbatches`` counts each chunk's)."""
     share = chunk.share
     out = []
     pairs = [(f, g) for f, g in FORWARD_AND_GRADIENT.items() if f in family]

@@ -223,23 +223,24 @@ class ByStack:
     def chunk_tree(self, shares: Sequence[Any], c: int) -> Any:
         """Chunk ``c``'s share: its stage's, with the stack's rows of chunk ``c`` (arrays
         moved there from the slab that holds them, abstract arrays shaped so, shardings
-        as they are)."""
+        as they are). Each entry of the stack gives the chunk its ``1/v`` of the slab's
+        rows: an entry of every other layer (a mixture of experts' every second MLP) has
+        half as many rows as the layers."""
         p = len(shares)
         here = shares[c % p]
         v = len(self.chunks) // p
         key = self.split.layers_key
         if v == 1 or not isinstance(here, dict) or key not in here:
             return here
-        n = self.chunks[c][1] - self.chunks[c][0]
-        start = (c % v) * n
 
         def rows(at: Any, there: Any) -> Any:
             if isinstance(at, jax.Array):
-                return moved(
-                    _rows(there.sharding, start, n)(there), at.sharding.mesh, at.sharding.spec
-                )
+                n = there.shape[0] // v
+                taken = _rows(there.sharding, (c % v) * n, n)(there)
+                return moved(taken, at.sharding.mesh, at.sharding.spec)
             if isinstance(at, jax.ShapeDtypeStruct):
-                return jax.ShapeDtypeStruct((n, *at.shape[1:]), at.dtype, sharding=at.sharding)
+                shape = (at.shape[0] // v, *at.shape[1:])
+                return jax.ShapeDtypeStruct(shape, at.dtype, sharding=at.sharding)
             return at
 
         return {**here, key: jax.tree.map(rows, here[key], shares[c // v][key])}

@@ -5,7 +5,11 @@ With ``mesh.stage = p`` the mesh is cut into p sub-meshes along ``stage``
 (:func:`jaxpar.pipeline.cut.stage_meshes`); each keeps the ``data``, ``fsdp`` and
 ``tensor`` axes, so the rules apply inside every stage unchanged. The model is cut by layer
 into ``p·v`` chunks of any shapes (:func:`jaxpar.pipeline.cut.cut_by_layer`); chunk ``c``
-lives on stage ``c % p``. The schedule's tick table (``gpipe``, ``1f1b``, ``interleaved``,
+runs on stage ``c % p``, where its layers live. A stack of layers (``Task.stages``) stays
+stored as the spmd executor stores it, stage ``s`` holding layers ``s·L/p`` onward: with
+``v > 1`` chunk ``c``'s rows lie in stage ``c div v``'s slab, move to the stage that runs
+it each step, and its gradients move back (:class:`jaxpar.pipeline.chunks.ByStack`).
+The schedule's tick table (``gpipe``, ``1f1b``, ``interleaved``,
 ``zb_h1``: the same tables as the SPMD executor's) is played in tick order: each action —
 forward, backward, input- or weight-gradient of one microbatch on one chunk — is a jitted
 program on its stage's sub-mesh, dispatched asynchronously, so stages run side by side
@@ -14,7 +18,8 @@ A backward recomputes its chunk's forward from the stashed input and the stashed
 state (``jax.vjp``), so BatchNorm statistics and dropout draws are those of the forward.
 
 Every variable lives on one stage (a layer's parameters, optimizer statistics, BatchNorm
-statistics and RNG streams on the stage of the layer); the step counters and the
+statistics and RNG streams on the stage of the layer; a stack's rows on the stage of their
+slab); the step counters and the
 optimizer's scalars live on the whole mesh, replicated, and each stage reads them in place
 (a view of its devices' buffers: nothing is copied). The optimizer update runs per stage,
 with the gradient norm of the whole model (jaxpar's global-norm clipping reads it) and one

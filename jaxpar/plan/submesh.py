@@ -174,7 +174,8 @@ def _by_stack(
     specs = lambda tree: jax.tree_util.tree_map_with_path(
         home, tree, is_leaf=lambda x: isinstance(x, PartitionSpec)
     )
-    n = jax.tree.leaves(model.params[key])[0].shape[0] // chunks
+    # the layers: the longest entry of the stack (an entry of every other layer is shorter)
+    n = max(x.shape[0] for x in jax.tree.leaves(model.params[key])) // chunks
     cut = ByStack(
         task.stages,
         model.graphdef,
