@@ -163,6 +163,52 @@ def test_the_sub_mesh_executors_collectives_are_predicted_to_the_byte(layout):
     assert row.comm_bytes == pytest.approx(row.predicted_comm_bytes, rel=1e-9)
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [
+        # four stages (the middle ones send both ways), two chunks each, sequences split
+        # over context: the messages, the stack's rows moved, and the rows each copies
+        "context=2,stage=4,pipeline.schedule=interleaved,pipeline.virtual_stages=2,"
+        "pipeline.microbatches=4,model.n_layers=8",
+        pytest.param(
+            "data=2,stage=4,pipeline.schedule=zb_h1,pipeline.microbatches=4", marks=EXHAUSTIVE
+        ),
+        pytest.param(
+            "data=2,tensor=2,stage=2,tensor.sequence=true,pipeline.microbatches=4",
+            marks=EXHAUSTIVE,
+        ),
+    ],
+)
+def test_the_sub_mesh_executors_sends_are_estimated_to_the_byte(layout):
+    """An estimate of the sub-mesh executor (planned as the one-program executor holds its
+    stages) sends one message per action that sends, each device's rows whole, and an
+    interleaved stack's rows and their gradients: its busiest stage's bytes equal those the
+    compiled sub-mesh step moves, and the rows it copies those its stages hold."""
+    from jaxpar.lab.predict import STACK_ROWS, predict_comm, stack_moves
+    from jaxpar.report import _example_batch
+
+    config = jaxpar.load_config([CONFIGS["gpt"]], [])
+    config = analytic.apply_overrides(config, analytic.layout_overrides(layout))
+    build = lambda executor: jaxpar.build(
+        analytic.apply_overrides(config, [f"pipeline.executor={executor}"])
+    )
+    sub_mesh = build("mpmd")
+    stages = sub_mesh.trainer.compile_step(_example_batch(sub_mesh)).stages
+    planned = build("spmd")
+    terms = predict_comm(planned, "gpu", asynchronous=True).terms
+    sends = [t for t in terms if t.kind == "collective-permute"]
+    assert {t.what for t in sends} <= {
+        STACK_ROWS,
+        "pipeline sends (activation right, gradient left)",
+    }
+    assert sum(t.wire_bytes for t in sends) == max(s.sent_bytes for s in stages)
+    held = [
+        s.memory.temp_size_in_bytes - s.program_temp_bytes - s.grad_sum_bytes - s.stash_bytes
+        for s in stages
+    ]
+    assert stack_moves(planned)[1] == max(held)
+
+
 #: the grid at 32 simulated devices (a process of its own: this one has 8), per model: the
 #: layouts, and the bounds of the estimated temporaries over the compiled
 GRID_32 = [

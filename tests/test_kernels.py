@@ -138,12 +138,19 @@ def test_a_cpu_profile_times_the_step_as_fitted():
 
 def test_the_sub_mesh_pipeline_lasts_its_critical_path():
     """1F1B over 2 stages and 2 microbatches, each stage running as its input arrives:
-    without recomputation (F 1, B 2) the last backward ends at 9, with it (B 3) at 12,
-    against a device's own work of 3·2 = 6. In step, ticks priced at their busiest device
-    cost more."""
+    without recomputation (F 1, B 2) the last backward ends at 9; with it (B 3; the last
+    chunk's forward is its backward's: F 0, B 3) at 10, against a device's own work of
+    3·2 = 6. In step, ticks priced at their busiest device
+    cost more. A head of half a chunk's forward on the last chunk, residuals kept (its
+    forward 1.5, its backward 3): stage 1 runs F 1–2.5, B 2.5–5.5, F 5.5–7, B 7–10, then
+    stage 0's last backward 10–12, against 3·2·(1 + 0.5/2) = 7.5. Recomputing, the last
+    chunk's forward is its backward's (F 0, B 3 + 1.5): stage 1's backwards run 1–5.5 and
+    5.5–10, stage 0's last 10–13."""
     table = tick_table("1f1b", 2, 2)
     assert pipeline_factor(table, False, asynchronous=True) == pytest.approx(9 / 6)
-    assert pipeline_factor(table, True, asynchronous=True) == pytest.approx(12 / 6)
+    assert pipeline_factor(table, True, asynchronous=True) == pytest.approx(10 / 6)
+    assert pipeline_factor(table, False, True, head=0.5) == pytest.approx(12 / 7.5)
+    assert pipeline_factor(table, True, True, head=0.5) == pytest.approx(13 / 7.5)
     assert pipeline_factor(table, True) > pipeline_factor(table, True, True)
 
 

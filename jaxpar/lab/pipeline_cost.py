@@ -60,12 +60,20 @@ def pipeline_factor(
     the next send; bubbles free), and the last chunk's forward runs inside its backward,
     with the head's (:func:`_tick_cost`). The sub-mesh executor's stages run their own
     programs, each as soon as its input arrives: the step lasts the schedule's critical
-    path (:func:`~jaxpar.pipeline.schedule.simulate` with those costs, the head spread
-    over the chunks)."""
+    path (:func:`~jaxpar.pipeline.schedule.simulate` with those costs, the last chunk's
+    as the one-program executor's: its forward computes nothing, its backward runs the
+    forward once with the head's — unless the sub-mesh executor keeps residuals
+    (``recompute`` 0), whose last forward runs the head's forward and its backward the
+    head's backward)."""
     times = action_times(recompute)
     if asynchronous:
-        span = simulate(table.orders, table.v, times).makespan
-        return span / (3.0 * table.m * table.v)
+        if recompute:
+            extra = {k: (1 - recompute) * times["F"] + _HEAD[k] * head for k in _HEAD}
+            extra["F"] = -times["F"]
+        else:
+            extra = {"F": head, "B": 2 * head, "I": head, "W": head}
+        span = simulate(table.orders, table.v, times, extra).makespan
+        return span / (3.0 * table.m * (table.v + head / table.p))
     last = table.chunk * table.p + np.arange(table.p)[None, :] == table.p * table.v - 1
     cost = np.vectorize(lambda k, end: _tick_cost(KINDS[k], end, times, recompute, head))
     span = cost(table.kind, last).max(axis=1).sum()

@@ -131,7 +131,8 @@ def in_flight(table: Any) -> int:
 def _pipeline_terms(run: Run, cpu: bool, asynchronous: bool = False) -> list[Term]:
     """One activation right and one gradient left every tick: the message is what the
     model's first stage hands the next (its ``StageSplit.embed`` output) for one microbatch
-    of one device's rows, and of its part of their sequences under context parallelism.
+    of one device's rows, and of its part of their sequences under context parallelism
+    (the one-program executor's; the sub-mesh executor sends the rows' whole sequences).
 
     ``asynchronous`` (an estimate of the sub-mesh executor, whose sends are copies between
     stages, no collective): one message per action that sends — each chunk's forward but
@@ -143,14 +144,18 @@ def _pipeline_terms(run: Run, cpu: bool, asynchronous: bool = False) -> list[Ter
     if table is None or plan.executor == "mpmd":  # no collective: device_put between stages
         return []
     _, size = first_stage_message(run, cpu)
-    # under sequence parallelism the residual stream crosses stages split over tensor too
-    rules, sizes = plan.rules, plan.mesh.shape
-    size /= math.prod(sizes[a] for a in split_over(rules, sizes, ACT_SEQ) if a not in rules[SEQ])
     what = "pipeline sends (activation right, gradient left)"
     stage = (Axis.STAGE,)
     if not asynchronous:
+        # under sequence parallelism the residual stream crosses stages split over tensor
+        rules, sizes = plan.rules, plan.mesh.shape
+        size /= math.prod(
+            sizes[a] for a in split_over(rules, sizes, ACT_SEQ) if a not in rules[SEQ]
+        )
         times = table.ticks * plan.grad_accum
         return [Term("collective-permute", what, 2 * size, table.p, times, axes=stage)]
+    # the sub-mesh executor sends each device's rows whole: its sequences too
+    size *= math.prod(plan.mesh.shape[a] for a in plan.rules.get(SEQ, ()))
     times = (2 * table.v - (table.p == 2)) * table.m * plan.grad_accum
     terms = [Term("collective-permute", what, size, table.p, times, axes=stage)]
     sent, _ = stack_moves(run)
@@ -167,8 +172,9 @@ def stack_moves(run: Run) -> tuple[float, float]:
     """Bytes a device sends and holds for the step when the sub-mesh executor runs a stack
     of layers with ``v`` chunks a stage (:class:`jaxpar.pipeline.chunks.ByStack`): chunk
     ``c`` lies in stage ``c div v``'s slab and runs on stage ``c mod p``, so its rows go
-    there and its gradients come back. The busiest stage's: (sent, held); (0, 0) for one
-    chunk a stage or a model given by its layers."""
+    there and its gradients come back; each stage holds a copy of the rows of the v chunks
+    it runs (a slab's worth). The busiest stage's: (sent, held); (0, 0) for one chunk a
+    stage or a model given by its layers."""
     plan = run.plan
     table, split = plan.pipeline, plan.task.stages
     if table is None or table.v == 1 or split is None or plan.task.layers is not None:
@@ -187,7 +193,7 @@ def stack_moves(run: Run) -> tuple[float, float]:
     runs = [[c for c in range(p * v) if c % p == s and c // v != s] for s in range(p)]
     lent = [[c for c in range(p * v) if c // v == s and c % p != s] for s in range(p)]
     sent = max(len(runs[s]) + len(lent[s]) for s in range(p)) * chunk
-    return sent, max(len(r) for r in runs) * chunk
+    return sent, float(slab)
 
 
 def _fp8_weights(run: Run, lab: LabModel) -> frozenset[str]:

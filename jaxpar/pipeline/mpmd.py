@@ -43,9 +43,10 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar import guard
 from jaxpar.errors import LayoutError
-from jaxpar.pipeline.chunks import ByLayer, ByStack, Run, chunk_program
+from jaxpar.pipeline.chunks import ByLayer, Run, chunk_program
 from jaxpar.pipeline.layout import Layout
 from jaxpar.pipeline.programs import Lowered
+from jaxpar.pipeline.stacked import ByStack
 from jaxpar.pipeline.views import (
     STACKED,
     WHOLE,

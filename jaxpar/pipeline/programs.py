@@ -22,7 +22,7 @@ Per stage, on one of its devices:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import jax
@@ -34,7 +34,7 @@ from jaxpar import hlo
 from jaxpar.axes import Axis
 from jaxpar.logical import BATCH, split_over
 from jaxpar.pipeline.chunks import kept, sent_and_counted
-from jaxpar.pipeline.schedule import action_times, simulate
+from jaxpar.pipeline.schedule import simulate
 from jaxpar.pipeline.views import STACKED, WHOLE, chunk_spec, sum_over_stages
 
 
@@ -61,6 +61,8 @@ class StageCost:
     stash_peak: int
     sent_bytes: int
     cost: hlo.ProgramCost
+    #: each of its programs' FLOPs, by (action kind, chunk)
+    action_flops: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -100,13 +102,14 @@ class StagePrograms:
     @property
     def scheduled_flops(self) -> float:
         """FLOPs per device in the step-time view: the busiest stage's, stretched over the
-        schedule's critical path (each stage runs an action as soon as its input arrives;
-        a backward that recomputes costs one forward more: :func:`~jaxpar.pipeline.
-        schedule.action_times`)."""
+        schedule's critical path (each stage runs an action as soon as its input arrives),
+        each action lasting its compiled program's FLOPs (a backward's recompute and the
+        last chunk's head included)."""
         ex = self.step.ex
         s, busiest = max(enumerate(self.stages), key=lambda sc: sc[1].cost.flops)
         table = ex.layout.table
-        timing = simulate(table.orders, table.v, action_times(recompute=not ex.residuals))
+        flops = {key: f for stage in self.stages for key, f in stage.action_flops.items()}
+        timing = simulate(table.orders, table.v, cost=lambda a: flops[(a.kind, a.chunk)])
         return busiest.cost.flops * timing.makespan / timing.busy[s]
 
     @property
@@ -192,9 +195,9 @@ def _stage_costs(ex: Any, state: Any, batch: dict) -> list[StageCost]:
     out = []
     for s in range(p):
         mine = [c for c in range(chunks) if c % p == s]
-        # a stack's rows run away from their slab: held where they run for the step; the
-        # slab sends them, the running stage sends their gradients back
-        held = sum(_tree_bytes(rows) for _, runs, rows in moves if runs == s)
+        # a stack's chunks' rows, copied where they run for the step; those run away from
+        # their slab: the slab sends them, the running stage sends their gradients back
+        held = sum(_tree_bytes(rows) for runs, rows in ex.cut.copied(chunk_params, p) if runs == s)
         state_bytes = _tree_bytes(shares[s]) + _tree_bytes(batches[s])
         temp = max(
             int(compiled[key].memory_analysis().temp_size_in_bytes)
@@ -218,7 +221,12 @@ def _stage_costs(ex: Any, state: Any, batch: dict) -> list[StageCost]:
             + [(whole, 1) for whole in _stage_sums(ex, state.params)]
         )
         memory = Memory(state_bytes, state_bytes, 0, temp + grads + stash + held)
-        out.append(StageCost(s, tuple(mine), memory, temp, grads, stash, peak, sent, cost))
+        actions = {
+            key: hlo.program_cost(compiled[key].as_text()).flops
+            for key in compiled
+            if key[1] in mine
+        }
+        out.append(StageCost(s, tuple(mine), memory, temp, grads, stash, peak, sent, cost, actions))
     return out
 
 

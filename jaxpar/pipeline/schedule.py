@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import typing
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -240,7 +241,11 @@ class Timing:
 
 
 def simulate(
-    orders: list[list[Action]], v: int = 1, times: dict[str, float] | None = None
+    orders: list[list[Action]],
+    v: int = 1,
+    times: dict[str, float] | None = None,
+    last: dict[str, float] | None = None,
+    cost: Callable[[Action], float] | None = None,
 ) -> Timing:
     """Plays per-device action lists in order, each action as soon as its inputs exist.
 
@@ -248,6 +253,9 @@ def simulate(
       orders: per-device action lists from :func:`build`.
       v: virtual stages per device (chunks = devices·v).
       times: duration of each action kind (default :data:`UNIT_TIMES`).
+      last: what each kind of the last chunk's actions lasts more (a model's head).
+      cost: each action's duration, in place of ``times`` and ``last`` (a compiled
+        program's FLOPs, say).
 
     Raises:
       ValueError: if the lists deadlock, repeat or miss an action.
@@ -255,6 +263,13 @@ def simulate(
     times = dict(UNIT_TIMES if times is None else times)
     p = len(orders)
     num_chunks = p * v
+    extra = last or {}
+
+    def duration(a: Action) -> float:
+        if cost is not None:
+            return cost(a)
+        return times[a.kind] + (extra.get(a.kind, 0.0) if a.chunk == num_chunks - 1 else 0.0)
+
     split = any(a.kind == "I" for order in orders for a in order)
     check_complete(orders, num_chunks, split)
     start: dict[Action, float] = {}
@@ -271,7 +286,7 @@ def simulate(
                 if any(dep not in end for dep in deps):
                     break
                 t0 = max([free[d], *(end[dep] for dep in deps)])
-                start[action], end[action] = t0, t0 + times[action.kind]
+                start[action], end[action] = t0, t0 + duration(action)
                 free[d] = end[action]
                 pos[d] += 1
                 remaining -= 1
@@ -280,7 +295,7 @@ def simulate(
             stuck = [str(orders[d][pos[d]]) for d in range(p) if pos[d] < len(orders[d])]
             raise ValueError(f"schedule deadlocks: next actions {stuck} wait on each other")
     makespan = max(end.values())
-    busy = [sum(times[a.kind] for a in order) for order in orders]
+    busy = [sum(duration(a) for a in order) for order in orders]
     return Timing(start, end, makespan, busy, _peak_in_flight(orders, start, end, split))
 
 

@@ -23,11 +23,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxpar import sharding as shd
 from jaxpar.axes import Axis
 from jaxpar.errors import LayoutError
-from jaxpar.pipeline.chunks import ByLayer, ByStack
+from jaxpar.pipeline.chunks import ByLayer
 from jaxpar.pipeline.cut import LayerCut, cut_by_layer, stage_meshes
 from jaxpar.pipeline.layout import Layout
 from jaxpar.pipeline.mpmd import SubMeshPipeline
 from jaxpar.pipeline.schedule import Executor, PipelineConfig, check_shape
+from jaxpar.pipeline.stacked import ByStack
 from jaxpar.pipeline.ticks import tick_table
 from jaxpar.pipeline.views import STACKED, WHOLE
 from jaxpar.plan import checks
