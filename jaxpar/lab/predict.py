@@ -170,7 +170,7 @@ STACK_ROWS = "interleaved stack: chunks' rows moved to their stage, gradients ba
 
 def stack_moves(run: Run) -> tuple[float, float]:
     """Bytes a device sends and holds for the step when the sub-mesh executor runs a stack
-    of layers with ``v`` chunks a stage (:class:`jaxpar.pipeline.chunks.ByStack`): chunk
+    of layers with ``v`` chunks a stage (:class:`jaxpar.pipeline.stacked.ByStack`): chunk
     ``c`` lies in stage ``c div v``'s slab and runs on stage ``c mod p``, so its rows go
     there and its gradients come back; each stage holds a copy of the rows of the v chunks
     it runs (a slab's worth). The busiest stage's: (sent, held); (0, 0) for one chunk a

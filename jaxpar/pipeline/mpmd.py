@@ -8,7 +8,7 @@ into ``p·v`` chunks of any shapes (:func:`jaxpar.pipeline.cut.cut_by_layer`); c
 runs on stage ``c % p``, where its layers live. A stack of layers (``Task.stages``) stays
 stored as the spmd executor stores it, stage ``s`` holding layers ``s·L/p`` onward: with
 ``v > 1`` chunk ``c``'s rows lie in stage ``c div v``'s slab, move to the stage that runs
-it each step, and its gradients move back (:class:`jaxpar.pipeline.chunks.ByStack`).
+it each step, and its gradients move back (:class:`jaxpar.pipeline.stacked.ByStack`).
 The schedule's tick table (``gpipe``, ``1f1b``, ``interleaved``,
 ``zb_h1``: the same tables as the SPMD executor's) is played in tick order: each action —
 forward, backward, input- or weight-gradient of one microbatch on one chunk — is a jitted

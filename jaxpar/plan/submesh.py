@@ -147,7 +147,7 @@ def _by_stack(
     two executors' states are alike); the other variables live on the whole mesh.
 
     With virtual stages, chunk ``c`` of ``stage × virtual_stages`` runs on stage ``c mod
-    stage`` (:class:`~jaxpar.pipeline.chunks.ByStack`).
+    stage`` (:class:`~jaxpar.pipeline.stacked.ByStack`).
 
     Raises:
       LayoutError: for a variable outside the stack split over ``stage``.
