@@ -28,9 +28,14 @@ CONFIGS = {m: f"configs/{m}_tiny.yaml" for m in ("gpt", "bert", "llama", "qwen3"
 #: (model, layout, how far the estimate's temporaries may be from the compiled step's:
 #: measured 0.91-1.09 without remat or a pipeline (ring attention: below); 0.99-1.10
 #: under remat, each family's recomputing backward as measured (Kept.recompute, and
-#: Gemma's copy of its stacked weights); below by up to 35% in a pipeline, whose message
-#: buffers the estimate leaves out)
+#: Gemma's copy of its stacked weights); 0.97-1.02 in a pipeline of one-layer chunks,
+#: the one-program executor's buffers counted (jaxpar/lab/executor_memory.py); 0.80-0.85
+#: where a chunk is a loop of layers, beside whose stacked activations XLA holds the
+#: layer it runs and copies of the stacks' zeros, which the estimate leaves out)
 EXHAUSTIVE = pytest.mark.exhaustive  # the suite keeps a case of each mechanism
+#: gpt_tiny where the weights outweigh the activations (and SGD's state is one copy of
+#: them): a pipeline's gradient sums, gathered weights and chunk copies are what it holds
+WEIGHTY = "model.d_model=256,model.d_ff=1024,data.seq_len=64,optim.name=sgd"
 #: the cases the suite runs; the others are in the extended tier
 SUITE = {
     ("gpt", "data=8"),
@@ -40,6 +45,7 @@ SUITE = {
     ("gpt", "data=8,model.remat=full"),
     ("gpt", "data=4,stage=2"),
     ("gpt", "data=2,stage=4,pipeline.schedule=zb_h1"),
+    ("gpt", f"fsdp=2,stage=4,{WEIGHTY}"),
     ("llama", "data=2,fsdp=2,tensor=2"),
     ("llama", "data=2,tensor=4"),
     ("gemma", "data=4,tensor=2"),
@@ -56,22 +62,43 @@ GRID = [
     ("gpt", "data=8,train.grad_accum=2", (0.9, 1.1)),
     ("gpt", "data=8,model.remat=full", (0.95, 1.15)),
     ("gemma", "data=8,model.remat=full", (0.95, 1.15)),
-    ("gpt", "data=4,stage=2", (0.6, 1.0)),
-    ("gpt", "fsdp=2,stage=4", (0.6, 1.0)),
-    ("gpt", "data=2,stage=4,pipeline.schedule=gpipe", (0.6, 1.0)),
-    ("gpt", "data=2,stage=4,pipeline.schedule=zb_h1", (0.6, 1.0)),
-    ("gpt", "data=4,stage=2,pipeline.schedule=interleaved,pipeline.virtual_stages=2", (0.6, 1.0)),
+    # a chunk of two layers: a loop (0.84)
+    ("gpt", "data=4,stage=2", (0.8, 1.0)),
+    # chunks of one layer (0.98)
+    ("gpt", "fsdp=2,stage=4", (0.95, 1.05)),
+    ("gpt", "data=2,stage=4,pipeline.schedule=gpipe", (0.95, 1.05)),
+    ("gpt", "data=2,stage=4,pipeline.schedule=zb_h1", (0.95, 1.05)),
+    ("gpt", "data=4,stage=2,pipeline.schedule=interleaved,pipeline.virtual_stages=2", (0.95, 1.05)),
+    # where the weights outweigh the activations: gathered weights, sums whole over fsdp
+    # (1.02), the interleaved stack's copies (1.01); two-layer chunks (0.83); the estimate
+    # without the executor's buffers was 0.45-0.62 of (more) compiled bytes
+    ("gpt", f"fsdp=2,stage=4,{WEIGHTY}", (0.95, 1.05)),
+    (
+        "gpt",
+        f"data=4,stage=2,pipeline.schedule=interleaved,pipeline.virtual_stages=2,{WEIGHTY}",
+        (0.95, 1.05),
+    ),
+    ("gpt", f"fsdp=2,stage=2,tensor=2,{WEIGHTY}", (0.8, 1.0)),
     # its compiled FLOPs are the stages' own, stretched over the same critical path as the
     # estimate's (checked by hand in tests/test_kernels.py): this checks the stages' work
-    ("gpt", "data=4,stage=2,pipeline.executor=mpmd", (0.6, 1.0)),
-    # interleaved: 1.20 — the one-program executor's stash and chunk, counted for it, are
-    # more than the sub-mesh executor's programs hold (both count the rows it moves)
+    # (its temporaries 0.80: two-layer chunks)
+    ("gpt", "data=4,stage=2,pipeline.executor=mpmd", (0.75, 1.0)),
+    # interleaved, one-layer chunks (0.97); both sides count the rows it moves
     (
         "gpt",
         "data=4,stage=2,pipeline.schedule=interleaved,pipeline.virtual_stages=2,"
         "pipeline.executor=mpmd",
-        (0.9, 1.25),
+        (0.9, 1.05),
     ),
+    # one-layer chunks and models of one layer: each family's Kept.alone
+    ("llama", "data=2,stage=4", (0.95, 1.05)),
+    ("qwen3", "data=2,stage=4", (0.95, 1.05)),
+    ("bert", "data=2,stage=4", (0.95, 1.05)),
+    ("llama", "data=4,stage=2", (0.75, 1.0)),  # a loop of two layers a chunk (0.81)
+    ("gpt", "data=8,model.n_layers=1", (0.95, 1.1)),
+    ("llama", "data=8,model.n_layers=1", (0.95, 1.1)),
+    ("qwen3", "data=8,model.n_layers=1", (0.95, 1.1)),
+    ("bert", "data=8,model.n_layers=1", (0.9, 1.1)),
     ("llama", "data=8,model.remat=full", (0.95, 1.15)),
     # 2 K/V heads over tensor=4: held whole, their projections computed on every device
     ("llama", "data=2,tensor=4", (0.9, 1.1)),
@@ -233,7 +260,7 @@ GRID_32 = [
     pytest.param(
         "gpt",
         ["data=8,stage=4", "data=8,stage=4,pipeline.schedule=zb_h1"],
-        (0.6, 1.0),
+        (0.93, 1.05),
         id="gpt-pipelines",
         marks=EXHAUSTIVE,
     ),
@@ -276,6 +303,21 @@ def test_the_estimate_equals_the_compiled_step_at_32_devices(model, layouts, bou
         assert estimated["mem_args_bytes"] == compiled["mem_args_bytes"], f
         ratio = estimated["mem_temp_bytes"] / compiled["mem_temp_bytes"]
         assert bounds[0] <= ratio <= bounds[1], (f["layout"], ratio)
+
+
+def test_a_chunk_its_family_refuses_is_refused_without_compiling():
+    """Gemma's chunks hold whole local/global groups: 4 stages of gemma_tiny's 4 layers cut
+    its 2-layer pattern apart. The estimate traces one chunk (shapes only) and refuses it
+    as the compiled step does, every time it is asked (a refusal is not remembered as a
+    chunk that traced); 2 stages of 2 layers are taken."""
+    config = jaxpar.load_config([CONFIGS["gemma"]], [])
+    for _ in range(2):
+        row = analytic.estimate(config, "data=2,stage=4", H100, 8, cpu=True)
+        assert "sliding_window_pattern" in row.error and "pipeline.virtual_stages" in row.error
+        assert row.mem_temp_bytes is None
+    assert measure(config, "data=2,stage=4", H100).error == row.error
+    taken = analytic.estimate(config, "data=4,stage=2", H100, 8, cpu=True)
+    assert not taken.error and taken.mem_temp_bytes > 0
 
 
 def test_recomputation_adds_a_forward_of_the_layers_but_their_last_matmuls(pairs):

@@ -20,6 +20,7 @@ degree, ``e`` the bytes of an activation element::
     a layer, kept:          e·b·s·(D·replicated/t_sp + (W·attention + F·mlp)/t)
                             + e·b·a·s·S·scores/t     (W: q, k and v's width)
     a layer under remat:    e·b·s·D·remat  (the block's input, and what XLA keeps with it)
+    a stack of one layer:   alone·(a layer)   (no loop: XLA keeps less)
     the head:               4·b·s·V·head/t  (float32 logits, their softmax and gradient)
     the step:               layers·in_flight·(a layer) + the head
     the step under remat:   layers·in_flight·(a layer under remat) + the head
@@ -57,7 +58,9 @@ class Kept:
     vocabulary in float32 at the head (``head``); and, under ``model.remat=full``, the
     share of a layer's kept bytes live while the backward recomputes it (``recompute``: a
     layer's are freed as its gradients are made, where a scan of groups of layers holds
-    a group's)."""
+    a group's); and the share a stack of one layer holds (``alone``: XLA removes a loop of
+    one trip, and with the layer's forward and backward in one computation recomputes
+    cheap elementwise results in the backward rather than keep them)."""
 
     replicated: float
     attention: float
@@ -66,6 +69,7 @@ class Kept:
     remat: float
     head: float
     recompute: float = 1.0
+    alone: float = 1.0
 
 
 def activation_bytes(cfg: Any, layout: LabLayout, kept: Kept, fused_attention: bool) -> float:
@@ -74,15 +78,16 @@ def activation_bytes(cfg: Any, layout: LabLayout, kept: Kept, fused_attention: b
     layer = layer_bytes(cfg, layout, kept, fused_attention)
     layers = layers_per_chunk(cfg, layout)
     head = head_bytes(cfg, layout, kept)
+    stacked = layer * (kept.alone if layers == 1 else 1.0)  # a stack of one layer: no loop
     block_input = _itemsize(cfg, layout) * microbatch_rows(layout) * _tokens(layout)[0]
     block_input *= cfg.d_model
     if layout.stages is not None and not layout.residuals:
         # a pipeline's backward recomputes its chunk from the chunk's input: a device keeps
         # one input per microbatch in flight, and one chunk's layers while recomputing
-        return layout.in_flight * block_input + layers * layer + head
+        return layout.in_flight * block_input + layers * stacked + head
     if getattr(cfg, "remat", "none") == "full":
         return layers * layout.in_flight * block_input * kept.remat + head + layer * kept.recompute
-    return layers * layout.in_flight * layer + head
+    return layers * layout.in_flight * stacked + head
 
 
 #: HBM passes over each byte a layer keeps, for the bytes its kernels other than matmuls

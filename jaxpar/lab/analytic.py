@@ -38,6 +38,7 @@ from jaxpar.axes import Axis
 from jaxpar.config import Config, apply_overrides
 from jaxpar.data import Data, load_data
 from jaxpar.errors import JaxparError, LayoutError
+from jaxpar.lab.executor_memory import one_program_buffers
 from jaxpar.lab.families import lab_for
 from jaxpar.lab.hardware import Hardware, roofline
 from jaxpar.lab.kernels import kernels
@@ -45,6 +46,7 @@ from jaxpar.lab.measure import Row, fill_predicted, layout_overrides
 from jaxpar.lab.network import step_time
 from jaxpar.lab.pipeline_cost import layer_share, pipeline_stretch, scan_length
 from jaxpar.lab.predict import lab_layout, predict_argument_bytes, predict_comm, stack_moves
+from jaxpar.lab.staged import check_chunk
 from jaxpar.plan.abstract import global_batch_shapes
 from jaxpar.run import Run, build, data_needs
 from jaxpar.sharding import bytes_per_device
@@ -101,6 +103,26 @@ def _stacked_layer_bytes(run: Run) -> int:
     key = split.layers_key
     params = run.plan.abstract_state.params
     return bytes_per_device(params[key], run.plan.state_shardings.params[key])
+
+
+def _temporaries(run: Run, cpu: bool, sub_mesh: bool, params: int) -> int | None:
+    """A device's temporaries: the activations its family's lab module counts (None: it
+    counts none) and the gradients, one per parameter shard (``params`` bytes; and the
+    accumulator's beside it); the one-program pipeline's sums, messages and weights as its
+    executor holds them; the sub-mesh executor's interleaved stack's rows where they run."""
+    lab = lab_for(run.family)
+    layout = lab_layout(run, cpu=cpu)
+    activations = lab.activation_bytes(run.config.model, layout)
+    if activations is None:
+        return None
+    accumulated = params if run.plan.grad_accum > 1 else 0
+    held = None if sub_mesh else one_program_buffers(run, cpu, layout.in_flight)
+    grads = (params if held is None else held) + accumulated
+    if lab.remat_layer_copies and getattr(run.config.model, "remat", "none") == "full":
+        grads += lab.remat_layer_copies * _stacked_layer_bytes(run)
+    if sub_mesh:
+        grads += stack_moves(run)[1]
+    return round(activations + grads)
 
 
 class _FirstBatch:
@@ -178,6 +200,7 @@ def estimate(
             config = apply_overrides(config, [*_as_one_program(config)])
         data = None if task is not None else _read_once(config)
         run = build(config, task, target=(devices, hw.platform), data=data)
+        check_chunk(run)
     except JaxparError as err:
         row.error = str(err)
         return row
@@ -186,15 +209,7 @@ def estimate(
     row.mem_host_bytes = state.host
     row.mem_args_bytes = row.predicted_mem_args_bytes = predict_argument_bytes(run, batch)
     row.mem_output_bytes = state.total
-    lab = lab_for(run.family)
-    activations = lab.activation_bytes(run.config.model, lab_layout(run, cpu=cpu))
-    # and the gradients: one per parameter shard (and the accumulator's beside it)
-    grads = state.params * (2 if run.plan.grad_accum > 1 else 1)
-    if lab.remat_layer_copies and getattr(run.config.model, "remat", "none") == "full":
-        grads += lab.remat_layer_copies * _stacked_layer_bytes(run)
-    if sub_mesh:  # an interleaved stack's rows held where they run
-        grads += stack_moves(run)[1]
-    temps = None if activations is None else round(activations + grads)
+    temps = _temporaries(run, cpu, sub_mesh, state.params)
     row.mem_temp_bytes = temps
     row.mem_total_bytes = row.mem_args_bytes + (temps or 0)
     row.fits = row.mem_total_bytes <= (memory_bytes or hw.memory_bytes)

@@ -49,6 +49,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -56,6 +58,7 @@ from flax import nnx
 
 from jaxpar.lab.terms import LabLayout, LabModel, Term
 from jaxpar.logical import SEQ
+from jaxpar.pipeline.branches import Parts
 from jaxpar.run import Run
 
 #: The family's context terms (:mod:`jaxpar.lab.context_terms`) this module counts.
@@ -87,18 +90,75 @@ def first_stage_message(run: Run, cpu: bool) -> tuple[tuple[int, ...], float]:
     rows (its ``StageSplit.embed`` output, the whole sequence) and one device's bytes of it
     (its part of the sequence under context parallelism; float32 on XLA:CPU)."""
     plan = run.plan
-    table = plan.pipeline
-    batch = run.data.batch(0, run.config.train.batch_size)
-    rows = run.config.train.batch_size // plan.batch_ways() // (table.m * plan.grad_accum)
-    micro = {k: jax.ShapeDtypeStruct((rows, *v.shape[1:]), v.dtype) for k, v in batch.items()}
-    message = jax.eval_shape(
-        lambda p, s, b: plan.task.stages.embed(nnx.merge(plan.model.graphdef, p, s), b),
-        plan.model.params,
-        plan.model.state,
-        micro,
+    micro = _microbatch(run)
+    message = _traced(
+        plan.model,
+        ("message", _key(micro)),
+        lambda: jax.eval_shape(
+            lambda p, s, b: plan.task.stages.embed(nnx.merge(plan.model.graphdef, p, s), b),
+            plan.model.params,
+            plan.model.state,
+            micro,
+        ),
     )
     itemsize = 4 if cpu else np.dtype(message.dtype).itemsize
     return message.shape, math.prod(message.shape) * itemsize / _degree(run)
+
+
+def check_chunk(run: Run) -> None:
+    """Traces one chunk of a stacked model's pipeline on one microbatch (shapes only), so
+    that a chunk its family refuses (Gemma's local/global pattern cut apart) is refused
+    by an estimate as by the compiled step."""
+    plan = run.plan
+    split = plan.task.stages
+    if plan.pipeline is None or split is None:
+        return
+    params = plan.model.params
+    layers = _chunk_layers(run)
+    chunk = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct((layers, *a.shape[1:]), a.dtype), params[split.layers_key]
+    )
+    rest = {k: v for k, v in params.items() if k != split.layers_key}
+    parts = Parts(split, plan.model.graphdef)
+    micro = _microbatch(run)
+    state = plan.model.state
+
+    def trace() -> bool:
+        x = jax.eval_shape(parts.embed, rest, chunk, state, micro)
+        jax.eval_shape(
+            lambda c, r, s, x, b: parts.stage(c, r, s, x, b, 0), chunk, rest, state, x, micro
+        )
+        return True
+
+    _traced(plan.model, ("chunk", layers), trace)  # its layers decide whether it is taken
+
+
+#: what was traced of the last model, by key (a plan of many layouts hands every layout
+#: the same abstract model; the model is held, so another cannot take its place unseen)
+_TRACED: dict[str, Any] = {"model": None, "values": {}}
+
+
+def _traced(model: Any, key: tuple, trace: Callable[[], Any]) -> Any:
+    """``trace()``, or what it returned for ``model`` and ``key`` before (what raises is
+    traced again)."""
+    if _TRACED["model"] is not model:
+        _TRACED.update(model=model, values={})
+    values = _TRACED["values"]
+    if key not in values:
+        values[key] = trace()
+    return values[key]
+
+
+def _key(micro: dict[str, jax.ShapeDtypeStruct]) -> tuple:
+    return tuple((k, v.shape, str(v.dtype)) for k, v in sorted(micro.items()))
+
+
+def _microbatch(run: Run) -> dict[str, jax.ShapeDtypeStruct]:
+    """The shapes of one microbatch of one device's rows."""
+    plan = run.plan
+    batch = run.data.batch(0, run.config.train.batch_size)
+    rows = run.config.train.batch_size // plan.batch_ways() // (plan.pipeline.m * plan.grad_accum)
+    return {k: jax.ShapeDtypeStruct((rows, *v.shape[1:]), v.dtype) for k, v in batch.items()}
 
 
 def _degree(run: Run) -> int:

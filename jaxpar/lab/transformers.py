@@ -264,8 +264,11 @@ class TransformerLab(LabModel):
     #: their gradient (2 V); under remat, 0.88 of a layer's kept bytes while its backward
     #: recomputes it: what XLA holds then varies with the rows a device computes (gpt_tiny:
     #: 38 of its 51 widths at 8 rows, at 4 and 8 layers; 39-45 at 4 rows; 52 at 2), and
-    #: 0.88 × 51 sits between
-    kept = Kept(replicated=10, attention=3, mlp=6, scores=2, remat=1, head=2, recompute=0.88)
+    #: 0.88 × 51 sits between; a stack of one layer (no loop) 0.69 of a layer's: gpt_tiny
+    #: with one layer at 4 rows a device 0.66, its one-layer pipeline chunks at 2 rows 0.72
+    kept = Kept(
+        replicated=10, attention=3, mlp=6, scores=2, remat=1, head=2, recompute=0.88, alone=0.69
+    )
 
     #: the MLP's first matmul makes two widths (SwiGLU's and GeGLU's gate and up)
     gated = False
@@ -348,8 +351,12 @@ class LlamaLab(TransformerLab):
     gated = True
     #: SwiGLU keeps its gate, up, activation and product: 8 F where GPT's MLP keeps 6;
     #: under remat, 0.88 of a layer's kept bytes while recomputing (llama_tiny: 38 of its
-    #: 45.5 widths at 8 rows a device, 39-40 at 4, 46 at 2; as GPT's)
-    kept = Kept(replicated=10, attention=3, mlp=8, scores=2, remat=1, head=2, recompute=0.88)
+    #: 45.5 widths at 8 rows a device, 39-40 at 4, 46 at 2; as GPT's); a stack of one layer
+    #: 0.82 (llama_tiny: 0.78 with one layer at 4 rows, 0.86 in one-layer pipeline chunks
+    #: at 2; qwen3_tiny's chunks 0.80)
+    kept = Kept(
+        replicated=10, attention=3, mlp=8, scores=2, remat=1, head=2, recompute=0.88, alone=0.82
+    )
 
     def tensor_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
         dense = transformer_tensor_terms(
@@ -396,10 +403,18 @@ def _projection_all_reduces(layout: LabLayout) -> int:
     return 5 if layout.rules.get("kv_heads", ()) == layout.rules.get("heads", ()) else 4
 
 
+class BertLab(TransformerLab):
+    """The lab's BERT: GPT's counts, but a stack of one layer holds 0.83 of a layer's kept
+    bytes (bert_tiny: 0.88 with one layer at 4 rows a device, 0.78 in one-layer pipeline
+    chunks at 2)."""
+
+    kept = dataclasses.replace(TransformerLab.kept, alone=0.83)
+
+
 #: What the lab knows of each transformer family, by family name.
 LABS: dict[str, LabModel] = {
     GPT_FAMILY.name: TransformerLab(),
-    BERT_FAMILY.name: TransformerLab(),
+    BERT_FAMILY.name: BertLab(),
     LLAMA_FAMILY.name: LlamaLab(),
     GEMMA_FAMILY.name: GemmaLab(),
 }

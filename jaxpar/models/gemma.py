@@ -226,7 +226,7 @@ def _stage(model: Gemma, x: jax.Array, batch: Any, first: Any) -> jax.Array:
             f"mesh.stage: each pipeline chunk holds {n} of the "
             f"{cfg.n_layers} layers, not a multiple of the {m}-layer "
             "local/global attention pattern (model.sliding_window_pattern); "
-            "pick mesh.stage and pipeline.virtual that make it one"
+            "pick mesh.stage and pipeline.virtual_stages that make it one"
         )
     pos_T = lm_sequence(batch)[2]
     return model.run_blocks(x, pos_T, lm_documents(batch, pos_T))

@@ -50,6 +50,7 @@ from jaxpar.pipeline.branches import (
     Parts,
     branch_functions,
     branch_table,
+    zeros_like,
 )
 from jaxpar.pipeline.layout import Layout
 from jaxpar.pipeline.reduction import Reduction, fsdp_dims
@@ -180,11 +181,6 @@ def message_shapes(parts: Parts, layers, rest, state, micro) -> Shapes:
     return Shapes(chunk0, per_chunk, x_shape, {**stage_shape, **head_shape})
 
 
-def zeros_like(tree: Any) -> Any:
-    """Zeros of the shapes and dtypes of ``tree``'s leaves."""
-    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
-
-
 # ---- the training scan ----------------------------------------------------------------------
 @dataclass(frozen=True)
 class _Rows:
@@ -275,8 +271,8 @@ class _Scan:
             self.parts,
             message,
             seed,
-            zeros_like(shapes.chunk0),
-            zeros_like(rest),
+            shapes.chunk0,
+            rest,
             zeros_like(shapes.metrics),
         )
         return [fns[u] for u in self.rows.used]

@@ -17,8 +17,17 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.axes import Axis
-from jaxpar.pipeline.branches import F_FIRST, F_LAST, IDLE, F, Parts, forward_table, merged
-from jaxpar.pipeline.executor import message_shapes, split_for_stages, stage_map, zeros_like
+from jaxpar.pipeline.branches import (
+    F_FIRST,
+    F_LAST,
+    IDLE,
+    F,
+    Parts,
+    forward_table,
+    merged,
+    zeros_like,
+)
+from jaxpar.pipeline.executor import message_shapes, split_for_stages, stage_map
 from jaxpar.pipeline.layout import Layout
 from jaxpar.task import Batch, StageSplit
 
