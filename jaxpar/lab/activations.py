@@ -20,7 +20,7 @@ degree, ``e`` the bytes of an activation element::
     a layer, kept:          e·b·s·(D·replicated/t_sp + (W·attention + F·mlp)/t)
                             + e·b·a·s·S·scores/t     (W: q, k and v's width)
     a layer under remat:    e·b·s·D·remat  (the block's input, and what XLA keeps with it)
-    a stack of one layer:   alone·(a layer)   (no loop: XLA keeps less)
+    a stack of one layer:   alone·(a layer)   (no loop: XLA keeps less; t = 1)
     the head:               4·b·s·V·head/t  (float32 logits, their softmax and gradient)
     the step:               layers·in_flight·(a layer) + the head
     the step under remat:   layers·in_flight·(a layer under remat) + the head
@@ -78,7 +78,10 @@ def activation_bytes(cfg: Any, layout: LabLayout, kept: Kept, fused_attention: b
     layer = layer_bytes(cfg, layout, kept, fused_attention)
     layers = layers_per_chunk(cfg, layout)
     head = head_bytes(cfg, layout, kept)
-    stacked = layer * (kept.alone if layers == 1 else 1.0)  # a stack of one layer: no loop
+    # a stack of one layer, no loop (measured without tensor parallelism: under it counted
+    # as a loop's layer)
+    alone = layers == 1 and layout.sizes[Axis.TENSOR] == 1
+    stacked = layer * (kept.alone if alone else 1.0)
     block_input = _itemsize(cfg, layout) * microbatch_rows(layout) * _tokens(layout)[0]
     block_input *= cfg.d_model
     if layout.stages is not None and not layout.residuals:

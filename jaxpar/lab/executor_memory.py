@@ -18,7 +18,8 @@ peak a backward tick recomputes its chunk (the family's activations of one chunk
 * under ``fsdp``, the **gathered weights**: the stage's parameters enter the pipeline
   gathered, once a step;
 * with virtual stages, the **stage's layers in chunk order** (a transposed copy of its
-  slab, as stored) and the tick's chunk of them (a dynamic slice).
+  slab, as stored; under ``fsdp`` the gathered weights are that copy) and the tick's
+  chunk of them (a dynamic slice).
 
 Left out: the few messages a tick's kernels copy, and the allocator's packing (the
 compiled temporaries are the buffer the heap simulator packs them into: 3–6% above the
@@ -58,10 +59,11 @@ def one_program_buffers(run: Run, cpu: bool, in_flight: int) -> float | None:
     message = first_stage_message(run, cpu)[1]
     slots = (table.act_slots + table.grad_slots + 2 + 2 - in_flight) * message
     held = slots + layers / table.v + layers + others
-    if sizes.get(Axis.FSDP, 1) > 1:
+    gathered = sizes.get(Axis.FSDP, 1) > 1
+    if gathered:
         held += layers + others
-    if table.v > 1:
-        held += stored + layers / table.v
+    if table.v > 1:  # under fsdp the gathered weights are the copy in chunk order
+        held += (0 if gathered else stored) + layers / table.v
     return held
 
 

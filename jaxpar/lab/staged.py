@@ -56,6 +56,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxpar.errors import JaxparError
 from jaxpar.lab.terms import LabLayout, LabModel, Term
 from jaxpar.logical import SEQ
 from jaxpar.pipeline.branches import Parts
@@ -107,8 +108,10 @@ def first_stage_message(run: Run, cpu: bool) -> tuple[tuple[int, ...], float]:
 
 def check_chunk(run: Run) -> None:
     """Traces one chunk of a stacked model's pipeline on one microbatch (shapes only), so
-    that a chunk its family refuses (Gemma's local/global pattern cut apart) is refused
-    by an estimate as by the compiled step."""
+    that a chunk its family refuses (Gemma's local/global pattern cut apart: a
+    :class:`~jaxpar.errors.JaxparError`) is refused by an estimate as by the compiled
+    step. A stage that fails otherwise outside the executor (one that names the mesh's
+    axes, as a user's may) is not checked here: the compiled step is where it runs."""
     plan = run.plan
     split = plan.task.stages
     if plan.pipeline is None or split is None:
@@ -124,13 +127,18 @@ def check_chunk(run: Run) -> None:
     state = plan.model.state
 
     def trace() -> bool:
-        x = jax.eval_shape(parts.embed, rest, chunk, state, micro)
-        jax.eval_shape(
-            lambda c, r, s, x, b: parts.stage(c, r, s, x, b, 0), chunk, rest, state, x, micro
-        )
+        try:
+            x = jax.eval_shape(parts.embed, rest, chunk, state, micro)
+            jax.eval_shape(
+                lambda c, r, s, x, b: parts.stage(c, r, s, x, b, 0), chunk, rest, state, x, micro
+            )
+        except JaxparError:
+            raise
+        except Exception:  # noqa: BLE001 — not traceable alone (the docstring)
+            return False
         return True
 
-    _traced(plan.model, ("chunk", layers), trace)  # its layers decide whether it is taken
+    _traced(plan.model, ("chunk", layers, _key(micro)), trace)
 
 
 #: what was traced of the last model, by key (a plan of many layouts hands every layout
