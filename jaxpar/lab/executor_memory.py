@@ -36,7 +36,7 @@ import jax
 from jaxpar.axes import Axis
 from jaxpar.lab.staged import first_stage_message
 from jaxpar.run import Run
-from jaxpar.sharding import itemsize
+from jaxpar.sharding import bytes_per_device, itemsize
 
 
 def one_program_buffers(run: Run, cpu: bool, in_flight: int) -> float | None:
@@ -53,7 +53,7 @@ def one_program_buffers(run: Run, cpu: bool, in_flight: int) -> float | None:
     key = split.layers_key
     rest = [k for k in params if k != key]
     sizes = dict(plan.mesh.shape)
-    stored = _bytes(params[key], shardings[key], sizes)
+    stored = bytes_per_device(params[key], shardings[key])
     layers = _bytes(params[key], shardings[key], sizes, gathered=Axis.FSDP)
     others = _bytes([params[k] for k in rest], [shardings[k] for k in rest], sizes, Axis.FSDP)
     message = first_stage_message(run, cpu)[1]
@@ -67,9 +67,9 @@ def one_program_buffers(run: Run, cpu: bool, in_flight: int) -> float | None:
     return held
 
 
-def _bytes(tree: Any, shardings: Any, sizes: dict[str, int], gathered: str = "") -> float:
-    """Bytes of a device's share of ``tree`` placed by ``shardings``, whole over the mesh
-    axis ``gathered``."""
+def _bytes(tree: Any, shardings: Any, sizes: dict[str, int], gathered: str) -> float:
+    """Bytes of a device's share of ``tree`` placed by ``shardings``, but whole over the
+    mesh axis ``gathered`` (:func:`~jaxpar.sharding.bytes_per_device` with it gathered)."""
     total = 0.0
     for leaf, sharding in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings), strict=True):
         ways = 1

@@ -145,7 +145,7 @@ def branch_functions(
     (shaped as ``dw_like``, ``drest_like``): zeros captured from outside the scan would
     stay live through the whole loop, beside the gradient sums, and XLA would copy the
     sums' initial zeros rather than update them in place (a 4-layer stage of a tiny GPT
-    held 2.9 MiB more). Chunk 0's branches recompute the
+    held 2.8 MiB more). Chunk 0's branches recompute the
     embedding (a lookup) rather than read a stashed copy. A chunk's own loss term (see
     :attr:`StageSplit.stage`) is counted by its forward (the last chunk's: by the branch
     its forward is folded into) and seeds its backward."""
@@ -171,8 +171,8 @@ def branch_functions(
     }
 
 
-#: where :meth:`_Branches.result` holds the gradients, by name
-_GRADS = ((2, "dw"), (3, "drest"))
+#: what :meth:`_Branches.result` makes where a branch gives none (the others it is given)
+_MADE = ("dw", "drest")
 
 
 @dataclass(frozen=True)
@@ -190,8 +190,10 @@ class _Branches:
 
     def result(self, **given: Any) -> tuple:
         names = ("send_act", "send_grad", "dw", "drest", "loss", "aux")
-        out = [given.get(n, z) for n, z in zip(names, self.zeros)]
-        out[2:4] = (given[n] if n in given else zeros_like(self.zeros[i]) for i, n in _GRADS)
+        out = [
+            given[n] if n in given else zeros_like(z) if n in _MADE else z
+            for n, z in zip(names, self.zeros)
+        ]
         out[0], out[1] = (x.astype(self.message.dtype) for x in out[:2])
         out[5] = merged(self.zeros[5], given.get("aux", {}))
         return tuple(out)
