@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import re
 import sys
 import time
@@ -148,6 +149,8 @@ def layout_of(entry: dict) -> str:
     if rest:
         raise Unmapped(f"global batch {lay['global_batch']} is not a multiple of d·mb")
     parts = [f"data={d}", f"fsdp={f}", f"tensor={t}", f"stage={p}"]
+    if lay.get("ranks") == "megatron":
+        parts += megatron_hosts(t, d, p, hardware.get_profile(entry["hardware"]).domain_devices)
     if p > 1:
         schedule = "interleaved" if v > 1 else "1f1b"
         parts += [f"pipeline.schedule={schedule}", f"pipeline.microbatches={steps}"]
@@ -157,6 +160,30 @@ def layout_of(entry: dict) -> str:
     elif steps > 1:
         parts.append(f"train.grad_accum={steps}")
     return ",".join(x for x in parts if not re.fullmatch(r"\w+=1", x))
+
+
+def megatron_hosts(t: int, d: int, p: int, per_server: int) -> list[str]:
+    """Megatron-LM's rank order (tensor innermost, then data, the pipeline outermost;
+    consecutive ranks on one server of ``per_server`` GPUs) as the ``mesh.hosts_*`` that
+    put the same degrees across servers; none where jaxpar's own order (the stages inside
+    the data-parallel replicas) places them the same."""
+    megatron = _across((("tensor", t), ("data", d), ("stage", p)), per_server)
+    if megatron == _across((("tensor", t), ("stage", p), ("data", d)), per_server):
+        return []
+    return [f"mesh.hosts_{axis}={n}" for axis, n in megatron.items() if n > 1]
+
+
+def _across(inner_first: tuple[tuple[str, int], ...], per_server: int) -> dict[str, int]:
+    """How much of each axis's degree crosses servers when the axes fill servers of
+    ``per_server`` devices innermost first (each keeps what room is left)."""
+    room, across = per_server, {}
+    for axis, degree in inner_first:
+        local = math.gcd(degree, room)
+        if local < min(degree, room):  # a server would hold part of a group of this axis
+            raise Unmapped(f"{dict(inner_first)} on {per_server}-GPU servers")
+        room //= local
+        across[axis] = degree // local
+    return dict(sorted(across.items()))
 
 
 def remat_of(entry: dict, literal: bool = False) -> str:

@@ -163,9 +163,13 @@ def resolve_degrees(cfg: MeshConfig, device_count: int) -> dict[str, int]:
     return degrees
 
 
-def host_degrees(cfg: MeshConfig, degrees: dict[str, int], hosts: int) -> dict[str, int] | None:
+def host_degrees(
+    cfg: MeshConfig, degrees: dict[str, int], hosts: int | None
+) -> dict[str, int] | None:
     """How many of each axis's degree cross hosts (``mesh.hosts_*``), or None for the
-    default (devices in process order, outer axes across hosts).
+    default (devices in process order, outer axes across hosts). ``hosts``: the process
+    count, or None for a plan of devices that are not here (its hosts are what the
+    degrees multiply to).
 
     Raises:
       LayoutError: when the host degrees do not multiply to the process count or one does
@@ -179,7 +183,7 @@ def host_degrees(cfg: MeshConfig, degrees: dict[str, int], hosts: int) -> dict[s
         return None
     chosen = {axis: d or 1 for axis, d in chosen.items()}
     shown = ", ".join(f"mesh.hosts_{a}={d}" for a, d in chosen.items())
-    if math.prod(chosen.values()) != hosts:
+    if hosts is not None and math.prod(chosen.values()) != hosts:
         raise LayoutError(
             f"host degrees ({shown}) multiply to {math.prod(chosen.values())} but "
             f"the run has {hosts} processes; make their product {hosts}"
@@ -192,25 +196,34 @@ def host_degrees(cfg: MeshConfig, degrees: dict[str, int], hosts: int) -> dict[s
     return chosen
 
 
+def grid_ranks(degrees: dict[str, int], hosts: dict[str, int] | None = None) -> np.ndarray:
+    """Each place of the (data, stage, fsdp, context, tensor) grid as the rank of its
+    device in process order (what :func:`device_grid` puts there).
+
+    Without ``hosts``: row-major, so the outermost axes change process first. With
+    ``hosts`` (a hybrid mesh): axis ``a`` is ``hosts[a]`` groups of processes × the rest
+    within each process, so only the named degrees cross the slow network.
+    """
+    shape = tuple(degrees[a] for a in MESH_AXES)
+    ranks = np.arange(math.prod(shape))
+    if hosts is None:
+        return ranks.reshape(shape)
+    outer = tuple(hosts[a] for a in MESH_AXES)
+    inner = tuple(degrees[a] // hosts[a] for a in MESH_AXES)
+    n = len(MESH_AXES)  # interleave (host part, local part) per axis, host part major
+    grid = ranks.reshape(outer + inner)
+    grid = grid.transpose([i for pair in zip(range(n), range(n, 2 * n)) for i in pair])
+    return grid.reshape(shape)
+
+
 def device_grid(
     devices: list, degrees: dict[str, int], hosts: dict[str, int] | None = None
 ) -> np.ndarray:
-    """The devices laid out as the (data, stage, fsdp, context, tensor) grid.
-
-    Without ``hosts``: in the given order, so the outermost axes change process first.
-    With ``hosts`` (a hybrid mesh): axis ``a`` is ``hosts[a]`` groups of processes × the
-    rest within each process, so only the named degrees cross the slow network.
-    """
-    shape = tuple(degrees[a] for a in MESH_AXES)
-    if hosts is None:
-        return np.asarray(devices, dtype=object).reshape(shape)
-    by_process = sorted(devices, key=lambda d: (d.process_index, d.id))
-    outer = tuple(hosts[a] for a in MESH_AXES)
-    inner = tuple(degrees[a] // hosts[a] for a in MESH_AXES)
-    grid = np.asarray(by_process, dtype=object).reshape(outer + inner)
-    n = len(MESH_AXES)  # interleave (host part, local part) per axis, host part major
-    grid = grid.transpose([i for pair in zip(range(n), range(n, 2 * n)) for i in pair])
-    return grid.reshape(shape)
+    """The devices laid out as the (data, stage, fsdp, context, tensor) grid
+    (:func:`grid_ranks`): in the given order, or with ``hosts`` by process."""
+    if hosts is not None:
+        devices = sorted(devices, key=lambda d: (d.process_index, d.id))
+    return np.asarray(devices, dtype=object)[grid_ranks(degrees, hosts)]
 
 
 def make_mesh(cfg: MeshConfig, devices: list[jax.Device] | None = None) -> Mesh:

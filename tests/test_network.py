@@ -11,9 +11,10 @@ import yaml
 
 from jaxpar.config import apply_overrides, load_config
 from jaxpar.errors import ConfigError
-from jaxpar.lab import hardware, measure, predict, sweep
+from jaxpar.lab import analytic, hardware, measure, predict, sweep
 from jaxpar.lab.network import Placement, placements, step_time
 from jaxpar.lab.terms import Term
+from jaxpar.mesh import grid_ranks
 from jaxpar.run import build
 from tests.helpers import GPT_SMALL
 from tests.test_moe import MOE
@@ -237,3 +238,42 @@ def test_the_plan_prices_a_layout_that_leaves_the_domain(h100):
     assert halves.predicted_comm_s == pytest.approx(one[0] * per_byte, rel=1e-9)
     assert halves.predicted_latency_s == pytest.approx(one[2] * 20e-6, rel=1e-9)
     assert one[1] == pytest.approx(one[2] * 10e-6, rel=1e-9)
+
+
+def test_mesh_hosts_put_the_degrees_they_name_across_domains(h100):
+    """data=2 × stage=8 on two 8-GPU nodes: by default each replica's 8 stages fill a node
+    and the data pairs cross; with ``mesh.hosts_stage=2`` (Megatron-LM's rank order: the
+    pipeline outermost) each stage group straddles the nodes, 4 and 4, and the data pairs
+    are neighbours. ``mesh.hosts_data=2`` is the default placement."""
+    sizes = _mesh(data=2, stage=8)
+    default = {"data": Placement(1, 2), "stage": Placement(8, 1)}
+    swapped = {"data": Placement(2, 1), "stage": Placement(4, 2)}
+    for hosts, want in ((None, default), ({"data": 2}, default), ({"stage": 2}, swapped)):
+        ranks = None if hosts is None else grid_ranks(sizes, {**dict.fromkeys(sizes, 1), **hosts})
+        for axis, placement in want.items():
+            assert placements((axis,), sizes, 8, ranks) == {placement}, (hosts, axis)
+    data = Term("all-reduce", "gradients", 1 * GB, 2, axes=("data",))
+    hosts = {**dict.fromkeys(sizes, 1), "stage": 2}
+    assert step_time(h100, 0, 0, [data], sizes, "bfloat16", hosts=hosts).comm_s == pytest.approx(
+        2 * 1 / 2 * GB / 450e9  # NVLink, where by default every byte crosses the NIC
+    )
+
+
+def test_the_plan_prices_the_placement_mesh_hosts_choose(h100):
+    """An estimate on 16 H100s (two 8-GPU domains) honours ``mesh.hosts_*``: naming the
+    default placement changes nothing; putting ``tensor`` across the hosts sends its
+    all-reduces over the network; a host degree that does not divide its axis is refused
+    in one line, estimated or compiled."""
+    config = load_config([], GPT_SMALL)
+    rows = {
+        hosts: analytic.estimate(config, f"data=8,tensor=2{hosts}", h100, 16)
+        for hosts in ("", ",mesh.hosts_data=2", ",mesh.hosts_tensor=2")
+    }
+    assert all(r.ok for r in rows.values()), [r.error for r in rows.values()]
+    default = rows[""].predicted_comm_s
+    assert rows[",mesh.hosts_data=2"].predicted_comm_s == default
+    assert rows[",mesh.hosts_tensor=2"].predicted_comm_s > 2 * default
+    bad = analytic.estimate(config, "data=8,tensor=2,mesh.hosts_tensor=3", h100, 16)
+    assert bad.error == "mesh.hosts_tensor=3 does not divide mesh.tensor=2; pick a divisor"
+    compiled = measure.lower(config, "data=4,tensor=2,mesh.hosts_tensor=3", h100)
+    assert compiled.error == bad.error

@@ -154,6 +154,40 @@ def test_megatron_layouts_map_onto_the_mesh_and_the_schedule():
     assert P.layout_of(ENTRIES["maxtext_a3_llama2_7b_2vm"]) == "data=2,fsdp=8"
 
 
+@pytest.mark.parametrize(
+    "t,d,p,hosts",
+    [
+        # a stage's 8 data-parallel ranks on one server, the pipeline across the servers
+        (1, 8, 8, ["mesh.hosts_stage=8"]),
+        (1, 32, 2, ["mesh.hosts_data=4", "mesh.hosts_stage=2"]),
+        (1, 4, 16, ["mesh.hosts_stage=8"]),
+        # a tensor group fills the server, or there is no data parallelism: jaxpar's own
+        (8, 32, 2, []),
+        (32, 1, 2, []),
+        (2, 1, 32, []),
+        (2, 32, 1, []),
+    ],
+)
+def test_megatrons_rank_order_becomes_the_host_degrees(t, d, p, hosts):
+    """Megatron-LM's ranks (tensor innermost, then data, the pipeline outermost; 8 to a
+    server) as ``mesh.hosts_*``, named only where jaxpar's own order differs."""
+    assert P.megatron_hosts(t, d, p, 8) == hosts
+
+
+@pytest.mark.parametrize("batch", [32, 512])
+def test_figure_14_throughput_falls_as_the_pipeline_deepens(batch):
+    """§5.4.2 (5.9B GPT, 64 A100s, p × d = 64): "for each batch size, the throughput
+    decreases as the pipeline-parallel size increases". At batch 32 the order holds
+    only with Megatron's rank order, in which the data-parallel all-reduce stays on a
+    server's NVLink and the stages cross the network (with jaxpar's, p = 16 came out
+    ahead of p = 8: its smaller gradient all-reduce crossed the network)."""
+    entry = ENTRIES["megatron_sc21_fig14_pipeline_vs_data_5p9b_64gpu"]
+    points = P.sweep_points(entry, batch, literal=False)
+    assert not any(error for *_, error in points)
+    by_depth = [tflops for tflops, _, _ in sorted(points, key=lambda q: q[1][1])]
+    assert by_depth == sorted(by_depth, reverse=True), by_depth
+
+
 def test_an_entry_that_cannot_be_built_says_why_in_one_line():
     unpublished = P.predict(ENTRIES["megatron_sc21_gpt3_175b_1024gpu"])
     assert unpublished.predicted is None and "not published" in unpublished.error

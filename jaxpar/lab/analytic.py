@@ -43,7 +43,7 @@ from jaxpar.lab.families import lab_for
 from jaxpar.lab.hardware import Hardware, roofline
 from jaxpar.lab.kernels import kernels
 from jaxpar.lab.measure import Row, fill_predicted, layout_overrides
-from jaxpar.lab.network import step_time
+from jaxpar.lab.network import hosts_of, step_time
 from jaxpar.lab.pipeline_cost import layer_share, pipeline_stretch, scan_length
 from jaxpar.lab.predict import lab_layout, predict_argument_bytes, predict_comm, stack_moves
 from jaxpar.lab.staged import check_chunk
@@ -201,6 +201,7 @@ def estimate(
         data = None if task is not None else _read_once(config)
         run = build(config, task, target=(devices, hw.platform), data=data)
         check_chunk(run)
+        hosts = hosts_of(run)
     except JaxparError as err:
         row.error = str(err)
         return row
@@ -245,6 +246,7 @@ def estimate(
             calls=row.calls(hw.latency_per),
             kernels=kernels(run, hw, dtype, asynchronous=sub_mesh),
             state_bytes=row.state_traffic_bytes,
+            hosts=hosts,
         )
     row.predicted_comm_bytes = comm.total_bytes
     fill_predicted(row, time_s, run, hw.peak_flops(dtype))

@@ -31,7 +31,7 @@ from jaxpar.config import Config, apply_overrides
 from jaxpar.errors import ConfigError, JaxparError
 from jaxpar.lab.hardware import Hardware, StepTime, roofline
 from jaxpar.lab.kernels import kernels
-from jaxpar.lab.network import step_time
+from jaxpar.lab.network import hosts_of, step_time
 from jaxpar.lab.predict import CommPrediction, predict_argument_bytes, predict_comm
 from jaxpar.lab.terms import Term
 from jaxpar.pipeline.branches import branch_table
@@ -180,6 +180,7 @@ def lower(
         config = apply_overrides(config, layout_overrides(layout))
         platform = None if timed else hw.platform
         run = build(config, task, fit_memory=timed, platform=platform)
+        hosts_of(run)  # its host degrees divide their axes (one process here ignores them)
         batch = global_batch_shapes(run.data.batch(0, run.config.train.batch_size))
         return Lowered(row, run, batch, run.trainer.lower_step(batch))
     except JaxparError as err:  # a layout that cannot run; anything else is a bug: raised
@@ -320,6 +321,7 @@ def _step_time(
         scale=scale,
         kernels=kernels(run, hw, dtype),
         state_bytes=row.state_traffic_bytes,
+        hosts=hosts_of(run),
     )
 
 

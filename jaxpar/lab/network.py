@@ -4,10 +4,15 @@ they cost there.
 A profile's chips sit in NVLink domains of :attr:`~jaxpar.lab.hardware.Hardware.
 domain_devices` chips (8 on an HGX board, 72 in a GB200 NVL72 rack); between domains each
 chip sends through its own NIC at :attr:`~jaxpar.lab.hardware.Hardware.network_bandwidth`.
-The mesh's devices fill the domains in mesh order: device index row-major over (data,
-stage, fsdp, context, tensor), outermost first, as :func:`jaxpar.mesh.make_mesh` lays them
-out (without ``mesh.hosts_*``). So ``tensor`` stays inside a domain longest and ``data``
-leaves it first.
+The mesh's devices fill the domains in process order, as :func:`jaxpar.mesh.make_mesh`
+lays them out (:func:`jaxpar.mesh.grid_ranks`): by default row-major over (data, stage,
+fsdp, context, tensor), outermost first, so ``tensor`` stays inside a domain longest and
+``data`` leaves it first; with ``mesh.hosts_*``, the degrees they name cross hosts and the
+rest stay within one, a host's devices in one domain (an 8-GPU node is both; the 4-GPU
+hosts of a GB200 rack fill its domain in order). Megatron-LM lays its ranks out with the
+pipeline outermost (``initialize_model_parallel``: tensor groups of consecutive ranks,
+data-parallel groups strided by ``t`` within a stage's block, pipeline groups strided by
+``world/p``): ``mesh.hosts_stage`` (and ``hosts_data``) say so.
 
 A collective over the axes its :class:`~jaxpar.lab.terms.Term` names falls, group by
 group, on ``m`` domains with ``k`` of its members in each (:func:`placements`). Inside one
@@ -56,6 +61,8 @@ from jaxpar.lab.hardware import (
     memory_time,
 )
 from jaxpar.lab.terms import Term
+from jaxpar.mesh import grid_ranks, host_degrees
+from jaxpar.run import Run
 
 
 @dataclass(frozen=True)
@@ -68,11 +75,15 @@ class Placement:
 
 
 def placements(
-    axes: Sequence[str], sizes: Mapping[str, int], domain_devices: int
+    axes: Sequence[str],
+    sizes: Mapping[str, int],
+    domain_devices: int,
+    ranks: np.ndarray | None = None,
 ) -> frozenset[Placement]:
     """The distinct placements of the groups of a collective over ``axes`` on a mesh of
     ``sizes`` (mesh axis order, outermost first) whose devices fill domains of
-    ``domain_devices`` in order (0: one domain holds them all)."""
+    ``domain_devices`` in order (0: one domain holds them all); ``ranks``: each place's
+    device in that order (:func:`jaxpar.mesh.grid_ranks`; None: row-major)."""
     names = list(sizes)
     assert set(axes) <= set(names), (axes, names)
     spanned = sorted({names.index(a) for a in axes})
@@ -80,7 +91,8 @@ def placements(
     total = math.prod(sizes.values())
     if not domain_devices or total <= domain_devices or n == 1:
         return frozenset({Placement(n, 1)})
-    index = np.arange(total).reshape([sizes[a] for a in names])
+    shape = [sizes[a] for a in names]
+    index = np.arange(total).reshape(shape) if ranks is None else ranks.reshape(shape)
     rest = [i for i in range(len(names)) if i not in spanned]
     domains = index.transpose(rest + spanned).reshape(-1, n) // domain_devices
     found = set()
@@ -127,6 +139,7 @@ def step_time(
     scale: float = 1.0,
     kernels: Kernels = UNKNOWN_KERNELS,
     state_bytes: float = 0.0,
+    hosts: Mapping[str, int] | None = None,
 ) -> StepTime:
     """The roofline of one step on ``hw`` with each collective placed on its NVLink domains
     and the network (the module docstring); equal to :func:`~jaxpar.lab.hardware.roofline`
@@ -143,15 +156,18 @@ def step_time(
       scale: multiplies every term's bytes (measured over predicted).
       kernels: the matmuls' shapes' efficiency and the other kernels' bytes.
       state_bytes: the state's part of ``traffic_bytes`` (its arguments and outputs).
+      hosts: how many of each axis's degree cross hosts (``mesh.hosts_*``:
+        :func:`jaxpar.mesh.host_degrees`); None: the outermost axes do.
     """
     nvlink, nic = hw.interconnect_bandwidth, hw.network_bandwidth
+    ranks = None if hosts is None else grid_ranks(dict(sizes), dict(hosts))
     known: dict[frozenset, frozenset[Placement]] = {}
     exposed, hidden = [0.0, 0.0], [0.0, 0.0]
     count = levels = 0
     for term in terms:
         key = frozenset(term.axes)
         if key not in known:
-            known[key] = placements(term.axes, sizes, hw.domain_devices)
+            known[key] = placements(term.axes, sizes, hw.domain_devices, ranks)
         options = [_bytes(term, p, hw, scale) for p in known[key]]
         inside, across = max(options, key=lambda b: b[0] / nvlink + b[1] / nic)
         into = hidden if term.hidden else exposed
@@ -171,3 +187,13 @@ def step_time(
         overhead_s=hw.step_overhead,
         elementwise_s=kernels.elementwise_bytes / hw.hbm_bandwidth,
     )
+
+
+def hosts_of(run: Run) -> dict[str, int] | None:
+    """How many of each axis's degree the run's ``mesh.hosts_*`` put across hosts, for a
+    plan of devices that may not be here (None: the default placement).
+
+    Raises:
+      LayoutError: a host degree that does not divide its axis.
+    """
+    return host_degrees(run.config.mesh, dict(run.plan.mesh.shape), None)
