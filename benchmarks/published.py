@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import math
 import re
 import sys
 import time
@@ -55,7 +54,7 @@ import yaml
 from jaxpar import JaxparError, load_config
 
 # the layout lab's estimate without compiling: what ``jaxpar plan --analytic`` runs
-from jaxpar.lab import analytic, hardware
+from jaxpar.lab import analytic, hardware, placement
 
 YAML = Path(__file__).with_name("published.yaml")
 GPT_KEYS = ["model.name=gpt", "model.positions=learned", "model.tie_embeddings=true"]
@@ -167,23 +166,10 @@ def megatron_hosts(t: int, d: int, p: int, per_server: int) -> list[str]:
     consecutive ranks on one server of ``per_server`` GPUs) as the ``mesh.hosts_*`` that
     put the same degrees across servers; none where jaxpar's own order (the stages inside
     the data-parallel replicas) places them the same."""
-    megatron = _across((("tensor", t), ("data", d), ("stage", p)), per_server)
-    if megatron == _across((("tensor", t), ("stage", p), ("data", d)), per_server):
-        return []
-    return [f"mesh.hosts_{axis}={n}" for axis, n in megatron.items() if n > 1]
-
-
-def _across(inner_first: tuple[tuple[str, int], ...], per_server: int) -> dict[str, int]:
-    """How much of each axis's degree crosses servers when the axes fill servers of
-    ``per_server`` devices innermost first (each keeps what room is left)."""
-    room, across = per_server, {}
-    for axis, degree in inner_first:
-        local = math.gcd(degree, room)
-        if local < min(degree, room):  # a server would hold part of a group of this axis
-            raise Unmapped(f"{dict(inner_first)} on {per_server}-GPU servers")
-        room //= local
-        across[axis] = degree // local
-    return dict(sorted(across.items()))
+    degrees = {"tensor": t, "data": d, "stage": p}
+    if placement.across(degrees, placement.PIPELINE_OUTERMOST, per_server) is None:
+        raise Unmapped(f"Megatron's ranks with t={t}, d={d}, p={p} on {per_server}-GPU servers")
+    return placement.pipeline_outermost(degrees, per_server)
 
 
 def remat_of(entry: dict, literal: bool = False) -> str:

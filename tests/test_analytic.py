@@ -19,6 +19,8 @@ from jaxpar.errors import ConfigError
 from jaxpar.lab import analytic, hardware, staged
 from jaxpar.lab.measure import measure
 from jaxpar.lab.pipeline_cost import pipeline_factor
+from jaxpar.lab.plan_text import format_plan
+from jaxpar.lab.planner import Planned, Ranking
 from jaxpar.pipeline import tick_table
 from jaxpar.pipeline.branches import Parts
 from jaxpar.plan import decide
@@ -176,6 +178,8 @@ def test_the_activations_follow_the_compiled_temporaries(pairs, model, layout, b
     estimated, compiled = pairs[model, layout]
     ratio = estimated.mem_temp_bytes / compiled.mem_temp_bytes
     assert bounds[0] <= ratio <= bounds[1], ratio
+    # the margin an estimated plan marks layouts within (yes?) holds for every case
+    assert ratio >= analytic.TEMPS_LOW, ratio
 
 
 @pytest.mark.parametrize(
@@ -315,6 +319,7 @@ def test_the_estimate_equals_the_compiled_step_at_32_devices(model, layouts, bou
         assert estimated["mem_args_bytes"] == compiled["mem_args_bytes"], f
         ratio = estimated["mem_temp_bytes"] / compiled["mem_temp_bytes"]
         assert bounds[0] <= ratio <= bounds[1], (f["layout"], ratio)
+        assert ratio >= analytic.TEMPS_LOW, (f["layout"], ratio)
 
 
 def test_a_chunk_its_family_refuses_is_refused_without_compiling():
@@ -551,3 +556,22 @@ def test_a_plan_traces_each_optimizer_once_and_tells_them_apart(gpt):
     sgd = state("sgd")
     assert adamw > sgd and len(decide._TRACED) == 2
     assert state("adamw") == adamw and len(decide._TRACED) == 2
+
+
+def test_an_estimated_plan_marks_what_fits_only_within_its_margin():
+    """A layout estimated to fit, but not were its temporaries 1/TEMPS_LOW of the estimate
+    (the grid's lowest ratio), is marked yes? and the note says why; with more memory it
+    is a plain yes; a compiled row is never marked."""
+    config = jaxpar.load_config([CONFIGS["gpt"]], [])
+    row = analytic.estimate(config, "data=4,stage=2", H100, 8)
+    assert row.ok and row.mem_temp_bytes
+    tight = row.mem_total_bytes + row.mem_temp_bytes * 0.1  # within 1/0.79 - 1 = 0.27
+    roomy = row.mem_total_bytes + row.mem_temp_bytes * 0.3
+    for memory, marked in ((tight, True), (roomy, False)):
+        row.fits = row.mem_total_bytes <= memory
+        assert analytic.may_not_fit(row, memory) is marked
+        text = format_plan(Ranking([Planned(row)], []), H100, memory)
+        assert ("yes?" in text) is marked, text
+        assert ("within the estimate's margin" in text) is marked
+    compiled = measure(config, "data=4,stage=2", H100)
+    assert not analytic.may_not_fit(compiled, compiled.mem_total_bytes * 1.01)

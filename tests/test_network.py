@@ -13,6 +13,7 @@ from jaxpar.config import apply_overrides, load_config
 from jaxpar.errors import ConfigError
 from jaxpar.lab import analytic, hardware, measure, predict, sweep
 from jaxpar.lab.network import Placement, placements, step_time
+from jaxpar.lab.planner import plan
 from jaxpar.lab.terms import Term
 from jaxpar.mesh import grid_ranks
 from jaxpar.run import build
@@ -277,3 +278,17 @@ def test_the_plan_prices_the_placement_mesh_hosts_choose(h100):
     assert bad.error == "mesh.hosts_tensor=3 does not divide mesh.tensor=2; pick a divisor"
     compiled = measure.lower(config, "data=4,tensor=2,mesh.hosts_tensor=3", h100)
     assert compiled.error == bad.error
+
+
+def test_a_plan_for_a_cluster_prices_the_pipeline_outermost_too(h100):
+    """On 16 H100s (two 8-GPU domains) an estimated plan ranks each pipelined layout in
+    both placements: ``data=4,stage=4`` with jaxpar's order (two replicas a node) and with
+    the pipeline outermost (``mesh.hosts_stage=2``: two stages a node, the 4 replicas of a
+    stage on one NVLink). None where the config names a placement, or on one domain."""
+    config = load_config([], [*GPT_SMALL, "model.n_layers=4", "train.batch_size=64"])
+    layouts = {p.row.layout for p in plan(config, 16, h100, analytic=True)}
+    assert {"data=4,stage=4", "data=4,stage=4,mesh.hosts_stage=2"} <= layouts
+    assert not any("hosts" in x for x in layouts if "stage" not in x)
+    named = apply_overrides(config, ["mesh.hosts_data=2"])
+    assert not any("hosts_stage" in p.row.layout for p in plan(named, 16, h100, analytic=True))
+    assert not any("hosts" in p.row.layout for p in plan(config, 8, h100, analytic=True))

@@ -251,3 +251,18 @@ def estimate(
     row.predicted_comm_bytes = comm.total_bytes
     fill_predicted(row, time_s, run, hw.peak_flops(dtype))
     return row
+
+
+#: the lowest ratio of estimated to compiled temporaries on the test grid
+#: (``tests/test_analytic.py``: 8 and 32 simulated devices, every axis; JAX 0.10 and 0.12):
+#: 0.80 where a pipeline chunk is a loop of layers, beside whose stacked activations XLA
+#: holds the layer it runs, and whose heap it packs 3–8% above the live bytes
+TEMPS_LOW = 0.79
+
+
+def may_not_fit(row: Row, memory_bytes: float) -> bool:
+    """An estimated row (nothing compiled) that fits ``memory_bytes``, but would not were
+    its temporaries 1/:data:`TEMPS_LOW` of the estimate."""
+    if not row.ok or not row.fits or row.compile_s is not None or not row.mem_temp_bytes:
+        return False
+    return row.mem_total_bytes + row.mem_temp_bytes * (1 / TEMPS_LOW - 1) > memory_bytes

@@ -3,6 +3,7 @@ fastest layout that fits (``jaxpar plan``; :mod:`jaxpar.lab.planner` ranks)."""
 
 from __future__ import annotations
 
+from jaxpar.lab.analytic import TEMPS_LOW, may_not_fit
 from jaxpar.lab.chart import fmt_value
 from jaxpar.lab.hardware import Hardware
 from jaxpar.lab.planner import Planned, best
@@ -57,7 +58,7 @@ def format_plan(planned: list[Planned], hw: Hardware, memory: float, top: int | 
     ``top`` first of the layouts that fit, of those that do not, and of those that cannot
     run, with a line counting the rest (None or 0: every layout)."""
     shown = _shown(planned, top)
-    lines = _table(planned, shown, hw)
+    lines = _table(planned, shown, hw, memory)
     lines.append(_footer(hw, memory))
     lines += getattr(planned, "notes", [])
     if len(shown) < len(planned):
@@ -74,10 +75,21 @@ def format_plan(planned: list[Planned], hw: Hardware, memory: float, top: int | 
             "without a lab module has no activation collectives either (tensor and context "
             "layouts look cheaper than they are)"
         )
+    if any(may_not_fit(p.row, memory) for p in shown):
+        lines.append(
+            "note: yes? = estimated to fit (nothing compiled), but not were its temporaries "
+            f"1/{TEMPS_LOW} of the estimate, the lowest ratio of estimated to compiled "
+            "temporaries on the test grid (docs/lab.md); `jaxpar inspect` on the devices "
+            "themselves says how much it holds"
+        )
     lines += [_fix(p) for p in shown if not p.row.ok or not p.row.fits]
     found = best(planned)
+    margin = (
+        " (yes?: within the estimate's margin)" if found and may_not_fit(found[1], memory) else ""
+    )
     lines.append(
-        f"fastest that fits: `{found[0]}`, predicted {fmt_time(found[1].predicted_step_time_s)}"
+        f"fastest that fits: `{found[0]}`, predicted "
+        f"{fmt_time(found[1].predicted_step_time_s)}{margin}"
         if found
         else "no layout fits"
     )
@@ -140,9 +152,9 @@ HEAD = [
 ]
 
 
-def _table(planned: list[Planned], shown: list[Planned], hw: Hardware) -> list[str]:
+def _table(planned: list[Planned], shown: list[Planned], hw: Hardware, memory: float) -> list[str]:
     """The ranked table's lines of the ``shown`` layouts, each numbered by its place in
-    the whole ranking."""
+    the whole ranking; an estimate that fits within its margin of ``memory`` says yes?."""
     place = {id(p): i for i, p in enumerate(planned, 1)}
     body = []
     for p in shown:
@@ -156,7 +168,7 @@ def _table(planned: list[Planned], shown: list[Planned], hw: Hardware) -> list[s
                 rank,
                 r.layout,
                 fmt_value(r.mem_total_bytes, "B"),
-                "yes" if r.fits else "NO",
+                ("yes?" if may_not_fit(r, memory) else "yes") if r.fits else "NO",
                 fmt_time(r.predicted_step_time_s),
                 f"{r.predicted_tokens_per_s_per_device:,.0f}",
                 "" if r.predicted_mfu is None else f"{r.predicted_mfu:.1%}",
