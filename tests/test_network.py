@@ -11,11 +11,11 @@ import yaml
 
 from jaxpar.config import apply_overrides, load_config
 from jaxpar.errors import ConfigError
-from jaxpar.lab import analytic, hardware, measure, predict, sweep
+from jaxpar.lab import analytic, hardware, measure, planner, predict, sweep
 from jaxpar.lab.network import Placement, placements, step_time
 from jaxpar.lab.planner import plan
 from jaxpar.lab.terms import Term
-from jaxpar.mesh import grid_ranks
+from jaxpar.mesh import grid_ranks, host_degrees
 from jaxpar.run import build
 from tests.helpers import GPT_SMALL
 from tests.test_moe import MOE
@@ -292,3 +292,24 @@ def test_a_plan_for_a_cluster_prices_the_pipeline_outermost_too(h100):
     named = apply_overrides(config, ["mesh.hosts_data=2"])
     assert not any("hosts_stage" in p.row.layout for p in plan(named, 16, h100, analytic=True))
     assert not any("hosts" in p.row.layout for p in plan(config, 8, h100, analytic=True))
+
+
+def test_the_pipeline_outermost_is_named_in_hosts_a_run_can_take():
+    """The placement variants' ``mesh.hosts_*`` count hosts (a run's processes): on
+    GB200 racks, 4-GPU trays, so ``data=36,stage=4`` on 144 GPUs puts 9 × 4 = 36 hosts
+    across, as many as the run has processes (make_mesh's own check accepts it); within
+    one domain there is nothing to place."""
+    gb200 = hardware.get_profile("gb200")
+    config = load_config([], GPT_SMALL)
+    [variant] = planner._placements(["data=36,stage=4"], config, gb200)
+    assert variant == "data=36,stage=4,mesh.hosts_data=9,mesh.hosts_stage=4"
+    mesh = apply_overrides(config, sweep.layout_overrides(variant)).mesh
+    degrees = {a: getattr(mesh, a) for a in ("data", "stage", "fsdp", "context", "tensor")}
+    assert host_degrees(mesh, degrees, 144 // 4) == {
+        "data": 9,
+        "stage": 4,
+        "fsdp": 1,
+        "context": 1,
+        "tensor": 1,
+    }
+    assert planner._placements(["data=4,stage=4"], config, gb200) == []

@@ -71,6 +71,10 @@ class Hardware:
     #: collective whose group leaves it crosses the network (:mod:`jaxpar.lab.network`).
     #: 0: one domain holds every chip
     domain_devices: int = 0
+    #: chips one host (one process of a run) drives: what ``mesh.hosts_*`` count in (8 on
+    #: an HGX board, 4 on a GB200 compute tray, whose 18 fill a rack's domain); 0: a host
+    #: is a domain
+    host_devices: int = 0
     #: seconds a collective that crosses the network costs besides ``collective_latency``,
     #: per level of NCCL's tree across domains (:mod:`jaxpar.lab.network`)
     network_latency: float = 0.0
@@ -91,6 +95,11 @@ class Hardware:
         """Bytes/s one chip sends to the other chips of its NVLink domain (all links, one
         direction)."""
         return self.link_bandwidth * self.links
+
+    @property
+    def devices_per_host(self) -> int:
+        """Chips one host drives (:attr:`host_devices`, else a domain's; 0: unknown)."""
+        return self.host_devices or self.domain_devices
 
     def peak_flops(self, dtype: str) -> float:
         """Peak matmul FLOP/s for the model's compute dtype."""
@@ -147,6 +156,7 @@ _OPTIONAL = {
     "latency_per": LATENCY_PER,
     "step_overhead": 0,
     "domain_devices": 0,
+    "host_devices": 0,
     "network_latency": 0,
     "matmul_efficiency": None,
     "flops_fp8": 0,
@@ -162,7 +172,7 @@ _LEAST = {
 #: the number fields that are a share: above 0, at most 1
 _SHARES = ("matmul_efficiency", "matmul_efficiency_fp8")
 #: the number fields that count things (whole numbers)
-_COUNTS = ("links", "domain_devices")
+_COUNTS = ("links", "domain_devices", "host_devices")
 
 
 def _typed(profile: str, field: str, value: object) -> object:

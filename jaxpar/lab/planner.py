@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,8 +141,9 @@ def _placements(layouts: list[str], config: Config, hw: Hardware) -> list[str]:
     variants = []
     for x in layouts:
         degrees = _degrees(x)
-        if degrees.get(Axis.STAGE, 1) > 1:
-            hosts = pipeline_outermost(degrees, hw.domain_devices)
+        spans = math.prod(degrees.get(a, 1) for a in Axis) > hw.domain_devices
+        if spans and degrees.get(Axis.STAGE, 1) > 1:  # hosts_* count hosts, as a run does
+            hosts = pipeline_outermost(degrees, hw.devices_per_host)
             variants += [",".join([x, *hosts])] if hosts else []
     return variants
 
