@@ -191,7 +191,8 @@ def host_degrees(
     for axis, d in chosen.items():
         if degrees[axis] % d:
             raise LayoutError(
-                f"mesh.hosts_{axis}={d} does not divide mesh.{axis}={degrees[axis]}; pick a divisor"
+                f"mesh.hosts_{axis}={d} does not divide mesh.{axis}={degrees[axis]}; pick a "
+                "divisor of it, or let another axis cross the hosts (mesh.hosts_<axis>)"
             )
     return chosen
 

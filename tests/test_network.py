@@ -275,7 +275,10 @@ def test_the_plan_prices_the_placement_mesh_hosts_choose(h100):
     assert rows[",mesh.hosts_data=2"].predicted_comm_s == default
     assert rows[",mesh.hosts_tensor=2"].predicted_comm_s > 2 * default
     bad = analytic.estimate(config, "data=8,tensor=2,mesh.hosts_tensor=3", h100, 16)
-    assert bad.error == "mesh.hosts_tensor=3 does not divide mesh.tensor=2; pick a divisor"
+    assert bad.error == (
+        "mesh.hosts_tensor=3 does not divide mesh.tensor=2; pick a divisor of it, or let "
+        "another axis cross the hosts (mesh.hosts_<axis>)"
+    )
     compiled = measure.lower(config, "data=4,tensor=2,mesh.hosts_tensor=3", h100)
     assert compiled.error == bad.error
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import statistics
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -179,8 +180,11 @@ def lower(
     try:
         config = apply_overrides(config, layout_overrides(layout))
         platform = None if timed else hw.platform
-        run = build(config, task, fit_memory=timed, platform=platform)
-        hosts_of(run)  # its host degrees divide their axes (one process here ignores them)
+        with warnings.catch_warnings():  # one process here: the program is the same, and
+            # the prediction places it as mesh.hosts_* say
+            warnings.filterwarnings("ignore", "mesh.hosts_. have no effect")
+            run = build(config, task, fit_memory=timed, platform=platform)
+        hosts_of(run)  # its host degrees divide their axes
         batch = global_batch_shapes(run.data.batch(0, run.config.train.batch_size))
         return Lowered(row, run, batch, run.trainer.lower_step(batch))
     except JaxparError as err:  # a layout that cannot run; anything else is a bug: raised
