@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import re
 import sys
 import time
@@ -54,7 +55,7 @@ import yaml
 from jaxpar import JaxparError, load_config
 
 # the layout lab's estimate without compiling: what ``jaxpar plan --analytic`` runs
-from jaxpar.lab import analytic, hardware, placement
+from jaxpar.lab import analytic, hardware
 
 YAML = Path(__file__).with_name("published.yaml")
 GPT_KEYS = ["model.name=gpt", "model.positions=learned", "model.tie_embeddings=true"]
@@ -149,7 +150,7 @@ def layout_of(entry: dict) -> str:
         raise Unmapped(f"global batch {lay['global_batch']} is not a multiple of d·mb")
     parts = [f"data={d}", f"fsdp={f}", f"tensor={t}", f"stage={p}"]
     if lay.get("ranks") == "megatron":
-        parts += megatron_hosts(t, d, p, hardware.get_profile(entry["hardware"]).domain_devices)
+        parts += megatron_hosts(t, d, p, hardware.get_profile(entry["hardware"]).devices_per_host)
     if p > 1:
         schedule = "interleaved" if v > 1 else "1f1b"
         parts += [f"pipeline.schedule={schedule}", f"pipeline.microbatches={steps}"]
@@ -166,10 +167,29 @@ def megatron_hosts(t: int, d: int, p: int, per_server: int) -> list[str]:
     consecutive ranks on one server of ``per_server`` GPUs) as the ``mesh.hosts_*`` that
     put the same degrees across servers; none where jaxpar's own order (the stages inside
     the data-parallel replicas) places them the same."""
-    degrees = {"tensor": t, "data": d, "stage": p}
-    if placement.across(degrees, placement.PIPELINE_OUTERMOST, per_server) is None:
-        raise Unmapped(f"Megatron's ranks with t={t}, d={d}, p={p} on {per_server}-GPU servers")
-    return placement.pipeline_outermost(degrees, per_server)
+    megatron = _across((("tensor", t), ("data", d), ("stage", p)), per_server)
+    if megatron is None:
+        raise Unmapped(
+            f"Megatron's ranks with t={t}, d={d}, p={p}: a server of {per_server} GPUs would "
+            "hold part of one group and part of the next, which mesh.hosts_* cannot name"
+        )
+    if megatron == _across((("tensor", t), ("stage", p), ("data", d)), per_server):
+        return []
+    return [f"mesh.hosts_{axis}={n}" for axis, n in megatron.items() if n > 1]
+
+
+def _across(inner_first: tuple[tuple[str, int], ...], per_server: int) -> dict[str, int] | None:
+    """How much of each axis's degree crosses servers when the axes fill servers of
+    ``per_server`` devices innermost first, each keeping what room is left; None where a
+    server would hold part of one group and part of the next."""
+    room, across = per_server, {}
+    for axis, degree in inner_first:
+        local = math.gcd(degree, room)
+        if local < min(degree, room):
+            return None
+        room //= local
+        across[axis] = degree // local
+    return dict(sorted(across.items()))
 
 
 def remat_of(entry: dict, literal: bool = False) -> str:
@@ -254,7 +274,9 @@ def predict(entry: dict, literal: bool = False) -> Result:
         hw = hardware.get_profile(entry["hardware"])
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            row = analytic.estimate(config, res.layout, hw, entry["gpus"])
+            # another framework's run: its processes are its own (Megatron's stages cross
+            # servers, which a jaxpar run of one process a server refuses)
+            row = analytic.estimate(config, res.layout, hw, entry["gpus"], processes=False)
         res.error = row.error
     except (Unmapped, JaxparError) as err:
         res.error = str(err)

@@ -11,11 +11,10 @@ import yaml
 
 from jaxpar.config import apply_overrides, load_config
 from jaxpar.errors import ConfigError
-from jaxpar.lab import analytic, hardware, measure, planner, predict, sweep
+from jaxpar.lab import analytic, hardware, measure, predict, sweep
 from jaxpar.lab.network import Placement, placements, step_time
-from jaxpar.lab.planner import plan
 from jaxpar.lab.terms import Term
-from jaxpar.mesh import grid_ranks, host_degrees
+from jaxpar.mesh import grid_ranks
 from jaxpar.run import build
 from tests.helpers import GPT_SMALL
 from tests.test_moe import MOE
@@ -167,6 +166,7 @@ def _profile(tmp_path, **fields):
         ({"network_latency": -1e-6}, "network_latency=-1e-06 must be a finite number at least 0"),
         ({"network_bandwidth": 0}, "network_bandwidth=0 must be a finite number above 0"),
         ({"links": 2.5}, "links=2.5 must be a whole number at least 1"),
+        ({"host_devices": 4.5}, "host_devices=4.5 must be a whole number at least 0"),
     ],
 )
 def test_a_bad_network_field_is_one_line(tmp_path, fields, message):
@@ -192,6 +192,11 @@ def test_the_network_fields_are_optional_and_load_as_written(tmp_path):
         "a100_40": 8,
         "b200": 8,
         "gb200": 72,
+    }
+    # a host drives a domain (an 8-GPU server) but on GB200, whose 4-GPU trays fill a rack
+    assert {k: p.devices_per_host for k, p in profiles.items()} == {
+        **{k: 8 for k in profiles},
+        "gb200": 4,
     }
     # InfiniBand HDR and NDR a GPU; a Google Cloud A3 High VM's 1,000 Gb/s over 8 GPUs
     assert {p.network_bandwidth for p in profiles.values()} == {25e9, 50e9, 15.625e9}
@@ -261,58 +266,41 @@ def test_mesh_hosts_put_the_degrees_they_name_across_domains(h100):
 
 
 def test_the_plan_prices_the_placement_mesh_hosts_choose(h100):
-    """An estimate on 16 H100s (two 8-GPU domains) honours ``mesh.hosts_*``: naming the
-    default placement changes nothing; putting ``tensor`` across the hosts sends its
-    all-reduces over the network; a host degree that does not divide its axis is refused
-    in one line, estimated or compiled."""
+    """An estimate on 16 H100s (two 8-GPU hosts, each a domain) honours ``mesh.hosts_*``:
+    naming the default placement changes nothing; putting ``tensor`` across the hosts
+    sends its all-reduces over the network (priced as another framework's run would be:
+    a jaxpar run refuses it, below); a host degree that does not divide its axis, or host
+    degrees that do not multiply to the hosts, are refused in one line."""
     config = load_config([], GPT_SMALL)
     rows = {
-        hosts: analytic.estimate(config, f"data=8,tensor=2{hosts}", h100, 16)
+        hosts: analytic.estimate(config, f"data=8,tensor=2{hosts}", h100, 16, processes=False)
         for hosts in ("", ",mesh.hosts_data=2", ",mesh.hosts_tensor=2")
     }
     assert all(r.ok for r in rows.values()), [r.error for r in rows.values()]
     default = rows[""].predicted_comm_s
     assert rows[",mesh.hosts_data=2"].predicted_comm_s == default
     assert rows[",mesh.hosts_tensor=2"].predicted_comm_s > 2 * default
-    bad = analytic.estimate(config, "data=8,tensor=2,mesh.hosts_tensor=3", h100, 16)
-    assert bad.error == (
-        "mesh.hosts_tensor=3 does not divide mesh.tensor=2; pick a divisor of it, or let "
-        "another axis cross the hosts (mesh.hosts_<axis>)"
+    bad = analytic.estimate(config, "data=8,tensor=2,mesh.hosts_tensor=4", h100, 16)
+    assert bad.error.startswith("host degrees (mesh.hosts_data=1, ") and bad.error.endswith(
+        "multiply to 4 but the run has 2 processes; make their product 2"
     )
-    compiled = measure.lower(config, "data=4,tensor=2,mesh.hosts_tensor=3", h100)
-    assert compiled.error == bad.error
+    many = analytic.estimate(config, "data=8,tensor=2,mesh.hosts_data=4", h100, 16)
+    assert many.error.startswith("host degrees (mesh.hosts_data=4, ") and many.error.endswith(
+        "multiply to 4 but the run has 2 processes; make their product 2"
+    )
+    # one host: nothing crosses, as a run of one process ignores them
+    assert measure.lower(config, "data=4,tensor=2,mesh.hosts_tensor=3", h100).run
 
 
-def test_a_plan_for_a_cluster_prices_the_pipeline_outermost_too(h100):
-    """On 16 H100s (two 8-GPU domains) an estimated plan ranks each pipelined layout in
-    both placements: ``data=4,stage=4`` with jaxpar's order (two replicas a node) and with
-    the pipeline outermost (``mesh.hosts_stage=2``: two stages a node, the 4 replicas of a
-    stage on one NVLink). None where the config names a placement, or on one domain."""
-    config = load_config([], [*GPT_SMALL, "model.n_layers=4", "train.batch_size=64"])
-    layouts = {p.row.layout for p in plan(config, 16, h100, analytic=True)}
-    assert {"data=4,stage=4", "data=4,stage=4,mesh.hosts_stage=2"} <= layouts
-    assert not any("hosts" in x for x in layouts if "stage" not in x)
-    named = apply_overrides(config, ["mesh.hosts_data=2"])
-    assert not any("hosts_stage" in p.row.layout for p in plan(named, 16, h100, analytic=True))
-    assert not any("hosts" in p.row.layout for p in plan(config, 8, h100, analytic=True))
-
-
-def test_the_pipeline_outermost_is_named_in_hosts_a_run_can_take():
-    """The placement variants' ``mesh.hosts_*`` count hosts (a run's processes): on
-    GB200 racks, 4-GPU trays, so ``data=36,stage=4`` on 144 GPUs puts 9 × 4 = 36 hosts
-    across, as many as the run has processes (make_mesh's own check accepts it); within
-    one domain there is nothing to place."""
-    gb200 = hardware.get_profile("gb200")
-    config = load_config([], GPT_SMALL)
-    [variant] = planner._placements(["data=36,stage=4"], config, gb200)
-    assert variant == "data=36,stage=4,mesh.hosts_data=9,mesh.hosts_stage=4"
-    mesh = apply_overrides(config, sweep.layout_overrides(variant)).mesh
-    degrees = {a: getattr(mesh, a) for a in ("data", "stage", "fsdp", "context", "tensor")}
-    assert host_degrees(mesh, degrees, 144 // 4) == {
-        "data": 9,
-        "stage": 4,
-        "fsdp": 1,
-        "context": 1,
-        "tensor": 1,
-    }
-    assert planner._placements(["data=4,stage=4"], config, gb200) == []
+def test_a_cluster_plan_refuses_what_a_run_of_one_process_a_host_refuses(h100):
+    """Each process of a multi-host run loads its own batch rows, so the devices sharing
+    rows must be one host's: on 16 H100s, ``stage=4,tensor=4`` spreads each replica's
+    stages over the two hosts and is refused in the run's own words, where
+    ``data=4,tensor=4`` runs; as another framework's run (``processes=False``) it is
+    priced."""
+    config = load_config([], [*GPT_SMALL, "model.n_layers=4"])
+    refused = analytic.estimate(config, "stage=4,tensor=4", h100, 16)
+    assert refused.error.startswith("batch 'tokens': processes split the mesh along stage")
+    assert "\n" not in refused.error and "mesh.hosts_data" in refused.error
+    assert analytic.estimate(config, "data=4,tensor=4", h100, 16).ok
+    assert analytic.estimate(config, "stage=4,tensor=4", h100, 16, processes=False).ok

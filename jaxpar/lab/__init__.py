@@ -1,8 +1,7 @@
 """The layout lab: measure (:mod:`~jaxpar.lab.sweep`), predict
 (:mod:`~jaxpar.lab.predict`, :mod:`~jaxpar.lab.hardware`), estimate without compiling
-(:mod:`~jaxpar.lab.analytic`) and rank (:mod:`~jaxpar.lab.planner`) the layouts of a model,
-placed on a cluster's NVLink domains (:mod:`~jaxpar.lab.placement`)."""
+(:mod:`~jaxpar.lab.analytic`) and rank (:mod:`~jaxpar.lab.planner`) the layouts of a model."""
 
-from jaxpar.lab import analytic, hardware, placement, planner, predict, sweep
+from jaxpar.lab import analytic, hardware, planner, predict, sweep
 
-__all__ = ["analytic", "hardware", "placement", "planner", "predict", "sweep"]
+__all__ = ["analytic", "hardware", "planner", "predict", "sweep"]

@@ -186,10 +186,13 @@ def estimate(
     memory_bytes: float | None = None,
     task: Task | None = None,
     cpu: bool = False,
+    processes: bool = True,
 ) -> Row:
     """The row of ``layout`` on ``devices`` devices of ``hw``'s platform, nothing compiled
     (its ``error`` says why a layout cannot run); ``cpu``: the activations as XLA:CPU
-    holds them (bfloat16 as float32: what the tests compare with)."""
+    holds them (bfloat16 as float32: what the tests compare with); ``processes``: refuse
+    what a run of one process a host refuses (a process that does not own whole batch
+    rows: :func:`~jaxpar.lab.network.hosts_of`; False prices another framework's run)."""
     row = Row(layout, hardware=hw.key)
     try:
         config = apply_overrides(config, layout_overrides(layout))
@@ -201,7 +204,7 @@ def estimate(
         data = None if task is not None else _read_once(config)
         run = build(config, task, target=(devices, hw.platform), data=data)
         check_chunk(run)
-        hosts = hosts_of(run)
+        hosts = hosts_of(run, hw, processes)
     except JaxparError as err:
         row.error = str(err)
         return row

@@ -184,7 +184,7 @@ def lower(
             # the prediction places it as mesh.hosts_* say
             warnings.filterwarnings("ignore", "mesh.hosts_. have no effect")
             run = build(config, task, fit_memory=timed, platform=platform)
-        hosts_of(run)  # its host degrees divide their axes
+        hosts_of(run, hw, processes=False)  # its host degrees divide their axes
         batch = global_batch_shapes(run.data.batch(0, run.config.train.batch_size))
         return Lowered(row, run, batch, run.trainer.lower_step(batch))
     except JaxparError as err:  # a layout that cannot run; anything else is a bug: raised
@@ -325,7 +325,7 @@ def _step_time(
         scale=scale,
         kernels=kernels(run, hw, dtype),
         state_bytes=row.state_traffic_bytes,
-        hosts=hosts_of(run),
+        hosts=hosts_of(run, hw, processes=False),
     )
 
 

@@ -12,7 +12,8 @@ rest stay within one, a host's devices in one domain (an 8-GPU node is both; the
 hosts of a GB200 rack fill its domain in order). Megatron-LM lays its ranks out with the
 pipeline outermost (``initialize_model_parallel``: tensor groups of consecutive ranks,
 data-parallel groups strided by ``t`` within a stage's block, pipeline groups strided by
-``world/p``): ``mesh.hosts_stage`` (and ``hosts_data``) say so.
+``world/p``): where a host is a whole domain (an 8-GPU server), ``mesh.hosts_stage`` (and
+``hosts_data``) say so; hosts are numbered ``data`` first, so on smaller hosts they cannot.
 
 A collective over the axes its :class:`~jaxpar.lab.terms.Term` names falls, group by
 group, on ``m`` domains with ``k`` of its members in each (:func:`placements`). Inside one
@@ -62,6 +63,7 @@ from jaxpar.lab.hardware import (
 )
 from jaxpar.lab.terms import Term
 from jaxpar.mesh import grid_ranks, host_degrees
+from jaxpar.plan.checks import check_processes_own_rows
 from jaxpar.run import Run
 
 
@@ -189,11 +191,24 @@ def step_time(
     )
 
 
-def hosts_of(run: Run) -> dict[str, int] | None:
-    """How many of each axis's degree the run's ``mesh.hosts_*`` put across hosts, for a
-    plan of devices that may not be here (None: the default placement).
+def hosts_of(run: Run, hw: Hardware, processes: bool = True) -> dict[str, int] | None:
+    """How many of each axis's degree the run's ``mesh.hosts_*`` put across hosts of
+    ``hw`` (one process a host of :attr:`~jaxpar.lab.hardware.Hardware.devices_per_host`
+    GPUs), for a plan of devices that may not be here; None: the default placement, or
+    devices of one host (nothing crosses, as one process ignores them). ``processes``: and
+    each process owns whole batch rows, as a multi-process run checks.
 
     Raises:
-      LayoutError: a host degree that does not divide its axis.
+      LayoutError: host degrees that do not divide their axes or multiply to the hosts;
+        with ``processes``, processes that split an axis the batch is not split over.
     """
-    return host_degrees(run.config.mesh, dict(run.plan.mesh.shape), None)
+    per_host = hw.devices_per_host
+    devices = run.plan.mesh.size
+    if not per_host or devices <= per_host or devices % per_host:
+        return None
+    sizes = dict(run.plan.mesh.shape)
+    hosts = host_degrees(run.config.mesh, sizes, devices // per_host)
+    if processes:
+        grid = grid_ranks(sizes, hosts) // per_host
+        check_processes_own_rows(run.plan.mesh, run.plan.batch_specs, grid)
+    return hosts

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +34,6 @@ from jaxpar.lab.chart import fmt_value
 from jaxpar.lab.families import lab_named
 from jaxpar.lab.hardware import Hardware
 from jaxpar.lab.measure import Row, layout_overrides, measure
-from jaxpar.lab.placement import pipeline_outermost
 from jaxpar.lab.sweep import SEQUENCE_PARALLEL, default_layouts, runnable
 from jaxpar.lab.workers import default_workers, measure_all
 from jaxpar.outputs import check_new_folder
@@ -131,23 +129,6 @@ def _within_domains(layouts: list[str], note: str | None, hw: Hardware) -> tuple
     return kept, note
 
 
-def _placements(layouts: list[str], config: Config, hw: Hardware) -> list[str]:
-    """For a plan of more devices than one of ``hw``'s NVLink domains, whose config names
-    no placement (``mesh.hosts_*``): each pipelined layout (that runs) again with the pipeline
-    outermost (:func:`~jaxpar.lab.placement.pipeline_outermost`) where that places its
-    axes otherwise than jaxpar's own order."""
-    if not hw.domain_devices or any(getattr(config.mesh, f"hosts_{a}") for a in Axis):
-        return []
-    variants = []
-    for x in layouts:
-        degrees = _degrees(x)
-        spans = math.prod(degrees.get(a, 1) for a in Axis) > hw.domain_devices
-        if spans and degrees.get(Axis.STAGE, 1) > 1:  # hosts_* count hosts, as a run does
-            hosts = pipeline_outermost(degrees, hw.devices_per_host)
-            variants += [",".join([x, *hosts])] if hosts else []
-    return variants
-
-
 def _cuttable(
     layouts: list[str], note: str | None, config: Config, task: Task | None
 ) -> tuple[list[str], str]:
@@ -218,10 +199,8 @@ def plan(
     ``task``: a user's task (default: the built-in model the config names); ``workers``:
     how many layouts compile at once (default: one per core); ``analytic``: estimate each
     layout from the model's shape instead of compiling it (:mod:`jaxpar.lab.analytic`:
-    any device count), and each pipelined one that runs in a second placement, the
-    pipeline outermost (:func:`_placements`)."""
+    any device count)."""
     memory = memory_bytes or hw.memory_bytes
-    given = bool(layouts)
     if layouts:
         layouts, note = runnable(list(dict.fromkeys(layouts)), task or task_for(config))
     else:
@@ -232,10 +211,6 @@ def plan(
     workers = workers or default_workers()
     how = Measuring(config, hw, memory, task, workers, echo, devices if analytic else 0)
     rows = _measure(how, layouts, {})
-    if analytic and not given:
-        placed = _placements([x for x in layouts if rows[x].ok], config, hw)
-        rows = _measure(how, placed, rows)
-        layouts = [*layouts, *placed]
     planned = [Planned(rows[x]) for x in layouts]
     misfits = [p for p in planned if p.row.ok and not p.row.fits]
     variants = [v for p in misfits for v in fixes(config, p.row.layout, p.row, task)]

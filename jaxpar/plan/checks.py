@@ -9,7 +9,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, PartitionSpec
+import numpy as np
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from jaxpar import sharding as shd
 from jaxpar.axes import BATCH_AXES, Axis
@@ -40,24 +41,34 @@ def batch_specs(
     return specs
 
 
-def check_processes_own_rows(mesh: Mesh, specs: Mapping[str, PartitionSpec]) -> None:
+def check_processes_own_rows(
+    mesh: Mesh | AbstractMesh,
+    specs: Mapping[str, PartitionSpec],
+    processes: np.ndarray | None = None,
+) -> None:
     """Each process loads its own ``1/processes`` of a batch's rows, so devices holding the
     same rows (the same place along the axes splitting them) must be one process's.
+    ``processes``: each place of the mesh's grid as its process (a plan for devices that
+    are not here); None: the mesh's devices' own.
 
     Raises:
       LayoutError: for processes split along an axis that does not split the batch.
     """
-    if not isinstance(mesh, Mesh) or len({d.process_index for d in mesh.devices.flat}) == 1:
-        return  # one process, or an abstract mesh (a plan for devices not here)
+    if processes is None:
+        if not isinstance(mesh, Mesh):
+            return  # an abstract mesh, whose processes the plan did not say
+        processes = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
+    if len(np.unique(processes)) == 1:
+        return
     for key, spec in specs.items():
         axes = spec_axes(spec[:1])
         keep = [mesh.axis_names.index(a) for a in axes]
-        rest = [i for i in range(mesh.devices.ndim) if i not in keep]
-        groups = mesh.devices.transpose(*keep, *rest).reshape(
+        rest = [i for i in range(processes.ndim) if i not in keep]
+        groups = processes.transpose(*keep, *rest).reshape(
             math.prod(mesh.shape[a] for a in axes), -1
         )
         for group in groups:
-            if len({d.process_index for d in group}) > 1:
+            if len(set(group.tolist())) > 1:
                 across = [a for a in mesh.axis_names if a not in axes and mesh.shape[a] > 1]
                 raise LayoutError(
                     f"batch '{key}': processes split the mesh along {', '.join(across)}, which "
