@@ -209,8 +209,8 @@ def grid_ranks(degrees: dict[str, int], hosts: dict[str, int] | None = None) -> 
     ranks = np.arange(math.prod(shape))
     if hosts is None:
         return ranks.reshape(shape)
-    outer = tuple(hosts[a] for a in MESH_AXES)
-    inner = tuple(degrees[a] // hosts[a] for a in MESH_AXES)
+    outer = tuple(hosts.get(a, 1) for a in MESH_AXES)
+    inner = tuple(degrees[a] // hosts.get(a, 1) for a in MESH_AXES)
     n = len(MESH_AXES)  # interleave (host part, local part) per axis, host part major
     grid = ranks.reshape(outer + inner)
     grid = grid.transpose([i for pair in zip(range(n), range(n, 2 * n)) for i in pair])

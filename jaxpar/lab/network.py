@@ -53,6 +53,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jaxpar.axes import MESH_AXES
 from jaxpar.lab.hardware import (
     UNKNOWN_KERNELS,
     Hardware,
@@ -162,7 +163,10 @@ def step_time(
         :func:`jaxpar.mesh.host_degrees`); None: the outermost axes do.
     """
     nvlink, nic = hw.interconnect_bandwidth, hw.network_bandwidth
-    ranks = None if hosts is None else grid_ranks(dict(sizes), dict(hosts))
+    ranks = None
+    if hosts is not None:  # the grid in mesh axis order, as grid_ranks lays it out
+        sizes = {a: sizes.get(a, 1) for a in MESH_AXES}
+        ranks = grid_ranks(sizes, dict(hosts))
     known: dict[frozenset, frozenset[Placement]] = {}
     exposed, hidden = [0.0, 0.0], [0.0, 0.0]
     count = levels = 0
