@@ -41,7 +41,8 @@ class MeshConfig:
     across hosts — the slow network — while the rest stays within a host. 0 for every
     axis (default) lets the outermost axes cross hosts (``data`` first: data parallelism
     needs the least bandwidth). Otherwise they must multiply to the process count and each
-    divide its axis.
+    divide its axis. Each process loads its own batch rows, so a run refuses ``stage``,
+    ``context`` or ``tensor`` across hosts; ``jaxpar plan`` still prices such placements.
     """
 
     data: int = Field(-1, le=MAX_DEVICES, description=_DEGREE.format(Axis.DATA))

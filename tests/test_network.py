@@ -300,7 +300,19 @@ def test_a_cluster_plan_refuses_what_a_run_of_one_process_a_host_refuses(h100):
     priced."""
     config = load_config([], [*GPT_SMALL, "model.n_layers=4"])
     refused = analytic.estimate(config, "stage=4,tensor=4", h100, 16)
-    assert refused.error.startswith("batch 'tokens': processes split the mesh along stage")
-    assert "\n" not in refused.error and "mesh.hosts_data" in refused.error
+    assert refused.error == (
+        "batch 'tokens': processes split the mesh along stage, which does not split the "
+        "batch rows, but each process loads its own share of them; make the batch axes "
+        "(data×fsdp = 1) a multiple of the 2 processes and keep the other axes within a host"
+    )
     assert analytic.estimate(config, "data=4,tensor=4", h100, 16).ok
     assert analytic.estimate(config, "stage=4,tensor=4", h100, 16, processes=False).ok
+    # two replicas, one a host, runs; the same with the stages across the hosts does not
+    assert analytic.estimate(config, "data=2,stage=2,tensor=4", h100, 16).ok
+    across = analytic.estimate(
+        config, "data=2,stage=2,tensor=4,mesh.hosts_data=1,mesh.hosts_stage=2", h100, 16
+    )
+    assert "along stage," in across.error and across.error.endswith(
+        "put the batch axes (data, fsdp) across hosts (mesh.hosts_data / mesh.hosts_fsdp) "
+        "and keep the other axes within a host"
+    )

@@ -184,7 +184,8 @@ def lower(
             # the prediction places it as mesh.hosts_* say
             warnings.filterwarnings("ignore", "mesh.hosts_. have no effect")
             run = build(config, task, fit_memory=timed, platform=platform)
-        hosts_of(run, hw, processes=False)  # its host degrees divide their axes
+        # its host degrees divide their axes; a plan's hosts own their rows, as a run's
+        hosts_of(run, hw, processes=not timed)
         batch = global_batch_shapes(run.data.batch(0, run.config.train.batch_size))
         return Lowered(row, run, batch, run.trainer.lower_step(batch))
     except JaxparError as err:  # a layout that cannot run; anything else is a bug: raised

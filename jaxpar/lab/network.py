@@ -208,9 +208,11 @@ def hosts_of(run: Run, hw: Hardware, processes: bool = True) -> dict[str, int] |
     """
     per_host = hw.devices_per_host
     devices = run.plan.mesh.size
-    if not per_host or devices <= per_host or devices % per_host:
-        return None
     sizes = dict(run.plan.mesh.shape)
+    if per_host and devices > per_host and devices % per_host:  # not whole hosts
+        return host_degrees(run.config.mesh, sizes, None)
+    if not per_host or devices <= per_host:
+        return None
     hosts = host_degrees(run.config.mesh, sizes, devices // per_host)
     if processes:
         grid = grid_ranks(sizes, hosts) // per_host

@@ -69,13 +69,29 @@ def check_processes_own_rows(
         )
         for group in groups:
             if len(set(group.tolist())) > 1:
-                across = [a for a in mesh.axis_names if a not in axes and mesh.shape[a] > 1]
-                raise LayoutError(
-                    f"batch '{key}': processes split the mesh along {', '.join(across)}, which "
-                    "does not split the batch rows, but each process loads its own share of "
-                    "them; put the batch axes (data, fsdp) across hosts (mesh.hosts_data / "
-                    "mesh.hosts_fsdp) and keep the other axes within a host"
-                )
+                raise LayoutError(_split_rows(key, mesh, axes, processes))
+
+
+def _split_rows(key: str, mesh: Any, axes: tuple, processes: np.ndarray) -> str:
+    """Why processes that split the mesh along axes outside ``axes`` cannot load their own
+    rows, naming those axes and the fix that can work."""
+    across = [
+        a
+        for i, a in enumerate(mesh.axis_names)
+        if a not in axes and (np.diff(processes, axis=i) != 0).any()
+    ]
+    ways, count = math.prod(mesh.shape[a] for a in axes), len(np.unique(processes))
+    fix = (
+        f"make the batch axes ({'×'.join(axes) or 'data×fsdp'} = {ways}) a multiple of the "
+        f"{count} processes"
+        if ways % count
+        else "put the batch axes (data, fsdp) across hosts (mesh.hosts_data / mesh.hosts_fsdp)"
+    )
+    return (
+        f"batch '{key}': processes split the mesh along {', '.join(across)}, which does not "
+        f"split the batch rows, but each process loads its own share of them; {fix} and keep "
+        "the other axes within a host"
+    )
 
 
 def check_rows(
