@@ -32,6 +32,7 @@ from jaxpar.models.transformer import (
     project,
     rms_norm,
 )
+from jaxpar.ring_attention import visible
 
 #: Parameters cast to the compute dtype; the norms' weights stay float32, as
 #: transformers computes (1 + w) in float32 whatever the weights' dtype.
@@ -57,23 +58,6 @@ def gated_gelu(h: jax.Array, p: dict[str, jax.Array], precision: str = "default"
     u = constrain(jax.nn.gelu(gate, approximate=True) * up, ("batch", "seq", "mlp"))
     down = project("btf,fd->btd", u, p["w_down"], MLP_DOWN, precision, history(p, "w_down"))
     return checkpoint_name(down, MLP_OUT)
-
-
-def visible(
-    pos_q: jax.Array, pos_k: jax.Array, window: int, segments: jax.Array | None = None
-) -> jax.Array:
-    """[1, 1, T, S] True where a query sees a key: its causal past, the last ``window``
-    positions of it when ``window`` > 0 (transformers' sliding mask); [B, 1, T, S] with
-    segment ids [B, T] (queries and keys alike: a sequence's own), and only within a
-    segment (where the positions' differences are the document's own)."""
-    back = pos_q[:, None] - pos_k[None, :]
-    seen = back >= 0
-    if window:
-        seen = seen & (back < window)
-    seen = seen[None, None]
-    if segments is None:
-        return seen
-    return seen & (segments[:, None, :, None] == segments[:, None, None, :])
 
 
 def capped_attention(
@@ -123,7 +107,12 @@ def self_attention(
     if cfg.attn_softcap:
         masks_by_position()  # right on a split sequence: the mask comes from positions
         o = capped_attention(
-            q, k, v, visible(pos, pos, kind.window, segments), cfg.scale, cfg.attn_softcap
+            q,
+            k,
+            v,
+            visible(pos, pos, True, kind.window, segments, segments),
+            cfg.scale,
+            cfg.attn_softcap,
         )
     else:  # attend scales by H^-½: the queries carry the rest of Gemma's scale
         factor = cfg.scale * math.sqrt(cfg.head_dim)
