@@ -41,8 +41,9 @@ class MeshConfig:
     across hosts — the slow network — while the rest stays within a host. 0 for every
     axis (default) lets the outermost axes cross hosts (``data`` first: data parallelism
     needs the least bandwidth). Otherwise they must multiply to the process count and each
-    divide its axis. Each process loads its own batch rows, so a run refuses ``stage``,
-    ``context`` or ``tensor`` across hosts; ``jaxpar plan`` still prices such placements.
+    divide its axis. Each process loads the batch rows its devices hold: processes that
+    differ along ``stage``, ``context`` or ``tensor`` load the same rows (the sub-mesh
+    executor, ``pipeline.executor=mpmd``, keeps its stages within hosts).
     """
 
     data: int = Field(-1, le=MAX_DEVICES, description=_DEGREE.format(Axis.DATA))

@@ -127,7 +127,7 @@ class Trainer:
 
     def shard_batch(self, host_batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
         """Host arrays (this process's rows) → global ``jax.Array``s with the batch sharding."""
-        shapes = global_batch_shapes(host_batch)
+        shapes = global_batch_shapes(host_batch, self.plan.row_share[1])
         shardings = self.plan.batch_shardings(shapes)
         return {
             k: jax.make_array_from_process_local_data(shardings[k], np.asarray(v), shapes[k].shape)

@@ -100,3 +100,35 @@ def test_host_degrees_errors():
         host_degrees(MeshConfig(hosts_fsdp=4), degrees, 4)
     with pytest.warns(UserWarning, match="no effect in a single-process run"):
         assert host_degrees(MeshConfig(hosts_data=2), degrees, 1) is None
+
+
+def test_each_process_loads_the_rows_its_devices_hold():
+    """A process's share of the batch rows is where its devices sit along the batch axes:
+    processes split along ``data`` load different halves, along ``stage`` (or ``tensor``)
+    the same rows; a placement whose process holds rows that are not one consecutive
+    share, or entries split over different axes, is refused in one line."""
+    from jax.sharding import AbstractMesh
+    from jax.sharding import PartitionSpec as P
+
+    from jaxpar.errors import LayoutError
+    from jaxpar.mesh import grid_ranks
+    from jaxpar.plan.checks import row_share
+
+    def shares(hosts, specs=None, **degrees):
+        sizes = {a: degrees.get(a, 1) for a in MESH_AXES}
+        mesh = AbstractMesh(tuple(sizes.values()), MESH_AXES)
+        count = int(np.prod(list(hosts.values())))
+        grid = grid_ranks(sizes, hosts) // (mesh.size // count)
+        specs = specs or {"tokens": P(("data", "fsdp"), None)}
+        return [row_share(mesh, specs, grid, p) for p in range(count)]
+
+    assert shares({"data": 2}, data=2, stage=2, tensor=2) == [(0, 2), (1, 2)]
+    assert shares({"stage": 2}, data=2, stage=2, tensor=2) == [(0, 1), (0, 1)]
+    assert shares({"tensor": 2}, data=2, stage=2, tensor=2) == [(0, 1), (0, 1)]
+    assert shares({"data": 2, "stage": 2}, data=2, stage=2) == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    assert shares({"data": 2, "fsdp": 2}, data=2, fsdp=4) == [(0, 4), (1, 4), (2, 4), (3, 4)]
+    with pytest.raises(LayoutError, match="not one consecutive share.*mesh.hosts_fsdp above 1"):
+        shares({"fsdp": 2}, data=2, fsdp=4)
+    two = {"tokens": P("data", None), "labels": P(None)}
+    with pytest.raises(LayoutError, match="entries tokens, labels are split over different"):
+        shares({"data": 2}, two, data=2, stage=2)

@@ -412,7 +412,7 @@ def test_sub_mesh_pipeline_two_processes_match_one(tmp_path):
     """The GPT under the sub-mesh executor (stage=2 × data=4) from 2 processes: each stage
     has devices in both, and each process moves its own shards between the stages; the
     losses are one process's. Processes split along stage instead are refused in one line
-    (each process loads its own rows, which stage does not split)."""
+    (this executor moves each process's own shards between the stages)."""
     mpmd = [
         "mesh.stage=2",
         "mesh.data=4",
@@ -420,15 +420,39 @@ def test_sub_mesh_pipeline_two_processes_match_one(tmp_path):
         "pipeline.microbatches=4",
         "checkpoint.every_steps=0",
     ]
-    two = launch(2, tmp_path / "two", 3, *mpmd)
+    two_match_one(tmp_path, mpmd)
+    across = launch(2, tmp_path / "across", 1, *mpmd, "mesh.hosts_stage=2", "mesh.hosts_data=1")
+    assert across.returncode == 2
+    assert (
+        "pipeline.executor=mpmd moves each process's own shards between the stages, but the "
+        "processes split the mesh along stage (mesh.hosts_stage)" in across.stdout
+    )
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["mesh.stage=2", "mesh.data=2", "mesh.tensor=2", "pipeline.microbatches=2"],
+        ["mesh.context=2", "mesh.data=2", "mesh.tensor=2"],
+    ],
+    ids=["stage", "context"],
+)
+def test_axes_that_do_not_split_the_rows_across_processes_match_one(tmp_path, layout):
+    """The one-program pipeline with its stages across 2 processes (each a stage, data and
+    tensor within it), as Megatron-LM's pipelines cross servers, and ring attention's
+    context axis across them: both processes load the same rows, the ones their devices
+    hold, and the losses are one process's."""
+    across = layout[0].replace("mesh.", "mesh.hosts_")  # mesh.hosts_stage=2 …
+    two_match_one(tmp_path, [*layout, "checkpoint.every_steps=0"], across, "mesh.hosts_data=1")
+
+
+def two_match_one(tmp_path, layout: list[str], *placement: str) -> None:
+    """3 steps of ``layout`` from 2 processes placed by ``placement`` have the losses of
+    one process's."""
+    two = launch(2, tmp_path / "two", 3, *layout, *placement)
     assert two.returncode == 0, two.stdout[-3000:]
-    one = single(tmp_path / "one", 3, *mpmd)
+    one = single(tmp_path / "one", 3, *layout)
     assert one.returncode == 0, one.stderr[-3000:]
     a, b = losses(tmp_path / "two"), losses(tmp_path / "one")
     assert sorted(a) == [1, 2, 3]
     np.testing.assert_allclose([a[s] for s in (1, 2, 3)], [b[s] for s in (1, 2, 3)], rtol=1e-6)
-    across = launch(2, tmp_path / "across", 1, *mpmd, "mesh.hosts_stage=2", "mesh.hosts_data=1")
-    assert across.returncode == 2
-    assert (
-        "processes split the mesh along stage, which does not split the batch rows" in across.stdout
-    )

@@ -293,26 +293,27 @@ def test_the_plan_prices_the_placement_mesh_hosts_choose(h100):
 
 
 def test_a_cluster_plan_refuses_what_a_run_of_one_process_a_host_refuses(h100):
-    """Each process of a multi-host run loads its own batch rows, so the devices sharing
-    rows must be one host's: on 16 H100s, ``stage=4,tensor=4`` spreads each replica's
-    stages over the two hosts and is refused in the run's own words, where
-    ``data=4,tensor=4`` runs; as another framework's run (``processes=False``) it is
-    priced."""
+    """Each process of a multi-host run loads the rows its devices hold: on 16 H100s (two
+    hosts) ``stage=4,tensor=4`` puts each host on two of the stages, both loading every
+    row, and is priced; under the sub-mesh executor, which moves each process's own
+    shards between the stages, it is refused in the run's own words, as is a placement
+    whose hosts hold rows that are not one consecutive share (``fsdp`` across the hosts
+    inside ``data``). As another framework's run (``processes=False``) both are priced."""
     config = load_config([], [*GPT_SMALL, "model.n_layers=4"])
-    refused = analytic.estimate(config, "stage=4,tensor=4", h100, 16)
-    assert refused.error == (
-        "batch 'tokens': processes split the mesh along stage, which does not split the "
-        "batch rows, but each process loads its own share of them; make the batch axes "
-        "(data×fsdp = 1) a multiple of the 2 processes and keep the other axes within a host"
+    assert analytic.estimate(config, "stage=4,tensor=4", h100, 16).ok
+    assert analytic.estimate(config, "data=2,stage=2,tensor=4,mesh.hosts_stage=2", h100, 16).ok
+    mpmd = "stage=4,tensor=4,pipeline.executor=mpmd"
+    assert analytic.estimate(config, mpmd, h100, 16).error.startswith(
+        "pipeline.executor=mpmd moves each process's own shards between the stages, but the "
+        "processes split the mesh along stage (mesh.hosts_stage); keep the stages within"
     )
-    assert analytic.estimate(config, "data=4,tensor=4", h100, 16).ok
-    assert analytic.estimate(config, "stage=4,tensor=4", h100, 16, processes=False).ok
-    # two replicas, one a host, runs; the same with the stages across the hosts does not
-    assert analytic.estimate(config, "data=2,stage=2,tensor=4", h100, 16).ok
-    across = analytic.estimate(
-        config, "data=2,stage=2,tensor=4,mesh.hosts_data=1,mesh.hosts_stage=2", h100, 16
+    assert analytic.estimate(config, mpmd, h100, 16, processes=False).ok
+    mixed = "data=2,fsdp=8,mesh.hosts_fsdp=2"
+    assert analytic.estimate(config, mixed, h100, 16).error == (
+        "batch 'tokens': the processes split the mesh along fsdp, so a process's devices "
+        "hold rows of the 16 row blocks (data×fsdp) that are not one consecutive share, but "
+        "each process loads one run of rows; let the hosts cross the outer batch axis first "
+        "(mesh.hosts_fsdp above 1 only with mesh.hosts_data = mesh.data)"
     )
-    assert "along stage," in across.error and across.error.endswith(
-        "put the batch axes (data, fsdp) across hosts (mesh.hosts_data / mesh.hosts_fsdp) "
-        "and keep the other axes within a host"
-    )
+    assert analytic.estimate(config, mixed, h100, 16, processes=False).ok
+    assert analytic.estimate(config, "data=2,fsdp=8,mesh.hosts_data=2", h100, 16).ok

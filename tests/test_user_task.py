@@ -237,7 +237,7 @@ def test_each_process_loads_only_its_rows(monkeypatch):
     """As process 1 of 2: a data function that takes `rows=` is asked for rows 8…15 of
     each global batch of 16 and computes only those; one that does not is cut to them.
     Either way the process holds exactly its rows of the global batch."""
-    from jaxpar.data.task_data import BatchCheck, FunctionStream
+    from jaxpar.data.task_data import BatchCheck, FunctionStream, TaskData
 
     asked = []
 
@@ -255,6 +255,12 @@ def test_each_process_loads_only_its_rows(monkeypatch):
             for key, value in TASK.data(step, 16).items():
                 np.testing.assert_array_equal(got[key], value[8:16])
     assert asked == [(step, 16, slice(8, 16)) for step in range(3)]
+    # processes split along stage hold the same rows: each loads the share its plan names
+    data = TaskData("t", TASK.data, None, 0, frozenset(TASK.batch_axes))
+    assert data.batch(0, 16)["labels"].shape[0] == 8  # process 1 of 2 by default
+    data.use_share((0, 1))
+    for key, value in TASK.data(0, 16).items():
+        np.testing.assert_array_equal(data.batch(0, 16)[key], value)
 
 
 def _error(capsys, *args):

@@ -16,11 +16,13 @@ Rules (every ``Loader`` follows all three):
   with ``e, k = divmod(b, N // B)``. The last ``N % B`` items of each epoch's
   order are skipped, so no global batch straddles an epoch or holds an item
   twice, and (because each epoch is reshuffled) no item is skipped every epoch.
-* **Sharding.** With ``P`` processes and ``L = B // P`` rows each, process
-  ``p`` receives rows ``[p*L, (p+1)*L)`` of every global batch, as
+* **Sharding.** With ``P`` shares and ``L = B // P`` rows each, share ``p``
+  (``process_index``) receives rows ``[p*L, (p+1)*L)`` of every global batch, as
   ``{name: array[L, …]}``, and fetches only those items from the source.
-  Concatenating the ``P`` shares of a step in process order gives exactly what
-  one process with ``B`` rows would see.
+  Concatenating the ``P`` shares of a step in order gives exactly what one
+  process with ``B`` rows would see. A process loads the share its devices hold
+  (:class:`RowShare`): its own index of ``P`` processes, unless processes hold
+  the same rows (split along ``stage``, ``context`` or ``tensor``).
 
 Layouts: a global batch is ``tokens[B_P, T+1]`` (or ``images[B_P, H, W, C]``,
 ``labels[B_P]``) — batch dim sharded contiguously over processes.
@@ -33,6 +35,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Protocol, Self
 
 import grain
+import jax
 import numpy as np
 
 from jaxpar.data.windows import ArrayExamples, TokenWindows, window_segments
@@ -42,6 +45,7 @@ __all__ = [
     "ArrayExamples",
     "Loader",
     "RandomAccessSource",
+    "RowShare",
     "TokenWindows",
     "fixed_batches",
     "window_segments",
@@ -60,6 +64,30 @@ class RandomAccessSource(Protocol):
     def __len__(self) -> int: ...
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]: ...
+
+
+class RowShare:
+    """Which rows of each batch this process loads: ``share`` ``(i, n)``, part ``i`` of
+    ``n`` equal, consecutive parts. By default the process's own (index, count); a run
+    sets its plan's (:attr:`jaxpar.plan.Plan.row_share`: processes split along ``stage``,
+    ``context`` or ``tensor`` hold the same rows, so they load the same share)."""
+
+    _share: tuple[int, int] | None = None
+
+    @property
+    def share(self) -> tuple[int, int]:
+        """This process's share ``(i, n)`` of each batch's rows."""
+        return self._share or (jax.process_index(), jax.process_count())
+
+    def use_share(self, share: tuple[int, int]) -> None:
+        """Load share ``share`` of every batch from now on (batches cached for another
+        share are dropped)."""
+        if tuple(share) != self.share:
+            self._share = tuple(share)
+            self._forget()
+
+    def _forget(self) -> None:
+        """Drops the batches cached for another share."""
 
 
 # ---------------------------------------------------------------- sharding rule

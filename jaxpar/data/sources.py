@@ -22,14 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import jax
 import numpy as np
 from pydantic import Field, field_validator
 
 from jaxpar.data import mixture as mix
 from jaxpar.data.finetune import open_mask
 from jaxpar.data.inputs import find_inputs
-from jaxpar.data.loader import ArrayExamples, Loader, TokenWindows, fixed_batches
+from jaxpar.data.loader import ArrayExamples, Loader, RowShare, TokenWindows, fixed_batches
 from jaxpar.data.prepare import builtin_corpus, encode_documents
 from jaxpar.data.records import TEXT_KEY, read_documents
 from jaxpar.data.token_file import TokenFile, check_vocab, open_tokens, tokenizer_of
@@ -110,7 +109,7 @@ class DataConfig:
 
 
 @dataclass
-class Data:
+class Data(RowShare):
     """Train and eval sources and the settings that turn them into batches.
 
     ``batch(i, B)`` is global batch ``i`` (0-based) of the training stream
@@ -133,6 +132,10 @@ class Data:
     has_eval = True
     _eval: dict[int, list[dict[str, np.ndarray]]] = field(default_factory=dict, repr=False)
 
+    def _forget(self) -> None:
+        self._streams.clear()
+        self._eval.clear()
+
     def loader(self, batch_size: int, cfg: DataConfig | None = None) -> Loader:
         """A fresh training stream of global batches of ``batch_size`` rows (this process's)."""
         cfg = cfg or DataConfig()
@@ -141,8 +144,8 @@ class Data:
             self.train,
             global_batch_size=batch_size,
             seed=self.seed,
-            process_index=jax.process_index(),
-            process_count=jax.process_count(),
+            process_index=self.share[0],
+            process_count=self.share[1],
             threads=cfg.threads,
             prefetch=cfg.prefetch,
             workers=cfg.workers,
@@ -153,7 +156,7 @@ class Data:
             cached = self._eval.get(batch_size, [])
             if len(cached) <= index:
                 cached = self._eval[batch_size] = fixed_batches(
-                    self.eval, batch_size, index + 1, jax.process_index(), jax.process_count()
+                    self.eval, batch_size, index + 1, *self.share
                 )
             return cached[index]
         if batch_size not in self._streams:

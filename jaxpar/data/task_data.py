@@ -32,7 +32,7 @@ import grain
 import jax
 import numpy as np
 
-from jaxpar.data.loader import Loader, fixed_batches
+from jaxpar.data.loader import Loader, RowShare, fixed_batches
 from jaxpar.data.sources import DataConfig
 from jaxpar.errors import (
     DataError,
@@ -93,7 +93,8 @@ class BatchCheck:
 
 
 class FunctionStream(Iterator[dict[str, np.ndarray]]):
-    """The stream of a batch function: batch ``k`` is ``fn(k, B)``, this process's rows.
+    """The stream of a batch function: batch ``k`` is ``fn(k, B)``, this process's rows
+    (``share`` ``(i, n)``: part ``i`` of ``n``; None: the process's own index and count).
 
     Up to ``prefetch`` batches are computed ahead on ``threads`` threads (the function is
     pure in its step, so computing ahead changes nothing). The state is the number of
@@ -106,14 +107,15 @@ class FunctionStream(Iterator[dict[str, np.ndarray]]):
         global_batch_size: int,
         check: BatchCheck,
         *,
+        share: tuple[int, int] | None = None,
         threads: int = 1,
         prefetch: int = 2,
     ):
-        count, index = jax.process_count(), jax.process_index()
+        index, count = share or (jax.process_index(), jax.process_count())
         if global_batch_size % count:
             raise DataError(
                 f"train.batch_size={global_batch_size} must be a multiple of the "
-                f"process count {count}"
+                f"{count} shares of its rows the processes load"
             )
         self.fn = fn
         self.global_batch_size = global_batch_size
@@ -195,12 +197,18 @@ class IterStream(Iterator[dict[str, np.ndarray]]):
     """A ``grain.IterDataset`` of examples read in order, ``B`` a step; its state is
     grain's iterator state plus the number of batches consumed."""
 
-    def __init__(self, dataset: grain.IterDataset, global_batch_size: int, check: BatchCheck):
-        if jax.process_count() > 1:
+    def __init__(
+        self,
+        dataset: grain.IterDataset,
+        global_batch_size: int,
+        check: BatchCheck,
+        share: tuple[int, int] = (0, 1),
+    ):
+        if share[1] > 1:
             raise DataError(
-                "Task.data is a grain.IterDataset, which jaxpar reads in order in one process; "
-                "with several processes give a grain.MapDataset (random access: each process "
-                "reads only its rows of every batch) or a batch function"
+                "Task.data is a grain.IterDataset, which jaxpar reads whole, in order; with "
+                "processes that load different rows give a grain.MapDataset (random access: "
+                "each process reads only its rows of every batch) or a batch function"
             )
         self.global_batch_size = global_batch_size
         self.check = check
@@ -287,7 +295,7 @@ def _kind(source: Any, what: str) -> str:
 
 
 @dataclass
-class TaskData:
+class TaskData(RowShare):
     """A task's own data, with the interface of :class:`jaxpar.data.Data`: a resumable
     training stream (:meth:`loader`) and batches by index (:meth:`batch`)."""
 
@@ -306,6 +314,10 @@ class TaskData:
     def _check(self, what: str) -> BatchCheck:
         return BatchCheck(what, self.keys)
 
+    def _forget(self) -> None:
+        self._eval_cache.clear()
+        self._by_index.clear()
+
     def loader(self, batch_size: int, cfg: DataConfig | None = None) -> Any:
         """A fresh training stream of global batches of ``batch_size`` rows (this process's)."""
         cfg = cfg or DataConfig()
@@ -315,18 +327,19 @@ class TaskData:
                 self.train,
                 batch_size,
                 self._check("Task.data"),
+                share=self.share,
                 threads=min(cfg.threads, 1),
                 prefetch=cfg.prefetch,
             )
         if kind == "iter":
-            return IterStream(self.train, batch_size, self._check("Task.data"))
+            return IterStream(self.train, batch_size, self._check("Task.data"), self.share)
         return _CheckedLoader(
             self.train,
             self._check("Task.data"),
             global_batch_size=batch_size,
             seed=self.seed,
-            process_index=jax.process_index(),
-            process_count=jax.process_count(),
+            process_index=self.share[0],
+            process_count=self.share[1],
             threads=cfg.threads,
             prefetch=cfg.prefetch,
             workers=cfg.workers,
@@ -354,20 +367,16 @@ class TaskData:
         check = self._check("Task.eval_data")
         kind = _kind(self.eval, "Task.eval_data")
         if kind == "function":
-            stream = FunctionStream(self.eval, batch_size, check, threads=0)
+            stream = FunctionStream(self.eval, batch_size, check, share=self.share, threads=0)
             cached = [stream.batch_at(i) for i in range(n)]
         elif kind == "map":
-            rows = batch_size // jax.process_count()
+            rows = batch_size // self.share[1]
             cached = [
                 check(b, rows, f" (batch {i})")
-                for i, b in enumerate(
-                    fixed_batches(
-                        self.eval, batch_size, n, jax.process_index(), jax.process_count()
-                    )
-                )
+                for i, b in enumerate(fixed_batches(self.eval, batch_size, n, *self.share))
             ]
         else:
-            stream = IterStream(self.eval, batch_size, check)
+            stream = IterStream(self.eval, batch_size, check, self.share)
             cached = [next(stream) for _ in range(n)]
         self._eval_cache[batch_size] = cached
         return cached

@@ -191,8 +191,9 @@ def estimate(
     """The row of ``layout`` on ``devices`` devices of ``hw``'s platform, nothing compiled
     (its ``error`` says why a layout cannot run); ``cpu``: the activations as XLA:CPU
     holds them (bfloat16 as float32: what the tests compare with); ``processes``: refuse
-    what a run of one process a host refuses (a process that does not own whole batch
-    rows: :func:`~jaxpar.lab.network.hosts_of`; False prices another framework's run)."""
+    what a run of one process a host refuses (a process whose devices do not hold one
+    share of the batch rows, sub-mesh stages across hosts:
+    :func:`~jaxpar.lab.network.hosts_of`; False prices another framework's run)."""
     row = Row(layout, hardware=hw.key)
     try:
         config = apply_overrides(config, layout_overrides(layout))
@@ -204,11 +205,13 @@ def estimate(
         data = None if task is not None else _read_once(config)
         run = build(config, task, target=(devices, hw.platform), data=data)
         check_chunk(run)
-        hosts = hosts_of(run, hw, processes)
+        hosts = hosts_of(run, hw, processes, sub_mesh)
     except JaxparError as err:
         row.error = str(err)
         return row
-    batch = global_batch_shapes(run.data.batch(0, run.config.train.batch_size))
+    batch = global_batch_shapes(
+        run.data.batch(0, run.config.train.batch_size), run.plan.row_share[1]
+    )
     state = run.plan.state_bytes()
     row.mem_host_bytes = state.host
     row.mem_args_bytes = row.predicted_mem_args_bytes = predict_argument_bytes(run, batch)

@@ -184,9 +184,11 @@ def lower(
             # the prediction places it as mesh.hosts_* say
             warnings.filterwarnings("ignore", "mesh.hosts_. have no effect")
             run = build(config, task, fit_memory=timed, platform=platform)
-        # its host degrees divide their axes; a plan's hosts own their rows, as a run's
+        # its host degrees divide their axes; a plan's hosts hold shares of the rows, as a run's
         hosts_of(run, hw, processes=not timed)
-        batch = global_batch_shapes(run.data.batch(0, run.config.train.batch_size))
+        batch = global_batch_shapes(
+            run.data.batch(0, run.config.train.batch_size), run.plan.row_share[1]
+        )
         return Lowered(row, run, batch, run.trainer.lower_step(batch))
     except JaxparError as err:  # a layout that cannot run; anything else is a bug: raised
         row.error = str(err)

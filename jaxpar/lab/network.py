@@ -64,7 +64,7 @@ from jaxpar.lab.hardware import (
 )
 from jaxpar.lab.terms import Term
 from jaxpar.mesh import grid_ranks, host_degrees
-from jaxpar.plan.checks import check_processes_own_rows
+from jaxpar.plan.checks import check_stages_in_every_process, row_share
 from jaxpar.run import Run
 
 
@@ -195,16 +195,20 @@ def step_time(
     )
 
 
-def hosts_of(run: Run, hw: Hardware, processes: bool = True) -> dict[str, int] | None:
+def hosts_of(
+    run: Run, hw: Hardware, processes: bool = True, sub_mesh: bool | None = None
+) -> dict[str, int] | None:
     """How many of each axis's degree the run's ``mesh.hosts_*`` put across hosts of
     ``hw`` (one process a host of :attr:`~jaxpar.lab.hardware.Hardware.devices_per_host`
     GPUs), for a plan of devices that may not be here; None: the default placement, or
     devices of one host (nothing crosses, as one process ignores them). ``processes``: and
-    each process owns whole batch rows, as a multi-process run checks.
+    each process's devices hold one share of the batch rows, as a multi-process run checks
+    (and with ``sub_mesh``, None: the plan's executor, that no stage crosses the hosts).
 
     Raises:
       LayoutError: host degrees that do not divide their axes or multiply to the hosts;
-        with ``processes``, processes that split an axis the batch is not split over.
+        with ``processes``, processes whose devices do not hold one share of the rows, or
+        (the sub-mesh executor) stages that cross hosts.
     """
     per_host = hw.devices_per_host
     devices = run.plan.mesh.size
@@ -216,5 +220,7 @@ def hosts_of(run: Run, hw: Hardware, processes: bool = True) -> dict[str, int] |
     hosts = host_degrees(run.config.mesh, sizes, devices // per_host)
     if processes:
         grid = grid_ranks(sizes, hosts) // per_host
-        check_processes_own_rows(run.plan.mesh, run.plan.batch_specs, grid)
+        row_share(run.plan.mesh, run.plan.batch_specs, grid)
+        if run.plan.executor == "mpmd" if sub_mesh is None else sub_mesh:
+            check_stages_in_every_process(run.plan.mesh, grid)
     return hosts

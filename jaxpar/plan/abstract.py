@@ -86,10 +86,11 @@ def _checked_model(task: Task, model: Any) -> nnx.Module:
     raise TaskError(f"task '{task.name}': model_fn returned a {kind}, not a flax.nnx.Module; {fix}")
 
 
-def global_batch_shapes(host_batch: Mapping[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
-    """The global shapes of a batch of which this process holds ``host_batch``: each of the
-    ``jax.process_count()`` processes loads an equal share of the rows."""
-    count = jax.process_count()
+def global_batch_shapes(
+    host_batch: Mapping[str, Any], count: int = 1
+) -> dict[str, jax.ShapeDtypeStruct]:
+    """The global shapes of a batch of which this process holds ``host_batch``, one of
+    ``count`` equal shares of the rows (:attr:`jaxpar.plan.Plan.row_share`)."""
     return {
         k: jax.ShapeDtypeStruct((v.shape[0] * count, *v.shape[1:]), v.dtype)
         for k, v in host_batch.items()

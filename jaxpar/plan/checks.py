@@ -41,56 +41,97 @@ def batch_specs(
     return specs
 
 
-def check_processes_own_rows(
+def row_share(
     mesh: Mesh | AbstractMesh,
     specs: Mapping[str, PartitionSpec],
     processes: np.ndarray | None = None,
-) -> None:
-    """Each process loads its own ``1/processes`` of a batch's rows, so devices holding the
-    same rows (the same place along the axes splitting them) must be one process's.
+    process: int | None = None,
+) -> tuple[int, int]:
+    """Which rows of each batch ``process`` loads: share ``i`` of ``n`` equal, consecutive
+    parts of the global batch's rows, the rows its devices hold. Processes whose devices
+    sit at the same places along the axes splitting the rows (``data``, ``fsdp``) load the
+    same rows: processes split along ``stage``, ``context`` or ``tensor`` share them.
     ``processes``: each place of the mesh's grid as its process (a plan for devices that
-    are not here); None: the mesh's devices' own.
+    are not here); None: the mesh's devices' own (an abstract mesh: one process).
+    ``process``: None for this one.
 
     Raises:
-      LayoutError: for processes split along an axis that does not split the batch.
+      LayoutError: for a process whose devices' rows are not one whole, consecutive
+        share (each process loads one run of rows).
     """
     if processes is None:
         if not isinstance(mesh, Mesh):
-            return  # an abstract mesh, whose processes the plan did not say
+            return 0, 1
         processes = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
+        process = jax.process_index() if process is None else process
     if len(np.unique(processes)) == 1:
-        return
-    for key, spec in specs.items():
-        axes = spec_axes(spec[:1])
-        keep = [mesh.axis_names.index(a) for a in axes]
-        rest = [i for i in range(processes.ndim) if i not in keep]
-        groups = processes.transpose(*keep, *rest).reshape(
-            math.prod(mesh.shape[a] for a in axes), -1
+        return 0, 1
+    shares = {_process_rows(key, mesh, spec, processes) for key, spec in specs.items()}
+    if len(shares) > 1:
+        raise LayoutError(
+            f"the batch entries {', '.join(specs)} are split over different mesh axes, but "
+            "each process loads one share of every entry's rows; give them the same "
+            "logical batch axes (Task.batch_axes)"
         )
-        for group in groups:
-            if len(set(group.tolist())) > 1:
-                raise LayoutError(_split_rows(key, mesh, axes, processes))
+    owned = dict(shares.pop()) if shares else {}
+    process = int(processes.flat[0]) if process is None else process
+    return owned.get(process, (0, 1))
+
+
+def _process_rows(
+    key: str, mesh: Any, spec: PartitionSpec, processes: np.ndarray
+) -> tuple[tuple[int, tuple[int, int]], ...]:
+    """Each process's share (index, count) of entry ``key``'s rows; a one-line error when
+    a process's rows are not a whole, consecutive share."""
+    axes = spec_axes(spec[:1])
+    keep = [mesh.axis_names.index(a) for a in axes]
+    rest = [i for i in range(processes.ndim) if i not in keep]
+    ways = math.prod(mesh.shape[a] for a in axes)
+    groups = processes.transpose(*keep, *rest).reshape(ways, -1)  # row block → processes
+    owned = {}
+    for process in np.unique(processes).tolist():
+        blocks = np.flatnonzero((groups == process).any(axis=1))
+        width = len(blocks)
+        if blocks[-1] - blocks[0] + 1 != width or blocks[0] % width:
+            raise LayoutError(_split_rows(key, mesh, axes, processes))
+        owned[process] = (int(blocks[0]) // width, ways // width)
+    return tuple(sorted(owned.items()))
+
+
+def check_stages_in_every_process(
+    mesh: Mesh | AbstractMesh, processes: np.ndarray | None = None
+) -> None:
+    """The sub-mesh executor moves each process's own shards from stage to stage, so every
+    process must hold devices of every stage. ``processes`` as for :func:`row_share`.
+
+    Raises:
+      LayoutError: for a process without devices of some stage.
+    """
+    if processes is None:
+        if not isinstance(mesh, Mesh):
+            return
+        processes = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
+    stage = mesh.axis_names.index(Axis.STAGE)
+    held = [set(np.take(processes, s, axis=stage).flat) for s in range(processes.shape[stage])]
+    if any(h != held[0] for h in held):
+        raise LayoutError(
+            "pipeline.executor=mpmd moves each process's own shards between the stages, but "
+            "the processes split the mesh along stage (mesh.hosts_stage); keep the stages "
+            "within each host (mesh.hosts_stage=1, another axis across the hosts) or use "
+            "pipeline.executor=spmd, whose stages may cross hosts"
+        )
 
 
 def _split_rows(key: str, mesh: Any, axes: tuple, processes: np.ndarray) -> str:
-    """Why processes that split the mesh along axes outside ``axes`` cannot load their own
-    rows, naming those axes and the fix that can work."""
-    across = [
-        a
-        for i, a in enumerate(mesh.axis_names)
-        if a not in axes and (np.diff(processes, axis=i) != 0).any()
-    ]
-    ways, count = math.prod(mesh.shape[a] for a in axes), len(np.unique(processes))
-    fix = (
-        f"make the batch axes ({'×'.join(axes) or 'data×fsdp'} = {ways}) a multiple of the "
-        f"{count} processes"
-        if ways % count
-        else "put the batch axes (data, fsdp) across hosts (mesh.hosts_data / mesh.hosts_fsdp)"
-    )
+    """Why a process's devices do not hold one consecutive share of the rows, and the fix."""
+    ways = math.prod(mesh.shape[a] for a in axes)
+    split = [a for i, a in enumerate(mesh.axis_names) if (np.diff(processes, axis=i) != 0).any()]
     return (
-        f"batch '{key}': processes split the mesh along {', '.join(across)}, which does not "
-        f"split the batch rows, but each process loads its own share of them; {fix} and keep "
-        "the other axes within a host"
+        f"batch '{key}': the processes split the mesh along {', '.join(split)}, so a "
+        f"process's devices hold rows of the {ways} row blocks ({'×'.join(axes)}) that are "
+        "not one consecutive share, but each process loads one run of rows; let the hosts "
+        "cross the outer batch axis first (mesh.hosts_fsdp above 1 only with mesh.hosts_data "
+        "= mesh.data)"
     )
 
 

@@ -89,9 +89,9 @@ def batch_layout(
     grad_accum: int,
 ) -> Layout:
     """The layout before the parameters' specs: mesh, rules, context and tensor settings
-    and the batch's specs (checked: every process owns whole rows)."""
+    and the batch's specs (checked: each process's devices hold one share of the rows)."""
     batch_specs = checks.batch_specs(task, rules, mesh, None)
-    checks.check_processes_own_rows(mesh, batch_specs)
+    checks.row_share(mesh, batch_specs)
     context, tensor = options
     return Layout(
         mesh=mesh,
@@ -107,6 +107,7 @@ def sub_mesh(given: Given, layout: Layout) -> Decided:
     """What the layout decides under the sub-mesh executor (``pipeline.executor=mpmd``)."""
     task = given.task
     model = given.model
+    checks.check_stages_in_every_process(layout.mesh)
     decided = sub_mesh_layout(
         task, model, given.optimizer, given.abstract_state.opt_state, layout, given.pipeline
     )

@@ -126,6 +126,12 @@ class Plan:
         return self.layout.batch_specs
 
     @property
+    def row_share(self) -> tuple[int, int]:
+        """The rows of each batch this process loads: share ``i`` of ``n`` equal,
+        consecutive parts of the global batch's rows (its devices' rows)."""
+        return checks.row_share(self.mesh, self.batch_specs)
+
+    @property
     def grad_accum(self) -> int:
         """Microbatches accumulated per step (``train.grad_accum``)."""
         return self.layout.grad_accum
