@@ -21,6 +21,7 @@ from jaxpar.lab.measure import measure
 from jaxpar.lab.pipeline_cost import pipeline_factor
 from jaxpar.lab.plan_text import format_plan
 from jaxpar.lab.planner import Planned, Ranking
+from jaxpar.lab.sweep import write_csv
 from jaxpar.pipeline import tick_table
 from jaxpar.pipeline.branches import Parts
 from jaxpar.plan import decide
@@ -558,20 +559,24 @@ def test_a_plan_traces_each_optimizer_once_and_tells_them_apart(gpt):
     assert state("adamw") == adamw and len(decide._TRACED) == 2
 
 
-def test_an_estimated_plan_marks_what_fits_only_within_its_margin():
+def test_an_estimated_plan_marks_what_fits_only_within_its_margin(tmp_path):
     """A layout estimated to fit, but not were its temporaries 1/TEMPS_LOW of the estimate
     (the grid's lowest ratio), is marked yes? and the note says why; with more memory it
-    is a plain yes; a compiled row is never marked."""
+    is a plain yes; a compiled row is never marked. plan.csv's ``fits_margin`` says the
+    same."""
     config = jaxpar.load_config([CONFIGS["gpt"]], [])
     row = analytic.estimate(config, "data=4,stage=2", H100, 8)
     assert row.ok and row.mem_temp_bytes
     tight = row.mem_total_bytes + row.mem_temp_bytes * 0.1  # within 1/0.79 - 1 = 0.27
     roomy = row.mem_total_bytes + row.mem_temp_bytes * 0.3
     for memory, marked in ((tight, True), (roomy, False)):
-        row.fits = row.mem_total_bytes <= memory
-        assert analytic.may_not_fit(row, memory) is marked
+        row = analytic.estimate(config, "data=4,stage=2", H100, 8, memory_bytes=memory)
+        assert row.fits and row.fits_margin is not marked
+        assert analytic.may_not_fit(row) is marked
         text = format_plan(Ranking([Planned(row)], []), H100, memory)
         assert ("yes?" in text) is marked, text
         assert ("within the estimate's margin" in text) is marked
+        with write_csv([row], tmp_path / f"{marked}.csv").open() as f:
+            assert next(csv.DictReader(f))["fits_margin"] == str(not marked).lower()
     compiled = measure(config, "data=4,stage=2", H100)
-    assert not analytic.may_not_fit(compiled, compiled.mem_total_bytes * 1.01)
+    assert compiled.fits_margin is None and not analytic.may_not_fit(compiled)

@@ -167,6 +167,11 @@ def _profile(tmp_path, **fields):
         ({"network_bandwidth": 0}, "network_bandwidth=0 must be a finite number above 0"),
         ({"links": 2.5}, "links=2.5 must be a whole number at least 1"),
         ({"host_devices": 4.5}, "host_devices=4.5 must be a whole number at least 0"),
+        (
+            {"domain_devices": 8, "host_devices": 3},
+            "host_devices=3 does not divide domain_devices=8; a domain holds whole hosts: "
+            "give the GPUs one host drives, a divisor of the domain's",
+        ),
     ],
 )
 def test_a_bad_network_field_is_one_line(tmp_path, fields, message):

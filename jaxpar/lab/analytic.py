@@ -220,6 +220,8 @@ def estimate(
     row.mem_temp_bytes = temps
     row.mem_total_bytes = row.mem_args_bytes + (temps or 0)
     row.fits = row.mem_total_bytes <= (memory_bytes or hw.memory_bytes)
+    margin = (temps or 0) * (1 / TEMPS_LOW - 1)
+    row.fits_margin = row.mem_total_bytes + margin <= (memory_bytes or hw.memory_bytes)
     row.flops = flops_per_device(run, asynchronous=sub_mesh)
     row.mem_traffic_bytes = row.state_traffic_bytes + 2 * (temps or 0)
     # a profile of a CPU (fitted here): its bytes and collectives, nothing hidden
@@ -266,9 +268,7 @@ def estimate(
 TEMPS_LOW = 0.79
 
 
-def may_not_fit(row: Row, memory_bytes: float) -> bool:
-    """An estimated row (nothing compiled) that fits ``memory_bytes``, but would not were
-    its temporaries 1/:data:`TEMPS_LOW` of the estimate."""
-    if not row.ok or not row.fits or row.compile_s is not None or not row.mem_temp_bytes:
-        return False
-    return row.mem_total_bytes + row.mem_temp_bytes * (1 / TEMPS_LOW - 1) > memory_bytes
+def may_not_fit(row: Row) -> bool:
+    """An estimated row (nothing compiled) that fits, but would not were its temporaries
+    1/:data:`TEMPS_LOW` of the estimate."""
+    return bool(row.ok and row.fits and row.fits_margin is False)

@@ -142,10 +142,22 @@ def load_profiles(extra: str | Path | None = None) -> dict[str, Hardware]:
                 f"hardware profile '{key}' lacks {', '.join(missing)}; "
                 f"see {_BUILTIN} for the fields"
             )
-        profiles[key] = Hardware(
-            key=key, **{f: _typed(key, f, entry[f]) for f in names if f in entry}
+        profiles[key] = _hosts_in_domains(
+            Hardware(key=key, **{f: _typed(key, f, entry[f]) for f in names if f in entry})
         )
     return profiles
+
+
+def _hosts_in_domains(hw: Hardware) -> Hardware:
+    """``hw``, whose hosts each lie in one NVLink domain (how the network model places
+    them); a one-line error otherwise."""
+    if hw.host_devices and hw.domain_devices and hw.domain_devices % hw.host_devices:
+        raise ConfigError(
+            f"hardware profile '{hw.key}': host_devices={hw.host_devices} does not divide "
+            f"domain_devices={hw.domain_devices}; a domain holds whole hosts: give the GPUs "
+            "one host drives, a divisor of the domain's"
+        )
+    return hw
 
 
 #: fields a profile may leave out, and the values they may take (None: any text, but a

@@ -59,6 +59,9 @@ class Row:
     step_time_s: float | None = None
     predicted_step_time_s: float | None = None
     fits: bool | None = None
+    #: an estimate's verdict were its temporaries 1/``TEMPS_LOW`` of it (its margin,
+    #: :data:`jaxpar.lab.analytic.TEMPS_LOW`); None for a compiled row
+    fits_margin: bool | None = None
     comm_bytes: float | None = None
     comm_ratio: float | None = None
     predicted_mem_args_bytes: int | None = None

@@ -75,7 +75,7 @@ def format_plan(planned: list[Planned], hw: Hardware, memory: float, top: int | 
             "without a lab module has no activation collectives either (tensor and context "
             "layouts look cheaper than they are)"
         )
-    if any(may_not_fit(p.row, memory) for p in shown):
+    if any(may_not_fit(p.row) for p in shown):
         lines.append(
             "note: yes? = estimated to fit (nothing compiled), but not were its temporaries "
             f"1/{TEMPS_LOW} of the estimate, the lowest ratio of estimated to compiled "
@@ -84,9 +84,7 @@ def format_plan(planned: list[Planned], hw: Hardware, memory: float, top: int | 
         )
     lines += [_fix(p) for p in shown if not p.row.ok or not p.row.fits]
     found = best(planned)
-    margin = (
-        " (yes?: within the estimate's margin)" if found and may_not_fit(found[1], memory) else ""
-    )
+    margin = " (yes?: within the estimate's margin)" if found and may_not_fit(found[1]) else ""
     lines.append(
         f"fastest that fits: `{found[0]}`, predicted "
         f"{fmt_time(found[1].predicted_step_time_s)}{margin}"
@@ -168,7 +166,7 @@ def _table(planned: list[Planned], shown: list[Planned], hw: Hardware, memory: f
                 rank,
                 r.layout,
                 fmt_value(r.mem_total_bytes, "B"),
-                ("yes?" if may_not_fit(r, memory) else "yes") if r.fits else "NO",
+                ("yes?" if may_not_fit(r) else "yes") if r.fits else "NO",
                 fmt_time(r.predicted_step_time_s),
                 f"{r.predicted_tokens_per_s_per_device:,.0f}",
                 "" if r.predicted_mfu is None else f"{r.predicted_mfu:.1%}",
