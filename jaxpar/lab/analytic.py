@@ -219,9 +219,7 @@ def estimate(
     temps = _temporaries(run, cpu, sub_mesh, state.params)
     row.mem_temp_bytes = temps
     row.mem_total_bytes = row.mem_args_bytes + (temps or 0)
-    row.fits = row.mem_total_bytes <= (memory_bytes or hw.memory_bytes)
-    margin = (temps or 0) * (1 / TEMPS_LOW - 1)
-    row.fits_margin = row.mem_total_bytes + margin <= (memory_bytes or hw.memory_bytes)
+    _judge_memory(row, memory_bytes or hw.memory_bytes)
     row.flops = flops_per_device(run, asynchronous=sub_mesh)
     row.mem_traffic_bytes = row.state_traffic_bytes + 2 * (temps or 0)
     # a profile of a CPU (fitted here): its bytes and collectives, nothing hidden
@@ -266,6 +264,14 @@ def estimate(
 #: 0.80 where a pipeline chunk is a loop of layers, beside whose stacked activations XLA
 #: holds the layer it runs, and whose heap it packs 3–8% above the live bytes
 TEMPS_LOW = 0.79
+
+
+def _judge_memory(row: Row, memory_bytes: float) -> None:
+    """Whether ``row`` fits ``memory_bytes``, and would were its temporaries 1/
+    :data:`TEMPS_LOW` of the estimate."""
+    row.fits = row.mem_total_bytes <= memory_bytes
+    margin = (row.mem_temp_bytes or 0) * (1 / TEMPS_LOW - 1)
+    row.fits_margin = row.mem_total_bytes + margin <= memory_bytes
 
 
 def may_not_fit(row: Row) -> bool:
