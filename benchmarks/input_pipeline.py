@@ -30,7 +30,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax
 
 from jaxpar import build, load_config
-from jaxpar.data.sources import DataConfig
+from jaxpar.config import DataConfig
 
 H100_BF16_FLOPS = 989e12
 MFU = 0.4

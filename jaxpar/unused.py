@@ -12,7 +12,7 @@ from typing import Any
 from jaxpar import schema
 from jaxpar.config import Config, model_settings
 from jaxpar.context import ContextConfig
-from jaxpar.data.sources import DataConfig
+from jaxpar.data.data_config import DataConfig
 from jaxpar.optim import OptimConfig
 from jaxpar.pipeline.schedule import PipelineConfig
 from jaxpar.tensor_parallel import TensorConfig

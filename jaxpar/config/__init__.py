@@ -34,7 +34,7 @@ from jaxpar.config.sections import (
     parse_profile_steps,
 )
 from jaxpar.context import ContextConfig
-from jaxpar.data.sources import DataConfig
+from jaxpar.data.data_config import DataConfig
 from jaxpar.mesh import MeshConfig
 from jaxpar.models.family import ModelConfig
 from jaxpar.optim import OptimConfig

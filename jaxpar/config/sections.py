@@ -14,7 +14,7 @@ from pydantic import Field, field_validator
 from jaxpar.checkpoint import CheckpointConfig
 from jaxpar.config.families import family_of
 from jaxpar.context import ContextConfig
-from jaxpar.data.sources import DataConfig
+from jaxpar.data.data_config import DataConfig
 from jaxpar.errors import ConfigError
 from jaxpar.files import name_too_long, system_folder_problem
 from jaxpar.guard import Guard

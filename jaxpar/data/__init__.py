@@ -8,9 +8,10 @@ import typing as _typing
 from jaxpar import lazy as _lazy
 
 if _typing.TYPE_CHECKING:
+    from jaxpar.data.images import load_digits, load_npz, synthetic_images
     from jaxpar.data.loader import ArrayExamples, Loader, TokenWindows, fixed_batches
     from jaxpar.data.prepare import builtin_corpus, builtin_text, prepare_data
-    from jaxpar.data.sources import Data, load_data, load_digits, load_npz, synthetic_images
+    from jaxpar.data.sources import Data, load_data
     from jaxpar.data.token_file import TokenFile, check_vocab, open_tokens
 
 #: each name's module, imported on first use (``jaxpar prepare-data`` then starts
@@ -25,9 +26,9 @@ _HOMES = {
     "prepare_data": "jaxpar.data.prepare",
     "Data": "jaxpar.data.sources",
     "load_data": "jaxpar.data.sources",
-    "load_digits": "jaxpar.data.sources",
-    "load_npz": "jaxpar.data.sources",
-    "synthetic_images": "jaxpar.data.sources",
+    "load_digits": "jaxpar.data.images",
+    "load_npz": "jaxpar.data.images",
+    "synthetic_images": "jaxpar.data.images",
     "TokenFile": "jaxpar.data.token_file",
     "check_vocab": "jaxpar.data.token_file",
     "open_tokens": "jaxpar.data.token_file",

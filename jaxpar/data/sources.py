@@ -20,92 +20,23 @@ import dataclasses
 import glob
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
-from pydantic import Field, field_validator
 
 from jaxpar.data import mixture as mix
+from jaxpar.data.data_config import DataConfig
 from jaxpar.data.finetune import open_mask
+from jaxpar.data.images import load_digits, load_npz, synthetic_images
 from jaxpar.data.inputs import find_inputs
 from jaxpar.data.loader import ArrayExamples, Loader, RowShare, TokenWindows, fixed_batches
 from jaxpar.data.prepare import builtin_corpus, encode_documents
-from jaxpar.data.records import TEXT_KEY, read_documents
+from jaxpar.data.records import read_documents
 from jaxpar.data.token_file import TokenFile, check_vocab, open_tokens, tokenizer_of
 from jaxpar.data.tokenizers import ByteTokenizer, Tokenizer
 from jaxpar.data.windows import document_starts
-from jaxpar.errors import ConfigError, DataError
-from jaxpar.schema import Float, section
+from jaxpar.errors import DataError
 from jaxpar.task import DataNeeds
-
-#: ``data.dataset`` values (see the module docstring).
-Dataset = Literal["auto", "digits", "synthetic"]
-#: ``data.pack`` values: windows cut across documents (``concat``), or with attention and
-#: positions kept within each document (``documents``; docs/data.md).
-Pack = Literal["concat", "documents"]
-
-
-@section("data")
-class DataConfig:
-    """Training data and its loader (see ``jaxpar/data/``)."""
-
-    path: str = Field(
-        "",
-        description="a token file made by jaxpar prepare-data, or records "
-        "(JSONL, Parquet, Arrow, a datasets save_to_disk folder) or text files "
-        "(a file, folder or glob, read as byte tokens) for language models, an "
-        ".npz with images (N,H,W[,C]) and labels (N,) for classifiers; empty: "
-        "the built-in data (Python's pydoc_data.topics text; synthetic images)",
-    )
-    mixture: mix.Setting = Field(
-        None,
-        json_schema_extra={"type": "list of path:weight"},
-        description="several text sources (each as data.path takes "
-        "it) mixed by weight, instead of data.path: a YAML list of "
-        "{path, weight}, or path:weight,path:weight on the command "
-        "line (docs/data.md, Mixtures)",
-    )
-    text_key: str = Field(
-        TEXT_KEY,
-        min_length=1,
-        description="the field of each record that holds its text (records in data.path)",
-    )
-    dataset: Dataset = Field(
-        "auto",
-        description="auto (path or the built-in data), digits "
-        "(scikit-learn's handwritten digits) or synthetic (random tokens / "
-        "template images of num_examples examples, for benchmarks)",
-    )
-    seq_len: int = Field(128, ge=1, le=2**24, description="tokens per example (language models)")
-    pack: Pack = Field(
-        "concat",
-        description="concat: windows cut from the token stream; "
-        "documents: the same windows, each token attending only within its "
-        "own document, positions restarting at each (language models)",
-    )
-    eval_fraction: Float = Field(0.1, description="the held-out share, in (0, 1)")
-    image_size: int = Field(8, ge=1, le=2**16, description="height and width of synthetic images")
-    channels: int = Field(1, ge=1, le=2**16, description="channels of synthetic images")
-    num_examples: int = Field(4096, ge=2, le=2**40, description="examples of synthetic data")
-    threads: int = Field(2, ge=0, le=1024, description="grain reader threads")
-    prefetch: int = Field(4, ge=0, le=2**16, description="batches read ahead")
-    workers: int = Field(0, ge=0, le=1024, description="grain worker processes")
-    wait_warn: Float = Field(
-        0.1,
-        ge=0,
-        le=1,
-        description="warn once when the loop spends more "
-        "than this fraction of its time waiting for data (0: never)",
-    )
-
-    @field_validator("eval_fraction")
-    @classmethod
-    def _a_share(cls, value: float) -> float:
-        if not 0.0 < value < 1.0:
-            raise ConfigError(
-                f"data.eval_fraction={value} must be in (0, 1); set e.g. data.eval_fraction=0.1"
-            )
-        return value
 
 
 @dataclass
@@ -218,17 +149,6 @@ def image_data(
     )
 
 
-def synthetic_images(
-    n: int, size: int, num_classes: int, seed: int = 1234, channels: int = 1
-) -> tuple[np.ndarray, np.ndarray]:
-    """SYNTHETIC labelled images: a fixed random template per class plus noise."""
-    rng = np.random.default_rng(seed)
-    templates = rng.normal(size=(num_classes, size, size, channels)).astype(np.float32)
-    labels = rng.integers(0, num_classes, size=n).astype(np.int32)
-    noise = rng.normal(scale=2.0, size=(n, size, size, channels)).astype(np.float32)
-    return templates[labels] + noise, labels
-
-
 def synthetic_tokens(n: int, vocab_size: int, seed: int = 1234) -> TokenFile:
     """SYNTHETIC text: ``n`` uniformly random token ids (nothing to learn; for benchmarks)."""
     tokens = np.random.default_rng(seed).integers(0, vocab_size, n).astype(np.uint32)
@@ -239,61 +159,6 @@ def synthetic_tokens(n: int, vocab_size: int, seed: int = 1234) -> TokenFile:
         "documents": [{"source": "synthetic", "start": 0, "end": n}],
     }
     return TokenFile(tokens, vocab_size, meta, "SYNTHETIC random tokens")
-
-
-def _check_labels(labels: np.ndarray, num_classes: int | None, where: str) -> None:
-    too_big = num_classes is not None and labels.max() >= num_classes
-    if labels.min() < 0 or too_big:
-        bound = "" if num_classes is None else f" with model.num_classes={num_classes}"
-        fix = (
-            f"; set model.num_classes ≥ {labels.max() + 1}" if too_big and labels.min() >= 0 else ""
-        )
-        raise DataError(
-            f"{where}: labels span [{labels.min()}, {labels.max()}] but class "
-            f"labels must be 0, 1, …{bound}{fix}"
-        )
-
-
-def load_npz(path: Path, num_classes: int | None) -> tuple[np.ndarray, np.ndarray]:
-    """Images and labels from an ``.npz`` with arrays ``images`` and ``labels``."""
-    try:
-        with np.load(path) as f:
-            files = list(f.files)
-            if {"images", "labels"} <= set(files):
-                images, labels = f["images"].astype(np.float32), f["labels"].astype(np.int32)
-    except Exception as err:
-        raise DataError(
-            f"data.path '{path}' is not a readable .npz file "
-            f"({type(err).__name__}: {str(err).split('. ')[0]}); re-create it "
-            "with numpy.savez(path, images=..., labels=...)"
-        ) from err
-    missing = {"images", "labels"} - set(files)
-    if missing:
-        raise DataError(f"data.path '{path}' lacks arrays {sorted(missing)}; it has {files}")
-    if images.ndim == 3:
-        images = images[..., None]
-    if images.ndim != 4 or labels.ndim != 1 or len(images) != len(labels) or not len(labels):
-        raise DataError(
-            f"data.path '{path}': images {images.shape} and labels {labels.shape} "
-            "must be (N,H,W[,C]) and (N,) with N > 0"
-        )
-    _check_labels(labels, num_classes, f"data.path '{path}'")
-    return images, labels
-
-
-def load_digits(num_classes: int | None) -> tuple[np.ndarray, np.ndarray]:
-    """scikit-learn's handwritten digits: 1,797 images 8×8×1 scaled to [0, 1], labels 0–9."""
-    try:
-        from sklearn.datasets import load_digits as sklearn_digits
-    except ImportError as err:
-        raise DataError(
-            "data.dataset=digits needs scikit-learn: pip install 'jaxpar[digits]'"
-        ) from err
-    digits = sklearn_digits()
-    images = (digits.images / 16.0).astype(np.float32)[..., None]
-    labels = digits.target.astype(np.int32)
-    _check_labels(labels, num_classes, "data.dataset=digits")
-    return images, labels
 
 
 def _is_token_file(path: Path) -> bool:

@@ -32,8 +32,8 @@ import grain
 import jax
 import numpy as np
 
+from jaxpar.data.data_config import DataConfig
 from jaxpar.data.loader import Loader, RowShare, fixed_batches
-from jaxpar.data.sources import DataConfig
 from jaxpar.errors import (
     DataError,
     JaxparError,
