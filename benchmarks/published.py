@@ -275,7 +275,7 @@ def predict(entry: dict, literal: bool = False) -> Result:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             # another framework's run: its processes are its own (Megatron's stages cross
-            # servers, which a jaxpar run of one process a server refuses)
+            # servers, which jaxpar's sub-mesh executor, these rows' mapping, refuses)
             row = analytic.estimate(config, res.layout, hw, entry["gpus"], processes=False)
         res.error = row.error
     except (Unmapped, JaxparError) as err:

@@ -13,13 +13,13 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, get_args
 
-import numpy as np
+import jax
 
 from jaxpar import hlo
 from jaxpar import sharding as shd
 from jaxpar.axes import Axis
 from jaxpar.logical import SEQ, split_over
-from jaxpar.plan import FsdpGather, Plan
+from jaxpar.plan import FsdpGather, Plan, global_batch_shapes
 from jaxpar.plan.strategy import gathers_weights
 from jaxpar.run import Run
 
@@ -53,9 +53,10 @@ class Totals:
     stages: tuple = ()
 
 
-def _example_batch(run: Run) -> dict[str, np.ndarray]:
-    """A host batch of the run's global shape (only shapes and dtypes are used)."""
-    return run.data.batch(0, run.config.train.batch_size)
+def _example_batch(run: Run) -> dict[str, jax.ShapeDtypeStruct]:
+    """The run's global batch as shapes and dtypes (this process loads a share of it)."""
+    host = run.data.batch(0, run.config.train.batch_size)
+    return global_batch_shapes(host, run.plan.row_share[1])
 
 
 def _collective_bytes(compiled) -> dict[str, float]:

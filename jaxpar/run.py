@@ -170,7 +170,7 @@ def build(
     settings = _sizes(config, user_task)
     sizes.check_state(plan, memory, settings)  # before a batch is drawn or a byte allocated
     # the global batch must split over microbatches × batch devices: say so before training
-    data.use_share(plan.row_share)  # the rows this process's devices hold
+    data = data.with_share(plan.row_share)  # the rows this process's devices hold
     batch = global_batch_shapes(data.batch(0, config.train.batch_size), plan.row_share[1])
     plan.batch_shardings(batch)
     sizes.check_activations(plan, batch, memory, settings)

@@ -241,7 +241,7 @@ def test_family_counts_match_the_compiled_program(name):
     run = build(load_config([], [*FAMILY_RUNS[name], "mesh.data=8"]))
     counts = run.family.counts(run.config.model, run.data)
     assert counts.params == sum(x.size for x in jax.tree.leaves(run.plan.model.params))
-    batch = global_batch_shapes(run.data.batch(0, run.config.train.batch_size))
+    batch = global_batch_shapes(run.data.batch(0, run.config.train.batch_size), 1)
     flops = hlo.program_cost(run.trainer.compile_step(batch).as_text()).flops
     per_device = run.config.train.batch_size // 8
     assert flops == pytest.approx(counts.train_flops_per_example * per_device, rel=0.02)

@@ -128,7 +128,7 @@ def test_counts_match_the_compiled_program():
         run = jaxpar.build(jaxpar.load_config([], [*LLAMA, "mesh.data=8", *variant]))
         counts = run.family.counts(run.config.model, run.data)
         assert counts.params == sum(x.size for x in jax.tree.leaves(run.plan.model.params))
-        batch = global_batch_shapes(run.data.batch(0, run.config.train.batch_size))
+        batch = global_batch_shapes(run.data.batch(0, run.config.train.batch_size), 1)
         flops = hlo.program_cost(run.trainer.compile_step(batch).as_text()).flops
         assert flops == pytest.approx(counts.train_flops_per_example * 2, rel=0.02)
 

@@ -236,7 +236,7 @@ def test_worker_processes_give_the_same_batches_and_resume():
 
 
 def test_user_errors_name_the_setting():
-    with pytest.raises(ValueError, match=r"train.batch_size=6 .* process count 4"):
+    with pytest.raises(ValueError, match=r"train.batch_size=6 .* the 4 shares of its rows"):
         Loader(windows(24), global_batch_size=6, seed=0, process_count=4)
     with pytest.raises(ValueError, match=r"has 7 items, fewer than .* train.batch_size=8"):
         Loader(windows(7), global_batch_size=8, seed=0)

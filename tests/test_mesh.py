@@ -129,6 +129,39 @@ def test_each_process_loads_the_rows_its_devices_hold():
     assert shares({"data": 2, "fsdp": 2}, data=2, fsdp=4) == [(0, 4), (1, 4), (2, 4), (3, 4)]
     with pytest.raises(LayoutError, match="not one consecutive share.*mesh.hosts_fsdp above 1"):
         shares({"fsdp": 2}, data=2, fsdp=4)
+    # the batch on (fsdp, data): fsdp is the outer axis, which the hosts must cross first
+    fsdp_first = {"tokens": P(("fsdp", "data"), None)}
+    assert shares({"fsdp": 2}, fsdp_first, data=2, fsdp=4) == [(0, 2), (1, 2)]
+    with pytest.raises(LayoutError, match="cross fsdp, the outer batch axis, first"):
+        shares({"data": 2}, fsdp_first, data=2, fsdp=4)
+    # by default (devices in process order) data=3 × tensor=2 on 2 processes of 3: their
+    # rows overlap (blocks 0, 1 and 1, 2); the batch axes must divide among them
+    sizes = {a: {"data": 3, "tensor": 2}.get(a, 1) for a in MESH_AXES}
+    mesh = AbstractMesh(tuple(sizes.values()), MESH_AXES)
+    with pytest.raises(LayoutError, match=r"make data \(3\) a multiple of the 2 processes"):
+        row_share(mesh, {"tokens": P("data")}, grid_ranks(sizes) // 3, 0)
     two = {"tokens": P("data", None), "labels": P(None)}
     with pytest.raises(LayoutError, match="entries tokens, labels are split over different"):
         shares({"data": 2}, two, data=2, stage=2)
+
+
+def test_the_sub_mesh_executor_needs_each_place_of_every_stage_in_one_process():
+    """The sub-mesh executor moves each shard to the device at the same place of the next
+    stage: 3 processes of 4 devices over data=2 × stage=2 × tensor=3 (devices in process
+    order) give every stage devices of all three, but not place by place — refused in one
+    line; stage=2 within processes (data across them) runs."""
+    from jax.sharding import AbstractMesh
+
+    from jaxpar.errors import LayoutError
+    from jaxpar.mesh import grid_ranks
+    from jaxpar.plan.checks import check_stages_in_every_process
+
+    def grid(**degrees):
+        sizes = {a: degrees.get(a, 1) for a in MESH_AXES}
+        return AbstractMesh(tuple(sizes.values()), MESH_AXES), grid_ranks(sizes)
+
+    mesh, ranks = grid(data=2, stage=2, tensor=3)
+    with pytest.raises(LayoutError, match="pipeline.executor=mpmd moves each process's own"):
+        check_stages_in_every_process(mesh, ranks // 4)
+    mesh, ranks = grid(data=2, stage=2, tensor=2)
+    check_stages_in_every_process(mesh, ranks // 4)  # each process a data index

@@ -434,14 +434,15 @@ def test_sub_mesh_pipeline_two_processes_match_one(tmp_path):
     [
         ["mesh.stage=2", "mesh.data=2", "mesh.tensor=2", "pipeline.microbatches=2"],
         ["mesh.context=2", "mesh.data=2", "mesh.tensor=2"],
+        ["mesh.tensor=2", "mesh.data=2", "mesh.fsdp=2"],
     ],
-    ids=["stage", "context"],
+    ids=["stage", "context", "tensor"],
 )
 def test_axes_that_do_not_split_the_rows_across_processes_match_one(tmp_path, layout):
     """The one-program pipeline with its stages across 2 processes (each a stage, data and
-    tensor within it), as Megatron-LM's pipelines cross servers, and ring attention's
-    context axis across them: both processes load the same rows, the ones their devices
-    hold, and the losses are one process's."""
+    tensor within it), as Megatron-LM's pipelines cross servers, ring attention's context
+    axis and the tensor groups across them: both processes load the same rows, the ones
+    their devices hold, and the losses are one process's."""
     across = layout[0].replace("mesh.", "mesh.hosts_")  # mesh.hosts_stage=2 …
     two_match_one(tmp_path, [*layout, "checkpoint.every_steps=0"], across, "mesh.hosts_data=1")
 

@@ -317,8 +317,9 @@ def test_a_cluster_plan_refuses_what_a_run_of_one_process_a_host_refuses(h100):
     assert analytic.estimate(config, mixed, h100, 16).error == (
         "batch 'tokens': the processes split the mesh along fsdp, so a process's devices "
         "hold rows of the 16 row blocks (data×fsdp) that are not one consecutive share, but "
-        "each process loads one run of rows; let the hosts cross the outer batch axis first "
-        "(mesh.hosts_fsdp above 1 only with mesh.hosts_data = mesh.data)"
+        "each process loads one run of rows; let the hosts cross data, the outer batch axis, "
+        "first (mesh.hosts_data; mesh.hosts_fsdp above 1 only once mesh.hosts_data = "
+        "mesh.data)"
     )
     assert analytic.estimate(config, mixed, h100, 16, processes=False).ok
     assert analytic.estimate(config, "data=2,fsdp=8,mesh.hosts_data=2", h100, 16).ok

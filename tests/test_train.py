@@ -51,7 +51,7 @@ def test_grad_accumulation_all_reduces_over_data_once_per_step():
         # automatic reduction
         overrides = ["mesh.data=8", "train.batch_size=32", "train.grad_bucket_mb=0"]
         run = build(load_config([], [*GPT_SMALL, *overrides, f"train.grad_accum={accum}"]))
-        batch = global_batch_shapes(run.data.batch(0, run.config.train.batch_size))
+        batch = global_batch_shapes(run.data.batch(0, run.config.train.batch_size), 1)
         text = run.trainer.compile_step(batch).as_text()
         return run.plan.accumulates_per_data_shard, hlo.collective_stats(text)["all-reduce"]
 

@@ -258,9 +258,10 @@ def test_each_process_loads_only_its_rows(monkeypatch):
     # processes split along stage hold the same rows: each loads the share its plan names
     data = TaskData("t", TASK.data, None, 0, frozenset(TASK.batch_axes))
     assert data.batch(0, 16)["labels"].shape[0] == 8  # process 1 of 2 by default
-    data.use_share((0, 1))
+    whole = data.with_share((0, 1))
     for key, value in TASK.data(0, 16).items():
-        np.testing.assert_array_equal(data.batch(0, 16)[key], value)
+        np.testing.assert_array_equal(whole.batch(0, 16)[key], value)
+    assert data.batch(0, 16)["labels"].shape[0] == 8  # the data given keeps its share
 
 
 def _error(capsys, *args):

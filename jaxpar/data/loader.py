@@ -2,7 +2,7 @@
 
 The loader turns a random-access source into a stream of GLOBAL batches whose
 order depends only on ``(source, seed, global_batch_size, shuffle)`` — never on
-the process count — and hands each process only its own rows of each batch.
+the process count — and hands each process only its share of each batch's rows.
 
 Rules (every ``Loader`` follows all three):
 
@@ -25,11 +25,12 @@ Rules (every ``Loader`` follows all three):
   the same rows (split along ``stage``, ``context`` or ``tensor``).
 
 Layouts: a global batch is ``tokens[B_P, T+1]`` (or ``images[B_P, H, W, C]``,
-``labels[B_P]``) — batch dim sharded contiguously over processes.
+``labels[B_P]``) — batch dim sharded contiguously over the shares.
 """
 
 from __future__ import annotations
 
+import copy
 import sys
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol, Self
@@ -69,8 +70,9 @@ class RandomAccessSource(Protocol):
 class RowShare:
     """Which rows of each batch this process loads: ``share`` ``(i, n)``, part ``i`` of
     ``n`` equal, consecutive parts. By default the process's own (index, count); a run
-    sets its plan's (:attr:`jaxpar.plan.Plan.row_share`: processes split along ``stage``,
-    ``context`` or ``tensor`` hold the same rows, so they load the same share)."""
+    loads its plan's (:attr:`jaxpar.plan.Plan.row_share`: processes split along ``stage``,
+    ``context`` or ``tensor`` hold the same rows, so they load the same share, and must
+    make the same rows of it: a batch function pure in its step, a seeded source)."""
 
     _share: tuple[int, int] | None = None
 
@@ -79,15 +81,18 @@ class RowShare:
         """This process's share ``(i, n)`` of each batch's rows."""
         return self._share or (jax.process_index(), jax.process_count())
 
-    def use_share(self, share: tuple[int, int]) -> None:
-        """Load share ``share`` of every batch from now on (batches cached for another
-        share are dropped)."""
-        if tuple(share) != self.share:
-            self._share = tuple(share)
-            self._forget()
+    def with_share(self, share: tuple[int, int]) -> Self:
+        """This data loading share ``share`` of every batch: itself where that is its
+        share, else a copy (without the batches cached for another)."""
+        if tuple(share) == self.share:
+            return self
+        other = copy.copy(self)
+        other._share = tuple(share)
+        other._forget()
+        return other
 
     def _forget(self) -> None:
-        """Drops the batches cached for another share."""
+        """Drops (unshares) the batches cached for another share."""
 
 
 # ---------------------------------------------------------------- sharding rule
@@ -96,7 +101,7 @@ class RowShare:
 def _check_batch(
     num_items: int, global_batch_size: int, process_index: int, process_count: int
 ) -> int:
-    """Validates the batch against the processes and the source; returns rows per process."""
+    """Validates the batch against the shares and the source; returns rows per share."""
     if process_count < 1 or not 0 <= process_index < process_count:
         raise DataError(
             f"process_index={process_index} must be in [0, {process_count}) "
@@ -104,8 +109,9 @@ def _check_batch(
         )
     if global_batch_size < 1 or global_batch_size % process_count:
         raise DataError(
-            f"train.batch_size={global_batch_size} must be a positive multiple of the process "
-            f"count {process_count} (each process loads batch_size / process_count rows)"
+            f"train.batch_size={global_batch_size} must be a positive multiple of the "
+            f"{process_count} shares of its rows the processes load (each loads "
+            f"batch_size / {process_count} rows); change train.batch_size"
         )
     if num_items < global_batch_size:
         raise DataError(
@@ -372,8 +378,8 @@ def fixed_batches(
     """The first ``n`` global batches in source order, this process's rows — for evaluation.
 
     Global batch ``b`` is items ``(b*B + j) mod len(source)`` for ``j < B`` (the flat
-    source wraps around, nothing is dropped); process ``p`` gets rows
-    ``[p*B/P, (p+1)*B/P)`` and fetches only those items.
+    source wraps around, nothing is dropped); share ``p`` (``process_index``) of ``P``
+    gets rows ``[p*B/P, (p+1)*B/P)`` and fetches only those items.
     """
     rows = _check_batch(len(source), global_batch_size, process_index, process_count)
     first = process_index * rows

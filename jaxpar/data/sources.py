@@ -64,8 +64,7 @@ class Data(RowShare):
     _eval: dict[int, list[dict[str, np.ndarray]]] = field(default_factory=dict, repr=False)
 
     def _forget(self) -> None:
-        self._streams.clear()
-        self._eval.clear()
+        self._streams, self._eval = {}, {}
 
     def loader(self, batch_size: int, cfg: DataConfig | None = None) -> Loader:
         """A fresh training stream of global batches of ``batch_size`` rows (this process's)."""

@@ -4,15 +4,19 @@
 
 * a function ``(step, global_batch_size) -> {name: numpy array}``: the batch of the step
   that follows ``step`` steps, pure in ``step``, so a run resumes by step number and the
-  stream's state is just the step. With several processes each process keeps only its
-  rows ``[p·B/P, (p+1)·B/P)`` of every global batch; a function with a ``rows``
-  parameter is called with ``rows=slice(...)`` and returns only those rows, so each
-  process computes only its own.
+  stream's state is just the step. With several processes each process keeps only the
+  rows its devices hold, share ``i`` of ``n``: ``[i·B/n, (i+1)·B/n)`` of every global
+  batch (:class:`jaxpar.data.loader.RowShare`; processes split along ``stage``,
+  ``context`` or ``tensor`` hold the same rows); a function with a ``rows`` parameter is
+  called with ``rows=slice(...)`` and returns only those rows, so each process computes
+  only its own.
 * a ``grain.MapDataset`` of examples (dicts of arrays): read by jaxpar's loader
   (``jaxpar/data/loader.py``) — shuffled per epoch by ``run.seed``, each process fetching
   only its rows, resumed by position under any process count.
 * a ``grain.IterDataset`` of examples: read in order, ``B`` examples a step, resumed from
-  grain's own iterator state (``get_state``/``set_state``); one process only.
+  grain's own iterator state (``get_state``/``set_state``); only where every process
+  loads every row (one process, or processes split along ``stage``, ``context`` or
+  ``tensor`` alone).
 
 Every batch is checked against the task's ``batch_axes`` (its entries), the expected
 number of rows and the first batch's shapes and dtypes: a mismatch is an error naming
@@ -206,7 +210,7 @@ class IterStream(Iterator[dict[str, np.ndarray]]):
     ):
         if share[1] > 1:
             raise DataError(
-                "Task.data is a grain.IterDataset, which jaxpar reads whole, in order; with "
+                f"{check.what} is a grain.IterDataset, which jaxpar reads whole, in order; with "
                 "processes that load different rows give a grain.MapDataset (random access: "
                 "each process reads only its rows of every batch) or a batch function"
             )
@@ -315,8 +319,7 @@ class TaskData(RowShare):
         return BatchCheck(what, self.keys)
 
     def _forget(self) -> None:
-        self._eval_cache.clear()
-        self._by_index.clear()
+        self._eval_cache, self._by_index = {}, {}
 
     def loader(self, batch_size: int, cfg: DataConfig | None = None) -> Any:
         """A fresh training stream of global batches of ``batch_size`` rows (this process's)."""

@@ -87,7 +87,7 @@ def _checked_model(task: Task, model: Any) -> nnx.Module:
 
 
 def global_batch_shapes(
-    host_batch: Mapping[str, Any], count: int = 1
+    host_batch: Mapping[str, Any], count: int
 ) -> dict[str, jax.ShapeDtypeStruct]:
     """The global shapes of a batch of which this process holds ``host_batch``, one of
     ``count`` equal shares of the rows (:attr:`jaxpar.plan.Plan.row_share`)."""

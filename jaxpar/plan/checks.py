@@ -101,19 +101,23 @@ def _process_rows(
 def check_stages_in_every_process(
     mesh: Mesh | AbstractMesh, processes: np.ndarray | None = None
 ) -> None:
-    """The sub-mesh executor moves each process's own shards from stage to stage, so every
-    process must hold devices of every stage. ``processes`` as for :func:`row_share`.
+    """The sub-mesh executor moves each shard from a stage to the device at the same place
+    of the next, which must be the same process's: every stage's devices must lie in the
+    processes the first stage's do, place by place. ``processes`` as for :func:`row_share`.
 
     Raises:
-      LayoutError: for a process without devices of some stage.
+      LayoutError: for a stage whose places lie in other processes than the first's.
     """
     if processes is None:
         if not isinstance(mesh, Mesh):
             return
         processes = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
     stage = mesh.axis_names.index(Axis.STAGE)
-    held = [set(np.take(processes, s, axis=stage).flat) for s in range(processes.shape[stage])]
-    if any(h != held[0] for h in held):
+    first = np.take(processes, 0, axis=stage)
+    if any(
+        not np.array_equal(np.take(processes, s, axis=stage), first)
+        for s in range(processes.shape[stage])
+    ):
         raise LayoutError(
             "pipeline.executor=mpmd moves each process's own shards between the stages, but "
             "the processes split the mesh along stage (mesh.hosts_stage); keep the stages "
@@ -123,15 +127,33 @@ def check_stages_in_every_process(
 
 
 def _split_rows(key: str, mesh: Any, axes: tuple, processes: np.ndarray) -> str:
-    """Why a process's devices do not hold one consecutive share of the rows, and the fix."""
+    """Why a process's devices do not hold one consecutive share of the rows, and the fix:
+    where processes hold some of the same rows, batch axes that divide among them; else
+    the hosts across the outer batch axis first."""
     ways = math.prod(mesh.shape[a] for a in axes)
     split = [a for i, a in enumerate(mesh.axis_names) if (np.diff(processes, axis=i) != 0).any()]
+    count = len(np.unique(processes))
+    keep = [mesh.axis_names.index(a) for a in axes]
+    rest = [i for i in range(processes.ndim) if i not in keep]
+    held = processes.transpose(*keep, *rest).reshape(ways, -1)
+    sets = {frozenset(held[b].tolist()) for b in range(ways)}
+    overlap = any(x != y and x & y for x in sets for y in sets)
+    batch = "×".join(axes) or "the batch axes"
+    if overlap:
+        fix = (
+            f"make {batch} ({ways}) a multiple of the {count} processes, or let only axes "
+            "that do not split the rows cross the hosts (mesh.hosts_stage, hosts_tensor)"
+        )
+    else:
+        outer, inner = axes[0], axes[-1]
+        fix = (
+            f"let the hosts cross {outer}, the outer batch axis, first (mesh.hosts_{outer}; "
+            f"mesh.hosts_{inner} above 1 only once mesh.hosts_{outer} = mesh.{outer})"
+        )
     return (
         f"batch '{key}': the processes split the mesh along {', '.join(split)}, so a "
-        f"process's devices hold rows of the {ways} row blocks ({'×'.join(axes)}) that are "
-        "not one consecutive share, but each process loads one run of rows; let the hosts "
-        "cross the outer batch axis first (mesh.hosts_fsdp above 1 only with mesh.hosts_data "
-        "= mesh.data)"
+        f"process's devices hold rows of the {ways} row blocks ({batch}) that are not one "
+        f"consecutive share, but each process loads one run of rows; {fix}"
     )
 
 

@@ -23,6 +23,7 @@ parallel strategy is a new field or strategy object here, never a branch in the 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -125,7 +126,7 @@ class Plan:
         """The spec of each batch entry."""
         return self.layout.batch_specs
 
-    @property
+    @functools.cached_property
     def row_share(self) -> tuple[int, int]:
         """The rows of each batch this process loads: share ``i`` of ``n`` equal,
         consecutive parts of the global batch's rows (its devices' rows)."""
