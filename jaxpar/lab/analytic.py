@@ -137,6 +137,12 @@ class _FirstBatch:
             self._batches[step, size] = self._data.batch(step, size)
         return self._batches[step, size]
 
+    def with_share(self, share: tuple[int, int]) -> Any:
+        """Itself where the share is its data's (a plan's: one process), else the data
+        loading that share, drawn once too."""
+        inner = self._data.with_share(share)
+        return self if inner is self._data else _FirstBatch(inner)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._data, name)
 
