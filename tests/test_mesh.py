@@ -138,8 +138,23 @@ def test_each_process_loads_the_rows_its_devices_hold():
     # rows overlap (blocks 0, 1 and 1, 2); the batch axes must divide among them
     sizes = {a: {"data": 3, "tensor": 2}.get(a, 1) for a in MESH_AXES}
     mesh = AbstractMesh(tuple(sizes.values()), MESH_AXES)
-    with pytest.raises(LayoutError, match=r"make data \(3\) a multiple of the 2 processes"):
+    with pytest.raises(
+        LayoutError,
+        match=r"make data \(3\) a multiple of the 2 processes, or "
+        r"let only axes that do not split the rows cross the hosts "
+        r"\(mesh.hosts_tensor\)",
+    ):
         row_share(mesh, {"tokens": P("data")}, grid_ranks(sizes) // 3, 0)
+    # stage=2 × fsdp=3 on 3 processes of 2: fsdp divides among them and can cross alone
+    sizes = {a: {"stage": 2, "fsdp": 3}.get(a, 1) for a in MESH_AXES}
+    mesh = AbstractMesh(tuple(sizes.values()), MESH_AXES)
+    with pytest.raises(LayoutError, match=r"put fsdp across the hosts \(mesh.hosts_fsdp=3\)"):
+        row_share(mesh, {"tokens": P(("data", "fsdp"))}, grid_ranks(sizes) // 2, 0)
+    hosts = {a: {"fsdp": 3}.get(a, 1) for a in MESH_AXES}
+    assert row_share(mesh, {"tokens": P(("data", "fsdp"))}, grid_ranks(sizes, hosts) // 2, 2) == (
+        2,
+        3,
+    )
     two = {"tokens": P("data", None), "labels": P(None)}
     with pytest.raises(LayoutError, match="entries tokens, labels are split over different"):
         shares({"data": 2}, two, data=2, stage=2)

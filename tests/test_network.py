@@ -310,7 +310,8 @@ def test_a_cluster_plan_refuses_what_a_run_of_one_process_a_host_refuses(h100):
     mpmd = "stage=4,tensor=4,pipeline.executor=mpmd"
     assert analytic.estimate(config, mpmd, h100, 16).error.startswith(
         "pipeline.executor=mpmd moves each process's own shards between the stages, but the "
-        "processes split the mesh along stage (mesh.hosts_stage); keep the stages within"
+        "processes hold different places of the stages (the devices in process order, or "
+        "mesh.hosts_*); put a whole axis other than stage across the hosts"
     )
     assert analytic.estimate(config, mpmd, h100, 16, processes=False).ok
     mixed = "data=2,fsdp=8,mesh.hosts_fsdp=2"

@@ -21,8 +21,9 @@ Rules (every ``Loader`` follows all three):
   ``{name: array[L, …]}``, and fetches only those items from the source.
   Concatenating the ``P`` shares of a step in order gives exactly what one
   process with ``B`` rows would see. A process loads the share its devices hold
-  (:class:`RowShare`): its own index of ``P`` processes, unless processes hold
-  the same rows (split along ``stage``, ``context`` or ``tensor``).
+  (:class:`RowShare`, :attr:`jaxpar.plan.Plan.row_share`): processes that hold
+  the same rows (split along ``stage``, ``context`` or ``tensor``) load the same
+  share, and shares may differ in size between processes.
 
 Layouts: a global batch is ``tokens[B_P, T+1]`` (or ``images[B_P, H, W, C]``,
 ``labels[B_P]``) — batch dim sharded contiguously over the shares.

@@ -224,7 +224,7 @@ class IterStream(Iterator[dict[str, np.ndarray]]):
             batch = next(self._iter)
         except StopIteration:
             raise DataError(
-                f"Task.data (a grain.IterDataset) ran out after {self.batches_consumed} "
+                f"{self.check.what} (a grain.IterDataset) ran out after {self.batches_consumed} "
                 f"batches of {self.global_batch_size}; repeat it (e.g. "
                 "MapDataset.repeat() before to_iter_dataset()) or lower train.steps"
             ) from None

@@ -131,6 +131,7 @@ class _FirstBatch:
     def __init__(self, data: Data):
         self._data = data
         self._batches: dict[tuple[int, int], dict] = {}
+        self._shares: dict[tuple[int, int], _FirstBatch] = {}
 
     def batch(self, step: int, size: int) -> dict:
         if (step, size) not in self._batches:
@@ -139,11 +140,15 @@ class _FirstBatch:
 
     def with_share(self, share: tuple[int, int]) -> Any:
         """Itself where the share is its data's (a plan's: one process), else the data
-        loading that share, drawn once too."""
+        loading that share, drawn once too (kept for the plan's other layouts)."""
         inner = self._data.with_share(share)
-        return self if inner is self._data else _FirstBatch(inner)
+        if inner is self._data:
+            return self
+        return self._shares.setdefault(tuple(share), _FirstBatch(inner))
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # not yet set (a copy being made): not the data's
+            raise AttributeError(name)
         return getattr(self._data, name)
 
 

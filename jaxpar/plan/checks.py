@@ -118,11 +118,13 @@ def check_stages_in_every_process(
         not np.array_equal(np.take(processes, s, axis=stage), first)
         for s in range(processes.shape[stage])
     ):
+        count = len(np.unique(processes))
         raise LayoutError(
             "pipeline.executor=mpmd moves each process's own shards between the stages, but "
-            "the processes split the mesh along stage (mesh.hosts_stage); keep the stages "
-            "within each host (mesh.hosts_stage=1, another axis across the hosts) or use "
-            "pipeline.executor=spmd, whose stages may cross hosts"
+            "the processes hold different places of the stages (the devices in process "
+            "order, or mesh.hosts_*); put a whole axis other than stage across the hosts "
+            f"(e.g. mesh.hosts_data={count}, its degree a multiple of the {count} processes) "
+            "or use pipeline.executor=spmd, whose stages may cross hosts"
         )
 
 
@@ -139,11 +141,19 @@ def _split_rows(key: str, mesh: Any, axes: tuple, processes: np.ndarray) -> str:
     sets = {frozenset(held[b].tolist()) for b in range(ways)}
     overlap = any(x != y and x & y for x in sets for y in sets)
     batch = "×".join(axes) or "the batch axes"
-    if overlap:
-        fix = (
-            f"make {batch} ({ways}) a multiple of the {count} processes, or let only axes "
-            "that do not split the rows cross the hosts (mesh.hosts_stage, hosts_tensor)"
+    # a batch axis the hosts can cross alone: one whose outer batch axes are of size 1
+    outermost = [a for i, a in enumerate(axes) if all(mesh.shape[b] == 1 for b in axes[:i])]
+    whole = [a for a in outermost if mesh.shape[a] % count == 0]
+    others = ", ".join(
+        f"mesh.hosts_{a}" for a in mesh.axis_names if a not in axes and mesh.shape[a] > 1
+    )
+    if overlap and whole:
+        fix = f"put {whole[0]} across the hosts (mesh.hosts_{whole[0]}={count})"
+    elif overlap:
+        divide = f"make {batch} ({ways}) a multiple of the {count} processes, or " * bool(
+            ways % count
         )
+        fix = f"{divide}let only axes that do not split the rows cross the hosts ({others})"
     else:
         outer, inner = axes[0], axes[-1]
         fix = (
