@@ -60,9 +60,9 @@ def row_share(
         share (each process loads one run of rows).
     """
     if processes is None:
-        if not isinstance(mesh, Mesh):
+        processes = _processes_of(mesh)
+        if processes is None:
             return 0, 1
-        processes = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
         process = jax.process_index() if process is None else process
     if len(np.unique(processes)) == 1:
         return 0, 1
@@ -84,10 +84,8 @@ def _process_rows(
     """Each process's share (index, count) of entry ``key``'s rows; a one-line error when
     a process's rows are not a whole, consecutive share."""
     axes = spec_axes(spec[:1])
-    keep = [mesh.axis_names.index(a) for a in axes]
-    rest = [i for i in range(processes.ndim) if i not in keep]
-    ways = math.prod(mesh.shape[a] for a in axes)
-    groups = processes.transpose(*keep, *rest).reshape(ways, -1)  # row block → processes
+    groups = _row_blocks(mesh, axes, processes)
+    ways = len(groups)
     owned = {}
     for process in np.unique(processes).tolist():
         blocks = np.flatnonzero((groups == process).any(axis=1))
@@ -108,10 +106,9 @@ def check_stages_in_every_process(
     Raises:
       LayoutError: for a stage whose places lie in other processes than the first's.
     """
+    processes = _processes_of(mesh) if processes is None else processes
     if processes is None:
-        if not isinstance(mesh, Mesh):
-            return
-        processes = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
+        return
     stage = mesh.axis_names.index(Axis.STAGE)
     first = np.take(processes, 0, axis=stage)
     if any(
@@ -128,16 +125,31 @@ def check_stages_in_every_process(
         )
 
 
+def _processes_of(mesh: Mesh | AbstractMesh) -> np.ndarray | None:
+    """Each place of the mesh's grid as its device's process; None for an abstract mesh
+    (a plan whose processes it does not say)."""
+    if not isinstance(mesh, Mesh):
+        return None
+    return np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
+
+
+def _row_blocks(mesh: Any, axes: tuple, processes: np.ndarray) -> np.ndarray:
+    """The processes of each row block, [blocks, places]: the grid's places grouped by
+    where they sit along the batch axes ``axes`` (in their order)."""
+    keep = [mesh.axis_names.index(a) for a in axes]
+    rest = [i for i in range(processes.ndim) if i not in keep]
+    ways = math.prod(mesh.shape[a] for a in axes)
+    return processes.transpose(*keep, *rest).reshape(ways, -1)
+
+
 def _split_rows(key: str, mesh: Any, axes: tuple, processes: np.ndarray) -> str:
     """Why a process's devices do not hold one consecutive share of the rows, and the fix:
     where processes hold some of the same rows, batch axes that divide among them; else
     the hosts across the outer batch axis first."""
-    ways = math.prod(mesh.shape[a] for a in axes)
+    held = _row_blocks(mesh, axes, processes)
+    ways = len(held)
     split = [a for i, a in enumerate(mesh.axis_names) if (np.diff(processes, axis=i) != 0).any()]
     count = len(np.unique(processes))
-    keep = [mesh.axis_names.index(a) for a in axes]
-    rest = [i for i in range(processes.ndim) if i not in keep]
-    held = processes.transpose(*keep, *rest).reshape(ways, -1)
     sets = {frozenset(held[b].tolist()) for b in range(ways)}
     overlap = any(x != y and x & y for x in sets for y in sets)
     batch = "×".join(axes) or "the batch axes"
