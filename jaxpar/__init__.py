@@ -19,8 +19,8 @@ The package holds what a research script touches (``__all__``, the list on the A
 * errors: :class:`JaxparError` (its kinds are in :mod:`jaxpar.errors`)
 
 Everything else is imported from its module (:mod:`jaxpar.config`, :mod:`jaxpar.errors`,
-:mod:`jaxpar.context`, :mod:`jaxpar.mesh`, :mod:`jaxpar.sharding`, :mod:`jaxpar.optim`,
-:mod:`jaxpar.hlo`, … — the API page lists them).
+:mod:`jaxpar.context`, :mod:`jaxpar.mesh`, :mod:`jaxpar.rules`, :mod:`jaxpar.sharding`,
+:mod:`jaxpar.optim`, :mod:`jaxpar.hlo`, … — the API page lists them).
 
 ``import jaxpar`` imports nothing else and changes no process state: each name is
 imported from its module on first use (PEP 562), and the command's start-up signal

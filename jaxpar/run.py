@@ -19,7 +19,6 @@ from flax import nnx
 from jax.sharding import AbstractMesh, Mesh
 
 from jaxpar import hf, tensor_parallel
-from jaxpar import sharding as shd
 from jaxpar.axes import Axis
 from jaxpar.config import Config, model_settings
 from jaxpar.data import Data, load_data
@@ -32,6 +31,7 @@ from jaxpar.models.family import Family, ModelConfig
 from jaxpar.optim import decay_mask, make_optimizer
 from jaxpar.plan import Plan, abstract_model, global_batch_shapes, make_plan, sizes
 from jaxpar.plan.abstract import AbstractModel
+from jaxpar.rules import resolve_rules
 from jaxpar.state import TrainState
 from jaxpar.task import DataNeeds, Task
 from jaxpar.trainer import Trainer
@@ -136,7 +136,7 @@ def build(
     user_task = task
     sizes.check_settings(_sizes(config, user_task))
     devices, mesh, here = _devices_and_mesh(config, target, fit_memory)
-    rules = shd.resolve_rules(config.rules, config.tensor)
+    rules = resolve_rules(config.rules, config.tensor)
     precision = getattr(config.model, "precision", "default") if task is None else "default"
     tensor_parallel.check(config.tensor, mesh.shape, here, precision)
     family = None

@@ -3,7 +3,7 @@ collective matmuls that overlap its communication with compute.
 
 **Sequence parallelism** (``tensor.sequence``, Megatron-SP) is a rule: the residual stream
 between blocks, the logical ``act_seq`` axis, is split over ``tensor`` as well as
-``context`` (:func:`jaxpar.sharding.sequence_parallel`). XLA then gathers a block's input
+``context`` (:func:`jaxpar.rules.sequence_parallel`). XLA then gathers a block's input
 before its column-parallel matmuls and reduce-scatters its output after the row-parallel
 ones.
 

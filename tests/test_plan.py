@@ -19,7 +19,7 @@ from jaxpar.models import gpt
 from jaxpar.models.gpt import GPTConfig
 from jaxpar.pipeline.schedule import PipelineConfig
 from jaxpar.pipeline.ticks import tick_table
-from jaxpar.sharding import RulesConfig, resolve_rules
+from jaxpar.rules import RulesConfig, resolve_rules
 from jaxpar.user_code import load_task
 
 CFG = GPTConfig(d_model=32, n_layers=4, n_heads=4, d_ff=64, max_seq_len=16)

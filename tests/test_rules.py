@@ -118,7 +118,7 @@ def test_unmapped_logical_axis_is_an_error():
     from jaxpar.config import MeshConfig, RulesConfig
     from jaxpar.logical import spec_for
     from jaxpar.mesh import make_mesh
-    from jaxpar.sharding import resolve_rules
+    from jaxpar.rules import resolve_rules
 
     rules = resolve_rules(RulesConfig())
     mesh = make_mesh(MeshConfig(data=8))

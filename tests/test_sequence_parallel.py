@@ -290,7 +290,8 @@ def test_sequence_parallel_is_a_rule_and_a_key():
     """``tensor.sequence`` adds ``tensor`` to the residual stream's rule (after
     ``context``); the same rule written by hand gives the same plan; without tensor
     devices the key has no effect and says so."""
-    from jaxpar.sharding import RulesConfig, TensorConfig, resolve_rules
+    from jaxpar.rules import RulesConfig, resolve_rules
+    from jaxpar.tensor_parallel import TensorConfig
 
     rules = resolve_rules(RulesConfig(), TensorConfig(sequence=True))
     assert rules["act_seq"] == ("context", "tensor")

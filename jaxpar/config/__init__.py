@@ -39,7 +39,7 @@ from jaxpar.mesh import MeshConfig
 from jaxpar.models.family import ModelConfig
 from jaxpar.optim import OptimConfig
 from jaxpar.pipeline.schedule import PipelineConfig
-from jaxpar.sharding import RulesConfig
+from jaxpar.rules import RulesConfig
 
 __all__ = [
     "ALIASES",

@@ -11,7 +11,7 @@ from jaxpar import schema
 from jaxpar.config.families import merge_model
 from jaxpar.config.sections import Config
 from jaxpar.errors import ConfigError
-from jaxpar.sharding import RulesConfig
+from jaxpar.rules import RulesConfig
 
 #: Other spellings of a key. ``async`` is the natural name but a Python keyword, so the
 #: field is ``async_save``; YAML and overrides may use either.

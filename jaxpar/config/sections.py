@@ -24,8 +24,8 @@ from jaxpar.models.family import DEFAULT, Family, ModelConfig, families
 from jaxpar.optim import OptimConfig
 from jaxpar.pipeline.schedule import PipelineConfig
 from jaxpar.plan import FsdpGather
+from jaxpar.rules import RulesConfig
 from jaxpar.schema import Float, IntList, StrList, section
-from jaxpar.sharding import RulesConfig
 from jaxpar.tensor_parallel import TensorConfig
 
 #: ``train.nonfinite`` values.

@@ -12,7 +12,6 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
-from jaxpar import sharding as shd
 from jaxpar.axes import BATCH_AXES, Axis
 from jaxpar.errors import LayoutError
 from jaxpar.logical import (
@@ -27,6 +26,7 @@ from jaxpar.logical import (
 )
 from jaxpar.pipeline.ticks import TickTable, tick_table
 from jaxpar.plan.abstract import AbstractModel
+from jaxpar.rules import PRESETS
 from jaxpar.task import Task
 
 
@@ -262,7 +262,7 @@ def check_rule_names(rules: Rules, used: set[str]) -> None:
       LayoutError: for a rule that matches nothing (a typo such as ``rules.mpl``),
         naming the closest logical name.
     """
-    known = set(used).union(*shd.PRESETS.values())
+    known = set(used).union(*PRESETS.values())
     for name in rules:
         if name not in known:
             match = difflib.get_close_matches(name, sorted(known), n=1)

@@ -297,7 +297,7 @@ def make_plan(
       context: how attention runs when ``mesh.context`` > 1 splits each sequence
         (default: all-gathered keys and values, causal load balancing).
       tensor: how tensor parallelism runs (default: no overlap; sequence parallelism is
-        the rules' ``act_seq``: :func:`jaxpar.sharding.sequence_parallel`).
+        the rules' ``act_seq``: :func:`jaxpar.rules.sequence_parallel`).
       optimizer_offload: hold the optimizer state in pinned host memory between steps.
       grad_bucket_bytes: the step sums gradients over ``data`` in buckets of this size
         where it can (:mod:`jaxpar.buckets`; 0: XLA's reduction; None: the platform's
