@@ -59,10 +59,16 @@ def groups(leaves: list[Any], bucket_bytes: int) -> list[list[int]]:
 
 def psum_in_buckets(tree: Any, axis: str, bucket_bytes: int) -> Any:
     """``jax.lax.psum(tree, axis)`` as one ``psum`` per bucket (:func:`groups`), inside a
-    ``shard_map`` where ``axis`` is manual."""
+    ``shard_map`` where ``axis`` is manual. An array alone in its bucket is summed as it
+    lies: laid out flat, one split over the mesh's other (automatic) axes would be
+    gathered whole first (so a layout that splits parameters has no buckets:
+    :func:`jaxpar.plan.strategy.bucket_bytes`)."""
     leaves, treedef = jax.tree.flatten(tree)
     out = list(leaves)
     for group in groups(leaves, bucket_bytes):
+        if len(group) == 1:
+            out[group[0]] = jax.lax.psum(leaves[group[0]], axis)
+            continue
         flat = jax.lax.psum(jnp.concatenate([jnp.ravel(leaves[i]) for i in group]), axis)
         ends = np.cumsum([leaves[i].size for i in group])
         for i, piece in zip(group, jnp.split(flat, ends[:-1]), strict=True):

@@ -66,9 +66,10 @@ def describe(
         )
     return (
         gathered.format("an activation") + "if it is an embedding lookup's, look the "
-        "tokens up in the whole table, jnp.take(jaxpar.constrain(table, (None, None)), "
-        "tokens, axis=0), as jaxpar's models do; else pin the activation's layout where "
-        "the model makes it (jaxpar.constrain) or change the rule that splits its dims"
+        'tokens up with jaxpar.tensor_parallel.lookup(table, tokens, ("vocab", '
+        "\"embed\")), as jaxpar's models do (with the names the table's dims carry); else "
+        "pin the activation's layout where the model makes it (jaxpar.constrain) or change "
+        "the rule that splits its dims"
     )
 
 

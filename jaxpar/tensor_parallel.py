@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +47,7 @@ from jaxpar.logical import (
     SEQ,
     active_layout,
     active_options,
+    constrain,
     names_of,
     spec_for,
     split_over,
@@ -251,3 +252,76 @@ def _scattered(x, w, *, subscripts, t, dot):
         piece = dot(subscripts, part, w)
         total = piece if total is None else lax.ppermute(total, Axis.TENSOR, to_next) + piece
     return total
+
+
+def lookup(table: jax.Array, ids: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+    """Rows ``table[ids]`` of an embedding table whose dims are named ``names``: its
+    vocabulary and embed dims, ``(V, D)``, or a copy per batch shard, ``(G, V, D)`` whose
+    first name is ``batch`` (the rows of batch shard g from copy g), as Megatron's
+    vocabulary-parallel embedding looks them up.
+
+    In a step whose rules split the vocabulary over ``tensor``, each device looks up the
+    ids in its own rows (the others give zeros) and the group sums the results: one
+    all-reduce of the ``[…, D]`` rows, where a lookup in the whole table would gather
+    the table first (and reduce-scatter its gradient back). Exact: each row is one
+    device's, the others add zeros. Each batch shard reads a copy of its own (a table is
+    broadcast to one), so the table's gradient leaves summed over its shards' tokens only
+    and XLA reduces it over the batch as any weight's (with other reads of the same copy:
+    a tied output layer's). Elsewhere ``jnp.take`` from the whole table (FSDP gathers
+    weights before use anyway; from a sharded table the partitioner cannot move the rows
+    to the batch layout and falls back to replicating the gathered activations).
+    """
+    layout = active_layout()
+    shards = names[0] == BATCH
+    if layout is None or not _vocab_split(layout, table, names[shards:]):
+        return (
+            _whole_rows(table, ids)
+            if shards
+            else jnp.take(constrain(table, (None, None)), ids, axis=0)
+        )
+    mesh, rules, _ = layout
+    # the batch's and the sequence's axes manual too: left automatic, the partitioner
+    # gathers the ids and the rows
+    batch, seq = split_over(rules, mesh.shape, BATCH), split_over(rules, mesh.shape, SEQ)
+    entry = lambda axes: axes[0] if len(axes) == 1 else (axes or None)
+    ids_spec = PartitionSpec(entry(batch), *([entry(seq)] if ids.ndim > 1 else []))
+    # a table's gradient is summed over the tokens' axes by the transpose, at once; a
+    # copy per batch shard's over the sequence's only, for XLA to add the copies' up
+    # with the other reads of them and reduce once
+    copies = PartitionSpec(*([entry(batch)] if shards else []), Axis.TENSOR, None)
+    # whole rows (under sequence parallelism too: a model may add to them, e.g. GPT's
+    # learned positions, before they enter the split stream, where slicing is free)
+    return jax.shard_map(
+        functools.partial(_local_rows, vocab=table.shape[-2] // mesh.shape[Axis.TENSOR]),
+        mesh=mesh,
+        in_specs=(copies, ids_spec),
+        out_specs=PartitionSpec(*ids_spec, None),
+        axis_names=frozenset({Axis.TENSOR, *batch, *seq}),
+    )(table, ids)
+
+
+def _vocab_split(layout: Any, table: jax.Array, names: tuple[str | None, ...]) -> bool:
+    """Whether the active rules split the table's vocabulary over ``tensor`` (alone)."""
+    mesh, rules, _ = layout
+    shape = table.shape[-2:]
+    spec = spec_for(names, rules, mesh, shape, f"embedding table {tuple(names)}")
+    return mesh.shape.get(Axis.TENSOR, 1) > 1 and tuple(names_of(spec[0])) == (Axis.TENSOR,)
+
+
+def _whole_rows(tables_GVD: jax.Array, ids_BT: jax.Array) -> jax.Array:
+    """The rows of batch shard g's ids from copy g of a whole table."""
+    B, G = ids_BT.shape[0], tables_GVD.shape[0]
+    take = jax.vmap(lambda table_VD, ids: jnp.take(table_VD, ids, axis=0))
+    return take(tables_GVD, ids_BT.reshape(G, B // G, *ids_BT.shape[1:])).reshape(
+        B, *ids_BT.shape[1:], -1
+    )
+
+
+def _local_rows(table: jax.Array, ids: jax.Array, *, vocab: int) -> jax.Array:
+    """Inside ``shard_map``: the rows of ``ids`` this device's ``vocab`` rows (of its
+    copy, ``[1, V, D]``) hold (zeros for the others), summed over the ``tensor`` group."""
+    table_VD = table.reshape(table.shape[-2:])
+    local = ids - lax.axis_index(Axis.TENSOR) * vocab
+    here = (local >= 0) & (local < vocab)
+    rows = jnp.where(here[..., None], jnp.take(table_VD, jnp.where(here, local, 0), axis=0), 0)
+    return lax.psum(rows, Axis.TENSOR)

@@ -184,6 +184,25 @@ def test_layouts_that_split_parameters_keep_one_reduction_per_array(layout, stra
     assert getattr(accum, "bucket_bytes", 0) == 0
 
 
+def test_a_split_gradient_is_summed_over_data_where_it_lies():
+    """``data=4,tensor=2`` with accumulation: the per-shard step sums each array apart,
+    and a gradient split over ``tensor`` as it lies — the compiled step gathers nothing
+    (laid out flat, each was gathered whole over ``tensor`` first and summed whole: 1.66×
+    the bytes of the lab's prediction), its collective bytes equal the prediction to 1%,
+    and its losses and first gradients equal one device's."""
+    layout = ["mesh.data=4", "mesh.tensor=2", "train.grad_accum=2"]
+    ref_losses, ref_grads, _, _ = _steps(["mesh.data=1", "train.grad_accum=2"], 1)
+    losses, grads, _, run = _steps(layout, 8)
+    assert isinstance(run.plan.gradients, AccumulatedPerDataShard)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * np.abs(r).max())
+    config = load_config([], [*GPT_SMALL, *ADAMW])
+    row = measure(config, "data=4,tensor=2,train.grad_accum=2", hardware.get_profile("h100"))
+    assert row.all_gather_bytes == 0
+    assert row.comm_ratio == pytest.approx(1.0, abs=0.01)
+
+
 def test_auto_means_buckets_on_the_cpu_and_xla_reduction_on_gpus():
     """``train.grad_bucket_mb=auto`` (the default): 25 MiB buckets on the CPU, where each
     array of a combined all-reduce is a gloo call of its own; XLA's reduction inside the

@@ -1,6 +1,6 @@
 """XLA's involuntary-rematerialization warning, raised by a user's own embedding under
 data × fsdp × tensor, becomes one jaxpar line saying what is gathered and the fix; the
-fix it names (a lookup in the whole table) compiles without it; other lines pass through."""
+fix it names (a lookup where the table's rows lie) compiles without it; other lines pass through."""
 
 from __future__ import annotations
 
@@ -74,15 +74,16 @@ def test_an_embeddings_involuntary_rematerialization_is_one_line_with_the_fix(tm
     assert notes == [
         "jaxpar: warning: XLA gathers all of an activation f32[8,16,64] to change its sharding "
         "(its dims split 4×1×1 → 1×1×2): an involuntary full rematerialization, every device "
-        "briefly holding it whole; if it is an embedding lookup's, look the tokens up in the "
-        "whole table, jnp.take(jaxpar.constrain(table, (None, None)), tokens, axis=0), as "
-        "jaxpar's models do; else pin the activation's layout where the model makes it "
-        "(jaxpar.constrain) or change the rule that splits its dims"
+        "briefly holding it whole; if it is an embedding lookup's, look the tokens up with "
+        'jaxpar.tensor_parallel.lookup(table, tokens, ("vocab", "embed")), as jaxpar\'s '
+        "models do (with the names the table's dims carry); else pin the activation's "
+        "layout where the model makes it (jaxpar.constrain) or change the rule that splits "
+        "its dims"
     ], err
     assert "Involuntary" not in err and "spmd_partitioner" not in err
     fixed = _train(
         tmp_path,
-        "jnp.take(jaxpar.constrain(self.embed.embedding[...], (None, None)), tokens, axis=0)",
+        'jaxpar.tensor_parallel.lookup(self.embed.embedding[...], tokens, ("vocab", "embed"))',
     )
     assert "rematerialization" not in fixed.lower(), fixed
 

@@ -155,8 +155,10 @@ class _Step:
       accum: passes a step: microbatches, or pipelined passes.
       once: the data all-reduce runs once a step (else once a pass).
       layers_key: the stacked layers' top-level parameter key, or None.
-      whole, outside: the family's :attr:`LabModel.whole_params` and
-        :attr:`LabModel.gathers_outside_scans`.
+      whole, outside: the parameters the family reads whole here
+        (:meth:`LabModel.read_whole`) and :attr:`LabModel.gathers_outside_scans`.
+      at_once: the parameters whose gradient one all-reduce sums over every axis that
+        splits the tokens (:meth:`LabModel.summed_at_once`).
       head: the parameters (leaf indices) the last stage's head reads, where ``in_ticks``.
       homes: each parameter's home under the sub-mesh pipeline (else empty).
     """
@@ -171,6 +173,7 @@ class _Step:
     once: bool
     layers_key: str | None
     whole: frozenset[str]
+    at_once: frozenset[str]
     outside: int
     head: set[int]
     homes: list[Any]
@@ -184,7 +187,14 @@ class _Step:
         return self.plan.executor == "mpmd"
 
 
-def _step(plan: Plan, lab: LabModel, sizes: dict[str, int], cpu: bool, example: dict) -> _Step:
+def _step(
+    plan: Plan,
+    lab: LabModel,
+    sizes: dict[str, int],
+    cpu: bool,
+    example: dict,
+    whole: tuple[frozenset, frozenset],
+) -> _Step:
     """What ``plan``'s step reduces its gradients over, and how often."""
     pipelined = plan.pipeline is not None
     mpmd = plan.executor == "mpmd"
@@ -212,7 +222,8 @@ def _step(plan: Plan, lab: LabModel, sizes: dict[str, int], cpu: bool, example: 
         # a parameter the model reads whole (LabModel.whole_params: gathered over every
         # axis, as a transformer's token table) has a whole-table gradient, reduced before
         # it is sliced
-        whole=lab.whole_params,
+        whole=whole[0],
+        at_once=whole[1],
         outside=lab.gathers_outside_scans,
         head=_read_outside_stack(plan, last_stage, example) if in_ticks else set(),
         homes=jax.tree.leaves(plan.gradients.homes.params) if mpmd else [],
@@ -220,11 +231,19 @@ def _step(plan: Plan, lab: LabModel, sizes: dict[str, int], cpu: bool, example: 
 
 
 def gradient_terms(
-    plan: Plan, lab: LabModel, sizes: dict[str, int], cpu: bool, example: dict, fp8: frozenset
+    plan: Plan,
+    lab: LabModel,
+    sizes: dict[str, int],
+    cpu: bool,
+    example: dict,
+    fp8: frozenset,
+    whole: tuple[frozenset, frozenset],
 ) -> list[Term]:
     """Each parameter's FSDP gathers and gradient reductions in one step (the module
-    docstring's first two items); ``fp8``: the weights FP8 matmuls read."""
-    step = _step(plan, lab, sizes, cpu, example)
+    docstring's first two items); ``fp8``: the weights FP8 matmuls read; ``whole``: the
+    top-level parameters the model reads whole (:meth:`LabModel.read_whole`) and those
+    whose gradient one all-reduce sums (:meth:`LabModel.summed_at_once`)."""
+    step = _step(plan, lab, sizes, cpu, example, whole)
     terms = []
     for i, leaf in enumerate(_param_leaves(plan, example, fp8, cpu)):
         terms += _leaf_terms(step, i, leaf)
@@ -272,6 +291,14 @@ def _leaf_terms(step: _Step, i: int, leaf: _Leaf) -> list[Term]:
     terms = _stage_terms(step, in_layers, shard, local)
     if step.in_ticks and (in_layers or i in step.head):
         terms.append(_tick_reduction(step.plan, sizes, step.seq, local, in_layers))
+    if leaf.key in step.at_once:  # a shard_map's transpose: one sum, then sliced
+        over = (*gather, *rest)
+        if _degree(sizes, gather) > 1:  # gathered once, as outside a scan
+            terms.append(_fsdp_terms(step, leaf, local, gather, rest)[0][0])
+        times = 1 if step.once else step.accum
+        return terms + [
+            Term("all-reduce", ALL_REDUCED, local, _degree(sizes, over), times, axes=over)
+        ]
     if _degree(sizes, gather) > 1:
         fsdp, local, rest = _fsdp_terms(step, leaf, local, gather, rest)
         terms += fsdp

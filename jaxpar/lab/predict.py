@@ -196,6 +196,15 @@ def stack_moves(run: Run) -> tuple[float, float]:
     return sent, float(slab)
 
 
+def _read(run: Run, lab: LabModel, layout: Any) -> tuple[frozenset, frozenset]:
+    """The parameters the family reads whole, and those whose gradient it sums at once
+    (nothing for a user's task, which brings no family)."""
+    if run.family is None:
+        return frozenset(), frozenset()
+    cfg = run.config.model
+    return lab.read_whole(cfg, layout), lab.summed_at_once(cfg, layout)
+
+
 def _fp8_weights(run: Run, lab: LabModel) -> frozenset[str]:
     """The weights the model's FP8 matmuls read (none in the default precision)."""
     fp8 = getattr(run.config.model, "precision", "default") == "fp8"
@@ -231,7 +240,15 @@ def predict_comm(run: Run, backend: str = "gpu", asynchronous: bool = False) -> 
     )
     batch = run.data.batch(0, run.config.train.batch_size)
     terms = [
-        *gradient_terms(run.plan, lab, sizes, cpu, batch, _fp8_weights(run, lab)),
+        *gradient_terms(
+            run.plan,
+            lab,
+            sizes,
+            cpu,
+            batch,
+            _fp8_weights(run, lab),
+            _read(run, lab, layout),
+        ),
         *activations,
         *_pipeline_terms(run, cpu, asynchronous),
     ]

@@ -126,6 +126,18 @@ class LabModel:
     #: top-level parameter keys that the model reads whole (gathered over every axis) even
     #: where the rules shard them, so their gradient is reduced before it is sliced
     whole_params: frozenset[str] = frozenset()
+
+    def read_whole(self, cfg: Any, layout: LabLayout) -> frozenset[str]:
+        """The top-level parameters the model reads whole in ``layout``
+        (:attr:`whole_params`)."""
+        return self.whole_params
+
+    def summed_at_once(self, cfg: Any, layout: LabLayout) -> frozenset[str]:
+        """The top-level parameters whose gradient one all-reduce sums over every axis
+        that splits the tokens in ``layout`` (a ``shard_map`` reading them, whose
+        transpose sums them so), where XLA would otherwise reduce in steps."""
+        return frozenset()
+
     #: how often FSDP gathers a weight outside a layer scan per step: XLA keeps one gathered
     #: copy for the backward pass (1, measured for the transformers and small CNNs) or gathers
     #: it again there (2, ZeRO-3's textbook count; measured for the ResNet's convolutions)

@@ -24,7 +24,7 @@ from jaxpar.lab.activations import (
 )
 from jaxpar.lab.context_terms import transformer_context_terms
 from jaxpar.lab.terms import LabLayout, LabModel, Matmul, Term, fp8_itemsize
-from jaxpar.logical import ACT_SEQ, SEQ
+from jaxpar.logical import ACT_SEQ, SEQ, split_over
 from jaxpar.models.bert import BERT_FAMILY
 from jaxpar.models.gemma import GEMMA_FAMILY
 from jaxpar.models.gpt import GPT_FAMILY
@@ -46,9 +46,12 @@ def transformer_tensor_terms(
     """Megatron's activation all-reduces: per layer two of ``[b, T, D]`` forward (attention
     and MLP outputs) and two backward (their inputs), one more for the head's input
     gradient; the cross-entropy over vocab-sharded logits all-reduces three ``[b, T]``
-    statistics; a vocab-sharded embedding table is gathered. Under sequence parallelism
-    (:func:`_sequence_parallel_terms`) ``norm_weights`` is a layer's norm weights (GPT's
-    and BERT's two layer norms' scales and biases when None); overlapped by collective
+    statistics; the rows of a vocab-sharded embedding table are looked up where they lie
+    and summed (:func:`jaxpar.tensor_parallel.lookup`: one all-reduce of the ``[b, T, D]``
+    rows in float32 a microbatch; :func:`_vocab_terms`). Under
+    sequence parallelism (:func:`_sequence_parallel_terms`) ``norm_weights`` is a layer's
+    norm weights (GPT's and BERT's two layer norms' scales and biases when None);
+    overlapped by collective
     matmuls (:func:`_overlapped_terms`), ``columns`` is a layer's column-parallel
     projections (GPT's two: q, k, v stacked, and the MLP's first); in FP8, ``inputs`` is a
     layer's projections of the norms' outputs (GPT's two; the Llama's five), each of which
@@ -65,8 +68,9 @@ def transformer_tensor_terms(
     # forward and backward plus the head, and the embedding of the first stage.
     k = layout.grad_accum
     norms = 4 * cfg.d_model if norm_weights is None else norm_weights
+    rows_bytes = rows * seq * d * 4  # the rows looked up, float32 (the table's)
     if layout.sub_mesh:
-        return _first_stage_terms(cfg, layout, activation, backward, norms)
+        return _first_stage_terms(cfg, layout, (activation, rows_bytes), backward, norms)
     # a rematerialized block that keeps no attention output all-reduces it again (the MLP
     # output it recomputes feeds nothing in the backward pass: dead code)
     forward_again = 1 if cfg.remat in ("full", "save_qkv") else 0
@@ -94,21 +98,29 @@ def transformer_tensor_terms(
     terms.append(
         Term("all-reduce", "cross-entropy statistics", rows * seq * 4 / div, t, 3 * times, axes=TP)
     )
-    if Axis.TENSOR in layout.rules.get("vocab", ()):
-        # loop-invariant: XLA gathers the table once for all microbatches
-        terms.append(
-            Term(
-                "all-gather",
-                "embedding table gather",
-                cfg.vocab_size * d * 4,
-                t,
-                times if layout.stages is not None else 1,
-                axes=TP,
-            )
-        )
-    return terms
+    return terms + _vocab_terms(cfg, layout, rows_bytes / div, times)
 
 
+def _vocab_terms(cfg: Any, layout: LabLayout, rows_bytes: float, times: int) -> list[Term]:
+    """A vocab-sharded table's: where ``tensor`` alone splits the vocabulary, ``times`` sums
+    of ``rows_bytes`` rows looked up where they lie (:func:`jaxpar.tensor_parallel.lookup`;
+    in the one-program pipeline only the first stage's forward does: not the costliest
+    branch, and none counted); split over more axes, the table gathered whole (once, in a
+    pipeline once a tick)."""
+    vocab = layout.rules.get("vocab", ())
+    if Axis.TENSOR not in vocab:
+        return []
+    t = layout.sizes[Axis.TENSOR]
+    if split_over(layout.rules, layout.sizes, "vocab") == (Axis.TENSOR,):
+        spmd_pipeline = layout.stages is not None and not layout.sub_mesh
+        return [] if spmd_pipeline else [Term("all-reduce", LOOKUP, rows_bytes, t, times, axes=TP)]
+    ticks = times if layout.stages is not None else 1
+    table = cfg.vocab_size * cfg.d_model * 4
+    return [Term("all-gather", "embedding table gather", table, t, ticks, axes=TP)]
+
+
+#: what the lab calls the vocabulary-parallel lookup's sum (:func:`transformer_tensor_terms`)
+LOOKUP = "embedding rows looked up where they lie, summed"
 #: what the lab calls sequence parallelism's gathers (:func:`transformer_tensor_terms`)
 SP_GATHERS = "sequence parallel: activations gathered before the column-parallel matmuls"
 #: … and those of FP8 activations (``model.precision=fp8``): the partitioner gathers the
@@ -207,20 +219,26 @@ OVERLAP_SENDS = "tensor overlap: sequence chunks passed round the tensor group"
 
 
 def _first_stage_terms(
-    cfg: Any, layout: LabLayout, activation: float, backward: int, norm_weights: int
+    cfg: Any,
+    layout: LabLayout,
+    sizes: tuple[float, float],
+    backward: int,
+    norm_weights: int,
 ) -> list[Term]:
     """A device of the first stage under the sub-mesh pipeline, a program per action: each
     microbatch's forward all-reduces twice a layer, its backward (or weight-gradient half:
     the first chunk has no input gradient) four times — the recomputed forward's and both
     input gradients' — in each of the stage's ``v`` chunks (a one-layer chunk's backward
-    three), and the first chunk's two
-    programs each gather a vocab-sharded table. Under sequence parallelism those
-    reductions are reduce-scatters, and each microbatch gathers eight activations a layer
-    (two forward, two recomputed, two output gradients, two inputs for the weight
-    gradients) and one for the embeddings' gradient (measured)."""
+    three), and the first chunk's two programs each sum the rows looked up where a
+    vocab-sharded table's rows lie (:func:`_vocab_terms`). ``sizes``: a step's activation
+    and looked-up rows. Under sequence
+    parallelism those reductions are reduce-scatters, and each microbatch gathers eight
+    activations a layer (two forward, two recomputed, two output gradients, two inputs for
+    the weight gradients) and one for the embeddings' gradient (measured)."""
     t = layout.sizes[Axis.TENSOR]
     k = layout.grad_accum
     _, p, v, m = layout.stages
+    activation, rows_bytes = sizes
     layers = cfg.n_layers // p  # the stage's, over its v chunks
     # a one-layer chunk's recomputed MLP output feeds nothing in its backward: XLA drops
     # its all-reduce where no loop over layers is left to share it (measured)
@@ -232,24 +250,15 @@ def _first_stage_terms(
         terms = _sequence_parallel_terms(layout, activation / (m * k), counts, norms)
     else:
         terms = [Term("all-reduce", experts.MEGATRON, activation / (m * k), t, reductions, axes=TP)]
-    if Axis.TENSOR in layout.rules.get("vocab", ()):
-        terms.append(
-            Term(
-                "all-gather",
-                "embedding table gather",
-                cfg.vocab_size * cfg.d_model * 4,
-                t,
-                2 * m * k,
-                axes=TP,
-            )
-        )
-    return terms
+    return terms + _vocab_terms(cfg, layout, rows_bytes / (m * k), 2 * m * k)
 
 
 class TransformerLab(LabModel):
     """What the lab knows of jaxpar's transformers (GPT and BERT)."""
 
-    whole_params = frozenset({"embed"})  # tokens are looked up in the whole table
+    #: tokens are looked up in the whole table, but where ``tensor`` splits its
+    #: vocabulary (:meth:`read_whole`)
+    whole_params = frozenset({"embed"})
     sequence_parallel = True
     fp8_weights = frozenset({"wq", "wk", "wv", "wo", "w_in", "w_out"})
     #: activation all-reduces per layer in the backward pass under tensor parallelism: the
@@ -305,6 +314,13 @@ class TransformerLab(LabModel):
     def tensor_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
         return transformer_tensor_terms(cfg, layout, self.backward_all_reduces)
 
+    def read_whole(self, cfg: Any, layout: LabLayout) -> frozenset[str]:
+        return self.whole_params - self.summed_at_once(cfg, layout)
+
+    def summed_at_once(self, cfg: Any, layout: LabLayout) -> frozenset[str]:
+        vocab = split_over(layout.rules, layout.sizes, "vocab") == (Axis.TENSOR,)
+        return frozenset({"embed"}) if vocab else frozenset()
+
     def context_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
         return transformer_context_terms(cfg, layout)
 
@@ -322,6 +338,7 @@ class GemmaLab(TransformerLab):
 
     fp8_weights = LLAMA_FP8
     gated = True
+
     #: Gemma's four norms a layer and GeGLU (counted as GPT's are); under remat its scan of
     #: groups of the local/global pattern holds a group being recomputed (gemma_tiny: 85.5
     #: widths, 1.25 layers' kept bytes, at 4 and 8 layers)
@@ -349,6 +366,7 @@ class LlamaLab(TransformerLab):
 
     fp8_weights = LLAMA_FP8
     gated = True
+
     #: SwiGLU keeps its gate, up, activation and product: 8 F where GPT's MLP keeps 6;
     #: under remat, 0.88 of a layer's kept bytes while recomputing (llama_tiny: 38 of its
     #: 45.5 widths at 8 rows a device, 39-40 at 4, 46 at 2; as GPT's); a stack of one layer

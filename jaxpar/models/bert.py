@@ -39,6 +39,7 @@ import optax
 from flax import nnx
 from pydantic import Field, model_validator
 
+from jaxpar import tensor_parallel
 from jaxpar.errors import ConfigError
 from jaxpar.logical import constrain
 from jaxpar.models import fp8
@@ -204,8 +205,7 @@ class BERT(nnx.Module):
                 f"sequence length {T} exceeds model.max_seq_len={cfg.max_seq_len}; "
                 "raise model.max_seq_len or lower data.seq_len"
             )
-        table_VD = constrain(self.embed[...], (None, None))
-        x = jnp.take(table_VD, inputs_BT, axis=0)
+        x = tensor_parallel.lookup(self.embed[...], inputs_BT, ("vocab", "embed"))
         if documents is None:
             types_T = (jnp.arange(T) >= T // 2).astype(jnp.int32)
             x = x + self.pos[:T][None] + self.types[...][types_T]

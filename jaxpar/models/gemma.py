@@ -28,8 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxpar import tensor_parallel
 from jaxpar.errors import ConfigError
-from jaxpar.logical import constrain
+from jaxpar.logical import constrain, gathered
 from jaxpar.models import fp8
 from jaxpar.models import gemma_layers as layers
 from jaxpar.models.family import Counts, Family, register
@@ -124,7 +125,7 @@ class Gemma(nnx.Module):
                 f"{cfg.max_seq_len}; raise it or lower data.seq_len"
             )
         dtype = jnp.dtype(cfg.dtype)
-        x = jnp.take(constrain(self.embed[...], (None, None)), tokens_BT, axis=0).astype(dtype)
+        x = tensor_parallel.lookup(self.embed[...], tokens_BT, ("vocab", "embed")).astype(dtype)
         return enter_stream(x * jnp.asarray(math.sqrt(cfg.d_model), dtype))
 
     def run_blocks(
@@ -151,7 +152,9 @@ class Gemma(nnx.Module):
         cfg = self.cfg
         h = layers.norm(x_BTD, self.norm[...], cfg.norm_eps)
         head = (
-            constrain(self.embed[...], ("vocab", None)).T if cfg.tie_embeddings else self.head[...]
+            constrain(self.embed[...], ("vocab", None)).T
+            if cfg.tie_embeddings
+            else gathered(self.head[...], ("embed", "vocab"))
         )
         logits = jnp.einsum("btd,dv->btv", h, head.astype(h.dtype)).astype(jnp.float32)
         if cfg.final_softcap:

@@ -25,9 +25,10 @@ import numpy as np
 from flax import nnx
 from pydantic import Field, model_validator
 
+from jaxpar import tensor_parallel
 from jaxpar.context import is_natural
 from jaxpar.errors import ConfigError
-from jaxpar.logical import constrain, shards
+from jaxpar.logical import constrain, gathered, shards
 from jaxpar.models import fp8
 from jaxpar.models.family import Counts, Family, register
 from jaxpar.models.transformer import (
@@ -115,20 +116,22 @@ class GPT(nnx.Module):
         packed documents (:func:`~jaxpar.models.transformer.lm_documents`), each token
         attending within its own, at its position within it.
 
-        A tied table is read once for the lookup and the head, as one gathered copy per
-        batch shard, W[G, V, D] with G over the ``batch`` axes (each device holds one copy,
-        as it holds one gathered table anyway): its two gradient contributions then add
-        up on each device and are reduced once. Read twice, the partitioner would reduce
-        each where it is computed: one table-sized all-reduce more per step.
+        A tied table is read once for the lookup and the head, as one copy per batch
+        shard, W[G, V_vocab, D] with G over the ``batch`` axes, its ``embed`` dim gathered
+        (FSDP) and its vocabulary split as the rules split it (each device holds one copy
+        of its rows; the lookup reads them where they lie, :func:`tensor_parallel.lookup`):
+        its two gradient contributions then add up on each device and are reduced once.
+        Read twice, the partitioner would reduce each where it is computed: one
+        table-sized all-reduce more per step.
         """
         tables_GVD = self._tables_per_batch_shard() if self.cfg.tie_embeddings else None
         x_BTD = self.embed_tokens(tokens_BT, tables_GVD, positions_T, documents)
         return self.logits(self.run_blocks(x_BTD, positions_T, documents), tables_GVD)
 
     def _tables_per_batch_shard(self) -> jax.Array:
-        table_VD = self.table()
+        table_VD = self._tied_head_table()
         tables_GVD = jnp.broadcast_to(table_VD[None], (shards("batch"), *table_VD.shape))
-        return constrain(tables_GVD, ("batch", None, None))
+        return constrain(tables_GVD, ("batch", "vocab", None))
 
     def embed_tokens(
         self,
@@ -148,12 +151,11 @@ class GPT(nnx.Module):
                 f"sequence length {T} exceeds model.max_seq_len={cfg.max_seq_len}; "
                 "raise model.max_seq_len or lower data.seq_len"
             )
-        if tables_GVD is None:
-            x_BTD = jnp.take(self.table(), tokens_BT, axis=0)
-        else:
-            B, G = tokens_BT.shape[0], tables_GVD.shape[0]
-            take = jax.vmap(lambda table_VD, ids: jnp.take(table_VD, ids, axis=0))
-            x_BTD = take(tables_GVD, tokens_BT.reshape(G, B // G, T)).reshape(B, T, -1)
+        if tables_GVD is not None:
+            x_BTD = tensor_parallel.lookup(tables_GVD, tokens_BT, ("batch", "vocab", "embed"))
+        else:  # a tied table through the head's layout: one gather of its embed dim
+            table_VD = self._tied_head_table() if cfg.tie_embeddings else self.embed[...]
+            x_BTD = tensor_parallel.lookup(table_VD, tokens_BT, ("vocab", "embed"))
         if cfg.positions == "learned" and documents is not None:
             x_BTD = x_BTD + jnp.take(self.pos[...], documents.positions, axis=0)
         elif cfg.positions == "learned":
@@ -163,13 +165,10 @@ class GPT(nnx.Module):
         return enter_stream(x_BTD.astype(jnp.dtype(cfg.dtype)))
 
     def table(self) -> jax.Array:
-        """The whole embedding table W[V, D], gathered over every mesh axis.
-
-        Tokens are looked up in the whole table (FSDP gathers weights before use anyway):
-        from a sharded table the partitioner cannot move the rows to the batch layout and
-        falls back to replicating the gathered activations. A tied table is gathered in
-        two steps, through the head's layout (:meth:`_tied_head_table`), so that the lookup and
-        the head share one gather of its ``embed`` dim.
+        """The whole embedding table W[V, D], gathered over every mesh axis (decoding
+        looks tokens up in it). A tied table is gathered in two steps, through the head's
+        layout (:meth:`_tied_head_table`), so that the lookup and the head share one
+        gather of its ``embed`` dim.
         """
         table_VD = self._tied_head_table() if self.cfg.tie_embeddings else self.embed[...]
         return constrain(table_VD, (None, None))
@@ -177,8 +176,8 @@ class GPT(nnx.Module):
     def _tied_head_table(self) -> jax.Array:
         """A tied table in the head's layout, W[V_vocab, D]: its ``embed`` dim gathered
         (FSDP), ``vocab`` as the rules shard it (tensor parallelism: the logits' vocab
-        dim). The same constraint on the same parameter in :meth:`table`, which XLA's
-        CSE folds into one all-gather instead of one for the lookup and one for the head.
+        dim). The lookup and the head read it so, which XLA's CSE folds into one
+        all-gather instead of one for each.
         """
         return constrain(self.embed[...], ("vocab", None))
 
@@ -192,7 +191,11 @@ class GPT(nnx.Module):
                 "gbtd,gvd->gbtv", h.reshape(G, B // G, T, D), tables_GVD.astype(h.dtype)
             ).reshape(B, T, -1)
         else:
-            head_DV = self._tied_head_table().T if self.cfg.tie_embeddings else self.head[...]
+            head_DV = (
+                self._tied_head_table().T
+                if self.cfg.tie_embeddings
+                else gathered(self.head[...], ("embed", "vocab"))
+            )
             logits = jnp.einsum("btd,dv->btv", h, head_DV.astype(x_BTD.dtype))
         return constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))
 

@@ -29,9 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxpar import tensor_parallel
 from jaxpar.context import attend
 from jaxpar.errors import ConfigError
-from jaxpar.logical import constrain
+from jaxpar.logical import constrain, gathered
 from jaxpar.models import fp8, moe
 from jaxpar.models.family import Counts, Family, register
 from jaxpar.models.llama_attention import (
@@ -198,13 +199,13 @@ class Llama(nnx.Module):
         return self.logits(x), stats
 
     def embed_tokens(self, tokens_BT: jax.Array) -> jax.Array:
-        """Token embeddings [B, T, D] in the compute dtype (looked up in the whole table)."""
+        """Token embeddings [B, T, D] in the compute dtype (:func:`tensor_parallel.lookup`)."""
         if tokens_BT.shape[1] > self.cfg.max_seq_len:
             raise ConfigError(
                 f"sequence length {tokens_BT.shape[1]} exceeds model.max_seq_len="
                 f"{self.cfg.max_seq_len}; raise it or lower data.seq_len"
             )
-        x = jnp.take(constrain(self.embed[...], (None, None)), tokens_BT, axis=0)
+        x = tensor_parallel.lookup(self.embed[...], tokens_BT, ("vocab", "embed"))
         return enter_stream(x.astype(jnp.dtype(self.cfg.dtype)))
 
     def run_blocks(
@@ -254,7 +255,7 @@ class Llama(nnx.Module):
         head = (
             constrain(self.embed[...], ("vocab", None)).T
             if self.cfg.tie_embeddings
-            else self.head[...]
+            else gathered(self.head[...], ("embed", "vocab"))
         )
         logits = jnp.einsum("btd,dv->btv", h, head.astype(h.dtype))
         return constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))

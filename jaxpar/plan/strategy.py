@@ -15,7 +15,7 @@ import jax
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxpar import sharding as shd
-from jaxpar.axes import BATCH_AXES, Axis
+from jaxpar.axes import Axis
 from jaxpar.buckets import auto_bytes, platform_of
 from jaxpar.errors import ConfigError
 from jaxpar.gradients import (
@@ -26,7 +26,7 @@ from jaxpar.gradients import (
     Plain,
     Strategy,
 )
-from jaxpar.logical import names_of, spec_axes, spec_leaves
+from jaxpar.logical import spec_axes, spec_leaves, without_batch_axes
 from jaxpar.pipeline.layout import Layout
 
 #: When accumulation gathers FSDP-sharded weights (``train.fsdp_gather``).
@@ -104,15 +104,9 @@ def per_data_shard_possible(mesh: Mesh, param_specs: Any, stateful: bool) -> boo
 def gathered_specs(param_specs: Any) -> Any:
     """The parameters' specs without the batch axes (``data``, ``fsdp``): FSDP-sharded
     parameters gathered, tensor and stage splits kept."""
-
-    def drop(spec: PartitionSpec) -> PartitionSpec:
-        entries = []
-        for e in spec:
-            kept = tuple(a for a in names_of(e) if a not in BATCH_AXES)
-            entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
-        return PartitionSpec(*entries)
-
-    return jax.tree.map(drop, param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return jax.tree.map(
+        without_batch_axes, param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )
 
 
 def gathers_weights(param_specs: Any) -> bool:
