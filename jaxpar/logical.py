@@ -168,7 +168,7 @@ def shards(name: str) -> int:
     """How many ways the active rules split logical axis ``name`` (1 outside a jaxpar step).
 
     For a model that keeps one value per shard of an axis, e.g. one copy of a table per
-    batch shard, W[G_batch, V, D] constrained to ``("batch", None, None)``.
+    batch shard, W[G_batch, V, D] constrained to ``("batch", "vocab", None)``.
     """
     active = _ACTIVE.get()
     if active is None:
@@ -213,11 +213,10 @@ def without_batch_axes(spec: PartitionSpec) -> PartitionSpec:
 def gathered(w: jax.Array, names: AxisNames) -> jax.Array:
     """Weight ``w`` (its dims named ``names``) as a matmul reads it: gathered over the
     batch axes that shard it (FSDP), split as the rules split it otherwise. One gathered
-    value then serves the forward pass and the backward pass's input gradient. Left to the
-    partitioner, a weight outside a layer scan may be gathered for each: XLA 0.10 names
-    the two gathers' groups in different forms, which its CSE does not merge (measured:
-    Llama's and GPT's output layers under ``fsdp=2,tensor=2``). Outside a jaxpar step this
-    returns ``w`` unchanged."""
+    value then serves the forward pass and the backward pass's input gradient, where the
+    partitioner may gather a weight outside a layer scan for each (docs/lab.md); the
+    gradient passes through unconstrained. A ``custom_vjp``: reverse-mode only (no
+    ``jax.jvp`` through it). Outside a jaxpar step this returns ``w`` unchanged."""
     active = _ACTIVE.get()
     if active is None:
         return w

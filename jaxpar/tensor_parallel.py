@@ -30,6 +30,7 @@ weight's logical names; outside a step, or without ``tensor.overlap``, it is
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -255,57 +256,79 @@ def _scattered(x, w, *, subscripts, t, dot):
 
 
 def lookup(table: jax.Array, ids: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
-    """Rows ``table[ids]`` of an embedding table whose dims are named ``names``: its
-    vocabulary and embed dims, ``(V, D)``, or a copy per batch shard, ``(G, V, D)`` whose
-    first name is ``batch`` (the rows of batch shard g from copy g), as Megatron's
-    vocabulary-parallel embedding looks them up.
+    """Rows ``table[ids]`` of an embedding table, as Megatron's vocabulary-parallel
+    embedding looks them up.
 
-    In a step whose rules split the vocabulary over ``tensor``, each device looks up the
-    ids in its own rows (the others give zeros) and the group sums the results: one
-    all-reduce of the ``[…, D]`` rows, where a lookup in the whole table would gather
-    the table first (and reduce-scatter its gradient back). Exact: each row is one
-    device's, the others add zeros. Each batch shard reads a copy of its own (a table is
-    broadcast to one), so the table's gradient leaves summed over its shards' tokens only
-    and XLA reduces it over the batch as any weight's (with other reads of the same copy:
-    a tied output layer's). Elsewhere ``jnp.take`` from the whole table (FSDP gathers
-    weights before use anyway; from a sharded table the partitioner cannot move the rows
-    to the batch layout and falls back to replicating the gathered activations).
+    In a step whose rules split the vocabulary over ``tensor`` (alone, and neither the
+    batch nor the sequence over it), each device looks up the ids in its own rows (the
+    others give zeros) and the group sums the results: one all-reduce of the ``[…, D]``
+    rows, where a lookup in the whole table would gather the table first. Exact: each
+    row is one device's, the others add zeros. The table enters replicated over the
+    tokens' axes, so its gradient leaves summed over them (one all-reduce of the
+    ``[V/t, D]`` shard, then sliced into the table's layout); a copy per batch shard
+    leaves it summed over the sequence only, for XLA to add up with the copy's other
+    reads (a tied output layer's) and reduce once. The rows are summed in float32 at
+    least (XLA:CPU aborts on a bfloat16 sum). Elsewhere — no tensor split, no active
+    layout, a batch the batch axes do not divide — a lookup in the whole table (FSDP
+    gathers weights before use anyway; from a sharded table the partitioner cannot move
+    the rows to the batch layout and falls back to replicating the gathered rows).
+
+    Args:
+      table: ``[V, D]``, or a copy per batch shard ``[G, V, D]`` (batch shard g's rows
+        from copy g).
+      ids: ``[B, …]`` token ids in ``[0, V)``: an id outside it gives zeros where the
+        vocabulary is split and ``jnp.take``'s fill (NaN) elsewhere.
+      names: the table's logical dim names, ``("vocab", "embed")`` (``("batch", "vocab",
+        "embed")`` for copies per batch shard).
+
+    Returns:
+      ``[B, …, D]`` rows in the table's dtype.
     """
-    layout = active_layout()
     shards = names[0] == BATCH
-    if layout is None or not _vocab_split(layout, table, names[shards:]):
-        return (
-            _whole_rows(table, ids)
-            if shards
-            else jnp.take(constrain(table, (None, None)), ids, axis=0)
-        )
-    mesh, rules, _ = layout
-    # the batch's and the sequence's axes manual too: left automatic, the partitioner
-    # gathers the ids and the rows
-    batch, seq = split_over(rules, mesh.shape, BATCH), split_over(rules, mesh.shape, SEQ)
-    entry = lambda axes: axes[0] if len(axes) == 1 else (axes or None)
-    ids_spec = PartitionSpec(entry(batch), *([entry(seq)] if ids.ndim > 1 else []))
-    # a table's gradient is summed over the tokens' axes by the transpose, at once; a
-    # copy per batch shard's over the sequence's only, for XLA to add the copies' up
-    # with the other reads of them and reduce once
-    copies = PartitionSpec(*([entry(batch)] if shards else []), Axis.TENSOR, None)
+    specs = _split_lookup(table, ids, names[shards:], shards)
+    if specs is None:
+        whole = constrain(table, (None, None)) if not shards else table
+        return _whole_rows(whole, ids) if shards else jnp.take(whole, ids, axis=0)
+    mesh, copies, ids_spec, axes = specs
     # whole rows (under sequence parallelism too: a model may add to them, e.g. GPT's
     # learned positions, before they enter the split stream, where slicing is free)
-    return jax.shard_map(
+    rows = jax.shard_map(
         functools.partial(_local_rows, vocab=table.shape[-2] // mesh.shape[Axis.TENSOR]),
         mesh=mesh,
         in_specs=(copies, ids_spec),
         out_specs=PartitionSpec(*ids_spec, None),
-        axis_names=frozenset({Axis.TENSOR, *batch, *seq}),
-    )(table, ids)
+        axis_names=axes,
+    )(table.astype(jnp.promote_types(table.dtype, jnp.float32)), ids)
+    return rows.astype(table.dtype)
 
 
-def _vocab_split(layout: Any, table: jax.Array, names: tuple[str | None, ...]) -> bool:
-    """Whether the active rules split the table's vocabulary over ``tensor`` (alone)."""
+def _split_lookup(
+    table: jax.Array, ids: jax.Array, names: tuple[str | None, ...], shards: bool
+) -> tuple[Any, PartitionSpec, PartitionSpec, frozenset] | None:
+    """The mesh, the table's and the ids' specs and the manual axes of a lookup where
+    the rows lie (:func:`lookup`), or None where the step does not split the vocabulary
+    over ``tensor`` alone or the tokens do not divide among their axes."""
+    layout = active_layout()
+    if layout is None:
+        return None
     mesh, rules, _ = layout
-    shape = table.shape[-2:]
-    spec = spec_for(names, rules, mesh, shape, f"embedding table {tuple(names)}")
-    return mesh.shape.get(Axis.TENSOR, 1) > 1 and tuple(names_of(spec[0])) == (Axis.TENSOR,)
+    spec = spec_for(names, rules, mesh, table.shape[-2:], f"embedding table {tuple(names)}")
+    if mesh.shape.get(Axis.TENSOR, 1) == 1 or tuple(names_of(spec[0])) != (Axis.TENSOR,):
+        return None
+    # the batch's and the sequence's axes manual too: left automatic, the partitioner
+    # gathers the ids and the rows
+    batch, seq = split_over(rules, mesh.shape, BATCH), split_over(rules, mesh.shape, SEQ)
+    dims = (batch, seq)[: ids.ndim]
+    if Axis.TENSOR in (*batch, *seq) or any(
+        n % math.prod(mesh.shape[a] for a in axes) for n, axes in zip(ids.shape, dims)
+    ):
+        return None
+    if shards and table.shape[0] != math.prod(mesh.shape[a] for a in batch):
+        return None
+    entry = lambda axes: axes[0] if len(axes) == 1 else (axes or None)
+    ids_spec = PartitionSpec(*(entry(axes) for axes in dims))
+    copies = PartitionSpec(*([entry(batch)] if shards else []), Axis.TENSOR, None)
+    return mesh, copies, ids_spec, frozenset({Axis.TENSOR, *batch, *seq})
 
 
 def _whole_rows(tables_GVD: jax.Array, ids_BT: jax.Array) -> jax.Array:

@@ -193,13 +193,16 @@ def test_the_activations_follow_the_compiled_temporaries(pairs, model, layout, b
         # four stages of two chunks of two layers (stages ≠ chunks a stage)
         "tensor=2,stage=4,pipeline.schedule=interleaved,pipeline.virtual_stages=2,"
         "model.n_layers=16",
+        # backward programs that read the forward's residuals: no forward run again
+        "data=2,tensor=2,stage=2,pipeline.backward=residuals",
     ],
 )
 def test_the_sub_mesh_executors_collectives_are_predicted_to_the_byte(layout):
     """A program per action: the stage's chunks each all-reduce a layer's activations six
     times a microbatch, but a one-layer chunk's backward five (XLA drops the recomputed MLP
     output's, as no loop over layers shares it); the first chunk's forward and backward
-    sum the rows each device looked up in its part of the table (nothing is gathered).
+    sum the rows each device looked up in its part of the table (nothing is gathered);
+    backward programs that read the forward's residuals run no forward again.
     The prediction of the heaviest stage equals its compiled programs' bytes."""
     config = jaxpar.load_config([CONFIGS["gpt"]], [])
     row = measure(config, f"{layout},pipeline.executor=mpmd", H100)

@@ -51,6 +51,7 @@ def _loss_and_grad(table, ids, weights, mesh, rules, tensor, look):
         ("data=2,fsdp=2,tensor=2", False),
         ("data=2,fsdp=2,tensor=2", True),
         ("data=2,tensor=4", True),
+        ("data=2,context=2,tensor=2", True),  # ids split over the sequence too
         ("fsdp=4,context=2", False),  # no tensor: the whole table, as before
     ],
 )
@@ -74,12 +75,39 @@ def test_a_lookup_where_the_rows_lie_equals_the_whole_tables(mesh, sequence):
         assert summed and all(s[-1] == D for s in summed), summed
 
 
+@pytest.mark.parametrize("case", ["tensor splits the batch", "an odd batch", "bfloat16"])
+def test_a_lookup_whose_tokens_cannot_split_so_is_still_exact(case):
+    """Where ``tensor`` also splits the batch (each device of a group holds other
+    tokens), or the batch axes do not divide the batch, the rows come from the whole
+    table; a bfloat16 table's rows are summed in float32 (XLA:CPU aborts on a bfloat16
+    sum) and come back in bfloat16. Each equals the lookup in the whole table."""
+    m, rules, tensor = _layout("data=2,fsdp=2,tensor=2", False)
+    rows_n, dtype = B, np.float32
+    if case == "tensor splits the batch":
+        rules = {**rules, "batch": ("data", "fsdp", "tensor")}
+    elif case == "an odd batch":
+        rows_n = 6
+    else:
+        dtype = jnp.bfloat16
+    rng = np.random.default_rng(3)
+    table = rng.normal(size=(V, D)).astype(dtype)
+    ids = jnp.asarray(rng.integers(0, V, (rows_n, T)), jnp.int32)
+    weights = jnp.asarray(rng.normal(size=(rows_n, T, D)), dtype)
+    _, ((_, rows), grad) = _loss_and_grad(table, ids, weights, m, rules, tensor, lookup)
+    assert rows.dtype == table.dtype
+    np.testing.assert_array_equal(np.asarray(rows), np.asarray(table)[np.asarray(ids)])
+    expected = np.zeros((V, D), np.float32)
+    np.add.at(expected, np.asarray(ids).ravel(), np.asarray(weights, np.float32).reshape(-1, D))
+    tol = 1e-6 if dtype == np.float32 else 2e-2
+    np.testing.assert_allclose(np.asarray(grad, np.float32), expected, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("mesh", ["data=2,fsdp=2,tensor=2", "data=4,fsdp=2"])
 def test_a_copy_per_batch_shard_is_read_as_the_whole_table(mesh):
     """A tied table read as one copy per batch shard, W[G, V, D] (GPT's: the lookup and
     the head add their gradient contributions on each device): batch shard g's rows come
     from copy g, whose gradient holds only its shard's tokens — where the vocabulary is
-    split over ``tensor`` and where it is not."""
+    split over ``tensor`` (no copy gathered) and where it is not."""
     rng = np.random.default_rng(2)
     table = rng.normal(size=(V, D)).astype(np.float32)
     ids = jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32)
@@ -93,11 +121,15 @@ def test_a_copy_per_batch_shard_is_read_as_the_whole_table(mesh):
             rows = lookup(copies, ids, ("batch", *NAMES))
         return jnp.sum(rows * weights), rows
 
-    (_, rows), grad = jax.jit(jax.value_and_grad(loss, has_aux=True))(jnp.asarray(table))
+    step = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    (_, rows), grad = step(jnp.asarray(table))
     np.testing.assert_array_equal(np.asarray(rows), table[np.asarray(ids)])
     expected = np.zeros_like(table)
     np.add.at(expected, np.asarray(ids).ravel(), np.asarray(weights).reshape(-1, D))
     np.testing.assert_allclose(np.asarray(grad), expected, rtol=1e-6, atol=1e-6)
+    if m.shape["tensor"] > 1:  # no copy gathered over its vocabulary
+        text = step.lower(jnp.asarray(table)).compile().as_text()
+        assert not [s for s, _ in _collectives(text, "all-gather") if V in s[-2:-1]]
 
 
 def _collectives(text: str, kind: str) -> list[tuple[tuple[int, ...], int]]:

@@ -46,13 +46,15 @@ def transformer_context_terms(cfg: Any, layout: LabLayout) -> list[Term]:
     heads = math.prod(layout.sizes[a] for a in rules.get("kv_heads" if grouped else "heads", ()))
     itemsize = 4 if layout.cpu else jnp.dtype(cfg.dtype).itemsize
     kv = layout.rows * T * width // heads * itemsize / k  # one of K, V: whole sequence
-    # measured: a tied table's two gradients (the lookup's, the head's) reduced apart
+    # measured: a tied table's two gradients (the lookup's, the head's) reduced apart;
+    # the head's split as its vocabulary is
+    vocab = math.prod(layout.sizes[a] for a in rules.get("vocab", ()))
     tied = (
         [
             Term(
                 "all-reduce",
                 "context: tied table gradient reduced over context",
-                cfg.vocab_size * cfg.d_model * 4,
+                cfg.vocab_size * cfg.d_model * 4 / vocab,
                 c,
                 axes=seq,
             )

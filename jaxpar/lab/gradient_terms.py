@@ -27,7 +27,7 @@ from flax import nnx
 
 from jaxpar.axes import BATCH_AXES, Axis
 from jaxpar.buckets import groups
-from jaxpar.lab.terms import LabModel, Term, fp8_itemsize
+from jaxpar.lab.terms import LabModel, TableReads, Term, fp8_itemsize
 from jaxpar.logical import LAYERS, SEQ, spec_axes, spec_leaves
 from jaxpar.pipeline.views import STACKED, WHOLE
 from jaxpar.plan import Plan
@@ -155,10 +155,8 @@ class _Step:
       accum: passes a step: microbatches, or pipelined passes.
       once: the data all-reduce runs once a step (else once a pass).
       layers_key: the stacked layers' top-level parameter key, or None.
-      whole, outside: the parameters the family reads whole here
-        (:meth:`LabModel.read_whole`) and :attr:`LabModel.gathers_outside_scans`.
-      at_once: the parameters whose gradient one all-reduce sums over every axis that
-        splits the tokens (:meth:`LabModel.summed_at_once`).
+      reads: how the family reads its tables here (:meth:`LabModel.table_reads`).
+      outside: :attr:`LabModel.gathers_outside_scans`.
       head: the parameters (leaf indices) the last stage's head reads, where ``in_ticks``.
       homes: each parameter's home under the sub-mesh pipeline (else empty).
     """
@@ -172,8 +170,7 @@ class _Step:
     accum: int
     once: bool
     layers_key: str | None
-    whole: frozenset[str]
-    at_once: frozenset[str]
+    reads: TableReads
     outside: int
     head: set[int]
     homes: list[Any]
@@ -193,7 +190,7 @@ def _step(
     sizes: dict[str, int],
     cpu: bool,
     example: dict,
-    whole: tuple[frozenset, frozenset],
+    reads: TableReads,
 ) -> _Step:
     """What ``plan``'s step reduces its gradients over, and how often."""
     pipelined = plan.pipeline is not None
@@ -219,11 +216,7 @@ def _step(
         accum=accum,
         once=accum == 1 or plan.accumulates_per_data_shard,
         layers_key=split.layers_key if split is not None else None,
-        # a parameter the model reads whole (LabModel.whole_params: gathered over every
-        # axis, as a transformer's token table) has a whole-table gradient, reduced before
-        # it is sliced
-        whole=whole[0],
-        at_once=whole[1],
+        reads=reads,
         outside=lab.gathers_outside_scans,
         head=_read_outside_stack(plan, last_stage, example) if in_ticks else set(),
         homes=jax.tree.leaves(plan.gradients.homes.params) if mpmd else [],
@@ -237,13 +230,12 @@ def gradient_terms(
     cpu: bool,
     example: dict,
     fp8: frozenset,
-    whole: tuple[frozenset, frozenset],
+    reads: TableReads,
 ) -> list[Term]:
     """Each parameter's FSDP gathers and gradient reductions in one step (the module
-    docstring's first two items); ``fp8``: the weights FP8 matmuls read; ``whole``: the
-    top-level parameters the model reads whole (:meth:`LabModel.read_whole`) and those
-    whose gradient one all-reduce sums (:meth:`LabModel.summed_at_once`)."""
-    step = _step(plan, lab, sizes, cpu, example, whole)
+    docstring's first two items); ``fp8``: the weights FP8 matmuls read; ``reads``: how
+    the family reads its tables (:meth:`LabModel.table_reads`)."""
+    step = _step(plan, lab, sizes, cpu, example, reads)
     terms = []
     for i, leaf in enumerate(_param_leaves(plan, example, fp8, cpu)):
         terms += _leaf_terms(step, i, leaf)
@@ -284,21 +276,29 @@ def _leaf_terms(step: _Step, i: int, leaf: _Leaf) -> list[Term]:
     local = leaf.nbytes / math.prod(
         sizes[a]
         for a in leaf.axes
-        if (a not in step.batch or a in leaf.own) and leaf.key not in step.whole
+        if (a not in step.batch or a in leaf.own) and leaf.key not in step.reads.whole
     )
     gather = tuple(a for a in leaf.axes if a in step.batch and a not in leaf.own)
     rest = tuple(a for a in step.batch if a not in leaf.axes)
     terms = _stage_terms(step, in_layers, shard, local)
     if step.in_ticks and (in_layers or i in step.head):
         terms.append(_tick_reduction(step.plan, sizes, step.seq, local, in_layers))
-    if leaf.key in step.at_once:  # a shard_map's transpose: one sum, then sliced
+    if leaf.key in step.reads.at_once:  # a shard_map's transpose: one sum, then sliced
         over = (*gather, *rest)
-        if _degree(sizes, gather) > 1:  # gathered once, as outside a scan
-            terms.append(_fsdp_terms(step, leaf, local, gather, rest)[0][0])
         times = 1 if step.once else step.accum
-        return terms + [
-            Term("all-reduce", ALL_REDUCED, local, _degree(sizes, over), times, axes=over)
-        ]
+        seq = tuple(a for a in over if a in step.seq) if leaf.key in step.reads.copies else ()
+        for axes in (tuple(a for a in over if a not in seq), seq):
+            if _degree(sizes, axes) > 1:
+                terms.append(
+                    Term("all-reduce", ALL_REDUCED, local, _degree(sizes, axes), times, axes=axes)
+                )
+        if leaf.key not in step.reads.apart:  # gathered once, as outside a scan
+            fsdp = (
+                _fsdp_terms(step, leaf, local, gather, rest)[0]
+                if _degree(sizes, gather) > 1
+                else []
+            )
+            return terms + fsdp[:1]
     if _degree(sizes, gather) > 1:
         fsdp, local, rest = _fsdp_terms(step, leaf, local, gather, rest)
         terms += fsdp
@@ -392,7 +392,7 @@ def _all_reduce_terms(step: _Step, leaf: _Leaf, local: float, over: tuple[str, .
     # over fsdp first and the slice over the rest (measured): one all-reduce's bytes.
     seq = tuple(a for a in step.seq if a in step.batch)
     split_seq = _degree(sizes, seq)
-    read_whole = leaf.key in step.whole or leaf.rank == 1
+    read_whole = leaf.key in step.reads.whole or leaf.rank == 1
     summed = step.cpu and (step.accum == 1 or step.mpmd) and read_whole
     if 1 < split_seq < rest and (sizes[Axis.FSDP] == 1 or summed):
         terms.append(

@@ -58,7 +58,7 @@ from jaxpar.lab.staged import (
     expert_terms_in_pipeline,
     first_stage_message,
 )
-from jaxpar.lab.terms import LabLayout, LabModel, Term
+from jaxpar.lab.terms import LabLayout, LabModel, TableReads, Term
 from jaxpar.logical import ACT_SEQ, SEQ, split_over
 from jaxpar.pipeline.schedule import KINDS
 from jaxpar.run import Run
@@ -196,13 +196,10 @@ def stack_moves(run: Run) -> tuple[float, float]:
     return sent, float(slab)
 
 
-def _read(run: Run, lab: LabModel, layout: Any) -> tuple[frozenset, frozenset]:
-    """The parameters the family reads whole, and those whose gradient it sums at once
-    (nothing for a user's task, which brings no family)."""
-    if run.family is None:
-        return frozenset(), frozenset()
-    cfg = run.config.model
-    return lab.read_whole(cfg, layout), lab.summed_at_once(cfg, layout)
+def _read(run: Run, lab: LabModel, layout: Any) -> TableReads:
+    """How the family reads its tables (nothing special for a user's task, which brings
+    no family)."""
+    return TableReads() if run.family is None else lab.table_reads(run.config.model, layout)
 
 
 def _fp8_weights(run: Run, lab: LabModel) -> frozenset[str]:

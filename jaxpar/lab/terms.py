@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 
 @dataclass(frozen=True)
@@ -116,6 +116,22 @@ def fp8_itemsize(cpu: bool) -> int:
     return 2 if cpu else 1
 
 
+class TableReads(NamedTuple):
+    """How a family reads its top-level parameters' tables in a layout
+    (:meth:`LabModel.table_reads`): ``whole``, gathered over every axis (their gradient
+    reduced before it is sliced); ``at_once``, by a ``shard_map`` whose transpose sums
+    their gradient over every axis that splits the tokens in one all-reduce (a lookup
+    where the rows lie); ``apart``, those of ``at_once`` read again outside it (a tied
+    output layer), whose gradient XLA reduces apart as any weight's; ``copies``, those of
+    ``at_once`` read as a copy per batch shard, whose transpose sums the gradient over the
+    sequence's axes only and XLA then over the batch's."""
+
+    whole: frozenset[str] = frozenset()
+    at_once: frozenset[str] = frozenset()
+    apart: frozenset[str] = frozenset()
+    copies: frozenset[str] = frozenset()
+
+
 class LabModel:
     """A model family's activations for the layout lab's textbook prediction
     (:mod:`jaxpar.lab.predict`), from its config and a :class:`LabLayout`. This base knows
@@ -127,16 +143,10 @@ class LabModel:
     #: where the rules shard them, so their gradient is reduced before it is sliced
     whole_params: frozenset[str] = frozenset()
 
-    def read_whole(self, cfg: Any, layout: LabLayout) -> frozenset[str]:
-        """The top-level parameters the model reads whole in ``layout``
-        (:attr:`whole_params`)."""
-        return self.whole_params
-
-    def summed_at_once(self, cfg: Any, layout: LabLayout) -> frozenset[str]:
-        """The top-level parameters whose gradient one all-reduce sums over every axis
-        that splits the tokens in ``layout`` (a ``shard_map`` reading them, whose
-        transpose sums them so), where XLA would otherwise reduce in steps."""
-        return frozenset()
+    def table_reads(self, cfg: Any, layout: LabLayout) -> TableReads:
+        """How the model reads its tables in ``layout`` (this base: :attr:`whole_params`
+        whole)."""
+        return TableReads(whole=self.whole_params)
 
     #: how often FSDP gathers a weight outside a layer scan per step: XLA keeps one gathered
     #: copy for the backward pass (1, measured for the transformers and small CNNs) or gathers

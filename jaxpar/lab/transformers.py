@@ -23,7 +23,7 @@ from jaxpar.lab.activations import (
     unsplit_kv_flops,
 )
 from jaxpar.lab.context_terms import transformer_context_terms
-from jaxpar.lab.terms import LabLayout, LabModel, Matmul, Term, fp8_itemsize
+from jaxpar.lab.terms import LabLayout, LabModel, Matmul, TableReads, Term, fp8_itemsize
 from jaxpar.logical import ACT_SEQ, SEQ, split_over
 from jaxpar.models.bert import BERT_FAMILY
 from jaxpar.models.gemma import GEMMA_FAMILY
@@ -243,21 +243,23 @@ def _first_stage_terms(
     # a one-layer chunk's recomputed MLP output feeds nothing in its backward: XLA drops
     # its all-reduce where no loop over layers is left to share it (measured)
     dropped = v if layers == v else 0
-    reductions = m * k * ((4 + backward) * layers - dropped)
+    # reading the forward's residuals, the backward recomputes nothing (no second forward)
+    forwards = 1 if layout.residuals else 2
+    reductions = m * k * ((2 * forwards + backward) * layers - dropped * (forwards - 1))
     if Axis.TENSOR in layout.rules.get(ACT_SEQ, ()):
         counts = (reductions, m * k * (8 * layers + 1))
         norms = (4 * norm_weights * layers, m * k)
         terms = _sequence_parallel_terms(layout, activation / (m * k), counts, norms)
     else:
         terms = [Term("all-reduce", experts.MEGATRON, activation / (m * k), t, reductions, axes=TP)]
-    return terms + _vocab_terms(cfg, layout, rows_bytes / (m * k), 2 * m * k)
+    return terms + _vocab_terms(cfg, layout, rows_bytes / (m * k), forwards * m * k)
 
 
 class TransformerLab(LabModel):
     """What the lab knows of jaxpar's transformers (GPT and BERT)."""
 
     #: tokens are looked up in the whole table, but where ``tensor`` splits its
-    #: vocabulary (:meth:`read_whole`)
+    #: vocabulary (:meth:`table_reads`)
     whole_params = frozenset({"embed"})
     sequence_parallel = True
     fp8_weights = frozenset({"wq", "wk", "wv", "wo", "w_in", "w_out"})
@@ -314,12 +316,25 @@ class TransformerLab(LabModel):
     def tensor_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
         return transformer_tensor_terms(cfg, layout, self.backward_all_reduces)
 
-    def read_whole(self, cfg: Any, layout: LabLayout) -> frozenset[str]:
-        return self.whole_params - self.summed_at_once(cfg, layout)
-
-    def summed_at_once(self, cfg: Any, layout: LabLayout) -> frozenset[str]:
+    def table_reads(self, cfg: Any, layout: LabLayout) -> TableReads:
+        """The token table read where its rows lie where ``tensor`` alone splits the
+        vocabulary (:func:`jaxpar.tensor_parallel.lookup`; in the one-program pipeline
+        the executor reduces every gradient itself), else read whole."""
         vocab = split_over(layout.rules, layout.sizes, "vocab") == (Axis.TENSOR,)
-        return frozenset({"embed"}) if vocab else frozenset()
+        spmd_pipeline = layout.stages is not None and not layout.sub_mesh
+        if not vocab:
+            return TableReads(whole=self.whole_params)
+        if spmd_pipeline:
+            return TableReads(whole=self.whole_params - {"embed"})
+        table = frozenset({"embed"})
+        apart = table if self.tied_apart(cfg) else frozenset()
+        copies = table if getattr(cfg, "tie_embeddings", False) and not apart else frozenset()
+        return TableReads(self.whole_params - table, table, apart, copies)
+
+    def tied_apart(self, cfg: Any) -> bool:
+        """Whether a tied output layer reads the table apart from the lookup (GPT's: no,
+        both read one copy per batch shard: ``TableReads.copies``)."""
+        return False
 
     def context_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
         return transformer_context_terms(cfg, layout)
@@ -338,6 +353,9 @@ class GemmaLab(TransformerLab):
 
     fp8_weights = LLAMA_FP8
     gated = True
+
+    def tied_apart(self, cfg: Any) -> bool:
+        return cfg.tie_embeddings  # the tied head reads the table itself
 
     #: Gemma's four norms a layer and GeGLU (counted as GPT's are); under remat its scan of
     #: groups of the local/global pattern holds a group being recomputed (gemma_tiny: 85.5
@@ -366,6 +384,9 @@ class LlamaLab(TransformerLab):
 
     fp8_weights = LLAMA_FP8
     gated = True
+
+    def tied_apart(self, cfg: Any) -> bool:
+        return cfg.tie_embeddings  # the tied head reads the table itself
 
     #: SwiGLU keeps its gate, up, activation and product: 8 F where GPT's MLP keeps 6;
     #: under remat, 0.88 of a layer's kept bytes while recomputing (llama_tiny: 38 of its
@@ -427,6 +448,9 @@ class BertLab(TransformerLab):
     chunks at 2)."""
 
     kept = dataclasses.replace(TransformerLab.kept, alone=0.83)
+
+    def tied_apart(self, cfg: Any) -> bool:
+        return True  # the masked-LM head reads the table itself
 
 
 #: What the lab knows of each transformer family, by family name.
