@@ -111,12 +111,18 @@ def _vocab_terms(cfg: Any, layout: LabLayout, rows_bytes: float, times: int) -> 
     if Axis.TENSOR not in vocab:
         return []
     t = layout.sizes[Axis.TENSOR]
-    if split_over(layout.rules, layout.sizes, "vocab") == (Axis.TENSOR,):
+    if _rows_lie(layout):
         spmd_pipeline = layout.stages is not None and not layout.sub_mesh
         return [] if spmd_pipeline else [Term("all-reduce", LOOKUP, rows_bytes, t, times, axes=TP)]
     ticks = times if layout.stages is not None else 1
     table = cfg.vocab_size * cfg.d_model * 4
     return [Term("all-gather", "embedding table gather", table, t, ticks, axes=TP)]
+
+
+def _rows_lie(layout: LabLayout) -> bool:
+    """Whether the tokens are looked up where the table's rows lie: ``tensor`` alone
+    splits the vocabulary (:func:`jaxpar.tensor_parallel.lookup`)."""
+    return split_over(layout.rules, layout.sizes, "vocab") == (Axis.TENSOR,)
 
 
 #: what the lab calls the vocabulary-parallel lookup's sum (:func:`transformer_tensor_terms`)
@@ -320,7 +326,7 @@ class TransformerLab(LabModel):
         """The token table read where its rows lie where ``tensor`` alone splits the
         vocabulary (:func:`jaxpar.tensor_parallel.lookup`; in the one-program pipeline
         the executor reduces every gradient itself), else read whole."""
-        vocab = split_over(layout.rules, layout.sizes, "vocab") == (Axis.TENSOR,)
+        vocab = _rows_lie(layout)
         spmd_pipeline = layout.stages is not None and not layout.sub_mesh
         if not vocab:
             return TableReads(whole=self.whole_params)
