@@ -31,11 +31,14 @@ one microbatch per step becomes ``train.grad_accum``. fp16 runs as bfloat16 (sam
 ``model.remat=none``, because jaxpar's pipeline backward already recomputes each chunk from
 its stashed input (Megatron's full recomputation: one forward again per microbatch), and
 ``model.remat=full`` there would run the forward a third time (``--literal-remat``: remat=full
-everywhere). MaxText's ``minimal_flash`` (weight-matmul outputs and the attention output
-saved) is ``save_matmuls``. Sets of entries that compare layouts of one model (equal GPUs;
-one scheme over GPU counts) are checked for whether the predicted order matches the
-published one, and the figures' sweeps (no numbers published) against the paper's stated
-outcome. Results and their reading: docs/published.md.
+everywhere). Megatron's 2021 attention, which writes the [s, s] scores and reads them back
+(it predates FlashAttention), is ``model.attention=xla``; MaxText's and NeMo's fused
+kernels are ``auto`` (cuDNN's flash attention on a GPU). MaxText's ``minimal_flash``
+(weight-matmul outputs and the attention output saved) is ``save_matmuls``. Sets of
+entries that compare layouts of one model (equal GPUs; one scheme over GPU counts) are
+checked for whether the predicted order matches the published one, and the figures'
+sweeps (no numbers published) against the paper's stated outcome. Results and their
+reading: docs/published.md.
 """
 
 from __future__ import annotations
@@ -63,6 +66,10 @@ GPT_KEYS += ["model.attn_bias=true"]  # Megatron's linear layers have biases (Eq
 LLAMA_KEYS = ["model.name=llama", "model.tie_embeddings=false"]
 #: Megatron's and MaxText's recomputation → the closest model.remat (null: none stated)
 REMAT = {"full": "full", "selective": "save_matmuls", None: "none"}
+#: the source's attention → model.attention: the [s, s] scores materialized (XLA's
+#: attention, whose scores the estimate's other kernels read and write) or a fused kernel
+#: that keeps none (cuDNN's flash attention where it runs)
+ATTENTION = {"materialized": "xla", "fused": "auto"}
 EQ3 = "megatron_eq3_with_recompute"
 MAXTEXT = "maxtext_6N_plus_causal_attention"
 
@@ -220,6 +227,7 @@ def overrides_of(entry: dict, literal: bool = False) -> list[str]:
         f"model.d_ff={m['d_ff']}",
         f"model.max_seq_len={m['seq_len']}",
         f"model.remat={remat_of(entry, literal)}",
+        f"model.attention={ATTENTION[m['attention']]}",
         "model.dtype=bfloat16",  # fp16 and bf16 share the tensor-core peak
         "data.dataset=synthetic",
         f"data.seq_len={m['seq_len']}",
