@@ -19,7 +19,7 @@ from jaxpar.config import load_config
 from jaxpar.data.finetune import Keys, prepare_records
 from jaxpar.data.token_file import decode
 from jaxpar.errors import DataError
-from jaxpar.models.transformer import lm_sequence
+from jaxpar.models.lm import lm_sequence
 from jaxpar.run import build
 from tests.helpers import train_bpe
 

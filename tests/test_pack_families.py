@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 
 from jaxpar.config import load_config
-from jaxpar.models.transformer import lm_documents, lm_sequence
+from jaxpar.models.lm import lm_documents, lm_sequence
 from jaxpar.run import build
 from tests.helpers import assert_params_close, grid
 from tests.test_loss_mask import tokens  # noqa: F401  (fixture: masked fine-tuning records)

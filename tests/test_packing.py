@@ -21,7 +21,7 @@ from jaxpar.config import load_config
 from jaxpar.data.windows import TokenWindows, window_segments
 from jaxpar.errors import DataError
 from jaxpar.models import gpt
-from jaxpar.models.transformer import lm_documents, lm_sequence
+from jaxpar.models.lm import lm_documents, lm_sequence
 from jaxpar.run import build
 from tests.helpers import assert_params_close, grid
 

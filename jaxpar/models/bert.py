@@ -44,12 +44,12 @@ from jaxpar.errors import ConfigError
 from jaxpar.logical import constrain
 from jaxpar.models import fp8
 from jaxpar.models.family import Counts, Family, register
+from jaxpar.models.lm import Documents, lm_batch_axes, lm_documents, packs_documents
 from jaxpar.models.transformer import (
     REMAT_POLICIES,
     RESIDUAL,
     Attention,
     Blocks,
-    Documents,
     Remat,
     attention,
     attention_implementation,
@@ -57,10 +57,7 @@ from jaxpar.models.transformer import (
     const,
     enter_stream,
     layer_norm,
-    lm_batch_axes,
-    lm_documents,
     mlp,
-    packs_documents,
     param,
     transformer_counts,
 )

@@ -31,27 +31,17 @@ from flax import nnx
 from jaxpar import tensor_parallel
 from jaxpar.errors import ConfigError
 from jaxpar.logical import constrain, gathered
-from jaxpar.models import fp8
+from jaxpar.models import fp8, lm
 from jaxpar.models import gemma_layers as layers
 from jaxpar.models.family import Counts, Family, register
 from jaxpar.models.gemma_config import GemmaConfig
 from jaxpar.models.llama_attention import attention_params, cached_mask, out
 from jaxpar.models.transformer import (
     REMAT_POLICIES,
-    Documents,
     attention_implementation,
     const,
     enter_stream,
-    kv_cache,
-    lm_batch_axes,
-    lm_documents,
-    lm_sequence,
-    lm_weights,
-    masks_loss,
-    next_token_loss,
-    packs_documents,
     param,
-    refuse_init_from,
 )
 from jaxpar.task import DataNeeds, StageSplit, Task
 
@@ -108,10 +98,10 @@ class Gemma(nnx.Module):
         self,
         tokens_BT: jax.Array,
         positions_T: np.ndarray | None = None,
-        documents: Documents | None = None,
+        documents: lm.Documents | None = None,
     ) -> jax.Array:
         """Logits [B, T, V] of tokens at ``positions_T`` (0 … T-1 when None), packed as
-        ``documents`` (:func:`~jaxpar.models.transformer.lm_documents`) when given."""
+        ``documents`` (:func:`~jaxpar.models.lm.lm_documents`) when given."""
         pos = np.arange(tokens_BT.shape[1]) if positions_T is None else positions_T
         return self.logits(self.run_blocks(self.embed_tokens(tokens_BT), pos, documents))
 
@@ -129,7 +119,7 @@ class Gemma(nnx.Module):
         return enter_stream(x * jnp.asarray(math.sqrt(cfg.d_model), dtype))
 
     def run_blocks(
-        self, x_BTD: jax.Array, positions_T: np.ndarray, documents: Documents | None = None
+        self, x_BTD: jax.Array, positions_T: np.ndarray, documents: lm.Documents | None = None
     ) -> jax.Array:
         """All blocks, in order (a pipeline chunk: its own; see :func:`_stage`); packed
         ``documents``: attention and rotary positions within each."""
@@ -165,7 +155,7 @@ class Gemma(nnx.Module):
     def init_cache(self, batch: int) -> dict[str, jax.Array]:
         """An empty KV cache: K and V [L, B, S, K, H] in the compute dtype (a windowed
         layer's too: its mask, not its cache, keeps to the window)."""
-        return kv_cache(self.cfg, batch, self.cfg.n_kv_heads)
+        return lm.kv_cache(self.cfg, batch, self.cfg.n_kv_heads)
 
     def decode(
         self, tokens_BT: jax.Array, cache: dict[str, jax.Array], start: jax.Array
@@ -208,14 +198,14 @@ class Gemma(nnx.Module):
 def gemma_loss(model: Gemma, batch: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Next-token cross entropy over ``batch['tokens']`` [B, T+1] (its packed documents
     and loss weights, where the batch has them)."""
-    inputs, targets, pos_T = lm_sequence(batch)
-    return next_token_loss(
-        model(inputs, pos_T, lm_documents(batch, pos_T)), targets, lm_weights(batch, pos_T)
+    inputs, targets, pos_T = lm.lm_sequence(batch)
+    return lm.next_token_loss(
+        model(inputs, pos_T, lm.lm_documents(batch, pos_T)), targets, lm.lm_weights(batch, pos_T)
     )
 
 
 def _embed(model: Gemma, batch: Any) -> jax.Array:
-    return model.embed_tokens(lm_sequence(batch)[0])
+    return model.embed_tokens(lm.lm_sequence(batch)[0])
 
 
 def _stage(model: Gemma, x: jax.Array, batch: Any, first: Any) -> jax.Array:
@@ -231,13 +221,13 @@ def _stage(model: Gemma, x: jax.Array, batch: Any, first: Any) -> jax.Array:
             "local/global attention pattern (model.sliding_window_pattern); "
             "pick mesh.stage and pipeline.virtual_stages that make it one"
         )
-    pos_T = lm_sequence(batch)[2]
-    return model.run_blocks(x, pos_T, lm_documents(batch, pos_T))
+    pos_T = lm.lm_sequence(batch)[2]
+    return model.run_blocks(x, pos_T, lm.lm_documents(batch, pos_T))
 
 
 def _head(model: Gemma, x: jax.Array, batch: Any) -> tuple[jax.Array, dict]:
-    _, targets, pos_T = lm_sequence(batch)
-    return next_token_loss(model.logits(x), targets, lm_weights(batch, pos_T))
+    _, targets, pos_T = lm.lm_sequence(batch)
+    return lm.next_token_loss(model.logits(x), targets, lm.lm_weights(batch, pos_T))
 
 
 STAGES = StageSplit("blocks", _embed, _stage, _head)
@@ -248,11 +238,11 @@ def task(cfg: GemmaConfig, seq_len: int, documents: bool = False, loss_mask: boo
     """The Gemma's task: next-token prediction on windows of ``seq_len + 1`` tokens (with
     ``documents``, their packed documents attending each within itself, windowed layers
     too; with ``loss_mask``, only the targets it marks counting)."""
-    refuse_init_from(cfg)
+    lm.refuse_init_from(cfg)
     return Task(
         lambda rngs: Gemma(cfg, rngs=rngs),
         gemma_loss,
-        lm_batch_axes(documents, loss_mask),
+        lm.lm_batch_axes(documents, loss_mask),
         tokens_per_example=seq_len,
         name="gemma",
         context_parallel=True,
@@ -288,8 +278,8 @@ GEMMA_FAMILY = register(
         lambda cfg, data: task(
             dataclasses.replace(cfg, init_from=""),
             data.seq_len,
-            packs_documents(data),
-            masks_loss(data),
+            lm.packs_documents(data),
+            lm.masks_loss(data),
         ),
         lambda cfg: DataNeeds("text", vocab_size=cfg.vocab_size, documents=True, loss_mask=True),
         counts=lambda cfg, data: Counts(*gemma_counts(cfg, data.seq_len)),

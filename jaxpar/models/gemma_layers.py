@@ -22,16 +22,8 @@ from jaxpar.logical import constrain
 from jaxpar.models.fp8 import history
 from jaxpar.models.gemma_config import GemmaConfig, LayerKind
 from jaxpar.models.llama_attention import out, qkv
-from jaxpar.models.transformer import (
-    MLP_DOWN,
-    MLP_IN,
-    MLP_OUT,
-    MLP_UP,
-    RESIDUAL,
-    Documents,
-    project,
-    rms_norm,
-)
+from jaxpar.models.lm import Documents
+from jaxpar.models.transformer import MLP_DOWN, MLP_IN, MLP_OUT, MLP_UP, RESIDUAL, project, rms_norm
 from jaxpar.ring_attention import visible
 
 #: Parameters cast to the compute dtype; the norms' weights stay float32, as

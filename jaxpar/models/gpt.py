@@ -29,32 +29,22 @@ from jaxpar import tensor_parallel
 from jaxpar.context import is_natural
 from jaxpar.errors import ConfigError
 from jaxpar.logical import constrain, gathered, shards
-from jaxpar.models import fp8
+from jaxpar.models import fp8, lm
 from jaxpar.models.family import Counts, Family, register
 from jaxpar.models.transformer import (
     REMAT_POLICIES,
     RESIDUAL,
     Blocks,
-    Documents,
     attention_implementation,
     attention_out,
     block,
     check_heads,
     const,
     enter_stream,
-    kv_cache,
     layer_norm,
-    lm_batch_axes,
-    lm_documents,
-    lm_sequence,
-    lm_weights,
-    masks_loss,
     mlp,
-    next_token_loss,
-    packs_documents,
     param,
     qkv,
-    refuse_init_from,
     rotary,
     transformer_counts,
 )
@@ -109,11 +99,11 @@ class GPT(nnx.Module):
         self,
         tokens_BT: jax.Array,
         positions_T: np.ndarray | None = None,
-        documents: Documents | None = None,
+        documents: lm.Documents | None = None,
     ) -> jax.Array:
         """Logits [B, T, V] (float32) of tokens [B, T] at ``positions_T`` (0 … T-1 when
         None; a context-parallel layout runs them in its balanced order); ``documents``:
-        packed documents (:func:`~jaxpar.models.transformer.lm_documents`), each token
+        packed documents (:func:`~jaxpar.models.lm.lm_documents`), each token
         attending within its own, at its position within it.
 
         A tied table is read once for the lookup and the head, as one copy per batch
@@ -138,7 +128,7 @@ class GPT(nnx.Module):
         tokens_BT: jax.Array,
         tables_GVD: jax.Array | None = None,
         positions_T: np.ndarray | None = None,
-        documents: Documents | None = None,
+        documents: lm.Documents | None = None,
     ) -> jax.Array:
         """Token (+ learned position) embeddings [B, T, D] in the compute dtype; rows of
         ``tables_GVD`` (one table per batch shard, see ``__call__``) when given; the
@@ -203,7 +193,7 @@ class GPT(nnx.Module):
         self,
         x_BTD: jax.Array,
         positions_T: np.ndarray | None = None,
-        documents: Documents | None = None,
+        documents: lm.Documents | None = None,
     ) -> jax.Array:
         """All blocks of ``self.blocks`` (however many are stacked there), in order, over
         tokens at ``positions_T`` (0 … T-1 when None), packed as ``documents``."""
@@ -231,7 +221,7 @@ class GPT(nnx.Module):
     # ---- generation with a KV cache (jaxpar sample) ---------------------------------------
     def init_cache(self, batch: int) -> dict[str, jax.Array]:
         """An empty KV cache for ``batch`` sequences: K and V [L, B, S, N, H]."""
-        return kv_cache(self.cfg, batch, self.cfg.n_heads)
+        return lm.kv_cache(self.cfg, batch, self.cfg.n_heads)
 
     def decode(
         self, tokens_BT: jax.Array, cache: dict[str, jax.Array], start: jax.Array
@@ -315,18 +305,18 @@ def decode_block(
 
 # ---- the loss, cut into pipeline stages -----------------------------------------------------
 def _lm_embed(model: GPT, batch: Any) -> jax.Array:
-    inputs, _, pos_T = lm_sequence(batch)
-    return model.embed_tokens(inputs, positions_T=pos_T, documents=lm_documents(batch, pos_T))
+    inputs, _, pos_T = lm.lm_sequence(batch)
+    return model.embed_tokens(inputs, positions_T=pos_T, documents=lm.lm_documents(batch, pos_T))
 
 
 def _lm_stage(model: GPT, x: jax.Array, batch: Any, first: Any) -> jax.Array:
-    pos_T = lm_sequence(batch)[2]
-    return model.run_blocks(x, pos_T, lm_documents(batch, pos_T))
+    pos_T = lm.lm_sequence(batch)[2]
+    return model.run_blocks(x, pos_T, lm.lm_documents(batch, pos_T))
 
 
 def _lm_head(model: GPT, x: jax.Array, batch: Any) -> tuple[jax.Array, dict]:
-    _, targets, pos_T = lm_sequence(batch)
-    return next_token_loss(model.logits(x), targets, lm_weights(batch, pos_T))
+    _, targets, pos_T = lm.lm_sequence(batch)
+    return lm.next_token_loss(model.logits(x), targets, lm.lm_weights(batch, pos_T))
 
 
 def lm_loss(model: GPT, batch: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -337,9 +327,9 @@ def lm_loss(model: GPT, batch: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
     runs them): a tied table is then read once by the lookup and the head, and its
     gradient reduced once (see ``GPT.__call__``).
     """
-    inputs, targets, pos_T = lm_sequence(batch)
-    return next_token_loss(
-        model(inputs, pos_T, lm_documents(batch, pos_T)), targets, lm_weights(batch, pos_T)
+    inputs, targets, pos_T = lm.lm_sequence(batch)
+    return lm.next_token_loss(
+        model(inputs, pos_T, lm.lm_documents(batch, pos_T)), targets, lm.lm_weights(batch, pos_T)
     )
 
 
@@ -359,11 +349,11 @@ def task(cfg: GPTConfig, seq_len: int, documents: bool = False, loss_mask: bool 
       ConfigError: for ``cfg.init_from``: Hugging Face files are read where the config is
         (:func:`jaxpar.task_for`, :func:`jaxpar.build`), not by the model's own module.
     """
-    refuse_init_from(cfg)
+    lm.refuse_init_from(cfg)
     return Task(
         lambda rngs: GPT(cfg, rngs=rngs),
         lm_loss,
-        lm_batch_axes(documents, loss_mask),
+        lm.lm_batch_axes(documents, loss_mask),
         tokens_per_example=seq_len,
         stages=STAGES,
         name="gpt",
@@ -394,7 +384,7 @@ GPT_FAMILY = register(
         "gpt",
         GPTConfig,
         lambda cfg, data: task(
-            _without_init_from(cfg), data.seq_len, packs_documents(data), masks_loss(data)
+            _without_init_from(cfg), data.seq_len, lm.packs_documents(data), lm.masks_loss(data)
         ),
         _needs,
         counts=_counts,

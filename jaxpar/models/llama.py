@@ -33,7 +33,7 @@ from jaxpar import tensor_parallel
 from jaxpar.context import attend
 from jaxpar.errors import ConfigError
 from jaxpar.logical import constrain, gathered
-from jaxpar.models import fp8, moe
+from jaxpar.models import fp8, lm, moe
 from jaxpar.models.family import Counts, Family, register
 from jaxpar.models.llama_attention import (
     ATTENTION,
@@ -46,20 +46,10 @@ from jaxpar.models.llama_config import LlamaConfig
 from jaxpar.models.transformer import (
     REMAT_POLICIES,
     RESIDUAL,
-    Documents,
     attention_implementation,
     const,
     enter_stream,
-    kv_cache,
-    lm_batch_axes,
-    lm_documents,
-    lm_sequence,
-    lm_weights,
-    masks_loss,
-    next_token_loss,
-    packs_documents,
     param,
-    refuse_init_from,
     rms_norm,
 )
 from jaxpar.task import DataNeeds, StageSplit, Task
@@ -179,17 +169,17 @@ class Llama(nnx.Module):
         self,
         tokens_BT: jax.Array,
         positions_T: np.ndarray | None = None,
-        documents: Documents | None = None,
+        documents: lm.Documents | None = None,
     ) -> jax.Array:
         """Logits [B, T, V] of tokens at ``positions_T`` (0 … T-1 when None), packed as
-        ``documents`` (:func:`~jaxpar.models.transformer.lm_documents`) when given."""
+        ``documents`` (:func:`~jaxpar.models.lm.lm_documents`) when given."""
         return self.forward(tokens_BT, positions_T, documents)[0]
 
     def forward(
         self,
         tokens_BT: jax.Array,
         positions_T: np.ndarray | None = None,
-        documents: Documents | None = None,
+        documents: lm.Documents | None = None,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Logits and the routers' statistics (empty for a dense model): the load-balancing
         and z-losses averaged over the MoE layers, the dropped assignments summed, each
@@ -209,12 +199,12 @@ class Llama(nnx.Module):
         return enter_stream(x.astype(jnp.dtype(self.cfg.dtype)))
 
     def run_blocks(
-        self, x_BTD: jax.Array, positions_T: np.ndarray, documents: Documents | None = None
+        self, x_BTD: jax.Array, positions_T: np.ndarray, documents: lm.Documents | None = None
     ) -> jax.Array:
         return self.blocks_and_stats(x_BTD, positions_T, documents)[0]
 
     def blocks_and_stats(
-        self, x_BTD: jax.Array, positions_T: np.ndarray, documents: Documents | None = None
+        self, x_BTD: jax.Array, positions_T: np.ndarray, documents: lm.Documents | None = None
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """All blocks, in order, and the routers' statistics (see :meth:`forward`); packed
         ``documents``: rotary positions within each, attention within each."""
@@ -263,7 +253,7 @@ class Llama(nnx.Module):
     # ---- generation with a KV cache (jaxpar sample) ---------------------------------------
     def init_cache(self, batch: int) -> dict[str, jax.Array]:
         """An empty KV cache: K and V [L, B, S, K, H] in the compute dtype."""
-        return kv_cache(self.cfg, batch, self.cfg.n_kv_heads)
+        return lm.kv_cache(self.cfg, batch, self.cfg.n_kv_heads)
 
     def decode(
         self, tokens_BT: jax.Array, cache: dict[str, jax.Array], start: jax.Array
@@ -317,9 +307,9 @@ def llama_loss(model: Llama, batch: Any) -> tuple[jax.Array, dict[str, jax.Array
     """Next-token cross entropy over ``batch['tokens']`` [B, T+1]; with experts, plus the
     weighted load-balancing and z-losses, each reported as a metric with the dropped
     assignments and each expert's load (``moe_load_<e>``)."""
-    inputs, targets, pos_T = lm_sequence(batch)
-    logits, stats = model.forward(inputs, pos_T, lm_documents(batch, pos_T))
-    loss, metrics = next_token_loss(logits, targets, lm_weights(batch, pos_T))
+    inputs, targets, pos_T = lm.lm_sequence(batch)
+    logits, stats = model.forward(inputs, pos_T, lm.lm_documents(batch, pos_T))
+    loss, metrics = lm.next_token_loss(logits, targets, lm.lm_weights(batch, pos_T))
     if not stats:
         return loss, metrics
     cfg = model.cfg
@@ -328,13 +318,13 @@ def llama_loss(model: Llama, batch: Any) -> tuple[jax.Array, dict[str, jax.Array
 
 
 def _embed(model: Llama, batch: Any) -> jax.Array:
-    return model.embed_tokens(lm_sequence(batch)[0])
+    return model.embed_tokens(lm.lm_sequence(batch)[0])
 
 
 def _stage(model: Llama, x: jax.Array, batch: Any, first: Any) -> Any:
     """The chunk's blocks; with experts, also its share of the routers' terms."""
-    pos_T = lm_sequence(batch)[2]
-    x, stats = model.blocks_and_stats(x, pos_T, lm_documents(batch, pos_T))
+    pos_T = lm.lm_sequence(batch)[2]
+    x, stats = model.blocks_and_stats(x, pos_T, lm.lm_documents(batch, pos_T))
     if not stats:
         return x
     cfg = model.cfg
@@ -345,8 +335,8 @@ def _stage(model: Llama, x: jax.Array, batch: Any, first: Any) -> Any:
 
 
 def _head(model: Llama, x: jax.Array, batch: Any) -> tuple[jax.Array, dict]:
-    _, targets, pos_T = lm_sequence(batch)
-    loss, metrics = next_token_loss(model.logits(x), targets, lm_weights(batch, pos_T))
+    _, targets, pos_T = lm.lm_sequence(batch)
+    loss, metrics = lm.next_token_loss(model.logits(x), targets, lm.lm_weights(batch, pos_T))
     return loss, ({"ce": loss} if model.cfg.n_experts else metrics)
 
 
@@ -358,11 +348,11 @@ def task(cfg: LlamaConfig, seq_len: int, documents: bool = False, loss_mask: boo
     """The Llama's task: next-token prediction on windows of ``seq_len + 1`` tokens (with
     ``documents``, their packed documents attending each within itself; with
     ``loss_mask``, only the targets it marks counting)."""
-    refuse_init_from(cfg)
+    lm.refuse_init_from(cfg)
     return Task(
         lambda rngs: Llama(cfg, rngs=rngs),
         llama_loss,
-        lm_batch_axes(documents, loss_mask),
+        lm.lm_batch_axes(documents, loss_mask),
         tokens_per_example=seq_len,
         name="llama",
         context_parallel=True,
@@ -407,8 +397,8 @@ LLAMA_FAMILY = register(
         lambda cfg, data: task(
             dataclasses.replace(cfg, init_from=""),
             data.seq_len,
-            packs_documents(data),
-            masks_loss(data),
+            lm.packs_documents(data),
+            lm.masks_loss(data),
         ),
         lambda cfg: DataNeeds("text", vocab_size=cfg.vocab_size, documents=True, loss_mask=True),
         counts=lambda cfg, data: Counts(*llama_counts(cfg, data.seq_len)),
