@@ -267,8 +267,13 @@ def lookup(table: jax.Array, ids: jax.Array, names: tuple[str | None, ...]) -> j
     tokens' axes, so its gradient leaves summed over them (one all-reduce of the
     ``[V/t, D]`` shard, then sliced into the table's layout); a copy per batch shard
     leaves it summed over the sequence only, for XLA to add up with the copy's other
-    reads (a tied output layer's) and reduce once. The rows are summed in float32 at
-    least (XLA:CPU aborts on a bfloat16 sum). Elsewhere — no tensor split, no active
+    reads (a tied output layer's) and reduce once. Under sequence parallelism (the rules
+    split ``act_seq`` over ``tensor`` after the sequence's own axes) the group
+    reduce-scatters the rows along the sequence instead, as Megatron-SP does: each device
+    keeps its tokens' rows, as the residual stream holds them, and the backward gathers
+    their gradient (which the whole rows' sum needed from the split stream anyway), so a
+    step moves a third less for them. The rows are summed in float32 at least (XLA:CPU
+    aborts on a bfloat16 sum). Elsewhere — no tensor split, no active
     layout, a batch the batch axes do not divide — a lookup in the whole table (FSDP
     gathers weights before use anyway; from a sharded table the partitioner cannot move
     the rows to the batch layout and falls back to replicating the gathered rows).
@@ -282,24 +287,62 @@ def lookup(table: jax.Array, ids: jax.Array, names: tuple[str | None, ...]) -> j
         "embed")`` for copies per batch shard).
 
     Returns:
-      ``[B, …, D]`` rows in the table's dtype.
+      ``[B, …, D]`` rows in the table's dtype (the same values however they are laid out:
+      split over the sequence under sequence parallelism).
     """
     shards = names[0] == BATCH
     specs = _split_lookup(table, ids, names[shards:], shards)
     if specs is None:
         whole = constrain(table, (None, None)) if not shards else table
-        return _whole_rows(whole, ids) if shards else jnp.take(whole, ids, axis=0)
+        rows = _whole_rows(whole, ids) if shards else jnp.take(whole, ids, axis=0)
+        return _as_the_tokens(rows, ids)
     mesh, copies, ids_spec, axes = specs
-    # whole rows (under sequence parallelism too: a model may add to them, e.g. GPT's
-    # learned positions, before they enter the split stream, where slicing is free)
+    scatter = _scatters_rows(ids, ids_spec, mesh)
+    rows_spec = list(ids_spec) + [None]
+    if scatter:
+        rows_spec[1] = (*names_of(ids_spec[1]), Axis.TENSOR)
     rows = jax.shard_map(
-        functools.partial(_local_rows, vocab=table.shape[-2] // mesh.shape[Axis.TENSOR]),
+        functools.partial(
+            _local_rows, vocab=table.shape[-2] // mesh.shape[Axis.TENSOR], scatter=scatter
+        ),
         mesh=mesh,
         in_specs=(copies, ids_spec),
-        out_specs=PartitionSpec(*ids_spec, None),
+        out_specs=PartitionSpec(*rows_spec),
         axis_names=axes,
     )(table.astype(jnp.promote_types(table.dtype, jnp.float32)), ids)
     return rows.astype(table.dtype)
+
+
+def _as_the_tokens(rows: jax.Array, ids: jax.Array) -> jax.Array:
+    """Rows of a lookup in the whole table laid out as the tokens (where their axes
+    divide them): under sequence parallelism the split stream's gradient is then gathered
+    (one activation) before the table's scatter-add, not the table's gradient all-reduced
+    there (Megatron's order)."""
+    layout = active_layout()
+    if layout is None:
+        return rows
+    mesh, rules, _ = layout
+    tokens = (BATCH, SEQ, *[None] * (ids.ndim - 2))[: ids.ndim]
+    for n, name in zip(ids.shape, tokens):
+        if name is not None and n % math.prod(
+            mesh.shape[a] for a in split_over(rules, mesh.shape, name)
+        ):
+            return rows
+    return constrain(rows, (*tokens, None))
+
+
+def _scatters_rows(ids: jax.Array, ids_spec: PartitionSpec, mesh: Any) -> bool:
+    """Whether :func:`lookup` reduce-scatters the rows along the sequence: the rules split
+    the residual stream's tokens (``act_seq``) over the sequence's axes and then ``tensor``
+    (sequence parallelism), and a device's tokens divide among the group."""
+    _, rules, _ = active_layout()
+    if ids.ndim < 2:
+        return False
+    seq = tuple(names_of(ids_spec[1]))
+    if split_over(rules, mesh.shape, ACT_SEQ) != (*seq, Axis.TENSOR):
+        return False
+    local = ids.shape[1] // math.prod(mesh.shape[a] for a in seq)
+    return local % mesh.shape[Axis.TENSOR] == 0
 
 
 def _split_lookup(
@@ -340,11 +383,14 @@ def _whole_rows(tables_GVD: jax.Array, ids_BT: jax.Array) -> jax.Array:
     )
 
 
-def _local_rows(table: jax.Array, ids: jax.Array, *, vocab: int) -> jax.Array:
+def _local_rows(table: jax.Array, ids: jax.Array, *, vocab: int, scatter: bool) -> jax.Array:
     """Inside ``shard_map``: the rows of ``ids`` this device's ``vocab`` rows (of its
-    copy, ``[1, V, D]``) hold (zeros for the others), summed over the ``tensor`` group."""
+    copy, ``[1, V, D]``) hold (zeros for the others), summed over the ``tensor`` group
+    (with ``scatter``, each device keeping its part of the sequence, dim 1)."""
     table_VD = table.reshape(table.shape[-2:])
     local = ids - lax.axis_index(Axis.TENSOR) * vocab
     here = (local >= 0) & (local < vocab)
     rows = jnp.where(here[..., None], jnp.take(table_VD, jnp.where(here, local, 0), axis=0), 0)
+    if scatter:
+        return lax.psum_scatter(rows, Axis.TENSOR, scatter_dimension=1, tiled=True)
     return lax.psum(rows, Axis.TENSOR)

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import hlo
-from jaxpar.logical import activation_rules, gathered, spec_for
+from jaxpar.logical import activation_rules, gathered, names_of, spec_for
 from jaxpar.mesh import MeshConfig, make_mesh
 from jaxpar.rules import RulesConfig, resolve_rules
 from jaxpar.tensor_parallel import TensorConfig, lookup
@@ -71,8 +71,15 @@ def test_a_lookup_where_the_rows_lie_equals_the_whole_tables(mesh, sequence):
     if t > 1:  # the rows [b, T, D] summed over tensor; no table gathered whole
         tables = [s for s, _ in _collectives(text, "all-gather") if len(s) == 2 and s[0] == V]
         assert tables == []
-        summed = [s for s, g in _collectives(text, "all-reduce") if g == t and len(s) == 3]
+        # under sequence parallelism reduce-scattered along the sequence, each device
+        # keeping its tokens' rows as the split residual stream holds them
+        kind = "reduce-scatter" if sequence else "all-reduce"
+        summed = [s for s, g in _collectives(text, kind) if g == t and len(s) == 3]
         assert summed and all(s[-1] == D for s in summed), summed
+        if sequence:
+            assert not [s for s, _ in _collectives(text, "all-reduce") if len(s) == 3]
+            assert all(s[1] == T // m.shape["context"] // t for s in summed), summed
+            assert "tensor" in names_of(rows.sharding.spec[1])
 
 
 @pytest.mark.parametrize("case", ["tensor splits the batch", "an odd batch", "bfloat16"])

@@ -98,8 +98,9 @@ def _dot_computations(module: hlo.Module) -> set[str]:
 def test_the_step_sends_chunks_between_matmul_pieces_instead_of_gathering():
     """GPT, data=4, tensor=2 (rows 4, T 16, D 32): the activation gathers and reduced
     activations of sequence parallelism ([4, 16, 32]) are gone from the layers — only the
-    head's and the embeddings' remain, and the sum of the rows each device looked up in
-    its part of the token table — and the layer loops send sequence chunks [4, 8, 32]
+    head's and the embeddings' remain, and the rows each device looked up in its part of
+    the token table are reduce-scattered ([4, 8, 32]) — and the layer loops send sequence
+    chunks [4, 8, 32]
     t−1 = 1 time per column input and per row-parallel matmul forward (4) and per matmul
     backward (4): 8 a layer; in each loop body the sends fall between the matmul pieces
     (in three runs or more, with matmuls between them), not before or after them all."""
@@ -109,8 +110,9 @@ def test_the_step_sends_chunks_between_matmul_pieces_instead_of_gathering():
     assert stats["collective-permute"].count == 8 * layers
     assert stats["collective-permute"].payload_bytes == 8 * layers * 4 * 8 * 32 * 4
     whole = re.findall(r"= f32\[4,16,32\]\{[\d,]+\} (all-gather|all-reduce)\(", text)
-    # head, embeddings; the looked-up rows
-    assert sorted(whole) == ["all-gather", "all-gather", "all-reduce", "all-reduce"]
+    # the head's input and its gradient; the looked-up rows' gradient
+    assert sorted(whole) == ["all-gather", "all-gather", "all-reduce"]
+    assert stats["reduce-scatter"].count == 1
     module = hlo.parse(text)
     matmuls = _dot_computations(module)
     bodies = [b for b in module.computations.values() if any(_sends(i) for i in b)]

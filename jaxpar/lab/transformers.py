@@ -1,17 +1,14 @@
 """What the layout lab knows of jaxpar's transformer families (GPT, BERT, the Llama family
-and Gemma; their layers: :mod:`jaxpar.models.transformer`): the collectives tensor and
-context parallelism add to a step, and, for a Llama with experts, the experts' own
-(:mod:`jaxpar.lab.experts`). Registered by family name in :data:`LABS`."""
+and Gemma; their layers: :mod:`jaxpar.models.transformer`): the collectives tensor
+(:mod:`jaxpar.lab.tensor_terms`) and context parallelism (:mod:`jaxpar.lab.context_terms`)
+add to a step, and, for a Llama with experts, the experts' own (:mod:`jaxpar.lab.experts`).
+Registered by family name in :data:`LABS`."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
-import jax.numpy as jnp
-
-from jaxpar.axes import Axis
 from jaxpar.errors import ConfigError
 from jaxpar.lab import experts
 from jaxpar.lab.activations import (
@@ -23,242 +20,13 @@ from jaxpar.lab.activations import (
     unsplit_kv_flops,
 )
 from jaxpar.lab.context_terms import transformer_context_terms
-from jaxpar.lab.terms import LabLayout, LabModel, Matmul, TableReads, Term, fp8_itemsize
-from jaxpar.logical import ACT_SEQ, SEQ, split_over
+from jaxpar.lab.tensor_terms import rows_lie, transformer_tensor_terms
+from jaxpar.lab.terms import LabLayout, LabModel, Matmul, TableReads, Term
 from jaxpar.models.bert import BERT_FAMILY
 from jaxpar.models.gemma import GEMMA_FAMILY
 from jaxpar.models.gpt import GPT_FAMILY
 from jaxpar.models.llama import LLAMA_FAMILY
 from jaxpar.models.transformer import attention_implementation
-
-#: the axes of tensor parallelism's activation collectives
-TP = (Axis.TENSOR,)
-
-
-def transformer_tensor_terms(
-    cfg: Any,
-    layout: LabLayout,
-    backward: int = 2,
-    norm_weights: int | None = None,
-    columns: int = 2,
-    inputs: int = 2,
-) -> list[Term]:
-    """Megatron's activation all-reduces: per layer two of ``[b, T, D]`` forward (attention
-    and MLP outputs) and two backward (their inputs), one more for the head's input
-    gradient; the cross-entropy over vocab-sharded logits all-reduces three ``[b, T]``
-    statistics; the rows of a vocab-sharded embedding table are looked up where they lie
-    and summed (:func:`jaxpar.tensor_parallel.lookup`: one all-reduce of the ``[b, T, D]``
-    rows in float32 a microbatch; :func:`_vocab_terms`). Under
-    sequence parallelism (:func:`_sequence_parallel_terms`) ``norm_weights`` is a layer's
-    norm weights (GPT's and BERT's two layer norms' scales and biases when None);
-    overlapped by collective
-    matmuls (:func:`_overlapped_terms`), ``columns`` is a layer's column-parallel
-    projections (GPT's two: q, k, v stacked, and the MLP's first); in FP8, ``inputs`` is a
-    layer's projections of the norms' outputs (GPT's two; the Llama's five), each of which
-    quantizes and gathers its input apart."""
-    t = layout.sizes[Axis.TENSOR]
-    if t == 1:
-        return []
-    # a sequence split over the context axes: each device holds its part of every sequence
-    split = math.prod(layout.sizes[a] for a in layout.rules.get(SEQ, ()))
-    rows, seq, d = layout.rows, layout.seq_len // split, cfg.d_model
-    activation = rows * seq * d * _itemsize(cfg, layout)
-    # Without a pipeline: once per microbatch over all layers. In a pipeline every tick
-    # counts as its costliest branch, the last stage's backward: its layers' recomputed
-    # forward and backward plus the head, and the embedding of the first stage.
-    k = layout.grad_accum
-    norms = 4 * cfg.d_model if norm_weights is None else norm_weights
-    rows_bytes = rows * seq * d * 4  # the rows looked up, float32 (the table's)
-    if layout.sub_mesh:
-        return _first_stage_terms(cfg, layout, (activation, rows_bytes), backward, norms)
-    # a rematerialized block that keeps no attention output all-reduces it again (the MLP
-    # output it recomputes feeds nothing in the backward pass: dead code)
-    forward_again = 1 if cfg.remat in ("full", "save_qkv") else 0
-    if layout.stages is not None:
-        ticks, p, v, m = layout.stages
-        times = ticks * k
-        layers = cfg.n_layers // (p * v)
-        div = m * k
-    else:
-        times = k
-        layers = cfg.n_layers
-        div = k
-    reductions = times * ((2 + backward + forward_again) * layers + 1)
-    if (
-        Axis.TENSOR in layout.rules.get(ACT_SEQ, ())
-        and layout.tensor_overlap == "collective_matmul"
-    ):
-        chains = (times * layers * c for c in _chains(layout, columns, cfg.remat == "full"))
-        terms = _overlapped_terms(layout, activation / div, times, chains, 4 * norms * layers)
-    elif Axis.TENSOR in layout.rules.get(ACT_SEQ, ()):
-        counts = (times, layers, reductions, inputs)
-        terms = _unoverlapped_terms(cfg, layout, activation, div, counts, 4 * norms * layers)
-    else:
-        terms = [Term("all-reduce", experts.MEGATRON, activation / div, t, reductions, axes=TP)]
-    terms.append(
-        Term("all-reduce", "cross-entropy statistics", rows * seq * 4 / div, t, 3 * times, axes=TP)
-    )
-    return terms + _vocab_terms(cfg, layout, rows_bytes / div, times)
-
-
-def _vocab_terms(cfg: Any, layout: LabLayout, rows_bytes: float, times: int) -> list[Term]:
-    """A vocab-sharded table's: where ``tensor`` alone splits the vocabulary, ``times`` sums
-    of ``rows_bytes`` rows looked up where they lie (:func:`jaxpar.tensor_parallel.lookup`;
-    in the one-program pipeline only the first stage's forward does: not the costliest
-    branch, and none counted); split over more axes, the table gathered whole (once, in a
-    pipeline once a tick)."""
-    vocab = layout.rules.get("vocab", ())
-    if Axis.TENSOR not in vocab:
-        return []
-    t = layout.sizes[Axis.TENSOR]
-    if _rows_lie(layout):
-        spmd_pipeline = layout.stages is not None and not layout.sub_mesh
-        return [] if spmd_pipeline else [Term("all-reduce", LOOKUP, rows_bytes, t, times, axes=TP)]
-    ticks = times if layout.stages is not None else 1
-    table = cfg.vocab_size * cfg.d_model * 4
-    return [Term("all-gather", "embedding table gather", table, t, ticks, axes=TP)]
-
-
-def _rows_lie(layout: LabLayout) -> bool:
-    """Whether the tokens are looked up where the table's rows lie: ``tensor`` alone
-    splits the vocabulary (:func:`jaxpar.tensor_parallel.lookup`)."""
-    return split_over(layout.rules, layout.sizes, "vocab") == (Axis.TENSOR,)
-
-
-#: what the lab calls the vocabulary-parallel lookup's sum (:func:`transformer_tensor_terms`)
-LOOKUP = "embedding rows looked up where they lie, summed"
-#: what the lab calls sequence parallelism's gathers (:func:`transformer_tensor_terms`)
-SP_GATHERS = "sequence parallel: activations gathered before the column-parallel matmuls"
-#: … and those of FP8 activations (``model.precision=fp8``): the partitioner gathers the
-#: quantized activations the FP8 matmuls read, the layers' six (measured)
-SP_FP8_GATHERS = "sequence parallel: FP8 activations gathered before the FP8 matmuls"
-
-
-def _sequence_parallel_terms(
-    layout: LabLayout, activation: float, counts: tuple[int, int], norms: tuple[int, int]
-) -> list[Term]:
-    """Sequence parallelism (``tensor.sequence``): each of Megatron's activation
-    all-reduces becomes a reduce-scatter (XLA:CPU: an all-reduce of the whole activation
-    and a slice), and activations are gathered before the column-parallel matmuls (per
-    layer, measured: two forward, two of the output gradients before the row-parallel
-    matmuls' transposes, two of the inputs again for the weight gradients, which a
-    rematerialized block's recomputed forward provides; once for the head's input and once
-    for the embeddings' gradient). ``counts``: the reductions and the gathers;
-    ``norms``: the bytes of the norms' weight gradients — partial sums over the sequence's
-    shards, all-reduced over ``tensor`` — and how often."""
-    t = layout.sizes[Axis.TENSOR]
-    kind = "all-reduce" if layout.cpu else "reduce-scatter"
-    reductions, gathers = counts
-    return [
-        Term(
-            kind,
-            "sequence parallel: activations reduce-scattered",
-            activation,
-            t,
-            reductions,
-            axes=TP,
-        ),
-        Term("all-gather", SP_GATHERS, activation, t, gathers, axes=TP),
-        Term("all-reduce", "sequence parallel: norm gradients", norms[0], t, norms[1], axes=TP),
-    ]
-
-
-def _unoverlapped_terms(
-    cfg: Any, layout: LabLayout, activation: float, div: int, counts: tuple, norm_bytes: int
-) -> list[Term]:
-    """Sequence parallelism's terms without overlap (:func:`_sequence_parallel_terms`):
-    per layer six gathers, and those of the head's input and the embeddings' gradient (in
-    a pipeline tick's costliest branch, the last stage's backward, the head's only). In FP8
-    the layers' gathers carry the quantized activations: each of the layer's ``inputs``
-    projections gathers its own input twice (forward, weight gradient), and the two
-    row-parallel ones their output gradients (measured). ``counts``: the passes, the
-    layers, the reductions and the inputs."""
-    times, layers, reductions, inputs = counts
-    t = layout.sizes[Axis.TENSOR]
-    outside = times * (2 if layout.stages is None else 1)
-    gathers = times * 6 * layers
-    terms = []
-    if cfg.precision == "fp8":
-        fp8 = activation / _itemsize(cfg, layout) * fp8_itemsize(layout.cpu) / div
-        terms.append(
-            Term("all-gather", SP_FP8_GATHERS, fp8, t, times * (2 * inputs + 2) * layers, axes=TP)
-        )
-        gathers = 0
-    counts = (reductions, gathers + outside)
-    return terms + _sequence_parallel_terms(layout, activation / div, counts, (norm_bytes, times))
-
-
-def _itemsize(cfg: Any, layout: LabLayout) -> int:
-    """The bytes of an activation element on the wire (float32 on XLA:CPU)."""
-    return 4 if layout.cpu else jnp.dtype(cfg.dtype).itemsize
-
-
-def _chains(layout: LabLayout, columns: int, remat: bool) -> tuple[int, int]:
-    """A layer's chains of t−1 sends under collective matmuls, measured: forward one per
-    input of the column-parallel projections (XLA merges the chains of projections that
-    share it: attention's and the MLP's) and one per row-parallel projection (2 each);
-    backward one per projection (``columns`` + 2); a rematerialized block's recomputed
-    forward, one fewer than the forward (the MLP's output feeds nothing there)."""
-    forward = 2 + 2
-    return forward + columns + 2, (forward - 1) if remat else 0
-
-
-def _overlapped_terms(
-    layout: LabLayout, activation: float, times: int, chains: Any, norm_bytes: int
-) -> list[Term]:
-    """Sequence parallelism overlapped by collective matmuls (``tensor.overlap=
-    collective_matmul``): each chain sends a sequence chunk (``activation`` / t) t−1
-    times round the ring, hidden behind the matmul pieces; what stays exposed is the
-    head's (its input gathered, its input gradient reduce-scattered), the embeddings'
-    gradient gathered, and the norm gradients summed over ``tensor``."""
-    t = layout.sizes[Axis.TENSOR]
-    sends = sum(chains) * (t - 1)
-    hidden = Term(
-        "collective-permute", OVERLAP_SENDS, activation / t, t, sends, hidden=True, axes=TP
-    )
-    counts = (times, 2 * times)
-    return [hidden, *_sequence_parallel_terms(layout, activation, counts, (norm_bytes, times))]
-
-
-#: what the lab calls the collective matmuls' sends (:func:`_overlapped_terms`)
-OVERLAP_SENDS = "tensor overlap: sequence chunks passed round the tensor group"
-
-
-def _first_stage_terms(
-    cfg: Any,
-    layout: LabLayout,
-    sizes: tuple[float, float],
-    backward: int,
-    norm_weights: int,
-) -> list[Term]:
-    """A device of the first stage under the sub-mesh pipeline, a program per action: each
-    microbatch's forward all-reduces twice a layer, its backward (or weight-gradient half:
-    the first chunk has no input gradient) four times — the recomputed forward's and both
-    input gradients' — in each of the stage's ``v`` chunks (a one-layer chunk's backward
-    three), and the first chunk's two programs each sum the rows looked up where a
-    vocab-sharded table's rows lie (:func:`_vocab_terms`). ``sizes``: a step's activation
-    and looked-up rows. Under sequence
-    parallelism those reductions are reduce-scatters, and each microbatch gathers eight
-    activations a layer (two forward, two recomputed, two output gradients, two inputs for
-    the weight gradients) and one for the embeddings' gradient (measured)."""
-    t = layout.sizes[Axis.TENSOR]
-    k = layout.grad_accum
-    _, p, v, m = layout.stages
-    activation, rows_bytes = sizes
-    layers = cfg.n_layers // p  # the stage's, over its v chunks
-    # a one-layer chunk's recomputed MLP output feeds nothing in its backward: XLA drops
-    # its all-reduce where no loop over layers is left to share it (measured)
-    dropped = v if layers == v else 0
-    # reading the forward's residuals, the backward recomputes nothing (no second forward)
-    forwards = 1 if layout.residuals else 2
-    reductions = m * k * ((2 * forwards + backward) * layers - dropped * (forwards - 1))
-    if Axis.TENSOR in layout.rules.get(ACT_SEQ, ()):
-        counts = (reductions, m * k * (8 * layers + 1))
-        norms = (4 * norm_weights * layers, m * k)
-        terms = _sequence_parallel_terms(layout, activation / (m * k), counts, norms)
-    else:
-        terms = [Term("all-reduce", experts.MEGATRON, activation / (m * k), t, reductions, axes=TP)]
-    return terms + _vocab_terms(cfg, layout, rows_bytes / (m * k), forwards * m * k)
 
 
 class TransformerLab(LabModel):
@@ -320,13 +88,19 @@ class TransformerLab(LabModel):
         return elementwise_bytes(cfg, layout, self._kept(cfg), _flash(cfg, layout))
 
     def tensor_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
-        return transformer_tensor_terms(cfg, layout, self.backward_all_reduces)
+        positions = self.learned_positions(cfg)
+        return transformer_tensor_terms(cfg, layout, self.backward_all_reduces, positions=positions)
+
+    def learned_positions(self, cfg: Any) -> bool:
+        """Whether learned position rows ``[T, D]`` are added to the looked-up rows
+        (GPT's ``model.positions=learned``)."""
+        return getattr(cfg, "positions", None) == "learned"
 
     def table_reads(self, cfg: Any, layout: LabLayout) -> TableReads:
         """The token table read where its rows lie where ``tensor`` alone splits the
         vocabulary (:func:`jaxpar.tensor_parallel.lookup`; in the one-program pipeline
         the executor reduces every gradient itself), else read whole."""
-        vocab = _rows_lie(layout)
+        vocab = rows_lie(layout)
         spmd_pipeline = layout.stages is not None and not layout.sub_mesh
         if not vocab:
             return TableReads(whole=self.whole_params)
@@ -457,6 +231,9 @@ class BertLab(TransformerLab):
 
     def tied_apart(self, cfg: Any) -> bool:
         return True  # the masked-LM head reads the table itself
+
+    def learned_positions(self, cfg: Any) -> bool:
+        return True  # and its token types
 
 
 #: What the lab knows of each transformer family, by family name.

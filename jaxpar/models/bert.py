@@ -205,7 +205,10 @@ class BERT(nnx.Module):
         x = tensor_parallel.lookup(self.embed[...], inputs_BT, ("vocab", "embed"))
         if documents is None:
             types_T = (jnp.arange(T) >= T // 2).astype(jnp.int32)
-            x = x + self.pos[:T][None] + self.types[...][types_T]
+            # split as the sequence, not as the stream (GPT's learned positions say why):
+            # their gradient, one [T, D], gathered once
+            rows_TD = constrain(self.pos[:T] + self.types[...][types_T], ("seq", None))
+            x = x + rows_TD[None]
         else:
             x = (
                 x

@@ -151,7 +151,12 @@ class GPT(nnx.Module):
         elif cfg.positions == "learned":
             natural = positions_T is None or is_natural(positions_T)
             rows = self.pos[:T] if natural else self.pos[jnp.asarray(positions_T)]
-            x_BTD = x_BTD + rows[None]
+            # split as the sequence, not as the stream: under sequence parallelism each
+            # device adds its tokens' positions to the rows it keeps (:func:`tensor_parallel.
+            # lookup`), and their gradient, summed over its part of the batch, is gathered
+            # once ([T, D]); left to the partitioner, the table and its optimizer state are
+            # updated split and gathered
+            x_BTD = x_BTD + constrain(rows, ("seq", None))[None]
         return enter_stream(x_BTD.astype(jnp.dtype(cfg.dtype)))
 
     def table(self) -> jax.Array:

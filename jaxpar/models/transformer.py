@@ -35,11 +35,10 @@ RESIDUAL = ("batch", "act_seq", "act_embed")
 
 
 def enter_stream(x_BTD: jax.Array) -> jax.Array:
-    """Embeddings [B, T, D] into the residual stream: pinned to the whole sequence of a
-    ``seq`` shard first, so that under sequence parallelism their gradient is gathered
-    over ``tensor`` (one activation) before the table's scatter-add, not the table's
-    gradient all-reduced there (Megatron's order); the same layout without it."""
-    return constrain(constrain(x_BTD, ("batch", "seq", "act_embed")), RESIDUAL)
+    """Embeddings [B, T, D] into the residual stream (:data:`RESIDUAL`: under sequence
+    parallelism their tokens split over ``tensor`` too, as
+    :func:`jaxpar.tensor_parallel.lookup` leaves them)."""
+    return constrain(x_BTD, RESIDUAL)
 
 
 #: ``model.attention`` values; ``auto`` resolves per backend (:func:`attention_implementation`).
