@@ -272,7 +272,8 @@ def lookup(table: jax.Array, ids: jax.Array, names: tuple[str | None, ...]) -> j
     reduce-scatters the rows along the sequence instead, as Megatron-SP does: each device
     keeps its tokens' rows, as the residual stream holds them, and the backward gathers
     their gradient (which the whole rows' sum needed from the split stream anyway), so a
-    step moves a third less for them. The rows are summed in float32 at least (XLA:CPU
+    step moves a third less for them (a fifth where the stream is bfloat16: the
+    rows and their gradient are float32). The rows are summed in float32 at least (XLA:CPU
     aborts on a bfloat16 sum). Elsewhere — no tensor split, no active
     layout, a batch the batch axes do not divide — a lookup in the whole table (FSDP
     gathers weights before use anyway; from a sharded table the partitioner cannot move

@@ -109,17 +109,21 @@ def test_a_lookup_whose_tokens_cannot_split_so_is_still_exact(case):
     np.testing.assert_allclose(np.asarray(grad, np.float32), expected, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("mesh", ["data=2,fsdp=2,tensor=2", "data=4,fsdp=2"])
-def test_a_copy_per_batch_shard_is_read_as_the_whole_table(mesh):
+@pytest.mark.parametrize(
+    "mesh, sequence",
+    [("data=2,fsdp=2,tensor=2", False), ("data=2,fsdp=2,tensor=2", True), ("data=4,fsdp=2", False)],
+)
+def test_a_copy_per_batch_shard_is_read_as_the_whole_table(mesh, sequence):
     """A tied table read as one copy per batch shard, W[G, V, D] (GPT's: the lookup and
     the head add their gradient contributions on each device): batch shard g's rows come
     from copy g, whose gradient holds only its shard's tokens — where the vocabulary is
-    split over ``tensor`` (no copy gathered) and where it is not."""
+    split over ``tensor`` (no copy gathered; under sequence parallelism the rows
+    reduce-scattered) and where it is not."""
     rng = np.random.default_rng(2)
     table = rng.normal(size=(V, D)).astype(np.float32)
     ids = jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32)
     weights = jnp.asarray(rng.normal(size=(B, T, D)), jnp.float32)
-    m, rules, tensor = _layout(mesh, False)
+    m, rules, tensor = _layout(mesh, sequence)
     g = m.shape["data"] * m.shape["fsdp"]
 
     def loss(table_VD):
@@ -137,6 +141,8 @@ def test_a_copy_per_batch_shard_is_read_as_the_whole_table(mesh):
     if m.shape["tensor"] > 1:  # no copy gathered over its vocabulary
         text = step.lower(jnp.asarray(table)).compile().as_text()
         assert not [s for s, _ in _collectives(text, "all-gather") if V in s[-2:-1]]
+        scattered = [s for s, _ in _collectives(text, "reduce-scatter") if s[-1] == D]
+        assert scattered == ([(B // g, T // m.shape["tensor"], D)] if sequence else [])
 
 
 def _collectives(text: str, kind: str) -> list[tuple[tuple[int, ...], int]]:

@@ -102,7 +102,7 @@ def expert_degree(layout: LabLayout) -> int:
     return math.prod(layout.sizes[a] for a in expert_axes(layout))
 
 
-#: The dense transformer's activation all-reduces (:mod:`jaxpar.lab.transformers`).
+#: The dense transformer's activation all-reduces (:mod:`jaxpar.lab.tensor_terms`).
 MEGATRON = "Megatron activation all-reduces"
 
 

@@ -34,7 +34,8 @@ def transformer_tensor_terms(
     gradient; the cross-entropy over vocab-sharded logits all-reduces three ``[b, T]``
     statistics; the rows of a vocab-sharded embedding table are looked up where they lie
     and summed (:func:`jaxpar.tensor_parallel.lookup`: one all-reduce of the ``[b, T, D]``
-    rows in float32 a microbatch; :func:`_vocab_terms`). Under
+    rows in float32 a microbatch, under sequence parallelism a reduce-scatter and their
+    gradient's gather; :func:`_vocab_terms`). Under
     sequence parallelism (:func:`_sequence_parallel_terms`) ``norm_weights`` is a layer's
     norm weights (GPT's and BERT's two layer norms' scales and biases when None);
     overlapped by collective
@@ -168,7 +169,8 @@ def _sequence_parallel_terms(
     layer, measured: two forward, two of the output gradients before the row-parallel
     matmuls' transposes, two of the inputs again for the weight gradients, which a
     rematerialized block's recomputed forward provides; once for the head's input and once
-    for the embeddings' gradient). ``counts``: the reductions and the gathers;
+    for the embeddings' gradient, where the lookup does not gather it itself:
+    :func:`_scatters_rows`). ``counts``: the reductions and the gathers;
     ``norms``: the bytes of the norms' weight gradients — partial sums over the sequence's
     shards, all-reduced over ``tensor`` — and how often."""
     t = layout.sizes[Axis.TENSOR]
@@ -265,10 +267,11 @@ def _first_stage_terms(
     input gradients' — in each of the stage's ``v`` chunks (a one-layer chunk's backward
     three), and the first chunk's two programs each sum the rows looked up where a
     vocab-sharded table's rows lie (:func:`_vocab_terms`). ``sizes``: a step's activation,
-    looked-up rows and learned positions' gradient (under sequence parallelism). Under sequence
-    parallelism those reductions are reduce-scatters, and each microbatch gathers eight
+    looked-up rows and learned positions' gradient (under sequence parallelism). Under
+    sequence parallelism those reductions are reduce-scatters, and each microbatch gathers eight
     activations a layer (two forward, two recomputed, two output gradients, two inputs for
-    the weight gradients) and one for the embeddings' gradient (measured)."""
+    the weight gradients) and one for the embeddings' gradient (measured; the lookup's own
+    where it scatters the rows: :func:`_vocab_terms`)."""
     t = layout.sizes[Axis.TENSOR]
     k = layout.grad_accum
     _, p, v, m = layout.stages
