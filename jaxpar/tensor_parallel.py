@@ -298,7 +298,7 @@ def lookup(table: jax.Array, ids: jax.Array, names: tuple[str | None, ...]) -> j
         rows = _whole_rows(whole, ids) if shards else jnp.take(whole, ids, axis=0)
         return _as_the_tokens(rows, ids)
     mesh, copies, ids_spec, axes = specs
-    scatter = _scatters_rows(ids, ids_spec, mesh)
+    scatter = ids.ndim >= 2 and scatters_rows(active_layout()[1], mesh.shape, ids.shape[1])
     rows_spec = list(ids_spec) + [None]
     if scatter:
         rows_spec[1] = (*names_of(ids_spec[1]), Axis.TENSOR)
@@ -332,18 +332,18 @@ def _as_the_tokens(rows: jax.Array, ids: jax.Array) -> jax.Array:
     return constrain(rows, (*tokens, None))
 
 
-def _scatters_rows(ids: jax.Array, ids_spec: PartitionSpec, mesh: Any) -> bool:
-    """Whether :func:`lookup` reduce-scatters the rows along the sequence: the rules split
-    the residual stream's tokens (``act_seq``) over the sequence's axes and then ``tensor``
-    (sequence parallelism), and a device's tokens divide among the group."""
-    _, rules, _ = active_layout()
-    if ids.ndim < 2:
+def scatters_rows(
+    rules: Mapping[str, tuple[str, ...]], sizes: Mapping[str, int], tokens: int
+) -> bool:
+    """Whether :func:`lookup`, where the rows lie, reduce-scatters them along the sequence:
+    the ``rules`` split the residual stream's tokens (``act_seq``) over the sequence's axes
+    and then ``tensor`` (sequence parallelism), and a device's part of a sequence of
+    ``tokens`` divides among the group (``sizes``: the mesh degrees by axis; the layout lab
+    asks the same of a layout it estimates)."""
+    seq = split_over(rules, sizes, SEQ)
+    if split_over(rules, sizes, ACT_SEQ) != (*seq, Axis.TENSOR):
         return False
-    seq = tuple(names_of(ids_spec[1]))
-    if split_over(rules, mesh.shape, ACT_SEQ) != (*seq, Axis.TENSOR):
-        return False
-    local = ids.shape[1] // math.prod(mesh.shape[a] for a in seq)
-    return local % mesh.shape[Axis.TENSOR] == 0
+    return tokens // math.prod(sizes[a] for a in seq) % sizes[Axis.TENSOR] == 0
 
 
 def _split_lookup(

@@ -15,6 +15,7 @@ from jaxpar.axes import Axis
 from jaxpar.lab import experts
 from jaxpar.lab.terms import LabLayout, Term, fp8_itemsize
 from jaxpar.logical import ACT_SEQ, SEQ, split_over
+from jaxpar.tensor_parallel import scatters_rows
 
 #: the axes of tensor parallelism's activation collectives
 TP = (Axis.TENSOR,)
@@ -134,17 +135,9 @@ def rows_lie(layout: LabLayout) -> bool:
 
 def _scatters_rows(layout: LabLayout) -> bool:
     """Whether the rows looked up where they lie are reduce-scattered along the sequence
-    (sequence parallelism: ``act_seq`` split over the sequence's axes, then ``tensor``;
-    ``jaxpar.tensor_parallel._scatters_rows``), their gradient gathered in the backward
+    (:func:`jaxpar.tensor_parallel.scatters_rows`), their gradient gathered in the backward
     in the embeddings' gradient's place."""
-    seq = split_over(layout.rules, layout.sizes, SEQ)
-    if not rows_lie(layout) or split_over(layout.rules, layout.sizes, ACT_SEQ) != (
-        *seq,
-        Axis.TENSOR,
-    ):
-        return False
-    tokens = layout.seq_len // math.prod(layout.sizes[a] for a in seq)
-    return tokens % layout.sizes[Axis.TENSOR] == 0
+    return rows_lie(layout) and scatters_rows(layout.rules, layout.sizes, layout.seq_len)
 
 
 #: what the lab calls the vocabulary-parallel lookup's sum (:func:`transformer_tensor_terms`)
