@@ -33,7 +33,9 @@ its stashed input (Megatron's full recomputation: one forward again per microbat
 ``model.remat=full`` there would run the forward a third time (``--literal-remat``: remat=full
 everywhere). Megatron's 2021 attention, which writes the [s, s] scores and reads them back
 (it predates FlashAttention), is ``model.attention=xla``; MaxText's and NeMo's fused
-kernels are ``auto`` (cuDNN's flash attention on a GPU). MaxText's ``minimal_flash``
+kernels are ``auto`` (cuDNN's flash attention on a GPU); Megatron's dropout (0.1 of the
+hidden states and of the attention probabilities, its 2021 defaults) is ``model.dropout``
+and ``model.attention_dropout``. MaxText's ``minimal_flash``
 (weight-matmul outputs and the attention output saved) is ``save_matmuls``. Sets of
 entries that compare layouts of one model (equal GPUs; one scheme over GPU counts) are
 checked for whether the predicted order matches the published one, and the figures'
@@ -216,6 +218,10 @@ def overrides_of(entry: dict, literal: bool = False) -> list[str]:
         keys = [*keys, f"model.n_kv_heads={m['n_kv_heads']}"]
     elif m["n_kv_heads"] != m["n_heads"]:
         raise Unmapped("a GPT with grouped-query attention")
+    drops = [f"model.{k}={m[k]}" for k in ("dropout", "attention_dropout") if m.get(k)]
+    if drops and m["family"] != "gpt":
+        raise Unmapped(f"dropout in a {m['family']} (jaxpar's GPT drops out)")
+    keys = [*keys, *drops]
     if entry.get("precision") == "fp8":  # FP8 weight matmuls, as NeMo's Transformer Engine
         keys = [*keys, "model.precision=fp8"]
     return [

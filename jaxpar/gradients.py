@@ -321,9 +321,11 @@ class AccumulatedPerDataShard(Traced):
     one collective per array). With accumulation the automatic path would all-reduce every
     microbatch's gradients: the accumulator is replicated over ``data``, and a partial sum
     cannot be carried through the loop; without it, XLA reduces each array apart, inside
-    the layer scan. Only for models without state: BatchNorm statistics would become
-    per-shard ones. ``gathered_specs``: the parameters' specs without their batch axes,
-    for ``train.fsdp_gather=once`` (None: gathered per microbatch).
+    the layer scan. Only for models whose state is RNG streams at most (every shard
+    advances their counts alike: dropout keyed by example draws as on one device):
+    BatchNorm statistics would become per-shard ones. ``gathered_specs``: the parameters'
+    specs without their batch axes, for ``train.fsdp_gather=once`` (None: gathered per
+    microbatch).
     """
 
     loss: ModelLoss
@@ -335,9 +337,9 @@ class AccumulatedPerDataShard(Traced):
         n = self.layout.mesh.shape[Axis.DATA]
 
         def local(params, model_state, batch):
-            loss, metrics, grads, _ = self._local_step()(params, model_state, batch)
+            loss, metrics, grads, state = self._local_step()(params, model_state, batch)
             summed = psum_in_buckets((loss, metrics, grads), Axis.DATA, self.bucket_bytes)
-            return jax.tree.map(lambda x: x / n, summed)
+            return jax.tree.map(lambda x: x / n, summed), state  # the counts: alike
 
         fn = jax.shard_map(
             local,
@@ -347,7 +349,7 @@ class AccumulatedPerDataShard(Traced):
             axis_names={Axis.DATA},
             check_vma=False,
         )
-        loss, metrics, grads = fn(params, model_state, dict(batch))
+        (loss, metrics, grads), model_state = fn(params, model_state, dict(batch))
         return loss, metrics, grads, model_state
 
     def _local_step(self) -> Strategy:

@@ -177,6 +177,12 @@ class Task:
       eval_params: ``(opt_state, params) -> params`` evaluation uses instead of the
         trained ones, e.g. ``optax.contrib.schedule_free_eval_params`` for a schedule-free
         optimizer (None: the trained parameters).
+      draws_by_example: the model's random draws (its dropout) are keyed by each
+        example's id (as :mod:`jaxpar.models.dropout` keys jaxpar's GPT and BERT), not
+        drawn over the batch's shape: a data shard then draws what one device would, so a
+        model whose state is RNG streams only reduces its accumulated gradients over
+        ``data`` once a step (:class:`~jaxpar.gradients.AccumulatedPerDataShard`), as a
+        model without state does.
       family: the built-in model family whose config section built the model (set by
         :func:`jaxpar.task_for`; kept by ``dataclasses.replace``): the ``model`` keys of a
         config naming that family then take effect. Empty for a model of the user's own.
@@ -196,6 +202,7 @@ class Task:
     layers: Layers | None = None
     context_parallel: bool = False
     eval_params: Callable[[Any, Any], Any] | None = None
+    draws_by_example: bool = False
     family: str = ""
 
     def build_model(self, seed: int = 0) -> nnx.Module:

@@ -131,7 +131,8 @@ class TrainConfig:
         json_schema_extra={"type": "float (MiB) or auto"},
         description="data parallelism sums gradients over data after the backward pass in "
         "buckets of this many MiB, one collective each (where the parameters are whole on "
-        "every device and the model has no state); 0: XLA's reduction, one collective per "
+        "every device and the model's state is RNG streams keyed by example at most: "
+        "Task.draws_by_example); 0: XLA's reduction, one collective per "
         "layer inside the backward scan (per array on the CPU); auto: 25 (PyTorch DDP's) on "
         "the CPU, 0 on GPUs, TPUs and under context; docs/performance.md, Gradient buckets",
     )

@@ -207,12 +207,15 @@ def text_tokenizer(cfg: DataConfig) -> Tokenizer:
 
 def needs_of_batch(batch_keys: Any) -> DataNeeds | None:
     """The data a task's batch entries ask for, or None when they are neither jaxpar's
-    text batches (``tokens``) nor its image batches (``images``, ``labels``)."""
+    text batches (``tokens``; ``segments`` of packed documents, ``index`` the examples'
+    ids) nor its image batches (``images``, ``labels``)."""
     keys = set(batch_keys)
-    if keys == {"tokens"}:
-        return DataNeeds("text")
-    if keys == {"tokens", "segments"}:
-        return DataNeeds("text", documents=True)
+    ids = "index" in keys
+    text = keys - {"index"}
+    if text == {"tokens"}:
+        return DataNeeds("text", example_ids=ids)
+    if text == {"tokens", "segments"}:
+        return DataNeeds("text", documents=True, example_ids=ids)
     if keys == {"images", "labels"}:
         return DataNeeds("images")
     return None

@@ -84,10 +84,11 @@ def hf_config(cfg: Any) -> dict[str, Any]:
         "n_inner": cfg.d_ff,
         "activation_function": "gelu_new",
         "layer_norm_epsilon": 1e-5,
-        # jaxpar trains without dropout: the file describes the model as trained
-        "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0,
-        "attn_pdrop": 0.0,
+        # the dropout the model trained with (model.dropout: embeddings and residual
+        # branches alike; model.attention_dropout)
+        "resid_pdrop": getattr(cfg, "dropout", 0.0),
+        "embd_pdrop": getattr(cfg, "dropout", 0.0),
+        "attn_pdrop": getattr(cfg, "attention_dropout", 0.0),
         "scale_attn_weights": True,
         "scale_attn_by_inverse_layer_idx": False,
         "reorder_and_upcast_attn": False,

@@ -82,7 +82,7 @@ def activation_bytes(cfg: Any, layout: LabLayout, kept: Kept, fused_attention: b
     # as a loop's layer)
     alone = layers == 1 and layout.sizes[Axis.TENSOR] == 1
     stacked = layer * (kept.alone if alone else 1.0)
-    block_input = _itemsize(cfg, layout) * microbatch_rows(layout) * _tokens(layout)[0]
+    block_input = activation_itemsize(cfg, layout) * microbatch_rows(layout) * _tokens(layout)[0]
     block_input *= cfg.d_model
     if layout.stages is not None and not layout.residuals:
         # a pipeline's backward recomputes its chunk from the chunk's input: a device keeps
@@ -201,7 +201,7 @@ def _sequence_parallel(layout: LabLayout) -> int:
     return sequence // c if sequence > c else 1
 
 
-def _itemsize(cfg: Any, layout: LabLayout) -> int:
+def activation_itemsize(cfg: Any, layout: LabLayout) -> int:
     """Bytes of an activation element (XLA:CPU holds bfloat16 as float32)."""
     return 4 if layout.cpu else jnp.dtype(cfg.dtype).itemsize
 
@@ -214,7 +214,7 @@ def layer_bytes(cfg: Any, layout: LabLayout, kept: Kept, fused_attention: bool) 
     b = microbatch_rows(layout)
     scores = 0.0 if fused_attention else kept.scores * b * cfg.n_heads * s * keys / t
     split = q_k_v_width(cfg) * kept.attention + cfg.d_ff * kept.mlp
-    return _itemsize(cfg, layout) * (
+    return activation_itemsize(cfg, layout) * (
         b * s * (cfg.d_model * kept.replicated / t_sp + split / t) + scores
     )
 

@@ -9,10 +9,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import jax.numpy as jnp
-
 from jaxpar.axes import Axis
 from jaxpar.lab import experts
+from jaxpar.lab.activations import activation_itemsize
 from jaxpar.lab.terms import LabLayout, Term, fp8_itemsize
 from jaxpar.logical import ACT_SEQ, SEQ, split_over
 from jaxpar.tensor_parallel import scatters_rows
@@ -51,7 +50,7 @@ def transformer_tensor_terms(
     # a sequence split over the context axes: each device holds its part of every sequence
     split = math.prod(layout.sizes[a] for a in layout.rules.get(SEQ, ()))
     rows, seq, d = layout.rows, layout.seq_len // split, cfg.d_model
-    activation = rows * seq * d * _itemsize(cfg, layout)
+    activation = rows * seq * d * activation_itemsize(cfg, layout)
     # Without a pipeline: once per microbatch over all layers. In a pipeline every tick
     # counts as its costliest branch, the last stage's backward: its layers' recomputed
     # forward and backward plus the head, and the embedding of the first stage.
@@ -200,18 +199,13 @@ def _unoverlapped_terms(
     gathers = times * 6 * layers
     terms = []
     if cfg.precision == "fp8":
-        fp8 = activation / _itemsize(cfg, layout) * fp8_itemsize(layout.cpu) / div
+        fp8 = activation / activation_itemsize(cfg, layout) * fp8_itemsize(layout.cpu) / div
         terms.append(
             Term("all-gather", SP_FP8_GATHERS, fp8, t, times * (2 * inputs + 2) * layers, axes=TP)
         )
         gathers = 0
     counts = (reductions, gathers + outside)
     return terms + _sequence_parallel_terms(layout, activation / div, counts, (norm_bytes, times))
-
-
-def _itemsize(cfg: Any, layout: LabLayout) -> int:
-    """The bytes of an activation element on the wire (float32 on XLA:CPU)."""
-    return 4 if layout.cpu else jnp.dtype(cfg.dtype).itemsize
 
 
 def _chains(layout: LabLayout, columns: int, remat: bool) -> tuple[int, int]:

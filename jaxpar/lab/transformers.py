@@ -14,6 +14,7 @@ from jaxpar.lab import experts
 from jaxpar.lab.activations import (
     Kept,
     activation_bytes,
+    activation_itemsize,
     elementwise_bytes,
     recomputed_share,
     transformer_matmuls,
@@ -58,16 +59,27 @@ class TransformerLab(LabModel):
     #: the MLP's first matmul makes two widths (SwiGLU's and GeGLU's gate and up)
     gated = False
 
-    def _kept(self, cfg: Any) -> Kept:
+    def _kept(self, cfg: Any, layout: LabLayout) -> Kept:
         """The family's counts; q and k norms (Qwen3, Gemma 3) keep their inputs and outputs
-        too."""
+        too; dropout its masks, a byte an element (a bool): the attention's and the MLP's
+        outputs' (2 of ``D``) under ``model.dropout``, the probabilities' (1 of the scores)
+        under ``model.attention_dropout`` (gpt_tiny's compiled temporaries at 4 and 8
+        layers grow by these bytes a layer: 0.12 and 0.25 MiB at 4 rows a device)."""
+        kept, byte = self.kept, 1 / activation_itemsize(cfg, layout)
         qk = 2 * bool(getattr(cfg, "qk_norm", False))
-        return dataclasses.replace(self.kept, attention=self.kept.attention + qk)
+        hidden = 2 * byte * bool(getattr(cfg, "dropout", 0))
+        probabilities = byte * bool(getattr(cfg, "attention_dropout", 0))
+        return dataclasses.replace(
+            kept,
+            attention=kept.attention + qk,
+            replicated=kept.replicated + hidden,
+            scores=kept.scores + probabilities,
+        )
 
     def activation_bytes(self, cfg: Any, layout: LabLayout) -> float | None:
         if getattr(cfg, "n_experts", 0):  # routed tokens: not counted yet
             return None
-        return activation_bytes(cfg, layout, self._kept(cfg), _flash(cfg, layout))
+        return activation_bytes(cfg, layout, self._kept(cfg, layout), _flash(cfg, layout))
 
     def matmuls(self, cfg: Any, layout: LabLayout) -> list[Matmul]:
         if getattr(cfg, "n_experts", 0):
@@ -85,7 +97,7 @@ class TransformerLab(LabModel):
     def elementwise_bytes(self, cfg: Any, layout: LabLayout) -> float:
         if getattr(cfg, "n_experts", 0):
             return 0.0
-        return elementwise_bytes(cfg, layout, self._kept(cfg), _flash(cfg, layout))
+        return elementwise_bytes(cfg, layout, self._kept(cfg, layout), _flash(cfg, layout))
 
     def tensor_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
         positions = self.learned_positions(cfg)
@@ -194,8 +206,9 @@ class LlamaLab(TransformerLab):
 
 def _flash(cfg: Any, layout: LabLayout) -> bool:
     """Whether attention runs as cuDNN's fused kernel, which keeps no [T, T] scores: on a
-    GPU, where ``model.attention`` means ``cudnn``."""
-    if layout.cpu or not hasattr(cfg, "attention"):
+    GPU, where ``model.attention`` means ``cudnn`` and no attention dropout writes the
+    scores out (:func:`jaxpar.models.transformer.dropped_attention`)."""
+    if layout.cpu or not hasattr(cfg, "attention") or getattr(cfg, "attention_dropout", 0):
         return False
     try:
         return attention_implementation(cfg, "gpu") == "cudnn"

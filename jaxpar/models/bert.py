@@ -42,7 +42,7 @@ from pydantic import Field, model_validator
 from jaxpar import tensor_parallel
 from jaxpar.errors import ConfigError
 from jaxpar.logical import constrain
-from jaxpar.models import fp8
+from jaxpar.models import dropout, fp8
 from jaxpar.models.family import Counts, Family, register
 from jaxpar.models.lm import Documents, lm_batch_axes, lm_documents, packs_documents
 from jaxpar.models.transformer import (
@@ -67,7 +67,6 @@ from jaxpar.task import DataNeeds, StageSplit, Task
 
 #: fold-in tags of the draws that are not per layer
 _MASKING, _EMBEDDING = 0, 1
-_EVAL_KEY = 2024
 
 
 @section("model")
@@ -110,21 +109,6 @@ class BERTConfig(TransformerConfig):
         return self.vocab_size - 1
 
 
-def _dropout(x: jax.Array, keys_B: jax.Array, rate: float) -> jax.Array:
-    """Inverted dropout with one key per example (``keys_B`` [B]): an example's mask does
-    not depend on which device holds it or which rows share its batch."""
-    if rate == 0.0:
-        return x
-    keep = jax.vmap(lambda k: jax.random.bernoulli(k, 1.0 - rate, x.shape[1:]))(keys_B)
-    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
-
-
-def _fold(keys_B: jax.Array, tags: Any) -> jax.Array:
-    """Each example's key folded with its tag (one tag for all, or one per example)."""
-    tags = jnp.broadcast_to(jnp.asarray(tags, jnp.uint32), keys_B.shape)
-    return jax.vmap(jax.random.fold_in)(keys_B, tags)
-
-
 class BERT(nnx.Module):
     """Encoder: tokens [B, T] (+ types) → masked-LM logits [B, T, V] (float32)."""
 
@@ -156,19 +140,12 @@ class BERT(nnx.Module):
 
     # ---- randomness ----------------------------------------------------------------------
     def example_keys(self, index_B: jax.Array) -> jax.Array:
-        """One key per example: (RNG key, count, example id); in evaluation a fixed key."""
-        stream = self.noise.dropout
-        base = (
-            jax.random.key(_EVAL_KEY)
-            if self.deterministic
-            else jax.random.fold_in(stream.key[...], stream.count[...])
-        )
-        return _fold(jnp.broadcast_to(base, index_B.shape), index_B)
+        """One key per example (:func:`jaxpar.models.dropout.example_keys`)."""
+        return dropout.example_keys(self.noise, self.deterministic, index_B)
 
     def advance(self) -> None:
         """One microbatch done: the next draws from the next count."""
-        if not self.deterministic:
-            self.noise.dropout.count[...] += 1
+        dropout.advance(self.noise, self.deterministic)
 
     # ---- the network -----------------------------------------------------------------------
     def mask(
@@ -215,7 +192,7 @@ class BERT(nnx.Module):
                 + jnp.take(self.pos[...], documents.positions, axis=0)
                 + jnp.take(self.types[...], _document_halves(documents), axis=0)
             )
-        x = _dropout(x, _fold(keys_B, _EMBEDDING), self._rate())
+        x = dropout.dropout(x, dropout.fold(keys_B, _EMBEDDING), self._rate())
         return enter_stream(x.astype(jnp.dtype(cfg.dtype)))
 
     def _rate(self) -> float:
@@ -240,13 +217,15 @@ class BERT(nnx.Module):
         def body(x, inputs):
             p, layer = inputs
             p = fp8.in_dtype(p, dtype)
-            keys = _fold(keys_B, 2 + 2 * layer)
+            keys = dropout.fold(keys_B, 2 + 2 * layer)
             h = layer_norm(x, p["ln1_scale"], p["ln1_bias"])
             a = attention(h, p, False, impl, causal=False, documents=documents, precision=precision)
-            x = constrain(x + _dropout(a, keys, rate), RESIDUAL)
+            x = constrain(x + dropout.dropout(a, keys, rate), RESIDUAL)
             h = layer_norm(x, p["ln2_scale"], p["ln2_bias"])
             x = constrain(
-                x + _dropout(mlp(h, p, precision), _fold(keys_B, 3 + 2 * layer), rate), RESIDUAL
+                x
+                + dropout.dropout(mlp(h, p, precision), dropout.fold(keys_B, 3 + 2 * layer), rate),
+                RESIDUAL,
             )
             return x, None
 
@@ -337,6 +316,7 @@ def task(
         stages=STAGES,
         name="bert",
         context_parallel=True,
+        draws_by_example=True,
     )
 
 

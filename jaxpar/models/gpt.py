@@ -29,7 +29,7 @@ from jaxpar import tensor_parallel
 from jaxpar.context import is_natural
 from jaxpar.errors import ConfigError
 from jaxpar.logical import constrain, gathered, shards
-from jaxpar.models import fp8, lm
+from jaxpar.models import dropout, fp8, lm
 from jaxpar.models.family import Counts, Family, register
 from jaxpar.models.transformer import (
     REMAT_POLICIES,
@@ -49,7 +49,7 @@ from jaxpar.models.transformer import (
     transformer_counts,
 )
 from jaxpar.models.transformer_config import TransformerConfig
-from jaxpar.schema import section
+from jaxpar.schema import Float, section
 from jaxpar.task import DataNeeds, StageSplit, Task
 
 
@@ -63,6 +63,22 @@ class GPTConfig(TransformerConfig):
     )
     attn_bias: bool = Field(
         False, description="biases on the q/k/v and output projections (GPT-2 has them)"
+    )
+    dropout: Float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="dropout of the embeddings and of each attention and MLP output "
+        "(GPT-2's embd_pdrop and resid_pdrop, Megatron's hidden dropout); its draws are "
+        "the same on every layout (jaxpar/models/dropout.py)",
+    )
+    attention_dropout: Float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="dropout of the attention probabilities (GPT-2's attn_pdrop): the "
+        "scores are then written out in memory whatever model.attention says; not with "
+        "mesh.context > 1",
     )
     init_from: str = Field(
         "",
@@ -94,12 +110,34 @@ class GPT(nnx.Module):
         self.ln_f_bias = const(0.0, (D,), ("embed",))
         if not cfg.tie_embeddings:
             self.head = param(rngs.params(), (D, V), ("embed", "vocab"), 0.02)
+        if drops(cfg):  # drawn after the parameters: their values do not depend on it
+            self.noise = nnx.Rngs(dropout=rngs.params())  # RNG key and count: model state
+        self.deterministic = False  # NNX's train()/eval() switch it
+
+    # ---- dropout ---------------------------------------------------------------------------
+    def example_keys(self, batch: Any) -> jax.Array | None:
+        """One dropout key per example of ``batch`` (its ``index``); None without dropout
+        (:mod:`jaxpar.models.dropout`)."""
+        if not drops(self.cfg):
+            return None
+        return dropout.example_keys(self.noise, self.deterministic, batch["index"])
+
+    def advance(self) -> None:
+        """One microbatch done: the next draws from the next RNG count."""
+        if drops(self.cfg):
+            dropout.advance(self.noise, self.deterministic)
+
+    def _rates(self) -> tuple[float, float]:
+        """(hidden, attention) dropout: none in evaluation."""
+        cfg = self.cfg
+        return (0.0, 0.0) if self.deterministic else (cfg.dropout, cfg.attention_dropout)
 
     def __call__(
         self,
         tokens_BT: jax.Array,
         positions_T: np.ndarray | None = None,
         documents: lm.Documents | None = None,
+        keys_B: jax.Array | None = None,
     ) -> jax.Array:
         """Logits [B, T, V] (float32) of tokens [B, T] at ``positions_T`` (0 … T-1 when
         None; a context-parallel layout runs them in its balanced order); ``documents``:
@@ -113,10 +151,12 @@ class GPT(nnx.Module):
         its two gradient contributions then add up on each device and are reduced once.
         Read twice, the partitioner would reduce each where it is computed: one
         table-sized all-reduce more per step.
+
+        ``keys_B``: the examples' dropout keys (:meth:`example_keys`; None: no dropout).
         """
         tables_GVD = self._tables_per_batch_shard() if self.cfg.tie_embeddings else None
-        x_BTD = self.embed_tokens(tokens_BT, tables_GVD, positions_T, documents)
-        return self.logits(self.run_blocks(x_BTD, positions_T, documents), tables_GVD)
+        x_BTD = self.embed_tokens(tokens_BT, tables_GVD, positions_T, documents, keys_B)
+        return self.logits(self.run_blocks(x_BTD, positions_T, documents, keys_B), tables_GVD)
 
     def _tables_per_batch_shard(self) -> jax.Array:
         table_VD = self._tied_head_table()
@@ -129,11 +169,12 @@ class GPT(nnx.Module):
         tables_GVD: jax.Array | None = None,
         positions_T: np.ndarray | None = None,
         documents: lm.Documents | None = None,
+        keys_B: jax.Array | None = None,
     ) -> jax.Array:
         """Token (+ learned position) embeddings [B, T, D] in the compute dtype; rows of
         ``tables_GVD`` (one table per batch shard, see ``__call__``) when given; the
         tokens sit at ``positions_T`` (0 … T-1 when None), or at their positions within
-        their ``documents``."""
+        their ``documents``; dropped out with ``keys_B`` (the examples' keys) when given."""
         cfg = self.cfg
         T = tokens_BT.shape[1]
         if T > cfg.max_seq_len:
@@ -157,6 +198,9 @@ class GPT(nnx.Module):
             # once ([T, D]); left to the partitioner, the table and its optimizer state are
             # updated split and gathered
             x_BTD = x_BTD + constrain(rows, ("seq", None))[None]
+        if keys_B is not None:
+            keys_B = dropout.fold(keys_B, dropout.EMBEDDING_TAG)
+            x_BTD = dropout.dropout(x_BTD, keys_B, self._rates()[0], _reordered(positions_T))
         return enter_stream(x_BTD.astype(jnp.dtype(cfg.dtype)))
 
     def table(self) -> jax.Array:
@@ -199,14 +243,27 @@ class GPT(nnx.Module):
         x_BTD: jax.Array,
         positions_T: np.ndarray | None = None,
         documents: lm.Documents | None = None,
+        keys_B: jax.Array | None = None,
+        first_layer: Any = 0,
     ) -> jax.Array:
         """All blocks of ``self.blocks`` (however many are stacked there), in order, over
-        tokens at ``positions_T`` (0 … T-1 when None), packed as ``documents``."""
+        tokens at ``positions_T`` (0 … T-1 when None), packed as ``documents``; dropped out
+        with ``keys_B`` (the examples' keys) when given, block ``i`` as layer
+        ``first_layer + i`` of the whole model (however the layers are cut into stages)."""
         dtype = x_BTD.dtype
         use_rotary = self.cfg.positions == "rotary"
+        hidden, attention = self._rates()
+        stacked = self.blocks.stacked()
+        layers = jnp.asarray(first_layer) + jnp.arange(jax.tree.leaves(stacked)[0].shape[0])
 
-        def body(x, p):
+        def body(x, inputs):
+            p, layer = inputs
             p = fp8.in_dtype(p, dtype)
+            noise = None
+            if keys_B is not None:
+                noise = dropout.LayerNoise(
+                    keys_B, layer, hidden, attention, _reordered(positions_T)
+                )
             out = block(
                 x,
                 p,
@@ -215,12 +272,13 @@ class GPT(nnx.Module):
                 positions_T,
                 documents,
                 precision=self.cfg.precision,
+                noise=noise,
             )
             return out, None
 
         if self.cfg.remat != "none":
             body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat])
-        x_BTD, _ = jax.lax.scan(body, x_BTD, self.blocks.stacked())
+        x_BTD, _ = jax.lax.scan(body, x_BTD, (stacked, layers))
         return x_BTD
 
     # ---- generation with a KV cache (jaxpar sample) ---------------------------------------
@@ -309,14 +367,27 @@ def decode_block(
 
 
 # ---- the loss, cut into pipeline stages -----------------------------------------------------
+def drops(cfg: GPTConfig) -> bool:
+    """Whether the model drops anything out in training (it then keys its draws by the
+    examples' ids: ``index`` beside ``tokens``)."""
+    return cfg.dropout > 0 or cfg.attention_dropout > 0
+
+
+def _reordered(positions_T: np.ndarray | None) -> np.ndarray | None:
+    """The tokens' positions where a layout reorders them; None in their natural order."""
+    return None if positions_T is None or is_natural(positions_T) else np.asarray(positions_T)
+
+
 def _lm_embed(model: GPT, batch: Any) -> jax.Array:
     inputs, _, pos_T = lm.lm_sequence(batch)
-    return model.embed_tokens(inputs, positions_T=pos_T, documents=lm.lm_documents(batch, pos_T))
+    documents = lm.lm_documents(batch, pos_T)
+    return model.embed_tokens(inputs, None, pos_T, documents, model.example_keys(batch))
 
 
 def _lm_stage(model: GPT, x: jax.Array, batch: Any, first: Any) -> jax.Array:
     pos_T = lm.lm_sequence(batch)[2]
-    return model.run_blocks(x, pos_T, lm.lm_documents(batch, pos_T))
+    documents = lm.lm_documents(batch, pos_T)
+    return model.run_blocks(x, pos_T, documents, model.example_keys(batch), first)
 
 
 def _lm_head(model: GPT, x: jax.Array, batch: Any) -> tuple[jax.Array, dict]:
@@ -333,9 +404,10 @@ def lm_loss(model: GPT, batch: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
     gradient reduced once (see ``GPT.__call__``).
     """
     inputs, targets, pos_T = lm.lm_sequence(batch)
-    return lm.next_token_loss(
-        model(inputs, pos_T, lm.lm_documents(batch, pos_T)), targets, lm.lm_weights(batch, pos_T)
-    )
+    logits = model(inputs, pos_T, lm.lm_documents(batch, pos_T), model.example_keys(batch))
+    out = lm.next_token_loss(logits, targets, lm.lm_weights(batch, pos_T))
+    model.advance()
+    return out
 
 
 #: The GPT cut into pipeline stages: embedding first, the stacked blocks split, head and loss
@@ -355,14 +427,16 @@ def task(cfg: GPTConfig, seq_len: int, documents: bool = False, loss_mask: bool 
         (:func:`jaxpar.task_for`, :func:`jaxpar.build`), not by the model's own module.
     """
     lm.refuse_init_from(cfg)
+    ids = {"index": ("batch",)} if drops(cfg) else {}
     return Task(
         lambda rngs: GPT(cfg, rngs=rngs),
         lm_loss,
-        lm.lm_batch_axes(documents, loss_mask),
+        lm.lm_batch_axes(documents, loss_mask) | ids,
         tokens_per_example=seq_len,
         stages=STAGES,
         name="gpt",
         context_parallel=True,
+        draws_by_example=True,
     )
 
 
@@ -372,7 +446,9 @@ def _without_init_from(cfg: GPTConfig) -> GPTConfig:
 
 
 def _needs(cfg: GPTConfig) -> DataNeeds:
-    return DataNeeds("text", vocab_size=cfg.vocab_size, documents=True, loss_mask=True)
+    return DataNeeds(
+        "text", vocab_size=cfg.vocab_size, documents=True, loss_mask=True, example_ids=drops(cfg)
+    )
 
 
 def _counts(cfg: GPTConfig, data: Any) -> Counts:

@@ -23,11 +23,13 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar import tensor_parallel
-from jaxpar.context import attend
+from jaxpar.context import attend, sequence_axes
 from jaxpar.errors import ConfigError
 from jaxpar.logical import constrain
 from jaxpar.models import fp8
+from jaxpar.models.dropout import LayerNoise
 from jaxpar.models.lm import Documents
+from jaxpar.ring_attention import visible
 
 #: the residual stream between blocks, [B, T, D]: its tokens split as ``act_seq`` rules (over
 #: ``context``, and over ``tensor`` too under sequence parallelism)
@@ -228,6 +230,7 @@ def attention(
     positions_T: np.ndarray | None = None,
     documents: Documents | None = None,
     precision: str = "default",
+    noise: LayerNoise | None = None,
 ) -> jax.Array:
     """Multi-head self-attention (causal or not) through ``jax.nn.dot_product_attention``,
     across the ``context`` axis when the layout splits the sequence
@@ -239,7 +242,8 @@ def attention(
     ``implementation`` is ``xla`` (logits and softmax in float32, [B, N, T, T] in memory)
     or ``cudnn`` (the fused kernel; 16-bit inputs, float32 accumulation inside).
     ``precision``: the projections' (``model.precision``: :func:`jaxpar.models.fp8.einsum`;
-    the QK^T and PV products stay in the compute dtype).
+    the QK^T and PV products stay in the compute dtype). ``noise``: the layer's dropout
+    (:func:`dropped_attention` where its probabilities drop).
     """
     q, k, v = qkv(h_BTD, p, precision)
     if use_rotary:
@@ -247,10 +251,46 @@ def attention(
         pos = pos if documents is None else documents.positions
         q, k = rotary(q, pos), rotary(k, pos)
     segments = None if documents is None else documents.segments
-    o_BTNH = attend(
-        q, k, v, positions_T, causal=causal, implementation=implementation, segments=segments
-    )
+    if noise is not None and noise.attention:
+        o_BTNH = dropped_attention(q, k, v, causal, segments, noise)
+    else:
+        o_BTNH = attend(
+            q, k, v, positions_T, causal=causal, implementation=implementation, segments=segments
+        )
     return attention_out(o_BTNH, p, precision)
+
+
+def dropped_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    causal: bool,
+    segments: jax.Array | None,
+    noise: LayerNoise,
+) -> jax.Array:
+    """Attention whose probabilities [B, N, T, T] drop at ``noise.attention`` (GPT-2's
+    ``attn_pdrop``, Megatron's ``attention_dropout``): written out, as XLA's
+    implementation of ``jax.nn.dot_product_attention`` computes it (float32 logits and
+    softmax, the scores in memory), which has no dropout. The whole sequence on each
+    device: under context parallelism it is refused.
+
+    Raises:
+      ConfigError: where the rules split the sequence (``mesh.context`` > 1).
+    """
+    if sequence_axes():
+        raise ConfigError(
+            f"model.attention_dropout={noise.attention} drops attention probabilities over "
+            f"the whole sequence, which mesh axes {', '.join(sequence_axes())} split; set "
+            "model.attention_dropout=0 or leave the sequence whole (mesh.context=1)"
+        )
+    T = q.shape[1]
+    logits = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32)
+    logits = logits * (q.shape[-1] ** -0.5)
+    pos = jnp.arange(T)
+    mask = visible(pos, pos, causal, 0, segments, segments)
+    probs = jax.nn.softmax(jnp.where(mask, logits, jnp.finfo(jnp.float32).min), axis=-1)
+    probs = noise.drop(probs, "probabilities", noise.attention)
+    return jnp.einsum("bnts,bsnh->btnh", probs.astype(v.dtype), v)
 
 
 #: the logical names of an MLP's weights: into the hidden width [D, F], and back [F, D]
@@ -318,18 +358,25 @@ def block(
     positions_T: np.ndarray | None = None,
     documents: Documents | None = None,
     precision: str = "default",
+    noise: LayerNoise | None = None,
 ) -> jax.Array:
     """One pre-norm causal transformer block (``implementation``, ``positions_T``,
-    ``documents``, ``precision``: see :func:`attention`)."""
+    ``documents``, ``precision``: see :func:`attention`); ``noise``: the layer's dropout
+    (of the attention and MLP outputs, and of the attention probabilities)."""
     h = layer_norm(x_BTD, p["ln1_scale"], p["ln1_bias"])
-    # packed documents only when there are some: the plain call is the one a stand-in for
-    # attention takes (the benchmarks' hand-written reference)
-    packed = {} if documents is None else {"documents": documents}
-    packed |= {} if precision == "default" else {"precision": precision}
-    a_BTD = attention(h, p, use_rotary, implementation, positions_T=positions_T, **packed)
-    x_BTD = constrain(x_BTD + a_BTD, RESIDUAL)
+    # packed documents, a precision and dropout only when there are some: the plain call is
+    # the one a stand-in for attention takes (the benchmarks' hand-written reference)
+    extra = {} if documents is None else {"documents": documents}
+    extra |= {} if precision == "default" else {"precision": precision}
+    extra |= {} if noise is None else {"noise": noise}
+    a_BTD = attention(h, p, use_rotary, implementation, positions_T=positions_T, **extra)
+    x_BTD = constrain(x_BTD + _dropped(a_BTD, noise, "attention"), RESIDUAL)
     h = layer_norm(x_BTD, p["ln2_scale"], p["ln2_bias"])
-    return constrain(x_BTD + mlp(h, p, precision), RESIDUAL)
+    return constrain(x_BTD + _dropped(mlp(h, p, precision), noise, "mlp"), RESIDUAL)
+
+
+def _dropped(x_BTD: jax.Array, noise: LayerNoise | None, kind: str) -> jax.Array:
+    return x_BTD if noise is None else noise.drop(x_BTD, kind, noise.hidden)
 
 
 _policies = jax.checkpoint_policies

@@ -42,6 +42,12 @@ class AbstractModel:
         """Whether the model has variables besides its parameters."""
         return bool(jax.tree.leaves(self.state))
 
+    @property
+    def beyond_rngs(self) -> tuple[str, ...]:
+        """The kinds of state besides RNG streams (whose counts every shard of a batch
+        advances alike): BatchNorm statistics, FP8 histories, a user's own."""
+        return tuple(k for k in self.state_kinds if k not in ("RngKey", "RngCount"))
+
 
 def abstract_model(task: Task, seed: int = 0) -> AbstractModel:
     """The task's model as shapes and names (``nnx.eval_shape``: nothing is allocated)."""

@@ -358,7 +358,7 @@ def pipeline_table(
             "histories), which the pipeline executors do not carry; set "
             "model.fp8_scaling=current, or mesh.stage=1"
         )
-    other = [k for k in model.state_kinds if k not in ("RngKey", "RngCount")]
+    other = model.beyond_rngs
     if other:
         raise LayoutError(
             f"mesh.stage={p}: the pipeline runs models whose state besides nnx.Param is RNG "

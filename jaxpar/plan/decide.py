@@ -167,9 +167,15 @@ def one_program(given: Given, layout: Layout) -> Decided:
         opt_replicated=replicated,
         state_shardings=shardings,
         gradients=gradient_strategy(
-            given.loss, layout, shardings.params, pipelined, model.stateful
+            given.loss, layout, shardings.params, pipelined, _per_shard_state(task, model)
         ),
     )
+
+
+def _per_shard_state(task: Task, model: AbstractModel) -> bool:
+    """Whether a data shard's step would make the model's state its own: state besides RNG
+    streams, or RNG streams that draw over the batch's shape (not by example)."""
+    return bool(model.beyond_rngs) or (model.stateful and not task.draws_by_example)
 
 
 def _state_shardings(mesh: Mesh, param_specs: Any, opt_specs: Any, state_specs: Any) -> TrainState:

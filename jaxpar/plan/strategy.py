@@ -43,7 +43,8 @@ def gradient_strategy(
     """The pipeline or a plain step, accumulated over ``layout.grad_accum`` microbatches
     when it is above 1 (locally per data shard when possible); with
     ``layout.fsdp_gather_once`` FSDP-sharded weights are gathered once per step for the
-    accumulation. ``stateful``: the model has state (BatchNorm statistics, RNG streams)."""
+    accumulation. ``stateful``: the model has state besides RNG streams (BatchNorm
+    statistics, FP8 histories), which a data shard would make its own."""
     inner: Strategy = pipelined or Plain(loss, layout)
     per_shard = pipelined is None and per_data_shard_possible(
         layout.mesh, layout.param_specs, stateful
@@ -53,7 +54,8 @@ def gradient_strategy(
         warnings.warn(
             "config key 'train.grad_bucket_mb' has no effect with this layout: buckets need "
             "every parameter whole on each device, a data axis, no pipeline stages and a "
-            "model without state (docs/performance.md, Gradient buckets)",
+            "model without state but RNG streams keyed by example (Task.draws_by_example; "
+            "docs/performance.md, Gradient buckets)",
             stacklevel=4,
         )
     if layout.grad_accum == 1:
@@ -91,7 +93,8 @@ def bucket_bytes(layout: Layout) -> int:
 
 def per_data_shard_possible(mesh: Mesh, param_specs: Any, stateful: bool) -> bool:
     """Whether :class:`~jaxpar.gradients.AccumulatedPerDataShard` applies: a data axis, no
-    parameter sharded over it, a model without state, and not ``fsdp`` × ``tensor``
+    parameter sharded over it, a model without state but RNG streams (``stateful``: it has
+    other state), and not ``fsdp`` × ``tensor``
     together (there XLA 0.10's SPMD partitioner aborts on the partly manual program: a
     failed check in spmd_partitioner_util.cc)."""
     if mesh.shape[Axis.DATA] == 1 or stateful:
