@@ -307,7 +307,8 @@ def _config_data(config: Config, task: Task) -> Data:
         raise TaskError(
             f"the task {task.name or ''} brings no data and its batch entries "
             f"({', '.join(sorted(task.batch_axes))}) are neither jaxpar's text batches "
-            "('tokens') nor its image batches ('images', 'labels'); give the Task a data "
+            "('tokens', with 'segments' and 'index' if asked) nor its image batches ('images', "
+            "'labels'); give the Task a data "
             "function (step, global_batch_size) -> dict of arrays, or a grain dataset"
         )
     return load_data(config.data, needs, config.run.seed)

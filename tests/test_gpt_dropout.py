@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxpar.config import load_config
-from jaxpar.errors import ConfigError
+from jaxpar.errors import ConfigError, LayoutError
 from jaxpar.models import dropout
 from jaxpar.models.transformer import dropped_attention
 from jaxpar.run import build
@@ -156,12 +156,23 @@ def test_the_written_out_attention_equals_jax_at_rate_zero(causal, packed):
 
 
 def test_attention_dropout_across_the_context_axis_is_refused():
-    """The probabilities of a split sequence are not dropped: one line naming the key."""
-    run = build(load_config([], [*DROPS, "mesh.data=4", "mesh.context=2"]))
-    state = run.trainer.init()
-    batch = run.trainer.shard_batch(run.data.batch(0, 16))
-    with pytest.raises(ConfigError, match="model.attention_dropout=0.1 .*mesh.context=1"):
-        run.trainer.step(state, batch)
+    """The probabilities of a split sequence are not dropped: the plan refuses such a layout
+    in one line (and the planner leaves it out); a step that splits the sequence anyway
+    (the model's blocks called under a context layout) is refused naming the key."""
+    from jaxpar.lab.sweep import default_layouts
+
+    config = load_config([], [*DROPS, "mesh.data=4", "mesh.context=2"])
+    with pytest.raises(LayoutError, match="does not run across a split sequence.*mesh.context=1"):
+        build(config)
+    layouts, note = default_layouts(load_config([], DROPS), 8)
+    assert not [x for x in layouts if "context" in x] and "context" in note
+    assert "data=8,train.grad_bucket_mb=0" in layouts  # per data shard: both reductions
+    plain = build(load_config([], [*GPT_SMALL, "mesh.data=4", "mesh.context=2"]))
+    layout = plain.plan.layout
+    q = jnp.zeros((4, 16, 4, 8))
+    noise = dropout.LayerNoise(jax.random.split(jax.random.key(0), 4), 0, 0.0, 0.1)
+    with layout.activation_rules(), pytest.raises(ConfigError, match="=0 or mesh.context=1"):
+        jax.jit(lambda q: dropped_attention(q, q, q, True, None, noise))(q)
 
 
 def test_a_gpt2_export_writes_the_rates_it_trained_with():
@@ -174,3 +185,20 @@ def test_a_gpt2_export_writes_the_rates_it_trained_with():
     assert (written["resid_pdrop"], written["embd_pdrop"], written["attn_pdrop"]) == (0.1, 0.1, 0.2)
     plain = hf_config(GPTConfig(attn_bias=True))
     assert (plain["resid_pdrop"], plain["embd_pdrop"], plain["attn_pdrop"]) == (0.0, 0.0, 0.0)
+
+
+def test_a_training_call_without_the_examples_keys_is_refused():
+    """A GPT that drops out keys its draws by example: called in training mode without
+    them it says so in one line (it would otherwise drop nothing); after ``eval()`` it
+    runs."""
+    from flax import nnx
+
+    from jaxpar.models.gpt import GPT, GPTConfig
+
+    with nnx.use_eager_sharding(False):
+        model = GPT(GPTConfig(dropout=0.1, d_model=32, n_heads=4, n_layers=1), rngs=nnx.Rngs(0))
+        tokens = jnp.zeros((2, 8), jnp.int32)
+        with pytest.raises(ConfigError, match=r"keys_B=model\.example_keys\(batch\)"):
+            model(tokens)
+        model.eval()
+        assert model(tokens).shape == (2, 8, GPTConfig().vocab_size)

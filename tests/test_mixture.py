@@ -301,3 +301,18 @@ def test_training_logs_tokens_per_source_and_resumes_exactly(sources, tmp_path):
     resumed = run("resumed", 6)
     assert [r["step"] for r in resumed] == [5, 6]
     assert [r["loss"] for r in resumed] == [r["loss"] for r in straight[4:]]
+
+
+def test_example_ids_are_unique_across_the_sources(sources):
+    """A model that keys its draws by example id (dropout, BERT's masks) sees window i of
+    two sources as two examples: the mixture's ids are ``id · sources + k``."""
+    ids = dataclasses.replace(TEXT, example_ids=True)
+    entries = tuple((sources[name], 1.0) for name in ("web", "code", "books"))
+    cfg = dataclasses.replace(DataConfig(), mixture=entries, seq_len=SEQ)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        data = load_data(cfg, ids, 0)
+    items = [data.train[i] for i in range(60)]
+    names = _source_of(np.stack([it["tokens"] for it in items]))
+    assert [int(it["index"]) % 3 for it in items] == [list(ALPHABETS).index(n) for n in names]
+    assert len({int(it["index"]) for it in items}) == len(items)

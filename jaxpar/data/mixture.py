@@ -235,7 +235,15 @@ class Mixed:
         return LENGTH
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-        return self._mixed[index]
+        """Mixture example ``index``; its ``index`` entry (the example's id, which keys its
+        random draws: :mod:`jaxpar.models.dropout`), where the windows carry one, made
+        unique across the sources (``id · sources + k``): window ``i`` of two sources are
+        two examples."""
+        item = self._mixed[index]
+        if "index" not in item:
+            return item
+        k = self.schedule[index][0]
+        return {**item, "index": np.int32(int(item["index"]) * len(self.names) + k)}
 
     def fingerprint(self) -> list[list[Any]]:
         """What fixes the sequence besides the seed: names, weights, windows (JSON)."""

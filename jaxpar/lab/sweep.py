@@ -39,7 +39,7 @@ from jaxpar.lab.measure import measure as measure
 from jaxpar.lab.workers import measure_all
 from jaxpar.outputs import check_new_folder, free_folder
 from jaxpar.plan import abstract_model
-from jaxpar.plan.abstract import AbstractModel
+from jaxpar.plan.abstract import AbstractModel, state_per_shard
 from jaxpar.run import task_for
 from jaxpar.task import Task
 
@@ -96,7 +96,7 @@ def default_layouts(
     kept, note = runnable(all_layouts(devices), task)
     model = abstract_model(task)  # its shapes once, for the variants that read them
     variants = _expert_variants(model, kept) + _sequence_variants(task, kept)
-    variants += _bucket_variants(config, model, kept, platform or jax.default_backend())
+    variants += _bucket_variants(config, task, model, kept, platform or jax.default_backend())
     return kept + variants + _ulysses_variants(config, task, kept), note
 
 
@@ -171,15 +171,17 @@ def _expert_variants(model: AbstractModel, layouts: list[str]) -> list[str]:
 
 
 def _bucket_variants(
-    config: Config, model: AbstractModel, layouts: list[str], platform: str
+    config: Config, task: Task, model: AbstractModel, layouts: list[str], platform: str
 ) -> list[str]:
-    """For a model without state: each layout whose parameters stay whole on every device
-    (``data`` above 1; no ``fsdp``, ``tensor``, stages or ``context``) again with the other gradient
-    reduction than ``train.grad_bucket_mb`` gives on ``platform``: 25 MiB buckets after
-    the backward pass, or XLA's reduction inside it (docs/performance.md)."""
+    """For a model without state (or whose state is RNG streams that draw by example:
+    :func:`~jaxpar.plan.abstract.state_per_shard`): each layout whose parameters stay
+    whole on every device (``data`` above 1; no ``fsdp``, ``tensor``, stages or
+    ``context``) again with the other gradient reduction than ``train.grad_bucket_mb``
+    gives on ``platform``: 25 MiB buckets after the backward pass, or XLA's reduction
+    inside it (docs/performance.md)."""
     asked = config.train.grad_bucket_mb
     size = auto_bytes(platform) if asked == "auto" else asked
-    if model.stateful:
+    if state_per_shard(task, model):
         return []
     split = (Axis.FSDP, Axis.TENSOR, Axis.STAGE, Axis.CONTEXT)
     return [

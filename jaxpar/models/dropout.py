@@ -7,7 +7,13 @@ the window's position in the corpus (``DataNeeds.example_ids``). So no call orde
 every layout and every pipeline schedule draws the same masks as one device with the
 same microbatches, and a resumed run draws those of the uninterrupted one. Each example's
 mask is drawn over its whole shape in the tokens' natural order, so a layout that splits
-or reorders the sequence keeps each token's draw.
+or reorders the sequence keeps each token's draw (under ``context`` each device may draw
+the whole sequence's mask and keep its part).
+
+Not covered: pipeline stages together with ``train.grad_accum`` > 1. Accumulation
+microbatch ``i``'s pipeline microbatch ``l`` draws from count ``c + i·m + l``, where one
+device accumulating the ``k·m`` microbatches draws those rows from another count: the
+same model, other masks.
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ Parameters (logical axes):
   w_out [L, F, D], b_out [L, D]; final norm [D]; head [D, V] unless tied; with
   ``attn_bias`` also bq/bk/bv [L, N·H] (layers, heads; head-major, kept vectors so they
   are not decayed) and bo [L, D] (layers, embed), as GPT-2 has them (see ``jaxpar/hf/gpt2.py``).
+
+State: with ``model.dropout`` or ``model.attention_dropout`` above 0, the RNG stream its
+draws come from (``noise``: a key and a count; :mod:`jaxpar.models.dropout`); none without.
 """
 
 from __future__ import annotations
@@ -127,6 +130,21 @@ class GPT(nnx.Module):
         if drops(self.cfg):
             dropout.advance(self.noise, self.deterministic)
 
+    def _checked(self, keys_B: jax.Array | None) -> jax.Array | None:
+        """``keys_B``, which a GPT that drops out needs in training.
+
+        Raises:
+          ConfigError: for a training-mode call without them.
+        """
+        if keys_B is None and drops(self.cfg) and not self.deterministic:
+            raise ConfigError(
+                f"model.dropout={self.cfg.dropout}, model.attention_dropout="
+                f"{self.cfg.attention_dropout}: the GPT keys each example's draws by its id; "
+                "pass keys_B=model.example_keys(batch) (a batch with 'index'), or call it "
+                "after model.eval()"
+            )
+        return keys_B
+
     def _rates(self) -> tuple[float, float]:
         """(hidden, attention) dropout: none in evaluation."""
         cfg = self.cfg
@@ -176,6 +194,7 @@ class GPT(nnx.Module):
         tokens sit at ``positions_T`` (0 … T-1 when None), or at their positions within
         their ``documents``; dropped out with ``keys_B`` (the examples' keys) when given."""
         cfg = self.cfg
+        keys_B = self._checked(keys_B)
         T = tokens_BT.shape[1]
         if T > cfg.max_seq_len:
             raise ConfigError(
@@ -252,6 +271,7 @@ class GPT(nnx.Module):
         ``first_layer + i`` of the whole model (however the layers are cut into stages)."""
         dtype = x_BTD.dtype
         use_rotary = self.cfg.positions == "rotary"
+        keys_B = self._checked(keys_B)
         hidden, attention = self._rates()
         stacked = self.blocks.stacked()
         layers = jnp.asarray(first_layer) + jnp.arange(jax.tree.leaves(stacked)[0].shape[0])
@@ -435,8 +455,9 @@ def task(cfg: GPTConfig, seq_len: int, documents: bool = False, loss_mask: bool 
         tokens_per_example=seq_len,
         stages=STAGES,
         name="gpt",
-        context_parallel=True,
-        draws_by_example=True,
+        # the probabilities' dropout needs the whole sequence (dropped_attention)
+        context_parallel=not cfg.attention_dropout,
+        draws_by_example=drops(cfg),
     )
 
 

@@ -8,7 +8,9 @@ with ``jax.lax.scan`` (compile time does not grow with depth).
 
 Attention runs through ``jax.nn.dot_product_attention``: cuDNN's fused kernel on a GPU
 (no [B, N, T, T] logits in memory, the masked half skipped), XLA's einsum + softmax
-elsewhere (see :func:`attention_implementation`).
+elsewhere (see :func:`attention_implementation`); where its probabilities drop out
+(``model.attention_dropout``), written out as XLA's (:func:`dropped_attention`), since
+that function has no dropout.
 """
 
 from __future__ import annotations
@@ -277,11 +279,13 @@ def dropped_attention(
     Raises:
       ConfigError: where the rules split the sequence (``mesh.context`` > 1).
     """
-    if sequence_axes():
+    axes = sequence_axes()
+    if axes:
+        whole = "mesh.context=1" if axes == ("context",) else "rules.seq=null"
         raise ConfigError(
             f"model.attention_dropout={noise.attention} drops attention probabilities over "
-            f"the whole sequence, which mesh axes {', '.join(sequence_axes())} split; set "
-            "model.attention_dropout=0 or leave the sequence whole (mesh.context=1)"
+            f"the whole sequence, which mesh axes {', '.join(axes)} split; set "
+            f"model.attention_dropout=0 or {whole}"
         )
     T = q.shape[1]
     logits = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32)

@@ -49,6 +49,13 @@ class AbstractModel:
         return tuple(k for k in self.state_kinds if k not in ("RngKey", "RngCount"))
 
 
+def state_per_shard(task: Task, model: AbstractModel) -> bool:
+    """Whether a data shard's step would make the model's state its own (so the step may
+    not accumulate per data shard): state besides RNG streams, or RNG streams that draw
+    over the batch's shape rather than by example (``Task.draws_by_example``)."""
+    return bool(model.beyond_rngs) or (model.stateful and not task.draws_by_example)
+
+
 def abstract_model(task: Task, seed: int = 0) -> AbstractModel:
     """The task's model as shapes and names (``nnx.eval_shape``: nothing is allocated)."""
     with nnx.use_eager_sharding(False):

@@ -244,8 +244,9 @@ def check_context(task: Task, rules: Rules, mesh: Mesh) -> tuple[str, ...]:
     if not task.context_parallel:
         raise LayoutError(
             f"{split}, but the attention of {name} does not run across a split sequence; "
-            f"{fix}, or give its attention jaxpar.attend with the tokens' positions and "
-            "declare Task(context_parallel=True) (docs/context.md)"
+            f"{fix}, or give a model of your own jaxpar.attend with the tokens' positions "
+            "and declare Task(context_parallel=True) (docs/context.md; a built-in family's "
+            "model.* settings may keep the sequence whole: docs/models.md)"
         )
     if task.tokens_per_example % ways:
         raise LayoutError(

@@ -24,7 +24,7 @@ from jaxpar.logical import Rules
 from jaxpar.pipeline.layout import Layout
 from jaxpar.pipeline.schedule import PipelineConfig
 from jaxpar.plan import checks
-from jaxpar.plan.abstract import AbstractModel
+from jaxpar.plan.abstract import AbstractModel, state_per_shard
 from jaxpar.plan.offload import on_host
 from jaxpar.plan.strategy import gather_once, gradient_strategy
 from jaxpar.plan.submesh import sub_mesh_layout
@@ -167,15 +167,9 @@ def one_program(given: Given, layout: Layout) -> Decided:
         opt_replicated=replicated,
         state_shardings=shardings,
         gradients=gradient_strategy(
-            given.loss, layout, shardings.params, pipelined, _per_shard_state(task, model)
+            given.loss, layout, shardings.params, pipelined, state_per_shard(task, model)
         ),
     )
-
-
-def _per_shard_state(task: Task, model: AbstractModel) -> bool:
-    """Whether a data shard's step would make the model's state its own: state besides RNG
-    streams, or RNG streams that draw over the batch's shape (not by example)."""
-    return bool(model.beyond_rngs) or (model.stateful and not task.draws_by_example)
 
 
 def _state_shardings(mesh: Mesh, param_specs: Any, opt_specs: Any, state_specs: Any) -> TrainState:
