@@ -171,7 +171,7 @@ def test_attention_dropout_across_the_context_axis_is_refused():
     layout = plain.plan.layout
     q = jnp.zeros((4, 16, 4, 8))
     noise = dropout.LayerNoise(jax.random.split(jax.random.key(0), 4), 0, 0.0, 0.1)
-    with layout.activation_rules(), pytest.raises(ConfigError, match="=0 or mesh.context=1"):
+    with layout.activation_rules(), pytest.raises(ConfigError, match=r"=0, or .*\(mesh.context=1"):
         jax.jit(lambda q: dropped_attention(q, q, q, True, None, noise))(q)
 
 

@@ -281,11 +281,10 @@ def dropped_attention(
     """
     axes = sequence_axes()
     if axes:
-        whole = "mesh.context=1" if axes == ("context",) else "rules.seq=null"
         raise ConfigError(
             f"model.attention_dropout={noise.attention} drops attention probabilities over "
             f"the whole sequence, which mesh axes {', '.join(axes)} split; set "
-            f"model.attention_dropout=0 or {whole}"
+            "model.attention_dropout=0, or split it over none (mesh.context=1, rules.seq=null)"
         )
     T = q.shape[1]
     logits = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32)
