@@ -639,7 +639,9 @@ def test_wait_warn_zero_never_warns(gpt_run):
     run, _, _ = _wrapped(gpt_run, 0.2, wait_warn=0.0)
     history, caught = _fit(run)
     assert caught == []
-    assert min(row["data_wait"] for row in history.rows[1:]) > 0.5  # it did wait
+    # it waited past the default data.wait_warn (0.1), which would have warned: the share
+    # itself (0.2 s of a step's 0.25-0.45 s) moves with the machine's load (0.44 in a CI)
+    assert min(row["data_wait"] for row in history.rows[1:]) > 0.1
 
 
 @pytest.mark.slow
