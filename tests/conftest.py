@@ -51,7 +51,12 @@ _OWN_CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _OWN_CACHE = os.path.join(tempfile.gettempdir(), f"jaxpar-test-compile-cache-{os.getpid()}")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# Only programs that took half a second or more to compile are written: a train step, not
+# the op-by-op programs of eager code. With a size limit JAX lists the whole directory and
+# reads every entry's access time on each write (`jax._src.lru_cache.LRUCache.put`), so
+# writing every tiny program made each write slower than the last: with 6,000 entries
+# present, `tests/test_ulysses.py`'s eager reference took 23 s where it takes 2.4 s.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 # A size limit makes JAX read and write entries under a file lock (filelock): without it a
 # process could read an entry another is still writing, and warn on stderr.
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 * 2**30))

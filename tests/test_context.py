@@ -90,7 +90,6 @@ def _layout(text: str) -> list[str]:
             for c in CASES
         ],
         {
-            "gpt-context=2-all_gather-balanced",
             "gpt-data=2,context=2,tensor=2-ring-in_order",
             "gpt-fsdp=2,context=4-all_gather-balanced",
             "rotary-context=8-ring-balanced",
@@ -137,6 +136,7 @@ def test_context_composes_with_stages_accumulation_and_remat(extra):
     assert_params_close(params, one[1], elementwise=False, rtol=1e-4)
 
 
+@pytest.mark.exhaustive  # the float32 ring equals one device in every suite
 def test_bfloat16_under_context_parallelism_tracks_one_device():
     """bf16 compute: ring attention merges its blocks in float32, so the losses stay within
     bf16 rounding of one device's."""
@@ -314,65 +314,69 @@ def test_a_run_trained_with_context_parallelism_samples_as_on_one_device(tmp_pat
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.fixture(scope="module")
-def lab_rows():
-    """Context layouts of a tiny GPT compiled once, with the lab's prediction."""
-    from jaxpar.lab import hardware, sweep
-    from tests.helpers import GPT_SMALL
-
-    config = jaxpar.load_config([], [*GPT_SMALL, "model.tie_embeddings=true"])
-    h100 = hardware.get_profile("h100")
-    layouts = [
-        "context=8",
+#: context layouts of a tiny GPT: each strategy, a pipeline of each executor (interleaved:
+#: each stage's two chunks run every microbatch, each its context collectives) in the suite
+LAB_LAYOUTS = grid(
+    [
+        pytest.param(x, id=x)
+        for x in (
+            "context=8",
+            "data=4,context=2",
+            "data=2,context=4,context.attention=ring",
+            "data=2,context=4,model.remat=full",
+            "fsdp=2,context=4",
+            "data=2,context=2,tensor=2,context.attention=ring",
+            "stage=2,context=4",
+            "stage=2,data=2,context=2,pipeline.executor=mpmd",
+            "stage=2,data=2,context=2,pipeline.executor=mpmd,pipeline.schedule=interleaved,"
+            "pipeline.virtual_stages=2,model.n_layers=4",
+        )
+    ],
+    {
         "data=4,context=2",
-        "data=2,context=4,context.attention=ring",
-        "data=2,context=4,model.remat=full",
-        "fsdp=2,context=4",
         "data=2,context=2,tensor=2,context.attention=ring",
         "stage=2,context=4",
-        "stage=2,data=2,context=2,pipeline.executor=mpmd",
-        # each stage's two chunks run every microbatch: each its context collectives
         "stage=2,data=2,context=2,pipeline.executor=mpmd,pipeline.schedule=interleaved,"
         "pipeline.virtual_stages=2,model.n_layers=4",
-    ]
-    return {layout: sweep.measure(config, layout, h100) for layout in layouts}
+    },
+)
 
 
-def test_the_lab_predicts_context_collectives(lab_rows):
+@pytest.mark.parametrize("layout", LAB_LAYOUTS)
+def test_the_lab_predicts_context_collectives(layout):
     """K/V all-gathers, dK/dV reduce-scatters and ring sends of every context layout equal
     the lab's terms to 1%, and so do the all-reduces (gradients; inside the spmd pipeline
     each tick sums its gradients over context) and the sends (the pipeline's carry a part of
     each sequence); the whole step's collective bytes are within 5% of the prediction."""
-    for layout, row in lab_rows.items():
-        assert row.ok, (layout, row.error)
     from jaxpar.config import apply_overrides
-    from jaxpar.lab import predict, sweep
+    from jaxpar.lab import hardware, predict, sweep
     from jaxpar.run import build
     from tests.helpers import GPT_SMALL
 
     config = jaxpar.load_config([], [*GPT_SMALL, "model.tie_embeddings=true"])
-    for layout, row in lab_rows.items():
-        run = build(apply_overrides(config, sweep.layout_overrides(layout)))
-        prediction = predict.predict_comm(run, "cpu")
-        predicted = {t.what: t.wire_bytes for t in prediction.terms}
-        kinds = prediction.by_kind()
-        if "ring" in layout:
-            ring = [
-                t.wire_bytes
-                for t in prediction.terms
-                if t.kind == "collective-permute" and t.what.startswith("context:")
-            ]
-            assert len(ring) == 3, layout
-            assert row.collective_permute_bytes == pytest.approx(sum(ring), rel=0.01), layout
-        else:
-            assert row.reduce_scatter_bytes == pytest.approx(
-                predicted["context: dK and dV reduce-scattered"], rel=0.01
-            ), layout
-        assert row.collective_permute_bytes == pytest.approx(
-            kinds.get("collective-permute", 0), rel=0.01
+    row = sweep.measure(config, layout, hardware.get_profile("h100"))
+    assert row.ok, (layout, row.error)
+    run = build(apply_overrides(config, sweep.layout_overrides(layout)))
+    prediction = predict.predict_comm(run, "cpu")
+    predicted = {t.what: t.wire_bytes for t in prediction.terms}
+    kinds = prediction.by_kind()
+    if "ring" in layout:
+        ring = [
+            t.wire_bytes
+            for t in prediction.terms
+            if t.kind == "collective-permute" and t.what.startswith("context:")
+        ]
+        assert len(ring) == 3, layout
+        assert row.collective_permute_bytes == pytest.approx(sum(ring), rel=0.01), layout
+    else:
+        assert row.reduce_scatter_bytes == pytest.approx(
+            predicted["context: dK and dV reduce-scattered"], rel=0.01
         ), layout
-        assert row.all_reduce_bytes == pytest.approx(kinds["all-reduce"], rel=0.01), layout
-        assert row.comm_ratio == pytest.approx(1.0, abs=0.05), layout
+    assert row.collective_permute_bytes == pytest.approx(
+        kinds.get("collective-permute", 0), rel=0.01
+    ), layout
+    assert row.all_reduce_bytes == pytest.approx(kinds["all-reduce"], rel=0.01), layout
+    assert row.comm_ratio == pytest.approx(1.0, abs=0.05), layout
 
 
 def test_sweep_and_plan_offer_context_layouts():

@@ -79,7 +79,13 @@ def test_gpt_gradients_match_single_device_elementwise():
             )
 
 
-@pytest.mark.parametrize("layout", ["fsdp=8", "data=2,fsdp=2,tensor=2"])
+@pytest.mark.parametrize(
+    "layout",
+    grid(
+        [pytest.param(x, id=x) for x in ("fsdp=8", "data=2,fsdp=2,tensor=2")],
+        {"data=2,fsdp=2,tensor=2"},
+    ),
+)
 def test_gpt_adamw_matches_single_device(layout):
     """AdamW: the loss trajectory agrees to rtol 1e-5. Parameters are compared per tensor
     at 1e-4: Adam divides each gradient element by its own running magnitude, which for

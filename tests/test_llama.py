@@ -146,14 +146,18 @@ def test_bad_shapes_are_one_line():
         jaxpar.load_config([], ["model.name=llama", "model.rope_factor=8"])
 
 
-def test_the_lab_predicts_llama_collectives():
+@pytest.mark.parametrize(
+    "layout",
+    grid(
+        [pytest.param(x, id=x) for x in ("data=8", "data=4,tensor=2", "data=2,fsdp=2,tensor=2")],
+        {"data=2,fsdp=2,tensor=2"},
+    ),
+)
+def test_the_lab_predicts_llama_collectives(layout):
     """Under tensor parallelism the Llama's backward all-reduces five input gradients a
     layer (q, k, v, gate, up): the step's collective bytes equal the lab's prediction (2%)."""
     from jaxpar.lab import hardware, sweep
 
-    config = jaxpar.load_config([], LLAMA)
-    h100 = hardware.get_profile("h100")
-    for layout in ("data=8", "data=4,tensor=2", "data=2,fsdp=2,tensor=2"):
-        row = sweep.measure(config, layout, h100)
-        assert row.ok, row.error
-        assert row.comm_ratio == pytest.approx(1.0, abs=0.02), layout
+    row = sweep.measure(jaxpar.load_config([], LLAMA), layout, hardware.get_profile("h100"))
+    assert row.ok, row.error
+    assert row.comm_ratio == pytest.approx(1.0, abs=0.02), layout

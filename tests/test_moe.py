@@ -142,7 +142,7 @@ def test_a_capacity_factor_drops_exactly_the_assignments_beyond_it():
                 id="expert4-context2-ring",
             ),
         ],
-        {"data8", "expert2-fsdp2-tensor2", "expert4-context2-ring"},
+        {"expert2-fsdp2-tensor2", "expert4-context2-ring"},
     ),
 )
 def test_moe_layouts_equal_one_device(layout):
@@ -303,58 +303,60 @@ def test_the_lab_predicts_the_expert_dispatch():
         assert row.reduce_scatter_bytes > 0 and row.comm_ratio == pytest.approx(1, abs=0.01)
 
 
-@pytest.fixture(scope="module")
-def lab_rows():
-    """MoE layouts under tensor parallelism and in pipelines, compiled once, with the lab's
-    prediction for XLA:CPU."""
-    from jaxpar.config import apply_overrides
-    from jaxpar.lab import hardware, predict, sweep
-    from jaxpar.run import build
-
-    config = jaxpar.load_config([], MOE)
-    h100 = hardware.get_profile("h100")
-    layouts = [
+#: MoE layouts under tensor parallelism and in pipelines: experts over data beside tensor,
+#: and each executor's pipeline in the suite; the rest in the extended tier
+LAB_LAYOUTS = grid(
+    [
+        pytest.param(x, id=x)
+        for x in (
+            "data=4,tensor=2,rules.experts=data",
+            "data=2,fsdp=2,tensor=2,model.n_shared_experts=0,model.remat=full",
+            "stage=2,data=4,rules.experts=data",
+            "stage=2,data=4,rules.experts=data,pipeline.executor=mpmd",
+            "stage=2,data=4,rules.experts=data,pipeline.executor=mpmd,pipeline.backward=residuals",
+        )
+    ],
+    {
         "data=4,tensor=2,rules.experts=data",
-        "data=2,fsdp=2,tensor=2,model.n_shared_experts=0,model.remat=full",
         "stage=2,data=4,rules.experts=data",
         "stage=2,data=4,rules.experts=data,pipeline.executor=mpmd",
-        "stage=2,data=4,rules.experts=data,pipeline.executor=mpmd,pipeline.backward=residuals",
-    ]
-    return {
-        layout: (
-            sweep.measure(config, layout, h100),
-            predict.predict_comm(
-                build(apply_overrides(config, sweep.layout_overrides(layout))), "cpu"
-            ),
-        )
-        for layout in layouts
-    }
+    },
+)
 
 
-def test_the_lab_predicts_experts_under_tensor_and_in_pipelines(lab_rows):
+@pytest.mark.parametrize("layout", LAB_LAYOUTS)
+def test_the_lab_predicts_experts_under_tensor_and_in_pipelines(layout):
     """Under ``tensor`` (experts over data, and not, without shared experts and
     rematerialized) the MoE layers' all-reduces of their routed rows [b·e·T·k, D] — the down
     projection's outputs, the gate and up projections' input gradients — make the
     all-reduces equal the lab's (1%); in the spmd pipeline the experts are gathered as
     FSDP's weights, in the sub-mesh pipeline each program dispatches its chunk's share:
     gathers and reduce-scatters equal (1%); every step's collective bytes within 5%."""
-    for layout, (row, prediction) in lab_rows.items():
-        assert row.ok, (layout, row.error)
-        kinds, what = prediction.by_kind(), {t.what for t in prediction.terms}
-        if "tensor" in layout:
-            assert {
-                "experts: routed outputs all-reduced over tensor",
-                "experts: routed input gradients all-reduced over tensor",
-            } <= what
-            assert row.all_reduce_bytes == pytest.approx(kinds["all-reduce"], rel=0.01), layout
-        else:
-            assert row.all_gather_bytes == pytest.approx(kinds["all-gather"], rel=0.01), layout
-            assert row.reduce_scatter_bytes == pytest.approx(
-                kinds.get("reduce-scatter", 0), rel=0.01
-            ), layout
-        if "mpmd" in layout:
-            assert "experts: tokens and routing gathered" in what
-        assert row.comm_ratio == pytest.approx(1.0, abs=0.05), layout
+    from jaxpar.config import apply_overrides
+    from jaxpar.lab import hardware, predict, sweep
+    from jaxpar.run import build
+
+    config = jaxpar.load_config([], MOE)
+    row = sweep.measure(config, layout, hardware.get_profile("h100"))
+    assert row.ok, (layout, row.error)
+    prediction = predict.predict_comm(
+        build(apply_overrides(config, sweep.layout_overrides(layout))), "cpu"
+    )
+    kinds, what = prediction.by_kind(), {t.what for t in prediction.terms}
+    if "tensor" in layout:
+        assert {
+            "experts: routed outputs all-reduced over tensor",
+            "experts: routed input gradients all-reduced over tensor",
+        } <= what
+        assert row.all_reduce_bytes == pytest.approx(kinds["all-reduce"], rel=0.01), layout
+    else:
+        assert row.all_gather_bytes == pytest.approx(kinds["all-gather"], rel=0.01), layout
+        assert row.reduce_scatter_bytes == pytest.approx(
+            kinds.get("reduce-scatter", 0), rel=0.01
+        ), layout
+    if "mpmd" in layout:
+        assert "experts: tokens and routing gathered" in what
+    assert row.comm_ratio == pytest.approx(1.0, abs=0.05), layout
 
 
 def test_sweep_all_adds_expert_parallel_layouts():

@@ -241,7 +241,7 @@ def test_train_step_matches_unpipelined(schedule, p):
             pytest.param(s, v, id=f"{s}-{v}")
             for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb_h1", 1))
         ],
-        {"1f1b-1", "zb_h1-1"},
+        {"zb_h1-1"},
     ),
 )
 def test_bubbles_filled_with_nan_change_nothing(schedule, v):
@@ -456,7 +456,10 @@ BERT = [
             "pipeline.schedule=interleaved",
             "pipeline.virtual_stages=2",
         ],
-        ["mesh.data=2", "mesh.stage=4", "pipeline.schedule=zb_h1"],
+        pytest.param(
+            ["mesh.data=2", "mesh.stage=4", "pipeline.schedule=zb_h1"],
+            marks=pytest.mark.exhaustive,
+        ),
     ],
     ids=["interleaved", "zb_h1"],
 )

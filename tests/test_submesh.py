@@ -372,7 +372,7 @@ GPT = [
                 id="interleaved-2-layers-a-chunk",
             ),
         ],
-        {"data2-tensor2", "interleaved"},
+        {"data2-tensor2"},
     ),
 )
 def test_gpt_under_both_executors_equals_one_device(layout):

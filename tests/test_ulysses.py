@@ -164,7 +164,7 @@ def test_attention_alone_equals_one_device(mesh_shape, kv_heads, window, documen
         return None if x is None else jnp.take(x, jnp.asarray(pos), axis=1)
 
     args = (taken(q), taken(k), taken(v), taken(segments))
-    want = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(*args)
+    want = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(*args)  # no rules: one device
     options = ContextConfig(attention="ulysses", balance=balance)
     with activation_rules(mesh, RULES, options):
         got = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(*args)
