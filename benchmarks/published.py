@@ -67,7 +67,7 @@ GPT_KEYS = ["model.name=gpt", "model.positions=learned", "model.tie_embeddings=t
 GPT_KEYS += ["model.attn_bias=true"]  # Megatron's linear layers have biases (Eq. (2))
 LLAMA_KEYS = ["model.name=llama", "model.tie_embeddings=false"]
 #: Megatron's and MaxText's recomputation → the closest model.remat (null: none stated)
-REMAT = {"full": "full", "selective": "save_matmuls", None: "none"}
+REMAT = {"full": "full", "selective": "save_matmuls_context", None: "none"}
 #: the source's attention → model.attention: the [s, s] scores materialized (XLA's
 #: attention, whose scores the estimate's other kernels read and write) or a fused kernel
 #: that keeps none (cuDNN's flash attention where it runs)

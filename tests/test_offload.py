@@ -41,7 +41,7 @@ MESHES = {
     "data8": ["mesh.data=8"],
     "data2-fsdp2-tensor2": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
 }
-NEW_REMAT = ["save_qkv", "save_out", "save_matmuls", "offload"]
+NEW_REMAT = ["save_qkv", "save_out", "save_matmuls", "save_matmuls_context", "offload"]
 
 
 def test_every_remat_choice_has_a_policy():

@@ -61,6 +61,7 @@ WITHIN = [
     "megatron_sc21_table2_ptd_174p6b_384gpu",
     "megatron_sc21_table2_ptd_529p6b_560gpu",
     "maxtext_a3_llama2_7b_1vm",
+    "maxtext_a3_llama2_7b_4vm",
     "nemo_24p07_llama2_7b_fp8_8xh100",
 ]
 GOAL = (0.8, 1.2)
@@ -68,8 +69,7 @@ GOAL = (0.8, 1.2)
 OUTSIDE = {
     "megatron_sc21_table1_7p5b": (1.2, 1.3),
     # over A3 VMs' network the gradient all-reduce is hidden: flat where MaxText fell
-    "maxtext_a3_llama2_7b_2vm": (1.2, 1.3),
-    "maxtext_a3_llama2_7b_16vm": (1.3, 1.5),
+    "maxtext_a3_llama2_7b_16vm": (1.2, 1.35),
     "megatron_sc21_table2_zero3_174p6b_384gpu": (1.7, 2.1),
 }
 
@@ -258,6 +258,16 @@ def test_prediction_outside_the_goal_lies_in_todays_band(results, name):
     assert not res.error, res.error
     low, high = OUTSIDE[name]
     assert low <= res.ratio <= high, (name, res.ratio)
+
+
+@pytest.mark.parametrize("name", ["maxtext_a3_llama2_7b_1vm", "maxtext_a3_llama2_7b_4vm"])
+def test_a_run_that_was_made_fits(results, name):
+    """MaxText trained Llama 2 7B at 4 sequences of 4,096 a GPU on 80 GB H100s, saving
+    its matmuls' and attention's outputs (``remat_policy=minimal_flash``): jaxpar's
+    ``model.remat=save_matmuls_context`` is estimated to fit (it was estimated as no
+    recomputation, 192 GB, before the saving policies were counted)."""
+    res = results[name]
+    assert res.fits is True and 50 < res.mem_gb < 80, (res.fits, res.mem_gb)
 
 
 def test_the_markdown_table_has_a_row_per_entry(results):

@@ -60,7 +60,12 @@ class Kept:
     layer's are freed as its gradients are made, where a scan of groups of layers holds
     a group's); and the share a stack of one layer holds (``alone``: XLA removes a loop of
     one trip, and with the layer's forward and backward in one computation recomputes
-    cheap elementwise results in the backward rather than keep them)."""
+    cheap elementwise results in the backward rather than keep them); and the multiples of
+    ``D`` a layer keeps beside its input and the values a saving policy names (``saved``:
+    ``save_qkv``, ``save_out``, ``save_matmuls``, ``save_dots``; measured per layer as the
+    other counts: none for GPT and the Llama, 3 for Gemma's norms); and whether the
+    backward reads the MLP's output (``mlp_out``, 1: a norm after the MLP), so that a
+    policy naming it keeps it and a recomputation runs it again."""
 
     replicated: float
     attention: float
@@ -70,11 +75,40 @@ class Kept:
     head: float
     recompute: float = 1.0
     alone: float = 1.0
+    saved: float = 0.0
+    mlp_out: float = 0.0
 
 
-def activation_bytes(cfg: Any, layout: LabLayout, kept: Kept, fused_attention: bool) -> float:
+#: a layer's forward matmuls, in :func:`transformer_matmuls`' order
+LAYER_MATMULS = ("qkv", "out", "mlp_in", "mlp_out", "scores", "values")
+#: the layer's matmul outputs the backward finds without recomputing them under each
+#: ``model.remat`` (:data:`jaxpar.models.transformer.REMAT_POLICIES`): all without remat;
+#: the named projections' under the saving policies (``offload``'s on the host), and
+#: attention's weighted values (its output) under ``save_matmuls_context``; every dot's
+#: under ``save_dots``, attention's scores and weighted values included
+SAVED = {
+    "none": LAYER_MATMULS,
+    "full": (),
+    "save_qkv": ("qkv",),
+    "save_out": ("out", "mlp_out"),
+    "save_matmuls": ("qkv", "out", "mlp_in", "mlp_out"),
+    "save_matmuls_context": ("qkv", "out", "mlp_in", "mlp_out", "values"),
+    "offload": ("qkv", "out", "mlp_in", "mlp_out"),
+    "save_dots": LAYER_MATMULS,
+}
+
+
+def remat_of(cfg: Any) -> str:
+    """The config's ``model.remat`` (``none`` for a model without one)."""
+    return getattr(cfg, "remat", "none")
+
+
+def activation_bytes(
+    cfg: Any, layout: LabLayout, kept: Kept, fused_attention: bool, gated: bool = False
+) -> float:
     """Bytes of the activations one device holds at the peak of a step (the module
-    docstring); ``fused_attention``: a kernel recomputes the scores (none kept)."""
+    docstring); ``fused_attention``: a kernel recomputes the scores (none kept); under a
+    saving ``model.remat``, what :func:`saved_layer_bytes` counts a layer."""
     layer = layer_bytes(cfg, layout, kept, fused_attention)
     layers = layers_per_chunk(cfg, layout)
     head = head_bytes(cfg, layout, kept)
@@ -88,9 +122,42 @@ def activation_bytes(cfg: Any, layout: LabLayout, kept: Kept, fused_attention: b
         # a pipeline's backward recomputes its chunk from the chunk's input: a device keeps
         # one input per microbatch in flight, and one chunk's layers while recomputing
         return layout.in_flight * block_input + layers * stacked + head
-    if getattr(cfg, "remat", "none") == "full":
+    policy = remat_of(cfg)
+    if policy in ("full", "offload"):  # offload's saved values live on the host
         return layers * layout.in_flight * block_input * kept.remat + head + layer * kept.recompute
+    if policy != "none":  # and while a layer is recomputed, what it did not keep
+        saved = saved_layer_bytes(cfg, layout, kept, fused_attention, gated)
+        return layers * layout.in_flight * saved + head + (layer - saved) * kept.recompute
     return layers * layout.in_flight * stacked + head
+
+
+def saved_layer_bytes(
+    cfg: Any, layout: LabLayout, kept: Kept, fused_attention: bool, gated: bool
+) -> float:
+    """Bytes one layer keeps for one microbatch on one device under a saving
+    ``model.remat``: its input and :attr:`Kept.saved` more widths of ``D``, and the outputs
+    the policy names (:data:`SAVED`): q, k and v's, the attention and MLP outputs (``D``,
+    split as the stream; the MLP's only where the backward reads it,
+    :attr:`Kept.mlp_out`), the MLP's first (a gated one's two widths), and under
+    ``save_dots`` attention's weighted values and scores (none where a fused kernel
+    computes them). Against the compiled programs' bytes a layer (gpt_tiny, llama_tiny and
+    gemma_tiny at 4 and 8 layers, ``data=8``, less the layer's gradients): equal to 4%
+    under ``save_qkv``, ``save_matmuls`` and ``save_dots``; under ``save_out`` 18–44% short
+    for GPT and the Llama (XLA keeps more than the two outputs there)."""
+    t, t_sp = layout.sizes[Axis.TENSOR], _sequence_parallel(layout)
+    s, keys, _ = _tokens(layout)
+    b, names = microbatch_rows(layout), SAVED[remat_of(cfg)]
+    widths = {
+        "qkv": q_k_v_width(cfg) / t,
+        "out": cfg.d_model / t_sp,
+        "mlp_in": cfg.d_ff * (2 if gated else 1) / t,
+        "mlp_out": cfg.d_model / t_sp * kept.mlp_out,
+        "values": cfg.n_heads * head_dim(cfg) / t,
+        "scores": 0.0,
+    }
+    width = cfg.d_model * (1 + kept.saved) / t_sp + sum(widths[n] for n in names)
+    scores = "scores" in names and not fused_attention
+    return activation_itemsize(cfg, layout) * b * (s * width + scores * cfg.n_heads * s * keys / t)
 
 
 #: HBM passes over each byte a layer keeps, for the bytes its kernels other than matmuls
@@ -104,9 +171,7 @@ FORWARD_PASSES, BACKWARD_PASSES, RECOMPUTE_PASSES = 2, 3, 2
 def elementwise_bytes(cfg: Any, layout: LabLayout, kept: Kept, fused_attention: bool) -> float:
     """HBM bytes one device's kernels other than matmuls move in a step: the passes over
     each byte its layers and head keep (:data:`FORWARD_PASSES` …), every microbatch."""
-    recompute = getattr(cfg, "remat", "none") == "full" or (
-        layout.stages is not None and not layout.residuals
-    )
+    recompute = remat_of(cfg) != "none" or (layout.stages is not None and not layout.residuals)
     passes = FORWARD_PASSES + BACKWARD_PASSES + RECOMPUTE_PASSES * recompute
     layers = cfg.n_layers / layout.sizes[Axis.STAGE]
     layer = layer_bytes(cfg, layout, kept, fused_attention)
@@ -143,13 +208,19 @@ def transformer_matmuls(cfg: Any, layout: LabLayout, gated: bool) -> list[Matmul
     ]
 
 
-def recomputed_share(cfg: Any, layout: LabLayout, gated: bool) -> float:
-    """The share of a layer's forward FLOPs a recomputation runs again: all but its last
-    matmul, the MLP's output projection, whose output the backward does not read (XLA
-    leaves it out: gpt_tiny's recomputing backward measured 2.72 forwards, its MLP output
-    25% of a layer's)."""
+def recomputed_share(
+    cfg: Any, layout: LabLayout, gated: bool, policy: str = "full", reads_mlp_out: bool = False
+) -> float:
+    """The share of a layer's forward FLOPs a recomputation under ``policy`` runs again:
+    every matmul whose output it does not keep (:data:`SAVED`) but the MLP's output
+    projection where the backward does not read its output (``reads_mlp_out``: Gemma's
+    does; elsewhere XLA leaves it out: gpt_tiny's recomputing backward measured 2.72
+    forwards, its MLP output 25% of a layer's). The compiled FLOPs of gpt_tiny and
+    llama_tiny under every policy, and gemma_tiny's, are the estimate's to 0.3%."""
     *layer, _head = transformer_matmuls(cfg, layout, gated)
-    return 1 - layer[3].flops / sum(m.flops for m in layer)
+    saved = {*SAVED[policy], *(("mlp_out",) if not reads_mlp_out else ())}
+    again = sum(m.flops for m, name in zip(layer, LAYER_MATMULS) if name not in saved)
+    return again / sum(m.flops for m in layer)
 
 
 def unsplit_kv_flops(cfg: Any, layout: LabLayout) -> float:

@@ -16,8 +16,9 @@ adds is estimated from the model's shape:
     on top), bubbles free, as the compiled step is read; the sub-mesh executor's critical
     path (:func:`pipeline_factor`);
   - recomputation: ``model.remat=full`` runs the stacked layers' forward again, but for
-    what the backward does not read (:meth:`~jaxpar.lab.terms.LabModel.recomputed_share`
-    of a third of their share of the FLOPs: :func:`layer_share`).
+    what the backward does not read, and a saving policy what it does not keep
+    (:meth:`~jaxpar.lab.terms.LabModel.recomputed_share` of a third of their share of the
+    FLOPs: :func:`layer_share`).
 * **Memory**: the step's arguments (state shards and batch shards, from the shardings:
   exact), its outputs (the donated state), and the activations the family's lab module
   estimates (:meth:`jaxpar.lab.terms.LabModel.activation_bytes`; none for a model
@@ -69,8 +70,9 @@ def flops_per_device(run: Run, asynchronous: bool = False) -> float | None:
     # and what a device computes beyond its share (weights held whole)
     flops += lab.unsplit_flops(run.config.model, layout)
     flops *= pipeline_stretch(run, asynchronous)
-    if getattr(run.config.model, "remat", "none") == "full":
-        again = lab.recomputed_share(run.config.model, layout)
+    policy = getattr(run.config.model, "remat", "none")
+    if policy != "none":
+        again = lab.recomputed_share(run.config.model, layout, policy)
         flops *= 1 + layer_share(run) * again / 3
     return flops
 

@@ -174,9 +174,10 @@ class LabModel:
         FLOPs run at the profile's achievable rate whatever their shapes)."""
         return []
 
-    def recomputed_share(self, cfg: Any, layout: LabLayout) -> float:
-        """The share of a layer's forward FLOPs that recomputing it for the backward runs
-        again (1: all of it, where the family does not say)."""
+    def recomputed_share(self, cfg: Any, layout: LabLayout, policy: str = "full") -> float:
+        """The share of a layer's forward FLOPs that recomputing it for the backward under
+        the ``model.remat`` ``policy`` runs again (1: all of it, where the family does not
+        say)."""
         return 1.0
 
     def unsplit_flops(self, cfg: Any, layout: LabLayout) -> float:

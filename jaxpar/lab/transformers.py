@@ -79,17 +79,18 @@ class TransformerLab(LabModel):
     def activation_bytes(self, cfg: Any, layout: LabLayout) -> float | None:
         if getattr(cfg, "n_experts", 0):  # routed tokens: not counted yet
             return None
-        return activation_bytes(cfg, layout, self._kept(cfg, layout), _flash(cfg, layout))
+        kept = self._kept(cfg, layout)
+        return activation_bytes(cfg, layout, kept, _flash(cfg, layout), self.gated)
 
     def matmuls(self, cfg: Any, layout: LabLayout) -> list[Matmul]:
         if getattr(cfg, "n_experts", 0):
             return []
         return transformer_matmuls(cfg, layout, self.gated)
 
-    def recomputed_share(self, cfg: Any, layout: LabLayout) -> float:
+    def recomputed_share(self, cfg: Any, layout: LabLayout, policy: str = "full") -> float:
         if getattr(cfg, "n_experts", 0):
             return 1.0
-        return recomputed_share(cfg, layout, self.gated)
+        return recomputed_share(cfg, layout, self.gated, policy, bool(self.kept.mlp_out))
 
     def unsplit_flops(self, cfg: Any, layout: LabLayout) -> float:
         return unsplit_kv_flops(cfg, layout)
@@ -152,7 +153,17 @@ class GemmaLab(TransformerLab):
     #: Gemma's four norms a layer and GeGLU (counted as GPT's are); under remat its scan of
     #: groups of the local/global pattern holds a group being recomputed (gemma_tiny: 85.5
     #: widths, 1.25 layers' kept bytes, at 4 and 8 layers)
-    kept = Kept(replicated=19, attention=4, mlp=11, scores=2, remat=1, head=2, recompute=1.25)
+    kept = Kept(
+        replicated=19,
+        attention=4,
+        mlp=11,
+        scores=2,
+        remat=1,
+        head=2,
+        recompute=1.25,
+        saved=3,
+        mlp_out=1,
+    )
     #: and keeps a copy of the stacked layers' weights beside their gradients (one layer's
     #: parameter bytes more per layer, at every batch size: measured)
     remat_layer_copies = 1

@@ -20,7 +20,16 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxpar.logical import constrain
 from jaxpar.models import fp8
 from jaxpar.models.rope import inv_frequencies
-from jaxpar.models.transformer import ATTN_OUT, QKV, const, param, project, rms_norm, rotary
+from jaxpar.models.transformer import (
+    ATTN_OUT,
+    CONTEXT,
+    QKV,
+    const,
+    param,
+    project,
+    rms_norm,
+    rotary,
+)
 
 #: Every attention parameter a layer may have (a model holds those its switches ask for).
 ATTENTION = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "bq", "bk", "bv", "q_norm", "k_norm")
@@ -89,7 +98,7 @@ def qkv(
 
 def out(o_BTNH: jax.Array, p: dict[str, jax.Array], precision: str = "default") -> jax.Array:
     """The output projection back to [B, T, D] (in ``precision``)."""
-    o_BTNH = constrain(o_BTNH, ("batch", "seq", "heads", "kv"))
+    o_BTNH = checkpoint_name(constrain(o_BTNH, ("batch", "seq", "heads", "kv")), CONTEXT)
     names = ("heads", "kv", "embed")
     o_BTD = project("btnh,nhd->btd", o_BTNH, p["wo"], names, precision, fp8.history(p, "wo"))
     return checkpoint_name(o_BTD, ATTN_OUT)

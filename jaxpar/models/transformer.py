@@ -50,13 +50,24 @@ Attention = Literal["auto", "xla", "cudnn"]
 
 
 #: ``model.remat`` values: what a block recomputes in the backward pass (:data:`REMAT_POLICIES`)
-Remat = Literal["none", "full", "save_dots", "save_qkv", "save_out", "save_matmuls", "offload"]
+Remat = Literal[
+    "none",
+    "full",
+    "save_dots",
+    "save_qkv",
+    "save_out",
+    "save_matmuls",
+    "save_matmuls_context",
+    "offload",
+]
 
 #: The names a block gives its projections' outputs (``jax.ad_checkpoint.checkpoint_name``),
 #: which the named ``model.remat`` policies save or offload: q, k and v (before norms and
 #: rotation), the attention output projection, the MLP's input projections (before the
-#: activation) and its output projection.
+#: activation) and its output projection; and attention's output, the heads' weighted
+#: values before the output projection (``CONTEXT``, MaxText's "context").
 QKV, ATTN_OUT, MLP_IN, MLP_OUT = "qkv", "attn_out", "mlp_in", "mlp_out"
+CONTEXT = "attn_context"
 
 
 def check_heads(cfg: Any, rotary: bool = False) -> None:
@@ -338,7 +349,7 @@ def attention_out(
     o_BTNH: jax.Array, p: dict[str, jax.Array], precision: str = "default"
 ) -> jax.Array:
     """The output projection [B, T, D] of the heads' outputs."""
-    o_BTNH = constrain(o_BTNH, ("batch", "seq", "heads", "kv"))
+    o_BTNH = checkpoint_name(constrain(o_BTNH, ("batch", "seq", "heads", "kv")), CONTEXT)
     names = ("heads", "kv", "embed")
     out_BTD = project("btnh,nhd->btd", o_BTNH, p["wo"], names, precision, fp8.history(p, "wo"))
     return checkpoint_name(out_BTD + p["bo"] if "bo" in p else out_BTD, ATTN_OUT)
@@ -400,6 +411,9 @@ REMAT_POLICIES = {
     "save_out": _policies.save_only_these_names(ATTN_OUT, MLP_OUT),
     # the four projections' outputs, not attention's logits (minimal)
     "save_matmuls": _policies.save_only_these_names(*_MATMULS),
+    # and attention's output: the backward runs no attention forward again, only the
+    # scores' under attention written out (minimal_with_context, minimal_flash)
+    "save_matmuls_context": _policies.save_only_these_names(*_MATMULS, CONTEXT),
     # the same moved to the host's pinned memory in the forward and back for the
     # backward: device memory of "full", recompute of "save_matmuls" (minimal_offloaded)
     "offload": _policies.save_and_offload_only_these_names(
