@@ -36,7 +36,7 @@ everywhere). Megatron's 2021 attention, which writes the [s, s] scores and reads
 kernels are ``auto`` (cuDNN's flash attention on a GPU); Megatron's dropout (0.1 of the
 hidden states and of the attention probabilities, its 2021 defaults) is ``model.dropout``
 and ``model.attention_dropout``. MaxText's ``minimal_flash``
-(weight-matmul outputs and the attention output saved) is ``save_matmuls``. Sets of
+(weight-matmul outputs and the attention output saved) is ``save_matmuls_context``. Sets of
 entries that compare layouts of one model (equal GPUs; one scheme over GPU counts) are
 checked for whether the predicted order matches the published one, and the figures'
 sweeps (no numbers published) against the paper's stated outcome. Results and their

@@ -136,7 +136,6 @@ def test_context_composes_with_stages_accumulation_and_remat(extra):
     assert_params_close(params, one[1], elementwise=False, rtol=1e-4)
 
 
-@pytest.mark.exhaustive  # the float32 ring equals one device in every suite
 def test_bfloat16_under_context_parallelism_tracks_one_device():
     """bf16 compute: ring attention merges its blocks in float32, so the losses stay within
     bf16 rounding of one device's."""

@@ -144,7 +144,7 @@ def _dot(inst, matmuls: set[str]) -> bool:
                 ("llama", "data=4,tensor=2"),
             )
         ],
-        {"gpt-data=2,tensor=4,model.remat=full"},
+        {"gpt-data=2,tensor=4,model.remat=full", "llama-data=4,tensor=2"},
     ),
 )
 def test_the_lab_predicts_the_sends_and_hides_them(model, layout):

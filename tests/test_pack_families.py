@@ -182,6 +182,7 @@ LAYOUTS = [  # (family, layout)
         [pytest.param(*c, id=f"{c[0]}-{c[1]}") for c in LAYOUTS],
         {
             "gemma3-one device",
+            "gemma3-mesh.context=4,context.attention=ring",
             "gemma3-mesh.stage=2,mesh.context=2,pipeline.microbatches=2",
             "gemma2-one device",
             "gemma2-mesh.context=2,context.attention=all_gather",

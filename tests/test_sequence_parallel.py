@@ -240,7 +240,8 @@ def test_activation_memory_per_layer_follows_the_formula(t):
 
 _LLAMA_KV4 = [*LLAMA, "model.n_kv_heads=4", "model.n_layers=2"]
 #: sequence-parallel layouts of GPT and Llama: (model overrides, layout); the suite runs
-#: each model once beside data, fsdp and context, and the sub-mesh pipeline
+#: each model once beside data, fsdp and context, GPT's under remat (its repeated
+#: all-reduces) and the sub-mesh pipeline
 LAB_CASES = {
     "gpt data=4,tensor=2": (GPT_SMALL, f"data=4,tensor=2,{SP}"),
     "gpt data=2,tensor=4": (GPT_SMALL, f"data=2,tensor=4,{SP}"),
@@ -257,7 +258,13 @@ LAB_CASES = {
     "name",
     grid(
         [pytest.param(name, id=name) for name in LAB_CASES],
-        {"gpt context", "gpt accumulation", "llama data=2,fsdp=2,tensor=2", "gpt mpmd pipeline"},
+        {
+            "gpt remat",
+            "gpt context",
+            "gpt accumulation",
+            "llama data=2,fsdp=2,tensor=2",
+            "gpt mpmd pipeline",
+        },
     ),
 )
 def test_the_lab_predicts_sequence_parallel_collectives(name):

@@ -88,7 +88,7 @@ class TransformerLab(LabModel):
         return transformer_matmuls(cfg, layout, self.gated)
 
     def recomputed_share(self, cfg: Any, layout: LabLayout, policy: str = "full") -> float:
-        if getattr(cfg, "n_experts", 0):
+        if getattr(cfg, "n_experts", 0) and policy == "full":  # routed matmuls: not counted
             return 1.0
         return recomputed_share(cfg, layout, self.gated, policy, bool(self.kept.mlp_out))
 

@@ -411,8 +411,9 @@ REMAT_POLICIES = {
     "save_out": _policies.save_only_these_names(ATTN_OUT, MLP_OUT),
     # the four projections' outputs, not attention's logits (minimal)
     "save_matmuls": _policies.save_only_these_names(*_MATMULS),
-    # and attention's output: the backward runs no attention forward again, only the
-    # scores' under attention written out (minimal_with_context, minimal_flash)
+    # and attention's output: the backward needs no attention output again; written out,
+    # it runs the scores' product again (minimal_with_context, minimal_flash; a fused
+    # kernel's own saved statistics are not named, and are not checked without a GPU)
     "save_matmuls_context": _policies.save_only_these_names(*_MATMULS, CONTEXT),
     # the same moved to the host's pinned memory in the forward and back for the
     # backward: device memory of "full", recompute of "save_matmuls" (minimal_offloaded)
