@@ -39,6 +39,7 @@ from jaxpar.axes import Axis
 from jaxpar.config import Config, apply_overrides
 from jaxpar.data import Data, load_data
 from jaxpar.errors import JaxparError, LayoutError
+from jaxpar.lab.activations import remat_of
 from jaxpar.lab.executor_memory import one_program_buffers
 from jaxpar.lab.families import lab_for
 from jaxpar.lab.hardware import Hardware, roofline
@@ -70,7 +71,7 @@ def flops_per_device(run: Run, asynchronous: bool = False) -> float | None:
     # and what a device computes beyond its share (weights held whole)
     flops += lab.unsplit_flops(run.config.model, layout)
     flops *= pipeline_stretch(run, asynchronous)
-    policy = getattr(run.config.model, "remat", "none")
+    policy = remat_of(run.config.model)
     if policy != "none":
         again = lab.recomputed_share(run.config.model, layout, policy)
         flops *= 1 + layer_share(run) * again / 3
@@ -120,7 +121,7 @@ def _temporaries(run: Run, cpu: bool, sub_mesh: bool, params: int) -> int | None
     accumulated = params if run.plan.grad_accum > 1 else 0
     held = None if sub_mesh else one_program_buffers(run, cpu, layout.in_flight)
     grads = (params if held is None else held) + accumulated
-    if lab.remat_layer_copies and getattr(run.config.model, "remat", "none") == "full":
+    if lab.remat_layer_copies and remat_of(run.config.model) == "full":
         grads += lab.remat_layer_copies * _stacked_layer_bytes(run)
     if sub_mesh:
         grads += stack_moves(run)[1]
