@@ -30,6 +30,7 @@ def _machine() -> hardware.Hardware:
         latency_per="participant",
         step_overhead=3e-3,
         matmul_efficiency=1.0,
+        link_efficiency=1.0,
     )
 
 

@@ -29,7 +29,9 @@ def _mesh(**degrees: int) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def h100():
-    return hardware.get_profile("h100")
+    """The H100 profile at its wire's rates (NVLink 450 GB/s, the NIC 50 GB/s): the share
+    of them NCCL reaches has its own test."""
+    return replace(hardware.get_profile("h100"), link_efficiency=1.0)
 
 
 def test_inside_one_domain_it_is_the_roofline(h100):
@@ -119,7 +121,7 @@ def test_gb200_keeps_a_64_way_all_reduce_on_nvlink(h100):
     """GB200 NVL72: 64 GPUs are one NVLink domain; on H100s the same all-reduce spans 8
     nodes (3 levels of NCCL's tree). 128 GB200s fill the first rack's 72 and 56 of the
     next: the sparser rack's 56 set the pace across."""
-    gb200 = hardware.get_profile("gb200")
+    gb200 = replace(hardware.get_profile("gb200"), link_efficiency=1.0)
     assert gb200.domain_devices == 72
     term = Term("all-reduce", "gradients", 1 * GB, 64, axes=("data",))
     sizes = _mesh(data=64)
@@ -166,6 +168,8 @@ def _profile(tmp_path, **fields):
         ({"network_latency": -1e-6}, "network_latency=-1e-06 must be a finite number at least 0"),
         ({"network_bandwidth": 0}, "network_bandwidth=0 must be a finite number above 0"),
         ({"links": 2.5}, "links=2.5 must be a whole number at least 1"),
+        ({"link_efficiency": 1.2}, "link_efficiency=1.2 must be above 0 and at most 1"),
+        ({"network_efficiency": 0}, "network_efficiency=0 must be above 0 and at most 1"),
         ({"host_devices": 4.5}, "host_devices=4.5 must be a whole number at least 0"),
         (
             {"domain_devices": 8, "host_devices": 3},
@@ -206,6 +210,37 @@ def test_the_network_fields_are_optional_and_load_as_written(tmp_path):
     # InfiniBand HDR and NDR a GPU; a Google Cloud A3 High VM's 1,000 Gb/s over 8 GPUs
     assert {p.network_bandwidth for p in profiles.values()} == {25e9, 50e9, 15.625e9}
     assert all(p.network_latency == 10e-6 and p.source for p in profiles.values())
+
+
+def test_collectives_go_at_the_share_of_the_wire_that_nccl_reaches(tmp_path, h100):
+    """``link_efficiency`` and ``network_efficiency`` divide the wire's rate: the same
+    all-reduce over two nodes of 8 takes 1/e longer on each kind of link; left out, a
+    profile prices the datasheet's figures; the built-in ones carry the measured shares of
+    NVLink (A100 78%, H100/H200/B200/GB200 82%: hardware.yaml's sources) and none of the
+    network (no measurement of it is cited)."""
+    term = Term("all-reduce", "grads", 1 * GB, 16, 1, axes=("data", "fsdp"))
+    sizes = _mesh(data=2, fsdp=8)
+    assert hardware.get_profile("h100").link_rate == pytest.approx(450e9 * 0.82)
+    wire = replace(h100, network_efficiency=1.0)
+    base = step_time(wire, 0, 0, [term], sizes, "bfloat16").comm_s
+    inside = 2 * GB * 7 / 8 / 450e9
+    assert base == pytest.approx(inside + 2 * GB / 2 / 8 / 50e9)
+    slow = replace(wire, link_efficiency=0.5, network_efficiency=0.25)
+    got = step_time(slow, 0, 0, [term], sizes, "bfloat16").comm_s
+    assert got == pytest.approx(inside / 0.5 + 2 * GB / 2 / 8 / 50e9 / 0.25)
+    assert hardware.roofline(slow, 0, 0, 1 * GB, "bfloat16").comm_s == pytest.approx(
+        GB / 450e9 / 0.5
+    )
+    mine = hardware.get_profile("mine", _profile(tmp_path))
+    assert (mine.link_rate, mine.network_rate) == (450e9, 50e9)
+    shares = {
+        k: (p.link_efficiency, p.network_efficiency) for k, p in hardware.load_profiles().items()
+    }
+    assert shares == {
+        **{k: (0.82, 1.0) for k in ("h100", "a3_high", "h200", "b200", "gb200")},
+        "a100": (0.78, 1.0),
+        "a100_40": (0.78, 1.0),
+    }
 
 
 @pytest.mark.parametrize(

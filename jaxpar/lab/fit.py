@@ -224,6 +224,7 @@ def fit_profile(rows: list[Timed], base: Hardware, source: str = "") -> Hardware
         state_bandwidth=state,
         link_bandwidth=link,
         links=1,
+        link_efficiency=1.0,  # as the matmuls': the fitted rate is the achieved one
         collective_latency=alpha,
         latency_per=per,
         step_overhead=overhead,

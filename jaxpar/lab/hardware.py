@@ -89,12 +89,29 @@ class Hardware:
     #: parameters, optimizer state, batch), where that differs from the temporaries'; 0:
     #: ``hbm_bandwidth``. A fit to timed steps finds its own (:mod:`jaxpar.lab.fit`)
     state_bandwidth: float = 0.0
+    #: the share of ``links × link_bandwidth`` NCCL's collectives reach inside a domain
+    #: (measured bus bandwidth over the datasheet figure): 1 prices them at the wire's rate
+    link_efficiency: float = 1.0
+    #: the same share of ``network_bandwidth`` for collectives that cross domains
+    network_efficiency: float = 1.0
 
     @property
     def interconnect_bandwidth(self) -> float:
         """Bytes/s one chip sends to the other chips of its NVLink domain (all links, one
-        direction)."""
+        direction), as the datasheet gives them."""
         return self.link_bandwidth * self.links
+
+    @property
+    def link_rate(self) -> float:
+        """Bytes/s a collective inside one NVLink domain moves per chip: the links' figure
+        × :attr:`link_efficiency`."""
+        return self.interconnect_bandwidth * self.link_efficiency
+
+    @property
+    def network_rate(self) -> float:
+        """Bytes/s a collective across domains moves through each chip's NIC:
+        :attr:`network_bandwidth` × :attr:`network_efficiency`."""
+        return self.network_bandwidth * self.network_efficiency
 
     @property
     def devices_per_host(self) -> int:
@@ -174,6 +191,8 @@ _OPTIONAL = {
     "flops_fp8": 0,
     "matmul_efficiency_fp8": None,
     "state_bandwidth": 0,
+    "link_efficiency": None,
+    "network_efficiency": None,
 }
 #: the least value of the number fields that need not be above 0
 _LEAST = {
@@ -182,7 +201,12 @@ _LEAST = {
     **{k: v for k, v in _OPTIONAL.items() if isinstance(v, int)},
 }
 #: the number fields that are a share: above 0, at most 1
-_SHARES = ("matmul_efficiency", "matmul_efficiency_fp8")
+_SHARES = (
+    "matmul_efficiency",
+    "matmul_efficiency_fp8",
+    "link_efficiency",
+    "network_efficiency",
+)
 #: the number fields that count things (whole numbers)
 _COUNTS = ("links", "domain_devices", "host_devices")
 
@@ -312,9 +336,9 @@ def roofline(
     return StepTime(
         compute_time(hw, flops, dtype, kernels),
         memory_time(hw, traffic_bytes, state_bytes),
-        comm_bytes / hw.interconnect_bandwidth,
+        comm_bytes / hw.link_rate,
         collectives * hw.collective_latency,
-        hidden_bytes / hw.interconnect_bandwidth,
+        hidden_bytes / hw.link_rate,
         hw.step_overhead,
         kernels.elementwise_bytes / hw.hbm_bandwidth,
     )

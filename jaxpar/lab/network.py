@@ -116,7 +116,7 @@ def _bytes(term: Term, where: Placement, hw: Hardware, scale: float) -> tuple[fl
     if term.kind == "all-to-all":
         n = k * m
         inside, across = size * (k - 1) / n, size * (n - k) / n
-        if across / hw.network_bandwidth >= inside / hw.interconnect_bandwidth:
+        if across / hw.network_rate >= inside / hw.link_rate:
             return 0.0, across
         return inside, 0.0
     phases = 2 if term.kind == "all-reduce" else 1
@@ -162,7 +162,7 @@ def step_time(
       hosts: how many of each axis's degree cross hosts (``mesh.hosts_*``:
         :func:`jaxpar.mesh.host_degrees`); None: the outermost axes do.
     """
-    nvlink, nic = hw.interconnect_bandwidth, hw.network_bandwidth
+    nvlink, nic = hw.link_rate, hw.network_rate
     ranks = None
     if hosts is not None:  # the grid in mesh axis order, as grid_ranks lays it out
         sizes = {a: sizes.get(a, 1) for a in MESH_AXES}

@@ -27,11 +27,17 @@ def fmt_time(seconds: float) -> str:
 _PAID_BY = {"collective": "executed", "array": "arrays", "participant": "participants"}
 
 
+def _rate(rate: float, share: float) -> str:
+    """A collective's bytes/s, and the wire's share it is where that is below 1."""
+    return f"{rate / 1e9:.3g} GB/s" + (f" ({share:.0%} of the wire's)" if share < 1 else "")
+
+
 def _footer(hw: Hardware, memory: float) -> str:
     """How the ranking's times were priced, and the memory it judged against."""
     gpu = hw.platform != "cpu"
     network = (
-        f", {hw.network_bandwidth / 1e9:.3g} GB/s and {fmt_time(hw.network_latency)} a level "
+        f", {_rate(hw.network_rate, hw.network_efficiency)} and "
+        f"{fmt_time(hw.network_latency)} a level "
         f"beyond {hw.domain_devices} GPUs"
         if hw.domain_devices and gpu
         else ""
@@ -44,7 +50,7 @@ def _footer(hw: Hardware, memory: float) -> str:
     )
     return (
         f"ranked by predicted step time on {hw.name} (roofline; {kernels}communication = "
-        f"bytes / {hw.interconnect_bandwidth / 1e9:.3g} GB/s{network} + collectives "
+        f"bytes / {_rate(hw.link_rate, hw.link_efficiency)}{network} + collectives "
         f"{_PAID_BY[hw.latency_per]} × "
         f"{fmt_time(hw.collective_latency)}, in brackets; what overlaps compute counts only "
         f"where it outlasts it); memory judged against {memory / 1e9:.3g} GB "
