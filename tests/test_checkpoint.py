@@ -152,6 +152,7 @@ def test_resume_settings(tmp_path):
     assert losses(tmp_path / "b")[:2] == losses(tmp_path / "a")[2:4]
 
 
+@pytest.mark.exhaustive  # the handler: test_faults.py's Ctrl-C, test_user_task.py's SIGTERM
 def test_sigterm_checkpoints_the_current_step_and_resume_continues(tmp_path):
     """SIGTERM mid-run: exit 4 with a complete checkpoint of the step it was on; resuming
     gives the losses of an uninterrupted run."""

@@ -58,7 +58,7 @@ STAGES = ["pipeline.microbatches=4"]
                 ["mesh.data=2", "mesh.context=4", "context.attention=ring"], id="context4-ring"
             ),
         ],
-        {"data2-fsdp2-tensor2", "stage2-mpmd", "context4-ring"},
+        {"data2-fsdp2-tensor2", "context4-ring"},
     ),
 )
 def test_llama_layouts_equal_one_device(layout):

@@ -17,6 +17,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from jaxpar.launch import free_port
 
 JOIN = """
@@ -45,6 +47,7 @@ def _join(address: str, count: int, index: int) -> subprocess.Popen:
     )
 
 
+@pytest.mark.exhaustive  # JAX's own behaviour; jaxpar's: the tests below and test_faults.py
 def test_jax_distributed_alone_ends_the_process_on_a_taken_port_or_a_missing_peer():
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
