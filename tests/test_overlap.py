@@ -142,9 +142,18 @@ def _dot(inst, matmuls: set[str]) -> bool:
                 ("gpt", "data=2,tensor=4,model.remat=full"),
                 ("gpt", "data=2,fsdp=2,tensor=2,train.grad_accum=2"),
                 ("llama", "data=4,tensor=2"),
+                # a saving policy gathers the two inputs again; attention's output
+                # projection reduce-scatters again unless its output is kept by name
+                ("gpt", "data=4,tensor=2,model.remat=save_matmuls"),
+                ("gpt", "data=4,tensor=2,model.remat=save_qkv"),
+                ("gpt", "data=4,tensor=2,model.remat=save_dots"),
             )
         ],
-        {"gpt-data=2,tensor=4,model.remat=full", "llama-data=4,tensor=2"},
+        {
+            "gpt-data=2,tensor=4,model.remat=full",
+            "llama-data=4,tensor=2",
+            "gpt-data=4,tensor=2,model.remat=save_matmuls",
+        },
     ),
 )
 def test_the_lab_predicts_the_sends_and_hides_them(model, layout):

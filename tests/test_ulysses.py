@@ -230,8 +230,12 @@ def test_heads_that_do_not_divide_are_one_line(overrides, message):
             pytest.param("gpt", "context=4,tensor=2,model.remat=full", id="gpt-tensor-remat"),
             pytest.param("llama", "data=2,context=2,tensor=2", id="llama-grouped"),
             pytest.param("llama_kv2", "data=2,context=4", id="llama-repeated"),
+            # attention's output kept by name: the recomputation does not exchange it again
+            pytest.param(
+                "gpt", "data=2,context=4,model.remat=save_matmuls_context", id="gpt-kept-output"
+            ),
         ],
-        {"gpt-tensor-remat", "llama-grouped"},
+        {"gpt-tensor-remat", "llama-grouped", "gpt-kept-output"},
     ),
 )
 def test_the_lab_predicts_the_all_to_alls(family, layout):

@@ -98,6 +98,15 @@ SAVED = {
 }
 
 
+def kept_by_name(policy: str) -> tuple[str, ...]:
+    """The layer values ``policy`` keeps under their names (:data:`SAVED`'s but for
+    ``save_dots``, which keeps the dots' products, before what follows them): a collective
+    between a matmul and a named value (a row-parallel projection's reduce-scatter under
+    collective matmuls, Ulysses's exchange of attention's output) is not run again where
+    the recomputation finds that value kept."""
+    return () if policy == "save_dots" else SAVED[policy]
+
+
 def remat_of(cfg: Any) -> str:
     """The config's ``model.remat`` (``none`` for a model without one)."""
     return getattr(cfg, "remat", "none")

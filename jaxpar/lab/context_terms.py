@@ -10,6 +10,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from jaxpar.lab.activations import kept_by_name
 from jaxpar.lab.terms import LabLayout, Term
 from jaxpar.logical import SEQ
 
@@ -110,14 +111,19 @@ def _ring_terms(cfg: Any, layout: LabLayout, c: int, kv: float, itemsize: int) -
 
 
 def _ulysses_terms(cfg: Any, layout: LabLayout, c: int, kv: float, itemsize: int) -> list[Term]:
-    """Ulysses's all-to-alls (``kv``: one of K, V over the whole sequence, per device)."""
+    """Ulysses's all-to-alls (``kv``: one of K, V over the whole sequence, per device). A
+    rematerialized backward exchanges again, but for attention's output where the policy
+    keeps it by name (``save_matmuls_context``: measured, rotary GPT at
+    ``data=4,context=2``)."""
     k, L, T = layout.grad_accum, cfg.n_layers, layout.seq_len
-    forward = 2 if cfg.remat != "none" else 1  # a rematerialized backward exchanges again
+    forward = 2 if cfg.remat != "none" else 1
+    output = forward - (forward == 2 and "values" in kept_by_name(cfg.remat))
     q_heads = math.prod(layout.sizes[a] for a in layout.rules.get("heads", ()))
     q = layout.rows * T * cfg.n_heads * cfg.head_dim // q_heads * itemsize / k / c
     seq = tuple(layout.rules.get(SEQ, ()))
+    exchanges = k * L * (forward + output)
     return [
-        Term("all-to-all", "context: q and output exchanged", q, c, k * L * 2 * forward, axes=seq),
+        Term("all-to-all", "context: q and output exchanged", q, c, exchanges, axes=seq),
         Term("all-to-all", "context: K and V exchanged", kv / c, c, k * L * 2 * forward, axes=seq),
         Term("all-to-all", "context: dq and d(output) exchanged", q, c, k * L * 2, axes=seq),
         Term("all-to-all", "context: dK and dV exchanged", kv / c, c, k * L * 2, axes=seq),

@@ -10,6 +10,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from jaxpar.lab.activations import SAVED
 from jaxpar.lab.terms import LabLayout, Term
 from jaxpar.logical import BATCH, SEQ, split_over
 
@@ -118,8 +119,9 @@ def tensor_terms(cfg: Any, layout: LabLayout, dense: list[Term]) -> list[Term]:
     routing weights' gradient reads them) — and the gate and up projections' input gradients
     once each a backward. Shared experts are one dense SwiGLU, which Megatron's count
     covers; without them an MoE layer has no dense MLP, whose all-reduces come off the
-    count. A fully rematerialized group also recomputes its first ``moe_every − 1`` MLPs'
-    outputs (the next layer reads them). Pipelines as Megatron's count: every tick as its
+    count. A rematerialized group that does not keep the MLPs' outputs (``full``,
+    ``save_qkv``) also recomputes its first ``moe_every − 1`` MLPs' outputs (the next layer
+    reads them), all-reducing them again. Pipelines as Megatron's count: every tick as its
     costliest branch (spmd), a device of the first stage (mpmd: its forward and its
     backward's recompute, in each of its chunks)."""
     megatron = next((t for t in dense if t.what == MEGATRON), None)
@@ -139,7 +141,7 @@ def tensor_terms(cfg: Any, layout: LabLayout, dense: list[Term]) -> list[Term]:
             counted = 2
             forward = 1 if layout.residuals else 2
     n = passes * layers
-    mlps = (cfg.moe_every - 1) * (again and cfg.remat == "full") - (
+    mlps = (cfg.moe_every - 1) * (again and "mlp_out" not in SAVED[cfg.remat]) - (
         0 if cfg.n_shared_experts else counted + 2
     )
     rows = megatron.payload_bytes * cfg.top_k * expert_degree(layout)

@@ -11,7 +11,7 @@ from typing import Any
 
 from jaxpar.axes import Axis
 from jaxpar.lab import experts
-from jaxpar.lab.activations import activation_itemsize
+from jaxpar.lab.activations import SAVED, activation_itemsize, kept_by_name
 from jaxpar.lab.terms import LabLayout, Term, fp8_itemsize
 from jaxpar.logical import ACT_SEQ, SEQ, split_over
 from jaxpar.tensor_parallel import scatters_rows
@@ -64,7 +64,7 @@ def transformer_tensor_terms(
         return _first_stage_terms(cfg, layout, sizes, backward, norms)
     # a rematerialized block that keeps no attention output all-reduces it again (the MLP
     # output it recomputes feeds nothing in the backward pass: dead code)
-    forward_again = 1 if cfg.remat in ("full", "save_qkv") else 0
+    forward_again = int("out" not in SAVED[cfg.remat])
     if layout.stages is not None:
         ticks, p, v, m = layout.stages
         times = ticks * k
@@ -79,7 +79,7 @@ def transformer_tensor_terms(
         Axis.TENSOR in layout.rules.get(ACT_SEQ, ())
         and layout.tensor_overlap == "collective_matmul"
     ):
-        chains = (times * layers * c for c in _chains(layout, columns, cfg.remat == "full"))
+        chains = (times * layers * c for c in _chains(layout, columns, cfg.remat))
         terms = _overlapped_terms(layout, activation / div, times, chains, 4 * norms * layers)
     elif Axis.TENSOR in layout.rules.get(ACT_SEQ, ()):
         counts = (times, layers, reductions, inputs)
@@ -208,14 +208,18 @@ def _unoverlapped_terms(
     return terms + _sequence_parallel_terms(layout, activation / div, counts, (norm_bytes, times))
 
 
-def _chains(layout: LabLayout, columns: int, remat: bool) -> tuple[int, int]:
+def _chains(layout: LabLayout, columns: int, remat: str) -> tuple[int, int]:
     """A layer's chains of t−1 sends under collective matmuls, measured: forward one per
     input of the column-parallel projections (XLA merges the chains of projections that
     share it: attention's and the MLP's) and one per row-parallel projection (2 each);
     backward one per projection (``columns`` + 2); a rematerialized block's recomputed
-    forward, one fewer than the forward (the MLP's output feeds nothing there)."""
+    forward (``remat``: the policy) gathers the two inputs again, which the weights'
+    gradients read and no policy keeps, and reduce-scatters attention's output projection
+    again unless the policy keeps its output by name (the MLP's output feeds nothing
+    there): gpt_tiny at ``data=4,tensor=2`` under each policy, the compiled sends."""
     forward = 2 + 2
-    return forward + columns + 2, (forward - 1) if remat else 0
+    again = 0 if remat == "none" else 2 + ("out" not in kept_by_name(remat))
+    return forward + columns + 2, again
 
 
 def _overlapped_terms(
