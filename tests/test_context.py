@@ -92,8 +92,8 @@ def _layout(text: str) -> list[str]:
         {
             "gpt-data=2,context=2,tensor=2-ring-in_order",
             "gpt-fsdp=2,context=4-all_gather-balanced",
-            "rotary-context=8-ring-balanced",
-            "bert-context=2-all_gather-in_order",
+            # rotary positions round a balanced ring, BERT under context: packed, in
+            # tests/test_pack_families.py (Gemma 3's ring, BERT's all_gather)
         },
     ),
 )

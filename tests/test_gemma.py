@@ -95,7 +95,9 @@ PIPELINE = [
 
 
 @pytest.mark.parametrize(
-    "executor", grid([pytest.param("spmd", id="spmd"), pytest.param("mpmd", id="mpmd")], set())
+    # the suite's Gemma pipeline: tests/test_pack_families.py's Gemma 3 over stages and context
+    "executor",
+    grid([pytest.param("spmd", id="spmd"), pytest.param("mpmd", id="mpmd")], set()),
 )
 def test_pipeline_trains_as_one_device(executor):
     """mesh.stage=2: each chunk holds two layers, a whole (windowed, full) pattern."""

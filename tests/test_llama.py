@@ -58,6 +58,7 @@ STAGES = ["pipeline.microbatches=4"]
                 ["mesh.data=2", "mesh.context=4", "context.attention=ring"], id="context4-ring"
             ),
         ],
+        # a Llama stack under mpmd: tests/test_moe.py's pipelines
         {"data2-fsdp2-tensor2", "context4-ring"},
     ),
 )

@@ -13,6 +13,7 @@ from jaxpar.config import apply_overrides, load_config
 from jaxpar.errors import ConfigError
 from jaxpar.lab import analytic, hardware, measure, predict, sweep
 from jaxpar.lab.network import Placement, placements, step_time
+from jaxpar.lab.plan_text import format_plan
 from jaxpar.lab.terms import Term
 from jaxpar.mesh import grid_ranks
 from jaxpar.run import build
@@ -221,15 +222,23 @@ def test_collectives_go_at_the_share_of_the_wire_that_nccl_reaches(tmp_path, h10
     term = Term("all-reduce", "grads", 1 * GB, 16, 1, axes=("data", "fsdp"))
     sizes = _mesh(data=2, fsdp=8)
     assert hardware.get_profile("h100").link_rate == pytest.approx(450e9 * 0.82)
-    wire = replace(h100, network_efficiency=1.0)
-    base = step_time(wire, 0, 0, [term], sizes, "bfloat16").comm_s
+    base = step_time(h100, 0, 0, [term], sizes, "bfloat16").comm_s
     inside = 2 * GB * 7 / 8 / 450e9
     assert base == pytest.approx(inside + 2 * GB / 2 / 8 / 50e9)
-    slow = replace(wire, link_efficiency=0.5, network_efficiency=0.25)
+    slow = replace(h100, link_efficiency=0.5, network_efficiency=0.25)
     got = step_time(slow, 0, 0, [term], sizes, "bfloat16").comm_s
     assert got == pytest.approx(inside / 0.5 + 2 * GB / 2 / 8 / 50e9 / 0.25)
     assert hardware.roofline(slow, 0, 0, 1 * GB, "bfloat16").comm_s == pytest.approx(
         GB / 450e9 / 0.5
+    )
+    # an all-to-all goes where it is slower: the network here, NVLink once it is slow enough
+    dispatch = Term("all-to-all", "experts", 1.6 * GB, 16, 2, axes=("data", "fsdp"))
+    crawl = replace(h100, link_efficiency=0.05)
+    got = step_time(crawl, 0, 0, [dispatch], sizes, "bfloat16").comm_s
+    assert got == pytest.approx(2 * 1.6 * GB * 7 / 16 / (450e9 * 0.05))
+    # the plan says the rate it priced, and the wire's share it is
+    assert "bytes / 369 GB/s (82% of the wire's), 50 GB/s and 10.0 µs a level" in format_plan(
+        [], hardware.get_profile("h100"), 80e9
     )
     mine = hardware.get_profile("mine", _profile(tmp_path))
     assert (mine.link_rate, mine.network_rate) == (450e9, 50e9)

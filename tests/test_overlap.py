@@ -147,6 +147,9 @@ def _dot(inst, matmuls: set[str]) -> bool:
                 ("gpt", "data=4,tensor=2,model.remat=save_matmuls"),
                 ("gpt", "data=4,tensor=2,model.remat=save_qkv"),
                 ("gpt", "data=4,tensor=2,model.remat=save_dots"),
+                ("gpt", "data=4,tensor=2,model.remat=save_out"),
+                ("gpt", "data=4,tensor=2,model.remat=save_matmuls_context"),
+                ("gpt", "data=4,tensor=2,model.remat=offload"),
             )
         ],
         {

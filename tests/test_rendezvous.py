@@ -47,7 +47,8 @@ def _join(address: str, count: int, index: int) -> subprocess.Popen:
     )
 
 
-@pytest.mark.exhaustive  # JAX's own behaviour; jaxpar's: the tests below and test_faults.py
+# JAX's own behaviour; jaxpar's: test_faults.py's test_rendezvous_names_missing_processes_…
+@pytest.mark.exhaustive
 def test_jax_distributed_alone_ends_the_process_on_a_taken_port_or_a_missing_peer():
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

@@ -492,7 +492,6 @@ class _StopAt(jaxpar.Hook):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-@pytest.mark.exhaustive  # resume: test_checkpoints_resume_bitwise_and_restore_onto_another_layout
 def test_sigterm_then_resume_is_bitwise(tmp_path):
     """A SIGTERM mid-run checkpoints the step it stopped at; resuming ends bitwise where
     the uninterrupted run does: parameters, Adam's moments, BatchNorm statistics and the

@@ -272,6 +272,12 @@ TWO_LAYER_CHUNKS = "model.n_layers=4,model.remat=full"
                 f"{PIPELINE},pipeline.executor=mpmd,pipeline.backward=residuals,{TWO_LAYER_CHUNKS}",
                 id="mpmd-residuals-remat",
             ),
+            # attention's output kept by name: its rematerialized layers exchange q again
+            pytest.param(
+                f"{PIPELINE},pipeline.executor=mpmd,model.n_layers=4,"
+                "model.remat=save_matmuls_context",
+                id="mpmd-kept-output",
+            ),
         ],
         {"spmd", "mpmd"},
     ),

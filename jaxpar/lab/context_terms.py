@@ -113,8 +113,8 @@ def _ring_terms(cfg: Any, layout: LabLayout, c: int, kv: float, itemsize: int) -
 def _ulysses_terms(cfg: Any, layout: LabLayout, c: int, kv: float, itemsize: int) -> list[Term]:
     """Ulysses's all-to-alls (``kv``: one of K, V over the whole sequence, per device). A
     rematerialized backward exchanges again, but for attention's output where the policy
-    keeps it by name (``save_matmuls_context``: measured, rotary GPT at
-    ``data=4,context=2``)."""
+    keeps it by name (``save_matmuls_context``: measured, rotary GPT at ``data=4,context=2``
+    and GPT at ``data=2,context=4``, ``tests/test_ulysses.py``)."""
     k, L, T = layout.grad_accum, cfg.n_layers, layout.seq_len
     forward = 2 if cfg.remat != "none" else 1
     output = forward - (forward == 2 and "values" in kept_by_name(cfg.remat))

@@ -3,7 +3,8 @@ they cost there.
 
 A profile's chips sit in NVLink domains of :attr:`~jaxpar.lab.hardware.Hardware.
 domain_devices` chips (8 on an HGX board, 72 in a GB200 NVL72 rack); between domains each
-chip sends through its own NIC at :attr:`~jaxpar.lab.hardware.Hardware.network_bandwidth`.
+chip sends through its own NIC at :attr:`~jaxpar.lab.hardware.Hardware.network_rate` (its
+bandwidth at the share NCCL reaches).
 The mesh's devices fill the domains in process order, as :func:`jaxpar.mesh.make_mesh`
 lays them out (:func:`jaxpar.mesh.grid_ranks`): by default row-major over (data, stage,
 fsdp, context, tensor), outermost first, so ``tensor`` stays inside a domain longest and
@@ -29,8 +30,9 @@ across domains NCCL runs it hierarchically, and one device sends, for a payload 
     all-to-all       max((k−1)/n·S / B, (n−k)/n·S / N),  n = k·m
                      (the share for other domains leaves through the NIC)
 
-with ``B`` = :attr:`~jaxpar.lab.hardware.Hardware.interconnect_bandwidth` and ``N`` the
-network bandwidth. A group whose domains hold unequal numbers of its members is costed
+with ``B`` = :attr:`~jaxpar.lab.hardware.Hardware.link_rate` and ``N`` =
+:attr:`~jaxpar.lab.hardware.Hardware.network_rate` (each the wire's figure × the profile's
+efficiency for it). A group whose domains hold unequal numbers of its members is costed
 at its sparsest domain (the largest share per NIC), and the step at its slowest group.
 Every collective pays ``collective_latency``; one that crosses pays ``network_latency``
 more per level of NCCL's tree across the ``m`` domains (⌈log2 m⌉; a send: one).

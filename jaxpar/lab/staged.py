@@ -294,12 +294,14 @@ def _sub_mesh(
     if pairs:
         # the programs that run a layer's forward: the forward, the backward's recompute
         # (without residuals) and its rematerialized layers (unless merged with the
-        # recompute); each gathers the positions once, a rematerialized layer each time
+        # recompute), each as much of a pass as the family counts again (Ulysses's output
+        # is not exchanged again where the policy keeps it); each gathers the positions
+        # once, a rematerialized layer each time
         remat = chunk.remat and (residuals or not chunk.merged)
-        passes = 1 + (not residuals) + remat
         positions = 1 + (not residuals) + remat * chunk.layers
         for f, g in pairs:
             grad = family[g]
+            passes = 1 + (not residuals) + remat * (family[f].times / grad.times - 1)
             out += [
                 _scaled(family[f], f, microbatches * grad.times * share * passes),
                 _scaled(grad, g, microbatches * grad.times * share),

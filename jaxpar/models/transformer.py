@@ -407,7 +407,7 @@ REMAT_POLICIES = {
     # q, k and v: the backward recomputes attention and the MLP (save_qkv_proj)
     "save_qkv": _policies.save_only_these_names(QKV),
     # the row-parallel outputs, which tensor parallelism all-reduces: the recompute
-    # repeats no collective (save_out_proj)
+    # repeats no all-reduce (save_out_proj; collective matmuls gather the inputs again)
     "save_out": _policies.save_only_these_names(ATTN_OUT, MLP_OUT),
     # the four projections' outputs, not attention's logits (minimal)
     "save_matmuls": _policies.save_only_these_names(*_MATMULS),
