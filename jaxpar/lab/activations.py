@@ -98,13 +98,12 @@ SAVED = {
 }
 
 
-def kept_by_name(policy: str) -> tuple[str, ...]:
-    """The layer values ``policy`` keeps under their names (:data:`SAVED`'s but for
-    ``save_dots``, which keeps the dots' products, before what follows them): a collective
-    between a matmul and a named value (a row-parallel projection's reduce-scatter under
-    collective matmuls, Ulysses's exchange of attention's output) is not run again where
-    the recomputation finds that value kept."""
-    return () if policy == "save_dots" else SAVED[policy]
+#: the layer values each policy keeps under their names: :data:`SAVED`'s but for
+#: ``save_dots``, which keeps the dots' products, before what follows them. A collective
+#: between a matmul and a named value (a row-parallel projection's reduce-scatter under
+#: collective matmuls, Ulysses's exchange of attention's output) is not run again where
+#: the recomputation finds that value kept
+KEPT_BY_NAME = {**SAVED, "save_dots": ()}
 
 
 def remat_of(cfg: Any) -> str:

@@ -10,7 +10,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from jaxpar.lab.activations import kept_by_name
+from jaxpar.lab.activations import KEPT_BY_NAME
 from jaxpar.lab.terms import LabLayout, Term
 from jaxpar.logical import SEQ
 
@@ -116,8 +116,9 @@ def _ulysses_terms(cfg: Any, layout: LabLayout, c: int, kv: float, itemsize: int
     keeps it by name (``save_matmuls_context``: measured, rotary GPT at ``data=4,context=2``
     and GPT at ``data=2,context=4``, ``tests/test_ulysses.py``)."""
     k, L, T = layout.grad_accum, cfg.n_layers, layout.seq_len
-    forward = 2 if cfg.remat != "none" else 1
-    output = forward - (forward == 2 and "values" in kept_by_name(cfg.remat))
+    again = cfg.remat != "none"
+    forward = 1 + again
+    output = 1 + (again and "values" not in KEPT_BY_NAME[cfg.remat])
     q_heads = math.prod(layout.sizes[a] for a in layout.rules.get("heads", ()))
     q = layout.rows * T * cfg.n_heads * cfg.head_dim // q_heads * itemsize / k / c
     seq = tuple(layout.rules.get(SEQ, ()))

@@ -11,7 +11,7 @@ from typing import Any
 
 from jaxpar.axes import Axis
 from jaxpar.lab import experts
-from jaxpar.lab.activations import SAVED, activation_itemsize, kept_by_name
+from jaxpar.lab.activations import KEPT_BY_NAME, SAVED, activation_itemsize
 from jaxpar.lab.terms import LabLayout, Term, fp8_itemsize
 from jaxpar.logical import ACT_SEQ, SEQ, split_over
 from jaxpar.tensor_parallel import scatters_rows
@@ -79,7 +79,7 @@ def transformer_tensor_terms(
         Axis.TENSOR in layout.rules.get(ACT_SEQ, ())
         and layout.tensor_overlap == "collective_matmul"
     ):
-        chains = (times * layers * c for c in _chains(layout, columns, cfg.remat))
+        chains = (times * layers * c for c in _chains(columns, cfg.remat))
         terms = _overlapped_terms(layout, activation / div, times, chains, 4 * norms * layers)
     elif Axis.TENSOR in layout.rules.get(ACT_SEQ, ()):
         counts = (times, layers, reductions, inputs)
@@ -208,7 +208,7 @@ def _unoverlapped_terms(
     return terms + _sequence_parallel_terms(layout, activation / div, counts, (norm_bytes, times))
 
 
-def _chains(layout: LabLayout, columns: int, remat: str) -> tuple[int, int]:
+def _chains(columns: int, remat: str) -> tuple[int, int]:
     """A layer's chains of t−1 sends under collective matmuls, measured: forward one per
     input of the column-parallel projections (XLA merges the chains of projections that
     share it: attention's and the MLP's) and one per row-parallel projection (2 each);
@@ -218,7 +218,7 @@ def _chains(layout: LabLayout, columns: int, remat: str) -> tuple[int, int]:
     again unless the policy keeps its output by name (the MLP's output feeds nothing
     there): gpt_tiny at ``data=4,tensor=2`` under each policy, the compiled sends."""
     forward = 2 + 2
-    again = 0 if remat == "none" else 2 + ("out" not in kept_by_name(remat))
+    again = 0 if remat == "none" else 2 + ("out" not in KEPT_BY_NAME[remat])
     return forward + columns + 2, again
 
 
