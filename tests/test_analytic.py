@@ -393,6 +393,29 @@ def test_recomputation_adds_a_forward_of_the_layers_but_their_last_matmuls(pairs
     assert plain.flops < estimated.flops < plain.flops * 4 / 3
 
 
+@pytest.mark.parametrize("remat", ["save_dots", "full"])
+def test_the_estimate_on_a_gpu_equals_the_step_compiled_for_an_h200(remat):
+    """The FLOPs an estimate gives a GPU equal those of the train step XLA compiled for one
+    NVIDIA H200 (gpt2_small, batch 8 × 1024, JAX 0.11.2; its optimized HLO kept in
+    benchmarks/), counted through cuBLAS's gemms and cuDNN's fused attention: the fused
+    backward computes the scores once more, and a recomputing policy runs the fused
+    forward again — under ``save_dots`` too, which keeps XLA's attention dots."""
+    import gzip
+
+    from jaxpar.hlo import program_cost
+
+    path = (
+        Path(__file__).resolve().parents[1] / f"benchmarks/gpt2_small_h200_step_{remat}.hlo.txt.gz"
+    )
+    with gzip.open(path, "rt") as f:
+        compiled = program_cost(f.read()).flops
+    config = jaxpar.load_config(
+        ["configs/gpt2_small.yaml"], ["train.grad_accum=1", "train.batch_size=8"]
+    )
+    row = analytic.estimate(config, f"data=1,model.remat={remat}", hardware.get_profile("h200"), 1)
+    assert row.flops == pytest.approx(compiled, rel=1e-9)
+
+
 def test_the_pipeline_factor_counts_the_busiest_device_of_each_tick():
     """1F1B on 2 stages and 4 microbatches: 10 ticks. The last stage's forward runs inside
     its backward. Recomputing: the first two ticks cost a forward, the other eight a

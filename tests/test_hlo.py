@@ -128,6 +128,53 @@ def test_dot_flops_use_the_contracting_dims():
     assert hlo.program_cost(ASYNC).flops == 2 * 128 * 16 * 4
 
 
+#: lines of the train step XLA compiled for one NVIDIA H200 (gpt2_small, batch 8 × 1024,
+#: JAX 0.11.2; benchmarks/gpt2_small_h200_step_save_dots.hlo.txt.gz), shortened to what the counter
+#: reads: a cuBLASLt gemm and cuDNN's fused attention, forward and backward
+GPU = """HloModule jit_step, num_partitions=1
+
+ENTRY %main (a: bf16[8192,768], b: bf16[768,2304], q: bf16[8,1024,12,64], s: f32[8,12,1024]) -> bf16[8,12,1024,64] {
+  %a = bf16[8192,768]{1,0} parameter(0)
+  %b = bf16[768,2304]{1,0} parameter(1)
+  %q = bf16[8,1024,12,64]{3,2,1,0} parameter(2)
+  %s = f32[8,12,1024]{2,1,0} parameter(3)
+  %custom-call.10 = (bf16[8192,2304]{1,0}, s8[33554432]{0}) custom-call(%a, %b), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"alpha_imag":0,"alpha_real":1,"beta":0,"dot_dimension_numbers":{"lhs_batch_dimensions":[],"lhs_contracting_dimensions":["1"],"rhs_batch_dimensions":[],"rhs_contracting_dimensions":["0"]},"epilogue":"DEFAULT"},"operation_queue_id":"0"}
+  %fwd = (bf16[8,12,1024,64]{3,1,2,0}, f32[8,12,1024]{2,1,0}, u8[256]{0}) custom-call(%q, %q, %q), custom_call_target="__cudnn$fmhaSoftmax", backend_config={"cudnn_fmha_backend_config":{"bmm1_dot_dimension_numbers":{"lhs_batch_dimensions":["0","2"],"lhs_contracting_dimensions":["3"],"rhs_batch_dimensions":["0","2"],"rhs_contracting_dimensions":["3"]},"intermediate_tensor_shape":{"dimensions":["8","12","1024","1024"],"element_type":"BF16"},"is_flash_attention":true,"mask_type":"CAUSAL"}}
+  ROOT %bwd = (bf16[8,12,1024,64]{3,1,2,0}, bf16[8,12,1024,64]{3,1,2,0}, bf16[8,12,1024,64]{3,1,2,0}, u8[25559296]{0}) custom-call(%q, %q, %q, %s, %q, %q), custom_call_target="__cudnn$fmhaSoftmaxBackward", backend_config={"cudnn_fmha_backend_config":{"intermediate_tensor_shape":{"dimensions":["8","12","1024","1024"],"element_type":"BF16"},"is_flash_attention":true,"mask_type":"CAUSAL"}}
+}
+"""
+
+
+def test_a_gpu_programs_library_matmuls_and_fused_attention_count_their_flops():
+    """On a GPU XLA hands matmuls to cuBLAS and attention to cuDNN as custom calls (no
+    ``dot`` left for the counter): a gemm counts 2·M·N·K from its backend config's
+    contracting dims; the fused attention 2·B·N·T·S·D per product over its scores, two
+    forward and five backward (FlashAttention-2 recomputes the scores)."""
+    scores = 8 * 12 * 1024 * 1024 * 64
+    assert hlo.program_cost(GPU).flops == 2 * 8192 * 2304 * 768 + (2 + 5) * 2 * scores
+
+
+def test_the_step_compiled_for_an_h200_counts_the_models_flops():
+    """The whole train step XLA compiled for one H200 (gpt2_small under ``save_dots``):
+    every weight's matmuls 6·N a token (cuBLAS gemms and Triton gemm fusions), and
+    attention 18·T·d a layer and token where XLA's own counts 12: the fused forward runs
+    again in the backward (a policy that saves dots keeps no custom call's output), and
+    the fused backward recomputes the scores. Before GPU custom calls were counted this
+    program read 0.28 of the model's FLOPs (docs/performance.md)."""
+    import gzip
+    from pathlib import Path
+
+    path = (
+        Path(__file__).resolve().parents[1] / "benchmarks/gpt2_small_h200_step_save_dots.hlo.txt.gz"
+    )
+    with gzip.open(path, "rt") as f:
+        cost = hlo.program_cost(f.read())
+    tokens, layers, seq, d, d_ff, vocab = 8 * 1024, 12, 1024, 768, 3072, 50304
+    weights = layers * (4 * d * d + 2 * d * d_ff) + vocab * d
+    assert cost.flops == tokens * (6 * weights + 18 * layers * seq * d)
+    assert cost.unknown_loops == 0 and cost.collective_ops == 0
+
+
 # ---- real compiled programs: known collectives of known sizes ------------------------------
 def _compiled_text(fn, *args):
     import jax

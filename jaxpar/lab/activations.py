@@ -216,19 +216,44 @@ def transformer_matmuls(cfg: Any, layout: LabLayout, gated: bool) -> list[Matmul
     ]
 
 
+#: attention's two matmuls, which cuDNN's fused kernel computes in one call
+ATTENTION_MATMULS = ("scores", "values")
+
+
 def recomputed_share(
-    cfg: Any, layout: LabLayout, gated: bool, policy: str = "full", reads_mlp_out: bool = False
+    cfg: Any,
+    layout: LabLayout,
+    gated: bool,
+    policy: str = "full",
+    reads_mlp_out: bool = False,
+    fused_attention: bool = False,
 ) -> float:
     """The share of a layer's forward FLOPs a recomputation under ``policy`` runs again:
     every matmul whose output it does not keep (:data:`SAVED`) but the MLP's output
     projection where the backward does not read its output (``reads_mlp_out``: Gemma's
     does; elsewhere XLA leaves it out: gpt_tiny's recomputing backward measured 2.72
     forwards, its MLP output 25% of a layer's). The compiled FLOPs of gpt_tiny and
-    llama_tiny under every policy, and gemma_tiny's, are the estimate's to 0.3%."""
+    llama_tiny under every policy, and gemma_tiny's, are the estimate's to 0.3%.
+
+    ``fused_attention`` (cuDNN's kernel, on a GPU): a recomputing policy runs attention's
+    forward call again whatever it keeps, for its softmax statistics, which no policy
+    saves (the step compiled for an H200 under ``save_dots`` runs it twice:
+    ``tests/test_analytic.py``)."""
     *layer, _head = transformer_matmuls(cfg, layout, gated)
     saved = {*SAVED[policy], *(("mlp_out",) if not reads_mlp_out else ())}
+    if fused_attention and policy != "none":
+        saved -= set(ATTENTION_MATMULS)
     again = sum(m.flops for m, name in zip(layer, LAYER_MATMULS) if name not in saved)
     return again / sum(m.flops for m in layer)
+
+
+def fused_backward_share(cfg: Any, layout: LabLayout, gated: bool) -> float:
+    """The share of a layer's forward FLOPs cuDNN's fused attention backward computes
+    beyond XLA's backward: the scores again (FlashAttention-2 keeps only the softmax
+    statistics), :func:`jaxpar.hlo.program_cost`'s five products against four."""
+    *layer, _head = transformer_matmuls(cfg, layout, gated)
+    scores = layer[LAYER_MATMULS.index("scores")].flops
+    return scores / sum(m.flops for m in layer)
 
 
 def unsplit_kv_flops(cfg: Any, layout: LabLayout) -> float:

@@ -72,10 +72,9 @@ def flops_per_device(run: Run, asynchronous: bool = False) -> float | None:
     flops += lab.unsplit_flops(run.config.model, layout)
     flops *= pipeline_stretch(run, asynchronous)
     policy = remat_of(run.config.model)
-    if policy != "none":
-        again = lab.recomputed_share(run.config.model, layout, policy)
-        flops *= 1 + layer_share(run) * again / 3
-    return flops
+    again = lab.recomputed_share(run.config.model, layout, policy) if policy != "none" else 0.0
+    again += lab.fused_backward_share(run.config.model, layout)
+    return flops * (1 + layer_share(run) * again / 3)
 
 
 def collective_calls(terms: Any, layers: int, devices: int) -> tuple[int, int]:

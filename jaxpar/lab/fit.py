@@ -182,9 +182,43 @@ def _predict(log_params: np.ndarray, rows: list[Timed], per: str) -> np.ndarray:
     )
 
 
-def _fit(rows: list[Timed], per: str) -> tuple[np.ndarray, float]:
-    """The log-constants that fit ``rows`` best with latency paid ``per``, and the fit's
-    root-mean-square error in log time."""
+#: how little the state streamed a step may vary over a sweep for its bandwidth to count
+#: as not pinned down (one model on one GPU: its batch, part of the arguments, moves it by
+#: 0.02%), below the 2–17% two sweeps of the same steps differ by (docs/lab.md)
+STEADY = 0.02
+#: the six constants, in :func:`_predict`'s order
+CONSTANTS = ("flops", "traffic", "state", "link", "latency", "overhead")
+
+
+def unseen(rows: list[Timed], per: str) -> set[str]:
+    """The constants ``rows`` cannot pin down, which a fit keeps at its base profile's
+    values: the interconnect's and the collectives' latency where no step ran a collective
+    (one GPU's sweep), the state's bandwidth where every step streams about the same state
+    (:data:`STEADY`: its time then cannot be told from the fixed cost a step)."""
+    out = set()
+    states = [r.state for r in rows]
+    if max(states) <= min(states) * (1 + STEADY):
+        out.add("state")
+    if not any(r.comm for r in rows):
+        out.add("link")
+    if not any(r.calls[per] for r in rows):
+        out.add("latency")
+    return out
+
+
+def _held(base: Hardware) -> dict[str, float]:
+    """``base``'s values of the constants a fit may keep, in the fit's units."""
+    return {
+        "state": base.state_bandwidth or base.hbm_bandwidth,
+        "link": base.link_rate,
+        "latency": base.collective_latency,
+    }
+
+
+def _fit(rows: list[Timed], per: str, base: Hardware) -> tuple[np.ndarray, float]:
+    """The log-constants that fit ``rows`` best with latency paid ``per`` (those the rows
+    cannot pin down held at ``base``'s: :func:`unseen`), and the fit's root-mean-square
+    error in log time."""
     seconds = np.array([r.seconds for r in rows])
     # a start where each term alone would be a fair share of the median step
     median = float(np.median(seconds))
@@ -194,24 +228,42 @@ def _fit(rows: list[Timed], per: str) -> tuple[np.ndarray, float]:
     ]
     calls = np.median([r.calls[per] for r in rows]) or 1.0
     start = np.log([*(s / median for s in scale), median / calls, median / 4])
+    held = _held(base)
+    fixed = {CONSTANTS.index(k): math.log(held[k]) for k in unseen(rows, per)}
+    free = [i for i in range(len(CONSTANTS)) if i not in fixed]
+
+    def full(p: np.ndarray) -> np.ndarray:
+        out = start.copy()
+        out[free] = p
+        for i, v in fixed.items():
+            out[i] = v
+        return out
 
     def residual(p: np.ndarray) -> np.ndarray:
-        return np.log(_predict(p, rows, per)) - np.log(seconds)
+        return np.log(_predict(full(p), rows, per)) - np.log(seconds)
 
     # each constant within a factor of BOUND of its start: one whose term the steps do
     # not show (too cheap to measure) stops there instead of running off to infinity
     span = math.log(BOUND)
-    found = least_squares(residual, start, method="trf", bounds=(start - span, start + span))
-    return found.x, float(np.sqrt(np.mean(found.fun**2)))
+    x0 = start[free]
+    found = least_squares(residual, x0, method="trf", bounds=(x0 - span, x0 + span))
+    return full(found.x), float(np.sqrt(np.mean(found.fun**2)))
 
 
 def fit_profile(rows: list[Timed], base: Hardware, source: str = "") -> Hardware:
     """``base`` (its memory and platform kept) with the six constants fitted to
     ``rows``, latency paid per instruction, per array or per participant (where every
-    row counts them), whichever fits better; named ``fitted``."""
-    fits = {per: _fit(rows, per) for per in LATENCY_PER if all(per in r.calls for r in rows)}
+    row counts them), whichever fits better; named ``fitted``. A constant the rows cannot
+    pin down (:func:`unseen`) keeps ``base``'s value: a sweep of one GPU runs no
+    collective, so a profile fitted to it keeps the datasheet's links."""
+    pers = [per for per in LATENCY_PER if all(per in r.calls for r in rows)]
+    fits = {per: _fit(rows, per, base) for per in pers}
     per = min(fits, key=lambda k: fits[k][1])
     peak, hbm, state, link, alpha, overhead = (float(v) for v in np.exp(fits[per][0]))
+    kept = unseen(rows, per)
+    state = _held(base)["state"] if "state" in kept else state  # exactly, not through a log
+    links = {} if "link" in kept else {"link_bandwidth": link, "links": 1, "link_efficiency": 1.0}
+    latency = {} if "latency" in kept else {"collective_latency": alpha, "latency_per": per}
     return replace(
         base,
         key="fitted",
@@ -222,11 +274,8 @@ def fit_profile(rows: list[Timed], base: Hardware, source: str = "") -> Hardware
         matmul_efficiency=1.0,  # the fitted rate is what the steps achieved
         hbm_bandwidth=hbm,
         state_bandwidth=state,
-        link_bandwidth=link,
-        links=1,
-        link_efficiency=1.0,  # as the matmuls': the fitted rate is the achieved one
-        collective_latency=alpha,
-        latency_per=per,
+        **links,  # the fitted rate is the achieved one: no share of a wire's
+        **latency,
         step_overhead=overhead,
     )
 

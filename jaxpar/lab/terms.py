@@ -180,6 +180,11 @@ class LabModel:
         say)."""
         return 1.0
 
+    def fused_backward_share(self, cfg: Any, layout: LabLayout) -> float:
+        """The share of a layer's forward FLOPs that a fused kernel's backward computes
+        beyond the backward XLA derives (0: none)."""
+        return 0.0
+
     def unsplit_flops(self, cfg: Any, layout: LabLayout) -> float:
         """Training FLOPs a device computes beyond its share of the family's count, for
         weights its layout holds whole where the rules would split them (0: none)."""

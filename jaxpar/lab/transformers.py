@@ -16,6 +16,7 @@ from jaxpar.lab.activations import (
     activation_bytes,
     activation_itemsize,
     elementwise_bytes,
+    fused_backward_share,
     recomputed_share,
     transformer_matmuls,
     unsplit_kv_flops,
@@ -90,7 +91,11 @@ class TransformerLab(LabModel):
     def recomputed_share(self, cfg: Any, layout: LabLayout, policy: str = "full") -> float:
         if getattr(cfg, "n_experts", 0) and policy == "full":  # routed matmuls: not counted
             return 1.0
-        return recomputed_share(cfg, layout, self.gated, policy, bool(self.kept.mlp_out))
+        reads = bool(self.kept.mlp_out)
+        return recomputed_share(cfg, layout, self.gated, policy, reads, _flash(cfg, layout))
+
+    def fused_backward_share(self, cfg: Any, layout: LabLayout) -> float:
+        return fused_backward_share(cfg, layout, self.gated) if _flash(cfg, layout) else 0.0
 
     def unsplit_flops(self, cfg: Any, layout: LabLayout) -> float:
         return unsplit_kv_flops(cfg, layout)
