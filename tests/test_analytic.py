@@ -518,7 +518,7 @@ def test_a_plan_draws_its_data_once(monkeypatch):
 
 def test_llama3_70b_on_1024_gpus(capsys):
     """Llama-3-70B on 1,024 H100s, nothing compiled (the whole plan's 1,578 layouts and
-    1,265 fixes take about 31 s: ``python benchmarks/plan_time.py --cluster``): FSDP over
+    1,265 fixes take about 35 s: ``python benchmarks/plan_time.py --cluster``): FSDP over
     128 and tensor over 8 holds 1/1,024 of the state (12 bytes a parameter, AdamW) and 8
     rows of activations; the plan says it does not fit 80 GB and which fix does."""
     code = main(

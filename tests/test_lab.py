@@ -231,7 +231,7 @@ def test_sweep_command_writes_csv_md_and_png_and_reports_invalid_layouts(tmp_pat
     good, bad = table[:2], table[2:]
     for r in good:
         assert float(r["step_time_s"]) > 0 and float(r["mem_total_bytes"]) > 0
-        assert r["fits"] == "true" and r["error"] == ""
+        assert r["fits"] == "true" and r["error"] == "" and r["timed_on"] == "cpu"
     assert "heads" in bad[0]["error"] and bad[0]["mem_total_bytes"] == ""
     assert "mesh" in bad[1]["error"] and "8" in bad[1]["error"]
     assert float(good[1]["mem_args_bytes"]) < float(good[0]["mem_args_bytes"]) / 4

@@ -105,17 +105,23 @@ def run_plan(args: argparse.Namespace, config: Config, task: Task | None) -> Non
 
 
 def _fitted(paths: list[str], base: Hardware) -> Hardware:
-    """``base`` fitted to the steps timed in ``paths`` on this machine; says how well it
-    ranks layouts it was not fitted on, and prints it as a --hardware-file entry."""
+    """``base`` fitted to the steps timed in ``paths`` (its platform the one they were
+    timed on); says how well it ranks layouts it was not fitted on and which constants it
+    kept, and prints it as a --hardware-file entry."""
     import jax
 
     from jaxpar.lab import fit
 
     rows = fit.read_sweeps(paths)
-    base = dataclasses.replace(base, platform=jax.default_backend())
+    # the machine that timed the steps (a sweep written before it said: this one)
+    base = dataclasses.replace(base, platform=fit.timed_on(paths) or jax.default_backend())
     named = " and ".join(paths)
     hw = fit.fit_profile(rows, base, source=f"fitted to {len(rows)} layouts of {named}")
     first, second = fit.held_out(rows, base)
+    kept = fit.unseen(rows, hw.latency_per)
+    if kept:
+        why = "; ".join(fit.UNSEEN_WHY[k] for k in fit.CONSTANTS if k in kept)
+        print(f"kept from the {base.key} profile, which the steps cannot show: {why}", flush=True)
     if len(paths) > 1:
         print(
             f"the {len(paths)} sweeps rank their layouts alike with Spearman rho "

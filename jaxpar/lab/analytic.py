@@ -55,10 +55,11 @@ from jaxpar.sharding import bytes_per_device
 from jaxpar.task import Task
 
 
-def flops_per_device(run: Run, asynchronous: bool = False) -> float | None:
+def flops_per_device(run: Run, asynchronous: bool = False, gpu: bool = True) -> float | None:
     """The step's FLOPs on one device (None: the family does not count them);
     ``asynchronous``: its pipeline's stages run as the sub-mesh executor runs them
-    (:func:`~jaxpar.lab.pipeline_cost.pipeline_stretch`)."""
+    (:func:`~jaxpar.lab.pipeline_cost.pipeline_stretch`); ``gpu``: on a GPU, where
+    attention may run as cuDNN's fused kernel (elsewhere as XLA computes it)."""
     family = run.family
     if family is None or family.counts is None:
         return None
@@ -67,7 +68,7 @@ def flops_per_device(run: Run, asynchronous: bool = False) -> float | None:
     per_example = family.counts(run.config.model, run.data).train_flops_per_example
     split = plan.batch_ways() * sizes[Axis.CONTEXT] * sizes[Axis.TENSOR] * sizes[Axis.STAGE]
     flops = per_example * run.config.train.batch_size / split
-    lab, layout = lab_for(family), lab_layout(run, cpu=False)
+    lab, layout = lab_for(family), lab_layout(run, cpu=not gpu)
     # and what a device computes beyond its share (weights held whole)
     flops += lab.unsplit_flops(run.config.model, layout)
     flops *= pipeline_stretch(run, asynchronous)
@@ -233,7 +234,7 @@ def estimate(
     row.mem_temp_bytes = temps
     row.mem_total_bytes = row.mem_args_bytes + (temps or 0)
     _judge_memory(row, memory_bytes or hw.memory_bytes)
-    row.flops = flops_per_device(run, asynchronous=sub_mesh)
+    row.flops = flops_per_device(run, asynchronous=sub_mesh, gpu=hw.platform == "gpu")
     row.mem_traffic_bytes = row.state_traffic_bytes + 2 * (temps or 0)
     # a profile of a CPU (fitted here): its bytes and collectives, nothing hidden
     comm = predict_comm(run, "cpu" if hw.platform == "cpu" else "gpu", asynchronous=sub_mesh)
@@ -244,7 +245,7 @@ def estimate(
     # and shown, per collective
     row.collective_arrays = row.collective_ops
     dtype = run.family.compute_dtype(run.config.model) if run.family else "float32"
-    if hw.platform == "cpu":
+    if hw.as_fitted:
         time_s = roofline(
             hw,
             row.flops or 0.0,

@@ -3,7 +3,8 @@
 
 A datasheet profile says what a chip could do; a sweep with ``--steps N`` says what this
 machine did. The fit keeps the roofline's form (:func:`jaxpar.lab.hardware.roofline`) and
-chooses its six constants — matmul FLOP/s, the bandwidth of the temporaries' traffic and
+chooses its six constants (those the steps cannot show keep the base profile's:
+:func:`unseen`) — matmul FLOP/s, the bandwidth of the temporaries' traffic and
 of the state's (arguments and outputs: the optimizer update streams the parameters and
 moments, where unfused kernels write and read the activations), interconnect bandwidth,
 the latency of one collective and a fixed cost per step (dispatch, host work) — so that
@@ -85,6 +86,25 @@ def read_sweep(path: str | Path) -> list[Timed]:
             "sweep --all --steps 5` (or more --layouts) on this machine"
         )
     return timed
+
+
+def timed_on(paths: list[str | Path]) -> str | None:
+    """The platform the sweeps' steps were timed on (their ``timed_on`` column), None
+    where they do not say (a sweep written before they did) or say several.
+
+    Raises:
+      ConfigError: where one sweep was timed on another platform than another.
+    """
+    found = set()
+    for path in paths:
+        with Path(path).open(newline="") as f:
+            found |= {r.get("timed_on") or "" for r in csv.DictReader(f)} - {""}
+    if len(found) > 1:
+        raise ConfigError(
+            f"--fit: the sweeps were timed on {' and '.join(sorted(found))}; fit a profile "
+            "to the sweeps of one machine"
+        )
+    return found.pop() if found else None
 
 
 def read_sweeps(paths: list[str | Path]) -> list[Timed]:
@@ -206,6 +226,21 @@ def unseen(rows: list[Timed], per: str) -> set[str]:
     return out
 
 
+#: why a constant :func:`unseen` names keeps the base profile's value, as ``plan --fit``
+#: says it
+UNSEEN_WHY = {
+    "state": "the state's bandwidth (every step streamed about the same state)",
+    "link": "the links' bandwidth (no step ran a collective)",
+    "latency": "a collective's latency (no step ran one)",
+}
+
+
+def _median(values: list[float]) -> float:
+    """The median of the positive ``values`` (1 where there are none)."""
+    positive = [v for v in values if v > 0]
+    return float(np.median(positive)) if positive else 1.0
+
+
 def _held(base: Hardware) -> dict[str, float]:
     """``base``'s values of the constants a fit may keep, in the fit's units."""
     return {
@@ -222,14 +257,15 @@ def _fit(rows: list[Timed], per: str, base: Hardware) -> tuple[np.ndarray, float
     seconds = np.array([r.seconds for r in rows])
     # a start where each term alone would be a fair share of the median step
     median = float(np.median(seconds))
-    scale = [
-        np.median([getattr(r, k) for r in rows]) or 1.0
-        for k in ("flops", "traffic", "state", "comm")
-    ]
-    calls = np.median([r.calls[per] for r in rows]) or 1.0
+    # medians over the steps that have the term (a sweep whose few multi-device layouts
+    # alone communicate starts its links from those, not from nothing)
+    scale = [_median([getattr(r, k) for r in rows]) for k in ("flops", "traffic", "state", "comm")]
+    calls = _median([r.calls[per] for r in rows])
     start = np.log([*(s / median for s in scale), median / calls, median / 4])
     held = _held(base)
-    fixed = {CONSTANTS.index(k): math.log(held[k]) for k in unseen(rows, per)}
+    # a term no step has costs nothing at any value: a profile's 0 (no latency) is held
+    # at a tiny one the logarithm takes
+    fixed = {CONSTANTS.index(k): math.log(max(held[k], 1e-30)) for k in unseen(rows, per)}
     free = [i for i in range(len(CONSTANTS)) if i not in fixed]
 
     def full(p: np.ndarray) -> np.ndarray:
@@ -277,6 +313,7 @@ def fit_profile(rows: list[Timed], base: Hardware, source: str = "") -> Hardware
         **links,  # the fitted rate is the achieved one: no share of a wire's
         **latency,
         step_overhead=overhead,
+        fitted=True,
     )
 
 

@@ -94,6 +94,16 @@ class Hardware:
     link_efficiency: float = 1.0
     #: the same share of ``network_bandwidth`` for collectives that cross domains
     network_efficiency: float = 1.0
+    #: fitted to steps timed on a machine (:mod:`jaxpar.lab.fit`): priced as the fit
+    #: models a step (:attr:`as_fitted`), whatever its platform
+    fitted: bool = False
+
+    @property
+    def as_fitted(self) -> bool:
+        """Whether a step is priced as a fit models it — the roofline on the step's own
+        counts, nothing hidden, one domain, no kernel model: a fitted profile's constants
+        are what whole steps achieved. A CPU profile is (it can only be fitted)."""
+        return self.fitted or self.platform == "cpu"
 
     @property
     def interconnect_bandwidth(self) -> float:
@@ -193,6 +203,7 @@ _OPTIONAL = {
     "state_bandwidth": 0,
     "link_efficiency": None,
     "network_efficiency": None,
+    "fitted": (False, True),
 }
 #: the least value of the number fields that need not be above 0
 _LEAST = {

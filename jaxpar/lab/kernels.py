@@ -63,7 +63,7 @@ def kernels(run: Run, hw: Hardware, dtype: str, asynchronous: bool = False) -> K
     CPU profile: one fitted here prices the step as fitted); in a pipeline the bytes are
     stretched as its FLOPs are (:func:`~jaxpar.lab.pipeline_cost.pipeline_stretch`,
     ``asynchronous`` as there)."""
-    if hw.platform == "cpu":
+    if hw.as_fitted:
         return Kernels()
     lab = lab_for(run.family)
     layout = lab_layout(run, cpu=False)

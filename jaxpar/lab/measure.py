@@ -93,6 +93,9 @@ class Row:
     #: bytes per device held in host memory (an offloaded optimizer state), outside mem_*
     mem_host_bytes: int | None = None
     hardware: str = ""
+    #: the JAX platform the step was timed on (``gpu``, ``cpu``…; empty where nothing was
+    #: timed): the machine a profile fitted to the sweep describes (``plan --fit``)
+    timed_on: str = ""
     error: str = ""
 
     @property
@@ -283,6 +286,7 @@ def read(
     fill_predicted(row, time_s, run, hw.peak_flops(dtype))
     if steps > 0:
         row.step_time_s = _time_steps(run, compiled, steps)
+        row.timed_on = run.plan.mesh.devices.flat[0].platform
         examples = run.config.train.batch_size
         row.examples_per_s = examples / row.step_time_s
         per_example = run.plan.task.tokens_per_example
@@ -297,14 +301,14 @@ UNPREDICTED = "collectives the prediction does not know"
 def _step_time(
     row: Row, hw: Hardware, run: Run, comm: tuple[float, CommPrediction], calls: int, dtype: str
 ) -> StepTime:
-    """The predicted step time of ``row``. A CPU profile (fitted here) prices the compiled
+    """The predicted step time of ``row``. A fitted profile (a CPU's) prices the compiled
     bytes and count, nothing hidden, all in one domain: what the fit models. A GPU profile
     places the GPU prediction's collectives on its NVLink domains and network
     (:func:`jaxpar.lab.network.step_time`), their bytes scaled to the measured ones
     corrected to GPU form (``comm``: those bytes and the prediction), the compiled count
     less the hidden ones paying the latency."""
     measured, gpu = comm
-    if hw.platform == "cpu":
+    if hw.as_fitted:
         return roofline(
             hw,
             row.flops,

@@ -34,7 +34,7 @@ def _rate(rate: float, share: float) -> str:
 
 def _footer(hw: Hardware, memory: float) -> str:
     """How the ranking's times were priced, and the memory it judged against."""
-    gpu = hw.platform != "cpu"
+    gpu = not hw.as_fitted
     network = (
         f", {_rate(hw.network_rate, hw.network_efficiency)} and "
         f"{fmt_time(hw.network_latency)} a level "
