@@ -306,3 +306,12 @@ def test_a_profile_fitted_to_a_gpus_steps_prices_steps_as_it_was_fitted(tmp_path
         writer.writerows({**r, "timed_on": "cpu"} for r in table)
     with pytest.raises(ConfigError, match=r"timed on cpu and gpu; fit a profile to the sweeps"):
         fit.timed_on([ONE_H200, cpu])
+    with cpu.open("w", newline="") as f:
+        writer = csv.DictWriter(f, list(table[0]))
+        writer.writeheader()
+        writer.writerows({**r, "timed_on": "h200"} for r in table)
+    with pytest.raises(ConfigError, match=r"timed_on='h200' is no JAX platform"):
+        fit.timed_on([cpu])
+    path.write_text(fit.profile_yaml(fitted).replace("fitted: true", "fitted: 2"))
+    with pytest.raises(ConfigError, match=r"fitted=2; write true or false"):
+        hardware.get_profile("fitted", path)

@@ -31,7 +31,7 @@ from scipy.optimize import least_squares
 from scipy.stats import spearmanr
 
 from jaxpar.errors import ConfigError
-from jaxpar.lab.hardware import LATENCY_PER, Hardware, roofline
+from jaxpar.lab.hardware import LATENCY_PER, PLATFORMS, Hardware, roofline
 
 #: a sweep.csv's columns the fit reads
 NEEDED = (
@@ -99,6 +99,12 @@ def timed_on(paths: list[str | Path]) -> str | None:
     for path in paths:
         with Path(path).open(newline="") as f:
             found |= {r.get("timed_on") or "" for r in csv.DictReader(f)} - {""}
+    unknown = found - set(PLATFORMS)
+    if unknown:
+        raise ConfigError(
+            f"--fit: timed_on={unknown.pop()!r} is no JAX platform ({', '.join(PLATFORMS)}); "
+            "give an unedited sweep.csv"
+        )
     if len(found) > 1:
         raise ConfigError(
             f"--fit: the sweeps were timed on {' and '.join(sorted(found))}; fit a profile "

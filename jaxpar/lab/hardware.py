@@ -187,11 +187,13 @@ def _hosts_in_domains(hw: Hardware) -> Hardware:
     return hw
 
 
+#: the JAX platforms a profile's chip may run (and a sweep's steps be timed on)
+PLATFORMS = ("gpu", "tpu", "cpu")
 #: fields a profile may leave out, and the values they may take (None: any text, but a
 #: share in (0, 1] for the fields in ``_SHARES``; a number: any number at least that)
 _OPTIONAL = {
     "source": None,
-    "platform": ("gpu", "tpu", "cpu"),
+    "platform": PLATFORMS,
     "latency_per": LATENCY_PER,
     "step_overhead": 0,
     "domain_devices": 0,
@@ -226,6 +228,12 @@ def _typed(profile: str, field: str, value: object) -> object:
     """A profile value as its field's type (YAML reads ``80.0e9`` as a string)."""
     if field == "name" or (_OPTIONAL.get(field, ()) is None and field not in _SHARES):
         return str(value)
+    if field == "fitted":
+        if not isinstance(value, bool):
+            raise ConfigError(
+                f"hardware profile '{profile}': fitted={value!r}; write true or false"
+            )
+        return value
     if isinstance(_OPTIONAL.get(field), tuple):
         if value not in _OPTIONAL[field]:
             raise ConfigError(

@@ -60,9 +60,9 @@ def shape_efficiency(
 
 def kernels(run: Run, hw: Hardware, dtype: str, asynchronous: bool = False) -> Kernels:
     """The step's matmul shape efficiency and other kernels' bytes on ``hw`` (nothing on a
-    CPU profile: one fitted here prices the step as fitted); in a pipeline the bytes are
-    stretched as its FLOPs are (:func:`~jaxpar.lab.pipeline_cost.pipeline_stretch`,
-    ``asynchronous`` as there)."""
+    fitted profile or a CPU's: it prices the step as fitted, :attr:`Hardware.as_fitted`);
+    in a pipeline the bytes are stretched as its FLOPs are
+    (:func:`~jaxpar.lab.pipeline_cost.pipeline_stretch`, ``asynchronous`` as there)."""
     if hw.as_fitted:
         return Kernels()
     lab = lab_for(run.family)

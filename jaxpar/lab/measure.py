@@ -313,7 +313,8 @@ def _step_time(
             hw,
             row.flops,
             row.mem_traffic_bytes,
-            row.comm_bytes,
+            # a GPU's fitted links carry the GPU's bytes (an estimate's too), not XLA:CPU's
+            row.comm_bytes if hw.platform == "cpu" else measured,
             dtype,
             calls,
             state_bytes=row.state_traffic_bytes,
