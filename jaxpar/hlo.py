@@ -38,69 +38,28 @@ forms of asynchronous collectives that GPU programs use.
 
 from __future__ import annotations
 
-import functools
 import math
 import re
 from dataclasses import dataclass
 from typing import Any
 
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
-
-_DTYPE_BYTES = {
-    "pred": 1,
-    "s8": 1,
-    "u8": 1,
-    "s16": 2,
-    "u16": 2,
-    "f16": 2,
-    "bf16": 2,
-    "s32": 4,
-    "u32": 4,
-    "f32": 4,
-    "s64": 8,
-    "u64": 8,
-    "f64": 8,
-    "c64": 8,
-    "c128": 16,
-    "s4": 0.5,
-    "u4": 0.5,
-}
-_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?)\[([0-9,]*)\]")
-_NAME = re.compile(r"%([\w.\-]+)")
-_CALLEE = re.compile(
-    r"(?:body|condition|to_apply|calls|branch_computations|true_computation|false_computation"
-    r"|called_computations)=\{?(%?[\w.\-]+(?:,\s*%?[\w.\-]+)*)\}?"
+from jaxpar.hlo_flops import instruction_flops
+from jaxpar.hlo_text import (
+    REDUCER_OPS,
+    Instruction,
+    array_bytes,
+    arrays,
+    callees,
+    parse,
+    trip_count,
 )
-_CALLS = ("body=", "condition=", "to_apply=", "calls=", "computation")
-# Ops whose called computation is a scalar reducer such as %add.
-_REDUCER_OPS = {"reduce", "reduce-window", "scatter", "sort", "select-and-scatter", "map"}
-_BRACKETS = re.compile(r"[(){}\[\]]")
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
+# the text's reading, for callers that read a program's text and its cost through this module
+from jaxpar.hlo_text import Module as Module
+from jaxpar.hlo_text import count_ops as count_ops
+from jaxpar.hlo_text import loop_computations as loop_computations
 
-@dataclass(frozen=True)
-class Instruction:
-    """One HLO instruction: ``name = type opcode(operands), attrs``."""
-
-    name: str
-    type: str
-    opcode: str
-    operands: tuple[str, ...]
-    attrs: str
-
-
-@dataclass(frozen=True)
-class Module:
-    """A parsed HLO module: computations, which one is the entry, the device count."""
-
-    computations: dict[str, list[Instruction]]
-    entry: str
-    num_partitions: int
-
-    def types(self) -> dict[str, str]:
-        """Instruction name → result type, over the whole module (names are unique)."""
-        return {i.name: i.type for insts in self.computations.values() for i in insts}
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 
 
 @dataclass(frozen=True)
@@ -115,130 +74,6 @@ class CollectiveStat:
     wire_bytes: float = 0.0
     arrays: int = 0
     participants: int = 0
-
-
-# ---- parsing ---------------------------------------------------------------------------------
-def _balanced(text: str, start: int) -> int:
-    """Index just past the bracket group that opens at ``text[start]``."""
-    depth = 0
-    for bracket in _BRACKETS.finditer(text, start):  # the regex skips the rest in C
-        depth += 1 if bracket.group() in "({[" else -1
-        if depth == 0:
-            return bracket.end()
-    return len(text)
-
-
-def parse_instruction(line: str) -> Instruction | None:
-    """An instruction line → :class:`Instruction` (None for anything else)."""
-    text = line.strip()
-    text = text.removeprefix("ROOT ")
-    head = re.match(r"%?([\w.\-]+)\s*=\s*", text)
-    if not head:
-        return None
-    rest = text[head.end() :]
-    end = _balanced(rest, 0) if rest.startswith("(") else rest.find(" ")
-    if end <= 0:
-        return None
-    typ, rest = rest[:end], rest[end:].lstrip()
-    op = re.match(r"([\w\-]+)\(", rest)
-    if not op:
-        return None
-    close = _balanced(rest, op.end() - 1)
-    operands = tuple(_NAME.findall(rest[op.end() : close - 1]))
-    return Instruction(head.group(1), typ, op.group(1), operands, rest[close:])
-
-
-@functools.lru_cache(maxsize=2)  # the lab reads one program's text several ways
-def parse(hlo: str) -> Module:
-    """The module's computations, entry name and partition count."""
-    comps: dict[str, list[Instruction]] = {}
-    entry = ""
-    current = None
-    for line in hlo.splitlines():
-        if current is None:
-            match = _HEADER.match(line.strip()) if not line.startswith(" ") else None
-            if match and not line.startswith("HloModule"):
-                current = match.group(2)
-                comps[current] = []
-                if match.group(1):
-                    entry = current
-        elif line.strip() == "}":
-            current = None
-        else:
-            inst = parse_instruction(line)
-            if inst is not None:
-                comps[current].append(inst)
-    parts = re.search(r"num_partitions=(\d+)", hlo.split("\n", 1)[0])
-    return Module(comps, entry, int(parts.group(1)) if parts else 1)
-
-
-# ---- shapes ----------------------------------------------------------------------------------
-def arrays(typ: str) -> list[tuple[str, tuple[int, ...]]]:
-    """The (dtype, dims) of every array in a type such as ``(f32[4,8]{1,0}, s32[])``."""
-    out = []
-    for dtype, dims in _ARRAY.findall(typ):
-        size = _DTYPE_BYTES.get(dtype, 1 if dtype.startswith("f8") else None)
-        if size is not None:
-            out.append((dtype, tuple(int(d) for d in dims.split(",") if d)))
-    return out
-
-
-def _array_bytes(dtype: str, dims: tuple[int, ...]) -> float:
-    return _DTYPE_BYTES.get(dtype, 1) * math.prod(dims)
-
-
-# ---- call graph ------------------------------------------------------------------------------
-def _callees(inst: Instruction) -> list[str]:
-    if not any(key in inst.attrs for key in _CALLS):
-        return []  # most instructions call nothing: skip the regex (a program has thousands)
-    names = []
-    for group in _CALLEE.findall(inst.attrs):
-        names += [n.strip().lstrip("%") for n in group.split(",")]
-    return names
-
-
-def trip_count(inst: Instruction) -> int | None:
-    """A while loop's trip count as XLA recorded it (None when unknown)."""
-    match = _TRIP.search(inst.attrs)
-    return int(match.group(1)) if match else None
-
-
-def loop_computations(hlo: str) -> set[str]:
-    """Names of every computation that runs inside a ``while`` loop (bodies and callees)."""
-    module = parse(hlo)
-    inside: set[str] = set()
-    todo = [
-        m.group(1)
-        for insts in module.computations.values()
-        for inst in insts
-        if inst.opcode == "while"
-        for m in re.finditer(r"body=%?([\w.\-]+)", inst.attrs)
-    ]
-    while todo:
-        name = todo.pop()
-        if name in inside or name not in module.computations:
-            continue
-        inside.add(name)
-        for inst in module.computations[name]:
-            todo += _callees(inst)
-    return inside
-
-
-def count_ops(hlo: str, op: str, in_loops: bool | None = None) -> int:
-    """How many ``op`` instructions (``-start`` forms included) the module has.
-
-    Args:
-      hlo: the compiled module's text.
-      op: an HLO opcode such as ``all-reduce``.
-      in_loops: True: only inside while loops; False: only outside; None: all.
-    """
-    loops = loop_computations(hlo)
-    total = 0
-    for name, insts in parse(hlo).computations.items():
-        if in_loops is not None and (name in loops) != in_loops:
-            continue
-        total += sum(1 for inst in insts if inst.opcode in (op, f"{op}-start"))
-    return total
 
 
 # ---- collectives -----------------------------------------------------------------------------
@@ -274,7 +109,7 @@ def _collective(inst: Instruction, num_partitions: int) -> tuple[str, float, flo
         # async forms return (operands…, results…[, context scalars])
         parts = [a for a in parts if a[1]]
         parts = parts[len(parts) // 2 :] if kind == "all-gather" else parts[:1]
-    result = sum(_array_bytes(*a) for a in parts)
+    result = sum(array_bytes(*a) for a in parts)
     if kind == "collective-permute":
         pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", inst.attrs)
         n_pairs = len(re.findall(r"\{\d+,\d+", pairs.group(0))) if pairs else 0
@@ -283,78 +118,6 @@ def _collective(inst: Instruction, num_partitions: int) -> tuple[str, float, flo
     payload = result * n if kind == "reduce-scatter" else result
     factor = 2 * (n - 1) / n if kind == "all-reduce" else (n - 1) / n
     return kind, payload, payload * factor, len(parts)
-
-
-# ---- FLOPs ----------------------------------------------------------------------------------
-def _dims(attrs: str, key: str) -> list[int]:
-    match = re.search(rf"{key}=\{{([\d,]*)\}}", attrs)
-    return [int(d) for d in match.group(1).split(",") if d] if match else []
-
-
-#: a GPU program's matrix products that XLA hands to a library as a custom call (cuBLAS,
-#: cuBLASLt, FP8 included): the first result is the product, the first two operands its
-#: factors, and the backend config names the contracting dimensions as a dot would
-_GEMM_TARGETS = re.compile(r'custom_call_target="__cublas\$(?:gemm|lt\$matmul)')
-_GEMM_CONTRACT = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
-
-
-#: cuDNN's fused attention (``jax.nn.dot_product_attention(implementation="cudnn")``): the
-#: matrix products of one pass over its [B, N, T, S] scores, each 2·B·N·T·S·D FLOPs (D the
-#: head dim) as the full product counts them — a causal kernel skips the masked tiles. The
-#: forward's two (scores, weighted values); the backward's five, FlashAttention-2's: the
-#: scores again, then the gradients of the probabilities, values, queries and keys.
-_FMHA = re.compile(r'custom_call_target="__cudnn\$fmha\w*"')
-_FMHA_PRODUCTS = {"forward": 2, "backward": 5}
-_SCORES = re.compile(r'"intermediate_tensor_shape":\{"dimensions":\[([^\]]*)\]')
-
-
-def _fused_attention_flops(inst: Instruction, types: dict[str, str]) -> float:
-    """FLOPs of a cuDNN fused-attention call: the scores' [B, N, T, S] from its backend
-    config, the head dim from its first operand (the queries, [B, T, N, D])."""
-    scores = _SCORES.search(inst.attrs)
-    queries = arrays(types.get(inst.operands[0], "")) if inst.operands else []
-    if not scores or not queries:
-        return 0.0
-    dims = [int(d) for d in re.findall(r"\d+", scores.group(1))]
-    head_dim = math.prod(queries[0][1]) / math.prod(dims[:-1])
-    which = "backward" if "Backward" in _FMHA.search(inst.attrs).group() else "forward"
-    return 2.0 * _FMHA_PRODUCTS[which] * math.prod(dims) * head_dim
-
-
-def _contracting(inst: Instruction) -> list[int]:
-    """A dot's (``lhs_contracting_dims={…}``) or a library gemm's contracting dims."""
-    if inst.opcode == "dot":
-        return _dims(inst.attrs, "lhs_contracting_dims")
-    found = _GEMM_CONTRACT.search(inst.attrs)
-    return [int(d) for d in re.findall(r"\d+", found.group(1))] if found else []
-
-
-def _flops(inst: Instruction, types: dict[str, str]) -> float:
-    """2 × multiply-adds of a dot, a library gemm (a GPU's cuBLAS custom call), cuDNN's
-    fused attention or a convolution (0 for anything else)."""
-    gemm = inst.opcode == "custom-call" and _GEMM_TARGETS.search(inst.attrs)
-    if inst.opcode == "custom-call" and _FMHA.search(inst.attrs):
-        return _fused_attention_flops(inst, types)
-    if inst.opcode not in ("dot", "convolution") and not gemm:
-        return 0.0
-    out = arrays(inst.type)
-    if not out or len(inst.operands) < 2:
-        return 0.0
-    out_elems = math.prod(out[0][1])
-    lhs, rhs = (arrays(types.get(o, "")) for o in inst.operands[:2])
-    if inst.opcode != "convolution":
-        lhs_dims = lhs[0][1] if lhs else ()
-        contract = math.prod(lhs_dims[d] for d in _contracting(inst))
-        return 2.0 * out_elems * contract
-    kernel = rhs[0][1] if rhs else ()
-    labels = re.search(r"dim_labels=\w+_(\w+)->", inst.attrs)
-    out_features = kernel[labels.group(1).index("o")] if labels and kernel else 1
-    # An input gradient of a strided convolution reads its output gradient with zeros
-    # inserted (lhs_dilate=s): of each window only 1/s per dim is data, as a GPU's
-    # backward-data kernel computes it.
-    dilate = re.search(r"lhs_dilate=([\dx]+)", inst.attrs)
-    zeros = math.prod(int(d) for d in dilate.group(1).split("x")) if dilate else 1
-    return 2.0 * out_elems * math.prod(kernel) / max(out_features, 1) / zeros
 
 
 # ---- the whole program -----------------------------------------------------------------------
@@ -407,7 +170,7 @@ class _Walker:
         self.memo: dict[str, dict[str, float]] = {}
 
     def own(self, inst: Instruction) -> dict[str, float]:
-        cost = {"flops": _flops(inst, self.types)}
+        cost = {"flops": instruction_flops(inst, self.types)}
         found = _collective(inst, self.module.num_partitions)
         if found:
             kind, payload, wire, parts = found
@@ -440,11 +203,11 @@ class _Walker:
             _add(total, self.cost(body.group(1)), trips or 1)
             total["unknown_loops"] = total.get("unknown_loops", 0.0) + (trips is None)
         elif inst.opcode == "conditional":
-            for branch in (self.cost(c) for c in _callees(inst)):
+            for branch in (self.cost(c) for c in callees(inst)):
                 for k, v in branch.items():
                     total[k] = max(total.get(k, 0.0), v)
-        elif inst.opcode not in _REDUCER_OPS and not _collective_kind(inst):
-            for callee in _callees(inst):
+        elif inst.opcode not in REDUCER_OPS and not _collective_kind(inst):
+            for callee in callees(inst):
                 _add(total, self.cost(callee))
         return total
 
@@ -485,8 +248,8 @@ def loop_branch_costs(hlo: str, branches: int) -> tuple[int, list[dict[str, floa
             if body is None:
                 continue
             for cond in module.computations.get(body.group(1), []):
-                if cond.opcode == "conditional" and len(_callees(cond)) == branches:
-                    return trip_count(inst) or 1, [walker.cost(c) for c in _callees(cond)]
+                if cond.opcode == "conditional" and len(callees(cond)) == branches:
+                    return trip_count(inst) or 1, [walker.cost(c) for c in callees(cond)]
     return None
 
 

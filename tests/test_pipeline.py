@@ -343,7 +343,7 @@ def _opcodes(module, computation):
     out = []
     for inst in module.computations.get(computation, []):
         out.append(inst.opcode)
-        for callee in hlo._callees(inst):
+        for callee in hlo.callees(inst):
             out += _opcodes(module, callee)
     return out
 
@@ -365,11 +365,11 @@ def test_embedding_and_other_gradients_only_where_produced():
             (name, inst)
             for name, insts in module.computations.items()
             for inst in insts
-            if inst.opcode == "conditional" and len(hlo._callees(inst)) == len(used)
+            if inst.opcode == "conditional" and len(hlo.callees(inst)) == len(used)
         )
 
     lowered = hlo.parse(run.trainer.lower_step(run.data.batch(0, 16)).as_text(dialect="hlo"))
-    ops = {u: _opcodes(lowered, c) for u, c in zip(used, hlo._callees(tick_switch(lowered)[1]))}
+    ops = {u: _opcodes(lowered, c) for u, c in zip(used, hlo.callees(tick_switch(lowered)[1]))}
     assert ops[branches.F].count("gather") == 0 < ops[branches.F_FIRST].count("gather")
     assert ops[branches.B].count("scatter") == 0 < ops[branches.B_FIRST].count("scatter")
     module = hlo.parse(compiled.as_text())
@@ -386,7 +386,7 @@ def test_embedding_and_other_gradients_only_where_produced():
         inst
         for inst in module.computations[body]
         if inst.opcode == "conditional"
-        and len(hlo._callees(inst)) == 2
+        and len(hlo.callees(inst)) == 2
         and f"f32[{vocab},{width}]" in inst.type
     ]
     assert len(adds) == 1

@@ -90,10 +90,10 @@ def read_sweep(path: str | Path) -> list[Timed]:
 
 def timed_on(paths: list[str | Path]) -> str | None:
     """The platform the sweeps' steps were timed on (their ``timed_on`` column), None
-    where they do not say (a sweep written before they did) or say several.
+    where none says (sweeps written before the column).
 
     Raises:
-      ConfigError: where one sweep was timed on another platform than another.
+      ConfigError: where the sweeps name two platforms, or one that is no JAX platform.
     """
     found = set()
     for path in paths:
@@ -250,7 +250,7 @@ def _median(values: list[float]) -> float:
 def _held(base: Hardware) -> dict[str, float]:
     """``base``'s values of the constants a fit may keep, in the fit's units."""
     return {
-        "state": base.state_bandwidth or base.hbm_bandwidth,
+        "state": base.state_rate,
         "link": base.link_rate,
         "latency": base.collective_latency,
     }

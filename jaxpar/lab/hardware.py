@@ -124,6 +124,12 @@ class Hardware:
         return self.network_bandwidth * self.network_efficiency
 
     @property
+    def state_rate(self) -> float:
+        """Bytes/s a step reads and writes its state at (:attr:`state_bandwidth`, else
+        :attr:`hbm_bandwidth`)."""
+        return self.state_bandwidth or self.hbm_bandwidth
+
+    @property
     def devices_per_host(self) -> int:
         """Chips one host drives (:attr:`host_devices`, else a domain's; 0: unknown)."""
         return self.host_devices or self.domain_devices
@@ -367,10 +373,7 @@ def memory_time(hw: Hardware, traffic_bytes: float, state_bytes: float = 0.0) ->
     """Seconds a step's memory traffic takes: ``state_bytes`` of it (the state read and
     written) at the profile's state bandwidth, the rest at its HBM bandwidth."""
     state = min(state_bytes, traffic_bytes)
-    return (
-        state / (hw.state_bandwidth or hw.hbm_bandwidth)
-        + (traffic_bytes - state) / hw.hbm_bandwidth
-    )
+    return state / hw.state_rate + (traffic_bytes - state) / hw.hbm_bandwidth
 
 
 def compute_time(hw: Hardware, flops: float, dtype: str, kernels: Kernels) -> float:
