@@ -1,8 +1,9 @@
 """The FLOPs of one HLO instruction (:func:`instruction_flops`): a ``dot`` or a
 ``convolution``, and on a GPU the custom calls XLA makes instead — matrix products handed to
-cuBLAS (a gemm's backend config names its contracting dims as a ``dot`` does) and attention
+cuBLAS (a gemm's backend config names its contracting dims as a ``dot`` does), attention
 handed to cuDNN's fused kernel (two products forward, five backward over the scores;
-``benchmarks/`` keeps a step compiled for an H200, ``tests/test_hlo.py``).
+``benchmarks/`` keeps a step compiled for an H200, ``tests/test_hlo.py``) and convolutions
+handed to cuDNN (forward, backward-input, backward-filter: each the forward's FLOPs).
 """
 
 from __future__ import annotations
@@ -48,6 +49,43 @@ def _fused_attention_flops(inst: Instruction, types: dict[str, str]) -> float:
     return 2.0 * _FMHA_PRODUCTS[which] * math.prod(dims) * head_dim
 
 
+#: cuDNN's convolutions. XLA's conv rewriter gives each the forward convolution's window and
+#: dimension labels, whatever it computes (``xla/service/gpu/transforms/conv_rewriter.cc``),
+#: so each does the forward's multiply-adds; what differs is where the forward's output and
+#: kernel are: (input, kernel) → output forward (a bias and activation fused in or not);
+#: (output gradient, kernel) → input gradient; (input, output gradient) → kernel gradient.
+_CUDNN_CONV = re.compile(r'custom_call_target="__cudnn\$conv(\w*)"')
+#: where the forward's output and kernel are: an operand's index, or None for the result
+_CONV_ARRAYS = {"BackwardInput": (0, 1), "BackwardFilter": (1, None)}
+
+
+def _cudnn_conv_flops(inst: Instruction, types: dict[str, str], kind: str) -> float:
+    """FLOPs of a cuDNN convolution call (``kind``: the target's suffix): its forward's."""
+
+    def dims(at: int | None) -> tuple[int, ...]:
+        if at is None:
+            found = arrays(inst.type)
+        else:
+            found = arrays(types.get(inst.operands[at], "")) if len(inst.operands) > at else []
+        return found[0][1] if found else ()
+
+    out, kernel = (dims(at) for at in _CONV_ARRAYS.get(kind, (None, 1)))
+    return _convolution_flops(out, kernel, inst.attrs) if out and kernel else 0.0
+
+
+def _convolution_flops(out: tuple[int, ...], kernel: tuple[int, ...], attrs: str) -> float:
+    """2 × the output's elements × a kernel's elements per output feature (its window times
+    the input features of its group), less the zeros an input gradient reads."""
+    labels = re.search(r"dim_labels=\w+_(\w+)->", attrs)
+    out_features = kernel[labels.group(1).index("o")] if labels and kernel else 1
+    # An input gradient of a strided convolution reads its output gradient with zeros
+    # inserted (lhs_dilate=s): of each window only 1/s per dim is data, as a GPU's
+    # backward-data kernel computes it.
+    dilate = re.search(r"lhs_dilate=([\dx]+)", attrs)
+    zeros = math.prod(int(d) for d in dilate.group(1).split("x")) if dilate else 1
+    return 2.0 * math.prod(out) * math.prod(kernel) / max(out_features, 1) / zeros
+
+
 def _contracting(inst: Instruction) -> list[int]:
     """A dot's (``lhs_contracting_dims={…}``) or a library gemm's contracting dims."""
     if inst.opcode == "dot":
@@ -58,10 +96,14 @@ def _contracting(inst: Instruction) -> list[int]:
 
 def instruction_flops(inst: Instruction, types: dict[str, str]) -> float:
     """2 × multiply-adds of a dot, a library gemm (a GPU's cuBLAS custom call), cuDNN's
-    fused attention or a convolution (0 for anything else)."""
-    gemm = inst.opcode == "custom-call" and _GEMM_TARGETS.search(inst.attrs)
-    if inst.opcode == "custom-call" and _FMHA.search(inst.attrs):
+    fused attention or convolution, or a convolution (0 for anything else)."""
+    custom = inst.opcode == "custom-call"
+    gemm = custom and _GEMM_TARGETS.search(inst.attrs)
+    if custom and _FMHA.search(inst.attrs):
         return _fused_attention_flops(inst, types)
+    conv = custom and _CUDNN_CONV.search(inst.attrs)
+    if conv:
+        return _cudnn_conv_flops(inst, types, conv.group(1))
     if inst.opcode not in ("dot", "convolution") and not gemm:
         return 0.0
     out = arrays(inst.type)
@@ -73,12 +115,4 @@ def instruction_flops(inst: Instruction, types: dict[str, str]) -> float:
         lhs_dims = lhs[0][1] if lhs else ()
         contract = math.prod(lhs_dims[d] for d in _contracting(inst))
         return 2.0 * out_elems * contract
-    kernel = rhs[0][1] if rhs else ()
-    labels = re.search(r"dim_labels=\w+_(\w+)->", inst.attrs)
-    out_features = kernel[labels.group(1).index("o")] if labels and kernel else 1
-    # An input gradient of a strided convolution reads its output gradient with zeros
-    # inserted (lhs_dilate=s): of each window only 1/s per dim is data, as a GPU's
-    # backward-data kernel computes it.
-    dilate = re.search(r"lhs_dilate=([\dx]+)", inst.attrs)
-    zeros = math.prod(int(d) for d in dilate.group(1).split("x")) if dilate else 1
-    return 2.0 * out_elems * math.prod(kernel) / max(out_features, 1) / zeros
+    return _convolution_flops(out[0][1], rhs[0][1] if rhs else (), inst.attrs)

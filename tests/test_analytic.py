@@ -17,7 +17,7 @@ import jaxpar.run as run_module
 from jaxpar.cli import main
 from jaxpar.errors import ConfigError
 from jaxpar.lab import analytic, hardware, staged
-from jaxpar.lab.measure import measure
+from jaxpar.lab.measure import compile_lowered, lower, measure, read
 from jaxpar.lab.pipeline_cost import pipeline_factor
 from jaxpar.lab.plan_text import format_plan
 from jaxpar.lab.planner import Planned, Ranking
@@ -414,6 +414,34 @@ def test_the_estimate_on_a_gpu_equals_the_step_compiled_for_an_h200(remat):
     )
     row = analytic.estimate(config, f"data=1,model.remat={remat}", hardware.get_profile("h200"), 1)
     assert row.flops == pytest.approx(compiled, rel=1e-9)
+
+
+def test_a_plan_compiled_here_prices_cudnn_attention_on_a_gpu_profile():
+    """A GPU runs gpt_tiny's attention (bfloat16, head dim 64) as cuDNN's fused kernel,
+    XLA:CPU writes it out: on a GPU profile the compiled plan's FLOPs carry what the kernel
+    adds, as the estimate's do (which equal an H200's program: the test above). Under
+    ``save_dots`` with 512 tokens the scores are 0.2 of a layer's forward FLOPs and the
+    values' product as much: the fused forward runs again (0.4) and its backward computes
+    the scores once more (0.2), a third of which is a layer's forward share of its training
+    FLOPs — 1 + 0.6/3 over the CPU program's, less the head's and embedding's share.
+    Under context parallelism the same holds where keys are gathered; ring attention
+    computes its blocks through XLA's attention on a GPU as well: the estimate adds none."""
+    overrides = ["model.n_heads=2", "model.dtype=bfloat16", "model.max_seq_len=512"]
+    overrides += ["data.seq_len=512", "train.batch_size=8"]
+    config = jaxpar.load_config([CONFIGS["gpt"]], overrides)
+    layout = "data=8,model.remat=save_dots"
+    lowered = lower(config, layout, H100)
+    compiled, seconds = compile_lowered(lowered)
+    on_gpu = read(lowered, compiled, seconds, H100).flops
+    on_cpu = read(lowered, compiled, seconds, dataclasses.replace(H100, platform="cpu")).flops
+    assert on_gpu == pytest.approx(analytic.estimate(config, layout, H100, 8).flops, rel=0.01)
+    assert on_gpu / on_cpu == pytest.approx(1 + 0.6 / 3, rel=0.01)
+    # ring attention computes its blocks through XLA's attention on a GPU too: no extras
+    cpu = dataclasses.replace(H100, platform="cpu")
+    for attention, extra in (("all_gather", 1.2), ("ring", 1.0)):
+        ring = f"context=8,context.attention={attention},model.remat=save_dots"
+        flops = [analytic.estimate(config, ring, hw, 8).flops for hw in (H100, cpu)]
+        assert flops[0] / flops[1] == pytest.approx(extra, rel=0.01), attention
 
 
 def test_the_pipeline_factor_counts_the_busiest_device_of_each_tick():

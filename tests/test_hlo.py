@@ -154,6 +154,42 @@ def test_a_gpu_programs_library_matmuls_and_fused_attention_count_their_flops():
     assert hlo.program_cost(GPU).flops == 2 * 8192 * 2304 * 768 + (2 + 5) * 2 * scores
 
 
+#: a strided 3×3 convolution's step as cuDNN runs it: XLA's conv rewriter gives each call
+#: the forward's window and dimension labels (xla/service/gpu/transforms/conv_rewriter.cc;
+#: written here in XLA's printed form, not taken from a GPU's program)
+CUDNN_CONV = """HloModule jit_grad, num_partitions=1
+
+ENTRY %main (x: f32[8,32,32,16], k: f32[3,3,16,32], dy: f32[8,16,16,32]) -> f32[3,3,16,32] {
+  %x = f32[8,32,32,16]{3,2,1,0} parameter(0)
+  %k = f32[3,3,16,32]{3,2,1,0} parameter(1)
+  %dy = f32[8,16,16,32]{3,2,1,0} parameter(2)
+  %y = (f32[8,16,16,32]{3,2,1,0}, u8[0]{0}) custom-call(%x, %k), window={size=3x3 stride=2x2 pad=1_1x1_1}, dim_labels=b01f_01io->b01f, custom_call_target="__cudnn$convForward"
+  %dx = (f32[8,32,32,16]{3,2,1,0}, u8[0]{0}) custom-call(%dy, %k), window={size=3x3 stride=2x2 pad=1_1x1_1}, dim_labels=b01f_01io->b01f, custom_call_target="__cudnn$convBackwardInput"
+  ROOT %dk = (f32[3,3,16,32]{3,2,1,0}, u8[16]{0}) custom-call(%x, %dy), window={size=3x3 stride=2x2 pad=1_1x1_1}, dim_labels=b01f_01io->b01f, custom_call_target="__cudnn$convBackwardFilter"
+}
+"""
+
+
+def test_cudnn_convolutions_count_the_forwards_flops_as_the_cpus_gradient_does():
+    """cuDNN's forward, backward-input and backward-filter calls each do the forward's
+    multiply-adds (2 · 8·16·16 outputs · 32 features · 3·3·16): together exactly what the
+    counter reads from the gradient XLA:CPU compiles for the same convolution as three
+    ``convolution`` instructions (one with the zeros of its stride inserted)."""
+    import jax
+    import jax.numpy as jnp
+
+    def loss(x, k):
+        dims = ("NHWC", "HWIO", "NHWC")
+        y = jax.lax.conv_general_dilated(x, k, (2, 2), ((1, 1), (1, 1)), dimension_numbers=dims)
+        return jnp.sum(y**2)
+
+    cpu = _compiled_text(
+        jax.grad(loss, argnums=(0, 1)), jnp.ones((8, 32, 32, 16)), jnp.ones((3, 3, 16, 32))
+    )
+    forward = 2 * 8 * 16 * 16 * 32 * 3 * 3 * 16
+    assert hlo.program_cost(CUDNN_CONV).flops == 3 * forward == hlo.program_cost(cpu).flops
+
+
 def test_the_step_compiled_for_an_h200_counts_the_models_flops():
     """The whole train step XLA compiled for one H200 (gpt2_small under ``save_dots``):
     every weight's matmuls 6·N a token (cuBLAS gemms and Triton gemm fusions), and

@@ -43,10 +43,10 @@ from jaxpar.lab.activations import remat_of
 from jaxpar.lab.executor_memory import one_program_buffers
 from jaxpar.lab.families import lab_for
 from jaxpar.lab.hardware import Hardware, roofline
-from jaxpar.lab.kernels import kernels
+from jaxpar.lab.kernels import kernels, recomputed
 from jaxpar.lab.measure import Row, fill_predicted, layout_overrides
 from jaxpar.lab.network import hosts_of, step_time
-from jaxpar.lab.pipeline_cost import layer_share, pipeline_stretch, scan_length
+from jaxpar.lab.pipeline_cost import pipeline_stretch, scan_length
 from jaxpar.lab.predict import lab_layout, predict_argument_bytes, predict_comm, stack_moves
 from jaxpar.lab.staged import check_chunk
 from jaxpar.plan.abstract import global_batch_shapes
@@ -72,10 +72,7 @@ def flops_per_device(run: Run, asynchronous: bool = False, gpu: bool = True) -> 
     # and what a device computes beyond its share (weights held whole)
     flops += lab.unsplit_flops(run.config.model, layout)
     flops *= pipeline_stretch(run, asynchronous)
-    policy = remat_of(run.config.model)
-    again = lab.recomputed_share(run.config.model, layout, policy) if policy != "none" else 0.0
-    again += lab.fused_backward_share(run.config.model, layout)
-    return flops * (1 + layer_share(run) * again / 3)
+    return flops * recomputed(run, gpu)
 
 
 def collective_calls(terms: Any, layers: int, devices: int) -> tuple[int, int]:

@@ -33,9 +33,10 @@ from collections.abc import Sequence
 
 import jax.numpy as jnp
 
+from jaxpar.lab.activations import remat_of
 from jaxpar.lab.families import lab_for
 from jaxpar.lab.hardware import Hardware, Kernels
-from jaxpar.lab.pipeline_cost import pipeline_stretch
+from jaxpar.lab.pipeline_cost import layer_share, pipeline_stretch
 from jaxpar.lab.predict import lab_layout
 from jaxpar.lab.terms import Matmul
 from jaxpar.run import Run
@@ -80,3 +81,24 @@ def kernels(run: Run, hw: Hardware, dtype: str, asynchronous: bool = False) -> K
     fp8 = sum(m.flops for m in matmuls if m.fp8) / flops if flops else 0.0
     moved = lab.elementwise_bytes(cfg, layout) * pipeline_stretch(run, asynchronous)
     return Kernels(efficiency, moved, fp8)
+
+
+def recomputed(run: Run, gpu: bool) -> float:
+    """A step's FLOPs over those it would have without recomputation: 1 + the stacked
+    layers' share of them × what the model's ``model.remat`` runs again of a layer (a third
+    of a layer's share is its forward) — and on a GPU (``gpu``), where attention may run as
+    cuDNN's fused kernel, what that kernel adds: its forward again under a recomputing
+    policy, the scores again in its backward."""
+    lab, layout = lab_for(run.family), lab_layout(run, cpu=not gpu)
+    cfg = run.config.model
+    policy = remat_of(cfg)
+    again = lab.recomputed_share(cfg, layout, policy) if policy != "none" else 0.0
+    again += lab.fused_backward_share(cfg, layout)
+    return 1 + layer_share(run) * again / 3
+
+
+def fused_attention_factor(run: Run) -> float:
+    """A GPU step's FLOPs over those of the step XLA:CPU compiles for the same layout, which
+    writes attention out: the extra products of cuDNN's fused kernel (1 where it does not
+    run)."""
+    return recomputed(run, gpu=True) / recomputed(run, gpu=False)

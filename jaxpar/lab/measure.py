@@ -31,7 +31,7 @@ from jaxpar.axes import MESH_AXES
 from jaxpar.config import Config, apply_overrides
 from jaxpar.errors import ConfigError, JaxparError
 from jaxpar.lab.hardware import Hardware, StepTime, roofline
-from jaxpar.lab.kernels import kernels
+from jaxpar.lab.kernels import fused_attention_factor, kernels
 from jaxpar.lab.network import hosts_of, step_time
 from jaxpar.lab.predict import CommPrediction, predict_argument_bytes, predict_comm
 from jaxpar.lab.terms import Term
@@ -49,6 +49,9 @@ class Row:
     mem_args_bytes: int | None = None
     mem_temp_bytes: int | None = None
     mem_total_bytes: int | None = None
+    #: FLOPs per device: the compiled program's; for a GPU profile, a program compiled
+    #: elsewhere with what cuDNN's fused attention adds (:func:`~jaxpar.lab.kernels.
+    #: fused_attention_factor`)
     flops: float | None = None
     all_reduce_bytes: float | None = None
     all_gather_bytes: float | None = None
@@ -273,6 +276,10 @@ def read(
     # the sub-mesh pipeline moves activations between stages with device_put
     row.transfer_bytes = getattr(compiled, "transfer_bytes", None)
     row.flops = _scheduled_flops(compiled, cost, run)
+    if hw.platform == "gpu" and run.devices[0].platform != "gpu":
+        # the GPU's program: XLA:CPU writes attention out where a GPU runs cuDNN's fused
+        # kernel, which computes more (as the collectives' bytes, corrected to GPU form)
+        row.flops *= fused_attention_factor(run)
     # HBM traffic, roughly: the state is read and written once, activations written and
     # read back once (an unfused CPU program's op-by-op traffic would say far more)
     row.mem_traffic_bytes = row.state_traffic_bytes + 2 * row.mem_temp_bytes

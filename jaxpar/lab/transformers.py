@@ -24,6 +24,7 @@ from jaxpar.lab.activations import (
 from jaxpar.lab.context_terms import transformer_context_terms
 from jaxpar.lab.tensor_terms import rows_lie, transformer_tensor_terms
 from jaxpar.lab.terms import LabLayout, LabModel, Matmul, TableReads, Term
+from jaxpar.logical import SEQ, split_over
 from jaxpar.models.bert import BERT_FAMILY
 from jaxpar.models.gemma import GEMMA_FAMILY
 from jaxpar.models.gpt import GPT_FAMILY
@@ -222,9 +223,12 @@ class LlamaLab(TransformerLab):
 
 def _flash(cfg: Any, layout: LabLayout) -> bool:
     """Whether attention runs as cuDNN's fused kernel, which keeps no [T, T] scores: on a
-    GPU, where ``model.attention`` means ``cudnn`` and no attention dropout writes the
-    scores out (:func:`jaxpar.models.transformer.dropped_attention`)."""
+    GPU, where ``model.attention`` means ``cudnn``, no attention dropout writes the scores
+    out (:func:`jaxpar.models.transformer.dropped_attention`) and ring attention does not
+    compute its blocks in float32 through XLA's (:mod:`jaxpar.ring_attention`)."""
     if layout.cpu or not hasattr(cfg, "attention") or getattr(cfg, "attention_dropout", 0):
+        return False
+    if layout.context == "ring" and split_over(layout.rules, layout.sizes, SEQ):
         return False
     try:
         return attention_implementation(cfg, "gpu") == "cudnn"
