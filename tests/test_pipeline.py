@@ -326,15 +326,14 @@ def test_1f1b_memory_flat_gpipe_linear():
     """1F1B holds ≤ p microbatches of activations whatever m is; GPipe holds all m.
 
     The executor stashes one stage input per in-flight microbatch: 2 rows × 64
-    tokens × 64 dims × 4 bytes. GPipe's temporaries must grow by that much per
-    extra microbatch, 1F1B's by at most 10% from m = 8 to m = 32.
+    tokens × 64 dims × 4 bytes. GPipe's temporaries must grow by exactly that much per
+    extra microbatch from m = 8 to m = 32, 1F1B's by at most 10%.
     """
     stash = 2 * 64 * 64 * 4
     f8, f32 = temp_bytes("1f1b", 8), temp_bytes("1f1b", 32)
-    g8, g16, g32 = (temp_bytes("gpipe", m) for m in (8, 16, 32))
+    g8, g32 = temp_bytes("gpipe", 8), temp_bytes("gpipe", 32)
     assert f32 <= 1.10 * f8, (f8, f32)
-    slopes = [(g16 - g8) / 8, (g32 - g16) / 16]
-    np.testing.assert_allclose(slopes, [stash, stash], rtol=0.05)
+    np.testing.assert_allclose((g32 - g8) / 24, stash, rtol=0.05)
     assert g32 - g8 > 5 * (f32 - f8), (g8, g32, f8, f32)
 
 
