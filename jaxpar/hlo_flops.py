@@ -54,8 +54,12 @@ def _fused_attention_flops(inst: Instruction, types: dict[str, str]) -> float:
 #: so each does the forward's multiply-adds; what differs is where the forward's output and
 #: kernel are: (input, kernel) → output forward (a bias and activation fused in or not);
 #: (output gradient, kernel) → input gradient; (input, output gradient) → kernel gradient.
-_CUDNN_CONV = re.compile(r'custom_call_target="__cudnn\$conv(\w*)"')
+_CUDNN_CONV = re.compile(
+    r'custom_call_target="__cudnn\$conv(Forward|BiasActivationForward|ForwardGraph|'
+    r'BackwardInput|BackwardFilter)"'
+)
 #: where the forward's output and kernel are: an operand's index, or None for the result
+#: (``__cudnn$convReorderFilter…``, an int8 filter's layout change, computes nothing)
 _CONV_ARRAYS = {"BackwardInput": (0, 1), "BackwardFilter": (1, None)}
 
 

@@ -17,6 +17,7 @@ import jaxpar.run as run_module
 from jaxpar.cli import main
 from jaxpar.errors import ConfigError
 from jaxpar.lab import analytic, hardware, staged
+from jaxpar.lab.kernels import fused_attention_factor
 from jaxpar.lab.measure import compile_lowered, lower, measure, read
 from jaxpar.lab.pipeline_cost import pipeline_factor
 from jaxpar.lab.plan_text import format_plan
@@ -432,10 +433,16 @@ def test_a_plan_compiled_here_prices_cudnn_attention_on_a_gpu_profile():
     layout = "data=8,model.remat=save_dots"
     lowered = lower(config, layout, H100)
     compiled, seconds = compile_lowered(lowered)
-    on_gpu = read(lowered, compiled, seconds, H100).flops
-    on_cpu = read(lowered, compiled, seconds, dataclasses.replace(H100, platform="cpu")).flops
-    assert on_gpu == pytest.approx(analytic.estimate(config, layout, H100, 8).flops, rel=0.01)
-    assert on_gpu / on_cpu == pytest.approx(1 + 0.6 / 3, rel=0.01)
+    row, estimated = (
+        read(lowered, compiled, seconds, H100),
+        analytic.estimate(config, layout, H100, 8),
+    )
+    factor = fused_attention_factor(lowered.run)
+    assert factor == pytest.approx(1 + 0.6 / 3, rel=0.01)
+    # the row keeps the program's FLOPs (what a fit to timed rows reads) and prices the GPU's
+    assert row.flops * factor == pytest.approx(estimated.flops, rel=0.01)
+    assert row.predicted_compute_s == pytest.approx(estimated.predicted_compute_s, rel=0.01)
+    assert row.predicted_mfu == pytest.approx(estimated.predicted_mfu, rel=0.02)
     # ring attention computes its blocks through XLA's attention on a GPU too: no extras
     cpu = dataclasses.replace(H100, platform="cpu")
     for attention, extra in (("all_gather", 1.2), ("ring", 1.0)):

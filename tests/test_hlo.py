@@ -156,24 +156,27 @@ def test_a_gpu_programs_library_matmuls_and_fused_attention_count_their_flops():
 
 #: a strided 3×3 convolution's step as cuDNN runs it: XLA's conv rewriter gives each call
 #: the forward's window and dimension labels (xla/service/gpu/transforms/conv_rewriter.cc;
-#: written here in XLA's printed form, not taken from a GPU's program)
+#: written here in XLA's printed form, not taken from a GPU's program), the kernel's output
+#: features first (``o01i``), so that taking the wrong arrays for either backward call
+#: counts a different number
 CUDNN_CONV = """HloModule jit_grad, num_partitions=1
 
-ENTRY %main (x: f32[8,32,32,16], k: f32[3,3,16,32], dy: f32[8,16,16,32]) -> f32[3,3,16,32] {
+ENTRY %main (x: f32[8,32,32,16], k: f32[32,3,3,16], dy: f32[8,16,16,32]) -> f32[32,3,3,16] {
   %x = f32[8,32,32,16]{3,2,1,0} parameter(0)
-  %k = f32[3,3,16,32]{3,2,1,0} parameter(1)
+  %k = f32[32,3,3,16]{3,2,1,0} parameter(1)
   %dy = f32[8,16,16,32]{3,2,1,0} parameter(2)
-  %y = (f32[8,16,16,32]{3,2,1,0}, u8[0]{0}) custom-call(%x, %k), window={size=3x3 stride=2x2 pad=1_1x1_1}, dim_labels=b01f_01io->b01f, custom_call_target="__cudnn$convForward"
-  %dx = (f32[8,32,32,16]{3,2,1,0}, u8[0]{0}) custom-call(%dy, %k), window={size=3x3 stride=2x2 pad=1_1x1_1}, dim_labels=b01f_01io->b01f, custom_call_target="__cudnn$convBackwardInput"
-  ROOT %dk = (f32[3,3,16,32]{3,2,1,0}, u8[16]{0}) custom-call(%x, %dy), window={size=3x3 stride=2x2 pad=1_1x1_1}, dim_labels=b01f_01io->b01f, custom_call_target="__cudnn$convBackwardFilter"
+  %y = (f32[8,16,16,32]{3,2,1,0}, u8[0]{0}) custom-call(%x, %k), window={size=3x3 stride=2x2 pad=1_1x1_1}, dim_labels=b01f_o01i->b01f, custom_call_target="__cudnn$convForward"
+  %dx = (f32[8,32,32,16]{3,2,1,0}, u8[0]{0}) custom-call(%dy, %k), window={size=3x3 stride=2x2 pad=1_1x1_1}, dim_labels=b01f_o01i->b01f, custom_call_target="__cudnn$convBackwardInput"
+  %reordered = s8[32,3,3,16]{3,2,1,0} custom-call(%k), custom_call_target="__cudnn$convReorderFilter"
+  ROOT %dk = (f32[32,3,3,16]{3,2,1,0}, u8[16]{0}) custom-call(%x, %dy), window={size=3x3 stride=2x2 pad=1_1x1_1}, dim_labels=b01f_o01i->b01f, custom_call_target="__cudnn$convBackwardFilter"
 }
 """
 
 
 def test_cudnn_convolutions_count_the_forwards_flops_as_the_cpus_gradient_does():
     """cuDNN's forward, backward-input and backward-filter calls each do the forward's
-    multiply-adds (2 · 8·16·16 outputs · 32 features · 3·3·16): together exactly what the
-    counter reads from the gradient XLA:CPU compiles for the same convolution as three
+    multiply-adds (2 · 8·16·16 outputs · 32 features · 3·3·16; an int8 filter's
+    reordering none): together exactly what the counter reads from the gradient XLA:CPU compiles for the same convolution as three
     ``convolution`` instructions (one with the zeros of its stride inserted)."""
     import jax
     import jax.numpy as jnp

@@ -49,9 +49,6 @@ class Row:
     mem_args_bytes: int | None = None
     mem_temp_bytes: int | None = None
     mem_total_bytes: int | None = None
-    #: FLOPs per device: the compiled program's; for a GPU profile, a program compiled
-    #: elsewhere with what cuDNN's fused attention adds (:func:`~jaxpar.lab.kernels.
-    #: fused_attention_factor`)
     flops: float | None = None
     all_reduce_bytes: float | None = None
     all_gather_bytes: float | None = None
@@ -276,10 +273,6 @@ def read(
     # the sub-mesh pipeline moves activations between stages with device_put
     row.transfer_bytes = getattr(compiled, "transfer_bytes", None)
     row.flops = _scheduled_flops(compiled, cost, run)
-    if hw.platform == "gpu" and run.devices[0].platform != "gpu":
-        # the GPU's program: XLA:CPU writes attention out where a GPU runs cuDNN's fused
-        # kernel, which computes more (as the collectives' bytes, corrected to GPU form)
-        row.flops *= fused_attention_factor(run)
     # HBM traffic, roughly: the state is read and written once, activations written and
     # read back once (an unfused CPU program's op-by-op traffic would say far more)
     row.mem_traffic_bytes = row.state_traffic_bytes + 2 * row.mem_temp_bytes
@@ -289,8 +282,12 @@ def read(
     row.collective_participants = cost.collective_participants
     calls = row.calls(hw.latency_per)
     dtype = run.family.compute_dtype(run.config.model) if run.family else "float32"
-    time_s = _step_time(row, hw, run, (comm, gpu), calls, dtype)
-    fill_predicted(row, time_s, run, hw.peak_flops(dtype))
+    # priced as the GPU's program: XLA:CPU writes attention out where a GPU runs cuDNN's
+    # fused kernel, which computes more (the row keeps the compiled program's count)
+    gpu_form = hw.platform == "gpu" and run.devices[0].platform != "gpu"
+    flops = row.flops * fused_attention_factor(run) if gpu_form and row.flops else row.flops
+    time_s = _step_time(row, hw, run, (comm, gpu), calls, dtype, flops)
+    fill_predicted(row, time_s, run, hw.peak_flops(dtype), flops)
     if steps > 0:
         row.step_time_s = _time_steps(run, compiled, steps)
         row.timed_on = run.plan.mesh.devices.flat[0].platform
@@ -306,11 +303,17 @@ UNPREDICTED = "collectives the prediction does not know"
 
 
 def _step_time(
-    row: Row, hw: Hardware, run: Run, comm: tuple[float, CommPrediction], calls: int, dtype: str
+    row: Row,
+    hw: Hardware,
+    run: Run,
+    comm: tuple[float, CommPrediction],
+    calls: int,
+    dtype: str,
+    flops: float | None,
 ) -> StepTime:
-    """The predicted step time of ``row``. A fitted profile (a CPU's) prices the compiled
-    bytes and count, nothing hidden, all in one domain: what the fit models. A GPU profile
-    places the GPU prediction's collectives on its NVLink domains and network
+    """The predicted step time of ``row`` doing ``flops``. A fitted profile (a CPU's) prices
+    the compiled bytes and count, nothing hidden, all in one domain: what the fit models. A
+    GPU profile places the GPU prediction's collectives on its NVLink domains and network
     (:func:`jaxpar.lab.network.step_time`), their bytes scaled to the measured ones
     corrected to GPU form (``comm``: those bytes and the prediction), the compiled count
     less the hidden ones paying the latency."""
@@ -318,7 +321,7 @@ def _step_time(
     if hw.as_fitted:
         return roofline(
             hw,
-            row.flops,
+            flops,
             row.mem_traffic_bytes,
             # a GPU's fitted links carry the GPU's bytes (an estimate's too), not XLA:CPU's
             row.comm_bytes if hw.platform == "cpu" else measured,
@@ -334,7 +337,7 @@ def _step_time(
     sizes = dict(run.plan.mesh.shape)
     return step_time(
         hw,
-        row.flops,
+        flops,
         row.mem_traffic_bytes,
         terms,
         sizes,
@@ -353,8 +356,12 @@ def _waits_per_send(hw: Hardware, run: Run) -> int:
     return run.plan.mesh.size if hw.latency_per == "participant" else 1
 
 
-def fill_predicted(row: Row, time_s: StepTime, run: Run, peak_flops: float) -> None:
-    """``row``'s predicted step time, its terms, throughput and utilisation."""
+def fill_predicted(
+    row: Row, time_s: StepTime, run: Run, peak_flops: float, flops: float | None = None
+) -> None:
+    """``row``'s predicted step time, its terms, throughput and utilisation (of ``flops``,
+    the FLOPs priced: ``row.flops`` unless given)."""
+    flops = row.flops if flops is None else flops
     row.predicted_step_time_s = time_s.total_s
     row.predicted_latency_s = time_s.latency_s
     row.predicted_compute_s, row.predicted_memory_s = time_s.compute_s, time_s.memory_s
@@ -365,7 +372,7 @@ def fill_predicted(row: Row, time_s: StepTime, run: Run, peak_flops: float) -> N
     devices = run.plan.mesh.size
     tokens = run.config.train.batch_size * per_example
     row.predicted_tokens_per_s_per_device = tokens / time_s.total_s / devices
-    row.predicted_mfu = row.flops / time_s.total_s / peak_flops if row.flops else None
+    row.predicted_mfu = flops / time_s.total_s / peak_flops if flops else None
 
 
 def _time_steps(run: Run, compiled: jax.stages.Compiled, steps: int) -> float:
