@@ -287,6 +287,7 @@ def test_bad_input_is_one_line():
         jaxpar.build(config)
 
 
+@pytest.mark.exhaustive  # the suite: the dispatch beside tensor and in pipelines (below)
 def test_the_lab_predicts_the_expert_dispatch():
     """With experts split over data (8, and 4 beside fsdp=2; with remat, which gathers the
     tokens again) the step's collective bytes — the tokens and routing gathered, the

@@ -372,8 +372,12 @@ GPT = [
                 id="interleaved-2-layers-a-chunk",
             ),
         ],
-        # tensor inside the sub-mesh stages: tests/test_overlap.py's mpmd case
-        {"interleaved"},
+        # all in the extended tier: the suite runs the sub-mesh executor's interleaved
+        # schedule on the two-device model (test_the_two_device_model_equals_one_device), the
+        # GPT's interleaved stack on the spmd executor (tests/test_pipeline.py), a
+        # transformer under the sub-mesh executor in MoE's, the overlap's and context's
+        # pipelines, and tensor inside its stages in tests/test_overlap.py's mpmd case
+        set(),
     ),
 )
 def test_gpt_under_both_executors_equals_one_device(layout):
@@ -395,9 +399,11 @@ def test_gpt_under_both_executors_equals_one_device(layout):
     assert specs(mpmd[2]) == specs(spmd[2])
 
 
-#: one chunk a stage (the suite), and two, interleaved (the extended tier)
+#: one chunk a stage and two, interleaved, both in the extended tier: the suite runs dropout
+#: in the sub-mesh executor's stages (test_batchnorm_and_dropout_live_in_their_stage) and
+#: BERT's masked, pipelined loss on the spmd executor (tests/test_pack_families.py)
 SCHEDULES = [
-    pytest.param([], id="1f1b"),
+    pytest.param([], id="1f1b", marks=pytest.mark.exhaustive),
     pytest.param(
         ["pipeline.schedule=interleaved", "pipeline.virtual_stages=2"],
         id="interleaved",
