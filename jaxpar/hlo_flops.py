@@ -99,8 +99,8 @@ def _contracting(inst: Instruction) -> list[int]:
 
 
 def instruction_flops(inst: Instruction, types: dict[str, str]) -> float:
-    """2 × multiply-adds of a dot, a library gemm (a GPU's cuBLAS custom call), cuDNN's
-    fused attention or convolution, or a convolution (0 for anything else)."""
+    """2 × multiply-adds of a dot, a convolution, or a GPU's library call in their place:
+    a cuBLAS gemm, cuDNN's fused attention or convolution (0 for anything else)."""
     custom = inst.opcode == "custom-call"
     gemm = custom and _GEMM_TARGETS.search(inst.attrs)
     if custom and _FMHA.search(inst.attrs):

@@ -89,16 +89,22 @@ def recomputed(run: Run, gpu: bool) -> float:
     of a layer's share is its forward) — and on a GPU (``gpu``), where attention may run as
     cuDNN's fused kernel, what that kernel adds: its forward again under a recomputing
     policy, the scores again in its backward."""
-    lab, layout = lab_for(run.family), lab_layout(run, cpu=not gpu)
-    cfg = run.config.model
-    policy = remat_of(cfg)
-    again = lab.recomputed_share(cfg, layout, policy) if policy != "none" else 0.0
-    again += lab.fused_backward_share(cfg, layout)
-    return 1 + layer_share(run) * again / 3
+    return 1 + layer_share(run) * _again(run, gpu) / 3
 
 
 def fused_attention_factor(run: Run) -> float:
     """A GPU step's FLOPs over those of the step XLA:CPU compiles for the same layout, which
     writes attention out: the extra products of cuDNN's fused kernel (1 where it does not
     run)."""
-    return recomputed(run, gpu=True) / recomputed(run, gpu=False)
+    share = layer_share(run) / 3
+    return (1 + share * _again(run, gpu=True)) / (1 + share * _again(run, gpu=False))
+
+
+def _again(run: Run, gpu: bool) -> float:
+    """The share of a layer's forward FLOPs a step runs again: what ``model.remat``
+    recomputes, and what a fused attention kernel's backward adds (:func:`recomputed`)."""
+    lab, layout = lab_for(run.family), lab_layout(run, cpu=not gpu)
+    cfg = run.config.model
+    policy = remat_of(cfg)
+    again = lab.recomputed_share(cfg, layout, policy) if policy != "none" else 0.0
+    return again + lab.fused_backward_share(cfg, layout)
