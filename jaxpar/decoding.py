@@ -11,6 +11,12 @@ from 0), so every token is predicted from between S/2 and S tokens before it.
 Token j of a generation draws with ``fold_in(PRNGKey(seed), j)``: a seed gives the same
 text however the generation is cut into windows, and on any layout.
 
+Given ``stop`` ids (a model's end-of-text tokens), a row that chooses one is finished: its
+later positions hold the first stop id, as transformers pads them when ``pad_token_id`` is
+its ``eos_token_id``, and generation ends, early, once every row is finished (the loop is a
+``lax.while_loop``), so the result is as long as its longest row. A row's tokens up to its
+stop are those it draws without stops.
+
 A model samples here when its module has ``init_cache(batch)`` and
 ``decode(tokens_BT, cache, start) -> (logits_BTV, cache)`` and ``cfg.max_seq_len``
 (the GPT and Llama families).
@@ -18,6 +24,7 @@ A model samples here when its module has ``init_cache(batch)`` and
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -47,12 +54,14 @@ def generate(
     top_k: int = 0,
     seed: int = 0,
     vocab_limit: int | None = None,
+    stop: Sequence[int] = (),
 ) -> np.ndarray:
     """``tokens`` ids [B, tokens] continuing each row of ``prompt_BP`` (see the module
     docstring) by ``run``'s model with ``state``'s parameters, on ``run``'s mesh.
-    ``vocab_limit``: draw only ids below it (those the tokenizer can decode)."""
+    ``vocab_limit``: draw only ids below it (those the tokenizer can decode). ``stop``:
+    ids that end a row; with them the result is [B, ≤ tokens]."""
     return Generator(run, vocab_limit).generate(
-        state, prompt_BP, tokens, temperature=temperature, top_k=top_k, seed=seed
+        state, prompt_BP, tokens, temperature=temperature, top_k=top_k, seed=seed, stop=stop
     )
 
 
@@ -77,7 +86,7 @@ class Generator:
             self._prefill_fn, in_shardings=(shardings.params, shardings.model_state, None)
         )
         self._decode = jax.jit(
-            self._decode_fn, in_shardings=(shardings.params, shardings.model_state, *[None] * 8)
+            self._decode_fn, in_shardings=(shardings.params, shardings.model_state, *[None] * 10)
         )
 
     def generate(
@@ -89,37 +98,42 @@ class Generator:
         temperature: float = 1.0,
         top_k: int = 0,
         seed: int = 0,
+        stop: Sequence[int] = (),
     ) -> np.ndarray:
         """:func:`generate` with this run's compiled functions."""
         params = state.params
         model_state = state.model_state
         B, S = prompt_BP.shape[0], self.max_len
         keep = max(1, S // 2)
-        settings = (jnp.float32(temperature), jnp.int32(top_k), jax.random.key(seed))
+        stop_K = jnp.asarray([*stop] or [-1], jnp.int32)  # -1: no id ends a row
+        settings = (jnp.float32(temperature), jnp.int32(top_k), jax.random.key(seed), stop_K)
         prompt_BP = np.asarray(prompt_BP, np.int32)
         out = np.zeros((B, tokens), np.int32)
+        finished_B = jnp.zeros((B,), bool)
         window = prompt_BP
         done = 0
-        while done < tokens:
+        while done < tokens and not bool(host_value(finished_B.all())):
             logits_BV, cache = self._prefill(params, model_state, window)
             filled = window.shape[1]
             # this window's tokens: the first from the prompt's logits, one more per
             # position left in the cache; the last one is not run (the next window has it)
             count = min(tokens - done, S - filled + 1)
-            got = self._decode(
+            got, made, finished_B = self._decode(
                 params,
                 model_state,
                 cache,
                 logits_BV,
+                finished_B,
                 jnp.int32(filled),
                 jnp.int32(count),
                 jnp.int32(done),
                 *settings,
             )
-            out[:, done : done + count] = host_value(got)[:, :count]
-            done += count
+            made = int(host_value(made))
+            out[:, done : done + made] = host_value(got)[:, :made]
+            done += made
             window = np.concatenate([prompt_BP, out[:, :done]], axis=1)[:, -keep:]
-        return out
+        return out[:, :done]
 
     def _model(self, params: Any, model_state: Any) -> Any:
         model = nnx.merge(self.graphdef, params, model_state)
@@ -150,38 +164,54 @@ class Generator:
         model_state: Any,
         cache: Any,
         logits_BV: jax.Array,
+        finished_B: jax.Array,
         start: jax.Array,
         count: jax.Array,
         first: jax.Array,
         temperature: jax.Array,
         top_k: jax.Array,
         key: jax.Array,
-    ) -> jax.Array:
-        """``count`` tokens [B, S] (the first ``count`` columns): each chosen from the
-        logits, then run at position ``start`` + its index to give the next logits —
-        all but the last. Token i draws with ``fold_in(key, first + i)``."""
+        stop_K: jax.Array,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Up to ``count`` tokens [B, S] (the first columns), how many were made, and which
+        rows are finished. Each token is chosen from the logits (a finished row's is
+        ``stop_K[0]``), then run at position ``start`` + its index to give the next logits
+        — all but the last. Token i draws with ``fold_in(key, first + i)``. Making stops
+        early once every row has chosen an id of ``stop_K``."""
         B = logits_BV.shape[0]
 
-        def choose(logits_BV: jax.Array, i: jax.Array) -> jax.Array:
-            return choose_token(
+        def choose(logits_BV: jax.Array, i: jax.Array, finished_B: jax.Array):
+            token_B = choose_token(
                 logits_BV[:, : self.vocab_limit],
                 temperature,
                 top_k,
                 jax.random.fold_in(key, first + i),
             )
+            token_B = jnp.where(finished_B, stop_K[0], token_B)
+            return token_B, finished_B | jnp.isin(token_B, stop_K)
 
         with activation_rules(self.mesh, self._rules(B)):
             model = self._model(params, model_state)
 
-            def body(i, carry):
-                out_BS, cache, logits_BV = carry
-                token_B = choose(logits_BV, i)
+            def more(carry):
+                i, _, _, _, finished_B = carry
+                return (i < count - 1) & ~finished_B.all()
+
+            def body(carry):
+                i, out_BS, cache, logits_BV, finished_B = carry
+                token_B, finished_B = choose(logits_BV, i, finished_B)
                 logits_B1V, cache = model.decode(token_B[:, None], cache, start + i)
-                return out_BS.at[:, i].set(token_B), cache, logits_B1V[:, -1]
+                return i + 1, out_BS.at[:, i].set(token_B), cache, logits_B1V[:, -1], finished_B
 
             out_BS = jnp.zeros((B, self.max_len), jnp.int32)
-            out_BS, _, logits_BV = jax.lax.fori_loop(0, count - 1, body, (out_BS, cache, logits_BV))
-            return out_BS.at[:, count - 1].set(choose(logits_BV, count - 1))
+            i, out_BS, _, logits_BV, finished_B = jax.lax.while_loop(
+                more, body, (jnp.int32(0), out_BS, cache, logits_BV, finished_B)
+            )
+            # the loop ran out of positions (not of rows): the last token needs no run
+            last = ~finished_B.all()
+            token_B, finished_B = choose(logits_BV, i, finished_B | ~last)
+            out_BS = out_BS.at[:, i].set(token_B)
+            return out_BS, i + last, finished_B
 
 
 def choose_token(

@@ -10,12 +10,17 @@ its ``tokenizer.json``, used as transformers uses it: the prompt gets the specia
 the tokenizer's post-processor adds (Llama's BOS). ``prompt_ids`` gives the prompt as token
 ids instead (a folder without a tokenizer).
 
+A sample ends at the model's end-of-text token (``stop="auto"``), as transformers' ``generate``
+does: a folder's ``generation_config.json`` ``eos_token_id`` (else its ``config.json``'s),
+a run's token file's ``eos`` separator (none for bytes); ``stop="none"`` draws every token.
+
 The decoding loop itself is :mod:`jaxpar.decoding`.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +31,7 @@ from flax import nnx
 
 from jaxpar import hf
 from jaxpar.config import Config
-from jaxpar.data.sources import text_tokenizer
+from jaxpar.data.sources import text_end, text_tokenizer
 from jaxpar.data.tokenizers import load_tokenizer
 from jaxpar.decoding import Generator, choose_token, generate, model_shapes
 from jaxpar.errors import ConfigError
@@ -58,17 +63,23 @@ class Samples:
     """What :func:`sample` generated.
 
     Attributes:
-      texts: each sample's continuation of the prompt (the prompt not included); None
-        without a tokenizer (a folder that has none).
-      tokens: the generated ids [samples, tokens].
+      texts: each sample's continuation of the prompt (the prompt not included, nor the
+        stop token that ended it); None without a tokenizer (a folder that has none).
+      tokens: the generated ids [samples, n]: n is ``tokens`` unless every sample ended
+        at a stop token; a sample that ended holds its stop token, then the first stop id
+        to the end (transformers' layout when ``pad_token_id`` is ``eos_token_id``).
       prompt_tokens: the prompt's ids.
       step: the checkpoint's step; None for a Hugging Face folder.
+      lengths: each sample's generated tokens, its stop token included.
+      stop: the ids that end a sample (empty: none did).
     """
 
     texts: list[str] | None
     tokens: np.ndarray
     prompt_tokens: np.ndarray
     step: int | None
+    lengths: np.ndarray
+    stop: tuple[int, ...] = ()
 
 
 def sample(
@@ -82,6 +93,7 @@ def sample(
     seed: int = 0,
     step: int | None = None,
     samples: int = 1,
+    stop: str | Sequence[int] = "auto",
     overrides: Sequence[str] = (),
 ) -> Samples:
     """Continues ``prompt`` with a run's or a Hugging Face folder's language model (see
@@ -100,6 +112,8 @@ def sample(
       seed: the random seed (the same seed gives the same text).
       step: the checkpoint step (None: the latest; a folder has none).
       samples: how many continuations to draw at once (rows of one batch).
+      stop: the ids that end a sample: ``"auto"`` (the model's end-of-text token, see the
+        module docstring), ``"none"``, or the ids.
       overrides: ``section.key=value`` settings over the run's config (a folder's: the
         default config), e.g. another layout: ``("mesh.data=1", "run.devices=1")``.
 
@@ -122,6 +136,7 @@ def sample(
         seed=seed,
         step=step,
         samples=samples,
+        stop=stop,
     )
 
 
@@ -157,6 +172,7 @@ def sample_source(
     seed: int = 0,
     step: int | None = None,
     samples: int = 1,
+    stop: str | Sequence[int] = "auto",
 ) -> Samples:
     """:func:`sample` of an opened run dir or folder (:func:`jaxpar.weights.open_source`)."""
     _check_settings(tokens, temperature, top_k, samples)
@@ -170,6 +186,7 @@ def sample_source(
         ids = _encode(tokenizer, prompt, vocab, model.cfg.max_seq_len, _name(source))
     else:
         ids = _given_ids(prompt_ids, vocab, model.cfg.max_seq_len)
+    ends = _stop_ids(source, stop, vocab)
     state = state_of(run, source, step, "jaxpar sample")
     out = generate(
         run,
@@ -180,10 +197,48 @@ def sample_source(
         top_k=top_k,
         seed=seed,
         vocab_limit=vocab,
+        stop=ends,
     )
-    texts = None if tokenizer is None else [_text(tokenizer.decode(row)) for row in out]
+    ended = np.isin(out, ends)
+    lengths = np.where(ended.any(1), ended.argmax(1) + 1, out.shape[1])
+    texts = None
+    if tokenizer is not None:
+        kept = lengths - ended.any(1)
+        texts = [_text(tokenizer.decode(row[:n])) for row, n in zip(out, kept)]
     at = None if source.folder is not None else int(host_value(state.step))
-    return Samples(texts, out, ids, at)
+    return Samples(texts, out, ids, at, lengths, ends)
+
+
+def _stop_ids(source: Source, stop: str | Sequence[int], vocab: int) -> tuple[int, ...]:
+    """The ids that end a sample (see :func:`sample`'s ``stop``)."""
+    if isinstance(stop, str):
+        if stop not in ("auto", "none"):
+            raise ConfigError(f"--stop {stop}: give auto, none or token ids such as 2,7")
+        return _model_ends(source) if stop == "auto" else ()
+    ids = tuple(int(i) for i in stop)
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise ConfigError(f"--stop holds {bad[0]}, outside the ids 0 to {vocab - 1} it can draw")
+    return ids
+
+
+def _model_ends(source: Source) -> tuple[int, ...]:
+    """A folder's ``eos_token_id`` (its generation config's, else its config's: one id or
+    a list), or a run's text's end-of-document id."""
+    if source.folder is None:
+        end = text_end(source.config.data)
+        return () if end is None else (end,)
+    for name in (hf.files.GENERATION_CONFIG, hf.files.CONFIG):
+        file = source.folder / name
+        try:
+            ids = json.loads(file.read_text()).get("eos_token_id") if file.is_file() else None
+        except (OSError, ValueError) as err:
+            raise ConfigError(
+                f"{file} cannot be read ({err}); fix it or give --stop none"
+            ) from None
+        if ids is not None:
+            return tuple(int(i) for i in (ids if isinstance(ids, list) else [ids]))
+    return ()
 
 
 def _check_settings(tokens: int, temperature: float, top_k: int, samples: int) -> None:

@@ -168,6 +168,42 @@ def test_greedy_tokens_of_a_folder_are_transformers_greedy_decoding(root, name):
     assert _files(folder) == before
 
 
+def test_a_folder_stops_at_its_generation_configs_end_of_text_as_transformers(root, capsys):
+    """``stop="auto"`` reads the folder's ``generation_config.json`` (a list of ids here),
+    and the tokens, their padding and the output's length are transformers' greedy
+    ``generate`` with that config."""
+    free = sample(root / "folder", PROMPT, tokens=20, temperature=0, overrides=ONE)
+    ends = [int(free.tokens[0, 7]), 319]  # met by step 7 at the latest; 319 never drawn
+    folder = root / "ends"
+    shutil.copytree(root / "folder", folder)
+    transformers.GenerationConfig(eos_token_id=ends, pad_token_id=ends[0]).save_pretrained(folder)
+    out = sample(folder, PROMPT, tokens=20, temperature=0, overrides=ONE)
+    with torch.no_grad():
+        expected = (
+            _hf_model(folder)
+            .generate(
+                torch.tensor([out.prompt_tokens.tolist()]), do_sample=False, max_new_tokens=20
+            )[0, len(out.prompt_tokens) :]
+            .numpy()
+        )
+    np.testing.assert_array_equal(out.tokens[0], expected)
+    assert out.stop == tuple(ends) and len(expected) <= 8 and expected[-1] == ends[0]
+    np.testing.assert_array_equal(expected, free.tokens[0, : len(expected)])
+    assert out.lengths.tolist() == [len(expected)]
+    decode = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json")).decode
+    assert out.texts[0] == decode(expected[:-1].tolist(), skip_special_tokens=False)
+    argv = ["sample", str(folder), "--prompt", PROMPT, "--tokens", "20", "--temperature", "0"]
+    for stop, text in (([], out.texts[0]), (["--stop", "none"], free.texts[0])):
+        assert main([*argv, *stop, "--devices", "1", "mesh.data=1"]) == 0
+        assert capsys.readouterr().out == PROMPT + text + "\n"
+    _one_line_error(capsys, [*argv, "--stop", "400", *ONE], "--stop holds 400", "0 to 319")
+
+
+def test_a_run_dir_stops_at_its_token_files_end_of_text(root, run_dir):
+    end = json.loads((root / "text.tokens.json").read_text())["eos"]["id"]
+    assert sample(run_dir, PROMPT, tokens=2, temperature=0, overrides=ONE).stop == (end,)
+
+
 def test_sample_command_of_a_folder_prints_text_and_ids(root, capsys):
     folder, bare = root / "folder", root / "bare"
     assert (

@@ -142,6 +142,33 @@ def test_sampling_is_deterministic_for_a_seed(restored, greedy):
     np.testing.assert_array_equal(draw(5, top_k=1), greedy[:, :12])  # top-1 is greedy
 
 
+def _stopped(free: np.ndarray, stop: list[int]) -> np.ndarray:
+    """``free`` (tokens drawn without stops) as rows that end at their first id of
+    ``stop``, the first stop id after it, as wide as the longest row."""
+    out = free.copy()
+    ends = [next((j for j, t in enumerate(row) if t in stop), None) for row in free]
+    for row, end in zip(out, ends):
+        if end is not None:
+            row[end + 1 :] = stop[0]
+    wide = free.shape[1] if None in ends else max(ends) + 1
+    return out[:, :wide]
+
+
+def test_stop_ids_end_each_row_where_its_own_draws_reach_one(restored):
+    """Rows drawn at temperature 1 end independently, one of them in the second window of
+    the 32-position cache; a row's tokens up to its stop are those it draws without stops,
+    and generation ends when every row has."""
+    _, state, generator = restored
+    prompt = np.array([list(b"The ")] * 3)
+    free = generator.generate(state, prompt, 40, temperature=1.0, seed=4)
+    late = next(t for j, t in enumerate(free[0]) if j >= 30 and t not in free[0, :j])
+    early = next(t for t in free[1, :3] if t not in free[0, :31])
+    for stop in ([int(late), int(early)], [int(t) for t in set(free[:, 0])]):
+        got = generator.generate(state, prompt, 40, temperature=1.0, seed=4, stop=stop)
+        np.testing.assert_array_equal(got, _stopped(free, stop))
+    assert got.shape == (3, 1)  # every row's first token stops it
+
+
 @pytest.mark.slow  # trains on 8 devices: ~20 s of compiling on 2 busy cores
 def test_sharded_run_samples_as_on_one_device(tmp_path):
     path = tmp_path / "run"

@@ -63,14 +63,15 @@ def _sample(args: argparse.Namespace) -> None:
         seed=args.seed,
         step=args.step,
         samples=args.samples,
+        stop=args.stop,
     )
     where = source.where if out.step is None else f"step {out.step} of {source.where}"
     print(f"jaxpar: {where}", file=sys.stderr, flush=True)
-    for i, row in enumerate(out.tokens):
+    for i, (row, n) in enumerate(zip(out.tokens, out.lengths)):
         if i:
             print("\n---")
-        if args.prompt is None:  # ids in, ids out
-            print(",".join(str(t) for t in [*out.prompt_tokens, *row]), flush=True)
+        if args.prompt is None:  # ids in, ids out (a stop token included)
+            print(",".join(str(t) for t in [*out.prompt_tokens, *row[:n]]), flush=True)
         else:
             print(args.prompt + out.texts[i], flush=True)
 

@@ -92,6 +92,11 @@ def token_ids(text: str) -> tuple[int, ...]:
         ) from None
 
 
+def stop_ids(text: str) -> str | tuple[int, ...]:
+    """``--stop``'s type: ``auto``, ``none`` or :func:`token_ids`."""
+    return text if text in ("auto", "none") else token_ids(text)
+
+
 def overwrite_argument(cmd: argparse.ArgumentParser, what: str) -> None:
     """A writing command's ``--overwrite`` (``what``: what it replaces)."""
     cmd.add_argument(

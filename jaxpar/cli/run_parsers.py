@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from jaxpar.cli.options import STEP, count, devices_argument, token_ids, trust_argument
+from jaxpar.cli.options import STEP, count, devices_argument, stop_ids, token_ids, trust_argument
 
 
 def sample_parser(sub: argparse._SubParsersAction) -> None:
@@ -42,6 +42,15 @@ def sample_parser(sub: argparse._SubParsersAction) -> None:
     cmd.add_argument("--seed", type=count(2**32 - 1), default=0, help="random seed (0)")
     cmd.add_argument(
         "--samples", type=count(2**16, None), default=1, help="continuations to draw (1)"
+    )
+    cmd.add_argument(
+        "--stop",
+        type=stop_ids,
+        default="auto",
+        metavar="auto|none|2,7",
+        help="end a sample at these token ids (auto: the model's end-of-text token, "
+        "from the folder's generation_config.json or the run's token file; none: draw "
+        "--tokens tokens)",
     )
 
 

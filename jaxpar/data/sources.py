@@ -205,6 +205,16 @@ def text_tokenizer(cfg: DataConfig) -> Tokenizer:
     return ByteTokenizer()
 
 
+def text_end(cfg: DataConfig) -> int | None:
+    """The id that closes each document of the text ``cfg`` names (a token file's ``eos``
+    separator), where its model learned to end a text; None for bytes and built-in text."""
+    path = cfg.mixture[0][0] if cfg.mixture else cfg.path
+    if cfg.dataset == "synthetic" or not path or not _is_token_file(Path(path)):
+        return None
+    eos = open_tokens(path).meta.get("eos")
+    return int(eos["id"]) if isinstance(eos, dict) else None
+
+
 def needs_of_batch(batch_keys: Any) -> DataNeeds | None:
     """The data a task's batch entries ask for, or None when they are neither jaxpar's
     text batches (``tokens``; ``segments`` of packed documents, ``index`` the examples'

@@ -22,6 +22,7 @@ WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
+GENERATION_CONFIG = "generation_config.json"
 #: transformers' default ``max_shard_size`` (5 GB): larger weights are written in shards
 MAX_SHARD_BYTES = 5 * 10**9
 
@@ -133,7 +134,7 @@ MODEL_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
-    "generation_config.json",
+    GENERATION_CONFIG,
 )
 
 
