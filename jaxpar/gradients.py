@@ -269,7 +269,10 @@ class Accumulated(Traced):
     """The mean over ``k`` microbatches of ``inner`` (a ``lax.scan``).
 
     Microbatch ``i`` is rows ``i, i+k, …`` of the batch, so each device's rows stay on
-    that device. ``grad_shardings`` pins the gradient carry to the parameters' sharding,
+    that device; an ``inner`` that runs ``per_call`` microbatches itself (a pipeline) gets
+    the rows that make its j-th microbatch of call i the (i·per_call + j)-th of one
+    device's k·per_call (:func:`jaxpar.task.split_microbatches`), whose RNG count it
+    draws with. ``grad_shardings`` pins the gradient carry to the parameters' sharding,
     so under FSDP each device accumulates its shard only. ``gathered_shardings``
     (``train.fsdp_gather=once``): the parameters are resharded to these (the FSDP
     shardings without their batch axes) before the loop, so their all-gathers run once per
@@ -281,6 +284,7 @@ class Accumulated(Traced):
     k: int
     grad_shardings: Any = None
     gathered_shardings: Any = None
+    per_call: int = 1
 
     @property
     def layout(self) -> Layout:
@@ -290,7 +294,7 @@ class Accumulated(Traced):
     def __call__(self, params: Any, model_state: Any, batch: Batch):
         if self.gathered_shardings is not None:
             params = jax.lax.with_sharding_constraint(params, self.gathered_shardings)
-        micro = {key: split_microbatches(v, self.k) for key, v in batch.items()}
+        micro = {key: split_microbatches(v, self.k, self.per_call) for key, v in batch.items()}
         first = {key: v[0] for key, v in micro.items()}
         shapes = jax.eval_shape(self.inner, params, model_state, first)
         zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes[:3])

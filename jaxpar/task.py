@@ -297,13 +297,17 @@ def checked_head(split: StageSplit, out: Any) -> tuple[jax.Array, dict]:
     return checked_loss(out, f"the stages' head ({code_name(split.head)})")
 
 
-def split_microbatches(x: jax.Array, k: int) -> jax.Array:
-    """[B, ...] → [k, B/k, ...] with microbatch i = rows i, i+k, …
+def split_microbatches(x: jax.Array, k: int, inner: int = 1) -> jax.Array:
+    """[B, ...] → [k, B/k, ...] with microbatch i = rows i, i+k, … (``inner`` 1).
 
     Strided rows keep each device's rows on that device: the B/k dim keeps
-    the batch sharding of B.
+    the batch sharding of B. With ``inner`` n, microbatch i holds the rows whose index
+    modulo k·n lies in [i·n, (i+1)·n): split again by n, strided, its j-th part is the
+    (i·n + j)-th of k·n strided microbatches — what a pipeline of n microbatches inside
+    each of k accumulation steps must see to run them in one device's order.
     """
-    return jnp.moveaxis(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 1, 0)
+    rows = x.reshape(x.shape[0] // (k * inner), k, inner, *x.shape[1:])
+    return jnp.moveaxis(rows, 1, 0).reshape(k, x.shape[0] // k, *x.shape[1:])
 
 
 def loss_weights(batch: Batch) -> Batch:

@@ -21,6 +21,14 @@ LAYOUTS = {
     "data=2,fsdp=2,tensor=2": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
     "tensor=2,sequence": ["mesh.data=4", "mesh.tensor=2", "tensor.sequence=true"],
     "1f1b": ["mesh.data=2", "mesh.stage=2", "mesh.tensor=2", "pipeline.schedule=1f1b"],
+    "1f1b,accumulated": [
+        "mesh.data=2",
+        "mesh.stage=2",
+        "mesh.tensor=2",
+        "pipeline.schedule=1f1b",
+        "pipeline.microbatches=2",
+        "train.grad_accum=2",
+    ],
     "interleaved,mpmd": [
         "mesh.data=4",
         "mesh.stage=2",
@@ -34,14 +42,19 @@ _one = {}
 
 
 def _micro(layout):
-    piped = "mesh.stage" in str(LAYOUTS[layout])
-    return ["pipeline.microbatches=4"] if piped else ["train.grad_accum=4"]
+    given = str(LAYOUTS[layout])
+    if "grad_accum" in given:
+        return []
+    return ["pipeline.microbatches=4"] if "mesh.stage" in given else ["train.grad_accum=4"]
 
 
-@pytest.mark.parametrize("layout", grid([pytest.param(x, id=x) for x in LAYOUTS], {"1f1b"}))
+@pytest.mark.parametrize(
+    "layout", grid([pytest.param(x, id=x) for x in LAYOUTS], {"1f1b,accumulated"})
+)
 def test_dropout_layouts_and_pipelines_match_one_device(layout):
-    """Dropout on: each layout and pipeline schedule (4 microbatches) equals one device
-    running the same 4 microbatches — losses, parameters and the RNG count."""
+    """Dropout on: each layout and pipeline schedule (4 microbatches: a pipeline's 4, or 2
+    in each of 2 accumulation steps) equals one device running the same 4 microbatches —
+    losses, parameters and the RNG count."""
     extra = [x for x in LAYOUTS[layout] if x.startswith("model.")]
     key = tuple(extra)
     if key not in _one:

@@ -71,6 +71,7 @@ def gradient_strategy(
         layout.grad_accum,
         param_shardings,
         shd.named(layout.mesh, gathered) if once else None,
+        per_call=layout.table.m if pipelined is not None else 1,
     )
 
 
