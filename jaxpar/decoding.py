@@ -2,7 +2,7 @@
 
 Generation keeps a KV cache, K/V[L, B_batch, S, N_heads, H] with S = the model's
 longest sequence: the prompt runs through the model once, filling it; then each token
-is one step of a jitted ``lax.fori_loop`` — choose a token from the last logits
+is one step of a jitted ``lax.while_loop`` — choose a token from the last logits
 (greedy at temperature 0, else a draw from softmax(logits / temperature), over the
 ``top_k`` largest when set), run it through the model at its position. When the cache
 is full the window slides: the last S/2 tokens run again as a fresh prompt (positions
@@ -12,10 +12,9 @@ Token j of a generation draws with ``fold_in(PRNGKey(seed), j)``: a seed gives t
 text however the generation is cut into windows, and on any layout.
 
 Given ``stop`` ids (a model's end-of-text tokens), a row that chooses one is finished: its
-later positions hold the first stop id, as transformers pads them when ``pad_token_id`` is
-its ``eos_token_id``, and generation ends, early, once every row is finished (the loop is a
-``lax.while_loop``), so the result is as long as its longest row. A row's tokens up to its
-stop are those it draws without stops.
+later positions hold ``pad`` (else the first stop id), as transformers' ``generate`` pads
+them, and generation ends, early, once every row is finished, so the result is as long as
+its longest row. A row's tokens up to its stop are those it draws without stops.
 
 A model samples here when its module has ``init_cache(batch)`` and
 ``decode(tokens_BT, cache, start) -> (logits_BTV, cache)`` and ``cfg.max_seq_len``
@@ -55,13 +54,22 @@ def generate(
     seed: int = 0,
     vocab_limit: int | None = None,
     stop: Sequence[int] = (),
+    pad: int | None = None,
 ) -> np.ndarray:
     """``tokens`` ids [B, tokens] continuing each row of ``prompt_BP`` (see the module
     docstring) by ``run``'s model with ``state``'s parameters, on ``run``'s mesh.
     ``vocab_limit``: draw only ids below it (those the tokenizer can decode). ``stop``:
-    ids that end a row; with them the result is [B, ≤ tokens]."""
+    ids that end a row; with them the result is [B, ≤ tokens], a finished row's later
+    positions ``pad`` (None: the first stop id)."""
     return Generator(run, vocab_limit).generate(
-        state, prompt_BP, tokens, temperature=temperature, top_k=top_k, seed=seed, stop=stop
+        state,
+        prompt_BP,
+        tokens,
+        temperature=temperature,
+        top_k=top_k,
+        seed=seed,
+        stop=stop,
+        pad=pad,
     )
 
 
@@ -86,7 +94,7 @@ class Generator:
             self._prefill_fn, in_shardings=(shardings.params, shardings.model_state, None)
         )
         self._decode = jax.jit(
-            self._decode_fn, in_shardings=(shardings.params, shardings.model_state, *[None] * 10)
+            self._decode_fn, in_shardings=(shardings.params, shardings.model_state, *[None] * 11)
         )
 
     def generate(
@@ -99,6 +107,7 @@ class Generator:
         top_k: int = 0,
         seed: int = 0,
         stop: Sequence[int] = (),
+        pad: int | None = None,
     ) -> np.ndarray:
         """:func:`generate` with this run's compiled functions."""
         params = state.params
@@ -106,6 +115,7 @@ class Generator:
         B, S = prompt_BP.shape[0], self.max_len
         keep = max(1, S // 2)
         stop_K = jnp.asarray([*stop] or [-1], jnp.int32)  # -1: no id ends a row
+        filler = jnp.int32(pad if pad is not None else stop_K[0])
         settings = (jnp.float32(temperature), jnp.int32(top_k), jax.random.key(seed), stop_K)
         prompt_BP = np.asarray(prompt_BP, np.int32)
         out = np.zeros((B, tokens), np.int32)
@@ -124,6 +134,7 @@ class Generator:
                 cache,
                 logits_BV,
                 finished_B,
+                filler,
                 jnp.int32(filled),
                 jnp.int32(count),
                 jnp.int32(done),
@@ -165,6 +176,7 @@ class Generator:
         cache: Any,
         logits_BV: jax.Array,
         finished_B: jax.Array,
+        pad: jax.Array,
         start: jax.Array,
         count: jax.Array,
         first: jax.Array,
@@ -175,7 +187,7 @@ class Generator:
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Up to ``count`` tokens [B, S] (the first columns), how many were made, and which
         rows are finished. Each token is chosen from the logits (a finished row's is
-        ``stop_K[0]``), then run at position ``start`` + its index to give the next logits
+        ``pad``), then run at position ``start`` + its index to give the next logits
         — all but the last. Token i draws with ``fold_in(key, first + i)``. Making stops
         early once every row has chosen an id of ``stop_K``."""
         B = logits_BV.shape[0]
@@ -187,7 +199,7 @@ class Generator:
                 top_k,
                 jax.random.fold_in(key, first + i),
             )
-            token_B = jnp.where(finished_B, stop_K[0], token_B)
+            token_B = jnp.where(finished_B, pad, token_B)
             return token_B, finished_B | jnp.isin(token_B, stop_K)
 
         with activation_rules(self.mesh, self._rules(B)):

@@ -371,10 +371,11 @@ def check_export_target(out: Path, run_dir: Path, format: str, overwrite: bool) 
         check_new_file(out, "--out", overwrite)
 
 
-def run_tokenizer(config: Config) -> tuple[Path, dict[str, str]] | None:
-    """The ``tokenizers`` JSON file a run's token file was made with, and its special
-    tokens as transformers names them (``{"bos_token": …, "eos_token": …}``, those the
-    token file's metadata names); None for a run without one (bytes, random ids, images).
+def run_tokenizer(config: Config) -> tuple[Path, dict[str, str], dict[str, int]] | None:
+    """The ``tokenizers`` JSON file a run's token file was made with, its special tokens
+    as transformers names them (``{"bos_token": …, "eos_token": …}``, those the token
+    file's metadata names) and their ids (``{"bos_token_id": …, "eos_token_id": …}``);
+    None for a run without one (bytes, random ids, images).
 
     Raises:
       DataError: the tokenizer file is missing or changed since the token file was made.
@@ -386,12 +387,14 @@ def run_tokenizer(config: Config) -> tuple[Path, dict[str, str]] | None:
     tokenizer = tokenizer_of(token_file)
     if not isinstance(tokenizer, HFTokenizer):
         return None
-    special = {
-        f"{which}_token": entry["token"]
+    entries = {
+        which: entry
         for which in ("bos", "eos")
         if isinstance(entry := token_file.meta.get(which), dict) and entry.get("token")
     }
-    return Path(tokenizer.file), special
+    special = {f"{which}_token": entry["token"] for which, entry in entries.items()}
+    ids = {f"{which}_token_id": int(entry["id"]) for which, entry in entries.items()}
+    return Path(tokenizer.file), special, ids
 
 
 def _without_init_from(config: Config) -> Config:

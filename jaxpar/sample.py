@@ -66,12 +66,13 @@ class Samples:
       texts: each sample's continuation of the prompt (the prompt not included, nor the
         stop token that ended it); None without a tokenizer (a folder that has none).
       tokens: the generated ids [samples, n]: n is ``tokens`` unless every sample ended
-        at a stop token; a sample that ended holds its stop token, then the first stop id
-        to the end (transformers' layout when ``pad_token_id`` is ``eos_token_id``).
+        at a stop token; a sample that ended holds its stop token, then the folder's
+        ``pad_token_id`` (else the first stop id) to the end, as transformers' ``generate``
+        pads.
       prompt_tokens: the prompt's ids.
       step: the checkpoint's step; None for a Hugging Face folder.
       lengths: each sample's generated tokens, its stop token included.
-      stop: the ids that end a sample (empty: none did).
+      stop: the ids that end a sample (empty: no id does).
     """
 
     texts: list[str] | None
@@ -186,7 +187,7 @@ def sample_source(
         ids = _encode(tokenizer, prompt, vocab, model.cfg.max_seq_len, _name(source))
     else:
         ids = _given_ids(prompt_ids, vocab, model.cfg.max_seq_len)
-    ends = _stop_ids(source, stop, vocab)
+    ends, pad = _stop_ids(source, stop, vocab)
     state = state_of(run, source, step, "jaxpar sample")
     out = generate(
         run,
@@ -198,6 +199,7 @@ def sample_source(
         seed=seed,
         vocab_limit=vocab,
         stop=ends,
+        pad=pad,
     )
     ended = np.isin(out, ends)
     lengths = np.where(ended.any(1), ended.argmax(1) + 1, out.shape[1])
@@ -209,36 +211,54 @@ def sample_source(
     return Samples(texts, out, ids, at, lengths, ends)
 
 
-def _stop_ids(source: Source, stop: str | Sequence[int], vocab: int) -> tuple[int, ...]:
-    """The ids that end a sample (see :func:`sample`'s ``stop``)."""
+def _stop_ids(
+    source: Source, stop: str | Sequence[int], vocab: int
+) -> tuple[tuple[int, ...], int | None]:
+    """The ids that end a sample (see :func:`sample`'s ``stop``) and the id a finished
+    sample is padded with (None: the first of them)."""
     if isinstance(stop, str):
         if stop not in ("auto", "none"):
             raise ConfigError(f"--stop {stop}: give auto, none or token ids such as 2,7")
-        return _model_ends(source) if stop == "auto" else ()
-    ids = tuple(int(i) for i in stop)
-    bad = [i for i in ids if not 0 <= i < vocab]
+        if stop == "none":
+            return (), None
+        ends, pad, where = _model_ends(source)
+    else:
+        ends, pad, where = tuple(int(i) for i in stop), None, "--stop"
+    bad = [i for i in (*ends, *([] if pad is None else [pad])) if not 0 <= i < vocab]
     if bad:
-        raise ConfigError(f"--stop holds {bad[0]}, outside the ids 0 to {vocab - 1} it can draw")
-    return ids
+        raise ConfigError(
+            f"{where} holds token id {bad[0]}, outside the model's ids 0 to {vocab - 1}; "
+            "give ids below it with --stop 2,7, or --stop none"
+        )
+    return ends, pad
 
 
-def _model_ends(source: Source) -> tuple[int, ...]:
-    """A folder's ``eos_token_id`` (its generation config's, else its config's: one id or
-    a list), or a run's text's end-of-document id."""
+def _model_ends(source: Source) -> tuple[tuple[int, ...], int | None, str]:
+    """The model's end-of-text ids, its padding id and the file that names them: a
+    folder's ``eos_token_id`` and ``pad_token_id`` (its generation config's, else its
+    config's; the end one id or a list), or a run's text's end-of-document id."""
     if source.folder is None:
         end = text_end(source.config.data)
-        return () if end is None else (end,)
-    for name in (hf.files.GENERATION_CONFIG, hf.files.CONFIG):
+        return () if end is None else (end,), None, f"{source.config.data.path}.json"
+    ends: tuple[int, ...] = ()
+    pad, where = None, source.folder / hf.files.CONFIG
+    for name in (hf.files.CONFIG, hf.files.GENERATION_CONFIG):  # the latter decides
         file = source.folder / name
+        if not file.is_file():
+            continue
         try:
-            ids = json.loads(file.read_text()).get("eos_token_id") if file.is_file() else None
-        except (OSError, ValueError) as err:
+            keys = json.loads(file.read_text())
+            ids = keys.get("eos_token_id")
+            if ids is not None:
+                ends = tuple(int(i) for i in (ids if isinstance(ids, list) else [ids]))
+                where = file
+            pad = int(keys["pad_token_id"]) if keys.get("pad_token_id") is not None else pad
+        except (OSError, ValueError, TypeError, AttributeError) as err:
             raise ConfigError(
-                f"{file} cannot be read ({err}); fix it or give --stop none"
+                f"{file}: its eos_token_id or pad_token_id cannot be read ({err}); fix it, "
+                "or name the ids with --stop 2,7 (--stop none: no stop)"
             ) from None
-        if ids is not None:
-            return tuple(int(i) for i in (ids if isinstance(ids, list) else [ids]))
-    return ()
+    return ends, pad if ends else None, str(where)
 
 
 def _check_settings(tokens: int, temperature: float, top_k: int, samples: int) -> None:

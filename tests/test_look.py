@@ -17,9 +17,11 @@ import shutil
 import numpy as np
 import pytest
 
+from jaxpar import sample as sampling
 from jaxpar.cli import main
 from jaxpar.config import load_config
 from jaxpar.data.prepare import prepare_data
+from jaxpar.errors import ConfigError
 from jaxpar.evaluation import evaluate_model
 from jaxpar.loop import train
 from jaxpar.resume import restore_state
@@ -156,7 +158,7 @@ def test_greedy_tokens_of_a_folder_are_transformers_greedy_decoding(root, name):
     np.testing.assert_array_equal(out.prompt_tokens, ids)
     assert (ids[0] == 300) == (name == "bos")  # the post-processor's <s>, as transformers
     model = _hf_model(folder)
-    model.generation_config.eos_token_id = None  # generate all 20, as jaxpar does
+    model.generation_config.eos_token_id = None  # the folder names none: all 20 drawn
     with torch.no_grad():
         expected = model.generate(
             torch.tensor([ids]), do_sample=False, max_new_tokens=20, pad_token_id=0
@@ -196,12 +198,64 @@ def test_a_folder_stops_at_its_generation_configs_end_of_text_as_transformers(ro
     for stop, text in (([], out.texts[0]), (["--stop", "none"], free.texts[0])):
         assert main([*argv, *stop, "--devices", "1", "mesh.data=1"]) == 0
         assert capsys.readouterr().out == PROMPT + text + "\n"
-    _one_line_error(capsys, [*argv, "--stop", "400", *ONE], "--stop holds 400", "0 to 319")
+    _one_line_error(
+        capsys,
+        [*argv, "--stop", "400", *ONE],
+        "--stop holds token id 400",
+        "0 to 319",
+        "--stop none",
+    )
 
 
-def test_a_run_dir_stops_at_its_token_files_end_of_text(root, run_dir):
+def test_rows_of_a_batch_end_and_pad_as_transformers_batch(root):
+    """Two prompts decoded as one batch end apart: the padding is ``pad_token_id`` and the
+    width the longer row's, as transformers' ``generate``; the ids come from
+    ``config.json`` when no ``generation_config.json`` names them."""
+    from jaxpar.decoding import generate
+    from jaxpar.sample import folder_defaults
+    from jaxpar.weights import build_source, open_source, state_of
+
+    prompts = np.array([[5, 6, 7, 8], [9, 10, 11, 12]])
+    source = open_source(root / "folder", ONE, defaults=folder_defaults)
+    run = build_source(source)
+    free = generate(run, state_of(run, source, None, "test"), prompts, 20, temperature=0)
+    end = int(free[0, 5])
+    assert end not in free[1, :8]  # the second row ends later, or not at all
+    folder = root / "config_ends"
+    shutil.copytree(root / "folder", folder)
+    (folder / "generation_config.json").unlink()
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(
+        json.dumps({**config, "eos_token_id": end, "pad_token_id": 3})
+    )
+    source = open_source(folder, ONE, defaults=folder_defaults)
+    ends, pad = sampling._stop_ids(source, "auto", 320)
+    assert (ends, pad) == ((end,), 3)
+    for bad, words in (({"pad_token_id": 999}, "token id 999"), ({"eos_token_id": "x"}, "x")):
+        (folder / "config.json").write_text(json.dumps({**config, "eos_token_id": end, **bad}))
+        with pytest.raises(ConfigError, match=f"config.json.*{words}.*--stop"):
+            sampling._stop_ids(source, "auto", 320)
+    (folder / "config.json").write_text(
+        json.dumps({**config, "eos_token_id": end, "pad_token_id": 3})
+    )
+    run = build_source(source)
+    got = generate(
+        run, state_of(run, source, None, "test"), prompts, 20, temperature=0, stop=ends, pad=pad
+    )
+    with torch.no_grad():
+        want = _hf_model(folder).generate(torch.tensor(prompts), do_sample=False, max_new_tokens=20)
+    np.testing.assert_array_equal(got, want[:, 4:].numpy())
+    assert got.shape[1] > 6 and (got[0, 6:] == 3).all()
+
+
+def test_a_run_dir_stops_at_its_token_files_end_and_its_export_names_it(root, run_dir, tmp_path):
     end = json.loads((root / "text.tokens.json").read_text())["eos"]["id"]
     assert sample(run_dir, PROMPT, tokens=2, temperature=0, overrides=ONE).stop == (end,)
+    assert (
+        main(["export", str(run_dir), "--format", "hf", "--out", str(tmp_path / "hf"), *ONE]) == 0
+    )
+    assert transformers.GenerationConfig.from_pretrained(tmp_path / "hf").eos_token_id == end
+    assert sample(tmp_path / "hf", PROMPT, tokens=2, temperature=0, overrides=ONE).stop == (end,)
 
 
 def test_sample_command_of_a_folder_prints_text_and_ids(root, capsys):

@@ -217,7 +217,7 @@ def test_collectives_go_at_the_share_of_the_wire_that_nccl_reaches(tmp_path, h10
     """``link_efficiency`` and ``network_efficiency`` divide the wire's rate: the same
     all-reduce over two nodes of 8 takes 1/e longer on each kind of link; left out, a
     profile prices the datasheet's figures; the built-in ones carry the measured shares of
-    NVLink (A100 78%, H100/H200/B200/GB200 82%) and the NIC's peak NCCL's maintainers give
+    NVLink (A100 78%, H100/H200/B200/GB200 82%) and the NIC's peak NCCL's developers give
     (24 of 25 GB/s for HDR, 48 of 50 for NDR: 96%), hardware.yaml's sources; A3 High's
     GPUDirect-TCPX has none cited."""
     term = Term("all-reduce", "grads", 1 * GB, 16, 1, axes=("data", "fsdp"))

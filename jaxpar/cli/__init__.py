@@ -118,8 +118,9 @@ def _export(
 
         what = f"Hugging Face {hf.written_as(config.model)} files of"
         found = run_tokenizer(config)
+        ends = " and its end-of-text id in generation_config.json" if found and found[2] else ""
         tokenizer = (
-            f", with the tokenizer {found[0]} as tokenizer.json"
+            f", with the tokenizer {found[0]} as tokenizer.json{ends}"
             if found
             else "; no tokenizer written: the run reads UTF-8 bytes (or random ids), "
             "which no tokenizer.json describes"

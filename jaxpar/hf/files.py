@@ -160,24 +160,32 @@ def remove_stale(earlier: dict[Path, int]) -> None:
                 path.unlink()
 
 
-def write_tokenizer(out: str | Path, tokenizer_json: str | Path, special: dict[str, str]) -> Path:
+def write_tokenizer(
+    out: str | Path,
+    tokenizer_json: str | Path,
+    special: dict[str, str],
+    ids: dict[str, int] | None = None,
+) -> Path:
     """Copies a ``tokenizers`` JSON file to ``out/tokenizer.json`` and writes the
     ``tokenizer_config.json`` that makes ``transformers.AutoTokenizer`` load it as a
-    ``PreTrainedTokenizerFast``.
+    ``PreTrainedTokenizerFast``, and with ``ids`` a ``generation_config.json`` naming them
+    (so ``generate`` and ``jaxpar sample`` stop at its end-of-text token).
 
     Args:
       out: the model directory.
       tokenizer_json: the ``tokenizers`` JSON file.
       special: its special tokens by transformers' name (``{"eos_token": "<|endoftext|>"}``).
+      ids: their ids by transformers' name (``{"eos_token_id": 0}``).
     """
     out = Path(out)
     config = {"tokenizer_class": "PreTrainedTokenizerFast", **special}
-    _write_whole(
-        [
-            (out / TOKENIZER, Path(tokenizer_json).read_bytes()),
-            (out / TOKENIZER_CONFIG, json.dumps(config, indent=2) + "\n"),
-        ]
-    )
+    files: list[tuple[Path, Any]] = [
+        (out / TOKENIZER, Path(tokenizer_json).read_bytes()),
+        (out / TOKENIZER_CONFIG, json.dumps(config, indent=2) + "\n"),
+    ]
+    if ids:
+        files.append((out / GENERATION_CONFIG, json.dumps(ids, indent=2) + "\n"))
+    _write_whole(files)
     return out / TOKENIZER
 
 
