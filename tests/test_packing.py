@@ -120,6 +120,7 @@ LAYOUTS = [  # (family, layout)
     ("gpt", "mesh.context=2,context.attention=ring,mesh.tensor=2"),
     ("gpt", "mesh.stage=2,mesh.context=2,pipeline.microbatches=2"),
     ("gpt", "mesh.stage=2,pipeline.microbatches=2,pipeline.executor=mpmd"),
+    ("gpt", "mesh.context=2,context.attention=all_gather,mesh.tensor=2,tensor.sequence=true"),
     ("rotary", "one device"),
     ("rotary", "mesh.context=4,context.attention=ring"),
     ("rotary", "mesh.context=2,context.attention=all_gather"),
@@ -127,6 +128,7 @@ LAYOUTS = [  # (family, layout)
     ("llama", "mesh.context=2,context.attention=all_gather"),
     ("llama", "mesh.context=4,context.attention=ring"),
     ("llama", "mesh.stage=2,mesh.context=2,pipeline.microbatches=2"),
+    ("llama", "mesh.tensor=2,tensor.sequence=true"),
     (
         "llama",
         (
@@ -138,9 +140,10 @@ LAYOUTS = [  # (family, layout)
 
 
 # every suite: GPT and Llama on one device, each strategy under context 2 or 4 (balanced),
-# a pipeline with context; the rest (the other degree, mpmd, rotary GPT) exhaustive. (The
-# spmd executor with context.attention=ring deadlocks at run time on XLA:CPU whatever
-# data.pack says — its ring's sends run inside one stage's branch; docs/context.md.)
+# a pipeline with context, sequence parallelism; the rest (the other degree, mpmd, rotary
+# GPT, SP beside context) exhaustive. (The spmd executor with context.attention=ring
+# deadlocks at run time on XLA:CPU whatever data.pack says — its ring's sends run inside
+# one stage's branch; docs/context.md.)
 @pytest.mark.parametrize(
     "family,layout",
     grid(
@@ -153,6 +156,7 @@ LAYOUTS = [  # (family, layout)
             "llama-one device",
             "llama-mesh.context=2,context.attention=all_gather",
             "llama-mesh.stage=2,mesh.context=2,pipeline.microbatches=2",
+            "llama-mesh.tensor=2,tensor.sequence=true",
         },
     ),
 )
