@@ -11,8 +11,9 @@ the tokenizer's post-processor adds (Llama's BOS). ``prompt_ids`` gives the prom
 ids instead (a folder without a tokenizer).
 
 A sample ends at the model's end-of-text token (``stop="auto"``), as transformers' ``generate``
-does: a folder's ``generation_config.json`` ``eos_token_id`` (else its ``config.json``'s),
-a run's token file's ``eos`` separator (none for bytes); ``stop="none"`` draws every token.
+does: a folder's ``eos_token_id`` (its ``generation_config.json``'s, or its ``config.json``'s
+when it has none), a run's token file's ``eos`` separator (none for bytes); a finished
+sample is padded with the folder's ``pad_token_id``; ``stop="none"`` draws every token.
 
 The decoding loop itself is :mod:`jaxpar.decoding`.
 """
@@ -31,7 +32,7 @@ from flax import nnx
 
 from jaxpar import hf
 from jaxpar.config import Config
-from jaxpar.data.sources import text_end, text_tokenizer
+from jaxpar.data.sources import text_end, text_path, text_tokenizer
 from jaxpar.data.tokenizers import load_tokenizer
 from jaxpar.decoding import Generator, choose_token, generate, model_shapes
 from jaxpar.errors import ConfigError
@@ -216,49 +217,48 @@ def _stop_ids(
 ) -> tuple[tuple[int, ...], int | None]:
     """The ids that end a sample (see :func:`sample`'s ``stop``) and the id a finished
     sample is padded with (None: the first of them)."""
-    if isinstance(stop, str):
-        if stop not in ("auto", "none"):
-            raise ConfigError(f"--stop {stop}: give auto, none or token ids such as 2,7")
-        if stop == "none":
-            return (), None
-        ends, pad, where = _model_ends(source)
-    else:
-        ends, pad, where = tuple(int(i) for i in stop), None, "--stop"
-    bad = [i for i in (*ends, *([] if pad is None else [pad])) if not 0 <= i < vocab]
-    if bad:
-        raise ConfigError(
-            f"{where} holds token id {bad[0]}, outside the model's ids 0 to {vocab - 1}; "
-            "give ids below it with --stop 2,7, or --stop none"
-        )
+    if isinstance(stop, str) and stop not in ("auto", "none"):
+        raise ConfigError(f"--stop {stop}: give auto, none or token ids such as 2,7")
+    if stop == "none":
+        return (), None
+    ends, pad, where = _model_ends(source)
+    if not isinstance(stop, str):
+        ends, where = tuple(int(i) for i in stop), "--stop"
+    for what, ids in ((where, ends), (f"{where} (pad_token_id)", () if pad is None else [pad])):
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise ConfigError(
+                f"{what} holds token id {bad[0]}, outside the model's ids 0 to {vocab - 1}; "
+                "give ids below it with --stop 2,7, or --stop none"
+            )
     return ends, pad
 
 
 def _model_ends(source: Source) -> tuple[tuple[int, ...], int | None, str]:
-    """The model's end-of-text ids, its padding id and the file that names them: a
-    folder's ``eos_token_id`` and ``pad_token_id`` (its generation config's, else its
-    config's; the end one id or a list), or a run's text's end-of-document id."""
+    """The model's end-of-text ids, its padding id and the file that names them, as
+    transformers' ``generate`` reads them: a folder's ``generation_config.json`` when it has
+    one, else its ``config.json`` (``eos_token_id`` one id or a list, ``pad_token_id``); a
+    run's text's end-of-document id (the token file's metadata)."""
     if source.folder is None:
         end = text_end(source.config.data)
-        return () if end is None else (end,), None, f"{source.config.data.path}.json"
-    ends: tuple[int, ...] = ()
-    pad, where = None, source.folder / hf.files.CONFIG
-    for name in (hf.files.CONFIG, hf.files.GENERATION_CONFIG):  # the latter decides
-        file = source.folder / name
-        if not file.is_file():
-            continue
-        try:
-            keys = json.loads(file.read_text())
-            ids = keys.get("eos_token_id")
-            if ids is not None:
-                ends = tuple(int(i) for i in (ids if isinstance(ids, list) else [ids]))
-                where = file
-            pad = int(keys["pad_token_id"]) if keys.get("pad_token_id") is not None else pad
-        except (OSError, ValueError, TypeError, AttributeError) as err:
+        return () if end is None else (end,), None, f"{text_path(source.config.data)}.json"
+    file = source.folder / hf.files.GENERATION_CONFIG
+    file = file if file.is_file() else source.folder / hf.files.CONFIG
+    try:
+        keys = json.loads(file.read_text()) if file.is_file() else {}
+        keys = keys if isinstance(keys, dict) else {}
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{file} cannot be read ({err}); fix it, or give --stop none") from None
+    ends = keys.get("eos_token_id")
+    ends = [] if ends is None else ends if isinstance(ends, list) else [ends]
+    pad = keys.get("pad_token_id")
+    for key, ids in (("eos_token_id", ends), ("pad_token_id", [] if pad is None else [pad])):
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
             raise ConfigError(
-                f"{file}: its eos_token_id or pad_token_id cannot be read ({err}); fix it, "
-                "or name the ids with --stop 2,7 (--stop none: no stop)"
-            ) from None
-    return ends, pad if ends else None, str(where)
+                f"{file}: {key} {keys[key]!r} is not a token id or a list of them; fix it, "
+                "or give --stop none"
+            )
+    return tuple(ends), pad, str(file)
 
 
 def _check_settings(tokens: int, temperature: float, top_k: int, samples: int) -> None:

@@ -17,26 +17,24 @@ from tests.helpers import GPT_SMALL, assert_params_close, grid
 from tests.test_families import train
 
 DROPS = [*GPT_SMALL, "model.dropout=0.1", "model.attention_dropout=0.1", "optim.name=sgd"]
+_ONE_F_ONE_B = ["mesh.data=2", "mesh.stage=2", "mesh.tensor=2", "pipeline.schedule=1f1b"]
+_INTERLEAVED = [
+    "mesh.data=4",
+    "mesh.stage=2",
+    "model.n_layers=4",
+    "pipeline.schedule=interleaved",
+    "pipeline.virtual_stages=2",
+    "pipeline.executor=mpmd",
+]
+#: 2 microbatches in each of 2 accumulation steps, where the other pipelines run 4 at once
+_ACCUMULATED = ["pipeline.microbatches=2", "train.grad_accum=2"]
 LAYOUTS = {
     "data=2,fsdp=2,tensor=2": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
     "tensor=2,sequence": ["mesh.data=4", "mesh.tensor=2", "tensor.sequence=true"],
-    "1f1b": ["mesh.data=2", "mesh.stage=2", "mesh.tensor=2", "pipeline.schedule=1f1b"],
-    "1f1b,accumulated": [
-        "mesh.data=2",
-        "mesh.stage=2",
-        "mesh.tensor=2",
-        "pipeline.schedule=1f1b",
-        "pipeline.microbatches=2",
-        "train.grad_accum=2",
-    ],
-    "interleaved,mpmd": [
-        "mesh.data=4",
-        "mesh.stage=2",
-        "model.n_layers=4",
-        "pipeline.schedule=interleaved",
-        "pipeline.virtual_stages=2",
-        "pipeline.executor=mpmd",
-    ],
+    "1f1b": _ONE_F_ONE_B,
+    "1f1b,accumulated": [*_ONE_F_ONE_B, *_ACCUMULATED],
+    "interleaved,mpmd": _INTERLEAVED,
+    "interleaved,mpmd,accumulated": [*_INTERLEAVED, *_ACCUMULATED],
 }
 _one = {}
 

@@ -210,7 +210,8 @@ def test_a_folder_stops_at_its_generation_configs_end_of_text_as_transformers(ro
 def test_rows_of_a_batch_end_and_pad_as_transformers_batch(root):
     """Two prompts decoded as one batch end apart: the padding is ``pad_token_id`` and the
     width the longer row's, as transformers' ``generate``; the ids come from
-    ``config.json`` when no ``generation_config.json`` names them."""
+    ``generation_config.json`` alone when the folder has one, else from ``config.json``;
+    ``--stop`` ids keep the folder's padding."""
     from jaxpar.decoding import generate
     from jaxpar.sample import folder_defaults
     from jaxpar.weights import build_source, open_source, state_of
@@ -231,13 +232,27 @@ def test_rows_of_a_batch_end_and_pad_as_transformers_batch(root):
     source = open_source(folder, ONE, defaults=folder_defaults)
     ends, pad = sampling._stop_ids(source, "auto", 320)
     assert (ends, pad) == ((end,), 3)
-    for bad, words in (({"pad_token_id": 999}, "token id 999"), ({"eos_token_id": "x"}, "x")):
-        (folder / "config.json").write_text(json.dumps({**config, "eos_token_id": end, **bad}))
+    assert sampling._stop_ids(source, [7], 320) == ((7,), 3)
+    bad = (
+        ({"pad_token_id": 999}, "token id 999"),
+        ({"eos_token_id": "x"}, "x"),
+        (
+            {"pad_token_id": True},
+            "pad_token_id True",
+        ),
+    )
+    for keys, words in bad:
+        (folder / "config.json").write_text(json.dumps({**config, "eos_token_id": end, **keys}))
         with pytest.raises(ConfigError, match=f"config.json.*{words}.*--stop"):
             sampling._stop_ids(source, "auto", 320)
     (folder / "config.json").write_text(
         json.dumps({**config, "eos_token_id": end, "pad_token_id": 3})
     )
+    generation = folder / "generation_config.json"  # when present, it alone decides
+    for keys, want in (({"eos_token_id": [end]}, ((end,), None)), ({}, ((), None))):
+        generation.write_text(json.dumps(keys))
+        assert sampling._stop_ids(source, "auto", 320) == want
+    generation.unlink()
     run = build_source(source)
     got = generate(
         run, state_of(run, source, None, "test"), prompts, 20, temperature=0, stop=ends, pad=pad
@@ -246,6 +261,13 @@ def test_rows_of_a_batch_end_and_pad_as_transformers_batch(root):
         want = _hf_model(folder).generate(torch.tensor(prompts), do_sample=False, max_new_tokens=20)
     np.testing.assert_array_equal(got, want[:, 4:].numpy())
     assert got.shape[1] > 6 and (got[0, 6:] == 3).all()
+    # through sample(): two drawn rows, the first ended early and padded with the folder's 3
+    drawn = dict(prompt_ids=[5, 6], tokens=12, temperature=1.0, seed=1, samples=2, overrides=ONE)
+    free = sample(folder, stop="none", **drawn).tokens
+    at, stop = next((j, t) for j, t in enumerate(free[0]) if t not in free[1] and t != 3)
+    out = sample(folder, stop=[int(stop)], **drawn)
+    assert out.lengths.tolist() == [at + 1, 12] and (out.tokens[0, at + 1 :] == 3).all()
+    np.testing.assert_array_equal(out.tokens[1], free[1])
 
 
 def test_a_run_dir_stops_at_its_token_files_end_and_its_export_names_it(root, run_dir, tmp_path):

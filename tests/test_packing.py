@@ -1,8 +1,9 @@
 """Packing with document attention (``data.pack=documents``): the loss and gradients of a
 packed batch equal the token-weighted mean of each document run alone as its own sequence
-— on one device, under context parallelism (both strategies, balanced) and pipelines
-(both executors); ``concat`` and ``documents`` differ where documents meet and agree
-inside one; windows carry their documents' segment ids; bad input is one line."""
+— on one device, under context parallelism (both strategies, balanced), sequence
+parallelism and pipelines (both executors); ``concat`` and ``documents`` differ where
+documents meet and agree inside one; windows carry their documents' segment ids; bad input
+is one line."""
 
 from __future__ import annotations
 
@@ -170,6 +171,7 @@ def test_packed_loss_is_the_mean_of_each_document_alone(records, family, layout)
         extra = ["mesh.data=-1", *layout.split(",")]
         run = _run(records, family, ["data.pack=documents", *extra])
         assert run.config.context.balance
+        assert ("tensor" in run.plan.rules["act_seq"]) == ("sequence=true" in layout)
     assert set(batch) == {"tokens", "segments"} and batch["segments"].max() >= 2
     loss, grads = _grads(run, params, batch)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)

@@ -118,7 +118,8 @@ def _export(
 
         what = f"Hugging Face {hf.written_as(config.model)} files of"
         found = run_tokenizer(config)
-        ends = " and its end-of-text id in generation_config.json" if found and found[2] else ""
+        named = found is not None and "eos_token_id" in found[2]
+        ends = " and its end-of-text id in generation_config.json" if named else ""
         tokenizer = (
             f", with the tokenizer {found[0]} as tokenizer.json{ends}"
             if found

@@ -49,8 +49,8 @@ def sample_parser(sub: argparse._SubParsersAction) -> None:
         default="auto",
         metavar="auto|none|2,7",
         help="end a sample at these token ids (auto: the model's end-of-text token, "
-        "from the folder's generation_config.json, else its config.json, or the run's "
-        "token file; none: draw --tokens tokens)",
+        "from the folder's generation_config.json, or its config.json when it has none, "
+        "or the run's token file; none: draw --tokens tokens)",
     )
 
 

@@ -199,16 +199,22 @@ def text_tokenizer(cfg: DataConfig) -> Tokenizer:
             "the run trained on data.dataset=synthetic: random token ids "
             "without text; train on text (data.path=… or the built-in corpus)"
         )
-    path = cfg.mixture[0][0] if cfg.mixture else cfg.path  # a mixture's sources share one
+    path = text_path(cfg)
     if path and _is_token_file(Path(path)):
         return tokenizer_of(open_tokens(path))
     return ByteTokenizer()
 
 
+def text_path(cfg: DataConfig) -> str | None:
+    """The file the text ``cfg`` names is read from (a mixture's sources share one
+    tokenizer: its first's)."""
+    return cfg.mixture[0][0] if cfg.mixture else cfg.path
+
+
 def text_end(cfg: DataConfig) -> int | None:
     """The id that closes each document of the text ``cfg`` names (a token file's ``eos``
     separator), where its model learned to end a text; None for bytes and built-in text."""
-    path = cfg.mixture[0][0] if cfg.mixture else cfg.path
+    path = text_path(cfg)
     if cfg.dataset == "synthetic" or not path or not _is_token_file(Path(path)):
         return None
     eos = open_tokens(path).meta.get("eos")

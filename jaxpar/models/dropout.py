@@ -10,10 +10,11 @@ mask is drawn over its whole shape in the tokens' natural order, so a layout tha
 or reorders the sequence keeps each token's draw (under ``context`` each device may draw
 the whole sequence's mask and keep its part).
 
-Not covered: pipeline stages together with ``train.grad_accum`` > 1. Accumulation
-microbatch ``i``'s pipeline microbatch ``l`` draws from count ``c + i·m + l``, where one
-device accumulating the ``k·m`` microbatches draws those rows from another count: the
-same model, other masks.
+Pipeline stages together with ``train.grad_accum`` > 1 as well: accumulation pass ``i``
+holds the rows of one device's microbatches ``i·m … i·m + m − 1``
+(:class:`jaxpar.gradients.Accumulated`'s ``per_call``), so its pipeline microbatch ``l``
+draws from count ``c + i·m + l``, that of one device accumulating the ``k·m``
+microbatches.
 """
 
 from __future__ import annotations
