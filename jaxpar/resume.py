@@ -27,6 +27,7 @@ from jaxpar import hf, signals
 from jaxpar import sharding as shd
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import Config
+from jaxpar.data.sources import text_path
 from jaxpar.data.token_file import open_tokens, tokenizer_of
 from jaxpar.data.tokenizers import HFTokenizer
 from jaxpar.errors import ConfigError, CorruptCheckpoint, PathError, RestoreError
@@ -380,10 +381,10 @@ def run_tokenizer(config: Config) -> tuple[Path, dict[str, str], dict[str, int]]
     Raises:
       DataError: the tokenizer file is missing or changed since the token file was made.
     """
-    data = config.data
-    if data.dataset != "auto" or not data.path or not Path(f"{data.path}.json").is_file():
+    data, path = config.data, text_path(config.data)  # a mixture's: its first source's
+    if data.dataset != "auto" or not path or not Path(f"{path}.json").is_file():
         return None
-    token_file = open_tokens(data.path)
+    token_file = open_tokens(path)
     tokenizer = tokenizer_of(token_file)
     if not isinstance(tokenizer, HFTokenizer):
         return None

@@ -10,7 +10,8 @@ optimizer updates, and the non-finite guard keeps the old state of a bad step.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -53,24 +54,46 @@ class Trainer:
         self.seed = seed
         self.nonfinite_guard = nonfinite_guard
         self.keep = guard.choose(nonfinite_guard, plan.layout.platform or platform_of(plan.mesh))
-        shardings = plan.state_shardings
-        programs = plan.gradients
-        offloaded = shardings.opt_state if plan.optimizer_offload else None
-        self._step = programs.build_step(Update(plan.optimizer, self.keep, offloaded), shardings)
-        self._eval = programs.build_eval(shardings)
-        self._init = programs.build_init(self._create, shardings)
-        self._grads_jit = programs.build_grads(shardings)
-        self._eval_params = None
-        if plan.task.eval_params is not None:
-            if plan.executor == "mpmd":
-                raise TaskError(
-                    "Task.eval_params needs the whole optimizer state in one "
-                    "program, which pipeline.executor=mpmd splits by stage; use "
-                    "pipeline.executor=spmd or leave eval_params out"
-                )
-            self._eval_params = jax.jit(
-                _on_device(plan.task.eval_params, offloaded), out_shardings=shardings.params
+        if plan.task.eval_params is not None and plan.executor == "mpmd":
+            raise TaskError(
+                "Task.eval_params needs the whole optimizer state in one "
+                "program, which pipeline.executor=mpmd splits by stage; use "
+                "pipeline.executor=spmd or leave eval_params out"
             )
+
+    # The programs are made when first used: a plan that only estimates a layout (many
+    # layouts, none run) makes none.
+    @property
+    def _offloaded(self) -> Any:
+        plan = self.plan
+        return plan.state_shardings.opt_state if plan.optimizer_offload else None
+
+    @functools.cached_property
+    def _step(self) -> Callable:
+        update = Update(self.plan.optimizer, self.keep, self._offloaded)
+        return self.plan.gradients.build_step(update, self.plan.state_shardings)
+
+    @functools.cached_property
+    def _eval(self) -> Callable:
+        return self.plan.gradients.build_eval(self.plan.state_shardings)
+
+    @functools.cached_property
+    def _init(self) -> Callable:
+        return self.plan.gradients.build_init(self._create, self.plan.state_shardings)
+
+    @functools.cached_property
+    def _grads_jit(self) -> Callable:
+        return self.plan.gradients.build_grads(self.plan.state_shardings)
+
+    @functools.cached_property
+    def _eval_params(self) -> Callable | None:
+        eval_params = self.plan.task.eval_params
+        if eval_params is None:
+            return None
+        return jax.jit(
+            _on_device(eval_params, self._offloaded),
+            out_shardings=self.plan.state_shardings.params,
+        )
 
     def with_plan(self, plan: Plan) -> Trainer:
         """A trainer of another plan with this one's seed and guard."""

@@ -430,26 +430,17 @@ def test_eval_command_prints_one_line_and_json(run_dir, capsys):
 
 
 # ---- the tokenizer travels ------------------------------------------------------------------
-def test_export_carries_the_tokenizer(run_dir, tmp_path, capsys):
-    out = tmp_path / "hf"
-    assert (
-        main(
-            [
-                "export",
-                str(run_dir),
-                "--format",
-                "hf",
-                "--out",
-                str(out),
-                "--devices",
-                "1",
-                "mesh.data=1",
-            ]
-        )
-        == 0
-    )
+@pytest.mark.parametrize("mixture", [False, True])
+def test_export_carries_the_tokenizer(run_dir, root, tmp_path, capsys, mixture):
+    """A mixture's sources share one tokenizer: its first source's travels."""
+    out, data = tmp_path / "hf", []
+    if mixture:
+        for suffix in ("", ".json"):
+            shutil.copy(root / f"text.tokens{suffix}", tmp_path / f"more.tokens{suffix}")
+        data = ["data.path=", f"data.mixture={root / 'text.tokens'}:1,{tmp_path / 'more.tokens'}:1"]
+    assert main(["export", str(run_dir), *data, "--format", "hf", "--out", str(out), *ONE]) == 0
     assert "Qwen3ForCausalLM" in (message := capsys.readouterr().out)
-    assert "tokenizer.json" in message
+    assert "with the tokenizer" in message and "tokenizer.json" in message
     tok = transformers.AutoTokenizer.from_pretrained(out)
     text = "the lazy dog says hello"
     assert tok.decode(tok(text).input_ids) == text and tok.eos_token == "<|endoftext|>"

@@ -99,12 +99,46 @@ def _held_by_heaviest_stage(plan: Plan, n: int, batch: dict) -> list[bool]:
     ]
 
 
+#: :func:`_read_outside_stack`'s answers: a plan over many layouts traces each model's
+#: embedding and head once, not once per layout
+_READ: dict[tuple, frozenset[int]] = {}
+
+
+def _signature(tree: Any) -> tuple:
+    """A tree's structure with its leaves' shapes and dtypes (what tracing it sees)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
+
+
 def _read_outside_stack(plan: Plan, stage: int, batch: dict) -> set[int]:
     """The parameters (leaf indices) a stack's embedding reads on the first stage and its
-    head on the last: the inputs of their traced programs that any equation uses."""
+    head on the last: the inputs of their traced programs that any equation uses. Traced
+    once per model, stage position and batch shape (the same functions, the same
+    :class:`~flax.nnx.GraphDef` and abstract values give the same program)."""
     split = plan.task.stages
     model = plan.model
     rows = {k: jax.ShapeDtypeStruct((1, *v.shape[1:]), v.dtype) for k, v in batch.items()}
+    last = plan.mesh.shape[Axis.STAGE] - 1
+    key = (
+        split.embed,
+        split.head,
+        model.graphdef,
+        _signature(model.params),
+        _signature(model.state),
+        _signature(rows),
+        stage == 0,
+        stage == last,
+    )
+    if key not in _READ:
+        if len(_READ) > 64:
+            _READ.clear()
+        _READ[key] = frozenset(_trace_outside_stack(plan, stage, rows))
+    return set(_READ[key])
+
+
+def _trace_outside_stack(plan: Plan, stage: int, rows: dict) -> set[int]:
+    split = plan.task.stages
+    model = plan.model
     embed = lambda p, s, b: split.embed(nnx.merge(model.graphdef, p, s), b)
     used: set[int] = set()
     if stage == 0:

@@ -49,6 +49,7 @@ because its all-reduces across servers run over the slower inter-server links.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -105,6 +106,20 @@ def placements(
         _, counts = np.unique(row, return_counts=True)
         found.add(Placement(int(counts.min()), len(counts)))
     return frozenset(found)
+
+
+@functools.lru_cache(maxsize=4096)
+def _placements(
+    axes: frozenset[str],
+    sizes: tuple[tuple[str, int], ...],
+    domain_devices: int,
+    hosts: tuple[tuple[str, int], ...] | None,
+) -> frozenset[Placement]:
+    """:func:`placements` on the grid ``hosts`` lays out (None: row-major), once per
+    arguments (a plan prices the same groups on many layouts)."""
+    degrees = dict(sizes)
+    ranks = None if hosts is None else grid_ranks(degrees, dict(hosts))
+    return placements(sorted(axes), degrees, domain_devices, ranks)
 
 
 def _bytes(term: Term, where: Placement, hw: Hardware, scale: float) -> tuple[float, float]:
@@ -165,17 +180,17 @@ def step_time(
         :func:`jaxpar.mesh.host_degrees`); None: the outermost axes do.
     """
     nvlink, nic = hw.link_rate, hw.network_rate
-    ranks = None
+    placed = None
     if hosts is not None:  # the grid in mesh axis order, as grid_ranks lays it out
         sizes = {a: sizes.get(a, 1) for a in MESH_AXES}
-        ranks = grid_ranks(sizes, dict(hosts))
+        placed = tuple(sorted(hosts.items()))
     known: dict[frozenset, frozenset[Placement]] = {}
     exposed, hidden = [0.0, 0.0], [0.0, 0.0]
     count = levels = 0
     for term in terms:
         key = frozenset(term.axes)
         if key not in known:
-            known[key] = placements(term.axes, sizes, hw.domain_devices, ranks)
+            known[key] = _placements(key, tuple(sizes.items()), hw.domain_devices, placed)
         options = [_bytes(term, p, hw, scale) for p in known[key]]
         inside, across = max(options, key=lambda b: b[0] / nvlink + b[1] / nic)
         into = hidden if term.hidden else exposed

@@ -72,12 +72,29 @@ def pipeline_factor(
             extra["F"] = -times["F"]
         else:
             extra = {"F": head, "B": 2 * head, "I": head, "W": head}
-        span = simulate(table.orders, table.v, times, extra).makespan
+        span = _critical_path(table, times, extra)
         return span / (3.0 * table.m * (table.v + head / table.p))
     last = table.chunk * table.p + np.arange(table.p)[None, :] == table.p * table.v - 1
     cost = np.vectorize(lambda k, end: _tick_cost(KINDS[k], end, times, recompute, head))
     span = cost(table.kind, last).max(axis=1).sum()
     return float(span) / (3.0 * table.m * (table.v + head / table.p))
+
+
+#: :func:`_critical_path`'s answers, by table and costs (the table kept beside its answer,
+#: so that its ``id`` is not another's)
+_SPANS: dict[tuple, tuple[Any, float]] = {}
+
+
+def _critical_path(table: Any, times: dict[str, float], extra: dict[str, float]) -> float:
+    """The makespan of ``table``'s schedule with these costs, simulated once (an estimate
+    asks for it for the FLOPs and again for the other kernels' bytes)."""
+    key = (id(table), tuple(times.items()), tuple(extra.items()))
+    hit = _SPANS.get(key)
+    if hit is None or hit[0] is not table:
+        if len(_SPANS) > 256:
+            _SPANS.clear()
+        hit = _SPANS[key] = (table, simulate(table.orders, table.v, times, extra).makespan)
+    return hit[1]
 
 
 #: the head's FLOPs a last-chunk action runs, in units of the head's forward

@@ -219,6 +219,19 @@ def dependencies(action: Action, num_chunks: int, split_backward: bool) -> list[
     return deps
 
 
+def dependency_keys(action: Action, num_chunks: int, split_backward: bool) -> tuple[tuple, ...]:
+    """:func:`dependencies` as plain tuples, which hash and compare as the actions they
+    stand for and cost less to make (a simulation makes a set for every action)."""
+    kind, j, c = action
+    if kind == "F":
+        return (("F", j, c - 1),) if c > 0 else ()
+    if kind == "W":
+        return (("I", j, c),)
+    if c < num_chunks - 1:
+        return ("F", j, c), ("I" if split_backward else "B", j, c + 1)
+    return (("F", j, c),)
+
+
 @dataclass(frozen=True)
 class Timing:
     """A simulated run: start/end of every action, bubble and memory."""
@@ -272,6 +285,10 @@ def simulate(
 
     split = any(a.kind == "I" for order in orders for a in order)
     check_complete(orders, num_chunks, split)
+    # each action with what it waits on and how long it lasts, worked out once
+    plans = [
+        [(a, dependency_keys(a, num_chunks, split), duration(a)) for a in order] for order in orders
+    ]
     start: dict[Action, float] = {}
     end: dict[Action, float] = {}
     pos = [0] * p  # the index of each device's next action
@@ -279,23 +296,30 @@ def simulate(
     remaining = sum(len(o) for o in orders)
     while remaining:
         progressed = False
-        for d in range(p):
-            while pos[d] < len(orders[d]):
-                action = orders[d][pos[d]]
-                deps = dependencies(action, num_chunks, split)
-                if any(dep not in end for dep in deps):
-                    break
-                t0 = max([free[d], *(end[dep] for dep in deps)])
-                start[action], end[action] = t0, t0 + duration(action)
-                free[d] = end[action]
-                pos[d] += 1
-                remaining -= 1
-                progressed = True
+        for d, steps in enumerate(plans):
+            i, t = pos[d], free[d]
+            while i < len(steps):
+                action, deps, lasts = steps[i]
+                ready = t
+                for dep in deps:
+                    done = end.get(dep)
+                    if done is None:
+                        break
+                    ready = max(ready, done)
+                else:
+                    start[action], t = ready, ready + lasts
+                    end[action] = t
+                    i += 1
+                    continue
+                break
+            if i > pos[d]:
+                remaining -= i - pos[d]
+                pos[d], free[d], progressed = i, t, True
         if not progressed:
             stuck = [str(orders[d][pos[d]]) for d in range(p) if pos[d] < len(orders[d])]
             raise ValueError(f"schedule deadlocks: next actions {stuck} wait on each other")
     makespan = max(end.values())
-    busy = [sum(duration(a) for a in order) for order in orders]
+    busy = [sum(lasts for _, _, lasts in steps) for steps in plans]
     return Timing(start, end, makespan, busy, _peak_in_flight(orders, start, end, split))
 
 
@@ -317,10 +341,11 @@ def check_complete(
             seen.add(action)
     kinds = ("F", "I", "W") if split else ("F", "B")
     mbs = set(range(m)) if m is not None else {a.mb for a in seen}
-    want = {Action(k, j, c) for k in kinds for j in mbs for c in range(num_chunks)}
+    want = {(k, j, c) for k in kinds for j in mbs for c in range(num_chunks)}  # as Actions
     missing = want - seen
     if missing or len(seen) != len(want):
-        raise ValueError(f"schedule misses actions {sorted(map(str, missing))[:5]}")
+        named = sorted(str(Action(*a)) for a in missing)
+        raise ValueError(f"schedule misses actions {named[:5]}")
 
 
 def _peak_in_flight(orders, start, end, split) -> list[int]:

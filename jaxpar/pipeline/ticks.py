@@ -5,6 +5,7 @@ respected, no slot reused while live). Pure NumPy, no JAX."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
 
@@ -15,7 +16,7 @@ from jaxpar.pipeline.schedule import (
     Action,
     build,
     check_complete,
-    dependencies,
+    dependency_keys,
     simulate,
 )
 
@@ -85,8 +86,11 @@ def _assign_slots(intervals: dict, p: int) -> tuple[dict, int]:
     """Greedy interval colouring per device; returns slot per entry and slots per device."""
     slots = {}
     most = 0
-    for d in range(p):
-        mine = sorted(((iv, key) for key, iv in intervals.items() if key[1] % p == d))
+    by_device: list[list] = [[] for _ in range(p)]
+    for key, iv in intervals.items():
+        by_device[key[1] % p].append((iv, key))
+    for entries in by_device:
+        mine = sorted(entries)
         free_at: list[int] = []  # free_at[s]: last tick slot s is busy
         for (lo, hi), key in mine:
             for s, busy_until in enumerate(free_at):
@@ -101,8 +105,13 @@ def _assign_slots(intervals: dict, p: int) -> tuple[dict, int]:
     return slots, most
 
 
+@functools.lru_cache(maxsize=64)
 def tick_table(schedule: str, p: int, m: int, v: int = 1) -> TickTable:
-    """The executor's table: the schedule played with unit durations, slots assigned."""
+    """The executor's table: the schedule played with unit durations, slots assigned.
+
+    Made and checked once per process for each ``(schedule, p, m, v)`` (a plan over many
+    layouts asks for the same few tables): the one table is shared, its arrays read-only
+    (``dataclasses.replace`` with copies makes another)."""
     orders = build(schedule, p, m, v)
     timing = simulate(orders, v, {"F": 1, "B": 1, "I": 1, "W": 1})
     tick = {a: int(t) for a, t in timing.start.items()}
@@ -148,6 +157,8 @@ def tick_table(schedule: str, p: int, m: int, v: int = 1) -> TickTable:
         tick,
     )
     validate(table)
+    for array in (kind, chunk, mb, act_slot, grad_slot, recv_act, recv_grad):
+        array.flags.writeable = False
     return table
 
 
@@ -171,10 +182,10 @@ def validate(table: TickTable) -> None:
     if set(seen) != set(table.tick):
         raise ValueError("the table does not hold every action of the schedule")
     for action, t in seen.items():
-        for dep in dependencies(action, num_chunks, split):
-            lag = 0 if dep.chunk % p == action.chunk % p else 1
+        for dep in dependency_keys(action, num_chunks, split):
+            lag = 0 if dep[2] % p == action.chunk % p else 1
             if dep not in seen or seen[dep] + lag > t:
-                raise ValueError(f"{action} at tick {t} runs before {dep} is available")
+                raise ValueError(f"{action} at tick {t} runs before {Action(*dep)} is available")
     acts, grads = _intervals(seen, num_chunks, table.m, split)
     back = ("I", "W") if split else ("B",)
     _check_slots(

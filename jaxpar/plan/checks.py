@@ -86,9 +86,12 @@ def _process_rows(
     axes = spec_axes(spec[:1])
     groups = _row_blocks(mesh, axes, processes)
     ways = len(groups)
+    # each (process, row block) it holds once, sorted by process then block
+    held = np.unique(groups.astype(np.int64) * ways + np.arange(ways)[:, None])
+    process_of, block_of = np.divmod(held, ways)
+    starts = np.flatnonzero(np.r_[True, process_of[1:] != process_of[:-1]])
     owned = {}
-    for process in np.unique(processes).tolist():
-        blocks = np.flatnonzero((groups == process).any(axis=1))
+    for process, blocks in zip(process_of[starts].tolist(), np.split(block_of, starts[1:])):
         width = len(blocks)
         if blocks[-1] - blocks[0] + 1 != width or blocks[0] % width:
             raise LayoutError(_split_rows(key, mesh, axes, processes))
