@@ -4,6 +4,7 @@ state's bytes per device and the lab's collective terms come from shapes and lay
 alone, so they must equal those of the same layout on the devices here, and at 1,024
 devices follow from the model's size and the degrees."""
 
+import jax
 import pytest
 
 from jaxpar.config import load_config
@@ -126,3 +127,47 @@ def test_auto_settings_follow_the_platform_planned_for():
         build(config, target=(8, "cuda"))
     with pytest.raises(ConfigError, match="fit_memory"):
         build(config, target=(8, "gpu"), fit_memory=True)
+
+
+def test_the_reads_outside_a_stack_are_traced_once_a_model(monkeypatch):
+    """What a pipeline's last stage reads outside the stacked layers (the head): traced
+    once per model, stage position and batch shape, so another layout's plan gets the same
+    set without tracing again; a model whose split functions do not hash is traced each
+    time, to the same set."""
+    import dataclasses
+
+    import numpy as np
+
+    from jaxpar.lab import gradient_terms
+
+    def plan_of(layout):
+        return build(load_config([], [*GPT_SMALL, *layout, "pipeline.executor=mpmd"])).plan
+
+    plans = [plan_of(["mesh.data=4", "mesh.stage=2"]), plan_of(["mesh.tensor=4", "mesh.stage=2"])]
+    batch = {"tokens": np.zeros((8, 17), np.int32)}
+    traced = []
+    trace = gradient_terms._trace_outside_stack
+    monkeypatch.setattr(
+        gradient_terms, "_trace_outside_stack", lambda *a: traced.append(a) or trace(*a)
+    )
+    monkeypatch.setattr(gradient_terms, "_READ", {})
+    head = gradient_terms._read_outside_stack(plans[0], 1, batch)
+    assert gradient_terms._read_outside_stack(plans[1], 1, batch) == head and len(traced) == 1
+    assert 0 < len(head) < len(jax.tree.leaves(plans[0].model.params))
+
+    class Unhashable:
+        __hash__ = None
+
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __call__(self, *args):
+            return self.fn(*args)
+
+    split = plans[0].task.stages
+    task = dataclasses.replace(
+        plans[0].task, stages=dataclasses.replace(split, head=Unhashable(split.head))
+    )
+    odd = dataclasses.replace(plans[0], task=task)
+    assert gradient_terms._read_outside_stack(odd, 1, batch) == head
+    assert gradient_terms._read_outside_stack(odd, 1, batch) == head and len(traced) == 3

@@ -437,7 +437,7 @@ def test_export_carries_the_tokenizer(run_dir, root, tmp_path, capsys, mixture):
     if mixture:
         for suffix in ("", ".json"):
             shutil.copy(root / f"text.tokens{suffix}", tmp_path / f"more.tokens{suffix}")
-        data = ["data.path=", f"data.mixture={root / 'text.tokens'}:1,{tmp_path / 'more.tokens'}:1"]
+        data = ["data.path=", f"data.mixture={tmp_path / 'more.tokens'}:1,{root / 'text.tokens'}:1"]
     assert main(["export", str(run_dir), *data, "--format", "hf", "--out", str(out), *ONE]) == 0
     assert "Qwen3ForCausalLM" in (message := capsys.readouterr().out)
     assert "with the tokenizer" in message and "tokenizer.json" in message

@@ -158,8 +158,7 @@ def test_schedule_matches_unpipelined(schedule, p, m, v, combo):
             pytest.param(s, v, id=f"{s}-{v}")
             for s, v in (("1f1b", 1), ("zb_h1", 1), ("interleaved", 2))
         ],
-        # the interleaved stack: test_schedule_matches_unpipelined, with accumulation below
-        {"zb_h1-1"},
+        {"zb_h1-1", "interleaved-2"},
     ),
 )
 def test_pipeline_with_fsdp_and_all_axes(schedule, v):

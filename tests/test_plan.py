@@ -188,8 +188,10 @@ def test_pipelined_layout_has_its_tick_table(schedule, p_, m, v):
         data=8 // p_,
         pipeline=PipelineConfig(schedule=schedule, microbatches=m, virtual_stages=v),
     )
-    expected = tick_table(schedule, p_, m, v)
+    expected = tick_table.__wrapped__(schedule, p_, m, v)  # made anew, not the shared one
     assert (p.pipeline.p, p.pipeline.m, p.pipeline.v) == (p_, m, v)
+    # one table a shape per process, which no one can change in place
+    assert p.pipeline is tick_table(schedule, p_, m, v) and not p.pipeline.kind.flags.writeable
     for column in ("kind", "chunk", "mb", "act_slot", "grad_slot", "recv_act", "recv_grad"):
         np.testing.assert_array_equal(getattr(p.pipeline, column), getattr(expected, column))
     assert p.microbatches == m and isinstance(p.gradients, Pipelined)

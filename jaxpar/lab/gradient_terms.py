@@ -114,7 +114,8 @@ def _read_outside_stack(plan: Plan, stage: int, batch: dict) -> set[int]:
     """The parameters (leaf indices) a stack's embedding reads on the first stage and its
     head on the last: the inputs of their traced programs that any equation uses. Traced
     once per model, stage position and batch shape (the same functions, the same
-    :class:`~flax.nnx.GraphDef` and abstract values give the same program)."""
+    :class:`~flax.nnx.GraphDef` and abstract values give the same program), or each time
+    for a model whose graph does not hash (a setting held in a mutable dataclass)."""
     split = plan.task.stages
     model = plan.model
     rows = {k: jax.ShapeDtypeStruct((1, *v.shape[1:]), v.dtype) for k, v in batch.items()}
@@ -129,6 +130,10 @@ def _read_outside_stack(plan: Plan, stage: int, batch: dict) -> set[int]:
         stage == 0,
         stage == last,
     )
+    try:
+        hash(key)
+    except TypeError:  # a model holding an unhashable setting: traced each time
+        return _trace_outside_stack(plan, stage, rows)
     if key not in _READ:
         if len(_READ) > 64:
             _READ.clear()
