@@ -138,7 +138,7 @@ def test_the_reads_outside_a_stack_are_traced_once_a_model(monkeypatch):
 
     import numpy as np
 
-    from jaxpar.lab import gradient_terms
+    from jaxpar.lab import stage_reads
 
     def plan_of(layout):
         return build(load_config([], [*GPT_SMALL, *layout, "pipeline.executor=mpmd"])).plan
@@ -146,13 +146,13 @@ def test_the_reads_outside_a_stack_are_traced_once_a_model(monkeypatch):
     plans = [plan_of(["mesh.data=4", "mesh.stage=2"]), plan_of(["mesh.tensor=4", "mesh.stage=2"])]
     batch = {"tokens": np.zeros((8, 17), np.int32)}
     traced = []
-    trace = gradient_terms._trace_outside_stack
+    trace = stage_reads._trace_outside_stack
     monkeypatch.setattr(
-        gradient_terms, "_trace_outside_stack", lambda *a: traced.append(a) or trace(*a)
+        stage_reads, "_trace_outside_stack", lambda *a: traced.append(a) or trace(*a)
     )
-    monkeypatch.setattr(gradient_terms, "_READ", {})
-    head = gradient_terms._read_outside_stack(plans[0], 1, batch)
-    assert gradient_terms._read_outside_stack(plans[1], 1, batch) == head and len(traced) == 1
+    monkeypatch.setattr(stage_reads, "_READ", {})
+    head = stage_reads.read_outside_stack(plans[0], 1, batch)
+    assert stage_reads.read_outside_stack(plans[1], 1, batch) == head and len(traced) == 1
     assert 0 < len(head) < len(jax.tree.leaves(plans[0].model.params))
 
     class Unhashable:
@@ -169,5 +169,5 @@ def test_the_reads_outside_a_stack_are_traced_once_a_model(monkeypatch):
         plans[0].task, stages=dataclasses.replace(split, head=Unhashable(split.head))
     )
     odd = dataclasses.replace(plans[0], task=task)
-    assert gradient_terms._read_outside_stack(odd, 1, batch) == head
-    assert gradient_terms._read_outside_stack(odd, 1, batch) == head and len(traced) == 3
+    assert stage_reads.read_outside_stack(odd, 1, batch) == head
+    assert stage_reads.read_outside_stack(odd, 1, batch) == head and len(traced) == 3

@@ -23,10 +23,10 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from flax import nnx
 
 from jaxpar.axes import BATCH_AXES, Axis
 from jaxpar.buckets import groups
+from jaxpar.lab.stage_reads import read_outside_stack
 from jaxpar.lab.terms import LabModel, TableReads, Term, fp8_itemsize
 from jaxpar.logical import LAYERS, SEQ, spec_axes, spec_leaves
 from jaxpar.pipeline.views import STACKED, WHOLE
@@ -92,76 +92,11 @@ def _held_by_heaviest_stage(plan: Plan, n: int, batch: dict) -> list[bool]:
     ex = plan.gradients
     stage = ex.heaviest_stage
     homes = jax.tree.leaves(ex.homes.params)
-    read = _read_outside_stack(plan, stage, batch) if WHOLE in homes else set()
+    read = read_outside_stack(plan, stage, batch) if WHOLE in homes else set()
     return [
         home == stage or home == STACKED or (home == WHOLE and i in read)
         for i, home in enumerate(homes)
     ]
-
-
-#: :func:`_read_outside_stack`'s answers: a plan over many layouts traces each model's
-#: embedding and head once, not once per layout
-_READ: dict[tuple, frozenset[int]] = {}
-
-
-def _signature(tree: Any) -> tuple:
-    """A tree's structure with its leaves' shapes and dtypes (what tracing it sees)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
-
-
-def _read_outside_stack(plan: Plan, stage: int, batch: dict) -> set[int]:
-    """The parameters (leaf indices) a stack's embedding reads on the first stage and its
-    head on the last: the inputs of their traced programs that any equation uses. Traced
-    once per model, stage position and batch shape (the same functions, the same
-    :class:`~flax.nnx.GraphDef` and abstract values give the same program), or each time
-    for a model whose graph does not hash (a setting held in a mutable dataclass)."""
-    split = plan.task.stages
-    model = plan.model
-    rows = {k: jax.ShapeDtypeStruct((1, *v.shape[1:]), v.dtype) for k, v in batch.items()}
-    last = plan.mesh.shape[Axis.STAGE] - 1
-    key = (
-        split.embed,
-        split.head,
-        model.graphdef,
-        _signature(model.params),
-        _signature(model.state),
-        _signature(rows),
-        stage == 0,
-        stage == last,
-    )
-    try:
-        hash(key)
-    except TypeError:  # a model holding an unhashable setting: traced each time
-        return _trace_outside_stack(plan, stage, rows)
-    if key not in _READ:
-        if len(_READ) > 64:
-            _READ.clear()
-        _READ[key] = frozenset(_trace_outside_stack(plan, stage, rows))
-    return set(_READ[key])
-
-
-def _trace_outside_stack(plan: Plan, stage: int, rows: dict) -> set[int]:
-    split = plan.task.stages
-    model = plan.model
-    embed = lambda p, s, b: split.embed(nnx.merge(model.graphdef, p, s), b)
-    used: set[int] = set()
-    if stage == 0:
-        used |= _used_inputs(embed, model.params, model.state, rows)
-    if stage == plan.mesh.shape[Axis.STAGE] - 1:
-        x = jax.eval_shape(embed, model.params, model.state, rows)
-        head = lambda p, s, xb: split.head(nnx.merge(model.graphdef, p, s), *xb)
-        used |= _used_inputs(head, model.params, model.state, (x, rows))
-    return used
-
-
-def _used_inputs(fn: Any, params: Any, state: Any, batch: Any) -> set[int]:
-    """The leaves of ``params`` that ``fn(params, state, batch)``'s jaxpr reads."""
-    closed = jax.make_jaxpr(fn)(params, state, batch)
-    read = {id(v) for eqn in closed.jaxpr.eqns for v in eqn.invars}
-    read |= {id(v) for v in closed.jaxpr.outvars}
-    n = len(jax.tree.leaves(params))
-    return {i for i, v in enumerate(closed.jaxpr.invars[:n]) if id(v) in read}
 
 
 def _gathers(plan: Plan, pipelined: bool, scanned: bool, outside: int) -> int:
@@ -257,7 +192,7 @@ def _step(
         layers_key=split.layers_key if split is not None else None,
         reads=reads,
         outside=lab.gathers_outside_scans,
-        head=_read_outside_stack(plan, last_stage, example) if in_ticks else set(),
+        head=read_outside_stack(plan, last_stage, example) if in_ticks else set(),
         homes=jax.tree.leaves(plan.gradients.homes.params) if mpmd else [],
     )
 
