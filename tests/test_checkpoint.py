@@ -55,6 +55,14 @@ def train_process(run_dir: Path, steps: int, *extra: str) -> None:
     )
 
 
+def train_here(run_dir: Path, steps: int, *extra: str) -> None:
+    """The same run as :func:`train_process`, in this process (its compiler flags and 8
+    devices: the same floats, bit for bit), without a new interpreter's start-up."""
+    from jaxpar.cli import main
+
+    assert main(["train", *RESUMABLE, *extra, f"train.steps={steps}", f"run.dir={run_dir}"]) == 0
+
+
 def losses(run_dir: Path) -> list[tuple[int, float]]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [(row["step"], row["loss"]) for row in rows if "loss" in row]
@@ -75,10 +83,12 @@ def final_arrays(run_dir: Path, layout: list[str]) -> list[np.ndarray]:
     "layout", [["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]], ids=["fsdp_tp"]
 )
 def test_resume_is_bitwise_identical(tmp_path, layout):
-    """8 steps straight vs 4 steps, exit, resume for 4 more: same losses and params, bit for bit."""
+    """8 steps straight vs 4 steps, exit, resume for 4 more in a fresh process: same
+    losses and params, bit for bit. (The straight run and the first 4 steps run in this
+    process: the resume is the one that must start from the files alone.)"""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    train_process(straight, 8, *layout)
-    train_process(resumed, 4, *layout)
+    train_here(straight, 8, *layout)
+    train_here(resumed, 4, *layout)
     assert [s for s, _ in losses(resumed)] == [1, 2, 3, 4]
     train_process(resumed, 8, *layout)
     assert losses(resumed) == losses(straight)  # steps 1…8 once each, same floats
@@ -99,7 +109,12 @@ def saved_run(tmp_path):
 
 @pytest.mark.parametrize(
     "layout,devices",
-    [(["mesh.data=2", "mesh.tensor=4"], 8), (["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2"], 4)],
+    [
+        # the same restore onto new shardings as layout1's, which also changes the device
+        # count (and crosses fsdp with tensor)
+        pytest.param(["mesh.data=2", "mesh.tensor=4"], 8, marks=pytest.mark.exhaustive),
+        (["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2"], 4),
+    ],
 )
 def test_restore_onto_another_layout(tmp_path, layout, devices):
     """Saved under fsdp=8; restored under data=2×tensor=4 and on 4 devices: same values,
@@ -294,10 +309,11 @@ def test_sigkill_during_a_save_leaves_nothing_resume_would_pick(tmp_path):
     assert ckpt.steps() == complete and ckpt.latest_step() == complete[-1]
     ckpt.close()
     last = complete[-1]
-    train_process(run_dir, last + 2, *big)  # resume=auto
+    # the next run and the uninterrupted one in this process (the same floats as a child's)
+    train_here(run_dir, last + 2, *big)  # resume=auto
     assert [s for s, _ in losses(run_dir)] == list(range(1, last + 3))  # each step once
     straight = tmp_path / "straight"
-    train_process(straight, last + 2, *big)
+    train_here(straight, last + 2, *big)
     assert losses(run_dir)[-2:] == losses(straight)[-2:]
 
 

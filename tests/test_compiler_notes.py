@@ -7,6 +7,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from jaxpar import compiler_notes
 from tests.helpers import ROOT, child_env
 
@@ -81,6 +83,15 @@ def test_an_embeddings_involuntary_rematerialization_is_one_line_with_the_fix(tm
         "its dims"
     ], err
     assert "Involuntary" not in err and "spmd_partitioner" not in err
+
+
+# Extended tier (a second `jaxpar train` process): the suite checks the fix's mechanism in
+# tests/test_lookup.py — under data × fsdp × tensor the lookup's compiled step gathers no
+# table and its rows come out summed where they lie, equal to a lookup in the whole table
+@pytest.mark.exhaustive
+def test_the_fix_the_note_names_compiles_without_it(tmp_path):
+    """The same model looking its tokens up with ``jaxpar.tensor_parallel.lookup``, as the
+    note says: XLA warns of no rematerialization."""
     fixed = _train(
         tmp_path,
         'jaxpar.tensor_parallel.lookup(self.embed.embedding[...], tokens, ("vocab", "embed"))',

@@ -118,19 +118,48 @@ def test_context_parallel_equals_one_device(family, layout, strategy, balance):
 
 @pytest.mark.parametrize(
     "extra",
-    [
-        ["mesh.stage=2", "mesh.data=2", "pipeline.executor=spmd", "pipeline.microbatches=2"],
-        ["mesh.stage=2", "mesh.data=2", "pipeline.executor=mpmd", "pipeline.microbatches=2"],
-        ["mesh.data=4", "train.grad_accum=2", "context.attention=ring"],
-        ["mesh.data=4", "model.remat=full", "context.attention=ring"],
-    ],
-    ids=["stage-spmd", "stage-mpmd", "grad_accum-ring", "remat-ring"],
+    grid(
+        [
+            pytest.param(
+                [
+                    "mesh.stage=2",
+                    "mesh.data=2",
+                    "pipeline.executor=spmd",
+                    "pipeline.microbatches=2",
+                ],
+                id="stage-spmd",
+            ),
+            pytest.param(
+                [
+                    "mesh.stage=2",
+                    "mesh.data=2",
+                    "pipeline.executor=mpmd",
+                    "pipeline.microbatches=2",
+                ],
+                id="stage-mpmd",
+            ),
+            pytest.param(
+                ["mesh.data=4", "train.grad_accum=2", "context.attention=ring"],
+                id="grad_accum-ring",
+            ),
+            pytest.param(
+                ["mesh.data=4", "model.remat=full", "context.attention=ring"], id="remat-ring"
+            ),
+        ],
+        # every suite: the sub-mesh executor's stages and remat round the ring (its
+        # custom_vjp recomputed). Context in the spmd pipeline: tests/test_packing.py's
+        # stage=2 × context=2 (the same layout and strategy, against each document alone)
+        # and tests/test_pack_families.py's Gemma 3 there; accumulation splits the rows, not
+        # the sequences (it is the same loop with and without context): extended
+        {"stage-mpmd", "remat-ring"},
+    ),
 )
 def test_context_composes_with_stages_accumulation_and_remat(extra):
     """``context=2`` with pipeline stages (both executors), gradient accumulation and remat:
     losses and parameters equal one device's (accumulating the same microbatches)."""
     micro = 2 if any("stage" in e or "grad_accum" in e for e in extra) else 1
-    one = one_device_steps([*MODEL, f"train.grad_accum={micro}"])
+    # without accumulation the reference is the GPT's of test_context_parallel_equals_one_device
+    one = _one_device("gpt") if micro == 1 else one_device_steps([*MODEL, "train.grad_accum=2"])
     losses, params, _ = run_steps([*MODEL, "mesh.context=2", *extra])
     np.testing.assert_allclose(losses, one[0], rtol=1e-5)
     assert_params_close(params, one[1], elementwise=False, rtol=1e-4)
@@ -313,8 +342,9 @@ def test_a_run_trained_with_context_parallelism_samples_as_on_one_device(tmp_pat
         np.testing.assert_array_equal(a, b)
 
 
-#: context layouts of a tiny GPT: each strategy, a pipeline of each executor (interleaved:
-#: each stage's two chunks run every microbatch, each its context collectives) in the suite
+#: context layouts of a tiny GPT: each strategy (all_gather inside the spmd pipeline), a
+#: pipeline of each executor (interleaved: each stage's two chunks run every microbatch, each
+#: its context collectives) in the suite
 LAB_LAYOUTS = grid(
     [
         pytest.param(x, id=x)
@@ -331,8 +361,10 @@ LAB_LAYOUTS = grid(
             "pipeline.virtual_stages=2,model.n_layers=4",
         )
     ],
+    # (all_gather's gathers and reduce-scatters beside data alone, data=4,context=2: the
+    # same terms as in the spmd pipeline's stage=2,context=4, and the data all-reduce as
+    # beside the ring's data=2,context=2,tensor=2: extended)
     {
-        "data=4,context=2",
         "data=2,context=2,tensor=2,context.attention=ring",
         "stage=2,context=4",
         "stage=2,data=2,context=2,pipeline.executor=mpmd,pipeline.schedule=interleaved,"
@@ -459,10 +491,15 @@ TINY_LM = jaxpar.Task(
 
 @pytest.mark.parametrize(
     "layout",
-    [
-        ["mesh.context=4", "mesh.data=2", "context.attention=ring"],
-        ["mesh.context=8", "context.attention=all_gather"],
-    ],
+    grid(
+        [
+            pytest.param(["mesh.context=4", "mesh.data=2", "context.attention=ring"], id="ring"),
+            pytest.param(["mesh.context=8", "context.attention=all_gather"], id="all_gather"),
+        ],
+        # jaxpar.attend runs either strategy for a user's model as for the built-in ones
+        # (each strategy: test_context_parallel_equals_one_device): all_gather's is extended
+        {"ring"},
+    ),
 )
 def test_a_users_model_with_jaxpar_attend_equals_one_device(layout):
     """A user's Task declaring ``context_parallel`` (its attention through ``jaxpar.attend``,

@@ -83,7 +83,16 @@ def test_gpt_multiplies_e4m3_forward_and_e5m2_gradients():
     assert set(_lowered_dots(GPT_SMALL, grad=True)) == {("f32", "f32")}
 
 
-@pytest.mark.parametrize("family", [LLAMA, GEMMA], ids=["llama", "gemma"])
+@pytest.mark.parametrize(
+    "family",
+    [
+        LLAMA,
+        # extended: Gemma's layers call the Llama's attention projections and the same
+        # `project` for their MLP (jaxpar/models/gemma_layers.py), checked in the Llama
+        pytest.param(GEMMA, marks=pytest.mark.exhaustive),
+    ],
+    ids=["llama", "gemma"],
+)
 def test_llama_and_gemma_projections_are_fp8(family):
     """Llama and Gemma: each scan body's 7 projections (q, k, v, o, gate, up, down) take
     E4M3 operands, and each has two E5M2 × E4M3 gradient dots; the rest stays float32."""

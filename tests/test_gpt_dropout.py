@@ -106,8 +106,10 @@ def test_hidden_dropout_under_context_parallelism_matches_one_device():
 
 def test_dropout_is_on_in_training_and_off_in_evaluation():
     """Training draws anew each microbatch (the count advances); evaluation drops nothing:
-    its loss equals that of the same parameters without dropout."""
-    run = build(load_config([], [*DROPS, "mesh.data=8"]))
+    its loss equals that of the same parameters without dropout. (On one device: the
+    layouts' draws are test_dropout_layouts_and_pipelines_match_one_device's.)"""
+    one = ["mesh.data=1", "run.devices=1"]
+    run = build(load_config([], [*DROPS, *one]))
     trainer, state = run.trainer, run.trainer.init()
     batch = trainer.shard_batch(run.data.batch(0, 16))
     apply = jax.jit(trainer.apply, static_argnames="train")
@@ -115,12 +117,12 @@ def test_dropout_is_on_in_training_and_off_in_evaluation():
     b, _, _ = apply(state.params, after, batch, train=True)
     assert float(a) != float(b)
     assert int(after["noise"]["dropout"]["count"]) == 1
-    hidden = build(load_config([], [*DROPS, "mesh.data=8", "model.attention_dropout=0"]))
+    hidden = build(load_config([], [*DROPS, *one, "model.attention_dropout=0"]))
     c, _, _ = jax.jit(hidden.trainer.apply, static_argnames="train")(
         state.params, state.model_state, batch, train=True
     )
     assert float(c) != float(a)  # the probabilities drop too
-    plain = build(load_config([], [*GPT_SMALL, "optim.name=sgd", "mesh.data=8"]))
+    plain = build(load_config([], [*GPT_SMALL, "optim.name=sgd", *one]))
     assert "noise" not in plain.trainer.init().model_state  # no dropout: the state of before
     same = plain.trainer.init()
     assert_params_close(same.params, state.params)  # the RNG is drawn after the parameters

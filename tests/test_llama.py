@@ -90,7 +90,9 @@ def test_more_tensor_devices_than_key_value_heads():
     assert_params_close(params, one[1], elementwise=False, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+# the suite: 2 key/value heads for 4 query heads (groups of 2); 1 (one group) and 4 (groups
+# of 1), the same cache and grouping code at other group sizes, in the extended tier
+@pytest.mark.parametrize("kv_heads", grid([pytest.param(n, id=str(n)) for n in (1, 2, 4)], {"2"}))
 def test_decode_with_cache_matches_forward(kv_heads):
     """A prompt, then one token at a time through the KV cache: the logits of the full
     forward pass (grouped-query attention with 1, 2 and 4 key/value heads)."""

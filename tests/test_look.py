@@ -373,7 +373,17 @@ def _step_loss(config, checkpoint: bool) -> float:
     return float(run.trainer.step(state, batch)[1]["loss"])
 
 
-@pytest.mark.parametrize("layout", [ONE, SPREAD], ids=["one-device", "data2-fsdp2-tensor2"])
+# eval on each layout from each kind of source, once: a folder spread over data × fsdp ×
+# tensor (its one-device eval: test_eval_of_a_folder_is_transformers_loss) and a run dir on
+# one device (restoring onto another layout: tests/test_checkpoint.py); the other two are
+# `exhaustive`
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param(ONE, id="one-device", marks=pytest.mark.exhaustive),
+        pytest.param(SPREAD, id="data2-fsdp2-tensor2"),
+    ],
+)
 def test_eval_of_a_folder_is_the_training_step_loss(root, layout):
     folder = root / "folder"
     data = [*DATA, f"data.path={root / 'text.tokens'}"]
@@ -406,7 +416,13 @@ def test_eval_warns_of_a_token_file_made_with_another_tokenizer(root):
         evaluate_model(root / "bos", [*DATA, *ONE, f"data.path={root / 'text.tokens'}"], batches=1)
 
 
-@pytest.mark.parametrize("layout", [ONE, SPREAD], ids=["one-device", "data2-fsdp2-tensor2"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param(ONE, id="one-device"),
+        pytest.param(SPREAD, id="data2-fsdp2-tensor2", marks=pytest.mark.exhaustive),
+    ],
+)
 def test_eval_of_a_run_dir_is_the_training_step_loss(run_dir, layout):
     before = _files(run_dir)
     got = evaluate_model(run_dir, layout, batches=1)

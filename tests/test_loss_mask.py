@@ -105,14 +105,32 @@ def test_loss_is_the_completion_only_mean(tokens):
     np.testing.assert_allclose(_loss(run, params, batch), want, rtol=1e-5)
 
 
+# the suite: the batch split over devices, each pipeline executor (the spmd one beside
+# context); accumulation — on one device, and crossed with the split — in the extended tier:
+# the accumulated microbatches' weights over the whole batch are checked in the suite by
+# test_packed_documents_keep_the_masked_mean (train.grad_accum=2 on data × fsdp × tensor)
 @pytest.mark.parametrize(
     "layout",
     [
-        ["mesh.data=1", "train.grad_accum=2"],
-        ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
-        ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.grad_accum=2"],
-        ["mesh.data=-1", "mesh.stage=2", "mesh.context=2", "pipeline.microbatches=2"],
-        ["mesh.data=-1", "mesh.stage=2", "pipeline.microbatches=2", "pipeline.executor=mpmd"],
+        pytest.param(
+            ["mesh.data=1", "train.grad_accum=2"],
+            id="accumulated",
+            marks=pytest.mark.exhaustive,
+        ),
+        pytest.param(["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], id="data2-fsdp2-tensor2"),
+        pytest.param(
+            ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.grad_accum=2"],
+            id="data2-fsdp2-tensor2-accumulated",
+            marks=pytest.mark.exhaustive,
+        ),
+        pytest.param(
+            ["mesh.data=-1", "mesh.stage=2", "mesh.context=2", "pipeline.microbatches=2"],
+            id="stage2-context2-spmd",
+        ),
+        pytest.param(
+            ["mesh.data=-1", "mesh.stage=2", "pipeline.microbatches=2", "pipeline.executor=mpmd"],
+            id="stage2-mpmd",
+        ),
     ],
 )
 def test_layouts_keep_the_masked_mean(tokens, layout):

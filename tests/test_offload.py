@@ -50,29 +50,44 @@ def test_every_remat_choice_has_a_policy():
     assert set(NEW_REMAT) < set(REMAT_POLICIES)
 
 
+BOTH = ["train.optimizer_offload=true", "model.remat=offload"]
+#: per mesh, the variants trained: on ``data8`` the two offloads, alone and together; on
+#: data × fsdp × tensor the choices that keep their residuals on the device, and both
+#: offloads together
+VARIANTS = {
+    "data8": {"optimizer": BOTH[:1], "remat": BOTH[1:], "both": BOTH},
+    "data2-fsdp2-tensor2": {
+        **{r: [f"model.remat={r}"] for r in NEW_REMAT if r != "offload"},
+        "both": BOTH,
+    },
+}
+
+
 @pytest.mark.parametrize(
-    "family,mesh",
+    "family,mesh,variant",
     grid(
-        [pytest.param(f, m, id=f"{f}-{m}") for f in FAMILIES for m in MESHES],
-        {"gpt-data2-fsdp2-tensor2"},  # the Llama's offloaded names: their own test below
+        [
+            pytest.param(f, m, v, id=f"{f}-{m}-{v}")
+            for f in FAMILIES
+            for m in MESHES
+            for v in VARIANTS[m]
+        ],
+        # the suite: both offloads together, and save_matmuls, which keeps on the device
+        # the names offload moves (save_qkv and save_out keep some of them, and
+        # save_matmuls_context one more, the same jax.checkpoint policy of other names:
+        # extended; tests/test_ulysses.py's suite compiles save_matmuls_context's step). The
+        # Llama's offloaded names: their own test below
+        {"gpt-data2-fsdp2-tensor2-save_matmuls", "gpt-data2-fsdp2-tensor2-both"},
     ),
 )
-def test_host_offload_equals_one_device(family, mesh):
+def test_host_offload_equals_one_device(family, mesh, variant):
     """Every new remat choice and the optimizer state offloaded: losses of 3 AdamW steps
-    and the final parameters equal one device's without either. On ``data8`` the two
-    offloads, alone and together; on data × fsdp × tensor the choices that keep their
-    residuals on the device, and both offloads together."""
+    and the final parameters equal one device's without either (:data:`VARIANTS`)."""
     base = FAMILIES[family]
     one = one_device_steps(base)
-    both = ["train.optimizer_offload=true", "model.remat=offload"]
-    if mesh == "data8":
-        variants = [both[:1], both[1:], both]
-    else:
-        variants = [[f"model.remat={r}"] for r in NEW_REMAT if r != "offload"] + [both]
-    for variant in variants:
-        losses, params, _ = run_steps([*base, *MESHES[mesh], *variant])
-        np.testing.assert_allclose(losses, one[0], rtol=1e-5, err_msg=str(variant))
-        assert_params_close(params, one[1], elementwise=False, rtol=1e-4)
+    losses, params, _ = run_steps([*base, *MESHES[mesh], *VARIANTS[mesh][variant]])
+    np.testing.assert_allclose(losses, one[0], rtol=1e-5, err_msg=variant)
+    assert_params_close(params, one[1], elementwise=False, rtol=1e-4)
 
 
 @pytest.mark.exhaustive  # the same mechanism as GPT's and Llama's, in the extended tier

@@ -17,6 +17,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax import export
 
 from jaxpar.config import load_config
 from jaxpar.models.lm import lm_documents, lm_sequence
@@ -111,7 +112,7 @@ def _bert_reference(run, params, batch) -> dict[int, tuple[float, dict]]:
     of two pipeline microbatches (2)."""
     model = _bert_model(run, params)
     draws = [_bert_masks(model, batch, k) for k in (1, 2)]
-    originals = batch["tokens"][:, :-1]  # the targets
+    originals = jnp.asarray(batch["tokens"][:, :-1])  # the targets
     pieces = defaultdict(list)  # by length: (row, positions)
     for b, segments in enumerate(batch["segments"][:, :-1]):
         for s in np.unique(segments):
@@ -119,25 +120,39 @@ def _bert_reference(run, params, batch) -> dict[int, tuple[float, dict]]:
             pieces[len(at)].append((b, at))
     graphdef, state, rest = nnx.split(model, nnx.Param, ...)
 
-    def piece_sum(p, keys, inputs, chosen, members):
-        """The chosen positions' cross entropy summed over pieces of one length."""
+    def piece_sum(p, keys, inputs, chosen, rows, at):
+        """The chosen positions' cross entropy summed over n pieces of one length L: row
+        ``rows[i]`` of the window, its positions ``at[i]`` ([n] and [n, L])."""
         nnx.replace_by_pure_dict(state, p)
         m = nnx.merge(graphdef, state, rest)
-        rows = np.array([b for b, _ in members])
-        at = (rows[:, None], np.stack([a for _, a in members]))
+        at = (rows[:, None], at)
         x = m.run_blocks(m.embed_tokens(inputs[at], keys[rows]), keys[rows])
         ce = optax.softmax_cross_entropy_with_integer_labels(m.logits(x), originals[at])
         return jnp.sum(ce * chosen[at])
 
     # a program per length (XLA compiles several small programs faster than their sum),
-    # each compiled once for both draws; the sums and their gradients add up
-    steps = [
-        jax.jit(jax.value_and_grad(functools.partial(piece_sum, members=members)))
-        for members in pieces.values()
+    # each compiled once for both draws; the sums and their gradients add up. Traced once,
+    # for any number n of pieces of any length L (the model's own code at each: a length
+    # is a shape), and compiled for each length as it is called
+    n, length = export.symbolic_shape("n, L", constraints=[f"L <= {T}"])
+
+    def spec(x):
+        return jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype)
+
+    traced = export.export(jax.jit(jax.value_and_grad(piece_sum)))(
+        jax.tree.map(spec, params),
+        *map(spec, draws[0]),
+        jax.ShapeDtypeStruct((n,), jnp.int32),
+        jax.ShapeDtypeStruct((n, length), jnp.int32),
+    )
+    step = jax.jit(traced.call)
+    members = [
+        (np.array([b for b, _ in m], np.int32), np.stack([a for _, a in m]).astype(np.int32))
+        for m in pieces.values()
     ]
     out = {}
     for k, (keys, inputs, chosen) in zip((1, 2), draws):
-        parts = [step(params, keys, inputs, chosen) for step in steps]
+        parts = [step(params, keys, inputs, chosen, rows, at) for rows, at in members]
         count = float(chosen.sum())
         total = sum(float(v) for v, _ in parts) / count
         grads = jax.tree.map(
@@ -184,9 +199,11 @@ LAYOUTS = [  # (family, layout)
 ]
 
 
-# every suite: each family on one device and under context parallelism (Gemma 3 each
-# strategy, balanced: all_gather in its pipeline; BERT all_gather), a pipeline; the rest
-# exhaustive. (The spmd executor
+# every suite: each family under context parallelism (Gemma 3 each strategy, balanced:
+# all_gather in its pipeline; BERT all_gather), a pipeline, and Gemma 3 and BERT on one
+# device (attend's own masks there: windows, bidirectional); Gemma 2's one device is
+# extended (its soft-capped attention is written out, the same code under context=2, where
+# XLA gathers the keys); the rest exhaustive. (The spmd executor
 # with context.attention=ring deadlocks on XLA:CPU whatever data.pack says; docs/context.md.)
 @pytest.mark.parametrize(
     "family,layout",
@@ -196,7 +213,6 @@ LAYOUTS = [  # (family, layout)
             "gemma3-one device",
             "gemma3-mesh.context=4,context.attention=ring",
             "gemma3-mesh.stage=2,mesh.context=2,pipeline.microbatches=2",
-            "gemma2-one device",
             "gemma2-mesh.context=2,context.attention=all_gather",
             "bert-one device",
             "bert-mesh.context=2,context.attention=all_gather",
@@ -225,7 +241,11 @@ def test_packed_loss_is_the_mean_of_each_document_alone(records, family, layout)
 
 @pytest.mark.parametrize(
     "family",
-    grid([pytest.param("gemma2", id="gemma2"), pytest.param("gemma3", id="gemma3")], {"gemma2"}),
+    # both extended: a family whose packed loss equals each document alone (above, every
+    # suite) reads differently under concat wherever a document follows another (its
+    # attention sees the ones before it); the check itself runs in every suite on the GPT
+    # (tests/test_packing.py) and on BERT (below)
+    grid([pytest.param("gemma2", id="gemma2"), pytest.param("gemma3", id="gemma3")], set()),
 )
 def test_gemma_concat_and_documents_differ_where_documents_meet(records, family):  # noqa: F811
     """Per-token losses: each window's first document reads the same under both; the later
@@ -266,6 +286,12 @@ def test_bert_concat_and_documents_differ_where_documents_meet(records):  # noqa
     assert abs(losses[0] - losses[1]) > 1e-5
 
 
+# Extended tier: Gemma's loss is the language models' shared next-token loss, weighed by the
+# loss mask whatever the attention (jaxpar/models/lm.py: lm_weights, next_token_loss). Every
+# suite checks that loss against the masked mean by hand on the GPT
+# (tests/test_loss_mask.py::test_loss_is_the_completion_only_mean), packed and masked across
+# layouts (…::test_packed_documents_keep_the_masked_mean), and Gemma's packed attention above
+@pytest.mark.exhaustive
 def test_gemma_packed_and_masked_is_the_completion_only_mean(tokens):  # noqa: F811
     """A fine-tuning token file, packed: the loss is the mean over the completion targets
     of the per-token losses of the packed forward pass (not the mean over all)."""

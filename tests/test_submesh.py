@@ -6,6 +6,7 @@ counts and evaluation — under every schedule; bad cuts are one-line errors."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import os
 import re
@@ -123,6 +124,17 @@ def _one_device(task, optimizer):
     return _train(task, ["mesh.data=1", f"train.grad_accum={M}"], optimizer, devices=1)
 
 
+#: the CNN's optimizer in the tests that compare it with one device (one object, so that
+#: its one-device reference is trained once per test process: :func:`_cnn_reference`)
+SGD = optax.sgd(0.1, momentum=0.9)
+
+
+@functools.cache
+def _cnn_reference():
+    """:func:`_one_device` of the CNN with :data:`SGD` (its run and state are only read)."""
+    return _one_device(CNN, SGD)
+
+
 def _staged(task, optimizer, stages, schedule, virtual=1, extra=()):
     return _train(
         task,
@@ -140,12 +152,20 @@ def _staged(task, optimizer, stages, schedule, virtual=1, extra=()):
 
 @pytest.mark.parametrize(
     "schedule,widths,virtual",
-    [
-        ("gpipe", (784, 512, 10), 1),
-        ("1f1b", (784, 512, 10), 1),
-        ("zb_h1", (784, 512, 10), 1),
-        ("interleaved", (784, 256, 128, 64, 10), 2),  # 2 chunks per device: 4 chunks, 7 layers
-    ],
+    grid(
+        [
+            pytest.param("gpipe", (784, 512, 10), 1, id="gpipe"),
+            pytest.param("1f1b", (784, 512, 10), 1, id="1f1b"),
+            pytest.param("zb_h1", (784, 512, 10), 1, id="zb_h1"),
+            # 2 chunks per device: 4 chunks, 7 layers
+            pytest.param("interleaved", (784, 256, 128, 64, 10), 2, id="interleaved"),
+        ],
+        # every suite: 1F1B (Adam's moments against one device). The executor's other
+        # schedules run its same chunk programs in another order: each against one device
+        # in every suite on the BatchNorm + Dropout CNN (GPipe over 4 stages, zb_h1's
+        # split backward, the interleaved chunks: test_batchnorm_and_dropout_live_in_their_stage)
+        {"1f1b"},
+    ),
 )
 def test_the_two_device_model_equals_one_device(schedule, widths, virtual):
     """The texts' 784→512→10 model split by layer over 2 stages of 4 devices, with Adam:
@@ -185,9 +205,8 @@ def test_batchnorm_and_dropout_live_in_their_stage(stages, schedule, virtual):
     """A BatchNorm + Dropout CNN in 2 and 4 stages equals one device with 4 accumulated
     microbatches: losses, parameters, running statistics, RNG counts, and evaluation on the
     running averages without dropout."""
-    sgd = optax.sgd(0.1, momentum=0.9)
-    ref_run, ref, ref_losses = _one_device(CNN, sgd)
-    run, got, losses = _staged(CNN, sgd, stages, schedule, virtual)
+    ref_run, ref, ref_losses = _cnn_reference()
+    run, got, losses = _staged(CNN, SGD, stages, schedule, virtual)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
     assert_params_close(_host(got.params), _host(ref.params))
     got_state, ref_state = _host(got.model_state), _host(ref.model_state)
@@ -212,7 +231,17 @@ def test_balanced_and_explicit_cuts():
 
     assert _balanced([401_408, 1, 5_130], 2) == [1, 2]  # the big layer alone
     assert _balanced([1, 1, 1, 1], 2) == [2, 2]
-    run, _, _ = _staged(CNN, optax.sgd(0.1), 2, "1f1b", extra=["pipeline.split=[2, 6]"])
+    config = jaxpar.load_config(
+        [],
+        [
+            "mesh.stage=2",
+            "mesh.data=4",
+            f"pipeline.microbatches={M}",
+            "pipeline.split=[2, 6]",
+            f"train.batch_size={BATCH}",
+        ],
+    )
+    run = jaxpar.build(config, CNN, optax.sgd(0.1))  # the cut is the plan's: nothing to train
     assert run.plan.gradients.cut.chunks == ((0, 2), (2, 8))
 
 
@@ -304,15 +333,19 @@ def test_checkpoints_resume_bitwise_and_restore_onto_another_layout(tmp_path):
         return jaxpar.train(config, task=CNN, optimizer=adam, echo=False)
 
     whole = train(4, tmp_path / "whole")
-    train(2, tmp_path / "split")
+    first = train(2, tmp_path / "split")
     resumed = train(4, tmp_path / "split")
     assert [r["loss"] for r in resumed.train_rows] == [r["loss"] for r in whole.train_rows[2:]]
     for a, b in zip(jax.tree.leaves(_host(whole.state)), jax.tree.leaves(_host(resumed.state))):
         np.testing.assert_array_equal(a, b)
     flat = ["mesh.data=8", "train.grad_accum=2"]
-    for source, target in ((staged, flat), (flat, staged)):
-        run_dir = tmp_path / f"from-{source[0]}"
-        done = train(2, run_dir, source)
+    # from the stages: the split run's checkpoint of step 2 (its first run's state); from
+    # the layout without them: a run of 2 steps
+    for source, target, run_dir, done in (
+        (staged, flat, tmp_path / "split", first),
+        (flat, staged, tmp_path / "flat", None),
+    ):
+        done = done or train(2, run_dir, source)
         config = jaxpar.load_config([], [*common, *target, "train.steps=2", f"run.dir={run_dir}"])
         restored = restore_state(jaxpar.build(config, CNN, adam), 2, "test")
         for a, b in zip(jax.tree.leaves(_host(done.state)), jax.tree.leaves(_host(restored))):
@@ -373,8 +406,8 @@ GPT = [
             ),
         ],
         # all in the extended tier: the suite runs the sub-mesh executor's interleaved
-        # schedule on the two-device model (test_the_two_device_model_equals_one_device), the
-        # GPT's interleaved stack on the spmd executor (tests/test_pipeline.py), a
+        # schedule on the BatchNorm + Dropout CNN (test_batchnorm_and_dropout_live_in_their_stage),
+        # the GPT's interleaved stack on the spmd executor (tests/test_pipeline.py), a
         # transformer under the sub-mesh executor in MoE's, the overlap's and context's
         # pipelines, and tensor inside its stages in tests/test_overlap.py's mpmd case
         set(),
@@ -498,6 +531,12 @@ class _StopAt(jaxpar.Hook):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+# Extended tier: the handler is the loop's whatever the executor (every suite sends SIGTERM
+# to a user's task and resumes it bitwise in tests/test_user_task.py, Ctrl-C in
+# tests/test_faults.py), and the sub-mesh state — parameters, Adam's moments, BatchNorm
+# statistics and the dropout stream on their stages — resumes bitwise from a checkpoint in
+# every suite (test_checkpoints_resume_bitwise_and_restore_onto_another_layout)
+@pytest.mark.exhaustive
 def test_sigterm_then_resume_is_bitwise(tmp_path):
     """A SIGTERM mid-run checkpoints the step it stopped at; resuming ends bitwise where
     the uninterrupted run does: parameters, Adam's moments, BatchNorm statistics and the
@@ -558,14 +597,13 @@ def test_gpt_checkpoint_restores_across_executors(tmp_path, schedule):
             np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])  # a backward program; I and W ones
 def test_a_backward_from_kept_residuals_equals_one_device(schedule):
     """``pipeline.backward=residuals``: each forward keeps its backward's residuals (no
     second forward): the BatchNorm + Dropout CNN still equals one device accumulating —
     losses, parameters, statistics, RNG counts."""
-    sgd = optax.sgd(0.1, momentum=0.9)
-    _, ref, ref_losses = _one_device(CNN, sgd)
-    run, got, losses = _staged(CNN, sgd, 2, schedule, extra=["pipeline.backward=residuals"])
+    _, ref, ref_losses = _cnn_reference()
+    run, got, losses = _staged(CNN, SGD, 2, schedule, extra=["pipeline.backward=residuals"])
     assert run.plan.gradients.residuals
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
     assert_params_close(_host(got.params), _host(ref.params))

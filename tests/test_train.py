@@ -56,10 +56,10 @@ def test_grad_accumulation_all_reduces_over_data_once_per_step():
         text = run.trainer.compile_step(batch).as_text()
         return run.plan.accumulates_per_data_shard, hlo.collective_stats(text)["all-reduce"]
 
-    local, accumulated = all_reduce_bytes(4)
-    assert local and not all_reduce_bytes(1)[0]
+    (local, accumulated), (plain_local, plain) = all_reduce_bytes(4), all_reduce_bytes(1)
+    assert local and not plain_local
     # the same bytes as without accumulation (not 4×): the sums stay local until the end
-    assert accumulated.wire_bytes == pytest.approx(all_reduce_bytes(1)[1].wire_bytes, rel=1e-3)
+    assert accumulated.wire_bytes == pytest.approx(plain.wire_bytes, rel=1e-3)
 
 
 @pytest.mark.parametrize(

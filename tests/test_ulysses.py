@@ -106,7 +106,13 @@ def test_ulysses_equals_one_device(family, layout, balance):
             ),
             pytest.param(["mesh.data=4", "model.remat=full"], id="remat"),
         ],
-        {"stage-spmd"},
+        # all extended: Ulysses' numbers against one device in every suite
+        # (test_ulysses_equals_one_device), its all-to-alls inside the spmd pipeline's ticks
+        # compiled and counted (test_the_lab_predicts_the_all_to_alls_inside_a_pipeline),
+        # context inside both pipelines against one device (tests/test_packing.py's spmd
+        # stages, tests/test_context.py's sub-mesh ones), and its exchanges again under remat
+        # (the lab's gpt-tensor-remat and gpt-kept-output cases)
+        set(),
     ),
 )
 def test_ulysses_composes_with_stages_and_remat(extra):
@@ -279,7 +285,12 @@ TWO_LAYER_CHUNKS = "model.n_layers=4,model.remat=full"
                 id="mpmd-kept-output",
             ),
         ],
-        {"spmd", "mpmd"},
+        # every suite: the spmd pipeline (its ticks' exchanges inside the one program).
+        # Extended: the sub-mesh executor's, whose step the lab sums from its chunk
+        # programs' collectives whatever they are (checked in every suite on context's in
+        # tests/test_context.py's interleaved case, on all-reduces in tests/test_submesh.py;
+        # Ulysses' all-to-alls without a pipeline: above)
+        {"spmd"},
     ),
 )
 def test_the_lab_predicts_the_all_to_alls_inside_a_pipeline(layout):
