@@ -79,6 +79,8 @@ def grid(params: list, default: set) -> list:
     interpreter)."""
     import pytest
 
+    unknown = set(default) - {p.id for p in params}
+    assert not unknown, f"grid: no case has the id(s) {sorted(unknown)}"
     return [
         p
         if p.id in default

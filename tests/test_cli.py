@@ -17,12 +17,10 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 def test_default_train_writes_metrics_and_loss_falls(tmp_path):
     """`jaxpar train` alone, as from a fresh shell (the compiler's defaults: its 10 steps
-    at level 0 would take longer than the faster compile saves): configs/gpt_tiny.yaml's
-    step-1 loss as its comment states it (the suite's check of that statement; the same
-    check of the other configs: tests/test_config.py), a loss that falls by more than 1
-    in 10 steps (the warm-up then ends at step 9), evaluation, TensorBoard, plain lines."""
-    from tests.test_config import REPO, stated_step_one_loss
-
+    at level 0 would take longer than the faster compile saves): a loss that falls by more
+    than 1 in 10 steps (the warm-up then ends at step 9), evaluation, TensorBoard, plain
+    lines. (Its step-1 loss against the config's comment: tests/test_config.py, compiled
+    as the comment's figure was.)"""
     cmd = [
         sys.executable,
         "-m",
@@ -49,8 +47,6 @@ def test_default_train_writes_metrics_and_loss_falls(tmp_path):
         assert all(np.isfinite(r[key]) for r in train), key
     times = [r["time"] for r in rows]
     assert times == sorted(times) and times[0] > 0
-    stated = stated_step_one_loss(REPO / "configs" / "gpt_tiny.yaml")
-    assert f"{train[0]['loss']:.{len(stated.split('.')[1])}f}" == stated
     assert train[-1]["loss"] < train[0]["loss"] - 1.0  # from ~ln(256) = 5.57 (3.69 by step 10)
     assert (tmp_path / "config.yaml").read_text().startswith("run:")
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))

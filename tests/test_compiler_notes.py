@@ -1,6 +1,7 @@
 """XLA's involuntary-rematerialization warning, raised by a user's own embedding under
 data × fsdp × tensor, becomes one jaxpar line saying what is gathered and the fix; the
-fix it names (a lookup where the table's rows lie) compiles without it; other lines pass through."""
+fix it names (a lookup where the table's rows lie) compiles without it (the extended tier; the
+suite checks that lookup's compiled step in tests/test_lookup.py); other lines pass through."""
 
 from __future__ import annotations
 

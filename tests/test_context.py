@@ -81,7 +81,8 @@ def _layout(text: str) -> list[str]:
     ]
 
 
-# every suite: each family, each strategy, balanced and in order, beside data, fsdp, tensor
+# every suite: the GPT under each strategy, in order and balanced, beside data, fsdp and
+# tensor; the other families and layouts extended
 @pytest.mark.parametrize(
     "family,layout,strategy,balance",
     grid(

@@ -223,8 +223,9 @@ def test_moe_pipelines_equal_one_device(accumulated, layout):
         np.testing.assert_allclose(metrics[name], value, rtol=1e-5, atol=1e-7, err_msg=name)
 
 
-# the extended tier: the GPT's interleaved stack under both executors stays in the suite
-# (tests/test_submesh.py), and so do MoE's pipelines under the sub-mesh executor (above)
+# the extended tier: the interleaved stack stays in every suite under the spmd executor
+# (tests/test_pipeline.py's fsdp/all-axes and train-step cases) and under the sub-mesh one
+# (tests/test_submesh.py's BatchNorm + Dropout CNN), and so do MoE's pipelines (above)
 @pytest.mark.exhaustive
 def test_moe_interleaved_stack_under_both_executors():
     """Eight layers, every second one MoE, on 2 stages of 2 chunks each: the sub-mesh

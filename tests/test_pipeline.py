@@ -177,8 +177,8 @@ def test_pipeline_with_fsdp_and_all_axes(schedule, v):
 @pytest.mark.parametrize(
     "schedule,v",
     # accumulation wraps the pipeline whatever its schedule: the interleaved one's is
-    # extended (the interleaved stack in every suite: test_schedule_matches_unpipelined,
-    # test_pipeline_with_fsdp_and_all_axes, test_train_step_matches_unpipelined)
+    # extended (the interleaved stack in every suite: test_pipeline_with_fsdp_and_all_axes,
+    # test_train_step_matches_unpipelined)
     grid(
         [pytest.param(s, v, id=f"{s}-{v}") for s, v in (("1f1b", 1), ("interleaved", 2))],
         {"1f1b-1"},
@@ -290,7 +290,8 @@ def test_bubbles_filled_with_nan_change_nothing(schedule, v):
     [pytest.param((4,), id="m4"), pytest.param((4, 8), id="m4-m8", marks=pytest.mark.exhaustive)],
 )
 def test_gradients_reduced_once_per_step(ms):
-    """With data=2 no all-reduce runs inside the tick loop, whatever m is."""
+    """With data=2 no all-reduce runs inside the tick loop (the extended tier: also at m = 8,
+    with as many outside it as at m = 4)."""
     counts = []
     for m in ms:
         run = build_run(2, m, "1f1b", data=2)

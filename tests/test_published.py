@@ -300,8 +300,16 @@ def test_a_run_that_was_made_fits(results, name):
     assert res.fits is True and 50 < res.mem_gb < 80, (res.fits, res.mem_gb)
 
 
-def test_the_markdown_table_has_a_row_per_entry(results):
-    rows = [results[name] for name in [*(n for n in WITHIN if n in SUITE), *OUTSIDE]]
+@pytest.mark.parametrize(
+    "every",
+    # every suite tables the rows it predicts; the extended tier every row
+    [
+        pytest.param(False, id="suite-rows"),
+        pytest.param(True, id="every-row", marks=pytest.mark.exhaustive),
+    ],
+)
+def test_the_markdown_table_has_a_row_per_entry(results, every):
+    rows = [results[n] for n in [*(n for n in WITHIN if every or n in SUITE), *OUTSIDE]]
     text = P.table(rows, markdown=True).splitlines()
     assert text[1] == "|" + "---|" * len(P.HEAD)
     assert len(text) == 2 + len(rows)
