@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import child_env, grid
-from tests.test_checkpoint import RESUMABLE
+from tests.test_checkpoint import RESUMABLE, train_here
 
 ROOT = Path(__file__).resolve().parents[1]
 STARTING = {
@@ -63,15 +63,6 @@ def _start(run_dir: Path, steps: int) -> subprocess.Popen:
     )
 
 
-def _train_here(run_dir: Path, steps: int) -> None:
-    """The command :func:`_start` runs, run to its end in this process (the same
-    compiler flags and 8 devices): a run the test does not signal needs no interpreter
-    of its own."""
-    from jaxpar.cli import main
-
-    assert main(["train", *RESUMABLE, f"train.steps={steps}", f"run.dir={run_dir}"]) == 0
-
-
 def _steps(run_dir: Path) -> list[int]:
     path = run_dir / "metrics.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -105,14 +96,14 @@ def test_a_stop_signal_during_start_up_is_one_line(tmp_path, sig):
         _, err = proc.communicate(timeout=120)
         status, line = (STARTING if moment != "locked" else BEFORE_TRAINING)[sig]
         assert (proc.returncode, _lines(err)) == (status, [line]), (moment, err)
-        _train_here(run_dir, 4)  # the same command again, from what the signal left
+        train_here(run_dir, 4)  # the same command again, from what the signal left
         assert _steps(run_dir) == [1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("sig", grid(SIGNALS, {"15"}))
 def test_a_stop_signal_right_after_a_resume_is_one_line_and_resumable(tmp_path, sig):
     run_dir = tmp_path / "run"
-    _train_here(run_dir, 4)  # the run to resume (checkpoints 2 and 4)
+    train_here(run_dir, 4)  # the run to resume (checkpoints 2 and 4)
     proc = _start(run_dir, 8)
     seen = ""
     while "jaxpar: resumed from" not in seen:
@@ -133,7 +124,7 @@ def test_a_stop_signal_right_after_a_resume_is_one_line_and_resumable(tmp_path, 
         assert (proc.returncode, lines) == BEFORE_TRAINING[sig][:1] + (
             [BEFORE_TRAINING[sig][1]],
         ), err
-    _train_here(run_dir, 8)  # the same command again resumes and finishes
+    train_here(run_dir, 8)  # the same command again resumes and finishes
     assert _steps(run_dir) == list(range(1, 9))
 
 
