@@ -4,11 +4,13 @@ interrupt.
 
 Three phases, each with its own handlers for SIGINT (Ctrl-C) and SIGTERM:
 
-* **Importing** (:func:`guard_imports`, the first thing the command runs:
-  ``jaxpar.cli.console``, before it imports JAX; ``import jaxpar`` installs nothing): nothing
-  is written yet, so a signal prints one line and ends the process at
-  once — exit 130 (Ctrl-C) or 143 (SIGTERM, 128 + 15). Exceptions raised inside
-  ``import jax`` would be tracebacks, or swallowed by a garbage-collection callback.
+* **Importing** (:func:`guard_imports`, the first statement of ``jaxpar.cli`` when the
+  process is the command, before the command's imports and JAX's; ``import jaxpar``
+  installs nothing): nothing is written yet, so a signal prints one line and ends the
+  process at once — exit 130 (Ctrl-C) or 143 (SIGTERM, 128 + 15). Exceptions raised inside
+  ``import jax`` would be tracebacks, or swallowed by a garbage-collection callback. Before
+  that statement only Python's own start-up runs (about 0.15 s, ``python -X importtime``):
+  a signal then is Python's default.
 * **The command** (:func:`raising`, inside ``jaxpar.cli.main``): a signal raises
   ``KeyboardInterrupt`` or :class:`~jaxpar.errors.Terminated` (both ``BaseException``s:
   no ``except Exception`` catches them), which the command reports in one line. An

@@ -2,11 +2,18 @@
 whose help text lists every command and the exit statuses) and calls the Python API;
 failures are reported by :mod:`jaxpar.cli.failures`.
 
-This module imports nothing heavy at its top (no JAX): :func:`console` installs the
-start-up signal handlers first, then imports what the command needs, so that a stop signal
-while the command starts is one line (:mod:`jaxpar.signals`)."""
+This module imports nothing heavy at its top (no JAX). When this process is the command
+(the console script, ``python -m jaxpar`` or ``-m jaxpar.cli``), its first statement installs
+the start-up signal handlers, before its own imports and JAX's take their time, so that a
+stop signal while the command starts is one line (:mod:`jaxpar.signals`); a program that
+imports jaxpar.cli keeps its own handlers."""
 
 from __future__ import annotations
+
+from jaxpar import signals
+
+if signals.is_command():  # before the imports below (E402 is waived for this file)
+    signals.guard_imports()
 
 import argparse
 import dataclasses
@@ -17,7 +24,6 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from jaxpar import signals
 from jaxpar.cli.failures import failure_of, internal, one_line_reports
 from jaxpar.cli.lab_commands import estimated, run_plan, run_sweep
 from jaxpar.errors import INTERRUPTED, TERMINATED, WRITE_FAILED, ConfigError, Terminated
@@ -360,8 +366,8 @@ def console() -> None:
     stop signal in a single process, where shutdown would wait for the compilations XLA's
     threads still run (or crash in them: exit 139, not 143).
 
-    The start-up signal handlers come first, before :func:`main` imports JAX: the command
-    installs them, not ``import jaxpar``."""
+    The start-up signal handlers are installed by this module's first statement, when the
+    process is the command; here again for a caller that named this function itself."""
     signals.guard_imports()
     status = main()
     quiet = os.environ.get("JAXPAR_DEBUG", "") in ("", "0")
