@@ -81,8 +81,15 @@ def _layout(text: str) -> list[str]:
     ]
 
 
-# every suite: the GPT under each strategy, in order and balanced, beside data, fsdp and
-# tensor; the other families and layouts extended
+# every suite: the GPT round the ring in order beside data and tensor (the one case whose
+# ring skips a block wholly in a query's future: balanced, every block holds a visible key;
+# and the ring's gradients against one device). The other families and layouts extended:
+# all_gather, balanced, against one device in every suite in
+# tests/test_gpt_dropout.py::test_hidden_dropout_under_context_parallelism_matches_one_device
+# (the GPT, data=4 × context=2), beside fsdp in tests/test_sequence_parallel.py's
+# llama-fsdp=2,context=2,tensor=2, in a pipeline in tests/test_packing.py's GPT; rotary
+# positions round a balanced ring, BERT under context: packed, in
+# tests/test_pack_families.py (Gemma 3's ring, BERT's all_gather)
 @pytest.mark.parametrize(
     "family,layout,strategy,balance",
     grid(
@@ -90,12 +97,7 @@ def _layout(text: str) -> list[str]:
             pytest.param(*c, id=f"{c[0]}-{c[1]}-{c[2]}-{'balanced' if c[3] else 'in_order'}")
             for c in CASES
         ],
-        {
-            "gpt-data=2,context=2,tensor=2-ring-in_order",
-            "gpt-fsdp=2,context=4-all_gather-balanced",
-            # rotary positions round a balanced ring, BERT under context: packed, in
-            # tests/test_pack_families.py (Gemma 3's ring, BERT's all_gather)
-        },
+        {"gpt-data=2,context=2,tensor=2-ring-in_order"},
     ),
 )
 def test_context_parallel_equals_one_device(family, layout, strategy, balance):
@@ -147,12 +149,20 @@ def test_context_parallel_equals_one_device(family, layout, strategy, balance):
                 ["mesh.data=4", "model.remat=full", "context.attention=ring"], id="remat-ring"
             ),
         ],
-        # every suite: the sub-mesh executor's stages and remat round the ring (its
-        # custom_vjp recomputed). Context in the spmd pipeline: tests/test_packing.py's
-        # stage=2 × context=2 (the same layout and strategy, against each document alone)
-        # and tests/test_pack_families.py's Gemma 3 there; accumulation splits the rows, not
-        # the sequences (it is the same loop with and without context): extended
-        {"stage-mpmd", "remat-ring"},
+        # all extended: each crossing runs no code of its own. Context in the spmd
+        # pipeline: tests/test_packing.py's stage=2 × context=2 (the same layout and
+        # strategy, against each document alone) and tests/test_pack_families.py's Gemma 3
+        # there. In the sub-mesh executor's stages attend runs on a stage's sub-mesh under
+        # the same activation rules (jaxpar/pipeline/chunks.py, nothing context-specific):
+        # the sub-mesh executor against one device in tests/test_submesh.py and
+        # tests/test_moe.py's mpmd pipeline, context against one device above, and context
+        # inside sub-mesh stages compiled in every suite by the lab's interleaved mpmd case
+        # below and tests/test_analytic.py's sub-mesh sends. Accumulation splits the rows,
+        # not the sequences (the same loop with and without context). Remat re-runs the
+        # ring's custom_vjp forward as JAX does any function's (no remat code in
+        # jaxpar/ring_attention.py or jaxpar/context.py): the ring's gradients against one
+        # device above, remat's in tests/test_models.py::test_remat_changes_memory_not_numbers
+        set(),
     ),
 )
 def test_context_composes_with_stages_accumulation_and_remat(extra):
@@ -209,7 +219,18 @@ def _float_shapes(hlo: str) -> set[tuple[int, ...]]:
     }
 
 
-@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+@pytest.mark.parametrize(
+    "strategy",
+    grid(
+        [pytest.param("all_gather", id="all_gather"), pytest.param("ring", id="ring")],
+        # every suite: the ring (the per-token activations split, and no whole-sequence
+        # array at all). all_gather's per-token activations are split by the same rules,
+        # and what it moves whole is K/V: its dK/dV reduce-scatters to 1% and the step's
+        # collective bytes to 5% of the lab's in every suite
+        # (test_the_lab_predicts_context_collectives[stage=2,context=4]): extended
+        {"ring"},
+    ),
+)
 def test_no_device_holds_a_full_sequence_activation(strategy):
     """From the compiled train step of ``context=4`` (sequence 48, so 12 tokens a device;
     D=20, F=36, head dim 10 — sizes no other dim has): no float array holds the whole
@@ -301,6 +322,13 @@ def test_bad_input_is_one_line(overrides, task, message):
 
 
 # ---- sampling and the layout lab ------------------------------------------------------------
+# generation drops the split of the sequence from the run's rules in one statement, for
+# context and sequence parallelism alike (jaxpar.decoding.Generator._rules), so no
+# context code runs in it: a sharded run's checkpoint sampled on its layout and on one
+# device in every suite in tests/test_sample.py::test_sharded_run_samples_as_on_one_device,
+# the sequence's split dropped in tests/test_sequence_parallel.py's
+# test_a_run_trained_with_sequence_parallelism_samples_as_on_one_device
+@pytest.mark.exhaustive
 def test_a_run_trained_with_context_parallelism_samples_as_on_one_device(tmp_path):
     """Trained (and checkpointed) with ``context=4``: greedy and seeded samples from its
     checkpoint equal the same checkpoint's on one device (generation keeps each sequence
@@ -497,9 +525,13 @@ TINY_LM = jaxpar.Task(
             pytest.param(["mesh.context=4", "mesh.data=2", "context.attention=ring"], id="ring"),
             pytest.param(["mesh.context=8", "context.attention=all_gather"], id="all_gather"),
         ],
-        # jaxpar.attend runs either strategy for a user's model as for the built-in ones
-        # (each strategy: test_context_parallel_equals_one_device): all_gather's is extended
-        {"ring"},
+        # both extended: jaxpar.attend, jaxpar.context.positions and order are the
+        # functions the built-in models call (the ring against one device:
+        # test_context_parallel_equals_one_device; all_gather's: tests/test_gpt_dropout.py's
+        # context case), and Task.context_parallel is checked for every task alike (a
+        # user's Task declaring it, traced under context=2 and trained on one device:
+        # test_a_context_parallel_model_that_skips_jaxpar_attend_is_refused)
+        set(),
     ),
 )
 def test_a_users_model_with_jaxpar_attend_equals_one_device(layout):

@@ -180,8 +180,8 @@ def test_bert_dropout_is_on_and_evaluation_is_fixed():
 
 
 # The transformer blocks are the GPT's (tests/test_equivalence.py runs them under every
-# layout); here: the encoder's own parts — dropout, masking, token types — under data and
-# all three axes, and each pipeline schedule.
+# layout: three in the suite, the others extended); here: the encoder's own parts —
+# dropout, masking, token types — under data and all three axes, and each pipeline schedule.
 BERT_LAYOUTS = {
     "data=8": LAYOUTS["data=8"],
     "data=2,fsdp=2,tensor=2": LAYOUTS["data=2,fsdp=2,tensor=2"],

@@ -400,6 +400,12 @@ def test_a_non_finite_update_is_caught(tmp_path, capsys, policy, status, text):
 
 
 # ---- one run per directory ---------------------------------------------------------------
+# a second end-to-end scenario of a held lock: the lock's refusals (the run dir, a checkpoint
+# dir, a folder inside one; the holder named) in every suite in
+# tests/test_writes.py::test_a_lock_protects_its_run_not_unrelated_runs_below, a command
+# refused in one line with nothing written in
+# tests/test_writes.py::test_nothing_is_written_into_a_running_runs_directory
+@pytest.mark.exhaustive
 def test_a_second_run_in_a_busy_run_dir_is_refused_and_the_first_is_unharmed(tmp_path, capsys):
     """A second run in the run dir, in its checkpoint dir (``checkpoint.dir=<A>/checkpoints``
     from another run dir) or in a directory inside it is refused; the first keeps every
@@ -643,7 +649,12 @@ def small_disk(tmp_path):
         yield path
 
 
+# a second end-to-end scenario of a full disk under the checkpoint writer: its handling
+# (exit 5, one line naming the directory and its free space, no traceback) in every suite in
+# tests/test_checkpoint.py::test_failed_async_save_exits_nonzero_with_the_error, a real full
+# tmpfs in tests/test_writes.py::test_a_full_disk_while_plotting_is_exit_5_naming_the_image
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_a_full_disk_is_one_line_and_exit_5(small_disk):
     """The checkpoints do not fit a 1 MiB disk: exit 5, one line naming the directory and
     the free space, no traceback from Orbax's writer or anyone else."""

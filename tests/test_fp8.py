@@ -20,7 +20,7 @@ from jaxpar.errors import ConfigError, JaxparError
 from jaxpar.models import fp8
 from jaxpar.run import build
 from jaxpar.state import TrainState
-from tests.helpers import GPT_SMALL, assert_params_close
+from tests.helpers import GPT_SMALL, assert_params_close, grid
 from tests.test_gemma import GEMMA
 from tests.test_llama import LLAMA
 
@@ -250,6 +250,12 @@ def one_device():
     return _steps([*GPT_SMALL, *ADAMW, *FP8, "mesh.data=1"], devices=1)
 
 
+# extended: the FP8 dots and their whole-tensor amax under this layout run in every suite
+# in test_delayed_scaling_layouts_match_one_device[data=2,fsdp=2,tensor=2] (the same
+# custom-VJP transposes and `_amax`, AdamW), and current scaling on 8 devices equals one
+# device in test_a_step_that_sums_its_own_gradients_scales_by_the_whole_batch (data=8) and
+# tests/test_user_gpu_layouts.py's user FP8 einsum (data=2 × tensor=2)
+@pytest.mark.exhaustive
 @pytest.mark.parametrize(
     "layout",
     [pytest.param("data=8", marks=pytest.mark.exhaustive), "data=2,fsdp=2,tensor=2"],
@@ -444,6 +450,13 @@ def _final_state(run_dir) -> TrainState:
     return state
 
 
+# extended: the histories are model state, saved and restored with the rest by the same
+# code as BatchNorm statistics and RNG counts (jaxpar/checkpoint.py's model_state). Every
+# suite runs a bitwise resume on this layout (tests/test_checkpoint.py's
+# test_resume_is_bitwise_identical[fsdp_tp]), model state resumed bit for bit
+# (tests/test_user_task.py's SIGTERM resume) and the histories on this layout
+# (test_delayed_scaling_layouts_match_one_device[data=2,fsdp=2,tensor=2])
+@pytest.mark.exhaustive
 def test_delayed_scaling_resumes_bitwise_with_its_histories(tmp_path):
     """6 steps straight vs 2, exit, then a resume for 4 more: the same losses, and the
     same parameters, optimizer state and amax histories, bit for bit (the histories are
@@ -479,6 +492,13 @@ for dtype, shape in re.findall(r"= (\\w+)\\[([\\d,]*)\\][^\\n]*? all-gather\\(",
 """
 
 
+# extended: where the partitioner gathers the quantized tensors is measured in every suite
+# on the same layout (fsdp=4 × tensor=2 with sequence parallelism) by
+# test_the_lab_counts_fp8_gathers[llama-fsdp-sp]: the compiled step's all-gather bytes equal
+# the lab's count of FP8 weights and activations gathered at 2 bytes an element (float32's
+# would be twice that), through the same fp8.einsum; the E4M3 and E5M2 operands they are
+# quantized to: test_gpt_multiplies_e4m3_forward_and_e5m2_gradients
+@pytest.mark.exhaustive
 def test_fsdp_and_sequence_parallelism_gather_fp8(tmp_path):
     """Where the partitioner places the gathers (XLA's HLO after SPMD partitioning, what a
     GPU compiles from): under ``fsdp=4,tensor=2`` with sequence parallelism, each FP8
@@ -513,14 +533,21 @@ def test_fsdp_and_sequence_parallelism_gather_fp8(tmp_path):
     assert "f16" not in by_dtype
 
 
+# the suite: the Llama's fsdp × sequence-parallel case, which runs both of the lab's FP8
+# terms (FSDP weights gathered quantized, jaxpar/lab/gradient_terms.py; the sequence-parallel
+# FP8 activation gathers, jaxpar/lab/tensor_terms.py, counted per layer from the family's
+# projection inputs). Extended: the GPT's fsdp=8 (the same weight gathers) and its sequence
+# parallelism (the same activation term, with the GPT's count of inputs)
 @pytest.mark.parametrize(
     "family,layout",
-    [
-        pytest.param(GPT_SMALL, "fsdp=8", marks=pytest.mark.exhaustive),  # llama's has FSDP
-        (GPT_SMALL, "data=4,tensor=2,tensor.sequence=true"),
-        (LLAMA, "fsdp=4,tensor=2,tensor.sequence=true"),
-    ],
-    ids=["gpt-fsdp=8", "gpt-sp", "llama-fsdp-sp"],
+    grid(
+        [
+            pytest.param(GPT_SMALL, "fsdp=8", id="gpt-fsdp=8"),
+            pytest.param(GPT_SMALL, "data=4,tensor=2,tensor.sequence=true", id="gpt-sp"),
+            pytest.param(LLAMA, "fsdp=4,tensor=2,tensor.sequence=true", id="llama-fsdp-sp"),
+        ],
+        {"llama-fsdp-sp"},
+    ),
 )
 def test_the_lab_counts_fp8_gathers(family, layout):
     """The lab's all-gather bytes of an FP8 layout equal the compiled step's to 1% (its

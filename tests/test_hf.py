@@ -20,7 +20,7 @@ from jaxpar.cli import main
 from jaxpar.config import load_config
 from jaxpar.logical import activation_rules
 from jaxpar.run import build
-from tests.helpers import GPT_SMALL, small_file_system
+from tests.helpers import GPT_SMALL, grid, small_file_system
 
 GPT2 = [
     *GPT_SMALL,
@@ -159,6 +159,13 @@ def test_export_writes_gpt2_layout_files(exported):
     assert_logits_close(jaxpar_logits(run, nested(exported["params"]), TOKENS), expected)
 
 
+# extended: an export read back onto another layout is the crossing of the export (its
+# files give the run's logits: test_export_writes_gpt2_layout_files) and model.init_from
+# onto data=2,fsdp=2,tensor=2 (test_init_from_hub_style_gpt2_matches_numpy_forward's logits
+# from GPT-2 files there, test_the_default_untied_gpt_exports_with_its_own_lm_head's exact
+# read-back of an export there: the same place_params and fresh optimizer state of
+# Trainer.init); a step from there is the layout's ordinary step
+@pytest.mark.exhaustive
 def test_init_from_export_on_another_layout(exported, tmp_path, capsys):
     """model.init_from on data=2,fsdp=2,tensor=2: the checkpoint's parameters exactly, placed
     with the run's shardings, a fresh optimizer state, the same logits and step loss."""
@@ -433,7 +440,14 @@ def small_disk(tmp_path):
         yield path
 
 
-@pytest.mark.parametrize("how", ["safetensors", "npz", "tmpfs"])
+# the suite: safetensors' own error type and the .npz writer's OSError, each a disk full
+# (simulated); extended: a real full tmpfs, whose error is safetensors' (the same handling in
+# jaxpar/hf/files.py; a real full tmpfs in every suite:
+# tests/test_writes.py::test_a_full_disk_while_plotting_is_exit_5_naming_the_image)
+@pytest.mark.parametrize(
+    "how",
+    grid([pytest.param(h, id=h) for h in ("safetensors", "npz", "tmpfs")], {"safetensors", "npz"}),
+)
 def test_a_full_disk_while_exporting_is_exit_5_naming_the_file(
     exported, tmp_path, capsys, monkeypatch, request, how
 ):

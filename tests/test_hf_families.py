@@ -127,12 +127,10 @@ LOADED = grid(
         for name in VARIANTS
         for sharded in (False, True)
     ],
-    {
-        *(f"{name}-one-device" for name in VARIANTS),
-        "qwen3-data2-fsdp2-tensor2",
-        "mistral-data2-fsdp2-tensor2",
-        "mixtral-data2-fsdp2-tensor2",
-    },
+    # every suite: each folder on one device (its own keys), and Mixtral's placed on
+    # data2-fsdp2-tensor2 (a folder's weights are converted on the host, then placed by the
+    # same place_params whatever the family: Qwen3's and Mistral's there are extended)
+    {*(f"{name}-one-device" for name in VARIANTS), "mixtral-data2-fsdp2-tensor2"},
 )
 
 
@@ -172,7 +170,17 @@ def test_bf16_sharded_tied_folder(tmp_path):
     close(logits_of(run), expected)
 
 
-@pytest.mark.parametrize("name", ["mistral", "qwen3"])
+@pytest.mark.parametrize(
+    "name",
+    grid(
+        [pytest.param("mistral", id="mistral"), pytest.param("qwen3", id="qwen3")],
+        # every suite: Mistral (its window over the cache: llama_attention.cached_mask).
+        # Qwen3's norms and head size run in the projections decode shares with the forward
+        # pass (llama_attention.qkv), which gives transformers' logits above; the Llama's
+        # grouped-query cache: tests/test_llama.py::test_decode_with_cache_matches_forward[2]
+        {"mistral"},
+    ),
+)
 def test_kv_cache_decoding_equals_the_forward_pass(folders, name):
     from flax import nnx
 
@@ -298,12 +306,22 @@ LAYOUTS = {
 }
 TRAINED = grid(
     [pytest.param(name, layout, id=f"{name}-{layout}") for name in VARIANTS for layout in LAYOUTS],
-    # the suite: both pipeline executors and the context ring. Training on
-    # data2-fsdp2-tensor2 (Mixtral's was the suite's) is extended: a folder's weights placed
-    # on it give transformers' logits above (Qwen3, Mistral, Mixtral), and steps there equal
-    # one device's from the Llama's and the MoE's initializers (tests/test_llama.py,
-    # tests/test_moe.py's expert2-fsdp2-tensor2)
-    {"qwen2-stage2-spmd", "qwen3-stage2-mpmd", "mistral-context2-ring"},
+    # the suite: the sub-mesh executor (a folder's weights placed on the stages' own
+    # sub-meshes by one program: no other suite case starts it from given weights). The
+    # rest is extended. Training on data2-fsdp2-tensor2 (Mixtral's was the suite's): a
+    # folder's weights placed on it give transformers' logits above (Mixtral), and steps
+    # there equal one device's from the Llama's and the MoE's initializers
+    # (tests/test_llama.py, tests/test_moe.py's expert2-fsdp2-tensor2). The spmd pipeline
+    # (Qwen2's was the suite's): its stage-split parameters are placed as any sharded
+    # layout's (Mixtral's above), and a Llama stack trains there as one device in
+    # tests/test_moe.py's spmd-zb_h1-expert4. The context ring (Mistral's was the suite's):
+    # the parameters are whole over context; a Llama stack under context in
+    # tests/test_sequence_parallel.py's llama-fsdp=2,context=2,tensor=2 and
+    # tests/test_ulysses.py's llama_kv2 case; grouped key/value heads and sliding windows
+    # round a balanced ring, gradients included, in tests/test_pack_families.py's
+    # gemma3-mesh.context=4,context.attention=ring; Mistral's window across the ring above
+    # (test_sliding_window_across_context_devices_equals_one_device[ring])
+    {"qwen3-stage2-mpmd"},
 )
 
 

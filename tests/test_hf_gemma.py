@@ -138,11 +138,19 @@ def test_kv_cache_decoding_equals_the_forward_pass(folders, name):
     )
 
 
-# The suite: Gemma 2 on data × fsdp × tensor. Extended tier: the context cases — the
-# windows across context devices are checked in the suite by tests/test_pack_families.py
-# (Gemma 3's balanced ring at context=4 and context=2 in stages, Gemma 2's soft-capped
-# all_gather at context=2: a packed batch's loss and every gradient equal one device's), and
-# Gemma 3's folder under data × fsdp × tensor gives transformers' logits above.
+# Extended tier, every case. Gemma 2 on data × fsdp × tensor: the folder's weights placed
+# and computed on that layout give transformers' logits in every suite
+# (test_folder_alone_gives_transformers_logits[gemma2-data2-fsdp2-tensor2]: the soft caps and
+# windows with the layout's shardings), its gradients are autodiff's of that forward (Gemma
+# 2's loss and every gradient under a layout equal one device's in
+# tests/test_pack_families.py's gemma2 all_gather case at context=2), and AdamW steps on
+# data × fsdp × tensor equal one device's in tests/test_llama.py's
+# test_llama_layouts_equal_one_device[data2-fsdp2-tensor2] (the projections Gemma's layers
+# call) and tests/test_fp8.py's delayed-scaling layout case. The context cases: the windows
+# across context devices are checked in the suite by tests/test_pack_families.py (Gemma 3's
+# balanced ring at context=4 and context=2 in stages, Gemma 2's soft-capped all_gather at
+# context=2: a packed batch's loss and every gradient equal one device's), and Gemma 3's
+# folder under data × fsdp × tensor gives transformers' logits above.
 @pytest.mark.parametrize(
     ("name", "layout"),
     grid(
@@ -159,7 +167,7 @@ def test_kv_cache_decoding_equals_the_forward_pass(folders, name):
                 id="gemma3-context2-data2-tensor2",
             ),
         ],
-        {"gemma2-data2-fsdp2-tensor2"},
+        set(),
     ),
 )
 def test_two_adamw_steps_on_eight_devices_equal_one_device(folders, name, layout):

@@ -58,8 +58,14 @@ STAGES = ["pipeline.microbatches=4"]
                 ["mesh.data=2", "mesh.context=4", "context.attention=ring"], id="context4-ring"
             ),
         ],
-        # a Llama stack under mpmd: tests/test_moe.py's pipelines
-        {"data2-fsdp2-tensor2", "context4-ring"},
+        # a Llama stack under mpmd: tests/test_moe.py's pipelines. context4-ring is
+        # extended: the Llama under context against one device in every suite in
+        # tests/test_sequence_parallel.py's llama-fsdp=2,context=2,tensor=2 (all_gather) and
+        # tests/test_ulysses.py's llama_kv2 case; the ring's one Llama-like branch, grouped
+        # key/value heads repeated to the query heads (jaxpar.context._specs), round a
+        # balanced ring with gradients in tests/test_pack_families.py's
+        # gemma3-mesh.context=4,context.attention=ring
+        {"data2-fsdp2-tensor2"},
     ),
 )
 def test_llama_layouts_equal_one_device(layout):

@@ -149,7 +149,14 @@ def _hf_model(folder):
 
 
 # ---- sample FOLDER ------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["folder", "bos"])
+# the suite: the folder whose tokenizer adds <s> (a post-processor, as Llama's): its
+# prompt ids, 20 greedy tokens and text against transformers', the same decoding of the
+# same model the plain folder runs; the plain folder's greedy tokens against transformers'
+# generate (up to an end-of-text) stay in the suite in
+# test_a_folder_stops_at_its_generation_configs_end_of_text_as_transformers: `exhaustive`
+@pytest.mark.parametrize(
+    "name", [pytest.param("folder", marks=pytest.mark.exhaustive), pytest.param("bos")]
+)
 def test_greedy_tokens_of_a_folder_are_transformers_greedy_decoding(root, name):
     folder = root / name
     before = _files(folder)

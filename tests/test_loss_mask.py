@@ -105,10 +105,13 @@ def test_loss_is_the_completion_only_mean(tokens):
     np.testing.assert_allclose(_loss(run, params, batch), want, rtol=1e-5)
 
 
-# the suite: the batch split over devices, each pipeline executor (the spmd one beside
-# context); accumulation — on one device, and crossed with the split — in the extended tier:
-# the accumulated microbatches' weights over the whole batch are checked in the suite by
-# test_packed_documents_keep_the_masked_mean (train.grad_accum=2 on data × fsdp × tensor)
+# the suite: each pipeline executor (the spmd one beside context; the sub-mesh one weighs
+# the batch in its own program). Accumulation — on one device, and crossed with the split —
+# and the batch split over data × fsdp × tensor in the extended tier: every one-program
+# step weighs the whole batch's mask once (jaxpar.gradients.Traced, before any strategy
+# splits it), and test_packed_documents_keep_the_masked_mean keeps that in the suite on
+# data × fsdp × tensor with train.grad_accum=2 (the split and the accumulated
+# microbatches' weights over the whole batch)
 @pytest.mark.parametrize(
     "layout",
     [
@@ -117,7 +120,11 @@ def test_loss_is_the_completion_only_mean(tokens):
             id="accumulated",
             marks=pytest.mark.exhaustive,
         ),
-        pytest.param(["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], id="data2-fsdp2-tensor2"),
+        pytest.param(
+            ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
+            id="data2-fsdp2-tensor2",
+            marks=pytest.mark.exhaustive,
+        ),
         pytest.param(
             ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.grad_accum=2"],
             id="data2-fsdp2-tensor2-accumulated",

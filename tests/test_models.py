@@ -13,7 +13,7 @@ from flax import nnx
 
 from benchmarks.attention_memory import reference_attention
 from jaxpar.models import GPT, GPTConfig, gpt, transformer
-from tests.helpers import GPT_SMALL, assert_params_close, run_steps
+from tests.helpers import GPT_SMALL, assert_params_close, grid, run_steps
 
 CFG = GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=16)
 TOKENS = jax.random.randint(jax.random.key(1), (4, 16), 0, 64)
@@ -47,7 +47,14 @@ def _plain_loss_and_grads():
         return _loss_and_grads(CFG)
 
 
-@pytest.mark.parametrize("remat", ["full", "save_dots"])
+@pytest.mark.parametrize(
+    "remat",
+    # every suite: full. save_dots is another policy of the same table
+    # (transformer.REMAT_POLICIES) through the same jax.checkpoint of the GPT's layer body:
+    # extended (save_dots against one device under a layout, every suite:
+    # test_rotary_tied_remat_layout_matches_single_device)
+    grid([pytest.param("full", id="full"), pytest.param("save_dots", id="save_dots")], {"full"}),
+)
 def test_remat_changes_memory_not_numbers(remat):
     ref_loss, ref_grads = _plain_loss_and_grads()
     loss, grads = _loss_and_grads(GPTConfig(**{**CFG.__dict__, "remat": remat}))
@@ -218,16 +225,19 @@ def test_attention_matches_the_hand_written_form_bfloat16(use_rotary):
         assert rms(a - e) <= 1.1 * rms(b - e), (rms(a - e), rms(b - e))  # no less accurate
 
 
-# the suite: the plain GPT and the attention under remat (save_dots saves its named dots);
-# rotary (the attention's rotary path: test_attention_matches_the_hand_written_form_float32
-# [rotary]) and tied embeddings (no attention code of their own) in the extended tier
+# the suite: the plain GPT. In the extended tier: rotary (the attention's rotary path:
+# test_attention_matches_the_hand_written_form_float32[rotary]), tied embeddings (no
+# attention code of their own) and the attention under remat (save_dots: the same attention
+# code inside the layer's jax.checkpoint, which keeps the numbers in every suite:
+# test_remat_changes_memory_not_numbers[full], and save_dots itself under a layout in
+# test_rotary_tied_remat_layout_matches_single_device)
 @pytest.mark.parametrize(
     "variant",
     [
         pytest.param({}, id="learned"),
         pytest.param({"positions": "rotary"}, id="rotary", marks=pytest.mark.exhaustive),
         pytest.param({"tie_embeddings": True}, id="tied", marks=pytest.mark.exhaustive),
-        pytest.param({"remat": "save_dots"}, id="save_dots"),
+        pytest.param({"remat": "save_dots"}, id="save_dots", marks=pytest.mark.exhaustive),
     ],
 )
 def test_gpt_loss_and_grads_unchanged_from_the_hand_written_attention(variant, monkeypatch):

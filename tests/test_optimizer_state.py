@@ -15,6 +15,7 @@ import jaxpar
 from jaxpar.config import load_config
 from jaxpar.run import build
 from jaxpar.sharding import path_str
+from tests.helpers import grid
 
 
 class TwoOfAShape(nnx.Module):
@@ -85,7 +86,20 @@ def check_leaf_by_leaf(run):
     return sharded, replicated
 
 
-@pytest.mark.parametrize("name,moments", [("adamw", 2), ("lamb", 2), ("adafactor", None)])
+@pytest.mark.parametrize(
+    "name,moments",
+    grid(
+        [
+            pytest.param("adamw", 2, id="adamw-2"),
+            pytest.param("lamb", 2, id="lamb-2"),
+            pytest.param("adafactor", None, id="adafactor-None"),
+        ],
+        # the suite: AdamW's two parameter-shaped moments and Adafactor's factored,
+        # replicated ones; LAMB's state is the same two moments as AdamW's, placed by the
+        # same leaf-by-leaf rule: extended
+        {"adamw-2", "adafactor-None"},
+    ),
+)
 def test_builtin_optimizers_state_follows_parameters(name, moments):
     """gpt_tiny's dims (128, 512) are large enough for Adafactor to factor its second
     moments (it factors dims ≥ 128)."""

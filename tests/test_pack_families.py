@@ -200,21 +200,22 @@ LAYOUTS = [  # (family, layout)
 
 
 # every suite: each family under context parallelism (Gemma 3 each strategy, balanced:
-# all_gather in its pipeline; BERT all_gather), a pipeline, and Gemma 3 and BERT on one
-# device (attend's own masks there: windows, bidirectional); Gemma 2's one device is
-# extended (its soft-capped attention is written out, the same code under context=2, where
-# XLA gathers the keys); the rest exhaustive. (The spmd executor
-# with context.attention=ring deadlocks on XLA:CPU whatever data.pack says; docs/context.md.)
+# all_gather in its pipeline; BERT all_gather) and a pipeline. Each family on one device is
+# extended: the same model code as under context, its documents' mask the same
+# jaxpar.ring_attention.visible of positions and segment ids (Gemma 3's windowed and full
+# layers in its all_gather pipeline, BERT's bidirectional mask under context=2, Gemma 2's
+# soft-capped attention written out under context=2, where XLA gathers the keys), which
+# attend's one-device branch builds in every suite in tests/test_packing.py's
+# gpt-one device; the rest exhaustive. (The spmd executor with context.attention=ring
+# deadlocks on XLA:CPU whatever data.pack says; docs/context.md.)
 @pytest.mark.parametrize(
     "family,layout",
     grid(
         [pytest.param(*c, id=f"{c[0]}-{c[1]}") for c in LAYOUTS],
         {
-            "gemma3-one device",
             "gemma3-mesh.context=4,context.attention=ring",
             "gemma3-mesh.stage=2,mesh.context=2,pipeline.microbatches=2",
             "gemma2-mesh.context=2,context.attention=all_gather",
-            "bert-one device",
             "bert-mesh.context=2,context.attention=all_gather",
             "bert-mesh.stage=2,pipeline.microbatches=2",
         },
@@ -244,7 +245,7 @@ def test_packed_loss_is_the_mean_of_each_document_alone(records, family, layout)
     # both extended: a family whose packed loss equals each document alone (above, every
     # suite) reads differently under concat wherever a document follows another (its
     # attention sees the ones before it); the check itself runs in every suite on the GPT
-    # (tests/test_packing.py) and on BERT (below)
+    # (tests/test_packing.py::test_concat_and_documents_differ_where_documents_meet[gpt])
     grid([pytest.param("gemma2", id="gemma2"), pytest.param("gemma3", id="gemma3")], set()),
 )
 def test_gemma_concat_and_documents_differ_where_documents_meet(records, family):  # noqa: F811
@@ -257,6 +258,12 @@ def test_gemma_concat_and_documents_differ_where_documents_meet(records, family)
     )
 
 
+# Extended tier: BERT's concat is its plain forward, no mask (every suite trains BERT so:
+# tests/test_families.py::test_bert_layouts_and_pipelines_match_one_device), its documents'
+# mask the one the packed loss above checks against each document alone in every suite;
+# concat and documents told apart where documents meet: every suite on the GPT
+# (tests/test_packing.py::test_concat_and_documents_differ_where_documents_meet[gpt])
+@pytest.mark.exhaustive
 def test_bert_concat_and_documents_differ_where_documents_meet(records):  # noqa: F811
     """Bidirectional: every token of a window of several documents reads differently under
     the two (each sees the others' tokens under concat), a window of one document the

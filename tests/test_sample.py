@@ -19,7 +19,7 @@ from jaxpar.loop import train
 from jaxpar.models.gpt import GPT, GPTConfig
 from jaxpar.resume import restore_state
 from jaxpar.run import build
-from tests.helpers import decode_stepwise
+from tests.helpers import decode_stepwise, grid
 
 TINY = [
     "model.d_model=32",
@@ -53,7 +53,19 @@ def run_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "positions,attn_bias", [("learned", False), ("rotary", False), ("learned", True)]
+    "positions,attn_bias",
+    grid(
+        [
+            pytest.param(p, b, id=f"{p}-{b}")
+            for p, b in (("learned", False), ("rotary", False), ("learned", True))
+        ],
+        # every suite: rotary positions, and learned ones with GPT-2's projection biases
+        # (made nonzero): learned-True decodes through the same cache and position rows as
+        # learned-False, the biases added; learned positions without biases decode in
+        # every suite in test_greedy_with_kv_cache_equals_argmax_loop_without (the fixture
+        # run's GPT). learned-False is extended
+        {"rotary-False", "learned-True"},
+    ),
 )
 def test_decode_with_cache_matches_forward(positions, attn_bias):
     cfg = GPTConfig(

@@ -66,7 +66,7 @@ def _accumulated(layout: list[str]) -> int:
         # every suite: the Llama beside fsdp and context. The GPT's at data=2,tensor=4:
         # its first step's gradients element by element (below; AdamW's update does not
         # see the activations' split); the mpmd pipeline under sequence parallelism:
-        # tests/test_overlap.py's (overlap implies it)
+        # tests/test_overlap.py's extended mpmd case (overlap implies it)
         {"llama-fsdp=2,context=2,tensor=2"},
     ),
 )

@@ -161,9 +161,10 @@ def _staged(task, optimizer, stages, schedule, virtual=1, extra=()):
             pytest.param("interleaved", (784, 256, 128, 64, 10), 2, id="interleaved"),
         ],
         # every suite: 1F1B (Adam's moments against one device). The executor's other
-        # schedules run its same chunk programs in another order: each against one device
-        # in every suite on the BatchNorm + Dropout CNN (GPipe over 4 stages, zb_h1's
-        # split backward, the interleaved chunks: test_batchnorm_and_dropout_live_in_their_stage)
+        # schedules run its same chunk programs in another order: against one device in
+        # every suite on the BatchNorm + Dropout CNN (zb_h1's split backward, the
+        # interleaved chunks: test_batchnorm_and_dropout_live_in_their_stage; GPipe's
+        # order of the same F and B programs: extended there too)
         {"1f1b"},
     ),
 )
@@ -198,7 +199,12 @@ def test_each_layer_lives_on_its_stage():
             pytest.param(*c, id="-".join(map(str, c)))
             for c in ((2, "1f1b", 1), (2, "zb_h1", 1), (4, "gpipe", 1), (2, "interleaved", 2))
         ],
-        {"2-zb_h1-1", "4-gpipe-1", "2-interleaved-2"},
+        # every suite: zb_h1 (its I and W programs) and the interleaved chunks (two a
+        # stage). 1F1B and GPipe play the same F and B programs in another order (1F1B
+        # against one device in every suite: test_the_two_device_model_equals_one_device;
+        # GPipe's table in tests/test_pipeline.py's suite case); 4 stages: each stage's
+        # programs take and send what they do with 2 (a chunk's neighbours by c ± 1): extended
+        {"2-zb_h1-1", "2-interleaved-2"},
     ),
 )
 def test_batchnorm_and_dropout_live_in_their_stage(stages, schedule, virtual):
@@ -408,8 +414,8 @@ GPT = [
         # all in the extended tier: the suite runs the sub-mesh executor's interleaved
         # schedule on the BatchNorm + Dropout CNN (test_batchnorm_and_dropout_live_in_their_stage),
         # the GPT's interleaved stack on the spmd executor (tests/test_pipeline.py), a
-        # transformer under the sub-mesh executor in MoE's, the overlap's and context's
-        # pipelines, and tensor inside its stages in tests/test_overlap.py's mpmd case
+        # transformer under the sub-mesh executor in MoE's pipelines (the overlap's and
+        # context's pipelines, with tensor inside its stages: extended)
         set(),
     ),
 )
@@ -597,7 +603,15 @@ def test_gpt_checkpoint_restores_across_executors(tmp_path, schedule):
             np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])  # a backward program; I and W ones
+@pytest.mark.parametrize(
+    "schedule",
+    # every suite: 1F1B (a backward program from the residuals). zb_h1's I and W programs
+    # from the residuals are the same chunk_program grads over the stash (with residuals:
+    # the forward's vjp, called by each half) as 1F1B's B here, and run from a recomputed
+    # forward in every suite in test_batchnorm_and_dropout_live_in_their_stage[2-zb_h1-1]:
+    # extended
+    grid([pytest.param("1f1b", id="1f1b"), pytest.param("zb_h1", id="zb_h1")], {"1f1b"}),
+)
 def test_a_backward_from_kept_residuals_equals_one_device(schedule):
     """``pipeline.backward=residuals``: each forward keeps its backward's residuals (no
     second forward): the BatchNorm + Dropout CNN still equals one device accumulating —

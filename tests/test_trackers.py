@@ -33,7 +33,7 @@ from jaxpar.config import TRACKERS, load_config
 from jaxpar.errors import ConfigError
 from jaxpar.hooks import TRACKER_HOOKS, Hook, MLflow, WandB, load_hooks, tracker_calls
 from jaxpar.loop import train
-from tests.helpers import GPT_SMALL, ROOT, child_env, finished, small_file_system
+from tests.helpers import GPT_SMALL, ROOT, child_env, finished, grid, small_file_system
 
 BASE = [
     *GPT_SMALL,
@@ -224,7 +224,11 @@ def test_a_failed_run_is_marked_failed(tmp_path, monkeypatch):
     assert sorted(wandb_run["history"]) == [1, 2]  # step 2's row was logged before Boom
 
 
-@pytest.mark.parametrize("name", ["wandb", "mlflow"])
+# the suite: MLflow's; W&B's is extended (the same `_need` in each tracker's constructor,
+# the same one line and exit 2)
+@pytest.mark.parametrize(
+    "name", grid([pytest.param(n, id=n) for n in ("wandb", "mlflow")], {"mlflow"})
+)
 def test_a_missing_tracker_library_fails_before_training_in_one_line(
     name, tmp_path, monkeypatch, capsys
 ):
@@ -431,6 +435,11 @@ def test_a_tracker_librarys_logging_failures_are_one_warning(tmp_path, monkeypat
         logger.removeHandler(handler)
 
 
+# extended: a second end-to-end scenario of a tracker library's logging failing on a full
+# disk; the handling (its handler's failure sent to the tracker's one warning,
+# jaxpar/hooks/tracker_calls.py's watch_logging) runs in every suite in
+# test_a_tracker_librarys_logging_failures_are_one_warning
+@pytest.mark.exhaustive
 def test_a_full_wandb_directory_is_one_warning_and_training_goes_on(tmp_path, capsys):
     with small_file_system(tmp_path / "full", "64k") as full, offline(tmp_path):
         with contextlib.suppress(OSError):

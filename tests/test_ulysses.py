@@ -108,9 +108,10 @@ def test_ulysses_equals_one_device(family, layout, balance):
         ],
         # every suite: the spmd stages (the all-to-alls run inside a stage's branch, where
         # XLA:CPU deadlocks on the ring strategy; the lab's case only compiles them); the
-        # sub-mesh stages and remat extended (context inside the sub-mesh executor's stages
-        # against one device: tests/test_context.py; Ulysses' exchanges under remat: the
-        # lab's gpt-tensor-remat and gpt-kept-output cases)
+        # sub-mesh stages and remat extended (context inside the sub-mesh executor's stages:
+        # compiled in every suite by the lab's cases, against one device in
+        # tests/test_context.py's extended stage-mpmd case; Ulysses' exchanges under remat:
+        # the lab's gpt-tensor-remat and gpt-kept-output cases)
         {"stage-spmd"},
     ),
 )
@@ -142,7 +143,10 @@ RULES = {
     [
         ((2, 4, 1), 4, 0, True, True),  # grouped heads split as the queries; documents
         ((1, 4, 2), 2, 5, False, True),  # K=2 over tensor=2 and context=4: repeated; window
-        ((2, 2, 2), 8, 3, True, False),  # plain heads, window and documents, in order
+        # plain heads, window and documents, in order: extended (one mask of the gathered
+        # positions and segment ids whatever their order, windows and documents each in a
+        # case above; plain heads: the repeated ones, which the queries' split takes as is)
+        pytest.param((2, 2, 2), 8, 3, True, False, marks=pytest.mark.exhaustive),
     ],
     ids=["grouped-documents", "repeated-window", "window-documents-in_order"],
 )
@@ -184,6 +188,12 @@ def _compiled(overrides: list[str]) -> str:
     return run.trainer.compile_step(shapes).as_text()
 
 
+# Extended tier: the same compiled step's exchanges (all-to-alls, no K/V all-gather but the
+# positions') are counted in every suite against the layout file's stated bytes
+# (test_the_layout_file_moves_what_it_says, gpt_tiny under context=4) and to 1% against the
+# lab's terms (test_the_lab_predicts_the_all_to_alls); all_gather's K/V gathers: against the
+# lab's in every suite in tests/test_context.py::test_the_lab_predicts_context_collectives
+@pytest.mark.exhaustive
 def test_the_step_exchanges_all_to_alls_and_gathers_no_keys():
     """``data=2,context=4``, 2 layers: 16 all-to-alls (per layer q, k, v in and the output
     back, and their 4 gradients), each moving a device's [b, T/c, N, H] = [4, 8, 8, 4]

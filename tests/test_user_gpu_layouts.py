@@ -154,6 +154,12 @@ def test_sequence_parallelism_on_a_model_that_never_names_act_seq_is_one_line():
     ), message
 
 
+# the same check's pass and sequence parallelism's numbers for a user's model in every
+# suite: test_a_model_whose_stream_is_named_in_a_cached_trace_is_not_refused (this file's
+# model, data=2, tensor=2, its losses as one device's); the stream gathered before the
+# tensor-parallel MLP and first gradients element by element: the built-in models' in
+# tests/test_sequence_parallel.py
+@pytest.mark.exhaustive
 def test_a_users_model_naming_act_seq_is_sequence_parallel_as_one_device():
     """The same model naming its residual stream ``act_seq``: under data=2, tensor=2 with
     sequence parallelism its first gradients equal one device's elementwise and the losses
@@ -315,6 +321,11 @@ class DelayedLM(UserLM):
         return jnp.einsum("btd,dv->btv", x_BTD, self.head[...])
 
 
+# an Fp8History is model state whose gradient is its next value for every model alike
+# (jaxpar.state.FromGradient): in every suite in
+# tests/test_fp8.py::test_every_projection_keeps_a_history_that_advances[llama] and
+# tests/test_fp8.py::test_delayed_scaling_layouts_match_one_device[data=2,fsdp=2,tensor=2]
+@pytest.mark.exhaustive
 def test_a_users_delayed_scaling_histories_advance_as_one_devices():
     """A user's model holding its own ``fp8.Fp8History`` variables: the step keeps each
     history's gradient as its next value (three steps push three amaxes for x, w and g,
@@ -344,6 +355,12 @@ def _puts(jaxpr, memory: str) -> list[str]:
     return re.findall(rf"\w+:f32{memory}(\[[\d,]*\]) = device_put", str(jaxpr))
 
 
+# REMAT_POLICIES["offload"] is the policy the built-in models run (applied here by the
+# user's own jax.checkpoint: no jaxpar code of its own): the named residuals moved to the
+# host in every suite in
+# tests/test_offload.py::test_remat_offload_moves_the_named_residuals_to_the_host, offload
+# against one device in tests/test_offload.py::test_offload_through_a_pipeline
+@pytest.mark.exhaustive
 def test_a_users_checkpoint_names_are_offloaded_and_train_as_one_device():
     """The MLP under ``REMAT_POLICIES["offload"]``: the step's traced program moves the one
     tagged activation its backward reads, ``MLP_IN`` [B, T, F], to host memory and back
