@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import subprocess
@@ -99,6 +100,31 @@ def one_device_steps(overrides: list[str], steps: int = 3):
     reference that many layouts of a test are compared with (the arrays are the cached
     ones: do not change them)."""
     return _one_device_steps(tuple(overrides), steps)
+
+
+def measured_once():
+    """A :func:`jaxpar.lab.measure.measure` (its signature, untimed and for the built-in
+    model) that lowers and compiles each (config, layout, platform, host size) once and
+    reads that program again for a later call: for another profile of the same platform
+    and host size, or another ``memory_bytes`` (which only judges ``fits``). What a test
+    reads is what ``measure`` reads; the program is compiled once."""
+    from jaxpar.lab.measure import Row, compile_lowered, lower, read
+
+    compiled = {}
+
+    def measure(config, layout, hw, steps=0, memory_bytes=None, task=None):
+        assert steps == 0 and task is None  # untimed, the built-in model: one program
+        key = (id(config), layout, hw.platform, hw.devices_per_host)
+        if key not in compiled:
+            lowered = lower(config, layout, hw)
+            if isinstance(lowered, Row):  # a layout that cannot run: its row, as measure's
+                return lowered
+            compiled[key] = (lowered, *compile_lowered(lowered))
+        lowered, program, seconds = compiled[key]
+        fresh = dataclasses.replace(lowered, row=Row(layout, hardware=hw.key))
+        return read(fresh, program, seconds, hw, memory_bytes)
+
+    return measure
 
 
 def assert_params_close(actual, expected, elementwise: bool = True, rtol: float = 1e-5):

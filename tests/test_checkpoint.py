@@ -97,14 +97,18 @@ def test_resume_is_bitwise_identical(tmp_path, layout):
         np.testing.assert_array_equal(a, b)
 
 
-def saved_run(tmp_path):
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """One step under fsdp=8, saved as step 1 in ``<dir>/ckpt``: ``(dir, leaves)``. The
+    tests that use it only read the checkpoint, so the module trains and saves it once."""
+    directory = tmp_path_factory.mktemp("saved")
     run = build(load_config([], [*GPT_SMALL, "mesh.data=1", "mesh.fsdp=8"]))
     state = run.trainer.init()
     state, _ = run.trainer.step(state, run.trainer.shard_batch(run.data.batch(0, 16)))
-    ckpt = Checkpointer(tmp_path / "ckpt", run.plan)
+    ckpt = Checkpointer(directory / "ckpt", run.plan)
     ckpt.save(1, state, {"step": 1})
     ckpt.close()
-    return [np.asarray(x) for x in jax.tree.leaves(state)]
+    return directory, [np.asarray(x) for x in jax.tree.leaves(state)]
 
 
 @pytest.mark.parametrize(
@@ -116,12 +120,12 @@ def saved_run(tmp_path):
         (["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2"], 4),
     ],
 )
-def test_restore_onto_another_layout(tmp_path, layout, devices):
+def test_restore_onto_another_layout(saved_run, layout, devices):
     """Saved under fsdp=8; restored under data=2×tensor=4 and on 4 devices: same values,
     new shardings, and training goes on."""
-    saved = saved_run(tmp_path)
+    directory, saved = saved_run
     run = build(load_config([], [*GPT_SMALL, *layout, f"run.devices={devices}"]))
-    ckpt = Checkpointer(tmp_path / "ckpt", run.plan)
+    ckpt = Checkpointer(directory / "ckpt", run.plan)
     state, _ = ckpt.restore()
     for a, b in zip(saved, jax.tree.leaves(state)):
         np.testing.assert_array_equal(a, np.asarray(b))
@@ -132,13 +136,13 @@ def test_restore_onto_another_layout(tmp_path, layout, devices):
     assert int(state.step) == 2 and np.isfinite(float(metrics["loss"]))
 
 
-def test_incompatible_checkpoint_names_the_mismatches_in_one_line(tmp_path):
+def test_incompatible_checkpoint_names_the_mismatches_in_one_line(saved_run):
     """The parameters' mismatches first, a count of the rest, and advice that works (no
     checkpoint.resume=never, which a directory holding checkpoints refuses)."""
-    saved_run(tmp_path)
+    directory, _ = saved_run
     run = build(load_config([], [*GPT_SMALL, "model.d_ff=128", "model.tie_embeddings=true"]))
     with pytest.raises(ValueError) as err:
-        Checkpointer(tmp_path / "ckpt", run.plan).restore()
+        Checkpointer(directory / "ckpt", run.plan).restore()
     text = str(err.value)
     assert "\n" not in text and "resume=never" not in text
     assert "does not fit this model/optimizer (12 mismatches: params/blocks/b_in:" in text
@@ -223,18 +227,18 @@ def plain_orbax_script(relative_path: str) -> str:
     )
 
 
-def test_checkpoint_reads_with_plain_orbax_and_exports(tmp_path):
+def test_checkpoint_reads_with_plain_orbax_and_exports(tmp_path, saved_run):
     """The docs' snippet (orbax only, one device, a relative path) and `jaxpar export` give
     the saved values."""
     from jaxpar.cli import main
 
-    saved = saved_run(tmp_path)
+    directory, saved = saved_run
     script = tmp_path / "read.py"
     script.write_text(plain_orbax_script("ckpt/1/state"))  # relative to where it runs
     subprocess.run(
         [sys.executable, str(script), str(tmp_path / "plain.npz")],
         check=True,
-        cwd=tmp_path,
+        cwd=directory,
         env=child_env(None),
         capture_output=True,
     )
@@ -252,7 +256,7 @@ def test_checkpoint_reads_with_plain_orbax_and_exports(tmp_path):
                 *GPT_SMALL,
                 "mesh.data=1",
                 "mesh.fsdp=8",
-                f"checkpoint.dir={tmp_path / 'ckpt'}",
+                f"checkpoint.dir={directory / 'ckpt'}",
                 "--out",
                 str(out),
             ]
@@ -265,13 +269,20 @@ def test_checkpoint_reads_with_plain_orbax_and_exports(tmp_path):
     assert set(exported.files) == expected and "blocks/w_in" in expected
 
 
+def in_flight(run_dir: Path) -> list[str]:
+    """The temporary directories of saves being written in ``run_dir``'s checkpoints."""
+    names = os.listdir(run_dir / "checkpoints") if (run_dir / "checkpoints").is_dir() else []
+    return [name for name in names if "tmp" in name]
+
+
 def test_sigkill_during_a_save_leaves_nothing_resume_would_pick(tmp_path):
-    """SIGKILL while an async save is being written (saves every step, a model big enough
-    that a save outlasts a step): the half-written save stays a temporary directory that
-    is never listed, and the next run resumes from the last complete checkpoint with the
-    losses of an uninterrupted run."""
+    """SIGKILL while an async save is being written (saves every step; a save — Orbax's
+    writes, its finalization, the integrity record — outlasts a step of this small model,
+    and the kill comes once a save's temporary directory is listed): the half-written save
+    stays a temporary directory that is never listed, and the next run resumes from the
+    last complete checkpoint with the losses of an uninterrupted run."""
     env = child_env(8)
-    big = ["model.d_model=256", "model.d_ff=1024", "checkpoint.every_steps=1"]
+    every = ["checkpoint.every_steps=1"]
     for attempt in range(5):
         run_dir = tmp_path / f"killed{attempt}"
         proc = subprocess.Popen(
@@ -281,7 +292,7 @@ def test_sigkill_during_a_save_leaves_nothing_resume_would_pick(tmp_path):
                 "jaxpar",
                 "train",
                 *RESUMABLE,
-                *big,
+                *every,
                 "train.steps=100000",
                 f"run.dir={run_dir}",
             ],
@@ -292,10 +303,11 @@ def test_sigkill_during_a_save_leaves_nothing_resume_would_pick(tmp_path):
         )
         deadline = time.time() + 120
         while time.time() < deadline and not (
-            (run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= 3
+            (run_dir / "metrics.jsonl").exists()
+            and len(losses(run_dir)) >= 3
+            and in_flight(run_dir)
         ):
-            time.sleep(0.05)
-        time.sleep(0.1 * attempt)
+            time.sleep(0.01)
         proc.kill()
         proc.wait(timeout=60)
         names = os.listdir(run_dir / "checkpoints")
@@ -304,16 +316,16 @@ def test_sigkill_during_a_save_leaves_nothing_resume_would_pick(tmp_path):
     else:
         pytest.fail(f"no save was in flight at any of 5 kills (last: {names})")
     complete = sorted(int(n) for n in names if n.isdigit())
-    run = build(load_config([], [*RESUMABLE, *big, "train.steps=100000"]))
+    run = build(load_config([], [*RESUMABLE, *every, "train.steps=100000"]))
     ckpt = Checkpointer(run_dir / "checkpoints", run.plan)
     assert ckpt.steps() == complete and ckpt.latest_step() == complete[-1]
     ckpt.close()
     last = complete[-1]
     # the next run and the uninterrupted one in this process (the same floats as a child's)
-    train_here(run_dir, last + 2, *big)  # resume=auto
+    train_here(run_dir, last + 2, *every)  # resume=auto
     assert [s for s, _ in losses(run_dir)] == list(range(1, last + 3))  # each step once
     straight = tmp_path / "straight"
-    train_here(straight, last + 2, *big)
+    train_here(straight, last + 2, *every)
     assert losses(run_dir)[-2:] == losses(straight)[-2:]
 
 

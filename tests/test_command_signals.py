@@ -9,6 +9,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -17,7 +18,6 @@ import pytest
 from jaxpar.config import load_config
 from jaxpar.loop import train
 from tests.helpers import child_env, kill_all
-from tests.helpers import finished as ended
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
@@ -105,50 +105,103 @@ def _start(how: str, sig: str, args: list[str], tmp: Path, run: Path) -> subproc
     )
 
 
+class Child:
+    """A started case's child, reaped by a thread as it ends, so that its time to the one
+    line is that of its own end, not of when its test (after the others) looks. ``first``:
+    what that thread does before (reading stdout up to a line, say)."""
+
+    def __init__(self, proc: subprocess.Popen, first=None):
+        self.proc, self.start = proc, time.time()
+        self.out, self.err, self.end = "", "", None
+        self._first = first
+        self._reaper = threading.Thread(target=self._reap, daemon=True)
+        self._reaper.start()
+
+    def _reap(self) -> None:
+        if self._first is not None:
+            self._first(self.proc)
+        self.out, self.err = self.proc.communicate()
+        self.end = time.time()
+
+    def ended(self, name: str, timeout: float) -> tuple[str, str, float]:
+        """stdout, stderr and the seconds from start to end; the test fails (the process
+        killed) if it runs past ``timeout`` seconds from its start."""
+        self._reaper.join(max(0.0, self.start + timeout - time.time()))
+        if self.end is None:
+            kill_all([self.proc])
+            pytest.fail(f"{name}: still running after {timeout:g} s")
+        return self.out, self.err, self.end - self.start
+
+
+def _selected(request) -> list[str]:
+    """The cases this session runs (all of them in the suite; those ``-k`` or a node id
+    chose otherwise): only their children are started."""
+    name = test_a_stop_signal_in_a_command_is_one_line_and_its_status.__name__
+    return [
+        item.callspec.params["case"]
+        for item in request.session.items
+        if getattr(item, "module", None) is request.module
+        and getattr(item, "originalname", None) == name
+    ]
+
+
+def _signal_once_begun(sig: str):
+    """The sweep's signal as soon as it has begun ("sweeping 1 layout of …": its layouts
+    then still compile), sent from its reaper while the fixture trains, not after the
+    training, by when it may have written its tables."""
+
+    def first(proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            if line.startswith("sweeping"):
+                proc.send_signal(signal.Signals[sig])
+                return
+
+    return first
+
+
 @pytest.fixture(scope="module")
-def stopped(tmp_path_factory):
-    """Every case's child, started side by side: {case: (Popen, start time)}. Those that
-    open a run dir start once a 1-step run has written its checkpoint."""
+def stopped(request, tmp_path_factory):
+    """The selected cases' children, started side by side: {case: Child}. Those that open
+    a run dir start once a 1-step run, trained here while the others run, has written its
+    checkpoint."""
     tmp = tmp_path_factory.mktemp("signals")
     run = tmp / "run"
+    cases = _selected(request)
     children = {}
-    for case, (how, sig, args, _) in CASES.items():
+    for case in cases:
+        how, sig, args, _ = CASES[case]
         if "{run}" not in args:
-            children[case] = (_start(how, sig, args, tmp, run), time.time())
-    # the sweep's signal as soon as it has begun (its layouts then still compile), not
-    # after the training below, by when it may have written its tables
-    sweep = children["sweep"][0]
-    for line in sweep.stdout:  # "sweeping 1 layout of …": the command has begun
-        if line.startswith("sweeping"):
-            sweep.send_signal(signal.Signals[CASES["sweep"][1]])
-            break
-    train(
-        load_config(
-            [],
-            [
-                *TINY,
-                "train.steps=1",
-                "run.devices=1",
-                "train.progress=false",
-                "checkpoint.async_save=false",
-                f"run.dir={run}",
-            ],
-        ),
-        echo=False,
-    )
-    for case, (how, sig, args, _) in CASES.items():
-        if "{run}" in args:
-            children[case] = (_start(how, sig, args, tmp, run), time.time())
+            first = _signal_once_begun(sig) if how == "header" else None
+            children[case] = Child(_start(how, sig, args, tmp, run), first)
+    if any("{run}" in CASES[case][2] for case in cases):
+        train(
+            load_config(
+                [],
+                [
+                    *TINY,
+                    "train.steps=1",
+                    "run.devices=1",
+                    "train.progress=false",
+                    "checkpoint.async_save=false",
+                    f"run.dir={run}",
+                ],
+            ),
+            echo=False,
+        )
+        for case in cases:
+            how, sig, args, _ = CASES[case]
+            if "{run}" in args:
+                children[case] = Child(_start(how, sig, args, tmp, run))
     yield tmp, children
-    kill_all(proc for proc, _ in children.values())
+    kill_all(child.proc for child in children.values())
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_a_stop_signal_in_a_command_is_one_line_and_its_status(stopped, case):
     tmp, children = stopped
-    proc, start = children[case]
-    out, err = ended(proc, f"{case} (signalled)", 90)
-    elapsed = time.time() - start
+    child = children[case]
+    out, err, elapsed = child.ended(f"{case} (signalled)", 90)
+    proc = child.proc
     _, sig, args, finished = CASES[case]
     status, line = TRAINING if case == "train" else STOPPED[sig]
     assert (proc.returncode, err.strip()) == (status, line.format(args[0])), err

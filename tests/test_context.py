@@ -604,20 +604,23 @@ def test_a_context_parallel_model_that_skips_jaxpar_attend_is_refused():
     np.testing.assert_allclose(float(step(1, [])["loss"]), float(expected), rtol=1e-6)
 
 
-def test_plan_finds_the_longest_sequence_that_fits():
+def test_plan_finds_the_longest_sequence_that_fits(monkeypatch):
     """``jaxpar plan --longest``: doubling ``data.seq_len`` (and ``model.max_seq_len``), the
-    longest that fits the memory given and what twice as long needs, per layout."""
-    from jaxpar.lab import hardware, planner, sweep
-    from tests.helpers import GPT_SMALL
+    longest that fits the memory given and what twice as long needs, per layout. (Each
+    sequence length is compiled once: the planner's rows read the programs measured here.)"""
+    from jaxpar.lab import hardware, planner
+    from tests.helpers import GPT_SMALL, measured_once
 
     config = jaxpar.load_config([], [*GPT_SMALL, "train.batch_size=8"])
     h100 = hardware.get_profile("h100")
+    measure = measured_once()
     at = {
-        n: sweep.measure(config, f"context=8,data.seq_len={n},model.max_seq_len={n}", h100)
+        n: measure(config, f"context=8,data.seq_len={n},model.max_seq_len={n}", h100)
         for n in (16, 32, 64)
     }
     memory = (at[32].mem_total_bytes + at[64].mem_total_bytes) / 2
     assert at[16].mem_total_bytes < at[32].mem_total_bytes < memory < at[64].mem_total_bytes
+    monkeypatch.setattr(planner, "measure", measure)
     found = planner.longest_sequence(config, "context=8", h100, memory)
     assert (found.tokens, found.row.mem_total_bytes) == (32, at[32].mem_total_bytes)
     assert found.beyond.mem_total_bytes == at[64].mem_total_bytes and not found.beyond.fits

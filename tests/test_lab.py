@@ -263,9 +263,11 @@ def test_sweep_needs_layouts_or_all(capsys):
     assert "--layouts" in capsys.readouterr().err
 
 
-def test_plan_ranks_fitting_layouts_and_fixes_one_that_does_not(h100):
+def test_plan_ranks_fitting_layouts_and_fixes_one_that_does_not(h100, rows):
     config = load_config([], GPT_SMALL)
-    memory = sweep.measure(config, "fsdp=8", h100).mem_total_bytes * 1.02
+    # fsdp=8's compiled peak, as the planned fixture measured it (the same config and
+    # profile): room for it, not for data=8
+    memory = rows["fsdp=8"].mem_total_bytes * 1.02
     planned = plan(config, 8, h100, memory, ["data=8", "fsdp=8", "tensor=8"])
     by = {p.row.layout: p for p in planned}
     assert by["fsdp=8"].row.fits and not by["data=8"].row.fits

@@ -260,8 +260,11 @@ def test_moe_interleaved_stack_under_both_executors():
 def test_metrics_decoding_and_counts():
     """The metrics name the auxiliary losses and each expert's load (summing to 1), and the
     loss adds the weighted auxiliary losses to the cross entropy; decoding through the KV
-    cache equals the forward pass; the parameter count equals the model's."""
-    run = jaxpar.build(jaxpar.load_config([], [*MOE, "mesh.data=8"]))
+    cache equals the forward pass; the parameter count equals the model's. The run is the
+    one-device reference of the layouts above (once per test process): its compiled init
+    and step again, nothing built or compiled for this test (the metrics across devices
+    equal one device's in the pipeline tests above)."""
+    run = one_device_steps(MOE)[2]
     state, metrics = run.trainer.step(
         run.trainer.init(), run.trainer.shard_batch(run.data.batch(0, 16))
     )
@@ -276,8 +279,9 @@ def test_metrics_decoding_and_counts():
     np.testing.assert_allclose(float(metrics["loss"]), want, rtol=1e-6)
     counts = run.family.counts(cfg, run.data)
     assert counts.params == sum(x.size for x in jax.tree.leaves(run.plan.model.params))
-    with nnx.use_eager_sharding(False):
-        model = Llama(cfg, rngs=nnx.Rngs(0))
+    # the run's MoE Llama with that step's parameters: no second model initialized op by op
+    model = nnx.merge(run.plan.model.graphdef, state.params, state.model_state)
+    assert isinstance(model, Llama)
     tokens = jax.random.randint(jax.random.key(1), (2, 10), 0, 256)
     np.testing.assert_allclose(decode_stepwise(model, tokens, 6), jax.jit(model)(tokens), atol=1e-5)
 

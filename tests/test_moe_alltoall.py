@@ -16,11 +16,12 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
+import jaxpar
 from jaxpar.errors import LayoutError
 from jaxpar.models import alltoall
 from jaxpar.models.moe import grouped_swiglu, swiglu_groups
-from tests.helpers import assert_params_close, grid, run_steps
-from tests.test_moe import MOE, _experts
+from tests.helpers import assert_params_close, grid, one_device_steps, run_steps
+from tests.test_moe import CAPPED, MOE, _experts
 
 
 def _sharded(mesh, *arrays):
@@ -116,13 +117,14 @@ def test_training_with_all_to_all_dispatch_equals_one_device(monkeypatch):
         return alltoall.emulated(*args, **kwargs)
 
     monkeypatch.setattr(alltoall, "RAGGED_ALL_TO_ALL", counted)
-    extra = ["model.capacity_factor=1.0"]
-    one = run_steps([*MOE, *extra, "mesh.data=1"], devices=1)
+    # one device with the capacity factor: tests/test_moe.py's capacity reference, run
+    # once per test process. Run here, it must not dispatch all to all; run before, it
+    # could not have (the real collective, unpatched there, is refused on the CPU).
+    one = one_device_steps(CAPPED)
     assert not calls
     losses, params, _ = run_steps(
         [
-            *MOE,
-            *extra,
+            *CAPPED,
             "mesh.data=4",
             "mesh.fsdp=2",
             "rules.experts=data",
@@ -160,6 +162,10 @@ def test_the_real_collective_lowers_and_is_refused_on_the_cpu():
     w = {n_: jax.device_put(a, NamedSharding(mesh, PartitionSpec("e"))) for n_, a in w.items()}
     text = f.lower(x, ex, wt, w).as_text()
     assert text.count("ragged_all_to_all") >= 2  # there and back
+    config = jaxpar.load_config(
+        [], [*MOE, "mesh.data=8", "rules.experts=data", "model.moe_dispatch=all_to_all"]
+    )
+    run = jaxpar.build(config)
     with pytest.raises(
         LayoutError,
         match=r"^model.moe_dispatch=all_to_all needs jax.lax."
@@ -167,9 +173,9 @@ def test_the_real_collective_lowers_and_is_refused_on_the_cpu():
         r"implement; on the CPU set model.moe_dispatch="
         r"all_gather",
     ):
-        run_steps(
-            [*MOE, "mesh.data=8", "rules.experts=data", "model.moe_dispatch=all_to_all"], steps=1
-        )
+        # the train step traced, as its first call does (the refusal is raised in the MoE
+        # layer's trace): no state initialized (a compile) for a step that never runs
+        run.trainer.lower_step(run.data.batch(0, config.train.batch_size))
 
 
 def test_the_lab_counts_the_routed_rows_of_the_all_to_all_dispatch():

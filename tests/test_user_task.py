@@ -47,8 +47,8 @@ def losses(run_dir: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in rows(run_dir) if "loss" in r]
 
 
-def task_process(run_dir: Path, steps: int, *extra: str, wait: bool = True):
-    env = child_env(8)
+def task_process(run_dir: Path, steps: int) -> subprocess.Popen:
+    """`python -m jaxpar train --task` started in a fresh process (8 simulated devices)."""
     cmd = [
         sys.executable,
         "-m",
@@ -57,15 +57,19 @@ def task_process(run_dir: Path, steps: int, *extra: str, wait: bool = True):
         "--task",
         SPEC,
         *SHORT,
-        *extra,
         f"train.steps={steps}",
         f"run.dir={run_dir}",
     ]
-    if not wait:
-        return subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=child_env(8), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def task_here(run_dir: Path, steps: int) -> None:
+    """The same run as :func:`task_process`, in this process (its compiler flags and 8
+    devices: the same floats, bit for bit), without a new interpreter's start-up."""
+    args = ["train", "--task", SPEC, *SHORT, f"train.steps={steps}", f"run.dir={run_dir}"]
+    assert main(args) == 0
 
 
 def final_state(run_dir: Path, layout=("mesh.data=8",)):
@@ -76,13 +80,18 @@ def final_state(run_dir: Path, layout=("mesh.data=8",)):
     return run, state, meta
 
 
-def test_sigterm_then_resume_is_bitwise_identical_and_restores_onto_another_layout(tmp_path):
+def test_sigterm_then_resume_is_bitwise_identical_and_restores_onto_another_layout(
+    tmp_path, monkeypatch
+):
     """`jaxpar train --task`: SIGTERM → exit 4 with a checkpoint of the current step →
     resume gives the uninterrupted run's losses and final state bit for bit (parameters,
     optimizer state, BatchNorm statistics, RNG key and count); that state restores onto
-    data=2×fsdp=2×tensor=2 with identical values."""
+    data=2×fsdp=2×tensor=2 with identical values. (The signalled run is a real process;
+    the resume, which has only the files that process left, and the uninterrupted run run
+    in this process.)"""
+    monkeypatch.chdir(ROOT)  # SPEC is relative to the repository, as for the children
     stopped = tmp_path / "stopped"
-    proc = task_process(stopped, 100000, wait=False)
+    proc = task_process(stopped, 100000)
     deadline = time.time() + 120
     while time.time() < deadline and not (
         (stopped / "metrics.jsonl").exists() and len(losses(stopped)) >= 3
@@ -92,9 +101,9 @@ def test_sigterm_then_resume_is_bitwise_identical_and_restores_onto_another_layo
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 4, err
     step = int(err.split("checkpoint of step ")[1].split()[0])
-    task_process(stopped, step + 4)
+    task_here(stopped, step + 4)  # resume=auto
     straight = tmp_path / "straight"
-    task_process(straight, step + 4)
+    task_here(straight, step + 4)
     assert losses(stopped) == losses(straight)
     assert [s for s, _ in losses(stopped)] == list(range(1, step + 5))
     run, resumed, meta = final_state(stopped)
@@ -210,26 +219,31 @@ def test_hooks_named_in_config(tmp_path):
     assert [float(v) for _, v in seen] == [loss for _, loss in losses(run_dir)]
 
 
+#: examples in the grain tests' dataset: an epoch is 4 steps of 16
+EXAMPLES = 64
+
+
 def _examples():
-    """The example's first 256 training examples, one dict per example."""
-    b = TASK.data(0, 256)
-    return [{k: v[i] for k, v in b.items()} for i in range(256)]
+    """The example's first :data:`EXAMPLES` training examples, one dict per example."""
+    b = TASK.data(0, EXAMPLES)
+    return [{k: v[i] for k, v in b.items()} for i in range(EXAMPLES)]
 
 
 @pytest.mark.parametrize("kind", ["map", "iter"])
 def test_grain_dataset_task_resumes_exactly(tmp_path, kind):
     """A Task whose data is a grain dataset (random-access MapDataset: shuffled per epoch,
-    resumed by position; IterDataset: resumed from grain's iterator state): 4 steps, stop,
-    4 more = 8 straight, across an epoch boundary (256 examples, 16 a step)."""
+    resumed by position; IterDataset: resumed from grain's iterator state): 6 steps, stop,
+    4 more = 10 straight, stopped inside the second epoch and going on across the next
+    epoch boundary (64 examples, 16 a step)."""
     source = grain.MapDataset.source(_examples())
     data = source if kind == "map" else source.repeat().to_iter_dataset()
     task = dataclasses.replace(TASK, data=data, eval_data=None)
     extra = ["checkpoint.every_steps=4"]
-    jaxpar.train(_config(tmp_path / "a", 12, *extra), task=task, echo=False)
-    jaxpar.train(_config(tmp_path / "a", 20, *extra), task=task, echo=False)
-    jaxpar.train(_config(tmp_path / "b", 20, *extra), task=task, echo=False)
+    jaxpar.train(_config(tmp_path / "a", 6, *extra), task=task, echo=False)
+    jaxpar.train(_config(tmp_path / "a", 10, *extra), task=task, echo=False)
+    jaxpar.train(_config(tmp_path / "b", 10, *extra), task=task, echo=False)
     assert losses(tmp_path / "a") == losses(tmp_path / "b")
-    assert len(losses(tmp_path / "a")) == 20
+    assert len(losses(tmp_path / "a")) == 10
     assert not any("eval_loss" in r for r in rows(tmp_path / "a"))  # no eval_data: no eval
 
 
