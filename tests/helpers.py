@@ -7,6 +7,8 @@ import dataclasses
 import functools
 import os
 import subprocess
+import threading
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -223,3 +225,31 @@ def finished(proc: subprocess.Popen, name: str, timeout: float) -> tuple[str, st
         proc.kill()
         pytest.fail(f"{name}: still running after {timeout:g} s")
     return out, err
+
+
+class Child:
+    """A started child process, reaped by a thread as it ends, so that its time to its
+    answer is that of its own end, not of when its test (after others) looks. ``first``:
+    what that thread does before (reading stdout up to a line, say)."""
+
+    def __init__(self, proc: subprocess.Popen, first=None):
+        self.proc, self.start = proc, time.time()
+        self.out, self.err, self.end = "", "", None
+        self._first = first
+        self._reaper = threading.Thread(target=self._reap, daemon=True)
+        self._reaper.start()
+
+    def _reap(self) -> None:
+        if self._first is not None:
+            self._first(self.proc)
+        self.out, self.err = self.proc.communicate()
+        self.end = time.time()
+
+    def ended(self, name: str, timeout: float) -> tuple[str, str, float]:
+        """stdout, stderr and the seconds from start to end; the test fails (the process
+        killed) if it runs past ``timeout`` seconds from its start."""
+        self._reaper.join(max(0.0, self.start + timeout - time.time()))
+        if self.end is None:
+            kill_all([self.proc])
+            pytest.fail(f"{name}: still running after {timeout:g} s")
+        return self.out, self.err, self.end - self.start

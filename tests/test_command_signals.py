@@ -9,15 +9,13 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from jaxpar.config import load_config
 from jaxpar.loop import train
-from tests.helpers import child_env, kill_all
+from tests.helpers import Child, child_env, kill_all
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
@@ -103,34 +101,6 @@ def _start(how: str, sig: str, args: list[str], tmp: Path, run: Path) -> subproc
         stderr=subprocess.PIPE,
         text=True,
     )
-
-
-class Child:
-    """A started case's child, reaped by a thread as it ends, so that its time to the one
-    line is that of its own end, not of when its test (after the others) looks. ``first``:
-    what that thread does before (reading stdout up to a line, say)."""
-
-    def __init__(self, proc: subprocess.Popen, first=None):
-        self.proc, self.start = proc, time.time()
-        self.out, self.err, self.end = "", "", None
-        self._first = first
-        self._reaper = threading.Thread(target=self._reap, daemon=True)
-        self._reaper.start()
-
-    def _reap(self) -> None:
-        if self._first is not None:
-            self._first(self.proc)
-        self.out, self.err = self.proc.communicate()
-        self.end = time.time()
-
-    def ended(self, name: str, timeout: float) -> tuple[str, str, float]:
-        """stdout, stderr and the seconds from start to end; the test fails (the process
-        killed) if it runs past ``timeout`` seconds from its start."""
-        self._reaper.join(max(0.0, self.start + timeout - time.time()))
-        if self.end is None:
-            kill_all([self.proc])
-            pytest.fail(f"{name}: still running after {timeout:g} s")
-        return self.out, self.err, self.end - self.start
 
 
 def _selected(request) -> list[str]:

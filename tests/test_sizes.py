@@ -10,7 +10,6 @@ import dataclasses
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from jaxpar.errors import LayoutError
 from jaxpar.plan import sizes
 from jaxpar.run import build
 from jaxpar.user_code import load_task
-from tests.helpers import child_env, finished, grid, kill_all
+from tests.helpers import Child, child_env, grid, kill_all
 
 ROOT = Path(__file__).resolve().parents[1]
 HOST = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -118,8 +117,7 @@ SUITE = set(CASES) - {"mixtral_one_cpu", "experts"}
 
 @pytest.fixture(scope="module")
 def refused(request, tmp_path_factory):
-    """The child of each case this session runs, started together: {case: Popen, start
-    time}."""
+    """The child of each case this session runs, started together: {case: Child}."""
     selected = {
         item.callspec.params["case"]
         for item in request.session.items
@@ -133,7 +131,7 @@ def refused(request, tmp_path_factory):
         if case not in selected:
             continue
         run_dir = [f"run.dir={root / case}"] if args[0] == "train" else []
-        children[case] = (
+        children[case] = Child(
             subprocess.Popen(
                 [sys.executable, "-m", "jaxpar", *args, *run_dir],
                 cwd=ROOT,
@@ -141,20 +139,19 @@ def refused(request, tmp_path_factory):
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
-            ),
-            time.time(),
+            )
         )
     yield children
-    kill_all(proc for proc, _ in children.values())
+    kill_all(child.proc for child in children.values())
 
 
 @pytest.mark.parametrize("case", grid([pytest.param(case, id=case) for case in CASES], SUITE))
 def test_a_size_no_device_holds_is_refused_in_one_line_within_seconds(refused, case):
     if HOST >= NEEDS.get(case, float("inf")):
         pytest.skip(f"this host has the memory {case} needs")
-    proc, start = refused[case]
-    _, err = finished(proc, case, 60)
-    elapsed = time.time() - start
+    child = refused[case]
+    _, err, elapsed = child.ended(case, 60)  # elapsed: from its start to its own exit
+    proc = child.proc
     lines = [
         line for line in err.splitlines() if line.strip() and not line.startswith("jaxpar: warning")
     ]
