@@ -5,6 +5,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 # Compiling dominates the suite (XLA:CPU, one core per test process), so the tests compile
 # for speed: LLVM optimization level 0 halves it, and XLA's older elemental fusion code
@@ -114,16 +115,45 @@ LONGEST_FIRST = (
 )
 
 
+#: CI's time budget (`.ci/run` sets it for the stages after the 3.11 suite): a clock time,
+#: seconds since the epoch, after which a test not yet started is skipped with this reason,
+#: so that the run ends inside CI's limit and says what it left out, rather than being cut
+#: off, landing nothing. `pytest` by hand leaves it unset: every test runs.
+DEADLINE = "JAXPAR_TEST_DEADLINE"
+_deadline = pytest.StashKey[float | None]()
+PAST_DEADLINE = f"CI's time budget ran out before this test started ({DEADLINE}, .ci/run)"
+
+
+def pytest_configure(config):
+    """Reads the deadline once, refusing a value that is not a clock time in one line."""
+    value = os.environ.get(DEADLINE)
+    try:
+        config.stash[_deadline] = float(value) if value else None
+    except ValueError:
+        raise pytest.UsageError(
+            f"{DEADLINE}={value!r} is not a clock time: give seconds since the epoch "
+            "(`date +%s`), or unset it to run every test"
+        ) from None
+
+
+def pytest_runtest_setup(item):
+    deadline = item.config.stash[_deadline]
+    if deadline is not None and time.time() > deadline:
+        pytest.skip(PAST_DEADLINE)
+
+
 def pytest_collection_modifyitems(config, items):
     """The suite (`pytest`) leaves out the extended tier — the tests marked ``exhaustive``
     (further layouts of a grid whose mechanism its other cases cover) and ``multiprocess``
     (real multi-process launches) — unless a ``-m`` expression chooses (``pytest -m
     "exhaustive or multiprocess"`` runs the tier) or tests are named by node id."""
-    first = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: files stay whole
-    if config.getoption("markexpr") or any("::" in arg for arg in config.args):
-        return
-    kept = [item for item in items if not any(m in item.keywords for m in EXTENDED)]
+    chosen = config.getoption("markexpr") or any("::" in arg for arg in config.args)
+    kept = [item for item in items if chosen or not any(m in item.keywords for m in EXTENDED)]
     if len(kept) < len(items):
         config.hook.pytest_deselected(items=[i for i in items if i not in kept])
         items[:] = kept
+    first = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    # stable, so files stay whole; in the extended tier the files with real multi-process
+    # launches go first, the last a CI budget would skip (`.ci/run`)
+    launching = {item.path for item in items if "multiprocess" in item.keywords}
+    items.sort(key=lambda item: (item.path not in launching, first.get(item.path.name, len(first))))

@@ -1,0 +1,34 @@
+"""CI's time budget (tests/conftest.py, `.ci/run`): past `JAXPAR_TEST_DEADLINE` a test not
+yet started is skipped, saying why; a value that is not a clock time is refused in one line."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import DEADLINE, PAST_DEADLINE
+
+ROOT = Path(__file__).resolve().parents[1]
+ONE_TEST = "tests/test_mesh.py::test_fill_and_axis_order"
+
+
+def _pytest(deadline: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, DEADLINE: deadline}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "-rs"]
+    return subprocess.run(
+        [*command, ONE_TEST], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_a_test_past_the_deadline_is_skipped_saying_why():
+    done = _pytest("1")  # 1970: long past
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1 skipped" in done.stdout and "1 passed" not in done.stdout, done.stdout
+    assert PAST_DEADLINE in done.stdout, done.stdout
+
+
+def test_a_deadline_that_is_not_a_clock_time_is_refused_in_one_line():
+    done = _pytest("soon")
+    assert done.returncode == 4, done.stdout + done.stderr  # pytest's usage error
+    assert f"{DEADLINE}='soon' is not a clock time" in done.stderr, done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
