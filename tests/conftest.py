@@ -121,11 +121,13 @@ LONGEST_FIRST = (
 #: off, landing nothing. `pytest` by hand leaves it unset: every test runs.
 DEADLINE = "JAXPAR_TEST_DEADLINE"
 _deadline = pytest.StashKey[float | None]()
+ROTATE = "JAXPAR_TEST_ROTATE"
+_rotation = pytest.StashKey[int]()
 PAST_DEADLINE = f"CI's time budget ran out before this test started ({DEADLINE}, .ci/run)"
 
 
 def pytest_configure(config):
-    """Reads the deadline once, refusing a value that is not a clock time in one line."""
+    """Reads the deadline and the rotation once, refusing a bad value in one line."""
     value = os.environ.get(DEADLINE)
     try:
         config.stash[_deadline] = float(value) if value else None
@@ -134,6 +136,10 @@ def pytest_configure(config):
             f"{DEADLINE}={value!r} is not a clock time: give seconds since the epoch "
             "(`date +%s`), or unset it to run every test"
         ) from None
+    value = os.environ.get(ROTATE, "0")
+    if not value.isdigit():
+        raise pytest.UsageError(f"{ROTATE}={value!r} is not a whole number of files: unset it")
+    config.stash[_rotation] = int(value)
 
 
 def pytest_runtest_setup(item):
@@ -157,3 +163,16 @@ def pytest_collection_modifyitems(config, items):
     # launches go first, the last a CI budget would skip (`.ci/run`)
     launching = {item.path for item in items if "multiprocess" in item.keywords}
     items.sort(key=lambda item: (item.path not in launching, first.get(item.path.name, len(first))))
+    _rotate(items, launching, config.stash[_rotation])
+
+
+def _rotate(items, launching, by: int) -> None:
+    """Starts the files after the launching ones ``by`` files further on, the ones before
+    going last: under CI's budget a slow machine then skips a different tail for each
+    commit, not the same files every time (``.ci/run`` sets ``JAXPAR_TEST_ROTATE``)."""
+    rest = [item for item in items if item.path not in launching]
+    files = list(dict.fromkeys(item.path for item in rest))
+    if not by or len(files) < 2:
+        return
+    start = {path: (i - by) % len(files) for i, path in enumerate(files)}
+    items[len(items) - len(rest) :] = sorted(rest, key=lambda item: start[item.path])

@@ -1,12 +1,13 @@
 """CI's time budget (tests/conftest.py, `.ci/run`): past `JAXPAR_TEST_DEADLINE` a test not
-yet started is skipped, saying why; a value that is not a clock time is refused in one line."""
+yet started is skipped, saying why; a value that is not a clock time is refused in one line;
+`JAXPAR_TEST_ROTATE` starts the extended tier's files after the launching ones further on."""
 
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import DEADLINE, PAST_DEADLINE
+from tests.conftest import DEADLINE, LONGEST_FIRST, PAST_DEADLINE, ROTATE
 
 ROOT = Path(__file__).resolve().parents[1]
 ONE_TEST = "tests/test_mesh.py::test_fill_and_axis_order"
@@ -32,3 +33,23 @@ def test_a_deadline_that_is_not_a_clock_time_is_refused_in_one_line():
     assert done.returncode == 4, done.stdout + done.stderr  # pytest's usage error
     assert f"{DEADLINE}='soon' is not a clock time" in done.stderr, done.stderr
     assert "Traceback" not in done.stdout + done.stderr
+
+
+def test_the_extended_tiers_files_after_the_launching_ones_start_where_the_rotation_says():
+    files = ["tests/test_moe.py", "tests/test_analytic.py", "tests/test_checkpoint.py"]
+    assert [LONGEST_FIRST.index(Path(f).name) for f in files] == [0, 1, 2]  # unrotated order
+    command = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
+    done = subprocess.run(
+        [*command, "-n", "0", "-m", "exhaustive or multiprocess", "tests/test_faults.py", *files],
+        cwd=ROOT,
+        env={**os.environ, ROTATE: "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    order = list(
+        dict.fromkeys(line.split("::")[0] for line in done.stdout.splitlines() if "::" in line)
+    )
+    # the launching file first, then the others one file on, the first of them last
+    assert order == ["tests/test_faults.py", *files[1:], files[0]], order
