@@ -79,39 +79,41 @@ def pytest_sessionfinish(session):
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
-#: The extended tier: what `pytest` leaves out (CI runs it after the suite, `.ci/run`).
-EXTENDED = ("exhaustive", "multiprocess")
+#: What `pytest` leaves out: the suite's ``heavy`` cases (CI runs them right after the
+#: suite) and the extended tier (CI runs it last), `.ci/run`.
+EXTENDED = ("heavy", "exhaustive", "multiprocess")
 
 
 #: The suite's longest files, longest first (test time per file, from `pytest --durations=0`
-#: on 2026-12-01, less the cases that day's second round of moves took to the extended tier:
-#: 96 s for test_moe.py down to 29 s for test_look.py; the rest take less), handed to the
-#: xdist workers before the others so that neither starts a long file while the other has
-#: little left (files go to the workers whole, `--dist loadfile`, in this order:
-#: `--no-loadscope-reorder` keeps xdist from ordering them by test count).
+#: on 2026-12-01, less the cases marked heavy that evening: 73 s for test_checkpoint.py down
+#: to 30 s for test_pack_families.py; the rest take less), handed to the xdist workers
+#: before the others so that neither starts a long file while the other has little left
+#: (files go to the workers whole, `--dist loadfile`, in this order: `--no-loadscope-reorder`
+#: keeps xdist from ordering them by test count).
 LONGEST_FIRST = (
-    "test_moe.py",
-    "test_analytic.py",
     "test_checkpoint.py",
-    "test_pipeline.py",
-    "test_readme.py",
-    "test_pack_families.py",
     "test_train.py",
-    "test_faults.py",
-    "test_families.py",
-    "test_offload.py",
-    "test_cli.py",
+    "test_analytic.py",
+    "test_pipeline.py",
     "test_context.py",
-    "test_lab.py",
-    "test_fp8.py",
-    "test_gpt_dropout.py",
-    "test_user_task.py",
+    "test_cli.py",
+    "test_families.py",
     "test_sequence_parallel.py",
-    "test_submesh.py",
-    "test_sample.py",
+    "test_signals.py",
+    "test_moe.py",
+    "test_lab.py",
+    "test_faults.py",
+    "test_config.py",
+    "test_fp8.py",
     "test_trackers.py",
-    "test_buckets.py",
     "test_look.py",
+    "test_user_task.py",
+    "test_offload.py",
+    "test_ulysses.py",
+    "test_gpt_dropout.py",
+    "test_sample.py",
+    "test_sizes.py",
+    "test_pack_families.py",
 )
 
 
@@ -149,10 +151,11 @@ def pytest_runtest_setup(item):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The suite (`pytest`) leaves out the extended tier — the tests marked ``exhaustive``
+    """The suite (`pytest`) leaves out the ``heavy`` cases (claims of their own that cost
+    too much for its quarter hour) and the extended tier — the tests marked ``exhaustive``
     (further layouts of a grid whose mechanism its other cases cover) and ``multiprocess``
-    (real multi-process launches) — unless a ``-m`` expression chooses (``pytest -m
-    "exhaustive or multiprocess"`` runs the tier) or tests are named by node id."""
+    (real multi-process launches) — unless a ``-m`` expression chooses (``pytest -m heavy``,
+    ``pytest -m "exhaustive or multiprocess"``) or tests are named by node id."""
     chosen = config.getoption("markexpr") or any("::" in arg for arg in config.args)
     kept = [item for item in items if chosen or not any(m in item.keywords for m in EXTENDED)]
     if len(kept) < len(items):

@@ -75,21 +75,25 @@ def run_steps(overrides: list[str], steps: int = 3, devices: int = 8):
     return np.array(losses), jax.tree.map(np.asarray, state.params), run
 
 
-def grid(params: list, default: set) -> list:
+def grid(params: list, default: set, heavy: set = frozenset()) -> list:
     """``pytest.param``s of a layout grid: those whose id is in ``default`` run in every
-    suite; the others repeat a mechanism those already cover and are marked ``exhaustive``
-    (``pytest -m exhaustive`` runs them; CI runs them after the suite under its first
-    interpreter)."""
+    suite; those in ``heavy`` are a claim of their own that costs too much for the suite's
+    quarter hour (marked ``heavy``: CI runs them right after the suite, under the same
+    interpreter); the others repeat a mechanism those already cover and are marked
+    ``exhaustive`` (``pytest -m exhaustive`` runs them; CI runs them last)."""
     import pytest
 
-    unknown = set(default) - {p.id for p in params}
+    unknown = (set(default) | set(heavy)) - {p.id for p in params}
     assert not unknown, f"grid: no case has the id(s) {sorted(unknown)}"
-    return [
-        p
-        if p.id in default
-        else pytest.param(*p.values, id=p.id, marks=(*p.marks, pytest.mark.exhaustive))
-        for p in params
-    ]
+    assert not set(default) & set(heavy), "grid: a case is in the suite or heavy, not both"
+
+    def mark(p):
+        if p.id in default:
+            return p
+        tier = pytest.mark.heavy if p.id in heavy else pytest.mark.exhaustive
+        return pytest.param(*p.values, id=p.id, marks=(*p.marks, tier))
+
+    return [mark(p) for p in params]
 
 
 @functools.cache

@@ -198,6 +198,7 @@ def _read_trained(run, layout: str, hw) -> Row:
     return read(lowered, run.trainer.compile_step(shapes), 0.0, hw)
 
 
+@pytest.mark.heavy  # 15 s: the bucketed per-shard step equals one device in every suite
 def test_a_split_gradient_is_summed_over_data_where_it_lies():
     """``data=4,tensor=2`` with accumulation: the per-shard step sums each array apart,
     and a gradient split over ``tensor`` as it lies — the compiled step gathers nothing

@@ -89,7 +89,7 @@ def _layout(text: str) -> list[str]:
 # (the GPT, data=4 × context=2), beside fsdp in tests/test_sequence_parallel.py's
 # llama-fsdp=2,context=2,tensor=2, in a pipeline in tests/test_packing.py's GPT; rotary
 # positions round a balanced ring, BERT under context: packed, in
-# tests/test_pack_families.py (Gemma 3's ring, BERT's all_gather)
+# tests/test_pack_families.py (Gemma 3's ring; BERT's all_gather, heavy)
 @pytest.mark.parametrize(
     "family,layout,strategy,balance",
     grid(
@@ -176,6 +176,7 @@ def test_context_composes_with_stages_accumulation_and_remat(extra):
     assert_params_close(params, one[1], elementwise=False, rtol=1e-4)
 
 
+@pytest.mark.heavy  # 14 s: float32 rings equal one device in every suite
 def test_bfloat16_under_context_parallelism_tracks_one_device():
     """bf16 compute: ring attention merges its blocks in float32, so the losses stay within
     bf16 rounding of one device's."""

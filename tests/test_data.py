@@ -644,6 +644,7 @@ def test_wait_warn_zero_never_warns(gpt_run):
     assert min(row["data_wait"] for row in history.rows[1:]) > 0.1
 
 
+@pytest.mark.heavy  # 13 s: 30 steps of a wider model; the warning's threshold is tested above
 @pytest.mark.slow
 def test_unslowed_run_does_not_warn():
     # The default threshold (0.1) over the whole run after the first interval, on the

@@ -253,8 +253,8 @@ def one_device():
 # extended: the FP8 dots and their whole-tensor amax under this layout run in every suite
 # in test_delayed_scaling_layouts_match_one_device[data=2,fsdp=2,tensor=2] (the same
 # custom-VJP transposes and `_amax`, AdamW), and current scaling on 8 devices equals one
-# device in test_a_step_that_sums_its_own_gradients_scales_by_the_whole_batch (data=8) and
-# tests/test_user_gpu_layouts.py's user FP8 einsum (data=2 × tensor=2)
+# device in test_a_step_that_sums_its_own_gradients_scales_by_the_whole_batch (data=8,
+# heavy) and tests/test_user_gpu_layouts.py's user FP8 einsum (data=2 × tensor=2)
 @pytest.mark.exhaustive
 @pytest.mark.parametrize(
     "layout",
@@ -276,6 +276,7 @@ def test_fp8_layouts_match_one_device(layout, one_device):
     assert_params_close(params, ref_params, elementwise=False, rtol=1e-4)
 
 
+@pytest.mark.heavy  # 11 s: FP8 layouts equal one device in every suite
 def test_a_step_that_sums_its_own_gradients_scales_by_the_whole_batch():
     """With accumulation over ``data`` the step runs each data shard under ``shard_map``
     (``data`` manual) and sums the gradients itself; an activation's amax there is taken

@@ -47,7 +47,10 @@ def _micro(layout):
 
 
 @pytest.mark.parametrize(
-    "layout", grid([pytest.param(x, id=x) for x in LAYOUTS], {"1f1b,accumulated"})
+    # heavy (20 s): dropout keyed by example equals one device under data=8 with
+    # accumulation and under context in every suite (below)
+    "layout",
+    grid([pytest.param(x, id=x) for x in LAYOUTS], set(), heavy={"1f1b,accumulated"}),
 )
 def test_dropout_layouts_and_pipelines_match_one_device(layout):
     """Dropout on: each layout and pipeline schedule (4 microbatches: a pipeline's 4, or 2

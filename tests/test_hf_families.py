@@ -306,22 +306,23 @@ LAYOUTS = {
 }
 TRAINED = grid(
     [pytest.param(name, layout, id=f"{name}-{layout}") for name in VARIANTS for layout in LAYOUTS],
-    # the suite: the sub-mesh executor (a folder's weights placed on the stages' own
-    # sub-meshes by one program: no other suite case starts it from given weights). The
-    # rest is extended. Training on data2-fsdp2-tensor2 (Mixtral's was the suite's): a
+    # heavy: the sub-mesh executor (a folder's weights placed on the stages' own sub-meshes
+    # by one program: no suite case starts it from given weights), 12 s. The rest is
+    # extended. Training on data2-fsdp2-tensor2 (Mixtral's was the suite's): a
     # folder's weights placed on it give transformers' logits above (Mixtral), and steps
     # there equal one device's from the Llama's and the MoE's initializers
     # (tests/test_llama.py, tests/test_moe.py's expert2-fsdp2-tensor2). The spmd pipeline
     # (Qwen2's was the suite's): its stage-split parameters are placed as any sharded
     # layout's (Mixtral's above), and a Llama stack trains there as one device in
-    # tests/test_moe.py's spmd-zb_h1-expert4. The context ring (Mistral's was the suite's):
+    # tests/test_moe.py's spmd-zb_h1-expert4 (heavy). The context ring (Mistral's was the suite's):
     # the parameters are whole over context; a Llama stack under context in
     # tests/test_sequence_parallel.py's llama-fsdp=2,context=2,tensor=2 and
     # tests/test_ulysses.py's llama_kv2 case; grouped key/value heads and sliding windows
     # round a balanced ring, gradients included, in tests/test_pack_families.py's
     # gemma3-mesh.context=4,context.attention=ring; Mistral's window across the ring above
     # (test_sliding_window_across_context_devices_equals_one_device[ring])
-    {"qwen3-stage2-mpmd"},
+    set(),
+    heavy={"qwen3-stage2-mpmd"},
 )
 
 

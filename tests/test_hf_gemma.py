@@ -148,9 +148,9 @@ def test_kv_cache_decoding_equals_the_forward_pass(folders, name):
 # test_llama_layouts_equal_one_device[data2-fsdp2-tensor2] (the projections Gemma's layers
 # call) and tests/test_fp8.py's delayed-scaling layout case. The context cases: the windows
 # across context devices are checked in the suite by tests/test_pack_families.py (Gemma 3's
-# balanced ring at context=4 and context=2 in stages, Gemma 2's soft-capped all_gather at
-# context=2: a packed batch's loss and every gradient equal one device's), and Gemma 3's
-# folder under data × fsdp × tensor gives transformers' logits above.
+# balanced ring at context=4 and context=2 in stages, and, heavy, Gemma 2's soft-capped
+# all_gather at context=2: a packed batch's loss and every gradient equal one device's),
+# and Gemma 3's folder under data × fsdp × tensor gives transformers' logits above.
 @pytest.mark.parametrize(
     ("name", "layout"),
     grid(

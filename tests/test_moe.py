@@ -212,7 +212,11 @@ def accumulated():
                 id="mpmd-residuals-expert2-fsdp2",
             ),
         ],
-        {"spmd-zb_h1-expert4", "mpmd-residuals-expert2-fsdp2"},
+        # heavy (19-20 s each, and the accumulated reference's 7 s): the MoE layers' own
+        # code runs in every suite's layouts and lab cases (in stages: the lab's
+        # stage=2 cases, which compile both executors' programs)
+        set(),
+        heavy={"spmd-zb_h1-expert4", "mpmd-residuals-expert2-fsdp2"},
     ),
 )
 def test_moe_pipelines_equal_one_device(accumulated, layout):
@@ -397,6 +401,7 @@ def test_sweep_all_adds_expert_parallel_layouts():
     assert not [x for x in dense if "experts" in x]
 
 
+@pytest.mark.heavy  # 18 s: float32 experts equal one device in every suite
 def test_bfloat16_experts_track_one_device():
     """bfloat16 compute with the experts split over data (the experts enter the dispatch in
     float32 and are cast there, so their gradients are summed in float32): the losses stay
@@ -417,11 +422,14 @@ CAPPED = [*MOE, "model.capacity_factor=1.0"]
             pytest.param(["mesh.data=2", "mesh.context=4"], id="context4"),
             pytest.param(["mesh.data=8", "rules.experts=data"], id="expert8"),
         ],
-        # the suite: context's reordered sequences. The cap is applied to a device's own
-        # tokens before any dispatch, so experts over data drop what one device drops in
-        # the suite's all-to-all training (tests/test_moe_alltoall.py: capacity factor 1,
-        # experts over data=4 beside fsdp=2); the all-gather dispatch here is extended
-        {"context4"},
+        # heavy (19 s): context's reordered sequences; the cap itself is every suite's
+        # test_a_capacity_factor_drops_exactly_the_assignments_beyond_it. The cap is
+        # applied to a device's own tokens before any dispatch, so experts over data drop
+        # what one device drops in the suite's all-to-all training
+        # (tests/test_moe_alltoall.py: capacity factor 1, experts over data=4 beside
+        # fsdp=2); the all-gather dispatch here is extended
+        set(),
+        heavy={"context4"},
     ),
 )
 def test_a_capacity_factor_drops_the_same_assignments_on_every_layout(layout):

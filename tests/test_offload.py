@@ -81,9 +81,9 @@ VARIANTS = {
         # test_remat_offload_moves_the_named_residuals_to_the_host traces both; save_qkv,
         # save_out and save_matmuls_context are the same policy of other names
         # (tests/test_ulysses.py's suite compiles save_matmuls_context's step); the sharded
-        # optimizer state held on the host over data × fsdp × tensor: the suite trains and
-        # restores it in test_offloaded_run_resumes_bitwise. The Llama's offloaded names:
-        # their own test below
+        # optimizer state held on the host over data × fsdp × tensor: trained and restored
+        # in test_offloaded_run_resumes_bitwise (heavy: every CI, right after the suite).
+        # The Llama's offloaded names: their own test below
         set(),
     ),
 )
@@ -237,6 +237,7 @@ def _final(run_dir) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves(state)]
 
 
+@pytest.mark.heavy  # 14 s: three runs of the command
 def test_offloaded_run_resumes_bitwise(tmp_path):
     """4 steps straight vs 2 steps, then a resume for 2 more: the same losses and
     state, bit for bit; the restored optimizer state is in pinned host memory."""

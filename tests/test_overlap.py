@@ -50,10 +50,11 @@ LAYOUTS = {
         # for every family and axis beside it, and on a sub-mesh stage as on the whole mesh
         # (no pipeline code in it): every gradient element against one device in every
         # suite (test_first_step_gradients_equal_one_device_elementwise, the GPT at
-        # data=2, tensor=4), 3 steps' losses in bfloat16 (test_bfloat16_overlap_tracks_one_device),
+        # data=2, tensor=4), 3 steps' losses in bfloat16 (test_bfloat16_overlap_tracks_one_device,
+        # heavy),
         # the Llama's sends compiled and counted (the lab's llama-data=4,tensor=2 case); the
         # sub-mesh executor with split parameters against one device: tests/test_moe.py's
-        # mpmd-residuals-expert2-fsdp2
+        # mpmd-residuals-expert2-fsdp2 (heavy)
         set(),
     ),
 )
@@ -212,6 +213,7 @@ def test_what_cannot_overlap_is_one_line(overrides, message):
     assert "\n" not in str(raised.value)
 
 
+@pytest.mark.heavy  # 8 s: float32 overlap equals one device in every suite
 def test_bfloat16_overlap_tracks_one_device():
     """bfloat16 compute (the weights' gradients enter and leave the collective matmul in
     float32: XLA:CPU aborts summing them in bfloat16 there): the losses stay within

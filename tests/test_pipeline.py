@@ -124,8 +124,8 @@ def assert_matches_reference(run, fill=None, extra=()):
 # file: 1F1B's at p = 2, m = 4 with data=2 (test_grad_accumulation_composes_with_microbatches),
 # the interleaved one's at p = 2, m = 4 with fsdp=2 and data=2 × tensor=2
 # (test_pipeline_with_fsdp_and_all_axes), zero-bubble's at p = 4, m = 8 with data=2
-# (test_bubbles_filled_with_nan_change_nothing); four stages run in every suite there and in
-# test_1f1b_memory_flat_gpipe_linear. The rest is `exhaustive`.
+# (test_bubbles_filled_with_nan_change_nothing); four stages run in every suite there (and
+# in test_1f1b_memory_flat_gpipe_linear, heavy). The rest is `exhaustive`.
 SUITE_CASES = {("gpipe", 2)}
 CASES = [
     pytest.param(
@@ -231,12 +231,13 @@ def adamw_reference(layers):
         # tests/test_llama.py::test_llama_layouts_equal_one_device[data2-fsdp2-tensor2] and
         # tests/test_context.py's ring case, and real steps through spmd pipelines in
         # tests/test_moe.py's zb_h1 case (AdamW) and tests/test_gpt_dropout.py's 1F1B
-        # case; each schedule's gradients against one device:
+        # case (both heavy: every CI runs them right after the suite); each schedule's
+        # gradients against one device:
         # test_schedule_matches_unpipelined (GPipe),
         # test_grad_accumulation_composes_with_microbatches (1F1B),
         # test_pipeline_with_fsdp_and_all_axes (interleaved), the NaN bubbles (zb_h1);
         # evaluation through the stages: test_eval_runs_through_the_stages (1F1B) and
-        # test_bert_evaluates_through_the_stages_like_one_device (interleaved)
+        # test_bert_evaluates_through_the_stages_like_one_device (interleaved, heavy)
         set(),
     ),
 )
@@ -364,6 +365,7 @@ def temp_bytes(schedule, m):
     return compiled_step(schedule, m)[1].memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.heavy  # 29 s: four 4-stage programs compiled for their memory
 def test_1f1b_memory_flat_gpipe_linear():
     """1F1B holds ≤ p microbatches of activations whatever m is; GPipe holds all m.
 
@@ -492,13 +494,18 @@ BERT = [
 @pytest.mark.parametrize(
     "layout",
     [
-        [
-            "mesh.data=2",
-            "mesh.fsdp=2",
-            "mesh.stage=2",
-            "pipeline.schedule=interleaved",
-            "pipeline.virtual_stages=2",
-        ],
+        # heavy (10 s): the GPT's pipelined eval equals one device's in every suite
+        # (test_eval_runs_through_the_stages)
+        pytest.param(
+            [
+                "mesh.data=2",
+                "mesh.fsdp=2",
+                "mesh.stage=2",
+                "pipeline.schedule=interleaved",
+                "pipeline.virtual_stages=2",
+            ],
+            marks=pytest.mark.heavy,
+        ),
         pytest.param(
             ["mesh.data=2", "mesh.stage=4", "pipeline.schedule=zb_h1"],
             marks=pytest.mark.exhaustive,

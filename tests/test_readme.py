@@ -93,6 +93,10 @@ def test_readme_lists_the_quickstart_and_layout_commands():
         assert expected in commands
 
 
+# heavy (67 s, one compile per README layout): each layout trains against one device in the
+# suite (tests/test_equivalence.py, test_pipeline.py, test_research.py) and `jaxpar train`
+# alone runs as from a fresh shell in tests/test_cli.py; this runs them as pasted.
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_readme_commands_pasted_in_order_each_train(clone, capsys):
     dirs = []

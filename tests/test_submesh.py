@@ -315,6 +315,7 @@ def test_clipping_spans_the_stages():
         _staged(MLP, optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1)), 2, "1f1b")
 
 
+@pytest.mark.heavy  # 12 s: the sub-mesh executor's steps equal one device in every suite
 def test_checkpoints_resume_bitwise_and_restore_onto_another_layout(tmp_path):
     """The train state spans the sub-meshes as one tree: a run stopped at a checkpoint and
     resumed ends bitwise where the uninterrupted run does, and its checkpoint restores onto
@@ -439,8 +440,8 @@ def test_gpt_under_both_executors_equals_one_device(layout):
 
 
 #: one chunk a stage and two, interleaved, both in the extended tier: the suite runs dropout
-#: in the sub-mesh executor's stages (test_batchnorm_and_dropout_live_in_their_stage) and
-#: BERT's masked, pipelined loss on the spmd executor (tests/test_pack_families.py)
+#: in the sub-mesh executor's stages (test_batchnorm_and_dropout_live_in_their_stage), and
+#: BERT's masked, pipelined loss on the spmd executor is heavy (tests/test_pack_families.py)
 SCHEDULES = [
     pytest.param([], id="1f1b", marks=pytest.mark.exhaustive),
     pytest.param(
@@ -541,7 +542,7 @@ class _StopAt(jaxpar.Hook):
 # to a user's task and resumes it bitwise in tests/test_user_task.py, Ctrl-C in
 # tests/test_faults.py), and the sub-mesh state — parameters, Adam's moments, BatchNorm
 # statistics and the dropout stream on their stages — resumes bitwise from a checkpoint in
-# every suite (test_checkpoints_resume_bitwise_and_restore_onto_another_layout)
+# every CI (test_checkpoints_resume_bitwise_and_restore_onto_another_layout, heavy)
 @pytest.mark.exhaustive
 def test_sigterm_then_resume_is_bitwise(tmp_path):
     """A SIGTERM mid-run checkpoints the step it stopped at; resuming ends bitwise where

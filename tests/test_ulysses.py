@@ -112,7 +112,10 @@ def test_ulysses_equals_one_device(family, layout, balance):
         # compiled in every suite by the lab's cases, against one device in
         # tests/test_context.py's extended stage-mpmd case; Ulysses' exchanges under remat:
         # the lab's gpt-tensor-remat and gpt-kept-output cases)
-        {"stage-spmd"},
+        # heavy (14 s): the lab's spmd-pipeline case compiles the stages' all-to-alls in
+        # every suite
+        set(),
+        heavy={"stage-spmd"},
     ),
 )
 def test_ulysses_composes_with_stages_and_remat(extra):
