@@ -140,7 +140,10 @@ def pytest_configure(config):
         ) from None
     value = os.environ.get(ROTATE, "0")
     if not value.isdigit():
-        raise pytest.UsageError(f"{ROTATE}={value!r} is not a whole number of files: unset it")
+        raise pytest.UsageError(
+            f"{ROTATE}={value!r} is not a whole number of files: give one (0 leaves the order "
+            "as it is) or unset it"
+        )
     config.stash[_rotation] = int(value)
 
 
@@ -157,10 +160,11 @@ def pytest_collection_modifyitems(config, items):
     (real multi-process launches) — unless a ``-m`` expression chooses (``pytest -m heavy``,
     ``pytest -m "exhaustive or multiprocess"``) or tests are named by node id."""
     chosen = config.getoption("markexpr") or any("::" in arg for arg in config.args)
-    kept = [item for item in items if chosen or not any(m in item.keywords for m in EXTENDED)]
-    if len(kept) < len(items):
-        config.hook.pytest_deselected(items=[i for i in items if i not in kept])
-        items[:] = kept
+    left = [item for item in items if not chosen and any(m in item.keywords for m in EXTENDED)]
+    if left:
+        config.hook.pytest_deselected(items=left)
+        out = set(map(id, left))
+        items[:] = [item for item in items if id(item) not in out]
     first = {name: i for i, name in enumerate(LONGEST_FIRST)}
     # stable, so files stay whole; in the extended tier the files with real multi-process
     # launches go first, the last a CI budget would skip (`.ci/run`)
