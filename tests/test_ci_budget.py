@@ -39,22 +39,28 @@ def test_a_deadline_that_is_not_a_clock_time_is_refused_in_one_line():
     assert "Traceback" not in done.stdout + done.stderr
 
 
-def test_the_extended_tiers_files_after_the_launching_ones_start_where_the_rotation_says():
-    files = ["tests/test_checkpoint.py", "tests/test_train.py", "tests/test_analytic.py"]
-    assert [LONGEST_FIRST.index(Path(f).name) for f in files] == [0, 1, 2]  # unrotated order
+def _collected(*args: str, env: dict | None = None) -> list[str]:
+    """The node ids a child `pytest --collect-only` of ``args`` lists, in its order."""
     command = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
     done = subprocess.run(
-        [*command, "-n", "0", "-m", "exhaustive or multiprocess", "tests/test_faults.py", *files],
+        [*command, "-n", "0", *args],
         cwd=ROOT,
-        env={**os.environ, ROTATE: "1"},
+        env={**os.environ, **(env or {})},
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    order = list(
-        dict.fromkeys(line.split("::")[0] for line in done.stdout.splitlines() if "::" in line)
+    return [line for line in done.stdout.splitlines() if "::" in line]
+
+
+def test_the_extended_tiers_files_after_the_launching_ones_start_where_the_rotation_says():
+    files = ["tests/test_checkpoint.py", "tests/test_train.py", "tests/test_analytic.py"]
+    assert [LONGEST_FIRST.index(Path(f).name) for f in files] == [0, 1, 2]  # unrotated order
+    ids = _collected(
+        "-m", "exhaustive or multiprocess", "tests/test_faults.py", *files, env={ROTATE: "1"}
     )
+    order = list(dict.fromkeys(line.split("::")[0] for line in ids))
     # the launching file first, then the others one file on, the first of them last
     assert order == ["tests/test_faults.py", *files[1:], files[0]], order
 
@@ -63,16 +69,7 @@ def test_the_suite_leaves_the_heavy_cases_to_the_stage_right_after_it():
     """`pytest` collects none of a file's heavy cases; a grid marks its heavy cases so and
     no others; `.ci/run` runs `-m heavy` right after the 3.11 suite, before the 3.12 suite,
     and the extended tier does not run them again."""
-    command = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
-    done = subprocess.run(
-        [*command, "-n", "0", "tests/test_data.py"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    suite = [line for line in done.stdout.splitlines() if "::" in line]
+    suite = _collected("tests/test_data.py")
     assert len(suite) > 10 and "tests/test_data.py::test_wait_warn_zero_never_warns" in suite
     assert "tests/test_data.py::test_unslowed_run_does_not_warn" not in suite  # heavy
     params = [pytest.param(x, id=x) for x in "abc"]

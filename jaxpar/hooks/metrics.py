@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -107,8 +108,6 @@ def _summary_writer() -> type:
     floats): 3.9 s of its 4.7 s import here (``python -X importtime -c "import
     tensorboardX"``, torch 2.13), paid before a run's first step. ``torch`` stays importable
     afterwards; one imported already is left as it is."""
-    import sys
-
     blocked = "torch" not in sys.modules
     if blocked:
         sys.modules["torch"] = None  # an `import torch` meanwhile raises ImportError
