@@ -34,11 +34,7 @@ import jax
 
 from jaxpar.config import DistributedConfig
 from jaxpar.environ import ENV_BIND, ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
-from jaxpar.errors import ConfigError, JaxparError
-
-
-class PortInUse(JaxparError, ValueError):
-    """The coordinator's port is taken by another program."""
+from jaxpar.errors import ConfigError, PortInUse
 
 
 def _cluster_detected() -> bool:

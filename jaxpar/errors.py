@@ -67,6 +67,11 @@ class PathError(JaxparError, ValueError):
     holds."""
 
 
+class PortInUse(JaxparError, ValueError):
+    """A multi-process run's coordinator port is taken by another program
+    (``jaxpar/distributed.py``)."""
+
+
 class RestoreError(JaxparError, ValueError):
     """A checkpoint cannot be resumed or restored: none is there, it belongs to another
     model or seed, or its saved position does not fit this run."""

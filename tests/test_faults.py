@@ -783,7 +783,8 @@ def test_rendezvous_names_missing_processes_busy_ports_and_strangers():
     """jaxpar's rendezvous before jax.distributed (which would abort the process): a
     missing peer is named to everyone who came, a taken port is a clear error, a program
     that is not process 0 is recognised — each within its timeout."""
-    from jaxpar.distributed import PortInUse, _rendezvous_coordinator, _rendezvous_peer
+    from jaxpar.distributed import _rendezvous_coordinator, _rendezvous_peer
+    from jaxpar.errors import PortInUse
     from jaxpar.launch import free_port
 
     port = free_port()

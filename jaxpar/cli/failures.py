@@ -29,6 +29,7 @@ from jaxpar.errors import (
     JaxparError,
     NonFiniteStop,
     Paused,
+    PortInUse,
     Preempted,
     Terminated,
 )
@@ -175,7 +176,6 @@ def _failure(err: BaseException) -> tuple[int, str] | None:
     if isinstance(err, Terminated):
         return err.exit_status, f"jaxpar: {err}"
     if isinstance(err, JaxparError):
-        from jaxpar.distributed import PortInUse
         from jaxpar.launch import ENV_RETRY_PORT, PORT_TAKEN
 
         if isinstance(err, PortInUse) and os.environ.get(ENV_RETRY_PORT):
