@@ -372,9 +372,11 @@ def test_a_run_trained_with_context_parallelism_samples_as_on_one_device(tmp_pat
         np.testing.assert_array_equal(a, b)
 
 
-#: context layouts of a tiny GPT: each strategy (all_gather inside the spmd pipeline), a
-#: pipeline of each executor (interleaved: each stage's two chunks run every microbatch, each
-#: its context collectives) in the suite
+#: context layouts of a tiny GPT: each strategy (all_gather inside the spmd pipeline) in the
+#: suite; the mpmd executor's interleaved pipeline (each stage's two chunks run every
+#: microbatch, each its context collectives) heavy (13–25 s: its programs traced and
+#: compiled; tests/test_analytic.py's sub-mesh sends at context=2, interleaved, keep the
+#: executor's context sends to the byte in the suite)
 LAB_LAYOUTS = grid(
     [
         pytest.param(x, id=x)
@@ -394,11 +396,10 @@ LAB_LAYOUTS = grid(
     # (all_gather's gathers and reduce-scatters beside data alone, data=4,context=2: the
     # same terms as in the spmd pipeline's stage=2,context=4, and the data all-reduce as
     # beside the ring's data=2,context=2,tensor=2: extended)
-    {
-        "data=2,context=2,tensor=2,context.attention=ring",
-        "stage=2,context=4",
+    {"data=2,context=2,tensor=2,context.attention=ring", "stage=2,context=4"},
+    heavy={
         "stage=2,data=2,context=2,pipeline.executor=mpmd,pipeline.schedule=interleaved,"
-        "pipeline.virtual_stages=2,model.n_layers=4",
+        "pipeline.virtual_stages=2,model.n_layers=4"
     },
 )
 

@@ -160,11 +160,16 @@ def test_resnet_splits_convolutions_by_channel_and_matches_the_lab():
 
 
 # ---- BERT -------------------------------------------------------------------------------------
+#: BERT on one device accumulating 4 microbatches: the reference of every BERT layout
+BERT_ONE_DEVICE = [*BERT, "train.grad_accum=4"]
+
+
 def test_bert_dropout_is_on_and_evaluation_is_fixed():
     """Training draws new dropout and masks every step; evaluation masks the same
-    positions every time and drops nothing. (On one device: the layouts' draws are
+    positions every time and drops nothing. (On one device, the run of the layouts'
+    reference, whose compiled init and step it reuses: the layouts' draws are
     test_bert_layouts_and_pipelines_match_one_device's.)"""
-    run = build(load_config([], [*BERT, "mesh.data=1", "run.devices=1"]))
+    run = one_device("bert", BERT_ONE_DEVICE)[3]
     trainer, state = run.trainer, run.trainer.init()
     batch = trainer.shard_batch(run.data.batch(0, 32))
     apply = jax.jit(trainer.apply, static_argnames="train")
@@ -210,7 +215,7 @@ def test_bert_layouts_and_pipelines_match_one_device(layout):
         if "mesh.stage" in str(BERT_LAYOUTS[layout])
         else ["train.grad_accum=4"]
     )
-    ref = one_device("bert", [*BERT, "train.grad_accum=4"])
+    ref = one_device("bert", BERT_ONE_DEVICE)
     losses, params, state, run = train([*BERT, *BERT_LAYOUTS[layout], *micro])
     np.testing.assert_allclose(losses, ref[0], rtol=1e-5)
     assert_params_close(params, ref[1])

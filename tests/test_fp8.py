@@ -53,11 +53,14 @@ def _dot_dtypes(text: str) -> list[tuple[str, str]]:
 
 
 def _lowered_dots(overrides: list[str], grad: bool) -> dict[tuple[str, str], int]:
+    """How many dots of each operand type pair the loss (or its gradient) lowers to. The
+    parameters are the plan's shapes and dtypes (``ShapeDtypeStruct``): lowering reads
+    only those, so no init program is compiled for a step that never runs."""
     cfg, run = _run([*overrides, "mesh.data=1"])
-    state = run.trainer.init()
+    params = run.plan.abstract_state.params
     loss = lambda p, b: run.trainer.loss(p, b)[0]  # noqa: E731
     fn = jax.grad(loss) if grad else loss
-    text = jax.jit(fn).lower(state.params, _batch(cfg, run)).as_text()
+    text = jax.jit(fn).lower(params, _batch(cfg, run)).as_text()
     counts: dict[tuple[str, str], int] = {}
     for pair in _dot_dtypes(text):
         counts[pair] = counts.get(pair, 0) + 1
@@ -126,13 +129,24 @@ def test_fp8_einsum_matches_flax_qdq_reference(spec, x_shape, w_shape):
     float32 rounding (FP8 products are exact in float32; only the order of the scale
     multiplications differs), 1e-6 of each tensor's largest entry."""
     kx, kw, kg = jax.random.split(jax.random.key(0), 3)
-    x, w = jax.random.normal(kx, x_shape), jax.random.normal(kw, w_shape)
-    g = jax.random.normal(kg, jnp.einsum(spec, x, w).shape)
+    # the operands drawn in one program, and each side below one program: op by op, every
+    # primitive of the quantization and its transpose compiled apart
+    draw = jax.jit(lambda k, shape: jax.random.normal(k, shape), static_argnums=1)
+    x, w = draw(kx, x_shape), draw(kw, w_shape)
+    g = draw(kg, jax.eval_shape(partial(jnp.einsum, spec), x, w).shape)
     e4 = jnp.float8_e4m3fn
-    y, vjp = jax.vjp(lambda x, w: fp8.einsum(spec, x, w, precision="fp8"), x, w)
-    y_ref, vjp_ref = jax.vjp(lambda x, w: jnp.einsum(spec, x, w), _qdq(x, e4), _qdq(w, e4))
-    g_ref = _qdq(g, jnp.float8_e5m2)
-    for got, want in zip((y, *vjp(g)), (y_ref, *vjp_ref(g_ref))):
+
+    @jax.jit
+    def ours(x, w, g):
+        y, vjp = jax.vjp(lambda x, w: fp8.einsum(spec, x, w, precision="fp8"), x, w)
+        return y, *vjp(g)
+
+    @jax.jit
+    def reference(x, w, g):
+        y, vjp = jax.vjp(lambda x, w: jnp.einsum(spec, x, w), _qdq(x, e4), _qdq(w, e4))
+        return y, *vjp(_qdq(g, jnp.float8_e5m2))
+
+    for got, want in zip(ours(x, w, g), reference(x, w, g)):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
 
 
@@ -294,9 +308,20 @@ def test_a_step_that_sums_its_own_gradients_scales_by_the_whole_batch():
 DELAYED = [*FP8, "model.fp8_scaling=delayed", "model.fp8_history=4"]
 
 
+@partial(jax.jit, static_argnums=0)
 def _vjp_delayed(spec, x, w, g, history):
+    """Delayed scaling's result and its gradients (of x, w and the history) for the
+    incoming gradient ``g``: one program a spec and shape, where op by op every primitive
+    of the quantization and its transpose compiled apart."""
     delayed = lambda x, w, h: fp8.einsum(spec, x, w, precision="fp8", history=h)  # noqa: E731
     y, vjp = jax.vjp(delayed, x, w, history)
+    return y, *vjp(g)
+
+
+@partial(jax.jit, static_argnums=0)
+def _vjp_current(spec, x, w, g):
+    """Current scaling's result and its gradients of x and w (one program, as above)."""
+    y, vjp = jax.vjp(partial(fp8.einsum, spec, precision="fp8"), x, w)
     return y, *vjp(g)
 
 
@@ -318,8 +343,7 @@ def test_delayed_dot_equals_current_scaling_when_its_history_holds_the_amax():
     g = jax.random.normal(keys[2], (2, 8, 4, 8)) * 1e-3
     rows = [jnp.array([0.5, a, 0.5 * a, 0.25 * a, a / 8]) for a in _amaxes(x, w, g)]
     y, dx, dw, next_history = _vjp_delayed(spec, x, w, g, jnp.stack(rows))
-    y_ref, vjp = jax.vjp(partial(fp8.einsum, spec, precision="fp8"), x, w)
-    for ours, ref in zip((y, dx, dw), (y_ref, *vjp(g))):
+    for ours, ref in zip((y, dx, dw), _vjp_current(spec, x, w, g)):
         np.testing.assert_array_equal(ours, ref)
     for row, old, amax, dtype in zip(
         next_history, rows, _amaxes(x, w, g), [E4M3_T, E4M3_T, E5M2_T]

@@ -66,11 +66,13 @@ def _run(path: str, family: str, extra: list[str], devices: int = 8):
 
 
 def _grads(run, params, batch):
-    """Loss and gradients (host arrays) of ``batch`` at ``params`` through the run's step."""
+    """Loss and gradients (host arrays) of ``batch`` at ``params`` through the run's step.
+    Only a model with state besides its parameters (BERT's RNG streams) is initialized for
+    it: for the others an init would compile the layout's init program only to hand over
+    an empty state (``Trainer.grads`` takes None for it)."""
+    state = run.trainer.init().model_state if run.plan.model.stateful else None
     params = jax.device_put(params, run.plan.state_shardings.params)
-    loss, _, grads = run.trainer.grads(
-        params, run.trainer.shard_batch(batch), run.trainer.init().model_state
-    )
+    loss, _, grads = run.trainer.grads(params, run.trainer.shard_batch(batch), state)
     return float(loss), jax.tree.map(np.asarray, grads)
 
 
@@ -93,7 +95,7 @@ def _reference(run, params, batch):
     """The token-weighted mean of each document's own loss (each alone, on one device,
     positions from 0, no segment ids: causal attention keeps padding out of it)."""
     inputs, targets, weights = _alone(batch)
-    graphdef, state, rest = nnx.split(run.plan.task.build_model(), nnx.Param, ...)
+    graphdef, state, rest = nnx.split(nnx.eval_shape(run.plan.task.build_model), nnx.Param, ...)
 
     def loss(p):
         nnx.replace_by_pure_dict(state, p)

@@ -54,13 +54,19 @@ def build_run(p=1, m=0, schedule="1f1b", v=1, data=1, tensor=1, fsdp=1, extra=()
     return build(load_config([], overrides))
 
 
-@functools.cache
 def reference(layers, extra=()):
     """One device: initial params, 3 batches, and per-step (loss, grads), final params.
 
     Plain SGD driven by ``Trainer.grads``; the update runs on the host so that a
-    pipelined run compiles exactly one program (its gradient function).
+    pipelined run compiles exactly one program (its gradient function). Computed once per
+    test process for each model, however it is asked for (``reference(4)`` and
+    ``reference(4, ())`` are one).
     """
+    return _reference(layers, tuple(extra))
+
+
+@functools.cache
+def _reference(layers, extra):
     run = build_run(p=1, extra=[*extra, f"model.n_layers={layers}"])
     init = jax.tree.map(np.asarray, run.trainer.init().params)
     batches = [run.data.batch(step, run.config.train.batch_size) for step in range(3)]

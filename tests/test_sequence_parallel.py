@@ -191,10 +191,21 @@ def _layer_memory(extra: list[str], devices: int) -> float:
             *extra,
         ]
         run = jaxpar.build(jaxpar.load_config([], config))
-        state = run.trainer.init()
-        batch = run.trainer.shard_batch(run.data.batch(0, B))
+        # lowered for the parameters' and batch's shapes and shardings (those of the
+        # initialized state and sharded batch): nothing initialized, nothing run
+        params = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            run.plan.abstract_state.params,
+            run.plan.state_shardings.params,
+        )
+        host = run.data.batch(0, B)
+        shardings = run.plan.batch_shardings(host)
+        batch = {
+            k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k])
+            for k, v in host.items()
+        }
         grad = jax.jit(jax.grad(lambda p, b, loss=run.trainer.loss: loss(p, b)[0]))
-        compiled = grad.lower(state.params, batch).compile()
+        compiled = grad.lower(params, batch).compile()
         temps.append(compiled.memory_analysis().temp_size_in_bytes)
     return (temps[1] - temps[0]) / 2
 
