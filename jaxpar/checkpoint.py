@@ -46,6 +46,7 @@ from jaxpar.errors import CheckpointError, ConfigError, RestoreError
 from jaxpar.files import disk_full_cause, free_space
 from jaxpar.plan import Plan
 from jaxpar.schema import section
+from jaxpar.sharding import placed_shapes
 from jaxpar.state import TrainState
 
 
@@ -309,10 +310,8 @@ class Checkpointer:
             )
         if self.verify:
             self.verify_step(step)
-        target = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            _as_tree(self.plan.abstract_state),
-            _as_tree(self.plan.state_shardings),
+        target = placed_shapes(
+            _as_tree(self.plan.abstract_state), _as_tree(self.plan.state_shardings)
         )
         try:
             verification.check_compatible(

@@ -218,6 +218,14 @@ def named(mesh: Mesh, specs: Any) -> Any:
     )
 
 
+def placed_shapes(tree: Any, shardings: Any) -> Any:
+    """``tree``'s leaves as ``ShapeDtypeStruct``s laid out by ``shardings`` (a tree of the
+    same structure): what a program is lowered for without any array allocated."""
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings
+    )
+
+
 def itemsize(dtype: Any) -> int:
     """Bytes per element, also of typed PRNG keys (stored as their key data)."""
     if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):

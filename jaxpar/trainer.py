@@ -24,7 +24,7 @@ from jaxpar.buckets import platform_of
 from jaxpar.errors import TaskError
 from jaxpar.logical import activation_rules
 from jaxpar.plan import Plan, global_batch_shapes, sizes
-from jaxpar.sharding import place_params
+from jaxpar.sharding import place_params, placed_shapes
 from jaxpar.state import TrainState
 from jaxpar.task import Batch
 from jaxpar.update import Update
@@ -214,16 +214,8 @@ class Trainer:
 
     def lower_step(self, batch: Mapping[str, Any]) -> jax.stages.Lowered:
         """The train step for batches shaped like ``batch``, lowered (not yet compiled)."""
-        shardings = self.plan.batch_shardings(batch)
-        abstract_batch = {
-            k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k])
-            for k, v in batch.items()
-        }
-        abstract_state = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            self.plan.abstract_state,
-            self.plan.state_shardings,
-        )
+        abstract_batch = placed_shapes(dict(batch), self.plan.batch_shardings(batch))
+        abstract_state = placed_shapes(self.plan.abstract_state, self.plan.state_shardings)
         return self._step.lower(abstract_state, abstract_batch)
 
     def compile_step(self, batch: Mapping[str, Any]) -> jax.stages.Compiled:

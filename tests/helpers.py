@@ -24,6 +24,19 @@ from tests.conftest import TEST_XLA_FLAGS
 ROOT = Path(__file__).resolve().parents[1]
 
 
+#: a child's environment entry: Python lists each module it imports on stderr
+LIST_IMPORTS = {"PYTHONPROFILEIMPORTTIME": "1"}
+
+
+def imports_and_lines(stderr: str) -> tuple[list[str], list[str]]:
+    """A child's stderr under :data:`LIST_IMPORTS`: the modules it imported, and its other
+    lines (of the stripped text)."""
+    lines = stderr.strip().splitlines()
+    listed = [line for line in lines if line.startswith("import time:")]
+    other = [line for line in lines if not line.startswith("import time:")]
+    return [line.rsplit("|", 1)[-1].strip() for line in listed], other
+
+
 def child_env(devices: int | None = 8, test_flags: bool = True) -> dict[str, str]:
     """A subprocess's environment: this process's compiler flags (``tests/conftest.py``'s
     compile-for-speed flags, so that a child compiles as fast as the tests do; without

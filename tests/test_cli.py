@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxpar.cli import main
-from tests.helpers import child_env
+from tests.helpers import LIST_IMPORTS, child_env, imports_and_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,14 +32,14 @@ def test_default_train_writes_metrics_and_loss_falls(tmp_path):
         "train.eval_every=5",
         "train.tensorboard=true",
     ]
-    env = {**child_env(None, test_flags=False), "PYTHONPROFILEIMPORTTIME": "1"}
+    env = {**child_env(None, test_flags=False), **LIST_IMPORTS}
     out = subprocess.run(
         cmd, env=env, capture_output=True, text=True, timeout=600
     )  # a fresh shell: no flags set (but Python's list of the modules it imports)
     assert out.returncode == 0, out.stderr
     # TensorBoard's writer loads without torch where torch is installed (4 s of start-up;
     # the blocked attempt is listed, but none of torch's own modules)
-    imported = [line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines()]
+    imported, _ = imports_and_lines(out.stderr)
     assert "tensorboardX" in imported and not [m for m in imported if m.startswith("torch.")]
     assert "8 simulated CPU devices" in out.stdout
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -20,7 +20,7 @@ from jaxpar.data import prepare as prepare_module
 from jaxpar.data.partial import partial_folder
 from jaxpar.data.prepare import _position, prepare_data
 from jaxpar.errors import DataError, Paused
-from tests.helpers import train_bpe
+from tests.helpers import LIST_IMPORTS, imports_and_lines, train_bpe
 
 pytest.importorskip("tokenizers")
 TEXT = builtin_text().decode()
@@ -236,7 +236,7 @@ def test_ctrl_c_on_the_command_then_the_same_command(corpus, reference, tmp_path
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
     proc = subprocess.Popen(
         command,
-        env={**env, "PYTHONPROFILEIMPORTTIME": "1"},  # Python lists each module it imports
+        env={**env, **LIST_IMPORTS},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -248,9 +248,8 @@ def test_ctrl_c_on_the_command_then_the_same_command(corpus, reference, tmp_path
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
-    imported = [line.rsplit("|", 1)[-1].strip() for line in err.splitlines()]
+    imported, lines = imports_and_lines(err)
     assert "jaxpar.data.encoding" in imported and "jax" not in imported
-    lines = [line for line in err.strip().splitlines() if not line.startswith("import time:")]
     assert len(lines) == 1 and lines[0].startswith("jaxpar: interrupted (Ctrl-C): ")
     assert "run the same command to continue" in lines[0]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)

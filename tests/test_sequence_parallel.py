@@ -17,6 +17,7 @@ import jaxpar
 from jaxpar import hlo
 from jaxpar.config import apply_overrides
 from jaxpar.lab import hardware, predict, sweep
+from jaxpar.sharding import placed_shapes
 from tests.helpers import GPT_SMALL, assert_params_close, grid, one_device_steps, run_steps
 from tests.test_llama import LLAMA
 
@@ -193,17 +194,9 @@ def _layer_memory(extra: list[str], devices: int) -> float:
         run = jaxpar.build(jaxpar.load_config([], config))
         # lowered for the parameters' and batch's shapes and shardings (those of the
         # initialized state and sharded batch): nothing initialized, nothing run
-        params = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            run.plan.abstract_state.params,
-            run.plan.state_shardings.params,
-        )
+        params = placed_shapes(run.plan.abstract_state.params, run.plan.state_shardings.params)
         host = run.data.batch(0, B)
-        shardings = run.plan.batch_shardings(host)
-        batch = {
-            k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k])
-            for k, v in host.items()
-        }
+        batch = placed_shapes(host, run.plan.batch_shardings(host))
         grad = jax.jit(jax.grad(lambda p, b, loss=run.trainer.loss: loss(p, b)[0]))
         compiled = grad.lower(params, batch).compile()
         temps.append(compiled.memory_analysis().temp_size_in_bytes)
