@@ -96,6 +96,19 @@ def _bucket_bytes(mb: float | str) -> int | None:
     return None if mb == "auto" else round(mb * 2**20)
 
 
+def unused_flags(
+    config: Config, task: Task | None, optimizer: optax.GradientTransformation | None = None
+) -> dict[str, bool]:
+    """What a run of ``task`` (None: the config's family) and ``optimizer`` brings itself,
+    as :func:`jaxpar.unused.unused_settings` reads it."""
+    from_config = task is not None and bool(task.family) and task.family == config.family.name
+    return {
+        "user_task": task is not None and not from_config,
+        "own_data": task is not None and task.data is not None,
+        "own_optimizer": optimizer is not None or (task is not None and task.optimizer is not None),
+    }
+
+
 def build(
     config: Config,
     task: Task | None = None,
@@ -125,14 +138,7 @@ def build(
       ConfigError, LayoutError, DataError, TaskError: for a setting, layout, data or task
         that cannot run, in one line (and ``fit_memory`` with a ``target``).
     """
-    own_optimizer = optimizer is not None or (task is not None and task.optimizer is not None)
-    from_config = task is not None and bool(task.family) and task.family == config.family.name
-    warn_unused(
-        config,
-        user_task=task is not None and not from_config,
-        own_data=task is not None and task.data is not None,
-        own_optimizer=own_optimizer,
-    )
+    warn_unused(config, **unused_flags(config, task, optimizer))
     user_task = task
     sizes.check_settings(_sizes(config, user_task))
     devices, mesh, here = _devices_and_mesh(config, target, fit_memory)

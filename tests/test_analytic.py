@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -544,6 +545,56 @@ def test_an_estimated_plan_prints_its_top_and_counts_the_rest(capsys, tmp_path):
     assert len([x for x in capsys.readouterr().out.splitlines() if re.match(r"\d+ ", x)]) == (
         estimated
     )
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_an_estimated_plan_gives_a_pipeline_the_microbatches_its_batch_splits_into(interleaved):
+    """gpt_tiny on 32 GPUs at a global batch of 16: a replica of a pipeline holds 1 to 8
+    rows, often fewer than the default 2 × mesh.stage microbatches. The plan gives each
+    such layout the most microbatches its rows split into (the config's check accepts it,
+    and refuses the next count the schedule could run), says so in a note, and leaves out
+    the layouts whose rows split into none, where the plan listed them as "cannot run"."""
+    from jaxpar.lab.planner import plan
+
+    extra = ["pipeline.schedule=interleaved", "pipeline.virtual_stages=2"] if interleaved else []
+    config = jaxpar.load_config([CONFIGS["gpt"]], ["train.batch_size=16", *extra])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the pipeline's keys on the layouts without stages
+        ranking = plan(config, 32, H100, analytic=True)
+    piped = [p.row for p in ranking if "stage=" in p.row.layout]
+    assert piped and not [r.error for r in piped if "microbatches" in r.error]
+    fewer = [r for r in piped if "pipeline.microbatches=" in r.layout]
+    assert fewer and all(r.ok for r in fewer)
+    note = next(n for n in ranking.notes if "fewer than the default 2 × mesh.stage" in n)
+    assert note.startswith(f"note: {len(fewer)} layouts with mesh.stage > 1 planned")
+    left = [n for n in ranking.notes if "splits into no pipeline.microbatches" in n]
+    assert bool(left) == interleaved  # a replica of one row cannot run 2 chunks' groups
+    for row in fewer[:4]:
+        m = int(re.search(r"pipeline.microbatches=(\d+)", row.layout).group(1))
+        p = int(re.search(r"\bstage=(\d+)", row.layout).group(1))
+        assert m < 2 * p and (m % p == 0 if interleaved else True), row.layout
+        more = row.layout.replace(
+            f"microbatches={m}", f"microbatches={m + (p if interleaved else 1)}"
+        )
+        assert "microbatches" in analytic.estimate(config, more, H100, 32).error, more
+
+
+def test_a_plan_warns_of_a_key_only_when_none_of_its_layouts_reads_it():
+    """A key the config sets that some layouts read (the pipeline's, on a plan with and
+    without stages) is no warning, where each layout without stages warned of it, once per
+    mesh; a key none of them reads is one warning naming it."""
+    from jaxpar.lab.planner import plan
+
+    config = jaxpar.load_config([CONFIGS["gpt"]], ["pipeline.schedule=gpipe"])
+    mixed = ["data=8", "data=4,context=2", "data=4,stage=2"]
+    for layouts, unread in ((mixed, []), (mixed[:2], ["pipeline.schedule"])):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert all(p.row.ok for p in plan(config, 8, H100, layouts=layouts, analytic=True))
+        said = [str(w.message) for w in caught if "has no effect" in str(w.message)]
+        assert said == [
+            f"config key '{k}' has no effect on any of the {len(layouts)} layouts" for k in unread
+        ], said
 
 
 def test_a_plan_draws_its_data_once(monkeypatch):

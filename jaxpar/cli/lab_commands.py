@@ -29,7 +29,9 @@ def run_sweep(args: argparse.Namespace, config: Config, task: Task | None) -> No
         # timed layouts run here; others are read for the profile's platform (measure.lower)
         platform = None if args.steps else hw.platform
         count = len(select_devices(config.run.devices))
-        layouts, note = sweep.default_layouts(config, count, task, platform)
+        layouts, note = sweep.microbatched(
+            config, *sweep.default_layouts(config, count, task, platform)
+        )
     memory = args.memory_gb * 1e9 if args.memory_gb else None
     what = (task.name or "the --task") if task is not None else config.model.name
     print(

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,8 +32,8 @@ from jaxpar.lab.analytic import estimate
 from jaxpar.lab.chart import fmt_value
 from jaxpar.lab.families import lab_named
 from jaxpar.lab.hardware import Hardware
-from jaxpar.lab.measure import Row, layout_overrides, measure
-from jaxpar.lab.sweep import SEQUENCE_PARALLEL, default_layouts, runnable
+from jaxpar.lab.measure import Row, layout_overrides, measure, unused_once
+from jaxpar.lab.sweep import SEQUENCE_PARALLEL, default_layouts, microbatched, runnable
 from jaxpar.lab.workers import default_workers, measure_all
 from jaxpar.outputs import check_new_folder
 from jaxpar.run import task_for
@@ -208,13 +207,15 @@ def plan(
         if analytic:
             layouts, note = _within_domains(layouts, note, hw)
             layouts, note = _cuttable(layouts, note, config, task)
+        layouts, note = microbatched(config, layouts, note)
     workers = workers or default_workers()
     how = Measuring(config, hw, memory, task, workers, echo, devices if analytic else 0)
-    rows = _measure(how, layouts, {})
-    planned = [Planned(rows[x]) for x in layouts]
-    misfits = [p for p in planned if p.row.ok and not p.row.fits]
-    variants = [v for p in misfits for v in fixes(config, p.row.layout, p.row, task)]
-    rows = _measure(how, variants, rows)
+    with unused_once(config, layouts, task):
+        rows = _measure(how, layouts, {})
+        planned = [Planned(rows[x]) for x in layouts]
+        misfits = [p for p in planned if p.row.ok and not p.row.fits]
+        variants = [v for p in misfits for v in fixes(config, p.row.layout, p.row, task)]
+        rows = _measure(how, variants, rows)
     for p in misfits:
         p.why = _why(p.row, memory)
         _suggest(config, p, rows, task)
@@ -250,9 +251,7 @@ def _measure(how: Measuring, layouts: list[str], rows: dict[str, Row]) -> dict[s
     if how.analytic:
         if echo:
             print(f"estimating {_count(len(todo))} from the model's shape", flush=True)
-        with warnings.catch_warnings():
-            warnings.simplefilter("once")  # a setting's warning once, not once a layout
-            found = [estimate(config, x, hw, how.analytic, memory, task) for x in todo]
+        found = [estimate(config, x, hw, how.analytic, memory, task) for x in todo]
         return {**rows, **{r.layout: r for r in found}}
     workers = how.workers
 

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 import re
 from dataclasses import asdict, fields
 from pathlib import Path
 
 import jax
 
-from jaxpar.axes import Axis
+from jaxpar.axes import BATCH_AXES, Axis
 from jaxpar.buckets import auto_bytes
 from jaxpar.config import Config
 from jaxpar.files import ensure_dir, write_atomic
@@ -36,6 +37,7 @@ from jaxpar.lab.hardware import Hardware
 from jaxpar.lab.measure import Row as Row
 from jaxpar.lab.measure import layout_overrides as layout_overrides
 from jaxpar.lab.measure import measure as measure
+from jaxpar.lab.measure import unused_once
 from jaxpar.lab.workers import measure_all
 from jaxpar.outputs import check_new_folder, free_folder
 from jaxpar.plan import abstract_model
@@ -98,6 +100,54 @@ def default_layouts(
     variants = _expert_variants(model, kept) + _sequence_variants(task, kept)
     variants += _bucket_variants(config, task, model, kept, platform or jax.default_backend())
     return kept + variants + _ulysses_variants(config, task, kept), note
+
+
+def microbatched(
+    config: Config, layouts: list[str], note: str | None
+) -> tuple[list[str], str | None]:
+    """``layouts`` with each pipeline whose replicas' rows do not split into the default
+    ``pipeline.microbatches`` (2 × ``mesh.stage``) given the most microbatches below that
+    which they do split into (a multiple of the stages under the interleaved schedule),
+    and those whose rows split into none left out; and ``note`` with a line for each
+    (a config that names ``pipeline.microbatches`` is planned as given)."""
+    pipe, train = config.pipeline, config.train
+    if pipe.microbatches:
+        return layouts, note
+    rows = train.batch_size // train.grad_accum
+    kept, fewer, left = [], 0, 0
+    for layout in layouts:
+        p = _degree(layout, Axis.STAGE)
+        if p == 1:
+            kept.append(layout)
+            continue
+        ways = math.prod(_degree(layout, a) for a in BATCH_AXES)  # as the rules' presets
+        if rows % ways:  # the batch does not split over its devices: its row says so
+            kept.append(layout)
+            continue
+        step = p if pipe.schedule == "interleaved" else 1
+        counts = [m for m in range(step, 2 * p + 1, step) if (rows // ways) % m == 0]
+        if not counts:
+            left += 1
+        elif counts[-1] == 2 * p:
+            kept.append(layout)
+        else:
+            fewer += 1
+            kept.append(f"{layout},pipeline.microbatches={counts[-1]}")
+    lines = []
+    if fewer:
+        lines.append(
+            f"note: {_count(fewer)} with mesh.stage > 1 planned with the most "
+            "pipeline.microbatches (named in the layout) that each replica's share of "
+            f"train.batch_size={train.batch_size} splits into, fewer than the default 2 × "
+            "mesh.stage"
+        )
+    if left:
+        lines.append(
+            f"note: {_count(left)} with mesh.stage > 1 left out: each replica's share of "
+            f"train.batch_size={train.batch_size} splits into no pipeline.microbatches "
+            "count the schedule runs"
+        )
+    return kept, "\n".join(x for x in (note, *lines) if x) or None
 
 
 def runnable(layouts: list[str], task: Task) -> tuple[list[str], str | None]:
@@ -252,7 +302,8 @@ def sweep(
         if echo:
             print(f"  {row.layout}: {'ok' if row.ok else 'invalid'}", flush=True)
 
-    return measure_all(config, layouts, hw, memory_bytes, task, done=say, steps=steps)
+    with unused_once(config, layouts, task):
+        return measure_all(config, layouts, hw, memory_bytes, task, done=say, steps=steps)
 
 
 # ---- output ----------------------------------------------------------------------------------
