@@ -394,6 +394,38 @@ def test_a_worker_that_dies_costs_its_layout_not_the_plan(monkeypatch, h100, std
         assert re.fullmatch(error, row.error), row.error
 
 
+def test_a_program_xla_cpu_refuses_is_its_layouts_row(monkeypatch, h100):
+    """XLA:CPU refuses some programs of thousands of simulated devices (Llama-3-70B's at
+    fsdp=512,tensor=8 on 4,096: "Multiprocess computations aren't implemented on the CPU
+    backend"): that layout's row says so and where to estimate it; the others are read."""
+    import jax
+
+    real, by_layout, compiling = jax.stages.Lowered.compile, workers.compile_lowered, []
+
+    def compile_(self, *args, **kwargs):
+        if compiling[-1] == "fsdp=8":
+            raise jax.errors.JaxRuntimeError(
+                "INVALID_ARGUMENT: Multiprocess computations aren't implemented on the CPU backend."
+            )
+        return real(self, *args, **kwargs)
+
+    def compile_lowered(lowered, *args):
+        compiling.append(lowered.row.layout)
+        return by_layout(lowered, *args)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", compile_)
+    monkeypatch.setattr(workers, "compile_lowered", compile_lowered)
+    found = workers.measure_all(
+        load_config([], GPT_SMALL), ["data=8", "fsdp=8"], h100, processes=False, workers=1
+    )
+    assert found[0].ok and found[0].error == ""
+    assert found[1].error == (
+        "XLA:CPU could not compile this layout's step for 8 simulated devices "
+        "(INVALID_ARGUMENT: Multiprocess computations aren't implemented on the CPU backend.); "
+        "estimate it from the model's shape instead: jaxpar plan … --devices 8 --analytic"
+    )
+
+
 def test_hardware_profiles_load_and_extend(tmp_path):
     profiles = hardware.load_profiles()
     assert {"h100", "h200", "a100", "a100_40", "b200", "gb200"} <= set(profiles)
@@ -401,11 +433,12 @@ def test_hardware_profiles_load_and_extend(tmp_path):
     assert h100.peak_flops("bfloat16") == 989.4e12 and h100.interconnect_bandwidth == 450e9
     assert a100.peak_flops("float32") < h100.peak_flops("float32")
     extra = tmp_path / "hw.yaml"
-    extra.write_text(
+    text = (
         "mychip:\n  name: My chip\n  flops_bf16: 1e15\n  flops_f32: 5e14\n"
         "  hbm_bandwidth: 2e12\n  memory_bytes: 4e10\n  link_bandwidth: 1e11\n"
         "  links: 4\n  network_bandwidth: 1e10\n  collective_latency: 0.125\n"
     )
+    extra.write_text(text)
     mine = hardware.get_profile("mychip", extra)
     assert mine.memory_bytes == 4e10 and mine.links == 4
     t = hardware.roofline(
@@ -419,6 +452,15 @@ def test_hardware_profiles_load_and_extend(tmp_path):
     extra.write_text("bad:\n  name: x\n")
     with pytest.raises(ValueError, match="'bad' lacks .*flops_bf16"):
         hardware.load_profiles(extra)
+    # a misspelt field would be left unread: refused, naming the field it resembles
+    extra.write_text(text.replace("links: 4", "links: 4\n  link_eficiency: 0.5"))
+    with pytest.raises(
+        ValueError,
+        match="'mychip': unknown field 'link_eficiency' \\(did you mean 'link_efficiency'\\?\\)",
+    ):
+        hardware.load_profiles(extra)
+    with pytest.raises(ValueError, match="unknown hardware 'H100' \\(did you mean 'h100'\\?\\)"):
+        hardware.get_profile("H100")
 
 
 # extended: a timed sweep's workers are the plan's (jaxpar.lab.workers._in_processes), whose

@@ -316,6 +316,30 @@ def test_command_line_numbers_are_checked_as_they_are_read(capsys, args, text):
     )
 
 
+@pytest.mark.parametrize("command", ["sweep", "plan"])
+@pytest.mark.parametrize(
+    "layout,text",
+    [
+        (
+            "data=8,model.remmat=full",
+            "unknown config key 'model.remmat' for model.name=gpt: did you mean 'model.remat'?",
+        ),
+        ("data=eight", "config key 'mesh.data' expects int, got 'eight' (str)"),
+    ],
+    ids=["key", "value"],
+)
+def test_a_layout_no_config_takes_is_refused_before_anything_compiles(
+    capsys, tmp_path, command, layout, text
+):
+    """A typo in a layout's key or value is bad input, as an unknown axis is: one line
+    naming the layout, exit 2, no folder written (it was an "invalid" row, exit 0)."""
+    out = tmp_path / "out"
+    devices = ["--devices", "8"] if command == "plan" else ["--steps", "0"]
+    code = main([command, *GPT_SMALL, *devices, "--layouts", "data=8", layout, "--out", str(out)])
+    assert code == 2 and not out.exists()
+    assert one_line(capsys.readouterr().err).startswith(f"jaxpar: error: layout '{layout}': {text}")
+
+
 @pytest.mark.parametrize(
     "content,text",
     [

@@ -189,7 +189,7 @@ def _sweep_arguments(sweep: argparse.ArgumentParser) -> None:
     sweep.add_argument(
         "--all",
         action="store_true",
-        help="every way to factor the device count over data/fsdp/tensor/stage",
+        help="every way to factor the device count over data/fsdp/context/tensor/stage",
     )
     sweep.add_argument(
         "--out",

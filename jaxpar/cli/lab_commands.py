@@ -15,6 +15,24 @@ if TYPE_CHECKING:
     from jaxpar.task import Task
 
 
+def checked_layouts(config: Config, layouts: list[str] | None) -> None:
+    """``--layouts`` against ``config``: a key or value that no config takes (a typo) is
+    refused in one line as the command line is read, as an unknown axis is; a layout that
+    is well formed but cannot run (a degree that does not divide) is the lab's row.
+
+    Raises:
+      ConfigError: naming the layout, the key and the fix.
+    """
+    from jaxpar.config import apply_overrides
+    from jaxpar.lab.measure import layout_overrides
+
+    for layout in layouts or ():
+        try:
+            apply_overrides(config, layout_overrides(layout))
+        except ConfigError as err:
+            raise ConfigError(f"layout '{layout}': {err}") from None
+
+
 def run_sweep(args: argparse.Namespace, config: Config, task: Task | None) -> None:
     from jaxpar.lab import sweep
     from jaxpar.lab.hardware import get_profile
@@ -22,6 +40,7 @@ def run_sweep(args: argparse.Namespace, config: Config, task: Task | None) -> No
 
     if bool(args.layouts) == bool(args.all):
         raise ConfigError("jaxpar sweep needs either --layouts L … or --all (not both)")
+    checked_layouts(config, args.layouts)
     hw = get_profile(args.hardware, args.hardware_file)
     out = sweep.output_folder(args.out, config.run.dir, args.overwrite)  # before compiling
     layouts, note = args.layouts, None
@@ -63,6 +82,7 @@ def run_plan(args: argparse.Namespace, config: Config, task: Task | None) -> Non
     from jaxpar.lab.planner import format_longest, longest_sequence, plan, plan_folder
     from jaxpar.lab.sweep import write_csv
 
+    checked_layouts(config, args.layouts)
     hw = get_profile(args.hardware, args.hardware_file)
     if args.fit:
         hw = _fitted(args.fit, hw)

@@ -29,7 +29,9 @@ a GPU, a collective matmul's sends), which counts only where it outlasts the com
 
 from __future__ import annotations
 
+import difflib
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -169,6 +171,12 @@ def load_profiles(extra: str | Path | None = None) -> dict[str, Hardware]:
     names = {f.name for f in fields(Hardware)} - {"key"}
     profiles = {}
     for key, entry in raw.items():
+        unknown = sorted(set(entry or {}) - names)
+        if unknown:  # a misspelt field would be left unread
+            raise ConfigError(
+                f"hardware profile '{key}': unknown field '{unknown[0]}'"
+                f"{_did_you_mean(unknown[0], names)}; see {_BUILTIN} for the fields"
+            )
         missing = sorted(n for n in names - set(_OPTIONAL) if n not in (entry or {}))
         if missing:
             raise ConfigError(
@@ -276,10 +284,17 @@ def get_profile(key: str, extra: str | Path | None = None) -> Hardware:
     profiles = load_profiles(extra)
     if key not in profiles:
         raise ConfigError(
-            f"unknown hardware '{key}'; choose one of {', '.join(sorted(profiles))} "
-            "or add it with --hardware-file"
+            f"unknown hardware '{key}'{_did_you_mean(key, profiles)}; choose one of "
+            f"{', '.join(sorted(profiles))} or add it with --hardware-file"
         )
     return profiles[key]
+
+
+def _did_you_mean(name: str, known: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the known name closest to ``name`` (case aside), or ''."""
+    by_lower = {k.lower(): k for k in known}
+    near = difflib.get_close_matches(name.lower(), sorted(by_lower), n=1, cutoff=0.75)
+    return f" (did you mean '{by_lower[near[0]]}'?)" if near else ""
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ import numpy as np
 from jaxpar import hlo
 from jaxpar.axes import MESH_AXES
 from jaxpar.config import Config, apply_overrides
-from jaxpar.errors import ConfigError, JaxparError
+from jaxpar.errors import ConfigError, JaxparError, LayoutError
 from jaxpar.lab.hardware import Hardware, StepTime, roofline
 from jaxpar.lab.kernels import fused_attention_factor, kernels
 from jaxpar.lab.network import hosts_of, step_time
@@ -237,10 +237,20 @@ def compile_lowered(lowered: Lowered, steps: int = 0) -> tuple[Any, float]:
     """The compiled step (for reading only with ``steps=0``: :func:`analysis_options`)
     and the seconds compiling took."""
     start = time.perf_counter()
-    if steps == 0 and isinstance(lowered.step, jax.stages.Lowered):
-        compiled = lowered.step.compile(dict(analysis_options()))
-    else:  # a sub-mesh pipeline's programs compile themselves
-        compiled = lowered.step.compile()
+    try:
+        if steps == 0 and isinstance(lowered.step, jax.stages.Lowered):
+            compiled = lowered.step.compile(dict(analysis_options()))
+        else:  # a sub-mesh pipeline's programs compile themselves
+            compiled = lowered.step.compile()
+    except jax.errors.JaxRuntimeError as err:  # XLA:CPU refused the program: the layout's row
+        if jax.default_backend() != "cpu":
+            raise
+        devices = lowered.run.plan.mesh.size
+        raise LayoutError(
+            f"XLA:CPU could not compile this layout's step for {devices} simulated devices "
+            f"({str(err).splitlines()[0][:200]}); estimate it from the model's shape "
+            f"instead: jaxpar plan … --devices {devices} --analytic"
+        ) from None
     return compiled, time.perf_counter() - start
 
 

@@ -52,7 +52,8 @@ def _footer(hw: Hardware, memory: float) -> str:
         f"ranked by predicted step time on {hw.name} (roofline; {kernels}communication = "
         f"bytes / {_rate(hw.link_rate, hw.link_efficiency)}{network} + collectives "
         f"{_PAID_BY[hw.latency_per]} × "
-        f"{fmt_time(hw.collective_latency)}, in brackets; what overlaps compute counts only "
+        f"{fmt_time(hw.collective_latency)}, in brackets, but a collective matmul's sends, "
+        "hidden latency and all; what overlaps compute counts only "
         f"where it outlasts it); memory judged against {memory / 1e9:.3g} GB "
         f"({fmt_value(memory, 'B')}) per device"
     )

@@ -215,7 +215,7 @@ def plan(
         planned = [Planned(rows[x]) for x in layouts]
         misfits = [p for p in planned if p.row.ok and not p.row.fits]
         variants = [v for p in misfits for v in fixes(config, p.row.layout, p.row, task)]
-        rows = _measure(how, variants, rows)
+        rows = _measure(how, variants, rows, "fixes of the layouts that do not fit")
     for p in misfits:
         p.why = _why(p.row, memory)
         _suggest(config, p, rows, task)
@@ -241,16 +241,19 @@ class Measuring:
     analytic: int = 0
 
 
-def _measure(how: Measuring, layouts: list[str], rows: dict[str, Row]) -> dict[str, Row]:
+def _measure(
+    how: Measuring, layouts: list[str], rows: dict[str, Row], what: str = ""
+) -> dict[str, Row]:
     """``rows`` with every layout of ``layouts`` it lacks measured (a layout that is also
-    another's fix compiles once)."""
+    another's fix compiles once); ``what``: what the layouts are, for the line saying so."""
     todo = [x for x in dict.fromkeys(layouts) if x not in rows]
     if not todo:
         return rows
     config, hw, memory, task, echo = how.config, how.hw, how.memory, how.task, how.echo
+    count = f"{len(todo)} {what}" if what else _count(len(todo))
     if how.analytic:
         if echo:
-            print(f"estimating {_count(len(todo))} from the model's shape", flush=True)
+            print(f"estimating {count} from the model's shape", flush=True)
         found = [estimate(config, x, hw, how.analytic, memory, task) for x in todo]
         return {**rows, **{r.layout: r for r in found}}
     workers = how.workers
@@ -267,7 +270,7 @@ def _measure(how: Measuring, layouts: list[str], rows: dict[str, Row]) -> dict[s
         print(f"  {row.layout}: {verdict}", flush=True)
 
     if echo:
-        print(f"compiling {_count(len(todo))}, {min(workers, len(todo))} at a time", flush=True)
+        print(f"compiling {count}, {min(workers, len(todo))} at a time", flush=True)
     found = measure_all(config, todo, hw, memory, task, workers, done=say)
     return {**rows, **{r.layout: r for r in found}}
 

@@ -341,7 +341,7 @@ def _table_rows(rows: list[Row]) -> list[list[str]]:
     out = []
     for r in rows:
         if not r.ok:
-            out.append([r.layout, "invalid: " + r.error.split(";")[0]])
+            out.append([r.layout, "invalid: " + r.error])  # the whole reason: its fix too
             continue
         ratio = "" if r.comm_ratio is None else f"{r.comm_ratio:.3f}"
         out.append(
