@@ -258,6 +258,26 @@ def test_sweep_command_writes_csv_md_and_png_and_reports_invalid_layouts(tmp_pat
     assert (out / "sweep.png").stat().st_mode & 0o777 == 0o644  # readable by others
 
 
+def test_a_stopped_sweep_shows_what_it_measured_and_writes_nothing(monkeypatch, tmp_path, capsys):
+    """Ctrl-C after a sweep's first layout: the rows measured are printed (a timed sweep's
+    minutes are not lost), nothing is written (the same command runs again), and the
+    command stops as every command does (one line, status 130)."""
+    from jaxpar.lab.measure import Row
+
+    def measure_all(config, layouts, hw, memory, task, done, steps):
+        done(Row(layouts[0], hardware=hw.key, error="its reason"))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sweep, "measure_all", measure_all)
+    out = tmp_path / "sweep"
+    code = main(["sweep", *GPT_SMALL, "--layouts", "data=8", "fsdp=8", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert code == 130 and not list(out.glob("*"))
+    assert "measured before the stop (1 of 2 layouts; nothing written" in captured.out
+    assert "data=8  invalid: its reason" in captured.out and "fsdp=8" not in captured.out
+    assert captured.err.strip().endswith("before it finished: run the same command again")
+
+
 def test_sweep_needs_layouts_or_all(capsys):
     assert main(["sweep", *GPT_SMALL]) == 2
     assert "--layouts" in capsys.readouterr().err

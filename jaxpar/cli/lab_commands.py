@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 from typing import TYPE_CHECKING
 
-from jaxpar.errors import ConfigError
+from jaxpar.errors import ConfigError, Terminated
 
 if TYPE_CHECKING:
     from jaxpar.config import Config
@@ -60,7 +60,21 @@ def run_sweep(args: argparse.Namespace, config: Config, task: Task | None) -> No
     )
     if note:
         print(note, flush=True)
-    rows = sweep.sweep(config, layouts, hw, args.steps, memory, echo=True, task=task)
+    finished: list = []
+    try:
+        rows = sweep.sweep(
+            config, layouts, hw, args.steps, memory, echo=True, task=task, finished=finished
+        )
+    except (KeyboardInterrupt, Terminated):
+        if finished:  # what was measured is shown, not lost (and nothing half written)
+            done = sorted(finished, key=lambda r: layouts.index(r.layout))
+            print(
+                f"measured before the stop ({len(done)} of {len(layouts)} layouts; nothing "
+                f"written: the same command measures them again):\n"
+                f"{sweep.format_table(done, hw)}",
+                flush=True,
+            )
+        raise
     print(sweep.format_table(rows, hw))
     for path in sweep.write_outputs(rows, hw, out):
         print(f"wrote {path}")

@@ -293,12 +293,16 @@ def sweep(
     memory_bytes: float | None = None,
     echo: bool = False,
     task: Task | None = None,
+    finished: list[Row] | None = None,
 ) -> list[Row]:
     """:func:`measure` of every layout, in order: one after another when steps are timed
     (alone on the machine), else compiled several at once
-    (:func:`jaxpar.lab.workers.measure_all`)."""
+    (:func:`jaxpar.lab.workers.measure_all`); ``finished`` gets each row as it is
+    measured (what a stop leaves measured)."""
 
     def say(row: Row) -> None:
+        if finished is not None:
+            finished.append(row)
         if echo:
             print(f"  {row.layout}: {'ok' if row.ok else 'invalid'}", flush=True)
 
