@@ -16,12 +16,10 @@ of MiB (``python benchmarks/plan_time.py --check`` compares them).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import statistics
 import time
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,9 +37,8 @@ from jaxpar.lab.predict import CommPrediction, predict_argument_bytes, predict_c
 from jaxpar.lab.terms import Term
 from jaxpar.pipeline.branches import branch_table
 from jaxpar.plan import global_batch_shapes
-from jaxpar.run import Run, build, unused_flags
+from jaxpar.run import Run, build
 from jaxpar.task import Task
-from jaxpar.unused import unused_settings
 
 
 @dataclass
@@ -120,35 +117,6 @@ class Row:
             "participant": self.collective_participants,
         }[per]
         return value or 0
-
-
-#: the warning :func:`jaxpar.unused.warn_unused` gives of a key one run does not read
-UNUSED = r"config key '.*' has no effect with "
-
-
-@contextlib.contextmanager
-def unused_once(config: Config, layouts: list[str], task: Task | None) -> Iterator[None]:
-    """Around measuring ``layouts`` of ``config``: a key that some of them read is no
-    warning for those that do not (a plan's pipeline keys mean nothing to its layouts
-    without stages, which warned each); a key none of them reads is one warning."""
-    flags = unused_flags(config, task)
-    unread: set[str] | None = None
-    for layout in layouts:
-        try:
-            keys = unused_settings(apply_overrides(config, layout_overrides(layout)), **flags)
-        except JaxparError:  # a layout that cannot run: its row says why
-            continue
-        unread = set(keys) if unread is None else unread & set(keys)
-        if not unread:
-            break
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", UNUSED)
-        yield
-    for key in sorted(unread or ()):
-        warnings.warn(
-            f"config key '{key}' has no effect on any of the {len(layouts)} layouts",
-            stacklevel=3,
-        )
 
 
 def layout_overrides(layout: str) -> list[str]:

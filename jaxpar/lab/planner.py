@@ -32,8 +32,9 @@ from jaxpar.lab.analytic import estimate
 from jaxpar.lab.chart import fmt_value
 from jaxpar.lab.families import lab_named
 from jaxpar.lab.hardware import Hardware
-from jaxpar.lab.measure import Row, layout_overrides, measure, unused_once
+from jaxpar.lab.measure import Row, layout_overrides, measure
 from jaxpar.lab.sweep import SEQUENCE_PARALLEL, default_layouts, microbatched, runnable
+from jaxpar.lab.unread import unused_once
 from jaxpar.lab.workers import default_workers, measure_all
 from jaxpar.outputs import check_new_folder
 from jaxpar.run import task_for

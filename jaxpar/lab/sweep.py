@@ -30,6 +30,7 @@ import jax
 from jaxpar.axes import BATCH_AXES, Axis
 from jaxpar.buckets import auto_bytes
 from jaxpar.config import Config
+from jaxpar.errors import LayoutError
 from jaxpar.files import ensure_dir, write_atomic
 from jaxpar.lab.chart import Panel, write_chart
 from jaxpar.lab.families import lab_named
@@ -37,9 +38,10 @@ from jaxpar.lab.hardware import Hardware
 from jaxpar.lab.measure import Row as Row
 from jaxpar.lab.measure import layout_overrides as layout_overrides
 from jaxpar.lab.measure import measure as measure
-from jaxpar.lab.measure import unused_once
+from jaxpar.lab.unread import unused_once
 from jaxpar.lab.workers import measure_all
 from jaxpar.outputs import check_new_folder, free_folder
+from jaxpar.pipeline.schedule import PipelineConfig, check_shape
 from jaxpar.plan import abstract_model
 from jaxpar.plan.abstract import AbstractModel, state_per_shard
 from jaxpar.run import task_for
@@ -107,9 +109,9 @@ def microbatched(
 ) -> tuple[list[str], str | None]:
     """``layouts`` with each pipeline whose replicas' rows do not split into the default
     ``pipeline.microbatches`` (2 × ``mesh.stage``) given the most microbatches below that
-    which they do split into (a multiple of the stages under the interleaved schedule),
-    and those whose rows split into none left out; and ``note`` with a line for each
-    (a config that names ``pipeline.microbatches`` is planned as given)."""
+    which they do split into and the schedule runs (a multiple of the stages under the
+    interleaved one), and those whose rows split into none left out; and ``note`` with a
+    line for each (a config that names ``pipeline.microbatches`` is planned as given)."""
     pipe, train = config.pipeline, config.train
     if pipe.microbatches:
         return layouts, note
@@ -121,11 +123,11 @@ def microbatched(
             kept.append(layout)
             continue
         ways = math.prod(_degree(layout, a) for a in BATCH_AXES)  # as the rules' presets
-        if rows % ways:  # the batch does not split over its devices: its row says so
+        if rows % ways or not _schedulable(pipe, p, 2 * p):  # its row says why
             kept.append(layout)
             continue
-        step = p if pipe.schedule == "interleaved" else 1
-        counts = [m for m in range(step, 2 * p + 1, step) if (rows // ways) % m == 0]
+        share = rows // ways
+        counts = [m for m in range(1, 2 * p + 1) if share % m == 0 and _schedulable(pipe, p, m)]
         if not counts:
             left += 1
         elif counts[-1] == 2 * p:
@@ -148,6 +150,16 @@ def microbatched(
             "count the schedule runs"
         )
     return kept, "\n".join(x for x in (note, *lines) if x) or None
+
+
+def _schedulable(pipe: PipelineConfig, p: int, m: int) -> bool:
+    """Whether ``pipe``'s schedule runs ``m`` microbatches over ``p`` stages
+    (:func:`~jaxpar.pipeline.schedule.check_shape`)."""
+    try:
+        check_shape(pipe.schedule, p, m, pipe.virtual_stages)
+    except LayoutError:
+        return False
+    return True
 
 
 def runnable(layouts: list[str], task: Task) -> tuple[list[str], str | None]:
