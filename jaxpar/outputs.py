@@ -18,6 +18,7 @@ The files themselves are written whole, through a temporary name then renamed
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Callable
 from pathlib import Path
 
 from jaxpar.errors import PathError
@@ -116,13 +117,14 @@ def check_new_folder(path: str | Path, what: str, replaced: str, overwrite: bool
     return path
 
 
-def free_folder(base: str | Path) -> Path:
-    """``base``, or ``base-2``, ``base-3`` … : the first that is missing or empty (where
-    a command's default output folder goes when an earlier one is there)."""
+def free_folder(base: str | Path, reusable: Callable[[Path], bool] = lambda path: False) -> Path:
+    """``base``, or ``base-2``, ``base-3`` … : the first that is missing, empty or
+    ``reusable`` (where a command's default output folder goes when an earlier one is
+    there; a stopped sweep's folder is reusable by the same command)."""
     base = Path(base)
     n = 1
     path = base
-    while path.is_file() or (path.is_dir() and any(path.iterdir())):
+    while path.is_file() or (path.is_dir() and any(path.iterdir()) and not reusable(path)):
         n += 1
         path = base.with_name(f"{base.name}-{n}")
     return path

@@ -258,24 +258,84 @@ def test_sweep_command_writes_csv_md_and_png_and_reports_invalid_layouts(tmp_pat
     assert (out / "sweep.png").stat().st_mode & 0o777 == 0o644  # readable by others
 
 
-def test_a_stopped_sweep_shows_what_it_measured_and_writes_nothing(monkeypatch, tmp_path, capsys):
-    """Ctrl-C after a sweep's first layout: the rows measured are printed (a timed sweep's
-    minutes are not lost), nothing is written (the same command runs again), and the
-    command stops as every command does (one line, status 130)."""
+def _stopping_after(monkeypatch, first: int | None, asked: list, out=None):
+    """``measure_all`` that gives each layout an invalid row (its reason names it), records
+    the layouts it was asked for, and stops (Ctrl-C) after ``first`` rows (None: never);
+    each row is on disk in ``out`` as soon as it is measured (SIGKILL loses none)."""
     from jaxpar.lab.measure import Row
+    from jaxpar.lab.resume import PARTIAL
 
     def measure_all(config, layouts, hw, memory, task, done, steps):
-        done(Row(layouts[0], hardware=hw.key, error="its reason"))
-        raise KeyboardInterrupt
+        asked.append(list(layouts))
+        rows = []
+        for i, layout in enumerate(layouts):
+            if i == first:
+                raise KeyboardInterrupt
+            rows.append(Row(layout, hardware=hw.key, error=f"reason of {layout}"))
+            done(rows[-1])
+            assert out is None or f"reason of {layout}" in (out / PARTIAL).read_text()
+        return rows
 
     monkeypatch.setattr(sweep, "measure_all", measure_all)
+
+
+def test_a_stopped_sweep_keeps_its_rows_and_the_same_command_measures_the_rest(
+    monkeypatch, tmp_path, capsys
+):
+    """Ctrl-C after a sweep's first layout: the rows measured are printed and kept in the
+    sweep's folder (a timed sweep's minutes are not lost), no output is written, the
+    command stops as every command does (one line, status 130); the same command measures
+    only the other layouts and writes all rows in order, the kept file gone."""
+    from jaxpar.lab.resume import PARTIAL
+
+    asked: list = []
     out = tmp_path / "sweep"
-    code = main(["sweep", *GPT_SMALL, "--layouts", "data=8", "fsdp=8", "--out", str(out)])
+    _stopping_after(monkeypatch, 1, asked, out)
+    command = ["sweep", *GPT_SMALL, "--layouts", "data=8", "fsdp=8", "tensor=8", "--out", str(out)]
+    assert main(command) == 130
     captured = capsys.readouterr()
-    assert code == 130 and not list(out.glob("*"))
-    assert "measured before the stop (1 of 2 layouts; nothing written" in captured.out
-    assert "data=8  invalid: its reason" in captured.out and "fsdp=8" not in captured.out
+    assert [p.name for p in out.iterdir()] == [PARTIAL]
+    assert "measured before the stop (1 of 3 layouts, kept in" in captured.out
+    assert "the same command measures only the other 2" in captured.out
+    assert "data=8  invalid: reason of data=8" in captured.out and "fsdp=8 " not in captured.out
     assert captured.err.strip().endswith("before it finished: run the same command again")
+
+    _stopping_after(monkeypatch, None, asked)
+    assert main(command) == 0
+    printed = capsys.readouterr().out
+    assert asked[-1] == ["fsdp=8", "tensor=8"]
+    assert "resuming: 1 of 3 layouts were measured by a stopped run" in printed
+    with open(out / "sweep.csv") as f:
+        assert [r["layout"] for r in csv.DictReader(f)] == ["data=8", "fsdp=8", "tensor=8"]
+    assert not (out / PARTIAL).exists()
+
+
+def test_a_stopped_sweeps_rows_are_not_mixed_into_another_commands(monkeypatch, tmp_path, capsys):
+    """The kept rows name the command: an --out holding another command's is refused in one
+    line naming the setting that differs; --overwrite measures every layout again; the
+    default folder of another command passes over them to the next free folder, and that of
+    the same command finishes them."""
+    asked: list = []
+    _stopping_after(monkeypatch, 1, asked)
+    run = tmp_path / "run"
+
+    def sweep_(*more: str) -> int:
+        return main(["sweep", *GPT_SMALL, f"run.dir={run}", *more, "--layouts", "data=8", "fsdp=8"])
+
+    assert sweep_() == 130
+    capsys.readouterr()
+    assert sweep_("train.batch_size=8", "--out", str(run / "sweep")) == 2
+    err = capsys.readouterr().err.strip()
+    assert "of another command (config.train.batch_size was 16 there, is 8 here)" in err
+    assert err.endswith("or pass --overwrite to measure these layouts afresh") and "\n" not in err
+
+    _stopping_after(monkeypatch, None, asked)
+    assert sweep_("train.batch_size=8") == 0
+    assert asked[-1] == ["data=8", "fsdp=8"] and (run / "sweep-2" / "sweep.csv").exists()
+    assert sweep_() == 0
+    assert asked[-1] == ["fsdp=8"] and (run / "sweep" / "sweep.csv").exists()
+    assert sweep_("--overwrite") == 0
+    assert asked[-1] == ["data=8", "fsdp=8"]
 
 
 def test_sweep_needs_layouts_or_all(capsys):

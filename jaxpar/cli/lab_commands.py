@@ -34,7 +34,7 @@ def checked_layouts(config: Config, layouts: list[str] | None) -> None:
 
 
 def run_sweep(args: argparse.Namespace, config: Config, task: Task | None) -> None:
-    from jaxpar.lab import sweep
+    from jaxpar.lab import resume, sweep
     from jaxpar.lab.hardware import get_profile
     from jaxpar.mesh import select_devices
 
@@ -42,17 +42,18 @@ def run_sweep(args: argparse.Namespace, config: Config, task: Task | None) -> No
         raise ConfigError("jaxpar sweep needs either --layouts L … or --all (not both)")
     checked_layouts(config, args.layouts)
     hw = get_profile(args.hardware, args.hardware_file)
-    out = sweep.output_folder(args.out, config.run.dir, args.overwrite)  # before compiling
+    memory = args.memory_gb * 1e9 if args.memory_gb else None
+    devices = select_devices(config.run.devices)
+    key = resume.command_key(config, args.task, args.steps, hw, memory, devices)
+    out = sweep.output_folder(args.out, config.run.dir, args.overwrite, key)  # before compiling
     layouts, note = args.layouts, None
     if not layouts:
         # timed layouts run here; others are read for the profile's platform (measure.lower)
         platform = None if args.steps else hw.platform
-        count = len(select_devices(config.run.devices))
         layouts, note = sweep.microbatched(
-            config, *sweep.default_layouts(config, count, task, platform)
+            config, *sweep.default_layouts(config, len(devices), task, platform)
         )
-    memory = args.memory_gb * 1e9 if args.memory_gb else None
-    what = (task.name or "the --task") if task is not None else config.model.name
+    what = (task.name or "the --task") if task is not None else config.family.name
     print(
         f"sweeping {len(layouts)} layout{'s' * (len(layouts) != 1)} of {what} "
         f"(global batch {config.train.batch_size})",
@@ -60,24 +61,57 @@ def run_sweep(args: argparse.Namespace, config: Config, task: Task | None) -> No
     )
     if note:
         print(note, flush=True)
-    finished: list = []
+    kept = [] if args.overwrite else resume.kept_rows(out, key)
+    before = [r for r in kept if r.layout in layouts]
+    if kept:
+        print(_resuming(before, kept, layouts, out / resume.PARTIAL), flush=True)
+    finished = list(before)
+
+    def done(row) -> None:  # each row on disk as it comes: a stop loses only the one in flight
+        finished.append(row)
+        resume.keep(out, key, finished)
+
+    measured = {r.layout for r in before}
     try:
         rows = sweep.sweep(
-            config, layouts, hw, args.steps, memory, echo=True, task=task, finished=finished
+            config,
+            [x for x in layouts if x not in measured],
+            hw,
+            args.steps,
+            memory,
+            echo=True,
+            task=task,
+            done=done,
         )
     except (KeyboardInterrupt, Terminated):
-        if finished:  # what was measured is shown, not lost (and nothing half written)
-            done = sorted(finished, key=lambda r: layouts.index(r.layout))
+        if finished:  # what was measured is shown and kept for the same command
             print(
-                f"measured before the stop ({len(done)} of {len(layouts)} layouts; nothing "
-                f"written: the same command measures them again):\n"
-                f"{sweep.format_table(done, hw)}",
+                f"measured before the stop ({len(finished)} of {len(layouts)} layouts, kept in "
+                f"{out / resume.PARTIAL}: the same command measures only the other "
+                f"{len(layouts) - len(finished)}):\n"
+                f"{sweep.format_table(_ordered(finished, layouts), hw)}",
                 flush=True,
             )
         raise
+    rows = _ordered(before + rows, layouts)
     print(sweep.format_table(rows, hw))
     for path in sweep.write_outputs(rows, hw, out):
         print(f"wrote {path}")
+    resume.done(out)
+
+
+def _ordered(rows: list, layouts: list[str]) -> list:
+    return sorted(rows, key=lambda r: layouts.index(r.layout))
+
+
+def _resuming(finished: list, kept: list, layouts: list[str], path) -> str:
+    """The line a resumed sweep starts with (and the rows it drops, if any)."""
+    dropped = len(kept) - len(finished)
+    return (
+        f"resuming: {len(finished)} of {len(layouts)} layouts were measured by a stopped "
+        f"run of this command ({path}); measuring the other {len(layouts) - len(finished)}"
+        + (f" (its {dropped} rows of layouts not in this sweep are left out)" if dropped else "")
+    )
 
 
 def estimated(args: argparse.Namespace) -> bool:
@@ -101,7 +135,7 @@ def run_plan(args: argparse.Namespace, config: Config, task: Task | None) -> Non
     if args.fit:
         hw = _fitted(args.fit, hw)
     memory = args.memory_gb * 1e9 if args.memory_gb else hw.memory_bytes
-    what = (task.name or "the --task") if task is not None else config.model.name
+    what = (task.name or "the --task") if task is not None else config.family.name
     if args.longest:
         if args.out:
             raise ConfigError("jaxpar plan --longest writes no plan.csv: leave out --out")

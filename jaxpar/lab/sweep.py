@@ -22,6 +22,7 @@ import csv
 import io
 import math
 import re
+from collections.abc import Callable
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from jaxpar.buckets import auto_bytes
 from jaxpar.config import Config
 from jaxpar.errors import LayoutError
 from jaxpar.files import ensure_dir, write_atomic
+from jaxpar.lab import resume
 from jaxpar.lab.chart import Panel, write_chart
 from jaxpar.lab.families import lab_named
 from jaxpar.lab.hardware import Hardware
@@ -305,16 +307,16 @@ def sweep(
     memory_bytes: float | None = None,
     echo: bool = False,
     task: Task | None = None,
-    finished: list[Row] | None = None,
+    done: Callable[[Row], None] | None = None,
 ) -> list[Row]:
     """:func:`measure` of every layout, in order: one after another when steps are timed
     (alone on the machine), else compiled several at once
-    (:func:`jaxpar.lab.workers.measure_all`); ``finished`` gets each row as it is
-    measured (what a stop leaves measured)."""
+    (:func:`jaxpar.lab.workers.measure_all`); ``done`` is called with each row as it is
+    measured (:mod:`jaxpar.lab.resume` keeps them)."""
 
     def say(row: Row) -> None:
-        if finished is not None:
-            finished.append(row)
+        if done is not None:
+            done(row)
         if echo:
             print(f"  {row.layout}: {'ok' if row.ok else 'invalid'}", flush=True)
 
@@ -434,10 +436,15 @@ def format_markdown(rows: list[Row], hw: Hardware) -> str:
     return "\n".join(lines) + "\n"
 
 
-def output_folder(out: str | None, run_dir: str, overwrite: bool = False) -> Path:
+def output_folder(
+    out: str | None, run_dir: str, overwrite: bool = False, key: dict | None = None
+) -> Path:
     """Where :func:`write_outputs` goes — ``out``, or by default ``<run_dir>/sweep`` (or
     ``sweep-2``, ``sweep-3`` … when an earlier sweep's files are there) — checked and
-    created before anything is compiled (:mod:`jaxpar.outputs`).
+    created before anything is compiled (:mod:`jaxpar.outputs`). A folder holding only a
+    stopped sweep's rows (:mod:`jaxpar.lab.resume`) is the same command's to finish: the
+    default is the first whose rows the command ``key`` names; an ``--out`` holding
+    another command's rows is refused by :func:`jaxpar.lab.resume.kept_rows`.
 
     Raises:
       PathError: a run's own folder, a running run's, a file, or a folder holding files
@@ -445,8 +452,9 @@ def output_folder(out: str | None, run_dir: str, overwrite: bool = False) -> Pat
     """
     if out is None:
         default = Path(run_dir) / "sweep"
-        out = default if overwrite else free_folder(default)
-    check_new_folder(out, "--out", ", ".join(OUTPUT_FILES), overwrite)
+        out = default if overwrite else free_folder(default, lambda p: resume.matches(p, key))
+    resumed = resume.only_partial(Path(out))
+    check_new_folder(out, "--out", ", ".join(OUTPUT_FILES), overwrite or resumed)
     return ensure_dir(out, "--out", "choose another --out folder")
 
 

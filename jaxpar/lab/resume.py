@@ -1,0 +1,125 @@
+"""A stopped sweep keeps what it measured: each row, as it is measured, is written (whole:
+:func:`jaxpar.files.write_atomic`) to ``sweep.partial.json`` in the sweep's folder, so
+Ctrl-C, SIGTERM, a job's time limit or SIGKILL loses at most the layout in flight, and
+the same command run again measures only the layouts the file lacks. The finished sweep
+writes its outputs and removes the file.
+
+The file names what its rows depend on (:func:`command_key`): the config with its
+overrides, ``--task``, ``--steps``, the devices, the hardware profile, ``--memory-gb`` and
+JAX's version. Rows of another command are never mixed in: the default folder passes over
+such a file to the next free folder; an ``--out`` holding one is refused in one line naming
+the first setting that differs. ``--overwrite`` measures every layout again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from jaxpar.config import Config
+from jaxpar.config.load import to_dict
+from jaxpar.errors import PathError
+from jaxpar.files import write_atomic
+from jaxpar.lab.hardware import Hardware
+from jaxpar.lab.measure import Row
+
+PARTIAL = "sweep.partial.json"
+FORMAT = "jaxpar-sweep-partial"
+
+
+def command_key(
+    config: Config,
+    task: str | None,
+    steps: int,
+    hw: Hardware,
+    memory_bytes: float | None,
+    devices: list,
+) -> dict[str, Any]:
+    """What a sweep's rows depend on, beyond the layout (as JSON reads it back)."""
+    key = {
+        "config": to_dict(config),
+        "task": task or "",
+        "steps": steps,
+        "devices": [len(devices), devices[0].platform, devices[0].device_kind],
+        "hardware": dataclasses.asdict(hw),
+        "memory_bytes": memory_bytes,
+        "jax": jax.__version__,
+    }
+    return json.loads(json.dumps(key))
+
+
+def only_partial(folder: Path) -> bool:
+    """Whether ``folder`` holds a stopped sweep's rows and nothing else."""
+    return folder.is_dir() and [p.name for p in folder.iterdir()] == [PARTIAL]
+
+
+def _first_difference(ours: Any, theirs: Any, path: str = "") -> str | None:
+    """The dotted name of the first setting where two keys differ (None: they are equal)."""
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        for name in sorted(set(ours) | set(theirs)):
+            found = _first_difference(ours.get(name), theirs.get(name), f"{path}.{name}")
+            if found:
+                return found
+        return None
+    return None if ours == theirs else f"{path.lstrip('.')} was {theirs!r} there, is {ours!r} here"
+
+
+def _read(path: Path) -> tuple[dict, list[Row]]:
+    try:
+        data = json.loads(path.read_text())
+        if data.get("format") != FORMAT:
+            raise ValueError(f"its format is {data.get('format')!r}, not {FORMAT!r}")
+        return data["key"], [Row(**row) for row in data["rows"]]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise PathError(
+            f"'{path}' is not a stopped sweep's rows ({err}); delete it, or pass --overwrite "
+            f"to measure every layout again"
+        ) from None
+
+
+def matches(folder: Path, key: dict) -> bool:
+    """Whether ``folder`` holds only the rows of a stopped run of the command ``key``
+    names (the default folder's test: another command's rows are passed over)."""
+    if not only_partial(folder):
+        return False
+    try:
+        return _read(folder / PARTIAL)[0] == key
+    except PathError:
+        return False
+
+
+def kept_rows(folder: Path, key: dict) -> list[Row]:
+    """The rows a stopped run of the same command left in ``folder`` (none if it left no
+    file).
+
+    Raises:
+      PathError: the file is not a sweep's rows, or another command's, naming the first
+        setting that differs and the fix.
+    """
+    path = folder / PARTIAL
+    if not path.exists():
+        return []
+    theirs, rows = _read(path)
+    differs = _first_difference(key, theirs)
+    if differs:
+        raise PathError(
+            f"'{path}' holds the rows of a stopped sweep of another command ({differs}); "
+            f"run that command again to finish it, choose another --out, or pass --overwrite "
+            f"to measure these layouts afresh"
+        )
+    return rows
+
+
+def keep(folder: Path, key: dict, rows: list[Row]) -> Path:
+    """Writes ``rows`` (every row measured so far) whole to ``folder``'s partial file."""
+    body = {"format": FORMAT, "key": key, "rows": [dataclasses.asdict(r) for r in rows]}
+    return write_atomic(folder / PARTIAL, json.dumps(body, indent=1) + "\n")
+
+
+def done(folder: Path) -> None:
+    """The sweep's outputs are written: its partial rows are no longer needed."""
+    (folder / PARTIAL).unlink(missing_ok=True)
