@@ -167,7 +167,13 @@ def _profile(tmp_path, **fields):
         ({"domain_devices": 8.5}, "domain_devices=8.5 must be a whole number at least 0"),
         ({"domain_devices": "eight"}, "domain_devices='eight' is not a number"),
         ({"network_latency": -1e-6}, "network_latency=-1e-06 must be a finite number at least 0"),
-        ({"network_bandwidth": 0}, "network_bandwidth=0 must be a finite number above 0"),
+        ({"network_bandwidth": -1}, "network_bandwidth=-1 must be a finite number at least 0"),
+        (
+            {"domain_devices": 8, "network_bandwidth": 0},
+            "domain_devices=8 ends an NVLink domain, so a layout of more chips crosses the "
+            "network: give network_bandwidth (bytes/s per chip, one direction, e.g. 50e9 for "
+            "400 Gb/s InfiniBand), or leave domain_devices out for one domain of every chip",
+        ),
         ({"links": 2.5}, "links=2.5 must be a whole number at least 1"),
         ({"link_efficiency": 1.2}, "link_efficiency=1.2 must be above 0 and at most 1"),
         ({"network_efficiency": 0}, "network_efficiency=0 must be above 0 and at most 1"),
@@ -184,6 +190,27 @@ def test_a_bad_network_field_is_one_line(tmp_path, fields, message):
     with pytest.raises(ConfigError) as err:
         hardware.get_profile("mine", path)
     assert str(err.value) == f"hardware profile 'mine': {message}"
+
+
+def test_a_profile_of_one_domain_needs_no_network(tmp_path):
+    """Without ``domain_devices`` nothing crosses a network, so ``network_bandwidth`` may be
+    left out: the collectives go at NVLink's rate, hidden ones too, as with a network."""
+    path = _profile(tmp_path)
+    entry = yaml.safe_load(path.read_text())
+    del entry["mine"]["network_bandwidth"]
+    path.write_text(yaml.safe_dump(entry))
+    mine = hardware.get_profile("mine", path)
+    assert mine.network_bandwidth == 0
+    terms = [
+        Term("all-reduce", "grads", 1.6 * GB, 16, 1, axes=("data", "fsdp")),
+        Term("all-gather", "weights", 0.8 * GB, 16, 1, axes=("fsdp",), hidden=True),
+    ]
+    got = step_time(mine, 0, 0, terms, _mesh(data=2, fsdp=8), "bfloat16")
+    wide = hardware.get_profile("mine", _profile(tmp_path))  # the same, with a network
+    assert got.comm_s == pytest.approx(2 * 1.6 * GB * 15 / 16 / mine.link_rate)
+    assert got.hidden_s == pytest.approx(0.8 * GB * 15 / 16 / mine.link_rate)
+    same = step_time(wide, 0, 0, terms, _mesh(data=2, fsdp=8), "bfloat16")
+    assert (got.comm_s, got.hidden_s) == (same.comm_s, same.hidden_s)
 
 
 def test_the_network_fields_are_optional_and_load_as_written(tmp_path):

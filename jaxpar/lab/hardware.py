@@ -57,7 +57,6 @@ class Hardware:
     memory_bytes: float
     link_bandwidth: float
     links: int
-    network_bandwidth: float
     collective_latency: float
     source: str = ""
     #: the JAX platform the chip runs (what ``train.grad_bucket_mb=auto`` reads)
@@ -73,6 +72,9 @@ class Hardware:
     #: collective whose group leaves it crosses the network (:mod:`jaxpar.lab.network`).
     #: 0: one domain holds every chip
     domain_devices: int = 0
+    #: bytes/s per chip, one direction, to chips of other domains (its own NIC): needed
+    #: where ``domain_devices`` ends a domain; 0 (left out): one domain holds every chip
+    network_bandwidth: float = 0.0
     #: chips one host (one process of a run) drives: what ``mesh.hosts_*`` count in (8 on
     #: an HGX board, 4 on a GB200 compute tray, whose 18 fill a rack's domain); 0: a host
     #: is a domain
@@ -191,7 +193,15 @@ def load_profiles(extra: str | Path | None = None) -> dict[str, Hardware]:
 
 def _hosts_in_domains(hw: Hardware) -> Hardware:
     """``hw``, whose hosts each lie in one NVLink domain (how the network model places
-    them); a one-line error otherwise."""
+    them) and whose domains, if it ends them, reach each other; a one-line error
+    otherwise."""
+    if hw.domain_devices and not hw.network_bandwidth:
+        raise ConfigError(
+            f"hardware profile '{hw.key}': domain_devices={hw.domain_devices} ends an NVLink "
+            "domain, so a layout of more chips crosses the network: give network_bandwidth "
+            "(bytes/s per chip, one direction, e.g. 50e9 for 400 Gb/s InfiniBand), or leave "
+            "domain_devices out for one domain of every chip"
+        )
     if hw.host_devices and hw.domain_devices and hw.domain_devices % hw.host_devices:
         raise ConfigError(
             f"hardware profile '{hw.key}': host_devices={hw.host_devices} does not divide "
@@ -211,6 +221,7 @@ _OPTIONAL = {
     "latency_per": LATENCY_PER,
     "step_overhead": 0,
     "domain_devices": 0,
+    "network_bandwidth": 0,
     "host_devices": 0,
     "network_latency": 0,
     "matmul_efficiency": None,
@@ -240,7 +251,7 @@ _COUNTS = ("links", "domain_devices", "host_devices")
 
 def _typed(profile: str, field: str, value: object) -> object:
     """A profile value as its field's type (YAML reads ``80.0e9`` as a string)."""
-    if field == "name" or (_OPTIONAL.get(field, ()) is None and field not in _SHARES):
+    if field in ("name", "source"):
         return str(value)
     if field == "fitted":
         if not isinstance(value, bool):

@@ -147,6 +147,12 @@ def _levels(term: Term, where: Placement) -> int:
     return 1 if term.kind == "collective-permute" else math.ceil(math.log2(where.domains))
 
 
+def _seconds(sent: Sequence[float], nvlink: float, nic: float) -> float:
+    """The time of (NVLink bytes, network bytes); a profile of one domain has no network
+    (``nic`` 0), and nothing crosses it."""
+    return sent[0] / nvlink + (sent[1] / nic if sent[1] else 0.0)
+
+
 def step_time(
     hw: Hardware,
     flops: float,
@@ -192,7 +198,7 @@ def step_time(
         if key not in known:
             known[key] = _placements(key, tuple(sizes.items()), hw.domain_devices, placed)
         options = [_bytes(term, p, hw, scale) for p in known[key]]
-        inside, across = max(options, key=lambda b: b[0] / nvlink + b[1] / nic)
+        inside, across = max(options, key=lambda b: _seconds(b, nvlink, nic))
         into = hidden if term.hidden else exposed
         into[0] += inside
         into[1] += across
@@ -204,9 +210,9 @@ def step_time(
     return StepTime(
         compute_s=compute_time(hw, flops, dtype, kernels),
         memory_s=memory_time(hw, traffic_bytes, state_bytes),
-        comm_s=exposed[0] / nvlink + exposed[1] / nic,
+        comm_s=_seconds(exposed, nvlink, nic),
         latency_s=calls * (hw.collective_latency + hw.network_latency * crossing),
-        hidden_s=hidden[0] / nvlink + hidden[1] / nic,
+        hidden_s=_seconds(hidden, nvlink, nic),
         overhead_s=hw.step_overhead,
         elementwise_s=kernels.elementwise_bytes / hw.hbm_bandwidth,
     )
