@@ -101,6 +101,7 @@ TASK = jaxpar.Task(
 )
 
 if __name__ == "__main__":
-    jaxpar.train(
-        jaxpar.load_config([], ["mesh.fsdp=4", "mesh.tensor=2", "train.steps=200"]), task=TASK
-    )
+    with jaxpar.cli.as_command():  # a failure: one line and the command's status (4: resume)
+        jaxpar.train(
+            jaxpar.load_config([], ["mesh.fsdp=4", "mesh.tensor=2", "train.steps=200"]), task=TASK
+        )

@@ -154,9 +154,13 @@ class Checkpointer:
         best_metric: str = "eval_loss",
         best_mode: str = "min",
         verify: bool = True,
+        settings: dict[str, Any] | None = None,
     ):
         self.directory = Path(directory).absolute()
         self.plan = plan
+        #: the run's config as a plain dict (``jaxpar.config.load.to_dict``): a checkpoint
+        #: of another model names the settings it was saved with that differ
+        self.settings = settings
         self.best_metric = best_metric if keep_best else None
         self.async_save = async_save
         self.verify = verify
@@ -305,7 +309,7 @@ class Checkpointer:
         step = self.latest_step() if step is None else step
         if step is None or step not in self.steps():
             raise RestoreError(
-                f"no complete checkpoint {'' if step is None else step} in "
+                f"no complete checkpoint{'' if step is None else f' {step}'} in "
                 f"{self.directory} (have: {self.steps() or 'none'})"
             )
         if self.verify:
@@ -315,7 +319,10 @@ class Checkpointer:
         )
         try:
             verification.check_compatible(
-                self.path(step), self._manager.item_metadata(step).state, target
+                self.path(step),
+                self._manager.item_metadata(step).state,
+                target,
+                lambda: self._saved_with(step),
             )
             restored = self._manager.restore(
                 step,
@@ -330,6 +337,25 @@ class Checkpointer:
             raise verification.unreadable(step, self.path(step), err) from err
         verification.check_finite(step, self.path(step), restored.state)
         return _from_tree(restored.state), dict(restored.meta or {})
+
+    def _saved_with(self, step: int) -> str:
+        """The ``model`` and ``optim`` settings checkpoint ``step`` was saved with that
+        differ from :attr:`settings` (``model.d_ff=512 (this run: 256)``); "" where
+        either is unknown."""
+        try:
+            saved = self._manager.restore(
+                step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+            ).meta["config"]
+        except Exception:  # a checkpoint without its config: the generic advice
+            return ""
+        if not self.settings:
+            return ""
+        return ", ".join(
+            f"{section}.{key}={value} (this run: {self.settings[section].get(key)})"
+            for section in ("model", "optim")
+            for key, value in sorted((saved.get(section) or {}).items())
+            if section in self.settings and value != self.settings[section].get(key)
+        )
 
     def _unverified(self) -> bool:
         """Whether the checkpoint being restored was not checked against a record."""

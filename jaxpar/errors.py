@@ -158,24 +158,31 @@ class UserCodeFailed(JaxparError):
     """
 
     exit_status = USER_CODE
+    #: what the same command does next, as the message says it
+    RESUMES = "it resumes from the last checkpoint"
+    RESTARTS = (
+        "no checkpoint was written, so it starts again from the first step: "
+        "checkpoint.every_steps=N keeps the progress"
+    )
 
-    def __init__(self, what: str, error: BaseException, at: str = ""):
+    def __init__(self, what: str, error: BaseException, at: str = "", then: str = RESUMES):
         first = (str(error).strip().splitlines() or [""])[0]
         super().__init__(
             f"{what} raised {type(error).__name__}{' ' + at if at else ''}: "
-            f"{first or '(no message)'} — fix it and run the same command (it "
-            "resumes from the last checkpoint); JAXPAR_DEBUG=1 shows the "
-            "traceback"
+            f"{first or '(no message)'} — fix it and run the same command ({then}); "
+            "JAXPAR_DEBUG=1 shows the traceback"
         )
         self.what = what
         self.error = error
         self.at = at
+        self.then = then
 
-    def where(self, at: str) -> UserCodeFailed:
-        """This failure, placed ``at`` (when it was not placed yet)."""
-        if self.at:
+    def where(self, at: str = "", then: str = "") -> UserCodeFailed:
+        """This failure, placed ``at`` (when it was not placed yet) and saying ``then``
+        of what the same command does (when given)."""
+        if (self.at or not at) and not then:
             return self
-        placed = UserCodeFailed(self.what, self.error, at)
+        placed = UserCodeFailed(self.what, self.error, self.at or at, then or self.then)
         placed.__cause__ = self.__cause__
         return placed
 

@@ -127,10 +127,15 @@ def spec_for(
             used[axis] = name
         ways = math.prod(mesh.shape[a] for a in axes)
         if size % ways:
+            fix = (  # a batch's rows are the global batch (or a microbatch of it)
+                f"make train.batch_size a multiple of {ways} (each microbatch's, under "
+                "accumulation or a pipeline), or change the mesh degrees"
+                if name == "batch"
+                else "change the mesh degrees, the model size"
+            )
             raise LayoutError(
                 f"{what}: dim {dim} ('{name}', size {size}) of shape {tuple(shape)} is not "
-                f"divisible by mesh axes {axes} of size {ways}; change the mesh degrees, "
-                f"the model size, or the rule rules.{name}"
+                f"divisible by mesh axes {axes} of size {ways}; {fix}, or the rule rules.{name}"
             )
         sharded = tuple(a for a in axes if mesh.shape[a] > 1)
         entries.append(sharded[0] if len(sharded) == 1 else (sharded or None))

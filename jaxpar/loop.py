@@ -10,6 +10,7 @@ on that loop, and so is any hook a user passes or names in ``train.hooks``.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import statistics
 import time
@@ -390,7 +391,7 @@ def _resume_and_fit(run: Run, hooks: Sequence[Hook], say: Any, echo: bool) -> Hi
     ckpt = resume_lib.open_checkpoints(run)
     closed = False
     try:
-        state, start, meta = resume_lib.resume(config, run, ckpt)
+        state, start, meta, source = resume_lib.resume(config, run, ckpt)
         if start >= config.train.steps:
             say(
                 f"jaxpar: the run in {config.run.dir} is finished (step {start} of "
@@ -404,7 +405,7 @@ def _resume_and_fit(run: Run, hooks: Sequence[Hook], say: Any, echo: bool) -> Hi
         try:
             if start:
                 say(
-                    f"jaxpar: resumed from the checkpoint of step {start} in {ckpt.directory}",
+                    f"jaxpar: resumed from the checkpoint of step {start} in {source}",
                     flush=True,
                 )
             run_dir = (
@@ -419,6 +420,12 @@ def _resume_and_fit(run: Run, hooks: Sequence[Hook], say: Any, echo: bool) -> Hi
         with resume_lib.sigterm_checkpoints():  # also while the last save is written
             try:
                 return fit(run, run_dir, state, ckpt, data_state, hooks, stream, echo)
+            except UserCodeFailed as err:
+                with contextlib.suppress(Exception):  # a save in flight (close raises its error)
+                    ckpt.wait()
+                if ckpt.latest_step() is not None:
+                    raise
+                raise err.where(then=UserCodeFailed.RESTARTS) from err.__cause__
             except OSError as err:
                 if err.errno == errno.ENOSPC and not err.filename:  # say where
                     raise OSError(

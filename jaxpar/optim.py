@@ -13,9 +13,11 @@ the optimizer always sees one (already averaged) gradient per step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import typing
 import warnings
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import jax
@@ -159,6 +161,16 @@ def _after_warmup(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     if cfg.schedule == "step":
         return optax.exponential_decay(lr, cfg.step_every, cfg.step_gamma, staircase=True)
     return _rsqrt_after_warmup(lr, cfg.warmup_steps)
+
+
+@contextlib.contextmanager
+def schedule_unread() -> Iterator[None]:
+    """For a command that reads a run's weights and trains nothing (``export``,
+    ``sample``, ``eval``): the schedule's warnings, which speak of training, are left
+    unsaid."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"optim\.warmup_steps=.* is not shorter than")
+        yield
 
 
 def resolve_warmup(cfg: OptimConfig, total_steps: int) -> int:

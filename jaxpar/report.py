@@ -272,7 +272,8 @@ def format_report(run: Run, totals: Totals) -> str:
     lines += _stage_lines(totals.stages)
     if unnamed:
         lines.append(
-            f"note: {len(unnamed)} parameters carry no logical axes and are replicated "
+            f"note: {len(unnamed)} parameter{'s carry' if len(unnamed) != 1 else ' carries'} no "
+            f"logical axes and {'are' if len(unnamed) != 1 else 'is'} replicated "
             "(annotate them with nnx.with_partitioning to shard them)"
         )
     return "\n".join(lines + _opt_note(plan))

@@ -32,6 +32,7 @@ from jaxpar.data.token_file import open_tokens, tokenizer_of
 from jaxpar.data.tokenizers import HFTokenizer
 from jaxpar.errors import ConfigError, CorruptCheckpoint, PathError, RestoreError
 from jaxpar.files import check_output_file, ensure_dir, with_path
+from jaxpar.optim import schedule_unread
 from jaxpar.outputs import check_new_file, check_new_folder
 from jaxpar.run import Run, build, eval_metric_names, host_value, to_host
 from jaxpar.state import TrainState
@@ -141,6 +142,7 @@ def open_checkpoints(run: Run) -> Checkpointer:
         best_metric=cfg.best_metric,
         best_mode=cfg.best_mode,
         verify=cfg.verify,
+        settings=config_lib.to_dict(run.config),
     )
 
 
@@ -157,9 +159,10 @@ def _check_seed(config: Config, meta: dict[str, Any], where: Path) -> None:
 
 def resume(
     config: Config, run: Run, ckpt: Checkpointer
-) -> tuple[TrainState | None, int, dict[str, Any]]:
-    """The state to start from, its step and its checkpoint's JSON item (``{}`` for a
-    fresh start), per ``checkpoint.resume``.
+) -> tuple[TrainState | None, int, dict[str, Any], Path]:
+    """The state to start from, its step, its checkpoint's JSON item (``{}`` for a fresh
+    start) and the folder of checkpoints it came from (``ckpt``'s, or the one
+    ``checkpoint.resume`` names), per ``checkpoint.resume``.
 
     Raises:
       RestoreError: for a step or path that holds no complete checkpoint, or a
@@ -173,24 +176,24 @@ def resume(
                 "checkpoint.resume=never: use a new run.dir or checkpoint.dir, or "
                 "checkpoint.resume=auto to continue"
             )
-        return None, 0, {}
+        return None, 0, {}, ckpt.directory
+    source = ckpt
     if how == "auto":
         if ckpt.latest_step() is None:
-            return None, 0, {}
+            return None, 0, {}, ckpt.directory
         state, meta = newest_verified(ckpt)
         _check_seed(config, meta, ckpt.directory)
     elif how.isdigit():
         state, meta = _restore_named(ckpt, int(how), f"checkpoint.resume={how}")
         _check_seed(config, meta, ckpt.directory)
     else:
-        path = Path(how)
-        if not path.exists():
-            raise RestoreError(f"checkpoint.resume={how}: no such checkpoint directory")
+        path = _checkpoint_path(how)
         source = Checkpointer(
             path.parent if path.name.isdigit() else path,
             run.plan,
             keep=config.checkpoint.keep,
             verify=config.checkpoint.verify,
+            settings=config_lib.to_dict(config),
         )
         try:
             state, meta = _restore_named(
@@ -198,7 +201,32 @@ def resume(
             )
         finally:
             source.close()
-    return state, int(host_value(state.step)), meta
+    return state, int(host_value(state.step)), meta, source.directory
+
+
+def _checkpoint_path(how: str) -> Path:
+    """The path ``checkpoint.resume`` names: a checkpoint (``…/checkpoints/200``) or a
+    folder of them (its newest).
+
+    Raises:
+      RestoreError: for a path that does not exist, or a run dir (naming its checkpoints).
+    """
+    path = Path(how)
+    if not path.exists():
+        raise RestoreError(
+            f"checkpoint.resume={how}: no such checkpoint directory; give auto, never, a step "
+            "number or a checkpoint's path (RUN_DIR/checkpoints/STEP)"
+        )
+    held = sorted(
+        (int(p.name) for p in (path / "checkpoints").glob("*") if p.name.isdigit()), reverse=True
+    )
+    if held:
+        raise RestoreError(
+            f"checkpoint.resume={how} is a run directory; name one of its checkpoints, e.g. "
+            f"checkpoint.resume={path / 'checkpoints' / str(held[0])} (its newest), or the "
+            f"folder checkpoint.resume={path / 'checkpoints'} for its newest complete one"
+        )
+    return path
 
 
 def _restore_named(
@@ -285,7 +313,12 @@ def restore_state(run: Run, step: int | None, command: str) -> TrainState:
         not fit the model.
     """
     config = run.config
-    ckpt = Checkpointer(checkpoint_dir(config), run.plan, verify=config.checkpoint.verify)
+    ckpt = Checkpointer(
+        checkpoint_dir(config),
+        run.plan,
+        verify=config.checkpoint.verify,
+        settings=config_lib.to_dict(config),
+    )
     try:
         state, _ = _restore_named(
             ckpt, step, command + (f" --step {step}" if step is not None else "")
@@ -334,7 +367,9 @@ def export_params(
     else:
         out = check_output_file(out, "--out")
     config = _without_init_from(config) if task is None else config
-    state = restore_state(build(config, task, fit_memory=True), step, "jaxpar export")
+    with schedule_unread():
+        run = build(config, task, fit_memory=True)
+    state = restore_state(run, step, "jaxpar export")
     params = jax.tree.map(host_value, state.params)
     if jax.process_index() == 0:
         if format == "hf":

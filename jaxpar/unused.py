@@ -107,26 +107,45 @@ def _fp8_keys(model: Any) -> list[str]:
 
 
 def warn_unused(config: Config, **run: bool) -> None:
-    """Warns once per key that is set but has no effect (STYLE: never silently ignore);
-    ``run`` says what the run brings itself (see :func:`unused_settings`)."""
-    why = {
-        "user_task": "the task is a user's (its model is its own)",
-        "own_data": "the task brings its own data",
-        "own_optimizer": "the run brings its own Optax optimizer",
-    }
-    context = [why[k] for k, on in run.items() if on]
-    if not run.get("user_task"):
-        context.append(
-            f"model.name={config.family.name}, optim.name={config.optim.name}, "
-            f"optim.schedule={config.optim.schedule}, mesh.stage="
-            f"{config.mesh.stage}, mesh.context={config.mesh.context}, mesh.tensor="
-            f"{config.mesh.tensor}, checkpoint.keep_best={config.checkpoint.keep_best}"
+    """Warns once per key that is set but has no effect (STYLE: never silently ignore),
+    each with its own reason; ``run`` says what the run brings itself (see
+    :func:`unused_settings`)."""
+    for key in unused_settings(config, **run):
+        warnings.warn(
+            f"config key '{key}' has no effect with {_reason(key, config, run)}", stacklevel=2
         )
-    unused = unused_settings(config, **run)
-    if any(k.startswith("model.fp8_") for k in unused) and not run.get("user_task"):
-        context.append(
-            f"model.precision={config.model.precision}, "
-            f"model.fp8_scaling={getattr(config.model, 'fp8_scaling', None)}"
-        )
-    for key in unused:
-        warnings.warn(f"config key '{key}' has no effect with {'; '.join(context)}", stacklevel=2)
+
+
+#: the setting whose choice leaves a section's (or a key's) other settings unread
+_BECAUSE = {
+    "pipeline": ("mesh.stage",),
+    "context": ("mesh.context",),
+    "tensor": ("mesh.tensor",),
+    "checkpoint": ("checkpoint.keep_best",),
+    "model": ("model.name",),
+    "data": ("model.name", "data.dataset", "data.path"),
+    "optim": ("optim.name", "optim.schedule"),
+    "model.fp8": ("model.precision", "model.fp8_scaling"),
+}
+
+
+def _reason(key: str, config: Config, run: dict[str, bool]) -> str:
+    """Why ``key`` has no effect: what the run brings itself, else the settings whose
+    choice leaves it unread (``pipeline.microbatches`` … with mesh.stage=1)."""
+    section = key.split(".", 1)[0]
+    if section == "model" and run.get("user_task"):
+        return "a user's task, whose model is its own"
+    if section == "data" and run.get("own_data"):
+        return "a task that brings its own data"
+    if section == "optim" and run.get("own_optimizer"):
+        return "a run that brings its own Optax optimizer"
+    because = _BECAUSE["model.fp8" if key.startswith("model.fp8_") else section]
+    return ", ".join(f"{k}={_value(config, k)}" for k in because if k != key)
+
+
+def _value(config: Config, dotted: str) -> Any:
+    if dotted == "model.name":
+        return config.family.name
+    section, key = dotted.split(".")
+    value = getattr(getattr(config, section), key, None)
+    return value if value not in ("", None) else "none"

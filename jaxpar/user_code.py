@@ -74,13 +74,17 @@ def _frames(err: BaseException) -> list[Any]:
     return list(traceback.extract_tb(err.__traceback__))
 
 
+#: what a spec of each kind looks like (the hint of a missing file's error)
+_EXAMPLES = {"train.hooks": "my_hooks.py:Upload (a jaxpar.Hook subclass)"}
+
+
 def _module(where: str, what: str) -> ModuleType:
     if where.endswith(".py") or "/" in where or "\\" in where:
         path = Path(where)
         if not path.is_file():
             raise TaskError(
                 f"{what} file '{where}' does not exist; give the path of a Python "
-                "file, e.g. examples/research_cnn.py:TASK"
+                f"file, e.g. {_EXAMPLES.get(what, 'examples/research_cnn.py:TASK')}"
             )
         return _import_file(path.resolve(), what)
     try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +59,12 @@ def check_verified(
         )
 
 
-def check_compatible(step_dir: Path, stored: Any, target: dict[str, Any]) -> None:
+def check_compatible(
+    step_dir: Path, stored: Any, target: dict[str, Any], saved_with: Callable[[], str] = str
+) -> None:
     """Compares the paths, shapes and dtypes of the checkpoint in ``step_dir`` (``stored``: its
-    Orbax metadata) with the restore ``target``.
+    Orbax metadata) with the restore ``target``; ``saved_with`` names the settings the
+    checkpoint was saved with that differ from the run's ("" where unknown).
 
     Raises:
       RestoreError: listing the mismatches, the parameters first.
@@ -83,11 +87,17 @@ def check_compatible(step_dir: Path, stored: Any, target: dict[str, Any]) -> Non
         problems[p] for p in sorted(problems, key=lambda p: (not p.startswith("params"), p))
     ]  # the parameters first: they say the most
     if problems:
+        differ = saved_with()
+        settings = (
+            f"the settings it was saved with: {differ}"
+            if differ
+            else "the settings it was saved with (a run dir's config.yaml edited by hand no "
+            "longer holds them)"
+        )
         raise RestoreError(
             f"checkpoint {step_dir} does not fit this model/optimizer "
-            f"({len(problems)} mismatches: {integrity.summarize(problems, 6)}); run with the "
-            "settings it was saved with (a run dir's config.yaml edited by hand no longer "
-            "holds them), or start afresh in a new run.dir"
+            f"({len(problems)} mismatches: {integrity.summarize(problems, 6)}); run with "
+            f"{settings}, or start afresh in a new run.dir"
         )
 
 

@@ -21,6 +21,7 @@ import optax
 from jaxpar import hf
 from jaxpar.config import Config, apply_overrides, load_config
 from jaxpar.errors import ConfigError, PathError
+from jaxpar.optim import schedule_unread
 from jaxpar.resume import checkpoint_dir, restore_state
 from jaxpar.run import Run, build
 from jaxpar.state import TrainState
@@ -155,9 +156,10 @@ def shorter_sequences(config: Config) -> list[str]:
 def build_source(source: Source) -> Run:
     """The run of a source. A folder's run gets no optimizer state (its weights are only
     read); a run dir's keeps its optimizer, whose state its checkpoints hold."""
-    if source.folder is None:
-        return build(source.config, fit_memory=True)
-    return build(source.config, optimizer=optax.identity(), fit_memory=True)
+    with schedule_unread():
+        if source.folder is None:
+            return build(source.config, fit_memory=True)
+        return build(source.config, optimizer=optax.identity(), fit_memory=True)
 
 
 def state_of(run: Run, source: Source, step: int | None, command: str) -> TrainState:

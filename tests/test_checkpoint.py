@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import jax
@@ -14,6 +15,7 @@ import pytest
 
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import load_config
+from jaxpar.config.load import to_dict
 from jaxpar.run import build
 from jaxpar.sharding import path_str
 from tests.helpers import GPT_SMALL, child_env
@@ -106,7 +108,7 @@ def saved_run(tmp_path_factory):
     state = run.trainer.init()
     state, _ = run.trainer.step(state, run.trainer.shard_batch(run.data.batch(0, 16)))
     ckpt = Checkpointer(directory / "ckpt", run.plan)
-    ckpt.save(1, state, {"step": 1})
+    ckpt.save(1, state, {"step": 1, "config": to_dict(run.config)})  # as a run saves it
     ckpt.close()
     return directory, [np.asarray(x) for x in jax.tree.leaves(state)]
 
@@ -155,9 +157,17 @@ def test_incompatible_checkpoint_names_the_mismatches_in_one_line(saved_run):
     assert "params/head: in the checkpoint ((32, 256), 'float32') but not in the model" in text
     # clip, then adamw (inject_hyperparams' inner state: scale_by_adam's mu, …)
     assert "opt_state/1/inner_state/0/mu/blocks/b_in: checkpoint ((2, 64), 'float32')" in text
+    # given the run's settings, the fix names those the checkpoint was saved with
+    settings = to_dict(run.config)
+    with pytest.raises(ValueError) as err:
+        Checkpointer(directory / "ckpt", run.plan, settings=settings).restore()
+    assert str(err.value).endswith(
+        "and 6 more); run with the settings it was saved with: model.d_ff=64 (this run: "
+        "128), model.tie_embeddings=False (this run: True), or start afresh in a new run.dir"
+    )
 
 
-def test_resume_settings(tmp_path):
+def test_resume_settings(tmp_path, capsys):
     """never refuses to overwrite; a step or a path picks that checkpoint; a missing one errors."""
     from jaxpar.cli import main
 
@@ -166,7 +176,24 @@ def test_resume_settings(tmp_path):
     assert main(["train", *base, "checkpoint.resume=never"]) == 2
     assert main(["train", *base, "checkpoint.resume=3"]) == 2  # saved: 2 and 4
     other = [*RESUMABLE, "train.steps=8", f"run.dir={tmp_path / 'b'}"]
+    capsys.readouterr()
+    # a run dir or a word is refused naming what to give
+    assert main(["train", *other, f"checkpoint.resume={tmp_path / 'a'}"]) == 2
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith(
+            f"is a run directory; name one of its checkpoints, e.g. checkpoint.resume="
+            f"{tmp_path / 'a' / 'checkpoints' / '4'} (its newest), or the folder "
+            f"checkpoint.resume={tmp_path / 'a' / 'checkpoints'} for its newest complete one"
+        )
+    )
+    assert main(["train", *other, "checkpoint.resume=latest"]) == 2
+    assert "give auto, never, a step number or a checkpoint's path" in capsys.readouterr().err
     assert main(["train", *other, f"checkpoint.resume={tmp_path / 'a' / 'checkpoints' / '2'}"]) == 0
+    # the checkpoint it came from, not the new run's empty folder
+    said = f"resumed from the checkpoint of step 2 in {tmp_path / 'a' / 'checkpoints'}"
+    assert said in capsys.readouterr().out
     assert [s for s, _ in losses(tmp_path / "b")] == list(range(3, 9))
     assert losses(tmp_path / "b")[:2] == losses(tmp_path / "a")[2:4]
 
@@ -249,20 +276,21 @@ def test_checkpoint_reads_with_plain_orbax_and_exports(tmp_path, saved_run):
     np.testing.assert_array_equal(plain["w_in"], w_in)
     assert int(plain["step"]) == 1
     out = tmp_path / "params.npz"
-    assert (
-        main(
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        code = main(
             [
                 "export",
                 *GPT_SMALL,
                 "mesh.data=1",
                 "mesh.fsdp=8",
+                "optim.warmup_steps=1000",  # a training setting: an export says nothing of it
                 f"checkpoint.dir={directory / 'ckpt'}",
                 "--out",
                 str(out),
             ]
         )
-        == 0
-    )
+    assert code == 0 and not [w for w in caught if "warmup" in str(w.message)]
     exported = np.load(out)
     np.testing.assert_array_equal(exported["blocks/w_in"], w_in)
     expected = {path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(run.plan.model.params)}

@@ -144,6 +144,17 @@ def test_unknown_section_suggests_closest():
     assert "did you mean 'optim'" in msg
 
 
+@pytest.mark.parametrize(
+    "override,key", [("eval.every=5", "train.eval_every"), ("eval.batches=2", "train.eval_batches")]
+)
+def test_a_section_that_is_another_sections_key_names_that_key(override, key):
+    """``eval.every`` (no ``eval`` section) points at ``train.eval_every``, not at the
+    closest section's name (it said ``model``)."""
+    with pytest.raises(ValueError) as err:
+        load_config([], [override])
+    assert str(err.value).startswith(f"unknown config section 'eval': did you mean '{key}'?")
+
+
 def test_section_must_be_mapping(tmp_path):
     path = _write(tmp_path / "a.yaml", {"train": 3})
     with pytest.raises(ValueError, match="train"):

@@ -273,6 +273,26 @@ def test_seq_len_longer_than_split(tmp_path):
     assert data.batch(0, 1, "eval")["tokens"].shape == (1, 20)
 
 
+def test_a_held_out_split_smaller_than_a_batch_is_refused_before_training(tmp_path, capsys):
+    """An eval split of fewer windows than one batch is refused before the first step (it
+    was refused at the first evaluation, after train.eval_every steps and with nothing
+    saved), in one line naming the split and the fixes."""
+    from jaxpar.cli import main
+
+    path = tmp_path / "notes.txt"
+    path.write_bytes(bytes(range(32, 127)) * 22)  # 2,090 tokens: 209 held out, 13 windows of 17
+    run = tmp_path / "run"
+    command = ["train", *GPT_SMALL, f"data.path={path}", "train.steps=2", f"run.dir={run}"]
+    assert main(command) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (
+        f"jaxpar: error: the held-out split of '{path}' has 13 examples, fewer than one "
+        "batch of train.batch_size=16; raise data.eval_fraction, lower train.batch_size, or "
+        "set train.eval_every=0 to train without evaluating"
+    )
+    assert not (run / "metrics.jsonl").exists()
+
+
 def test_seq_len_longer_than_the_builtin_corpus():
     with pytest.raises(ValueError) as err:
         load_data(_data(seq_len=1_000_000), _model(), seed=0)

@@ -253,7 +253,7 @@ def test_chat_mask_covers_exactly_the_assistant_messages(chat_folder, tmp_path):
         (
             [{"prompt": "a", "completion": 3}],
             "prompt_completion",
-            "field 'completion' is a int, not a str",
+            "field 'completion' is a number, not a string",
         ),
         (
             [{"prompt": "a", "completion": ""}],

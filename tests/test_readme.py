@@ -93,6 +93,18 @@ def test_readme_lists_the_quickstart_and_layout_commands():
         assert expected in commands
 
 
+def test_readme_names_every_config_section_and_no_other():
+    """The README's list of sections is the config's (it named an ``eval`` section that
+    does not exist, and left out ``tensor``)."""
+    import dataclasses
+
+    from jaxpar.config import Config
+
+    text = (REPO / "README.md").read_text()
+    listed = re.search(r"Sections: ((?:`\w+`,?\s*)+)", text).group(1)
+    assert set(re.findall(r"`(\w+)`", listed)) == {f.name for f in dataclasses.fields(Config)}
+
+
 # heavy (67 s, one compile per README layout): each layout trains against one device in the
 # suite (tests/test_equivalence.py, test_pipeline.py, test_research.py) and `jaxpar train`
 # alone runs as from a fresh shell in tests/test_cli.py; this runs them as pasted.

@@ -401,7 +401,7 @@ def test_a_record_without_the_field_names_the_fields_that_exist(tmp_path):
     assert "'id', 'text'" in message
 
 
-@pytest.mark.parametrize("value,what", [(3, "a int"), (None, "null"), (["a"], "a list")])
+@pytest.mark.parametrize("value,what", [(3, "a number"), (None, "null"), (["a"], "an array")])
 def test_a_field_that_is_not_a_string(tmp_path, value, what):
     path = _jsonl(tmp_path / "d.jsonl", [{"text": "ok"}, {"text": value}])
     _fails(tmp_path, [path], f"{path}:2: field 'text' is {what}, not a string")

@@ -134,6 +134,22 @@ def test_indivisible_dim_names_parameter_shape_and_axis_size():
         _run("mesh.data=1", "mesh.tensor=8")
 
 
+def test_a_batch_the_devices_do_not_divide_names_train_batch_size():
+    """A batch entry's rows name the setting that sets them, not the model's size."""
+    from jaxpar.config import MeshConfig, RulesConfig
+    from jaxpar.logical import spec_for
+    from jaxpar.mesh import make_mesh
+    from jaxpar.rules import resolve_rules
+
+    rules, mesh = resolve_rules(RulesConfig()), make_mesh(MeshConfig(data=8))
+    with pytest.raises(ValueError) as err:
+        spec_for(("batch", None), rules, mesh, (12, 20), "batch 'x'")
+    assert str(err.value).endswith(
+        "of size 8; make train.batch_size a multiple of 8 (each microbatch's, under "
+        "accumulation or a pipeline), or change the mesh degrees, or the rule rules.batch"
+    )
+
+
 def test_indivisible_heads_error():
     with pytest.raises(ValueError, match=r"'heads', size 4.*not divisible.*size 8"):
         _run("mesh.data=1", "mesh.tensor=8", "rules.embed=null")

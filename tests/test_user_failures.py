@@ -68,6 +68,12 @@ FIX = (
     "fix it and run the same command (it resumes from the last checkpoint); "
     "JAXPAR_DEBUG=1 shows the traceback"
 )
+#: where no checkpoint was written (train.steps=2, none saved before the failure)
+AGAIN = (
+    "fix it and run the same command (no checkpoint was written, so it starts again from "
+    "the first step: checkpoint.every_steps=N keeps the progress); JAXPAR_DEBUG=1 shows the "
+    "traceback"
+)
 MUST = (
     "loss_fn must return (loss, metrics): a scalar loss (average the per-example losses, "
     "e.g. loss.mean()) and a dict of scalar metrics ({} for none)"
@@ -107,7 +113,7 @@ def _steps(run_dir: Path) -> list[int]:
         (
             "RAISING",
             1,
-            "loss_fn (my_tasks.py:raising) raised KeyError at step 1: 'no such entry' — " + FIX,
+            "loss_fn (my_tasks.py:raising) raised KeyError at step 1: 'no such entry' — " + AGAIN,
         ),
     ],
 )
@@ -162,17 +168,22 @@ def test_a_per_example_loss_from_the_stages_head_is_refused_before_a_step(
 
 
 @pytest.mark.parametrize(
-    "hook,line",
+    "hook,line,fix",
     [
-        ("Upload", "hook my_tasks.py:Upload.on_save raised ValueError at step 2: upload failed"),
+        (
+            "Upload",
+            "hook my_tasks.py:Upload.on_save raised ValueError at step 2: upload failed",
+            FIX,  # step 2's checkpoint was written (on_save: its write is under way)
+        ),
         (
             "Start",
             "hook my_tasks.py:Start.on_start raised OSError before the first step: no tracker",
+            AGAIN,
         ),
     ],
 )
 def test_a_hook_that_raises_is_one_line_naming_its_class_and_event(
-    tmp_path, capsys, tasks, hook, line
+    tmp_path, capsys, tasks, hook, line, fix
 ):
     assert (
         main(
@@ -188,7 +199,7 @@ def test_a_hook_that_raises_is_one_line_naming_its_class_and_event(
         )
         == 1
     )
-    assert _err(capsys) == f"jaxpar: error: {line} — {FIX}"
+    assert _err(capsys) == f"jaxpar: error: {line} — {fix}"
 
 
 def test_a_data_function_that_raises_is_one_line_and_the_run_resumes(

@@ -5,6 +5,7 @@ RNG counts included), restore onto another layout, hooks, and one-line errors.""
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -187,6 +188,22 @@ def test_hooks_see_every_step_exactly_once_across_a_preemption_and_resume(tmp_pa
     assert [r["step"] for r in history.train_rows] == list(range(stopped_at + 1, 13))
     logged = [r["step"] for r in rows(tmp_path) if "loss" in r]
     assert logged == list(range(1, 13))  # metrics.jsonl: each step once
+
+
+def test_a_script_under_as_command_ends_as_the_command_does(tmp_path, capsys):
+    """``jaxpar.cli.as_command`` around a script's ``jaxpar.train``: a SIGTERM ends it with
+    the command's one line and status 4 (a traceback and 1 without it), bad input with 2."""
+    from jaxpar.cli import as_command
+
+    with pytest.raises(SystemExit) as end, as_command():
+        jaxpar.train(_config(tmp_path, 12), task=TASK, hooks=[StopAt(2)], echo=False)
+    err = capsys.readouterr().err.strip()
+    assert end.value.code == 4 and "\n" not in err
+    assert re.match(r"jaxpar: preempted \(SIGTERM\): checkpoint of step \d+ written to ", err)
+    with pytest.raises(SystemExit) as end, as_command():
+        load_config([], ["train.setps=3"])
+    err = capsys.readouterr().err.strip()
+    assert end.value.code == 2 and err.startswith("jaxpar: error: ") and "train.steps" in err
 
 
 def test_hooks_named_in_config(tmp_path):
@@ -401,9 +418,13 @@ def test_optimizer_and_data_keys_that_the_task_overrides_warn():
             ),
             TASK,
         )
-    text = " ".join(str(w.message) for w in caught)
-    assert "'optim.lr' has no effect" in text and "its own Optax optimizer" in text
-    assert "'data.seq_len' has no effect" in text and "'model.d_model' has no effect" in text
+    said = {str(w.message) for w in caught if "has no effect" in str(w.message)}
+    # each key with its own reason (all of them were said of every key)
+    assert said == {
+        "config key 'optim.lr' has no effect with a run that brings its own Optax optimizer",
+        "config key 'data.seq_len' has no effect with a task that brings its own data",
+        "config key 'model.d_model' has no effect with a user's task, whose model is its own",
+    }
 
 
 def test_layout_lab_measures_a_users_task(tmp_path, capsys):

@@ -16,13 +16,15 @@ if signals.is_command():  # before the imports below (E402 is waived for this fi
     signals.guard_imports()
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import os
 import sys
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from jaxpar.cli.failures import failure_of, internal, one_line_reports
 from jaxpar.cli.lab_commands import estimated, run_plan, run_sweep
@@ -340,36 +342,56 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit:
         raise
     except BaseException as err:
-        signals.clear()
-        failure = failure_of(err)
-        if failure is None:
-            failure = internal(err, debug)
-        elif debug:
-            traceback.print_exc()
-        status, message = failure
-        if isinstance(err, (KeyboardInterrupt, Terminated)) and args.command not in (
-            "train",
-            "launch",
-            "prepare-data",
-        ):  # those say what they kept
-            message = signals.stopped_line(err, args.command)
-        print(message, file=sys.stderr, flush=True)
-        return status
+        return _report(err, debug, args.command)
     return 0
 
 
-def console() -> None:
-    """The ``jaxpar`` command (and ``python -m jaxpar``): :func:`main`, then exit with its
-    status. After a failed checkpoint write the process ends without Python's shutdown,
-    where the writer's leftover background tasks (tensorstore, asyncio) would print
-    tracebacks about their closed event loop after the one-line report; so it does after a
-    stop signal in a single process, where shutdown would wait for the compilations XLA's
-    threads still run (or crash in them: exit 139, not 143).
+def _report(err: BaseException, debug: bool, command: str = "train") -> int:
+    """Prints ``err``'s one line (and with ``debug`` its traceback); its exit status."""
+    signals.clear()
+    failure = failure_of(err)
+    if failure is None:
+        failure = internal(err, debug)
+    elif debug:
+        traceback.print_exc()
+    status, message = failure
+    if isinstance(err, (KeyboardInterrupt, Terminated)) and command not in (
+        "train",
+        "launch",
+        "prepare-data",
+    ):  # those say what they kept
+        message = signals.stopped_line(err, command)
+    print(message, file=sys.stderr, flush=True)
+    return status
 
-    The start-up signal handlers are installed by this module's first statement, when the
-    process is the command; here again for a caller that named this function itself."""
-    signals.guard_imports()
-    status = main()
+
+@contextlib.contextmanager
+def as_command() -> Iterator[None]:
+    """A research script's end as ``jaxpar train``'s: a failure inside the block prints
+    its one line and exits with the command's status (4 after a SIGTERM or a first Ctrl-C
+    with the checkpoint written, 2 for bad input, 70 for a bug, … : docs/failures.md), so
+    a job script acts on it as on the command's::
+
+        with jaxpar.cli.as_command():
+            jaxpar.train(config, task=TASK)
+
+    ``JAXPAR_DEBUG=1`` prints the traceback too."""
+    debug = os.environ.get("JAXPAR_DEBUG", "") not in ("", "0")
+    try:
+        with one_line_reports(debug):
+            yield
+    except SystemExit:
+        raise
+    except BaseException as err:
+        _exit(_report(err, debug))
+
+
+def _exit(status: int) -> NoReturn:
+    """Ends the process with ``status``. After a failed checkpoint write the process ends
+    without Python's shutdown, where the writer's leftover background tasks (tensorstore,
+    asyncio) would print tracebacks about their closed event loop after the one-line
+    report; so it does after a stop signal in a single process, where shutdown would wait
+    for the compilations XLA's threads still run (or crash in them: exit 139, not 143)."""
     quiet = os.environ.get("JAXPAR_DEBUG", "") in ("", "0")
     if (status == WRITE_FAILED and quiet) or (
         status in (INTERRUPTED, TERMINATED) and not _distributed()
@@ -378,6 +400,16 @@ def console() -> None:
         sys.stderr.flush()
         os._exit(status)
     sys.exit(status)
+
+
+def console() -> None:
+    """The ``jaxpar`` command (and ``python -m jaxpar``): :func:`main`, then exit with its
+    status (:func:`_exit`).
+
+    The start-up signal handlers are installed by this module's first statement, when the
+    process is the command; here again for a caller that named this function itself."""
+    signals.guard_imports()
+    _exit(main())
 
 
 def _distributed() -> bool:

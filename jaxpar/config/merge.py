@@ -42,6 +42,21 @@ def _merge_section(section: str, current: Any, raw: Any) -> Any:
     return dataclasses.replace(current, **updates)  # validates: one line naming the key
 
 
+def _elsewhere(config: Config, name: str, body: Any) -> str:
+    """The hint for an unknown section ``name``: the key of another section its key names
+    (``eval.every`` → ``train.eval_every``), else the closest section."""
+    sections = [f.name for f in dataclasses.fields(Config)]
+    for key in body if isinstance(body, dict) else ():
+        for section in sections:
+            fields = {f.name for f in dataclasses.fields(getattr(config, section))}
+            for field in (f"{name}_{key}", f"{key}_{name}"):
+                if field in fields:
+                    return (
+                        f"did you mean '{section}.{field}'? sections: {', '.join(sorted(sections))}"
+                    )
+    return schema.closest(str(name), sections, label="sections:")
+
+
 def merge(config: Config, raw: dict[str, Any]) -> Config:
     """``config`` updated by a nested mapping (as read from YAML), each section validated:
     a :class:`ConfigError` for an unknown section or key (naming the closest), a bad value."""
@@ -49,10 +64,7 @@ def merge(config: Config, raw: dict[str, Any]) -> Config:
     updates = {}
     for name, body in (raw or {}).items():
         if name not in sections:
-            raise ConfigError(
-                f"unknown config section '{name}': "
-                f"{schema.closest(str(name), sections, label='sections:')}"
-            )
+            raise ConfigError(f"unknown config section '{name}': {_elsewhere(config, name, body)}")
         updates[name] = _merge_section(name, updates.get(name, getattr(config, name)), body)
     return dataclasses.replace(config, **updates)
 

@@ -36,7 +36,7 @@ import numpy as np
 
 from jaxpar.data.inputs import check_not_an_input, find_inputs
 from jaxpar.data.prepare import _check_length, _check_nonempty, _entry, _metadata
-from jaxpar.data.records import Document, read_records
+from jaxpar.data.records import JSON_KINDS, Document, json_kind, read_records
 from jaxpar.data.token_file import TokenFile, meta_path_of, open_tokens, token_dtype
 from jaxpar.data.tokenizers import HFTokenizer, Separators, Tokenizer, load_tokenizer, separators
 from jaxpar.errors import DataError
@@ -87,8 +87,8 @@ def _field(record: dict[str, Any], key: str, flag: str, where: str, kind: type) 
     value = record[key]
     if not isinstance(value, kind):
         raise DataError(
-            f"{where}: field '{key}' is a {type(value).__name__}, not a "
-            f"{kind.__name__}; set --{flag} to the right field, or fix the record"
+            f"{where}: field '{key}' is {json_kind(value)}, not {JSON_KINDS[kind]}; set "
+            f"--{flag} to the right field, or fix the record"
         )
     return value
 

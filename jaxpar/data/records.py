@@ -236,11 +236,27 @@ def _field(record: dict[str, Any], key: str, where: str) -> Any:
     return record[key]
 
 
+#: what a record's value is, in JSON's words
+JSON_KINDS = {
+    type(None): "null",
+    bool: "a boolean",
+    int: "a number",
+    float: "a number",
+    str: "a string",
+    list: "an array",
+    dict: "an object",
+}
+
+
+def json_kind(value: Any) -> str:
+    """``value``'s kind as JSON names it ("a number", "an array", …)."""
+    return JSON_KINDS.get(type(value), f"a {type(value).__name__}")
+
+
 def _utf8(text: Any, key: str, where: str) -> bytes:
     if not isinstance(text, str):
-        what = "null" if text is None else f"a {type(text).__name__}"
         raise DataError(
-            f"{where}: field '{key}' is {what}, not a string; set --text-key "
+            f"{where}: field '{key}' is {json_kind(text)}, not a string; set --text-key "
             "(data.text_key) to a text field, or fix the record"
         )
     try:

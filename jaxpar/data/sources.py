@@ -83,6 +83,13 @@ class Data(RowShare):
 
     def batch(self, index: int, batch_size: int, split: str = "train") -> dict[str, np.ndarray]:
         if split == "eval":
+            if len(self.eval) < batch_size:
+                raise DataError(
+                    f"the held-out split of '{self.name}' has {len(self.eval)} examples, fewer "
+                    f"than one batch of train.batch_size={batch_size}; raise "
+                    f"data.eval_fraction, lower train.batch_size, or set train.eval_every=0 "
+                    f"to train without evaluating"
+                )
             cached = self._eval.get(batch_size, [])
             if len(cached) <= index:
                 cached = self._eval[batch_size] = fixed_batches(

@@ -14,6 +14,12 @@ class Evaluation(Hook):
     """Evaluates the state after each eval step on ``train.eval_batches`` held-out batches
     in NNX's evaluation mode (no dropout, BatchNorm's running averages)."""
 
+    def on_start(self, ctx: Context) -> None:
+        """Held-out data that cannot give a batch is refused before the first step, not
+        after ``train.eval_every`` steps of training (its first batch, computed once)."""
+        if ctx.can_evaluate and ctx.config.train.eval_every and ctx.first_step <= ctx.last_step:
+            ctx.run.data.batch(0, ctx.config.train.batch_size, "eval")
+
     def on_state(self, ctx: Context, step: int) -> None:
         if ctx.can_evaluate and is_eval_step(step, ctx.config.train):
             ctx.evaluate(step)

@@ -114,7 +114,8 @@ def warn_unnamed(paths: tuple[str, ...]) -> None:
     """Says which parameters carry no logical names (they are replicated on every device)."""
     shown = ", ".join(paths[:6]) + (f" and {len(paths) - 6} more" if len(paths) > 6 else "")
     warnings.warn(
-        f"{len(paths)} parameter{'s' * (len(paths) != 1)} carry no logical axes and are "
+        f"{len(paths)} parameter{'s carry' if len(paths) != 1 else ' carries'} no logical axes "
+        f"and {'are' if len(paths) != 1 else 'is'} "
         f"replicated on every device: {shown}; to shard them, annotate them "
         "(kernel_init=nnx.with_partitioning(init, ('embed', 'mlp')) or nnx.Param(value, "
         "out_sharding=(...))) or give the Task path_rules",
