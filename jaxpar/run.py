@@ -152,7 +152,11 @@ def build(
         config = dataclasses.replace(config, model=model)  # run dir and checkpoints hold it
         task = _family_task(config, data)
     else:
-        data = task_data(task, config.run.seed) or _config_data(config, task)
+        data = task_data(task, config.run.seed)
+        if data is None:
+            data = _config_data(config, task)
+            if not task.tokens_per_example and data.seq_len:  # the config's text: its tokens
+                task = dataclasses.replace(task, tokens_per_example=data.seq_len)
     tx = optimizer or task.optimizer
     model = _family_model(config, data, task) if family and target else abstract_model(task)
     if tx is None:

@@ -410,6 +410,19 @@ def test_unannotated_parameters_replicate_with_a_warning_and_show_in_inspect(cap
     assert "(none: replicated)" in text and "2 parameters carry no logical axes" in text
 
 
+def test_a_users_language_model_on_the_configs_text_counts_its_tokens():
+    """A user's task that brings no data reads the config's text: its examples carry
+    ``data.seq_len`` tokens, which the logged rows' ``tokens``, ``tokens_per_s`` and, under a
+    mixture, ``tokens/<source>`` count (they were missing: the task said 0)."""
+    from tests.helpers import GPT_SMALL
+
+    config = load_config([], GPT_SMALL)
+    task = dataclasses.replace(jaxpar.task_for(config), tokens_per_example=0, family="")
+    assert build(config, task).plan.task.tokens_per_example == config.data.seq_len == 16
+    own = dataclasses.replace(task, tokens_per_example=12)  # what a task says stands
+    assert build(config, own).plan.task.tokens_per_example == 12
+
+
 def test_optimizer_and_data_keys_that_the_task_overrides_warn():
     with pytest.warns(UserWarning) as caught:
         build(
