@@ -321,7 +321,15 @@ def _config_data(config: Config, task: Task) -> Data:
             "'labels'); give the Task a data "
             "function (step, global_batch_size) -> dict of arrays, or a grain dataset"
         )
-    return load_data(config.data, needs, config.run.seed)
+    data = load_data(config.data, needs, config.run.seed)
+    if needs.loss_mask and not data.loss_mask:
+        raise TaskError(
+            f"the task {task.name or ''} names 'loss_mask' among its batch entries, but "
+            f"'{data.name}' holds no fine-tuning records; prepare them with jaxpar "
+            "prepare-data RECORDS --records prompt_completion (or chat) --out FILE.tokens, "
+            "or drop 'loss_mask' from the task's batch_axes"
+        )
+    return data
 
 
 def host_value(x: Any) -> np.ndarray:

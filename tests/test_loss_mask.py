@@ -288,3 +288,31 @@ def test_chat_needs_a_template(tmp_path, chat_folder):
 def test_a_model_without_masks_refuses_them(tokens):
     with pytest.raises(DataError, match="loss mask, which this model does not train on"):
         _run(tokens, ["model.name=bert", "mesh.data=1"], devices=1)
+
+
+def test_a_users_task_that_names_loss_mask_trains_on_the_masked_mean(tokens):
+    """A user's task whose batch entries name ``loss_mask`` reads a masked token file as
+    jaxpar's GPT does: its loss (GPT's own loss function, in a task of the user's) is the
+    completion-only mean on the same batch; without ``loss_mask`` it is refused as other
+    models are, and a file without masks is refused for a task that names it."""
+    import dataclasses
+
+    from jaxpar.errors import TaskError
+    from jaxpar.models import gpt
+
+    gpt_run, params, batch = _one_device(tokens)
+    config = gpt_run.config
+    cfg = config.model
+    own = dataclasses.replace(
+        gpt.task(cfg, T, loss_mask=True), name="mine", family="", tokens_per_example=0
+    )
+    assert "loss_mask" in own.batch_axes
+    mine = build(config, own)
+    assert np.array_equal(mine.data.batch(0, B)["loss_mask"], batch["loss_mask"])
+    assert _loss(mine, params, batch) == pytest.approx(_by_hand(gpt_run, params, batch), rel=1e-5)
+    unmasked = dataclasses.replace(own, batch_axes={"tokens": ("batch", None)})
+    with pytest.raises(DataError, match="loss mask, which this model does not train on"):
+        build(config, unmasked)
+    plain = load_config([], [f"data.seq_len={T}", f"train.batch_size={B}", "mesh.data=1"])
+    with pytest.raises(TaskError, match="names 'loss_mask' among its batch entries, but"):
+        build(dataclasses.replace(plain, run=dataclasses.replace(plain.run, devices=1)), own)

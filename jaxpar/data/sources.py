@@ -233,14 +233,15 @@ def text_end(cfg: DataConfig) -> int | None:
 def needs_of_batch(batch_keys: Any) -> DataNeeds | None:
     """The data a task's batch entries ask for, or None when they are neither jaxpar's
     text batches (``tokens``; ``segments`` of packed documents, ``index`` the examples'
-    ids) nor its image batches (``images``, ``labels``)."""
+    ids, ``loss_mask`` the targets of fine-tuning records that count) nor its image
+    batches (``images``, ``labels``)."""
     keys = set(batch_keys)
-    ids = "index" in keys
-    text = keys - {"index"}
+    ids, mask = "index" in keys, "loss_mask" in keys
+    text = keys - {"index", "loss_mask"}
     if text == {"tokens"}:
-        return DataNeeds("text", example_ids=ids)
+        return DataNeeds("text", example_ids=ids, loss_mask=mask)
     if text == {"tokens", "segments"}:
-        return DataNeeds("text", documents=True, example_ids=ids)
+        return DataNeeds("text", documents=True, example_ids=ids, loss_mask=mask)
     if keys == {"images", "labels"}:
         return DataNeeds("images")
     return None
@@ -251,8 +252,8 @@ def _masks_fit(data: Data, needs: DataNeeds) -> Data:
         raise DataError(
             f"'{data.name}' holds fine-tuning records with a loss mask, which "
             "this model does not train on (a causal language model such as "
-            "gpt, llama or gemma does); use one, or prepare the data without "
-            "--records"
+            "gpt, llama or gemma does, and a task of your own whose batch_axes name "
+            "'loss_mask'); use one, or prepare the data without --records"
         )
     return data
 
