@@ -8,8 +8,9 @@ and ``JAXPAR_PROCESS_ID`` (read by :mod:`jaxpar.distributed`), ``JAXPAR_COORDINA
 and, with ``--devices-per-process K``, K simulated CPU devices (with
 ``--cpus-per-process C``, process i is pinned to cores ``[i*C, (i+1)*C)``). Their output
 is forwarded line by line with a ``[i]`` prefix — one voice: the runtime's ``[Gloo]``
-connection lines and the warnings every process repeats are relayed from process 0 only
-(everything with ``--debug`` or ``JAXPAR_ALL_RANKS=1``). When a process fails, the launcher
+connection lines and its note of a SIGTERM are left out, and the warnings and the
+"preempted" line every process repeats are relayed from process 0 only (everything with
+``--debug`` or ``JAXPAR_ALL_RANKS=1``). When a process fails, the launcher
 prints its rank and status on stderr, stops the others (SIGTERM, then SIGKILL after
 ``--grace`` seconds), says on stderr that each was stopped because of it, and exits with
 the failed process's status. What the others' native runtime then prints (glog lines, a
@@ -115,10 +116,15 @@ def pin_from_env() -> None:
 #: ``JAXPAR_ALL_RANKS=1``. Its threads write these in pieces, so two may interleave
 #: (``1[Gloo] Rank 1 is connected …`` then `` is connected …``): a line holding either
 #: part is chatter.
-_CONNECTING = re.compile(r"\[Gloo\] |connected peer ranks is : \d+$")
-#: What every process of a run says alike (its warnings and notes): relayed from process 0
-#: only, unless ``JAXPAR_ALL_RANKS=1``.
-_ECHOED = re.compile(r"jaxpar: (warning|note): ")
+_CONNECTING = re.compile(
+    r"\[Gloo\] |connected peer ranks is : \d+$"
+    # JAX's preemption notifier as each process gets the launcher's SIGTERM (glog, stderr)
+    r"|preemption_notifier\.cc:\d+\] SIGTERM caught"
+)
+#: What every process of a run says alike (its warnings and notes, and that the run was
+#: checkpointed at the stop all agreed on): relayed from process 0 only, unless
+#: ``JAXPAR_ALL_RANKS=1``.
+_ECHOED = re.compile(r"jaxpar: (warning|note): |jaxpar: preempted \(")
 
 
 def muted(index: int, line: str, everything: bool) -> bool:

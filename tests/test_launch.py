@@ -309,10 +309,15 @@ def test_one_voice_gloo_lines_and_repeated_warnings_are_muted(monkeypatch):
         "jaxpar: note: took over the lock\n",
         "jaxpar: error: another process of this run stopped\n",
         "step 4/4  loss 5.1\n",
+        # a stop: every process's runtime notes the SIGTERM, and each says it checkpointed
+        "W1202 08:01:02.123456 4242 preemption_notifier.cc:90] SIGTERM caught at "
+        "2026-12-02T08:01:02+00:00\n",
+        "jaxpar: preempted (SIGTERM): checkpoint of step 11 written to runs/mh/checkpoints; "
+        "run the same command to resume\n",
     ]
     for everything, expect in (
-        (False, {0: [1, 2, 3, 4], 1: [3, 4]}),
-        (True, {0: [0, 1, 2, 3, 4], 1: [0, 1, 2, 3, 4]}),
+        (False, {0: [1, 2, 3, 4, 6], 1: [3, 4]}),
+        (True, {0: [0, 1, 2, 3, 4, 5, 6], 1: [0, 1, 2, 3, 4, 5, 6]}),
     ):
         for index in (0, 1):
             out = io.StringIO()
