@@ -629,14 +629,26 @@ def test_a_backward_from_kept_residuals_equals_one_device(schedule):
 
 
 def test_mpmd_settings_under_the_spmd_executor_are_refused():
-    for setting in ("pipeline.backward=residuals", "pipeline.split=[2,2]"):
-        with pytest.raises(
-            LayoutError,
-            match=rf"{re.escape(setting.split('=')[0])}.* apply to "
-            r"pipeline.executor=mpmd, but this layout runs "
-            r"the spmd executor",
-        ):
-            jaxpar.build(jaxpar.load_config([], [*GPT, "mesh.stage=2", "mesh.data=4", setting]))
+    """``pipeline.backward`` and ``pipeline.split`` are the sub-mesh executor's; a split is a
+    model-by-layers' only (a stack is cut into equal chunks under either executor: it was
+    silently ignored under mpmd); ring attention inside the spmd executor deadlocks on the
+    CPU, so it is refused there (and planned for a GPU: the lab compiles it)."""
+    base = [*GPT, "mesh.stage=2", "mesh.data=4"]
+    for setting, said in (
+        ("pipeline.backward=residuals", "applies to pipeline.executor=mpmd, but this layout "),
+        ("pipeline.split=[2,2]", "under pipeline.executor=mpmd, but this layout runs the spmd"),
+    ):
+        with pytest.raises(LayoutError, match=re.escape(said)):
+            jaxpar.build(jaxpar.load_config([], [*base, setting]))
+    with pytest.raises(LayoutError, match=r"this model is a stack of layers .* leave pipeline"):
+        mpmd = [*base, "pipeline.executor=mpmd", "pipeline.split=[1,1]"]
+        jaxpar.build(jaxpar.load_config([], mpmd))
+    ring = jaxpar.load_config(
+        [], [*GPT, "mesh.stage=2", "mesh.data=2", "mesh.context=2", "context.attention=ring"]
+    )
+    with pytest.raises(LayoutError, match="deadlocks on XLA:CPU.*use context.attention=all_ga"):
+        jaxpar.build(ring)
+    assert jaxpar.build(ring, platform="gpu").plan.layout.table is not None
 
 
 def test_a_skipped_step_logs_and_counts_as_on_one_device():

@@ -317,21 +317,33 @@ def check_axes_used(mesh: Mesh, specs: list[Any], skip: tuple[str, ...] = ()) ->
             )
 
 
-def check_spmd_settings(cfg: Any) -> None:
+def check_spmd_settings(cfg: Any, task: Task, context: Any, platform: str) -> None:
     """The spmd executor cuts a stack into equal chunks and recomputes each backward's
-    forward: ``pipeline.split`` and ``pipeline.backward`` are the mpmd executor's.
+    forward: ``pipeline.split`` (a model given by its layers) and ``pipeline.backward``
+    are the mpmd executor's. Ring attention inside it deadlocks on XLA:CPU (docs/context.md).
 
     Raises:
-      LayoutError: naming the setting that would have no effect.
+      LayoutError: naming the setting that would have no effect, or the ring on the CPU.
     """
-    given = [f"pipeline.split={list(cfg.split)}"] if cfg.split else []
-    if cfg.backward != "recompute":
-        given.append(f"pipeline.backward={cfg.backward}")
-    if given:
+    if cfg.split:
+        fix = "set pipeline.executor=mpmd" if task.layers is not None else "leave it out"
         raise LayoutError(
-            f"{' and '.join(given)} apply to pipeline.executor=mpmd, but this layout runs the "
-            f"spmd executor (pipeline.executor={cfg.executor}, a stack of layers); set "
-            "pipeline.executor=mpmd, or leave them out"
+            f"pipeline.split={list(cfg.split)} cuts a model given by its layers (Task.layers) "
+            f"under pipeline.executor=mpmd, but this layout runs the spmd executor "
+            f"(pipeline.executor={cfg.executor}), which cuts a stack of layers into equal "
+            f"chunks; {fix}"
+        )
+    if cfg.backward != "recompute":
+        raise LayoutError(
+            f"pipeline.backward={cfg.backward} applies to pipeline.executor=mpmd, but this "
+            f"layout runs the spmd executor (pipeline.executor={cfg.executor}, a stack of "
+            "layers); set pipeline.executor=mpmd, or leave it out"
+        )
+    if context is not None and context.attention == "ring" and platform == "cpu":
+        raise LayoutError(
+            "context.attention=ring inside the spmd pipeline executor deadlocks on XLA:CPU "
+            "(the ring's sends run in one stage's branch while the other stage waits); use "
+            "context.attention=all_gather, or pipeline.executor=mpmd with the ring"
         )
 
 

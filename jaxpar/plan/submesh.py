@@ -152,6 +152,12 @@ def _by_stack(
     Raises:
       LayoutError: for a variable outside the stack split over ``stage``.
     """
+    if pipeline.split:  # the stack is split over ``stage``: its chunks are equal
+        raise LayoutError(
+            f"pipeline.split={list(pipeline.split)} cuts a model given by its layers "
+            "(Task.layers), but this model is a stack of layers (its StageSplit), cut into "
+            f"{layout.stages * pipeline.virtual_stages} equal chunks; leave pipeline.split out"
+        )
     mesh = layout.mesh
     rules = layout.rules
     table = checks.pipeline_table(task, model, mesh, rules, pipeline)
