@@ -57,8 +57,9 @@ def test_yaml_layering_later_file_wins(tmp_path):
     assert dict(cfg.rules.overrides) == {"mlp": ("tensor",), "batch": ("data", "fsdp")}
     # untouched keys keep their defaults
     assert cfg.model.n_heads == Config().model.n_heads
-    # a later file that changes the layout names the run dir (runs/gpt_tiny-b)
-    assert cfg.run == dataclasses.replace(Config().run, dir=Config().run.dir + "-b")
+    # files that set layout keys without a run.dir name the run dir (runs/gpt_tiny-a-b): the
+    # first one too, which left the default run's directory to a layout of its own
+    assert cfg.run == dataclasses.replace(Config().run, dir=Config().run.dir + "-a-b")
     # order matters
     assert load_config([second, first]).train.steps == 7
     assert dict(load_config([second, first]).rules.overrides)["batch"] == ("data",)
@@ -652,6 +653,9 @@ def test_config_step_one_loss_is_what_it_says(path, loss, monkeypatch):
         ([], ["mesh.fsdp=8"], "runs/gpt_tiny-fsdp8"),
         ([], ["mesh.data=4", "mesh.tensor=2"], "runs/gpt_tiny-data4-tensor2"),
         (["configs/gpt_tiny.yaml", "configs/layouts/tp.yaml"], [], "runs/gpt_tiny-tp"),
+        # a layout file alone (it shared the default run's directory, and resumed that run)
+        (["configs/layouts/pipeline.yaml"], [], "runs/gpt_tiny-pipeline"),
+        (["configs/layouts/tp.yaml", "configs/gpt_tiny.yaml"], [], "runs/gpt_tiny"),  # its own
         (
             [],
             ["mesh.stage=4", "pipeline.schedule=zb_h1", "pipeline.microbatches=8"],

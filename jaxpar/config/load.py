@@ -19,9 +19,10 @@ def load_config(paths: list[str | Path] = (), overrides: list[str] = ()) -> Conf
     """Builds a config from defaults, YAML ``paths`` (in order: later files win) and
     ``section.key=value`` ``overrides`` (applied last).
 
-    A layout other than the first file's (from ``mesh.*``, ``rules.*`` or ``pipeline.*``
-    overrides, or a later file such as ``configs/layouts/tp.yaml``) gets a run directory of
-    its own, named after it — ``runs/gpt_tiny-fsdp8``, ``runs/gpt_tiny-data4-tensor2``,
+    A layout other than that of the last file giving ``run.dir`` (from ``mesh.*``,
+    ``rules.*`` or ``pipeline.*`` overrides, or a file without a ``run.dir`` such as
+    ``configs/layouts/tp.yaml``, also given alone) gets a run directory of its own, named
+    after it — ``runs/gpt_tiny-fsdp8``, ``runs/gpt_tiny-data4-tensor2``,
     ``runs/gpt_tiny-tp``, ``runs/gpt_tiny-stage4-zb_h1-m8`` — unless ``run.dir`` is given
     after the first file. So layouts tried one after another never resume each other's run.
 
@@ -42,11 +43,12 @@ def load_config(paths: list[str | Path] = (), overrides: list[str] = ()) -> Conf
 
 
 def _read_files(paths: list[str | Path]) -> tuple[Config, Config, list[str]]:
-    """The config the YAML ``paths`` make, the one the first file made (whose ``run.dir``
-    and layout name the run), and the names of the later files that changed its layout
-    without giving a ``run.dir``."""
-    config = Config()
-    named = None
+    """The config the YAML ``paths`` make; the one that names the run: the defaults and the
+    files giving a ``run.dir`` alone (its ``run.dir`` and layout); and the names of the
+    files that set layout keys without giving a ``run.dir``, wherever they come (a layout
+    file given alone or first — ``configs/layouts/pipeline.yaml`` — shared the default or
+    the next file's run directory, and resumed that run)."""
+    config = named = Config()
     names = []
     for path in map(Path, paths):
         raw = read_yaml(path) or {}
@@ -58,13 +60,11 @@ def _read_files(paths: list[str | Path]) -> tuple[Config, Config, list[str]]:
             config = merge(config, raw)
         except ConfigError as err:
             raise ConfigError(f"config file '{path}': {err}") from err
-        if named is None:
-            named = config
-        elif rundir.layout_of(config) != rundir.layout_of(named) and "dir" not in (
-            raw.get("run") or {}
-        ):
+        if "dir" in (raw.get("run") or {}):
+            named = merge(named, raw)
+        elif any(section in raw for section in rundir.LAYOUT_SECTIONS):
             names.append(path.stem)
-    return config, named or config, names
+    return config, named, names
 
 
 def run_dir_for(config: Config, name: str) -> Config:
