@@ -248,10 +248,15 @@ def config_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """``key: old → new`` for every setting that differs (``run.dir`` aside)."""
     a, b = _flat(old), _flat(new)
     return [
-        f"{k}: {a.get(k, '(unset)')} → {b.get(k, '(unset)')}"
+        f"{k}: {_shown(a.get(k, '(unset)'))} → {_shown(b.get(k, '(unset)'))}"
         for k in sorted(set(a) | set(b))
         if a.get(k) != b.get(k) and k not in _NOT_COMPARED
     ]
+
+
+def _shown(value: Any) -> Any:
+    """A setting as written: a whole float as its integer (``optim.warmup_steps: 20 → 0``)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 def write_config(

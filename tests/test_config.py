@@ -667,6 +667,12 @@ def test_config_step_one_loss_is_what_it_says(path, loss, monkeypatch):
             "runs/resnet_digits-data2-tensor4",
         ),
         ([], ["mesh.fsdp=8", "run.dir=mine"], "mine"),  # given: kept
+        # an override that leaves its key's value as it was names nothing
+        (
+            ["configs/bert_tiny.yaml"],
+            ["mesh.context=4", "mesh.data=-1", "mesh.fsdp=1"],
+            "runs/bert_tiny-context4",
+        ),
     ],
 )
 def test_each_layout_gets_a_run_dir_of_its_own(files, overrides, run_dir, monkeypatch):
@@ -835,3 +841,16 @@ def test_a_section_takes_its_keys_by_keyword_only():
     assert MeshConfig(data=2).data == 2
     with pytest.raises(TypeError, match="MeshConfig takes its keys by keyword only"):
         MeshConfig(2)
+
+
+def test_a_changed_setting_is_shown_as_written():
+    """The resume notice's ``old → new``: a fraction key's whole float as its integer (it
+    said ``optim.warmup_steps: 20 → 0.0``), a fraction as it is."""
+    from jaxpar.rundir import config_differences
+
+    old = {"optim": {"warmup_steps": 20, "lr": 0.001}, "run": {"dir": "a"}}
+    new = {"optim": {"warmup_steps": 0.0, "lr": 0.002}, "run": {"dir": "b"}}
+    assert config_differences(old, new) == [
+        "optim.lr: 0.001 → 0.002",
+        "optim.warmup_steps: 20 → 0",
+    ]

@@ -31,7 +31,7 @@ def load_config(paths: list[str | Path] = (), overrides: list[str] = ()) -> Conf
     """
     config, named, names = _read_files(paths)
     final = apply_overrides(config, overrides)
-    names += rundir.layout_override_names(overrides)
+    names += rundir.layout_override_names([o for o in overrides if _changes(o, named, final)])
     if (
         final.run.dir != named.run.dir
         or rundir.layout_of(final) == rundir.layout_of(named)
@@ -40,6 +40,15 @@ def load_config(paths: list[str | Path] = (), overrides: list[str] = ()) -> Conf
         return final  # a run.dir of its own, or the config's own layout
     run = dataclasses.replace(final.run, dir=rundir.layout_dir(named.run.dir, names))
     return dataclasses.replace(final, run=run)
+
+
+def _changes(override: str, named: Config, final: Config) -> bool:
+    """Whether ``override`` leaves its key with another value than the config naming the run
+    has (``mesh.fsdp=1`` where it is 1 names nothing); a key that is no field (a rule) does."""
+    section, _, key = override.partition("=")[0].strip().partition(".")
+    missing = object()
+    before = getattr(getattr(named, section, None), key, missing)
+    return before is missing or before != getattr(getattr(final, section, None), key, missing)
 
 
 def _read_files(paths: list[str | Path]) -> tuple[Config, Config, list[str]]:
