@@ -177,6 +177,8 @@ def test_text_outputs_are_unchanged():
     assert "pipeline zb_h1: 4 stages × 8 microbatches, bubble 0.111" in chart.describe_pipeline(
         table
     )
+    said = "pipeline zb_h1 (pipeline.executor=mpmd): 4 stages × 8 microbatches"
+    assert chart.describe_pipeline(table, "mpmd").startswith(said)  # the run's start-up line
 
 
 def test_import_jaxpar_does_not_import_matplotlib():

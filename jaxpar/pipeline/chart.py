@@ -180,11 +180,13 @@ def summary(table: TickTable) -> str:
     return "\n".join(lines)
 
 
-def describe_pipeline(table: TickTable) -> str:
-    """One line for a run's start-up: schedule, shape, bubble, peak activations."""
+def describe_pipeline(table: TickTable, executor: str = "") -> str:
+    """One line for a run's start-up: schedule, ``executor`` (``spmd``, ``mpmd``), shape,
+    bubble, peak activations."""
     timing = simulate(table.orders, table.v)
+    run_by = f" (pipeline.executor={executor})" if executor else ""
     return (
-        f"pipeline {table.schedule}: {table.p} stages × {table.m} microbatches"
+        f"pipeline {table.schedule}{run_by}: {table.p} stages × {table.m} microbatches"
         + (f" × {table.v} virtual stages" if table.v > 1 else "")
         + f", bubble {timing.bubble:.3f}, peak in-flight activations "
         f"{max(timing.peak_in_flight) / table.v:g} stages' worth per device "
