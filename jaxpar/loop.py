@@ -365,9 +365,7 @@ def train(
             flush=True,
         )
         if run.plan.pipeline is not None:
-            say(
-                f"jaxpar: {describe_pipeline(run.plan.pipeline, run.plan.executor)}", flush=True
-            )
+            say(f"jaxpar: {describe_pipeline(run.plan.pipeline, run.plan.executor)}", flush=True)
         history = _resume_and_fit(run, hooks, say, echo)
     if history.rows:
         say(summarize(run, history), flush=True)

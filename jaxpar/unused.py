@@ -60,6 +60,7 @@ def unused_settings(
         kept = _LOADER_KEYS + (() if user_task else _SIZING_KEYS)
         keys += [f"data.{k}" for k in schema.keys(DataConfig) if k not in kept]
     if not user_task:
+        keys += list(config.family.unread)
         text = config.family.needs(config.model).kind == "text"
         synthetic = data.dataset == "synthetic" or (
             data.dataset == "auto" and not data.path and not text
@@ -126,6 +127,7 @@ _BECAUSE = {
     "data": ("model.name", "data.dataset", "data.path"),
     "optim": ("optim.name", "optim.schedule"),
     "model.fp8": ("model.precision", "model.fp8_scaling"),
+    "context.balance": ("model.name",),
 }
 
 
@@ -139,7 +141,9 @@ def _reason(key: str, config: Config, run: dict[str, bool]) -> str:
         return "a task that brings its own data"
     if section == "optim" and run.get("own_optimizer"):
         return "a run that brings its own Optax optimizer"
-    because = _BECAUSE["model.fp8" if key.startswith("model.fp8_") else section]
+    because = (
+        _BECAUSE.get(key) or _BECAUSE["model.fp8" if key.startswith("model.fp8_") else section]
+    )
     return ", ".join(f"{k}={_value(config, k)}" for k in because if k != key)
 
 

@@ -854,3 +854,15 @@ def test_a_changed_setting_is_shown_as_written():
         "optim.lr: 0.001 → 0.002",
         "optim.warmup_steps: 20 → 0",
     ]
+
+
+def test_a_key_the_family_never_reads_is_unused():
+    """``context.balance`` reorders a causal model's sequences: BERT (bidirectional) never
+    reads it, and says so where GPT does not."""
+    from jaxpar.unused import unused_settings
+
+    over = ["mesh.context=4", "context.balance=false"]
+    assert "context.balance" in unused_settings(
+        load_config([REPO / "configs/bert_tiny.yaml"], over)
+    )
+    assert "context.balance" not in unused_settings(load_config([], over))

@@ -342,6 +342,7 @@ BERT_FAMILY = register(
         counts=_counts,
         memory_fixes=lambda cfg: [] if cfg.remat == "full" else ["model.remat=full"],
         compute_dtype=lambda cfg: cfg.dtype,
+        unread=("context.balance",),  # bidirectional: no causal work to balance
         doc="BERT-style encoder with a masked-LM loss (dropout, token types); pipelines",
     )
 )

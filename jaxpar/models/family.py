@@ -90,6 +90,9 @@ class Family:
         some compute cost (recomputation), which ``jaxpar plan`` tries on layouts that do
         not fit.
       compute_dtype: ``config -> dtype name`` of its matmuls (the roofline's peak).
+      unread: keys of other sections the family never reads (``context.balance`` for a
+        bidirectional encoder, which has no causal work to balance): set, each is warned
+        of as having no effect.
       doc: one line for ``model.name``'s help.
     """
 
@@ -101,6 +104,7 @@ class Family:
     counts: Callable[[Any, Any], Counts] | None = None
     memory_fixes: Callable[[Any], list[str]] = lambda cfg: []
     compute_dtype: Callable[[Any], str] = lambda cfg: "float32"
+    unread: tuple[str, ...] = ()
     doc: str = ""
 
     def keys(self) -> list[str]:
