@@ -127,10 +127,10 @@ def spec_for(
             used[axis] = name
         ways = math.prod(mesh.shape[a] for a in axes)
         if size % ways:
-            fix = (  # a batch's rows are the global batch (or a microbatch of it)
+            fix = (  # a batch entry's rows are the global batch (or a microbatch of it)
                 f"make train.batch_size a multiple of {ways} (each microbatch's, under "
                 "accumulation or a pipeline), or change the mesh degrees"
-                if name == "batch"
+                if name == "batch" and what.startswith("batch ")
                 else "change the mesh degrees, the model size"
             )
             raise LayoutError(

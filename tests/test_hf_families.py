@@ -345,11 +345,15 @@ def test_variants_train_on_every_layout_as_on_one_device(folders, name, layout):
 def test_a_run_may_read_shorter_sequences_than_the_folder_not_longer(folders):
     """max_seq_len bounds a rotary model (the KV cache's length): lower is the run's
     choice; higher than the folder's max_position_embeddings (64) is one line."""
-    folder = folders["qwen3"][0]
+    folder, expected = folders["qwen3"]
     assert (
         load_config([], [f"model.init_from={folder}", "model.max_seq_len=32"]).model.max_seq_len
         == 32
     )
+    # and builds (it was refused there, as a config.json that did not match): the same logits
+    shorter = run_of(folder, "model.max_seq_len=32", *ONE)
+    assert shorter.config.model.max_seq_len == 32
+    close(logits_of(shorter), expected)
     with pytest.raises(JaxparError) as err:
         load_config([], [f"model.init_from={folder}", "model.max_seq_len=128"])
     assert "model.max_seq_len=128 (its config.json gives 64, the most it reads)" in str(err.value)

@@ -135,7 +135,8 @@ def from_hf(tensors: dict[str, np.ndarray], cfg: GemmaConfig, where: str = "") -
 def config_differences(hf: dict[str, Any], cfg: Any) -> list[str]:
     """Each ``model.*`` value the folder's ``config.json`` gives that the run's config
     does not have, and which side to change (a refused key raises)."""
-    return folder_differences(gemma_keys.settings(hf, f"model.init_from={cfg.init_from}"), cfg)
+    settings = gemma_keys.settings(hf, f"model.init_from={cfg.init_from}")
+    return folder_differences(settings, cfg, LAYOUT.bounds)
 
 
 #: The Hugging Face layouts of jaxpar's Gemma family (see :mod:`jaxpar.hf`).

@@ -132,13 +132,18 @@ def untied(tensors: dict[str, Any], tied: bool) -> dict[str, Any]:
     return t
 
 
-def folder_differences(theirs: dict[str, Any], cfg: Any) -> list[str]:
+def folder_differences(
+    theirs: dict[str, Any], cfg: Any, bounds: tuple[str, ...] = ()
+) -> list[str]:
     """Each ``model.*`` value of a folder (``theirs``, from its layout's settings) that the
-    run's config ``cfg`` does not have, and which side to change."""
+    run's config ``cfg`` does not have, and which side to change; a key of ``bounds``
+    (:attr:`Layout.bounds`) may be lower than the folder's."""
     shown = lambda v: str(v).lower() if isinstance(v, bool) else str(v)  # noqa: E731
     return [
         f"config.json gives model.{k}={shown(v)} but the run has model.{k}="
-        f"{shown(getattr(cfg, k))} (drop that override: the folder decides)"
+        f"{shown(getattr(cfg, k))} (drop that override: the folder decides"
+        + (", at most" if k in bounds else "")
+        + ")"
         for k, v in theirs.items()
-        if getattr(cfg, k) != v
+        if not (getattr(cfg, k) <= v if k in bounds else getattr(cfg, k) == v)
     ]

@@ -201,7 +201,8 @@ def stack_parts(parts: dict[tuple[int, ...], np.ndarray]) -> np.ndarray:
 def config_differences(hf: dict[str, Any], cfg: Any) -> list[str]:
     """Each ``model.*`` value the folder's ``config.json`` gives that the run's config
     does not have, and which side to change (a refused key raises)."""
-    return folder_differences(llama_keys.settings(hf, f"model.init_from={cfg.init_from}"), cfg)
+    settings = llama_keys.settings(hf, f"model.init_from={cfg.init_from}")
+    return folder_differences(settings, cfg, LAYOUT.bounds)
 
 
 #: The Hugging Face layouts of jaxpar's Llama family (see :mod:`jaxpar.hf`).
