@@ -350,3 +350,37 @@ def test_every_report_is_capped_with_the_cause_first(tmp_path, capsys):
     line = _one_line(capsys.readouterr().err)
     assert time.perf_counter() - start < 1.0 and len(line) < MAX_MESSAGE
     assert "more than 100,000 values with its aliases expanded" in line
+
+
+def test_the_synopsis_is_the_docs_and_names_every_option():
+    """``jaxpar --help``'s synopsis is docs/commands.md's, and it names every option of
+    every command (``sample --stop`` and ``plan --analytic`` were left out of it)."""
+    import argparse
+    import re
+
+    from jaxpar.cli.parser import HELP, _parser
+
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "commands.md").read_text()
+    block = docs.split("```\n", 2)[1]
+    assert HELP.startswith("".join(f"    {line}\n" for line in block.rstrip("\n").split("\n")))
+    synopsis = {}
+    for line in block.splitlines():
+        if line.startswith("jaxpar "):
+            command = line.split()[1]
+        synopsis[command] = synopsis.get(command, "") + line + " "
+    commands = next(
+        a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction)
+    ).choices
+    assert set(commands) == set(synopsis)
+    for command, parser in commands.items():
+        unnamed = [
+            action.option_strings
+            for action in parser._actions
+            if action.option_strings
+            and action.help != argparse.SUPPRESS
+            and "-h" not in action.option_strings
+            and not any(
+                re.search(rf"{o}(?![\w-])", synopsis[command]) for o in action.option_strings
+            )
+        ]
+        assert not unnamed, (command, unnamed)

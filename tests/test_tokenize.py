@@ -55,6 +55,8 @@ def test_a_given_vocab_smaller_than_the_data_is_one_line(bpe_tokens):
         build(load_config([], [*GPT_SMALL, "model.vocab_size=256", f"data.path={bpe_tokens}"]))
     assert "\n" not in str(err.value)
     assert "has vocab_size 300 but model.vocab_size=256; set model.vocab_size" in str(err.value)
+    # a folder's model (model.init_from) cannot take that fix: the other one is named
+    assert "give data.path a token file made with its tokenizer" in str(err.value)
 
 
 def test_the_built_in_text_keeps_the_default(tmp_path):

@@ -221,7 +221,9 @@ def check_vocab(token_file: TokenFile, model_vocab_size: int | None) -> None:
         raise DataError(
             f"{where} has vocab_size {token_file.vocab_size} "
             f"but model.vocab_size={model_vocab_size}; set model.vocab_size to at "
-            f"least {token_file.vocab_size}"
+            f"least {token_file.vocab_size} (where model.init_from's folder decides it: "
+            "give data.path a token file made with its tokenizer, jaxpar prepare-data "
+            "FILES --tokenizer FOLDER --out FILE.tokens)"
         )
     if token_file.path is None or token_file.tokens.size == 0:
         return
