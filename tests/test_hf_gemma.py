@@ -201,11 +201,16 @@ def test_two_adamw_steps_on_eight_devices_equal_one_device(folders, name, layout
             "gemma3",
             {
                 "rope_parameters": {
-                    "full_attention": {"rope_type": "yarn", "factor": 4.0},
+                    # yarn's own keys: the type is named, not one of its keys
+                    "full_attention": {
+                        "rope_type": "yarn",
+                        "factor": 4.0,
+                        "original_max_position_embeddings": 8192,
+                    },
                     "sliding_attention": {"rope_theta": 1e4},
                 }
             },
-            "yarn",
+            "rotary setting rope_type=yarn",
         ),
         ("gemma2", {"hidden_activation": "gelu"}, "hidden_activation='gelu'"),
         ("gemma2", {"some_new_switch": True}, "some_new_switch"),

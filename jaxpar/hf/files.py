@@ -46,28 +46,44 @@ def read_json(directory: str | Path, what: str) -> dict[str, Any]:
         raise DataError(f"{where}: {CONFIG} cannot be read: {err}") from None
 
 
-def read_tensors(directory: str | Path) -> dict[str, np.ndarray]:
-    """All tensors of ``model.safetensors`` (or of the files a sharded index names)."""
-    from safetensors.numpy import load_file
+def weight_files(directory: str | Path) -> list[Path]:
+    """The safetensors files of a folder: ``model.safetensors``, or those its index names,
+    each there (checked before a run starts, not when its weights are read).
 
+    Raises:
+      DataError: no safetensors there, an index that is not one, or a file it names missing.
+    """
     directory = Path(directory)
     if (directory / WEIGHTS).is_file():
-        files = [directory / WEIGHTS]
-    elif (directory / INDEX).is_file():
-        try:
-            weight_map = json.loads((directory / INDEX).read_text())["weight_map"]
-            files = [directory / name for name in sorted(set(weight_map.values()))]
-        except (ValueError, KeyError, TypeError, AttributeError) as err:
-            raise DataError(
-                f"model.init_from={directory}: {INDEX} is not a safetensors "
-                f"index ({type(err).__name__}: {err}); re-save the model"
-            ) from None
-    else:
+        return [directory / WEIGHTS]
+    if not (directory / INDEX).is_file():
         raise DataError(
             f"model.init_from={directory}: no {WEIGHTS} there (only safetensors "
             "files are read; convert a pytorch_model.bin with transformers' "
             "save_pretrained(safe_serialization=True))"
         )
+    try:
+        weight_map = json.loads((directory / INDEX).read_text())["weight_map"]
+        files = [directory / name for name in sorted(set(weight_map.values()))]
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise DataError(
+            f"model.init_from={directory}: {INDEX} is not a safetensors "
+            f"index ({type(err).__name__}: {err}); re-save the model"
+        ) from None
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise DataError(
+            f"model.init_from={directory}: {INDEX} names {', '.join(missing)}, which "
+            f"{'is' if len(missing) == 1 else 'are'} not there; copy the whole folder again"
+        )
+    return files
+
+
+def read_tensors(directory: str | Path) -> dict[str, np.ndarray]:
+    """All tensors of ``model.safetensors`` (or of the files a sharded index names)."""
+    from safetensors.numpy import load_file
+
+    files = weight_files(directory)
     tensors: dict[str, np.ndarray] = {}
     for f in files:
         try:

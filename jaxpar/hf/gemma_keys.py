@@ -187,7 +187,11 @@ def _rope_type(rope: dict[str, Any], where: str) -> str:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     extra = sorted(set(rope) - _ROPE_KEYS)
     if rope_type not in ("default", "linear") or extra:
-        what = f"rope_type={rope_type}" if not extra else f"key {extra[0]}"
+        what = (
+            f"rope_type={rope_type}"
+            if rope_type not in ("default", "linear")
+            else f"key {extra[0]}"
+        )
         raise _refuse(
             where,
             f"rotary setting {what}: jaxpar's Gemma implements the rope "

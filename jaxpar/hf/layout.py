@@ -132,9 +132,7 @@ def untied(tensors: dict[str, Any], tied: bool) -> dict[str, Any]:
     return t
 
 
-def folder_differences(
-    theirs: dict[str, Any], cfg: Any, bounds: tuple[str, ...] = ()
-) -> list[str]:
+def folder_differences(theirs: dict[str, Any], cfg: Any, bounds: tuple[str, ...] = ()) -> list[str]:
     """Each ``model.*`` value of a folder (``theirs``, from its layout's settings) that the
     run's config ``cfg`` does not have, and which side to change; a key of ``bounds``
     (:attr:`Layout.bounds`) may be lower than the folder's."""
