@@ -279,9 +279,13 @@ TEMPS_LOW = 0.79
 
 def _judge_memory(row: Row, memory_bytes: float) -> None:
     """Whether ``row`` fits ``memory_bytes``, and would were its temporaries 1/
-    :data:`TEMPS_LOW` of the estimate."""
+    :data:`TEMPS_LOW` of the estimate (not known to: a row without an activation estimate,
+    whose state alone fits, says yes?)."""
     row.fits = row.mem_total_bytes <= memory_bytes
-    margin = (row.mem_temp_bytes or 0) * (1 / TEMPS_LOW - 1)
+    if row.mem_temp_bytes is None:  # no activation estimate (a Llama with experts): unknown
+        row.fits_margin = False
+        return
+    margin = row.mem_temp_bytes * (1 / TEMPS_LOW - 1)
     row.fits_margin = row.mem_total_bytes + margin <= memory_bytes
 
 

@@ -78,7 +78,7 @@ def format_plan(planned: list[Planned], hw: Hardware, memory: float, top: int | 
     if any(p.row.ok and p.row.mem_temp_bytes is None for p in planned):
         lines.append(
             "note: estimated without an activation estimate for this model: memory is the "
-            "state and batch shards only, so a layout marked as fitting may not; a model "
+            "state and batch shards only, so a layout marked yes? may not fit; a model "
             "without a lab module has no activation collectives either (tensor and context "
             "layouts look cheaper than they are)"
         )
@@ -91,7 +91,13 @@ def format_plan(planned: list[Planned], hw: Hardware, memory: float, top: int | 
         )
     lines += [_fix(p) for p in shown if not p.row.ok or not p.row.fits]
     found = best(planned)
-    margin = " (yes?: within the estimate's margin)" if found and may_not_fit(found[1]) else ""
+    margin = (
+        ""
+        if not (found and may_not_fit(found[1]))
+        else " (yes?: its activations are not estimated)"
+        if found[1].mem_temp_bytes is None
+        else " (yes?: within the estimate's margin)"
+    )
     lines.append(
         f"fastest that fits: `{found[0]}`, predicted "
         f"{fmt_time(found[1].predicted_step_time_s)}{margin}"
