@@ -339,21 +339,23 @@ class Checkpointer:
         return _from_tree(restored.state), dict(restored.meta or {})
 
     def _saved_with(self, step: int) -> str:
-        """The ``model`` and ``optim`` settings checkpoint ``step`` was saved with that
-        differ from :attr:`settings` (``model.d_ff=512 (this run: 256)``); "" where
-        either is unknown."""
+        """The settings checkpoint ``step`` was saved with that differ from
+        :attr:`settings` and may shape its arrays — the ``model`` section's and
+        ``optim.name`` (``model.d_ff=512 (this run: 256)``; a learning rate shapes none);
+        "" where either is unknown."""
+        if not self.settings:
+            return ""
         try:
             saved = self._manager.restore(
                 step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
             ).meta["config"]
+            pairs = [("model", k, v) for k, v in sorted(saved["model"].items())]
+            pairs.append(("optim", "name", saved["optim"]["name"]))
         except Exception:  # a checkpoint without its config: the generic advice
-            return ""
-        if not self.settings:
             return ""
         return ", ".join(
             f"{section}.{key}={value} (this run: {self.settings[section].get(key)})"
-            for section in ("model", "optim")
-            for key, value in sorted((saved.get(section) or {}).items())
+            for section, key, value in pairs
             if section in self.settings and value != self.settings[section].get(key)
         )
 

@@ -423,8 +423,8 @@ def _resume_and_fit(run: Run, hooks: Sequence[Hook], say: Any, echo: bool) -> Hi
             except UserCodeFailed as err:
                 with contextlib.suppress(Exception):  # a save in flight (close raises its error)
                     ckpt.wait()
-                if ckpt.latest_step() is not None:
-                    raise
+                if ckpt.latest_step() is not None or config.checkpoint.resume != "auto":
+                    raise  # (a named checkpoint is what the same command starts from again)
                 raise err.where(then=UserCodeFailed.RESTARTS) from err.__cause__
             except OSError as err:
                 if err.errno == errno.ENOSPC and not err.filename:  # say where

@@ -120,11 +120,11 @@ def warn_unused(config: Config, **run: bool) -> None:
 #: the setting whose choice leaves a section's (or a key's) other settings unread
 _BECAUSE = {
     "pipeline": ("mesh.stage",),
-    "context": ("mesh.context",),
-    "tensor": ("mesh.tensor",),
+    "context": ("mesh.context",),  # not a mesh axis: a section
+    "tensor": ("mesh.tensor",),  # not a mesh axis: a section
     "checkpoint": ("checkpoint.keep_best",),
     "model": ("model.name",),
-    "data": ("model.name", "data.dataset", "data.path"),
+    "data": ("model.name", "data.dataset", "data.path"),  # not a mesh axis: a section
     "optim": ("optim.name", "optim.schedule"),
     "model.fp8": ("model.precision", "model.fp8_scaling"),
     "context.balance": ("model.name",),
@@ -137,13 +137,15 @@ def _reason(key: str, config: Config, run: dict[str, bool]) -> str:
     section = key.split(".", 1)[0]
     if section == "model" and run.get("user_task"):
         return "a user's task, whose model is its own"
-    if section == "data" and run.get("own_data"):
+    if section == "data" and run.get("own_data"):  # not a mesh axis: a section
         return "a task that brings its own data"
     if section == "optim" and run.get("own_optimizer"):
         return "a run that brings its own Optax optimizer"
-    because = (
-        _BECAUSE.get(key) or _BECAUSE["model.fp8" if key.startswith("model.fp8_") else section]
-    )
+    family = () if run.get("user_task") else config.family.unread
+    unsplit = section == "context" and config.mesh.context == 1  # not a mesh axis: a section
+    if key in family and not unsplit:
+        return ", ".join(f"{k}={_value(config, k)}" for k in _BECAUSE[key])
+    because = _BECAUSE["model.fp8" if key.startswith("model.fp8_") else section]
     return ", ".join(f"{k}={_value(config, k)}" for k in because if k != key)
 
 

@@ -57,9 +57,8 @@ def test_yaml_layering_later_file_wins(tmp_path):
     assert dict(cfg.rules.overrides) == {"mlp": ("tensor",), "batch": ("data", "fsdp")}
     # untouched keys keep their defaults
     assert cfg.model.n_heads == Config().model.n_heads
-    # files that set layout keys without a run.dir name the run dir (runs/gpt_tiny-a-b): the
-    # first one too, which left the default run's directory to a layout of its own
-    assert cfg.run == dataclasses.replace(Config().run, dir=Config().run.dir + "-a-b")
+    # a later file that changes the layout names the run dir (runs/gpt_tiny-b)
+    assert cfg.run == dataclasses.replace(Config().run, dir=Config().run.dir + "-b")
     # order matters
     assert load_config([second, first]).train.steps == 7
     assert dict(load_config([second, first]).rules.overrides)["batch"] == ("data",)
@@ -866,3 +865,14 @@ def test_a_key_the_family_never_reads_is_unused():
         load_config([REPO / "configs/bert_tiny.yaml"], over)
     )
     assert "context.balance" not in unused_settings(load_config([], over))
+    # each with its own reason: the family's, or (any family) mesh.context=1
+    from jaxpar.unused import warn_unused
+
+    for files, overrides, reason in (
+        ([REPO / "configs/bert_tiny.yaml"], over, "model.name=bert"),
+        ([], ["context.balance=false"], "mesh.context=1"),
+    ):
+        with pytest.warns(UserWarning) as caught:
+            warn_unused(load_config(files, overrides))
+        said = [str(w.message) for w in caught if "'context.balance'" in str(w.message)]
+        assert said == [f"config key 'context.balance' has no effect with {reason}"]

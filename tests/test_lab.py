@@ -332,6 +332,15 @@ def test_a_stopped_sweeps_rows_are_not_mixed_into_another_commands(monkeypatch, 
     _stopping_after(monkeypatch, None, asked)
     assert sweep_("train.batch_size=8") == 0
     assert asked[-1] == ["data=8", "fsdp=8"] and (run / "sweep-2" / "sweep.csv").exists()
+    # another list of layouts is another command: its rows stay for the stopped one (they
+    # were dropped from the file, and lost)
+    other = ["sweep", *GPT_SMALL, f"run.dir={run}", "--layouts", "tensor=8", "tensor=8"]
+    assert main(other) == 0
+    assert asked[-1] == ["tensor=8"]  # named twice, measured once (with a note)
+    assert "a layout named twice in --layouts is measured once" in capsys.readouterr().out
+    assert (run / "sweep-3" / "sweep.csv").exists()
+    # a write a SIGKILL cut short leaves its temporary file: the rows are still resumed
+    (run / "sweep" / ".sweep.partial.json.x1y2.tmp").write_text("{")
     assert sweep_() == 0
     assert asked[-1] == ["fsdp=8"] and (run / "sweep" / "sweep.csv").exists()
     assert sweep_("--overwrite") == 0

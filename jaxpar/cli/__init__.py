@@ -375,7 +375,8 @@ def as_command() -> Iterator[None]:
         with jaxpar.cli.as_command():
             jaxpar.train(config, task=TASK)
 
-    ``JAXPAR_DEBUG=1`` prints the traceback too."""
+    ``JAXPAR_DEBUG=1`` prints the traceback too. It exits through ``sys.exit``, so the
+    caller's ``finally`` blocks and ``atexit`` handlers run."""
     debug = os.environ.get("JAXPAR_DEBUG", "") not in ("", "0")
     try:
         with one_line_reports(debug):
@@ -383,7 +384,7 @@ def as_command() -> Iterator[None]:
     except SystemExit:
         raise
     except BaseException as err:
-        _exit(_report(err, debug))
+        sys.exit(_report(err, debug))  # the caller's finally blocks and atexit handlers run
 
 
 def _exit(status: int) -> NoReturn:

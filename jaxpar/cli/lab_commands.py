@@ -44,15 +44,19 @@ def run_sweep(args: argparse.Namespace, config: Config, task: Task | None) -> No
     hw = get_profile(args.hardware, args.hardware_file)
     memory = args.memory_gb * 1e9 if args.memory_gb else None
     devices = select_devices(config.run.devices)
-    key = resume.command_key(config, args.task, args.steps, hw, memory, devices)
-    out = sweep.output_folder(args.out, config.run.dir, args.overwrite, key)  # before compiling
-    layouts, note = args.layouts, None
+    if args.out is not None:  # an unusable --out is refused before anything is planned
+        sweep.output_folder(args.out, config.run.dir, args.overwrite, None, create=False)
+    layouts, note = list(dict.fromkeys(args.layouts or ())), None
+    if len(layouts) < len(args.layouts or ()):
+        note = "note: a layout named twice in --layouts is measured once"
     if not layouts:
         # timed layouts run here; others are read for the profile's platform (measure.lower)
         platform = None if args.steps else hw.platform
         layouts, note = sweep.microbatched(
             config, *sweep.default_layouts(config, len(devices), task, platform)
         )
+    key = resume.command_key(config, layouts, args.task, args.steps, hw, memory, devices)
+    out = sweep.output_folder(args.out, config.run.dir, args.overwrite, key)  # before compiling
     what = (task.name or "the --task") if task is not None else config.family.name
     print(
         f"sweeping {len(layouts)} layout{'s' * (len(layouts) != 1)} of {what} "
@@ -61,13 +65,17 @@ def run_sweep(args: argparse.Namespace, config: Config, task: Task | None) -> No
     )
     if note:
         print(note, flush=True)
-    kept = [] if args.overwrite else resume.kept_rows(out, key)
-    before = [r for r in kept if r.layout in layouts]
-    if kept:
-        print(_resuming(before, kept, layouts, out / resume.PARTIAL), flush=True)
+    before = [] if args.overwrite else resume.kept_rows(out, key)
+    if before:
+        print(
+            f"resuming: {len(before)} of {len(layouts)} layouts were measured by a stopped "
+            f"run of this command ({out / resume.PARTIAL}); measuring the other "
+            f"{len(layouts) - len(before)}",
+            flush=True,
+        )
     finished = list(before)
 
-    def done(row) -> None:  # each row on disk as it comes: a stop loses only the one in flight
+    def done(row) -> None:  # each row on disk as it comes: a stop loses only those in flight
         finished.append(row)
         resume.keep(out, key, finished)
 
@@ -82,6 +90,7 @@ def run_sweep(args: argparse.Namespace, config: Config, task: Task | None) -> No
             echo=True,
             task=task,
             done=done,
+            among=layouts,
         )
     except (KeyboardInterrupt, Terminated):
         if finished:  # what was measured is shown and kept for the same command
@@ -102,16 +111,6 @@ def run_sweep(args: argparse.Namespace, config: Config, task: Task | None) -> No
 
 def _ordered(rows: list, layouts: list[str]) -> list:
     return sorted(rows, key=lambda r: layouts.index(r.layout))
-
-
-def _resuming(finished: list, kept: list, layouts: list[str], path) -> str:
-    """The line a resumed sweep starts with (and the rows it drops, if any)."""
-    dropped = len(kept) - len(finished)
-    return (
-        f"resuming: {len(finished)} of {len(layouts)} layouts were measured by a stopped "
-        f"run of this command ({path}); measuring the other {len(layouts) - len(finished)}"
-        + (f" (its {dropped} rows of layouts not in this sweep are left out)" if dropped else "")
-    )
 
 
 def estimated(args: argparse.Namespace) -> bool:

@@ -19,10 +19,10 @@ def load_config(paths: list[str | Path] = (), overrides: list[str] = ()) -> Conf
     """Builds a config from defaults, YAML ``paths`` (in order: later files win) and
     ``section.key=value`` ``overrides`` (applied last).
 
-    A layout other than that of the last file giving ``run.dir`` (from ``mesh.*``,
-    ``rules.*`` or ``pipeline.*`` overrides, or a file without a ``run.dir`` such as
-    ``configs/layouts/tp.yaml``, also given alone) gets a run directory of its own, named
-    after it — ``runs/gpt_tiny-fsdp8``, ``runs/gpt_tiny-data4-tensor2``,
+    A layout other than the first config file's (from ``mesh.*``, ``rules.*`` or
+    ``pipeline.*`` overrides, a later file, or a layout file such as
+    ``configs/layouts/tp.yaml`` wherever it comes, also alone) gets a run directory of its
+    own, named after it — ``runs/gpt_tiny-fsdp8``, ``runs/gpt_tiny-data4-tensor2``,
     ``runs/gpt_tiny-tp``, ``runs/gpt_tiny-stage4-zb_h1-m8`` — unless ``run.dir`` is given
     after the first file. So layouts tried one after another never resume each other's run.
 
@@ -52,12 +52,14 @@ def _changes(override: str, named: Config, final: Config) -> bool:
 
 
 def _read_files(paths: list[str | Path]) -> tuple[Config, Config, list[str]]:
-    """The config the YAML ``paths`` make; the one that names the run: the defaults and the
-    files giving a ``run.dir`` alone (its ``run.dir`` and layout); and the names of the
-    files that set layout keys without giving a ``run.dir``, wherever they come (a layout
-    file given alone or first — ``configs/layouts/pipeline.yaml`` — shared the default or
-    the next file's run directory, and resumed that run)."""
-    config = named = Config()
+    """The config the YAML ``paths`` make; the one the first config file made (its
+    ``run.dir`` and layout name the run; the defaults where there is none); and the names of
+    the files that changed that layout without giving a ``run.dir``: later files, and a
+    layout file (one holding layout sections only, ``configs/layouts/pipeline.yaml``)
+    wherever it comes — given alone or first, it shared the default run's directory and
+    resumed that run."""
+    config = Config()
+    named = None
     names = []
     for path in map(Path, paths):
         raw = read_yaml(path) or {}
@@ -69,11 +71,14 @@ def _read_files(paths: list[str | Path]) -> tuple[Config, Config, list[str]]:
             config = merge(config, raw)
         except ConfigError as err:
             raise ConfigError(f"config file '{path}': {err}") from err
-        if "dir" in (raw.get("run") or {}):
-            named = merge(named, raw)
-        elif any(section in raw for section in rundir.LAYOUT_SECTIONS):
+        layout_only = bool(raw) and set(raw) <= set(rundir.LAYOUT_SECTIONS)
+        if named is None and not layout_only:
+            named = config
+        elif rundir.layout_of(config) != rundir.layout_of(named or Config()) and "dir" not in (
+            raw.get("run") or {}
+        ):
             names.append(path.stem)
-    return config, named, names
+    return config, named or Config(), names
 
 
 def run_dir_for(config: Config, name: str) -> Config:

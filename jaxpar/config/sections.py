@@ -41,8 +41,8 @@ class RunConfig:
     dir: str = Field(
         "runs/gpt_tiny",
         description="run directory for config.yaml, "
-        "metrics.jsonl and events; a layout other than that of the config files "
-        "giving run.dir gets one of its own unless given (runs/gpt_tiny-fsdp8)",
+        "metrics.jsonl and events; a layout other than the first config file's "
+        "gets one of its own unless given (runs/gpt_tiny-fsdp8)",
     )
     seed: int = Field(
         0,

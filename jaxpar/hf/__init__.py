@@ -154,14 +154,13 @@ def read_config(directory: str | Path, cfg: Any) -> dict[str, Any]:
 def init_params_for(cfg: Any) -> Callable[[], dict[str, Any]] | None:
     """The pretrained weights a run of model config ``cfg`` starts from
     (``Task.init_params``): those of ``model.init_from``; None without it. ``config.json``
-    and the weight files' presence are checked now (a mismatch fails before anything
-    runs); the weights are read when the trainer initializes a fresh run."""
+    is checked now (a mismatch fails before anything runs); the weights are read when the
+    trainer initializes a fresh run (a resumed one never reads them)."""
     directory = getattr(cfg, "init_from", "")
     layout = layout_of(cfg)
     if not directory or layout is None:
         return None
     read_config(directory, cfg)
-    files.weight_files(directory)  # a missing file fails before the run dir is touched
     return lambda: layout.from_hf(files.read_tensors(directory), cfg, directory)
 
 

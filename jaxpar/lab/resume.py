@@ -1,14 +1,15 @@
 """A stopped sweep keeps what it measured: each row, as it is measured, is written (whole:
 :func:`jaxpar.files.write_atomic`) to ``sweep.partial.json`` in the sweep's folder, so
-Ctrl-C, SIGTERM, a job's time limit or SIGKILL loses at most the layout in flight, and
+Ctrl-C, SIGTERM, a job's time limit or SIGKILL loses at most the layouts in flight, and
 the same command run again measures only the layouts the file lacks. The finished sweep
 writes its outputs and removes the file.
 
 The file names what its rows depend on (:func:`command_key`): the config with its
-overrides, ``--task``, ``--steps``, the devices, the hardware profile, ``--memory-gb`` and
-JAX's version. Rows of another command are never mixed in: the default folder passes over
-such a file to the next free folder; an ``--out`` holding one is refused in one line naming
-the first setting that differs. ``--overwrite`` measures every layout again.
+overrides, the layouts, ``--task``, ``--steps``, the devices, the hardware profile,
+``--memory-gb`` and JAX's version. Rows of another command are never mixed in: the
+default folder passes over such a file to the next free folder; an ``--out`` holding one
+is refused in one line naming the first setting that differs. ``--overwrite`` measures
+every layout again.
 """
 
 from __future__ import annotations
@@ -33,15 +34,18 @@ FORMAT = "jaxpar-sweep-partial"
 
 def command_key(
     config: Config,
+    layouts: list[str],
     task: str | None,
     steps: int,
     hw: Hardware,
     memory_bytes: float | None,
     devices: list,
 ) -> dict[str, Any]:
-    """What a sweep's rows depend on, beyond the layout (as JSON reads it back)."""
+    """What a sweep's rows depend on, and the layouts it measures (as JSON reads it back):
+    another list is another command, whose stopped rows are left for it."""
     key = {
         "config": to_dict(config),
+        "layouts": layouts,
         "task": task or "",
         "steps": steps,
         "devices": [len(devices), devices[0].platform, devices[0].device_kind],
@@ -53,8 +57,13 @@ def command_key(
 
 
 def only_partial(folder: Path) -> bool:
-    """Whether ``folder`` holds a stopped sweep's rows and nothing else."""
-    return folder.is_dir() and [p.name for p in folder.iterdir()] == [PARTIAL]
+    """Whether ``folder`` holds a stopped sweep's rows and nothing else (but the temporary
+    file of a write a SIGKILL cut short: :func:`jaxpar.files.write_atomic`'s)."""
+    if not folder.is_dir():
+        return False
+    names = [p.name for p in folder.iterdir()]
+    cut = f".{PARTIAL}."
+    return PARTIAL in names and all(n == PARTIAL or n.startswith(cut) for n in names)
 
 
 def _first_difference(ours: Any, theirs: Any, path: str = "") -> str | None:

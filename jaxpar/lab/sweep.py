@@ -308,11 +308,13 @@ def sweep(
     echo: bool = False,
     task: Task | None = None,
     done: Callable[[Row], None] | None = None,
+    among: list[str] | None = None,
 ) -> list[Row]:
     """:func:`measure` of every layout, in order: one after another when steps are timed
     (alone on the machine), else compiled several at once
     (:func:`jaxpar.lab.workers.measure_all`); ``done`` is called with each row as it is
-    measured (:mod:`jaxpar.lab.resume` keeps them)."""
+    measured (:mod:`jaxpar.lab.resume` keeps them); ``among``: the whole sweep's layouts,
+    of which these are the rest (a key is unread only if none of them reads it)."""
 
     def say(row: Row) -> None:
         if done is not None:
@@ -320,7 +322,7 @@ def sweep(
         if echo:
             print(f"  {row.layout}: {'ok' if row.ok else 'invalid'}", flush=True)
 
-    with unused_once(config, layouts, task):
+    with unused_once(config, among or layouts, task):
         return measure_all(config, layouts, hw, memory_bytes, task, done=say, steps=steps)
 
 
@@ -437,14 +439,19 @@ def format_markdown(rows: list[Row], hw: Hardware) -> str:
 
 
 def output_folder(
-    out: str | None, run_dir: str, overwrite: bool = False, key: dict | None = None
+    out: str | None,
+    run_dir: str,
+    overwrite: bool = False,
+    key: dict | None = None,
+    create: bool = True,
 ) -> Path:
     """Where :func:`write_outputs` goes — ``out``, or by default ``<run_dir>/sweep`` (or
     ``sweep-2``, ``sweep-3`` … when an earlier sweep's files are there) — checked and
     created before anything is compiled (:mod:`jaxpar.outputs`). A folder holding only a
     stopped sweep's rows (:mod:`jaxpar.lab.resume`) is the same command's to finish: the
     default is the first whose rows the command ``key`` names; an ``--out`` holding
-    another command's rows is refused by :func:`jaxpar.lab.resume.kept_rows`.
+    another command's rows is refused by :func:`jaxpar.lab.resume.kept_rows`. ``create``:
+    also create it (not: only check it).
 
     Raises:
       PathError: a run's own folder, a running run's, a file, or a folder holding files
@@ -455,7 +462,7 @@ def output_folder(
         out = default if overwrite else free_folder(default, lambda p: resume.matches(p, key))
     resumed = resume.only_partial(Path(out))
     check_new_folder(out, "--out", ", ".join(OUTPUT_FILES), overwrite or resumed)
-    return ensure_dir(out, "--out", "choose another --out folder")
+    return ensure_dir(out, "--out", "choose another --out folder") if create else Path(out)
 
 
 def write_outputs(

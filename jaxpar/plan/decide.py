@@ -140,7 +140,7 @@ def one_program(given: Given, layout: Layout) -> Decided:
     rules = layout.rules
     table = checks.pipeline_table(task, model, mesh, rules, given.pipeline)
     if table is not None:
-        ring = layout.context if layout.mesh.shape.get("context", 1) > 1 else None
+        ring = layout.context if layout.mesh.shape.get(Axis.CONTEXT, 1) > 1 else None
         checks.check_spmd_settings(given.pipeline, task, ring, layout.platform)
     param_specs = shd.param_specs(model.params, model.param_axes, rules, mesh)
     state_specs = shd.param_specs(model.state, model.state_axes, rules, mesh, what="model state")
