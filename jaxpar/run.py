@@ -366,6 +366,7 @@ def evaluate(run: Run, state: TrainState) -> dict[str, float]:
     """Mean metrics over ``train.eval_batches`` held-out batches, in evaluation mode."""
     totals: dict[str, float] = {}
     n = run.config.train.eval_batches
+    run.data.batch(n - 1, run.config.train.batch_size, "eval")  # all n made at once, kept
     for i in range(n):
         batch = run.trainer.shard_batch(run.data.batch(i, run.config.train.batch_size, "eval"))
         for k, v in to_host(run.trainer.evaluate(state, batch)).items():

@@ -16,9 +16,11 @@ class Evaluation(Hook):
 
     def on_start(self, ctx: Context) -> None:
         """Held-out data that cannot give a batch is refused before the first step, not
-        after ``train.eval_every`` steps of training (its first batch, computed once)."""
-        if ctx.can_evaluate and ctx.config.train.eval_every and ctx.first_step <= ctx.last_step:
-            ctx.run.data.batch(0, ctx.config.train.batch_size, "eval")
+        after ``train.eval_every`` steps of training (its ``train.eval_batches`` batches,
+        made once: every evaluation reads them)."""
+        cfg = ctx.config.train
+        if ctx.can_evaluate and cfg.eval_every and ctx.first_step <= ctx.last_step:
+            ctx.run.data.batch(cfg.eval_batches - 1, cfg.batch_size, "eval")
 
     def on_state(self, ctx: Context, step: int) -> None:
         if ctx.can_evaluate and is_eval_step(step, ctx.config.train):
