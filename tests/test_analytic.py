@@ -23,7 +23,7 @@ from jaxpar.lab.measure import compile_lowered, lower, measure, read
 from jaxpar.lab.pipeline_cost import pipeline_factor
 from jaxpar.lab.plan_text import format_plan
 from jaxpar.lab.planner import Planned, Ranking
-from jaxpar.lab.sweep import write_csv
+from jaxpar.lab.sweep_files import write_csv
 from jaxpar.pipeline import tick_table
 from jaxpar.pipeline.branches import Parts
 from jaxpar.plan import decide

@@ -23,7 +23,7 @@ import pytest
 
 from jaxpar import plot
 from jaxpar.lab import chart as lab_chart
-from jaxpar.lab import hardware, sweep
+from jaxpar.lab import hardware, sweep, sweep_files
 from jaxpar.pipeline import chart
 from jaxpar.pipeline.schedule import simulate
 from jaxpar.pipeline.ticks import tick_table
@@ -304,7 +304,7 @@ def test_sweep_write_outputs_chart(tmp_path, strict_umask, monkeypatch):
         lab_chart, "save_figure", lambda fig, path: drawn.append(fig) or save(fig, path)
     )
     rows = _rows()
-    paths = sweep.write_outputs(rows, hardware.get_profile("h100"), tmp_path)
+    paths = sweep_files.write_outputs(rows, hardware.get_profile("h100"), tmp_path)
     png = tmp_path / "sweep.png"
     assert paths[-1] == png and _mode(png) == 0o644
     assert matplotlib.image.imread(png).shape[:2] == tuple(
@@ -333,7 +333,7 @@ def test_sweep_write_outputs_chart(tmp_path, strict_umask, monkeypatch):
     # without measured step times the panel is left out; an .svg name writes SVG
     for r in rows:
         r.step_time_s = None
-    sweep.write_outputs(rows, hardware.get_profile("h100"), tmp_path, chart="sweep.svg")
+    sweep_files.write_outputs(rows, hardware.get_profile("h100"), tmp_path, chart="sweep.svg")
     assert len(drawn[1].axes) == 3
     assert b"<svg" in (tmp_path / "sweep.svg").read_bytes()[:2000]
     assert _mode(tmp_path / "sweep.svg") == 0o644

@@ -9,7 +9,7 @@ import pytest
 
 from jaxpar.cli import main
 from jaxpar.config import load_config
-from jaxpar.lab import hardware, predict, sweep, workers
+from jaxpar.lab import hardware, predict, sweep, sweep_files, workers
 from jaxpar.lab.measure import measure
 from jaxpar.lab.plan_text import format_plan
 from jaxpar.lab.planner import best, plan
@@ -243,7 +243,7 @@ def test_sweep_command_writes_csv_md_and_png_and_reports_invalid_layouts(tmp_pat
     with (out / "sweep.csv").open() as f:
         table = list(csv.DictReader(f))
     header = list(table[0])
-    assert header[: len(sweep.COLUMNS)] == list(sweep.COLUMNS)
+    assert header[: len(sweep_files.COLUMNS)] == list(sweep_files.COLUMNS)
     assert [r["layout"] for r in table] == ["data=8", "fsdp=8", "tensor=8", "data=3"]
     good, bad = table[:2], table[2:]
     for r in good:

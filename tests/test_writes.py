@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from jaxpar.cli import main
-from jaxpar.lab import sweep
+from jaxpar.lab import sweep_files
 from jaxpar.rundir import RunDirBusy, RunDirLock
 from tests.helpers import GPT_SMALL, small_file_system
 
@@ -96,9 +96,9 @@ def test_the_default_sweep_folder_is_never_an_earlier_sweeps(tmp_path):
     run = tmp_path / "run"
     (run / "sweep").mkdir(parents=True)
     (run / "sweep" / "sweep.csv").write_bytes(b"first")
-    assert sweep.output_folder(None, str(run)) == run / "sweep-2"
+    assert sweep_files.output_folder(None, str(run)) == run / "sweep-2"
     assert (run / "sweep-2").is_dir() and (run / "sweep" / "sweep.csv").read_bytes() == b"first"
-    assert sweep.output_folder(None, str(run), overwrite=True) == run / "sweep"
+    assert sweep_files.output_folder(None, str(run), overwrite=True) == run / "sweep"
 
 
 def test_plot_refuses_an_existing_file_unless_told(run_dir, tmp_path, capsys):

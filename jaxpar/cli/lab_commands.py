@@ -34,7 +34,7 @@ def checked_layouts(config: Config, layouts: list[str] | None) -> None:
 
 
 def run_sweep(args: argparse.Namespace, config: Config, task: Task | None) -> None:
-    from jaxpar.lab import resume, sweep
+    from jaxpar.lab import resume, sweep, sweep_files
     from jaxpar.lab.hardware import get_profile
     from jaxpar.mesh import select_devices
 
@@ -45,7 +45,7 @@ def run_sweep(args: argparse.Namespace, config: Config, task: Task | None) -> No
     memory = args.memory_gb * 1e9 if args.memory_gb else None
     devices = select_devices(config.run.devices)
     if args.out is not None:  # an unusable --out is refused before anything is planned
-        sweep.output_folder(args.out, config.run.dir, args.overwrite, None, create=False)
+        sweep_files.output_folder(args.out, config.run.dir, args.overwrite, None, create=False)
     layouts, note = list(dict.fromkeys(args.layouts or ())), None
     if len(layouts) < len(args.layouts or ()):
         note = "note: a layout named twice in --layouts is measured once"
@@ -56,7 +56,9 @@ def run_sweep(args: argparse.Namespace, config: Config, task: Task | None) -> No
             config, *sweep.default_layouts(config, len(devices), task, platform)
         )
     key = resume.command_key(config, layouts, args.task, args.steps, hw, memory, devices)
-    out = sweep.output_folder(args.out, config.run.dir, args.overwrite, key)  # before compiling
+    out = sweep_files.output_folder(
+        args.out, config.run.dir, args.overwrite, key
+    )  # before compiling
     what = (task.name or "the --task") if task is not None else config.family.name
     print(
         f"sweeping {len(layouts)} layout{'s' * (len(layouts) != 1)} of {what} "
@@ -98,13 +100,13 @@ def run_sweep(args: argparse.Namespace, config: Config, task: Task | None) -> No
                 f"measured before the stop ({len(finished)} of {len(layouts)} layouts, kept in "
                 f"{out / resume.PARTIAL}: the same command measures only the other "
                 f"{len(layouts) - len(finished)}):\n"
-                f"{sweep.format_table(_ordered(finished, layouts), hw)}",
+                f"{sweep_files.format_table(_ordered(finished, layouts), hw)}",
                 flush=True,
             )
         raise
     rows = _ordered(before + rows, layouts)
-    print(sweep.format_table(rows, hw))
-    for path in sweep.write_outputs(rows, hw, out):
+    print(sweep_files.format_table(rows, hw))
+    for path in sweep_files.write_outputs(rows, hw, out):
         print(f"wrote {path}")
     resume.done(out)
 
@@ -127,7 +129,7 @@ def run_plan(args: argparse.Namespace, config: Config, task: Task | None) -> Non
     from jaxpar.lab.hardware import get_profile
     from jaxpar.lab.plan_text import ESTIMATED_TOP, format_plan
     from jaxpar.lab.planner import format_longest, longest_sequence, plan, plan_folder
-    from jaxpar.lab.sweep import write_csv
+    from jaxpar.lab.sweep_files import write_csv
 
     checked_layouts(config, args.layouts)
     hw = get_profile(args.hardware, args.hardware_file)
