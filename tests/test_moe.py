@@ -169,6 +169,20 @@ def test_moe_layouts_equal_one_device(layout):
         assert spec[1] == "data" and run.plan.mesh.shape["data"] > 1
 
 
+def test_experts_beside_context_parallelism_compute_a_devices_share():
+    """The MoE layer runs manual over the sequence's axes as over the batch's: under
+    ``context=4`` each device routes and computes its own quarter of its rows' tokens, so
+    the compiled step's FLOPs equal those of the batch split 8 ways (every device of a
+    context group computed the group's whole sequences: 3.3× with this model's 4 layers,
+    half of them MoE)."""
+    from jaxpar.lab.hardware import get_profile
+    from jaxpar.lab.measure import measure
+
+    config = jaxpar.load_config([], MOE)
+    flops = [measure(config, x, get_profile("h100")).flops for x in ("data=8", "data=2,context=4")]
+    assert flops[1] == pytest.approx(flops[0], rel=0.02)
+
+
 def _steps_with_metrics(overrides: list[str], devices: int = 8, steps: int = 3):
     """Losses, final parameters and the last step's metrics (as numbers)."""
     config = jaxpar.load_config([], [*overrides, f"train.steps={steps}", f"run.devices={devices}"])

@@ -3,8 +3,9 @@ gating, a load-balancing auxiliary loss and a router z-loss, **dropless** expert
 computation (each device's tokens sorted by expert, one grouped matmul per projection
 through ``jax.lax.ragged_dot``), an optional capacity factor, and expert parallelism.
 
-Layout. The layer runs inside ``shard_map`` over the mesh axes that split the batch (the
-rules of ``batch``), so sorting and grouping stay on each device's own tokens. The experts'
+Layout. The layer runs inside ``shard_map`` over the mesh axes that split the batch and the
+sequence (the rules of ``batch`` and ``seq``: context parallelism), so sorting and grouping
+stay on each device's own tokens. The experts'
 weights carry the logical axis ``experts``; where its rule names batch axes (``rules.
 experts=data``, say), each device of those axes holds ``n_experts / degree`` experts
 (expert parallelism) and tokens reach them by **all-gather + reduce-scatter**: every device
@@ -196,13 +197,13 @@ def moe_mlp(
 
     def local(h, router, w):
         experts, weights, stats = _routed(
-            h, router, top_k, capacity_factor, positions_T, at.stat_axes
+            h, router, top_k, capacity_factor, positions_T, at.stat_axes, at.seq_axes
         )
         return _experts_output(h, experts, weights, w, at.ep_axes, dispatch), stats
 
     if at.ep_axes and dispatch == "all_to_all":
         alltoall.refuse_on_cpu()
-    if at.batch_axes:
+    if at.batch_axes or at.seq_axes:
         local = _per_batch_shard(local, at, tuple(w))
     y, stats = local(h_BTD, p["router"], w)
     return constrain(y, ("batch", "seq", "act_embed")), stats
@@ -210,14 +211,15 @@ def moe_mlp(
 
 @dataclasses.dataclass(frozen=True)
 class _Placement:
-    """Where an MoE layer runs: the mesh, the batch axes that split its tokens (it runs
-    manual over them), those of them that split its experts, and the axes its router
-    statistics are summed over."""
+    """Where an MoE layer runs: the mesh, the batch axes and the sequence axes that split
+    its tokens (it runs manual over both), those of the batch axes that split its experts,
+    and the axes its router statistics are summed over."""
 
     mesh: Any
     batch_axes: tuple[str, ...]
     ep_axes: tuple[str, ...]
     stat_axes: tuple[str, ...]
+    seq_axes: tuple[str, ...] = ()
 
 
 def _placement() -> _Placement:
@@ -225,14 +227,22 @@ def _placement() -> _Placement:
     layout = active_layout()
     mesh = layout[0] if layout else None
     rules = layout[1] if layout else {}
-    batch_axes = tuple(
-        a for a in rules.get("batch", ()) if mesh is not None and mesh.shape.get(a, 1) > 1
-    )
+
+    def split(name: str) -> tuple[str, ...]:
+        return tuple(
+            a for a in rules.get(name, ()) if mesh is not None and mesh.shape.get(a, 1) > 1
+        )
+
+    batch_axes = split("batch")
+    # the sequence's axes (context parallelism): each device routes its own part of the
+    # sequences (where the layer ran manual over the batch only, every device of a context
+    # group computed the experts of the group's whole sequences, c times its share)
+    seq_axes = tuple(a for a in split("seq") if a not in batch_axes)
     ep_axes = tuple(a for a in rules.get("experts", ()) if a in batch_axes)
     # inside a program already manual over batch axes (the spmd pipeline's stages), the
     # statistics are summed over those: the routing sees the whole (micro)batch
-    stat_axes = batch_axes or _manual_batch_axes(mesh)
-    return _Placement(mesh, batch_axes, ep_axes, stat_axes)
+    stat_axes = (batch_axes or _manual_batch_axes(mesh)) + seq_axes
+    return _Placement(mesh, batch_axes, ep_axes, stat_axes, seq_axes)
 
 
 def _routed(
@@ -242,21 +252,39 @@ def _routed(
     capacity_factor: float,
     positions_T: Any,
     stat_axes: tuple[str, ...],
+    seq_axes: tuple[str, ...] = (),
 ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
     """Each of a device's tokens' experts and weights [b, T, k] and the router statistics
     (:func:`route`) with ``dropped``: a capacity factor zeroes the weights of the
-    assignments beyond an expert's capacity, and counts them."""
+    assignments beyond an expert's capacity, and counts them — over whole sequences where
+    ``seq_axes`` split them (the experts of the sequence's other parts gathered)."""
     b, T, D = h_bTD.shape
     experts, weights, stats = route(h_bTD.reshape(b * T, D), router_DE, top_k, stat_axes)
     experts = experts.reshape(b, T, top_k)
     weights = weights.reshape(b, T, top_k)
     stats["dropped"] = jnp.zeros((), jnp.int32)
     if capacity_factor:
-        keep = capacity_mask(experts, router_DE.shape[-1], capacity_factor, positions_T)
+        keep = _sequence_capacity(
+            experts, router_DE.shape[-1], capacity_factor, positions_T, seq_axes
+        )
         weights = jnp.where(keep, weights, 0.0)
         dropped = jnp.sum(~keep)
         stats["dropped"] = jax.lax.psum(dropped, stat_axes) if stat_axes else dropped
     return experts, weights, stats
+
+
+def _sequence_capacity(
+    experts_bTk: jax.Array, n_experts: int, factor: float, positions_T: Any, seq_axes: tuple
+) -> jax.Array:
+    """:func:`capacity_mask` of a device's part ``[b, T/c, k]`` of its sequences, the parts of
+    the ``c`` devices of ``seq_axes`` gathered in order (the whole sequences' ranks decide)."""
+    if not seq_axes:
+        return capacity_mask(experts_bTk, n_experts, factor, positions_T)
+    whole = jax.lax.all_gather(experts_bTk, seq_axes, axis=1, tiled=True)
+    keep = capacity_mask(whole, n_experts, factor, positions_T)
+    part = experts_bTk.shape[1]
+    start = jax.lax.axis_index(seq_axes) * part
+    return jax.lax.dynamic_slice_in_dim(keep, start, part, axis=1)
 
 
 def _experts_output(
@@ -323,18 +351,22 @@ def _all_to_all_output(
 
 def _per_batch_shard(local: Any, at: _Placement, weights: tuple[str, ...]) -> Any:
     """``local(h, router, w)`` run on each device's own tokens (``shard_map`` manual over
-    the batch axes), the experts ``weights`` split over the expert axes."""
-    bspec = PartitionSpec(at.batch_axes if len(at.batch_axes) > 1 else at.batch_axes[0])
-    ep_axes = at.ep_axes
-    wspec = PartitionSpec((ep_axes if len(ep_axes) > 1 else ep_axes[0]) if ep_axes else None)
+    the batch and sequence axes), the experts ``weights`` split over the expert axes."""
+    bspec = PartitionSpec(_entry(at.batch_axes), _entry(at.seq_axes))
+    wspec = PartitionSpec(_entry(at.ep_axes))
     return jax.shard_map(
         local,
         mesh=at.mesh,
         in_specs=(bspec, PartitionSpec(), {n: wspec for n in weights}),
         out_specs=(bspec, PartitionSpec()),
-        axis_names=set(at.batch_axes),
+        axis_names={*at.batch_axes, *at.seq_axes},
         check_vma=False,
     )
+
+
+def _entry(axes: tuple[str, ...]) -> Any:
+    """A spec entry splitting a dim over ``axes`` (none, one, or several)."""
+    return (axes if len(axes) > 1 else axes[0]) if axes else None
 
 
 def _manual_batch_axes(mesh: Any) -> tuple[str, ...]:
