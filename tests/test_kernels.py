@@ -11,11 +11,11 @@ import yaml
 
 from jaxpar.config import load_config
 from jaxpar.errors import ConfigError
-from jaxpar.lab import analytic, hardware
+from jaxpar.lab import hardware
 from jaxpar.lab.activations import head_bytes
 from jaxpar.lab.families import lab_for
 from jaxpar.lab.hardware import Kernels, StepTime, compute_time
-from jaxpar.lab.kernels import kernels, shape_efficiency
+from jaxpar.lab.kernels import flops_per_device, kernels, shape_efficiency
 from jaxpar.lab.measure import layout_overrides
 from jaxpar.lab.pipeline_cost import pipeline_factor
 from jaxpar.lab.predict import lab_layout
@@ -44,7 +44,7 @@ def test_the_matmuls_are_the_familys_flops(config, layout):
     adds up to the FLOPs the model family counts (its own file's formula)."""
     run = _run(config, layout)
     matmuls = lab_for(run.family).matmuls(run.config.model, lab_layout(run, cpu=False))
-    assert 3 * sum(m.flops for m in matmuls) == pytest.approx(analytic.flops_per_device(run))
+    assert 3 * sum(m.flops for m in matmuls) == pytest.approx(flops_per_device(run))
 
 
 def test_a_matmul_on_its_own_roofline():

@@ -39,6 +39,7 @@ recomputation runs again, and the FLOPs of key and value heads held whole.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +80,26 @@ class Kept:
     mlp_out: float = 0.0
 
 
+@dataclass(frozen=True)
+class Routed:
+    """What a mixture of experts' routed tokens add beside the counts (:mod:`jaxpar.lab.
+    experts`), on one device for one microbatch: the bytes a layer keeps for its backward,
+    averaged over the layers (``kept``), the bytes one MoE layer's backward holds at once
+    beyond them (``transient``) and, where it recomputes the layer, its forward
+    (``recomputed``), and the layers a recomputing backward holds at once (``group``)."""
+
+    kept: float = 0.0
+    transient: float = 0.0
+    #: what a recomputed MoE layer's forward holds beside that
+    recomputed: float = 0.0
+    #: the layers a recomputing backward holds at once (a scan step's)
+    group: int = 1
+
+
+#: a dense model's: nothing routed
+NO_ROUTED = Routed()
+
+
 #: a layer's forward matmuls, in :func:`transformer_matmuls`' order
 LAYER_MATMULS = ("qkv", "out", "mlp_in", "mlp_out", "scores", "values")
 #: the layer's matmul outputs the backward finds without recomputing them under each
@@ -112,19 +133,33 @@ def remat_of(cfg: Any) -> str:
 
 
 def activation_bytes(
-    cfg: Any, layout: LabLayout, kept: Kept, fused_attention: bool, gated: bool = False
+    cfg: Any,
+    layout: LabLayout,
+    kept: Kept,
+    fused_attention: bool,
+    gated: bool = False,
+    routed: Routed = NO_ROUTED,
 ) -> float:
     """Bytes of the activations one device holds at the peak of a step (the module
     docstring); ``fused_attention``: a kernel recomputes the scores (none kept); under a
-    saving ``model.remat``, what :func:`saved_layer_bytes` counts a layer."""
-    layer = layer_bytes(cfg, layout, kept, fused_attention)
+    saving ``model.remat``, what :func:`saved_layer_bytes` counts a layer; ``routed``: a
+    mixture of experts' routed tokens, kept in every layer and held at the peak."""
+    layer = layer_bytes(cfg, layout, kept, fused_attention) + routed.kept
     layers = layers_per_chunk(cfg, layout)
-    head = head_bytes(cfg, layout, kept)
+    # beside the layers: the head's logits, and what one MoE layer's backward holds at
+    # once (and its recomputed forward, where one runs)
+    recomputing = remat_of(cfg) != "none" or (layout.stages is not None and not layout.residuals)
+    head = head_bytes(cfg, layout, kept) + routed.transient + routed.recomputed * recomputing
+    # a recomputing backward holds a scan step's layers: a group of them in a mixture of
+    # experts (every moe_every-th an MoE layer)
+    layer_recomputed = layer * kept.recompute * routed.group
     # a stack of one layer, no loop (measured without tensor parallelism: under it counted
     # as a loop's layer)
     alone = layers == 1 and layout.sizes[Axis.TENSOR] == 1
     stacked = layer * (kept.alone if alone else 1.0)
-    block_input = activation_itemsize(cfg, layout) * microbatch_rows(layout) * _tokens(layout)[0]
+    block_input = (
+        activation_itemsize(cfg, layout) * microbatch_rows(layout) * device_tokens(layout)[0]
+    )
     block_input *= cfg.d_model
     if layout.stages is not None and not layout.residuals:
         # a pipeline's backward recomputes its chunk from the chunk's input: a device keeps
@@ -132,10 +167,11 @@ def activation_bytes(
         return layout.in_flight * block_input + layers * stacked + head
     policy = remat_of(cfg)
     if policy in ("full", "offload"):  # offload's saved values live on the host
-        return layers * layout.in_flight * block_input * kept.remat + head + layer * kept.recompute
+        return layers * layout.in_flight * block_input * kept.remat + head + layer_recomputed
     if policy != "none":  # and while a layer is recomputed, what it did not keep
         saved = saved_layer_bytes(cfg, layout, kept, fused_attention, gated)
-        return layers * layout.in_flight * saved + head + (layer - saved) * kept.recompute
+        unsaved = (1 - saved / layer) * layer_recomputed
+        return layers * layout.in_flight * saved + head + unsaved
     return layers * layout.in_flight * stacked + head
 
 
@@ -153,13 +189,13 @@ def saved_layer_bytes(
     under ``save_qkv``, ``save_matmuls`` and ``save_dots``; under ``save_out`` 18–44% short
     for GPT and the Llama (XLA keeps more than the two outputs there)."""
     t, t_sp = layout.sizes[Axis.TENSOR], _sequence_parallel(layout)
-    s, keys, _ = _tokens(layout)
+    s, keys, _ = device_tokens(layout)
     b, names = microbatch_rows(layout), SAVED[remat_of(cfg)]
     widths = {
         "qkv": q_k_v_width(cfg) / t,
         "out": cfg.d_model / t_sp,
-        "mlp_in": cfg.d_ff * (2 if gated else 1) / t,
-        "mlp_out": cfg.d_model / t_sp * kept.mlp_out,
+        "mlp_in": cfg.d_ff * (2 if gated else 1) / t * dense_mlps(cfg),
+        "mlp_out": cfg.d_model / t_sp * kept.mlp_out * dense_mlps(cfg),
         "values": cfg.n_heads * head_dim(cfg) / t,
         "scores": 0.0,
     }
@@ -176,27 +212,32 @@ def saved_layer_bytes(
 FORWARD_PASSES, BACKWARD_PASSES, RECOMPUTE_PASSES = 2, 3, 2
 
 
-def elementwise_bytes(cfg: Any, layout: LabLayout, kept: Kept, fused_attention: bool) -> float:
+def elementwise_bytes(
+    cfg: Any, layout: LabLayout, kept: Kept, fused_attention: bool, routed: Routed = NO_ROUTED
+) -> float:
     """HBM bytes one device's kernels other than matmuls move in a step: the passes over
-    each byte its layers and head keep (:data:`FORWARD_PASSES` …), every microbatch."""
+    each byte its layers (and their routed tokens) and head keep (:data:`FORWARD_PASSES`
+    …), every microbatch."""
     recompute = remat_of(cfg) != "none" or (layout.stages is not None and not layout.residuals)
     passes = FORWARD_PASSES + BACKWARD_PASSES + RECOMPUTE_PASSES * recompute
     layers = cfg.n_layers / layout.sizes[Axis.STAGE]
-    layer = layer_bytes(cfg, layout, kept, fused_attention)
+    layer = layer_bytes(cfg, layout, kept, fused_attention) + routed.kept
     # the head runs on the last stage: a device's share of it
     head = (FORWARD_PASSES + BACKWARD_PASSES) * head_bytes(cfg, layout, kept)
     head /= layout.sizes[Axis.STAGE]
-    return _microbatches(layout) * (passes * layers * layer + head)
+    return microbatches(layout) * (passes * layers * layer + head)
 
 
 def transformer_matmuls(cfg: Any, layout: LabLayout, gated: bool) -> list[Matmul]:
     """A transformer's forward matmuls on one device over a step: the projections (q, k
     and v as one), the MLP's two (a gated one's first makes two widths), attention's
     scores and weighted values per head (each ring step's keys under ring attention),
-    and the head; the projections and the MLP's in FP8 under ``model.precision=fp8``."""
+    and the head; the projections and the MLP's in FP8 under ``model.precision=fp8``. A
+    mixture of experts' dense MLPs only (:func:`dense_mlps`; its routed ones:
+    :func:`jaxpar.lab.experts.expert_matmuls`)."""
     t = layout.sizes[Axis.TENSOR]
-    s, keys, c = _tokens(layout)
-    steps = _microbatches(layout)
+    s, keys, c = device_tokens(layout)
+    steps = microbatches(layout)
     layers = cfg.n_layers / layout.sizes[Axis.STAGE] * steps
     m, d, hd = microbatch_rows(layout) * s, cfg.d_model, head_dim(cfg)
     per_head = (
@@ -205,11 +246,12 @@ def transformer_matmuls(cfg: Any, layout: LabLayout, gated: bool) -> list[Matmul
     kv = q_k_v_width(cfg) - cfg.n_heads * hd  # held whole where not split as the queries
     whole = layout.rules.get("kv_heads", ()) != layout.rules.get("heads", ())
     fp8 = getattr(cfg, "precision", "default") == "fp8"  # the weight matmuls
+    mlps = layers * dense_mlps(cfg)
     return [
         Matmul(m, cfg.n_heads * hd / t + (kv if whole else kv / t), d, layers, fp8),
         Matmul(m, d, cfg.n_heads * hd / t, layers, fp8),
-        Matmul(m, cfg.d_ff * (2 if gated else 1) / t, d, layers, fp8),
-        Matmul(m, d, cfg.d_ff / t, layers, fp8),
+        Matmul(m, cfg.d_ff * (2 if gated else 1) / t, d, mlps, fp8),
+        Matmul(m, d, cfg.d_ff / t, mlps, fp8),
         Matmul(s, keys, hd, per_head),
         Matmul(s, hd, keys, per_head),
         Matmul(m, cfg.vocab_size / t, d, steps),
@@ -227,6 +269,7 @@ def recomputed_share(
     policy: str = "full",
     reads_mlp_out: bool = False,
     fused_attention: bool = False,
+    routed: Sequence[Matmul] = (),
 ) -> float:
     """The share of a layer's forward FLOPs a recomputation under ``policy`` runs again:
     every matmul whose output it does not keep (:data:`SAVED`) but the MLP's output
@@ -238,22 +281,33 @@ def recomputed_share(
     ``fused_attention`` (cuDNN's kernel, on a GPU): a recomputing policy runs attention's
     forward call again whatever it keeps, for its softmax statistics, which no policy
     saves (the step compiled for an H200 under ``save_dots`` runs it twice:
-    ``tests/test_analytic.py``)."""
+    ``tests/test_analytic.py``).
+
+    ``routed``: a mixture of experts' routed matmuls (:func:`jaxpar.lab.experts.
+    expert_matmuls`), which no policy names, so every recomputation runs them again; the
+    routing weights' gradient reads their output, and a group of layers recomputes its
+    dense MLPs' outputs, which the next layer reads (llama_tiny with 4 experts: the
+    compiled step's FLOPs under full, save_matmuls and save_dots to 0.1%)."""
     *layer, _head = transformer_matmuls(cfg, layout, gated)
-    saved = {*SAVED[policy], *(("mlp_out",) if not reads_mlp_out else ())}
+    read = reads_mlp_out or bool(routed)
+    saved = {*SAVED[policy], *(("mlp_out",) if not read else ())}
     if fused_attention and policy != "none":
         saved -= set(ATTENTION_MATMULS)
     again = sum(m.flops for m, name in zip(layer, LAYER_MATMULS) if name not in saved)
-    return again / sum(m.flops for m in layer)
+    again += sum(m.flops for m in routed)
+    return again / sum(m.flops for m in (*layer, *routed))
 
 
-def fused_backward_share(cfg: Any, layout: LabLayout, gated: bool) -> float:
-    """The share of a layer's forward FLOPs cuDNN's fused attention backward computes
-    beyond XLA's backward: the scores again (FlashAttention-2 keeps only the softmax
-    statistics), :func:`jaxpar.hlo.program_cost`'s five products against four."""
+def fused_backward_share(
+    cfg: Any, layout: LabLayout, gated: bool, routed: Sequence[Matmul] = ()
+) -> float:
+    """The share of a layer's forward FLOPs (its ``routed`` experts' among them) cuDNN's
+    fused attention backward computes beyond XLA's backward: the scores again
+    (FlashAttention-2 keeps only the softmax statistics), :func:`jaxpar.hlo.program_cost`'s
+    five products against four."""
     *layer, _head = transformer_matmuls(cfg, layout, gated)
     scores = layer[LAYER_MATMULS.index("scores")].flops
-    return scores / sum(m.flops for m in layer)
+    return scores / sum(m.flops for m in (*layer, *routed))
 
 
 def unsplit_kv_flops(cfg: Any, layout: LabLayout) -> float:
@@ -265,7 +319,7 @@ def unsplit_kv_flops(cfg: Any, layout: LabLayout) -> float:
     if t == 1 or layout.rules.get("kv_heads", ()) == layout.rules.get("heads", ()):
         return 0.0
     width = 2 * getattr(cfg, "n_kv_heads", cfg.n_heads) * head_dim(cfg)
-    tokens = layout.rows * _tokens(layout)[0]
+    tokens = layout.rows * device_tokens(layout)[0]
     layers = cfg.n_layers / layout.sizes[Axis.STAGE]
     # under sequence parallelism only the forward runs on the whole (gathered) sequence:
     # the backward's matmuls split it (measured: a third of the extra, Llama tensor=4)
@@ -273,7 +327,7 @@ def unsplit_kv_flops(cfg: Any, layout: LabLayout) -> float:
     return passes * 2 * tokens * cfg.d_model * width * (1 - 1 / t) * layers
 
 
-def _microbatches(layout: LabLayout) -> int:
+def microbatches(layout: LabLayout) -> int:
     """The microbatches a device runs in a step (accumulated and pipelined)."""
     return layout.grad_accum * (layout.stages[3] if layout.stages else 1)
 
@@ -289,7 +343,7 @@ def layers_per_chunk(cfg: Any, layout: LabLayout) -> float:
     return cfg.n_layers / layout.sizes[Axis.STAGE] / (layout.stages[2] if layout.stages else 1)
 
 
-def _tokens(layout: LabLayout) -> tuple[float, float, int]:
+def device_tokens(layout: LabLayout) -> tuple[float, float, int]:
     """``(s, S, c)``: a device's queries, the keys each sees, the context degree."""
     c = math.prod(layout.sizes[a] for a in split_over(layout.rules, layout.sizes, SEQ))
     s = layout.seq_len / c
@@ -300,7 +354,7 @@ def _sequence_parallel(layout: LabLayout) -> int:
     """How many ways sequence parallelism splits the residual stream beyond ``context``
     (``t`` under ``tensor.sequence``, else 1)."""
     sizes = layout.sizes
-    c = _tokens(layout)[2]
+    c = device_tokens(layout)[2]
     sequence = math.prod(sizes[a] for a in split_over(layout.rules, sizes, ACT_SEQ))
     return sequence // c if sequence > c else 1
 
@@ -313,19 +367,28 @@ def activation_itemsize(cfg: Any, layout: LabLayout) -> int:
 def layer_bytes(cfg: Any, layout: LabLayout, kept: Kept, fused_attention: bool) -> float:
     """Bytes one layer keeps for one microbatch on one device (the module docstring)."""
     t = layout.sizes[Axis.TENSOR]
-    s, keys, _ = _tokens(layout)
+    s, keys, _ = device_tokens(layout)
     t_sp = _sequence_parallel(layout)
     b = microbatch_rows(layout)
     scores = 0.0 if fused_attention else kept.scores * b * cfg.n_heads * s * keys / t
-    split = q_k_v_width(cfg) * kept.attention + cfg.d_ff * kept.mlp
+    split = q_k_v_width(cfg) * kept.attention + cfg.d_ff * kept.mlp * dense_mlps(cfg)
     return activation_itemsize(cfg, layout) * (
         b * s * (cfg.d_model * kept.replicated / t_sp + split / t) + scores
     )
 
 
+def dense_mlps(cfg: Any) -> float:
+    """Dense SwiGLU MLPs of width ``d_ff`` per layer: 1 in a dense model; in a mixture of
+    experts, the layers between its MoE ones (every ``moe_every``-th) and its shared experts
+    (``n_shared_experts``, each one's worth), over the layers."""
+    if not getattr(cfg, "n_experts", 0):
+        return 1.0
+    return (cfg.moe_every - 1 + cfg.n_shared_experts) / cfg.moe_every
+
+
 def head_bytes(cfg: Any, layout: LabLayout, kept: Kept) -> float:
     """Bytes the head keeps for one microbatch on one device: float32 logits."""
-    s = _tokens(layout)[0]
+    s = device_tokens(layout)[0]
     return 4 * microbatch_rows(layout) * s * cfg.vocab_size * kept.head / layout.sizes[Axis.TENSOR]
 
 

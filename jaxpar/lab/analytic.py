@@ -35,7 +35,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxpar.axes import Axis
 from jaxpar.config import Config, apply_overrides
 from jaxpar.data import Data, load_data
 from jaxpar.errors import JaxparError, LayoutError
@@ -43,36 +42,16 @@ from jaxpar.lab.activations import remat_of
 from jaxpar.lab.executor_memory import one_program_buffers
 from jaxpar.lab.families import lab_for
 from jaxpar.lab.hardware import Hardware, roofline
-from jaxpar.lab.kernels import kernels, recomputed
+from jaxpar.lab.kernels import flops_per_device, kernels
 from jaxpar.lab.measure import Row, fill_predicted, layout_overrides
 from jaxpar.lab.network import hosts_of, step_time
-from jaxpar.lab.pipeline_cost import pipeline_stretch, scan_length
+from jaxpar.lab.pipeline_cost import scan_length
 from jaxpar.lab.predict import lab_layout, predict_argument_bytes, predict_comm, stack_moves
 from jaxpar.lab.staged import check_chunk
 from jaxpar.plan.abstract import global_batch_shapes
 from jaxpar.run import Run, build, data_needs
 from jaxpar.sharding import bytes_per_device
 from jaxpar.task import Task
-
-
-def flops_per_device(run: Run, asynchronous: bool = False, gpu: bool = True) -> float | None:
-    """The step's FLOPs on one device (None: the family does not count them);
-    ``asynchronous``: its pipeline's stages run as the sub-mesh executor runs them
-    (:func:`~jaxpar.lab.pipeline_cost.pipeline_stretch`); ``gpu``: on a GPU, where
-    attention may run as cuDNN's fused kernel (elsewhere as XLA computes it)."""
-    family = run.family
-    if family is None or family.counts is None:
-        return None
-    plan = run.plan
-    sizes = plan.mesh.shape
-    per_example = family.counts(run.config.model, run.data).train_flops_per_example
-    split = plan.batch_ways() * sizes[Axis.CONTEXT] * sizes[Axis.TENSOR] * sizes[Axis.STAGE]
-    flops = per_example * run.config.train.batch_size / split
-    lab, layout = lab_for(family), lab_layout(run, cpu=not gpu)
-    # and what a device computes beyond its share (weights held whole)
-    flops += lab.unsplit_flops(run.config.model, layout)
-    flops *= pipeline_stretch(run, asynchronous)
-    return flops * recomputed(run, gpu)
 
 
 def collective_calls(terms: Any, layers: int, devices: int) -> tuple[int, int]:
@@ -200,8 +179,9 @@ def estimate(
     processes: bool = True,
 ) -> Row:
     """The row of ``layout`` on ``devices`` devices of ``hw``'s platform, nothing compiled
-    (its ``error`` says why a layout cannot run); ``cpu``: the activations as XLA:CPU
-    holds them (bfloat16 as float32: what the tests compare with); ``processes``: refuse
+    (its ``error`` says why a layout cannot run); ``cpu``: the step as XLA:CPU compiles it
+    (activations in bfloat16 held as float32, a mixture of experts' grouped matmuls computed
+    densely: what the tests compare with); ``processes``: refuse
     what a run of one process a host refuses (a process whose devices do not hold one
     share of the batch rows, sub-mesh stages across hosts:
     :func:`~jaxpar.lab.network.hosts_of`; False prices another framework's run)."""
@@ -231,7 +211,7 @@ def estimate(
     row.mem_temp_bytes = temps
     row.mem_total_bytes = row.mem_args_bytes + (temps or 0)
     _judge_memory(row, memory_bytes or hw.memory_bytes)
-    row.flops = flops_per_device(run, asynchronous=sub_mesh, gpu=hw.platform == "gpu")
+    row.flops = flops_per_device(run, asynchronous=sub_mesh, gpu=hw.platform == "gpu" and not cpu)
     row.mem_traffic_bytes = row.state_traffic_bytes + 2 * (temps or 0)
     # a profile of a CPU (fitted here): its bytes and collectives, nothing hidden
     comm = predict_comm(run, "cpu" if hw.platform == "cpu" else "gpu", asynchronous=sub_mesh)
@@ -282,7 +262,7 @@ def _judge_memory(row: Row, memory_bytes: float) -> None:
     :data:`TEMPS_LOW` of the estimate (not known to: a row without an activation estimate,
     whose state alone fits, says yes?)."""
     row.fits = row.mem_total_bytes <= memory_bytes
-    if row.mem_temp_bytes is None:  # no activation estimate (a Llama with experts): unknown
+    if row.mem_temp_bytes is None:  # no activation estimate (a user's task): unknown
         row.fits_margin = False
         return
     margin = row.mem_temp_bytes * (1 / TEMPS_LOW - 1)

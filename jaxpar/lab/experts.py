@@ -1,6 +1,23 @@
 """What the layout lab knows of a mixture-of-experts MLP (:mod:`jaxpar.models.moe`, the
 Llama family's with ``model.n_experts`` > 0): the experts' token dispatch under expert
-parallelism, and the all-reduces their split F dim adds under ``tensor``."""
+parallelism, the all-reduces their split F dim adds under ``tensor``, and the routed
+tokens' matmuls and activations.
+
+**Routed rows.** A device's grouped matmuls take, per MoE layer and microbatch, ``R = b·s·k·e``
+rows: its ``b·s`` tokens (its part of the sequences under context parallelism) ``top_k``
+times each, ``e`` devices' under expert parallelism (the all-gather dispatch gathers the
+group's tokens; the all-to-all dispatch's receive buffer is the dropless worst case, as
+many). Balanced routing puts ``b·s·k`` of them in the device's ``E/e`` experts.
+
+**How XLA computes them.** On a GPU ``jax.lax.ragged_dot`` is a grouped matmul: each local
+expert's rows against its weights, the FLOPs the family counts (``top_k`` experts a token).
+XLA:CPU has no such kernel: JAX's fallback masks the rows into one copy per local expert
+(``[E/e, R, D]``) and contracts over experts and width, so every routed row meets every
+local expert — ``E`` times the grouped FLOPs (``E/e`` experts × ``e``·``b·s·k`` rows), forward
+and backward, and what its backward holds ``E/e`` times. The lab counts each form where it
+runs (:attr:`~jaxpar.lab.terms.LabLayout.cpu`), so a plan compiled here is priced as the
+GPU's program (:func:`jaxpar.lab.kernels.gpu_flops_factor`).
+"""
 
 from __future__ import annotations
 
@@ -10,9 +27,39 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from jaxpar.lab.activations import SAVED
-from jaxpar.lab.terms import LabLayout, Term
+from jaxpar.axes import Axis
+from jaxpar.lab.activations import (
+    NO_ROUTED,
+    SAVED,
+    Routed,
+    activation_itemsize,
+    device_tokens,
+    microbatch_rows,
+    microbatches,
+)
+from jaxpar.lab.terms import LabLayout, Matmul, Term
 from jaxpar.logical import BATCH, SEQ, split_over
+
+#: what an MoE layer keeps for its backward per routed row, in widths: 6 of the experts'
+#: ``F/t`` and 2.5 of ``D`` — measured as :class:`~jaxpar.lab.activations.Kept`'s counts
+#: (the per-layer difference of 4- and 8-layer steps less the layer's gradients, 8 CPU
+#: devices): llama_tiny with 2, 4 and 8 experts, top-1 and top-2, ``d_ff`` 344 and 688
+#: (6.0 of F), ``d_model`` 128 and 256 (2.5 and 2.1 of D), under ``tensor`` 2 and 4 (F
+#: split, D not) and experts over data (the gathered rows); the number of experts changes
+#: nothing (14.31-14.34 MiB a layer for 2-8 experts)
+ROUTED_F, ROUTED_D = 6.0, 2.5
+#: what one MoE layer's backward holds at once beyond that, per routed row and copy: 4 of
+#: ``F/t`` and 2 of ``D`` (its products' operands: the rows and the gate's, up's and
+#: down's inputs or output gradients); XLA:CPU holds a copy per local expert — the step's
+#: temporaries beyond its layers grew by 4.0 F + 2.4 D a routed row per expert (2-8
+#: experts, top-1 and 2, F 344 and 688); a GPU's grouped matmul one (not measured here)
+TRANSIENT_F, TRANSIENT_D = 4.0, 2.0
+#: and where the backward recomputes the layer (``model.remat``, a pipeline), what its
+#: forward's products hold beside, per routed row and copy: 1 of ``F/t`` and 1 of ``D``
+#: (the down and the gate/up products' inputs; measured: the compiled steps under full,
+#: save_matmuls and save_dots held 8.6-10.6 MiB more than without, at 4 experts × 1,024
+#: rows: 7.4 MiB so counted)
+RECOMPUTED_F, RECOMPUTED_D = 1.0, 1.0
 
 
 def dispatch_terms(cfg: Any, layout: LabLayout) -> list[Term]:
@@ -165,3 +212,55 @@ def tensor_terms(cfg: Any, layout: LabLayout, dense: list[Term]) -> list[Term]:
             axes=megatron.axes,
         ),
     ]
+
+
+def routed_rows(cfg: Any, layout: LabLayout) -> float:
+    """``R``: the rows a device's grouped matmuls take in one MoE layer for one microbatch
+    (the module docstring)."""
+    tokens = microbatch_rows(layout) * device_tokens(layout)[0]
+    return tokens * cfg.top_k * expert_degree(layout)
+
+
+def routed(cfg: Any, layout: LabLayout) -> Routed:
+    """What the routed rows add to a device's activations (:class:`~jaxpar.lab.activations.
+    Routed`): :data:`ROUTED_F` and :data:`ROUTED_D` widths a row kept in each MoE layer
+    (averaged over the layers), and :data:`TRANSIENT_F` and :data:`TRANSIENT_D` a row held
+    by one MoE layer's backward — once per local expert on the CPU."""
+    if not getattr(cfg, "n_experts", 0):
+        return NO_ROUTED
+    rows = routed_rows(cfg, layout) * activation_itemsize(cfg, layout)
+    f, d = cfg.d_ff / layout.sizes[Axis.TENSOR], cfg.d_model
+    copies = cfg.n_experts // expert_degree(layout) if layout.cpu else 1
+    return Routed(
+        kept=rows * (ROUTED_F * f + ROUTED_D * d) / cfg.moe_every,
+        transient=rows * copies * (TRANSIENT_F * f + TRANSIENT_D * d),
+        recomputed=rows * copies * (RECOMPUTED_F * f + RECOMPUTED_D * d),
+        group=cfg.moe_every,
+    )
+
+
+def expert_matmuls(cfg: Any, layout: LabLayout) -> list[Matmul]:
+    """The routed experts' forward matmuls on one device over a step (gate and up as one
+    of ``2F/t``, then down), as they run (the module docstring): on a GPU each local
+    expert's balanced share of the device's ``b·s·k`` assignments against its weights; on
+    the CPU every routed row against the stacked weights of every local expert."""
+    if not getattr(cfg, "n_experts", 0):
+        return []
+    f, d = cfg.d_ff / layout.sizes[Axis.TENSOR], cfg.d_model
+    times = cfg.n_layers // cfg.moe_every / layout.sizes[Axis.STAGE] * microbatches(layout)
+    local = cfg.n_experts // expert_degree(layout)
+    if layout.cpu:
+        rows = routed_rows(cfg, layout)
+        return [Matmul(rows, 2 * f, d * local, times), Matmul(rows, d, f * local, times)]
+    rows = microbatch_rows(layout) * device_tokens(layout)[0] * cfg.top_k / local
+    return [Matmul(rows, 2 * f, d, times * local), Matmul(rows, d, f, times * local)]
+
+
+def expanded_flops(cfg: Any, layout: LabLayout) -> float:
+    """The training FLOPs (forward and backward: 3 forwards) XLA:CPU's dense products add
+    to the grouped ones the family counts (none elsewhere)."""
+    if not layout.cpu:
+        return 0.0
+    grouped = dataclasses.replace(layout, cpu=False)
+    flops = [sum(m.flops for m in expert_matmuls(cfg, x)) for x in (layout, grouped)]
+    return 3 * (flops[0] - flops[1])

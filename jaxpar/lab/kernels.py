@@ -33,6 +33,7 @@ from collections.abc import Sequence
 
 import jax.numpy as jnp
 
+from jaxpar.axes import Axis
 from jaxpar.lab.activations import remat_of
 from jaxpar.lab.families import lab_for
 from jaxpar.lab.hardware import Hardware, Kernels
@@ -92,12 +93,33 @@ def recomputed(run: Run, gpu: bool) -> float:
     return 1 + layer_share(run) * _again(run, gpu) / 3
 
 
-def fused_attention_factor(run: Run) -> float:
-    """A GPU step's FLOPs over those of the step XLA:CPU compiles for the same layout, which
-    writes attention out: the extra products of cuDNN's fused kernel (1 where it does not
-    run)."""
-    share = layer_share(run) / 3
-    return (1 + share * _again(run, gpu=True)) / (1 + share * _again(run, gpu=False))
+def gpu_flops_factor(run: Run) -> float:
+    """A GPU step's FLOPs over those of the step XLA:CPU compiles for the same layout: the
+    extra products of cuDNN's fused attention kernel, which XLA:CPU writes out; a mixture
+    of experts' grouped matmuls, which XLA:CPU computes densely over every local expert
+    (:mod:`jaxpar.lab.experts`); 1 where neither runs or the family counts no FLOPs."""
+    gpu, cpu = flops_per_device(run, gpu=True), flops_per_device(run, gpu=False)
+    return gpu / cpu if gpu and cpu else 1.0
+
+
+def flops_per_device(run: Run, asynchronous: bool = False, gpu: bool = True) -> float | None:
+    """The step's FLOPs on one device (None: the family does not count them);
+    ``asynchronous``: its pipeline's stages run as the sub-mesh executor runs them
+    (:func:`~jaxpar.lab.pipeline_cost.pipeline_stretch`); ``gpu``: on a GPU, where
+    attention may run as cuDNN's fused kernel (elsewhere as XLA computes it)."""
+    family = run.family
+    if family is None or family.counts is None:
+        return None
+    plan = run.plan
+    sizes = plan.mesh.shape
+    per_example = family.counts(run.config.model, run.data).train_flops_per_example
+    split = plan.batch_ways() * sizes[Axis.CONTEXT] * sizes[Axis.TENSOR] * sizes[Axis.STAGE]
+    flops = per_example * run.config.train.batch_size / split
+    lab, layout = lab_for(family), lab_layout(run, cpu=not gpu)
+    # and what a device computes beyond its share (weights held whole)
+    flops += lab.unsplit_flops(run.config.model, layout)
+    flops *= pipeline_stretch(run, asynchronous)
+    return flops * recomputed(run, gpu)
 
 
 def _again(run: Run, gpu: bool) -> float:

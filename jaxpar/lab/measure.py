@@ -31,7 +31,7 @@ from jaxpar.axes import MESH_AXES
 from jaxpar.config import Config, apply_overrides
 from jaxpar.errors import ConfigError, JaxparError, LayoutError
 from jaxpar.lab.hardware import Hardware, StepTime, roofline
-from jaxpar.lab.kernels import fused_attention_factor, kernels
+from jaxpar.lab.kernels import gpu_flops_factor, kernels
 from jaxpar.lab.network import hosts_of, step_time
 from jaxpar.lab.predict import CommPrediction, predict_argument_bytes, predict_comm
 from jaxpar.lab.terms import Term
@@ -293,9 +293,10 @@ def read(
     calls = row.calls(hw.latency_per)
     dtype = run.family.compute_dtype(run.config.model) if run.family else "float32"
     # priced as the GPU's program: XLA:CPU writes attention out where a GPU runs cuDNN's
-    # fused kernel, which computes more (the row keeps the compiled program's count)
+    # fused kernel, which computes more, and computes a mixture of experts' grouped
+    # matmuls densely, which computes far more (the row keeps the compiled program's count)
     gpu_form = hw.platform == "gpu" and run.devices[0].platform != "gpu"
-    flops = row.flops * fused_attention_factor(run) if gpu_form and row.flops else row.flops
+    flops = row.flops * gpu_flops_factor(run) if gpu_form and row.flops else row.flops
     time_s = _step_time(row, hw, run, (comm, gpu), calls, dtype, flops)
     fill_predicted(row, time_s, run, hw.peak_flops(dtype), flops)
     if steps > 0:

@@ -186,8 +186,10 @@ class LabModel:
         return 0.0
 
     def unsplit_flops(self, cfg: Any, layout: LabLayout) -> float:
-        """Training FLOPs a device computes beyond its share of the family's count, for
-        weights its layout holds whole where the rules would split them (0: none)."""
+        """Training FLOPs a device computes beyond its share of the family's count: for
+        weights its layout holds whole where the rules would split them, and what the
+        platform computes beyond the count (XLA:CPU's dense products for a mixture of
+        experts' grouped ones, where ``layout.cpu``) (0: none)."""
         return 0.0
 
     def elementwise_bytes(self, cfg: Any, layout: LabLayout) -> float:

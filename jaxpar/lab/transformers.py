@@ -79,32 +79,29 @@ class TransformerLab(LabModel):
         )
 
     def activation_bytes(self, cfg: Any, layout: LabLayout) -> float | None:
-        if getattr(cfg, "n_experts", 0):  # routed tokens: not counted yet
-            return None
         kept = self._kept(cfg, layout)
-        return activation_bytes(cfg, layout, kept, _flash(cfg, layout), self.gated)
+        routed = experts.routed(cfg, layout)
+        return activation_bytes(cfg, layout, kept, _flash(cfg, layout), self.gated, routed)
 
     def matmuls(self, cfg: Any, layout: LabLayout) -> list[Matmul]:
-        if getattr(cfg, "n_experts", 0):
-            return []
-        return transformer_matmuls(cfg, layout, self.gated)
+        return transformer_matmuls(cfg, layout, self.gated) + experts.expert_matmuls(cfg, layout)
 
     def recomputed_share(self, cfg: Any, layout: LabLayout, policy: str = "full") -> float:
-        if getattr(cfg, "n_experts", 0) and policy == "full":  # routed matmuls: not counted
-            return 1.0
-        reads = bool(self.kept.mlp_out)
-        return recomputed_share(cfg, layout, self.gated, policy, reads, _flash(cfg, layout))
+        reads, flash = bool(self.kept.mlp_out), _flash(cfg, layout)
+        routed = experts.expert_matmuls(cfg, layout)
+        return recomputed_share(cfg, layout, self.gated, policy, reads, flash, routed)
 
     def fused_backward_share(self, cfg: Any, layout: LabLayout) -> float:
-        return fused_backward_share(cfg, layout, self.gated) if _flash(cfg, layout) else 0.0
+        if not _flash(cfg, layout):
+            return 0.0
+        return fused_backward_share(cfg, layout, self.gated, experts.expert_matmuls(cfg, layout))
 
     def unsplit_flops(self, cfg: Any, layout: LabLayout) -> float:
-        return unsplit_kv_flops(cfg, layout)
+        return unsplit_kv_flops(cfg, layout) + experts.expanded_flops(cfg, layout)
 
     def elementwise_bytes(self, cfg: Any, layout: LabLayout) -> float:
-        if getattr(cfg, "n_experts", 0):
-            return 0.0
-        return elementwise_bytes(cfg, layout, self._kept(cfg, layout), _flash(cfg, layout))
+        kept, routed = self._kept(cfg, layout), experts.routed(cfg, layout)
+        return elementwise_bytes(cfg, layout, kept, _flash(cfg, layout), routed)
 
     def tensor_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
         positions = self.learned_positions(cfg)
