@@ -249,6 +249,21 @@ def test_moe_pipelines_equal_one_device(accumulated, layout):
         np.testing.assert_allclose(metrics[name], value, rtol=1e-5, atol=1e-7, err_msg=name)
 
 
+def test_accumulation_per_data_shard_routes_the_whole_microbatch(accumulated):
+    """``data × fsdp`` with accumulation runs each data shard's microbatches manual over
+    ``data`` (its rules then name ``fsdp`` alone): the routers' statistics are summed over
+    both, so the load-balancing loss is the whole microbatch's, and losses, parameters and
+    every ``moe_*`` metric equal one device's with the same 2 microbatches (they were each
+    data shard's: balance 1.0122 against 1.0078 on the first step)."""
+    losses, params, metrics = _steps_with_metrics(
+        [*MOE, "mesh.data=4", "mesh.fsdp=2", "train.grad_accum=2"]
+    )
+    np.testing.assert_allclose(losses, accumulated[0], rtol=1e-5)
+    assert_params_close(params, accumulated[1], elementwise=False, rtol=1e-4)
+    for name, value in accumulated[2].items():
+        np.testing.assert_allclose(metrics[name], value, rtol=1e-5, atol=1e-7, err_msg=name)
+
+
 # the extended tier: the interleaved stack stays in every suite under the spmd executor
 # (tests/test_pipeline.py's fsdp/all-axes case) and under the sub-mesh one
 # (tests/test_submesh.py's BatchNorm + Dropout CNN), and so do MoE's pipelines (above)

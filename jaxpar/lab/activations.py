@@ -167,7 +167,9 @@ def activation_bytes(
         return layout.in_flight * block_input + layers * stacked + head
     policy = remat_of(cfg)
     if policy in ("full", "offload"):  # offload's saved values live on the host
-        return layers * layout.in_flight * block_input * kept.remat + head + layer_recomputed
+        # the saved inputs: a scan step's (a group's, in a mixture of experts)
+        inputs = layers / routed.group * layout.in_flight * block_input * kept.remat
+        return inputs + head + layer_recomputed
     if policy != "none":  # and while a layer is recomputed, what it did not keep
         saved = saved_layer_bytes(cfg, layout, kept, fused_attention, gated)
         unsaved = (1 - saved / layer) * layer_recomputed

@@ -67,7 +67,8 @@ def dispatch_terms(cfg: Any, layout: LabLayout) -> list[Term]:
     experts split over ``e`` devices: forward, the tokens [b·e, T, D] and their routing
     [b·e, T, k] (experts int32, weights float32) all-gathered, the outputs reduce-scattered;
     backward, their transposes — the output gradients all-gathered, the input and weight
-    gradients reduce-scattered."""
+    gradients reduce-scattered (T: a device's part of the sequence under context
+    parallelism, over whose axes the layer runs manual too)."""
     layers = cfg.n_layers // cfg.moe_every if cfg.n_experts else 0
     over = expert_axes(layout)
     e = math.prod(layout.sizes[a] for a in over)
@@ -159,7 +160,7 @@ def tensor_terms(cfg: Any, layout: LabLayout, dense: list[Term]) -> list[Term]:
     count, a SwiGLU MLP in every layer) with the MoE layers' own (measured, XLA:CPU).
 
     The experts' F dim is split over ``tensor`` inside :func:`jaxpar.models.moe.moe_mlp`'s
-    ``shard_map`` (manual over the batch axes only), so a grouped matmul's output rows,
+    ``shard_map`` (manual over the batch and sequence axes only), so a grouped matmul's output rows,
     ``[b·e·T·k, D]`` (the group's assignments: every token ``top_k`` times, ``e`` devices'
     tokens under expert parallelism), are partial sums: XLA all-reduces the down
     projection's once a forward — again in a recomputed one, ``save_dots`` included (the

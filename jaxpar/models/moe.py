@@ -239,9 +239,11 @@ def _placement() -> _Placement:
     # group computed the experts of the group's whole sequences, c times its share)
     seq_axes = tuple(a for a in split("seq") if a not in batch_axes)
     ep_axes = tuple(a for a in rules.get("experts", ()) if a in batch_axes)
-    # inside a program already manual over batch axes (the spmd pipeline's stages), the
-    # statistics are summed over those: the routing sees the whole (micro)batch
-    stat_axes = (batch_axes or _manual_batch_axes(mesh)) + seq_axes
+    # inside a program already manual over batch axes (the spmd pipeline's stages; data
+    # under accumulation per data shard, whose rules then name fsdp alone), the statistics
+    # are summed over those too: the routing sees the whole (micro)batch
+    manual = tuple(a for a in _manual_batch_axes(mesh) if a not in batch_axes)
+    stat_axes = batch_axes + manual + seq_axes
     return _Placement(mesh, batch_axes, ep_axes, stat_axes, seq_axes)
 
 
