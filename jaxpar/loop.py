@@ -31,10 +31,10 @@ from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import Config
 from jaxpar.data import Loader
 from jaxpar.errors import Preempted, RestoreError, UserCodeFailed
+from jaxpar.export import export_params
 from jaxpar.hooks import Context, Hook, default_hooks, load_hooks
 from jaxpar.mesh import describe_devices, describe_mesh, setup_devices
 from jaxpar.pipeline.chart import describe_pipeline
-from jaxpar.resume import export_params
 from jaxpar.run import Run, build, evaluate, host_value
 from jaxpar.state import TrainState
 from jaxpar.task import Task

@@ -474,7 +474,7 @@ def test_a_full_disk_while_exporting_is_exit_5_naming_the_file(
         def full_npz(*args, **kwargs):
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        monkeypatch.setattr("jaxpar.resume.np.savez", full_npz)
+        monkeypatch.setattr("jaxpar.export.np.savez", full_npz)
     target = out / "params.npz" if how == "npz" else out / "model.safetensors"
     extra = [] if how == "npz" else ["--format", "hf", "--overwrite"]
     out_arg = target if how == "npz" else out

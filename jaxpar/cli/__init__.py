@@ -116,13 +116,13 @@ def _export(
     format: str = "npz",
     overwrite: bool = False,
 ) -> None:
-    from jaxpar.resume import export_params
+    from jaxpar.export import export_params
 
     path, step = export_params(config, out, step, task=task, format=format, overwrite=overwrite)
     what, tokenizer = "parameters of", ""
     if format == "hf":
         from jaxpar import hf
-        from jaxpar.resume import run_tokenizer
+        from jaxpar.export import run_tokenizer
 
         what = f"Hugging Face {hf.written_as(config.model)} files of"
         found = run_tokenizer(config)

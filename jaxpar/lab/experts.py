@@ -222,6 +222,11 @@ def routed_rows(cfg: Any, layout: LabLayout) -> float:
     return tokens * cfg.top_k * expert_degree(layout)
 
 
+def local_experts(cfg: Any, layout: LabLayout) -> int:
+    """The experts a device holds (``E/e``)."""
+    return cfg.n_experts // expert_degree(layout)
+
+
 def routed(cfg: Any, layout: LabLayout) -> Routed:
     """What the routed rows add to a device's activations (:class:`~jaxpar.lab.activations.
     Routed`): :data:`ROUTED_F` and :data:`ROUTED_D` widths a row kept in each MoE layer
@@ -231,7 +236,7 @@ def routed(cfg: Any, layout: LabLayout) -> Routed:
         return NO_ROUTED
     rows = routed_rows(cfg, layout) * activation_itemsize(cfg, layout)
     f, d = cfg.d_ff / layout.sizes[Axis.TENSOR], cfg.d_model
-    copies = cfg.n_experts // expert_degree(layout) if layout.cpu else 1
+    copies = local_experts(cfg, layout) if layout.cpu else 1
     return Routed(
         kept=rows * (ROUTED_F * f + ROUTED_D * d) / cfg.moe_every,
         transient=rows * copies * (TRANSIENT_F * f + TRANSIENT_D * d),
@@ -249,11 +254,11 @@ def expert_matmuls(cfg: Any, layout: LabLayout) -> list[Matmul]:
         return []
     f, d = cfg.d_ff / layout.sizes[Axis.TENSOR], cfg.d_model
     times = cfg.n_layers // cfg.moe_every / layout.sizes[Axis.STAGE] * microbatches(layout)
-    local = cfg.n_experts // expert_degree(layout)
+    local = local_experts(cfg, layout)
     if layout.cpu:
         rows = routed_rows(cfg, layout)
         return [Matmul(rows, 2 * f, d * local, times), Matmul(rows, d, f * local, times)]
-    rows = microbatch_rows(layout) * device_tokens(layout)[0] * cfg.top_k / local
+    rows = routed_rows(cfg, layout) / expert_degree(layout) / local  # its own b·s·k
     return [Matmul(rows, 2 * f, d, times * local), Matmul(rows, d, f, times * local)]
 
 
