@@ -132,6 +132,12 @@ def remat_of(cfg: Any) -> str:
     return getattr(cfg, "remat", "none")
 
 
+def recomputes(cfg: Any, layout: LabLayout) -> bool:
+    """Whether a layer's forward runs again for its backward: under ``model.remat``, or in
+    a pipeline that recomputes its chunks (not the sub-mesh executor's kept residuals)."""
+    return remat_of(cfg) != "none" or (layout.stages is not None and not layout.residuals)
+
+
 def activation_bytes(
     cfg: Any,
     layout: LabLayout,
@@ -148,8 +154,8 @@ def activation_bytes(
     layers = layers_per_chunk(cfg, layout)
     # beside the layers: the head's logits, and what one MoE layer's backward holds at
     # once (and its recomputed forward, where one runs)
-    recomputing = remat_of(cfg) != "none" or (layout.stages is not None and not layout.residuals)
-    head = head_bytes(cfg, layout, kept) + routed.transient + routed.recomputed * recomputing
+    beside = head_bytes(cfg, layout, kept) + routed.transient
+    beside += routed.recomputed * recomputes(cfg, layout)
     # a recomputing backward holds a scan step's layers: a group of them in a mixture of
     # experts (every moe_every-th an MoE layer)
     layer_recomputed = layer * kept.recompute * routed.group
@@ -164,17 +170,17 @@ def activation_bytes(
     if layout.stages is not None and not layout.residuals:
         # a pipeline's backward recomputes its chunk from the chunk's input: a device keeps
         # one input per microbatch in flight, and one chunk's layers while recomputing
-        return layout.in_flight * block_input + layers * stacked + head
+        return layout.in_flight * block_input + layers * stacked + beside
     policy = remat_of(cfg)
     if policy in ("full", "offload"):  # offload's saved values live on the host
         # the saved inputs: a scan step's (a group's, in a mixture of experts)
         inputs = layers / routed.group * layout.in_flight * block_input * kept.remat
-        return inputs + head + layer_recomputed
+        return inputs + beside + layer_recomputed
     if policy != "none":  # and while a layer is recomputed, what it did not keep
         saved = saved_layer_bytes(cfg, layout, kept, fused_attention, gated)
         unsaved = (1 - saved / layer) * layer_recomputed
-        return layers * layout.in_flight * saved + head + unsaved
-    return layers * layout.in_flight * stacked + head
+        return layers * layout.in_flight * saved + beside + unsaved
+    return layers * layout.in_flight * stacked + beside
 
 
 def saved_layer_bytes(
@@ -220,8 +226,7 @@ def elementwise_bytes(
     """HBM bytes one device's kernels other than matmuls move in a step: the passes over
     each byte its layers (and their routed tokens) and head keep (:data:`FORWARD_PASSES`
     …), every microbatch."""
-    recompute = remat_of(cfg) != "none" or (layout.stages is not None and not layout.residuals)
-    passes = FORWARD_PASSES + BACKWARD_PASSES + RECOMPUTE_PASSES * recompute
+    passes = FORWARD_PASSES + BACKWARD_PASSES + RECOMPUTE_PASSES * recomputes(cfg, layout)
     layers = cfg.n_layers / layout.sizes[Axis.STAGE]
     layer = layer_bytes(cfg, layout, kept, fused_attention) + routed.kept
     # the head runs on the last stage: a device's share of it
