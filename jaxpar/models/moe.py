@@ -35,7 +35,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from jaxpar.axes import BATCH_AXES
-from jaxpar.logical import active_layout, constrain
+from jaxpar.logical import active_layout, constrain, split_over
 from jaxpar.models import alltoall
 from jaxpar.models.fp8 import PREFIX, history
 from jaxpar.models.transformer import MLP_DOWN, MLP_IN, MLP_OUT, MLP_UP, project
@@ -227,17 +227,12 @@ def _placement() -> _Placement:
     layout = active_layout()
     mesh = layout[0] if layout else None
     rules = layout[1] if layout else {}
-
-    def split(name: str) -> tuple[str, ...]:
-        return tuple(
-            a for a in rules.get(name, ()) if mesh is not None and mesh.shape.get(a, 1) > 1
-        )
-
-    batch_axes = split("batch")
+    sizes = dict(mesh.shape) if mesh is not None else {}
+    batch_axes = split_over(rules, sizes, "batch")
     # the sequence's axes (context parallelism): each device routes its own part of the
     # sequences (where the layer ran manual over the batch only, every device of a context
     # group computed the experts of the group's whole sequences, c times its share)
-    seq_axes = tuple(a for a in split("seq") if a not in batch_axes)
+    seq_axes = tuple(a for a in split_over(rules, sizes, "seq") if a not in batch_axes)
     ep_axes = tuple(a for a in rules.get("experts", ()) if a in batch_axes)
     # inside a program already manual over batch axes (the spmd pipeline's stages; data
     # under accumulation per data shard, whose rules then name fsdp alone), the statistics
