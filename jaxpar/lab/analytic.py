@@ -73,6 +73,12 @@ def collective_calls(terms: Any, layers: int, devices: int) -> tuple[int, int]:
     return sum(seen.values()), waits
 
 
+def _scan_steps(run: Run) -> int:
+    """The steps a device's layer scan runs: its layers, a group at a time where the family
+    scans groups (:meth:`~jaxpar.lab.terms.LabModel.scan_group`)."""
+    return scan_length(run) // lab_for(run.family).scan_group(run.config.model)
+
+
 def _stacked_layer_bytes(run: Run) -> int:
     """Bytes of a device's share of the model's stacked layers' parameters (0 for a model
     not given as a stack)."""
@@ -216,7 +222,7 @@ def estimate(
     # a profile of a CPU (fitted here): its bytes and collectives, nothing hidden
     comm = predict_comm(run, "cpu" if hw.platform == "cpu" else "gpu", asynchronous=sub_mesh)
     row.collective_ops, row.collective_participants = collective_calls(
-        comm.terms, scan_length(run), run.plan.mesh.size
+        comm.terms, _scan_steps(run), run.plan.mesh.size
     )
     # the arrays they move are not estimated: a profile that pays α per array is priced,
     # and shown, per collective

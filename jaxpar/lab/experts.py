@@ -36,6 +36,7 @@ from jaxpar.lab.activations import (
     device_tokens,
     microbatch_rows,
     microbatches,
+    remat_of,
 )
 from jaxpar.lab.terms import LabLayout, Matmul, Term
 from jaxpar.logical import BATCH, SEQ, split_over
@@ -133,6 +134,48 @@ def dispatch_terms(cfg: Any, layout: LabLayout) -> list[Term]:
             times,
             axes=over,
         ),
+    ]
+
+
+def router_terms(cfg: Any, layout: LabLayout) -> list[Term]:
+    """The routers' statistics summed over the devices that split a MoE layer's tokens
+    (:func:`jaxpar.models.moe.route`: the batch's and the sequence's axes), a few bytes
+    each but a collective's latency each, per MoE layer and microbatch: the forward's
+    (each expert's load and summed probability, the z-loss) and, where the backward
+    recomputes the layer, again (the load the balance loss's gradient reads); the
+    backward's (the probabilities' gradient); with a capacity factor the dropped
+    assignments counted, and under context parallelism the sequence's parts' expert
+    choices gathered (again where recomputed); and the step's token count once (XLA
+    hoists it out of the layer scan). Counted as XLA:CPU executes them at ``data=8``
+    (``tests/test_analytic.py``); pipelines leave them out (their stages' counts per
+    action are :mod:`jaxpar.lab.staged`'s, not yet the routers')."""
+    layers = cfg.n_layers // cfg.moe_every if cfg.n_experts else 0
+    batch = split_over(layout.rules, layout.sizes, BATCH)
+    seq = tuple(a for a in split_over(layout.rules, layout.sizes, SEQ) if a not in batch)
+    axes = batch + seq
+    group = math.prod(layout.sizes[a] for a in axes)
+    if group == 1 or not layers or layout.stages is not None:
+        return []
+    n = layout.grad_accum * layers
+    again = n if remat_of(cfg) != "none" else 0
+    E = cfg.n_experts
+    terms = [
+        Term("all-reduce", "routers: statistics summed", (2 * E + 1) * 4, group, n),
+        Term("all-reduce", "routers: load summed again", (E + 1) * 4, group, again),
+        Term("all-reduce", "routers: statistics' gradient summed", E * 4, group, n),
+        Term("all-reduce", "routers: tokens counted", 4, group, 1),
+    ]
+    if getattr(cfg, "capacity_factor", 0):
+        c = math.prod(layout.sizes[a] for a in seq)
+        choices = microbatch_rows(layout) * layout.seq_len * cfg.top_k * 4
+        terms += [
+            Term("all-reduce", "routers: dropped assignments counted", 4, group, n),
+            Term("all-gather", "routers: expert choices gathered", choices, c, n + again),
+        ]
+    return [
+        dataclasses.replace(t, axes=axes if t.group == group else seq)
+        for t in terms
+        if t.times and t.group > 1
     ]
 
 

@@ -346,7 +346,8 @@ def expert_terms_in_pipeline(run: Run, lab: LabModel, layout: LabLayout) -> list
     one = dataclasses.replace(
         layout, stages=None, sub_mesh=False, grad_accum=1, rows=layout.rows // (m * k)
     )
-    family = {t.what: t for t in lab.expert_terms(run.config.model, one)}
+    dispatch = (TOKENS_GATHERED, OUTPUTS_SCATTERED, GRADS_GATHERED, GRADS_SCATTERED)
+    family = {t.what: t for t in lab.expert_terms(run.config.model, one) if t.what in dispatch}
     if OUTPUTS_SCATTERED not in family:
         return []
     layers = family[OUTPUTS_SCATTERED].times // chunks  # a chunk's MoE layers

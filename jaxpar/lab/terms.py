@@ -208,3 +208,8 @@ class LabModel:
     def expert_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
         """Token dispatch to experts split over devices (``rules.experts``)."""
         return []
+
+    def scan_group(self, cfg: Any) -> int:
+        """The layers one step of the family's layer scan runs (1), whose per-layer
+        collectives (a gradient reduction, FSDP's gathers) XLA combines into one."""
+        return 1

@@ -215,7 +215,10 @@ class LlamaLab(TransformerLab):
         return experts.tensor_terms(cfg, layout, dense)
 
     def expert_terms(self, cfg: Any, layout: LabLayout) -> list[Term]:
-        return experts.dispatch_terms(cfg, layout)
+        return experts.dispatch_terms(cfg, layout) + experts.router_terms(cfg, layout)
+
+    def scan_group(self, cfg: Any) -> int:
+        return cfg.group  # a MoE layer's group of moe_every layers
 
 
 def _flash(cfg: Any, layout: LabLayout) -> bool:
