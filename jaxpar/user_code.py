@@ -141,6 +141,20 @@ def _call(fn: Any, config: Any, spec: str) -> Any:
     return fn(config) if params else fn()
 
 
+def source_file(spec: str) -> Path | None:
+    """The file that defines what ``spec`` names (``path/to/file.py:NAME``, or a module's
+    file for ``package.module:NAME``), or None where it has none (a built-in module)."""
+    where, _ = _split(spec, "--task")
+    if where.endswith(".py") or "/" in where or "\\" in where:
+        return Path(where).resolve()
+    try:
+        found = importlib.util.find_spec(where)
+    except (ImportError, ValueError):
+        return None
+    origin = getattr(found, "origin", None)
+    return Path(origin) if origin and origin.endswith(".py") else None
+
+
 def load_task(spec: str, config: Any = None) -> Task:
     """The :class:`~jaxpar.task.Task` that ``spec`` names: a Task, or a function returning
     one (called with the config when it takes an argument). A task without a name is

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import csv
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -287,6 +290,7 @@ def test_a_stopped_sweep_keeps_its_rows_and_the_same_command_measures_the_rest(
     command stops as every command does (one line, status 130); the same command measures
     only the other layouts and writes all rows in order, the kept file gone."""
     from jaxpar.lab.resume import PARTIAL
+    from jaxpar.lock import LOCK
 
     asked: list = []
     out = tmp_path / "sweep"
@@ -294,7 +298,7 @@ def test_a_stopped_sweep_keeps_its_rows_and_the_same_command_measures_the_rest(
     command = ["sweep", *GPT_SMALL, "--layouts", "data=8", "fsdp=8", "tensor=8", "--out", str(out)]
     assert main(command) == 130
     captured = capsys.readouterr()
-    assert [p.name for p in out.iterdir()] == [PARTIAL]
+    assert sorted(p.name for p in out.iterdir()) == [LOCK, PARTIAL]  # the lock: emptied
     assert "measured before the stop (1 of 3 layouts, kept in" in captured.out
     assert "the same command measures only the other 2" in captured.out
     assert "data=8  invalid: reason of data=8" in captured.out and "fsdp=8 " not in captured.out
@@ -307,7 +311,7 @@ def test_a_stopped_sweep_keeps_its_rows_and_the_same_command_measures_the_rest(
     assert "resuming: 1 of 3 layouts were measured by a stopped run" in printed
     with open(out / "sweep.csv") as f:
         assert [r["layout"] for r in csv.DictReader(f)] == ["data=8", "fsdp=8", "tensor=8"]
-    assert not (out / PARTIAL).exists()
+    assert sorted(p.name for p in out.iterdir()) == ["sweep.csv", "sweep.md", "sweep.png"]
 
 
 def test_a_stopped_sweeps_rows_are_not_mixed_into_another_commands(monkeypatch, tmp_path, capsys):
@@ -345,6 +349,104 @@ def test_a_stopped_sweeps_rows_are_not_mixed_into_another_commands(monkeypatch, 
     assert asked[-1] == ["fsdp=8"] and (run / "sweep" / "sweep.csv").exists()
     assert sweep_("--overwrite") == 0
     assert asked[-1] == ["data=8", "fsdp=8"]
+
+
+@pytest.fixture
+def hold():
+    """``hold(folder)``: another live process takes ``folder``'s lock, as a running sweep
+    holds its folder (:func:`jaxpar.lab.resume.holding`); the holders are stopped after
+    the test."""
+    holders = []
+
+    def take(folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        code = (
+            "import sys, time; from jaxpar.lock import RunDirLock; "
+            "RunDirLock(sys.argv[1], '--out').acquire(); print('held', flush=True); "
+            "time.sleep(120)"
+        )
+        holders.append(
+            subprocess.Popen(
+                [sys.executable, "-c", code, str(folder)], stdout=subprocess.PIPE, text=True
+            )
+        )
+        assert holders[-1].stdout.readline().strip() == "held"
+
+    yield take
+    for holder in holders:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_sweep_into_the_folder_a_running_sweep_holds_is_refused(
+    monkeypatch, tmp_path, hold, capsys
+):
+    """The same command started again while the first still runs (a job submitted twice)
+    would measure every layout again and write over the first's rows: refused in one line
+    naming the holder, before anything is measured — at its --out, and at the default
+    folder, whether the first has measured a row there yet or not."""
+    asked: list = []
+    _stopping_after(monkeypatch, 1, asked)
+    stopped, fresh = tmp_path / "stopped", tmp_path / "fresh"
+
+    def sweep_(*more: str) -> int:
+        return main(["sweep", *GPT_SMALL, *more, "--layouts", "data=8", "fsdp=8"])
+
+    assert sweep_(f"run.dir={stopped}") == 130  # a row kept in stopped/sweep
+    hold(tmp_path / "out")
+    hold(fresh / "sweep")  # no row measured yet
+    hold(stopped / "sweep")  # the same command's row there
+    capsys.readouterr()
+    for more in (["--out", str(tmp_path / "out")], [f"run.dir={fresh}"], [f"run.dir={stopped}"]):
+        assert sweep_(*more) == 2
+        err = capsys.readouterr().err.strip()
+        assert "which a running jaxpar run holds (pid" in err and "\n" not in err, err
+    assert len(asked) == 1 and not {*tmp_path.glob("*/sweep-2")}
+
+
+def test_a_sweep_holds_its_folder_while_it_measures(monkeypatch, tmp_path):
+    """While a sweep measures, another process cannot take its folder (the second of two
+    identical jobs is refused, as above); when it ends, the folder holds its outputs only."""
+    from jaxpar.lab.measure import Row
+
+    out = tmp_path / "sweep"
+    tried = []
+
+    def measure_all(config, layouts, hw, memory, task, done, steps):
+        code = (
+            "import sys; from jaxpar.lock import RunDirLock, RunDirBusy\n"
+            "try: RunDirLock(sys.argv[1], '--out').acquire()\n"
+            "except RunDirBusy as err: print(err)"
+        )
+        probe = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True)
+        tried.append(probe.stdout.decode())
+        return [Row(layout, hardware=hw.key, error="not measured") for layout in layouts]
+
+    monkeypatch.setattr(sweep, "measure_all", measure_all)
+    assert main(["sweep", *GPT_SMALL, "--layouts", "data=8", "--out", str(out)]) == 0
+    assert f"--out '{out}' is in use by another jaxpar run (pid" in tried[0], tried
+    assert sorted(p.name for p in out.iterdir()) == ["sweep.csv", "sweep.md", "sweep.png"]
+
+
+def test_a_stopped_sweep_of_a_task_file_since_edited_is_another_commands(
+    monkeypatch, tmp_path, capsys
+):
+    """A --task file edited after a stop is another model: its stopped rows are not mixed
+    in — an --out holding them is refused naming the file's content, and the default
+    folder passes over them."""
+    asked: list = []
+    _stopping_after(monkeypatch, 1, asked)
+    task = tmp_path / "my_task.py"
+    task.write_text(Path("examples/research_cnn.py").read_text())
+    out = tmp_path / "sweep"
+    command = ["sweep", "--task", f"{task}:TASK", "train.batch_size=16", "--out", str(out)]
+    assert main([*command, "--layouts", "data=8", "fsdp=8"]) == 130
+    capsys.readouterr()
+    task.write_text(task.read_text() + "\n# edited\n")
+    assert main([*command, "--layouts", "data=8", "fsdp=8"]) == 2
+    err = capsys.readouterr().err
+    assert "of another command (task.file_sha256 was '" in err, err
+    assert asked == [["data=8", "fsdp=8"]]
 
 
 def test_sweep_needs_layouts_or_all(capsys):

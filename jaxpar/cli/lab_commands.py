@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 from jaxpar.errors import ConfigError, Terminated
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from jaxpar.config import Config
     from jaxpar.lab.hardware import Hardware
     from jaxpar.task import Task
@@ -67,6 +69,24 @@ def run_sweep(args: argparse.Namespace, config: Config, task: Task | None) -> No
     )
     if note:
         print(note, flush=True)
+    with resume.holding(out):
+        _measure(config, task, args, hw, memory, layouts, key, out)
+
+
+def _measure(
+    config: Config,
+    task: Task | None,
+    args: argparse.Namespace,
+    hw: Hardware,
+    memory: float | None,
+    layouts: list[str],
+    key: dict,
+    out: Path,
+) -> None:
+    """The sweep's layouts measured into ``out`` (which the sweep holds), but those a
+    stopped run of the same command kept there; each row kept on disk as it comes."""
+    from jaxpar.lab import resume, sweep, sweep_files
+
     before = [] if args.overwrite else resume.kept_rows(out, key)
     if before:
         print(

@@ -5,17 +5,21 @@ the same command run again measures only the layouts the file lacks. The finishe
 writes its outputs and removes the file.
 
 The file names what its rows depend on (:func:`command_key`): the config with its
-overrides, the layouts, ``--task``, ``--steps``, the devices, the hardware profile,
-``--memory-gb`` and JAX's version. Rows of another command are never mixed in: the
+overrides, the layouts, ``--task`` and its file's content, ``--steps``, the devices, the
+hardware profile, ``--memory-gb`` and JAX's version. Rows of another command are never mixed in: the
 default folder passes over such a file to the next free folder; an ``--out`` holding one
 is refused in one line naming the first setting that differs. ``--overwrite`` measures
-every layout again.
+every layout again. A sweep holds its folder's lock while it runs (:func:`holding`): the
+same command started again meanwhile is refused, naming the first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +31,8 @@ from jaxpar.errors import PathError
 from jaxpar.files import write_atomic
 from jaxpar.lab.hardware import Hardware
 from jaxpar.lab.measure import Row
+from jaxpar.lock import LOCK, RunDirLock
+from jaxpar.user_code import source_file
 
 PARTIAL = "sweep.partial.json"
 FORMAT = "jaxpar-sweep-partial"
@@ -46,7 +52,7 @@ def command_key(
     key = {
         "config": to_dict(config),
         "layouts": layouts,
-        "task": task or "",
+        "task": _task_key(task),
         "steps": steps,
         "devices": [len(devices), devices[0].platform, devices[0].device_kind],
         "hardware": dataclasses.asdict(hw),
@@ -56,14 +62,42 @@ def command_key(
     return json.loads(json.dumps(key))
 
 
+def _task_key(spec: str | None) -> dict[str, str]:
+    """``--task`` and the content of the file that defines it: a task edited since the
+    stopped run is another command (the modules that file imports are not read)."""
+    if not spec:
+        return {}
+    path = source_file(spec)
+    try:
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path else ""
+    except OSError:
+        digest = ""
+    return {"spec": spec, "file_sha256": digest}
+
+
+@contextlib.contextmanager
+def holding(folder: Path) -> Iterator[None]:
+    """Holds ``folder``'s lock (:class:`jaxpar.lock.RunDirLock`) while a sweep writes there:
+    a second sweep into it — the same command started again while the first runs — is
+    refused naming the first, whose rows it would overwrite. The kernel drops the lock
+    when the holder dies, however it dies."""
+    lock = RunDirLock(folder, "--out").acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
 def only_partial(folder: Path) -> bool:
-    """Whether ``folder`` holds a stopped sweep's rows and nothing else (but the temporary
-    file of a write a SIGKILL cut short: :func:`jaxpar.files.write_atomic`'s)."""
+    """Whether ``folder`` holds a sweep's own files and nothing else: a stopped sweep's
+    rows, the lock of a sweep (:func:`holding`; running, or one that stopped before its
+    first row), the temporary file of a write a SIGKILL cut short
+    (:func:`jaxpar.files.write_atomic`'s)."""
     if not folder.is_dir():
         return False
     names = [p.name for p in folder.iterdir()]
     cut = f".{PARTIAL}."
-    return PARTIAL in names and all(n == PARTIAL or n.startswith(cut) for n in names)
+    return bool(names) and all(n in (PARTIAL, LOCK) or n.startswith(cut) for n in names)
 
 
 def _first_difference(ours: Any, theirs: Any, path: str = "") -> str | None:
@@ -95,6 +129,8 @@ def matches(folder: Path, key: dict) -> bool:
     names (the default folder's test: another command's rows are passed over)."""
     if not only_partial(folder):
         return False
+    if not (folder / PARTIAL).exists():  # no row measured yet: any command's to take
+        return True
     try:
         return _read(folder / PARTIAL)[0] == key
     except PathError:
@@ -130,5 +166,7 @@ def keep(folder: Path, key: dict, rows: list[Row]) -> Path:
 
 
 def done(folder: Path) -> None:
-    """The sweep's outputs are written: its partial rows are no longer needed."""
+    """The sweep's outputs are written: its partial rows are no longer needed, nor its lock
+    file (held until the sweep ends; a sweep that comes now finds the outputs)."""
     (folder / PARTIAL).unlink(missing_ok=True)
+    (folder / LOCK).unlink(missing_ok=True)
