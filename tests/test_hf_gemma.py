@@ -27,6 +27,7 @@ import jaxpar
 from jaxpar import hf
 from jaxpar.config import load_config
 from jaxpar.errors import JaxparError
+from jaxpar.hf.layout import CANNOT_READ
 from jaxpar.run import build
 from tests.helpers import (
     assert_params_close,
@@ -224,6 +225,8 @@ def test_keys_that_change_the_numbers_are_refused_in_one_line(
     with pytest.raises(JaxparError) as err:
         build(load_config([], [*RUN, f"model.init_from={folder}"]))
     assert words in str(err.value) and "\n" not in str(err.value)
+    # and what to do: drop a key without effect, or bring the model another way
+    assert str(err.value).endswith((CANNOT_READ, "only if it has no effect", "to null"))
 
 
 def test_gemma3_spelt_the_older_way_and_an_override_contradicting_it(folders, tmp_path):

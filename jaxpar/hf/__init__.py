@@ -16,7 +16,7 @@ from jaxpar.errors import ConfigError, DataError
 from jaxpar.hf import files
 from jaxpar.hf.gemma import LAYOUT as GEMMA
 from jaxpar.hf.gpt2 import LAYOUT as GPT2
-from jaxpar.hf.layout import Layout
+from jaxpar.hf.layout import Layout, unsupported
 from jaxpar.hf.llama import LAYOUT as LLAMA
 
 LAYOUTS: tuple[Layout, ...] = (GPT2, LLAMA, GEMMA)
@@ -104,7 +104,7 @@ def folder_settings(directory: str | Path, family: str = "") -> tuple[str, dict[
     layout = next((x for x in LAYOUTS if kind in x.model_types), None)
     if layout is None:
         known = ", ".join(t for x in LAYOUTS for t in x.model_types)
-        raise DataError(f"{where}: config.json has model_type={kind!r}; jaxpar reads {known}")
+        raise unsupported(where, f"has model_type={kind!r}; jaxpar reads {known}")
     if family and family != layout.family:
         raise ConfigError(
             f"model.name={family} but {where} holds a {kind} model "

@@ -24,7 +24,7 @@ from typing import Any
 
 from jaxpar.errors import DataError
 from jaxpar.hf import llama_keys
-from jaxpar.hf.layout import check_keys
+from jaxpar.hf.layout import check_keys, unsupported
 
 VARIANTS = {"gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 #: Keys that do not change the numbers: the Llama family's, Gemma 3's cache choice, and
@@ -68,10 +68,6 @@ MAPPED = frozenset(
 )
 
 
-def _refuse(where: str, what: str) -> DataError:
-    return DataError(f"{where}: config.json {what}")
-
-
 def settings(hf: dict[str, Any], where: str) -> dict[str, Any]:
     """The ``model.*`` values of a Gemma 2 or Gemma 3 text ``config.json``.
 
@@ -80,14 +76,13 @@ def settings(hf: dict[str, Any], where: str) -> dict[str, Any]:
     """
     kind = hf.get("model_type")
     if kind not in VARIANTS:
-        raise _refuse(where, f"model_type={kind!r}: jaxpar's Gemma reads {', '.join(VARIANTS)}")
+        raise unsupported(where, f"model_type={kind!r}: jaxpar's Gemma reads {', '.join(VARIANTS)}")
     check_keys(hf, where, VARIANTS[kind], MAPPED | NO_EFFECT, REQUIRED)
     if kind == "gemma3_text" and hf.get("attn_logit_softcapping") is not None:
-        raise _refuse(
-            where,
-            f"attn_logit_softcapping={hf['attn_logit_softcapping']}: "
+        raise DataError(
+            f"{where}: config.json attn_logit_softcapping={hf['attn_logit_softcapping']}: "
             "transformers' Gemma3ForCausalLM never applies it, so jaxpar cannot "
-            "say which numbers the folder means; set it to null",
+            "say which numbers the folder means; set it to null"
         )
     heads = hf["num_attention_heads"]
     width = hf["hidden_size"]
@@ -130,20 +125,20 @@ def _windows(hf: dict[str, Any], kind: str, where: str) -> dict[str, Any]:
     if types is None:  # what transformers derives: Gemma 2 alternates, Gemma 3 goes by 6
         types = layer_types(2 if kind == "gemma2" else hf.get("sliding_window_pattern", 6), layers)
     if not set(types) <= set(_KINDS) or len(types) != layers:
-        raise _refuse(
+        raise unsupported(
             where,
             f"layer_types={types}: jaxpar reads full_attention and "
             "sliding_attention, one per layer",
         )
     pattern = next((i + 1 for i, t in enumerate(types) if t == "full_attention"), 0)
     if layer_types(pattern, layers) != list(types):
-        raise _refuse(
+        raise unsupported(
             where,
             f"layer_types={types}: jaxpar's Gemma repeats one pattern (P − 1 "
             "sliding_attention layers, then a full_attention one) through the model",
         )
     if pattern != 1 and not window:
-        raise _refuse(where, "has sliding_attention layers but no sliding_window")
+        raise unsupported(where, "has sliding_attention layers but no sliding_window")
     return {"sliding_window": int(window), "sliding_window_pattern": pattern}
 
 
@@ -156,7 +151,7 @@ def _rope(hf: dict[str, Any], kind: str, where: str) -> dict[str, Any]:
         local = full
     elif params is not None:
         if not isinstance(params, dict) or not set(params) <= set(_KINDS):
-            raise _refuse(
+            raise unsupported(
                 where,
                 f"rope_parameters={params}: a Gemma 3 folder gives one "
                 "setting per attention kind (full_attention, sliding_attention)",
@@ -169,7 +164,7 @@ def _rope(hf: dict[str, Any], kind: str, where: str) -> dict[str, Any]:
     full_type, local_type = (_rope_type(r, where) for r in (full, local))
     if local_type != "default" or (kind == "gemma2" and full_type != "default"):
         scaled = local_type if local_type != "default" else full_type
-        raise _refuse(
+        raise unsupported(
             where,
             f"rotary setting rope_type={scaled}: jaxpar's "
             f"{VARIANTS[kind]} scales only Gemma 3's full-attention layers "
@@ -192,7 +187,7 @@ def _rope_type(rope: dict[str, Any], where: str) -> str:
             if rope_type not in ("default", "linear")
             else f"key {extra[0]}"
         )
-        raise _refuse(
+        raise unsupported(
             where,
             f"rotary setting {what}: jaxpar's Gemma implements the rope "
             "types default and linear exactly and no other",

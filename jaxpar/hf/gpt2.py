@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from jaxpar.errors import DataError
-from jaxpar.hf.layout import Layout, key_differences, tensor_problems
+from jaxpar.hf.layout import Layout, key_differences, tensor_problems, unsupported
 from jaxpar.models.gpt import GPT_FAMILY, GPTConfig
 
 #: HF's names for the tanh GELU (``jax.nn.gelu(approximate=True)``)
@@ -327,7 +327,7 @@ def settings(hf: dict[str, Any], where: str) -> dict[str, Any]:
     """
     refused = [d for d in config_differences(hf, None) if "(set " not in d]
     if refused:
-        raise DataError(f"{where}: config.json {refused[0]}")
+        raise unsupported(where, refused[0])
     n_embd = hf["n_embd"]
     return {
         "vocab_size": hf["vocab_size"],

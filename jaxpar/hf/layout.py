@@ -95,6 +95,19 @@ def key_differences(pairs: tuple[tuple[str, str, Any], ...], cfg: Any) -> list[s
     return out
 
 
+#: what a folder jaxpar cannot read exactly leaves its user (the fix of :func:`unsupported`)
+CANNOT_READ = (
+    "jaxpar cannot load this model exactly; bring it as a model of your own (--task), or "
+    "take a folder of a kind docs/checkpoints.md lists as read"
+)
+
+
+def unsupported(where: str, what: str) -> DataError:
+    """The one line for a ``config.json`` setting ``what`` that jaxpar computes otherwise
+    (or not at all), naming it and what the user can do."""
+    return DataError(f"{where}: config.json {what}; {CANNOT_READ}")
+
+
 def check_keys(
     hf: dict[str, Any],
     where: str,
@@ -118,7 +131,7 @@ def check_keys(
         )
     for key, (value, why) in required.items():
         if hf.get(key) not in (None, value):
-            raise DataError(f"{where}: config.json {key}={hf[key]!r}: {why}")
+            raise unsupported(where, f"{key}={hf[key]!r}: {why}")
 
 
 def untied(tensors: dict[str, Any], tied: bool) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxpar.errors import DataError
-from jaxpar.hf.layout import check_keys
+from jaxpar.hf.layout import check_keys, unsupported
 
 #: model_type → (architecture, what it adds to a plain Llama)
 VARIANTS = {
@@ -130,10 +130,6 @@ MAPPED = frozenset(
 _DEFAULT_THETA = {"mixtral": 1e6}
 
 
-def _refuse(where: str, what: str) -> DataError:
-    return DataError(f"{where}: config.json {what}")
-
-
 def settings(hf: dict[str, Any], where: str) -> dict[str, Any]:
     """The ``model.*`` values of a Llama-family ``config.json`` (``model.name=llama``).
 
@@ -142,7 +138,9 @@ def settings(hf: dict[str, Any], where: str) -> dict[str, Any]:
     """
     kind = hf.get("model_type")
     if kind not in VARIANTS:
-        raise _refuse(where, f"model_type={kind!r}: the Llama family reads " + ", ".join(VARIANTS))
+        raise unsupported(
+            where, f"model_type={kind!r}: the Llama family reads " + ", ".join(VARIANTS)
+        )
     check_keys(hf, where, VARIANTS[kind], MAPPED | NO_EFFECT, REQUIRED)
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
@@ -162,7 +160,7 @@ def settings(hf: dict[str, Any], where: str) -> dict[str, Any]:
         "sliding_window": _window(hf, where),
     }
     if hf.get("attention_bias"):
-        raise _refuse(
+        raise unsupported(
             where,
             f"attention_bias=true: {VARIANTS[kind]} then has biases on "
             "the output projection too, which jaxpar's Llama family lacks",
@@ -174,7 +172,7 @@ def _rope(hf: dict[str, Any], kind: str, where: str) -> dict[str, Any]:
     """rope_theta and the scaling, from ``rope_parameters`` or the older keys."""
     params = hf.get("rope_parameters")
     if isinstance(params, dict) and "rope_theta" not in params and params:
-        raise _refuse(
+        raise unsupported(
             where,
             f"rope_parameters={params}: one rotary setting per attention "
             "kind (Gemma 3's) is not a Llama-family layout",
@@ -185,7 +183,7 @@ def _rope(hf: dict[str, Any], kind: str, where: str) -> dict[str, Any]:
     extra = sorted(set(rope) - _ROPE_KEYS)
     if rope_type not in _ROPE_TYPES or extra:
         what = f"rope_type={rope_type}" if rope_type not in _ROPE_TYPES else f"key {extra[0]}"
-        raise _refuse(
+        raise unsupported(
             where,
             f"rotary setting {what}: jaxpar implements the rope types "
             f"{', '.join(_ROPE_TYPES)} exactly and no other",
@@ -217,13 +215,13 @@ def _window(hf: dict[str, Any], where: str) -> int:
         return int(window)
     kinds = set(types)
     if not kinds <= {"full_attention", "sliding_attention"} or len(types) != layers:
-        raise _refuse(
+        raise unsupported(
             where,
             f"layer_types={types}: jaxpar reads full_attention and "
             "sliding_attention, one per layer",
         )
     if len(kinds) > 1:
-        raise _refuse(
+        raise unsupported(
             where,
             "layer_types mixes sliding_attention and full_attention layers: "
             "jaxpar's Llama family gives every layer the same attention window",
@@ -236,7 +234,10 @@ def _experts(hf: dict[str, Any], kind: str, where: str) -> dict[str, Any]:
     n = hf.get("num_local_experts") or hf.get("num_experts") or 0
     if kind not in ("mixtral", "qwen3_moe"):
         if n:
-            raise _refuse(where, f"model_type={kind} with experts: read it as mixtral or qwen3_moe")
+            raise DataError(
+                f"{where}: config.json model_type={kind} with experts: a mixture of experts "
+                "is read as mixtral or qwen3_moe"
+            )
         return {}
     out = {
         "n_experts": int(n),
