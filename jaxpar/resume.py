@@ -236,7 +236,8 @@ def _restore_named(
             else "pass --step N"
         )
         raise RestoreError(
-            f"{what}: {err}; name another checkpoint (have: {others or 'none'}) or {fix}"
+            f"{what}: {err}; name another checkpoint (also held, not verified yet: "
+            f"{others or 'none'}) or {fix}"
         ) from err
 
 

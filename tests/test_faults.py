@@ -273,7 +273,7 @@ def test_a_named_checkpoint_that_fails_is_exit_2_without_fallback(trained, tmp_p
         f"jaxpar: error: checkpoint.resume=8: the checkpoint of step 8 in "
         f"{run_dir / 'checkpoints' / '8'} failed verification: state/"
     )
-    assert "have: [2, 4, 6]" in line
+    assert "(also held, not verified yet: [2, 4, 6])" in line
     assert (run_dir / "checkpoints" / "8").is_dir()  # nothing is moved for a named one
     assert main(["export", *RUN8, f"run.dir={run_dir}", "--out", str(tmp_path / "p.npz")]) == 2
     assert "failed verification" in one_line(capsys.readouterr().err)
