@@ -32,6 +32,9 @@ LOCK = ".jaxpar.lock"
 #: The folders a run writes inside its run dir (its default checkpoint dir, the profiler's
 #: traces, TensorBoard's events, W&B's files): its lock protects them with the run dir.
 RUN_FOLDERS = ("checkpoints", "profile", "tensorboard", "wandb")
+#: What a ``jaxpar sweep``'s lock on its output folder is named as (:mod:`jaxpar.lab.resume`):
+#: it protects the files in that folder, not the folders below it.
+SWEEP = "--out"
 #: what ``flock`` fails with on a file system without it (some network file systems)
 _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
@@ -235,11 +238,13 @@ _HELD: set[Path] = set()  # the directories this process holds locks on
 
 def _covers(held: Path, info: dict[str, Any], directory: Path) -> bool:
     """Whether the lock of ``held`` (its file's content ``info``) protects ``directory``,
-    ``held`` itself or a folder below it (see the module docstring; a lock file that names
-    no setting — being written, or an older jaxpar's — protects everything below)."""
-    if directory == held or info.get("what") != "run.dir":
+    ``held`` itself or a folder below it (see the module docstring; a sweep's folder
+    (:data:`SWEEP`), that folder only; a lock file that names no setting — being written,
+    or an older jaxpar's — everything below)."""
+    what = info.get("what")
+    if directory == held or what not in ("run.dir", SWEEP):
         return True
-    return directory.relative_to(held).parts[0] in RUN_FOLDERS
+    return what == "run.dir" and directory.relative_to(held).parts[0] in RUN_FOLDERS
 
 
 def holder(directory: str | Path) -> tuple[Path, dict[str, Any]] | None:

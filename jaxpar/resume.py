@@ -235,10 +235,8 @@ def _restore_named(
             if what.startswith("checkpoint.")
             else "pass --step N"
         )
-        raise RestoreError(
-            f"{what}: {err}; name another checkpoint (also held, not verified yet: "
-            f"{others or 'none'}) or {fix}"
-        ) from err
+        held = f"also held, not verified yet: {others}" if others else "none other is held"
+        raise RestoreError(f"{what}: {err}; name another checkpoint ({held}) or {fix}") from err
 
 
 def newest_verified(ckpt: Checkpointer) -> tuple[TrainState, dict[str, Any]]:

@@ -818,19 +818,3 @@ def test_an_estimated_plan_marks_what_fits_only_within_its_margin(pairs, tmp_pat
             assert next(csv.DictReader(f))["fits_margin"] == str(not marked).lower()
     _, compiled = pairs["gpt", "data=4,stage=2"]  # the grid's compiled row of this layout
     assert compiled.fits_margin is None and not analytic.may_not_fit(compiled)
-
-
-def test_a_row_without_an_activation_estimate_fits_only_as_yes_question():
-    """A family whose lab module counts no activations (ResNet's): a row whose state alone
-    fits would be "yes", as if it fit. It is "yes?", and the plan's last line says why."""
-    from jaxpar.lab.planner import plan
-
-    config = jaxpar.load_config(["configs/resnet_digits.yaml"], [])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ranking = plan(config, 8, H100, analytic=True)
-    fitting = [p.row for p in ranking if p.row.ok and p.row.fits]
-    assert fitting and all(r.mem_temp_bytes is None for r in fitting)
-    assert all(analytic.may_not_fit(r) for r in fitting)
-    text = format_plan(ranking, H100, H100.memory_bytes)
-    assert text.rstrip().endswith("(yes?: its activations are not estimated)")

@@ -16,6 +16,7 @@ from jaxpar.lab import hardware, predict, sweep, sweep_files, workers
 from jaxpar.lab.measure import measure
 from jaxpar.lab.plan_text import format_plan
 from jaxpar.lab.planner import best, plan
+from jaxpar.lock import holder
 from tests.helpers import GPT_SMALL, grid
 
 MPMD = "pipeline.executor=mpmd"
@@ -373,9 +374,9 @@ def hold():
         assert holders[-1].stdout.readline().strip() == "held"
 
     yield take
-    for holder in holders:
-        holder.kill()
-        holder.wait()
+    for process in holders:
+        process.kill()
+        process.wait()
 
 
 def test_a_sweep_into_the_folder_a_running_sweep_holds_is_refused(
@@ -400,8 +401,29 @@ def test_a_sweep_into_the_folder_a_running_sweep_holds_is_refused(
     for more in (["--out", str(tmp_path / "out")], [f"run.dir={fresh}"], [f"run.dir={stopped}"]):
         assert sweep_(*more) == 2
         err = capsys.readouterr().err.strip()
-        assert "which a running jaxpar run holds (pid" in err and "\n" not in err, err
+        assert "is being written by another jaxpar sweep (pid" in err and "\n" not in err, err
+        assert err.endswith("or give this sweep another --out")
     assert len(asked) == 1 and not {*tmp_path.glob("*/sweep-2")}
+    # another command's default folder passes over the held one, whose rows name the first
+    _stopping_after(monkeypatch, None, asked)
+    assert sweep_(f"run.dir={stopped}", "train.batch_size=8") == 0
+    assert (stopped / "sweep-2" / "sweep.csv").exists()
+    # what the sweep's lock protects is its folder's files, not the runs below it
+    assert holder(tmp_path / "out" / "a_run") is None
+    assert holder(tmp_path / "out") is not None
+
+
+def test_a_sweep_refuses_a_folder_it_cannot_hold(tmp_path, capsys):
+    """A system folder and a run's directory are refused as --out before anything is
+    planned, each in one line with the fix (a run's directory holds the run's lock)."""
+    run = tmp_path / "run"
+    assert main(["train", *GPT_SMALL, f"run.dir={run}", "train.steps=1"]) == 0
+    capsys.readouterr()
+    for out, says in (("/tmp", "system folder"), (str(run), f"e.g. --out {run / 'sweep'}")):
+        command = ["sweep", *GPT_SMALL, "--layouts", "data=8", "--out", out, "--overwrite"]
+        assert main(command) == 2
+        err = capsys.readouterr()
+        assert says in err.err and "\n" not in err.err.strip() and "sweeping" not in err.out
 
 
 def test_a_sweep_holds_its_folder_while_it_measures(monkeypatch, tmp_path):
@@ -447,6 +469,13 @@ def test_a_stopped_sweep_of_a_task_file_since_edited_is_another_commands(
     err = capsys.readouterr().err
     assert "of another command (task.file_sha256 was '" in err, err
     assert asked == [["data=8", "fsdp=8"]]
+    # by default: a stop, the file edited, and the same command measures afresh elsewhere
+    default = [*command[:-2], f"run.dir={tmp_path / 'run'}", "--layouts", "data=8", "fsdp=8"]
+    assert main(default) == 130
+    task.write_text(task.read_text() + "# edited again\n")
+    _stopping_after(monkeypatch, None, asked)
+    assert main(default) == 0
+    assert asked[-1] == ["data=8", "fsdp=8"] and (tmp_path / "run" / "sweep-2").is_dir()
 
 
 def test_sweep_needs_layouts_or_all(capsys):

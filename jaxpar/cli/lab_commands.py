@@ -88,6 +88,7 @@ def _measure(
     from jaxpar.lab import resume, sweep, sweep_files
 
     before = [] if args.overwrite else resume.kept_rows(out, key)
+    resume.keep(out, key, before)  # the folder names its command from the start
     if before:
         print(
             f"resuming: {len(before)} of {len(layouts)} layouts were measured by a stopped "

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxpar.errors import DataError
 from jaxpar.hf.layout import check_keys, unsupported
 
 #: model_type → (architecture, what it adds to a plain Llama)
@@ -234,9 +233,8 @@ def _experts(hf: dict[str, Any], kind: str, where: str) -> dict[str, Any]:
     n = hf.get("num_local_experts") or hf.get("num_experts") or 0
     if kind not in ("mixtral", "qwen3_moe"):
         if n:
-            raise DataError(
-                f"{where}: config.json model_type={kind} with experts: a mixture of experts "
-                "is read as mixtral or qwen3_moe"
+            raise unsupported(
+                where, f"model_type={kind} with experts: jaxpar reads mixtral's and qwen3_moe's"
             )
         return {}
     out = {

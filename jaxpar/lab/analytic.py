@@ -47,6 +47,7 @@ from jaxpar.lab.measure import Row, fill_predicted, layout_overrides
 from jaxpar.lab.network import hosts_of, step_time
 from jaxpar.lab.pipeline_cost import scan_length
 from jaxpar.lab.predict import lab_layout, predict_argument_bytes, predict_comm, stack_moves
+from jaxpar.lab.residuals import gathered_bytes, residual_bytes
 from jaxpar.lab.staged import check_chunk
 from jaxpar.plan.abstract import global_batch_shapes
 from jaxpar.run import Run, build, data_needs
@@ -90,16 +91,30 @@ def _stacked_layer_bytes(run: Run) -> int:
     return bytes_per_device(params[key], run.plan.state_shardings.params[key])
 
 
-def _temporaries(run: Run, cpu: bool, sub_mesh: bool, params: int) -> int | None:
-    """A device's temporaries: the activations its family's lab module counts (None: it
-    counts none) and the gradients, one per parameter shard (``params`` bytes; and the
-    accumulator's beside it); the one-program pipeline's sums, messages and weights as its
-    executor holds them; the sub-mesh executor's interleaved stack's rows where they run."""
+def _activations(run: Run, cpu: bool) -> tuple[float | None, float]:
+    """A device's activations and the lowest ratio of estimated to compiled temporaries
+    their count has shown (its margin): the family's lab module's count (:data:`TEMPS_LOW`),
+    or for a model it has no count for the residuals JAX keeps and FSDP's gathered weights
+    (:mod:`jaxpar.lab.residuals`, :data:`RESIDUALS_LOW`); None where neither says."""
+    lab = lab_for(run.family)
+    counted = lab.activation_bytes(run.config.model, lab_layout(run, cpu=cpu))
+    if counted is not None:
+        return counted, TEMPS_LOW
+    kept = residual_bytes(run)
+    return (None if kept is None else kept + gathered_bytes(run)), RESIDUALS_LOW
+
+
+def _temporaries(run: Run, cpu: bool, sub_mesh: bool, params: int) -> tuple[int | None, float]:
+    """A device's temporaries (None: its activations are not estimated) and their margin
+    (:func:`_activations`): the activations and the gradients, one per parameter shard
+    (``params`` bytes; and the accumulator's beside it); the one-program pipeline's sums,
+    messages and weights as its executor holds them; the sub-mesh executor's interleaved
+    stack's rows where they run."""
     lab = lab_for(run.family)
     layout = lab_layout(run, cpu=cpu)
-    activations = lab.activation_bytes(run.config.model, layout)
+    activations, low = _activations(run, cpu)
     if activations is None:
-        return None
+        return None, low
     accumulated = params if run.plan.grad_accum > 1 else 0
     held = None if sub_mesh else one_program_buffers(run, cpu, layout.in_flight)
     grads = (params if held is None else held) + accumulated
@@ -107,7 +122,7 @@ def _temporaries(run: Run, cpu: bool, sub_mesh: bool, params: int) -> int | None
         grads += lab.remat_layer_copies * _stacked_layer_bytes(run)
     if sub_mesh:
         grads += stack_moves(run)[1]
-    return round(activations + grads)
+    return round(activations + grads), low
 
 
 class _FirstBatch:
@@ -213,10 +228,10 @@ def estimate(
     row.mem_host_bytes = state.host
     row.mem_args_bytes = row.predicted_mem_args_bytes = predict_argument_bytes(run, batch)
     row.mem_output_bytes = state.total
-    temps = _temporaries(run, cpu, sub_mesh, state.params)
+    temps, low = _temporaries(run, cpu, sub_mesh, state.params)
     row.mem_temp_bytes = temps
     row.mem_total_bytes = row.mem_args_bytes + (temps or 0)
-    _judge_memory(row, memory_bytes or hw.memory_bytes)
+    _judge_memory(row, memory_bytes or hw.memory_bytes, low)
     row.flops = flops_per_device(run, asynchronous=sub_mesh, gpu=hw.platform == "gpu" and not cpu)
     row.mem_traffic_bytes = row.state_traffic_bytes + 2 * (temps or 0)
     # a profile of a CPU (fitted here): its bytes and collectives, nothing hidden
@@ -261,17 +276,21 @@ def estimate(
 #: 0.80 where a pipeline chunk is a loop of layers, beside whose stacked activations XLA
 #: holds the layer it runs, and whose heap it packs 3–8% above the live bytes
 TEMPS_LOW = 0.79
+#: the same for a model counted by the residuals JAX keeps (:mod:`jaxpar.lab.residuals`:
+#: a ResNet, a user's task): 0.71 for a ResNet-10 at 8 examples a device, whose activations
+#: are a fraction of its weights (0.91-1.06 for larger ones, a user's CNN 0.84-0.93)
+RESIDUALS_LOW = 0.71
 
 
-def _judge_memory(row: Row, memory_bytes: float) -> None:
-    """Whether ``row`` fits ``memory_bytes``, and would were its temporaries 1/
-    :data:`TEMPS_LOW` of the estimate (not known to: a row without an activation estimate,
-    whose state alone fits, says yes?)."""
+def _judge_memory(row: Row, memory_bytes: float, low: float = TEMPS_LOW) -> None:
+    """Whether ``row`` fits ``memory_bytes``, and would were its temporaries 1/``low`` of
+    the estimate (not known to: a row without an activation estimate, whose state alone
+    fits, says yes?)."""
     row.fits = row.mem_total_bytes <= memory_bytes
-    if row.mem_temp_bytes is None:  # no activation estimate (a user's task): unknown
+    if row.mem_temp_bytes is None:  # no activation estimate (a pipelined user's task)
         row.fits_margin = False
         return
-    margin = row.mem_temp_bytes * (1 / TEMPS_LOW - 1)
+    margin = row.mem_temp_bytes * (1 / low - 1)
     row.fits_margin = row.mem_total_bytes + margin <= memory_bytes
 
 

@@ -161,8 +161,8 @@ def router_terms(cfg: Any, layout: LabLayout) -> list[Term]:
     E = cfg.n_experts
     terms = [
         Term("all-reduce", "routers: statistics summed", (2 * E + 1) * 4, group, n),
-        Term("all-reduce", "routers: load summed again", (E + 1) * 4, group, again),
-        Term("all-reduce", "routers: statistics' gradient summed", E * 4, group, n),
+        Term("all-reduce", "routers: load summed again", E * 4, group, again),
+        Term("all-reduce", "routers: statistics' gradient summed", (E + 1) * 4, group, n),
         Term("all-reduce", "routers: tokens counted", 4, group, 1),
     ]
     if getattr(cfg, "capacity_factor", 0):

@@ -3,7 +3,7 @@ fastest layout that fits (``jaxpar plan``; :mod:`jaxpar.lab.planner` ranks)."""
 
 from __future__ import annotations
 
-from jaxpar.lab.analytic import TEMPS_LOW, may_not_fit
+from jaxpar.lab.analytic import RESIDUALS_LOW, TEMPS_LOW, may_not_fit
 from jaxpar.lab.chart import fmt_value
 from jaxpar.lab.hardware import Hardware
 from jaxpar.lab.planner import Planned, best
@@ -77,17 +77,17 @@ def format_plan(planned: list[Planned], hw: Hardware, memory: float, top: int | 
         )
     if any(p.row.ok and p.row.mem_temp_bytes is None for p in planned):
         lines.append(
-            "note: estimated without an activation estimate for this model: memory is the "
-            "state and batch shards only, so a layout marked yes? may not fit; a model "
-            "without a lab module has no activation collectives either (tensor and context "
-            "layouts look cheaper than they are)"
+            "note: estimated without an activation estimate for this model's pipelined "
+            "layouts: memory is the state and batch shards only, so a layout marked yes? "
+            "may not fit"
         )
     if any(may_not_fit(p.row) for p in shown):
         lines.append(
             "note: yes? = estimated to fit (nothing compiled), but not were its temporaries "
-            f"1/{TEMPS_LOW} of the estimate, the lowest ratio of estimated to compiled "
-            "temporaries on the test grid (docs/lab.md); `jaxpar inspect` on the devices "
-            "themselves says how much it holds"
+            f"1/{TEMPS_LOW} of the estimate (1/{RESIDUALS_LOW} where they are the residuals "
+            "JAX keeps: a model without a lab module's count), the lowest ratio of estimated "
+            "to compiled temporaries on the test grid (docs/lab.md); `jaxpar inspect` on the "
+            "devices themselves says how much it holds"
         )
     lines += [_fix(p) for p in shown if not p.row.ok or not p.row.fits]
     found = best(planned)

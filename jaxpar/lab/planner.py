@@ -225,7 +225,13 @@ def plan(
         group = 0 if p.row.ok and p.row.fits else 1 if p.row.ok else 2
         return group, p.row.predicted_step_time_s or 0.0
 
-    return Ranking(sorted(planned, key=key), note.splitlines() if note else [])
+    notes = note.splitlines() if note else []
+    if analytic and task is not None:
+        notes.append(
+            "note: a model of your own has no lab module: its activations' collectives "
+            "(tensor, context) are not estimated, so such layouts look cheaper than they are"
+        )
+    return Ranking(sorted(planned, key=key), notes)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,8 @@ from jaxpar.errors import PathError
 from jaxpar.files import write_atomic
 from jaxpar.lab.hardware import Hardware
 from jaxpar.lab.measure import Row
-from jaxpar.lock import LOCK, RunDirLock
+from jaxpar.lock import LOCK, SWEEP, RunDirLock, describe, holder, refuse_system_folder
+from jaxpar.outputs import is_run_dir
 from jaxpar.user_code import source_file
 
 PARTIAL = "sweep.partial.json"
@@ -62,11 +63,11 @@ def command_key(
     return json.loads(json.dumps(key))
 
 
-def _task_key(spec: str | None) -> dict[str, str]:
+def _task_key(spec: str | None) -> dict[str, str] | str:
     """``--task`` and the content of the file that defines it: a task edited since the
     stopped run is another command (the modules that file imports are not read)."""
     if not spec:
-        return {}
+        return ""  # as a stopped sweep of an earlier jaxpar names it
     path = source_file(spec)
     try:
         digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path else ""
@@ -81,11 +82,34 @@ def holding(folder: Path) -> Iterator[None]:
     a second sweep into it — the same command started again while the first runs — is
     refused naming the first, whose rows it would overwrite. The kernel drops the lock
     when the holder dies, however it dies."""
-    lock = RunDirLock(folder, "--out").acquire()
+    lock = RunDirLock(folder, SWEEP).acquire()
     try:
         yield
     finally:
         lock.release()
+
+
+def refuse_unsuitable(folder: Path) -> None:
+    """Refuses, before anything is planned, a folder a sweep cannot hold: one another
+    sweep is writing (the same command started twice), a system folder (``/tmp`` itself),
+    or a run's directory (whose lock is the run's).
+
+    Raises:
+      PathError: one line naming the folder and the fix.
+    """
+    found = holder(folder)
+    if found is not None and found[0] == folder.resolve() and found[1].get("what") == SWEEP:
+        raise PathError(
+            f"--out '{folder}' is being written by another jaxpar sweep "
+            f"({describe(found[1])}); wait for it to finish or stop it, or give this sweep "
+            "another --out"
+        )
+    refuse_system_folder(folder, "--out")
+    if is_run_dir(folder):
+        raise PathError(
+            f"--out '{folder}' is a run's directory; give the sweep a folder of its own, "
+            f"e.g. --out {folder / 'sweep'}"
+        )
 
 
 def only_partial(folder: Path) -> bool:

@@ -173,6 +173,7 @@ def output_folder(
     if out is None:
         default = Path(run_dir) / "sweep"
         out = default if overwrite else free_folder(default, lambda p: resume.matches(p, key))
+    resume.refuse_unsuitable(Path(out))
     resumed = resume.only_partial(Path(out))
     check_new_folder(out, "--out", ", ".join(OUTPUT_FILES), overwrite or resumed)
     return ensure_dir(out, "--out", "choose another --out folder") if create else Path(out)
