@@ -17,6 +17,7 @@ from jaxpar.lab.measure import measure
 from jaxpar.lab.plan_text import format_plan
 from jaxpar.lab.planner import best, plan
 from jaxpar.lock import holder
+from jaxpar.run import build
 from tests.helpers import GPT_SMALL, grid
 
 MPMD = "pipeline.executor=mpmd"
@@ -738,14 +739,17 @@ def test_a_users_family_registers_what_the_lab_knows_of_it():
 
 def test_each_layout_says_its_throughput_utilisation_and_bound(planned, h100):
     """Per layout: tokens per second per device = the global batch's tokens / predicted
-    step / devices; MFU = the step's matmul FLOPs per device / predicted step / peak; the
-    bound is the roofline's largest term, and the terms add up to the predicted step."""
+    step / devices; MFU = the model's FLOPs for the step (its family's count: the same for
+    every layout, pipelines and recomputation included) per device / predicted step / peak;
+    the bound is the roofline's largest term, and the terms add up to the predicted step."""
     tokens = 16 * 16  # train.batch_size × data.seq_len
+    run = build(load_config([], GPT_SMALL))
+    model = run.family.counts(run.config.model, run.data).train_flops_per_example * 16
     for p in planned:
         r = p.row
         step = r.predicted_step_time_s
         assert r.predicted_tokens_per_s_per_device == pytest.approx(tokens / step / 8)
-        assert r.predicted_mfu == pytest.approx(r.flops / step / h100.flops_f32)
+        assert r.predicted_mfu == pytest.approx(model / 8 / step / h100.flops_f32)
         kernels = r.predicted_compute_s + r.predicted_elementwise_s
         terms = {
             "kernels": kernels,

@@ -102,6 +102,17 @@ def gpu_flops_factor(run: Run) -> float:
     return gpu / cpu if gpu and cpu else 1.0
 
 
+def model_flops_per_device(run: Run) -> float | None:
+    """The model's FLOPs for the step's examples (the family's count: forward and backward,
+    nothing recomputed, no pipeline bubble, no weight computed twice) over the devices: what
+    MFU divides by the step and the peak (None: the family does not count them)."""
+    family = run.family
+    if family is None or family.counts is None:
+        return None
+    per_example = family.counts(run.config.model, run.data).train_flops_per_example
+    return per_example * run.config.train.batch_size / run.plan.mesh.size
+
+
 def flops_per_device(run: Run, asynchronous: bool = False, gpu: bool = True) -> float | None:
     """The step's FLOPs on one device (None: the family does not count them);
     ``asynchronous``: its pipeline's stages run as the sub-mesh executor runs them

@@ -31,7 +31,7 @@ from jaxpar.axes import MESH_AXES
 from jaxpar.config import Config, apply_overrides
 from jaxpar.errors import ConfigError, JaxparError, LayoutError
 from jaxpar.lab.hardware import Hardware, StepTime, roofline
-from jaxpar.lab.kernels import gpu_flops_factor, kernels
+from jaxpar.lab.kernels import gpu_flops_factor, kernels, model_flops_per_device
 from jaxpar.lab.network import hosts_of, step_time
 from jaxpar.lab.predict import CommPrediction, predict_argument_bytes, predict_comm
 from jaxpar.lab.terms import Term
@@ -370,9 +370,11 @@ def _waits_per_send(hw: Hardware, run: Run) -> int:
 def fill_predicted(
     row: Row, time_s: StepTime, run: Run, peak_flops: float, flops: float | None = None
 ) -> None:
-    """``row``'s predicted step time, its terms, throughput and utilisation (of ``flops``,
-    the FLOPs priced: ``row.flops`` unless given)."""
-    flops = row.flops if flops is None else flops
+    """``row``'s predicted step time, its terms, throughput and model FLOPs utilisation:
+    the family's count of the step's FLOPs per device (:func:`~jaxpar.lab.kernels.
+    model_flops_per_device`), or for a model without one the FLOPs priced (``flops``, by
+    default ``row.flops``: recomputation and a pipeline's idle ticks included)."""
+    flops = model_flops_per_device(run) or (row.flops if flops is None else flops)
     row.predicted_step_time_s = time_s.total_s
     row.predicted_latency_s = time_s.latency_s
     row.predicted_compute_s, row.predicted_memory_s = time_s.compute_s, time_s.memory_s
