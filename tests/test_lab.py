@@ -784,3 +784,43 @@ def test_plan_out_writes_the_ranking_as_csv(tmp_path, capsys):
     assert "--overwrite" in capsys.readouterr().err
     assert main([*args, "--longest", "--out", str(tmp_path / "longest")]) != 0
     assert "--longest writes no plan.csv: leave out --out" in capsys.readouterr().err
+
+
+def test_a_fix_keeps_the_layouts_settings_and_two_changes_are_tried_together(h100):
+    """Llama-3-70B on 1,024 H100s, estimated: the fix of a layout with sequence parallelism
+    and collective matmuls keeps them (moving data into fsdp dropped them, suggesting a
+    slower layout); a layout no single change fits is fixed by two together (the plan said
+    none fits, though its fsdp twin fits with accumulation)."""
+    config = load_config(["configs/llama3_70b.yaml"], ["train.batch_size=1024"])
+    sp = "tensor.sequence=true"
+    overlapped = f"data=256,tensor=4,{sp},tensor.overlap=collective_matmul"
+    two = f"data=128,tensor=8,{sp}"
+    ranking = plan(config, 1024, h100, analytic=True, layouts=[overlapped, two])
+    by = {p.row.layout: p for p in ranking}
+    assert not by[overlapped].row.fits and not by[two].row.fits
+    assert by[overlapped].suggestion == f"fsdp=256,tensor=4,{sp},tensor.overlap=collective_matmul"
+    fixed = by[two].suggestion_row
+    assert fixed is not None and fixed.fits, by[two].suggestion
+    assert fixed.layout == f"fsdp=128,tensor=8,{sp},train.grad_accum=2"
+
+
+def test_a_plan_where_no_layout_can_run_says_so(h100):
+    """Every layout refused (a batch the devices do not divide): "no layout can run", not
+    "no layout fits"."""
+    config = load_config([], GPT_SMALL)
+    ranking = plan(config, 8, h100, analytic=True, layouts=["data=3", "tensor=8"])
+    text = format_plan(ranking, h100, h100.memory_bytes)
+    assert not any(p.row.ok for p in ranking)
+    assert text.rstrip().endswith("no layout can run (each row says why)")
+
+
+def test_a_compiled_plan_of_a_bfloat16_model_for_a_gpu_says_whose_memory_it_is(h100):
+    """Compiled here, a bfloat16 model's memory is XLA:CPU's program's (bfloat16 activations
+    held as float32): the plan says so for a GPU profile, not for an estimate or float32."""
+    bf16 = load_config([], [*GPT_SMALL, "model.dtype=bfloat16"])
+    says = "holds bfloat16 activations as float32"
+    for config, analytic, noted in ((bf16, False, True), (bf16, True, False)):
+        ranking = plan(config, 8, h100, layouts=["data=8"], analytic=analytic)
+        assert (says in format_plan(ranking, h100, h100.memory_bytes)) is noted
+    ranking = plan(load_config([], GPT_SMALL), 8, h100, layouts=["data=8"])
+    assert says not in format_plan(ranking, h100, h100.memory_bytes)

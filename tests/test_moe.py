@@ -477,3 +477,22 @@ def test_a_capacity_factor_drops_the_same_assignments_on_every_layout(layout):
     losses, params, _ = run_steps([*CAPPED, *layout])
     np.testing.assert_allclose(losses, one[0], rtol=1e-5)
     assert_params_close(params, one[1], elementwise=False, rtol=1e-4)
+
+
+def test_a_plan_offers_the_experts_other_placement_once():
+    """A plan's default layouts add each layout with its data degree dividing the experts
+    again with the experts placed the other way than the config places them: split over
+    data where the config does not split them, not split where it does — never a layout
+    that is the config's own again under another name."""
+    from jaxpar.lab.sweep import default_layouts
+
+    for given, other in (
+        ([], "rules.experts=data"),
+        (["rules.experts=data"], "rules.experts=null"),
+    ):
+        config = jaxpar.load_config([], [*MOE, *given])
+        layouts, _ = default_layouts(config, 8, platform="gpu")
+        variants = [x for x in layouts if "rules.experts" in x]
+        assert variants and all(x.endswith(f",{other}") for x in variants), variants
+        assert len(set(layouts)) == len(layouts)
+        assert f"data=4,fsdp=2,{other}" in variants

@@ -117,7 +117,8 @@ def _check_batch(
     if num_items < global_batch_size:
         raise DataError(
             f"the data source has {num_items} items, fewer than one global batch of "
-            f"train.batch_size={global_batch_size}; lower train.batch_size or use more data"
+            f"train.batch_size={global_batch_size}; lower train.batch_size or use more data "
+            "(data.num_examples, for synthetic data)"
         )
     return global_batch_size // process_count
 

@@ -103,6 +103,8 @@ def format_plan(planned: list[Planned], hw: Hardware, memory: float, top: int | 
         f"{fmt_time(found[1].predicted_step_time_s)}{margin}"
         if found
         else "no layout fits"
+        if any(p.row.ok for p in planned)
+        else "no layout can run (each row says why)"
     )
     return "\n".join(lines)
 

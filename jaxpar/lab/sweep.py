@@ -72,7 +72,7 @@ def default_layouts(
     task = task if task is not None else task_for(config)
     kept, note = runnable(all_layouts(devices), task)
     model = abstract_model(task)  # its shapes once, for the variants that read them
-    variants = _expert_variants(model, kept) + _sequence_variants(task, kept)
+    variants = _expert_variants(config, model, kept) + _sequence_variants(task, kept)
     variants += _bucket_variants(config, task, model, kept, platform or jax.default_backend())
     return kept + variants + _ulysses_variants(config, task, kept), note
 
@@ -184,10 +184,11 @@ def _count(n: int) -> str:
     return f"{n} layout{'s' * (n != 1)}"
 
 
-def _expert_variants(model: AbstractModel, layouts: list[str]) -> list[str]:
+def _expert_variants(config: Config, model: AbstractModel, layouts: list[str]) -> list[str]:
     """For a model with experts (a parameter dim named ``experts``): each layout whose
-    ``data`` degree (above 1) divides the experts again with them split over ``data``
-    (expert parallelism, ``rules.experts=data``)."""
+    ``data`` degree (above 1) divides the experts again with the other choice than the
+    config's — split over ``data`` (expert parallelism, ``rules.experts=data``), or where
+    the config splits them so, not split (``rules.experts=null``)."""
     sizes = {
         leaf.shape[names.index("experts")]
         for leaf, names in zip(
@@ -198,8 +199,10 @@ def _expert_variants(model: AbstractModel, layouts: list[str]) -> list[str]:
     }
     if not sizes:
         return []
+    given = dict(config.rules.overrides).get("experts", ())
+    other = "null" if Axis.DATA in given else "data"
     return [
-        f"{x},rules.experts=data"
+        f"{x},rules.experts={other}"
         for x in layouts
         if _degree(x, Axis.DATA) > 1 and all(n % _degree(x, Axis.DATA) == 0 for n in sizes)
     ]
