@@ -315,3 +315,19 @@ def test_a_profile_fitted_to_a_gpus_steps_prices_steps_as_it_was_fitted(tmp_path
     path.write_text(fit.profile_yaml(fitted).replace("fitted: true", "fitted: 2"))
     with pytest.raises(ConfigError, match=r"fitted=2; write true or false"):
         hardware.get_profile("fitted", path)
+
+
+def test_a_weak_fit_says_so(tmp_path, capsys):
+    """Steps whose times have nothing to do with their counts (shuffled): the held-out
+    ranking is poor, and the plan says the fit is weak and what to do; a good fit does not."""
+    from jaxpar.cli import main
+    from tests.helpers import GPT_SMALL
+
+    rows = _rows()
+    shuffled = np.random.default_rng(1).permutation([r.seconds for r in rows])
+    args = ["plan", *GPT_SMALL, "--devices", "8", "--layouts", "data=8", "--fit"]
+    for times, weak in ((shuffled, True), ([r.seconds for r in rows], False)):
+        path = tmp_path / f"{weak}.csv"
+        _write(path, [_csv_row(replace(r, seconds=float(t))) for r, t in zip(rows, times)])
+        assert main([*args, str(path)]) == 0
+        assert ("warning: a weak fit (rho below 0.8)" in capsys.readouterr().out) is weak

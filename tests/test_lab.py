@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from jaxpar.cli import main
 from jaxpar.config import load_config
@@ -824,3 +826,18 @@ def test_a_compiled_plan_of_a_bfloat16_model_for_a_gpu_says_whose_memory_it_is(h
         assert (says in format_plan(ranking, h100, h100.memory_bytes)) is noted
     ranking = plan(load_config([], GPT_SMALL), 8, h100, layouts=["data=8"])
     assert says not in format_plan(ranking, h100, h100.memory_bytes)
+
+
+def test_a_plans_hardware_file_and_mesh_overrides_are_not_ignored(tmp_path, capsys):
+    """A --hardware-file without --hardware is refused naming its profiles (the plan ran on
+    the H100's); mesh.* overrides, which a plan replaces with each layout's, are warned of
+    with the --layouts that plans them."""
+    profile = hardware.load_profiles()["h100"]
+    entry = {k: v for k, v in dataclasses.asdict(profile).items() if k != "key"}
+    (tmp_path / "mine.yaml").write_text(yaml.safe_dump({"mine": entry}))
+    base = ["plan", *GPT_SMALL, "--devices", "8", "--analytic", "--layouts", "data=8"]
+    assert main([*base, "--hardware-file", str(tmp_path / "mine.yaml")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no --hardware: name the profile to plan on, e.g. --hardware mine" in err
+    with pytest.warns(UserWarning, match=r"mesh.tensor=2 has no effect.*--layouts tensor=2"):
+        assert main([*base[:4], "mesh.tensor=2", *base[4:]]) == 0

@@ -157,9 +157,9 @@ def _lab_arguments(cmd: argparse.ArgumentParser) -> None:
     config_arguments(cmd, "YAML files (later ones win), then overrides")
     cmd.add_argument(
         "--hardware",
-        default="h100",
-        help="hardware profile for the predicted step time (a100_40, a100, h100, a3_high, "
-        "h200, b200, gb200, or one from --hardware-file)",
+        default=None,
+        help="hardware profile for the predicted step time (a100_40, a100, h100 (the "
+        "default), a3_high, h200, b200, gb200, or one from --hardware-file)",
     )
     cmd.add_argument(
         "--hardware-file",

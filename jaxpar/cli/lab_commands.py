@@ -153,6 +153,7 @@ def run_plan(args: argparse.Namespace, config: Config, task: Task | None) -> Non
     from jaxpar.lab.sweep_files import write_csv
 
     checked_layouts(config, args.layouts)
+    _warn_mesh_overrides(args.args, args.devices)
     hw = get_profile(args.hardware, args.hardware_file)
     if args.fit:
         hw = _fitted(args.fit, hw)
@@ -196,6 +197,28 @@ def run_plan(args: argparse.Namespace, config: Config, task: Task | None) -> Non
         print(f"wrote {write_csv([p.row for p in ranked], out / 'plan.csv')}")
 
 
+def _warn_mesh_overrides(given: list[str], devices: int) -> None:
+    """A plan sets every mesh degree itself: ``mesh.<axis>=N`` on its command line would be
+    silently replaced, so it is warned of, with the layout it names."""
+    import warnings
+
+    from jaxpar.axes import MESH_AXES
+
+    degrees = [
+        a.removeprefix("mesh.")
+        for a in given
+        if a.startswith("mesh.") and a.partition("=")[0].removeprefix("mesh.") in MESH_AXES
+    ]
+    if degrees:
+        warnings.warn(
+            f"{', '.join('mesh.' + d for d in degrees)} "
+            f"{'has' if len(degrees) == 1 else 'have'} no effect on jaxpar plan, which "
+            f"plans every layout of --devices {devices} (or those of --layouts); to plan this "
+            f"one: --layouts {','.join(degrees)}",
+            stacklevel=2,
+        )
+
+
 def _fitted(paths: list[str], base: Hardware) -> Hardware:
     """``base`` fitted to the steps timed in ``paths`` (its platform the one they were
     timed on); says how well it ranks layouts it was not fitted on and which constants it
@@ -227,4 +250,11 @@ def _fitted(paths: list[str], base: Hardware) -> Hardware:
         f"{second:.2f}. As a --hardware-file entry:\n{fit.profile_yaml(hw)}",
         flush=True,
     )
+    if min(first, second) < fit.GOOD_RHO:
+        print(
+            f"warning: a weak fit (rho below {fit.GOOD_RHO}): its ranking of layouts it was "
+            "not fitted on is little better than a guess; time more steps a layout "
+            "(--steps) or more layouts, or --fit several sweeps of the same layouts",
+            flush=True,
+        )
     return hw

@@ -46,6 +46,8 @@ NEEDED = (
 )
 #: timed layouts a fit needs: more than its six constants in each held-out half
 LEAST = 14
+#: the held-out Spearman rho below which ``plan --fit`` calls its fit weak (issue 45's bar)
+GOOD_RHO = 0.8
 #: how far from its start (each term alone a fair share of the median step) a fitted
 #: constant may go
 BOUND = 1e6

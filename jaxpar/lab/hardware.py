@@ -286,13 +286,27 @@ def _typed(profile: str, field: str, value: object) -> object:
     return int(number) if field in _COUNTS else number
 
 
-def get_profile(key: str, extra: str | Path | None = None) -> Hardware:
-    """The profile named ``key`` (e.g. ``h100``).
+#: the profile a command plans on when none is named
+DEFAULT = "h100"
+
+
+def get_profile(key: str | None, extra: str | Path | None = None) -> Hardware:
+    """The profile named ``key`` (e.g. ``h100``; None: :data:`DEFAULT`, unless ``extra``
+    is given, a file of profiles the user wrote to plan on one of them).
 
     Raises:
-      ConfigError: for an unknown name, listing the known ones.
+      ConfigError: for an unknown name, listing the known ones; for a file of profiles
+        with no name given, naming them.
     """
     profiles = load_profiles(extra)
+    if key is None and extra:
+        own = sorted(set(profiles) - set(load_profiles()))
+        raise ConfigError(
+            f"--hardware-file {extra} is given but no --hardware: name the profile to plan "
+            f"on, e.g. --hardware {own[0] if own else DEFAULT} (the file defines "
+            f"{', '.join(own) or 'only built-in names'})"
+        )
+    key = key or DEFAULT
     if key not in profiles:
         raise ConfigError(
             f"unknown hardware '{key}'{_did_you_mean(key, profiles)}; choose one of "
