@@ -7,6 +7,7 @@ takes, checked as it reads them. (The export's cases are in tests/test_hf.py.)""
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import os
@@ -417,3 +418,28 @@ def test_release_empties_the_lock_it_took_even_after_the_folder_moved(tmp_path):
     lock.release()
     assert (tmp_path / "moved" / lock.path.name).read_text() == ""
     assert json.loads(other.read_text()) == {"pid": 1, "host": "elsewhere"}
+
+
+@pytest.mark.parametrize(
+    "field,value,unit",
+    [
+        ("memory_bytes", 48, "bytes, e.g. 80.0e9"),
+        ("collective_latency", 15, "seconds, e.g. 1.0e-5"),
+        ("flops_bf16", 400, "FLOP/s, e.g. 989.4e12"),
+    ],
+)
+def test_a_hardware_figure_in_the_wrong_unit_is_refused(tmp_path, capsys, field, value, unit):
+    """48 for 48 GB, 15 for 15 µs, 400 for 400 TFLOP/s: each planned every layout as NO or
+    at steps of minutes; refused naming the field and its unit."""
+    from jaxpar.lab import hardware
+
+    entry = dataclasses.asdict(hardware.get_profile("h100")) | {field: value}
+    entry.pop("key")
+    path = tmp_path / "chips.yaml"
+    path.write_text(json.dumps({"mine": entry}))
+    command = ["plan", *GPT_SMALL, "--devices", "8", "--hardware-file", str(path)]
+    assert main([*command, "--hardware", "mine"]) == 2
+    assert one_line(capsys.readouterr().err) == (
+        f"jaxpar: error: hardware profile 'mine': {field}={value} is not a machine's figure "
+        f"in {unit}; a profile's figures are in FLOP/s, bytes, bytes/s and seconds"
+    )

@@ -247,6 +247,20 @@ _SHARES = (
 )
 #: the number fields that count things (whole numbers)
 _COUNTS = ("links", "domain_devices", "host_devices")
+#: the range each figure of a real machine lies in, and its unit with an example: a value
+#: outside is a unit mistake (80 for 80 GB, 15 for 15 µs), refused rather than planned with
+_RATE = (1e6, 1e18)
+_PLAUSIBLE = {
+    **dict.fromkeys(("flops_bf16", "flops_f32", "flops_fp8"), (*_RATE, "FLOP/s, e.g. 989.4e12")),
+    **dict.fromkeys(
+        ("hbm_bandwidth", "state_bandwidth", "link_bandwidth", "network_bandwidth"),
+        (*_RATE, "bytes/s, e.g. 25.0e9"),
+    ),
+    "memory_bytes": (1e6, 1e15, "bytes, e.g. 80.0e9"),
+    **dict.fromkeys(
+        ("collective_latency", "network_latency", "step_overhead"), (0, 1.0, "seconds, e.g. 1.0e-5")
+    ),
+}
 
 
 def _typed(profile: str, field: str, value: object) -> object:
@@ -283,6 +297,12 @@ def _typed(profile: str, field: str, value: object) -> object:
         kind = "a whole number" if field in _COUNTS else "a finite number"
         bound = f"at least {least}" if least is not None else "above 0"
         raise ConfigError(f"hardware profile '{profile}': {field}={value!r} must be {kind} {bound}")
+    low, high, unit = _PLAUSIBLE.get(field, (0, math.inf, ""))
+    if number and not low <= number <= high:
+        raise ConfigError(
+            f"hardware profile '{profile}': {field}={value!r} is not a machine's figure in "
+            f"{unit}; a profile's figures are in FLOP/s, bytes, bytes/s and seconds"
+        )
     return int(number) if field in _COUNTS else number
 
 
