@@ -841,3 +841,14 @@ def test_a_plans_hardware_file_and_mesh_overrides_are_not_ignored(tmp_path, caps
     assert "no --hardware: name the profile to plan on, e.g. --hardware mine" in err
     with pytest.warns(UserWarning, match=r"mesh.tensor=2 has no effect.*--layouts tensor=2"):
         assert main([*base[:4], "mesh.tensor=2", *base[4:]]) == 0
+
+
+def test_a_rule_some_planned_layouts_cannot_split_is_one_note(h100, recwarn):
+    """8 K/V heads over tensor=16 (layouts a plan chose): held whole on each device of the
+    group, as the rows count them. A run that names such a layout is warned; a plan says
+    it once, as a note, and passes other warnings on."""
+    config = load_config(["configs/llama3_8b.yaml"], [])
+    ranking = plan(config, 16, h100, analytic=True, layouts=["tensor=16", "data=2,tensor=8"])
+    text = format_plan(ranking, h100, h100.memory_bytes)
+    assert "note: where a layout splits kv_heads 16 ways, its 8 kv_heads are held whole" in text
+    assert not [w for w in recwarn if "do not split" in str(w.message)]

@@ -20,8 +20,12 @@ as none.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import re
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -244,7 +248,7 @@ def plan(
         layouts, note = microbatched(config, layouts, note)
     workers = workers or default_workers()
     how = Measuring(config, hw, memory, task, workers, echo, devices if analytic else 0)
-    with unused_once(config, layouts, task):
+    with unused_once(config, layouts, task), _soft_rules_once() as held_whole:
         rows = _measure(how, layouts, {})
         planned = [Planned(rows[x]) for x in layouts]
         misfits = [p for p in planned if p.row.ok and not p.row.fits]
@@ -258,13 +262,46 @@ def plan(
         return group, p.row.predicted_step_time_s or 0.0
 
     notes = note.splitlines() if note else []
-    notes += _cpu_memory_note(config, hw, analytic, task)
+    notes += _cpu_memory_note(config, hw, analytic, task) + held_whole
     if analytic and task is not None:
         notes.append(
             "note: a model of your own has no lab module: its activations' collectives "
             "(tensor, context) are not estimated, so such layouts look cheaper than they are"
         )
     return Ranking(sorted(planned, key=key), notes)
+
+
+#: the warning of a rule that cannot split a dim (:func:`jaxpar.sharding.fit_soft_rules`)
+_SOFT = re.compile(r"rules\.(\w+)=.*: (\d+) \w+ of '.*' do not split (\d+) ways")
+
+
+@contextlib.contextmanager
+def _soft_rules_once() -> Iterator[list[str]]:
+    """Around measuring a plan's layouts: a rule that cannot split a dim in some of them
+    (8 K/V heads over ``tensor=16``: held whole on each device, as the rows count them) is
+    a warning for a run that names it; in a plan of layouts the plan chose, one note (the
+    list yielded, filled on exit). Other warnings pass as they are."""
+    notes: list[str] = []
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        yield notes
+    splits: dict[tuple[str, str], set[int]] = {}
+    said: set[str] = set()
+    for w in seen:
+        found = _SOFT.search(str(w.message))
+        if found is None:
+            if str(w.message) not in said:  # once each, as the default filter shows them
+                said.add(str(w.message))
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            continue
+        name, count, ways = found.groups()
+        splits.setdefault((name, count), set()).add(int(ways))
+    notes += [
+        f"note: where a layout splits {name} {', '.join(map(str, sorted(ways)))} ways, "
+        f"its {count} {name} are held whole on each device of the group (its row counts "
+        "them so)"
+        for (name, count), ways in splits.items()
+    ]
 
 
 def _cpu_memory_note(config: Config, hw: Hardware, analytic: bool, task: Task | None) -> list[str]:
