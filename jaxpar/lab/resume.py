@@ -81,12 +81,25 @@ def holding(folder: Path) -> Iterator[None]:
     """Holds ``folder``'s lock (:class:`jaxpar.lock.RunDirLock`) while a sweep writes there:
     a second sweep into it — the same command started again while the first runs — is
     refused naming the first, whose rows it would overwrite. The kernel drops the lock
-    when the holder dies, however it dies."""
+    when the holder dies, however it dies; a sweep stopped before its first row leaves
+    the folder empty."""
     lock = RunDirLock(folder, SWEEP).acquire()
     try:
         yield
+    except BaseException:  # stopped, or failed: a folder with no row measured is left empty
+        if not _has_rows(folder):
+            done(folder)
+        raise
     finally:
         lock.release()
+
+
+def _has_rows(folder: Path) -> bool:
+    """Whether ``folder``'s partial file keeps a measured row."""
+    try:
+        return bool(json.loads((folder / PARTIAL).read_text()).get("rows"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def refuse_unsuitable(folder: Path) -> None:

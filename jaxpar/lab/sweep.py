@@ -200,7 +200,7 @@ def _expert_variants(config: Config, model: AbstractModel, layouts: list[str]) -
     if not sizes:
         return []
     given = dict(config.rules.overrides).get("experts", ())
-    other = "null" if Axis.DATA in given else "data"
+    other = "null" if Axis.DATA in given else Axis.DATA
     return [
         f"{x},rules.experts={other}"
         for x in layouts
