@@ -445,7 +445,7 @@ def test_sweep_and_plan_offer_context_layouts():
     """``sweep --all`` enumerates context degrees for a model that supports them (none
     left out for the GPT) and leaves them out, with one note, for one that does not; the
     planner's memory fixes move the data degree into context parallelism."""
-    from jaxpar.lab import planner, sweep
+    from jaxpar.lab import plan_fixes, sweep
 
     gpt = jaxpar.load_config([], MODEL)
     layouts, note = sweep.default_layouts(gpt, 8)
@@ -459,7 +459,7 @@ def test_sweep_and_plan_offer_context_layouts():
         note,
     )
     row = sweep.Row(layout="data=4,tensor=2", mem_temp_bytes=2, mem_args_bytes=1)
-    assert "context=4,tensor=2" in planner.fixes(gpt, "data=4,tensor=2", row)
+    assert "context=4,tensor=2" in plan_fixes.fixes(gpt, "data=4,tensor=2", row)
 
 
 # ---- a researcher's own model -------------------------------------------------------------
@@ -610,7 +610,7 @@ def test_plan_finds_the_longest_sequence_that_fits(monkeypatch):
     """``jaxpar plan --longest``: doubling ``data.seq_len`` (and ``model.max_seq_len``), the
     longest that fits the memory given and what twice as long needs, per layout. (Each
     sequence length is compiled once: the planner's rows read the programs measured here.)"""
-    from jaxpar.lab import hardware, planner
+    from jaxpar.lab import hardware, longest
     from tests.helpers import GPT_SMALL, measured_once
 
     config = jaxpar.load_config([], [*GPT_SMALL, "train.batch_size=8"])
@@ -622,11 +622,11 @@ def test_plan_finds_the_longest_sequence_that_fits(monkeypatch):
     }
     memory = (at[32].mem_total_bytes + at[64].mem_total_bytes) / 2
     assert at[16].mem_total_bytes < at[32].mem_total_bytes < memory < at[64].mem_total_bytes
-    monkeypatch.setattr(planner, "measure", measure)
-    found = planner.longest_sequence(config, "context=8", h100, memory)
+    monkeypatch.setattr(longest, "measure", measure)
+    found = longest.longest_sequence(config, "context=8", h100, memory)
     assert (found.tokens, found.row.mem_total_bytes) == (32, at[32].mem_total_bytes)
     assert found.beyond.mem_total_bytes == at[64].mem_total_bytes and not found.beyond.fits
-    text = planner.format_longest([found], memory)
+    text = longest.format_longest([found], memory)
     assert text.startswith("context=8: 32 tokens fit (")
 
 

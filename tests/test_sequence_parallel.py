@@ -351,7 +351,7 @@ def test_sweep_and_plan_offer_sequence_parallelism():
     for a transformer (none for a convnet, whose residual stream is not ``act_seq``), and
     each context layout whose heads divide again with Ulysses attention; the
     planner's first memory fix of a tensor layout whose activations dominate is it."""
-    from jaxpar.lab import planner
+    from jaxpar.lab import plan_fixes
 
     gpt = jaxpar.load_config([], GPT_SMALL)
     layouts, _ = sweep.default_layouts(gpt, 8)
@@ -369,8 +369,8 @@ def test_sweep_and_plan_offer_sequence_parallelism():
     assert "data=2,context=2,tensor=2,context.attention=ulysses" in ulysses
     assert not [x for x in ulysses if "context=8" in x or "context=4,tensor=2" in x]
     row = sweep.Row(layout="data=4,tensor=2", mem_temp_bytes=2, mem_args_bytes=1)
-    assert planner.fixes(gpt, "data=4,tensor=2", row)[0] == f"data=4,tensor=2,{SP}"
-    assert not [x for x in planner.fixes(gpt, "data=8", row) if SP in x]
+    assert plan_fixes.fixes(gpt, "data=4,tensor=2", row)[0] == f"data=4,tensor=2,{SP}"
+    assert not [x for x in plan_fixes.fixes(gpt, "data=8", row) if SP in x]
 
 
 def test_fsdp_under_context_and_sequence_parallelism_computes_each_token_once():

@@ -148,8 +148,9 @@ def estimated(args: argparse.Namespace) -> bool:
 
 def run_plan(args: argparse.Namespace, config: Config, task: Task | None) -> None:
     from jaxpar.lab.hardware import get_profile
+    from jaxpar.lab.longest import format_longest, longest_sequence
     from jaxpar.lab.plan_text import ESTIMATED_TOP, format_plan
-    from jaxpar.lab.planner import format_longest, longest_sequence, plan, plan_folder
+    from jaxpar.lab.planner import plan, plan_folder
     from jaxpar.lab.sweep_files import write_csv
 
     checked_layouts(config, args.layouts)

@@ -111,14 +111,14 @@ def microbatched(
     lines = []
     if fewer:
         lines.append(
-            f"note: {_count(fewer)} with mesh.stage > 1 planned with the most "
+            f"note: {count_layouts(fewer)} with mesh.stage > 1 planned with the most "
             "pipeline.microbatches (named in the layout) that each replica's share of "
             f"train.batch_size={train.batch_size} splits into, fewer than the default 2 × "
             "mesh.stage"
         )
     if left:
         lines.append(
-            f"note: {_count(left)} with mesh.stage > 1 left out: each replica's share of "
+            f"note: {count_layouts(left)} with mesh.stage > 1 left out: each replica's share of "
             f"train.batch_size={train.batch_size} splits into no pipeline.microbatches "
             "count the schedule runs"
         )
@@ -167,20 +167,22 @@ def runnable(layouts: list[str], task: Task) -> tuple[list[str], str | None]:
         kept = [x for x in kept if _degree(x, axis) == 1]
         if len(kept) < len(before):
             lines.append(
-                f"note: {_count(len(before) - len(kept))} with mesh.{axis} > 1 left out: {why}"
+                f"note: {count_layouts(len(before) - len(kept))} with mesh.{axis} > 1 "
+                f"left out: {why}"
             )
     if task.context_parallel and tokens:
         before = kept
         kept = [x for x in kept if tokens % _degree(x, Axis.CONTEXT) == 0]
         if len(kept) < len(before):
             lines.append(
-                f"note: {_count(len(before) - len(kept))} left out whose "
+                f"note: {count_layouts(len(before) - len(kept))} left out whose "
                 f"mesh.context does not divide the {tokens}-token sequences"
             )
     return kept, "\n".join(lines) or None
 
 
-def _count(n: int) -> str:
+def count_layouts(n: int) -> str:
+    """``n layouts`` (``1 layout``)."""
     return f"{n} layout{'s' * (n != 1)}"
 
 
