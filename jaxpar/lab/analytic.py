@@ -49,6 +49,7 @@ from jaxpar.lab.pipeline_cost import scan_length
 from jaxpar.lab.predict import lab_layout, predict_argument_bytes, predict_comm, stack_moves
 from jaxpar.lab.residuals import gathered_bytes, residual_bytes
 from jaxpar.lab.staged import check_chunk
+from jaxpar.lab.terms import LabLayout
 from jaxpar.plan.abstract import global_batch_shapes
 from jaxpar.run import Run, build, data_needs
 from jaxpar.sharding import bytes_per_device
@@ -91,13 +92,12 @@ def _stacked_layer_bytes(run: Run) -> int:
     return bytes_per_device(params[key], run.plan.state_shardings.params[key])
 
 
-def _activations(run: Run, cpu: bool) -> tuple[float | None, float]:
+def _activations(run: Run, layout: LabLayout) -> tuple[float | None, float]:
     """A device's activations and the lowest ratio of estimated to compiled temporaries
     their count has shown (its margin): the family's lab module's count (:data:`TEMPS_LOW`),
     or for a model it has no count for the residuals JAX keeps and FSDP's gathered weights
     (:mod:`jaxpar.lab.residuals`, :data:`RESIDUALS_LOW`); None where neither says."""
-    lab = lab_for(run.family)
-    counted = lab.activation_bytes(run.config.model, lab_layout(run, cpu=cpu))
+    counted = lab_for(run.family).activation_bytes(run.config.model, layout)
     if counted is not None:
         return counted, TEMPS_LOW
     kept = residual_bytes(run)
@@ -112,7 +112,7 @@ def _temporaries(run: Run, cpu: bool, sub_mesh: bool, params: int) -> tuple[int 
     stack's rows where they run."""
     lab = lab_for(run.family)
     layout = lab_layout(run, cpu=cpu)
-    activations, low = _activations(run, cpu)
+    activations, low = _activations(run, layout)
     if activations is None:
         return None, low
     accumulated = params if run.plan.grad_accum > 1 else 0

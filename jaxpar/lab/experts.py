@@ -22,6 +22,7 @@ GPU's program (:func:`jaxpar.lab.kernels.gpu_flops_factor`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -159,24 +160,21 @@ def router_terms(cfg: Any, layout: LabLayout) -> list[Term]:
     n = layout.grad_accum * layers
     again = n if remat_of(cfg) != "none" else 0
     E = cfg.n_experts
+    summed = functools.partial(Term, "all-reduce", group=group, axes=axes)
     terms = [
-        Term("all-reduce", "routers: statistics summed", (2 * E + 1) * 4, group, n),
-        Term("all-reduce", "routers: load summed again", E * 4, group, again),
-        Term("all-reduce", "routers: statistics' gradient summed", (E + 1) * 4, group, n),
-        Term("all-reduce", "routers: tokens counted", 4, group, 1),
+        summed("routers: statistics summed", (2 * E + 1) * 4, times=n),
+        summed("routers: load summed again", E * 4, times=again),
+        summed("routers: statistics' gradient summed", (E + 1) * 4, times=n),
+        summed("routers: tokens counted", 4, times=1),
     ]
     if getattr(cfg, "capacity_factor", 0):
         c = math.prod(layout.sizes[a] for a in seq)
         choices = microbatch_rows(layout) * layout.seq_len * cfg.top_k * 4
         terms += [
-            Term("all-reduce", "routers: dropped assignments counted", 4, group, n),
-            Term("all-gather", "routers: expert choices gathered", choices, c, n + again),
+            summed("routers: dropped assignments counted", 4, times=n),
+            Term("all-gather", "routers: expert choices gathered", choices, c, n + again, axes=seq),
         ]
-    return [
-        dataclasses.replace(t, axes=axes if t.group == group else seq)
-        for t in terms
-        if t.times and t.group > 1
-    ]
+    return [t for t in terms if t.times and t.group > 1]
 
 
 def expert_axes(layout: LabLayout) -> tuple[str, ...]:

@@ -12,7 +12,7 @@ What a device of the layout holds differs where the layout splits more than the 
 activations split by channel under ``tensor`` are counted whole (an upper bound), and a
 model's own ``jax.checkpoint`` keeps only its inputs (the recompute's transient is not
 counted). A pipelined layout is left unestimated (its stages hold microbatches in
-flight). Checked against the compiled step (``tests/test_analytic.py``).
+flight). Checked against the compiled step (``tests/test_residuals.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.axes import Axis
 from jaxpar.logical import LAYERS
+from jaxpar.plan.abstract import global_batch_shapes
 from jaxpar.run import Run
 from jaxpar.task import loss_weights
 
@@ -38,11 +39,7 @@ def residual_bytes(run: Run) -> float | None:
     if plan.pipeline is not None:
         return None
     state = plan.abstract_state
-    batch = run.data.batch(0, run.config.train.batch_size)
-    shapes = {
-        k: jax.ShapeDtypeStruct((v.shape[0] * plan.row_share[1], *v.shape[1:]), v.dtype)
-        for k, v in batch.items()
-    }
+    shapes = global_batch_shapes(run.data.batch(0, run.config.train.batch_size), plan.row_share[1])
     shardings = plan.batch_shardings(shapes)
     local = {}
     for k, v in shapes.items():
@@ -50,6 +47,8 @@ def residual_bytes(run: Run) -> float | None:
         local[k] = jax.ShapeDtypeStruct((rows // plan.grad_accum, *rest), v.dtype)
 
     def pullback(params: Any, model_state: Any, b: dict) -> Any:
+        # the task's loss as the plan's ModelLoss calls it, but outside the layout's
+        # activation rules: traced on one device, at one device's shapes
         def loss(p: Any) -> jax.Array:
             model = nnx.merge(plan.model.graphdef, p, model_state)
             model.train()
